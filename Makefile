@@ -1,0 +1,33 @@
+# Set-up and the two commands of the README. Everything installs into a local .venv.
+PYTHON ?= python3
+VENV ?= .venv
+# The CPU wheel of torch by default; e.g. TORCH_SPEC="torch==2.14.1" for another build.
+TORCH_SPEC ?= torch==2.13.0
+EXTRAS ?= all,test,lightning
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint figures bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e ".[$(EXTRAS)]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/gradbalance demo
+
+test: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/python -m pytest
+
+figures: $(STAMP)
+	$(BIN)/gradbalance figures --out runs/figures
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/step_overhead.py
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,163 @@
+"""The balancer interface: weights apart from combining.
+
+A balancer maps the task-gradient matrix ``G`` ``[K, P]`` (and the detached task losses
+``[K]``) to one update vector ``g`` ``[P]``. Two kinds exist:
+
+* **weighted** (``from_gramian = True``): ``g = wᵀ G`` with weights ``w`` a function of the
+  Gramian ``G Gᵀ`` (and the losses) only. Such a balancer implements :meth:`Balancer.weights`
+  and never touches ``[K, P]``; the product ``wᵀ G`` happens in one place, :func:`combine_rows`.
+  It can therefore run in every gradient mode, including ``gramian`` mode, which keeps no
+  ``[K, P]`` matrix at all.
+* **matrix** (``from_gramian = False``): needs the rows themselves (per-coordinate masks,
+  EMA of gradients...). It implements :meth:`Balancer._combine_matrix`.
+
+State (EMA targets, warm starts, counters) lives in tensors, is returned by
+:meth:`Balancer.state_dict` and restored by :meth:`Balancer.load_state_dict` into a fresh
+object with no warm-up call. A balancer never changes state when its input is not finite:
+it raises :class:`~gradbalance.NonFiniteGradientError` first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from .._types import NonFiniteGradientError, check_matrix, check_num_tasks
+from ..gramian import compute_gramian, is_finite_gramian
+
+__all__ = ["Balancer", "Combination", "combine_rows"]
+
+
+@dataclass
+class Combination:
+    """A balancer's output: the combined gradient ``[P]`` and, for weighted methods, ``[K]``."""
+
+    vector: Tensor
+    weights: Tensor | None = None
+
+
+def combine_rows(weights: Tensor, matrix: Tensor) -> Tensor:
+    """``wᵀ G``: the one place a weighted balancer touches the ``[K, P]`` matrix."""
+    return weights.to(dtype=matrix.dtype, device=matrix.device) @ matrix
+
+
+class Balancer:
+    """Base class of every gradient balancer.
+
+    Class attributes a subclass declares:
+
+    * ``name``: registry key (lower case).
+    * ``from_gramian``: output is ``wᵀ G`` with ``w`` computed from ``G Gᵀ`` (and losses).
+    * ``homogeneous``: ``B(sG) = s·B(G)`` for every ``s > 0`` (positive homogeneity).
+    * ``needs_losses``: the losses are read (e.g. MGDA's loss normalisation).
+    """
+
+    name: ClassVar[str] = ""
+    from_gramian: ClassVar[bool] = False
+    homogeneous: ClassVar[bool] = True
+    needs_losses: ClassVar[bool] = False
+
+    def __init__(self, num_tasks: int | None = None) -> None:
+        self.num_tasks = check_num_tasks(num_tasks)
+
+    # -- to implement -------------------------------------------------------------------
+    def weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
+        """Weights ``[K]`` (float64) from the Gramian ``[K, K]``; weighted balancers only."""
+        raise NotImplementedError(f"{type(self).__name__} is not a weighted balancer")
+
+    def _combine_matrix(self, matrix: Tensor, losses: Tensor | None) -> Combination:
+        """Combined gradient from the full matrix; matrix balancers only."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _combine_matrix")
+
+    # -- public -------------------------------------------------------------------------
+    def combine(
+        self, matrix: Tensor, losses: Tensor | None = None, gramian: Tensor | None = None
+    ) -> Combination:
+        """Combine the task gradients ``matrix`` ``[K, P]`` into one update.
+
+        ``gramian`` may be passed when already computed (``matrix @ matrix.T`` in float64).
+        Raises :class:`NonFiniteGradientError` on inf/NaN input, before any state change.
+        """
+        check_matrix(matrix, self.num_tasks)
+        losses = self._check_losses(losses, matrix.shape[0])
+        if self.from_gramian:
+            gram = compute_gramian(matrix) if gramian is None else gramian
+            self._check_finite_gramian(gram)
+            w = self.weights(gram, losses)
+            return Combination(combine_rows(w, matrix), w)
+        if gramian is not None:
+            self._check_finite_gramian(gramian)
+        elif not bool(torch.isfinite(matrix).all()):
+            raise NonFiniteGradientError(self._nonfinite_message())
+        return self._combine_matrix(matrix, losses)
+
+    def __call__(self, matrix: Tensor, losses: Tensor | None = None) -> Tensor:
+        """Combined gradient ``[P]`` (see :meth:`combine`)."""
+        return self.combine(matrix, losses).vector
+
+    def weights_checked(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
+        """:meth:`weights` with the input checks of :meth:`combine` (for ``gramian`` mode)."""
+        if not self.from_gramian:
+            raise TypeError(
+                f"{type(self).__name__} needs the task-gradient rows, not only the Gramian; "
+                f"use mode='matrix'"
+            )
+        if gramian.dim() != 2 or gramian.shape[0] != gramian.shape[1]:
+            raise ValueError(f"gramian must be [K, K], got shape {tuple(gramian.shape)}")
+        check_matrix(gramian, self.num_tasks, argname="gramian")
+        losses = self._check_losses(losses, gramian.shape[0])
+        self._check_finite_gramian(gramian)
+        return self.weights(gramian, losses)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Tensors and settings needed to resume; empty for stateless balancers."""
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output; works on a freshly built object."""
+        if state_dict:
+            raise ValueError(
+                f"{type(self).__name__} is stateless but state_dict has keys "
+                f"{sorted(state_dict)}; was it saved from another balancer?"
+            )
+
+    def reset(self) -> None:
+        """Forget all state (as freshly built)."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(num_tasks={self.num_tasks})"
+
+    # -- helpers ------------------------------------------------------------------------
+    def _check_losses(self, losses: Tensor | None, k: int) -> Tensor | None:
+        if losses is None:
+            if self.needs_losses:
+                raise ValueError(
+                    f"{type(self).__name__} reads the task losses: pass losses=[K] to combine()"
+                )
+            return None
+        losses = torch.as_tensor(losses).detach().reshape(-1)
+        if losses.numel() != k:
+            raise ValueError(
+                f"losses has {losses.numel()} entries but the matrix has {k} task rows; "
+                f"pass one loss per task"
+            )
+        if self.needs_losses and not bool(torch.isfinite(losses).all()):
+            raise NonFiniteGradientError(
+                f"losses holds inf or NaN ({losses.tolist()}); {type(self).__name__} "
+                f"state is unchanged; skip this step"
+            )
+        return losses
+
+    def _check_finite_gramian(self, gram: Tensor) -> None:
+        if not bool(is_finite_gramian(gram)):
+            raise NonFiniteGradientError(self._nonfinite_message())
+
+    def _nonfinite_message(self) -> str:
+        return (
+            f"task gradients hold inf or NaN; {type(self).__name__} state is unchanged. "
+            f"Skip the optimizer step (a GradScaler does this when the gradient is written "
+            f"back through TaskGradBuffer) or find the source of the overflow"
+        )

@@ -1,0 +1,40 @@
+"""Constant: fixed user weights, ``g = Σₖ wₖ gₖ``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ._base import Balancer
+
+__all__ = ["Constant"]
+
+
+class Constant(Balancer):
+    """``g = Σₖ wₖ gₖ`` with weights fixed at construction.
+
+    Args:
+        weights: one finite number per task (``K`` is ``len(weights)``).
+    """
+
+    name = "constant"
+    from_gramian = True
+
+    def __init__(self, weights: Sequence[float] | Tensor) -> None:
+        w = torch.as_tensor(weights, dtype=torch.float64).detach().clone()
+        if w.dim() != 1 or w.numel() == 0:
+            raise ValueError(
+                f"Invalid weights: shape {tuple(w.shape)} (expected a 1-D list of K numbers)"
+            )
+        if not bool(torch.isfinite(w).all()):
+            raise ValueError(f"Invalid weights: {w.tolist()} (expected finite numbers)")
+        super().__init__(num_tasks=w.numel())
+        self._weights = w
+
+    def weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
+        return self._weights.to(device=gramian.device)
+
+    def __repr__(self) -> str:
+        return f"Constant(weights={self._weights.tolist()})"

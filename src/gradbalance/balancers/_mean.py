@@ -1,0 +1,26 @@
+"""Mean: equal weighting, ``g = (1/K) Σₖ gₖ`` (LibMTL's ``EW`` up to its factor K)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._base import Balancer
+
+__all__ = ["Mean", "mean_weights"]
+
+
+def mean_weights(gramian: Tensor) -> Tensor:
+    """Weights ``1/K`` ``[K]``."""
+    k = gramian.shape[0]
+    return torch.full((k,), 1.0 / k, dtype=gramian.dtype, device=gramian.device)
+
+
+class Mean(Balancer):
+    """``g = (1/K) Σₖ gₖ``: ``wₖ = 1/K``."""
+
+    name = "mean"
+    from_gramian = True
+
+    def weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
+        return mean_weights(gramian)

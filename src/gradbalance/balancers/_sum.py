@@ -1,0 +1,25 @@
+"""Sum: the plain multitask step, ``g = Σₖ gₖ`` (equivalent to ``sum(losses).backward()``)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._base import Balancer
+
+__all__ = ["Sum", "sum_weights"]
+
+
+def sum_weights(gramian: Tensor) -> Tensor:
+    """All-ones weights ``[K]``."""
+    return torch.ones(gramian.shape[0], dtype=gramian.dtype, device=gramian.device)
+
+
+class Sum(Balancer):
+    """``g = Σₖ gₖ``, the unbalanced baseline: ``wₖ = 1``."""
+
+    name = "sum"
+    from_gramian = True
+
+    def weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
+        return sum_weights(gramian)

@@ -1,0 +1,1 @@
+"""Runnable experiments behind the ``gradbalance`` command line."""

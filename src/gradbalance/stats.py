@@ -1,0 +1,79 @@
+"""``StepStats``: what one balanced step is worth logging, returned, never printed.
+
+All fields are tensors on the gradients' device (no host sync until you read them), except
+the flags and counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from .gramian import cosine_matrix
+
+__all__ = ["StepStats", "stats_from_gramian"]
+
+
+@dataclass
+class StepStats:
+    """Per-step diagnostics of a balanced step (seed §13).
+
+    Attributes:
+        losses: raw, unweighted task losses ``[K]`` (summed over the micro-batches).
+        task_norms: true (unscaled) task-gradient norms ``[K]`` over the shared parameters.
+        cosine: pairwise cosine similarities of the task gradients ``[K, K]``.
+        cosine_to_update: cosine of each task gradient with the combined gradient ``[K]``.
+        update_norm: norm of the combined gradient written into the trunk (0-d).
+        weights: the balancer's task weights ``[K]`` when it is a weighted method, else None.
+        found_inf: the task gradients held inf/NaN; the balancer was not called and a
+            ``GradScaler`` will skip the optimizer step.
+        loss_scale: the ``GradScaler`` scale used for the step, or None without one.
+        pre_clip_norms: per-task norms before per-task clipping ``[K]``, when a clip ran.
+        num_backward: number of ``backward`` calls (micro-batches) accumulated.
+    """
+
+    losses: Tensor
+    task_norms: Tensor
+    cosine: Tensor
+    cosine_to_update: Tensor
+    update_norm: Tensor
+    weights: Tensor | None = None
+    found_inf: bool = False
+    loss_scale: float | None = None
+    pre_clip_norms: Tensor | None = None
+    num_backward: int = 1
+    extra: dict[str, Tensor] = field(default_factory=dict)
+
+    @property
+    def num_tasks(self) -> int:
+        return int(self.losses.shape[0])
+
+
+def stats_from_gramian(
+    gram: Tensor,
+    losses: Tensor,
+    matrix: Tensor | None,
+    update: Tensor,
+    weights: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(task_norms, cosine, cosine_to_update, update_norm)`` in float64.
+
+    With weights, ``G g = (G Gᵀ) w`` and ``‖g‖² = wᵀ G Gᵀ w`` cost O(K²); otherwise one
+    ``G g`` product over the matrix is needed.
+    """
+    norms = torch.diagonal(gram).clamp_min(0).sqrt()
+    cosine = cosine_matrix(gram)
+    if weights is not None:
+        w = weights.to(dtype=gram.dtype, device=gram.device)
+        dots = gram @ w
+        update_norm = (w @ dots).clamp_min(0).sqrt()
+    else:
+        assert matrix is not None
+        dots = (matrix @ update).to(torch.float64)
+        update_norm = update.to(torch.float64).norm()
+    denom = norms * update_norm
+    safe = torch.where(denom > 0, denom, torch.ones_like(denom))
+    cos_update = torch.where(denom > 0, dots / safe, torch.zeros_like(dots))
+    return norms, cosine, cos_update, update_norm

@@ -1,0 +1,105 @@
+"""task_gradients: loop and batched strategies against per-task .backward() results."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import TRUNKS, build, losses_of
+
+from gradbalance import task_gradients, taskgrads
+
+
+def reference_matrix(kind: str, num_tasks: int = 3) -> torch.Tensor:
+    """Row k from an independent route: a fresh model, L_k.backward(), read .grad."""
+    rows = []
+    for k in range(num_tasks):
+        model, x, y = build(kind, num_tasks)
+        losses_of(model, x, y)[k].backward()
+        rows.append(torch.cat([
+            (torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1)
+            for p in model.shared_parameters()
+        ]))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("kind", TRUNKS)
+@pytest.mark.parametrize("strategy", ["loop", "batched", "auto"])
+def test_matches_per_task_backward(kind: str, strategy: str) -> None:
+    model, x, y = build(kind)
+    matrix = task_gradients(losses_of(model, x, y), model.shared_parameters(), strategy=strategy)
+    torch.testing.assert_close(matrix, reference_matrix(kind), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("kind", TRUNKS)
+def test_loop_equals_batched(kind: str) -> None:
+    model, x, y = build(kind)
+    losses = losses_of(model, x, y)
+    loop = task_gradients(losses, model.shared_parameters(), strategy="loop", retain_graph=True)
+    batched = task_gradients(losses, model.shared_parameters(), strategy="batched")
+    torch.testing.assert_close(batched, loop, rtol=1e-6, atol=1e-7)
+
+
+def test_leaves_grad_untouched() -> None:
+    model, x, y = build("mlp")
+    task_gradients(losses_of(model, x, y), model.shared_parameters())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_unreached_parameter_gets_zeros() -> None:
+    a = torch.tensor([1.0, 2.0], requires_grad=True)
+    b = torch.tensor([3.0], requires_grad=True)
+    matrix = task_gradients([(a * a).sum(), 5 * b.sum()], [a, b])
+    expected = torch.tensor([[2.0, 4.0, 0.0], [0.0, 0.0, 5.0]])
+    assert torch.equal(matrix, expected)
+
+
+def test_keeps_dtype_float64() -> None:
+    model, x, y = build("mlp", dtype=torch.float64)
+    matrix = task_gradients(losses_of(model, x, y), model.shared_parameters())
+    assert matrix.dtype == torch.float64
+    assert matrix.shape == (3, sum(p.numel() for p in model.shared_parameters()))
+
+
+def test_rejects_parameter_without_grad() -> None:
+    frozen = torch.ones(2)
+    live = torch.ones(2, requires_grad=True)
+    with pytest.raises(ValueError, match=r"params\[1\].*does not require grad"):
+        task_gradients([(live * 2).sum()], [live, frozen])
+
+
+def test_rejects_bad_strategy() -> None:
+    w = torch.ones(2, requires_grad=True)
+    with pytest.raises(ValueError, match="Invalid strategy: 'fast'"):
+        task_gradients([w.sum()], [w], strategy="fast")  # type: ignore[arg-type]
+
+
+class _ItemInBackward(torch.autograd.Function):
+    """Doubles its input; the backward reads a Python number, which vmap cannot batch."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def]
+        return 2 * x
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        factor = float(grad.abs().sum().item() >= 0) * 2.0
+        return grad * factor
+
+
+def test_batched_falls_back_to_loop_without_batching_rule(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    w = torch.tensor([1.0, -2.0, 3.0], requires_grad=True)
+
+    def losses() -> list[torch.Tensor]:
+        h = _ItemInBackward.apply(w)
+        return [(h**2).sum(), h.sum()]
+
+    with pytest.raises(RuntimeError, match="strategy='batched' failed"):
+        task_gradients(losses(), [w], strategy="batched")
+    # "auto" on a device that prefers batching (as on a GPU) falls back to the loop.
+    monkeypatch.setitem(taskgrads.AUTO_PREFERENCE, "cpu", "batched")
+    with pytest.warns(RuntimeWarning, match="falling back"):
+        matrix = task_gradients(losses(), [w], strategy="auto")
+    expected = torch.stack([8 * w.detach(), torch.full((3,), 2.0)])
+    torch.testing.assert_close(matrix, expected)
