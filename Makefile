@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(BIN)/gradbalance demo
 
 test: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
 
 figures: $(STAMP)

@@ -6,9 +6,9 @@ import math
 
 import pytest
 import torch
-from helpers import TRUNKS, assert_close_lists, build, grads_of, losses_of
 
 from gradbalance import Constant, Mean, Sum, TaskGradBuffer, balanced_backward
+from helpers import TRUNKS, assert_close_lists, build, grads_of, losses_of
 
 
 def plain_grads(kind: str, scale: float = 1.0, weights: list[float] | None = None,

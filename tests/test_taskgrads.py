@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import TRUNKS, build, losses_of
 
 from gradbalance import task_gradients, taskgrads
+from helpers import TRUNKS, build, losses_of
 
 
 def reference_matrix(kind: str, num_tasks: int = 3) -> torch.Tensor:
