@@ -17,7 +17,8 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/gradbalance demo
+	$(BIN)/gradbalance compare --variant scaled --seeds 2 --out runs/demo
+	@echo "demo outputs in runs/demo: summary.md, summary.csv, runs.csv, compare.png; tensorboard --logdir runs/demo/tb"
 
 test: $(STAMP)
 	$(BIN)/ruff check .

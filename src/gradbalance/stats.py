@@ -2,6 +2,12 @@
 
 All fields are tensors on the gradients' device (no host sync until you read them), except
 the flags and counts.
+
+Per gradient mode (:mod:`gradbalance.modes`): ``matrix`` and ``gramian`` fill every field
+(``gramian`` from ``G Gᵀ`` alone); in ``features`` mode the norms and cosines are those of the
+gradients w.r.t. the shared representation, not the parameters; on a step that reuses cached
+weights (``update_every``, ``weights_reused=True``) no task gradient exists, so
+``task_norms``, ``cosine``, ``cosine_to_update`` and ``update_norm`` are None.
 """
 
 from __future__ import annotations
@@ -32,18 +38,23 @@ class StepStats:
         loss_scale: the ``GradScaler`` scale used for the step, or None without one.
         pre_clip_norms: per-task norms before per-task clipping ``[K]``, when a clip ran.
         num_backward: number of ``backward`` calls (micro-batches) accumulated.
+        mode: the gradient mode that produced the step (``"matrix"``, ``"gramian"``,
+            ``"features"``).
+        weights_reused: the step reused the cached weights of ``update_every``.
     """
 
     losses: Tensor
-    task_norms: Tensor
-    cosine: Tensor
-    cosine_to_update: Tensor
-    update_norm: Tensor
+    task_norms: Tensor | None
+    cosine: Tensor | None
+    cosine_to_update: Tensor | None
+    update_norm: Tensor | None
     weights: Tensor | None = None
     found_inf: bool = False
     loss_scale: float | None = None
     pre_clip_norms: Tensor | None = None
     num_backward: int = 1
+    mode: str = "matrix"
+    weights_reused: bool = False
     extra: dict[str, Tensor] = field(default_factory=dict)
 
     @property
@@ -55,7 +66,7 @@ def stats_from_gramian(
     gram: Tensor,
     losses: Tensor,
     matrix: Tensor | None,
-    update: Tensor,
+    update: Tensor | None,
     weights: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(task_norms, cosine, cosine_to_update, update_norm)`` in float64.
@@ -70,7 +81,7 @@ def stats_from_gramian(
         dots = gram @ w
         update_norm = (w @ dots).clamp_min(0).sqrt()
     else:
-        assert matrix is not None
+        assert matrix is not None and update is not None
         dots = (matrix @ update).to(torch.float64)
         update_norm = update.to(torch.float64).norm()
     denom = norms * update_norm

@@ -1,0 +1,71 @@
+"""ConFIG: the conflict-free direction with equal cosine to every task gradient.
+
+Liu et al. (2024), *ConFIG: Towards Conflict-free Training of Physics Informed Neural
+Networks*, arXiv:2408.11104, eq. 2 (without the momentum variant).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ._base import Balancer
+from ._solvers import as_pref, check_pref, trace_normalized
+
+__all__ = ["ConFIG", "config_weights"]
+
+
+def config_weights(gramian: Tensor, pref: Tensor | None = None, rtol: float = 1e-12) -> Tensor:
+    """Weights ``[K]`` (float64, CPU) of ConFIG's update, from the Gramian only.
+
+    Update rule: ``g_u = U⁺ p`` with ``U`` the unit task gradients (rows ``uₖ = gₖ/‖gₖ‖``,
+    zero for a zero gradient), ``ĝ = g_u/‖g_u‖``, ``g = (Σₖ gₖ·ĝ) ĝ``. Since
+    ``U⁺ = Uᵀ(UUᵀ)⁺`` and ``UUᵀ = C`` (the cosine matrix), ``g_u = Σₖ (C⁺p)ₖ uₖ``,
+    ``‖g_u‖² = pᵀC⁺p``: the weights on the raw rows are ``vₖ = (C⁺p)ₖ/‖gₖ‖`` times
+    ``1ᵀGv / pᵀC⁺p``. ``p`` defaults to ones (the paper).
+    """
+    k = gramian.shape[0]
+    gram, _ = trace_normalized(gramian)
+    p = check_pref(pref, k, 1.0)
+    norms = torch.diagonal(gram).clamp_min(0).sqrt()
+    inv = torch.where(norms > 0, 1.0 / torch.where(norms > 0, norms, 1.0), 0.0)
+    cos = gram * torch.outer(inv, inv)
+    a = torch.linalg.pinv(cos, hermitian=True, rtol=rtol) @ p
+    v = a * inv
+    norm_sq = a @ cos @ a
+    length = (gram @ v).sum()
+    if float(norm_sq) <= 0.0:
+        return torch.zeros(k, dtype=torch.float64)
+    return v * (length / norm_sq)
+
+
+class ConFIG(Balancer):
+    """ConFIG (Liu et al. 2024): ``g = (Σₖ gₖ·ĝ) ĝ``, ``ĝ ∝ U⁺p``.
+
+    The direction ``ĝ`` has the same cosine with every task gradient (for linearly independent
+    gradients); its length is the sum of the task gradients' projections on it. Runs on the
+    Gramian (the direction lies in the span of the rows). Positively homogeneous.
+
+    Args:
+        num_tasks: K (optional).
+        pref: ``[K]`` non-negative; default ones (the paper).
+    """
+
+    name = "config"
+    from_gramian = True
+    homogeneous = True
+
+    def __init__(
+        self, num_tasks: int | None = None, *, pref: Sequence[float] | Tensor | None = None
+    ) -> None:
+        super().__init__(num_tasks)
+        self.pref = as_pref(pref)
+
+    def weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
+        return config_weights(gramian, self.pref).to(gramian.device)
+
+    def __repr__(self) -> str:
+        pref = None if self.pref is None else self.pref.tolist()
+        return f"ConFIG(num_tasks={self.num_tasks}, pref={pref})"

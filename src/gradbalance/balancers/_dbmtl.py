@@ -1,0 +1,97 @@
+"""DB-MTL, gradient part: EMA of each task gradient, rescaled to the largest norm.
+
+Lin et al. (2023), *Dual-Balancing for Multi-Task Learning*, arXiv:2308.12029 (Algorithm 1).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._base import Balancer, Combination
+from ._extra_utils import check_keys, check_range, check_state_rows, clone_or_none
+
+__all__ = ["DBMTL", "dbmtl_combine"]
+
+
+def dbmtl_combine(ema: Tensor) -> Tensor:
+    """``g = Σₖ (maxⱼ ‖ĝⱼ‖ / ‖ĝₖ‖) ĝₖ``: every (EMA) task gradient scaled to the largest norm.
+
+    A zero row stays zero.
+    """
+    norms = ema.to(torch.float64).norm(dim=1)
+    top = norms.max()
+    safe = torch.where(norms > 0, norms, torch.ones_like(norms))
+    alpha = torch.where(norms > 0, top / safe, torch.zeros_like(norms))
+    return alpha.to(ema.dtype) @ ema
+
+
+class DBMTL(Balancer):
+    """DB-MTL's gradient balancing: ``ĝₖ ← β_t ĝₖ + (1 − β_t) gₖ``, ``g = Σₖ (max‖ĝ‖/‖ĝₖ‖) ĝₖ``.
+
+    ``β_t = β / t^σ`` at step ``t ≥ 1``; ``ĝ`` starts at 0. DB-MTL's other half, the loss-scale
+    balancing, backpropagates ``log Lₖ`` instead of ``Lₖ``; it belongs to the loss weighting.
+    Here it is available as ``log_losses=True``, which uses ``∇ log Lₖ = gₖ / Lₖ`` (exact) and
+    reads the losses; do not combine it with a log-loss weighting.
+
+    Args:
+        num_tasks: K (optional).
+        beta: EMA factor ``β ∈ [0, 1)`` (default 0.9, LibMTL's DB-MTL setting).
+        beta_sigma: decay ``σ ≥ 0`` of ``β`` (default 0: a constant ``β``).
+        log_losses: divide each row by its loss first (default False).
+        eps: added to the losses when ``log_losses`` (default 1e-8, as ``log(L + ε)``).
+
+    State: ``ĝ`` ``[K, P]`` in the gradients' dtype and the step count.
+    """
+
+    name = "dbmtl"
+    from_gramian = False
+    homogeneous = True
+
+    def __init__(self, num_tasks: int | None = None, beta: float = 0.9, beta_sigma: float = 0.0,
+                 log_losses: bool = False, eps: float = 1e-8) -> None:
+        super().__init__(num_tasks)
+        self.beta = check_range("beta", beta, 0.0, 1.0, high_open=True)
+        self.beta_sigma = check_range("beta_sigma", beta_sigma, 0.0, None)
+        self.eps = check_range("eps", eps, 0.0, None)
+        self.log_losses = bool(log_losses)
+        self.needs_losses = self.log_losses  # type: ignore[misc]
+        self.reset()
+
+    def reset(self) -> None:
+        self._ema: Tensor | None = None
+        self._step = torch.zeros((), dtype=torch.int64)
+
+    def _combine_matrix(self, matrix: Tensor, losses: Tensor | None) -> Combination:
+        check_state_rows(type(self).__name__, self._ema, matrix)
+        rows = matrix
+        if self.log_losses:
+            assert losses is not None
+            if not bool((losses + self.eps > 0).all()):
+                raise ValueError(
+                    f"losses must be positive for log_losses=True, got {losses.tolist()}; use "
+                    f"positive losses (e.g. cross-entropy, MSE) or log_losses=False"
+                )
+            rows = matrix / (losses + self.eps).to(dtype=matrix.dtype,
+                                                   device=matrix.device).unsqueeze(1)
+        t = int(self._step) + 1
+        beta_t = self.beta / t**self.beta_sigma
+        ema = rows.clone() if self._ema is None else self._ema
+        ema = rows + beta_t * (ema - rows) if self._ema is not None else (1.0 - beta_t) * ema
+        self._ema = ema
+        self._step = torch.tensor(t, dtype=torch.int64)
+        return Combination(dbmtl_combine(ema))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"ema": clone_or_none(self._ema), "step": self._step.clone()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        check_keys(type(self).__name__, state_dict, ["ema", "step"])
+        self._ema = clone_or_none(state_dict.get("ema"))
+        self._step = torch.as_tensor(state_dict.get("step", 0), dtype=torch.int64).clone()
+
+    def __repr__(self) -> str:
+        return (f"DBMTL(num_tasks={self.num_tasks}, beta={self.beta}, "
+                f"beta_sigma={self.beta_sigma}, log_losses={self.log_losses})")

@@ -1,0 +1,55 @@
+"""DualProj: project the (preference-weighted) mean gradient onto the dual cone of the rows.
+
+Lopez-Paz & Ranzato (2017), *Gradient Episodic Memory for Continual Learning*, NeurIPS,
+eq. 11 (the GEM projection), as an aggregator in Quinton & Rey (2024), arXiv:2406.16232.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import Tensor
+
+from ._base import Balancer
+from ._solvers import as_pref, check_pref, project_dual_cone, trace_normalized
+
+__all__ = ["DualProj", "dualproj_weights"]
+
+
+def dualproj_weights(gramian: Tensor, pref: Tensor | None = None) -> Tensor:
+    """Weights ``[K]`` (float64, CPU): ``w = argmin_{v ≥ p} vᵀGv``.
+
+    ``Jᵀw`` is the projection of ``Jᵀp`` (default ``p = 1/K``: the mean gradient) onto the
+    dual cone ``{x : J x ≥ 0}``: the closest vector to the mean that conflicts with no task.
+    """
+    k = gramian.shape[0]
+    gram, _ = trace_normalized(gramian)
+    return project_dual_cone(gram, check_pref(pref, k, 1.0 / k))
+
+
+class DualProj(Balancer):
+    """DualProj: ``g = π(Σₖ pₖ gₖ)``, ``π`` the projection onto ``{x : gₖ·x ≥ 0 ∀k}``.
+
+    One K-dimensional QP on the Gramian, solved exactly (active set).
+
+    Args:
+        num_tasks: K (optional).
+        pref: preference vector ``[K]`` (non-negative); default ``1/K`` each (TorchJD's).
+    """
+
+    name = "dualproj"
+    from_gramian = True
+    homogeneous = True
+
+    def __init__(
+        self, num_tasks: int | None = None, *, pref: Sequence[float] | Tensor | None = None
+    ) -> None:
+        super().__init__(num_tasks)
+        self.pref = as_pref(pref)
+
+    def weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
+        return dualproj_weights(gramian, self.pref).to(gramian.device)
+
+    def __repr__(self) -> str:
+        pref = None if self.pref is None else self.pref.tolist()
+        return f"DualProj(num_tasks={self.num_tasks}, pref={pref})"

@@ -1,0 +1,117 @@
+"""ExcessMTL: task weights driven by estimated excess risks.
+
+He et al. (2024), *Robust Multi-Task Learning with Excess Risks*, ICML, PMLR 235
+(Equations 6-7 for the excess-risk estimate, Equation 9 for the weight update, §3.2 for the
+scale processing).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._base import Balancer, Combination
+from ._extra_utils import check_int, check_keys, check_range, check_state_rows, clone_or_none
+
+__all__ = ["ExcessMTL", "excess_risks"]
+
+
+def excess_risks(matrix: Tensor, sq_sum: Tensor, eps: float = 1e-7) -> Tensor:
+    """``Êₖ = gₖᵀ Hₖ⁻¹ gₖ`` ``[K]`` (float64), ``Hₖ = diag(√(Σ_{τ≤t} gₖ,τ² + ε))`` (AdaGrad).
+
+    ``sq_sum`` already includes the current step's ``gₖ²``.
+    """
+    h = torch.sqrt(sq_sum + eps)
+    return (matrix.square() / h).to(torch.float64).sum(dim=1)
+
+
+class ExcessMTL(Balancer):
+    """``g = Σₖ αₖ gₖ`` with ``α`` updated by exponentiated gradient on the excess risks.
+
+    Update rule at each call, after ``n_warmup_steps`` warm-up calls (uniform weights, excess
+    risks recorded):
+
+    * ``Sₖ += gₖ²``; ``Êₖ = Σⱼ gₖⱼ² / √(Sₖⱼ + ε)``;
+    * scale processing: ``rₖ = Êₖ / Êₖ⁰`` with the baseline ``Ê⁰`` = the first post-warm-up
+      estimate (``n_warmup_steps = 0``) or the warm-up average;
+    * ``αₖ ← αₖ exp(η rₖ) / Σⱼ αⱼ exp(η rⱼ)`` (in log space), starting at ``1/K`` (the paper;
+      the official code and LibMTL start at 1 and keep ``Σα = K``: multiply by K to match).
+
+    Conventions: the first call sets the baseline and then updates as every call does (all
+    ratios are 1, so the weights stay uniform, as in the official code); TorchJD applies the
+    raw ``Ê`` on that first call instead. A task whose baseline is 0 gets ratio 0.
+
+    Args:
+        num_tasks: K (optional).
+        robust_step_size: ``η > 0`` (default 1.0).
+        n_warmup_steps: calls with uniform weights that average the baseline (default 0; the
+            paper's Appendix C.1 uses three epochs).
+        eps: added inside the square root of ``H`` (default 1e-7, the official code's value).
+
+    State: ``S`` ``[K, P]`` in the gradients' dtype (as large as ``G``), ``α``, the baseline,
+    the warm-up sum and the step count.
+    """
+
+    name = "excessmtl"
+    from_gramian = False
+    homogeneous = False  # ε makes the excess-risk ratios depend on the scale
+
+    def __init__(self, num_tasks: int | None = None, robust_step_size: float = 1.0,
+                 n_warmup_steps: int = 0, eps: float = 1e-7) -> None:
+        super().__init__(num_tasks)
+        self.robust_step_size = check_range("robust_step_size", robust_step_size, 0.0, None,
+                                            low_open=True)
+        self.n_warmup_steps = check_int("n_warmup_steps", n_warmup_steps, 0)
+        self.eps = check_range("eps", eps, 0.0, None)
+        self.reset()
+
+    def reset(self) -> None:
+        self._sq_sum: Tensor | None = None
+        self._weights: Tensor | None = None
+        self._baseline: Tensor | None = None
+        self._warmup_sum: Tensor | None = None
+        self._step = torch.zeros((), dtype=torch.int64)
+
+    def _combine_matrix(self, matrix: Tensor, losses: Tensor | None) -> Combination:
+        check_state_rows(type(self).__name__, self._sq_sum, matrix)
+        k = matrix.shape[0]
+        sq_sum = matrix.square() if self._sq_sum is None else self._sq_sum + matrix.square()
+        risks = excess_risks(matrix, sq_sum, self.eps)
+        weights = (torch.full((k,), 1.0 / k, dtype=torch.float64, device=matrix.device)
+                   if self._weights is None else self._weights)
+        warmup_sum = (torch.zeros(k, dtype=torch.float64, device=matrix.device)
+                      if self._warmup_sum is None else self._warmup_sum)
+        baseline = self._baseline
+        t = int(self._step)
+        if t < self.n_warmup_steps:
+            warmup_sum = warmup_sum + risks
+        else:
+            if baseline is None:
+                baseline = risks if self.n_warmup_steps == 0 else warmup_sum / self.n_warmup_steps
+            safe = torch.where(baseline > 0, baseline, torch.ones_like(baseline))
+            ratios = torch.where(baseline > 0, risks / safe, torch.zeros_like(risks))
+            weights = torch.softmax(torch.log(weights) + self.robust_step_size * ratios, dim=0)
+        self._sq_sum, self._weights, self._baseline = sq_sum, weights, baseline
+        self._warmup_sum = warmup_sum
+        self._step = torch.tensor(t + 1, dtype=torch.int64)
+        return Combination(weights.to(matrix.dtype) @ matrix, weights)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sq_sum": clone_or_none(self._sq_sum), "weights": clone_or_none(self._weights),
+                "baseline": clone_or_none(self._baseline),
+                "warmup_sum": clone_or_none(self._warmup_sum), "step": self._step.clone()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        check_keys(type(self).__name__, state_dict,
+                   ["sq_sum", "weights", "baseline", "warmup_sum", "step"])
+        self._sq_sum = clone_or_none(state_dict.get("sq_sum"))
+        self._weights = clone_or_none(state_dict.get("weights"))
+        self._baseline = clone_or_none(state_dict.get("baseline"))
+        self._warmup_sum = clone_or_none(state_dict.get("warmup_sum"))
+        self._step = torch.as_tensor(state_dict.get("step", 0), dtype=torch.int64).clone()
+
+    def __repr__(self) -> str:
+        return (f"ExcessMTL(num_tasks={self.num_tasks}, robust_step_size="
+                f"{self.robust_step_size}, n_warmup_steps={self.n_warmup_steps})")

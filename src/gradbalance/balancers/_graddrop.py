@@ -1,0 +1,106 @@
+"""GradDrop: per-coordinate gradient sign dropout.
+
+Chen et al. (2020), *Just Pick a Sign: Optimizing Deep Multitask Models with Gradient Sign
+Dropout*, NeurIPS, arXiv:2010.06808 (Algorithm 1, lines 10-15).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from ._base import Balancer, Combination
+from ._extra_utils import check_generator, check_keys, generator_state, restore_generator
+
+__all__ = ["GradDrop", "graddrop"]
+
+
+def graddrop(matrix: Tensor, uniform: Tensor, leak: Tensor | None = None,
+             f: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+    """GradDrop's combined gradient ``[P]`` for given uniform draws ``uniform`` ``[P]``.
+
+    Update rule, per coordinate ``j``:
+
+    * positive sign purity ``Pⱼ = ½ (1 + Σₖ gₖⱼ / Σₖ |gₖⱼ|)`` (``½`` where every ``gₖⱼ = 0``);
+    * keep mask ``Mₖⱼ = [f(Pⱼ) > Uⱼ]·[gₖⱼ > 0] + [f(Pⱼ) < Uⱼ]·[gₖⱼ < 0]``;
+    * ``gⱼ = Σₖ (ℓₖ + (1 − ℓₖ) Mₖⱼ) gₖⱼ`` with leak ``ℓ`` (0 by default).
+
+    So each coordinate keeps only the positive or only the negative task contributions, the
+    positive side with probability ``f(Pⱼ)``.
+    """
+    total = matrix.sum(dim=0)
+    mass = matrix.abs().sum(dim=0)
+    safe = torch.where(mass > 0, mass, torch.ones_like(mass))
+    purity = torch.where(mass > 0, 0.5 * (1.0 + total / safe), torch.full_like(mass, 0.5))
+    fp = purity if f is None else f(purity)
+    uniform = uniform.to(dtype=matrix.dtype, device=matrix.device)
+    keep_pos = (fp > uniform).unsqueeze(0) & (matrix > 0)
+    keep_neg = (fp < uniform).unsqueeze(0) & (matrix < 0)
+    mask = (keep_pos | keep_neg).to(matrix.dtype)
+    if leak is None:
+        return (mask * matrix).sum(dim=0)
+    lk = leak.to(dtype=matrix.dtype, device=matrix.device).unsqueeze(1)
+    return ((lk + (1.0 - lk) * mask) * matrix).sum(dim=0)
+
+
+class GradDrop(Balancer):
+    """Gradient sign dropout on the rows of ``G`` (a matrix method).
+
+    Applied to the flattened gradient of the shared parameters, as TorchJD does. The paper
+    places it after a chosen layer, on the gradient with respect to that layer's activations
+    summed over the batch; the rule per coordinate is the same.
+
+    Args:
+        num_tasks: K (optional; required when ``leak`` is not given).
+        leak: ``ℓₖ ∈ [0, 1]`` per task, how much of each task's gradient always passes
+            (default: no leak, ``ℓ = 0``).
+        f: monotonically increasing map applied to the purity (default: identity).
+        generator: the source of the uniform draws ``U ~ U(0, 1)ᴾ``; None uses torch's global
+            RNG. A given generator's state is saved by :meth:`state_dict`.
+    """
+
+    name = "graddrop"
+    from_gramian = False
+    homogeneous = True
+
+    def __init__(self, num_tasks: int | None = None, leak: Sequence[float] | Tensor | None = None,
+                 f: Callable[[Tensor], Tensor] | None = None,
+                 generator: torch.Generator | None = None) -> None:
+        lk = None
+        if leak is not None:
+            lk = torch.as_tensor(leak, dtype=torch.float64).detach().clone()
+            if lk.dim() != 1 or lk.numel() == 0:
+                raise ValueError(
+                    f"Invalid leak: shape {tuple(lk.shape)} (expected a 1-D list of K numbers)"
+                )
+            if not bool(((lk >= 0) & (lk <= 1)).all()):
+                raise ValueError(f"Invalid leak: {lk.tolist()} (expected 0 <= leak <= 1)")
+            if num_tasks is not None and num_tasks != lk.numel():
+                raise ValueError(
+                    f"Invalid leak: {lk.numel()} values but num_tasks={num_tasks} (expected one "
+                    f"leak per task)"
+                )
+            num_tasks = lk.numel()
+        super().__init__(num_tasks)
+        self.leak = lk
+        self.f = f
+        self.generator = check_generator(generator)
+
+    def _combine_matrix(self, matrix: Tensor, losses: Tensor | None) -> Combination:
+        where = self.generator.device if self.generator is not None else matrix.device
+        uniform = torch.rand(matrix.shape[1], generator=self.generator, dtype=matrix.dtype,
+                             device=where)
+        return Combination(graddrop(matrix, uniform, self.leak, self.f))
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return generator_state(self.generator)
+
+    def load_state_dict(self, state_dict: dict[str, Tensor]) -> None:
+        check_keys(type(self).__name__, state_dict, ["generator"])
+        restore_generator(self.generator, state_dict, type(self).__name__)
+
+    def __repr__(self) -> str:
+        leak = None if self.leak is None else self.leak.tolist()
+        return f"GradDrop(num_tasks={self.num_tasks}, leak={leak})"

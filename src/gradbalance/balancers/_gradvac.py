@@ -1,0 +1,214 @@
+"""GradVac: raise each pair's gradient cosine to an adaptive (EMA) target.
+
+Wang et al. (2021), *Gradient Vaccine: Investigating and Improving Multi-task Optimization
+in Massively Multilingual Models*, ICLR, arXiv:2010.05874, Algorithm 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..gramian import compute_gramian
+from ._base import Balancer, Combination
+from ._pcgrad import _private_generator, load_generator_state
+from ._solvers import trace_normalized
+
+__all__ = ["GradVac", "gradvac_weights"]
+
+
+def draw_other_orders(k: int, generator: torch.Generator | None = None) -> Tensor:
+    """``[K, K-1]`` int64: row ``i`` is a random order of the tasks ``j ≠ i``.
+
+    One ``torch.randperm(K-1)`` per task in task order (TorchJD's draw pattern).
+    """
+    rows = []
+    for i in range(k):
+        others = torch.tensor([j for j in range(k) if j != i], dtype=torch.int64)
+        rows.append(others[torch.randperm(k - 1, generator=generator)])
+    return torch.stack(rows) if rows else torch.zeros(0, 0, dtype=torch.int64)
+
+
+def gradvac_weights(
+    gramian: Tensor, orders: Tensor, targets: Tensor, beta: float, eps: float = 1e-8
+) -> tuple[Tensor, Tensor]:
+    """``(C, new_targets)``: ``g_i^PC = Σⱼ C[i, j] gⱼ`` and the updated EMA targets ``[K, K]``.
+
+    Update rule, for each task ``i`` and each ``j`` in ``orders[i]``:
+    ``φ = cos(g_i^PC, gⱼ)``; if ``φ < φ̂ᵢⱼ``:
+    ``g_i^PC += ‖g_i^PC‖ (φ̂ √(1−φ²) − φ √(1−φ̂²)) / (‖gⱼ‖ √(1−φ̂²)) · gⱼ``
+    (the closed form that makes the cosine exactly ``φ̂``); then
+    ``φ̂ᵢⱼ ← (1−β) φ̂ᵢⱼ + β φ``. ``eps`` is added to the two denominators (on the
+    trace-normalised Gramian, so it is scale-free). All from the Gramian, vectorised over
+    ``i``. ``targets`` is not modified.
+    """
+    k = gramian.shape[0]
+    gram = gramian.to(torch.float64)
+    dev = gram.device
+    orders = orders.to(dev)
+    hat_all = targets.to(device=dev, dtype=torch.float64).clone()
+    coef = torch.eye(k, dtype=torch.float64, device=dev)
+    cg = gram.clone()  # rows: C[i] G
+    rows = torch.arange(k, device=dev)
+    norm_all = torch.diagonal(gram).clamp_min(0).sqrt()
+    for t in range(orders.shape[1]):
+        j = orders[:, t]
+        dot = cg[rows, j]
+        norm_i = (cg * coef).sum(dim=1).clamp_min(0).sqrt()
+        norm_j = norm_all[j]
+        phi = dot / (norm_i * norm_j + eps)
+        hat = hat_all[rows, j]
+        root_phi = (1 - phi * phi).clamp_min(0).sqrt()
+        root_hat = (1 - hat * hat).clamp_min(0).sqrt()
+        w = norm_i * (hat * root_phi - phi * root_hat) / (norm_j * root_hat + eps)
+        w = torch.where(phi < hat, w, torch.zeros_like(w))
+        coef[rows, j] += w
+        cg += w[:, None] * gram[j]
+        hat_all[rows, j] = (1 - beta) * hat + beta * phi
+    return coef, hat_all
+
+
+class GradVac(Balancer):
+    """GradVac (Wang et al. 2021): ``g = Σᵢ g_i^PC``, cosines lifted to EMA targets.
+
+    Like PCGrad, each task gradient visits the others in a random order, but instead of
+    removing conflict it adds just enough of ``gⱼ`` to lift ``cos(g_i^PC, gⱼ)`` to the target
+    ``φ̂ᵢⱼ``, an EMA of the observed cosines (initially 0, where GradVac equals PCGrad).
+
+    Args:
+        num_tasks: K (optional; the EMA targets are created on the first call otherwise).
+        beta: EMA rate ``β`` in ``φ̂ ← (1−β)φ̂ + βφ``, ``0 <= beta <= 1``. Default ``0.01``
+            (the paper's setting); LibMTL and TorchJD default to ``0.5``.
+        eps: added to the cosine and weight denominators (on the trace-normalised Gramian).
+        groups: None (default): one target per ordered task pair over the whole trunk (the
+            paper's ``whole_model``). Or the sizes of contiguous parameter groups (summing to
+            ``P``, e.g. ``[p.numel() for p in trunk.parameters()]``): one target per pair per
+            group, each group vaccinated apart (LibMTL's ``all_layer`` / ``all_matrix``). With
+            groups the balancer needs the ``[K, P]`` rows (``from_gramian`` is False).
+        generator: source of the visiting orders (see :class:`PCGrad`).
+
+    State: ``targets`` ``[K, K]`` (or ``[n_groups, K, K]``) and the generator state.
+    """
+
+    name = "gradvac"
+    from_gramian = True
+    homogeneous = True
+
+    def __init__(
+        self,
+        num_tasks: int | None = None,
+        *,
+        beta: float = 0.01,
+        eps: float = 1e-8,
+        groups: Sequence[int] | None = None,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        super().__init__(num_tasks)
+        if not 0.0 <= beta <= 1.0:
+            raise ValueError(f"Invalid beta: {beta} (expected 0 <= beta <= 1)")
+        if not eps >= 0.0:
+            raise ValueError(f"Invalid eps: {eps} (expected eps >= 0)")
+        if groups is not None:
+            groups = [int(n) for n in groups]
+            if not groups or any(n <= 0 for n in groups):
+                raise ValueError(
+                    f"Invalid groups: {groups} (expected positive parameter counts, e.g. "
+                    f"[p.numel() for p in trunk.parameters()])"
+                )
+        self.beta = float(beta)
+        self.eps = float(eps)
+        self.groups = groups
+        self.from_gramian = groups is None  # type: ignore[misc]
+        self.generator = generator if generator is not None else _private_generator()
+        self.targets: Tensor | None = None
+        if num_tasks is not None:
+            self.targets = self._zeros(num_tasks)
+
+    def _zeros(self, k: int) -> Tensor:
+        shape = (k, k) if self.groups is None else (len(self.groups), k, k)
+        return torch.zeros(shape, dtype=torch.float64)
+
+    def _current_targets(self, k: int) -> Tensor:
+        if self.num_tasks is None:
+            self.num_tasks = k  # the targets are per task pair: K is fixed from now on
+        if self.targets is None or self.targets.shape[-1] != k:
+            return self._zeros(k)
+        return self.targets
+
+    def weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
+        if self.groups is not None:
+            raise TypeError(
+                "GradVac with groups needs the task-gradient rows, not one Gramian; call "
+                "combine(matrix) (mode='matrix')"
+            )
+        k = gramian.shape[0]
+        gram, _ = trace_normalized(gramian)
+        targets = self._current_targets(k)
+        coef, new_targets = gradvac_weights(
+            gram, draw_other_orders(k, self.generator), targets, self.beta, self.eps
+        )
+        self.targets = new_targets
+        return coef.sum(dim=0).to(gramian.device)
+
+    def _combine_matrix(self, matrix: Tensor, losses: Tensor | None) -> Combination:
+        assert self.groups is not None
+        k, p = matrix.shape
+        if sum(self.groups) != p:
+            raise ValueError(
+                f"groups sum to {sum(self.groups)} parameters but the matrix has {p} columns; "
+                f"pass the sizes of the shared parameters, in order"
+            )
+        targets = self._current_targets(k)
+        orders = draw_other_orders(k, self.generator)
+        parts, new_targets = [], []
+        for g, block in enumerate(matrix.split(self.groups, dim=1)):
+            gram, _ = trace_normalized(compute_gramian(block))
+            coef, new = gradvac_weights(gram, orders, targets[g], self.beta, self.eps)
+            parts.append(coef.sum(dim=0).to(block.device, block.dtype) @ block)
+            new_targets.append(new)
+        self.targets = torch.stack(new_targets)
+        return Combination(torch.cat(parts))
+
+    def state_dict(self) -> dict[str, Any]:
+        targets = None if self.targets is None else self.targets.clone()
+        return {"targets": targets, "generator": self.generator.get_state()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "targets" not in state_dict:
+            raise ValueError(
+                f"GradVac state_dict has keys {sorted(state_dict)} but needs 'targets'; was it "
+                f"saved from another balancer?"
+            )
+        targets = state_dict["targets"]
+        if targets is not None:
+            targets = torch.as_tensor(targets, dtype=torch.float64).clone()
+            expected = 2 if self.groups is None else 3
+            if targets.dim() != expected or (
+                self.groups is not None and targets.shape[0] != len(self.groups)
+            ):
+                raise ValueError(
+                    f"GradVac targets have shape {tuple(targets.shape)}, which does not match "
+                    f"groups={self.groups}; build the balancer with the same groups"
+                )
+        if targets is not None and self.num_tasks not in (None, targets.shape[-1]):
+            raise ValueError(
+                f"GradVac targets are for {targets.shape[-1]} tasks but the balancer was built "
+                f"with num_tasks={self.num_tasks}"
+            )
+        load_generator_state(self, state_dict)
+        self.targets = targets
+        if targets is not None:
+            self.num_tasks = targets.shape[-1]
+
+    def reset(self) -> None:
+        """Targets back to 0 (the generator keeps running)."""
+        self.targets = None if self.num_tasks is None else self._zeros(self.num_tasks)
+
+    def __repr__(self) -> str:
+        return (
+            f"GradVac(num_tasks={self.num_tasks}, beta={self.beta}, eps={self.eps}, "
+            f"groups={self.groups})"
+        )

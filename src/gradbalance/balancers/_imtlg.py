@@ -1,0 +1,47 @@
+"""IMTL-G: the update with equal projections on every unit task gradient.
+
+Liu et al. (2021), *Towards Impartial Multi-task Learning*, ICLR (gradient part, IMTL-G),
+in the pseudo-inverse form of Quinton & Rey (2024), arXiv:2406.16232, which also covers
+linearly dependent gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._base import Balancer
+from ._solvers import trace_normalized
+
+__all__ = ["IMTLG", "imtlg_weights"]
+
+
+def imtlg_weights(gramian: Tensor, rtol: float = 1e-12) -> Tensor:
+    """Weights ``[K]`` (float64, CPU), summing to 1, with ``g·uₖ`` equal for every task.
+
+    Update rule: ``v = G⁺ d`` with ``dₖ = ‖gₖ‖``, ``w = v / Σv``. Then ``(G w)ₖ = dₖ / Σv``,
+    i.e. ``g·(gₖ/‖gₖ‖) = 1/Σv`` for every task ``k`` (Liu et al.'s closed form
+    ``α₂:K = g₁Uᵀ(DUᵀ)⁻¹`` when the gradients are independent). When ``Σv`` vanishes
+    (``|Σv| ≤ rtol·‖v‖₁``) no such direction exists and the weights are zero.
+    """
+    gram, _ = trace_normalized(gramian)
+    d = torch.diagonal(gram).clamp_min(0).sqrt()
+    v = torch.linalg.pinv(gram, hermitian=True, rtol=rtol) @ d
+    total = v.sum()
+    degenerate = total.abs() <= rtol * v.abs().sum()
+    return torch.where(degenerate, torch.zeros_like(v), v / torch.where(degenerate, 1.0, total))
+
+
+class IMTLG(Balancer):
+    """IMTL-G (Liu et al. 2021): ``g = Σₖ wₖ gₖ``, ``Σ wₖ = 1``, equal ``g·gₖ/‖gₖ‖``.
+
+    The combined gradient makes the same angle-weighted progress on every task: its
+    projections on the unit task gradients are equal. Positively homogeneous.
+    """
+
+    name = "imtlg"
+    from_gramian = True
+    homogeneous = True
+
+    def weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
+        return imtlg_weights(gramian).to(gramian.device)

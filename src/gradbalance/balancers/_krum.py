@@ -1,0 +1,74 @@
+"""Krum and Multi-Krum: pick the task gradients closest to their neighbours.
+
+Blanchard et al. (2017), *Machine Learning with Adversaries: Byzantine Tolerant Gradient
+Descent*, NeurIPS (Krum; Multi-Krum averages the ``m`` best). TorchJD's ``Krum``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._base import Balancer
+from ._extra_utils import check_int
+
+__all__ = ["Krum", "krum_weights"]
+
+
+def krum_weights(gramian: Tensor, n_byzantine: int = 0, n_selected: int = 1) -> Tensor:
+    """Multi-Krum weights ``[K]`` from the Gramian.
+
+    Squared distances ``dᵢⱼ² = Gᵢᵢ + Gⱼⱼ − 2Gᵢⱼ``; score ``sᵢ`` = sum of the distances from
+    ``gᵢ`` to its ``K − f − 2`` nearest other rows (``f = n_byzantine``). The ``m = n_selected``
+    lowest scores get weight ``1/m`` (ties: the lower index), the others 0. Needs
+    ``K ≥ f + 3`` and ``K ≥ m``.
+    """
+    k = gramian.shape[0]
+    if k < n_byzantine + 3 or k < n_selected:
+        raise ValueError(
+            f"gramian has {k} tasks but Krum with n_byzantine={n_byzantine}, "
+            f"n_selected={n_selected} needs at least {max(n_byzantine + 3, n_selected)}; "
+            f"lower n_byzantine/n_selected"
+        )
+    diag = torch.diagonal(gramian)
+    dist = (diag.unsqueeze(0) + diag.unsqueeze(1) - 2 * gramian).clamp_min(0).sqrt()
+    dist = dist + torch.diag(torch.full_like(diag, float("inf")))  # exclude self
+    n_closest = k - n_byzantine - 2
+    nearest, _ = torch.sort(dist, dim=1)
+    scores = nearest[:, :n_closest].sum(dim=1)
+    order = torch.argsort(scores, stable=True)
+    w = torch.zeros(k, dtype=gramian.dtype, device=gramian.device)
+    w[order[:n_selected]] = 1.0 / n_selected
+    return w
+
+
+class Krum(Balancer):
+    """``g`` = the mean of the ``n_selected`` most central task gradients (Multi-Krum).
+
+    Args:
+        num_tasks: K (optional).
+        n_byzantine: ``f``, the number of rows that may be adversarial (default 0).
+        n_selected: ``m``, how many rows are averaged (default 1: Krum).
+    """
+
+    name = "krum"
+    from_gramian = True
+    homogeneous = True
+
+    def __init__(self, num_tasks: int | None = None, n_byzantine: int = 0,
+                 n_selected: int = 1) -> None:
+        super().__init__(num_tasks)
+        self.n_byzantine = check_int("n_byzantine", n_byzantine, 0)
+        self.n_selected = check_int("n_selected", n_selected, 1)
+        if num_tasks is not None and num_tasks < max(n_byzantine + 3, n_selected):
+            raise ValueError(
+                f"Invalid num_tasks: {num_tasks} (expected num_tasks >= n_byzantine + 3 = "
+                f"{n_byzantine + 3} and >= n_selected = {n_selected})"
+            )
+
+    def weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
+        return krum_weights(gramian, self.n_byzantine, self.n_selected)
+
+    def __repr__(self) -> str:
+        return (f"Krum(num_tasks={self.num_tasks}, n_byzantine={self.n_byzantine}, "
+                f"n_selected={self.n_selected})")

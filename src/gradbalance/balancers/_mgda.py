@@ -1,0 +1,122 @@
+"""MGDA: the min-norm point of the convex hull of the (normalised) task gradients.
+
+Sener & Koltun (2018), *Multi-Task Learning as Multi-Objective Optimization*, NeurIPS,
+arXiv:1810.04650 (the problem of eq. 3; their Frank-Wolfe solver is replaced by an exact
+active-set QP, see :mod:`gradbalance.balancers._solvers`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from ._base import Balancer
+from ._solvers import min_norm_simplex, trace_normalized
+
+__all__ = ["MGDA", "mgda_weights"]
+
+Normalization = Literal["none", "l2", "loss", "loss+"]
+ApplyTo = Literal["normalized", "raw"]
+_NORMALIZATIONS = ("none", "l2", "loss", "loss+")
+
+
+def _scales(gramian: Tensor, losses: Tensor | None, normalization: str) -> Tensor:
+    """Per-task divisors ``cₖ`` of the normalisation ``nₖ = gₖ / cₖ`` (Sener et al.'s code)."""
+    k = gramian.shape[0]
+    norms = torch.diagonal(gramian).clamp_min(0).sqrt()
+    if normalization == "none":
+        return torch.ones(k, dtype=torch.float64)
+    if normalization == "l2":
+        scale = norms
+    else:
+        assert losses is not None
+        loss = losses.to(device="cpu", dtype=torch.float64)
+        scale = loss if normalization == "loss" else loss * norms
+    if bool((scale <= 0).any()):
+        raise ValueError(
+            f"MGDA normalization {normalization!r} divides by {scale.tolist()}, which must be "
+            f"> 0 (a zero gradient or a non-positive loss); use normalization='none' for this "
+            f"step or make the losses positive"
+        )
+    return scale
+
+
+def mgda_weights(
+    gramian: Tensor,
+    losses: Tensor | None = None,
+    normalization: Normalization = "none",
+    apply_to: ApplyTo = "normalized",
+) -> Tensor:
+    """Weights ``[K]`` (float64, CPU) of MGDA's update ``g = Σₖ wₖ gₖ``.
+
+    Update rule: ``α = argmin_{α∈Δ} ‖Σₖ αₖ nₖ‖²`` with ``nₖ = gₖ / cₖ``. With
+    ``apply_to="normalized"`` the update is that min-norm point, ``Σₖ αₖ nₖ`` (weights
+    ``αₖ / cₖ``): it has a non-negative inner product with every task gradient. With
+    ``apply_to="raw"`` it is ``Σₖ αₖ gₖ`` (Sener et al.'s code, LibMTL): weights ``αₖ``.
+    """
+    gram = gramian.detach().to(device="cpu", dtype=torch.float64)
+    scale = _scales(gram, losses, normalization)
+    normalized = gram / torch.outer(scale, scale)
+    unit, _ = trace_normalized(normalized)
+    alpha = min_norm_simplex(unit)
+    return alpha / scale if apply_to == "normalized" else alpha
+
+
+class MGDA(Balancer):
+    """MGDA (Sener & Koltun 2018): the min-norm element of the convex hull of the gradients.
+
+    ``α = argmin_{α∈Δ} ‖Σₖ αₖ nₖ‖²`` with the normalised gradients ``nₖ = gₖ / cₖ``:
+
+    * ``"none"``: ``cₖ = 1`` (the paper's algorithm; default);
+    * ``"l2"``: ``cₖ = ‖gₖ‖``; ``"loss"``: ``cₖ = Lₖ``; ``"loss+"``: ``cₖ = Lₖ‖gₖ‖``
+      (the normalisations of Sener et al.'s code; the loss ones read the losses).
+
+    Args:
+        num_tasks: K (optional).
+        normalization: see above.
+        apply_to: ``"normalized"`` (default): the update is the min-norm point of the
+            normalised gradients, ``Σ αₖ nₖ``, which keeps MGDA's guarantee (no task's
+            gradient has a negative inner product with it). ``"raw"``: ``Σ αₖ gₖ``, the
+            weights applied to the raw gradients as in Sener et al.'s code and LibMTL.
+
+    Positively homogeneous (``B(sJ) = s·B(J)``) except with ``l2``/``loss+`` normalisation
+    and ``apply_to="normalized"``, where the update does not depend on the gradients' scale.
+    """
+
+    name = "mgda"
+    from_gramian = True
+    homogeneous = True
+
+    def __init__(
+        self,
+        num_tasks: int | None = None,
+        *,
+        normalization: Normalization = "none",
+        apply_to: ApplyTo = "normalized",
+    ) -> None:
+        super().__init__(num_tasks)
+        if normalization not in _NORMALIZATIONS:
+            raise ValueError(
+                f"Invalid normalization: {normalization!r} (expected one of {_NORMALIZATIONS})"
+            )
+        if apply_to not in ("normalized", "raw"):
+            raise ValueError(f"Invalid apply_to: {apply_to!r} (expected 'normalized' or 'raw')")
+        self.normalization: Normalization = normalization
+        self.apply_to: ApplyTo = apply_to
+        # Instance values of the class flags: they depend on the settings.
+        self.needs_losses = normalization in ("loss", "loss+")  # type: ignore[misc]
+        self.homogeneous = not (  # type: ignore[misc]
+            normalization in ("l2", "loss+") and apply_to == "normalized"
+        )
+
+    def weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
+        w = mgda_weights(gramian, losses, self.normalization, self.apply_to)
+        return w.to(gramian.device)
+
+    def __repr__(self) -> str:
+        return (
+            f"MGDA(num_tasks={self.num_tasks}, normalization={self.normalization!r}, "
+            f"apply_to={self.apply_to!r})"
+        )

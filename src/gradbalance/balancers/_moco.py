@@ -1,0 +1,125 @@
+"""MoCo: multi-objective gradient correction with tracked task gradients.
+
+Fernando et al. (2023), *Mitigating Gradient Bias in Multi-objective Learning: A Provably
+Convergent Approach*, ICLR, openreview dLAYGdKTi2 (Algorithm 1).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from ._base import Balancer, Combination
+from ._extra_utils import (
+    check_keys,
+    check_range,
+    check_state_rows,
+    clone_or_none,
+    project_simplex,
+)
+
+__all__ = ["MoCo", "moco_step"]
+
+LambdaUpdate = Literal["projection", "softmax"]
+
+
+def moco_step(y: Tensor, lam: Tensor, h: Tensor, beta_t: float, gamma_t: float, rho: float,
+              lambda_update: LambdaUpdate = "projection") -> tuple[Tensor, Tensor]:
+    """One MoCo step; returns the new tracked gradients ``y`` ``[K, P]`` and weights ``λ``.
+
+    * ``y ← y − β_t (y − h)`` (tracking of the task gradients ``h``);
+    * ``λ ← Π_Δ(λ − γ_t (Y Yᵀ + ρ I) λ)`` (the paper); ``"softmax"`` replaces ``Π_Δ`` by a
+      softmax (LibMTL's variant);
+    * the update is ``d = Yᵀ λ`` (computed by the caller).
+    """
+    y = y - beta_t * (y - h)
+    gram = (y.to(torch.float64) @ y.to(torch.float64).T)
+    step = lam - gamma_t * (gram @ lam + rho * lam)
+    lam = project_simplex(step) if lambda_update == "projection" else torch.softmax(step, dim=0)
+    return y, lam
+
+
+class MoCo(Balancer):
+    """Tracked task gradients ``y`` and simplex weights ``λ``; output ``d = Σₖ λₖ yₖ``.
+
+    Step sizes decay as ``β_t = β / t^{σ_β}``, ``γ_t = γ / t^{σ_γ}`` (step ``t ≥ 1``). ``y``
+    starts at 0 and ``λ`` at ``1/K``. The paper's projection of ``y`` onto a bounded set is
+    omitted (the set is unbounded in practice).
+
+    Args:
+        num_tasks: K (optional).
+        beta, beta_sigma: tracking rate of ``y`` and its decay (default 0.5, 0.5).
+        gamma, gamma_sigma: step of ``λ`` and its decay (default 0.1, 0.5).
+        rho: ℓ₂ regularisation of the ``λ`` step (default 0).
+        lambda_update: ``"projection"`` (the paper, default) or ``"softmax"`` (LibMTL).
+        normalize_grads: track ``Lₖ gₖ / ‖gₖ‖`` instead of ``gₖ`` (LibMTL's practice; reads the
+            losses). Default False (the paper's algorithm).
+
+    Defaults follow LibMTL's MoCo settings. State: ``y`` ``[K, P]`` in the gradients' dtype,
+    ``λ`` ``[K]`` float64 and the step count.
+    """
+
+    name = "moco"
+    from_gramian = False
+    homogeneous = False
+
+    def __init__(self, num_tasks: int | None = None, beta: float = 0.5, beta_sigma: float = 0.5,
+                 gamma: float = 0.1, gamma_sigma: float = 0.5, rho: float = 0.0,
+                 lambda_update: LambdaUpdate = "projection",
+                 normalize_grads: bool = False) -> None:
+        super().__init__(num_tasks)
+        self.beta = check_range("beta", beta, 0.0, 1.0, low_open=True)
+        self.beta_sigma = check_range("beta_sigma", beta_sigma, 0.0, None)
+        self.gamma = check_range("gamma", gamma, 0.0, None, low_open=True)
+        self.gamma_sigma = check_range("gamma_sigma", gamma_sigma, 0.0, None)
+        self.rho = check_range("rho", rho, 0.0, None)
+        if lambda_update not in ("projection", "softmax"):
+            raise ValueError(
+                f"Invalid lambda_update: {lambda_update!r} (expected 'projection' or 'softmax')"
+            )
+        self.lambda_update: LambdaUpdate = lambda_update
+        self.normalize_grads = bool(normalize_grads)
+        self.needs_losses = self.normalize_grads  # type: ignore[misc]
+        self.reset()
+
+    def reset(self) -> None:
+        self._y: Tensor | None = None
+        self._lambda: Tensor | None = None
+        self._step = torch.zeros((), dtype=torch.int64)
+
+    def _combine_matrix(self, matrix: Tensor, losses: Tensor | None) -> Combination:
+        check_state_rows(type(self).__name__, self._y, matrix)
+        k = matrix.shape[0]
+        h = matrix
+        if self.normalize_grads:
+            assert losses is not None
+            norms = matrix.norm(dim=1, keepdim=True)
+            safe = torch.where(norms > 0, norms, torch.ones_like(norms))
+            scale = losses.to(dtype=matrix.dtype, device=matrix.device).unsqueeze(1)
+            h = torch.where(norms > 0, matrix / safe * scale, torch.zeros_like(matrix))
+        y = torch.zeros_like(matrix) if self._y is None else self._y
+        lam = (torch.full((k,), 1.0 / k, dtype=torch.float64, device=matrix.device)
+               if self._lambda is None else self._lambda)
+        t = int(self._step) + 1
+        beta_t = self.beta / t**self.beta_sigma
+        gamma_t = self.gamma / t**self.gamma_sigma
+        y, lam = moco_step(y, lam, h, beta_t, gamma_t, self.rho, self.lambda_update)
+        self._y, self._lambda = y, lam
+        self._step = torch.tensor(t, dtype=torch.int64)
+        return Combination(lam.to(y.dtype) @ y)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"y": clone_or_none(self._y), "lambda": clone_or_none(self._lambda),
+                "step": self._step.clone()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        check_keys(type(self).__name__, state_dict, ["y", "lambda", "step"])
+        self._y = clone_or_none(state_dict.get("y"))
+        self._lambda = clone_or_none(state_dict.get("lambda"))
+        self._step = torch.as_tensor(state_dict.get("step", 0), dtype=torch.int64).clone()
+
+    def __repr__(self) -> str:
+        return (f"MoCo(num_tasks={self.num_tasks}, beta={self.beta}, gamma={self.gamma}, "
+                f"rho={self.rho}, lambda_update={self.lambda_update!r})")

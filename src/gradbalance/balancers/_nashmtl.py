@@ -1,0 +1,147 @@
+"""Nash-MTL: the Nash bargaining solution between the tasks.
+
+Navon et al. (2022), *Multi-Task Learning as a Bargaining Game*, ICML, arXiv:2202.01017,
+Algorithm 1 (the exact solution of ``GᵀG α = 1/α``; the authors approximate it by a sequence
+of convex programs).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from ._base import Balancer
+from ._solvers import nash_bargaining, trace_normalized
+
+__all__ = ["NashMTL", "nashmtl_weights"]
+
+Normalization = Literal["none", "frobenius"]
+
+
+def nashmtl_weights(
+    gramian: Tensor,
+    normalization: Normalization = "none",
+    alpha0: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``(weights, α_unit)``: Nash-MTL weights ``[K]`` and the warm-start state.
+
+    ``α_unit`` solves ``(G/tr G) α = 1/α``; the weights solve ``(G/n) α = 1/α`` with ``n = 1``
+    (``"none"``, the paper) or ``n = ‖G‖_F`` (``"frobenius"``, the authors' code and
+    TorchJD), i.e. ``α = α_unit √(n / tr G)`` since ``α(G/s) = √s α(G)``.
+
+    Scaling: for ``J → sJ`` (``G → s²G``) the paper's weights scale by ``1/s`` and the
+    update ``Jᵀα`` is unchanged (degree-0 homogeneous, so a loss scale never leaks into it);
+    with ``"frobenius"`` the weights are scale-free and the update scales with ``s``.
+    """
+    unit, trace = trace_normalized(gramian)
+    alpha = nash_bargaining(unit, alpha0)
+    return alpha * _factor(unit, trace, normalization), alpha
+
+
+def _factor(unit: Tensor, trace: Tensor, normalization: str) -> Tensor:
+    """``√(n / tr G)``: maps ``α`` of the trace-normalised Gramian to the weights."""
+    if float(trace) <= 0.0:
+        return torch.ones((), dtype=torch.float64)
+    if normalization == "frobenius":
+        return torch.linalg.matrix_norm(unit).sqrt()
+    return trace.rsqrt()
+
+
+class NashMTL(Balancer):
+    """Nash-MTL (Navon et al. 2022): ``g = Σₖ αₖ gₖ`` with ``αₖ (gₖ·g) = 1``.
+
+    Every task gets ``gₖ·g = 1/αₖ``: the bargaining solution maximises ``Σ log(gₖ·d)`` over
+    the ball ``‖d‖ ≤ 1`` (up to scale). Solved by damped Newton with a warm start from the
+    previous step; raises ``SolverError`` when no solution exists (a non-negative combination
+    of the gradients vanishes, e.g. a zero or two exactly opposite task gradients).
+
+    Not positively homogeneous: with ``normalization="none"`` (paper) ``B(sJ) = B(J)``
+    (equivalently weights ``w(sG) = w(G)/√s``). No norm clipping inside (the authors' code
+    clips ``‖g‖`` to 1; clip in your loop instead).
+
+    Args:
+        num_tasks: K (optional).
+        normalization: ``"none"`` (paper) or ``"frobenius"`` (authors' code: ``G/‖G‖_F``,
+            then the update scales with the gradients).
+        update_weights_every: solve every N-th call and reuse ``α`` in between (authors'
+            option; default 1).
+
+    State: the last ``α`` (warm start and reuse) and the call counter.
+    """
+
+    name = "nashmtl"
+    from_gramian = True
+    homogeneous = False
+
+    def __init__(
+        self,
+        num_tasks: int | None = None,
+        *,
+        normalization: Normalization = "none",
+        update_weights_every: int = 1,
+    ) -> None:
+        super().__init__(num_tasks)
+        if normalization not in ("none", "frobenius"):
+            raise ValueError(
+                f"Invalid normalization: {normalization!r} (expected 'none' or 'frobenius')"
+            )
+        if isinstance(update_weights_every, bool) or not isinstance(update_weights_every, int) \
+                or update_weights_every < 1:
+            raise ValueError(
+                f"Invalid update_weights_every: {update_weights_every!r} (expected an int >= 1)"
+            )
+        self.normalization: Normalization = normalization
+        self.update_weights_every = update_weights_every
+        self.homogeneous = normalization == "frobenius"  # type: ignore[misc]
+        self.alpha: Tensor | None = None
+        self.step = torch.zeros((), dtype=torch.int64)
+
+    def weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
+        k = gramian.shape[0]
+        if self.num_tasks is None:
+            self.num_tasks = k  # the warm start is per task: K is fixed from now on
+        warm = self.alpha if self.alpha is not None and self.alpha.numel() == k else None
+        unit, trace = trace_normalized(gramian)
+        if warm is not None and int(self.step) % self.update_weights_every != 0:
+            alpha_unit = warm
+        else:
+            alpha_unit = nash_bargaining(unit, warm)
+        w = alpha_unit * _factor(unit, trace, self.normalization)
+        self.alpha = alpha_unit.clone()
+        self.step = self.step + 1
+        return w.to(gramian.device)
+
+    def state_dict(self) -> dict[str, Any]:
+        alpha = None if self.alpha is None else self.alpha.clone()
+        return {"alpha": alpha, "step": self.step.clone()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        missing = {"alpha", "step"} - set(state_dict)
+        if missing:
+            raise ValueError(
+                f"NashMTL state_dict lacks {sorted(missing)} (has {sorted(state_dict)}); was "
+                f"it saved from another balancer?"
+            )
+        alpha = state_dict["alpha"]
+        self.alpha = None if alpha is None else torch.as_tensor(alpha, dtype=torch.float64).clone()
+        self.step = torch.as_tensor(state_dict["step"], dtype=torch.int64).clone()
+        if self.alpha is not None:
+            if self.num_tasks not in (None, self.alpha.numel()):
+                raise ValueError(
+                    f"NashMTL state is for {self.alpha.numel()} tasks but the balancer was "
+                    f"built with num_tasks={self.num_tasks}"
+                )
+            self.num_tasks = self.alpha.numel()
+
+    def reset(self) -> None:
+        """Forget the warm start and the call counter."""
+        self.alpha = None
+        self.step = torch.zeros((), dtype=torch.int64)
+
+    def __repr__(self) -> str:
+        return (
+            f"NashMTL(num_tasks={self.num_tasks}, normalization={self.normalization!r}, "
+            f"update_weights_every={self.update_weights_every})"
+        )

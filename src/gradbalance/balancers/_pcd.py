@@ -1,0 +1,152 @@
+"""PCD: Priority-Constrained Descent (a primary task and guaranteed secondary progress).
+
+Varam et al., *Not All Objectives Are Born Equal: Priority-Constrained Descent for
+Hierarchical Multi-Objective Optimization*, TMLR, openreview HT01yGHLEt (the PCD of TorchJD
+0.18, the only gradient balancer of that name in TorchJD or LibMTL).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._base import Balancer
+from ._extra_utils import check_keys, check_range, check_state_tasks, clone_or_none
+
+__all__ = ["PCD", "pcd_multipliers"]
+
+_MAX_SECONDARY = 15  # the exact enumeration visits 2^(K-1) working sets
+
+
+def pcd_multipliers(gram: Tensor, taus: Tensor, tol: float = 1e-9) -> Tensor:
+    """Weights ``[1, μ₂, …, μ_K]`` of ``d = g₁ + Σⱼ μⱼ gⱼ`` solving PCD's quadratic program.
+
+    ``min_d ½‖d − g₁‖²`` s.t. ``gⱼᵀd ≥ τⱼ‖gⱼ‖²`` (j ≥ 2). Its dual is the non-negative QP
+    ``min_{μ≥0} ½ μᵀQμ − bᵀμ`` with ``Q = [gᵢᵀgⱼ]_{i,j≥2}``, ``bⱼ = τⱼ‖gⱼ‖² − gⱼᵀg₁``. Solved
+    exactly by enumerating the working sets (smallest first) and returning the first KKT point,
+    as the paper's reference implementation does. No KKT point: the constraints are
+    infeasible, and ``g₁`` is returned (``[1, 0, …, 0]``).
+    """
+    m = gram.shape[0]
+    out = torch.zeros(m, dtype=gram.dtype, device=gram.device)
+    out[0] = 1.0
+    if m == 1:
+        return out
+    q = gram[1:, 1:]
+    b = taus * torch.diagonal(q) - gram[1:, 0]
+    atol = tol * max(float(torch.diagonal(gram).max()), torch.finfo(gram.dtype).tiny)
+    n = m - 1
+    for size in range(n + 1):
+        for subset in itertools.combinations(range(n), size):
+            mu = torch.zeros(n, dtype=gram.dtype, device=gram.device)
+            if size:
+                idx = list(subset)
+                mu[idx] = torch.linalg.pinv(q[idx][:, idx]) @ b[idx]
+                if bool((mu[idx] < 0).any()):
+                    continue
+            slack = q @ mu - b
+            if size and bool((slack[list(subset)].abs() > atol).any()):
+                continue  # b is not in the range of this working set
+            if bool((slack >= -atol).all()):
+                out[1:] = mu
+                return out
+    return out
+
+
+class PCD(Balancer):
+    """Follow task 0's gradient, guaranteeing each other task a share of its own progress.
+
+    ``d̃ = argmin ½‖d − g̃₁‖²`` s.t. ``g̃ⱼᵀd ≥ τ‖g̃ⱼ‖²``, with normalised rows
+    ``g̃ᵢ = gᵢ / √(v̂ᵢ + ε)`` (``v̂``: bias-corrected EMA of ``‖gᵢ‖²``, decay ``β``). The update
+    is ``d̃`` rescaled to ``‖g₁‖`` (zero when ``g₁ = 0`` or ``d̃ = 0`` up to rounding).
+
+    Not symmetric: row 0 (the first loss) is the primary task.
+
+    Args:
+        num_tasks: K (optional; at most 16).
+        tau: guaranteed fraction ``τ ∈ [0, 1]``, one number or one per secondary task
+            (default 0.02).
+        beta: EMA decay ``β ∈ [0, 1)`` (default 0.999).
+        eps: ``ε ≥ 0`` (default 1e-8).
+
+    State: the EMA ``[K]`` float64 and the step count.
+    """
+
+    name = "pcd"
+    from_gramian = True
+    homogeneous = False  # ε makes the normalisation scale-dependent
+
+    def __init__(self, num_tasks: int | None = None, tau: float | Sequence[float] = 0.02,
+                 beta: float = 0.999, eps: float = 1e-8) -> None:
+        super().__init__(num_tasks)
+        if isinstance(tau, (int, float)):
+            check_range("tau", tau, 0.0, 1.0)
+            self.tau: float | Tensor = float(tau)
+        else:
+            t = torch.as_tensor(tau, dtype=torch.float64).detach().clone()
+            if t.dim() != 1 or not bool(((t >= 0) & (t <= 1)).all()):
+                raise ValueError(
+                    f"Invalid tau: {t.tolist()} (expected 0 <= tau <= 1, one number or one per "
+                    f"secondary task)"
+                )
+            self.tau = t
+        self.beta = check_range("beta", beta, 0.0, 1.0, high_open=True)
+        self.eps = check_range("eps", eps, 0.0, None)
+        if num_tasks is not None and num_tasks > _MAX_SECONDARY + 1:
+            raise ValueError(f"Invalid num_tasks: {num_tasks} (expected num_tasks <= 16 for PCD)")
+        self.reset()
+
+    def reset(self) -> None:
+        self._ema: Tensor | None = None
+        self._step = torch.zeros((), dtype=torch.int64)
+
+    def _taus(self, m: int, device: torch.device) -> Tensor:
+        if isinstance(self.tau, Tensor):
+            if self.tau.numel() != m - 1:
+                raise ValueError(
+                    f"tau has {self.tau.numel()} values but there are {m - 1} secondary tasks; "
+                    f"pass one per task after the first"
+                )
+            return self.tau.to(device)
+        return torch.full((m - 1,), self.tau, dtype=torch.float64, device=device)
+
+    def weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
+        m = gramian.shape[0]
+        if m > _MAX_SECONDARY + 1:
+            raise ValueError(f"PCD handles at most 16 tasks, got {m}")
+        check_state_tasks(type(self).__name__, self._ema, m)
+        gram = gramian.to(torch.float64)
+        taus = self._taus(m, gram.device)
+        sq = torch.diagonal(gram).clamp_min(0)
+        ema = torch.zeros(m, dtype=torch.float64, device=gram.device) if self._ema is None \
+            else self._ema
+        t = int(self._step) + 1
+        ema = self.beta * ema + (1.0 - self.beta) * sq
+        self._ema, self._step = ema, torch.tensor(t, dtype=torch.int64)
+        denom = torch.sqrt(ema / (1.0 - self.beta**t) + self.eps)
+        scales = torch.where(denom > 0, 1.0 / torch.where(denom > 0, denom, 1.0), 0.0)
+        w = torch.zeros(m, dtype=torch.float64, device=gram.device)
+        if not bool(sq[0] > 0):
+            return w
+        normed = gram * torch.outer(scales, scales)
+        mult = pcd_multipliers(normed, taus)
+        d_sq = mult @ normed @ mult
+        magnitude = (mult.abs() @ torch.diagonal(normed).clamp_min(0).sqrt()) ** 2
+        if bool(d_sq > 10 * torch.finfo(torch.float64).eps * magnitude):
+            w = mult * scales * torch.sqrt(sq[0] / d_sq)
+        return w
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"ema": clone_or_none(self._ema), "step": self._step.clone()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        check_keys(type(self).__name__, state_dict, ["ema", "step"])
+        self._ema = clone_or_none(state_dict.get("ema"))
+        self._step = torch.as_tensor(state_dict.get("step", 0), dtype=torch.int64).clone()
+
+    def __repr__(self) -> str:
+        return f"PCD(num_tasks={self.num_tasks}, tau={self.tau}, beta={self.beta})"

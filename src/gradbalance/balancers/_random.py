@@ -1,0 +1,92 @@
+"""Random: random task weights on the gradients (RLW / RGW).
+
+Lin et al. (2022), *Reasonable Effectiveness of Random Weighting: A Litmus Test for Multi-Task
+Learning*, TMLR, arXiv:2111.10603 (Algorithm 2, random weights on the task gradients; LibMTL's
+``RGW``, TorchJD's ``Random``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from ._base import Balancer
+from ._extra_utils import check_generator, check_keys, generator_state, restore_generator
+
+__all__ = ["Random", "random_weights"]
+
+Distribution = Literal["normal", "uniform", "dirichlet"]
+_DISTRIBUTIONS = ("normal", "uniform", "dirichlet")
+
+
+def random_weights(num_tasks: int, distribution: Distribution = "normal",
+                   generator: torch.Generator | None = None,
+                   device: torch.device | None = None) -> Tensor:
+    """Random weights ``[K]`` (float64) that are positive and sum to 1.
+
+    * ``"normal"`` (the paper's default): ``w = softmax(z)``, ``z ~ N(0, I)``.
+    * ``"uniform"``: ``w = softmax(z)``, ``z ~ U(0, 1)ᴷ``.
+    * ``"dirichlet"``: ``w ~ Dirichlet(1, …, 1)`` (normalised ``−log U``).
+
+    The draw happens on the generator's device (CPU for the global RNG), then moves to ``device``.
+    """
+    where = generator.device if generator is not None else torch.device("cpu")
+    if distribution == "normal":
+        z = torch.randn(num_tasks, generator=generator, dtype=torch.float64, device=where)
+        w = torch.softmax(z, dim=0)
+    elif distribution == "uniform":
+        z = torch.rand(num_tasks, generator=generator, dtype=torch.float64, device=where)
+        w = torch.softmax(z, dim=0)
+    elif distribution == "dirichlet":
+        u = torch.rand(num_tasks, generator=generator, dtype=torch.float64, device=where)
+        e = -torch.log1p(-u)  # Exp(1); 1 − u > 0 because u < 1
+        w = e / e.sum() if bool(e.sum() > 0) else torch.full_like(e, 1.0 / num_tasks)
+    else:
+        raise ValueError(
+            f"Invalid distribution: {distribution!r} (expected one of {', '.join(_DISTRIBUTIONS)})"
+        )
+    return w if device is None else w.to(device)
+
+
+class Random(Balancer):
+    """``g = Σₖ wₖ gₖ`` with fresh random weights every call (positive, summing to 1).
+
+    Update rule (paper's default): ``w = softmax(z)``, ``z ~ N(0, I_K)``.
+
+    Args:
+        num_tasks: K (optional; checked on every call).
+        distribution: ``"normal"`` (default), ``"uniform"`` or ``"dirichlet"``.
+        generator: the random source; None draws from torch's global RNG. A given generator's
+            state is saved by :meth:`state_dict` so that a resumed run draws the same weights.
+    """
+
+    name = "random"
+    from_gramian = True
+    homogeneous = True
+
+    def __init__(self, num_tasks: int | None = None, distribution: Distribution = "normal",
+                 generator: torch.Generator | None = None) -> None:
+        super().__init__(num_tasks)
+        if distribution not in _DISTRIBUTIONS:
+            raise ValueError(
+                f"Invalid distribution: {distribution!r} (expected one of "
+                f"{', '.join(_DISTRIBUTIONS)})"
+            )
+        self.distribution: Distribution = distribution
+        self.generator = check_generator(generator)
+
+    def weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
+        return random_weights(gramian.shape[0], self.distribution, self.generator,
+                              device=gramian.device)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return generator_state(self.generator)
+
+    def load_state_dict(self, state_dict: dict[str, Tensor]) -> None:
+        check_keys(type(self).__name__, state_dict, ["generator"])
+        restore_generator(self.generator, state_dict, type(self).__name__)
+
+    def __repr__(self) -> str:
+        return f"Random(num_tasks={self.num_tasks}, distribution={self.distribution!r})"

@@ -1,0 +1,59 @@
+"""TrimmedMean: coordinate-wise trimmed mean of the task gradients.
+
+Yin et al. (2018), *Byzantine-Robust Distributed Learning: Towards Optimal Statistical Rates*,
+ICML, arXiv:1803.01498 (the coordinate-wise trimmed mean; TorchJD's ``TrimmedMean``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._base import Balancer, Combination
+from ._extra_utils import check_int
+
+__all__ = ["TrimmedMean", "trimmed_mean"]
+
+
+def trimmed_mean(matrix: Tensor, trim_number: int) -> Tensor:
+    """Per coordinate, drop the ``trim_number`` largest and smallest entries, average the rest.
+
+    ``gⱼ = mean(sort(G[:, j])[t : K − t])``; needs ``K ≥ 2t + 1``.
+    """
+    k = matrix.shape[0]
+    if k < 2 * trim_number + 1:
+        raise ValueError(
+            f"matrix has {k} task rows but trim_number={trim_number} removes {2 * trim_number}; "
+            f"pass at least {2 * trim_number + 1} tasks or lower trim_number"
+        )
+    ordered, _ = torch.sort(matrix, dim=0)
+    return ordered[trim_number : k - trim_number].mean(dim=0)
+
+
+class TrimmedMean(Balancer):
+    """Coordinate-wise trimmed mean (a robust aggregator; a matrix method).
+
+    Args:
+        num_tasks: K (optional).
+        trim_number: ``t``, the number of largest and of smallest values removed per
+            coordinate (default 1); needs ``K ≥ 2t + 1``.
+    """
+
+    name = "trimmedmean"
+    from_gramian = False
+    homogeneous = True
+
+    def __init__(self, num_tasks: int | None = None, trim_number: int = 1) -> None:
+        super().__init__(num_tasks)
+        self.trim_number = check_int("trim_number", trim_number, 0)
+        if num_tasks is not None and num_tasks < 2 * trim_number + 1:
+            raise ValueError(
+                f"Invalid trim_number: {trim_number} (expected 2 * trim_number + 1 <= "
+                f"num_tasks = {num_tasks})"
+            )
+
+    def _combine_matrix(self, matrix: Tensor, losses: Tensor | None) -> Combination:
+        return Combination(trimmed_mean(matrix, self.trim_number))
+
+    def __repr__(self) -> str:
+        return f"TrimmedMean(num_tasks={self.num_tasks}, trim_number={self.trim_number})"

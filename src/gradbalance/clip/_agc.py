@@ -1,0 +1,116 @@
+"""Adaptive gradient clipping (AGC), unit-wise, from NFNets.
+
+Brock, De, Smith, Simonyan (2021), "High-Performance Large-Scale Image Recognition Without
+Normalization", ICML, arXiv:2102.06171, eq. 3. For every unit i (a row of a weight: one output
+unit of a linear or conv layer; a whole vector for biases and gains):
+
+    ‖Wᵢ‖* = max(‖Wᵢ‖, eps)
+    Gᵢ ← clip_factor · ‖Wᵢ‖* / ‖Gᵢ‖ · Gᵢ     if ‖Gᵢ‖ / ‖Wᵢ‖* > clip_factor, else Gᵢ
+
+Norms are Frobenius over every dimension but the first (dimension 0 is the output unit). The
+paper does not clip the final classifier layer: pass it as ``exclude``. Paper defaults:
+``eps = 1e-3``; ``clip_factor`` 0.01 for large batches (the paper tunes it with batch size).
+Under AMP call it after ``scaler.unscale_(optimizer)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .._types import NonFiniteGradientError
+from ._task import _Stateless, check_max_norm
+
+__all__ = ["AGC", "adaptive_clip_grad_", "unitwise_norm"]
+
+_DIV_GUARD = 1e-6
+
+
+def unitwise_norm(x: Tensor) -> Tensor:
+    """Per-unit 2-norm: over all dims but 0 (keepdim) for ``ndim >= 2``, whole tensor otherwise."""
+    if x.dim() <= 1:
+        return torch.linalg.vector_norm(x)
+    return torch.linalg.vector_norm(x, dim=tuple(range(1, x.dim())), keepdim=True)
+
+
+def _check_eps(eps: float) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (
+        math.isfinite(eps) and eps >= 0
+    ):
+        raise ValueError(f"Invalid eps: {eps!r} (expected a finite number >= 0, e.g. 1e-3)")
+    return float(eps)
+
+
+def adaptive_clip_grad_(
+    parameters: Iterable[Tensor] | Tensor,
+    clip_factor: float = 0.01,
+    eps: float = 1e-3,
+    exclude: Iterable[Tensor] = (),
+    error_if_nonfinite: bool = False,
+) -> Tensor:
+    """Unit-wise AGC of every ``.grad`` in ``parameters`` (in place); returns the pre-clip norm.
+
+    The returned value is the total 2-norm of all gradients given (excluded ones included),
+    as ``clip_grad_norm_`` returns it, for logging.
+    """
+    check_max_norm(clip_factor, "clip_factor")
+    eps = _check_eps(eps)
+    if isinstance(parameters, Tensor):
+        parameters = [parameters]
+    skip = {id(p) for p in exclude}
+    params = [p for p in parameters if p.grad is not None]
+    if not params:
+        return torch.zeros(())
+    device = params[0].grad.device  # type: ignore[union-attr]
+    total = torch.linalg.vector_norm(torch.stack([
+        torch.linalg.vector_norm(p.grad.detach()).to(device) for p in params  # type: ignore[union-attr]
+    ]))
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise NonFiniteGradientError(
+            f"pre-clip gradient norm is {total.item()}; nothing was clipped. Skip this step, or "
+            f"pass error_if_nonfinite=False"
+        )
+    with torch.no_grad():
+        for p in params:
+            if id(p) in skip:
+                continue
+            g = p.grad
+            assert g is not None
+            max_norm = unitwise_norm(p.detach()).clamp(min=eps).mul(clip_factor)
+            grad_norm = unitwise_norm(g)
+            coef = max_norm / grad_norm.clamp(min=_DIV_GUARD)
+            g.copy_(torch.where(grad_norm > max_norm, g * coef, g))
+    return total
+
+
+class AGC(_Stateless):
+    """Adaptive gradient clipping as an object: ``AGC(0.01, exclude=head)(model.parameters())``.
+
+    Args:
+        clip_factor: λ, the largest allowed ratio ‖Gᵢ‖ / max(‖Wᵢ‖, eps).
+        eps: floor on the weight norm, so zero-initialised units can move (paper: 1e-3).
+        exclude: parameters never clipped (the paper leaves the final linear layer alone).
+        error_if_nonfinite: raise on a non-finite gradient norm.
+    """
+
+    def __init__(self, clip_factor: float = 0.01, eps: float = 1e-3,
+                 exclude: Iterable[Tensor] = (), error_if_nonfinite: bool = False) -> None:
+        self.clip_factor = check_max_norm(clip_factor, "clip_factor")
+        self.eps = _check_eps(eps)
+        self.exclude = list(exclude)
+        self.error_if_nonfinite = error_if_nonfinite
+
+    def __call__(self, parameters: Iterable[Tensor] | Tensor) -> Tensor:
+        return adaptive_clip_grad_(parameters, self.clip_factor, self.eps, self.exclude,
+                                   self.error_if_nonfinite)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def __repr__(self) -> str:
+        return (f"AGC(clip_factor={self.clip_factor}, eps={self.eps}, "
+                f"exclude={len(self.exclude)} params)")

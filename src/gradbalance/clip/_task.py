@@ -1,0 +1,159 @@
+"""Per-task clipping of the rows of ``G`` before the combine (seed 000 §10, block 2).
+
+Norm clipping scales each row ``gₖ`` by ``min(1, max_norm / (‖gₖ‖ + 1e-6))`` (the formula of
+``torch.nn.utils.clip_grad_norm_``, applied to every task on its own), so no single task's
+gradient is longer than ``max_norm`` when it reaches the balancer. Value clipping clamps every
+coordinate to ``[-clip_value, clip_value]`` and can turn a row.
+
+Global clipping of the combined gradient is not here: it stays
+``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` in the user's loop, after
+``TaskGradBuffer.apply_`` (and ``scaler.unscale_``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .._types import NonFiniteGradientError, check_matrix
+
+__all__ = ["TaskClip", "TaskValueClip", "clip_task_norms_", "clip_task_values_", "row_norms"]
+
+_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s guard
+
+
+def check_max_norm(max_norm: float, argname: str = "max_norm") -> float:
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not (
+        math.isfinite(max_norm) and max_norm > 0
+    ):
+        raise ValueError(f"Invalid {argname}: {max_norm!r} (expected a finite number > 0)")
+    return float(max_norm)
+
+
+def check_norm_type(norm_type: float) -> float:
+    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not (
+        norm_type >= 1
+    ):
+        raise ValueError(
+            f"Invalid norm_type: {norm_type!r} (expected a number >= 1 or float('inf'))"
+        )
+    return float(norm_type)
+
+
+def row_norms(matrix: Tensor, norm_type: float = 2.0) -> Tensor:
+    """Norm of every row of ``matrix`` ``[K, P]`` -> ``[K]`` (in the matrix's dtype)."""
+    return torch.linalg.vector_norm(matrix, ord=norm_type, dim=1)
+
+
+def _nonfinite(argname: str, norms: Tensor) -> NonFiniteGradientError:
+    return NonFiniteGradientError(
+        f"{argname} holds inf or NaN (pre-clip norms {norms.tolist()}); nothing was clipped. "
+        f"Skip this step, or pass error_if_nonfinite=False to return the norms instead"
+    )
+
+
+def clip_task_norms_(
+    matrix: Tensor,
+    max_norm: float | Tensor,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+) -> Tensor:
+    """Clip every row of ``matrix`` ``[K, P]`` in place to norm ``max_norm``; return pre-clip norms.
+
+    ``gₖ ← gₖ · min(1, max_norm / (‖gₖ‖ + 1e-6))``. ``max_norm`` may be a float or a ``[K]``
+    tensor (one limit per task). Rows with a non-finite norm are left as they are (the step
+    is skipped anyway) unless ``error_if_nonfinite`` raises.
+
+    Example:
+        >>> G = torch.tensor([[30.0, 40.0], [0.3, 0.4]])
+        >>> clip_task_norms_(G, max_norm=1.0)
+        tensor([50.0000,  0.5000])
+        >>> G
+        tensor([[0.6000, 0.8000],
+                [0.3000, 0.4000]])
+    """
+    check_matrix(matrix)
+    if not isinstance(max_norm, Tensor):
+        check_max_norm(max_norm)
+    norm_type = check_norm_type(norm_type)
+    norms = row_norms(matrix, norm_type)
+    finite = torch.isfinite(norms)
+    if error_if_nonfinite and not bool(finite.all()):
+        raise _nonfinite("matrix", norms)
+    limit = max_norm.to(norms) if isinstance(max_norm, Tensor) else max_norm
+    coef = (limit / (norms + _EPS)).clamp(max=1.0)
+    coef = torch.where(finite, coef, torch.ones_like(coef))
+    matrix.mul_(coef.unsqueeze(1).to(matrix.dtype))
+    return norms
+
+
+def clip_task_values_(matrix: Tensor, clip_value: float) -> Tensor:
+    """Clamp every entry of ``matrix`` ``[K, P]`` to ``[-clip_value, clip_value]`` in place.
+
+    Returns the pre-clip 2-norms of the rows ``[K]``. Unlike norm clipping, this can turn a
+    row (``[30, 40]`` with ``clip_value=5`` becomes ``[5, 5]``).
+    """
+    check_matrix(matrix)
+    check_max_norm(clip_value, "clip_value")
+    norms = row_norms(matrix)
+    matrix.clamp_(-clip_value, clip_value)
+    return norms
+
+
+class _Stateless:
+    """state_dict/load_state_dict/reset for a clipper whose settings are all it holds."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict:
+            raise ValueError(
+                f"{type(self).__name__} is stateless but state_dict has keys "
+                f"{sorted(state_dict)}; was it saved from another clipper?"
+            )
+
+    def reset(self) -> None:
+        """Nothing to forget."""
+
+
+class TaskClip(_Stateless):
+    """Per-task norm clipping of the rows of ``G``: a ``RowClipper`` for ``apply_(clip=...)``.
+
+    Args:
+        max_norm: the cap on each task gradient's norm (true, unscaled units under AMP).
+        norm_type: the p of the p-norm (``float('inf')`` allowed).
+        error_if_nonfinite: raise instead of leaving a non-finite row unclipped.
+
+    Example:
+        >>> stats = buf.apply_(balancer, clip=TaskClip(max_norm=1.0))
+        >>> stats.pre_clip_norms  # per-task norms before clipping
+    """
+
+    def __init__(self, max_norm: float, norm_type: float = 2.0,
+                 error_if_nonfinite: bool = False) -> None:
+        self.max_norm = check_max_norm(max_norm)
+        self.norm_type = check_norm_type(norm_type)
+        self.error_if_nonfinite = error_if_nonfinite
+
+    def __call__(self, matrix: Tensor) -> Tensor:
+        return clip_task_norms_(matrix, self.max_norm, self.norm_type, self.error_if_nonfinite)
+
+    def __repr__(self) -> str:
+        return f"TaskClip(max_norm={self.max_norm}, norm_type={self.norm_type})"
+
+
+class TaskValueClip(_Stateless):
+    """Per-value clipping of the rows of ``G`` (a ``RowClipper``); returns pre-clip row norms."""
+
+    def __init__(self, clip_value: float) -> None:
+        self.clip_value = check_max_norm(clip_value, "clip_value")
+
+    def __call__(self, matrix: Tensor) -> Tensor:
+        return clip_task_values_(matrix, self.clip_value)
+
+    def __repr__(self) -> str:
+        return f"TaskValueClip(clip_value={self.clip_value})"

@@ -1,0 +1,218 @@
+"""Logging a balanced step: the scalars seed 000 §13 asks for, to TensorBoard or CSV.
+
+Tags (``K`` tasks, ``i < j``):
+
+* ``loss/task{k}``: raw, unweighted task loss; ``size/task{k}``: true (unscaled) gradient norm
+  over the shared parameters; ``w/task{k}``: the task weight (balancer or loss weighting);
+* ``cos/task{i}_task{j}``: cosine similarity of two task gradients, for every pair;
+* ``pre_clip``: the norm before the user's global clip (``clip_grad_norm_``'s return value);
+  ``pre_clip/task{k}``: per-task pre-clip norms when the step clipped rows;
+* ``amp_skipped``: 1 when the gradient scaler skips the step, else 0.
+
+:class:`RunningStats` adds how much each number varies (``std/<tag>``, a standard deviation
+over a sliding window): the seed asks to log the variability, not only the average.
+TensorBoard is optional (``pip install gradbalance[tensorboard]``); :func:`stats_to_dict` and
+:class:`CSVLogger` need nothing but the standard library.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .stats import StepStats
+
+__all__ = ["CSVLogger", "RunningStats", "log_stats", "stats_to_dict", "summary_writer"]
+
+
+def _scalar(value: Any) -> float:
+    if isinstance(value, Tensor):
+        return float(value.detach().reshape(()).item())
+    return float(value)
+
+
+def stats_to_dict(
+    stats: StepStats,
+    pre_clip: float | Tensor | None = None,
+    amp_skipped: bool | None = None,
+    weights: Tensor | None = None,
+) -> dict[str, float]:
+    """The seed's scalars of one step as ``{tag: float}`` (one host sync).
+
+    Args:
+        stats: what ``TaskGradBuffer.apply_`` / ``balanced_backward`` returned.
+        pre_clip: the global pre-clip norm (``clip_grad_norm_``'s return value), if any.
+        amp_skipped: whether the scaler skipped the step; by default ``stats.found_inf`` when
+            the step used a scaler (a step without one is never skipped).
+        weights: task weights ``[K]`` to log as ``w/task{k}``; default ``stats.weights``
+            (pass a loss weighting's weights here).
+    """
+    k = stats.num_tasks
+    losses = stats.losses.detach().double().cpu()
+    sizes = stats.task_norms.detach().double().cpu()
+    cosine = stats.cosine.detach().double().cpu()
+    out: dict[str, float] = {}
+    for t in range(k):
+        out[f"loss/task{t}"] = float(losses[t])
+        out[f"size/task{t}"] = float(sizes[t])
+    w = stats.weights if weights is None else weights
+    if w is not None:
+        w = torch.as_tensor(w).detach().double().cpu().reshape(-1)
+        if w.numel() != k:
+            raise ValueError(
+                f"weights has {w.numel()} entries but the step has {k} tasks; pass one weight "
+                f"per task"
+            )
+        for t in range(k):
+            out[f"w/task{t}"] = float(w[t])
+    for i in range(k):
+        for j in range(i + 1, k):
+            out[f"cos/task{i}_task{j}"] = float(cosine[i, j])
+    if stats.pre_clip_norms is not None:
+        per_task = stats.pre_clip_norms.detach().double().cpu()
+        for t in range(k):
+            out[f"pre_clip/task{t}"] = float(per_task[t])
+    if pre_clip is not None:
+        out["pre_clip"] = _scalar(pre_clip)
+    if amp_skipped is None:
+        amp_skipped = stats.found_inf if stats.loss_scale is not None else False
+    out["amp_skipped"] = 1.0 if amp_skipped else 0.0
+    return out
+
+
+def summary_writer(log_dir: str | os.PathLike[str] | None = None, **kwargs: Any) -> Any:
+    """A ``torch.utils.tensorboard.SummaryWriter``, with a clear error if tensorboard is missing."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as error:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "TensorBoard logging needs the tensorboard package: pip install "
+            "gradbalance[tensorboard] (or log with stats_to_dict / CSVLogger instead)"
+        ) from error
+    return SummaryWriter(log_dir=None if log_dir is None else str(log_dir), **kwargs)
+
+
+def log_stats(
+    writer: Any,
+    stats: StepStats,
+    step: int,
+    pre_clip: float | Tensor | None = None,
+    amp_skipped: bool | None = None,
+    weights: Tensor | None = None,
+    running: RunningStats | None = None,
+) -> dict[str, float]:
+    """Write the seed's scalars of one step with ``writer.add_scalar(tag, value, step)``.
+
+    ``writer`` is a TensorBoard ``SummaryWriter`` (or anything with ``add_scalar``). With
+    ``running``, its ``std/<tag>`` variabilities are written too. Returns what was written.
+    """
+    if not hasattr(writer, "add_scalar"):
+        raise ValueError(
+            f"writer is a {type(writer).__name__} without add_scalar; pass a "
+            f"torch.utils.tensorboard.SummaryWriter (gradbalance.summary_writer(log_dir))"
+        )
+    scalars = stats_to_dict(stats, pre_clip=pre_clip, amp_skipped=amp_skipped, weights=weights)
+    if running is not None:
+        scalars.update(running.update(scalars))
+    for tag, value in scalars.items():
+        writer.add_scalar(tag, value, step)
+    return scalars
+
+
+class RunningStats:
+    """Sliding-window standard deviation of every logged scalar: ``std/<tag>``.
+
+    ``update(scalars)`` appends each finite value to its tag's window of the last ``window``
+    values and returns ``{"std/<tag>": population std}`` for every tag in ``scalars`` seen at
+    least once (0 after one value, so CSV columns are stable from the first step).
+    ``amp_skipped`` and ``std/*`` tags are not tracked; non-finite values are ignored.
+    """
+
+    def __init__(self, window: int = 100) -> None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 2:
+            raise ValueError(f"Invalid window: {window!r} (expected an int >= 2, e.g. 100)")
+        self.window = window
+        self.reset()
+
+    def reset(self) -> None:
+        self._values: dict[str, list[float]] = {}
+
+    def update(self, scalars: Mapping[str, float]) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for tag, value in scalars.items():
+            if tag == "amp_skipped" or tag.startswith("std/"):
+                continue
+            value = float(value)
+            if not math.isfinite(value):
+                continue
+            values = self._values.setdefault(tag, [])
+            values.append(value)
+            del values[: max(0, len(values) - self.window)]
+        for tag, values in self._values.items():
+            if values and tag in scalars:
+                mean = math.fsum(values) / len(values)
+                var = math.fsum((v - mean) ** 2 for v in values) / len(values)
+                out[f"std/{tag}"] = math.sqrt(var)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"window": self.window, "values": {k: list(v) for k, v in self._values.items()}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "values" not in state_dict:
+            raise ValueError("state_dict lacks 'values'; pass RunningStats.state_dict() output")
+        if state_dict.get("window", self.window) != self.window:
+            raise ValueError(
+                f"state_dict was saved with window={state_dict['window']} but this RunningStats "
+                f"has window={self.window}; build it with the saved window"
+            )
+        self._values = {k: [float(x) for x in v] for k, v in state_dict["values"].items()}
+
+
+class CSVLogger:
+    """Appends one row per step to a CSV file: ``step`` then every tag, in first-seen order.
+
+    Columns are fixed by the first row written (later new tags raise, so the file stays
+    rectangular); a missing tag is written as an empty cell. Use as a context manager or
+    call :meth:`close`.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        self._file = open(self.path, "w", newline="")  # noqa: SIM115 - closed in close()
+        self._writer = csv.writer(self._file)
+        self._columns: list[str] | None = None
+
+    def log(self, scalars: Mapping[str, float], step: int) -> None:
+        if self._columns is None:
+            self._columns = list(scalars)
+            self._writer.writerow(["step", *self._columns])
+        extra = [tag for tag in scalars if tag not in self._columns]
+        if extra:
+            raise ValueError(
+                f"tags {extra} were not in the first row; log the same tags every step (the "
+                f"CSV columns are fixed by the first row)"
+            )
+        self._writer.writerow([step, *(scalars.get(c, "") for c in self._columns)])
+        self._file.flush()
+
+    def log_stats(self, stats: StepStats, step: int, **kwargs: Any) -> dict[str, float]:
+        """``stats_to_dict(stats, **kwargs)`` written as one row; returns the dict."""
+        scalars = stats_to_dict(stats, **kwargs)
+        self.log(scalars, step)
+        return scalars
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> CSVLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

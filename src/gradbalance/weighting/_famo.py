@@ -1,0 +1,139 @@
+"""FAMO: Fast Adaptive Multitask Optimization (Liu et al., 2023)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._base import LossWeighting, check_nonnegative_losses, check_positive
+
+__all__ = ["FAMO", "famo_weights"]
+
+
+def famo_weights(losses: Tensor, logits: Tensor, min_losses: Tensor, eps: float = 1e-8) -> Tensor:
+    """``wₖ = (zₖ/Dₖ) / Σᵢ zᵢ/Dᵢ`` with ``z = softmax(ξ)``, ``Dₖ = Lₖ − mₖ + eps``.
+
+    ``Σₖ wₖ ∇Lₖ = ∇ Σₖ zₖ log Dₖ / c`` (``c = Σᵢ zᵢ/Dᵢ`` held constant): the gradient of the
+    weighted log-losses, normalised so that the weights sum to 1.
+    """
+    z = torch.softmax(logits.detach().double(), dim=0)
+    d = losses.detach().double() - min_losses.double() + eps
+    ratio = z / d
+    return ratio / ratio.sum()
+
+
+class FAMO(LossWeighting):
+    """Fast Adaptive Multitask Optimization: learn task logits ``ξ`` so losses fall evenly.
+
+    Step ``t`` (one forward, one backward; no task gradients):
+
+    1. ``weighting(losses)`` returns ``wₖ Lₖ`` with :func:`famo_weights` (detached), so the
+       model moves along ``Σₖ zₖ ∇log Dₖ / c``.
+    2. After ``optimizer.step()``, evaluate the **same batch** again (``torch.no_grad()``) and
+       call ``update(losses_after)``. With ``δₖ = log Dₖ(before) − log Dₖ(after)``,
+       ``ξ`` takes one step of its own Adam (``lr``, ``weight_decay=gamma``) along
+       ``∇_ξ softmax(ξ)·δ``: tasks whose loss fell less get more weight.
+
+    Micro-batches: ``before`` is the sum of the losses passed to the calls of the step (pass
+    each micro-batch's losses divided by the number of micro-batches, as for
+    :class:`~gradbalance.TaskGradBuffer`, and the sum is the batch mean); pass
+    ``losses_after`` aggregated the same way, over the same micro-batches. A skipped step
+    (``found_inf=True``) leaves ``ξ`` and its Adam state unchanged.
+
+    Args:
+        num_tasks: K.
+        lr: learning rate of ``ξ`` (paper: 0.025).
+        gamma: weight decay of ``ξ`` (reference implementation default 0.01).
+        min_losses: ``m`` ``[K]``, lower bounds of the losses (default 0).
+        optimizer: factory ``params -> torch.optim.Optimizer`` replacing the default Adam.
+
+    Reference: Liu, Liu, Jin, Stone & Liu, "FAMO: Fast Adaptive Multitask Optimization",
+    NeurIPS 2023.
+    """
+
+    name = "famo"
+
+    def __init__(self, num_tasks: int, *, lr: float = 0.025, gamma: float = 0.01,
+                 min_losses: Tensor | list[float] | None = None, eps: float = 1e-8,
+                 optimizer: Callable[[list[Tensor]], torch.optim.Optimizer] | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__(num_tasks, device=device)
+        self.lr = check_positive(lr, "lr")
+        self.gamma = check_positive(gamma, "gamma", allow_zero=True)
+        self.eps = check_positive(eps, "eps")
+        k = num_tasks
+        m = torch.zeros(k) if min_losses is None else torch.as_tensor(min_losses)
+        m = m.detach().to(dtype=torch.float64, device=self.device).clone()
+        if m.shape != (k,) or not bool(torch.isfinite(m).all()):
+            raise ValueError(f"Invalid min_losses: {m.tolist()} (expected {k} finite numbers)")
+        self.min_losses = m
+        self._initial_min = m.clone()
+        self._factory = optimizer
+        self.logits = torch.zeros(k, dtype=torch.float64, device=self.device, requires_grad=True)
+        self.optimizer = self._make_optimizer()
+        self._last = torch.full((k,), 1.0 / k, dtype=torch.float64, device=self.device)
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        if self._factory is not None:
+            return self._factory([self.logits])
+        return torch.optim.Adam([self.logits], lr=self.lr, weight_decay=self.gamma)
+
+    def _check_above_min(self, losses: Tensor, argname: str) -> None:
+        check_nonnegative_losses(losses.detach().double().to(self.device) - self.min_losses,
+                                 f"FAMO ({argname} minus min_losses)")
+
+    def _weighted(self, losses: Tensor) -> Tensor:
+        self._check_above_min(losses, "losses")
+        w = famo_weights(losses.to(self.device), self.logits, self.min_losses, self.eps)
+        self._last = w
+        return w.to(dtype=losses.dtype, device=losses.device) * losses
+
+    def _apply_update(self, losses: Tensor, losses_after: Tensor | None) -> None:
+        if losses_after is None:
+            raise ValueError(
+                "FAMO.update() needs losses_after: the same batch's task losses after the "
+                "optimizer step, e.g. with torch.no_grad(): famo.update(task_losses(batch))"
+            )
+        self._check_above_min(losses_after, "losses_after")
+        delta = torch.log(losses - self.min_losses + self.eps) - torch.log(
+            losses_after - self.min_losses + self.eps)
+        z = torch.softmax(self.logits.detach(), dim=0)
+        # ∇_ξ (softmax(ξ) · δ) = z ⊙ (δ − z·δ)
+        self.logits.grad = z * (delta - (z * delta).sum())
+        self.optimizer.step()
+        self.logits.grad = None
+
+    @property
+    def weights(self) -> Tensor:
+        """Weights of the last call (``1/K`` before the first)."""
+        return self._last.clone()
+
+    @property
+    def task_probabilities(self) -> Tensor:
+        """``softmax(ξ)`` ``[K]``."""
+        return torch.softmax(self.logits.detach(), dim=0)
+
+    def _state(self) -> dict[str, Any]:
+        return {"logits": self.logits.detach(), "min_losses": self.min_losses,
+                "optimizer": self.optimizer.state_dict()}
+
+    def _load_state(self, state: dict[str, Any]) -> None:
+        k = self.num_tasks
+        logits = self._check_state_tensor(state, "logits", (k,))
+        self.min_losses = self._check_state_tensor(state, "min_losses", (k,)).double()
+        if not isinstance(state.get("optimizer"), dict):
+            raise ValueError("state_dict lacks 'optimizer'; was it saved from another FAMO?")
+        with torch.no_grad():
+            self.logits.copy_(logits)
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def _reset_state(self) -> None:
+        with torch.no_grad():
+            self.logits.zero_()
+        self.min_losses = self._initial_min.clone()
+        self.optimizer = self._make_optimizer()
+        k = self.num_tasks
+        self._last = torch.full((k,), 1.0 / k, dtype=torch.float64, device=self.device)

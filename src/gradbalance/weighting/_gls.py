@@ -1,0 +1,53 @@
+"""GLS: the geometric mean of the task losses (Chennupati et al., 2019)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._base import LossWeighting, check_nonnegative_losses, check_positive
+
+__all__ = ["GLS", "gls_weights"]
+
+
+def gls_weights(losses: Tensor, eps: float = 1e-12) -> Tensor:
+    """``wₖ = (Πⱼ Lⱼ)^{1/K} / (K·Lₖ)``: the gradient of the geometric mean, as weights.
+
+    ``∇ (Πⱼ Lⱼ)^{1/K} = Σₖ wₖ ∇Lₖ`` and ``Σₖ wₖ Lₖ = (Πⱼ Lⱼ)^{1/K}``. Losses are clamped at
+    ``eps`` (computed in log space, float64).
+    """
+    logs = losses.detach().double().clamp_min(eps).log()
+    k = losses.shape[0]
+    return torch.exp(logs.mean() - logs) / k
+
+
+class GLS(LossWeighting):
+    """Geometric loss strategy: minimise ``(Πₖ Lₖ)^{1/K}``.
+
+    Returned weighted losses are ``wₖ Lₖ`` with the detached weights of :func:`gls_weights`:
+    their sum equals the geometric mean in value and gradient, and their per-task rows are
+    ``wₖ ∇Lₖ``. Stateless; the losses must be >= 0. Weights come from each call's losses, so
+    with micro-batches they follow each micro-batch.
+
+    Reference: Chennupati et al., "MultiNet++: Multi-Stream Feature Aggregation and Geometric
+    Loss Strategy for Multi-Task Learning", CVPR Workshops 2019.
+    """
+
+    name = "gls"
+
+    def __init__(self, num_tasks: int, *, eps: float = 1e-12,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__(num_tasks, device=device)
+        self.eps = check_positive(eps, "eps")
+        self._last = torch.full((num_tasks,), 1.0 / num_tasks, dtype=torch.float64)
+
+    def _weighted(self, losses: Tensor) -> Tensor:
+        check_nonnegative_losses(losses, "GLS")
+        w = gls_weights(losses, self.eps)
+        self._last = w
+        return w.to(dtype=losses.dtype) * losses
+
+    @property
+    def weights(self) -> Tensor:
+        """Weights of the last call (``1/K`` before the first)."""
+        return self._last.clone()

@@ -1,0 +1,203 @@
+"""GradNorm: balance the task-gradient norms at one shared layer (Chen et al., 2018)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .._types import NonFiniteGradientError, as_parameter_list
+from ._base import LossWeighting, check_positive
+
+__all__ = ["GradNorm", "gradnorm_targets", "last_layer_parameters"]
+
+
+def last_layer_parameters(module: nn.Module) -> list[Tensor]:
+    """Trainable parameters of the last submodule (in registration order) that owns some."""
+    owners = [m for m in module.modules()
+              if any(p.requires_grad for p in m.parameters(recurse=False))]
+    if not owners:
+        raise ValueError(f"Invalid layer: {type(module).__name__} has no trainable parameters "
+                         f"(pass the shared layer whose gradient norms GradNorm balances)")
+    return [p for p in owners[-1].parameters(recurse=False) if p.requires_grad]
+
+
+def gradnorm_targets(norms: Tensor, losses: Tensor, initial_losses: Tensor,
+                     alpha: float) -> Tensor:
+    """Target norms ``Ḡ·rₖ^α`` ``[K]`` (treated as constants).
+
+    ``norms`` are the weighted norms ``Gₖ = ‖∇_W wₖLₖ‖``, ``Ḡ`` their mean, and
+    ``rₖ = L̃ₖ / mean(L̃)`` the relative inverse training rates, ``L̃ₖ = Lₖ(t)/Lₖ(0)``.
+    """
+    ratio = losses.double() / initial_losses.double()
+    rate = ratio / ratio.mean()
+    return norms.double().mean() * rate.pow(alpha)
+
+
+class GradNorm(LossWeighting):
+    """Learn task weights ``w`` so that the weighted gradient norms train at equal rates.
+
+    At the shared layer ``W`` (default: the last layer of ``layer``), with
+    ``Gₖ = wₖ‖∇_W Lₖ‖``::
+
+        L_grad = Σₖ | Gₖ − Ḡ·rₖ^α |,   Ḡ·rₖ^α held constant
+
+    ``L_grad`` is backpropagated into ``w`` **only** (never into the model's ``.grad``), ``w``
+    takes one step of its own optimizer (paper: Adam, lr 0.025), then inside ``no_grad`` ``w``
+    is clamped to ``>= min_weight`` and rescaled to sum to K (seed §9.1; ``renormalize=False``
+    leaves the sum free to drift).
+
+    Step ``t``: ``weighting(losses)`` computes ``∇_W Lₖ`` (K small backward passes through the
+    heads and ``W``; gradients summed over micro-batches) and returns ``wₖ Lₖ`` with ``w``
+    detached; after ``optimizer.step()``, ``update(found_inf=...)`` takes the ``w`` step.
+    ``Lₖ(0)`` are the losses of the first step not skipped. Under mixed precision pass the
+    ``GradScaler`` to the call (``weighting(losses, scaler=scaler)``): the layer gradients
+    are taken of the scaled losses and divided by the scale, so the norms are the true ones.
+
+    Args:
+        num_tasks: K.
+        layer: the shared layer ``W``: a module (its last parametrised submodule is used,
+            e.g. ``model.trunk``) or a list of parameters.
+        alpha: asymmetry ``α >= 0`` (paper: 1.5 on NYUv2, 0.12 on its synthetic tasks; 0
+            asks for equal norms).
+        lr: learning rate of the default Adam on ``w``.
+        renormalize: rescale ``w`` to sum to K after every update.
+        min_weight: floor that keeps every weight positive.
+        optimizer: factory ``params -> torch.optim.Optimizer`` replacing the default Adam.
+
+    Reference: Chen, Badrinarayanan, Lee & Rabinovich, "GradNorm: Gradient Normalization for
+    Adaptive Loss Balancing in Deep Multitask Networks", ICML 2018.
+    """
+
+    name = "gradnorm"
+    needs_task_gradients = True
+
+    def __init__(self, num_tasks: int, layer: nn.Module | Iterable[Tensor], *,
+                 alpha: float = 1.5, lr: float = 0.025, renormalize: bool = True,
+                 min_weight: float = 1e-4,
+                 optimizer: Callable[[list[Tensor]], torch.optim.Optimizer] | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__(num_tasks, device=device)
+        self.alpha = check_positive(alpha, "alpha", allow_zero=True)
+        self.lr = check_positive(lr, "lr")
+        self.min_weight = check_positive(min_weight, "min_weight")
+        if self.min_weight >= 1.0:
+            raise ValueError(f"Invalid min_weight: {min_weight!r} (expected < 1, the mean "
+                             f"weight)")
+        self.renormalize = bool(renormalize)
+        if isinstance(layer, nn.Module):
+            self.layer_params = last_layer_parameters(layer)
+        else:
+            self.layer_params = as_parameter_list(layer, "layer")
+        self._factory = optimizer
+        self.task_weights = torch.ones(num_tasks, dtype=torch.float64, device=self.device,
+                                       requires_grad=True)
+        self.optimizer = self._make_optimizer()
+        self._initial: Tensor | None = None
+        self._grads: Tensor | None = None
+        self.last_loss_grad: Tensor | None = None
+        self.last_norms: Tensor | None = None
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        if self._factory is not None:
+            return self._factory([self.task_weights])
+        return torch.optim.Adam([self.task_weights], lr=self.lr)
+
+    # -- step ---------------------------------------------------------------------------
+    def _layer_gradients(self, losses: Tensor, scaler: Any) -> Tensor:
+        scale = None
+        if scaler is not None and scaler.is_enabled():
+            scale = scaler.scale(torch.ones((), dtype=torch.float32, device=losses.device))
+        scaled = losses if scale is None else losses * scale.to(losses.dtype)
+        rows = []
+        for k in range(losses.shape[0]):
+            grads = torch.autograd.grad(scaled[k], self.layer_params, retain_graph=True,
+                                        allow_unused=True)
+            flat = [torch.zeros(p.numel(), dtype=torch.float64, device=p.device) if g is None
+                    else g.reshape(-1).double() for g, p in zip(grads, self.layer_params)]
+            rows.append(torch.cat(flat))
+        matrix = torch.stack(rows)
+        if scale is not None:
+            matrix = matrix / scale.to(device=matrix.device, dtype=matrix.dtype)
+        return matrix
+
+    def _weighted(self, losses: Tensor, scaler: Any = None) -> Tensor:
+        if not losses.requires_grad:
+            raise ValueError("losses do not require grad; GradNorm needs the graph to the "
+                             "shared layer: call it before backward(), on the model's losses")
+        matrix = self._layer_gradients(losses, scaler)
+        self._grads = matrix if self._grads is None else self._grads + matrix
+        w = self.task_weights.detach().to(dtype=losses.dtype, device=losses.device)
+        return w * losses
+
+    def _discard_pending(self) -> None:
+        self._grads = None
+
+    def _apply_update(self, losses: Tensor, losses_after: Tensor | None) -> None:
+        assert self._grads is not None
+        norms = self._grads.norm(dim=1).to(self.device)
+        if not bool(torch.isfinite(norms).all()):
+            raise NonFiniteGradientError(
+                f"the gradients at GradNorm's layer hold inf or NaN (norms {norms.tolist()}); "
+                f"state unchanged. Pass found_inf=True for a skipped step"
+            )
+        initial = losses if self._initial is None else self._initial
+        if not bool((initial > 0).all()):
+            raise ValueError(f"Invalid losses: initial losses {initial.tolist()} (GradNorm "
+                             f"divides by Lₖ(0): every task loss must be > 0 at the start)")
+        w = self.task_weights
+        weighted_norms = w.detach() * norms
+        target = gradnorm_targets(weighted_norms, losses, initial, self.alpha)
+        loss_grad = (w * norms - target).abs().sum()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_grad.backward(inputs=[w])
+        self.optimizer.step()
+        w.grad = None
+        with torch.no_grad():
+            w.clamp_(min=self.min_weight)
+            if self.renormalize:
+                w.mul_(self.num_tasks / w.sum())
+        self._initial = initial.clone()
+        self.last_loss_grad = loss_grad.detach()
+        self.last_norms = norms
+
+    # -- state --------------------------------------------------------------------------
+    @property
+    def weights(self) -> Tensor:
+        return self.task_weights.detach().clone()
+
+    @property
+    def initial_losses(self) -> Tensor | None:
+        """``Lₖ(0)`` ``[K]``, None before the first update."""
+        return None if self._initial is None else self._initial.clone()
+
+    def _state(self) -> dict[str, Any]:
+        return {"weights": self.task_weights.detach(), "initial_losses": self._initial,
+                "optimizer": self.optimizer.state_dict()}
+
+    def _load_state(self, state: dict[str, Any]) -> None:
+        k = self.num_tasks
+        weights = self._check_state_tensor(state, "weights", (k,))
+        initial = None if state.get("initial_losses") is None else self._check_state_tensor(
+            state, "initial_losses", (k,))
+        if not isinstance(state.get("optimizer"), dict):
+            raise ValueError("state_dict lacks 'optimizer'; was it saved from another "
+                             "GradNorm?")
+        with torch.no_grad():
+            self.task_weights.copy_(weights)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self._initial = None if initial is None else initial.double()
+
+    def _reset_state(self) -> None:
+        with torch.no_grad():
+            self.task_weights.fill_(1.0)
+        self.optimizer = self._make_optimizer()
+        self._initial = None
+        self.last_loss_grad = None
+        self.last_norms = None
+
+    def __repr__(self) -> str:
+        return (f"GradNorm(num_tasks={self.num_tasks}, alpha={self.alpha}, lr={self.lr}, "
+                f"renormalize={self.renormalize})")

@@ -1,0 +1,98 @@
+"""RLW: Random Loss Weighting (Lin et al., 2022)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from ._base import LossWeighting
+
+__all__ = ["RLW", "rlw_sample"]
+
+_DISTRIBUTIONS = ("normal", "dirichlet")
+
+
+def rlw_sample(num_tasks: int, generator: torch.Generator,
+               distribution: Literal["normal", "dirichlet"] = "normal") -> Tensor:
+    """One draw of weights on the simplex ``[K]`` (float64, CPU).
+
+    ``"normal"``: ``softmax(z)``, ``z ~ N(0, I)`` (the paper's default);
+    ``"dirichlet"``: ``Dirichlet(1, …, 1)``, drawn as normalised ``Exp(1)`` variables.
+    """
+    if distribution == "normal":
+        z = torch.randn(num_tasks, generator=generator, dtype=torch.float64)
+        return torch.softmax(z, dim=0)
+    u = torch.rand(num_tasks, generator=generator, dtype=torch.float64)
+    e = -torch.log1p(-u)
+    return e / e.sum()
+
+
+class RLW(LossWeighting):
+    """Random loss weighting: fresh random weights on the simplex for every optimizer step.
+
+    ``wₖ = softmax(z)ₖ`` with ``z ~ N(0, I)`` drawn from an explicit ``torch.Generator``; one
+    draw per step (all micro-batches of a step share it), the next one in :meth:`update`. A
+    skipped step keeps its weights and does not advance the generator.
+
+    Args:
+        num_tasks: K.
+        distribution: ``"normal"`` (default) or ``"dirichlet"``.
+        generator: a CPU ``torch.Generator`` (its state is saved in :meth:`state_dict`); one
+            seeded with ``seed`` is made when omitted.
+        seed: seed of the generator made here; default: drawn from torch's global RNG, so
+            ``torch.manual_seed`` makes runs repeat.
+
+    Reference: Lin et al., "Reasonable Effectiveness of Random Weighting: A Litmus Test for
+    Multi-Task Learning", TMLR 2022.
+    """
+
+    name = "rlw"
+
+    def __init__(self, num_tasks: int, *, distribution: str = "normal",
+                 generator: torch.Generator | None = None, seed: int | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__(num_tasks, device=device)
+        if distribution not in _DISTRIBUTIONS:
+            raise ValueError(f"Invalid distribution: {distribution!r} (expected one of "
+                             f"{', '.join(_DISTRIBUTIONS)})")
+        self.distribution: Literal["normal", "dirichlet"] = distribution  # type: ignore[assignment]
+        if generator is not None and seed is not None:
+            raise ValueError("Invalid seed: give either generator or seed, not both")
+        if generator is None:
+            if seed is None:
+                seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+            generator = torch.Generator().manual_seed(seed)
+        elif generator.device.type != "cpu":
+            raise ValueError(f"Invalid generator: on {generator.device} (expected a CPU "
+                             f"torch.Generator)")
+        self.generator = generator
+        self._initial_rng = generator.get_state()
+        self._weights = rlw_sample(num_tasks, generator, self.distribution).to(self.device)
+
+    def _reset_state(self) -> None:
+        self.generator.set_state(self._initial_rng)
+        self._weights = rlw_sample(self.num_tasks, self.generator,
+                                   self.distribution).to(self.device)
+
+    def _weighted(self, losses: Tensor) -> Tensor:
+        return self._weights.to(dtype=losses.dtype, device=losses.device) * losses
+
+    def _apply_update(self, losses: Tensor, losses_after: Tensor | None) -> None:
+        self._weights = rlw_sample(self.num_tasks, self.generator,
+                                   self.distribution).to(self.device)
+
+    @property
+    def weights(self) -> Tensor:
+        return self._weights.clone()
+
+    def _state(self) -> dict[str, Any]:
+        return {"weights": self._weights, "rng_state": self.generator.get_state()}
+
+    def _load_state(self, state: dict[str, Any]) -> None:
+        weights = self._check_state_tensor(state, "weights", (self.num_tasks,))
+        if not isinstance(state.get("rng_state"), Tensor):
+            raise ValueError("state_dict lacks 'rng_state'; was it saved from another RLW?")
+        self.generator.set_state(state["rng_state"])
+        self._weights = weights

@@ -1,0 +1,135 @@
+"""STCH: smooth Tchebycheff scalarisation of the task losses (Lin et al., 2024)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._base import LossWeighting, check_nonnegative_losses, check_positive
+
+__all__ = ["STCH", "stch_weights"]
+
+
+def stch_weights(losses: Tensor, nadir: Tensor, mu: float, preference: Tensor,
+                 eps: float = 1e-20) -> Tensor:
+    """Weights ``[K]`` whose ``Σₖ wₖ ∇Lₖ`` is the gradient of the STCH objective.
+
+    Objective ``g = K·μ·log Σₖ exp(λₖ fₖ / μ)`` with ``fₖ = log(Lₖ/nₖ + eps)``, so
+    ``wₖ = K·softmax(λ f / μ)ₖ · λₖ / (Lₖ + eps·nₖ)``. As ``μ → 0`` the weight goes to the
+    task with the largest ``λₖ fₖ`` (Tchebycheff); a large ``μ`` spreads it evenly.
+    """
+    x = losses.detach().double()
+    n = nadir.double()
+    lam = preference.double()
+    f = torch.log(x / n + eps)
+    soft = torch.softmax(lam * f / mu, dim=0)
+    return x.shape[0] * soft * lam / (x + eps * n)
+
+
+class STCH(LossWeighting):
+    """Smooth Tchebycheff scalarisation: minimise a smooth max of the normalised log-losses.
+
+    ``g(L) = K·μ·log Σₖ exp(λₖ·log(Lₖ/nₖ)/μ)``, ``n`` the nadir (reference) losses. During
+    the first ``warmup_steps`` optimizer steps the objective is ``Σₖ log Lₖ`` (weights
+    ``1/Lₖ``) and the mean of those steps' losses becomes the nadir, as the reference
+    implementation does over its warm-up epoch. Give ``nadir`` to skip the estimate; with
+    ``warmup_steps=0`` and no nadir, ``n = 1``.
+
+    Returned weighted losses are ``wₖ Lₖ`` with detached weights (:func:`stch_weights`):
+    their sum has the objective's gradient (not its value). Losses must be > 0.
+
+    Args:
+        num_tasks: K.
+        mu: smoothing ``μ > 0``.
+        warmup_steps: optimizer steps used to estimate the nadir.
+        nadir: reference losses ``[K]`` (> 0), instead of the warm-up estimate.
+        preference: ``λ`` ``[K]`` (> 0, default ones).
+
+    Reference: Lin et al., "Smooth Tchebycheff Scalarization for Multi-Objective
+    Optimization", ICML 2024.
+    """
+
+    name = "stch"
+
+    def __init__(self, num_tasks: int, *, mu: float = 1.0, warmup_steps: int = 0,
+                 nadir: Sequence[float] | Tensor | None = None,
+                 preference: Sequence[float] | Tensor | None = None, eps: float = 1e-20,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__(num_tasks, device=device)
+        self.mu = check_positive(mu, "mu")
+        self.eps = check_positive(eps, "eps")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or \
+                warmup_steps < 0:
+            raise ValueError(f"Invalid warmup_steps: {warmup_steps!r} (expected an int >= 0)")
+        self.warmup_steps = warmup_steps
+        self.preference = self._vector(preference, "preference")
+        self._given_nadir = None if nadir is None else self._vector(nadir, "nadir")
+        self._reset_state()
+
+    def _vector(self, value: Sequence[float] | Tensor | None, argname: str) -> Tensor:
+        k = self.num_tasks
+        if value is None:
+            return torch.ones(k, dtype=torch.float64, device=self.device)
+        v = torch.as_tensor(value, dtype=torch.float64).detach().clone().to(self.device)
+        if v.shape != (k,) or not bool(torch.isfinite(v).all()) or not bool((v > 0).all()):
+            raise ValueError(f"Invalid {argname}: {v.tolist()} (expected {k} finite numbers "
+                             f"> 0, one per task)")
+        return v
+
+    def _reset_state(self) -> None:
+        k, dev = self.num_tasks, self.device
+        if self._given_nadir is not None:
+            self._nadir: Tensor | None = self._given_nadir.clone()
+        elif self.warmup_steps == 0:
+            self._nadir = torch.ones(k, dtype=torch.float64, device=dev)
+        else:
+            self._nadir = None
+        self._warmup_sum = torch.zeros(k, dtype=torch.float64, device=dev)
+        self._steps = 0
+        self._last = torch.ones(k, dtype=torch.float64, device=dev)
+
+    @property
+    def in_warmup(self) -> bool:
+        return self._nadir is None
+
+    @property
+    def nadir(self) -> Tensor | None:
+        """The reference losses ``[K]`` (None while being estimated)."""
+        return None if self._nadir is None else self._nadir.clone()
+
+    def _weighted(self, losses: Tensor) -> Tensor:
+        check_nonnegative_losses(losses, "STCH")
+        if self._nadir is None:
+            w = 1.0 / (losses.detach().double().to(self.device) + self.eps)
+        else:
+            w = stch_weights(losses.to(self.device), self._nadir, self.mu, self.preference,
+                             self.eps)
+        self._last = w
+        return w.to(dtype=losses.dtype, device=losses.device) * losses
+
+    def _apply_update(self, losses: Tensor, losses_after: Tensor | None) -> None:
+        self._steps += 1
+        if self._nadir is None:
+            self._warmup_sum = self._warmup_sum + losses
+            if self._steps >= self.warmup_steps:
+                nadir = self._warmup_sum / self._steps
+                self._nadir = nadir.clamp_min(torch.finfo(torch.float64).tiny)
+
+    @property
+    def weights(self) -> Tensor:
+        """Weights of the last call (ones before the first)."""
+        return self._last.clone()
+
+    def _state(self) -> dict[str, Any]:
+        return {"nadir": self._nadir, "warmup_sum": self._warmup_sum, "steps": self._steps}
+
+    def _load_state(self, state: dict[str, Any]) -> None:
+        k = self.num_tasks
+        nadir = None if state.get("nadir") is None else self._check_state_tensor(
+            state, "nadir", (k,))
+        self._warmup_sum = self._check_state_tensor(state, "warmup_sum", (k,))
+        self._nadir = nadir
+        self._steps = int(state.get("steps", 0))
