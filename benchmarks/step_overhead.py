@@ -231,21 +231,23 @@ def v_autogram(b: Bench, name: str) -> Step | None:
     return step
 
 
-def variants(b: Bench, k: int, amortise_ks: set[int], own: Callable[[], Bench]
-             ) -> dict[str, Step]:
+def variants(b: Bench, k: int, amortise_ks: set[int], own: Callable[[], Bench],
+             only: list[str] | None = None) -> dict[str, Step]:
     """Every variant; those that hook the trunk's forward get their own copy of the model."""
     table: dict[str, Step | None] = {"plain": v_plain(b), "forward": v_forward(b)}
     for name in BALANCERS:
         for mode in ("matrix", "gramian", "features"):
             table[f"{mode}-{name}"] = v_mode(own() if mode == "gramian" else b, mode, name)
+    for name in ("pcgrad", "mgda"):  # the library against the same code written by hand
         table[f"handloop-{name}"] = v_handloop(b, name)
-        table[f"libmtl-{name}"] = v_libmtl(b, name)
+    table["libmtl-upgrad"] = v_libmtl(b, "upgrad")
     for name in TORCHJD:
         table[f"torchjd-{name}"] = v_torchjd(b, name)
         table[f"autogram-{name}"] = v_autogram(own(), name)
     if k in amortise_ks:
         table["matrix-upgrad-T10"] = v_mode(b, "matrix", "upgrad", update_every=10)
-    return {key: fn for key, fn in table.items() if fn is not None}
+    return {key: fn for key, fn in table.items() if fn is not None and (
+        only is None or key in ("plain", "forward") or any(o in key for o in only))}
 
 
 # -- timing -----------------------------------------------------------------------------------
@@ -273,7 +275,8 @@ def _timer(device: torch.device) -> Callable[[Step, int], float]:
 def time_case(trunk: str, k: int, args: argparse.Namespace, device: torch.device
               ) -> dict[str, float]:
     b = Bench(trunk, k, device, args.quick)
-    table = variants(b, k, set(args.amortise_ks), lambda: Bench(trunk, k, device, args.quick))
+    table = variants(b, k, set(args.amortise_ks), lambda: Bench(trunk, k, device, args.quick),
+                     args.variants)
     names = list(table)
     timer = _timer(device)
     for name in names:  # warm-up
@@ -380,13 +383,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny models, 3 rounds: a smoke run")
     parser.add_argument("--trunks", default="mlp,cnn,transformer,large")
-    parser.add_argument("--ks", default="2,4,8,16")
+    parser.add_argument("--ks", default=None, help="default 2,4,8,16 (--quick: 2,4)")
     parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--reps", type=int, default=3, help="steps per timing sample")
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=1, help="steps per timing sample")
+    parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--amortise-ks", default="8", help="K values that time update_every=10")
-    parser.add_argument("--memory-ks", default="8,16", help="K values with peak memory (''=none)")
+    parser.add_argument("--memory-ks", default=None,
+                        help="K values with peak memory, '' for none (default 8,16; --quick: none)")
+    parser.add_argument("--variants", default="",
+                        help="comma-separated substrings: time only matching variants")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     parser.add_argument("--_memory", nargs=3, help=argparse.SUPPRESS)
@@ -399,7 +405,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.quick:
         args.rounds, args.reps, args.warmup = min(args.rounds, 3), 1, 1
+    if args.ks is None:
+        args.ks = "2,4" if args.quick else "2,4,8,16"
+    if args.memory_ks is None:
+        args.memory_ks = "" if args.quick else "8,16"
     args.amortise_ks = [int(k) for k in args.amortise_ks.split(",") if k]
+    args.variants = [v for v in args.variants.split(",") if v] or None
     trunks = [t for t in args.trunks.split(",") if t]
     ks = [int(k) for k in args.ks.split(",") if k]
     memory_ks = {int(k) for k in args.memory_ks.split(",") if k}

@@ -83,3 +83,16 @@ def test_invalid_arguments() -> None:
         NashMTL(normalization="l2")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="update_weights_every"):
         NashMTL(update_weights_every=0)
+
+
+def test_warm_start_far_from_the_solution_converges() -> None:
+    """Regression: a warm start from an earlier step used to stall the line search near the
+    optimum (float64 cannot resolve the objective's decrease there) and raise SolverError."""
+    from gradbalance.balancers._solvers import nash_bargaining
+
+    gram = torch.tensor([[0.5125, -0.0288], [-0.0288, 0.4875]], dtype=torch.float64)
+    warm = torch.tensor([1.28043123407253123, 1.45618567424858281], dtype=torch.float64)
+    alpha = nash_bargaining(gram, warm)
+    # The defining equation of the bargaining solution: αᵢ (G α)ᵢ = 1 for every task.
+    torch.testing.assert_close(alpha * (gram @ alpha), torch.ones(2, dtype=torch.float64),
+                               rtol=0, atol=1e-9)

@@ -316,9 +316,10 @@ class TaskGradBuffer:
                 "grad), e.g. feats = model.trunk(x); buf.backward(losses, features=feats)"
             )
         batched = resolve_strategy(self.strategy, self.layout.device) == "batched"
-        if self.head_params:
-            torch.autograd.backward(scaled.sum(), inputs=self.head_params, retain_graph=True)
         if self._recorder is not None:
+            if self.head_params:
+                torch.autograd.backward(scaled.sum(), inputs=self.head_params,
+                                        retain_graph=True)
             self._recorder.task_output_grads(scaled, batched)
             return
         assert features is not None
@@ -328,8 +329,29 @@ class TaskGradBuffer:
             self._matrix.dtype != layout.dtype
         ):
             self._matrix = torch.empty(k, layout.numel, dtype=layout.dtype, device=layout.device)
-        compute_into(scaled, layout, self._matrix, strategy=self.strategy, retain_graph=True)
         self._features = features
+        if batched:
+            if self.head_params:
+                torch.autograd.backward(scaled.sum(), inputs=self.head_params,
+                                        retain_graph=True)
+            compute_into(scaled, layout, self._matrix, strategy=self.strategy, retain_graph=True)
+            return
+        # The loop: each pass through the heads also yields the heads' plain gradients.
+        heads: list[Tensor | None] = [None] * len(self.head_params)
+        for task in range(k):
+            grads = torch.autograd.grad(scaled[task], [features, *self.head_params],
+                                        retain_graph=True, allow_unused=True)
+            self._matrix[task].copy_(grads[0].reshape(-1))
+            for j, g in enumerate(grads[1:]):
+                if g is not None:
+                    total = heads[j]
+                    heads[j] = g if total is None else total.add_(g)
+        for p, g in zip(self.head_params, heads):
+            if g is not None:
+                if p.grad is None:
+                    p.grad = g
+                else:
+                    p.grad.add_(g)
 
     def _apply_mode(self, balancer: Balancer, clip: RowClipper | None) -> StepStats:
         losses, scale, count = self._losses, self._scale, self._count

@@ -288,10 +288,14 @@ def nash_bargaining(
         if bool(neg.any()):
             t = min(1.0, 0.99 * float((-alpha[neg] / step[neg]).min()))
         slope = float(grad @ step)
+        res_max = float(residual.abs().max())
         while True:
             cand = alpha + t * step
             cand_value = objective(cand)
-            if cand_value <= value + 1e-4 * t * slope or t < 1e-12:
+            # Near the optimum f changes by O(residual²), below float64 resolution of f, so
+            # Armijo alone stalls there; a step that lowers the residual is accepted too.
+            cand_res = float((cand * (gram @ cand) - 1.0).abs().max())
+            if cand_value <= value + 1e-4 * t * slope or cand_res < res_max or t < 1e-12:
                 break
             t *= 0.5
         if t < 1e-12:

@@ -53,10 +53,19 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: …)`` except for flags and options whose help already explains it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.default is False or "default" in (action.help or ""):
+            return action.help or ""
+        return super()._get_help_string(action) or ""
+
+
 def add_common_options(parser: argparse.ArgumentParser, *, seeds: int, out: str,
                        epochs: int = 10) -> None:
     """Data, training and output options (every one documented in ``--help``)."""
-    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    parser.formatter_class = _DefaultsFormatter
     data = parser.add_argument_group("data (MultiDigits, built from scikit-learn's digits)")
     data.add_argument("--variant", choices=("plain", "scaled"), default="plain",
                       help="'scaled' multiplies the right-digit task's loss by --right-scale "

@@ -142,7 +142,8 @@ def format_markdown(summaries: Sequence[Summary], metric_names: Sequence[str],
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for s in summaries:
         cells = [s.label, s.kind]
-        cells += [_pm(m, d) for m, d in zip(s.means, s.stds)]
+        cells += [_pm(m, d, 1 if up else 2)
+                  for m, d, up in zip(s.means, s.stds, higher_is_better)]
         cells.append(_pm(s.delta_mean, s.delta_std, 2))
         cells.append(_fmt(s.step_ms, 2))
         cells.append(_fmt(s.time_ratio, 2) or "–")

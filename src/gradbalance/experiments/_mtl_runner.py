@@ -228,47 +228,49 @@ def train_run(data: MultiDigits, method: Method, seed: int, cfg: RunConfig,
     history: list[list[float]] = []
     epoch_losses: list[float] = []
     step = 0
-    for epoch in range(cfg.epochs):
-        order = torch.randperm(n, generator=gen)
-        sums = torch.zeros(data.num_tasks, dtype=torch.float64)
-        if method.kind == "single":
-            sums.fill_(math.nan)
-            sums[method.task] = 0.0
-        for b in range(per_epoch):
-            idx = order[b * cfg.batch_size:(b + 1) * cfg.batch_size]
-            xb, yb = data.x_train[idx], data.y_train[idx]
-            t0 = time.perf_counter()
-            losses, stats = step_fn(model(xb), yb)
-            pre_clip = None
-            if cfg.max_norm is not None:
-                pre_clip = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_norm)
-            opt.step()
-            step_fn.after_step(xb, yb, stats)
-            opt.zero_grad(set_to_none=True)
-            times.append(time.perf_counter() - t0)
+    try:
+        for epoch in range(cfg.epochs):
+            order = torch.randperm(n, generator=gen)
+            sums = torch.zeros(data.num_tasks, dtype=torch.float64)
             if method.kind == "single":
-                sums[method.task] += float(losses[0])
-            else:
-                sums += losses.double() / scales
-            if log is not None and step % cfg.log_every == 0:
-                if stats is not None:
-                    weights = getattr(step_fn.weighting, "weights", None)
-                    if weights is not None:  # log the task losses before the weighting
-                        stats = dataclasses.replace(stats, losses=losses)
-                    log(stats, step, None if pre_clip is None else float(pre_clip), weights)
+                sums.fill_(math.nan)
+                sums[method.task] = 0.0
+            for b in range(per_epoch):
+                idx = order[b * cfg.batch_size:(b + 1) * cfg.batch_size]
+                xb, yb = data.x_train[idx], data.y_train[idx]
+                t0 = time.perf_counter()
+                losses, stats = step_fn(model(xb), yb)
+                pre_clip = None
+                if cfg.max_norm is not None:
+                    pre_clip = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_norm)
+                opt.step()
+                step_fn.after_step(xb, yb, stats)
+                opt.zero_grad(set_to_none=True)
+                times.append(time.perf_counter() - t0)
+                if method.kind == "single":
+                    sums[method.task] += float(losses[0])
                 else:
-                    log.writer.add_scalar(f"loss/task{method.task}", float(losses[0]), step)
-            step += 1
-            if progress is not None:
-                progress.advance()
-        history.append(_evaluate(model, data, [t for t in tasks if t is not None]))
-        epoch_losses = (sums / per_epoch).tolist()
+                    sums += losses.double() / scales
+                if log is not None and step % cfg.log_every == 0:
+                    if stats is not None:
+                        weights = getattr(step_fn.weighting, "weights", None)
+                        if weights is not None:  # log the task losses before the weighting
+                            stats = dataclasses.replace(stats, losses=losses)
+                        log(stats, step, None if pre_clip is None else float(pre_clip), weights)
+                    else:
+                        log.writer.add_scalar(f"loss/task{method.task}", float(losses[0]), step)
+                step += 1
+                if progress is not None:
+                    progress.advance()
+            history.append(_evaluate(model, data, [t for t in tasks if t is not None]))
+            epoch_losses = (sums / per_epoch).tolist()
+            if writer is not None:
+                for task, name in enumerate(data.metric_names):
+                    if not math.isnan(history[-1][task]):
+                        writer.add_scalar(f"test/{name}", history[-1][task], epoch + 1)
+    finally:
         if writer is not None:
-            for task, name in enumerate(data.metric_names):
-                if not math.isnan(history[-1][task]):
-                    writer.add_scalar(f"test/{name}", history[-1][task], epoch + 1)
-    if writer is not None:
-        writer.close()
+            writer.close()
     warm = times[min(5, len(times) - 1):] if times else [math.nan]
     return RunResult(method, seed, history[-1], history, 1000.0 * statistics.median(warm),
                      step, epoch_losses, time.perf_counter() - start)

@@ -19,6 +19,7 @@ shrink factor ``min(1, τ/‖g‖)``.
 
 from __future__ import annotations
 
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -142,8 +143,8 @@ def claims(result: dict[str, Any]) -> list[Claim]:
               "share clipped at p10/p50/p90/p95/2·max: "
               + ", ".join(f"{100 * s:.0f}%" for s in share)
               + "; mean factor " + ", ".join(f"{f:.2f}" for f in factor),
-              all(a >= b for a, b in zip(share, share[1:]))
-              and all(a <= b for a, b in zip(factor, factor[1:]))
+              all(a >= b for a, b in pairwise(share))
+              and all(a <= b for a, b in pairwise(factor))
               and share[-1] == 0.0 and factor[-1] == 1.0),
     ]
 

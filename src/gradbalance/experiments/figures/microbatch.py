@@ -101,7 +101,7 @@ def claims(result: dict[str, Any]) -> list[Claim]:
 def plot(result: dict[str, Any], path: Path) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
-    bins = [i * 2.5 for i in range(37)]
+    bins = [i * 3.0 for i in range(61)]
     for name, label in (("pcgrad", "PCGrad"), ("mgda", "MGDA")):
         med = result["median"][name]
         ax.hist(result["angles"][name], bins=bins, alpha=0.5,
