@@ -93,3 +93,14 @@ def test_invalid_arguments() -> None:
         GradVac(beta=1.5)
     with pytest.raises(ValueError, match="groups"):
         GradVac(groups=[3, 0])
+
+
+def test_default_beta_is_the_papers_slow_average() -> None:
+    # β = 1e-2 (Wang et al. 2021). g1 = (1, 0), g2 = (1, 1): cos = 1/√2 ≥ the zero target, so
+    # nothing is lifted and each target moves from 0 to β/√2.
+    b = GradVac(num_tasks=2, generator=torch.Generator().manual_seed(0))
+    g = torch.tensor([[1.0, 0.0], [1.0, 1.0]], dtype=torch.float64)
+    torch.testing.assert_close(b(g), g.sum(dim=0))
+    expected = torch.tensor([[0.0, 1.0], [1.0, 0.0]], dtype=torch.float64) * 0.01 / 2**0.5
+    assert b.targets is not None
+    torch.testing.assert_close(b.targets, expected, rtol=1e-7, atol=0)  # eps = 1e-8

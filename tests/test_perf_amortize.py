@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 
+from balancer_util import textbook_pcgrad
 from gradbalance import BALANCERS, Mean, TaskGradBuffer
 from helpers import build, grads_of, losses_of
 from perf_util import make_balancer
@@ -116,28 +117,12 @@ def test_persistent_buffer_not_reallocated(mode: str) -> None:
                               for k, h in enumerate(model.heads)])
         buf.backward(losses, features=feats if mode == "features" else None)
         buf.apply_(Mean())
-        pointers.append(buf._matrix.data_ptr())  # type: ignore[union-attr]
+        pointers.append(buf._engine.matrix.data_ptr())  # type: ignore[union-attr]
         model.zero_grad(set_to_none=True)
     assert pointers[0] == pointers[1] == pointers[2]
 
 
 # -- PCGrad in Gramian form against the textbook [K, P] algorithm ---------------------------
-
-def textbook_pcgrad(matrix: torch.Tensor, orders: torch.Tensor) -> torch.Tensor:
-    """Yu et al. (2020), Algorithm 1, on the rows themselves, with the given visit orders."""
-    k = matrix.shape[0]
-    projected = []
-    for i in range(k):
-        g = matrix[i].clone()
-        for j in orders[i].tolist():
-            if j == i:
-                continue
-            dot = g @ matrix[j]
-            if dot < 0:
-                g = g - dot / (matrix[j] @ matrix[j]) * matrix[j]
-        projected.append(g)
-    return torch.stack(projected).sum(dim=0)
-
 
 @pytest.mark.skipif("pcgrad" not in BALANCERS, reason="PCGrad not in the registry yet")
 @pytest.mark.parametrize("mode", ["matrix", "gramian"])
@@ -151,7 +136,7 @@ def test_gramian_pcgrad_equals_textbook(mode: str) -> None:
     # The orders PCGrad will draw: one randperm(K) per task from its generator's state.
     probe = torch.Generator().manual_seed(123)
     orders = torch.stack([torch.randperm(5, generator=probe) for _ in range(5)])
-    expected = textbook_pcgrad(matrix, orders)
+    expected = textbook_pcgrad(matrix, orders).sum(dim=0)  # Yu et al. (2020), Algorithm 1
     assert (matrix @ matrix.T < 0).any()  # some conflicts, so projections happen
 
     seeded = torch.Generator().manual_seed(123)

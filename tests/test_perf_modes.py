@@ -75,9 +75,9 @@ def test_gramian_mode_holds_no_k_by_p_matrix() -> None:
     buf = TaskGradBuffer(model.shared_parameters(), model.head_parameters(), mode="gramian",
                          modules=model.trunk)
     buf.backward(losses_of(model, x, y))
-    assert buf.matrix is None and buf._matrix is None
+    assert buf.matrix is None and buf._engine.matrix is None
     buf.apply_(Sum())
-    assert buf._matrix is None
+    assert buf._engine.matrix is None
 
 
 def test_gramian_mode_with_grad_scaler_gives_fp32_answer() -> None:

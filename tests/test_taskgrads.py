@@ -103,3 +103,36 @@ def test_batched_falls_back_to_loop_without_batching_rule(
         matrix = task_gradients(losses(), [w], strategy="auto")
     expected = torch.stack([8 * w.detach(), torch.full((3,), 2.0)])
     torch.testing.assert_close(matrix, expected)
+
+
+@pytest.mark.parametrize("form", ["list", "stacked", "divided", "cloned"])
+def test_every_form_of_losses_gives_the_same_rows(form: str) -> None:
+    # A list, a torch.stack, or a stack through elementwise ops (here ·3 / 3 then a float32
+    # cast) start each pass at the task's own loss, with the chain rule's factor; any other
+    # [K] tensor (here a clone) is backpropagated entry by entry. The rows must not depend
+    # on the route.
+    model, x, y = build("cnn")
+    feats = model.trunk(x)
+    parts = [torch.nn.functional.mse_loss(h(feats).squeeze(-1), y[:, k])
+             for k, h in enumerate(model.heads)]
+    losses = {"list": parts, "stacked": torch.stack(parts),
+              "divided": (torch.stack(parts).double() * 3 / 3).float(),
+              "cloned": torch.stack(parts).clone()}[form]
+    matrix = task_gradients(losses, model.shared_parameters(), strategy="loop")
+    torch.testing.assert_close(matrix, reference_matrix("cnn"), rtol=1e-6, atol=1e-7)
+
+
+def test_stack_of_leaf_losses_falls_back_to_entries() -> None:
+    # A stacked leaf has no graph of its own to start from: the entries are used instead.
+    a = torch.tensor(2.0, requires_grad=True)
+    matrix = task_gradients(torch.stack([a, 3 * a]), [a])
+    assert torch.equal(matrix, torch.tensor([[1.0], [3.0]]))
+
+
+def test_elementwise_factor_reaches_each_row() -> None:
+    # v = stack(L) * (2, -1) / 4: row k is c_k ∂L_k/∂w with c = (0.5, -0.25).
+    w = torch.tensor([1.0, 2.0], requires_grad=True)
+    stacked = torch.stack([(3 * w).sum(), (w * w).sum()])
+    matrix = task_gradients(stacked * torch.tensor([2.0, -1.0]) / 4, [w])
+    expected = torch.tensor([[1.5, 1.5], [-0.5, -1.0]])
+    assert torch.equal(matrix, expected)

@@ -157,3 +157,25 @@ def test_learnable_parameters_without_gradient_warn() -> None:
     w(torch.tensor([1.0, 2.0]))  # parameters never reached by a backward
     with pytest.warns(RuntimeWarning, match="parameters"):
         w.update()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_pending_tensors_hold_all_that_update_reads(name: str) -> None:
+    """Overwriting b's pending tensors with a's (as an all-reduce does) makes b learn as a."""
+    model_a, model_b = Tiny(), Tiny()
+    wa, wb = make(name, model_a), make(name, model_b)
+    assert wa.pending_tensors() == []
+    (x1, y1), (x2, y2), (x3, y3) = data(seed=0), data(seed=1), data(seed=2)
+    la1, la2 = model_a.losses(x1, y1), model_a.losses(x2, y2)   # two micro-batches
+    for w, losses in ((wa, la1), (wa, la2), (wb, model_b.losses(x3, y3))):
+        w(losses).sum().backward()
+    pending_a, pending_b = wa.pending_tensors(), wb.pending_tensors()
+    assert len(pending_a) == len(pending_b) >= 1
+    torch.testing.assert_close(pending_a[0], (la1.double() + la2.double()).detach(), rtol=0, atol=0)
+    for source, target in zip(pending_a, pending_b):
+        assert source.shape == target.shape
+        target.copy_(source)
+    after = [model_a.losses(x1, y1).detach()] if name == "famo" else []
+    assert wa.update(*after) and wb.update(*after)
+    assert_states_equal(wa.state_dict(), wb.state_dict())
+    assert wa.pending_tensors() == []

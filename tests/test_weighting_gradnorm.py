@@ -10,16 +10,9 @@ from torch import Tensor, nn
 
 from gradbalance import NonFiniteGradientError
 from gradbalance.weighting import GradNorm
+from weighting_util import one_thread  # noqa: F401  (autouse fixture)
 
 K = 3
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _problem(scales: tuple[float, ...] = (1.0, 3.0, 10.0), n: int = 128,

@@ -6,14 +6,7 @@ import pytest
 import torch
 
 from gradbalance.weighting import UncertaintyWeighting
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+from weighting_util import one_thread  # noqa: F401  (autouse fixture)
 
 
 def test_weights_at_unit_sigma() -> None:

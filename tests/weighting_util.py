@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
+import pytest
 import torch
 from torch import Tensor, nn
 
@@ -27,6 +28,15 @@ class Tiny(nn.Module):
         f = self.trunk(x)
         return torch.stack([((head(f).squeeze(1) - y[:, k]) ** 2).mean()
                             for k, head in enumerate(self.heads)])
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """One intra-op thread for the test (import it into a test module to apply it there)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def data(seed: int = 0, n: int = 16, d: int = 5, k: int = K,

@@ -29,11 +29,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from .weighting import LossWeighting
 
 __all__ = [
     "all_ranks_true",
@@ -184,20 +187,20 @@ def all_reduce_grads_and_losses_(
     return mean_losses
 
 
-def sync_weighting_(weighting: Any, group: Any = None) -> None:
+def sync_weighting_(weighting: LossWeighting, group: Any = None) -> None:
     """Average a loss weighting's pending observation over the ranks; call before ``update``.
 
     A weighting learns from the step's losses (and GradNorm from its layer gradients), which
-    each rank observed on its own shard; their mean is the full batch's. After this call every
-    rank updates the weighting from the same numbers, so its state stays identical. (FAMO's
-    ``losses_after``: average it with :func:`all_reduce_mean_` before passing it.)
+    each rank observed on its own shard; their mean is the full batch's. The tensors are the
+    ones :meth:`~gradbalance.LossWeighting.pending_tensors` returns, averaged in place. After
+    this call every rank updates the weighting from the same numbers, so its state stays
+    identical. (FAMO's ``losses_after``: average it with :func:`all_reduce_mean_` before
+    passing it.)
     """
     group = resolve_process_group(group)
     if group is None:
         return
-    pending = [value for name in ("_pending", "_grads")
-               if isinstance(value := getattr(weighting, name, None), Tensor)]
-    all_reduce_mean_(pending, group)
+    all_reduce_mean_(weighting.pending_tensors(), group)
 
 
 def all_ranks_true(flag: Tensor, group: Any) -> Tensor:

@@ -1,7 +1,7 @@
 """``StepStats``: what one balanced step is worth logging, returned, never printed.
 
 All fields are tensors on the gradients' device (no host sync until you read them), except
-the flags and counts.
+the flags and counts; ``loss_scale`` reads the scale tensor when accessed.
 
 Per gradient mode (:mod:`gradbalance.modes`): ``matrix`` and ``gramian`` fill every field
 (``gramian`` from ``G Gᵀ`` alone); in ``features`` mode the norms and cosines are those of the
@@ -13,13 +13,14 @@ weights (``update_every``, ``weights_reused=True``) no task gradient exists, so
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from .gramian import cosine_matrix
 
-__all__ = ["StepStats", "stats_from_gramian"]
+__all__ = ["StepStats", "build_stats", "stats_from_gramian"]
 
 
 @dataclass
@@ -35,7 +36,8 @@ class StepStats:
         weights: the balancer's task weights ``[K]`` when it is a weighted method, else None.
         found_inf: the task gradients held inf/NaN; the balancer was not called and a
             ``GradScaler`` will skip the optimizer step.
-        loss_scale: the ``GradScaler`` scale used for the step, or None without one.
+        loss_scale_tensor: the ``GradScaler`` scale used for the step (0-d), None without one;
+            :attr:`loss_scale` is its value as a float.
         pre_clip_norms: per-task norms before per-task clipping ``[K]``, when a clip ran.
         num_backward: number of ``backward`` calls (micro-batches) accumulated.
         mode: the gradient mode that produced the step (``"matrix"``, ``"gramian"``,
@@ -50,7 +52,7 @@ class StepStats:
     update_norm: Tensor | None
     weights: Tensor | None = None
     found_inf: bool = False
-    loss_scale: float | None = None
+    loss_scale_tensor: Tensor | None = None
     pre_clip_norms: Tensor | None = None
     num_backward: int = 1
     mode: str = "matrix"
@@ -60,6 +62,11 @@ class StepStats:
     @property
     def num_tasks(self) -> int:
         return int(self.losses.shape[0])
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The ``GradScaler`` scale used for the step, or None without one (reads the tensor)."""
+        return None if self.loss_scale_tensor is None else float(self.loss_scale_tensor)
 
 
 def stats_from_gramian(
@@ -88,3 +95,35 @@ def stats_from_gramian(
     safe = torch.where(denom > 0, denom, torch.ones_like(denom))
     cos_update = torch.where(denom > 0, dots / safe, torch.zeros_like(dots))
     return norms, cosine, cos_update, update_norm
+
+
+def build_stats(
+    gram: Tensor,
+    losses: Tensor,
+    finite: bool,
+    *,
+    matrix: Tensor | None = None,
+    update: Tensor | None = None,
+    weights: Tensor | None = None,
+    scale: Tensor | None = None,
+    **fields: Any,
+) -> StepStats:
+    """The :class:`StepStats` of a refresh step from its Gramian ``[K, K]`` (float64).
+
+    On a non-finite step the norms are the Gramian's (inf/NaN where a row is), the cosines
+    and the update norm NaN, and no weights are reported.
+    """
+    if finite:
+        norms, cosine, cos_update, update_norm = stats_from_gramian(
+            gram, losses, matrix, update, weights
+        )
+    else:
+        k = gram.shape[0]
+        nan = torch.full((k,), float("nan"), dtype=torch.float64, device=gram.device)
+        norms = torch.diagonal(gram).sqrt()
+        cosine, cos_update, update_norm, weights = nan[:, None] * nan, nan, nan[0], None
+    return StepStats(
+        losses=losses, task_norms=norms, cosine=cosine, cosine_to_update=cos_update,
+        update_norm=update_norm, weights=weights, found_inf=not finite,
+        loss_scale_tensor=scale, **fields,
+    )

@@ -9,6 +9,12 @@ Two strategies compute the same matrix without touching any ``.grad``:
   raise, and ``"auto"`` then falls back to the loop.
 
 ``"auto"`` uses the loop on CPU and the batched call elsewhere, with the fallback.
+
+Each pass of the loop starts at the task's own loss (:class:`TaskRoots`): the scalar given
+in a list, or, for ``torch.stack([L_1, ..., L_K])`` (also behind elementwise ops such as
+``/ M``), the stack's k-th input edge. Starting at
+``stacked[k]`` instead would send zeros back through every other task's head: K passes over
+all K heads instead of one pass over each.
 """
 
 from __future__ import annotations
@@ -19,10 +25,13 @@ from typing import Literal
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import GradientEdge
 
 from ._types import as_loss_vector, as_parameter_list
 
-__all__ = ["AUTO_PREFERENCE", "ParamLayout", "Strategy", "task_gradients"]
+__all__ = [
+    "AUTO_PREFERENCE", "ParamLayout", "Strategy", "TaskRoots", "compute_into", "task_gradients",
+]
 
 Strategy = Literal["auto", "loop", "batched"]
 _STRATEGIES = ("auto", "loop", "batched")
@@ -53,6 +62,93 @@ class ParamLayout:
             yield p, off, off + n
 
 
+#: Autograd nodes of elementwise ops ``[K] -> [K]`` that may sit between a ``torch.stack`` of
+#: the task losses and the vector given (``stacked / M``, ``stacked.float()``, ``w * stacked``
+#: with a constant ``w``).
+_ELEMENTWISE = frozenset({
+    "MulBackward0", "DivBackward0", "AddBackward0", "SubBackward0", "NegBackward0",
+    "ToCopyBackward0",
+})
+
+
+def _stack_inputs(vector: Tensor) -> tuple[list[GradientEdge], Tensor] | None:
+    """The input edges of the ``torch.stack`` that ``vector`` is made from, and ``∂vₖ/∂cₖ``.
+
+    Walks back through elementwise ops with one differentiable input (each node's backward,
+    called on the running factor, gives the chain rule). None when the graph is anything
+    else: then a task's pass must start at ``vector[k]``.
+    """
+    k = vector.shape[0]
+    node = vector.grad_fn
+    factor = torch.ones(k, dtype=vector.dtype, device=vector.device)
+    while node is not None and node.name() in _ELEMENTWISE:
+        live = [i for i, (child, _) in enumerate(node.next_functions) if child is not None]
+        if len(live) != 1:
+            return None
+        grad = node(factor)
+        factor = grad if isinstance(grad, Tensor) else grad[live[0]]
+        if factor is None or factor.shape != (k,):
+            return None
+        node = node.next_functions[live[0]][0]
+    if node is None or node.name() != "StackBackward0" or len(node.next_functions) != k:
+        return None
+    if not all(child is not None and child.name() != "torch::autograd::AccumulateGrad"
+               for child, _ in node.next_functions):
+        return None
+    return [GradientEdge(child, nr) for child, nr in node.next_functions], factor.detach()
+
+
+class TaskRoots:
+    """Where each task's backward pass starts, and the output gradient it starts with.
+
+    Args:
+        given: the losses as the user passed them (a list of scalars or a ``[K]`` tensor).
+        vector: the same losses as one ``[K]`` tensor (:func:`~gradbalance._types.as_loss_vector`).
+        scale: the loss scale ``s`` (0-d), or None.
+
+    ``scaled`` is ``s·vector`` (the batched call and one-pass backwards use it). ``outputs[k]``
+    reaches task k's graph only: the k-th scalar of a list, or the k-th input edge of the
+    ``torch.stack`` the vector is made from (through elementwise ops, whose derivative goes
+    into ``grad_outputs[k]``). Otherwise ``outputs`` is None and ``scaled[k]`` is
+    backpropagated, through every head.
+    """
+
+    def __init__(self, given: Tensor | Sequence[Tensor], vector: Tensor,
+                 scale: Tensor | None) -> None:
+        if not vector.requires_grad:
+            raise ValueError(
+                "losses do not require grad; compute them from the model's outputs with grad "
+                "enabled (not under torch.no_grad() or from detached tensors)"
+            )
+        self.scaled = vector if scale is None else vector * scale.to(vector.dtype)
+        self.num_tasks = vector.shape[0]
+        self.outputs: list[Tensor | GradientEdge | None] | None = None
+        factor: Tensor | None = None
+        if isinstance(given, (list, tuple)):
+            self.outputs = [t.reshape(()) if t.requires_grad else None for t in given]
+        else:
+            found = _stack_inputs(vector)
+            if found is not None:
+                edges, factor = found
+                self.outputs = list(edges)
+        if factor is None:
+            factor = torch.ones(self.num_tasks, dtype=vector.dtype, device=vector.device)
+        factor = factor.to(vector.dtype)  # a float16 factor times the scale could overflow
+        self.grad_outputs = factor if scale is None else factor * scale.to(vector.dtype)
+
+    def grad(self, k: int, inputs: Sequence[Tensor], retain_graph: bool
+             ) -> tuple[Tensor | None, ...]:
+        """``∂(s·Lₖ)/∂x`` for every ``x`` in ``inputs`` (None where ``Lₖ`` does not reach it)."""
+        if self.outputs is None:
+            return torch.autograd.grad(self.scaled[k], inputs, retain_graph=retain_graph,
+                                       allow_unused=True)
+        root = self.outputs[k]
+        if root is None:  # a constant loss: no gradient anywhere
+            return (None,) * len(inputs)
+        return torch.autograd.grad([root], inputs, grad_outputs=[self.grad_outputs[k]],
+                                   retain_graph=retain_graph, allow_unused=True)
+
+
 def _check_strategy(strategy: str) -> None:
     if strategy not in _STRATEGIES:
         raise ValueError(
@@ -68,52 +164,49 @@ def resolve_strategy(strategy: Strategy, device: torch.device) -> Literal["loop"
     return strategy
 
 
-def _write_row(out: Tensor, k: int, grads: Sequence[Tensor | None], layout: ParamLayout,
+def _write_part(part: Tensor, g: Tensor | None, accumulate: bool) -> None:
+    if g is None:
+        if not accumulate:
+            part.zero_()
+    elif accumulate:
+        part.add_(g.reshape(part.shape))
+    else:
+        part.copy_(g.reshape(part.shape))
+
+
+def _write_row(row: Tensor, grads: Sequence[Tensor | None], layout: ParamLayout,
                accumulate: bool) -> None:
-    row = out[k]
+    if not accumulate and all(g is not None for g in grads):
+        torch.cat([g.reshape(-1) for g in grads if g is not None], out=row)
+        return
     for g, (_, start, stop) in zip(grads, layout.slices()):
-        part = row[start:stop]
-        if g is None:
-            if not accumulate:
-                part.zero_()
-        elif accumulate:
-            part.add_(g.reshape(-1))
-        else:
-            part.copy_(g.reshape(-1))
+        _write_part(row[start:stop], g, accumulate)
 
 
-def _loop(losses: Tensor, layout: ParamLayout, out: Tensor, accumulate: bool,
+def _loop(roots: TaskRoots, layout: ParamLayout, out: Tensor, accumulate: bool,
           retain_graph: bool) -> None:
-    k_total = losses.shape[0]
+    k_total = roots.num_tasks
     for k in range(k_total):
         keep = retain_graph or k < k_total - 1
-        grads = torch.autograd.grad(
-            losses[k], layout.params, retain_graph=keep, allow_unused=True
-        )
-        _write_row(out, k, grads, layout, accumulate)
+        _write_row(out[k], roots.grad(k, layout.params, keep), layout, accumulate)
 
 
-def _batched(losses: Tensor, layout: ParamLayout, out: Tensor, accumulate: bool,
+def _batched(roots: TaskRoots, layout: ParamLayout, out: Tensor, accumulate: bool,
              retain_graph: bool) -> None:
+    losses = roots.scaled
     k_total = losses.shape[0]
     eye = torch.eye(k_total, dtype=losses.dtype, device=losses.device)
     grads = torch.autograd.grad(
         losses, layout.params, grad_outputs=eye, is_grads_batched=True,
         retain_graph=retain_graph, allow_unused=True,
     )
+    # Nothing is written before the call returns, so a failed call leaves ``out`` intact.
     for g, (_, start, stop) in zip(grads, layout.slices()):
-        part = out[:, start:stop]
-        if g is None:
-            if not accumulate:
-                part.zero_()
-        elif accumulate:
-            part.add_(g.reshape(k_total, -1))
-        else:
-            part.copy_(g.reshape(k_total, -1))
+        _write_part(out[:, start:stop], g, accumulate)
 
 
 def compute_into(
-    losses: Tensor,
+    roots: TaskRoots,
     layout: ParamLayout,
     out: Tensor,
     *,
@@ -130,14 +223,9 @@ def compute_into(
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*performance drop.*")
-                # A failed batched call can leave a partial sum behind when accumulating:
-                # compute into a scratch matrix first.
-                scratch = torch.zeros_like(out) if accumulate else out
                 # Under "auto" keep the graph so that a failure can still fall back.
                 keep = True if strategy == "auto" else retain_graph
-                _batched(losses, layout, scratch, False, keep)
-            if accumulate:
-                out.add_(scratch)
+                _batched(roots, layout, out, accumulate, keep)
             return "batched"
         except RuntimeError as error:
             if strategy == "batched":
@@ -151,7 +239,7 @@ def compute_into(
                 RuntimeWarning,
                 stacklevel=3,
             )
-    _loop(losses, layout, out, accumulate, retain_graph)
+    _loop(roots, layout, out, accumulate, retain_graph)
     return "loop"
 
 
@@ -176,5 +264,6 @@ def task_gradients(
     vector = as_loss_vector(losses)
     layout = ParamLayout(as_parameter_list(params, "params"))
     out = torch.empty(vector.shape[0], layout.numel, dtype=layout.dtype, device=layout.device)
-    compute_into(vector, layout, out, strategy=strategy, retain_graph=retain_graph)
+    compute_into(TaskRoots(losses, vector, None), layout, out, strategy=strategy,
+                 retain_graph=retain_graph)
     return out

@@ -13,7 +13,8 @@ import torch
 from torch import Tensor
 
 from ._base import Balancer
-from ._solvers import as_pref, check_pref, trace_normalized
+from ._checks import as_pref, check_pref
+from ._solvers import trace_normalized
 
 __all__ = ["AlignedMTL", "alignedmtl_weights"]
 

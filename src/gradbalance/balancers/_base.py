@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from .._statedict import reject_state
 from .._types import NonFiniteGradientError, check_matrix, check_num_tasks
 from ..gramian import compute_gramian, is_finite_gramian
 
@@ -118,11 +119,7 @@ class Balancer:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output; works on a freshly built object."""
-        if state_dict:
-            raise ValueError(
-                f"{type(self).__name__} is stateless but state_dict has keys "
-                f"{sorted(state_dict)}; was it saved from another balancer?"
-            )
+        reject_state(type(self).__name__, state_dict, "balancer")
 
     def reset(self) -> None:
         """Forget all state (as freshly built)."""

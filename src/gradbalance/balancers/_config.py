@@ -6,13 +6,12 @@ Networks*, arXiv:2408.11104, eq. 2 (without the momentum variant).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch import Tensor
 
-from ._base import Balancer
-from ._solvers import as_pref, check_pref, trace_normalized
+from ._checks import check_pref
+from ._pref import PreferenceBalancer
+from ._solvers import trace_normalized
 
 __all__ = ["ConFIG", "config_weights"]
 
@@ -41,7 +40,7 @@ def config_weights(gramian: Tensor, pref: Tensor | None = None, rtol: float = 1e
     return v * (length / norm_sq)
 
 
-class ConFIG(Balancer):
+class ConFIG(PreferenceBalancer):
     """ConFIG (Liu et al. 2024): ``g = (Σₖ gₖ·ĝ) ĝ``, ``ĝ ∝ U⁺p``.
 
     The direction ``ĝ`` has the same cosine with every task gradient (for linearly independent
@@ -54,18 +53,4 @@ class ConFIG(Balancer):
     """
 
     name = "config"
-    from_gramian = True
-    homogeneous = True
-
-    def __init__(
-        self, num_tasks: int | None = None, *, pref: Sequence[float] | Tensor | None = None
-    ) -> None:
-        super().__init__(num_tasks)
-        self.pref = as_pref(pref)
-
-    def weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
-        return config_weights(gramian, self.pref).to(gramian.device)
-
-    def __repr__(self) -> str:
-        pref = None if self.pref is None else self.pref.tolist()
-        return f"ConFIG(num_tasks={self.num_tasks}, pref={pref})"
+    rule = staticmethod(config_weights)

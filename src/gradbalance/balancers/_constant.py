@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 from torch import Tensor
 
 from ._base import Balancer
+from ._checks import as_task_vector
 
 __all__ = ["Constant"]
 
@@ -23,13 +23,7 @@ class Constant(Balancer):
     from_gramian = True
 
     def __init__(self, weights: Sequence[float] | Tensor) -> None:
-        w = torch.as_tensor(weights, dtype=torch.float64).detach().clone()
-        if w.dim() != 1 or w.numel() == 0:
-            raise ValueError(
-                f"Invalid weights: shape {tuple(w.shape)} (expected a 1-D list of K numbers)"
-            )
-        if not bool(torch.isfinite(w).all()):
-            raise ValueError(f"Invalid weights: {w.tolist()} (expected finite numbers)")
+        w = as_task_vector("weights", weights)
         super().__init__(num_tasks=w.numel())
         self._weights = w
 

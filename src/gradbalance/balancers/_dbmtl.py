@@ -5,13 +5,12 @@ Lin et al. (2023), *Dual-Balancing for Multi-Task Learning*, arXiv:2308.12029 (A
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor
 
 from ._base import Balancer, Combination
-from ._extra_utils import check_keys, check_range, check_state_rows, clone_or_none
+from ._checks import check_range
+from ._state import EmaStepState, check_state_rows
 
 __all__ = ["DBMTL", "dbmtl_combine"]
 
@@ -28,7 +27,7 @@ def dbmtl_combine(ema: Tensor) -> Tensor:
     return alpha.to(ema.dtype) @ ema
 
 
-class DBMTL(Balancer):
+class DBMTL(EmaStepState, Balancer):
     """DB-MTL's gradient balancing: ``ĝₖ ← β_t ĝₖ + (1 − β_t) gₖ``, ``g = Σₖ (max‖ĝ‖/‖ĝₖ‖) ĝₖ``.
 
     ``β_t = β / t^σ`` at step ``t ≥ 1``; ``ĝ`` starts at 0. DB-MTL's other half, the loss-scale
@@ -60,10 +59,6 @@ class DBMTL(Balancer):
         self.needs_losses = self.log_losses  # type: ignore[misc]
         self.reset()
 
-    def reset(self) -> None:
-        self._ema: Tensor | None = None
-        self._step = torch.zeros((), dtype=torch.int64)
-
     def _combine_matrix(self, matrix: Tensor, losses: Tensor | None) -> Combination:
         check_state_rows(type(self).__name__, self._ema, matrix)
         rows = matrix
@@ -83,14 +78,6 @@ class DBMTL(Balancer):
         self._ema = ema
         self._step = torch.tensor(t, dtype=torch.int64)
         return Combination(dbmtl_combine(ema))
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"ema": clone_or_none(self._ema), "step": self._step.clone()}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        check_keys(type(self).__name__, state_dict, ["ema", "step"])
-        self._ema = clone_or_none(state_dict.get("ema"))
-        self._step = torch.as_tensor(state_dict.get("step", 0), dtype=torch.int64).clone()
 
     def __repr__(self) -> str:
         return (f"DBMTL(num_tasks={self.num_tasks}, beta={self.beta}, "

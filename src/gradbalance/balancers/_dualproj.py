@@ -6,12 +6,11 @@ eq. 11 (the GEM projection), as an aggregator in Quinton & Rey (2024), arXiv:240
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from torch import Tensor
 
-from ._base import Balancer
-from ._solvers import as_pref, check_pref, project_dual_cone, trace_normalized
+from ._checks import check_pref
+from ._pref import PreferenceBalancer
+from ._solvers import project_dual_cone, trace_normalized
 
 __all__ = ["DualProj", "dualproj_weights"]
 
@@ -27,7 +26,7 @@ def dualproj_weights(gramian: Tensor, pref: Tensor | None = None) -> Tensor:
     return project_dual_cone(gram, check_pref(pref, k, 1.0 / k))
 
 
-class DualProj(Balancer):
+class DualProj(PreferenceBalancer):
     """DualProj: ``g = π(Σₖ pₖ gₖ)``, ``π`` the projection onto ``{x : gₖ·x ≥ 0 ∀k}``.
 
     One K-dimensional QP on the Gramian, solved exactly (active set).
@@ -38,18 +37,4 @@ class DualProj(Balancer):
     """
 
     name = "dualproj"
-    from_gramian = True
-    homogeneous = True
-
-    def __init__(
-        self, num_tasks: int | None = None, *, pref: Sequence[float] | Tensor | None = None
-    ) -> None:
-        super().__init__(num_tasks)
-        self.pref = as_pref(pref)
-
-    def weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
-        return dualproj_weights(gramian, self.pref).to(gramian.device)
-
-    def __repr__(self) -> str:
-        pref = None if self.pref is None else self.pref.tolist()
-        return f"DualProj(num_tasks={self.num_tasks}, pref={pref})"
+    rule = staticmethod(dualproj_weights)

@@ -12,8 +12,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._statedict import check_keys
 from ._base import Balancer, Combination
-from ._extra_utils import check_int, check_keys, check_range, check_state_rows, clone_or_none
+from ._checks import check_int, check_range
+from ._state import as_step, check_state_rows, clone_or_none
 
 __all__ = ["ExcessMTL", "excess_risks"]
 
@@ -110,7 +112,7 @@ class ExcessMTL(Balancer):
         self._weights = clone_or_none(state_dict.get("weights"))
         self._baseline = clone_or_none(state_dict.get("baseline"))
         self._warmup_sum = clone_or_none(state_dict.get("warmup_sum"))
-        self._step = torch.as_tensor(state_dict.get("step", 0), dtype=torch.int64).clone()
+        self._step = as_step(state_dict.get("step", 0))
 
     def __repr__(self) -> str:
         return (f"ExcessMTL(num_tasks={self.num_tasks}, robust_step_size="

@@ -12,7 +12,8 @@ import torch
 from torch import Tensor
 
 from ._base import Balancer, Combination
-from ._extra_utils import check_generator, check_keys, generator_state, restore_generator
+from ._checks import as_task_vector
+from ._rng import OptionalGeneratorState, check_generator
 
 __all__ = ["GradDrop", "graddrop"]
 
@@ -45,7 +46,7 @@ def graddrop(matrix: Tensor, uniform: Tensor, leak: Tensor | None = None,
     return ((lk + (1.0 - lk) * mask) * matrix).sum(dim=0)
 
 
-class GradDrop(Balancer):
+class GradDrop(OptionalGeneratorState, Balancer):
     """Gradient sign dropout on the rows of ``G`` (a matrix method).
 
     Applied to the flattened gradient of the shared parameters, as TorchJD does. The paper
@@ -70,18 +71,7 @@ class GradDrop(Balancer):
                  generator: torch.Generator | None = None) -> None:
         lk = None
         if leak is not None:
-            lk = torch.as_tensor(leak, dtype=torch.float64).detach().clone()
-            if lk.dim() != 1 or lk.numel() == 0:
-                raise ValueError(
-                    f"Invalid leak: shape {tuple(lk.shape)} (expected a 1-D list of K numbers)"
-                )
-            if not bool(((lk >= 0) & (lk <= 1)).all()):
-                raise ValueError(f"Invalid leak: {lk.tolist()} (expected 0 <= leak <= 1)")
-            if num_tasks is not None and num_tasks != lk.numel():
-                raise ValueError(
-                    f"Invalid leak: {lk.numel()} values but num_tasks={num_tasks} (expected one "
-                    f"leak per task)"
-                )
+            lk = as_task_vector("leak", leak, num_tasks, low=0.0, high=1.0)
             num_tasks = lk.numel()
         super().__init__(num_tasks)
         self.leak = lk
@@ -93,13 +83,6 @@ class GradDrop(Balancer):
         uniform = torch.rand(matrix.shape[1], generator=self.generator, dtype=matrix.dtype,
                              device=where)
         return Combination(graddrop(matrix, uniform, self.leak, self.f))
-
-    def state_dict(self) -> dict[str, Tensor]:
-        return generator_state(self.generator)
-
-    def load_state_dict(self, state_dict: dict[str, Tensor]) -> None:
-        check_keys(type(self).__name__, state_dict, ["generator"])
-        restore_generator(self.generator, state_dict, type(self).__name__)
 
     def __repr__(self) -> str:
         leak = None if self.leak is None else self.leak.tolist()

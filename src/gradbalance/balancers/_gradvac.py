@@ -14,7 +14,7 @@ from torch import Tensor
 
 from ..gramian import compute_gramian
 from ._base import Balancer, Combination
-from ._pcgrad import _private_generator, load_generator_state
+from ._rng import load_generator_state, private_generator
 from ._solvers import trace_normalized
 
 __all__ = ["GradVac", "gradvac_weights"]
@@ -81,7 +81,9 @@ class GradVac(Balancer):
     Args:
         num_tasks: K (optional; the EMA targets are created on the first call otherwise).
         beta: EMA rate ``β`` in ``φ̂ ← (1−β)φ̂ + βφ``, ``0 <= beta <= 1``. Default ``0.01``
-            (the paper's setting); LibMTL and TorchJD default to ``0.5``.
+            (``β = 1e-2``, the paper's setting for the EMA targets of Algorithm 1, a slow
+            average over about 100 steps); LibMTL and TorchJD default to ``0.5``, which
+            follows the last few steps' cosines.
         eps: added to the cosine and weight denominators (on the trace-normalised Gramian).
         groups: None (default): one target per ordered task pair over the whole trunk (the
             paper's ``whole_model``). Or the sizes of contiguous parameter groups (summing to
@@ -122,7 +124,7 @@ class GradVac(Balancer):
         self.eps = float(eps)
         self.groups = groups
         self.from_gramian = groups is None  # type: ignore[misc]
-        self.generator = generator if generator is not None else _private_generator()
+        self.generator = generator if generator is not None else private_generator()
         self.targets: Tensor | None = None
         if num_tasks is not None:
             self.targets = self._zeros(num_tasks)

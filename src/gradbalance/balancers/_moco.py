@@ -11,14 +11,11 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from .._statedict import check_keys
 from ._base import Balancer, Combination
-from ._extra_utils import (
-    check_keys,
-    check_range,
-    check_state_rows,
-    clone_or_none,
-    project_simplex,
-)
+from ._checks import check_range
+from ._solvers import project_simplex
+from ._state import as_step, check_state_rows, clone_or_none
 
 __all__ = ["MoCo", "moco_step"]
 
@@ -118,7 +115,7 @@ class MoCo(Balancer):
         check_keys(type(self).__name__, state_dict, ["y", "lambda", "step"])
         self._y = clone_or_none(state_dict.get("y"))
         self._lambda = clone_or_none(state_dict.get("lambda"))
-        self._step = torch.as_tensor(state_dict.get("step", 0), dtype=torch.int64).clone()
+        self._step = as_step(state_dict.get("step", 0))
 
     def __repr__(self) -> str:
         return (f"MoCo(num_tasks={self.num_tasks}, beta={self.beta}, gamma={self.gamma}, "

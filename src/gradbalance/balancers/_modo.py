@@ -12,8 +12,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._statedict import check_keys
 from ._base import Balancer
-from ._extra_utils import check_keys, check_range, check_state_tasks, clone_or_none, project_simplex
+from ._checks import check_range
+from ._solvers import project_simplex
+from ._state import check_state_tasks, clone_or_none
 
 __all__ = ["MoDo", "modo_step"]
 

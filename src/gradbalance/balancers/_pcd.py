@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from ._base import Balancer
-from ._extra_utils import check_keys, check_range, check_state_tasks, clone_or_none
+from ._boxqp import is_well_conditioned
+from ._checks import check_range
+from ._solvers import solve_box_qp
+from ._state import EmaStepState, check_state_tasks
 
 __all__ = ["PCD", "pcd_multipliers"]
 
@@ -27,9 +29,11 @@ def pcd_multipliers(gram: Tensor, taus: Tensor, tol: float = 1e-9) -> Tensor:
 
     ``min_d ½‖d − g₁‖²`` s.t. ``gⱼᵀd ≥ τⱼ‖gⱼ‖²`` (j ≥ 2). Its dual is the non-negative QP
     ``min_{μ≥0} ½ μᵀQμ − bᵀμ`` with ``Q = [gᵢᵀgⱼ]_{i,j≥2}``, ``bⱼ = τⱼ‖gⱼ‖² − gⱼᵀg₁``. Solved
-    exactly by enumerating the working sets (smallest first) and returning the first KKT point,
-    as the paper's reference implementation does. No KKT point: the constraints are
-    infeasible, and ``g₁`` is returned (``[1, 0, …, 0]``).
+    exactly: for positive definite ``Q`` (condition number below ``1e10``) by the batched
+    active-set solver of :mod:`~gradbalance.balancers._boxqp` (the KKT point is unique);
+    otherwise by enumerating the working sets (smallest first) and returning the first KKT
+    point, as the paper's reference implementation does (``2^(K−1)`` sets). No KKT point: the
+    constraints are infeasible, and ``g₁`` is returned (``[1, 0, …, 0]``).
     """
     m = gram.shape[0]
     out = torch.zeros(m, dtype=gram.dtype, device=gram.device)
@@ -38,6 +42,13 @@ def pcd_multipliers(gram: Tensor, taus: Tensor, tol: float = 1e-9) -> Tensor:
         return out
     q = gram[1:, 1:]
     b = taus * torch.diagonal(q) - gram[1:, 0]
+    trace = float(torch.diagonal(q).sum())
+    if trace > 0.0 and is_well_conditioned(q / trace):
+        # Positive definite Q: the KKT point is unique; the batched solver finds it directly.
+        zeros = torch.zeros(1, m - 1, dtype=torch.float64)
+        mu = solve_box_qp(q.cpu() / trace, -b.cpu()[None] / trace, zeros)[0]
+        out[1:] = mu.to(out.device)
+        return out
     atol = tol * max(float(torch.diagonal(gram).max()), torch.finfo(gram.dtype).tiny)
     n = m - 1
     for size in range(n + 1):
@@ -57,7 +68,7 @@ def pcd_multipliers(gram: Tensor, taus: Tensor, tol: float = 1e-9) -> Tensor:
     return out
 
 
-class PCD(Balancer):
+class PCD(EmaStepState, Balancer):
     """Follow task 0's gradient, guaranteeing each other task a share of its own progress.
 
     ``d̃ = argmin ½‖d − g̃₁‖²`` s.t. ``g̃ⱼᵀd ≥ τ‖g̃ⱼ‖²``, with normalised rows
@@ -100,10 +111,6 @@ class PCD(Balancer):
             raise ValueError(f"Invalid num_tasks: {num_tasks} (expected num_tasks <= 16 for PCD)")
         self.reset()
 
-    def reset(self) -> None:
-        self._ema: Tensor | None = None
-        self._step = torch.zeros((), dtype=torch.int64)
-
     def _taus(self, m: int, device: torch.device) -> Tensor:
         if isinstance(self.tau, Tensor):
             if self.tau.numel() != m - 1:
@@ -139,14 +146,6 @@ class PCD(Balancer):
         if bool(d_sq > 10 * torch.finfo(torch.float64).eps * magnitude):
             w = mult * scales * torch.sqrt(sq[0] / d_sq)
         return w
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"ema": clone_or_none(self._ema), "step": self._step.clone()}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        check_keys(type(self).__name__, state_dict, ["ema", "step"])
-        self._ema = clone_or_none(state_dict.get("ema"))
-        self._step = torch.as_tensor(state_dict.get("step", 0), dtype=torch.int64).clone()
 
     def __repr__(self) -> str:
         return f"PCD(num_tasks={self.num_tasks}, tau={self.tau}, beta={self.beta})"

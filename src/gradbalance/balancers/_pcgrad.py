@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from ._base import Balancer
+from ._rng import load_generator_state, private_generator
 from ._solvers import trace_normalized
 
 __all__ = ["PCGrad", "draw_orders", "pcgrad_weights"]
@@ -84,7 +85,7 @@ class PCGrad(Balancer):
         if reduction not in ("sum", "mean"):
             raise ValueError(f"Invalid reduction: {reduction!r} (expected 'sum' or 'mean')")
         self.reduction: Reduction = reduction
-        self.generator = generator if generator is not None else _private_generator()
+        self.generator = generator if generator is not None else private_generator()
 
     def weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         k = gramian.shape[0]
@@ -106,18 +107,3 @@ class PCGrad(Balancer):
 
     def __repr__(self) -> str:
         return f"PCGrad(num_tasks={self.num_tasks}, reduction={self.reduction!r})"
-
-
-def _private_generator() -> torch.Generator:
-    seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
-    return torch.Generator().manual_seed(seed)
-
-
-def load_generator_state(balancer: Any, state_dict: dict[str, Any]) -> None:
-    """Restore ``balancer.generator`` from ``state_dict['generator']``."""
-    if "generator" not in state_dict:
-        raise ValueError(
-            f"{type(balancer).__name__} state_dict has keys {sorted(state_dict)} but needs "
-            f"'generator'; was it saved from another balancer?"
-        )
-    balancer.generator.set_state(state_dict["generator"])

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ._base import Balancer
-from ._extra_utils import check_generator, check_keys, generator_state, restore_generator
+from ._rng import OptionalGeneratorState, check_generator
 
 __all__ = ["Random", "random_weights"]
 
@@ -50,7 +50,7 @@ def random_weights(num_tasks: int, distribution: Distribution = "normal",
     return w if device is None else w.to(device)
 
 
-class Random(Balancer):
+class Random(OptionalGeneratorState, Balancer):
     """``g = Σₖ wₖ gₖ`` with fresh random weights every call (positive, summing to 1).
 
     Update rule (paper's default): ``w = softmax(z)``, ``z ~ N(0, I_K)``.
@@ -80,13 +80,6 @@ class Random(Balancer):
     def weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         return random_weights(gramian.shape[0], self.distribution, self.generator,
                               device=gramian.device)
-
-    def state_dict(self) -> dict[str, Tensor]:
-        return generator_state(self.generator)
-
-    def load_state_dict(self, state_dict: dict[str, Tensor]) -> None:
-        check_keys(type(self).__name__, state_dict, ["generator"])
-        restore_generator(self.generator, state_dict, type(self).__name__)
 
     def __repr__(self) -> str:
         return f"Random(num_tasks={self.num_tasks}, distribution={self.distribution!r})"

@@ -12,15 +12,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._statedict import check_keys
 from ._base import Balancer
-from ._extra_utils import (
-    check_int,
-    check_keys,
-    check_range,
-    check_state_tasks,
-    clone_or_none,
-    project_simplex,
-)
+from ._checks import as_task_vector, check_int, check_range
+from ._solvers import project_simplex
+from ._state import check_state_tasks, clone_or_none
 
 __all__ = ["SDMGrad", "sdmgrad_weights"]
 
@@ -72,17 +68,7 @@ class SDMGrad(Balancer):
                  pref_vector: Sequence[float] | Tensor | None = None) -> None:
         pref = None
         if pref_vector is not None:
-            pref = torch.as_tensor(pref_vector, dtype=torch.float64).detach().clone()
-            if pref.dim() != 1 or pref.numel() == 0 or not bool(torch.isfinite(pref).all()):
-                raise ValueError(
-                    f"Invalid pref_vector: {pref.tolist()} (expected a 1-D list of K finite "
-                    f"numbers)"
-                )
-            if num_tasks is not None and num_tasks != pref.numel():
-                raise ValueError(
-                    f"Invalid pref_vector: {pref.numel()} values but num_tasks={num_tasks} "
-                    f"(expected one per task)"
-                )
+            pref = as_task_vector("pref_vector", pref_vector, num_tasks)
             num_tasks = pref.numel()
         super().__init__(num_tasks)
         self.lambda_ = check_range("lambda_", lambda_, 0.0, None)

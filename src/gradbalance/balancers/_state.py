@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._statedict import check_keys
+
 
 def clone_or_none(t: Tensor | None) -> Tensor | None:
     """A detached copy, or None."""
@@ -42,3 +44,25 @@ def check_state_tasks(owner: str, state: Tensor | None, k: int) -> None:
             f"got {k} tasks but {owner} tracks weights for {state.shape[0]} tasks from earlier "
             f"calls; pass the same tasks every step, or call reset() first"
         )
+
+
+class EmaStepState:
+    """Reset, save and load a balancer whose state is one EMA tensor ``_ema`` and ``_step``.
+
+    ``_ema`` is None before the first call; ``_step`` counts the calls (0-d int64).
+    """
+
+    _ema: Tensor | None
+    _step: Tensor
+
+    def reset(self) -> None:
+        self._ema = None
+        self._step = torch.zeros((), dtype=torch.int64)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"ema": clone_or_none(self._ema), "step": self._step.clone()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        check_keys(type(self).__name__, state_dict, ["ema", "step"])
+        self._ema = clone_or_none(state_dict.get("ema"))
+        self._step = as_step(state_dict.get("step", 0))

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from ._base import Balancer, Combination
-from ._extra_utils import check_int
+from ._checks import check_int
 
 __all__ = ["TrimmedMean", "trimmed_mean"]
 

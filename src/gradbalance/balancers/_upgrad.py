@@ -6,13 +6,12 @@ eq. 5 and Proposition 1.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch import Tensor
 
-from ._base import Balancer
-from ._solvers import as_pref, check_pref, project_dual_cone, trace_normalized
+from ._checks import check_pref
+from ._pref import PreferenceBalancer
+from ._solvers import project_dual_cone, trace_normalized
 
 __all__ = ["UPGrad", "upgrad_weights"]
 
@@ -22,26 +21,39 @@ def upgrad_weights(gramian: Tensor, pref: Tensor | None = None) -> Tensor:
 
     ``Jᵀvᵢ`` is the projection of ``pᵢ gᵢ`` onto the dual cone ``{x : J x ≥ 0}``, so the
     update ``Σᵢ Jᵀvᵢ`` has a non-negative inner product with every task gradient. ``pref``
-    defaults to ``1/K`` (the paper's mean).
+    defaults to ``1/K`` (the paper's mean). The K projections share the Gramian and are
+    solved together (one batched active set); ``K = 2`` has a closed form.
     """
     k = gramian.shape[0]
     gram, _ = trace_normalized(gramian)
     p = check_pref(pref, k, 1.0 / k)
-    w = torch.zeros(k, dtype=torch.float64)
-    for i in range(k):
-        u = torch.zeros(k, dtype=torch.float64)
-        u[i] = p[i]
-        w += project_dual_cone(gram, u)
-    return w
+    if k == 2:
+        return _upgrad_two(gram, p)
+    return project_dual_cone(gram, torch.diag(p)).sum(dim=0)
 
 
-class UPGrad(Balancer):
+def _upgrad_two(gram: Tensor, p: Tensor) -> Tensor:
+    """``K = 2``: ``vᵢ = pᵢ eᵢ + max(0, −pᵢ Gᵢⱼ / Gⱼⱼ) eⱼ`` (project ``pᵢgᵢ`` off ``gⱼ``).
+
+    For fixed ``vᵢ`` the best ``vⱼ ≥ 0`` is ``max(0, −vᵢGᵢⱼ/Gⱼⱼ)``, and the resulting value
+    ``vᵢ² · const`` grows with ``vᵢ``, so ``vᵢ = pᵢ`` (a zero ``gⱼ`` adds nothing).
+    """
+    diag = torch.diagonal(gram)
+    safe = torch.where(diag > 0, diag, torch.ones_like(diag))
+    off = gram[0, 1]
+    # extra[j]: weight added to task j when projecting the other task's p gradient off it.
+    extra = torch.where(diag > 0, (-p.flip(0) * off / safe).clamp_min(0.0), 0.0)
+    return p + extra
+
+
+class UPGrad(PreferenceBalancer):
     """UPGrad (Quinton & Rey 2024): ``g = Σᵢ π(pᵢ gᵢ)``, ``π`` the dual-cone projection.
 
     Each (preference-weighted) task gradient is projected onto the dual cone of the rows
     ``{x : gₖ·x ≥ 0 ∀k}`` and the projections are summed: the update conflicts with no task.
-    Each projection is a K-dimensional QP on the Gramian, solved exactly (active set), where
-    TorchJD adds ``1e-4`` to the diagonal of the trace-normalised Gramian.
+    Each projection is a K-dimensional QP on the Gramian, solved exactly (one batched active
+    set for all K), where TorchJD adds ``1e-4`` to the diagonal of the trace-normalised
+    Gramian.
 
     Args:
         num_tasks: K (optional).
@@ -49,18 +61,4 @@ class UPGrad(Balancer):
     """
 
     name = "upgrad"
-    from_gramian = True
-    homogeneous = True
-
-    def __init__(
-        self, num_tasks: int | None = None, *, pref: Sequence[float] | Tensor | None = None
-    ) -> None:
-        super().__init__(num_tasks)
-        self.pref = as_pref(pref)
-
-    def weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
-        return upgrad_weights(gramian, self.pref).to(gramian.device)
-
-    def __repr__(self) -> str:
-        pref = None if self.pref is None else self.pref.tolist()
-        return f"UPGrad(num_tasks={self.num_tasks}, pref={pref})"
+    rule = staticmethod(upgrad_weights)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._statedict import reject_state
 from .._types import NonFiniteGradientError, check_matrix
 
 __all__ = ["TaskClip", "TaskValueClip", "clip_task_norms_", "clip_task_values_", "row_norms"]
@@ -110,11 +111,7 @@ class _Stateless:
         return {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if state_dict:
-            raise ValueError(
-                f"{type(self).__name__} is stateless but state_dict has keys "
-                f"{sorted(state_dict)}; was it saved from another clipper?"
-            )
+        reject_state(type(self).__name__, state_dict, "clipper")
 
     def reset(self) -> None:
         """Nothing to forget."""

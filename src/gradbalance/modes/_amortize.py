@@ -9,10 +9,16 @@ Game", ICML 2022, §5.4, update the weights every few steps). Only weighted bala
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from ..distributed import all_reduce_grads_and_losses_
+from ..stats import StepStats
+from ..taskgrads import TaskRoots
+from ._common import StepInput, heads_backward_
 
 __all__ = ["WeightCache", "check_update_every"]
 
@@ -82,3 +88,24 @@ class WeightCache:
     def reset(self) -> None:
         self.step = 0
         self.weights = None
+
+
+def backward_weighted(weights: Tensor, roots: TaskRoots, shared: Sequence[Tensor],
+                      head_params: Sequence[Tensor]) -> None:
+    """A step reusing cached weights: heads ``.grad += ∂(Σₖ Lₖ)``, trunk ``+= ∂(Σₖ wₖ Lₖ)``."""
+    heads_backward_(roots, head_params)
+    scaled = roots.scaled
+    total = (weights.to(dtype=scaled.dtype, device=scaled.device) * scaled).sum()
+    torch.autograd.backward(total, inputs=list(shared))
+
+
+def reused_stats(cache: WeightCache, step: StepInput, params: Sequence[Tensor],
+                 mode: str) -> StepStats:
+    """Finish a reused step: mean of ``.grad`` over the ranks; no task gradient to report."""
+    cache.reused()
+    losses = step.losses
+    if step.group is not None:  # the weighted backward wrote each rank's own gradients
+        losses = all_reduce_grads_and_losses_(params, losses, step.group)
+    return StepStats(losses=losses, task_norms=None, cosine=None, cosine_to_update=None,
+                     update_norm=None, weights=cache.weights, loss_scale_tensor=step.scale,
+                     num_backward=step.count, mode=mode, weights_reused=True)

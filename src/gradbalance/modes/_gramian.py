@@ -42,6 +42,7 @@ import torch
 from torch import Tensor, nn
 
 from ..gramian import compute_gramian
+from ..taskgrads import TaskRoots
 
 __all__ = ["GramianRecorder"]
 
@@ -197,12 +198,13 @@ class GramianRecorder:
         return outputs
 
     # -- stage 1: task gradients of the block outputs ---------------------------------
-    def task_output_grads(self, losses: Tensor, batched: bool) -> None:
+    def task_output_grads(self, roots: TaskRoots, batched: bool) -> None:
         """``∂Lₖ/∂y`` for every recorded block output ``y``, kept as ``[K, *y.shape]``."""
         outputs = self._check_recorded()
-        k_total = losses.shape[0]
+        k_total = roots.num_tasks
         stacks: list[Tensor | None]
         if batched:
+            losses = roots.scaled
             eye = torch.eye(k_total, dtype=losses.dtype, device=losses.device)
             stacks = list(torch.autograd.grad(
                 losses, outputs, grad_outputs=eye, is_grads_batched=True, retain_graph=True,
@@ -211,9 +213,7 @@ class GramianRecorder:
         else:
             stacks = [None] * len(outputs)
             for k in range(k_total):
-                grads = torch.autograd.grad(losses[k], outputs, retain_graph=True,
-                                            allow_unused=True)
-                for j, g in enumerate(grads):
+                for j, g in enumerate(roots.grad(k, outputs, retain_graph=True)):
                     if g is None:
                         continue
                     stack = stacks[j]

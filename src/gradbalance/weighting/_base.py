@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from .._statedict import reject_state
 from .._types import NonFiniteGradientError, as_loss_vector, check_num_tasks
 
 __all__ = ["LossWeighting", "check_nonnegative_losses", "check_positive"]
@@ -107,11 +108,7 @@ class LossWeighting:
         return {}
 
     def _load_state(self, state: dict[str, Any]) -> None:
-        if state:
-            raise ValueError(
-                f"{type(self).__name__} is stateless but state_dict has keys {sorted(state)}; "
-                f"was it saved from another weighting?"
-            )
+        reject_state(type(self).__name__, state, "weighting")
 
     def _reset_state(self) -> None:
         """Back to the state at construction."""
@@ -200,6 +197,17 @@ class LossWeighting:
     def parameters(self) -> list[Tensor]:
         """Tensors the user's optimizer must step (empty unless ``learnable``)."""
         return []
+
+    def pending_tensors(self) -> list[Tensor]:
+        """The pending observation of this step: what :meth:`update` will learn from.
+
+        The summed detached losses ``[K]`` (float64) and whatever a method gathers besides
+        (GradNorm: the ``[K, P_layer]`` gradients at its layer); empty before the step's first
+        call. The list order is the same on every process. Changing the tensors in place
+        changes what :meth:`update` sees: data-parallel training averages them over the ranks
+        (:func:`~gradbalance.sync_weighting_`), so that every rank learns from the full batch.
+        """
+        return [] if self._pending is None else [self._pending]
 
     def state_dict(self) -> dict[str, Any]:
         """Every tensor needed to resume (copies), with ``num_tasks`` for checking."""

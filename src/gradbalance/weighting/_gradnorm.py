@@ -135,6 +135,10 @@ class GradNorm(LossWeighting):
     def _discard_pending(self) -> None:
         self._grads = None
 
+    def pending_tensors(self) -> list[Tensor]:
+        """The summed losses and the summed layer gradients ``[K, P_layer]`` of this step."""
+        return super().pending_tensors() + ([] if self._grads is None else [self._grads])
+
     def _apply_update(self, losses: Tensor, losses_after: Tensor | None) -> None:
         assert self._grads is not None
         norms = self._grads.norm(dim=1).to(self.device)

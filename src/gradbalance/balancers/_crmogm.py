@@ -1,0 +1,135 @@
+"""CR-MOGM: a moving average of another weighted balancer's weights.
+
+Zhou et al. (2022), *On the Convergence of Stochastic Multi-Objective Gradient Manipulation
+and Beyond*, NeurIPS (the correlation-reduced weights of CR-MOGM; TorchJD's
+``CRMOGMWeighting``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._base import Balancer
+from ._checks import as_task_vector, check_range
+from ._mgda import MGDA
+from ._state import check_state_tasks, clone_or_none
+
+__all__ = ["CRMOGM"]
+
+_INNER = "inner."
+
+
+class CRMOGM(Balancer):
+    """``g = λₜᵀ G`` with ``λₜ = β λₜ₋₁ + (1 − β) λ̂ₜ``, ``λ̂ₜ`` the inner balancer's weights.
+
+    The weights of a stochastic gradient manipulation (MGDA, UPGrad, ...) computed on one
+    batch are correlated with that batch's gradients, which biases the update; averaging them
+    over steps reduces the correlation (the paper's CR-MOGM). ``λ₀`` is ``initial_weights`` if
+    given, else ``λ̂₁`` (the first output is then the inner balancer's, whatever ``β``).
+    ``β = 0`` returns the inner weights unchanged, ``β = 1`` freezes ``λ₀``. The paper's
+    Corollary 1 grows ``β`` towards 1 as the learning rate decays: assign ``balancer.beta``
+    between steps, e.g. ``1 - lr / lr0``.
+
+    Args:
+        inner: a weighted balancer (``from_gramian``) that keeps its own state; default
+            ``MGDA(num_tasks)``.
+        num_tasks: K (optional; must agree with ``inner.num_tasks`` when both are given).
+        beta: weight ``β ∈ [0, 1]`` of the previous average (default 0.9, TorchJD's ``alpha``).
+        initial_weights: ``λ₀`` ``[K]`` (default: the first inner weights).
+
+    Runs on the Gramian like its inner balancer; reads the losses when it does; positively
+    homogeneous when it is. ``reset()`` resets the inner balancer too.
+
+    State: ``λ`` ``[K]`` float64 (None before the first call) and the inner balancer's state
+    under ``"inner.<key>"``.
+    """
+
+    name = "crmogm"
+    from_gramian = True
+    homogeneous = True
+
+    def __init__(self, inner: Balancer | None = None, *, num_tasks: int | None = None,
+                 beta: float = 0.9,
+                 initial_weights: Sequence[float] | Tensor | None = None) -> None:
+        super().__init__(num_tasks)
+        if inner is None:
+            inner = MGDA(num_tasks)
+        if not isinstance(inner, Balancer) or not inner.from_gramian:
+            found = type(inner).__name__
+            raise ValueError(
+                f"Invalid inner: {found} (expected a weighted balancer, one with from_gramian "
+                f"True, e.g. gradbalance.MGDA())"
+            )
+        if num_tasks is not None and inner.num_tasks not in (None, num_tasks):
+            raise ValueError(
+                f"Invalid num_tasks: {num_tasks} (expected inner.num_tasks = "
+                f"{inner.num_tasks}, or leave it out)"
+            )
+        if self.num_tasks is None:
+            self.num_tasks = inner.num_tasks
+        self.inner = inner
+        self.beta = beta
+        self.initial_weights = None if initial_weights is None else as_task_vector(
+            "initial_weights", initial_weights, self.num_tasks)
+        # Instance values of the class flags: they are the inner balancer's.
+        self.homogeneous = inner.homogeneous  # type: ignore[misc]
+        self.needs_losses = inner.needs_losses  # type: ignore[misc]
+        self._lambda: Tensor | None = None
+
+    @property
+    def beta(self) -> float:
+        """Weight of the previous average; may be changed between steps (a schedule)."""
+        return self._beta
+
+    @beta.setter
+    def beta(self, value: float) -> None:
+        self._beta = check_range("beta", value, 0.0, 1.0)
+
+    def weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
+        k = gramian.shape[0]
+        check_state_tasks(type(self).__name__, self._lambda, k)
+        if self._lambda is None and self.initial_weights is not None:
+            check_state_tasks(type(self).__name__, self.initial_weights, k)
+        hat = self.inner.weights(gramian, losses).to(torch.float64)
+        if self._lambda is not None:
+            prev = self._lambda.to(hat.device)
+        elif self.initial_weights is not None:
+            prev = self.initial_weights.to(hat.device)
+        else:
+            prev = hat
+        self._lambda = self._beta * prev + (1.0 - self._beta) * hat
+        return self._lambda
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"weights": clone_or_none(self._lambda)}
+        state.update({_INNER + key: value for key, value in self.inner.state_dict().items()})
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "weights" not in state_dict or any(
+                key != "weights" and not key.startswith(_INNER) for key in state_dict):
+            raise ValueError(
+                f"CRMOGM state_dict has keys {sorted(state_dict)} but needs 'weights' and "
+                f"'inner.*' only; was it saved from another balancer?"
+            )
+        weights = clone_or_none(state_dict["weights"])
+        if weights is not None and self.num_tasks not in (None, weights.numel()):
+            raise ValueError(
+                f"CRMOGM weights are for {weights.numel()} tasks but the balancer was built "
+                f"with num_tasks={self.num_tasks}"
+            )
+        self.inner.load_state_dict({key[len(_INNER):]: value for key, value in
+                                    state_dict.items() if key.startswith(_INNER)})
+        self._lambda = None if weights is None else weights.to(torch.float64)
+
+    def reset(self) -> None:
+        """Forget the average and reset the inner balancer."""
+        self.inner.reset()
+        self._lambda = None
+
+    def __repr__(self) -> str:
+        return f"CRMOGM(inner={self.inner!r}, beta={self._beta})"

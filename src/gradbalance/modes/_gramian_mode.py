@@ -1,0 +1,72 @@
+"""``gramian`` mode in the step: ``G Gᵀ`` from the recorder, weights, one weighted write-back.
+
+The same update as ``matrix`` mode for every weighted balancer, without ever holding
+``[K, P]`` (see :mod:`gradbalance.modes._gramian` for the block-wise engine). With a loss
+scale ``s`` the Gramian of the scaled losses is divided by ``s²``; the write-back stays
+scaled, as ``scaler.unscale_`` expects.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..balancers._base import Balancer
+from ..gramian import is_finite_gramian
+from ..stats import StepStats, build_stats
+from ..taskgrads import TaskRoots
+from ._common import StepInput, heads_backward_, nonfinite_error
+from ._gramian import GramianRecorder
+
+__all__ = ["GramianMode"]
+
+
+class GramianMode:
+    """Forward hooks on the trunk (from construction on); one backward per step."""
+
+    matrix: Tensor | None = None  # never a [K, P] matrix
+
+    def __init__(self, modules: Any, shared: list[Tensor], head_params: list[Tensor],
+                 batched: bool) -> None:
+        if modules is None:
+            raise ValueError(
+                "mode='gramian' needs modules=...: the module(s) owning shared_params, "
+                "e.g. TaskGradBuffer(..., mode='gramian', modules=model.trunk)"
+            )
+        self.recorder = GramianRecorder(modules, shared)
+        self.head_params = head_params
+        self.batched = batched
+
+    def backward(self, roots: TaskRoots) -> None:
+        heads_backward_(roots, self.head_params)
+        self.recorder.task_output_grads(roots, self.batched)
+
+    def apply(self, balancer: Balancer, step: StepInput) -> StepStats:
+        if not balancer.from_gramian:
+            self.recorder.clear()
+            raise TypeError(
+                f"{type(balancer).__name__} needs the task-gradient rows, not only the "
+                f"Gramian; use mode='matrix' (or 'features')"
+            )
+        losses, scale = step.losses, step.scale
+        try:
+            gram = self.recorder.gramian(losses.shape[0], losses.device)
+            if scale is not None:
+                gram = gram / scale.double() ** 2
+            finite = bool(is_finite_gramian(gram))  # host sync: the balancer must not see NaN
+            if finite:
+                weights = balancer.weights_checked(gram, losses)
+            elif scale is not None:  # the plain sum, non-finite: the scaler skips the step
+                weights = torch.ones_like(losses, dtype=torch.float64)
+            else:
+                raise nonfinite_error()
+            self.recorder.write_weighted_(weights)
+        finally:
+            self.recorder.clear()
+        return build_stats(gram, losses, finite, weights=weights, scale=scale,
+                           num_backward=step.count, mode="gramian")
+
+    def clear(self) -> None:
+        self.recorder.clear()
