@@ -13,7 +13,14 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 import gradbalance as gb
-from balancer_util import matrices, nnls_dual_cone, random_matrix, scipy_min_norm
+from balancer_util import (
+    matrices,
+    nnls_dual_cone,
+    random_matrix,
+    scipy_cagrad_value,
+    scipy_min_norm,
+)
+from gradbalance.balancers._boxqp import _active_set
 from gradbalance.balancers._solvers import (
     SolverError,
     _support_root,
@@ -52,6 +59,29 @@ def test_batched_dual_cone_projections_match_nnls(g: Tensor, well: bool) -> None
 
 
 @SETTINGS
+@given(matrices(min_k=2, max_k=7, max_p=9), st.booleans())
+def test_active_set_fallback_matches_nnls_and_slsqp(g: Tensor, simplex: bool) -> None:
+    # The active-set method runs alone here (it finishes what block pivoting leaves open).
+    k = g.shape[0]
+    gram = _unit(g)
+    scale = float(gram.trace() / (g * g).sum()) ** 0.5
+    if simplex:
+        start = torch.full((1, k), 1.0 / k, dtype=F64)
+        zeros = torch.zeros(1, k, dtype=F64)
+        w = _active_set(gram, zeros, zeros, True, start, 1e-12, None, False)
+        assert w is not None
+        value = float(w[0] @ gram @ w[0])
+        assert abs(value - scipy_min_norm(g) / float((g @ g.T).trace())) <= 1e-8
+    else:
+        u = torch.eye(k, dtype=F64) / k
+        v = _active_set(gram, torch.zeros_like(u), u, False, u.clone(), 1e-12, None, False)
+        assert v is not None
+        for i in range(k):
+            torch.testing.assert_close(g.T @ v[i] * scale, nnls_dual_cone(g * scale, u[i]),
+                                       rtol=1e-7, atol=1e-9)
+
+
+@SETTINGS
 @given(matrices(min_k=3, max_k=7, max_p=9), st.booleans())
 def test_min_norm_simplex_matches_slsqp_and_kkt(g: Tensor, well: bool) -> None:
     gram = _unit(g)
@@ -68,6 +98,28 @@ def test_min_norm_simplex_matches_slsqp_and_kkt(g: Tensor, well: bool) -> None:
     assert abs(value - scipy_min_norm(g) / float((g @ g.T).trace())) <= 1e-8
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_batched_simplex_with_lower_bounds_satisfies_kkt(seed: int) -> None:
+    # min ½ xᵀQx + cᵀx s.t. x ≥ lower, Σx = 1, three problems at once (batched pivoting).
+    g = random_matrix(seed, 5, 4 + 4 * (seed % 2))  # rank-deficient for odd seeds
+    gram = _unit(g)
+    gen = torch.Generator().manual_seed(seed)
+    lower = torch.rand(3, 5, generator=gen, dtype=F64) * 0.1
+    c = (torch.rand(3, 5, generator=gen, dtype=F64) @ gram)  # in the range of Q
+    x = solve_box_qp(gram, c, lower, simplex=True)
+    for b in range(3):
+        assert bool((x[b] >= lower[b]).all()) and abs(float(x[b].sum()) - 1) < 1e-12
+        grad = gram @ x[b] + c[b]
+        free = x[b] > lower[b] + 1e-12
+        nu = float(grad[free].mean())
+        assert float((grad[free] - nu).abs().max()) <= 1e-10
+        assert float((grad - nu).min()) >= -1e-10
+        # Alone (the single-problem code path) it is the same optimum.
+        alone = solve_box_qp(gram, c[b], lower[b], simplex=True)
+        value = float(0.5 * alone @ gram @ alone + c[b] @ alone)
+        assert abs(value - float(0.5 * x[b] @ gram @ x[b] + c[b] @ x[b])) <= 1e-12
+
+
 def test_two_task_min_norm_closed_form_hand_derived() -> None:
     # g1 = (1, 0), g2 = (0, 2): γ = (4 − 0)/(1 + 4) = 0.8, update (0.8, 0.4).
     gram = torch.tensor([[1.0, 0.0], [0.0, 4.0]], dtype=F64)
@@ -81,13 +133,15 @@ def test_two_task_min_norm_closed_form_hand_derived() -> None:
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_two_task_upgrad_closed_form_matches_nnls(seed: int) -> None:
+def test_two_task_dual_cone_closed_form_matches_nnls(seed: int) -> None:
     g = random_matrix(seed, 2, 5)
     pref = torch.rand(2, generator=torch.Generator().manual_seed(seed), dtype=F64)
     if seed == 5:
         g[1] = 0  # a zero row: nothing to project on
     expected = sum(nnls_dual_cone(g, torch.diag(pref)[i]) for i in range(2))
     torch.testing.assert_close(gb.UPGrad(pref=pref)(g), expected, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(gb.DualProj(pref=pref)(g), nnls_dual_cone(g, pref), rtol=1e-9,
+                               atol=1e-12)
 
 
 def test_dual_cone_single_and_batched_agree() -> None:
@@ -129,8 +183,10 @@ def test_support_root_hand_derived() -> None:
     gram = torch.eye(k, dtype=F64) / k
     w = torch.full((k,), 1.0 / k, dtype=F64)
     r = 0.4 * float(w @ gram @ w) ** 0.5
-    rho = _support_root(gram, gram @ w, r, w)
-    assert rho == pytest.approx(1.0 / k, rel=1e-12)
+    root = _support_root(gram, gram @ w, r, w > 0)
+    assert root is not None
+    assert root[0] == pytest.approx(1.0 / k, rel=1e-12)
+    torch.testing.assert_close(root[1], w, rtol=0, atol=1e-15)
     torch.testing.assert_close(cagrad_dual(gram, 0.4), w, rtol=0, atol=1e-12)
 
 
@@ -160,12 +216,36 @@ def test_cagrad_dual_satisfies_its_kkt_conditions(g: Tensor, c: float) -> None:
 
 @pytest.mark.parametrize("seed", range(3))
 def test_cagrad_large_k_matches_scipy(seed: int) -> None:
-    from balancer_util import scipy_cagrad_value
-
     g = random_matrix(seed, 9, 20)
     d = gb.CAGrad(c=0.5)(g)
     expected = scipy_cagrad_value(g, 0.5)
     assert float((g @ d).min()) == pytest.approx(expected, rel=1e-5, abs=1e-7)
+
+
+@pytest.mark.parametrize(("seed", "k", "p"), [(47, 4, 2), (101, 4, 2), (3, 5, 3), (8, 6, 2)])
+def test_cagrad_rank_deficient_matches_scipy(seed: int, k: int, p: int) -> None:
+    # K > P can put 0 in the convex hull of the rows: the root search must not mistake a
+    # nearly zero-norm combination (a QP solved at a tiny, badly scaled ρ) for the optimum
+    # when a better one exists (regression: the first two inputs caught it).
+    g = random_matrix(seed, k, p)
+    d = gb.CAGrad(c=0.4)(g)
+    expected = scipy_cagrad_value(g, 0.4)
+    scale = float((g * g).sum())
+    assert float((g @ d).min()) >= expected - 1e-6 * scale
+
+
+@pytest.mark.parametrize("c", [0.1, 0.5, 0.9])
+@pytest.mark.parametrize(("seed", "lean"), [(0, 0.0), (1, 1.5), (2, -0.9), (3, 0.3)])
+def test_cagrad_two_tasks_closed_form_matches_scipy(c: float, seed: int, lean: float) -> None:
+    # lean < 0 makes the rows nearly aligned (a vertex of the simplex can be optimal),
+    # lean > 0 makes them conflict (an interior optimum).
+    g = random_matrix(seed, 2, 5, conflict=False)
+    g[1] = g[1] - lean * g[0]
+    d = gb.CAGrad(c=c)(g)
+    g0 = g.mean(dim=0)
+    assert float((d - g0).norm()) <= c * float(g0.norm()) * (1 + 1e-9)
+    expected = scipy_cagrad_value(g, c)
+    assert float((g @ d).min()) == pytest.approx(expected, rel=1e-6, abs=1e-8)
 
 
 @SETTINGS

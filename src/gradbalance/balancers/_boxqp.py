@@ -1,25 +1,24 @@
-"""Batched active-set solver for box- (and simplex-) constrained QPs sharing one Hessian.
+"""Batched solvers for box- (and simplex-) constrained QPs sharing one Hessian.
 
 Not a balancer module (no ``__all__``). ``min ½ xᵀQx + cᵀx`` s.t. ``x ≥ lower`` (and
-``Σ x = 1``), for ``B`` right-hand sides ``c``/``lower`` at once: the primal active-set method
-of Nocedal & Wright (*Numerical Optimization*, Alg. 16.3) run on every problem in lock-step,
-so a call costs one Python loop of few large tensor operations (one host sync per iteration)
-instead of ``B`` separate loops of tiny ones.
+``Σ x = 1``), for ``B`` right-hand sides ``c``/``lower`` at once, every problem in lock-step:
+a call costs one Python loop of few batched tensor operations (one host sync per iteration)
+instead of ``B`` loops of tiny ones.
 
-Each iteration solves the equality-constrained subproblem on the free indices of every
-problem at once, with the fixed indices masked out:
-
-* ``Q`` positive definite (condition number below ``1e10``): every principal submatrix is too,
-  and the masked systems ``Q_FF s = r`` are solved by one batched Cholesky factorisation (the
-  simplex step uses two right-hand sides: ``s = −Q_FF⁻¹(∇ − ν1)``,
-  ``ν = 1ᵀQ_FF⁻¹∇ / 1ᵀQ_FF⁻¹1``);
-* otherwise the least-norm solution by a batched eigen-decomposition (the pseudo-inverse with
-  relative cut-off ``1e-13`` of the subproblem, bordered by the constraint ``Σ s = 0`` for the
-  simplex), exact when ``c`` lies in the range of ``Q``, as for every caller.
-
-After a full step (or a zero one) the problem sits at its subproblem minimum and the bound
-with the most negative multiplier is released in the same iteration; a blocked step fixes the
-blocking bound. Problems that have converged are frozen while the others continue.
+1. Block principal pivoting (Júdice & Pires 1994, with Murty's single-pivot safeguard)
+   exchanges every infeasible index at once and typically finishes in 2–4 iterations for any
+   ``K``. Its equality subproblems ``Q_FF y_F = r_F`` are solved with the fixed indices masked
+   out: by one batched Cholesky factorisation when ``Q`` is positive definite (condition
+   number below ``1e10``; every principal submatrix is then too), otherwise in the
+   least-norm sense (a batched eigen-decomposition, pseudo-inverse cut-off ``1e-13``),
+   bordered by ``Σ y = 1 − Σ lower`` for the simplex. It returns only points that satisfy
+   every KKT condition to ``tol``.
+2. Problems it leaves open (a singular ``Q`` can make it cycle) go to the primal active-set
+   method of Nocedal & Wright (*Numerical Optimization*, Alg. 16.3), which always terminates:
+   after a full (or zero) step the problem sits at its subproblem minimum and the bound with
+   the most negative multiplier is released in the same iteration; a blocked step fixes the
+   blocking bound. Least-norm steps are exact when ``c`` lies in the range of ``Q``, as for
+   every caller.
 """
 
 from __future__ import annotations
@@ -29,6 +28,8 @@ from torch import Tensor
 
 #: Relative cut-off of the least-norm (pseudo-inverse) solves.
 PINV_RTOL = 1e-13
+#: Largest ``|Q_FF y_F − rhs_F|`` accepted from a least-norm solve in the pivoting method.
+_RESIDUAL_TOL = 1e-10
 #: Largest condition number of ``Q`` for which the Cholesky path is used.
 CHOLESKY_MAX_COND = 1e10
 
@@ -74,15 +75,32 @@ def _step_pinv(q: Tensor, grad: Tensor, free: Tensor, simplex: bool) -> Tensor:
     return (vec @ coef[..., None])[..., 0][:, :k] * freef
 
 
-def _solve_free(q: Tensor, rhs: Tensor, free: Tensor, total: Tensor | None) -> Tensor | None:
+def _solve_free(q: Tensor, rhs: Tensor, free: Tensor, total: Tensor | None,
+                well_conditioned: bool) -> Tensor | None:
     """``y`` ``[B, K]`` with ``Q_FF y_F = rhs_F`` (``+ ν1`` and ``1ᵀy_F = total`` if given).
 
-    Batched Cholesky (``Q`` positive definite); zero on the fixed indices; None if a
-    factorisation fails.
+    Zero on the fixed indices. Batched Cholesky when ``Q`` is well conditioned (None if a
+    factorisation fails), else the least-norm solution by a batched eigen-decomposition (the
+    pseudo-inverse of ``Q_FF``, bordered by ``1ᵀy_F = total`` for the simplex).
     """
     freef = free.to(q.dtype)
-    mat = q * (freef[:, :, None] * freef[:, None, :]) + torch.diag_embed(1.0 - freef)
-    chol, info = torch.linalg.cholesky_ex(mat)
+    masked = q * (freef[:, :, None] * freef[:, None, :])
+    if not well_conditioned:
+        b, k = rhs.shape
+        mat, vec = masked, rhs * freef
+        if total is not None:  # [[Q_FF, 1], [1ᵀ, 0]] [y; −ν] = [rhs; total]
+            mat = torch.zeros(b, k + 1, k + 1, dtype=q.dtype)
+            mat[:, :k, :k] = masked
+            mat[:, :k, k] = freef
+            mat[:, k, :k] = freef
+            vec = torch.cat([vec, total[:, None]], dim=1)
+        lam, basis = torch.linalg.eigh(mat)
+        mag = lam.abs()
+        keep = mag > PINV_RTOL * mag.amax(dim=1, keepdim=True)
+        inv = torch.where(keep, 1.0 / torch.where(keep, lam, 1.0), 0.0)
+        coef = (basis.transpose(1, 2) @ vec[..., None])[..., 0] * inv
+        return (basis @ coef[..., None])[..., 0][:, :k] * freef
+    chol, info = torch.linalg.cholesky_ex(masked + torch.diag_embed(1.0 - freef))
     if bool(info.any()):
         return None
     if total is not None:
@@ -94,9 +112,9 @@ def _solve_free(q: Tensor, rhs: Tensor, free: Tensor, total: Tensor | None) -> T
 
 def solve_lcp_pivoting(
     q: Tensor, c: Tensor, lower: Tensor, simplex: bool, free0: Tensor, tol: float,
-    max_iter: int,
-) -> Tensor | None:
-    """Block principal pivoting (Júdice & Pires 1994) for positive definite ``Q``.
+    max_iter: int, well_conditioned: bool = True,
+) -> tuple[Tensor, Tensor] | None:
+    """Block principal pivoting (Júdice & Pires 1994): ``(x, done)``, ``x`` valid where done.
 
     Optimality of ``y = x − lower ≥ 0`` is the complementarity problem ``w = Qy + c' − ν1 ≥ 0``
     (``c' = Q·lower + c``; ``ν`` and ``Σy = 1 − Σ lower`` only with the simplex), ``yᵀw = 0``.
@@ -104,7 +122,11 @@ def solve_lcp_pivoting(
     index with ``y_F < −tol`` or ``w_A < −tol`` changes side at once, falling back to
     exchanging only the largest such index (Murty's rule, finite for positive definite ``Q``)
     after three exchanges that do not reduce their number. Typically 2–4 iterations for any
-    ``K``. Returns None if ``max_iter`` does not suffice or a factorisation fails.
+    ``K``. For a singular ``Q`` (least-norm solves) termination is not guaranteed and the
+    equalities ``w_F = 0`` are verified too; the answer is returned only at a point that
+    satisfies every KKT condition to ``tol``. Problems still open after ``max_iter``
+    iterations, or whose least-norm solve is not a solution, are returned with ``done``
+    False (the caller runs the active-set method on them); None if a factorisation fails.
     """
     b, k = c.shape
     shift = lower @ q + c
@@ -113,26 +135,155 @@ def solve_lcp_pivoting(
     best = torch.full((b,), k + 1, dtype=torch.int64)
     chances = torch.full((b,), 3, dtype=torch.int64)
     order = torch.arange(1, k + 1)
+    start_empty = not simplex and not bool(free.any())
+    x = lower.clone()
+    done = torch.zeros(b, dtype=torch.bool)
+    failed = torch.zeros(b, dtype=torch.bool)
     for _ in range(max_iter):
-        y = _solve_free(q, -shift, free, total)
+        # From an empty free set (the default start of a box QP) y = 0 needs no solve.
+        if start_empty:
+            y: Tensor | None = torch.zeros_like(shift)
+            start_empty = False
+        else:
+            y = _solve_free(q, -shift, free, total, well_conditioned)
         if y is None:
             return None
         w = y @ q + shift
         if simplex:
             freef = free.to(q.dtype)
             w = w - (w * freef).sum(dim=1, keepdim=True) / freef.sum(dim=1, keepdim=True)
+        if not well_conditioned:
+            # A least-norm solve that is not a solution is not a KKT point: give up there.
+            failed = failed | (free & (w.abs() > _RESIDUAL_TOL)).any(dim=1)
         bad = torch.where(free, y < -tol, w < -tol)
         count = bad.sum(dim=1)
-        if not bool(count.any()):
-            return lower + y.clamp_min(0.0)
+        finished = (count == 0) & ~failed & ~done
+        x = torch.where(finished[:, None], lower + y.clamp_min(0.0), x)
+        done = done | finished
+        if bool((done | failed).all()):
+            return x, done
         better = count < best
         best = torch.where(better, count, best)
         chances = torch.where(better, 3, chances - 1)
         single = torch.nn.functional.one_hot((bad * order).argmax(dim=1), k).bool()
         free = free ^ torch.where((chances >= 0)[:, None], bad, single & bad)
         if simplex:  # Σy = total > 0 needs a free index: free the most attractive one
-            empty = ~free.any(dim=1, keepdim=True)
-            free = free | (empty & torch.nn.functional.one_hot(w.argmin(dim=1), k).bool())
+            none_free = ~free.any(dim=1, keepdim=True)
+            free = free | (none_free & torch.nn.functional.one_hot(w.argmin(dim=1), k).bool())
+    return x, done
+
+
+def _pivot_single(
+    q: Tensor, c: Tensor, lower: Tensor, simplex: bool, free0: list[bool], tol: float,
+    max_iter: int, well_conditioned: bool,
+) -> Tensor | None:
+    """:func:`solve_lcp_pivoting` for one problem (``c``, ``lower`` ``[K]``).
+
+    The same iterations, with the pivoting decisions made on Python lists (one host sync per
+    iteration) and the subproblem solved on the free indices only: a few tensor operations
+    per iteration instead of dozens of masked ones. None when it does not finish.
+    """
+    k = c.shape[0]
+    shift = lower @ q + c
+    total = 1.0 - float(lower.sum()) if simplex else 0.0
+    free = list(free0)
+    best, chances = k + 1, 3
+    for _ in range(max_iter):
+        idx = [i for i in range(k) if free[i]]
+        y = torch.zeros(k, dtype=q.dtype)
+        if idx:
+            sel = torch.tensor(idx)
+            sub = q[sel][:, sel]
+            rhs = -shift[sel]
+            if well_conditioned:
+                chol, info = torch.linalg.cholesky_ex(sub)
+                if int(info) != 0:
+                    return None
+                if simplex:
+                    sol = torch.cholesky_solve(torch.stack([rhs, torch.ones_like(rhs)], 1), chol)
+                    nu = (total - sol[:, 0].sum()) / sol[:, 1].sum()
+                    y[sel] = sol[:, 0] + nu * sol[:, 1]
+                else:
+                    y[sel] = torch.cholesky_solve(rhs[:, None], chol)[:, 0]
+            else:
+                if simplex:  # [[Q_FF, 1], [1ᵀ, 0]] [y; −ν] = [rhs; total]
+                    n = len(idx)
+                    border = torch.zeros(n + 1, n + 1, dtype=q.dtype)
+                    border[:n, :n] = sub
+                    border[:n, n] = 1.0
+                    border[n, :n] = 1.0
+                    sub = border
+                    rhs = torch.cat([rhs, torch.tensor([total], dtype=q.dtype)])
+                sol = torch.linalg.pinv(sub, hermitian=True, rtol=PINV_RTOL) @ rhs
+                y[sel] = sol[: len(idx)]
+        w = q @ y + shift
+        y_l, w_l = torch.stack([y, w]).tolist()
+        if simplex:
+            nu_v = sum(w_l[i] for i in idx) / len(idx)
+            w_l = [v - nu_v for v in w_l]
+        if not well_conditioned and any(abs(w_l[i]) > _RESIDUAL_TOL for i in idx):
+            return None  # a least-norm solve that is not a solution: not a KKT point
+        bad = [i for i in range(k) if (y_l[i] < -tol if free[i] else w_l[i] < -tol)]
+        if not bad:
+            return lower + y.clamp_min(0.0)
+        if len(bad) < best:
+            best, chances = len(bad), 3
+        else:
+            chances -= 1
+        for i in bad if chances >= 0 else bad[-1:]:
+            free[i] = not free[i]
+        if simplex and not any(free):  # Σy = total > 0 needs a free index
+            free[min(range(k), key=w_l.__getitem__)] = True
+    return None
+
+
+def _active_set_single(
+    q: Tensor, c: Tensor, lower: Tensor, simplex: bool, x: Tensor, tol: float, max_iter: int,
+) -> Tensor | None:
+    """:func:`_active_set` for one problem (``[K]``), on the free submatrix (least-norm).
+
+    Cheaper than the masked batched form when ``Q`` is singular: each pseudo-inverse is of
+    the free block only. Separate subproblem and release iterations, as in the textbook.
+    """
+    k = q.shape[0]
+    dtype = q.dtype
+    fixed = x <= lower
+    if simplex and bool(fixed.all()):
+        fixed[int(torch.argmax(x))] = False
+    for _ in range(max_iter):
+        grad = q @ x + c
+        idx = torch.nonzero(~fixed).flatten()
+        n = idx.numel()
+        step = torch.zeros(k, dtype=dtype)
+        if n:
+            sub = q[idx][:, idx]
+            rhs = -grad[idx]
+            if simplex:
+                border = torch.zeros(n + 1, n + 1, dtype=dtype)
+                border[:n, :n] = sub
+                border[:n, n] = 1.0
+                border[n, :n] = 1.0
+                sub = border
+                rhs = torch.cat([rhs, torch.zeros(1, dtype=dtype)])
+            step[idx] = (torch.linalg.pinv(sub, hermitian=True, rtol=PINV_RTOL) @ rhs)[:n]
+        if float(step.abs().max()) <= tol * (1.0 + float(x.abs().max())):
+            # Subproblem minimum: check the multipliers of the bounds held fixed.
+            mult = grad - grad[idx].mean() if simplex and n else grad
+            mult = torch.where(fixed, mult, torch.zeros_like(mult))
+            worst = int(torch.argmin(mult))
+            if float(mult[worst]) >= -tol:
+                return x
+            fixed[worst] = False
+            continue
+        neg = ~fixed & (step < 0)
+        ratios = torch.where(neg, (lower - x) / torch.where(neg, step, -1.0),
+                             torch.full_like(x, float("inf")))
+        block = int(torch.argmin(ratios))
+        alpha = min(1.0, float(ratios[block]))
+        x = x + alpha * step
+        if alpha < 1.0:
+            x[block] = lower[block]
+            fixed[block] = True
     return None
 
 
@@ -167,10 +318,38 @@ def solve_box_qp_batched(
             x = torch.maximum(x, lower)
     else:
         x = x0.to(dtype).clone()
-    if well_conditioned:
-        pivot = solve_lcp_pivoting(q, c, lower, simplex, x > lower, tol, 10 + 3 * k)
-        if pivot is not None:
-            return pivot
+    budget = (10 + 3 * k if well_conditioned else 8) if max_iter is None else max_iter
+    if b == 1:
+        single = _pivot_single(q, c[0], lower[0], simplex, (x[0] > lower[0]).tolist(), tol,
+                               budget, well_conditioned)
+        if single is not None:
+            return single[None]
+        iters = 50 + 20 * k if max_iter is None else max_iter
+        rest = _active_set_single(q, c[0], lower[0], simplex, x[0].clone(), tol, iters)
+        return None if rest is None else rest[None]
+    pivot = solve_lcp_pivoting(q, c, lower, simplex, x > lower, tol, budget, well_conditioned)
+    if pivot is not None:
+        x_piv, done = pivot
+        if bool(done.all()):
+            return x_piv
+        # The open problems go to the active-set method (from their original start).
+        open_rows = torch.nonzero(~done).flatten()
+        rest = _active_set(q, c[open_rows], lower[open_rows], simplex, x[open_rows], tol,
+                           max_iter, well_conditioned)
+        if rest is None:
+            return None
+        x_piv[open_rows] = rest
+        return x_piv
+    return _active_set(q, c, lower, simplex, x, tol, max_iter, well_conditioned)
+
+
+def _active_set(
+    q: Tensor, c: Tensor, lower: Tensor, simplex: bool, x: Tensor, tol: float,
+    max_iter: int | None, well_conditioned: bool,
+) -> Tensor | None:
+    """The primal active-set iterations (see the module docstring) from the feasible ``x``."""
+    dtype = torch.float64
+    b, k = c.shape
     fixed = x <= lower
     if simplex:
         fixed = fixed & ~torch.nn.functional.one_hot(x.argmax(dim=1), k).bool().logical_and(

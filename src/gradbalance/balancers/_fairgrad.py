@@ -45,13 +45,15 @@ def _newton(a: Tensor, p: float, max_iter: int, tol: float) -> tuple[Tensor, flo
         wp = w.pow(-p)
         grad = a @ w - wp
         hess = a + torch.diag(p * wp / w)
-        step = -torch.linalg.solve(hess, grad)
+        neg_step, info = torch.linalg.solve_ex(hess, grad)
+        step = -neg_step
         ratio = torch.where(step < 0, -w / step, inf).min()
         # One host sync for every scalar the iteration needs.
-        residual, ratio_v, slope, f0 = torch.stack([
-            grad.abs().max() / wp.abs().max(), ratio, grad @ step, objective(w)]).tolist()
-        if residual <= tol:
-            break
+        residual, ratio_v, slope, f0, bad = torch.stack([
+            grad.abs().max() / wp.abs().max(), ratio, grad @ step, objective(w),
+            (info != 0).to(a.dtype) + (~torch.isfinite(step)).sum()]).tolist()
+        if residual <= tol or bad != 0:
+            break  # converged, or w diverges (no solution): the caller warns on the residual
         t = min(1.0, 0.99 * ratio_v)
         while t > 1e-12:
             cand = w + t * step

@@ -25,11 +25,11 @@ def draw_other_orders(k: int, generator: torch.Generator | None = None) -> Tenso
 
     One ``torch.randperm(K-1)`` per task in task order (TorchJD's draw pattern).
     """
-    rows = []
-    for i in range(k):
-        others = torch.tensor([j for j in range(k) if j != i], dtype=torch.int64)
-        rows.append(others[torch.randperm(k - 1, generator=generator)])
-    return torch.stack(rows) if rows else torch.zeros(0, 0, dtype=torch.int64)
+    if k == 0:
+        return torch.zeros(0, 0, dtype=torch.int64)
+    perms = torch.stack([torch.randperm(k - 1, generator=generator) for _ in range(k)])
+    # Position p of the sorted others of task i holds p (p < i) or p + 1 (p ≥ i).
+    return perms + (perms >= torch.arange(k)[:, None]).to(torch.int64)
 
 
 def gradvac_weights(
@@ -52,22 +52,26 @@ def gradvac_weights(
     hat_all = targets.to(device=dev, dtype=torch.float64).clone()
     coef = torch.eye(k, dtype=torch.float64, device=dev)
     cg = gram.clone()  # rows: C[i] G
-    rows = torch.arange(k, device=dev)
     norm_all = torch.diagonal(gram).clamp_min(0).sqrt()
+    # Everything indexed by the orders, gathered once: step t reads slices (no indexing ops).
+    gram_sel = gram[orders]  # [i, t] -> G[j_it]
+    norm_sel = norm_all[orders]
+    onehot = torch.nn.functional.one_hot(orders, k).to(torch.float64)
+    picked = onehot.bool()
     for t in range(orders.shape[1]):
-        j = orders[:, t]
-        dot = cg[rows, j]
+        sel = onehot[:, t]
+        dot = (cg * sel).sum(dim=1)
         norm_i = (cg * coef).sum(dim=1).clamp_min(0).sqrt()
-        norm_j = norm_all[j]
+        norm_j = norm_sel[:, t]
         phi = dot / (norm_i * norm_j + eps)
-        hat = hat_all[rows, j]
+        hat = (hat_all * sel).sum(dim=1)
         root_phi = (1 - phi * phi).clamp_min(0).sqrt()
         root_hat = (1 - hat * hat).clamp_min(0).sqrt()
         w = norm_i * (hat * root_phi - phi * root_hat) / (norm_j * root_hat + eps)
         w = torch.where(phi < hat, w, torch.zeros_like(w))
-        coef[rows, j] += w
-        cg += w[:, None] * gram[j]
-        hat_all[rows, j] = (1 - beta) * hat + beta * phi
+        coef = coef + w[:, None] * sel
+        cg = cg + w[:, None] * gram_sel[:, t]
+        hat_all = torch.where(picked[:, t], ((1 - beta) * hat + beta * phi)[:, None], hat_all)
     return coef, hat_all
 
 

@@ -22,6 +22,7 @@ from ._state import EmaStepState, check_state_tasks
 __all__ = ["PCD", "pcd_multipliers"]
 
 _MAX_SECONDARY = 15  # the exact enumeration visits 2^(K-1) working sets
+_ENUMERATE_UP_TO = 4  # below this K, the few working sets are cheaper than the QP solver
 
 
 def pcd_multipliers(gram: Tensor, taus: Tensor, tol: float = 1e-9) -> Tensor:
@@ -29,8 +30,8 @@ def pcd_multipliers(gram: Tensor, taus: Tensor, tol: float = 1e-9) -> Tensor:
 
     ``min_d ½‖d − g₁‖²`` s.t. ``gⱼᵀd ≥ τⱼ‖gⱼ‖²`` (j ≥ 2). Its dual is the non-negative QP
     ``min_{μ≥0} ½ μᵀQμ − bᵀμ`` with ``Q = [gᵢᵀgⱼ]_{i,j≥2}``, ``bⱼ = τⱼ‖gⱼ‖² − gⱼᵀg₁``. Solved
-    exactly: for positive definite ``Q`` (condition number below ``1e10``) by the batched
-    active-set solver of :mod:`~gradbalance.balancers._boxqp` (the KKT point is unique);
+    exactly: for ``K > 4`` and positive definite ``Q`` (condition number below ``1e10``) by the
+    box-QP solver of :mod:`~gradbalance.balancers._boxqp` (the KKT point is unique);
     otherwise by enumerating the working sets (smallest first) and returning the first KKT
     point, as the paper's reference implementation does (``2^(K−1)`` sets). No KKT point: the
     constraints are infeasible, and ``g₁`` is returned (``[1, 0, …, 0]``).
@@ -43,7 +44,7 @@ def pcd_multipliers(gram: Tensor, taus: Tensor, tol: float = 1e-9) -> Tensor:
     q = gram[1:, 1:]
     b = taus * torch.diagonal(q) - gram[1:, 0]
     trace = float(torch.diagonal(q).sum())
-    if trace > 0.0 and is_well_conditioned(q / trace):
+    if m > _ENUMERATE_UP_TO and trace > 0.0 and is_well_conditioned(q / trace):
         # Positive definite Q: the KKT point is unique; the batched solver finds it directly.
         zeros = torch.zeros(1, m - 1, dtype=torch.float64)
         mu = solve_box_qp(q.cpu() / trace, -b.cpu()[None] / trace, zeros)[0]

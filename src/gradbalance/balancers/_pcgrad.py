@@ -43,14 +43,16 @@ def pcgrad_weights(gramian: Tensor, orders: Tensor) -> Tensor:
     orders = orders.to(gram.device)
     coef = torch.eye(k, dtype=torch.float64, device=gram.device)
     rows = torch.arange(k, device=gram.device)
-    diag = torch.diagonal(gram)
+    # Everything indexed by the orders, gathered once: step t reads slices (no indexing ops).
+    gram_sel = gram[orders]  # [i, t] -> G[j_it] = G[:, j_it] (symmetric)
+    norm_sel = torch.diagonal(gram)[orders]
+    onehot = torch.nn.functional.one_hot(orders, k).to(torch.float64)
+    allowed = (orders != rows[:, None]) & (norm_sel > 0)
+    safe = torch.where(norm_sel > 0, norm_sel, 1.0)
     for t in range(k):
-        j = orders[:, t]
-        dots = (coef * gram[:, j].T).sum(dim=1)  # (C G)[i, j_i] = C[i] · G[:, j_i]
-        norm_sq = diag[j]
-        project = (dots < 0) & (j != rows) & (norm_sq > 0)
-        delta = torch.where(project, dots / torch.where(norm_sq > 0, norm_sq, 1.0), 0.0)
-        coef[rows, j] -= delta
+        dots = (coef * gram_sel[:, t]).sum(dim=1)  # (C G)[i, j_i] = C[i] · G[:, j_i]
+        delta = torch.where((dots < 0) & allowed[:, t], dots / safe[:, t], 0.0)
+        coef = coef - delta[:, None] * onehot[:, t]
     return coef
 
 

@@ -5,14 +5,18 @@ the caller has normalised by its trace, so the tolerances below are absolute on 
 largest entry is at most 1. They run on the CPU (the problems are tiny and branchy) and raise
 :class:`SolverError` when they do not converge: they never fall back to uniform weights.
 
-* :func:`solve_box_qp` — ``min ½ xᵀQx + cᵀx`` s.t. ``x ≥ lower`` and optionally ``Σ x = 1``:
-  a primal active-set method (Nocedal & Wright, *Numerical Optimization*, Alg. 16.3). Each
-  equality-constrained subproblem is solved in the least-norm sense (pseudo-inverse), which is
-  exact when ``c`` lies in the range of ``Q`` — true for every use here.
+* :func:`solve_box_qp` — ``min ½ xᵀQx + cᵀx`` s.t. ``x ≥ lower`` and optionally ``Σ x = 1``,
+  for one or ``B`` problems sharing ``Q``: block principal pivoting, then the primal
+  active-set method (Nocedal & Wright, *Numerical Optimization*, Alg. 16.3) for any problem
+  left open (see :mod:`gradbalance.balancers._boxqp`). Subproblems are solved by Cholesky
+  (``Q`` positive definite) or in the least-norm sense (pseudo-inverse), which is exact when
+  ``c`` lies in the range of ``Q`` — true for every use here.
 * :func:`project_simplex` — Euclidean projection onto the simplex (MoDo, MoCo, SDMGrad).
-* :func:`min_norm_simplex` — MGDA's min-norm point of the convex hull of the rows.
+* :func:`min_norm_simplex` — MGDA's min-norm point of the convex hull of the rows (closed
+  form for ``K = 2``).
 * :func:`project_dual_cone` — UPGrad/DualProj: ``min vᵀGv`` s.t. ``v ≥ u``, whose solution
-  ``Jᵀv`` is the projection of ``Jᵀu`` onto the dual cone ``{x : Jx ≥ 0}``.
+  ``Jᵀv`` is the projection of ``Jᵀu`` onto the dual cone ``{x : Jx ≥ 0}`` (batched; closed
+  form for ``K = 2``).
 * :func:`cagrad_dual` — CAGrad's dual ``min_{w∈Δ} wᵀG u + r‖Jᵀw‖`` by a safeguarded
   one-dimensional root search over an auxiliary norm variable, each point one simplex QP,
   the next point the exact root on the current support.
@@ -21,6 +25,8 @@ largest entry is at most 1. They run on the CPU (the problems are tiny and branc
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -120,34 +126,63 @@ def min_norm_simplex(gram: Tensor, tol: float = QP_TOL) -> Tensor:
 
 def min_norm_two(gram: Tensor) -> Tensor:
     """Closed-form min-norm point of two rows: ``[γ, 1 − γ]`` (γ = ½ for equal rows)."""
-    g11, g12, g22 = gram[0, 0], gram[0, 1], gram[1, 1]
+    (g11, g12), (_, g22) = gram.tolist()
     diff = g11 - 2 * g12 + g22
-    safe = torch.where(diff > 0, diff, torch.ones_like(diff))
-    gamma = torch.where(diff > 0, ((g22 - g12) / safe).clamp(0.0, 1.0), 0.5)
-    return torch.stack([gamma, 1.0 - gamma]).to(torch.float64)
+    gamma = min(max((g22 - g12) / diff, 0.0), 1.0) if diff > 0 else 0.5
+    return torch.tensor([gamma, 1.0 - gamma], dtype=torch.float64)
 
 
 def project_dual_cone(gram: Tensor, u: Tensor, tol: float = QP_TOL) -> Tensor:
     """Weights ``v`` with ``Jᵀv`` the projection of ``Jᵀu`` onto ``{x : J x ≥ 0}``.
 
     Dual form (Quinton & Rey 2024, Prop. 1): ``min vᵀ G v`` s.t. ``v ≥ u``. ``u`` may be
-    ``[K]`` or ``[B, K]`` (``B`` projections solved together, result ``[B, K]``).
+    ``[K]`` or ``[B, K]`` (``B`` projections solved together, result ``[B, K]``); ``K = 2``
+    has a closed form (:func:`dual_cone_two`).
     """
     u = u.to(torch.float64)
+    if gram.shape[0] == 2:
+        return dual_cone_two(gram, u.reshape(-1, 2)).reshape(u.shape)
     return solve_box_qp(gram, torch.zeros_like(u), u, tol=tol)
 
 
-def _support_root(gram: Tensor, lin: Tensor, r: float, w: Tensor) -> float | None:
-    """``ρ*`` of CAGrad's norm equation if the support of ``w`` stays optimal, else None.
+def dual_cone_two(gram: Tensor, u: Tensor) -> Tensor:
+    """``K = 2``: ``argmin_{v ≥ u} vᵀGv`` for each row of ``u`` ``[B, 2]``, in closed form.
+
+    Unless the optimum is a zero-norm ``v`` inside the feasible set, it lies on a face
+    ``vᵢ = uᵢ``, where the best ``vⱼ`` is ``max(uⱼ, −uᵢGᵢⱼ/Gⱼⱼ)`` (``uⱼ`` if ``Gⱼⱼ = 0``);
+    a zero-norm optimum is reached on one of the two faces too. The better face wins.
+    """
+    (g11, g12), (_, g22) = gram.tolist()  # a handful of scalars: Python floats are fastest
+
+    def best(ui: float, uj: float, gjj: float) -> float:
+        return max(uj, -ui * g12 / gjj) if gjj > 0 else uj
+
+    def value(v: tuple[float, float]) -> float:
+        return v[0] * v[0] * g11 + 2 * v[0] * v[1] * g12 + v[1] * v[1] * g22
+
+    rows = []
+    for u1, u2 in u.tolist():
+        first = (u1, best(u1, u2, g22))  # v₁ = u₁
+        second = (best(u2, u1, g11), u2)  # v₂ = u₂
+        rows.append(first if value(first) <= value(second) else second)
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+def _support_root(gram: Tensor, lin: Tensor, r: float,
+                  support: Tensor) -> tuple[float, Tensor] | None:
+    """``(ρ*, w(ρ*))`` of CAGrad's norm equation on a fixed support, or None.
 
     On a fixed support ``F`` (``G_FF`` positive definite) the simplex QP of
     :func:`cagrad_dual` has the solution ``w(ρ) = w₀ + ρ w₁`` with ``w₀ = y_a/a``,
     ``w₁ = (β y_a/a − y_b)/r``, ``y_a = G_FF⁻¹1``, ``y_b = G_FF⁻¹ lin_F``, ``a = 1ᵀy_a``,
     ``β = 1ᵀy_b``; since ``G_FF w₀ ∝ 1`` and ``1ᵀw₁ = 0``,
     ``‖g_{w(ρ)}‖² = 1/a + C ρ²`` with ``C = w₁ᵀG w₁``, and ``‖g_w‖ = ρ`` gives
-    ``ρ* = (a (1 − C))^{-1/2}`` (no root on this support when ``C ≥ 1``).
+    ``ρ* = (a (1 − C))^{-1/2}`` (no root on this support when ``C ≥ 1``). ``w(ρ*)`` is the
+    optimum if it is feasible and no task off the support wants in (:func:`_is_cagrad_kkt`).
     """
-    idx = torch.nonzero(w > 0).flatten()
+    idx = torch.nonzero(support).flatten()
+    if idx.numel() == 0:
+        return None
     sub = gram[idx][:, idx]
     chol, info = torch.linalg.cholesky_ex(sub)
     if int(info) != 0:
@@ -161,7 +196,50 @@ def _support_root(gram: Tensor, lin: Tensor, r: float, w: Tensor) -> float | Non
     curv = float(w1 @ sub @ w1)
     if not curv < 1.0:
         return None
-    return (a * (1.0 - curv)) ** -0.5
+    rho = (a * (1.0 - curv)) ** -0.5
+    w = torch.zeros(gram.shape[0], dtype=torch.float64)
+    w[idx] = y[:, 0] / a + rho * w1
+    return rho, w
+
+
+def _is_cagrad_kkt(gram: Tensor, lin: Tensor, r: float, rho: float, w: Tensor,
+                   tol: float) -> bool:
+    """KKT of ``min_{w∈Δ} wᵀlin + (r/2ρ) wᵀGw`` at ``w``: ``w ≥ 0`` and the gradient
+    ``lin + (r/ρ) G w`` equal on the support and not smaller off it (to ``tol``, relative)."""
+    grad = lin + (r / rho) * (gram @ w)
+    support = w > 0
+    nu = grad[support].mean()
+    dev = torch.where(support, (grad - nu).abs(), (nu - grad).clamp_min(0)).max()
+    bound = tol * (1.0 + grad.abs().max())
+    return bool((w >= 0).all()) and bool(dev <= bound)
+
+
+def _cagrad_two(gram: Tensor, lin: Tensor, r: float) -> Tensor | None:
+    """``K = 2`` dual in closed form; None for a (nearly) singular Gramian.
+
+    ``F(w) = wᵀlin + r‖g_w‖`` is convex on the segment ``w = (t, 1 − t)``. Its stationary
+    point on the whole line is the support formula of :func:`_support_root` with both tasks
+    (``w = y_a/a + ρ* w₁``); inside the segment it is the optimum, otherwise the better end
+    ``eₖ`` (``F = linₖ + r√Gₖₖ``) is.
+    """
+    (g11, g12), (_, g22) = gram.tolist()
+    l1, l2 = lin.tolist()
+    det = g11 * g22 - g12 * g12
+    tr = g11 + g22
+    if not det > 1e-10 * tr * tr:
+        return None
+    ya = ((g22 - g12) / det, (g11 - g12) / det)  # G⁻¹1
+    yb = ((g22 * l1 - g12 * l2) / det, (g11 * l2 - g12 * l1) / det)  # G⁻¹lin
+    a, beta = ya[0] + ya[1], yb[0] + yb[1]
+    w1 = ((beta / a * ya[0] - yb[0]) / r, (beta / a * ya[1] - yb[1]) / r)
+    curv = w1[0] * w1[0] * g11 + 2 * w1[0] * w1[1] * g12 + w1[1] * w1[1] * g22
+    if a > 0 and curv < 1.0:
+        rho = (a * (1.0 - curv)) ** -0.5
+        t = ya[0] / a + rho * w1[0]
+        if 0.0 <= t <= 1.0:
+            return torch.tensor([t, 1.0 - t], dtype=torch.float64)
+    first = l1 + r * g11**0.5 <= l2 + r * g22**0.5
+    return torch.tensor([1.0, 0.0] if first else [0.0, 1.0], dtype=torch.float64)
 
 
 def cagrad_dual(gram: Tensor, c: float, tol: float = 1e-12, max_iter: int = 200) -> Tensor:
@@ -174,8 +252,9 @@ def cagrad_dual(gram: Tensor, c: float, tol: float = 1e-12, max_iter: int = 200)
     evaluation is one simplex QP (warm-started). The next point is the exact root for the
     current support of ``w`` (see :func:`_support_root`: one step when the support is right,
     typically 2–3 QPs per call), safeguarded by a bracket and Illinois regula falsi /
-    bisection. Requires ``0 < c < 1``. If ``‖g_w*‖ < 1e-12 max‖gₖ‖`` (a zero-norm
-    combination is optimal, e.g. a zero task gradient) the returned ``w`` has ``g_w ≈ 0``.
+    bisection; ``K = 2`` has a closed form (:func:`_cagrad_two`). Requires ``0 < c < 1``.
+    If ``‖g_w*‖ < 1e-12 max‖gₖ‖`` (a zero-norm combination is optimal, e.g. a zero task
+    gradient) the returned ``w`` has ``g_w ≈ 0``.
     """
     k = gram.shape[0]
     mean = torch.full((k,), 1.0 / k, dtype=torch.float64)
@@ -186,36 +265,66 @@ def cagrad_dual(gram: Tensor, c: float, tol: float = 1e-12, max_iter: int = 200)
     hi = float(torch.diagonal(gram).max()) ** 0.5
     if hi == 0.0 or r == 0.0:
         return mean
+    if k == 2:
+        two = _cagrad_two(gram, lin, r)
+        if two is not None:
+            return two
+    # Every task in the support: often right, then no QP at all.
+    full = _support_root(gram, lin, r, torch.ones(k, dtype=torch.bool))
+    if full is not None and _is_cagrad_kkt(gram, lin, r, full[0], full[1], tol):
+        return full[1]
     well = is_well_conditioned(gram)
     state: dict[str, Tensor] = {"x": mean.clone()}
 
+    zero_sq = 1e-24 * hi * hi  # ‖g_w‖² below this counts as a zero-norm combination
+
     def f(rho: float) -> tuple[float, Tensor]:
+        """``(1 − ‖g_w‖²/ρ², w(ρ))``; NaN when ``g_w = 0``."""
         w = solve_box_qp(gram * (r / rho), lin, zeros, simplex=True, x0=state["x"], tol=tol,
                          well_conditioned=well)
         state["x"] = w
-        return 1.0 - float(w @ gram @ w) / (rho * rho), w
+        norm_sq = float(w @ gram @ w)
+        return (float("nan") if norm_sq <= zero_sq else 1.0 - norm_sq / (rho * rho)), w
 
+    return _cagrad_root(gram, lin, r, hi, f, tol, max_iter)
+
+
+def _cagrad_root(gram: Tensor, lin: Tensor, r: float, hi: float,
+                 f: Callable[[float], tuple[float, Tensor]], tol: float,
+                 max_iter: int) -> Tensor:
+    """The safeguarded root search of :func:`cagrad_dual` over ``ρ ∈ (0, hi]``.
+
+    A NaN from ``f`` flags ``g_{w(ρ)} = 0``: that ``w`` minimises both terms of every smaller
+    ``ρ``'s objective too, so it stays optimal as ``ρ → 0``, where the root then lies (e.g. a
+    zero task gradient), and it is returned.
+    """
     lo, f_lo = 0.0, -float("inf")  # φ' < 0 near ρ = 0 unless g_w* = 0
+    floor = 1e-12 * hi  # a root below: ‖g_w*‖ < 1e-12 ‖g‖_max, a zero-norm optimum
     f_hi, w_hi = f(hi)
-    if f_hi <= 0.0:
+    if f_hi != f_hi or f_hi <= 0.0:
         return w_hi
     rho, w_mid, side = hi, w_hi, 0
     for _ in range(max_iter):
-        guess = _support_root(gram, lin, r, w_mid)
-        if guess is not None and lo < guess < hi and guess != rho:
-            rho = guess
-        elif lo > 0.0:
+        root = _support_root(gram, lin, r, w_mid > 0)
+        if root is not None and lo < root[0] < hi and root[0] != rho:
+            if _is_cagrad_kkt(gram, lin, r, root[0], root[1], tol):
+                return root[1]  # the support is right: w(ρ*) is the optimum
+            rho = root[0]
+        elif lo == 0.0:
+            # No support root and no lower bracket yet: descend fast, but keep each QP well
+            # scaled (f(ρ) needs ‖g_w‖² to a precision of ρ²).
+            rho = max(0.01 * rho, floor)
+        elif hi > 4.0 * lo:
+            rho = (lo * hi) ** 0.5  # bisection in log ρ while the bracket is wide
+        else:
             rho = (lo * f_hi - hi * f_lo) / (f_hi - f_lo)
             if not lo < rho < hi:
                 rho = 0.5 * (lo + hi)
-        else:
-            rho = 0.25 * hi
-            if rho < 1e-12 * float(torch.diagonal(gram).max()) ** 0.5:
-                # ‖g_w*‖ < 1e-12 ‖g‖_max: a zero-norm combination is optimal (e.g. a zero row).
-                return w_mid
         f_mid, w_mid = f(rho)
-        if abs(f_mid) <= tol or (lo > 0.0 and (hi - lo) <= tol * hi):
+        if f_mid != f_mid or abs(f_mid) <= tol or (lo > 0.0 and (hi - lo) <= tol * hi):
             return w_mid
+        if rho == floor and f_mid > 0.0:
+            return w_mid  # the root lies below 1e-12 ‖g‖_max: a zero-norm combination
         if f_mid < 0.0:
             lo, f_lo = rho, f_mid
             if side == -1:
@@ -235,7 +344,8 @@ def nash_bargaining(
     """Nash-MTL: the ``α > 0`` with ``(G α)ᵢ = 1/αᵢ`` (Navon et al. 2022, Thm 5.1).
 
     Damped Newton on ``f(α) = ½ αᵀGα − Σ log αᵢ`` (gradient ``Gα − 1/α``, Hessian
-    ``G + diag(1/α²)``), backtracking to stay in ``α > 0`` and decrease ``f``. Stops when
+    ``G + diag(1/α²)``), from the start (warm, or ``Gᵢᵢ^{-1/2}``) rescaled to its best
+    multiple, backtracking to stay in ``α > 0`` and decrease ``f``. Stops when
     ``max |αᵢ (Gα)ᵢ − 1| ≤ tol``. A zero gradient gets ``αᵢ = 0`` and the game is solved
     among the others. Raises :class:`SolverError` if it does not converge, e.g. when a
     non-negative combination of non-zero gradients vanishes (then no solution exists).
@@ -259,33 +369,32 @@ def nash_bargaining(
     # solution), which removes the scale error of a cold or stale start in one step.
     alpha = alpha * (k / (alpha @ gram @ alpha).clamp_min(1e-300)).sqrt()
 
-    def objective(a: Tensor) -> Tensor:
-        return 0.5 * a @ gram @ a - torch.log(a).sum()
+    def objective(a: Tensor) -> float:
+        return float(0.5 * a @ gram @ a - torch.log(a).sum())
 
-    value = float(objective(alpha))
-    inf = torch.tensor(float("inf"), dtype=torch.float64)
+    value = objective(alpha)
     for _ in range(max_iter):
         ga = gram @ alpha
         residual = alpha * ga - 1.0
+        res_max = float(residual.abs().max())
+        if res_max <= tol:
+            return alpha
         grad = ga - 1.0 / alpha
         hess = gram + torch.diag(1.0 / (alpha * alpha))
         step, info = torch.linalg.solve_ex(hess, -grad)
-        ratio = torch.where(step < 0, -alpha / step, inf).min()
-        # One host sync for every scalar the iteration needs.
-        res_max, bad, a_max, ratio_v, slope = torch.stack([
-            residual.abs().max(), (info != 0).to(torch.float64) + (~torch.isfinite(step)).sum(),
-            alpha.max(), ratio, grad @ step]).tolist()
-        if res_max <= tol:
-            return alpha
-        if bad != 0 or a_max > 1e12:
+        if int(info) != 0 or float(alpha.max()) > 1e12 or not bool(torch.isfinite(step).all()):
             break  # α diverges: a non-negative combination of the gradients vanishes
-        t = min(1.0, 0.99 * ratio_v)
+        t = 1.0
+        neg = step < 0
+        if bool(neg.any()):
+            t = min(1.0, 0.99 * float((-alpha[neg] / step[neg]).min()))
+        slope = float(grad @ step)
         while True:
             cand = alpha + t * step
-            cand_value, cand_res = torch.stack([
-                objective(cand), (cand * (gram @ cand) - 1.0).abs().max()]).tolist()
+            cand_value = objective(cand)
             # Near the optimum f changes by O(residual²), below float64 resolution of f, so
             # Armijo alone stalls there; a step that lowers the residual is accepted too.
+            cand_res = float((cand * (gram @ cand) - 1.0).abs().max())
             if cand_value <= value + 1e-4 * t * slope or cand_res < res_max or t < 1e-12:
                 break
             t *= 0.5

@@ -22,28 +22,12 @@ def upgrad_weights(gramian: Tensor, pref: Tensor | None = None) -> Tensor:
     ``Jᵀvᵢ`` is the projection of ``pᵢ gᵢ`` onto the dual cone ``{x : J x ≥ 0}``, so the
     update ``Σᵢ Jᵀvᵢ`` has a non-negative inner product with every task gradient. ``pref``
     defaults to ``1/K`` (the paper's mean). The K projections share the Gramian and are
-    solved together (one batched active set); ``K = 2`` has a closed form.
+    solved together (one batched solve); ``K = 2`` has a closed form.
     """
     k = gramian.shape[0]
     gram, _ = trace_normalized(gramian)
     p = check_pref(pref, k, 1.0 / k)
-    if k == 2:
-        return _upgrad_two(gram, p)
     return project_dual_cone(gram, torch.diag(p)).sum(dim=0)
-
-
-def _upgrad_two(gram: Tensor, p: Tensor) -> Tensor:
-    """``K = 2``: ``vᵢ = pᵢ eᵢ + max(0, −pᵢ Gᵢⱼ / Gⱼⱼ) eⱼ`` (project ``pᵢgᵢ`` off ``gⱼ``).
-
-    For fixed ``vᵢ`` the best ``vⱼ ≥ 0`` is ``max(0, −vᵢGᵢⱼ/Gⱼⱼ)``, and the resulting value
-    ``vᵢ² · const`` grows with ``vᵢ``, so ``vᵢ = pᵢ`` (a zero ``gⱼ`` adds nothing).
-    """
-    diag = torch.diagonal(gram)
-    safe = torch.where(diag > 0, diag, torch.ones_like(diag))
-    off = gram[0, 1]
-    # extra[j]: weight added to task j when projecting the other task's p gradient off it.
-    extra = torch.where(diag > 0, (-p.flip(0) * off / safe).clamp_min(0.0), 0.0)
-    return p + extra
 
 
 class UPGrad(PreferenceBalancer):
