@@ -7,10 +7,11 @@ round: A B C, B C A, ...), after a warm-up; the reported figure is the median ov
 the same run: F = forward alone, B = plain step − F (one backward + the optimizer step).
 
 Peak memory: each variant runs in a fresh subprocess (``--memory``); on CPU the figure is the
-rise of ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` over two steps, from just after the
-model and the batch are built (so it counts activations, gradients, buffers and optimizer
-state, not the Python/torch baseline); on CUDA it is ``torch.cuda.max_memory_allocated()``
-minus the allocation before the steps. CUDA timings use CUDA events.
+rise of the peak resident set size (``VmHWM``; ``ru_maxrss`` where /proc is missing) over two
+steps, from just after the model and the batch are built (so it counts activations,
+gradients, buffers and optimizer state, not the Python/torch baseline); on CUDA it is
+``torch.cuda.max_memory_allocated()`` minus the allocation before the steps. CUDA timings
+use CUDA events.
 
     python benchmarks/step_overhead.py --quick            # smoke run, a few seconds
     python benchmarks/step_overhead.py                    # full run (see benchmarks/README.md)
@@ -318,10 +319,27 @@ def measure_memory(trunk: str, k: int, variant: str, quick: bool, device: torch.
         fn()
         torch.cuda.synchronize()
         return (torch.cuda.max_memory_allocated() - base) / 2**20
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    base = _peak_rss_kib()
     fn()
     fn()
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024  # KiB -> MiB
+    return (_peak_rss_kib() - base) / 1024  # KiB -> MiB
+
+
+def _peak_rss_kib() -> int:
+    """This process's peak resident set size in KiB.
+
+    ``VmHWM`` from ``/proc/self/status`` where it exists: unlike ``ru_maxrss``, which Linux
+    carries over ``execve`` from the parent (so a child of a large parent reads no rise), it
+    belongs to the process's own address space. Elsewhere ``ru_maxrss``.
+    """
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
 MEMORY_VARIANTS = ("plain", "matrix-upgrad", "gramian-upgrad", "features-upgrad",
@@ -429,7 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     text = (f"## Step time / plain step ({tag})\n\n{header}\n\n{time_table(timing)}\n")
     if memory:
         how = ("CUDA allocator peak" if device.type == "cuda"
-               else "rise of ru_maxrss over two steps, in a fresh subprocess per variant")
+               else "rise of the peak resident set size (VmHWM) over two steps, in a fresh "
+               "subprocess per variant")
         text += (f"\n## Peak memory of two steps, MiB ({tag})\n\n{how}\n\n"
                  f"{memory_table(memory)}\n")
     print(text)
