@@ -99,6 +99,13 @@ def pyplot() -> Any:
     return plt
 
 
+def save_figure(fig: Any, path: Any) -> None:
+    """Lay out ``fig``, write it to ``path`` as a 100 dpi PNG and free it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    pyplot().close(fig)
+
+
 BOWL_CENTERS = ((3.0, 0.0), (0.0, 3.0))
 BOWL_CURVATURE = (10.0, 1.0)
 

@@ -21,7 +21,15 @@ from typing import Any
 
 import torch
 
-from ._common import BOWL_CENTERS, BOWL_CURVATURE, Claim, TwoBowls, pyplot, require_balancer
+from ._common import (
+    BOWL_CENTERS,
+    BOWL_CURVATURE,
+    Claim,
+    TwoBowls,
+    pyplot,
+    require_balancer,
+    save_figure,
+)
 
 NAME = "adam_tilt"
 TITLE = "§7.2 PCGrad under SGD and Adam: the two-bowl example"
@@ -96,6 +104,4 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("weight 2")
     ax.set_title(TITLE, fontsize=10)
     ax.legend(loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)

@@ -25,7 +25,7 @@ import torch
 
 from ...balancers import get_balancer
 from ...step import TaskGradBuffer
-from ._common import Claim, pyplot
+from ._common import Claim, pyplot, save_figure
 
 NAME = "adam_turn"
 TITLE = "§7.1 Adam after task 1's gradient triples"
@@ -98,6 +98,4 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("angle of the step (°)")
     ax.set_title(TITLE)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)

@@ -28,7 +28,7 @@ import torch
 from ...balancers import get_balancer
 from ...models import MultiTaskModel, make_heads, mlp_trunk, regression_losses
 from ...step import TaskGradBuffer
-from ._common import Claim, angle_deg, pyplot, require_attr
+from ._common import Claim, angle_deg, pyplot, require_attr, save_figure
 
 NAME = "clipping"
 TITLE = "§10 Gradient clipping (and the clipping tutorial's examples)"
@@ -175,6 +175,4 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax2.legend()
     ax2.set_title("choosing the limit from a logged run")
     fig.suptitle(TITLE)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)

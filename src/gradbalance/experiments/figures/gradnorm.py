@@ -22,7 +22,7 @@ import torch
 from ...balancers import get_balancer
 from ...models import MultiTaskModel, make_heads, mlp_trunk, regression_losses
 from ...step import TaskGradBuffer
-from ._common import Claim, pyplot, require_attr
+from ._common import Claim, pyplot, require_attr, save_figure
 
 NAME = "gradnorm"
 TITLE = "§9.1 GradNorm's weights with and without renormalisation"
@@ -97,6 +97,4 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax2.set_title("each task's weight")
     ax2.legend(fontsize=7)
     fig.suptitle(TITLE)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)

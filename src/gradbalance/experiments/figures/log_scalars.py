@@ -27,7 +27,7 @@ import torch
 from ...balancers import BALANCERS, get_balancer
 from ...models import MultiTaskModel, make_heads, mlp_trunk, regression_losses
 from ...step import TaskGradBuffer
-from ._common import Claim, pyplot, require_attr
+from ._common import Claim, pyplot, require_attr, save_figure
 
 NAME = "logging"
 TITLE = "§13 The logged scalars of a short run"
@@ -153,6 +153,4 @@ def plot(result: dict[str, Any], path: Path) -> None:
     for ax in axes[1]:
         ax.set_xlabel("step")
     fig.suptitle(TITLE)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)

@@ -23,7 +23,7 @@ from ...balancers import get_balancer
 from ...gramian import compute_gramian, cosine_matrix
 from ...step import balanced_backward
 from ...taskgrads import task_gradients
-from ._common import Claim, pyplot
+from ._common import Claim, pyplot, save_figure
 
 NAME = "loss_scale"
 TITLE = "§5 Loss scale: mean vs sum reduction"
@@ -85,6 +85,4 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("gradient length ratio")
     ax.set_title(TITLE)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)

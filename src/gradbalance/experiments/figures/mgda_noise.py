@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ._common import Claim, TwoBowls, pyplot, require_balancer
+from ._common import Claim, TwoBowls, pyplot, require_balancer, save_figure
 
 NAME = "mgda_noise"
 TITLE = "§8.2 MGDA's step size with and without gradient noise"
@@ -112,6 +112,4 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("step size ‖Δw‖")
     ax.set_title(TITLE)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)

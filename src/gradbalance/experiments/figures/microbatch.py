@@ -27,7 +27,7 @@ import torch
 
 from ...balancers import Balancer, get_balancer
 from ...step import TaskGradBuffer
-from ._common import Claim, TwoBowls, angle_deg, pyplot, require_balancer
+from ._common import Claim, TwoBowls, angle_deg, pyplot, require_balancer, save_figure
 
 NAME = "microbatch"
 TITLE = "§12 Micro-batches: the two orders of balancing"
@@ -111,6 +111,4 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("points")
     ax.set_title(TITLE)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)

@@ -30,7 +30,7 @@ from ...balancers import BALANCERS, Balancer, get_balancer
 from ...models import MultiTaskModel, make_heads, mlp_trunk, regression_losses
 from ...step import TaskGradBuffer
 from ...taskgrads import task_gradients
-from ._common import Claim, angle_deg, pyplot
+from ._common import Claim, angle_deg, pyplot, save_figure
 
 NAME = "mixed_precision"
 TITLE = "§11 Mixed precision: true sizes, directions and skipped steps"
@@ -220,6 +220,4 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax2.set_title("no direction change (every bar at the floor)")
     ax2.tick_params(axis="y", labelsize=7)
     fig.suptitle(TITLE)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)

@@ -25,7 +25,7 @@ import torch
 
 from ...balancers import get_balancer
 from ...step import TaskGradBuffer
-from ._common import Claim, angle_deg, pyplot
+from ._common import Claim, angle_deg, pyplot, save_figure
 
 NAME = "momentum"
 TITLE = "§6.1 Momentum after a 90° turn"
@@ -122,6 +122,4 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("angle of the step from the old direction (°)")
     ax.set_title(TITLE)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ._common import BOWL_CENTERS, Claim, TwoBowls, pyplot, require_balancer
+from ._common import BOWL_CENTERS, Claim, TwoBowls, pyplot, require_balancer, save_figure
 
 NAME = "pcgrad_momentum"
 TITLE = "§8.1 PCGrad + heavy-ball momentum (two strongly convex bowls)"
@@ -76,6 +76,4 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("weight 2")
     ax.set_title(TITLE, fontsize=10)
     ax.legend(loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)

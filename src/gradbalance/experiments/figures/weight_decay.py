@@ -28,7 +28,7 @@ import torch
 
 from ...balancers import BALANCERS, get_balancer
 from ...step import TaskGradBuffer
-from ._common import Claim, pyplot, require_attr
+from ._common import Claim, pyplot, require_attr, save_figure
 
 NAME = "weight_decay"
 TITLE = "§9.2 Weight decay: Adam vs AdamW, and Uncertainty Weighting at σ = 1"
@@ -160,6 +160,4 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax2.set_title("decay pulls toward σ = 1 (dotted)")
     ax2.legend(fontsize=8)
     fig.suptitle(TITLE)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
