@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._optional import require
 from .stats import StepStats
 
 __all__ = ["CSVLogger", "RunningStats", "log_stats", "stats_to_dict", "summary_writer"]
@@ -88,13 +89,10 @@ def stats_to_dict(
 
 def summary_writer(log_dir: str | os.PathLike[str] | None = None, **kwargs: Any) -> Any:
     """A ``torch.utils.tensorboard.SummaryWriter``, with a clear error if tensorboard is missing."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError as error:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "TensorBoard logging needs the tensorboard package: pip install "
-            "gradbalance[tensorboard] (or log with stats_to_dict / CSVLogger instead)"
-        ) from error
+    require("tensorboard", "tensorboard", "TensorBoard logging",
+            "log with stats_to_dict / CSVLogger instead")
+    from torch.utils.tensorboard import SummaryWriter
+
     return SummaryWriter(log_dir=None if log_dir is None else str(log_dir), **kwargs)
 
 

@@ -29,6 +29,8 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
+from .._optional import require
+
 __all__ = ["MultiDigits", "load_digit_images", "make_multidigits"]
 
 _DIGIT = 8  # side of a source image
@@ -41,14 +43,8 @@ def load_digit_images() -> tuple[Tensor, Tensor]:
 
     Cached; treat the tensors as read-only.
     """
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError as error:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "MultiDigits needs scikit-learn's bundled digits; install it with "
-            "`pip install gradbalance[data]`"
-        ) from error
-    digits = load_digits()
+    datasets = require("sklearn.datasets", "data", "MultiDigits (scikit-learn's bundled digits)")
+    digits = datasets.load_digits()
     images = torch.as_tensor(digits.images, dtype=torch.float32) / 16.0
     labels = torch.as_tensor(digits.target, dtype=torch.int64)
     return images, labels

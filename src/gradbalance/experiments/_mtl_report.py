@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from .._optional import pyplot
 from ._mtl_runner import RunResult
 
 __all__ = [
@@ -203,15 +204,7 @@ def _fmt6(value: float) -> str:
 def plot_results(path: Path, results: Sequence[RunResult], summaries: Sequence[Summary],
                  metric_names: Sequence[str]) -> Path:
     """Test metric per epoch for each task (mean over seeds) and the Δm / time bars."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as error:
-        raise ImportError(
-            "plots need matplotlib: `pip install gradbalance[plot]` (or pass --no-plot)"
-        ) from error
+    plt = pyplot("the comparison plot")
     k = len(metric_names)
     labels: list[str] = []
     for r in results:

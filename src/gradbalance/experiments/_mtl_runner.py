@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .._optional import require
 from ..balancers import BALANCERS
 from ..data import MultiDigits
 from ..models import MultiTaskModel, cnn_trunk, mlp_trunk
@@ -88,13 +89,9 @@ def _optimizer(params: list[Tensor], cfg: RunConfig) -> torch.optim.Optimizer:
 
 def open_writer(path: Path) -> Any:
     """A TensorBoard ``SummaryWriter`` at ``path`` (needs ``gradbalance[tensorboard]``)."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError as error:
-        raise ImportError(
-            "TensorBoard logs need the tensorboard package: `pip install "
-            "gradbalance[tensorboard]` (or pass --no-tensorboard)"
-        ) from error
+    require("tensorboard", "tensorboard", "TensorBoard logs", "pass --no-tensorboard")
+    from torch.utils.tensorboard import SummaryWriter
+
     return SummaryWriter(log_dir=str(path))
 
 

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._optional import require
 from ..balancers._base import Balancer
 from ..stats import StepStats
 from ..step import RowClipper, TaskGradBuffer
@@ -44,14 +45,7 @@ __all__ = ["BalancedManualStep", "require_lightning", "stats_scalars"]
 
 def require_lightning() -> Any:
     """Import ``lightning.pytorch``, or raise an ImportError naming the extra to install."""
-    try:
-        import lightning.pytorch as pl
-    except ImportError as error:  # pragma: no cover - lightning is installed in the test venv
-        raise ImportError(
-            "gradbalance.integrations.lightning needs Lightning: pip install "
-            "gradbalance[lightning]"
-        ) from error
-    return pl
+    return require("lightning.pytorch", "lightning", "gradbalance.integrations.lightning")
 
 
 def stats_scalars(stats: StepStats) -> dict[str, Tensor | float]:

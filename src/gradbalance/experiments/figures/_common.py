@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..._optional import pyplot as optional_pyplot
 from ...balancers import BALANCERS, Balancer, get_balancer
 from ...step import TaskGradBuffer
 
@@ -86,17 +87,7 @@ def angle_deg(a: Tensor, b: Tensor) -> float:
 
 def pyplot() -> Any:
     """``matplotlib.pyplot`` on the Agg backend, or a clear error naming the extra."""
-    try:
-        import matplotlib
-    except ImportError as error:
-        raise ImportError(
-            "gradbalance figures draws PNGs with matplotlib, which is not installed; "
-            "pip install gradbalance[plot] (or run with --no-plot)"
-        ) from error
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    return plt
+    return optional_pyplot("gradbalance figures (its PNGs)", "run with --no-plot")
 
 
 def save_figure(fig: Any, path: Any) -> None:
