@@ -1,4 +1,4 @@
-"""Clipping: seed 003's examples, per-task caps, AGC's formula, AutoClip's percentile."""
+"""Clipping: the clip tutorial's examples, per-task caps, AGC's formula, AutoClip's percentile."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from gradbalance import (
     suggest_max_norm,
 )
 
-# -- seed 003, exactly ---------------------------------------------------------------------
+# -- the clip tutorial, exactly ---------------------------------------------------------
 
 
 def _seed_param() -> torch.Tensor:

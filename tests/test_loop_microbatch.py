@@ -1,5 +1,5 @@
 """Micro-batches: accumulate-then-balance equals the full batch for every balancer; the other
-order (balance each, average) matches the seed's two_orders."""
+order (balance each, average) matches the tutorial's two_orders."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Logging: every seed §13 tag, read back with TensorBoard's own reader; dict, CSV, variability."""
+"""Logging: every loop tutorial §13 tag, read back by TensorBoard; dict, CSV, variability."""
 
 from __future__ import annotations
 

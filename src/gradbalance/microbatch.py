@@ -1,4 +1,4 @@
-"""Micro-batches: the two orders of balancing (seed 000 §12).
+"""Micro-batches: the two orders of balancing (the loop tutorial §12).
 
 A batch split into M micro-batches can be balanced in two orders:
 

@@ -1,4 +1,4 @@
-"""Logging a balanced step: the scalars seed 000 §13 asks for, to TensorBoard or CSV.
+"""Logging a balanced step: the scalars the loop tutorial §13 asks for, to TensorBoard or CSV.
 
 Tags (``K`` tasks, ``i < j``):
 
@@ -10,7 +10,7 @@ Tags (``K`` tasks, ``i < j``):
 * ``amp_skipped``: 1 when the gradient scaler skips the step, else 0.
 
 :class:`RunningStats` adds how much each number varies (``std/<tag>``, a standard deviation
-over a sliding window): the seed asks to log the variability, not only the average.
+over a sliding window): the tutorial asks to log the variability, not only the average.
 TensorBoard is optional (``pip install gradbalance[tensorboard]``); :func:`stats_to_dict` and
 :class:`CSVLogger` need nothing but the standard library.
 """
@@ -44,7 +44,7 @@ def stats_to_dict(
     amp_skipped: bool | None = None,
     weights: Tensor | None = None,
 ) -> dict[str, float]:
-    """The seed's scalars of one step as ``{tag: float}`` (one host sync).
+    """The tutorial's scalars of one step as ``{tag: float}`` (one host sync).
 
     Args:
         stats: what ``TaskGradBuffer.apply_`` / ``balanced_backward`` returned.
@@ -105,7 +105,7 @@ def log_stats(
     weights: Tensor | None = None,
     running: RunningStats | None = None,
 ) -> dict[str, float]:
-    """Write the seed's scalars of one step with ``writer.add_scalar(tag, value, step)``.
+    """Write the tutorial's scalars of one step with ``writer.add_scalar(tag, value, step)``.
 
     ``writer`` is a TensorBoard ``SummaryWriter`` (or anything with ``add_scalar``). With
     ``running``, its ``std/<tag>`` variabilities are written too. Returns what was written.

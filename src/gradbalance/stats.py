@@ -25,7 +25,7 @@ __all__ = ["StepStats", "build_stats", "stats_from_gramian"]
 
 @dataclass
 class StepStats:
-    """Per-step diagnostics of a balanced step (seed §13).
+    """Per-step diagnostics of a balanced step (loop tutorial §13).
 
     Attributes:
         losses: raw, unweighted task losses ``[K]`` (summed over the micro-batches).

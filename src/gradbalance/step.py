@@ -1,6 +1,6 @@
 """The balanced step: replaces ``sum(losses).backward()`` in the user's loop.
 
-Stages (seed 000 §3, DESIGN §2):
+Stages (the loop tutorial §3, DESIGN §2):
 
 1. ``backward(losses)``: the heads get ``.grad +=`` their plain gradient of ``Σₖ Lₖ``; the
    trunk's per-task gradients are added into a persistent ``[K, P]`` buffer ``G``. Call it

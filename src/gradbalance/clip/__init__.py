@@ -1,4 +1,4 @@
-"""Gradient clipping for the balanced step (seed 000 §10, seed 003).
+"""Gradient clipping for the balanced step (the loop tutorial §10, the clip tutorial).
 
 * Per task, on the rows of ``G`` before the combine (``RowClipper`` objects for
   ``TaskGradBuffer.apply_(clip=...)``): :class:`TaskClip` (norm), :class:`TaskValueClip`

@@ -11,7 +11,7 @@ non-finite norms never enter it; a step with a non-finite norm changes no state 
 nothing (a GradScaler skips it). The percentile uses linear interpolation, as
 ``numpy.percentile``'s default. Reading the finiteness costs one host sync per call.
 
-:func:`suggest_max_norm` is the offline version (seed 003): log the pre-clip norms of an
+:func:`suggest_max_norm` is the offline version (the clip tutorial): log the pre-clip norms of an
 unclipped run and set ``max_norm`` near their 90th–95th percentile.
 """
 
@@ -40,7 +40,7 @@ def _check_percentile(percentile: float) -> float:
 def suggest_max_norm(norms: Sequence[float] | Tensor, percentile: float = 95.0) -> float:
     """A ``max_norm`` from logged pre-clip norms: their ``percentile``-th percentile.
 
-    Seed 003's rule: run without clipping for a while, log the norms, and set the limit
+    The clipping tutorial's rule: run without clipping for a while, log the norms, and set the limit
     around the 90th–95th percentile of the healthy values, so that clipping catches
     runaways instead of leaning on every step. Non-finite entries are ignored.
 

@@ -1,4 +1,4 @@
-"""Per-task clipping of the rows of ``G`` before the combine (seed 000 §10, block 2).
+"""Per-task clipping of the rows of ``G`` before the combine (the loop tutorial §10, block 2).
 
 Norm clipping scales each row ``gₖ`` by ``min(1, max_norm / (‖gₖ‖ + 1e-6))`` (the formula of
 ``torch.nn.utils.clip_grad_norm_``, applied to every task on its own), so no single task's

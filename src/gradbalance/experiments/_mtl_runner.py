@@ -1,6 +1,6 @@
 """One training run on MultiDigits with a balancer, a loss weighting or a single task.
 
-The loop is the one a user writes (seed 000 §3): forward, per-task losses, the library's
+The loop is the one a user writes (the loop tutorial §3): forward, per-task losses, the library's
 ``TaskGradBuffer.backward`` + ``apply_`` (or plain ``backward`` for a single-task baseline),
 optional global clipping, ``optimizer.step``, ``zero_grad``. The wall time of each step is
 measured from the forward to the end of ``optimizer.step``.
@@ -97,7 +97,7 @@ def open_writer(path: Path) -> Any:
 
 class _Logger:
     """Step statistics into TensorBoard: :func:`gradbalance.monitor.log_stats` (with a running
-    std window) when the monitor module exists, else the seed §13 scalars directly."""
+    std window) when the monitor module exists, else the loop tutorial §13 scalars directly."""
 
     def __init__(self, writer: Any) -> None:
         self.writer = writer

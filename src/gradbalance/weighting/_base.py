@@ -1,6 +1,6 @@
 """The loss-weighting interface: weighted per-task losses before the backward pass.
 
-A loss weighting maps the K task losses to K *weighted* task losses (seed §4: weights act
+A loss weighting maps the K task losses to K *weighted* task losses (loop tutorial §4: weights act
 before the backward passes and change a task gradient's length, never its direction)::
 
     weighted = weighting(losses)            # Tensor[K], keeps the graph

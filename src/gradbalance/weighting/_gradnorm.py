@@ -46,7 +46,7 @@ class GradNorm(LossWeighting):
 
     ``L_grad`` is backpropagated into ``w`` **only** (never into the model's ``.grad``), ``w``
     takes one step of its own optimizer (paper: Adam, lr 0.025), then inside ``no_grad`` ``w``
-    is clamped to ``>= min_weight`` and rescaled to sum to K (seed §9.1; ``renormalize=False``
+    is clamped to ``>= min_weight`` and rescaled to sum to K (tutorial §9.1; ``renormalize=False``
     leaves the sum free to drift).
 
     Step ``t``: ``weighting(losses)`` computes ``∇_W Lₖ`` (K small backward passes through the

@@ -1,4 +1,4 @@
-"""§10 Gradient clipping, and the worked examples of the clipping tutorial.
+"""§10 Gradient clipping, and the worked examples of the clip tutorial.
 
 Exact examples: the weights ``w = (3, 4)`` with the loss ``(w · (30, 40)).sum()`` written
 into ``.grad`` by the library's step (``Sum`` balancer), then PyTorch's global
@@ -31,7 +31,7 @@ from ...step import TaskGradBuffer
 from ._common import Claim, angle_deg, pyplot, require_attr, save_figure
 
 NAME = "clipping"
-TITLE = "§10 Gradient clipping (and the clipping tutorial's examples)"
+TITLE = "§10 Gradient clipping (and the clip tutorial's examples)"
 
 
 def _single_grad() -> torch.Tensor:
