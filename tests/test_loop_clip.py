@@ -316,3 +316,13 @@ def test_suggest_max_norm_matches_numpy() -> None:
 def test_bad_arguments(build, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         build()
+
+
+@pytest.mark.parametrize("make", [AutoClip, AGC], ids=["autoclip", "agc"])
+def test_gradient_tensors_instead_of_parameters_raise(make: type) -> None:
+    """Known failure elsewhere: a clip given the gradients (not the parameters) does nothing."""
+    w = torch.ones(3, requires_grad=True)
+    (w * 40.0).sum().backward()
+    with pytest.raises(ValueError, match=r"parameters\[0\].*not the gradient tensors"):
+        make()([w.grad])
+    assert torch.equal(w.grad, torch.full((3,), 40.0))

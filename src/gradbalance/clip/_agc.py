@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from .._types import NonFiniteGradientError
+from ._params import params_with_grads
 from ._task import _Stateless, check_max_norm
 
 __all__ = ["AGC", "adaptive_clip_grad_", "unitwise_norm"]
@@ -59,10 +60,8 @@ def adaptive_clip_grad_(
     """
     check_max_norm(clip_factor, "clip_factor")
     eps = _check_eps(eps)
-    if isinstance(parameters, Tensor):
-        parameters = [parameters]
     skip = {id(p) for p in exclude}
-    params = [p for p in parameters if p.grad is not None]
+    params = params_with_grads(parameters)
     if not params:
         return torch.zeros(())
     device = params[0].grad.device  # type: ignore[union-attr]

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from .._types import NonFiniteGradientError, check_matrix
+from ._params import params_with_grads
 from ._task import _EPS, check_norm_type, row_norms
 
 __all__ = ["AutoClip", "TaskAutoClip", "suggest_max_norm"]
@@ -196,9 +197,7 @@ class AutoClip(_AutoBase):
         super().__init__(percentile, history_size, norm_type, error_if_nonfinite)
 
     def __call__(self, parameters: Iterable[Tensor] | Tensor) -> Tensor:
-        if isinstance(parameters, Tensor):
-            parameters = [parameters]
-        grads = [p.grad for p in parameters if p.grad is not None]
+        grads = [p.grad for p in params_with_grads(parameters)]
         if not grads:
             return torch.zeros(())
         device = grads[0].device
