@@ -2,10 +2,42 @@
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
+
 import numpy as np
+import pytest
 import torch
 from hypothesis import strategies as st
 from torch import Tensor
+
+from gradbalance import BALANCERS, Balancer, Constant
+
+#: Balancers whose constructor needs arguments besides ``num_tasks`` / ``generator``.
+FACTORY: dict[str, Callable[[int, int], Balancer]] = {
+    "constant": lambda k, seed: Constant([1.0 + 0.5 * i for i in range(k)]),
+}
+
+
+def build_balancer(name: str, num_tasks: int | None, seed: int = 0) -> Balancer:
+    """``BALANCERS[name]`` with its defaults, ``num_tasks`` and a seeded generator where its
+    constructor takes them, or the ``FACTORY`` entry; fails the test if an argument is missing.
+    """
+    if name in FACTORY:
+        assert num_tasks is not None
+        return FACTORY[name](num_tasks, seed)
+    cls = BALANCERS[name]
+    params = inspect.signature(cls).parameters
+    kwargs: dict[str, object] = {}
+    if "num_tasks" in params:
+        kwargs["num_tasks"] = num_tasks
+    if "generator" in params:
+        kwargs["generator"] = torch.Generator().manual_seed(seed)
+    missing = [n for n, p in params.items() if p.default is inspect.Parameter.empty
+               and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and n not in kwargs]
+    if missing:
+        pytest.fail(f"{name} needs {missing}: add it to balancer_util.FACTORY")
+    return cls(**kwargs)
 
 
 def random_matrix(seed: int, k: int, p: int, conflict: bool = True) -> Tensor:

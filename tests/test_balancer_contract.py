@@ -2,14 +2,14 @@
 
 The registry is read at collection time, so every balancer module that lands is checked.
 Each balancer is built by :func:`make`: ``num_tasks=K`` and a seeded ``generator`` when the
-constructor takes them, or an entry of ``FACTORY`` for classes that need other arguments.
+constructor takes them, or an entry of ``balancer_util.FACTORY`` for classes that need other
+arguments.
 """
 
 from __future__ import annotations
 
 import inspect
 import io
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -17,15 +17,11 @@ import torch
 from torch import Tensor
 
 import gradbalance
+from balancer_util import FACTORY, build_balancer
 from gradbalance import NonFiniteGradientError, compute_gramian
 from gradbalance.balancers import Balancer, combine_rows
 
 NAMES = sorted(gradbalance.BALANCERS)
-
-#: Builders for classes whose defaults do not suffice: (K, seed) -> balancer bound to K.
-FACTORY: dict[str, Callable[[int, int], Balancer]] = {
-    "constant": lambda k, seed: gradbalance.Constant([1.0 + 0.5 * i for i in range(k)]),
-}
 
 #: Smallest K a method accepts with its default arguments (below it: a ValueError).
 MIN_TASKS = {"krum": 3, "trimmedmean": 3}
@@ -38,17 +34,8 @@ K, P = 3, 24
 
 
 def make(name: str, k: int | None = K, seed: int = 0) -> Balancer:
-    if name in FACTORY:
-        assert k is not None
-        return FACTORY[name](k, seed)
-    cls = gradbalance.BALANCERS[name]
-    params = inspect.signature(cls).parameters
-    kwargs: dict[str, Any] = {}
-    if "num_tasks" in params:
-        kwargs["num_tasks"] = k
-    if "generator" in params:
-        kwargs["generator"] = torch.Generator().manual_seed(seed)
-    return cls(**kwargs)
+    """The balancer under test (see :func:`balancer_util.build_balancer`)."""
+    return build_balancer(name, k, seed)
 
 
 def takes_num_tasks(name: str) -> bool:

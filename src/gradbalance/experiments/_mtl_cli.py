@@ -33,24 +33,24 @@ def _int_at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"invalid value: {text} (expected a finite number > 0)")
-    return value
+def _finite_float(allow_zero: bool) -> Callable[[str], float]:
+    """Parser of a finite number ``> 0`` (or ``>= 0`` with ``allow_zero``)."""
+    bound = ">= 0" if allow_zero else "> 0"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
+        if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+            raise argparse.ArgumentTypeError(
+                f"invalid value: {text} (expected a finite number {bound})")
+        return value
+    return parse
 
 
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
-    if not (value >= 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"invalid value: {text} (expected a finite number >= 0)")
-    return value
+_positive_float = _finite_float(allow_zero=False)
+_non_negative_float = _finite_float(allow_zero=True)
 
 
 class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
