@@ -1,0 +1,269 @@
+"""Per-sample gradient clipping (the clip tutorial, "Relatives and variants"; DP-SGD).
+
+Each sample's gradient is clipped on its own before the batch mean (Abadi et al. 2016,
+*Deep Learning with Differential Privacy*, Algorithm 1):
+
+    ĝ = (1/B) Σᵢ cᵢ gᵢ,    cᵢ = min(1, C / (‖gᵢ‖ + 1e-6)),    gᵢ = ∇θ ℓᵢ
+
+The factors cᵢ are constants of the step, so ĝ is the gradient of the reweighted loss
+``(1/B) Σᵢ cᵢ ℓᵢ``. :class:`PerSampleClip` therefore measures the per-sample norms first (a
+batched backward over the retained graph, in chunks) and returns task losses whose value is
+the plain batch mean and whose gradient is ĝ. They go into the ordinary step
+(``TaskGradBuffer.backward``), so every balancer, gradient mode, micro-batching, mixed
+precision and data parallelism work unchanged.
+
+With K tasks the per-sample losses are ``[B, K]``: ``per_task=True`` clips every
+(sample, task) gradient ``∇ℓᵢₖ`` to C, ``per_task=False`` clips each sample's whole gradient
+``∇Σₖ ℓᵢₖ`` and scales its K task losses by the same cᵢ. DP-SGD then adds Gaussian noise
+``N(0, σ²C²)`` to the clipped sum, i.e. standard deviation ``σC/B`` on the mean:
+:meth:`PerSampleClip.add_noise_`. The privacy accounting is not part of this library.
+
+The per-sample gradients are those of the graph the losses came from: with batch statistics
+(BatchNorm in training mode) a sample's gradient also depends on the rest of the batch, and
+clipping bounds that coupled gradient, not an independent one.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .._statedict import check_keys
+from .._types import NonFiniteGradientError, as_parameter_list
+from ..balancers._rng import check_generator, private_generator
+from ..modes._common import scale_of
+from ._task import _EPS, check_max_norm, check_norm_type
+
+__all__ = ["PerSampleClip", "per_sample_grad_norms"]
+
+#: Default memory budget of one batched backward: rows x parameters (2^26 ≈ 256 MiB in fp32).
+_CHUNK_ELEMENTS = 1 << 26
+
+
+def _check_losses(per_sample_losses: Any) -> Tensor:
+    if not isinstance(per_sample_losses, Tensor) or per_sample_losses.dim() not in (1, 2):
+        found = (tuple(per_sample_losses.shape) if isinstance(per_sample_losses, Tensor)
+                 else type(per_sample_losses).__name__)
+        raise ValueError(
+            f"per_sample_losses must be a [B] or [B, K] tensor of per-sample losses, got "
+            f"{found}; compute the loss with reduction='none' (and torch.stack the K tasks "
+            f"along dim 1)"
+        )
+    if per_sample_losses.numel() == 0:
+        raise ValueError("per_sample_losses is empty; pass at least one sample")
+    if not per_sample_losses.requires_grad:
+        raise ValueError(
+            "per_sample_losses does not require grad; compute it from the model's output in "
+            "this step (not under torch.no_grad() and not detached)"
+        )
+    return per_sample_losses
+
+
+def _check_chunk_size(chunk_size: int | None) -> int | None:
+    if chunk_size is not None and (
+        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+    ):
+        raise ValueError(f"Invalid chunk_size: {chunk_size!r} (expected an int >= 1 or None)")
+    return chunk_size
+
+
+def _cotangents(rows: range, shape: torch.Size, joint: bool, value: float | Tensor,
+                like: Tensor) -> Tensor:
+    """One cotangent per row: a one at ``(i, k)``, or ones on sample i's tasks (``joint``)."""
+    out = torch.zeros(len(rows), *shape, dtype=like.dtype, device=like.device)
+    flat = out.view(len(rows), shape[0], -1)
+    index = torch.arange(len(rows), device=like.device)
+    picks = torch.tensor(list(rows), device=like.device)
+    if joint:
+        flat[index, picks] = 1.0
+    else:
+        flat.view(len(rows), -1)[index, picks] = 1.0
+    return out * value
+
+
+def _row_norms(grads: Sequence[Tensor | None], rows: int, norm_type: float,
+               like: Tensor) -> Tensor:
+    """Norm of each row's gradient over all parameters, in float32 at least (fp16 overflows)."""
+    parts = [torch.linalg.vector_norm(g.reshape(rows, -1), norm_type, dim=1,
+                                      dtype=torch.promote_types(g.dtype, torch.float32))
+             for g in grads if g is not None]
+    if not parts:
+        return torch.zeros(rows, dtype=torch.promote_types(like.dtype, torch.float32),
+                           device=like.device)
+    return torch.linalg.vector_norm(torch.stack(parts, dim=1), norm_type, dim=1)
+
+
+def _norms_of_rows(losses: Tensor, params: list[Tensor], rows: range, joint: bool,
+                   norm_type: float, scale: float | Tensor) -> Tensor:
+    cot = _cotangents(rows, losses.shape, joint, scale, losses)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*performance drop.*")
+            grads = torch.autograd.grad(losses, params, cot, retain_graph=True,
+                                        is_grads_batched=True, allow_unused=True)
+        return _row_norms(grads, len(rows), norm_type, losses)
+    except RuntimeError as error:  # no batching rule: a real error re-raises in the loop
+        warnings.warn(
+            f"batched per-sample gradients unsupported by this model ({str(error)[:120]}); "
+            f"falling back to one autograd.grad per sample",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    return torch.cat([
+        _row_norms([None if g is None else g.unsqueeze(0) for g in torch.autograd.grad(
+            losses, params, cot[r], retain_graph=True, allow_unused=True)], 1, norm_type, losses)
+        for r in range(len(rows))
+    ])
+
+
+def per_sample_grad_norms(
+    per_sample_losses: Tensor,
+    params: Iterable[Tensor],
+    *,
+    norm_type: float = 2.0,
+    per_task: bool = True,
+    chunk_size: int | None = None,
+    scale: float | Tensor = 1.0,
+) -> Tensor:
+    """Norms of the per-sample gradients over ``params``, leaving ``.grad`` alone.
+
+    ``per_sample_losses`` ``[B]`` or ``[B, K]`` (``reduction='none'``). Returns ``‖∇ℓᵢₖ‖``
+    with the losses' shape (``per_task=True``) or ``‖∇Σₖ ℓᵢₖ‖`` ``[B]`` (``per_task=False``).
+    The graph is kept. ``chunk_size`` rows per batched backward (default: as many as fit
+    2^26 gradient entries); ``scale``: differentiate ``scale·ℓ`` and divide the norms by it
+    (a loss scale keeps fp16 backward from underflowing).
+    """
+    losses = _check_losses(per_sample_losses)
+    plist = as_parameter_list(params, "params")
+    norm_type = check_norm_type(norm_type)
+    chunk_size = _check_chunk_size(chunk_size)
+    joint = not per_task and losses.dim() == 2
+    total = losses.shape[0] if joint else losses.numel()
+    if chunk_size is None:
+        numel = sum(p.numel() for p in plist)
+        chunk_size = max(1, min(total, _CHUNK_ELEMENTS // max(numel, 1)))
+    norms = torch.cat([
+        _norms_of_rows(losses, plist, range(start, min(start + chunk_size, total)), joint,
+                       norm_type, scale)
+        for start in range(0, total, chunk_size)
+    ])
+    norms = norms / (scale.detach().to(norms.dtype) if isinstance(scale, Tensor) else scale)
+    return norms if joint else norms.view(losses.shape)
+
+
+class PerSampleClip:
+    """Clips every sample's gradient to ``max_norm`` before the batch mean (DP-SGD's clip).
+
+    ``ĝ = (1/B) Σᵢ min(1, C / (‖∇ℓᵢ‖ + 1e-6)) ∇ℓᵢ``, realised as the gradient of the
+    reweighted loss (Abadi et al. 2016). Call it on the per-sample losses; hand the result to
+    the step as the task losses::
+
+        per_sample = torch.stack([loss_fn(out_k, y_k, reduction="none") for ...], dim=1)
+        losses = clip(per_sample, params)          # [K]: value = batch mean, grad = ĝ
+        buf.backward(losses); buf.apply_(balancer)
+
+    Args:
+        max_norm: C, the bound on each per-sample gradient's norm.
+        norm_type: the p of the p-norm (``float('inf')`` allowed).
+        per_task: with ``[B, K]`` losses, clip each (sample, task) gradient (True) or each
+            sample's summed gradient over its K tasks (False).
+        noise_multiplier: σ for :meth:`add_noise_` (0: no noise).
+        generator: the noise's random source; default a private CPU generator seeded from
+            torch's global RNG. It is saved by :meth:`state_dict`.
+        chunk_size: rows per batched backward (see :func:`per_sample_grad_norms`).
+
+    ``last_norms`` holds the pre-clip per-sample norms of the latest call (for logging).
+    """
+
+    def __init__(self, max_norm: float, *, norm_type: float = 2.0, per_task: bool = True,
+                 noise_multiplier: float = 0.0, generator: torch.Generator | None = None,
+                 chunk_size: int | None = None) -> None:
+        self.max_norm = check_max_norm(max_norm)
+        self.norm_type = check_norm_type(norm_type)
+        if not isinstance(per_task, bool):
+            raise ValueError(f"Invalid per_task: {per_task!r} (expected True or False)")
+        self.per_task = per_task
+        if isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, (int, float)) \
+                or not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
+            raise ValueError(
+                f"Invalid noise_multiplier: {noise_multiplier!r} (expected a finite number >= 0)"
+            )
+        self.noise_multiplier = float(noise_multiplier)
+        self.generator = check_generator(generator) or private_generator()
+        self.chunk_size = _check_chunk_size(chunk_size)
+        self.last_norms: Tensor | None = None
+
+    def factors(self, norms: Tensor) -> Tensor:
+        """``min(1, C / (norm + 1e-6))``; 1 where a norm is not finite (the step is skipped)."""
+        coef = (self.max_norm / (norms + _EPS)).clamp(max=1.0)
+        return torch.where(torch.isfinite(norms), coef, torch.ones_like(coef))
+
+    def __call__(self, per_sample_losses: Tensor, params: Iterable[Tensor],
+                 scaler: Any = None) -> Tensor:
+        """Task losses ``[K]`` (0-d for ``[B]`` input) with the plain batch-mean value and the
+        per-sample-clipped gradient.
+
+        ``params``: the parameters whose per-sample gradient is bounded (usually all trained
+        ones, trunk and heads). With an enabled ``GradScaler`` the norms are measured on the
+        scaled losses and unscaled, and a non-finite norm leaves its sample unclipped so the
+        overflow reaches ``.grad`` and the scaler skips the step; without one it raises
+        ``NonFiniteGradientError``.
+        """
+        losses = _check_losses(per_sample_losses)
+        scale = scale_of(scaler, losses.device)
+        enabled = scale is not None
+        norms = per_sample_grad_norms(losses, params, norm_type=self.norm_type,
+                                      per_task=self.per_task, chunk_size=self.chunk_size,
+                                      scale=1.0 if scale is None else scale)
+        self.last_norms = norms.detach()
+        if not enabled and not bool(torch.isfinite(norms).all()):
+            bad = torch.nonzero(~torch.isfinite(norms)).tolist()
+            raise NonFiniteGradientError(
+                f"per-sample gradients hold inf or NaN (samples {bad[:8]}); nothing was "
+                f"clipped. Skip this step or find the source of the overflow"
+            )
+        coef = self.factors(norms).to(losses.dtype)
+        if coef.dim() < losses.dim():  # per_task=False: one factor per sample
+            coef = coef.unsqueeze(1)
+        plain = losses.mean(dim=0)
+        clipped = (coef.detach() * losses).mean(dim=0)
+        return plain.detach() + (clipped - clipped.detach())
+
+    def add_noise_(self, params: Iterable[Tensor], batch_size: int) -> bool:
+        """``.grad += N(0, (σ·C/batch_size)²)`` on every parameter with a ``.grad``.
+
+        Call it once per optimizer step on the finished, unscaled gradients (after
+        ``scaler.unscale_`` and the data-parallel sync; with the same generator seed on every
+        rank, all ranks add the same noise). ``batch_size``: the samples of the whole step.
+        Returns False, touching neither ``.grad`` nor the generator, when a gradient is not
+        finite (the step is going to be skipped) or when σ = 0.
+        """
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"Invalid batch_size: {batch_size!r} (expected an int >= 1)")
+        grads = [p.grad for p in as_parameter_list(params, "params") if p.grad is not None]
+        if self.noise_multiplier == 0.0 or not grads:
+            return False
+        if not all(bool(torch.isfinite(g).all()) for g in grads):
+            return False
+        std = self.noise_multiplier * self.max_norm / batch_size
+        for g in grads:
+            noise = torch.randn(g.shape, generator=self.generator, dtype=torch.float32)
+            g.add_(noise.to(device=g.device, dtype=g.dtype), alpha=std)
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"generator": self.generator.get_state().clone()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        check_keys(type(self).__name__, state_dict, ["generator"], kind="clipper")
+        if "generator" in state_dict:
+            self.generator.set_state(state_dict["generator"].clone())
+
+    def __repr__(self) -> str:
+        return (f"PerSampleClip(max_norm={self.max_norm}, norm_type={self.norm_type}, "
+                f"per_task={self.per_task}, noise_multiplier={self.noise_multiplier})")

@@ -1,0 +1,294 @@
+"""Per-sample clipping (DP-SGD's clip): closed forms, a per-sample loop, noise statistics."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gradbalance import (
+    MGDA,
+    NonFiniteGradientError,
+    PerSampleClip,
+    Sum,
+    TaskGradBuffer,
+    per_sample_grad_norms,
+    task_gradients,
+)
+from gradbalance.models import MultiTaskModel
+from helpers import build
+
+# -- linear regression: every per-sample gradient in closed form ------------------------
+
+X = torch.tensor([[1.0, 2.0, 0.0], [0.5, -1.0, 3.0], [-2.0, 0.0, 1.0], [0.1, 0.2, 0.3]],
+                 dtype=torch.float64)
+Y = torch.tensor([1.0, -4.0, 2.5, 0.0], dtype=torch.float64)
+
+
+def _linear() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    w = torch.tensor([0.3, -0.7, 1.1], dtype=torch.float64, requires_grad=True)
+    b = torch.tensor(0.2, dtype=torch.float64, requires_grad=True)
+    return w, b, (X @ w + b - Y) ** 2
+
+
+def _closed_form(max_norm: float, norm_type: float = 2.0
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ℓᵢ = rᵢ², ∇w = 2 rᵢ xᵢ, ∇b = 2 rᵢ: the norms, and the clipped mean of both gradients."""
+    w = torch.tensor([0.3, -0.7, 1.1], dtype=torch.float64)
+    r = X @ w + 0.2 - Y
+    full = torch.cat([X, torch.ones(4, 1, dtype=torch.float64)], dim=1)  # [xᵢ, 1]
+    norms = 2 * r.abs() * torch.linalg.vector_norm(full, norm_type, dim=1)
+    coef = torch.clamp(max_norm / (norms + 1e-6), max=1.0)
+    grads = (coef * 2 * r).unsqueeze(1) * full
+    mean = grads.mean(dim=0)
+    return norms, mean[:3], mean[3]
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
+def test_linear_regression_matches_closed_form(norm_type: float) -> None:
+    w, b, per_sample = _linear()
+    clip = PerSampleClip(max_norm=3.0, norm_type=norm_type)
+    loss = clip(per_sample, [w, b])
+    loss.backward()
+    norms, grad_w, grad_b = _closed_form(3.0, norm_type)
+    assert clip.last_norms is not None
+    torch.testing.assert_close(clip.last_norms, norms, rtol=1e-12, atol=0)
+    assert (norms > 3.0).sum() >= 2 and (norms < 3.0).sum() >= 1  # both branches taken
+    torch.testing.assert_close(w.grad, grad_w, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(b.grad, grad_b, rtol=1e-12, atol=1e-14)
+
+
+def test_loss_value_is_the_plain_batch_mean() -> None:
+    w, b, per_sample = _linear()
+    loss = PerSampleClip(max_norm=0.5)(per_sample, [w, b])
+    assert loss.shape == ()
+    assert torch.equal(loss.detach(), per_sample.mean().detach())
+
+
+def test_large_limit_leaves_the_gradient_unclipped() -> None:
+    w, b, per_sample = _linear()
+    PerSampleClip(max_norm=1e9)(per_sample, [w, b]).backward()
+    w2, b2, plain = _linear()
+    plain.mean().backward()
+    torch.testing.assert_close(w.grad, w2.grad, rtol=1e-12, atol=0)
+    torch.testing.assert_close(b.grad, b2.grad, rtol=1e-12, atol=0)
+
+
+# -- a multitask model against a loop over samples --------------------------------------
+
+
+def _per_sample_losses(model: MultiTaskModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    outputs = model(x)
+    return torch.stack([(out.squeeze(-1) - y[:, k]) ** 2 for k, out in enumerate(outputs)],
+                       dim=1)
+
+
+def _loop_reference(model: MultiTaskModel, x: torch.Tensor, y: torch.Tensor, max_norm: float,
+                    per_task: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each sample on its own forward: norms, the [K, P_trunk] clipped rows, the full grad."""
+    params = list(model.parameters())
+    trunk = list(model.trunk.parameters())
+    n_trunk = sum(p.numel() for p in trunk)
+    batch, k_total = y.shape
+    norms = torch.zeros(batch, k_total) if per_task else torch.zeros(batch)
+    rows = torch.zeros(k_total, n_trunk)
+    total = torch.zeros(sum(p.numel() for p in params))
+    for i in range(batch):
+        losses = _per_sample_losses(model, x[i : i + 1], y[i : i + 1])[0]
+        grads = [torch.cat([torch.zeros_like(p).flatten() if g is None else g.flatten()
+                            for p, g in zip(params, torch.autograd.grad(
+                                losses[k], params, retain_graph=True, allow_unused=True))])
+                 for k in range(k_total)]
+        per_task_grads = torch.stack(grads)  # [K, P]
+        if per_task:
+            norms[i] = per_task_grads.norm(dim=1)
+            coef = torch.clamp(max_norm / (norms[i] + 1e-6), max=1.0)
+        else:
+            norms[i] = per_task_grads.sum(0).norm()
+            coef = torch.clamp(max_norm / (norms[i] + 1e-6), max=1.0).expand(k_total)
+        clipped = coef.unsqueeze(1) * per_task_grads / batch
+        rows += clipped[:, :n_trunk]
+        total += clipped.sum(0)
+    return norms, rows, total
+
+
+@pytest.mark.parametrize("kind", ["mlp", "transformer"])
+@pytest.mark.parametrize("per_task", [True, False])
+def test_task_rows_and_update_match_a_per_sample_loop(kind: str, per_task: bool) -> None:
+    model, x, y = build(kind, num_tasks=3, batch=6)
+    params = list(model.parameters())
+    trunk = list(model.trunk.parameters())
+    norms, _, _ = _loop_reference(model, x, y, max_norm=1.0, per_task=per_task)
+    limit = float(norms.median())  # some samples clipped, some not
+    norms, rows, total = _loop_reference(model, x, y, max_norm=limit, per_task=per_task)
+
+    clip = PerSampleClip(max_norm=limit, per_task=per_task)
+    losses = clip(_per_sample_losses(model, x, y), params)
+    assert clip.last_norms is not None
+    torch.testing.assert_close(clip.last_norms, norms, rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(task_gradients(losses, trunk, retain_graph=True), rows,
+                               rtol=1e-4, atol=1e-7)
+    buf = TaskGradBuffer(trunk, model.head_parameters())
+    buf.backward(losses)
+    buf.apply_(Sum())
+    update = torch.cat([p.grad.flatten() for p in params])
+    torch.testing.assert_close(update, total, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 7, None])
+def test_chunking_gives_the_same_norms(chunk_size: int | None) -> None:
+    model, x, y = build("mlp", num_tasks=3, batch=6)
+    norms, _, _ = _loop_reference(model, x, y, max_norm=1.0, per_task=True)
+    found = per_sample_grad_norms(_per_sample_losses(model, x, y), model.parameters(),
+                                  chunk_size=chunk_size)
+    torch.testing.assert_close(found, norms, rtol=1e-4, atol=1e-7)
+
+
+def test_two_micro_batches_equal_the_full_batch() -> None:
+    # Per-sample clipping does not depend on which samples share a batch (no BatchNorm).
+    def run(splits: int) -> list[torch.Tensor]:
+        model, x, y = build("mlp", num_tasks=3, batch=8)
+        clip = PerSampleClip(max_norm=5.0)
+        buf = TaskGradBuffer(model.trunk.parameters(), model.head_parameters())
+        for xs, ys in zip(x.chunk(splits), y.chunk(splits)):
+            buf.backward(clip(_per_sample_losses(model, xs, ys), model.parameters()) / splits)
+        buf.apply_(MGDA())
+        return [p.grad.clone() for p in model.parameters()]
+
+    for a, b in zip(run(2), run(1)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+class _ItemInBackward(torch.autograd.Function):
+    """Doubles its input; the backward reads a Python number, which vmap cannot batch."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def]
+        return 2 * x
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        return grad * (float(grad.abs().sum().item() >= 0) * 2.0)
+
+
+def test_model_without_batching_rule_falls_back_to_a_loop() -> None:
+    w = torch.tensor([1.0, -2.0], requires_grad=True)
+    x = torch.tensor([[1.0, 0.0], [0.0, 3.0], [2.0, 2.0]])
+    per_sample = (x @ _ItemInBackward.apply(w)) ** 2  # ℓᵢ = (2 xᵢ·w)², ∇ = 8 (xᵢ·w) xᵢ
+    with pytest.warns(RuntimeWarning, match="falling back"):
+        norms = per_sample_grad_norms(per_sample, [w])
+    dots = x @ w.detach()
+    torch.testing.assert_close(norms, 8 * dots.abs() * x.norm(dim=1))
+
+
+# -- mixed precision and non-finite gradients -------------------------------------------
+
+
+def test_scaler_gives_the_unscaled_norms() -> None:
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    assert scaler.is_enabled()
+    w, b, per_sample = _linear()
+    clip = PerSampleClip(max_norm=3.0)
+    clip(per_sample, [w, b], scaler=scaler)
+    norms, _, _ = _closed_form(3.0)
+    assert clip.last_norms is not None
+    torch.testing.assert_close(clip.last_norms, norms, rtol=1e-12, atol=0)
+
+
+def test_overflow_without_scaler_raises_and_with_scaler_reaches_the_grad() -> None:
+    w = torch.tensor([1.0, 2.0], requires_grad=True)
+    x = torch.tensor([[1.0, 1.0], [math.inf, 0.0]])
+    with pytest.raises(NonFiniteGradientError, match="per-sample gradients hold inf"):
+        PerSampleClip(max_norm=1.0)(((x @ w) ** 2), [w])
+    scaler = torch.amp.GradScaler("cpu")
+    assert scaler.is_enabled()
+    opt = torch.optim.SGD([w], lr=0.1)
+    loss = PerSampleClip(max_norm=1.0)((x @ w) ** 2, [w], scaler=scaler)
+    scaler.scale(loss).backward()
+    before = w.detach().clone()
+    scaler.step(opt)
+    scaler.update()
+    assert torch.equal(w.detach(), before)  # the scaler skipped the step
+    assert scaler.get_scale() < 2.0**16
+
+
+# -- DP-SGD noise -----------------------------------------------------------------------
+
+
+def test_noise_has_the_dp_sgd_standard_deviation() -> None:
+    p = torch.zeros(200, 200, requires_grad=True)
+    p.grad = torch.zeros_like(p)
+    clip = PerSampleClip(max_norm=0.5, noise_multiplier=2.0,
+                         generator=torch.Generator().manual_seed(1))
+    assert clip.add_noise_([p], batch_size=4)
+    std = 2.0 * 0.5 / 4  # σ·C/B
+    n = p.numel()
+    assert abs(p.grad.mean().item()) < 4 * std / math.sqrt(n)
+    assert abs(p.grad.std().item() / std - 1) < 4 / math.sqrt(2 * n)
+
+
+def test_noise_resumes_bit_identically_and_skips_nonfinite_steps() -> None:
+    p = torch.zeros(50, requires_grad=True)
+    clip = PerSampleClip(max_norm=1.0, noise_multiplier=1.0,
+                         generator=torch.Generator().manual_seed(3))
+    p.grad = torch.zeros(50)
+    clip.add_noise_([p], batch_size=2)
+    state = clip.state_dict()
+    p.grad = torch.zeros(50)
+    clip.add_noise_([p], batch_size=2)
+    expected = p.grad.clone()
+
+    fresh = PerSampleClip(max_norm=1.0, noise_multiplier=1.0,
+                          generator=torch.Generator().manual_seed(99))
+    fresh.load_state_dict(state)
+    p.grad = torch.full((50,), math.nan)
+    assert not fresh.add_noise_([p], batch_size=2)  # a skipped step: nothing drawn
+    assert torch.equal(fresh.generator.get_state(), state["generator"])
+    p.grad = torch.zeros(50)
+    fresh.add_noise_([p], batch_size=2)
+    assert torch.equal(p.grad, expected)
+
+
+def test_zero_noise_multiplier_adds_nothing() -> None:
+    p = torch.ones(3, requires_grad=True)
+    p.grad = torch.ones(3)
+    assert not PerSampleClip(max_norm=1.0).add_noise_([p], batch_size=1)
+    assert torch.equal(p.grad, torch.ones(3))
+
+
+# -- bad input ----------------------------------------------------------------------------
+
+
+def test_rejects_a_reduced_or_detached_loss() -> None:
+    w, b, per_sample = _linear()
+    clip = PerSampleClip(max_norm=1.0)
+    with pytest.raises(ValueError, match=r"got \(\); compute the loss with reduction='none'"):
+        clip(per_sample.mean(), [w, b])
+    with pytest.raises(ValueError, match="does not require grad"):
+        clip(per_sample.detach(), [w, b])
+    with pytest.raises(ValueError, match=r"got \(2, 2, 1\)"):
+        clip(per_sample[:4].view(2, 2, 1), [w, b])
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"max_norm": 0.0}, "Invalid max_norm: 0.0"),
+    ({"max_norm": 1.0, "noise_multiplier": -1.0}, "Invalid noise_multiplier: -1.0"),
+    ({"max_norm": 1.0, "chunk_size": 0}, "Invalid chunk_size: 0"),
+    ({"max_norm": 1.0, "per_task": "yes"}, "Invalid per_task: 'yes'"),
+    ({"max_norm": 1.0, "norm_type": 0.5}, "Invalid norm_type: 0.5"),
+    ({"max_norm": 1.0, "generator": 3}, "Invalid generator: int"),
+])
+def test_rejects_bad_settings(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        PerSampleClip(**kwargs)
+
+
+def test_rejects_bad_batch_size_and_foreign_state() -> None:
+    clip = PerSampleClip(max_norm=1.0, noise_multiplier=1.0)
+    p = torch.zeros(2, requires_grad=True)
+    p.grad = torch.zeros(2)
+    with pytest.raises(ValueError, match="Invalid batch_size: 0"):
+        clip.add_noise_([p], batch_size=0)
+    with pytest.raises(ValueError, match=r"unexpected keys \['beta'\]"):
+        clip.load_state_dict({"beta": 0.1})
