@@ -133,12 +133,14 @@ def v_plain(b: Bench) -> Step:
     return step
 
 
-def v_mode(b: Bench, mode: str, name: str, update_every: int = 1) -> Step | None:
+def v_mode(b: Bench, mode: str, name: str, update_every: int = 1,
+           strategy: str = "auto") -> Step | None:
     balancer = _balancer(name)
     if balancer is None:
         return None
     kwargs: dict[str, Any] = {"modules": b.model.trunk} if mode == "gramian" else {}
-    buf = gb.TaskGradBuffer(b.shared, b.heads, mode=mode, update_every=update_every, **kwargs)
+    buf = gb.TaskGradBuffer(b.shared, b.heads, mode=mode, update_every=update_every,
+                            strategy=strategy, **kwargs)
 
     def step() -> None:
         feats = b.features()
@@ -247,6 +249,9 @@ def variants(b: Bench, k: int, amortise_ks: set[int], own: Callable[[], Bench],
         table[f"autogram-{name}"] = v_autogram(own(), name)
     if k in amortise_ks:
         table["matrix-upgrad-T10"] = v_mode(b, "matrix", "upgrad", update_every=10)
+    if only is not None and any("strategy" in o for o in only):  # on request only
+        for strategy in ("loop", "batched"):
+            table[f"strategy-{strategy}"] = v_mode(b, "matrix", "mgda", strategy=strategy)
     return {key: fn for key, fn in table.items() if fn is not None and (
         only is None or key in ("plain", "forward") or any(o in key for o in only))}
 
@@ -413,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated substrings: time only matching variants")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--name", default="step_overhead",
+                        help="file name stem of the results (<name>_<device>.md/.json)")
     parser.add_argument("--_memory", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -454,10 +461,10 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"step_overhead_{tag}.md").write_text(text)
+    (out / f"{args.name}_{tag}.md").write_text(text)
     raw = {f"{t}:{k}": {"time": timing[(t, k)], "memory": memory.get((t, k), {})}
            for t, k in timing}
-    (out / f"step_overhead_{tag}.json").write_text(json.dumps(raw, indent=1))
+    (out / f"{args.name}_{tag}.json").write_text(json.dumps(raw, indent=1))
     return 0
 
 

@@ -62,7 +62,9 @@ class TaskGradBuffer:
         head_params: task-specific parameters; they receive their plain gradient of the
             summed losses (the PCGrad paper's rule), accumulated with ``+=``.
         num_tasks: K, checked on every call; inferred from the first ``backward`` if None.
-        strategy: ``"auto"``, ``"loop"`` or ``"batched"`` (see :mod:`gradbalance.taskgrads`).
+        strategy: ``"auto"``, ``"measure"``, ``"loop"`` or ``"batched"`` (see
+            :mod:`gradbalance.taskgrads`): ``"auto"`` takes the loop on CPU and measures both
+            on the first step elsewhere; ``"measure"`` measures on any device.
         process_group: data parallelism: ``G``, the heads' ``.grad`` and the losses are
             averaged over its ranks in ``apply_`` before balancing (None: the default group
             when torch.distributed is initialised; ``"local"``: off). See
@@ -241,12 +243,22 @@ class TaskGradBuffer:
         return stats
 
     def state_dict(self) -> dict[str, Any]:
-        """The ``update_every`` counter and cached weights (the ``[K, P]`` buffer is transient)."""
-        return self._cache.state_dict()
+        """The ``update_every`` counter, the cached weights and the strategy measured or fallen
+        back to (the ``[K, P]`` buffer is transient)."""
+        chosen = getattr(self._engine, "chosen", None)
+        return {**self._cache.state_dict(), **({"strategy": chosen} if chosen else {})}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output; works on a freshly built buffer."""
-        self._cache.load_state_dict(state_dict)
+        state = dict(state_dict)
+        chosen = state.pop("strategy", None)
+        if chosen not in (None, "loop", "batched"):
+            raise ValueError(
+                f"Invalid state_dict: strategy={chosen!r} (expected 'loop', 'batched' or None)"
+            )
+        self._cache.load_state_dict(state)
+        if chosen is not None and isinstance(self._engine, (MatrixMode, FeaturesMode)):
+            self._engine.chosen = chosen
 
     @property
     def matrix(self) -> Tensor | None:

@@ -8,7 +8,10 @@ Two strategies compute the same matrix without touching any ``.grad``:
   the K one-hot output gradients). It can win on a GPU; ops without a batching rule make it
   raise, and ``"auto"`` then falls back to the loop.
 
-``"auto"`` uses the loop on CPU and the batched call elsewhere, with the fallback.
+``"auto"`` uses the loop on CPU (where batched measures slower:
+``benchmarks/strategy_choice.py``); on other devices a buffer measures both on its first
+step and keeps the faster (``"measure"`` forces that anywhere;
+:mod:`gradbalance.modes._measure`). Both keep the fallback.
 
 Each pass of the loop starts at the task's own loss (:class:`TaskRoots`): the scalar given
 in a list, or, for ``torch.stack([L_1, ..., L_K])`` (also behind elementwise ops such as
@@ -33,10 +36,11 @@ __all__ = [
     "AUTO_PREFERENCE", "ParamLayout", "Strategy", "TaskRoots", "compute_into", "task_gradients",
 ]
 
-Strategy = Literal["auto", "loop", "batched"]
-_STRATEGIES = ("auto", "loop", "batched")
+Strategy = Literal["auto", "measure", "loop", "batched"]
+_STRATEGIES = ("auto", "measure", "loop", "batched")
 
-#: What ``"auto"`` tries first per device type (falling back to the loop if batching fails).
+#: What ``"auto"`` uses per device type without measuring (falling back to the loop if
+#: batching fails); a device type not listed is measured by each buffer on its first step.
 AUTO_PREFERENCE: dict[str, Literal["loop", "batched"]] = {"cpu": "loop"}
 
 
@@ -157,11 +161,21 @@ def _check_strategy(strategy: str) -> None:
 
 
 def resolve_strategy(strategy: Strategy, device: torch.device) -> Literal["loop", "batched"]:
-    """The concrete strategy ``"auto"`` stands for on ``device``."""
+    """The concrete strategy ``"auto"`` stands for on ``device`` without measuring.
+
+    ``"measure"`` (and ``"auto"`` on an unlisted device) resolve to the batched call here;
+    the row modes measure instead (:meth:`gradbalance.modes._common.RowsMode.compute`).
+    """
     _check_strategy(strategy)
-    if strategy == "auto":
-        return AUTO_PREFERENCE.get(device.type, "batched")
-    return strategy
+    if strategy in ("auto", "measure"):
+        return AUTO_PREFERENCE.get(device.type, "batched") if strategy == "auto" else "batched"
+    return strategy  # type: ignore[return-value]
+
+
+def needs_measuring(strategy: Strategy, device: torch.device) -> bool:
+    """Whether a buffer should time both strategies once before choosing one."""
+    _check_strategy(strategy)
+    return strategy == "measure" or (strategy == "auto" and device.type not in AUTO_PREFERENCE)
 
 
 def _write_part(part: Tensor, g: Tensor | None, accumulate: bool) -> None:
@@ -213,18 +227,22 @@ def compute_into(
     strategy: Strategy = "auto",
     accumulate: bool = False,
     retain_graph: bool = False,
+    preferred: Literal["loop", "batched"] | None = None,
 ) -> Literal["loop", "batched"]:
     """Write (or add, with ``accumulate``) the task gradients into ``out`` ``[K, P]``.
 
-    Returns the strategy actually used (``"loop"`` after a batched fallback).
+    ``preferred`` replaces what ``"auto"``/``"measure"`` resolve to (a measured choice); the
+    fallback stays. Returns the strategy actually used (``"loop"`` after a batched fallback).
     """
     chosen = resolve_strategy(strategy, layout.device)
+    if preferred is not None and strategy in ("auto", "measure"):
+        chosen = preferred
     if chosen == "batched":
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*performance drop.*")
-                # Under "auto" keep the graph so that a failure can still fall back.
-                keep = True if strategy == "auto" else retain_graph
+                # Unless forced, keep the graph so that a failure can still fall back.
+                keep = True if strategy != "batched" else retain_graph
                 _batched(roots, layout, out, accumulate, keep)
             return "batched"
         except RuntimeError as error:

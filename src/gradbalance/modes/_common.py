@@ -15,14 +15,22 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor
 
 from .._types import NonFiniteGradientError
 from ..balancers._base import Balancer, Combination
-from ..taskgrads import ParamLayout, Strategy, TaskRoots
+from ..taskgrads import (
+    ParamLayout,
+    Strategy,
+    TaskRoots,
+    compute_into,
+    needs_measuring,
+    resolve_strategy,
+)
+from ._measure import measure_strategy
 
 __all__ = ["RowClipper", "StepInput"]
 
@@ -86,6 +94,22 @@ class RowsMode:
         self.head_params = head_params
         self.strategy: Strategy = strategy
         self.matrix: Tensor | None = None
+        #: the strategy measured (or fallen back to) for ``"auto"``/``"measure"``; kept in the
+        #: buffer's ``state_dict``.
+        self.chosen: Literal["loop", "batched"] | None = None
+
+    def compute(self, roots: TaskRoots, layout: ParamLayout, out: Tensor, accumulate: bool,
+                retain_graph: bool = False) -> None:
+        """``out (+)= task gradients`` with the strategy in force, measuring it first if due."""
+        if self.chosen is None and not accumulate and needs_measuring(self.strategy,
+                                                                      layout.device):
+            self.chosen = measure_strategy(roots, layout, out)
+            return
+        used = compute_into(roots, layout, out, strategy=self.strategy, accumulate=accumulate,
+                            retain_graph=retain_graph, preferred=self.chosen)
+        expected = self.chosen or resolve_strategy(self.strategy, layout.device)
+        if self.strategy in ("auto", "measure") and used != expected:
+            self.chosen = used  # a fallback sticks: no failing batched call every step
 
 
 def combine_or_skip(balancer: Balancer, matrix: Tensor, losses: Tensor, gram: Tensor,

@@ -15,7 +15,7 @@ from torch import Tensor
 from ..balancers._base import Balancer
 from ..gramian import compute_gramian, is_finite_gramian
 from ..stats import StepStats, build_stats
-from ..taskgrads import ParamLayout, TaskRoots, compute_into
+from ..taskgrads import ParamLayout, TaskRoots
 from ._common import RowsMode, StepInput, combine_or_skip, heads_backward_
 
 __all__ = ["FeaturesMode"]
@@ -40,7 +40,7 @@ class FeaturesMode(RowsMode):
         ):
             self.matrix = torch.empty(k, layout.numel, dtype=dtype, device=layout.device)
         heads_backward_(roots, self.head_params)
-        compute_into(roots, layout, self.matrix, strategy=self.strategy, retain_graph=True)
+        self.compute(roots, layout, self.matrix, accumulate=False, retain_graph=True)
         self.features = features
 
     def apply(self, balancer: Balancer, step: StepInput) -> StepStats:

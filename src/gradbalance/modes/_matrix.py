@@ -15,7 +15,7 @@ from ..balancers._base import Balancer
 from ..distributed import all_ranks_true, all_reduce_step_
 from ..gramian import compute_gramian, is_finite_gramian
 from ..stats import StepStats, build_stats
-from ..taskgrads import TaskRoots, compute_into
+from ..taskgrads import TaskRoots
 from ._common import (
     RowsMode,
     StepInput,
@@ -39,8 +39,7 @@ class MatrixMode(RowsMode):
                 k, self.layout.numel, dtype=self.layout.dtype, device=self.layout.device
             )
         heads_backward_(roots, self.head_params)
-        compute_into(roots, self.layout, self.matrix, strategy=self.strategy,
-                     accumulate=not first)
+        self.compute(roots, self.layout, self.matrix, accumulate=not first)
 
     def apply(self, balancer: Balancer, step: StepInput) -> StepStats:
         matrix, losses, scale = self.matrix, step.losses, step.scale

@@ -1,0 +1,54 @@
+"""Choosing the task-gradient strategy by measurement, once per buffer.
+
+On a device without a measured preference (``AUTO_PREFERENCE``; a GPU, say) or with
+``strategy="measure"``, the first micro-batch that overwrites ``G`` computes it four times —
+batched, loop, batched, loop — and the faster of the last two runs wins (the first pair
+absorbs one-off costs: kernel selection, vmap set-up, allocator growth); if batched wins it
+runs once more, so ``G`` is the winner's. The runs are timed with the device synchronised.
+The buffer keeps the choice in its ``state_dict``, so a resumed run computes ``G`` the same
+way, bit for bit.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from ..taskgrads import ParamLayout, TaskRoots, compute_into
+
+__all__ = ["measure_strategy"]
+
+Concrete = Literal["loop", "batched"]
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type != "cpu" and hasattr(torch, "accelerator") and torch.accelerator.is_available():
+        torch.accelerator.synchronize()
+
+
+def timed_run(roots: TaskRoots, layout: ParamLayout, out: Tensor, strategy: Concrete) -> float:
+    """Seconds for one overwrite of ``out`` with ``strategy``; inf if batching fails."""
+    _synchronize(layout.device)
+    start = time.perf_counter()
+    used = compute_into(roots, layout, out, strategy="measure", preferred=strategy,
+                        retain_graph=True)
+    _synchronize(layout.device)
+    return time.perf_counter() - start if used == strategy else float("inf")
+
+
+def measure_strategy(roots: TaskRoots, layout: ParamLayout, out: Tensor) -> Concrete:
+    """Overwrite ``out`` with the task gradients, timing both strategies; return the faster.
+
+    ``out`` ends up holding the chosen strategy's result. A model without a batching rule
+    costs one failed batched call (and its warning) and gets the loop.
+    """
+    if timed_run(roots, layout, out, "batched") == float("inf"):
+        return "loop"  # the fallback already wrote the loop's result
+    seconds = [timed_run(roots, layout, out, s) for s in ("loop", "batched", "loop")]
+    if seconds[1] < seconds[2]:
+        timed_run(roots, layout, out, "batched")
+        return "batched"
+    return "loop"
