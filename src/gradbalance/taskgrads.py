@@ -8,8 +8,8 @@ Two strategies compute the same matrix without touching any ``.grad``:
   the K one-hot output gradients). It can win on a GPU; ops without a batching rule make it
   raise, and ``"auto"`` then falls back to the loop.
 
-``"auto"`` uses the loop on CPU (where batched measures slower:
-``benchmarks/strategy_choice.py``); on other devices a buffer measures both on its first
+``"auto"`` uses the loop on CPU (the batched call measures up to 1.9× slower there and at
+best 4% faster: ``benchmarks/results/strategy_choice_cpu.md``); on other devices a buffer measures both on its first
 step and keeps the faster (``"measure"`` forces that anywhere;
 :mod:`gradbalance.modes._measure`). Both keep the fallback.
 
