@@ -9,8 +9,8 @@ Two strategies compute the same matrix without touching any ``.grad``:
   raise, and ``"auto"`` then falls back to the loop.
 
 ``"auto"`` uses the loop on CPU (the batched call measures up to 1.9× slower there and at
-best 4% faster: ``benchmarks/results/strategy_choice_cpu.md``); on other devices a buffer measures both on its first
-step and keeps the faster (``"measure"`` forces that anywhere;
+best 4% faster: ``benchmarks/results/strategy_choice_cpu.md``); on other devices a buffer
+measures both on its first step and keeps the faster (``"measure"`` forces that anywhere;
 :mod:`gradbalance.modes._measure`). Both keep the fallback.
 
 Each pass of the loop starts at the task's own loss (:class:`TaskRoots`): the scalar given
