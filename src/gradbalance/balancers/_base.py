@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from .._pickling import PicklableGenerators
 from .._statedict import reject_state
 from .._types import NonFiniteGradientError, check_matrix, check_num_tasks
 from ..gramian import compute_gramian, is_finite_gramian
@@ -45,7 +46,7 @@ def combine_rows(weights: Tensor, matrix: Tensor) -> Tensor:
     return weights.to(dtype=matrix.dtype, device=matrix.device) @ matrix
 
 
-class Balancer:
+class Balancer(PicklableGenerators):
     """Base class of every gradient balancer.
 
     Class attributes a subclass declares:

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._pickling import PicklableGenerators
 from .._statedict import check_keys
 from .._types import NonFiniteGradientError, as_parameter_list
 from ..balancers._rng import check_generator, private_generator
@@ -156,7 +157,7 @@ def per_sample_grad_norms(
     return norms if joint else norms.view(losses.shape)
 
 
-class PerSampleClip:
+class PerSampleClip(PicklableGenerators):
     """Clips every sample's gradient to ``max_norm`` before the batch mean (DP-SGD's clip).
 
     ``ĝ = (1/B) Σᵢ min(1, C / (‖∇ℓᵢ‖ + 1e-6)) ∇ℓᵢ``, realised as the gradient of the

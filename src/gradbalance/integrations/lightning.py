@@ -23,7 +23,8 @@ through Lightning (which unscales, runs ``on_before_optimizer_step`` — the pla
 
 Under ``strategy="ddp"`` Lightning keeps DDP's reducer off in manual optimisation until
 ``manual_backward``; the helper never calls it, and the buffer averages the task gradients,
-the heads' gradients and the losses over the ranks itself (see :mod:`gradbalance.distributed`).
+the heads' gradients and the losses over the ranks itself (see :mod:`gradbalance.distributed`);
+tested with ``strategy="ddp_spawn"`` on two CPU processes.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from .._pickling import PicklableGenerators
 from .._statedict import reject_state
 from .._types import NonFiniteGradientError, as_loss_vector, check_num_tasks
 
@@ -66,7 +67,7 @@ def _as_flag(found_inf: bool | Tensor) -> bool:
     return bool(found_inf)
 
 
-class LossWeighting:
+class LossWeighting(PicklableGenerators):
     """Base class of every loss weighting.
 
     Class attributes a subclass declares:
