@@ -65,3 +65,15 @@ def assert_rel_close_lists(actual: list[Tensor], expected: list[Tensor],
         scale = float(e.norm())
         error = float((a - e).norm())
         assert error <= rtol * max(scale, 1e-30), f"relative error {error / scale:.3g} > {rtol}"
+
+
+class ItemInBackward(torch.autograd.Function):
+    """Doubles its input; the backward reads a Python number, which vmap cannot batch."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def]
+        return 2 * x
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        return grad * (float(grad.abs().sum().item() >= 0) * 2.0)

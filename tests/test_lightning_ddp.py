@@ -16,7 +16,7 @@ pl = pytest.importorskip("lightning.pytorch")
 pytestmark = pytest.mark.filterwarnings("ignore")
 logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
 
-from lightning_ddp_util import K, SavingModule, make_balancer, make_model  # noqa: E402
+from lightning_util import K, SavingModule, make_balancer, make_model  # noqa: E402
 
 PER_RANK_BATCH, WORLD, STEPS = 4, 2, 3
 

@@ -9,20 +9,17 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from gradbalance import TaskGradBuffer, get_balancer
+from gradbalance import TaskGradBuffer
 from gradbalance.integrations.lightning import BalancedManualStep
-from gradbalance.models import MultiTaskModel, make_heads, mlp_trunk, regression_losses
+from gradbalance.models import MultiTaskModel, regression_losses
 
 pl = pytest.importorskip("lightning.pytorch")
 pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec")
 logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
 
-K, BATCH, STEPS = 3, 4, 3
+from lightning_util import BalancedModule, K, make_balancer, make_model  # noqa: E402
 
-
-def _model() -> MultiTaskModel:
-    torch.manual_seed(0)
-    return MultiTaskModel(mlp_trunk(8, 16, 2), make_heads(16, K))
+BATCH, STEPS = 4, 3
 
 
 def _data() -> TensorDataset:
@@ -32,25 +29,8 @@ def _data() -> TensorDataset:
     return TensorDataset(x, y)
 
 
-def _balancer() -> Any:  # PCGrad: random task order from its own seeded generator
-    return get_balancer("pcgrad", num_tasks=K, generator=torch.Generator().manual_seed(0))
-
-
-class Module(pl.LightningModule):
-    def __init__(self, accumulate: int) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-        self.net = _model()
-        self.balanced = BalancedManualStep(_balancer(), self.net.shared_parameters(),
-                                           self.net.head_parameters(),
-                                           accumulate_grad_batches=accumulate)
-
-    def training_step(self, batch: Any, batch_idx: int) -> None:
-        x, y = batch
-        self.balanced(self, regression_losses(self.net(x), y), batch_idx)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+Module = BalancedModule
+_model, _balancer = make_model, make_balancer
 
 
 def _lightning(accumulate: int, amp: bool) -> tuple[Module, Any]:

@@ -17,7 +17,7 @@ from gradbalance import (
     task_gradients,
 )
 from gradbalance.models import MultiTaskModel
-from helpers import build
+from helpers import ItemInBackward, build
 
 # -- linear regression: every per-sample gradient in closed form ------------------------
 
@@ -160,22 +160,10 @@ def test_two_micro_batches_equal_the_full_batch() -> None:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
-class _ItemInBackward(torch.autograd.Function):
-    """Doubles its input; the backward reads a Python number, which vmap cannot batch."""
-
-    @staticmethod
-    def forward(ctx, x):  # type: ignore[no-untyped-def]
-        return 2 * x
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[no-untyped-def]
-        return grad * (float(grad.abs().sum().item() >= 0) * 2.0)
-
-
 def test_model_without_batching_rule_falls_back_to_a_loop() -> None:
     w = torch.tensor([1.0, -2.0], requires_grad=True)
     x = torch.tensor([[1.0, 0.0], [0.0, 3.0], [2.0, 2.0]])
-    per_sample = (x @ _ItemInBackward.apply(w)) ** 2  # ℓᵢ = (2 xᵢ·w)², ∇ = 8 (xᵢ·w) xᵢ
+    per_sample = (x @ ItemInBackward.apply(w)) ** 2  # ℓᵢ = (2 xᵢ·w)², ∇ = 8 (xᵢ·w) xᵢ
     with pytest.warns(RuntimeWarning, match="falling back"):
         norms = per_sample_grad_norms(per_sample, [w])
     dots = x @ w.detach()

@@ -9,7 +9,7 @@ import torch
 
 from gradbalance import Sum, TaskGradBuffer, task_gradients, taskgrads
 from gradbalance.modes import _measure
-from helpers import build, losses_of
+from helpers import ItemInBackward, build, losses_of
 
 
 def _fake_clock(monkeypatch: pytest.MonkeyPatch, seconds: dict[str, float]) -> list[str]:
@@ -95,23 +95,11 @@ def test_resumed_buffer_uses_the_saved_choice(monkeypatch: pytest.MonkeyPatch) -
                                "strategy": "fast"})
 
 
-class _ItemInBackward(torch.autograd.Function):
-    """Doubles its input; the backward reads a Python number, which vmap cannot batch."""
-
-    @staticmethod
-    def forward(ctx, x):  # type: ignore[no-untyped-def]
-        return 2 * x
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[no-untyped-def]
-        return grad * (float(grad.abs().sum().item() >= 0) * 2.0)
-
-
 def test_no_batching_rule_measures_once_then_sticks_to_the_loop() -> None:
     w = torch.tensor([1.0, -2.0, 3.0], requires_grad=True)
 
     def losses() -> list[torch.Tensor]:
-        h = _ItemInBackward.apply(w)
+        h = ItemInBackward.apply(w)
         return [(h**2).sum(), h.sum()]
 
     buf = TaskGradBuffer([w], strategy="measure")

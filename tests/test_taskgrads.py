@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gradbalance import task_gradients, taskgrads
-from helpers import TRUNKS, build, losses_of
+from helpers import TRUNKS, ItemInBackward, build, losses_of
 
 
 def reference_matrix(kind: str, num_tasks: int = 3) -> torch.Tensor:
@@ -73,26 +73,13 @@ def test_rejects_bad_strategy() -> None:
         task_gradients([w.sum()], [w], strategy="fast")  # type: ignore[arg-type]
 
 
-class _ItemInBackward(torch.autograd.Function):
-    """Doubles its input; the backward reads a Python number, which vmap cannot batch."""
-
-    @staticmethod
-    def forward(ctx, x):  # type: ignore[no-untyped-def]
-        return 2 * x
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[no-untyped-def]
-        factor = float(grad.abs().sum().item() >= 0) * 2.0
-        return grad * factor
-
-
 def test_batched_falls_back_to_loop_without_batching_rule(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     w = torch.tensor([1.0, -2.0, 3.0], requires_grad=True)
 
     def losses() -> list[torch.Tensor]:
-        h = _ItemInBackward.apply(w)
+        h = ItemInBackward.apply(w)
         return [(h**2).sum(), h.sum()]
 
     with pytest.raises(RuntimeError, match="strategy='batched' failed"):

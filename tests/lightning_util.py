@@ -1,4 +1,4 @@
-"""A Lightning module for the data-parallel test: importable, so ``ddp_spawn`` can pickle it."""
+"""Lightning modules of the tests; importable, so that ``ddp_spawn`` can pickle them."""
 
 from __future__ import annotations
 
@@ -25,21 +25,12 @@ def make_balancer() -> Any:  # PCGrad: its random task order must agree on every
     return get_balancer("pcgrad", num_tasks=K, generator=torch.Generator().manual_seed(0))
 
 
-class SavingModule(pl.LightningModule):
-    """Trains with ``BalancedManualStep``; every rank saves its final parameters.
+class BalancedModule(pl.LightningModule):
+    """Trains ``make_model()`` with ``BalancedManualStep`` (PCGrad) and SGD with momentum."""
 
-    Rank r of W reads the r-th block of ``batch_size`` samples out of every ``W·batch_size``,
-    in order: the ranks' batches of one step together are the next ``W·batch_size`` samples
-    (run with ``use_distributed_sampler=False``).
-    """
-
-    def __init__(self, out_dir: str, accumulate: int, data: TensorDataset,
-                 batch_size: int) -> None:
+    def __init__(self, accumulate: int) -> None:
         super().__init__()
         self.automatic_optimization = False
-        self.out_dir = out_dir
-        self.data = data
-        self.batch_size = batch_size
         self.net = make_model()
         self.balanced = BalancedManualStep(make_balancer(), self.net.shared_parameters(),
                                            self.net.head_parameters(),
@@ -51,6 +42,22 @@ class SavingModule(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class SavingModule(BalancedModule):
+    """Reads its rank's shard and saves its final parameters on every rank.
+
+    Rank r of W reads the r-th block of ``batch_size`` samples out of every ``W·batch_size``,
+    in order: the ranks' batches of one step together are the next ``W·batch_size`` samples
+    (run with ``use_distributed_sampler=False``).
+    """
+
+    def __init__(self, out_dir: str, accumulate: int, data: TensorDataset,
+                 batch_size: int) -> None:
+        super().__init__(accumulate)
+        self.out_dir = out_dir
+        self.data = data
+        self.batch_size = batch_size
 
     def train_dataloader(self) -> DataLoader:
         rank, world, size = self.global_rank, self.trainer.world_size, self.batch_size
