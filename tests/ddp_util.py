@@ -96,11 +96,13 @@ class Scenario:
     inf_step: int = -1  # the last rank's losses get an inf at this step
     naive: bool = False  # K loss.backward(retain_graph=True) under DDP, grads copied
     update_every: int = 1
+    mode: str = "matrix"  # "features": gradients of the trunk's output, gathered over ranks
 
     @property
     def key(self) -> str:
         return (f"{self.balancer}-ddp{int(self.ddp)}-micro{self.micro}-amp{int(self.amp)}"
-                f"-inf{self.inf_step}-naive{int(self.naive)}-every{self.update_every}")
+                f"-inf{self.inf_step}-naive{int(self.naive)}-every{self.update_every}"
+                f"-{self.mode}")
 
 
 def data(steps: int) -> tuple[Tensor, Tensor]:
@@ -159,7 +161,7 @@ def run(sc: Scenario, rank: int = 0, world: int = 1) -> dict[str, Any]:
     if scaler is not None:
         assert scaler.is_enabled()
     buf = TaskGradBuffer(model.shared_parameters(), model.head_parameters(),
-                         update_every=sc.update_every)
+                         update_every=sc.update_every, mode=sc.mode)  # type: ignore[arg-type]
     xs, ys = data(sc.steps)
     shard = GLOBAL_BATCH // world
     found_inf, losses_log = [], []
@@ -171,14 +173,16 @@ def run(sc: Scenario, rank: int = 0, world: int = 1) -> dict[str, Any]:
         else:
             with ddp_no_sync(net):
                 for xm, ym in zip(x.chunk(sc.micro), y.chunk(sc.micro)):
-                    losses = regression_losses(net(xm), ym)
+                    feats = model.trunk(xm) if sc.mode == "features" else None
+                    outputs = net(xm) if feats is None else [h(feats) for h in model.heads]
+                    losses = regression_losses(outputs, ym)
                     if step == sc.inf_step and rank == world - 1:
                         losses = losses * torch.tensor([1.0, float("inf"), 1.0],
                                                        dtype=torch.float64)
                     losses = losses / sc.micro
                     if weighting is not None:
                         losses = weighting(losses, scaler=scaler)
-                    buf.backward(losses, scaler=scaler)
+                    buf.backward(losses, scaler=scaler, features=feats)
             stats = buf.apply_(balancer, scaler=scaler)
             found_inf.append(stats.found_inf)
             losses_log.append(stats.losses.clone())
@@ -238,6 +242,19 @@ def _forgot_no_sync() -> bool:
     return False
 
 
+def _gramian_refused() -> bool:
+    """``mode="gramian"`` under a process group raises instead of balancing one rank's share."""
+    model = MultiTaskModel(mlp_trunk(8, 16, 2), make_heads(16, K)).double()
+    buf = TaskGradBuffer(model.shared_parameters(), model.head_parameters(), mode="gramian",
+                         modules=model.trunk)
+    x, y = data(1)
+    try:
+        buf.backward(regression_losses(model(x[0, :4]), y[0, :4]))
+    except ValueError as error:
+        return "mode='gramian' does not reduce over data-parallel ranks" in str(error)
+    return False
+
+
 def _worker(rank: int, world: int, init_file: str, out_dir: str,
             scenarios: list[Scenario]) -> None:
     torch.set_num_threads(1)
@@ -248,6 +265,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str,
         for sc in scenarios:
             results[sc.key] = run(sc, rank, world)
         results["forgot_no_sync_raises"] = _forgot_no_sync()
+        results["gramian_refused"] = _gramian_refused()
         dist.barrier()
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:

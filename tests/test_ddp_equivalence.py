@@ -24,6 +24,9 @@ SCENARIOS = [
     Scenario(balancer="emanorm", ddp=True, amp=True, inf_step=1, micro=2),
     Scenario(balancer="gradnorm", ddp=True, amp=True, inf_step=1, micro=2),
     Scenario(balancer="sum", ddp=True, naive=True),
+    # features mode: the ranks gather the feature gradients and sum the trunk's gradients
+    *(Scenario(balancer=b, mode="features") for b in ("sum", "pcgrad", "mgda-loss", "emanorm")),
+    Scenario(balancer="emanorm", mode="features", amp=True, inf_step=2),
 ]
 
 
@@ -103,3 +106,4 @@ def test_helpers_detect_and_align_ranks(ranks: list[dict[str, Any]]) -> None:
 
 def test_forgetting_no_sync_under_ddp_raises(ranks: list[dict[str, Any]]) -> None:
     assert ranks[0]["forgot_no_sync_raises"] and ranks[1]["forgot_no_sync_raises"]
+    assert ranks[0]["gramian_refused"] and ranks[1]["gramian_refused"]

@@ -11,12 +11,14 @@ import torch
 from gradbalance import (
     BALANCERS,
     Balancer,
+    StepStats,
     Sum,
     TaskAutoClip,
     TaskClip,
     TaskGradBuffer,
     task_gradients,
 )
+from gradbalance.models import regression_losses
 from helpers import build, grads_of, losses_of
 from loop_state import assert_same_state
 
@@ -202,23 +204,27 @@ def test_forced_overflow_changes_no_state_and_skips(spec: str) -> None:
         assert torch.equal(balancer.generator.get_state(), saved["generator"])
 
 
-def test_overflow_in_heads_only_changes_no_balancer_state() -> None:
+@pytest.mark.parametrize("mode", ["matrix", "features"])
+def test_overflow_in_heads_only_changes_no_balancer_state(mode: str) -> None:
     # The trunk's task gradients are finite but a head's gradient overflows: the scaler will
     # skip the step, so the balancer must not run (GradVac's EMA would move on a lost step).
     model, x, y = build("mlp", num_tasks=K)
     balancer = _balancer("gradvac")
     scaler = _scaler()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    buf = TaskGradBuffer(model.shared_parameters(), model.head_parameters())
-    buf.backward(losses_of(model, x, y), scaler=scaler)
-    buf.apply_(balancer, scaler=scaler)
+    buf = TaskGradBuffer(model.shared_parameters(), model.head_parameters(), mode=mode)
+
+    def step(bump: torch.Tensor | float = 0.0) -> StepStats:
+        feats = model.trunk(x)
+        losses = regression_losses([head(feats) for head in model.heads], y) + bump
+        buf.backward(losses, scaler=scaler, features=feats if mode == "features" else None)
+        return buf.apply_(balancer, scaler=scaler)
+
+    step()
     opt.zero_grad(set_to_none=True)
     saved = copy.deepcopy(balancer.state_dict())
     head_bias = model.heads[0].bias
-    bump = torch.stack([1e38 * head_bias.sum(), 0 * head_bias.sum(), 0 * head_bias.sum()])
-    losses = losses_of(model, x, y) + bump
-    buf.backward(losses, scaler=scaler)
-    stats = buf.apply_(balancer, scaler=scaler)
+    stats = step(torch.stack([1e38 * head_bias.sum(), 0 * head_bias.sum(), 0 * head_bias.sum()]))
     assert stats.found_inf
     assert bool(torch.isfinite(_trunk_grad(model)).all())
     assert not bool(torch.isfinite(head_bias.grad).all())

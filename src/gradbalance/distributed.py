@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from .weighting import LossWeighting
 
 __all__ = [
+    "all_gather_columns",
     "all_ranks_true",
     "all_reduce_grads_",
     "all_reduce_grads_and_losses_",
@@ -185,6 +186,31 @@ def all_reduce_grads_and_losses_(
     _finish_mean(_launch_mean([*_grads_of(params), mean_losses], group),
                  dist.get_world_size(group))
     return mean_losses
+
+
+def all_gather_columns(matrix: Tensor, group: Any) -> Tensor:
+    """``[K, n]`` on every rank -> ``[K, W·n]``, the ranks' columns side by side in rank order.
+
+    For ``features`` mode: each rank's feature gradients cover its own samples, so the
+    full-batch matrix is their concatenation. Every rank must hold the same ``n`` (the same
+    shard size); a different one raises on every rank. ``group`` must be resolved.
+    """
+    size = dist.get_world_size(group)
+    device = _comm_device(group, matrix.device)
+    width = torch.tensor([matrix.shape[1]], dtype=torch.int64, device=device)
+    widths = [torch.empty_like(width) for _ in range(size)]
+    dist.all_gather(widths, width, group=group)
+    found = [int(w) for w in widths]
+    if len(set(found)) > 1:
+        raise ValueError(
+            f"features mode under data parallelism needs the same features size on every "
+            f"rank, found {found} (batch x feature size per rank); give every rank the same "
+            f"number of samples (DistributedSampler(drop_last=True))"
+        )
+    local = matrix.contiguous().to(device)
+    parts = [torch.empty_like(local) for _ in range(size)]
+    dist.all_gather(parts, local, group=group)
+    return torch.cat(parts, dim=1).to(matrix.device)
 
 
 def sync_weighting_(weighting: LossWeighting, group: Any = None) -> None:

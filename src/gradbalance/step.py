@@ -188,10 +188,11 @@ class TaskGradBuffer:
                 f"micro-batches is not the sum of their Gramians); call apply_() after each "
                 f"backward(), or use mode='matrix' to accumulate micro-batches"
             )
-        if resolve_process_group(self.process_group) is not None:
+        if self.mode == "gramian" and resolve_process_group(self.process_group) is not None:
             raise ValueError(
-                f"mode={self.mode!r} does not reduce over data-parallel ranks; use "
-                f"mode='matrix' or process_group='local'"
+                "mode='gramian' does not reduce over data-parallel ranks (the Gramian of the "
+                "ranks' mean needs their [K, P] rows); use mode='matrix' or 'features', or "
+                "process_group='local'"
             )
 
     # -- stage 2 ------------------------------------------------------------------------

@@ -5,18 +5,27 @@ plus one for the heads' plain gradient), combined by any balancer into ``z``, th
 backward of ``z`` through the trunk. A different, cheaper method than ``matrix`` (equal only
 for linear balancers): MGDA-UB, Sener & Koltun, "Multi-Task Learning as Multi-Objective
 Optimization", NeurIPS 2018, §3.3.
+
+Data parallel (W ranks, equal shards): rank r holds ``Z_r`` for its own samples, and the
+full-batch matrix is ``[Z_0 … Z_{W-1}] / W`` (each loss is the mean of the ranks' means). The
+ranks all-gather it (``K·B·D`` numbers, small next to ``P``), average the heads' ``.grad`` and
+the losses, and balance the same matrix as one process on the whole batch would; each rank
+then backpropagates its own columns of ``z`` and the trunk's gradients are summed over the
+ranks — one all-reduce of ``P`` numbers, as in a plain data-parallel step.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from ..balancers._base import Balancer
+from ..distributed import all_gather_columns, all_reduce_grads_and_losses_, all_reduce_mean_
 from ..gramian import compute_gramian, is_finite_gramian
 from ..stats import StepStats, build_stats
 from ..taskgrads import ParamLayout, TaskRoots
-from ._common import RowsMode, StepInput, combine_or_skip, heads_backward_
+from ._common import RowsMode, StepInput, combine_or_skip, grads_finite, heads_backward_
 
 __all__ = ["FeaturesMode"]
 
@@ -47,14 +56,33 @@ class FeaturesMode(RowsMode):
         matrix, features, losses, scale = self.matrix, self.features, step.losses, step.scale
         assert matrix is not None and features is not None
         self.features = None
+        local = slice(0, matrix.shape[1])
+        if step.group is not None:
+            rank, size = dist.get_rank(step.group), dist.get_world_size(step.group)
+            losses = all_reduce_grads_and_losses_(self.head_params, losses, step.group)
+            matrix = all_gather_columns(matrix, step.group).div_(size)
+            local = slice(rank * features.numel(), (rank + 1) * features.numel())
         if scale is not None:
             matrix.div_(scale.to(matrix.dtype))
         gram = compute_gramian(matrix)
-        finite = bool(is_finite_gramian(gram))  # host sync: the balancer must not see inf/NaN
+        finite_flag = is_finite_gramian(gram)
+        if scale is not None and self.head_params:  # the scaler will skip: change no state
+            finite_flag = finite_flag & grads_finite(self.head_params)
+        finite = bool(finite_flag)  # host sync: the balancer must not see inf/NaN
         result = combine_or_skip(balancer, matrix, losses, gram, finite, scale)
-        grad = result.vector if scale is None else result.vector * scale.to(matrix.dtype)
-        torch.autograd.backward(features, grad.view_as(features).to(features.dtype),
-                                inputs=self.layout.params)
+        grad = result.vector[local]
+        grad = grad if scale is None else grad * scale.to(matrix.dtype)
+        grad = grad.view_as(features).to(features.dtype)
+        if step.group is None:
+            torch.autograd.backward(features, grad, inputs=self.layout.params)
+        else:  # Σ over the ranks of each rank's columns: the mean of W·(own part)
+            trunk = torch.autograd.grad(features, self.layout.params, grad * size,
+                                        allow_unused=True)
+            sums = [torch.zeros_like(p) if g is None else g
+                    for p, g in zip(self.layout.params, trunk)]
+            all_reduce_mean_(sums, step.group)
+            for p, g in zip(self.layout.params, sums):
+                p.grad = g if p.grad is None else p.grad.add_(g)
         return build_stats(gram, losses, finite, matrix=matrix, update=result.vector,
                            weights=result.weights, scale=scale, num_backward=step.count,
                            mode="features")
