@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from gradbalance.weighting import DWA, FAMO, GLS, IMTLL, RLW, STCH
+from gradbalance.weighting import DWA, FAMO, GLS, IMTLL, RLW, STCH, ScaleInvariant
 
 
 def _feed(w, losses, after=None) -> None:
@@ -59,6 +59,20 @@ def test_gls_is_the_geometric_mean() -> None:
     torch.testing.assert_close(grad, ref)
     with pytest.raises(ValueError, match="Invalid losses"):
         GLS(2)(torch.tensor([1.0, -1.0]))
+
+
+def test_scale_invariant_is_the_sum_of_log_losses() -> None:
+    theta = torch.tensor([1.0, 4.0, 2.0], dtype=torch.float64, requires_grad=True)
+    scales = torch.tensor([1.0, 10.0, 0.1], dtype=torch.float64)
+    out = ScaleInvariant(3)(theta * scales)
+    torch.testing.assert_close(out.detach(), torch.ones(3, dtype=torch.float64))
+    torch.testing.assert_close(ScaleInvariant(3).weights_of(theta * scales),
+                               1 / (theta.detach() * scales))
+    (grad,) = torch.autograd.grad(out.sum(), theta)
+    # d/dθ Σ log(cₖθₖ) = 1/θₖ, whatever the constant scales cₖ
+    torch.testing.assert_close(grad, 1 / theta.detach())
+    with pytest.raises(ValueError, match="Invalid losses"):
+        ScaleInvariant(2)(torch.tensor([1.0, -1.0]))
 
 
 def test_stch_weights_by_hand_and_against_its_formula() -> None:

@@ -16,7 +16,7 @@ NAMES = sorted(WEIGHTINGS)
 
 
 def test_registry_holds_every_method() -> None:
-    expected = {"gradnorm", "uncertainty", "dwa", "rlw", "gls", "famo", "imtl_l", "stch"}
+    expected = {"gradnorm", "uncertainty", "dwa", "rlw", "gls", "famo", "imtl_l", "stch", "si"}
     assert expected <= set(WEIGHTINGS)
     assert all(issubclass(c, LossWeighting) for c in WEIGHTINGS.values())
     assert gradbalance.get_weighting is get_weighting
@@ -103,7 +103,7 @@ def test_resume_is_bit_identical(name: str) -> None:
     model_b.load_state_dict(saved_model)
     wb.load_state_dict(saved_weighting)          # no warm-up call
     opt_b.load_state_dict(saved_opt)
-    if name not in ("gls", "stch", "famo"):      # these report the last call's weights
+    if name not in ("gls", "si", "stch", "famo"):  # these report the last call's weights
         assert torch.equal(wb.weights, weights_at_save)
     got = [train_step(wb, model_b, opt_b, x, y) for _ in range(4)]
     for a, b in zip(ref, got):

@@ -1,7 +1,7 @@
 """Loss weightings: one method per private module, collected in :data:`WEIGHTINGS`.
 
 A loss weighting turns the K task losses into K weighted losses before the backward pass
-(GradNorm, Uncertainty Weighting, DWA, RLW, GLS, FAMO, IMTL-L, STCH). Every private module
+(GradNorm, Uncertainty Weighting, DWA, RLW, GLS, SI, FAMO, IMTL-L, STCH). Every private module
 ``_<method>.py`` lists its public names in ``__all__``; they are re-exported here, and each
 :class:`LossWeighting` subclass with a ``name`` is registered.
 """

@@ -41,9 +41,13 @@ class GLS(LossWeighting):
         self.eps = check_positive(eps, "eps")
         self._last = torch.full((num_tasks,), 1.0 / num_tasks, dtype=torch.float64)
 
+    def weights_of(self, losses: Tensor) -> Tensor:
+        """The detached weights ``[K]`` (float64) for these losses."""
+        return gls_weights(losses, self.eps)
+
     def _weighted(self, losses: Tensor) -> Tensor:
-        check_nonnegative_losses(losses, "GLS")
-        w = gls_weights(losses, self.eps)
+        check_nonnegative_losses(losses, type(self).__name__)
+        w = self.weights_of(losses)
         self._last = w
         return w.to(dtype=losses.dtype) * losses
 
