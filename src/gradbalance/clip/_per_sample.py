@@ -42,7 +42,8 @@ from ._task import _EPS, check_max_norm, check_norm_type
 
 __all__ = ["PerSampleClip", "per_sample_grad_norms"]
 
-#: Default memory budget of one batched backward: rows x parameters (2^26 ≈ 256 MiB in fp32).
+#: Default memory budget of one batched backward: rows x (parameters + losses), 2^26 entries
+#: (≈ 256 MiB in fp32).
 _CHUNK_ELEMENTS = 1 << 26
 
 
@@ -136,8 +137,8 @@ def per_sample_grad_norms(
     ``per_sample_losses`` ``[B]`` or ``[B, K]`` (``reduction='none'``). Returns ``‖∇ℓᵢₖ‖``
     with the losses' shape (``per_task=True``) or ``‖∇Σₖ ℓᵢₖ‖`` ``[B]`` (``per_task=False``).
     The graph is kept. ``chunk_size`` rows per batched backward (default: as many as fit
-    2^26 gradient entries); ``scale``: differentiate ``scale·ℓ`` and divide the norms by it
-    (a loss scale keeps fp16 backward from underflowing).
+    2^26 entries of gradients and cotangents); ``scale``: differentiate ``scale·ℓ`` and
+    divide the norms by it (a loss scale keeps fp16 backward from underflowing).
     """
     losses = _check_losses(per_sample_losses)
     plist = as_parameter_list(params, "params")
@@ -145,9 +146,9 @@ def per_sample_grad_norms(
     chunk_size = _check_chunk_size(chunk_size)
     joint = not per_task and losses.dim() == 2
     total = losses.shape[0] if joint else losses.numel()
-    if chunk_size is None:
-        numel = sum(p.numel() for p in plist)
-        chunk_size = max(1, min(total, _CHUNK_ELEMENTS // max(numel, 1)))
+    if chunk_size is None:  # a row costs its gradients (P) and its cotangent (B·K)
+        per_row = sum(p.numel() for p in plist) + losses.numel()
+        chunk_size = max(1, min(total, _CHUNK_ELEMENTS // per_row))
     norms = torch.cat([
         _norms_of_rows(losses, plist, range(start, min(start + chunk_size, total)), joint,
                        norm_type, scale)
