@@ -89,6 +89,12 @@ class Bench:
     def losses(self, feats: Tensor) -> Tensor:
         return torch.stack(self.loss_list(feats))
 
+    def per_sample_losses(self, feats: Tensor) -> Tensor:
+        """``[B, K]`` squared errors (``reduction='none'``)."""
+        return torch.stack([
+            (head(feats).squeeze(-1) - self.y[:, k]) ** 2 for k, head in enumerate(self.model.heads)
+        ], dim=1)
+
     def finish(self) -> None:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -145,6 +151,22 @@ def v_mode(b: Bench, mode: str, name: str, update_every: int = 1,
     def step() -> None:
         feats = b.features()
         buf.backward(b.losses(feats), features=feats if mode == "features" else None)
+        buf.apply_(balancer)
+        b.finish()
+    return step
+
+
+def v_per_sample(b: Bench, name: str) -> Step | None:
+    """``PerSampleClip`` (per sample and task, over trunk and heads), then the matrix step."""
+    balancer = _balancer(name)
+    if balancer is None:
+        return None
+    buf = gb.TaskGradBuffer(b.shared, b.heads)
+    clip = gb.PerSampleClip(max_norm=1.0)
+    params = b.shared + b.heads
+
+    def step() -> None:
+        buf.backward(clip(b.per_sample_losses(b.features()), params))
         buf.apply_(balancer)
         b.finish()
     return step
@@ -252,6 +274,8 @@ def variants(b: Bench, k: int, amortise_ks: set[int], own: Callable[[], Bench],
     if only is not None and any("strategy" in o for o in only):  # on request only
         for strategy in ("loop", "batched"):
             table[f"strategy-{strategy}"] = v_mode(b, "matrix", "mgda", strategy=strategy)
+    if only is not None and any("persample" in o for o in only):  # on request only
+        table["persample-mgda"] = v_per_sample(b, "mgda")
     return {key: fn for key, fn in table.items() if fn is not None and (
         only is None or key in ("plain", "forward") or any(o in key for o in only))}
 
