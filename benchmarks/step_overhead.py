@@ -172,6 +172,24 @@ def v_per_sample(b: Bench, name: str) -> Step | None:
     return step
 
 
+def v_per_sample_model(b: Bench, name: str) -> Step | None:
+    """``PerSampleClip.losses_of_model``: the norms from the model via torch.func."""
+    balancer = _balancer(name)
+    if balancer is None:
+        return None
+    buf = gb.TaskGradBuffer(b.shared, b.heads)
+    clip = gb.PerSampleClip(max_norm=1.0)
+
+    def loss_fn(outputs: list[Tensor], y: Tensor) -> Tensor:
+        return torch.stack([(o.squeeze(-1) - y[:, k]) ** 2 for k, o in enumerate(outputs)], 1)
+
+    def step() -> None:
+        buf.backward(clip.losses_of_model(b.model, loss_fn, b.x, b.y))
+        buf.apply_(balancer)
+        b.finish()
+    return step
+
+
 def v_handloop(b: Bench, name: str) -> Step | None:
     """K autograd.grad calls into a preallocated [K, P], the same combine, .grad written."""
     balancer = _balancer(name)
@@ -275,7 +293,8 @@ def variants(b: Bench, k: int, amortise_ks: set[int], own: Callable[[], Bench],
         for strategy in ("loop", "batched"):
             table[f"strategy-{strategy}"] = v_mode(b, "matrix", "mgda", strategy=strategy)
     if only is not None and any("persample" in o for o in only):  # on request only
-        table["persample-mgda"] = v_per_sample(b, "mgda")
+        table["persample-graph-mgda"] = v_per_sample(b, "mgda")
+        table["persample-model-mgda"] = v_per_sample_model(b, "mgda")
     return {key: fn for key, fn in table.items() if fn is not None and (
         only is None or key in ("plain", "forward") or any(o in key for o in only))}
 

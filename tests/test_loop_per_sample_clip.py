@@ -14,6 +14,7 @@ from gradbalance import (
     Sum,
     TaskGradBuffer,
     per_sample_grad_norms,
+    per_sample_grad_norms_of_model,
     task_gradients,
 )
 from gradbalance.models import MultiTaskModel
@@ -78,10 +79,14 @@ def test_large_limit_leaves_the_gradient_unclipped() -> None:
 # -- a multitask model against a loop over samples --------------------------------------
 
 
-def _per_sample_losses(model: MultiTaskModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    outputs = model(x)
+def _loss_fn(outputs: list[torch.Tensor], y: torch.Tensor) -> torch.Tensor:
+    """Per-sample squared errors ``[B, K]``."""
     return torch.stack([(out.squeeze(-1) - y[:, k]) ** 2 for k, out in enumerate(outputs)],
                        dim=1)
+
+
+def _per_sample_losses(model: MultiTaskModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return _loss_fn(model(x), y)
 
 
 def _loop_reference(model: MultiTaskModel, x: torch.Tensor, y: torch.Tensor, max_norm: float,
@@ -134,6 +139,46 @@ def test_task_rows_and_update_match_a_per_sample_loop(kind: str, per_task: bool)
     buf.apply_(Sum())
     update = torch.cat([p.grad.flatten() for p in params])
     torch.testing.assert_close(update, total, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "transformer"])
+@pytest.mark.parametrize("per_task", [True, False])
+def test_norms_from_the_model_match_a_per_sample_loop(kind: str, per_task: bool) -> None:
+    model, x, y = build(kind, num_tasks=3, batch=6)
+    norms, _, _ = _loop_reference(model, x, y, max_norm=1.0, per_task=per_task)
+    for chunk_size in (None, 4):
+        found = per_sample_grad_norms_of_model(model, _loss_fn, x, y, per_task=per_task,
+                                               chunk_size=chunk_size)
+        torch.testing.assert_close(found, norms, rtol=1e-4, atol=1e-7)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_losses_of_model_give_the_same_update_as_the_graph_route() -> None:
+    model, x, y = build("mlp", num_tasks=3, batch=8)
+    trunk = list(model.trunk.parameters())
+    clip = PerSampleClip(max_norm=5.0)
+    from_model = clip.losses_of_model(model, _loss_fn, x, y)
+    rows_model = task_gradients(from_model, trunk)
+    norms_model = clip.last_norms
+    from_graph = clip(_per_sample_losses(model, x, y), model.parameters())
+    torch.testing.assert_close(clip.last_norms, norms_model, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(rows_model, task_gradients(from_graph, trunk), rtol=1e-5,
+                               atol=1e-7)
+    assert bool((norms_model > 5.0).any()) and bool((norms_model < 5.0).any())
+
+
+def test_norms_over_a_subset_of_parameters() -> None:
+    model, x, y = build("mlp", num_tasks=2, batch=4)
+    heads = model.head_parameters()
+    found = per_sample_grad_norms_of_model(model, _loss_fn, x, y, params=heads)
+    expected = per_sample_grad_norms(_per_sample_losses(model, x, y), heads)
+    torch.testing.assert_close(found, expected, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="not trainable parameters of the module"):
+        per_sample_grad_norms_of_model(model, _loss_fn, x, y, params=[torch.zeros(2)])
+    with pytest.raises(ValueError, match=r"same first \(batch\) dimension"):
+        per_sample_grad_norms_of_model(model, _loss_fn, x, y[:3])
+    with pytest.raises(ValueError, match=r"norms must have shape \(4, 2\)"):
+        PerSampleClip(1.0)(_per_sample_losses(model, x, y), heads, norms=torch.ones(4))
 
 
 @pytest.mark.parametrize("chunk_size", [1, 4, 7, None])

@@ -10,7 +10,8 @@
   ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_``.
 * Per sample, before the batch mean (DP-SGD's clip, Abadi et al. 2016):
   :class:`PerSampleClip` turns ``[B, K]`` per-sample losses into task losses whose gradient
-  is the per-sample-clipped mean, for the ordinary step; :func:`per_sample_grad_norms`.
+  is the per-sample-clipped mean, for the ordinary step; :func:`per_sample_grad_norms` (any
+  graph) and :func:`per_sample_grad_norms_of_model` (from the model, linear in the batch).
 * :func:`suggest_max_norm`: a limit from logged pre-clip norms (90th–95th percentile rule).
 
 Every clip works in place and returns the pre-clip norm(s) for logging.
@@ -21,6 +22,7 @@ from __future__ import annotations
 from ._agc import AGC, adaptive_clip_grad_, unitwise_norm
 from ._auto import AutoClip, TaskAutoClip, suggest_max_norm
 from ._per_sample import PerSampleClip, per_sample_grad_norms
+from ._per_sample_func import per_sample_grad_norms_of_model
 from ._task import TaskClip, TaskValueClip, clip_task_norms_, clip_task_values_, row_norms
 
 __all__ = [
@@ -34,6 +36,7 @@ __all__ = [
     "clip_task_norms_",
     "clip_task_values_",
     "per_sample_grad_norms",
+    "per_sample_grad_norms_of_model",
     "row_norms",
     "suggest_max_norm",
     "unitwise_norm",

@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .._pickling import PicklableGenerators
 from .._statedict import check_keys
@@ -206,7 +206,7 @@ class PerSampleClip(PicklableGenerators):
         return torch.where(torch.isfinite(norms), coef, torch.ones_like(coef))
 
     def __call__(self, per_sample_losses: Tensor, params: Iterable[Tensor],
-                 scaler: Any = None) -> Tensor:
+                 scaler: Any = None, *, norms: Tensor | None = None) -> Tensor:
         """Task losses ``[K]`` (0-d for ``[B]`` input) with the plain batch-mean value and the
         per-sample-clipped gradient.
 
@@ -214,14 +214,25 @@ class PerSampleClip(PicklableGenerators):
         ones, trunk and heads). With an enabled ``GradScaler`` the norms are measured on the
         scaled losses and unscaled, and a non-finite norm leaves its sample unclipped so the
         overflow reaches ``.grad`` and the scaler skips the step; without one it raises
-        ``NonFiniteGradientError``.
+        ``NonFiniteGradientError``. ``norms``: per-sample norms measured elsewhere (e.g. by
+        :func:`per_sample_grad_norms_of_model`, see :meth:`losses_of_model`); then the graph
+        is not differentiated here.
         """
         losses = _check_losses(per_sample_losses)
         scale = scale_of(scaler, losses.device)
         enabled = scale is not None
-        norms = per_sample_grad_norms(losses, params, norm_type=self.norm_type,
-                                      per_task=self.per_task, chunk_size=self.chunk_size,
-                                      scale=1.0 if scale is None else scale)
+        if norms is None:
+            norms = per_sample_grad_norms(losses, params, norm_type=self.norm_type,
+                                          per_task=self.per_task, chunk_size=self.chunk_size,
+                                          scale=1.0 if scale is None else scale)
+        else:
+            expected = losses.shape if self.per_task or losses.dim() == 1 else losses.shape[:1]
+            if not isinstance(norms, Tensor) or norms.shape != expected:
+                found = tuple(norms.shape) if isinstance(norms, Tensor) else type(norms).__name__
+                raise ValueError(
+                    f"norms must have shape {tuple(expected)} (per_task={self.per_task}, losses "
+                    f"{tuple(losses.shape)}), got {found}"
+                )
         self.last_norms = norms.detach()
         if not enabled and not bool(torch.isfinite(norms).all()):
             bad = torch.nonzero(~torch.isfinite(norms)).tolist()
@@ -235,6 +246,28 @@ class PerSampleClip(PicklableGenerators):
         plain = losses.mean(dim=0)
         clipped = (coef.detach() * losses).mean(dim=0)
         return plain.detach() + (clipped - clipped.detach())
+
+    def losses_of_model(self, module: nn.Module, loss_fn: Callable[[Any, Tensor], Tensor],
+                        inputs: Tensor, targets: Tensor, scaler: Any = None,
+                        params: Iterable[Tensor] | None = None) -> Tensor:
+        """The forward, the per-sample norms from the model (linear in B) and the clip.
+
+        ``per_sample = loss_fn(module(inputs), targets)`` (``[B]`` or ``[B, K]``); the norms
+        come from :func:`per_sample_grad_norms_of_model` (each sample on its own through
+        ``torch.func``; no BatchNorm in training mode) over ``params`` (default: every
+        trainable parameter of ``module``). Returns the task losses of :meth:`__call__`.
+        """
+        from ._per_sample_func import per_sample_grad_norms_of_model
+
+        per_sample = loss_fn(module(inputs), targets)
+        plist = [p for p in module.parameters() if p.requires_grad] if params is None \
+            else list(params)
+        scale = scale_of(scaler, inputs.device)
+        norms = per_sample_grad_norms_of_model(
+            module, loss_fn, inputs, targets, params=plist, norm_type=self.norm_type,
+            per_task=self.per_task, chunk_size=self.chunk_size,
+            scale=1.0 if scale is None else float(scale))
+        return self(per_sample, plist, scaler, norms=norms)
 
     def add_noise_(self, params: Iterable[Tensor], batch_size: int) -> bool:
         """``.grad += N(0, (σ·C/batch_size)²)`` on every parameter with a ``.grad``.

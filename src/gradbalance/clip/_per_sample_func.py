@@ -1,0 +1,111 @@
+"""Per-sample gradient norms from the model itself (``torch.func``), linear in the batch.
+
+:func:`~gradbalance.clip.per_sample_grad_norms` works on any graph, but each of its ``B·K``
+rows backpropagates through the whole batch (the row's cotangent is one-hot on one sample),
+so its cost grows with ``B²``. Given the module and the loss function instead, every sample
+runs as one lane of ``vmap(jacrev(...))`` on a batch of one: ``B·K`` single-sample backward
+passes batched together, about K backward passes of the whole batch — the cost of the
+``matrix`` step itself. This is the functorch recipe for per-sample gradients (used by
+Opacus' functorch mode).
+
+The sample's loss is evaluated on a batch of one, so layers that couple samples (BatchNorm in
+training mode) cannot be used here: put them in eval mode or use GroupNorm/LayerNorm, as in
+any DP-SGD setting.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, jacrev, vmap
+
+from ._per_sample import _CHUNK_ELEMENTS, _check_chunk_size
+from ._task import check_norm_type
+
+__all__ = ["per_sample_grad_norms_of_model"]
+
+LossFn = Callable[[Any, Tensor], Tensor]
+
+
+def _trainable(module: nn.Module, params: Iterable[Tensor] | None) -> dict[str, Tensor]:
+    named = {name: p for name, p in module.named_parameters() if p.requires_grad}
+    if params is None:
+        return named
+    wanted = {id(p) for p in params}
+    chosen = {name: p for name, p in named.items() if id(p) in wanted}
+    if len(chosen) != len(wanted):
+        raise ValueError(
+            f"params holds {len(wanted) - len(chosen)} tensor(s) that are not trainable "
+            f"parameters of the module; pass parameters of `module` (or None for all)"
+        )
+    return chosen
+
+
+def per_sample_grad_norms_of_model(
+    module: nn.Module,
+    loss_fn: LossFn,
+    inputs: Tensor,
+    targets: Tensor,
+    *,
+    params: Iterable[Tensor] | None = None,
+    norm_type: float = 2.0,
+    per_task: bool = True,
+    chunk_size: int | None = None,
+    scale: float = 1.0,
+) -> Tensor:
+    """Norms of the per-sample gradients ``‖∇θ ℓᵢₖ‖`` ``[B, K]`` (``[B]`` for one task).
+
+    ``loss_fn(module(inputs), targets)`` must return the per-sample losses ``[B]`` or
+    ``[B, K]`` (``reduction='none'``) — the same call that gives the losses of the step. It
+    is evaluated here on one sample at a time (``inputs[i:i+1]``). ``params``: the parameters
+    bounded (default: every trainable parameter of ``module``); ``per_task=False``: the norm
+    of ``∇Σₖ ℓᵢₖ`` per sample. ``chunk_size``: samples per vmap call (default: as many as
+    fit 2^26 gradient entries). ``scale``: differentiate ``scale·ℓ`` and divide the norms
+    by it (for fp16 autocast). ``.grad`` is untouched and no graph is kept.
+    """
+    norm_type = check_norm_type(norm_type)
+    chunk_size = _check_chunk_size(chunk_size)
+    if not isinstance(inputs, Tensor) or not isinstance(targets, Tensor) or (
+        inputs.shape[0] != targets.shape[0]
+    ):
+        raise ValueError(
+            f"inputs and targets must be tensors with the same first (batch) dimension, got "
+            f"{getattr(inputs, 'shape', type(inputs).__name__)} and "
+            f"{getattr(targets, 'shape', type(targets).__name__)}"
+        )
+    trained = _trainable(module, params)
+    if not trained:
+        raise ValueError("module has no trainable parameters to bound")
+    fixed = {name: p.detach() for name, p in module.named_parameters() if name not in trained}
+    fixed.update(dict(module.named_buffers()))
+    detached = {name: p.detach() for name, p in trained.items()}
+
+    def sample_losses(theta: dict[str, Tensor], x: Tensor, y: Tensor) -> Tensor:
+        out = functional_call(module, {**theta, **fixed}, (x.unsqueeze(0),))
+        losses = loss_fn(out, y.unsqueeze(0)).reshape(-1) * scale
+        return losses if per_task else losses.sum().reshape(1)
+
+    batch = inputs.shape[0]
+    probe_k = None
+    if chunk_size is None:
+        with torch.no_grad():
+            probe_k = sample_losses(detached, inputs[0], targets[0]).numel()
+        numel = sum(p.numel() for p in detached.values())
+        chunk_size = max(1, min(batch, _CHUNK_ELEMENTS // max(numel * probe_k, 1)))
+    jac = vmap(jacrev(sample_losses), in_dims=(None, 0, 0), chunk_size=chunk_size)
+    parts = []
+    for start in range(0, batch, chunk_size):
+        stop = min(start + chunk_size, batch)
+        with warnings.catch_warnings():  # ops without a batching rule run lane by lane
+            warnings.filterwarnings("ignore", message=".*performance drop.*")
+            grads = jac(detached, inputs[start:stop], targets[start:stop])  # [b, K, ...] each
+        norms = [torch.linalg.vector_norm(g.flatten(2), norm_type, dim=2,
+                                          dtype=torch.promote_types(g.dtype, torch.float32))
+                 for g in grads.values()]
+        parts.append(torch.linalg.vector_norm(torch.stack(norms, dim=2), norm_type, dim=2))
+    norms = torch.cat(parts) / scale  # [B, K], or [B, 1] for one task / per_task=False
+    return norms[:, 0] if norms.shape[1] == 1 else norms
