@@ -190,6 +190,27 @@ def v_per_sample_model(b: Bench, name: str) -> Step | None:
     return step
 
 
+def v_per_sample_ghost(b: Bench, name: str) -> Step | None:
+    """``LinearPerSampleNorms`` (ghost norms; nn.Linear-only models), then the matrix step."""
+    balancer = _balancer(name)
+    try:
+        ghost = gb.LinearPerSampleNorms(b.model)
+    except ValueError:  # the trunk has parameters outside nn.Linear layers
+        return None
+    if balancer is None:
+        return None
+    buf = gb.TaskGradBuffer(b.shared, b.heads)
+    clip = gb.PerSampleClip(max_norm=1.0)
+    params = b.shared + b.heads
+
+    def step() -> None:
+        per_sample = b.per_sample_losses(b.features())
+        buf.backward(clip(per_sample, params, norms=ghost.norms(per_sample)))
+        buf.apply_(balancer)
+        b.finish()
+    return step
+
+
 def v_handloop(b: Bench, name: str) -> Step | None:
     """K autograd.grad calls into a preallocated [K, P], the same combine, .grad written."""
     balancer = _balancer(name)
@@ -295,6 +316,7 @@ def variants(b: Bench, k: int, amortise_ks: set[int], own: Callable[[], Bench],
     if only is not None and any("persample" in o for o in only):  # on request only
         table["persample-graph-mgda"] = v_per_sample(b, "mgda")
         table["persample-model-mgda"] = v_per_sample_model(b, "mgda")
+        table["persample-ghost-mgda"] = v_per_sample_ghost(own(), "mgda")
     return {key: fn for key, fn in table.items() if fn is not None and (
         only is None or key in ("plain", "forward") or any(o in key for o in only))}
 

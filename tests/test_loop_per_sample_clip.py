@@ -9,6 +9,7 @@ import torch
 
 from gradbalance import (
     MGDA,
+    LinearPerSampleNorms,
     NonFiniteGradientError,
     PerSampleClip,
     Sum,
@@ -179,6 +180,85 @@ def test_norms_over_a_subset_of_parameters() -> None:
         per_sample_grad_norms_of_model(model, _loss_fn, x, y[:3])
     with pytest.raises(ValueError, match=r"norms must have shape \(4, 2\)"):
         PerSampleClip(1.0)(_per_sample_losses(model, x, y), heads, norms=torch.ones(4))
+
+
+@pytest.mark.parametrize("per_task", [True, False])
+def test_ghost_norms_of_linear_layers_match_a_per_sample_loop(per_task: bool) -> None:
+    model, x, y = build("mlp", num_tasks=3, batch=6)
+    norms, _, _ = _loop_reference(model, x, y, max_norm=1.0, per_task=per_task)
+    limit = float(norms.median())
+    _, rows, _ = _loop_reference(model, x, y, max_norm=limit, per_task=per_task)
+    ghost = LinearPerSampleNorms(model, per_task=per_task)
+    per_sample = _per_sample_losses(model, x, y)
+    found = ghost.norms(per_sample)
+    torch.testing.assert_close(found, norms, rtol=1e-4, atol=1e-7)
+    assert all(p.grad is None for p in model.parameters())
+    # through the clip: the same rows as the loop
+    clip = PerSampleClip(max_norm=limit, per_task=per_task)
+    per_sample = _per_sample_losses(model, x, y)
+    losses = clip(per_sample, model.parameters(), norms=ghost.norms(per_sample))
+    torch.testing.assert_close(task_gradients(losses, list(model.trunk.parameters())), rows,
+                               rtol=1e-4, atol=1e-7)
+
+
+class _TokenMLP(torch.nn.Module):
+    """Linear layers on ``[B, S, d]`` tokens (called twice: a shared layer), mean-pooled."""
+
+    def __init__(self, d: int, hidden: int) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(d, hidden)
+        self.shared = torch.nn.Linear(hidden, hidden)
+        self.out = torch.nn.Linear(hidden, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.shared(torch.tanh(self.shared(torch.tanh(self.inp(x))))))
+        return self.out(h).mean(dim=1)  # [B, 2]
+
+
+@pytest.mark.parametrize(("seq", "d", "hidden", "norm_type"), [
+    (3, 8, 16, 2.0),    # S² (i + o) < S·i·o: the Gram form
+    (12, 2, 3, 2.0),    # the materialised form
+    (3, 8, 16, 1.0),    # p = 1 always materialises
+])
+def test_ghost_norms_on_token_inputs_and_a_reused_layer(seq: int, d: int, hidden: int,
+                                                          norm_type: float) -> None:
+    torch.manual_seed(0)
+    model = _TokenMLP(d, hidden).double()
+    x = torch.randn(5, seq, d, dtype=torch.float64)
+    y = torch.randn(5, 2, dtype=torch.float64)
+    params = list(model.parameters())
+    expected = torch.zeros(5, 2, dtype=torch.float64)
+    for i in range(5):
+        ell = ((model(x[i : i + 1]) - y[i : i + 1]) ** 2)[0]
+        for k in range(2):
+            grads = torch.autograd.grad(ell[k], params, retain_graph=True)
+            expected[i, k] = torch.linalg.vector_norm(
+                torch.cat([g.flatten() for g in grads]), norm_type)
+    ghost = LinearPerSampleNorms(model, norm_type=norm_type)
+    found = ghost.norms((model(x) - y) ** 2)
+    torch.testing.assert_close(found, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_ghost_norms_refuse_what_they_cannot_bound() -> None:
+    model, x, y = build("transformer", num_tasks=2, batch=4)
+    with pytest.raises(ValueError, match=r"covers nn.Linear weights and biases only; \[.*norm"):
+        LinearPerSampleNorms(model)
+    mlp, x, y = build("mlp", num_tasks=2, batch=4)
+    with pytest.raises(ValueError, match="Invalid norm_type: inf"):
+        LinearPerSampleNorms(mlp, norm_type=math.inf)
+    ghost = LinearPerSampleNorms(mlp, params=mlp.head_parameters())
+    with torch.no_grad():
+        mlp(x)  # not recorded
+    with pytest.raises(RuntimeError, match="no forward under grad was recorded"):
+        ghost.norms(torch.ones(4, 2, requires_grad=True))
+    mlp(x)
+    mlp(x[:2])  # two forwards since the last norms(): shapes disagree with the losses
+    with pytest.raises(ValueError, match=r"recorded inputs of shapes \[\(4, 32\), \(2, 32\)\]"):
+        ghost.norms(torch.ones(4, 2, requires_grad=True))
+    found = ghost.norms(_per_sample_losses(mlp, x, y))
+    expected = per_sample_grad_norms(_per_sample_losses(mlp, x, y), mlp.head_parameters())
+    torch.testing.assert_close(found, expected, rtol=1e-5, atol=1e-7)
+    ghost.remove()
 
 
 @pytest.mark.parametrize("chunk_size", [1, 4, 7, None])

@@ -1,0 +1,192 @@
+"""Per-sample gradient norms of ``nn.Linear`` layers without per-sample gradients ("ghost norms").
+
+For a linear layer ``y = x Wᵀ + b`` the gradient of sample i's loss is ``Dᵢᵀ Xᵢ`` (weight)
+and ``Σₛ Dᵢₛ`` (bias), with ``Xᵢ`` ``[S, in]`` its inputs and ``Dᵢ = ∂ℓᵢ/∂yᵢ`` ``[S, out]``
+(S = 1 without a sequence axis). Its squared norm needs no ``[out, in]`` matrix:
+
+    ‖Dᵢᵀ Xᵢ‖² = Σₛ,ₜ (Xᵢₛ·Xᵢₜ)(Dᵢₛ·Dᵢₜ)          (= ‖xᵢ‖²‖dᵢ‖² when S = 1)
+
+(Goodfellow 2015, "Efficient per-example gradient computations"; Li et al. 2022, "Large
+language models can be strong differentially private learners", ghost clipping). Forward
+hooks keep each layer's input and output; one backward per task from the per-sample losses
+to the layer outputs gives every ``Dᵢ`` at once (autograd skips every weight-gradient
+kernel), so the cost is about K half-backward passes, independent of the batch size's square.
+Per sample, the cheaper of the two exact routes is taken: the Gram form above
+(``S²·(in + out)``) or the materialised ``Dᵢᵀ Xᵢ`` (``S·in·out``); a p-norm other than 2
+always materialises.
+
+Only ``nn.Linear`` layers called through their ``forward`` are covered; any other trainable
+parameter of the module raises at construction (use
+:func:`~gradbalance.clip.per_sample_grad_norms_of_model` there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ._per_sample import _check_losses
+from ._task import check_norm_type
+
+__all__ = ["LinearPerSampleNorms"]
+
+
+class _Layer:
+    def __init__(self, name: str, module: nn.Linear) -> None:
+        self.name = name
+        self.module = module
+        self.weight = module.weight.requires_grad
+        self.bias = module.bias is not None and module.bias.requires_grad
+        self.inputs: list[Tensor] = []
+        self.outputs: list[Tensor] = []
+
+
+def _sample_norms(x: Tensor, d: Tensor, layer: _Layer, norm_type: float) -> Tensor:
+    """Per-sample ``‖∇W‖ᵖ + ‖∇b‖ᵖ`` (p-th powers, float64) from ``x`` ``[B, S, i]``, ``d``."""
+    b, s, i = x.shape
+    o = d.shape[2]
+    total = torch.zeros(b, dtype=torch.float64, device=d.device)
+    if layer.bias:
+        total += torch.linalg.vector_norm(d.sum(dim=1), norm_type, dim=1).double() ** norm_type
+    if layer.weight:
+        if norm_type == 2.0 and s * s * (i + o) < s * i * o:
+            gram = (x @ x.transpose(1, 2)).double() * (d @ d.transpose(1, 2)).double()
+            total += gram.sum(dim=(1, 2)).clamp_min(0)
+        else:
+            grads = d.transpose(1, 2) @ x  # [B, o, i]
+            total += torch.linalg.vector_norm(grads.flatten(1), norm_type, dim=1).double() \
+                ** norm_type
+    return total
+
+
+class LinearPerSampleNorms:
+    """Forward hooks on the ``nn.Linear`` layers of ``module``; per-sample norms on demand.
+
+    Build it once, before the forward; then per step::
+
+        per_sample = loss_fn(model(x), y)                  # [B, K], reduction='none'
+        losses = clip(per_sample, params, norms=ghost.norms(per_sample))
+
+    Args:
+        module: the model (or the part whose parameters are bounded).
+        params: the parameters bounded (default: every trainable parameter of ``module``);
+            each must be the weight or bias of an ``nn.Linear`` in ``module``.
+        norm_type: the p of the p-norm (2 uses the Gram form).
+        per_task: ``[B, K]`` norms of every (sample, task) gradient, or ``[B]`` norms of
+            each sample's gradient of ``Σₖ ℓᵢₖ``.
+
+    Inputs are recorded only while grad is enabled; :meth:`norms` consumes the step's
+    records. Samples coupled by the model (BatchNorm in training mode) are not independent:
+    ``Dᵢ`` is then the derivative of ``Σⱼ ℓⱼ`` and the norm is not a per-sample one.
+    """
+
+    def __init__(self, module: nn.Module, params: Iterable[Tensor] | None = None, *,
+                 norm_type: float = 2.0, per_task: bool = True) -> None:
+        self.norm_type = check_norm_type(norm_type)
+        if self.norm_type == float("inf"):
+            raise ValueError(
+                "Invalid norm_type: inf (LinearPerSampleNorms sums p-th powers over layers; "
+                "use a finite p, or per_sample_grad_norms_of_model for the max-norm)"
+            )
+        if not isinstance(per_task, bool):
+            raise ValueError(f"Invalid per_task: {per_task!r} (expected True or False)")
+        self.per_task = per_task
+        named = {name: p for name, p in module.named_parameters() if p.requires_grad}
+        wanted = set(map(id, named.values() if params is None else params))
+        covered: set[int] = set()
+        self._layers: list[_Layer] = []
+        self._handles: list[Any] = []
+        for name, sub in module.named_modules():
+            if not isinstance(sub, nn.Linear):
+                continue
+            mine = [p for p in (sub.weight, sub.bias) if p is not None and id(p) in wanted]
+            if not mine:
+                continue
+            layer = _Layer(name, sub)
+            layer.weight = id(sub.weight) in wanted
+            layer.bias = sub.bias is not None and id(sub.bias) in wanted
+            covered.update(map(id, mine))
+            self._layers.append(layer)
+            self._handles.append(sub.register_forward_hook(self._hook(layer)))
+        missing = [name for name, p in named.items() if id(p) in wanted - covered]
+        if params is not None and len(wanted - covered) > len(missing):
+            missing.append("(tensors that are not parameters of module)")
+        if missing:
+            self.remove()
+            raise ValueError(
+                f"LinearPerSampleNorms covers nn.Linear weights and biases only; {missing} "
+                f"are not: bound them with per_sample_grad_norms_of_model (torch.func), or "
+                f"pass params= without them"
+            )
+
+    @staticmethod
+    def _hook(layer: _Layer) -> Any:
+        def record(module: nn.Module, args: tuple[Any, ...], output: Tensor) -> None:
+            if torch.is_grad_enabled() and output.requires_grad:
+                layer.inputs.append(args[0].detach())
+                layer.outputs.append(output)
+        return record
+
+    def norms(self, per_sample_losses: Tensor, scale: float | Tensor = 1.0) -> Tensor:
+        """Per-sample norms ``[B, K]`` (``[B]`` for one task or ``per_task=False``).
+
+        K backward passes (one for ``per_task=False``) from the losses to the recorded layer
+        outputs; the graph is kept and ``.grad`` untouched. Clears the records. ``scale``:
+        differentiate ``scale·ℓ`` and divide the norms by it (fp16 autocast).
+        """
+        losses = _check_losses(per_sample_losses)
+        layers = [layer for layer in self._layers if layer.outputs]
+        if len(layers) != len(self._layers):
+            idle = [layer.name for layer in self._layers if not layer.outputs]
+            self.clear()
+            raise RuntimeError(
+                f"no forward under grad was recorded for layers {idle}; run the forward after "
+                f"building LinearPerSampleNorms and call norms() once per forward"
+            )
+        columns = losses.reshape(losses.shape[0], -1)
+        roots = [columns.sum(dim=1)] if not self.per_task else list(columns.unbind(1))
+        outputs = [y for layer in layers for y in layer.outputs]
+        batch = columns.shape[0]
+        result = torch.zeros(batch, len(roots), dtype=torch.float64, device=losses.device)
+        for k, root in enumerate(roots):
+            grads = torch.autograd.grad(root.sum() * scale, outputs, retain_graph=True,
+                                        allow_unused=True)
+            at = 0
+            for layer in layers:
+                calls = len(layer.outputs)
+                ds = [torch.zeros_like(y) if g is None else g
+                      for y, g in zip(layer.outputs, grads[at : at + calls])]
+                at += calls
+                if any(t.shape[0] != batch for t in layer.inputs):
+                    shapes = [tuple(t.shape) for t in layer.inputs]
+                    self.clear()
+                    raise ValueError(
+                        f"layer {layer.name!r} recorded inputs of shapes {shapes} but the "
+                        f"losses have {batch} samples: the batch must be dim 0 of every "
+                        f"nn.Linear input, and every forward under grad since the last "
+                        f"norms() is recorded (call clear() after other forwards)"
+                    )
+                x = torch.cat([t.reshape(batch, -1, t.shape[-1]) for t in layer.inputs], 1)
+                d = torch.cat([t.reshape(batch, -1, t.shape[-1]) for t in ds], 1)
+                result[:, k] += _sample_norms(x, d, layer, self.norm_type)
+        self.clear()
+        divisor = scale.detach().double() if isinstance(scale, Tensor) else float(scale)
+        norms = result ** (1.0 / self.norm_type) / divisor
+        norms = norms.to(torch.promote_types(losses.dtype, torch.float32))
+        return norms[:, 0] if norms.shape[1] == 1 else norms
+
+    def clear(self) -> None:
+        """Drop the recorded inputs and outputs (e.g. after an evaluation under grad)."""
+        for layer in self._layers:
+            layer.inputs.clear()
+            layer.outputs.clear()
+
+    def remove(self) -> None:
+        """Remove the forward hooks."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.clear()
