@@ -89,15 +89,16 @@ class Bench:
     def losses(self, feats: Tensor) -> Tensor:
         return torch.stack(self.loss_list(feats))
 
-    def per_sample_losses(self, feats: Tensor) -> Tensor:
-        """``[B, K]`` squared errors (``reduction='none'``)."""
-        return torch.stack([
-            (head(feats).squeeze(-1) - self.y[:, k]) ** 2 for k, head in enumerate(self.model.heads)
-        ], dim=1)
+
 
     def finish(self) -> None:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+
+
+def squared_errors(outputs: list[Tensor], y: Tensor) -> Tensor:
+    """Per-sample losses ``[B, K]`` (``reduction='none'``) of the K heads' outputs."""
+    return torch.stack([(o.squeeze(-1) - y[:, k]) ** 2 for k, o in enumerate(outputs)], dim=1)
 
 
 def _balancer(name: str) -> gb.Balancer | None:
@@ -156,56 +157,30 @@ def v_mode(b: Bench, mode: str, name: str, update_every: int = 1,
     return step
 
 
-def v_per_sample(b: Bench, name: str) -> Step | None:
-    """``PerSampleClip`` (per sample and task, over trunk and heads), then the matrix step."""
+def v_per_sample(b: Bench, name: str, route: str) -> Step | None:
+    """``PerSampleClip`` over trunk and heads, then the matrix step; the per-sample norms by
+    ``route``: ``graph`` (any graph), ``model`` (torch.func) or ``ghost`` (nn.Linear only)."""
     balancer = _balancer(name)
+    ghost = None
+    if route == "ghost":
+        try:
+            ghost = gb.LinearPerSampleNorms(b.model)
+        except ValueError:  # the trunk has parameters outside nn.Linear layers
+            return None
     if balancer is None:
         return None
     buf = gb.TaskGradBuffer(b.shared, b.heads)
     clip = gb.PerSampleClip(max_norm=1.0)
     params = b.shared + b.heads
 
-    def step() -> None:
-        buf.backward(clip(b.per_sample_losses(b.features()), params))
-        buf.apply_(balancer)
-        b.finish()
-    return step
-
-
-def v_per_sample_model(b: Bench, name: str) -> Step | None:
-    """``PerSampleClip.losses_of_model``: the norms from the model via torch.func."""
-    balancer = _balancer(name)
-    if balancer is None:
-        return None
-    buf = gb.TaskGradBuffer(b.shared, b.heads)
-    clip = gb.PerSampleClip(max_norm=1.0)
-
-    def loss_fn(outputs: list[Tensor], y: Tensor) -> Tensor:
-        return torch.stack([(o.squeeze(-1) - y[:, k]) ** 2 for k, o in enumerate(outputs)], 1)
+    def losses() -> Tensor:
+        if route == "model":
+            return clip.losses_of_model(b.model, squared_errors, b.x, b.y)
+        per_sample = squared_errors(b.model(b.x), b.y)
+        return clip(per_sample, params, norms=None if ghost is None else ghost.norms(per_sample))
 
     def step() -> None:
-        buf.backward(clip.losses_of_model(b.model, loss_fn, b.x, b.y))
-        buf.apply_(balancer)
-        b.finish()
-    return step
-
-
-def v_per_sample_ghost(b: Bench, name: str) -> Step | None:
-    """``LinearPerSampleNorms`` (ghost norms; nn.Linear-only models), then the matrix step."""
-    balancer = _balancer(name)
-    try:
-        ghost = gb.LinearPerSampleNorms(b.model)
-    except ValueError:  # the trunk has parameters outside nn.Linear layers
-        return None
-    if balancer is None:
-        return None
-    buf = gb.TaskGradBuffer(b.shared, b.heads)
-    clip = gb.PerSampleClip(max_norm=1.0)
-    params = b.shared + b.heads
-
-    def step() -> None:
-        per_sample = b.per_sample_losses(b.features())
-        buf.backward(clip(per_sample, params, norms=ghost.norms(per_sample)))
+        buf.backward(losses())
         buf.apply_(balancer)
         b.finish()
     return step
@@ -314,9 +289,9 @@ def variants(b: Bench, k: int, amortise_ks: set[int], own: Callable[[], Bench],
         for strategy in ("loop", "batched"):
             table[f"strategy-{strategy}"] = v_mode(b, "matrix", "mgda", strategy=strategy)
     if only is not None and any("persample" in o for o in only):  # on request only
-        table["persample-graph-mgda"] = v_per_sample(b, "mgda")
-        table["persample-model-mgda"] = v_per_sample_model(b, "mgda")
-        table["persample-ghost-mgda"] = v_per_sample_ghost(own(), "mgda")
+        for route in ("graph", "model", "ghost"):  # the ghost hooks need their own model
+            table[f"persample-{route}-mgda"] = v_per_sample(own() if route == "ghost" else b,
+                                                             "mgda", route)
     return {key: fn for key, fn in table.items() if fn is not None and (
         only is None or key in ("plain", "forward") or any(o in key for o in only))}
 
