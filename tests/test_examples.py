@@ -44,3 +44,16 @@ def test_full_loop_trains_logs_and_checkpoints(tmp_path: Path) -> None:
     state = torch.load(tmp_path / "last.pt", weights_only=True)
     assert state["step"] == 40
     assert {"model", "optimizer", "scaler", "balancer", "task_clip"} <= set(state["objects"])
+
+
+def test_dp_sgd_clips_adds_noise_and_still_learns() -> None:
+    example = _load("dp_sgd")
+    torch.set_num_threads(1)
+    run = example.train(steps=80, max_norm=1.0, noise=0.5)
+    losses = torch.tensor(run["losses"])
+    assert bool((losses[-10:].mean(0) < 0.5 * losses[:10].mean(0)).all()), losses
+    assert run["clipped"][0] > 0.5  # the clip is active, not a formality
+    quiet = example.train(steps=80, max_norm=1.0, noise=0.0)
+    noisy_params = torch.cat([p.detach().flatten() for p in run["model"].parameters()])
+    quiet_params = torch.cat([p.detach().flatten() for p in quiet["model"].parameters()])
+    assert not torch.equal(noisy_params, quiet_params)  # the noise reached the update
