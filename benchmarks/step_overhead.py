@@ -65,8 +65,11 @@ TORCHJD = ("upgrad", "mgda")
 class Bench:
     """One trunk with K heads, a batch, targets and an SGD optimizer."""
 
-    def __init__(self, trunk: str, k: int, device: torch.device, quick: bool) -> None:
+    def __init__(self, trunk: str, k: int, device: torch.device, quick: bool,
+                 batch: int | None = None) -> None:
         build, width, shape = (QUICK_TRUNKS if quick else TRUNKS)[trunk]
+        if batch is not None:
+            shape = (batch, *shape[1:])
         torch.manual_seed(0)
         self.model = MultiTaskModel(build(), make_heads(width, k)).to(device)
         self.x = torch.randn(*shape, device=device)
@@ -320,9 +323,10 @@ def _timer(device: torch.device) -> Callable[[Step, int], float]:
 
 def time_case(trunk: str, k: int, args: argparse.Namespace, device: torch.device
               ) -> dict[str, float]:
-    b = Bench(trunk, k, device, args.quick)
-    table = variants(b, k, set(args.amortise_ks), lambda: Bench(trunk, k, device, args.quick),
-                     args.variants)
+    batch = getattr(args, "batch", None)
+    b = Bench(trunk, k, device, args.quick, batch)
+    table = variants(b, k, set(args.amortise_ks),
+                     lambda: Bench(trunk, k, device, args.quick, batch), args.variants)
     names = list(table)
     timer = _timer(device)
     for name in names:  # warm-up
@@ -458,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated substrings: time only matching variants")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--batch", type=int, default=None,
+                        help="override every trunk's batch size")
     parser.add_argument("--name", default="step_overhead",
                         help="file name stem of the results (<name>_<device>.md/.json)")
     parser.add_argument("--_memory", nargs=3, help=argparse.SUPPRESS)
