@@ -26,6 +26,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny models: a smoke run")
     parser.add_argument("--trunk", default="large")
     parser.add_argument("--k", type=int, default=8)
     parser.add_argument("--balancer", default="upgrad")
@@ -37,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    timing = argparse.Namespace(quick=False, amortise_ks=[], reps=1, warmup=1,
+    timing = argparse.Namespace(quick=args.quick, amortise_ks=[], reps=1, warmup=1,
                                 rounds=args.rounds,
                                 variants=[f"matrix-{args.balancer}", f"gramian-{args.balancer}"])
     rows = []
@@ -57,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"gramian_crossover_{device.type}.md").write_text(text)
+    tag = f"{device.type}{'-quick' if args.quick else ''}"
+    (out / f"gramian_crossover_{tag}.md").write_text(text)
     return 0
 
 
