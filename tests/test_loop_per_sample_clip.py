@@ -239,6 +239,20 @@ def test_ghost_norms_on_token_inputs_and_a_reused_layer(seq: int, d: int, hidden
     torch.testing.assert_close(found, expected, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("materialise", [False, True])
+def test_ghost_norms_under_bfloat16_autocast(materialise: bool) -> None:
+    # 16-bit layer outputs (and output gradients), fp32 inputs: both routes run in fp32 and
+    # stay within bfloat16's own rounding of the fp32 norms.
+    model, x, y = build("mlp", num_tasks=2, batch=6)
+    reference = LinearPerSampleNorms(model, norm_type=1.0 if materialise else 2.0)
+    expected = reference.norms(_per_sample_losses(model, x, y))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        per_sample = _loss_fn([o.float() for o in model(x)], y)
+    found = reference.norms(per_sample)
+    assert found.dtype == torch.float32
+    torch.testing.assert_close(found, expected, rtol=3e-2, atol=1e-4)
+
+
 def test_ghost_norms_refuse_what_they_cannot_bound() -> None:
     model, x, y = build("transformer", num_tasks=2, batch=4)
     with pytest.raises(ValueError, match=r"covers nn.Linear weights and biases only; \[.*norm"):

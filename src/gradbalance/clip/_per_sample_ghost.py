@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..modes._common import no_autocast
 from ._per_sample import _check_losses
 from ._task import check_norm_type
 
@@ -46,6 +47,8 @@ class _Layer:
 
 def _sample_norms(x: Tensor, d: Tensor, layer: _Layer, norm_type: float) -> Tensor:
     """Per-sample ``‖∇W‖ᵖ + ‖∇b‖ᵖ`` (p-th powers, float64) from ``x`` ``[B, S, i]``, ``d``."""
+    common = torch.promote_types(torch.promote_types(x.dtype, d.dtype), torch.float32)
+    x, d = x.to(common), d.to(common)  # autocast: fp32 inputs, 16-bit output gradients
     b, s, i = x.shape
     o = d.shape[2]
     total = torch.zeros(b, dtype=torch.float64, device=d.device)
@@ -146,6 +149,10 @@ class LinearPerSampleNorms:
                 f"no forward under grad was recorded for layers {idle}; run the forward after "
                 f"building LinearPerSampleNorms and call norms() once per forward"
             )
+        with no_autocast(losses.device):
+            return self._norms(losses, layers, scale)
+
+    def _norms(self, losses: Tensor, layers: list[_Layer], scale: float | Tensor) -> Tensor:
         columns = losses.reshape(losses.shape[0], -1)
         roots = [columns.sum(dim=1)] if not self.per_task else list(columns.unbind(1))
         outputs = [y for layer in layers for y in layer.outputs]
