@@ -161,14 +161,15 @@ def _check_strategy(strategy: str) -> None:
 
 
 def resolve_strategy(strategy: Strategy, device: torch.device) -> Literal["loop", "batched"]:
-    """The concrete strategy ``"auto"`` stands for on ``device`` without measuring.
+    """The concrete strategy ``"auto"`` (and ``"measure"``) stand for without measuring.
 
-    ``"measure"`` (and ``"auto"`` on an unlisted device) resolve to the batched call here;
-    the row modes measure instead (:meth:`gradbalance.modes._common.RowsMode.compute`).
+    The ``AUTO_PREFERENCE`` entry of the device type, else the batched call. The row modes
+    measure instead where due (:meth:`gradbalance.modes._common.RowsMode.compute`); the
+    ``gramian`` mode does not measure and takes this.
     """
     _check_strategy(strategy)
     if strategy in ("auto", "measure"):
-        return AUTO_PREFERENCE.get(device.type, "batched") if strategy == "auto" else "batched"
+        return AUTO_PREFERENCE.get(device.type, "batched")
     return strategy  # type: ignore[return-value]
 
 
