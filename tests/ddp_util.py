@@ -18,7 +18,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor
 
-from gradbalance import Balancer, Constant, Mean, Sum, TaskGradBuffer
+from gradbalance import (
+    Balancer,
+    Constant,
+    LinearPerSampleNorms,
+    Mean,
+    PerSampleClip,
+    Sum,
+    TaskGradBuffer,
+)
 from gradbalance.distributed import (
     assert_same_across_ranks,
     broadcast_generator_,
@@ -97,12 +105,13 @@ class Scenario:
     naive: bool = False  # K loss.backward(retain_graph=True) under DDP, grads copied
     update_every: int = 1
     mode: str = "matrix"  # "features": gradients of the trunk's output, gathered over ranks
+    per_sample: bool = False  # PerSampleClip (ghost norms) and DP noise drawn on every rank
 
     @property
     def key(self) -> str:
         return (f"{self.balancer}-ddp{int(self.ddp)}-micro{self.micro}-amp{int(self.amp)}"
                 f"-inf{self.inf_step}-naive{int(self.naive)}-every{self.update_every}"
-                f"-{self.mode}")
+                f"-{self.mode}-ps{int(self.per_sample)}")
 
 
 def data(steps: int) -> tuple[Tensor, Tensor]:
@@ -164,6 +173,11 @@ def run(sc: Scenario, rank: int = 0, world: int = 1) -> dict[str, Any]:
                          update_every=sc.update_every, mode=sc.mode)  # type: ignore[arg-type]
     xs, ys = data(sc.steps)
     shard = GLOBAL_BATCH // world
+    clip = ghost = None
+    if sc.per_sample:  # the same noise seed on every rank: the ranks add the same noise
+        clip = PerSampleClip(0.5, noise_multiplier=0.3,
+                             generator=torch.Generator().manual_seed(5))
+        ghost = LinearPerSampleNorms(model)
     found_inf, losses_log = [], []
     for step in range(sc.steps):
         x = xs[step, rank * shard : (rank + 1) * shard]
@@ -175,7 +189,13 @@ def run(sc: Scenario, rank: int = 0, world: int = 1) -> dict[str, Any]:
                 for xm, ym in zip(x.chunk(sc.micro), y.chunk(sc.micro)):
                     feats = model.trunk(xm) if sc.mode == "features" else None
                     outputs = net(xm) if feats is None else [h(feats) for h in model.heads]
-                    losses = regression_losses(outputs, ym)
+                    if clip is not None and ghost is not None:
+                        per_sample = torch.stack([(o.squeeze(-1) - ym[:, k]) ** 2
+                                                  for k, o in enumerate(outputs)], dim=1)
+                        losses = clip(per_sample, model.parameters(),
+                                      norms=ghost.norms(per_sample))
+                    else:
+                        losses = regression_losses(outputs, ym)
                     if step == sc.inf_step and rank == world - 1:
                         losses = losses * torch.tensor([1.0, float("inf"), 1.0],
                                                        dtype=torch.float64)
@@ -184,6 +204,8 @@ def run(sc: Scenario, rank: int = 0, world: int = 1) -> dict[str, Any]:
                         losses = weighting(losses, scaler=scaler)
                     buf.backward(losses, scaler=scaler, features=feats)
             stats = buf.apply_(balancer, scaler=scaler)
+            if clip is not None:
+                clip.add_noise_(model.parameters(), batch_size=GLOBAL_BATCH)
             found_inf.append(stats.found_inf)
             losses_log.append(stats.losses.clone())
         if scaler is not None:

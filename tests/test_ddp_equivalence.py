@@ -27,6 +27,9 @@ SCENARIOS = [
     # features mode: the ranks gather the feature gradients and sum the trunk's gradients
     *(Scenario(balancer=b, mode="features") for b in ("sum", "pcgrad", "mgda-loss", "emanorm")),
     Scenario(balancer="emanorm", mode="features", amp=True, inf_step=2),
+    # per-sample clipping (ghost norms) and DP noise: the step itself is unchanged
+    *(Scenario(balancer=b, per_sample=True) for b in ("sum", "mgda")),
+    Scenario(balancer="pcgrad", per_sample=True, ddp=True, micro=2),
 ]
 
 
