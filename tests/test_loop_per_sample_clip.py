@@ -271,8 +271,13 @@ def test_ghost_norms_refuse_what_they_cannot_bound() -> None:
         ghost.norms(torch.ones(4, 2, requires_grad=True))
     found = ghost.norms(_per_sample_losses(mlp, x, y))
     expected = per_sample_grad_norms(_per_sample_losses(mlp, x, y), mlp.head_parameters())
+    ghost.clear()
     torch.testing.assert_close(found, expected, rtol=1e-5, atol=1e-7)
+    with pytest.warns(RuntimeWarning, match=r"holds 64 forwards of layer 'heads\.[01]'"):
+        for _ in range(64):
+            mlp(x)  # e.g. an evaluation loop under grad: the records pile up
     ghost.remove()
+    assert all(not layer.outputs for layer in ghost._layers)
 
 
 @pytest.mark.parametrize("chunk_size", [1, 4, 7, None])

@@ -22,6 +22,7 @@ parameter of the module raises at construction (use
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -33,6 +34,9 @@ from ._per_sample import _check_losses
 from ._task import check_norm_type
 
 __all__ = ["LinearPerSampleNorms"]
+
+#: Recorded forwards of one layer past which a forgotten norms()/clear() is likely.
+_MANY_CALLS = 64
 
 
 class _Layer:
@@ -131,6 +135,12 @@ class LinearPerSampleNorms:
             if torch.is_grad_enabled() and output.requires_grad:
                 layer.inputs.append(args[0].detach())
                 layer.outputs.append(output)
+                if len(layer.outputs) == _MANY_CALLS:
+                    warnings.warn(
+                        f"LinearPerSampleNorms holds {_MANY_CALLS} forwards of layer "
+                        f"{layer.name!r} since the last norms(): every forward under grad is "
+                        f"kept until norms() or clear(); evaluate under torch.no_grad() or "
+                        f"call clear()", RuntimeWarning, stacklevel=2)
         return record
 
     def norms(self, per_sample_losses: Tensor, scale: float | Tensor = 1.0) -> Tensor:
