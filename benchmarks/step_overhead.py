@@ -167,7 +167,7 @@ def v_per_sample(b: Bench, name: str, route: str) -> Step | None:
     ghost = None
     if route == "ghost":
         try:
-            ghost = gb.LinearPerSampleNorms(b.model)
+            ghost = gb.GhostNorms(b.model)
         except ValueError:  # the trunk has parameters outside nn.Linear layers
             return None
     if balancer is None:

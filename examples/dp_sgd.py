@@ -41,7 +41,7 @@ def train(steps: int, max_norm: float, noise: float, seed: int = 0,
     buf = gb.TaskGradBuffer(model.shared_parameters(), model.head_parameters())
     clip = gb.PerSampleClip(max_norm, noise_multiplier=noise,
                             generator=torch.Generator().manual_seed(seed + 2))
-    ghost = gb.LinearPerSampleNorms(model)          # hooks: before the first forward
+    ghost = gb.GhostNorms(model)          # hooks: before the first forward
     batches = torch.Generator().manual_seed(seed + 1)
     clipped_share: list[float] = []
     losses_log: list[list[float]] = []

@@ -21,7 +21,7 @@ from torch import Tensor
 from gradbalance import (
     Balancer,
     Constant,
-    LinearPerSampleNorms,
+    GhostNorms,
     Mean,
     PerSampleClip,
     Sum,
@@ -177,7 +177,7 @@ def run(sc: Scenario, rank: int = 0, world: int = 1) -> dict[str, Any]:
     if sc.per_sample:  # the same noise seed on every rank: the ranks add the same noise
         clip = PerSampleClip(0.5, noise_multiplier=0.3,
                              generator=torch.Generator().manual_seed(5))
-        ghost = LinearPerSampleNorms(model)
+        ghost = GhostNorms(model)
     found_inf, losses_log = [], []
     for step in range(sc.steps):
         x = xs[step, rank * shard : (rank + 1) * shard]

@@ -9,7 +9,7 @@ import torch
 
 from gradbalance import (
     MGDA,
-    LinearPerSampleNorms,
+    GhostNorms,
     NonFiniteGradientError,
     PerSampleClip,
     Sum,
@@ -182,13 +182,14 @@ def test_norms_over_a_subset_of_parameters() -> None:
         PerSampleClip(1.0)(_per_sample_losses(model, x, y), heads, norms=torch.ones(4))
 
 
+@pytest.mark.parametrize("kind", ["mlp", "cnn"])
 @pytest.mark.parametrize("per_task", [True, False])
-def test_ghost_norms_of_linear_layers_match_a_per_sample_loop(per_task: bool) -> None:
-    model, x, y = build("mlp", num_tasks=3, batch=6)
+def test_ghost_norms_match_a_per_sample_loop(kind: str, per_task: bool) -> None:
+    model, x, y = build(kind, num_tasks=3, batch=6)
     norms, _, _ = _loop_reference(model, x, y, max_norm=1.0, per_task=per_task)
     limit = float(norms.median())
     _, rows, _ = _loop_reference(model, x, y, max_norm=limit, per_task=per_task)
-    ghost = LinearPerSampleNorms(model, per_task=per_task)
+    ghost = GhostNorms(model, per_task=per_task)
     per_sample = _per_sample_losses(model, x, y)
     found = ghost.norms(per_sample)
     torch.testing.assert_close(found, norms, rtol=1e-4, atol=1e-7)
@@ -234,9 +235,29 @@ def test_ghost_norms_on_token_inputs_and_a_reused_layer(seq: int, d: int, hidden
             grads = torch.autograd.grad(ell[k], params, retain_graph=True)
             expected[i, k] = torch.linalg.vector_norm(
                 torch.cat([g.flatten() for g in grads]), norm_type)
-    ghost = LinearPerSampleNorms(model, norm_type=norm_type)
+    ghost = GhostNorms(model, norm_type=norm_type)
     found = ghost.norms((model(x) - y) ** 2)
     torch.testing.assert_close(found, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_ghost_norms_of_strided_dilated_rectangular_convolutions() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 5, (3, 2), stride=(2, 1), dilation=(1, 2), padding=(1, 2)),
+        torch.nn.Tanh(), torch.nn.Conv2d(5, 4, 2, stride=2, bias=False), torch.nn.Flatten(),
+        torch.nn.LazyLinear(2),
+    ).double()
+    x = torch.randn(4, 3, 9, 8, dtype=torch.float64)
+    y = torch.randn(4, 2, dtype=torch.float64)
+    model(x)  # materialise the lazy layer
+    params = list(model.parameters())
+    expected = torch.stack([torch.stack([torch.linalg.vector_norm(torch.cat([
+        g.flatten() for g in torch.autograd.grad(((model(x[i : i + 1]) - y[i]) ** 2)[0, k],
+                                                 params)])) for k in range(2)])
+        for i in range(4)])
+    ghost = GhostNorms(model)
+    torch.testing.assert_close(ghost.norms((model(x) - y) ** 2), expected, rtol=1e-10,
+                               atol=1e-12)
 
 
 @pytest.mark.parametrize("materialise", [False, True])
@@ -244,7 +265,7 @@ def test_ghost_norms_under_bfloat16_autocast(materialise: bool) -> None:
     # 16-bit layer outputs (and output gradients), fp32 inputs: both routes run in fp32 and
     # stay within bfloat16's own rounding of the fp32 norms.
     model, x, y = build("mlp", num_tasks=2, batch=6)
-    reference = LinearPerSampleNorms(model, norm_type=1.0 if materialise else 2.0)
+    reference = GhostNorms(model, norm_type=1.0 if materialise else 2.0)
     expected = reference.norms(_per_sample_losses(model, x, y))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         per_sample = _loss_fn([o.float() for o in model(x)], y)
@@ -255,12 +276,16 @@ def test_ghost_norms_under_bfloat16_autocast(materialise: bool) -> None:
 
 def test_ghost_norms_refuse_what_they_cannot_bound() -> None:
     model, x, y = build("transformer", num_tasks=2, batch=4)
-    with pytest.raises(ValueError, match=r"covers nn.Linear weights and biases only; \[.*norm"):
-        LinearPerSampleNorms(model)
+    with pytest.raises(ValueError, match=r"covers the weights and biases of nn.Linear and "
+                                         r"nn.Conv2d .groups=1, zero padding.; \[.*norm"):
+        GhostNorms(model)
+    grouped = torch.nn.Sequential(torch.nn.Conv2d(2, 4, 3, groups=2), torch.nn.Flatten())
+    with pytest.raises(ValueError, match=r"refused layers: 0 \(grouped convolution\)"):
+        GhostNorms(grouped)
     mlp, x, y = build("mlp", num_tasks=2, batch=4)
     with pytest.raises(ValueError, match="Invalid norm_type: inf"):
-        LinearPerSampleNorms(mlp, norm_type=math.inf)
-    ghost = LinearPerSampleNorms(mlp, params=mlp.head_parameters())
+        GhostNorms(mlp, norm_type=math.inf)
+    ghost = GhostNorms(mlp, params=mlp.head_parameters())
     with torch.no_grad():
         mlp(x)  # not recorded
     with pytest.raises(RuntimeError, match="no forward under grad was recorded"):

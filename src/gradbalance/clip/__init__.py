@@ -12,7 +12,7 @@
   :class:`PerSampleClip` turns ``[B, K]`` per-sample losses into task losses whose gradient
   is the per-sample-clipped mean, for the ordinary step; :func:`per_sample_grad_norms` (any
   graph), :func:`per_sample_grad_norms_of_model` (from the model via torch.func, linear in
-  the batch) and :class:`LinearPerSampleNorms` (ghost norms of ``nn.Linear`` layers).
+  the batch) and :class:`GhostNorms` (ghost norms of ``nn.Linear`` layers).
 * :func:`suggest_max_norm`: a limit from logged pre-clip norms (90th–95th percentile rule).
 
 Every clip works in place and returns the pre-clip norm(s) for logging.
@@ -24,13 +24,13 @@ from ._agc import AGC, adaptive_clip_grad_, unitwise_norm
 from ._auto import AutoClip, TaskAutoClip, suggest_max_norm
 from ._per_sample import PerSampleClip, per_sample_grad_norms
 from ._per_sample_func import per_sample_grad_norms_of_model
-from ._per_sample_ghost import LinearPerSampleNorms
+from ._per_sample_ghost import GhostNorms
 from ._task import TaskClip, TaskValueClip, clip_task_norms_, clip_task_values_, row_norms
 
 __all__ = [
     "AGC",
     "AutoClip",
-    "LinearPerSampleNorms",
+    "GhostNorms",
     "PerSampleClip",
     "TaskAutoClip",
     "TaskClip",

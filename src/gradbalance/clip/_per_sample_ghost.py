@@ -1,8 +1,9 @@
-"""Per-sample gradient norms of ``nn.Linear`` layers without per-sample gradients ("ghost norms").
+"""Per-sample gradient norms of linear and conv layers without per-sample gradients ("ghost norms").
 
 For a linear layer ``y = x Wᵀ + b`` the gradient of sample i's loss is ``Dᵢᵀ Xᵢ`` (weight)
 and ``Σₛ Dᵢₛ`` (bias), with ``Xᵢ`` ``[S, in]`` its inputs and ``Dᵢ = ∂ℓᵢ/∂yᵢ`` ``[S, out]``
-(S = 1 without a sequence axis). Its squared norm needs no ``[out, in]`` matrix:
+(S = 1 without a sequence axis). A 2-D convolution is the same with ``Xᵢ`` its unfolded
+patches (S = output positions, in = C·kh·kw). The squared norm needs no ``[out, in]`` matrix:
 
     ‖Dᵢᵀ Xᵢ‖² = Σₛ,ₜ (Xᵢₛ·Xᵢₜ)(Dᵢₛ·Dᵢₜ)          (= ‖xᵢ‖²‖dᵢ‖² when S = 1)
 
@@ -15,9 +16,9 @@ Per sample, the cheaper of the two exact routes is taken: the Gram form above
 (``S²·(in + out)``) or the materialised ``Dᵢᵀ Xᵢ`` (``S·in·out``); a p-norm other than 2
 always materialises.
 
-Only ``nn.Linear`` layers called through their ``forward`` are covered; any other trainable
-parameter of the module raises at construction (use
-:func:`~gradbalance.clip.per_sample_grad_norms_of_model` there).
+Covered: ``nn.Linear`` and ``nn.Conv2d`` (groups 1, zero padding given as numbers) called
+through their ``forward``; any other trainable parameter of the module raises at
+construction (use :func:`~gradbalance.clip.per_sample_grad_norms_of_model` there).
 """
 
 from __future__ import annotations
@@ -33,20 +34,50 @@ from ..modes._common import no_autocast
 from ._per_sample import _check_losses
 from ._task import check_norm_type
 
-__all__ = ["LinearPerSampleNorms"]
+__all__ = ["GhostNorms"]
 
 #: Recorded forwards of one layer past which a forgotten norms()/clear() is likely.
 _MANY_CALLS = 64
 
 
 class _Layer:
-    def __init__(self, name: str, module: nn.Linear) -> None:
+    """One hooked layer: its recorded calls and how they become ``[B, S, in]`` / ``[B, S, out]``."""
+
+    def __init__(self, name: str, module: nn.Linear | nn.Conv2d, weight: bool,
+                 bias: bool) -> None:
         self.name = name
         self.module = module
-        self.weight = module.weight.requires_grad
-        self.bias = module.bias is not None and module.bias.requires_grad
+        self.weight = weight
+        self.bias = bias
         self.inputs: list[Tensor] = []
         self.outputs: list[Tensor] = []
+
+    def rows(self, x: Tensor, batch: int) -> Tensor:
+        """The layer's input as ``[B, S, in]``: tokens, or a convolution's unfolded patches."""
+        m = self.module
+        if isinstance(m, nn.Conv2d):
+            patches = nn.functional.unfold(x, m.kernel_size, m.dilation, m.padding, m.stride)
+            return patches.transpose(1, 2)  # [B, H'·W', C·kh·kw]
+        return x.reshape(batch, -1, x.shape[-1])
+
+    def output_rows(self, d: Tensor, batch: int) -> Tensor:
+        """The gradient of the layer's output as ``[B, S, out]``."""
+        if isinstance(self.module, nn.Conv2d):
+            return d.reshape(batch, d.shape[1], -1).transpose(1, 2)
+        return d.reshape(batch, -1, d.shape[-1])
+
+
+def _refusal(module: nn.Module) -> str | None:
+    """Why ``module``'s per-sample gradient has no ghost form here (None: it has one)."""
+    if isinstance(module, nn.Linear):
+        return None
+    if isinstance(module, nn.Conv2d):
+        if module.groups != 1:
+            return "grouped convolution"
+        if module.padding_mode != "zeros" or isinstance(module.padding, str):
+            return f"padding {module.padding!r} with padding_mode {module.padding_mode!r}"
+        return None
+    return type(module).__name__
 
 
 def _sample_norms(x: Tensor, d: Tensor, layer: _Layer, norm_type: float) -> Tensor:
@@ -69,8 +100,8 @@ def _sample_norms(x: Tensor, d: Tensor, layer: _Layer, norm_type: float) -> Tens
     return total
 
 
-class LinearPerSampleNorms:
-    """Forward hooks on the ``nn.Linear`` layers of ``module``; per-sample norms on demand.
+class GhostNorms:
+    """Forward hooks on the linear and conv layers of ``module``; per-sample norms on demand.
 
     Build it once, before the forward; then per step::
 
@@ -80,7 +111,7 @@ class LinearPerSampleNorms:
     Args:
         module: the model (or the part whose parameters are bounded).
         params: the parameters bounded (default: every trainable parameter of ``module``);
-            each must be the weight or bias of an ``nn.Linear`` in ``module``.
+            each must be the weight or bias of an ``nn.Linear`` or ``nn.Conv2d`` in ``module``.
         norm_type: the p of the p-norm (2 uses the Gram form).
         per_task: ``[B, K]`` norms of every (sample, task) gradient, or ``[B]`` norms of
             each sample's gradient of ``Σₖ ℓᵢₖ``.
@@ -95,7 +126,7 @@ class LinearPerSampleNorms:
         self.norm_type = check_norm_type(norm_type)
         if self.norm_type == float("inf"):
             raise ValueError(
-                "Invalid norm_type: inf (LinearPerSampleNorms sums p-th powers over layers; "
+                "Invalid norm_type: inf (GhostNorms sums p-th powers over layers; "
                 "use a finite p, or per_sample_grad_norms_of_model for the max-norm)"
             )
         if not isinstance(per_task, bool):
@@ -106,15 +137,19 @@ class LinearPerSampleNorms:
         covered: set[int] = set()
         self._layers: list[_Layer] = []
         self._handles: list[Any] = []
+        refused: list[str] = []
         for name, sub in module.named_modules():
-            if not isinstance(sub, nn.Linear):
+            if not isinstance(sub, (nn.Linear, nn.Conv2d)):
                 continue
             mine = [p for p in (sub.weight, sub.bias) if p is not None and id(p) in wanted]
             if not mine:
                 continue
-            layer = _Layer(name, sub)
-            layer.weight = id(sub.weight) in wanted
-            layer.bias = sub.bias is not None and id(sub.bias) in wanted
+            reason = _refusal(sub)
+            if reason is not None:
+                refused.append(f"{name} ({reason})")
+                continue
+            layer = _Layer(name, sub, id(sub.weight) in wanted,
+                           sub.bias is not None and id(sub.bias) in wanted)
             covered.update(map(id, mine))
             self._layers.append(layer)
             self._handles.append(sub.register_forward_hook(self._hook(layer)))
@@ -124,9 +159,11 @@ class LinearPerSampleNorms:
         if missing:
             self.remove()
             raise ValueError(
-                f"LinearPerSampleNorms covers nn.Linear weights and biases only; {missing} "
-                f"are not: bound them with per_sample_grad_norms_of_model (torch.func), or "
-                f"pass params= without them"
+                f"GhostNorms covers the weights and biases of nn.Linear and nn.Conv2d "
+                f"(groups=1, zero padding); {missing} are not"
+                f"{' (refused layers: ' + ', '.join(refused) + ')' if refused else ''}: bound "
+                f"them with per_sample_grad_norms_of_model (torch.func), or pass params= "
+                f"without them"
             )
 
     @staticmethod
@@ -137,7 +174,7 @@ class LinearPerSampleNorms:
                 layer.outputs.append(output)
                 if len(layer.outputs) == _MANY_CALLS:
                     warnings.warn(
-                        f"LinearPerSampleNorms holds {_MANY_CALLS} forwards of layer "
+                        f"GhostNorms holds {_MANY_CALLS} forwards of layer "
                         f"{layer.name!r} since the last norms(): every forward under grad is "
                         f"kept until norms() or clear(); evaluate under torch.no_grad() or "
                         f"call clear()", RuntimeWarning, stacklevel=2)
@@ -157,7 +194,7 @@ class LinearPerSampleNorms:
             self.clear()
             raise RuntimeError(
                 f"no forward under grad was recorded for layers {idle}; run the forward after "
-                f"building LinearPerSampleNorms and call norms() once per forward"
+                f"building GhostNorms and call norms() once per forward"
             )
         with no_autocast(losses.device):
             return self._norms(losses, layers, scale)
@@ -183,11 +220,11 @@ class LinearPerSampleNorms:
                     raise ValueError(
                         f"layer {layer.name!r} recorded inputs of shapes {shapes} but the "
                         f"losses have {batch} samples: the batch must be dim 0 of every "
-                        f"nn.Linear input, and every forward under grad since the last "
+                        f"layer input, and every forward under grad since the last "
                         f"norms() is recorded (call clear() after other forwards)"
                     )
-                x = torch.cat([t.reshape(batch, -1, t.shape[-1]) for t in layer.inputs], 1)
-                d = torch.cat([t.reshape(batch, -1, t.shape[-1]) for t in ds], 1)
+                x = torch.cat([layer.rows(t, batch) for t in layer.inputs], 1)
+                d = torch.cat([layer.output_rows(t, batch) for t in ds], 1)
                 result[:, k] += _sample_norms(x, d, layer, self.norm_type)
         self.clear()
         divisor = scale.detach().double() if isinstance(scale, Tensor) else float(scale)
