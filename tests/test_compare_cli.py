@@ -229,3 +229,31 @@ def test_weighting_parameters_are_trained_through_the_buffer(tmp_path: Path) -> 
     assert len(w) == 3 and all(a > b for a, b in zip([1.0, *w], w))
     # logged losses are the task losses before weighting: near ln 10 at initialisation
     assert losses[0] == pytest.approx(math.log(10), abs=0.3)
+
+
+def _train_losses(tmp_path: Path, name: str, *extra: str) -> list[float]:
+    out = tmp_path / name
+    # SGD (Adam would undo a common scale) for 2 epochs, so the clip shows in the losses
+    code = main(["train", "--balancer", "mgda", "--baselines", *TINY, "--no-plot",
+                 "--no-tensorboard", "--optimizer", "sgd", "--lr", "0.3", "--epochs", "2",
+                 "--out", str(out), *extra])
+    assert code == 0
+    runs = read_csv(out / "runs.csv")
+    assert all(r["error"] == "" for r in runs), runs
+    return [float(r[key]) for r in runs for key in ("train_loss_left", "train_loss_right")
+            if r[key] not in ("", "nan")]
+
+
+def test_per_sample_clip_and_noise_in_the_main_job(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    plain = _train_losses(tmp_path, "plain")
+    # a limit no per-sample gradient reaches: the same training, up to summation order
+    loose = _train_losses(tmp_path, "loose", "--per-sample-clip", "1e9")
+    assert loose == pytest.approx(plain, rel=1e-4)
+    tight = _train_losses(tmp_path, "tight", "--per-sample-clip", "0.01")
+    assert tight != pytest.approx(plain, rel=1e-3)  # the clip acts, single-task runs too
+    noisy = _train_losses(tmp_path, "noisy", "--per-sample-clip", "0.01", "--noise", "1")
+    assert noisy != tight  # the noise reaches the update (runs are otherwise deterministic)
+    assert main(["train", "--balancer", "sum", "--noise", "1", "--out", "unused"]) == 2
+    assert "--noise 1.0 needs --per-sample-clip C" in capsys.readouterr().err
+    assert not Path("unused").exists()

@@ -227,6 +227,8 @@ class PerSampleClip(PicklableGenerators):
                                           scale=1.0 if scale is None else scale)
         else:
             expected = losses.shape if self.per_task or losses.dim() == 1 else losses.shape[:1]
+            if isinstance(norms, Tensor) and norms.numel() == expected.numel():
+                norms = norms.reshape(expected)  # one task: [B] and [B, 1] alike
             if not isinstance(norms, Tensor) or norms.shape != expected:
                 found = tuple(norms.shape) if isinstance(norms, Tensor) else type(norms).__name__
                 raise ValueError(

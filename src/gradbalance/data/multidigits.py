@@ -100,11 +100,13 @@ class MultiDigits:
             for name, cls in zip(self.task_names, self.is_classification)
         )
 
-    def task_loss(self, task: int, output: Tensor, target: Tensor) -> Tensor:
-        """Unscaled batch-mean loss of ``task``: cross-entropy, or MSE for ``sum``."""
+    def task_loss(self, task: int, output: Tensor, target: Tensor,
+                  reduction: str = "mean") -> Tensor:
+        """Unscaled loss of ``task``: cross-entropy, or MSE for ``sum``; the batch mean, or
+        ``[B]`` per-sample losses with ``reduction='none'``."""
         if self.is_classification[task]:
-            return F.cross_entropy(output, target.long())
-        return F.mse_loss(output.squeeze(-1), target)
+            return F.cross_entropy(output, target.long(), reduction=reduction)
+        return F.mse_loss(output.squeeze(-1), target, reduction=reduction)
 
     def task_metric(self, task: int, output: Tensor, target: Tensor) -> float:
         """Accuracy in % (classification) or mean absolute error in digit units (``sum``)."""
@@ -121,6 +123,18 @@ class MultiDigits:
                 loss = loss * self.loss_scales[k]
             parts.append(loss)
         return torch.stack(parts)
+
+    def per_sample_losses(self, outputs: Sequence[Tensor], targets: Tensor,
+                          tasks: Sequence[int] | None = None, scaled: bool = True) -> Tensor:
+        """Per-sample losses ``[B, len(tasks)]`` (all tasks by default), times the loss
+        scales when ``scaled``: the input of per-sample clipping."""
+        tasks = list(range(len(outputs))) if tasks is None else list(tasks)
+        parts = []
+        for out, k in zip(outputs, tasks):
+            loss = self.task_loss(k, out, targets[:, k], reduction="none")
+            parts.append(loss * self.loss_scales[k] if scaled and self.loss_scales[k] != 1.0
+                         else loss)
+        return torch.stack(parts, dim=1)
 
     def metrics(self, outputs: Sequence[Tensor], targets: Tensor) -> list[float]:
         """Per-task test metrics (see :meth:`task_metric`)."""

@@ -99,6 +99,12 @@ def add_common_options(parser: argparse.ArgumentParser, *, seeds: int, out: str,
     train.add_argument("--depth", type=_int_at_least(1), default=2, help="MLP layers")
     train.add_argument("--max-norm", type=_positive_float, default=None,
                        help="global clip_grad_norm_ after the balanced backward (off by default)")
+    train.add_argument("--per-sample-clip", type=_positive_float, default=None, metavar="C",
+                       help="DP-SGD: clip every (sample, task) gradient to norm C before the "
+                            "batch mean (ghost norms; off by default)")
+    train.add_argument("--noise", type=_non_negative_float, default=0.0, metavar="SIGMA",
+                       help="DP-SGD noise multiplier: N(0, (SIGMA*C/B)^2) on the update "
+                            "(needs --per-sample-clip)")
     train.add_argument("--threads", type=_int_at_least(1), default=1,
                        help="torch CPU threads (1 keeps step times comparable)")
     outs = parser.add_argument_group("outputs")
@@ -120,9 +126,15 @@ def data_from_args(args: argparse.Namespace) -> MultiDigits:
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
+    if args.noise > 0 and args.per_sample_clip is None:
+        raise ValueError(
+            f"--noise {args.noise} needs --per-sample-clip C: the noise is scaled by the "
+            f"per-sample clip C (DP-SGD)"
+        )
     return RunConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                      optimizer=args.optimizer, weight_decay=args.weight_decay, trunk=args.trunk,
                      width=args.hidden, depth=args.depth, max_norm=args.max_norm,
+                     per_sample_clip=args.per_sample_clip, noise_multiplier=args.noise,
                      log_every=args.log_every)
 
 
@@ -171,8 +183,12 @@ def execute(args: argparse.Namespace, methods: list[Method], *, baselines: bool,
 
 def _execute(args: argparse.Namespace, methods: list[Method], *, baselines: bool,
              title: str, plot_name: str) -> int:
+    try:
+        cfg = config_from_args(args)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     data = data_from_args(args)
-    cfg = config_from_args(args)
     usable = []
     for method in methods:
         try:

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from .._optional import require
 from ..balancers import BALANCERS
+from ..clip import GhostNorms, PerSampleClip
 from ..data import MultiDigits
 from ..models import MultiTaskModel, cnn_trunk, mlp_trunk
 from ..stats import StepStats
@@ -44,6 +45,8 @@ class RunConfig:
     width: int = 64
     depth: int = 2
     max_norm: float | None = None
+    per_sample_clip: float | None = None  # DP-SGD's per-sample clip (ghost norms), off if None
+    noise_multiplier: float = 0.0  # DP-SGD noise σ (needs per_sample_clip)
     log_every: int = 10
 
 
@@ -151,7 +154,7 @@ class _Step:
     """
 
     def __init__(self, method: Method, model: MultiTaskModel, data: MultiDigits,
-                 seed: int) -> None:
+                 seed: int, cfg: RunConfig | None = None) -> None:
         self.method = method
         self.data = data
         self.model = model
@@ -159,6 +162,12 @@ class _Step:
         self.weighting: Any = None
         self.extra_params: list[Tensor] = []
         self.buf: TaskGradBuffer | None = None
+        self.clip: PerSampleClip | None = None
+        self.ghost: GhostNorms | None = None
+        if cfg is not None and cfg.per_sample_clip is not None:
+            self.clip = PerSampleClip(cfg.per_sample_clip, noise_multiplier=cfg.noise_multiplier,
+                                      generator=torch.Generator().manual_seed(10_000 + seed))
+            self.ghost = GhostNorms(model)  # hooks before the first forward
         if method.kind == "single":
             return
         if method.kind == "balancer":
@@ -172,22 +181,36 @@ class _Step:
         self.buf = TaskGradBuffer(model.shared_parameters(),
                                   model.head_parameters() + self.extra_params, num_tasks=k)
 
+    def _clipped(self, outputs: list[Tensor], targets: Tensor, tasks: list[int]) -> Tensor:
+        """Per-sample-clipped task losses (value: the batch means) for ``tasks``."""
+        assert self.clip is not None and self.ghost is not None
+        per_sample = self.data.per_sample_losses(outputs, targets, tasks)
+        return self.clip(per_sample, self.model.parameters(), norms=self.ghost.norms(per_sample))
+
     def __call__(self, outputs: list[Tensor], targets: Tensor) -> tuple[Tensor, StepStats | None]:
         data = self.data
         if self.method.kind == "single":
             task = self.method.task
             assert task is not None
-            loss = data.task_loss(task, outputs[0], targets[:, task])
+            loss = (data.task_loss(task, outputs[0], targets[:, task]) if self.clip is None
+                    else self._clipped(outputs, targets, [task])[0])
             loss.backward()
+            self._add_noise(targets.shape[0])
             return loss.detach().reshape(1), None
         assert self.buf is not None
-        losses = data.losses(outputs, targets)
+        losses = (data.losses(outputs, targets) if self.clip is None
+                  else self._clipped(outputs, targets, list(range(data.num_tasks))))
         if self.weighting is not None:
             self.buf.backward(self.weighting(losses))
         else:
             self.buf.backward(losses)
         stats = self.buf.apply_(self.balancer)
+        self._add_noise(targets.shape[0])
         return losses.detach(), stats
+
+    def _add_noise(self, batch: int) -> None:
+        if self.clip is not None:
+            self.clip.add_noise_(self.model.parameters(), batch_size=batch)
 
     def after_step(self, xb: Tensor, yb: Tensor, stats: StepStats | None) -> None:
         """The weighting's post-step update (before ``zero_grad``)."""
@@ -203,7 +226,7 @@ class _Step:
 def check_method(data: MultiDigits, method: Method, cfg: RunConfig) -> None:
     """Build ``method`` for ``data`` once; raises its ValueError/TypeError if it cannot run."""
     tasks = [method.task] if method.kind == "single" else list(range(data.num_tasks))
-    _Step(method, build_model(data, cfg, [t for t in tasks if t is not None]), data, 0)
+    _Step(method, build_model(data, cfg, [t for t in tasks if t is not None]), data, 0, cfg)
 
 
 def train_run(data: MultiDigits, method: Method, seed: int, cfg: RunConfig,
@@ -213,7 +236,7 @@ def train_run(data: MultiDigits, method: Method, seed: int, cfg: RunConfig,
     tasks = [method.task] if method.kind == "single" else list(range(data.num_tasks))
     torch.manual_seed(seed)
     model = build_model(data, cfg, [t for t in tasks if t is not None])
-    step_fn = _Step(method, model, data, seed)
+    step_fn = _Step(method, model, data, seed, cfg)
     opt = _optimizer(list(model.parameters()) + step_fn.extra_params, cfg)
     writer = open_writer(tb_dir) if tb_dir is not None else None
     log = _Logger(writer) if writer is not None else None
