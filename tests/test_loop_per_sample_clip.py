@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gradbalance import (
     MGDA,
@@ -258,6 +260,40 @@ def test_ghost_norms_of_strided_dilated_rectangular_convolutions() -> None:
     ghost = GhostNorms(model)
     torch.testing.assert_close(ghost.norms((model(x) - y) ** 2), expected, rtol=1e-10,
                                atol=1e-12)
+
+
+class _Tokens(torch.nn.Module):
+    """``[B, S, i]`` -> Linear -> tanh -> Linear -> mean over S: ``[B, K]`` outputs."""
+
+    def __init__(self, i: int, h: int, k: int) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(i, h)
+        self.second = torch.nn.Linear(h, k)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.tanh(self.first(x))).mean(dim=1)
+
+
+@settings(max_examples=25, deadline=None)
+@given(batch=st.integers(1, 5), seq=st.integers(1, 6), i=st.integers(1, 7),
+       h=st.integers(1, 7), k=st.integers(1, 3), seed=st.integers(0, 2**16),
+       p=st.sampled_from([1.0, 2.0, 3.0]))
+def test_ghost_norms_equal_the_torch_func_route(batch: int, seq: int, i: int, h: int, k: int,
+                                                seed: int, p: float) -> None:
+    # Two independent computations: layer algebra on recorded activations, and vmap over
+    # single-sample gradients.
+    torch.manual_seed(seed)
+    model = _Tokens(i, h, k).double()
+    x = torch.randn(batch, seq, i, dtype=torch.float64)
+    y = torch.randn(batch, k, dtype=torch.float64)
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return (out - target) ** 2  # [B, K]
+
+    expected = per_sample_grad_norms_of_model(model, loss_fn, x, y, norm_type=p)
+    ghost = GhostNorms(model, norm_type=p)
+    found = ghost.norms(loss_fn(model(x), y))
+    torch.testing.assert_close(found.reshape(expected.shape), expected, rtol=1e-9, atol=1e-12)
 
 
 @pytest.mark.parametrize("materialise", [False, True])
