@@ -169,6 +169,10 @@ class PerSampleClip(PicklableGenerators):
         losses = clip(per_sample, params)          # [K]: value = batch mean, grad = ĝ
         buf.backward(losses); buf.apply_(balancer)
 
+    The norms: without ``norms=`` they are measured here on the graph (any model; the cost
+    grows with B²). Faster, linear in B: ``norms=GhostNorms(model).norms(per_sample)``
+    (``nn.Linear`` / ``nn.Conv2d`` models) or :meth:`losses_of_model` (``torch.func``).
+
     Args:
         max_norm: C, the bound on each per-sample gradient's norm.
         norm_type: the p of the p-norm (``float('inf')`` allowed).
