@@ -22,6 +22,7 @@ from torch import Tensor
 
 from .._types import NonFiniteGradientError
 from ..balancers._base import Balancer, Combination
+from ..gramian import compute_gramian, is_finite_gramian
 from ..taskgrads import (
     ParamLayout,
     Strategy,
@@ -76,6 +77,22 @@ def grads_finite(params: Sequence[Tensor]) -> Tensor:
     if not flags:
         return torch.ones((), dtype=torch.bool)
     return torch.stack([f.to(flags[0].device) for f in flags]).all()
+
+
+def unscaled_gramian(matrix: Tensor, scale: Tensor | None,
+                     head_params: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+    """``G /= s`` in place; the Gramian of ``G`` (float64) and the 0-d finiteness flag.
+
+    Under a scaler the flag also covers the heads' ``.grad``: the scaler will skip a step on
+    which any of them overflowed, so the balancer must not update its state then either.
+    """
+    if scale is not None:
+        matrix.div_(scale.to(matrix.dtype))
+    gram = compute_gramian(matrix)
+    flag = is_finite_gramian(gram)
+    if scale is not None and head_params:
+        flag = flag & grads_finite(head_params)
+    return gram, flag
 
 
 def nonfinite_error() -> NonFiniteGradientError:

@@ -22,10 +22,9 @@ from torch import Tensor
 
 from ..balancers._base import Balancer
 from ..distributed import all_gather_columns, all_reduce_grads_and_losses_, all_reduce_mean_
-from ..gramian import compute_gramian, is_finite_gramian
 from ..stats import StepStats, build_stats
 from ..taskgrads import ParamLayout, TaskRoots
-from ._common import RowsMode, StepInput, combine_or_skip, grads_finite, heads_backward_
+from ._common import RowsMode, StepInput, combine_or_skip, heads_backward_, unscaled_gramian
 
 __all__ = ["FeaturesMode"]
 
@@ -62,12 +61,7 @@ class FeaturesMode(RowsMode):
             losses = all_reduce_grads_and_losses_(self.head_params, losses, step.group)
             matrix = all_gather_columns(matrix, step.group).div_(size)
             local = slice(rank * features.numel(), (rank + 1) * features.numel())
-        if scale is not None:
-            matrix.div_(scale.to(matrix.dtype))
-        gram = compute_gramian(matrix)
-        finite_flag = is_finite_gramian(gram)
-        if scale is not None and self.head_params:  # the scaler will skip: change no state
-            finite_flag = finite_flag & grads_finite(self.head_params)
+        gram, finite_flag = unscaled_gramian(matrix, scale, self.head_params)
         finite = bool(finite_flag)  # host sync: the balancer must not see inf/NaN
         result = combine_or_skip(balancer, matrix, losses, gram, finite, scale)
         grad = result.vector[local]

@@ -13,7 +13,7 @@ import torch
 
 from ..balancers._base import Balancer
 from ..distributed import all_ranks_true, all_reduce_step_
-from ..gramian import compute_gramian, is_finite_gramian
+from ..gramian import compute_gramian
 from ..stats import StepStats, build_stats
 from ..taskgrads import TaskRoots
 from ._common import (
@@ -21,8 +21,8 @@ from ._common import (
     StepInput,
     add_flat_,
     combine_or_skip,
-    grads_finite,
     heads_backward_,
+    unscaled_gramian,
 )
 
 __all__ = ["MatrixMode"]
@@ -46,12 +46,7 @@ class MatrixMode(RowsMode):
         assert matrix is not None
         if step.group is not None:  # mean over the ranks, before unscaling and balancing
             losses = all_reduce_step_(matrix, losses, self.head_params, step.group)
-        if scale is not None:
-            matrix.div_(scale.to(matrix.dtype))
-        gram = compute_gramian(matrix)
-        finite_flag = is_finite_gramian(gram)
-        if scale is not None and self.head_params:  # the scaler will skip: change no state
-            finite_flag = finite_flag & grads_finite(self.head_params)
+        gram, finite_flag = unscaled_gramian(matrix, scale, self.head_params)
         if step.group is not None:  # every rank skips the same steps
             finite_flag = all_ranks_true(finite_flag, step.group)
         finite = bool(finite_flag)  # host sync: the balancer must not see inf/NaN
