@@ -22,9 +22,10 @@ from __future__ import annotations
 
 from ._agc import AGC, adaptive_clip_grad_, unitwise_norm
 from ._auto import AutoClip, TaskAutoClip, suggest_max_norm
-from ._per_sample import PerSampleClip, per_sample_grad_norms
+from ._per_sample import PerSampleClip
 from ._per_sample_func import per_sample_grad_norms_of_model
 from ._per_sample_ghost import GhostNorms
+from ._per_sample_graph import per_sample_grad_norms
 from ._task import TaskClip, TaskValueClip, clip_task_norms_, clip_task_values_, row_norms
 
 __all__ = [

@@ -6,9 +6,10 @@ Each sample's gradient is clipped on its own before the batch mean (Abadi et al.
     ĝ = (1/B) Σᵢ cᵢ gᵢ,    cᵢ = min(1, C / (‖gᵢ‖ + 1e-6)),    gᵢ = ∇θ ℓᵢ
 
 The factors cᵢ are constants of the step, so ĝ is the gradient of the reweighted loss
-``(1/B) Σᵢ cᵢ ℓᵢ``. :class:`PerSampleClip` therefore measures the per-sample norms first (a
-batched backward over the retained graph, in chunks) and returns task losses whose value is
-the plain batch mean and whose gradient is ĝ. They go into the ordinary step
+``(1/B) Σᵢ cᵢ ℓᵢ``. :class:`PerSampleClip` therefore takes the per-sample norms first (from
+the graph, :mod:`._per_sample_graph`; from the model, :mod:`._per_sample_func`; or as ghost
+norms, :mod:`._per_sample_ghost`) and returns task losses whose value is the plain batch
+mean and whose gradient is ĝ. They go into the ordinary step
 (``TaskGradBuffer.backward``), so every balancer, gradient mode, micro-batching, mixed
 precision and data parallelism work unchanged.
 
@@ -17,17 +18,12 @@ With K tasks the per-sample losses are ``[B, K]``: ``per_task=True`` clips every
 ``∇Σₖ ℓᵢₖ`` and scales its K task losses by the same cᵢ. DP-SGD then adds Gaussian noise
 ``N(0, σ²C²)`` to the clipped sum, i.e. standard deviation ``σC/B`` on the mean:
 :meth:`PerSampleClip.add_noise_`. The privacy accounting is not part of this library.
-
-The per-sample gradients are those of the graph the losses came from: with batch statistics
-(BatchNorm in training mode) a sample's gradient also depends on the rest of the batch, and
-clipping bounds that coupled gradient, not an independent one.
 """
 
 from __future__ import annotations
 
 import math
-import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -38,125 +34,10 @@ from .._statedict import check_keys
 from .._types import NonFiniteGradientError, as_parameter_list
 from ..balancers._rng import check_generator, private_generator
 from ..modes._common import scale_of
+from ._per_sample_graph import _check_chunk_size, _check_losses, per_sample_grad_norms
 from ._task import _EPS, check_max_norm, check_norm_type
 
-__all__ = ["PerSampleClip", "per_sample_grad_norms"]
-
-#: Default memory budget of one batched backward: rows x (parameters + losses), 2^26 entries
-#: (≈ 256 MiB in fp32).
-_CHUNK_ELEMENTS = 1 << 26
-
-
-def _check_losses(per_sample_losses: Any) -> Tensor:
-    if not isinstance(per_sample_losses, Tensor) or per_sample_losses.dim() not in (1, 2):
-        found = (tuple(per_sample_losses.shape) if isinstance(per_sample_losses, Tensor)
-                 else type(per_sample_losses).__name__)
-        raise ValueError(
-            f"per_sample_losses must be a [B] or [B, K] tensor of per-sample losses, got "
-            f"{found}; compute the loss with reduction='none' (and torch.stack the K tasks "
-            f"along dim 1)"
-        )
-    if per_sample_losses.numel() == 0:
-        raise ValueError("per_sample_losses is empty; pass at least one sample")
-    if not per_sample_losses.requires_grad:
-        raise ValueError(
-            "per_sample_losses does not require grad; compute it from the model's output in "
-            "this step (not under torch.no_grad() and not detached)"
-        )
-    return per_sample_losses
-
-
-def _check_chunk_size(chunk_size: int | None) -> int | None:
-    if chunk_size is not None and (
-        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
-    ):
-        raise ValueError(f"Invalid chunk_size: {chunk_size!r} (expected an int >= 1 or None)")
-    return chunk_size
-
-
-def _cotangents(rows: range, shape: torch.Size, joint: bool, value: float | Tensor,
-                like: Tensor) -> Tensor:
-    """One cotangent per row: a one at ``(i, k)``, or ones on sample i's tasks (``joint``)."""
-    out = torch.zeros(len(rows), *shape, dtype=like.dtype, device=like.device)
-    flat = out.view(len(rows), shape[0], -1)
-    index = torch.arange(len(rows), device=like.device)
-    picks = torch.tensor(list(rows), device=like.device)
-    if joint:
-        flat[index, picks] = 1.0
-    else:
-        flat.view(len(rows), -1)[index, picks] = 1.0
-    return out * value
-
-
-def _row_norms(grads: Sequence[Tensor | None], rows: int, norm_type: float,
-               like: Tensor) -> Tensor:
-    """Norm of each row's gradient over all parameters, in float32 at least (fp16 overflows)."""
-    parts = [torch.linalg.vector_norm(g.reshape(rows, -1), norm_type, dim=1,
-                                      dtype=torch.promote_types(g.dtype, torch.float32))
-             for g in grads if g is not None]
-    if not parts:
-        return torch.zeros(rows, dtype=torch.promote_types(like.dtype, torch.float32),
-                           device=like.device)
-    return torch.linalg.vector_norm(torch.stack(parts, dim=1), norm_type, dim=1)
-
-
-def _norms_of_rows(losses: Tensor, params: list[Tensor], rows: range, joint: bool,
-                   norm_type: float, scale: float | Tensor) -> Tensor:
-    cot = _cotangents(rows, losses.shape, joint, scale, losses)
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*performance drop.*")
-            grads = torch.autograd.grad(losses, params, cot, retain_graph=True,
-                                        is_grads_batched=True, allow_unused=True)
-        return _row_norms(grads, len(rows), norm_type, losses)
-    except RuntimeError as error:  # no batching rule: a real error re-raises in the loop
-        warnings.warn(
-            f"batched per-sample gradients unsupported by this model ({str(error)[:120]}); "
-            f"falling back to one autograd.grad per sample",
-            RuntimeWarning,
-            stacklevel=4,
-        )
-    return torch.cat([
-        _row_norms([None if g is None else g.unsqueeze(0) for g in torch.autograd.grad(
-            losses, params, cot[r], retain_graph=True, allow_unused=True)], 1, norm_type, losses)
-        for r in range(len(rows))
-    ])
-
-
-def per_sample_grad_norms(
-    per_sample_losses: Tensor,
-    params: Iterable[Tensor],
-    *,
-    norm_type: float = 2.0,
-    per_task: bool = True,
-    chunk_size: int | None = None,
-    scale: float | Tensor = 1.0,
-) -> Tensor:
-    """Norms of the per-sample gradients over ``params``, leaving ``.grad`` alone.
-
-    ``per_sample_losses`` ``[B]`` or ``[B, K]`` (``reduction='none'``). Returns ``‖∇ℓᵢₖ‖``
-    with the losses' shape (``per_task=True``) or ``‖∇Σₖ ℓᵢₖ‖`` ``[B]`` (``per_task=False``).
-    The graph is kept. ``chunk_size`` rows per batched backward (default: as many as fit
-    2^26 entries of gradients and cotangents); ``scale``: differentiate ``scale·ℓ`` and
-    divide the norms by it (a loss scale keeps fp16 backward from underflowing).
-    """
-    losses = _check_losses(per_sample_losses)
-    plist = as_parameter_list(params, "params")
-    norm_type = check_norm_type(norm_type)
-    chunk_size = _check_chunk_size(chunk_size)
-    joint = not per_task and losses.dim() == 2
-    total = losses.shape[0] if joint else losses.numel()
-    if chunk_size is None:  # a row costs its gradients (P) and its cotangent (B·K)
-        per_row = sum(p.numel() for p in plist) + losses.numel()
-        chunk_size = max(1, min(total, _CHUNK_ELEMENTS // per_row))
-    norms = torch.cat([
-        _norms_of_rows(losses, plist, range(start, min(start + chunk_size, total)), joint,
-                       norm_type, scale)
-        for start in range(0, total, chunk_size)
-    ])
-    norms = norms / (scale.detach().to(norms.dtype) if isinstance(scale, Tensor) else scale)
-    return norms if joint else norms.view(losses.shape)
-
+__all__ = ["PerSampleClip"]
 
 class PerSampleClip(PicklableGenerators):
     """Clips every sample's gradient to ``max_norm`` before the batch mean (DP-SGD's clip).

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev, vmap
 
-from ._per_sample import _CHUNK_ELEMENTS, _check_chunk_size
+from ._per_sample_graph import _CHUNK_ELEMENTS, _check_chunk_size
 from ._task import check_norm_type
 
 __all__ = ["per_sample_grad_norms_of_model"]

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from ..modes._common import no_autocast
-from ._per_sample import _check_losses
+from ._per_sample_graph import _check_losses
 from ._task import check_norm_type
 
 __all__ = ["GhostNorms"]
