@@ -296,6 +296,24 @@ def test_ghost_norms_equal_the_torch_func_route(batch: int, seq: int, i: int, h:
     torch.testing.assert_close(found.reshape(expected.shape), expected, rtol=1e-9, atol=1e-12)
 
 
+def test_ghost_norms_of_a_strided_dilated_1d_convolution() -> None:
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(
+        torch.nn.Conv1d(3, 4, 3, stride=2, dilation=2, padding=3), torch.nn.Tanh(),
+        torch.nn.Conv1d(4, 2, 2), torch.nn.AdaptiveAvgPool1d(1), torch.nn.Flatten(),
+    ).double()
+    x = torch.randn(5, 3, 11, dtype=torch.float64)
+    y = torch.randn(5, 2, dtype=torch.float64)
+    params = list(model.parameters())
+    expected = torch.stack([torch.stack([torch.linalg.vector_norm(torch.cat([
+        g.flatten() for g in torch.autograd.grad(((model(x[i : i + 1]) - y[i]) ** 2)[0, k],
+                                                 params)])) for k in range(2)])
+        for i in range(5)])
+    ghost = GhostNorms(model)
+    torch.testing.assert_close(ghost.norms((model(x) - y) ** 2), expected, rtol=1e-10,
+                               atol=1e-12)
+
+
 @pytest.mark.parametrize("materialise", [False, True])
 def test_ghost_norms_under_bfloat16_autocast(materialise: bool) -> None:
     # 16-bit layer outputs (and output gradients), fp32 inputs: both routes run in fp32 and
@@ -312,8 +330,9 @@ def test_ghost_norms_under_bfloat16_autocast(materialise: bool) -> None:
 
 def test_ghost_norms_refuse_what_they_cannot_bound() -> None:
     model, x, y = build("transformer", num_tasks=2, batch=4)
-    with pytest.raises(ValueError, match=r"covers the weights and biases of nn.Linear and "
-                                         r"nn.Conv2d .groups=1, zero padding.; \[.*norm"):
+    with pytest.raises(ValueError, match=r"covers the weights and biases of nn.Linear, "
+                                         r"nn.Conv1d and nn.Conv2d .groups=1, zero padding.; "
+                                         r"\[.*norm"):
         GhostNorms(model)
     grouped = torch.nn.Sequential(torch.nn.Conv2d(2, 4, 3, groups=2), torch.nn.Flatten())
     with pytest.raises(ValueError, match=r"refused layers: 0 \(grouped convolution\)"):

@@ -2,8 +2,9 @@
 
 For a linear layer ``y = x Wᵀ + b`` the gradient of sample i's loss is ``Dᵢᵀ Xᵢ`` (weight)
 and ``Σₛ Dᵢₛ`` (bias), with ``Xᵢ`` ``[S, in]`` its inputs and ``Dᵢ = ∂ℓᵢ/∂yᵢ`` ``[S, out]``
-(S = 1 without a sequence axis). A 2-D convolution is the same with ``Xᵢ`` its unfolded
-patches (S = output positions, in = C·kh·kw). The squared norm needs no ``[out, in]`` matrix:
+(S = 1 without a sequence axis). A 1-D or 2-D convolution is the same with ``Xᵢ`` its
+unfolded patches (S = output positions, in = C·kernel size). The squared norm needs no
+``[out, in]`` matrix:
 
     ‖Dᵢᵀ Xᵢ‖² = Σₛ,ₜ (Xᵢₛ·Xᵢₜ)(Dᵢₛ·Dᵢₜ)          (= ‖xᵢ‖²‖dᵢ‖² when S = 1)
 
@@ -16,9 +17,9 @@ Per sample, the cheaper of the two exact routes is taken: the Gram form above
 (``S²·(in + out)``) or the materialised ``Dᵢᵀ Xᵢ`` (``S·in·out``); a p-norm other than 2
 always materialises.
 
-Covered: ``nn.Linear`` and ``nn.Conv2d`` (groups 1, zero padding given as numbers) called
-through their ``forward``; any other trainable parameter of the module raises at
-construction (use :func:`~gradbalance.clip.per_sample_grad_norms_of_model` there).
+Covered: ``nn.Linear``, ``nn.Conv1d`` and ``nn.Conv2d`` (groups 1, zero padding given as
+numbers) called through their ``forward``; any other trainable parameter of the module
+raises at construction (use :func:`~gradbalance.clip.per_sample_grad_norms_of_model` there).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ _MANY_CALLS = 64
 class _Layer:
     """One hooked layer: its recorded calls and how they become ``[B, S, in]`` / ``[B, S, out]``."""
 
-    def __init__(self, name: str, module: nn.Linear | nn.Conv2d, weight: bool,
+    def __init__(self, name: str, module: nn.Linear | nn.Conv1d | nn.Conv2d, weight: bool,
                  bias: bool) -> None:
         self.name = name
         self.module = module
@@ -58,11 +59,16 @@ class _Layer:
         if isinstance(m, nn.Conv2d):
             patches = nn.functional.unfold(x, m.kernel_size, m.dilation, m.padding, m.stride)
             return patches.transpose(1, 2)  # [B, H'·W', C·kh·kw]
+        if isinstance(m, nn.Conv1d):  # a 1 × k convolution on a [B, C, 1, L] image
+            patches = nn.functional.unfold(x.unsqueeze(2), (1, m.kernel_size[0]),
+                                           (1, m.dilation[0]), (0, m.padding[0]),
+                                           (1, m.stride[0]))
+            return patches.transpose(1, 2)  # [B, L', C·k]
         return x.reshape(batch, -1, x.shape[-1])
 
     def output_rows(self, d: Tensor, batch: int) -> Tensor:
         """The gradient of the layer's output as ``[B, S, out]``."""
-        if isinstance(self.module, nn.Conv2d):
+        if isinstance(self.module, (nn.Conv1d, nn.Conv2d)):
             return d.reshape(batch, d.shape[1], -1).transpose(1, 2)
         return d.reshape(batch, -1, d.shape[-1])
 
@@ -71,7 +77,7 @@ def _refusal(module: nn.Module) -> str | None:
     """Why ``module``'s per-sample gradient has no ghost form here (None: it has one)."""
     if isinstance(module, nn.Linear):
         return None
-    if isinstance(module, nn.Conv2d):
+    if isinstance(module, (nn.Conv1d, nn.Conv2d)):
         if module.groups != 1:
             return "grouped convolution"
         if module.padding_mode != "zeros" or isinstance(module.padding, str):
@@ -111,7 +117,8 @@ class GhostNorms:
     Args:
         module: the model (or the part whose parameters are bounded).
         params: the parameters bounded (default: every trainable parameter of ``module``);
-            each must be the weight or bias of an ``nn.Linear`` or ``nn.Conv2d`` in ``module``.
+            each must be the weight or bias of an ``nn.Linear``, ``nn.Conv1d`` or
+            ``nn.Conv2d`` in ``module``.
         norm_type: the p of the p-norm (2 uses the Gram form).
         per_task: ``[B, K]`` norms of every (sample, task) gradient, or ``[B]`` norms of
             each sample's gradient of ``Σₖ ℓᵢₖ``.
@@ -139,7 +146,7 @@ class GhostNorms:
         self._handles: list[Any] = []
         refused: list[str] = []
         for name, sub in module.named_modules():
-            if not isinstance(sub, (nn.Linear, nn.Conv2d)):
+            if not isinstance(sub, (nn.Linear, nn.Conv1d, nn.Conv2d)):
                 continue
             mine = [p for p in (sub.weight, sub.bias) if p is not None and id(p) in wanted]
             if not mine:
@@ -159,8 +166,8 @@ class GhostNorms:
         if missing:
             self.remove()
             raise ValueError(
-                f"GhostNorms covers the weights and biases of nn.Linear and nn.Conv2d "
-                f"(groups=1, zero padding); {missing} are not"
+                f"GhostNorms covers the weights and biases of nn.Linear, nn.Conv1d and "
+                f"nn.Conv2d (groups=1, zero padding); {missing} are not"
                 f"{' (refused layers: ' + ', '.join(refused) + ')' if refused else ''}: bound "
                 f"them with per_sample_grad_norms_of_model (torch.func), or pass params= "
                 f"without them"
