@@ -262,6 +262,38 @@ def test_ghost_norms_of_strided_dilated_rectangular_convolutions() -> None:
                                atol=1e-12)
 
 
+class _NormedTokens(torch.nn.Module):
+    """Linear, LayerNorm over the last two axes, tanh, Linear on ``[B, S, 2, 3]`` tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(3, 3)
+        self.norm = torch.nn.LayerNorm((2, 3))
+        self.out = torch.nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.norm(self.inp(x)))  # [B, S, 2, 3]
+        return self.out(h.flatten(2)).mean(dim=1)
+
+
+def test_ghost_norms_of_layer_norm() -> None:
+    torch.manual_seed(2)
+    model = _NormedTokens().double()
+    with torch.no_grad():  # affine parameters away from their (1, 0) start
+        model.norm.weight.uniform_(0.5, 1.5)
+        model.norm.bias.uniform_(-0.5, 0.5)
+    x = torch.randn(4, 5, 2, 3, dtype=torch.float64)
+    y = torch.randn(4, 2, dtype=torch.float64)
+    params = list(model.parameters())
+    expected = torch.stack([torch.stack([torch.linalg.vector_norm(torch.cat([
+        g.flatten() for g in torch.autograd.grad(((model(x[i : i + 1]) - y[i]) ** 2)[0, k],
+                                                 params)])) for k in range(2)])
+        for i in range(4)])
+    ghost = GhostNorms(model)
+    torch.testing.assert_close(ghost.norms((model(x) - y) ** 2), expected, rtol=1e-10,
+                               atol=1e-12)
+
+
 class _Tokens(torch.nn.Module):
     """``[B, S, i]`` -> Linear -> tanh -> Linear -> mean over S: ``[B, K]`` outputs."""
 
@@ -331,8 +363,8 @@ def test_ghost_norms_under_bfloat16_autocast(materialise: bool) -> None:
 def test_ghost_norms_refuse_what_they_cannot_bound() -> None:
     model, x, y = build("transformer", num_tasks=2, batch=4)
     with pytest.raises(ValueError, match=r"covers the weights and biases of nn.Linear, "
-                                         r"nn.Conv1d and nn.Conv2d .groups=1, zero padding.; "
-                                         r"\[.*norm"):
+                                         r"nn.Conv1d, nn.Conv2d .groups=1, zero padding. and "
+                                         r"nn.LayerNorm; \[.*in_proj"):
         GhostNorms(model)
     grouped = torch.nn.Sequential(torch.nn.Conv2d(2, 4, 3, groups=2), torch.nn.Flatten())
     with pytest.raises(ValueError, match=r"refused layers: 0 \(grouped convolution\)"):

@@ -18,8 +18,10 @@ Per sample, the cheaper of the two exact routes is taken: the Gram form above
 always materialises.
 
 Covered: ``nn.Linear``, ``nn.Conv1d`` and ``nn.Conv2d`` (groups 1, zero padding given as
-numbers) called through their ``forward``; any other trainable parameter of the module
-raises at construction (use :func:`~gradbalance.clip.per_sample_grad_norms_of_model` there).
+numbers), and ``nn.LayerNorm`` (``∇γ = Σₛ Dᵢₛ ⊙ x̂ᵢₛ``, ``∇β = Σₛ Dᵢₛ``, with ``x̂`` recomputed
+from the recorded input), called through their ``forward``; any other trainable parameter
+of the module raises at construction (use
+:func:`~gradbalance.clip.per_sample_grad_norms_of_model` there).
 """
 
 from __future__ import annotations
@@ -44,8 +46,7 @@ _MANY_CALLS = 64
 class _Layer:
     """One hooked layer: its recorded calls and how they become ``[B, S, in]`` / ``[B, S, out]``."""
 
-    def __init__(self, name: str, module: nn.Linear | nn.Conv1d | nn.Conv2d, weight: bool,
-                 bias: bool) -> None:
+    def __init__(self, name: str, module: nn.Module, weight: bool, bias: bool) -> None:
         self.name = name
         self.module = module
         self.weight = weight
@@ -59,6 +60,10 @@ class _Layer:
         if isinstance(m, nn.Conv2d):
             patches = nn.functional.unfold(x, m.kernel_size, m.dilation, m.padding, m.stride)
             return patches.transpose(1, 2)  # [B, H'·W', C·kh·kw]
+        if isinstance(m, nn.LayerNorm):  # the normalised input x̂: y = γ ⊙ x̂ + β
+            dims = len(m.normalized_shape)
+            flat = nn.functional.layer_norm(x, m.normalized_shape, None, None, m.eps)
+            return flat.reshape(batch, -1, *x.shape[x.dim() - dims:]).flatten(2)
         if isinstance(m, nn.Conv1d):  # a 1 × k convolution on a [B, C, 1, L] image
             patches = nn.functional.unfold(x.unsqueeze(2), (1, m.kernel_size[0]),
                                            (1, m.dilation[0]), (0, m.padding[0]),
@@ -70,12 +75,17 @@ class _Layer:
         """The gradient of the layer's output as ``[B, S, out]``."""
         if isinstance(self.module, (nn.Conv1d, nn.Conv2d)):
             return d.reshape(batch, d.shape[1], -1).transpose(1, 2)
+        if isinstance(self.module, nn.LayerNorm):
+            dims = len(self.module.normalized_shape)
+            return d.reshape(batch, -1, *d.shape[d.dim() - dims:]).flatten(2)
         return d.reshape(batch, -1, d.shape[-1])
 
 
 def _refusal(module: nn.Module) -> str | None:
     """Why ``module``'s per-sample gradient has no ghost form here (None: it has one)."""
     if isinstance(module, nn.Linear):
+        return None
+    if isinstance(module, nn.LayerNorm):
         return None
     if isinstance(module, (nn.Conv1d, nn.Conv2d)):
         if module.groups != 1:
@@ -95,7 +105,10 @@ def _sample_norms(x: Tensor, d: Tensor, layer: _Layer, norm_type: float) -> Tens
     total = torch.zeros(b, dtype=torch.float64, device=d.device)
     if layer.bias:
         total += torch.linalg.vector_norm(d.sum(dim=1), norm_type, dim=1).double() ** norm_type
-    if layer.weight:
+    if layer.weight and isinstance(layer.module, nn.LayerNorm):  # ∇γ = Σₛ Dₛ ⊙ x̂ₛ
+        total += torch.linalg.vector_norm((d * x).sum(dim=1), norm_type, dim=1).double() \
+            ** norm_type
+    elif layer.weight:
         if norm_type == 2.0 and s * s * (i + o) < s * i * o:
             gram = (x @ x.transpose(1, 2)).double() * (d @ d.transpose(1, 2)).double()
             total += gram.sum(dim=(1, 2)).clamp_min(0)
@@ -107,7 +120,7 @@ def _sample_norms(x: Tensor, d: Tensor, layer: _Layer, norm_type: float) -> Tens
 
 
 class GhostNorms:
-    """Forward hooks on the linear and conv layers of ``module``; per-sample norms on demand.
+    """Forward hooks on the linear, conv and LayerNorm layers of ``module``; per-sample norms.
 
     Build it once, before the forward; then per step::
 
@@ -117,8 +130,8 @@ class GhostNorms:
     Args:
         module: the model (or the part whose parameters are bounded).
         params: the parameters bounded (default: every trainable parameter of ``module``);
-            each must be the weight or bias of an ``nn.Linear``, ``nn.Conv1d`` or
-            ``nn.Conv2d`` in ``module``.
+            each must be the weight or bias of an ``nn.Linear``, ``nn.Conv1d``,
+            ``nn.Conv2d`` or ``nn.LayerNorm`` in ``module``.
         norm_type: the p of the p-norm (2 uses the Gram form).
         per_task: ``[B, K]`` norms of every (sample, task) gradient, or ``[B]`` norms of
             each sample's gradient of ``Σₖ ℓᵢₖ``.
@@ -146,7 +159,7 @@ class GhostNorms:
         self._handles: list[Any] = []
         refused: list[str] = []
         for name, sub in module.named_modules():
-            if not isinstance(sub, (nn.Linear, nn.Conv1d, nn.Conv2d)):
+            if not isinstance(sub, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.LayerNorm)):
                 continue
             mine = [p for p in (sub.weight, sub.bias) if p is not None and id(p) in wanted]
             if not mine:
@@ -166,8 +179,8 @@ class GhostNorms:
         if missing:
             self.remove()
             raise ValueError(
-                f"GhostNorms covers the weights and biases of nn.Linear, nn.Conv1d and "
-                f"nn.Conv2d (groups=1, zero padding); {missing} are not"
+                f"GhostNorms covers the weights and biases of nn.Linear, nn.Conv1d, "
+                f"nn.Conv2d (groups=1, zero padding) and nn.LayerNorm; {missing} are not"
                 f"{' (refused layers: ' + ', '.join(refused) + ')' if refused else ''}: bound "
                 f"them with per_sample_grad_norms_of_model (torch.func), or pass params= "
                 f"without them"
