@@ -96,10 +96,27 @@ def _refusal(module: nn.Module) -> str | None:
     return type(module).__name__
 
 
-def _sample_norms(x: Tensor, d: Tensor, layer: _Layer, norm_type: float) -> Tensor:
-    """Per-sample ``‖∇W‖ᵖ + ‖∇b‖ᵖ`` (p-th powers, float64) from ``x`` ``[B, S, i]``, ``d``."""
-    common = torch.promote_types(torch.promote_types(x.dtype, d.dtype), torch.float32)
-    x, d = x.to(common), d.to(common)  # autocast: fp32 inputs, 16-bit output gradients
+class _Inputs:
+    """A layer's recorded inputs as ``[B, S, in]`` rows, built once per :meth:`norms` call,
+    with their per-sample Gram matrix ``Xᵢ Xᵢᵀ`` computed once when the Gram form is used."""
+
+    def __init__(self, layer: _Layer, batch: int) -> None:
+        self.layer = layer
+        self.x = torch.cat([layer.rows(t, batch) for t in layer.inputs], 1)
+        self._gram: Tensor | None = None
+
+    def gram(self) -> Tensor:
+        if self._gram is None:
+            x = self.x.to(torch.promote_types(self.x.dtype, torch.float32))
+            self._gram = (x @ x.transpose(1, 2)).double()
+        return self._gram
+
+
+def _sample_norms(inputs: _Inputs, d: Tensor, norm_type: float) -> Tensor:
+    """Per-sample ``‖∇W‖ᵖ + ‖∇b‖ᵖ`` (p-th powers, float64) from the rows and ``d`` ``[B, S, o]``."""
+    layer = inputs.layer
+    common = torch.promote_types(torch.promote_types(inputs.x.dtype, d.dtype), torch.float32)
+    x, d = inputs.x.to(common), d.to(common)  # autocast: fp32 inputs, 16-bit output gradients
     b, s, i = x.shape
     o = d.shape[2]
     total = torch.zeros(b, dtype=torch.float64, device=d.device)
@@ -110,7 +127,7 @@ def _sample_norms(x: Tensor, d: Tensor, layer: _Layer, norm_type: float) -> Tens
             ** norm_type
     elif layer.weight:
         if norm_type == 2.0 and s * s * (i + o) < s * i * o:
-            gram = (x @ x.transpose(1, 2)).double() * (d @ d.transpose(1, 2)).double()
+            gram = inputs.gram() * (d @ d.transpose(1, 2)).double()
             total += gram.sum(dim=(1, 2)).clamp_min(0)
         else:
             grads = d.transpose(1, 2) @ x  # [B, o, i]
@@ -221,31 +238,32 @@ class GhostNorms:
 
     def _norms(self, losses: Tensor, layers: list[_Layer], scale: float | Tensor) -> Tensor:
         columns = losses.reshape(losses.shape[0], -1)
+        batch = columns.shape[0]
+        for layer in layers:
+            if any(t.shape[0] != batch for t in layer.inputs):
+                shapes = [tuple(t.shape) for t in layer.inputs]
+                self.clear()
+                raise ValueError(
+                    f"layer {layer.name!r} recorded inputs of shapes {shapes} but the "
+                    f"losses have {batch} samples: the batch must be dim 0 of every layer "
+                    f"input, and every forward under grad since the last norms() is "
+                    f"recorded (call clear() after other forwards)"
+                )
+        rows = [_Inputs(layer, batch) for layer in layers]  # once for all K tasks
         roots = [columns.sum(dim=1)] if not self.per_task else list(columns.unbind(1))
         outputs = [y for layer in layers for y in layer.outputs]
-        batch = columns.shape[0]
         result = torch.zeros(batch, len(roots), dtype=torch.float64, device=losses.device)
         for k, root in enumerate(roots):
             grads = torch.autograd.grad(root.sum() * scale, outputs, retain_graph=True,
                                         allow_unused=True)
             at = 0
-            for layer in layers:
+            for layer, inputs in zip(layers, rows):
                 calls = len(layer.outputs)
                 ds = [torch.zeros_like(y) if g is None else g
                       for y, g in zip(layer.outputs, grads[at : at + calls])]
                 at += calls
-                if any(t.shape[0] != batch for t in layer.inputs):
-                    shapes = [tuple(t.shape) for t in layer.inputs]
-                    self.clear()
-                    raise ValueError(
-                        f"layer {layer.name!r} recorded inputs of shapes {shapes} but the "
-                        f"losses have {batch} samples: the batch must be dim 0 of every "
-                        f"layer input, and every forward under grad since the last "
-                        f"norms() is recorded (call clear() after other forwards)"
-                    )
-                x = torch.cat([layer.rows(t, batch) for t in layer.inputs], 1)
                 d = torch.cat([layer.output_rows(t, batch) for t in ds], 1)
-                result[:, k] += _sample_norms(x, d, layer, self.norm_type)
+                result[:, k] += _sample_norms(inputs, d, self.norm_type)
         self.clear()
         divisor = scale.detach().double() if isinstance(scale, Tensor) else float(scale)
         norms = result ** (1.0 / self.norm_type) / divisor
