@@ -529,6 +529,16 @@ def test_rejects_bad_settings(kwargs: dict, message: str) -> None:
         PerSampleClip(**kwargs)
 
 
+def test_every_route_rejects_a_non_boolean_per_task() -> None:
+    model, x, y = build("mlp", num_tasks=2, batch=4)
+    per_sample = _per_sample_losses(model, x, y)
+    for call in (lambda: per_sample_grad_norms(per_sample, model.parameters(), per_task=1),
+                 lambda: per_sample_grad_norms_of_model(model, _loss_fn, x, y, per_task="no"),
+                 lambda: GhostNorms(model, per_task=0)):
+        with pytest.raises(ValueError, match="Invalid per_task"):
+            call()
+
+
 def test_rejects_bad_batch_size_and_foreign_state() -> None:
     clip = PerSampleClip(max_norm=1.0, noise_multiplier=1.0)
     p = torch.zeros(2, requires_grad=True)

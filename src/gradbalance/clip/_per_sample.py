@@ -34,7 +34,12 @@ from .._statedict import check_keys
 from .._types import NonFiniteGradientError, as_parameter_list
 from ..balancers._rng import check_generator, private_generator
 from ..modes._common import scale_of
-from ._per_sample_graph import _check_chunk_size, _check_losses, per_sample_grad_norms
+from ._per_sample_graph import (
+    _check_chunk_size,
+    _check_losses,
+    _check_per_task,
+    per_sample_grad_norms,
+)
 from ._task import _EPS, check_max_norm, check_norm_type
 
 __all__ = ["PerSampleClip"]
@@ -72,9 +77,7 @@ class PerSampleClip(PicklableGenerators):
                  chunk_size: int | None = None) -> None:
         self.max_norm = check_max_norm(max_norm)
         self.norm_type = check_norm_type(norm_type)
-        if not isinstance(per_task, bool):
-            raise ValueError(f"Invalid per_task: {per_task!r} (expected True or False)")
-        self.per_task = per_task
+        self.per_task = _check_per_task(per_task)
         if isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, (int, float)) \
                 or not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
             raise ValueError(

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev, vmap
 
-from ._per_sample_graph import _CHUNK_ELEMENTS, _check_chunk_size
+from ._per_sample_graph import _CHUNK_ELEMENTS, _check_chunk_size, _check_per_task
 from ._task import check_norm_type
 
 __all__ = ["per_sample_grad_norms_of_model"]
@@ -69,6 +69,7 @@ def per_sample_grad_norms_of_model(
     """
     norm_type = check_norm_type(norm_type)
     chunk_size = _check_chunk_size(chunk_size)
+    per_task = _check_per_task(per_task)
     if not isinstance(inputs, Tensor) or not isinstance(targets, Tensor) or (
         inputs.shape[0] != targets.shape[0]
     ):

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from ..modes._common import no_autocast
-from ._per_sample_graph import _check_losses
+from ._per_sample_graph import _check_losses, _check_per_task
 from ._task import check_norm_type
 
 __all__ = ["GhostNorms"]
@@ -166,9 +166,7 @@ class GhostNorms:
                 "Invalid norm_type: inf (GhostNorms sums p-th powers over layers; "
                 "use a finite p, or per_sample_grad_norms_of_model for the max-norm)"
             )
-        if not isinstance(per_task, bool):
-            raise ValueError(f"Invalid per_task: {per_task!r} (expected True or False)")
-        self.per_task = per_task
+        self.per_task = _check_per_task(per_task)
         named = {name: p for name, p in module.named_parameters() if p.requires_grad}
         wanted = set(map(id, named.values() if params is None else params))
         covered: set[int] = set()

@@ -55,6 +55,12 @@ def _check_chunk_size(chunk_size: int | None) -> int | None:
     return chunk_size
 
 
+def _check_per_task(per_task: bool) -> bool:
+    if not isinstance(per_task, bool):
+        raise ValueError(f"Invalid per_task: {per_task!r} (expected True or False)")
+    return per_task
+
+
 def _cotangents(rows: range, shape: torch.Size, joint: bool, value: float | Tensor,
                 like: Tensor) -> Tensor:
     """One cotangent per row: a one at ``(i, k)``, or ones on sample i's tasks (``joint``)."""
@@ -125,7 +131,7 @@ def per_sample_grad_norms(
     plist = as_parameter_list(params, "params")
     norm_type = check_norm_type(norm_type)
     chunk_size = _check_chunk_size(chunk_size)
-    joint = not per_task and losses.dim() == 2
+    joint = not _check_per_task(per_task) and losses.dim() == 2
     total = losses.shape[0] if joint else losses.numel()
     if chunk_size is None:  # a row costs its gradients (P) and its cotangent (B·K)
         per_row = sum(p.numel() for p in plist) + losses.numel()
