@@ -347,6 +347,54 @@ def test_ghost_norms_of_a_strided_dilated_1d_convolution() -> None:
                                atol=1e-12)
 
 
+class _EmbeddedTokens(torch.nn.Module):
+    """Token ids ``[B, S]`` -> Embedding (padding id 0) -> LayerNorm -> tanh -> Linear, with
+    the embedding called twice (a tied input): mean over S, ``[B, 2]`` outputs."""
+
+    def __init__(self, vocab: int, d: int) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, d, padding_idx=0)
+        self.norm = torch.nn.LayerNorm(d)
+        self.out = torch.nn.Linear(d, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids) + 0.5 * self.embed(ids.flip(1))
+        return self.out(torch.tanh(self.norm(h))).mean(dim=1)
+
+
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.0])
+def test_ghost_norms_of_an_embedding_with_repeated_and_padding_ids(norm_type: float) -> None:
+    # A vocabulary of 5 over 9 positions: ids repeat within a sample (their rows add up
+    # before the norm) and id 0 is padding (its row gets no gradient).
+    torch.manual_seed(3)
+    model = _EmbeddedTokens(vocab=5, d=4).double()
+    ids = torch.randint(0, 5, (6, 9))
+    ids[0] = 0  # one sample all padding: only LayerNorm and the head have gradients
+    y = torch.randn(6, 2, dtype=torch.float64)
+    params = list(model.parameters())
+    expected = torch.zeros(6, 2, dtype=torch.float64)
+    for i in range(6):
+        ell = ((model(ids[i : i + 1]) - y[i]) ** 2)[0]
+        for k in range(2):
+            grads = torch.autograd.grad(ell[k], params, retain_graph=True)
+            expected[i, k] = torch.linalg.vector_norm(
+                torch.cat([g.flatten() for g in grads]), norm_type)
+    ghost = GhostNorms(model, norm_type=norm_type)
+    found = ghost.norms((model(ids) - y) ** 2)
+    torch.testing.assert_close(found, expected, rtol=1e-10, atol=1e-12)
+    embedding_only = GhostNorms(model, params=[model.embed.weight], norm_type=norm_type)
+    found = embedding_only.norms((model(ids) - y) ** 2)
+    ghost.clear()
+    assert (found[0] == 0).all() and (found[1:] > 0).all()
+
+
+def test_ghost_norms_refuse_an_embedding_scaled_by_frequency() -> None:
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 3, scale_grad_by_freq=True),
+                                torch.nn.Flatten(), torch.nn.Linear(6, 1))
+    with pytest.raises(ValueError, match=r"0 \(scale_grad_by_freq couples the samples\)"):
+        GhostNorms(model)
+
+
 @pytest.mark.parametrize("materialise", [False, True])
 def test_ghost_norms_under_bfloat16_autocast(materialise: bool) -> None:
     # 16-bit layer outputs (and output gradients), fp32 inputs: both routes run in fp32 and
@@ -364,8 +412,8 @@ def test_ghost_norms_under_bfloat16_autocast(materialise: bool) -> None:
 def test_ghost_norms_refuse_what_they_cannot_bound() -> None:
     model, x, y = build("transformer", num_tasks=2, batch=4)
     with pytest.raises(ValueError, match=r"covers the weights and biases of nn.Linear, "
-                                         r"nn.Conv1d, nn.Conv2d .groups=1, zero padding. and "
-                                         r"nn.LayerNorm; \[.*in_proj"):
+                                         r"nn.Conv1d, nn.Conv2d .groups=1, zero padding., "
+                                         r"nn.LayerNorm and nn.Embedding; \[.*in_proj"):
         GhostNorms(model)
     grouped = torch.nn.Sequential(torch.nn.Conv2d(2, 4, 3, groups=2), torch.nn.Flatten())
     with pytest.raises(ValueError, match=r"refused layers: 0 \(grouped convolution\)"):

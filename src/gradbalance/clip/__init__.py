@@ -12,7 +12,7 @@
   :class:`PerSampleClip` turns ``[B, K]`` per-sample losses into task losses whose gradient
   is the per-sample-clipped mean, for the ordinary step; :func:`per_sample_grad_norms` (any
   graph), :func:`per_sample_grad_norms_of_model` (from the model via torch.func, linear in
-  the batch) and :class:`GhostNorms` (ghost norms of linear, conv and LayerNorm layers).
+  the batch) and :class:`GhostNorms` (ghost norms of linear, conv, LayerNorm and embedding layers).
 * :func:`suggest_max_norm`: a limit from logged pre-clip norms (90th–95th percentile rule).
 
 Every clip works in place and returns the pre-clip norm(s) for logging.

@@ -18,9 +18,11 @@ Per sample, the cheaper of the two exact routes is taken: the Gram form above
 always materialises.
 
 Covered: ``nn.Linear``, ``nn.Conv1d`` and ``nn.Conv2d`` (groups 1, zero padding given as
-numbers), and ``nn.LayerNorm`` (``∇γ = Σₛ Dᵢₛ ⊙ x̂ᵢₛ``, ``∇β = Σₛ Dᵢₛ``, with ``x̂`` recomputed
-from the recorded input), called through their ``forward``; any other trainable parameter
-of the module raises at construction (use
+numbers), ``nn.LayerNorm`` (``∇γ = Σₛ Dᵢₛ ⊙ x̂ᵢₛ``, ``∇β = Σₛ Dᵢₛ``, with ``x̂`` recomputed
+from the recorded input) and ``nn.Embedding`` (row v of sample i's gradient is
+``Σ_{s: idsᵢₛ = v} Dᵢₛ``, summed per (sample, token id) in ``O(S·out)``; the padding row gets
+none; ``scale_grad_by_freq`` couples the samples and is refused), called through their
+``forward``; any other trainable parameter of the module raises at construction (use
 :func:`~gradbalance.clip.per_sample_grad_norms_of_model` there).
 """
 
@@ -38,6 +40,9 @@ from ._per_sample_graph import _check_losses, _check_per_task
 from ._task import check_norm_type
 
 __all__ = ["GhostNorms"]
+
+#: The layers with a ghost form.
+_COVERED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.LayerNorm, nn.Embedding)
 
 #: Recorded forwards of one layer past which a forgotten norms()/clear() is likely.
 _MANY_CALLS = 64
@@ -69,6 +74,8 @@ class _Layer:
                                            (1, m.dilation[0]), (0, m.padding[0]),
                                            (1, m.stride[0]))
             return patches.transpose(1, 2)  # [B, L', C·k]
+        if isinstance(m, nn.Embedding):  # the token ids [B, S]
+            return x.reshape(batch, -1)
         return x.reshape(batch, -1, x.shape[-1])
 
     def output_rows(self, d: Tensor, batch: int) -> Tensor:
@@ -87,6 +94,8 @@ def _refusal(module: nn.Module) -> str | None:
         return None
     if isinstance(module, nn.LayerNorm):
         return None
+    if isinstance(module, nn.Embedding):
+        return "scale_grad_by_freq couples the samples" if module.scale_grad_by_freq else None
     if isinstance(module, (nn.Conv1d, nn.Conv2d)):
         if module.groups != 1:
             return "grouped convolution"
@@ -112,9 +121,28 @@ class _Inputs:
         return self._gram
 
 
+def _embedding_norms(ids: Tensor, d: Tensor, module: nn.Embedding, norm_type: float) -> Tensor:
+    """Per-sample ``‖∇W‖ᵖ`` (float64) of an embedding: the rows ``d`` ``[B, S, o]`` summed per
+    (sample, token id), the padding id left out."""
+    batch, seq = ids.shape
+    keys = (torch.arange(batch, device=ids.device)[:, None] * module.num_embeddings + ids)
+    keys, rows = keys.reshape(-1), d.reshape(batch * seq, -1).double()
+    if module.padding_idx is not None:
+        kept = ids.reshape(-1) != module.padding_idx
+        keys, rows = keys[kept], rows[kept]
+    unique, position = torch.unique(keys, return_inverse=True)
+    summed = torch.zeros(unique.numel(), rows.shape[1], dtype=torch.float64, device=d.device)
+    summed.index_add_(0, position, rows)
+    powers = torch.linalg.vector_norm(summed, norm_type, dim=1) ** norm_type
+    total = torch.zeros(batch, dtype=torch.float64, device=d.device)
+    return total.index_add_(0, unique // module.num_embeddings, powers)
+
+
 def _sample_norms(inputs: _Inputs, d: Tensor, norm_type: float) -> Tensor:
     """Per-sample ``‖∇W‖ᵖ + ‖∇b‖ᵖ`` (p-th powers, float64) from the rows and ``d`` ``[B, S, o]``."""
     layer = inputs.layer
+    if isinstance(layer.module, nn.Embedding):
+        return _embedding_norms(inputs.x, d, layer.module, norm_type)
     common = torch.promote_types(torch.promote_types(inputs.x.dtype, d.dtype), torch.float32)
     x, d = inputs.x.to(common), d.to(common)  # autocast: fp32 inputs, 16-bit output gradients
     b, s, i = x.shape
@@ -137,7 +165,8 @@ def _sample_norms(inputs: _Inputs, d: Tensor, norm_type: float) -> Tensor:
 
 
 class GhostNorms:
-    """Forward hooks on the linear, conv and LayerNorm layers of ``module``; per-sample norms.
+    """Forward hooks on the linear, conv, LayerNorm and embedding layers of ``module``;
+    per-sample norms.
 
     Build it once, before the forward; then per step::
 
@@ -148,7 +177,7 @@ class GhostNorms:
         module: the model (or the part whose parameters are bounded).
         params: the parameters bounded (default: every trainable parameter of ``module``);
             each must be the weight or bias of an ``nn.Linear``, ``nn.Conv1d``,
-            ``nn.Conv2d`` or ``nn.LayerNorm`` in ``module``.
+            ``nn.Conv2d``, ``nn.LayerNorm`` or ``nn.Embedding`` in ``module``.
         norm_type: the p of the p-norm (2 uses the Gram form).
         per_task: ``[B, K]`` norms of every (sample, task) gradient, or ``[B]`` norms of
             each sample's gradient of ``Σₖ ℓᵢₖ``.
@@ -174,9 +203,10 @@ class GhostNorms:
         self._handles: list[Any] = []
         refused: list[str] = []
         for name, sub in module.named_modules():
-            if not isinstance(sub, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.LayerNorm)):
+            if not isinstance(sub, _COVERED):
                 continue
-            mine = [p for p in (sub.weight, sub.bias) if p is not None and id(p) in wanted]
+            bias = getattr(sub, "bias", None)
+            mine = [p for p in (sub.weight, bias) if p is not None and id(p) in wanted]
             if not mine:
                 continue
             reason = _refusal(sub)
@@ -184,7 +214,7 @@ class GhostNorms:
                 refused.append(f"{name} ({reason})")
                 continue
             layer = _Layer(name, sub, id(sub.weight) in wanted,
-                           sub.bias is not None and id(sub.bias) in wanted)
+                           bias is not None and id(bias) in wanted)
             covered.update(map(id, mine))
             self._layers.append(layer)
             self._handles.append(sub.register_forward_hook(self._hook(layer)))
@@ -195,7 +225,8 @@ class GhostNorms:
             self.remove()
             raise ValueError(
                 f"GhostNorms covers the weights and biases of nn.Linear, nn.Conv1d, "
-                f"nn.Conv2d (groups=1, zero padding) and nn.LayerNorm; {missing} are not"
+                f"nn.Conv2d (groups=1, zero padding), nn.LayerNorm and nn.Embedding; "
+                f"{missing} are not"
                 f"{' (refused layers: ' + ', '.join(refused) + ')' if refused else ''}: bound "
                 f"them with per_sample_grad_norms_of_model (torch.func), or pass params= "
                 f"without them"
