@@ -138,9 +138,10 @@ class TaskGradBuffer:
         here and to :meth:`apply_`; the scaled losses are backpropagated, as
         ``scaler.scale`` would.
         ``features``: the shared representation the heads read (``mode="features"`` only).
-        In ``gramian`` and ``features`` modes a step takes one ``backward`` (the Gramian of a
-        sum of micro-batches is not the sum of their Gramians); on a step that reuses cached
-        weights (``update_every``) any number of micro-batches work.
+        In ``features`` mode a step takes one ``backward`` (any number on a step that reuses
+        cached weights, ``update_every``); ``gramian`` mode keeps each earlier micro-batch's
+        linear-layer inputs and output gradients (and the ``[K, P_b]`` rows of other blocks)
+        so that the step's Gramian is the full batch's.
         """
         vector = as_loss_vector(losses, self.num_tasks)
         if self._count > 0 and scaler is not self._scaler:
@@ -165,14 +166,16 @@ class TaskGradBuffer:
                 assert self._cache.weights is not None
                 backward_weighted(self._cache.weights, roots, self.layout.params,
                                   self.head_params)
+                if isinstance(self._engine, GramianMode):
+                    self._engine.clear()  # this forward's records are not needed
             elif isinstance(self._engine, MatrixMode):
                 self._engine.backward(roots, first)
-            else:
+            elif isinstance(self._engine, FeaturesMode):
                 self._check_single_backward()
-                if isinstance(self._engine, FeaturesMode):
-                    self._engine.backward(roots, features)
-                else:
-                    self._engine.backward(roots)
+                self._engine.backward(roots, features)
+            else:
+                self._check_no_process_group()
+                self._engine.backward(roots)
         detached = vector.detach()
         self._losses = detached.clone() if first or self._losses is None else (
             self._losses + detached
@@ -184,11 +187,14 @@ class TaskGradBuffer:
     def _check_single_backward(self) -> None:
         if self._count > 0:
             raise ValueError(
-                f"mode={self.mode!r} takes one backward() per step (the Gramian of a sum of "
-                f"micro-batches is not the sum of their Gramians); call apply_() after each "
-                f"backward(), or use mode='matrix' to accumulate micro-batches"
+                "mode='features' takes one backward() per step (the trunk's backward of the "
+                "balanced feature gradient needs every micro-batch's graph); call apply_() "
+                "after each backward(), or use mode='matrix' or 'gramian' to accumulate "
+                "micro-batches"
             )
-        if self.mode == "gramian" and resolve_process_group(self.process_group) is not None:
+
+    def _check_no_process_group(self) -> None:
+        if resolve_process_group(self.process_group) is not None:
             raise ValueError(
                 "mode='gramian' does not reduce over data-parallel ranks (the Gramian of the "
                 "ranks' mean needs their [K, P] rows); use mode='matrix' or 'features', or "

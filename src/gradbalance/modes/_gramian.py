@@ -21,6 +21,14 @@ output (and, for ``nn.Linear``, its input). Then:
 3. With the weights ``w``, each block gets ``Σₖ wₖ G_b[k]`` from one product with
    ``Σₖ wₖ Dₖ`` — no second backward through the trunk.
 
+Micro-batches: the Gramian of a sum of micro-batches is not the sum of their Gramians, so
+each earlier micro-batch is *settled* when the next one's backward starts: an ``nn.Linear``
+block keeps its detached inputs and output gradients (the full batch's ``x`` and ``Dₖ`` are
+their concatenations along N, so both routes above and the write-back stay exact), any other
+block turns its recorded graph into the ``[K, P_b]`` rows, summed over the micro-batches
+(``K·P_b`` numbers for those blocks only). The micro-batch's graph is then released. A step
+of one micro-batch settles nothing.
+
 Reference: the Gramian-based Jacobian descent of Quinton & Rey, "Jacobian Descent for
 Multi-Objective Optimization" (2024), §6.
 
@@ -63,6 +71,18 @@ class _Block:
     linear: bool
     calls: list[_Call] = field(default_factory=list)
     grads: list[list[Tensor | None]] = field(default_factory=list)  # per call, per output
+    # settled micro-batches of this step: nn.Linear inputs [N, i] and gradients [K, N, o],
+    # or the rows [K, P_b] of any other block, summed
+    inputs: list[Tensor] = field(default_factory=list)
+    output_grads: list[Tensor] = field(default_factory=list)
+    rows: Tensor | None = None
+
+    def forget(self) -> None:
+        self.calls.clear()
+        self.grads.clear()
+        self.inputs.clear()
+        self.output_grads.clear()
+        self.rows = None
 
 
 def _tensors_of(output: Any) -> list[Tensor]:
@@ -142,6 +162,7 @@ class GramianRecorder:
             )
         self.blocks = _find_blocks(roots, params)
         self.paused = False
+        self.settled = False  # an earlier micro-batch of this step is settled
         ref = weakref.ref(self)
         self._handles = [
             block.module.register_forward_hook(_make_hook(ref, index))
@@ -164,8 +185,8 @@ class GramianRecorder:
     def clear(self) -> None:
         """Forget every recorded call (and the task gradients of the block outputs)."""
         for block in self.blocks:
-            block.calls.clear()
-            block.grads.clear()
+            block.forget()
+        self.settled = False
 
     def remove(self) -> None:
         """Remove the forward hooks."""
@@ -199,7 +220,10 @@ class GramianRecorder:
 
     # -- stage 1: task gradients of the block outputs ---------------------------------
     def task_output_grads(self, roots: TaskRoots, batched: bool) -> None:
-        """``∂Lₖ/∂y`` for every recorded block output ``y``, kept as ``[K, *y.shape]``."""
+        """``∂Lₖ/∂y`` for every block output ``y`` recorded since the last backward, kept as
+        ``[K, *y.shape]``; an earlier micro-batch of the step is settled first."""
+        if any(block.grads for block in self.blocks):
+            self.settle(roots.num_tasks)
         outputs = self._check_recorded()
         k_total = roots.num_tasks
         stacks: list[Tensor | None]
@@ -229,9 +253,29 @@ class GramianRecorder:
                 block.grads.append(stacks[pos : pos + len(call.outputs)])
                 pos += len(call.outputs)
 
+    def settle(self, k_total: int) -> None:
+        """Turn the calls that have output gradients into the step's accumulated operands
+        (linear inputs and gradients, other blocks' rows) and release their graph."""
+        for block in self.blocks:
+            done = len(block.grads)
+            if block.linear:
+                x, d = self._linear_operands(block, k_total, raw=True)
+                if d is not None:
+                    block.inputs.append(x)
+                    block.output_grads.append(d)
+            else:
+                rows = self._vjp_rows(block, k_total)
+                if rows is not None:
+                    block.rows = rows if block.rows is None else block.rows.add_(rows)
+            del block.calls[:done]
+            block.grads.clear()
+        self.settled = True
+
     # -- stage 2: the Gramian ---------------------------------------------------------
     def gramian(self, k_total: int, device: torch.device) -> Tensor:
         """``G Gᵀ`` ``[K, K]`` in float64, summed block by block."""
+        if self.settled:
+            self.settle(k_total)
         gram = torch.zeros(k_total, k_total, dtype=torch.float64, device=device)
         for block in self.blocks:
             if block.linear:
@@ -247,19 +291,24 @@ class GramianRecorder:
                 gram += compute_gramian(rows)
         return gram
 
-    def _linear_operands(self, block: _Block, k_total: int) -> tuple[Tensor, Tensor | None]:
+    def _linear_operands(self, block: _Block, k_total: int, raw: bool = False
+                         ) -> tuple[Tensor, Tensor | None]:
+        """``x`` ``[N, i]`` and ``D`` ``[K, N, o]`` over the settled and the pending calls, in
+        at least float32 (``raw``: the pending calls only, in their own dtypes)."""
         mod = block.module
         assert isinstance(mod, nn.Linear)
-        dtype = torch.promote_types(mod.weight.dtype, torch.float32)
-        xs, ds = [], []
+        xs, ds = ([], []) if raw else (list(block.inputs), list(block.output_grads))
         for call, grads in zip(block.calls, block.grads):
             g = grads[0] if grads else None
             if g is None or call.input is None:
                 continue
-            xs.append(call.input.detach().reshape(-1, mod.in_features).to(dtype))
-            ds.append(g.reshape(k_total, -1, mod.out_features).to(dtype))
+            xs.append(call.input.detach().reshape(-1, mod.in_features))
+            ds.append(g.reshape(k_total, -1, mod.out_features))
         if not ds:
             return torch.empty(0), None
+        if not raw:
+            dtype = torch.promote_types(mod.weight.dtype, torch.float32)
+            xs, ds = [x.to(dtype) for x in xs], [d.to(dtype) for d in ds]
         if len(ds) == 1:
             return xs[0], ds[0]
         return torch.cat(xs), torch.cat(ds, dim=1)
@@ -278,6 +327,10 @@ class GramianRecorder:
                                         retain_graph=True, allow_unused=True))
 
     def _generic_rows(self, block: _Block, k_total: int) -> Tensor | None:
+        """The block's ``[K, P_b]`` rows: settled, or from the pending calls' graph."""
+        return block.rows if self.settled else self._vjp_rows(block, k_total)
+
+    def _vjp_rows(self, block: _Block, k_total: int) -> Tensor | None:
         numel = sum(p.numel() for p in block.params)
         rows: Tensor | None = None
         for k in range(k_total):
@@ -300,6 +353,14 @@ class GramianRecorder:
         for block in self.blocks:
             if block.linear:
                 self._write_linear(block, weights)
+                continue
+            if self.settled:
+                if block.rows is not None:
+                    combined = weights.to(block.rows.dtype) @ block.rows
+                    start = 0
+                    for p in block.params:
+                        _add_grad(p, combined[start : start + p.numel()])
+                        start += p.numel()
                 continue
             grads = self._vjp(block, lambda g: torch.tensordot(weights.to(g.dtype), g, 1))
             if grads is None:
