@@ -27,6 +27,10 @@ SCENARIOS = [
     # features mode: the ranks gather the feature gradients and sum the trunk's gradients
     *(Scenario(balancer=b, mode="features") for b in ("sum", "pcgrad", "mgda-loss", "emanorm")),
     Scenario(balancer="emanorm", mode="features", amp=True, inf_step=2),
+    # gramian mode: the ranks gather the linear layers' inputs and output gradients
+    *(Scenario(balancer=b, mode="gramian", ddp=True, micro=2)
+      for b in ("sum", "pcgrad", "mgda-loss", "emanorm")),
+    Scenario(balancer="emanorm", mode="gramian", amp=True, inf_step=2),
     # per-sample clipping (ghost norms) and DP noise: the step itself is unchanged
     *(Scenario(balancer=b, per_sample=True) for b in ("sum", "mgda")),
     Scenario(balancer="pcgrad", per_sample=True, ddp=True, micro=2),
@@ -109,4 +113,16 @@ def test_helpers_detect_and_align_ranks(ranks: list[dict[str, Any]]) -> None:
 
 def test_forgetting_no_sync_under_ddp_raises(ranks: list[dict[str, Any]]) -> None:
     assert ranks[0]["forgot_no_sync_raises"] and ranks[1]["forgot_no_sync_raises"]
-    assert ranks[0]["gramian_refused"] and ranks[1]["gramian_refused"]
+    for rank in ranks:
+        assert "gramian mode under data parallelism needs the same number of samples on " \
+               "every rank, found sizes [32, 40]" in rank["gramian_unequal_shards"]
+
+
+@pytest.mark.parametrize("balancer", ["pcgrad", "mgda-loss", "emanorm"])
+def test_gramian_mode_over_ranks_equals_matrix_mode(ranks: list[dict[str, Any]],
+                                                   balancer: str) -> None:
+    # matrix mode reduces the [K, P] rows; gramian mode gathers layer operands instead
+    gramian = ranks[0][Scenario(balancer=balancer, mode="gramian", ddp=True, micro=2).key]
+    matrix = ranks[0][Scenario(balancer=balancer, ddp=True, micro=2).key]
+    for p, q in zip(gramian["params"], matrix["params"]):
+        torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12)

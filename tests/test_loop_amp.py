@@ -204,7 +204,7 @@ def test_forced_overflow_changes_no_state_and_skips(spec: str) -> None:
         assert torch.equal(balancer.generator.get_state(), saved["generator"])
 
 
-@pytest.mark.parametrize("mode", ["matrix", "features"])
+@pytest.mark.parametrize("mode", ["matrix", "features", "gramian"])
 def test_overflow_in_heads_only_changes_no_balancer_state(mode: str) -> None:
     # The trunk's task gradients are finite but a head's gradient overflows: the scaler will
     # skip the step, so the balancer must not run (GradVac's EMA would move on a lost step).
@@ -212,7 +212,8 @@ def test_overflow_in_heads_only_changes_no_balancer_state(mode: str) -> None:
     balancer = _balancer("gradvac")
     scaler = _scaler()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    buf = TaskGradBuffer(model.shared_parameters(), model.head_parameters(), mode=mode)
+    buf = TaskGradBuffer(model.shared_parameters(), model.head_parameters(), mode=mode,
+                         **({"modules": model.trunk} if mode == "gramian" else {}))
 
     def step(bump: torch.Tensor | float = 0.0) -> StepStats:
         feats = model.trunk(x)

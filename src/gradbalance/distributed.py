@@ -188,12 +188,13 @@ def all_reduce_grads_and_losses_(
     return mean_losses
 
 
-def all_gather_columns(matrix: Tensor, group: Any) -> Tensor:
+def all_gather_columns(matrix: Tensor, group: Any, mode: str = "features") -> Tensor:
     """``[K, n]`` on every rank -> ``[K, W·n]``, the ranks' columns side by side in rank order.
 
-    For ``features`` mode: each rank's feature gradients cover its own samples, so the
-    full-batch matrix is their concatenation. Every rank must hold the same ``n`` (the same
-    shard size); a different one raises on every rank. ``group`` must be resolved.
+    For ``features`` and ``gramian`` modes: each rank's per-sample quantities (feature
+    gradients; layer inputs and output gradients) cover its own samples, so the full batch's
+    are their concatenation. Every rank must hold the same ``n`` (the same shard size); a
+    different one raises on every rank, naming ``mode``. ``group`` must be resolved.
     """
     size = dist.get_world_size(group)
     device = _comm_device(group, matrix.device)
@@ -203,8 +204,8 @@ def all_gather_columns(matrix: Tensor, group: Any) -> Tensor:
     found = [int(w) for w in widths]
     if len(set(found)) > 1:
         raise ValueError(
-            f"features mode under data parallelism needs the same features size on every "
-            f"rank, found {found} (batch x feature size per rank); give every rank the same "
+            f"{mode} mode under data parallelism needs the same number of samples on every "
+            f"rank, found sizes {found} (samples x width per rank); give every rank the same "
             f"number of samples (DistributedSampler(drop_last=True))"
         )
     local = matrix.contiguous().to(device)

@@ -174,7 +174,6 @@ class TaskGradBuffer:
                 self._check_single_backward()
                 self._engine.backward(roots, features)
             else:
-                self._check_no_process_group()
                 self._engine.backward(roots)
         detached = vector.detach()
         self._losses = detached.clone() if first or self._losses is None else (
@@ -193,13 +192,6 @@ class TaskGradBuffer:
                 "micro-batches"
             )
 
-    def _check_no_process_group(self) -> None:
-        if resolve_process_group(self.process_group) is not None:
-            raise ValueError(
-                "mode='gramian' does not reduce over data-parallel ranks (the Gramian of the "
-                "ranks' mean needs their [K, P] rows); use mode='matrix' or 'features', or "
-                "process_group='local'"
-            )
 
     # -- stage 2 ------------------------------------------------------------------------
     def apply_(

@@ -29,6 +29,13 @@ block turns its recorded graph into the ``[K, P_b]`` rows, summed over the micro
 (``K·P_b`` numbers for those blocks only). The micro-batch's graph is then released. A step
 of one micro-batch settles nothing.
 
+Data parallel (W ranks, equal shards): every micro-batch is settled, then the ranks
+all-gather each ``nn.Linear``'s ``x`` and ``Dₖ`` (the full batch's are their concatenations,
+``Dₖ`` divided by W: each loss is the mean of the ranks' means) and average the other blocks'
+rows. Every rank then holds the full batch's operands: the same Gramian, the same weights,
+and the full-batch write-back with no further reduction. Traffic per linear layer:
+``W·N·(i + K·o)`` numbers, small next to ``o·i`` in the regime where this mode pays.
+
 Reference: the Gramian-based Jacobian descent of Quinton & Rey, "Jacobian Descent for
 Multi-Objective Optimization" (2024), §6.
 
@@ -47,8 +54,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
+from ..distributed import all_gather_columns, all_reduce_mean_
 from ..gramian import compute_gramian
 from ..taskgrads import TaskRoots
 
@@ -270,6 +279,33 @@ class GramianRecorder:
             del block.calls[:done]
             block.grads.clear()
         self.settled = True
+
+    def reduce_over_ranks(self, k_total: int, group: Any) -> None:
+        """Settle everything, then give every rank the full batch's operands: linear inputs
+        and output gradients all-gathered (gradients divided by the world size), other
+        blocks' rows averaged. ``group`` must be resolved (not None)."""
+        self.settle(k_total)
+        size = dist.get_world_size(group)
+        for block in self.blocks:
+            if block.linear:
+                mod = block.module
+                assert isinstance(mod, nn.Linear)
+                x, d = self._linear_operands(block, k_total)
+                if d is None:  # no output gradient here: an empty share (checked below)
+                    dtype = torch.promote_types(mod.weight.dtype, torch.float32)
+                    x = mod.weight.new_zeros(0, mod.in_features, dtype=dtype)
+                    d = mod.weight.new_zeros(k_total, 0, mod.out_features, dtype=dtype)
+                n = x.shape[0]
+                block.inputs = [all_gather_columns(x.reshape(1, -1), group, "gramian")
+                                .view(size * n, mod.in_features)]
+                block.output_grads = [all_gather_columns(d.reshape(k_total, -1), group,
+                                                         "gramian")
+                                      .view(k_total, size * n, mod.out_features).div_(size)]
+            else:
+                if block.rows is None:
+                    numel = sum(p.numel() for p in block.params)
+                    block.rows = block.params[0].new_zeros(k_total, numel)
+                all_reduce_mean_([block.rows], group)
 
     # -- stage 2: the Gramian ---------------------------------------------------------
     def gramian(self, k_total: int, device: torch.device) -> Tensor:

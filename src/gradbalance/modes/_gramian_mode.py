@@ -3,7 +3,10 @@
 The same update as ``matrix`` mode for every weighted balancer, without ever holding
 ``[K, P]`` (see :mod:`gradbalance.modes._gramian` for the block-wise engine). With a loss
 scale ``s`` the Gramian of the scaled losses is divided by ``s²``; the write-back stays
-scaled, as ``scaler.unscale_`` expects.
+scaled, as ``scaler.unscale_`` expects, and an overflow in a head alone also skips the
+balancer. Under data parallelism the heads' ``.grad`` and the losses are averaged and the
+recorder gives every rank the full batch's operands, so every rank writes the full-batch
+update.
 """
 
 from __future__ import annotations
@@ -14,10 +17,11 @@ import torch
 from torch import Tensor
 
 from ..balancers._base import Balancer
+from ..distributed import all_reduce_grads_and_losses_
 from ..gramian import is_finite_gramian
 from ..stats import StepStats, build_stats
 from ..taskgrads import TaskRoots
-from ._common import StepInput, heads_backward_, nonfinite_error
+from ._common import StepInput, grads_finite, heads_backward_, nonfinite_error
 from ._gramian import GramianRecorder
 
 __all__ = ["GramianMode"]
@@ -52,10 +56,16 @@ class GramianMode:
             )
         losses, scale = step.losses, step.scale
         try:
+            if step.group is not None:
+                losses = all_reduce_grads_and_losses_(self.head_params, losses, step.group)
+                self.recorder.reduce_over_ranks(losses.shape[0], step.group)
             gram = self.recorder.gramian(losses.shape[0], losses.device)
+            flag = is_finite_gramian(gram)
             if scale is not None:
                 gram = gram / scale.double() ** 2
-            finite = bool(is_finite_gramian(gram))  # host sync: the balancer must not see NaN
+                if self.head_params:  # the scaler skips a step where a head overflowed
+                    flag = flag & grads_finite(self.head_params)
+            finite = bool(flag)  # host sync: the balancer must not see NaN
             if finite:
                 weights = balancer.weights_checked(gram, losses)
             elif scale is not None:  # the plain sum, non-finite: the scaler skips the step
