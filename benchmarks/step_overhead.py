@@ -49,13 +49,17 @@ TRUNKS = {
     # name: (trunk builder, feature width, input shape)
     "mlp": (lambda: mlp_trunk(256, 512, 3), 512, (256, 256)),
     "cnn": (lambda: cnn_trunk(32), 64, (128, 1, 28, 28)),
-    "transformer": (lambda: transformer_trunk(128, 2, 4), 128, (32, 64, 128)),
+    # PyTorch's nn.TransformerEncoderLayer as it comes (feed-forward 2048, dropout 0.1)
+    "transformer": (lambda: transformer_trunk(128, 2, 4, 0.1, 2048), 128, (32, 64, 128)),
+    # the same encoder with a narrow feed-forward (2 * d_model) and no dropout
+    "transformer-narrow": (lambda: transformer_trunk(128, 2, 4), 128, (32, 64, 128)),
     "large": (lambda: mlp_trunk(2048, 2048, 4), 2048, (16, 2048)),
 }
 QUICK_TRUNKS = {
     "mlp": (lambda: mlp_trunk(32, 64, 3), 64, (16, 32)),
     "cnn": (lambda: cnn_trunk(4), 8, (8, 1, 28, 28)),
-    "transformer": (lambda: transformer_trunk(16, 2, 2), 16, (4, 8, 16)),
+    "transformer": (lambda: transformer_trunk(16, 2, 2, 0.1, 64), 16, (4, 8, 16)),
+    "transformer-narrow": (lambda: transformer_trunk(16, 2, 2), 16, (4, 8, 16)),
     "large": (lambda: mlp_trunk(256, 256, 4), 256, (4, 256)),
 }
 BALANCERS = ("pcgrad", "mgda", "upgrad")
@@ -449,7 +453,7 @@ def memory_table(results: dict[tuple[str, int], dict[str, float]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny models, 3 rounds: a smoke run")
-    parser.add_argument("--trunks", default="mlp,cnn,transformer,large")
+    parser.add_argument("--trunks", default="mlp,cnn,transformer,transformer-narrow,large")
     parser.add_argument("--ks", default=None, help="default 2,4,8,16 (--quick: 2,4)")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--reps", type=int, default=1, help="steps per timing sample")

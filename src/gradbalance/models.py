@@ -70,11 +70,24 @@ class _MeanPool(nn.Module):
 
 
 def transformer_trunk(
-    d_model: int = 128, num_layers: int = 2, nhead: int = 4, dropout: float = 0.0
+    d_model: int = 128,
+    num_layers: int = 2,
+    nhead: int = 4,
+    dropout: float = 0.0,
+    dim_feedforward: int | None = None,
 ) -> nn.Sequential:
-    """A ``num_layers`` transformer encoder on ``[B, S, d_model]``, mean-pooled to ``[B, d]``."""
+    """A ``num_layers`` transformer encoder on ``[B, S, d_model]``, mean-pooled to ``[B, d]``.
+
+    The feed-forward width is ``dim_feedforward`` (default ``2 * d_model``);
+    ``transformer_trunk(128, 2, 4, dropout=0.1, dim_feedforward=2048)`` is PyTorch's
+    ``nn.TransformerEncoderLayer`` with its own defaults.
+    """
     layer = nn.TransformerEncoderLayer(
-        d_model, nhead, dim_feedforward=2 * d_model, dropout=dropout, batch_first=True
+        d_model,
+        nhead,
+        dim_feedforward=2 * d_model if dim_feedforward is None else dim_feedforward,
+        dropout=dropout,
+        batch_first=True,
     )
     encoder = nn.TransformerEncoder(layer, num_layers, enable_nested_tensor=False)
     return nn.Sequential(encoder, _MeanPool())
