@@ -204,6 +204,19 @@ def test_ghost_norms_match_a_per_sample_loop(kind: str, per_task: bool) -> None:
                                rtol=1e-4, atol=1e-7)
 
 
+def _single_sample_norms(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+                         norm_type: float = 2.0) -> torch.Tensor:
+    """``‖∇θ (f(xᵢ) − yᵢ)ₖ²‖ₚ`` ``[B, K]``, each sample through the model on its own."""
+    params = list(model.parameters())
+    rows = []
+    for i in range(x.shape[0]):
+        ell = ((model(x[i : i + 1]) - y[i]) ** 2)[0]
+        rows.append(torch.stack([torch.linalg.vector_norm(torch.cat([
+            g.flatten() for g in torch.autograd.grad(ell[k], params, retain_graph=True)]),
+            norm_type) for k in range(ell.shape[0])]))
+    return torch.stack(rows)
+
+
 class _TokenMLP(torch.nn.Module):
     """Linear layers on ``[B, S, d]`` tokens (called twice: a shared layer), mean-pooled."""
 
@@ -229,30 +242,10 @@ def test_ghost_norms_on_token_inputs_and_a_reused_layer(seq: int, d: int, hidden
     model = _TokenMLP(d, hidden).double()
     x = torch.randn(5, seq, d, dtype=torch.float64)
     y = torch.randn(5, 2, dtype=torch.float64)
-    params = list(model.parameters())
-    expected = torch.zeros(5, 2, dtype=torch.float64)
-    for i in range(5):
-        ell = ((model(x[i : i + 1]) - y[i : i + 1]) ** 2)[0]
-        for k in range(2):
-            grads = torch.autograd.grad(ell[k], params, retain_graph=True)
-            expected[i, k] = torch.linalg.vector_norm(
-                torch.cat([g.flatten() for g in grads]), norm_type)
+    expected = _single_sample_norms(model, x, y, norm_type)
     ghost = GhostNorms(model, norm_type=norm_type)
     found = ghost.norms((model(x) - y) ** 2)
     torch.testing.assert_close(found, expected, rtol=1e-10, atol=1e-12)
-
-
-def _single_sample_norms(model: torch.nn.Module, x: torch.Tensor,
-                         y: torch.Tensor) -> torch.Tensor:
-    """``‖∇θ (f(xᵢ) − yᵢ)ₖ²‖`` ``[B, K]``, each sample through the model on its own."""
-    params = list(model.parameters())
-    rows = []
-    for i in range(x.shape[0]):
-        ell = ((model(x[i : i + 1]) - y[i]) ** 2)[0]
-        rows.append(torch.stack([torch.linalg.vector_norm(torch.cat([
-            g.flatten() for g in torch.autograd.grad(ell[k], params, retain_graph=True)]))
-            for k in range(ell.shape[0])]))
-    return torch.stack(rows)
 
 
 def test_ghost_norms_of_strided_dilated_rectangular_convolutions() -> None:
@@ -371,14 +364,7 @@ def test_ghost_norms_of_an_embedding_with_repeated_and_padding_ids(norm_type: fl
     ids = torch.randint(0, 5, (6, 9))
     ids[0] = 0  # one sample all padding: only LayerNorm and the head have gradients
     y = torch.randn(6, 2, dtype=torch.float64)
-    params = list(model.parameters())
-    expected = torch.zeros(6, 2, dtype=torch.float64)
-    for i in range(6):
-        ell = ((model(ids[i : i + 1]) - y[i]) ** 2)[0]
-        for k in range(2):
-            grads = torch.autograd.grad(ell[k], params, retain_graph=True)
-            expected[i, k] = torch.linalg.vector_norm(
-                torch.cat([g.flatten() for g in grads]), norm_type)
+    expected = _single_sample_norms(model, ids, y, norm_type)
     ghost = GhostNorms(model, norm_type=norm_type)
     found = ghost.norms((model(ids) - y) ** 2)
     torch.testing.assert_close(found, expected, rtol=1e-10, atol=1e-12)
