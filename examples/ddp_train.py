@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node=2 examples/ddp_train.py            # CPU: gloo
     torchrun --nproc_per_node=2 examples/ddp_train.py --balancer mgda --micro 2 --amp
+    torchrun --nproc_per_node=2 examples/ddp_train.py --balancer upgrad --mode gramian --micro 2
 
 NCCL on CUDA (one GPU per rank), gloo on CPU. Every rank trains on its own shard of each
 global batch; TaskGradBuffer averages the task gradients ``[K, P]``, the heads' gradients and
@@ -9,6 +10,9 @@ the losses over the ranks before balancing, so every rank takes the same step, t
 process would take on the whole batch. The model is wrapped in DistributedDataParallel; the
 forward and ``buf.backward`` run inside ``model.no_sync()`` so that DDP's own reducer stays
 out of the way. At the end the ranks check they hold bit-identical weights and balancer state.
+``--mode gramian`` gathers the linear layers' inputs and output gradients instead of
+averaging ``[K, P]``; ``--mode features`` gathers the gradients of the trunk's output (one
+micro-batch per step).
 """
 
 from __future__ import annotations
@@ -33,7 +37,10 @@ def main() -> None:
     parser.add_argument("--micro", type=int, default=1, help="micro-batches per rank")
     parser.add_argument("--tasks", type=int, default=3)
     parser.add_argument("--amp", action="store_true", help="mixed precision + GradScaler")
+    parser.add_argument("--mode", default="matrix", choices=["matrix", "gramian", "features"])
     args = parser.parse_args()
+    if args.mode == "features" and args.micro > 1:
+        raise SystemExit("--mode features takes one micro-batch per step: use --micro 1")
 
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -56,7 +63,9 @@ def main() -> None:
     balancer = gradbalance.get_balancer(args.balancer, num_tasks=k, **kwargs)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp)
-    buf = gradbalance.TaskGradBuffer(model.shared_parameters(), model.head_parameters())
+    buf = gradbalance.TaskGradBuffer(
+        model.shared_parameters(), model.head_parameters(), mode=args.mode,
+        **({"modules": model.trunk} if args.mode == "gramian" else {}))
 
     data = torch.Generator().manual_seed(42)  # the same global batches on every rank
     mix = torch.randn(32, k, generator=data)
@@ -69,8 +78,10 @@ def main() -> None:
             for xm, ym in zip(x.chunk(args.micro), y.to(device).chunk(args.micro)):
                 with torch.autocast(device.type, enabled=args.amp,
                                     dtype=torch.float16 if cuda else torch.bfloat16):
-                    losses = regression_losses(ddp(xm), ym)
-                buf.backward(losses / args.micro, scaler=scaler)
+                    feats = model.trunk(xm) if args.mode == "features" else None
+                    outputs = ddp(xm) if feats is None else [h(feats) for h in model.heads]
+                    losses = regression_losses(outputs, ym)
+                buf.backward(losses / args.micro, scaler=scaler, features=feats)
         stats = buf.apply_(balancer, scaler=scaler)
         scaler.unscale_(opt)
         pre_clip = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)

@@ -57,3 +57,26 @@ def test_dp_sgd_clips_adds_noise_and_still_learns() -> None:
     noisy_params = torch.cat([p.detach().flatten() for p in run["model"].parameters()])
     quiet_params = torch.cat([p.detach().flatten() for p in quiet["model"].parameters()])
     assert not torch.equal(noisy_params, quiet_params)  # the noise reached the update
+
+
+def _torchrun_ddp_example(*args: str) -> list[str]:
+    """``torchrun --standalone --nproc_per_node=2 examples/ddp_train.py ARGS``: rank 0's lines."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(EXAMPLES / "ddp_train.py"), "--steps", "12", *args],
+        capture_output=True, text=True, timeout=300, env=env, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout.splitlines()
+
+
+def test_ddp_example_gives_the_same_run_in_matrix_and_gramian_modes() -> None:
+    # gramian mode gathers layer operands instead of averaging [K, P]: the same steps
+    matrix = _torchrun_ddp_example("--balancer", "upgrad", "--micro", "2")
+    gramian = _torchrun_ddp_example("--balancer", "upgrad", "--micro", "2", "--mode", "gramian")
+    assert matrix[-1] == gramian[-1] == "2 ranks hold identical parameters and balancer state"
+    steps = [line for line in matrix if line.startswith("step")]
+    assert len(steps) == 3 and steps == [line for line in gramian if line.startswith("step")]
