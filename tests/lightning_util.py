@@ -28,13 +28,15 @@ def make_balancer() -> Any:  # PCGrad: its random task order must agree on every
 class BalancedModule(pl.LightningModule):
     """Trains ``make_model()`` with ``BalancedManualStep`` (PCGrad) and SGD with momentum."""
 
-    def __init__(self, accumulate: int) -> None:
+    def __init__(self, accumulate: int, mode: str = "matrix") -> None:
         super().__init__()
         self.automatic_optimization = False
         self.net = make_model()
+        extra = {"modules": self.net.trunk} if mode == "gramian" else {}
         self.balanced = BalancedManualStep(make_balancer(), self.net.shared_parameters(),
                                            self.net.head_parameters(),
-                                           accumulate_grad_batches=accumulate)
+                                           accumulate_grad_batches=accumulate, mode=mode,
+                                           **extra)
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch

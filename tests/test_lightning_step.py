@@ -33,8 +33,8 @@ Module = BalancedModule
 _model, _balancer = make_model, make_balancer
 
 
-def _lightning(accumulate: int, amp: bool) -> tuple[Module, Any]:
-    module = Module(accumulate)
+def _lightning(accumulate: int, amp: bool, mode: str = "matrix") -> tuple[Module, Any]:
+    module = Module(accumulate, mode)
     plugins = []
     if amp:
         from lightning.pytorch.plugins import MixedPrecision
@@ -75,9 +75,12 @@ def _plain(accumulate: int, amp: bool) -> tuple[MultiTaskModel, Any]:
     return model, stats
 
 
-@pytest.mark.parametrize(("accumulate", "amp"), [(1, False), (2, False), (2, True)])
-def test_lightning_matches_plain_loop(accumulate: int, amp: bool) -> None:
-    module, trainer = _lightning(accumulate, amp)
+@pytest.mark.parametrize(("accumulate", "amp", "mode"), [
+    (1, False, "matrix"), (2, False, "matrix"), (2, True, "matrix"),
+    (2, False, "gramian"),  # the gramian mode's micro-batches against the plain matrix loop
+])
+def test_lightning_matches_plain_loop(accumulate: int, amp: bool, mode: str) -> None:
+    module, trainer = _lightning(accumulate, amp, mode)
     model, stats = _plain(accumulate, amp)
     assert trainer.global_step == STEPS
     start = _model()
