@@ -199,3 +199,39 @@ def test_matrix_mode_keeps_clip_and_other_modes_refuse_it() -> None:
     buf.backward(torch.stack([head(feats).mean() for head in model.heads]), features=feats)
     with pytest.raises(ValueError, match="clip needs the task-gradient rows"):
         buf.apply_(Sum(), clip=lambda m: m.norm(dim=1))
+
+
+class _TiedTrunk(nn.Module):
+    """A conv whose weight is also used outside its forward, an unused LayerNorm, and a
+    linear layer called with a keyword argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(1, 2, 3, padding=1)
+        self.unused = nn.LayerNorm(8)
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.conv(x.unsqueeze(1))).flatten(1)[:, :8] * self.conv.weight.sum()
+        return torch.tanh(self.out(input=h))
+
+
+@pytest.mark.parametrize("name", ["upgrad", "pcgrad"])
+def test_gramian_mode_takes_other_blocks_parameters_however_they_are_used(name: str) -> None:
+    # Non-linear blocks' rows come from the task passes themselves, so a parameter used
+    # outside its module, or a module never called, still gets matrix mode's gradient.
+    grads = {}
+    for mode in ("matrix", "gramian"):
+        torch.manual_seed(0)
+        trunk = _TiedTrunk().double()
+        heads = [nn.Linear(8, 1).double() for _ in range(3)]
+        shared = list(trunk.parameters())
+        buf = TaskGradBuffer(shared, [p for h in heads for p in h.parameters()], mode=mode,
+                             **({"modules": trunk} if mode == "gramian" else {}))
+        x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        feats = trunk(x)
+        buf.backward([h(feats).pow(2).mean() * (k + 1) for k, h in enumerate(heads)])
+        buf.apply_(make_balancer(name))
+        grads[mode] = grads_of(shared)
+    _close(grads["gramian"], grads["matrix"], rtol=1e-9)
+    assert all(bool((g == 0).all()) for g in grads["gramian"][2:4])  # the unused LayerNorm

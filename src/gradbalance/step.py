@@ -139,9 +139,9 @@ class TaskGradBuffer:
         ``scaler.scale`` would.
         ``features``: the shared representation the heads read (``mode="features"`` only).
         In ``features`` mode a step takes one ``backward`` (any number on a step that reuses
-        cached weights, ``update_every``); ``gramian`` mode keeps each earlier micro-batch's
-        linear-layer inputs and output gradients (and the ``[K, P_b]`` rows of other blocks)
-        so that the step's Gramian is the full batch's.
+        cached weights, ``update_every``); ``gramian`` mode keeps each micro-batch's linear-layer
+        inputs and output gradients (and the ``[K, P_b]`` rows of other blocks) so that the
+        step's Gramian is the full batch's.
         """
         vector = as_loss_vector(losses, self.num_tasks)
         if self._count > 0 and scaler is not self._scaler:

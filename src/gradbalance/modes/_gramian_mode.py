@@ -45,7 +45,7 @@ class GramianMode:
 
     def backward(self, roots: TaskRoots) -> None:
         heads_backward_(roots, self.head_params)
-        self.recorder.task_output_grads(roots, self.batched)
+        self.recorder.task_passes(roots, self.batched)
 
     def apply(self, balancer: Balancer, step: StepInput) -> StepStats:
         if not balancer.from_gramian:
