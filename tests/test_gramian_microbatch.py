@@ -23,9 +23,10 @@ SPLITS = [(8,), (3, 5), (2, 1, 5)]
 
 def _step(model: MultiTaskModel, x: Tensor, y: Tensor, name: str, mode: str,
           split: tuple[int, ...], scaler: torch.amp.GradScaler | None = None,
-          ) -> tuple[list[Tensor], list[Tensor], Tensor]:
+          strategy: str = "auto") -> tuple[list[Tensor], list[Tensor], Tensor]:
     """One step over the micro-batches of ``split``, each loss weighted by its share."""
     buf = TaskGradBuffer(model.shared_parameters(), model.head_parameters(), mode=mode,
+                         strategy=strategy,  # type: ignore[arg-type]
                          **({"modules": model.trunk} if mode == "gramian" else {}))
     start = 0
     for size in split:
@@ -58,6 +59,16 @@ def test_micro_batches_give_the_full_batch_update(kind: str, name: str,
     _close(trunk, trunk_ref, 1e-9)
     _close(heads, heads_ref, 1e-9)
     torch.testing.assert_close(weights, weights_ref, rtol=1e-7, atol=1e-9)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn"])
+def test_batched_passes_give_the_same_update(kind: str) -> None:
+    # one vmapped call for the K passes (linear outputs and the other blocks' parameters)
+    model, x, y = build(kind, batch=8, dtype=torch.float64)
+    trunk_ref, heads_ref, _ = _step(model, x, y, "upgrad", "matrix", SPLITS[0], strategy="loop")
+    trunk, heads, _ = _step(model, x, y, "upgrad", "gramian", (3, 5), strategy="batched")
+    _close(trunk, trunk_ref, 1e-9)
+    _close(heads, heads_ref, 1e-9)
 
 
 class _SharedLayerTrunk(nn.Module):
