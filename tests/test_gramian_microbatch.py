@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import gc
 import weakref
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 from torch import Tensor, nn
 
-from gradbalance import TaskGradBuffer
+from gradbalance import TaskAutoClip, TaskClip, TaskGradBuffer, TaskValueClip
 from gradbalance.models import MultiTaskModel, make_heads, regression_losses
 from helpers import TRUNKS, build, grads_of
 from perf_util import make_balancer
@@ -122,3 +124,65 @@ def test_reused_steps_keep_no_records() -> None:
             buf.backward(regression_losses(model(x[part]), y[part]) / 2)
         buf.apply_(make_balancer("mgda"))
         assert all(not block.calls and block.rows is None for block in recorder.blocks)
+
+
+def _clipped_steps(kind: str, mode: str, clip_of: Callable[[], Any], steps: int = 3,
+                   scaler: torch.amp.GradScaler | None = None) -> tuple[list[Tensor], list[Any]]:
+    """``steps`` SGD steps of UPGrad with per-task clipping; parameters and the stats."""
+    model, x, y = build(kind, batch=8, dtype=torch.float64 if scaler is None else torch.float32)
+    buf = TaskGradBuffer(model.shared_parameters(), model.head_parameters(), mode=mode,
+                         **({"modules": model.trunk} if mode == "gramian" else {}))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    balancer, clip, stats = make_balancer("upgrad"), clip_of(), []
+    for _ in range(steps):
+        for part in (slice(0, 3), slice(3, 8)):
+            share = (part.stop - part.start) / 8
+            buf.backward(regression_losses(model(x[part]), y[part] * 4) * share, scaler=scaler)
+        stats.append(buf.apply_(balancer, scaler=scaler, clip=clip))
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+    return [p.detach().clone() for p in model.parameters()], stats
+
+
+@pytest.mark.parametrize("clip_of", [lambda: TaskClip(0.5), lambda: TaskAutoClip(50.0, 10)],
+                         ids=["TaskClip", "TaskAutoClip"])
+@pytest.mark.parametrize("kind", ["mlp", "transformer"])
+def test_norm_clipping_on_the_gramian_equals_clipping_the_rows(kind: str,
+                                                               clip_of: Callable[[], Any]) -> None:
+    # matrix mode scales the rows of [K, P]; gramian mode scales G Gᵀ by cᵢcⱼ and the
+    # written weights by c — the same step, and the same pre-clip norms
+    params_m, stats_m = _clipped_steps(kind, "matrix", clip_of)
+    params_g, stats_g = _clipped_steps(kind, "gramian", clip_of)
+    assert any(bool((s.pre_clip_norms > 0.5).any()) for s in stats_m)  # the clip acted
+    _close(params_g, params_m, 1e-9)
+    for sm, sg in zip(stats_m, stats_g):
+        torch.testing.assert_close(sg.pre_clip_norms.double(), sm.pre_clip_norms.double(),
+                                   rtol=1e-9, atol=0.0)
+        torch.testing.assert_close(sg.weights, sm.weights, rtol=1e-7, atol=1e-9)
+        torch.testing.assert_close(sg.task_norms, sm.task_norms, rtol=1e-9, atol=0.0)
+
+
+def test_norm_clipping_on_the_gramian_under_a_grad_scaler() -> None:
+    scaler_m = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    scaler_g = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    assert scaler_m.is_enabled() and scaler_g.is_enabled()
+    params_m, _ = _clipped_steps("mlp", "matrix", lambda: TaskClip(0.5), scaler=scaler_m)
+    params_g, stats = _clipped_steps("mlp", "gramian", lambda: TaskClip(0.5), scaler=scaler_g)
+    assert not any(s.found_inf for s in stats)
+    _close(params_g, params_m, 1e-5)
+
+
+def test_gramian_mode_refuses_clips_that_need_the_rows() -> None:
+    model, x, y = build("mlp", batch=8)
+    buf = TaskGradBuffer(model.shared_parameters(), model.head_parameters(), mode="gramian",
+                         modules=model.trunk)
+    for clip in (TaskValueClip(0.1), TaskClip(1.0, norm_type=1.0)):
+        buf.backward(regression_losses(model(x), y))
+        with pytest.raises(ValueError, match=r"needs the task-gradient rows; mode='gramian' "
+                                             r"applies only 2-norm clipping"):
+            buf.apply_(make_balancer("upgrad"), clip=clip)
+        buf.reset()

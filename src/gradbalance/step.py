@@ -224,7 +224,16 @@ class TaskGradBuffer:
                 f"update_every={self.update_every} reuses task weights, but "
                 f"{type(balancer).__name__} is not a weighted balancer; use update_every=1"
             )
-        if clip is not None and self.mode != "matrix" and not self._reused:
+        if clip is not None and self.mode == "gramian" and not self._reused and not (
+            callable(getattr(clip, "coefficients", None))
+            and getattr(clip, "norm_type", None) == 2.0
+        ):
+            raise ValueError(
+                f"clip={clip!r} needs the task-gradient rows; mode='gramian' applies only "
+                f"2-norm clipping that scales whole rows (TaskClip, TaskAutoClip with "
+                f"norm_type=2) to the Gramian; use one of those or mode='matrix'"
+            )
+        if clip is not None and self.mode == "features" and not self._reused:
             raise ValueError(
                 f"clip needs the task-gradient rows of mode='matrix'; this buffer has "
                 f"mode={self.mode!r}"

@@ -230,13 +230,17 @@ class TaskAutoClip(_AutoBase):
     def __call__(self, matrix: Tensor) -> Tensor:
         check_matrix(matrix)
         norms = row_norms(matrix, self.norm_type)
+        matrix.mul_(self.coefficients(norms).to(matrix.dtype).unsqueeze(1))
+        return norms
+
+    def coefficients(self, norms: Tensor) -> Tensor:
+        """The factor ``cₖ`` each row is multiplied by, from its pre-clip norm ``[K]``; the
+        norms join the history (a non-finite set is not recorded and clips nothing)."""
         threshold = self._history.observe(norms)
         if threshold is None:
             if self.error_if_nonfinite:
                 raise self._nonfinite(norms)
-            return norms
-        coef = (threshold / (norms.double() + _EPS)).clamp(max=1.0)
-        matrix.mul_(coef.to(matrix.dtype).unsqueeze(1))
-        return norms
+            return torch.ones_like(norms, dtype=torch.float64)
+        return (threshold / (norms.double() + _EPS)).clamp(max=1.0)
 
 

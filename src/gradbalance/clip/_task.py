@@ -23,6 +23,9 @@ from .._types import NonFiniteGradientError, check_matrix
 
 __all__ = ["TaskClip", "TaskValueClip", "clip_task_norms_", "clip_task_values_", "row_norms"]
 
+#: Clippers whose action on row k is a factor cₖ of the 2-norms alone have ``coefficients``:
+#: ``gramian`` mode applies them to the Gramian (``cᵢ cⱼ (G Gᵀ)ᵢⱼ``) without the rows.
+
 _EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s guard
 
 
@@ -81,14 +84,20 @@ def clip_task_norms_(
         check_max_norm(max_norm)
     norm_type = check_norm_type(norm_type)
     norms = row_norms(matrix, norm_type)
+    coef = norm_clip_coefficients(norms, max_norm, error_if_nonfinite)
+    matrix.mul_(coef.unsqueeze(1).to(matrix.dtype))
+    return norms
+
+
+def norm_clip_coefficients(norms: Tensor, max_norm: float | Tensor,
+                           error_if_nonfinite: bool = False) -> Tensor:
+    """``min(1, max_norm / (‖gₖ‖ + 1e-6))`` per row ``[K]``; 1 where a norm is not finite."""
     finite = torch.isfinite(norms)
     if error_if_nonfinite and not bool(finite.all()):
         raise _nonfinite("matrix", norms)
     limit = max_norm.to(norms) if isinstance(max_norm, Tensor) else max_norm
     coef = (limit / (norms + _EPS)).clamp(max=1.0)
-    coef = torch.where(finite, coef, torch.ones_like(coef))
-    matrix.mul_(coef.unsqueeze(1).to(matrix.dtype))
-    return norms
+    return torch.where(finite, coef, torch.ones_like(coef))
 
 
 def clip_task_values_(matrix: Tensor, clip_value: float) -> Tensor:
@@ -138,6 +147,10 @@ class TaskClip(_Stateless):
 
     def __call__(self, matrix: Tensor) -> Tensor:
         return clip_task_norms_(matrix, self.max_norm, self.norm_type, self.error_if_nonfinite)
+
+    def coefficients(self, norms: Tensor) -> Tensor:
+        """The factor ``cₖ`` each row is multiplied by, from its pre-clip norm ``[K]``."""
+        return norm_clip_coefficients(norms, self.max_norm, self.error_if_nonfinite)
 
     def __repr__(self) -> str:
         return f"TaskClip(max_norm={self.max_norm}, norm_type={self.norm_type})"

@@ -6,7 +6,9 @@ scale ``s`` the Gramian of the scaled losses is divided by ``s²``; the write-ba
 scaled, as ``scaler.unscale_`` expects, and an overflow in a head alone also skips the
 balancer. Under data parallelism the heads' ``.grad`` and the losses are averaged and the
 recorder gives every rank the full batch's operands, so every rank writes the full-batch
-update.
+update. A row clipper with a ``coefficients(norms)`` rule on 2-norms (``TaskClip``,
+``TaskAutoClip``) acts on the Gramian: ``cᵢ cⱼ (G Gᵀ)ᵢⱼ`` for the balancer, ``w ⊙ c`` for the
+write-back.
 """
 
 from __future__ import annotations
@@ -66,17 +68,22 @@ class GramianMode:
                 if self.head_params:  # the scaler skips a step where a head overflowed
                     flag = flag & grads_finite(self.head_params)
             finite = bool(flag)  # host sync: the balancer must not see NaN
+            pre_clip = coef = None
+            if finite and step.clip is not None:  # row k scaled by cₖ: G Gᵀ by cᵢ cⱼ
+                pre_clip = torch.diagonal(gram).clamp_min(0).sqrt()
+                coef = step.clip.coefficients(pre_clip).to(torch.float64)  # type: ignore[attr-defined]
+                gram = gram * coef[:, None] * coef[None, :]
             if finite:
                 weights = balancer.weights_checked(gram, losses)
             elif scale is not None:  # the plain sum, non-finite: the scaler skips the step
                 weights = torch.ones_like(losses, dtype=torch.float64)
             else:
                 raise nonfinite_error()
-            self.recorder.write_weighted_(weights)
+            self.recorder.write_weighted_(weights if coef is None else weights * coef)
         finally:
             self.recorder.clear()
         return build_stats(gram, losses, finite, weights=weights, scale=scale,
-                           num_backward=step.count, mode="gramian")
+                           pre_clip_norms=pre_clip, num_backward=step.count, mode="gramian")
 
     def clear(self) -> None:
         self.recorder.clear()
