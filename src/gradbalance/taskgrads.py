@@ -201,9 +201,14 @@ def _write_row(row: Tensor, grads: Sequence[Tensor | None], layout: ParamLayout,
 def _loop(roots: TaskRoots, layout: ParamLayout, out: Tensor, accumulate: bool,
           retain_graph: bool) -> None:
     k_total = roots.num_tasks
+    previous: tuple[Tensor | None, ...] = ()
     for k in range(k_total):
         keep = retain_graph or k < k_total - 1
-        _write_row(out[k], roots.grad(k, layout.params, keep), layout, accumulate)
+        grads = roots.grad(k, layout.params, keep)
+        _write_row(out[k], grads, layout, accumulate)
+        # Freed only once the next pass has allocated its own: freeing first lets the
+        # allocator hand the memory back to the OS, and every pass page-faults it in again.
+        previous = grads  # noqa: F841
 
 
 def _batched(roots: TaskRoots, layout: ParamLayout, out: Tensor, accumulate: bool,
