@@ -4,7 +4,9 @@
   persistent buffer; every balancer works. Cost: one forward + K backward passes.
 * ``"gramian"``: only ``G Gᵀ`` ``[K, K]``, accumulated block by block, never ``[K, P]``; then
   one weighted write-back. Weighted balancers only (``from_gramian = True``); same update as
-  ``matrix``. Pays off when K·P dwarfs the activations (large layers, small batches).
+  ``matrix``, over any number of micro-batches and under data parallelism (linear layers'
+  inputs and output gradients gathered), with 2-norm row clipping applied to ``G Gᵀ``. Pays
+  off when K·P dwarfs the activations (large layers, small batches).
 * ``"features"``: task gradients w.r.t. the shared representation (the trunk's output) instead
   of its parameters, combined there and backpropagated once through the trunk. A different,
   cheaper, approximate method (e.g. MGDA-UB, Sener & Koltun 2018, §3.3), not the same update.
