@@ -35,6 +35,7 @@ from gradbalance.distributed import (
     sync_weighting_,
 )
 from gradbalance.models import MultiTaskModel, make_heads, mlp_trunk, regression_losses
+from helpers import optimizer_step
 
 K = 3
 GLOBAL_BATCH = 16
@@ -210,12 +211,7 @@ def run(sc: Scenario, rank: int = 0, world: int = 1) -> dict[str, Any]:
                 clip.add_noise_(model.parameters(), batch_size=GLOBAL_BATCH)
             found_inf.append(stats.found_inf)
             losses_log.append(stats.losses.clone())
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
-        opt.zero_grad(set_to_none=True)
+        optimizer_step(opt, scaler)
         if weighting is not None:
             sync_weighting_(weighting)
             weighting.update(found_inf=stats.found_inf)

@@ -77,3 +77,13 @@ class ItemInBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[no-untyped-def]
         return grad * (float(grad.abs().sum().item() >= 0) * 2.0)
+
+
+def optimizer_step(opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> None:
+    """``scaler.step`` + ``scaler.update`` (or ``opt.step``), then ``zero_grad``."""
+    if scaler is not None:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+    opt.zero_grad(set_to_none=True)

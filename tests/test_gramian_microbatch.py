@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from gradbalance import TaskAutoClip, TaskClip, TaskGradBuffer, TaskValueClip
 from gradbalance.models import MultiTaskModel, make_heads, regression_losses
-from helpers import TRUNKS, build, grads_of
+from helpers import TRUNKS, build, grads_of, optimizer_step
 from perf_util import make_balancer
 
 SPLITS = [(8,), (3, 5), (2, 1, 5)]
@@ -139,12 +139,7 @@ def _clipped_steps(kind: str, mode: str, clip_of: Callable[[], Any], steps: int 
             share = (part.stop - part.start) / 8
             buf.backward(regression_losses(model(x[part]), y[part] * 4) * share, scaler=scaler)
         stats.append(buf.apply_(balancer, scaler=scaler, clip=clip))
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
-        opt.zero_grad(set_to_none=True)
+        optimizer_step(opt, scaler)
     return [p.detach().clone() for p in model.parameters()], stats
 
 
