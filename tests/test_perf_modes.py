@@ -235,3 +235,38 @@ def test_gramian_mode_takes_other_blocks_parameters_however_they_are_used(name: 
         grads[mode] = grads_of(shared)
     _close(grads["gramian"], grads["matrix"], rtol=1e-9)
     assert all(bool((g == 0).all()) for g in grads["gramian"][2:4])  # the unused LayerNorm
+
+
+class _LoRALinear(nn.Module):
+    """A frozen linear layer plus a trainable low-rank update ``B A x`` (LoRA)."""
+
+    def __init__(self, width: int, rank: int) -> None:
+        super().__init__()
+        self.base = nn.Linear(width, width).requires_grad_(False)
+        self.lora_a = nn.Linear(width, rank, bias=False)
+        self.lora_b = nn.Linear(rank, width, bias=False)
+        nn.init.normal_(self.lora_b.weight, std=0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.lora_b(self.lora_a(x))
+
+
+def test_gramian_mode_on_lora_adapters_of_a_frozen_trunk() -> None:
+    # The fine-tuning regime: only the adapters are shared parameters; the frozen layers
+    # get no hooks and no gradient.
+    grads = {}
+    for mode in ("matrix", "gramian"):
+        torch.manual_seed(0)
+        trunk = nn.Sequential(_LoRALinear(16, 2), nn.Tanh(), _LoRALinear(16, 2)).double()
+        heads = [nn.Linear(16, 1).double() for _ in range(3)]
+        shared = [p for p in trunk.parameters() if p.requires_grad]
+        assert len(shared) == 4
+        buf = TaskGradBuffer(shared, [p for h in heads for p in h.parameters()], mode=mode,
+                             **({"modules": trunk} if mode == "gramian" else {}))
+        x = torch.randn(5, 16, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+        feats = trunk(x)
+        buf.backward([h(feats).pow(2).mean() * (k + 1) for k, h in enumerate(heads)])
+        buf.apply_(make_balancer("upgrad"))
+        grads[mode] = grads_of(shared)
+        assert all(p.grad is None for p in trunk.parameters() if not p.requires_grad)
+    _close(grads["gramian"], grads["matrix"], rtol=1e-9)
