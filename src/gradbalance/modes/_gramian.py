@@ -215,44 +215,58 @@ class GramianRecorder:
         """K passes for this micro-batch: ``∂Lₖ/∂y`` at the recorded linear outputs (kept
         with their inputs) and the rows of the other blocks (added to the step's)."""
         outputs = self._check_recorded()
-        params = [p for block in self.other for p in block.params]
         k_total = roots.num_tasks
-        grads: list[Tensor | None] = [None] * (len(outputs) + len(params))
+        # each other block's rows [K, P_b] for this micro-batch, written in place per parameter
+        fresh: list[Tensor] = []
+        slots: list[tuple[Tensor, int, int]] = []
+        for block in self.other:
+            first = block.params[0]
+            rows = torch.zeros(k_total, sum(p.numel() for p in block.params),
+                               dtype=first.dtype, device=first.device)
+            fresh.append(rows)
+            start = 0
+            for p in block.params:
+                slots.append((rows, start, start + p.numel()))
+                start += p.numel()
+        params = [p for block in self.other for p in block.params]
+        n_out = len(outputs)
+        stacks: list[Tensor | None] = [None] * n_out
         if batched:
             losses = roots.scaled
             eye = torch.eye(k_total, dtype=losses.dtype, device=losses.device)
-            grads = list(torch.autograd.grad(
+            grads = torch.autograd.grad(
                 losses, [*outputs, *params], grad_outputs=eye, is_grads_batched=True,
                 allow_unused=True,
-            ))
+            )
+            stacks = list(grads[:n_out])
+            for (rows, start, stop), g in zip(slots, grads[n_out:]):
+                if g is not None:
+                    rows[:, start:stop].copy_(g.reshape(k_total, -1))
         else:
             for k in range(k_total):
-                for j, g in enumerate(roots.grad(k, [*outputs, *params],
-                                                 retain_graph=k < k_total - 1)):
+                grads = roots.grad(k, [*outputs, *params], retain_graph=k < k_total - 1)
+                for j, g in enumerate(grads[:n_out]):
                     if g is None:
                         continue
-                    stack = grads[j]
+                    stack = stacks[j]
                     if stack is None:
-                        stack = grads[j] = torch.zeros(
+                        stack = stacks[j] = torch.zeros(
                             (k_total, *g.shape), dtype=g.dtype, device=g.device
                         )
                     stack[k].copy_(g)
+                for (rows, start, stop), g in zip(slots, grads[n_out:]):
+                    if g is not None:
+                        rows[k, start:stop].copy_(g.reshape(-1))
         at = 0
         for block in self.linear:
             for call in block.calls:
-                d = grads[at]
+                d = stacks[at]
                 at += 1
                 if d is not None:
                     block.inputs.append(call.input.detach().reshape(-1, call.input.shape[-1]))
                     block.output_grads.append(d.reshape(k_total, -1, d.shape[-1]))
             block.calls.clear()  # the graph may go
-        for block in self.other:
-            parts = grads[at : at + len(block.params)]
-            at += len(block.params)
-            rows = torch.cat([
-                (torch.zeros(k_total, p.numel(), dtype=p.dtype, device=p.device) if g is None
-                 else g.reshape(k_total, -1)) for p, g in zip(block.params, parts)
-            ], dim=1)
+        for block, rows in zip(self.other, fresh):
             block.rows = rows if block.rows is None else block.rows.add_(rows)
 
     def reduce_over_ranks(self, k_total: int, group: Any) -> None:
