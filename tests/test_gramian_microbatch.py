@@ -181,3 +181,19 @@ def test_gramian_mode_refuses_clips_that_need_the_rows() -> None:
                                              r"applies only 2-norm clipping"):
             buf.apply_(make_balancer("upgrad"), clip=clip)
         buf.reset()
+
+
+def test_forwards_without_backward_pile_up_with_a_warning() -> None:
+    model, x, _ = build("mlp", batch=4)
+    buf = TaskGradBuffer(model.shared_parameters(), model.head_parameters(), mode="gramian",
+                         modules=model.trunk)
+    recorder = buf._engine.recorder
+    with pytest.warns(RuntimeWarning, match=r"holds 64 forwards of layer '\d'") as record:
+        for _ in range(64):
+            model(x)  # e.g. an evaluation loop left under grad
+    assert len(record) == len(recorder.linear) == 3  # once per linear layer
+    with torch.no_grad():
+        model(x)  # not recorded
+    assert all(len(block.calls) == 64 for block in recorder.linear)
+    buf.reset()
+    assert all(not block.calls for block in recorder.linear)

@@ -44,6 +44,7 @@ run under grad between two backward calls are recorded: evaluate under ``torch.n
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -58,6 +59,9 @@ from ..gramian import compute_gramian
 from ..taskgrads import TaskRoots
 
 __all__ = ["GramianRecorder"]
+
+#: Recorded forwards of one layer past which a forgotten torch.no_grad() is likely.
+_MANY_CALLS = 64
 
 
 @dataclass
@@ -177,6 +181,12 @@ class GramianRecorder:
                 f"layer(x)"
             )
         block.calls.append(_Call(x, output, (x._version, output._version)))
+        if len(block.calls) == _MANY_CALLS:
+            warnings.warn(
+                f"mode='gramian' holds {_MANY_CALLS} forwards of layer {block.name!r} since "
+                f"the last backward(): every forward under grad is kept until the next "
+                f"backward() or reset(); evaluate under torch.no_grad()",
+                RuntimeWarning, stacklevel=2)
 
     def clear(self) -> None:
         """Forget the step: recorded calls, output gradients, inputs and rows."""
