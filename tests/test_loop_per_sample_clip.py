@@ -217,6 +217,16 @@ def _single_sample_norms(model: torch.nn.Module, x: torch.Tensor, y: torch.Tenso
     return torch.stack(rows)
 
 
+def _check_ghost_against_single_samples(model: torch.nn.Module, x: torch.Tensor,
+                                        y: torch.Tensor, norm_type: float = 2.0) -> GhostNorms:
+    """Assert ghost norms of ``(f(x) − y)²`` equal the single-sample loop's; return the hooks."""
+    expected = _single_sample_norms(model, x, y, norm_type)
+    ghost = GhostNorms(model, norm_type=norm_type)
+    torch.testing.assert_close(ghost.norms((model(x) - y) ** 2), expected, rtol=1e-10,
+                               atol=1e-12)
+    return ghost
+
+
 class _TokenMLP(torch.nn.Module):
     """Linear layers on ``[B, S, d]`` tokens (called twice: a shared layer), mean-pooled."""
 
@@ -242,10 +252,7 @@ def test_ghost_norms_on_token_inputs_and_a_reused_layer(seq: int, d: int, hidden
     model = _TokenMLP(d, hidden).double()
     x = torch.randn(5, seq, d, dtype=torch.float64)
     y = torch.randn(5, 2, dtype=torch.float64)
-    expected = _single_sample_norms(model, x, y, norm_type)
-    ghost = GhostNorms(model, norm_type=norm_type)
-    found = ghost.norms((model(x) - y) ** 2)
-    torch.testing.assert_close(found, expected, rtol=1e-10, atol=1e-12)
+    _check_ghost_against_single_samples(model, x, y, norm_type)
 
 
 def test_ghost_norms_of_strided_dilated_rectangular_convolutions() -> None:
@@ -258,10 +265,7 @@ def test_ghost_norms_of_strided_dilated_rectangular_convolutions() -> None:
     x = torch.randn(4, 3, 9, 8, dtype=torch.float64)
     y = torch.randn(4, 2, dtype=torch.float64)
     model(x)  # materialise the lazy layer
-    expected = _single_sample_norms(model, x, y)
-    ghost = GhostNorms(model)
-    torch.testing.assert_close(ghost.norms((model(x) - y) ** 2), expected, rtol=1e-10,
-                               atol=1e-12)
+    _check_ghost_against_single_samples(model, x, y)
 
 
 class _NormedTokens(torch.nn.Module):
@@ -286,10 +290,7 @@ def test_ghost_norms_of_layer_norm() -> None:
         model.norm.bias.uniform_(-0.5, 0.5)
     x = torch.randn(4, 5, 2, 3, dtype=torch.float64)
     y = torch.randn(4, 2, dtype=torch.float64)
-    expected = _single_sample_norms(model, x, y)
-    ghost = GhostNorms(model)
-    torch.testing.assert_close(ghost.norms((model(x) - y) ** 2), expected, rtol=1e-10,
-                               atol=1e-12)
+    _check_ghost_against_single_samples(model, x, y)
 
 
 class _Tokens(torch.nn.Module):
@@ -334,10 +335,7 @@ def test_ghost_norms_of_a_strided_dilated_1d_convolution() -> None:
     ).double()
     x = torch.randn(5, 3, 11, dtype=torch.float64)
     y = torch.randn(5, 2, dtype=torch.float64)
-    expected = _single_sample_norms(model, x, y)
-    ghost = GhostNorms(model)
-    torch.testing.assert_close(ghost.norms((model(x) - y) ** 2), expected, rtol=1e-10,
-                               atol=1e-12)
+    _check_ghost_against_single_samples(model, x, y)
 
 
 class _EmbeddedTokens(torch.nn.Module):
@@ -364,10 +362,7 @@ def test_ghost_norms_of_an_embedding_with_repeated_and_padding_ids(norm_type: fl
     ids = torch.randint(0, 5, (6, 9))
     ids[0] = 0  # one sample all padding: only LayerNorm and the head have gradients
     y = torch.randn(6, 2, dtype=torch.float64)
-    expected = _single_sample_norms(model, ids, y, norm_type)
-    ghost = GhostNorms(model, norm_type=norm_type)
-    found = ghost.norms((model(ids) - y) ** 2)
-    torch.testing.assert_close(found, expected, rtol=1e-10, atol=1e-12)
+    ghost = _check_ghost_against_single_samples(model, ids, y, norm_type)
     embedding_only = GhostNorms(model, params=[model.embed.weight], norm_type=norm_type)
     found = embedding_only.norms((model(ids) - y) ** 2)
     ghost.clear()
