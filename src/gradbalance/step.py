@@ -192,7 +192,6 @@ class TaskGradBuffer:
                 "micro-batches"
             )
 
-
     # -- stage 2 ------------------------------------------------------------------------
     def apply_(
         self,

@@ -3,7 +3,9 @@
 Norm clipping scales each row ``gₖ`` by ``min(1, max_norm / (‖gₖ‖ + 1e-6))`` (the formula of
 ``torch.nn.utils.clip_grad_norm_``, applied to every task on its own), so no single task's
 gradient is longer than ``max_norm`` when it reaches the balancer. Value clipping clamps every
-coordinate to ``[-clip_value, clip_value]`` and can turn a row.
+coordinate to ``[-clip_value, clip_value]`` and can turn a row. Norm clipping's factor ``cₖ``
+depends on the row's norm alone (``coefficients``), so ``gramian`` mode applies it to the
+Gramian, ``cᵢ cⱼ (G Gᵀ)ᵢⱼ``, without the rows.
 
 Global clipping of the combined gradient is not here: it stays
 ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` in the user's loop, after
@@ -22,9 +24,6 @@ from .._statedict import reject_state
 from .._types import NonFiniteGradientError, check_matrix
 
 __all__ = ["TaskClip", "TaskValueClip", "clip_task_norms_", "clip_task_values_", "row_norms"]
-
-#: Clippers whose action on row k is a factor cₖ of the 2-norms alone have ``coefficients``:
-#: ``gramian`` mode applies them to the Gramian (``cᵢ cⱼ (G Gᵀ)ᵢⱼ``) without the rows.
 
 _EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s guard
 

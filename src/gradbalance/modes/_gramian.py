@@ -159,7 +159,6 @@ class GramianRecorder:
         self.blocks = _find_blocks(roots, params)
         self.linear = [block for block in self.blocks if block.linear]
         self.other = [block for block in self.blocks if not block.linear]
-        self.paused = False
         ref = weakref.ref(self)
         self._handles = [
             block.module.register_forward_hook(_make_hook(ref, block), with_kwargs=True)
@@ -169,7 +168,7 @@ class GramianRecorder:
     # -- recording ----------------------------------------------------------------------
     def record(self, block: _Block, args: tuple[Any, ...], kwargs: dict[str, Any],
                output: Any) -> None:
-        if self.paused or not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():
             return
         if not isinstance(output, Tensor) or not output.requires_grad:
             return
