@@ -35,7 +35,7 @@ import torch
 from torch import Tensor, nn
 
 import gradbalance as gb
-from gradbalance.models import (
+from gradbalance_lab.models import (
     MultiTaskModel,
     cnn_trunk,
     make_heads,
@@ -127,8 +127,8 @@ def _write_grads(params: list[Tensor], vector: Tensor) -> None:
 
 def _hand_combine(balancer: gb.Balancer, matrix: Tensor, losses: Tensor) -> Tensor:
     if balancer.from_gramian:
-        gram = gb.compute_gramian(matrix)
-        return balancer.weights(gram, losses).to(matrix.dtype) @ matrix
+        gram = gb.functional.compute_gramian(matrix)
+        return balancer.compute_weights(gram, losses).to(matrix.dtype) @ matrix
     return balancer(matrix, losses)
 
 
@@ -148,13 +148,13 @@ def v_plain(b: Bench) -> Step:
 
 
 def v_mode(b: Bench, mode: str, name: str, update_every: int = 1,
-           strategy: str = "auto") -> Step | None:
+           passes: str = "auto") -> Step | None:
     balancer = _balancer(name)
     if balancer is None:
         return None
     kwargs: dict[str, Any] = {"modules": b.model.trunk} if mode == "gramian" else {}
     buf = gb.TaskGradBuffer(b.shared, b.heads, mode=mode, update_every=update_every,
-                            strategy=strategy, **kwargs)
+                            passes=passes, **kwargs)
 
     def step() -> None:
         feats = b.features()
@@ -171,13 +171,13 @@ def v_per_sample(b: Bench, name: str, route: str) -> Step | None:
     ghost = None
     if route == "ghost":
         try:
-            ghost = gb.GhostNorms(b.model)
+            ghost = gb.clip.GhostNorms(b.model)
         except ValueError:  # the trunk has parameters outside nn.Linear layers
             return None
     if balancer is None:
         return None
     buf = gb.TaskGradBuffer(b.shared, b.heads)
-    clip = gb.PerSampleClip(max_norm=1.0)
+    clip = gb.clip.PerSampleClip(max_norm=1.0)
     params = b.shared + b.heads
 
     def losses() -> Tensor:
@@ -292,9 +292,9 @@ def variants(b: Bench, k: int, amortise_ks: set[int], own: Callable[[], Bench],
         table[f"autogram-{name}"] = v_autogram(own(), name)
     if k in amortise_ks:
         table["matrix-upgrad-T10"] = v_mode(b, "matrix", "upgrad", update_every=10)
-    if only is not None and any("strategy" in o for o in only):  # on request only
-        for strategy in ("loop", "batched"):
-            table[f"strategy-{strategy}"] = v_mode(b, "matrix", "mgda", strategy=strategy)
+    if only is not None and any("passes" in o for o in only):  # on request only
+        for passes in ("loop", "batched"):
+            table[f"passes-{passes}"] = v_mode(b, "matrix", "mgda", passes=passes)
     if only is not None and any("persample" in o for o in only):  # on request only
         for route in ("graph", "model", "ghost"):  # the ghost hooks need their own model
             table[f"persample-{route}-mgda"] = v_per_sample(own() if route == "ghost" else b,

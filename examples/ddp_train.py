@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import gradbalance
 from gradbalance.distributed import assert_same_across_ranks, ddp_no_sync
-from gradbalance.models import MultiTaskModel, make_heads, mlp_trunk, regression_losses
+from gradbalance_lab.models import MultiTaskModel, make_heads, mlp_trunk, regression_losses
 
 
 def main() -> None:

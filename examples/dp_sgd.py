@@ -15,7 +15,7 @@ import argparse
 import torch
 
 import gradbalance as gb
-from gradbalance.models import MultiTaskModel, make_heads, mlp_trunk
+from gradbalance_lab.models import MultiTaskModel, make_heads, mlp_trunk
 
 
 def make_data(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,11 +37,11 @@ def train(steps: int, max_norm: float, noise: float, seed: int = 0,
     x, y = make_data(seed)
     model = MultiTaskModel(mlp_trunk(16, 64, 2), make_heads(64, 3))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    balancer = gb.MGDA(num_tasks=3)
+    balancer = gb.balancers.MGDA(num_tasks=3)
     buf = gb.TaskGradBuffer(model.shared_parameters(), model.head_parameters())
-    clip = gb.PerSampleClip(max_norm, noise_multiplier=noise,
+    clip = gb.clip.PerSampleClip(max_norm, noise_multiplier=noise,
                             generator=torch.Generator().manual_seed(seed + 2))
-    ghost = gb.GhostNorms(model)          # hooks: before the first forward
+    ghost = gb.clip.GhostNorms(model)          # hooks: before the first forward
     batches = torch.Generator().manual_seed(seed + 1)
     clipped_share: list[float] = []
     losses_log: list[list[float]] = []

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import gradbalance as gb
-from gradbalance.models import MultiTaskModel, make_heads, mlp_trunk
+from gradbalance_lab.models import MultiTaskModel, make_heads, mlp_trunk
 
 
 def make_data(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,7 +34,7 @@ def train(steps: int, out: str, micro_batches: int = 2, seed: int = 0) -> list[f
     model = MultiTaskModel(mlp_trunk(16, 64, 2), make_heads(64, 3))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=1e-4)
     scaler = torch.amp.GradScaler("cpu")                       # enabled on CPU too
-    balancer = gb.GradVac(num_tasks=3, generator=torch.Generator().manual_seed(seed))
+    balancer = gb.balancers.GradVac(num_tasks=3, generator=torch.Generator().manual_seed(seed))
     buf = gb.TaskGradBuffer(model.shared_parameters(), model.head_parameters())
     task_clip = gb.TaskClip(max_norm=5.0)                      # rows of G, before the combine
     running = gb.RunningStats(window=50)

@@ -1,53 +1,88 @@
 """gradbalance: balance the task gradients of a multitask PyTorch model in your own loop.
 
-The public names of the feature modules listed in ``_FEATURE_MODULES`` (their ``__all__``)
-are re-exported here, so ``gradbalance.PCGrad`` or ``gradbalance.log_stats`` work directly.
+The top level holds what a training loop uses: the step (:class:`TaskGradBuffer`,
+:func:`balanced_backward`, :class:`StepStats`), the base classes to subclass
+(:class:`Balancer`, :class:`LossWeighting`, :class:`RowClipper`), the registries, the
+everyday clippers, logging, checkpoints and the data-parallel helpers. The methods live in
+:mod:`gradbalance.balancers` and :mod:`gradbalance.weighting`, every clipper in
+:mod:`gradbalance.clip`, the pure kernels in :mod:`gradbalance.functional`.
+
+Example:
+    >>> import torch
+    >>> import gradbalance
+    >>> from gradbalance.balancers import PCGrad
+    >>> trunk, heads = torch.nn.Linear(4, 3), torch.nn.ModuleList(
+    ...     [torch.nn.Linear(3, 1) for _ in range(2)])
+    >>> x, y = torch.randn(8, 4), torch.randn(8, 2)
+    >>> feats = trunk(x)
+    >>> losses = torch.stack([((h(feats)[:, 0] - y[:, k]) ** 2).mean()
+    ...                       for k, h in enumerate(heads)])
+    >>> stats = gradbalance.balanced_backward(
+    ...     losses, PCGrad(), shared_params=trunk.parameters(), head_params=heads.parameters())
+    >>> tuple(stats.task_norms.shape), trunk.weight.grad is not None
+    ((2,), True)
 """
 
 from __future__ import annotations
 
-import importlib
-
+from . import balancers, clip, distributed, functional, modes, weighting
 from ._types import NonFiniteGradientError
-from .gramian import compute_gramian, cosine_matrix
+from ._version import __version__
+from .balancers import BALANCERS, Balancer, Combination, SolverError, get_balancer
+from .checkpoint import capture_state, load_checkpoint, restore_state, save_checkpoint
+from .clip import AGC, AutoClip, RowClipper, TaskAutoClip, TaskClip, TaskValueClip
+from .distributed import (
+    assert_same_across_ranks,
+    broadcast_generator_,
+    broadcast_parameters_,
+    ddp_no_sync,
+    sync_weighting_,
+)
+from .monitor import CSVLogger, RunningStats, log_stats, stats_to_dict, summary_writer
 from .stats import StepStats
 from .step import TaskGradBuffer, balanced_backward
 from .taskgrads import task_gradients
-
-__version__ = "0.1.0"
+from .weighting import WEIGHTINGS, LossWeighting, get_weighting
 
 __all__ = [
+    "AGC",
+    "BALANCERS",
+    "WEIGHTINGS",
+    "AutoClip",
+    "Balancer",
+    "CSVLogger",
+    "Combination",
+    "LossWeighting",
     "NonFiniteGradientError",
+    "RowClipper",
+    "RunningStats",
+    "SolverError",
     "StepStats",
+    "TaskAutoClip",
+    "TaskClip",
     "TaskGradBuffer",
+    "TaskValueClip",
     "__version__",
+    "assert_same_across_ranks",
     "balanced_backward",
-    "compute_gramian",
-    "cosine_matrix",
-    "task_gradients",
-]
-
-#: Feature modules whose ``__all__`` is re-exported at the top level (skipped if absent).
-_FEATURE_MODULES = (
     "balancers",
-    "weighting",
+    "broadcast_generator_",
+    "broadcast_parameters_",
+    "capture_state",
     "clip",
-    "amp",
-    "microbatch",
-    "monitor",
-    "checkpoint",
-    "modes",
+    "ddp_no_sync",
     "distributed",
-)
-
-for _module_name in _FEATURE_MODULES:
-    try:
-        _module = importlib.import_module(f"{__name__}.{_module_name}")
-    except ModuleNotFoundError as _error:
-        if _error.name != f"{__name__}.{_module_name}":
-            raise
-        continue
-    for _name in getattr(_module, "__all__", ()):
-        globals()[_name] = getattr(_module, _name)
-        if _name not in __all__:
-            __all__.append(_name)
+    "functional",
+    "get_balancer",
+    "get_weighting",
+    "load_checkpoint",
+    "log_stats",
+    "modes",
+    "restore_state",
+    "save_checkpoint",
+    "stats_to_dict",
+    "summary_writer",
+    "sync_weighting_",
+    "task_gradients",
+    "weighting",
+]

@@ -39,18 +39,13 @@ if TYPE_CHECKING:
     from .weighting import LossWeighting
 
 __all__ = [
-    "all_gather_columns",
-    "all_ranks_true",
+    "LOCAL",
     "all_reduce_grads_",
-    "all_reduce_grads_and_losses_",
     "all_reduce_mean_",
-    "all_reduce_step_",
-    "all_reduce_task_gradients_",
     "assert_same_across_ranks",
     "broadcast_generator_",
     "broadcast_parameters_",
     "ddp_no_sync",
-    "resolve_process_group",
     "sync_weighting_",
 ]
 

@@ -1,6 +1,6 @@
 """The balanced step: replaces ``sum(losses).backward()`` in the user's loop.
 
-Stages (the loop tutorial §3, DESIGN §2):
+Stages (``docs/loop.md``):
 
 1. ``backward(losses)``: the heads get ``.grad +=`` their plain gradient of ``Σₖ Lₖ``; the
    trunk's per-task gradients are added into a persistent ``[K, P]`` buffer ``G``. Call it
@@ -22,19 +22,17 @@ from typing import Any
 
 from torch import Tensor
 
+from ._amp import no_autocast, scale_of
 from ._types import as_loss_vector, as_parameter_list
 from .balancers._base import Balancer
+from .clip._protocol import RowClipper
 from .distributed import resolve_process_group
-from .modes import Mode, WeightCache, check_mode
-from .modes._amortize import backward_weighted, reused_stats
-from .modes._common import RowClipper, StepInput, no_autocast, scale_of
-from .modes._features import FeaturesMode
-from .modes._gramian_mode import GramianMode
-from .modes._matrix import MatrixMode
+from .modes import Engine, Mode, StepInput, make_engine
+from .modes._amortize import WeightCache, backward_weighted, reused_stats
 from .stats import StepStats
-from .taskgrads import ParamLayout, Strategy, TaskRoots, resolve_strategy
+from .taskgrads import ParamLayout, Passes, TaskRoots
 
-__all__ = ["RowClipper", "TaskGradBuffer", "balanced_backward"]
+__all__ = ["TaskGradBuffer", "balanced_backward"]
 
 
 def _check_shared_and_heads(shared: list[Tensor], heads: list[Tensor]) -> None:
@@ -62,7 +60,7 @@ class TaskGradBuffer:
         head_params: task-specific parameters; they receive their plain gradient of the
             summed losses (the PCGrad paper's rule), accumulated with ``+=``.
         num_tasks: K, checked on every call; inferred from the first ``backward`` if None.
-        strategy: ``"auto"``, ``"measure"``, ``"loop"`` or ``"batched"`` (see
+        passes: ``"auto"``, ``"measure"``, ``"loop"`` or ``"batched"`` (see
             :mod:`gradbalance.taskgrads`): ``"auto"`` takes the loop on CPU and measures both
             on the first step elsewhere; ``"measure"`` measures on any device.
         process_group: data parallelism: ``G``, the heads' ``.grad`` and the losses are
@@ -90,7 +88,7 @@ class TaskGradBuffer:
         head_params: Iterable[Tensor] | None = None,
         *,
         num_tasks: int | None = None,
-        strategy: Strategy = "auto",
+        passes: Passes = "auto",
         process_group: Any = None,
         mode: Mode = "matrix",
         update_every: int = 1,
@@ -102,24 +100,21 @@ class TaskGradBuffer:
         self.layout = ParamLayout(shared)
         self.head_params = heads
         self.num_tasks = num_tasks
-        batched = resolve_strategy(strategy, self.layout.device) == "batched"
-        self.strategy: Strategy = strategy
+        self.passes: Passes = passes
         self.process_group = process_group
-        self.mode: Mode = check_mode(mode)  # type: ignore[assignment]
-        self._cache = WeightCache(update_every)
         self.update_every = update_every
-        self._engine: MatrixMode | FeaturesMode | GramianMode
-        if mode == "gramian":
-            self._engine = GramianMode(modules, shared, heads, batched)
-        elif mode == "features":
-            self._engine = FeaturesMode(self.layout, heads, strategy)
-        else:
-            self._engine = MatrixMode(self.layout, heads, strategy)
+        self._cache = WeightCache(update_every)
+        self._engine: Engine = make_engine(mode, self.layout, heads, passes, modules)
         self._losses: Tensor | None = None
         self._count = 0
         self._scaler: Any = None
         self._scale: Tensor | None = None
         self._reused = False
+
+    @property
+    def mode(self) -> str:
+        """The gradient mode (``"matrix"``, ``"gramian"`` or ``"features"``), its engine's."""
+        return self._engine.mode
 
     # -- stage 1 ------------------------------------------------------------------------
     def backward(
@@ -149,32 +144,22 @@ class TaskGradBuffer:
                 "scaler differs from the one given to the earlier backward() of this step; "
                 "pass the same GradScaler (or None) to every backward() and to apply_()"
             )
-        if features is not None and self.mode != "features":
-            raise ValueError(
-                f"features is only used with mode='features' (this buffer has "
-                f"mode={self.mode!r}); drop the argument or build the buffer with that mode"
-            )
+        first = self._count == 0
+        reused = self._cache.reuse_now() if first else self._reused
+        self._engine.check_backward(features, self._count, reused)
         if self.num_tasks is None:
             self.num_tasks = vector.shape[0]
-        first = self._count == 0
-        if first:
-            self._reused = self._cache.reuse_now()
+        self._reused = reused
         with no_autocast(self.layout.device):
             scale = scale_of(scaler, vector.device)
             roots = TaskRoots(losses, vector, scale)
-            if self._reused:
+            if reused:
                 assert self._cache.weights is not None
                 backward_weighted(self._cache.weights, roots, self.layout.params,
                                   self.head_params)
-                if isinstance(self._engine, GramianMode):
-                    self._engine.clear()  # this forward's records are not needed
-            elif isinstance(self._engine, MatrixMode):
-                self._engine.backward(roots, first)
-            elif isinstance(self._engine, FeaturesMode):
-                self._check_single_backward()
-                self._engine.backward(roots, features)
+                self._engine.clear()  # this forward's records are not needed
             else:
-                self._engine.backward(roots)
+                self._engine.backward(roots, first, features)
         detached = vector.detach()
         self._losses = detached.clone() if first or self._losses is None else (
             self._losses + detached
@@ -182,15 +167,6 @@ class TaskGradBuffer:
         self._count += 1
         self._scaler = scaler
         self._scale = scale
-
-    def _check_single_backward(self) -> None:
-        if self._count > 0:
-            raise ValueError(
-                "mode='features' takes one backward() per step (the trunk's backward of the "
-                "balanced feature gradient needs every micro-batch's graph); call apply_() "
-                "after each backward(), or use mode='matrix' or 'gramian' to accumulate "
-                "micro-batches"
-            )
 
     # -- stage 2 ------------------------------------------------------------------------
     def apply_(
@@ -223,20 +199,8 @@ class TaskGradBuffer:
                 f"update_every={self.update_every} reuses task weights, but "
                 f"{type(balancer).__name__} is not a weighted balancer; use update_every=1"
             )
-        if clip is not None and self.mode == "gramian" and not self._reused and not (
-            callable(getattr(clip, "coefficients", None))
-            and getattr(clip, "norm_type", None) == 2.0
-        ):
-            raise ValueError(
-                f"clip={clip!r} needs the task-gradient rows; mode='gramian' applies only "
-                f"2-norm clipping that scales whole rows (TaskClip, TaskAutoClip with "
-                f"norm_type=2) to the Gramian; use one of those or mode='matrix'"
-            )
-        if clip is not None and self.mode == "features" and not self._reused:
-            raise ValueError(
-                f"clip needs the task-gradient rows of mode='matrix'; this buffer has "
-                f"mode={self.mode!r}"
-            )
+        if not self._reused:
+            self._engine.check_apply(balancer, clip)
         step = StepInput(self._losses, self._scale, self._count, clip,
                          resolve_process_group(self.process_group))
         self._count = 0  # the buffer is free again whatever happens below
@@ -250,22 +214,22 @@ class TaskGradBuffer:
         return stats
 
     def state_dict(self) -> dict[str, Any]:
-        """The ``update_every`` counter, the cached weights and the strategy measured or fallen
-        back to (the ``[K, P]`` buffer is transient)."""
-        chosen = getattr(self._engine, "chosen", None)
-        return {**self._cache.state_dict(), **({"strategy": chosen} if chosen else {})}
+        """The ``update_every`` counter, the cached weights and the passes measured or fallen
+        back to (the task gradients of a step are transient)."""
+        return {**self._cache.state_dict(), **self._engine.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output; works on a freshly built buffer."""
         state = dict(state_dict)
-        chosen = state.pop("strategy", None)
-        if chosen not in (None, "loop", "batched"):
+        if "strategy" in state:  # the key's name before 0.2
+            state["passes"] = state.pop("strategy")
+        passes = state.pop("passes", None)
+        if passes not in (None, "loop", "batched"):
             raise ValueError(
-                f"Invalid state_dict: strategy={chosen!r} (expected 'loop', 'batched' or None)"
+                f"Invalid state_dict: passes={passes!r} (expected 'loop', 'batched' or None)"
             )
-        self._cache.load_state_dict(state)
-        if chosen is not None and isinstance(self._engine, (MatrixMode, FeaturesMode)):
-            self._engine.chosen = chosen
+        self._cache.load_state_dict(state)  # checks everything before it changes anything
+        self._engine.load_state_dict({} if passes is None else {"passes": passes})
 
     @property
     def matrix(self) -> Tensor | None:
@@ -289,10 +253,9 @@ def balanced_backward(
     head_params: Iterable[Tensor] | None = None,
     scaler: Any = None,
     clip: RowClipper | None = None,
-    strategy: Strategy = "auto",
+    passes: Passes = "auto",
     process_group: Any = None,
     mode: Mode = "matrix",
-    modules: Any = None,
     features: Tensor | None = None,
 ) -> StepStats:
     """One-shot balanced backward for a single micro-batch.
@@ -309,8 +272,7 @@ def balanced_backward(
             "the forward. Build TaskGradBuffer(..., mode='gramian', modules=model.trunk) once, "
             "before the training loop, and call buf.backward(losses); buf.apply_(balancer)"
         )
-    buf = TaskGradBuffer(shared_params, head_params, strategy=strategy,
-                         num_tasks=balancer.num_tasks, process_group=process_group, mode=mode,
-                         modules=modules)
+    buf = TaskGradBuffer(shared_params, head_params, passes=passes,
+                         num_tasks=balancer.num_tasks, process_group=process_group, mode=mode)
     buf.backward(losses, scaler=scaler, features=features)
     return buf.apply_(balancer, scaler=scaler, clip=clip)

@@ -1,6 +1,6 @@
 """Per-task gradients of the shared parameters, as one ``[K, P]`` matrix.
 
-Two strategies compute the same matrix without touching any ``.grad``:
+Two ways of running the passes compute the same matrix without touching any ``.grad``:
 
 * ``"loop"``: one ``torch.autograd.grad(L_k, params, retain_graph=True)`` per task — K
   backward passes, the floor on a CPU.
@@ -9,7 +9,7 @@ Two strategies compute the same matrix without touching any ``.grad``:
   raise, and ``"auto"`` then falls back to the loop.
 
 ``"auto"`` uses the loop on CPU (the batched call measures up to 1.9× slower there and at
-best 4% faster: ``benchmarks/results/strategy_choice_cpu.md``); on other devices a buffer
+best 4% faster: ``benchmarks/results/passes_choice_cpu.md``); on other devices a buffer
 measures both on its first step and keeps the faster (``"measure"`` forces that anywhere;
 :mod:`gradbalance.modes._measure`). Both keep the fallback.
 
@@ -33,11 +33,11 @@ from torch.autograd.graph import GradientEdge
 from ._types import as_loss_vector, as_parameter_list
 
 __all__ = [
-    "AUTO_PREFERENCE", "ParamLayout", "Strategy", "TaskRoots", "compute_into", "task_gradients",
+    "AUTO_PREFERENCE", "ParamLayout", "Passes", "TaskRoots", "compute_into", "task_gradients",
 ]
 
-Strategy = Literal["auto", "measure", "loop", "batched"]
-_STRATEGIES = ("auto", "measure", "loop", "batched")
+Passes = Literal["auto", "measure", "loop", "batched"]
+_PASSES = ("auto", "measure", "loop", "batched")
 
 #: What ``"auto"`` uses per device type without measuring (falling back to the loop if
 #: batching fails); a device type not listed is measured by each buffer on its first step.
@@ -153,30 +153,30 @@ class TaskRoots:
                                    retain_graph=retain_graph, allow_unused=True)
 
 
-def _check_strategy(strategy: str) -> None:
-    if strategy not in _STRATEGIES:
+def _check_passes(passes: str) -> None:
+    if passes not in _PASSES:
         raise ValueError(
-            f"Invalid strategy: {strategy!r} (expected one of {', '.join(_STRATEGIES)})"
+            f"Invalid passes: {passes!r} (expected one of {', '.join(_PASSES)})"
         )
 
 
-def resolve_strategy(strategy: Strategy, device: torch.device) -> Literal["loop", "batched"]:
-    """The concrete strategy ``"auto"`` (and ``"measure"``) stand for without measuring.
+def resolve_passes(passes: Passes, device: torch.device) -> Literal["loop", "batched"]:
+    """The concrete passes ``"auto"`` (and ``"measure"``) stand for without measuring.
 
     The ``AUTO_PREFERENCE`` entry of the device type, else the batched call. The row modes
-    measure instead where due (:meth:`gradbalance.modes._common.RowsMode.compute`); the
+    measure instead where due (:meth:`gradbalance.modes._engine.RowsEngine.compute`); the
     ``gramian`` mode does not measure and takes this.
     """
-    _check_strategy(strategy)
-    if strategy in ("auto", "measure"):
+    _check_passes(passes)
+    if passes in ("auto", "measure"):
         return AUTO_PREFERENCE.get(device.type, "batched")
-    return strategy  # type: ignore[return-value]
+    return passes  # type: ignore[return-value]
 
 
-def needs_measuring(strategy: Strategy, device: torch.device) -> bool:
-    """Whether a buffer should time both strategies once before choosing one."""
-    _check_strategy(strategy)
-    return strategy == "measure" or (strategy == "auto" and device.type not in AUTO_PREFERENCE)
+def needs_measuring(passes: Passes, device: torch.device) -> bool:
+    """Whether a buffer should time both ways of running the passes once before choosing one."""
+    _check_passes(passes)
+    return passes == "measure" or (passes == "auto" and device.type not in AUTO_PREFERENCE)
 
 
 def _write_part(part: Tensor, g: Tensor | None, accumulate: bool) -> None:
@@ -230,7 +230,7 @@ def compute_into(
     layout: ParamLayout,
     out: Tensor,
     *,
-    strategy: Strategy = "auto",
+    passes: Passes = "auto",
     accumulate: bool = False,
     retain_graph: bool = False,
     preferred: Literal["loop", "batched"] | None = None,
@@ -238,24 +238,24 @@ def compute_into(
     """Write (or add, with ``accumulate``) the task gradients into ``out`` ``[K, P]``.
 
     ``preferred`` replaces what ``"auto"``/``"measure"`` resolve to (a measured choice); the
-    fallback stays. Returns the strategy actually used (``"loop"`` after a batched fallback).
+    fallback stays. Returns the passes actually used (``"loop"`` after a batched fallback).
     """
-    chosen = resolve_strategy(strategy, layout.device)
-    if preferred is not None and strategy in ("auto", "measure"):
+    chosen = resolve_passes(passes, layout.device)
+    if preferred is not None and passes in ("auto", "measure"):
         chosen = preferred
     if chosen == "batched":
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*performance drop.*")
                 # Unless forced, keep the graph so that a failure can still fall back.
-                keep = True if strategy != "batched" else retain_graph
+                keep = True if passes != "batched" else retain_graph
                 _batched(roots, layout, out, accumulate, keep)
             return "batched"
         except RuntimeError as error:
-            if strategy == "batched":
+            if passes == "batched":
                 raise RuntimeError(
-                    f"strategy='batched' failed ({error}); some op in the model has no "
-                    f"batching rule: use strategy='loop' or 'auto'"
+                    f"passes='batched' failed ({error}); some op in the model has no "
+                    f"batching rule: use passes='loop' or 'auto'"
                 ) from error
             warnings.warn(
                 f"batched task gradients unsupported by this model ({str(error)[:120]}); "
@@ -271,7 +271,7 @@ def task_gradients(
     losses: Tensor | Sequence[Tensor],
     params: Iterable[Tensor],
     *,
-    strategy: Strategy = "auto",
+    passes: Passes = "auto",
     retain_graph: bool = False,
 ) -> Tensor:
     """The ``[K, P]`` matrix of per-task gradients over ``params``, leaving ``.grad`` alone.
@@ -288,6 +288,6 @@ def task_gradients(
     vector = as_loss_vector(losses)
     layout = ParamLayout(as_parameter_list(params, "params"))
     out = torch.empty(vector.shape[0], layout.numel, dtype=layout.dtype, device=layout.device)
-    compute_into(TaskRoots(losses, vector, None), layout, out, strategy=strategy,
+    compute_into(TaskRoots(losses, vector, None), layout, out, passes=passes,
                  retain_graph=retain_graph)
     return out

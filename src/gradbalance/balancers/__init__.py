@@ -1,24 +1,91 @@
 """Gradient balancers: one algorithm per private module, collected in :data:`BALANCERS`.
 
-Every private module ``_<method>.py`` lists its public names in ``__all__``; they are
-re-exported here, and each :class:`Balancer` subclass with a ``name`` is registered.
+A balancer maps the ``[K, P]`` task gradients (or, for weighted balancers, their Gramian) to
+one update; :class:`Balancer` is the base class to subclass (see ``docs/ARCHITECTURE.md``).
+The pure kernels behind the classes live in :mod:`gradbalance.functional`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .._registry import build, discover
-from ._base import Balancer, Combination, combine_rows
+from .._registry import build, register
+from ._alignedmtl import AlignedMTL
+from ._base import Balancer, Combination
+from ._cagrad import CAGrad
+from ._config import ConFIG
+from ._constant import Constant
+from ._crmogm import CRMOGM
+from ._dbmtl import DBMTL
+from ._dualproj import DualProj
+from ._excessmtl import ExcessMTL
+from ._fairgrad import FairGrad
+from ._graddrop import GradDrop
+from ._gradvac import GradVac
+from ._imtlg import IMTLG
+from ._krum import Krum
+from ._mean import Mean
+from ._mgda import MGDA
+from ._moco import MoCo
+from ._modo import MoDo
+from ._nashmtl import NashMTL
+from ._pcd import PCD
+from ._pcgrad import PCGrad
+from ._random import Random
+from ._sdmgrad import SDMGrad
+from ._solvers import SolverError
+from ._sum import Sum
+from ._trimmed_mean import TrimmedMean
+from ._upgrad import UPGrad
 
-__all__ = ["BALANCERS", "Balancer", "Combination", "combine_rows", "get_balancer"]
+__all__ = [
+    "BALANCERS",
+    "CRMOGM",
+    "DBMTL",
+    "IMTLG",
+    "MGDA",
+    "PCD",
+    "AlignedMTL",
+    "Balancer",
+    "CAGrad",
+    "Combination",
+    "ConFIG",
+    "Constant",
+    "DualProj",
+    "ExcessMTL",
+    "FairGrad",
+    "GradDrop",
+    "GradVac",
+    "Krum",
+    "Mean",
+    "MoCo",
+    "MoDo",
+    "NashMTL",
+    "PCGrad",
+    "Random",
+    "SDMGrad",
+    "SolverError",
+    "Sum",
+    "TrimmedMean",
+    "UPGrad",
+    "get_balancer",
+]
 
 #: Registry name -> class, for every balancer the library ships.
 BALANCERS: dict[str, type[Balancer]] = {}
 
-discover(__name__, __path__, globals(), Balancer, BALANCERS, "balancer")
+register(BALANCERS, [
+    AlignedMTL, CAGrad, ConFIG, Constant, CRMOGM, DBMTL, DualProj, ExcessMTL, FairGrad,
+    GradDrop, GradVac, IMTLG, Krum, Mean, MGDA, MoCo, MoDo, NashMTL, PCD, PCGrad, Random,
+    SDMGrad, Sum, TrimmedMean, UPGrad,
+], "balancer")
 
 
 def get_balancer(name: str, **kwargs: Any) -> Balancer:
-    """Build a balancer by registry name (case, - and _ ignored), e.g. ``"pcgrad"``."""
+    """Build a balancer by registry name (case, - and _ ignored), e.g. ``"pcgrad"``.
+
+    Example:
+        >>> get_balancer("pcgrad")
+        PCGrad(num_tasks=None, reduction='sum')
+    """
     return build(BALANCERS, name, "balancer", kwargs)

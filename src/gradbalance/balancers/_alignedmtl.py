@@ -81,7 +81,7 @@ class AlignedMTL(Balancer):
         self.pref = as_pref(pref)
         self.scale_mode: ScaleMode = scale_mode
 
-    def weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
+    def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         return alignedmtl_weights(gramian, self.pref, self.scale_mode).to(gramian.device)
 
     def __repr__(self) -> str:

@@ -4,7 +4,8 @@ A balancer maps the task-gradient matrix ``G`` ``[K, P]`` (and the detached task
 ``[K]``) to one update vector ``g`` ``[P]``. Two kinds exist:
 
 * **weighted** (``from_gramian = True``): ``g = wᵀ G`` with weights ``w`` a function of the
-  Gramian ``G Gᵀ`` (and the losses) only. Such a balancer implements :meth:`Balancer.weights`
+  Gramian ``G Gᵀ`` (and the losses) only. Such a balancer implements
+  :meth:`Balancer._compute_weights`
   and never touches ``[K, P]``; the product ``wᵀ G`` happens in one place, :func:`combine_rows`.
   It can therefore run in every gradient mode, including ``gramian`` mode, which keeps no
   ``[K, P]`` matrix at all.
@@ -66,7 +67,7 @@ class Balancer(PicklableGenerators):
         self.num_tasks = check_num_tasks(num_tasks)
 
     # -- to implement -------------------------------------------------------------------
-    def weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
+    def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         """Weights ``[K]`` (float64) from the Gramian ``[K, K]``; weighted balancers only."""
         raise NotImplementedError(f"{type(self).__name__} is not a weighted balancer")
 
@@ -88,7 +89,7 @@ class Balancer(PicklableGenerators):
         if self.from_gramian:
             gram = compute_gramian(matrix) if gramian is None else gramian
             self._check_finite_gramian(gram)
-            w = self.weights(gram, losses)
+            w = self._compute_weights(gram, losses)
             return Combination(combine_rows(w, matrix), w)
         if gramian is not None:
             self._check_finite_gramian(gramian)
@@ -100,8 +101,12 @@ class Balancer(PicklableGenerators):
         """Combined gradient ``[P]`` (see :meth:`combine`)."""
         return self.combine(matrix, losses).vector
 
-    def weights_checked(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
-        """:meth:`weights` with the input checks of :meth:`combine` (for ``gramian`` mode)."""
+    def compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
+        """The task weights ``w`` ``[K]`` (float64) of ``g = wᵀ G``, from the Gramian alone.
+
+        Weighted balancers only (``from_gramian``); the same input checks as :meth:`combine`.
+        Stateful balancers advance their state, as one :meth:`combine` would.
+        """
         if not self.from_gramian:
             raise TypeError(
                 f"{type(self).__name__} needs the task-gradient rows, not only the Gramian; "
@@ -112,7 +117,7 @@ class Balancer(PicklableGenerators):
         check_matrix(gramian, self.num_tasks, argname="gramian")
         losses = self._check_losses(losses, gramian.shape[0])
         self._check_finite_gramian(gramian)
-        return self.weights(gramian, losses)
+        return self._compute_weights(gramian, losses)
 
     def state_dict(self) -> dict[str, Any]:
         """Tensors and settings needed to resume; empty for stateless balancers."""

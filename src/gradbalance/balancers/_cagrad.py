@@ -78,7 +78,7 @@ class CAGrad(Balancer):
         self.c = float(c)
         self.rescale: Rescale = rescale
 
-    def weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
+    def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         return cagrad_weights(gramian, self.c, self.rescale).to(gramian.device)
 
     def __repr__(self) -> str:

@@ -27,7 +27,7 @@ class Constant(Balancer):
         super().__init__(num_tasks=w.numel())
         self._weights = w
 
-    def weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
+    def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         return self._weights.to(device=gramian.device)
 
     def __repr__(self) -> str:

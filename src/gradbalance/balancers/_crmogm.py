@@ -89,12 +89,12 @@ class CRMOGM(Balancer):
     def beta(self, value: float) -> None:
         self._beta = check_range("beta", value, 0.0, 1.0)
 
-    def weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
+    def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         k = gramian.shape[0]
         check_state_tasks(type(self).__name__, self._lambda, k)
         if self._lambda is None and self.initial_weights is not None:
             check_state_tasks(type(self).__name__, self.initial_weights, k)
-        hat = self.inner.weights(gramian, losses).to(torch.float64)
+        hat = self.inner._compute_weights(gramian, losses).to(torch.float64)
         if self._lambda is not None:
             prev = self._lambda.to(hat.device)
         elif self.initial_weights is not None:

@@ -12,10 +12,10 @@ from ._base import Balancer, Combination
 from ._checks import check_range
 from ._state import EmaStepState, check_state_rows
 
-__all__ = ["DBMTL", "dbmtl_combine"]
+__all__ = ["DBMTL", "dbmtl_update"]
 
 
-def dbmtl_combine(ema: Tensor) -> Tensor:
+def dbmtl_update(ema: Tensor) -> Tensor:
     """``g = Σₖ (maxⱼ ‖ĝⱼ‖ / ‖ĝₖ‖) ĝₖ``: every (EMA) task gradient scaled to the largest norm.
 
     A zero row stays zero.
@@ -77,7 +77,7 @@ class DBMTL(EmaStepState, Balancer):
         ema = rows + beta_t * (ema - rows) if self._ema is not None else (1.0 - beta_t) * ema
         self._ema = ema
         self._step = torch.tensor(t, dtype=torch.int64)
-        return Combination(dbmtl_combine(ema))
+        return Combination(dbmtl_update(ema))
 
     def __repr__(self) -> str:
         return (f"DBMTL(num_tasks={self.num_tasks}, beta={self.beta}, "

@@ -17,10 +17,10 @@ from ._base import Balancer, Combination
 from ._checks import check_int, check_range
 from ._state import as_step, check_state_rows, clone_or_none
 
-__all__ = ["ExcessMTL", "excess_risks"]
+__all__ = ["ExcessMTL", "excessmtl_risks"]
 
 
-def excess_risks(matrix: Tensor, sq_sum: Tensor, eps: float = 1e-7) -> Tensor:
+def excessmtl_risks(matrix: Tensor, sq_sum: Tensor, eps: float = 1e-7) -> Tensor:
     """``Êₖ = gₖᵀ Hₖ⁻¹ gₖ`` ``[K]`` (float64), ``Hₖ = diag(√(Σ_{τ≤t} gₖ,τ² + ε))`` (AdaGrad).
 
     ``sq_sum`` already includes the current step's ``gₖ²``.
@@ -80,7 +80,7 @@ class ExcessMTL(Balancer):
         check_state_rows(type(self).__name__, self._sq_sum, matrix)
         k = matrix.shape[0]
         sq_sum = matrix.square() if self._sq_sum is None else self._sq_sum + matrix.square()
-        risks = excess_risks(matrix, sq_sum, self.eps)
+        risks = excessmtl_risks(matrix, sq_sum, self.eps)
         weights = (torch.full((k,), 1.0 / k, dtype=torch.float64, device=matrix.device)
                    if self._weights is None else self._weights)
         warmup_sum = (torch.zeros(k, dtype=torch.float64, device=matrix.device)

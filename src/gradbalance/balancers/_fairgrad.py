@@ -126,7 +126,7 @@ class FairGrad(Balancer):
         self.alpha = check_range("alpha", alpha, 0.0, None)
         self.max_iter = check_int("max_iter", max_iter, 1)
 
-    def weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
+    def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         return fairgrad_weights(gramian, self.alpha, self.max_iter)
 
     def __repr__(self) -> str:

@@ -15,10 +15,10 @@ from ._base import Balancer, Combination
 from ._checks import as_task_vector
 from ._rng import OptionalGeneratorState, check_generator
 
-__all__ = ["GradDrop", "graddrop"]
+__all__ = ["GradDrop", "graddrop_update"]
 
 
-def graddrop(matrix: Tensor, uniform: Tensor, leak: Tensor | None = None,
+def graddrop_update(matrix: Tensor, uniform: Tensor, leak: Tensor | None = None,
              f: Callable[[Tensor], Tensor] | None = None) -> Tensor:
     """GradDrop's combined gradient ``[P]`` for given uniform draws ``uniform`` ``[P]``.
 
@@ -82,7 +82,7 @@ class GradDrop(OptionalGeneratorState, Balancer):
         where = self.generator.device if self.generator is not None else matrix.device
         uniform = torch.rand(matrix.shape[1], generator=self.generator, dtype=matrix.dtype,
                              device=where)
-        return Combination(graddrop(matrix, uniform, self.leak, self.f))
+        return Combination(graddrop_update(matrix, uniform, self.leak, self.f))
 
     def __repr__(self) -> str:
         leak = None if self.leak is None else self.leak.tolist()

@@ -144,7 +144,7 @@ class GradVac(Balancer):
             return self._zeros(k)
         return self.targets
 
-    def weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
+    def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         if self.groups is not None:
             raise TypeError(
                 "GradVac with groups needs the task-gradient rows, not one Gramian; call "

@@ -43,5 +43,5 @@ class IMTLG(Balancer):
     from_gramian = True
     homogeneous = True
 
-    def weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
+    def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         return imtlg_weights(gramian).to(gramian.device)

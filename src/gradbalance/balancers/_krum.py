@@ -66,7 +66,7 @@ class Krum(Balancer):
                 f"{n_byzantine + 3} and >= n_selected = {n_selected})"
             )
 
-    def weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
+    def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         return krum_weights(gramian, self.n_byzantine, self.n_selected)
 
     def __repr__(self) -> str:

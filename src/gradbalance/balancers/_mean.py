@@ -22,5 +22,5 @@ class Mean(Balancer):
     name = "mean"
     from_gramian = True
 
-    def weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
+    def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         return mean_weights(gramian)

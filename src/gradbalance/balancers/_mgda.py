@@ -111,7 +111,7 @@ class MGDA(Balancer):
             normalization in ("l2", "loss+") and apply_to == "normalized"
         )
 
-    def weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
+    def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         w = mgda_weights(gramian, losses, self.normalization, self.apply_to)
         return w.to(gramian.device)
 

@@ -59,7 +59,7 @@ class MoDo(Balancer):
     def reset(self) -> None:
         self._lambda: Tensor | None = None
 
-    def weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
+    def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         k = gramian.shape[0]
         check_state_tasks(type(self).__name__, self._lambda, k)
         lam = (torch.full((k,), 1.0 / k, dtype=torch.float64, device=gramian.device)

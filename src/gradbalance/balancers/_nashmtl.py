@@ -98,7 +98,7 @@ class NashMTL(Balancer):
         self.alpha: Tensor | None = None
         self.step = torch.zeros((), dtype=torch.int64)
 
-    def weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
+    def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         k = gramian.shape[0]
         if self.num_tasks is None:
             self.num_tasks = k  # the warm start is per task: K is fixed from now on

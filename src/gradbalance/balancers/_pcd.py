@@ -19,13 +19,13 @@ from ._checks import check_range
 from ._solvers import solve_box_qp
 from ._state import EmaStepState, check_state_tasks
 
-__all__ = ["PCD", "pcd_multipliers"]
+__all__ = ["PCD", "pcd_weights"]
 
 _MAX_SECONDARY = 15  # the exact enumeration visits 2^(K-1) working sets
 _ENUMERATE_UP_TO = 4  # below this K, the few working sets are cheaper than the QP solver
 
 
-def pcd_multipliers(gram: Tensor, taus: Tensor, tol: float = 1e-9) -> Tensor:
+def pcd_weights(gram: Tensor, taus: Tensor, tol: float = 1e-9) -> Tensor:
     """Weights ``[1, μ₂, …, μ_K]`` of ``d = g₁ + Σⱼ μⱼ gⱼ`` solving PCD's quadratic program.
 
     ``min_d ½‖d − g₁‖²`` s.t. ``gⱼᵀd ≥ τⱼ‖gⱼ‖²`` (j ≥ 2). Its dual is the non-negative QP
@@ -122,7 +122,7 @@ class PCD(EmaStepState, Balancer):
             return self.tau.to(device)
         return torch.full((m - 1,), self.tau, dtype=torch.float64, device=device)
 
-    def weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
+    def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         m = gramian.shape[0]
         if m > _MAX_SECONDARY + 1:
             raise ValueError(f"PCD handles at most 16 tasks, got {m}")
@@ -141,7 +141,7 @@ class PCD(EmaStepState, Balancer):
         if not bool(sq[0] > 0):
             return w
         normed = gram * torch.outer(scales, scales)
-        mult = pcd_multipliers(normed, taus)
+        mult = pcd_weights(normed, taus)
         d_sq = mult @ normed @ mult
         magnitude = (mult.abs() @ torch.diagonal(normed).clamp_min(0).sqrt()) ** 2
         if bool(d_sq > 10 * torch.finfo(torch.float64).eps * magnitude):

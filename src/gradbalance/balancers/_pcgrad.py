@@ -15,12 +15,12 @@ from ._base import Balancer
 from ._rng import load_generator_state, private_generator
 from ._solvers import trace_normalized
 
-__all__ = ["PCGrad", "draw_orders", "pcgrad_weights"]
+__all__ = ["PCGrad", "pcgrad_coefficients", "pcgrad_orders"]
 
 Reduction = Literal["sum", "mean"]
 
 
-def draw_orders(k: int, generator: torch.Generator | None = None) -> Tensor:
+def pcgrad_orders(k: int, generator: torch.Generator | None = None) -> Tensor:
     """``[K, K]`` int64: row ``i`` is the random order in which task ``i`` visits the others.
 
     One ``torch.randperm(K)`` per task, in task order (the entry equal to ``i`` is skipped
@@ -29,7 +29,7 @@ def draw_orders(k: int, generator: torch.Generator | None = None) -> Tensor:
     return torch.stack([torch.randperm(k, generator=generator) for _ in range(k)])
 
 
-def pcgrad_weights(gramian: Tensor, orders: Tensor) -> Tensor:
+def pcgrad_coefficients(gramian: Tensor, orders: Tensor) -> Tensor:
     """Coefficients ``C`` ``[K, K]`` with ``g_i^PC = Σⱼ C[i, j] gⱼ``, from the Gramian only.
 
     Update rule, for each task ``i`` and each ``j ≠ i`` in ``orders[i]``: if
@@ -61,7 +61,7 @@ class PCGrad(Balancer):
 
     Each ``g_i^PC`` starts at ``gᵢ`` and is projected onto the normal plane of every ``gⱼ`` it
     conflicts with (``g_i^PC·gⱼ < 0``), visiting the other tasks in a random order drawn per
-    task. Runs on the Gramian: the weights are ``w = 1ᵀC`` (see :func:`pcgrad_weights`).
+    task. Runs on the Gramian: the weights are ``w = 1ᵀC`` (see :func:`pcgrad_coefficients`).
 
     Args:
         num_tasks: K (optional, checked on every call).
@@ -89,10 +89,10 @@ class PCGrad(Balancer):
         self.reduction: Reduction = reduction
         self.generator = generator if generator is not None else private_generator()
 
-    def weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
+    def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         k = gramian.shape[0]
         gram, _ = trace_normalized(gramian)
-        coef = pcgrad_weights(gram, draw_orders(k, self.generator))
+        coef = pcgrad_coefficients(gram, pcgrad_orders(k, self.generator))
         w = coef.sum(dim=0)
         if self.reduction == "mean":
             w = w / k

@@ -32,7 +32,7 @@ class PreferenceBalancer(Balancer):
         super().__init__(num_tasks)
         self.pref = as_pref(pref)
 
-    def weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
+    def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         return type(self).rule(gramian, self.pref).to(gramian.device)
 
     def __repr__(self) -> str:

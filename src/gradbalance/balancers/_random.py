@@ -77,7 +77,7 @@ class Random(OptionalGeneratorState, Balancer):
         self.distribution: Distribution = distribution
         self.generator = check_generator(generator)
 
-    def weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
+    def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         return random_weights(gramian.shape[0], self.distribution, self.generator,
                               device=gramian.device)
 

@@ -81,7 +81,7 @@ class SDMGrad(Balancer):
     def reset(self) -> None:
         self._w: Tensor | None = None
 
-    def weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
+    def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         k = gramian.shape[0]
         check_state_tasks(type(self).__name__, self._w, k)
         gram = gramian.to(torch.float64)

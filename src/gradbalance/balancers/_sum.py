@@ -21,5 +21,5 @@ class Sum(Balancer):
     name = "sum"
     from_gramian = True
 
-    def weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
+    def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         return sum_weights(gramian)

@@ -12,10 +12,10 @@ from torch import Tensor
 from ._base import Balancer, Combination
 from ._checks import check_int
 
-__all__ = ["TrimmedMean", "trimmed_mean"]
+__all__ = ["TrimmedMean", "trimmed_mean_update"]
 
 
-def trimmed_mean(matrix: Tensor, trim_number: int) -> Tensor:
+def trimmed_mean_update(matrix: Tensor, trim_number: int) -> Tensor:
     """Per coordinate, drop the ``trim_number`` largest and smallest entries, average the rest.
 
     ``gⱼ = mean(sort(G[:, j])[t : K − t])``; needs ``K ≥ 2t + 1``.
@@ -53,7 +53,7 @@ class TrimmedMean(Balancer):
             )
 
     def _combine_matrix(self, matrix: Tensor, losses: Tensor | None) -> Combination:
-        return Combination(trimmed_mean(matrix, self.trim_number))
+        return Combination(trimmed_mean_update(matrix, self.trim_number))
 
     def __repr__(self) -> str:
         return f"TrimmedMean(num_tasks={self.num_tasks}, trim_number={self.trim_number})"

@@ -1,4 +1,4 @@
-"""Gradient clipping for the balanced step (the loop tutorial §10, the clip tutorial).
+"""Gradient clipping for the balanced step (``docs/loop.md``, clipping).
 
 * Per task, on the rows of ``G`` before the combine (``RowClipper`` objects for
   ``TaskGradBuffer.apply_(clip=...)``): :class:`TaskClip` (norm), :class:`TaskValueClip`
@@ -26,6 +26,7 @@ from ._per_sample import PerSampleClip
 from ._per_sample_func import per_sample_grad_norms_of_model
 from ._per_sample_ghost import GhostNorms
 from ._per_sample_graph import per_sample_grad_norms
+from ._protocol import RowClipper
 from ._task import TaskClip, TaskValueClip, clip_task_norms_, clip_task_values_, row_norms
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "AutoClip",
     "GhostNorms",
     "PerSampleClip",
+    "RowClipper",
     "TaskAutoClip",
     "TaskClip",
     "TaskValueClip",

@@ -29,11 +29,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .._amp import scale_of
 from .._pickling import PicklableGenerators
 from .._statedict import check_keys
 from .._types import NonFiniteGradientError, as_parameter_list
 from ..balancers._rng import check_generator, private_generator
-from ..modes._common import scale_of
 from ._per_sample_graph import (
     _check_chunk_size,
     _check_losses,

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..modes._common import no_autocast
+from .._amp import no_autocast
 from ._per_sample_graph import _check_losses, _check_per_task
 from ._task import check_norm_type
 

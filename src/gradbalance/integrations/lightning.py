@@ -37,9 +37,10 @@ from torch import Tensor
 
 from .._optional import require
 from ..balancers._base import Balancer
+from ..clip._protocol import RowClipper
 from ..stats import StepStats
-from ..step import RowClipper, TaskGradBuffer
-from ..taskgrads import Strategy
+from ..step import TaskGradBuffer
+from ..taskgrads import Passes
 
 __all__ = ["BalancedManualStep", "require_lightning", "stats_scalars"]
 
@@ -80,7 +81,7 @@ class BalancedManualStep:
         clip: optional per-task row clipper (e.g. ``TaskClip``), before the combine.
         log: call ``module.log`` for each scalar of :func:`stats_scalars` on a step.
         prefix: prefix of the logged names.
-        strategy, process_group, **buffer_kwargs: passed to the buffer (e.g. ``mode``).
+        passes, process_group, **buffer_kwargs: passed to the buffer (e.g. ``mode``).
 
     Attributes:
         buffer: the :class:`~gradbalance.TaskGradBuffer`; ``last_stats``: the last StepStats.
@@ -96,7 +97,7 @@ class BalancedManualStep:
         clip: RowClipper | None = None,
         log: bool = True,
         prefix: str = "balance/",
-        strategy: Strategy = "auto",
+        passes: Passes = "auto",
         process_group: Any = None,
         **buffer_kwargs: Any,
     ) -> None:
@@ -108,7 +109,7 @@ class BalancedManualStep:
             )
         self.balancer = balancer
         self.buffer = TaskGradBuffer(
-            shared_params, head_params, num_tasks=balancer.num_tasks, strategy=strategy,
+            shared_params, head_params, num_tasks=balancer.num_tasks, passes=passes,
             process_group=process_group, **buffer_kwargs,
         )
         self.accumulate_grad_batches = accumulate_grad_batches

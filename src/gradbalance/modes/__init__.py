@@ -1,28 +1,36 @@
-"""Gradient modes of :class:`~gradbalance.TaskGradBuffer`.
+"""Gradient modes of :class:`~gradbalance.TaskGradBuffer`: what a step holds of the task
+gradients. Each mode is an :class:`Engine`; the buffer builds one with :func:`make_engine`.
 
 * ``"matrix"`` (default): the ``[K, P]`` task gradients of the shared parameters in one
-  persistent buffer; every balancer works. Cost: one forward + K backward passes.
+  persistent buffer; every balancer and every row clipper works. Cost: one forward + K
+  backward passes.
 * ``"gramian"``: only ``G Gᵀ`` ``[K, K]``, accumulated block by block, never ``[K, P]``; then
   one weighted write-back. Weighted balancers only (``from_gramian = True``); same update as
-  ``matrix``, over any number of micro-batches and under data parallelism (linear layers'
-  inputs and output gradients gathered), with 2-norm row clipping applied to ``G Gᵀ``. Pays
-  off when K·P dwarfs the activations (large layers, small batches).
-* ``"features"``: task gradients w.r.t. the shared representation (the trunk's output) instead
-  of its parameters, combined there and backpropagated once through the trunk. A different,
-  cheaper, approximate method (e.g. MGDA-UB, Sener & Koltun 2018, §3.3), not the same update.
+  ``matrix``, over any number of micro-batches and under data parallelism, with 2-norm row
+  clipping applied to ``G Gᵀ``. Pays off when K·P dwarfs the activations (large layers,
+  small batches).
+* ``"features"``: task gradients w.r.t. the shared representation (the trunk's output)
+  instead of its parameters, combined there and backpropagated once through the trunk. A
+  different, cheaper, approximate method (e.g. MGDA-UB, Sener & Koltun 2018, §3.3).
 
-``update_every=T`` (any mode, weighted balancers) reuses the weights for T - 1 steps.
+How the K backward passes run is a separate choice, ``passes`` (``"loop"`` or ``"batched"``,
+see :mod:`gradbalance.taskgrads`). ``update_every=T`` (any mode, weighted balancers) reuses
+the weights for T - 1 steps.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from ._amortize import WeightCache as WeightCache
-from ._amortize import check_update_every as check_update_every
-from ._gramian import GramianRecorder as GramianRecorder
+from torch import Tensor
 
-__all__ = ["MODES", "Mode"]
+from ..taskgrads import ParamLayout, Passes, resolve_passes
+from ._engine import Engine, StepInput
+from ._features import FeaturesMode
+from ._gramian import GramianMode
+from ._matrix import MatrixMode
+
+__all__ = ["MODES", "Engine", "Mode", "StepInput", "make_engine"]
 
 Mode = Literal["matrix", "gramian", "features"]
 
@@ -30,7 +38,14 @@ Mode = Literal["matrix", "gramian", "features"]
 MODES: tuple[str, ...] = ("matrix", "gramian", "features")
 
 
-def check_mode(mode: str) -> str:
-    if mode not in MODES:
-        raise ValueError(f"Invalid mode: {mode!r} (expected one of {', '.join(MODES)})")
-    return mode
+def make_engine(mode: str, layout: ParamLayout, head_params: list[Tensor], passes: Passes,
+                modules: Any = None) -> Engine:
+    """The engine of ``mode`` over the shared parameters ``layout`` and the heads."""
+    if mode == "matrix":
+        return MatrixMode(layout, head_params, passes)
+    if mode == "features":
+        return FeaturesMode(layout, head_params, passes)
+    if mode == "gramian":
+        batched = resolve_passes(passes, layout.device) == "batched"
+        return GramianMode(modules, layout.params, head_params, batched)
+    raise ValueError(f"Invalid mode: {mode!r} (expected one of {', '.join(MODES)})")

@@ -18,7 +18,7 @@ from torch import Tensor
 from ..distributed import all_reduce_grads_and_losses_
 from ..stats import StepStats
 from ..taskgrads import TaskRoots
-from ._common import StepInput, heads_backward_
+from ._engine import StepInput, heads_backward_
 
 __all__ = ["WeightCache", "check_update_every"]
 

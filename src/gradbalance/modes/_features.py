@@ -20,26 +20,49 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .._amp import finite_step, unscaled_gramian
 from ..balancers._base import Balancer
+from ..clip._protocol import RowClipper
 from ..distributed import all_gather_columns, all_reduce_grads_and_losses_, all_reduce_mean_
 from ..stats import StepStats, build_stats
 from ..taskgrads import ParamLayout, TaskRoots
-from ._common import RowsMode, StepInput, combine_or_skip, heads_backward_, unscaled_gramian
+from ._engine import RowsEngine, StepInput, combine_or_skip, heads_backward_
 
 __all__ = ["FeaturesMode"]
 
 
-class FeaturesMode(RowsMode):
-    """Holds the feature gradients of one micro-batch until ``apply``."""
+class FeaturesMode(RowsEngine):
+    """Holds the feature gradients of one micro-batch until ``apply``. Every balancer works;
+    row clippers do not (the rows are not the parameters' gradients)."""
 
+    mode = "features"
     features: Tensor | None = None
 
-    def backward(self, roots: TaskRoots, features: Tensor | None) -> None:
+    def check_backward(self, features: Tensor | None, count: int, reused: bool) -> None:
+        if reused:  # a step reusing cached weights takes any number of backward() calls
+            return
+        if count > 0:
+            raise ValueError(
+                "mode='features' takes one backward() per step (the trunk's backward of the "
+                "balanced feature gradient needs every micro-batch's graph); call apply_() "
+                "after each backward(), or use mode='matrix' or 'gramian' to accumulate "
+                "micro-batches"
+            )
         if not isinstance(features, Tensor) or not features.requires_grad:
             raise ValueError(
                 "mode='features' needs features=<the trunk's output tensor> (requiring "
                 "grad), e.g. feats = model.trunk(x); buf.backward(losses, features=feats)"
             )
+
+    def check_apply(self, balancer: Balancer, clip: RowClipper | None) -> None:
+        if clip is not None:
+            raise ValueError(
+                f"clip needs the task-gradient rows of mode='matrix'; this buffer has "
+                f"mode={self.mode!r}"
+            )
+
+    def backward(self, roots: TaskRoots, first: bool, features: Tensor | None) -> None:
+        assert features is not None  # check_backward ran
         layout = ParamLayout([features])
         dtype = torch.promote_types(layout.dtype, torch.float32)  # autocast: fp16 features
         k = roots.num_tasks
@@ -61,8 +84,8 @@ class FeaturesMode(RowsMode):
             losses = all_reduce_grads_and_losses_(self.head_params, losses, step.group)
             matrix = all_gather_columns(matrix, step.group).div_(size)
             local = slice(rank * features.numel(), (rank + 1) * features.numel())
-        gram, finite_flag = unscaled_gramian(matrix, scale, self.head_params)
-        finite = bool(finite_flag)  # host sync: the balancer must not see inf/NaN
+        gram = unscaled_gramian(scale, matrix=matrix)
+        finite = finite_step(gram, scale, self.head_params, step.group)
         result = combine_or_skip(balancer, matrix, losses, gram, finite, scale)
         grad = result.vector[local]
         grad = grad if scale is None else grad * scale.to(matrix.dtype)

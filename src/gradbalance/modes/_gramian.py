@@ -48,17 +48,22 @@ import warnings
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..distributed import all_gather_columns, all_reduce_mean_
-from ..gramian import compute_gramian
+from .._amp import finite_step, nonfinite_error, unscaled_gramian
+from ..balancers._base import Balancer
+from ..clip._protocol import RowClipper
+from ..distributed import all_gather_columns, all_reduce_grads_and_losses_, all_reduce_mean_
+from ..gramian import compute_gramian, linear_gramian
+from ..stats import StepStats, build_stats
 from ..taskgrads import TaskRoots
+from ._engine import StepInput, heads_backward_, reject_features
 
-__all__ = ["GramianRecorder"]
+__all__ = ["GramianMode", "GramianRecorder"]
 
 #: Recorded forwards of one layer past which a forgotten torch.no_grad() is likely.
 _MANY_CALLS = 64
@@ -119,26 +124,6 @@ def _find_blocks(roots: Sequence[nn.Module], params: Sequence[Tensor]) -> list[_
                 f"parameter, e.g. modules=model.trunk"
             )
     return blocks
-
-
-def _linear_gramian(x: Tensor, d: Tensor, weight: bool, bias: bool) -> Tensor:
-    """``G_b G_bᵀ`` of an ``nn.Linear`` from its input ``x`` ``[N, i]`` and ``d`` ``[K, N, o]``."""
-    k, n, o = d.shape
-    i = x.shape[1]
-    gram = torch.zeros(k, k, dtype=torch.float64, device=d.device)
-    if bias:
-        s = d.sum(dim=1)
-        gram += (s @ s.T).double()
-    if weight:
-        if n * n * (i + k * k * o) < 2 * k * n * o * i + k * k * o * i:
-            a = x @ x.T  # [N, N]
-            flat = d.reshape(k * n, o)
-            m = (flat @ flat.T).view(k, n, k, n).permute(0, 2, 1, 3).reshape(k * k, n * n)
-            gram += (m @ a.reshape(n * n)).view(k, k).double()
-        else:
-            rows = torch.matmul(d.transpose(1, 2), x).reshape(k, o * i)  # [K, o·i]
-            gram += compute_gramian(rows)
-    return gram
 
 
 class GramianRecorder:
@@ -310,7 +295,7 @@ class GramianRecorder:
             x, d = self._linear_operands(block, k_total)
             if d is not None:
                 weight, bias = self._linear_params(block)
-                gram += _linear_gramian(x, d, weight, bias)
+                gram += linear_gramian(x, d, weight, bias)
         for block in self.other:
             if block.rows is not None:
                 gram += compute_gramian(block.rows)
@@ -380,3 +365,86 @@ def _make_hook(ref: weakref.ReferenceType[GramianRecorder], block: _Block) -> An
             recorder.record(block, args, kwargs, output)
 
     return hook
+
+
+class GramianMode:
+    """``G Gᵀ`` from the recorder, the weights, one weighted write-back; never ``[K, P]``.
+
+    The same update as ``matrix`` mode for every weighted balancer. With a loss scale ``s``
+    the Gramian of the scaled losses is divided by ``s²``; the write-back stays scaled, as
+    ``scaler.unscale_`` expects. Under data parallelism the heads' ``.grad`` and the losses
+    are averaged and the recorder gives every rank the full batch's operands, so every rank
+    writes the full-batch update. A row clipper with a ``coefficients(norms)`` rule on
+    2-norms (``TaskClip``, ``TaskAutoClip``) acts on the Gramian: ``cᵢ cⱼ (G Gᵀ)ᵢⱼ`` for the
+    balancer, ``w ⊙ c`` for the write-back.
+    """
+
+    mode: ClassVar[str] = "gramian"
+    matrix: Tensor | None = None  # never a [K, P] matrix
+
+    def __init__(self, modules: Any, shared: list[Tensor], head_params: list[Tensor],
+                 batched: bool) -> None:
+        if modules is None:
+            raise ValueError(
+                "mode='gramian' needs modules=...: the module(s) owning shared_params, "
+                "e.g. TaskGradBuffer(..., mode='gramian', modules=model.trunk)"
+            )
+        self.recorder = GramianRecorder(modules, shared)
+        self.head_params = head_params
+        self.batched = batched
+
+    def check_backward(self, features: Tensor | None, count: int, reused: bool) -> None:
+        reject_features(self.mode, features)
+
+    def backward(self, roots: TaskRoots, first: bool, features: Tensor | None = None) -> None:
+        heads_backward_(roots, self.head_params)
+        self.recorder.task_passes(roots, self.batched)
+
+    def check_apply(self, balancer: Balancer, clip: RowClipper | None) -> None:
+        if not balancer.from_gramian:
+            raise TypeError(
+                f"{type(balancer).__name__} needs the task-gradient rows, not only the "
+                f"Gramian; use mode='matrix' (or 'features')"
+            )
+        if clip is not None and not (callable(getattr(clip, "coefficients", None))
+                                     and getattr(clip, "norm_type", None) == 2.0):
+            raise ValueError(
+                f"clip={clip!r} needs the task-gradient rows; mode='gramian' applies only "
+                f"2-norm clipping that scales whole rows (TaskClip, TaskAutoClip with "
+                f"norm_type=2) to the Gramian; use one of those or mode='matrix'"
+            )
+
+    def apply(self, balancer: Balancer, step: StepInput) -> StepStats:
+        losses, scale = step.losses, step.scale
+        try:
+            if step.group is not None:
+                losses = all_reduce_grads_and_losses_(self.head_params, losses, step.group)
+                self.recorder.reduce_over_ranks(losses.shape[0], step.group)
+            gram = unscaled_gramian(scale, gramian=self.recorder.gramian(losses.shape[0],
+                                                                         losses.device))
+            finite = finite_step(gram, scale, self.head_params, step.group)
+            pre_clip = coef = None
+            if finite and step.clip is not None:  # row k scaled by cₖ: G Gᵀ by cᵢ cⱼ
+                pre_clip = torch.diagonal(gram).clamp_min(0).sqrt()
+                coef = step.clip.coefficients(pre_clip).to(torch.float64)  # type: ignore[attr-defined]
+                gram = gram * coef[:, None] * coef[None, :]
+            if finite:
+                weights = balancer.compute_weights(gram, losses)
+            elif scale is not None:  # the plain sum, non-finite: the scaler skips the step
+                weights = torch.ones_like(losses, dtype=torch.float64)
+            else:
+                raise nonfinite_error()
+            self.recorder.write_weighted_(weights if coef is None else weights * coef)
+        finally:
+            self.recorder.clear()
+        return build_stats(gram, losses, finite, weights=weights, scale=scale,
+                           pre_clip_norms=pre_clip, num_backward=step.count, mode="gramian")
+
+    def clear(self) -> None:
+        self.recorder.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Nothing is measured in this mode: a saved ``passes`` choice is ignored."""

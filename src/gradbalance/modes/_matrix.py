@@ -10,28 +10,40 @@ clipping, the combine, and ``.grad += s·g`` on the trunk.
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
+from .._amp import finite_step, unscaled_gramian
 from ..balancers._base import Balancer
-from ..distributed import all_ranks_true, all_reduce_step_
+from ..clip._protocol import RowClipper
+from ..distributed import all_reduce_step_
 from ..gramian import compute_gramian
 from ..stats import StepStats, build_stats
 from ..taskgrads import TaskRoots
-from ._common import (
-    RowsMode,
+from ._engine import (
+    RowsEngine,
     StepInput,
     add_flat_,
     combine_or_skip,
     heads_backward_,
-    unscaled_gramian,
+    reject_features,
 )
 
 __all__ = ["MatrixMode"]
 
 
-class MatrixMode(RowsMode):
-    """Holds ``G`` ``[K, P]`` across micro-batches; combines it once per step."""
+class MatrixMode(RowsEngine):
+    """Holds ``G`` ``[K, P]`` across micro-batches; combines it once per step. Every balancer
+    and every row clipper works here."""
 
-    def backward(self, roots: TaskRoots, first: bool) -> None:
+    mode = "matrix"
+
+    def check_backward(self, features: Tensor | None, count: int, reused: bool) -> None:
+        reject_features(self.mode, features)
+
+    def check_apply(self, balancer: Balancer, clip: RowClipper | None) -> None:
+        """Everything is supported."""
+
+    def backward(self, roots: TaskRoots, first: bool, features: Tensor | None = None) -> None:
         """``G += task gradients`` (``G =`` on the step's first micro-batch); heads ``+=``."""
         k = roots.num_tasks
         if self.matrix is None or self.matrix.shape[0] != k:
@@ -46,10 +58,8 @@ class MatrixMode(RowsMode):
         assert matrix is not None
         if step.group is not None:  # mean over the ranks, before unscaling and balancing
             losses = all_reduce_step_(matrix, losses, self.head_params, step.group)
-        gram, finite_flag = unscaled_gramian(matrix, scale, self.head_params)
-        if step.group is not None:  # every rank skips the same steps
-            finite_flag = all_ranks_true(finite_flag, step.group)
-        finite = bool(finite_flag)  # host sync: the balancer must not see inf/NaN
+        gram = unscaled_gramian(scale, matrix=matrix)
+        finite = finite_step(gram, scale, self.head_params, step.group)
         pre_clip = None
         if finite and step.clip is not None:
             pre_clip = step.clip(matrix)

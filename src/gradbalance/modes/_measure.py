@@ -1,7 +1,7 @@
-"""Choosing the task-gradient strategy by measurement, once per buffer.
+"""Choosing the task-gradient passes by measurement, once per buffer.
 
 On a device without a measured preference (``AUTO_PREFERENCE``; a GPU, say) or with
-``strategy="measure"``, the first micro-batch that overwrites ``G`` computes it four times —
+``passes="measure"``, the first micro-batch that overwrites ``G`` computes it four times —
 batched, loop, batched, loop — and the faster of the last two runs wins (the first pair
 absorbs one-off costs: kernel selection, vmap set-up, allocator growth); if batched wins it
 runs once more, so ``G`` is the winner's. The runs are timed with the device synchronised.
@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ..taskgrads import ParamLayout, TaskRoots, compute_into
 
-__all__ = ["measure_strategy"]
+__all__ = ["measure_passes"]
 
 Concrete = Literal["loop", "batched"]
 
@@ -29,20 +29,20 @@ def _synchronize(device: torch.device) -> None:
         torch.accelerator.synchronize()
 
 
-def timed_run(roots: TaskRoots, layout: ParamLayout, out: Tensor, strategy: Concrete) -> float:
-    """Seconds for one overwrite of ``out`` with ``strategy``; inf if batching fails."""
+def timed_run(roots: TaskRoots, layout: ParamLayout, out: Tensor, passes: Concrete) -> float:
+    """Seconds for one overwrite of ``out`` with ``passes``; inf if batching fails."""
     _synchronize(layout.device)
     start = time.perf_counter()
-    used = compute_into(roots, layout, out, strategy="measure", preferred=strategy,
+    used = compute_into(roots, layout, out, passes="measure", preferred=passes,
                         retain_graph=True)
     _synchronize(layout.device)
-    return time.perf_counter() - start if used == strategy else float("inf")
+    return time.perf_counter() - start if used == passes else float("inf")
 
 
-def measure_strategy(roots: TaskRoots, layout: ParamLayout, out: Tensor) -> Concrete:
-    """Overwrite ``out`` with the task gradients, timing both strategies; return the faster.
+def measure_passes(roots: TaskRoots, layout: ParamLayout, out: Tensor) -> Concrete:
+    """Overwrite ``out`` with the task gradients, timing loop and batched; return the faster.
 
-    ``out`` ends up holding the chosen strategy's result. A model without a batching rule
+    ``out`` ends up holding the chosen passes's result. A model without a batching rule
     costs one failed batched call (and its warning) and gets the loop.
     """
     if timed_run(roots, layout, out, "batched") == float("inf"):

@@ -1,24 +1,48 @@
 """Loss weightings: one method per private module, collected in :data:`WEIGHTINGS`.
 
 A loss weighting turns the K task losses into K weighted losses before the backward pass
-(GradNorm, Uncertainty Weighting, DWA, RLW, GLS, SI, FAMO, IMTL-L, STCH). Every private module
-``_<method>.py`` lists its public names in ``__all__``; they are re-exported here, and each
-:class:`LossWeighting` subclass with a ``name`` is registered.
+(GradNorm, Uncertainty Weighting, DWA, RLW, GLS, SI, FAMO, IMTL-L, STCH); subclass
+:class:`LossWeighting` to add one. The pure kernels live in :mod:`gradbalance.functional`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .._registry import build, discover
+from .._registry import build, register
 from ._base import LossWeighting
+from ._dwa import DWA
+from ._famo import FAMO
+from ._gls import GLS
+from ._gradnorm import GradNorm, last_layer_parameters
+from ._imtl import IMTLL
+from ._rlw import RLW
+from ._scale_invariant import ScaleInvariant
+from ._stch import STCH
+from ._uncertainty import UncertaintyWeighting
 
-__all__ = ["WEIGHTINGS", "LossWeighting", "get_weighting"]
+__all__ = [
+    "DWA",
+    "FAMO",
+    "GLS",
+    "IMTLL",
+    "RLW",
+    "STCH",
+    "WEIGHTINGS",
+    "GradNorm",
+    "LossWeighting",
+    "ScaleInvariant",
+    "UncertaintyWeighting",
+    "get_weighting",
+    "last_layer_parameters",
+]
 
 #: Registry name -> class, for every loss weighting the library ships.
 WEIGHTINGS: dict[str, type[LossWeighting]] = {}
 
-discover(__name__, __path__, globals(), LossWeighting, WEIGHTINGS, "loss weighting")
+register(WEIGHTINGS, [
+    DWA, FAMO, GLS, GradNorm, IMTLL, RLW, ScaleInvariant, STCH, UncertaintyWeighting,
+], "loss weighting")
 
 
 def get_weighting(name: str, **kwargs: Any) -> LossWeighting:

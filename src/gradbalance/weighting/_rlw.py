@@ -7,26 +7,12 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from ..balancers._random import random_weights
 from ._base import LossWeighting
 
-__all__ = ["RLW", "rlw_sample"]
+__all__ = ["RLW"]
 
 _DISTRIBUTIONS = ("normal", "dirichlet")
-
-
-def rlw_sample(num_tasks: int, generator: torch.Generator,
-               distribution: Literal["normal", "dirichlet"] = "normal") -> Tensor:
-    """One draw of weights on the simplex ``[K]`` (float64, CPU).
-
-    ``"normal"``: ``softmax(z)``, ``z ~ N(0, I)`` (the paper's default);
-    ``"dirichlet"``: ``Dirichlet(1, …, 1)``, drawn as normalised ``Exp(1)`` variables.
-    """
-    if distribution == "normal":
-        z = torch.randn(num_tasks, generator=generator, dtype=torch.float64)
-        return torch.softmax(z, dim=0)
-    u = torch.rand(num_tasks, generator=generator, dtype=torch.float64)
-    e = -torch.log1p(-u)
-    return e / e.sum()
 
 
 class RLW(LossWeighting):
@@ -69,19 +55,19 @@ class RLW(LossWeighting):
                              f"torch.Generator)")
         self.generator = generator
         self._initial_rng = generator.get_state()
-        self._weights = rlw_sample(num_tasks, generator, self.distribution).to(self.device)
+        self._weights = random_weights(num_tasks, self.distribution, generator).to(self.device)
 
     def _reset_state(self) -> None:
         self.generator.set_state(self._initial_rng)
-        self._weights = rlw_sample(self.num_tasks, self.generator,
-                                   self.distribution).to(self.device)
+        self._weights = random_weights(self.num_tasks, self.distribution,
+                                       self.generator).to(self.device)
 
     def _weighted(self, losses: Tensor) -> Tensor:
         return self._weights.to(dtype=losses.dtype, device=losses.device) * losses
 
     def _apply_update(self, losses: Tensor, losses_after: Tensor | None) -> None:
-        self._weights = rlw_sample(self.num_tasks, self.generator,
-                                   self.distribution).to(self.device)
+        self._weights = random_weights(self.num_tasks, self.distribution,
+                                       self.generator).to(self.device)
 
     @property
     def weights(self) -> Tensor:

@@ -1,0 +1,95 @@
+"""Mixed precision in the balanced step: the one place that reads the loss scale, unscales
+and decides whether a step is finite (``docs/loop.md``, mixed precision).
+
+A ``GradScaler`` multiplies every loss by one scale ``s``; every task gradient is then ``s``
+times too large. The step divides the task gradients (or their Gramian, by ``s²``) before
+norms, clipping and balancing, and writes the update back multiplied by ``s`` again, so that
+``scaler.unscale_``, ``clip_grad_norm_`` and ``scaler.step`` work unchanged.
+
+Host syncs: ``bool(finite)`` once per step (whether the balancer may run is a Python
+decision; a balancer with state must not see inf/NaN). With data parallelism the flag is
+agreed over the ranks first, so every rank takes the same branch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._types import NonFiniteGradientError
+from .distributed import all_ranks_true
+from .gramian import compute_gramian, is_finite_gramian
+
+__all__ = ["finite_step", "no_autocast", "nonfinite_error", "scale_of", "unscaled_gramian"]
+
+
+def no_autocast(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """Autocast off on ``device``: gradient arithmetic stays in the gradients' dtype.
+
+    Under autocast a GEMM on float32 gradients would run in float16/bfloat16 (losing the
+    Gramian's precision) and its result could not be written into a float32 ``.grad``.
+    """
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def scale_of(scaler: Any, device: torch.device) -> Tensor | None:
+    """The scaler's current scale as a 0-d tensor (no host sync), or None when disabled."""
+    if scaler is None or not scaler.is_enabled():
+        return None
+    scale: Tensor = scaler.scale(torch.ones((), dtype=torch.float32, device=device))
+    return scale
+
+
+def grads_finite(params: Sequence[Tensor]) -> Tensor:
+    """True (0-d bool tensor) when every existing ``.grad`` of ``params`` is finite."""
+    flags = [torch.isfinite(p.grad).all() for p in params if p.grad is not None]
+    if not flags:
+        return torch.ones((), dtype=torch.bool)
+    return torch.stack([f.to(flags[0].device) for f in flags]).all()
+
+
+def unscaled_gramian(scale: Tensor | None, *, matrix: Tensor | None = None,
+                     gramian: Tensor | None = None) -> Tensor:
+    """The true Gramian ``[K, K]`` (float64) of a step's task gradients.
+
+    ``matrix``: the ``[K, ·]`` rows of the scaled losses, divided by ``s`` in place (the
+    balancer then sees true rows) before their Gramian is taken. ``gramian``: the Gramian of
+    the scaled losses, divided by ``s²``.
+    """
+    if matrix is not None:
+        if scale is not None:
+            matrix.div_(scale.to(matrix.dtype))
+        return compute_gramian(matrix)
+    assert gramian is not None
+    return gramian if scale is None else gramian / scale.double() ** 2
+
+
+def finite_step(gramian: Tensor, scale: Tensor | None, head_params: Sequence[Tensor],
+                group: Any) -> bool:
+    """Whether the balancer may run this step (one host sync).
+
+    The Gramian's diagonal covers every task gradient (a non-finite entry in row ``k`` makes
+    ``gramian[k, k]`` inf or NaN: O(K), not O(K·P)). Under a scaler the heads' ``.grad``
+    count too: the scaler skips a step on which any of them overflowed, so the balancer must
+    not update its state then either. With a process group the ranks agree first.
+    """
+    flag = is_finite_gramian(gramian)
+    if scale is not None and head_params:
+        flag = flag & grads_finite(head_params)
+    if group is not None:
+        flag = all_ranks_true(flag, group)
+    return bool(flag)
+
+
+def nonfinite_error() -> NonFiniteGradientError:
+    return NonFiniteGradientError(
+        "task gradients hold inf or NaN (no GradScaler given); the trunk's .grad and the "
+        "balancer's state are unchanged. Skip this optimizer step (optimizer.zero_grad()) or "
+        "find the source of the overflow"
+    )

@@ -1,0 +1,99 @@
+"""The pure kernels behind the classes: tensors in, tensors out, no state, no ``.grad``.
+
+Naming: ``<method>_weights`` returns the task weights ``w`` ``[K]`` of a weighted method
+(``g = wᵀ G``); ``<method>_update`` returns a matrix method's combined gradient ``[P]``;
+``<method>_step`` advances a method's state by one step; ``pcgrad_coefficients`` is PCGrad's
+``[K, K]`` projection matrix. Clipping kernels end in ``_`` when they work in place and
+return the pre-clip norms, as ``torch.nn.utils.clip_grad_norm_`` does.
+
+Example:
+    >>> import torch
+    >>> from gradbalance.functional import compute_gramian, mgda_weights
+    >>> g = torch.tensor([[1.0, 0.0], [0.0, 2.0]])
+    >>> mgda_weights(compute_gramian(g))
+    tensor([0.8000, 0.2000], dtype=torch.float64)
+"""
+
+from __future__ import annotations
+
+from .balancers._alignedmtl import alignedmtl_weights
+from .balancers._base import combine_rows
+from .balancers._cagrad import cagrad_weights
+from .balancers._config import config_weights
+from .balancers._dbmtl import dbmtl_update
+from .balancers._dualproj import dualproj_weights
+from .balancers._excessmtl import excessmtl_risks
+from .balancers._fairgrad import fairgrad_weights
+from .balancers._graddrop import graddrop_update
+from .balancers._gradvac import gradvac_weights
+from .balancers._imtlg import imtlg_weights
+from .balancers._krum import krum_weights
+from .balancers._mean import mean_weights
+from .balancers._mgda import mgda_weights
+from .balancers._moco import moco_step
+from .balancers._modo import modo_step
+from .balancers._nashmtl import nashmtl_weights
+from .balancers._pcd import pcd_weights
+from .balancers._pcgrad import pcgrad_coefficients, pcgrad_orders
+from .balancers._random import random_weights
+from .balancers._sdmgrad import sdmgrad_weights
+from .balancers._sum import sum_weights
+from .balancers._trimmed_mean import trimmed_mean_update
+from .balancers._upgrad import upgrad_weights
+from .clip._agc import adaptive_clip_grad_, unitwise_norm
+from .clip._per_sample_func import per_sample_grad_norms_of_model
+from .clip._per_sample_graph import per_sample_grad_norms
+from .clip._task import clip_task_norms_, clip_task_values_, row_norms
+from .gramian import compute_gramian, cosine_matrix, is_finite_gramian
+from .taskgrads import task_gradients
+from .weighting._dwa import dwa_weights
+from .weighting._famo import famo_weights
+from .weighting._gls import gls_weights
+from .weighting._gradnorm import gradnorm_targets
+from .weighting._scale_invariant import scale_invariant_weights
+from .weighting._stch import stch_weights
+
+__all__ = [
+    "adaptive_clip_grad_",
+    "alignedmtl_weights",
+    "cagrad_weights",
+    "clip_task_norms_",
+    "clip_task_values_",
+    "combine_rows",
+    "compute_gramian",
+    "config_weights",
+    "cosine_matrix",
+    "dbmtl_update",
+    "dualproj_weights",
+    "dwa_weights",
+    "excessmtl_risks",
+    "fairgrad_weights",
+    "famo_weights",
+    "gls_weights",
+    "graddrop_update",
+    "gradnorm_targets",
+    "gradvac_weights",
+    "imtlg_weights",
+    "is_finite_gramian",
+    "krum_weights",
+    "mean_weights",
+    "mgda_weights",
+    "moco_step",
+    "modo_step",
+    "nashmtl_weights",
+    "pcd_weights",
+    "pcgrad_coefficients",
+    "pcgrad_orders",
+    "per_sample_grad_norms",
+    "per_sample_grad_norms_of_model",
+    "random_weights",
+    "row_norms",
+    "scale_invariant_weights",
+    "sdmgrad_weights",
+    "stch_weights",
+    "sum_weights",
+    "task_gradients",
+    "trimmed_mean_update",
+    "unitwise_norm",
+    "upgrad_weights",
+]

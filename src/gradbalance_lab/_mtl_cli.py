@@ -1,0 +1,260 @@
+"""Options and orchestration shared by ``gradbalance compare`` and ``gradbalance train``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from gradbalance_lab._mtl_methods import Method
+from gradbalance_lab._mtl_progress import Progress
+from gradbalance_lab._mtl_report import format_markdown, plot_results, summarize, write_csvs
+from gradbalance_lab._mtl_runner import RunConfig, RunResult, check_method, open_writer, train_run
+from gradbalance_lab.data import MultiDigits, make_multidigits
+
+__all__ = ["add_common_options", "config_from_args", "data_from_args", "execute"]
+
+
+def _int_at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"invalid value: {value} (expected an int >= {low})")
+        return value
+    return parse
+
+
+def _finite_float(allow_zero: bool) -> Callable[[str], float]:
+    """Parser of a finite number ``> 0`` (or ``>= 0`` with ``allow_zero``)."""
+    bound = ">= 0" if allow_zero else "> 0"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
+        if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+            raise argparse.ArgumentTypeError(
+                f"invalid value: {text} (expected a finite number {bound})")
+        return value
+    return parse
+
+
+_positive_float = _finite_float(allow_zero=False)
+_non_negative_float = _finite_float(allow_zero=True)
+
+
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: …)`` except for flags and options whose help already explains it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.default is False or "default" in (action.help or ""):
+            return action.help or ""
+        return super()._get_help_string(action) or ""
+
+
+def add_common_options(parser: argparse.ArgumentParser, *, seeds: int, out: str,
+                       epochs: int = 10) -> None:
+    """Data, training and output options (every one documented in ``--help``)."""
+    parser.formatter_class = _DefaultsFormatter
+    data = parser.add_argument_group("data (MultiDigits, built from scikit-learn's digits)")
+    data.add_argument("--variant", choices=("plain", "scaled"), default="plain",
+                      help="'scaled' multiplies the right-digit task's loss by --right-scale "
+                           "(the loss-scale problem)")
+    data.add_argument("--right-scale", type=_positive_float, default=1e-3,
+                      help="loss factor of the right task in the scaled variant")
+    data.add_argument("--regression", action="store_true",
+                      help="add a third task: regress the sum of the two digits (metric: MAE)")
+    data.add_argument("--n-train", type=_int_at_least(1), default=6000,
+                      help="training canvases (drawn from the training pool of images)")
+    data.add_argument("--n-test", type=_int_at_least(1), default=2000,
+                      help="test canvases (drawn from the disjoint test pool of images)")
+    data.add_argument("--data-seed", type=int, default=0,
+                      help="seed of the dataset build (pools, pairs, offsets)")
+    train = parser.add_argument_group("training")
+    train.add_argument("--seeds", type=_int_at_least(1), default=seeds,
+                       help="number of seeds per method (seeds 0..N-1: initialisation, "
+                            "batch order, the balancers' random draws)")
+    train.add_argument("--epochs", type=_int_at_least(1), default=epochs,
+                       help="passes over the training canvases")
+    train.add_argument("--batch-size", type=_int_at_least(1), default=128, help="batch size")
+    train.add_argument("--optimizer", choices=("adam", "sgd"), default="adam",
+                       help="optimizer of every run (sgd: momentum 0.9)")
+    train.add_argument("--lr", type=_positive_float, default=1e-3, help="learning rate")
+    train.add_argument("--weight-decay", type=_non_negative_float, default=0.0,
+                       help="optimizer weight decay (coupled L2 for adam)")
+    train.add_argument("--trunk", choices=("mlp", "cnn"), default="mlp",
+                       help="shared trunk: MLP on the flattened canvas or a small CNN")
+    train.add_argument("--hidden", type=_int_at_least(2), default=64,
+                       help="trunk width (MLP units; CNN: 2× the first conv's channels)")
+    train.add_argument("--depth", type=_int_at_least(1), default=2, help="MLP layers")
+    train.add_argument("--max-norm", type=_positive_float, default=None,
+                       help="global clip_grad_norm_ after the balanced backward (off by default)")
+    train.add_argument("--per-sample-clip", type=_positive_float, default=None, metavar="C",
+                       help="DP-SGD: clip every (sample, task) gradient to norm C before the "
+                            "batch mean (ghost norms; off by default)")
+    train.add_argument("--noise", type=_non_negative_float, default=0.0, metavar="SIGMA",
+                       help="DP-SGD noise multiplier: N(0, (SIGMA*C/B)^2) on the update "
+                            "(needs --per-sample-clip)")
+    train.add_argument("--threads", type=_int_at_least(1), default=1,
+                       help="torch CPU threads (1 keeps step times comparable)")
+    outs = parser.add_argument_group("outputs")
+    outs.add_argument("--out", type=Path, default=Path(out),
+                      help="output folder: tables (CSV, markdown), plot, TensorBoard logs")
+    outs.add_argument("--log-every", type=_int_at_least(1), default=10,
+                      help="TensorBoard: write the step statistics every N steps")
+    outs.add_argument("--no-tensorboard", action="store_true", help="write no TensorBoard logs")
+    outs.add_argument("--no-plot", action="store_true", help="write no PNG plot")
+    outs.add_argument("--no-progress", action="store_true",
+                      help="no progress bar (one plain line per finished run instead)")
+    outs.add_argument("--quiet", action="store_true", help="print only the final table")
+
+
+def data_from_args(args: argparse.Namespace) -> MultiDigits:
+    scale = args.right_scale if args.variant == "scaled" else 1.0
+    return make_multidigits(args.n_train, args.n_test, seed=args.data_seed, right_scale=scale,
+                            regression=args.regression)
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    if args.noise > 0 and args.per_sample_clip is None:
+        raise ValueError(
+            f"--noise {args.noise} needs --per-sample-clip C: the noise is scaled by the "
+            f"per-sample clip C (DP-SGD)"
+        )
+    return RunConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
+                     optimizer=args.optimizer, weight_decay=args.weight_decay, trunk=args.trunk,
+                     width=args.hidden, depth=args.depth, max_norm=args.max_norm,
+                     per_sample_clip=args.per_sample_clip, noise_multiplier=args.noise,
+                     log_every=args.log_every)
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Fail before training if an optional output's package is missing."""
+    if not args.no_tensorboard:
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            raise ImportError(
+                "TensorBoard logs need the tensorboard package: `pip install "
+                "gradbalance[tensorboard]` (or pass --no-tensorboard)"
+            ) from None
+    if not args.no_plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ImportError(
+                "plots need matplotlib: `pip install gradbalance[plot]` (or pass --no-plot)"
+            ) from None
+
+
+def _brief(result: RunResult, names: Sequence[str]) -> str:
+    if result.error is not None:
+        return f"{result.method.label:<14} seed {result.seed}: FAILED ({result.error})"
+    parts = [f"{n} {v:.1f}" for n, v in zip(names, result.metrics) if not math.isnan(v)]
+    return (f"{result.method.label:<14} seed {result.seed}: {', '.join(parts)}  "
+            f"({result.step_ms:.2f} ms/step, {result.seconds:.1f}s)")
+
+
+def execute(args: argparse.Namespace, methods: list[Method], *, baselines: bool,
+            title: str, plot_name: str = "compare.png") -> int:
+    """Build the data, train every (seed, method), write every output, print the table."""
+    try:
+        _check_outputs(args)
+    except ImportError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        return _execute(args, methods, baselines=baselines, title=title, plot_name=plot_name)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _execute(args: argparse.Namespace, methods: list[Method], *, baselines: bool,
+             title: str, plot_name: str) -> int:
+    try:
+        cfg = config_from_args(args)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    data = data_from_args(args)
+    usable = []
+    for method in methods:
+        try:
+            check_method(data, method, cfg)
+        except (ValueError, TypeError) as error:
+            if not method.optional:
+                print(f"error: {method.kind} {method.key!r} cannot run on this data: {error}",
+                      file=sys.stderr)
+                return 2
+            warnings.warn(f"skipped {method.kind} {method.key!r}: {error}", RuntimeWarning,
+                          stacklevel=2)
+            continue
+        usable.append(method)
+    methods = usable
+    singles = [Method("single", name, t) for t, name in enumerate(data.task_names)]
+    plan = [(seed, m) for seed in range(args.seeds)
+            for m in (singles if baselines else []) + methods]
+    per_run = cfg.epochs * math.ceil(data.x_train.shape[0] / cfg.batch_size)
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    if not args.quiet:
+        scales = ", ".join(f"{n}×{s:g}" for n, s in zip(data.task_names, data.loss_scales))
+        print(f"{title}: MultiDigits {data.x_train.shape[0]} train / {data.x_test.shape[0]} "
+              f"test canvases {tuple(data.input_shape)}, loss scales {scales}; "
+              f"{len(plan)} runs of {per_run} steps", flush=True)
+    progress = Progress(len(plan) * per_run, bar=not args.no_progress, quiet=args.quiet)
+    results: list[RunResult] = []
+    try:
+        for seed, method in plan:
+            progress.describe(f"{method.label} seed {seed}")
+            tb = None if args.no_tensorboard else out / "tb" / method.label / f"seed{seed}"
+            before = progress.done
+            try:
+                result = train_run(data, method, seed, cfg, progress, tb)
+            except (RuntimeError, ValueError, ArithmeticError) as error:
+                # a solver that fails mid-run fails this run only, and the table says so
+                result = RunResult(method, seed, [math.nan] * data.num_tasks,
+                                   error=f"{type(error).__name__}: {error}")
+                progress.advance(per_run - (progress.done - before))
+            results.append(result)
+            progress.finished_run(_brief(result, data.metric_names))
+    finally:
+        progress.close()
+    hib = data.higher_is_better
+    summaries = summarize(results, hib)
+    table = format_markdown(summaries, data.metric_names, hib)
+    paths = write_csvs(out, results, summaries, data.metric_names, data.task_names, hib)
+    (out / "summary.md").write_text(f"# {title}\n\n{table}")
+    (out / "config.json").write_text(json.dumps(
+        {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
+         if not k.startswith("_")}, indent=2) + "\n")
+    written = [out / "summary.md", *paths.values(), out / "config.json"]
+    if not args.no_plot:
+        written.append(plot_results(out / plot_name, results, summaries, data.metric_names))
+    if not args.no_tensorboard:
+        _summary_to_tensorboard(out / "tb" / "summary", table)
+        written.append(out / "tb")
+    print(table)
+    print(f"outputs in {out}/: " + ", ".join(p.name + ("/" if p.is_dir() else "")
+                                             for p in written))
+    if not args.no_tensorboard:
+        print(f"view the training curves with: tensorboard --logdir {out / 'tb'}")
+    return 0
+
+
+def _summary_to_tensorboard(path: Path, table: str) -> None:
+    writer = open_writer(path)
+    writer.add_text("summary", table)
+    writer.close()

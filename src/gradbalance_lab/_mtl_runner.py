@@ -1,0 +1,275 @@
+"""One training run on MultiDigits with a balancer, a loss weighting or a single task.
+
+The loop is the one a user writes (the loop tutorial §3): forward, per-task losses, the library's
+``TaskGradBuffer.backward`` + ``apply_`` (or plain ``backward`` for a single-task baseline),
+optional global clipping, ``optimizer.step``, ``zero_grad``. The wall time of each step is
+measured from the forward to the end of ``optimizer.step``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from gradbalance import RunningStats, StepStats, log_stats
+from gradbalance._optional import require
+from gradbalance.balancers import BALANCERS
+from gradbalance.clip import GhostNorms, PerSampleClip
+from gradbalance.step import TaskGradBuffer
+from gradbalance_lab._mtl_methods import Method, build_balancer, build_weighting
+from gradbalance_lab._mtl_progress import Progress
+from gradbalance_lab.data import MultiDigits
+from gradbalance_lab.models import MultiTaskModel, cnn_trunk, mlp_trunk
+
+__all__ = ["RunConfig", "RunResult", "build_model", "check_method", "open_writer", "train_run"]
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Training settings shared by every run of a comparison."""
+
+    epochs: int = 8
+    batch_size: int = 128
+    lr: float = 1e-3
+    optimizer: str = "adam"
+    weight_decay: float = 0.0
+    trunk: str = "mlp"
+    width: int = 64
+    depth: int = 2
+    max_norm: float | None = None
+    per_sample_clip: float | None = None  # DP-SGD's per-sample clip (ghost norms), off if None
+    noise_multiplier: float = 0.0  # DP-SGD noise σ (needs per_sample_clip)
+    log_every: int = 10
+
+
+@dataclass
+class RunResult:
+    """Outcome of one run; ``metrics`` has one entry per task (NaN for tasks not trained)."""
+
+    method: Method
+    seed: int
+    metrics: list[float]
+    history: list[list[float]] = field(default_factory=list)
+    step_ms: float = math.nan
+    steps: int = 0
+    train_losses: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+    error: str | None = None  # set when the run raised (metrics are then NaN)
+
+
+def build_model(data: MultiDigits, cfg: RunConfig, tasks: list[int]) -> MultiTaskModel:
+    """A shared trunk (``mlp`` on the flattened canvas, or a small ``cnn``) and linear heads."""
+    channels, height, width = data.input_shape
+    if cfg.trunk == "mlp":
+        trunk: nn.Module = nn.Sequential(
+            nn.Flatten(), mlp_trunk(channels * height * width, cfg.width, cfg.depth)
+        )
+        features = cfg.width
+    elif cfg.trunk == "cnn":
+        trunk = cnn_trunk(cfg.width // 2, in_channels=channels)
+        features = 2 * (cfg.width // 2)
+    else:
+        raise ValueError(f"Invalid trunk: {cfg.trunk!r} (expected 'mlp' or 'cnn')")
+    heads = [nn.Linear(features, data.out_features[k]) for k in tasks]
+    return MultiTaskModel(trunk, heads)
+
+
+def _optimizer(params: list[Tensor], cfg: RunConfig) -> torch.optim.Optimizer:
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
+    raise ValueError(f"Invalid optimizer: {cfg.optimizer!r} (expected 'adam' or 'sgd')")
+
+
+def open_writer(path: Path) -> Any:
+    """A TensorBoard ``SummaryWriter`` at ``path`` (needs ``gradbalance[tensorboard]``)."""
+    require("tensorboard", "tensorboard", "TensorBoard logs", "pass --no-tensorboard")
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir=str(path))
+
+
+class _Logger:
+    """Step statistics into TensorBoard with :func:`gradbalance.log_stats` (and a running
+    std window of 50 steps)."""
+
+    def __init__(self, writer: Any) -> None:
+        self.writer = writer
+        self.running = RunningStats(window=50)
+
+    def __call__(self, stats: StepStats, step: int, pre_clip: float | None,
+                 weights: Tensor | None) -> None:
+        log_stats(self.writer, stats, step, pre_clip=pre_clip, weights=weights,
+                  running=self.running)
+
+
+def _evaluate(model: MultiTaskModel, data: MultiDigits, tasks: list[int]) -> list[float]:
+    model.eval()
+    with torch.no_grad():
+        outputs = model(data.x_test)
+    model.train()
+    values = [math.nan] * data.num_tasks
+    for head, task in enumerate(tasks):
+        values[task] = data.task_metric(task, outputs[head], data.y_test[:, task])
+    return values
+
+
+class _Step:
+    """The per-method part of the step: returns the raw losses (and stats) of the batch.
+
+    A loss weighting's learnable parameters (Uncertainty's log-variances) are stepped by the
+    run's optimizer and receive their gradient through the buffer's head parameters; its
+    ``update`` runs after ``optimizer.step()`` and before ``zero_grad`` (FAMO also gets the
+    batch's losses after the step).
+    """
+
+    def __init__(self, method: Method, model: MultiTaskModel, data: MultiDigits,
+                 seed: int, cfg: RunConfig | None = None) -> None:
+        self.method = method
+        self.data = data
+        self.model = model
+        k = data.num_tasks
+        self.weighting: Any = None
+        self.extra_params: list[Tensor] = []
+        self.buf: TaskGradBuffer | None = None
+        self.clip: PerSampleClip | None = None
+        self.ghost: GhostNorms | None = None
+        if cfg is not None and cfg.per_sample_clip is not None:
+            self.clip = PerSampleClip(cfg.per_sample_clip, noise_multiplier=cfg.noise_multiplier,
+                                      generator=torch.Generator().manual_seed(10_000 + seed))
+            self.ghost = GhostNorms(model)  # hooks before the first forward
+        if method.kind == "single":
+            return
+        if method.kind == "balancer":
+            self.balancer = build_balancer(method.key, k, seed)
+        else:
+            self.balancer = BALANCERS["sum"](num_tasks=k)
+            self.weighting = build_weighting(method.key, data, seed, model.trunk)
+            self.extra_params = [p for p in self.weighting.parameters() if p.requires_grad]
+        self.wants_after = method.key == "famo" or bool(
+            getattr(self.weighting, "needs_losses_after", False))
+        self.buf = TaskGradBuffer(model.shared_parameters(),
+                                  model.head_parameters() + self.extra_params, num_tasks=k)
+
+    def _clipped(self, outputs: list[Tensor], targets: Tensor, tasks: list[int]) -> Tensor:
+        """Per-sample-clipped task losses (value: the batch means) for ``tasks``."""
+        assert self.clip is not None and self.ghost is not None
+        per_sample = self.data.per_sample_losses(outputs, targets, tasks)
+        return self.clip(per_sample, self.model.parameters(), norms=self.ghost.norms(per_sample))
+
+    def __call__(self, outputs: list[Tensor], targets: Tensor) -> tuple[Tensor, StepStats | None]:
+        data = self.data
+        if self.method.kind == "single":
+            task = self.method.task
+            assert task is not None
+            loss = (data.task_loss(task, outputs[0], targets[:, task]) if self.clip is None
+                    else self._clipped(outputs, targets, [task])[0])
+            loss.backward()
+            self._add_noise(targets.shape[0])
+            return loss.detach().reshape(1), None
+        assert self.buf is not None
+        losses = (data.losses(outputs, targets) if self.clip is None
+                  else self._clipped(outputs, targets, list(range(data.num_tasks))))
+        if self.weighting is not None:
+            self.buf.backward(self.weighting(losses))
+        else:
+            self.buf.backward(losses)
+        stats = self.buf.apply_(self.balancer)
+        self._add_noise(targets.shape[0])
+        return losses.detach(), stats
+
+    def _add_noise(self, batch: int) -> None:
+        if self.clip is not None:
+            self.clip.add_noise_(self.model.parameters(), batch_size=batch)
+
+    def after_step(self, xb: Tensor, yb: Tensor, stats: StepStats | None) -> None:
+        """The weighting's post-step update (before ``zero_grad``)."""
+        if self.weighting is None or stats is None:
+            return
+        after = None
+        if self.wants_after:
+            with torch.no_grad():
+                after = self.data.losses(self.model(xb), yb)
+        self.weighting.update(after, found_inf=stats.found_inf)
+
+
+def check_method(data: MultiDigits, method: Method, cfg: RunConfig) -> None:
+    """Build ``method`` for ``data`` once; raises its ValueError/TypeError if it cannot run."""
+    tasks = [method.task] if method.kind == "single" else list(range(data.num_tasks))
+    _Step(method, build_model(data, cfg, [t for t in tasks if t is not None]), data, 0, cfg)
+
+
+def train_run(data: MultiDigits, method: Method, seed: int, cfg: RunConfig,
+              progress: Progress | None = None, tb_dir: Path | None = None) -> RunResult:
+    """Train one model and return its test metrics, per-epoch history and step time."""
+    start = time.perf_counter()
+    tasks = [method.task] if method.kind == "single" else list(range(data.num_tasks))
+    torch.manual_seed(seed)
+    model = build_model(data, cfg, [t for t in tasks if t is not None])
+    step_fn = _Step(method, model, data, seed, cfg)
+    opt = _optimizer(list(model.parameters()) + step_fn.extra_params, cfg)
+    writer = open_writer(tb_dir) if tb_dir is not None else None
+    log = _Logger(writer) if writer is not None else None
+    gen = torch.Generator().manual_seed(seed)
+    n = data.x_train.shape[0]
+    per_epoch = math.ceil(n / cfg.batch_size)
+    times: list[float] = []
+    scales = torch.tensor(data.loss_scales, dtype=torch.float64)
+    history: list[list[float]] = []
+    epoch_losses: list[float] = []
+    step = 0
+    try:
+        for epoch in range(cfg.epochs):
+            order = torch.randperm(n, generator=gen)
+            sums = torch.zeros(data.num_tasks, dtype=torch.float64)
+            if method.kind == "single":
+                sums.fill_(math.nan)
+                sums[method.task] = 0.0
+            for b in range(per_epoch):
+                idx = order[b * cfg.batch_size:(b + 1) * cfg.batch_size]
+                xb, yb = data.x_train[idx], data.y_train[idx]
+                t0 = time.perf_counter()
+                losses, stats = step_fn(model(xb), yb)
+                pre_clip = None
+                if cfg.max_norm is not None:
+                    pre_clip = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_norm)
+                opt.step()
+                step_fn.after_step(xb, yb, stats)
+                opt.zero_grad(set_to_none=True)
+                times.append(time.perf_counter() - t0)
+                if method.kind == "single":
+                    sums[method.task] += float(losses[0])
+                else:
+                    sums += losses.double() / scales
+                if log is not None and step % cfg.log_every == 0:
+                    if stats is not None:
+                        weights = getattr(step_fn.weighting, "weights", None)
+                        if weights is not None:  # log the task losses before the weighting
+                            stats = dataclasses.replace(stats, losses=losses)
+                        log(stats, step, None if pre_clip is None else float(pre_clip), weights)
+                    else:
+                        log.writer.add_scalar(f"loss/task{method.task}", float(losses[0]), step)
+                step += 1
+                if progress is not None:
+                    progress.advance()
+            history.append(_evaluate(model, data, [t for t in tasks if t is not None]))
+            epoch_losses = (sums / per_epoch).tolist()
+            if writer is not None:
+                for task, name in enumerate(data.metric_names):
+                    if not math.isnan(history[-1][task]):
+                        writer.add_scalar(f"test/{name}", history[-1][task], epoch + 1)
+    finally:
+        if writer is not None:
+            writer.close()
+    warm = times[min(5, len(times) - 1):] if times else [math.nan]
+    return RunResult(method, seed, history[-1], history, 1000.0 * statistics.median(warm),
+                     step, epoch_losses, time.perf_counter() - start)

@@ -1,0 +1,178 @@
+"""§10 Gradient clipping, and the worked examples of the clip tutorial.
+
+Exact examples: the weights ``w = (3, 4)`` with the loss ``(w · (30, 40)).sum()`` written
+into ``.grad`` by the library's step (``Sum`` balancer), then PyTorch's global
+``clip_grad_norm_(max_norm=1)`` (returns 50, leaves ``(0.6, 0.8)``) or
+``clip_grad_value_(clip_value=5)`` (leaves ``(5, 5)``: the direction turns). Per-task
+clipping: two tasks with gradients ``(30, 40)`` (norm 50) and ``(0.3, 0.4)`` (norm 0.5) go
+through ``TaskGradBuffer.apply_(Sum(), clip=TaskClip(max_norm=1))``: the first row is capped
+at norm 1, the second is untouched.
+
+The percentile rule: a small 3-task MLP (8 inputs, trunk 32×2, targets scaled 1, 10, 0.1)
+trained for 200 steps with Adam (lr 1e-2) and the ``Mean`` balancer, no clipping; the
+pre-clip norms (``clip_grad_norm_(max_norm=inf)``) are logged and
+:func:`gradbalance.clip.suggest_max_norm` picks the 95th percentile, checked against
+``numpy``-style linear interpolation done here by sorting. Sweeping the limit τ from the 10th
+percentile to twice the largest norm shows the share of steps clipped and the mean
+shrink factor ``min(1, τ/‖g‖)``.
+"""
+
+from __future__ import annotations
+
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gradbalance.balancers import get_balancer
+from gradbalance.step import TaskGradBuffer
+from gradbalance_lab.figures._common import Claim, angle_deg, pyplot, require_attr, save_figure
+from gradbalance_lab.models import MultiTaskModel, make_heads, mlp_trunk, regression_losses
+
+NAME = "clipping"
+TITLE = "§10 Gradient clipping (and the clip tutorial's examples)"
+
+
+def _single_grad() -> torch.Tensor:
+    """``w = (3, 4)``; the loss ``(w · (30, 40)).sum()`` through the library's step."""
+    w = torch.nn.Parameter(torch.tensor([3.0, 4.0]))
+    buf = TaskGradBuffer([w])
+    buf.backward(torch.stack([(w * torch.tensor([30.0, 40.0])).sum()]))
+    buf.apply_(get_balancer("sum"))
+    return w
+
+
+def _percentile(values: list[float], q: float) -> float:
+    """Linear-interpolation percentile (numpy's default), written out independently."""
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def _logged_run(steps: int, seed: int = 0) -> list[float]:
+    """Pre-clip norms of an unclipped run of a small 3-task model."""
+    torch.manual_seed(seed)
+    x = torch.randn(512, 8)
+    targets = torch.stack([(x @ torch.randn(8)) * s for s in (1.0, 10.0, 0.1)], dim=1)
+    model = MultiTaskModel(mlp_trunk(8, 32, 2), make_heads(32, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    buf = TaskGradBuffer(model.shared_parameters(), model.head_parameters())
+    balancer = get_balancer("mean")
+    gen = torch.Generator().manual_seed(seed)
+    norms = []
+    for _ in range(steps):
+        idx = torch.randint(0, x.shape[0], (32,), generator=gen)
+        buf.backward(regression_losses(model(x[idx]), targets[idx]))
+        buf.apply_(balancer)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return norms
+
+
+def compute(quick: bool = False) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    w = _single_grad()
+    result["grad"] = w.grad.tolist()
+    result["returned"] = float(torch.nn.utils.clip_grad_norm_([w], max_norm=1.0))
+    result["global"] = w.grad.tolist()
+    result["global_norm"] = float(w.grad.norm())
+    result["global_angle"] = angle_deg(w.grad, torch.tensor([30.0, 40.0]))
+    w = _single_grad()
+    torch.nn.utils.clip_grad_value_([w], clip_value=5.0)
+    result["value"] = w.grad.tolist()
+    result["value_angle"] = angle_deg(w.grad, torch.tensor([30.0, 40.0]))
+
+    task_clip = require_attr("clip", "TaskClip")
+    suggest = require_attr("clip", "suggest_max_norm")
+    w = torch.nn.Parameter(torch.tensor([3.0, 4.0], dtype=torch.float64))
+    rows = torch.tensor([[30.0, 40.0], [0.3, 0.4]], dtype=torch.float64)
+    buf = TaskGradBuffer([w])
+    buf.backward((rows * w).sum(dim=1))
+    stats = buf.apply_(get_balancer("sum"), clip=task_clip(max_norm=1.0))
+    result["task_pre_clip"] = stats.pre_clip_norms.tolist()
+    result["task_grad"] = w.grad.tolist()
+    result["task_post_norms"] = stats.task_norms.tolist()
+
+    norms = _logged_run(200)
+    result["norms"] = norms
+    result["suggested"] = float(suggest(norms, percentile=95))
+    result["reference_p95"] = _percentile(norms, 95)
+    result["share_above"] = sum(n > result["suggested"] for n in norms) / len(norms)
+    taus = [_percentile(norms, q) for q in (10, 50, 90, 95)] + [2 * max(norms)]
+    result["sweep_tau"] = taus
+    result["sweep_share"] = [sum(n > t for n in norms) / len(norms) for t in taus]
+    result["sweep_factor"] = [sum(min(1.0, t / n) for n in norms) / len(norms) for t in taus]
+    return result
+
+
+def claims(result: dict[str, Any]) -> list[Claim]:
+    g, v = result["global"], result["value"]
+    rows = result["task_grad"]
+    pre = result["task_pre_clip"]
+    share = result["sweep_share"]
+    factor = result["sweep_factor"]
+    expected_row = [0.6 * 50 / (50 + 1e-6) + 0.3, 0.8 * 50 / (50 + 1e-6) + 0.4]
+    return [
+        Claim("global clip of [30, 40] at max_norm 1 returns 50",
+              f"{result['returned']:.6g}", result["returned"] == 50.0),
+        Claim("... and leaves [0.6, 0.8]: same direction, length 1 (0.99999994 in float32)",
+              f"[{g[0]:.7g}, {g[1]:.7g}], length {result['global_norm']:.8g}, "
+              f"turned {result['global_angle']:.2g}°",
+              abs(g[0] - 0.6) < 1e-6 and abs(g[1] - 0.8) < 1e-6 and result["global_angle"] < 1e-3),
+        Claim("per-value clip at 5 gives [5, 5]: the direction turns",
+              f"[{v[0]:.6g}, {v[1]:.6g}], turned {result['value_angle']:.1f}°",
+              v == [5.0, 5.0] and result["value_angle"] > 5),
+        Claim("per-task clipping caps each row of G before the combine (τ = 1: rows of norm "
+              "50 and 0.5)",
+              f"pre-clip norms {pre[0]:.4g}, {pre[1]:.4g}; combined [{rows[0]:.6f}, "
+              f"{rows[1]:.6f}] (expected [0.9, 1.2])",
+              abs(rows[0] - expected_row[0]) < 1e-9 and abs(rows[1] - expected_row[1]) < 1e-9
+              and abs(pre[0] - 50) < 1e-9 and abs(pre[1] - 0.5) < 1e-9),
+        Claim("the limit at the 95th percentile of a logged unclipped run (200 steps) catches "
+              "only runaways",
+              f"suggest_max_norm = {result['suggested']:.4g} (reference "
+              f"{result['reference_p95']:.4g}); {100 * result['share_above']:.1f}% of steps "
+              f"above it",
+              abs(result["suggested"] - result["reference_p95"]) < 1e-9 * result["suggested"]
+              and result["share_above"] <= 0.05),
+        Claim("a smaller τ clips more steps and shortens them more; a very large τ never clips",
+              "share clipped at p10/p50/p90/p95/2·max: "
+              + ", ".join(f"{100 * s:.0f}%" for s in share)
+              + "; mean factor " + ", ".join(f"{f:.2f}" for f in factor),
+              all(a >= b for a, b in pairwise(share))
+              and all(a <= b for a, b in pairwise(factor))
+              and share[-1] == 0.0 and factor[-1] == 1.0),
+    ]
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    plt = pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    origin = [0.0, 0.0]
+    for vec, label, color, width in (
+        ([x / 50 for x in result["grad"]], "[30, 40] / 50", "lightgrey", 0.03),
+        (result["global"], "global clip (τ = 1)", "C0", 0.01),
+        ([x / 10 for x in result["value"]], "value clip (5) / 10", "C3", 0.01),
+    ):
+        ax1.quiver(*origin, *vec, angles="xy", scale_units="xy", scale=1, color=color,
+                   label=label, width=width)
+    ax1.set_xlim(-0.1, 1.0)
+    ax1.set_ylim(-0.1, 1.0)
+    ax1.set_aspect("equal")
+    ax1.legend(loc="upper left")
+    ax1.set_title("direction kept (norm) vs turned (value)")
+    norms = result["norms"]
+    ax2.plot(norms, lw=0.8, label="pre-clip norm (unclipped run)")
+    ax2.axhline(result["suggested"], color="C3", ls="--",
+                label=f"suggest_max_norm (p95) = {result['suggested']:.3g}")
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("gradient norm")
+    ax2.set_yscale("log")
+    ax2.legend()
+    ax2.set_title("choosing the limit from a logged run")
+    fig.suptitle(TITLE)
+    save_figure(fig, path)

@@ -1,0 +1,163 @@
+"""§9.2 Weight decay: Adam (coupled L2) against AdamW (decoupled), and Uncertainty Weighting.
+
+Setting (optimizers): weights ``w ∈ R²`` start at (1, 1); one task with the loss ``w₁``, so
+the first weight has gradient 1 and the second has none. The step runs through
+:class:`~gradbalance.TaskGradBuffer` (``PCGrad`` when present, else ``Sum``: with one task
+both are the identity), then ``torch.optim.Adam`` or ``AdamW`` at lr 1e-3 with
+``weight_decay`` 0.01, 0.1 and 1, for 200 steps. On the second weight, AdamW shrinks by the
+factor ``1 − lr·wd`` per step (closed form); Adam adds ``wd·w`` to the gradient before ``m``
+and ``v``, so its normalised step is about ``lr`` whatever ``wd``. The ``.grad`` the balancer
+writes is compared across ``wd``: decay happens inside ``opt.step()``, after it.
+
+Setting (Uncertainty Weighting): the library's ``UncertaintyWeighting`` with one regression
+and one classification task, fixed losses ``L = (4, 0.25)``, ``s = log σ²`` trained by
+``torch.optim.Adam(lr=0.05, weight_decay=wd)`` for 1500 steps (400 with ``--quick``). The
+weighted loss ``c·e^{−s}·L + s/2`` plus the decay's ``wd·s²/2`` is stationary where
+``c·e^{−s}·L = ½ + wd·s``, solved here by bisection: that is the closed-form reference for
+the learned weights ``c·e^{−s}``, which move from ``c/(2cL)`` toward ``c`` (0.5 and 1, the
+weights at ``σ = 1``) as ``wd`` grows.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gradbalance.balancers import BALANCERS, get_balancer
+from gradbalance.step import TaskGradBuffer
+from gradbalance_lab.figures._common import Claim, pyplot, require_attr, save_figure
+
+NAME = "weight_decay"
+TITLE = "§9.2 Weight decay: Adam vs AdamW, and Uncertainty Weighting at σ = 1"
+DECAYS = (0.01, 0.1, 1.0)
+UW_DECAYS = (0.0, 0.1, 1.0, 10.0)
+UW_LOSSES = (4.0, 0.25)
+UW_FORMS = (0.5, 1.0)  # c for regression, classification
+LR = 1e-3
+STEPS = 200
+
+
+def _optimizer_run(cls: type[torch.optim.Optimizer], wd: float) -> tuple[list[float], Any]:
+    w = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
+    opt = cls([w], lr=LR, weight_decay=wd)
+    buf = TaskGradBuffer([w], num_tasks=1)
+    balancer = get_balancer("pcgrad" if "pcgrad" in BALANCERS else "sum")
+    second, grads = [], []
+    for _ in range(STEPS):
+        buf.backward(torch.stack([w[0]]))
+        buf.apply_(balancer)
+        grads.append(w.grad.detach().clone())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        second.append(float(w[1].detach()))
+    return second, torch.stack(grads)
+
+
+def _stationary_weight(c: float, loss: float, wd: float) -> float:
+    """``c·e^{−s}`` at the root of ``c·e^{−s}·L − ½ − wd·s`` (decreasing in ``s``)."""
+    lo, hi = -50.0, 50.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if c * math.exp(-mid) * loss - 0.5 - wd * mid > 0:
+            lo = mid
+        else:
+            hi = mid
+    return c * math.exp(-(lo + hi) / 2)
+
+
+def _uw_run(wd: float, steps: int) -> list[float]:
+    uw_cls = require_attr("weighting", "UncertaintyWeighting")
+    uw = uw_cls(2, task_types=["regression", "classification"], dtype=torch.float64)
+    opt = torch.optim.Adam(uw.parameters(), lr=0.05, weight_decay=wd)
+    losses = torch.tensor(UW_LOSSES, dtype=torch.float64)
+    for _ in range(steps):
+        uw(losses).sum().backward()
+        opt.step()
+        uw.update()
+        opt.zero_grad(set_to_none=True)
+    return uw.weights.tolist()
+
+
+def compute(quick: bool = False) -> dict[str, Any]:
+    result: dict[str, Any] = {"adamw": {}, "adam": {}}
+    grads = []
+    for wd in DECAYS:
+        for key, cls in (("adamw", torch.optim.AdamW), ("adam", torch.optim.Adam)):
+            second, g = _optimizer_run(cls, wd)
+            grads.append(g)
+            result[key][wd] = {
+                "series": second,
+                "factor": (second[-1] / second[-2]),
+                "per_step": (1.0 - second[-1]) / STEPS,
+            }
+    result["grad_diff"] = max(float((g - grads[0]).abs().max()) for g in grads)
+    uw_cls = require_attr("weighting", "UncertaintyWeighting")
+    at_one = uw_cls(2, task_types=["regression", "classification"], dtype=torch.float64)
+    result["uw_sigma1"] = at_one.weights.tolist()
+    steps = 400 if quick else 1500
+    result["uw"] = {wd: _uw_run(wd, steps) for wd in UW_DECAYS}
+    result["uw_expected"] = {
+        wd: [_stationary_weight(c, loss, wd) for c, loss in zip(UW_FORMS, UW_LOSSES)]
+        for wd in UW_DECAYS
+    }
+    return result
+
+
+def claims(result: dict[str, Any]) -> list[Claim]:
+    adamw, adam = result["adamw"], result["adam"]
+    exact = max(abs(adamw[wd]["factor"] - (1 - LR * wd)) for wd in DECAYS)
+    adam_steps = [adam[wd]["per_step"] / LR for wd in DECAYS]
+    uw, ref = result["uw"], result["uw_expected"]
+    err = max(abs(uw[wd][k] / ref[wd][k] - 1) for wd in UW_DECAYS for k in range(2))
+    big = UW_DECAYS[-1]
+    return [
+        Claim("decay acts inside opt.step(), after the balancer wrote the gradient: the "
+              "balancer never sees it", f"balanced .grad identical across wd and optimizers "
+              f"(max difference {result['grad_diff']:.1g})", result["grad_diff"] == 0.0),
+        Claim("AdamW shrinks the weights directly by lr·wd, outside m and v; a larger wd "
+              "shrinks them faster",
+              "per-step factor " + ", ".join(f"{adamw[wd]['factor']:.6f}" for wd in DECAYS)
+              + f" at wd {', '.join(map(str, DECAYS))} (1 − lr·wd to {exact:.0e})",
+              exact < 1e-12),
+        Claim("Adam adds wd·w to the gradient before m and v: the decay is normalised with it",
+              "per-step shrink / lr = " + ", ".join(f"{s:.3f}" for s in adam_steps)
+              + " (about 1 whatever wd)", all(0.9 < s < 1.1 for s in adam_steps)),
+        Claim("Uncertainty Weighting's weights at σ = 1 are 0.5 (regression) and 1 "
+              "(classification)", f"{result['uw_sigma1'][0]:.4g}, {result['uw_sigma1'][1]:.4g}",
+              result["uw_sigma1"] == [0.5, 1.0]),
+        Claim("decay on log σ pulls each weight toward its value at σ = 1",
+              "learned weights " + "; ".join(f"wd {wd}: {uw[wd][0]:.3f}, {uw[wd][1]:.3f}"
+                                             for wd in UW_DECAYS)
+              + f" (closed form to {100 * err:.1f}%)",
+              err < 0.03 and abs(uw[big][0] - 0.5) < abs(uw[0.0][0] - 0.5)
+              and abs(uw[big][1] - 1.0) < abs(uw[0.0][1] - 1.0)),
+    ]
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    plt = pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for i, wd in enumerate(DECAYS):
+        ax1.plot(result["adamw"][wd]["series"], color=f"C{i}", label=f"AdamW wd {wd}")
+        ax1.plot(result["adam"][wd]["series"], color=f"C{i}", ls="--", label=f"Adam wd {wd}")
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("weight with no task gradient")
+    ax1.set_title("decay: AdamW (lr·wd) vs Adam (normalised)")
+    ax1.legend(fontsize=8)
+    wds = list(UW_DECAYS)
+    xs = [max(wd, 0.01) for wd in wds]
+    for k, (label, c) in enumerate((("regression", 0.5), ("classification", 1.0))):
+        ax2.semilogx(xs, [result["uw"][wd][k] for wd in wds], "o", color=f"C{k}",
+                     label=f"{label}: learned")
+        ax2.semilogx(xs, [result["uw_expected"][wd][k] for wd in wds], "-", color=f"C{k}",
+                     alpha=0.5, label=f"{label}: closed form")
+        ax2.axhline(c, color=f"C{k}", ls=":", lw=0.8)
+    ax2.set_xlabel("weight decay on log σ² (0 plotted at 0.01)")
+    ax2.set_ylabel("Uncertainty Weighting weight")
+    ax2.set_title("decay pulls toward σ = 1 (dotted)")
+    ax2.legend(fontsize=8)
+    fig.suptitle(TITLE)
+    save_figure(fig, path)

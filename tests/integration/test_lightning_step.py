@@ -1,0 +1,122 @@
+"""The Lightning helper trains like the plain loop: same parameters, same logged stats."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from gradbalance import TaskGradBuffer
+from gradbalance.integrations.lightning import BalancedManualStep
+from gradbalance_lab.models import MultiTaskModel, regression_losses
+
+pl = pytest.importorskip("lightning.pytorch")
+pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec")
+logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+
+from support.lightning import BalancedModule, K, make_balancer, make_model  # noqa: E402
+
+BATCH, STEPS = 4, 3
+
+
+def _data() -> TensorDataset:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(8 * BATCH, 8, generator=gen)
+    y = torch.randn(8 * BATCH, K, generator=gen) * torch.tensor([1.0, 3.0, 0.3])
+    return TensorDataset(x, y)
+
+
+Module = BalancedModule
+_model, _balancer = make_model, make_balancer
+
+
+def _lightning(accumulate: int, amp: bool, mode: str = "matrix") -> tuple[Module, Any]:
+    module = Module(accumulate, mode)
+    plugins = []
+    if amp:
+        from lightning.pytorch.plugins import MixedPrecision
+
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+        assert scaler.is_enabled()
+        plugins.append(MixedPrecision("16-mixed", "cpu", scaler=scaler))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=STEPS, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, plugins=plugins)
+    trainer.fit(module, DataLoader(_data(), batch_size=BATCH, shuffle=False))
+    return module, trainer
+
+
+def _plain(accumulate: int, amp: bool) -> tuple[MultiTaskModel, Any]:
+    model = _model()
+    balancer = _balancer()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if amp else None
+    assert scaler is None or scaler.is_enabled()
+    buf = TaskGradBuffer(model.shared_parameters(), model.head_parameters())
+    batches = iter(DataLoader(_data(), batch_size=BATCH, shuffle=False))
+    stats = None
+    for _ in range(STEPS):
+        for _ in range(accumulate):
+            x, y = next(batches)
+            with torch.autocast("cpu", dtype=torch.float16, enabled=amp, cache_enabled=False):
+                losses = regression_losses(model(x), y)
+                buf.backward(losses / accumulate, scaler=scaler)
+        stats = buf.apply_(balancer, scaler=scaler)
+        if scaler is not None:
+            scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model, stats
+
+
+@pytest.mark.parametrize(("accumulate", "amp", "mode"), [
+    (1, False, "matrix"), (2, False, "matrix"), (2, True, "matrix"),
+    (2, False, "gramian"),  # the gramian mode's micro-batches against the plain matrix loop
+])
+def test_lightning_matches_plain_loop(accumulate: int, amp: bool, mode: str) -> None:
+    module, trainer = _lightning(accumulate, amp, mode)
+    model, stats = _plain(accumulate, amp)
+    assert trainer.global_step == STEPS
+    start = _model()
+    moved = max((p - s).abs().max().item()
+                for p, s in zip(model.parameters(), start.parameters()))
+    assert moved > 1e-3
+    for p, q in zip(module.net.parameters(), model.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-6)
+    logged = trainer.callback_metrics
+    for k in range(K):
+        torch.testing.assert_close(logged[f"balance/loss/task{k}"].double(),
+                                   stats.losses[k].double(), rtol=1e-6, atol=1e-6)
+        assert f"balance/size/task{k}" in logged
+    assert "balance/cos/task0_task1" in logged
+    assert module.balanced.last_stats is not None
+    assert module.balanced.last_stats.num_backward == accumulate
+
+
+def test_needs_manual_optimisation() -> None:
+    class Auto(Module):
+        def __init__(self) -> None:
+            super().__init__(1)
+            self.automatic_optimization = True
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            x, y = batch
+            return self.balanced(self, regression_losses(self.net(x), y), batch_idx)
+
+    trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    with pytest.raises(ValueError, match="automatic_optimization = False"):
+        trainer.fit(Auto(), DataLoader(_data(), batch_size=BATCH))
+
+
+def test_invalid_accumulation() -> None:
+    model = _model()
+    with pytest.raises(ValueError, match=r"Invalid accumulate_grad_batches: 0 \(expected"):
+        BalancedManualStep(_balancer(), model.shared_parameters(), accumulate_grad_batches=0)

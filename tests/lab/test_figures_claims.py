@@ -1,0 +1,153 @@
+"""Smoke tests of ``gradbalance figures`` at --quick size: each figure's key number against
+the tutorials' claim, with the tolerance stated beside each assertion.
+
+Reference values come from closed forms written out here (momentum turn, Adam's limits,
+AdamW's factor, the Uncertainty Weighting stationary point), from numpy (percentiles), or from
+the text itself (the micro-batch angles, the clipping examples).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from gradbalance_lab.figures import FIGURES, load
+
+
+@cache
+def quick(name: str) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    return load(name).compute(quick=True)
+
+
+def test_loss_scale_sum_is_n_times_mean() -> None:
+    r = quick("loss_scale")
+    for n, ratio in zip(r["n"], r["ratio"]):
+        assert ratio == pytest.approx(n, rel=1e-5)  # float32 gradients: 1e-5 relative
+    assert min(r["cosine"]) > 1 - 1e-6  # same direction
+
+
+def test_momentum_turn_and_memory() -> None:
+    r = quick("momentum")
+    assert r["steps_45"][0.9] == 7  # the text: exactly 7 steps
+    for beta in (0.5, 0.9, 0.99):
+        # heavy ball: the step after n steps is βⁿe₁ + (1−βⁿ)e₂, so 45° once βⁿ <= 1/2
+        assert r["steps_45"][beta] == math.ceil(math.log(0.5) / math.log(beta))
+        assert r["memory"][beta] == pytest.approx(1 / (1 - beta), rel=1e-3)  # 2, 10, 100
+    assert r["adam_steps_45"] == 1  # Adam turns in 1 step
+
+
+def test_adam_turn_turns_then_turns_back() -> None:
+    r = quick("adam_turn")
+    assert r["before"] == pytest.approx(45.0, abs=0.1)  # Adam's steady step is sign-like
+    limit = math.degrees(math.atan2(5 / 3, 8 / 2))  # m at (8, 5), √v still at (2, 3)
+    assert limit - 1e-6 <= r["lowest"] <= 45.0 - 5.0  # a visible turn, never past the limit
+    assert abs(r["end"] - r["before"]) < 2.0  # back within 2°
+    assert r["sgd_end"] == pytest.approx(math.degrees(math.atan2(5, 8)), abs=1e-9)
+
+
+def test_adam_tilt_two_bowls() -> None:
+    r = quick("adam_tilt")
+    assert r["sgd"]["pareto_end"] < 1e-3  # SGD ends on the Pareto set
+    assert r["adam"]["pareto_end"] < 0.01  # Adam within one step length (lr) of it
+    assert r["adam"]["tilt"] > 5.0 and r["sgd"]["tilt"] < 1e-3
+    assert r["end_gap"] > 0.1  # Adam lands elsewhere on the set
+
+
+def test_pcgrad_momentum_reaches_optimum_or_opposed() -> None:
+    r = quick("pcgrad_momentum")
+    for run in r["runs"]:
+        assert min(run["sum_norm"], run["one_plus_cos"]) < 1e-6  # Theorem 4's alternatives
+
+
+def test_mgda_step_stops_at_noise_level() -> None:
+    r = quick("mgda_noise")
+    assert 0.75 < r["plateau"] / r["predicted"] < 1.33  # plateau = noise level within a third
+    assert all(0.75 < f < 1.33 for f in r["flat"])  # no further shrinking
+    assert r["share_clean"] < 1e-3 * r["share_median"]  # without noise it keeps shrinking
+
+
+def test_gradnorm_sum_drifts_without_renormalisation() -> None:
+    r = quick("gradnorm")
+    assert r["drift_on"] < 1e-9  # Σw = K to rounding
+    assert r["drift_off"] > 0.05  # visibly free
+
+
+def _uw_weight(c: float, loss: float, wd: float) -> float:
+    """Newton on f(s) = c·e^{−s}·L − ½ − wd·s (an independent solve of the stationary point)."""
+    s = 0.0
+    for _ in range(100):
+        f = c * math.exp(-s) * loss - 0.5 - wd * s
+        s -= f / (-c * math.exp(-s) * loss - wd)
+    return c * math.exp(-s)
+
+
+def test_weight_decay_adam_adamw_and_uncertainty() -> None:
+    r = quick("weight_decay")
+    for wd in (0.01, 0.1, 1.0):
+        assert r["adamw"][wd]["factor"] == pytest.approx(1 - 1e-3 * wd, abs=1e-12)  # 1 − lr·wd
+        assert 0.9 < r["adam"][wd]["per_step"] / 1e-3 < 1.1  # Adam: about lr whatever wd
+    assert r["grad_diff"] == 0.0
+    assert r["uw_sigma1"] == [0.5, 1.0]  # the text's values at σ = 1
+    for wd, learned in r["uw"].items():
+        for c, loss, w in zip((0.5, 1.0), (4.0, 0.25), learned):
+            assert w == pytest.approx(_uw_weight(c, loss, wd), rel=0.03)  # Adam hovers ~lr
+
+
+def test_clipping_exact_examples() -> None:
+    r = quick("clipping")
+    assert r["grad"] == [30.0, 40.0]
+    assert r["returned"] == 50.0  # the norm before clipping
+    assert r["global"] == pytest.approx([0.6, 0.8], abs=1e-7)  # float32 rounding
+    assert r["global_norm"] == pytest.approx(0.99999994, abs=1e-7)  # the text's float32 value
+    assert r["value"] == [5.0, 5.0]
+    assert r["task_pre_clip"] == pytest.approx([50.0, 0.5], rel=1e-12)
+    assert r["task_grad"] == pytest.approx([0.9, 1.2], abs=1e-6)  # row 1 capped, row 2 kept
+    assert r["suggested"] == pytest.approx(float(np.percentile(r["norms"], 95)), rel=1e-9)
+    assert r["share_above"] <= 0.05
+
+
+def test_mixed_precision_sizes_directions_skips() -> None:
+    assert torch.amp.GradScaler("cpu").is_enabled()  # the figure's scaler really scales
+    r = quick("mixed_precision")
+    s = r["scale"]
+    assert s == 2.0**16
+    for scaled, true in zip(r["scaled_sizes"], r["true_sizes"]):
+        assert scaled / s == pytest.approx(true, rel=1e-6)
+    assert len(r["balancers"]) >= 3
+    for name, b in r["balancers"].items():
+        assert b["angle"] < 1e-3, name  # degrees: float32 rounding only
+        assert b["ratio"] == pytest.approx(1.0, abs=1e-5), name
+    for name, skip in r["skips"].items():
+        assert skip["skipped"] and skip["weights"] and skip["optimizer"] and skip["balancer"], name
+    assert any(skip["stateful"] for skip in r["skips"].values())
+
+
+def test_microbatch_orders_about_7_and_19_degrees() -> None:
+    r = quick("microbatch")
+    assert 7.0 * 0.7 <= r["median"]["pcgrad"] <= 7.0 * 1.3  # the text: about 7° (±30%)
+    assert 19.0 * 0.7 <= r["median"]["mgda"] <= 19.0 * 1.3  # the text: about 19° (±30%)
+    assert r["control_max"] < 1e-4  # a linear balancer: both orders agree
+
+
+def test_logging_tags_and_skip_flag() -> None:
+    r = quick("logging")
+    scalars = r["scalars"]
+    for tag in ("loss/task0", "size/task2", "cos/task0_task1", "pre_clip", "amp_skipped"):
+        assert len(scalars[tag]) == r["steps"], tag
+    assert [s for s, v in scalars["amp_skipped"] if v == 1.0] == [r["bad_step"]]
+    assert scalars["cos/task0_task1"][-1][1] == pytest.approx(r["check"]["cos"], abs=1e-5)
+
+
+@pytest.mark.parametrize("name", list(FIGURES))
+def test_every_claim_is_met_at_quick_size(name: str) -> None:
+    module = load(name)
+    claims = module.claims(quick(name))
+    assert claims
+    failed = [c for c in claims if c.met is False]
+    assert not failed, [f"{c.text}: {c.measured}" for c in failed]

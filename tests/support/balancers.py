@@ -1,0 +1,115 @@
+"""Independent references for the Gramian balancers: textbook [K, P] code and scipy solvers."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import strategies as st
+from torch import Tensor
+
+from gradbalance import BALANCERS, Balancer
+from gradbalance.balancers import Constant
+
+#: Balancers whose constructor needs arguments besides ``num_tasks`` / ``generator``.
+FACTORY: dict[str, Callable[[int, int], Balancer]] = {
+    "constant": lambda k, seed: Constant([1.0 + 0.5 * i for i in range(k)]),
+}
+
+
+def build_balancer(name: str, num_tasks: int | None, seed: int = 0) -> Balancer:
+    """``BALANCERS[name]`` with its defaults, ``num_tasks`` and a seeded generator where its
+    constructor takes them, or the ``FACTORY`` entry; fails the test if an argument is missing.
+    """
+    if name in FACTORY:
+        assert num_tasks is not None
+        return FACTORY[name](num_tasks, seed)
+    cls = BALANCERS[name]
+    params = inspect.signature(cls).parameters
+    kwargs: dict[str, object] = {}
+    if "num_tasks" in params:
+        kwargs["num_tasks"] = num_tasks
+    if "generator" in params:
+        kwargs["generator"] = torch.Generator().manual_seed(seed)
+    missing = [n for n, p in params.items() if p.default is inspect.Parameter.empty
+               and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and n not in kwargs]
+    if missing:
+        pytest.fail(f"{name} needs {missing}: add it to support.balancers.FACTORY")
+    return cls(**kwargs)
+
+
+def random_matrix(seed: int, k: int, p: int, conflict: bool = True) -> Tensor:
+    """A float64 [K, P] matrix; with ``conflict`` the last row leans against the first."""
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(k, p, generator=gen, dtype=torch.float64)
+    if conflict and k > 1:
+        g[-1] = g[-1] - 1.5 * g[0]
+    return g
+
+
+@st.composite
+def matrices(draw: st.DrawFn, min_k: int = 2, max_k: int = 6, min_p: int = 1,
+             max_p: int = 8) -> Tensor:
+    k = draw(st.integers(min_k, max_k))
+    p = draw(st.integers(min_p, max_p))
+    seed = draw(st.integers(0, 2**31 - 1))
+    return random_matrix(seed, k, p, conflict=draw(st.booleans()))
+
+
+def textbook_pcgrad(g: Tensor, orders: Tensor) -> Tensor:
+    """PCGrad on the rows, as written in the paper's Algorithm 1 (same visiting orders)."""
+    k = g.shape[0]
+    out = []
+    for i in range(k):
+        gi = g[i].clone()
+        for j in orders[i].tolist():
+            if j == i:
+                continue
+            dot = gi @ g[j]
+            if dot < 0:
+                gi = gi - dot / (g[j] @ g[j]) * g[j]
+        out.append(gi)
+    return torch.stack(out)
+
+
+def nnls_dual_cone(g: Tensor, u: Tensor) -> Tensor:
+    """Projection of ``gᵀu`` onto ``{x : g x ≥ 0}`` via scipy's NNLS (v = u + x, x ≥ 0)."""
+    from scipy.optimize import nnls
+
+    x, _ = nnls(g.T.numpy(), -(g.T @ u).numpy(), maxiter=10_000)
+    return g.T @ (u + torch.from_numpy(x))
+
+
+def scipy_min_norm(g: Tensor) -> float:
+    """‖min-norm point of the convex hull of the rows‖² by SLSQP (a second solver)."""
+    from scipy.optimize import minimize
+
+    gram = (g @ g.T).numpy()
+    k = gram.shape[0]
+    res = minimize(lambda w: w @ gram @ w, np.full(k, 1 / k), jac=lambda w: 2 * gram @ w,
+                   bounds=[(0, 1)] * k, constraints=[{"type": "eq", "fun": lambda w: w.sum() - 1}],
+                   method="SLSQP", options={"ftol": 1e-15, "maxiter": 1000})
+    return float(res.fun)
+
+
+def scipy_cagrad_value(g: Tensor, c: float) -> float:
+    """``max_d min_k gₖ·d`` s.t. ``‖d − g₀‖ ≤ c‖g₀‖`` (CAGrad's primal) by SLSQP."""
+    from scipy.optimize import minimize
+
+    a = g.numpy()
+    g0 = a.mean(axis=0)
+    r = c * np.linalg.norm(g0)
+    # variables (d, t): maximise t s.t. a d >= t, ||d - g0||^2 <= r^2
+    x0 = np.concatenate([g0, [float((a @ g0).min())]])
+    cons = [
+        {"type": "ineq", "fun": lambda x: a @ x[:-1] - x[-1], "jac": lambda x: np.hstack(
+            [a, -np.ones((a.shape[0], 1))])},
+        {"type": "ineq", "fun": lambda x: r * r - np.sum((x[:-1] - g0) ** 2),
+         "jac": lambda x: np.concatenate([-2 * (x[:-1] - g0), [0.0]])},
+    ]
+    res = minimize(lambda x: -x[-1], x0, jac=lambda x: np.concatenate([np.zeros(len(g0)), [-1]]),
+                   constraints=cons, method="SLSQP", options={"ftol": 1e-14, "maxiter": 2000})
+    return -float(res.fun)

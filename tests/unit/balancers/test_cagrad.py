@@ -1,0 +1,66 @@
+"""CAGrad: scipy's primal value, c = 0, rescale options, degenerate inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradbalance.balancers import CAGrad
+from support.balancers import random_matrix, scipy_cagrad_value
+
+
+@pytest.mark.parametrize("c", [0.1, 0.4, 0.9])
+@pytest.mark.parametrize(("k", "p", "seed"), [(2, 4, 0), (3, 7, 1), (5, 12, 2), (6, 3, 3)])
+def test_worst_task_improvement_matches_scipy(c: float, k: int, p: int, seed: int) -> None:
+    # A second solver (SLSQP on the primal max_d min_k gₖ·d, ‖d − g₀‖ ≤ c‖g₀‖) finds the same
+    # optimal value; ours must be feasible and at least as good (to the solver tolerance).
+    g = random_matrix(seed, k, p)
+    d = CAGrad(c=c)(g)
+    g0 = g.mean(dim=0)
+    assert float((d - g0).norm()) <= c * float(g0.norm()) * (1 + 1e-9)
+    value = float((g @ d).min())
+    expected = scipy_cagrad_value(g, c)
+    assert value >= expected - 1e-6 * float(g.norm() ** 2)
+    assert value == pytest.approx(expected, rel=1e-5, abs=1e-7)
+
+
+def test_c_zero_is_mean_and_rescale() -> None:
+    g = random_matrix(1, 3, 5)
+    torch.testing.assert_close(CAGrad(c=0.0)(g), g.mean(dim=0), rtol=1e-12, atol=1e-14)
+    base = CAGrad(c=0.5)(g)
+    torch.testing.assert_close(CAGrad(c=0.5, rescale="c2")(g), base / 1.25)
+    torch.testing.assert_close(CAGrad(c=0.5, rescale="c")(g), base / 1.5)
+
+
+def test_zero_row_gives_the_mean_gradient() -> None:
+    # min_k gₖ·d = 0 for every d (a task with zero gradient): the dual optimum has g_w = 0 and
+    # the update is g₀, as in the authors' code.
+    g = random_matrix(2, 3, 5)
+    g[1] = 0
+    torch.testing.assert_close(CAGrad()(g), g.mean(dim=0), rtol=1e-12, atol=1e-14)
+
+
+def test_extreme_scale_is_not_uniform() -> None:
+    # LibMTL-style +1e-4 terms turn CAGrad into the mean at tiny scales; here the weights are
+    # the same at every scale.
+    g = random_matrix(3, 3, 6)
+    w1 = CAGrad().combine(g).weights
+    w2 = CAGrad().combine(g * 1e-8).weights
+    torch.testing.assert_close(w1, w2, rtol=1e-9, atol=1e-12)
+    assert float((w1 - 1 / 3).abs().max()) > 1e-3
+
+
+def test_invalid_arguments() -> None:
+    with pytest.raises(ValueError, match="c"):
+        CAGrad(c=1.0)
+    with pytest.raises(ValueError, match="rescale"):
+        CAGrad(rescale="yes")  # type: ignore[arg-type]
+
+
+def test_agrees_with_torchjd_when_cvxpy_is_installed() -> None:
+    pytest.importorskip("cvxpy")
+    import torchjd.aggregation as tjd
+
+    g = random_matrix(4, 3, 8)
+    # TorchJD normalises the Gramian by its trace and uses CLARABEL; tolerance 1e-5.
+    torch.testing.assert_close(CAGrad(c=0.4)(g), tjd.CAGrad(c=0.4)(g), rtol=1e-5, atol=1e-6)

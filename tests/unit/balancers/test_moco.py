@@ -1,0 +1,64 @@
+"""MoCo: the first step by hand, LibMTL's softmax variant, and convergence to MGDA's weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradbalance.balancers import MoCo
+
+
+def _simplex_2(v: torch.Tensor) -> torch.Tensor:
+    """Projection onto the 2-simplex: shift both entries equally, then clip to [0, 1]."""
+    a = ((v[0] - v[1] + 1) / 2).clamp(0, 1)
+    return torch.stack([a, 1 - a])
+
+
+def test_first_two_steps_by_hand() -> None:
+    g1 = torch.tensor([[1.0, 0.0, 2.0], [0.0, -1.0, 1.0]], dtype=torch.float64)
+    g2 = torch.tensor([[0.5, 1.0, 0.0], [1.0, 1.0, -1.0]], dtype=torch.float64)
+    beta, gamma, rho = 0.5, 0.1, 0.2
+    b = MoCo(beta=beta, gamma=gamma, rho=rho)
+    # step 1: y = β g1 (y₀ = 0), λ = Π(½·1 - γ (y yᵀ + ρ I) ½·1)
+    y = beta * g1
+    lam = _simplex_2(torch.full((2,), 0.5, dtype=torch.float64)
+                     - gamma * (y @ y.T + rho * torch.eye(2, dtype=torch.float64))
+                     @ torch.full((2,), 0.5, dtype=torch.float64))
+    torch.testing.assert_close(b(g1), lam @ y)
+    # step 2: β₂ = β/√2, γ₂ = γ/√2
+    b2, c2 = beta / 2**0.5, gamma / 2**0.5
+    y = y - b2 * (y - g2)
+    lam = _simplex_2(lam - c2 * (y @ y.T + rho * torch.eye(2, dtype=torch.float64)) @ lam)
+    torch.testing.assert_close(b(g2), lam @ y)
+
+
+def test_libmtl_variant_softmax_and_normalized_grads() -> None:
+    # LibMTL: h_k = L_k g_k / (‖g_k‖ + 1e-8), λ = softmax(λ - γ (y yᵀ + ρ I) λ).
+    g = torch.tensor([[3.0, 4.0], [0.0, 2.0]], dtype=torch.float64)
+    losses = torch.tensor([2.0, 0.5], dtype=torch.float64)
+    b = MoCo(lambda_update="softmax", normalize_grads=True)
+    h = g / g.norm(dim=1, keepdim=True) * losses.unsqueeze(1)
+    y = 0.5 * h
+    lam = torch.softmax(torch.full((2,), 0.5, dtype=torch.float64)
+                        - 0.1 * (y @ y.T) @ torch.full((2,), 0.5, dtype=torch.float64), 0)
+    torch.testing.assert_close(b(g, losses), lam @ y, rtol=1e-7, atol=1e-9)
+    with pytest.raises(ValueError, match="reads the task losses"):
+        b(g)
+
+
+def test_fixed_gradients_converge_to_mgda_weights() -> None:
+    # With G fixed, y -> G and λ follows projected gradient steps on ½ λᵀ G Gᵀ λ: the
+    # min-norm point of the hull. g1 = (1, 0), g2 = (0, 2): λ* = (0.8, 0.2), d* = (0.8, 0.4).
+    g = torch.tensor([[1.0, 0.0], [0.0, 2.0]], dtype=torch.float64)
+    b = MoCo(gamma=0.5)
+    for _ in range(3000):
+        out = b(g)
+    torch.testing.assert_close(out, torch.tensor([0.8, 0.4], dtype=torch.float64),
+                               rtol=0, atol=2e-3)
+
+
+def test_invalid_arguments() -> None:
+    with pytest.raises(ValueError, match="Invalid beta: 0"):
+        MoCo(beta=0.0)
+    with pytest.raises(ValueError, match="Invalid lambda_update"):
+        MoCo(lambda_update="adam")  # type: ignore[arg-type]

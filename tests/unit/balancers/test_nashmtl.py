@@ -1,0 +1,99 @@
+"""Nash-MTL: the bargaining equations, closed form, scipy, warm-start state, failures."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from gradbalance import NonFiniteGradientError, SolverError
+from gradbalance.balancers import NashMTL
+from support.balancers import random_matrix
+
+
+def test_orthogonal_closed_form() -> None:
+    # G = diag(9, 1): α = (1/3, 1), g = g1/‖g1‖ + g2/‖g2‖.
+    g = torch.tensor([[3.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
+    result = NashMTL().combine(g)
+    torch.testing.assert_close(result.weights, torch.tensor([1 / 3, 1.0], dtype=torch.float64))
+    torch.testing.assert_close(result.vector, torch.tensor([1.0, 1.0], dtype=torch.float64))
+
+
+@pytest.mark.parametrize(("k", "p", "seed"), [(2, 4, 0), (3, 7, 1), (5, 12, 2)])
+def test_bargaining_equations_and_scipy(k: int, p: int, seed: int) -> None:
+    from scipy.optimize import root
+
+    g = random_matrix(seed, k, p, conflict=False)
+    result = NashMTL().combine(g)
+    alpha = result.weights
+    assert float(alpha.min()) > 0
+    torch.testing.assert_close(alpha * (g @ result.vector), torch.ones(k, dtype=torch.float64),
+                               rtol=1e-9, atol=1e-9)
+    gram = (g @ g.T).numpy()
+    sol = root(lambda x: gram @ np.exp(x) - np.exp(-x), np.zeros(k), tol=1e-14)
+    assert sol.success
+    np.testing.assert_allclose(alpha.numpy(), np.exp(sol.x), rtol=1e-7)
+
+
+def test_frobenius_normalization() -> None:
+    g = random_matrix(3, 3, 6, conflict=False)
+    paper = NashMTL().combine(g).weights
+    frob = NashMTL(normalization="frobenius").combine(g).weights
+    # α(G/n) = √n α(G), n = ‖G‖_F.
+    norm = torch.linalg.matrix_norm(g @ g.T)
+    torch.testing.assert_close(frob, paper * norm.sqrt(), rtol=1e-9, atol=1e-12)
+
+
+def test_state_resume_reuse_and_failures() -> None:
+    mats = [random_matrix(i, 3, 6, conflict=False) for i in range(5)]
+    a = NashMTL(update_weights_every=2)
+    outs = [a.combine(m).weights for m in mats[:2]]
+    # Second call reuses α of the first (rescaled to the current Gramian's trace).
+    t0, t1 = (mats[0] @ mats[0].T).trace(), (mats[1] @ mats[1].T).trace()
+    torch.testing.assert_close(outs[1], outs[0] * (t0 / t1).sqrt(), rtol=1e-12, atol=0)
+    saved = a.state_dict()
+    bad = mats[2].clone()
+    bad[0, 0] = float("nan")
+    with pytest.raises(NonFiniteGradientError):
+        a(bad)
+    opposite = torch.tensor([[1.0, 0.0, 0.0], [-1.0, 0.0, 0.0], [0.0, 1.0, 0.0]],
+                            dtype=torch.float64)
+    fresh = NashMTL()
+    with pytest.raises(SolverError):
+        fresh(torch.cat([opposite, torch.zeros(3, 3, dtype=torch.float64)], dim=1))
+    assert fresh.alpha is None and int(fresh.step) == 0
+    assert int(a.state_dict()["step"]) == int(saved["step"])
+    tail = [a(m) for m in mats[2:]]
+    b = NashMTL(update_weights_every=2)
+    b.load_state_dict(saved)
+    for m, expected in zip(mats[2:], tail):
+        assert torch.equal(b(m), expected)
+
+
+def test_zero_row_gets_zero_weight() -> None:
+    g = random_matrix(4, 3, 6, conflict=False)
+    g[1] = 0
+    w = NashMTL().combine(g).weights
+    assert float(w[1]) == 0.0
+    sub = NashMTL().combine(g[[0, 2]]).weights
+    torch.testing.assert_close(w[[0, 2]], sub, rtol=1e-9, atol=0)
+
+
+def test_invalid_arguments() -> None:
+    with pytest.raises(ValueError, match="normalization"):
+        NashMTL(normalization="l2")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="update_weights_every"):
+        NashMTL(update_weights_every=0)
+
+
+def test_warm_start_far_from_the_solution_converges() -> None:
+    """Regression: a warm start from an earlier step used to stall the line search near the
+    optimum (float64 cannot resolve the objective's decrease there) and raise SolverError."""
+    from gradbalance.balancers._solvers import nash_bargaining
+
+    gram = torch.tensor([[0.5125, -0.0288], [-0.0288, 0.4875]], dtype=torch.float64)
+    warm = torch.tensor([1.28043123407253123, 1.45618567424858281], dtype=torch.float64)
+    alpha = nash_bargaining(gram, warm)
+    # The defining equation of the bargaining solution: αᵢ (G α)ᵢ = 1 for every task.
+    torch.testing.assert_close(alpha * (gram @ alpha), torch.ones(2, dtype=torch.float64),
+                               rtol=0, atol=1e-9)
