@@ -24,28 +24,30 @@ from typing import Any, Literal
 
 from torch import Tensor
 
-from ..taskgrads import ParamLayout, Passes, resolve_passes
-from ._engine import Engine, StepInput
+from ..taskgrads import ParamLayout, Passes
+from ._engine import Engine, RowsEngine, StepInput
 from ._features import FeaturesMode
 from ._gramian import GramianMode
 from ._matrix import MatrixMode
 
-__all__ = ["MODES", "Engine", "Mode", "StepInput", "make_engine"]
+__all__ = ["ENGINES", "MODES", "Engine", "Mode", "RowsEngine", "StepInput", "make_engine"]
 
 Mode = Literal["matrix", "gramian", "features"]
 
-#: The gradient modes a :class:`~gradbalance.TaskGradBuffer` accepts.
+#: The gradient modes the library ships (the values ``mode=`` accepts out of the box).
 MODES: tuple[str, ...] = ("matrix", "gramian", "features")
+
+#: Mode name -> engine class; a new mode is one :class:`Engine` class and one entry here.
+ENGINES: dict[str, type[Engine]] = {
+    "matrix": MatrixMode,
+    "gramian": GramianMode,
+    "features": FeaturesMode,
+}
 
 
 def make_engine(mode: str, layout: ParamLayout, head_params: list[Tensor], passes: Passes,
                 modules: Any = None) -> Engine:
     """The engine of ``mode`` over the shared parameters ``layout`` and the heads."""
-    if mode == "matrix":
-        return MatrixMode(layout, head_params, passes)
-    if mode == "features":
-        return FeaturesMode(layout, head_params, passes)
-    if mode == "gramian":
-        batched = resolve_passes(passes, layout.device) == "batched"
-        return GramianMode(modules, layout.params, head_params, batched)
-    raise ValueError(f"Invalid mode: {mode!r} (expected one of {', '.join(MODES)})")
+    if not isinstance(mode, str) or mode not in ENGINES:
+        raise ValueError(f"Invalid mode: {mode!r} (expected one of {', '.join(ENGINES)})")
+    return ENGINES[mode](layout, head_params, passes, modules)

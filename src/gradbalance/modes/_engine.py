@@ -59,6 +59,12 @@ class Engine(Protocol):
     #: The step's ``[K, ·]`` task-gradient rows, when the mode holds them.
     matrix: Tensor | None
 
+    def __init__(self, layout: ParamLayout, head_params: list[Tensor], passes: Passes,
+                 modules: Any = None) -> None:
+        """``layout``: the shared parameters; ``passes``: loop or batched (or how to choose);
+        ``modules``: the trunk module(s), for modes that hook the forward."""
+        ...
+
     def check_backward(self, features: Tensor | None, count: int, reused: bool) -> None:
         """Raise if this ``backward`` call cannot run (before anything moves)."""
         ...
@@ -92,7 +98,8 @@ class RowsEngine:
 
     mode: ClassVar[str] = ""
 
-    def __init__(self, layout: ParamLayout, head_params: list[Tensor], passes: Passes) -> None:
+    def __init__(self, layout: ParamLayout, head_params: list[Tensor], passes: Passes,
+                 modules: Any = None) -> None:
         self.layout = layout
         self.head_params = head_params
         self.passes: Passes = passes

@@ -60,7 +60,7 @@ from ..clip._protocol import RowClipper
 from ..distributed import all_gather_columns, all_reduce_grads_and_losses_, all_reduce_mean_
 from ..gramian import compute_gramian, linear_gramian
 from ..stats import StepStats, build_stats
-from ..taskgrads import TaskRoots
+from ..taskgrads import ParamLayout, Passes, TaskRoots, resolve_passes
 from ._engine import StepInput, heads_backward_, reject_features
 
 __all__ = ["GramianMode", "GramianRecorder"]
@@ -382,16 +382,17 @@ class GramianMode:
     mode: ClassVar[str] = "gramian"
     matrix: Tensor | None = None  # never a [K, P] matrix
 
-    def __init__(self, modules: Any, shared: list[Tensor], head_params: list[Tensor],
-                 batched: bool) -> None:
+    def __init__(self, layout: ParamLayout, head_params: list[Tensor], passes: Passes,
+                 modules: Any = None) -> None:
         if modules is None:
             raise ValueError(
                 "mode='gramian' needs modules=...: the module(s) owning shared_params, "
                 "e.g. TaskGradBuffer(..., mode='gramian', modules=model.trunk)"
             )
-        self.recorder = GramianRecorder(modules, shared)
+        self.recorder = GramianRecorder(modules, layout.params)
         self.head_params = head_params
-        self.batched = batched
+        # no first-step measurement here: the passes resolve by device (loop on CPU)
+        self.batched = resolve_passes(passes, layout.device) == "batched"
 
     def check_backward(self, features: Tensor | None, count: int, reused: bool) -> None:
         reject_features(self.mode, features)
