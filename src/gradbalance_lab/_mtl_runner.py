@@ -1,6 +1,6 @@
 """One training run on MultiDigits with a balancer, a loss weighting or a single task.
 
-The loop is the one a user writes (the loop tutorial §3): forward, per-task losses, the library's
+The loop is the one a user writes (`docs/loop.md`): forward, per-task losses, the library's
 ``TaskGradBuffer.backward`` + ``apply_`` (or plain ``backward`` for a single-task baseline),
 optional global clipping, ``optimizer.step``, ``zero_grad``. The wall time of each step is
 measured from the forward to the end of ``optimizer.step``.

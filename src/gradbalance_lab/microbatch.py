@@ -1,4 +1,4 @@
-"""Micro-batches: the two orders of balancing (the loop tutorial §12).
+"""Micro-batches: the two orders of balancing (`docs/figures.md`, §12).
 
 A batch split into M micro-batches can be balanced in two orders:
 
@@ -7,7 +7,7 @@ A batch split into M micro-batches can be balanced in two orders:
   ``g = B((1/M) Σₘ Gₘ)``. The balancer sees the gradients a full batch would give.
 * **balance each, then average** (:class:`BalanceEach`, for comparison):
   ``g = (1/M) Σₘ B(Gₘ)``. Balancing is not linear, so with noisy micro-batches the two differ
-  (the seed measures a median 7° between them for PCGrad and 19° for MGDA).
+  (a median 7° apart for PCGrad and 19° for MGDA in the two-bowl example, `docs/figures.md` §12).
 
 :func:`two_orders` computes both from a list of ``[K, P]`` matrices.
 """

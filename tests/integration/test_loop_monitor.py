@@ -1,4 +1,4 @@
-"""Logging: every loop tutorial §13 tag, read back by TensorBoard; dict, CSV, variability."""
+"""Logging: every tag of docs/loop.md, read back by TensorBoard; dict, CSV, variability."""
 
 from __future__ import annotations
 

@@ -94,7 +94,7 @@ def test_scaled_variant_scales_the_right_loss_only() -> None:
 
 
 def test_scale_changes_gradient_length_not_direction() -> None:
-    # loop tutorial §5: a constant loss factor scales the task gradient by the same factor
+    # docs/figures.md §5: a constant loss factor scales the task gradient by the same factor
     data = make_multidigits(64, 8, seed=0, right_scale=1e-3)
     torch.manual_seed(0)
     trunk = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(96, 16), torch.nn.ReLU())

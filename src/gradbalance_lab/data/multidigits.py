@@ -16,7 +16,7 @@ Everything is deterministic given ``seed``.
 
 The *scaled* variant (``right_scale=1e-3``) multiplies the right task's loss by 1/1000: a
 constant loss scale changes the length of that task's gradient, never its direction
-(loop tutorial §5), which is what separates scale-robust balancers from the plain sum.
+(`docs/figures.md`, §5), which is what separates scale-robust balancers from the plain sum.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Pieces every figure shares: claims, missing library parts, angles, plotting, the bowls.
 
-The two-bowl example (loop tutorial §7.2): two tasks share two weights ``w``; task ``k``'s loss is
-``Lₖ(w) = ½ (w − cₖ)ᵀ H (w − cₖ)`` with ``c₁ = (3, 0)``, ``c₂ = (0, 3)`` and
+The two-bowl example (`docs/figures.md`, §7.2): two tasks share two weights ``w``; task
+``k``'s loss is ``Lₖ(w) = ½ (w − cₖ)ᵀ H (w − cₖ)`` with ``c₁ = (3, 0)``, ``c₂ = (0, 3)`` and
 ``H = diag(10, 1)`` (each bowl ten times steeper along the first weight). Both bowls share
 ``H``, so the Pareto set is the segment from ``c₁`` to ``c₂``: there, and only there, the two
 gradients point exactly opposite. "Batch noise" is added as ``ξₖ·w`` to each loss, so task

@@ -1,4 +1,5 @@
-"""Clipping: the clip tutorial's examples, per-task caps, AGC's formula, AutoClip's percentile."""
+"""Clipping: the clipping tutorial's examples (docs/figures.md), per-task caps, AGC's formula,
+AutoClip's percentile."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from gradbalance.clip import (
     suggest_max_norm,
 )
 
-# -- the clip tutorial, exactly ---------------------------------------------------------
+# -- the clipping tutorial's examples, exactly -------------------------------------------
 
 
 def _seed_param() -> torch.Tensor:

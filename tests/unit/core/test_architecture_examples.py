@@ -23,4 +23,4 @@ def test_example_runs(index: int) -> None:
 
     before = dict(ENGINES)
     exec(compile(BLOCKS[index], f"{PAGE.name}[{index}]", "exec"), {"__name__": "example"})
-    assert ENGINES == before  # an example leaves the library as it found it
+    assert before == ENGINES  # an example leaves the library as it found it
