@@ -11,8 +11,8 @@ therefore all-reduces, in ``apply_`` and before unscaling, clipping and balancin
   steps under a ``GradScaler`` and no balancer changes its state on one rank only.
 
 Balancing the mean is not the same as averaging balanced per-rank gradients (balancers are
-not linear, loop tutorial §12), and the Gramian of the mean is not the mean of the Gramians: the
-reduction happens on ``G``, never after the combine.
+not linear: docs/loop.md, "Micro-batches"), and the Gramian of the mean is not the mean of the
+Gramians: the reduction happens on ``G``, never after the combine.
 
 Cost: a plain data-parallel step all-reduces ``P + H`` numbers; the balanced step all-reduces
 ``K·P + H + K + 1``, i.e. about K× the gradient traffic, in two collectives (plus one of a

@@ -1,4 +1,4 @@
-"""Logging a balanced step: the scalars the loop tutorial §13 asks for, to TensorBoard or CSV.
+"""Logging a balanced step: the scalars of docs/loop.md ("Logging"), to TensorBoard or CSV.
 
 Tags (``K`` tasks, ``i < j``):
 
@@ -10,7 +10,7 @@ Tags (``K`` tasks, ``i < j``):
 * ``amp_skipped``: 1 when the gradient scaler skips the step, else 0.
 
 :class:`RunningStats` adds how much each number varies (``std/<tag>``, a standard deviation
-over a sliding window): the tutorial asks to log the variability, not only the average.
+over a sliding window): how much a number varies is logged, not only its average.
 TensorBoard is optional (``pip install gradbalance[tensorboard]``); :func:`stats_to_dict` and
 :class:`CSVLogger` need nothing but the standard library.
 """
@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._checks import check_int
 from ._optional import require
 from .stats import StepStats
 
@@ -44,7 +45,7 @@ def stats_to_dict(
     amp_skipped: bool | None = None,
     weights: Tensor | None = None,
 ) -> dict[str, float]:
-    """The tutorial's scalars of one step as ``{tag: float}`` (one host sync).
+    """The logged scalars of one step as ``{tag: float}`` (one host sync).
 
     Args:
         stats: what ``TaskGradBuffer.apply_`` / ``balanced_backward`` returned.
@@ -105,7 +106,7 @@ def log_stats(
     weights: Tensor | None = None,
     running: RunningStats | None = None,
 ) -> dict[str, float]:
-    """Write the tutorial's scalars of one step with ``writer.add_scalar(tag, value, step)``.
+    """Write the logged scalars of one step with ``writer.add_scalar(tag, value, step)``.
 
     ``writer`` is a TensorBoard ``SummaryWriter`` (or anything with ``add_scalar``). With
     ``running``, its ``std/<tag>`` variabilities are written too. Returns what was written.
@@ -133,9 +134,7 @@ class RunningStats:
     """
 
     def __init__(self, window: int = 100) -> None:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 2:
-            raise ValueError(f"Invalid window: {window!r} (expected an int >= 2, e.g. 100)")
-        self.window = window
+        self.window = check_int("window", window, 2, ", e.g. 100")
         self.reset()
 
     def reset(self) -> None:

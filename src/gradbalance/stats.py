@@ -12,7 +12,7 @@ weights (``update_every``, ``weights_reused=True``) no task gradient exists, so
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,7 +25,7 @@ __all__ = ["StepStats", "build_stats", "stats_from_gramian"]
 
 @dataclass
 class StepStats:
-    """Per-step diagnostics of a balanced step (loop tutorial §13).
+    """Per-step diagnostics of a balanced step (docs/loop.md, "Logging").
 
     Attributes:
         losses: raw, unweighted task losses ``[K]`` (summed over the micro-batches).
@@ -57,7 +57,6 @@ class StepStats:
     num_backward: int = 1
     mode: str = "matrix"
     weights_reused: bool = False
-    extra: dict[str, Tensor] = field(default_factory=dict)
 
     @property
     def num_tasks(self) -> int:
@@ -71,7 +70,6 @@ class StepStats:
 
 def stats_from_gramian(
     gram: Tensor,
-    losses: Tensor,
     matrix: Tensor | None,
     update: Tensor | None,
     weights: Tensor | None,
@@ -115,7 +113,7 @@ def build_stats(
     """
     if finite:
         norms, cosine, cos_update, update_norm = stats_from_gramian(
-            gram, losses, matrix, update, weights
+            gram, matrix, update, weights
         )
     else:
         k = gram.shape[0]

@@ -23,7 +23,7 @@ from typing import Any
 from torch import Tensor
 
 from ._amp import no_autocast, scale_of
-from ._types import as_loss_vector, as_parameter_list
+from ._checks import as_loss_vector, as_parameter_list
 from .balancers._base import Balancer
 from .clip._protocol import RowClipper
 from .distributed import resolve_process_group
@@ -94,8 +94,8 @@ class TaskGradBuffer:
         update_every: int = 1,
         modules: Any = None,
     ) -> None:
-        shared = as_parameter_list(shared_params, "shared_params")
-        heads = as_parameter_list(head_params, "head_params", allow_empty=True)
+        shared = as_parameter_list("shared_params", shared_params)
+        heads = as_parameter_list("head_params", head_params, allow_empty=True)
         _check_shared_and_heads(shared, heads)
         self.layout = ParamLayout(shared)
         self.head_params = heads
@@ -138,7 +138,7 @@ class TaskGradBuffer:
         inputs and output gradients (and the ``[K, P_b]`` rows of other blocks) so that the
         step's Gramian is the full batch's.
         """
-        vector = as_loss_vector(losses, self.num_tasks)
+        vector = as_loss_vector("losses", losses, self.num_tasks)
         if self._count > 0 and scaler is not self._scaler:
             raise ValueError(
                 "scaler differs from the one given to the earlier backward() of this step; "

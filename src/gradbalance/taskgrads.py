@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge
 
-from ._types import as_loss_vector, as_parameter_list
+from ._checks import as_loss_vector, as_parameter_list, check_choice
 
 __all__ = [
     "AUTO_PREFERENCE", "ParamLayout", "Passes", "TaskRoots", "compute_into", "task_gradients",
@@ -107,7 +107,7 @@ class TaskRoots:
 
     Args:
         given: the losses as the user passed them (a list of scalars or a ``[K]`` tensor).
-        vector: the same losses as one ``[K]`` tensor (:func:`~gradbalance._types.as_loss_vector`).
+        vector: the same losses as one ``[K]`` tensor (:func:`~gradbalance._checks.as_loss_vector`).
         scale: the loss scale ``s`` (0-d), or None.
 
     ``scaled`` is ``s·vector`` (the batched call and one-pass backwards use it). ``outputs[k]``
@@ -153,13 +153,6 @@ class TaskRoots:
                                    retain_graph=retain_graph, allow_unused=True)
 
 
-def _check_passes(passes: str) -> None:
-    if passes not in _PASSES:
-        raise ValueError(
-            f"Invalid passes: {passes!r} (expected one of {', '.join(_PASSES)})"
-        )
-
-
 def resolve_passes(passes: Passes, device: torch.device) -> Literal["loop", "batched"]:
     """The concrete passes ``"auto"`` (and ``"measure"``) stand for without measuring.
 
@@ -167,7 +160,7 @@ def resolve_passes(passes: Passes, device: torch.device) -> Literal["loop", "bat
     measure instead where due (:meth:`gradbalance.modes._engine.RowsEngine.compute`); the
     ``gramian`` mode does not measure and takes this.
     """
-    _check_passes(passes)
+    check_choice("passes", passes, _PASSES)
     if passes in ("auto", "measure"):
         return AUTO_PREFERENCE.get(device.type, "batched")
     return passes  # type: ignore[return-value]
@@ -175,7 +168,7 @@ def resolve_passes(passes: Passes, device: torch.device) -> Literal["loop", "bat
 
 def needs_measuring(passes: Passes, device: torch.device) -> bool:
     """Whether a buffer should time both ways of running the passes once before choosing one."""
-    _check_passes(passes)
+    check_choice("passes", passes, _PASSES)
     return passes == "measure" or (passes == "auto" and device.type not in AUTO_PREFERENCE)
 
 
@@ -285,8 +278,8 @@ def task_gradients(
         tensor([[1., 1.],
                 [2., 4.]])
     """
-    vector = as_loss_vector(losses)
-    layout = ParamLayout(as_parameter_list(params, "params"))
+    vector = as_loss_vector("losses", losses)
+    layout = ParamLayout(as_parameter_list("params", params))
     out = torch.empty(vector.shape[0], layout.numel, dtype=layout.dtype, device=layout.device)
     compute_into(TaskRoots(losses, vector, None), layout, out, passes=passes,
                  retain_graph=retain_graph)

@@ -12,8 +12,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from .._checks import as_pref, check_pref
 from ._base import Balancer
-from ._checks import as_pref, check_pref
 from ._solvers import trace_normalized
 
 __all__ = ["AlignedMTL", "alignedmtl_weights"]
@@ -34,7 +34,7 @@ def alignedmtl_weights(
     """
     k = gramian.shape[0]
     gram, _ = trace_normalized(gramian)
-    p = check_pref(pref, k, 1.0)
+    p = check_pref("pref", pref, k, 1.0)
     lam, vec = torch.linalg.eigh(gram)
     tol = lam.max() * k * torch.finfo(torch.float64).eps
     keep = lam > tol
@@ -78,7 +78,7 @@ class AlignedMTL(Balancer):
             raise ValueError(
                 f"Invalid scale_mode: {scale_mode!r} (expected 'min', 'median' or 'rmse')"
             )
-        self.pref = as_pref(pref)
+        self.pref = as_pref("pref", pref)
         self.scale_mode: ScaleMode = scale_mode
 
     def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:

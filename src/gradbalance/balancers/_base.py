@@ -26,9 +26,10 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from .._checks import check_matrix, check_num_tasks
 from .._pickling import PicklableGenerators
 from .._statedict import reject_state
-from .._types import NonFiniteGradientError, check_matrix, check_num_tasks
+from .._types import NonFiniteGradientError
 from ..gramian import compute_gramian, is_finite_gramian
 
 __all__ = ["Balancer", "Combination", "combine_rows"]
@@ -64,7 +65,7 @@ class Balancer(PicklableGenerators):
     needs_losses: ClassVar[bool] = False
 
     def __init__(self, num_tasks: int | None = None) -> None:
-        self.num_tasks = check_num_tasks(num_tasks)
+        self.num_tasks = None if num_tasks is None else check_num_tasks("num_tasks", num_tasks)
 
     # -- to implement -------------------------------------------------------------------
     def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
@@ -84,7 +85,7 @@ class Balancer(PicklableGenerators):
         ``gramian`` may be passed when already computed (``matrix @ matrix.T`` in float64).
         Raises :class:`NonFiniteGradientError` on inf/NaN input, before any state change.
         """
-        check_matrix(matrix, self.num_tasks)
+        check_matrix("matrix", matrix, self.num_tasks)
         losses = self._check_losses(losses, matrix.shape[0])
         if self.from_gramian:
             gram = compute_gramian(matrix) if gramian is None else gramian
@@ -114,7 +115,7 @@ class Balancer(PicklableGenerators):
             )
         if gramian.dim() != 2 or gramian.shape[0] != gramian.shape[1]:
             raise ValueError(f"gramian must be [K, K], got shape {tuple(gramian.shape)}")
-        check_matrix(gramian, self.num_tasks, argname="gramian")
+        check_matrix("gramian", gramian, self.num_tasks)
         losses = self._check_losses(losses, gramian.shape[0])
         self._check_finite_gramian(gramian)
         return self._compute_weights(gramian, losses)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._checks import check_pref
+from .._checks import check_pref
 from ._pref import PreferenceBalancer
 from ._solvers import trace_normalized
 
@@ -27,7 +27,7 @@ def config_weights(gramian: Tensor, pref: Tensor | None = None, rtol: float = 1e
     """
     k = gramian.shape[0]
     gram, _ = trace_normalized(gramian)
-    p = check_pref(pref, k, 1.0)
+    p = check_pref("pref", pref, k, 1.0)
     norms = torch.diagonal(gram).clamp_min(0).sqrt()
     inv = torch.where(norms > 0, 1.0 / torch.where(norms > 0, norms, 1.0), 0.0)
     cos = gram * torch.outer(inv, inv)

@@ -6,8 +6,8 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
+from .._checks import as_task_vector
 from ._base import Balancer
-from ._checks import as_task_vector
 
 __all__ = ["Constant"]
 

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._checks import as_task_vector, check_range
 from ._base import Balancer
-from ._checks import as_task_vector, check_range
 from ._mgda import MGDA
 from ._state import check_state_tasks, clone_or_none
 

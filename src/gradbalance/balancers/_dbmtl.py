@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._checks import check_range
 from ._base import Balancer, Combination
-from ._checks import check_range
 from ._state import EmaStepState, check_state_rows
 
 __all__ = ["DBMTL", "dbmtl_update"]

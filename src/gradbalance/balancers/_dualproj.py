@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ._checks import check_pref
+from .._checks import check_pref
 from ._pref import PreferenceBalancer
 from ._solvers import project_dual_cone, trace_normalized
 
@@ -23,7 +23,7 @@ def dualproj_weights(gramian: Tensor, pref: Tensor | None = None) -> Tensor:
     """
     k = gramian.shape[0]
     gram, _ = trace_normalized(gramian)
-    return project_dual_cone(gram, check_pref(pref, k, 1.0 / k))
+    return project_dual_cone(gram, check_pref("pref", pref, k, 1.0 / k))
 
 
 class DualProj(PreferenceBalancer):

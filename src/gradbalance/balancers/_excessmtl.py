@@ -12,9 +12,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._checks import check_int, check_range
 from .._statedict import check_keys
 from ._base import Balancer, Combination
-from ._checks import check_int, check_range
 from ._state import as_step, check_state_rows, clone_or_none
 
 __all__ = ["ExcessMTL", "excessmtl_risks"]

@@ -11,8 +11,8 @@ import warnings
 import torch
 from torch import Tensor
 
+from .._checks import check_int, check_range
 from ._base import Balancer
-from ._checks import check_int, check_range
 
 __all__ = ["FairGrad", "fairgrad_weights"]
 

@@ -11,9 +11,9 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from .._checks import as_task_vector, check_generator
 from ._base import Balancer, Combination
-from ._checks import as_task_vector
-from ._rng import OptionalGeneratorState, check_generator
+from ._rng import OptionalGeneratorState
 
 __all__ = ["GradDrop", "graddrop_update"]
 
@@ -76,7 +76,7 @@ class GradDrop(OptionalGeneratorState, Balancer):
         super().__init__(num_tasks)
         self.leak = lk
         self.f = f
-        self.generator = check_generator(generator)
+        self.generator = check_generator("generator", generator)
 
     def _combine_matrix(self, matrix: Tensor, losses: Tensor | None) -> Combination:
         where = self.generator.device if self.generator is not None else matrix.device

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._checks import check_int
 from ._base import Balancer
-from ._checks import check_int
 
 __all__ = ["Krum", "krum_weights"]
 

@@ -11,9 +11,9 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from .._checks import check_range
 from .._statedict import check_keys
 from ._base import Balancer, Combination
-from ._checks import check_range
 from ._solvers import project_simplex
 from ._state import as_step, check_state_rows, clone_or_none
 
@@ -47,8 +47,10 @@ class MoCo(Balancer):
 
     Args:
         num_tasks: K (optional).
-        beta, beta_sigma: tracking rate of ``y`` and its decay (default 0.5, 0.5).
-        gamma, gamma_sigma: step of ``λ`` and its decay (default 0.1, 0.5).
+        beta: tracking rate of ``y`` (default 0.5).
+        beta_sigma: decay of the tracking rate (default 0.5).
+        gamma: step of ``λ`` (default 0.1).
+        gamma_sigma: decay of the step of ``λ`` (default 0.5).
         rho: ℓ₂ regularisation of the ``λ`` step (default 0).
         lambda_update: ``"projection"`` (the paper, default) or ``"softmax"`` (LibMTL).
         normalize_grads: track ``Lₖ gₖ / ‖gₖ‖`` instead of ``gₖ`` (LibMTL's practice; reads the

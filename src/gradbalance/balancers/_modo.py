@@ -12,9 +12,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._checks import check_range
 from .._statedict import check_keys
 from ._base import Balancer
-from ._checks import check_range
 from ._solvers import project_simplex
 from ._state import check_state_tasks, clone_or_none
 

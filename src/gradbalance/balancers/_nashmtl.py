@@ -12,6 +12,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from .._checks import check_int
 from ._base import Balancer
 from ._solvers import nash_bargaining, trace_normalized
 
@@ -87,13 +88,8 @@ class NashMTL(Balancer):
             raise ValueError(
                 f"Invalid normalization: {normalization!r} (expected 'none' or 'frobenius')"
             )
-        if isinstance(update_weights_every, bool) or not isinstance(update_weights_every, int) \
-                or update_weights_every < 1:
-            raise ValueError(
-                f"Invalid update_weights_every: {update_weights_every!r} (expected an int >= 1)"
-            )
+        self.update_weights_every = check_int("update_weights_every", update_weights_every, 1)
         self.normalization: Normalization = normalization
-        self.update_weights_every = update_weights_every
         self.homogeneous = normalization == "frobenius"  # type: ignore[misc]
         self.alpha: Tensor | None = None
         self.step = torch.zeros((), dtype=torch.int64)

@@ -13,9 +13,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from .._checks import check_range
 from ._base import Balancer
 from ._boxqp import is_well_conditioned
-from ._checks import check_range
 from ._solvers import solve_box_qp
 from ._state import EmaStepState, check_state_tasks
 

@@ -11,8 +11,8 @@ from typing import ClassVar
 
 from torch import Tensor
 
+from .._checks import as_pref
 from ._base import Balancer
-from ._checks import as_pref
 
 
 class PreferenceBalancer(Balancer):
@@ -30,7 +30,7 @@ class PreferenceBalancer(Balancer):
         self, num_tasks: int | None = None, *, pref: Sequence[float] | Tensor | None = None
     ) -> None:
         super().__init__(num_tasks)
-        self.pref = as_pref(pref)
+        self.pref = as_pref("pref", pref)
 
     def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         return type(self).rule(gramian, self.pref).to(gramian.device)

@@ -12,8 +12,9 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from .._checks import check_choice, check_generator
 from ._base import Balancer
-from ._rng import OptionalGeneratorState, check_generator
+from ._rng import OptionalGeneratorState
 
 __all__ = ["Random", "random_weights"]
 
@@ -69,13 +70,9 @@ class Random(OptionalGeneratorState, Balancer):
     def __init__(self, num_tasks: int | None = None, distribution: Distribution = "normal",
                  generator: torch.Generator | None = None) -> None:
         super().__init__(num_tasks)
-        if distribution not in _DISTRIBUTIONS:
-            raise ValueError(
-                f"Invalid distribution: {distribution!r} (expected one of "
-                f"{', '.join(_DISTRIBUTIONS)})"
-            )
+        check_choice("distribution", distribution, _DISTRIBUTIONS)
         self.distribution: Distribution = distribution
-        self.generator = check_generator(generator)
+        self.generator = check_generator("generator", generator)
 
     def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         return random_weights(gramian.shape[0], self.distribution, self.generator,

@@ -18,16 +18,6 @@ from torch import Tensor
 from .._statedict import check_keys
 
 
-def check_generator(generator: torch.Generator | None) -> torch.Generator | None:
-    """Accept ``None`` (torch's global RNG) or a ``torch.Generator``."""
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise ValueError(
-            f"Invalid generator: {type(generator).__name__} (expected a torch.Generator or None, "
-            f"e.g. torch.Generator().manual_seed(0))"
-        )
-    return generator
-
-
 def private_generator() -> torch.Generator:
     """A CPU generator seeded from the global RNG (``torch.manual_seed`` makes it repeatable)."""
     seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))

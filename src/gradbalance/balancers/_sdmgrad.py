@@ -12,9 +12,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._checks import as_task_vector, check_int, check_range
 from .._statedict import check_keys
 from ._base import Balancer
-from ._checks import as_task_vector, check_int, check_range
 from ._solvers import project_simplex
 from ._state import check_state_tasks, clone_or_none
 
@@ -53,7 +53,9 @@ class SDMGrad(Balancer):
         num_tasks: K (optional).
         lambda_: pull ``λ ≥ 0`` towards the preference direction (default 0.3, the official
             experiments and LibMTL).
-        lr, momentum, n_iter: inner SGD (default 5.0, 0.5, 20: LibMTL / the official code).
+        lr: step size of the inner SGD (default 5.0: LibMTL / the official code).
+        momentum: momentum of the inner SGD (default 0.5).
+        n_iter: iterations of the inner SGD (default 20).
         pref_vector: ``w̃`` (default uniform ``1/K``: the mean gradient).
 
     State: the simplex iterate ``w`` ``[K]`` float64 (warm start), starting at ``1/K``.

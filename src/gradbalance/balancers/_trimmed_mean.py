@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._checks import check_int
 from ._base import Balancer, Combination
-from ._checks import check_int
 
 __all__ = ["TrimmedMean", "trimmed_mean_update"]
 

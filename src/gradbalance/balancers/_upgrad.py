@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._checks import check_pref
+from .._checks import check_pref
 from ._pref import PreferenceBalancer
 from ._solvers import project_dual_cone, trace_normalized
 
@@ -26,7 +26,7 @@ def upgrad_weights(gramian: Tensor, pref: Tensor | None = None) -> Tensor:
     """
     k = gramian.shape[0]
     gram, _ = trace_normalized(gramian)
-    p = check_pref(pref, k, 1.0 / k)
+    p = check_pref("pref", pref, k, 1.0 / k)
     return project_dual_cone(gram, torch.diag(p)).sum(dim=0)
 
 

@@ -15,16 +15,16 @@ Under AMP call it after ``scaler.unscale_(optimizer)``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from .._checks import check_positive
 from .._types import NonFiniteGradientError
 from ._params import params_with_grads
-from ._task import _Stateless, check_max_norm
+from ._task import _Stateless
 
 __all__ = ["AGC", "adaptive_clip_grad_", "unitwise_norm"]
 
@@ -36,14 +36,6 @@ def unitwise_norm(x: Tensor) -> Tensor:
     if x.dim() <= 1:
         return torch.linalg.vector_norm(x)
     return torch.linalg.vector_norm(x, dim=tuple(range(1, x.dim())), keepdim=True)
-
-
-def _check_eps(eps: float) -> float:
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (
-        math.isfinite(eps) and eps >= 0
-    ):
-        raise ValueError(f"Invalid eps: {eps!r} (expected a finite number >= 0, e.g. 1e-3)")
-    return float(eps)
 
 
 def adaptive_clip_grad_(
@@ -58,8 +50,8 @@ def adaptive_clip_grad_(
     The returned value is the total 2-norm of all gradients given (excluded ones included),
     as ``clip_grad_norm_`` returns it, for logging.
     """
-    check_max_norm(clip_factor, "clip_factor")
-    eps = _check_eps(eps)
+    check_positive("clip_factor", clip_factor)
+    eps = check_positive("eps", eps, allow_zero=True, hint=", e.g. 1e-3")
     skip = {id(p) for p in exclude}
     params = params_with_grads(parameters)
     if not params:
@@ -98,8 +90,8 @@ class AGC(_Stateless):
 
     def __init__(self, clip_factor: float = 0.01, eps: float = 1e-3,
                  exclude: Iterable[Tensor] = (), error_if_nonfinite: bool = False) -> None:
-        self.clip_factor = check_max_norm(clip_factor, "clip_factor")
-        self.eps = _check_eps(eps)
+        self.clip_factor = check_positive("clip_factor", clip_factor)
+        self.eps = check_positive("eps", eps, allow_zero=True, hint=", e.g. 1e-3")
         self.exclude = list(exclude)
         self.error_if_nonfinite = error_if_nonfinite
 

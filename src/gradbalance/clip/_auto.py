@@ -11,8 +11,8 @@ non-finite norms never enter it; a step with a non-finite norm changes no state 
 nothing (a GradScaler skips it). The percentile uses linear interpolation, as
 ``numpy.percentile``'s default. Reading the finiteness costs one host sync per call.
 
-:func:`suggest_max_norm` is the offline version (the clip tutorial): log the pre-clip norms of an
-unclipped run and set ``max_norm`` near their 90th–95th percentile.
+:func:`suggest_max_norm` is the offline version (docs/loop.md, "Clipping"): log the pre-clip
+norms of an unclipped run and set ``max_norm`` near their 90th–95th percentile.
 """
 
 from __future__ import annotations
@@ -23,33 +23,26 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._types import NonFiniteGradientError, check_matrix
+from .._checks import check_matrix, check_norm_type, check_positive_int, check_range
+from .._types import NonFiniteGradientError
 from ._params import params_with_grads
-from ._task import _EPS, check_norm_type, row_norms
+from ._task import _EPS, row_norms
 
 __all__ = ["AutoClip", "TaskAutoClip", "suggest_max_norm"]
-
-
-def _check_percentile(percentile: float) -> float:
-    if isinstance(percentile, bool) or not isinstance(percentile, (int, float)) or not (
-        0 <= percentile <= 100
-    ):
-        raise ValueError(f"Invalid percentile: {percentile!r} (expected 0 <= percentile <= 100)")
-    return float(percentile)
 
 
 def suggest_max_norm(norms: Sequence[float] | Tensor, percentile: float = 95.0) -> float:
     """A ``max_norm`` from logged pre-clip norms: their ``percentile``-th percentile.
 
-    The clipping tutorial's rule: run without clipping for a while, log the norms, and set the limit
-    around the 90th–95th percentile of the healthy values, so that clipping catches
-    runaways instead of leaning on every step. Non-finite entries are ignored.
+    The rule of docs/loop.md ("Clipping"): run without clipping for a while, log the norms,
+    and set the limit around the 90th–95th percentile of the healthy values, so that clipping
+    catches runaways instead of leaning on every step. Non-finite entries are ignored.
 
     Example:
         >>> suggest_max_norm([1.0, 2.0, 3.0, 4.0, 5.0], percentile=50)
         3.0
     """
-    p = _check_percentile(percentile)
+    p = check_range("percentile", percentile, 0, 100)
     values = torch.as_tensor(norms, dtype=torch.float64).detach().reshape(-1).cpu()
     healthy = values[torch.isfinite(values)]
     if healthy.numel() == 0:
@@ -64,14 +57,8 @@ class _PercentileHistory:
     """Ring buffer of the last ``size`` healthy norm vectors ``[C]``, float64."""
 
     def __init__(self, percentile: float, history_size: int) -> None:
-        if isinstance(history_size, bool) or not isinstance(history_size, int) or (
-            history_size < 1
-        ):
-            raise ValueError(
-                f"Invalid history_size: {history_size!r} (expected a positive int, e.g. 1000)"
-            )
-        self.percentile = _check_percentile(percentile)
-        self.history_size = history_size
+        self.history_size = check_positive_int("history_size", history_size, ", e.g. 1000")
+        self.percentile = check_range("percentile", percentile, 0, 100)
         self.reset()
 
     def reset(self) -> None:
@@ -132,7 +119,7 @@ class _AutoBase:
     def __init__(self, percentile: float, history_size: int, norm_type: float,
                  error_if_nonfinite: bool) -> None:
         self._history = _PercentileHistory(percentile, history_size)
-        self.norm_type = check_norm_type(norm_type)
+        self.norm_type = check_norm_type("norm_type", norm_type)
         self.error_if_nonfinite = error_if_nonfinite
 
     @property
@@ -228,7 +215,7 @@ class TaskAutoClip(_AutoBase):
         super().__init__(percentile, history_size, norm_type, error_if_nonfinite)
 
     def __call__(self, matrix: Tensor) -> Tensor:
-        check_matrix(matrix)
+        check_matrix("matrix", matrix)
         norms = row_norms(matrix, self.norm_type)
         matrix.mul_(self.coefficients(norms).to(matrix.dtype).unsqueeze(1))
         return norms

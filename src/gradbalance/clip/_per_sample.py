@@ -1,4 +1,4 @@
-"""Per-sample gradient clipping (the clip tutorial, "Relatives and variants"; DP-SGD).
+"""Per-sample gradient clipping (DP-SGD; docs/loop.md, "Per-sample clipping").
 
 Each sample's gradient is clipped on its own before the batch mean (Abadi et al. 2016,
 *Deep Learning with Differential Privacy*, Algorithm 1):
@@ -22,7 +22,6 @@ With K tasks the per-sample losses are ``[B, K]``: ``per_task=True`` clips every
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -30,17 +29,21 @@ import torch
 from torch import Tensor, nn
 
 from .._amp import scale_of
+from .._checks import (
+    as_parameter_list,
+    check_bool,
+    check_generator,
+    check_int,
+    check_norm_type,
+    check_optional_int,
+    check_positive,
+)
 from .._pickling import PicklableGenerators
 from .._statedict import check_keys
-from .._types import NonFiniteGradientError, as_parameter_list
-from ..balancers._rng import check_generator, private_generator
-from ._per_sample_graph import (
-    _check_chunk_size,
-    _check_losses,
-    _check_per_task,
-    per_sample_grad_norms,
-)
-from ._task import _EPS, check_max_norm, check_norm_type
+from .._types import NonFiniteGradientError
+from ..balancers._rng import private_generator
+from ._per_sample_graph import _check_losses, per_sample_grad_norms
+from ._task import _EPS
 
 __all__ = ["PerSampleClip"]
 
@@ -75,17 +78,13 @@ class PerSampleClip(PicklableGenerators):
     def __init__(self, max_norm: float, *, norm_type: float = 2.0, per_task: bool = True,
                  noise_multiplier: float = 0.0, generator: torch.Generator | None = None,
                  chunk_size: int | None = None) -> None:
-        self.max_norm = check_max_norm(max_norm)
-        self.norm_type = check_norm_type(norm_type)
-        self.per_task = _check_per_task(per_task)
-        if isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, (int, float)) \
-                or not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
-            raise ValueError(
-                f"Invalid noise_multiplier: {noise_multiplier!r} (expected a finite number >= 0)"
-            )
-        self.noise_multiplier = float(noise_multiplier)
-        self.generator = check_generator(generator) or private_generator()
-        self.chunk_size = _check_chunk_size(chunk_size)
+        self.max_norm = check_positive("max_norm", max_norm)
+        self.norm_type = check_norm_type("norm_type", norm_type)
+        self.per_task = check_bool("per_task", per_task)
+        self.noise_multiplier = check_positive("noise_multiplier", noise_multiplier,
+                                               allow_zero=True)
+        self.generator = check_generator("generator", generator) or private_generator()
+        self.chunk_size = check_optional_int("chunk_size", chunk_size, 1)
         self.last_norms: Tensor | None = None
 
     def factors(self, norms: Tensor) -> Tensor:
@@ -168,9 +167,8 @@ class PerSampleClip(PicklableGenerators):
         Returns False, touching neither ``.grad`` nor the generator, when a gradient is not
         finite (the step is going to be skipped) or when σ = 0.
         """
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"Invalid batch_size: {batch_size!r} (expected an int >= 1)")
-        grads = [p.grad for p in as_parameter_list(params, "params") if p.grad is not None]
+        check_int("batch_size", batch_size, 1)
+        grads = [p.grad for p in as_parameter_list("params", params) if p.grad is not None]
         if self.noise_multiplier == 0.0 or not grads:
             return False
         if not all(bool(torch.isfinite(g).all()) for g in grads):

@@ -23,8 +23,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev, vmap
 
-from ._per_sample_graph import _CHUNK_ELEMENTS, _check_chunk_size, _check_per_task
-from ._task import check_norm_type
+from .._checks import check_bool, check_norm_type, check_optional_int
+from ._per_sample_graph import _CHUNK_ELEMENTS
 
 __all__ = ["per_sample_grad_norms_of_model"]
 
@@ -67,9 +67,9 @@ def per_sample_grad_norms_of_model(
     fit 2^26 gradient entries). ``scale``: differentiate ``scale·ℓ`` and divide the norms
     by it (for fp16 autocast). ``.grad`` is untouched and no graph is kept.
     """
-    norm_type = check_norm_type(norm_type)
-    chunk_size = _check_chunk_size(chunk_size)
-    per_task = _check_per_task(per_task)
+    norm_type = check_norm_type("norm_type", norm_type)
+    chunk_size = check_optional_int("chunk_size", chunk_size, 1)
+    per_task = check_bool("per_task", per_task)
     if not isinstance(inputs, Tensor) or not isinstance(targets, Tensor) or (
         inputs.shape[0] != targets.shape[0]
     ):

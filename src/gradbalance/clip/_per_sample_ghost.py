@@ -36,8 +36,8 @@ import torch
 from torch import Tensor, nn
 
 from .._amp import no_autocast
-from ._per_sample_graph import _check_losses, _check_per_task
-from ._task import check_norm_type
+from .._checks import check_bool, check_norm_type
+from ._per_sample_graph import _check_losses
 
 __all__ = ["GhostNorms"]
 
@@ -189,13 +189,13 @@ class GhostNorms:
 
     def __init__(self, module: nn.Module, params: Iterable[Tensor] | None = None, *,
                  norm_type: float = 2.0, per_task: bool = True) -> None:
-        self.norm_type = check_norm_type(norm_type)
+        self.norm_type = check_norm_type("norm_type", norm_type)
         if self.norm_type == float("inf"):
             raise ValueError(
                 "Invalid norm_type: inf (GhostNorms sums p-th powers over layers; "
                 "use a finite p, or per_sample_grad_norms_of_model for the max-norm)"
             )
-        self.per_task = _check_per_task(per_task)
+        self.per_task = check_bool("per_task", per_task)
         named = {name: p for name, p in module.named_parameters() if p.requires_grad}
         wanted = set(map(id, named.values() if params is None else params))
         covered: set[int] = set()

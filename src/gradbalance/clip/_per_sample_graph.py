@@ -18,8 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._types import as_parameter_list
-from ._task import check_norm_type
+from .._checks import as_parameter_list, check_bool, check_norm_type, check_optional_int
 
 __all__ = ["per_sample_grad_norms"]
 
@@ -45,20 +44,6 @@ def _check_losses(per_sample_losses: Any) -> Tensor:
             "this step (not under torch.no_grad() and not detached)"
         )
     return per_sample_losses
-
-
-def _check_chunk_size(chunk_size: int | None) -> int | None:
-    if chunk_size is not None and (
-        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
-    ):
-        raise ValueError(f"Invalid chunk_size: {chunk_size!r} (expected an int >= 1 or None)")
-    return chunk_size
-
-
-def _check_per_task(per_task: bool) -> bool:
-    if not isinstance(per_task, bool):
-        raise ValueError(f"Invalid per_task: {per_task!r} (expected True or False)")
-    return per_task
 
 
 def _cotangents(rows: range, shape: torch.Size, joint: bool, value: float | Tensor,
@@ -128,10 +113,10 @@ def per_sample_grad_norms(
     divide the norms by it (a loss scale keeps fp16 backward from underflowing).
     """
     losses = _check_losses(per_sample_losses)
-    plist = as_parameter_list(params, "params")
-    norm_type = check_norm_type(norm_type)
-    chunk_size = _check_chunk_size(chunk_size)
-    joint = not _check_per_task(per_task) and losses.dim() == 2
+    plist = as_parameter_list("params", params)
+    norm_type = check_norm_type("norm_type", norm_type)
+    chunk_size = check_optional_int("chunk_size", chunk_size, 1)
+    joint = not check_bool("per_task", per_task) and losses.dim() == 2
     total = losses.shape[0] if joint else losses.numel()
     if chunk_size is None:  # a row costs its gradients (P) and its cotangent (B·K)
         per_row = sum(p.numel() for p in plist) + losses.numel()

@@ -1,4 +1,4 @@
-"""Per-task clipping of the rows of ``G`` before the combine (the loop tutorial §10, block 2).
+"""Per-task clipping of the rows of ``G`` before the combine (docs/loop.md, "Clipping").
 
 Norm clipping scales each row ``gₖ`` by ``min(1, max_norm / (‖gₖ‖ + 1e-6))`` (the formula of
 ``torch.nn.utils.clip_grad_norm_``, applied to every task on its own), so no single task's
@@ -14,36 +14,18 @@ Global clipping of the combined gradient is not here: it stays
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from .._checks import check_matrix, check_norm_type, check_positive
 from .._statedict import reject_state
-from .._types import NonFiniteGradientError, check_matrix
+from .._types import NonFiniteGradientError
 
 __all__ = ["TaskClip", "TaskValueClip", "clip_task_norms_", "clip_task_values_", "row_norms"]
 
 _EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s guard
-
-
-def check_max_norm(max_norm: float, argname: str = "max_norm") -> float:
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not (
-        math.isfinite(max_norm) and max_norm > 0
-    ):
-        raise ValueError(f"Invalid {argname}: {max_norm!r} (expected a finite number > 0)")
-    return float(max_norm)
-
-
-def check_norm_type(norm_type: float) -> float:
-    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not (
-        norm_type >= 1
-    ):
-        raise ValueError(
-            f"Invalid norm_type: {norm_type!r} (expected a number >= 1 or float('inf'))"
-        )
-    return float(norm_type)
 
 
 def row_norms(matrix: Tensor, norm_type: float = 2.0) -> Tensor:
@@ -78,10 +60,10 @@ def clip_task_norms_(
         tensor([[0.6000, 0.8000],
                 [0.3000, 0.4000]])
     """
-    check_matrix(matrix)
+    check_matrix("matrix", matrix)
     if not isinstance(max_norm, Tensor):
-        check_max_norm(max_norm)
-    norm_type = check_norm_type(norm_type)
+        check_positive("max_norm", max_norm)
+    norm_type = check_norm_type("norm_type", norm_type)
     norms = row_norms(matrix, norm_type)
     coef = norm_clip_coefficients(norms, max_norm, error_if_nonfinite)
     matrix.mul_(coef.unsqueeze(1).to(matrix.dtype))
@@ -105,8 +87,8 @@ def clip_task_values_(matrix: Tensor, clip_value: float) -> Tensor:
     Returns the pre-clip 2-norms of the rows ``[K]``. Unlike norm clipping, this can turn a
     row (``[30, 40]`` with ``clip_value=5`` becomes ``[5, 5]``).
     """
-    check_matrix(matrix)
-    check_max_norm(clip_value, "clip_value")
+    check_matrix("matrix", matrix)
+    check_positive("clip_value", clip_value)
     norms = row_norms(matrix)
     matrix.clamp_(-clip_value, clip_value)
     return norms
@@ -140,8 +122,8 @@ class TaskClip(_Stateless):
 
     def __init__(self, max_norm: float, norm_type: float = 2.0,
                  error_if_nonfinite: bool = False) -> None:
-        self.max_norm = check_max_norm(max_norm)
-        self.norm_type = check_norm_type(norm_type)
+        self.max_norm = check_positive("max_norm", max_norm)
+        self.norm_type = check_norm_type("norm_type", norm_type)
         self.error_if_nonfinite = error_if_nonfinite
 
     def __call__(self, matrix: Tensor) -> Tensor:
@@ -159,7 +141,7 @@ class TaskValueClip(_Stateless):
     """Per-value clipping of the rows of ``G`` (a ``RowClipper``); returns pre-clip row norms."""
 
     def __init__(self, clip_value: float) -> None:
-        self.clip_value = check_max_norm(clip_value, "clip_value")
+        self.clip_value = check_positive("clip_value", clip_value)
 
     def __call__(self, matrix: Tensor) -> Tensor:
         return clip_task_values_(matrix, self.clip_value)

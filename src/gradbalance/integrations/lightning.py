@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._checks import check_int
 from .._optional import require
 from ..balancers._base import Balancer
 from ..clip._protocol import RowClipper
@@ -75,13 +76,16 @@ class BalancedManualStep:
 
     Args:
         balancer: any :class:`~gradbalance.Balancer`.
-        shared_params, head_params: as for :class:`~gradbalance.TaskGradBuffer`.
+        shared_params: as for :class:`~gradbalance.TaskGradBuffer`.
+        head_params: as for :class:`~gradbalance.TaskGradBuffer`.
         accumulate_grad_batches: N; the losses of each batch are divided by N and the
             optimizer steps every N batches (and at the end of the epoch).
         clip: optional per-task row clipper (e.g. ``TaskClip``), before the combine.
         log: call ``module.log`` for each scalar of :func:`stats_scalars` on a step.
         prefix: prefix of the logged names.
-        passes, process_group, **buffer_kwargs: passed to the buffer (e.g. ``mode``).
+        passes: passed to the buffer.
+        process_group: passed to the buffer.
+        **buffer_kwargs: passed to the buffer (e.g. ``mode``).
 
     Attributes:
         buffer: the :class:`~gradbalance.TaskGradBuffer`; ``last_stats``: the last StepStats.
@@ -101,12 +105,8 @@ class BalancedManualStep:
         process_group: Any = None,
         **buffer_kwargs: Any,
     ) -> None:
-        if (isinstance(accumulate_grad_batches, bool)
-                or not isinstance(accumulate_grad_batches, int) or accumulate_grad_batches < 1):
-            raise ValueError(
-                f"Invalid accumulate_grad_batches: {accumulate_grad_batches!r} (expected an int "
-                f">= 1, the number of batches per optimizer step)"
-            )
+        check_int("accumulate_grad_batches", accumulate_grad_batches, 1,
+                  ", the number of batches per optimizer step")
         self.balancer = balancer
         self.buffer = TaskGradBuffer(
             shared_params, head_params, num_tasks=balancer.num_tasks, passes=passes,

@@ -15,21 +15,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._checks import check_int
 from ..distributed import all_reduce_grads_and_losses_
 from ..stats import StepStats
 from ..taskgrads import TaskRoots
 from ._engine import StepInput, heads_backward_
 
-__all__ = ["WeightCache", "check_update_every"]
-
-
-def check_update_every(update_every: int) -> int:
-    if isinstance(update_every, bool) or not isinstance(update_every, int) or update_every < 1:
-        raise ValueError(
-            f"Invalid update_every: {update_every!r} (expected an int >= 1; 1 recomputes the "
-            f"weights every step)"
-        )
-    return update_every
+__all__ = ["WeightCache"]
 
 
 class WeightCache:
@@ -41,7 +33,8 @@ class WeightCache:
     """
 
     def __init__(self, update_every: int = 1) -> None:
-        self.update_every = check_update_every(update_every)
+        self.update_every = check_int("update_every", update_every, 1,
+                                      "; 1 recomputes the weights every step")
         self.step = 0
         self.weights: Tensor | None = None
 

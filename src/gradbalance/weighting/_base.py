@@ -1,7 +1,7 @@
 """The loss-weighting interface: weighted per-task losses before the backward pass.
 
-A loss weighting maps the K task losses to K *weighted* task losses (loop tutorial §4: weights act
-before the backward passes and change a task gradient's length, never its direction)::
+A loss weighting maps the K task losses to K *weighted* task losses (docs/weighting.md: weights
+act before the backward passes and change a task gradient's length, never its direction)::
 
     weighted = weighting(losses)            # Tensor[K], keeps the graph
     weighted.sum().backward()               # plain loop: one backward pass
@@ -30,35 +30,12 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from .._checks import as_loss_vector, check_num_tasks
 from .._pickling import PicklableGenerators
 from .._statedict import reject_state
-from .._types import NonFiniteGradientError, as_loss_vector, check_num_tasks
+from .._types import NonFiniteGradientError
 
-__all__ = ["LossWeighting", "check_nonnegative_losses", "check_positive"]
-
-
-def check_positive(value: float, argname: str, allow_zero: bool = False) -> float:
-    """Validate a positive (or non-negative) finite setting, in the house error style."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if ok:
-        ok = value >= 0 if allow_zero else value > 0
-        ok = ok and value != float("inf")
-    if not ok:
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"Invalid {argname}: {value!r} (expected a finite number {bound})")
-    return float(value)
-
-
-def check_nonnegative_losses(losses: Tensor, method: str, strict: bool = False) -> None:
-    """Raise when a finite loss is negative (or zero, with ``strict``); one host sync."""
-    finite = losses.detach()[torch.isfinite(losses.detach())]
-    bad = bool((finite <= 0).any()) if strict else bool((finite < 0).any())
-    if bad:
-        bound = "> 0" if strict else ">= 0"
-        raise ValueError(
-            f"Invalid losses: {losses.detach().tolist()} ({method} expects every task loss "
-            f"{bound}, e.g. an MSE or a cross-entropy; shift or reformulate the loss)"
-        )
+__all__ = ["LossWeighting"]
 
 
 def _as_flag(found_inf: bool | Tensor) -> bool:
@@ -88,11 +65,7 @@ class LossWeighting(PicklableGenerators):
     learnable: ClassVar[bool] = False
 
     def __init__(self, num_tasks: int, *, device: torch.device | str | None = None) -> None:
-        k = check_num_tasks(num_tasks)
-        if k is None:
-            raise ValueError("Invalid num_tasks: None (expected a positive int, the number of "
-                             "tasks K)")
-        self.num_tasks: int = k
+        self.num_tasks: int = check_num_tasks("num_tasks", num_tasks)
         self.device = torch.device("cpu") if device is None else torch.device(device)
         self._pending: Tensor | None = None
         self._pending_calls = 0
@@ -133,7 +106,7 @@ class LossWeighting(PicklableGenerators):
         Non-finite losses are not an error here: they make the result (and the gradient)
         non-finite, so a ``GradScaler`` skips the step; :meth:`update` then refuses them.
         """
-        vector = as_loss_vector(losses, self.num_tasks)
+        vector = as_loss_vector("losses", losses, self.num_tasks)
         if not vector.is_floating_point():
             raise ValueError(f"losses must be floating point, got dtype {vector.dtype}")
         out = self._weighted(vector, scaler) if self.needs_task_gradients else \
@@ -175,7 +148,7 @@ class LossWeighting(PicklableGenerators):
             )
         after = None
         if losses_after is not None:
-            after = as_loss_vector(losses_after, self.num_tasks, argname="losses_after")
+            after = as_loss_vector("losses_after", losses_after, self.num_tasks)
             after = after.detach().to(device=self.device, dtype=torch.float64)
         bad = not bool(torch.isfinite(pending).all())
         if after is not None and not bool(torch.isfinite(after).all()):

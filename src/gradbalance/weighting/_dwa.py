@@ -7,7 +7,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import LossWeighting, check_positive
+from .._checks import check_optional_int, check_positive
+from ._base import LossWeighting
 
 __all__ = ["DWA", "dwa_weights"]
 
@@ -43,12 +44,9 @@ class DWA(LossWeighting):
     def __init__(self, num_tasks: int, *, temperature: float = 2.0, period: int | None = 1,
                  device: torch.device | str | None = None) -> None:
         super().__init__(num_tasks, device=device)
-        self.temperature = check_positive(temperature, "temperature")
-        if period is not None and (isinstance(period, bool) or not isinstance(period, int)
-                                   or period < 1):
-            raise ValueError(f"Invalid period: {period!r} (expected an int >= 1, or None to "
-                             f"close periods with end_period())")
-        self.period = period
+        self.temperature = check_positive("temperature", temperature)
+        self.period = check_optional_int("period", period, 1,
+                                         ", or None to close periods with end_period()")
         self._reset_state()
 
     def _reset_state(self) -> None:

@@ -8,7 +8,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import LossWeighting, check_nonnegative_losses, check_positive
+from .._checks import check_nonnegative_losses, check_positive
+from ._base import LossWeighting
 
 __all__ = ["FAMO", "famo_weights"]
 
@@ -61,9 +62,9 @@ class FAMO(LossWeighting):
                  optimizer: Callable[[list[Tensor]], torch.optim.Optimizer] | None = None,
                  device: torch.device | str | None = None) -> None:
         super().__init__(num_tasks, device=device)
-        self.lr = check_positive(lr, "lr")
-        self.gamma = check_positive(gamma, "gamma", allow_zero=True)
-        self.eps = check_positive(eps, "eps")
+        self.lr = check_positive("lr", lr)
+        self.gamma = check_positive("gamma", gamma, allow_zero=True)
+        self.eps = check_positive("eps", eps)
         k = num_tasks
         m = torch.zeros(k) if min_losses is None else torch.as_tensor(min_losses)
         m = m.detach().to(dtype=torch.float64, device=self.device).clone()
@@ -82,8 +83,8 @@ class FAMO(LossWeighting):
         return torch.optim.Adam([self.logits], lr=self.lr, weight_decay=self.gamma)
 
     def _check_above_min(self, losses: Tensor, argname: str) -> None:
-        check_nonnegative_losses(losses.detach().double().to(self.device) - self.min_losses,
-                                 f"FAMO ({argname} minus min_losses)")
+        above = losses.detach().double().to(self.device) - self.min_losses
+        check_nonnegative_losses("losses", above, f"FAMO ({argname} minus min_losses)")
 
     def _weighted(self, losses: Tensor) -> Tensor:
         self._check_above_min(losses, "losses")

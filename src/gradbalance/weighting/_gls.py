@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._base import LossWeighting, check_nonnegative_losses, check_positive
+from .._checks import check_nonnegative_losses, check_positive
+from ._base import LossWeighting
 
 __all__ = ["GLS", "gls_weights"]
 
@@ -38,7 +39,7 @@ class GLS(LossWeighting):
     def __init__(self, num_tasks: int, *, eps: float = 1e-12,
                  device: torch.device | str | None = None) -> None:
         super().__init__(num_tasks, device=device)
-        self.eps = check_positive(eps, "eps")
+        self.eps = check_positive("eps", eps)
         self._last = torch.full((num_tasks,), 1.0 / num_tasks, dtype=torch.float64)
 
     def weights_of(self, losses: Tensor) -> Tensor:
@@ -46,7 +47,7 @@ class GLS(LossWeighting):
         return gls_weights(losses, self.eps)
 
     def _weighted(self, losses: Tensor) -> Tensor:
-        check_nonnegative_losses(losses, type(self).__name__)
+        check_nonnegative_losses("losses", losses, type(self).__name__)
         w = self.weights_of(losses)
         self._last = w
         return w.to(dtype=losses.dtype) * losses

@@ -8,8 +8,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .._types import NonFiniteGradientError, as_parameter_list
-from ._base import LossWeighting, check_positive
+from .._checks import as_parameter_list, check_positive
+from .._types import NonFiniteGradientError
+from ._base import LossWeighting
 
 __all__ = ["GradNorm", "gradnorm_targets", "last_layer_parameters"]
 
@@ -46,8 +47,8 @@ class GradNorm(LossWeighting):
 
     ``L_grad`` is backpropagated into ``w`` **only** (never into the model's ``.grad``), ``w``
     takes one step of its own optimizer (paper: Adam, lr 0.025), then inside ``no_grad`` ``w``
-    is clamped to ``>= min_weight`` and rescaled to sum to K (tutorial §9.1; ``renormalize=False``
-    leaves the sum free to drift).
+    is clamped to ``>= min_weight`` and rescaled to sum to K (docs/weighting.md;
+    ``renormalize=False`` leaves the sum free to drift).
 
     Step ``t``: ``weighting(losses)`` computes ``∇_W Lₖ`` (K small backward passes through the
     heads and ``W``; gradients summed over micro-batches) and returns ``wₖ Lₖ`` with ``w``
@@ -80,9 +81,9 @@ class GradNorm(LossWeighting):
                  optimizer: Callable[[list[Tensor]], torch.optim.Optimizer] | None = None,
                  device: torch.device | str | None = None) -> None:
         super().__init__(num_tasks, device=device)
-        self.alpha = check_positive(alpha, "alpha", allow_zero=True)
-        self.lr = check_positive(lr, "lr")
-        self.min_weight = check_positive(min_weight, "min_weight")
+        self.alpha = check_positive("alpha", alpha, allow_zero=True)
+        self.lr = check_positive("lr", lr)
+        self.min_weight = check_positive("min_weight", min_weight)
         if self.min_weight >= 1.0:
             raise ValueError(f"Invalid min_weight: {min_weight!r} (expected < 1, the mean "
                              f"weight)")
@@ -90,7 +91,7 @@ class GradNorm(LossWeighting):
         if isinstance(layer, nn.Module):
             self.layer_params = last_layer_parameters(layer)
         else:
-            self.layer_params = as_parameter_list(layer, "layer")
+            self.layer_params = as_parameter_list("layer", layer)
         self._factory = optimizer
         self.task_weights = torch.ones(num_tasks, dtype=torch.float64, device=self.device,
                                        requires_grad=True)

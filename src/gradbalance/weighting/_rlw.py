@@ -7,6 +7,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from .._checks import check_choice
 from ..balancers._random import random_weights
 from ._base import LossWeighting
 
@@ -40,9 +41,7 @@ class RLW(LossWeighting):
                  generator: torch.Generator | None = None, seed: int | None = None,
                  device: torch.device | str | None = None) -> None:
         super().__init__(num_tasks, device=device)
-        if distribution not in _DISTRIBUTIONS:
-            raise ValueError(f"Invalid distribution: {distribution!r} (expected one of "
-                             f"{', '.join(_DISTRIBUTIONS)})")
+        check_choice("distribution", distribution, _DISTRIBUTIONS)
         self.distribution: Literal["normal", "dirichlet"] = distribution  # type: ignore[assignment]
         if generator is not None and seed is not None:
             raise ValueError("Invalid seed: give either generator or seed, not both")

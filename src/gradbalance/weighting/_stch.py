@@ -8,7 +8,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import LossWeighting, check_nonnegative_losses, check_positive
+from .._checks import check_int, check_nonnegative_losses, check_positive
+from ._base import LossWeighting
 
 __all__ = ["STCH", "stch_weights"]
 
@@ -59,12 +60,9 @@ class STCH(LossWeighting):
                  preference: Sequence[float] | Tensor | None = None, eps: float = 1e-20,
                  device: torch.device | str | None = None) -> None:
         super().__init__(num_tasks, device=device)
-        self.mu = check_positive(mu, "mu")
-        self.eps = check_positive(eps, "eps")
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or \
-                warmup_steps < 0:
-            raise ValueError(f"Invalid warmup_steps: {warmup_steps!r} (expected an int >= 0)")
-        self.warmup_steps = warmup_steps
+        self.mu = check_positive("mu", mu)
+        self.eps = check_positive("eps", eps)
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
         self.preference = self._vector(preference, "preference")
         self._given_nadir = None if nadir is None else self._vector(nadir, "nadir")
         self._reset_state()
@@ -101,7 +99,7 @@ class STCH(LossWeighting):
         return None if self._nadir is None else self._nadir.clone()
 
     def _weighted(self, losses: Tensor) -> Tensor:
-        check_nonnegative_losses(losses, "STCH")
+        check_nonnegative_losses("losses", losses, "STCH")
         if self._nadir is None:
             w = 1.0 / (losses.detach().double().to(self.device) + self.eps)
         else:

@@ -23,7 +23,7 @@ class UncertaintyWeighting(LossWeighting):
 
         cₖ·e^{−sₖ}·Lₖ + sₖ/2   (= Lₖ/(2σₖ²) + log σₖ, or Lₖ/σₖ² + log σₖ)
 
-    so at ``σ = 1`` the weights are 0.5 and 1 (loop tutorial §9.2). Minimising over ``sₖ`` gives
+    so at ``σ = 1`` the weights are 0.5 and 1 (docs/weighting.md). Minimising over ``sₖ`` gives
     ``σₖ² = Lₖ`` (regression) or ``σₖ² = 2Lₖ`` (classification). The ``sₖ`` are trained by
     *your* optimizer: add :meth:`parameters` to it, and with a
     :class:`~gradbalance.TaskGradBuffer` list them in ``head_params`` too (they are not

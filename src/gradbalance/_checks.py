@@ -1,0 +1,269 @@
+"""Every argument check of the package, in one house style.
+
+A check is ``check_<what>(name, value, ...)``: the argument's name, the value given, then the
+bounds or options; it returns the validated value. A converter, ``as_<what>(name, value, ...)``,
+takes the same order and returns the converted value (a tensor, a list). Every message names
+the argument, shows the value found and says what to pass instead::
+
+    Invalid beta: 1.5 (expected 0.0 <= beta < 1.0)
+
+Shapes follow :mod:`gradbalance._types`: ``K`` tasks, ``P`` shared parameters, the task-gradient
+matrix ``G`` ``[K, P]``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+# -- numbers ------------------------------------------------------------------------------
+
+
+def check_range(name: str, value: float, low: float | None, high: float | None,
+                low_open: bool = False, high_open: bool = False) -> float:
+    """A float in ``[low, high]`` (open ends on request; None: unbounded)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = ok and value == value  # not NaN
+    if ok and low is not None:
+        ok = value > low if low_open else value >= low
+    if ok and high is not None:
+        ok = value < high if high_open else value <= high
+    if not ok:
+        left = "" if low is None else f"{low} {'<' if low_open else '<='} "
+        right = "" if high is None else f" {'<' if high_open else '<='} {high}"
+        raise ValueError(f"Invalid {name}: {value!r} (expected {left}{name}{right})")
+    return float(value)
+
+
+def check_positive(name: str, value: float, allow_zero: bool = False, hint: str = "") -> float:
+    """A finite number ``> 0`` (``>= 0`` with ``allow_zero``); ``hint`` ends the message."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if ok:
+        ok = math.isfinite(value) and (value >= 0 if allow_zero else value > 0)
+    if not ok:
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"Invalid {name}: {value!r} (expected a finite number {bound}{hint})")
+    return float(value)
+
+
+def check_int(name: str, value: int, low: int, hint: str = "") -> int:
+    """An int ``>= low`` (not a bool); ``hint`` ends the message."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"Invalid {name}: {value!r} (expected an int >= {low}{hint})")
+    return value
+
+
+def check_optional_int(name: str, value: int | None, low: int,
+                       hint: str = " or None") -> int | None:
+    """None, or an int ``>= low`` (:func:`check_int`)."""
+    return None if value is None else check_int(name, value, low, hint)
+
+
+def check_positive_int(name: str, value: int, hint: str = "") -> int:
+    """A positive int (not a bool); ``hint`` ends the message."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"Invalid {name}: {value!r} (expected a positive int{hint})")
+    return value
+
+
+def check_num_tasks(name: str, value: int) -> int:
+    """The number of tasks ``K`` given at construction."""
+    return check_positive_int(name, value, ", the number of tasks K")
+
+
+def check_norm_type(name: str, value: float) -> float:
+    """The ``p`` of a p-norm: a number ``>= 1``, ``float('inf')`` included."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 1:
+        raise ValueError(f"Invalid {name}: {value!r} (expected a number >= 1 or float('inf'))")
+    return float(value)
+
+
+# -- flags, options, objects --------------------------------------------------------------
+
+
+def check_bool(name: str, value: bool) -> bool:
+    """``True`` or ``False`` (no truthy stand-ins)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"Invalid {name}: {value!r} (expected True or False)")
+    return value
+
+
+def check_choice(name: str, value: str, options: Sequence[str]) -> str:
+    """One of ``options``."""
+    if value not in options:
+        raise ValueError(f"Invalid {name}: {value!r} (expected one of {', '.join(options)})")
+    return value
+
+
+def check_generator(name: str, value: torch.Generator | None) -> torch.Generator | None:
+    """``None`` (torch's global RNG) or a ``torch.Generator``."""
+    if value is not None and not isinstance(value, torch.Generator):
+        raise ValueError(
+            f"Invalid {name}: {type(value).__name__} (expected a torch.Generator or None, "
+            f"e.g. torch.Generator().manual_seed(0))"
+        )
+    return value
+
+
+# -- per-task vectors ---------------------------------------------------------------------
+
+
+def as_task_vector(name: str, value: Sequence[float] | Tensor, num_tasks: int | None = None,
+                   low: float | None = None, high: float | None = None) -> Tensor:
+    """One finite number per task ``[K]`` (float64 copy), optionally within ``[low, high]``.
+
+    With ``num_tasks`` the length must be ``K``. Used for per-task settings given at
+    construction (fixed weights, leaks, preference vectors).
+    """
+    vec = torch.as_tensor(value, dtype=torch.float64).detach().clone()
+    if vec.dim() != 1 or vec.numel() == 0:
+        raise ValueError(
+            f"Invalid {name}: shape {tuple(vec.shape)} (expected a 1-D list of K numbers)"
+        )
+    ok = bool(torch.isfinite(vec).all())
+    if ok and low is not None:
+        ok = bool((vec >= low).all())
+    if ok and high is not None:
+        ok = bool((vec <= high).all())
+    if not ok:
+        left = "" if low is None else f"{low} <= "
+        right = "" if high is None else f" <= {high}"
+        bounds = f"{left}{name}{right}" if left or right else "finite numbers"
+        raise ValueError(f"Invalid {name}: {vec.tolist()} (expected {bounds})")
+    if num_tasks is not None and vec.numel() != num_tasks:
+        raise ValueError(
+            f"Invalid {name}: {vec.numel()} values but num_tasks={num_tasks} (expected one "
+            f"per task)"
+        )
+    return vec
+
+
+def as_pref(name: str, value: object) -> Tensor | None:
+    """A preference vector given at construction (shape only; its length is checked per call)."""
+    if value is None:
+        return None
+    vec = torch.as_tensor(value, dtype=torch.float64).detach().clone().reshape(-1)
+    if vec.numel() == 0 or not bool(torch.isfinite(vec).all()) or bool((vec < 0).any()):
+        raise ValueError(f"Invalid {name}: {vec.tolist()} (expected K finite numbers >= 0)")
+    return vec
+
+
+def check_pref(name: str, value: Tensor | None, num_tasks: int, default: float) -> Tensor:
+    """A preference vector ``[K]`` (float64, CPU, finite, non-negative); ``default`` if None."""
+    if value is None:
+        return torch.full((num_tasks,), default, dtype=torch.float64)
+    if value.numel() != num_tasks:
+        raise ValueError(
+            f"Invalid {name}: {value.numel()} entries for {num_tasks} tasks (expected one entry "
+            f"per task)"
+        )
+    vec = value.detach().to(device="cpu", dtype=torch.float64).reshape(-1)
+    if not bool(torch.isfinite(vec).all()) or bool((vec < 0).any()):
+        raise ValueError(f"Invalid {name}: {vec.tolist()} (expected finite numbers >= 0)")
+    return vec
+
+
+# -- losses, parameters, task gradients ---------------------------------------------------
+
+
+def as_loss_vector(name: str, value: Tensor | Sequence[Tensor],
+                   num_tasks: int | None = None) -> Tensor:
+    """The task losses as a 1-D tensor ``[K]`` that keeps the autograd graph.
+
+    Accepts a 1-D tensor or a list/tuple of scalar tensors (batch means).
+    """
+    if isinstance(value, Tensor):
+        if value.dim() != 1 or value.numel() == 0:
+            raise ValueError(
+                f"{name} must be a 1-D tensor of K task losses, got shape "
+                f"{tuple(value.shape)}; reduce each task loss to a scalar (e.g. the batch mean) "
+                f"and pass torch.stack([loss_1, ..., loss_K])"
+            )
+        vector = value
+    elif isinstance(value, (list, tuple)):
+        if len(value) == 0:
+            raise ValueError(f"{name} is empty; pass one scalar loss per task")
+        for k, loss in enumerate(value):
+            if not isinstance(loss, Tensor) or loss.numel() != 1:
+                found = type(loss).__name__ if not isinstance(loss, Tensor) else tuple(loss.shape)
+                raise ValueError(
+                    f"{name}[{k}] must be a scalar tensor, got {found}; reduce each task "
+                    f"loss to a scalar (e.g. reduction='mean')"
+                )
+        vector = torch.stack([loss.reshape(()) for loss in value])
+    else:
+        raise ValueError(
+            f"{name} must be a 1-D tensor or a list of scalar tensors, got "
+            f"{type(value).__name__}"
+        )
+    if num_tasks is not None and vector.numel() != num_tasks:
+        raise ValueError(
+            f"{name} has {vector.numel()} tasks but {num_tasks} were expected "
+            f"(num_tasks or an earlier call); pass one loss per task, in the same order every call"
+        )
+    return vector
+
+
+def check_nonnegative_losses(name: str, value: Tensor, method: str) -> Tensor:
+    """Finite losses must be ``>= 0`` for ``method`` (inf/NaN pass: the step is skipped).
+
+    One host sync.
+    """
+    finite = value.detach()[torch.isfinite(value.detach())]
+    if bool((finite < 0).any()):
+        raise ValueError(
+            f"Invalid {name}: {value.detach().tolist()} ({method} expects every task loss "
+            f">= 0, e.g. an MSE or a cross-entropy; shift or reformulate the loss)"
+        )
+    return value
+
+
+def as_parameter_list(name: str, value: Iterable[Tensor] | Tensor | None,
+                      allow_empty: bool = False) -> list[Tensor]:
+    """Materialise a parameter iterable, rejecting tensors that require no grad."""
+    if value is None:
+        value = []
+    if isinstance(value, Tensor):
+        value = [value]
+    result = list(value)
+    if not result and not allow_empty:
+        raise ValueError(
+            f"{name} is empty; pass the parameters, e.g. {name}=model.trunk.parameters() "
+            f"(a generator can be consumed only once: pass a list if you reuse it)"
+        )
+    seen: set[int] = set()
+    for i, p in enumerate(result):
+        if not isinstance(p, Tensor):
+            raise ValueError(f"{name}[{i}] is a {type(p).__name__}, expected a torch.Tensor")
+        if not p.requires_grad:
+            raise ValueError(
+                f"{name}[{i}] (shape {tuple(p.shape)}) does not require grad; leave frozen "
+                f"parameters out of {name}, e.g. [p for p in params if p.requires_grad]"
+            )
+        if id(p) in seen:
+            raise ValueError(f"{name}[{i}] appears twice in {name}; list each parameter once")
+        seen.add(id(p))
+    return result
+
+
+def check_matrix(name: str, value: Tensor, num_tasks: int | None = None) -> Tensor:
+    """A task-gradient matrix ``[K, P]`` (shape and dtype; finiteness is checked apart)."""
+    if not isinstance(value, Tensor) or value.dim() != 2:
+        found = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+        raise ValueError(
+            f"{name} must be a 2-D tensor [K, P] of task gradients, got {found}; "
+            f"stack one flattened gradient per task"
+        )
+    if value.shape[0] == 0:
+        raise ValueError(f"{name} has no rows; pass at least one task gradient")
+    if num_tasks is not None and value.shape[0] != num_tasks:
+        raise ValueError(
+            f"{name} has {value.shape[0]} task rows but the balancer was built with "
+            f"num_tasks={num_tasks}; build it with the model's number of tasks"
+        )
+    if not value.is_floating_point():
+        raise ValueError(f"{name} must be floating point, got dtype {value.dtype}")
+    return value
