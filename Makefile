@@ -36,7 +36,7 @@ typecheck: $(STAMP)
 	@echo "typecheck: not configured yet"
 
 docs: $(STAMP)
-	@echo "docs: not configured yet"
+	$(BIN)/mkdocs build --strict --site-dir site
 
 check-install: $(STAMP)
 	@echo "check-install: not configured yet"

@@ -8,12 +8,24 @@ installed). A run saved after N steps and loaded into freshly built objects cont
 as the uninterrupted run would have.
 
 Example:
-    >>> save_checkpoint("run.pt", step=step, model=model, optimizer=opt, scaler=scaler,
-    ...                 balancer=balancer, clipper=clipper, generator=gen)
+    >>> import io
+    >>> import torch
+    >>> from gradbalance import AutoClip, load_checkpoint, save_checkpoint
+    >>> from gradbalance.balancers import PCGrad
+    >>> def build():
+    ...     model = torch.nn.Linear(4, 2)
+    ...     return model, torch.optim.SGD(model.parameters(), lr=0.1), PCGrad(), AutoClip()
+    >>> model, opt, balancer, clipper = build()
+    >>> f = io.BytesIO()  # or a path, "run.pt"
+    >>> save_checkpoint(f, step=99, model=model, optimizer=opt, balancer=balancer,
+    ...                 clipper=clipper)
     >>> # later, in a new process, after building fresh objects the same way:
-    >>> meta = load_checkpoint("run.pt", model=model, optimizer=opt, scaler=scaler,
-    ...                        balancer=balancer, clipper=clipper, generator=gen)
-    >>> start = meta["step"] + 1
+    >>> model2, opt2, balancer2, clipper2 = build()
+    >>> _ = f.seek(0)
+    >>> meta = load_checkpoint(f, model=model2, optimizer=opt2, balancer=balancer2,
+    ...                        clipper=clipper2)
+    >>> meta["step"] + 1, torch.equal(model2.weight, model.weight)
+    (100, True)
 
 Files are read with ``torch.load(weights_only=True)``: they hold tensors and plain Python
 values only.

@@ -76,10 +76,25 @@ class TaskGradBuffer:
         modules: for ``mode="gramian"``, the module(s) owning ``shared_params`` (the trunk).
 
     Example:
-        >>> buf = TaskGradBuffer(model.trunk.parameters(), head_params=model.heads.parameters())
+        >>> import torch
+        >>> from gradbalance import TaskGradBuffer
+        >>> from gradbalance.balancers import PCGrad
+        >>> _ = torch.manual_seed(0)
+        >>> trunk = torch.nn.Linear(4, 3)
+        >>> heads = torch.nn.ModuleList([torch.nn.Linear(3, 1) for _ in range(2)])
+        >>> opt = torch.optim.SGD([*trunk.parameters(), *heads.parameters()], lr=0.1)
+        >>> buf = TaskGradBuffer(trunk.parameters(), head_params=heads.parameters())
+        >>> x, y = torch.randn(8, 4), torch.randn(8, 2)
+        >>> feats = trunk(x)
+        >>> losses = [((head(feats)[:, 0] - y[:, k]) ** 2).mean() for k, head in enumerate(heads)]
         >>> buf.backward(torch.stack(losses))
-        >>> stats = buf.apply_(gradbalance.PCGrad())
-        >>> optimizer.step(); optimizer.zero_grad()
+        >>> stats = buf.apply_(PCGrad())
+        >>> stats.losses
+        tensor([0.6222, 0.5996])
+        >>> stats.cosine[0, 1]  # the two task gradients conflict: PCGrad projects them
+        tensor(-0.1909, dtype=torch.float64)
+        >>> opt.step()
+        >>> opt.zero_grad()
     """
 
     def __init__(

@@ -273,6 +273,8 @@ def task_gradients(
     does not reach get zeros. dtype and device are those of the first parameter.
 
     Example:
+        >>> import torch
+        >>> from gradbalance import task_gradients
         >>> w = torch.tensor([1.0, 2.0], requires_grad=True)
         >>> task_gradients([w.sum(), (w ** 2).sum()], [w])
         tensor([[1., 1.],

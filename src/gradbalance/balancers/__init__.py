@@ -85,6 +85,7 @@ def get_balancer(name: str, **kwargs: Any) -> Balancer:
     """Build a balancer by registry name (case, - and _ ignored), e.g. ``"pcgrad"``.
 
     Example:
+        >>> from gradbalance.balancers import get_balancer
         >>> get_balancer("pcgrad")
         PCGrad(num_tasks=None, reduction='sum')
     """

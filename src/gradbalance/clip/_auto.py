@@ -39,6 +39,7 @@ def suggest_max_norm(norms: Sequence[float] | Tensor, percentile: float = 95.0) 
     catches runaways instead of leaning on every step. Non-finite entries are ignored.
 
     Example:
+        >>> from gradbalance.clip import suggest_max_norm
         >>> suggest_max_norm([1.0, 2.0, 3.0, 4.0, 5.0], percentile=50)
         3.0
     """

@@ -53,6 +53,8 @@ def clip_task_norms_(
     is skipped anyway) unless ``error_if_nonfinite`` raises.
 
     Example:
+        >>> import torch
+        >>> from gradbalance.functional import clip_task_norms_
         >>> G = torch.tensor([[30.0, 40.0], [0.3, 0.4]])
         >>> clip_task_norms_(G, max_norm=1.0)
         tensor([50.0000,  0.5000])
@@ -116,8 +118,16 @@ class TaskClip(_Stateless):
         error_if_nonfinite: raise instead of leaving a non-finite row unclipped.
 
     Example:
-        >>> stats = buf.apply_(balancer, clip=TaskClip(max_norm=1.0))
+        >>> import torch
+        >>> from gradbalance import TaskClip, balanced_backward
+        >>> from gradbalance.balancers import Sum
+        >>> w = torch.nn.Parameter(torch.zeros(2))
+        >>> losses = [w @ torch.tensor([30.0, 40.0]), w @ torch.tensor([0.3, 0.4])]
+        >>> stats = balanced_backward(losses, Sum(), shared_params=[w], clip=TaskClip(max_norm=1.0))
         >>> stats.pre_clip_norms  # per-task norms before clipping
+        tensor([50.0000,  0.5000])
+        >>> w.grad  # the clipped rows [0.6, 0.8] and [0.3, 0.4], summed
+        tensor([0.9000, 1.2000])
     """
 
     def __init__(self, max_norm: float, norm_type: float = 2.0,

@@ -1,0 +1,112 @@
+"""Griffe extension for the API reference: the docstrings' Sphinx habits, in Markdown.
+
+Loaded by mkdocstrings (``extensions`` in mkdocs.yml); it changes only what is rendered.
+
+* reST roles (``:class:`~gradbalance.AutoClip```, ``:meth:`apply_```) become code spans
+  wrapped in optional autorefs links: a link where the target is rendered in the API
+  reference, plain code elsewhere (private helpers, torch). A name without a dot is looked
+  up in the scope of the docstring's object, then in each enclosing scope, as Sphinx does.
+* reST's ``::`` before a literal block becomes ``:`` (the indented block is Markdown's code
+  block).
+* ``#:`` comments above a module-level constant become its docstring, as Sphinx's autodoc
+  reads them.
+* Members of a class without a docstring (instance attributes, overrides such as
+  ``__repr__``) are left out; ``__call__`` stays, its signature is the interface, and so
+  does ``__init__``, merged into the class.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from griffe import Alias, AliasResolutionError, Docstring, Extension, Object
+
+_ROLE = re.compile(
+    r":(?:py:)?(?:class|func|meth|mod|attr|data|exc|obj|const):`(?P<tilde>~?)(?P<target>[^`\s]+)`"
+)
+_LITERAL_BLOCK = re.compile(r"::\n(?=\n)")
+_KEEP_UNDOCUMENTED = {"__init__", "__call__"}  # __init__: merged into the class
+
+
+def _canonical(obj: Object | Alias) -> str | None:
+    try:
+        return obj.final_target.path if isinstance(obj, Alias) else obj.path
+    except AliasResolutionError:  # an alias to an object griffe did not load (torch)
+        return None
+
+
+def _descend(obj: Object | Alias, parts: list[str]) -> Object | Alias | None:
+    for part in parts:
+        try:
+            obj = (obj.all_members if obj.is_class else obj.members)[part]
+        except (KeyError, AliasResolutionError):
+            return None
+    return obj
+
+
+def _resolve(scope: Object, target: str) -> str:
+    """The path of ``target`` as seen from the docstring of ``scope``, else ``target``."""
+    if target.startswith("."):  # relative to the package of the docstring's module
+        module = scope.module
+        package = module if module.is_package else module.parent
+        return f"{package.path}{target}" if package is not None else target.lstrip(".")
+    parts = target.split(".")
+    holder: Object | None = scope
+    while holder is not None:
+        found = _descend(holder, parts)
+        if found is not None:
+            return _canonical(found) or target
+        holder = holder.parent
+    return target
+
+
+def rewrite(text: str, scope: Object) -> str:
+    """``text`` with its roles as optional autorefs and ``::`` before a block as ``:``."""
+
+    def link(match: re.Match[str]) -> str:
+        target = match["target"]
+        shown = target.rsplit(".", 1)[-1] if match["tilde"] else target.lstrip(".")
+        identifier = _resolve(scope, target)
+        return f'<autoref identifier="{identifier}" optional>`{shown}`</autoref>'
+
+    return _LITERAL_BLOCK.sub(":\n", _ROLE.sub(link, text))
+
+
+def _comment_docstring(attr: Object) -> Docstring | None:
+    """The ``#:`` comment lines right above a module-level assignment, as a docstring."""
+    lines = attr.module.lines
+    if attr.lineno is None or not lines:
+        return None
+    found: list[str] = []
+    index = attr.lineno - 2  # the line above, 0-based
+    while index >= 0 and lines[index].startswith("#:"):
+        found.insert(0, lines[index][2:].strip())
+        index -= 1
+    if not found:
+        return None
+    return Docstring("\n".join(found), lineno=index + 2, parent=attr)
+
+
+class SphinxStyle(Extension):
+    """Apply the rules of the module docstring to every object of the loaded package."""
+
+    def on_package(self, *, pkg: Object, **kwargs: Any) -> None:
+        objects: list[Object] = []
+        stack: list[Object] = [pkg]
+        while stack:
+            obj = stack.pop()
+            objects.append(obj)
+            stack.extend(m for m in obj.members.values() if not isinstance(m, Alias))
+        for obj in objects:
+            if obj.is_attribute and obj.docstring is None and obj.parent is not None \
+                    and obj.parent.is_module:
+                obj.docstring = _comment_docstring(obj)
+            if obj.docstring is not None:
+                obj.docstring.value = rewrite(obj.docstring.value, obj)
+        # Last, so that the roles above could still be resolved against these members.
+        for obj in objects:
+            if obj.is_class:
+                for name, member in list(obj.members.items()):
+                    if member.docstring is None and name not in _KEEP_UNDOCUMENTED:
+                        del obj.members[name]
