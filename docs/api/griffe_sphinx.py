@@ -55,6 +55,8 @@ def _resolve(scope: Object, target: str) -> str:
     holder: Object | None = scope
     while holder is not None:
         found = _descend(holder, parts)
+        if found is None and holder.parent is None and parts[0] == holder.name:
+            found = _descend(holder, parts[1:])  # a full path, from the package down
         if found is not None:
             return _canonical(found) or target
         holder = holder.parent
