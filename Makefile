@@ -38,8 +38,29 @@ typecheck: $(STAMP)
 docs: $(STAMP)
 	$(BIN)/mkdocs build --strict --site-dir site
 
+# A venv with torch and `pip install .` (no extras), checked by .ci/install_smoke.py from a
+# temporary folder so that src/ cannot be imported. The venv (build/check-install-venv) is
+# reused while it holds exactly what it was created with; otherwise it is made afresh.
 check-install: $(STAMP)
-	@echo "check-install: not configured yet"
+	@set -e; start=$$(date +%s); venv="$(CURDIR)/build/check-install-venv"; \
+	if [ "$$(cat "$$venv/.torch-spec" 2>/dev/null)" != "$(TORCH_SPEC)" ] || \
+	   ! "$$venv/bin/python" -m pip freeze --exclude gradbalance 2>/dev/null \
+	     | cmp -s - "$$venv/.freeze"; then \
+	  echo "check-install: new venv $$venv with $(TORCH_SPEC)"; \
+	  rm -rf "$$venv"; $(PYTHON) -m venv "$$venv"; \
+	  "$$venv/bin/python" -m pip install --quiet "$(TORCH_SPEC)"; \
+	  "$$venv/bin/python" -m pip freeze > "$$venv/.freeze"; \
+	  echo "$(TORCH_SPEC)" > "$$venv/.torch-spec"; \
+	fi; \
+	"$$venv/bin/python" -m pip uninstall --quiet --yes gradbalance 2>/dev/null || true; \
+	rm -rf build/lib build/bdist.*; \
+	"$$venv/bin/python" -m pip install --quiet .; \
+	"$$venv/bin/python" -m pip freeze --exclude gradbalance | cmp - "$$venv/.freeze" || \
+	  { echo "check-install: pip install . brought packages beyond torch's"; exit 1; }; \
+	tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
+	(cd "$$tmp" && "$$venv/bin/python" -W "ignore:Failed to initialize NumPy" \
+	  "$(CURDIR)/.ci/install_smoke.py"); \
+	echo "check-install: ok in $$(( $$(date +%s) - start )) s"
 
 figures: $(STAMP)
 	$(BIN)/gradbalance figures --out runs/figures

@@ -115,7 +115,8 @@ def add_common_options(parser: argparse.ArgumentParser, *, seeds: int, out: str,
     outs.add_argument("--no-tensorboard", action="store_true", help="write no TensorBoard logs")
     outs.add_argument("--no-plot", action="store_true", help="write no PNG plot")
     outs.add_argument("--no-progress", action="store_true",
-                      help="no progress bar (one plain line per finished run instead)")
+                      help="no progress bar even on a terminal: plain lines instead, one per "
+                           "finished run and one every 30 s (always so when not a terminal)")
     outs.add_argument("--quiet", action="store_true", help="print only the final table")
 
 
@@ -214,7 +215,8 @@ def _execute(args: argparse.Namespace, methods: list[Method], *, baselines: bool
         print(f"{title}: MultiDigits {data.x_train.shape[0]} train / {data.x_test.shape[0]} "
               f"test canvases {tuple(data.input_shape)}, loss scales {scales}; "
               f"{len(plan)} runs of {per_run} steps", flush=True)
-    progress = Progress(len(plan) * per_run, bar=not args.no_progress, quiet=args.quiet)
+    progress = Progress(len(plan) * per_run, runs=len(plan), bar=not args.no_progress,
+                        quiet=args.quiet)
     results: list[RunResult] = []
     try:
         for seed, method in plan:

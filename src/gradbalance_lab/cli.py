@@ -1,6 +1,7 @@
 """``gradbalance`` command line: one sub-command per module of :mod:`gradbalance_lab`.
 
 Each command module defines ``HELP`` (one line), ``configure(parser)`` and ``run(args) -> int``.
+Also run by ``python -m gradbalance`` and ``python -m gradbalance_lab``.
 """
 
 from __future__ import annotations
@@ -10,7 +11,11 @@ import importlib
 import sys
 from types import ModuleType
 
-__all__ = ["COMMANDS", "main"]
+import torch
+
+from gradbalance import __version__
+
+__all__ = ["COMMANDS", "main", "version_text"]
 
 #: sub-command -> module implementing it.
 COMMANDS: dict[str, str] = {
@@ -29,11 +34,18 @@ def _load(name: str) -> ModuleType | None:
         raise
 
 
+def version_text() -> str:
+    """``gradbalance <version> (torch <version>)``, as printed by ``gradbalance --version``."""
+    return f"gradbalance {__version__} (torch {torch.__version__})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gradbalance",
         description="Balance task gradients of multitask PyTorch models; experiments and demos.",
     )
+    parser.add_argument("--version", action="version", version=version_text(),
+                        help="print the gradbalance and torch versions and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
         module = _load(name)
@@ -51,7 +63,14 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "_run", None) is None:
         parser.print_help()
         return 2
-    return int(args._run(args) or 0)
+    try:
+        return int(args._run(args) or 0)
+    except ImportError as error:
+        # an optional package the command needs is missing: the message names the extra
+        if "pip install gradbalance[" not in str(error):
+            raise
+        print(f"gradbalance {args.command}: error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
