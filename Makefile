@@ -33,7 +33,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 typecheck: $(STAMP)
-	@echo "typecheck: not configured yet"
+	$(BIN)/mypy
 
 docs: $(STAMP)
 	$(BIN)/mkdocs build --strict --site-dir site

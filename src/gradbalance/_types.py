@@ -49,4 +49,3 @@ def as_parameter_list(
 def check_matrix(matrix: Tensor, num_tasks: int | None = None, argname: str = "matrix") -> None:
     """:func:`gradbalance._checks.check_matrix` with the value first."""
     _checks.check_matrix(argname, matrix, num_tasks)
-

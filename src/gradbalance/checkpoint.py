@@ -57,13 +57,16 @@ def get_rng_state() -> dict[str, Any]:
         "torch": torch.get_rng_state(),
         "python": _to_plain(random.getstate()),
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if (torch.cuda.is_available()
+            and torch.cuda.is_initialized()):  # type: ignore[no-untyped-call]  # untyped in torch
         state["cuda"] = torch.cuda.get_rng_state_all()
     try:
         import numpy as np
     except ImportError:  # pragma: no cover - numpy is optional
         return state
-    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    legacy = np.random.get_state(legacy=True)
+    assert isinstance(legacy, tuple)  # the global RandomState is an MT19937: a 5-tuple
+    kind, keys, pos, has_gauss, cached = legacy
     state["numpy"] = {"kind": str(kind), "keys": torch.from_numpy(keys.astype("int64")),
                       "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)}
     return state

@@ -55,6 +55,12 @@ def stats_to_dict(
         weights: task weights ``[K]`` to log as ``w/task{k}``; default ``stats.weights``
             (pass a loss weighting's weights here).
     """
+    if stats.task_norms is None or stats.cosine is None:
+        raise ValueError(
+            f"stats.task_norms is None: a step that reuses the cached weights of update_every "
+            f"(stats.weights_reused={stats.weights_reused}) has no task gradients to log; log "
+            f"only the steps whose stats.weights_reused is False"
+        )
     k = stats.num_tasks
     losses = stats.losses.detach().double().cpu()
     sizes = stats.task_norms.detach().double().cpu()

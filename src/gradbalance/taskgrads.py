@@ -89,17 +89,19 @@ def _stack_inputs(vector: Tensor) -> tuple[list[GradientEdge], Tensor] | None:
         live = [i for i, (child, _) in enumerate(node.next_functions) if child is not None]
         if len(live) != 1:
             return None
-        grad = node(factor)
+        grad = node(factor)  # type: ignore[operator]  # a grad_fn is callable; Node has no __call__
         factor = grad if isinstance(grad, Tensor) else grad[live[0]]
         if factor is None or factor.shape != (k,):
             return None
         node = node.next_functions[live[0]][0]
     if node is None or node.name() != "StackBackward0" or len(node.next_functions) != k:
         return None
-    if not all(child is not None and child.name() != "torch::autograd::AccumulateGrad"
-               for child, _ in node.next_functions):
-        return None
-    return [GradientEdge(child, nr) for child, nr in node.next_functions], factor.detach()
+    edges = []
+    for child, nr in node.next_functions:
+        if child is None or child.name() == "torch::autograd::AccumulateGrad":
+            return None
+        edges.append(GradientEdge(child, nr))
+    return edges, factor.detach()
 
 
 class TaskRoots:
@@ -149,7 +151,7 @@ class TaskRoots:
         root = self.outputs[k]
         if root is None:  # a constant loss: no gradient anywhere
             return (None,) * len(inputs)
-        return torch.autograd.grad([root], inputs, grad_outputs=[self.grad_outputs[k]],
+        return torch.autograd.grad(root, inputs, grad_outputs=[self.grad_outputs[k]],
                                    retain_graph=retain_graph, allow_unused=True)
 
 
@@ -161,9 +163,9 @@ def resolve_passes(passes: Passes, device: torch.device) -> Literal["loop", "bat
     ``gramian`` mode does not measure and takes this.
     """
     check_choice("passes", passes, _PASSES)
-    if passes in ("auto", "measure"):
+    if passes == "auto" or passes == "measure":
         return AUTO_PREFERENCE.get(device.type, "batched")
-    return passes  # type: ignore[return-value]
+    return passes
 
 
 def needs_measuring(passes: Passes, device: torch.device) -> bool:

@@ -160,6 +160,17 @@ def test_weights_override_and_errors() -> None:
         RunningStats(window=1)
 
 
+def test_a_step_reusing_weights_has_no_task_gradients_to_log() -> None:
+    w = torch.ones(2, requires_grad=True)
+    buf = TaskGradBuffer([w], update_every=2)
+    for _ in range(2):
+        buf.backward([w.sum(), 2 * w.sum()])
+        stats = buf.apply_(Sum())
+    assert stats.weights_reused
+    with pytest.raises(ValueError, match=r"stats.task_norms is None.*weights_reused=True"):
+        stats_to_dict(stats)
+
+
 def test_running_stats_state_round_trip() -> None:
     a = RunningStats(window=4)
     for v in (1.0, 5.0, math.nan, 2.0):

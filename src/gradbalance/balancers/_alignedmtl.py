@@ -47,7 +47,7 @@ def alignedmtl_weights(
         sigma = lam.median()
     else:
         sigma = lam.mean()
-    balance = sigma.sqrt() * (vec * lam.rsqrt()) @ vec.T
+    balance: Tensor = sigma.sqrt() * (vec * lam.rsqrt()) @ vec.T
     return balance @ p
 
 

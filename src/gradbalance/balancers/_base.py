@@ -51,7 +51,8 @@ def combine_rows(weights: Tensor, matrix: Tensor) -> Tensor:
 class Balancer(PicklableGenerators):
     """Base class of every gradient balancer.
 
-    Class attributes a subclass declares:
+    Class attributes a subclass declares (the three flags may be set per instance instead,
+    where they depend on the constructor's arguments):
 
     * ``name``: registry key (lower case).
     * ``from_gramian``: output is ``wᵀ G`` with ``w`` computed from ``G Gᵀ`` (and losses).
@@ -60,9 +61,9 @@ class Balancer(PicklableGenerators):
     """
 
     name: ClassVar[str] = ""
-    from_gramian: ClassVar[bool] = False
-    homogeneous: ClassVar[bool] = True
-    needs_losses: ClassVar[bool] = False
+    from_gramian: bool = False
+    homogeneous: bool = True
+    needs_losses: bool = False
 
     def __init__(self, num_tasks: int | None = None) -> None:
         self.num_tasks = None if num_tasks is None else check_num_tasks("num_tasks", num_tasks)

@@ -67,6 +67,8 @@ def _step_pinv(q: Tensor, grad: Tensor, free: Tensor, simplex: bool) -> Tensor:
         border[:, k, :k] = freef
         mat = border
         rhs = torch.cat([rhs, torch.zeros(b, 1, dtype=q.dtype)], dim=1)
+    lam: Tensor
+    vec: Tensor
     lam, vec = torch.linalg.eigh(mat)
     mag = lam.abs()
     keep = mag > PINV_RTOL * mag.amax(dim=1, keepdim=True)
@@ -94,6 +96,8 @@ def _solve_free(q: Tensor, rhs: Tensor, free: Tensor, total: Tensor | None,
             mat[:, :k, k] = freef
             mat[:, k, :k] = freef
             vec = torch.cat([vec, total[:, None]], dim=1)
+        lam: Tensor
+        basis: Tensor
         lam, basis = torch.linalg.eigh(mat)
         mag = lam.abs()
         keep = mag > PINV_RTOL * mag.amax(dim=1, keepdim=True)

@@ -31,7 +31,7 @@ def config_weights(gramian: Tensor, pref: Tensor | None = None, rtol: float = 1e
     norms = torch.diagonal(gram).clamp_min(0).sqrt()
     inv = torch.where(norms > 0, 1.0 / torch.where(norms > 0, norms, 1.0), 0.0)
     cos = gram * torch.outer(inv, inv)
-    a = torch.linalg.pinv(cos, hermitian=True, rtol=rtol) @ p
+    a: Tensor = torch.linalg.pinv(cos, hermitian=True, rtol=rtol) @ p
     v = a * inv
     norm_sq = a @ cos @ a
     length = (gram @ v).sum()

@@ -76,8 +76,8 @@ class CRMOGM(Balancer):
         self.initial_weights = None if initial_weights is None else as_task_vector(
             "initial_weights", initial_weights, self.num_tasks)
         # Instance values of the class flags: they are the inner balancer's.
-        self.homogeneous = inner.homogeneous  # type: ignore[misc]
-        self.needs_losses = inner.needs_losses  # type: ignore[misc]
+        self.homogeneous = inner.homogeneous
+        self.needs_losses = inner.needs_losses
         self._lambda: Tensor | None = None
 
     @property

@@ -56,7 +56,7 @@ class DBMTL(EmaStepState, Balancer):
         self.beta_sigma = check_range("beta_sigma", beta_sigma, 0.0, None)
         self.eps = check_range("eps", eps, 0.0, None)
         self.log_losses = bool(log_losses)
-        self.needs_losses = self.log_losses  # type: ignore[misc]
+        self.needs_losses = self.log_losses
         self.reset()
 
     def _combine_matrix(self, matrix: Tensor, losses: Tensor | None) -> Combination:

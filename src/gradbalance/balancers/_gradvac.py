@@ -127,7 +127,7 @@ class GradVac(Balancer):
         self.beta = float(beta)
         self.eps = float(eps)
         self.groups = groups
-        self.from_gramian = groups is None  # type: ignore[misc]
+        self.from_gramian = groups is None
         self.generator = generator if generator is not None else private_generator()
         self.targets: Tensor | None = None
         if num_tasks is not None:
@@ -170,7 +170,7 @@ class GradVac(Balancer):
         targets = self._current_targets(k)
         orders = draw_other_orders(k, self.generator)
         parts, new_targets = [], []
-        for g, block in enumerate(matrix.split(self.groups, dim=1)):
+        for g, block in enumerate(torch.split(matrix, self.groups, dim=1)):
             gram, _ = trace_normalized(compute_gramian(block))
             coef, new = gradvac_weights(gram, orders, targets[g], self.beta, self.eps)
             parts.append(coef.sum(dim=0).to(block.device, block.dtype) @ block)

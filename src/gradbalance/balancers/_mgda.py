@@ -106,8 +106,8 @@ class MGDA(Balancer):
         self.normalization: Normalization = normalization
         self.apply_to: ApplyTo = apply_to
         # Instance values of the class flags: they depend on the settings.
-        self.needs_losses = normalization in ("loss", "loss+")  # type: ignore[misc]
-        self.homogeneous = not (  # type: ignore[misc]
+        self.needs_losses = normalization in ("loss", "loss+")
+        self.homogeneous = not (
             normalization in ("l2", "loss+") and apply_to == "normalized"
         )
 

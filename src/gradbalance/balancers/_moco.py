@@ -80,7 +80,7 @@ class MoCo(Balancer):
             )
         self.lambda_update: LambdaUpdate = lambda_update
         self.normalize_grads = bool(normalize_grads)
-        self.needs_losses = self.normalize_grads  # type: ignore[misc]
+        self.needs_losses = self.normalize_grads
         self.reset()
 
     def reset(self) -> None:

@@ -46,7 +46,8 @@ def _factor(unit: Tensor, trace: Tensor, normalization: str) -> Tensor:
     if float(trace) <= 0.0:
         return torch.ones((), dtype=torch.float64)
     if normalization == "frobenius":
-        return torch.linalg.matrix_norm(unit).sqrt()
+        norm: Tensor = torch.linalg.matrix_norm(unit)
+        return norm.sqrt()
     return trace.rsqrt()
 
 
@@ -90,7 +91,7 @@ class NashMTL(Balancer):
             )
         self.update_weights_every = check_int("update_weights_every", update_weights_every, 1)
         self.normalization: Normalization = normalization
-        self.homogeneous = normalization == "frobenius"  # type: ignore[misc]
+        self.homogeneous = normalization == "frobenius"
         self.alpha: Tensor | None = None
         self.step = torch.zeros((), dtype=torch.int64)
 

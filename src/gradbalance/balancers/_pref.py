@@ -6,8 +6,7 @@ rule ``rule(gramian, pref) -> [K]``; this class holds ``pref`` and calls the rul
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import ClassVar
+from collections.abc import Sequence
 
 from torch import Tensor
 
@@ -24,7 +23,11 @@ class PreferenceBalancer(Balancer):
 
     from_gramian = True
     homogeneous = True
-    rule: ClassVar[Callable[[Tensor, Tensor | None], Tensor]]
+
+    @staticmethod
+    def rule(gramian: Tensor, pref: Tensor | None) -> Tensor:
+        """The weights ``[K]`` from the Gramian and ``pref``; each subclass sets its own."""
+        raise NotImplementedError
 
     def __init__(
         self, num_tasks: int | None = None, *, pref: Sequence[float] | Tensor | None = None

@@ -152,7 +152,8 @@ def dual_cone_two(gram: Tensor, u: Tensor) -> Tensor:
     ``vᵢ = uᵢ``, where the best ``vⱼ`` is ``max(uⱼ, −uᵢGᵢⱼ/Gⱼⱼ)`` (``uⱼ`` if ``Gⱼⱼ = 0``);
     a zero-norm optimum is reached on one of the two faces too. The better face wins.
     """
-    (g11, g12), (_, g22) = gram.tolist()  # a handful of scalars: Python floats are fastest
+    entries: list[list[float]] = gram.tolist()  # a handful of scalars: Python floats are fastest
+    (g11, g12), (_, g22) = entries
 
     def best(ui: float, uj: float, gjj: float) -> float:
         return max(uj, -ui * g12 / gjj) if gjj > 0 else uj

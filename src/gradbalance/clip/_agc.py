@@ -33,9 +33,12 @@ _DIV_GUARD = 1e-6
 
 def unitwise_norm(x: Tensor) -> Tensor:
     """Per-unit 2-norm: over all dims but 0 (keepdim) for ``ndim >= 2``, whole tensor otherwise."""
+    norm: Tensor
     if x.dim() <= 1:
-        return torch.linalg.vector_norm(x)
-    return torch.linalg.vector_norm(x, dim=tuple(range(1, x.dim())), keepdim=True)
+        norm = torch.linalg.vector_norm(x)
+    else:
+        norm = torch.linalg.vector_norm(x, dim=tuple(range(1, x.dim())), keepdim=True)
+    return norm
 
 
 def adaptive_clip_grad_(
@@ -54,11 +57,12 @@ def adaptive_clip_grad_(
     eps = check_positive("eps", eps, allow_zero=True, hint=", e.g. 1e-3")
     skip = {id(p) for p in exclude}
     params = params_with_grads(parameters)
-    if not params:
+    grads = [p.grad for p in params if p.grad is not None]  # all of them: params_with_grads
+    if not grads:
         return torch.zeros(())
-    device = params[0].grad.device  # type: ignore[union-attr]
-    total = torch.linalg.vector_norm(torch.stack([
-        torch.linalg.vector_norm(p.grad.detach()).to(device) for p in params  # type: ignore[union-attr]
+    device = grads[0].device
+    total: Tensor = torch.linalg.vector_norm(torch.stack([
+        torch.linalg.vector_norm(g.detach()).to(device) for g in grads
     ]))
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise NonFiniteGradientError(

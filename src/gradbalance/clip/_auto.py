@@ -185,14 +185,14 @@ class AutoClip(_AutoBase):
         super().__init__(percentile, history_size, norm_type, error_if_nonfinite)
 
     def __call__(self, parameters: Iterable[Tensor] | Tensor) -> Tensor:
-        grads = [p.grad for p in params_with_grads(parameters)]
+        grads = [p.grad for p in params_with_grads(parameters) if p.grad is not None]
         if not grads:
             return torch.zeros(())
         device = grads[0].device
         norms = torch.stack([
             torch.linalg.vector_norm(g.detach(), self.norm_type).to(device) for g in grads
         ])
-        total = torch.linalg.vector_norm(norms, self.norm_type)
+        total: Tensor = torch.linalg.vector_norm(norms, self.norm_type)
         threshold = self._history.observe(total.reshape(1))
         if threshold is None:
             if self.error_if_nonfinite:

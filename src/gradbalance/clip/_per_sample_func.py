@@ -32,11 +32,13 @@ LossFn = Callable[[Any, Tensor], Tensor]
 
 
 def _trainable(module: nn.Module, params: Iterable[Tensor] | None) -> dict[str, Tensor]:
-    named = {name: p for name, p in module.named_parameters() if p.requires_grad}
+    named: dict[str, Tensor] = {
+        name: p for name, p in module.named_parameters() if p.requires_grad
+    }
     if params is None:
         return named
     wanted = {id(p) for p in params}
-    chosen = {name: p for name, p in named.items() if id(p) in wanted}
+    chosen: dict[str, Tensor] = {name: p for name, p in named.items() if id(p) in wanted}
     if len(chosen) != len(wanted):
         raise ValueError(
             f"params holds {len(wanted) - len(chosen)} tensor(s) that are not trainable "
@@ -104,9 +106,9 @@ def per_sample_grad_norms_of_model(
         with warnings.catch_warnings():  # ops without a batching rule run lane by lane
             warnings.filterwarnings("ignore", message=".*performance drop.*")
             grads = jac(detached, inputs[start:stop], targets[start:stop])  # [b, K, ...] each
-        norms = [torch.linalg.vector_norm(g.flatten(2), norm_type, dim=2,
-                                          dtype=torch.promote_types(g.dtype, torch.float32))
-                 for g in grads.values()]
-        parts.append(torch.linalg.vector_norm(torch.stack(norms, dim=2), norm_type, dim=2))
+        per_param = [torch.linalg.vector_norm(g.flatten(2), norm_type, dim=2,
+                                              dtype=torch.promote_types(g.dtype, torch.float32))
+                     for g in grads.values()]
+        parts.append(torch.linalg.vector_norm(torch.stack(per_param, dim=2), norm_type, dim=2))
     norms = torch.cat(parts) / scale  # [B, K], or [B, 1] for one task / per_task=False
     return norms[:, 0] if norms.shape[1] == 1 else norms

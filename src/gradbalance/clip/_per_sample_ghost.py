@@ -63,6 +63,7 @@ class _Layer:
         """The layer's input as ``[B, S, in]``: tokens, or a convolution's unfolded patches."""
         m = self.module
         if isinstance(m, nn.Conv2d):
+            assert not isinstance(m.padding, str)  # _refusal turns string paddings away
             patches = nn.functional.unfold(x, m.kernel_size, m.dilation, m.padding, m.stride)
             return patches.transpose(1, 2)  # [B, H'·W', C·kh·kw]
         if isinstance(m, nn.LayerNorm):  # the normalised input x̂: y = γ ⊙ x̂ + β
@@ -70,6 +71,7 @@ class _Layer:
             flat = nn.functional.layer_norm(x, m.normalized_shape, None, None, m.eps)
             return flat.reshape(batch, -1, *x.shape[x.dim() - dims:]).flatten(2)
         if isinstance(m, nn.Conv1d):  # a 1 × k convolution on a [B, C, 1, L] image
+            assert not isinstance(m.padding, str)  # _refusal turns string paddings away
             patches = nn.functional.unfold(x.unsqueeze(2), (1, m.kernel_size[0]),
                                            (1, m.dilation[0]), (0, m.padding[0]),
                                            (1, m.stride[0]))

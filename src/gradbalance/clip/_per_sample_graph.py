@@ -69,7 +69,8 @@ def _row_norms(grads: Sequence[Tensor | None], rows: int, norm_type: float,
     if not parts:
         return torch.zeros(rows, dtype=torch.promote_types(like.dtype, torch.float32),
                            device=like.device)
-    return torch.linalg.vector_norm(torch.stack(parts, dim=1), norm_type, dim=1)
+    norms: Tensor = torch.linalg.vector_norm(torch.stack(parts, dim=1), norm_type, dim=1)
+    return norms
 
 
 def _norms_of_rows(losses: Tensor, params: list[Tensor], rows: range, joint: bool,

@@ -30,7 +30,8 @@ _EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s guard
 
 def row_norms(matrix: Tensor, norm_type: float = 2.0) -> Tensor:
     """Norm of every row of ``matrix`` ``[K, P]`` -> ``[K]`` (in the matrix's dtype)."""
-    return torch.linalg.vector_norm(matrix, ord=norm_type, dim=1)
+    norms: Tensor = torch.linalg.vector_norm(matrix, ord=norm_type, dim=1)
+    return norms
 
 
 def _nonfinite(argname: str, norms: Tensor) -> NonFiniteGradientError:

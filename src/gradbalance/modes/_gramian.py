@@ -106,7 +106,7 @@ def _find_blocks(roots: Sequence[nn.Module], params: Sequence[Tensor]) -> list[_
             return
         seen.add(id(module))
         if any(id(p) in wanted for p in module.parameters(recurse=False)):
-            own = [p for p in module.parameters() if id(p) in wanted]
+            own: list[Tensor] = [p for p in module.parameters() if id(p) in wanted]
             linear = type(module) is nn.Linear
             blocks.append(_Block(module, name or type(module).__name__, own, linear))
             return
@@ -228,7 +228,7 @@ class GramianRecorder:
         if batched:
             losses = roots.scaled
             eye = torch.eye(k_total, dtype=losses.dtype, device=losses.device)
-            grads = torch.autograd.grad(
+            grads: tuple[Tensor | None, ...] = torch.autograd.grad(
                 losses, [*outputs, *params], grad_outputs=eye, is_grads_batched=True,
                 allow_unused=True,
             )
@@ -427,7 +427,9 @@ class GramianMode:
             pre_clip = coef = None
             if finite and step.clip is not None:  # row k scaled by cₖ: G Gᵀ by cᵢ cⱼ
                 pre_clip = torch.diagonal(gram).clamp_min(0).sqrt()
-                coef = step.clip.coefficients(pre_clip).to(torch.float64)  # type: ignore[attr-defined]
+                # coefficients() is optional on RowClipper; check_apply made sure it is here
+                coef = step.clip.coefficients(  # type: ignore[attr-defined]  # optional method
+                    pre_clip).to(torch.float64)
                 gram = gram * coef[:, None] * coef[None, :]
             if finite:
                 weights = balancer.compute_weights(gram, losses)

@@ -37,12 +37,12 @@ class RLW(LossWeighting):
 
     name = "rlw"
 
-    def __init__(self, num_tasks: int, *, distribution: str = "normal",
+    def __init__(self, num_tasks: int, *, distribution: Literal["normal", "dirichlet"] = "normal",
                  generator: torch.Generator | None = None, seed: int | None = None,
                  device: torch.device | str | None = None) -> None:
         super().__init__(num_tasks, device=device)
         check_choice("distribution", distribution, _DISTRIBUTIONS)
-        self.distribution: Literal["normal", "dirichlet"] = distribution  # type: ignore[assignment]
+        self.distribution = distribution
         if generator is not None and seed is not None:
             raise ValueError("Invalid seed: give either generator or seed, not both")
         if generator is None:
