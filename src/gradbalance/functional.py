@@ -44,7 +44,7 @@ from .clip._agc import adaptive_clip_grad_, unitwise_norm
 from .clip._per_sample_func import per_sample_grad_norms_of_model
 from .clip._per_sample_graph import per_sample_grad_norms
 from .clip._task import clip_task_norms_, clip_task_values_, row_norms
-from .gramian import compute_gramian, cosine_matrix, is_finite_gramian
+from .gramian import compute_gramian, cosine_matrix, is_finite_gramian, linear_gramian
 from .taskgrads import task_gradients
 from .weighting._dwa import dwa_weights
 from .weighting._famo import famo_weights
@@ -76,6 +76,7 @@ __all__ = [
     "imtlg_weights",
     "is_finite_gramian",
     "krum_weights",
+    "linear_gramian",
     "mean_weights",
     "mgda_weights",
     "moco_step",

@@ -55,20 +55,16 @@ def stats_to_dict(
         weights: task weights ``[K]`` to log as ``w/task{k}``; default ``stats.weights``
             (pass a loss weighting's weights here).
     """
-    if stats.task_norms is None or stats.cosine is None:
-        raise ValueError(
-            f"stats.task_norms is None: a step that reuses the cached weights of update_every "
-            f"(stats.weights_reused={stats.weights_reused}) has no task gradients to log; log "
-            f"only the steps whose stats.weights_reused is False"
-        )
     k = stats.num_tasks
     losses = stats.losses.detach().double().cpu()
-    sizes = stats.task_norms.detach().double().cpu()
-    cosine = stats.cosine.detach().double().cpu()
+    # A step reusing update_every's cached weights computed no task gradients: it logs the
+    # losses and the weights, not sizes or cosines.
+    sizes = None if stats.task_norms is None else stats.task_norms.detach().double().cpu()
     out: dict[str, float] = {}
     for t in range(k):
         out[f"loss/task{t}"] = float(losses[t])
-        out[f"size/task{t}"] = float(sizes[t])
+        if sizes is not None:
+            out[f"size/task{t}"] = float(sizes[t])
     w = stats.weights if weights is None else weights
     if w is not None:
         w = torch.as_tensor(w).detach().double().cpu().reshape(-1)
@@ -79,9 +75,11 @@ def stats_to_dict(
             )
         for t in range(k):
             out[f"w/task{t}"] = float(w[t])
-    for i in range(k):
-        for j in range(i + 1, k):
-            out[f"cos/task{i}_task{j}"] = float(cosine[i, j])
+    if stats.cosine is not None:
+        cosine = stats.cosine.detach().double().cpu()
+        for i in range(k):
+            for j in range(i + 1, k):
+                out[f"cos/task{i}_task{j}"] = float(cosine[i, j])
     if stats.pre_clip_norms is not None:
         per_task = stats.pre_clip_norms.detach().double().cpu()
         for t in range(k):

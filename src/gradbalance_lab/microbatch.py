@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from gradbalance import RowClipper, TaskGradBuffer
-from gradbalance._types import as_loss_vector, as_parameter_list, check_matrix
+from gradbalance._checks import as_loss_vector, as_parameter_list, check_matrix
 from gradbalance.balancers._base import Balancer, Combination
 from gradbalance.stats import StepStats
 from gradbalance.taskgrads import Passes
@@ -39,7 +39,7 @@ def two_orders(bal: Callable[[Tensor], Tensor], parts: Sequence[Tensor]) -> tupl
     if len(parts) == 0:
         raise ValueError("parts is empty; pass one [K, P] task-gradient matrix per micro-batch")
     for i, part in enumerate(parts):
-        check_matrix(part, argname=f"parts[{i}]")
+        check_matrix(f"parts[{i}]", part)
         if part.shape != parts[0].shape:
             raise ValueError(
                 f"parts[{i}] has shape {tuple(part.shape)} but parts[0] has "
@@ -106,7 +106,7 @@ class BalanceEach:
                 f"the number of backward() calls per optimizer step)"
             )
         self.num_microbatches = num_microbatches
-        self.head_params = as_parameter_list(head_params, "head_params", allow_empty=True)
+        self.head_params = as_parameter_list("head_params", head_params, allow_empty=True)
         self._buffer = TaskGradBuffer(shared_params, num_tasks=num_tasks, passes=passes)
         shared_ids = {id(p) for p in self._buffer.layout.params}
         for i, p in enumerate(self.head_params):
@@ -128,7 +128,7 @@ class BalanceEach:
         Returns this micro-batch's :class:`~gradbalance.StepStats` (its ``update_norm`` and
         weights are those of the ``1/M`` share written back).
         """
-        vector = as_loss_vector(losses, self._buffer.num_tasks)
+        vector = as_loss_vector("losses", losses, self._buffer.num_tasks)
         m = self.num_microbatches
         if self.head_params:
             total = vector.sum() / m

@@ -47,7 +47,7 @@ class SDMGrad(Balancer):
 
     With one ``G`` per step, the paper's two independent batches ``ξ, ξ'`` of the inner
     objective and the third ``ζ`` of the update are the same batch (``A = G Gᵀ``); see
-    :class:`~gradbalance.MoDo` for the bias this keeps.
+    :class:`~gradbalance.balancers.MoDo` for the bias this keeps.
 
     Args:
         num_tasks: K (optional).
