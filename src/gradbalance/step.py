@@ -30,7 +30,7 @@ from .distributed import resolve_process_group
 from .modes import Engine, Mode, StepInput, make_engine
 from .modes._amortize import WeightCache, backward_weighted, reused_stats
 from .stats import StepStats
-from .taskgrads import ParamLayout, Passes, TaskRoots
+from .taskgrads import ParamLayout, Passes, TaskRoots, resolve_passes
 
 __all__ = ["TaskGradBuffer", "balanced_backward"]
 
@@ -113,6 +113,7 @@ class TaskGradBuffer:
         heads = as_parameter_list("head_params", head_params, allow_empty=True)
         _check_shared_and_heads(shared, heads)
         self.layout = ParamLayout(shared)
+        resolve_passes(passes, self.layout.device)  # an invalid value raises here, not later
         self.head_params = heads
         self.num_tasks = num_tasks
         self.passes: Passes = passes

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradbalance import task_gradients, taskgrads
+from gradbalance import TaskGradBuffer, task_gradients, taskgrads
 from support.helpers import TRUNKS, ItemInBackward, build, losses_of
 
 
@@ -67,10 +67,18 @@ def test_rejects_parameter_without_grad() -> None:
         task_gradients([(live * 2).sum()], [live, frozen])
 
 
-def test_rejects_bad_strategy() -> None:
+def test_rejects_bad_passes() -> None:
     w = torch.ones(2, requires_grad=True)
     with pytest.raises(ValueError, match="Invalid passes: 'fast'"):
         task_gradients([w.sum()], [w], passes="fast")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("mode", ["matrix", "features", "gramian"])
+def test_buffer_rejects_bad_passes_at_construction(mode: str) -> None:
+    trunk = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="Invalid passes: 'fast'"):
+        TaskGradBuffer(trunk.parameters(), mode=mode, modules=trunk,  # type: ignore[arg-type]
+                       passes="fast")  # type: ignore[arg-type]
 
 
 def test_batched_falls_back_to_loop_without_batching_rule(
