@@ -1,10 +1,13 @@
 """The pure kernels behind the classes: tensors in, tensors out, no state, no ``.grad``.
 
 Naming: ``<method>_weights`` returns the task weights ``w`` ``[K]`` of a weighted method
-(``g = wᵀ G``); ``<method>_update`` returns a matrix method's combined gradient ``[P]``;
-``<method>_step`` advances a method's state by one step; ``pcgrad_coefficients`` is PCGrad's
-``[K, K]`` projection matrix. Clipping kernels end in ``_`` when they work in place and
-return the pre-clip norms, as ``torch.nn.utils.clip_grad_norm_`` does.
+(``g = wᵀ G``), with the method's new state after them when it has one (``(w, state)``);
+``<method>_coefficients`` returns a ``[K, K]`` matrix ``C`` of per-task projections
+(``g_i = Σⱼ C[i, j] gⱼ``; PCGrad, GradVac); ``<method>_update`` returns a matrix method's
+combined gradient ``[P]``; ``<method>_step`` advances a method's state by one step;
+``<method>_orders`` draws a method's random visiting orders. Clipping kernels end in ``_``
+when they work in place and return the pre-clip norms, as ``torch.nn.utils.clip_grad_norm_``
+does.
 
 Example:
     >>> import torch
@@ -25,7 +28,7 @@ from .balancers._dualproj import dualproj_weights
 from .balancers._excessmtl import excessmtl_risks
 from .balancers._fairgrad import fairgrad_weights
 from .balancers._graddrop import graddrop_update
-from .balancers._gradvac import gradvac_weights
+from .balancers._gradvac import gradvac_coefficients, gradvac_orders
 from .balancers._imtlg import imtlg_weights
 from .balancers._krum import krum_weights
 from .balancers._mean import mean_weights
@@ -72,7 +75,8 @@ __all__ = [
     "gls_weights",
     "graddrop_update",
     "gradnorm_targets",
-    "gradvac_weights",
+    "gradvac_coefficients",
+    "gradvac_orders",
     "imtlg_weights",
     "is_finite_gramian",
     "krum_weights",

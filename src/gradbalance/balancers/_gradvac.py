@@ -17,10 +17,10 @@ from ._base import Balancer, Combination
 from ._rng import load_generator_state, private_generator
 from ._solvers import trace_normalized
 
-__all__ = ["GradVac", "gradvac_weights"]
+__all__ = ["GradVac", "gradvac_coefficients", "gradvac_orders"]
 
 
-def draw_other_orders(k: int, generator: torch.Generator | None = None) -> Tensor:
+def gradvac_orders(k: int, generator: torch.Generator | None = None) -> Tensor:
     """``[K, K-1]`` int64: row ``i`` is a random order of the tasks ``j ≠ i``.
 
     One ``torch.randperm(K-1)`` per task in task order (TorchJD's draw pattern).
@@ -32,7 +32,7 @@ def draw_other_orders(k: int, generator: torch.Generator | None = None) -> Tenso
     return perms + (perms >= torch.arange(k)[:, None]).to(torch.int64)
 
 
-def gradvac_weights(
+def gradvac_coefficients(
     gramian: Tensor, orders: Tensor, targets: Tensor, beta: float, eps: float = 1e-8
 ) -> tuple[Tensor, Tensor]:
     """``(C, new_targets)``: ``g_i^PC = Σⱼ C[i, j] gⱼ`` and the updated EMA targets ``[K, K]``.
@@ -153,8 +153,8 @@ class GradVac(Balancer):
         k = gramian.shape[0]
         gram, _ = trace_normalized(gramian)
         targets = self._current_targets(k)
-        coef, new_targets = gradvac_weights(
-            gram, draw_other_orders(k, self.generator), targets, self.beta, self.eps
+        coef, new_targets = gradvac_coefficients(
+            gram, gradvac_orders(k, self.generator), targets, self.beta, self.eps
         )
         self.targets = new_targets
         return coef.sum(dim=0).to(gramian.device)
@@ -168,11 +168,11 @@ class GradVac(Balancer):
                 f"pass the sizes of the shared parameters, in order"
             )
         targets = self._current_targets(k)
-        orders = draw_other_orders(k, self.generator)
+        orders = gradvac_orders(k, self.generator)
         parts, new_targets = [], []
         for g, block in enumerate(torch.split(matrix, self.groups, dim=1)):
             gram, _ = trace_normalized(compute_gramian(block))
-            coef, new = gradvac_weights(gram, orders, targets[g], self.beta, self.eps)
+            coef, new = gradvac_coefficients(gram, orders, targets[g], self.beta, self.eps)
             parts.append(coef.sum(dim=0).to(block.device, block.dtype) @ block)
             new_targets.append(new)
         self.targets = torch.stack(new_targets)

@@ -25,7 +25,7 @@ _MAX_SECONDARY = 15  # the exact enumeration visits 2^(K-1) working sets
 _ENUMERATE_UP_TO = 4  # below this K, the few working sets are cheaper than the QP solver
 
 
-def pcd_weights(gram: Tensor, taus: Tensor, tol: float = 1e-9) -> Tensor:
+def pcd_weights(gramian: Tensor, taus: Tensor, tol: float = 1e-9) -> Tensor:
     """Weights ``[1, μ₂, …, μ_K]`` of ``d = g₁ + Σⱼ μⱼ gⱼ`` solving PCD's quadratic program.
 
     ``min_d ½‖d − g₁‖²`` s.t. ``gⱼᵀd ≥ τⱼ‖gⱼ‖²`` (j ≥ 2). Its dual is the non-negative QP
@@ -36,13 +36,13 @@ def pcd_weights(gram: Tensor, taus: Tensor, tol: float = 1e-9) -> Tensor:
     point, as the paper's reference implementation does (``2^(K−1)`` sets). No KKT point: the
     constraints are infeasible, and ``g₁`` is returned (``[1, 0, …, 0]``).
     """
-    m = gram.shape[0]
-    out = torch.zeros(m, dtype=gram.dtype, device=gram.device)
+    m = gramian.shape[0]
+    out = torch.zeros(m, dtype=gramian.dtype, device=gramian.device)
     out[0] = 1.0
     if m == 1:
         return out
-    q = gram[1:, 1:]
-    b = taus * torch.diagonal(q) - gram[1:, 0]
+    q = gramian[1:, 1:]
+    b = taus * torch.diagonal(q) - gramian[1:, 0]
     trace = float(torch.diagonal(q).sum())
     if m > _ENUMERATE_UP_TO and trace > 0.0 and is_well_conditioned(q / trace):
         # Positive definite Q: the KKT point is unique; the batched solver finds it directly.
@@ -50,11 +50,11 @@ def pcd_weights(gram: Tensor, taus: Tensor, tol: float = 1e-9) -> Tensor:
         mu = solve_box_qp(q.cpu() / trace, -b.cpu()[None] / trace, zeros)[0]
         out[1:] = mu.to(out.device)
         return out
-    atol = tol * max(float(torch.diagonal(gram).max()), torch.finfo(gram.dtype).tiny)
+    atol = tol * max(float(torch.diagonal(gramian).max()), torch.finfo(gramian.dtype).tiny)
     n = m - 1
     for size in range(n + 1):
         for subset in itertools.combinations(range(n), size):
-            mu = torch.zeros(n, dtype=gram.dtype, device=gram.device)
+            mu = torch.zeros(n, dtype=gramian.dtype, device=gramian.device)
             if size:
                 idx = list(subset)
                 mu[idx] = torch.linalg.pinv(q[idx][:, idx]) @ b[idx]
