@@ -29,6 +29,7 @@ from .clip._protocol import RowClipper
 from .distributed import resolve_process_group
 from .modes import Engine, Mode, StepInput, make_engine
 from .modes._amortize import WeightCache, backward_weighted, reused_stats
+from .modes._engine import check_saved_passes
 from .stats import StepStats
 from .taskgrads import ParamLayout, Passes, TaskRoots, resolve_passes
 
@@ -239,11 +240,7 @@ class TaskGradBuffer:
         state = dict(state_dict)
         if "strategy" in state:  # the key's name before 0.2
             state["passes"] = state.pop("strategy")
-        passes = state.pop("passes", None)
-        if passes not in (None, "loop", "batched"):
-            raise ValueError(
-                f"Invalid state_dict: passes={passes!r} (expected 'loop', 'batched' or None)"
-            )
+        passes = check_saved_passes(state.pop("passes", None))
         self._cache.load_state_dict(state)  # checks everything before it changes anything
         self._engine.load_state_dict({} if passes is None else {"passes": passes})
 

@@ -84,6 +84,16 @@ class Engine(Protocol):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
+def check_saved_passes(passes: Any) -> Concrete | None:
+    """A ``passes`` value from a ``state_dict``: the concrete choice a buffer measured, or None."""
+    if passes not in (None, "loop", "batched"):
+        raise ValueError(
+            f"Invalid state_dict: passes={passes!r} (expected 'loop', 'batched' or None)"
+        )
+    chosen: Concrete | None = passes
+    return chosen
+
+
 def reject_features(mode: str, features: Tensor | None) -> None:
     if features is not None:
         raise ValueError(
@@ -124,11 +134,7 @@ class RowsEngine:
         return {} if self.chosen is None else {"passes": self.chosen}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        chosen = state_dict.get("passes")
-        if chosen not in (None, "loop", "batched"):
-            raise ValueError(
-                f"Invalid state_dict: passes={chosen!r} (expected 'loop', 'batched' or None)"
-            )
+        chosen = check_saved_passes(state_dict.get("passes"))
         if chosen is not None:
             self.chosen = chosen
 
