@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -12,25 +13,18 @@ from pathlib import Path
 
 import torch
 
+from gradbalance_lab._cli_common import OVERWRITE_HELP, check_out, int_at_least, prepare_out
 from gradbalance_lab._mtl_methods import Method
 from gradbalance_lab._mtl_progress import Progress
 from gradbalance_lab._mtl_report import format_markdown, plot_results, summarize, write_csvs
 from gradbalance_lab._mtl_runner import RunConfig, RunResult, check_method, open_writer, train_run
 from gradbalance_lab.data import MultiDigits, make_multidigits
 
-__all__ = ["add_common_options", "config_from_args", "data_from_args", "execute"]
+__all__ = ["OUTPUTS", "add_common_options", "config_from_args", "data_from_args", "execute"]
 
-
-def _int_at_least(low: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid int: {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"invalid value: {value} (expected an int >= {low})")
-        return value
-    return parse
+#: What ``compare`` and ``train`` write into ``--out`` (``--overwrite`` deletes these first).
+OUTPUTS = ("summary.md", "summary.csv", "runs.csv", "history.csv", "config.json",
+           "compare.png", "train.png", "tb")
 
 
 def _finite_float(allow_zero: bool) -> Callable[[str], float]:
@@ -66,6 +60,9 @@ def add_common_options(parser: argparse.ArgumentParser, *, seeds: int, out: str,
                        epochs: int = 10) -> None:
     """Data, training and output options (every one documented in ``--help``)."""
     parser.formatter_class = _DefaultsFormatter
+    parser.epilog = ("Ctrl-C stops the command after it writes the outputs of the runs that "
+                     "finished (exit code 130). A usage error (a bad value, an unusable --out) "
+                     "is one line on stderr, exit code 2, before any training.")
     data = parser.add_argument_group("data (MultiDigits, built from scikit-learn's digits)")
     data.add_argument("--variant", choices=("plain", "scaled"), default="plain",
                       help="'scaled' multiplies the right-digit task's loss by --right-scale "
@@ -74,19 +71,19 @@ def add_common_options(parser: argparse.ArgumentParser, *, seeds: int, out: str,
                       help="loss factor of the right task in the scaled variant")
     data.add_argument("--regression", action="store_true",
                       help="add a third task: regress the sum of the two digits (metric: MAE)")
-    data.add_argument("--n-train", type=_int_at_least(1), default=6000,
+    data.add_argument("--n-train", type=int_at_least(1), default=6000,
                       help="training canvases (drawn from the training pool of images)")
-    data.add_argument("--n-test", type=_int_at_least(1), default=2000,
+    data.add_argument("--n-test", type=int_at_least(1), default=2000,
                       help="test canvases (drawn from the disjoint test pool of images)")
     data.add_argument("--data-seed", type=int, default=0,
                       help="seed of the dataset build (pools, pairs, offsets)")
     train = parser.add_argument_group("training")
-    train.add_argument("--seeds", type=_int_at_least(1), default=seeds,
+    train.add_argument("--seeds", type=int_at_least(1), default=seeds,
                        help="number of seeds per method (seeds 0..N-1: initialisation, "
                             "batch order, the balancers' random draws)")
-    train.add_argument("--epochs", type=_int_at_least(1), default=epochs,
+    train.add_argument("--epochs", type=int_at_least(1), default=epochs,
                        help="passes over the training canvases")
-    train.add_argument("--batch-size", type=_int_at_least(1), default=128, help="batch size")
+    train.add_argument("--batch-size", type=int_at_least(1), default=128, help="batch size")
     train.add_argument("--optimizer", choices=("adam", "sgd"), default="adam",
                        help="optimizer of every run (sgd: momentum 0.9)")
     train.add_argument("--lr", type=_positive_float, default=1e-3, help="learning rate")
@@ -94,9 +91,9 @@ def add_common_options(parser: argparse.ArgumentParser, *, seeds: int, out: str,
                        help="optimizer weight decay (coupled L2 for adam)")
     train.add_argument("--trunk", choices=("mlp", "cnn"), default="mlp",
                        help="shared trunk: MLP on the flattened canvas or a small CNN")
-    train.add_argument("--hidden", type=_int_at_least(2), default=64,
+    train.add_argument("--hidden", type=int_at_least(2), default=64,
                        help="trunk width (MLP units; CNN: 2× the first conv's channels)")
-    train.add_argument("--depth", type=_int_at_least(1), default=2, help="MLP layers")
+    train.add_argument("--depth", type=int_at_least(1), default=2, help="MLP layers")
     train.add_argument("--max-norm", type=_positive_float, default=None,
                        help="global clip_grad_norm_ after the balanced backward (off by default)")
     train.add_argument("--per-sample-clip", type=_positive_float, default=None, metavar="C",
@@ -105,12 +102,16 @@ def add_common_options(parser: argparse.ArgumentParser, *, seeds: int, out: str,
     train.add_argument("--noise", type=_non_negative_float, default=0.0, metavar="SIGMA",
                        help="DP-SGD noise multiplier: N(0, (SIGMA*C/B)^2) on the update "
                             "(needs --per-sample-clip)")
-    train.add_argument("--threads", type=_int_at_least(1), default=1,
+    train.add_argument("--threads", type=int_at_least(1), default=1,
                        help="torch CPU threads (1 keeps step times comparable)")
     outs = parser.add_argument_group("outputs")
     outs.add_argument("--out", type=Path, default=Path(out),
-                      help="output folder: tables (CSV, markdown), plot, TensorBoard logs")
-    outs.add_argument("--log-every", type=_int_at_least(1), default=10,
+                      help="output folder: tables (CSV, markdown), plot, TensorBoard logs; a "
+                           "folder that already holds files is refused unless --overwrite "
+                           f"(default: {out})")
+    outs.add_argument("--overwrite", action="store_true",
+                      help=OVERWRITE_HELP.format(names=", ".join(OUTPUTS[:-1]) + ", tb/"))
+    outs.add_argument("--log-every", type=int_at_least(1), default=10,
                       help="TensorBoard: write the step statistics every N steps")
     outs.add_argument("--no-tensorboard", action="store_true", help="write no TensorBoard logs")
     outs.add_argument("--no-plot", action="store_true", help="write no PNG plot")
@@ -168,11 +169,15 @@ def _brief(result: RunResult, names: Sequence[str]) -> str:
 
 def execute(args: argparse.Namespace, methods: list[Method], *, baselines: bool,
             title: str, plot_name: str = "compare.png") -> int:
-    """Build the data, train every (seed, method), write every output, print the table."""
+    """Build the data, train every (seed, method), write every output, print the table.
+
+    ``--out`` is checked first (:class:`~gradbalance_lab._cli_common.OutputError`). On Ctrl-C
+    the outputs of the runs that finished are written and 130 is returned.
+    """
     try:
         _check_outputs(args)
     except ImportError as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"{title}: error: {error}", file=sys.stderr)
         return 2
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
@@ -182,58 +187,101 @@ def execute(args: argparse.Namespace, methods: list[Method], *, baselines: bool,
         torch.set_num_threads(threads)
 
 
-def _execute(args: argparse.Namespace, methods: list[Method], *, baselines: bool,
-             title: str, plot_name: str) -> int:
-    try:
-        cfg = config_from_args(args)
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    data = data_from_args(args)
+def _usable(data: MultiDigits, methods: list[Method], cfg: RunConfig,
+            title: str) -> list[Method] | None:
+    """The methods that can run on ``data`` (optional ones that cannot are skipped with a
+    warning); None, after a message, when a requested one cannot."""
     usable = []
     for method in methods:
         try:
             check_method(data, method, cfg)
         except (ValueError, TypeError) as error:
             if not method.optional:
-                print(f"error: {method.kind} {method.key!r} cannot run on this data: {error}",
-                      file=sys.stderr)
-                return 2
+                print(f"{title}: error: {method.kind} {method.key!r} cannot run on this data: "
+                      f"{error}", file=sys.stderr)
+                return None
             warnings.warn(f"skipped {method.kind} {method.key!r}: {error}", RuntimeWarning,
-                          stacklevel=2)
+                          stacklevel=3)
             continue
         usable.append(method)
-    methods = usable
+    return usable
+
+
+def _execute(args: argparse.Namespace, methods: list[Method], *, baselines: bool,
+             title: str, plot_name: str) -> int:
+    try:
+        cfg = config_from_args(args)
+    except ValueError as error:
+        print(f"{title}: error: {error}", file=sys.stderr)
+        return 2
+    out: Path = args.out
+    check_out(out, overwrite=args.overwrite)
+    data = data_from_args(args)
+    usable = _usable(data, methods, cfg, title)
+    if usable is None:
+        return 2
     singles = [Method("single", name, t) for t, name in enumerate(data.task_names)]
     plan = [(seed, m) for seed in range(args.seeds)
-            for m in (singles if baselines else []) + methods]
+            for m in (singles if baselines else []) + usable]
     per_run = cfg.epochs * math.ceil(data.x_train.shape[0] / cfg.batch_size)
-    out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
+    prepare_out(out, overwrite=args.overwrite, outputs=OUTPUTS)
     if not args.quiet:
         scales = ", ".join(f"{n}×{s:g}" for n, s in zip(data.task_names, data.loss_scales))
         print(f"{title}: MultiDigits {data.x_train.shape[0]} train / {data.x_test.shape[0]} "
               f"test canvases {tuple(data.input_shape)}, loss scales {scales}; "
               f"{len(plan)} runs of {per_run} steps", flush=True)
+    results, interrupted = _train_all(args, data, plan, cfg, per_run)
+    done = f"{len(results)} of {len(plan)} runs finished"
+    heading = f"{title} (interrupted: {done})" if interrupted else title
+    _write_outputs(args, data, results, title=heading, plot_name=plot_name)
+    if interrupted:
+        print(f"{title}: interrupted: {done}; the summary and CSVs in {out}/ hold those runs "
+              "only", file=sys.stderr)
+        return 130
+    return 0
+
+
+def _train_all(args: argparse.Namespace, data: MultiDigits, plan: list[tuple[int, Method]],
+               cfg: RunConfig, per_run: int) -> tuple[list[RunResult], bool]:
+    """Train the runs of ``plan`` in order; returns the finished runs and whether Ctrl-C
+    stopped the loop (the TensorBoard folder of the run it cut short is removed)."""
     progress = Progress(len(plan) * per_run, runs=len(plan), bar=not args.no_progress,
                         quiet=args.quiet)
     results: list[RunResult] = []
+    running: Path | None = None
     try:
         for seed, method in plan:
             progress.describe(f"{method.label} seed {seed}")
-            tb = None if args.no_tensorboard else out / "tb" / method.label / f"seed{seed}"
-            before = progress.done
-            try:
-                result = train_run(data, method, seed, cfg, progress, tb)
-            except (RuntimeError, ValueError, ArithmeticError) as error:
-                # a solver that fails mid-run fails this run only, and the table says so
-                result = RunResult(method, seed, [math.nan] * data.num_tasks,
-                                   error=f"{type(error).__name__}: {error}")
-                progress.advance(per_run - (progress.done - before))
-            results.append(result)
-            progress.finished_run(_brief(result, data.metric_names))
+            tb = None if args.no_tensorboard else args.out / "tb" / method.label / f"seed{seed}"
+            running = tb
+            results.append(_one_run(data, method, seed, cfg, progress, tb, per_run))
+            running = None
+            progress.finished_run(_brief(results[-1], data.metric_names))
+    except KeyboardInterrupt:
+        if running is not None:
+            shutil.rmtree(running, ignore_errors=True)
+        return results, True
     finally:
         progress.close()
+    return results, False
+
+
+def _one_run(data: MultiDigits, method: Method, seed: int, cfg: RunConfig, progress: Progress,
+             tb: Path | None, per_run: int) -> RunResult:
+    before = progress.done
+    try:
+        return train_run(data, method, seed, cfg, progress, tb)
+    except (RuntimeError, ValueError, ArithmeticError) as error:
+        # a solver that fails mid-run fails this run only, and the table says so
+        progress.advance(per_run - (progress.done - before))
+        return RunResult(method, seed, [math.nan] * data.num_tasks,
+                         error=f"{type(error).__name__}: {error}")
+
+
+def _write_outputs(args: argparse.Namespace, data: MultiDigits, results: list[RunResult], *,
+                   title: str, plot_name: str) -> None:
+    """Tables, config, plot and TensorBoard summary of ``results``; prints the table."""
+    out: Path = args.out
     hib = data.higher_is_better
     summaries = summarize(results, hib)
     table = format_markdown(summaries, data.metric_names, hib)
@@ -243,7 +291,7 @@ def _execute(args: argparse.Namespace, methods: list[Method], *, baselines: bool
         {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
          if not k.startswith("_")}, indent=2) + "\n")
     written = [out / "summary.md", *paths.values(), out / "config.json"]
-    if not args.no_plot:
+    if not args.no_plot and results:
         written.append(plot_results(out / plot_name, results, summaries, data.metric_names))
     if not args.no_tensorboard:
         _summary_to_tensorboard(out / "tb" / "summary", table)
@@ -253,7 +301,6 @@ def _execute(args: argparse.Namespace, methods: list[Method], *, baselines: bool
                                              for p in written))
     if not args.no_tensorboard:
         print(f"view the training curves with: tensorboard --logdir {out / 'tb'}")
-    return 0
 
 
 def _summary_to_tensorboard(path: Path, table: str) -> None:

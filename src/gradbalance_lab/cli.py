@@ -2,6 +2,10 @@
 
 Each command module defines ``HELP`` (one line), ``configure(parser)`` and ``run(args) -> int``.
 Also run by ``python -m gradbalance`` and ``python -m gradbalance_lab``.
+
+Exit codes: 0 success, 1 a command's own failure (e.g. an unmet claim of ``figures``), 2 a
+usage error (a bad option value, an unusable ``--out``, a missing extra; one line on stderr),
+130 interrupted (Ctrl-C; ``compare``/``train``/``figures`` first write what finished).
 """
 
 from __future__ import annotations
@@ -10,10 +14,12 @@ import argparse
 import importlib
 import sys
 from types import ModuleType
+from typing import NoReturn
 
 import torch
 
 from gradbalance import __version__
+from gradbalance_lab._cli_common import OutputError
 
 __all__ = ["COMMANDS", "main", "version_text"]
 
@@ -39,8 +45,15 @@ def version_text() -> str:
     return f"gradbalance {__version__} (torch {torch.__version__})"
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line on stderr, ``<prog>: error: <message>``, and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="gradbalance",
         description="Balance task gradients of multitask PyTorch models; experiments and demos.",
     )
@@ -65,6 +78,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args._run(args) or 0)
+    except OutputError as error:
+        print(f"gradbalance {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"gradbalance {args.command}: interrupted", file=sys.stderr)
+        return 130
     except ImportError as error:
         # an optional package the command needs is missing: the message names the extra
         if "pip install gradbalance[" not in str(error):

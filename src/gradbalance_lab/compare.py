@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from gradbalance.balancers import BALANCERS
 from gradbalance_lab._mtl_cli import add_common_options, execute
@@ -44,7 +45,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_common_options(parser, seeds=3, out="runs/compare")
 
 
-def _choice(text: str | None, registry: dict[str, object]) -> list[str] | None:
+def _choice(text: str | None, registry: dict[str, Any]) -> list[str] | None:
     if text is None:
         return None
     if text.strip().lower() == "all":
