@@ -27,13 +27,24 @@ from gradbalance.step import TaskGradBuffer
 __all__ = [
     "BOWL_CENTERS",
     "BOWL_CURVATURE",
+    "KERNELS",
     "Claim",
     "Missing",
     "TwoBowls",
     "angle_deg",
+    "angles_deg",
+    "bowl_gradients",
+    "bowl_noise",
+    "grad_of",
+    "kernel_gap",
+    "mgda_two",
+    "pareto_distances",
+    "pcgrad_two",
     "pyplot",
     "require_attr",
     "require_balancer",
+    "seed_range",
+    "train_bowls",
 ]
 
 
@@ -73,6 +84,13 @@ def require_attr(module: str, attr: str) -> Any:
     if not hasattr(mod, attr):
         raise Missing(f"needs gradbalance.{module}.{attr}")
     return getattr(mod, attr)
+
+
+def grad_of(param: Tensor) -> Tensor:
+    """``param.grad`` (detached), which the step must have written."""
+    if param.grad is None:
+        raise RuntimeError("the parameter has no .grad")
+    return param.grad.detach()
 
 
 def angle_deg(a: Tensor, b: Tensor) -> float:
@@ -180,16 +198,176 @@ class TwoBowls:
             before = self.weights.detach().clone()
             buf.backward(self.losses())
             stats = buf.apply_(balancer)
-            grad = self.weights.grad.detach().clone()
+            grad = grad_of(self.weights).clone()
             opt.step()
             opt.zero_grad(set_to_none=True)
             now = self.weights.detach()
             delta = before - now
             out["step"].append(float(delta.norm()))
-            out["update"].append(float(stats.update_norm))
+            out["update"].append(float(stats.update_norm or 0.0))
             out["tilt"].append(angle_deg(delta, grad))
             if t % record_every == 0 or t == steps - 1:
                 out["x"].append(float(now[0]))
                 out["y"].append(float(now[1]))
                 out["pareto"].append(self.pareto_distance(now))
         return out
+
+
+# -- many two-bowl runs at once ---------------------------------------------------------------
+#
+# The figures that need thousands of two-bowl steps (several seeds, starts or readings) run them
+# as one batch: the weights are a ``[B, 2]`` parameter, the exact gradients come in closed form,
+# two-task PCGrad and MGDA are the library's own closed forms written over a batch dimension
+# (``pcgrad_two``, ``mgda_two``), and the ``torch.optim`` step is elementwise, so each row is an
+# independent run. Every figure that uses them checks them against the library: the balancers on
+# the matrices the figure met (:func:`kernel_gap`) and :meth:`TwoBowls.train` over a prefix of the
+# same runs; both numbers are reported beside the claims.
+
+
+_CENTERS = torch.tensor(BOWL_CENTERS, dtype=torch.float64)
+_CURVATURE = torch.tensor(BOWL_CURVATURE, dtype=torch.float64)
+
+
+def bowl_gradients(w: Tensor) -> Tensor:
+    """Exact task gradients ``[..., 2, 2]`` (task, coordinate) at the float64 weights
+    ``[..., 2]``."""
+    return (w.unsqueeze(-2) - _CENTERS) * _CURVATURE
+
+
+def bowl_noise(seed: int, steps: int, sigma: float = 1.0) -> Tensor:
+    """``[steps, 2, 2]``: the gradient noise :class:`TwoBowls` ``(noise=sigma, seed=seed)`` adds
+    over ``steps`` steps (same generator, same draws, same order)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randn(2, 2, generator=gen, dtype=torch.float64) * sigma
+                        for _ in range(steps)])
+
+
+def _rows(matrix: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    g1, g2 = matrix[..., 0, :], matrix[..., 1, :]
+    return (g1, g2, (g1 * g1).sum(-1, keepdim=True), (g2 * g2).sum(-1, keepdim=True),
+            (g1 * g2).sum(-1, keepdim=True))
+
+
+def pcgrad_two(matrix: Tensor) -> Tensor:
+    """The ``PCGrad`` balancer (sum reduction) on two tasks, over a batch: ``[..., 2, P]`` →
+    ``[..., P]``. When ``g₁·g₂ < 0`` each row loses its component along the other,
+    ``g₁ + g₂ − (g₁·g₂/‖g₂‖²) g₂ − (g₁·g₂/‖g₁‖²) g₁``; with two tasks the visiting order
+    does not matter, and a zero row is never projected on (as :func:`pcgrad_coefficients`)."""
+    g1, g2, n1, n2, dot = _rows(matrix)
+    conflict = dot < 0
+    a1 = torch.where(conflict & (n2 > 0), dot / torch.where(n2 > 0, n2, 1.0), 0.0)
+    a2 = torch.where(conflict & (n1 > 0), dot / torch.where(n1 > 0, n1, 1.0), 0.0)
+    return (g1 - a1 * g2) + (g2 - a2 * g1)
+
+
+def mgda_two(matrix: Tensor) -> Tensor:
+    """The ``MGDA`` balancer (no normalisation) on two tasks, over a batch: ``[..., 2, P]`` →
+    ``[..., P]``. The min-norm point ``γ g₁ + (1 − γ) g₂`` with
+    ``γ = clip((‖g₂‖² − g₁·g₂) / ‖g₁ − g₂‖², 0, 1)`` (½ for equal rows), the closed form the
+    library's solver uses for K = 2 (Sener & Koltun 2018, Alg. 1)."""
+    g1, g2, n1, n2, dot = _rows(matrix)
+    diff = n1 - 2 * dot + n2
+    gamma = torch.where(diff > 0, ((n2 - dot) / torch.where(diff > 0, diff, 1.0)).clamp(0, 1),
+                        0.5)
+    return gamma * g1 + (1 - gamma) * g2
+
+
+#: balancer name -> its batched two-task form.
+KERNELS: dict[str, Callable[[Tensor], Tensor]] = {
+    "pcgrad": pcgrad_two,
+    "mgda": mgda_two,
+    "sum": lambda matrix: matrix.sum(dim=-2),
+    "mean": lambda matrix: matrix.mean(dim=-2),
+}
+
+
+def kernel_gap(name: str, matrices: Tensor, samples: int = 200) -> float:
+    """Largest difference ``‖kernel(G) − balancer(G)‖ / ‖G‖`` between the batched form of
+    balancer ``name`` and the library's balancer, over ``samples`` of the ``[..., 2, P]``
+    ``matrices`` (evenly spaced through them): rounding is about 1e-16."""
+    flat = matrices.reshape(-1, 2, matrices.shape[-1])
+    pick = torch.linspace(0, flat.shape[0] - 1, min(samples, flat.shape[0])).round().long()
+    balancer = require_balancer(name)
+    kernel = KERNELS[name]
+    worst = 0.0
+    for i in pick.tolist():
+        scale = float(flat[i].norm())
+        if scale > 0:
+            worst = max(worst, float((kernel(flat[i]) - balancer(flat[i])).norm()) / scale)
+    return worst
+
+
+def train_bowls(
+    starts: Tensor,
+    balancer: str,
+    make_optimizer: Callable[[list[Tensor]], torch.optim.Optimizer],
+    steps: int,
+    noise: Tensor | None = None,
+    until_still: bool = False,
+) -> dict[str, Tensor]:
+    """Run ``B`` independent two-bowl trainings at once: ``starts`` ``[B, 2]``.
+
+    Per step: the exact task gradients plus ``noise[:, t]`` (``[B, steps, 2, 2]``, or None),
+    the batched balancer ``balancer`` (:data:`KERNELS`) into ``.grad``, then one step of the
+    optimizer ``make_optimizer`` builds (elementwise in torch, so the rows never mix).
+    ``until_still``: stop once a step leaves every weight bitwise unchanged while the balanced
+    gradient is exactly zero (or, for plain SGD, whose only state is the weights, once a step
+    leaves them unchanged): every later step is then zero too, since with a zero gradient the
+    steps of SGD, heavy ball and Adam only shrink. ``steps_run`` says how many were taken.
+
+    Returns ``path`` ``[n + 1, B, 2]`` (the start, then the weights after each step),
+    ``handed`` ``[n, B, 2]`` (the balanced gradient written into ``.grad``) and
+    ``matrices`` ``[n, B, 2, 2]`` (the task gradients it was balanced from).
+    """
+    kernel = KERNELS[balancer]
+    weights = torch.nn.Parameter(starts.detach().clone().double())
+    opt = make_optimizer([weights])
+    b = starts.shape[0]
+    path = torch.empty(steps + 1, b, 2, dtype=torch.float64)
+    handed = torch.empty(steps, b, 2, dtype=torch.float64)
+    matrices = torch.empty(steps, b, 2, 2, dtype=torch.float64)
+    path[0] = weights.detach()
+    stateless = isinstance(opt, torch.optim.SGD) and all(
+        g["momentum"] == 0 and g["weight_decay"] == 0 for g in opt.param_groups)
+    n = steps
+    for t in range(steps):
+        with torch.no_grad():
+            grads = bowl_gradients(weights.detach())
+            if noise is not None:
+                grads = grads + noise[:, t]
+            matrices[t] = grads
+            handed[t] = kernel(grads)
+        weights.grad = handed[t].clone()
+        opt.step()
+        path[t + 1] = weights.detach()
+        if until_still and torch.equal(path[t + 1], path[t]) and (
+                stateless or not bool(handed[t].any())):
+            n = t + 1
+            break
+    return {"path": path[: n + 1], "handed": handed[:n], "matrices": matrices[:n],
+            "steps_run": torch.tensor(n)}
+
+
+def pareto_distances(w: Tensor) -> Tensor:
+    """:meth:`TwoBowls.pareto_distance` over a batch: ``[..., 2]`` → ``[...]``."""
+    c1, c2 = _CENTERS[0], _CENTERS[1]
+    d = c2 - c1
+    t = (((w.double() - c1) @ d) / (d @ d)).clamp(0.0, 1.0)
+    out: Tensor = (w.double() - (c1 + t.unsqueeze(-1) * d)).norm(dim=-1)
+    return out
+
+
+def angles_deg(a: Tensor, b: Tensor) -> Tensor:
+    """Angles (degrees) between the vectors in the last dimension of ``a`` and ``b`` (0 where
+    either is zero)."""
+    den = a.norm(dim=-1) * b.norm(dim=-1)
+    cos = torch.where(den > 0, (a * b).sum(-1) / torch.where(den > 0, den, 1.0), 1.0)
+    return torch.rad2deg(torch.acos(cos.clamp(-1.0, 1.0)))
+
+
+def seed_range(values: list[float], text: float, rounding: float = 0.5) -> tuple[float, float,
+                                                                                  bool]:
+    """``(min, max, met)`` of per-seed values; met when that range overlaps the text's number
+    as the text rounds it (``text ± rounding``)."""
+    lo, hi = min(values), max(values)
+    return lo, hi, lo <= text + rounding and hi >= text - rounding
