@@ -22,12 +22,20 @@ single element) instead of DDP's ~25 MB buckets.
 (:func:`ddp_no_sync`). K task gradients through ``autograd.grad`` never reach DDP's reducer,
 and K ``backward`` calls would synchronise only the first one; the buffer does the whole
 reduction itself.
+
+Before any of this, ``apply_`` all-gathers a few int64s per rank (K, P, the heads' size, the
+trunk's dtype, the mode, ``update_every``, the step number, the step's ``backward`` calls,
+whether it reuses cached weights) and raises :class:`RankAgreementError` on every rank if they
+differ, or if a rank does not arrive within the process group's ``timeout``: nothing has been
+reduced or written then. :func:`all_reduce_grads_`, :func:`sync_weighting_` and
+:func:`broadcast_parameters_` check their tensors' shapes the same way.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +48,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LOCAL",
+    "RankAgreementError",
     "all_reduce_grads_",
     "all_reduce_mean_",
     "assert_same_across_ranks",
@@ -87,6 +96,174 @@ def _comm_device(group: Any, device: torch.device) -> torch.device:
     return device
 
 
+# -- agreement between the ranks ---------------------------------------------------------
+
+
+class RankAgreementError(RuntimeError):
+    """The ranks of a data-parallel step disagree, or one of them did not arrive in time.
+
+    Raised before anything the user owns changes: no gradient was reduced or written and no
+    state advanced. On a disagreement (K, P, mode, step, micro-batches, tensor shapes) every
+    rank raises the same message; a rank that stalls or crashes makes the others raise
+    within the process group's ``timeout`` (``init_process_group(timeout=...)``).
+    """
+
+
+def _code(name: str) -> int:
+    """A number every rank computes alike for ``name`` (a mode, a dtype)."""
+    return zlib.crc32(name.encode())
+
+
+_KNOWN_NAMES = ("matrix", "gramian", "features", "torch.float16", "torch.bfloat16",
+                "torch.float32", "torch.float64")
+
+
+def _name_of(code: int, local: str) -> str:
+    for name in (local, *_KNOWN_NAMES):
+        if _code(name) == code:
+            return name
+    return f"<unknown, code {code}>"
+
+
+def _who(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+_PLURAL = {"has": "have", "is": "are", "reuses": "reuse", "recomputes": "recompute",
+           "passes": "pass"}
+
+
+def _disagreement(phrases: list[str]) -> str:
+    """``"rank 1 has K=3 tasks, rank 0 has K=2 tasks"`` from each rank's phrase (``"has K=3
+    tasks"``): the ranks grouped by phrase, rank 0's group last (the reference)."""
+    groups: dict[str, list[int]] = {}
+    for rank, phrase in enumerate(phrases):
+        groups.setdefault(phrase, []).append(rank)
+    parts = []
+    for phrase, ranks in sorted(groups.items(), key=lambda item: (item[1][0] == 0, item[1])):
+        verb, _, rest = phrase.partition(" ")
+        parts.append(f"{_who(ranks)} {_PLURAL.get(verb, verb) if len(ranks) > 1 else verb} {rest}")
+    return ", ".join(parts)
+
+
+def _gather_ints(values: list[int], group: Any, what: str) -> list[list[int]]:
+    """Every rank's ``values`` (one all-gather of int64s); a rank that does not arrive
+    within the group's timeout (or has crashed) raises :class:`RankAgreementError` here."""
+    local = torch.tensor(values, dtype=torch.int64,
+                         device=_comm_device(group, torch.device("cpu")))
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    try:
+        dist.all_gather(parts, local, group=group)
+        return [part.tolist() for part in parts]
+    except RuntimeError as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise RankAgreementError(
+            f"{what} on rank {dist.get_rank(group)}: the other ranks did not reach the same "
+            f"step ({type(error).__name__}: {first_line}). A rank stalled, crashed or "
+            f"stopped calling {what} (it left the loop early or skipped a step); the wait "
+            f"is bounded by the process group's timeout, "
+            f"init_process_group(timeout=datetime.timedelta(...)). Nothing was reduced or "
+            f"written on this rank"
+        ) from error
+
+
+#: What ``apply_`` compares across the ranks: how a value reads on a rank, and the fix.
+_STEP_FIELDS: dict[str, tuple[str, str]] = {
+    "num_tasks": ("has K={} tasks", "every rank must pass the same K losses to backward()"),
+    "shared": ("has P={} shared parameter values",
+               "build the same trunk (shared_params) on every rank"),
+    "heads": ("has {} head parameter values", "build the same heads (head_params) on every rank"),
+    "dtype": ("has a {} trunk", "give the trunk the same dtype on every rank"),
+    "mode": ("has mode='{}'", "build every rank's TaskGradBuffer with the same mode"),
+    "update_every": ("has update_every={}",
+                     "build every rank's TaskGradBuffer with the same update_every"),
+    "step": ("is at step {}",
+             "a rank skipped apply_() (it began a step with backward() and dropped it, or "
+             "called reset()) or resumed from another checkpoint; every rank must run every "
+             "step"),
+    "count": ("has {} backward() call(s) in this step",
+              "a rank skipped apply_() (its backward() calls then add up into the next step) "
+              "or runs another number of micro-batches; every rank must call backward() as "
+              "often and apply_() every step"),
+    "reused": ("{}", "the ranks' update_every schedules differ (a rank skipped a step or "
+               "resumed from another checkpoint)"),
+}
+
+
+def _reads(key: str, value: int, names: dict[str, str]) -> str:
+    """How ``value`` of field ``key`` reads (``names``: this rank's mode and dtype)."""
+    if key == "reused":
+        return "reuses cached weights (update_every)" if value else "recomputes the weights"
+    shown: object = _name_of(value, names[key]) if key in names else value
+    return _STEP_FIELDS[key][0].format(shown)
+
+
+def check_step_agreement(
+    group: Any,
+    *,
+    num_tasks: int,
+    shared: Sequence[Tensor],
+    heads: Sequence[Tensor],
+    mode: str,
+    update_every: int,
+    step: int,
+    count: int,
+    reused: bool,
+) -> None:
+    """Raise :class:`RankAgreementError` on every rank unless all ranks run the same step.
+
+    Called by ``TaskGradBuffer.apply_`` before its collectives and before anything the user
+    owns changes: one all-gather of nine int64s. Ranks with another K or P
+    would otherwise abort inside the collective library, and a rank that skipped a step
+    would pair its collectives with another rank's next step without a word. ``group`` must
+    be resolved (not None).
+    """
+    dtype = str(shared[0].dtype) if shared else ""
+    local = {
+        "num_tasks": num_tasks,
+        "shared": sum(p.numel() for p in shared),
+        "heads": sum(p.numel() for p in heads),
+        "dtype": _code(dtype),
+        "mode": _code(mode),
+        "update_every": update_every,
+        "step": step,
+        "count": count,
+        "reused": int(reused),
+    }
+    names = {"dtype": dtype, "mode": mode}
+    rows = _gather_ints(list(local.values()), group, "TaskGradBuffer.apply_()")
+    problems = []
+    for i, key in enumerate(local):
+        column = [row[i] for row in rows]
+        if len(set(column)) > 1:
+            text = _disagreement([_reads(key, value, names) for value in column])
+            problems.append(f"{text}: {_STEP_FIELDS[key][1]}")
+    if problems:
+        raise RankAgreementError(
+            "TaskGradBuffer.apply_(): the ranks disagree, so their collectives would not "
+            "pair; nothing was reduced or written.\n  - " + "\n  - ".join(problems)
+        )
+
+
+def check_same_layout(tensors: Sequence[Tensor], group: Any, what: str) -> None:
+    """Raise :class:`RankAgreementError` on every rank unless every rank passes tensors of the
+    same number, shapes and dtypes (one all-gather of three int64s). ``group``: resolved."""
+    layout = repr([(tuple(t.shape), str(t.dtype)) for t in tensors])
+    local = [len(tensors), sum(t.numel() for t in tensors), _code(layout)]
+    rows = _gather_ints(local, group, what)
+    if all(row == rows[0] for row in rows):
+        return
+    same_sizes = all(row[:2] == rows[0][:2] for row in rows)
+    phrases = [f"passes {n} tensor(s) ({numel} values)"
+               + (" of other shapes or dtypes" if same_sizes and digest != rows[0][2] else "")
+               for n, numel, digest in rows]
+    raise RankAgreementError(
+        f"{what}: the ranks pass different tensors, so their collectives would not pair; "
+        f"nothing was averaged or copied. {_disagreement(phrases)}: pass the same "
+        f"parameters (or the same kind of object) on every rank, in the same order"
+    )
+
+
 def _launch_mean(tensors: Sequence[Tensor], group: Any) -> list[tuple[Any, Tensor, list[Tensor]]]:
     """Start one async SUM all-reduce per (device, dtype) bucket of ``tensors``."""
     buckets: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
@@ -120,7 +297,8 @@ def _finish_mean(pending: list[tuple[Any, Tensor, list[Tensor]]], size: int) -> 
 def all_reduce_mean_(tensors: Sequence[Tensor], group: Any = None) -> None:
     """Replace every tensor by its mean over the ranks, in place, bucketed by dtype/device.
 
-    Every rank must pass tensors of the same shapes, dtypes and order.
+    Every rank must pass tensors of the same shapes, dtypes and order; this raw collective
+    does not check it (the buffer, :func:`all_reduce_grads_` and :func:`sync_weighting_` do).
     """
     group = resolve_process_group(group)
     if group is None or not tensors:
@@ -148,8 +326,16 @@ def all_reduce_grads_(params: Iterable[Tensor], group: Any = None) -> None:
 
     A missing ``.grad`` is treated as zeros (and materialised), so every rank reduces the
     same layout. Use it for parameters outside the buffer (e.g. a loss weighting's own).
+    Parameters of other shapes on another rank raise :class:`RankAgreementError` on every
+    rank before any ``.grad`` changes.
     """
-    all_reduce_mean_(_grads_of(params), group)
+    listed = list(params)
+    group = resolve_process_group(group)
+    if group is not None:
+        check_same_layout(listed, group, "all_reduce_grads_()")
+    grads = _grads_of(listed)
+    if group is not None:
+        all_reduce_mean_(grads, group)
 
 
 def all_reduce_step_(
@@ -217,12 +403,15 @@ def sync_weighting_(weighting: LossWeighting, group: Any = None) -> None:
     ones :meth:`~gradbalance.LossWeighting.pending_tensors` returns, averaged in place. After
     this call every rank updates the weighting from the same numbers, so its state stays
     identical. (FAMO's ``losses_after``: average it with :func:`all_reduce_mean_` before
-    passing it.)
+    passing it.) A weighting of another K (or another method) on another rank raises
+    :class:`RankAgreementError` on every rank before anything is averaged.
     """
     group = resolve_process_group(group)
     if group is None:
         return
-    all_reduce_mean_(weighting.pending_tensors(), group)
+    pending = weighting.pending_tensors()
+    check_same_layout(pending, group, f"sync_weighting_({type(weighting).__name__})")
+    all_reduce_mean_(pending, group)
 
 
 def all_ranks_true(flag: Tensor, group: Any) -> Tensor:
@@ -241,8 +430,10 @@ def broadcast_parameters_(params: Iterable[Tensor], src: int = 0, group: Any = N
     group = resolve_process_group(group)
     if group is None:
         return
+    listed = list(params)
+    check_same_layout(listed, group, "broadcast_parameters_()")
     with torch.no_grad():
-        for p in params:
+        for p in listed:
             buf = p.data.to(_comm_device(group, p.device))
             dist.broadcast(buf, src=src, group=group)
             if buf.data_ptr() != p.data.data_ptr():

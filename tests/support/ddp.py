@@ -7,9 +7,11 @@ the reference every data-parallel run must reproduce.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -295,3 +297,208 @@ def spawn_runs(scenarios: list[Scenario], world: int = 2) -> list[dict[str, Any]
         mp.spawn(_worker, args=(world, init_file, tmp, scenarios), nprocs=world, join=True)
         return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False)
                 for r in range(world)]
+
+
+# -- failures: ranks that disagree, skip a step or stall -----------------------------------
+
+#: The timeout of the stall case's process group: the waiting rank raises within it.
+STALL_TIMEOUT_S = 4.0
+
+
+def _failure_model(k: int = K, width: int = 16) -> MultiTaskModel:
+    torch.manual_seed(0)
+    return MultiTaskModel(mlp_trunk(8, width, 2), make_heads(width, k)).double()
+
+
+def _backward(model: MultiTaskModel, buf: TaskGradBuffer, step: int, k: int = K) -> None:
+    x, y = data(step + 1)
+    buf.backward(regression_losses(model(x[step, :4]), y[step, :4, :k]))
+
+
+def _snapshot(model: MultiTaskModel, buf: TaskGradBuffer) -> list[Any]:
+    """Everything an apply_ that raised must have left alone."""
+    grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    params = [p.detach().clone() for p in model.parameters()]
+    matrix = None if buf.matrix is None else buf.matrix.clone()
+    return [grads, params, matrix, buf.state_dict()]
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return isinstance(a, Tensor) and isinstance(b, Tensor) and torch.equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[key], b[key]) for key in a)
+    return bool(a == b)
+
+
+def _raises(call: Any, model: MultiTaskModel, buf: TaskGradBuffer) -> dict[str, Any]:
+    """Run ``call``; its error (type and text) and whether anything moved meanwhile."""
+    before = _snapshot(model, buf)
+    start = time.monotonic()
+    try:
+        call()
+    except Exception as error:  # the test asserts the type
+        return {"type": type(error).__name__, "text": str(error),
+                "moved": not _same(before, _snapshot(model, buf)),
+                "seconds": time.monotonic() - start}
+    return {"type": None, "text": "", "moved": not _same(before, _snapshot(model, buf))}
+
+
+def _train(model: MultiTaskModel, buf: TaskGradBuffer, steps: range,
+           skip: int = -1, how: str = "") -> dict[str, Any]:
+    """Plain steps (Sum, SGD) until ``apply_`` raises; this rank skips step ``skip`` by
+    ``how``: ``"continue"`` (no apply_, its backward adds into the next step) or ``"reset"``."""
+    for step in steps:
+        _backward(model, buf, step)
+        if step == skip:
+            if how == "reset":
+                buf.reset()
+            continue
+        result = _raises(lambda: buf.apply_(Sum()), model, buf)
+        if result["type"] is not None:
+            return {**result, "step": step}
+        with torch.no_grad():  # SGD by hand: torch.optim's first use imports dynamo (seconds)
+            for p in model.parameters():
+                p -= 0.1 * p.grad  # type: ignore[operator]
+                p.grad = None
+    return {"type": None, "step": steps[-1], "steps_begun": buf.state_dict()["steps_begun"],
+            "params": [p.detach().clone() for p in model.parameters()]}
+
+
+def _case_shapes(rank: int, k: int = K, width: int = 16, mode: str = "matrix") -> dict[str, Any]:
+    """One step where ranks built different models (K, P) or buffers (mode)."""
+    model = _failure_model(k, width)
+    buf = TaskGradBuffer(model.shared_parameters(), model.head_parameters(),
+                         mode=mode,  # type: ignore[arg-type]
+                         **({"modules": model.trunk} if mode == "gramian" else {}))
+    _backward(model, buf, 0, k)
+    return _raises(lambda: buf.apply_(Sum()), model, buf)
+
+
+def _case_skip(rank: int, how: str, update_every: int = 1) -> dict[str, Any]:
+    """Four steps; rank 1 skips step 1 by ``how`` (see :func:`_train`)."""
+    model = _failure_model()
+    buf = TaskGradBuffer(model.shared_parameters(), model.head_parameters(),
+                         update_every=update_every)
+    return _train(model, buf, range(4), skip=1 if rank == 1 else -1, how=how)
+
+
+def _case_resume(rank: int) -> dict[str, Any]:
+    """Save after 2 and 3 steps; every rank resumes the step-3 state (agreement kept), a
+    state saved without the counter (agreement kept), then rank 1 alone the step-2 state."""
+    model = _failure_model()
+    buf = TaskGradBuffer(model.shared_parameters(), model.head_parameters())
+    saved = []
+    for stop in (2, 3):
+        _train(model, buf, range(stop - 1, stop) if saved else range(stop))
+        saved.append((copy.deepcopy(model.state_dict()), buf.state_dict()))
+    out: dict[str, Any] = {"saved_steps": [state["steps_begun"] for _, state in saved]}
+    for name, (weights, state) in {
+        "same": saved[1],
+        "legacy": (saved[1][0], {k: v for k, v in saved[1][1].items() if k != "steps_begun"}),
+        "other": saved[0] if rank == 1 else saved[1],
+    }.items():
+        model.load_state_dict(weights)
+        fresh = TaskGradBuffer(model.shared_parameters(), model.head_parameters())
+        fresh.load_state_dict(state)
+        out[name] = _train(model, fresh, range(3, 5))
+    return out
+
+
+def _error_of(call: Any, watched: list[Tensor]) -> dict[str, Any]:
+    """``call``'s error (type, text) and whether ``watched`` changed meanwhile."""
+    before = [t.clone() for t in watched]
+    try:
+        call()
+        found: dict[str, Any] = {"type": None, "text": ""}
+    except Exception as error:  # the test asserts the type
+        found = {"type": type(error).__name__, "text": str(error)}
+    return {**found, "moved": not _same(before, watched)}
+
+
+def _case_layout(rank: int) -> dict[str, Any]:
+    """all_reduce_grads_ and sync_weighting_ with other shapes on rank 1."""
+    from gradbalance.distributed import all_reduce_grads_
+    from gradbalance.weighting import DWA
+
+    w = torch.ones(2 + rank, requires_grad=True)
+    w.grad = torch.full_like(w, float(rank))
+    weighting = DWA(2 + rank)
+    weighting(torch.ones(2 + rank, dtype=torch.float64))
+    return {"grads": _error_of(lambda: all_reduce_grads_([w]), [w.grad]),
+            "weighting": _error_of(lambda: sync_weighting_(weighting),
+                                   weighting.pending_tensors())}
+
+
+def _case_stall(rank: int, flag: str) -> dict[str, Any]:
+    """Rank 1 stalls before apply_ until rank 0 has given up (or 3 timeouts at most), in a
+    group of its own with a short timeout (a timed-out group cannot be used again)."""
+    group = dist.new_group(timeout=datetime.timedelta(seconds=STALL_TIMEOUT_S))
+    model = _failure_model()
+    buf = TaskGradBuffer(model.shared_parameters(), model.head_parameters(),
+                         process_group=group)
+    _backward(model, buf, 0)
+    if rank == 1:
+        deadline = time.monotonic() + 3 * STALL_TIMEOUT_S
+        while not os.path.exists(flag) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    result = _raises(lambda: buf.apply_(Sum()), model, buf)
+    if rank == 0:
+        open(flag, "w").close()
+    return result
+
+
+def failure_cases(rank: int, world: int, out_dir: str) -> dict[str, Any]:
+    """Every failure case on this rank; the stall comes last."""
+    results: dict[str, Any] = {
+        "tasks": _case_shapes(rank, k=2 + rank),
+        "trunk": _case_shapes(rank, width=16 + rank),
+        "mode": _case_shapes(rank, mode=("matrix", "gramian")[rank]),
+        "skip": _case_skip(rank, "continue"),
+        "reset": _case_skip(rank, "reset"),
+        "reused": _case_skip(rank, "reset", update_every=2),
+        "resume": _case_resume(rank),
+        "layout": _case_layout(rank),
+    }
+    results["stall"] = _case_stall(rank, os.path.join(out_dir, "rank0-gave-up"))
+    return results
+
+
+def _failure_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    results = failure_cases(rank, world, out_dir)
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    # the result is saved; the stall case's group timed out, and tearing the groups down
+    # (or the interpreter) waits seconds for nothing
+    os._exit(0)
+
+
+def spawn_bounded(target: Any, world: int = 2, limit_s: float = 60.0) -> list[dict[str, Any]]:
+    """Run ``target(rank, world, init_file, out_dir)`` on ``world`` processes, each of which
+    saves ``out_dir/rank{r}.pt``; a process still running after ``limit_s`` is killed and the
+    call fails, so a hang fails a test instead of stalling it."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        procs = [ctx.Process(target=target, args=(r, world, init_file, tmp))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + limit_s
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        assert not hung, f"ranks {hung} still ran after {limit_s} s: a hang"
+        paths = [os.path.join(tmp, f"rank{r}.pt") for r in range(world)]
+        missing = [(r, procs[r].exitcode) for r, path in enumerate(paths)
+                   if not os.path.exists(path)]
+        assert not missing, f"(rank, exit code) without a result: {missing}"
+        return [torch.load(path, weights_only=False) for path in paths]
