@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/gradbalance compare --variant scaled --seeds 2 --out runs/demo
+	$(BIN)/gradbalance compare --variant scaled --seeds 2 --out runs/demo --overwrite
 	@echo "demo outputs in runs/demo: summary.md, summary.csv, runs.csv, compare.png; tensorboard --logdir runs/demo/tb"
 
 # ruff, the type checker, the tests (docstring examples included), the API docs build and
@@ -63,7 +63,7 @@ check-install: $(STAMP)
 	echo "check-install: ok in $$(( $$(date +%s) - start )) s"
 
 figures: $(STAMP)
-	$(BIN)/gradbalance figures --out runs/figures
+	$(BIN)/gradbalance figures --out runs/figures --overwrite
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/step_overhead.py
