@@ -34,6 +34,7 @@ HELP = "regenerate the tutorials' claims with the library: numbers, one PNG per 
 
 #: figure name -> module (in the order of the text).
 FIGURES: dict[str, str] = {
+    "task_grads": "task_grads",
     "loss_scale": "loss_scale",
     "momentum": "momentum",
     "adam_turn": "adam_turn",
@@ -42,8 +43,10 @@ FIGURES: dict[str, str] = {
     "mgda_noise": "mgda_noise",
     "gradnorm": "gradnorm",
     "weight_decay": "weight_decay",
+    "adam_absorb": "adam_absorb",
     "clipping": "clipping",
     "mixed_precision": "mixed_precision",
+    "amp_cpu": "amp_cpu",
     "microbatch": "microbatch",
     "logging": "log_scalars",
 }
