@@ -49,6 +49,18 @@ FIGURES: dict[str, str] = {
     "amp_cpu": "amp_cpu",
     "microbatch": "microbatch",
     "logging": "log_scalars",
+    # the clip tutorial, in its order
+    "clip_basics": "clip_basics",
+    "clip_accumulation": "clip_accumulation",
+    "clip_threshold": "clip_threshold",
+    "clip_nonfinite": "clip_nonfinite",
+    "clip_api": "clip_api",
+    "clip_amp": "clip_amp",
+    "clip_autoclip": "clip_autoclip",
+    "clip_agc": "clip_agc",
+    "clip_per_sample": "clip_per_sample",
+    "clip_small_tau": "clip_small_tau",
+    "clip_ddp": "clip_ddp",
 }
 
 

@@ -6,7 +6,12 @@ into ``.grad`` by the library's step (``Sum`` balancer), then PyTorch's global
 ``clip_grad_value_(clip_value=5)`` (leaves ``(5, 5)``: the direction turns). Per-task
 clipping: two tasks with gradients ``(30, 40)`` (norm 50) and ``(0.3, 0.4)`` (norm 0.5) go
 through ``TaskGradBuffer.apply_(Sum(), clip=TaskClip(max_norm=1))``: the first row is capped
-at norm 1, the second is untouched.
+at norm 1, the second is untouched. Those two rows are parallel, so the combined update keeps
+its direction; with rows that are not parallel it turns. ``(30, 40)`` and ``(−0.4, 0.3)``
+(norms 50 and 0.5, 90° apart) give ``(0.6, 0.8) + (−0.4, 0.3) = (0.2, 1.1)`` against the
+unclipped ``(29.6, 40.3)``: the closed form of the turn is the angle between those two sums,
+and global clipping of the unclipped sum (one factor) turns it by nothing. A sweep rotates
+the second row from 0° to 180° away from the first and measures the turn each time.
 
 The percentile rule: a small 3-task MLP (8 inputs, trunk 32×2, targets scaled 1, 10, 0.1)
 trained for 200 steps with Adam (lr 1e-2) and the ``Mean`` balancer, no clipping; the
@@ -19,6 +24,7 @@ shrink factor ``min(1, τ/‖g‖)``.
 
 from __future__ import annotations
 
+import math
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -34,6 +40,12 @@ NAME = "clipping"
 TITLE = "§10 Gradient clipping (and the clip tutorial's examples)"
 
 
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    """``p.grad``, which the step has set."""
+    assert p.grad is not None
+    return p.grad
+
+
 def _single_grad() -> torch.Tensor:
     """``w = (3, 4)``; the loss ``(w · (30, 40)).sum()`` through the library's step."""
     w = torch.nn.Parameter(torch.tensor([3.0, 4.0]))
@@ -41,6 +53,37 @@ def _single_grad() -> torch.Tensor:
     buf.backward(torch.stack([(w * torch.tensor([30.0, 40.0])).sum()]))
     buf.apply_(get_balancer("sum"))
     return w
+
+
+TURN_ROWS = ((30.0, 40.0), (-0.4, 0.3))
+
+
+def _task_clip_sum(rows: torch.Tensor) -> tuple[list[float], list[float]]:
+    """``Sum`` of the rows of G after ``TaskClip(1)`` through the library's step (float64);
+    returns (combined gradient, pre-clip norms)."""
+    task_clip = require_attr("clip", "TaskClip")
+    w = torch.nn.Parameter(torch.zeros(rows.shape[1], dtype=torch.float64))
+    buf = TaskGradBuffer([w])
+    buf.backward((rows * w).sum(dim=1))
+    stats = buf.apply_(get_balancer("sum"), clip=task_clip(max_norm=1.0))
+    assert stats.pre_clip_norms is not None
+    return _grad(w).tolist(), stats.pre_clip_norms.tolist()
+
+
+def _turn(rows: torch.Tensor) -> dict[str, Any]:
+    """How far per-task clipping turns the summed update of ``rows``, and global clipping."""
+    combined, pre = _task_clip_sum(rows)
+    unclipped = rows.sum(dim=0)
+    g = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    g.grad = unclipped.clone()
+    torch.nn.utils.clip_grad_norm_([g], max_norm=1.0)
+    scale = [min(1.0, 1.0 / (float(r.norm()) + 1e-6)) for r in rows]
+    expected = (rows * torch.tensor(scale, dtype=torch.float64).unsqueeze(1)).sum(dim=0)
+    return {"rows": rows.tolist(), "combined": combined, "pre": pre,
+            "unclipped": unclipped.tolist(), "between": angle_deg(rows[0], rows[1]),
+            "turn": angle_deg(torch.tensor(combined, dtype=torch.float64), unclipped),
+            "turn_expected": angle_deg(expected, unclipped),
+            "global_turn": angle_deg(g.grad, unclipped)}
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -76,15 +119,15 @@ def _logged_run(steps: int, seed: int = 0) -> list[float]:
 def compute(quick: bool = False) -> dict[str, Any]:
     result: dict[str, Any] = {}
     w = _single_grad()
-    result["grad"] = w.grad.tolist()
+    result["grad"] = _grad(w).tolist()
     result["returned"] = float(torch.nn.utils.clip_grad_norm_([w], max_norm=1.0))
-    result["global"] = w.grad.tolist()
-    result["global_norm"] = float(w.grad.norm())
-    result["global_angle"] = angle_deg(w.grad, torch.tensor([30.0, 40.0]))
+    result["global"] = _grad(w).tolist()
+    result["global_norm"] = float(_grad(w).norm())
+    result["global_angle"] = angle_deg(_grad(w), torch.tensor([30.0, 40.0]))
     w = _single_grad()
     torch.nn.utils.clip_grad_value_([w], clip_value=5.0)
-    result["value"] = w.grad.tolist()
-    result["value_angle"] = angle_deg(w.grad, torch.tensor([30.0, 40.0]))
+    result["value"] = _grad(w).tolist()
+    result["value_angle"] = angle_deg(_grad(w), torch.tensor([30.0, 40.0]))
 
     task_clip = require_attr("clip", "TaskClip")
     suggest = require_attr("clip", "suggest_max_norm")
@@ -93,9 +136,20 @@ def compute(quick: bool = False) -> dict[str, Any]:
     buf = TaskGradBuffer([w])
     buf.backward((rows * w).sum(dim=1))
     stats = buf.apply_(get_balancer("sum"), clip=task_clip(max_norm=1.0))
+    assert stats.pre_clip_norms is not None and stats.task_norms is not None
     result["task_pre_clip"] = stats.pre_clip_norms.tolist()
-    result["task_grad"] = w.grad.tolist()
+    result["task_grad"] = _grad(w).tolist()
     result["task_post_norms"] = stats.task_norms.tolist()
+    result["turn"] = _turn(torch.tensor(TURN_ROWS, dtype=torch.float64))
+    sweep_deg = list(range(0, 181, 30 if quick else 5))
+    base = torch.tensor(TURN_ROWS[0], dtype=torch.float64)
+    turns = []
+    for deg in sweep_deg:
+        rot = torch.tensor([[math.cos(math.radians(deg)), -math.sin(math.radians(deg))],
+                            [math.sin(math.radians(deg)), math.cos(math.radians(deg))]],
+                           dtype=torch.float64)
+        turns.append(_turn(torch.stack([base, rot @ base / 100]))["turn"])
+    result["sweep_between"], result["sweep_turn"] = sweep_deg, turns
 
     norms = _logged_run(200)
     result["norms"] = norms
@@ -116,42 +170,60 @@ def claims(result: dict[str, Any]) -> list[Claim]:
     share = result["sweep_share"]
     factor = result["sweep_factor"]
     expected_row = [0.6 * 50 / (50 + 1e-6) + 0.3, 0.8 * 50 / (50 + 1e-6) + 0.4]
+    turn, sweep = result["turn"], result["sweep_turn"]
     return [
-        Claim("global clip of [30, 40] at max_norm 1 returns 50",
+        Claim("clip tutorial §Watching a clip happen: global clip of [30, 40] at max_norm 1 "
+              "returns 50",
               f"{result['returned']:.6g}", result["returned"] == 50.0),
-        Claim("... and leaves [0.6, 0.8]: same direction, length 1 (0.99999994 in float32)",
+        Claim("clip tutorial §Watching a clip happen: ... and leaves [0.6, 0.8]: same "
+              "direction, length 1 (0.99999994 in float32)",
               f"[{g[0]:.7g}, {g[1]:.7g}], length {result['global_norm']:.8g}, "
               f"turned {result['global_angle']:.2g}°",
               abs(g[0] - 0.6) < 1e-6 and abs(g[1] - 0.8) < 1e-6 and result["global_angle"] < 1e-3),
-        Claim("per-value clip at 5 gives [5, 5]: the direction turns",
+        Claim("§10 (and clip tutorial §The walkthrough): per-value clip at 5 gives [5, 5]: the "
+              "direction turns",
               f"[{v[0]:.6g}, {v[1]:.6g}], turned {result['value_angle']:.1f}°",
               v == [5.0, 5.0] and result["value_angle"] > 5),
-        Claim("per-task clipping caps each row of G before the combine (τ = 1: rows of norm "
-              "50 and 0.5)",
+        Claim("§10: per-task clipping caps each row of G before the combine (τ = 1: parallel "
+              "rows of norm 50 and 0.5)",
               f"pre-clip norms {pre[0]:.4g}, {pre[1]:.4g}; combined [{rows[0]:.6f}, "
               f"{rows[1]:.6f}] (expected [0.9, 1.2])",
               abs(rows[0] - expected_row[0]) < 1e-9 and abs(rows[1] - expected_row[1]) < 1e-9
               and abs(pre[0] - 50) < 1e-9 and abs(pre[1] - 0.5) < 1e-9),
-        Claim("the limit at the 95th percentile of a logged unclipped run (200 steps) catches "
-              "only runaways",
+        Claim("clip tutorial §Try it yourself / §Choosing the limit: the limit at the 95th "
+              "percentile of a logged unclipped run (200 steps) catches only runaways",
               f"suggest_max_norm = {result['suggested']:.4g} (reference "
               f"{result['reference_p95']:.4g}); {100 * result['share_above']:.1f}% of steps "
               f"above it",
               abs(result["suggested"] - result["reference_p95"]) < 1e-9 * result["suggested"]
               and result["share_above"] <= 0.05),
-        Claim("a smaller τ clips more steps and shortens them more; a very large τ never clips",
+        Claim("§10: a smaller τ clips more steps and shortens them more; a very large τ never "
+              "clips",
               "share clipped at p10/p50/p90/p95/2·max: "
               + ", ".join(f"{100 * s:.0f}%" for s in share)
               + "; mean factor " + ", ".join(f"{f:.2f}" for f in factor),
               all(a >= b for a, b in pairwise(share))
               and all(a <= b for a, b in pairwise(factor))
               and share[-1] == 0.0 and factor[-1] == 1.0),
+        Claim("§10: only the global clip scales the whole gradient by one factor — per-task "
+              "clipping of rows that are not parallel turns the update",
+              f"rows [30, 40] and [-0.4, 0.3] ({turn['between']:.0f}° apart, norms "
+              f"{turn['pre'][0]:.4g}, {turn['pre'][1]:.4g}): combined "
+              f"[{turn['combined'][0]:.6f}, {turn['combined'][1]:.6f}] vs unclipped "
+              f"[{turn['unclipped'][0]:.4g}, {turn['unclipped'][1]:.4g}]: turned "
+              f"{turn['turn']:.4f}° (closed form {turn['turn_expected']:.4f}°); global clip of "
+              f"the sum turned {turn['global_turn']:.1g}°; over the sweep of the angle "
+              f"between the rows, largest turn {max(sweep):.2f}° at "
+              f"{result['sweep_between'][sweep.index(max(sweep))]}°, "
+              f"{sweep[0]:.1g}° when parallel",
+              abs(turn["turn"] - turn["turn_expected"]) < 1e-6 and turn["turn"] > 1.0
+              and turn["global_turn"] < 1e-6 and sweep[0] < 1e-6),
     ]
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
     plt = pyplot()
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, ((ax1, ax2), (ax3, ax4)) = plt.subplots(2, 2, figsize=(11, 8))
     origin = [0.0, 0.0]
     for vec, label, color, width in (
         ([x / 50 for x in result["grad"]], "[30, 40] / 50", "lightgrey", 0.03),
@@ -164,6 +236,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax1.set_ylim(-0.1, 1.0)
     ax1.set_aspect("equal")
     ax1.legend(loc="upper left")
+    ax1.set_xlabel("gradient, weight 1")
+    ax1.set_ylabel("gradient, weight 2")
     ax1.set_title("direction kept (norm) vs turned (value)")
     norms = result["norms"]
     ax2.plot(norms, lw=0.8, label="pre-clip norm (unclipped run)")
@@ -174,5 +248,30 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax2.set_yscale("log")
     ax2.legend()
     ax2.set_title("choosing the limit from a logged run")
+    turn = result["turn"]
+    unclipped = turn["unclipped"]
+    size = math.hypot(*unclipped)
+    for vec, label, color, width in (
+        ([x / 50 for x in turn["rows"][0]], "task 1 row [30, 40] / 50", "lightgrey", 0.02),
+        (turn["rows"][1], "task 2 row [-0.4, 0.3]", "C2", 0.01),
+        ([x / size for x in unclipped], "unclipped sum / its norm", "C0", 0.01),
+        (turn["combined"], "sum after TaskClip(1)", "C3", 0.01),
+    ):
+        ax3.quiver(*origin, *vec, angles="xy", scale_units="xy", scale=1, color=color,
+                   label=label, width=width)
+    ax3.set_xlim(-0.6, 1.0)
+    ax3.set_ylim(-0.1, 1.3)
+    ax3.set_aspect("equal")
+    ax3.legend(loc="lower right", fontsize=8)
+    ax3.set_xlabel("gradient, weight 1")
+    ax3.set_ylabel("gradient, weight 2")
+    ax3.set_title(f"per-task clip of rows 90° apart: turned {turn['turn']:.1f}°")
+    ax4.plot(result["sweep_between"], result["sweep_turn"], "o-", ms=3, color="C3",
+             label="TaskClip(1), then Sum")
+    ax4.axhline(turn["global_turn"], color="C0", ls="--", label="global clip of the sum")
+    ax4.set_xlabel("angle between the two task rows (degrees; norms 50 and 0.5)")
+    ax4.set_ylabel("turn of the combined update (degrees)")
+    ax4.legend(loc="lower center")
+    ax4.set_title("how far per-task clipping turns the update")
     fig.suptitle(TITLE)
     save_figure(fig, path)
