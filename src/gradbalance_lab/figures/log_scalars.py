@@ -101,15 +101,15 @@ def claims(result: dict[str, Any]) -> list[Claim]:
     last_size = scalars["size/task0"][-1][1] if "size/task0" in scalars else math.nan
     check = result["check"]
     return [
-        Claim("per task the raw loss, the true gradient size and the weight; cos of tasks 0 "
+        Claim("§13 per task the raw loss, the true gradient size and the weight; cos of tasks 0 "
               "and 1; the pre-clip norm; whether the step was skipped",
               f"{len(scalars)} tags logged every step (w/ on every step not skipped); "
               f"missing: {', '.join(missing) or 'none'}",
               not missing),
-        Claim("amp_skipped marks the step the scaler dropped",
+        Claim("§13 amp_skipped marks the step the scaler dropped",
               f"skipped at {skipped_at} (overflow injected at {result['bad_step']})",
               skipped_at == [result["bad_step"]]),
-        Claim("the logged cosine and size are the text's formula on G / s",
+        Claim("§13 the logged cosine and size are the text's formula on G / s",
               f"cos {last_cos:.6f} vs {check['cos']:.6f}; size {last_size:.6f} vs "
               f"{check['size0']:.6f}",
               abs(last_cos - check["cos"]) < 1e-5
@@ -131,7 +131,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
     plt = pyplot()
     panels = [("loss", "loss/"), ("size", "size/"), ("w", "w/"), ("cos", "cos/"),
               ("pre_clip", "pre_clip"), ("amp_skipped", "amp_skipped")]
-    fig, axes = plt.subplots(2, 3, figsize=(12, 6))
+    ylabels = {"loss/": "raw task loss (log)", "size/": "true gradient norm ‖G/s‖ (log)",
+               "w/": "task weight", "cos/": "cosine of two tasks' gradients",
+               "pre_clip": "norm before clipping (log)",
+               "amp_skipped": "step skipped (1) or not (0)"}
+    fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
     scalars = result["scalars"]
     for ax, (title, prefix) in zip(axes.flat, panels):
         tags = sorted(t for t in scalars if t.startswith(prefix) and not t.startswith("std/")
@@ -147,6 +151,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         if prefix in ("loss/", "size/", "pre_clip"):
             ax.set_yscale("log")
         ax.set_title(title, fontsize=10, loc="left")
+        ax.set_ylabel(ylabels[prefix], fontsize=9)
         ax.grid(alpha=0.3)
         if len(tags) > 1:
             ax.legend(fontsize=7)

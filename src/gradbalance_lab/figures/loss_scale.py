@@ -57,7 +57,9 @@ def compute(quick: bool = False) -> dict[str, Any]:
                   nn.MSELoss(reduction=reductions[1])(h2(feats), y[:, 1:])]
         stats = balanced_backward(losses, get_balancer("sum"),
                                   shared_params=list(trunk.parameters()))
-        shares[label] = stats.cosine_to_update.tolist()
+        cosines_to_update = stats.cosine_to_update
+        assert cosines_to_update is not None
+        shares[label] = cosines_to_update.tolist()
     return {"n": list(SIZES), "ratio": ratios, "cosine": cosines, "cos_to_update": shares}
 
 
@@ -66,11 +68,11 @@ def claims(result: dict[str, Any]) -> list[Claim]:
     rel = max(abs(r / n - 1) for r, n in zip(ratio, result["n"]))
     mm, sm = result["cos_to_update"]["mean+mean"], result["cos_to_update"]["sum+mean"]
     return [
-        Claim("the sum reduction's gradient is n times the mean's",
+        Claim("§5 the sum reduction's gradient is n times the mean's",
               "‖g_sum‖/‖g_mean‖ = " + ", ".join(f"{r:.6g}" for r in ratio)
               + f" for n = {', '.join(map(str, result['n']))}", rel < 1e-5),
-        Claim("... in the same direction", f"min cosine {min(cos):.8f}", min(cos) > 1 - 1e-6),
-        Claim("gradient methods feel a loss scale directly (Sum balancer, 64 samples)",
+        Claim("§5 ... in the same direction", f"min cosine {min(cos):.8f}", min(cos) > 1 - 1e-6),
+        Claim("§5 gradient methods feel a loss scale directly (Sum balancer, 64 samples)",
               f"cos(step, task) mean+mean: {mm[0]:.2f}, {mm[1]:.2f}; task 1 summed: "
               f"{sm[0]:.2f}, {sm[1]:.2f}"),
     ]

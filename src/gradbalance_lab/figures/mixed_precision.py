@@ -29,12 +29,19 @@ import torch
 from gradbalance.balancers import BALANCERS, Balancer, get_balancer
 from gradbalance.step import TaskGradBuffer
 from gradbalance.taskgrads import task_gradients
-from gradbalance_lab.figures._common import Claim, angle_deg, pyplot, save_figure
+from gradbalance_lab.figures._common import Claim, angle_deg, grad_of, pyplot, save_figure
 from gradbalance_lab.models import MultiTaskModel, make_heads, mlp_trunk, regression_losses
 
 NAME = "mixed_precision"
 TITLE = "§11 Mixed precision: true sizes, directions and skipped steps"
 SCALE = 2.0**16
+
+
+def _tolist(values: torch.Tensor | None) -> list[float]:
+    if values is None:
+        raise RuntimeError("the step reported no task norms")
+    out: list[float] = values.tolist()
+    return out
 
 
 def _setup(seed: int = 0) -> tuple[MultiTaskModel, torch.Tensor, torch.Tensor]:
@@ -78,7 +85,7 @@ def _trunk_grad(name: str, use_scaler: bool) -> torch.Tensor | None:
     buf.apply_(balancer, scaler=scaler)
     if scaler is not None:
         scaler.unscale_(opt)
-    return torch.cat([p.grad.reshape(-1) for p in model.shared_parameters()]).double()
+    return torch.cat([grad_of(p).reshape(-1) for p in model.shared_parameters()]).double()
 
 
 def _equal_state(a: Any, b: Any) -> bool:
@@ -154,7 +161,7 @@ def compute(quick: bool = False) -> dict[str, Any]:
     result: dict[str, Any] = {
         "scale": s,
         "scaled_sizes": scaled.double().norm(dim=1).tolist(),
-        "true_sizes": stats.task_norms.tolist(),
+        "true_sizes": _tolist(stats.task_norms),
         "plain_sizes": plain.double().norm(dim=1).tolist(),
         "loss_scale_reported": stats.loss_scale,
         "balancers": {},
@@ -186,15 +193,15 @@ def claims(result: dict[str, Any]) -> list[Claim]:
     bad = sorted(n for n, v in skips.items()
                  if not (v["skipped"] and v["weights"] and v["optimizer"] and v["balancer"]))
     return [
-        Claim("true gradient sizes are the scaled sizes divided by s",
+        Claim("§11 true gradient sizes are the scaled sizes divided by s",
               f"s = {s:.0f}; scaled/s = " + ", ".join(f"{d:.5g}" for d in div)
               + "; reported " + ", ".join(f"{t:.5g}" for t in result["true_sizes"])
               + f" (to {err:.0e}; unscaled losses to {err_plain:.0e})",
               err < 1e-6 and err_plain < 1e-5),
-        Claim("every task carries the same s, so no balancer's direction changes",
+        Claim("§11 every task carries the same s, so no balancer's direction changes",
               f"{len(bal)} balancers: largest angle {worst_angle:.1e}° ({worst_name}), length "
               f"ratio within {worst_ratio:.0e} of 1", worst_angle < 1e-3 and worst_ratio < 1e-5),
-        Claim("a skipped step leaves balancer state untouched (weights, optimizer, balancer)",
+        Claim("§11 a skipped step leaves balancer state untouched (weights, optimizer, balancer)",
               f"{len(skips)} balancers skipped; stateful: {', '.join(stateful)}; changed: "
               f"{', '.join(bad) or 'none'}", not bad and bool(stateful)),
     ]
@@ -202,7 +209,7 @@ def claims(result: dict[str, Any]) -> list[Claim]:
 
 def plot(result: dict[str, Any], path: Path) -> None:
     plt = pyplot()
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 6.5))
     k = range(len(result["true_sizes"]))
     s = result["scale"]
     ax1.bar([i - 0.2 for i in k], [a / s for a in result["scaled_sizes"]], 0.4,
@@ -213,11 +220,15 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax1.set_title(f"true sizes (s = {s:.0f})")
     ax1.legend()
     names = sorted(result["balancers"])
-    ax2.barh(names, [max(result["balancers"][n]["angle"], 1e-12) for n in names])
+    angles = [result["balancers"][n]["angle"] for n in names]
+    ax2.barh(names, [max(a, 1e-12) for a in angles], color=["C0" if a > 0 else "C7"
+                                                             for a in angles])
     ax2.set_xscale("log")
     ax2.set_xlim(1e-12, 1)
-    ax2.set_xlabel("angle between the scaled and unscaled step (°)")
-    ax2.set_title("no direction change (every bar at the floor)")
-    ax2.tick_params(axis="y", labelsize=7)
+    ax2.set_xlabel("angle between the scaled and unscaled step (°, log; 0 drawn at 1e-12)")
+    zero = sum(a == 0 for a in angles)
+    ax2.set_title(f"angle per balancer: {zero} of {len(angles)} exactly 0, the largest "
+                  f"{max(angles):.0e}° (float32 rounding)", fontsize=10)
+    ax2.tick_params(axis="y", labelsize=8)
     fig.suptitle(TITLE)
     save_figure(fig, path)
