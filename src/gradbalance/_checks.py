@@ -74,6 +74,13 @@ def check_num_tasks(name: str, value: int) -> int:
     return check_positive_int(name, value, ", the number of tasks K")
 
 
+def check_optional_num_tasks(name: str, value: int | None) -> int | None:
+    """None (inferred later) or the number of tasks ``K`` (:func:`check_num_tasks`)."""
+    if value is None:
+        return None
+    return check_positive_int(name, value, ", the number of tasks K, or None to infer it")
+
+
 def check_norm_type(name: str, value: float) -> float:
     """The ``p`` of a p-norm: a number ``>= 1``, ``float('inf')`` included."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 1:
@@ -99,11 +106,12 @@ def check_choice(name: str, value: str, options: Sequence[str]) -> str:
 
 
 def check_generator(name: str, value: torch.Generator | None) -> torch.Generator | None:
-    """``None`` (torch's global RNG) or a ``torch.Generator``."""
+    """``None`` (the method's default source) or a ``torch.Generator`` (a seed is refused)."""
     if value is not None and not isinstance(value, torch.Generator):
+        seed = value if isinstance(value, int) and not isinstance(value, bool) else 0
         raise ValueError(
-            f"Invalid {name}: {type(value).__name__} (expected a torch.Generator or None, "
-            f"e.g. torch.Generator().manual_seed(0))"
+            f"Invalid {name}: {type(value).__name__} {value!r} (expected a torch.Generator or "
+            f"None; for a seeded stream pass {name}=torch.Generator().manual_seed({seed}))"
         )
     return value
 
@@ -222,8 +230,9 @@ def check_nonnegative_losses(name: str, value: Tensor, method: str) -> Tensor:
 
 
 def as_parameter_list(name: str, value: Iterable[Tensor] | Tensor | None,
-                      allow_empty: bool = False) -> list[Tensor]:
-    """Materialise a parameter iterable, rejecting tensors that require no grad."""
+                      allow_empty: bool = False, leaf: bool = True) -> list[Tensor]:
+    """Materialise a parameter iterable, rejecting tensors that require no grad and, with
+    ``leaf``, tensors computed from others (their ``.grad`` is never filled)."""
     if value is None:
         value = []
     if isinstance(value, Tensor):
@@ -243,10 +252,98 @@ def as_parameter_list(name: str, value: Iterable[Tensor] | Tensor | None,
                 f"{name}[{i}] (shape {tuple(p.shape)}) does not require grad; leave frozen "
                 f"parameters out of {name}, e.g. [p for p in params if p.requires_grad]"
             )
+        if leaf and not p.is_leaf:
+            raise ValueError(
+                f"{name}[{i}] (shape {tuple(p.shape)}) is not a leaf tensor: it is computed "
+                f"from other tensors (e.g. w * 2, w.to(...), w[0]), so autograd never fills its "
+                f".grad and no optimizer steps it; pass the parameters themselves, e.g. "
+                f"{name}=model.parameters()"
+            )
         if id(p) in seen:
             raise ValueError(f"{name}[{i}] appears twice in {name}; list each parameter once")
         seen.add(id(p))
     return result
+
+
+ParamSignature = tuple[torch.Size, torch.dtype, torch.device]
+
+
+def param_signatures(params: Sequence[Tensor]) -> list[ParamSignature]:
+    """Shape, dtype and device of every parameter, for :func:`check_parameters_unchanged`."""
+    return [(p.shape, p.dtype, p.device) for p in params]
+
+
+def check_parameters_unchanged(name: str, params: Sequence[Tensor],
+                               signatures: Sequence[ParamSignature]) -> None:
+    """The parameters still require grad and keep the shape, dtype and device recorded when
+    the object holding them was built (a frozen or moved parameter would fail half-way)."""
+    for i, (p, (shape, dtype, device)) in enumerate(zip(params, signatures)):
+        if not p.requires_grad:
+            raise ValueError(
+                f"{name}[{i}] (shape {tuple(p.shape)}) no longer requires grad (frozen after "
+                f"the TaskGradBuffer was built); build a new buffer over the trainable "
+                f"parameters, e.g. [p for p in params if p.requires_grad]"
+            )
+        if p.shape != shape or p.dtype != dtype or p.device != device:
+            raise ValueError(
+                f"{name}[{i}] changed from shape {tuple(shape)}, {dtype} on {device} to shape "
+                f"{tuple(p.shape)}, {p.dtype} on {p.device} since the TaskGradBuffer was built; "
+                f"build the buffer after the model's last .to(), resize or reload"
+            )
+
+
+# -- step arguments -----------------------------------------------------------------------
+
+
+def check_balancer(name: str, value: object) -> None:
+    """A :class:`~gradbalance.balancers.Balancer` instance (``TypeError`` otherwise)."""
+    from .balancers._base import Balancer
+
+    if isinstance(value, Balancer):
+        return
+    if isinstance(value, str):
+        raise TypeError(
+            f"Invalid {name}: {value!r}, a str (expected a Balancer object). Build it once, "
+            f"before the loop, and pass the same object every step, so that a balancer with "
+            f"state (GradVac's targets, Nash-MTL's warm start, a generator) keeps it: "
+            f"{name} = gradbalance.get_balancer({value!r}, num_tasks=K)"
+        )
+    if isinstance(value, type) and issubclass(value, Balancer):
+        raise TypeError(
+            f"Invalid {name}: the class {value.__name__} (expected a Balancer object); build "
+            f"it once before the loop: {name} = {value.__name__}()"
+        )
+    raise TypeError(
+        f"Invalid {name}: {type(value).__name__} {_short_repr(value)} (expected a Balancer "
+        f"object, e.g. {name} = gradbalance.get_balancer('mgda', num_tasks=K), or an "
+        f"instance of a Balancer subclass)"
+    )
+
+
+def check_row_clipper(name: str, value: object) -> None:
+    """None or a row clipper: a callable taking ``G`` ``[K, P]`` (``TypeError`` otherwise)."""
+    from .clip._agc import AGC
+    from .clip._auto import AutoClip
+
+    if value is None:
+        return
+    if isinstance(value, (AutoClip, AGC)):
+        row = "TaskAutoClip()" if isinstance(value, AutoClip) else "TaskClip(max_norm=...)"
+        raise TypeError(
+            f"Invalid {name}: {type(value).__name__}, a clipper of the parameters' .grad (call "
+            f"it on model.parameters() after apply_(), before optimizer.step()); {name}= takes "
+            f"a row clipper of G [K, P], e.g. {name}=gradbalance.{row}"
+        )
+    if not callable(value):
+        raise TypeError(
+            f"Invalid {name}: {type(value).__name__} {_short_repr(value)} (expected None or a "
+            f"row clipper, a callable taking G [K, P], e.g. {name}=gradbalance.TaskClip(1.0))"
+        )
+
+
+def _short_repr(value: object, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def check_matrix(name: str, value: Tensor, num_tasks: int | None = None) -> Tensor:

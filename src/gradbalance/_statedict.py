@@ -1,6 +1,11 @@
 """Checks on a ``state_dict`` handed to ``load_state_dict`` (shared by every stateful object).
 
 A state saved from another object should fail loudly, naming the keys found, not load half.
+Every balancer and loss weighting records the class that saved its state under
+:data:`TYPE_KEY` (:func:`tag_state`); :func:`untag_state` refuses a state recorded by another
+class before anything changes, so states whose keys coincide (PCGrad's and GradDrop's
+``"generator"``) cannot cross. States saved before the record existed carry no
+:data:`TYPE_KEY`: they still load, and the key checks (:func:`check_keys`) decide.
 """
 
 from __future__ import annotations
@@ -8,20 +13,49 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+#: The key under which a state names the class that saved it.
+TYPE_KEY = "_type"
+
+
+def tag_state(owner: object, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with :data:`TYPE_KEY` set to ``owner``'s class name."""
+    return {TYPE_KEY: type(owner).__name__, **state}
+
+
+def untag_state(owner: object, state: Any, kind: str) -> dict[str, Any]:
+    """``state`` without :data:`TYPE_KEY`, once checked to be a dict saved by ``owner``'s class.
+
+    ``kind`` names what ``owner`` is (balancer, weighting, clipper) in the messages. An
+    untagged dict (an older file) passes; the caller's key checks then apply.
+    """
+    name = type(owner).__name__
+    if not isinstance(state, dict):
+        raise ValueError(
+            f"{name}.load_state_dict expects the dict returned by state_dict(), got a "
+            f"{type(state).__name__}"
+        )
+    saved = state.get(TYPE_KEY, name)
+    if saved != name:
+        raise ValueError(
+            f"state_dict was saved by a {saved}, not a {name}: a {kind}'s state loads only "
+            f"into the class that saved it; build a {saved} to resume it"
+        )
+    return {key: value for key, value in state.items() if key != TYPE_KEY}
+
 
 def reject_state(owner: str, state: dict[str, Any], kind: str) -> None:
     """A stateless ``owner`` (a balancer, weighting or clipper: ``kind``) takes only ``{}``."""
     if state:
         raise ValueError(
-            f"{owner} is stateless but state_dict has keys {sorted(state)}; was it saved from "
-            f"another {kind}?"
+            f"{owner} is stateless but state_dict has keys {sorted(state, key=str)}; was it saved "
+            f"from another {kind}?"
         )
 
 
 def check_keys(owner: str, state: dict[str, Any], allowed: Iterable[str],
                kind: str = "balancer") -> None:
     """Reject keys outside ``allowed`` (a state saved from another ``kind``)."""
-    extra = sorted(set(state) - set(allowed))
+    extra = sorted(set(state) - set(allowed), key=str)
     if extra:
         raise ValueError(
             f"state_dict has unexpected keys {extra} for {owner} (expected a subset of "

@@ -27,19 +27,46 @@ Example:
     >>> meta["step"] + 1, torch.equal(model2.weight, model.weight)
     (100, True)
 
-Files are read with ``torch.load(weights_only=True)``: they hold tensors and plain Python
-values only.
+Files are written atomically and read safely:
+
+* :func:`save_checkpoint` to a path writes a temporary file beside it
+  (``.<name>.<random>.tmp``), flushes it and syncs it to disk (``fsync``), then renames it
+  over the target and syncs the folder where the OS allows. A save that raises or is killed
+  at any moment leaves the previous checkpoint whole; on an error the temporary file is
+  removed (a killed save may leave one behind, safe to delete).
+* Everything saved must load back with ``torch.load(weights_only=True)``: tensors and plain
+  Python values (dict, list, tuple, set, str, int, float, bool, None, ``torch.dtype``...). A
+  value that would not (a NumPy array, an arbitrary object, in ``extra`` or in a
+  ``state_dict``) is refused before anything is written, with its key path and the fix.
+* A file that cannot be loaded (missing, empty, truncated, a directory, not written by
+  :func:`save_checkpoint`) raises :class:`CheckpointError`, naming the file and the reason;
+  a missing file raises its subclass :class:`CheckpointNotFoundError`, also a
+  ``FileNotFoundError``.
+* :func:`restore_state` (and so :func:`load_checkpoint`) is all or nothing: when one object
+  refuses its state (e.g. a balancer given another balancer's state), every object loaded
+  before it is put back as it was and :class:`CheckpointError` is raised. For this it keeps a
+  copy of each object's current state until all have loaded (models and optimizers on CPU).
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import io
 import os
+import pickle
 import random
+import re
+import secrets
+import stat
+from collections import OrderedDict
 from typing import IO, Any
 
 import torch
 
 __all__ = [
+    "CheckpointError",
+    "CheckpointNotFoundError",
     "capture_state",
     "get_rng_state",
     "load_checkpoint",
@@ -49,6 +76,22 @@ __all__ = [
 ]
 
 _FORMAT = 1
+
+#: Leaf types that ``torch.load(weights_only=True)`` reads back (checked exactly: a NumPy
+#: float64 is a ``float`` subclass that it refuses).
+_PLAIN_TYPES = frozenset({type(None), bool, int, float, complex, str, bytes, bytearray,
+                          torch.dtype, torch.device, torch.Size, torch.layout, torch.Tensor,
+                          torch.nn.Parameter})
+_MAPPINGS = frozenset({dict, OrderedDict})
+_SEQUENCES = frozenset({list, tuple, set})
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be saved or loaded; the message names the file and why."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No file at the path given to :func:`load_checkpoint` (also a ``FileNotFoundError``)."""
 
 
 def get_rng_state() -> dict[str, Any]:
@@ -112,7 +155,7 @@ def _state_of(name: str, obj: Any) -> Any:
     if isinstance(obj, torch.Generator):
         return {"generator_state": obj.get_state()}
     if not callable(getattr(obj, "state_dict", None)):
-        raise ValueError(
+        raise CheckpointError(
             f"{name} is a {type(obj).__name__} without state_dict(); pass objects with "
             f"state_dict()/load_state_dict() or a torch.Generator"
         )
@@ -121,13 +164,90 @@ def _state_of(name: str, obj: Any) -> Any:
 
 def _load_into(name: str, obj: Any, state: Any) -> None:
     if isinstance(obj, torch.Generator):
-        if not isinstance(state, dict) or "generator_state" not in state:
-            raise ValueError(f"checkpoint entry {name!r} is not a generator state")
         obj.set_state(state["generator_state"])
-        return
-    if not callable(getattr(obj, "load_state_dict", None)):
-        raise ValueError(f"{name} is a {type(obj).__name__} without load_state_dict()")
-    obj.load_state_dict(state)
+    else:
+        obj.load_state_dict(state)
+
+
+def _check_target(name: str, obj: Any, state: Any, where: str) -> None:
+    """Before anything loads: ``obj`` can take a state and a generator's entry is one."""
+    if isinstance(obj, torch.Generator):
+        if not isinstance(state, dict) or not isinstance(state.get("generator_state"),
+                                                         torch.Tensor):
+            raise CheckpointError(f"{where}: entry {name!r} is not a generator state")
+    elif not callable(getattr(obj, "load_state_dict", None)):
+        raise CheckpointError(f"{name} is a {type(obj).__name__} without load_state_dict()")
+
+
+# -- what a file may hold ----------------------------------------------------------------
+
+
+def _round_trip_error(value: Any) -> str | None:
+    """Why ``value`` does not survive ``torch.save`` + ``torch.load(weights_only=True)``."""
+    buffer = io.BytesIO()
+    try:
+        torch.save(value, buffer)
+    except Exception as error:
+        return f"cannot be pickled ({_first_line(error)})"
+    buffer.seek(0)
+    try:
+        torch.load(buffer, weights_only=True)
+    except Exception:
+        return "does not load back with torch.load(weights_only=True)"
+    return None
+
+
+def _fix_for(value: Any) -> str:
+    module, kind = type(value).__module__, type(value).__name__
+    if module.startswith("numpy") and kind == "ndarray":
+        return "convert it with torch.from_numpy(value) or value.tolist()"
+    if module.startswith("numpy") and callable(getattr(value, "item", None)):
+        return "convert it with value.item() (or int(value), float(value))"
+    return ("convert it to tensors and plain Python values (dict, list, tuple, str, int, "
+            "float, bool, None), or allow its class with torch.serialization.add_safe_globals")
+
+
+def _find_unloadable(value: Any, path: str, active: frozenset[int] = frozenset()
+                     ) -> tuple[str, Any, str] | None:
+    """The first value under ``value`` that a checkpoint cannot hold: (key path, value, why)."""
+    kind = type(value)
+    if kind in _PLAIN_TYPES:
+        return None
+    if id(value) in active:  # a container that holds itself: pickle keeps the cycle
+        return None
+    inner = active | {id(value)}
+    if kind in _MAPPINGS:
+        for key, item in value.items():
+            found = (_find_unloadable(key, f"{path} (the key {key!r})", inner)
+                     or _find_unloadable(item, f"{path}[{key!r}]", inner))
+            if found:
+                return found
+        return None
+    if kind in _SEQUENCES:
+        for i, item in enumerate(value):
+            found = _find_unloadable(item, f"{path}[{i}]", inner)
+            if found:
+                return found
+        return None
+    why = _round_trip_error(value)
+    return None if why is None else (path, value, why)
+
+
+def _check_loadable(value: Any, path: str) -> None:
+    """Raise :class:`CheckpointError` for a value a checkpoint could not load back."""
+    found = _find_unloadable(value, path)
+    if found is not None:
+        where, bad, why = found
+        kind = type(bad).__qualname__
+        if type(bad).__module__ != "builtins":
+            kind = f"{type(bad).__module__}.{kind}"
+        raise CheckpointError(
+            f"save_checkpoint: {where} has type {kind}, which a checkpoint cannot hold: it "
+            f"{why}; {_fix_for(bad)}. Nothing was written"
+        )
+
+
+# -- in memory -----------------------------------------------------------------------------
 
 
 def capture_state(*, rng: bool = True, **objects: Any) -> dict[str, Any]:
@@ -143,26 +263,110 @@ def restore_state(checkpoint: dict[str, Any], *, strict: bool = True, **objects:
     """Load :func:`capture_state` output into ``objects`` (matched by name) and the RNGs.
 
     With ``strict``, every object passed must be in the checkpoint and every saved object
-    must be passed, so nothing is silently left in its fresh state.
+    must be passed, so nothing is silently left in its fresh state. All or nothing: if one
+    object refuses its state, those loaded before it are restored and
+    :class:`CheckpointError` is raised.
     """
-    if not isinstance(checkpoint, dict) or "objects" not in checkpoint:
-        raise ValueError("checkpoint lacks 'objects'; pass the output of capture_state()")
-    saved = checkpoint["objects"]
+    _restore(checkpoint, "checkpoint", strict, objects)
+
+
+def _saved_objects(checkpoint: Any, where: str) -> dict[str, Any]:
+    """The ``"objects"`` of a checkpoint dict, after checking it is one this version reads."""
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("objects"), dict):
+        held = (f"a dict with keys {sorted(checkpoint, key=str)[:10]}"
+                if isinstance(checkpoint, dict) else f"a {type(checkpoint).__name__}")
+        raise CheckpointError(
+            f"{where} is not a gradbalance checkpoint: it holds {held}, not the dict of "
+            f"save_checkpoint()/capture_state() (with 'format' and 'objects')"
+        )
+    version = checkpoint.get("format", _FORMAT)
+    if not isinstance(version, int) or version > _FORMAT:
+        raise CheckpointError(
+            f"{where} has format {version!r}, which this gradbalance does not read (it reads "
+            f"format {_FORMAT}); load it with the gradbalance version that wrote it, or newer"
+        )
+    objects: dict[str, Any] = checkpoint["objects"]
+    return objects
+
+
+def _restore(checkpoint: Any, where: str, strict: bool, objects: dict[str, Any]) -> None:
+    saved = _saved_objects(checkpoint, where)
     given = {name: obj for name, obj in objects.items() if obj is not None}
     if strict:
         missing = sorted(set(given) - set(saved))
         unused = sorted(set(saved) - set(given))
         if missing or unused:
-            raise ValueError(
-                f"checkpoint objects {sorted(saved)} do not match the objects given "
+            raise CheckpointError(
+                f"{where}: objects {sorted(saved)} do not match the objects given "
                 f"{sorted(given)} (missing from the checkpoint: {missing}; saved but not "
                 f"given: {unused}); pass the same names as when saving, or strict=False"
             )
-    for name, obj in given.items():
-        if name in saved:
-            _load_into(name, obj, saved[name])
-    if "rng" in checkpoint:
-        set_rng_state(checkpoint["rng"])
+    pairs = [(name, obj, saved[name]) for name, obj in given.items() if name in saved]
+    for name, obj, state in pairs:
+        _check_target(name, obj, state, where)
+    _load_all(pairs, checkpoint.get("rng"), where)
+
+
+def _copy_state(value: Any, device: str | None) -> Any:
+    """A deep copy of a state (tensors detached, moved to ``device`` when given)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device or value.device, copy=True)
+    if type(value) in _MAPPINGS:
+        out = copy.copy(value)  # keeps an OrderedDict's attributes (a module's _metadata)
+        for key in out:
+            out[key] = _copy_state(out[key], device)
+        return out
+    if type(value) in (list, tuple):
+        return type(value)(_copy_state(item, device) for item in value)
+    return copy.deepcopy(value)
+
+
+def _snapshot(name: str, obj: Any) -> Any:
+    """``obj``'s current state, to put back on failure (models and optimizers on CPU)."""
+    large = isinstance(obj, (torch.nn.Module, torch.optim.Optimizer))
+    return _copy_state(_state_of(name, obj), "cpu" if large else None)
+
+
+def _load_all(pairs: list[tuple[str, Any, Any]], rng: Any, where: str) -> None:
+    """Load every object, then the RNGs; on any failure put back what was loaded."""
+    done: list[tuple[str, Any, Any]] = []
+    rng_before = None if rng is None else get_rng_state()
+    current, target = "rng", "the global random generators"
+    try:
+        for name, obj, state in pairs:
+            current, target = name, f"the {type(obj).__name__} given"
+            done.append((name, obj, _snapshot(name, obj)))
+            _load_into(name, obj, state)
+        if rng is not None:
+            current, target = "rng", "the global random generators"
+            set_rng_state(rng)
+    except Exception as error:
+        failed = _roll_back(done, rng_before if current == "rng" else None)
+        note = (f"; putting back {failed} failed as well: they are left part-loaded"
+                if failed else "; nothing was changed")
+        raise CheckpointError(
+            f"{where}: entry {current!r} does not load into {target} "
+            f"({type(error).__name__}: {error}){note}"
+        ) from error
+
+
+def _roll_back(done: list[tuple[str, Any, Any]], rng_before: Any) -> list[str]:
+    """Put back the snapshots (latest first); the names whose snapshot did not load."""
+    failed = []
+    for name, obj, snapshot in reversed(done):
+        try:
+            _load_into(name, obj, snapshot)
+        except Exception:
+            failed.append(name)
+    if rng_before is not None:
+        try:
+            set_rng_state(rng_before)
+        except Exception:
+            failed.append("rng")
+    return failed
+
+
+# -- files ---------------------------------------------------------------------------------
 
 
 def save_checkpoint(
@@ -173,11 +377,77 @@ def save_checkpoint(
     rng: bool = True,
     **objects: Any,
 ) -> None:
-    """Save every named stateful object, the RNG states, ``step`` and ``extra`` to ``f``."""
+    """Save every named stateful object, the RNG states, ``step`` and ``extra`` to ``f``.
+
+    To a path, atomically: the previous file stays whole until the new one is complete and
+    on disk. ``f`` may also be an open binary file. Raises :class:`CheckpointError`, writing
+    nothing, when a value (in ``extra``, ``step`` or a ``state_dict``) would not load back
+    with ``torch.load(weights_only=True)``.
+    """
+    extra = {} if extra is None else extra
+    _check_loadable(extra, "extra")
+    _check_loadable(step, "step")
     checkpoint = capture_state(rng=rng, **objects)
+    for name, state in checkpoint["objects"].items():
+        _check_loadable(state, f"{name}.state_dict()")
     checkpoint["step"] = step
-    checkpoint["extra"] = {} if extra is None else extra
-    torch.save(checkpoint, f)
+    checkpoint["extra"] = extra
+    if isinstance(f, (str, os.PathLike)):
+        _write_atomic(os.fspath(f), checkpoint)
+    else:
+        torch.save(checkpoint, f)
+
+
+def _write_atomic(path: str, checkpoint: dict[str, Any]) -> None:
+    """Write to a temporary file beside ``path``, sync it, rename it over ``path``."""
+    target = os.path.realpath(path)  # a symbolic link keeps pointing at the new file
+    folder = os.path.dirname(target)
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"cannot save checkpoint {path}: folder {folder} does not exist")
+    if os.path.isdir(target):
+        raise CheckpointError(f"cannot save checkpoint {path}: it is a directory")
+    temp = os.path.join(folder, f".{os.path.basename(target)}.{secrets.token_hex(6)}.tmp")
+    try:
+        _write_synced(temp, checkpoint)
+        _copy_mode(target, temp)
+        os.replace(temp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
+    _sync_folder(folder)
+
+
+def _write_synced(temp: str, checkpoint: dict[str, Any]) -> None:
+    """A new file (permissions from the umask), written, flushed and fsync'ed."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    with open(os.open(temp, flags, 0o666), "wb") as handle:
+        torch.save(checkpoint, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _copy_mode(target: str, temp: str) -> None:
+    """The new file keeps the permissions of the file it replaces."""
+    try:
+        mode = stat.S_IMODE(os.stat(target).st_mode)
+    except FileNotFoundError:
+        return
+    os.chmod(temp, mode)
+
+
+def _sync_folder(folder: str) -> None:
+    """``fsync`` the folder, so the rename is on disk too (skipped where the OS refuses)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def load_checkpoint(
@@ -187,7 +457,66 @@ def load_checkpoint(
     map_location: Any = None,
     **objects: Any,
 ) -> dict[str, Any]:
-    """Load a :func:`save_checkpoint` file into ``objects``; returns ``{"step", "extra"}``."""
-    checkpoint = torch.load(f, map_location=map_location, weights_only=True)
-    restore_state(checkpoint, strict=strict, **objects)
+    """Load a :func:`save_checkpoint` file into ``objects``; returns ``{"step", "extra"}``.
+
+    Raises :class:`CheckpointError` (changing nothing) for a file that is missing, empty,
+    truncated or not a checkpoint, and for a state an object refuses.
+    """
+    where = _describe(f)
+    checkpoint = _read(f, where, map_location)
+    _restore(checkpoint, where, strict, objects)
     return {"step": checkpoint.get("step"), "extra": checkpoint.get("extra", {})}
+
+
+def _describe(f: str | os.PathLike[str] | IO[bytes]) -> str:
+    if isinstance(f, (str, os.PathLike)):
+        return f"checkpoint {os.fspath(f)}"
+    name = getattr(f, "name", None)
+    return f"checkpoint {name}" if isinstance(name, str) else f"checkpoint in {type(f).__name__}"
+
+
+def _read(f: str | os.PathLike[str] | IO[bytes], where: str, map_location: Any) -> Any:
+    """``torch.load(weights_only=True)`` with one error type for every unreadable file."""
+    if isinstance(f, (str, os.PathLike)):
+        _check_file(os.fspath(f), where)
+    try:
+        return torch.load(f, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as error:
+        if "weights only load failed" in str(error).lower():
+            raise CheckpointError(
+                f"{where} holds values other than tensors and plain Python values "
+                f"({_refused_global(error)}); save_checkpoint never writes those, so the file "
+                f"comes from another program"
+            ) from None
+        raise CheckpointError(f"{where} is not a readable checkpoint: {_first_line(error)}"
+                              ) from error
+    except EOFError as error:
+        raise CheckpointError(
+            f"{where} ends early: it is empty or cut short, not a whole checkpoint"
+        ) from error
+    except Exception as error:
+        raise CheckpointError(
+            f"{where} is not a readable checkpoint (truncated, or not written by torch.save): "
+            f"{_first_line(error)}"
+        ) from error
+
+
+def _check_file(path: str, where: str) -> None:
+    if not os.path.exists(path):
+        raise CheckpointNotFoundError(f"{where} does not exist")
+    if os.path.isdir(path):
+        raise CheckpointError(f"{where} is a directory; pass the file save_checkpoint wrote")
+    if os.path.getsize(path) == 0:
+        raise CheckpointError(f"{where} is empty (0 bytes), not a checkpoint")
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    first = text[0].split(". ")[0] if text else ""
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
+
+
+def _refused_global(error: BaseException) -> str:
+    """The class the weights-only unpickler refused, from its message."""
+    match = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
+    return f"it refers to {match.group(1)}" if match else "an object torch.load refuses"

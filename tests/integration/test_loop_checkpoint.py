@@ -23,6 +23,7 @@ from gradbalance import (
     stats_to_dict,
 )
 from gradbalance.balancers import Sum
+from gradbalance.checkpoint import CheckpointError
 from support.helpers import build, losses_of
 from support.loop_state import assert_same_state
 
@@ -119,6 +120,33 @@ def test_resume_is_bit_identical(spec: str) -> None:
     np.testing.assert_equal(logs_first + logs_resumed, logs_straight)  # NaN == NaN here
 
 
+def test_a_refused_save_keeps_the_file_to_resume_from(tmp_path) -> None:
+    """A run saved to a file, then a later save refused (a NumPy value in ``extra``): the file
+    still holds the first save, and the run resumed from it continues bit-identically."""
+    torch.manual_seed(7), random.seed(7), np.random.seed(7)
+    straight = _objects("pcgrad", seed=0)
+    logs_straight = _train(straight, 0, TOTAL)
+
+    torch.manual_seed(7), random.seed(7), np.random.seed(7)
+    first = _objects("pcgrad", seed=0)
+    logs_first = _train(first, 0, SAVE_AT)
+    path = tmp_path / "run.pt"
+    save_checkpoint(path, step=SAVE_AT - 1, **first)
+    saved = path.read_bytes()
+    _train(first, SAVE_AT, SAVE_AT + 1)
+    with pytest.raises(CheckpointError, match=r"extra\['loss'\] has type numpy\.float32"):
+        save_checkpoint(path, step=SAVE_AT, extra={"loss": np.float32(0.5)}, **first)
+    assert path.read_bytes() == saved and sorted(tmp_path.iterdir()) == [path]
+
+    torch.manual_seed(123), random.seed(123), np.random.seed(123)
+    resumed = _objects("pcgrad", seed=99)
+    meta = load_checkpoint(path, **resumed)
+    assert meta["step"] == SAVE_AT - 1
+    logs_resumed = _train(resumed, SAVE_AT, TOTAL)
+    assert_same_state(_states(resumed), _states(straight))
+    np.testing.assert_equal(logs_first + logs_resumed, logs_straight)
+
+
 def test_resume_without_rng_or_balancer_state_differs() -> None:
     # Sensitivity of the test above: leaving out the RNGs or Adam's moments changes the
     # weights; leaving out GradVac's EMA targets changes its final state.
@@ -151,13 +179,20 @@ def test_resume_without_rng_or_balancer_state_differs() -> None:
 def test_strict_names_and_errors(tmp_path) -> None:
     gen = torch.Generator().manual_seed(0)
     save_checkpoint(tmp_path / "c.pt", generator=gen, clipper=AutoClip())
-    with pytest.raises(ValueError, match=r"missing from the checkpoint: \['scaler'\]"):
+    with pytest.raises(CheckpointError, match=r"missing from the checkpoint: \['scaler'\]"):
         load_checkpoint(tmp_path / "c.pt", generator=gen, clipper=AutoClip(),
                         scaler=torch.amp.GradScaler("cpu"))
-    with pytest.raises(ValueError, match=r"saved but not given: \['clipper'\]"):
+    with pytest.raises(CheckpointError, match=r"saved but not given: \['clipper'\]"):
         load_checkpoint(tmp_path / "c.pt", generator=gen)
-    with pytest.raises(ValueError, match="without state_dict"):
+    fresh = torch.Generator().manual_seed(1)  # loads first, then is put back
+    state = fresh.get_state()
+    with pytest.raises(CheckpointError, match=r"c\.pt: entry 'clipper' does not load into the "
+                                              r"Sum given.*nothing was changed"):
+        load_checkpoint(tmp_path / "c.pt", generator=fresh, clipper=Sum())
+    assert torch.equal(fresh.get_state(), state) and not torch.equal(state, gen.get_state())
+    with pytest.raises(CheckpointError, match="without state_dict"):
         save_checkpoint(tmp_path / "d.pt", thing=object())
+    assert not (tmp_path / "d.pt").exists()
 
 
 def test_rng_round_trip() -> None:

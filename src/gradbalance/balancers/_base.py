@@ -16,6 +16,13 @@ State (EMA targets, warm starts, counters) lives in tensors, is returned by
 :meth:`Balancer.state_dict` and restored by :meth:`Balancer.load_state_dict` into a fresh
 object with no warm-up call. A balancer never changes state when its input is not finite:
 it raises :class:`~gradbalance.NonFiniteGradientError` first.
+
+Numerical range: a weighted balancer with a declared weight degree ``δ``
+(:attr:`Balancer.weight_degree`, ``w(c·G Gᵀ) = c^δ w(G Gᵀ)``) computes its weights on the
+Gramian divided by its largest diagonal entry ``t = maxₖ ‖gₖ‖²`` and multiplies them by
+``t^δ``; the Gramian itself is scale-safe (:mod:`gradbalance.gramian`). Together: the same
+update, to rounding, for rows of norm ``1e-30`` … ``1e30`` in float32 and float64 (tested),
+and in float64 for norms ``1e-150`` … ``1e150``.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from torch import Tensor
 
 from .._checks import check_matrix, check_num_tasks
 from .._pickling import PicklableGenerators
-from .._statedict import reject_state
+from .._statedict import reject_state, tag_state, untag_state
 from .._types import NonFiniteGradientError
 from ..gramian import compute_gramian, is_finite_gramian
 
@@ -58,12 +65,21 @@ class Balancer(PicklableGenerators):
     * ``from_gramian``: output is ``wᵀ G`` with ``w`` computed from ``G Gᵀ`` (and losses).
     * ``homogeneous``: ``B(sG) = s·B(G)`` for every ``s > 0`` (positive homogeneity).
     * ``needs_losses``: the losses are read (e.g. MGDA's loss normalisation).
+    * ``weight_degree`` (weighted balancers): ``δ`` with ``w(c·G Gᵀ) = c^δ w(G Gᵀ)`` for
+      every ``c > 0`` (``0``: scale-free weights; Nash-MTL ``−½``). With a degree,
+      :meth:`_compute_weights` receives the Gramian normalised to unit largest diagonal
+      ``t`` and the base class multiplies the weights by ``t^δ``, so no solver sees the
+      gradients' scale. ``None`` (default): the raw Gramian. A class that declares
+      ``homogeneous = True`` itself (not through this base class's default) has ``δ = 0``
+      unless it says otherwise: ``B(sJ) = s·B(J)`` for ``B = w(J Jᵀ)ᵀ J`` gives
+      ``w(G/t)ᵀ J = w(G)ᵀ J``.
     """
 
     name: ClassVar[str] = ""
     from_gramian: bool = False
     homogeneous: bool = True
     needs_losses: bool = False
+    weight_degree: float | None = None
 
     def __init__(self, num_tasks: int | None = None) -> None:
         self.num_tasks = None if num_tasks is None else check_num_tasks("num_tasks", num_tasks)
@@ -91,7 +107,7 @@ class Balancer(PicklableGenerators):
         if self.from_gramian:
             gram = compute_gramian(matrix) if gramian is None else gramian
             self._check_finite_gramian(gram)
-            w = self._compute_weights(gram, losses)
+            w = self._scaled_weights(gram, losses)
             return Combination(combine_rows(w, matrix), w)
         if gramian is not None:
             self._check_finite_gramian(gramian)
@@ -119,15 +135,22 @@ class Balancer(PicklableGenerators):
         check_matrix("gramian", gramian, self.num_tasks)
         losses = self._check_losses(losses, gramian.shape[0])
         self._check_finite_gramian(gramian)
-        return self._compute_weights(gramian, losses)
+        return self._scaled_weights(gramian, losses)
 
     def state_dict(self) -> dict[str, Any]:
-        """Tensors and settings needed to resume; empty for stateless balancers."""
-        return {}
+        """Tensors and settings needed to resume, and ``"_type"``: the class name.
+
+        A stateless balancer's state holds only ``"_type"``.
+        """
+        return tag_state(self, {})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; works on a freshly built object."""
-        reject_state(type(self).__name__, state_dict, "balancer")
+        """Restore :meth:`state_dict` output; works on a freshly built object.
+
+        Raises ``ValueError``, changing nothing, for a state saved by another class or with
+        unknown keys.
+        """
+        reject_state(type(self).__name__, untag_state(self, state_dict, "balancer"), "balancer")
 
     def reset(self) -> None:
         """Forget all state (as freshly built)."""
@@ -136,6 +159,26 @@ class Balancer(PicklableGenerators):
         return f"{type(self).__name__}(num_tasks={self.num_tasks})"
 
     # -- helpers ------------------------------------------------------------------------
+    def _degree(self) -> float | None:
+        """The weight degree in use: declared, ``0`` for a declared homogeneous class, or None."""
+        if self.weight_degree is not None:
+            return float(self.weight_degree)
+        return 0.0 if self.homogeneous and _declares_homogeneous(self) else None
+
+    def _scaled_weights(self, gramian: Tensor, losses: Tensor | None) -> Tensor:
+        """:meth:`_compute_weights` on ``G/t`` (``t`` the largest diagonal entry), times ``t^δ``.
+
+        Without a degree, on the raw Gramian. A zero Gramian is passed unchanged. No host sync.
+        """
+        degree = self._degree()
+        if degree is None:
+            return self._compute_weights(gramian, losses)
+        gram = gramian.to(torch.float64)
+        top = torch.diagonal(gram).max()
+        t = torch.where(top > 0, top, torch.ones_like(top))
+        w = self._compute_weights(gram / t, losses)
+        return w if degree == 0.0 else w * t.to(w.device).pow(degree).to(w.dtype)
+
     def _check_losses(self, losses: Tensor | None, k: int) -> Tensor | None:
         if losses is None:
             if self.needs_losses:
@@ -166,3 +209,15 @@ class Balancer(PicklableGenerators):
             f"Skip the optimizer step (a GradScaler does this when the gradient is written "
             f"back through TaskGradBuffer) or find the source of the overflow"
         )
+
+
+def _declares_homogeneous(balancer: Balancer) -> bool:
+    """Whether ``homogeneous`` is set on the instance or on a class below :class:`Balancer`."""
+    if "homogeneous" in vars(balancer):
+        return True
+    for cls in type(balancer).__mro__:
+        if cls is Balancer:
+            return False
+        if "homogeneous" in vars(cls):
+            return True
+    return False

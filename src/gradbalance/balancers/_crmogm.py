@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from .._checks import as_task_vector, check_range
+from .._statedict import tag_state, untag_state
 from ._base import Balancer
 from ._mgda import MGDA
 from ._state import check_state_tasks, clone_or_none
@@ -107,14 +108,15 @@ class CRMOGM(Balancer):
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"weights": clone_or_none(self._lambda)}
         state.update({_INNER + key: value for key, value in self.inner.state_dict().items()})
-        return state
+        return tag_state(self, state)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = untag_state(self, state_dict, "balancer")
         if "weights" not in state_dict or any(
-                key != "weights" and not key.startswith(_INNER) for key in state_dict):
+                key != "weights" and not str(key).startswith(_INNER) for key in state_dict):
             raise ValueError(
-                f"CRMOGM state_dict has keys {sorted(state_dict)} but needs 'weights' and "
-                f"'inner.*' only; was it saved from another balancer?"
+                f"CRMOGM state_dict has keys {sorted(state_dict, key=str)} but needs 'weights' "
+                f"and 'inner.*' only; was it saved from another balancer?"
             )
         weights = clone_or_none(state_dict["weights"])
         if weights is not None and self.num_tasks not in (None, weights.numel()):

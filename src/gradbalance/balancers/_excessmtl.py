@@ -13,20 +13,36 @@ import torch
 from torch import Tensor
 
 from .._checks import check_int, check_range
-from .._statedict import check_keys
+from .._statedict import check_keys, tag_state, untag_state
+from ..gramian import unit_rows
 from ._base import Balancer, Combination
 from ._state import as_step, check_state_rows, clone_or_none
 
 __all__ = ["ExcessMTL", "excessmtl_risks"]
 
 
-def excessmtl_risks(matrix: Tensor, sq_sum: Tensor, eps: float = 1e-7) -> Tensor:
+def excessmtl_risks(matrix: Tensor, root_sq_sum: Tensor, eps: float = 1e-7) -> Tensor:
     """``Êₖ = gₖᵀ Hₖ⁻¹ gₖ`` ``[K]`` (float64), ``Hₖ = diag(√(Σ_{τ≤t} gₖ,τ² + ε))`` (AdaGrad).
 
-    ``sq_sum`` already includes the current step's ``gₖ²``.
+    ``root_sq_sum`` is ``R = √(Σ_{τ≤t} g_τ²)`` ``[K, P]`` (gradient units; it already includes
+    the current step, so ``R ≥ |g|``), and ``H = hypot(R, √ε)``. Scale-safe: with the rows
+    ``gₖ = sₖ uₖ`` scaled by a power of two (``|uₖ| < 1``), ``Êₖ = sₖ² Σⱼ uₖⱼ² / Hₖⱼ`` is
+    summed in float64; ``uₖⱼ² / Hₖⱼ ≤ |uₖⱼ| / sₖ`` cannot overflow, and ``gₖⱼ²`` (which
+    under- or overflows float32 for ``|g| ≈ 1e-23`` or ``1e19``) is never formed.
     """
-    h = torch.sqrt(sq_sum + eps)
-    return (matrix.square() / h).to(torch.float64).sum(dim=1)
+    unit, scale = unit_rows(matrix)
+    h = torch.hypot(root_sq_sum.to(unit.dtype), unit.new_tensor(eps**0.5))
+    safe = torch.where(h > 0, h, torch.ones_like(h))  # H = 0 only where g = 0 and ε = 0
+    terms = torch.where(h > 0, unit * unit / safe, torch.zeros_like(unit))
+    return terms.sum(dim=1, dtype=torch.float64) * scale * scale
+
+
+def _root_state(state: dict[str, Any]) -> Tensor | None:
+    """``R = √S`` from a saved state: ``"root_sq_sum"``, or ``√"sq_sum"`` (older saves)."""
+    if state.get("root_sq_sum") is not None:
+        return clone_or_none(state["root_sq_sum"])
+    sq_sum = state.get("sq_sum")
+    return None if sq_sum is None else torch.as_tensor(sq_sum).detach().sqrt()
 
 
 class ExcessMTL(Balancer):
@@ -35,7 +51,8 @@ class ExcessMTL(Balancer):
     Update rule at each call, after ``n_warmup_steps`` warm-up calls (uniform weights, excess
     risks recorded):
 
-    * ``Sₖ += gₖ²``; ``Êₖ = Σⱼ gₖⱼ² / √(Sₖⱼ + ε)``;
+    * ``Sₖ += gₖ²``; ``Êₖ = Σⱼ gₖⱼ² / √(Sₖⱼ + ε)`` (kept as ``Rₖ = √Sₖ``, updated by
+      ``R ← hypot(R, g)``: gradient units, so ``Ê`` is right at every finite scale);
     * scale processing: ``rₖ = Êₖ / Êₖ⁰`` with the baseline ``Ê⁰`` = the first post-warm-up
       estimate (``n_warmup_steps = 0``) or the warm-up average;
     * ``αₖ ← αₖ exp(η rₖ) / Σⱼ αⱼ exp(η rⱼ)`` (in log space), starting at ``1/K`` (the paper;
@@ -52,8 +69,9 @@ class ExcessMTL(Balancer):
             paper's Appendix C.1 uses three epochs).
         eps: added inside the square root of ``H`` (default 1e-7, the official code's value).
 
-    State: ``S`` ``[K, P]`` in the gradients' dtype (as large as ``G``), ``α``, the baseline,
-    the warm-up sum and the step count.
+    State: ``R = √S`` ``[K, P]`` in the gradients' dtype (as large as ``G``; a state saved
+    with ``S`` itself, ``"sq_sum"``, loads as ``√S``), ``α``, the baseline, the warm-up sum
+    and the step count.
     """
 
     name = "excessmtl"
@@ -70,17 +88,18 @@ class ExcessMTL(Balancer):
         self.reset()
 
     def reset(self) -> None:
-        self._sq_sum: Tensor | None = None
+        self._root_sq_sum: Tensor | None = None
         self._weights: Tensor | None = None
         self._baseline: Tensor | None = None
         self._warmup_sum: Tensor | None = None
         self._step = torch.zeros((), dtype=torch.int64)
 
     def _combine_matrix(self, matrix: Tensor, losses: Tensor | None) -> Combination:
-        check_state_rows(type(self).__name__, self._sq_sum, matrix)
+        check_state_rows(type(self).__name__, self._root_sq_sum, matrix)
         k = matrix.shape[0]
-        sq_sum = matrix.square() if self._sq_sum is None else self._sq_sum + matrix.square()
-        risks = excessmtl_risks(matrix, sq_sum, self.eps)
+        root = matrix.abs() if self._root_sq_sum is None else torch.hypot(self._root_sq_sum,
+                                                                          matrix)
+        risks = excessmtl_risks(matrix, root, self.eps)
         weights = (torch.full((k,), 1.0 / k, dtype=torch.float64, device=matrix.device)
                    if self._weights is None else self._weights)
         warmup_sum = (torch.zeros(k, dtype=torch.float64, device=matrix.device)
@@ -95,24 +114,28 @@ class ExcessMTL(Balancer):
             safe = torch.where(baseline > 0, baseline, torch.ones_like(baseline))
             ratios = torch.where(baseline > 0, risks / safe, torch.zeros_like(risks))
             weights = torch.softmax(torch.log(weights) + self.robust_step_size * ratios, dim=0)
-        self._sq_sum, self._weights, self._baseline = sq_sum, weights, baseline
+        self._root_sq_sum, self._weights, self._baseline = root, weights, baseline
         self._warmup_sum = warmup_sum
         self._step = torch.tensor(t + 1, dtype=torch.int64)
         return Combination(weights.to(matrix.dtype) @ matrix, weights)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"sq_sum": clone_or_none(self._sq_sum), "weights": clone_or_none(self._weights),
-                "baseline": clone_or_none(self._baseline),
-                "warmup_sum": clone_or_none(self._warmup_sum), "step": self._step.clone()}
+        return tag_state(self, {
+            "root_sq_sum": clone_or_none(self._root_sq_sum),
+            "weights": clone_or_none(self._weights),
+            "baseline": clone_or_none(self._baseline),
+            "warmup_sum": clone_or_none(self._warmup_sum), "step": self._step.clone()})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        check_keys(type(self).__name__, state_dict,
-                   ["sq_sum", "weights", "baseline", "warmup_sum", "step"])
-        self._sq_sum = clone_or_none(state_dict.get("sq_sum"))
-        self._weights = clone_or_none(state_dict.get("weights"))
-        self._baseline = clone_or_none(state_dict.get("baseline"))
-        self._warmup_sum = clone_or_none(state_dict.get("warmup_sum"))
-        self._step = as_step(state_dict.get("step", 0))
+        state = untag_state(self, state_dict, "balancer")
+        check_keys(type(self).__name__, state,
+                   ["root_sq_sum", "sq_sum", "weights", "baseline", "warmup_sum", "step"])
+        step = as_step(state.get("step", 0))
+        self._root_sq_sum = _root_state(state)
+        self._weights = clone_or_none(state.get("weights"))
+        self._baseline = clone_or_none(state.get("baseline"))
+        self._warmup_sum = clone_or_none(state.get("warmup_sum"))
+        self._step = step
 
     def __repr__(self) -> str:
         return (f"ExcessMTL(num_tasks={self.num_tasks}, robust_step_size="

@@ -12,9 +12,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._checks import check_generator
+from .._statedict import check_keys, tag_state, untag_state
 from ..gramian import compute_gramian
 from ._base import Balancer, Combination
-from ._rng import load_generator_state, private_generator
+from ._rng import check_generator_state, private_generator
 from ._solvers import trace_normalized
 
 __all__ = ["GradVac", "gradvac_coefficients", "gradvac_orders"]
@@ -33,17 +35,31 @@ def gradvac_orders(k: int, generator: torch.Generator | None = None) -> Tensor:
 
 
 def gradvac_coefficients(
-    gramian: Tensor, orders: Tensor, targets: Tensor, beta: float, eps: float = 1e-8
+    gramian: Tensor, orders: Tensor, targets: Tensor, beta: float, eps: float = 1e-8,
+    max_step: float = 1.0,
 ) -> tuple[Tensor, Tensor]:
     """``(C, new_targets)``: ``g_i^PC = Σⱼ C[i, j] gⱼ`` and the updated EMA targets ``[K, K]``.
 
     Update rule, for each task ``i`` and each ``j`` in ``orders[i]``:
-    ``φ = cos(g_i^PC, gⱼ)``; if ``φ < φ̂ᵢⱼ``:
-    ``g_i^PC += ‖g_i^PC‖ (φ̂ √(1−φ²) − φ √(1−φ̂²)) / (‖gⱼ‖ √(1−φ̂²)) · gⱼ``
-    (the closed form that makes the cosine exactly ``φ̂``); then
-    ``φ̂ᵢⱼ ← (1−β) φ̂ᵢⱼ + β φ``. ``eps`` is added to the two denominators (on the
-    trace-normalised Gramian, so it is scale-free). All from the Gramian, vectorised over
-    ``i``. ``targets`` is not modified.
+    ``φ = cos(g_i^PC, gⱼ)``; if ``φ < φ̂ᵢⱼ``: ``g_i^PC += w gⱼ`` with
+
+    ``w = min(‖g_i^PC‖ (φ̂ √(1−φ²) − φ √(1−φ̂²)) / (‖gⱼ‖ √(1−φ̂²)), ρ ‖gᵢ‖ / ‖gⱼ‖)``
+
+    (the first term is the paper's closed form that makes the cosine exactly ``φ̂``;
+    ``ρ = max_step``); then ``φ̂ᵢⱼ ← (1−β) φ̂ᵢⱼ + β φ``. ``eps`` is added to the two
+    denominators (on the trace-normalised Gramian, so it is scale-free). All from the
+    Gramian, vectorised over ``i``. ``targets`` is not modified.
+
+    Bound. With ``θ = arccos φ``, ``θ̂ = arccos φ̂`` the paper's step is
+    ``w‖gⱼ‖ = ‖g_i^PC‖ sin(θ − θ̂) / sin θ̂ ≥ 0``: unbounded as ``φ̂ → 1`` (after colinear
+    gradients, where it also divides rounding noise by rounding noise), and it compounds over
+    the ``K − 1`` visits. The clamp gives ``w‖gⱼ‖ ≤ ρ‖gᵢ‖`` at every visit, so
+    ``‖g_i^PC‖ ≤ ‖gᵢ‖ + Σ_visits w‖gⱼ‖ ≤ (1 + ρ(K−1)) ‖gᵢ‖`` and the update
+    ``‖Σᵢ g_i^PC‖ ≤ (1 + ρ(K−1)) Σᵢ ‖gᵢ‖`` for every finite input (and every target): at
+    most ``K`` task-gradient norms at ``ρ = 1``. When every target is ``≤ 0`` the clamp never
+    binds at ``ρ = 1``: then ``θ − θ̂ ≤ π − θ̂ ≤ π/2`` gives ``sin(θ − θ̂) ≤ sin θ̂`` and
+    ``sin θ ≤ sin θ̂``, so no visit grows ``‖g_i^PC‖ = ‖g_i^PC‖_before sin θ / sin θ̂`` past
+    ``‖gᵢ‖`` (with zero targets this is PCGrad exactly).
     """
     k = gramian.shape[0]
     gram = gramian.to(torch.float64)
@@ -63,16 +79,36 @@ def gradvac_coefficients(
         dot = (cg * sel).sum(dim=1)
         norm_i = (cg * coef).sum(dim=1).clamp_min(0).sqrt()
         norm_j = norm_sel[:, t]
-        phi = dot / (norm_i * norm_j + eps)
+        phi = _ratio(dot, norm_i * norm_j + eps).clamp(-1.0, 1.0)
         hat = (hat_all * sel).sum(dim=1)
-        root_phi = (1 - phi * phi).clamp_min(0).sqrt()
-        root_hat = (1 - hat * hat).clamp_min(0).sqrt()
-        w = norm_i * (hat * root_phi - phi * root_hat) / (norm_j * root_hat + eps)
-        w = torch.where(phi < hat, w, torch.zeros_like(w))
+        w = _vaccine(phi, hat, norm_i, norm_j, max_step * norm_all, eps)
         coef = coef + w[:, None] * sel
         cg = cg + w[:, None] * gram_sel[:, t]
         hat_all = torch.where(picked[:, t], ((1 - beta) * hat + beta * phi)[:, None], hat_all)
     return coef, hat_all
+
+
+def _ratio(num: Tensor, den: Tensor) -> Tensor:
+    """``num / den``, 0 where ``den`` is 0 (``eps = 0`` with a zero gradient)."""
+    return torch.where(den > 0, num / torch.where(den > 0, den, 1.0), 0.0)
+
+
+def _vaccine(phi: Tensor, hat: Tensor, norm_i: Tensor, norm_j: Tensor, cap: Tensor,
+             eps: float) -> Tensor:
+    """One visit's ``w`` ``[K]``: the paper's step, clamped to ``w‖gⱼ‖ ≤ cap``, 0 if ``φ ≥ φ̂``.
+
+    A zero ``gⱼ`` or ``g_i^PC`` gets ``w = 0`` (adding it could not change the cosine).
+    """
+    root_phi = (1 - phi * phi).clamp_min(0).sqrt()
+    root_hat = (1 - hat * hat).clamp_min(0).sqrt()
+    lift = (norm_i * (hat * root_phi - phi * root_hat)).clamp_min(0)  # ‖g_i^PC‖ sin(θ − θ̂)
+    den = norm_j * root_hat + eps
+    inf = torch.full_like(lift, float("inf"))
+    paper = torch.where(den > 0, lift / torch.where(den > 0, den, 1.0),
+                        torch.where(lift > 0, inf, torch.zeros_like(lift)))
+    bounded = torch.minimum(paper, _ratio(cap, norm_j))
+    active = (phi < hat) & (norm_j > 0) & (norm_i > 0)
+    return torch.where(active, bounded, torch.zeros_like(bounded))
 
 
 class GradVac(Balancer):
@@ -89,6 +125,11 @@ class GradVac(Balancer):
             average over about 100 steps); LibMTL and TorchJD default to ``0.5``, which
             follows the last few steps' cosines.
         eps: added to the cosine and weight denominators (on the trace-normalised Gramian).
+        max_step: ``ρ > 0``, the most one vaccination step adds, ``w‖gⱼ‖ ≤ ρ‖gᵢ‖``
+            (default 1.0). It bounds the update, ``‖g‖ ≤ (1 + ρ(K−1)) Σₖ‖gₖ‖``, where the
+            paper's step diverges as a target nears 1 (e.g. after colinear gradients); at
+            the default it never binds while every target is ``≤ 0`` (PCGrad's regime), see
+            :func:`gradvac_coefficients`.
         groups: None (default): one target per ordered task pair over the whole trunk (the
             paper's ``whole_model``). Or the sizes of contiguous parameter groups (summing to
             ``P``, e.g. ``[p.numel() for p in trunk.parameters()]``): one target per pair per
@@ -109,6 +150,7 @@ class GradVac(Balancer):
         *,
         beta: float = 0.01,
         eps: float = 1e-8,
+        max_step: float = 1.0,
         groups: Sequence[int] | None = None,
         generator: torch.Generator | None = None,
     ) -> None:
@@ -117,6 +159,8 @@ class GradVac(Balancer):
             raise ValueError(f"Invalid beta: {beta} (expected 0 <= beta <= 1)")
         if not eps >= 0.0:
             raise ValueError(f"Invalid eps: {eps} (expected eps >= 0)")
+        if not 0.0 < max_step < float("inf"):
+            raise ValueError(f"Invalid max_step: {max_step} (expected 0 < max_step < inf)")
         if groups is not None:
             groups = [int(n) for n in groups]
             if not groups or any(n <= 0 for n in groups):
@@ -126,9 +170,10 @@ class GradVac(Balancer):
                 )
         self.beta = float(beta)
         self.eps = float(eps)
+        self.max_step = float(max_step)
         self.groups = groups
         self.from_gramian = groups is None
-        self.generator = generator if generator is not None else private_generator()
+        self.generator = check_generator("generator", generator) or private_generator()
         self.targets: Tensor | None = None
         if num_tasks is not None:
             self.targets = self._zeros(num_tasks)
@@ -154,7 +199,7 @@ class GradVac(Balancer):
         gram, _ = trace_normalized(gramian)
         targets = self._current_targets(k)
         coef, new_targets = gradvac_coefficients(
-            gram, gradvac_orders(k, self.generator), targets, self.beta, self.eps
+            gram, gradvac_orders(k, self.generator), targets, self.beta, self.eps, self.max_step
         )
         self.targets = new_targets
         return coef.sum(dim=0).to(gramian.device)
@@ -172,7 +217,8 @@ class GradVac(Balancer):
         parts, new_targets = [], []
         for g, block in enumerate(torch.split(matrix, self.groups, dim=1)):
             gram, _ = trace_normalized(compute_gramian(block))
-            coef, new = gradvac_coefficients(gram, orders, targets[g], self.beta, self.eps)
+            coef, new = gradvac_coefficients(gram, orders, targets[g], self.beta, self.eps,
+                                             self.max_step)
             parts.append(coef.sum(dim=0).to(block.device, block.dtype) @ block)
             new_targets.append(new)
         self.targets = torch.stack(new_targets)
@@ -180,17 +226,27 @@ class GradVac(Balancer):
 
     def state_dict(self) -> dict[str, Any]:
         targets = None if self.targets is None else self.targets.clone()
-        return {"targets": targets, "generator": self.generator.get_state()}
+        return tag_state(self, {"targets": targets, "generator": self.generator.get_state()})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if "targets" not in state_dict:
+        state = untag_state(self, state_dict, "balancer")
+        check_keys(type(self).__name__, state, ["targets", "generator"])
+        if "targets" not in state:
             raise ValueError(
-                f"GradVac state_dict has keys {sorted(state_dict)} but needs 'targets'; was it "
+                f"GradVac state_dict has keys {sorted(state)} but needs 'targets'; was it "
                 f"saved from another balancer?"
             )
-        targets = state_dict["targets"]
+        check_generator_state(type(self).__name__, state)
+        targets = self._checked_targets(state["targets"])
+        self.generator.set_state(state["generator"])
+        self.targets = targets
         if targets is not None:
-            targets = torch.as_tensor(targets, dtype=torch.float64).clone()
+            self.num_tasks = targets.shape[-1]
+
+    def _checked_targets(self, saved: Any) -> Tensor | None:
+        """Saved targets as a float64 copy, checked against ``groups`` and ``num_tasks``."""
+        targets = None if saved is None else torch.as_tensor(saved, dtype=torch.float64).clone()
+        if targets is not None:
             expected = 2 if self.groups is None else 3
             if targets.dim() != expected or (
                 self.groups is not None and targets.shape[0] != len(self.groups)
@@ -204,10 +260,7 @@ class GradVac(Balancer):
                 f"GradVac targets are for {targets.shape[-1]} tasks but the balancer was built "
                 f"with num_tasks={self.num_tasks}"
             )
-        load_generator_state(self, state_dict)
-        self.targets = targets
-        if targets is not None:
-            self.num_tasks = targets.shape[-1]
+        return targets
 
     def reset(self) -> None:
         """Targets back to 0 (the generator keeps running)."""
@@ -216,5 +269,5 @@ class GradVac(Balancer):
     def __repr__(self) -> str:
         return (
             f"GradVac(num_tasks={self.num_tasks}, beta={self.beta}, eps={self.eps}, "
-            f"groups={self.groups})"
+            f"max_step={self.max_step}, groups={self.groups})"
         )

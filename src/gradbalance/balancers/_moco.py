@@ -12,9 +12,10 @@ import torch
 from torch import Tensor
 
 from .._checks import check_range
-from .._statedict import check_keys
+from .._statedict import check_keys, tag_state, untag_state
+from ..gramian import compute_gramian, unit_rows
 from ._base import Balancer, Combination
-from ._solvers import project_simplex
+from ._modo import modo_step
 from ._state import as_step, check_state_rows, clone_or_none
 
 __all__ = ["MoCo", "moco_step"]
@@ -30,12 +31,26 @@ def moco_step(y: Tensor, lam: Tensor, h: Tensor, beta_t: float, gamma_t: float, 
     * ``λ ← Π_Δ(λ − γ_t (Y Yᵀ + ρ I) λ)`` (the paper); ``"softmax"`` replaces ``Π_Δ`` by a
       softmax (LibMTL's variant);
     * the update is ``d = Yᵀ λ`` (computed by the caller).
+
+    ``y`` stays in gradient units (its meaning); the numerics are scale-safe instead:
+    ``Y Yᵀ`` is the scale-safe float64 Gramian and the projection is shifted
+    (:func:`~gradbalance.balancers._modo.modo_step`), so any finite ``y`` gives a ``λ`` on
+    the simplex (a vertex when ``γ_t ‖yₖ‖² ≫ 1``).
     """
     y = y - beta_t * (y - h)
-    gram = (y.to(torch.float64) @ y.to(torch.float64).T)
-    step = lam - gamma_t * (gram @ lam + rho * lam)
-    lam = project_simplex(step) if lambda_update == "projection" else torch.softmax(step, dim=0)
-    return y, lam
+    gram = compute_gramian(y)
+    if lambda_update == "projection":
+        return y, modo_step(lam, gram, gamma_t, rho)
+    return y, torch.softmax(lam - gamma_t * (gram @ lam + rho * lam), dim=0)
+
+
+def _loss_scaled_directions(matrix: Tensor, losses: Tensor) -> Tensor:
+    """``Lₖ gₖ / ‖gₖ‖`` (0 for a zero row), from the power-of-two scaled rows (no overflow)."""
+    unit, _ = unit_rows(matrix)
+    norms = torch.linalg.vector_norm(unit, dim=1, keepdim=True)
+    safe = torch.where(norms > 0, norms, torch.ones_like(norms))
+    scale = losses.to(dtype=unit.dtype, device=unit.device).unsqueeze(1)
+    return torch.where(norms > 0, unit / safe * scale, torch.zeros_like(unit)).to(matrix.dtype)
 
 
 class MoCo(Balancer):
@@ -94,10 +109,7 @@ class MoCo(Balancer):
         h = matrix
         if self.normalize_grads:
             assert losses is not None
-            norms = matrix.norm(dim=1, keepdim=True)
-            safe = torch.where(norms > 0, norms, torch.ones_like(norms))
-            scale = losses.to(dtype=matrix.dtype, device=matrix.device).unsqueeze(1)
-            h = torch.where(norms > 0, matrix / safe * scale, torch.zeros_like(matrix))
+            h = _loss_scaled_directions(matrix, losses)
         y = torch.zeros_like(matrix) if self._y is None else self._y
         lam = (torch.full((k,), 1.0 / k, dtype=torch.float64, device=matrix.device)
                if self._lambda is None else self._lambda)
@@ -110,14 +122,16 @@ class MoCo(Balancer):
         return Combination(lam.to(y.dtype) @ y)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"y": clone_or_none(self._y), "lambda": clone_or_none(self._lambda),
-                "step": self._step.clone()}
+        return tag_state(self, {"y": clone_or_none(self._y),
+                                "lambda": clone_or_none(self._lambda), "step": self._step.clone()})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        check_keys(type(self).__name__, state_dict, ["y", "lambda", "step"])
-        self._y = clone_or_none(state_dict.get("y"))
-        self._lambda = clone_or_none(state_dict.get("lambda"))
-        self._step = as_step(state_dict.get("step", 0))
+        state = untag_state(self, state_dict, "balancer")
+        check_keys(type(self).__name__, state, ["y", "lambda", "step"])
+        step = as_step(state.get("step", 0))
+        self._y = clone_or_none(state.get("y"))
+        self._lambda = clone_or_none(state.get("lambda"))
+        self._step = step
 
     def __repr__(self) -> str:
         return (f"MoCo(num_tasks={self.num_tasks}, beta={self.beta}, gamma={self.gamma}, "

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from .._checks import check_range
-from .._statedict import check_keys
+from .._statedict import check_keys, tag_state, untag_state
 from ._base import Balancer
 from ._solvers import project_simplex
 from ._state import check_state_tasks, clone_or_none
@@ -22,8 +22,15 @@ __all__ = ["MoDo", "modo_step"]
 
 
 def modo_step(lam: Tensor, gramian: Tensor, gamma: float, rho: float) -> Tensor:
-    """``λ ← Π_Δ(λ − γ (A λ + ρ λ))`` with ``A`` the (cross-)Gramian ``[K, K]``."""
-    return project_simplex(lam - gamma * (gramian @ lam + rho * lam))
+    """``λ ← Π_Δ(λ − γ (A λ + ρ λ))`` with ``A`` the (cross-)Gramian ``[K, K]``.
+
+    ``Π_Δ(v) = Π_Δ(v − c·1)`` for every ``c``: the step is shifted by its largest entry
+    before the projection, so a step far outside the simplex (``γ‖gₖ‖² ≫ 1``: large
+    gradients, in float64 from ``‖gₖ‖ ≈ 1e8``) still projects exactly (onto the vertices of
+    its largest entries) instead of losing the simplex's ``1`` to rounding.
+    """
+    step = lam - gamma * (gramian @ lam + rho * lam)
+    return project_simplex(step - step.max())
 
 
 class MoDo(Balancer):
@@ -48,6 +55,7 @@ class MoDo(Balancer):
     name = "modo"
     from_gramian = True
     homogeneous = False
+    weight_degree = None  # γ multiplies squared norms: λ sees the raw Gramian
 
     def __init__(self, num_tasks: int | None = None, gamma: float = 1e-3,
                  rho: float = 0.1) -> None:
@@ -69,11 +77,12 @@ class MoDo(Balancer):
         return lam
 
     def state_dict(self) -> dict[str, Any]:
-        return {"lambda": clone_or_none(self._lambda)}
+        return tag_state(self, {"lambda": clone_or_none(self._lambda)})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        check_keys(type(self).__name__, state_dict, ["lambda"])
-        self._lambda = clone_or_none(state_dict.get("lambda"))
+        state = untag_state(self, state_dict, "balancer")
+        check_keys(type(self).__name__, state, ["lambda"])
+        self._lambda = clone_or_none(state.get("lambda"))
 
     def __repr__(self) -> str:
         return f"MoDo(num_tasks={self.num_tasks}, gamma={self.gamma}, rho={self.rho})"

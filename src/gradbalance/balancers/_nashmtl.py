@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from .._checks import check_int
+from .._statedict import check_keys, tag_state, untag_state
 from ._base import Balancer
 from ._solvers import nash_bargaining, trace_normalized
 
@@ -92,6 +93,8 @@ class NashMTL(Balancer):
         self.update_weights_every = check_int("update_weights_every", update_weights_every, 1)
         self.normalization: Normalization = normalization
         self.homogeneous = normalization == "frobenius"
+        # w(cG) = w(G)/√c (paper) or w(G) ("frobenius"): the solve sees G / maxₖ Gₖₖ.
+        self.weight_degree = 0.0 if normalization == "frobenius" else -0.5
         self.alpha: Tensor | None = None
         self.step = torch.zeros((), dtype=torch.int64)
 
@@ -112,25 +115,28 @@ class NashMTL(Balancer):
 
     def state_dict(self) -> dict[str, Any]:
         alpha = None if self.alpha is None else self.alpha.clone()
-        return {"alpha": alpha, "step": self.step.clone()}
+        return tag_state(self, {"alpha": alpha, "step": self.step.clone()})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        missing = {"alpha", "step"} - set(state_dict)
+        state = untag_state(self, state_dict, "balancer")
+        check_keys(type(self).__name__, state, ["alpha", "step"])
+        missing = {"alpha", "step"} - set(state)
         if missing:
             raise ValueError(
-                f"NashMTL state_dict lacks {sorted(missing)} (has {sorted(state_dict)}); was "
+                f"NashMTL state_dict lacks {sorted(missing)} (has {sorted(state)}); was "
                 f"it saved from another balancer?"
             )
-        alpha = state_dict["alpha"]
-        self.alpha = None if alpha is None else torch.as_tensor(alpha, dtype=torch.float64).clone()
-        self.step = torch.as_tensor(state_dict["step"], dtype=torch.int64).clone()
-        if self.alpha is not None:
-            if self.num_tasks not in (None, self.alpha.numel()):
-                raise ValueError(
-                    f"NashMTL state is for {self.alpha.numel()} tasks but the balancer was "
-                    f"built with num_tasks={self.num_tasks}"
-                )
-            self.num_tasks = self.alpha.numel()
+        alpha = state["alpha"]
+        alpha = None if alpha is None else torch.as_tensor(alpha, dtype=torch.float64).clone()
+        step = torch.as_tensor(state["step"], dtype=torch.int64).clone()
+        if alpha is not None and self.num_tasks not in (None, alpha.numel()):
+            raise ValueError(
+                f"NashMTL state is for {alpha.numel()} tasks but the balancer was "
+                f"built with num_tasks={self.num_tasks}"
+            )
+        self.alpha, self.step = alpha, step
+        if alpha is not None:
+            self.num_tasks = alpha.numel()
 
     def reset(self) -> None:
         """Forget the warm start and the call counter."""

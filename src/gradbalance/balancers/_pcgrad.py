@@ -11,6 +11,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from .._checks import check_generator
+from .._statedict import check_keys, tag_state, untag_state
 from ._base import Balancer
 from ._rng import load_generator_state, private_generator
 from ._solvers import trace_normalized
@@ -75,6 +77,7 @@ class PCGrad(Balancer):
     name = "pcgrad"
     from_gramian = True
     homogeneous = True
+    weight_degree = 0.0  # the weights see only G / tr G
 
     def __init__(
         self,
@@ -87,7 +90,7 @@ class PCGrad(Balancer):
         if reduction not in ("sum", "mean"):
             raise ValueError(f"Invalid reduction: {reduction!r} (expected 'sum' or 'mean')")
         self.reduction: Reduction = reduction
-        self.generator = generator if generator is not None else private_generator()
+        self.generator = check_generator("generator", generator) or private_generator()
 
     def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         k = gramian.shape[0]
@@ -99,10 +102,12 @@ class PCGrad(Balancer):
         return w.to(gramian.device)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"generator": self.generator.get_state()}
+        return tag_state(self, {"generator": self.generator.get_state()})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        load_generator_state(self, state_dict)
+        state = untag_state(self, state_dict, "balancer")
+        check_keys(type(self).__name__, state, ["generator"])
+        load_generator_state(self, state)
 
     def reset(self) -> None:
         """Nothing to forget: the generator keeps running (re-seed it to repeat orders)."""

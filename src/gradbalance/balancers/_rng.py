@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._statedict import check_keys
+from .._statedict import check_keys, tag_state, untag_state
 
 
 def private_generator() -> torch.Generator:
@@ -24,13 +24,25 @@ def private_generator() -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def load_generator_state(balancer: Any, state_dict: dict[str, Any]) -> None:
-    """Owned generator: restore ``balancer.generator`` from the required ``"generator"``."""
+def check_generator_state(owner: str, state_dict: dict[str, Any]) -> None:
+    """Owned generator: ``state_dict`` must hold ``"generator"``, a ``uint8`` state tensor."""
     if "generator" not in state_dict:
         raise ValueError(
-            f"{type(balancer).__name__} state_dict has keys {sorted(state_dict)} but needs "
+            f"{owner} state_dict has keys {sorted(state_dict, key=str)} but needs "
             f"'generator'; was it saved from another balancer?"
         )
+    state = state_dict["generator"]
+    if not isinstance(state, Tensor) or state.dtype != torch.uint8:
+        found = state.dtype if isinstance(state, Tensor) else type(state).__name__
+        raise ValueError(
+            f"{owner} state_dict['generator'] must be a uint8 tensor from "
+            f"torch.Generator.get_state(), got {found}"
+        )
+
+
+def load_generator_state(balancer: Any, state_dict: dict[str, Any]) -> None:
+    """Owned generator: restore ``balancer.generator`` from the required ``"generator"``."""
+    check_generator_state(type(balancer).__name__, state_dict)
     balancer.generator.set_state(state_dict["generator"])
 
 
@@ -57,9 +69,10 @@ class OptionalGeneratorState:
 
     generator: torch.Generator | None
 
-    def state_dict(self) -> dict[str, Tensor]:
-        return generator_state(self.generator)
+    def state_dict(self) -> dict[str, Any]:
+        return tag_state(self, generator_state(self.generator))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        check_keys(type(self).__name__, state_dict, ["generator"])
-        restore_generator(self.generator, state_dict, type(self).__name__)
+        state = untag_state(self, state_dict, "balancer")
+        check_keys(type(self).__name__, state, ["generator"])
+        restore_generator(self.generator, state, type(self).__name__)

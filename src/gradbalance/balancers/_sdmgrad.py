@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from .._checks import as_task_vector, check_int, check_range
-from .._statedict import check_keys
+from .._statedict import check_keys, tag_state, untag_state
 from ._base import Balancer
 from ._solvers import project_simplex
 from ._state import check_state_tasks, clone_or_none
@@ -64,6 +64,7 @@ class SDMGrad(Balancer):
     name = "sdmgrad"
     from_gramian = True
     homogeneous = True
+    weight_degree = 0.0  # A is normalised by mean √diag: the simplex iterate is scale-free
 
     def __init__(self, num_tasks: int | None = None, lambda_: float = 0.3, lr: float = 5.0,
                  momentum: float = 0.5, n_iter: int = 20,
@@ -97,11 +98,12 @@ class SDMGrad(Balancer):
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"w": clone_or_none(self._w)}
+        return tag_state(self, {"w": clone_or_none(self._w)})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        check_keys(type(self).__name__, state_dict, ["w"])
-        self._w = clone_or_none(state_dict.get("w"))
+        state = untag_state(self, state_dict, "balancer")
+        check_keys(type(self).__name__, state, ["w"])
+        self._w = clone_or_none(state.get("w"))
 
     def __repr__(self) -> str:
         return (f"SDMGrad(num_tasks={self.num_tasks}, lambda_={self.lambda_}, lr={self.lr}, "

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._statedict import check_keys
+from .._statedict import check_keys, tag_state, untag_state
 
 
 def clone_or_none(t: Tensor | None) -> Tensor | None:
@@ -60,9 +60,10 @@ class EmaStepState:
         self._step = torch.zeros((), dtype=torch.int64)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"ema": clone_or_none(self._ema), "step": self._step.clone()}
+        return tag_state(self, {"ema": clone_or_none(self._ema), "step": self._step.clone()})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        check_keys(type(self).__name__, state_dict, ["ema", "step"])
-        self._ema = clone_or_none(state_dict.get("ema"))
-        self._step = as_step(state_dict.get("step", 0))
+        state = untag_state(self, state_dict, "balancer")
+        check_keys(type(self).__name__, state, ["ema", "step"])
+        ema, step = clone_or_none(state.get("ema")), as_step(state.get("step", 0))
+        self._ema, self._step = ema, step

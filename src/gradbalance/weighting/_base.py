@@ -32,7 +32,7 @@ from torch import Tensor
 
 from .._checks import as_loss_vector, check_num_tasks
 from .._pickling import PicklableGenerators
-from .._statedict import reject_state
+from .._statedict import check_keys, reject_state, tag_state, untag_state
 from .._types import NonFiniteGradientError
 
 __all__ = ["LossWeighting"]
@@ -184,25 +184,31 @@ class LossWeighting(PicklableGenerators):
         return [] if self._pending is None else [self._pending]
 
     def state_dict(self) -> dict[str, Any]:
-        """Every tensor needed to resume (copies), with ``num_tasks`` for checking."""
+        """Every tensor needed to resume (copies), ``num_tasks`` and ``"_type"`` (the class)."""
         state = copy.deepcopy(self._state())
         state["num_tasks"] = self.num_tasks
-        return state
+        return tag_state(self, state)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output into this (possibly fresh) object."""
-        if not isinstance(state_dict, dict):
-            raise ValueError(
-                f"state_dict must be a dict from state_dict(), got {type(state_dict).__name__}"
-            )
-        state = dict(state_dict)
+        """Restore :meth:`state_dict` output into this (possibly fresh) object.
+
+        Raises ``ValueError`` for a state saved by another class, with unknown keys or for
+        another ``num_tasks``; a load that fails changes nothing.
+        """
+        state = untag_state(self, state_dict, "weighting")
         k = state.pop("num_tasks", None)
         if k != self.num_tasks:
             raise ValueError(
                 f"state_dict was saved with num_tasks={k!r} but this {type(self).__name__} has "
                 f"num_tasks={self.num_tasks}; build it with the same number of tasks"
             )
-        self._load_state(copy.deepcopy(state))
+        check_keys(type(self).__name__, state, self._state(), kind="weighting")
+        before = copy.deepcopy(self._state())
+        try:
+            self._load_state(copy.deepcopy(state))
+        except BaseException:
+            self._load_state(before)
+            raise
         self._pending, self._pending_calls = None, 0
         self._discard_pending()
 

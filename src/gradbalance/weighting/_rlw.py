@@ -7,7 +7,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from .._checks import check_choice
+from .._checks import check_choice, check_generator
 from ..balancers._random import random_weights
 from ._base import LossWeighting
 
@@ -43,6 +43,7 @@ class RLW(LossWeighting):
         super().__init__(num_tasks, device=device)
         check_choice("distribution", distribution, _DISTRIBUTIONS)
         self.distribution = distribution
+        check_generator("generator", generator)
         if generator is not None and seed is not None:
             raise ValueError("Invalid seed: give either generator or seed, not both")
         if generator is None:
@@ -77,7 +78,9 @@ class RLW(LossWeighting):
 
     def _load_state(self, state: dict[str, Any]) -> None:
         weights = self._check_state_tensor(state, "weights", (self.num_tasks,))
-        if not isinstance(state.get("rng_state"), Tensor):
-            raise ValueError("state_dict lacks 'rng_state'; was it saved from another RLW?")
+        rng_state = state.get("rng_state")
+        if not isinstance(rng_state, Tensor) or rng_state.dtype != torch.uint8:
+            raise ValueError("state_dict lacks 'rng_state' (the uint8 state of a "
+                             "torch.Generator); was it saved from another RLW?")
         self.generator.set_state(state["rng_state"])
         self._weights = weights

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import io
+import re
 from typing import Any
 
 import pytest
@@ -164,6 +165,19 @@ def test_homogeneous_over_several_steps(name: str) -> None:
     for seed in range(3):
         g, lo = matrix(seed), losses_for(seed)
         torch.testing.assert_close(a(1e3 * g, lo) / 1e3, b(g, lo), rtol=1e-6, atol=1e-12)
+
+
+@pytest.mark.parametrize("bad", [42, "0", 1.5, None.__class__], ids=["int", "str", "float", "type"])
+def test_generator_must_be_a_torch_generator(name: str, bad: object) -> None:
+    """A seed or another object given as the generator is refused at construction."""
+    if not takes_generator(name):
+        pytest.skip("takes no generator")
+    kwargs: dict[str, Any] = {"num_tasks": K} if takes_num_tasks(name) else {}
+    seed = bad if isinstance(bad, int) else 0
+    with pytest.raises(ValueError, match=(
+            rf"Invalid generator: {type(bad).__name__} {re.escape(repr(bad))} \(expected a "
+            rf"torch\.Generator or None; .*generator=torch\.Generator\(\)\.manual_seed\({seed}\)")):
+        gradbalance.BALANCERS[name](generator=bad, **kwargs)
 
 
 def test_deterministic_with_seeded_generator(name: str) -> None:

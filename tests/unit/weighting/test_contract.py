@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import inspect
+import re
 
 import pytest
 import torch
@@ -72,6 +74,22 @@ def test_wrong_number_of_tasks(name: str) -> None:
 def test_invalid_settings(name: str, kwargs: dict, argname: str) -> None:
     with pytest.raises(ValueError, match=f"Invalid {argname}"):
         WEIGHTINGS[name](K, **kwargs)
+
+
+@pytest.mark.parametrize("bad", [42, "0", 1.5, None.__class__], ids=["int", "str", "float", "type"])
+@pytest.mark.parametrize("name", [n for n in NAMES
+                                  if "generator" in inspect.signature(WEIGHTINGS[n]).parameters])
+def test_generator_must_be_a_torch_generator(name: str, bad: object) -> None:
+    """A seed or another object given as the generator is refused at construction."""
+    seed = bad if isinstance(bad, int) else 0
+    with pytest.raises(ValueError, match=(
+            rf"Invalid generator: {type(bad).__name__} {re.escape(repr(bad))} \(expected a "
+            rf"torch\.Generator or None; .*generator=torch\.Generator\(\)\.manual_seed\({seed}\)")):
+        WEIGHTINGS[name](K, generator=bad)
+
+
+def test_some_weighting_takes_a_generator() -> None:
+    assert "generator" in inspect.signature(WEIGHTINGS["rlw"]).parameters
 
 
 @pytest.mark.parametrize(("kwargs", "argname"), [
