@@ -242,34 +242,38 @@ def bowl_noise(seed: int, steps: int, sigma: float = 1.0) -> Tensor:
                         for _ in range(steps)])
 
 
-def _rows(matrix: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    g1, g2 = matrix[..., 0, :], matrix[..., 1, :]
-    return (g1, g2, (g1 * g1).sum(-1, keepdim=True), (g2 * g2).sum(-1, keepdim=True),
-            (g1 * g2).sum(-1, keepdim=True))
+def _gram(matrix: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(‖g₁‖², ‖g₂‖², g₁·g₂)`` of ``[..., 2, P]``, each ``[..., 1]``."""
+    gram = matrix @ matrix.transpose(-1, -2)
+    return gram[..., 0, :1], gram[..., 1, 1:], gram[..., 0, 1:]
 
 
 def pcgrad_two(matrix: Tensor) -> Tensor:
     """The ``PCGrad`` balancer (sum reduction) on two tasks, over a batch: ``[..., 2, P]`` →
     ``[..., P]``. When ``g₁·g₂ < 0`` each row loses its component along the other,
     ``g₁ + g₂ − (g₁·g₂/‖g₂‖²) g₂ − (g₁·g₂/‖g₁‖²) g₁``; with two tasks the visiting order
-    does not matter, and a zero row is never projected on (as :func:`pcgrad_coefficients`)."""
-    g1, g2, n1, n2, dot = _rows(matrix)
-    conflict = dot < 0
-    a1 = torch.where(conflict & (n2 > 0), dot / torch.where(n2 > 0, n2, 1.0), 0.0)
-    a2 = torch.where(conflict & (n1 > 0), dot / torch.where(n1 > 0, n1, 1.0), 0.0)
-    return (g1 - a1 * g2) + (g2 - a2 * g1)
+    does not matter, and a zero row is never projected on (its dot product is 0), as in
+    :func:`gradbalance.functional.pcgrad_coefficients`."""
+    n1, n2, dot = _gram(matrix)
+    c = dot.clamp(max=0.0)
+    tiny = torch.finfo(matrix.dtype).tiny
+    w1 = 1 - c / n1.clamp_min(tiny)
+    w2 = 1 - c / n2.clamp_min(tiny)
+    out: Tensor = w1 * matrix[..., 0, :] + w2 * matrix[..., 1, :]
+    return out
 
 
 def mgda_two(matrix: Tensor) -> Tensor:
     """The ``MGDA`` balancer (no normalisation) on two tasks, over a batch: ``[..., 2, P]`` →
     ``[..., P]``. The min-norm point ``γ g₁ + (1 − γ) g₂`` with
-    ``γ = clip((‖g₂‖² − g₁·g₂) / ‖g₁ − g₂‖², 0, 1)`` (½ for equal rows), the closed form the
-    library's solver uses for K = 2 (Sener & Koltun 2018, Alg. 1)."""
-    g1, g2, n1, n2, dot = _rows(matrix)
-    diff = n1 - 2 * dot + n2
-    gamma = torch.where(diff > 0, ((n2 - dot) / torch.where(diff > 0, diff, 1.0)).clamp(0, 1),
-                        0.5)
-    return gamma * g1 + (1 - gamma) * g2
+    ``γ = clip((‖g₂‖² − g₁·g₂) / ‖g₁ − g₂‖², 0, 1)``, the closed form the library's solver
+    uses for K = 2 (Sener & Koltun 2018, Alg. 1); for equal rows every γ gives the same
+    point."""
+    n1, n2, dot = _gram(matrix)
+    diff = (n1 - 2 * dot + n2).clamp_min(torch.finfo(matrix.dtype).tiny)
+    gamma = ((n2 - dot) / diff).clamp(0.0, 1.0)
+    out: Tensor = gamma * matrix[..., 0, :] + (1 - gamma) * matrix[..., 1, :]
+    return out
 
 
 #: balancer name -> its batched two-task form.

@@ -45,8 +45,10 @@ FEATURES = 16
 FACTOR = 4.0
 BIN = 100
 COPIES = ("constant", "slow", "sudden")
-OPTIMIZERS = {"sgd": ("SGD (lr 0.05)", lambda p: torch.optim.SGD(p, lr=0.05)),
-              "adam": ("Adam (lr 1e-3)", lambda p: torch.optim.Adam(p, lr=1e-3))}
+OPTIMIZERS: dict[str, tuple[str, Any]] = {
+    "sgd": ("SGD (lr 0.05)", lambda p: torch.optim.SGD([p], lr=0.05)),
+    "adam": ("Adam (lr 1e-3)", lambda p: torch.optim.Adam([p], lr=1e-3)),
+}
 
 
 def _schedule(warm: int, change: int, after: int) -> torch.Tensor:
@@ -59,10 +61,13 @@ def _schedule(warm: int, change: int, after: int) -> torch.Tensor:
     return torch.stack([torch.zeros(total, dtype=torch.float64), slow, sudden], dim=1)
 
 
-def _run(make_optimizer: Any, schedule: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Head step sizes ``[steps, 3]`` and the weights used ``[steps, 3]``."""
+def _run(schedule: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per optimizer: head step sizes ``[steps, 3]`` and the weights used ``[steps, 3]``. The
+    copies of both optimizers share the batches, one ``UncertaintyWeighting`` (a ``σ`` per
+    copy) and one backward pass per step; each optimizer steps its own copies."""
     uw_cls = require_attr("weighting", "UncertaintyWeighting")
-    uw = uw_cls(len(COPIES), task_types="regression", dtype=torch.float64)
+    n = len(COPIES)
+    uw = uw_cls(n * len(OPTIMIZERS), task_types="regression", dtype=torch.float64)
     gen = torch.Generator().manual_seed(0)
     layer = torch.randn(8, FEATURES, generator=gen, dtype=torch.float64) / math.sqrt(8)
     target = torch.randn(FEATURES, generator=gen, dtype=torch.float64)
@@ -72,23 +77,30 @@ def _run(make_optimizer: Any, schedule: torch.Tensor) -> tuple[torch.Tensor, tor
     y = phi @ target + 0.5 * torch.randn(x.shape[:2], generator=data, dtype=torch.float64)
     flat_phi, flat_y = phi.reshape(-1, FEATURES), y.reshape(-1, 1)
     best = torch.linalg.lstsq(flat_phi, flat_y).solution.reshape(-1)
-    heads = torch.nn.Parameter(best.repeat(len(COPIES), 1))
-    opt = make_optimizer([heads])
-    steps = torch.empty(schedule.shape[0], len(COPIES), dtype=torch.float64)
+    heads = {key: torch.nn.Parameter(best.repeat(n, 1)) for key in OPTIMIZERS}
+    opts = {key: make(heads[key]) for key, (_, make) in OPTIMIZERS.items()}
+    total = schedule.shape[0]
+    steps = torch.empty(total, n * len(OPTIMIZERS), dtype=torch.float64)
     weights = torch.empty_like(steps)
-    for t in range(schedule.shape[0]):
+    every = schedule.repeat(1, len(OPTIMIZERS))
+    params: list[torch.Tensor] = [*heads.values()]
+    for t in range(total):
         with torch.no_grad():
-            uw.log_vars.copy_(schedule[t])
-        losses = ((phi[t] @ heads.T - y[t, :, None]) ** 2).mean(dim=0)  # one per copy
-        before = heads.detach().clone()
-        uw(losses).sum().backward(inputs=[heads, uw.log_vars])
-        opt.step()
+            uw.log_vars.copy_(every[t])
+        stacked = torch.cat(params)
+        losses = ((phi[t] @ stacked.T - y[t, :, None]) ** 2).mean(dim=0)  # one per copy
+        before = stacked.detach()
+        uw(losses).sum().backward(inputs=[*params, uw.log_vars])
+        for opt in opts.values():
+            opt.step()
         uw.update()
-        opt.zero_grad(set_to_none=True)
+        for opt in opts.values():
+            opt.zero_grad(set_to_none=True)
         uw.log_vars.grad = None
-        steps[t] = (heads.detach() - before).norm(dim=1)
+        steps[t] = (torch.cat(params).detach() - before).norm(dim=1)
         weights[t] = uw.weights
-    return steps, weights
+    return {key: (steps[:, i * n:(i + 1) * n], weights[:, i * n:(i + 1) * n])
+            for i, key in enumerate(OPTIMIZERS)}
 
 
 def predicted_ratio(weights: torch.Tensor, beta1: float = 0.9,
@@ -118,8 +130,7 @@ def compute(quick: bool = False) -> dict[str, Any]:
     result: dict[str, Any] = {"warm": warm, "change": change, "after": after, "bin": BIN}
     end = slice(warm + change - 300, warm + change)
     jump = slice(warm + 10, warm + 60)
-    for key, (_, make) in OPTIMIZERS.items():
-        steps, weights = _run(make, schedule)
+    for key, (steps, weights) in _run(schedule).items():
         binned = _bins(steps)
         ratio = binned[:, 1:] / binned[:, :1]
         w_ratio = _bins(weights)[:, 1:] / _bins(weights)[:, :1]

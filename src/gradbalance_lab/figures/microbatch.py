@@ -262,7 +262,7 @@ def claims(result: dict[str, Any]) -> list[Claim]:
 
 def plot(result: dict[str, Any], path: Path) -> None:
     plt = pyplot()
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8),
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5.2),
                                    gridspec_kw={"width_ratios": [1.15, 1]})
     ys = list(range(len(READINGS)))
     for j, (name, marker) in enumerate((("pcgrad", "o"), ("mgda", "s"))):
@@ -284,7 +284,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax1.invert_yaxis()
     ax1.set_xlabel("median angle between the two orders (°)")
     ax1.set_title("four readings of the setting", fontsize=10)
-    ax1.legend(fontsize=8, loc="lower right")
+    ax1.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
     bins = [i * 3.0 for i in range(61)]
     for (where, scale), name, color in ((READINGS[0], "pcgrad", "C0"),
                                         (READINGS[3], "mgda", "C1")):
