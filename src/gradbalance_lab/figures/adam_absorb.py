@@ -215,6 +215,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.set_yticks([1, 2, 4, 8], ["1", "2", "4", "8"])
         ax.set_yticks([], minor=True)
         ax.legend(fontsize=8, loc="upper left", ncol=2)
-    axes[0].set_ylabel(f"over the constant copy ({b}-step means, log)")
+    for ax in axes:
+        ax.set_ylabel(f"step or weight over the constant copy's ({b}-step means, log)",
+                      fontsize=9)
+        ax.tick_params(labelleft=True)
     fig.suptitle(TITLE)
     save_figure(fig, path)

@@ -283,6 +283,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax1.set_ylim(-0.7, len(READINGS) - 0.3)
     ax1.invert_yaxis()
     ax1.set_xlabel("median angle between the two orders (°)")
+    ax1.set_ylabel("reading of 'noise about as large as the gradient'", fontsize=9)
     ax1.set_title("four readings of the setting", fontsize=10)
     ax1.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
     bins = [i * 3.0 for i in range(61)]
