@@ -6,8 +6,10 @@ The two-bowl example (`docs/figures.md`, §7.2): two tasks share two weights ``w
 ``H``, so the Pareto set is the segment from ``c₁`` to ``c₂``: there, and only there, the two
 gradients point exactly opposite. "Batch noise" is added as ``ξₖ·w`` to each loss, so task
 ``k``'s gradient is its exact gradient plus ``ξₖ`` (Gaussian, drawn from an explicit
-generator). Every step runs through the library: :class:`~gradbalance.TaskGradBuffer`, a
-registered balancer and a ``torch.optim`` optimizer.
+generator). Every step of :class:`TwoBowls` runs through the library:
+:class:`~gradbalance.TaskGradBuffer`, a registered balancer and a ``torch.optim`` optimizer;
+:func:`train_bowls` runs many of them at once with the balancers' two-task closed forms, and
+the figures that use it check it against :class:`TwoBowls` and the balancers.
 """
 
 from __future__ import annotations
