@@ -1,0 +1,198 @@
+"""The balanced step the framework integrations share (Lightning, Hugging Face, Accelerate).
+
+:class:`BalancedParts` owns what lives across the calls of a training run — the balancer, the
+:class:`~gradbalance.TaskGradBuffer`, an optional loss weighting and row clipper — runs one
+micro-batch's backward and one step's balance, and saves and restores all of them as one
+state (:func:`~gradbalance.capture_state` without the global random generators, which the
+frameworks save themselves).
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .._amp import no_autocast
+from .._checks import check_balancer, check_int, check_row_clipper
+from ..balancers._base import Balancer
+from ..checkpoint import capture_state, restore_state
+from ..clip._protocol import RowClipper
+from ..distributed import sync_weighting_
+from ..stats import StepStats
+from ..step import TaskGradBuffer
+from ..weighting._base import LossWeighting
+
+__all__ = ["BalancedParts", "divide_losses", "stats_scalars", "unshare_tensors"]
+
+_OPAQUE = (type, types.ModuleType, types.FunctionType, types.MethodType,
+           types.BuiltinFunctionType)
+
+
+def stats_scalars(stats: StepStats) -> dict[str, Tensor | float]:
+    """The scalars of one step, as tensors (no host sync): losses, norms, weights, cosines."""
+    out: dict[str, Tensor | float] = {}
+    k = stats.num_tasks
+    for t in range(k):
+        out[f"loss/task{t}"] = stats.losses[t]
+        if stats.task_norms is not None:
+            out[f"size/task{t}"] = stats.task_norms[t]
+        if stats.weights is not None:
+            out[f"w/task{t}"] = stats.weights[t]
+    if stats.cosine is not None:
+        for i in range(k):
+            for j in range(i + 1, k):
+                out[f"cos/task{i}_task{j}"] = stats.cosine[i, j]
+    if stats.update_norm is not None:
+        out["update_norm"] = stats.update_norm
+    out["amp_skipped"] = 1.0 if stats.found_inf else 0.0
+    return out
+
+
+def divide_losses(losses: Tensor | Sequence[Tensor], n: int) -> Tensor | Sequence[Tensor]:
+    """``losses / n`` for a ``[K]`` tensor or a list of K scalars (unchanged for n = 1)."""
+    if n == 1:
+        return losses
+    if isinstance(losses, Tensor):
+        return losses / n
+    return [loss / n for loss in losses]
+
+
+def _total(losses: Tensor | Sequence[Tensor]) -> Tensor:
+    """The detached sum of the task losses (what a framework reports as "the loss")."""
+    vector = losses if isinstance(losses, Tensor) else torch.stack(list(losses))
+    return vector.detach().sum()
+
+
+def unshare_tensors(root: Any) -> int:
+    """Give every CPU tensor reachable from ``root`` that lives in shared memory its own copy.
+
+    ``torch.multiprocessing`` moves every CPU tensor it pickles into shared memory, so the
+    worker processes of ``mp.spawn`` (Lightning's ``ddp_spawn``) would all update one balancer
+    state, one weighting, one optimizer state in place, racing each other. Lightning unshares
+    the modules' parameters and buffers only; this unshares the rest (``t.data`` replaced by a
+    clone, the tensor objects kept). Returns the number of tensors copied.
+    """
+    seen: set[int] = set()
+    stack = [root]
+    copied = 0
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, _OPAQUE):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, Tensor):
+            if obj.device.type == "cpu" and obj.is_shared():  # type: ignore[no-untyped-call]
+                with torch.no_grad():
+                    obj.data = obj.data.clone()
+                copied += 1
+        elif isinstance(obj, dict):
+            stack.extend(obj.keys())
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack.extend(obj)
+        elif hasattr(obj, "__dict__"):
+            stack.extend(vars(obj).values())
+    return copied
+
+
+class BalancedParts:
+    """The stateful parts of a balanced step and the two calls that use them.
+
+    Args:
+        balancer: any :class:`~gradbalance.Balancer`.
+        buffer: the :class:`~gradbalance.TaskGradBuffer`, or a callable that builds it on
+            first use (after a framework has put the model on its device).
+        weighting: optional :class:`~gradbalance.LossWeighting` applied to the losses of every
+            micro-batch and updated once per step.
+        clip: optional row clipper (e.g. :class:`~gradbalance.TaskAutoClip`).
+    """
+
+    def __init__(
+        self,
+        balancer: Balancer,
+        buffer: TaskGradBuffer | Callable[[], TaskGradBuffer],
+        *,
+        weighting: LossWeighting | None = None,
+        clip: RowClipper | None = None,
+    ) -> None:
+        check_balancer("balancer", balancer)
+        check_row_clipper("clip", clip)
+        if weighting is not None and not isinstance(weighting, LossWeighting):
+            raise TypeError(
+                f"Invalid weighting: a {type(weighting).__name__} (expected a LossWeighting "
+                f"object, e.g. gradbalance.get_weighting('dwa', num_tasks=K), or None)"
+            )
+        self.balancer = balancer
+        self.weighting = weighting
+        self.clip = clip
+        self._buffer = buffer if isinstance(buffer, TaskGradBuffer) else None
+        self._make_buffer = None if isinstance(buffer, TaskGradBuffer) else buffer
+
+    @property
+    def buffer(self) -> TaskGradBuffer:
+        """The buffer (built now if it was given as a callable)."""
+        if self._buffer is None:
+            assert self._make_buffer is not None
+            self._buffer = self._make_buffer()
+        return self._buffer
+
+    @property
+    def built(self) -> bool:
+        """Whether the buffer exists yet."""
+        return self._buffer is not None
+
+    def backward(self, losses: Tensor | Sequence[Tensor], divisor: int, scaler: Any) -> Tensor:
+        """Weight the K losses (if a weighting is set), divide by ``divisor`` (the micro-batches
+        of the step) and add their task gradients; returns their detached sum."""
+        check_int("divisor", divisor, 1, ", the number of micro-batches of the step")
+        buffer = self.buffer
+        if self.weighting is not None:
+            losses = self.weighting(losses, scaler=scaler)
+        losses = divide_losses(losses, divisor)
+        buffer.backward(losses, scaler=scaler)
+        return _total(losses)
+
+    def step(self, scaler: Any) -> StepStats:
+        """Balance the step's task gradients into ``.grad`` and update the weighting.
+
+        Runs with autocast off (a framework may call it inside its autocast region). The
+        weighting learns from the full batch (averaged over the ranks); on a step the scaler
+        will skip (``StepStats.found_inf``) it keeps its state.
+        """
+        buffer = self.buffer
+        with no_autocast(buffer.layout.device):
+            stats = buffer.apply_(self.balancer, scaler=scaler, clip=self.clip)
+            if self.weighting is not None:
+                if not stats.found_inf:
+                    sync_weighting_(self.weighting, buffer.process_group)
+                self.weighting.update(found_inf=stats.found_inf)
+        return stats
+
+    def scalars(self, stats: StepStats) -> dict[str, Tensor | float]:
+        """:func:`stats_scalars`, plus the weighting's weights as ``weighting/task{k}``."""
+        out = stats_scalars(stats)
+        if self.weighting is not None:
+            for k, w in enumerate(self.weighting.weights):
+                out[f"weighting/task{k}"] = w
+        return out
+
+    def objects(self) -> dict[str, Any]:
+        """The stateful parts by name (a clipper without ``state_dict`` is left out)."""
+        objects: dict[str, Any] = {"buffer": self.buffer, "balancer": self.balancer}
+        if self.weighting is not None:
+            objects["weighting"] = self.weighting
+        if self.clip is not None and callable(getattr(self.clip, "state_dict", None)):
+            objects["clip"] = self.clip
+        return objects
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every part's ``state_dict`` (the buffer, the balancer, the weighting, the clipper)."""
+        return capture_state(rng=False, **self.objects())
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output: all parts or none (``CheckpointError``)."""
+        restore_state(state_dict, **self.objects())

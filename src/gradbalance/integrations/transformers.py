@@ -1,0 +1,266 @@
+"""Hugging Face ``Trainer`` integration: the balanced step inside ``Trainer.training_step``.
+
+transformers is optional (``pip install gradbalance[transformers]``); importing this module
+without it raises an ``ImportError`` naming the extra. The model's forward returns the K task
+losses (batch means) under the key ``losses`` of its output (a dict or a ``ModelOutput``; a
+``[K]`` tensor or a list of K scalars)::
+
+    trainer = BalancedTrainer(
+        model=model, args=TrainingArguments("out", gradient_accumulation_steps=2),
+        train_dataset=data,
+        balancer=gradbalance.get_balancer("upgrad", num_tasks=3),
+        shared_params=lambda m: m.trunk.parameters(),
+        head_params=lambda m: m.heads.parameters())
+    trainer.train()                                   # or train(resume_from_checkpoint=True)
+
+Only ``training_step`` changes; the Trainer's loop around it is kept:
+
+* each micro-batch: the forward (under the autocast of ``bf16``/``fp16``), the loss weighting,
+  ``buf.backward(losses / n)`` with ``n`` the micro-batches of the step
+  (``gradient_accumulation_steps``, fewer for a short last one) and the Trainer's
+  ``GradScaler``; forward and backward run under DDP's ``no_sync`` (the buffer averages the
+  task gradients over the processes itself);
+* on the last micro-batch of a step (``accelerator.sync_gradients``): ``buf.apply_``, then the
+  weighting's update. The Trainer then clips as usual (``max_grad_norm``: a global clip of
+  the balanced gradient, after unscaling), steps the optimizer and the scaler, and zeroes;
+* logging: the mean over the logging interval of ``balance/loss/task{k}``,
+  ``balance/size/task{k}``, ``balance/w/task{k}``, ``balance/cos/task{i}_task{j}`` (and
+  ``balance/weighting/task{k}``) joins the Trainer's training logs, hence every ``report_to``
+  backend; ``loss`` is the sum of the K (weighted) losses;
+* checkpoints: ``gradbalance.pt`` in each ``checkpoint-N`` folder holds the buffer's,
+  balancer's, weighting's and row clipper's states (written by the main process beside the
+  optimizer's state; read by every process on ``train(resume_from_checkpoint=...)``); the
+  Trainer saves the model, optimizer, scheduler, scaler and random states. A resumed run
+  continues bit for bit.
+
+DeepSpeed, FSDP and ``DataParallel`` (several GPUs in one process) are refused: the first two
+shard or own the gradients, the third replicates the model per forward.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .._optional import require
+from ..balancers._base import Balancer
+from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from ..clip._protocol import RowClipper
+from ..distributed import ddp_no_sync
+from ..stats import StepStats
+from ..step import TaskGradBuffer
+from ..weighting._base import LossWeighting
+from ._core import BalancedParts
+
+require("transformers", "transformers", "gradbalance.integrations.transformers")
+from transformers import Trainer  # noqa: E402 - after the check that names the extra
+
+__all__ = ["STATE_FILE", "BalancedTrainer", "ParamSource", "task_losses_of"]
+
+#: The file in each checkpoint folder that holds the balanced step's state.
+STATE_FILE = "gradbalance.pt"
+
+#: Parameters, or a callable that picks them from the (unwrapped) model.
+ParamSource = Iterable[Tensor] | Callable[[nn.Module], Iterable[Tensor]]
+
+
+def task_losses_of(outputs: Any) -> Tensor | Sequence[Tensor]:
+    """The K task losses in a model's output: ``outputs["losses"]`` (or ``outputs.losses``)."""
+    losses = None
+    if isinstance(outputs, Mapping):
+        losses = outputs.get("losses")
+    elif hasattr(outputs, "losses"):
+        losses = outputs.losses
+    if losses is None:
+        raise ValueError(
+            f"BalancedTrainer expects the model's forward to return the K task losses under "
+            f"'losses' (a dict or ModelOutput field holding a [K] tensor or a list of K "
+            f"scalars), got a {type(outputs).__name__}"
+            + (f" with keys {sorted(outputs)}" if isinstance(outputs, Mapping) else "")
+            + "; return them so, or override compute_task_losses(model, inputs)"
+        )
+    return losses  # type: ignore[no-any-return]
+
+
+def _materialize(name: str, source: ParamSource | None) -> ParamSource | None:
+    """A one-shot iterable (``model.parameters()``) becomes a list now; callables stay."""
+    if source is None or callable(source):
+        return source
+    if isinstance(source, Tensor):
+        raise TypeError(f"Invalid {name}: a single tensor (expected an iterable of "
+                        f"parameters or a callable model -> parameters)")
+    return list(source)
+
+
+def _resolve(name: str, source: ParamSource | None, model: nn.Module, method: str
+             ) -> list[Tensor]:
+    if source is None:
+        pick = getattr(model, method, None)
+        if not callable(pick):
+            raise TypeError(
+                f"{name} not given and {type(model).__name__} has no {method}(); pass "
+                f"{name}=lambda model: model.<part>.parameters()"
+            )
+        return list(pick())
+    return list(source(model) if callable(source) else source)
+
+
+def _check_covered(model: nn.Module, shared: list[Tensor], heads: list[Tensor]) -> None:
+    """Every trainable parameter is shared or a head's: the others would get no gradient."""
+    known = {id(p) for p in shared} | {id(p) for p in heads}
+    left = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in known]
+    if left:
+        raise ValueError(
+            f"trainable parameters {left[:5]}{' ...' if len(left) > 5 else ''} are in neither "
+            f"shared_params nor head_params, so they would get no gradient; add them to one "
+            f"(or set requires_grad=False)"
+        )
+
+
+class BalancedTrainer(Trainer):
+    """A ``transformers.Trainer`` whose backward is the balanced step.
+
+    Args:
+        *args: the ``Trainer``'s.
+        balancer: any :class:`~gradbalance.Balancer`, the same object for the whole run.
+        shared_params: the trunk's parameters, or a callable ``model -> parameters`` (called
+            once, on the unwrapped model placed on its device; use one with ``model_init``).
+            Default: ``model.shared_parameters()``.
+        head_params: the heads' parameters (a plain gradient of ``Σₖ Lₖ``), or a callable.
+            Default: ``model.head_parameters()`` if the model has it, else every trainable
+            parameter outside ``shared_params``. Every trainable parameter must be in one of
+            the two lists.
+        weighting: optional :class:`~gradbalance.LossWeighting` applied to every micro-batch's
+            losses. A learnable one needs its parameters in the optimizer
+            (``optimizers=(...)``).
+        clip: optional row clipper (e.g. :class:`~gradbalance.TaskClip`).
+        buffer_options: more arguments of :class:`~gradbalance.TaskGradBuffer` (``mode``,
+            ``passes``, ``update_every``, ``modules``, ``process_group``).
+        log_prefix: prefix of the logged scalars.
+        **kwargs: the ``Trainer``'s.
+
+    Attributes:
+        last_stats: the :class:`~gradbalance.StepStats` of the last step.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        balancer: Balancer,
+        shared_params: ParamSource | None = None,
+        head_params: ParamSource | None = None,
+        weighting: LossWeighting | None = None,
+        clip: RowClipper | None = None,
+        buffer_options: Mapping[str, Any] | None = None,
+        log_prefix: str = "balance/",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        if getattr(self, "is_deepspeed_enabled", False) or getattr(self, "is_fsdp_enabled",
+                                                                    False):
+            raise ValueError(
+                "BalancedTrainer does not run under DeepSpeed or FSDP (they shard or own the "
+                "gradients); use DDP (several processes: torchrun / accelerate launch)"
+            )
+        if self.args.n_gpu > 1:
+            raise ValueError(
+                f"BalancedTrainer does not run under DataParallel ({self.args.n_gpu} GPUs in "
+                f"one process); launch one process per GPU (torchrun / accelerate launch)"
+            )
+        self._shared_source = _materialize("shared_params", shared_params)
+        self._head_source = _materialize("head_params", head_params)
+        self._buffer_options = dict(buffer_options or {})
+        self.balanced = BalancedParts(balancer, self._build_buffer, weighting=weighting,
+                                      clip=clip)
+        self.log_prefix = log_prefix
+        self.last_stats: StepStats | None = None
+        self._sums: dict[str, Tensor | float] = {}
+        self._steps_logged = 0
+
+    # -- the step ------------------------------------------------------------------------
+    def _build_buffer(self) -> TaskGradBuffer:
+        model = self.model
+        if model is None:
+            raise RuntimeError("BalancedTrainer has no model yet: pass model= or model_init=")
+        shared = _resolve("shared_params", self._shared_source, model, "shared_parameters")
+        if self._head_source is None and not callable(getattr(model, "head_parameters", None)):
+            ids = {id(p) for p in shared}
+            heads: list[Tensor] = [p for p in model.parameters()
+                                   if p.requires_grad and id(p) not in ids]
+        else:
+            heads = _resolve("head_params", self._head_source, model, "head_parameters")
+        _check_covered(model, shared, heads)
+        return TaskGradBuffer(shared, heads, num_tasks=self.balanced.balancer.num_tasks,
+                              **self._buffer_options)
+
+    def compute_task_losses(self, model: nn.Module, inputs: dict[str, Any]
+                            ) -> Tensor | Sequence[Tensor]:
+        """The K task losses of one micro-batch: ``model(**inputs)["losses"]``.
+
+        Override for a model that returns them otherwise.
+        """
+        return task_losses_of(model(**inputs))
+
+    def training_step(self, model: nn.Module, inputs: dict[str, Any],
+                      num_items_in_batch: Any = None) -> Tensor:
+        """One micro-batch of the balanced step; returns the detached loss the Trainer logs."""
+        parts = self.balanced
+        parts.buffer  # noqa: B018 - built on the model's device before the first forward
+        model.train()
+        train = getattr(self.optimizer, "train", None)
+        if callable(train):  # schedule-free optimizers
+            train()
+        inputs = self._prepare_inputs(inputs)
+        scaler = getattr(self.accelerator, "scaler", None)
+        n = int(getattr(self, "current_gradient_accumulation_steps",
+                        self.args.gradient_accumulation_steps))
+        with ddp_no_sync(model):
+            with self.compute_loss_context_manager():
+                losses = self.compute_task_losses(model, inputs)
+            total = parts.backward(losses, n, scaler)
+        if self.accelerator.sync_gradients:
+            stats = parts.step(scaler)
+            self.last_stats = stats
+            self._record(stats)
+        return total
+
+    # -- logging -------------------------------------------------------------------------
+    def _record(self, stats: StepStats) -> None:
+        for name, value in self.balanced.scalars(stats).items():
+            value = value.detach().double() if isinstance(value, Tensor) else value
+            self._sums[name] = self._sums[name] + value if name in self._sums else value
+        self._steps_logged += 1
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """The Trainer's ``log``; a training log also gets the mean balanced scalars since
+        the last one."""
+        if "loss" in logs and self._steps_logged > 0:
+            for name, total in self._sums.items():
+                logs[self.log_prefix + name] = float(total) / self._steps_logged
+            self._sums, self._steps_logged = {}, 0
+        super().log(logs, *args, **kwargs)
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self.args.should_save:
+            save_checkpoint(os.path.join(output_dir, STATE_FILE), rng=False,
+                            step=self.state.global_step, **self.balanced.objects())
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, STATE_FILE)
+        if not os.path.isfile(path):
+            raise CheckpointError(
+                f"checkpoint folder {checkpoint} has no {STATE_FILE}: it was not written by "
+                f"BalancedTrainer (or with save_only_model=True), so the balancer's state "
+                f"cannot be restored; resume from a BalancedTrainer checkpoint"
+            )
+        device = self.args.device if isinstance(self.args.device, torch.device) else None
+        load_checkpoint(path, map_location=device, **self.balanced.objects())

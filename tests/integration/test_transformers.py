@@ -1,0 +1,305 @@
+"""The Hugging Face ``BalancedTrainer`` trains like the plain gradbalance loop on the same
+batches, accumulates like one larger batch, resumes bit for bit, and runs on two processes
+(DDP over gloo, started by ``torchrun``) like one process on the global batch.
+
+Run as a script (``torchrun --nproc_per_node 2 test_transformers.py OUT``), it is the worker of
+the two-process test.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import transformers
+from transformers import PretrainedConfig, PreTrainedModel, TrainingArguments
+
+from gradbalance import TaskAutoClip, TaskGradBuffer
+from gradbalance.balancers import GradVac, PCGrad
+from gradbalance.checkpoint import CheckpointError
+from gradbalance.integrations.transformers import STATE_FILE, BalancedTrainer
+from gradbalance.weighting import GradNorm
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+transformers.logging.set_verbosity_error()
+
+K, N, BATCH, MAX_NORM = 3, 32, 4, 1.0
+LAUNCH_TIMEOUT = 180  # seconds for the two-process run
+
+
+class TinyConfig(PretrainedConfig):
+    model_type = "gradbalance-tiny"
+
+    def __init__(self, inputs: int = 8, width: int = 16, num_tasks: int = K,
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.inputs, self.width, self.num_tasks = inputs, width, num_tasks
+
+
+class TinyMultiTask(PreTrainedModel):
+    """A trunk and K regression heads; forward returns ``{"losses": [K]}`` and records the
+    batches it trained on (``seen``)."""
+
+    config_class = TinyConfig
+
+    def __init__(self, config: TinyConfig) -> None:
+        super().__init__(config)
+        self.trunk = nn.Sequential(nn.Linear(config.inputs, config.width), nn.ReLU(),
+                                   nn.Linear(config.width, config.width), nn.ReLU())
+        self.heads = nn.ModuleList(nn.Linear(config.width, 1) for _ in range(config.num_tasks))
+        self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.post_init()
+
+    def _init_weights(self, module: nn.Module) -> None:  # keep torch's initialisation
+        pass
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        if self.training:
+            self.seen.append((x.detach().clone(), y.detach().clone()))
+        feats = self.trunk(x)
+        return {"losses": torch.stack([nn.functional.mse_loss(h(feats).squeeze(-1), y[:, k])
+                                       for k, h in enumerate(self.heads)])}
+
+
+class Data(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    def __init__(self, n: int = N) -> None:
+        gen = torch.Generator().manual_seed(1)
+        self.x = torch.randn(n, 8, generator=gen)
+        self.y = torch.randn(n, K, generator=gen) * torch.tensor([1.0, 3.0, 0.3])
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": self.x[i], "y": self.y[i]}
+
+
+def _model(seed: int = 0) -> TinyMultiTask:
+    torch.manual_seed(seed)
+    return TinyMultiTask(TinyConfig())
+
+
+def _parts(method: str, model: TinyMultiTask, seed: int = 0) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    if method == "gradvac":
+        return {"balancer": GradVac(K, beta=0.5, generator=gen),
+                "clip": TaskAutoClip(percentile=50, history_size=4)}
+    return {"balancer": PCGrad(K, generator=gen),
+            "weighting": GradNorm(K, model.trunk, alpha=1.5, lr=0.05)}
+
+
+def _optimizers(model: nn.Module) -> tuple[torch.optim.Optimizer, Any]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+
+
+def _trainer(out: Path, method: str = "gradvac", *, seed: int = 0, accumulate: int = 2,
+             batch: int = BATCH, epochs: int = 2, **args: Any) -> BalancedTrainer:
+    model = _model(seed)
+    options = {"save_strategy": "no", "logging_steps": 1, **args}
+    return BalancedTrainer(
+        model=model,
+        args=TrainingArguments(str(out), per_device_train_batch_size=batch,
+                               gradient_accumulation_steps=accumulate, num_train_epochs=epochs,
+                               max_grad_norm=MAX_NORM, use_cpu=True, report_to=[],
+                               disable_tqdm=True, seed=42, **options),
+        train_dataset=Data(), optimizers=_optimizers(model),
+        shared_params=lambda m: m.trunk.parameters(),
+        head_params=lambda m: m.heads.parameters(),
+        **_parts(method, model, seed),
+    )
+
+
+def _plain(method: str, batches: list[tuple[torch.Tensor, torch.Tensor]], accumulate: int
+           ) -> tuple[TinyMultiTask, list[dict[str, float]]]:
+    """The plain gradbalance loop on the given micro-batches: what the Trainer must match."""
+    model = _model()
+    parts = _parts(method, model)
+    weighting = parts.get("weighting")
+    opt, _ = _optimizers(model)
+    buf = TaskGradBuffer(list(model.trunk.parameters()), list(model.heads.parameters()))
+    logs = []
+    for start in range(0, len(batches), accumulate):
+        for x, y in batches[start:start + accumulate]:
+            losses = model(x, y)["losses"]
+            if weighting is not None:
+                losses = weighting(losses)
+            buf.backward(losses / accumulate)
+        stats = buf.apply_(parts["balancer"], clip=parts.get("clip"))
+        if weighting is not None:
+            weighting.update(found_inf=stats.found_inf)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        logs.append({f"balance/loss/task{k}": float(stats.losses[k]) for k in range(K)})
+    return model, logs
+
+
+def _params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+@pytest.mark.parametrize("method", ["gradvac", "gradnorm"])
+def test_trainer_matches_the_plain_loop(tmp_path: Path, method: str) -> None:
+    trainer = _trainer(tmp_path, method)
+    trainer.train()
+    batches = trainer.model.seen
+    assert len(batches) == 2 * N // BATCH and trainer.state.global_step == N // BATCH
+    model, logs = _plain(method, batches, accumulate=2)
+    start = _params(_model())
+    assert all(not torch.equal(p, start[n]) for n, p in _params(model).items())
+    _assert_equal(_params(trainer.model), _params(model))  # bit for bit
+    trained = [log for log in trainer.state.log_history if "loss" in log]
+    assert len(trained) == len(logs)
+    for got, expected in zip(trained, logs):
+        for name, value in expected.items():
+            assert got[name] == pytest.approx(value, rel=1e-6)
+        assert got["loss"] == pytest.approx(sum(expected.values()), rel=1e-5)
+
+
+def test_two_micro_batches_equal_one_batch_of_both(tmp_path: Path) -> None:
+    two = _trainer(tmp_path / "two", accumulate=2, batch=BATCH)
+    two.train()
+    one = _trainer(tmp_path / "one", accumulate=1, batch=2 * BATCH)
+    one.train()
+    seen_two, seen_one = two.model.seen, one.model.seen
+    for i, (x, _) in enumerate(seen_one):  # the same samples in every step
+        assert torch.equal(x, torch.cat([seen_two[2 * i][0], seen_two[2 * i + 1][0]]))
+    for name, p in _params(two.model).items():
+        torch.testing.assert_close(p, _params(one.model)[name], rtol=1e-5, atol=1e-6)
+
+
+def _state(trainer: BalancedTrainer) -> dict[str, Any]:
+    return {"params": _params(trainer.model), "balanced": trainer.balanced.state_dict()}
+
+
+@pytest.mark.parametrize(("method", "bf16"), [("gradvac", False), ("gradnorm", False),
+                                              ("gradvac", True)])
+def test_resume_is_bit_identical(tmp_path: Path, method: str, bf16: bool) -> None:
+    from support.loop_state import assert_same_state
+
+    args = {"save_strategy": "steps", "save_steps": 3, "bf16": bf16}
+    straight = _trainer(tmp_path, method, **args)
+    straight.train()
+    checkpoint = tmp_path / "checkpoint-3"  # mid-epoch: 4 steps per epoch
+    assert (checkpoint / STATE_FILE).is_file()
+
+    resumed = _trainer(tmp_path / "resumed", method, seed=99, **args)  # other weights
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.state.global_step == straight.state.global_step == 8
+    assert_same_state(_state(resumed), _state(straight))
+    logged = [log for log in straight.state.log_history if "loss" in log]
+    assert len(logged) == 8
+    # the first three come from the checkpoint's trainer_state.json, the others were logged
+    assert [log for log in resumed.state.log_history if "loss" in log] == logged
+    start = _params(_model())
+    assert all(not torch.equal(p, start[n]) for n, p in _params(straight.model).items())
+
+
+def test_fp16_on_cpu_is_turned_off_by_accelerate(tmp_path: Path) -> None:
+    trainer = _trainer(tmp_path, epochs=1, fp16=True)
+    assert trainer.accelerator.scaler is None  # accelerate: no float16 autocast on CPU
+    trainer.train()
+    model, _ = _plain("gradvac", trainer.model.seen, accumulate=2)
+    _assert_equal(_params(trainer.model), _params(model))
+
+
+def test_a_checkpoint_without_the_state_is_refused(tmp_path: Path) -> None:
+    trainer = _trainer(tmp_path, epochs=1, save_strategy="steps", save_steps=2)
+    trainer.train()
+    (tmp_path / "checkpoint-2" / STATE_FILE).unlink()
+    with pytest.raises(CheckpointError, match=f"has no {STATE_FILE}"):
+        _trainer(tmp_path / "b", epochs=1).train(
+            resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+
+
+def test_clear_errors(tmp_path: Path) -> None:
+    model = _model()
+    args = TrainingArguments(str(tmp_path), use_cpu=True, report_to=[], max_steps=1,
+                             per_device_train_batch_size=BATCH)
+    one_head = BalancedTrainer(model=model, args=args, train_dataset=Data(),
+                               balancer=PCGrad(K), shared_params=model.trunk.parameters(),
+                               head_params=model.heads[0].parameters())
+    with pytest.raises(ValueError, match=r"\['heads.1.weight', .*in neither shared_params"):
+        one_head.train()
+
+    class NoLosses(TinyMultiTask):
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"loss": super().forward(x, y)["losses"].sum()}
+
+    torch.manual_seed(0)
+    odd = NoLosses(TinyConfig())
+    trainer = BalancedTrainer(model=odd, args=args, train_dataset=Data(), balancer=PCGrad(K),
+                              shared_params=odd.trunk.parameters())  # heads: the rest
+    with pytest.raises(ValueError, match=r"under 'losses'.*keys \['loss'\]"):
+        trainer.train()
+
+
+def test_import_without_transformers_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    monkeypatch.delitem(sys.modules, "gradbalance.integrations.transformers")
+    with pytest.raises(ImportError, match=r"pip install gradbalance\[transformers\]"):
+        importlib.import_module("gradbalance.integrations.transformers")
+
+
+# -- two processes under torchrun -----------------------------------------------------------
+
+
+def _worker(out: str) -> None:
+    """One rank of the two-process run: train, then save what this rank saw and ended with."""
+    trainer = _trainer(Path(out), "gradnorm", save_strategy="steps", save_steps=4,
+                       ddp_backend="gloo")
+    trainer.train()
+    rank = trainer.args.process_index
+    torch.save({"seen": trainer.model.seen, "state": _state(trainer),
+                "logs": trainer.state.log_history}, Path(out) / f"rank{rank}.pt")
+
+
+def test_two_processes_match_one_on_the_global_batch(tmp_path: Path) -> None:
+    from support.loop_state import assert_same_state
+
+    tests = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(  # accelerate launch --cpu starts one process without MPI
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+         "2", __file__, str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert_same_state(ranks[1]["state"], ranks[0]["state"])  # the ranks agree bit for bit
+    assert (tmp_path / "checkpoint-4" / STATE_FILE).is_file()
+    # each step's global batch: rank 0's micro-batch i with rank 1's
+    batches = [(torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]]))
+               for a, b in zip(ranks[0]["seen"], ranks[1]["seen"])]
+    assert len(batches) == N // BATCH  # the ranks split the data
+    model, logs = _plain("gradnorm", batches, accumulate=2)
+    for name, p in _params(model).items():
+        torch.testing.assert_close(ranks[0]["state"]["params"][name], p, rtol=1e-5, atol=1e-6)
+    trained = [log for log in ranks[0]["logs"] if "loss" in log]
+    for got, expected in zip(trained, logs):
+        for name, value in expected.items():
+            assert got[name] == pytest.approx(value, rel=1e-5)
+    json.dumps(trained)  # plain numbers, for every report_to backend
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])
