@@ -1,0 +1,130 @@
+"""Accelerate integration: the balanced step in a loop driven by an ``accelerate.Accelerator``.
+
+accelerate is optional (``pip install gradbalance[accelerate]``); this module does not import
+it. The recipe, with the helper::
+
+    accelerator = Accelerator(gradient_accumulation_steps=2)      # mixed_precision=..., DDP
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    step = BalancedAcceleratorStep(accelerator, balancer,
+                                   trunk.parameters(), heads.parameters())
+    accelerator.register_for_checkpointing(step)                   # save_state / load_state
+    for x, y in loader:
+        with step.accumulate(model):                               # accumulate + DDP no_sync
+            stats = step.backward(task_losses(model(x), y))        # StepStats on a sync step
+            if stats is not None:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)   # global clip
+            optimizer.step()                                       # skipped while accumulating
+            optimizer.zero_grad()
+
+What the helper does, written out (a :class:`~gradbalance.TaskGradBuffer` ``buf`` built after
+``prepare``)::
+
+    with accelerator.accumulate(model), gradbalance.ddp_no_sync(model):
+        losses = task_losses(model(x), y)
+        buf.backward(losses / accelerator.gradient_accumulation_steps,
+                     scaler=accelerator.scaler)
+        if accelerator.sync_gradients:
+            stats = buf.apply_(balancer, scaler=accelerator.scaler)
+            ...
+
+* ``accelerator.accumulate(model)`` decides the sync step (``accelerator.sync_gradients``)
+  and makes the prepared optimizer skip ``step``/``zero_grad`` in between; the losses are
+  divided by ``gradient_accumulation_steps`` here, as ``accelerator.backward`` would.
+* The forward and the backward always run under DDP's ``no_sync``: the buffer averages the
+  task gradients, the heads' gradients and the losses over the processes itself (its
+  ``process_group``, default: the world group accelerate initialised).
+* ``accelerator.scaler`` (``mixed_precision="fp16"`` on a GPU; None otherwise, and accelerate
+  runs no float16 autocast on CPU) goes to both calls; ``accelerator.clip_grad_norm_``
+  unscales before clipping, the prepared optimizer steps and updates the scaler.
+* With a loss weighting the helper also applies it, averages its observation over the
+  processes (:func:`~gradbalance.sync_weighting_`) and updates it on the sync step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+from torch import Tensor, nn
+
+from ..balancers._base import Balancer
+from ..clip._protocol import RowClipper
+from ..distributed import ddp_no_sync
+from ..stats import StepStats
+from ..step import TaskGradBuffer
+from ..weighting._base import LossWeighting
+from ._core import BalancedParts
+
+__all__ = ["BalancedAcceleratorStep"]
+
+
+class BalancedAcceleratorStep:
+    """The balanced step of an ``accelerate`` loop, with its state in one object.
+
+    Args:
+        accelerator: the ``accelerate.Accelerator`` of the loop.
+        balancer: any :class:`~gradbalance.Balancer`.
+        shared_params: the trunk's parameters (of the model given to ``prepare``; read now,
+            the buffer is built on the first call, after ``prepare`` placed them).
+        head_params: the heads' parameters.
+        weighting: optional :class:`~gradbalance.LossWeighting`.
+        clip: optional row clipper (e.g. :class:`~gradbalance.TaskAutoClip`).
+        **buffer_kwargs: passed to :class:`~gradbalance.TaskGradBuffer` (``mode``, ...).
+
+    ``state_dict``/``load_state_dict`` hold the buffer's, balancer's, weighting's and
+    clipper's states: pass the object to ``accelerator.register_for_checkpointing``.
+    """
+
+    def __init__(
+        self,
+        accelerator: Any,
+        balancer: Balancer,
+        shared_params: Iterable[Tensor],
+        head_params: Iterable[Tensor] | None = None,
+        *,
+        weighting: LossWeighting | None = None,
+        clip: RowClipper | None = None,
+        **buffer_kwargs: Any,
+    ) -> None:
+        if not hasattr(accelerator, "sync_gradients"):
+            raise TypeError(f"Invalid accelerator: a {type(accelerator).__name__} (expected "
+                            f"an accelerate.Accelerator)")
+        shared = list(shared_params)
+        heads = [] if head_params is None else list(head_params)
+
+        def build() -> TaskGradBuffer:
+            return TaskGradBuffer(shared, heads, num_tasks=balancer.num_tasks, **buffer_kwargs)
+
+        self.accelerator = accelerator
+        self.parts = BalancedParts(balancer, build, weighting=weighting, clip=clip)
+        self.last_stats: StepStats | None = None
+
+    @property
+    def buffer(self) -> TaskGradBuffer:
+        """The :class:`~gradbalance.TaskGradBuffer` (built on first use)."""
+        return self.parts.buffer
+
+    @contextlib.contextmanager
+    def accumulate(self, model: nn.Module) -> Iterator[None]:
+        """``accelerator.accumulate(model)`` with DDP's ``no_sync`` on every micro-batch."""
+        with self.accelerator.accumulate(model), ddp_no_sync(model):
+            yield
+
+    def backward(self, losses: Tensor | Sequence[Tensor]) -> StepStats | None:
+        """This micro-batch's backward; on a sync step also the balance (and the weighting's
+        update). Returns the StepStats on a sync step, None while accumulating."""
+        scaler = getattr(self.accelerator, "scaler", None)
+        self.parts.backward(losses, int(self.accelerator.gradient_accumulation_steps), scaler)
+        if not self.accelerator.sync_gradients:
+            return None
+        self.last_stats = self.parts.step(scaler)
+        return self.last_stats
+
+    def state_dict(self) -> dict[str, Any]:
+        """The buffer's, balancer's, weighting's and clipper's states."""
+        return self.parts.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output (all parts or none)."""
+        self.parts.load_state_dict(state_dict)

@@ -1,0 +1,184 @@
+"""An ``accelerate`` loop with ``BalancedAcceleratorStep`` trains like the plain gradbalance
+loop, resumes from ``save_state``/``load_state`` bit for bit, and runs on two processes (DDP
+over gloo, started by ``torchrun``) like one process on the global batch.
+
+Run as a script (``torchrun --nproc_per_node 2 test_accelerate.py OUT``), it is the worker of
+the two-process test.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+pytest.importorskip("accelerate")
+
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
+
+from gradbalance import TaskAutoClip, TaskGradBuffer
+from gradbalance.balancers import GradVac, PCGrad
+from gradbalance.integrations.accelerate import BalancedAcceleratorStep
+from gradbalance.weighting import GradNorm
+from gradbalance_lab.models import MultiTaskModel, make_heads, mlp_trunk, regression_losses
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+K, N, BATCH, ACCUMULATE, MAX_NORM = 3, 32, 4, 2, 1.0
+LAUNCH_TIMEOUT = 180  # seconds for the two-process run
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state() -> Iterator[None]:
+    """accelerate keeps process-wide singletons; every test starts from none."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def _data() -> TensorDataset:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(N, 8, generator=gen)
+    y = torch.randn(N, K, generator=gen) * torch.tensor([1.0, 3.0, 0.3])
+    return TensorDataset(x, y)
+
+
+def _build(method: str, seed: int = 0) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = MultiTaskModel(mlp_trunk(8, 16, 2), make_heads(16, K))
+    gen = torch.Generator().manual_seed(seed)
+    if method == "gradvac":
+        parts: dict[str, Any] = {"balancer": GradVac(K, beta=0.5, generator=gen),
+                                 "clip": TaskAutoClip(percentile=50, history_size=4)}
+    else:
+        parts = {"balancer": PCGrad(K, generator=gen),
+                 "weighting": GradNorm(K, model.trunk, alpha=1.5, lr=0.05)}
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return {"model": model, "optimizer": opt, **parts}
+
+
+def _accelerated(o: dict[str, Any], epochs: int, load: str | None = None,
+                 save: str | None = None
+                 ) -> tuple[Accelerator, BalancedAcceleratorStep, list[Any]]:
+    """The documented loop; ``load``: ``load_state`` before the first epoch; ``save``:
+    ``save_state`` after the first epoch."""
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATE)
+    raw = o["model"]
+    model, opt, loader = accelerator.prepare(
+        raw, o["optimizer"], DataLoader(_data(), batch_size=BATCH, shuffle=False))
+    step = BalancedAcceleratorStep(accelerator, o["balancer"], raw.shared_parameters(),
+                                   raw.head_parameters(), weighting=o.get("weighting"),
+                                   clip=o.get("clip"))
+    accelerator.register_for_checkpointing(step)
+    if load is not None:
+        accelerator.load_state(load)
+    seen = []
+    for epoch in range(epochs):
+        for x, y in loader:
+            seen.append((x, y))
+            with step.accumulate(model):
+                stats = step.backward(regression_losses(model(x), y))
+                if stats is not None:
+                    accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
+                opt.step()
+                opt.zero_grad()
+        if save is not None and epoch == 0:
+            accelerator.save_state(save)
+    return accelerator, step, seen
+
+
+def _plain(o: dict[str, Any], batches: list[Any]) -> None:
+    """The plain gradbalance loop on the given micro-batches."""
+    model, opt, weighting = o["model"], o["optimizer"], o.get("weighting")
+    buf = TaskGradBuffer(model.shared_parameters(), model.head_parameters())
+    for start in range(0, len(batches), ACCUMULATE):
+        for x, y in batches[start:start + ACCUMULATE]:
+            losses = regression_losses(model(x), y)
+            if weighting is not None:
+                losses = weighting(losses)
+            buf.backward(losses / ACCUMULATE)
+        stats = buf.apply_(o["balancer"], clip=o.get("clip"))
+        if weighting is not None:
+            weighting.update(found_inf=stats.found_inf)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def _params(o: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in o["model"].named_parameters()}
+
+
+@pytest.mark.parametrize("method", ["gradvac", "gradnorm"])
+def test_helper_matches_the_plain_loop(method: str) -> None:
+    run = _build(method)
+    _, step, seen = _accelerated(run, epochs=1)
+    assert step.last_stats is not None and step.last_stats.num_backward == ACCUMULATE
+    plain = _build(method)
+    _plain(plain, seen)
+    start = _params(_build(method))
+    for name, p in _params(plain).items():
+        assert not torch.equal(p, start[name]), name
+        assert torch.equal(_params(run)[name], p), name  # bit for bit
+
+
+def test_save_state_and_load_state_resume_bit_identically(tmp_path: Path) -> None:
+    from support.loop_state import assert_same_state
+
+    straight = _build("gradnorm")
+    _, straight_step, _ = _accelerated(straight, epochs=2, save=str(tmp_path / "state"))
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    resumed = _build("gradnorm", seed=99)  # other weights, other generator
+    _, resumed_step, _ = _accelerated(resumed, epochs=1, load=str(tmp_path / "state"))
+    assert_same_state(resumed_step.state_dict(), straight_step.state_dict())
+    for name, p in _params(straight).items():
+        assert torch.equal(_params(resumed)[name], p), name
+
+
+def _worker(out: str) -> None:
+    """One rank: the documented loop on its shard; saves what it saw and ended with."""
+    run = _build("gradnorm")
+    accelerator, step, seen = _accelerated(run, epochs=1)
+    torch.save({"seen": seen, "params": _params(run), "state": step.state_dict(),
+                "distributed": str(accelerator.distributed_type)},
+               Path(out) / f"rank{accelerator.process_index}.pt")
+
+
+def test_two_processes_match_one_on_the_global_batch(tmp_path: Path) -> None:
+    from support.loop_state import assert_same_state
+
+    tests = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(  # accelerate launch --cpu starts one process without MPI
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+         "2", __file__, str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert ranks[0]["distributed"] == "DistributedType.MULTI_CPU"
+    assert_same_state(ranks[1]["params"], ranks[0]["params"])  # the ranks agree bit for bit
+    assert_same_state(ranks[1]["state"], ranks[0]["state"])
+    batches = [(torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]]))
+               for a, b in zip(ranks[0]["seen"], ranks[1]["seen"])]
+    assert len(batches) == N // (2 * BATCH)  # the ranks split the data
+    plain = _build("gradnorm")
+    _plain(plain, batches)
+    for name, p in _params(plain).items():
+        torch.testing.assert_close(ranks[0]["params"][name], p, rtol=1e-5, atol=1e-6)
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])
