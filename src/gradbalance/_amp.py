@@ -6,9 +6,15 @@ times too large. The step divides the task gradients (or their Gramian, by ``s²
 norms, clipping and balancing, and writes the update back multiplied by ``s`` again, so that
 ``scaler.unscale_``, ``clip_grad_norm_`` and ``scaler.step`` work unchanged.
 
-Host syncs: ``bool(finite)`` once per step (whether the balancer may run is a Python
-decision; a balancer with state must not see inf/NaN). With data parallelism the flag is
-agreed over the ranks first, so every rank takes the same branch.
+Host syncs: ``bool(finite)`` before the balancer (whether it may run is a Python decision;
+a balancer with state must not see inf/NaN), and once more after it, on the update about to
+be written (:func:`finite_update`): ``StepStats.found_inf`` is True exactly when a
+``GradScaler`` will skip the step. With data parallelism each flag is agreed over the ranks
+first, so every rank takes the same branch.
+
+The contract with the scaler: on a step with ``found_inf`` every ``.grad`` the step wrote
+holds inf or NaN (:func:`poison_`), so that ``scaler.step`` skips every optimizer and
+``scaler.update`` lowers the scale; on any other step the balanced update was written, finite.
 """
 
 from __future__ import annotations
@@ -24,7 +30,10 @@ from ._types import NonFiniteGradientError
 from .distributed import all_ranks_true
 from .gramian import compute_gramian, is_finite_gramian
 
-__all__ = ["finite_step", "no_autocast", "nonfinite_error", "scale_of", "unscaled_gramian"]
+__all__ = [
+    "finite_step", "finite_update", "no_autocast", "nonfinite_error", "poison_", "scale_of",
+    "unscaled_gramian",
+]
 
 
 def no_autocast(device: torch.device) -> contextlib.AbstractContextManager[Any]:
@@ -87,9 +96,36 @@ def finite_step(gramian: Tensor, scale: Tensor | None, head_params: Sequence[Ten
     return bool(flag)
 
 
+def finite_update(bound: Tensor, factor: Tensor | None, dtype: torch.dtype, group: Any,
+                  heads: Sequence[Tensor] = ()) -> bool:
+    """Whether an update whose largest magnitude is ``bound`` (0-d, before the factor ``s``)
+    can be written in ``dtype`` without overflow, and the ``heads``' ``.grad`` are finite
+    (one host sync, agreed over the ranks). A NaN bound is not finite."""
+    top = bound.to(torch.float64)
+    if factor is not None:
+        top = top * factor.to(device=top.device, dtype=torch.float64)
+    flag = top <= torch.finfo(dtype).max  # False for inf and NaN
+    if heads:
+        flag = flag & grads_finite(heads).to(flag.device)
+    if group is not None:
+        flag = all_ranks_true(flag, group)
+    return bool(flag)
+
+
+def poison_(grads: Sequence[Tensor | None]) -> None:
+    """Make every gradient non-finite: NaN in each one that holds no inf/NaN yet (no host sync).
+
+    The written gradients of a skipped step, so that ``scaler.step`` skips whichever optimizer
+    holds them; one left finite would let its optimizer step on an unbalanced update.
+    """
+    for g in grads:
+        if g is not None:
+            g.add_(torch.where(torch.isfinite(g).all(), float("nan"), 0.0).to(g.dtype))
+
+
 def nonfinite_error() -> NonFiniteGradientError:
     return NonFiniteGradientError(
-        "task gradients hold inf or NaN (no GradScaler given); the trunk's .grad and the "
-        "balancer's state are unchanged. Skip this optimizer step (optimizer.zero_grad()) or "
-        "find the source of the overflow"
+        "task gradients hold inf or NaN (no GradScaler given); every .grad, the balancer's "
+        "and the clipper's state are as before the step. Skip this optimizer step "
+        "(optimizer.zero_grad()) or find the source of the overflow"
     )

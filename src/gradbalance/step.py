@@ -9,6 +9,12 @@ Stages (``docs/loop.md``):
    (O(K), from the Gramian's diagonal), optionally clip rows, combine once, and add the result
    (re-scaled) into the trunk's ``.grad``. Returns :class:`~gradbalance.StepStats`.
 
+A step is all or nothing (``docs/loop.md``, "When a step fails"). Each call checks its
+arguments and the parameters first; a check that fails raises before anything moves, and the
+step stays as it was (fix the call and repeat it). A failure past the checks (a solver, a
+clipper, a hook, inf/NaN without a scaler) drops the step: every ``.grad`` it wrote, the
+balancer's and the row clipper's state are as before the step's first ``backward``.
+
 Both run with autocast disabled on the gradients' device (a loop may call them inside
 ``torch.autocast``): the gradient arithmetic stays in the gradients' dtype. How each gradient
 mode does stages 1 and 2 lives in :mod:`gradbalance.modes`. The optimizer step,
@@ -23,13 +29,23 @@ from typing import Any
 from torch import Tensor
 
 from ._amp import no_autocast, scale_of
-from ._checks import as_loss_vector, as_parameter_list
+from ._checks import (
+    as_loss_vector,
+    as_parameter_list,
+    check_balancer,
+    check_int,
+    check_optional_num_tasks,
+    check_parameters_unchanged,
+    check_row_clipper,
+    param_signatures,
+)
 from .balancers._base import Balancer
 from .clip._protocol import RowClipper
-from .distributed import resolve_process_group
+from .distributed import check_step_agreement, resolve_process_group
 from .modes import Engine, Mode, StepInput, make_engine
-from .modes._amortize import WeightCache, backward_weighted, reused_stats
+from .modes._amortize import ReusedStep, WeightCache
 from .modes._engine import check_saved_passes
+from .modes._rollback import GradSnapshot, StateSnapshot
 from .stats import StepStats
 from .taskgrads import ParamLayout, Passes, TaskRoots, resolve_passes
 
@@ -57,10 +73,12 @@ class TaskGradBuffer:
     """Accumulates per-task gradients of the shared parameters and balances them once.
 
     Args:
-        shared_params: the trunk's parameters (all must require grad).
+        shared_params: the trunk's parameters (leaf tensors that require grad; each call
+            checks that they still do, with the shape, dtype and device they had here).
         head_params: task-specific parameters; they receive their plain gradient of the
             summed losses (the PCGrad paper's rule), accumulated with ``+=``.
-        num_tasks: K, checked on every call; inferred from the first ``backward`` if None.
+        num_tasks: K (a positive int), checked on every call; inferred from the first
+            ``backward`` if None.
         passes: ``"auto"``, ``"measure"``, ``"loop"`` or ``"batched"`` (see
             :mod:`gradbalance.taskgrads`): ``"auto"`` takes the loop on CPU and measures both
             on the first step elsewhere; ``"measure"`` measures on any device.
@@ -116,7 +134,8 @@ class TaskGradBuffer:
         self.layout = ParamLayout(shared)
         resolve_passes(passes, self.layout.device)  # an invalid value raises here, not later
         self.head_params = heads
-        self.num_tasks = num_tasks
+        self.num_tasks = check_optional_num_tasks("num_tasks", num_tasks)
+        self._signatures = param_signatures(shared), param_signatures(heads)
         self.passes: Passes = passes
         self.process_group = process_group
         self.update_every = update_every
@@ -127,6 +146,10 @@ class TaskGradBuffer:
         self._scaler: Any = None
         self._scale: Tensor | None = None
         self._reused = False
+        self._reused_step = ReusedStep()
+        self._heads_before: GradSnapshot | None = None  # the heads' .grad before the step
+        self._states_before: StateSnapshot | None = None  # balancer, clipper, during apply_
+        self._steps = 0  # steps begun; apply_ compares it across the ranks
 
     @property
     def mode(self) -> str:
@@ -154,6 +177,10 @@ class TaskGradBuffer:
         cached weights, ``update_every``); ``gramian`` mode keeps each micro-batch's linear-layer
         inputs and output gradients (and the ``[K, P_b]`` rows of other blocks) so that the
         step's Gramian is the full batch's.
+
+        A failed check (the losses, ``features``, a frozen or resized parameter) raises before
+        anything moves; a failure past the checks drops the step, the heads' ``.grad`` as
+        before its first ``backward``.
         """
         vector = as_loss_vector("losses", losses, self.num_tasks)
         if self._count > 0 and scaler is not self._scaler:
@@ -164,24 +191,33 @@ class TaskGradBuffer:
         first = self._count == 0
         reused = self._cache.reuse_now() if first else self._reused
         self._engine.check_backward(features, self._count, reused)
-        if self.num_tasks is None:
-            self.num_tasks = vector.shape[0]
-        self._reused = reused
+        self._check_parameters()
         with no_autocast(self.layout.device):
             scale = scale_of(scaler, vector.device)
             roots = TaskRoots(losses, vector, scale)
-            if reused:
-                assert self._cache.weights is not None
-                backward_weighted(self._cache.weights, roots, self.layout.params,
-                                  self.head_params)
-                self._engine.clear()  # this forward's records are not needed
-            else:
-                self._engine.backward(roots, first, features)
+        if first:
+            self._heads_before = GradSnapshot(self.head_params)
+        try:
+            with no_autocast(self.layout.device):
+                if reused:
+                    assert self._cache.weights is not None
+                    self._reused_step.backward(self._cache.weights, roots, self.layout.params,
+                                               self.head_params)
+                    self._engine.clear()  # this forward's records are not needed
+                else:
+                    self._engine.backward(roots, first, features)
+        except BaseException:
+            self._abort()
+            raise
+        if self.num_tasks is None:
+            self.num_tasks = vector.shape[0]
         detached = vector.detach()
         self._losses = detached.clone() if first or self._losses is None else (
             self._losses + detached
         )
+        self._reused = reused
         self._count += 1
+        self._steps += int(first)
         self._scaler = scaler
         self._scale = scale
 
@@ -194,18 +230,47 @@ class TaskGradBuffer:
     ) -> StepStats:
         """Balance the accumulated task gradients once and add the result into ``.grad``.
 
+        ``balancer``: a :class:`~gradbalance.balancers.Balancer` object, the same one every
+        step (a registry name is refused: a balancer built per call would lose its state).
         With a scaler, ``G`` is unscaled first (so norms, clipping and scale-sensitive
         balancers see true gradients) and the result is re-scaled on write-back, so that
-        ``scaler.unscale_``, ``clip_grad_norm_`` and ``scaler.step`` work unchanged. If ``G``
-        (or, with a scaler, a head's ``.grad``) holds inf/NaN: with a scaler, the plain sum
-        is written so the scaler skips the step and the balancer is not called; without one,
-        ``NonFiniteGradientError`` is raised and ``.grad`` of the trunk is left unchanged.
+        ``scaler.unscale_``, ``clip_grad_norm_`` and ``scaler.step`` work unchanged.
+
+        ``StepStats.found_inf`` is True exactly when the step must be skipped: ``G`` (or,
+        with a scaler, a head's ``.grad``) held inf/NaN, or the balanced update overflows
+        once re-scaled. The balancer, the clipper and the cached weights then keep their
+        state; with a scaler every ``.grad`` of the step is made non-finite so that the
+        scaler skips it (and lowers the scale); without one ``NonFiniteGradientError`` is
+        raised. A failed check (the arguments, a frozen parameter) raises before anything
+        moves and leaves the step; a failure past the checks drops the step: every
+        ``.grad``, the balancer's and ``clip``'s state are as before its first ``backward``.
         """
+        step = self._checked_step(balancer, scaler, clip)
+        try:
+            with no_autocast(self.layout.device):
+                if self._reused:
+                    stats = self._reused_step.finish(self._cache, step, self.layout.params,
+                                                     self.head_params, self.mode)
+                else:
+                    stats = self._engine.apply(balancer, step)
+                    if not stats.found_inf:  # a skipped step leaves the cache and the counter
+                        self._cache.refreshed(stats.weights)
+        except BaseException:
+            self._abort()
+            raise
+        self._end_step()
+        return stats
+
+    def _checked_step(self, balancer: Balancer, scaler: Any,
+                      clip: RowClipper | None) -> StepInput:
+        """Every check of ``apply_`` (nothing moves if one raises); the engine's input."""
         if self._count == 0 or self._losses is None:
             raise RuntimeError(
                 "apply_() called before any backward(); call buf.backward(losses) for each "
                 "micro-batch first"
             )
+        check_balancer("balancer", balancer)
+        check_row_clipper("clip", clip)
         if scaler is not self._scaler:
             raise ValueError(
                 "scaler differs from the one given to backward(); pass the same GradScaler "
@@ -218,22 +283,48 @@ class TaskGradBuffer:
             )
         if not self._reused:
             self._engine.check_apply(balancer, clip)
-        step = StepInput(self._losses, self._scale, self._count, clip,
-                         resolve_process_group(self.process_group))
-        self._count = 0  # the buffer is free again whatever happens below
-        with no_autocast(self.layout.device):
-            if self._reused:
-                return reused_stats(self._cache, step,
-                                    [*self.layout.params, *self.head_params], self.mode)
-            stats = self._engine.apply(balancer, step)
-        if not stats.found_inf:  # a skipped step leaves the cached weights and the counter
-            self._cache.refreshed(stats.weights)
-        return stats
+        self._check_parameters()
+        group = resolve_process_group(self.process_group)
+        if group is not None:  # every rank runs the same step: checked before anything moves
+            check_step_agreement(group, num_tasks=self._losses.shape[0],
+                                 shared=self.layout.params, heads=self.head_params,
+                                 mode=self.mode, update_every=self.update_every,
+                                 step=self._steps, count=self._count, reused=self._reused)
+        self._states_before = StateSnapshot(balancer, clip)
+        return StepInput(self._losses, self._scale, self._count, clip, group,
+                         self._states_before)
+
+    def _check_parameters(self) -> None:
+        """Raise before anything moves if a parameter was frozen, resized or moved."""
+        shared, heads = self._signatures
+        check_parameters_unchanged("shared_params", self.layout.params, shared)
+        check_parameters_unchanged("head_params", self.head_params, heads)
+
+    def _abort(self) -> None:
+        """A call failed: the heads' ``.grad``, the balancer and the clipper back as before
+        the step; the step dropped."""
+        if self._states_before is not None:
+            self._states_before.restore()
+        if self._heads_before is not None:
+            self._heads_before.restore()
+        self._end_step()
+
+    def _end_step(self) -> None:
+        """The buffer is free for the next step (the losses of this one are dropped)."""
+        self._count = 0
+        self._losses = None
+        self._reused = False
+        self._heads_before = None
+        self._states_before = None
+        self._reused_step.clear()
+        self._engine.clear()
 
     def state_dict(self) -> dict[str, Any]:
-        """The ``update_every`` counter, the cached weights and the passes measured or fallen
-        back to (the task gradients of a step are transient)."""
-        return {**self._cache.state_dict(), **self._engine.state_dict()}
+        """The ``update_every`` counter, the cached weights, the passes measured or fallen
+        back to, and ``steps_begun`` (the data-parallel ranks compare it in ``apply_``; the
+        task gradients of a step are transient)."""
+        return {**self._cache.state_dict(), **self._engine.state_dict(),
+                "steps_begun": self._steps}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output; works on a freshly built buffer."""
@@ -241,8 +332,10 @@ class TaskGradBuffer:
         if "strategy" in state:  # the key's name before 0.2
             state["passes"] = state.pop("strategy")
         passes = check_saved_passes(state.pop("passes", None))
+        steps = check_int("state_dict['steps_begun']", state.pop("steps_begun", 0), 0)
         self._cache.load_state_dict(state)  # checks everything before it changes anything
         self._engine.load_state_dict({} if passes is None else {"passes": passes})
+        self._steps = steps  # a state saved before the counter existed resumes at 0
 
     @property
     def matrix(self) -> Tensor | None:
@@ -251,11 +344,8 @@ class TaskGradBuffer:
 
     def reset(self) -> None:
         """Drop the current step and the cached weights (keeps the buffer's memory)."""
-        self._count = 0
-        self._losses = None
-        self._reused = False
+        self._end_step()
         self._cache.reset()
-        self._engine.clear()
 
 
 def balanced_backward(
@@ -279,6 +369,7 @@ def balanced_backward(
     one-shot call has no next step to reuse them in), and in ``gramian`` mode registers its
     forward hooks once (build it before the forward).
     """
+    check_balancer("balancer", balancer)
     if mode == "gramian":
         raise ValueError(
             "balanced_backward cannot use mode='gramian': its forward hooks must exist before "

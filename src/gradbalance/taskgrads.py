@@ -184,6 +184,14 @@ def _write_part(part: Tensor, g: Tensor | None, accumulate: bool) -> None:
         part.copy_(g.reshape(part.shape))
 
 
+def _mark_reached(reached: list[bool] | None, grads: Sequence[Tensor | None]) -> None:
+    """``reached[i] = True`` where ``grads[i]`` exists (some task reaches parameter i)."""
+    if reached is not None:
+        for i, g in enumerate(grads):
+            if g is not None:
+                reached[i] = True
+
+
 def _write_row(row: Tensor, grads: Sequence[Tensor | None], layout: ParamLayout,
                accumulate: bool) -> None:
     if not accumulate and all(g is not None for g in grads):
@@ -194,20 +202,21 @@ def _write_row(row: Tensor, grads: Sequence[Tensor | None], layout: ParamLayout,
 
 
 def _loop(roots: TaskRoots, layout: ParamLayout, out: Tensor, accumulate: bool,
-          retain_graph: bool) -> None:
+          retain_graph: bool, reached: list[bool] | None = None) -> None:
     k_total = roots.num_tasks
     previous: tuple[Tensor | None, ...] = ()
     for k in range(k_total):
         keep = retain_graph or k < k_total - 1
         grads = roots.grad(k, layout.params, keep)
         _write_row(out[k], grads, layout, accumulate)
+        _mark_reached(reached, grads)
         # Freed only once the next pass has allocated its own: freeing first lets the
         # allocator hand the memory back to the OS, and every pass page-faults it in again.
         previous = grads  # noqa: F841
 
 
 def _batched(roots: TaskRoots, layout: ParamLayout, out: Tensor, accumulate: bool,
-             retain_graph: bool) -> None:
+             retain_graph: bool, reached: list[bool] | None = None) -> None:
     losses = roots.scaled
     k_total = losses.shape[0]
     eye = torch.eye(k_total, dtype=losses.dtype, device=losses.device)
@@ -218,6 +227,7 @@ def _batched(roots: TaskRoots, layout: ParamLayout, out: Tensor, accumulate: boo
     # Nothing is written before the call returns, so a failed call leaves ``out`` intact.
     for g, (_, start, stop) in zip(grads, layout.slices()):
         _write_part(out[:, start:stop], g, accumulate)
+    _mark_reached(reached, grads)
 
 
 def compute_into(
@@ -229,11 +239,14 @@ def compute_into(
     accumulate: bool = False,
     retain_graph: bool = False,
     preferred: Literal["loop", "batched"] | None = None,
+    reached: list[bool] | None = None,
 ) -> Literal["loop", "batched"]:
     """Write (or add, with ``accumulate``) the task gradients into ``out`` ``[K, P]``.
 
     ``preferred`` replaces what ``"auto"``/``"measure"`` resolve to (a measured choice); the
-    fallback stays. Returns the passes actually used (``"loop"`` after a batched fallback).
+    fallback stays. ``reached[i]`` is set True when some task's loss reaches
+    ``layout.params[i]`` (its column is zeros otherwise). Returns the passes actually used
+    (``"loop"`` after a batched fallback).
     """
     chosen = resolve_passes(passes, layout.device)
     if preferred is not None and passes in ("auto", "measure"):
@@ -244,7 +257,7 @@ def compute_into(
                 warnings.filterwarnings("ignore", message=".*performance drop.*")
                 # Unless forced, keep the graph so that a failure can still fall back.
                 keep = True if passes != "batched" else retain_graph
-                _batched(roots, layout, out, accumulate, keep)
+                _batched(roots, layout, out, accumulate, keep, reached)
             return "batched"
         except RuntimeError as error:
             if passes == "batched":
@@ -258,7 +271,7 @@ def compute_into(
                 RuntimeWarning,
                 stacklevel=3,
             )
-    _loop(roots, layout, out, accumulate, retain_graph)
+    _loop(roots, layout, out, accumulate, retain_graph, reached)
     return "loop"
 
 
@@ -283,7 +296,7 @@ def task_gradients(
                 [2., 4.]])
     """
     vector = as_loss_vector("losses", losses)
-    layout = ParamLayout(as_parameter_list("params", params))
+    layout = ParamLayout(as_parameter_list("params", params, leaf=False))
     out = torch.empty(vector.shape[0], layout.numel, dtype=layout.dtype, device=layout.device)
     compute_into(TaskRoots(losses, vector, None), layout, out, passes=passes,
                  retain_graph=retain_graph)

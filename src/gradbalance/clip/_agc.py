@@ -23,7 +23,7 @@ from torch import Tensor
 
 from .._checks import check_positive
 from .._types import NonFiniteGradientError
-from ._params import params_with_grads
+from ._params import check_leaves, params_with_grads
 from ._task import _Stateless
 
 __all__ = ["AGC", "adaptive_clip_grad_", "unitwise_norm"]
@@ -55,7 +55,9 @@ def adaptive_clip_grad_(
     """
     check_positive("clip_factor", clip_factor)
     eps = check_positive("eps", eps, allow_zero=True, hint=", e.g. 1e-3")
-    skip = {id(p) for p in exclude}
+    excluded = list(exclude)
+    check_leaves("exclude", excluded)
+    skip = {id(p) for p in excluded}
     params = params_with_grads(parameters)
     grads = [p.grad for p in params if p.grad is not None]  # all of them: params_with_grads
     if not grads:
@@ -97,6 +99,7 @@ class AGC(_Stateless):
         self.clip_factor = check_positive("clip_factor", clip_factor)
         self.eps = check_positive("eps", eps, allow_zero=True, hint=", e.g. 1e-3")
         self.exclude = list(exclude)
+        check_leaves("exclude", self.exclude)
         self.error_if_nonfinite = error_if_nonfinite
 
     def __call__(self, parameters: Iterable[Tensor] | Tensor) -> Tensor:

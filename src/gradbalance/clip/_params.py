@@ -6,7 +6,18 @@ from collections.abc import Iterable
 
 from torch import Tensor
 
-__all__ = ["params_with_grads"]
+__all__ = ["check_leaves", "params_with_grads"]
+
+
+def check_leaves(name: str, params: list[Tensor]) -> None:
+    """Every tensor of ``params`` is a leaf: a parameter, whose ``.grad`` autograd fills."""
+    for i, p in enumerate(params):
+        if not p.is_leaf:
+            raise ValueError(
+                f"{name}[{i}] (shape {tuple(p.shape)}) is not a leaf tensor: it is computed "
+                f"from other tensors (e.g. w * 2, w.to(...), w[0]), so it has no .grad to "
+                f"clip; pass the parameters themselves, e.g. model.parameters()"
+            )
 
 
 def params_with_grads(parameters: Iterable[Tensor] | Tensor) -> list[Tensor]:
@@ -14,11 +25,13 @@ def params_with_grads(parameters: Iterable[Tensor] | Tensor) -> list[Tensor]:
 
     A tensor that neither has a ``.grad`` nor requires grad is not a parameter: typically the
     gradients themselves were passed, and clipping would silently do nothing (a known failure
-    of ``clip_grads_with_norm_``-style helpers). That raises instead.
+    of ``clip_grads_with_norm_``-style helpers). A non-leaf tensor (``w * 2``) never gets a
+    ``.grad`` either. Both raise instead.
     """
     if isinstance(parameters, Tensor):
         parameters = [parameters]
     params = list(parameters)
+    check_leaves("parameters", params)
     for i, p in enumerate(params):
         if p.grad is None and not p.requires_grad:
             raise ValueError(

@@ -5,6 +5,9 @@ On a refresh step the full method runs (K backward passes, the Gramian, the weig
 ``Σₖ wₖ Lₖ``, the cost of a plain step (Navon et al., "Multi-Task Learning as a Bargaining
 Game", ICML 2022, §5.4, update the weights every few steps). Only weighted balancers
 (``from_gramian = True``) can be amortised: their update is a weighted sum of the rows.
+
+A reused step holds the trunk's gradient until ``apply_``, as every step does, and checks it
+for inf/NaN there (one host sync), so that ``found_inf`` and the scaler agree on it too.
 """
 
 from __future__ import annotations
@@ -15,13 +18,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._amp import finite_update, nonfinite_error
 from .._checks import check_int
-from ..distributed import all_reduce_grads_and_losses_
+from ..distributed import all_reduce_mean_
 from ..stats import StepStats
 from ..taskgrads import TaskRoots
-from ._engine import StepInput, heads_backward_
+from ._engine import StepInput, WriteBack, commit, heads_backward_, owned_grads
 
-__all__ = ["WeightCache"]
+__all__ = ["ReusedStep", "WeightCache"]
 
 
 class WeightCache:
@@ -83,22 +87,64 @@ class WeightCache:
         self.weights = None
 
 
-def backward_weighted(weights: Tensor, roots: TaskRoots, shared: Sequence[Tensor],
-                      head_params: Sequence[Tensor]) -> None:
-    """A step reusing cached weights: heads ``.grad += ∂(Σₖ Lₖ)``, trunk ``+= ∂(Σₖ wₖ Lₖ)``."""
-    heads_backward_(roots, head_params)
-    scaled = roots.scaled
-    total = (weights.to(dtype=scaled.dtype, device=scaled.device) * scaled).sum()
-    torch.autograd.backward(total, inputs=list(shared))
+class ReusedStep:
+    """A step that reuses the cached weights: the trunk's ``Σₖ wₖ ∂Lₖ/∂θ`` summed over the
+    micro-batches, held here until :meth:`finish` writes it, as every step writes last."""
 
+    def __init__(self) -> None:
+        self.grads: list[Tensor | None] | None = None
 
-def reused_stats(cache: WeightCache, step: StepInput, params: Sequence[Tensor],
-                 mode: str) -> StepStats:
-    """Finish a reused step: mean of ``.grad`` over the ranks; no task gradient to report."""
-    cache.reused()
-    losses = step.losses
-    if step.group is not None:  # the weighted backward wrote each rank's own gradients
-        losses = all_reduce_grads_and_losses_(params, losses, step.group)
-    return StepStats(losses=losses, task_norms=None, cosine=None, cosine_to_update=None,
-                     update_norm=None, weights=cache.weights, loss_scale_tensor=step.scale,
-                     num_backward=step.count, mode=mode, weights_reused=True)
+    def backward(self, weights: Tensor, roots: TaskRoots, shared: Sequence[Tensor],
+                 head_params: Sequence[Tensor]) -> None:
+        """Heads ``.grad += ∂(Σₖ Lₖ)``; the trunk's ``∂(Σₖ wₖ Lₖ)`` added to the held sum."""
+        heads_backward_(roots, head_params)
+        scaled = roots.scaled
+        total = (weights.to(dtype=scaled.dtype, device=scaled.device) * scaled).sum()
+        grads = list(torch.autograd.grad(total, list(shared), allow_unused=True))
+        if self.grads is None:
+            owned = owned_grads(grads)
+            self.grads = [g if g is None or ok else g.clone() for g, ok in zip(grads, owned)]
+            return
+        for i, g in enumerate(grads):
+            held = self.grads[i]
+            if g is not None:
+                self.grads[i] = g.clone() if held is None else held.add_(g)
+
+    def finish(self, cache: WeightCache, step: StepInput, shared: Sequence[Tensor],
+               head_params: Sequence[Tensor], mode: str) -> StepStats:
+        """Average over the ranks, check (one host sync), write; no task gradient to report.
+
+        Inf/NaN in the update (or, with a scaler, in a head's ``.grad``): without a scaler
+        ``NonFiniteGradientError`` and nothing written; with one, the update is written, every
+        ``.grad`` of the step made non-finite (the scaler skips the step) and the counter of
+        ``update_every`` stays, as on a skipped refresh step.
+        """
+        grads: list[Tensor | None] = [None] * len(shared) if self.grads is None \
+            else list(self.grads)
+        self.grads = None
+        losses = step.losses
+        if step.group is not None:  # each rank holds its own shard's gradients
+            full = [torch.zeros_like(p) if g is None else g for p, g in zip(shared, grads)]
+            for h in head_params:
+                if h.grad is None:  # the same layout on every rank
+                    h.grad = torch.zeros_like(h)
+            losses = losses.detach().clone()
+            all_reduce_mean_([*full, *[h.grad for h in head_params if h.grad is not None],
+                              losses], step.group)
+            grads = list(full)
+        update = WriteBack(shared, grads, owned=[True] * len(grads))
+        heads = head_params if step.scale is not None else ()
+        finite = finite_update(update.bound(), None, update.dtype, step.group, heads)
+        if not finite and step.scale is None:
+            raise nonfinite_error()
+        stats = StepStats(losses=losses, task_norms=None, cosine=None, cosine_to_update=None,
+                          update_norm=None, weights=cache.weights, found_inf=not finite,
+                          loss_scale_tensor=step.scale, num_backward=step.count, mode=mode,
+                          weights_reused=True)
+        commit(update, head_params, finite)
+        if finite:
+            cache.reused()
+        return stats
+
+    def clear(self) -> None:
+        self.grads = None

@@ -12,6 +12,11 @@ ranks all-gather it (``K·B·D`` numbers, small next to ``P``), average the head
 the losses, and balance the same matrix as one process on the whole batch would; each rank
 then backpropagates its own columns of ``z`` and the trunk's gradients are summed over the
 ranks — one all-reduce of ``P`` numbers, as in a plain data-parallel step.
+
+Checked before anything moves: ``features`` requires grad and some shared parameter lies on
+its graph; after the task passes, some task loss depends on it. The trunk's gradient is
+computed in full (one ``autograd.grad``) before it is written; a parameter the backward of
+``z`` does not reach keeps its ``.grad``.
 """
 
 from __future__ import annotations
@@ -20,13 +25,22 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .._amp import finite_step, unscaled_gramian
+from .._amp import finite_step, nonfinite_error, unscaled_gramian
 from ..balancers._base import Balancer
 from ..clip._protocol import RowClipper
 from ..distributed import all_gather_columns, all_reduce_grads_and_losses_, all_reduce_mean_
 from ..stats import StepStats, build_stats
 from ..taskgrads import ParamLayout, TaskRoots
-from ._engine import RowsEngine, StepInput, combine_or_skip, heads_backward_
+from ._engine import (
+    RowsEngine,
+    StepInput,
+    WriteBack,
+    commit,
+    heads_backward_,
+    owned_grads,
+    reaches,
+    settle,
+)
 
 __all__ = ["FeaturesMode"]
 
@@ -49,9 +63,21 @@ class FeaturesMode(RowsEngine):
                 "micro-batches"
             )
         if not isinstance(features, Tensor) or not features.requires_grad:
+            found = "None" if features is None else (
+                type(features).__name__ if not isinstance(features, Tensor)
+                else f"a tensor of shape {tuple(features.shape)} that does not require grad "
+                     f"(detached, or computed under torch.no_grad())")
             raise ValueError(
-                "mode='features' needs features=<the trunk's output tensor> (requiring "
-                "grad), e.g. feats = model.trunk(x); buf.backward(losses, features=feats)"
+                f"mode='features' needs features=<the trunk's output tensor> (requiring "
+                f"grad), got {found}; e.g. feats = model.trunk(x); "
+                f"buf.backward(losses, features=feats)"
+            )
+        if not reaches(features, self.layout.params):
+            raise ValueError(
+                f"features (shape {tuple(features.shape)}) is not computed from shared_params: "
+                f"no shared parameter lies on its graph (the input, another module's output, "
+                f"a detached copy?), so the trunk would get no gradient; pass the trunk's "
+                f"output, e.g. feats = model.trunk(x); buf.backward(losses, features=feats)"
             )
 
     def check_apply(self, balancer: Balancer, clip: RowClipper | None) -> None:
@@ -71,7 +97,15 @@ class FeaturesMode(RowsEngine):
         ):
             self.matrix = torch.empty(k, layout.numel, dtype=dtype, device=layout.device)
         heads_backward_(roots, self.head_params)
-        self.compute(roots, layout, self.matrix, accumulate=False, retain_graph=True)
+        reached = [False]
+        self.compute(roots, layout, self.matrix, accumulate=False, retain_graph=True,
+                     reached=reached)
+        if not reached[0]:
+            raise ValueError(
+                f"no task loss depends on features (shape {tuple(features.shape)}), so the "
+                f"trunk would get no gradient; pass the tensor the heads read, from the same "
+                f"forward as the losses"
+            )
         self.features = features
 
     def apply(self, balancer: Balancer, step: StepInput) -> StepStats:
@@ -80,29 +114,43 @@ class FeaturesMode(RowsEngine):
         self.features = None
         local = slice(0, matrix.shape[1])
         if step.group is not None:
-            rank, size = dist.get_rank(step.group), dist.get_world_size(step.group)
+            rank = dist.get_rank(step.group)
             losses = all_reduce_grads_and_losses_(self.head_params, losses, step.group)
-            matrix = all_gather_columns(matrix, step.group).div_(size)
+            matrix = all_gather_columns(matrix, step.group).div_(dist.get_world_size(step.group))
             local = slice(rank * features.numel(), (rank + 1) * features.numel())
         gram = unscaled_gramian(scale, matrix=matrix)
         finite = finite_step(gram, scale, self.head_params, step.group)
-        result = combine_or_skip(balancer, matrix, losses, gram, finite, scale)
-        grad = result.vector[local]
-        grad = grad if scale is None else grad * scale.to(matrix.dtype)
+        weights = None
+        if finite:
+            result = balancer.combine(matrix, losses, gramian=gram)
+            vector, weights = result.vector, result.weights
+        elif scale is None:
+            raise nonfinite_error()
+        else:  # the plain (non-finite) sum: the scaler skips the step
+            vector = matrix.sum(dim=0)
+        update = self._trunk_update(features, vector[local], step)
+        finite = settle(update, step, finite)
+        stats = build_stats(gram, losses, finite, matrix=matrix, update=vector,
+                            weights=weights, scale=scale, num_backward=step.count,
+                            mode="features")
+        commit(update, self.head_params, finite)
+        return stats
+
+    def _trunk_update(self, features: Tensor, grad: Tensor, step: StepInput) -> WriteBack:
+        """The trunk's gradient of ``s·⟨features, grad⟩`` (one backward, nothing written)."""
+        params = self.layout.params
+        if step.scale is not None:
+            grad = grad * step.scale.to(grad.dtype)
         grad = grad.view_as(features).to(features.dtype)
         if step.group is None:
-            torch.autograd.backward(features, grad, inputs=self.layout.params)
-        else:  # Σ over the ranks of each rank's columns: the mean of W·(own part)
-            trunk = torch.autograd.grad(features, self.layout.params, grad * size,
-                                        allow_unused=True)
-            sums = [torch.zeros_like(p) if g is None else g
-                    for p, g in zip(self.layout.params, trunk)]
-            all_reduce_mean_(sums, step.group)
-            for p, g in zip(self.layout.params, sums):
-                p.grad = g if p.grad is None else p.grad.add_(g)
-        return build_stats(gram, losses, finite, matrix=matrix, update=result.vector,
-                           weights=result.weights, scale=scale, num_backward=step.count,
-                           mode="features")
+            parts = list(torch.autograd.grad(features, params, grad, allow_unused=True))
+            return WriteBack(params, parts, owned=owned_grads(parts))
+        # Σ over the ranks of each rank's columns: the mean of W·(own part)
+        size = dist.get_world_size(step.group)
+        trunk = torch.autograd.grad(features, params, grad * size, allow_unused=True)
+        sums = [torch.zeros_like(p) if g is None else g for p, g in zip(params, trunk)]
+        all_reduce_mean_(sums, step.group)
+        return WriteBack(params, sums, owned=owned_grads(sums))
 
     def clear(self) -> None:
         self.features = None

@@ -40,6 +40,8 @@ parameters are used only through its ``forward`` (no weight tying with another l
 its input and output are not modified in place afterwards (``nn.ReLU(inplace=True)`` right
 after it); every other shared parameter belongs to a module of ``modules``. Forward passes
 run under grad between two backward calls are recorded: evaluate under ``torch.no_grad()``.
+A layer that a micro-batch does not call is fine when the losses do not depend on it (the
+losses' graph is searched then); a parameter no micro-batch reaches keeps its ``.grad``.
 """
 
 from __future__ import annotations
@@ -61,7 +63,15 @@ from ..distributed import all_gather_columns, all_reduce_grads_and_losses_, all_
 from ..gramian import compute_gramian, linear_gramian
 from ..stats import StepStats, build_stats
 from ..taskgrads import ParamLayout, Passes, TaskRoots, resolve_passes
-from ._engine import StepInput, heads_backward_, reject_features
+from ._engine import (
+    StepInput,
+    WriteBack,
+    commit,
+    heads_backward_,
+    reaches,
+    reject_features,
+    settle,
+)
 
 __all__ = ["GramianMode", "GramianRecorder"]
 
@@ -88,12 +98,15 @@ class _Block:
     inputs: list[Tensor] = field(default_factory=list)
     output_grads: list[Tensor] = field(default_factory=list)
     rows: Tensor | None = None
+    # other blocks: whether some task of the step reached each of ``params``
+    reached: list[bool] = field(default_factory=list)
 
     def forget(self) -> None:
         self.calls.clear()
         self.inputs.clear()
         self.output_grads.clear()
         self.rows = None
+        self.reached = []
 
 
 def _find_blocks(roots: Sequence[nn.Module], params: Sequence[Tensor]) -> list[_Block]:
@@ -184,15 +197,20 @@ class GramianRecorder:
         self._handles.clear()
         self.clear()
 
-    def _check_recorded(self) -> list[Tensor]:
+    def _check_recorded(self, roots: TaskRoots) -> list[Tensor]:
+        """The recorded linear outputs; a layer without a recorded call must not be on the
+        losses' graph (then it is unused, and its parameters keep their ``.grad``)."""
         outputs: list[Tensor] = []
         for block in self.linear:
             if not block.calls:
+                if not reaches(roots.scaled, block.params):
+                    continue
                 raise RuntimeError(
                     f"mode='gramian': module {block.name} ({type(block.module).__name__}) was "
-                    f"not called as a module during the forward under grad, so its shared "
-                    f"parameters cannot be reached; run the forward before backward(), or use "
-                    f"mode='matrix' if the parameters are used another way"
+                    f"not called as a module during the forward under grad, yet the losses "
+                    f"depend on its parameters; run the forward (with the buffer built "
+                    f"before it) before backward(), or use mode='matrix' if the parameters are "
+                    f"used another way"
                 )
             for call in block.calls:
                 if (call.input._version, call.output._version) != call.versions:
@@ -208,20 +226,23 @@ class GramianRecorder:
     def task_passes(self, roots: TaskRoots, batched: bool) -> None:
         """K passes for this micro-batch: ``∂Lₖ/∂y`` at the recorded linear outputs (kept
         with their inputs) and the rows of the other blocks (added to the step's)."""
-        outputs = self._check_recorded()
+        outputs = self._check_recorded(roots)
         k_total = roots.num_tasks
         # each other block's rows [K, P_b] for this micro-batch, written in place per parameter
         fresh: list[Tensor] = []
         slots: list[tuple[Tensor, int, int]] = []
+        owners: list[tuple[_Block, int]] = []  # the block and index of each slot's parameter
         for block in self.other:
             first = block.params[0]
             rows = torch.zeros(k_total, sum(p.numel() for p in block.params),
                                dtype=first.dtype, device=first.device)
             fresh.append(rows)
             start = 0
-            for p in block.params:
+            for i, p in enumerate(block.params):
                 slots.append((rows, start, start + p.numel()))
+                owners.append((block, i))
                 start += p.numel()
+        reached = [False] * len(slots)
         params = [p for block in self.other for p in block.params]
         n_out = len(outputs)
         stacks: list[Tensor | None] = [None] * n_out
@@ -233,9 +254,10 @@ class GramianRecorder:
                 allow_unused=True,
             )
             stacks = list(grads[:n_out])
-            for (rows, start, stop), g in zip(slots, grads[n_out:]):
+            for j, ((rows, start, stop), g) in enumerate(zip(slots, grads[n_out:])):
                 if g is not None:
                     rows[:, start:stop].copy_(g.reshape(k_total, -1))
+                    reached[j] = True
         else:
             for k in range(k_total):
                 grads = roots.grad(k, [*outputs, *params], retain_graph=k < k_total - 1)
@@ -248,9 +270,10 @@ class GramianRecorder:
                             (k_total, *g.shape), dtype=g.dtype, device=g.device
                         )
                     stack[k].copy_(g)
-                for (rows, start, stop), g in zip(slots, grads[n_out:]):
+                for j, ((rows, start, stop), g) in enumerate(zip(slots, grads[n_out:])):
                     if g is not None:
                         rows[k, start:stop].copy_(g.reshape(-1))
+                        reached[j] = True
         at = 0
         for block in self.linear:
             for call in block.calls:
@@ -262,6 +285,10 @@ class GramianRecorder:
             block.calls.clear()  # the graph may go
         for block, rows in zip(self.other, fresh):
             block.rows = rows if block.rows is None else block.rows.add_(rows)
+            if not block.reached:
+                block.reached = [False] * len(block.params)
+        for (block, i), hit in zip(owners, reached):
+            block.reached[i] = block.reached[i] or hit
 
     def reduce_over_ranks(self, k_total: int, group: Any) -> None:
         """Give every rank the full batch's operands: linear inputs and output gradients
@@ -285,6 +312,7 @@ class GramianRecorder:
             if block.rows is None:
                 numel = sum(p.numel() for p in block.params)
                 block.rows = block.params[0].new_zeros(k_total, numel)
+            block.reached = [True] * len(block.params)  # another rank may have reached them
             all_reduce_mean_([block.rows], group)
 
     # -- stage 2: the Gramian ---------------------------------------------------------
@@ -323,9 +351,13 @@ class GramianRecorder:
             return xs[0], ds[0]
         return torch.cat(xs), torch.cat(ds, dim=1)
 
-    # -- stage 3: the weighted gradient into .grad ---------------------------------------
-    def write_weighted_(self, weights: Tensor) -> None:
-        """``.grad += Σₖ wₖ ∂Lₖ/∂θ`` for every shared parameter, block by block."""
+    # -- stage 3: the weighted gradient, written last ------------------------------------
+    def weighted_update(self, weights: Tensor) -> WriteBack:
+        """``Σₖ wₖ ∂Lₖ/∂θ`` for every shared parameter the step reached, block by block,
+        computed in full before anything is written (:meth:`WriteBack.commit_`)."""
+        params: list[Tensor] = []
+        parts: list[Tensor | None] = []
+        owned: list[bool] = []
         for block in self.linear:
             x, d = self._linear_operands(block, weights.shape[0])
             if d is None:
@@ -335,26 +367,25 @@ class GramianRecorder:
             mod = block.module
             assert isinstance(mod, nn.Linear)
             if weight:
-                _add_grad(mod.weight, dw.T @ x, fresh=True)
+                params.append(mod.weight)
+                parts.append(dw.T @ x)
+                owned.append(True)
             if bias:
-                _add_grad(mod.bias, dw.sum(dim=0), fresh=True)
+                assert mod.bias is not None
+                params.append(mod.bias)
+                parts.append(dw.sum(dim=0))
+                owned.append(True)
         for block in self.other:
             if block.rows is None:
                 continue
             combined = weights.to(block.rows.dtype) @ block.rows
             start = 0
-            for p in block.params:
-                _add_grad(p, combined[start : start + p.numel()])
+            for p, hit in zip(block.params, block.reached):
+                params.append(p)
+                parts.append(combined[start : start + p.numel()] if hit else None)
+                owned.append(False)
                 start += p.numel()
-
-
-def _add_grad(p: Tensor, g: Tensor, fresh: bool = False) -> None:
-    """``p.grad += g``; a new ``.grad`` is a copy unless ``g`` is a fresh tensor of our own."""
-    g = g.to(p.dtype).reshape(p.shape)
-    if p.grad is None:
-        p.grad = g if fresh and g._base is None and g.dtype == p.dtype else g.clone()
-    else:
-        p.grad.add_(g)
+        return WriteBack(params, parts, owned=owned)
 
 
 def _make_hook(ref: weakref.ReferenceType[GramianRecorder], block: _Block) -> Any:
@@ -437,11 +468,15 @@ class GramianMode:
                 weights = torch.ones_like(losses, dtype=torch.float64)
             else:
                 raise nonfinite_error()
-            self.recorder.write_weighted_(weights if coef is None else weights * coef)
+            update = self.recorder.weighted_update(weights if coef is None else weights * coef)
+            finite = settle(update, step, finite)
+            stats = build_stats(gram, losses, finite, weights=weights, scale=scale,
+                                pre_clip_norms=pre_clip, num_backward=step.count,
+                                mode="gramian")
         finally:
             self.recorder.clear()
-        return build_stats(gram, losses, finite, weights=weights, scale=scale,
-                           pre_clip_norms=pre_clip, num_backward=step.count, mode="gramian")
+        commit(update, self.head_params, finite)
+        return stats
 
     def clear(self) -> None:
         self.recorder.clear()

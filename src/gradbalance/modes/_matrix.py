@@ -4,7 +4,10 @@ Per micro-batch, ``G += [∂Lₖ/∂θ]ₖ`` (one ``autograd.grad`` per task, ea
 task's own loss) and the heads' ``.grad +=`` their plain gradient (one pass of ``Σₖ Lₖ`` over
 the heads). Once per step: mean over data-parallel ranks, ``G /= s`` (the loss
 scale), the Gramian in float64, the finiteness check from its diagonal, optional row
-clipping, the combine, and ``.grad += s·g`` on the trunk.
+clipping, the combine, and ``.grad += s·g`` on the trunk, written last. A parameter no task
+reached in any micro-batch keeps its ``.grad`` (None stays None), as after
+``sum(losses).backward()``; under data parallelism every parameter is written, since another
+rank may have reached it.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._amp import finite_step, unscaled_gramian
+from .._amp import finite_step, nonfinite_error, unscaled_gramian
 from ..balancers._base import Balancer
 from ..clip._protocol import RowClipper
 from ..distributed import all_reduce_step_
@@ -22,10 +25,11 @@ from ..taskgrads import TaskRoots
 from ._engine import (
     RowsEngine,
     StepInput,
-    add_flat_,
-    combine_or_skip,
+    WriteBack,
+    commit,
     heads_backward_,
     reject_features,
+    settle,
 )
 
 __all__ = ["MatrixMode"]
@@ -50,8 +54,11 @@ class MatrixMode(RowsEngine):
             self.matrix = torch.empty(
                 k, self.layout.numel, dtype=self.layout.dtype, device=self.layout.device
             )
+        if first:
+            self.reached = [False] * len(self.layout.params)
         heads_backward_(roots, self.head_params)
-        self.compute(roots, self.layout, self.matrix, accumulate=not first)
+        self.compute(roots, self.layout, self.matrix, accumulate=not first,
+                     reached=self.reached)
 
     def apply(self, balancer: Balancer, step: StepInput) -> StepStats:
         matrix, losses, scale = self.matrix, step.losses, step.scale
@@ -60,15 +67,25 @@ class MatrixMode(RowsEngine):
             losses = all_reduce_step_(matrix, losses, self.head_params, step.group)
         gram = unscaled_gramian(scale, matrix=matrix)
         finite = finite_step(gram, scale, self.head_params, step.group)
-        pre_clip = None
-        if finite and step.clip is not None:
-            pre_clip = step.clip(matrix)
-            gram = compute_gramian(matrix)
-        result = combine_or_skip(balancer, matrix, losses, gram, finite, scale)
-        add_flat_(self.layout, result.vector, scale)
-        return build_stats(gram, losses, finite, matrix=matrix, update=result.vector,
-                           weights=result.weights, scale=scale, pre_clip_norms=pre_clip,
-                           num_backward=step.count)
+        pre_clip = weights = None
+        if finite:
+            if step.clip is not None:
+                pre_clip = step.clip(matrix)
+                gram = compute_gramian(matrix)
+            result = balancer.combine(matrix, losses, gramian=gram)
+            vector, weights = result.vector, result.weights
+        elif scale is None:
+            raise nonfinite_error()
+        else:  # the plain (non-finite) sum: the scaler skips the step
+            vector = matrix.sum(dim=0)
+        reached = self.reached if step.group is None else None
+        update = WriteBack.from_flat(self.layout, vector, scale, reached)
+        finite = settle(update, step, finite)
+        stats = build_stats(gram, losses, finite, matrix=matrix, update=vector,
+                            weights=weights, scale=scale, pre_clip_norms=pre_clip,
+                            num_backward=step.count)
+        commit(update, self.head_params, finite)
+        return stats
 
     def clear(self) -> None:
         """Nothing to drop: ``G`` is overwritten by the next step's first backward."""

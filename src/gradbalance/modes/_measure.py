@@ -29,26 +29,29 @@ def _synchronize(device: torch.device) -> None:
         torch.accelerator.synchronize()
 
 
-def timed_run(roots: TaskRoots, layout: ParamLayout, out: Tensor, passes: Concrete) -> float:
+def timed_run(roots: TaskRoots, layout: ParamLayout, out: Tensor, passes: Concrete,
+              reached: list[bool] | None = None) -> float:
     """Seconds for one overwrite of ``out`` with ``passes``; inf if batching fails."""
     _synchronize(layout.device)
     start = time.perf_counter()
     used = compute_into(roots, layout, out, passes="measure", preferred=passes,
-                        retain_graph=True)
+                        retain_graph=True, reached=reached)
     _synchronize(layout.device)
     return time.perf_counter() - start if used == passes else float("inf")
 
 
-def measure_passes(roots: TaskRoots, layout: ParamLayout, out: Tensor) -> Concrete:
+def measure_passes(roots: TaskRoots, layout: ParamLayout, out: Tensor,
+                   reached: list[bool] | None = None) -> Concrete:
     """Overwrite ``out`` with the task gradients, timing loop and batched; return the faster.
 
-    ``out`` ends up holding the chosen passes's result. A model without a batching rule
-    costs one failed batched call (and its warning) and gets the loop.
+    ``out`` ends up holding the chosen passes's result (``reached`` as in ``compute_into``).
+    A model without a batching rule costs one failed batched call (and its warning) and gets
+    the loop.
     """
-    if timed_run(roots, layout, out, "batched") == float("inf"):
+    if timed_run(roots, layout, out, "batched", reached) == float("inf"):
         return "loop"  # the fallback already wrote the loop's result
-    seconds = [timed_run(roots, layout, out, s) for s in ("loop", "batched", "loop")]
+    seconds = [timed_run(roots, layout, out, s, reached) for s in ("loop", "batched", "loop")]
     if seconds[1] < seconds[2]:
-        timed_run(roots, layout, out, "batched")
+        timed_run(roots, layout, out, "batched", reached)
         return "batched"
     return "loop"

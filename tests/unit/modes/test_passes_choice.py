@@ -18,9 +18,9 @@ def _fake_clock(monkeypatch: pytest.MonkeyPatch, seconds: dict[str, float]) -> l
     calls: list[str] = []
     real = _measure.timed_run
 
-    def timed(roots, layout, out, passes):  # type: ignore[no-untyped-def]
+    def timed(roots, layout, out, passes, reached=None):  # type: ignore[no-untyped-def]
         calls.append(passes)
-        real(roots, layout, out, passes)
+        real(roots, layout, out, passes, reached)
         return seconds[passes]
 
     monkeypatch.setattr(_measure, "timed_run", timed)
