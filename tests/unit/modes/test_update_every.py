@@ -104,7 +104,8 @@ def test_reset_forgets_cached_weights() -> None:
     buf.apply_(Mean())
     assert buf.state_dict()["weights"] is not None
     buf.reset()
-    assert buf.state_dict() == {"update_every": 4, "step": 0, "weights": None}
+    # reset() keeps the count of steps begun: ranks compare it (docs/distributed.md)
+    assert buf.state_dict() == {"update_every": 4, "step": 0, "weights": None, "steps_begun": 1}
 
 
 @pytest.mark.parametrize("mode", ["matrix", "features"])
