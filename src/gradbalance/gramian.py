@@ -1,4 +1,13 @@
-"""The Gramian ``G Gᵀ`` of a task-gradient matrix, accumulated in float64."""
+"""The Gramian ``G Gᵀ`` of a task-gradient matrix, accumulated in float64, scale-safe.
+
+Numerical range: every row (or, for :func:`linear_gramian`, every task's output gradient
+and the layer input) is scaled by a power of two to a largest entry in ``[0.5, 1)`` before
+the products (exact: only the exponent changes), and the factors are restored in float64.
+So the Gramian of float32, bfloat16 or float16 rows is exact to the products' rounding for
+every finite input (float32 rows of norm ``1e-30`` or ``1e30`` included, where ``‖gₖ‖²``
+under- or overflows float32), and that of float64 rows for row norms up to about ``1e150``
+and down to about ``1e-150`` (beyond, ``‖gₖ‖²`` itself is outside float64).
+"""
 
 from __future__ import annotations
 
@@ -9,23 +18,63 @@ __all__ = ["compute_gramian", "cosine_matrix", "is_finite_gramian", "linear_gram
 
 _COLUMN_BLOCK = 1 << 20
 
+#: Exponent field layout (bias, mantissa bits, bit-cast type) of the dtypes scaled here.
+_FLOAT_BITS = {
+    torch.float32: (127, 23, torch.int32),
+    torch.float64: (1023, 52, torch.int64),
+}
+
+
+def _pow2(exponent: Tensor, dtype: torch.dtype) -> Tensor:
+    """``2**exponent`` in ``dtype`` (float32/float64), exactly, by writing the exponent bits.
+
+    ``exponent`` (an integer tensor) must lie in the normal range of ``dtype``.
+    """
+    bias, mantissa_bits, int_type = _FLOAT_BITS[dtype]
+    bits = (exponent.to(int_type) + bias) << mantissa_bits
+    return bits.view(dtype)
+
+
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays, every other floating dtype is multiplied in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def unit_rows(matrix: Tensor) -> tuple[Tensor, Tensor]:
+    """``(U, s)``: ``matrix = diag(s) U``, each row's largest ``|entry|`` in ``[0.5, 1)``.
+
+    ``s = 2**e`` ``[K]`` (float64) is a power of two per row, so the scaling is exact; ``U``
+    is a new tensor in float32 (float64 input: float64). A zero row keeps ``s = 1``; ``e`` is
+    clamped so that ``2**±e`` stays a normal number of ``U``'s dtype (a subnormal row then
+    keeps a largest entry below 0.5). Non-finite rows stay non-finite.
+    """
+    work = _work_dtype(matrix.dtype)
+    part = matrix if matrix.dtype == work else matrix.to(work)
+    if part.shape[1] == 0:
+        return part.clone(), torch.ones(part.shape[0], dtype=torch.float64, device=part.device)
+    low, high = torch.aminmax(part, dim=1)
+    _, exponent = torch.frexp(torch.maximum(high, -low))
+    bias = _FLOAT_BITS[work][0]
+    exponent = exponent.clamp(2 - bias, bias - 1)  # 2**±e normal in `work`
+    factor = _pow2(-exponent, work).unsqueeze(1)
+    unit = part.mul_(factor) if part is not matrix else part * factor
+    return unit, _pow2(exponent, torch.float64)
+
 
 def compute_gramian(matrix: Tensor, block: int = _COLUMN_BLOCK) -> Tensor:
     """Return ``G Gᵀ`` ``[K, K]`` in float64.
 
-    Each column block is multiplied in the matrix's own dtype (fast BLAS) and the block
-    products are summed in float64, so rounding does not grow with ``P``.
+    Each column block is scaled row by row by a power of two (:func:`unit_rows`), multiplied
+    in float32 (float64 input: float64; fast BLAS), and the block products, rescaled, are
+    summed in float64: neither over- nor underflow inside the product, and rounding does not
+    grow with ``P``. Exact to the products' rounding for every finite float32 / half input;
+    for float64 rows up to norms of about ``1e150`` (the float64 range of ``‖gₖ‖²``).
     """
     k, p = matrix.shape
     gram = torch.zeros(k, k, dtype=torch.float64, device=matrix.device)
-    if matrix.dtype == torch.float64 or p <= block:
-        part = matrix if matrix.dtype in (torch.float32, torch.float64) else matrix.float()
-        return gram.add_(part @ part.T)
     for start in range(0, p, block):
-        part = matrix[:, start : start + block]
-        if part.dtype not in (torch.float32, torch.float64):
-            part = part.float()
-        gram.add_(part @ part.T)
+        unit, scale = unit_rows(matrix[:, start : start + block])
+        gram.add_((unit @ unit.T).to(torch.float64).mul_(scale[:, None] * scale[None, :]))
     return gram
 
 
@@ -33,16 +82,24 @@ def is_finite_gramian(gram: Tensor) -> Tensor:
     """True (0-d bool tensor) when every task gradient is finite.
 
     A non-finite entry in row ``k`` of ``G`` makes ``gram[k, k]`` inf or NaN, so the diagonal
-    is enough: an O(K) check instead of O(K·P).
+    is enough: an O(K) check instead of O(K·P). With the scale-safe :func:`compute_gramian`
+    a finite row never gives a non-finite diagonal (float64 rows: up to norms of ``1e150``).
     """
     return torch.isfinite(torch.diagonal(gram)).all()
 
 
-def cosine_matrix(gram: Tensor, eps: float = 1e-30) -> Tensor:
-    """Pairwise cosine similarities ``[K, K]`` from the Gramian (0 where a norm is 0)."""
+def cosine_matrix(gram: Tensor, eps: float = 0.0) -> Tensor:
+    """Pairwise cosine similarities ``[K, K]`` from the Gramian, in ``[-1, 1]``.
+
+    ``cos(gᵢ, gⱼ) = Gᵢⱼ / ‖gᵢ‖ / ‖gⱼ‖`` (divided one norm at a time, so rows of norm
+    ``1e-150`` … ``1e150`` keep their cosines); 0 where a norm is at most ``eps`` times the
+    largest norm (default: exactly 0).
+    """
     norms = torch.diagonal(gram).clamp_min(0).sqrt()
-    denom = torch.outer(norms, norms)
-    return torch.where(denom > eps, gram / denom.clamp_min(eps), torch.zeros_like(gram))
+    zero = norms <= eps * norms.max() if norms.numel() else norms > 0
+    safe = torch.where(zero, torch.ones_like(norms), norms)
+    cos = (gram / safe[:, None] / safe[None, :]).clamp(-1.0, 1.0)
+    return torch.where(zero[:, None] | zero[None, :], torch.zeros_like(cos), cos)
 
 
 def linear_gramian(x: Tensor, d: Tensor, weight: bool, bias: bool) -> Tensor:
@@ -54,20 +111,37 @@ def linear_gramian(x: Tensor, d: Tensor, weight: bool, bias: bool) -> Tensor:
     ``[K, o·i]`` scratch), or the activations, ``⟨dᵢᵀx, dⱼᵀx⟩ = Σ_{n,m} (dᵢ dⱼᵀ)_{nm}
     (x xᵀ)_{nm}`` (``N²·i + K²N²·o`` flops, nothing weight-sized): the ghost trick of
     per-sample clipping, applied across tasks.
+
+    Scale-safe: ``x`` and each ``d[k]`` are first scaled by powers of two to a largest entry
+    in ``[0.5, 1)`` (:func:`unit_rows`), the products taken on those, and the factors
+    restored in float64, so float32 layers whose blocks have norms from ``1e-30`` to ``1e30``
+    keep an exact Gramian (samples of ``x`` or ``d[k]`` differing from each other by more
+    than float32's range are not rescaled apart).
     """
     k, n, o = d.shape
     i = x.shape[1]
     gram = torch.zeros(k, k, dtype=torch.float64, device=d.device)
+    if k == 0 or n * o == 0:
+        return gram
+    d_flat, d_scale = unit_rows(d.reshape(k, n * o))
+    d_unit = d_flat.view(k, n, o)
     if bias:
-        s = d.sum(dim=1)
-        gram += (s @ s.T).double()
-    if weight:
-        if n * n * (i + k * k * o) < 2 * k * n * o * i + k * k * o * i:
-            a = x @ x.T  # [N, N]
-            flat = d.reshape(k * n, o)
-            m = (flat @ flat.T).view(k, n, k, n).permute(0, 2, 1, 3).reshape(k * k, n * n)
-            gram += (m @ a.reshape(n * n)).view(k, k).double()
-        else:
-            rows = torch.matmul(d.transpose(1, 2), x).reshape(k, o * i)  # [K, o·i]
-            gram += compute_gramian(rows)
-    return gram
+        gram += compute_gramian(d_unit.sum(dim=1))
+    if weight and i > 0:
+        x_flat, x_scale = unit_rows(x.reshape(1, n * i))
+        x_unit = x_flat.view(n, i).to(d_unit.dtype)
+        gram += _weight_block(x_unit, d_unit) * x_scale.square()
+    return gram.mul_(d_scale[:, None] * d_scale[None, :])
+
+
+def _weight_block(x: Tensor, d: Tensor) -> Tensor:
+    """The weight part of :func:`linear_gramian` (float64) on unit-scaled ``x`` and ``d``."""
+    k, n, o = d.shape
+    i = x.shape[1]
+    if n * n * (i + k * k * o) < 2 * k * n * o * i + k * k * o * i:
+        a = x @ x.T  # [N, N]
+        flat = d.reshape(k * n, o)
+        m = (flat @ flat.T).view(k, n, k, n).permute(0, 2, 1, 3).reshape(k * k, n * n)
+        return (m @ a.reshape(n * n)).view(k, k).to(torch.float64)
+    rows = torch.matmul(d.transpose(1, 2), x).reshape(k, o * i)  # [K, o·i]
+    return compute_gramian(rows)

@@ -65,6 +65,7 @@ class AlignedMTL(Balancer):
     name = "alignedmtl"
     from_gramian = True
     homogeneous = True
+    weight_degree = 0.0  # B = √σ V Λ^{-1/2} Vᵀ: √σ and Λ^{-1/2} cancel under G → cG
 
     def __init__(
         self,

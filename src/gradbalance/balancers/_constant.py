@@ -21,6 +21,7 @@ class Constant(Balancer):
 
     name = "constant"
     from_gramian = True
+    weight_degree = 0.0
 
     def __init__(self, weights: Sequence[float] | Tensor) -> None:
         w = as_task_vector("weights", weights)

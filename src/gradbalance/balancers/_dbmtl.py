@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from .._checks import check_range
+from ..gramian import unit_rows
 from ._base import Balancer, Combination
 from ._state import EmaStepState, check_state_rows
 
@@ -18,13 +19,16 @@ __all__ = ["DBMTL", "dbmtl_update"]
 def dbmtl_update(ema: Tensor) -> Tensor:
     """``g = Σₖ (maxⱼ ‖ĝⱼ‖ / ‖ĝₖ‖) ĝₖ``: every (EMA) task gradient scaled to the largest norm.
 
-    A zero row stays zero.
+    A zero row stays zero. Scale-safe: computed as ``maxⱼ‖ĝⱼ‖ · Σₖ uₖ/‖uₖ‖`` from the rows
+    scaled by powers of two (``ĝₖ = sₖ uₖ``), so no norm is squared in the gradients' dtype
+    and no factor ``max‖ĝ‖/‖ĝₖ‖`` is formed (rows of very different norms stay finite).
     """
-    norms = ema.to(torch.float64).norm(dim=1)
-    top = norms.max()
-    safe = torch.where(norms > 0, norms, torch.ones_like(norms))
-    alpha = torch.where(norms > 0, top / safe, torch.zeros_like(norms))
-    return alpha.to(ema.dtype) @ ema
+    unit, scale = unit_rows(ema)
+    unit_norms: Tensor = torch.linalg.vector_norm(unit, dim=1)
+    top = (unit_norms.to(torch.float64) * scale).max()
+    safe = torch.where(unit_norms > 0, unit_norms, torch.ones_like(unit_norms))
+    inv = torch.where(unit_norms > 0, 1.0 / safe, torch.zeros_like(unit_norms))
+    return ((inv @ unit).to(torch.float64) * top).to(ema.dtype)
 
 
 class DBMTL(EmaStepState, Balancer):

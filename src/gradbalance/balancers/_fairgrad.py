@@ -124,6 +124,8 @@ class FairGrad(Balancer):
                  max_iter: int = 100) -> None:
         super().__init__(num_tasks)
         self.alpha = check_range("alpha", alpha, 0.0, None)
+        # (cA) w = w^{-1/α} is solved by c^{-α/(1+α)} w: the solve sees G / maxₖ Gₖₖ.
+        self.weight_degree = -self.alpha / (1.0 + self.alpha)
         self.max_iter = check_int("max_iter", max_iter, 1)
 
     def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:

@@ -42,6 +42,7 @@ class IMTLG(Balancer):
     name = "imtlg"
     from_gramian = True
     homogeneous = True
+    weight_degree = 0.0  # v = G⁺d scales as c^{-1/2}, and so does Σv
 
     def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         return imtlg_weights(gramian).to(gramian.device)

@@ -54,6 +54,7 @@ class Krum(Balancer):
     name = "krum"
     from_gramian = True
     homogeneous = True
+    weight_degree = 0.0  # the ranking of the scores is scale-free
 
     def __init__(self, num_tasks: int | None = None, n_byzantine: int = 0,
                  n_selected: int = 1) -> None:

@@ -21,6 +21,7 @@ class Mean(Balancer):
 
     name = "mean"
     from_gramian = True
+    weight_degree = 0.0
 
     def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         return mean_weights(gramian)

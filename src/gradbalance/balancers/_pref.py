@@ -23,6 +23,7 @@ class PreferenceBalancer(Balancer):
 
     from_gramian = True
     homogeneous = True
+    weight_degree = 0.0  # each rule's weights are scale-free
 
     @staticmethod
     def rule(gramian: Tensor, pref: Tensor | None) -> Tensor:

@@ -66,6 +66,7 @@ class Random(OptionalGeneratorState, Balancer):
     name = "random"
     from_gramian = True
     homogeneous = True
+    weight_degree = 0.0
 
     def __init__(self, num_tasks: int | None = None, distribution: Distribution = "normal",
                  generator: torch.Generator | None = None) -> None:

@@ -20,6 +20,7 @@ class Sum(Balancer):
 
     name = "sum"
     from_gramian = True
+    weight_degree = 0.0
 
     def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         return sum_weights(gramian)

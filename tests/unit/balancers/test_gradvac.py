@@ -39,7 +39,9 @@ def test_lift_reaches_the_target_cosine() -> None:
     g = unit_trace(random_matrix(2, 2, 5))
     targets = torch.tensor([[0.0, 0.6], [0.3, 0.0]], dtype=torch.float64)
     orders = torch.tensor([[1], [0]])
-    coef, new = gradvac_coefficients(g @ g.T, orders, targets, beta=0.25, eps=0.0)
+    # max_step large: the closed form unclamped (the default bound would stop at ‖g₀‖).
+    coef, new = gradvac_coefficients(g @ g.T, orders, targets, beta=0.25, eps=0.0,
+                                     max_step=1e6)
     rows = coef @ g
     cos01 = rows[0] @ g[1] / (rows[0].norm() * g[1].norm())
     cos10 = rows[1] @ g[0] / (rows[1].norm() * g[0].norm())
