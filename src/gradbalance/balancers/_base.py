@@ -106,7 +106,7 @@ class Balancer(PicklableGenerators):
         losses = self._check_losses(losses, matrix.shape[0])
         if self.from_gramian:
             gram = compute_gramian(matrix) if gramian is None else gramian
-            self._check_finite_gramian(gram)
+            self._check_finite_gramian(gram, matrix if gramian is None else None)
             w = self._scaled_weights(gram, losses)
             return Combination(combine_rows(w, matrix), w)
         if gramian is not None:
@@ -199,9 +199,21 @@ class Balancer(PicklableGenerators):
             )
         return losses
 
-    def _check_finite_gramian(self, gram: Tensor) -> None:
-        if not bool(is_finite_gramian(gram)):
-            raise NonFiniteGradientError(self._nonfinite_message())
+    def _check_finite_gramian(self, gram: Tensor, matrix: Tensor | None = None) -> None:
+        """Raise before any state change when ``gram`` (computed from ``matrix``) is not finite.
+
+        Finite rows whose Gramian overflows float64 (float64 rows of norm above ~1e154, out of
+        the range every balancer supports) raise ``ValueError``: they are not inf/NaN.
+        """
+        if bool(is_finite_gramian(gram)):
+            return
+        if matrix is not None and bool(torch.isfinite(matrix).all()):
+            raise ValueError(
+                f"task gradients are finite but their squared norms overflow float64 (row "
+                f"norms above ~1e154); {type(self).__name__} state is unchanged. Scale the "
+                f"losses down (the supported range is row norms of 1e-150 to 1e150)"
+            )
+        raise NonFiniteGradientError(self._nonfinite_message())
 
     def _nonfinite_message(self) -> str:
         return (

@@ -37,3 +37,29 @@ def test_first_call_is_uniform_then_the_larger_excess_risk_gains_weight() -> Non
 def test_invalid_step_size() -> None:
     with pytest.raises(ValueError, match="Invalid robust_step_size: 0"):
         ExcessMTL(robust_step_size=0.0)
+
+
+@pytest.mark.parametrize("scale", [1e-30, 1e25])
+def test_float32_extreme_scales_keep_the_float64_weights(scale: float) -> None:
+    # Σ g² / √(S + ε) without forming g² in float32 (under/overflows at 1e-23 / 1e19): the
+    # weights equal a float64 run at the same scale (ε makes the method scale-dependent).
+    gen = torch.Generator().manual_seed(3)
+    mats = [torch.randn(3, 16, generator=gen, dtype=torch.float64) * scale for _ in range(3)]
+    ours, ref = ExcessMTL(), ExcessMTL()
+    for m in mats:
+        w32, w64 = ours.combine(m.float()).weights, ref.combine(m).weights
+        torch.testing.assert_close(w32, w64, rtol=1e-5, atol=0)
+
+
+def test_state_is_the_root_sum_of_squares_and_old_saves_load() -> None:
+    g = torch.tensor([[3.0, 4.0], [1.0, 0.0]], dtype=torch.float64)
+    a = ExcessMTL()
+    a(g)
+    a(2 * g)
+    state = a.state_dict()
+    torch.testing.assert_close(state["root_sq_sum"], (5 * g * g).sqrt())
+    old = {key: value for key, value in state.items() if key != "root_sq_sum"}
+    old["sq_sum"] = 5 * g * g  # a state saved before R = √S
+    b = ExcessMTL()
+    b.load_state_dict(old)
+    torch.testing.assert_close(b(g), a(g), rtol=1e-12, atol=0)

@@ -62,3 +62,24 @@ def test_invalid_arguments() -> None:
         MoCo(beta=0.0)
     with pytest.raises(ValueError, match="Invalid lambda_update"):
         MoCo(lambda_update="adam")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("scale", [1e-30, 1e30])
+def test_normalized_grads_at_extreme_float32_scales(scale: float) -> None:
+    # h_k = L_k g_k/‖g_k‖ from the power-of-two scaled rows: float32 rows of norm 1e-30
+    # (‖g‖² underflows) or 1e30 (overflows) give the unit-scale answer.
+    g = torch.tensor([[3.0, 4.0], [0.0, 2.0]], dtype=torch.float64)
+    losses = torch.tensor([2.0, 0.5], dtype=torch.float64)
+    expected = MoCo(normalize_grads=True)(g, losses)
+    out = MoCo(normalize_grads=True)((g * scale).float(), losses)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=0)
+
+
+def test_simplex_step_far_outside_projects_to_a_vertex() -> None:
+    # γ‖g‖² ≈ 1e18: the step's entries differ by far more than 1; before the shifted
+    # projection this raised from project_simplex (row norms ≳ 1.7e9 in float64).
+    g = torch.tensor([[1e10, 0.0], [0.0, 2e10]], dtype=torch.float64)
+    b = MoCo()
+    b(g)
+    torch.testing.assert_close(b.state_dict()["lambda"],
+                               torch.tensor([1.0, 0.0], dtype=torch.float64))

@@ -211,6 +211,13 @@ def test_extreme_scales_regression(name: str, scale: float, dtype: torch.dtype) 
     check_scale(name, max(3, MIN_TASKS.get(name, 1)), 6, 0, scale, dtype)
 
 
+@pytest.mark.parametrize("scale", [1e-150, 1e150])
+@pytest.mark.parametrize("name", NAMES)
+def test_float64_beyond_the_float32_range(name: str, scale: float) -> None:
+    # The documented float64 range: ‖gₖ‖² stays a normal float64 down to 1e-300.
+    check_scale(name, max(3, MIN_TASKS.get(name, 1)), 6, 1, scale, torch.float64)
+
+
 @pytest.mark.parametrize("norm", [1.7e9, 1e12, 1e30])
 def test_moco_projection_does_not_raise_on_large_rows(norm: float) -> None:
     g = rows(3, 3, 8, True)
@@ -221,6 +228,15 @@ def test_moco_projection_does_not_raise_on_large_rows(norm: float) -> None:
         assert bool(torch.isfinite(out).all())
     lam = b.state_dict()["lambda"]
     assert float(lam.min()) >= 0.0 and abs(float(lam.sum()) - 1.0) < 1e-12
+
+
+def test_finite_rows_whose_gramian_overflows_float64_are_not_called_nonfinite() -> None:
+    g = rows(6, 3, 4, True) * 1e160
+    with pytest.raises(ValueError, match="finite but their squared norms overflow"):
+        UPGrad()(g)
+    g[0, 0] = float("inf")
+    with pytest.raises(gradbalance.NonFiniteGradientError):
+        UPGrad()(g)
 
 
 def test_mixed_row_scales_float64() -> None:
