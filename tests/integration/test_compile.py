@@ -111,6 +111,20 @@ def test_a_graph_first_run_by_a_plain_backward(donate: bool) -> None:
             assert not buf.apply_(UPGrad(K)).found_inf
 
 
+def test_the_step_itself_graph_breaks_at_the_task_passes() -> None:
+    model = _model()
+    buf = TaskGradBuffer(model.shared_parameters(), model.head_parameters())
+
+    def backward(x: torch.Tensor, y: torch.Tensor) -> None:
+        buf.backward(regression_losses(model(x), y))
+
+    found = torch._dynamo.explain(backward)(*_batches()[0])
+    assert found.graph_break_count > 0
+    assert any("autograd.grad" in str(r.reason) for r in found.break_reasons)
+    forward = torch._dynamo.explain(model)(_batches()[0][0])
+    assert (forward.graph_count, forward.graph_break_count) == (1, 0)
+
+
 @pytest.mark.xfail(strict=True,
                    reason="gramian mode cannot use the records of a compiled graph and does not "
                           "yet refuse one (its Gramian is then wrong)")

@@ -214,6 +214,17 @@ def test_resume_is_bit_identical(tmp_path: Path, method: str, bf16: bool) -> Non
     assert all(not torch.equal(p, start[n]) for n, p in _params(straight.model).items())
 
 
+def test_evaluation_loss_is_the_sum_of_the_task_losses(tmp_path: Path) -> None:
+    trainer = _trainer(tmp_path, epochs=1, label_names=["y"], per_device_eval_batch_size=8)
+    metrics = trainer.evaluate(Data())
+    model = trainer.model.eval()
+    data = Data()
+    with torch.no_grad():
+        expected = [model(data.x[i:i + 8], data.y[i:i + 8])["losses"].sum()
+                    for i in range(0, N, 8)]
+    assert metrics["eval_loss"] == pytest.approx(float(torch.stack(expected).mean()), rel=1e-6)
+
+
 def test_fp16_on_cpu_is_turned_off_by_accelerate(tmp_path: Path) -> None:
     trainer = _trainer(tmp_path, epochs=1, fp16=True)
     assert trainer.accelerator.scaler is None  # accelerate: no float16 autocast on CPU

@@ -23,6 +23,8 @@ Only ``training_step`` changes; the Trainer's loop around it is kept:
 * on the last micro-batch of a step (``accelerator.sync_gradients``): ``buf.apply_``, then the
   weighting's update. The Trainer then clips as usual (``max_grad_norm``: a global clip of
   the balanced gradient, after unscaling), steps the optimizer and the scaler, and zeroes;
+* evaluation (``evaluate``, ``predict``): the loss is the sum of the K task losses (set
+  ``label_names`` when the targets are not called ``labels``);
 * logging: the mean over the logging interval of ``balance/loss/task{k}``,
   ``balance/size/task{k}``, ``balance/w/task{k}``, ``balance/cos/task{i}_task{j}`` (and
   ``balance/weighting/task{k}``) joins the Trainer's training logs, hence every ``report_to``
@@ -204,6 +206,16 @@ class BalancedTrainer(Trainer):
         Override for a model that returns them otherwise.
         """
         return task_losses_of(model(**inputs))
+
+    def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Tensor | tuple[Tensor, Any]:
+        """The loss of evaluation and prediction: the sum of the K task losses of
+        ``model(**inputs)`` (training runs :meth:`training_step`, which balances them)."""
+        outputs = model(**inputs)
+        losses = task_losses_of(outputs)
+        vector = losses if isinstance(losses, Tensor) else torch.stack(list(losses))
+        loss = vector.sum()
+        return (loss, outputs) if return_outputs else loss
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any],
                       num_items_in_batch: Any = None) -> Tensor:
