@@ -89,6 +89,8 @@ def stats_to_dict(
     if amp_skipped is None:
         amp_skipped = stats.found_inf if stats.loss_scale is not None else False
     out["amp_skipped"] = 1.0 if amp_skipped else 0.0
+    if stats.route is not None:  # mode="auto": 1 on a gramian-route step, 0 on a matrix one
+        out["route/gramian"] = 1.0 if stats.route == "gramian" else 0.0
     return out
 
 

@@ -43,6 +43,8 @@ class StepStats:
         mode: the gradient mode that produced the step (``"matrix"``, ``"gramian"``,
             ``"features"``).
         weights_reused: the step reused the cached weights of ``update_every``.
+        route: in ``auto`` mode, the exact route the step took (``"matrix"`` or
+            ``"gramian"``); None in the other modes and on reused-weight steps.
     """
 
     losses: Tensor
@@ -57,6 +59,7 @@ class StepStats:
     num_backward: int = 1
     mode: str = "matrix"
     weights_reused: bool = False
+    route: str | None = None
 
     @property
     def num_tasks(self) -> int:

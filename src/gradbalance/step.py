@@ -89,10 +89,13 @@ class TaskGradBuffer:
         mode: ``"matrix"`` (default, ``[K, P]``), ``"gramian"`` (``G Gᵀ`` only, weighted
             balancers, needs ``modules``) or ``"features"`` (gradients w.r.t. the trunk's
             output, a different method; pass ``features=`` to :meth:`backward`). See
-            :mod:`gradbalance.modes`.
+            :mod:`gradbalance.modes`. ``"auto"``: per batch shape, the faster of ``matrix``
+            and ``gramian`` (same update; ``gramian`` only with ``modules`` and a weighted
+            balancer), ``StepStats.route`` says which ran.
         update_every: recompute a weighted balancer's weights every this many steps and reuse
             them in between with one backward of ``Σₖ wₖ Lₖ`` (1: every step).
-        modules: for ``mode="gramian"``, the module(s) owning ``shared_params`` (the trunk).
+        modules: for ``mode="gramian"`` (and ``"auto"``'s gramian route), the module(s) owning
+            ``shared_params`` (the trunk).
 
     Example:
         >>> import torch
@@ -153,7 +156,8 @@ class TaskGradBuffer:
 
     @property
     def mode(self) -> str:
-        """The gradient mode (``"matrix"``, ``"gramian"`` or ``"features"``), its engine's."""
+        """The gradient mode (``"matrix"``, ``"gramian"``, ``"auto"`` or ``"features"``), its
+        engine's."""
         return self._engine.mode
 
     # -- stage 1 ------------------------------------------------------------------------
@@ -332,9 +336,13 @@ class TaskGradBuffer:
         if "strategy" in state:  # the key's name before 0.2
             state["passes"] = state.pop("strategy")
         passes = check_saved_passes(state.pop("passes", None))
+        route = state.pop("auto_route", None)  # mode="auto"'s decisions
         steps = check_int("state_dict['steps_begun']", state.pop("steps_begun", 0), 0)
         self._cache.load_state_dict(state)  # checks everything before it changes anything
-        self._engine.load_state_dict({} if passes is None else {"passes": passes})
+        engine_state: dict[str, Any] = {} if passes is None else {"passes": passes}
+        if route is not None:
+            engine_state["auto_route"] = route
+        self._engine.load_state_dict(engine_state)
         self._steps = steps  # a state saved before the counter existed resumes at 0
 
     @property

@@ -9,6 +9,11 @@ gradients. Each mode is an :class:`Engine`; the buffer builds one with :func:`ma
   ``matrix``, over any number of micro-batches and under data parallelism, with 2-norm row
   clipping applied to ``G Gᵀ``. Pays off when K·P dwarfs the activations (large layers,
   small batches).
+* ``"auto"``: per batch shape, the faster of the two exact routes, ``matrix`` or ``gramian``
+  (a cost model from the linear layers' shapes, K and the batch, confirmed by timing a few
+  steps of each where the model does not decide; re-decided when the batch shape changes);
+  ``matrix``'s update, to rounding. ``gramian`` is taken only where it can run (a weighted
+  balancer, 2-norm clipping, ``modules=``); ``StepStats.route`` says which route ran.
 * ``"features"``: task gradients w.r.t. the shared representation (the trunk's output)
   instead of its parameters, combined there and backpropagated once through the trunk. A
   different, cheaper, approximate method (e.g. MGDA-UB, Sener & Koltun 2018, §3.3).
@@ -25,6 +30,7 @@ from typing import Any, Literal
 from torch import Tensor
 
 from ..taskgrads import ParamLayout, Passes
+from ._auto import AutoMode
 from ._engine import Engine, RowsEngine, StepInput
 from ._features import FeaturesMode
 from ._gramian import GramianMode
@@ -32,15 +38,16 @@ from ._matrix import MatrixMode
 
 __all__ = ["ENGINES", "MODES", "Engine", "Mode", "RowsEngine", "StepInput", "make_engine"]
 
-Mode = Literal["matrix", "gramian", "features"]
+Mode = Literal["matrix", "gramian", "auto", "features"]
 
 #: The gradient modes the library ships (the values ``mode=`` accepts out of the box).
-MODES: tuple[str, ...] = ("matrix", "gramian", "features")
+MODES: tuple[str, ...] = ("matrix", "gramian", "auto", "features")
 
 #: Mode name -> engine class; a new mode is one :class:`Engine` class and one entry here.
 ENGINES: dict[str, type[Engine]] = {
     "matrix": MatrixMode,
     "gramian": GramianMode,
+    "auto": AutoMode,
     "features": FeaturesMode,
 }
 

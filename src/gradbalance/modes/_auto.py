@@ -1,0 +1,365 @@
+"""``auto`` mode: per batch shape, the faster of the two exact routes, ``matrix`` or ``gramian``.
+
+Both routes give the same update (to rounding), so the choice is one of speed only:
+
+1. **Cost model** (:func:`route_costs`): from the trunk's ``nn.Linear`` shapes (recorded by
+   the ``gramian`` route's forward hooks), K, the rows N per layer and the micro-batch count,
+   the flops and bytes in which the two routes differ: K weight-gradient GEMMs and the
+   ``[K, P]`` writes and reads of ``matrix`` against the cheaper ``nn.Linear`` Gramian route
+   (the rule of :func:`gradbalance.gramian.linear_gramian`), the stored output gradients and
+   the weighted write-back of ``gramian``. Blocks other than ``nn.Linear`` cost the same rows
+   in both. A predicted ratio of at least :data:`DECISIVE` decides.
+2. **Measurement**: otherwise the next steps alternate the routes, :data:`TRIALS` timed steps
+   each (the buffer's ``backward`` calls and ``apply_``, the device synchronised), and the
+   faster minimum wins. Under ``torch.distributed`` the model alone decides (every rank takes
+   the same route).
+
+The decision is kept per *shape key* — K, the rows and widths of every recorded linear call of
+the first micro-batch, the micro-batch count last seen with them — so a new batch shape is
+decided anew and an old one reuses its route. The ``gramian`` route is taken only where it is
+possible: a weighted balancer and 2-norm clipping on the previous step (the first step, whose
+balancer is not known yet, takes ``matrix``), ``modules=`` covering the shared parameters,
+every linear weight used only by its own layer's recorded calls, no in-place edit of their
+inputs or outputs. The decisions, the trials so far and the passes are in ``state_dict``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import torch.distributed as dist
+from torch import Tensor
+
+from ..balancers._base import Balancer
+from ..clip._protocol import RowClipper
+from ..stats import StepStats
+from ..taskgrads import ParamLayout, Passes, TaskRoots
+from ._engine import reject_features
+from ._gramian import GramianMode, GramianRecorder
+from ._matrix import MatrixMode
+from ._measure import _synchronize
+
+__all__ = ["DECISIVE", "TRIALS", "AutoMode", "LinearShape", "RouteCosts", "route_costs"]
+
+Route = Literal["matrix", "gramian"]
+#: A predicted cost ratio at least this large decides without measuring.
+DECISIVE = 2.0
+#: Timed steps per route when the model does not decide (the minimum of each counts).
+TRIALS = 2
+#: Flops one byte of memory traffic is worth, per device type (a rough machine balance).
+FLOPS_PER_BYTE: dict[str, float] = {"cpu": 8.0}
+_DEFAULT_FLOPS_PER_BYTE = 32.0
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    """One trunk ``nn.Linear`` in one micro-batch: ``n`` rows of width ``i`` in, ``o`` out."""
+
+    n: int
+    i: int
+    o: int
+    weight: bool = True  # the weight is a shared parameter
+    bias: bool = True  # the bias is a shared parameter
+
+
+@dataclass(frozen=True)
+class RouteCosts:
+    """The modelled cost of a step's route-dependent work, in flop equivalents."""
+
+    matrix: float
+    gramian: float
+
+    @property
+    def ratio(self) -> float:
+        """``gramian / matrix`` (inf when matrix costs nothing)."""
+        return self.gramian / self.matrix if self.matrix > 0 else float("inf")
+
+
+def linear_route(n: int, i: int, o: int, k: int) -> tuple[str, int]:
+    """The route :func:`~gradbalance.gramian.linear_gramian` takes for a weight block over
+    ``n`` rows, and its flops: activations ``n²(i + K²o)`` or rows ``2KNoi + K²oi``."""
+    activations = n * n * (i + k * k * o)
+    rows = 2 * k * n * o * i + k * k * o * i
+    return ("activations", activations) if activations < rows else ("rows", rows)
+
+
+def route_costs(layers: Sequence[LinearShape], other_numel: int, k: int, micro: int = 1,
+                element_size: int = 4, flops_per_byte: float = 8.0) -> RouteCosts:
+    """The cost model: what ``matrix`` and ``gramian`` do differently in one step.
+
+    ``layers``: the trunk's linear calls of one micro-batch; ``other_numel``: the shared
+    parameters outside ``nn.Linear`` blocks; ``micro``: micro-batches per step (the step's
+    rows are ``micro·n``). Per linear layer with ``P = o·i + o`` shared numbers and
+    ``N = micro·n`` rows (bytes weighted by ``flops_per_byte``):
+
+    * matrix: ``2KNoi`` (K weight-gradient GEMMs) + ``KNo`` (bias) + ``K²P`` (the Gramian) +
+      ``2KP`` (``wᵀG``) + ``(3·micro + 2)·K·P`` elements moved (each row produced, copied
+      into ``G``; ``G`` read by the Gramian and the write-back);
+    * gramian: the cheaper weight route of :func:`linear_route` (its ``[K, o·i]`` scratch moved
+      twice on the rows route) + ``KNo + K²o`` (bias) + ``2Noi + 2KNo`` (the write-back) +
+      ``3KNo`` elements moved (the output gradients stored and read).
+
+    Other blocks take the rows ``[K, P_b]`` in both routes: ``K²P_b + 2KP_b`` flops and
+    ``(3·micro + 2)·K·P_b`` elements, added to both.
+    """
+    byte = element_size * flops_per_byte
+    common = k * k * other_numel + 2 * k * other_numel + (3 * micro + 2) * k * other_numel * byte
+    matrix = gramian = float(common)
+    for layer in layers:
+        n, i, o = layer.n * micro, layer.i, layer.o
+        p = (o * i if layer.weight else 0) + (o if layer.bias else 0)
+        matrix += k * k * p + 2 * k * p + (3 * micro + 2) * k * p * byte
+        gramian += 3 * k * n * o * byte
+        if layer.weight:
+            route, flops = linear_route(n, i, o, k)
+            matrix += 2 * k * n * o * i
+            gramian += flops + 2 * n * o * i + 2 * k * n * o
+            if route == "rows":
+                gramian += 2 * k * o * i * byte
+        if layer.bias:
+            matrix += k * n * o
+            gramian += k * n * o + k * k * o + (0 if layer.weight else 2 * k * n * o)
+    return RouteCosts(matrix, gramian)
+
+
+def _as_tuple(value: Any) -> Any:
+    """Lists (from a ``state_dict``) back to the tuples of a shape key."""
+    return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def _as_list(value: Any) -> Any:
+    return [_as_list(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
+def _check_route(route: Any) -> Route:
+    if route not in ("matrix", "gramian"):
+        raise ValueError(f"Invalid state_dict: route={route!r} (expected 'matrix' or 'gramian')")
+    checked: Route = route
+    return checked
+
+
+class AutoMode:
+    """The faster exact route per batch shape; ``StepStats.route`` says which one ran."""
+
+    mode: ClassVar[str] = "auto"
+
+    def __init__(self, layout: ParamLayout, head_params: list[Tensor], passes: Passes,
+                 modules: Any = None) -> None:
+        self.layout = layout
+        self._matrix = MatrixMode(layout, head_params, passes)
+        self._gramian: GramianMode | None = None
+        if modules is not None:
+            try:
+                self._gramian = GramianMode(layout, head_params, passes, modules)
+            except ValueError:  # modules do not own every shared parameter: matrix only
+                self._gramian = None
+        #: the clock of the trials (seconds); replaceable, e.g. by a test
+        self.clock: Callable[[], float] = time.perf_counter
+        #: the route of the current step
+        self.route: Route = "matrix"
+        #: whether the last balancer and clipper allowed the gramian route (None: no step yet)
+        self.gramian_ok: bool | None = None
+        #: the model's costs of the last shape key decided (for inspection)
+        self.costs: RouteCosts | None = None
+        self._decided: dict[Any, Route] = {}
+        self._samples: dict[Any, dict[str, list[float]]] = {}
+        self._counts: dict[Any, int] = {}
+        self._base: Any = None
+        self._key: Any = None
+        self._timing = False
+        self._elapsed = 0.0
+        #: the ``[K, P]`` rows on a ``matrix`` step, else None
+        self.matrix: Tensor | None = None
+
+    # -- the decision ---------------------------------------------------------------------
+    def _shapes(self) -> tuple[tuple[int, int, int, bool, bool], ...]:
+        assert self._gramian is not None
+        shapes = []
+        for block in self._gramian.recorder.linear:
+            weight, bias = GramianRecorder._linear_params(block)
+            for call in block.calls:
+                i = int(call.input.shape[-1]) if call.input.dim() else 1
+                n = call.input.numel() // max(i, 1)
+                shapes.append((n, i, int(call.output.shape[-1]), weight, bias))
+        return tuple(shapes)
+
+    def _decide(self, roots: TaskRoots) -> Route:
+        """The route of a step, from its first micro-batch (before any pass runs)."""
+        self._key = self._base = None
+        self._timing = False
+        if self._gramian is None or not self.gramian_ok:
+            return "matrix"
+        shapes = self._shapes()
+        self._base = (roots.num_tasks, shapes)
+        key = self._key = (self._base, self._counts.get(self._base, 1))
+        route = self._decided.get(key)
+        if route is not None:
+            return route
+        if not shapes or not self._safe(roots):
+            self._decided[key] = "matrix"
+            return "matrix"
+        device = self.layout.device
+        layers = [LinearShape(*s) for s in shapes]
+        other = sum(p.numel() for b in self._gramian.recorder.other for p in b.params)
+        costs = self.costs = route_costs(
+            layers, other, roots.num_tasks, key[1], self.layout.params[0].element_size(),
+            FLOPS_PER_BYTE.get(device.type, _DEFAULT_FLOPS_PER_BYTE))
+        ratio = costs.ratio
+        if ratio >= DECISIVE or ratio <= 1 / DECISIVE or _distributed():
+            self._decided[key] = "gramian" if ratio < 1 else "matrix"
+            return self._decided[key]
+        samples = self._samples.setdefault(key, {"matrix": [], "gramian": []})
+        self._timing = True
+        return "gramian" if len(samples["gramian"]) <= len(samples["matrix"]) else "matrix"
+
+    def _safe(self, roots: TaskRoots) -> bool:
+        """Whether the gramian route computes this step exactly: each linear layer's recorded
+        calls are its parameters' only uses on the losses' graph, none edited in place."""
+        assert self._gramian is not None
+        recorder = self._gramian.recorder
+        try:
+            recorder._check_recorded(roots)
+        except RuntimeError:
+            return False
+        expected = {id(p): len(block.calls) for block in recorder.linear for p in block.params}
+        return _uses(roots.scaled, expected) == expected
+
+    def _record(self, count: int) -> None:
+        """After a timed step: its time, and the route once both have their trials."""
+        if not self._timing or self._key is None or count != self._key[1]:
+            return
+        samples = self._samples[self._key]
+        samples[self.route].append(self._elapsed)
+        if all(len(s) >= TRIALS for s in samples.values()):
+            faster = min(samples["gramian"]) < min(samples["matrix"])
+            self._decided[self._key] = "gramian" if faster else "matrix"
+            del self._samples[self._key]
+
+    def _tick(self) -> float:
+        if not self._timing:
+            return 0.0
+        _synchronize(self.layout.device)
+        return self.clock()
+
+    # -- the Engine protocol --------------------------------------------------------------
+    def check_backward(self, features: Tensor | None, count: int, reused: bool) -> None:
+        reject_features(self.mode, features)
+
+    def backward(self, roots: TaskRoots, first: bool, features: Tensor | None = None) -> None:
+        if first:
+            self.route = self._decide(roots)
+            self._elapsed = 0.0
+            self.matrix = None
+        start = self._tick()
+        if self.route == "gramian":
+            assert self._gramian is not None
+            self._gramian.backward(roots, first)
+        else:
+            self._matrix.backward(roots, first)
+            self.matrix = self._matrix.matrix
+            if self._gramian is not None:
+                self._gramian.recorder.clear()  # the forward's records are not needed
+        self._elapsed += self._tick() - start
+
+    def check_apply(self, balancer: Balancer, clip: RowClipper | None) -> None:
+        """Every balancer and clipper works on a ``matrix`` step; a ``gramian`` step needs
+        what ``gramian`` mode needs (the previous step's balancer and clipper allowed it)."""
+        if self.route == "gramian":
+            assert self._gramian is not None
+            try:
+                self._gramian.check_apply(balancer, clip)
+            except (TypeError, ValueError) as error:
+                self.gramian_ok = False  # the next steps take the matrix route
+                raise type(error)(
+                    f"mode='auto' took the gramian route for this step, after a step whose "
+                    f"balancer and clip allowed it; {error}. Call buf.reset() and repeat the "
+                    f"step: the next steps take the matrix route"
+                ) from error
+
+    def _allows_gramian(self, balancer: Balancer, clip: RowClipper | None) -> bool:
+        if self._gramian is None:
+            return False
+        try:
+            self._gramian.check_apply(balancer, clip)
+        except (TypeError, ValueError):
+            return False
+        return True
+
+    def apply(self, balancer: Balancer, step: Any) -> StepStats:
+        start = self._tick()
+        engine = self._gramian if self.route == "gramian" else self._matrix
+        assert engine is not None
+        stats = engine.apply(balancer, step)
+        self._elapsed += self._tick() - start
+        stats.mode, stats.route = self.mode, self.route
+        self.gramian_ok = self._allows_gramian(balancer, step.clip)
+        if self._base is not None:
+            self._record(step.count)
+            self._counts[self._base] = step.count
+        return stats
+
+    def clear(self) -> None:
+        self._matrix.clear()
+        if self._gramian is not None:
+            self._gramian.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**self._matrix.state_dict(), "auto_route": {
+            "gramian_ok": self.gramian_ok,
+            "decided": [[_as_list(key), route] for key, route in self._decided.items()],
+            "samples": [[_as_list(key), {r: list(t) for r, t in s.items()}]
+                        for key, s in self._samples.items()],
+            "counts": [[_as_list(base), count] for base, count in self._counts.items()],
+        }}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; a state without ``auto_route`` (another mode's, or
+        saved before ``auto`` existed) keeps only its passes."""
+        saved = state_dict.get("auto_route")
+        if saved is not None:
+            try:
+                ok = saved["gramian_ok"]
+                if ok not in (None, True, False):
+                    raise ValueError(f"gramian_ok={ok!r}")
+                decided = {_as_tuple(key): _check_route(route) for key, route in saved["decided"]}
+                samples = {_as_tuple(key): {r: [float(t) for t in s[r]]
+                                            for r in ("matrix", "gramian")}
+                           for key, s in saved["samples"]}
+                counts = {_as_tuple(base): int(count) for base, count in saved["counts"]}
+            except (KeyError, TypeError, ValueError) as error:
+                raise ValueError(
+                    f"Invalid state_dict['auto_route']: {error}; pass the output of "
+                    f"TaskGradBuffer.state_dict() of a mode='auto' buffer"
+                ) from error
+        self._matrix.load_state_dict(state_dict)
+        if saved is not None:
+            self.gramian_ok, self._decided, self._samples, self._counts = (
+                ok, decided, samples, counts)
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _uses(tensor: Tensor, expected: dict[int, int]) -> dict[int, int]:
+    """How many edges of ``tensor``'s autograd graph end at each leaf of ``expected``."""
+    counts = dict.fromkeys(expected, 0)
+    start = tensor.grad_fn
+    queue = deque([start] if start is not None else [])
+    seen = set(queue)
+    while queue:
+        node = queue.popleft()
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            variable = getattr(child, "variable", None)
+            if variable is not None and id(variable) in counts:
+                counts[id(variable)] += 1
+            if child not in seen:
+                seen.add(child)
+                queue.append(child)
+    return counts
