@@ -11,6 +11,8 @@ and down to about ``1e-150`` (beyond, ``‖gₖ‖²`` itself is outside float64
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -48,17 +50,42 @@ def unit_rows(matrix: Tensor) -> tuple[Tensor, Tensor]:
     clamped so that ``2**±e`` stays a normal number of ``U``'s dtype (a subnormal row then
     keeps a largest entry below 0.5). Non-finite rows stay non-finite.
     """
-    work = _work_dtype(matrix.dtype)
-    part = matrix if matrix.dtype == work else matrix.to(work)
+    part = matrix.to(_work_dtype(matrix.dtype))
     if part.shape[1] == 0:
         return part.clone(), torch.ones(part.shape[0], dtype=torch.float64, device=part.device)
-    low, high = torch.aminmax(part, dim=1)
-    _, exponent = torch.frexp(torch.maximum(high, -low))
+    return _scale_rows(part, part is not matrix, _max_abs(part))
+
+
+def _max_abs(part: Tensor) -> Tensor:
+    """Largest ``|entry|`` of each row ``[K]`` (two plain reductions, no ``|G|`` temporary)."""
+    return torch.maximum(part.amax(dim=1), -part.amin(dim=1))
+
+
+def _scale_rows(part: Tensor, owned: bool, max_abs: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`unit_rows` given each row's largest ``|entry|``; ``owned``: scale in place."""
+    work = part.dtype
+    _, exponent = torch.frexp(max_abs)
     bias = _FLOAT_BITS[work][0]
     exponent = exponent.clamp(2 - bias, bias - 1)  # 2**±e normal in `work`
     factor = _pow2(-exponent, work).unsqueeze(1)
-    unit = part.mul_(factor) if part is not matrix else part * factor
+    unit = part.mul_(factor) if owned else part * factor
     return unit, _pow2(exponent, torch.float64)
+
+
+def _plain_is_exact(max_abs: Tensor, n: int) -> bool:
+    """Whether ``U Uᵀ`` of these rows, unscaled, neither over- nor underflows (CPU only).
+
+    Safe when every finite non-zero row's largest entry ``m`` has ``n m² ≤ max/4`` (no sum of
+    ``n`` products overflows) and ``m² ≥ n·tiny/eps`` (flushed products change no entry by
+    more than ``eps m_i m_j``); non-finite rows stay non-finite either way. On the CPU a host
+    read is free and this skips the scaled copy; other devices always scale (no host sync).
+    """
+    if max_abs.device.type != "cpu":
+        return False
+    info = torch.finfo(max_abs.dtype)
+    low, high = math.sqrt(n * info.tiny / info.eps), math.sqrt(info.max / (4 * n))
+    unsafe = (max_abs > 0) & torch.isfinite(max_abs) & ((max_abs < low) | (max_abs > high))
+    return not bool(unsafe.any())
 
 
 def compute_gramian(matrix: Tensor, block: int = _COLUMN_BLOCK) -> Tensor:
@@ -68,12 +95,20 @@ def compute_gramian(matrix: Tensor, block: int = _COLUMN_BLOCK) -> Tensor:
     in float32 (float64 input: float64; fast BLAS), and the block products, rescaled, are
     summed in float64: neither over- nor underflow inside the product, and rounding does not
     grow with ``P``. Exact to the products' rounding for every finite float32 / half input;
-    for float64 rows up to norms of about ``1e150`` (the float64 range of ``‖gₖ‖²``).
+    for float64 rows up to norms of about ``1e150`` (the float64 range of ``‖gₖ‖²``). On the
+    CPU, a block whose rows need no scaling is multiplied as it is (the same result: a power
+    of two changes no rounding).
     """
     k, p = matrix.shape
     gram = torch.zeros(k, k, dtype=torch.float64, device=matrix.device)
     for start in range(0, p, block):
-        unit, scale = unit_rows(matrix[:, start : start + block])
+        raw = matrix[:, start : start + block]
+        part = raw.to(_work_dtype(raw.dtype))
+        max_abs = _max_abs(part)
+        if _plain_is_exact(max_abs, part.shape[1]):
+            gram.add_((part @ part.T).to(torch.float64))
+            continue
+        unit, scale = _scale_rows(part, part is not raw, max_abs)
         gram.add_((unit @ unit.T).to(torch.float64).mul_(scale[:, None] * scale[None, :]))
     return gram
 

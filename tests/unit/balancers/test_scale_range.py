@@ -30,7 +30,7 @@ from torch import Tensor, nn
 import gradbalance
 from gradbalance import TaskGradBuffer
 from gradbalance.balancers import MGDA, Balancer, MoCo, MoDo, Sum, UPGrad
-from gradbalance.gramian import compute_gramian, cosine_matrix, linear_gramian
+from gradbalance.gramian import compute_gramian, cosine_matrix, linear_gramian, unit_rows
 from support.balancers import build_balancer
 
 NAMES = sorted(gradbalance.BALANCERS)
@@ -263,6 +263,16 @@ def test_compute_gramian_is_exact_to_rounding(scale: float, dtype: torch.dtype) 
     for block in (7, 1 << 20):
         gram = compute_gramian(g, block=block)
         assert float((gram - expected).abs().max()) <= tol * float(expected.abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_scaled_and_plain_products_agree_bit_for_bit(dtype: torch.dtype) -> None:
+    # On the CPU a block whose rows need no scaling skips the scaled copy; a power of two
+    # changes no rounding, so both routes give the same Gramian.
+    g = rows(7, 5, 40, True).to(dtype)
+    unit, scale = unit_rows(g)
+    scaled = (unit @ unit.T).double() * (scale[:, None] * scale[None, :])
+    assert torch.equal(compute_gramian(g), scaled)
 
 
 @pytest.mark.parametrize("scale", [1e-30, 1.0, 1e30])
