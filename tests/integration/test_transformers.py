@@ -157,9 +157,22 @@ def _assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> Non
         assert torch.equal(a[name], b[name]), name
 
 
+class Backend(transformers.TrainerCallback):
+    """Receives the logs as every ``report_to`` backend does (``on_log``)."""
+
+    def __init__(self) -> None:
+        self.logs: list[dict[str, float]] = []
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any
+               ) -> None:
+        self.logs.append(dict(logs or {}))
+
+
 @pytest.mark.parametrize("method", ["gradvac", "gradnorm"])
 def test_trainer_matches_the_plain_loop(tmp_path: Path, method: str) -> None:
     trainer = _trainer(tmp_path, method)
+    backend = Backend()
+    trainer.add_callback(backend)
     trainer.train()
     batches = trainer.model.seen
     assert len(batches) == 2 * N // BATCH and trainer.state.global_step == N // BATCH
@@ -169,6 +182,9 @@ def test_trainer_matches_the_plain_loop(tmp_path: Path, method: str) -> None:
     _assert_equal(_params(trainer.model), _params(model))  # bit for bit
     trained = [log for log in trainer.state.log_history if "loss" in log]
     assert len(trained) == len(logs)
+    reported = [log for log in backend.logs if "loss" in log]
+    assert [{k: v for k, v in log.items() if k != "step"} for log in trained] == reported
+    assert {f"balance/w/task{k}" for k in range(K)} <= set(reported[0])
     for got, expected in zip(trained, logs):
         for name, value in expected.items():
             assert got[name] == pytest.approx(value, rel=1e-6)
