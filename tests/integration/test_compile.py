@@ -125,9 +125,6 @@ def test_the_step_itself_graph_breaks_at_the_task_passes() -> None:
     assert (forward.graph_count, forward.graph_break_count) == (1, 0)
 
 
-@pytest.mark.xfail(strict=True,
-                   reason="gramian mode cannot use the records of a compiled graph and does not "
-                          "yet refuse one (its Gramian is then wrong)")
 @pytest.mark.parametrize("buffer_first", [False, True])
 def test_gramian_mode_refuses_a_compiled_trunk(buffer_first: bool) -> None:
     with pytest.raises(RuntimeError, match="compile"):

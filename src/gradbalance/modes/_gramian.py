@@ -154,6 +154,8 @@ class GramianRecorder:
                 f"Invalid modules: {modules!r} (expected an nn.Module or a list of them, "
                 f"the trunk owning shared_params)"
             )
+        if any(hasattr(m, "_orig_mod") for m in roots):  # torch.compile's OptimizedModule
+            raise RuntimeError(_COMPILED)
         self.blocks = _find_blocks(roots, params)
         self.linear = [block for block in self.blocks if block.linear]
         self.other = [block for block in self.blocks if not block.linear]
@@ -170,6 +172,8 @@ class GramianRecorder:
             return
         if not isinstance(output, Tensor) or not output.requires_grad:
             return
+        if "Compiled" in type(output.grad_fn).__name__:  # an output of a compiled graph
+            raise RuntimeError(_COMPILED)
         x = args[0] if args else kwargs.get("input")
         if not isinstance(x, Tensor):
             raise RuntimeError(
@@ -388,11 +392,20 @@ class GramianRecorder:
         return WriteBack(params, parts, owned=owned)
 
 
+_COMPILED = (
+    "mode='gramian' cannot record a torch.compile'd trunk: the compiled graph hides the "
+    "layer inputs and output gradients its Gramian is built from. Use mode='matrix' with a "
+    "compiled trunk, or leave the trunk uncompiled (docs/integrations.md, torch.compile)"
+)
+
+
 def _make_hook(ref: weakref.ReferenceType[GramianRecorder], block: _Block) -> Any:
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
              output: Any) -> None:
         recorder = ref()
         if recorder is not None:
+            if torch.compiler.is_compiling():
+                raise RuntimeError(_COMPILED)
             recorder.record(block, args, kwargs, output)
 
     return hook
