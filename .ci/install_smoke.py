@@ -20,7 +20,8 @@ import torch
 import gradbalance
 from gradbalance.balancers import PCGrad, Sum
 
-OPTIONAL = ("matplotlib", "tensorboard", "sklearn", "tqdm", "lightning", "scipy")
+OPTIONAL = ("matplotlib", "tensorboard", "sklearn", "tqdm", "lightning", "scipy",
+            "transformers", "accelerate")
 TIMEOUT = 120  # seconds, per command-line call
 
 
