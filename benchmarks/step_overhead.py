@@ -3,8 +3,10 @@
 The plain step is ``sum(losses).backward()`` + ``optimizer.step()`` + ``zero_grad``. For each
 trunk and K, every variant runs in the same process, interleaved (the order rotates every
 round: A B C, B C A, ...), after a warm-up; the reported figure is the median over rounds of
-``t_variant / t_plain`` measured in the same round. The floor LB(K) = F + K·B is measured in
-the same run: F = forward alone, B = plain step − F (one backward + the optimizer step).
+``t_variant / t_plain`` measured in the same round (``auto/best-<balancer>``: ``auto`` mode
+over the faster of ``matrix`` and ``gramian`` in the same round). The floor LB(K) = F + K·B
+is measured in the same run: F = forward alone, B = plain step − F (one backward + the
+optimizer step).
 
 Peak memory: each variant runs in a fresh subprocess (``--memory``); on CPU the figure is the
 rise of the peak resident set size (``VmHWM``; ``ru_maxrss`` where /proc is missing) over two
@@ -152,7 +154,7 @@ def v_mode(b: Bench, mode: str, name: str, update_every: int = 1,
     balancer = _balancer(name)
     if balancer is None:
         return None
-    kwargs: dict[str, Any] = {"modules": b.model.trunk} if mode == "gramian" else {}
+    kwargs: dict[str, Any] = {"modules": b.model.trunk} if mode in ("gramian", "auto") else {}
     buf = gb.TaskGradBuffer(b.shared, b.heads, mode=mode, update_every=update_every,
                             passes=passes, **kwargs)
 
@@ -282,8 +284,9 @@ def variants(b: Bench, k: int, amortise_ks: set[int], own: Callable[[], Bench],
     """Every variant; those that hook the trunk's forward get their own copy of the model."""
     table: dict[str, Step | None] = {"plain": v_plain(b), "forward": v_forward(b)}
     for name in BALANCERS:
-        for mode in ("matrix", "gramian", "features"):
-            table[f"{mode}-{name}"] = v_mode(own() if mode == "gramian" else b, mode, name)
+        for mode in ("matrix", "gramian", "auto", "features"):
+            hooked = mode in ("gramian", "auto")
+            table[f"{mode}-{name}"] = v_mode(own() if hooked else b, mode, name)
     for name in ("pcgrad", "mgda"):  # the library against the same code written by hand
         table[f"handloop-{name}"] = v_handloop(b, name)
     table["libmtl-upgrad"] = v_libmtl(b, "upgrad")
@@ -345,6 +348,10 @@ def time_case(trunk: str, k: int, args: argparse.Namespace, device: torch.device
             times[name] = timer(table[name], reps)
         for name in names:
             ratios[name].append(times[name] / times["plain"])
+        for name in BALANCERS:  # auto against the faster exact mode of the same round
+            if all(f"{m}-{name}" in times for m in ("auto", "matrix", "gramian")):
+                best = min(times[f"matrix-{name}"], times[f"gramian-{name}"])
+                ratios.setdefault(f"auto/best-{name}", []).append(times[f"auto-{name}"] / best)
     result = {name: statistics.median(values) for name, values in ratios.items()}
     result["plain_ms"] = 1000 * statistics.median(
         [timer(table["plain"], args.reps) for _ in range(3)]
@@ -395,7 +402,7 @@ def _peak_rss_kib() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
-MEMORY_VARIANTS = ("plain", "matrix-upgrad", "gramian-upgrad", "features-upgrad",
+MEMORY_VARIANTS = ("plain", "matrix-upgrad", "gramian-upgrad", "auto-upgrad", "features-upgrad",
                    "handloop-upgrad", "libmtl-upgrad", "torchjd-upgrad", "autogram-upgrad")
 
 
