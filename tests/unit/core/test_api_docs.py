@@ -38,6 +38,8 @@ NAMESPACES = (
     "gradbalance.checkpoint",
     "gradbalance.monitor",
     "gradbalance.integrations.lightning",
+    "gradbalance.integrations.transformers",
+    "gradbalance.integrations.accelerate",
     "gradbalance.step",
     "gradbalance.stats",
     "gradbalance.taskgrads",
