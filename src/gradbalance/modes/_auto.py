@@ -18,7 +18,9 @@ The decision is kept per *shape key* — K, the rows and widths of every recorde
 the first micro-batch, the micro-batch count last seen with them — so a new batch shape is
 decided anew and an old one reuses its route. The ``gramian`` route is taken only where it is
 possible: a weighted balancer and 2-norm clipping on the previous step (the first step, whose
-balancer is not known yet, takes ``matrix``), ``modules=`` covering the shared parameters,
+balancer is not known yet, takes ``matrix``), ``modules=`` covering the shared parameters and
+not a ``torch.compile``'d module (a trunk compiled after the buffer is built is refused by
+the forward hooks, as in ``gramian`` mode: build such a buffer without ``modules``),
 every linear weight used only by its own layer's recorded calls, no in-place edit of their
 inputs or outputs. The decisions, the trials so far and the passes are in ``state_dict``.
 """
@@ -155,8 +157,8 @@ class AutoMode:
         if modules is not None:
             try:
                 self._gramian = GramianMode(layout, head_params, passes, modules)
-            except ValueError:  # modules do not own every shared parameter: matrix only
-                self._gramian = None
+            except (ValueError, RuntimeError):  # modules miss a shared parameter, or are
+                self._gramian = None  # a torch.compile'd trunk: matrix only
         #: the clock of the trials (seconds); replaceable, e.g. by a test
         self.clock: Callable[[], float] = time.perf_counter
         #: the route of the current step

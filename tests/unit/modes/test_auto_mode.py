@@ -134,9 +134,9 @@ def test_matrix_when_the_step_needs_the_rows(name: str, clip_of: Any) -> None:
     assert {s.route for s in stats} == {"matrix"}
 
 
-def test_matrix_without_modules_or_when_they_miss_parameters() -> None:
+def test_matrix_without_modules_or_when_they_miss_parameters_or_are_compiled() -> None:
     model, x, y = build("mlp", batch=16, dtype=torch.float64)
-    for modules in (None, model.trunk[0]):
+    for modules in (None, model.trunk[0], torch.compile(model.trunk)):
         buf = _buffer(model, "auto", modules=modules)
         stats = _run(model, x, y, buf, UPGrad(), SCHEDULE[:4])
         assert {s.route for s in stats} == {"matrix"}
