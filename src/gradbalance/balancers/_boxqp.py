@@ -1,37 +1,51 @@
-"""Batched solvers for box- (and simplex-) constrained QPs sharing one Hessian.
+"""Solvers for box- (and simplex-) constrained QPs on a positive semi-definite Hessian.
 
 Not a balancer module (no ``__all__``). ``min ½ xᵀQx + cᵀx`` s.t. ``x ≥ lower`` (and
-``Σ x = 1``), for ``B`` right-hand sides ``c``/``lower`` at once, every problem in lock-step:
-a call costs one Python loop of few batched tensor operations (one host sync per iteration)
-instead of ``B`` loops of tiny ones.
+``Σ x = 1``), for ``B`` right-hand sides ``c``/``lower`` sharing ``Q`` (symmetric PSD,
+trace-normalised, ``c`` in its range). Every problem gets an answer; none raises.
 
-1. Block principal pivoting (Júdice & Pires 1994, with Murty's single-pivot safeguard)
-   exchanges every infeasible index at once and typically finishes in 2–4 iterations for any
-   ``K``. Its equality subproblems ``Q_FF y_F = r_F`` are solved with the fixed indices masked
-   out: by one batched Cholesky factorisation when ``Q`` is positive definite (condition
-   number below ``1e10``; every principal submatrix is then too), otherwise in the
-   least-norm sense (a batched eigen-decomposition, pseudo-inverse cut-off ``1e-13``),
-   bordered by ``Σ y = 1 − Σ lower`` for the simplex. It returns only points that satisfy
-   every KKT condition to ``tol``.
-2. Problems it leaves open (a singular ``Q`` can make it cycle) go to the primal active-set
-   method of Nocedal & Wright (*Numerical Optimization*, Alg. 16.3), which always terminates:
-   after a full (or zero) step the problem sits at its subproblem minimum and the bound with
-   the most negative multiplier is released in the same iteration; a blocked step fixes the
-   blocking bound. Least-norm steps are exact when ``c`` lies in the range of ``Q``, as for
-   every caller.
+1. **Block principal pivoting** (Júdice & Pires 1994, with Murty's single-pivot safeguard),
+   when ``Q`` is positive definite with condition number below ``1e10`` (every principal
+   submatrix then is too): every infeasible index changes side at once, typically 2–4
+   iterations for any ``K``, one batched Cholesky factorisation each. It accepts only points
+   that satisfy every KKT condition to ``tol``.
+2. **Least squares on a factor** for a singular or badly conditioned ``Q``, and for any
+   problem the pivoting leaves open: ``Q ≈ L Lᵀ`` (:func:`psd_factor`; negative and
+   rounding-level eigenvalues dropped), so the QP is a non-negative least-squares problem
+   ``min ‖A y − b‖``, ``y ≥ 0`` (:func:`factored_box_qp`; the simplex as Lawson & Hanson's
+   least-distance program, :func:`min_norm_ls`), solved by the Lawson–Hanson active-set
+   method (:func:`nnls`). Its passive set stays linearly
+   independent (an entering column is checked by its QR diagonal), so every subproblem is a
+   well-posed least-squares solve; it terminates in finitely many steps in exact
+   arithmetic, and is capped here at ``3n + 10`` additions.
+3. **Fallback**, only if the active set cycles in floating point or runs out of additions:
+   FISTA (Beck & Teboulle 2009), whose ``N``-th iterate satisfies
+   ``f(x_N) − f* ≤ 2‖A‖²‖x₀ − x*‖² / (N + 1)²``, for a fixed ``N``; its support then
+   warm-starts the active set (the polish), and the better point is returned.
+
+The cost of a call is bounded by the iteration counts above, whatever the input.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
-#: Relative cut-off of the least-norm (pseudo-inverse) solves.
-PINV_RTOL = 1e-13
-#: Largest ``|Q_FF y_F − rhs_F|`` accepted from a least-norm solve in the pivoting method.
-_RESIDUAL_TOL = 1e-10
-#: Largest condition number of ``Q`` for which the Cholesky path is used.
+#: Largest condition number of ``Q`` for which the Cholesky (pivoting) path is used.
 CHOLESKY_MAX_COND = 1e10
+#: Eigenvalues of the cosine matrix below ``n`` times this fraction of the largest (``n``
+#: rows: the rounding of an ``n × n`` eigen-decomposition) are dropped from ``Q``'s factor.
+RANK_RTOL_PER_ROW = 4 * torch.finfo(torch.float64).eps
+#: Smallest QR diagonal, relative to the column norm, of a column entering the passive set.
+INDEPENDENCE_RTOL = 1e-10
+#: FISTA iterations of the fallback (its error bound is stated for this count).
+FALLBACK_ITERATIONS = 1000
+
+_EPS = torch.finfo(torch.float64).eps
+_norm = torch.linalg.vector_norm  # the direct kernel: Tensor.norm dispatches in Python first
 
 
 def is_well_conditioned(q: Tensor) -> bool:
@@ -40,70 +54,14 @@ def is_well_conditioned(q: Tensor) -> bool:
     return bool(lam[0] > lam[-1] / CHOLESKY_MAX_COND) and bool(lam[-1] > 0)
 
 
-def _step_cholesky(q: Tensor, grad: Tensor, free: Tensor, simplex: bool) -> Tensor | None:
-    """Subproblem steps ``[B, K]`` by batched Cholesky; None if a factorisation fails."""
-    freef = free.to(q.dtype)
-    mat = q * (freef[:, :, None] * freef[:, None, :]) + torch.diag_embed(1.0 - freef)
-    chol, info = torch.linalg.cholesky_ex(mat)
-    if bool(info.any()):
-        return None
-    if simplex:
-        sol = torch.cholesky_solve(torch.stack([grad * freef, freef], dim=-1), chol)
-        nu = sol[..., 0].sum(dim=1) / sol[..., 1].sum(dim=1).clamp_min(1e-300)
-        return -(sol[..., 0] - nu[:, None] * sol[..., 1]) * freef
-    return -torch.cholesky_solve((grad * freef)[..., None], chol)[..., 0] * freef
-
-
-def _step_pinv(q: Tensor, grad: Tensor, free: Tensor, simplex: bool) -> Tensor:
-    """Least-norm subproblem steps ``[B, K]`` by a batched eigen-decomposition."""
-    b, k = grad.shape
-    freef = free.to(q.dtype)
-    mat = q * (freef[:, :, None] * freef[:, None, :])
-    rhs = -grad * freef
-    if simplex:
-        border = torch.zeros(b, k + 1, k + 1, dtype=q.dtype)
-        border[:, :k, :k] = mat
-        border[:, :k, k] = freef
-        border[:, k, :k] = freef
-        mat = border
-        rhs = torch.cat([rhs, torch.zeros(b, 1, dtype=q.dtype)], dim=1)
-    lam: Tensor
-    vec: Tensor
-    lam, vec = torch.linalg.eigh(mat)
-    mag = lam.abs()
-    keep = mag > PINV_RTOL * mag.amax(dim=1, keepdim=True)
-    inv = torch.where(keep, 1.0 / torch.where(keep, lam, 1.0), 0.0)
-    coef = (vec.transpose(1, 2) @ rhs[..., None])[..., 0] * inv
-    return (vec @ coef[..., None])[..., 0][:, :k] * freef
-
-
-def _solve_free(q: Tensor, rhs: Tensor, free: Tensor, total: Tensor | None,
-                well_conditioned: bool) -> Tensor | None:
+# -- 1. block principal pivoting (positive definite Q) -----------------------------------
+def _solve_free(q: Tensor, rhs: Tensor, free: Tensor, total: Tensor | None) -> Tensor | None:
     """``y`` ``[B, K]`` with ``Q_FF y_F = rhs_F`` (``+ ν1`` and ``1ᵀy_F = total`` if given).
 
-    Zero on the fixed indices. Batched Cholesky when ``Q`` is well conditioned (None if a
-    factorisation fails), else the least-norm solution by a batched eigen-decomposition (the
-    pseudo-inverse of ``Q_FF``, bordered by ``1ᵀy_F = total`` for the simplex).
+    Zero on the fixed indices; one batched Cholesky factorisation (None if one fails).
     """
     freef = free.to(q.dtype)
     masked = q * (freef[:, :, None] * freef[:, None, :])
-    if not well_conditioned:
-        b, k = rhs.shape
-        mat, vec = masked, rhs * freef
-        if total is not None:  # [[Q_FF, 1], [1ᵀ, 0]] [y; −ν] = [rhs; total]
-            mat = torch.zeros(b, k + 1, k + 1, dtype=q.dtype)
-            mat[:, :k, :k] = masked
-            mat[:, :k, k] = freef
-            mat[:, k, :k] = freef
-            vec = torch.cat([vec, total[:, None]], dim=1)
-        lam: Tensor
-        basis: Tensor
-        lam, basis = torch.linalg.eigh(mat)
-        mag = lam.abs()
-        keep = mag > PINV_RTOL * mag.amax(dim=1, keepdim=True)
-        inv = torch.where(keep, 1.0 / torch.where(keep, lam, 1.0), 0.0)
-        coef = (basis.transpose(1, 2) @ vec[..., None])[..., 0] * inv
-        return (basis @ coef[..., None])[..., 0][:, :k] * freef
     chol, info = torch.linalg.cholesky_ex(masked + torch.diag_embed(1.0 - freef))
     if bool(info.any()):
         return None
@@ -116,21 +74,18 @@ def _solve_free(q: Tensor, rhs: Tensor, free: Tensor, total: Tensor | None,
 
 def solve_lcp_pivoting(
     q: Tensor, c: Tensor, lower: Tensor, simplex: bool, free0: Tensor, tol: float,
-    max_iter: int, well_conditioned: bool = True,
+    max_iter: int,
 ) -> tuple[Tensor, Tensor] | None:
     """Block principal pivoting (Júdice & Pires 1994): ``(x, done)``, ``x`` valid where done.
 
     Optimality of ``y = x − lower ≥ 0`` is the complementarity problem ``w = Qy + c' − ν1 ≥ 0``
     (``c' = Q·lower + c``; ``ν`` and ``Σy = 1 − Σ lower`` only with the simplex), ``yᵀw = 0``.
-    Given the free set ``F``, ``y_F`` solves the equalities and ``y`` is zero elsewhere; every
-    index with ``y_F < −tol`` or ``w_A < −tol`` changes side at once, falling back to
-    exchanging only the largest such index (Murty's rule, finite for positive definite ``Q``)
-    after three exchanges that do not reduce their number. Typically 2–4 iterations for any
-    ``K``. For a singular ``Q`` (least-norm solves) termination is not guaranteed and the
-    equalities ``w_F = 0`` are verified too; the answer is returned only at a point that
-    satisfies every KKT condition to ``tol``. Problems still open after ``max_iter``
-    iterations, or whose least-norm solve is not a solution, are returned with ``done``
-    False (the caller runs the active-set method on them); None if a factorisation fails.
+    Given the free set ``F``, ``y_F`` solves the equalities (Cholesky: ``Q`` positive
+    definite) and ``y`` is zero elsewhere; every index with ``y_F < −tol`` or ``w_A < −tol``
+    changes side at once, falling back to exchanging only the largest such index (Murty's
+    rule, finite for positive definite ``Q``) after three exchanges that do not reduce their
+    number. Problems still open after ``max_iter`` iterations are returned with ``done``
+    False; None if a factorisation fails.
     """
     b, k = c.shape
     shift = lower @ q + c
@@ -142,29 +97,25 @@ def solve_lcp_pivoting(
     start_empty = not simplex and not bool(free.any())
     x = lower.clone()
     done = torch.zeros(b, dtype=torch.bool)
-    failed = torch.zeros(b, dtype=torch.bool)
     for _ in range(max_iter):
         # From an empty free set (the default start of a box QP) y = 0 needs no solve.
         if start_empty:
             y: Tensor | None = torch.zeros_like(shift)
             start_empty = False
         else:
-            y = _solve_free(q, -shift, free, total, well_conditioned)
+            y = _solve_free(q, -shift, free, total)
         if y is None:
             return None
         w = y @ q + shift
         if simplex:
             freef = free.to(q.dtype)
             w = w - (w * freef).sum(dim=1, keepdim=True) / freef.sum(dim=1, keepdim=True)
-        if not well_conditioned:
-            # A least-norm solve that is not a solution is not a KKT point: give up there.
-            failed = failed | (free & (w.abs() > _RESIDUAL_TOL)).any(dim=1)
         bad = torch.where(free, y < -tol, w < -tol)
         count = bad.sum(dim=1)
-        finished = (count == 0) & ~failed & ~done
+        finished = (count == 0) & ~done
         x = torch.where(finished[:, None], lower + y.clamp_min(0.0), x)
         done = done | finished
-        if bool((done | failed).all()):
+        if bool(done.all()):
             return x, done
         better = count < best
         best = torch.where(better, count, best)
@@ -179,7 +130,7 @@ def solve_lcp_pivoting(
 
 def _pivot_single(
     q: Tensor, c: Tensor, lower: Tensor, simplex: bool, free0: list[bool], tol: float,
-    max_iter: int, well_conditioned: bool,
+    max_iter: int,
 ) -> Tensor | None:
     """:func:`solve_lcp_pivoting` for one problem (``c``, ``lower`` ``[K]``).
 
@@ -197,36 +148,21 @@ def _pivot_single(
         y = torch.zeros(k, dtype=q.dtype)
         if idx:
             sel = torch.tensor(idx)
-            sub = q[sel][:, sel]
+            chol, info = torch.linalg.cholesky_ex(q[sel][:, sel])
+            if int(info) != 0:
+                return None
             rhs = -shift[sel]
-            if well_conditioned:
-                chol, info = torch.linalg.cholesky_ex(sub)
-                if int(info) != 0:
-                    return None
-                if simplex:
-                    sol = torch.cholesky_solve(torch.stack([rhs, torch.ones_like(rhs)], 1), chol)
-                    nu = (total - sol[:, 0].sum()) / sol[:, 1].sum()
-                    y[sel] = sol[:, 0] + nu * sol[:, 1]
-                else:
-                    y[sel] = torch.cholesky_solve(rhs[:, None], chol)[:, 0]
+            if simplex:
+                sol = torch.cholesky_solve(torch.stack([rhs, torch.ones_like(rhs)], 1), chol)
+                nu = (total - sol[:, 0].sum()) / sol[:, 1].sum()
+                y[sel] = sol[:, 0] + nu * sol[:, 1]
             else:
-                if simplex:  # [[Q_FF, 1], [1ᵀ, 0]] [y; −ν] = [rhs; total]
-                    n = len(idx)
-                    border = torch.zeros(n + 1, n + 1, dtype=q.dtype)
-                    border[:n, :n] = sub
-                    border[:n, n] = 1.0
-                    border[n, :n] = 1.0
-                    sub = border
-                    rhs = torch.cat([rhs, torch.tensor([total], dtype=q.dtype)])
-                sol = torch.linalg.pinv(sub, hermitian=True, rtol=PINV_RTOL) @ rhs
-                y[sel] = sol[: len(idx)]
+                y[sel] = torch.cholesky_solve(rhs[:, None], chol)[:, 0]
         w = q @ y + shift
         y_l, w_l = torch.stack([y, w]).tolist()
         if simplex:
             nu_v = sum(w_l[i] for i in idx) / len(idx)
             w_l = [v - nu_v for v in w_l]
-        if not well_conditioned and any(abs(w_l[i]) > _RESIDUAL_TOL for i in idx):
-            return None  # a least-norm solve that is not a solution: not a KKT point
         bad = [i for i in range(k) if (y_l[i] < -tol if free[i] else w_l[i] < -tol)]
         if not bad:
             return lower + y.clamp_min(0.0)
@@ -241,54 +177,325 @@ def _pivot_single(
     return None
 
 
-def _active_set_single(
-    q: Tensor, c: Tensor, lower: Tensor, simplex: bool, x: Tensor, tol: float, max_iter: int,
-) -> Tensor | None:
-    """:func:`_active_set` for one problem (``[K]``), on the free submatrix (least-norm).
+# -- 2. non-negative least squares (Lawson & Hanson) ---------------------------------------
+@dataclass
+class NNLSResult:
+    """``x`` of :func:`nnls`, with its work: LH additions and least-squares solves, FISTA steps."""
 
-    Cheaper than the masked batched form when ``Q`` is singular: each pseudo-inverse is of
-    the free block only. Separate subproblem and release iterations, as in the textbook.
+    x: Tensor
+    additions: int
+    solves: int
+    fallback_steps: int = 0
+
+
+class _Work:
+    """Counters of one :func:`nnls` call (Lawson–Hanson additions, least-squares solves) and
+    the orthonormal basis of the last solve's columns, keyed by their (sorted) indices."""
+
+    def __init__(self) -> None:
+        self.additions = 0
+        self.solves = 0
+        self.basis: tuple[tuple[int, ...], Tensor] | None = None
+
+
+def _passive_ls(a: Tensor, b: Tensor, idx: list[int], norms: list[float],
+                work: _Work) -> Tensor | None:
+    """``argmin_z ‖A_P z − b‖`` by QR; None if a column of ``A_P`` depends on those before it.
+
+    A column depends when its QR diagonal (its distance to the span of the columns before
+    it) is below ``INDEPENDENCE_RTOL`` times its norm (always so past ``m`` columns).
     """
-    k = q.shape[0]
-    dtype = q.dtype
-    fixed = x <= lower
-    if simplex and bool(fixed.all()):
-        fixed[int(torch.argmax(x))] = False
-    for _ in range(max_iter):
-        grad = q @ x + c
-        idx = torch.nonzero(~fixed).flatten()
-        n = idx.numel()
-        step = torch.zeros(k, dtype=dtype)
-        if n:
-            sub = q[idx][:, idx]
-            rhs = -grad[idx]
-            if simplex:
-                border = torch.zeros(n + 1, n + 1, dtype=dtype)
-                border[:n, :n] = sub
-                border[:n, n] = 1.0
-                border[n, :n] = 1.0
-                sub = border
-                rhs = torch.cat([rhs, torch.zeros(1, dtype=dtype)])
-            step[idx] = (torch.linalg.pinv(sub, hermitian=True, rtol=PINV_RTOL) @ rhs)[:n]
-        if float(step.abs().max()) <= tol * (1.0 + float(x.abs().max())):
-            # Subproblem minimum: check the multipliers of the bounds held fixed.
-            mult = grad - grad[idx].mean() if simplex and n else grad
-            mult = torch.where(fixed, mult, torch.zeros_like(mult))
-            worst = int(torch.argmin(mult))
-            if float(mult[worst]) >= -tol:
-                return x
-            fixed[worst] = False
+    if len(idx) > a.shape[0]:
+        return None
+    work.solves += 1
+    qmat: Tensor
+    r: Tensor
+    qmat, r = torch.linalg.qr(a[:, idx])
+    diag = torch.diagonal(r).abs().tolist()
+    if any(d <= INDEPENDENCE_RTOL * norms[j] for d, j in zip(diag, idx, strict=True)):
+        return None
+    work.basis = (tuple(sorted(idx)), qmat)
+    z: Tensor = torch.linalg.solve_triangular(r, (qmat.T @ b)[:, None], upper=True)[:, 0]
+    return z
+
+
+def _warm_start(a: Tensor, b: Tensor, passive: list[bool], norms: list[float],
+                work: _Work) -> Tensor:
+    """A feasible start from a guessed passive set: drop the indices of a non-positive
+    least-squares solution until none is left (each solve drops one or more)."""
+    x = torch.zeros(a.shape[1], dtype=a.dtype)
+    while any(passive):
+        idx = [j for j, p in enumerate(passive) if p]
+        z = _passive_ls(a, b, idx, norms, work)
+        if z is None:
+            passive[idx[-1]] = False  # a dependent guess: drop its last column and retry
             continue
-        neg = ~fixed & (step < 0)
-        ratios = torch.where(neg, (lower - x) / torch.where(neg, step, -1.0),
-                             torch.full_like(x, float("inf")))
-        block = int(torch.argmin(ratios))
-        alpha = min(1.0, float(ratios[block]))
-        x = x + alpha * step
-        if alpha < 1.0:
-            x[block] = lower[block]
-            fixed[block] = True
-    return None
+        z_l = z.tolist()
+        if min(z_l) > 0.0:
+            x[idx] = z
+            return x
+        for j, v in zip(idx, z_l, strict=True):
+            passive[j] = passive[j] and v > 0.0
+    return x
+
+
+def _inner_loop(a: Tensor, b: Tensor, x: Tensor, passive: list[bool], z: Tensor,
+                norms: list[float], work: _Work) -> Tensor:
+    """Lawson–Hanson steps 7–11: move towards the least-squares solution ``z`` on the
+    passive set until it is positive, dropping each index that reaches zero."""
+    while True:
+        idx = [j for j, p in enumerate(passive) if p]
+        z_l, x_l = z.tolist(), x[idx].tolist()
+        if min(z_l) > 0.0:
+            out = torch.zeros_like(x)
+            out[idx] = z
+            return out
+        ratios = [(xv / (xv - zv), j) for j, xv, zv in zip(idx, x_l, z_l, strict=True)
+                  if zv <= 0.0]
+        alpha, block = min(ratios)
+        x = x.clone()
+        x[idx] = x[idx] + alpha * (z - x[idx])
+        passive[block] = False
+        x[block] = 0.0
+        for j in idx:
+            if passive[j] and float(x[j]) <= 0.0:
+                passive[j] = False
+                x[j] = 0.0
+        if not any(passive):
+            return torch.zeros_like(x)
+        idx = [j for j, p in enumerate(passive) if p]
+        sol = _passive_ls(a, b, idx, norms, work)
+        if sol is None:  # cannot happen for a subset of an independent set: stop here
+            return x
+        z = sol
+
+
+def _off_span(a: Tensor, idx: list[int], work: _Work) -> Tensor:
+    """Norms ``[n]`` of the columns of ``A`` minus their projection on ``span(A_P)`` (the
+    last solve's basis when it was on these columns)."""
+    basis: Tensor
+    if not idx:
+        basis = a.new_zeros(a.shape[0], 0)
+    elif work.basis is not None and work.basis[0] == tuple(idx):
+        basis = work.basis[1]
+    else:
+        basis = torch.linalg.qr(a[:, idx]).Q
+    off: Tensor = _norm(a - basis @ (basis.T @ a), dim=0)
+    return off
+
+
+def _lawson_hanson(a: Tensor, b: Tensor, passive0: list[bool] | None, tol: float,
+                   max_additions: int, work: _Work) -> tuple[Tensor, bool]:
+    """Lawson & Hanson (1974, *Solving Least Squares Problems*, Ch. 23, Alg. NNLS).
+
+    ``(x, converged)``. With ``r = b − Ax`` orthogonal to the passive columns and
+    ``w = Aᵀr``, an index ``j`` outside with ``wⱼ > 0`` lowers ``‖r‖²/2`` by up to
+    ``gⱼ²/2``, ``gⱼ = wⱼ/‖eⱼ‖`` (``eⱼ``: the part of ``Aⱼ`` off the passive columns' span).
+    Each addition moves the index of the largest ``gⱼ`` into the passive set and re-solves;
+    ``x`` stays feasible and ``‖r‖`` strictly decreases, so no passive set repeats. Optimal
+    when no ``gⱼ`` exceeds ``tol ‖r‖`` (the residual is then within ``tol ‖r‖`` of its
+    optimum along every single column) or ``wⱼ`` is rounding (below ``8 eps ‖Aⱼ‖(‖b‖ +
+    ‖A‖_F‖x‖)``). A column with ``‖eⱼ‖`` below ``INDEPENDENCE_RTOL ‖Aⱼ‖`` depends on the
+    passive ones and never enters (its ``wⱼ = eⱼᵀr`` is at most ``INDEPENDENCE_RTOL
+    ‖Aⱼ‖‖r‖``), so every least-squares solve is well posed. Not
+    converged: a passive set repeats (rounding), the additions run out, or a solve gives the
+    entering index no positive value (it is then set aside until ``x`` changes).
+    """
+    n = a.shape[1]
+    norms = _norm(a, dim=0).tolist()
+    fro, bnorm = float(_norm(a)), float(_norm(b))
+    passive = [bool(p) and norms[j] > 0.0 for j, p in enumerate(passive0 or [False] * n)]
+    x = _warm_start(a, b, passive, norms, work)
+    seen: set[tuple[bool, ...]] = set()
+    aside: set[int] = set()
+    while work.additions < max_additions:
+        r = b - a @ x
+        rnorm = float(_norm(r))
+        w_l = (a.T @ r).tolist()
+        idx = [j for j, p in enumerate(passive) if p]
+        off = _off_span(a, idx, work).tolist()
+        noise = 8 * _EPS * (bnorm + fro * float(_norm(x)))
+        cands = [(w_l[j] / off[j], j) for j in range(n)
+                 if not passive[j] and off[j] > INDEPENDENCE_RTOL * norms[j]
+                 and w_l[j] > max(tol * rnorm * off[j], noise * norms[j])]
+        open_ = [c for c in cands if c[1] not in aside]
+        if not open_:
+            return x, not cands
+        work.additions += 1
+        t = max(open_)[1]
+        passive[t] = True
+        cols = [*idx, t]
+        z = _passive_ls(a, b, cols, norms, work)
+        if z is None or float(z[-1]) <= 0.0:
+            passive[t] = False
+            aside.add(t)
+            continue
+        order = sorted(range(len(cols)), key=cols.__getitem__)
+        x = _inner_loop(a, b, x, passive, z[order], norms, work)
+        aside.clear()
+        key = tuple(passive)
+        if key in seen:
+            return x, False
+        seen.add(key)
+    return x, False
+
+
+def _fista(a: Tensor, b: Tensor, x0: Tensor, steps: int) -> Tensor:
+    """Accelerated projected gradient (Beck & Teboulle 2009, FISTA) for the NNLS problem.
+
+    Step ``1/L``, ``L = ‖A‖₂²``; after ``N`` steps ``f(x_N) − f* ≤ 2L‖x₀ − x*‖²/(N + 1)²``
+    for ``f(x) = ½‖Ax − b‖²`` (their Theorem 4.4), whatever the conditioning.
+    """
+    lip = float(torch.linalg.matrix_norm(a, ord=2)) ** 2
+    if lip == 0.0:
+        return x0
+    gram, atb = a.T @ a, a.T @ b
+    x, y, t = x0, x0, 1.0
+    for _ in range(steps):
+        nxt = (y - (gram @ y - atb) / lip).clamp_min(0.0)
+        t_next = 0.5 * (1.0 + math.sqrt(1.0 + 4.0 * t * t))
+        y = nxt + ((t - 1.0) / t_next) * (nxt - x)
+        x, t = nxt, t_next
+    return x
+
+
+def nnls(a: Tensor, b: Tensor, passive0: list[bool] | None = None, tol: float = 1e-12,
+         max_additions: int | None = None) -> NNLSResult:
+    """``argmin_{x ≥ 0} ‖A x − b‖`` for ``A`` ``[m, n]``, ``b`` ``[m]`` (float64).
+
+    The Lawson–Hanson active set (:func:`_lawson_hanson`; warm-started from ``passive0`` if
+    given), at most ``max_additions`` (default ``3n + 10``) additions. If it does not
+    converge: ``FALLBACK_ITERATIONS`` FISTA steps (:func:`_fista`, a proven error bound)
+    from its point, then the active set again from the support of the FISTA point (the
+    polish); the point with the smaller residual is returned.
+    """
+    n = a.shape[1]
+    budget = 3 * n + 10 if max_additions is None else max_additions
+    work = _Work()
+    x, converged = _lawson_hanson(a, b, passive0, tol, budget, work)
+    if converged:
+        return NNLSResult(x, work.additions, work.solves)
+    rough = _fista(a, b, x, FALLBACK_ITERATIONS)
+    support = (rough > 1e-9 * float(rough.max().clamp_min(1e-300))).tolist()
+    polished, _ = _lawson_hanson(a, b, support, tol, work.additions + 3 * n + 10, work)
+    best = min((polished, rough, x), key=lambda v: float(_norm(a @ v - b)))
+    return NNLSResult(best, work.additions, work.solves, FALLBACK_ITERATIONS)
+
+
+# -- the QPs as least squares on a factor of Q -------------------------------------------
+def psd_factor(q: Tensor) -> Tensor:
+    """``L`` ``[K, r]`` with ``L Lᵀ`` the positive part of the symmetric ``Q``, rank-truncated.
+
+    Eigen-decomposition of the cosine matrix ``C = D⁻¹QD⁻¹`` (``D = diag(Q)^{1/2}``, zero rows
+    left out): ``L = D V_r Λ_r^{1/2}`` over the eigenvalues of ``C`` above
+    ``RANK_RTOL_PER_ROW · n · λ_max(C)`` (``n`` non-zero rows: rounding of the
+    decomposition). Scaling by ``D`` first keeps a zero row of ``Q`` exactly zero in ``L``
+    and a short row accurate relative to its own length; ``|(LLᵀ − Q)ᵢⱼ|`` is at most that
+    cut-off times ``√(QᵢᵢQⱼⱼ)``, plus ``C``'s most negative eigenvalue (rounding of ``Q``:
+    the negative part is dropped). ``r = 0`` for a zero ``Q``.
+    """
+    q = 0.5 * (q + q.T)
+    k = q.shape[0]
+    norms = torch.diagonal(q).clamp_min(0.0).sqrt()
+    live = torch.nonzero(norms > 0.0).flatten()
+    if live.numel() == 0:
+        return q.new_zeros(k, 0)
+    d = norms[live]
+    lam, vec = torch.linalg.eigh(q[live][:, live] / torch.outer(d, d))
+    keep = lam > RANK_RTOL_PER_ROW * live.numel() * float(lam[-1])
+    factor = q.new_zeros(k, int(keep.sum()))
+    factor[live] = d[:, None] * vec[:, keep] * lam[keep].sqrt()
+    return factor
+
+
+def min_norm_ls(points: Tensor, start: Tensor | None, tol: float) -> Tensor:
+    """``argmin_{w ∈ Δ} ‖P w‖`` for the points ``P`` ``[r, K]``: the least-distance program.
+
+    Lawson & Hanson (1974, Ch. 23): ``u = argmin_{u ≥ 0} ‖[P; 1ᵀ] u − e_{r+1}‖`` has
+    ``u = w*/(1 + ‖Pw*‖²)`` (for ``u = t w``, ``w ∈ Δ``, the value ``t²m + (t − 1)²`` is
+    smallest at ``t = 1/(1 + m)``, where it is ``m/(1 + m)``, increasing in ``m = ‖Pw‖²``);
+    so ``w* = u/Σu``. The points are first scaled to a largest norm of 1. The NNLS dual
+    ``wⱼ = t(‖Pw‖² − pⱼᵀPw)`` is MGDA's KKT condition.
+    """
+    r, k = points.shape
+    scale = float(points.norm(dim=0).max()) if r else 0.0
+    if scale == 0.0:  # every point is the origin: every w is optimal
+        return start.clone() if start is not None else torch.full((k,), 1.0 / k,
+                                                                   dtype=points.dtype)
+    a = torch.cat([points / scale, torch.ones(1, k, dtype=points.dtype)])
+    b = torch.zeros(r + 1, dtype=points.dtype)
+    b[-1] = 1.0
+    guess = None if start is None else (start > 0).tolist()
+    u = nnls(a, b, guess, tol).x
+    return u / u.sum()
+
+
+def factored_box_qp(factor: Tensor, c: Tensor, lower: Tensor, simplex: bool,
+                    start: Tensor | None, tol: float) -> Tensor:
+    """``argmin ½ xᵀLLᵀx + cᵀx`` s.t. ``x ≥ lower`` (and ``Σx = 1``), one problem ``[K]``.
+
+    With ``c = L h`` (``h = L⁺c``; a part of ``c`` outside the range of ``L`` is dropped) and
+    ``y = x − lower``, the objective is ``½‖Lᵀy + a‖²`` up to a constant, ``a = Lᵀlower + h``:
+    the box QP is NNLS with ``A = Lᵀ``, ``b = −a``; on the simplex (``Σy = s = 1 − Σ lower``)
+    it is ``(s²/2)‖Σᵢ wᵢ(ℓᵢ + a/s)‖²`` over ``w = y/s ∈ Δ``, a min-norm point
+    (:func:`min_norm_ls`).
+    """
+    shift = lower @ factor
+    if bool(c.any()):
+        shift = shift + torch.linalg.lstsq(factor, c[:, None], driver="gelsd").solution[:, 0]
+    guess = None if start is None else start - lower
+    if not simplex:
+        return lower + nnls(factor.T, -shift, None if guess is None else (guess > 0).tolist(),
+                            tol).x
+    total = 1.0 - float(lower.sum())
+    if total < 0.0:
+        raise ValueError(f"lower sums to {1.0 - total} > 1: the simplex constraint is infeasible")
+    if total == 0.0:
+        return lower.clone()
+    points = factor.T + (shift / total)[:, None]
+    return lower + total * min_norm_ls(points, None if guess is None else guess / total, tol)
+
+
+def _ldp_violation(rows: Tensor, h: Tensor, mu: Tensor) -> float:
+    """Largest KKT violation of ``μ`` for ``min ½‖x‖²`` s.t. ``Mx ≥ h``, ``x = Mᵀμ``: of a
+    constraint, of ``μ ≥ 0`` or of complementarity, each relative to its scale."""
+    x = rows.T @ mu
+    scale = rows.norm(dim=1) * float(x.norm()) + h.abs() + 1e-300
+    slack = (rows @ x - h) / scale
+    return max(float((-slack).clamp_min(0.0).max()), float((-mu).clamp_min(0.0).max()),
+               float((mu * slack).abs().max()) / max(1.0, float(mu.abs().max())))
+
+
+def ldp(rows: Tensor, h: Tensor, tol: float = 1e-12) -> Tensor | None:
+    """``μ ≥ 0`` with ``x = Mᵀμ = argmin ½‖x‖²`` s.t. ``M x ≥ h`` (``M`` ``[n, r]``); None
+    when no ``x`` satisfies the constraints.
+
+    Lawson & Hanson (1974, Ch. 23, least-distance programming): ``u = argmin_{u ≥ 0}
+    ‖E u − e_{r+1}‖`` with ``E = [Mᵀ; hᵀ]`` and residual ``ρ = Eu − e_{r+1}``; ``ρ = 0`` is a
+    Farkas certificate of infeasibility (``Mᵀu = 0``, ``hᵀu = 1``), otherwise
+    ``x = −ρ_{1:r}/ρ_{r+1}``, i.e. ``μ = u/(1 − hᵀu)``, and ``‖x‖² = 1/‖ρ‖² − 1``.
+    Infeasible is decided at ``‖x‖ > 1/√eps`` (``‖ρ‖ < √eps``): constraints that only an
+    ``x`` over ``7·10⁷`` times the scale of ``M`` and ``h`` meets, whose direction rounding
+    decides. Dividing by ``1 − hᵀu = ‖ρ‖²`` magnifies rounding as ``‖x‖`` grows, so ``μ``
+    is then re-solved on its support ``S`` (``x = M_S⁺h_S``, ``μ_S = (M_Sᵀ)⁺x``), and the
+    one with the smaller KKT violation (:func:`_ldp_violation`) is returned.
+    """
+    e = torch.cat([rows.T, h[None]])
+    f = torch.zeros(e.shape[0], dtype=e.dtype)
+    f[-1] = 1.0
+    u = nnls(e, f, None, tol).x
+    res = e @ u - f
+    if float(res.norm()) < _EPS**0.5:
+        return None
+    mu = u / float(-res[-1])
+    support = torch.nonzero(u > 0).flatten()
+    if support.numel() == 0:
+        return mu
+    sub = rows[support]
+    x = torch.linalg.lstsq(sub, h[support][:, None], driver="gelsd").solution
+    polished = torch.zeros_like(mu)
+    polished[support] = torch.linalg.lstsq(sub.T, x, driver="gelsd").solution[:, 0]
+    return min((mu, polished), key=lambda m: _ldp_violation(rows, h, m))
 
 
 def solve_box_qp_batched(
@@ -298,16 +505,15 @@ def solve_box_qp_batched(
     simplex: bool = False,
     x0: Tensor | None = None,
     tol: float = 1e-12,
-    max_iter: int | None = None,
     well_conditioned: bool | None = None,
-) -> Tensor | None:
+) -> Tensor:
     """``[B, K]`` minimisers of ``½ xᵀ q x + c_bᵀx`` s.t. ``x ≥ lower_b`` (``Σ x = 1``).
 
     ``q`` ``[K, K]`` symmetric PSD (trace-normalised) with every ``c_b`` in its range; ``c``,
     ``lower`` and the optional feasible start ``x0`` are ``[B, K]``, float64 on the CPU.
-    ``well_conditioned`` selects the Cholesky path (computed from ``q`` when None). Returns
-    None when ``max_iter`` (default ``50 + 20 K``) iterations do not suffice; the caller
-    raises.
+    ``well_conditioned`` selects the pivoting path (computed from ``q`` when None); the
+    problems it leaves open, and all of them otherwise, are solved on a factor of ``q``
+    (:func:`factored_box_qp`).
     """
     dtype = torch.float64
     b, k = c.shape
@@ -322,78 +528,31 @@ def solve_box_qp_batched(
             x = torch.maximum(x, lower)
     else:
         x = x0.to(dtype).clone()
-    budget = (10 + 3 * k if well_conditioned else 8) if max_iter is None else max_iter
-    if b == 1:
-        single = _pivot_single(q, c[0], lower[0], simplex, (x[0] > lower[0]).tolist(), tol,
-                               budget, well_conditioned)
-        if single is not None:
-            return single[None]
-        iters = 50 + 20 * k if max_iter is None else max_iter
-        rest = _active_set_single(q, c[0], lower[0], simplex, x[0].clone(), tol, iters)
-        return None if rest is None else rest[None]
-    pivot = solve_lcp_pivoting(q, c, lower, simplex, x > lower, tol, budget, well_conditioned)
-    if pivot is not None:
-        x_piv, done = pivot
-        if bool(done.all()):
-            return x_piv
-        # The open problems go to the active-set method (from their original start).
-        open_rows = torch.nonzero(~done).flatten()
-        rest = _active_set(q, c[open_rows], lower[open_rows], simplex, x[open_rows], tol,
-                           max_iter, well_conditioned)
-        if rest is None:
-            return None
-        x_piv[open_rows] = rest
-        return x_piv
-    return _active_set(q, c, lower, simplex, x, tol, max_iter, well_conditioned)
-
-
-def _active_set(
-    q: Tensor, c: Tensor, lower: Tensor, simplex: bool, x: Tensor, tol: float,
-    max_iter: int | None, well_conditioned: bool,
-) -> Tensor | None:
-    """The primal active-set iterations (see the module docstring) from the feasible ``x``."""
-    dtype = torch.float64
-    b, k = c.shape
-    fixed = x <= lower
-    if simplex:
-        fixed = fixed & ~torch.nn.functional.one_hot(x.argmax(dim=1), k).bool().logical_and(
-            fixed.all(dim=1, keepdim=True))
-    active = torch.ones(b, dtype=torch.bool)
-    rows = torch.arange(b)
-    inf = torch.tensor(float("inf"), dtype=dtype)
-    max_iter = 50 + 20 * k if max_iter is None else max_iter
-    for _ in range(max_iter):
-        grad = x @ q + c
-        free = ~fixed
-        step = _step_cholesky(q, grad, free, simplex) if well_conditioned else None
-        if step is None:
-            step = _step_pinv(q, grad, free, simplex)
-        small = step.abs().amax(dim=1) <= tol * (1.0 + x.abs().amax(dim=1))
-        # Ratio test: the first bound a (non-small) step would cross.
-        neg = free & (step < 0)
-        ratios = torch.where(neg, (lower - x) / torch.where(neg, step, -1.0), inf)
-        rmin, block = ratios.min(dim=1)
-        moving = active & ~small
-        alpha = torch.where(moving, rmin.clamp(max=1.0), 0.0)
-        x = x + alpha[:, None] * step
-        blocked = moving & (rmin < 1.0)
-        hit = torch.zeros_like(fixed)
-        hit[rows, block] = blocked
-        x = torch.where(hit, lower, x)
-        fixed = fixed | hit
-        # At the subproblem minimum: the multipliers of the bounds held fixed.
-        at_min = active & ~blocked
-        grad = x @ q + c
-        mult = grad
-        if simplex:
-            freef = (~fixed).to(dtype)
-            mult = grad - (grad * freef).sum(dim=1, keepdim=True) / freef.sum(
-                dim=1, keepdim=True).clamp_min(1.0)
-        mult = torch.where(fixed, mult, inf)
-        worst_val, worst = mult.min(dim=1)
-        release = at_min & (worst_val < -tol)
-        fixed[rows, worst] = fixed[rows, worst] & ~release
-        active = active & ~(at_min & ~release)
-        if not bool(active.any()):
-            return x
-    return None
+    out = x.clone()
+    done = torch.zeros(b, dtype=torch.bool)
+    if well_conditioned:
+        budget = 10 + 3 * k
+        if b == 1:
+            single = _pivot_single(q, c[0], lower[0], simplex, (x[0] > lower[0]).tolist(), tol,
+                                   budget)
+            if single is not None:
+                return single[None]
+        else:
+            pivot = solve_lcp_pivoting(q, c, lower, simplex, x > lower, tol, budget)
+            if pivot is not None:
+                out, done = pivot
+                if bool(done.all()):
+                    return out
+    factor = psd_factor(q)
+    previous: Tensor | None = None
+    for i in torch.nonzero(~done).flatten().tolist():
+        # A problem's start: the given one, else the previous problem's support (UPGrad's
+        # projections share most of their active set).
+        if x0 is not None:
+            start: Tensor | None = x[i]
+        elif previous is not None:
+            start = torch.where(previous > lower[i], previous, lower[i])
+        else:
+            start = None
+        out[i] = previous = factored_box_qp(factor, c[i], lower[i], simplex, start, tol)
+    return out

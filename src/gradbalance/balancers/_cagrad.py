@@ -53,7 +53,8 @@ class CAGrad(Balancer):
     Within a ball of radius ``c‖g₀‖`` around the mean gradient ``g₀``, the update maximises
     the smallest task improvement ``min_k gₖ·d``. ``c = 0`` is the mean. The dual is solved
     exactly on the trace-normalised Gramian (no ``+1e-4`` terms, no SLSQP): weights are the
-    same at every gradient scale, and the solver raises ``SolverError`` if it fails.
+    same at every gradient scale, and every Gramian gets an answer (rank-deficient ones, with
+    colinear tasks or ``K > P``, included) within a bounded number of QPs.
 
     Args:
         num_tasks: K (optional).

@@ -15,13 +15,13 @@ from torch import Tensor
 
 from .._checks import check_range
 from ._base import Balancer
-from ._boxqp import is_well_conditioned
+from ._boxqp import is_well_conditioned, ldp, psd_factor
 from ._solvers import solve_box_qp
 from ._state import EmaStepState, check_state_tasks
 
 __all__ = ["PCD", "pcd_weights"]
 
-_MAX_SECONDARY = 15  # the exact enumeration visits 2^(K-1) working sets
+_MAX_SECONDARY = 15  # num_tasks ≤ 16
 _ENUMERATE_UP_TO = 4  # below this K, the few working sets are cheaper than the QP solver
 
 
@@ -30,11 +30,19 @@ def pcd_weights(gramian: Tensor, taus: Tensor, tol: float = 1e-9) -> Tensor:
 
     ``min_d ½‖d − g₁‖²`` s.t. ``gⱼᵀd ≥ τⱼ‖gⱼ‖²`` (j ≥ 2). Its dual is the non-negative QP
     ``min_{μ≥0} ½ μᵀQμ − bᵀμ`` with ``Q = [gᵢᵀgⱼ]_{i,j≥2}``, ``bⱼ = τⱼ‖gⱼ‖² − gⱼᵀg₁``. Solved
-    exactly: for ``K > 4`` and positive definite ``Q`` (condition number below ``1e10``) by the
-    box-QP solver of :mod:`~gradbalance.balancers._boxqp` (the KKT point is unique);
-    otherwise by enumerating the working sets (smallest first) and returning the first KKT
-    point, as the paper's reference implementation does (``2^(K−1)`` sets). No KKT point: the
-    constraints are infeasible, and ``g₁`` is returned (``[1, 0, …, 0]``).
+    exactly, at a cost bounded for every input:
+
+    * ``Q`` positive definite (condition number below ``1e10``; the KKT point is unique):
+      for ``K ≤ 4`` the ``2^(K−1) ≤ 8`` working sets, smallest first, up to the first KKT
+      point, as the paper's reference implementation does; for ``K > 4`` the box-QP solver
+      of :mod:`~gradbalance.balancers._boxqp`.
+    * ``Q`` singular (``K − 1`` above the gradients' rank, colinear tasks): the primal as a
+      least-distance program on a factor of the Gramian (:func:`_ldp_weights`), one
+      Lawson–Hanson NNLS of ``K − 1`` variables.
+
+    No KKT point (the constraints are infeasible, or, for a singular ``Q``, met only by a
+    ``d − g₁`` over ``1/√eps ≈ 7·10⁷`` times the gradients' length, whose direction rounding
+    would decide): ``g₁`` is returned (``[1, 0, …, 0]``).
     """
     m = gramian.shape[0]
     out = torch.zeros(m, dtype=gramian.dtype, device=gramian.device)
@@ -44,17 +52,25 @@ def pcd_weights(gramian: Tensor, taus: Tensor, tol: float = 1e-9) -> Tensor:
     q = gramian[1:, 1:]
     b = taus * torch.diagonal(q) - gramian[1:, 0]
     trace = float(torch.diagonal(q).sum())
-    if m > _ENUMERATE_UP_TO and trace > 0.0 and is_well_conditioned(q / trace):
-        # Positive definite Q: the KKT point is unique; the batched solver finds it directly.
+    if not (trace > 0.0 and is_well_conditioned(q.cpu() / trace)):
+        out[1:] = _ldp_weights(gramian.cpu(), taus.cpu()).to(out.device)
+    elif m <= _ENUMERATE_UP_TO:
+        out[1:] = _enumerate_working_sets(gramian, q, b, tol)
+    else:
         zeros = torch.zeros(1, m - 1, dtype=torch.float64)
         mu = solve_box_qp(q.cpu() / trace, -b.cpu()[None] / trace, zeros)[0]
         out[1:] = mu.to(out.device)
-        return out
+    return out
+
+
+def _enumerate_working_sets(gramian: Tensor, q: Tensor, b: Tensor, tol: float) -> Tensor:
+    """``μ`` of the first KKT point over the working sets, smallest first (zero if none)."""
     atol = tol * max(float(torch.diagonal(gramian).max()), torch.finfo(gramian.dtype).tiny)
-    n = m - 1
+    n = q.shape[0]
+    zero = torch.zeros(n, dtype=gramian.dtype, device=gramian.device)
     for size in range(n + 1):
         for subset in itertools.combinations(range(n), size):
-            mu = torch.zeros(n, dtype=gramian.dtype, device=gramian.device)
+            mu = zero.clone()
             if size:
                 idx = list(subset)
                 mu[idx] = torch.linalg.pinv(q[idx][:, idx]) @ b[idx]
@@ -64,9 +80,27 @@ def pcd_weights(gramian: Tensor, taus: Tensor, tol: float = 1e-9) -> Tensor:
             if size and bool((slack[list(subset)].abs() > atol).any()):
                 continue  # b is not in the range of this working set
             if bool((slack >= -atol).all()):
-                out[1:] = mu
-                return out
-    return out
+                return mu
+    return zero
+
+
+def _ldp_weights(gramian: Tensor, taus: Tensor) -> Tensor:
+    """``μ`` ``[K − 1]`` of PCD's primal as a least-distance program (zero if infeasible).
+
+    With the Gramian ``≈ F Fᵀ`` (rows ``fᵢ``, :func:`~gradbalance.balancers._boxqp.psd_factor`
+    of the Gramian over its largest diagonal, which leaves ``μ`` unchanged) and
+    ``x = d − f₁``, the problem is ``min ½‖x‖²`` s.t. ``fⱼᵀx ≥ bⱼ``: the optimal ``d`` lies in
+    the span of the rows, so the factor loses nothing, and ``x = Σⱼ μⱼ fⱼ``
+    (:func:`~gradbalance.balancers._boxqp.ldp`).
+    """
+    gram = gramian.to(torch.float64)
+    top = float(torch.diagonal(gram).max())
+    if not top > 0.0:
+        return torch.zeros(gram.shape[0] - 1, dtype=torch.float64)
+    gram = gram / top
+    b = taus.to(torch.float64) * torch.diagonal(gram)[1:] - gram[1:, 0]
+    mu = ldp(psd_factor(gram)[1:], b)
+    return torch.zeros_like(b) if mu is None else mu
 
 
 class PCD(EmaStepState, Balancer):

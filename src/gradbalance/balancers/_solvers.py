@@ -1,16 +1,18 @@
 """K-dimensional solvers shared by the Gramian-based balancers (torch only, float64).
 
-All solvers work on a ``[K, K]`` Gramian ``G = J Jᵀ`` (symmetric positive semi-definite) that
-the caller has normalised by its trace, so the tolerances below are absolute on a problem whose
-largest entry is at most 1. They run on the CPU (the problems are tiny and branchy) and raise
-:class:`SolverError` when they do not converge: they never fall back to uniform weights.
+All solvers work on a ``[K, K]`` Gramian ``G = J Jᵀ`` (symmetric positive semi-definite, or
+so up to rounding) that the caller has normalised by its trace, so the tolerances below are
+absolute on a problem whose largest entry is at most 1. They run on the CPU (the problems
+are tiny and branchy) and never fall back to uniform weights. The QPs and CAGrad's dual
+return the method's answer for every such Gramian — colinear rows, ``K > P``, zero rows,
+float32 rounding included — at a cost bounded whatever the input; only Nash-MTL's
+bargaining raises :class:`SolverError`, where its equation has no solution.
 
 * :func:`solve_box_qp` — ``min ½ xᵀQx + cᵀx`` s.t. ``x ≥ lower`` and optionally ``Σ x = 1``,
-  for one or ``B`` problems sharing ``Q``: block principal pivoting, then the primal
-  active-set method (Nocedal & Wright, *Numerical Optimization*, Alg. 16.3) for any problem
-  left open (see :mod:`gradbalance.balancers._boxqp`). Subproblems are solved by Cholesky
-  (``Q`` positive definite) or in the least-norm sense (pseudo-inverse), which is exact when
-  ``c`` lies in the range of ``Q`` — true for every use here.
+  for one or ``B`` problems sharing ``Q``: block principal pivoting when ``Q`` is well
+  conditioned, least squares on a factor of ``Q`` (Lawson–Hanson NNLS, with a FISTA
+  fallback) otherwise and for anything left open (see :mod:`gradbalance.balancers._boxqp`).
+  ``c`` must lie in the range of ``Q`` — true for every use here.
 * :func:`project_simplex` — Euclidean projection onto the simplex (MoDo, MoCo, SDMGrad).
 * :func:`min_norm_simplex` — MGDA's min-norm point of the convex hull of the rows (closed
   form for ``K = 2``).
@@ -22,10 +24,16 @@ largest entry is at most 1. They run on the CPU (the problems are tiny and branc
   the next point the exact root on the current support.
 * :func:`nash_bargaining` — Nash-MTL's ``G α = 1/α``, ``α > 0`` by damped Newton on the
   strictly convex ``½ αᵀGα − Σ log αᵢ``.
+
+Accuracy: a Gramian fixes ``‖Jᵀv‖² = vᵀGv`` only to its own rounding, so where ``wᵀJ``
+cancels (a dual cone ``{0}``, ``0`` in the convex hull) any method working from ``G`` alone
+gives the update to about ``√(K eps tr G) ‖w‖₁``; the optimality conditions on ``G`` hold to
+float64 rounding.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -40,7 +48,8 @@ QP_TOL = 1e-12
 
 
 class SolverError(RuntimeError):
-    """A K-dimensional solver did not converge; no balancer state was changed."""
+    """A K-dimensional problem has no solution (Nash-MTL's bargaining equation); no balancer
+    state was changed."""
 
 
 def trace_normalized(gramian: Tensor) -> tuple[Tensor, Tensor]:
@@ -80,33 +89,25 @@ def solve_box_qp(
     simplex: bool = False,
     x0: Tensor | None = None,
     tol: float = QP_TOL,
-    max_iter: int | None = None,
     well_conditioned: bool | None = None,
 ) -> Tensor:
     """Minimise ``½ xᵀ q x + cᵀx`` subject to ``x ≥ lower`` (and ``Σ x = 1`` if ``simplex``).
 
-    Primal active-set method: the working set holds the indices fixed at their bound; each
-    iteration solves the subproblem on the free indices (least-norm), steps to the first
-    blocking bound, or, at a subproblem minimum, releases the bound with the most negative
-    multiplier. Terminates in finitely many steps; raises :class:`SolverError` after
-    ``max_iter`` (default ``50 + 20 K``) iterations. ``q`` must be symmetric PSD with ``c`` in
-    its range (true for all callers). ``x0`` must be feasible.
+    ``q`` must be symmetric PSD (rounding-level negative eigenvalues are dropped) with ``c``
+    in its range (true for all callers); ``x0``, a feasible start, is optional. Block
+    principal pivoting when ``q`` is well conditioned, least squares on a factor of ``q``
+    otherwise and for whatever pivoting leaves open (see
+    :mod:`gradbalance.balancers._boxqp`): an answer for every such ``q``, at a bounded cost.
 
     ``c``, ``lower`` (and ``x0``) may be ``[K]`` or ``[B, K]``: ``B`` problems sharing ``q``
-    are solved together (see :mod:`gradbalance.balancers._boxqp`), returning ``[B, K]``.
+    are solved together, returning ``[B, K]``.
     """
     k = q.shape[0]
     single = c.dim() == 1
     c2 = c.reshape(-1, k)
     lower2 = lower.reshape(-1, k).expand_as(c2)
     start = None if x0 is None else x0.reshape(-1, k)
-    x = solve_box_qp_batched(q, c2, lower2, simplex, start, tol, max_iter, well_conditioned)
-    if x is None:
-        raise SolverError(
-            f"active-set QP did not converge in {max_iter or 50 + 20 * k} iterations (K={k}); "
-            f"the Gramian may be badly conditioned — pass a larger max_iter or check the task "
-            f"gradients"
-        )
+    x = solve_box_qp_batched(q, c2, lower2, simplex, start, tol, well_conditioned)
     return x[0] if single else x
 
 
@@ -298,6 +299,12 @@ def _cagrad_root(gram: Tensor, lin: Tensor, r: float, hi: float,
     A NaN from ``f`` flags ``g_{w(ρ)} = 0``: that ``w`` minimises both terms of every smaller
     ``ρ``'s objective too, so it stays optimal as ``ρ → 0``, where the root then lies (e.g. a
     zero task gradient), and it is returned.
+
+    Bounded: the descent to a lower bracket takes at most 6 steps (factor 100 down to
+    ``1e-12 hi``); after it, a step bisects ``log ρ`` whenever ``log(hi/lo)`` has not halved
+    over the two steps before, so it halves at least every third step, and it falls from
+    ``ln 10¹²`` to ``tol`` within ``3 log₂(27.6/tol) ≤ 135`` steps for ``tol = 1e-12``. The
+    default ``max_iter = 200`` is not reached; with a smaller one the last point is returned.
     """
     lo, f_lo = 0.0, -float("inf")  # φ' < 0 near ρ = 0 unless g_w* = 0
     floor = 1e-12 * hi  # a root below: ‖g_w*‖ < 1e-12 ‖g‖_max, a zero-norm optimum
@@ -305,8 +312,14 @@ def _cagrad_root(gram: Tensor, lin: Tensor, r: float, hi: float,
     if f_hi != f_hi or f_hi <= 0.0:
         return w_hi
     rho, w_mid, side = hi, w_hi, 0
+    mark, stale = float("inf"), 0  # log(hi/lo) when last halved; steps since
     for _ in range(max_iter):
-        root = _support_root(gram, lin, r, w_mid > 0)
+        bisect = False
+        if lo > 0.0:
+            span = math.log(hi / lo)
+            mark, stale = (span, 0) if span <= 0.5 * mark else (mark, stale + 1)
+            bisect = stale >= 2
+        root = None if bisect else _support_root(gram, lin, r, w_mid > 0)
         if root is not None and lo < root[0] < hi and root[0] != rho:
             if _is_cagrad_kkt(gram, lin, r, root[0], root[1], tol):
                 return root[1]  # the support is right: w(ρ*) is the optimum
@@ -315,8 +328,8 @@ def _cagrad_root(gram: Tensor, lin: Tensor, r: float, hi: float,
             # No support root and no lower bracket yet: descend fast, but keep each QP well
             # scaled (f(ρ) needs ‖g_w‖² to a precision of ρ²).
             rho = max(0.01 * rho, floor)
-        elif hi > 4.0 * lo:
-            rho = (lo * hi) ** 0.5  # bisection in log ρ while the bracket is wide
+        elif bisect or hi > 4.0 * lo:
+            rho = (lo * hi) ** 0.5  # bisection in log ρ
         else:
             rho = (lo * f_hi - hi * f_lo) / (f_hi - f_lo)
             if not lo < rho < hi:
@@ -336,7 +349,7 @@ def _cagrad_root(gram: Tensor, lin: Tensor, r: float, hi: float,
             if side == 1 and lo > 0.0:
                 f_lo *= 0.5
             side = 1
-    raise SolverError(f"CAGrad dual did not converge in {max_iter} iterations")
+    return w_mid
 
 
 def nash_bargaining(

@@ -46,3 +46,31 @@ def test_invalid_tau() -> None:
         PCD(tau=1.5)
     with pytest.raises(ValueError, match="secondary tasks"):
         PCD(tau=[0.1, 0.2])(torch.randn(2, 3))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_singular_gramian_matches_torchjd(seed: int) -> None:
+    # Ten tasks in four dimensions leaning on a common direction: Q is singular (solved as a
+    # least-distance program, where an enumeration visited up to 2⁹ working sets); the
+    # update is TorchJD's (its weights may differ along Q's null space).
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(10, 4, generator=gen, dtype=torch.float64)
+    g = g + 1.5 * torch.randn(4, generator=gen, dtype=torch.float64)
+    g[0] *= 3
+    a = g @ g.T
+    ours, ref = PCD(tau=0.05, beta=0.9), PCDWeighting(tau=0.05, beta=0.9)
+    for _ in range(2):
+        torch.testing.assert_close(ours.compute_weights(a) @ g, ref(a) @ g, rtol=1e-9,
+                                   atol=1e-12)
+
+
+def test_singular_gramian_with_active_constraints_hand_derived() -> None:
+    # g₁ = (1, 0) and twice g₂ = (−1, 1) (a duplicate: Q singular): with τ = 0 the constraint
+    # g₂ᵀd ≥ 0 binds, d = g₁ + μ g₂ with g₂ᵀd = −1 + 2μ = 0, so d = (½, ½) whichever way μ
+    # splits over the duplicates.
+    gram = torch.tensor([[1.0, -1.0, -1.0], [-1.0, 2.0, 2.0], [-1.0, 2.0, 2.0]],
+                        dtype=torch.float64)
+    w = pcd_weights(gram, torch.zeros(2, dtype=torch.float64))
+    rows = torch.tensor([[1.0, 0.0], [-1.0, 1.0], [-1.0, 1.0]], dtype=torch.float64)
+    torch.testing.assert_close(w @ rows, torch.tensor([0.5, 0.5], dtype=torch.float64))
+    assert float(w[1:].min()) >= 0.0

@@ -13,9 +13,8 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 import gradbalance as gb
-from gradbalance.balancers._boxqp import _active_set
+from gradbalance.balancers._boxqp import factored_box_qp, psd_factor
 from gradbalance.balancers._solvers import (
-    SolverError,
     _support_root,
     cagrad_dual,
     min_norm_simplex,
@@ -60,24 +59,23 @@ def test_batched_dual_cone_projections_match_nnls(g: Tensor, well: bool) -> None
 
 @SETTINGS
 @given(matrices(min_k=2, max_k=7, max_p=9), st.booleans())
-def test_active_set_fallback_matches_nnls_and_slsqp(g: Tensor, simplex: bool) -> None:
-    # The active-set method runs alone here (it finishes what block pivoting leaves open).
+def test_factored_path_matches_nnls_and_slsqp(g: Tensor, simplex: bool) -> None:
+    # The least-squares path on a factor of Q runs alone here (it also finishes what block
+    # pivoting leaves open).
     k = g.shape[0]
     gram = _unit(g)
+    factor = psd_factor(gram)
     scale = float(gram.trace() / (g * g).sum()) ** 0.5
+    zeros = torch.zeros(k, dtype=F64)
     if simplex:
-        start = torch.full((1, k), 1.0 / k, dtype=F64)
-        zeros = torch.zeros(1, k, dtype=F64)
-        w = _active_set(gram, zeros, zeros, True, start, 1e-12, None, False)
-        assert w is not None
-        value = float(w[0] @ gram @ w[0])
+        w = factored_box_qp(factor, zeros, zeros, True, None, 1e-12)
+        value = float(w @ gram @ w)
         assert abs(value - scipy_min_norm(g) / float((g @ g.T).trace())) <= 1e-8
     else:
         u = torch.eye(k, dtype=F64) / k
-        v = _active_set(gram, torch.zeros_like(u), u, False, u.clone(), 1e-12, None, False)
-        assert v is not None
         for i in range(k):
-            torch.testing.assert_close(g.T @ v[i] * scale, nnls_dual_cone(g * scale, u[i]),
+            v = factored_box_qp(factor, zeros, u[i], False, None, 1e-12)
+            torch.testing.assert_close(g.T @ v * scale, nnls_dual_cone(g * scale, u[i]),
                                        rtol=1e-7, atol=1e-9)
 
 
@@ -169,12 +167,17 @@ def test_warm_started_simplex_qp_reaches_the_same_optimum() -> None:
                                    atol=1e-15)
 
 
-def test_solver_error_when_iterations_run_out() -> None:
-    g = random_matrix(4, 6, 3)  # rank 3 < K: the pseudo-inverse path, several iterations
+def test_rank_deficient_dual_cone_needs_no_option() -> None:
+    # rank 3 < K: every projection is answered (no iteration budget to raise), and it is the
+    # projection: scipy's NNLS on the rows gives the same vectors.
+    g = random_matrix(4, 6, 3)
     gram = _unit(g)
     u = torch.eye(6, dtype=F64)
-    with pytest.raises(SolverError, match="did not converge"):
-        solve_box_qp(gram, torch.zeros_like(u), u, max_iter=1)
+    v = solve_box_qp(gram, torch.zeros_like(u), u)
+    scale = float(gram.trace() / (g * g).sum()) ** 0.5
+    for i in range(6):
+        torch.testing.assert_close(g.T @ v[i] * scale, nnls_dual_cone(g * scale, u[i]),
+                                   rtol=1e-9, atol=1e-12)
 
 
 def test_support_root_hand_derived() -> None:
