@@ -16,7 +16,7 @@ from gradbalance.balancers import Mean
 from support.helpers import assert_rel_close_lists, build, grads_of
 from support.perf import losses_of_features
 
-MODES = ("matrix", "features", "gramian")
+MODES = ("matrix", "features", "gramian", "auto")
 
 
 def _step(mode: str, autocast: torch.dtype | None, existing_grad: bool,
@@ -26,7 +26,7 @@ def _step(mode: str, autocast: torch.dtype | None, existing_grad: bool,
     if existing_grad:
         for p in model.parameters():
             p.grad = torch.full_like(p, 0.25)
-    kwargs = {"modules": model.trunk} if mode == "gramian" else {}
+    kwargs = {"modules": model.trunk} if mode in ("gramian", "auto") else {}
     buf = TaskGradBuffer(model.shared_parameters(), model.head_parameters(), mode=mode,
                          **kwargs)
     feats = model.trunk(x)
