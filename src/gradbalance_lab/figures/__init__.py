@@ -133,10 +133,11 @@ clipping, weightings and logging. Each section gives the claim as the text state
 value measured, and whether the number is met; the settings chosen where the text leaves them
 open are under *Settings*. Regenerate this page and the PNGs with
 `gradbalance figures --out runs/figures --overwrite --doc docs/figures.md` (about 30 s on
-one CPU thread; each figure's time is in its heading; the PNGs land in the output folder) or add `--quick` for a smoke run. An
-`--out` folder that already holds files is refused without `--overwrite`, which deletes only
-the earlier `report.md` and `<figure>.png` there; on Ctrl-C the figures that finished are
-reported, `--doc` is left as it was, and the exit code is 130."""
+one CPU thread; each figure's time is in its heading; the PNGs land in the output folder)
+or add `--quick` for a smoke run. An `--out` folder that already holds files is refused
+without `--overwrite`, which deletes only the earlier `report.md` and `<figure>.png` there;
+on Ctrl-C the figures that finished are reported, `--doc` is left as it was, and the exit
+code is 130."""
 
 
 def write_report(entries: list[dict[str, Any]], path: Path, quick: bool,
