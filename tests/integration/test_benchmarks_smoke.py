@@ -39,4 +39,4 @@ def test_gramian_crossover_quick_writes_its_table(tmp_path: Path) -> None:
     lines = [line for line in (tmp_path / "gramian_crossover_cpu-quick.md").read_text()
              .splitlines() if re.match(r"\| \d", line)]
     assert [line.split("|")[1].strip() for line in lines] == ["2", "8"]
-    assert all(len(_ratios(line)) == 6 for line in lines)
+    assert all(len(_ratios(line)) == 8 for line in lines)  # LB … gramian/matrix, auto, auto/best
