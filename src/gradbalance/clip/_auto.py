@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from .._checks import check_matrix, check_norm_type, check_positive_int, check_range
+from .._statedict import check_keys, tag_state, untag_state
 from .._types import NonFiniteGradientError
 from ._params import params_with_grads
 from ._task import _EPS, row_norms
@@ -52,6 +53,9 @@ def suggest_max_norm(norms: Sequence[float] | Tensor, percentile: float = 95.0) 
             f"of some healthy steps first"
         )
     return float(torch.quantile(healthy, p / 100))
+
+
+_HISTORY_KEYS = ("history", "count", "position", "threshold")
 
 
 class _PercentileHistory:
@@ -147,10 +151,12 @@ class _AutoBase:
         return self._history.threshold
 
     def state_dict(self) -> dict[str, Any]:
-        return self._history.state_dict()
+        return tag_state(self, self._history.state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._history.load_state_dict(state_dict, type(self).__name__)
+        state = untag_state(self, state_dict, "clipper")  # AutoClip's and TaskAutoClip's
+        check_keys(type(self).__name__, state, _HISTORY_KEYS, "clipper")  # keys coincide
+        self._history.load_state_dict(state, type(self).__name__)
 
     def reset(self) -> None:
         self._history.reset()
