@@ -168,10 +168,10 @@ def test_homogeneous_over_several_steps(name: str) -> None:
 
 
 @pytest.mark.parametrize("bad", [42, "0", 1.5, None.__class__], ids=["int", "str", "float", "type"])
-def test_generator_must_be_a_torch_generator(name: str, bad: object) -> None:
+@pytest.mark.parametrize("generator_owner", [n for n in NAMES if takes_generator(n)])
+def test_generator_must_be_a_torch_generator(generator_owner: str, bad: object) -> None:
     """A seed or another object given as the generator is refused at construction."""
-    if not takes_generator(name):
-        pytest.skip("takes no generator")
+    name = generator_owner
     kwargs: dict[str, Any] = {"num_tasks": K} if takes_num_tasks(name) else {}
     seed = bad if isinstance(bad, int) else 0
     with pytest.raises(ValueError, match=(
