@@ -7,17 +7,24 @@ descriptor closed) before the child reads it, so the child fails with "unable to
 file ... Invalid argument" and a balancer, weighting or clipper holding a generator would
 never reach the worker. :class:`PicklableGenerators` pickles every generator attribute as
 its device and its state as plain bytes, and rebuilds it on unpickling, so the random stream
-continues exactly.
+continues exactly. The same pickler also leaves every CPU tensor in shared memory, so the
+workers would update one state in place and race; unpickling gives the object's tensors
+their own memory (:func:`unshare_tensors`).
 """
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import Tensor
 
-__all__ = ["PicklableGenerators"]
+__all__ = ["PicklableGenerators", "unshare_tensors"]
+
+_OPAQUE = (type, types.ModuleType, types.FunctionType, types.MethodType,
+           types.BuiltinFunctionType)
 
 
 @dataclass(frozen=True)
@@ -55,3 +62,36 @@ class PicklableGenerators:
             parent(state)
         else:
             self.__dict__.update(state)
+        unshare_tensors(self)  # a worker of mp.spawn owns its copy of the state
+
+
+def unshare_tensors(root: Any) -> int:
+    """Give every CPU tensor reachable from ``root`` that lives in shared memory its own copy.
+
+    ``torch.multiprocessing`` moves every CPU tensor it pickles into shared memory, so the
+    worker processes of ``mp.spawn`` (Lightning's ``ddp_spawn``) would all update one balancer
+    state, one weighting, one optimizer state in place, racing each other. Lightning unshares
+    the modules' parameters and buffers only; this unshares the rest (``t.data`` replaced by a
+    clone, the tensor objects kept). Returns the number of tensors copied.
+    """
+    seen: set[int] = set()
+    stack = [root]
+    copied = 0
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, _OPAQUE):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, Tensor):
+            if obj.device.type == "cpu" and obj.is_shared():  # type: ignore[no-untyped-call]
+                with torch.no_grad():
+                    obj.data = obj.data.clone()
+                copied += 1
+        elif isinstance(obj, dict):
+            stack.extend(obj.keys())
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack.extend(obj)
+        elif hasattr(obj, "__dict__"):
+            stack.extend(vars(obj).values())
+    return copied

@@ -9,7 +9,6 @@ frameworks save themselves).
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,6 +17,7 @@ from torch import Tensor
 
 from .._amp import no_autocast
 from .._checks import check_balancer, check_int, check_row_clipper
+from .._pickling import unshare_tensors
 from ..balancers._base import Balancer
 from ..checkpoint import capture_state, restore_state
 from ..clip._protocol import RowClipper
@@ -27,9 +27,6 @@ from ..step import TaskGradBuffer
 from ..weighting._base import LossWeighting
 
 __all__ = ["BalancedParts", "divide_losses", "stats_scalars", "unshare_tensors"]
-
-_OPAQUE = (type, types.ModuleType, types.FunctionType, types.MethodType,
-           types.BuiltinFunctionType)
 
 
 def stats_scalars(stats: StepStats) -> dict[str, Tensor | float]:
@@ -65,38 +62,6 @@ def _total(losses: Tensor | Sequence[Tensor]) -> Tensor:
     """The detached sum of the task losses (what a framework reports as "the loss")."""
     vector = losses if isinstance(losses, Tensor) else torch.stack(list(losses))
     return vector.detach().sum()
-
-
-def unshare_tensors(root: Any) -> int:
-    """Give every CPU tensor reachable from ``root`` that lives in shared memory its own copy.
-
-    ``torch.multiprocessing`` moves every CPU tensor it pickles into shared memory, so the
-    worker processes of ``mp.spawn`` (Lightning's ``ddp_spawn``) would all update one balancer
-    state, one weighting, one optimizer state in place, racing each other. Lightning unshares
-    the modules' parameters and buffers only; this unshares the rest (``t.data`` replaced by a
-    clone, the tensor objects kept). Returns the number of tensors copied.
-    """
-    seen: set[int] = set()
-    stack = [root]
-    copied = 0
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen or isinstance(obj, _OPAQUE):
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, Tensor):
-            if obj.device.type == "cpu" and obj.is_shared():  # type: ignore[no-untyped-call]
-                with torch.no_grad():
-                    obj.data = obj.data.clone()
-                copied += 1
-        elif isinstance(obj, dict):
-            stack.extend(obj.keys())
-            stack.extend(obj.values())
-        elif isinstance(obj, (list, tuple, set, frozenset)):
-            stack.extend(obj)
-        elif hasattr(obj, "__dict__"):
-            stack.extend(vars(obj).values())
-    return copied
 
 
 class BalancedParts:

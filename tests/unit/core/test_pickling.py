@@ -49,3 +49,22 @@ def test_balancer_reaches_a_spawned_process(tmp_path: Path) -> None:
     out = tmp_path / "draw.pt"
     mp.spawn(_child, args=(balancer, str(out)), nprocs=1, join=True)
     assert torch.equal(torch.load(out), _draw(balancer.generator))
+
+
+def _write_into_state(rank: int, balancer: object, out: str) -> None:
+    targets = balancer.targets  # type: ignore[attr-defined]
+    torch.save(bool(targets.is_shared()), out)
+    with torch.no_grad():
+        targets.add_(1.0)  # what an in-place state update in a worker does
+
+
+def test_a_spawned_worker_owns_its_copy_of_the_state(tmp_path: Path) -> None:
+    # mp.spawn's pickler moves CPU tensors into shared memory: without a private copy, the
+    # worker's in-place update would land in the parent's (and every other worker's) state.
+    balancer = build_balancer("gradvac", 3, seed=11)
+    balancer(torch.randn(3, 5, generator=torch.Generator().manual_seed(0)))
+    before = balancer.targets.clone()
+    out = tmp_path / "shared.pt"
+    mp.spawn(_write_into_state, args=(balancer, str(out)), nprocs=1, join=True)
+    assert torch.load(out) is False  # the worker's copy is private
+    assert torch.equal(balancer.targets, before)
