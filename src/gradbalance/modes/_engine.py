@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from .._amp import finite_update, nonfinite_error, poison_
-from ..balancers._base import Balancer
+from ..balancers._base import Balancer, Combination
 from ..clip._protocol import RowClipper
 from ..stats import StepStats
 from ..taskgrads import (
@@ -151,6 +151,17 @@ class RowsEngine:
         chosen = check_saved_passes(state_dict.get("passes"))
         if chosen is not None:
             self.chosen = chosen
+
+
+def combine_or_skip(balancer: Balancer, matrix: Tensor, losses: Tensor, gram: Tensor,
+                    finite: bool, scale: Tensor | None) -> Combination:
+    """The balancer's combination, or on inf/NaN: the plain (non-finite) sum with a scaler,
+    so that it skips the step without the balancer seeing it; without one, raise."""
+    if finite:
+        return balancer.combine(matrix, losses, gramian=gram)
+    if scale is not None:
+        return Combination(matrix.sum(dim=0))
+    raise nonfinite_error()
 
 
 def heads_backward_(roots: TaskRoots, head_params: Sequence[Tensor]) -> None:

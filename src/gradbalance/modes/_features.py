@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .._amp import finite_step, nonfinite_error, unscaled_gramian
+from .._amp import finite_step, unscaled_gramian
 from ..balancers._base import Balancer
 from ..clip._protocol import RowClipper
 from ..distributed import all_gather_columns, all_reduce_grads_and_losses_, all_reduce_mean_
@@ -35,6 +35,7 @@ from ._engine import (
     RowsEngine,
     StepInput,
     WriteBack,
+    combine_or_skip,
     commit,
     heads_backward_,
     owned_grads,
@@ -120,14 +121,8 @@ class FeaturesMode(RowsEngine):
             local = slice(rank * features.numel(), (rank + 1) * features.numel())
         gram = unscaled_gramian(scale, matrix=matrix)
         finite = finite_step(gram, scale, self.head_params, step.group)
-        weights = None
-        if finite:
-            result = balancer.combine(matrix, losses, gramian=gram)
-            vector, weights = result.vector, result.weights
-        elif scale is None:
-            raise nonfinite_error()
-        else:  # the plain (non-finite) sum: the scaler skips the step
-            vector = matrix.sum(dim=0)
+        result = combine_or_skip(balancer, matrix, losses, gram, finite, scale)
+        vector, weights = result.vector, result.weights
         update = self._trunk_update(features, vector[local], step)
         finite = settle(update, step, finite)
         stats = build_stats(gram, losses, finite, matrix=matrix, update=vector,

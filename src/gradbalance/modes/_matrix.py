@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._amp import finite_step, nonfinite_error, unscaled_gramian
+from .._amp import finite_step, unscaled_gramian
 from ..balancers._base import Balancer
 from ..clip._protocol import RowClipper
 from ..distributed import all_reduce_step_
@@ -26,6 +26,7 @@ from ._engine import (
     RowsEngine,
     StepInput,
     WriteBack,
+    combine_or_skip,
     commit,
     heads_backward_,
     reject_features,
@@ -67,17 +68,12 @@ class MatrixMode(RowsEngine):
             losses = all_reduce_step_(matrix, losses, self.head_params, step.group)
         gram = unscaled_gramian(scale, matrix=matrix)
         finite = finite_step(gram, scale, self.head_params, step.group)
-        pre_clip = weights = None
-        if finite:
-            if step.clip is not None:
-                pre_clip = step.clip(matrix)
-                gram = compute_gramian(matrix)
-            result = balancer.combine(matrix, losses, gramian=gram)
-            vector, weights = result.vector, result.weights
-        elif scale is None:
-            raise nonfinite_error()
-        else:  # the plain (non-finite) sum: the scaler skips the step
-            vector = matrix.sum(dim=0)
+        pre_clip = None
+        if finite and step.clip is not None:
+            pre_clip = step.clip(matrix)
+            gram = compute_gramian(matrix)
+        result = combine_or_skip(balancer, matrix, losses, gram, finite, scale)
+        vector, weights = result.vector, result.weights
         reached = self.reached if step.group is None else None
         update = WriteBack.from_flat(self.layout, vector, scale, reached)
         finite = settle(update, step, finite)
