@@ -8,8 +8,6 @@ the two-process test.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,7 +31,6 @@ from gradbalance_lab.models import MultiTaskModel, make_heads, mlp_trunk, regres
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 K, N, BATCH, ACCUMULATE, MAX_NORM = 3, 32, 4, 2, 1.0
-LAUNCH_TIMEOUT = 180  # seconds for the two-process run
 
 
 @pytest.fixture(autouse=True)
@@ -157,17 +154,10 @@ def _worker(out: str) -> None:
 
 
 def test_two_processes_match_one_on_the_global_batch(tmp_path: Path) -> None:
+    from support.ddp import torchrun_two
     from support.loop_state import assert_same_state
 
-    tests = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(  # accelerate launch --cpu starts one process without MPI
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-         "2", __file__, str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    ranks = torchrun_two(__file__, tmp_path)
     assert ranks[0]["distributed"] == "DistributedType.MULTI_CPU"
     assert_same_state(ranks[1]["params"], ranks[0]["params"])  # the ranks agree bit for bit
     assert_same_state(ranks[1]["state"], ranks[0]["state"])

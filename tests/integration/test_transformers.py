@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -36,7 +34,6 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 transformers.logging.set_verbosity_error()
 
 K, N, BATCH, MAX_NORM = 3, 32, 4, 1.0
-LAUNCH_TIMEOUT = 180  # seconds for the two-process run
 
 
 class TinyConfig(PretrainedConfig):
@@ -301,17 +298,10 @@ def _worker(out: str) -> None:
 
 
 def test_two_processes_match_one_on_the_global_batch(tmp_path: Path) -> None:
+    from support.ddp import torchrun_two
     from support.loop_state import assert_same_state
 
-    tests = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(  # accelerate launch --cpu starts one process without MPI
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-         "2", __file__, str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    ranks = torchrun_two(__file__, tmp_path)
     assert_same_state(ranks[1]["state"], ranks[0]["state"])  # the ranks agree bit for bit
     assert (tmp_path / "checkpoint-4" / STATE_FILE).is_file()
     # each step's global batch: rank 0's micro-batch i with rank 1's

@@ -10,9 +10,12 @@ from __future__ import annotations
 import copy
 import datetime
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -502,3 +505,20 @@ def spawn_bounded(target: Any, world: int = 2, limit_s: float = 60.0) -> list[di
                    if not os.path.exists(path)]
         assert not missing, f"(rank, exit code) without a result: {missing}"
         return [torch.load(path, weights_only=False) for path in paths]
+
+
+TORCHRUN_TIMEOUT = 180  # seconds for a two-process torchrun of a test file
+
+
+def torchrun_two(script: str, out: Path) -> list[dict[str, Any]]:
+    """Run ``script out`` as 2 CPU ranks under ``torchrun --standalone`` (bounded by
+    :data:`TORCHRUN_TIMEOUT`); each rank saves ``out/rank{r}.pt``, returned in rank order."""
+    tests = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(  # `accelerate launch --cpu` starts one process without MPI
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+         "2", script, str(out)],
+        env=env, capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
