@@ -33,6 +33,7 @@ from ._pcd import PCD
 from ._pcgrad import PCGrad
 from ._random import Random
 from ._sdmgrad import SDMGrad
+from ._shard import Shard, dim0_runs
 from ._solvers import SolverError
 from ._sum import Sum
 from ._trimmed_mean import TrimmedMean
@@ -64,10 +65,12 @@ __all__ = [
     "PCGrad",
     "Random",
     "SDMGrad",
+    "Shard",
     "SolverError",
     "Sum",
     "TrimmedMean",
     "UPGrad",
+    "dim0_runs",
     "get_balancer",
 ]
 

@@ -28,7 +28,7 @@ and in float64 for norms ``1e-150`` … ``1e150``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn
 
 import torch
 from torch import Tensor
@@ -38,6 +38,7 @@ from .._pickling import PicklableGenerators
 from .._statedict import reject_state, tag_state, untag_state
 from .._types import NonFiniteGradientError
 from ..gramian import compute_gramian, is_finite_gramian
+from ._shard import Shard
 
 __all__ = ["Balancer", "Combination", "combine_rows"]
 
@@ -93,6 +94,13 @@ class Balancer(PicklableGenerators):
         """Combined gradient from the full matrix; matrix balancers only."""
         raise NotImplementedError(f"{type(self).__name__} must implement _combine_matrix")
 
+    def _combine_matrix_sharded(self, matrix: Tensor, losses: Tensor | None, gramian: Tensor,
+                                shard: Shard) -> Combination:
+        """This rank's columns of :meth:`_combine_matrix`'s update from this rank's columns
+        ``[K, P_local]`` and the full Gramian; matrix balancers that can run sharded only
+        (implementing it makes :attr:`shardable` True)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot combine sharded columns")
+
     # -- public -------------------------------------------------------------------------
     def combine(
         self, matrix: Tensor, losses: Tensor | None = None, gramian: Tensor | None = None
@@ -118,6 +126,70 @@ class Balancer(PicklableGenerators):
     def __call__(self, matrix: Tensor, losses: Tensor | None = None) -> Tensor:
         """Combined gradient ``[P]`` (see :meth:`combine`)."""
         return self.combine(matrix, losses).vector
+
+    @property
+    def shardable(self) -> bool:
+        """Whether :meth:`combine_sharded` runs: every weighted balancer (``from_gramian``) and
+        the matrix balancers that implement :meth:`_combine_matrix_sharded`."""
+        return self.from_gramian or (
+            type(self)._combine_matrix_sharded is not Balancer._combine_matrix_sharded
+        )
+
+    def check_shardable(self) -> None:
+        """Raise ``TypeError`` (nothing moved) when :meth:`combine_sharded` would refuse."""
+        if not self.shardable:
+            raise TypeError(
+                f"{type(self).__name__} needs every column of the task gradients at once, so it "
+                f"cannot combine a sharded trunk's columns exactly; use a weighted balancer "
+                f"(e.g. UPGrad, MGDA, PCGrad) or mode='features'"
+            )
+
+    def combine_sharded(self, matrix: Tensor, shard: Shard, losses: Tensor | None = None,
+                        gramian: Tensor | None = None) -> Combination:
+        """This rank's columns of the single-process :meth:`combine` under a sharded trunk.
+
+        ``matrix`` ``[K, P_local]`` holds this rank's columns of ``G`` (``shard.runs``);
+        ``gramian``, when given, is the FULL ``[K, K]`` Gramian (summed over ranks, identical
+        on every rank), else it is computed with ``shard.reduce``. Every rank calls this with
+        the same losses and state; the returned vector is this rank's columns of the
+        single-process update (in ``shard.runs`` order) and the weights are identical on
+        every rank. The same checks as :meth:`combine` (agreed over the ranks: one rank's
+        inf/NaN raises on every rank, before any state change); ``TypeError`` for a balancer
+        that cannot run sharded (:attr:`shardable`).
+        """
+        self.check_shardable()
+        check_matrix("matrix", matrix, self.num_tasks)
+        if not isinstance(shard, Shard):
+            raise TypeError(f"shard must be a Shard, got {type(shard).__name__}")
+        if matrix.shape[1] != shard.size:
+            raise ValueError(
+                f"matrix has {matrix.shape[1]} columns but the shard's runs {list(shard.runs)} "
+                f"hold {shard.size}; pass this rank's columns, in the order of the runs"
+            )
+        k = matrix.shape[0]
+        losses = self._check_losses(losses, k)
+        if gramian is None:
+            local = torch.cat([compute_gramian(matrix).flatten(),
+                               torch.isfinite(matrix).logical_not().sum().reshape(1)
+                               .to(device=matrix.device, dtype=torch.float64)])
+            total = shard.sum(local)
+            gram, bad = total[:-1].reshape(k, k), total[-1]
+            if self.from_gramian and not bool(is_finite_gramian(gram)):
+                self._raise_nonfinite(not bool(bad > 0))
+            if bool(bad > 0):
+                raise NonFiniteGradientError(self._nonfinite_message())
+        else:
+            if gramian.shape != (k, k):
+                raise ValueError(
+                    f"gramian must be the full [K, K] = [{k}, {k}] Gramian summed over ranks, "
+                    f"got shape {tuple(gramian.shape)}"
+                )
+            gram = gramian
+            self._check_finite_gramian(gram)
+        if self.from_gramian:
+            w = self._scaled_weights(gram, losses)
+            return Combination(combine_rows(w, matrix), w)
+        return self._combine_matrix_sharded(matrix, losses, gram, shard)
 
     def compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         """The task weights ``w`` ``[K]`` (float64) of ``g = wᵀ G``, from the Gramian alone.
@@ -207,7 +279,12 @@ class Balancer(PicklableGenerators):
         """
         if bool(is_finite_gramian(gram)):
             return
-        if matrix is not None and bool(torch.isfinite(matrix).all()):
+        self._raise_nonfinite(matrix is not None and bool(torch.isfinite(matrix).all()))
+
+    def _raise_nonfinite(self, rows_finite: bool) -> NoReturn:
+        """``ValueError`` for finite rows whose Gramian overflows, else
+        :class:`NonFiniteGradientError`."""
+        if rows_finite:
             raise ValueError(
                 f"task gradients are finite but their squared norms overflow float64 (row "
                 f"norms above ~1e154); {type(self).__name__} state is unchanged. Scale the "
