@@ -58,7 +58,8 @@ class DBMTL(EmaStepState, Balancer):
         log_losses: divide each row by its loss first (default False).
         eps: added to the losses when ``log_losses`` (default 1e-8, as ``log(L + ε)``).
 
-    State: ``ĝ`` ``[K, P]`` in the gradients' dtype and the step count.
+    State: ``ĝ`` ``[K, P]`` in the gradients' dtype (a rank's ``[K, P_local]`` under a
+    sharded trunk) and the step count.
     """
 
     name = "dbmtl"

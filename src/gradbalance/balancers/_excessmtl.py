@@ -72,7 +72,7 @@ class ExcessMTL(Balancer):
 
     State: ``R = √S`` ``[K, P]`` in the gradients' dtype (as large as ``G``; a state saved
     with ``S`` itself, ``"sq_sum"``, loads as ``√S``), ``α``, the baseline, the warm-up sum
-    and the step count.
+    and the step count. Under a sharded trunk ``R`` holds the rank's columns.
     """
 
     name = "excessmtl"

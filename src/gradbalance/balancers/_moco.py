@@ -88,7 +88,8 @@ class MoCo(Balancer):
             losses). Default False (the paper's algorithm).
 
     Defaults follow LibMTL's MoCo settings. State: ``y`` ``[K, P]`` in the gradients' dtype,
-    ``λ`` ``[K]`` float64 and the step count.
+    ``λ`` ``[K]`` float64 and the step count (``y`` holds a rank's columns under a sharded
+    trunk).
     """
 
     name = "moco"

@@ -442,3 +442,23 @@ def test_two_gloo_ranks_match_the_single_process() -> None:
                 if weights is not None and want.weights is not None:
                     _close(weights, want.weights, TOL[torch.float32], f"{name} weights")
         _same_state(single.state_dict(), [r[name]["state"] for r in ranks], splits, 0.0)
+
+
+@pytest.mark.parametrize(("name", "given_gramian", "reduces"), [
+    ("upgrad", True, 0), ("upgrad", False, 1), ("pcgrad", False, 1), ("graddrop", True, 0),
+    ("trimmedmean", True, 0), ("dbmtl", True, 1), ("excessmtl", True, 1), ("moco", True, 1),
+    ("moco-normalized-softmax", True, 2), ("gradvac-groups", True, 1), ("dbmtl", False, 2),
+])
+def test_collectives_per_step(name: str, given_gramian: bool, reduces: int) -> None:
+    # A step's collectives: the Gramian's (when not given) and what the method sums itself
+    # (DB-MTL's norms, ExcessMTL's risks, MoCo's Y Yᵀ, GradVac's group Gramians in one call).
+    k, p = 3, 12
+    splits = fsdp_splits([(6, 2)], 2)
+    g = _matrices(k, p, 0, torch.float64)[0]
+    group = ThreadGroup(2)
+    balancers = [MAKERS[name](k, p, 0) for _ in splits]
+    results = group.run(lambda r: balancers[r].combine_sharded(
+        g[:, columns(splits[r])], group.shard(r, splits[r], p), _losses(k, 0),
+        compute_gramian(g) if given_gramian else None))
+    assert all(isinstance(c, Combination) for c in results), results
+    assert group.calls == reduces
