@@ -39,6 +39,14 @@ class Shard:
         total: ``P``, the columns of the full matrix.
         reduce: the sum over ranks of a tensor (a new tensor, identical on every rank), e.g.
             an ``all_reduce`` of a copy; the identity on one process.
+
+    Example:
+        >>> from gradbalance.balancers import Shard, dim0_runs
+        >>> runs = dim0_runs([(4, 3), (5,)], rank=1, world_size=2)
+        >>> runs
+        ((6, 6), (15, 2))
+        >>> Shard(runs, total=17).size
+        8
     """
 
     runs: tuple[tuple[int, int], ...]
