@@ -46,7 +46,8 @@ class DBMTL(EmaStepState, Balancer):
         log_losses: divide each row by its loss first (default False).
         eps: added to the losses when ``log_losses`` (default 1e-8, as ``log(L + ε)``).
 
-    State: ``ĝ`` ``[K, P]`` in the gradients' dtype and the step count.
+    State: ``ĝ`` ``[K, P]`` in the gradients' dtype and the step count (buffers ``_ema``,
+    ``_step``).
     """
 
     name = "dbmtl"
@@ -77,7 +78,7 @@ class DBMTL(EmaStepState, Balancer):
                                                    device=matrix.device).unsqueeze(1)
         t = int(self._step) + 1
         beta_t = self.beta / t**self.beta_sigma
-        ema = rows.clone() if self._ema is None else self._ema
+        ema = rows.clone() if self._ema is None else self._ema.to(rows)
         ema = rows + beta_t * (ema - rows) if self._ema is not None else (1.0 - beta_t) * ema
         self._ema = ema
         self._step = torch.tensor(t, dtype=torch.int64)
