@@ -44,7 +44,7 @@ class StateModule(PicklableGenerators, nn.Module):
     _kind: ClassVar[str] = "object"
     #: The keys of the extra state besides ``"_type"``.
     _extra_keys: ClassVar[tuple[str, ...]] = ()
-    #: Old flat ``state_dict`` key -> buffer or parameter name (beyond the leading ``_``).
+    #: Old flat ``state_dict`` key -> buffer or parameter name, where not ``_`` + the key.
     _legacy_keys: ClassVar[dict[str, str]] = {}
 
     def __init__(self) -> None:
@@ -188,17 +188,19 @@ class StateModule(PicklableGenerators, nn.Module):
             if not isinstance(value, Tensor):
                 raise ValueError(f"{name} state_dict[{key!r}] must be a tensor, got a "
                                  f"{type(value).__name__}")
+            tensors[key] = value
+        rest = {key: value for key, value in extra.items() if key != TYPE_KEY}
+        self._check_state(tensors, rest)  # the class's own checks name the setting first
+        for key, value in tensors.items():
+            current = slots[key]
             shape = (self._optional_state[key] if key in self._optional_state
                      else None if current is None else tuple(current.shape))
-            if shape is not None and tuple(value.shape) != shape:
+            if value is not None and shape is not None and tuple(value.shape) != shape:
                 raise ValueError(
                     f"{name} state_dict[{key!r}] has shape {tuple(value.shape)}, expected "
                     f"{shape}; load a state saved by a {name} built with the same settings "
                     f"(number of tasks)"
                 )
-            tensors[key] = value
-        rest = {key: value for key, value in extra.items() if key != TYPE_KEY}
-        self._check_state(tensors, rest)
         return tensors, rest
 
     def _commit(self, tensors: dict[str, Tensor | None], extra: dict[str, Any]) -> None:
@@ -250,9 +252,10 @@ def _legacy_target(module: StateModule, key: Any, slots: Mapping[str, Any]) -> s
     """The buffer or parameter an old flat key loads into, or None (extra state)."""
     if key in module._legacy_keys:
         return module._legacy_keys[key]
-    for name in (key, f"_{key}"):
-        if name in slots:
-            return str(name)
+    if key in slots:
+        return str(key)
+    if not module._legacy_keys and f"_{key}" in slots:
+        return f"_{key}"
     return None
 
 

@@ -106,7 +106,12 @@ class CRMOGM(Balancer):
         return self._lambda
 
     def _check_state(self, tensors: dict[str, Tensor | None], extra: dict[str, Any]) -> None:
-        super()._check_state(tensors, extra)
+        if extra:
+            raise ValueError(
+                f"CRMOGM state_dict has unexpected keys {sorted(extra, key=str)}: its own state "
+                f"is '_lambda' (0.2: 'weights'), the inner balancer's is under 'inner.'; was "
+                f"it saved from another balancer?"
+            )
         weights = tensors["_lambda"]
         if weights is not None and self.num_tasks not in (None, weights.numel()):
             raise ValueError(

@@ -238,7 +238,7 @@ class LossWeighting(StateModule):
         own = self._own_optimizer()
         before = {name: self._buffers[name] for name in self._self_trained}
         saved = None if own is None else own.state_dict()
-        out = super()._apply(fn, recurse)
+        out = super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
         moved = False
         for name, tensor in before.items():
             now = self._buffers[name]
