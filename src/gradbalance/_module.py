@@ -175,7 +175,7 @@ class StateModule(PicklableGenerators, nn.Module):
         check_keys(name, {key: v for key, v in own.items() if key != EXTRA_KEY}, slots,
                    kind=self._kind)
         tensors: dict[str, Tensor | None] = {}
-        for key, current in slots.items():
+        for key in slots:
             value = own.get(key)
             if value is None:
                 if key not in self._optional_state:
