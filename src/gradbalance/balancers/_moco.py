@@ -117,7 +117,7 @@ class MoCo(Balancer):
             h = _loss_scaled_directions(matrix, losses)
         y = torch.zeros_like(matrix) if self._y is None else self._y.to(matrix)
         lam = (torch.full((k,), 1.0 / k, dtype=torch.float64, device=matrix.device)
-               if self._lambda is None else self._lambda)
+               if self._lambda is None else self._lambda.to(torch.float64))
         t = int(self._step) + 1
         beta_t = self.beta / t**self.beta_sigma
         gamma_t = self.gamma / t**self.gamma_sigma

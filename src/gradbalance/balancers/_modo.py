@@ -70,7 +70,7 @@ class MoDo(Balancer):
         k = gramian.shape[0]
         check_state_tasks(type(self).__name__, self._lambda, k)
         lam = (torch.full((k,), 1.0 / k, dtype=torch.float64, device=gramian.device)
-               if self._lambda is None else self._lambda)
+               if self._lambda is None else self._lambda.to(torch.float64))
         lam = modo_step(lam, gramian.to(torch.float64), self.gamma, self.rho)
         self._lambda = lam
         return lam
