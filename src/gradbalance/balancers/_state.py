@@ -1,4 +1,4 @@
-"""State plumbing of the stateful balancers: copies, step counters, shape checks.
+"""State plumbing of the stateful balancers: the EMA-and-step base, shape checks.
 
 Not a balancer module (no ``__all__``). A stateful balancer keeps tensors in buffers (None
 before its first call) and, before any update, checks that the input still matches the
@@ -7,22 +7,10 @@ state (same tasks, same parameters), so a mismatch raises instead of broadcastin
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor
 
 from ._base import Balancer
-
-
-def clone_or_none(t: Tensor | None) -> Tensor | None:
-    """A detached copy, or None."""
-    return None if t is None else t.detach().clone()
-
-
-def as_step(value: Any) -> Tensor:
-    """A step counter as a 0-d int64 tensor (a copy)."""
-    return torch.as_tensor(value, dtype=torch.int64).clone()
 
 
 def check_state_rows(owner: str, state: Tensor | None, matrix: Tensor) -> None:

@@ -205,6 +205,14 @@ def test_state_dict_holds_copies() -> None:
     assert kept["targets"] is balancer.targets
 
 
+def test_extra_state_alone_round_trips_and_is_checked() -> None:
+    saver, target = _stepped("pcgrad"), build_balancer("pcgrad", K, seed=42)
+    target.set_extra_state(saver.get_extra_state())
+    assert torch.equal(target(_matrix(3)), saver(_matrix(3)))
+    with pytest.raises(ValueError, match="saved by a GradVac, not a PCGrad"):
+        target.set_extra_state(_stepped("gradvac").get_extra_state())
+
+
 def _child(rank: int, model: Model, out: str) -> None:
     torch.save([model.balancer(_matrix(s)) for s in range(3, 6)], out)
 
