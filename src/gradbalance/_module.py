@@ -19,7 +19,7 @@ were modules, with ``"_type"`` at the top) is converted first (:meth:`_from_lega
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -27,6 +27,8 @@ from torch.nn.modules import module as _torch_module
 
 from ._pickling import PicklableGenerators
 from ._statedict import TYPE_KEY, check_keys
+
+_M = TypeVar("_M", bound="StateModule")
 
 #: The key of a module's extra state in its ``state_dict`` (``torch.nn.Module``'s).
 EXTRA_KEY = "_extra_state"
@@ -48,9 +50,18 @@ class StateModule(PicklableGenerators, nn.Module):
     #: Old flat ``state_dict`` key -> buffer or parameter name, where not ``_`` + the key.
     _legacy_keys: ClassVar[dict[str, str]] = {}
 
+    _optional_state: dict[str, tuple[int, ...] | None]
+
+    def __new__(cls: type[_M], *args: Any, **kwargs: Any) -> _M:
+        # nn.Module's set-up happens here, so that a subclass whose __init__ never calls
+        # super().__init__() (0.2 allowed it) still gets its dicts of buffers and submodules.
+        obj = super().__new__(cls)
+        nn.Module.__init__(obj)
+        obj.__dict__["_optional_state"] = {}
+        return obj
+
     def __init__(self) -> None:
-        super().__init__()
-        self._optional_state: dict[str, tuple[int, ...] | None] = {}
+        """Nothing left to set up (see :meth:`__new__`)."""
 
     # -- declaring state ----------------------------------------------------------------
     def register_state(self, name: str, value: Tensor | None, *, optional: bool = False,

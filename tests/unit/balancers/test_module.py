@@ -213,6 +213,30 @@ def test_extra_state_alone_round_trips_and_is_checked() -> None:
         target.set_extra_state(_stepped("gradvac").get_extra_state())
 
 
+class Doubled(Balancer):
+    """A subclass written for 0.2: its ``__init__`` never calls ``super().__init__()``."""
+
+    from_gramian = True
+    weight_degree = 0.0
+
+    def __init__(self, inner: Balancer) -> None:
+        self.inner = inner
+        self.num_tasks = inner.num_tasks
+
+    def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
+        return 2 * self.inner._compute_weights(gramian, losses)
+
+
+def test_a_subclass_that_never_calls_super_init_still_works() -> None:
+    doubled = Doubled(PCGrad(generator=torch.Generator().manual_seed(3)))
+    plain = PCGrad(generator=torch.Generator().manual_seed(3))
+    assert torch.equal(doubled(_matrix(0)), 2 * plain(_matrix(0)))
+    assert set(doubled.state_dict()) == {"_extra_state", "inner._extra_state"}
+    fresh = Doubled(PCGrad())
+    fresh.load_state_dict(doubled.state_dict())
+    assert torch.equal(fresh(_matrix(1)), doubled(_matrix(1)))
+
+
 def _child(rank: int, model: Model, out: str) -> None:
     torch.save([model.balancer(_matrix(s)) for s in range(3, 6)], out)
 
