@@ -42,7 +42,8 @@ def _assert_moved(state: dict[str, Any], method: str) -> None:
         assert objects["balancer"]["targets"].abs().sum() > 0
         assert objects["clip"]["count"] > 0  # the row clipper's norm history
     else:
-        assert not torch.equal(objects["weighting"]["weights"], torch.ones(3, dtype=torch.float64))
+        assert not torch.equal(objects["weighting"]["task_weights"],
+                               torch.ones(3, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("precision", ["32", "bf16-mixed", "16-mixed-cpu"])

@@ -53,7 +53,7 @@ def make(name: str, model: Tiny | None = None, k: int = K) -> LossWeighting:
 
 
 def user_optimizer(weighting: LossWeighting, model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.Adam(list(model.parameters()) + weighting.parameters(), lr=0.05)
+    return torch.optim.Adam([*model.parameters(), *weighting.parameters()], lr=0.05)
 
 
 def train_step(weighting: LossWeighting, model: Tiny, opt: torch.optim.Optimizer,

@@ -17,10 +17,14 @@ with a :class:`~gradbalance.balancers.Shard`: weighted balancers from the full G
 matrix balancers through :meth:`Balancer._combine_matrix_sharded` (``docs/balancers.md``,
 "Sharded trunks").
 
-State (EMA targets, warm starts, counters) lives in tensors, is returned by
-:meth:`Balancer.state_dict` and restored by :meth:`Balancer.load_state_dict` into a fresh
-object with no warm-up call. A balancer never changes state when its input is not finite:
-it raises :class:`~gradbalance.NonFiniteGradientError` first.
+A balancer is a ``torch.nn.Module``: ``balancer(G)`` is :meth:`Balancer.forward`. Its state
+(EMA targets, warm starts, counters) lives in registered buffers (None before the first call
+where its shape comes from the input), its random generators' states and the class name in
+the module's extra state, so a balancer attached to a model is in ``model.state_dict()`` and
+moves with ``model.to()``. :meth:`Balancer.load_state_dict` restores it into a fresh object
+with no warm-up call, all or nothing (:mod:`gradbalance._module`). A balancer never changes
+state when its input is not finite: it raises :class:`~gradbalance.NonFiniteGradientError`
+first.
 
 Numerical range: a weighted balancer with a declared weight degree ``δ``
 (:attr:`Balancer.weight_degree`, ``w(c·G Gᵀ) = c^δ w(G Gᵀ)``) computes its weights on the
@@ -33,14 +37,13 @@ and in float64 for norms ``1e-150`` … ``1e150``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, NoReturn
+from typing import ClassVar, NoReturn
 
 import torch
 from torch import Tensor
 
 from .._checks import check_matrix, check_num_tasks
-from .._pickling import PicklableGenerators
-from .._statedict import reject_state, tag_state, untag_state
+from .._module import StateModule
 from .._types import NonFiniteGradientError
 from ..gramian import compute_gramian, is_finite_gramian
 from ._shard import Shard
@@ -61,7 +64,7 @@ def combine_rows(weights: Tensor, matrix: Tensor) -> Tensor:
     return weights.to(dtype=matrix.dtype, device=matrix.device) @ matrix
 
 
-class Balancer(PicklableGenerators):
+class Balancer(StateModule):
     """Base class of every gradient balancer.
 
     Class attributes a subclass declares (the three flags may be set per instance instead,
@@ -86,8 +89,10 @@ class Balancer(PicklableGenerators):
     homogeneous: bool = True
     needs_losses: bool = False
     weight_degree: float | None = None
+    _kind = "balancer"
 
     def __init__(self, num_tasks: int | None = None) -> None:
+        super().__init__()
         self.num_tasks = None if num_tasks is None else check_num_tasks("num_tasks", num_tasks)
 
     # -- to implement -------------------------------------------------------------------
@@ -128,8 +133,8 @@ class Balancer(PicklableGenerators):
             raise NonFiniteGradientError(self._nonfinite_message())
         return self._combine_matrix(matrix, losses)
 
-    def __call__(self, matrix: Tensor, losses: Tensor | None = None) -> Tensor:
-        """Combined gradient ``[P]`` (see :meth:`combine`)."""
+    def forward(self, matrix: Tensor, losses: Tensor | None = None) -> Tensor:
+        """Combined gradient ``[P]`` (see :meth:`combine`); ``balancer(matrix, losses)``."""
         return self.combine(matrix, losses).vector
 
     @property
@@ -210,21 +215,6 @@ class Balancer(PicklableGenerators):
         losses = self._check_losses(losses, gramian.shape[0])
         self._check_finite_gramian(gramian)
         return self._scaled_weights(gramian, losses)
-
-    def state_dict(self) -> dict[str, Any]:
-        """Tensors and settings needed to resume, and ``"_type"``: the class name.
-
-        A stateless balancer's state holds only ``"_type"``.
-        """
-        return tag_state(self, {})
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; works on a freshly built object.
-
-        Raises ``ValueError``, changing nothing, for a state saved by another class or with
-        unknown keys.
-        """
-        reject_state(type(self).__name__, untag_state(self, state_dict, "balancer"), "balancer")
 
     def reset(self) -> None:
         """Forget all state (as freshly built)."""

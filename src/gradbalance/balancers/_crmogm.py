@@ -8,20 +8,17 @@ and Beyond*, NeurIPS (the correlation-reduced weights of CR-MOGM; TorchJD's
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from .._checks import as_task_vector, check_range
-from .._statedict import tag_state, untag_state
 from ._base import Balancer
 from ._mgda import MGDA
-from ._state import check_state_tasks, clone_or_none
+from ._state import check_state_tasks
 
 __all__ = ["CRMOGM"]
-
-_INNER = "inner."
 
 
 class CRMOGM(Balancer):
@@ -45,9 +42,12 @@ class CRMOGM(Balancer):
     Runs on the Gramian like its inner balancer; reads the losses when it does; positively
     homogeneous when it is. ``reset()`` resets the inner balancer too.
 
-    State: ``λ`` ``[K]`` float64 (None before the first call) and the inner balancer's state
-    under ``"inner.<key>"``.
+    State: ``λ`` ``[K]`` float64 (None before the first call; saved as ``"_lambda"``), and
+    the inner balancer, a submodule, under ``"inner.<key>"``.
     """
+
+    _lambda: Tensor | None
+    _legacy_keys: ClassVar[dict[str, str]] = {"weights": "_lambda"}
 
     name = "crmogm"
     from_gramian = True
@@ -79,7 +79,7 @@ class CRMOGM(Balancer):
         # Instance values of the class flags: they are the inner balancer's.
         self.homogeneous = inner.homogeneous
         self.needs_losses = inner.needs_losses
-        self._lambda: Tensor | None = None
+        self.register_state("_lambda", None, optional=True)
 
     @property
     def beta(self) -> float:
@@ -105,28 +105,19 @@ class CRMOGM(Balancer):
         self._lambda = self._beta * prev + (1.0 - self._beta) * hat
         return self._lambda
 
-    def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"weights": clone_or_none(self._lambda)}
-        state.update({_INNER + key: value for key, value in self.inner.state_dict().items()})
-        return tag_state(self, state)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state_dict = untag_state(self, state_dict, "balancer")
-        if "weights" not in state_dict or any(
-                key != "weights" and not str(key).startswith(_INNER) for key in state_dict):
+    def _check_state(self, tensors: dict[str, Tensor | None], extra: dict[str, Any]) -> None:
+        if extra:
             raise ValueError(
-                f"CRMOGM state_dict has keys {sorted(state_dict, key=str)} but needs 'weights' "
-                f"and 'inner.*' only; was it saved from another balancer?"
+                f"CRMOGM state_dict has unexpected keys {sorted(extra, key=str)}: its own state "
+                f"is '_lambda' (0.2: 'weights'), the inner balancer's is under 'inner.'; was "
+                f"it saved from another balancer?"
             )
-        weights = clone_or_none(state_dict["weights"])
+        weights = tensors["_lambda"]
         if weights is not None and self.num_tasks not in (None, weights.numel()):
             raise ValueError(
                 f"CRMOGM weights are for {weights.numel()} tasks but the balancer was built "
                 f"with num_tasks={self.num_tasks}"
             )
-        self.inner.load_state_dict({key[len(_INNER):]: value for key, value in
-                                    state_dict.items() if key.startswith(_INNER)})
-        self._lambda = None if weights is None else weights.to(torch.float64)
 
     def reset(self) -> None:
         """Forget the average and reset the inner balancer."""

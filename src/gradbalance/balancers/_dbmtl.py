@@ -59,7 +59,7 @@ class DBMTL(EmaStepState, Balancer):
         eps: added to the losses when ``log_losses`` (default 1e-8, as ``log(L + ε)``).
 
     State: ``ĝ`` ``[K, P]`` in the gradients' dtype (a rank's ``[K, P_local]`` under a
-    sharded trunk) and the step count.
+    sharded trunk) and the step count (buffers ``_ema``, ``_step``).
     """
 
     name = "dbmtl"
@@ -106,7 +106,7 @@ class DBMTL(EmaStepState, Balancer):
                                                    device=matrix.device).unsqueeze(1)
         t = int(self._step) + 1
         beta_t = self.beta / t**self.beta_sigma
-        ema = rows.clone() if self._ema is None else self._ema
+        ema = rows.clone() if self._ema is None else self._ema.to(rows)
         ema = rows + beta_t * (ema - rows) if self._ema is not None else (1.0 - beta_t) * ema
         return ema, t
 

@@ -7,17 +7,17 @@ scale processing).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from .._checks import check_int, check_range
-from .._statedict import check_keys, tag_state, untag_state
 from ..gramian import unit_rows
 from ._base import Balancer, Combination
 from ._shard import Shard
-from ._state import as_step, check_state_rows, clone_or_none
+from ._state import check_state_rows
 
 __all__ = ["ExcessMTL", "excessmtl_risks"]
 
@@ -36,14 +36,6 @@ def excessmtl_risks(matrix: Tensor, root_sq_sum: Tensor, eps: float = 1e-7) -> T
     safe = torch.where(h > 0, h, torch.ones_like(h))  # H = 0 only where g = 0 and ε = 0
     terms = torch.where(h > 0, unit * unit / safe, torch.zeros_like(unit))
     return terms.sum(dim=1, dtype=torch.float64) * scale * scale
-
-
-def _root_state(state: dict[str, Any]) -> Tensor | None:
-    """``R = √S`` from a saved state: ``"root_sq_sum"``, or ``√"sq_sum"`` (older saves)."""
-    if state.get("root_sq_sum") is not None:
-        return clone_or_none(state["root_sq_sum"])
-    sq_sum = state.get("sq_sum")
-    return None if sq_sum is None else torch.as_tensor(sq_sum).detach().sqrt()
 
 
 class ExcessMTL(Balancer):
@@ -72,8 +64,15 @@ class ExcessMTL(Balancer):
 
     State: ``R = √S`` ``[K, P]`` in the gradients' dtype (as large as ``G``; a state saved
     with ``S`` itself, ``"sq_sum"``, loads as ``√S``), ``α``, the baseline, the warm-up sum
-    and the step count. Under a sharded trunk ``R`` holds the rank's columns.
+    and the step count (buffers ``_root_sq_sum``, ``_weights``, ``_baseline``,
+    ``_warmup_sum``, ``_step``). Under a sharded trunk ``R`` holds the rank's columns.
     """
+
+    _root_sq_sum: Tensor | None
+    _weights: Tensor | None
+    _baseline: Tensor | None
+    _warmup_sum: Tensor | None
+    _step: Tensor
 
     name = "excessmtl"
     from_gramian = False
@@ -86,13 +85,15 @@ class ExcessMTL(Balancer):
                                             low_open=True)
         self.n_warmup_steps = check_int("n_warmup_steps", n_warmup_steps, 0)
         self.eps = check_range("eps", eps, 0.0, None)
-        self.reset()
+        for name in ("_root_sq_sum", "_weights", "_baseline", "_warmup_sum"):
+            self.register_state(name, None, optional=True)
+        self.register_state("_step", torch.zeros((), dtype=torch.int64))
 
     def reset(self) -> None:
-        self._root_sq_sum: Tensor | None = None
-        self._weights: Tensor | None = None
-        self._baseline: Tensor | None = None
-        self._warmup_sum: Tensor | None = None
+        self._root_sq_sum = None
+        self._weights = None
+        self._baseline = None
+        self._warmup_sum = None
         self._step = torch.zeros((), dtype=torch.int64)
 
     def _combine_matrix(self, matrix: Tensor, losses: Tensor | None) -> Combination:
@@ -107,8 +108,8 @@ class ExcessMTL(Balancer):
     def _advance(self, matrix: Tensor, shard: Shard | None) -> Combination:
         check_state_rows(type(self).__name__, self._root_sq_sum, matrix)
         k = matrix.shape[0]
-        root = matrix.abs() if self._root_sq_sum is None else torch.hypot(self._root_sq_sum,
-                                                                          matrix)
+        root = matrix.abs() if self._root_sq_sum is None else torch.hypot(
+            self._root_sq_sum.to(matrix), matrix)
         risks = excessmtl_risks(matrix, root, self.eps)
         if shard is not None:
             risks = shard.sum(risks)
@@ -131,23 +132,13 @@ class ExcessMTL(Balancer):
         self._step = torch.tensor(t + 1, dtype=torch.int64)
         return Combination(weights.to(matrix.dtype) @ matrix, weights)
 
-    def state_dict(self) -> dict[str, Any]:
-        return tag_state(self, {
-            "root_sq_sum": clone_or_none(self._root_sq_sum),
-            "weights": clone_or_none(self._weights),
-            "baseline": clone_or_none(self._baseline),
-            "warmup_sum": clone_or_none(self._warmup_sum), "step": self._step.clone()})
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state = untag_state(self, state_dict, "balancer")
-        check_keys(type(self).__name__, state,
-                   ["root_sq_sum", "sq_sum", "weights", "baseline", "warmup_sum", "step"])
-        step = as_step(state.get("step", 0))
-        self._root_sq_sum = _root_state(state)
-        self._weights = clone_or_none(state.get("weights"))
-        self._baseline = clone_or_none(state.get("baseline"))
-        self._warmup_sum = clone_or_none(state.get("warmup_sum"))
-        self._step = step
+    def _from_legacy(self, flat: Mapping[str, Any]) -> dict[str, Any]:
+        """Older saves hold ``S`` itself (``"sq_sum"``): it loads as ``R = √S``."""
+        state = dict(flat)
+        sq_sum = state.pop("sq_sum", None)
+        if state.get("root_sq_sum") is None and isinstance(sq_sum, Tensor):
+            state["root_sq_sum"] = sq_sum.detach().sqrt()
+        return super()._from_legacy(state)
 
     def __repr__(self) -> str:
         return (f"ExcessMTL(num_tasks={self.num_tasks}, robust_step_size="

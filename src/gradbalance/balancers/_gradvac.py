@@ -13,10 +13,9 @@ import torch
 from torch import Tensor
 
 from .._checks import check_generator
-from .._statedict import check_keys, tag_state, untag_state
 from ..gramian import compute_gramian
-from ._base import Balancer, Combination
-from ._rng import check_generator_state, private_generator
+from ._base import Combination
+from ._rng import OwnedGeneratorState, private_generator
 from ._shard import Shard
 from ._solvers import trace_normalized
 
@@ -112,7 +111,7 @@ def _vaccine(phi: Tensor, hat: Tensor, norm_i: Tensor, norm_j: Tensor, cap: Tens
     return torch.where(active, bounded, torch.zeros_like(bounded))
 
 
-class GradVac(Balancer):
+class GradVac(OwnedGeneratorState):
     """GradVac (Wang et al. 2021): ``g = Σᵢ g_i^PC``, cosines lifted to EMA targets.
 
     Like PCGrad, each task gradient visits the others in a random order, but instead of
@@ -140,6 +139,8 @@ class GradVac(Balancer):
 
     State: ``targets`` ``[K, K]`` (or ``[n_groups, K, K]``) and the generator state.
     """
+
+    targets: Tensor | None
 
     name = "gradvac"
     from_gramian = True
@@ -175,9 +176,8 @@ class GradVac(Balancer):
         self.groups = groups
         self.from_gramian = groups is None
         self.generator = check_generator("generator", generator) or private_generator()
-        self.targets: Tensor | None = None
-        if num_tasks is not None:
-            self.targets = self._zeros(num_tasks)
+        self.register_state("targets", None if num_tasks is None else self._zeros(num_tasks),
+                            optional=True)
 
     def _zeros(self, k: int) -> Tensor:
         shape = (k, k) if self.groups is None else (len(self.groups), k, k)
@@ -247,28 +247,17 @@ class GradVac(Balancer):
         self.targets = torch.stack(new_targets)
         return Combination(out)
 
-    def state_dict(self) -> dict[str, Any]:
-        targets = None if self.targets is None else self.targets.clone()
-        return tag_state(self, {"targets": targets, "generator": self.generator.get_state()})
+    def _check_state(self, tensors: dict[str, Tensor | None], extra: dict[str, Any]) -> None:
+        super()._check_state(tensors, extra)
+        self._check_targets(tensors["targets"])
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state = untag_state(self, state_dict, "balancer")
-        check_keys(type(self).__name__, state, ["targets", "generator"])
-        if "targets" not in state:
-            raise ValueError(
-                f"GradVac state_dict has keys {sorted(state)} but needs 'targets'; was it "
-                f"saved from another balancer?"
-            )
-        check_generator_state(type(self).__name__, state)
-        targets = self._checked_targets(state["targets"])
-        self.generator.set_state(state["generator"])
-        self.targets = targets
-        if targets is not None:
-            self.num_tasks = targets.shape[-1]
+    def _load_extra(self, extra: dict[str, Any]) -> None:
+        super()._load_extra(extra)
+        if self.targets is not None:
+            self.num_tasks = self.targets.shape[-1]
 
-    def _checked_targets(self, saved: Any) -> Tensor | None:
-        """Saved targets as a float64 copy, checked against ``groups`` and ``num_tasks``."""
-        targets = None if saved is None else torch.as_tensor(saved, dtype=torch.float64).clone()
+    def _check_targets(self, targets: Tensor | None) -> None:
+        """Saved targets checked against ``groups`` and ``num_tasks``."""
         if targets is not None:
             expected = 2 if self.groups is None else 3
             if targets.dim() != expected or (
@@ -283,7 +272,6 @@ class GradVac(Balancer):
                 f"GradVac targets are for {targets.shape[-1]} tasks but the balancer was built "
                 f"with num_tasks={self.num_tasks}"
             )
-        return targets
 
     def reset(self) -> None:
         """Targets back to 0 (the generator keeps running)."""

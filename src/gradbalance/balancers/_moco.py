@@ -7,18 +7,17 @@ Convergent Approach*, ICLR, openreview dLAYGdKTi2 (Algorithm 1).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from torch import Tensor
 
 from .._checks import check_range
-from .._statedict import check_keys, tag_state, untag_state
 from ..gramian import compute_gramian, unit_rows
 from ._base import Balancer, Combination
 from ._modo import modo_step
 from ._shard import Shard, sharded_unit_rows
-from ._state import as_step, check_state_rows, clone_or_none
+from ._state import check_state_rows
 
 __all__ = ["MoCo", "moco_step"]
 
@@ -88,9 +87,13 @@ class MoCo(Balancer):
             losses). Default False (the paper's algorithm).
 
     Defaults follow LibMTL's MoCo settings. State: ``y`` ``[K, P]`` in the gradients' dtype,
-    ``λ`` ``[K]`` float64 and the step count (``y`` holds a rank's columns under a sharded
-    trunk).
+    ``λ`` ``[K]`` float64 and the step count (buffers ``_y``, ``_lambda``, ``_step``; ``y``
+    holds a rank's columns under a sharded trunk).
     """
+
+    _y: Tensor | None
+    _lambda: Tensor | None
+    _step: Tensor
 
     name = "moco"
     from_gramian = False
@@ -113,11 +116,13 @@ class MoCo(Balancer):
         self.lambda_update: LambdaUpdate = lambda_update
         self.normalize_grads = bool(normalize_grads)
         self.needs_losses = self.normalize_grads
-        self.reset()
+        self.register_state("_y", None, optional=True)
+        self.register_state("_lambda", None, optional=True)
+        self.register_state("_step", torch.zeros((), dtype=torch.int64))
 
     def reset(self) -> None:
-        self._y: Tensor | None = None
-        self._lambda: Tensor | None = None
+        self._y = None
+        self._lambda = None
         self._step = torch.zeros((), dtype=torch.int64)
 
     def _combine_matrix(self, matrix: Tensor, losses: Tensor | None) -> Combination:
@@ -137,9 +142,9 @@ class MoCo(Balancer):
         if self.normalize_grads:
             assert losses is not None
             h = _loss_scaled_directions(matrix, losses, shard)
-        y = torch.zeros_like(matrix) if self._y is None else self._y
+        y = torch.zeros_like(matrix) if self._y is None else self._y.to(matrix)
         lam = (torch.full((k,), 1.0 / k, dtype=torch.float64, device=matrix.device)
-               if self._lambda is None else self._lambda)
+               if self._lambda is None else self._lambda.to(torch.float64))
         t = int(self._step) + 1
         beta_t = self.beta / t**self.beta_sigma
         gamma_t = self.gamma / t**self.gamma_sigma
@@ -148,18 +153,6 @@ class MoCo(Balancer):
         self._y, self._lambda = y, lam
         self._step = torch.tensor(t, dtype=torch.int64)
         return Combination(lam.to(y.dtype) @ y)
-
-    def state_dict(self) -> dict[str, Any]:
-        return tag_state(self, {"y": clone_or_none(self._y),
-                                "lambda": clone_or_none(self._lambda), "step": self._step.clone()})
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state = untag_state(self, state_dict, "balancer")
-        check_keys(type(self).__name__, state, ["y", "lambda", "step"])
-        step = as_step(state.get("step", 0))
-        self._y = clone_or_none(state.get("y"))
-        self._lambda = clone_or_none(state.get("lambda"))
-        self._step = step
 
     def __repr__(self) -> str:
         return (f"MoCo(num_tasks={self.num_tasks}, beta={self.beta}, gamma={self.gamma}, "

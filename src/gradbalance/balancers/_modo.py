@@ -7,16 +7,13 @@ Generalization and Conflict-Avoidance*, NeurIPS 2023 / JMLR 2024, arXiv:2305.200
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor
 
 from .._checks import check_range
-from .._statedict import check_keys, tag_state, untag_state
 from ._base import Balancer
 from ._solvers import project_simplex
-from ._state import check_state_tasks, clone_or_none
+from ._state import check_state_tasks
 
 __all__ = ["MoDo", "modo_step"]
 
@@ -49,8 +46,10 @@ class MoDo(Balancer):
             squared gradient norms, so tune it to your gradient scale).
         rho: ℓ₂ regularisation ``ρ ≥ 0`` (default 0.1).
 
-    State: ``λ`` ``[K]`` float64, starting at ``1/K``.
+    State: ``λ`` ``[K]`` float64, starting at ``1/K`` (buffer ``_lambda``).
     """
+
+    _lambda: Tensor | None
 
     name = "modo"
     from_gramian = True
@@ -62,27 +61,19 @@ class MoDo(Balancer):
         super().__init__(num_tasks)
         self.gamma = check_range("gamma", gamma, 0.0, None, low_open=True)
         self.rho = check_range("rho", rho, 0.0, None)
-        self.reset()
+        self.register_state("_lambda", None, optional=True)
 
     def reset(self) -> None:
-        self._lambda: Tensor | None = None
+        self._lambda = None
 
     def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         k = gramian.shape[0]
         check_state_tasks(type(self).__name__, self._lambda, k)
         lam = (torch.full((k,), 1.0 / k, dtype=torch.float64, device=gramian.device)
-               if self._lambda is None else self._lambda)
+               if self._lambda is None else self._lambda.to(torch.float64))
         lam = modo_step(lam, gramian.to(torch.float64), self.gamma, self.rho)
         self._lambda = lam
         return lam
-
-    def state_dict(self) -> dict[str, Any]:
-        return tag_state(self, {"lambda": clone_or_none(self._lambda)})
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state = untag_state(self, state_dict, "balancer")
-        check_keys(type(self).__name__, state, ["lambda"])
-        self._lambda = clone_or_none(state.get("lambda"))
 
     def __repr__(self) -> str:
         return f"MoDo(num_tasks={self.num_tasks}, gamma={self.gamma}, rho={self.rho})"

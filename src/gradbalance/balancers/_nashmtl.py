@@ -13,7 +13,6 @@ import torch
 from torch import Tensor
 
 from .._checks import check_int
-from .._statedict import check_keys, tag_state, untag_state
 from ._base import Balancer
 from ._solvers import nash_bargaining, trace_normalized
 
@@ -71,8 +70,12 @@ class NashMTL(Balancer):
         update_weights_every: solve every N-th call and reuse ``α`` in between (authors'
             option; default 1).
 
-    State: the last ``α`` (warm start and reuse) and the call counter.
+    State: the last ``α`` (warm start and reuse) and the call counter (buffers ``alpha``,
+    ``step``).
     """
+
+    alpha: Tensor | None
+    step: Tensor
 
     name = "nashmtl"
     from_gramian = True
@@ -95,8 +98,8 @@ class NashMTL(Balancer):
         self.homogeneous = normalization == "frobenius"
         # w(cG) = w(G)/√c (paper) or w(G) ("frobenius"): the solve sees G / maxₖ Gₖₖ.
         self.weight_degree = 0.0 if normalization == "frobenius" else -0.5
-        self.alpha: Tensor | None = None
-        self.step = torch.zeros((), dtype=torch.int64)
+        self.register_state("alpha", None, optional=True)
+        self.register_state("step", torch.zeros((), dtype=torch.int64))
 
     def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         k = gramian.shape[0]
@@ -113,30 +116,18 @@ class NashMTL(Balancer):
         self.step = self.step + 1
         return w.to(gramian.device)
 
-    def state_dict(self) -> dict[str, Any]:
-        alpha = None if self.alpha is None else self.alpha.clone()
-        return tag_state(self, {"alpha": alpha, "step": self.step.clone()})
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state = untag_state(self, state_dict, "balancer")
-        check_keys(type(self).__name__, state, ["alpha", "step"])
-        missing = {"alpha", "step"} - set(state)
-        if missing:
-            raise ValueError(
-                f"NashMTL state_dict lacks {sorted(missing)} (has {sorted(state)}); was "
-                f"it saved from another balancer?"
-            )
-        alpha = state["alpha"]
-        alpha = None if alpha is None else torch.as_tensor(alpha, dtype=torch.float64).clone()
-        step = torch.as_tensor(state["step"], dtype=torch.int64).clone()
+    def _check_state(self, tensors: dict[str, Tensor | None], extra: dict[str, Any]) -> None:
+        super()._check_state(tensors, extra)
+        alpha = tensors["alpha"]
         if alpha is not None and self.num_tasks not in (None, alpha.numel()):
             raise ValueError(
                 f"NashMTL state is for {alpha.numel()} tasks but the balancer was "
                 f"built with num_tasks={self.num_tasks}"
             )
-        self.alpha, self.step = alpha, step
-        if alpha is not None:
-            self.num_tasks = alpha.numel()
+
+    def _load_extra(self, extra: dict[str, Any]) -> None:
+        if self.alpha is not None:
+            self.num_tasks = self.alpha.numel()
 
     def reset(self) -> None:
         """Forget the warm start and the call counter."""

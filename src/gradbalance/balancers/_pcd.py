@@ -119,7 +119,7 @@ class PCD(EmaStepState, Balancer):
         beta: EMA decay ``β ∈ [0, 1)`` (default 0.999).
         eps: ``ε ≥ 0`` (default 1e-8).
 
-    State: the EMA ``[K]`` float64 and the step count.
+    State: the EMA ``[K]`` float64 and the step count (buffers ``_ema``, ``_step``).
     """
 
     name = "pcd"

@@ -6,15 +6,13 @@ Algorithm 1.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from torch import Tensor
 
 from .._checks import check_generator
-from .._statedict import check_keys, tag_state, untag_state
-from ._base import Balancer
-from ._rng import load_generator_state, private_generator
+from ._rng import OwnedGeneratorState, private_generator
 from ._solvers import trace_normalized
 
 __all__ = ["PCGrad", "pcgrad_coefficients", "pcgrad_orders"]
@@ -58,7 +56,7 @@ def pcgrad_coefficients(gramian: Tensor, orders: Tensor) -> Tensor:
     return coef
 
 
-class PCGrad(Balancer):
+class PCGrad(OwnedGeneratorState):
     """PCGrad (Yu et al. 2020): ``g = Σᵢ g_i^PC`` (paper) or their mean.
 
     Each ``g_i^PC`` starts at ``gᵢ`` and is projected onto the normal plane of every ``gⱼ`` it
@@ -71,7 +69,8 @@ class PCGrad(Balancer):
             re-implementations; the sum divided by K).
         generator: source of the task orders. If None, a private CPU generator is created,
             seeded from the global RNG (so ``torch.manual_seed`` makes runs repeatable). Its
-            state is part of :meth:`state_dict`, so a resumed run draws the same orders.
+            state is in :meth:`state_dict` (the extra state), so a resumed run draws the same
+            orders.
     """
 
     name = "pcgrad"
@@ -100,14 +99,6 @@ class PCGrad(Balancer):
         if self.reduction == "mean":
             w = w / k
         return w.to(gramian.device)
-
-    def state_dict(self) -> dict[str, Any]:
-        return tag_state(self, {"generator": self.generator.get_state()})
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state = untag_state(self, state_dict, "balancer")
-        check_keys(type(self).__name__, state, ["generator"])
-        load_generator_state(self, state)
 
     def reset(self) -> None:
         """Nothing to forget: the generator keeps running (re-seed it to repeat orders)."""

@@ -1,11 +1,13 @@
 """The random source of the stochastic balancers and its place in ``state_dict``.
 
-Not a balancer module (no ``__all__``). Two conventions, both resumable bit-identically:
+Not a balancer module (no ``__all__``). A generator's state is in the balancer's extra state
+(``state_dict()["_extra_state"]["generator"]``, a uint8 tensor). Two conventions, both
+resumable bit-identically:
 
 * an *owned* generator (PCGrad, GradVac): always present, a private CPU generator seeded from
-  the global RNG when none is given; ``state_dict`` always holds ``"generator"``;
+  the global RNG when none is given; the state always holds ``"generator"``;
 * an *optional* generator (GradDrop, Random): None draws from torch's global RNG, which the
-  balancer does not own, so ``state_dict`` holds ``"generator"`` only for a given generator.
+  balancer does not own, so the state holds ``"generator"`` only for a given generator.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._statedict import check_keys, tag_state, untag_state
+from ._base import Balancer
 
 
 def private_generator() -> torch.Generator:
@@ -40,12 +42,6 @@ def check_generator_state(owner: str, state_dict: dict[str, Any]) -> None:
         )
 
 
-def load_generator_state(balancer: Any, state_dict: dict[str, Any]) -> None:
-    """Owned generator: restore ``balancer.generator`` from the required ``"generator"``."""
-    check_generator_state(type(balancer).__name__, state_dict)
-    balancer.generator.set_state(state_dict["generator"])
-
-
 def generator_state(generator: torch.Generator | None) -> dict[str, Tensor]:
     """Optional generator: ``{"generator": state}`` for a held generator, else empty."""
     return {} if generator is None else {"generator": generator.get_state().clone()}
@@ -64,15 +60,42 @@ def restore_generator(generator: torch.Generator | None, state: dict[str, Any],
     generator.set_state(state["generator"].clone())
 
 
-class OptionalGeneratorState:
-    """``state_dict``/``load_state_dict`` of a balancer whose only state is its generator."""
+class OptionalGeneratorState(Balancer):
+    """A balancer whose only state is an optional generator (in its extra state)."""
 
     generator: torch.Generator | None
+    _extra_keys = ("generator",)
 
-    def state_dict(self) -> dict[str, Any]:
-        return tag_state(self, generator_state(self.generator))
+    def _extra_state(self) -> dict[str, Any]:
+        return generator_state(self.generator)
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state = untag_state(self, state_dict, "balancer")
-        check_keys(type(self).__name__, state, ["generator"])
-        restore_generator(self.generator, state, type(self).__name__)
+    def _check_state(self, tensors: dict[str, Tensor | None], extra: dict[str, Any]) -> None:
+        super()._check_state(tensors, extra)
+        if "generator" in extra:
+            check_generator_state(type(self).__name__, extra)
+            if self.generator is None:
+                raise ValueError(
+                    f"state_dict holds a generator state but this {type(self).__name__} has no "
+                    f"generator; build it with generator=torch.Generator() to resume the same "
+                    f"random stream"
+                )
+
+    def _load_extra(self, extra: dict[str, Any]) -> None:
+        restore_generator(self.generator, extra, type(self).__name__)
+
+
+class OwnedGeneratorState(Balancer):
+    """The extra state of a balancer that always holds a generator (PCGrad, GradVac)."""
+
+    generator: torch.Generator
+    _extra_keys = ("generator",)
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {"generator": self.generator.get_state()}
+
+    def _check_state(self, tensors: dict[str, Tensor | None], extra: dict[str, Any]) -> None:
+        check_generator_state(type(self).__name__, extra)
+        super()._check_state(tensors, extra)
+
+    def _load_extra(self, extra: dict[str, Any]) -> None:
+        self.generator.set_state(extra["generator"].clone())

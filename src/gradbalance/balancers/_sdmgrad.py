@@ -7,16 +7,14 @@ Stochastic Algorithms*, NeurIPS, arXiv:2305.18409 (Algorithm 1; the normalisatio
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from .._checks import as_task_vector, check_int, check_range
-from .._statedict import check_keys, tag_state, untag_state
 from ._base import Balancer
 from ._solvers import project_simplex
-from ._state import check_state_tasks, clone_or_none
+from ._state import check_state_tasks
 
 __all__ = ["SDMGrad", "sdmgrad_weights"]
 
@@ -58,8 +56,11 @@ class SDMGrad(Balancer):
         n_iter: iterations of the inner SGD (default 20).
         pref_vector: ``w̃`` (default uniform ``1/K``: the mean gradient).
 
-    State: the simplex iterate ``w`` ``[K]`` float64 (warm start), starting at ``1/K``.
+    State: the simplex iterate ``w`` ``[K]`` float64 (warm start), starting at ``1/K``
+    (buffer ``_w``).
     """
+
+    _w: Tensor | None
 
     name = "sdmgrad"
     from_gramian = True
@@ -79,10 +80,10 @@ class SDMGrad(Balancer):
         self.momentum = check_range("momentum", momentum, 0.0, 1.0, high_open=True)
         self.n_iter = check_int("n_iter", n_iter, 1)
         self.pref_vector = pref
-        self.reset()
+        self.register_state("_w", None, optional=True)
 
     def reset(self) -> None:
-        self._w: Tensor | None = None
+        self._w = None
 
     def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         k = gramian.shape[0]
@@ -96,14 +97,6 @@ class SDMGrad(Balancer):
                                  self.n_iter)
         self._w = w
         return out
-
-    def state_dict(self) -> dict[str, Any]:
-        return tag_state(self, {"w": clone_or_none(self._w)})
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state = untag_state(self, state_dict, "balancer")
-        check_keys(type(self).__name__, state, ["w"])
-        self._w = clone_or_none(state.get("w"))
 
     def __repr__(self) -> str:
         return (f"SDMGrad(num_tasks={self.num_tasks}, lambda_={self.lambda_}, lr={self.lr}, "

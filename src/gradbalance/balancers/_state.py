@@ -1,28 +1,16 @@
-"""State plumbing of the stateful balancers: copies, step counters, shape checks.
+"""State plumbing of the stateful balancers: the EMA-and-step base, shape checks.
 
-Not a balancer module (no ``__all__``). A stateful balancer keeps tensors (None before its
-first call), saves copies and, before any update, checks that the input still matches the
+Not a balancer module (no ``__all__``). A stateful balancer keeps tensors in buffers (None
+before its first call) and, before any update, checks that the input still matches the
 state (same tasks, same parameters), so a mismatch raises instead of broadcasting silently.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor
 
-from .._statedict import check_keys, tag_state, untag_state
-
-
-def clone_or_none(t: Tensor | None) -> Tensor | None:
-    """A detached copy, or None."""
-    return None if t is None else t.detach().clone()
-
-
-def as_step(value: Any) -> Tensor:
-    """A step counter as a 0-d int64 tensor (a copy)."""
-    return torch.as_tensor(value, dtype=torch.int64).clone()
+from ._base import Balancer
 
 
 def check_state_rows(owner: str, state: Tensor | None, matrix: Tensor) -> None:
@@ -46,24 +34,21 @@ def check_state_tasks(owner: str, state: Tensor | None, k: int) -> None:
         )
 
 
-class EmaStepState:
-    """Reset, save and load a balancer whose state is one EMA tensor ``_ema`` and ``_step``.
+class EmaStepState(Balancer):
+    """A balancer whose state is one EMA tensor ``_ema`` and a step count ``_step`` (buffers).
 
-    ``_ema`` is None before the first call; ``_step`` counts the calls (0-d int64).
+    ``_ema`` is None before the first call; ``_step`` counts the calls (0-d int64). Saved by
+    0.1/0.2 as ``"ema"`` and ``"step"``.
     """
 
     _ema: Tensor | None
     _step: Tensor
 
+    def __init__(self, num_tasks: int | None = None) -> None:
+        super().__init__(num_tasks)
+        self.register_state("_ema", None, optional=True)
+        self.register_state("_step", torch.zeros((), dtype=torch.int64))
+
     def reset(self) -> None:
         self._ema = None
         self._step = torch.zeros((), dtype=torch.int64)
-
-    def state_dict(self) -> dict[str, Any]:
-        return tag_state(self, {"ema": clone_or_none(self._ema), "step": self._step.clone()})
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state = untag_state(self, state_dict, "balancer")
-        check_keys(type(self).__name__, state, ["ema", "step"])
-        ema, step = clone_or_none(state.get("ema")), as_step(state.get("step", 0))
-        self._ema, self._step = ema, step

@@ -6,10 +6,11 @@ needs no copy. What moves earlier is captured here, all of it small:
 * the heads' ``.grad`` (written by every ``backward``, averaged over the ranks in ``apply_``):
   :class:`GradSnapshot`, taken at the step's first ``backward``; free when ``.grad`` is None;
 * the balancer, the row clipper and torch's global CPU generator (advanced by ``apply_``):
-  :class:`StateSnapshot`. A balancer's attributes are saved by reference (balancers replace
-  their state tensors instead of writing into them, tested for every registered one) and its
-  generators by state; an object with ``state_dict``/``load_state_dict`` (``TaskAutoClip``)
-  through those; any other object by its attributes.
+  :class:`StateSnapshot`. A balancer's attributes, buffers and parameters are saved by
+  reference (balancers replace their state tensors instead of writing into them, tested for
+  every registered one), its generators by state and its stateful submodules (CR-MOGM's
+  inner balancer) likewise; an object with ``state_dict``/``load_state_dict``
+  (``TaskAutoClip``) through those; any other object by its attributes.
 """
 
 from __future__ import annotations
@@ -70,13 +71,18 @@ def _capture(obj: object) -> Restore:
 
 
 def _capture_attributes(obj: object) -> Restore:
-    """The object's attributes by reference; nested balancers and generators by state."""
+    """The object's attributes by reference (a module's buffers and parameters too); nested
+    balancers and generators by state."""
     attributes: dict[str, Any] | None = getattr(obj, "__dict__", None)
     if attributes is None:
         return lambda: None
     saved = dict(attributes)
+    tables = [(table, dict(table)) for key in ("_buffers", "_parameters")
+              if isinstance(table := attributes.get(key), dict)]
+    modules = attributes.get("_modules")
+    children = list(modules.values()) if isinstance(modules, dict) else []
     inner: list[Restore] = []
-    for value in saved.values():
+    for value in [*saved.values(), *children]:
         if isinstance(value, torch.Generator):
             inner.append(_capture_generator(value))
         elif isinstance(value, Balancer):
@@ -85,6 +91,9 @@ def _capture_attributes(obj: object) -> Restore:
     def restore() -> None:
         attributes.clear()
         attributes.update(saved)
+        for table, entries in tables:
+            table.clear()
+            table.update(entries)
         for restore_inner in inner:
             restore_inner()
 

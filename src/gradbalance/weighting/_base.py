@@ -18,24 +18,48 @@ one step, i.e. over micro-batches); :meth:`LossWeighting.update` consumes it onc
 step. A skipped step (``found_inf=True``) discards it and leaves every state tensor
 bit-identical; a non-finite observation on a step said not to be skipped raises
 :class:`~gradbalance.NonFiniteGradientError` before any change.
+
+A loss weighting is a ``torch.nn.Module`` (``weighting(losses)`` is :meth:`LossWeighting.forward`):
+its tensor state is in buffers, Python counters, generator and internal optimizer states and
+the class name in its extra state (:mod:`gradbalance._module`), so attached to a model it is in
+``model.state_dict()`` and moves with ``model.to()``. Weights the *user's* optimizer trains
+(Uncertainty Weighting, IMTL-L) are ``nn.Parameter`` and appear in ``model.parameters()``;
+weights a method steps itself in :meth:`LossWeighting.update` (GradNorm's ``w``, FAMO's ``ξ``)
+are buffers, hidden from ``parameters()``, so no user optimizer steps them a second time.
 """
 
 from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from .._checks import as_loss_vector, check_num_tasks
-from .._pickling import PicklableGenerators
-from .._statedict import check_keys, reject_state, tag_state, untag_state
+from .._module import StateModule
 from .._types import NonFiniteGradientError
 
 __all__ = ["LossWeighting"]
+
+
+def check_optimizer_state(make: Callable[[Tensor], torch.optim.Optimizer], param: Tensor,
+                          state: Any, owner: str) -> None:
+    """Raise ``ValueError`` unless ``state`` loads into an optimizer like ``owner``'s own.
+
+    Loaded into a scratch optimizer built on a copy of ``param``: nothing of ``owner`` moves.
+    """
+    if not isinstance(state, dict):
+        raise ValueError(f"state_dict lacks 'optimizer' (the state of {owner}'s own "
+                         f"optimizer); was it saved from another {owner}?")
+    scratch = make(param.detach().clone().requires_grad_(True))
+    try:
+        scratch.load_state_dict(copy.deepcopy(state))
+    except (ValueError, KeyError, TypeError, RuntimeError) as error:
+        raise ValueError(f"state_dict['optimizer'] does not load into {owner}'s optimizer "
+                         f"({error}); was it saved with another optimizer?") from error
 
 
 def _as_flag(found_inf: bool | Tensor) -> bool:
@@ -44,7 +68,7 @@ def _as_flag(found_inf: bool | Tensor) -> bool:
     return bool(found_inf)
 
 
-class LossWeighting(PicklableGenerators):
+class LossWeighting(StateModule):
     """Base class of every loss weighting.
 
     Class attributes a subclass declares:
@@ -52,8 +76,8 @@ class LossWeighting(PicklableGenerators):
     * ``name``: registry key (lower case).
     * ``needs_task_gradients``: the call itself computes per-task gradients (GradNorm's norms
       at one layer); all other methods cost no extra backward pass.
-    * ``learnable``: :meth:`parameters` returns tensors the *user's* optimizer must step
-      (Uncertainty Weighting, IMTL-L).
+    * ``learnable``: :meth:`parameters` yields ``nn.Parameter`` s the *user's* optimizer must
+      step (Uncertainty Weighting, IMTL-L).
 
     Args:
         num_tasks: K; every call checks it.
@@ -63,8 +87,13 @@ class LossWeighting(PicklableGenerators):
     name: ClassVar[str] = ""
     needs_task_gradients: ClassVar[bool] = False
     learnable: ClassVar[bool] = False
+    _kind = "weighting"
+    _extra_keys: ClassVar[tuple[str, ...]] = ("num_tasks",)
+    #: Buffers stepped by the method's own ``optimizer`` (leaves with ``requires_grad``).
+    _self_trained: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, num_tasks: int, *, device: torch.device | str | None = None) -> None:
+        super().__init__()
         self.num_tasks: int = check_num_tasks("num_tasks", num_tasks)
         self.device = torch.device("cpu") if device is None else torch.device(device)
         self._pending: Tensor | None = None
@@ -78,12 +107,6 @@ class LossWeighting(PicklableGenerators):
     def _apply_update(self, losses: Tensor, losses_after: Tensor | None) -> None:
         """Change the state from this step's (finite, summed) losses; default: nothing."""
 
-    def _state(self) -> dict[str, Any]:
-        return {}
-
-    def _load_state(self, state: dict[str, Any]) -> None:
-        reject_state(type(self).__name__, state, "weighting")
-
     def _reset_state(self) -> None:
         """Back to the state at construction."""
 
@@ -96,8 +119,10 @@ class LossWeighting(PicklableGenerators):
         raise NotImplementedError
 
     # -- public -------------------------------------------------------------------------
-    def __call__(self, losses: Tensor | Sequence[Tensor], *, scaler: Any = None) -> Tensor:
+    def forward(self, losses: Tensor | Sequence[Tensor], *, scaler: Any = None) -> Tensor:
         """Weighted task losses ``[K]`` (same dtype as ``losses``, graph kept).
+
+        Called as ``weighting(losses)``.
 
         ``losses`` are the K task losses (batch means), a 1-D tensor or a list of scalars.
         ``scaler``: the ``GradScaler`` of the loop; methods that take task gradients
@@ -168,10 +193,6 @@ class LossWeighting(PicklableGenerators):
             self._discard_pending()
         return True
 
-    def parameters(self) -> list[Tensor]:
-        """Tensors the user's optimizer must step (empty unless ``learnable``)."""
-        return []
-
     def pending_tensors(self) -> list[Tensor]:
         """The pending observation of this step: what :meth:`update` will learn from.
 
@@ -183,34 +204,54 @@ class LossWeighting(PicklableGenerators):
         """
         return [] if self._pending is None else [self._pending]
 
-    def state_dict(self) -> dict[str, Any]:
-        """Every tensor needed to resume (copies), ``num_tasks`` and ``"_type"`` (the class)."""
-        state = copy.deepcopy(self._state())
-        state["num_tasks"] = self.num_tasks
-        return tag_state(self, state)
+    # -- state ----------------------------------------------------------------------------
+    def _extra_state(self) -> dict[str, Any]:
+        return {"num_tasks": self.num_tasks}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output into this (possibly fresh) object.
-
-        Raises ``ValueError`` for a state saved by another class, with unknown keys or for
-        another ``num_tasks``; a load that fails changes nothing.
-        """
-        state = untag_state(self, state_dict, "weighting")
-        k = state.pop("num_tasks", None)
+    def _check_state(self, tensors: dict[str, Tensor | None], extra: dict[str, Any]) -> None:
+        k = extra.get("num_tasks")
         if k != self.num_tasks:
             raise ValueError(
                 f"state_dict was saved with num_tasks={k!r} but this {type(self).__name__} has "
                 f"num_tasks={self.num_tasks}; build it with the same number of tasks"
             )
-        check_keys(type(self).__name__, state, self._state(), kind="weighting")
-        before = copy.deepcopy(self._state())
-        try:
-            self._load_state(copy.deepcopy(state))
-        except BaseException:
-            self._load_state(before)
-            raise
+        super()._check_state(tensors, extra)
+
+    def _load_extra(self, extra: dict[str, Any]) -> None:
+        """A loaded state starts a new step: the pending observation is dropped."""
         self._pending, self._pending_calls = None, 0
         self._discard_pending()
+
+    def _state_device(self) -> torch.device:
+        return self.device
+
+    def _own_optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer of the :attr:`_self_trained` buffers, rebuilt by :meth:`_apply`."""
+        return None
+
+    def _rebuild_optimizer(self, state: dict[str, Any]) -> None:
+        """Build the own optimizer again on the (moved) buffers and load ``state`` into it."""
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Any:
+        """``.to()``, ``.double()``...: buffers stepped in place by the method's own
+        optimizer stay leaves, the optimizer follows them with its state, ``device`` too."""
+        own = self._own_optimizer()
+        before = {name: self._buffers[name] for name in self._self_trained}
+        saved = None if own is None else own.state_dict()
+        out = super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        moved = False
+        for name, tensor in before.items():
+            now = self._buffers[name]
+            if now is not tensor and now is not None:
+                self._buffers[name] = now.detach().requires_grad_(True)
+                moved = True
+        if moved and saved is not None:
+            self._rebuild_optimizer(saved)
+        for tensor in [*self._parameters.values(), *self._buffers.values()]:
+            if tensor is not None:
+                self.device = tensor.device
+                break
+        return out
 
     def reset(self) -> None:
         """Forget all state (as freshly built); learnable tensors are reset in place."""
@@ -234,14 +275,3 @@ class LossWeighting(PicklableGenerators):
                 RuntimeWarning, stacklevel=3,
             )
 
-    def _check_state_tensor(self, state: dict[str, Any], key: str,
-                            shape: tuple[int, ...]) -> Tensor:
-        if key not in state:
-            raise ValueError(
-                f"state_dict lacks {key!r}; was it saved from another {type(self).__name__}?"
-            )
-        value = state[key]
-        if not isinstance(value, Tensor) or tuple(value.shape) != shape:
-            found = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
-            raise ValueError(f"state_dict[{key!r}] must be a tensor of shape {shape}, got {found}")
-        return value.to(self.device)

@@ -35,11 +35,18 @@ class DWA(LossWeighting):
         temperature: ``T > 0``; the paper uses 2.
         period: optimizer steps per averaging period, or None for :meth:`end_period`.
 
+    State: the buffers ``_weights`` ``[K]``, ``_history`` ``[2, K]`` and ``_window`` ``[K]``;
+    the period and window counts in the extra state.
+
     Reference: Liu, Johns & Davison, "End-to-End Multi-Task Learning with Attention",
     CVPR 2019.
     """
 
     name = "dwa"
+    _extra_keys = ("num_tasks", "periods", "window_steps")
+    _weights: Tensor
+    _history: Tensor
+    _window: Tensor
 
     def __init__(self, num_tasks: int, *, temperature: float = 2.0, period: int | None = 1,
                  device: torch.device | str | None = None) -> None:
@@ -47,6 +54,8 @@ class DWA(LossWeighting):
         self.temperature = check_positive("temperature", temperature)
         self.period = check_optional_int("period", period, 1,
                                          ", or None to close periods with end_period()")
+        for name in ("_weights", "_history", "_window"):
+            self.register_state(name, None)
         self._reset_state()
 
     def _reset_state(self) -> None:
@@ -86,18 +95,14 @@ class DWA(LossWeighting):
     def weights(self) -> Tensor:
         return self._weights.clone()
 
-    def _state(self) -> dict[str, Any]:
-        return {"weights": self._weights, "history": self._history, "periods": self._periods,
-                "window": self._window, "window_steps": self._window_steps}
+    def _extra_state(self) -> dict[str, Any]:
+        return {**super()._extra_state(), "periods": self._periods,
+                "window_steps": self._window_steps}
 
-    def _load_state(self, state: dict[str, Any]) -> None:
-        k = self.num_tasks
-        weights = self._check_state_tensor(state, "weights", (k,))
-        history = self._check_state_tensor(state, "history", (2, k))
-        window = self._check_state_tensor(state, "window", (k,))
-        self._weights, self._history, self._window = weights, history, window
-        self._periods = int(state.get("periods", 0))
-        self._window_steps = int(state.get("window_steps", 0))
+    def _load_extra(self, extra: dict[str, Any]) -> None:
+        super()._load_extra(extra)
+        self._periods = int(extra.get("periods", 0))
+        self._window_steps = int(extra.get("window_steps", 0))
 
     def __repr__(self) -> str:
         return f"DWA(num_tasks={self.num_tasks}, temperature={self.temperature}, " \

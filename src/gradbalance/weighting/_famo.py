@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -9,7 +10,7 @@ import torch
 from torch import Tensor
 
 from .._checks import check_nonnegative_losses, check_positive
-from ._base import LossWeighting
+from ._base import LossWeighting, check_optimizer_state
 
 __all__ = ["FAMO", "famo_weights"]
 
@@ -51,11 +52,22 @@ class FAMO(LossWeighting):
         min_losses: ``m`` ``[K]``, lower bounds of the losses (default 0).
         optimizer: factory ``params -> torch.optim.Optimizer`` replacing the default Adam.
 
+    ``ξ`` is trained by FAMO's own optimizer in :meth:`update`, never by the user's: it is a
+    buffer (``logits``), not an ``nn.Parameter``, so ``model.parameters()`` leaves it out
+    even when the weighting is a submodule of the model. State: the buffers ``logits`` and
+    ``min_losses`` ``[K]``; the optimizer's state in the extra state (``"optimizer"``).
+
     Reference: Liu, Liu, Jin, Stone & Liu, "FAMO: Fast Adaptive Multitask Optimization",
     NeurIPS 2023.
     """
 
     name = "famo"
+    _extra_keys = ("num_tasks", "optimizer")
+    _self_trained = ("logits",)
+    logits: Tensor
+    min_losses: Tensor
+    _initial_min: Tensor
+    _last: Tensor
 
     def __init__(self, num_tasks: int, *, lr: float = 0.025, gamma: float = 0.01,
                  min_losses: Tensor | list[float] | None = None, eps: float = 1e-8,
@@ -70,17 +82,20 @@ class FAMO(LossWeighting):
         m = m.detach().to(dtype=torch.float64, device=self.device).clone()
         if m.shape != (k,) or not bool(torch.isfinite(m).all()):
             raise ValueError(f"Invalid min_losses: {m.tolist()} (expected {k} finite numbers)")
-        self.min_losses = m
-        self._initial_min = m.clone()
+        self.register_state("min_losses", m)
+        self.register_buffer("_initial_min", m.clone(), persistent=False)
         self._factory = optimizer
-        self.logits = torch.zeros(k, dtype=torch.float64, device=self.device, requires_grad=True)
+        self.register_state("logits", torch.zeros(k, dtype=torch.float64, device=self.device,
+                                                  requires_grad=True))
         self.optimizer = self._make_optimizer()
-        self._last = torch.full((k,), 1.0 / k, dtype=torch.float64, device=self.device)
+        self.register_buffer("_last", torch.full((k,), 1.0 / k, dtype=torch.float64,
+                                                 device=self.device), persistent=False)
 
-    def _make_optimizer(self) -> torch.optim.Optimizer:
+    def _make_optimizer(self, logits: Tensor | None = None) -> torch.optim.Optimizer:
+        params = [self.logits if logits is None else logits]
         if self._factory is not None:
-            return self._factory([self.logits])
-        return torch.optim.Adam([self.logits], lr=self.lr, weight_decay=self.gamma)
+            return self._factory(params)
+        return torch.optim.Adam(params, lr=self.lr, weight_decay=self.gamma)
 
     def _check_above_min(self, losses: Tensor, argname: str) -> None:
         above = losses.detach().double().to(self.device) - self.min_losses
@@ -117,19 +132,25 @@ class FAMO(LossWeighting):
         """``softmax(ξ)`` ``[K]``."""
         return torch.softmax(self.logits.detach(), dim=0)
 
-    def _state(self) -> dict[str, Any]:
-        return {"logits": self.logits.detach(), "min_losses": self.min_losses,
-                "optimizer": self.optimizer.state_dict()}
+    def _extra_state(self) -> dict[str, Any]:
+        return {**super()._extra_state(),
+                "optimizer": copy.deepcopy(self.optimizer.state_dict())}
 
-    def _load_state(self, state: dict[str, Any]) -> None:
-        k = self.num_tasks
-        logits = self._check_state_tensor(state, "logits", (k,))
-        self.min_losses = self._check_state_tensor(state, "min_losses", (k,)).double()
-        if not isinstance(state.get("optimizer"), dict):
-            raise ValueError("state_dict lacks 'optimizer'; was it saved from another FAMO?")
-        with torch.no_grad():
-            self.logits.copy_(logits)
-        self.optimizer.load_state_dict(state["optimizer"])
+    def _check_state(self, tensors: dict[str, Tensor | None], extra: dict[str, Any]) -> None:
+        super()._check_state(tensors, extra)
+        check_optimizer_state(self._make_optimizer, self.logits, extra.get("optimizer"),
+                              type(self).__name__)
+
+    def _load_extra(self, extra: dict[str, Any]) -> None:
+        super()._load_extra(extra)
+        self.optimizer.load_state_dict(copy.deepcopy(extra["optimizer"]))
+
+    def _own_optimizer(self) -> torch.optim.Optimizer:
+        return self.optimizer
+
+    def _rebuild_optimizer(self, state: dict[str, Any]) -> None:
+        self.optimizer = self._make_optimizer()
+        self.optimizer.load_state_dict(state)
 
     def _reset_state(self) -> None:
         with torch.no_grad():

@@ -35,12 +35,15 @@ class GLS(LossWeighting):
     """
 
     name = "gls"
+    _last: Tensor
 
     def __init__(self, num_tasks: int, *, eps: float = 1e-12,
                  device: torch.device | str | None = None) -> None:
         super().__init__(num_tasks, device=device)
         self.eps = check_positive("eps", eps)
-        self._last = torch.full((num_tasks,), 1.0 / num_tasks, dtype=torch.float64)
+        self.register_buffer("_last", torch.full((num_tasks,), 1.0 / num_tasks,
+                                                 dtype=torch.float64, device=self.device),
+                             persistent=False)
 
     def weights_of(self, losses: Tensor) -> Tensor:
         """The detached weights ``[K]`` (float64) for these losses."""

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
 from .._checks import as_parameter_list, check_positive
 from .._types import NonFiniteGradientError
-from ._base import LossWeighting
+from ._base import LossWeighting, check_optimizer_state
 
 __all__ = ["GradNorm", "gradnorm_targets", "last_layer_parameters"]
 
@@ -68,12 +69,25 @@ class GradNorm(LossWeighting):
         min_weight: floor that keeps every weight positive.
         optimizer: factory ``params -> torch.optim.Optimizer`` replacing the default Adam.
 
+    ``w`` is trained by GradNorm's own optimizer in :meth:`update`, never by the user's: it is
+    a buffer (``task_weights``), not an ``nn.Parameter``, so ``model.parameters()`` leaves it
+    out even when the weighting is a submodule of the model (a second optimizer would step it
+    twice, with the model's weight decay). State: the buffers ``task_weights`` and
+    ``_initial`` (``Lₖ(0)``, None before the first update); the optimizer's state in the
+    extra state (``"optimizer"``).
+
     Reference: Chen, Badrinarayanan, Lee & Rabinovich, "GradNorm: Gradient Normalization for
     Adaptive Loss Balancing in Deep Multitask Networks", ICML 2018.
     """
 
     name = "gradnorm"
     needs_task_gradients = True
+    _extra_keys = ("num_tasks", "optimizer")
+    _self_trained = ("task_weights",)
+    _legacy_keys: ClassVar[dict[str, str]] = {"weights": "task_weights",
+                                              "initial_losses": "_initial"}
+    task_weights: Tensor
+    _initial: Tensor | None
 
     def __init__(self, num_tasks: int, layer: nn.Module | Iterable[Tensor], *,
                  alpha: float = 1.5, lr: float = 0.025, renormalize: bool = True,
@@ -93,18 +107,19 @@ class GradNorm(LossWeighting):
         else:
             self.layer_params = as_parameter_list("layer", layer)
         self._factory = optimizer
-        self.task_weights = torch.ones(num_tasks, dtype=torch.float64, device=self.device,
-                                       requires_grad=True)
+        self.register_state("task_weights", torch.ones(
+            num_tasks, dtype=torch.float64, device=self.device, requires_grad=True))
         self.optimizer = self._make_optimizer()
-        self._initial: Tensor | None = None
+        self.register_state("_initial", None, optional=True, shape=(num_tasks,))
         self._grads: Tensor | None = None
         self.last_loss_grad: Tensor | None = None
         self.last_norms: Tensor | None = None
 
-    def _make_optimizer(self) -> torch.optim.Optimizer:
+    def _make_optimizer(self, weights: Tensor | None = None) -> torch.optim.Optimizer:
+        params = [self.task_weights if weights is None else weights]
         if self._factory is not None:
-            return self._factory([self.task_weights])
-        return torch.optim.Adam([self.task_weights], lr=self.lr)
+            return self._factory(params)
+        return torch.optim.Adam(params, lr=self.lr)
 
     # -- step ---------------------------------------------------------------------------
     def _layer_gradients(self, losses: Tensor, scaler: Any) -> Tensor:
@@ -178,22 +193,25 @@ class GradNorm(LossWeighting):
         """``Lₖ(0)`` ``[K]``, None before the first update."""
         return None if self._initial is None else self._initial.clone()
 
-    def _state(self) -> dict[str, Any]:
-        return {"weights": self.task_weights.detach(), "initial_losses": self._initial,
-                "optimizer": self.optimizer.state_dict()}
+    def _extra_state(self) -> dict[str, Any]:
+        return {**super()._extra_state(),
+                "optimizer": copy.deepcopy(self.optimizer.state_dict())}
 
-    def _load_state(self, state: dict[str, Any]) -> None:
-        k = self.num_tasks
-        weights = self._check_state_tensor(state, "weights", (k,))
-        initial = None if state.get("initial_losses") is None else self._check_state_tensor(
-            state, "initial_losses", (k,))
-        if not isinstance(state.get("optimizer"), dict):
-            raise ValueError("state_dict lacks 'optimizer'; was it saved from another "
-                             "GradNorm?")
-        with torch.no_grad():
-            self.task_weights.copy_(weights)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self._initial = None if initial is None else initial.double()
+    def _check_state(self, tensors: dict[str, Tensor | None], extra: dict[str, Any]) -> None:
+        super()._check_state(tensors, extra)
+        check_optimizer_state(self._make_optimizer, self.task_weights, extra.get("optimizer"),
+                              type(self).__name__)
+
+    def _load_extra(self, extra: dict[str, Any]) -> None:
+        super()._load_extra(extra)
+        self.optimizer.load_state_dict(copy.deepcopy(extra["optimizer"]))
+
+    def _own_optimizer(self) -> torch.optim.Optimizer:
+        return self.optimizer
+
+    def _rebuild_optimizer(self, state: dict[str, Any]) -> None:
+        self.optimizer = self._make_optimizer()
+        self.optimizer.load_state_dict(state)
 
     def _reset_state(self) -> None:
         with torch.no_grad():

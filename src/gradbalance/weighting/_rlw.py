@@ -31,11 +31,16 @@ class RLW(LossWeighting):
         seed: seed of the generator made here; default: drawn from torch's global RNG, so
             ``torch.manual_seed`` makes runs repeat.
 
+    State: the buffer ``_weights`` ``[K]``; the generator's state in the extra state
+    (``"rng_state"``).
+
     Reference: Lin et al., "Reasonable Effectiveness of Random Weighting: A Litmus Test for
     Multi-Task Learning", TMLR 2022.
     """
 
     name = "rlw"
+    _extra_keys = ("num_tasks", "rng_state")
+    _weights: Tensor
 
     def __init__(self, num_tasks: int, *, distribution: Literal["normal", "dirichlet"] = "normal",
                  generator: torch.Generator | None = None, seed: int | None = None,
@@ -55,7 +60,8 @@ class RLW(LossWeighting):
                              f"torch.Generator)")
         self.generator = generator
         self._initial_rng = generator.get_state()
-        self._weights = random_weights(num_tasks, self.distribution, generator).to(self.device)
+        self.register_state("_weights", random_weights(num_tasks, self.distribution,
+                                                       generator).to(self.device))
 
     def _reset_state(self) -> None:
         self.generator.set_state(self._initial_rng)
@@ -73,14 +79,16 @@ class RLW(LossWeighting):
     def weights(self) -> Tensor:
         return self._weights.clone()
 
-    def _state(self) -> dict[str, Any]:
-        return {"weights": self._weights, "rng_state": self.generator.get_state()}
+    def _extra_state(self) -> dict[str, Any]:
+        return {**super()._extra_state(), "rng_state": self.generator.get_state()}
 
-    def _load_state(self, state: dict[str, Any]) -> None:
-        weights = self._check_state_tensor(state, "weights", (self.num_tasks,))
-        rng_state = state.get("rng_state")
+    def _check_state(self, tensors: dict[str, Tensor | None], extra: dict[str, Any]) -> None:
+        super()._check_state(tensors, extra)
+        rng_state = extra.get("rng_state")
         if not isinstance(rng_state, Tensor) or rng_state.dtype != torch.uint8:
             raise ValueError("state_dict lacks 'rng_state' (the uint8 state of a "
                              "torch.Generator); was it saved from another RLW?")
-        self.generator.set_state(state["rng_state"])
-        self._weights = weights
+
+    def _load_extra(self, extra: dict[str, Any]) -> None:
+        super()._load_extra(extra)
+        self.generator.set_state(extra["rng_state"].clone())

@@ -49,11 +49,20 @@ class STCH(LossWeighting):
         nadir: reference losses ``[K]`` (> 0), instead of the warm-up estimate.
         preference: ``λ`` ``[K]`` (> 0, default ones).
 
+    State: the buffers ``_nadir`` ``[K]`` (None while being estimated) and ``_warmup_sum``
+    ``[K]``; the step count in the extra state.
+
     Reference: Lin et al., "Smooth Tchebycheff Scalarization for Multi-Objective
     Optimization", ICML 2024.
     """
 
     name = "stch"
+    _extra_keys = ("num_tasks", "steps")
+    preference: Tensor
+    _given_nadir: Tensor | None
+    _nadir: Tensor | None
+    _warmup_sum: Tensor
+    _last: Tensor
 
     def __init__(self, num_tasks: int, *, mu: float = 1.0, warmup_steps: int = 0,
                  nadir: Sequence[float] | Tensor | None = None,
@@ -63,8 +72,13 @@ class STCH(LossWeighting):
         self.mu = check_positive("mu", mu)
         self.eps = check_positive("eps", eps)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
-        self.preference = self._vector(preference, "preference")
-        self._given_nadir = None if nadir is None else self._vector(nadir, "nadir")
+        self.register_buffer("preference", self._vector(preference, "preference"),
+                             persistent=False)
+        self.register_buffer("_given_nadir", None if nadir is None else
+                             self._vector(nadir, "nadir"), persistent=False)
+        self.register_state("_nadir", None, optional=True, shape=(num_tasks,))
+        self.register_state("_warmup_sum", None)
+        self.register_buffer("_last", None, persistent=False)
         self._reset_state()
 
     def _vector(self, value: Sequence[float] | Tensor | None, argname: str) -> Tensor:
@@ -80,7 +94,7 @@ class STCH(LossWeighting):
     def _reset_state(self) -> None:
         k, dev = self.num_tasks, self.device
         if self._given_nadir is not None:
-            self._nadir: Tensor | None = self._given_nadir.clone()
+            self._nadir = self._given_nadir.clone()
         elif self.warmup_steps == 0:
             self._nadir = torch.ones(k, dtype=torch.float64, device=dev)
         else:
@@ -121,13 +135,9 @@ class STCH(LossWeighting):
         """Weights of the last call (ones before the first)."""
         return self._last.clone()
 
-    def _state(self) -> dict[str, Any]:
-        return {"nadir": self._nadir, "warmup_sum": self._warmup_sum, "steps": self._steps}
+    def _extra_state(self) -> dict[str, Any]:
+        return {**super()._extra_state(), "steps": self._steps}
 
-    def _load_state(self, state: dict[str, Any]) -> None:
-        k = self.num_tasks
-        nadir = None if state.get("nadir") is None else self._check_state_tensor(
-            state, "nadir", (k,))
-        self._warmup_sum = self._check_state_tensor(state, "warmup_sum", (k,))
-        self._nadir = nadir
-        self._steps = int(state.get("steps", 0))
+    def _load_extra(self, extra: dict[str, Any]) -> None:
+        super()._load_extra(extra)
+        self._steps = int(extra.get("steps", 0))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -25,7 +24,9 @@ class UncertaintyWeighting(LossWeighting):
 
     so at ``σ = 1`` the weights are 0.5 and 1 (docs/weighting.md). Minimising over ``sₖ`` gives
     ``σₖ² = Lₖ`` (regression) or ``σₖ² = 2Lₖ`` (classification). The ``sₖ`` are trained by
-    *your* optimizer: add :meth:`parameters` to it, and with a
+    *your* optimizer: they are an ``nn.Parameter`` (``log_vars``), so they are in
+    ``model.parameters()`` when the weighting is a submodule of the model; otherwise add
+    :meth:`parameters` to the optimizer. With a
     :class:`~gradbalance.TaskGradBuffer` list them in ``head_params`` too (they are not
     shared parameters), so they get their plain gradient.
 
@@ -45,6 +46,7 @@ class UncertaintyWeighting(LossWeighting):
 
     name = "uncertainty"
     learnable = True
+    _factor: Tensor
 
     def __init__(self, num_tasks: int, *, task_types: str | Sequence[str] = "regression",
                  init_log_var: float = 0.0, dtype: torch.dtype = torch.float32,
@@ -61,7 +63,8 @@ class UncertaintyWeighting(LossWeighting):
             raise ValueError(f"Invalid init_log_var: {init_log_var!r} (expected a finite number)")
         self.task_types = types
         self.init_log_var = float(init_log_var)
-        self._factor = torch.tensor([_FORMS[t] for t in types], dtype=dtype, device=self.device)
+        self.register_buffer("_factor", torch.tensor([_FORMS[t] for t in types], dtype=dtype,
+                                                     device=self.device), persistent=False)
         self.log_vars = nn.Parameter(
             torch.full((num_tasks,), self.init_log_var, dtype=dtype, device=self.device)
         )
@@ -70,9 +73,6 @@ class UncertaintyWeighting(LossWeighting):
         s = self.log_vars.to(dtype=losses.dtype, device=losses.device)
         c = self._factor.to(dtype=losses.dtype, device=losses.device)
         return c * torch.exp(-s) * losses + 0.5 * s
-
-    def parameters(self) -> list[Tensor]:
-        return [self.log_vars]
 
     @property
     def weights(self) -> Tensor:
@@ -83,14 +83,6 @@ class UncertaintyWeighting(LossWeighting):
     def variances(self) -> Tensor:
         """``σₖ² = e^{sₖ}`` ``[K]``."""
         return torch.exp(self.log_vars.detach()).clone()
-
-    def _state(self) -> dict[str, Any]:
-        return {"log_vars": self.log_vars.detach()}
-
-    def _load_state(self, state: dict[str, Any]) -> None:
-        value = self._check_state_tensor(state, "log_vars", (self.num_tasks,))
-        with torch.no_grad():
-            self.log_vars.copy_(value)
 
     def _reset_state(self) -> None:
         with torch.no_grad():

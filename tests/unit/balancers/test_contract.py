@@ -22,6 +22,7 @@ from gradbalance import NonFiniteGradientError
 from gradbalance.balancers import Balancer
 from gradbalance.functional import combine_rows, compute_gramian
 from support.balancers import FACTORY, build_balancer
+from support.loop_state import assert_same_state
 
 NAMES = sorted(gradbalance.BALANCERS)
 
@@ -69,16 +70,6 @@ def snapshot(b: Balancer) -> dict[str, Any]:
     torch.save(b.state_dict(), buf)
     buf.seek(0)
     return torch.load(buf, weights_only=False)
-
-
-def assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
-    assert a.keys() == b.keys()
-    for key in a:
-        x, y = a[key], b[key]
-        if isinstance(x, Tensor):
-            assert isinstance(y, Tensor) and x.dtype == y.dtype and torch.equal(x, y), key
-        else:
-            assert x == y, key
 
 
 @pytest.fixture(params=NAMES)

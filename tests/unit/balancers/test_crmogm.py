@@ -62,14 +62,14 @@ def test_resume_with_a_stateful_inner_is_bit_identical() -> None:
     for gram in grams[:3]:
         a.compute_weights(gram)
     saved = a.state_dict()
-    assert set(saved) == {"_type", "weights", "inner._type", "inner.lambda"}
+    assert set(saved) == {"_extra_state", "_lambda", "inner._extra_state", "inner._lambda"}
     fresh = CRMOGM(MoDo(num_tasks=4, gamma=0.01), beta=0.8)
     fresh.load_state_dict(saved)
     for gram in grams[3:]:
         assert torch.equal(fresh.compute_weights(gram), a.compute_weights(gram))
     a.reset()
-    assert a.state_dict() == {"_type": "CRMOGM", "weights": None, "inner._type": "MoDo",
-                            "inner.lambda": None}
+    assert a.state_dict() == {"_extra_state": {"_type": "CRMOGM"},
+                              "inner._extra_state": {"_type": "MoDo"}}  # None: no entry
     with pytest.raises(ValueError, match="inner"):
         fresh.load_state_dict({"weights": None, "lambda": None})
 

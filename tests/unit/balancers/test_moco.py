@@ -81,5 +81,5 @@ def test_simplex_step_far_outside_projects_to_a_vertex() -> None:
     g = torch.tensor([[1e10, 0.0], [0.0, 2e10]], dtype=torch.float64)
     b = MoCo()
     b(g)
-    torch.testing.assert_close(b.state_dict()["lambda"],
+    torch.testing.assert_close(b.state_dict()["_lambda"],
                                torch.tensor([1.0, 0.0], dtype=torch.float64))

@@ -226,7 +226,7 @@ def test_moco_projection_does_not_raise_on_large_rows(norm: float) -> None:
     for _ in range(3):
         out = b(g)
         assert bool(torch.isfinite(out).all())
-    lam = b.state_dict()["lambda"]
+    lam = b.state_dict()["_lambda"]
     assert float(lam.min()) >= 0.0 and abs(float(lam.sum()) - 1.0) < 1e-12
 
 

@@ -1,8 +1,9 @@
 """A state loads only into the class that saved it (every registered balancer and weighting).
 
-Each state names its class under ``"_type"``; a state from another class, or with a key the
-class does not know, raises ``ValueError`` and leaves the object unchanged. States written
-before ``"_type"`` existed still load into their own class.
+Each state names its class under ``"_type"`` in its extra state; a state from another class,
+or with a key the class does not know, raises ``ValueError`` and leaves the object unchanged.
+States in the flat format of 0.2 (``"_type"`` at the top) and of 0.1 (no ``"_type"``) still
+load into their own class (``support.legacy_state`` writes them).
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ import torch
 from torch import Tensor
 
 from gradbalance import BALANCERS
+from gradbalance._module import EXTRA_KEY
 from gradbalance._statedict import TYPE_KEY
 from gradbalance.weighting import WEIGHTINGS
 from support.balancers import build_balancer
+from support.legacy_state import to_legacy
 from support.loop_state import assert_same_state
 from support.weighting import Tiny, data, make, train_step, user_optimizer
 
@@ -70,8 +73,8 @@ def _fresh_weighting(name: str) -> Any:
 
 
 def _untagged(state: dict[str, Any]) -> dict[str, Any]:
-    """The state as written before ``"_type"`` existed (nested ones included, e.g. CRMOGM's)."""
-    return {key: value for key, value in state.items() if not key.endswith(TYPE_KEY)}
+    """The state as 0.1 wrote it: flat, no ``"_type"`` (nested ones included, e.g. CRMOGM's)."""
+    return to_legacy(state, tagged=False)
 
 
 def _assert_refused(target: Any, state: dict[str, Any], match: str | None = None) -> None:
@@ -87,13 +90,13 @@ def _assert_refused(target: Any, state: dict[str, Any], match: str | None = None
 @pytest.mark.parametrize("name", BALANCER_NAMES)
 def test_balancer_state_names_its_class(name: str) -> None:
     balancer = _stepped_balancer(name)
-    assert balancer.state_dict()[TYPE_KEY] == type(balancer).__name__
+    assert balancer.state_dict()[EXTRA_KEY][TYPE_KEY] == type(balancer).__name__
 
 
 @pytest.mark.parametrize("name", WEIGHTING_NAMES)
 def test_weighting_state_names_its_class(name: str) -> None:
     weighting = _stepped_weighting(name)
-    assert weighting.state_dict()[TYPE_KEY] == type(weighting).__name__
+    assert weighting.state_dict()[EXTRA_KEY][TYPE_KEY] == type(weighting).__name__
 
 
 # -- another class's state is refused, nothing changes -------------------------------------
@@ -218,7 +221,7 @@ def test_a_subclass_names_itself() -> None:
         pass
 
     mine = MyPCGrad(num_tasks=K, generator=torch.Generator().manual_seed(0))
-    assert mine.state_dict()[TYPE_KEY] == "MyPCGrad"
+    assert mine.state_dict()[EXTRA_KEY][TYPE_KEY] == "MyPCGrad"
     twin = MyPCGrad(num_tasks=K, generator=torch.Generator().manual_seed(5))
     twin.load_state_dict(mine.state_dict())
     assert torch.equal(twin(_matrix(0)), mine(_matrix(0)))

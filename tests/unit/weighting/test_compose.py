@@ -84,7 +84,7 @@ def test_mixed_precision_loop_matches_fp32(name: str) -> None:
     for scaler in (None, torch.amp.GradScaler("cpu", init_scale=2.0**8)):
         model = Tiny()
         w = make(name, model)
-        opt = torch.optim.SGD(list(model.parameters()) + w.parameters(), lr=0.01)
+        opt = torch.optim.SGD([*model.parameters(), *w.parameters()], lr=0.01)
         for _ in range(3):
             weighted = w(model.losses(x, y), scaler=scaler)
             opt.zero_grad()

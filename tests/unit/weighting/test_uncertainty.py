@@ -13,7 +13,7 @@ def test_weights_at_unit_sigma() -> None:
     torch.testing.assert_close(w.weights, torch.tensor([0.5, 1.0]))
     # L/(2σ²) + log σ and L/σ² + log σ at σ = 1
     torch.testing.assert_close(w(torch.tensor([2.0, 3.0])), torch.tensor([1.0, 3.0]))
-    assert w.parameters() == [w.log_vars]
+    assert list(w.parameters()) == [w.log_vars]
 
 
 @pytest.mark.parametrize(("task_type", "factor"), [("regression", 1.0), ("classification", 2.0)])
