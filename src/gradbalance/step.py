@@ -346,6 +346,14 @@ class TaskGradBuffer:
         self._steps = steps  # a state saved before the counter existed resumes at 0
 
     @property
+    def layer_routes(self) -> dict[str, str] | None:
+        """``mode="gramian"`` (and ``"auto"`` on a ``gramian`` step): the route each trunk
+        ``nn.Linear`` took in the current or last step, by module name, ``"activations"``
+        or ``"rows"`` (docs/performance.md, "gramian"); None in the other modes."""
+        routes: dict[str, str] | None = getattr(self._engine, "layer_routes", None)
+        return None if routes is None else dict(routes)
+
+    @property
     def matrix(self) -> Tensor | None:
         """The accumulated ``[K, P]`` task gradients (scaled, if a scaler was given), or None."""
         return self._engine.matrix if self._count > 0 else None

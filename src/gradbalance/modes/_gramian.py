@@ -59,10 +59,16 @@ from torch import Tensor, nn
 from .._amp import finite_step, nonfinite_error, unscaled_gramian
 from ..balancers._base import Balancer
 from ..clip._protocol import RowClipper
-from ..distributed import all_gather_columns, all_reduce_grads_and_losses_, all_reduce_mean_
+from ..distributed import (
+    _comm_device,
+    all_gather_columns,
+    all_reduce_grads_and_losses_,
+    all_reduce_mean_,
+)
 from ..gramian import compute_gramian, linear_gramian
 from ..stats import StepStats, build_stats
-from ..taskgrads import ParamLayout, Passes, TaskRoots, resolve_passes
+from ..taskgrads import ParamLayout, Passes, TaskRoots, _write_part, _write_row, resolve_passes
+from ._costs import LayerCosts, LinearShape, flops_per_byte, layer_costs
 from ._engine import (
     StepInput,
     WriteBack,
@@ -93,13 +99,20 @@ class _Block:
     params: list[Tensor]
     linear: bool
     calls: list[_Call] = field(default_factory=list)  # recorded since the last backward
-    # the step so far: nn.Linear inputs [N, i] and output gradients [K, N, o]; or the rows
-    # [K, P_b] of any other block, summed over the micro-batches
+    # nn.Linear: this step's route, "rows" or "activations" (other blocks: always rows)
+    route: str = "rows"
+    # the step so far, activations route: the inputs [N, i] and output gradients [K, N, o]
     inputs: list[Tensor] = field(default_factory=list)
     output_grads: list[Tensor] = field(default_factory=list)
+    # rows route: the rows [K, P_b] summed over the micro-batches (None: none yet this step),
+    # written into ``buffer``, which persists across steps (no allocation per step)
     rows: Tensor | None = None
-    # other blocks: whether some task of the step reached each of ``params``
+    buffer: Tensor | None = None
+    # rows route: whether some task of the step reached each of ``params``
     reached: list[bool] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.layout = ParamLayout(self.params)
 
     def forget(self) -> None:
         self.calls.clear()
@@ -107,6 +120,13 @@ class _Block:
         self.output_grads.clear()
         self.rows = None
         self.reached = []
+
+    def rows_buffer(self, k_total: int) -> Tensor:
+        """The persistent ``[K, P_b]`` storage of the rows."""
+        if self.buffer is None or self.buffer.shape[0] != k_total:
+            self.buffer = torch.empty(k_total, self.layout.numel, dtype=self.layout.dtype,
+                                      device=self.layout.device)
+        return self.buffer
 
 
 def _find_blocks(roots: Sequence[nn.Module], params: Sequence[Tensor]) -> list[_Block]:
@@ -159,6 +179,9 @@ class GramianRecorder:
         self.blocks = _find_blocks(roots, params)
         self.linear = [block for block in self.blocks if block.linear]
         self.other = [block for block in self.blocks if not block.linear]
+        #: a route forced on every ``nn.Linear`` block (``"rows"`` or ``"activations"``), or
+        #: by block name (a dict); None: each layer's cost model decides
+        self.force: str | dict[str, str] | None = None
         ref = weakref.ref(self)
         self._handles = [
             block.module.register_forward_hook(_make_hook(ref, block), with_kwargs=True)
@@ -201,11 +224,14 @@ class GramianRecorder:
         self._handles.clear()
         self.clear()
 
-    def _check_recorded(self, roots: TaskRoots) -> list[Tensor]:
-        """The recorded linear outputs; a layer without a recorded call must not be on the
-        losses' graph (then it is unused, and its parameters keep their ``.grad``)."""
+    def _check_recorded(self, roots: TaskRoots, every: bool = False) -> list[Tensor]:
+        """The recorded outputs of the activations-route layers; such a layer without a
+        recorded call must not be on the losses' graph (then it is unused, and its parameters
+        keep their ``.grad``). ``every``: check every linear layer, whatever its route."""
         outputs: list[Tensor] = []
         for block in self.linear:
+            if block.route != "activations" and not every:
+                continue
             if not block.calls:
                 if not reaches(roots.scaled, block.params):
                     continue
@@ -226,30 +252,91 @@ class GramianRecorder:
                 outputs.append(call.output)
         return outputs
 
+    # -- the per-layer route --------------------------------------------------------------
+    @property
+    def routes(self) -> dict[str, str]:
+        """Each ``nn.Linear`` block's route in the current (or last) step, by block name:
+        ``"rows"`` or ``"activations"``."""
+        return {block.name: block.route for block in self.linear}
+
+    def _costs(self, block: _Block, n: int, k_total: int, micro: int) -> LayerCosts:
+        mod = block.module
+        assert isinstance(mod, nn.Linear)
+        weight, bias = self._linear_params(block)
+        shape = LinearShape(n, mod.in_features, mod.out_features, weight, bias)
+        return layer_costs(shape, k_total, micro, block.layout.params[0].element_size(),
+                           flops_per_byte(block.layout.device.type))
+
+    def _forced(self, block: _Block) -> str | None:
+        force = self.force
+        route = force.get(block.name) if isinstance(force, dict) else force
+        if route not in (None, "rows", "activations"):
+            raise ValueError(
+                f"Invalid force: {route!r} for {block.name} (expected 'rows', 'activations' "
+                f"or None)"
+            )
+        return route
+
+    def _plan(self, k_total: int) -> None:
+        """Each linear block's route for the step, from its first micro-batch's calls: the
+        cheaper of :func:`~gradbalance.modes._costs.layer_costs` (rows without calls)."""
+        for block in self.linear:
+            forced = self._forced(block)
+            if forced is not None:
+                block.route = forced
+            elif not block.calls:
+                block.route = "rows"
+            else:
+                n = sum(call.input.numel() // max(call.input.shape[-1], 1)
+                        for call in block.calls)
+                block.route = self._costs(block, n, k_total, 1).route
+
+    def _to_rows(self, block: _Block, k_total: int) -> None:
+        """Move an activations-route block to rows for the rest of the step: its rows are
+        ``Dₖᵀx`` (weight) and ``Σₙ Dₖ`` (bias) of the operands so far (exact)."""
+        x, d = self._linear_operands(block, k_total)
+        buffer = block.rows_buffer(k_total)
+        mod = block.module
+        assert isinstance(mod, nn.Linear)
+        for p, (_, start, stop) in zip(block.params, block.layout.slices()):
+            part = buffer[:, start:stop]
+            if d is None:
+                part.zero_()
+            elif p is mod.weight:
+                part.copy_(torch.matmul(d.transpose(1, 2), x).reshape(k_total, -1))
+            else:
+                part.copy_(d.sum(dim=1))
+        block.rows = buffer
+        block.reached = [d is not None] * len(block.params)
+        block.route = "rows"
+        block.inputs.clear()
+        block.output_grads.clear()
+
+    def _promote(self, k_total: int, micro: int) -> None:
+        """After a later micro-batch: an activations-route layer whose rows have become the
+        cheaper route (its rows ``N`` grew) moves to rows, unless its route is forced."""
+        for block in self.linear:
+            if block.route != "activations" or self._forced(block) is not None:
+                continue
+            n = sum(x.shape[0] for x in block.inputs)
+            if n and self._costs(block, n, k_total, micro).route == "rows":
+                self._to_rows(block, k_total)
+
     # -- stage 1: the K passes ------------------------------------------------------------
-    def task_passes(self, roots: TaskRoots, batched: bool) -> None:
-        """K passes for this micro-batch: ``∂Lₖ/∂y`` at the recorded linear outputs (kept
-        with their inputs) and the rows of the other blocks (added to the step's)."""
-        outputs = self._check_recorded(roots)
+    def task_passes(self, roots: TaskRoots, batched: bool, first: bool = True,
+                    micro: int = 1) -> None:
+        """K passes for this micro-batch (``micro``-th of the step): ``∂Lₖ/∂y`` at the
+        recorded outputs of the activations-route layers (kept with their inputs) and the
+        rows of every other block (added to the step's)."""
         k_total = roots.num_tasks
-        # each other block's rows [K, P_b] for this micro-batch, written in place per parameter
-        fresh: list[Tensor] = []
-        slots: list[tuple[Tensor, int, int]] = []
-        owners: list[tuple[_Block, int]] = []  # the block and index of each slot's parameter
-        for block in self.other:
-            first = block.params[0]
-            rows = torch.zeros(k_total, sum(p.numel() for p in block.params),
-                               dtype=first.dtype, device=first.device)
-            fresh.append(rows)
-            start = 0
-            for i, p in enumerate(block.params):
-                slots.append((rows, start, start + p.numel()))
-                owners.append((block, i))
-                start += p.numel()
-        reached = [False] * len(slots)
-        params = [p for block in self.other for p in block.params]
+        if first:
+            self._plan(k_total)
+        outputs = self._check_recorded(roots)
+        row_blocks = [block for block in self.blocks if block.route == "rows"]
+        params = [p for block in row_blocks for p in block.params]
         n_out = len(outputs)
         stacks: list[Tensor | None] = [None] * n_out
+        hits: list[bool] = [False] * len(params)
         if batched:
             losses = roots.scaled
             eye = torch.eye(k_total, dtype=losses.dtype, device=losses.device)
@@ -258,11 +345,16 @@ class GramianRecorder:
                 allow_unused=True,
             )
             stacks = list(grads[:n_out])
-            for j, ((rows, start, stop), g) in enumerate(zip(slots, grads[n_out:])):
-                if g is not None:
-                    rows[:, start:stop].copy_(g.reshape(k_total, -1))
-                    reached[j] = True
+            at = n_out
+            for block in row_blocks:
+                buffer, accumulate = block.rows_buffer(k_total), block.rows is not None
+                for (_, start, stop) in block.layout.slices():
+                    g = grads[at]
+                    _write_part(buffer[:, start:stop], g, accumulate)
+                    hits[at - n_out] = g is not None
+                    at += 1
         else:
+            previous: tuple[Tensor | None, ...] = ()
             for k in range(k_total):
                 grads = roots.grad(k, [*outputs, *params], retain_graph=k < k_total - 1)
                 for j, g in enumerate(grads[:n_out]):
@@ -274,12 +366,21 @@ class GramianRecorder:
                             (k_total, *g.shape), dtype=g.dtype, device=g.device
                         )
                     stack[k].copy_(g)
-                for j, ((rows, start, stop), g) in enumerate(zip(slots, grads[n_out:])):
-                    if g is not None:
-                        rows[k, start:stop].copy_(g.reshape(-1))
-                        reached[j] = True
+                at = n_out
+                for block in row_blocks:
+                    part = grads[at : at + len(block.params)]
+                    _write_row(block.rows_buffer(k_total)[k], part, block.layout,
+                               block.rows is not None)
+                    for j, g in enumerate(part):
+                        hits[at - n_out + j] = hits[at - n_out + j] or g is not None
+                    at += len(block.params)
+                # freed once the next pass has allocated its own (no page faults per pass)
+                previous = grads  # noqa: F841
         at = 0
         for block in self.linear:
+            if block.route != "activations":
+                block.calls.clear()
+                continue
             for call in block.calls:
                 d = stacks[at]
                 at += 1
@@ -287,19 +388,35 @@ class GramianRecorder:
                     block.inputs.append(call.input.detach().reshape(-1, call.input.shape[-1]))
                     block.output_grads.append(d.reshape(k_total, -1, d.shape[-1]))
             block.calls.clear()  # the graph may go
-        for block, rows in zip(self.other, fresh):
-            block.rows = rows if block.rows is None else block.rows.add_(rows)
-            if not block.reached:
+        at = 0
+        for block in row_blocks:
+            if block.rows is None:
+                block.rows = block.rows_buffer(k_total)
                 block.reached = [False] * len(block.params)
-        for (block, i), hit in zip(owners, reached):
-            block.reached[i] = block.reached[i] or hit
+            for i in range(len(block.params)):
+                block.reached[i] = block.reached[i] or hits[at + i]
+            at += len(block.params)
+        if not first:
+            self._promote(k_total, micro)
 
     def reduce_over_ranks(self, k_total: int, group: Any) -> None:
-        """Give every rank the full batch's operands: linear inputs and output gradients
-        all-gathered (gradients divided by the world size), other blocks' rows averaged.
-        ``group`` must be resolved (not None)."""
+        """Give every rank the full batch's operands. The routes are agreed first (one
+        all-reduce): a layer is on the activations route only where every rank took it, a
+        rank's activations move to rows otherwise (exact). Then activations-route inputs and
+        output gradients are all-gathered (gradients divided by the world size) and every
+        block's rows averaged. ``group`` must be resolved (not None)."""
         size = dist.get_world_size(group)
+        if self.linear:
+            flags = torch.tensor([int(block.route == "rows") for block in self.linear],
+                                 dtype=torch.int32)
+            agreed = flags.to(_comm_device(group, flags.device))
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+            for block, rows in zip(self.linear, agreed.tolist()):
+                if rows and block.route == "activations":
+                    self._to_rows(block, k_total)
         for block in self.linear:
+            if block.route != "activations":
+                continue
             mod = block.module
             assert isinstance(mod, nn.Linear)
             x, d = self._linear_operands(block, k_total)
@@ -312,24 +429,27 @@ class GramianRecorder:
                             .view(size * n, mod.in_features)]
             block.output_grads = [all_gather_columns(d.reshape(k_total, -1), group, "gramian")
                                   .view(k_total, size * n, mod.out_features).div_(size)]
-        for block in self.other:
+        rows = []
+        for block in self.blocks:
+            if block.route != "rows":
+                continue
             if block.rows is None:
-                numel = sum(p.numel() for p in block.params)
-                block.rows = block.params[0].new_zeros(k_total, numel)
+                block.rows = block.rows_buffer(k_total).zero_()
             block.reached = [True] * len(block.params)  # another rank may have reached them
-            all_reduce_mean_([block.rows], group)
+            rows.append(block.rows)
+        all_reduce_mean_(rows, group)
 
     # -- stage 2: the Gramian ---------------------------------------------------------
     def gramian(self, k_total: int, device: torch.device) -> Tensor:
         """``G Gᵀ`` ``[K, K]`` in float64, summed block by block."""
         gram = torch.zeros(k_total, k_total, dtype=torch.float64, device=device)
-        for block in self.linear:
-            x, d = self._linear_operands(block, k_total)
-            if d is not None:
-                weight, bias = self._linear_params(block)
-                gram += linear_gramian(x, d, weight, bias)
-        for block in self.other:
-            if block.rows is not None:
+        for block in self.blocks:
+            if block.route == "activations":
+                x, d = self._linear_operands(block, k_total)
+                if d is not None:
+                    weight, bias = self._linear_params(block)
+                    gram += linear_gramian(x, d, weight, bias, route="activations")
+            elif block.rows is not None:
                 gram += compute_gramian(block.rows)
         return gram
 
@@ -363,6 +483,8 @@ class GramianRecorder:
         parts: list[Tensor | None] = []
         owned: list[bool] = []
         for block in self.linear:
+            if block.route != "activations":
+                continue
             x, d = self._linear_operands(block, weights.shape[0])
             if d is None:
                 continue
@@ -379,8 +501,8 @@ class GramianRecorder:
                 params.append(mod.bias)
                 parts.append(dw.sum(dim=0))
                 owned.append(True)
-        for block in self.other:
-            if block.rows is None:
+        for block in self.blocks:
+            if block.route != "rows" or block.rows is None:
                 continue
             combined = weights.to(block.rows.dtype) @ block.rows
             start = 0
@@ -437,13 +559,22 @@ class GramianMode:
         self.head_params = head_params
         # no first-step measurement here: the passes resolve by device (loop on CPU)
         self.batched = resolve_passes(passes, layout.device) == "batched"
+        self._micro = 0  # micro-batches of the step so far
+
+    @property
+    def layer_routes(self) -> dict[str, str]:
+        """Each trunk ``nn.Linear``'s route in the current (or last) step, by module name:
+        ``"activations"`` (its Gramian from inputs and output gradients) or ``"rows"``
+        (per-task weight gradients, as in ``matrix`` mode)."""
+        return self.recorder.routes
 
     def check_backward(self, features: Tensor | None, count: int, reused: bool) -> None:
         reject_features(self.mode, features)
 
     def backward(self, roots: TaskRoots, first: bool, features: Tensor | None = None) -> None:
         heads_backward_(roots, self.head_params)
-        self.recorder.task_passes(roots, self.batched)
+        self._micro = 1 if first else self._micro + 1
+        self.recorder.task_passes(roots, self.batched, first, self._micro)
 
     def check_apply(self, balancer: Balancer, clip: RowClipper | None) -> None:
         if not balancer.from_gramian:
