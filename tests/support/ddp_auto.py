@@ -66,8 +66,8 @@ def _unequal_shapes(rank: int) -> str:
     y = torch.randn(rows, K, generator=gen, dtype=torch.float64)
     buf.backward(regression_losses(model(x), y))
     buf.apply_(UPGrad())
-    buf.backward(regression_losses(model(x), y))
     before = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    buf.backward(regression_losses(model(x), y))
     try:
         buf.apply_(UPGrad())
     except RankAgreementError as error:
