@@ -74,10 +74,12 @@ class LayerCosts:
 
 
 def layer_costs(shape: LinearShape, k: int, micro: int = 1, element_size: int = 4,
-                flops_per_byte: float = 8.0) -> LayerCosts:
+                flops_per_byte: float = 8.0, total_rows: int | None = None) -> LayerCosts:
     """Both routes of one layer over ``micro`` micro-batches of ``shape.n`` rows (the step's
-    ``N = micro·n``), K tasks; the formulas of the module docstring."""
-    n, i, o = shape.n * micro, shape.i, shape.o
+    ``N = micro·n``, or ``total_rows`` where given), K tasks; the formulas of the module
+    docstring."""
+    n = shape.n * micro if total_rows is None else total_rows
+    i, o = shape.i, shape.o
     byte = element_size * flops_per_byte
     p = (o * i if shape.weight else 0) + (o if shape.bias else 0)
     rows = float(k * k * p + 2 * k * p + (3 * micro + 2) * k * p * byte)

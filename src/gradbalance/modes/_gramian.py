@@ -265,7 +265,7 @@ class GramianRecorder:
         weight, bias = self._linear_params(block)
         shape = LinearShape(n, mod.in_features, mod.out_features, weight, bias)
         return layer_costs(shape, k_total, micro, block.layout.params[0].element_size(),
-                           flops_per_byte(block.layout.device.type))
+                           flops_per_byte(block.layout.device.type), total_rows=n)
 
     def _forced(self, block: _Block) -> str | None:
         force = self.force
