@@ -1,44 +1,47 @@
-"""``gramian`` mode: the Gramian ``G Gᵀ`` block by block, without ever holding ``[K, P]``.
+"""``gramian`` mode: the Gramian ``G Gᵀ`` block by block, each ``nn.Linear`` by its cheaper route.
 
 The trunk is cut into *blocks*: a module with shared parameters of its own is one block
 (with all of its sub-modules, e.g. ``nn.MultiheadAttention`` and its ``out_proj``); a module
 without direct parameters is split into its children. A forward hook records the input and
-output of every ``nn.Linear`` block. Then:
+output of every ``nn.Linear`` block. Each ``nn.Linear`` (``y = x Wᵀ + b``, ``x`` ``[N, i]``,
+``Dₖ = ∂Lₖ/∂y`` ``[N, o]``) takes one of two exact routes, chosen per layer and per step
+from its shapes by the cost model of :mod:`gradbalance.modes._costs` (time and memory; the
+first micro-batch decides, a layer whose rows grow over later micro-batches moves to rows):
 
-1. K backward passes ask for ``∂Lₖ/∂y`` at every ``nn.Linear`` output ``y`` and for the
-   parameters of the other blocks: autograd prunes the linear layers' weight-gradient
-   kernels, so each pass costs less than a full backward. Memory: K × the linear layers'
-   outputs (activations, not weights), and ``K·P_b`` rows for the other blocks only.
-2. Per block, ``G_b G_bᵀ`` is accumulated in float64 (``G = [G_1 … G_B]`` so
-   ``G Gᵀ = Σ_b G_b G_bᵀ``). ``nn.Linear`` (``y = x Wᵀ + b``, ``x`` ``[N, i]``, ``Dₖ = ∂Lₖ/∂y``
-   ``[N, o]``) takes the cheaper of two exact routes:
+* **activations**: the K passes stop at ``y`` (autograd skips the weight-gradient kernel)
+  and keep ``Dₖ`` and ``x``; the block is ``⟨Dᵢᵀx, Dⱼᵀx⟩ = Σ_{n,m} (Dᵢ Dⱼᵀ)_{nm} (x xᵀ)_{nm}``
+  (``N²·i + K²N²·o`` flops, no weight-sized tensor: large layers, few rows) and the
+  write-back ``(Σₖ wₖ Dₖ)ᵀ x``;
+* **rows**: the K passes ask for the layer's parameters, so each forms ``Dₖᵀx`` into a
+  ``[K, P_b]`` block, as ``matrix`` mode does (many rows: convolutions' and transformers'
+  token rows); the block is ``G_b G_bᵀ``, the write-back ``wᵀ G_b``.
 
-   * rows: ``G_b[k] = Dₖᵀ x`` — ``2K·N·o·i`` flops and a ``[K, o·i]`` scratch;
-   * activations: ``⟨Dᵢᵀx, Dⱼᵀx⟩ = Σ_{n,m} (Dᵢ Dⱼᵀ)_{nm} (x xᵀ)_{nm}`` — ``N²·i + K²N²·o``
-     flops, no weight-sized tensor at all (the regime of large layers and small batches).
-
-   Other blocks take the Gramian of their rows.
-3. With the weights ``w``, a linear block gets ``(Σₖ wₖ Dₖ)ᵀ x`` and any other block
-   ``wᵀ rows`` — no second backward through the trunk.
+Every other block takes the rows. ``G Gᵀ = Σ_b G_b G_bᵀ`` is summed in float64 and one
+weighted write-back follows — no second backward through the trunk. The rows live in
+buffers kept across steps (no allocation per step); ``layer_routes`` says which route each
+layer took.
 
 Each backward keeps only these operands (the linear inputs detached) and lets the graph go.
 Micro-batches: the Gramian of a sum of micro-batches is not the sum of their Gramians, but
 the full batch's ``x`` and ``Dₖ`` are the micro-batches' concatenations along N and its rows
 their sums, so every route above stays exact.
 
-Data parallel (W ranks, equal shards): the ranks all-gather each ``nn.Linear``'s ``x`` and
-``Dₖ`` (``Dₖ`` divided by W: each loss is the mean of the ranks' means) and average the
-other blocks' rows. Every rank then holds the full batch's operands: the same Gramian, the
-same weights, and the full-batch write-back with no further reduction. Traffic per linear
-layer: ``W·N·(i + K·o)`` numbers, small next to ``o·i`` in the regime where this mode pays.
+Data parallel (W ranks, equal shards): the ranks agree on the routes first (one all-reduce
+of one integer per layer; a layer any rank has on rows is moved to rows everywhere, exactly),
+then all-gather each activations-route layer's ``x`` and ``Dₖ`` (``Dₖ`` divided by W: each
+loss is the mean of the ranks' means) and average every block's rows. Every rank then holds
+the full batch's operands: the same Gramian, the same weights, and the full-batch write-back
+with no further reduction. Traffic per activations-route layer: ``W·N·(i + K·o)`` numbers,
+small next to ``o·i`` where that route is taken.
 
 Reference: the Gramian-based Jacobian descent of Quinton & Rey, "Jacobian Descent for
 Multi-Objective Optimization" (2024), §6.
 
-Requirements (checked where possible, with a clear error): an ``nn.Linear``'s shared
-parameters are used only through its ``forward`` (no weight tying with another layer), and
-its input and output are not modified in place afterwards (``nn.ReLU(inplace=True)`` right
-after it); every other shared parameter belongs to a module of ``modules``. Forward passes
+Requirements of the activations route (checked where possible, with a clear error): the
+layer's shared parameters are used only through its ``forward`` (no weight tying with another
+layer), and its input and output are not modified in place afterwards
+(``nn.ReLU(inplace=True)`` right after it); every shared parameter belongs to a module of
+``modules``. Forward passes
 run under grad between two backward calls are recorded: evaluate under ``torch.no_grad()``.
 A layer that a micro-batch does not call is fine when the losses do not depend on it (the
 losses' graph is searched then); a parameter no micro-batch reaches keeps its ``.grad``.
@@ -534,7 +537,7 @@ def _make_hook(ref: weakref.ReferenceType[GramianRecorder], block: _Block) -> An
 
 
 class GramianMode:
-    """``G Gᵀ`` from the recorder, the weights, one weighted write-back; never ``[K, P]``.
+    """``G Gᵀ`` from the recorder, the weights, one weighted write-back.
 
     The same update as ``matrix`` mode for every weighted balancer. With a loss scale ``s``
     the Gramian of the scaled losses is divided by ``s²``; the write-back stays scaled, as
