@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
 from ..balancers._base import Balancer
 from ..clip._protocol import RowClipper
@@ -151,11 +151,10 @@ class AutoMode:
             if not block.calls:
                 continue
             weight, bias = GramianRecorder._linear_params(block)
-            mod = block.module
-            assert isinstance(mod, nn.Linear)
-            i = mod.in_features
-            n = sum(call.input.numel() // max(i, 1) for call in block.calls)
-            shapes.append((n, i, mod.out_features, weight, bias))
+            assert block.form is not None
+            i, o = block.form
+            n = sum(call.output.numel() // max(o, 1) for call in block.calls)
+            shapes.append((n, i, o, weight, bias))
         return tuple(shapes)
 
     def _decide(self, roots: TaskRoots) -> Route:

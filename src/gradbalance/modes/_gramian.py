@@ -81,6 +81,7 @@ from ._engine import (
     reject_features,
     settle,
 )
+from ._layers import LAYER_TYPES, linear_form, rows_grad, rows_input
 
 __all__ = ["GramianMode", "GramianRecorder"]
 
@@ -100,7 +101,7 @@ class _Block:
     module: nn.Module
     name: str
     params: list[Tensor]
-    linear: bool
+    form: tuple[int, int] | None  # (i, o) of a layer with a linear form, else None
     calls: list[_Call] = field(default_factory=list)  # recorded since the last backward
     # nn.Linear: this step's route, "rows" or "activations" (other blocks: always rows)
     route: str = "rows"
@@ -116,6 +117,11 @@ class _Block:
 
     def __post_init__(self) -> None:
         self.layout = ParamLayout(self.params)
+
+    @property
+    def linear(self) -> bool:
+        """Whether the block is a layer of linear form (``nn.Linear``, a convolution)."""
+        return self.form is not None
 
     def forget(self) -> None:
         self.calls.clear()
@@ -143,8 +149,8 @@ def _find_blocks(roots: Sequence[nn.Module], params: Sequence[Tensor]) -> list[_
         seen.add(id(module))
         if any(id(p) in wanted for p in module.parameters(recurse=False)):
             own: list[Tensor] = [p for p in module.parameters() if id(p) in wanted]
-            linear = type(module) is nn.Linear
-            blocks.append(_Block(module, name or type(module).__name__, own, linear))
+            form = linear_form(module)
+            blocks.append(_Block(module, name or type(module).__name__, own, form))
             return
         for child_name, child in module.named_children():
             visit(child, f"{name}.{child_name}" if name else child_name)
@@ -203,7 +209,8 @@ class GramianRecorder:
         x = args[0] if args else kwargs.get("input")
         if not isinstance(x, Tensor):
             raise RuntimeError(
-                f"mode='gramian': module {block.name} (nn.Linear) was called without an "
+                f"mode='gramian': module {block.name} ({type(block.module).__name__}) was "
+                f"called without an "
                 f"input tensor it can record (found {type(x).__name__}); call it as "
                 f"layer(x)"
             )
@@ -263,10 +270,9 @@ class GramianRecorder:
         return {block.name: block.route for block in self.linear}
 
     def _costs(self, block: _Block, n: int, k_total: int, micro: int) -> LayerCosts:
-        mod = block.module
-        assert isinstance(mod, nn.Linear)
+        assert block.form is not None
         weight, bias = self._linear_params(block)
-        shape = LinearShape(n, mod.in_features, mod.out_features, weight, bias)
+        shape = LinearShape(n, *block.form, weight, bias)
         return layer_costs(shape, k_total, micro, block.layout.params[0].element_size(),
                            flops_per_byte(block.layout.device.type), total_rows=n)
 
@@ -290,8 +296,9 @@ class GramianRecorder:
             elif not block.calls:
                 block.route = "rows"
             else:
-                n = sum(call.input.numel() // max(call.input.shape[-1], 1)
-                        for call in block.calls)
+                assert block.form is not None
+                o = max(block.form[1], 1)
+                n = sum(call.output.numel() // o for call in block.calls)
                 block.route = self._costs(block, n, k_total, 1).route
 
     def _to_rows(self, block: _Block, k_total: int) -> None:
@@ -300,7 +307,7 @@ class GramianRecorder:
         x, d = self._linear_operands(block, k_total)
         buffer = block.rows_buffer(k_total)
         mod = block.module
-        assert isinstance(mod, nn.Linear)
+        assert isinstance(mod, LAYER_TYPES)
         for p, (_, start, stop) in zip(block.params, block.layout.slices()):
             part = buffer[:, start:stop]
             if d is None:
@@ -388,8 +395,8 @@ class GramianRecorder:
                 d = stacks[at]
                 at += 1
                 if d is not None:
-                    block.inputs.append(call.input.detach().reshape(-1, call.input.shape[-1]))
-                    block.output_grads.append(d.reshape(k_total, -1, d.shape[-1]))
+                    block.inputs.append(rows_input(block.module, call.input.detach()))
+                    block.output_grads.append(rows_grad(block.module, d, k_total))
             block.calls.clear()  # the graph may go
         at = 0
         for block in row_blocks:
@@ -421,17 +428,18 @@ class GramianRecorder:
             if block.route != "activations":
                 continue
             mod = block.module
-            assert isinstance(mod, nn.Linear)
+            assert isinstance(mod, LAYER_TYPES) and block.form is not None
+            width_in, width_out = block.form
             x, d = self._linear_operands(block, k_total)
             if d is None:  # no output gradient here: an empty share (checked below)
                 dtype = torch.promote_types(mod.weight.dtype, torch.float32)
-                x = mod.weight.new_zeros(0, mod.in_features, dtype=dtype)
-                d = mod.weight.new_zeros(k_total, 0, mod.out_features, dtype=dtype)
+                x = mod.weight.new_zeros(0, width_in, dtype=dtype)
+                d = mod.weight.new_zeros(k_total, 0, width_out, dtype=dtype)
             n = x.shape[0]
             block.inputs = [all_gather_columns(x.reshape(1, -1), group, "gramian")
-                            .view(size * n, mod.in_features)]
+                            .view(size * n, width_in)]
             block.output_grads = [all_gather_columns(d.reshape(k_total, -1), group, "gramian")
-                                  .view(k_total, size * n, mod.out_features).div_(size)]
+                                  .view(k_total, size * n, width_out).div_(size)]
         rows = []
         for block in self.blocks:
             if block.route != "rows":
@@ -460,7 +468,7 @@ class GramianRecorder:
     def _linear_params(block: _Block) -> tuple[bool, bool]:
         """Whether the layer's weight and its bias are among the shared parameters."""
         mod = block.module
-        assert isinstance(mod, nn.Linear)
+        assert isinstance(mod, LAYER_TYPES)
         ids = {id(p) for p in block.params}
         return id(mod.weight) in ids, mod.bias is not None and id(mod.bias) in ids
 
@@ -468,7 +476,7 @@ class GramianRecorder:
     def _linear_operands(block: _Block, k_total: int) -> tuple[Tensor, Tensor | None]:
         """``x`` ``[N, i]`` and ``D`` ``[K, N, o]`` of the step so far, in at least float32."""
         mod = block.module
-        assert isinstance(mod, nn.Linear)
+        assert isinstance(mod, LAYER_TYPES)
         if not block.output_grads:
             return torch.empty(0), None
         dtype = torch.promote_types(mod.weight.dtype, torch.float32)
@@ -494,7 +502,7 @@ class GramianRecorder:
             dw = torch.tensordot(weights.to(d.dtype), d, 1)  # [N, o]
             weight, bias = self._linear_params(block)
             mod = block.module
-            assert isinstance(mod, nn.Linear)
+            assert isinstance(mod, LAYER_TYPES)
             if weight:
                 params.append(mod.weight)
                 parts.append(dw.T @ x)

@@ -46,10 +46,14 @@ def _model(kind: str, dtype: torch.dtype) -> tuple[MultiTaskModel, Tensor, Tenso
         trunk: nn.Module = nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 10),
                                          nn.Tanh(), nn.Linear(10, 4))
         x, width = torch.randn(8, 6, generator=gen), 4
-    elif kind == "conv":  # a convolution (rows in every route) under a linear layer
-        trunk = nn.Sequential(nn.Conv2d(1, 3, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(2),
-                              nn.Flatten(), nn.Linear(12, 4))
+    elif kind == "conv":  # a strided, padded Conv2d under a linear layer
+        trunk = nn.Sequential(nn.Conv2d(1, 3, 3, stride=2, padding=1), nn.ReLU(),
+                              nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(12, 4))
         x, width = torch.randn(8, 1, 6, 6, generator=gen), 4
+    elif kind == "conv1d":  # dilated and strided Conv1d layers
+        trunk = nn.Sequential(nn.Conv1d(2, 4, 3, padding=2, dilation=2), nn.Tanh(),
+                              nn.Conv1d(4, 4, 2, stride=2), nn.Flatten(), nn.Linear(16, 4))
+        x, width = torch.randn(8, 2, 8, generator=gen), 4
     elif kind == "transformer":  # attention and norms: rows; the feed-forward: either
         trunk, width = transformer_trunk(8, 1, 2), 8
         x = torch.randn(8, 5, 8, generator=gen)
@@ -95,10 +99,14 @@ def _engine(buf: TaskGradBuffer) -> GramianMode:
 
 def _assert_same(actual: list[Tensor | None], expected: list[Tensor | None],
                  rtol: float) -> None:
+    """Equal to ``rtol``, entries near zero to ``rtol`` times the largest gradient entry (a
+    parameter whose gradient cancels to rounding level has no relative precision)."""
     assert [a is None for a in actual] == [e is None for e in expected]
+    scale = max((float(e.abs().max()) for e in expected if e is not None and e.numel()),
+                default=0.0)
     for a, e in zip(actual, expected):
         if a is not None and e is not None:
-            torch.testing.assert_close(a, e, rtol=rtol, atol=rtol * float(e.abs().max()))
+            torch.testing.assert_close(a, e, rtol=rtol, atol=rtol * scale)
 
 
 def _compare(kind: str, force: Any, dtype: torch.dtype, rtol: float, **kwargs: Any
@@ -116,7 +124,7 @@ def _compare(kind: str, force: Any, dtype: torch.dtype, rtol: float, **kwargs: A
 @pytest.mark.parametrize(("dtype", "rtol"), [(torch.float64, 1e-10), (torch.float32, 1e-5)],
                          ids=["fp64", "fp32"])
 @pytest.mark.parametrize("force", ROUTES, ids=["model", "rows", "activations"])
-@pytest.mark.parametrize("kind", ["mlp", "conv", "transformer", "unreached"])
+@pytest.mark.parametrize("kind", ["mlp", "conv", "conv1d", "transformer", "unreached"])
 def test_every_route_gives_matrix_modes_gramian_and_grad(kind: str, force: Any,
                                                          dtype: torch.dtype, rtol: float) -> None:
     buf = _compare(kind, force, dtype, rtol)
@@ -148,13 +156,26 @@ def test_an_unreached_layer_keeps_grad_none_on_every_route() -> None:
         assert trunk.a.weight.grad is not None
 
 
-def _single_layer(k: int, rows: int, sizes: tuple[int, ...] | None = None
+class _Positions(nn.Module):
+    """``Conv1d(64, 64, 1, bias=False)`` over ``rows`` positions of one sample, the positions
+    then averaged: the linear form of ``Linear(64, 64, bias=False)`` over ``rows`` rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(64, 64, 1, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.conv(x.T.unsqueeze(0)).squeeze(0).T
+        return out
+
+
+def _single_layer(k: int, rows: int, sizes: tuple[int, ...] | None = None, conv: bool = False
                   ) -> tuple[list[str], TaskGradBuffer, MultiTaskModel]:
-    """``Linear(64, 64, bias=False)`` shared, K linear heads, float64; the layer's route after
-    each micro-batch."""
+    """``Linear(64, 64, bias=False)`` (or the 1x1 convolution of the same linear form)
+    shared, K linear heads, float64; the layer's route after each micro-batch."""
     torch.manual_seed(0)
-    model = MultiTaskModel(nn.Sequential(nn.Linear(64, 64, bias=False)),
-                           make_heads(64, k)).double()
+    layer: nn.Module = _Positions() if conv else nn.Sequential(nn.Linear(64, 64, bias=False))
+    model = MultiTaskModel(layer, make_heads(64, k)).double()
     x = torch.randn(rows, 64, dtype=torch.float64)
     y = torch.randn(rows, k, dtype=torch.float64)
     buf = TaskGradBuffer(model.shared_parameters(), model.head_parameters(), mode="gramian",
@@ -165,7 +186,7 @@ def _single_layer(k: int, rows: int, sizes: tuple[int, ...] | None = None
         start += size
         routes = buf.layer_routes
         assert routes is not None
-        seen.append(routes["0"])
+        seen.append(routes["conv" if conv else "0"])
     buf.apply_(UPGrad())
     return seen, buf, model
 
@@ -177,8 +198,10 @@ def _single_layer(k: int, rows: int, sizes: tuple[int, ...] | None = None
     # K = 2: memory decides. act holds 3 N² + 192 N numbers, rows K·P = 8192: N ≤ 29 (time
     # alone would keep the activations up to N = 47)
     (2, 29, "activations"), (2, 30, "rows")])
-def test_the_choice_flips_at_the_hand_derived_crossover(k: int, rows: int, route: str) -> None:
-    assert _single_layer(k, rows)[0] == [route]
+@pytest.mark.parametrize("conv", [False, True], ids=["linear", "conv1d"])
+def test_the_choice_flips_at_the_hand_derived_crossover(k: int, rows: int, route: str,
+                                                        conv: bool) -> None:
+    assert _single_layer(k, rows, conv=conv)[0] == [route]
 
 
 def test_a_layer_moves_to_rows_when_micro_batches_make_them_cheaper() -> None:
@@ -281,3 +304,30 @@ def test_a_bad_forced_route_raises_naming_it() -> None:
     model, x, y = _model("mlp", torch.float64)
     with pytest.raises(ValueError, match="Invalid force: 'ghost'"):
         _step(model, x, y, "gramian", "ghost")
+
+
+@settings(max_examples=30, deadline=None)
+@given(c_in=st.integers(1, 3), c_out=st.integers(1, 3), kernel=st.integers(1, 3),
+       stride=st.integers(1, 2), padding=st.integers(0, 1), size=st.integers(3, 5),
+       batch=st.integers(1, 3), k=st.integers(1, 3), force=st.sampled_from(ROUTES))
+def test_random_convolutions_every_route_equals_matrix_mode(
+        c_in: int, c_out: int, kernel: int, stride: int, padding: int, size: int, batch: int,
+        k: int, force: Any) -> None:
+    grads = []
+    for mode in ("matrix", "gramian"):
+        torch.manual_seed(0)
+        trunk = nn.Sequential(nn.Conv2d(c_in, c_out, kernel, stride=stride, padding=padding),
+                              nn.Tanh(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        model = MultiTaskModel(trunk, make_heads(c_out, k)).double()
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(batch, c_in, size, size, generator=gen, dtype=torch.float64)
+        y = torch.randn(batch, k, generator=gen, dtype=torch.float64)
+        kwargs = {"modules": trunk} if mode == "gramian" else {}
+        buf = TaskGradBuffer(model.shared_parameters(), model.head_parameters(),
+                             mode=mode, **kwargs)  # type: ignore[arg-type]
+        if mode == "gramian":
+            _engine(buf).recorder.force = force
+        buf.backward(regression_losses(model(x), y))
+        buf.apply_(UPGrad())
+        grads.append([p.grad for p in model.parameters()])
+    _assert_same(grads[1], grads[0], 1e-10)
