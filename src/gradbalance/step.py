@@ -348,8 +348,9 @@ class TaskGradBuffer:
     @property
     def layer_routes(self) -> dict[str, str] | None:
         """``mode="gramian"`` (and ``"auto"`` on a ``gramian`` step): the route each trunk
-        ``nn.Linear`` took in the current or last step, by module name, ``"activations"``
-        or ``"rows"`` (docs/performance.md, "gramian"); None in the other modes."""
+        ``nn.Linear`` or convolution took in the current or last step, by module name,
+        ``"activations"`` or ``"rows"`` (docs/performance.md, "gramian"); None in the other
+        modes."""
         routes: dict[str, str] | None = getattr(self._engine, "layer_routes", None)
         return None if routes is None else dict(routes)
 

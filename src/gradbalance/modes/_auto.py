@@ -2,11 +2,11 @@
 
 Both routes give the same update (to rounding), so the choice is one of speed only:
 
-1. **Cost model** (:func:`route_costs`): from the trunk's ``nn.Linear`` shapes (recorded by
-   the ``gramian`` route's forward hooks), K, the rows N per layer and the micro-batch count,
-   each layer's two routes (:func:`~gradbalance.modes._costs.layer_costs`): ``matrix`` pays
+1. **Cost model** (:func:`route_costs`): from the shapes of the trunk's layers of linear form
+   (``nn.Linear``, convolutions; recorded by the ``gramian`` route's forward hooks), K, the
+   rows N per layer and the micro-batch count, each layer's two routes (:func:`~gradbalance.modes._costs.layer_costs`): ``matrix`` pays
    the per-task rows everywhere, ``gramian`` the route its per-layer choice takes, the
-   cheaper one. Blocks other than ``nn.Linear`` cost the same rows in both. No gain
+   cheaper one. Other blocks cost the same rows in both. No gain
    (``gramian`` would take the rows everywhere) decides ``matrix``; a predicted ratio of at
    most ``1 /`` :data:`DECISIVE` decides ``gramian``.
 2. **Measurement**: otherwise the next steps alternate the routes, :data:`TRIALS` timed steps
@@ -77,7 +77,7 @@ def route_costs(layers: Sequence[LinearShape], other_numel: int, k: int, micro: 
     """The cost model: what ``matrix`` and ``gramian`` do differently in one step.
 
     ``layers``: the trunk's linear layers in one micro-batch (all calls of a layer
-    together); ``other_numel``: the shared parameters outside ``nn.Linear`` blocks;
+    together); ``other_numel``: the shared parameters outside those layers;
     ``micro``: micro-batches per step. Per layer (:func:`~gradbalance.modes._costs.layer_costs`):
     ``matrix`` pays the rows route, ``gramian`` the route ``gramian`` mode takes for the
     layer, the cheaper one (so ``gramian <= matrix``). Other blocks take the rows
@@ -263,7 +263,7 @@ class AutoMode:
 
     @property
     def layer_routes(self) -> dict[str, str] | None:
-        """On a ``gramian`` step, each trunk ``nn.Linear``'s route
+        """On a ``gramian`` step, each trunk layer's route
         (:attr:`GramianMode.layer_routes`); None on a ``matrix`` step."""
         if self.route != "gramian" or self._gramian is None:
             return None

@@ -1,10 +1,12 @@
-"""``gramian`` mode: the Gramian ``G Gᵀ`` block by block, each ``nn.Linear`` by its cheaper route.
+"""``gramian`` mode: the Gramian ``G Gᵀ`` block by block, each linear layer by its cheaper route.
 
 The trunk is cut into *blocks*: a module with shared parameters of its own is one block
 (with all of its sub-modules, e.g. ``nn.MultiheadAttention`` and its ``out_proj``); a module
 without direct parameters is split into its children. A forward hook records the input and
-output of every ``nn.Linear`` block. Each ``nn.Linear`` (``y = x Wᵀ + b``, ``x`` ``[N, i]``,
-``Dₖ = ∂Lₖ/∂y`` ``[N, o]``) takes one of two exact routes, chosen per layer and per step
+output of every layer of linear form (``nn.Linear``; ``nn.Conv1d`` / ``nn.Conv2d``, whose rows
+are the batch × output positions and ``x`` the unfolded patches: :mod:`._layers`). Each
+(``y = x Wᵀ + b``, ``x`` ``[N, i]``, ``Dₖ = ∂Lₖ/∂y`` ``[N, o]``) takes one of two exact
+routes, chosen per layer and per step
 from its shapes by the cost model of :mod:`gradbalance.modes._costs` (time and memory; the
 first micro-batch decides, a layer whose rows grow over later micro-batches moves to rows):
 
@@ -103,7 +105,7 @@ class _Block:
     params: list[Tensor]
     form: tuple[int, int] | None  # (i, o) of a layer with a linear form, else None
     calls: list[_Call] = field(default_factory=list)  # recorded since the last backward
-    # nn.Linear: this step's route, "rows" or "activations" (other blocks: always rows)
+    # a layer of linear form: this step's route, "rows" or "activations" (other blocks: always rows)
     route: str = "rows"
     # the step so far, activations route: the inputs [N, i] and output gradients [K, N, o]
     inputs: list[Tensor] = field(default_factory=list)
@@ -188,7 +190,7 @@ class GramianRecorder:
         self.blocks = _find_blocks(roots, params)
         self.linear = [block for block in self.blocks if block.linear]
         self.other = [block for block in self.blocks if not block.linear]
-        #: a route forced on every ``nn.Linear`` block (``"rows"`` or ``"activations"``), or
+        #: a route forced on every layer of linear form (``"rows"`` or ``"activations"``), or
         #: by block name (a dict); None: each layer's cost model decides
         self.force: str | dict[str, str] | None = None
         ref = weakref.ref(self)
@@ -265,7 +267,7 @@ class GramianRecorder:
     # -- the per-layer route --------------------------------------------------------------
     @property
     def routes(self) -> dict[str, str]:
-        """Each ``nn.Linear`` block's route in the current (or last) step, by block name:
+        """Each layer of linear form's route in the current (or last) step, by block name:
         ``"rows"`` or ``"activations"``."""
         return {block.name: block.route for block in self.linear}
 
@@ -574,9 +576,10 @@ class GramianMode:
 
     @property
     def layer_routes(self) -> dict[str, str]:
-        """Each trunk ``nn.Linear``'s route in the current (or last) step, by module name:
-        ``"activations"`` (its Gramian from inputs and output gradients) or ``"rows"``
-        (per-task weight gradients, as in ``matrix`` mode)."""
+        """The route of each trunk layer of linear form (``nn.Linear``, a convolution) in
+        the current (or last) step, by module name: ``"activations"`` (its Gramian from
+        inputs and output gradients) or ``"rows"`` (per-task weight gradients, as in
+        ``matrix`` mode)."""
         return self.recorder.routes
 
     def check_backward(self, features: Tensor | None, count: int, reused: bool) -> None:
