@@ -4,11 +4,12 @@ Both routes give the same update (to rounding), so the choice is one of speed on
 
 1. **Cost model** (:func:`route_costs`): from the shapes of the trunk's layers of linear form
    (``nn.Linear``, convolutions; recorded by the ``gramian`` route's forward hooks), K, the
-   rows N per layer and the micro-batch count, each layer's two routes (:func:`~gradbalance.modes._costs.layer_costs`): ``matrix`` pays
-   the per-task rows everywhere, ``gramian`` the route its per-layer choice takes, the
-   cheaper one. Other blocks cost the same rows in both. No gain
-   (``gramian`` would take the rows everywhere) decides ``matrix``; a predicted ratio of at
-   most ``1 /`` :data:`DECISIVE` decides ``gramian``.
+   rows N per layer and the micro-batch count, each layer's two routes
+   (:func:`~gradbalance.modes._costs.layer_costs`): ``matrix`` pays the per-task rows
+   everywhere, ``gramian`` the route its per-layer choice takes, the cheaper one. Other
+   blocks cost the same rows in both. No gain (``gramian`` would take the rows everywhere)
+   decides ``matrix``; a predicted ratio of at most ``1 /`` :data:`DECISIVE` decides
+   ``gramian``.
 2. **Measurement**: otherwise the next steps alternate the routes, :data:`TRIALS` timed steps
    each (the buffer's ``backward`` calls and ``apply_``, the device synchronised), and the
    faster minimum wins. Under ``torch.distributed`` the model alone decides, from the
