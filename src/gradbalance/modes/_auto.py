@@ -154,7 +154,7 @@ class AutoMode:
             weight, bias = GramianRecorder._linear_params(block)
             assert block.form is not None
             i, o = block.form
-            n = sum(call.output.numel() // max(o, 1) for call in block.calls)
+            n = sum(call.n for call in block.calls)
             shapes.append((n, i, o, weight, bias))
         return tuple(shapes)
 

@@ -331,3 +331,22 @@ def test_random_convolutions_every_route_equals_matrix_mode(
         buf.apply_(UPGrad())
         grads.append([p.grad for p in model.parameters()])
     _assert_same(grads[1], grads[0], 1e-10)
+
+
+def test_a_layer_bound_for_the_rows_keeps_no_tensor_of_its_forward() -> None:
+    # Linear(64, 64, bias=False), K = 8, float64: 28 rows take the rows, 27 the activations
+    # (hand-derived above); from the second step on, K is known at the forward
+    for rows, kept in ((28, False), (27, True)):
+        torch.manual_seed(0)
+        model = MultiTaskModel(nn.Sequential(nn.Linear(64, 64, bias=False)),
+                               make_heads(64, 8)).double()
+        x, y = torch.randn(rows, 64, dtype=torch.float64), torch.randn(rows, 8, dtype=torch.float64)
+        buf = TaskGradBuffer(model.shared_parameters(), model.head_parameters(), mode="gramian",
+                             modules=model.trunk)
+        recorder = _engine(buf).recorder
+        for step in range(2):
+            losses = regression_losses(model(x), y)
+            call = recorder.linear[0].calls[0]
+            assert (call.output is not None) == (kept or step == 0)  # step 0: K not known yet
+            buf.backward(losses)
+            buf.apply_(UPGrad())
