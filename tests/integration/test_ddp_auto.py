@@ -1,4 +1,5 @@
-"""``mode="auto"`` on two gloo ranks: the full-batch update, and one route on every rank."""
+"""``mode="auto"`` on two gloo ranks: the full-batch update, and one route on every rank;
+``mode="gramian"`` with ranks on different layer routes."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from support.ddp import spawn_bounded
-from support.ddp_auto import train, worker
+from support.ddp_auto import train, train_gramian, worker
 
 
 @pytest.fixture(scope="module")
@@ -43,3 +44,16 @@ def test_ranks_with_different_shapes_raise_before_anything_moves(
         assert "mode='auto': the ranks took different routes" in rank["unequal"]
         assert "rank 0: gramian, rank 1: matrix" in rank["unequal"]
         assert rank["unequal"].endswith("grads moved: False")  # heads included
+
+
+def test_gramian_ranks_with_different_layer_routes_agree_on_the_rows(
+        ranks: list[dict[Any, Any]]) -> None:
+    # rank 0 forces the rows, rank 1 the activations: every layer moves to rows on rank 1
+    # (exactly), and both equal one process on the full batch (on either route)
+    for force in ("rows", "activations"):
+        reference = train_gramian(force)
+        for rank in ranks:
+            for p, q in zip(rank["mixed"]["params"], reference["params"]):
+                torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12)
+    assert all(set(layers.values()) == {"rows"}
+               for rank in ranks for layers in rank["mixed"]["layers"])

@@ -54,6 +54,35 @@ def train(width: int, rank: int = 0, world: int = 1) -> dict[str, Any]:
             "layers": layers}
 
 
+def train_gramian(force: Any = None, rank: int = 0, world: int = 1) -> dict[str, Any]:
+    """``STEPS`` steps of ``mode="gramian"`` (width 64) with ``force`` on every layer, each
+    rank its own (``force`` a callable of the rank), two micro-batches per step."""
+    model = _model(64)
+    buf = TaskGradBuffer(model.shared_parameters(), model.head_parameters(), mode="gramian",
+                         modules=model.trunk)
+    buf._engine.recorder.force = force(rank) if callable(force) else force  # type: ignore[attr-defined]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    xs = torch.randn(STEPS, GLOBAL_BATCH, 8, generator=gen, dtype=torch.float64)
+    ys = torch.randn(STEPS, GLOBAL_BATCH, K, generator=gen, dtype=torch.float64)
+    shard = GLOBAL_BATCH // world
+    layers = []
+    for step in range(STEPS):
+        x = xs[step, rank * shard : (rank + 1) * shard]
+        y = ys[step, rank * shard : (rank + 1) * shard]
+        for xm, ym in zip(x.chunk(2), y.chunk(2)):
+            buf.backward(regression_losses(model(xm), ym) / 2)
+        buf.apply_(UPGrad())
+        layers.append(buf.layer_routes)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {"params": [p.detach().clone() for p in model.parameters()], "layers": layers}
+
+
+def _rank_route(rank: int) -> str:
+    return "rows" if rank == 0 else "activations"
+
+
 def _unequal_shapes(rank: int) -> str:
     """Rank 0 takes 4 rows, rank 1 takes 200: the model picks gramian on one, matrix on the
     other (the first step takes matrix on both: the balancer is not known yet)."""
@@ -84,6 +113,7 @@ def worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     try:
         results = {width: train(width, rank, world) for width in (16, 64)}
         results["unequal"] = _unequal_shapes(rank)
+        results["mixed"] = train_gramian(_rank_route, rank, world)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()

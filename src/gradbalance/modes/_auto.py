@@ -235,7 +235,9 @@ class AutoMode:
             self._matrix.backward(roots, first)
             self.matrix = self._matrix.matrix
             if self._gramian is not None:
-                self._gramian.recorder.clear()  # the forward's records are not needed
+                recorder = self._gramian.recorder
+                recorder.clear()  # the forward's records are not needed
+                recorder.num_tasks = roots.num_tasks  # later forwards keep only what they may
         self._elapsed += self._tick() - start
 
     def check_apply(self, balancer: Balancer, clip: RowClipper | None) -> None:

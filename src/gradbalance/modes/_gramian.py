@@ -197,7 +197,9 @@ class GramianRecorder:
         #: a route forced on every layer of linear form (``"rows"`` or ``"activations"``), or
         #: by block name (a dict); None: each layer's cost model decides
         self.force: str | dict[str, str] | None = None
-        self._k: int | None = None  # K of the last step's passes
+        #: K of the last step's passes (None before the first): a forward bound for the rows
+        #: at this K keeps no tensor
+        self.num_tasks: int | None = None
         self._stepping = False  # a micro-batch of the current step has run its passes
         ref = weakref.ref(self)
         self._handles = [
@@ -246,10 +248,10 @@ class GramianRecorder:
             return forced == "activations"
         if self._stepping:
             return block.route == "activations"
-        if self._k is None:
+        if self.num_tasks is None:
             return True
         total = n + sum(call.n for call in block.calls)
-        return self._costs(block, total, self._k, 1).route == "activations"
+        return self._costs(block, total, self.num_tasks, 1).route == "activations"
 
     def clear(self) -> None:
         """Forget the step: recorded calls, output gradients, inputs and rows."""
@@ -439,7 +441,7 @@ class GramianRecorder:
             at += len(block.params)
         if not first:
             self._promote(k_total, micro)
-        self._k, self._stepping = k_total, True
+        self.num_tasks, self._stepping = k_total, True
 
     def reduce_over_ranks(self, k_total: int, group: Any) -> None:
         """Give every rank the full batch's operands. The routes are agreed first (one
