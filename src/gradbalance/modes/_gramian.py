@@ -220,9 +220,8 @@ class GramianRecorder:
         if not isinstance(x, Tensor):
             raise RuntimeError(
                 f"mode='gramian': module {block.name} ({type(block.module).__name__}) was "
-                f"called without an "
-                f"input tensor it can record (found {type(x).__name__}); call it as "
-                f"layer(x)"
+                f"called without an input tensor it can record (found {type(x).__name__}); "
+                f"call it as layer(x)"
             )
         assert block.form is not None
         n = output.numel() // max(block.form[1], 1)
