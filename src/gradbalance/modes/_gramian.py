@@ -239,15 +239,17 @@ class GramianRecorder:
     def _keeps(self, block: _Block, n: int) -> bool:
         """Whether a forward of ``n`` rows must keep its input and output: not where the
         layer takes the rows for sure (forced; a later micro-batch of a step on rows; or the
-        rows at these rows and the last step's K). Holding the tensors of a layer that
-        takes the rows keeps its output alive through the K passes for nothing (measured
-        1.3x on the CNN of the benchmarks)."""
+        rows at these rows and the last step's K: a layer whose tensors were not kept takes
+        the rows in that step; before the first step everything is kept, so that the routes
+        depend on the step's shapes and K alone and a resumed run takes the same ones).
+        Holding the tensors of a layer that takes the rows keeps its output alive through
+        the K passes for nothing (measured 1.3x on the CNN of the benchmarks)."""
         forced = self._forced(block)
         if forced is not None:
             return forced == "activations"
         if self._stepping:
             return block.route == "activations"
-        if self.num_tasks is None:
+        if self.num_tasks is None:  # before the first step: the plan decides with K
             return True
         total = n + sum(call.n for call in block.calls)
         return self._costs(block, total, self.num_tasks, 1).route == "activations"

@@ -335,7 +335,8 @@ def test_random_convolutions_every_route_equals_matrix_mode(
 
 def test_a_layer_bound_for_the_rows_keeps_no_tensor_of_its_forward() -> None:
     # Linear(64, 64, bias=False), K = 8, float64: 28 rows take the rows, 27 the activations
-    # (hand-derived above); from the second step on, K is known at the forward
+    # (hand-derived above); from the second step on, K is known at the forward (the first
+    # keeps every forward's tensors, so the routes depend on the step alone: resume)
     for rows, kept in ((28, False), (27, True)):
         torch.manual_seed(0)
         model = MultiTaskModel(nn.Sequential(nn.Linear(64, 64, bias=False)),
@@ -347,6 +348,7 @@ def test_a_layer_bound_for_the_rows_keeps_no_tensor_of_its_forward() -> None:
         for step in range(2):
             losses = regression_losses(model(x), y)
             call = recorder.linear[0].calls[0]
-            assert (call.output is not None) == (kept or step == 0)  # step 0: K not known yet
+            assert (call.output is not None) == (kept or step == 0)
             buf.backward(losses)
             buf.apply_(UPGrad())
+
