@@ -46,7 +46,7 @@ from ..stats import StepStats
 from ..taskgrads import ParamLayout, Passes, TaskRoots
 from ._costs import FLOPS_PER_BYTE, LinearShape, flops_per_byte, layer_costs
 from ._engine import reject_features
-from ._gramian import GramianMode, GramianRecorder
+from ._gramian import GramianMode, GramianRecorder, load_tasks
 from ._matrix import MatrixMode
 from ._measure import _synchronize
 
@@ -293,7 +293,8 @@ class AutoMode:
             self._gramian.clear()
 
     def state_dict(self) -> dict[str, Any]:
-        return {**self._matrix.state_dict(), "auto_route": {
+        gramian = {} if self._gramian is None else self._gramian.state_dict()
+        return {**self._matrix.state_dict(), **gramian, "auto_route": {
             "gramian_ok": self.gramian_ok,
             "decided": [[_as_list(key), route] for key, route in self._decided.items()],
             "samples": [[_as_list(key), {r: list(t) for r, t in s.items()}]
@@ -320,7 +321,10 @@ class AutoMode:
                     f"Invalid state_dict['auto_route']: {error}; pass the output of "
                     f"TaskGradBuffer.state_dict() of a mode='auto' buffer"
                 ) from error
+        tasks = load_tasks(state_dict)
         self._matrix.load_state_dict(state_dict)
+        if self._gramian is not None:
+            self._gramian.recorder.num_tasks = tasks
         if saved is not None:
             self.gramian_ok, self._decided, self._samples, self._counts = (
                 ok, decided, samples, counts)

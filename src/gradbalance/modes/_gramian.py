@@ -62,6 +62,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .._amp import finite_step, nonfinite_error, unscaled_gramian
+from .._checks import check_int
 from ..balancers._base import Balancer
 from ..clip._protocol import RowClipper
 from ..distributed import (
@@ -239,20 +240,19 @@ class GramianRecorder:
     def _keeps(self, block: _Block, n: int) -> bool:
         """Whether a forward of ``n`` rows must keep its input and output: not where the
         layer takes the rows for sure (forced; a later micro-batch of a step on rows; or the
-        rows at these rows and the last step's K: a layer whose tensors were not kept takes
-        the rows in that step; before the first step everything is kept, so that the routes
-        depend on the step's shapes and K alone and a resumed run takes the same ones).
-        Holding the tensors of a layer that takes the rows keeps its output alive through
-        the K passes for nothing (measured 1.3x on the CNN of the benchmarks)."""
+        rows at these rows and the last step's K, 2 before the first: a layer whose tensors
+        were not kept takes the rows in that step; the last K is in ``state_dict``, so a
+        resumed run takes the same routes). Holding the tensors of a layer that takes the
+        rows keeps its output alive through the K passes for nothing (measured 1.3x on the
+        CNN of the benchmarks)."""
         forced = self._forced(block)
         if forced is not None:
             return forced == "activations"
         if self._stepping:
             return block.route == "activations"
-        if self.num_tasks is None:  # before the first step: the plan decides with K
-            return True
         total = n + sum(call.n for call in block.calls)
-        return self._costs(block, total, self.num_tasks, 1).route == "activations"
+        k = 2 if self.num_tasks is None else self.num_tasks  # K = 2 before the first step
+        return self._costs(block, total, k, 1).route == "activations"
 
     def clear(self) -> None:
         """Forget the step: recorded calls, output gradients, inputs and rows."""
@@ -673,7 +673,20 @@ class GramianMode:
         self.recorder.clear()
 
     def state_dict(self) -> dict[str, Any]:
-        return {}
+        """The last step's K (``"gramian_tasks"``), which the next forwards use."""
+        tasks = self.recorder.num_tasks
+        return {} if tasks is None else {"gramian_tasks": tasks}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Nothing is measured in this mode: a saved ``passes`` choice is ignored."""
+        """Restore :meth:`state_dict` (nothing is measured in this mode: a saved ``passes``
+        choice is ignored)."""
+        self.recorder.num_tasks = load_tasks(state_dict)
+
+
+def load_tasks(state_dict: dict[str, Any]) -> int | None:
+    """The saved ``"gramian_tasks"`` (None where absent), checked."""
+    tasks = state_dict.get("gramian_tasks")
+    if tasks is not None:
+        check_int("state_dict['gramian_tasks']", tasks, 1,
+                  "; pass the output of TaskGradBuffer.state_dict()")
+    return tasks

@@ -335,8 +335,8 @@ def test_random_convolutions_every_route_equals_matrix_mode(
 
 def test_a_layer_bound_for_the_rows_keeps_no_tensor_of_its_forward() -> None:
     # Linear(64, 64, bias=False), K = 8, float64: 28 rows take the rows, 27 the activations
-    # (hand-derived above); from the second step on, K is known at the forward (the first
-    # keeps every forward's tensors, so the routes depend on the step alone: resume)
+    # (hand-derived above); from the second step on, K is known at the forward (before it
+    # K = 2 stands in, where 28 rows take the activations: N <= 29)
     for rows, kept in ((28, False), (27, True)):
         torch.manual_seed(0)
         model = MultiTaskModel(nn.Sequential(nn.Linear(64, 64, bias=False)),
@@ -352,3 +352,38 @@ def test_a_layer_bound_for_the_rows_keeps_no_tensor_of_its_forward() -> None:
             buf.backward(losses)
             buf.apply_(UPGrad())
 
+
+
+def test_before_the_first_step_k_2_stands_in_and_k_is_saved() -> None:
+    # Linear(64, 64, bias=False), float64, 30 rows: K = 2 takes the rows (memory: 8460 > 8192,
+    # above); K = 4 the activations (act 3136 N² + 57856 N = 4.56M against rows 32768 N +
+    # 5341184 = 6.32M; memory 5 N² + 320 N = 14100 <= K·P = 16384). The first step's forward
+    # keeps nothing, so that step takes the rows; the next ones know K = 4, also after a load
+    def run(buf: TaskGradBuffer, model: MultiTaskModel, steps: int) -> list[str]:
+        seen = []
+        for _ in range(steps):
+            buf.backward(regression_losses(model(x), y))
+            buf.apply_(UPGrad())
+            routes = buf.layer_routes
+            assert routes is not None
+            seen.append(routes["0"])
+        return seen
+
+    def fresh() -> tuple[MultiTaskModel, TaskGradBuffer]:
+        torch.manual_seed(0)
+        model = MultiTaskModel(nn.Sequential(nn.Linear(64, 64, bias=False)),
+                               make_heads(64, 4)).double()
+        return model, TaskGradBuffer(model.shared_parameters(), model.head_parameters(),
+                                     mode="gramian", modules=model.trunk)
+
+    x, y = torch.randn(30, 64, dtype=torch.float64), torch.randn(30, 4, dtype=torch.float64)
+    model, buf = fresh()
+    assert run(buf, model, 3) == ["rows", "activations", "activations"]
+    state = buf.state_dict()
+    assert state["gramian_tasks"] == 4
+    model2, buf2 = fresh()
+    with pytest.raises(ValueError, match=r"state_dict\['gramian_tasks'\]: 0"):
+        buf2.load_state_dict({**state, "gramian_tasks": 0})
+    assert buf2.state_dict() == fresh()[1].state_dict()  # nothing moved
+    buf2.load_state_dict(state)
+    assert run(buf2, model2, 1) == ["activations"]
