@@ -4,7 +4,8 @@ On one trunk and K (default: the large MLP 4×2048 at K = 8, UPGrad), the step o
 timed for every batch size, interleaved with the plain step in one process (the method of
 ``step_overhead.py``: 1 thread, warm-up, median of per-round ratios). ``gramian`` wins while
 the layers' rows N = batch are few next to their width (the activation route of
-``nn.Linear``), and loses once N grows. ``auto`` mode, which picks one of the two per batch
+``nn.Linear``); once N grows its layers take the rows route, ``matrix`` mode's work
+(docs/performance.md, the per-layer choice). ``auto`` mode, which picks one of the two per batch
 shape, runs beside them (after the warm-up steps, in which its trials run).
 
     python benchmarks/gramian_crossover.py                       # ≈ 5 min

@@ -4,7 +4,8 @@ The plain step is ``sum(losses).backward()`` + ``optimizer.step()`` + ``zero_gra
 trunk and K, every variant runs in the same process, interleaved (the order rotates every
 round: A B C, B C A, ...), after a warm-up; the reported figure is the median over rounds of
 ``t_variant / t_plain`` measured in the same round (``auto/best-<balancer>``: ``auto`` mode
-over the faster of ``matrix`` and ``gramian`` in the same round). The floor LB(K) = F + K·B
+over the faster of ``matrix`` and ``gramian`` in the same round; ``gramian`` is the mode as
+shipped, each layer on the route its per-layer cost model picks). The floor LB(K) = F + K·B
 is measured in the same run: F = forward alone, B = plain step − F (one backward + the
 optimizer step).
 

@@ -137,7 +137,8 @@ def cosine_matrix(gram: Tensor, eps: float = 0.0) -> Tensor:
     return torch.where(zero[:, None] | zero[None, :], torch.zeros_like(cos), cos)
 
 
-def linear_gramian(x: Tensor, d: Tensor, weight: bool, bias: bool) -> Tensor:
+def linear_gramian(x: Tensor, d: Tensor, weight: bool, bias: bool,
+                   route: str | None = None) -> Tensor:
     """``G_b G_bᵀ`` ``[K, K]`` (float64) of an ``nn.Linear`` ``y = x Wᵀ + b`` from its input
     ``x`` ``[N, i]`` and the output gradients ``d`` ``[K, N, o]`` (``d[k] = ∂Lₖ/∂y``).
 
@@ -145,7 +146,9 @@ def linear_gramian(x: Tensor, d: Tensor, weight: bool, bias: bool) -> Tensor:
     the cheaper of two exact routes: the rows ``G_b[k] = d[k]ᵀ x`` (``2K·N·o·i`` flops, a
     ``[K, o·i]`` scratch), or the activations, ``⟨dᵢᵀx, dⱼᵀx⟩ = Σ_{n,m} (dᵢ dⱼᵀ)_{nm}
     (x xᵀ)_{nm}`` (``N²·i + K²N²·o`` flops, nothing weight-sized): the ghost trick of
-    per-sample clipping, applied across tasks.
+    per-sample clipping, applied across tasks. ``route`` (``"rows"`` or ``"activations"``)
+    forces one; None takes the one of fewer flops. The activation route holds at most
+    ``max(K·N², 2²²)`` numbers of ``Dᵢ Dⱼᵀ`` at a time (tasks in chunks).
 
     Scale-safe: ``x`` and each ``d[k]`` are first scaled by powers of two to a largest entry
     in ``[0.5, 1)`` (:func:`unit_rows`), the products taken on those, and the factors
@@ -165,18 +168,34 @@ def linear_gramian(x: Tensor, d: Tensor, weight: bool, bias: bool) -> Tensor:
     if weight and i > 0:
         x_flat, x_scale = unit_rows(x.reshape(1, n * i))
         x_unit = x_flat.view(n, i).to(d_unit.dtype)
-        gram += _weight_block(x_unit, d_unit) * x_scale.square()
+        gram += _weight_block(x_unit, d_unit, route) * x_scale.square()
     return gram.mul_(d_scale[:, None] * d_scale[None, :])
 
 
-def _weight_block(x: Tensor, d: Tensor) -> Tensor:
+#: Entries of ``Dᵢ Dⱼᵀ`` the activation route holds at once (a chunk of tasks i).
+_GRAM_CHUNK = 1 << 22
+
+
+def _weight_block(x: Tensor, d: Tensor, route: str | None = None) -> Tensor:
     """The weight part of :func:`linear_gramian` (float64) on unit-scaled ``x`` and ``d``."""
     k, n, o = d.shape
     i = x.shape[1]
-    if n * n * (i + k * k * o) < 2 * k * n * o * i + k * k * o * i:
-        a = x @ x.T  # [N, N]
+    if route not in (None, "rows", "activations"):
+        raise ValueError(f"Invalid route: {route!r} (expected 'rows', 'activations' or None)")
+    if route is None:
+        route = ("activations" if n * n * (i + k * k * o) < 2 * k * n * o * i + k * k * o * i
+                 else "rows")
+    if route == "activations":
+        a = (x @ x.T).reshape(n * n)  # [N²]
         flat = d.reshape(k * n, o)
-        m = (flat @ flat.T).view(k, n, k, n).permute(0, 2, 1, 3).reshape(k * k, n * n)
-        return (m @ a.reshape(n * n)).view(k, k).to(torch.float64)
+        gram = torch.empty(k, k, dtype=torch.float64, device=d.device)
+        step = max(1, _GRAM_CHUNK // max(k * n * n, 1))
+        for start in range(0, k, step):
+            stop = min(k, start + step)
+            # (Dᵢ Dⱼᵀ)_{nm} for i in the chunk: [c, N, K, N] -> [c, K, N²]
+            m = (flat[start * n : stop * n] @ flat.T).view(stop - start, n, k, n)
+            m = m.permute(0, 2, 1, 3).reshape((stop - start) * k, n * n)
+            gram[start:stop] = (m @ a).view(stop - start, k).to(torch.float64)
+        return gram
     rows = torch.matmul(d.transpose(1, 2), x).reshape(k, o * i)  # [K, o·i]
     return compute_gramian(rows)

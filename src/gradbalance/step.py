@@ -337,13 +337,27 @@ class TaskGradBuffer:
             state["passes"] = state.pop("strategy")
         passes = check_saved_passes(state.pop("passes", None))
         route = state.pop("auto_route", None)  # mode="auto"'s decisions
+        tasks = state.pop("gramian_tasks", None)  # the K gramian's forwards plan with
+        if tasks is not None:
+            check_int("state_dict['gramian_tasks']", tasks, 1)
         steps = check_int("state_dict['steps_begun']", state.pop("steps_begun", 0), 0)
         self._cache.load_state_dict(state)  # checks everything before it changes anything
         engine_state: dict[str, Any] = {} if passes is None else {"passes": passes}
         if route is not None:
             engine_state["auto_route"] = route
+        if tasks is not None:
+            engine_state["gramian_tasks"] = tasks
         self._engine.load_state_dict(engine_state)
         self._steps = steps  # a state saved before the counter existed resumes at 0
+
+    @property
+    def layer_routes(self) -> dict[str, str] | None:
+        """``mode="gramian"`` (and ``"auto"`` on a ``gramian`` step): the route each trunk
+        ``nn.Linear`` or convolution took in the current or last step, by module name,
+        ``"activations"`` or ``"rows"`` (docs/performance.md, "gramian"); None in the other
+        modes."""
+        routes: dict[str, str] | None = getattr(self._engine, "layer_routes", None)
+        return None if routes is None else dict(routes)
 
     @property
     def matrix(self) -> Tensor | None:

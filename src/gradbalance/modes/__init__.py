@@ -4,11 +4,13 @@ gradients. Each mode is an :class:`Engine`; the buffer builds one with :func:`ma
 * ``"matrix"`` (default): the ``[K, P]`` task gradients of the shared parameters in one
   persistent buffer; every balancer and every row clipper works. Cost: one forward + K
   backward passes.
-* ``"gramian"``: only ``G Gᵀ`` ``[K, K]``, accumulated block by block, never ``[K, P]``; then
+* ``"gramian"``: only ``G Gᵀ`` ``[K, K]``, accumulated block by block; each ``nn.Linear``
+  takes the cheaper of two exact routes by a cost model of its shapes (its activations and
+  output gradients, nothing weight-sized; or its per-task rows, as ``matrix`` mode), then
   one weighted write-back. Weighted balancers only (``from_gramian = True``); same update as
   ``matrix``, over any number of micro-batches and under data parallelism, with 2-norm row
   clipping applied to ``G Gᵀ``. Pays off when K·P dwarfs the activations (large layers,
-  small batches).
+  small batches); elsewhere its layers take the rows, ``matrix`` mode's work.
 * ``"auto"``: per batch shape, the faster of the two exact routes, ``matrix`` or ``gramian``
   (a cost model from the linear layers' shapes, K and the batch, confirmed by timing a few
   steps of each where the model does not decide; re-decided when the batch shape changes);

@@ -2,19 +2,22 @@
 
 Both routes give the same update (to rounding), so the choice is one of speed only:
 
-1. **Cost model** (:func:`route_costs`): from the trunk's ``nn.Linear`` shapes (recorded by
-   the ``gramian`` route's forward hooks), K, the rows N per layer and the micro-batch count,
-   the flops and bytes in which the two routes differ: K weight-gradient GEMMs and the
-   ``[K, P]`` writes and reads of ``matrix`` against the cheaper ``nn.Linear`` Gramian route
-   (the rule of :func:`gradbalance.gramian.linear_gramian`), the stored output gradients and
-   the weighted write-back of ``gramian``. Blocks other than ``nn.Linear`` cost the same rows
-   in both. A predicted ratio of at least :data:`DECISIVE` decides.
+1. **Cost model** (:func:`route_costs`): from the shapes of the trunk's layers of linear form
+   (``nn.Linear``, convolutions; recorded by the ``gramian`` route's forward hooks), K, the
+   rows N per layer and the micro-batch count, each layer's two routes
+   (:func:`~gradbalance.modes._costs.layer_costs`): ``matrix`` pays the per-task rows
+   everywhere, ``gramian`` the route its per-layer choice takes, the cheaper one. Other
+   blocks cost the same rows in both. No gain (``gramian`` would take the rows everywhere)
+   decides ``matrix``; a predicted ratio of at most ``1 /`` :data:`DECISIVE` decides
+   ``gramian``.
 2. **Measurement**: otherwise the next steps alternate the routes, :data:`TRIALS` timed steps
    each (the buffer's ``backward`` calls and ``apply_``, the device synchronised), and the
-   faster minimum wins. Under ``torch.distributed`` the model alone decides (every rank takes
-   the same route).
+   faster minimum wins. Under ``torch.distributed`` the model alone decides, from the
+   shapes, so ranks with the same batch shape take the same route; ``apply_`` checks that
+   they did (one all-gather of one integer) and raises :class:`RankAgreementError` before
+   anything moves otherwise.
 
-The decision is kept per *shape key* — K, the rows and widths of every recorded linear call of
+The decision is kept per *shape key* — K, the rows and widths of every recorded linear layer in
 the first micro-batch, the micro-batch count last seen with them — so a new batch shape is
 decided anew and an old one reuses its route. The ``gramian`` route is taken only where it is
 possible: a weighted balancer and 2-norm clipping on the previous step (the first step, whose
@@ -38,34 +41,23 @@ from torch import Tensor
 
 from ..balancers._base import Balancer
 from ..clip._protocol import RowClipper
+from ..distributed import RankAgreementError, _gather_ints
 from ..stats import StepStats
 from ..taskgrads import ParamLayout, Passes, TaskRoots
+from ._costs import FLOPS_PER_BYTE, LinearShape, flops_per_byte, layer_costs
 from ._engine import reject_features
-from ._gramian import GramianMode, GramianRecorder
+from ._gramian import GramianMode, GramianRecorder, load_tasks
 from ._matrix import MatrixMode
 from ._measure import _synchronize
 
-__all__ = ["DECISIVE", "TRIALS", "AutoMode", "LinearShape", "RouteCosts", "route_costs"]
+__all__ = ["DECISIVE", "FLOPS_PER_BYTE", "TRIALS", "AutoMode", "LinearShape", "RouteCosts",
+           "route_costs"]
 
 Route = Literal["matrix", "gramian"]
 #: A predicted cost ratio at least this large decides without measuring.
 DECISIVE = 2.0
 #: Timed steps per route when the model does not decide (the minimum of each counts).
 TRIALS = 2
-#: Flops one byte of memory traffic is worth, per device type (a rough machine balance).
-FLOPS_PER_BYTE: dict[str, float] = {"cpu": 8.0}
-_DEFAULT_FLOPS_PER_BYTE = 32.0
-
-
-@dataclass(frozen=True)
-class LinearShape:
-    """One trunk ``nn.Linear`` in one micro-batch: ``n`` rows of width ``i`` in, ``o`` out."""
-
-    n: int
-    i: int
-    o: int
-    weight: bool = True  # the weight is a shared parameter
-    bias: bool = True  # the bias is a shared parameter
 
 
 @dataclass(frozen=True)
@@ -81,50 +73,25 @@ class RouteCosts:
         return self.gramian / self.matrix if self.matrix > 0 else float("inf")
 
 
-def linear_route(n: int, i: int, o: int, k: int) -> tuple[str, int]:
-    """The route :func:`~gradbalance.gramian.linear_gramian` takes for a weight block over
-    ``n`` rows, and its flops: activations ``n²(i + K²o)`` or rows ``2KNoi + K²oi``."""
-    activations = n * n * (i + k * k * o)
-    rows = 2 * k * n * o * i + k * k * o * i
-    return ("activations", activations) if activations < rows else ("rows", rows)
-
-
 def route_costs(layers: Sequence[LinearShape], other_numel: int, k: int, micro: int = 1,
                 element_size: int = 4, flops_per_byte: float = 8.0) -> RouteCosts:
     """The cost model: what ``matrix`` and ``gramian`` do differently in one step.
 
-    ``layers``: the trunk's linear calls of one micro-batch; ``other_numel``: the shared
-    parameters outside ``nn.Linear`` blocks; ``micro``: micro-batches per step (the step's
-    rows are ``micro·n``). Per linear layer with ``P = o·i + o`` shared numbers and
-    ``N = micro·n`` rows (bytes weighted by ``flops_per_byte``):
-
-    * matrix: ``2KNoi`` (K weight-gradient GEMMs) + ``KNo`` (bias) + ``K²P`` (the Gramian) +
-      ``2KP`` (``wᵀG``) + ``(3·micro + 2)·K·P`` elements moved (each row produced, copied
-      into ``G``; ``G`` read by the Gramian and the write-back);
-    * gramian: the cheaper weight route of :func:`linear_route` (its ``[K, o·i]`` scratch moved
-      twice on the rows route) + ``KNo + K²o`` (bias) + ``2Noi + 2KNo`` (the write-back) +
-      ``3KNo`` elements moved (the output gradients stored and read).
-
-    Other blocks take the rows ``[K, P_b]`` in both routes: ``K²P_b + 2KP_b`` flops and
-    ``(3·micro + 2)·K·P_b`` elements, added to both.
+    ``layers``: the trunk's linear layers in one micro-batch (all calls of a layer
+    together); ``other_numel``: the shared parameters outside those layers;
+    ``micro``: micro-batches per step. Per layer (:func:`~gradbalance.modes._costs.layer_costs`):
+    ``matrix`` pays the rows route, ``gramian`` the route ``gramian`` mode takes for the
+    layer, the cheaper one (so ``gramian <= matrix``). Other blocks take the rows
+    ``[K, P_b]`` in both: ``K²P_b + 2KP_b`` flops and ``(3·micro + 2)·K·P_b`` elements,
+    added to both.
     """
     byte = element_size * flops_per_byte
     common = k * k * other_numel + 2 * k * other_numel + (3 * micro + 2) * k * other_numel * byte
     matrix = gramian = float(common)
     for layer in layers:
-        n, i, o = layer.n * micro, layer.i, layer.o
-        p = (o * i if layer.weight else 0) + (o if layer.bias else 0)
-        matrix += k * k * p + 2 * k * p + (3 * micro + 2) * k * p * byte
-        gramian += 3 * k * n * o * byte
-        if layer.weight:
-            route, flops = linear_route(n, i, o, k)
-            matrix += 2 * k * n * o * i
-            gramian += flops + 2 * n * o * i + 2 * k * n * o
-            if route == "rows":
-                gramian += 2 * k * o * i * byte
-        if layer.bias:
-            matrix += k * n * o
-            gramian += k * n * o + k * k * o + (0 if layer.weight else 2 * k * n * o)
+        costs = layer_costs(layer, k, micro, element_size, flops_per_byte)
+        matrix += costs.rows
+        gramian += costs.chosen
     return RouteCosts(matrix, gramian)
 
 
@@ -182,11 +149,13 @@ class AutoMode:
         assert self._gramian is not None
         shapes = []
         for block in self._gramian.recorder.linear:
+            if not block.calls:
+                continue
             weight, bias = GramianRecorder._linear_params(block)
-            for call in block.calls:
-                i = int(call.input.shape[-1]) if call.input.dim() else 1
-                n = call.input.numel() // max(i, 1)
-                shapes.append((n, i, int(call.output.shape[-1]), weight, bias))
+            assert block.form is not None
+            i, o = block.form
+            n = sum(call.n for call in block.calls)
+            shapes.append((n, i, o, weight, bias))
         return tuple(shapes)
 
     def _decide(self, roots: TaskRoots) -> Route:
@@ -209,9 +178,11 @@ class AutoMode:
         other = sum(p.numel() for b in self._gramian.recorder.other for p in b.params)
         costs = self.costs = route_costs(
             layers, other, roots.num_tasks, key[1], self.layout.params[0].element_size(),
-            FLOPS_PER_BYTE.get(device.type, _DEFAULT_FLOPS_PER_BYTE))
+            flops_per_byte(device.type))
         ratio = costs.ratio
-        if ratio >= DECISIVE or ratio <= 1 / DECISIVE or _distributed():
+        # no layer gains (ratio 1: gramian would take the rows everywhere), or a decisive
+        # gain; under torch.distributed the model alone decides (the same on every rank)
+        if ratio >= 1 or ratio <= 1 / DECISIVE or _distributed():
             self._decided[key] = "gramian" if ratio < 1 else "matrix"
             return self._decided[key]
         samples = self._samples.setdefault(key, {"matrix": [], "gramian": []})
@@ -224,7 +195,7 @@ class AutoMode:
         assert self._gramian is not None
         recorder = self._gramian.recorder
         try:
-            recorder._check_recorded(roots)
+            recorder._check_recorded(roots, every=True)
         except RuntimeError:
             return False
         expected = {id(p): len(block.calls) for block in recorder.linear for p in block.params}
@@ -264,7 +235,9 @@ class AutoMode:
             self._matrix.backward(roots, first)
             self.matrix = self._matrix.matrix
             if self._gramian is not None:
-                self._gramian.recorder.clear()  # the forward's records are not needed
+                recorder = self._gramian.recorder
+                recorder.clear()  # the forward's records are not needed
+                recorder.num_tasks = roots.num_tasks  # later forwards keep only what they may
         self._elapsed += self._tick() - start
 
     def check_apply(self, balancer: Balancer, clip: RowClipper | None) -> None:
@@ -291,7 +264,17 @@ class AutoMode:
             return False
         return True
 
+    @property
+    def layer_routes(self) -> dict[str, str] | None:
+        """On a ``gramian`` step, each trunk layer's route
+        (:attr:`GramianMode.layer_routes`); None on a ``matrix`` step."""
+        if self.route != "gramian" or self._gramian is None:
+            return None
+        return self._gramian.layer_routes
+
     def apply(self, balancer: Balancer, step: Any) -> StepStats:
+        if step.group is not None:
+            _agree_route(self.route, step.group)
         start = self._tick()
         engine = self._gramian if self.route == "gramian" else self._matrix
         assert engine is not None
@@ -310,7 +293,8 @@ class AutoMode:
             self._gramian.clear()
 
     def state_dict(self) -> dict[str, Any]:
-        return {**self._matrix.state_dict(), "auto_route": {
+        gramian = {} if self._gramian is None else self._gramian.state_dict()
+        return {**self._matrix.state_dict(), **gramian, "auto_route": {
             "gramian_ok": self.gramian_ok,
             "decided": [[_as_list(key), route] for key, route in self._decided.items()],
             "samples": [[_as_list(key), {r: list(t) for r, t in s.items()}]
@@ -337,10 +321,29 @@ class AutoMode:
                     f"Invalid state_dict['auto_route']: {error}; pass the output of "
                     f"TaskGradBuffer.state_dict() of a mode='auto' buffer"
                 ) from error
+        tasks = load_tasks(state_dict)
         self._matrix.load_state_dict(state_dict)
+        if self._gramian is not None:
+            self._gramian.recorder.num_tasks = tasks
         if saved is not None:
             self.gramian_ok, self._decided, self._samples, self._counts = (
                 ok, decided, samples, counts)
+
+
+def _agree_route(route: Route, group: Any) -> None:
+    """Raise :class:`RankAgreementError` on every rank unless all ranks took ``route`` (one
+    all-gather of one integer, before any other collective of the step)."""
+    taken = [row[0] for row in _gather_ints([int(route == "gramian")], group,
+                                            "TaskGradBuffer.apply_()")]
+    if len(set(taken)) > 1:
+        ranks = ", ".join(f"rank {r}: {'gramian' if t else 'matrix'}"
+                          for r, t in enumerate(taken))
+        raise RankAgreementError(
+            f"mode='auto': the ranks took different routes for this step ({ranks}), "
+            f"decided from their own batch shapes; nothing was reduced or written. Give every "
+            f"rank the same batch shape (DistributedSampler(drop_last=True)) or use "
+            f"mode='matrix'"
+        )
 
 
 def _distributed() -> bool:

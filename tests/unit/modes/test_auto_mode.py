@@ -106,14 +106,16 @@ def test_auto_is_a_shipped_mode() -> None:
 @pytest.mark.parametrize("name", ["upgrad", "mgda", "pcgrad", "nashmtl", "imtlg"])
 @pytest.mark.parametrize("kind", ["mlp", "transformer"])
 def test_auto_equals_matrix_mode(kind: str, name: str, clock: dict[str, float]) -> None:
-    # mlp: the model decides gramian; transformer: the trials time both routes
+    # mlp: two of its three layers gain (predicted ratio 0.70), the trials time both routes;
+    # transformer: no layer gains (96 token rows per layer), the model decides matrix
     stats = _compare(kind, name, clock)
     routes = [s.route for s in stats]
     assert routes[0] == "matrix"  # the balancer is not known before the first apply_
-    assert "gramian" in routes and all(s.mode == "auto" for s in stats)
+    assert all(s.mode == "auto" for s in stats)
+    assert ("gramian" in routes) == (kind == "mlp")
 
 
-@pytest.mark.parametrize("kind", ["mlp", "transformer"])
+@pytest.mark.parametrize("kind", ["mlp"])
 def test_auto_with_a_scaler_and_norm_clipping(kind: str) -> None:
     stats = _compare(kind, "upgrad", {"matrix": 2.0, "gramian": 1.0}, scaler=True,
                      clip_of=lambda: TaskClip(0.5), dtype=torch.float32)
@@ -185,18 +187,18 @@ def test_matrix_where_the_gramian_route_would_be_wrong(trunk_of: Callable[[], nn
 
 def _closed_form(n: int, i: int, o: int, k: int, other: int, micro: int,
                  byte: float) -> tuple[float, float]:
-    """One linear layer (weight and bias shared) plus ``other`` numbers in other blocks."""
+    """One linear layer (weight and bias shared) plus ``other`` numbers in other blocks:
+    ``matrix`` pays the per-task rows, ``gramian`` the activations where they are faster
+    and hold no more memory than the rows (docs/performance.md, the per-layer choice)."""
     big_n, p = micro * n, o * i + o
-    rows_flops = 2 * k * big_n * o * i + k * k * o * i
-    act_flops = big_n**2 * (i + k * k * o)
-    rows_route = rows_flops <= act_flops
     shared = k * k * other + 2 * k * other + (3 * micro + 2) * k * other * byte
-    matrix = (shared + 2 * k * big_n * o * i + k * big_n * o + k * k * p + 2 * k * p
-              + (3 * micro + 2) * k * p * byte)
-    gramian = (shared + min(rows_flops, act_flops) + (2 * k * o * i * byte if rows_route else 0)
-               + k * big_n * o + k * k * o + 2 * big_n * o * i + 2 * k * big_n * o
-               + 3 * k * big_n * o * byte)
-    return matrix, gramian
+    rows = (2 * k * big_n * o * i + k * big_n * o + k * k * p + 2 * k * p
+            + (3 * micro + 2) * k * p * byte)
+    act = (big_n**2 * (i + k * k * o) + 2 * k * k * big_n**2 * byte + k * big_n * o + k * k * o
+           + 2 * big_n * o * i + 2 * k * big_n * o + 3 * k * big_n * o * byte)
+    act_memory = k * big_n * o + big_n * i + big_n**2 + k * big_n**2
+    chosen = act if act < rows and act_memory <= k * p else rows
+    return shared + rows, shared + chosen
 
 
 @pytest.mark.parametrize(("n", "i", "o", "k", "other", "micro"), [
@@ -217,8 +219,9 @@ def _expected_route(n: int, micro: int) -> str:
     for i, o in [(16, 32), (32, 32), (32, 32)]:
         m, g = _closed_form(n, i, o, 3, 0, micro, 8.0 * 8)
         matrix, gramian = matrix + m, gramian + g
-    assert max(matrix / gramian, gramian / matrix) >= _auto.DECISIVE  # no trials here
-    return "gramian" if gramian < matrix else "matrix"
+    ratio = gramian / matrix
+    assert ratio >= 1 or ratio <= 1 / _auto.DECISIVE  # no trials here
+    return "gramian" if ratio < 1 else "matrix"
 
 
 def test_the_model_decides_where_it_is_decisive_and_redecides_on_a_new_shape() -> None:
@@ -251,7 +254,7 @@ def test_trials_decide_by_the_clock(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _resume_run(cut: int) -> None:
     schedule = [(16,), (16,), (8, 8), (16,), (12,), (16,), (8, 8), (12,), (16,)]
-    model, x, y = build("transformer", batch=16, dtype=torch.float64)
+    model, x, y = build("mlp", batch=16, dtype=torch.float64)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     buf = _buffer(model, "auto")
     balancer = UPGrad()
@@ -263,7 +266,7 @@ def _resume_run(cut: int) -> None:
 
     saved.seek(0)
     state = torch.load(saved, weights_only=True)
-    model2, _, _ = build("transformer", batch=16, dtype=torch.float64)
+    model2, _, _ = build("mlp", batch=16, dtype=torch.float64)
     model2.load_state_dict(state["model"])
     opt2 = torch.optim.SGD(model2.parameters(), lr=0.05)
     opt2.load_state_dict(state["opt"])
@@ -337,8 +340,8 @@ def test_a_failed_gramian_step_moves_nothing() -> None:
 def test_a_balancer_needing_rows_after_a_gramian_step() -> None:
     model, x, y = build("mlp", batch=16, dtype=torch.float64)
     buf = _buffer(model, "auto")
-    _run(model, x, y, buf, UPGrad(), SCHEDULE[:2])  # the second step took the gramian route
-    buf.backward(regression_losses(model(x), y))
+    _run(model, x, y, buf, UPGrad(), SCHEDULE[:1])  # the next step is the first trial,
+    buf.backward(regression_losses(model(x), y))  # on the gramian route
     with pytest.raises(TypeError, match="mode='auto' took the gramian route"):
         buf.apply_(make_balancer("graddrop"))
     buf.reset()

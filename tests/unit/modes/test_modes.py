@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
 
 from gradbalance import BALANCERS, TaskGradBuffer, balanced_backward
+from gradbalance import gramian as gramian_module
 from gradbalance.balancers import Balancer, Sum
 from gradbalance.gramian import linear_gramian
 from support.helpers import TRUNKS, build, grads_of, losses_of
@@ -57,17 +60,23 @@ def _linear_rows(x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return torch.stack([(d[k].T @ x).reshape(-1) for k in range(d.shape[0])])
 
 
+@pytest.mark.parametrize("route", [None, "rows", "activations"])
 @pytest.mark.parametrize(("n", "i", "o"), [(4, 64, 64), (64, 3, 2)])
-def test_linear_gramian_routes_match_materialised_rows(n: int, i: int, o: int) -> None:
-    # (4, 64, 64) takes the activation route, (64, 3, 2) the row route.
+def test_linear_gramian_routes_match_materialised_rows(n: int, i: int, o: int, route: Any,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # (4, 64, 64) takes the activation route unforced, (64, 3, 2) the row route; the
+    # activation route in chunks of one task (the chunk size lowered to force several)
+    monkeypatch.setattr(gramian_module, "_GRAM_CHUNK", 1)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(n, i, generator=gen, dtype=torch.float64)
     d = torch.randn(3, n, o, generator=gen, dtype=torch.float64)
     rows = _linear_rows(x, d)
     bias = d.sum(dim=1)
     expected = rows @ rows.T + bias @ bias.T
-    torch.testing.assert_close(linear_gramian(x, d, True, True), expected)
-    torch.testing.assert_close(linear_gramian(x, d, True, False), rows @ rows.T)
+    torch.testing.assert_close(linear_gramian(x, d, True, True, route=route), expected)
+    torch.testing.assert_close(linear_gramian(x, d, True, False, route=route), rows @ rows.T)
+    with pytest.raises(ValueError, match="Invalid route: 'ghost'"):
+        linear_gramian(x, d, True, True, route="ghost")
 
 
 def test_gramian_mode_holds_no_k_by_p_matrix() -> None:
@@ -170,8 +179,11 @@ def test_gramian_mode_errors() -> None:
 
 
 def test_gramian_mode_rejects_inplace_after_block() -> None:
+    # the activations route reads the layer's output after the forward: an in-place edit
+    # is refused there; the rows route (autograd's own weight gradients) is exact anyway
     trunk = nn.Sequential(nn.Linear(3, 4), nn.ReLU(inplace=True), nn.Linear(4, 2))
     buf = TaskGradBuffer(list(trunk.parameters()), mode="gramian", modules=trunk)
+    buf._engine.recorder.force = "activations"  # type: ignore[attr-defined]
     out = trunk(torch.randn(5, 3))
     with pytest.raises(RuntimeError, match="modified in place"):
         buf.backward([out[:, 0].mean(), out[:, 1].mean()])

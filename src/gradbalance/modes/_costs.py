@@ -1,0 +1,96 @@
+"""The cost model of an ``nn.Linear``'s Gramian block: per-task rows or the activations.
+
+For a layer ``y = x Wᵀ + b`` over ``N`` rows (``x`` ``[N, i]``, ``Dₖ = ∂Lₖ/∂y`` ``[N, o]``)
+with ``P = o·i + o`` shared numbers, ``gramian`` mode takes one of two exact routes:
+
+* **rows**: the K task passes ask autograd for the layer's parameters, so each pass forms
+  ``Dₖᵀx`` (its weight-gradient GEMM) into a ``[K, P]`` block; then ``G_b G_bᵀ`` and
+  ``wᵀ G_b``. What ``matrix`` mode does for the layer: ``2KNoi + KNo`` flops in the passes,
+  ``K²P + 2KP`` after them, ``(3m + 2)·K·P`` elements moved (``m`` micro-batches: each
+  row produced and written, the block read by the Gramian and the write-back); ``K·P`` held.
+* **activations**: the passes stop at ``y`` (autograd skips the weight-gradient kernel)
+  and keep ``Dₖ`` and ``x``; then ``⟨Dᵢᵀx, Dⱼᵀx⟩ = Σ_{n,m} (Dᵢ Dⱼᵀ)_{nm} (x xᵀ)_{nm}``:
+  ``N²·i + K²N²·o`` flops and ``2K²N²`` elements moved (``Dᵢ Dⱼᵀ`` written and read), the
+  bias ``KNo + K²o``, the write-back ``(Σₖ wₖ Dₖ)ᵀ x``: ``2Noi + 2KNo``, and ``3KNo`` elements
+  moved (``Dₖ`` stored and read); ``K·N·o + N·i + N² + K·N²`` held at the peak.
+
+Elements moved count ``element_size × flops_per_byte`` flops each (a machine balance). A
+layer takes the activations only where they cost less time **and** hold no more memory than
+the rows, so the per-layer choice is never slower or heavier than ``matrix`` mode by the
+model: the crossover is ``N²(i + K²o) ≈ 2KNoi`` in flops, roughly ``N < 2i/K`` for square
+layers — the per-layer trade of mixed ghost clipping for per-sample gradients (Bu, Mao & Xu,
+"Scalable and Efficient Training of Large Convolutional Neural Networks with Differential
+Privacy", NeurIPS 2022), made across tasks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["FLOPS_PER_BYTE", "LayerCosts", "LinearShape", "flops_per_byte", "layer_costs"]
+
+#: Flops one byte of memory traffic is worth, per device type (a rough machine balance).
+FLOPS_PER_BYTE: dict[str, float] = {"cpu": 8.0}
+_DEFAULT_FLOPS_PER_BYTE = 32.0
+
+
+def flops_per_byte(device_type: str) -> float:
+    """The machine balance the model uses on ``device_type``."""
+    return FLOPS_PER_BYTE.get(device_type, _DEFAULT_FLOPS_PER_BYTE)
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    """One trunk ``nn.Linear`` in one micro-batch: ``n`` rows of width ``i`` in, ``o`` out
+    (all of the layer's calls together)."""
+
+    n: int
+    i: int
+    o: int
+    weight: bool = True  # the weight is a shared parameter
+    bias: bool = True  # the bias is a shared parameter
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """One layer's two routes: time in flop equivalents, memory in elements held."""
+
+    rows: float
+    activations: float
+    rows_memory: int
+    activations_memory: int
+
+    @property
+    def route(self) -> str:
+        """``"activations"`` where they are both faster and no heavier, else ``"rows"``."""
+        cheaper = self.activations < self.rows
+        return "activations" if cheaper and self.activations_memory <= self.rows_memory \
+            else "rows"
+
+    @property
+    def chosen(self) -> float:
+        """The time of :attr:`route`."""
+        return self.activations if self.route == "activations" else self.rows
+
+
+def layer_costs(shape: LinearShape, k: int, micro: int = 1, element_size: int = 4,
+                flops_per_byte: float = 8.0, total_rows: int | None = None) -> LayerCosts:
+    """Both routes of one layer over ``micro`` micro-batches of ``shape.n`` rows (the step's
+    ``N = micro·n``, or ``total_rows`` where given), K tasks; the formulas of the module
+    docstring."""
+    n = shape.n * micro if total_rows is None else total_rows
+    i, o = shape.i, shape.o
+    byte = element_size * flops_per_byte
+    p = (o * i if shape.weight else 0) + (o if shape.bias else 0)
+    rows = float(k * k * p + 2 * k * p + (3 * micro + 2) * k * p * byte)
+    activations = float(3 * k * n * o * byte)
+    activations_memory = k * n * o
+    if shape.weight:
+        rows += 2 * k * n * o * i
+        activations += (n * n * (i + k * k * o) + 2 * k * k * n * n * byte
+                        + 2 * n * o * i + 2 * k * n * o)
+        activations_memory += n * i + n * n + k * n * n
+    if shape.bias:
+        rows += k * n * o
+        activations += k * n * o + k * k * o + (0 if shape.weight else 2 * k * n * o)
+    return LayerCosts(rows, activations, k * p, activations_memory)
