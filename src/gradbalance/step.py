@@ -46,6 +46,8 @@ from .modes import Engine, Mode, StepInput, make_engine
 from .modes._amortize import ReusedStep, WeightCache
 from .modes._engine import check_saved_passes
 from .modes._rollback import GradSnapshot, StateSnapshot
+from .modes._sharded import make_sharded_engine
+from .sharding import is_sharded
 from .stats import StepStats
 from .taskgrads import ParamLayout, Passes, TaskRoots, resolve_passes
 
@@ -143,7 +145,9 @@ class TaskGradBuffer:
         self.process_group = process_group
         self.update_every = update_every
         self._cache = WeightCache(update_every)
-        self._engine: Engine = make_engine(mode, self.layout, heads, passes, modules)
+        self.sharded = is_sharded(shared)  # a trunk under FSDP2's fully_shard
+        self._engine: Engine = (make_sharded_engine if self.sharded else make_engine)(
+            mode, self.layout, heads, passes, modules)
         self._losses: Tensor | None = None
         self._count = 0
         self._scaler: Any = None

@@ -1,0 +1,213 @@
+"""Helpers of the FSDP2 tests: one small multitask run, on one process or sharded.
+
+:func:`train` runs a :class:`Case` either unsharded on the full global batch (``world=1``, the
+reference) or inside a gloo process group with the trunk under ``fully_shard`` (per-layer and
+root wrapping, or root only; heads sharded or replicated), each rank on its shard of every
+batch. Every sharded run must reproduce the reference's parameters, statistics and balancer
+state. :func:`run_cases` runs several cases in one spawned job to save process start-up.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from gradbalance import TaskGradBuffer
+from gradbalance.balancers import Balancer
+
+K = 3
+IN, WIDTH, OUT = 6, 7, 5  # odd sizes: FSDP2's dim-0 shards are uneven on 2 and 4 ranks
+GLOBAL_BATCH = 8
+SCALES = (1.0, 3.0, 0.3)  # tasks of different scale, so that the balancers act
+
+
+@dataclass
+class Case:
+    """One training run. ``balancer``: a factory (each run builds its own, seeded alike)."""
+
+    name: str
+    balancer: Callable[[], Balancer]
+    steps: int = 3
+    micro: int = 1  # micro-batches per step (each rank splits its shard alike)
+    heads_sharded: bool = False
+    wrap: str = "layers"  # "layers": each Linear and the root; "root": the root only
+    amp: bool = False
+    overflow: tuple[int, int] | None = None  # (step, rank): that rank's losses become inf
+    clip: Callable[[], Any] | None = None
+    global_clip: float | None = None  # clip_grad_norm_ after apply_
+    mode: str = "matrix"
+    update_every: int = 1
+    naive: bool = False  # balance each rank's local gradients alone (the wrong pattern)
+    weighting: Callable[[], Any] | None = None  # a LossWeighting (GradNorm)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(IN, WIDTH), nn.Tanh(), nn.Linear(WIDTH, OUT),
+                                   nn.Tanh())
+        self.heads = nn.ModuleList([nn.Linear(OUT, 1) for _ in range(K)])
+
+    def forward(self, x: Tensor) -> tuple[Tensor, list[Tensor]]:
+        feats = self.trunk(x)
+        return feats, [head(feats) for head in self.heads]
+
+
+def build_model(case: Case, world: int) -> Model:
+    torch.manual_seed(0)
+    model = Model()
+    if world > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        if case.wrap == "layers":
+            for layer in model.trunk:
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer)
+        fully_shard(model.trunk)
+        if case.heads_sharded:
+            fully_shard(model)
+    return model
+
+
+def batches(case: Case) -> list[tuple[Tensor, Tensor]]:
+    """The global batches, the same on every process."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(case.steps):
+        x = torch.randn(GLOBAL_BATCH * case.micro, IN, generator=g)
+        y = torch.randn(GLOBAL_BATCH * case.micro, K, generator=g) * torch.tensor(SCALES)
+        out.append((x, y))
+    return out
+
+
+def _full(t: Tensor) -> Tensor:
+    full = t.full_tensor() if hasattr(t, "full_tensor") else t  # a DTensor's whole value
+    return full.detach().clone()
+
+
+def train(case: Case, rank: int = 0, world: int = 1) -> dict[str, Any]:
+    """Run ``case``; return the full parameters, the per-step statistics and the states."""
+    model = build_model(case, world)
+    trunk_params = list(model.trunk.parameters())
+    head_params = list(model.heads.parameters())
+    balancer = case.balancer()
+    weighting = case.weighting() if case.weighting is not None else None
+    extra_params = list(weighting.parameters()) if weighting is not None and hasattr(
+        weighting, "parameters") else []
+    opt = torch.optim.SGD([*trunk_params, *head_params], lr=0.05, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if case.amp else None
+    group = "local" if case.naive else None
+    buf = TaskGradBuffer(trunk_params, head_params, process_group=group, mode=case.mode,
+                         update_every=case.update_every)
+    clip = case.clip() if case.clip is not None else None
+    stats_log: list[dict[str, Any]] = []
+    share = GLOBAL_BATCH // world
+    for step, (x, y) in enumerate(batches(case)):
+        for m in range(case.micro):
+            rows = slice(m * GLOBAL_BATCH + rank * share, m * GLOBAL_BATCH + (rank + 1) * share)
+            feats, outs = model(x[rows])
+            losses = torch.stack([nn.functional.mse_loss(o.squeeze(-1), y[rows, k])
+                                  for k, o in enumerate(outs)]) / case.micro
+            if weighting is not None:
+                losses = weighting(losses)
+            if case.overflow is not None and case.overflow[0] == step and (
+                    world == 1 or case.overflow[1] == rank):
+                losses = losses * math.inf
+            kwargs = {"features": feats} if case.mode == "features" else {}
+            buf.backward(losses, scaler=scaler, **kwargs)
+        stats = buf.apply_(balancer, scaler=scaler, clip=clip)
+        if case.global_clip is not None:
+            if scaler is not None:
+                scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_([*trunk_params, *head_params], case.global_clip)
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        stats_log.append({
+            "losses": stats.losses.clone(), "found_inf": stats.found_inf,
+            "weights": None if stats.weights is None else stats.weights.clone(),
+            "task_norms": None if stats.task_norms is None else stats.task_norms.clone(),
+            "cosine_to_update": None if stats.cosine_to_update is None
+            else stats.cosine_to_update.clone(),
+            "update_norm": None if stats.update_norm is None else stats.update_norm.clone(),
+        })
+    del extra_params
+    return {
+        "params": [_full(p) for p in model.parameters()],
+        "stats": stats_log,
+        "balancer": copy.deepcopy(balancer.state_dict()),
+        "clip": copy.deepcopy(clip.state_dict()) if clip is not None and hasattr(
+            clip, "state_dict") else None,
+        "scale": None if scaler is None else float(scaler.get_scale()),
+    }
+
+
+def init_group(rank: int, world: int, init_file: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+
+
+def run_cases_worker(rank: int, world: int, init_file: str, out_dir: str,
+                     cases: list[Case]) -> None:
+    """Each case's sharded result (or the exception text) into ``out_dir/rank{r}.pt``."""
+    init_group(rank, world, init_file)
+    results: dict[str, Any] = {}
+    for case in cases:
+        try:
+            results[case.name] = train(case, rank, world)
+        except Exception as error:  # reported to the test, which fails with the message
+            import traceback
+
+            results[case.name] = {"error": f"{type(error).__name__}: {error}\n"
+                                           f"{traceback.format_exc()}"}
+        dist.barrier()
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def assert_close_runs(got: dict[str, Any], ref: dict[str, Any], rtol: float = 1e-6,
+                      atol: float = 1e-7) -> None:
+    """Parameters, statistics and states of a sharded run equal the reference's."""
+    assert "error" not in got, got.get("error")
+    for a, b in zip(got["params"], ref["params"]):
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+    for sa, sb in zip(got["stats"], ref["stats"]):
+        assert sa["found_inf"] == sb["found_inf"]
+        for key in ("losses", "weights", "task_norms", "cosine_to_update", "update_norm"):
+            if sb[key] is None or sa["found_inf"]:
+                continue
+            torch.testing.assert_close(sa[key], sb[key], rtol=rtol * 10, atol=atol * 10,
+                                       check_dtype=False)
+    assert got["scale"] == ref["scale"]
+    _close_state(got["balancer"], ref["balancer"], rtol, atol)
+
+
+def _close_state(a: Any, b: Any, rtol: float, atol: float) -> None:
+    if isinstance(a, dict):
+        assert set(a) == set(b)
+        for key in a:
+            _close_state(a[key], b[key], rtol, atol)
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _close_state(x, y, rtol, atol)
+    elif isinstance(a, Tensor) and a.dtype.is_floating_point:
+        torch.testing.assert_close(a, b, rtol=rtol * 10, atol=atol * 10)
+    elif isinstance(a, Tensor):
+        assert torch.equal(a, b)
+    else:
+        assert a == b
