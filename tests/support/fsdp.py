@@ -104,7 +104,10 @@ def train(case: Case, rank: int = 0, world: int = 1) -> dict[str, Any]:
     weighting = case.weighting() if case.weighting is not None else None
     extra_params = list(weighting.parameters()) if weighting is not None and hasattr(
         weighting, "parameters") else []
-    opt = torch.optim.SGD([*trunk_params, *head_params], lr=0.05, momentum=0.9)
+    # Two optimizers: torch's GradScaler unscales one optimizer's gradients in one call, which
+    # refuses a mix of DTensor (a sharded trunk) and plain (replicated heads) gradients.
+    opts = [torch.optim.SGD(trunk_params, lr=0.05, momentum=0.9),
+            torch.optim.SGD(head_params, lr=0.05, momentum=0.9)]
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if case.amp else None
     group = "local" if case.naive else None
     buf = TaskGradBuffer(trunk_params, head_params, process_group=group, mode=case.mode,
@@ -128,14 +131,17 @@ def train(case: Case, rank: int = 0, world: int = 1) -> dict[str, Any]:
         stats = buf.apply_(balancer, scaler=scaler, clip=clip)
         if case.global_clip is not None:
             if scaler is not None:
-                scaler.unscale_(opt)
+                for opt in opts:
+                    scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_([*trunk_params, *head_params], case.global_clip)
+        for opt in opts:
+            if scaler is not None:
+                scaler.step(opt)
+            else:
+                opt.step()
+            opt.zero_grad(set_to_none=True)
         if scaler is not None:
-            scaler.step(opt)
             scaler.update()
-        else:
-            opt.step()
-        opt.zero_grad(set_to_none=True)
         stats_log.append({
             "losses": stats.losses.clone(), "found_inf": stats.found_inf,
             "weights": None if stats.weights is None else stats.weights.clone(),
