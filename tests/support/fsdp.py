@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gradbalance import TaskGradBuffer
-from gradbalance.balancers import Balancer
+from gradbalance.balancers import Balancer, Combination
 
 K = 3
 IN, WIDTH, OUT = 6, 7, 5  # odd sizes: FSDP2's dim-0 shards are uneven on 2 and 4 ranks
@@ -95,8 +95,45 @@ def _full(t: Tensor) -> Tensor:
     return full.detach().clone()
 
 
-def train(case: Case, rank: int = 0, world: int = 1) -> dict[str, Any]:
-    """Run ``case``; return the full parameters, the per-step statistics and the states."""
+def _checkpoint_state(model: nn.Module, opts: list[torch.optim.Optimizer], balancer: Balancer,
+                      buf: TaskGradBuffer, scaler: Any) -> dict[str, Any]:
+    """What a resume needs, as torch.distributed.checkpoint takes it (sharded tensors)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, opts)
+    return {"model": model_state, "optim": optim_state, "balancer": balancer.state_dict(),
+            "buffer": buf.state_dict(),
+            "scaler": {} if scaler is None else scaler.state_dict()}
+
+
+def _save(path: str, model: nn.Module, opts: list[torch.optim.Optimizer], balancer: Balancer,
+          buf: TaskGradBuffer, scaler: Any) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_checkpoint_state(model, opts, balancer, buf, scaler), checkpoint_id=path)
+
+
+def _load(path: str, model: nn.Module, opts: list[torch.optim.Optimizer], balancer: Balancer,
+          buf: TaskGradBuffer, scaler: Any) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = _checkpoint_state(model, opts, balancer, buf, scaler)
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opts, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    balancer.load_state_dict(state["balancer"])
+    buf.load_state_dict(state["buffer"])
+    if scaler is not None:
+        scaler.load_state_dict(state["scaler"])
+
+
+def train(case: Case, rank: int = 0, world: int = 1, *, save: tuple[int, str] | None = None,
+          resume: tuple[int, str] | None = None) -> dict[str, Any]:
+    """Run ``case``; return the full parameters, the per-step statistics and the states.
+
+    ``save=(step, dir)``: a torch.distributed.checkpoint of everything before ``step``;
+    ``resume=(step, dir)``: start at ``step`` from that checkpoint."""
     model = build_model(case, world)
     trunk_params = list(model.trunk.parameters())
     head_params = list(model.heads.parameters())
@@ -116,6 +153,12 @@ def train(case: Case, rank: int = 0, world: int = 1) -> dict[str, Any]:
     stats_log: list[dict[str, Any]] = []
     share = GLOBAL_BATCH // world
     for step, (x, y) in enumerate(batches(case)):
+        if save is not None and save[0] == step:
+            _save(save[1], model, opts, balancer, buf, scaler)
+        if resume is not None and step < resume[0]:
+            continue
+        if resume is not None and step == resume[0]:
+            _load(resume[1], model, opts, balancer, buf, scaler)
         for m in range(case.micro):
             rows = slice(m * GLOBAL_BATCH + rank * share, m * GLOBAL_BATCH + (rank + 1) * share)
             feats, outs = model(x[rows])
@@ -217,3 +260,93 @@ def _close_state(a: Any, b: Any, rtol: float, atol: float) -> None:
         assert torch.equal(a, b)
     else:
         assert a == b
+
+
+def resume_run(case: Case, rank: int, world: int, directory: str) -> dict[str, Any]:
+    """``case`` uninterrupted (saving a checkpoint before step 2) and resumed from it."""
+    path = os.path.join(directory, f"ckpt_{case.name}")
+    whole = train(case, rank, world, save=(2, path))
+    dist.barrier()
+    resumed = train(case, rank, world, resume=(2, path))
+    return {"whole": whole, "resumed": resumed}
+
+
+class NotShardable(Balancer):
+    """A matrix balancer without a sharded combine (it needs whole rows)."""
+
+    def _combine_matrix(self, matrix: Tensor, losses: Tensor | None) -> Combination:
+        return Combination(matrix.sum(dim=0))
+
+
+def _error(call: Callable[[], Any]) -> str:
+    try:
+        call()
+    except Exception as error:  # the test reads the type and the text
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def failures(rank: int, world: int) -> dict[str, Any]:
+    """What a sharded trunk refuses, and that nothing moved when it did."""
+    from gradbalance.balancers import UPGrad
+
+    case = Case("failures", UPGrad)
+    model = build_model(case, world)
+    trunk, heads = list(model.trunk.parameters()), list(model.heads.parameters())
+    x, y = batches(case)[0]
+    out: dict[str, Any] = {
+        "gramian": _error(lambda: TaskGradBuffer(trunk, heads, mode="gramian",
+                                                 modules=model.trunk)),
+        "auto": _error(lambda: TaskGradBuffer(trunk, heads, mode="auto", modules=model.trunk)),
+        "batched": _error(lambda: TaskGradBuffer(trunk, heads, passes="batched")),
+        "mixed": _error(lambda: TaskGradBuffer([*trunk, *heads[:1]], heads[1:])
+                        if world > 1 else None),
+    }
+
+    def losses_of() -> Tensor:
+        feats, outs = model(x[: GLOBAL_BATCH // world])
+        return torch.stack([nn.functional.mse_loss(o.squeeze(-1), y[: GLOBAL_BATCH // world, k])
+                            for k, o in enumerate(outs)])
+
+    buf = TaskGradBuffer(trunk, heads)
+    buf.backward(losses_of())
+    heads_before = [None if h.grad is None else h.grad.clone() for h in heads]
+    balancer = NotShardable(K)
+    out["not_shardable"] = _error(lambda: buf.apply_(balancer))
+    out["trunk_grad_after_refusal"] = [p.grad is None for p in trunk]
+    out["heads_unchanged"] = all(
+        torch.equal(h.grad, b) for h, b in zip(heads, heads_before) if b is not None)
+    buf.reset()
+    for h in heads:
+        h.grad = None
+    if world > 1:  # gradient sync off: the sharded .grad is never written
+        model.trunk.set_requires_gradient_sync(False)  # type: ignore[operator]
+        out["sync_off"] = _error(lambda: buf.backward(losses_of()))
+        model.trunk.set_requires_gradient_sync(True)  # type: ignore[operator]
+    return out
+
+
+def run_all_worker(rank: int, world: int, init_file: str, out_dir: str, cases: list[Case],
+                   resume: list[Case], with_failures: bool) -> None:
+    """Every case (sharded), every resume, the failures: ``out_dir/rank{r}.pt``."""
+    init_group(rank, world, init_file)
+    results: dict[str, Any] = {}
+
+    def guarded(name: str, call: Callable[[], Any]) -> None:
+        try:
+            results[name] = call()
+        except Exception as error:  # reported to the test, which fails with the message
+            import traceback
+
+            results[name] = {"error": f"{type(error).__name__}: {error}\n"
+                                      f"{traceback.format_exc()}"}
+        dist.barrier()
+
+    for case in cases:
+        guarded(case.name, lambda: train(case, rank, world))
+    for case in resume:
+        guarded("resume_" + case.name, lambda: resume_run(case, rank, world, out_dir))
+    if with_failures:
+        guarded("failures", lambda: failures(rank, world))
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
