@@ -15,7 +15,6 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 

@@ -48,7 +48,7 @@ from .modes._engine import check_saved_passes
 from .modes._rollback import GradSnapshot, StateSnapshot
 from .modes._sharded import make_sharded_engine
 from .modes._sharded_reuse import ShardedReusedStep
-from .sharding import is_sharded
+from .sharding import ShardedLayout, is_sharded
 from .stats import StepStats
 from .taskgrads import ParamLayout, Passes, TaskRoots, resolve_passes
 
@@ -155,8 +155,7 @@ class TaskGradBuffer:
         self._scale: Tensor | None = None
         self._reused = False
         self._reused_step: ReusedStep | ShardedReusedStep = (
-            ShardedReusedStep(self._engine.layout, heads)  # type: ignore[attr-defined]
-            if self.sharded else ReusedStep())
+            ShardedReusedStep(ShardedLayout(shared), heads) if self.sharded else ReusedStep())
         self._heads_before: GradSnapshot | None = None  # the heads' .grad before the step
         self._states_before: StateSnapshot | None = None  # balancer, clipper, during apply_
         self._steps = 0  # steps begun; apply_ compares it across the ranks

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from gradbalance.balancers import MGDA, PCGrad, UPGrad, GradVac, NashMTL
+from gradbalance.balancers import MGDA, GradVac, NashMTL, PCGrad, UPGrad
 from gradbalance.clip import TaskAutoClip, TaskClip, TaskValueClip
 from support.ddp import spawn_bounded
 from support.fsdp import Case, assert_close_runs, run_all_worker, train

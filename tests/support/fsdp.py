@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import functools
 import math
 import os
 from collections.abc import Callable
@@ -304,7 +305,7 @@ def failures(rank: int, world: int) -> dict[str, Any]:
     }
 
     def losses_of() -> Tensor:
-        feats, outs = model(x[: GLOBAL_BATCH // world])
+        _, outs = model(x[: GLOBAL_BATCH // world])
         return torch.stack([nn.functional.mse_loss(o.squeeze(-1), y[: GLOBAL_BATCH // world, k])
                             for k, o in enumerate(outs)])
 
@@ -343,9 +344,9 @@ def run_all_worker(rank: int, world: int, init_file: str, out_dir: str, cases: l
         dist.barrier()
 
     for case in cases:
-        guarded(case.name, lambda: train(case, rank, world))
+        guarded(case.name, functools.partial(train, case, rank, world))
     for case in resume:
-        guarded("resume_" + case.name, lambda: resume_run(case, rank, world, out_dir))
+        guarded("resume_" + case.name, functools.partial(resume_run, case, rank, world, out_dir))
     if with_failures:
         guarded("failures", lambda: failures(rank, world))
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))

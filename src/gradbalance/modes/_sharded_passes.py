@@ -38,7 +38,7 @@ def task_backward(roots: TaskRoots, k: int, retain_graph: bool) -> bool:
     root = roots.outputs[k]
     if root is None:
         return False
-    torch.autograd.backward(root, grad_tensors=roots.grad_outputs[k].reshape(()),  # type: ignore[arg-type]
+    torch.autograd.backward(root, grad_tensors=roots.grad_outputs[k].reshape(()),
                             retain_graph=retain_graph)
     return True
 
