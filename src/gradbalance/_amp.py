@@ -57,7 +57,7 @@ def scale_of(scaler: Any, device: torch.device) -> Tensor | None:
 
 def grads_finite(params: Sequence[Tensor]) -> Tensor:
     """True (0-d bool tensor) when every existing ``.grad`` of ``params`` is finite."""
-    from .sharding import local_of  # a sharded head's .grad: this rank's part
+    from ._sharding import local_of  # a sharded head's .grad: this rank's part
 
     flags = [torch.isfinite(local_of(p.grad)).all() for p in params if p.grad is not None]
     if not flags:
@@ -120,7 +120,7 @@ def poison_(grads: Sequence[Tensor | None]) -> None:
     The written gradients of a skipped step, so that ``scaler.step`` skips whichever optimizer
     holds them; one left finite would let its optimizer step on an unbalanced update.
     """
-    from .sharding import local_of  # a DTensor: its local part, on every rank
+    from ._sharding import local_of  # a DTensor: its local part, on every rank
 
     for g in grads:
         if g is not None:

@@ -48,7 +48,7 @@ from .modes._engine import check_saved_passes
 from .modes._rollback import GradSnapshot, StateSnapshot
 from .modes._sharded import make_sharded_engine
 from .modes._sharded_reuse import ShardedReusedStep
-from .sharding import ShardedLayout, is_sharded
+from ._sharding import ShardedLayout, is_sharded
 from .stats import StepStats
 from .taskgrads import ParamLayout, Passes, TaskRoots, resolve_passes
 

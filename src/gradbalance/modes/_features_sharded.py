@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..sharding import ShardedLayout, is_dtensor
+from .._sharding import ShardedLayout, is_dtensor
 from ..taskgrads import ParamLayout, Passes
 from ._engine import StepInput
 from ._features import FeaturesMode

@@ -32,7 +32,7 @@ from ..clip._protocol import RowClipper
 from ..clip._task import TaskValueClip
 from ..distributed import all_reduce_grads_and_losses_
 from ..gramian import compute_gramian
-from ..sharding import ShardedLayout, is_dtensor
+from .._sharding import ShardedLayout, is_dtensor
 from ..stats import StepStats
 from ..taskgrads import ParamLayout, Passes, TaskRoots
 from ._engine import StepInput, commit, reject_features, settle

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..sharding import ShardedLayout, local_of
+from .._sharding import ShardedLayout, local_of
 from ..stats import StepStats, stats_from_gramian
 from ..taskgrads import TaskRoots
 
