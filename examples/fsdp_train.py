@@ -129,6 +129,8 @@ def main() -> None:
         stats = buf.apply_(balancer, scaler=scaler)
         scaler.unscale_(opt)
         pre_clip = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+        if hasattr(pre_clip, "full_tensor"):  # DTensor gradients give a DTensor norm
+            pre_clip = pre_clip.full_tensor()
         scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=True)
@@ -137,7 +139,7 @@ def main() -> None:
             weights = "" if stats.weights is None else " ".join(
                 f"{v:.4f}" for v in stats.weights.tolist())
             print(f"step {step:4d}  losses {losses_txt}  weights {weights}  "
-                  f"pre-clip {float(pre_clip.full_tensor() if hasattr(pre_clip, 'full_tensor') else pre_clip):.4f}"
+                  f"pre-clip {float(pre_clip):.4f}"
                   f"  skipped {stats.found_inf}", flush=True)
 
     digest = checksum(list(model.parameters()))

@@ -39,6 +39,7 @@ from ._checks import (
     check_row_clipper,
     param_signatures,
 )
+from ._sharding import ShardedLayout, is_sharded
 from .balancers._base import Balancer
 from .clip._protocol import RowClipper
 from .distributed import check_step_agreement, resolve_process_group
@@ -48,7 +49,6 @@ from .modes._engine import check_saved_passes
 from .modes._rollback import GradSnapshot, StateSnapshot
 from .modes._sharded import make_sharded_engine
 from .modes._sharded_reuse import ShardedReusedStep
-from ._sharding import ShardedLayout, is_sharded
 from .stats import StepStats
 from .taskgrads import ParamLayout, Passes, TaskRoots, resolve_passes
 

@@ -27,12 +27,12 @@ import torch
 from torch import Tensor
 
 from .._amp import finite_step, nonfinite_error
+from .._sharding import ShardedLayout, is_dtensor
 from ..balancers._base import Balancer, Combination
 from ..clip._protocol import RowClipper
 from ..clip._task import TaskValueClip
 from ..distributed import all_reduce_grads_and_losses_
 from ..gramian import compute_gramian
-from .._sharding import ShardedLayout, is_dtensor
 from ..stats import StepStats
 from ..taskgrads import ParamLayout, Passes, TaskRoots
 from ._engine import StepInput, commit, reject_features, settle

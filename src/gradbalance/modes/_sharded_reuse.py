@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 
 from .._amp import finite_update, nonfinite_error
-from ..distributed import all_reduce_grads_and_losses_
 from .._sharding import ShardedLayout, is_dtensor
+from ..distributed import all_reduce_grads_and_losses_
 from ..stats import StepStats
 from ..taskgrads import TaskRoots
 from ._amortize import WeightCache
