@@ -16,7 +16,7 @@ import torch
 from gradbalance.balancers import MGDA, GradVac, NashMTL, PCGrad, UPGrad
 from gradbalance.clip import TaskAutoClip, TaskClip, TaskValueClip
 from support.ddp import spawn_bounded
-from support.fsdp import Case, assert_close_runs, run_all_worker, train
+from support.fsdp import Case, assert_close_runs, gradnorm, run_all_worker, train
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
                                 reason="torch.distributed is unavailable")
@@ -38,6 +38,7 @@ CASES = [
          micro=2),
     Case("features", MGDA, mode="features"),
     Case("features_amp", PCGrad, mode="features", amp=True),
+    Case("gradnorm_weighting", Sum, weighting=gradnorm, steps=4),
 ]
 RESUME = [Case("gradvac_amp", functools.partial(GradVac, 3), steps=4, amp=True)]
 NAIVE = Case("naive", UPGrad, naive=True)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gradbalance import TaskGradBuffer
+from gradbalance.distributed import gathered_parameters, sync_weighting_
 from gradbalance.balancers import Balancer, Combination
 
 K = 3
@@ -48,7 +49,7 @@ class Case:
     mode: str = "matrix"
     update_every: int = 1
     naive: bool = False  # balance each rank's local gradients alone (the wrong pattern)
-    weighting: Callable[[], Any] | None = None  # a LossWeighting (GradNorm)
+    weighting: Callable[[Model, int], Any] | None = None  # a LossWeighting, from the model
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -62,6 +63,14 @@ class Model(nn.Module):
     def forward(self, x: Tensor) -> tuple[Tensor, list[Tensor]]:
         feats = self.trunk(x)
         return feats, [head(feats) for head in self.heads]
+
+
+def gradnorm(model: Model, world: int) -> Any:
+    """GradNorm at the trunk's last linear layer (its gathered copies when sharded)."""
+    from gradbalance.weighting import GradNorm
+
+    layer = model.trunk[2]
+    return GradNorm(K, gathered_parameters(layer) if world > 1 else layer, alpha=1.5, lr=0.05)
 
 
 def build_model(case: Case, world: int) -> Model:
@@ -139,9 +148,7 @@ def train(case: Case, rank: int = 0, world: int = 1, *, save: tuple[int, str] | 
     trunk_params = list(model.trunk.parameters())
     head_params = list(model.heads.parameters())
     balancer = case.balancer()
-    weighting = case.weighting() if case.weighting is not None else None
-    extra_params = list(weighting.parameters()) if weighting is not None and hasattr(
-        weighting, "parameters") else []
+    weighting = case.weighting(model, world) if case.weighting is not None else None
     # Two optimizers: torch's GradScaler unscales one optimizer's gradients in one call, which
     # refuses a mix of DTensor (a sharded trunk) and plain (replicated heads) gradients.
     opts = [torch.optim.SGD(trunk_params, lr=0.05, momentum=0.9),
@@ -166,13 +173,16 @@ def train(case: Case, rank: int = 0, world: int = 1, *, save: tuple[int, str] | 
             losses = torch.stack([nn.functional.mse_loss(o.squeeze(-1), y[rows, k])
                                   for k, o in enumerate(outs)]) / case.micro
             if weighting is not None:
-                losses = weighting(losses)
+                losses = weighting(losses, scaler=scaler)
             if case.overflow is not None and case.overflow[0] == step and (
                     world == 1 or case.overflow[1] == rank):
                 losses = losses * math.inf
             kwargs = {"features": feats} if case.mode == "features" else {}
             buf.backward(losses, scaler=scaler, **kwargs)
         stats = buf.apply_(balancer, scaler=scaler, clip=clip)
+        if weighting is not None:
+            sync_weighting_(weighting)  # the ranks' layer gradients and losses: their mean
+            weighting.update(found_inf=stats.found_inf)
         if case.global_clip is not None:
             if scaler is not None:
                 for opt in opts:
@@ -194,11 +204,10 @@ def train(case: Case, rank: int = 0, world: int = 1, *, save: tuple[int, str] | 
             else stats.cosine_to_update.clone(),
             "update_norm": None if stats.update_norm is None else stats.update_norm.clone(),
         })
-    del extra_params
     return {
         "params": [_full(p) for p in model.parameters()],
         "stats": stats_log,
-        "balancer": copy.deepcopy(balancer.state_dict()),
+        "balancer": copy.deepcopy((balancer if weighting is None else weighting).state_dict()),
         "clip": copy.deepcopy(clip.state_dict()) if clip is not None and hasattr(
             clip, "state_dict") else None,
         "scale": None if scaler is None else float(scaler.get_scale()),
