@@ -12,6 +12,11 @@ A balancer maps the task-gradient matrix ``G`` ``[K, P]`` (and the detached task
 * **matrix** (``from_gramian = False``): needs the rows themselves (per-coordinate masks,
   EMA of gradients...). It implements :meth:`Balancer._combine_matrix`.
 
+Under a sharded trunk (FSDP2) :meth:`Balancer.combine_sharded` combines one rank's columns
+with a :class:`~gradbalance.balancers.Shard`: weighted balancers from the full Gramian,
+matrix balancers through :meth:`Balancer._combine_matrix_sharded` (``docs/balancers.md``,
+"Sharded trunks").
+
 State (EMA targets, warm starts, counters) lives in tensors, is returned by
 :meth:`Balancer.state_dict` and restored by :meth:`Balancer.load_state_dict` into a fresh
 object with no warm-up call. A balancer never changes state when its input is not finite:
@@ -169,15 +174,12 @@ class Balancer(PicklableGenerators):
         k = matrix.shape[0]
         losses = self._check_losses(losses, k)
         if gramian is None:
-            local = torch.cat([compute_gramian(matrix).flatten(),
-                               torch.isfinite(matrix).logical_not().sum().reshape(1)
-                               .to(device=matrix.device, dtype=torch.float64)])
-            total = shard.sum(local)
-            gram, bad = total[:-1].reshape(k, k), total[-1]
-            if self.from_gramian and not bool(is_finite_gramian(gram)):
-                self._raise_nonfinite(not bool(bad > 0))
-            if bool(bad > 0):
-                raise NonFiniteGradientError(self._nonfinite_message())
+            gram = shard.sum(compute_gramian(matrix))
+            if not bool(is_finite_gramian(gram)):  # the same on every rank: all reduce again
+                local = torch.isfinite(matrix).logical_not().sum().to(torch.float64)
+                rows_finite = not bool(shard.sum(local.reshape(1)) > 0)
+                if self.from_gramian or not rows_finite:
+                    self._raise_nonfinite(rows_finite)
         else:
             if gramian.shape != (k, k):
                 raise ValueError(

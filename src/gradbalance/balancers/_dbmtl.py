@@ -11,6 +11,7 @@ from torch import Tensor
 from .._checks import check_range
 from ..gramian import unit_rows
 from ._base import Balancer, Combination
+from ._shard import Shard, sharded_unit_rows
 from ._state import EmaStepState, check_state_rows
 
 __all__ = ["DBMTL", "dbmtl_update"]
@@ -31,6 +32,17 @@ def dbmtl_update(ema: Tensor) -> Tensor:
     return ((inv @ unit).to(torch.float64) * top).to(ema.dtype)
 
 
+def _dbmtl_update_sharded(ema: Tensor, shard: Shard) -> Tensor:
+    """This rank's columns of :func:`dbmtl_update`: the rows scaled by powers of two chosen
+    from the full norms (:func:`~gradbalance.balancers._shard.sharded_unit_rows`)."""
+    unit, scale, norms = sharded_unit_rows(ema, shard)
+    top = norms.max()
+    unit_norms = norms / scale
+    safe = torch.where(norms > 0, unit_norms, torch.ones_like(unit_norms))
+    inv = torch.where(norms > 0, 1.0 / safe, torch.zeros_like(safe)).to(unit.dtype)
+    return ((inv @ unit).to(torch.float64) * top).to(ema.dtype)
+
+
 class DBMTL(EmaStepState, Balancer):
     """DB-MTL's gradient balancing: ``ĝₖ ← β_t ĝₖ + (1 − β_t) gₖ``, ``g = Σₖ (max‖ĝ‖/‖ĝₖ‖) ĝₖ``.
 
@@ -46,7 +58,8 @@ class DBMTL(EmaStepState, Balancer):
         log_losses: divide each row by its loss first (default False).
         eps: added to the losses when ``log_losses`` (default 1e-8, as ``log(L + ε)``).
 
-    State: ``ĝ`` ``[K, P]`` in the gradients' dtype and the step count.
+    State: ``ĝ`` ``[K, P]`` in the gradients' dtype (a rank's ``[K, P_local]`` under a
+    sharded trunk) and the step count.
     """
 
     name = "dbmtl"
@@ -64,6 +77,22 @@ class DBMTL(EmaStepState, Balancer):
         self.reset()
 
     def _combine_matrix(self, matrix: Tensor, losses: Tensor | None) -> Combination:
+        ema, t = self._next_ema(matrix, losses)
+        update = dbmtl_update(ema)
+        self._ema, self._step = ema, torch.tensor(t, dtype=torch.int64)
+        return Combination(update)
+
+    def _combine_matrix_sharded(self, matrix: Tensor, losses: Tensor | None, gramian: Tensor,
+                                shard: Shard) -> Combination:
+        """The EMA is per coordinate (local state ``[K, P_local]``); the norms ``‖ĝₖ‖`` are
+        summed over ranks (one ``[K]`` reduce)."""
+        ema, t = self._next_ema(matrix, losses)
+        update = _dbmtl_update_sharded(ema, shard)
+        self._ema, self._step = ema, torch.tensor(t, dtype=torch.int64)
+        return Combination(update)
+
+    def _next_ema(self, matrix: Tensor, losses: Tensor | None) -> tuple[Tensor, int]:
+        """``ĝ`` after this step and the step number ``t`` (the state is not changed)."""
         check_state_rows(type(self).__name__, self._ema, matrix)
         rows = matrix
         if self.log_losses:
@@ -79,9 +108,7 @@ class DBMTL(EmaStepState, Balancer):
         beta_t = self.beta / t**self.beta_sigma
         ema = rows.clone() if self._ema is None else self._ema
         ema = rows + beta_t * (ema - rows) if self._ema is not None else (1.0 - beta_t) * ema
-        self._ema = ema
-        self._step = torch.tensor(t, dtype=torch.int64)
-        return Combination(dbmtl_update(ema))
+        return ema, t
 
     def __repr__(self) -> str:
         return (f"DBMTL(num_tasks={self.num_tasks}, beta={self.beta}, "

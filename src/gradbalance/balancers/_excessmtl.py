@@ -16,6 +16,7 @@ from .._checks import check_int, check_range
 from .._statedict import check_keys, tag_state, untag_state
 from ..gramian import unit_rows
 from ._base import Balancer, Combination
+from ._shard import Shard
 from ._state import as_step, check_state_rows, clone_or_none
 
 __all__ = ["ExcessMTL", "excessmtl_risks"]
@@ -71,7 +72,7 @@ class ExcessMTL(Balancer):
 
     State: ``R = √S`` ``[K, P]`` in the gradients' dtype (as large as ``G``; a state saved
     with ``S`` itself, ``"sq_sum"``, loads as ``√S``), ``α``, the baseline, the warm-up sum
-    and the step count.
+    and the step count. Under a sharded trunk ``R`` holds the rank's columns.
     """
 
     name = "excessmtl"
@@ -95,11 +96,22 @@ class ExcessMTL(Balancer):
         self._step = torch.zeros((), dtype=torch.int64)
 
     def _combine_matrix(self, matrix: Tensor, losses: Tensor | None) -> Combination:
+        return self._advance(matrix, None)
+
+    def _combine_matrix_sharded(self, matrix: Tensor, losses: Tensor | None, gramian: Tensor,
+                                shard: Shard) -> Combination:
+        """``R`` is per coordinate (local state ``[K, P_local]``); the excess risks, sums over
+        coordinates, are summed over ranks (one ``[K]`` reduce)."""
+        return self._advance(matrix, shard)
+
+    def _advance(self, matrix: Tensor, shard: Shard | None) -> Combination:
         check_state_rows(type(self).__name__, self._root_sq_sum, matrix)
         k = matrix.shape[0]
         root = matrix.abs() if self._root_sq_sum is None else torch.hypot(self._root_sq_sum,
                                                                           matrix)
         risks = excessmtl_risks(matrix, root, self.eps)
+        if shard is not None:
+            risks = shard.sum(risks)
         weights = (torch.full((k,), 1.0 / k, dtype=torch.float64, device=matrix.device)
                    if self._weights is None else self._weights)
         warmup_sum = (torch.zeros(k, dtype=torch.float64, device=matrix.device)

@@ -14,8 +14,41 @@ from torch import Tensor
 from .._checks import as_task_vector, check_generator
 from ._base import Balancer, Combination
 from ._rng import OptionalGeneratorState
+from ._shard import Shard
 
 __all__ = ["GradDrop", "graddrop_update"]
+
+#: Columns drawn per call: the draws are a fixed sequence of chunks on every device, so a
+#: rank of a sharded trunk can replay the single-process stream in bounded memory.
+_DRAW_CHUNK = 1 << 20
+
+
+def graddrop_uniform(shard: Shard, generator: torch.Generator | None, dtype: torch.dtype,
+                     device: torch.device) -> Tensor:
+    """The draws ``U ~ U(0, 1)`` of ``shard``'s columns ``[P_local]``, in local order.
+
+    The stream is ``torch.rand`` of consecutive chunks of :data:`_DRAW_CHUNK` columns
+    (one call when ``P`` is at most that; on the CPU any chunking gives the same numbers),
+    always drawn through all ``P`` columns, so the generator ends where a single process
+    leaves it; chunks holding no local column are drawn and dropped. Memory: one chunk.
+    """
+    if shard.runs == ((0, shard.total),) and shard.total <= _DRAW_CHUNK:
+        return torch.rand(shard.total, generator=generator, dtype=dtype, device=device)
+    out = torch.empty(shard.size, dtype=dtype, device=device)
+    starts = torch.tensor([0, *(n for _, n in shard.runs)]).cumsum(0).tolist()
+    order = sorted(range(len(shard.runs)), key=lambda i: shard.runs[i][0])
+    pending = [(shard.runs[i][0], shard.runs[i][1], starts[i]) for i in order if shard.runs[i][1]]
+    for begin in range(0, shard.total, _DRAW_CHUNK):
+        end = min(begin + _DRAW_CHUNK, shard.total)
+        chunk = torch.rand(end - begin, generator=generator, dtype=dtype, device=device)
+        for start, length, local in pending:
+            if start >= end:
+                break
+            lo, hi = max(start, begin), min(start + length, end)
+            if lo < hi:
+                out[local + lo - start : local + hi - start] = chunk[lo - begin : hi - begin]
+        pending = [run for run in pending if run[0] + run[1] > end]
+    return out
 
 
 def graddrop_update(matrix: Tensor, uniform: Tensor, leak: Tensor | None = None,
@@ -57,9 +90,15 @@ class GradDrop(OptionalGeneratorState, Balancer):
         num_tasks: K (optional; required when ``leak`` is not given).
         leak: ``ℓₖ ∈ [0, 1]`` per task, how much of each task's gradient always passes
             (default: no leak, ``ℓ = 0``).
-        f: monotonically increasing map applied to the purity (default: identity).
+        f: monotonically increasing map applied to the purity, elementwise (default:
+            identity).
         generator: the source of the uniform draws ``U ~ U(0, 1)ᴾ``; None uses torch's global
-            RNG. A given generator's state is saved by :meth:`state_dict`.
+            RNG. A given generator's state is saved by :meth:`state_dict`. The draws come in
+            chunks of 2²⁰ columns (:func:`graddrop_uniform`).
+
+    Sharded (:meth:`~Balancer.combine_sharded`): the purity is per coordinate, so each rank
+    works on its own columns with no collective; it draws the whole single-process stream
+    (``P`` numbers, one chunk in memory at a time) and keeps its columns' draws.
     """
 
     name = "graddrop"
@@ -79,9 +118,12 @@ class GradDrop(OptionalGeneratorState, Balancer):
         self.generator = check_generator("generator", generator)
 
     def _combine_matrix(self, matrix: Tensor, losses: Tensor | None) -> Combination:
+        return self._combine_matrix_sharded(matrix, losses, None, Shard.whole(matrix.shape[1]))
+
+    def _combine_matrix_sharded(self, matrix: Tensor, losses: Tensor | None,
+                                gramian: Tensor | None, shard: Shard) -> Combination:
         where = self.generator.device if self.generator is not None else matrix.device
-        uniform = torch.rand(matrix.shape[1], generator=self.generator, dtype=matrix.dtype,
-                             device=where)
+        uniform = graddrop_uniform(shard, self.generator, matrix.dtype, where)
         return Combination(graddrop_update(matrix, uniform, self.leak, self.f))
 
     def __repr__(self) -> str:

@@ -17,6 +17,7 @@ from .._statedict import check_keys, tag_state, untag_state
 from ..gramian import compute_gramian
 from ._base import Balancer, Combination
 from ._rng import check_generator_state, private_generator
+from ._shard import Shard
 from ._solvers import trace_normalized
 
 __all__ = ["GradVac", "gradvac_coefficients", "gradvac_orders"]
@@ -205,24 +206,46 @@ class GradVac(Balancer):
         return coef.sum(dim=0).to(gramian.device)
 
     def _combine_matrix(self, matrix: Tensor, losses: Tensor | None) -> Combination:
+        return self._combine_groups(matrix, Shard.whole(matrix.shape[1]), local=True)
+
+    def _combine_matrix_sharded(self, matrix: Tensor, losses: Tensor | None, gramian: Tensor,
+                                shard: Shard) -> Combination:
+        """Each group is a column range of the full matrix: its Gramian is summed over ranks
+        from the local columns in that range (one ``[n_groups, K, K]`` reduce); each local
+        column then takes its group's weights."""
+        return self._combine_groups(matrix, shard, local=False)
+
+    def _combine_groups(self, matrix: Tensor, shard: Shard, local: bool) -> Combination:
+        """With ``local`` (one process) no reduce is called."""
         assert self.groups is not None
-        k, p = matrix.shape
-        if sum(self.groups) != p:
+        k = matrix.shape[0]
+        if sum(self.groups) != shard.total:
             raise ValueError(
-                f"groups sum to {sum(self.groups)} parameters but the matrix has {p} columns; "
-                f"pass the sizes of the shared parameters, in order"
+                f"groups sum to {sum(self.groups)} parameters but the matrix has {shard.total} "
+                f"columns; pass the sizes of the shared parameters, in order"
             )
+        bounds = torch.tensor([0, *self.groups]).cumsum(0).tolist()
+        pieces = [list(shard.pieces(bounds[g], bounds[g + 1])) for g in range(len(self.groups))]
+        grams = torch.zeros(len(self.groups), k, k, dtype=torch.float64, device=matrix.device)
+        for g, group in enumerate(pieces):
+            for start, length in group:
+                grams[g] += compute_gramian(matrix[:, start : start + length])
+        if not local:
+            grams = shard.sum(grams)
         targets = self._current_targets(k)
         orders = gradvac_orders(k, self.generator)
-        parts, new_targets = [], []
-        for g, block in enumerate(torch.split(matrix, self.groups, dim=1)):
-            gram, _ = trace_normalized(compute_gramian(block))
+        out = torch.empty(matrix.shape[1], dtype=matrix.dtype, device=matrix.device)
+        new_targets = []
+        for g, group in enumerate(pieces):
+            gram, _ = trace_normalized(grams[g])
             coef, new = gradvac_coefficients(gram, orders, targets[g], self.beta, self.eps,
                                              self.max_step)
-            parts.append(coef.sum(dim=0).to(block.device, block.dtype) @ block)
+            weights = coef.sum(dim=0).to(matrix.device, matrix.dtype)
+            for start, length in group:
+                out[start : start + length] = weights @ matrix[:, start : start + length]
             new_targets.append(new)
         self.targets = torch.stack(new_targets)
-        return Combination(torch.cat(parts))
+        return Combination(out)
 
     def state_dict(self) -> dict[str, Any]:
         targets = None if self.targets is None else self.targets.clone()

@@ -6,6 +6,7 @@ Convergent Approach*, ICLR, openreview dLAYGdKTi2 (Algorithm 1).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -16,6 +17,7 @@ from .._statedict import check_keys, tag_state, untag_state
 from ..gramian import compute_gramian, unit_rows
 from ._base import Balancer, Combination
 from ._modo import modo_step
+from ._shard import Shard, sharded_unit_rows
 from ._state import as_step, check_state_rows, clone_or_none
 
 __all__ = ["MoCo", "moco_step"]
@@ -24,7 +26,8 @@ LambdaUpdate = Literal["projection", "softmax"]
 
 
 def moco_step(y: Tensor, lam: Tensor, h: Tensor, beta_t: float, gamma_t: float, rho: float,
-              lambda_update: LambdaUpdate = "projection") -> tuple[Tensor, Tensor]:
+              lambda_update: LambdaUpdate = "projection",
+              reduce: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """One MoCo step; returns the new tracked gradients ``y`` ``[K, P]`` and weights ``λ``.
 
     * ``y ← y − β_t (y − h)`` (tracking of the task gradients ``h``);
@@ -36,18 +39,31 @@ def moco_step(y: Tensor, lam: Tensor, h: Tensor, beta_t: float, gamma_t: float, 
     ``Y Yᵀ`` is the scale-safe float64 Gramian and the projection is shifted
     (:func:`~gradbalance.balancers._modo.modo_step`), so any finite ``y`` gives a ``λ`` on
     the simplex (a vertex when ``γ_t ‖yₖ‖² ≫ 1``).
+
+    ``reduce`` (sharded trunks): ``y`` and ``h`` hold some columns and ``reduce`` sums the
+    partial Gramians over ranks.
     """
     y = y - beta_t * (y - h)
     gram = compute_gramian(y)
+    if reduce is not None:
+        gram = reduce(gram)
     if lambda_update == "projection":
         return y, modo_step(lam, gram, gamma_t, rho)
     return y, torch.softmax(lam - gamma_t * (gram @ lam + rho * lam), dim=0)
 
 
-def _loss_scaled_directions(matrix: Tensor, losses: Tensor) -> Tensor:
-    """``Lₖ gₖ / ‖gₖ‖`` (0 for a zero row), from the power-of-two scaled rows (no overflow)."""
-    unit, _ = unit_rows(matrix)
-    norms = torch.linalg.vector_norm(unit, dim=1, keepdim=True)
+def _loss_scaled_directions(matrix: Tensor, losses: Tensor, shard: Shard | None = None
+                            ) -> Tensor:
+    """``Lₖ gₖ / ‖gₖ‖`` (0 for a zero row), from the power-of-two scaled rows (no overflow).
+
+    With ``shard``: this rank's columns, the norms of the full rows summed over ranks.
+    """
+    if shard is None:
+        unit, _ = unit_rows(matrix)
+        norms = torch.linalg.vector_norm(unit, dim=1, keepdim=True)
+    else:
+        unit, scale, full = sharded_unit_rows(matrix, shard)
+        norms = (full / scale).to(unit.dtype).unsqueeze(1)
     safe = torch.where(norms > 0, norms, torch.ones_like(norms))
     scale = losses.to(dtype=unit.dtype, device=unit.device).unsqueeze(1)
     return torch.where(norms > 0, unit / safe * scale, torch.zeros_like(unit)).to(matrix.dtype)
@@ -72,7 +88,8 @@ class MoCo(Balancer):
             losses). Default False (the paper's algorithm).
 
     Defaults follow LibMTL's MoCo settings. State: ``y`` ``[K, P]`` in the gradients' dtype,
-    ``λ`` ``[K]`` float64 and the step count.
+    ``λ`` ``[K]`` float64 and the step count (``y`` holds a rank's columns under a sharded
+    trunk).
     """
 
     name = "moco"
@@ -104,19 +121,30 @@ class MoCo(Balancer):
         self._step = torch.zeros((), dtype=torch.int64)
 
     def _combine_matrix(self, matrix: Tensor, losses: Tensor | None) -> Combination:
+        return self._advance(matrix, losses, None)
+
+    def _combine_matrix_sharded(self, matrix: Tensor, losses: Tensor | None, gramian: Tensor,
+                                shard: Shard) -> Combination:
+        """``y`` is per coordinate (local state ``[K, P_local]``); ``Y Yᵀ`` (and, with
+        ``normalize_grads``, the norms ``‖gₖ‖``) are summed over ranks."""
+        return self._advance(matrix, losses, shard)
+
+    def _advance(self, matrix: Tensor, losses: Tensor | None, shard: Shard | None
+                 ) -> Combination:
         check_state_rows(type(self).__name__, self._y, matrix)
         k = matrix.shape[0]
         h = matrix
         if self.normalize_grads:
             assert losses is not None
-            h = _loss_scaled_directions(matrix, losses)
+            h = _loss_scaled_directions(matrix, losses, shard)
         y = torch.zeros_like(matrix) if self._y is None else self._y
         lam = (torch.full((k,), 1.0 / k, dtype=torch.float64, device=matrix.device)
                if self._lambda is None else self._lambda)
         t = int(self._step) + 1
         beta_t = self.beta / t**self.beta_sigma
         gamma_t = self.gamma / t**self.gamma_sigma
-        y, lam = moco_step(y, lam, h, beta_t, gamma_t, self.rho, self.lambda_update)
+        y, lam = moco_step(y, lam, h, beta_t, gamma_t, self.rho, self.lambda_update,
+                           None if shard is None else shard.sum)
         self._y, self._lambda = y, lam
         self._step = torch.tensor(t, dtype=torch.int64)
         return Combination(lam.to(y.dtype) @ y)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..gramian import unit_rows
+from ..gramian import _FLOAT_BITS, _pow2, _work_dtype, unit_rows
 
 __all__ = ["Shard", "dim0_runs"]
 
@@ -39,6 +39,14 @@ class Shard:
         total: ``P``, the columns of the full matrix.
         reduce: the sum over ranks of a tensor (a new tensor, identical on every rank), e.g.
             an ``all_reduce`` of a copy; the identity on one process.
+
+    Example:
+        >>> from gradbalance.balancers import Shard, dim0_runs
+        >>> runs = dim0_runs([(4, 3), (5,)], rank=1, world_size=2)
+        >>> runs
+        ((6, 6), (15, 2))
+        >>> Shard(runs, total=17).size
+        8
     """
 
     runs: tuple[tuple[int, int], ...]
@@ -127,3 +135,20 @@ def sharded_row_norms(matrix: Tensor, shard: Shard) -> Tensor:
     unit, scale = unit_rows(matrix)
     local = unit.pow(2).sum(dim=1, dtype=torch.float64) * scale * scale
     return shard.sum(local).clamp_min(0).sqrt()
+
+
+def sharded_unit_rows(matrix: Tensor, shard: Shard) -> tuple[Tensor, Tensor, Tensor]:
+    """``(U, s, n)``: the local columns ``= diag(s) U`` with ``s = 2**e`` chosen from the FULL
+    rows' norms ``n`` ``[K]`` (float64, one reduce), so ``‖Uₖ‖ = nₖ / sₖ ∈ [0.5, 1)`` over all
+    ranks and every rank scales a row alike (the sharded :func:`~gradbalance.gramian.unit_rows`).
+
+    ``U`` is float32 (float64 input: float64); a zero row keeps ``s = 1``; ``e`` is clamped so
+    that ``2**±e`` stays normal in ``U``'s dtype.
+    """
+    norms = sharded_row_norms(matrix, shard)
+    work = _work_dtype(matrix.dtype)
+    _, exponent = torch.frexp(norms)
+    bias = _FLOAT_BITS[work][0]
+    exponent = exponent.clamp(2 - bias, bias - 1)
+    unit = matrix.to(work) * _pow2(-exponent, work).unsqueeze(1)
+    return unit, _pow2(exponent, torch.float64), norms

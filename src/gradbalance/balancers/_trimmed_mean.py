@@ -11,6 +11,7 @@ from torch import Tensor
 
 from .._checks import check_int
 from ._base import Balancer, Combination
+from ._shard import Shard
 
 __all__ = ["TrimmedMean", "trimmed_mean_update"]
 
@@ -54,6 +55,11 @@ class TrimmedMean(Balancer):
 
     def _combine_matrix(self, matrix: Tensor, losses: Tensor | None) -> Combination:
         return Combination(trimmed_mean_update(matrix, self.trim_number))
+
+    def _combine_matrix_sharded(self, matrix: Tensor, losses: Tensor | None, gramian: Tensor,
+                                shard: Shard) -> Combination:
+        """Per coordinate: each rank trims its own columns, no collective."""
+        return self._combine_matrix(matrix, losses)
 
     def __repr__(self) -> str:
         return f"TrimmedMean(num_tasks={self.num_tasks}, trim_number={self.trim_number})"
