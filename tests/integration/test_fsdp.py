@@ -13,10 +13,18 @@ from typing import Any
 import pytest
 import torch
 
-from gradbalance.balancers import MGDA, GradVac, NashMTL, PCGrad, UPGrad
+from gradbalance.balancers import MGDA, GradVac, NashMTL, PCGrad, Sum, UPGrad
 from gradbalance.clip import TaskAutoClip, TaskClip, TaskValueClip
 from support.ddp import spawn_bounded
-from support.fsdp import Case, assert_close_runs, gradnorm, run_all_worker, train
+from support.fsdp import (
+    Case,
+    assert_close_runs,
+    dbmtl,
+    graddrop,
+    gradnorm,
+    run_all_worker,
+    train,
+)
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
                                 reason="torch.distributed is unavailable")
@@ -39,8 +47,11 @@ CASES = [
     Case("features", MGDA, mode="features"),
     Case("features_amp", PCGrad, mode="features", amp=True),
     Case("gradnorm_weighting", Sum, weighting=gradnorm, steps=4),
+    Case("graddrop", graddrop),
+    Case("dbmtl_rank_local_state", dbmtl, local_state=True),
 ]
-RESUME = [Case("gradvac_amp", functools.partial(GradVac, 3), steps=4, amp=True)]
+RESUME = [Case("gradvac_amp", functools.partial(GradVac, 3), steps=4, amp=True),
+          Case("dbmtl", dbmtl, steps=4, local_state=True)]
 NAIVE = Case("naive", UPGrad, naive=True)
 FOUR = [Case("upgrad", UPGrad), Case("pcgrad_sharded_heads", PCGrad, heads_sharded=True)]
 
@@ -62,7 +73,7 @@ def four_ranks() -> list[dict[str, Any]]:
 def test_sharded_equals_single_process(two_ranks: list[dict[str, Any]], case: Case) -> None:
     reference = train(case)
     for rank in range(2):
-        assert_close_runs(two_ranks[rank][case.name], reference)
+        assert_close_runs(two_ranks[rank][case.name], reference, local_state=case.local_state)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
@@ -75,7 +86,8 @@ def test_ranks_agree_exactly(two_ranks: list[dict[str, Any]], case: Case) -> Non
                 torch.testing.assert_close(value, b[key], rtol=0, atol=0, equal_nan=True)
             else:
                 assert value == b[key], key
-    assert repr(zero["balancer"]) == repr(one["balancer"])
+    if not case.local_state:
+        assert repr(zero["balancer"]) == repr(one["balancer"])
     assert repr(zero["clip"]) == repr(one["clip"])
 
 
