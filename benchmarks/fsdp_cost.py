@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -42,9 +42,10 @@ SETTINGS = ("default", "keep-forward", "keep-backward", "keep-both")
 class Counter:
     """Payload bytes of the collectives ``torch.distributed`` runs, by kind."""
 
-    KINDS = {"all_gather_single": "gather", "all_gather_into_tensor": "gather",
-             "reduce_scatter_single": "scatter", "reduce_scatter_tensor": "scatter",
-             "all_reduce": "reduce", "all_gather": "gather"}
+    KINDS: ClassVar[dict[str, str]] = {
+        "all_gather_single": "gather", "all_gather_into_tensor": "gather",
+        "reduce_scatter_single": "scatter", "reduce_scatter_tensor": "scatter",
+        "all_reduce": "reduce", "all_gather": "gather"}
 
     def __init__(self) -> None:
         self.bytes = {"gather": 0, "scatter": 0, "reduce": 0}
@@ -98,73 +99,75 @@ def _model(args: argparse.Namespace, k: int, setting: str) -> nn.Module:
     return model
 
 
-def _worker(rank: int, world: int, init_file: str, out_dir: str,
-            args: argparse.Namespace) -> None:
+def _measure(args: argparse.Namespace, k: int, setting: str, rank: int, world: int,
+             counter: Counter) -> dict[str, Any]:
+    """The plain and the balanced step of one K and one FSDP2 setting, alternated."""
     from torch.distributed.fsdp import FSDPModule
 
     from gradbalance import TaskGradBuffer
     from gradbalance.balancers import UPGrad
 
+    model = _model(args, k, setting)
+    trunk, heads = model.trunk, model.heads
+    opt = torch.optim.SGD([*trunk.parameters(), *heads.parameters()], lr=1e-3)
+    buf = TaskGradBuffer(trunk.parameters(), heads.parameters())
+    balancer = UPGrad()
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(args.batch // world, args.inputs, generator=g)
+    y = torch.randn(args.batch // world, k, generator=g)
+    held = setting in ("keep-backward", "keep-both")
+
+    def losses() -> torch.Tensor:
+        feats = trunk(x)
+        return torch.stack([nn.functional.mse_loss(h(feats).squeeze(-1), y[:, i])
+                            for i, h in enumerate(heads)])
+
+    def plain() -> None:
+        losses().sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def balanced() -> None:
+        if held:
+            trunk.set_reshard_after_backward(False)  # type: ignore[operator]
+        buf.backward(losses())
+        if held:  # reshard() acts on one module: every FSDP module of the trunk
+            for module in trunk.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+            trunk.set_reshard_after_backward(True)  # type: ignore[operator]
+        buf.apply_(balancer)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    times: dict[str, list[float]] = {"plain": [], "balanced": []}
+    traffic: dict[str, Any] = {}
+    for step in range(args.warmup + args.steps):
+        for name, fn in (("plain", plain), ("balanced", balanced)):
+            dist.barrier()
+            counter.take()
+            start = time.perf_counter()
+            fn()
+            elapsed = time.perf_counter() - start
+            traffic[name] = counter.take()
+            if step >= args.warmup:
+                times[name].append(elapsed)
+    return {"k": k, "setting": setting,
+            "plain_s": statistics.median(times["plain"]),
+            "balanced_s": statistics.median(times["balanced"]),
+            "plain_bytes": traffic["plain"][0], "plain_calls": traffic["plain"][1],
+            "balanced_bytes": traffic["balanced"][0], "balanced_calls": traffic["balanced"][1],
+            "params": sum(p.numel() for p in trunk.parameters())}
+
+
+def _worker(rank: int, world: int, init_file: str, out_dir: str,
+            args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=120))
     counter = Counter()
-    rows = []
-    for k in args.ks:
-        for setting in SETTINGS:
-            model = _model(args, k, setting)
-            trunk, heads = model.trunk, model.heads
-            params = [*trunk.parameters(), *heads.parameters()]
-            opt = torch.optim.SGD(params, lr=1e-3)
-            buf = TaskGradBuffer(trunk.parameters(), heads.parameters())
-            balancer = UPGrad()
-            g = torch.Generator().manual_seed(rank)
-            x = torch.randn(args.batch // world, args.inputs, generator=g)
-            y = torch.randn(args.batch // world, k, generator=g)
-
-            def losses() -> torch.Tensor:
-                feats = trunk(x)
-                return torch.stack([nn.functional.mse_loss(h(feats).squeeze(-1), y[:, i])
-                                    for i, h in enumerate(heads)])
-
-            def plain() -> None:
-                losses().sum().backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-
-            def balanced() -> None:
-                held = setting in ("keep-backward", "keep-both")
-                if held:
-                    trunk.set_reshard_after_backward(False)  # type: ignore[operator]
-                buf.backward(losses())
-                if held:  # reshard() acts on one module: every FSDP module of the trunk
-                    for module in trunk.modules():
-                        if isinstance(module, FSDPModule):
-                            module.reshard()
-                    trunk.set_reshard_after_backward(True)  # type: ignore[operator]
-                buf.apply_(balancer)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-
-            times: dict[str, list[float]] = {"plain": [], "balanced": []}
-            traffic: dict[str, Any] = {}
-            for step in range(args.warmup + args.steps):
-                for name, fn in (("plain", plain), ("balanced", balanced)):
-                    dist.barrier()
-                    counter.take()
-                    start = time.perf_counter()
-                    fn()
-                    elapsed = time.perf_counter() - start
-                    traffic[name] = counter.take()
-                    if step >= args.warmup:
-                        times[name].append(elapsed)
-            rows.append({"k": k, "setting": setting,
-                         "plain_s": statistics.median(times["plain"]),
-                         "balanced_s": statistics.median(times["balanced"]),
-                         "plain_bytes": traffic["plain"][0], "plain_calls": traffic["plain"][1],
-                         "balanced_bytes": traffic["balanced"][0],
-                         "balanced_calls": traffic["balanced"][1],
-                         "params": sum(p.numel() for p in trunk.parameters())})
+    rows = [_measure(args, k, setting, rank, world, counter)
+            for k in args.ks for setting in SETTINGS]
     torch.save(rows, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()

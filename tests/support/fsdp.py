@@ -24,8 +24,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gradbalance import TaskGradBuffer
-from gradbalance.distributed import gathered_parameters, sync_weighting_
 from gradbalance.balancers import Balancer, Combination
+from gradbalance.distributed import gathered_parameters, sync_weighting_
 
 K = 3
 IN, WIDTH, OUT = 6, 7, 5  # odd sizes: FSDP2's dim-0 shards are uneven on 2 and 4 ranks
