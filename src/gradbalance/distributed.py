@@ -532,6 +532,7 @@ def gathered_parameters(module: nn.Module) -> list[Tensor]:
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
     from torch.distributed.fsdp import FSDPModule
 
+    params: list[Tensor]
     if isinstance(module, FSDPModule):
         module.unshard()
         try:
