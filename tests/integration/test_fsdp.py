@@ -48,6 +48,8 @@ CASES = [
     Case("features_amp", PCGrad, mode="features", amp=True),
     Case("gradnorm_weighting", Sum, weighting=gradnorm, steps=4),
     Case("graddrop", graddrop),
+    Case("gathered_once_per_step", UPGrad, keep="backward", micro=2),
+    Case("no_reshard_after_forward", PCGrad, keep="forward"),
     Case("dbmtl_rank_local_state", dbmtl, local_state=True),
 ]
 RESUME = [Case("gradvac_amp", functools.partial(GradVac, 3), steps=4, amp=True),

@@ -52,6 +52,8 @@ class Case:
     naive: bool = False  # balance each rank's local gradients alone (the wrong pattern)
     weighting: Callable[[Model, int], Any] | None = None  # a LossWeighting, from the model
     local_state: bool = False  # the balancer keeps [K, P] state: each rank its columns
+    keep: str = ""  # "forward": reshard_after_forward=False; "backward": the parameters stay
+    # gathered through the K passes (set_reshard_after_backward(False), then reshard())
 
 
 class Model(nn.Module):
@@ -92,11 +94,12 @@ def build_model(case: Case, world: int) -> Model:
     if world > 1:
         from torch.distributed.fsdp import fully_shard
 
+        after_forward = case.keep != "forward"
         if case.wrap == "layers":
             for layer in model.trunk:
                 if isinstance(layer, nn.Linear):
-                    fully_shard(layer)
-        fully_shard(model.trunk)
+                    fully_shard(layer, reshard_after_forward=after_forward)
+        fully_shard(model.trunk, reshard_after_forward=after_forward)
         if case.heads_sharded:
             fully_shard(model)
     return model
@@ -187,6 +190,9 @@ def train(case: Case, rank: int = 0, world: int = 1, *, save: tuple[int, str] | 
             continue
         if resume is not None and step == resume[0]:
             _load(resume[1], model, opts, balancer, buf, scaler)
+        hold = world > 1 and case.keep == "backward"
+        if hold:
+            model.trunk.set_reshard_after_backward(False)  # type: ignore[operator]
         for m in range(case.micro):
             rows = slice(m * GLOBAL_BATCH + rank * share, m * GLOBAL_BATCH + (rank + 1) * share)
             feats, outs = model(x[rows])
@@ -199,6 +205,13 @@ def train(case: Case, rank: int = 0, world: int = 1, *, save: tuple[int, str] | 
                 losses = losses * math.inf
             kwargs = {"features": feats} if case.mode == "features" else {}
             buf.backward(losses, scaler=scaler, **kwargs)
+        if hold:  # reshard() acts on one module: each FSDP module of the trunk
+            from torch.distributed.fsdp import FSDPModule
+
+            for module in model.trunk.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+            model.trunk.set_reshard_after_backward(True)  # type: ignore[operator]
         stats = buf.apply_(balancer, scaler=scaler, clip=clip)
         if weighting is not None:
             sync_weighting_(weighting)  # the ranks' layer gradients and losses: their mean
