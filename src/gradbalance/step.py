@@ -100,6 +100,11 @@ class TaskGradBuffer:
         modules: for ``mode="gramian"`` (and ``"auto"``'s gramian route), the module(s) owning
             ``shared_params`` (the trunk).
 
+    A trunk sharded with FSDP2 (``fully_shard``: ``DTensor`` parameters) takes the same calls:
+    each rank keeps its own columns ``[K, P/W]`` of the task gradients, the ranks sum their
+    partial Gramians, and every rank writes its shard of the single-process update
+    (``mode="matrix"`` or ``"features"``; docs/distributed.md, "Sharded trunks (FSDP2)").
+
     Example:
         >>> import torch
         >>> from gradbalance import TaskGradBuffer

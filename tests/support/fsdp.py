@@ -49,7 +49,6 @@ class Case:
     global_clip: float | None = None  # clip_grad_norm_ after apply_
     mode: str = "matrix"
     update_every: int = 1
-    naive: bool = False  # balance each rank's local gradients alone (the wrong pattern)
     weighting: Callable[[Model, int], Any] | None = None  # a LossWeighting, from the model
     local_state: bool = False  # the balancer keeps [K, P] state: each rank its columns
     keep: str = ""  # "forward": reshard_after_forward=False; "backward": the parameters stay
@@ -177,8 +176,7 @@ def train(case: Case, rank: int = 0, world: int = 1, *, save: tuple[int, str] | 
     opts = [torch.optim.SGD(trunk_params, lr=0.05, momentum=0.9),
             torch.optim.SGD(head_params, lr=0.05, momentum=0.9)]
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if case.amp else None
-    group = "local" if case.naive else None
-    buf = TaskGradBuffer(trunk_params, head_params, process_group=group, mode=case.mode,
+    buf = TaskGradBuffer(trunk_params, head_params, mode=case.mode,
                          update_every=case.update_every)
     clip = case.clip() if case.clip is not None else None
     stats_log: list[dict[str, Any]] = []
@@ -306,6 +304,41 @@ def _close_state(a: Any, b: Any, rtol: float, atol: float) -> None:
         assert a == b
 
 
+def naive_run(case: Case, rank: int, world: int) -> dict[str, Any]:
+    """The pattern that looks right: K ``backward`` passes with the trunk's shard of ``.grad``
+    copied between them, then each rank balances its own columns (its own Gramian)."""
+    from torch.distributed.tensor import DTensor
+
+    model = build_model(case, world)
+    trunk, heads = list(model.trunk.parameters()), list(model.heads.parameters())
+    balancer = case.balancer()
+    opt = torch.optim.SGD([*trunk, *heads], lr=0.05, momentum=0.9)
+    weights = []
+    share = GLOBAL_BATCH // world
+    for x, y in batches(case):
+        rows = slice(rank * share, (rank + 1) * share)
+        _, outs = model(x[rows])
+        losses = [nn.functional.mse_loss(o.squeeze(-1), y[rows, k]) for k, o in enumerate(outs)]
+        matrix = []
+        for k, loss in enumerate(losses):
+            loss.backward(retain_graph=k < K - 1)
+            matrix.append(torch.cat([p.grad.to_local().reshape(-1) for p in trunk]))
+            for p in trunk:
+                p.grad = None
+        result = balancer.combine(torch.stack(matrix))
+        weights.append(result.weights)
+        start = 0
+        for p in trunk:
+            local = p.to_local()
+            part = result.vector[start:start + local.numel()].reshape(local.shape)
+            p.grad = DTensor.from_local(part.clone(), p.device_mesh, p.placements,
+                                        shape=p.shape, stride=p.stride())
+            start += local.numel()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {"params": [_full(p) for p in model.parameters()], "weights": weights}
+
+
 def resume_run(case: Case, rank: int, world: int, directory: str) -> dict[str, Any]:
     """``case`` uninterrupted (saving a checkpoint before step 2) and resumed from it."""
     path = os.path.join(directory, f"ckpt_{case.name}")
@@ -371,7 +404,7 @@ def failures(rank: int, world: int) -> dict[str, Any]:
 
 
 def run_all_worker(rank: int, world: int, init_file: str, out_dir: str, cases: list[Case],
-                   resume: list[Case], with_failures: bool) -> None:
+                   resume: list[Case], with_failures: bool, naive: Case | None = None) -> None:
     """Every case (sharded), every resume, the failures: ``out_dir/rank{r}.pt``."""
     init_group(rank, world, init_file)
     results: dict[str, Any] = {}
@@ -390,6 +423,8 @@ def run_all_worker(rank: int, world: int, init_file: str, out_dir: str, cases: l
         guarded(case.name, functools.partial(train, case, rank, world))
     for case in resume:
         guarded("resume_" + case.name, functools.partial(resume_run, case, rank, world, out_dir))
+    if naive is not None:
+        guarded("naive", functools.partial(naive_run, naive, rank, world))
     if with_failures:
         guarded("failures", lambda: failures(rank, world))
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))

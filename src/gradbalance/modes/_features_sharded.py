@@ -47,7 +47,7 @@ class ShardedFeaturesMode(FeaturesMode):
         # FSDP2's forward uses gathered copies of the parameters, so whether the trunk lies
         # on ``features``' graph is checked after its backward instead (_trunk_update).
 
-    def _trunk_update(self, features: Tensor, grad: Tensor,  # type: ignore[override]
+    def _trunk_update(self, features: Tensor, grad: Tensor,
                       step: StepInput) -> ShardedWriteBack:
         import torch.distributed as dist
 

@@ -114,10 +114,10 @@ class ShardedMatrixMode:
             raise nonfinite_error()
         vector, weights = result.vector, result.weights
         update = ShardedWriteBack(self.layout, vector, scale)
-        finite = settle(update, step, finite)  # type: ignore[arg-type]
+        finite = settle(update, step, finite)
         stats = sharded_stats(gram, losses, finite, matrix, vector, weights, self.layout,
                               scale, pre_clip_norms=pre_clip, num_backward=step.count)
-        commit(update, self.head_params, finite)  # type: ignore[arg-type]
+        commit(update, self.head_params, finite)
         return stats
 
     def clear(self) -> None:

@@ -81,7 +81,7 @@ class ShardedReusedStep:
                           update_norm=None, weights=cache.weights, found_inf=not finite,
                           loss_scale_tensor=step.scale, num_backward=step.count, mode=mode,
                           weights_reused=True)
-        commit(update, head_params, finite)  # type: ignore[arg-type]
+        commit(update, head_params, finite)
         if finite:
             cache.reused()
         return stats
