@@ -358,7 +358,8 @@ class TaskGradBuffer:
 
     @property
     def matrix(self) -> Tensor | None:
-        """The accumulated ``[K, P]`` task gradients (scaled, if a scaler was given), or None."""
+        """The accumulated ``[K, P]`` task gradients (scaled, if a scaler was given), or None;
+        on a sharded trunk this rank's columns ``[K, P_local]``."""
         return self._engine.matrix if self._count > 0 else None
 
     def reset(self) -> None:
