@@ -143,6 +143,7 @@ def test_refusals_name_the_alternative_and_move_nothing(
         two_ranks: list[dict[str, Any]]) -> None:
     failures = two_ranks[0]["failures"]
     assert "error" not in failures, failures.get("error")
+    assert "error" not in two_ranks[1]["failures"], two_ranks[1]["failures"].get("error")
     assert failures["gramian"].startswith("ValueError") and "mode='matrix'" in failures["gramian"]
     assert failures["auto"].startswith("ValueError") and "mode='matrix'" in failures["auto"]
     assert failures["batched"].startswith("ValueError") and "'loop'" in failures["batched"]
@@ -153,6 +154,15 @@ def test_refusals_name_the_alternative_and_move_nothing(
     assert failures["heads_unchanged"]
     assert failures["sync_off"].startswith("RuntimeError")
     assert "set_requires_gradient_sync" in failures["sync_off"]
+
+
+def test_each_rank_keeps_only_its_columns(two_ranks: list[dict[str, Any]]) -> None:
+    """[K, P_r] per rank, the P_r adding up to P: the buffer's memory falls with the ranks."""
+    shapes = [two_ranks[r]["failures"]["matrix_shape"] for r in range(2)]
+    total = two_ranks[0]["failures"]["trunk_numel"]
+    assert [s[0] for s in shapes] == [3, 3]
+    assert sum(s[1] for s in shapes) == total
+    assert all(s[1] < total for s in shapes)
 
 
 @pytest.mark.parametrize("case", FOUR, ids=[c.name for c in FOUR])

@@ -387,6 +387,9 @@ def failures(rank: int, world: int) -> dict[str, Any]:
 
     buf = TaskGradBuffer(trunk, heads)
     buf.backward(losses_of())
+    assert buf.matrix is not None
+    out["matrix_shape"] = tuple(buf.matrix.shape)
+    out["trunk_numel"] = sum(p.numel() for p in trunk)
     heads_before = [None if h.grad is None else h.grad.clone() for h in heads]
     balancer = NotShardable(K)
     out["not_shardable"] = _error(lambda: buf.apply_(balancer))
