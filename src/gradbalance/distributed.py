@@ -463,7 +463,8 @@ def _digest(tensors: Iterable[Any]) -> str:
         if isinstance(t, Tensor):
             data = t.detach().cpu().contiguous()
             h.update(str((tuple(data.shape), data.dtype)).encode())
-            h.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+            h.update(data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel()
+                     else b"")  # reshaped: a 0-d tensor cannot be viewed as bytes
         else:
             h.update(repr(t).encode())
     return h.hexdigest()
