@@ -57,7 +57,9 @@ def scale_of(scaler: Any, device: torch.device) -> Tensor | None:
 
 def grads_finite(params: Sequence[Tensor]) -> Tensor:
     """True (0-d bool tensor) when every existing ``.grad`` of ``params`` is finite."""
-    flags = [torch.isfinite(p.grad).all() for p in params if p.grad is not None]
+    from ._sharding import local_of  # a sharded head's .grad: this rank's part
+
+    flags = [torch.isfinite(local_of(p.grad)).all() for p in params if p.grad is not None]
     if not flags:
         return torch.ones((), dtype=torch.bool)
     return torch.stack([f.to(flags[0].device) for f in flags]).all()
@@ -118,8 +120,11 @@ def poison_(grads: Sequence[Tensor | None]) -> None:
     The written gradients of a skipped step, so that ``scaler.step`` skips whichever optimizer
     holds them; one left finite would let its optimizer step on an unbalanced update.
     """
+    from ._sharding import local_of  # a DTensor: its local part, on every rank
+
     for g in grads:
         if g is not None:
+            g = local_of(g)
             g.add_(torch.where(torch.isfinite(g).all(), float("nan"), 0.0).to(g.dtype))
 
 

@@ -55,6 +55,7 @@ __all__ = [
     "broadcast_generator_",
     "broadcast_parameters_",
     "ddp_no_sync",
+    "gathered_parameters",
     "sync_weighting_",
 ]
 
@@ -462,7 +463,8 @@ def _digest(tensors: Iterable[Any]) -> str:
         if isinstance(t, Tensor):
             data = t.detach().cpu().contiguous()
             h.update(str((tuple(data.shape), data.dtype)).encode())
-            h.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+            h.update(data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel()
+                     else b"")  # reshaped: a 0-d tensor cannot be viewed as bytes
         else:
             h.update(repr(t).encode())
     return h.hexdigest()
@@ -513,3 +515,40 @@ def ddp_no_sync(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
     if isinstance(model, DistributedDataParallel):
         return model.no_sync()
     return contextlib.nullcontext()
+
+
+def gathered_parameters(module: nn.Module) -> list[Tensor]:
+    """The parameters FSDP2 computes ``module``'s forward with: its all-gathered copies.
+
+    Under ``fully_shard`` a module's registered parameters are ``DTensor`` shards that never
+    enter the autograd graph, so ``autograd.grad`` cannot target them; the forward uses plain
+    all-gathered copies, the same tensor objects every step (their storage is freed and
+    refilled). Pass these where a layer's own gradients are needed on a sharded trunk, e.g.
+    ``GradNorm(K, gathered_parameters(model.trunk[-2]))``: each rank then gets its shard of the
+    batch's gradient, which :func:`sync_weighting_` averages, as under data parallelism.
+    A module not under ``fully_shard`` gives its ordinary parameters. One all-gather (and the
+    reshard) when the module is sharded; call it once, after ``fully_shard``.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+    from torch.distributed.fsdp import FSDPModule
+
+    params: list[Tensor]
+    if isinstance(module, FSDPModule):
+        module.unshard()
+        try:
+            params = list(module.parameters())
+        finally:
+            module.reshard()
+    else:
+        params = list(module.parameters())
+    from ._sharding import is_dtensor
+
+    sharded = [tuple(p.shape) for p in params if is_dtensor(p)]
+    if sharded:
+        raise ValueError(
+            f"{type(module).__name__} has parameters sharded by an enclosing fully_shard (shapes "
+            f"{sharded[:3]}): their gathered copies belong to that module's group. Wrap this "
+            f"layer with fully_shard itself (before its parent) and pass it"
+        )
+    return params

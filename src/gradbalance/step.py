@@ -39,6 +39,7 @@ from ._checks import (
     check_row_clipper,
     param_signatures,
 )
+from ._sharding import ShardedLayout, is_sharded
 from .balancers._base import Balancer
 from .clip._protocol import RowClipper
 from .distributed import check_step_agreement, resolve_process_group
@@ -46,6 +47,8 @@ from .modes import Engine, Mode, StepInput, make_engine
 from .modes._amortize import ReusedStep, WeightCache
 from .modes._engine import check_saved_passes
 from .modes._rollback import GradSnapshot, StateSnapshot
+from .modes._sharded import make_sharded_engine
+from .modes._sharded_reuse import ShardedReusedStep
 from .stats import StepStats
 from .taskgrads import ParamLayout, Passes, TaskRoots, resolve_passes
 
@@ -97,6 +100,11 @@ class TaskGradBuffer:
         modules: for ``mode="gramian"`` (and ``"auto"``'s gramian route), the module(s) owning
             ``shared_params`` (the trunk).
 
+    A trunk sharded with FSDP2 (``fully_shard``: ``DTensor`` parameters) takes the same calls:
+    each rank keeps its own columns ``[K, P/W]`` of the task gradients, the ranks sum their
+    partial Gramians, and every rank writes its shard of the single-process update
+    (``mode="matrix"`` or ``"features"``; docs/distributed.md, "Sharded trunks (FSDP2)").
+
     Example:
         >>> import torch
         >>> from gradbalance import TaskGradBuffer
@@ -143,13 +151,16 @@ class TaskGradBuffer:
         self.process_group = process_group
         self.update_every = update_every
         self._cache = WeightCache(update_every)
-        self._engine: Engine = make_engine(mode, self.layout, heads, passes, modules)
+        self.sharded = is_sharded(shared)  # a trunk under FSDP2's fully_shard
+        self._engine: Engine = (make_sharded_engine if self.sharded else make_engine)(
+            mode, self.layout, heads, passes, modules)
         self._losses: Tensor | None = None
         self._count = 0
         self._scaler: Any = None
         self._scale: Tensor | None = None
         self._reused = False
-        self._reused_step = ReusedStep()
+        self._reused_step: ReusedStep | ShardedReusedStep = (
+            ShardedReusedStep(ShardedLayout(shared), heads) if self.sharded else ReusedStep())
         self._heads_before: GradSnapshot | None = None  # the heads' .grad before the step
         self._states_before: StateSnapshot | None = None  # balancer, clipper, during apply_
         self._steps = 0  # steps begun; apply_ compares it across the ranks
@@ -361,7 +372,8 @@ class TaskGradBuffer:
 
     @property
     def matrix(self) -> Tensor | None:
-        """The accumulated ``[K, P]`` task gradients (scaled, if a scaler was given), or None."""
+        """The accumulated ``[K, P]`` task gradients (scaled, if a scaler was given), or None;
+        on a sharded trunk this rank's columns ``[K, P_local]``."""
         return self._engine.matrix if self._count > 0 else None
 
     def reset(self) -> None:

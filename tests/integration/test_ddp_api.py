@@ -42,3 +42,12 @@ def test_local_buffer_equals_plain_step() -> None:
     buf.backward([(3 * w).sum(), (w**2).sum()])
     buf.apply_(Sum())
     assert torch.equal(w.grad, torch.tensor([3.0 + 2.0, 3.0 - 4.0]))
+
+
+def test_state_digest_reads_zero_dim_tensors_of_any_dtype() -> None:
+    """A state holding a 0-d int64 step counter (DB-MTL's, MoCo's) is digested by value."""
+    from gradbalance.distributed import _digest
+
+    assert _digest([torch.tensor(3)]) == _digest([torch.tensor(3)])
+    assert _digest([torch.tensor(3)]) != _digest([torch.tensor(4)])
+    assert _digest([torch.tensor(3)]) != _digest([torch.tensor([3])])  # the shape counts

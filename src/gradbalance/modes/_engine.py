@@ -37,7 +37,7 @@ from ..taskgrads import (
 from ._measure import measure_passes
 from ._rollback import StateSnapshot
 
-__all__ = ["Engine", "RowsEngine", "StepInput", "WriteBack", "commit", "settle"]
+__all__ = ["Engine", "RowsEngine", "StepInput", "Update", "WriteBack", "commit", "settle"]
 
 Concrete = Literal["loop", "batched"]
 
@@ -289,7 +289,22 @@ class WriteBack:
                 grad.addcmul_(part, self._factor)
 
 
-def settle(update: WriteBack, step: StepInput, finite: bool) -> bool:
+class Update(Protocol):
+    """What :func:`settle` and :func:`commit` need of a step's update: :class:`WriteBack`,
+    or :class:`~gradbalance.modes._sharded_passes.ShardedWriteBack` on a sharded trunk."""
+
+    scale: Tensor | None
+    dtype: torch.dtype
+
+    @property
+    def params(self) -> list[Tensor]: ...
+
+    def bound(self) -> Tensor: ...
+
+    def commit_(self) -> None: ...
+
+
+def settle(update: Update, step: StepInput, finite: bool) -> bool:
     """Whether the step's update is written as balanced (``not found_inf``); checked before
     anything is written.
 
@@ -307,7 +322,7 @@ def settle(update: WriteBack, step: StepInput, finite: bool) -> bool:
     return finite
 
 
-def commit(update: WriteBack, head_params: Sequence[Tensor], finite: bool) -> None:
+def commit(update: Update, head_params: Sequence[Tensor], finite: bool) -> None:
     """Write the update (the last thing a step does); on a non-finite step make every
     ``.grad`` of the step non-finite, so that the scaler skips every optimizer holding one."""
     update.commit_()

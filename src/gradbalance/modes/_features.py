@@ -34,6 +34,7 @@ from ..taskgrads import ParamLayout, TaskRoots
 from ._engine import (
     RowsEngine,
     StepInput,
+    Update,
     WriteBack,
     combine_or_skip,
     commit,
@@ -131,7 +132,7 @@ class FeaturesMode(RowsEngine):
         commit(update, self.head_params, finite)
         return stats
 
-    def _trunk_update(self, features: Tensor, grad: Tensor, step: StepInput) -> WriteBack:
+    def _trunk_update(self, features: Tensor, grad: Tensor, step: StepInput) -> Update:
         """The trunk's gradient of ``s·⟨features, grad⟩`` (one backward, nothing written)."""
         params = self.layout.params
         if step.scale is not None:

@@ -1,0 +1,132 @@
+"""A trunk sharded with FSDP2 (``torch.distributed.fsdp.fully_shard``): where each rank's
+columns of the task-gradient matrix lie (``docs/distributed.md``, "Sharded trunks").
+
+``fully_shard`` replaces every parameter by a ``DTensor`` split on dim 0 over a 1-D device
+mesh: rank ``r`` holds rows ``[r·c, min((r+1)·c, n))`` (``c = ⌈n / W⌉``) of each parameter, so
+its columns of the single-process ``[K, P]`` matrix are one run of consecutive flat indices per
+parameter. :class:`ShardedLayout` records those runs (the balancers' :class:`Shard`), the
+local offsets of each parameter in the ``[K, P_local]`` buffer, and the mesh's process group,
+over which partial Gramians and norms are summed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch.distributed as dist
+from torch import Tensor
+
+from .balancers._shard import Shard
+
+__all__ = ["ShardedLayout", "is_dtensor", "is_sharded", "local_of"]
+
+
+def is_dtensor(tensor: object) -> bool:
+    """Whether ``tensor`` is a ``DTensor`` (without importing torch.distributed.tensor when
+    distributed is unavailable)."""
+    if not dist.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def local_of(tensor: Tensor) -> Tensor:
+    """This rank's part of a ``DTensor`` (sharing its storage), or the tensor itself."""
+    if is_dtensor(tensor):
+        local: Tensor = tensor.to_local()  # type: ignore[attr-defined]
+        return local
+    return tensor
+
+
+def is_sharded(params: Sequence[Tensor]) -> bool:
+    """Whether the parameters are ``DTensor``s (a trunk under ``fully_shard``).
+
+    A trunk mixing ``DTensor`` and plain parameters is refused: its plain parameters would get
+    each rank's own gradient, never averaged.
+    """
+    flags = [is_dtensor(p) for p in params]
+    if any(flags) and not all(flags):
+        plain = [i for i, f in enumerate(flags) if not f]
+        raise ValueError(
+            f"shared_params mix DTensor (sharded) and plain parameters (plain at indices "
+            f"{plain[:5]}{'...' if len(plain) > 5 else ''}); wrap the whole trunk with "
+            f"fully_shard (fully_shard(trunk) after its layers) so that every shared parameter "
+            f"is sharded"
+        )
+    return bool(flags) and all(flags)
+
+
+def _sum_over(group: Any) -> Any:
+    """``Shard.reduce``: the sum over ``group``'s ranks of a copy (identical on every rank)."""
+
+    def reduce(value: Tensor) -> Tensor:
+        out = value.detach().clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        return out
+
+    return reduce
+
+
+class ShardedLayout:
+    """The local ``[K, P_local]`` columns of a trunk of ``DTensor`` parameters.
+
+    ``params``: the trunk's parameters, each a ``DTensor`` sharded on dim 0 (``Shard(0)``)
+    over one 1-D mesh, as ``fully_shard`` makes them. ``local_shapes[i]``: rank's part of
+    ``params[i]``; ``offsets``/``sizes``: where it sits in the local flat axis (``numel`` in
+    all); :attr:`shard`: the single-process columns they are and the sum over the mesh.
+    """
+
+    def __init__(self, params: Iterable[Tensor]) -> None:
+        from torch.distributed.tensor import Shard as ShardPlacement
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        self.params = list(params)
+        first: Any = self.params[0]
+        self.mesh = first.device_mesh
+        for i, p in enumerate(self.params):
+            mesh: Any = p.device_mesh  # type: ignore[attr-defined]
+            placements = tuple(p.placements)  # type: ignore[attr-defined]
+            if mesh != self.mesh or mesh.ndim != 1 or placements != (ShardPlacement(0),):
+                raise ValueError(
+                    f"shared_params[{i}] (shape {tuple(p.shape)}) is a DTensor with placements "
+                    f"{placements} on a {mesh.ndim}-D mesh; the balanced step supports "
+                    f"parameters sharded on dim 0 over one 1-D mesh (fully_shard(module) with "
+                    f"its default mesh). For HSDP (a 2-D mesh) or tensor parallelism use "
+                    f"data parallelism for the trunk instead"
+                )
+        self.group = self.mesh.get_group()
+        self.dtype = first.dtype
+        self.device = local_of(first).device
+        self.local_shapes: list[tuple[int, ...]] = []
+        self.sizes: list[int] = []
+        self.offsets: list[int] = []
+        runs: list[tuple[int, int]] = []
+        local_total, global_total = 0, 0
+        for p in self.params:
+            shape, offset = compute_local_shape_and_global_offset(
+                p.shape, self.mesh, p.placements  # type: ignore[attr-defined]
+            )
+            numel = math.prod(int(n) for n in shape)
+            per_row = math.prod(p.shape[1:])
+            start = global_total + (int(offset[0]) * per_row if p.dim() else 0)
+            runs.append((start if numel else global_total, numel))
+            self.local_shapes.append(tuple(int(n) for n in shape))
+            self.sizes.append(numel)
+            self.offsets.append(local_total)
+            local_total += numel
+            global_total += p.numel()
+        self.numel = local_total
+        self.total = global_total
+        self.shard = Shard(tuple(runs), global_total, _sum_over(self.group))
+
+    def slices(self) -> Iterable[tuple[Tensor, int, int]]:
+        """``(param, local start, local stop)`` for every parameter."""
+        for p, off, n in zip(self.params, self.offsets, self.sizes):
+            yield p, off, off + n
+
+    def local_grads(self) -> list[Tensor | None]:
+        """Each parameter's ``.grad`` on this rank (its local part), None where absent."""
+        return [None if p.grad is None else local_of(p.grad) for p in self.params]

@@ -1,0 +1,161 @@
+"""``matrix`` mode on a trunk sharded with FSDP2: each rank keeps its own columns ``[K, P/W]``.
+
+Per micro-batch, K ordinary backward passes (one per task, from its own loss) let FSDP2
+reduce-scatter each task's gradient; this rank's shard of it is added into row ``k`` of the
+local buffer (:func:`~gradbalance.modes._sharded_passes.sharded_passes`). Once per step:
+
+1. the losses and the heads' plain ``.grad`` (unless FSDP2 already averaged them, when the
+   heads are sharded too) are averaged over the ranks;
+2. ``G /= s``; the Gramian ``G Gᵀ`` is the sum over the ranks of the local partial Gramians
+   (one all-reduce of ``K²`` numbers), identical on every rank, and decides finiteness;
+3. 2-norm row clipping scales each row by the factor its full norm (from the Gramian's
+   diagonal) gives; value clipping acts on each coordinate where it lies;
+4. ``Balancer.combine_sharded`` gives this rank's columns of the single-process update
+   (weighted balancers: the weights from the Gramian, computed alike everywhere; the others
+   on their columns, with global sums through ``Shard.reduce``);
+5. ``.grad += s·g`` as ``DTensor`` gradients, written last.
+
+Memory per rank: ``K·P/W`` for the buffer. Communication per micro-batch: K all-gathers and K
+reduce-scatters of the trunk (``docs/distributed.md``, "Sharded trunks").
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from .._amp import finite_step, nonfinite_error
+from .._sharding import ShardedLayout, is_dtensor
+from ..balancers._base import Balancer, Combination
+from ..clip._protocol import RowClipper
+from ..clip._task import TaskValueClip
+from ..distributed import all_reduce_grads_and_losses_
+from ..gramian import compute_gramian
+from ..stats import StepStats
+from ..taskgrads import ParamLayout, Passes, TaskRoots
+from ._engine import StepInput, commit, reject_features, settle
+from ._sharded_passes import ShardedWriteBack, sharded_passes, sharded_stats
+
+__all__ = ["ShardedMatrixMode", "check_sharded_balancer", "check_sharded_clip"]
+
+
+def check_sharded_balancer(balancer: Balancer) -> None:
+    """Raise ``TypeError`` before anything moves if ``balancer`` cannot run on local columns
+    (:attr:`~gradbalance.balancers.Balancer.shardable`)."""
+    balancer.check_shardable()
+
+
+def check_sharded_clip(clip: RowClipper | None) -> None:
+    """2-norm row clippers (with ``coefficients``) and value clipping run sharded."""
+    if clip is None or isinstance(clip, TaskValueClip):
+        return
+    if not callable(getattr(clip, "coefficients", None)) or getattr(
+        clip, "norm_type", 2.0
+    ) != 2.0:
+        raise ValueError(
+            f"clip={type(clip).__name__} cannot run on a sharded trunk: it needs whole rows "
+            f"of the task gradients (norm_type={getattr(clip, 'norm_type', None)}). Use "
+            f"TaskClip or TaskAutoClip with norm_type=2, TaskValueClip, or a 2-norm row "
+            f"clipper defining coefficients(norms) -> [K]"
+        )
+
+
+class ShardedMatrixMode:
+    """``matrix`` mode over ``DTensor`` parameters: ``G`` ``[K, P_local]`` on each rank."""
+
+    mode: ClassVar[str] = "matrix"
+
+    def __init__(self, layout: ParamLayout, head_params: list[Tensor], passes: Passes,
+                 modules: Any = None) -> None:
+        self.layout = ShardedLayout(layout.params)
+        self.head_params = head_params
+        self.plain_heads = [h for h in head_params if not is_dtensor(h)]
+        self.passes: Passes = passes
+        self.matrix: Tensor | None = None
+
+    def check_backward(self, features: Tensor | None, count: int, reused: bool) -> None:
+        reject_features(self.mode, features)
+
+    def check_apply(self, balancer: Balancer, clip: RowClipper | None) -> None:
+        check_sharded_balancer(balancer)
+        check_sharded_clip(clip)
+
+    def backward(self, roots: TaskRoots, first: bool, features: Tensor | None = None) -> None:
+        """``G (+)= this rank's columns of the task gradients``; heads ``+=`` their plain
+        gradient (one backward pass per task)."""
+        k = roots.num_tasks
+        if self.matrix is None or self.matrix.shape[0] != k:
+            self.matrix = torch.empty(k, self.layout.numel, dtype=self.layout.dtype,
+                                      device=self.layout.device)
+        sharded_passes(roots, self.layout, self.matrix, accumulate=not first)
+
+    def apply(self, balancer: Balancer, step: StepInput) -> StepStats:
+        matrix, losses, scale = self.matrix, step.losses, step.scale
+        assert matrix is not None
+        shard = self.layout.shard
+        if step.group is not None:  # sharded heads were averaged by FSDP2's reduce-scatter
+            losses = all_reduce_grads_and_losses_(self.plain_heads, losses, step.group)
+        if scale is not None:
+            matrix.div_(scale.to(matrix.dtype))
+        gram = shard.sum(compute_gramian(matrix))
+        finite = finite_step(gram, scale, self.head_params, step.group)
+        pre_clip = None
+        if finite and step.clip is not None:
+            pre_clip = torch.diagonal(gram).clamp_min(0).sqrt().to(matrix.dtype)
+            _clip_rows(step.clip, matrix, pre_clip)
+            gram = shard.sum(compute_gramian(matrix))
+        if finite:
+            result = balancer.combine_sharded(matrix, shard, losses, gramian=gram)
+        elif scale is not None:
+            result = Combination(matrix.sum(dim=0))
+        else:
+            raise nonfinite_error()
+        vector, weights = result.vector, result.weights
+        update = ShardedWriteBack(self.layout, vector, scale)
+        finite = settle(update, step, finite)
+        stats = sharded_stats(gram, losses, finite, matrix, vector, weights, self.layout,
+                              scale, pre_clip_norms=pre_clip, num_backward=step.count)
+        commit(update, self.head_params, finite)
+        return stats
+
+    def clear(self) -> None:
+        """Nothing to drop: ``G`` is overwritten by the next step's first backward."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Nothing to restore: the passes are always the loop of ordinary backward passes."""
+
+
+def _clip_rows(clip: RowClipper, matrix: Tensor, norms: Tensor) -> None:
+    """Clip the local columns as the clipper would clip the full rows of norms ``norms``."""
+    if isinstance(clip, TaskValueClip):  # per coordinate: the same wherever it lies
+        clip(matrix)
+        return
+    coefficients: Tensor = clip.coefficients(norms)  # type: ignore[attr-defined]
+    matrix.mul_(coefficients.to(device=matrix.device, dtype=matrix.dtype)[:, None])
+
+
+def make_sharded_engine(mode: str, layout: ParamLayout, head_params: list[Tensor],
+                        passes: Passes, modules: Any = None) -> Any:
+    """The engine of ``mode`` over a trunk of ``DTensor`` parameters (``fully_shard``)."""
+    from ._features_sharded import ShardedFeaturesMode
+
+    if passes == "batched":
+        raise ValueError(
+            "passes='batched' cannot run on a trunk sharded with fully_shard (FSDP2 gathers "
+            "and reduces each backward pass itself); use passes='auto' or 'loop'"
+        )
+    if mode == "matrix":
+        return ShardedMatrixMode(layout, head_params, passes, modules)
+    if mode == "features":
+        return ShardedFeaturesMode(layout, head_params, passes, modules)
+    raise ValueError(
+        f"mode={mode!r} cannot run on a trunk sharded with fully_shard: its Gramian is built "
+        f"from each layer's full weight gradients, which FSDP2 never holds. Use "
+        f"mode='matrix' (the same update; each rank keeps [K, P/W] columns) or "
+        f"mode='features' (the cheap route for large trunks)"
+    )

@@ -1,0 +1,90 @@
+"""``update_every`` on a trunk sharded with FSDP2: a step that reuses the cached weights.
+
+The trunk's ``Σₖ wₖ ∂Lₖ/∂θ`` comes from one ordinary backward of ``Σₖ wₖ s·Lₖ`` (FSDP2
+reduce-scatters it, this rank keeps its shard); the heads need their plain gradient of
+``Σₖ Lₖ``, so a second backward of ``Σₖ (1 − wₖ) s·Lₖ`` completes it (through the heads only
+when they are replicated; through the trunk too when FSDP2 shards them, the trunk's part of
+that pass discarded). As on an unsharded trunk, the update is held until ``apply_`` and written
+last (:class:`~gradbalance.modes._amortize.ReusedStep`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from .._amp import finite_update, nonfinite_error
+from .._sharding import ShardedLayout, is_dtensor
+from ..distributed import all_reduce_grads_and_losses_
+from ..stats import StepStats
+from ..taskgrads import TaskRoots
+from ._amortize import WeightCache
+from ._engine import StepInput, commit
+from ._sharded_passes import ShardedWriteBack, _write_row
+
+__all__ = ["ShardedReusedStep"]
+
+
+class ShardedReusedStep:
+    """:class:`~gradbalance.modes._amortize.ReusedStep` over ``DTensor`` parameters."""
+
+    def __init__(self, layout: ShardedLayout, head_params: Sequence[Tensor]) -> None:
+        self.layout = layout
+        self.plain_heads = [h for h in head_params if not is_dtensor(h)]
+        self.sharded_heads = len(self.plain_heads) < len(head_params)
+        self.held: Tensor | None = None  # this rank's columns of s·Σₖ wₖ ∂Lₖ/∂θ
+
+    def backward(self, weights: Tensor, roots: TaskRoots, shared: Sequence[Tensor],
+                 head_params: Sequence[Tensor]) -> None:
+        scaled = roots.scaled
+        w = weights.to(dtype=scaled.dtype, device=scaled.device)
+        params = self.layout.params
+        saved = [p.grad for p in params]
+        first = self.held is None
+        held = torch.empty(1, self.layout.numel, dtype=self.layout.dtype,
+                           device=self.layout.device) if self.held is None else self.held
+        try:
+            for p in params:
+                p.grad = None
+            torch.autograd.backward((w * scaled).sum(), retain_graph=True)
+            _write_row(held[0], self.layout.local_grads(), self.layout, accumulate=not first)
+            for p in params:
+                p.grad = None
+            rest = ((1 - w) * scaled).sum()
+            if self.sharded_heads:
+                torch.autograd.backward(rest)
+            elif self.plain_heads:
+                torch.autograd.backward(rest, inputs=self.plain_heads)
+        finally:
+            for p, g in zip(params, saved):
+                p.grad = g
+        self.held = held
+
+    def finish(self, cache: WeightCache, step: StepInput, shared: Sequence[Tensor],
+               head_params: Sequence[Tensor], mode: str) -> StepStats:
+        """Average the losses and replicated heads over the ranks, check (one host sync),
+        write."""
+        held = self.held
+        self.held = None
+        assert held is not None
+        losses = step.losses
+        if step.group is not None:
+            losses = all_reduce_grads_and_losses_(self.plain_heads, losses, step.group)
+        update = ShardedWriteBack(self.layout, held[0], None)
+        heads = head_params if step.scale is not None else ()
+        finite = finite_update(update.bound(), None, update.dtype, step.group, heads)
+        if not finite and step.scale is None:
+            raise nonfinite_error()
+        stats = StepStats(losses=losses, task_norms=None, cosine=None, cosine_to_update=None,
+                          update_norm=None, weights=cache.weights, found_inf=not finite,
+                          loss_scale_tensor=step.scale, num_backward=step.count, mode=mode,
+                          weights_reused=True)
+        commit(update, head_params, finite)
+        if finite:
+            cache.reused()
+        return stats
+
+    def clear(self) -> None:
+        self.held = None
