@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from .._checks import check_nonnegative_losses, check_positive
-from ._base import LossWeighting, check_optimizer_state
+from ._own_optimizer import OwnOptimizerWeighting
 
 __all__ = ["FAMO", "famo_weights"]
 
@@ -27,7 +25,7 @@ def famo_weights(losses: Tensor, logits: Tensor, min_losses: Tensor, eps: float 
     return ratio / ratio.sum()
 
 
-class FAMO(LossWeighting):
+class FAMO(OwnOptimizerWeighting):
     """Fast Adaptive Multitask Optimization: learn task logits ``ξ`` so losses fall evenly.
 
     Step ``t`` (one forward, one backward; no task gradients):
@@ -62,7 +60,6 @@ class FAMO(LossWeighting):
     """
 
     name = "famo"
-    _extra_keys = ("num_tasks", "optimizer")
     _self_trained = ("logits",)
     logits: Tensor
     min_losses: Tensor
@@ -131,26 +128,6 @@ class FAMO(LossWeighting):
     def task_probabilities(self) -> Tensor:
         """``softmax(ξ)`` ``[K]``."""
         return torch.softmax(self.logits.detach(), dim=0)
-
-    def _extra_state(self) -> dict[str, Any]:
-        return {**super()._extra_state(),
-                "optimizer": copy.deepcopy(self.optimizer.state_dict())}
-
-    def _check_state(self, tensors: dict[str, Tensor | None], extra: dict[str, Any]) -> None:
-        super()._check_state(tensors, extra)
-        check_optimizer_state(self._make_optimizer, self.logits, extra.get("optimizer"),
-                              type(self).__name__)
-
-    def _load_extra(self, extra: dict[str, Any]) -> None:
-        super()._load_extra(extra)
-        self.optimizer.load_state_dict(copy.deepcopy(extra["optimizer"]))
-
-    def _own_optimizer(self) -> torch.optim.Optimizer:
-        return self.optimizer
-
-    def _rebuild_optimizer(self, state: dict[str, Any]) -> None:
-        self.optimizer = self._make_optimizer()
-        self.optimizer.load_state_dict(state)
 
     def _reset_state(self) -> None:
         with torch.no_grad():

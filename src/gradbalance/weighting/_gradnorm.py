@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
@@ -11,7 +10,7 @@ from torch import Tensor, nn
 
 from .._checks import as_parameter_list, check_positive
 from .._types import NonFiniteGradientError
-from ._base import LossWeighting, check_optimizer_state
+from ._own_optimizer import OwnOptimizerWeighting
 
 __all__ = ["GradNorm", "gradnorm_targets", "last_layer_parameters"]
 
@@ -38,7 +37,7 @@ def gradnorm_targets(norms: Tensor, losses: Tensor, initial_losses: Tensor,
     return norms.double().mean() * rate.pow(alpha)
 
 
-class GradNorm(LossWeighting):
+class GradNorm(OwnOptimizerWeighting):
     """Learn task weights ``w`` so that the weighted gradient norms train at equal rates.
 
     At the shared layer ``W`` (default: the last layer of ``layer``), with
@@ -82,7 +81,6 @@ class GradNorm(LossWeighting):
 
     name = "gradnorm"
     needs_task_gradients = True
-    _extra_keys = ("num_tasks", "optimizer")
     _self_trained = ("task_weights",)
     _legacy_keys: ClassVar[dict[str, str]] = {"weights": "task_weights",
                                               "initial_losses": "_initial"}
@@ -192,26 +190,6 @@ class GradNorm(LossWeighting):
     def initial_losses(self) -> Tensor | None:
         """``Lₖ(0)`` ``[K]``, None before the first update."""
         return None if self._initial is None else self._initial.clone()
-
-    def _extra_state(self) -> dict[str, Any]:
-        return {**super()._extra_state(),
-                "optimizer": copy.deepcopy(self.optimizer.state_dict())}
-
-    def _check_state(self, tensors: dict[str, Tensor | None], extra: dict[str, Any]) -> None:
-        super()._check_state(tensors, extra)
-        check_optimizer_state(self._make_optimizer, self.task_weights, extra.get("optimizer"),
-                              type(self).__name__)
-
-    def _load_extra(self, extra: dict[str, Any]) -> None:
-        super()._load_extra(extra)
-        self.optimizer.load_state_dict(copy.deepcopy(extra["optimizer"]))
-
-    def _own_optimizer(self) -> torch.optim.Optimizer:
-        return self.optimizer
-
-    def _rebuild_optimizer(self, state: dict[str, Any]) -> None:
-        self.optimizer = self._make_optimizer()
-        self.optimizer.load_state_dict(state)
 
     def _reset_state(self) -> None:
         with torch.no_grad():
