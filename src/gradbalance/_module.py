@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.nn.modules import module as _torch_module
 
 from ._pickling import PicklableGenerators
-from ._statedict import TYPE_KEY, check_keys
+from ._statedict import TYPE_KEY, check_keys, check_saved_type
 
 _M = TypeVar("_M", bound="StateModule")
 
@@ -187,12 +187,7 @@ class StateModule(PicklableGenerators, nn.Module):
                 f"{EXTRA_KEY!r} (the class that saved it and the non-tensor state); pass "
                 f"the dict returned by {name}.state_dict()"
             )
-        saved = extra.get(TYPE_KEY, name)
-        if saved != name:
-            raise ValueError(
-                f"state_dict was saved by a {saved}, not a {name}: a {self._kind}'s state "
-                f"loads only into the class that saved it; build a {saved} to resume it"
-            )
+        check_saved_type(extra.get(TYPE_KEY, name), name, self._kind)
         slots = self._slots()
         check_keys(name, {key: v for key, v in own.items() if key != EXTRA_KEY}, slots,
                    kind=self._kind)

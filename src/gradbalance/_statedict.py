@@ -34,13 +34,17 @@ def untag_state(owner: object, state: Any, kind: str) -> dict[str, Any]:
             f"{name}.load_state_dict expects the dict returned by state_dict(), got a "
             f"{type(state).__name__}"
         )
-    saved = state.get(TYPE_KEY, name)
+    check_saved_type(state.get(TYPE_KEY, name), name, kind)
+    return {key: value for key, value in state.items() if key != TYPE_KEY}
+
+
+def check_saved_type(saved: Any, name: str, kind: str) -> None:
+    """Raise ``ValueError`` unless the class ``saved`` recorded in a state is ``name``."""
     if saved != name:
         raise ValueError(
             f"state_dict was saved by a {saved}, not a {name}: a {kind}'s state loads only "
             f"into the class that saved it; build a {saved} to resume it"
         )
-    return {key: value for key, value in state.items() if key != TYPE_KEY}
 
 
 def reject_state(owner: str, state: dict[str, Any], kind: str) -> None:

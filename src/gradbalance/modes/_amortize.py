@@ -23,7 +23,7 @@ from .._checks import check_int
 from ..distributed import all_reduce_mean_
 from ..stats import StepStats
 from ..taskgrads import TaskRoots
-from ._engine import StepInput, WriteBack, commit, heads_backward_, owned_grads
+from ._engine import StepInput, Update, WriteBack, commit, heads_backward_, owned_grads
 
 __all__ = ["ReusedStep", "WeightCache"]
 
@@ -133,18 +133,26 @@ class ReusedStep:
                               losses], step.group)
             grads = list(full)
         update = WriteBack(shared, grads, owned=[True] * len(grads))
-        heads = head_params if step.scale is not None else ()
-        finite = finite_update(update.bound(), None, update.dtype, step.group, heads)
-        if not finite and step.scale is None:
-            raise nonfinite_error()
-        stats = StepStats(losses=losses, task_norms=None, cosine=None, cosine_to_update=None,
-                          update_norm=None, weights=cache.weights, found_inf=not finite,
-                          loss_scale_tensor=step.scale, num_backward=step.count, mode=mode,
-                          weights_reused=True)
-        commit(update, head_params, finite)
-        if finite:
-            cache.reused()
-        return stats
+        return commit_reused(update, cache, step, losses, head_params, mode)
 
     def clear(self) -> None:
         self.grads = None
+
+
+def commit_reused(update: Update, cache: WeightCache, step: StepInput, losses: Tensor,
+                  head_params: Sequence[Tensor], mode: str) -> StepStats:
+    """A reused-weight step's end, whatever holds its update: check it (one host sync, agreed
+    over the ranks; a non-finite step without a scaler raises before anything is written),
+    then write it and count the reuse if it was finite."""
+    heads = head_params if step.scale is not None else ()
+    finite = finite_update(update.bound(), None, update.dtype, step.group, heads)
+    if not finite and step.scale is None:
+        raise nonfinite_error()
+    stats = StepStats(losses=losses, task_norms=None, cosine=None, cosine_to_update=None,
+                      update_norm=None, weights=cache.weights, found_inf=not finite,
+                      loss_scale_tensor=step.scale, num_backward=step.count, mode=mode,
+                      weights_reused=True)
+    commit(update, head_params, finite)
+    if finite:
+        cache.reused()
+    return stats

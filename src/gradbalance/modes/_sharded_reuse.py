@@ -15,13 +15,12 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .._amp import finite_update, nonfinite_error
 from .._sharding import ShardedLayout, is_dtensor
 from ..distributed import all_reduce_grads_and_losses_
 from ..stats import StepStats
 from ..taskgrads import TaskRoots
-from ._amortize import WeightCache
-from ._engine import StepInput, commit
+from ._amortize import WeightCache, commit_reused
+from ._engine import StepInput
 from ._sharded_passes import ShardedWriteBack, _write_row
 
 __all__ = ["ShardedReusedStep"]
@@ -73,18 +72,7 @@ class ShardedReusedStep:
         if step.group is not None:
             losses = all_reduce_grads_and_losses_(self.plain_heads, losses, step.group)
         update = ShardedWriteBack(self.layout, held[0], None)
-        heads = head_params if step.scale is not None else ()
-        finite = finite_update(update.bound(), None, update.dtype, step.group, heads)
-        if not finite and step.scale is None:
-            raise nonfinite_error()
-        stats = StepStats(losses=losses, task_norms=None, cosine=None, cosine_to_update=None,
-                          update_norm=None, weights=cache.weights, found_inf=not finite,
-                          loss_scale_tensor=step.scale, num_backward=step.count, mode=mode,
-                          weights_reused=True)
-        commit(update, head_params, finite)
-        if finite:
-            cache.reused()
-        return stats
+        return commit_reused(update, cache, step, losses, head_params, mode)
 
     def clear(self) -> None:
         self.held = None
