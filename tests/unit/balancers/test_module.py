@@ -9,9 +9,7 @@ still load. The expected next steps come from an uninterrupted run of the same b
 from __future__ import annotations
 
 import copy
-import io
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -23,6 +21,7 @@ from gradbalance.balancers import CRMOGM, MGDA, Balancer, MoCo, MoDo, PCGrad
 from support.balancers import build_balancer
 from support.legacy_state import to_legacy
 from support.loop_state import assert_same_state
+from support.saved import through_a_file
 
 K, P = 3, 12
 NAMES = sorted(BALANCERS)
@@ -53,13 +52,6 @@ def _stepped(name: str, seed: int = 0, steps: int = 3) -> Balancer:
     return balancer
 
 
-def _through_a_file(state: Any) -> Any:
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True)
-
-
 def _next_steps(balancer: Balancer, first: int = 3, count: int = 3) -> list[Tensor]:
     return [balancer(_matrix(s), _losses(s)) for s in range(first, first + count)]
 
@@ -77,7 +69,7 @@ def test_is_a_module_without_parameters(name: str) -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_parent_state_dict_through_a_file_resumes_bit_identically(name: str) -> None:
     model = Model(_stepped(name))
-    saved = _through_a_file(model.state_dict())
+    saved = through_a_file(model.state_dict())
     fresh = Model(build_balancer(name, K, seed=99))  # another seed: the state must travel
     fresh.load_state_dict(saved)
     assert torch.equal(fresh.layer.weight, model.layer.weight)

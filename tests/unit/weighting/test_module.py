@@ -10,7 +10,6 @@ or from the closed-form optimum.
 from __future__ import annotations
 
 import copy
-import io
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ from gradbalance.weighting import (
 )
 from support.legacy_state import to_legacy
 from support.loop_state import assert_same_state
+from support.saved import through_a_file
 from support.weighting import K, Tiny, data, make, train_step
 
 NAMES = sorted(WEIGHTINGS)
@@ -59,13 +59,6 @@ def _steps(model: Model, opt: torch.optim.Optimizer, count: int) -> list[Tensor]
     return out
 
 
-def _through_a_file(state: Any) -> Any:
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True)
-
-
 @pytest.mark.parametrize("name", NAMES)
 def test_parameters_are_exactly_the_weights_the_user_trains(name: str) -> None:
     model = Model(name)
@@ -89,7 +82,7 @@ def test_model_state_dict_through_a_file_resumes_bit_identically(name: str) -> N
     model = Model(name)
     opt = _optimizer(model)
     _steps(model, opt, 3)
-    saved = _through_a_file({"model": model.state_dict(), "opt": opt.state_dict()})
+    saved = through_a_file({"model": model.state_dict(), "opt": opt.state_dict()})
     assert f"weighting.{'_extra_state'}" in saved["model"]
     fresh = Model(name, seed=5)
     fresh_opt = _optimizer(fresh)
