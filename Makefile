@@ -3,18 +3,38 @@ PYTHON ?= python3
 VENV ?= .venv
 # The CPU wheel of torch by default; e.g. TORCH_SPEC="torch==2.14.1" for another build.
 TORCH_SPEC ?= torch==2.13.0
+# The lowest torch the core supports (pyproject.toml's floor): check-floor runs the core unit
+# tests against it. On x86_64 Linux PyPI serves it as a CUDA build (about 3 GB, cached by pip).
+TORCH_FLOOR ?= torch==2.6.0
 EXTRAS ?= all,test,lightning,docs
+# Every tool and optional dependency pinned (torch and what torch pins itself are chosen by
+# TORCH_SPEC); `make lock` refreshes it.
+CONSTRAINTS := constraints.txt
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+PIP = -m pip install --quiet --constraint $(CURDIR)/$(CONSTRAINTS)
 
-.PHONY: demo test lint typecheck docs check-install figures bench clean
+.PHONY: demo test lint typecheck docs check-install check-floor lock gpu-check figures bench clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install --quiet -e ".[$(EXTRAS)]"
+	$(BIN)/python $(PIP) --upgrade pip
+	$(BIN)/python $(PIP) "$(TORCH_SPEC)"
+	$(BIN)/python $(PIP) -e ".[$(EXTRAS)]"
 	touch $(STAMP)
+
+# Refresh the pins: a fresh venv takes the newest releases that pyproject.toml allows, and
+# their versions (less torch and the packages torch pins) become constraints.txt.
+lock:
+	@set -e; venv="$(CURDIR)/build/lock-venv"; rm -rf "$$venv"; $(PYTHON) -m venv "$$venv"; \
+	"$$venv/bin/python" -m pip install --quiet --upgrade pip; \
+	"$$venv/bin/python" -m pip install --quiet "$(TORCH_SPEC)"; \
+	"$$venv/bin/python" -m pip install --quiet ".[$(EXTRAS)]"; \
+	{ echo "# Pinned test, docs and optional dependencies: written by 'make lock' with"; \
+	  echo "# $(TORCH_SPEC) on Python $$("$$venv/bin/python" -c 'import platform; print(platform.python_version())'). Do not edit by hand."; \
+	  "$$venv/bin/python" -m pip freeze --all --exclude gradbalance \
+	    | grep -viE '^(torch|sympy|mpmath|triton|nvidia-[a-z0-9-]*)=='; } > $(CONSTRAINTS); \
+	rm -rf "$$venv"; echo "lock: $$(grep -vc '^#' $(CONSTRAINTS)) pins in $(CONSTRAINTS)"
 
 demo: $(STAMP)
 	$(BIN)/gradbalance compare --variant scaled --seeds 2 --out runs/demo --overwrite
@@ -22,12 +42,17 @@ demo: $(STAMP)
 
 # ruff, the type checker, the tests (docstring examples included), the API docs build and
 # a core-only install in a fresh venv.
+# pytest runs in a random order (pytest-randomly); the seed is printed at the top and at the
+# end, and `make test PYTEST_ARGS=--randomly-seed=N` replays that order
+# (`PYTEST_ARGS=-p no:randomly` runs the files in order).
+PYTEST_ARGS ?=
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(MAKE) --no-print-directory typecheck
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory docs
 	$(MAKE) --no-print-directory check-install
+	$(MAKE) --no-print-directory check-floor
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -61,6 +86,31 @@ check-install: $(STAMP)
 	(cd "$$tmp" && "$$venv/bin/python" -W "ignore:Failed to initialize NumPy" \
 	  "$(CURDIR)/.ci/install_smoke.py"); \
 	echo "check-install: ok in $$(( $$(date +%s) - start )) s"
+
+# The declared torch floor, proven: a venv with $(TORCH_FLOOR), `pip install .` (a
+# non-editable copy of this tree) and the pinned test tools runs the core unit tests. The venv
+# (build/floor-venv) is reused while the floor, the pins and pyproject.toml are unchanged.
+FLOOR_VERSION = $(patsubst torch==%,%,$(TORCH_FLOOR))
+check-floor: $(STAMP)
+	@set -e; start=$$(date +%s); venv="$(CURDIR)/build/floor-venv"; \
+	grep -q '"torch>=$(FLOOR_VERSION)"' pyproject.toml || \
+	  { echo "check-floor: pyproject.toml does not declare torch>=$(FLOOR_VERSION)"; exit 1; }; \
+	want="$(TORCH_FLOOR) $$(cat $(CONSTRAINTS) pyproject.toml | md5sum)"; \
+	if [ "$$(cat "$$venv/.spec" 2>/dev/null)" != "$$want" ]; then \
+	  echo "check-floor: new venv $$venv with $(TORCH_FLOOR)"; \
+	  rm -rf "$$venv"; $(PYTHON) -m venv "$$venv"; \
+	  "$$venv/bin/python" $(PIP) --upgrade pip; \
+	  "$$venv/bin/python" $(PIP) "$(TORCH_FLOOR)" ".[test]"; \
+	  echo "$$want" > "$$venv/.spec"; \
+	fi; \
+	rm -rf build/lib build/bdist.*; \
+	"$$venv/bin/python" $(PIP) --no-deps --force-reinstall .; \
+	"$$venv/bin/python" -c "import sys, torch, gradbalance; \
+	v = torch.__version__.split('+')[0]; \
+	sys.exit(0 if v == '$(FLOOR_VERSION)' and 'site-packages' in gradbalance.__file__ \
+	         else f'check-floor: torch {v} / {gradbalance.__file__}')"; \
+	"$$venv/bin/python" -m pytest tests/unit -p no:cacheprovider -q -x; \
+	echo "check-floor: torch $(FLOOR_VERSION) ok in $$(( $$(date +%s) - start )) s"
 
 figures: $(STAMP)
 	$(BIN)/gradbalance figures --out runs/figures --overwrite

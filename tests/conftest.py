@@ -9,11 +9,52 @@ bundled data).
 """
 
 import os
+from collections.abc import Iterator
 
-from hypothesis import settings
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
 
 # CI replays the same examples every run (``derandomize``); set HYPOTHESIS_PROFILE=explore to
 # draw fresh ones while developing.
-settings.register_profile("ci", derandomize=True, print_blob=True)
-settings.register_profile("explore", print_blob=True)
+# No deadline and no too-slow health check: a loaded 2-core machine must not fail a property
+# that holds.
+_PATIENT = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
+settings.register_profile("ci", derandomize=True, print_blob=True, **_PATIENT)
+settings.register_profile("explore", print_blob=True, **_PATIENT)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+
+def _seed_line(config: pytest.Config) -> str | None:
+    """The random order's seed (pytest-randomly) and the command that replays it."""
+    seed = getattr(config.option, "randomly_seed", None)
+    if seed is None or not getattr(config.option, "randomly_reorganize", True):
+        return None
+    return (f"random test order: seed {seed}; "
+            f"replay with make test PYTEST_ARGS=--randomly-seed={seed}")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    line = _seed_line(session.config)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if line and reporter is not None:
+        reporter.write_line(line)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int,
+                            config: pytest.Config) -> None:
+    line = _seed_line(config)
+    if line:
+        terminalreporter.write_line(line)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_torch_globals(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Each test starts from torch's global RNG seeded with the run's seed and leaves the
+    thread count as it found it, so no test depends on the ones that ran before it."""
+    threads = torch.get_num_threads()
+    torch.manual_seed(getattr(request.config.option, "randomly_seed", None) or 0)
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
