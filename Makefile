@@ -112,6 +112,12 @@ check-floor: $(STAMP)
 	"$$venv/bin/python" -m pytest tests/unit -p no:cacheprovider -q -x; \
 	echo "check-floor: torch $(FLOOR_VERSION) ok in $$(( $$(date +%s) - start )) s"
 
+# On a machine with CUDA: its own venv (build/gpu-venv), the CUDA tests of tests/gpu/ and a
+# short CUDA step benchmark, everything written to GPU_OUT; elsewhere it says so and exits 0.
+GPU_OUT ?= build/gpu-check
+gpu-check:
+	bash .ci/gpu_check.sh "$(GPU_OUT)"
+
 figures: $(STAMP)
 	$(BIN)/gradbalance figures --out runs/figures --overwrite
 
