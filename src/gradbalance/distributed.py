@@ -37,14 +37,14 @@ import contextlib
 import hashlib
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-if TYPE_CHECKING:
-    from .weighting import LossWeighting
+from ._sharding import is_dtensor
+from .weighting import LossWeighting
 
 __all__ = [
     "LOCAL",
@@ -542,8 +542,6 @@ def gathered_parameters(module: nn.Module) -> list[Tensor]:
             module.reshard()
     else:
         params = list(module.parameters())
-    from ._sharding import is_dtensor
-
     sharded = [tuple(p.shape) for p in params if is_dtensor(p)]
     if sharded:
         raise ValueError(
