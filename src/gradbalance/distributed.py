@@ -37,14 +37,16 @@ import contextlib
 import hashlib
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from ._sharding import is_dtensor
-from .weighting import LossWeighting
+
+if TYPE_CHECKING:
+    from .weighting import LossWeighting
 
 __all__ = [
     "LOCAL",
