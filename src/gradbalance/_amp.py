@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._sharding import local_of
 from ._types import NonFiniteGradientError
 from .distributed import all_ranks_true
 from .gramian import compute_gramian, is_finite_gramian
@@ -57,8 +58,6 @@ def scale_of(scaler: Any, device: torch.device) -> Tensor | None:
 
 def grads_finite(params: Sequence[Tensor]) -> Tensor:
     """True (0-d bool tensor) when every existing ``.grad`` of ``params`` is finite."""
-    from ._sharding import local_of  # a sharded head's .grad: this rank's part
-
     flags = [torch.isfinite(local_of(p.grad)).all() for p in params if p.grad is not None]
     if not flags:
         return torch.ones((), dtype=torch.bool)
@@ -120,8 +119,6 @@ def poison_(grads: Sequence[Tensor | None]) -> None:
     The written gradients of a skipped step, so that ``scaler.step`` skips whichever optimizer
     holds them; one left finite would let its optimizer step on an unbalanced update.
     """
-    from ._sharding import local_of  # a DTensor: its local part, on every rank
-
     for g in grads:
         if g is not None:
             g = local_of(g)

@@ -1,5 +1,10 @@
 """Every argument check of the package, in one house style.
 
+This module is the bottom layer (docs/ARCHITECTURE.md, "Layers"): it imports nothing of the
+package, so a check of a higher layer's objects lives with them
+(:func:`gradbalance.balancers._checks.check_balancer`,
+:func:`gradbalance.clip._checks.check_row_clipper`) in the same style.
+
 A check is ``check_<what>(name, value, ...)``: the argument's name, the value given, then the
 bounds or options; it returns the validated value. A converter, ``as_<what>(name, value, ...)``,
 takes the same order and returns the converted value (a tensor, a list). Every message names
@@ -114,6 +119,12 @@ def check_generator(name: str, value: torch.Generator | None) -> torch.Generator
             f"None; for a seeded stream pass {name}=torch.Generator().manual_seed({seed}))"
         )
     return value
+
+
+def short_repr(value: object, limit: int = 60) -> str:
+    """``repr(value)``, cut to ``limit`` characters, for an error message."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # -- per-task vectors ---------------------------------------------------------------------
@@ -290,60 +301,6 @@ def check_parameters_unchanged(name: str, params: Sequence[Tensor],
                 f"{tuple(p.shape)}, {p.dtype} on {p.device} since the TaskGradBuffer was built; "
                 f"build the buffer after the model's last .to(), resize or reload"
             )
-
-
-# -- step arguments -----------------------------------------------------------------------
-
-
-def check_balancer(name: str, value: object) -> None:
-    """A :class:`~gradbalance.balancers.Balancer` instance (``TypeError`` otherwise)."""
-    from .balancers._base import Balancer
-
-    if isinstance(value, Balancer):
-        return
-    if isinstance(value, str):
-        raise TypeError(
-            f"Invalid {name}: {value!r}, a str (expected a Balancer object). Build it once, "
-            f"before the loop, and pass the same object every step, so that a balancer with "
-            f"state (GradVac's targets, Nash-MTL's warm start, a generator) keeps it: "
-            f"{name} = gradbalance.get_balancer({value!r}, num_tasks=K)"
-        )
-    if isinstance(value, type) and issubclass(value, Balancer):
-        raise TypeError(
-            f"Invalid {name}: the class {value.__name__} (expected a Balancer object); build "
-            f"it once before the loop: {name} = {value.__name__}()"
-        )
-    raise TypeError(
-        f"Invalid {name}: {type(value).__name__} {_short_repr(value)} (expected a Balancer "
-        f"object, e.g. {name} = gradbalance.get_balancer('mgda', num_tasks=K), or an "
-        f"instance of a Balancer subclass)"
-    )
-
-
-def check_row_clipper(name: str, value: object) -> None:
-    """None or a row clipper: a callable taking ``G`` ``[K, P]`` (``TypeError`` otherwise)."""
-    from .clip._agc import AGC
-    from .clip._auto import AutoClip
-
-    if value is None:
-        return
-    if isinstance(value, (AutoClip, AGC)):
-        row = "TaskAutoClip()" if isinstance(value, AutoClip) else "TaskClip(max_norm=...)"
-        raise TypeError(
-            f"Invalid {name}: {type(value).__name__}, a clipper of the parameters' .grad (call "
-            f"it on model.parameters() after apply_(), before optimizer.step()); {name}= takes "
-            f"a row clipper of G [K, P], e.g. {name}=gradbalance.{row}"
-        )
-    if not callable(value):
-        raise TypeError(
-            f"Invalid {name}: {type(value).__name__} {_short_repr(value)} (expected None or a "
-            f"row clipper, a callable taking G [K, P], e.g. {name}=gradbalance.TaskClip(1.0))"
-        )
-
-
-def _short_repr(value: object, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def check_matrix(name: str, value: Tensor, num_tasks: int | None = None) -> Tensor:

@@ -43,6 +43,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ._sharding import is_dtensor
+
 if TYPE_CHECKING:
     from .weighting import LossWeighting
 
@@ -542,8 +544,6 @@ def gathered_parameters(module: nn.Module) -> list[Tensor]:
             module.reshard()
     else:
         params = list(module.parameters())
-    from ._sharding import is_dtensor
-
     sharded = [tuple(p.shape) for p in params if is_dtensor(p)]
     if sharded:
         raise ValueError(

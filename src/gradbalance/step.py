@@ -32,15 +32,15 @@ from ._amp import no_autocast, scale_of
 from ._checks import (
     as_loss_vector,
     as_parameter_list,
-    check_balancer,
     check_int,
     check_optional_num_tasks,
     check_parameters_unchanged,
-    check_row_clipper,
     param_signatures,
 )
 from ._sharding import ShardedLayout, is_sharded
 from .balancers._base import Balancer
+from .balancers._checks import check_balancer
+from .clip._checks import check_row_clipper
 from .clip._protocol import RowClipper
 from .distributed import check_step_agreement, resolve_process_group
 from .modes import Engine, Mode, StepInput, make_engine

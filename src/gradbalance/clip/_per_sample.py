@@ -42,6 +42,7 @@ from .._pickling import PicklableGenerators
 from .._statedict import check_keys
 from .._types import NonFiniteGradientError
 from ..balancers._rng import private_generator
+from ._per_sample_func import per_sample_grad_norms_of_model
 from ._per_sample_graph import _check_losses, per_sample_grad_norms
 from ._task import _EPS
 
@@ -146,8 +147,6 @@ class PerSampleClip(PicklableGenerators):
         ``torch.func``; no BatchNorm in training mode) over ``params`` (default: every
         trainable parameter of ``module``). Returns the task losses of :meth:`__call__`.
         """
-        from ._per_sample_func import per_sample_grad_norms_of_model
-
         per_sample = loss_fn(module(inputs), targets)
         plist = [p for p in module.parameters() if p.requires_grad] if params is None \
             else list(params)

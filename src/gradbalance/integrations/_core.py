@@ -16,10 +16,12 @@ import torch
 from torch import Tensor
 
 from .._amp import no_autocast
-from .._checks import check_balancer, check_int, check_row_clipper
+from .._checks import check_int
 from .._pickling import unshare_tensors
 from ..balancers._base import Balancer
+from ..balancers._checks import check_balancer
 from ..checkpoint import capture_state, restore_state
+from ..clip._checks import check_row_clipper
 from ..clip._protocol import RowClipper
 from ..distributed import sync_weighting_
 from ..stats import StepStats

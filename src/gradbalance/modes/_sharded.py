@@ -36,6 +36,7 @@ from ..gramian import compute_gramian
 from ..stats import StepStats
 from ..taskgrads import ParamLayout, Passes, TaskRoots
 from ._engine import StepInput, commit, reject_features, settle
+from ._features_sharded import ShardedFeaturesMode
 from ._sharded_passes import ShardedWriteBack, sharded_passes, sharded_stats
 
 __all__ = ["ShardedMatrixMode", "check_sharded_balancer", "check_sharded_clip"]
@@ -142,8 +143,6 @@ def _clip_rows(clip: RowClipper, matrix: Tensor, norms: Tensor) -> None:
 def make_sharded_engine(mode: str, layout: ParamLayout, head_params: list[Tensor],
                         passes: Passes, modules: Any = None) -> Any:
     """The engine of ``mode`` over a trunk of ``DTensor`` parameters (``fully_shard``)."""
-    from ._features_sharded import ShardedFeaturesMode
-
     if passes == "batched":
         raise ValueError(
             "passes='batched' cannot run on a trunk sharded with fully_shard (FSDP2 gathers "

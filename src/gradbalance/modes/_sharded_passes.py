@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from .._sharding import ShardedLayout, local_of
+from ..gramian import cosine_matrix
 from ..stats import StepStats, stats_from_gramian
 from ..taskgrads import TaskRoots
 
@@ -159,8 +160,6 @@ def sharded_stats(gram: Tensor, losses: Tensor, finite: bool, matrix: Tensor, up
             total = layout.shard.sum(local)
             dots, update_norm = total[:-1], total[-1].clamp_min(0).sqrt()
             norms = torch.diagonal(gram).clamp_min(0).sqrt()
-            from ..gramian import cosine_matrix
-
             cosine = cosine_matrix(gram)
             denom = norms * update_norm
             safe = torch.where(denom > 0, denom, torch.ones_like(denom))

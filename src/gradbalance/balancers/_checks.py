@@ -1,0 +1,32 @@
+"""The check of a step's ``balancer=`` argument, kept with :class:`Balancer` so that
+:mod:`gradbalance._checks` below it never imports a balancer (docs/ARCHITECTURE.md, "Layers")."""
+
+from __future__ import annotations
+
+from .._checks import short_repr
+from ._base import Balancer
+
+__all__ = ["check_balancer"]
+
+
+def check_balancer(name: str, value: object) -> None:
+    """A :class:`~gradbalance.balancers.Balancer` instance (``TypeError`` otherwise)."""
+    if isinstance(value, Balancer):
+        return
+    if isinstance(value, str):
+        raise TypeError(
+            f"Invalid {name}: {value!r}, a str (expected a Balancer object). Build it once, "
+            f"before the loop, and pass the same object every step, so that a balancer with "
+            f"state (GradVac's targets, Nash-MTL's warm start, a generator) keeps it: "
+            f"{name} = gradbalance.get_balancer({value!r}, num_tasks=K)"
+        )
+    if isinstance(value, type) and issubclass(value, Balancer):
+        raise TypeError(
+            f"Invalid {name}: the class {value.__name__} (expected a Balancer object); build "
+            f"it once before the loop: {name} = {value.__name__}()"
+        )
+    raise TypeError(
+        f"Invalid {name}: {type(value).__name__} {short_repr(value)} (expected a Balancer "
+        f"object, e.g. {name} = gradbalance.get_balancer('mgda', num_tasks=K), or an "
+        f"instance of a Balancer subclass)"
+    )
