@@ -16,6 +16,7 @@
 # e.g. "--no-index --find-links /wheels" on a machine without network access).
 set -uo pipefail
 
+caller=$PWD
 cd "$(dirname "$0")/.." || exit 1
 root=$PWD
 
@@ -29,7 +30,8 @@ if [ "${gpus:-0}" -eq 0 ]; then
     exit 0
 fi
 
-out=${1:-build/gpu-check}
+out=${1:-$root/build/gpu-check}
+case $out in /*) ;; *) out=$caller/$out ;; esac  # relative to where the script was called
 mkdir -p "$out" && out=$(cd "$out" && pwd) || { echo "gpu-check: cannot create $out"; exit 1; }
 # What this script writes there, cleared first so that nothing stale is reported.
 rm -f "$out"/{install.log,versions.txt,gpu_tests.log,gpu_tests.xml,summary.txt} \
