@@ -265,7 +265,7 @@ def test_16bit_autocast_step_is_finite_and_near_fp32(device: torch.device, spec:
     # 6·u per product, 24·u in all (bf16: u = 2⁻⁸, 0.094; fp16: u = 2⁻¹¹, 0.012). The
     # balancers' weights are smooth in G away from their switching points (PCGrad's signs,
     # MGDA's and UPGrad's active sets), which these seeded problems are not near. A scaled-G
-    # bug is off by the loss scale (2¹⁰), a dropped task by about a third.
+    # bug is off by the loss scale (2¹⁰), a task left out by its whole gradient.
     bound = 6 * _PRODUCTS * torch.finfo(dtype).eps / 2
     error = float((amp - ref).norm() / ref.norm())
     assert error < bound, f"relative error {error:.3g} > {bound:.3g}"
