@@ -91,16 +91,17 @@ check-install: $(STAMP)
 # non-editable copy of this tree) and the pinned test tools runs the core unit tests. The venv
 # (build/floor-venv) is reused while the floor, the pins and pyproject.toml are unchanged.
 FLOOR_VERSION = $(patsubst torch==%,%,$(TORCH_FLOOR))
+FLOOR_EXTRAS = all,test
 check-floor: $(STAMP)
 	@set -e; start=$$(date +%s); venv="$(CURDIR)/build/floor-venv"; \
 	grep -q '"torch>=$(FLOOR_VERSION)"' pyproject.toml || \
 	  { echo "check-floor: pyproject.toml does not declare torch>=$(FLOOR_VERSION)"; exit 1; }; \
-	want="$(TORCH_FLOOR) $$(cat $(CONSTRAINTS) pyproject.toml | md5sum)"; \
+	want="$(TORCH_FLOOR) [$(FLOOR_EXTRAS)] $$(cat $(CONSTRAINTS) pyproject.toml | md5sum)"; \
 	if [ "$$(cat "$$venv/.spec" 2>/dev/null)" != "$$want" ]; then \
 	  echo "check-floor: new venv $$venv with $(TORCH_FLOOR)"; \
 	  rm -rf "$$venv"; $(PYTHON) -m venv "$$venv"; \
 	  "$$venv/bin/python" $(PIP) --upgrade pip; \
-	  "$$venv/bin/python" $(PIP) "$(TORCH_FLOOR)" ".[test]"; \
+	  "$$venv/bin/python" $(PIP) "$(TORCH_FLOOR)" ".[$(FLOOR_EXTRAS)]"; \
 	  echo "$$want" > "$$venv/.spec"; \
 	fi; \
 	rm -rf build/lib build/bdist.*; \
@@ -109,7 +110,7 @@ check-floor: $(STAMP)
 	v = torch.__version__.split('+')[0]; \
 	sys.exit(0 if v == '$(FLOOR_VERSION)' and 'site-packages' in gradbalance.__file__ \
 	         else f'check-floor: torch {v} / {gradbalance.__file__}')"; \
-	"$$venv/bin/python" -m pytest tests/unit -p no:cacheprovider -q -x; \
+	"$$venv/bin/python" -m pytest tests/unit -p no:cacheprovider; \
 	echo "check-floor: torch $(FLOOR_VERSION) ok in $$(( $$(date +%s) - start )) s"
 
 # On a machine with CUDA: its own venv (build/gpu-venv), the CUDA tests of tests/gpu/ and a
