@@ -9,17 +9,17 @@ load into their own class (``support.legacy_state`` writes them).
 from __future__ import annotations
 
 import copy
-import itertools
 from functools import cache
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import Tensor
 
 from gradbalance import BALANCERS
-from gradbalance._module import EXTRA_KEY
-from gradbalance._statedict import TYPE_KEY
+from gradbalance.balancers import Shard
 from gradbalance.weighting import WEIGHTINGS
 from support.balancers import build_balancer
 from support.legacy_state import to_legacy
@@ -27,6 +27,8 @@ from support.loop_state import assert_same_state
 from support.weighting import Tiny, data, make, train_step, user_optimizer
 
 K, P = 3, 12
+EXTRA_KEY = "_extra_state"  # nn.Module's key of a module's extra state
+TYPE_KEY = "_type"  # the saving class's name in it (docs/balancers.md)
 BALANCER_NAMES = sorted(BALANCERS)
 WEIGHTING_NAMES = sorted(WEIGHTINGS)
 
@@ -89,34 +91,118 @@ def _assert_refused(target: Any, state: dict[str, Any], match: str | None = None
 
 @pytest.mark.parametrize("name", BALANCER_NAMES)
 def test_balancer_state_names_its_class(name: str) -> None:
-    balancer = _stepped_balancer(name)
-    assert balancer.state_dict()[EXTRA_KEY][TYPE_KEY] == type(balancer).__name__
+    assert _balancer_state(name)[EXTRA_KEY][TYPE_KEY] == BALANCERS[name].__name__
 
 
 @pytest.mark.parametrize("name", WEIGHTING_NAMES)
 def test_weighting_state_names_its_class(name: str) -> None:
-    weighting = _stepped_weighting(name)
-    assert weighting.state_dict()[EXTRA_KEY][TYPE_KEY] == type(weighting).__name__
+    assert _weighting_state(name)[EXTRA_KEY][TYPE_KEY] == WEIGHTINGS[name].__name__
 
 
 # -- another class's state is refused, nothing changes -------------------------------------
+# Not every ordered pair (N² cases of one check): each class against its neighbour in a ring
+# (every class refuses once and is refused once), the pairs the keys cannot tell apart, and a
+# property over pairs drawn from both registries.
 
 
-@pytest.mark.parametrize(("saved", "target"), [
-    pair for pair in itertools.permutations(BALANCER_NAMES, 2)
-    if BALANCERS[pair[0]] is not BALANCERS[pair[1]]
-])
+def _distinct(registry: dict[str, type]) -> list[str]:
+    """The sorted names, one per class (an alias of a class already listed is left out)."""
+    first: dict[type, str] = {}
+    for name in sorted(registry):
+        first.setdefault(registry[name], name)
+    return sorted(first.values())
+
+
+def _ring(registry: dict[str, type]) -> list[tuple[str, str]]:
+    """``(saved, target)``: each class's state into the next class (registry names sorted)."""
+    names = _distinct(registry)
+    return [(names[i - 1], name) for i, name in enumerate(names)]
+
+
+#: Pairs whose tagged states hold the same keys: only ``"_type"`` tells them apart.
+SAME_KEYS = [("pcgrad", "graddrop"), ("graddrop", "random"), ("random", "pcgrad"),
+             ("dbmtl", "pcd"), ("pcd", "dbmtl"), ("mean", "sum"), ("upgrad", "dualproj"),
+             ("mgda", "imtlg"), ("constant", "trimmedmean")]
+#: Pairs of classes built on one base (its state handling shared, the keys not).
+SIBLINGS = [("gradvac", "pcgrad"), ("pcgrad", "gradvac"), ("config", "upgrad"),
+            ("dualproj", "config")]
+WEIGHTING_SAME_KEYS = [("gls", "si"), ("si", "gls")]  # ScaleInvariant is a GLS subclass
+WEIGHTING_SIBLINGS = [("famo", "gradnorm"), ("gradnorm", "famo")]
+
+
+def _keys(state: dict[str, Any]) -> set[str]:
+    """Every key of a state, those of its extra state included (as ``"extra:<key>"``)."""
+    extra = {f"extra:{key}" for key in state.get(EXTRA_KEY, {})}
+    return {*state, *extra}
+
+
+def test_the_rings_hold_every_class_once_each_way() -> None:
+    for registry in (BALANCERS, WEIGHTINGS):
+        ring = _ring(registry)
+        classes = set(registry.values())
+        assert {registry[saved] for saved, _ in ring} == classes
+        assert {registry[target] for _, target in ring} == classes
+        assert all(registry[saved] is not registry[target] for saved, target in ring)
+
+
+@pytest.mark.parametrize(("saved", "target"), _ring(BALANCERS) + SAME_KEYS + SIBLINGS)
 def test_balancer_refuses_another_balancers_state(saved: str, target: str) -> None:
-    fresh = build_balancer(target, K, seed=1)
-    _assert_refused(fresh, _balancer_state(saved),
+    _assert_refused(build_balancer(target, K, seed=1), _balancer_state(saved),
                     match=f"saved by a {BALANCERS[saved].__name__}, not a "
                           f"{BALANCERS[target].__name__}")
 
 
-@pytest.mark.parametrize(("saved", "target"), list(itertools.permutations(WEIGHTING_NAMES, 2)))
+@pytest.mark.parametrize(("saved", "target"),
+                         _ring(WEIGHTINGS) + WEIGHTING_SAME_KEYS + WEIGHTING_SIBLINGS)
 def test_weighting_refuses_another_weightings_state(saved: str, target: str) -> None:
     _assert_refused(_fresh_weighting(target), _weighting_state(saved),
-                    match=f"saved by a {WEIGHTINGS[saved].__name__}")
+                    match=f"saved by a {WEIGHTINGS[saved].__name__}, not a "
+                          f"{WEIGHTINGS[target].__name__}")
+
+
+@pytest.mark.parametrize(("saved", "target"), SAME_KEYS)
+def test_the_same_key_balancer_pairs_hold_the_same_keys(saved: str, target: str) -> None:
+    """The pairs above are hard ones: the keys alone would let the state load."""
+    assert _keys(_balancer_state(saved)) == _keys(_balancer_state(target))
+
+
+@pytest.mark.parametrize(("saved", "target"), WEIGHTING_SAME_KEYS)
+def test_the_same_key_weighting_pairs_hold_the_same_keys(saved: str, target: str) -> None:
+    assert _keys(_weighting_state(saved)) == _keys(_weighting_state(target))
+
+
+#: Every class of both registries, as (kind, name).
+REGISTRY = ([("balancer", name) for name in _distinct(BALANCERS)]
+            + [("weighting", name) for name in _distinct(WEIGHTINGS)])
+
+
+def _class_of(entry: tuple[str, str]) -> type:
+    kind, name = entry
+    return BALANCERS[name] if kind == "balancer" else WEIGHTINGS[name]
+
+
+def _state_of(entry: tuple[str, str]) -> dict[str, Any]:
+    kind, name = entry
+    return _balancer_state(name) if kind == "balancer" else _weighting_state(name)
+
+
+def _fresh(entry: tuple[str, str]) -> Any:
+    kind, name = entry
+    return build_balancer(name, K, seed=1) if kind == "balancer" else _fresh_weighting(name)
+
+
+_pairs = st.tuples(st.sampled_from(REGISTRY), st.sampled_from(REGISTRY)).filter(
+    lambda pair: _class_of(pair[0]) is not _class_of(pair[1]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(pair=_pairs)
+def test_any_other_class_refuses_the_state(pair: tuple[tuple[str, str], tuple[str, str]]) -> None:
+    """Balancers and weightings alike: the message names both classes; nothing moved."""
+    saved, target = pair
+    _assert_refused(_fresh(target), _state_of(saved),
+                    match=f"saved by a {_class_of(saved).__name__}, not a "
+                          f"{_class_of(target).__name__}")
 
 
 @pytest.mark.parametrize("name", ["pcgrad", "gradvac", "dbmtl", "sum"])
@@ -196,27 +282,44 @@ def test_untagged_weighting_state_still_loads(name: str) -> None:
     assert_same_state(fresh.state_dict(), saved)
 
 
-@pytest.mark.parametrize(("saved", "target"), [
-    pair for pair in itertools.permutations(BALANCER_NAMES, 2)
-    if BALANCERS[pair[0]] is not BALANCERS[pair[1]]
-])
-def test_untagged_state_of_another_balancer_never_loses_a_key(saved: str, target: str) -> None:
+def _assert_loses_no_key(target: Any, state: dict[str, Any]) -> None:
     """Without the class name only the keys can tell: a load that passes drops nothing."""
-    state = _untagged(_balancer_state(saved))
-    fresh = build_balancer(target, K, seed=1)
-    own_keys = set(_untagged(fresh.state_dict()))
+    own_keys = set(_untagged(target.state_dict()))
     try:
-        fresh.load_state_dict(copy.deepcopy(state))
+        target.load_state_dict(copy.deepcopy(state))
     except ValueError:
         return
     assert set(state) <= own_keys, (
-        f"{target} accepted keys {sorted(set(state) - own_keys)} it does not keep")
+        f"{type(target).__name__} accepted keys {sorted(set(state) - own_keys)} it does not keep")
+
+
+@pytest.mark.parametrize(("saved", "target"), _ring(BALANCERS) + SAME_KEYS + SIBLINGS)
+def test_untagged_state_of_another_balancer_never_loses_a_key(saved: str, target: str) -> None:
+    _assert_loses_no_key(build_balancer(target, K, seed=1), _untagged(_balancer_state(saved)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(pair=_pairs)
+def test_untagged_state_of_any_other_class_never_loses_a_key(
+        pair: tuple[tuple[str, str], tuple[str, str]]) -> None:
+    saved, target = pair
+    _assert_loses_no_key(_fresh(target), _untagged(_state_of(saved)))
+
+
+def test_untagged_states_are_told_apart_by_their_keys_only() -> None:
+    """PCGrad's untagged generator loads into GradDrop (the same key); GradVac's targets
+    are a key PCGrad does not keep, so PCGrad refuses them and keeps its own state."""
+    graddrop = build_balancer("graddrop", K, seed=1)
+    graddrop.load_state_dict(_untagged(_balancer_state("pcgrad")))
+    assert_same_state(_untagged(graddrop.state_dict()), _untagged(_balancer_state("pcgrad")))
+    _assert_refused(build_balancer("pcgrad", K, seed=1), _untagged(_balancer_state("gradvac")),
+                    match="targets")
 
 
 # -- a subclass is another class --------------------------------------------------------------
 
 
-def test_a_subclass_names_itself() -> None:
+def test_a_subclass_and_its_parent_refuse_each_others_state() -> None:
     class MyPCGrad(BALANCERS["pcgrad"]):  # type: ignore[misc,valid-type]
         pass
 
@@ -226,3 +329,46 @@ def test_a_subclass_names_itself() -> None:
     twin.load_state_dict(mine.state_dict())
     assert torch.equal(twin(_matrix(0)), mine(_matrix(0)))
     _assert_refused(twin, _balancer_state("pcgrad"), match="saved by a PCGrad, not a MyPCGrad")
+    _assert_refused(build_balancer("pcgrad", K, seed=1), mine.state_dict(),
+                    match="saved by a MyPCGrad, not a PCGrad")
+
+
+def test_a_weighting_subclass_and_its_parent_refuse_each_others_state() -> None:
+    class MyUncertainty(WEIGHTINGS["uncertainty"]):  # type: ignore[misc,valid-type]
+        pass
+
+    mine = MyUncertainty(K)
+    assert mine.state_dict()[EXTRA_KEY][TYPE_KEY] == "MyUncertainty"
+    _assert_refused(mine, _weighting_state("uncertainty"),
+                    match="saved by a UncertaintyWeighting, not a MyUncertainty")
+    _assert_refused(_fresh_weighting("uncertainty"), mine.state_dict(),
+                    match="saved by a MyUncertainty, not a UncertaintyWeighting")
+
+
+# -- a rank's state under a sharded trunk -------------------------------------------------------
+
+
+def _stepped_sharded(name: str) -> Any:
+    """A balancer after three ``combine_sharded`` calls on columns 4..9 of the matrices."""
+    balancer = build_balancer(name, K, seed=0)
+    shard = Shard(((4, 6),), P)
+    for step in range(3):
+        balancer.combine_sharded(_matrix(step)[:, 4:10], shard, _losses(step))
+    return balancer
+
+
+@pytest.mark.parametrize(("name", "other"), [("dbmtl", "pcd"), ("moco", "modo"),
+                                             ("gradvac", "pcgrad")])
+def test_a_sharded_state_names_the_same_class_as_its_unsharded_twin(name: str,
+                                                                    other: str) -> None:
+    """Its tensors may hold this rank's columns only, but the class and keys are the twin's:
+    another class refuses it, its own class loads it."""
+    state = _stepped_sharded(name).state_dict()
+    assert state[EXTRA_KEY][TYPE_KEY] == BALANCERS[name].__name__
+    assert _keys(state) == _keys(_balancer_state(name))
+    _assert_refused(build_balancer(other, K, seed=1), state,
+                    match=f"saved by a {BALANCERS[name].__name__}, not a "
+                          f"{BALANCERS[other].__name__}")
+    fresh = build_balancer(name, K, seed=1)
+    fresh.load_state_dict(copy.deepcopy(state))
+    assert_same_state(fresh.state_dict(), state)
