@@ -577,16 +577,18 @@ def _start_points(lower: Tensor, simplex: bool, x0: Tensor | None) -> Tensor:
 
 
 def _pivot_all(q: Tensor, c: Tensor, lower: Tensor, simplex: bool, x: Tensor,
-               tol: float) -> tuple[Tensor, Tensor] | None:
-    """``(out, done)`` of the pivoting path from ``x``; None if a factorisation fails or the
-    single problem stays open."""
+               tol: float) -> Tensor | tuple[Tensor, Tensor] | None:
+    """The pivoting path from ``x``: the solutions when it solves every problem, else
+    ``(out, done)`` (valid where done); None if a factorisation fails or the single problem
+    stays open."""
     b, k = c.shape
     budget = 10 + 3 * k
-    if b > 1:
-        return solve_lcp_pivoting(q, c, lower, simplex, x > lower, tol, budget)
-    single = _pivot_single(q, c[0], lower[0], simplex, (x[0] > lower[0]).tolist(), tol,
-                           budget)
-    return None if single is None else (single[None], torch.ones(1, dtype=torch.bool))
+    if b == 1:
+        single = _pivot_single(q, c[0], lower[0], simplex, (x[0] > lower[0]).tolist(), tol,
+                               budget)
+        return None if single is None else single[None]
+    pivot = solve_lcp_pivoting(q, c, lower, simplex, x > lower, tol, budget)
+    return pivot[0] if pivot is not None and bool(pivot[1].all()) else pivot
 
 
 def _start_of(given: Tensor | None, previous: Tensor | None, lower: Tensor) -> Tensor | None:
@@ -632,7 +634,7 @@ def solve_box_qp_batched(
         well_conditioned = is_well_conditioned(q)
     x = _start_points(lower, simplex, x0)
     pivot = _pivot_all(q, c, lower, simplex, x, tol) if well_conditioned else None
-    if pivot is not None and bool(pivot[1].all()):
-        return pivot[0]
+    if isinstance(pivot, Tensor):
+        return pivot
     out, done = pivot or (x.clone(), torch.zeros(c.shape[0], dtype=torch.bool))
     return _solve_factored(q, c, lower, simplex, None if x0 is None else x, out, done, tol)
