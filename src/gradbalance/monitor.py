@@ -160,6 +160,12 @@ def log_stats(
     return scalars
 
 
+def _population_std(values: list[float]) -> float:
+    """The population standard deviation of ``values`` (exactly rounded sums)."""
+    mean = math.fsum(values) / len(values)
+    return math.sqrt(math.fsum((v - mean) ** 2 for v in values) / len(values))
+
+
 class RunningStats:
     """Sliding-window standard deviation of every logged scalar: ``std/<tag>``.
 
@@ -177,22 +183,19 @@ class RunningStats:
         self._values: dict[str, list[float]] = {}
 
     def update(self, scalars: Mapping[str, float]) -> dict[str, float]:
-        out: dict[str, float] = {}
         for tag, value in scalars.items():
-            if tag == "amp_skipped" or tag.startswith("std/"):
-                continue
-            value = float(value)
-            if not math.isfinite(value):
-                continue
-            values = self._values.setdefault(tag, [])
-            values.append(value)
-            del values[: max(0, len(values) - self.window)]
-        for tag, values in self._values.items():
-            if values and tag in scalars:
-                mean = math.fsum(values) / len(values)
-                var = math.fsum((v - mean) ** 2 for v in values) / len(values)
-                out[f"std/{tag}"] = math.sqrt(var)
-        return out
+            if tag != "amp_skipped" and not tag.startswith("std/"):
+                self._append(tag, float(value))
+        return {f"std/{tag}": _population_std(values) for tag, values in self._values.items()
+                if values and tag in scalars}
+
+    def _append(self, tag: str, value: float) -> None:
+        """A finite value joins its tag's window of the last ``window`` values."""
+        if not math.isfinite(value):
+            return
+        values = self._values.setdefault(tag, [])
+        values.append(value)
+        del values[: max(0, len(values) - self.window)]
 
     def state_dict(self) -> dict[str, Any]:
         return {"window": self.window, "values": {k: list(v) for k, v in self._values.items()}}

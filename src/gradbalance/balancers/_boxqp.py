@@ -72,6 +72,30 @@ def _solve_free(q: Tensor, rhs: Tensor, free: Tensor, total: Tensor | None) -> T
     return torch.cholesky_solve((rhs * freef)[..., None], chol)[..., 0] * freef
 
 
+def _multipliers(q: Tensor, y: Tensor, shift: Tensor, free: Tensor, simplex: bool) -> Tensor:
+    """``w = Qy + shift`` (``[B, K]``), less ``ν``, its mean over the free set, with the
+    simplex."""
+    w = y @ q + shift
+    if simplex:
+        freef = free.to(q.dtype)
+        w = w - (w * freef).sum(dim=1, keepdim=True) / freef.sum(dim=1, keepdim=True)
+    return w
+
+
+def _exchange(free: Tensor, bad: Tensor, block: Tensor, order: Tensor, simplex: bool,
+              w: Tensor) -> Tensor:
+    """The next free sets: every index in ``bad`` changes side where ``block``, else only the
+    largest (Murty); with the simplex an empty free set gets the index of the smallest ``w``
+    (``Σy = total > 0`` needs a free index: the most attractive one)."""
+    k = free.shape[1]
+    single = torch.nn.functional.one_hot((bad * order).argmax(dim=1), k).bool()
+    free = free ^ torch.where(block[:, None], bad, single & bad)
+    if simplex:
+        none_free = ~free.any(dim=1, keepdim=True)
+        free = free | (none_free & torch.nn.functional.one_hot(w.argmin(dim=1), k).bool())
+    return free
+
+
 def solve_lcp_pivoting(
     q: Tensor, c: Tensor, lower: Tensor, simplex: bool, free0: Tensor, tol: float,
     max_iter: int,
@@ -106,10 +130,7 @@ def solve_lcp_pivoting(
             y = _solve_free(q, -shift, free, total)
         if y is None:
             return None
-        w = y @ q + shift
-        if simplex:
-            freef = free.to(q.dtype)
-            w = w - (w * freef).sum(dim=1, keepdim=True) / freef.sum(dim=1, keepdim=True)
+        w = _multipliers(q, y, shift, free, simplex)
         bad = torch.where(free, y < -tol, w < -tol)
         count = bad.sum(dim=1)
         finished = (count == 0) & ~done
@@ -120,11 +141,7 @@ def solve_lcp_pivoting(
         better = count < best
         best = torch.where(better, count, best)
         chances = torch.where(better, 3, chances - 1)
-        single = torch.nn.functional.one_hot((bad * order).argmax(dim=1), k).bool()
-        free = free ^ torch.where((chances >= 0)[:, None], bad, single & bad)
-        if simplex:  # Σy = total > 0 needs a free index: free the most attractive one
-            none_free = ~free.any(dim=1, keepdim=True)
-            free = free | (none_free & torch.nn.functional.one_hot(w.argmin(dim=1), k).bool())
+        free = _exchange(free, bad, chances >= 0, order, simplex, w)
     return x, done
 
 

@@ -92,19 +92,23 @@ class _Layer:
 
 def _refusal(module: nn.Module) -> str | None:
     """Why ``module``'s per-sample gradient has no ghost form here (None: it has one)."""
-    if isinstance(module, nn.Linear):
-        return None
-    if isinstance(module, nn.LayerNorm):
+    if isinstance(module, (nn.Linear, nn.LayerNorm)):
         return None
     if isinstance(module, nn.Embedding):
         return "scale_grad_by_freq couples the samples" if module.scale_grad_by_freq else None
     if isinstance(module, (nn.Conv1d, nn.Conv2d)):
-        if module.groups != 1:
-            return "grouped convolution"
-        if module.padding_mode != "zeros" or isinstance(module.padding, str):
-            return f"padding {module.padding!r} with padding_mode {module.padding_mode!r}"
-        return None
+        return _conv_refusal(module)
     return type(module).__name__
+
+
+def _conv_refusal(module: nn.Conv1d | nn.Conv2d) -> str | None:
+    """Why a convolution has no ghost form here: groups, or a padding other than zeros given
+    as numbers (None: it has one)."""
+    if module.groups != 1:
+        return "grouped convolution"
+    if module.padding_mode != "zeros" or isinstance(module.padding, str):
+        return f"padding {module.padding!r} with padding_mode {module.padding_mode!r}"
+    return None
 
 
 class _Inputs:
