@@ -78,7 +78,11 @@ def _task_tags(prefix: str, values: list[float] | None, k: int) -> dict[str, flo
 
 
 def _per_task_tags(values: dict[str, list[float]], k: int) -> dict[str, float]:
-    """``loss``/``size``, ``w``, ``cos`` and per-task ``pre_clip`` tags, in the logged order."""
+    """``loss``/``size``, ``w``, ``cos`` and per-task ``pre_clip`` tags, in the logged order.
+
+    A step reusing ``update_every``'s cached weights computed no task gradients: it logs the
+    losses and the weights, not sizes or cosines.
+    """
     out: dict[str, float] = {}
     for t in range(k):
         out[f"loss/task{t}"] = values["loss"][t]
@@ -110,8 +114,6 @@ def stats_to_dict(
         weights: task weights ``[K]`` to log as ``w/task{k}``; default ``stats.weights``
             (pass a loss weighting's weights here).
     """
-    # A step reusing update_every's cached weights computed no task gradients: it logs the
-    # losses and the weights, not sizes or cosines.
     values = _host_lists(_tensors_to_log(stats, pre_clip, _weights_of(stats, weights)))
     out = _per_task_tags(values, stats.num_tasks)
     if pre_clip is not None:

@@ -318,6 +318,7 @@ class _Bracket:
         return self.stale >= 2
 
     def inside(self, rho: float) -> bool:
+        """Whether ``ρ`` lies strictly inside the bracket."""
         return self.lo < rho < self.hi
 
     def fallback(self, rho: float, floor: float, bisect: bool) -> float:
