@@ -27,19 +27,30 @@ from torch import Tensor
 # -- numbers ------------------------------------------------------------------------------
 
 
+def _in_range(value: float, low: float | None, high: float | None, low_open: bool,
+              high_open: bool) -> bool:
+    """``value`` within ``[low, high]`` (open ends on request; None: unbounded)."""
+    if low is not None and not (value > low if low_open else value >= low):
+        return False
+    return high is None or (value < high if high_open else value <= high)
+
+
+def _range_text(name: str, low: float | None, high: float | None, low_open: bool,
+                high_open: bool) -> str:
+    """The expected range as written in a message, e.g. ``0.0 <= beta < 1.0``."""
+    left = "" if low is None else f"{low} {'<' if low_open else '<='} "
+    right = "" if high is None else f" {'<' if high_open else '<='} {high}"
+    return f"{left}{name}{right}"
+
+
 def check_range(name: str, value: float, low: float | None, high: float | None,
                 low_open: bool = False, high_open: bool = False) -> float:
     """A float in ``[low, high]`` (open ends on request; None: unbounded)."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     ok = ok and value == value  # not NaN
-    if ok and low is not None:
-        ok = value > low if low_open else value >= low
-    if ok and high is not None:
-        ok = value < high if high_open else value <= high
-    if not ok:
-        left = "" if low is None else f"{low} {'<' if low_open else '<='} "
-        right = "" if high is None else f" {'<' if high_open else '<='} {high}"
-        raise ValueError(f"Invalid {name}: {value!r} (expected {left}{name}{right})")
+    if not (ok and _in_range(value, low, high, low_open, high_open)):
+        raise ValueError(f"Invalid {name}: {value!r} (expected "
+                         f"{_range_text(name, low, high, low_open, high_open)})")
     return float(value)
 
 
@@ -130,6 +141,23 @@ def short_repr(value: object, limit: int = 60) -> str:
 # -- per-task vectors ---------------------------------------------------------------------
 
 
+def _all_within(vec: Tensor, low: float | None, high: float | None) -> bool:
+    """Every entry finite and within ``[low, high]`` (None: unbounded)."""
+    ok = bool(torch.isfinite(vec).all())
+    if ok and low is not None:
+        ok = bool((vec >= low).all())
+    if ok and high is not None:
+        ok = bool((vec <= high).all())
+    return ok
+
+
+def _bounds_text(name: str, low: float | None, high: float | None) -> str:
+    """The expected values as written in a message: ``low <= name <= high`` or finite."""
+    left = "" if low is None else f"{low} <= "
+    right = "" if high is None else f" <= {high}"
+    return f"{left}{name}{right}" if left or right else "finite numbers"
+
+
 def as_task_vector(name: str, value: Sequence[float] | Tensor, num_tasks: int | None = None,
                    low: float | None = None, high: float | None = None) -> Tensor:
     """One finite number per task ``[K]`` (float64 copy), optionally within ``[low, high]``.
@@ -142,16 +170,10 @@ def as_task_vector(name: str, value: Sequence[float] | Tensor, num_tasks: int | 
         raise ValueError(
             f"Invalid {name}: shape {tuple(vec.shape)} (expected a 1-D list of K numbers)"
         )
-    ok = bool(torch.isfinite(vec).all())
-    if ok and low is not None:
-        ok = bool((vec >= low).all())
-    if ok and high is not None:
-        ok = bool((vec <= high).all())
-    if not ok:
-        left = "" if low is None else f"{low} <= "
-        right = "" if high is None else f" <= {high}"
-        bounds = f"{left}{name}{right}" if left or right else "finite numbers"
-        raise ValueError(f"Invalid {name}: {vec.tolist()} (expected {bounds})")
+    if not _all_within(vec, low, high):
+        raise ValueError(
+            f"Invalid {name}: {vec.tolist()} (expected {_bounds_text(name, low, high)})"
+        )
     if num_tasks is not None and vec.numel() != num_tasks:
         raise ValueError(
             f"Invalid {name}: {vec.numel()} values but num_tasks={num_tasks} (expected one "
@@ -188,6 +210,31 @@ def check_pref(name: str, value: Tensor | None, num_tasks: int, default: float) 
 # -- losses, parameters, task gradients ---------------------------------------------------
 
 
+def _loss_tensor(name: str, value: Tensor) -> Tensor:
+    """A 1-D tensor of task losses, as given."""
+    if value.dim() != 1 or value.numel() == 0:
+        raise ValueError(
+            f"{name} must be a 1-D tensor of K task losses, got shape "
+            f"{tuple(value.shape)}; reduce each task loss to a scalar (e.g. the batch mean) "
+            f"and pass torch.stack([loss_1, ..., loss_K])"
+        )
+    return value
+
+
+def _stacked_losses(name: str, value: Sequence[Tensor]) -> Tensor:
+    """A list/tuple of scalar tensors stacked into ``[K]``."""
+    if len(value) == 0:
+        raise ValueError(f"{name} is empty; pass one scalar loss per task")
+    for k, loss in enumerate(value):
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            found = type(loss).__name__ if not isinstance(loss, Tensor) else tuple(loss.shape)
+            raise ValueError(
+                f"{name}[{k}] must be a scalar tensor, got {found}; reduce each task "
+                f"loss to a scalar (e.g. reduction='mean')"
+            )
+    return torch.stack([loss.reshape(()) for loss in value])
+
+
 def as_loss_vector(name: str, value: Tensor | Sequence[Tensor],
                    num_tasks: int | None = None) -> Tensor:
     """The task losses as a 1-D tensor ``[K]`` that keeps the autograd graph.
@@ -195,24 +242,9 @@ def as_loss_vector(name: str, value: Tensor | Sequence[Tensor],
     Accepts a 1-D tensor or a list/tuple of scalar tensors (batch means).
     """
     if isinstance(value, Tensor):
-        if value.dim() != 1 or value.numel() == 0:
-            raise ValueError(
-                f"{name} must be a 1-D tensor of K task losses, got shape "
-                f"{tuple(value.shape)}; reduce each task loss to a scalar (e.g. the batch mean) "
-                f"and pass torch.stack([loss_1, ..., loss_K])"
-            )
-        vector = value
+        vector = _loss_tensor(name, value)
     elif isinstance(value, (list, tuple)):
-        if len(value) == 0:
-            raise ValueError(f"{name} is empty; pass one scalar loss per task")
-        for k, loss in enumerate(value):
-            if not isinstance(loss, Tensor) or loss.numel() != 1:
-                found = type(loss).__name__ if not isinstance(loss, Tensor) else tuple(loss.shape)
-                raise ValueError(
-                    f"{name}[{k}] must be a scalar tensor, got {found}; reduce each task "
-                    f"loss to a scalar (e.g. reduction='mean')"
-                )
-        vector = torch.stack([loss.reshape(()) for loss in value])
+        vector = _stacked_losses(name, value)
     else:
         raise ValueError(
             f"{name} must be a 1-D tensor or a list of scalar tensors, got "

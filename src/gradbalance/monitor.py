@@ -33,10 +33,68 @@ from .stats import StepStats
 __all__ = ["CSVLogger", "RunningStats", "log_stats", "stats_to_dict", "summary_writer"]
 
 
-def _scalar(value: Any) -> float:
-    if isinstance(value, Tensor):
-        return float(value.detach().reshape(()).item())
-    return float(value)
+def _weights_of(stats: StepStats, weights: Tensor | None) -> Tensor | None:
+    """The weights to log ``[K]`` (``weights``, else ``stats.weights``), still on their device."""
+    w = stats.weights if weights is None else weights
+    if w is None:
+        return None
+    w = torch.as_tensor(w).detach().reshape(-1)
+    if w.numel() != stats.num_tasks:
+        raise ValueError(
+            f"weights has {w.numel()} entries but the step has {stats.num_tasks} tasks; pass "
+            f"one weight per task"
+        )
+    return w
+
+
+def _host_lists(parts: dict[str, Tensor]) -> dict[str, list[float]]:
+    """Every tensor's entries as Python floats (through float64): the tensors of one device
+    are concatenated and read together, so a step on one accelerator makes one device→host
+    transfer."""
+    by_device: dict[torch.device, list[str]] = {}
+    for name, tensor in parts.items():
+        by_device.setdefault(tensor.device, []).append(name)
+    out: dict[str, list[float]] = {}
+    for names in by_device.values():
+        flat = torch.cat([parts[n].detach().double().reshape(-1) for n in names]).tolist()
+        at = 0
+        for n in names:
+            out[n], at = flat[at : at + parts[n].numel()], at + parts[n].numel()
+    return out
+
+
+def _tensors_to_log(stats: StepStats, pre_clip: float | Tensor | None,
+                    weights: Tensor | None) -> dict[str, Tensor]:
+    """The tensors behind the logged tags, by tag prefix (None fields left out)."""
+    parts = {"loss": stats.losses, "size": stats.task_norms, "w": weights,
+             "cos": stats.cosine, "pre_clip_tasks": stats.pre_clip_norms,
+             "pre_clip": pre_clip.detach().reshape(()) if isinstance(pre_clip, Tensor) else None}
+    return {name: tensor for name, tensor in parts.items() if tensor is not None}
+
+
+def _task_tags(prefix: str, values: list[float] | None, k: int) -> dict[str, float]:
+    """``{prefix/task{t}: value}`` for the ``K`` tasks (none without values)."""
+    return {} if values is None else {f"{prefix}/task{t}": values[t] for t in range(k)}
+
+
+def _per_task_tags(values: dict[str, list[float]], k: int) -> dict[str, float]:
+    """``loss``/``size``, ``w``, ``cos`` and per-task ``pre_clip`` tags, in the logged order.
+
+    A step reusing ``update_every``'s cached weights computed no task gradients: it logs the
+    losses and the weights, not sizes or cosines.
+    """
+    out: dict[str, float] = {}
+    for t in range(k):
+        out[f"loss/task{t}"] = values["loss"][t]
+        if "size" in values:
+            out[f"size/task{t}"] = values["size"][t]
+    out.update(_task_tags("w", values.get("w"), k))
+    cos = values.get("cos")
+    if cos is not None:
+        out.update({f"cos/task{i}_task{j}": cos[i * k + j]
+                    for i in range(k) for j in range(i + 1, k)})
+    out.update(_task_tags("pre_clip", values.get("pre_clip_tasks"), k))
+    return out
 
 
 def stats_to_dict(
@@ -45,7 +103,8 @@ def stats_to_dict(
     amp_skipped: bool | None = None,
     weights: Tensor | None = None,
 ) -> dict[str, float]:
-    """The logged scalars of one step as ``{tag: float}`` (one host sync).
+    """The logged scalars of one step as ``{tag: float}`` (one host sync: the tensors of a
+    device are read in one transfer).
 
     Args:
         stats: what ``TaskGradBuffer.apply_`` / ``balanced_backward`` returned.
@@ -55,39 +114,12 @@ def stats_to_dict(
         weights: task weights ``[K]`` to log as ``w/task{k}``; default ``stats.weights``
             (pass a loss weighting's weights here).
     """
-    k = stats.num_tasks
-    losses = stats.losses.detach().double().cpu()
-    # A step reusing update_every's cached weights computed no task gradients: it logs the
-    # losses and the weights, not sizes or cosines.
-    sizes = None if stats.task_norms is None else stats.task_norms.detach().double().cpu()
-    out: dict[str, float] = {}
-    for t in range(k):
-        out[f"loss/task{t}"] = float(losses[t])
-        if sizes is not None:
-            out[f"size/task{t}"] = float(sizes[t])
-    w = stats.weights if weights is None else weights
-    if w is not None:
-        w = torch.as_tensor(w).detach().double().cpu().reshape(-1)
-        if w.numel() != k:
-            raise ValueError(
-                f"weights has {w.numel()} entries but the step has {k} tasks; pass one weight "
-                f"per task"
-            )
-        for t in range(k):
-            out[f"w/task{t}"] = float(w[t])
-    if stats.cosine is not None:
-        cosine = stats.cosine.detach().double().cpu()
-        for i in range(k):
-            for j in range(i + 1, k):
-                out[f"cos/task{i}_task{j}"] = float(cosine[i, j])
-    if stats.pre_clip_norms is not None:
-        per_task = stats.pre_clip_norms.detach().double().cpu()
-        for t in range(k):
-            out[f"pre_clip/task{t}"] = float(per_task[t])
+    values = _host_lists(_tensors_to_log(stats, pre_clip, _weights_of(stats, weights)))
+    out = _per_task_tags(values, stats.num_tasks)
     if pre_clip is not None:
-        out["pre_clip"] = _scalar(pre_clip)
+        out["pre_clip"] = values["pre_clip"][0] if "pre_clip" in values else float(pre_clip)
     if amp_skipped is None:
-        amp_skipped = stats.found_inf if stats.loss_scale is not None else False
+        amp_skipped = stats.found_inf if stats.loss_scale_tensor is not None else False
     out["amp_skipped"] = 1.0 if amp_skipped else 0.0
     if stats.route is not None:  # mode="auto": 1 on a gramian-route step, 0 on a matrix one
         out["route/gramian"] = 1.0 if stats.route == "gramian" else 0.0
@@ -130,6 +162,12 @@ def log_stats(
     return scalars
 
 
+def _population_std(values: list[float]) -> float:
+    """The population standard deviation of ``values`` (exactly rounded sums)."""
+    mean = math.fsum(values) / len(values)
+    return math.sqrt(math.fsum((v - mean) ** 2 for v in values) / len(values))
+
+
 class RunningStats:
     """Sliding-window standard deviation of every logged scalar: ``std/<tag>``.
 
@@ -147,22 +185,19 @@ class RunningStats:
         self._values: dict[str, list[float]] = {}
 
     def update(self, scalars: Mapping[str, float]) -> dict[str, float]:
-        out: dict[str, float] = {}
         for tag, value in scalars.items():
-            if tag == "amp_skipped" or tag.startswith("std/"):
-                continue
-            value = float(value)
-            if not math.isfinite(value):
-                continue
-            values = self._values.setdefault(tag, [])
-            values.append(value)
-            del values[: max(0, len(values) - self.window)]
-        for tag, values in self._values.items():
-            if values and tag in scalars:
-                mean = math.fsum(values) / len(values)
-                var = math.fsum((v - mean) ** 2 for v in values) / len(values)
-                out[f"std/{tag}"] = math.sqrt(var)
-        return out
+            if tag != "amp_skipped" and not tag.startswith("std/"):
+                self._append(tag, float(value))
+        return {f"std/{tag}": _population_std(values) for tag, values in self._values.items()
+                if values and tag in scalars}
+
+    def _append(self, tag: str, value: float) -> None:
+        """A finite value joins its tag's window of the last ``window`` values."""
+        if not math.isfinite(value):
+            return
+        values = self._values.setdefault(tag, [])
+        values.append(value)
+        del values[: max(0, len(values) - self.window)]
 
     def state_dict(self) -> dict[str, Any]:
         return {"window": self.window, "values": {k: list(v) for k, v in self._values.items()}}

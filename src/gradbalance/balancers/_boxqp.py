@@ -72,6 +72,30 @@ def _solve_free(q: Tensor, rhs: Tensor, free: Tensor, total: Tensor | None) -> T
     return torch.cholesky_solve((rhs * freef)[..., None], chol)[..., 0] * freef
 
 
+def _multipliers(q: Tensor, y: Tensor, shift: Tensor, free: Tensor, simplex: bool) -> Tensor:
+    """``w = Qy + shift`` (``[B, K]``), less ``ν``, its mean over the free set, with the
+    simplex."""
+    w = y @ q + shift
+    if simplex:
+        freef = free.to(q.dtype)
+        w = w - (w * freef).sum(dim=1, keepdim=True) / freef.sum(dim=1, keepdim=True)
+    return w
+
+
+def _exchange(free: Tensor, bad: Tensor, block: Tensor, order: Tensor, simplex: bool,
+              w: Tensor) -> Tensor:
+    """The next free sets: every index in ``bad`` changes side where ``block``, else only the
+    largest (Murty); with the simplex an empty free set gets the index of the smallest ``w``
+    (``Σy = total > 0`` needs a free index: the most attractive one)."""
+    k = free.shape[1]
+    single = torch.nn.functional.one_hot((bad * order).argmax(dim=1), k).bool()
+    free = free ^ torch.where(block[:, None], bad, single & bad)
+    if simplex:
+        none_free = ~free.any(dim=1, keepdim=True)
+        free = free | (none_free & torch.nn.functional.one_hot(w.argmin(dim=1), k).bool())
+    return free
+
+
 def solve_lcp_pivoting(
     q: Tensor, c: Tensor, lower: Tensor, simplex: bool, free0: Tensor, tol: float,
     max_iter: int,
@@ -106,10 +130,7 @@ def solve_lcp_pivoting(
             y = _solve_free(q, -shift, free, total)
         if y is None:
             return None
-        w = y @ q + shift
-        if simplex:
-            freef = free.to(q.dtype)
-            w = w - (w * freef).sum(dim=1, keepdim=True) / freef.sum(dim=1, keepdim=True)
+        w = _multipliers(q, y, shift, free, simplex)
         bad = torch.where(free, y < -tol, w < -tol)
         count = bad.sum(dim=1)
         finished = (count == 0) & ~done
@@ -120,12 +141,51 @@ def solve_lcp_pivoting(
         better = count < best
         best = torch.where(better, count, best)
         chances = torch.where(better, 3, chances - 1)
-        single = torch.nn.functional.one_hot((bad * order).argmax(dim=1), k).bool()
-        free = free ^ torch.where((chances >= 0)[:, None], bad, single & bad)
-        if simplex:  # Σy = total > 0 needs a free index: free the most attractive one
-            none_free = ~free.any(dim=1, keepdim=True)
-            free = free | (none_free & torch.nn.functional.one_hot(w.argmin(dim=1), k).bool())
+        free = _exchange(free, bad, chances >= 0, order, simplex, w)
     return x, done
+
+
+def _solve_free_single(q: Tensor, shift: Tensor, idx: list[int], simplex: bool,
+                       total: float) -> Tensor | None:
+    """``y`` ``[K]`` with ``Q_FF y_F = −shift_F`` (``+ ν1`` and ``1ᵀy_F = total`` with the
+    simplex) on the free indices ``idx``, zero elsewhere; None if the Cholesky fails."""
+    y = torch.zeros(shift.shape[0], dtype=q.dtype)
+    if not idx:
+        return y
+    sel = torch.tensor(idx)
+    chol, info = torch.linalg.cholesky_ex(q[sel][:, sel])
+    if int(info) != 0:
+        return None
+    rhs = -shift[sel]
+    if simplex:
+        sol = torch.cholesky_solve(torch.stack([rhs, torch.ones_like(rhs)], 1), chol)
+        nu = (total - sol[:, 0].sum()) / sol[:, 1].sum()
+        y[sel] = sol[:, 0] + nu * sol[:, 1]
+    else:
+        y[sel] = torch.cholesky_solve(rhs[:, None], chol)[:, 0]
+    return y
+
+
+def _infeasible_single(q: Tensor, shift: Tensor, y: Tensor, free: list[bool], idx: list[int],
+                       simplex: bool, tol: float) -> tuple[list[int], list[float]]:
+    """The indices with ``y_F < −tol`` or ``w_A < −tol`` (``w = Qy + shift − ν1``), and ``w``."""
+    w = q @ y + shift
+    y_l, w_l = torch.stack([y, w]).tolist()
+    if simplex:
+        nu_v = sum(w_l[i] for i in idx) / len(idx)
+        w_l = [v - nu_v for v in w_l]
+    bad = [i for i, f in enumerate(free) if (y_l[i] < -tol if f else w_l[i] < -tol)]
+    return bad, w_l
+
+
+def _exchange_single(free: list[bool], bad: list[int], block: bool, simplex: bool,
+                     w_l: list[float]) -> None:
+    """Every index in ``bad`` changes side (``block``), else only the largest (Murty); with
+    the simplex an empty free set gets the index of the smallest ``w`` (``Σy = total > 0``)."""
+    for i in bad if block else bad[-1:]:
+        free[i] = not free[i]
+    if simplex and not any(free):
+        free[min(range(len(free)), key=w_l.__getitem__)] = True
 
 
 def _pivot_single(
@@ -145,35 +205,14 @@ def _pivot_single(
     best, chances = k + 1, 3
     for _ in range(max_iter):
         idx = [i for i in range(k) if free[i]]
-        y = torch.zeros(k, dtype=q.dtype)
-        if idx:
-            sel = torch.tensor(idx)
-            chol, info = torch.linalg.cholesky_ex(q[sel][:, sel])
-            if int(info) != 0:
-                return None
-            rhs = -shift[sel]
-            if simplex:
-                sol = torch.cholesky_solve(torch.stack([rhs, torch.ones_like(rhs)], 1), chol)
-                nu = (total - sol[:, 0].sum()) / sol[:, 1].sum()
-                y[sel] = sol[:, 0] + nu * sol[:, 1]
-            else:
-                y[sel] = torch.cholesky_solve(rhs[:, None], chol)[:, 0]
-        w = q @ y + shift
-        y_l, w_l = torch.stack([y, w]).tolist()
-        if simplex:
-            nu_v = sum(w_l[i] for i in idx) / len(idx)
-            w_l = [v - nu_v for v in w_l]
-        bad = [i for i in range(k) if (y_l[i] < -tol if free[i] else w_l[i] < -tol)]
+        y = _solve_free_single(q, shift, idx, simplex, total)
+        if y is None:
+            return None
+        bad, w_l = _infeasible_single(q, shift, y, free, idx, simplex, tol)
         if not bad:
             return lower + y.clamp_min(0.0)
-        if len(bad) < best:
-            best, chances = len(bad), 3
-        else:
-            chances -= 1
-        for i in bad if chances >= 0 else bad[-1:]:
-            free[i] = not free[i]
-        if simplex and not any(free):  # Σy = total > 0 needs a free index
-            free[min(range(k), key=w_l.__getitem__)] = True
+        best, chances = (len(bad), 3) if len(bad) < best else (best, chances - 1)
+        _exchange_single(free, bad, chances >= 0, simplex, w_l)
     return None
 
 
@@ -198,6 +237,11 @@ class _Work:
         self.basis: tuple[tuple[int, ...], Tensor] | None = None
 
 
+def _indices(passive: list[bool]) -> list[int]:
+    """The indices of the passive set."""
+    return [j for j, p in enumerate(passive) if p]
+
+
 def _passive_ls(a: Tensor, b: Tensor, idx: list[int], norms: list[float],
                 work: _Work) -> Tensor | None:
     """``argmin_z ‖A_P z − b‖`` by QR; None if a column of ``A_P`` depends on those before it.
@@ -219,13 +263,18 @@ def _passive_ls(a: Tensor, b: Tensor, idx: list[int], norms: list[float],
     return z
 
 
+def _nonzero_guess(passive0: list[bool], norms: list[float]) -> list[bool]:
+    """The guessed passive set less its zero columns."""
+    return [bool(p) and norms[j] > 0.0 for j, p in enumerate(passive0)]
+
+
 def _warm_start(a: Tensor, b: Tensor, passive: list[bool], norms: list[float],
                 work: _Work) -> Tensor:
     """A feasible start from a guessed passive set: drop the indices of a non-positive
     least-squares solution until none is left (each solve drops one or more)."""
     x = torch.zeros(a.shape[1], dtype=a.dtype)
     while any(passive):
-        idx = [j for j, p in enumerate(passive) if p]
+        idx = _indices(passive)
         z = _passive_ls(a, b, idx, norms, work)
         if z is None:
             passive[idx[-1]] = False  # a dependent guess: drop its last column and retry
@@ -239,31 +288,40 @@ def _warm_start(a: Tensor, b: Tensor, passive: list[bool], norms: list[float],
     return x
 
 
+def _step_to_boundary(x: Tensor, passive: list[bool], idx: list[int], z: Tensor,
+                      x_l: list[float], z_l: list[float]) -> Tensor:
+    """Lawson–Hanson steps 8–11: the largest step from ``x`` towards ``z`` (on ``idx``) that
+    keeps it feasible; the blocking index and every other that reaches zero leave the
+    passive set."""
+    ratios = [(xv / (xv - zv), j) for j, xv, zv in zip(idx, x_l, z_l, strict=True)
+              if zv <= 0.0]
+    alpha, block = min(ratios)
+    x = x.clone()
+    x[idx] = x[idx] + alpha * (z - x[idx])
+    passive[block] = False
+    x[block] = 0.0
+    for j in idx:
+        if passive[j] and float(x[j]) <= 0.0:
+            passive[j] = False
+            x[j] = 0.0
+    return x
+
+
 def _inner_loop(a: Tensor, b: Tensor, x: Tensor, passive: list[bool], z: Tensor,
                 norms: list[float], work: _Work) -> Tensor:
     """Lawson–Hanson steps 7–11: move towards the least-squares solution ``z`` on the
     passive set until it is positive, dropping each index that reaches zero."""
     while True:
-        idx = [j for j, p in enumerate(passive) if p]
+        idx = _indices(passive)
         z_l, x_l = z.tolist(), x[idx].tolist()
         if min(z_l) > 0.0:
             out = torch.zeros_like(x)
             out[idx] = z
             return out
-        ratios = [(xv / (xv - zv), j) for j, xv, zv in zip(idx, x_l, z_l, strict=True)
-                  if zv <= 0.0]
-        alpha, block = min(ratios)
-        x = x.clone()
-        x[idx] = x[idx] + alpha * (z - x[idx])
-        passive[block] = False
-        x[block] = 0.0
-        for j in idx:
-            if passive[j] and float(x[j]) <= 0.0:
-                passive[j] = False
-                x[j] = 0.0
+        x = _step_to_boundary(x, passive, idx, z, x_l, z_l)
         if not any(passive):
             return torch.zeros_like(x)
-        idx = [j for j, p in enumerate(passive) if p]
+        idx = _indices(passive)
         sol = _passive_ls(a, b, idx, norms, work)
         if sol is None:  # cannot happen for a subset of an independent set: stop here
             return x
@@ -282,6 +340,45 @@ def _off_span(a: Tensor, idx: list[int], work: _Work) -> Tensor:
         basis = torch.linalg.qr(a[:, idx]).Q
     off: Tensor = _norm(a - basis @ (basis.T @ a), dim=0)
     return off
+
+
+@dataclass
+class _Scales:
+    """The fixed scales of one :func:`_lawson_hanson` call: the column norms ``‖Aⱼ‖``,
+    ``‖A‖_F`` and ``‖b‖``."""
+
+    norms: list[float]
+    fro: float
+    bnorm: float
+
+
+def _candidates(a: Tensor, b: Tensor, x: Tensor, passive: list[bool], scales: _Scales,
+                tol: float, work: _Work) -> list[tuple[float, int]]:
+    """``(gⱼ, j)`` of every index that may enter the passive set (see :func:`_lawson_hanson`):
+    outside it, independent of it, and with ``wⱼ`` above both ``tol ‖eⱼ‖‖r‖`` and rounding."""
+    r = b - a @ x
+    rnorm = float(_norm(r))
+    w_l = (a.T @ r).tolist()
+    off = _off_span(a, _indices(passive), work).tolist()
+    noise = 8 * _EPS * (scales.bnorm + scales.fro * float(_norm(x)))
+    norms = scales.norms
+    return [(w_l[j] / off[j], j) for j in range(len(passive))
+            if not passive[j] and off[j] > INDEPENDENCE_RTOL * norms[j]
+            and w_l[j] > max(tol * rnorm * off[j], noise * norms[j])]
+
+
+def _add(a: Tensor, b: Tensor, x: Tensor, passive: list[bool], t: int, norms: list[float],
+         work: _Work) -> Tensor | None:
+    """Index ``t`` enters the passive set and ``x`` moves to the new solve (Lawson–Hanson
+    steps 5–11); None, with ``t`` left out, if the solve gives it no positive value."""
+    cols = [*_indices(passive), t]
+    passive[t] = True
+    z = _passive_ls(a, b, cols, norms, work)
+    if z is None or float(z[-1]) <= 0.0:
+        passive[t] = False
+        return None
+    order = sorted(range(len(cols)), key=cols.__getitem__)
+    return _inner_loop(a, b, x, passive, z[order], norms, work)
 
 
 def _lawson_hanson(a: Tensor, b: Tensor, passive0: list[bool] | None, tol: float,
@@ -303,35 +400,23 @@ def _lawson_hanson(a: Tensor, b: Tensor, passive0: list[bool] | None, tol: float
     """
     n = a.shape[1]
     norms = _norm(a, dim=0).tolist()
-    fro, bnorm = float(_norm(a)), float(_norm(b))
-    passive = [bool(p) and norms[j] > 0.0 for j, p in enumerate(passive0 or [False] * n)]
+    scales = _Scales(norms, float(_norm(a)), float(_norm(b)))
+    passive = [False] * n if passive0 is None else _nonzero_guess(passive0, norms)
     x = _warm_start(a, b, passive, norms, work)
     seen: set[tuple[bool, ...]] = set()
     aside: set[int] = set()
     while work.additions < max_additions:
-        r = b - a @ x
-        rnorm = float(_norm(r))
-        w_l = (a.T @ r).tolist()
-        idx = [j for j, p in enumerate(passive) if p]
-        off = _off_span(a, idx, work).tolist()
-        noise = 8 * _EPS * (bnorm + fro * float(_norm(x)))
-        cands = [(w_l[j] / off[j], j) for j in range(n)
-                 if not passive[j] and off[j] > INDEPENDENCE_RTOL * norms[j]
-                 and w_l[j] > max(tol * rnorm * off[j], noise * norms[j])]
+        cands = _candidates(a, b, x, passive, scales, tol, work)
         open_ = [c for c in cands if c[1] not in aside]
         if not open_:
             return x, not cands
         work.additions += 1
         t = max(open_)[1]
-        passive[t] = True
-        cols = [*idx, t]
-        z = _passive_ls(a, b, cols, norms, work)
-        if z is None or float(z[-1]) <= 0.0:
-            passive[t] = False
+        moved = _add(a, b, x, passive, t, norms, work)
+        if moved is None:
             aside.add(t)
             continue
-        order = sorted(range(len(cols)), key=cols.__getitem__)
-        x = _inner_loop(a, b, x, passive, z[order], norms, work)
+        x = moved
         aside.clear()
         key = tuple(passive)
         if key in seen:
@@ -498,6 +583,52 @@ def ldp(rows: Tensor, h: Tensor, tol: float = 1e-12) -> Tensor | None:
     return min((mu, polished), key=lambda m: _ldp_violation(rows, h, m))
 
 
+def _start_points(lower: Tensor, simplex: bool, x0: Tensor | None) -> Tensor:
+    """``[B, K]`` feasible starts: ``x0``, else ``lower`` (the box) or ``max(1/K, lower)``."""
+    if x0 is not None:
+        return x0.to(torch.float64).clone()
+    if not simplex:
+        return lower.clone()
+    b, k = lower.shape
+    return torch.maximum(torch.full((b, k), 1.0 / k, dtype=torch.float64), lower)
+
+
+def _pivot_all(q: Tensor, c: Tensor, lower: Tensor, simplex: bool, x: Tensor,
+               tol: float) -> Tensor | tuple[Tensor, Tensor] | None:
+    """The pivoting path from ``x``: the solutions when it solves every problem, else
+    ``(out, done)`` (valid where done); None if a factorisation fails or the single problem
+    stays open."""
+    b, k = c.shape
+    budget = 10 + 3 * k
+    if b == 1:
+        single = _pivot_single(q, c[0], lower[0], simplex, (x[0] > lower[0]).tolist(), tol,
+                               budget)
+        return None if single is None else single[None]
+    pivot = solve_lcp_pivoting(q, c, lower, simplex, x > lower, tol, budget)
+    return pivot[0] if pivot is not None and bool(pivot[1].all()) else pivot
+
+
+def _start_of(given: Tensor | None, previous: Tensor | None, lower: Tensor) -> Tensor | None:
+    """A problem's start: the given one, else the previous problem's support (UPGrad's
+    projections share most of their active set)."""
+    if given is not None:
+        return given
+    if previous is not None:
+        return torch.where(previous > lower, previous, lower)
+    return None
+
+
+def _solve_factored(q: Tensor, c: Tensor, lower: Tensor, simplex: bool, x: Tensor | None,
+                    out: Tensor, done: Tensor, tol: float) -> Tensor:
+    """``out`` with every open problem solved on a factor of ``q`` (from ``x`` if given)."""
+    factor = psd_factor(q)
+    previous: Tensor | None = None
+    for i in torch.nonzero(~done).flatten().tolist():
+        start = _start_of(None if x is None else x[i], previous, lower[i])
+        out[i] = previous = factored_box_qp(factor, c[i], lower[i], simplex, start, tol)
+    return out
+
+
 def solve_box_qp_batched(
     q: Tensor,
     c: Tensor,
@@ -515,44 +646,12 @@ def solve_box_qp_batched(
     problems it leaves open, and all of them otherwise, are solved on a factor of ``q``
     (:func:`factored_box_qp`).
     """
-    dtype = torch.float64
-    b, k = c.shape
-    q = q.to(dtype)
-    c = c.to(dtype)
-    lower = lower.to(dtype)
+    q, c, lower = q.to(torch.float64), c.to(torch.float64), lower.to(torch.float64)
     if well_conditioned is None:
         well_conditioned = is_well_conditioned(q)
-    if x0 is None:
-        x = torch.full((b, k), 1.0 / k, dtype=dtype) if simplex else lower.clone()
-        if simplex:
-            x = torch.maximum(x, lower)
-    else:
-        x = x0.to(dtype).clone()
-    out = x.clone()
-    done = torch.zeros(b, dtype=torch.bool)
-    if well_conditioned:
-        budget = 10 + 3 * k
-        if b == 1:
-            single = _pivot_single(q, c[0], lower[0], simplex, (x[0] > lower[0]).tolist(), tol,
-                                   budget)
-            if single is not None:
-                return single[None]
-        else:
-            pivot = solve_lcp_pivoting(q, c, lower, simplex, x > lower, tol, budget)
-            if pivot is not None:
-                out, done = pivot
-                if bool(done.all()):
-                    return out
-    factor = psd_factor(q)
-    previous: Tensor | None = None
-    for i in torch.nonzero(~done).flatten().tolist():
-        # A problem's start: the given one, else the previous problem's support (UPGrad's
-        # projections share most of their active set).
-        if x0 is not None:
-            start: Tensor | None = x[i]
-        elif previous is not None:
-            start = torch.where(previous > lower[i], previous, lower[i])
-        else:
-            start = None
-        out[i] = previous = factored_box_qp(factor, c[i], lower[i], simplex, start, tol)
-    return out
+    x = _start_points(lower, simplex, x0)
+    pivot = _pivot_all(q, c, lower, simplex, x, tol) if well_conditioned else None
+    if isinstance(pivot, Tensor):
+        return pivot
+    out, done = pivot or (x.clone(), torch.zeros(c.shape[0], dtype=torch.bool))
+    return _solve_factored(q, c, lower, simplex, None if x0 is None else x, out, done, tol)

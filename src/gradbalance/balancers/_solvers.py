@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -291,6 +292,84 @@ def cagrad_dual(gram: Tensor, c: float, tol: float = 1e-12, max_iter: int = 200)
     return _cagrad_root(gram, lin, r, hi, f, tol, max_iter)
 
 
+@dataclass
+class _Bracket:
+    """The state of :func:`_cagrad_root`'s search: ``f`` at the bracket ends ``lo < hi``
+    (``lo = 0``: no lower end yet), the side of the last step (Illinois), and ``log(hi/lo)``
+    when it last halved with the steps since."""
+
+    lo: float
+    f_lo: float
+    hi: float
+    f_hi: float
+    side: int = 0
+    mark: float = math.inf
+    stale: int = 0
+
+    def bisect_due(self) -> bool:
+        """Whether ``log(hi/lo)`` has not halved over the two steps before."""
+        if not self.lo > 0.0:
+            return False
+        span = math.log(self.hi / self.lo)
+        if span <= 0.5 * self.mark:
+            self.mark, self.stale = span, 0
+        else:
+            self.stale += 1
+        return self.stale >= 2
+
+    def inside(self, rho: float) -> bool:
+        """Whether ``ρ`` lies strictly inside the bracket."""
+        return self.lo < rho < self.hi
+
+    def fallback(self, rho: float, floor: float, bisect: bool) -> float:
+        """The next ``ρ`` without a support root: a fast descent to a lower end, else a
+        bisection in ``log ρ`` or an Illinois regula falsi step."""
+        lo, hi = self.lo, self.hi
+        if lo == 0.0:
+            # No lower bracket yet: descend fast, but keep each QP well scaled (f(ρ) needs
+            # ‖g_w‖² to a precision of ρ²).
+            return max(0.01 * rho, floor)
+        if bisect or hi > 4.0 * lo:
+            middle: float = (lo * hi) ** 0.5  # bisection in log ρ
+            return middle
+        nxt = (lo * self.f_hi - hi * self.f_lo) / (self.f_hi - self.f_lo)
+        return nxt if lo < nxt < hi else 0.5 * (lo + hi)
+
+    def converged(self, f_mid: float, tol: float) -> bool:
+        """``f`` flags a zero-norm combination (NaN), is within ``tol`` of 0, or the bracket
+        is within ``tol`` relative."""
+        lo, hi = self.lo, self.hi
+        return f_mid != f_mid or abs(f_mid) <= tol or (lo > 0.0 and (hi - lo) <= tol * hi)
+
+    def narrow(self, rho: float, f_mid: float) -> None:
+        """``ρ`` replaces the end of its sign; the other end's ``f`` halves (Illinois) when
+        the same end moved twice in a row."""
+        if f_mid < 0.0:
+            self.lo, self.f_lo = rho, f_mid
+            if self.side == -1:
+                self.f_hi *= 0.5
+            self.side = -1
+        else:
+            self.hi, self.f_hi = rho, f_mid
+            if self.side == 1 and self.lo > 0.0:
+                self.f_lo *= 0.5
+            self.side = 1
+
+
+def _next_rho(gram: Tensor, lin: Tensor, r: float, bracket: _Bracket, rho: float,
+              w: Tensor, floor: float, tol: float) -> tuple[float, Tensor | None]:
+    """The next ``ρ`` of :func:`_cagrad_root` after ``ρ`` gave ``w``: the exact root on
+    ``w``'s support (:func:`_support_root`) when it lies inside the bracket, with its weights
+    when they are already optimal (KKT), else the bracket's fallback step."""
+    bisect = bracket.bisect_due()
+    root = None if bisect else _support_root(gram, lin, r, w > 0)
+    if root is None or not bracket.inside(root[0]) or root[0] == rho:
+        return bracket.fallback(rho, floor, bisect), None
+    if _is_cagrad_kkt(gram, lin, r, root[0], root[1], tol):
+        return root[0], root[1]  # the support is right: w(ρ*) is the optimum
+    return root[0], None
+
+
 def _cagrad_root(gram: Tensor, lin: Tensor, r: float, hi: float,
                  f: Callable[[float], tuple[float, Tensor]], tol: float,
                  max_iter: int) -> Tensor:
@@ -306,50 +385,82 @@ def _cagrad_root(gram: Tensor, lin: Tensor, r: float, hi: float,
     ``ln 10¹²`` to ``tol`` within ``3 log₂(27.6/tol) ≤ 135`` steps for ``tol = 1e-12``. The
     default ``max_iter = 200`` is not reached; with a smaller one the last point is returned.
     """
-    lo, f_lo = 0.0, -float("inf")  # φ' < 0 near ρ = 0 unless g_w* = 0
     floor = 1e-12 * hi  # a root below: ‖g_w*‖ < 1e-12 ‖g‖_max, a zero-norm optimum
     f_hi, w_hi = f(hi)
     if f_hi != f_hi or f_hi <= 0.0:
         return w_hi
-    rho, w_mid, side = hi, w_hi, 0
-    mark, stale = float("inf"), 0  # log(hi/lo) when last halved; steps since
+    bracket = _Bracket(0.0, -math.inf, hi, f_hi)  # φ' < 0 near ρ = 0 unless g_w* = 0
+    rho, w_mid = hi, w_hi
     for _ in range(max_iter):
-        bisect = False
-        if lo > 0.0:
-            span = math.log(hi / lo)
-            mark, stale = (span, 0) if span <= 0.5 * mark else (mark, stale + 1)
-            bisect = stale >= 2
-        root = None if bisect else _support_root(gram, lin, r, w_mid > 0)
-        if root is not None and lo < root[0] < hi and root[0] != rho:
-            if _is_cagrad_kkt(gram, lin, r, root[0], root[1], tol):
-                return root[1]  # the support is right: w(ρ*) is the optimum
-            rho = root[0]
-        elif lo == 0.0:
-            # No support root and no lower bracket yet: descend fast, but keep each QP well
-            # scaled (f(ρ) needs ‖g_w‖² to a precision of ρ²).
-            rho = max(0.01 * rho, floor)
-        elif bisect or hi > 4.0 * lo:
-            rho = (lo * hi) ** 0.5  # bisection in log ρ
-        else:
-            rho = (lo * f_hi - hi * f_lo) / (f_hi - f_lo)
-            if not lo < rho < hi:
-                rho = 0.5 * (lo + hi)
+        rho, optimum = _next_rho(gram, lin, r, bracket, rho, w_mid, floor, tol)
+        if optimum is not None:
+            return optimum
         f_mid, w_mid = f(rho)
-        if f_mid != f_mid or abs(f_mid) <= tol or (lo > 0.0 and (hi - lo) <= tol * hi):
-            return w_mid
-        if rho == floor and f_mid > 0.0:
-            return w_mid  # the root lies below 1e-12 ‖g‖_max: a zero-norm combination
-        if f_mid < 0.0:
-            lo, f_lo = rho, f_mid
-            if side == -1:
-                f_hi *= 0.5
-            side = -1
-        else:
-            hi, f_hi = rho, f_mid
-            if side == 1 and lo > 0.0:
-                f_lo *= 0.5
-            side = 1
+        if bracket.converged(f_mid, tol) or (rho == floor and f_mid > 0.0):
+            return w_mid  # (the latter: the root lies below 1e-12 ‖g‖_max, a zero norm)
+        bracket.narrow(rho, f_mid)
     return w_mid
+
+
+def _nash_objective(gram: Tensor, alpha: Tensor) -> float:
+    """Nash-MTL's ``f(α) = ½ αᵀGα − Σ log αᵢ``."""
+    return float(0.5 * alpha @ gram @ alpha - torch.log(alpha).sum())
+
+
+def _nash_start(gram: Tensor, alpha0: Tensor | None) -> Tensor:
+    """The warm start if it is positive with one entry per task, else ``Gᵢᵢ^{-1/2}``; then
+    its best multiple: ``f(sα)`` is minimal at ``s² αᵀGα = K`` (``Σ αᵢ(Gα)ᵢ = K`` holds at
+    the solution), which removes the scale error of a cold or stale start in one step."""
+    k = gram.shape[0]
+    if alpha0 is None or alpha0.numel() != k or not bool(torch.all(alpha0 > 0)):
+        alpha = torch.diagonal(gram).rsqrt()
+    else:
+        alpha = alpha0.to(torch.float64).clone()
+    return alpha * (k / (alpha @ gram @ alpha).clamp_min(1e-300)).sqrt()
+
+
+def _nash_line_search(gram: Tensor, alpha: Tensor, step: Tensor, slope: float, value: float,
+                      res_max: float) -> tuple[Tensor, float] | None:
+    """Backtracking from the largest step that keeps ``α > 0`` (times 0.99) until ``f``
+    decreases (Armijo) or the residual does; None if the step falls below ``1e-12``."""
+    t = 1.0
+    neg = step < 0
+    if bool(neg.any()):
+        t = min(1.0, 0.99 * float((-alpha[neg] / step[neg]).min()))
+    while True:
+        cand = alpha + t * step
+        cand_value = _nash_objective(gram, cand)
+        # Near the optimum f changes by O(residual²), below float64 resolution of f, so
+        # Armijo alone stalls there; a step that lowers the residual is accepted too.
+        cand_res = float((cand * (gram @ cand) - 1.0).abs().max())
+        if cand_value <= value + 1e-4 * t * slope or cand_res < res_max or t < 1e-12:
+            return None if t < 1e-12 else (cand, cand_value)
+        t *= 0.5
+
+
+def _nash_newton(gram: Tensor, alpha: Tensor, ga: Tensor, value: float,
+                 res_max: float) -> tuple[Tensor, float] | None:
+    """One damped Newton step on ``f`` from ``α`` (``ga = Gα``): the new ``(α, f(α))``, or
+    None when ``α`` diverges (a non-negative combination of the gradients vanishes)."""
+    grad = ga - 1.0 / alpha
+    hess = gram + torch.diag(1.0 / (alpha * alpha))
+    step, info = torch.linalg.solve_ex(hess, -grad)
+    if int(info) != 0 or float(alpha.max()) > 1e12 or not bool(torch.isfinite(step).all()):
+        return None
+    return _nash_line_search(gram, alpha, step, float(grad @ step), value, res_max)
+
+
+def _nash_without_zero_rows(gram: Tensor, alpha0: Tensor | None, active: Tensor, tol: float,
+                            max_iter: int) -> Tensor:
+    """A zero gradient can be neither helped nor hurt: it leaves the game (weight 0) and the
+    game is solved among the ``active`` others."""
+    k = gram.shape[0]
+    alpha = torch.zeros(k, dtype=torch.float64)
+    if bool(active.any()):
+        idx = torch.nonzero(active).flatten()
+        sub0 = None if alpha0 is None or alpha0.numel() != k else alpha0[idx]
+        alpha[idx] = nash_bargaining(gram[idx][:, idx], sub0, tol, max_iter)
+    return alpha
 
 
 def nash_bargaining(
@@ -368,53 +479,18 @@ def nash_bargaining(
     diag = torch.diagonal(gram)
     active = diag > 1e-24 * diag.sum().clamp_min(1e-300)
     if not bool(active.all()):
-        # A zero gradient can be neither helped nor hurt: it leaves the game (weight 0).
-        alpha = torch.zeros(k, dtype=torch.float64)
-        if bool(active.any()):
-            idx = torch.nonzero(active).flatten()
-            sub0 = None if alpha0 is None or alpha0.numel() != k else alpha0[idx]
-            alpha[idx] = nash_bargaining(gram[idx][:, idx], sub0, tol, max_iter)
-        return alpha
-    if alpha0 is None or alpha0.numel() != k or not bool(torch.all(alpha0 > 0)):
-        alpha = diag.rsqrt()
-    else:
-        alpha = alpha0.to(torch.float64).clone()
-    # Best multiple of the start: f(sα) is minimal at s² αᵀGα = K (Σ αᵢ(Gα)ᵢ = K holds at the
-    # solution), which removes the scale error of a cold or stale start in one step.
-    alpha = alpha * (k / (alpha @ gram @ alpha).clamp_min(1e-300)).sqrt()
-
-    def objective(a: Tensor) -> float:
-        return float(0.5 * a @ gram @ a - torch.log(a).sum())
-
-    value = objective(alpha)
+        return _nash_without_zero_rows(gram, alpha0, active, tol, max_iter)
+    alpha = _nash_start(gram, alpha0)
+    value = _nash_objective(gram, alpha)
     for _ in range(max_iter):
         ga = gram @ alpha
-        residual = alpha * ga - 1.0
-        res_max = float(residual.abs().max())
+        res_max = float((alpha * ga - 1.0).abs().max())
         if res_max <= tol:
             return alpha
-        grad = ga - 1.0 / alpha
-        hess = gram + torch.diag(1.0 / (alpha * alpha))
-        step, info = torch.linalg.solve_ex(hess, -grad)
-        if int(info) != 0 or float(alpha.max()) > 1e12 or not bool(torch.isfinite(step).all()):
-            break  # α diverges: a non-negative combination of the gradients vanishes
-        t = 1.0
-        neg = step < 0
-        if bool(neg.any()):
-            t = min(1.0, 0.99 * float((-alpha[neg] / step[neg]).min()))
-        slope = float(grad @ step)
-        while True:
-            cand = alpha + t * step
-            cand_value = objective(cand)
-            # Near the optimum f changes by O(residual²), below float64 resolution of f, so
-            # Armijo alone stalls there; a step that lowers the residual is accepted too.
-            cand_res = float((cand * (gram @ cand) - 1.0).abs().max())
-            if cand_value <= value + 1e-4 * t * slope or cand_res < res_max or t < 1e-12:
-                break
-            t *= 0.5
-        if t < 1e-12:
+        moved = _nash_newton(gram, alpha, ga, value, res_max)
+        if moved is None:
             break
-        alpha, value = cand, cand_value
+        alpha, value = moved
     raise SolverError(
         f"Nash-MTL bargaining solve did not converge in {max_iter} Newton steps (K={k}); "
         f"a non-negative combination of the task gradients is (nearly) zero, so G α = 1/α "

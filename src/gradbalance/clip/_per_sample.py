@@ -48,6 +48,16 @@ from ._task import _EPS
 
 __all__ = ["PerSampleClip"]
 
+def _check_finite_norms(norms: Tensor) -> None:
+    """Without a scaler a non-finite per-sample norm raises (nothing is clipped)."""
+    if not bool(torch.isfinite(norms).all()):
+        bad = torch.nonzero(~torch.isfinite(norms)).tolist()
+        raise NonFiniteGradientError(
+            f"per-sample gradients hold inf or NaN (samples {bad[:8]}); nothing was "
+            f"clipped. Skip this step or find the source of the overflow"
+        )
+
+
 class PerSampleClip(PicklableGenerators):
     """Clips every sample's gradient to ``max_norm`` before the batch mean (DP-SGD's clip).
 
@@ -108,34 +118,35 @@ class PerSampleClip(PicklableGenerators):
         """
         losses = _check_losses(per_sample_losses)
         scale = scale_of(scaler, losses.device)
-        enabled = scale is not None
         if norms is None:
             norms = per_sample_grad_norms(losses, params, norm_type=self.norm_type,
                                           per_task=self.per_task, chunk_size=self.chunk_size,
                                           scale=1.0 if scale is None else scale)
         else:
-            expected = losses.shape if self.per_task or losses.dim() == 1 else losses.shape[:1]
-            if isinstance(norms, Tensor) and norms.numel() == expected.numel():
-                norms = norms.reshape(expected)  # one task: [B] and [B, 1] alike
-            if not isinstance(norms, Tensor) or norms.shape != expected:
-                found = tuple(norms.shape) if isinstance(norms, Tensor) else type(norms).__name__
-                raise ValueError(
-                    f"norms must have shape {tuple(expected)} (per_task={self.per_task}, losses "
-                    f"{tuple(losses.shape)}), got {found}"
-                )
+            norms = self._given_norms(norms, losses)
         self.last_norms = norms.detach()
-        if not enabled and not bool(torch.isfinite(norms).all()):
-            bad = torch.nonzero(~torch.isfinite(norms)).tolist()
-            raise NonFiniteGradientError(
-                f"per-sample gradients hold inf or NaN (samples {bad[:8]}); nothing was "
-                f"clipped. Skip this step or find the source of the overflow"
-            )
+        if scale is None:
+            _check_finite_norms(norms)
         coef = self.factors(norms).to(losses.dtype)
         if coef.dim() < losses.dim():  # per_task=False: one factor per sample
             coef = coef.unsqueeze(1)
         plain = losses.mean(dim=0)
         clipped = (coef.detach() * losses).mean(dim=0)
         return plain.detach() + (clipped - clipped.detach())
+
+    def _given_norms(self, norms: object, losses: Tensor) -> Tensor:
+        """``norms`` passed by the caller, with the shape the losses need (``[B]`` and
+        ``[B, 1]`` alike for one task)."""
+        expected = losses.shape if self.per_task or losses.dim() == 1 else losses.shape[:1]
+        if isinstance(norms, Tensor) and norms.numel() == expected.numel():
+            norms = norms.reshape(expected)
+        if not isinstance(norms, Tensor) or norms.shape != expected:
+            found = tuple(norms.shape) if isinstance(norms, Tensor) else type(norms).__name__
+            raise ValueError(
+                f"norms must have shape {tuple(expected)} (per_task={self.per_task}, losses "
+                f"{tuple(losses.shape)}), got {found}"
+            )
+        return norms
 
     def losses_of_model(self, module: nn.Module, loss_fn: Callable[[Any, Tensor], Tensor],
                         inputs: Tensor, targets: Tensor, scaler: Any = None,

@@ -72,14 +72,7 @@ def per_sample_grad_norms_of_model(
     norm_type = check_norm_type("norm_type", norm_type)
     chunk_size = check_optional_int("chunk_size", chunk_size, 1)
     per_task = check_bool("per_task", per_task)
-    if not isinstance(inputs, Tensor) or not isinstance(targets, Tensor) or (
-        inputs.shape[0] != targets.shape[0]
-    ):
-        raise ValueError(
-            f"inputs and targets must be tensors with the same first (batch) dimension, got "
-            f"{getattr(inputs, 'shape', type(inputs).__name__)} and "
-            f"{getattr(targets, 'shape', type(targets).__name__)}"
-        )
+    _check_batch_pair(inputs, targets)
     trained = _trainable(module, params)
     if not trained:
         raise ValueError("module has no trainable parameters to bound")
@@ -92,23 +85,46 @@ def per_sample_grad_norms_of_model(
         losses = loss_fn(out, y.unsqueeze(0)).reshape(-1) * scale
         return losses if per_task else losses.sum().reshape(1)
 
-    batch = inputs.shape[0]
-    probe_k = None
     if chunk_size is None:
-        with torch.no_grad():
-            probe_k = sample_losses(detached, inputs[0], targets[0]).numel()
-        numel = sum(p.numel() for p in detached.values())
-        chunk_size = max(1, min(batch, _CHUNK_ELEMENTS // max(numel * probe_k, 1)))
+        chunk_size = _default_chunk(sample_losses, detached, inputs, targets)
     jac = vmap(jacrev(sample_losses), in_dims=(None, 0, 0), chunk_size=chunk_size)
-    parts = []
-    for start in range(0, batch, chunk_size):
-        stop = min(start + chunk_size, batch)
-        with warnings.catch_warnings():  # ops without a batching rule run lane by lane
-            warnings.filterwarnings("ignore", message=".*performance drop.*")
-            grads = jac(detached, inputs[start:stop], targets[start:stop])  # [b, K, ...] each
-        per_param = [torch.linalg.vector_norm(g.flatten(2), norm_type, dim=2,
-                                              dtype=torch.promote_types(g.dtype, torch.float32))
-                     for g in grads.values()]
-        parts.append(torch.linalg.vector_norm(torch.stack(per_param, dim=2), norm_type, dim=2))
+    parts = [_chunk_norms(jac, detached, inputs[start : start + chunk_size],
+                          targets[start : start + chunk_size], norm_type)
+             for start in range(0, inputs.shape[0], chunk_size)]
     norms = torch.cat(parts) / scale  # [B, K], or [B, 1] for one task / per_task=False
     return norms[:, 0] if norms.shape[1] == 1 else norms
+
+
+def _check_batch_pair(inputs: object, targets: object) -> None:
+    """``inputs`` and ``targets`` are tensors with the same first (batch) dimension."""
+    if not isinstance(inputs, Tensor) or not isinstance(targets, Tensor) or (
+        inputs.shape[0] != targets.shape[0]
+    ):
+        raise ValueError(
+            f"inputs and targets must be tensors with the same first (batch) dimension, got "
+            f"{getattr(inputs, 'shape', type(inputs).__name__)} and "
+            f"{getattr(targets, 'shape', type(targets).__name__)}"
+        )
+
+
+def _default_chunk(sample_losses: Callable[[dict[str, Tensor], Tensor, Tensor], Tensor],
+                   theta: dict[str, Tensor], inputs: Tensor, targets: Tensor) -> int:
+    """Samples per vmap call: as many as fit ``_CHUNK_ELEMENTS`` gradient entries (K from
+    one probe sample)."""
+    with torch.no_grad():
+        probe_k = sample_losses(theta, inputs[0], targets[0]).numel()
+    numel = sum(p.numel() for p in theta.values())
+    return max(1, min(inputs.shape[0], _CHUNK_ELEMENTS // max(numel * probe_k, 1)))
+
+
+def _chunk_norms(jac: Callable[..., dict[str, Tensor]], theta: dict[str, Tensor],
+                 inputs: Tensor, targets: Tensor, norm_type: float) -> Tensor:
+    """The per-sample gradient norms ``[b, K]`` of one chunk of samples."""
+    with warnings.catch_warnings():  # ops without a batching rule run lane by lane
+        warnings.filterwarnings("ignore", message=".*performance drop.*")
+        grads = jac(theta, inputs, targets)  # [b, K, ...] each
+    per_param = [torch.linalg.vector_norm(g.flatten(2), norm_type, dim=2,
+                                          dtype=torch.promote_types(g.dtype, torch.float32))
+                 for g in grads.values()]
+    norms: Tensor = torch.linalg.vector_norm(torch.stack(per_param, dim=2), norm_type, dim=2)
+    return norms

@@ -29,7 +29,7 @@ none; ``scale_grad_by_freq`` couples the samples and is refused), called through
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -92,19 +92,23 @@ class _Layer:
 
 def _refusal(module: nn.Module) -> str | None:
     """Why ``module``'s per-sample gradient has no ghost form here (None: it has one)."""
-    if isinstance(module, nn.Linear):
-        return None
-    if isinstance(module, nn.LayerNorm):
+    if isinstance(module, (nn.Linear, nn.LayerNorm)):
         return None
     if isinstance(module, nn.Embedding):
         return "scale_grad_by_freq couples the samples" if module.scale_grad_by_freq else None
     if isinstance(module, (nn.Conv1d, nn.Conv2d)):
-        if module.groups != 1:
-            return "grouped convolution"
-        if module.padding_mode != "zeros" or isinstance(module.padding, str):
-            return f"padding {module.padding!r} with padding_mode {module.padding_mode!r}"
-        return None
+        return _conv_refusal(module)
     return type(module).__name__
+
+
+def _conv_refusal(module: nn.Conv1d | nn.Conv2d) -> str | None:
+    """Why a convolution has no ghost form here: groups, or a padding other than zeros given
+    as numbers (None: it has one)."""
+    if module.groups != 1:
+        return "grouped convolution"
+    if module.padding_mode != "zeros" or isinstance(module.padding, str):
+        return f"padding {module.padding!r} with padding_mode {module.padding_mode!r}"
+    return None
 
 
 class _Inputs:
@@ -166,6 +170,46 @@ def _sample_norms(inputs: _Inputs, d: Tensor, norm_type: float) -> Tensor:
     return total
 
 
+def _finite_norm_type(norm_type: float) -> float:
+    """A valid, finite ``norm_type`` (the p-th powers are summed over layers)."""
+    p = check_norm_type("norm_type", norm_type)
+    if p == float("inf"):
+        raise ValueError(
+            "Invalid norm_type: inf (GhostNorms sums p-th powers over layers; "
+            "use a finite p, or per_sample_grad_norms_of_model for the max-norm)"
+        )
+    return p
+
+
+def _wanted_of(module: nn.Module, wanted: set[int]) -> list[Tensor]:
+    """The weight and bias of a covered layer that are among the ``wanted`` ids."""
+    if not isinstance(module, _COVERED):
+        return []
+    bias = getattr(module, "bias", None)
+    return [p for p in (module.weight, bias) if p is not None and id(p) in wanted]
+
+
+def _not_covered(named: Mapping[str, Tensor], uncovered: set[int], given: bool) -> list[str]:
+    """The names of the ``uncovered`` parameters, and a note for given tensors that are no
+    parameters of the module."""
+    missing = [name for name, p in named.items() if id(p) in uncovered]
+    if given and len(uncovered) > len(missing):
+        missing.append("(tensors that are not parameters of module)")
+    return missing
+
+
+def _uncovered_message(missing: list[str], refused: list[str]) -> str:
+    """Why parameters have no ghost form, and what to do instead."""
+    layers = f" (refused layers: {', '.join(refused)})" if refused else ""
+    return (
+        f"GhostNorms covers the weights and biases of nn.Linear, nn.Conv1d, "
+        f"nn.Conv2d (groups=1, zero padding), nn.LayerNorm and nn.Embedding; "
+        f"{missing} are not{layers}: bound "
+        f"them with per_sample_grad_norms_of_model (torch.func), or pass params= "
+        f"without them"
+    )
+
+
 class GhostNorms:
     """Forward hooks on the linear, conv, LayerNorm and embedding layers of ``module``;
     per-sample norms.
@@ -191,48 +235,38 @@ class GhostNorms:
 
     def __init__(self, module: nn.Module, params: Iterable[Tensor] | None = None, *,
                  norm_type: float = 2.0, per_task: bool = True) -> None:
-        self.norm_type = check_norm_type("norm_type", norm_type)
-        if self.norm_type == float("inf"):
-            raise ValueError(
-                "Invalid norm_type: inf (GhostNorms sums p-th powers over layers; "
-                "use a finite p, or per_sample_grad_norms_of_model for the max-norm)"
-            )
+        self.norm_type = _finite_norm_type(norm_type)
         self.per_task = check_bool("per_task", per_task)
         named = {name: p for name, p in module.named_parameters() if p.requires_grad}
         wanted = set(map(id, named.values() if params is None else params))
-        covered: set[int] = set()
         self._layers: list[_Layer] = []
         self._handles: list[Any] = []
+        covered, refused = self._hook_layers(module, wanted)
+        missing = _not_covered(named, wanted - covered, params is not None)
+        if missing:
+            self.remove()
+            raise ValueError(_uncovered_message(missing, refused))
+
+    def _hook_layers(self, module: nn.Module, wanted: set[int]) -> tuple[set[int], list[str]]:
+        """Hook every covered layer holding a wanted parameter; the ids of the parameters
+        covered, and the layers refused (``"name (reason)"``)."""
+        covered: set[int] = set()
         refused: list[str] = []
         for name, sub in module.named_modules():
-            if not isinstance(sub, _COVERED):
-                continue
-            bias = getattr(sub, "bias", None)
-            mine = [p for p in (sub.weight, bias) if p is not None and id(p) in wanted]
+            mine = _wanted_of(sub, wanted)
             if not mine:
                 continue
             reason = _refusal(sub)
             if reason is not None:
                 refused.append(f"{name} ({reason})")
                 continue
+            bias = getattr(sub, "bias", None)
             layer = _Layer(name, sub, id(sub.weight) in wanted,
                            bias is not None and id(bias) in wanted)
             covered.update(map(id, mine))
             self._layers.append(layer)
             self._handles.append(sub.register_forward_hook(self._hook(layer)))
-        missing = [name for name, p in named.items() if id(p) in wanted - covered]
-        if params is not None and len(wanted - covered) > len(missing):
-            missing.append("(tensors that are not parameters of module)")
-        if missing:
-            self.remove()
-            raise ValueError(
-                f"GhostNorms covers the weights and biases of nn.Linear, nn.Conv1d, "
-                f"nn.Conv2d (groups=1, zero padding), nn.LayerNorm and nn.Embedding; "
-                f"{missing} are not"
-                f"{' (refused layers: ' + ', '.join(refused) + ')' if refused else ''}: bound "
-                f"them with per_sample_grad_norms_of_model (torch.func), or pass params= "
-                f"without them"
-            )
+        return covered, refused
 
     @staticmethod
     def _hook(layer: _Layer) -> Any:
@@ -270,6 +304,24 @@ class GhostNorms:
     def _norms(self, losses: Tensor, layers: list[_Layer], scale: float | Tensor) -> Tensor:
         columns = losses.reshape(losses.shape[0], -1)
         batch = columns.shape[0]
+        self._check_batch(layers, batch)
+        rows = [_Inputs(layer, batch) for layer in layers]  # once for all K tasks
+        roots = [columns.sum(dim=1)] if not self.per_task else list(columns.unbind(1))
+        outputs = [y for layer in layers for y in layer.outputs]
+        result = torch.zeros(batch, len(roots), dtype=torch.float64, device=losses.device)
+        for k, root in enumerate(roots):
+            grads = torch.autograd.grad(root.sum() * scale, outputs, retain_graph=True,
+                                        allow_unused=True)
+            self._add_powers(result[:, k], rows, grads, batch)
+        self.clear()
+        divisor = scale.detach().double() if isinstance(scale, Tensor) else float(scale)
+        norms = result ** (1.0 / self.norm_type) / divisor
+        norms = norms.to(torch.promote_types(losses.dtype, torch.float32))
+        return norms[:, 0] if norms.shape[1] == 1 else norms
+
+    def _check_batch(self, layers: list[_Layer], batch: int) -> None:
+        """Every recorded input has the losses' ``batch`` samples on dim 0 (else the records
+        are dropped and it raises)."""
         for layer in layers:
             if any(t.shape[0] != batch for t in layer.inputs):
                 shapes = [tuple(t.shape) for t in layer.inputs]
@@ -280,26 +332,19 @@ class GhostNorms:
                     f"input, and every forward under grad since the last norms() is "
                     f"recorded (call clear() after other forwards)"
                 )
-        rows = [_Inputs(layer, batch) for layer in layers]  # once for all K tasks
-        roots = [columns.sum(dim=1)] if not self.per_task else list(columns.unbind(1))
-        outputs = [y for layer in layers for y in layer.outputs]
-        result = torch.zeros(batch, len(roots), dtype=torch.float64, device=losses.device)
-        for k, root in enumerate(roots):
-            grads = torch.autograd.grad(root.sum() * scale, outputs, retain_graph=True,
-                                        allow_unused=True)
-            at = 0
-            for layer, inputs in zip(layers, rows):
-                calls = len(layer.outputs)
-                ds = [torch.zeros_like(y) if g is None else g
-                      for y, g in zip(layer.outputs, grads[at : at + calls])]
-                at += calls
-                d = torch.cat([layer.output_rows(t, batch) for t in ds], 1)
-                result[:, k] += _sample_norms(inputs, d, self.norm_type)
-        self.clear()
-        divisor = scale.detach().double() if isinstance(scale, Tensor) else float(scale)
-        norms = result ** (1.0 / self.norm_type) / divisor
-        norms = norms.to(torch.promote_types(losses.dtype, torch.float32))
-        return norms[:, 0] if norms.shape[1] == 1 else norms
+
+    def _add_powers(self, column: Tensor, rows: list[_Inputs],
+                    grads: tuple[Tensor | None, ...], batch: int) -> None:
+        """Add each layer's per-sample ``‖∇θ‖ᵖ`` to ``column`` ``[B]`` (in place), from one
+        task's gradients of every recorded output (in order; None: unused, zero)."""
+        at = 0
+        for inputs in rows:
+            outputs = inputs.layer.outputs
+            ds = [torch.zeros_like(y) if g is None else g
+                  for y, g in zip(outputs, grads[at : at + len(outputs)])]
+            at += len(outputs)
+            d = torch.cat([inputs.layer.output_rows(t, batch) for t in ds], 1)
+            column += _sample_norms(inputs, d, self.norm_type)
 
     def clear(self) -> None:
         """Drop the recorded inputs and outputs (e.g. after an evaluation under grad)."""
