@@ -108,7 +108,8 @@ class LossWeighting(StateModule):
         """Change the state from this step's (finite, summed) losses; default: nothing."""
 
     def _reset_state(self) -> None:
-        """Back to the state at construction."""
+        """Back to the state at construction, beyond the declared state (which
+        :meth:`reset` restores): counters, an own optimizer, a generator."""
 
     def _discard_pending(self) -> None:
         """Drop per-step data a subclass gathers besides the losses (GradNorm's gradients)."""
@@ -257,6 +258,7 @@ class LossWeighting(StateModule):
         """Forget all state (as freshly built); learnable tensors are reset in place."""
         self._pending, self._pending_calls = None, 0
         self._discard_pending()
+        super().reset()
         self._reset_state()
 
     def __repr__(self) -> str:
