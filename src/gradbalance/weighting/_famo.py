@@ -84,7 +84,8 @@ class FAMO(OwnOptimizerWeighting):
                                                   requires_grad=True), per_task=True)
         self.optimizer = self._make_optimizer()
         self.register_state("_last", torch.full((k,), 1.0 / k, dtype=torch.float64,
-                                                device=self.device), persistent=False)
+                                                device=self.device), per_task=True,
+                            persistent=False)
 
     def _make_optimizer(self, logits: Tensor | None = None) -> torch.optim.Optimizer:
         params = [self.logits if logits is None else logits]

@@ -43,7 +43,7 @@ class GLS(LossWeighting):
         self.eps = check_positive("eps", eps)
         self.register_state("_last", torch.full((num_tasks,), 1.0 / num_tasks,
                                                 dtype=torch.float64, device=self.device),
-                            persistent=False)
+                            per_task=True, persistent=False)
 
     def weights_of(self, losses: Tensor) -> Tensor:
         """The detached weights ``[K]`` (float64) for these losses."""

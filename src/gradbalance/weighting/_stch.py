@@ -84,7 +84,7 @@ class STCH(LossWeighting):
         self.register_state("_warmup_sum", torch.zeros(k, dtype=torch.float64, device=dev),
                             per_task=True)
         self.register_state("_last", torch.ones(k, dtype=torch.float64, device=dev),
-                            persistent=False)
+                            per_task=True, persistent=False)
         self._reset_state()
 
     def _vector(self, value: Sequence[float] | Tensor | None, argname: str) -> Tensor:

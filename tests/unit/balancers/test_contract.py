@@ -22,6 +22,12 @@ from gradbalance import NonFiniteGradientError
 from gradbalance.balancers import Balancer
 from gradbalance.functional import combine_rows, compute_gramian
 from support.balancers import FACTORY, build_balancer
+from support.declared_state import (
+    assert_every_tensor_declared,
+    assert_replaced_not_edited,
+    assert_task_sized_state_declared,
+    task_shapes,
+)
 from support.loop_state import assert_same_state
 
 NAMES = sorted(gradbalance.BALANCERS)
@@ -87,6 +93,35 @@ def test_registry_entry_is_declared(name: str) -> None:
     b = make(name)
     assert b.num_tasks == K
     assert repr(b).startswith(type(b).__name__)
+    assert b.weight_degree is None or isinstance(b.weight_degree, float)
+    if b.homogeneous and b.weight_degree is not None:  # B(sG) = s B(G) needs δ = 0
+        assert b.weight_degree == 0.0
+    if b.weight_degree is not None:
+        assert b.from_gramian, "weight_degree is for weighted balancers"
+
+
+def test_runs_sharded(name: str) -> None:
+    """A matrix balancer implements ``_combine_matrix_sharded`` (weighted ones need nothing)."""
+    assert make(name).shardable
+
+
+def test_every_state_tensor_is_declared(name: str) -> None:
+    b = make(name)
+    run(b, 0)
+    assert_every_tensor_declared(b)
+
+
+def test_state_whose_size_is_k_is_declared_per_task(name: str) -> None:
+    a, b = make(name), make(name, k=K + 1)
+    run(a, 0)
+    run(b, 0, k=K + 1)
+    assert_task_sized_state_declared(a, task_shapes(a), task_shapes(b), K)
+
+
+def test_state_is_replaced_never_edited_in_place(name: str) -> None:
+    b = make(name)
+    run(b, 0)
+    assert_replaced_not_edited(b, lambda: [run(b, seed) for seed in (1, 2)])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -148,14 +183,17 @@ def test_extreme_scales(name: str, scale: float) -> None:
         torch.testing.assert_close(scaled / scale, base, rtol=1e-6, atol=1e-12)
 
 
-def test_homogeneous_over_several_steps(name: str) -> None:
-    """Scaling every input of a run by s scales every output by s (stateful methods too)."""
-    if not gradbalance.BALANCERS[name].homogeneous:
-        pytest.skip("not homogeneous")
+def test_declared_scaling_law_over_several_steps(name: str) -> None:
+    """Scaling every input of a run by s scales every output by s^a, ``a`` the declared
+    ``homogeneous_degree`` (stateful methods too)."""
     a, b = make(name), make(name)
+    degree = a.homogeneous_degree
+    if degree is None:
+        pytest.skip("no scaling law (a step size or an eps in gradient units)")
+    s = 1e3
     for seed in range(3):
         g, lo = matrix(seed), losses_for(seed)
-        torch.testing.assert_close(a(1e3 * g, lo) / 1e3, b(g, lo), rtol=1e-6, atol=1e-12)
+        torch.testing.assert_close(a(s * g, lo) / s**degree, b(g, lo), rtol=1e-6, atol=1e-12)
 
 
 @pytest.mark.parametrize("bad", [42, "0", 1.5, None.__class__], ids=["int", "str", "float", "type"])

@@ -12,6 +12,12 @@ import torch
 import gradbalance
 from gradbalance import NonFiniteGradientError
 from gradbalance.weighting import WEIGHTINGS, LossWeighting, get_weighting
+from support.declared_state import (
+    assert_every_tensor_declared,
+    assert_replaced_not_edited,
+    assert_task_sized_state_declared,
+    task_shapes,
+)
 from support.weighting import K, Tiny, assert_states_equal, data, make, train_step, user_optimizer
 
 NAMES = sorted(WEIGHTINGS)
@@ -162,6 +168,36 @@ def test_reset_restores_construction_state(name: str) -> None:
         train_step(w, model, opt, x, y)
     w.reset()
     assert_states_equal(fresh, w.state_dict())
+
+
+def _trained(name: str, k: int = K) -> LossWeighting:
+    model = Tiny(k=k)
+    w = make(name, model, k=k)
+    opt = user_optimizer(w, model)
+    for seed in range(3):
+        train_step(w, model, opt, *data(seed=seed, k=k))
+    return w
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_state_tensor_is_declared(name: str) -> None:
+    assert_every_tensor_declared(_trained(name))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_state_whose_size_is_k_is_declared_per_task(name: str) -> None:
+    a, b = _trained(name), _trained(name, K + 1)
+    assert_task_sized_state_declared(a, task_shapes(a), task_shapes(b), K)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_state_is_replaced_never_edited_in_place(name: str) -> None:
+    x, y = data()
+    model = Tiny()
+    w = make(name, model)
+    opt = user_optimizer(w, model)
+    train_step(w, model, opt, x, y)
+    assert_replaced_not_edited(w, lambda: [train_step(w, model, opt, x, y) for _ in range(3)])
 
 
 def test_update_without_call_is_an_error() -> None:
