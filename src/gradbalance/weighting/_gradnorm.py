@@ -82,6 +82,7 @@ class GradNorm(OwnOptimizerWeighting):
     name = "gradnorm"
     needs_task_gradients = True
     _self_trained = ("task_weights",)
+    _pending_state = ("_grads",)  # the summed layer gradients [K, P_layer] of this step
     task_weights: Tensor
     _initial: Tensor | None
 
@@ -145,13 +146,6 @@ class GradNorm(OwnOptimizerWeighting):
         self._grads = matrix if self._grads is None else self._grads + matrix
         w = self.task_weights.detach().to(dtype=losses.dtype, device=losses.device)
         return w * losses
-
-    def _discard_pending(self) -> None:
-        self._grads = None
-
-    def pending_tensors(self) -> list[Tensor]:
-        """The summed losses and the summed layer gradients ``[K, P_layer]`` of this step."""
-        return super().pending_tensors() + ([] if self._grads is None else [self._grads])
 
     def _apply_update(self, losses: Tensor, losses_after: Tensor | None) -> None:
         assert self._grads is not None
