@@ -74,6 +74,7 @@ class Balancer(StateModule):
     * ``from_gramian``: output is ``wᵀ G`` with ``w`` computed from ``G Gᵀ`` (and losses).
     * ``homogeneous``: ``B(sG) = s·B(G)`` for every ``s > 0`` (positive homogeneity).
     * ``needs_losses``: the losses are read (e.g. MGDA's loss normalisation).
+    * ``min_tasks``: the smallest K the settings allow (Krum, TrimmedMean: 3 by default).
     * ``weight_degree`` (weighted balancers): ``δ`` with ``w(c·G Gᵀ) = c^δ w(G Gᵀ)`` for
       every ``c > 0`` (``0``: scale-free weights; Nash-MTL ``−½``). With a degree,
       :meth:`_compute_weights` receives the Gramian normalised to unit largest diagonal
@@ -93,6 +94,7 @@ class Balancer(StateModule):
     from_gramian: bool = False
     homogeneous: bool = True
     needs_losses: bool = False
+    min_tasks: int = 1
     weight_degree: float | None = None
     _kind = "balancer"
 

@@ -32,9 +32,6 @@ from support.loop_state import assert_same_state
 
 NAMES = sorted(gradbalance.BALANCERS)
 
-#: Smallest K a method accepts with its default arguments (below it: a ValueError).
-MIN_TASKS = {"krum": 3, "trimmedmean": 3}
-
 #: Contract gaps of methods still being worked on: (test, balancer) -> reason. Each runs as a
 #: strict xfail, so the entry must be removed (the suite fails) once the method is fixed.
 KNOWN_GAPS: dict[tuple[str, str], str] = {}
@@ -100,6 +97,16 @@ def test_registry_entry_is_declared(name: str) -> None:
         assert b.from_gramian, "weight_degree is for weighted balancers"
 
 
+def test_declared_min_tasks_is_the_smallest_k_that_runs(name: str) -> None:
+    m = make(name).min_tasks
+    if not takes_num_tasks(name):
+        pytest.skip("K is fixed at construction")
+    assert bool(torch.isfinite(run(make(name, k=None), 0, k=m)).all())
+    if m > 1:
+        with pytest.raises(ValueError):
+            run(make(name, k=None), 0, k=m - 1)
+
+
 def test_runs_sharded(name: str) -> None:
     """A matrix balancer implements ``_combine_matrix_sharded`` (weighted ones need nothing)."""
     assert make(name).shardable
@@ -137,7 +144,7 @@ def test_shape_dtype_device_finite(name: str, dtype: torch.dtype) -> None:
 
 
 def test_single_task_gives_a_nonnegative_multiple_of_its_gradient(name: str) -> None:
-    if MIN_TASKS.get(name, 1) > 1:
+    if make(name).min_tasks > 1:
         with pytest.raises(ValueError):
             make(name, k=1)(matrix(0, k=1), losses_for(0, k=1))
         return
@@ -152,7 +159,7 @@ def test_single_task_gives_a_nonnegative_multiple_of_its_gradient(name: str) -> 
 
 
 def test_zero_gradients_give_zero_update(name: str) -> None:
-    if MIN_TASKS.get(name, 1) > K:
+    if make(name).min_tasks > K:
         pytest.skip("needs more tasks")
     b = make(name)
     out = b(torch.zeros(K, P, dtype=torch.float64), losses_for(0))
@@ -267,7 +274,7 @@ def test_nonfinite_losses_raise_when_read(name: str) -> None:
 
 
 def test_wrong_number_of_tasks_raises(name: str) -> None:
-    if MIN_TASKS.get(name, 1) > K:
+    if make(name).min_tasks > K:
         pytest.skip("needs more tasks")
     b = make(name)
     with pytest.raises(ValueError):

@@ -35,7 +35,6 @@ from gradbalance.gramian import compute_gramian, cosine_matrix, linear_gramian, 
 from support.balancers import build_balancer
 
 NAMES = sorted(gradbalance.BALANCERS)
-MIN_TASKS = {"krum": 3, "trimmedmean": 3}
 
 
 # -- references (float64, no library Gramian code) ----------------------------------------
@@ -171,7 +170,7 @@ def check_scale(name: str, k: int, p: int, seed: int, scale: float, dtype: torch
 @st.composite
 def cases(draw: st.DrawFn, name: str) -> tuple[int, int, int, float, torch.dtype, bool]:
     dtype = draw(st.sampled_from([torch.float32, torch.float64]))
-    k = draw(st.integers(MIN_TASKS.get(name, 1), 5))
+    k = draw(st.integers(build_balancer(name, 5).min_tasks, 5))
     # Full-rank rows (P ≥ K; float32 P ≥ K + 2). On a singular Gramian the pseudo-inverse
     # and active-set methods' rank decisions follow rounding at every scale, scale 1 included
     # (a conditioning matter, not a range one: tests/unit/balancers/test_solvers.py).
@@ -194,14 +193,14 @@ def test_float64_answer_across_scales(name: str, data: st.DataObject) -> None:
 def test_extreme_scales_regression(name: str, scale: float, dtype: torch.dtype) -> None:
     # The reported reproductions: fp32 rows of norm > 1.8e19 raised NonFiniteGradientError;
     # 1e-30 rows gave zero updates or wrong directions; MoCo/MoDo raised IndexError.
-    check_scale(name, max(3, MIN_TASKS.get(name, 1)), 6, 0, scale, dtype)
+    check_scale(name, max(3, build_balancer(name, 5).min_tasks), 6, 0, scale, dtype)
 
 
 @pytest.mark.parametrize("scale", [1e-150, 1e150])
 @pytest.mark.parametrize("name", NAMES)
 def test_float64_beyond_the_float32_range(name: str, scale: float) -> None:
     # The documented float64 range: ‖gₖ‖² stays a normal float64 down to 1e-300.
-    check_scale(name, max(3, MIN_TASKS.get(name, 1)), 6, 1, scale, torch.float64)
+    check_scale(name, max(3, build_balancer(name, 5).min_tasks), 6, 1, scale, torch.float64)
 
 
 @pytest.mark.parametrize("norm", [1.7e9, 1e12, 1e30])
