@@ -109,11 +109,12 @@ class StateModule(PicklableGenerators, nn.Module):
         of its stateful submodules tracks another number of tasks than ``k``, or state shaped
         like the rows another shape than ``rows``."""
         for name, spec in self._state_specs.items():
-            value = self._buffers.get(name, self._parameters.get(name))
-            error = spec.call_error(type(self).__name__, value, k, rows)
-            if error is not None:
-                raise ValueError(error)
-        for child in self.children():
+            if spec.task_dim is not None:
+                value = self._buffers.get(name, self._parameters.get(name))
+                error = spec.call_error(type(self).__name__, value, k, rows)
+                if error is not None:
+                    raise ValueError(error)
+        for child in self._modules.values():
             if isinstance(child, StateModule):
                 child.check_tracked_tasks(k, rows)
 
