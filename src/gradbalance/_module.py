@@ -1,77 +1,122 @@
-"""The ``nn.Module`` base of balancers and loss weightings: state in buffers, atomic loads.
+"""The ``nn.Module`` base of balancers and loss weightings: declared state, atomic loads.
 
-Tensor state is a registered buffer (persistent, so it is in ``state_dict`` and moves with
-``.to()``); learnable weights the user's optimizer trains are ``nn.Parameter``; everything
-else a resume needs (generator states, Python counters, an internal optimizer's state and
-``"_type"``, the class that saved the state) is the module's *extra state*. A buffer that is
-None until the first call (an EMA, a warm start: registered with ``optional=True``) is
-absent from ``state_dict`` while None, and an absent key loads as None.
+Every state tensor is declared once with :meth:`StateModule.register_state`: a persistent
+buffer (in ``state_dict``, moved by ``.to()``) or an ``nn.Parameter`` the user's optimizer
+trains. The declaration (:class:`~gradbalance._state_spec.StateSpec`) generates ``reset()``,
+the checks of a loaded value (shape, number of tasks) and the check that a call's input still
+has the tasks the state tracks. Everything else a resume needs (generator states, Python
+counters, an internal optimizer's state and ``"_type"``, the class that saved the state) is
+the module's *extra state*. A state that is None until the first call (an EMA, a warm start:
+``optional=True``) is absent from ``state_dict`` while None, and an absent key loads as None.
+
+State is replaced, never edited in place (``self._ema = new``, not ``self._ema.mul_(…)``): a
+failed training step puts the object back from a snapshot of references
+(``modes/_rollback.py``). Tensors an optimizer steps in place (parameters, buffers with
+``requires_grad``) are the exception: ``reset()`` and loads copy into them, keeping their
+identity.
 
 Loads are all or nothing: :meth:`StateModule.load_state_dict` checks the class, the keys, the
 shapes and the extra state of the object and of its stateful submodules (CR-MOGM's inner
 balancer) first and raises ``ValueError`` before anything changes. Loaded as part of a parent
 module, the same checks run before the object's first tensor is copied; a refusal is then one
 of ``load_state_dict``'s error messages and leaves the object (and its stateful submodules)
-as they were. A dict in the flat format of 0.1 and 0.2 (``state_dict()`` before balancers
-were modules, with ``"_type"`` at the top) is converted first (:meth:`_from_legacy`).
+as they were.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules import module as _torch_module
 
 from ._pickling import PicklableGenerators
+from ._state_spec import StateSpec
 from ._statedict import TYPE_KEY, check_keys, check_saved_type
-
-_M = TypeVar("_M", bound="StateModule")
 
 #: The key of a module's extra state in its ``state_dict`` (``torch.nn.Module``'s).
 EXTRA_KEY = "_extra_state"
 
+_UNDECLARED = StateSpec(None)
+
 
 class StateModule(PicklableGenerators, nn.Module):
-    """``nn.Module`` whose state loads all or nothing, tagged with the class that saved it.
+    """``nn.Module`` whose state is declared, loads all or nothing, and is tagged with the
+    class that saved it.
 
-    A subclass registers its tensor state with :meth:`register_state`, lists the keys of its
-    extra state in ``_extra_keys`` and implements :meth:`_extra_state` /
-    :meth:`_load_extra` (and :meth:`_check_state` for checks across entries). The old flat
-    key of a buffer whose name changed goes in ``_legacy_keys``.
+    A subclass declares its tensor state with :meth:`register_state`, lists the keys of its
+    extra state in ``_extra_keys`` and implements :meth:`_extra_state` / :meth:`_load_extra`
+    (and :meth:`_check_state` for checks across entries).
     """
 
     #: What the object is, in messages ("balancer", "weighting").
     _kind: ClassVar[str] = "object"
     #: The keys of the extra state besides ``"_type"``.
     _extra_keys: ClassVar[tuple[str, ...]] = ()
-    #: Old flat ``state_dict`` key -> buffer or parameter name, where not ``_`` + the key.
-    _legacy_keys: ClassVar[dict[str, str]] = {}
-
-    _optional_state: dict[str, tuple[int, ...] | None]
-
-    def __new__(cls: type[_M], *args: Any, **kwargs: Any) -> _M:
-        # nn.Module's set-up happens here, so that a subclass whose __init__ never calls
-        # super().__init__() (0.2 allowed it) still gets its dicts of buffers and submodules.
-        obj = super().__new__(cls)
-        nn.Module.__init__(obj)
-        obj.__dict__["_optional_state"] = {}
-        return obj
 
     def __init__(self) -> None:
-        """Nothing left to set up (see :meth:`__new__`)."""
+        super().__init__()
+        self._state_specs: dict[str, StateSpec] = {}
 
     # -- declaring state ----------------------------------------------------------------
-    def register_state(self, name: str, value: Tensor | None, *, optional: bool = False,
-                       shape: tuple[int, ...] | None = None) -> None:
-        """Register a persistent buffer. ``optional``: may be None (absent from the state);
-        ``shape``: the shape a loaded value must have (default: any, for an optional one;
-        the current shape otherwise)."""
-        self.register_buffer(name, value)
-        if optional:
-            self._optional_state[name] = shape
+    def register_state(self, name: str, default: Tensor | None, *, optional: bool = False,
+                       shape: tuple[int, ...] | None = None, per_task: bool = False,
+                       task_dim: int = 0, like_rows: bool = False,
+                       persistent: bool = True) -> None:
+        """Declare a state tensor (a buffer; an ``nn.Parameter`` is registered as one).
+
+        ``default``: its value now and after :meth:`reset` (None needs ``optional``);
+        ``optional``: may be None (absent from the state); ``shape``: the shape a loaded
+        optional value must have (default: any; a required one keeps its current shape);
+        ``per_task``: one entry per task along ``task_dim``; ``like_rows``: the shape of the
+        task-gradient rows ``[K, P]``; ``persistent=False``: not saved, only reset.
+        """
+        if default is None and not optional:
+            raise ValueError(f"Invalid default for state {name!r}: None (expected a tensor, "
+                             f"or optional=True for a state set by the first call)")
+        if isinstance(default, nn.Parameter):
+            self.register_parameter(name, default)
+        else:
+            self.register_buffer(name, default, persistent=persistent)
+        self._state_specs[name] = StateSpec(
+            None if default is None else default.detach().clone(), optional, shape,
+            task_dim if per_task or like_rows else None, like_rows, persistent)
+
+    @property
+    def state_specs(self) -> Mapping[str, StateSpec]:
+        """The declared state of this object (not of its submodules), by name."""
+        return dict(self._state_specs)
+
+    def reset(self) -> None:
+        """Forget all state (as freshly built): every declared state back to its default
+        (tensors an optimizer steps in place are reset in place), stateful submodules too."""
+        home = self._state_device()
+        with torch.no_grad():
+            for name, spec in self._state_specs.items():
+                current = self._parameters.get(name, self._buffers.get(name))
+                value = spec.initial(current, home)
+                if value is not None and current is not None and _trained(self, name, current):
+                    current.copy_(value)
+                else:
+                    self._buffers[name] = value
+        for child in self.children():
+            if isinstance(child, StateModule):
+                child.reset()
+
+    def check_tracked_tasks(self, k: int, rows: Tensor | None = None) -> None:
+        """Raise ``ValueError`` (nothing changed) when the per-task state of this object or
+        of its stateful submodules tracks another number of tasks than ``k``, or state shaped
+        like the rows another shape than ``rows``."""
+        for name, spec in self._state_specs.items():
+            if spec.task_dim is not None:
+                value = self._buffers.get(name, self._parameters.get(name))
+                error = spec.call_error(type(self).__name__, value, k, rows)
+                if error is not None:
+                    raise ValueError(error)
+        for child in self._modules.values():
+            if isinstance(child, StateModule):
+                child.check_tracked_tasks(k, rows)
 
     def _extra_state(self) -> dict[str, Any]:
         """The non-tensor state (copies), without ``"_type"``."""
@@ -87,16 +132,6 @@ class StateModule(PicklableGenerators, nn.Module):
     def _state_device(self) -> torch.device | None:
         """Where an optional buffer loads when it is None now (None: where it was saved)."""
         return None
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        # Fast path for the per-step ``self._ema = ema``: a registered buffer replaced by a
-        # plain tensor (or None) needs none of nn.Module.__setattr__'s checks (~5 µs a call).
-        buffers = self.__dict__.get("_buffers")
-        if (buffers is not None and name in buffers and (value is None or type(value) is Tensor)
-                and not _torch_module._global_buffer_registration_hooks):
-            buffers[name] = value
-        else:
-            super().__setattr__(name, value)
 
     # -- nn.Module hooks ----------------------------------------------------------------
     def get_extra_state(self) -> dict[str, Any]:
@@ -123,18 +158,16 @@ class StateModule(PicklableGenerators, nn.Module):
         """Restore ``state_dict()`` output; works on a freshly built object.
 
         Raises ``ValueError``, changing nothing, for a state saved by another class, with
-        unknown or missing keys, or with tensors of another shape. The flat states of 0.1
-        and 0.2 load too.
+        unknown or missing keys, or with tensors of another shape or number of tasks.
         """
         if not isinstance(state_dict, Mapping):
             raise ValueError(
                 f"{type(self).__name__}.load_state_dict expects the dict returned by "
                 f"state_dict(), got a {type(state_dict).__name__}"
             )
-        state = state_dict if EXTRA_KEY in state_dict else self._from_legacy(state_dict)
         for module, prefix in self._state_tree(""):
-            module._plan(_own_entries(state, prefix, module))
-        return super().load_state_dict(state, strict=strict, assign=assign)
+            module._plan(_own_entries(state_dict, prefix, module))
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str,
                               local_metadata: dict[str, Any], strict: bool,
@@ -150,9 +183,7 @@ class StateModule(PicklableGenerators, nn.Module):
         for module, _ in tree[1:]:
             module.__dict__["_loaded_by"] = error_msgs
         if not any(key.startswith(prefix) for key in state_dict):
-            for module, p in tree:
-                missing_keys.extend(p + name for name in [*module._slots(), EXTRA_KEY]
-                                    if name not in module._optional_state)
+            missing_keys.extend(_required_keys(tree))
             return
         try:
             plans = [(module, module._plan(_own_entries(state_dict, p, module)))
@@ -171,6 +202,9 @@ class StateModule(PicklableGenerators, nn.Module):
                       if name not in self._non_persistent_buffers_set})
         return slots
 
+    def _spec(self, name: str) -> StateSpec:
+        return self._state_specs.get(name, _UNDECLARED)
+
     def _state_tree(self, prefix: str) -> Iterator[tuple[StateModule, str]]:
         """This object and its stateful submodules, with their key prefixes."""
         for name, module in self.named_modules():
@@ -187,38 +221,31 @@ class StateModule(PicklableGenerators, nn.Module):
                 f"{EXTRA_KEY!r} (the class that saved it and the non-tensor state); pass "
                 f"the dict returned by {name}.state_dict()"
             )
-        check_saved_type(extra.get(TYPE_KEY, name), name, self._kind)
+        check_saved_type(extra.get(TYPE_KEY), name, self._kind)
         slots = self._slots()
         check_keys(name, {key: v for key, v in own.items() if key != EXTRA_KEY}, slots,
                    kind=self._kind)
-        tensors: dict[str, Tensor | None] = {}
-        for key in slots:
-            value = own.get(key)
-            if value is None:
-                if key not in self._optional_state:
-                    raise ValueError(
-                        f"{name} state_dict lacks {key!r} (has {sorted(own, key=str)}); was it "
-                        f"saved from another {self._kind}?"
-                    )
-                tensors[key] = None
-                continue
-            if not isinstance(value, Tensor):
-                raise ValueError(f"{name} state_dict[{key!r}] must be a tensor, got a "
-                                 f"{type(value).__name__}")
-            tensors[key] = value
+        tensors = {key: self._loaded_tensor(key, own) for key in slots}
         rest = {key: value for key, value in extra.items() if key != TYPE_KEY}
         self._check_state(tensors, rest)  # the class's own checks name the setting first
         for key, value in tensors.items():
-            current = slots[key]
-            shape = (self._optional_state[key] if key in self._optional_state
-                     else None if current is None else tuple(current.shape))
-            if value is not None and shape is not None and tuple(value.shape) != shape:
-                raise ValueError(
-                    f"{name} state_dict[{key!r}] has shape {tuple(value.shape)}, expected "
-                    f"{shape}; load a state saved by a {name} built with the same settings "
-                    f"(number of tasks)"
-                )
+            error = None if value is None else self._spec(key).load_error(
+                name, key, value, slots[key], self.__dict__.get("num_tasks"))  # K, where known
+            if error is not None:
+                raise ValueError(error)
         return tensors, rest
+
+    def _loaded_tensor(self, key: str, own: Mapping[str, Any]) -> Tensor | None:
+        """``own[key]``, checked to be a tensor (or absent, for an optional state)."""
+        value = own.get(key)
+        name = type(self).__name__
+        if value is None and not self._spec(key).optional:
+            raise ValueError(f"{name} state_dict lacks {key!r} (has {sorted(own, key=str)}); "
+                             f"was it saved from another {self._kind}?")
+        if value is not None and not isinstance(value, Tensor):
+            raise ValueError(f"{name} state_dict[{key!r}] must be a tensor, got a "
+                             f"{type(value).__name__}")
+        return value
 
     def _commit(self, tensors: dict[str, Tensor | None], extra: dict[str, Any]) -> None:
         """Write a checked state. Parameters and tensors trained in place keep their identity
@@ -229,9 +256,9 @@ class StateModule(PicklableGenerators, nn.Module):
                 current = self._parameters.get(key, self._buffers.get(key))
                 if value is None:
                     self._buffers[key] = None
-                elif current is not None and (key in self._parameters or current.requires_grad):
+                elif current is not None and _trained(self, key, current):
                     current.copy_(value)
-                elif current is not None and key not in self._optional_state:
+                elif current is not None and not self._spec(key).optional:
                     self._buffers[key] = value.detach().to(device=current.device,
                                                            dtype=current.dtype, copy=True)
                 else:
@@ -239,41 +266,16 @@ class StateModule(PicklableGenerators, nn.Module):
                     self._buffers[key] = value.detach().to(device=where, copy=True)
         self._load_extra(extra)
 
-    def _from_legacy(self, flat: Mapping[str, Any]) -> dict[str, Any]:
-        """A flat state of 0.1/0.2 (``"_type"`` and tensors at the top, stateful submodules
-        under ``"<name>."``) in the module format."""
-        state = dict(flat)
-        extra: dict[str, Any] = {TYPE_KEY: state.pop(TYPE_KEY, type(self).__name__)}
-        children = {name: module for name, module in self._modules.items()
-                    if isinstance(module, StateModule)}
-        nested: dict[str, dict[str, Any]] = {name: {} for name in children}
-        slots = self._slots()
-        out: dict[str, Any] = {}
-        for key, value in state.items():
-            head, _, rest = str(key).partition(".")
-            if rest and head in children:
-                nested[head][rest] = value
-            elif (target := _legacy_target(self, key, slots)) is not None:
-                if value is not None:
-                    out[target] = value
-            else:
-                extra[key] = value
-        for name, module in children.items():
-            out.update({f"{name}.{key}": value
-                        for key, value in module._from_legacy(nested[name]).items()})
-        out[EXTRA_KEY] = extra
-        return out
+
+def _trained(module: nn.Module, name: str, current: Tensor) -> bool:
+    """Whether an optimizer steps this tensor in place (a parameter, or a trained buffer)."""
+    return name in module._parameters or current.requires_grad
 
 
-def _legacy_target(module: StateModule, key: Any, slots: Mapping[str, Any]) -> str | None:
-    """The buffer or parameter an old flat key loads into, or None (extra state)."""
-    if key in module._legacy_keys:
-        return module._legacy_keys[key]
-    if key in slots:
-        return str(key)
-    if not module._legacy_keys and f"_{key}" in slots:
-        return f"_{key}"
-    return None
+def _required_keys(tree: list[tuple[StateModule, str]]) -> list[str]:
+    """The keys a load of ``tree`` needs (every slot but the optional ones, the extra state)."""
+    return [prefix + name for module, prefix in tree
+            for name in [*module._slots(), EXTRA_KEY] if not module._spec(name).optional]
 
 
 def _own_entries(state: Mapping[str, Any], prefix: str, module: nn.Module) -> dict[str, Any]:

@@ -25,8 +25,8 @@ def tag_state(owner: object, state: dict[str, Any]) -> dict[str, Any]:
 def untag_state(owner: object, state: Any, kind: str) -> dict[str, Any]:
     """``state`` without :data:`TYPE_KEY`, once checked to be a dict saved by ``owner``'s class.
 
-    ``kind`` names what ``owner`` is (balancer, weighting, clipper) in the messages. An
-    untagged dict (an older file) passes; the caller's key checks then apply.
+    ``kind`` names what ``owner`` is (balancer, weighting, clipper) in the messages; the
+    caller's key checks then apply.
     """
     name = type(owner).__name__
     if not isinstance(state, dict):
@@ -34,12 +34,18 @@ def untag_state(owner: object, state: Any, kind: str) -> dict[str, Any]:
             f"{name}.load_state_dict expects the dict returned by state_dict(), got a "
             f"{type(state).__name__}"
         )
-    check_saved_type(state.get(TYPE_KEY, name), name, kind)
+    check_saved_type(state.get(TYPE_KEY), name, kind)
     return {key: value for key, value in state.items() if key != TYPE_KEY}
 
 
 def check_saved_type(saved: Any, name: str, kind: str) -> None:
     """Raise ``ValueError`` unless the class ``saved`` recorded in a state is ``name``."""
+    if saved is None:
+        raise ValueError(
+            f"state_dict does not name the class that saved it (no {TYPE_KEY!r}): a {kind}'s "
+            f"state loads only into the class that saved it; pass the dict returned by "
+            f"{name}.state_dict()"
+        )
     if saved != name:
         raise ValueError(
             f"state_dict was saved by a {saved}, not a {name}: a {kind}'s state loads only "

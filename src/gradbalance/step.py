@@ -344,8 +344,6 @@ class TaskGradBuffer:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output; works on a freshly built buffer."""
         state = dict(state_dict)
-        if "strategy" in state:  # the key's name before 0.2
-            state["passes"] = state.pop("strategy")
         passes = check_saved_passes(state.pop("passes", None))
         route = state.pop("auto_route", None)  # mode="auto"'s decisions
         tasks = state.pop("gramian_tasks", None)  # the K gramian's forwards plan with

@@ -74,6 +74,7 @@ class Balancer(StateModule):
     * ``from_gramian``: output is ``wᵀ G`` with ``w`` computed from ``G Gᵀ`` (and losses).
     * ``homogeneous``: ``B(sG) = s·B(G)`` for every ``s > 0`` (positive homogeneity).
     * ``needs_losses``: the losses are read (e.g. MGDA's loss normalisation).
+    * ``min_tasks``: the smallest K the settings allow (Krum, TrimmedMean: 3 by default).
     * ``weight_degree`` (weighted balancers): ``δ`` with ``w(c·G Gᵀ) = c^δ w(G Gᵀ)`` for
       every ``c > 0`` (``0``: scale-free weights; Nash-MTL ``−½``). With a degree,
       :meth:`_compute_weights` receives the Gramian normalised to unit largest diagonal
@@ -81,13 +82,19 @@ class Balancer(StateModule):
       gradients' scale. ``None`` (default): the raw Gramian. A class that declares
       ``homogeneous = True`` itself (not through this base class's default) has ``δ = 0``
       unless it says otherwise: ``B(sJ) = s·B(J)`` for ``B = w(J Jᵀ)ᵀ J`` gives
-      ``w(G/t)ᵀ J = w(G)ᵀ J``.
+      ``w(G/t)ᵀ J = w(G)ᵀ J``. Together they give the scaling law
+      :attr:`homogeneous_degree`, which the contract suite checks.
+
+    State is declared with :meth:`register_state` (``per_task`` / ``like_rows``), which makes
+    every call check that the input still has the tasks the state tracks, and generates
+    :meth:`reset` (``docs/ARCHITECTURE.md``, "Extension contract").
     """
 
     name: ClassVar[str] = ""
     from_gramian: bool = False
     homogeneous: bool = True
     needs_losses: bool = False
+    min_tasks: int = 1
     weight_degree: float | None = None
     _kind = "balancer"
 
@@ -122,6 +129,7 @@ class Balancer(StateModule):
         """
         check_matrix("matrix", matrix, self.num_tasks)
         losses = self._check_losses(losses, matrix.shape[0])
+        self.check_tracked_tasks(matrix.shape[0], matrix)
         if self.from_gramian:
             gram = compute_gramian(matrix) if gramian is None else gramian
             self._check_finite_gramian(gram, matrix if gramian is None else None)
@@ -136,6 +144,17 @@ class Balancer(StateModule):
     def forward(self, matrix: Tensor, losses: Tensor | None = None) -> Tensor:
         """Combined gradient ``[P]`` (see :meth:`combine`); ``balancer(matrix, losses)``."""
         return self.combine(matrix, losses).vector
+
+    @property
+    def homogeneous_degree(self) -> float | None:
+        """``a`` with ``B(s·G) = s^a B(G)`` for every ``s > 0``, from the declarations: ``1``
+        for a homogeneous balancer, ``1 + 2δ`` for a weighted one of weight degree ``δ``
+        (:attr:`weight_degree`), None where no such law holds (a step size or an ``ε`` in
+        gradient units)."""
+        if self.homogeneous:
+            return 1.0
+        degree = self._degree() if self.from_gramian else None
+        return None if degree is None else 1.0 + 2.0 * degree
 
     @property
     def shardable(self) -> bool:
@@ -178,6 +197,7 @@ class Balancer(StateModule):
             )
         k = matrix.shape[0]
         losses = self._check_losses(losses, k)
+        self.check_tracked_tasks(k, matrix)
         if gramian is None:
             gram = shard.sum(compute_gramian(matrix))
             if not bool(is_finite_gramian(gram)):  # the same on every rank: all reduce again
@@ -213,11 +233,9 @@ class Balancer(StateModule):
             raise ValueError(f"gramian must be [K, K], got shape {tuple(gramian.shape)}")
         check_matrix("gramian", gramian, self.num_tasks)
         losses = self._check_losses(losses, gramian.shape[0])
+        self.check_tracked_tasks(gramian.shape[0])
         self._check_finite_gramian(gramian)
         return self._scaled_weights(gramian, losses)
-
-    def reset(self) -> None:
-        """Forget all state (as freshly built)."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_tasks={self.num_tasks})"

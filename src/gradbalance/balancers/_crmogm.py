@@ -8,7 +8,7 @@ and Beyond*, NeurIPS (the correlation-reduced weights of CR-MOGM; TorchJD's
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -16,7 +16,6 @@ from torch import Tensor
 from .._checks import as_task_vector, check_range
 from ._base import Balancer
 from ._mgda import MGDA
-from ._state import check_state_tasks
 
 __all__ = ["CRMOGM"]
 
@@ -47,7 +46,6 @@ class CRMOGM(Balancer):
     """
 
     _lambda: Tensor | None
-    _legacy_keys: ClassVar[dict[str, str]] = {"weights": "_lambda"}
 
     name = "crmogm"
     from_gramian = True
@@ -79,7 +77,7 @@ class CRMOGM(Balancer):
         # Instance values of the class flags: they are the inner balancer's.
         self.homogeneous = inner.homogeneous
         self.needs_losses = inner.needs_losses
-        self.register_state("_lambda", None, optional=True)
+        self.register_state("_lambda", None, optional=True, per_task=True)
 
     @property
     def beta(self) -> float:
@@ -92,9 +90,10 @@ class CRMOGM(Balancer):
 
     def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         k = gramian.shape[0]
-        check_state_tasks(type(self).__name__, self._lambda, k)
-        if self._lambda is None and self.initial_weights is not None:
-            check_state_tasks(type(self).__name__, self.initial_weights, k)
+        if self._lambda is None and self.initial_weights is not None \
+                and self.initial_weights.numel() != k:
+            raise ValueError(f"got {k} tasks but {type(self).__name__} has initial_weights for "
+                             f"{self.initial_weights.numel()} tasks; pass one weight per task")
         hat = self.inner._compute_weights(gramian, losses).to(torch.float64)
         if self._lambda is not None:
             prev = self._lambda.to(hat.device)
@@ -109,20 +108,9 @@ class CRMOGM(Balancer):
         if extra:
             raise ValueError(
                 f"CRMOGM state_dict has unexpected keys {sorted(extra, key=str)}: its own state "
-                f"is '_lambda' (0.2: 'weights'), the inner balancer's is under 'inner.'; was "
-                f"it saved from another balancer?"
+                f"is '_lambda', the inner balancer's is under 'inner.'; was it saved from "
+                f"another balancer?"
             )
-        weights = tensors["_lambda"]
-        if weights is not None and self.num_tasks not in (None, weights.numel()):
-            raise ValueError(
-                f"CRMOGM weights are for {weights.numel()} tasks but the balancer was built "
-                f"with num_tasks={self.num_tasks}"
-            )
-
-    def reset(self) -> None:
-        """Forget the average and reset the inner balancer."""
-        self.inner.reset()
-        self._lambda = None
 
     def __repr__(self) -> str:
         return f"CRMOGM(inner={self.inner!r}, beta={self._beta})"

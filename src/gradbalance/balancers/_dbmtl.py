@@ -12,7 +12,6 @@ from .._checks import check_range
 from ..gramian import unit_rows
 from ._base import Balancer, Combination
 from ._shard import Shard, sharded_unit_rows
-from ._state import EmaStepState, check_state_rows
 
 __all__ = ["DBMTL", "dbmtl_update"]
 
@@ -43,7 +42,7 @@ def _dbmtl_update_sharded(ema: Tensor, shard: Shard) -> Tensor:
     return ((inv @ unit).to(torch.float64) * top).to(ema.dtype)
 
 
-class DBMTL(EmaStepState, Balancer):
+class DBMTL(Balancer):
     """DB-MTL's gradient balancing: ``ĝₖ ← β_t ĝₖ + (1 − β_t) gₖ``, ``g = Σₖ (max‖ĝ‖/‖ĝₖ‖) ĝₖ``.
 
     ``β_t = β / t^σ`` at step ``t ≥ 1``; ``ĝ`` starts at 0. DB-MTL's other half, the loss-scale
@@ -62,6 +61,9 @@ class DBMTL(EmaStepState, Balancer):
     sharded trunk) and the step count (buffers ``_ema``, ``_step``).
     """
 
+    _ema: Tensor | None
+    _step: Tensor
+
     name = "dbmtl"
     from_gramian = False
     homogeneous = True
@@ -74,7 +76,8 @@ class DBMTL(EmaStepState, Balancer):
         self.eps = check_range("eps", eps, 0.0, None)
         self.log_losses = bool(log_losses)
         self.needs_losses = self.log_losses
-        self.reset()
+        self.register_state("_ema", None, optional=True, like_rows=True)
+        self.register_state("_step", torch.zeros((), dtype=torch.int64))
 
     def _combine_matrix(self, matrix: Tensor, losses: Tensor | None) -> Combination:
         ema, t = self._next_ema(matrix, losses)
@@ -93,7 +96,6 @@ class DBMTL(EmaStepState, Balancer):
 
     def _next_ema(self, matrix: Tensor, losses: Tensor | None) -> tuple[Tensor, int]:
         """``ĝ`` after this step and the step number ``t`` (the state is not changed)."""
-        check_state_rows(type(self).__name__, self._ema, matrix)
         rows = matrix
         if self.log_losses:
             assert losses is not None

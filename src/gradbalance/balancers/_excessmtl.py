@@ -7,9 +7,6 @@ scale processing).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 import torch
 from torch import Tensor
 
@@ -17,7 +14,6 @@ from .._checks import check_int, check_range
 from ..gramian import unit_rows
 from ._base import Balancer, Combination
 from ._shard import Shard
-from ._state import check_state_rows
 
 __all__ = ["ExcessMTL", "excessmtl_risks"]
 
@@ -85,16 +81,10 @@ class ExcessMTL(Balancer):
                                             low_open=True)
         self.n_warmup_steps = check_int("n_warmup_steps", n_warmup_steps, 0)
         self.eps = check_range("eps", eps, 0.0, None)
-        for name in ("_root_sq_sum", "_weights", "_baseline", "_warmup_sum"):
-            self.register_state(name, None, optional=True)
+        self.register_state("_root_sq_sum", None, optional=True, like_rows=True)
+        for name in ("_weights", "_baseline", "_warmup_sum"):
+            self.register_state(name, None, optional=True, per_task=True)
         self.register_state("_step", torch.zeros((), dtype=torch.int64))
-
-    def reset(self) -> None:
-        self._root_sq_sum = None
-        self._weights = None
-        self._baseline = None
-        self._warmup_sum = None
-        self._step = torch.zeros((), dtype=torch.int64)
 
     def _combine_matrix(self, matrix: Tensor, losses: Tensor | None) -> Combination:
         return self._advance(matrix, None)
@@ -106,7 +96,6 @@ class ExcessMTL(Balancer):
         return self._advance(matrix, shard)
 
     def _advance(self, matrix: Tensor, shard: Shard | None) -> Combination:
-        check_state_rows(type(self).__name__, self._root_sq_sum, matrix)
         k = matrix.shape[0]
         root = matrix.abs() if self._root_sq_sum is None else torch.hypot(
             self._root_sq_sum.to(matrix), matrix)
@@ -131,14 +120,6 @@ class ExcessMTL(Balancer):
         self._warmup_sum = warmup_sum
         self._step = torch.tensor(t + 1, dtype=torch.int64)
         return Combination(weights.to(matrix.dtype) @ matrix, weights)
-
-    def _from_legacy(self, flat: Mapping[str, Any]) -> dict[str, Any]:
-        """Older saves hold ``S`` itself (``"sq_sum"``): it loads as ``R = √S``."""
-        state = dict(flat)
-        sq_sum = state.pop("sq_sum", None)
-        if state.get("root_sq_sum") is None and isinstance(sq_sum, Tensor):
-            state["root_sq_sum"] = sq_sum.detach().sqrt()
-        return super()._from_legacy(state)
 
     def __repr__(self) -> str:
         return (f"ExcessMTL(num_tasks={self.num_tasks}, robust_step_size="

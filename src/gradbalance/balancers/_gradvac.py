@@ -177,7 +177,7 @@ class GradVac(OwnedGeneratorState):
         self.from_gramian = groups is None
         self.generator = check_generator("generator", generator) or private_generator()
         self.register_state("targets", None if num_tasks is None else self._zeros(num_tasks),
-                            optional=True)
+                            optional=True, per_task=True, task_dim=-1)
 
     def _zeros(self, k: int) -> Tensor:
         shape = (k, k) if self.groups is None else (len(self.groups), k, k)
@@ -257,7 +257,7 @@ class GradVac(OwnedGeneratorState):
             self.num_tasks = self.targets.shape[-1]
 
     def _check_targets(self, targets: Tensor | None) -> None:
-        """Saved targets checked against ``groups`` and ``num_tasks``."""
+        """Saved targets checked against ``groups`` (their tasks: the declaration)."""
         if targets is not None:
             expected = 2 if self.groups is None else 3
             if targets.dim() != expected or (
@@ -267,15 +267,6 @@ class GradVac(OwnedGeneratorState):
                     f"GradVac targets have shape {tuple(targets.shape)}, which does not match "
                     f"groups={self.groups}; build the balancer with the same groups"
                 )
-        if targets is not None and self.num_tasks not in (None, targets.shape[-1]):
-            raise ValueError(
-                f"GradVac targets are for {targets.shape[-1]} tasks but the balancer was built "
-                f"with num_tasks={self.num_tasks}"
-            )
-
-    def reset(self) -> None:
-        """Targets back to 0 (the generator keeps running)."""
-        self.targets = None if self.num_tasks is None else self._zeros(self.num_tasks)
 
     def __repr__(self) -> str:
         return (

@@ -61,6 +61,7 @@ class Krum(Balancer):
         super().__init__(num_tasks)
         self.n_byzantine = check_int("n_byzantine", n_byzantine, 0)
         self.n_selected = check_int("n_selected", n_selected, 1)
+        self.min_tasks = max(self.n_byzantine + 3, self.n_selected)
         if num_tasks is not None and num_tasks < max(n_byzantine + 3, n_selected):
             raise ValueError(
                 f"Invalid num_tasks: {num_tasks} (expected num_tasks >= n_byzantine + 3 = "

@@ -17,7 +17,6 @@ from ..gramian import compute_gramian, unit_rows
 from ._base import Balancer, Combination
 from ._modo import modo_step
 from ._shard import Shard, sharded_unit_rows
-from ._state import check_state_rows
 
 __all__ = ["MoCo", "moco_step"]
 
@@ -116,14 +115,9 @@ class MoCo(Balancer):
         self.lambda_update: LambdaUpdate = lambda_update
         self.normalize_grads = bool(normalize_grads)
         self.needs_losses = self.normalize_grads
-        self.register_state("_y", None, optional=True)
-        self.register_state("_lambda", None, optional=True)
+        self.register_state("_y", None, optional=True, like_rows=True)
+        self.register_state("_lambda", None, optional=True, per_task=True)
         self.register_state("_step", torch.zeros((), dtype=torch.int64))
-
-    def reset(self) -> None:
-        self._y = None
-        self._lambda = None
-        self._step = torch.zeros((), dtype=torch.int64)
 
     def _combine_matrix(self, matrix: Tensor, losses: Tensor | None) -> Combination:
         return self._advance(matrix, losses, None)
@@ -136,7 +130,6 @@ class MoCo(Balancer):
 
     def _advance(self, matrix: Tensor, losses: Tensor | None, shard: Shard | None
                  ) -> Combination:
-        check_state_rows(type(self).__name__, self._y, matrix)
         k = matrix.shape[0]
         h = matrix
         if self.normalize_grads:

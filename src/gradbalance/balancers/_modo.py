@@ -13,7 +13,6 @@ from torch import Tensor
 from .._checks import check_range
 from ._base import Balancer
 from ._solvers import project_simplex
-from ._state import check_state_tasks
 
 __all__ = ["MoDo", "modo_step"]
 
@@ -61,14 +60,10 @@ class MoDo(Balancer):
         super().__init__(num_tasks)
         self.gamma = check_range("gamma", gamma, 0.0, None, low_open=True)
         self.rho = check_range("rho", rho, 0.0, None)
-        self.register_state("_lambda", None, optional=True)
-
-    def reset(self) -> None:
-        self._lambda = None
+        self.register_state("_lambda", None, optional=True, per_task=True)
 
     def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         k = gramian.shape[0]
-        check_state_tasks(type(self).__name__, self._lambda, k)
         lam = (torch.full((k,), 1.0 / k, dtype=torch.float64, device=gramian.device)
                if self._lambda is None else self._lambda.to(torch.float64))
         lam = modo_step(lam, gramian.to(torch.float64), self.gamma, self.rho)

@@ -98,7 +98,7 @@ class NashMTL(Balancer):
         self.homogeneous = normalization == "frobenius"
         # w(cG) = w(G)/√c (paper) or w(G) ("frobenius"): the solve sees G / maxₖ Gₖₖ.
         self.weight_degree = 0.0 if normalization == "frobenius" else -0.5
-        self.register_state("alpha", None, optional=True)
+        self.register_state("alpha", None, optional=True, per_task=True)
         self.register_state("step", torch.zeros((), dtype=torch.int64))
 
     def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
@@ -116,23 +116,9 @@ class NashMTL(Balancer):
         self.step = self.step + 1
         return w.to(gramian.device)
 
-    def _check_state(self, tensors: dict[str, Tensor | None], extra: dict[str, Any]) -> None:
-        super()._check_state(tensors, extra)
-        alpha = tensors["alpha"]
-        if alpha is not None and self.num_tasks not in (None, alpha.numel()):
-            raise ValueError(
-                f"NashMTL state is for {alpha.numel()} tasks but the balancer was "
-                f"built with num_tasks={self.num_tasks}"
-            )
-
     def _load_extra(self, extra: dict[str, Any]) -> None:
         if self.alpha is not None:
             self.num_tasks = self.alpha.numel()
-
-    def reset(self) -> None:
-        """Forget the warm start and the call counter."""
-        self.alpha = None
-        self.step = torch.zeros((), dtype=torch.int64)
 
     def __repr__(self) -> str:
         return (

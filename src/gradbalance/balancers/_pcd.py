@@ -17,7 +17,6 @@ from .._checks import check_range
 from ._base import Balancer
 from ._boxqp import is_well_conditioned, ldp, psd_factor
 from ._solvers import solve_box_qp
-from ._state import EmaStepState, check_state_tasks
 
 __all__ = ["PCD", "pcd_weights"]
 
@@ -103,7 +102,7 @@ def _ldp_weights(gramian: Tensor, taus: Tensor) -> Tensor:
     return torch.zeros_like(b) if mu is None else mu
 
 
-class PCD(EmaStepState, Balancer):
+class PCD(Balancer):
     """Follow task 0's gradient, guaranteeing each other task a share of its own progress.
 
     ``d̃ = argmin ½‖d − g̃₁‖²`` s.t. ``g̃ⱼᵀd ≥ τ‖g̃ⱼ‖²``, with normalised rows
@@ -121,6 +120,9 @@ class PCD(EmaStepState, Balancer):
 
     State: the EMA ``[K]`` float64 and the step count (buffers ``_ema``, ``_step``).
     """
+
+    _ema: Tensor | None
+    _step: Tensor
 
     name = "pcd"
     from_gramian = True
@@ -144,7 +146,8 @@ class PCD(EmaStepState, Balancer):
         self.eps = check_range("eps", eps, 0.0, None)
         if num_tasks is not None and num_tasks > _MAX_SECONDARY + 1:
             raise ValueError(f"Invalid num_tasks: {num_tasks} (expected num_tasks <= 16 for PCD)")
-        self.reset()
+        self.register_state("_ema", None, optional=True, per_task=True)
+        self.register_state("_step", torch.zeros((), dtype=torch.int64))
 
     def _taus(self, m: int, device: torch.device) -> Tensor:
         if isinstance(self.tau, Tensor):
@@ -160,7 +163,6 @@ class PCD(EmaStepState, Balancer):
         m = gramian.shape[0]
         if m > _MAX_SECONDARY + 1:
             raise ValueError(f"PCD handles at most 16 tasks, got {m}")
-        check_state_tasks(type(self).__name__, self._ema, m)
         gram = gramian.to(torch.float64)
         taus = self._taus(m, gram.device)
         sq = torch.diagonal(gram).clamp_min(0)

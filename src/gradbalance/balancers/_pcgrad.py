@@ -100,8 +100,5 @@ class PCGrad(OwnedGeneratorState):
             w = w / k
         return w.to(gramian.device)
 
-    def reset(self) -> None:
-        """Nothing to forget: the generator keeps running (re-seed it to repeat orders)."""
-
     def __repr__(self) -> str:
         return f"PCGrad(num_tasks={self.num_tasks}, reduction={self.reduction!r})"

@@ -14,7 +14,6 @@ from torch import Tensor
 from .._checks import as_task_vector, check_int, check_range
 from ._base import Balancer
 from ._solvers import project_simplex
-from ._state import check_state_tasks
 
 __all__ = ["SDMGrad", "sdmgrad_weights"]
 
@@ -80,14 +79,10 @@ class SDMGrad(Balancer):
         self.momentum = check_range("momentum", momentum, 0.0, 1.0, high_open=True)
         self.n_iter = check_int("n_iter", n_iter, 1)
         self.pref_vector = pref
-        self.register_state("_w", None, optional=True)
-
-    def reset(self) -> None:
-        self._w = None
+        self.register_state("_w", None, optional=True, per_task=True)
 
     def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         k = gramian.shape[0]
-        check_state_tasks(type(self).__name__, self._w, k)
         gram = gramian.to(torch.float64)
         w = (torch.full((k,), 1.0 / k, dtype=torch.float64, device=gram.device)
              if self._w is None else self._w)

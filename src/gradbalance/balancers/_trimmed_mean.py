@@ -47,6 +47,7 @@ class TrimmedMean(Balancer):
     def __init__(self, num_tasks: int | None = None, trim_number: int = 1) -> None:
         super().__init__(num_tasks)
         self.trim_number = check_int("trim_number", trim_number, 0)
+        self.min_tasks = 2 * self.trim_number + 1
         if num_tasks is not None and num_tasks < 2 * trim_number + 1:
             raise ValueError(
                 f"Invalid trim_number: {trim_number} (expected 2 * trim_number + 1 <= "

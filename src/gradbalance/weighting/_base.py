@@ -78,6 +78,10 @@ class LossWeighting(StateModule):
       at one layer); all other methods cost no extra backward pass.
     * ``learnable``: :meth:`parameters` yields ``nn.Parameter`` s the *user's* optimizer must
       step (Uncertainty Weighting, IMTL-L).
+    * ``_pending_state``: what a step gathers for :meth:`update` besides the losses.
+
+    Tensor state is declared with :meth:`register_state`, which generates :meth:`reset`;
+    :meth:`_reset_state` resets the rest (counters, an own optimizer, a generator).
 
     Args:
         num_tasks: K; every call checks it.
@@ -91,6 +95,9 @@ class LossWeighting(StateModule):
     _extra_keys: ClassVar[tuple[str, ...]] = ("num_tasks",)
     #: Buffers stepped by the method's own ``optimizer`` (leaves with ``requires_grad``).
     _self_trained: ClassVar[tuple[str, ...]] = ()
+    #: Attributes holding what a step gathers besides the losses for :meth:`update` (None
+    #: between steps): :meth:`pending_tensors` returns them, a skipped step drops them.
+    _pending_state: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, num_tasks: int, *, device: torch.device | str | None = None) -> None:
         super().__init__()
@@ -108,10 +115,13 @@ class LossWeighting(StateModule):
         """Change the state from this step's (finite, summed) losses; default: nothing."""
 
     def _reset_state(self) -> None:
-        """Back to the state at construction."""
+        """Back to the state at construction, beyond the declared state (which
+        :meth:`reset` restores): counters, an own optimizer, a generator."""
 
     def _discard_pending(self) -> None:
-        """Drop per-step data a subclass gathers besides the losses (GradNorm's gradients)."""
+        """Drop what a step gathered besides the losses (:attr:`_pending_state`)."""
+        for name in self._pending_state:
+            setattr(self, name, None)
 
     @property
     def weights(self) -> Tensor:
@@ -202,7 +212,8 @@ class LossWeighting(StateModule):
         changes what :meth:`update` sees: data-parallel training averages them over the ranks
         (:func:`~gradbalance.sync_weighting_`), so that every rank learns from the full batch.
         """
-        return [] if self._pending is None else [self._pending]
+        gathered = [getattr(self, name) for name in self._pending_state]
+        return [t for t in [self._pending, *gathered] if t is not None]
 
     # -- state ----------------------------------------------------------------------------
     def _extra_state(self) -> dict[str, Any]:
@@ -257,6 +268,7 @@ class LossWeighting(StateModule):
         """Forget all state (as freshly built); learnable tensors are reset in place."""
         self._pending, self._pending_calls = None, 0
         self._discard_pending()
+        super().reset()
         self._reset_state()
 
     def __repr__(self) -> str:

@@ -54,16 +54,17 @@ class DWA(LossWeighting):
         self.temperature = check_positive("temperature", temperature)
         self.period = check_optional_int("period", period, 1,
                                          ", or None to close periods with end_period()")
-        for name in ("_weights", "_history", "_window"):
-            self.register_state(name, None)
+        k, dev = self.num_tasks, self.device
+        self.register_state("_weights", torch.ones(k, dtype=torch.float64, device=dev),
+                            per_task=True)
+        self.register_state("_history", torch.zeros(2, k, dtype=torch.float64, device=dev),
+                            per_task=True, task_dim=1)  # L(t-1), L(t-2)
+        self.register_state("_window", torch.zeros(k, dtype=torch.float64, device=dev),
+                            per_task=True)
         self._reset_state()
 
     def _reset_state(self) -> None:
-        k, dev = self.num_tasks, self.device
-        self._weights = torch.ones(k, dtype=torch.float64, device=dev)
-        self._history = torch.zeros(2, k, dtype=torch.float64, device=dev)  # L(t-1), L(t-2)
         self._periods = 0
-        self._window = torch.zeros(k, dtype=torch.float64, device=dev)
         self._window_steps = 0
 
     def _weighted(self, losses: Tensor) -> Tensor:

@@ -63,7 +63,6 @@ class FAMO(OwnOptimizerWeighting):
     _self_trained = ("logits",)
     logits: Tensor
     min_losses: Tensor
-    _initial_min: Tensor
     _last: Tensor
 
     def __init__(self, num_tasks: int, *, lr: float = 0.025, gamma: float = 0.01,
@@ -79,14 +78,14 @@ class FAMO(OwnOptimizerWeighting):
         m = m.detach().to(dtype=torch.float64, device=self.device).clone()
         if m.shape != (k,) or not bool(torch.isfinite(m).all()):
             raise ValueError(f"Invalid min_losses: {m.tolist()} (expected {k} finite numbers)")
-        self.register_state("min_losses", m)
-        self.register_buffer("_initial_min", m.clone(), persistent=False)
+        self.register_state("min_losses", m, per_task=True)
         self._factory = optimizer
         self.register_state("logits", torch.zeros(k, dtype=torch.float64, device=self.device,
-                                                  requires_grad=True))
+                                                  requires_grad=True), per_task=True)
         self.optimizer = self._make_optimizer()
-        self.register_buffer("_last", torch.full((k,), 1.0 / k, dtype=torch.float64,
-                                                 device=self.device), persistent=False)
+        self.register_state("_last", torch.full((k,), 1.0 / k, dtype=torch.float64,
+                                                device=self.device), per_task=True,
+                            persistent=False)
 
     def _make_optimizer(self, logits: Tensor | None = None) -> torch.optim.Optimizer:
         params = [self.logits if logits is None else logits]
@@ -130,9 +129,4 @@ class FAMO(OwnOptimizerWeighting):
         return torch.softmax(self.logits.detach(), dim=0)
 
     def _reset_state(self) -> None:
-        with torch.no_grad():
-            self.logits.zero_()
-        self.min_losses = self._initial_min.clone()
         self.optimizer = self._make_optimizer()
-        k = self.num_tasks
-        self._last = torch.full((k,), 1.0 / k, dtype=torch.float64, device=self.device)

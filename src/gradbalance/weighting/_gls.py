@@ -41,9 +41,9 @@ class GLS(LossWeighting):
                  device: torch.device | str | None = None) -> None:
         super().__init__(num_tasks, device=device)
         self.eps = check_positive("eps", eps)
-        self.register_buffer("_last", torch.full((num_tasks,), 1.0 / num_tasks,
-                                                 dtype=torch.float64, device=self.device),
-                             persistent=False)
+        self.register_state("_last", torch.full((num_tasks,), 1.0 / num_tasks,
+                                                dtype=torch.float64, device=self.device),
+                            per_task=True, persistent=False)
 
     def weights_of(self, losses: Tensor) -> Tensor:
         """The detached weights ``[K]`` (float64) for these losses."""

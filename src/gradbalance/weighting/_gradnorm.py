@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -82,8 +82,7 @@ class GradNorm(OwnOptimizerWeighting):
     name = "gradnorm"
     needs_task_gradients = True
     _self_trained = ("task_weights",)
-    _legacy_keys: ClassVar[dict[str, str]] = {"weights": "task_weights",
-                                              "initial_losses": "_initial"}
+    _pending_state = ("_grads",)  # the summed layer gradients [K, P_layer] of this step
     task_weights: Tensor
     _initial: Tensor | None
 
@@ -106,9 +105,11 @@ class GradNorm(OwnOptimizerWeighting):
             self.layer_params = as_parameter_list("layer", layer)
         self._factory = optimizer
         self.register_state("task_weights", torch.ones(
-            num_tasks, dtype=torch.float64, device=self.device, requires_grad=True))
+            num_tasks, dtype=torch.float64, device=self.device, requires_grad=True),
+            per_task=True)
         self.optimizer = self._make_optimizer()
-        self.register_state("_initial", None, optional=True, shape=(num_tasks,))
+        self.register_state("_initial", None, optional=True, shape=(num_tasks,),
+                            per_task=True)
         self._grads: Tensor | None = None
         self.last_loss_grad: Tensor | None = None
         self.last_norms: Tensor | None = None
@@ -145,13 +146,6 @@ class GradNorm(OwnOptimizerWeighting):
         self._grads = matrix if self._grads is None else self._grads + matrix
         w = self.task_weights.detach().to(dtype=losses.dtype, device=losses.device)
         return w * losses
-
-    def _discard_pending(self) -> None:
-        self._grads = None
-
-    def pending_tensors(self) -> list[Tensor]:
-        """The summed losses and the summed layer gradients ``[K, P_layer]`` of this step."""
-        return super().pending_tensors() + ([] if self._grads is None else [self._grads])
 
     def _apply_update(self, losses: Tensor, losses_after: Tensor | None) -> None:
         assert self._grads is not None
@@ -192,10 +186,7 @@ class GradNorm(OwnOptimizerWeighting):
         return None if self._initial is None else self._initial.clone()
 
     def _reset_state(self) -> None:
-        with torch.no_grad():
-            self.task_weights.fill_(1.0)
         self.optimizer = self._make_optimizer()
-        self._initial = None
         self.last_loss_grad = None
         self.last_norms = None
 

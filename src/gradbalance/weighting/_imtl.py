@@ -27,13 +27,16 @@ class IMTLL(LossWeighting):
     Reference: Liu et al., "Towards Impartial Multi-task Learning", ICLR 2021 (IMTL-L).
     """
 
+    log_scales: nn.Parameter
+
     name = "imtl_l"
     learnable = True
 
     def __init__(self, num_tasks: int, *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None) -> None:
         super().__init__(num_tasks, device=device)
-        self.log_scales = nn.Parameter(torch.zeros(num_tasks, dtype=dtype, device=self.device))
+        self.register_state("log_scales", nn.Parameter(
+            torch.zeros(num_tasks, dtype=dtype, device=self.device)), per_task=True)
 
     def _weighted(self, losses: Tensor) -> Tensor:
         s = self.log_scales.to(dtype=losses.dtype, device=losses.device)
@@ -44,6 +47,3 @@ class IMTLL(LossWeighting):
         """``e^{sₖ}`` ``[K]``."""
         return torch.exp(self.log_scales.detach()).clone()
 
-    def _reset_state(self) -> None:
-        with torch.no_grad():
-            self.log_scales.zero_()

@@ -59,14 +59,12 @@ class RLW(LossWeighting):
             raise ValueError(f"Invalid generator: on {generator.device} (expected a CPU "
                              f"torch.Generator)")
         self.generator = generator
-        self._initial_rng = generator.get_state()
         self.register_state("_weights", random_weights(num_tasks, self.distribution,
-                                                       generator).to(self.device))
+                                                       generator).to(self.device), per_task=True)
+        self._initial_rng = generator.get_state()  # after the first draw, the declared default
 
     def _reset_state(self) -> None:
         self.generator.set_state(self._initial_rng)
-        self._weights = random_weights(self.num_tasks, self.distribution,
-                                       self.generator).to(self.device)
 
     def _weighted(self, losses: Tensor) -> Tensor:
         return self._weights.to(dtype=losses.dtype, device=losses.device) * losses

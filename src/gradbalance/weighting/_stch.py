@@ -76,9 +76,15 @@ class STCH(LossWeighting):
                              persistent=False)
         self.register_buffer("_given_nadir", None if nadir is None else
                              self._vector(nadir, "nadir"), persistent=False)
-        self.register_state("_nadir", None, optional=True, shape=(num_tasks,))
-        self.register_state("_warmup_sum", None)
-        self.register_buffer("_last", None, persistent=False)
+        k, dev = num_tasks, self.device
+        nadir_0 = (self._given_nadir.clone() if self._given_nadir is not None
+                   else torch.ones(k, dtype=torch.float64, device=dev) if warmup_steps == 0
+                   else None)
+        self.register_state("_nadir", nadir_0, optional=True, shape=(k,), per_task=True)
+        self.register_state("_warmup_sum", torch.zeros(k, dtype=torch.float64, device=dev),
+                            per_task=True)
+        self.register_state("_last", torch.ones(k, dtype=torch.float64, device=dev),
+                            per_task=True, persistent=False)
         self._reset_state()
 
     def _vector(self, value: Sequence[float] | Tensor | None, argname: str) -> Tensor:
@@ -92,16 +98,7 @@ class STCH(LossWeighting):
         return v
 
     def _reset_state(self) -> None:
-        k, dev = self.num_tasks, self.device
-        if self._given_nadir is not None:
-            self._nadir = self._given_nadir.clone()
-        elif self.warmup_steps == 0:
-            self._nadir = torch.ones(k, dtype=torch.float64, device=dev)
-        else:
-            self._nadir = None
-        self._warmup_sum = torch.zeros(k, dtype=torch.float64, device=dev)
         self._steps = 0
-        self._last = torch.ones(k, dtype=torch.float64, device=dev)
 
     @property
     def in_warmup(self) -> bool:

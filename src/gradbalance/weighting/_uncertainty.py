@@ -44,6 +44,8 @@ class UncertaintyWeighting(LossWeighting):
     for Scene Geometry and Semantics", CVPR 2018.
     """
 
+    log_vars: nn.Parameter
+
     name = "uncertainty"
     learnable = True
     _factor: Tensor
@@ -65,9 +67,9 @@ class UncertaintyWeighting(LossWeighting):
         self.init_log_var = float(init_log_var)
         self.register_buffer("_factor", torch.tensor([_FORMS[t] for t in types], dtype=dtype,
                                                      device=self.device), persistent=False)
-        self.log_vars = nn.Parameter(
-            torch.full((num_tasks,), self.init_log_var, dtype=dtype, device=self.device)
-        )
+        self.register_state("log_vars", nn.Parameter(
+            torch.full((num_tasks,), self.init_log_var, dtype=dtype, device=self.device)),
+            per_task=True)
 
     def _weighted(self, losses: Tensor) -> Tensor:
         s = self.log_vars.to(dtype=losses.dtype, device=losses.device)
@@ -84,6 +86,3 @@ class UncertaintyWeighting(LossWeighting):
         """``σₖ² = e^{sₖ}`` ``[K]``."""
         return torch.exp(self.log_vars.detach()).clone()
 
-    def _reset_state(self) -> None:
-        with torch.no_grad():
-            self.log_vars.fill_(self.init_log_var)

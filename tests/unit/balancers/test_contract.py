@@ -22,12 +22,15 @@ from gradbalance import NonFiniteGradientError
 from gradbalance.balancers import Balancer
 from gradbalance.functional import combine_rows, compute_gramian
 from support.balancers import FACTORY, build_balancer
+from support.declared_state import (
+    assert_every_tensor_declared,
+    assert_replaced_not_edited,
+    assert_task_sized_state_declared,
+    task_shapes,
+)
 from support.loop_state import assert_same_state
 
 NAMES = sorted(gradbalance.BALANCERS)
-
-#: Smallest K a method accepts with its default arguments (below it: a ValueError).
-MIN_TASKS = {"krum": 3, "trimmedmean": 3}
 
 #: Contract gaps of methods still being worked on: (test, balancer) -> reason. Each runs as a
 #: strict xfail, so the entry must be removed (the suite fails) once the method is fixed.
@@ -87,6 +90,45 @@ def test_registry_entry_is_declared(name: str) -> None:
     b = make(name)
     assert b.num_tasks == K
     assert repr(b).startswith(type(b).__name__)
+    assert b.weight_degree is None or isinstance(b.weight_degree, float)
+    if b.homogeneous and b.weight_degree is not None:  # B(sG) = s B(G) needs δ = 0
+        assert b.weight_degree == 0.0
+    if b.weight_degree is not None:
+        assert b.from_gramian, "weight_degree is for weighted balancers"
+
+
+def test_declared_min_tasks_is_the_smallest_k_that_runs(name: str) -> None:
+    m = make(name).min_tasks
+    if not takes_num_tasks(name):
+        pytest.skip("K is fixed at construction")
+    assert bool(torch.isfinite(run(make(name, k=None), 0, k=m)).all())
+    if m > 1:
+        with pytest.raises(ValueError):
+            run(make(name, k=None), 0, k=m - 1)
+
+
+def test_runs_sharded(name: str) -> None:
+    """A matrix balancer implements ``_combine_matrix_sharded`` (weighted ones need nothing)."""
+    assert make(name).shardable
+
+
+def test_every_state_tensor_is_declared(name: str) -> None:
+    b = make(name)
+    run(b, 0)
+    assert_every_tensor_declared(b)
+
+
+def test_state_whose_size_is_k_is_declared_per_task(name: str) -> None:
+    a, b = make(name), make(name, k=K + 1)
+    run(a, 0)
+    run(b, 0, k=K + 1)
+    assert_task_sized_state_declared(a, task_shapes(a), task_shapes(b), K)
+
+
+def test_state_is_replaced_never_edited_in_place(name: str) -> None:
+    b = make(name)
+    run(b, 0)
+    assert_replaced_not_edited(b, lambda: [run(b, seed) for seed in (1, 2)])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -102,7 +144,7 @@ def test_shape_dtype_device_finite(name: str, dtype: torch.dtype) -> None:
 
 
 def test_single_task_gives_a_nonnegative_multiple_of_its_gradient(name: str) -> None:
-    if MIN_TASKS.get(name, 1) > 1:
+    if make(name).min_tasks > 1:
         with pytest.raises(ValueError):
             make(name, k=1)(matrix(0, k=1), losses_for(0, k=1))
         return
@@ -117,7 +159,7 @@ def test_single_task_gives_a_nonnegative_multiple_of_its_gradient(name: str) -> 
 
 
 def test_zero_gradients_give_zero_update(name: str) -> None:
-    if MIN_TASKS.get(name, 1) > K:
+    if make(name).min_tasks > K:
         pytest.skip("needs more tasks")
     b = make(name)
     out = b(torch.zeros(K, P, dtype=torch.float64), losses_for(0))
@@ -148,14 +190,17 @@ def test_extreme_scales(name: str, scale: float) -> None:
         torch.testing.assert_close(scaled / scale, base, rtol=1e-6, atol=1e-12)
 
 
-def test_homogeneous_over_several_steps(name: str) -> None:
-    """Scaling every input of a run by s scales every output by s (stateful methods too)."""
-    if not gradbalance.BALANCERS[name].homogeneous:
-        pytest.skip("not homogeneous")
+def test_declared_scaling_law_over_several_steps(name: str) -> None:
+    """Scaling every input of a run by s scales every output by s^a, ``a`` the declared
+    ``homogeneous_degree`` (stateful methods too)."""
     a, b = make(name), make(name)
+    degree = a.homogeneous_degree
+    if degree is None:
+        pytest.skip("no scaling law (a step size or an eps in gradient units)")
+    s = 1e3
     for seed in range(3):
         g, lo = matrix(seed), losses_for(seed)
-        torch.testing.assert_close(a(1e3 * g, lo) / 1e3, b(g, lo), rtol=1e-6, atol=1e-12)
+        torch.testing.assert_close(a(s * g, lo) / s**degree, b(g, lo), rtol=1e-6, atol=1e-12)
 
 
 @pytest.mark.parametrize("bad", [42, "0", 1.5, None.__class__], ids=["int", "str", "float", "type"])
@@ -229,7 +274,7 @@ def test_nonfinite_losses_raise_when_read(name: str) -> None:
 
 
 def test_wrong_number_of_tasks_raises(name: str) -> None:
-    if MIN_TASKS.get(name, 1) > K:
+    if make(name).min_tasks > K:
         pytest.skip("needs more tasks")
     b = make(name)
     with pytest.raises(ValueError):

@@ -2,8 +2,8 @@
 
 A balancer attached to a model is in ``model.state_dict()`` (through ``torch.save`` and
 ``torch.load(weights_only=True)``), moves with ``model.to()`` / ``.double()``, adds no
-parameter to ``model.parameters()``, and loads all or nothing; the flat states of 0.1/0.2
-still load. The expected next steps come from an uninterrupted run of the same balancer.
+parameter to ``model.parameters()``, and loads all or nothing. The expected next steps come
+from an uninterrupted run of the same balancer.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from torch import Tensor, nn
 from gradbalance import BALANCERS
 from gradbalance.balancers import CRMOGM, MGDA, Balancer, MoCo, MoDo, PCGrad
 from support.balancers import build_balancer
-from support.legacy_state import to_legacy
 from support.loop_state import assert_same_state
 from support.saved import through_a_file
 
@@ -108,20 +107,6 @@ def test_a_float32_state_cast_to_float64_continues_in_float64() -> None:
     assert torch.equal(a(_matrix(3)), reference(_matrix(3)))
 
 
-@pytest.mark.parametrize("tagged", [True, False], ids=["0.2", "0.1"])
-@pytest.mark.parametrize("name", NAMES)
-def test_a_flat_state_of_older_versions_resumes_like_the_module_state(name: str,
-                                                                      tagged: bool) -> None:
-    state = _stepped(name).state_dict()
-    old = build_balancer(name, K, seed=98)
-    old.load_state_dict(copy.deepcopy(to_legacy(state, tagged=tagged)))
-    new = build_balancer(name, K, seed=97)
-    new.load_state_dict(copy.deepcopy(state))
-    assert_same_state(old.state_dict(), new.state_dict())
-    for a, b in zip(_next_steps(old), _next_steps(new)):
-        assert torch.equal(a, b)
-
-
 def test_another_class_in_the_parent_state_is_refused_and_changes_nothing() -> None:
     model = Model(_stepped("gradvac"))
     target = Model(_stepped("pcgrad", seed=5))
@@ -203,30 +188,6 @@ def test_extra_state_alone_round_trips_and_is_checked() -> None:
     assert torch.equal(target(_matrix(3)), saver(_matrix(3)))
     with pytest.raises(ValueError, match="saved by a GradVac, not a PCGrad"):
         target.set_extra_state(_stepped("gradvac").get_extra_state())
-
-
-class Doubled(Balancer):
-    """A subclass written for 0.2: its ``__init__`` never calls ``super().__init__()``."""
-
-    from_gramian = True
-    weight_degree = 0.0
-
-    def __init__(self, inner: Balancer) -> None:
-        self.inner = inner
-        self.num_tasks = inner.num_tasks
-
-    def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
-        return 2 * self.inner._compute_weights(gramian, losses)
-
-
-def test_a_subclass_that_never_calls_super_init_still_works() -> None:
-    doubled = Doubled(PCGrad(generator=torch.Generator().manual_seed(3)))
-    plain = PCGrad(generator=torch.Generator().manual_seed(3))
-    assert torch.equal(doubled(_matrix(0)), 2 * plain(_matrix(0)))
-    assert set(doubled.state_dict()) == {"_extra_state", "inner._extra_state"}
-    fresh = Doubled(PCGrad())
-    fresh.load_state_dict(doubled.state_dict())
-    assert torch.equal(fresh(_matrix(1)), doubled(_matrix(1)))
 
 
 def _child(rank: int, model: Model, out: str) -> None:

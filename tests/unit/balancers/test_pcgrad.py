@@ -51,4 +51,4 @@ def test_invalid_arguments() -> None:
     with pytest.raises(ValueError, match="reduction"):
         PCGrad(reduction="max")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="generator"):
-        PCGrad().load_state_dict({"targets": None})
+        PCGrad().load_state_dict({"_extra_state": {"_type": "PCGrad", "targets": None}})

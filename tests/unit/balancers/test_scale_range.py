@@ -5,9 +5,10 @@ The references never touch the scale-safe code (``gradbalance.gramian``, the bas
 normalisation): a weighted method's own weight rule on the plain float64 Gramian
 ``g @ g.T`` of the float64 rows, a textbook float64 implementation for the matrix methods
 and for the methods whose state or step is in gradient units. A method with a scaling law
-``B(sJ) = s^a B(J)`` is compared with ``s^a`` times its answer on the unit-scale rows (the
-input's own values divided by ``s``); the others (MoCo, MoDo, PCD, ExcessMTL: a step size or
-an ``ε`` in gradient units) with their float64 answer at the same scale.
+``B(sJ) = s^a B(J)`` (its declared ``homogeneous_degree``) is compared with ``s^a`` times
+its answer on the unit-scale rows (the input's own values divided by ``s``); the others
+(MoCo, MoDo, PCD, ExcessMTL: a step size or an ``ε`` in gradient units) with their float64
+answer at the same scale.
 
 Before the fix (same grid as ``test_extreme_scales_regression``): float32 rows of norm above
 ~1.8e19 raised ``NonFiniteGradientError`` in 20 balancers, 1e-30 rows gave zero updates or
@@ -34,12 +35,6 @@ from gradbalance.gramian import compute_gramian, cosine_matrix, linear_gramian, 
 from support.balancers import build_balancer
 
 NAMES = sorted(gradbalance.BALANCERS)
-MIN_TASKS = {"krum": 3, "trimmedmean": 3}
-#: ``a`` of ``B(sJ) = s^a B(J)`` for the non-homogeneous methods that have a law (defaults:
-#: Nash-MTL's paper normalisation, FairGrad's α = 1).
-LAWS = {"nashmtl": 0.0, "fairgrad": 0.0}
-#: Step sizes or ε in gradient units: compared at the same scale.
-SAME_SCALE = {"moco", "modo", "pcd", "excessmtl"}
 
 
 # -- references (float64, no library Gramian code) ----------------------------------------
@@ -141,16 +136,6 @@ def losses_for(seed: int, k: int) -> Tensor:
     return torch.rand(k, generator=gen, dtype=torch.float64) + 0.5
 
 
-def exponent(name: str) -> float | None:
-    """``a`` in ``B(sJ) = s^a B(J)``, or None (compare at the same scale)."""
-    if name in SAME_SCALE:
-        return None
-    if name in LAWS:
-        return LAWS[name]
-    assert gradbalance.BALANCERS[name].homogeneous, name
-    return 1.0
-
-
 def assert_matches(out: Tensor, ref: Tensor, rtol: float, context: str) -> None:
     """Cosine ≥ 0.999 and the same norm to ``rtol``; a zero reference needs a zero update."""
     out = out.double()
@@ -169,7 +154,7 @@ def check_scale(name: str, k: int, p: int, seed: int, scale: float, dtype: torch
                 conflict: bool = True, steps: int = 2) -> None:
     """``steps`` calls of the balancer on rows of norm ~``scale`` vs the float64 reference."""
     tested, ref = build_balancer(name, k, seed), Reference(build_balancer(name, k, seed), dtype)
-    a = exponent(name)
+    a = tested.homogeneous_degree  # None: compared at the same scale
     for step in range(steps):
         g_in = (rows(100 * seed + step, k, p, conflict) * scale).to(dtype)
         losses = losses_for(step, k)
@@ -185,7 +170,7 @@ def check_scale(name: str, k: int, p: int, seed: int, scale: float, dtype: torch
 @st.composite
 def cases(draw: st.DrawFn, name: str) -> tuple[int, int, int, float, torch.dtype, bool]:
     dtype = draw(st.sampled_from([torch.float32, torch.float64]))
-    k = draw(st.integers(MIN_TASKS.get(name, 1), 5))
+    k = draw(st.integers(build_balancer(name, 5).min_tasks, 5))
     # Full-rank rows (P ≥ K; float32 P ≥ K + 2). On a singular Gramian the pseudo-inverse
     # and active-set methods' rank decisions follow rounding at every scale, scale 1 included
     # (a conditioning matter, not a range one: tests/unit/balancers/test_solvers.py).
@@ -208,14 +193,14 @@ def test_float64_answer_across_scales(name: str, data: st.DataObject) -> None:
 def test_extreme_scales_regression(name: str, scale: float, dtype: torch.dtype) -> None:
     # The reported reproductions: fp32 rows of norm > 1.8e19 raised NonFiniteGradientError;
     # 1e-30 rows gave zero updates or wrong directions; MoCo/MoDo raised IndexError.
-    check_scale(name, max(3, MIN_TASKS.get(name, 1)), 6, 0, scale, dtype)
+    check_scale(name, max(3, build_balancer(name, 5).min_tasks), 6, 0, scale, dtype)
 
 
 @pytest.mark.parametrize("scale", [1e-150, 1e150])
 @pytest.mark.parametrize("name", NAMES)
 def test_float64_beyond_the_float32_range(name: str, scale: float) -> None:
     # The documented float64 range: ‖gₖ‖² stays a normal float64 down to 1e-300.
-    check_scale(name, max(3, MIN_TASKS.get(name, 1)), 6, 1, scale, torch.float64)
+    check_scale(name, max(3, build_balancer(name, 5).min_tasks), 6, 1, scale, torch.float64)
 
 
 @pytest.mark.parametrize("norm", [1.7e9, 1e12, 1e30])
@@ -246,7 +231,7 @@ def test_mixed_row_scales_float64() -> None:
                                              dtype=torch.float64)
     for name in NAMES:
         b = build_balancer(name, 4, 0)
-        if not b.from_gramian or name in SAME_SCALE:
+        if not b.from_gramian or b.homogeneous_degree is None:
             continue
         expected = Reference(build_balancer(name, 4, 0), torch.float64)(g, losses_for(0, 4))
         assert_matches(b(g, losses_for(0, 4)), expected, 1e-6, f"{name} mixed")

@@ -36,6 +36,7 @@ from gradbalance.balancers import _graddrop as graddrop_module
 from gradbalance.functional import compute_gramian, graddrop_update
 from support.balancers import build_balancer
 from support.ddp import spawn_bounded
+from support.declared_state import modules
 from support.sharded import (
     GLOO_SHAPES,
     Runs,
@@ -70,11 +71,6 @@ MAKERS: dict[str, Maker] = {
     **VARIANTS,
 }
 NAMES = sorted(MAKERS)
-
-#: State entries that are per column ([K, P] single-process, [K, P_local] on a rank), by the
-#: class that saved the state.
-#: state entries that hold one value per column (a rank keeps its own columns)
-PER_COLUMN = {"DBMTL": {"_ema"}, "MoCo": {"_y"}, "ExcessMTL": {"_root_sq_sum"}}
 
 TOL = {torch.float32: 1e-6, torch.float64: 1e-12}
 STEPS = 3
@@ -128,20 +124,23 @@ def _close(found: Tensor, expected: Tensor, tol: float, what: str) -> None:
     assert diff <= tol * scale or diff == 0.0, f"{what}: |diff| {diff:.3e}, |expected| {scale:.3e}"
 
 
+def _per_column(balancer: Balancer) -> set[str]:
+    """The state keys declared ``like_rows``: one value per column, a rank keeps its own."""
+    return {f"{prefix}{name}" for prefix, module in modules(balancer)
+            for name, spec in module.state_specs.items() if spec.like_rows}
+
+
 def _same_state(single: Any, ranks: list[Any], splits: list[Runs], tol: float,
-                key: str = "state", per_column: bool = False) -> None:
+                per_column: set[str], key: str = "state", columns: bool = False) -> None:
     """Each rank's state equals the single process's: per-column entries after gathering the
     ranks' columns, everything else on every rank (generators bit for bit)."""
     if isinstance(single, dict):
         for rank_state in ranks:
             assert set(rank_state) == set(single), key
-        extra = single.get("_extra_state")
-        owner = extra.get("_type", "") if isinstance(extra, dict) else ""
-        columns_here = PER_COLUMN.get(owner, set())
         for name in single:
-            _same_state(single[name], [r[name] for r in ranks], splits, tol, f"{key}.{name}",
-                        name in columns_here)
-    elif isinstance(single, Tensor) and per_column:
+            _same_state(single[name], [r[name] for r in ranks], splits, tol, per_column,
+                        f"{key}.{name}", name in per_column)
+    elif isinstance(single, Tensor) and columns:
         _close(gather(ranks, splits, single.shape[-1]), single, tol, key)
     elif isinstance(single, Tensor) and not single.is_floating_point():
         for rank_state in ranks:
@@ -218,7 +217,8 @@ def check_sharded(name: str, k: int, p: int, splits: list[Runs], dtype: torch.dt
             assert (weights is None) == (want.weights is None)
             if weights is not None and want.weights is not None:
                 _close(weights, want.weights, tol, f"{name} step {step} weights")
-    _same_state(single.state_dict(), [b.state_dict() for b in balancers], splits, tol)
+    _same_state(single.state_dict(), [b.state_dict() for b in balancers], splits, tol,
+                _per_column(single))
 
 
 # -- every balancer -----------------------------------------------------------------------
@@ -444,7 +444,8 @@ def test_two_gloo_ranks_match_the_single_process() -> None:
                 assert (weights is None) == (want.weights is None)
                 if weights is not None and want.weights is not None:
                     _close(weights, want.weights, TOL[torch.float32], f"{name} weights")
-        _same_state(single.state_dict(), [r[name]["state"] for r in ranks], splits, 0.0)
+        _same_state(single.state_dict(), [r[name]["state"] for r in ranks], splits, 0.0,
+                    _per_column(single))
 
 
 @pytest.mark.parametrize(("name", "given_gramian", "reduces"), [

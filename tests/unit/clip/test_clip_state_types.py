@@ -36,15 +36,16 @@ def test_state_of_one_auto_clipper_is_refused_by_the_other(saver: type, loader: 
 
 
 @pytest.mark.parametrize("cls", [AutoClip, TaskAutoClip])
-def test_unknown_key_is_refused_and_old_untagged_state_loads(cls: type) -> None:
+def test_unknown_key_and_untagged_state_are_refused(cls: type) -> None:
     source = cls(history_size=8)
     _warm(source)
     state = source.state_dict()
     assert state["_type"] == cls.__name__
     with pytest.raises(ValueError, match="unexpected keys"):
         cls(history_size=8).load_state_dict({**state, "targets": None})
-    untagged = {k: v for k, v in state.items() if k != "_type"}  # saved before the tag existed
+    untagged = {k: v for k, v in state.items() if k != "_type"}  # no class named
     fresh = cls(history_size=8)
-    fresh.load_state_dict(untagged)
-    assert torch.equal(fresh.state_dict()["history"], state["history"])
-    assert fresh.state_dict()["count"] == state["count"]
+    before = fresh.state_dict()
+    with pytest.raises(ValueError, match="does not name the class"):
+        fresh.load_state_dict(untagged)
+    assert fresh.state_dict() == before  # nothing loaded (a fresh clipper: no history yet)

@@ -2,8 +2,8 @@
 
 Each state names its class under ``"_type"`` in its extra state; a state from another class,
 or with a key the class does not know, raises ``ValueError`` and leaves the object unchanged.
-States in the flat format of 0.2 (``"_type"`` at the top) and of 0.1 (no ``"_type"``) still
-load into their own class (``support.legacy_state`` writes them).
+A state that does not name its class (no ``"_type"``, or no extra state at all) is refused
+too: only the class name tells two states with the same keys apart.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from gradbalance import BALANCERS
 from gradbalance.balancers import Shard
 from gradbalance.weighting import WEIGHTINGS
 from support.balancers import build_balancer
-from support.legacy_state import to_legacy
 from support.loop_state import assert_same_state
 from support.weighting import Tiny, data, make, train_step, user_optimizer
 
@@ -75,8 +74,13 @@ def _fresh_weighting(name: str) -> Any:
 
 
 def _untagged(state: dict[str, Any]) -> dict[str, Any]:
-    """The state as 0.1 wrote it: flat, no ``"_type"`` (nested ones included, e.g. CRMOGM's)."""
-    return to_legacy(state, tagged=False)
+    """The state with ``"_type"`` taken out of its extra state (nested ones included)."""
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if key.split(".")[-1] == EXTRA_KEY and isinstance(value, dict):
+            value = {k: v for k, v in value.items() if k != TYPE_KEY}
+        out[key] = value
+    return out
 
 
 def _assert_refused(target: Any, state: dict[str, Any], match: str | None = None) -> None:
@@ -222,26 +226,22 @@ def test_the_cases_of_the_issue() -> None:
     pcgrad = build_balancer("pcgrad", K, seed=1)
     _assert_refused(pcgrad, _balancer_state("gradvac"), match="saved by a GradVac")
     graddrop = build_balancer("graddrop", K, seed=1)
-    assert set(_untagged(_balancer_state("pcgrad"))) == set(_untagged(graddrop.state_dict()))
+    assert set(_balancer_state("pcgrad")) == set(graddrop.state_dict())
     _assert_refused(graddrop, _balancer_state("pcgrad"), match="saved by a PCGrad")
 
 
 # -- unknown keys ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("untag", [False, True], ids=["tagged", "untagged"])
 @pytest.mark.parametrize("name", BALANCER_NAMES)
-def test_balancer_refuses_an_unknown_key(name: str, untag: bool) -> None:
-    state = _balancer_state(name)
-    state = {**(_untagged(state) if untag else state), "bogus": torch.zeros(2)}
+def test_balancer_refuses_an_unknown_key(name: str) -> None:
+    state = {**_balancer_state(name), "bogus": torch.zeros(2)}
     _assert_refused(build_balancer(name, K, seed=1), state, match="bogus")
 
 
-@pytest.mark.parametrize("untag", [False, True], ids=["tagged", "untagged"])
 @pytest.mark.parametrize("name", WEIGHTING_NAMES)
-def test_weighting_refuses_an_unknown_key(name: str, untag: bool) -> None:
-    state = _weighting_state(name)
-    state = {**(_untagged(state) if untag else state), "bogus": torch.zeros(2)}
+def test_weighting_refuses_an_unknown_key(name: str) -> None:
+    state = {**_weighting_state(name), "bogus": torch.zeros(2)}
     _assert_refused(_fresh_weighting(name), state, match="bogus")
 
 
@@ -262,58 +262,34 @@ def test_a_state_that_is_not_a_dict_is_refused(state: Any) -> None:
     _assert_refused(_fresh_weighting("uncertainty"), state, match="expects the dict")
 
 
-# -- states written before "_type" ------------------------------------------------------------
+# -- a state that does not name its class --------------------------------------------------
 
 
-@pytest.mark.parametrize("name", BALANCER_NAMES)
-def test_untagged_balancer_state_still_resumes(name: str) -> None:
-    a = _stepped_balancer(name)
-    b = build_balancer(name, K, seed=99)
-    b.load_state_dict(_untagged(a.state_dict()))
-    for step in range(3, 6):
-        assert torch.equal(b(_matrix(step), _losses(step)), a(_matrix(step), _losses(step)))
+@pytest.mark.parametrize("name", _distinct(BALANCERS))
+def test_balancer_refuses_its_own_state_without_the_class_name(name: str) -> None:
+    _assert_refused(build_balancer(name, K, seed=1), _untagged(_balancer_state(name)))
 
 
-@pytest.mark.parametrize("name", WEIGHTING_NAMES)
-def test_untagged_weighting_state_still_loads(name: str) -> None:
-    saved = _weighting_state(name)
-    fresh = _fresh_weighting(name)
-    fresh.load_state_dict(_untagged(saved))
-    assert_same_state(fresh.state_dict(), saved)
+@pytest.mark.parametrize("name", _distinct(WEIGHTINGS))
+def test_weighting_refuses_its_own_state_without_the_class_name(name: str) -> None:
+    _assert_refused(_fresh_weighting(name), _untagged(_weighting_state(name)))
 
 
-def _assert_loses_no_key(target: Any, state: dict[str, Any]) -> None:
-    """Without the class name only the keys can tell: a load that passes drops nothing."""
-    own_keys = set(_untagged(target.state_dict()))
-    try:
-        target.load_state_dict(copy.deepcopy(state))
-    except ValueError:
-        return
-    assert set(state) <= own_keys, (
-        f"{type(target).__name__} accepted keys {sorted(set(state) - own_keys)} it does not keep")
-
-
-@pytest.mark.parametrize(("saved", "target"), _ring(BALANCERS) + SAME_KEYS + SIBLINGS)
-def test_untagged_state_of_another_balancer_never_loses_a_key(saved: str, target: str) -> None:
-    _assert_loses_no_key(build_balancer(target, K, seed=1), _untagged(_balancer_state(saved)))
+@pytest.mark.parametrize("name", ["pcgrad", "uncertainty"])
+def test_a_state_without_extra_state_is_refused(name: str) -> None:
+    """The flat states of unreleased versions: no ``_extra_state``, so no class name."""
+    target = build_balancer(name, K, seed=1) if name in BALANCERS else _fresh_weighting(name)
+    saved = _balancer_state(name) if name in BALANCERS else _weighting_state(name)
+    flat = {key: value for key, value in saved.items() if key != EXTRA_KEY}
+    _assert_refused(target, flat, match=EXTRA_KEY)
 
 
 @settings(max_examples=60, deadline=None)
 @given(pair=_pairs)
-def test_untagged_state_of_any_other_class_never_loses_a_key(
+def test_no_state_without_the_class_name_loads_into_another_class(
         pair: tuple[tuple[str, str], tuple[str, str]]) -> None:
     saved, target = pair
-    _assert_loses_no_key(_fresh(target), _untagged(_state_of(saved)))
-
-
-def test_untagged_states_are_told_apart_by_their_keys_only() -> None:
-    """PCGrad's untagged generator loads into GradDrop (the same key); GradVac's targets
-    are a key PCGrad does not keep, so PCGrad refuses them and keeps its own state."""
-    graddrop = build_balancer("graddrop", K, seed=1)
-    graddrop.load_state_dict(_untagged(_balancer_state("pcgrad")))
-    assert_same_state(_untagged(graddrop.state_dict()), _untagged(_balancer_state("pcgrad")))
-    _assert_refused(build_balancer("pcgrad", K, seed=1), _untagged(_balancer_state("gradvac")),
-                    match="targets")
+    _assert_refused(_fresh(target), _untagged(_state_of(saved)))
 
 
 # -- a subclass is another class --------------------------------------------------------------

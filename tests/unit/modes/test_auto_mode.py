@@ -289,7 +289,7 @@ def test_states_without_a_route_load_and_bad_ones_raise() -> None:
     _run(model, x, y, matrix, UPGrad(), SCHEDULE[:2])
     buf = _buffer(model, "auto")
     buf.load_state_dict(matrix.state_dict())  # a matrix buffer's state: no decisions
-    buf.load_state_dict({"update_every": 1, "step": 0, "weights": None, "strategy": "loop"})
+    buf.load_state_dict({"update_every": 1, "step": 0, "weights": None, "passes": "loop"})
     assert [s.route for s in _run(model, x, y, buf, UPGrad(), SCHEDULE[:2])] == [
         "matrix", "gramian"]
     state = buf.state_dict()

@@ -5,13 +5,21 @@ from __future__ import annotations
 import copy
 import inspect
 import re
+from collections.abc import Callable
 
 import pytest
 import torch
+from torch import Tensor
 
 import gradbalance
 from gradbalance import NonFiniteGradientError
 from gradbalance.weighting import WEIGHTINGS, LossWeighting, get_weighting
+from support.declared_state import (
+    assert_every_tensor_declared,
+    assert_replaced_not_edited,
+    assert_task_sized_state_declared,
+    task_shapes,
+)
 from support.weighting import K, Tiny, assert_states_equal, data, make, train_step, user_optimizer
 
 NAMES = sorted(WEIGHTINGS)
@@ -162,6 +170,37 @@ def test_reset_restores_construction_state(name: str) -> None:
         train_step(w, model, opt, x, y)
     w.reset()
     assert_states_equal(fresh, w.state_dict())
+
+
+def _stepper(name: str, k: int = K) -> tuple[LossWeighting, Callable[[], Tensor]]:
+    """A weighting and one training step of it on a fixed batch."""
+    model = Tiny(k=k)
+    w = make(name, model, k=k)
+    opt = user_optimizer(w, model)
+    x, y = data(k=k)
+    return w, lambda: train_step(w, model, opt, x, y)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_state_tensor_is_declared(name: str) -> None:
+    w, step = _stepper(name)
+    step()
+    assert_every_tensor_declared(w)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_state_whose_size_is_k_is_declared_per_task(name: str) -> None:
+    (a, step_a), (b, step_b) = _stepper(name), _stepper(name, K + 1)
+    step_a()
+    step_b()
+    assert_task_sized_state_declared(a, task_shapes(a), task_shapes(b), K)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_state_is_replaced_never_edited_in_place(name: str) -> None:
+    w, step = _stepper(name)
+    step()
+    assert_replaced_not_edited(w, lambda: [step() for _ in range(3)])
 
 
 def test_update_without_call_is_an_error() -> None:

@@ -27,7 +27,6 @@ from gradbalance.weighting import (
     LossWeighting,
     UncertaintyWeighting,
 )
-from support.legacy_state import to_legacy
 from support.loop_state import assert_same_state
 from support.saved import through_a_file
 from support.weighting import K, Tiny, data, make, train_step
@@ -162,27 +161,6 @@ def test_the_models_optimizer_never_steps_gradnorms_weights() -> None:
     ref_opt = torch.optim.AdamW(reference.net.parameters(), lr=0.5, weight_decay=0.5)
     for ours, theirs in zip(_steps(model, opt, 3), _steps(reference, ref_opt, 3)):
         assert torch.equal(ours, theirs)
-
-
-@pytest.mark.parametrize("tagged", [True, False], ids=["0.2", "0.1"])
-@pytest.mark.parametrize("name", NAMES)
-def test_a_flat_state_of_older_versions_resumes_like_the_module_state(name: str,
-                                                                      tagged: bool) -> None:
-    model = Model(name)
-    opt = _optimizer(model)
-    _steps(model, opt, 3)
-    state, net, opt_state = (model.weighting.state_dict(), model.net.state_dict(),
-                             opt.state_dict())
-    runs = []
-    for saved in (to_legacy(state, tagged=tagged), state):
-        fresh = Model(name, seed=7)
-        fresh.net.load_state_dict(net)
-        fresh.weighting.load_state_dict(copy.deepcopy(saved))
-        fresh_opt = _optimizer(fresh)
-        fresh_opt.load_state_dict(copy.deepcopy(opt_state))
-        runs.append(_steps(fresh, fresh_opt, 3))
-    for a, b in zip(*runs):
-        assert torch.equal(a, b)
 
 
 def test_another_class_in_the_model_state_is_refused_and_changes_nothing() -> None:

@@ -1,0 +1,75 @@
+"""Declared state: what :meth:`~gradbalance._module.StateModule.register_state` records.
+
+One declaration per state tensor gives it its value at construction and after ``reset()``,
+the checks of a loaded value (its shape, its number of tasks) and, for a balancer, the check
+on every call that the input still has the tasks (and, for state shaped like the task
+gradients, the columns) the state was built from, so a mismatch raises instead of
+broadcasting silently (``docs/ARCHITECTURE.md``, "Extension contract").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """One declared state tensor.
+
+    ``default``: a detached copy of the value at construction (None: unset until the first
+    call); ``optional``: may be None, and is then absent from ``state_dict``; ``shape``: the
+    shape a loaded optional value must have (None: any); ``task_dim``: the dimension with one
+    entry per task (None: not per task); ``like_rows``: the shape of the task-gradient rows
+    ``[K, P]`` (a rank's ``[K, P_local]`` columns on a sharded trunk); ``persistent``: saved in
+    ``state_dict`` (a non-persistent one is only reset).
+    """
+
+    default: Tensor | None
+    optional: bool = False
+    shape: tuple[int, ...] | None = None
+    task_dim: int | None = None
+    like_rows: bool = False
+    persistent: bool = True
+
+    def initial(self, current: Tensor | None, home: torch.device | None) -> Tensor | None:
+        """A fresh copy of the default, where the current value (else ``home``) lives."""
+        if self.default is None:
+            return None
+        where = current.device if current is not None else home or self.default.device
+        return self.default.to(device=where, copy=True)
+
+    def call_error(self, owner: str, value: Tensor | None, k: int,
+                   rows: Tensor | None) -> str | None:
+        """Why ``value`` cannot go on with ``k`` tasks (and ``rows``), or None."""
+        if value is None:
+            return None
+        if self.like_rows and rows is not None and value.shape != rows.shape:
+            return (f"matrix has shape {tuple(rows.shape)} but {owner} tracks state of shape "
+                    f"{tuple(value.shape)} from earlier calls; pass the same tasks and "
+                    f"parameters every step, or call reset() first")
+        if self.task_dim is not None and value.shape[self.task_dim] != k:
+            return (f"got {k} tasks but {owner} tracks weights for "
+                    f"{value.shape[self.task_dim]} tasks from earlier calls; pass the same "
+                    f"tasks every step, or call reset() first")
+        return None
+
+    def load_error(self, owner: str, key: str, value: Tensor, current: Tensor | None,
+                   num_tasks: int | None) -> str | None:
+        """Why a loaded ``value`` cannot replace ``current``, or None."""
+        if self.task_dim is not None and num_tasks is not None:
+            found = value.shape[self.task_dim] if value.dim() > self.task_dim >= -value.dim() \
+                else None
+            if found != num_tasks:
+                return (f"{owner} state_dict[{key!r}] has shape {tuple(value.shape)}, not one "
+                        f"entry per task along dim {self.task_dim}: {owner} was built with "
+                        f"num_tasks={num_tasks}; load a state saved with the same number of "
+                        f"tasks")
+        shape = self.shape if self.optional else None if current is None else current.shape
+        if shape is not None and tuple(value.shape) != tuple(shape):
+            return (f"{owner} state_dict[{key!r}] has shape {tuple(value.shape)}, expected "
+                    f"{tuple(shape)}; load a state saved by a {owner} built with the same "
+                    f"settings (number of tasks)")
+        return None
