@@ -115,12 +115,15 @@ def _code(name: str) -> int:
     return zlib.crc32(name.encode())
 
 
-_KNOWN_NAMES = ("matrix", "gramian", "features", "torch.float16", "torch.bfloat16",
-                "torch.float32", "torch.float64")
+_DTYPE_NAMES = ("torch.float16", "torch.bfloat16", "torch.float32", "torch.float64")
 
 
 def _name_of(code: int, local: str) -> str:
-    for name in (local, *_KNOWN_NAMES):
+    """The name (this rank's, a mode of :data:`~gradbalance.modes.ENGINES`, a dtype) whose
+    code is ``code``."""
+    from .modes import ENGINES  # the one table of mode names (gradbalance.modes imports this)
+
+    for name in (local, *ENGINES, *_DTYPE_NAMES):
         if _code(name) == code:
             return name
     return f"<unknown, code {code}>"

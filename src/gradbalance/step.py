@@ -47,7 +47,6 @@ from .modes import Engine, Mode, StepInput, make_engine
 from .modes._amortize import ReusedStep, WeightCache
 from .modes._engine import check_saved_passes
 from .modes._rollback import GradSnapshot, StateSnapshot
-from .modes._sharded import make_sharded_engine
 from .modes._sharded_reuse import ShardedReusedStep
 from .stats import StepStats
 from .taskgrads import ParamLayout, Passes, TaskRoots, resolve_passes
@@ -152,8 +151,7 @@ class TaskGradBuffer:
         self.update_every = update_every
         self._cache = WeightCache(update_every)
         self.sharded = is_sharded(shared)  # a trunk under FSDP2's fully_shard
-        self._engine: Engine = (make_sharded_engine if self.sharded else make_engine)(
-            mode, self.layout, heads, passes, modules)
+        self._engine: Engine = make_engine(mode, self.layout, heads, passes, modules)
         self._losses: Tensor | None = None
         self._count = 0
         self._scaler: Any = None

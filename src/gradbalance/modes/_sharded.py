@@ -38,13 +38,7 @@ from ..taskgrads import ParamLayout, Passes, TaskRoots
 from ._engine import StepInput, commit, reject_features, settle
 from ._sharded_passes import ShardedWriteBack, sharded_passes, sharded_stats
 
-__all__ = ["ShardedMatrixMode", "check_sharded_balancer", "check_sharded_clip"]
-
-
-def check_sharded_balancer(balancer: Balancer) -> None:
-    """Raise ``TypeError`` before anything moves if ``balancer`` cannot run on local columns
-    (:attr:`~gradbalance.balancers.Balancer.shardable`)."""
-    balancer.check_shardable()
+__all__ = ["ShardedMatrixMode", "check_sharded_clip"]
 
 
 def check_sharded_clip(clip: RowClipper | None) -> None:
@@ -79,7 +73,7 @@ class ShardedMatrixMode:
         reject_features(self.mode, features)
 
     def check_apply(self, balancer: Balancer, clip: RowClipper | None) -> None:
-        check_sharded_balancer(balancer)
+        balancer.check_shardable()
         check_sharded_clip(clip)
 
     def backward(self, roots: TaskRoots, first: bool, features: Tensor | None = None) -> None:
@@ -137,25 +131,3 @@ def _clip_rows(clip: RowClipper, matrix: Tensor, norms: Tensor) -> None:
         return
     coefficients: Tensor = clip.coefficients(norms)  # type: ignore[attr-defined]
     matrix.mul_(coefficients.to(device=matrix.device, dtype=matrix.dtype)[:, None])
-
-
-def make_sharded_engine(mode: str, layout: ParamLayout, head_params: list[Tensor],
-                        passes: Passes, modules: Any = None) -> Any:
-    """The engine of ``mode`` over a trunk of ``DTensor`` parameters (``fully_shard``)."""
-    from ._features_sharded import ShardedFeaturesMode
-
-    if passes == "batched":
-        raise ValueError(
-            "passes='batched' cannot run on a trunk sharded with fully_shard (FSDP2 gathers "
-            "and reduces each backward pass itself); use passes='auto' or 'loop'"
-        )
-    if mode == "matrix":
-        return ShardedMatrixMode(layout, head_params, passes, modules)
-    if mode == "features":
-        return ShardedFeaturesMode(layout, head_params, passes, modules)
-    raise ValueError(
-        f"mode={mode!r} cannot run on a trunk sharded with fully_shard: its Gramian is built "
-        f"from each layer's full weight gradients, which FSDP2 never holds. Use "
-        f"mode='matrix' (the same update; each rank keeps [K, P/W] columns) or "
-        f"mode='features' (the cheap route for large trunks)"
-    )
