@@ -26,10 +26,10 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from .._amp import finite_step, nonfinite_error
+from .._amp import finite_step, nonfinite_error, unscaled_gramian
 from .._sharding import ShardedLayout, is_dtensor
 from ..balancers._base import Balancer, Combination
-from ..clip._protocol import RowClipper
+from ..clip._protocol import RowClipper, scales_whole_rows
 from ..clip._task import TaskValueClip
 from ..distributed import all_reduce_grads_and_losses_
 from ..gramian import compute_gramian
@@ -42,18 +42,16 @@ __all__ = ["ShardedMatrixMode", "check_sharded_clip"]
 
 
 def check_sharded_clip(clip: RowClipper | None) -> None:
-    """2-norm row clippers (with ``coefficients``) and value clipping run sharded."""
-    if clip is None or isinstance(clip, TaskValueClip):
+    """2-norm row clippers (:func:`~gradbalance.clip._protocol.scales_whole_rows`) and value
+    clipping run sharded."""
+    if clip is None or isinstance(clip, TaskValueClip) or scales_whole_rows(clip):
         return
-    if not callable(getattr(clip, "coefficients", None)) or getattr(
-        clip, "norm_type", 2.0
-    ) != 2.0:
-        raise ValueError(
-            f"clip={type(clip).__name__} cannot run on a sharded trunk: it needs whole rows "
-            f"of the task gradients (norm_type={getattr(clip, 'norm_type', None)}). Use "
-            f"TaskClip or TaskAutoClip with norm_type=2, TaskValueClip, or a 2-norm row "
-            f"clipper defining coefficients(norms) -> [K]"
-        )
+    raise ValueError(
+        f"clip={type(clip).__name__} cannot run on a sharded trunk: it needs whole rows of "
+        f"the task gradients (norm_type={getattr(clip, 'norm_type', None)}). Use TaskClip or "
+        f"TaskAutoClip with norm_type=2, TaskValueClip, or a row clipper declaring "
+        f"norm_type = 2.0 and coefficients(norms) -> [K]"
+    )
 
 
 class ShardedMatrixMode:
@@ -91,9 +89,7 @@ class ShardedMatrixMode:
         shard = self.layout.shard
         if step.group is not None:  # sharded heads were averaged by FSDP2's reduce-scatter
             losses = all_reduce_grads_and_losses_(self.plain_heads, losses, step.group)
-        if scale is not None:
-            matrix.div_(scale.to(matrix.dtype))
-        gram = shard.sum(compute_gramian(matrix))
+        gram = unscaled_gramian(scale, matrix=matrix, shard=shard)
         finite = finite_step(gram, scale, self.head_params, step.group)
         pre_clip = None
         if finite and step.clip is not None:
