@@ -27,9 +27,9 @@ import torch
 from torch import Tensor
 
 from ._types import NonFiniteGradientError
-from .balancers._shard import Shard
+from .balancers._shard import Shard, full_gramian
 from .distributed import all_ranks_true
-from .gramian import compute_gramian, is_finite_gramian
+from .gramian import is_finite_gramian
 
 __all__ = [
     "finite_step", "finite_update", "no_autocast", "nonfinite_error", "poison_", "scale_of",
@@ -78,8 +78,7 @@ def unscaled_gramian(scale: Tensor | None, *, matrix: Tensor | None = None,
     if matrix is not None:
         if scale is not None:
             matrix.div_(scale.to(matrix.dtype))
-        gram = compute_gramian(matrix)
-        return gram if shard is None else shard.sum(gram)
+        return full_gramian(matrix, shard)
     assert gramian is not None
     return gramian if scale is None else gramian / scale.double() ** 2
 

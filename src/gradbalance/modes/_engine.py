@@ -24,6 +24,7 @@ from torch import Tensor
 
 from .._amp import finite_update, nonfinite_error, poison_
 from ..balancers._base import Balancer, Combination
+from ..balancers._shard import Shard
 from ..clip._protocol import RowClipper
 from ..stats import StepStats
 from ..taskgrads import (
@@ -154,11 +155,13 @@ class RowsEngine:
 
 
 def combine_or_skip(balancer: Balancer, matrix: Tensor, losses: Tensor, gram: Tensor,
-                    finite: bool, scale: Tensor | None) -> Combination:
-    """The balancer's combination, or on inf/NaN: the plain (non-finite) sum with a scaler,
-    so that it skips the step without the balancer seeing it; without one, raise."""
+                    finite: bool, scale: Tensor | None, shard: Shard | None = None
+                    ) -> Combination:
+    """The balancer's combination (of a rank's columns with ``shard``), or on inf/NaN: the
+    plain (non-finite) sum with a scaler, so that it skips the step without the balancer
+    seeing it; without one, raise."""
     if finite:
-        return balancer.combine(matrix, losses, gramian=gram)
+        return balancer.combine(matrix, losses, gramian=gram, shard=shard)
     if scale is not None:
         return Combination(matrix.sum(dim=0))
     raise nonfinite_error()

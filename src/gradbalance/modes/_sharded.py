@@ -10,9 +10,9 @@ local buffer (:func:`~gradbalance.modes._sharded_passes.sharded_passes`). Once p
    (one all-reduce of ``K²`` numbers), identical on every rank, and decides finiteness;
 3. 2-norm row clipping scales each row by the factor its full norm (from the Gramian's
    diagonal) gives; value clipping acts on each coordinate where it lies;
-4. ``Balancer.combine_sharded`` gives this rank's columns of the single-process update
-   (weighted balancers: the weights from the Gramian, computed alike everywhere; the others
-   on their columns, with global sums through ``Shard.reduce``);
+4. ``Balancer.combine`` with the layout's ``Shard`` gives this rank's columns of the
+   single-process update (weighted balancers: the weights from the Gramian, computed alike
+   everywhere; the others on their columns, with global sums through ``Shard.reduce``);
 5. ``.grad += s·g`` as ``DTensor`` gradients, written last.
 
 Memory per rank: ``K·P/W`` for the buffer. Communication per micro-batch: K all-gathers and K
@@ -26,16 +26,16 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from .._amp import finite_step, nonfinite_error, unscaled_gramian
+from .._amp import finite_step, unscaled_gramian
 from .._sharding import ShardedLayout, is_dtensor
-from ..balancers._base import Balancer, Combination
+from ..balancers._base import Balancer
 from ..clip._protocol import RowClipper, scales_whole_rows
 from ..clip._task import TaskValueClip
 from ..distributed import all_reduce_grads_and_losses_
 from ..gramian import compute_gramian
 from ..stats import StepStats
 from ..taskgrads import ParamLayout, Passes, TaskRoots
-from ._engine import StepInput, commit, reject_features, settle
+from ._engine import StepInput, combine_or_skip, commit, reject_features, settle
 from ._sharded_passes import ShardedWriteBack, sharded_passes, sharded_stats
 
 __all__ = ["ShardedMatrixMode", "check_sharded_clip"]
@@ -96,12 +96,7 @@ class ShardedMatrixMode:
             pre_clip = torch.diagonal(gram).clamp_min(0).sqrt().to(matrix.dtype)
             _clip_rows(step.clip, matrix, pre_clip)
             gram = shard.sum(compute_gramian(matrix))
-        if finite:
-            result = balancer.combine_sharded(matrix, shard, losses, gramian=gram)
-        elif scale is not None:
-            result = Combination(matrix.sum(dim=0))
-        else:
-            raise nonfinite_error()
+        result = combine_or_skip(balancer, matrix, losses, gram, finite, scale, shard)
         vector, weights = result.vector, result.weights
         update = ShardedWriteBack(self.layout, vector, scale)
         finite = settle(update, step, finite)
