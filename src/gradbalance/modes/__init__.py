@@ -36,14 +36,12 @@ from ..taskgrads import ParamLayout, Passes
 from ._auto import AutoMode
 from ._engine import Engine, RowsEngine, StepInput
 from ._features import FeaturesMode
-from ._features_sharded import ShardedFeaturesMode
 from ._gramian import GramianMode
 from ._matrix import MatrixMode
-from ._sharded import ShardedMatrixMode
 
 __all__ = [
-    "ENGINES", "MODES", "SHARDED_ENGINES", "Engine", "Mode", "RowsEngine", "StepInput",
-    "make_engine",
+    "ENGINES", "MODES", "Engine", "Mode", "RowsEngine", "StepInput", "make_engine",
+    "sharded_modes",
 ]
 
 Mode = Literal["matrix", "gramian", "auto", "features"]
@@ -53,7 +51,9 @@ MODES: tuple[str, ...] = get_args(Mode)
 
 #: Mode name -> engine class: the one table of mode names (the buffer, the ranks' agreement
 #: check in :mod:`gradbalance.distributed` and every error naming the modes read it); a new
-#: mode is one :class:`Engine` class and one entry here.
+#: mode is one :class:`Engine` class and one entry here. An engine class declaring
+#: ``shardable = True`` also runs on a trunk sharded with ``fully_shard`` (its columns are a
+#: :class:`~gradbalance.modes._layout.Columns`).
 ENGINES: dict[str, type[Engine]] = {
     "matrix": MatrixMode,
     "gramian": GramianMode,
@@ -61,32 +61,22 @@ ENGINES: dict[str, type[Engine]] = {
     "features": FeaturesMode,
 }
 
-#: The engine of a mode on a trunk sharded with ``fully_shard`` (FSDP2), for the modes of
-#: :data:`ENGINES` that run there (``docs/distributed.md``, "Sharded trunks").
-SHARDED_ENGINES: dict[str, type[Engine]] = {
-    "matrix": ShardedMatrixMode,
-    "features": ShardedFeaturesMode,
-}
+
+def sharded_modes() -> list[str]:
+    """The modes of :data:`ENGINES` that run on a trunk sharded with ``fully_shard``."""
+    return [name for name, engine in ENGINES.items() if getattr(engine, "shardable", False)]
 
 
 def make_engine(mode: str, layout: ParamLayout, head_params: list[Tensor], passes: Passes,
                 modules: Any = None) -> Engine:
-    """The engine of ``mode`` over the shared parameters ``layout`` and the heads: its
-    sharded engine when they are ``DTensor``s (a trunk under ``fully_shard``)."""
+    """The engine of ``mode`` over the shared parameters ``layout`` and the heads."""
     if not isinstance(mode, str) or mode not in ENGINES:
         raise ValueError(f"Invalid mode: {mode!r} (expected one of {', '.join(ENGINES)})")
-    if not is_sharded(layout.params):
-        return ENGINES[mode](layout, head_params, passes, modules)
-    if passes == "batched":
-        raise ValueError(
-            "passes='batched' cannot run on a trunk sharded with fully_shard (FSDP2 gathers "
-            "and reduces each backward pass itself); use passes='auto' or 'loop'"
-        )
-    if mode not in SHARDED_ENGINES:
-        runs = " or ".join(f"mode={name!r}" for name in SHARDED_ENGINES)
+    if is_sharded(layout.params) and mode not in sharded_modes():
+        runs = " or ".join(f"mode={name!r}" for name in sharded_modes())
         raise ValueError(
             f"mode={mode!r} cannot run on a trunk sharded with fully_shard: its Gramian is "
             f"built from each layer's full weight gradients, which FSDP2 never holds. Use "
             f"{runs} (docs/distributed.md, \"Sharded trunks (FSDP2)\")"
         )
-    return SHARDED_ENGINES[mode](layout, head_params, passes, modules)
+    return ENGINES[mode](layout, head_params, passes, modules)

@@ -21,7 +21,7 @@ from ..stats import StepStats
 from ..taskgrads import TaskRoots
 from ._amortize import WeightCache, commit_reused
 from ._engine import StepInput
-from ._sharded_passes import ShardedWriteBack, _write_row
+from ._sharded_passes import ShardedWriteBack, grads_set_aside, trunk_backward
 
 __all__ = ["ShardedReusedStep"]
 
@@ -39,26 +39,16 @@ class ShardedReusedStep:
                  head_params: Sequence[Tensor]) -> None:
         scaled = roots.scaled
         w = weights.to(dtype=scaled.dtype, device=scaled.device)
-        params = self.layout.params
-        saved = [p.grad for p in params]
-        first = self.held is None
-        held = torch.empty(1, self.layout.numel, dtype=self.layout.dtype,
+        held = torch.empty(self.layout.numel, dtype=self.layout.dtype,
                            device=self.layout.device) if self.held is None else self.held
-        try:
-            for p in params:
-                p.grad = None
-            torch.autograd.backward((w * scaled).sum(), retain_graph=True)
-            _write_row(held[0], self.layout.local_grads(), self.layout, accumulate=not first)
-            for p in params:
-                p.grad = None
-            rest = ((1 - w) * scaled).sum()
+        trunk_backward(self.layout, (w * scaled).sum(), retain_graph=True, out=held,
+                       accumulate=self.held is not None)
+        rest = ((1 - w) * scaled).sum()
+        with grads_set_aside(self.layout.params):  # the trunk's part of it is discarded
             if self.sharded_heads:
                 torch.autograd.backward(rest)
             elif self.plain_heads:
                 torch.autograd.backward(rest, inputs=self.plain_heads)
-        finally:
-            for p, g in zip(params, saved):
-                p.grad = g
         self.held = held
 
     def finish(self, cache: WeightCache, step: StepInput, shared: Sequence[Tensor],
@@ -71,7 +61,7 @@ class ShardedReusedStep:
         losses = step.losses
         if step.group is not None:
             losses = all_reduce_grads_and_losses_(self.plain_heads, losses, step.group)
-        update = ShardedWriteBack(self.layout, held[0], None)
+        update = ShardedWriteBack(self.layout, held, None)
         return commit_reused(update, cache, step, losses, head_params, mode)
 
     def clear(self) -> None:
