@@ -39,15 +39,15 @@ from ._checks import (
     check_row_clipper,
     param_signatures,
 )
-from ._sharding import ShardedLayout, is_sharded
+from ._sharding import is_sharded
 from .balancers._base import Balancer
 from .clip._protocol import RowClipper
 from .distributed import check_step_agreement, resolve_process_group
 from .modes import Engine, Mode, StepInput, make_engine
 from .modes._amortize import ReusedStep, WeightCache
 from .modes._engine import check_saved_passes
+from .modes._layout import columns_of
 from .modes._rollback import GradSnapshot, StateSnapshot
-from .modes._sharded_reuse import ShardedReusedStep
 from .stats import StepStats
 from .taskgrads import ParamLayout, Passes, TaskRoots, resolve_passes
 
@@ -157,8 +157,7 @@ class TaskGradBuffer:
         self._scaler: Any = None
         self._scale: Tensor | None = None
         self._reused = False
-        self._reused_step: ReusedStep | ShardedReusedStep = (
-            ShardedReusedStep(ShardedLayout(shared), heads) if self.sharded else ReusedStep())
+        self._reused_step = ReusedStep(columns_of(self.layout, heads, passes))
         self._heads_before: GradSnapshot | None = None  # the heads' .grad before the step
         self._states_before: StateSnapshot | None = None  # balancer, clipper, during apply_
         self._steps = 0  # steps begun; apply_ compares it across the ranks

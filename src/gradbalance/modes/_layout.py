@@ -1,13 +1,14 @@
 """Where a step's task-gradient columns lie, so that each mode is written once.
 
-A trunk's ``[K, P]`` task gradients are either all on this process (:class:`LocalColumns`;
-under data parallelism each rank holds its own batch's, averaged over the ranks) or split
-over the ranks of a trunk sharded with ``fully_shard``
-(:class:`~gradbalance.modes._sharded.ShardedColumns`; each rank holds its columns of the
-full batch's). :class:`Columns` is what a mode asks of either: the K task passes, the
-reduction over the ranks, the clipping, the write-back and the statistics. The Gramian is
-the full one on both (``_amp.unscaled_gramian`` with :attr:`Columns.shard`), and so is the
-combine (``Balancer.combine(..., shard=)``): ``docs/distributed.md``, "Sharded trunks".
+A trunk's ``[K, P]`` task gradients are either all on this process
+(:class:`~gradbalance.modes._local.LocalColumns`; under data parallelism each rank holds its
+own batch's, averaged over the ranks) or split over the ranks of a trunk sharded with
+``fully_shard`` (:class:`~gradbalance.modes._sharded.ShardedColumns`; each rank holds its
+columns of the full batch's). :class:`Columns` is what a mode asks of either: the K task
+passes, the reduction over the ranks, the clipping, the write-back, the statistics and
+``update_every``'s reused steps. The Gramian is the full one on both
+(``_amp.unscaled_gramian`` with :attr:`Columns.shard`), and so is the combine
+(``Balancer.combine(..., shard=)``): ``docs/distributed.md``, "Sharded trunks (FSDP2)".
 """
 
 from __future__ import annotations
@@ -16,20 +17,24 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from .._sharding import is_sharded
 from ..balancers._base import Balancer
 from ..balancers._shard import Shard
 from ..clip._protocol import RowClipper
-from ..distributed import all_reduce_mean_, all_reduce_step_
-from ..stats import StepStats, build_stats
+from ..stats import StepStats
 from ..taskgrads import ParamLayout, Passes, TaskRoots
-from ._engine import RowsEngine, Update, WriteBack, heads_backward_, owned_grads, reaches
+from ._engine import RowsEngine, Update
+from ._local import LocalColumns
 from ._sharded import ShardedColumns
 
-__all__ = ["Columns", "LocalColumns", "columns_of"]
+__all__ = ["Columns", "Held", "columns_of"]
+
+
+#: What a reused step holds between its micro-batches: per-parameter gradients (local) or a
+#: rank's flat columns (sharded); only the :class:`Columns` that made it reads it.
+Held = Any
 
 
 class Columns(Protocol):
@@ -82,63 +87,18 @@ class Columns(Protocol):
         before the backward)."""
         ...
 
+    def reused_backward(self, weights: Tensor, roots: TaskRoots, heads: Sequence[Tensor],
+                        held: Held | None) -> Held:
+        """``update_every``'s step reusing ``weights``: the heads' ``.grad +=`` their plain
+        gradient, the trunk's ``Σₖ wₖ ∂(s·Lₖ)/∂θ`` added to ``held`` (None: the step's
+        first micro-batch), which is returned."""
+        ...
 
-class LocalColumns:
-    """Every column of a trunk of plain parameters on this process."""
-
-    shard: Shard | None = None
-
-    def __init__(self, layout: ParamLayout) -> None:
-        self.layout = layout
-        self.numel, self.dtype, self.device = layout.numel, layout.dtype, layout.device
-
-    def check_apply(self, balancer: Balancer, clip: RowClipper | None) -> None:
-        """Every balancer and every row clipper runs on whole rows."""
-
-    def task_passes(self, engine: RowsEngine, roots: TaskRoots, out: Tensor,
-                    first: bool) -> None:
-        if first:
-            engine.reached = [False] * len(self.layout.params)
-        heads_backward_(roots, engine.head_params)
-        engine.compute(roots, self.layout, out, accumulate=not first, reached=engine.reached)
-
-    def reduce_(self, matrix: Tensor, losses: Tensor, heads: Sequence[Tensor],
-                group: Any) -> Tensor:
-        return all_reduce_step_(matrix, losses, heads, group)
-
-    def clip_(self, clip: RowClipper, matrix: Tensor, gram: Tensor) -> Tensor:
-        return clip(matrix)
-
-    def write_back(self, vector: Tensor, scale: Tensor | None,
-                   reached: Sequence[bool] | None) -> Update:
-        return WriteBack.from_flat(self.layout, vector, scale, reached)
-
-    def stats(self, gram: Tensor, losses: Tensor, finite: bool, **fields: Any) -> StepStats:
-        """:func:`~gradbalance.stats.build_stats` of the whole rows."""
-        return build_stats(gram, losses, finite, **fields)
-
-    def features_update(self, features: Tensor, grad: Tensor, group: Any) -> Update:
-        """One ``autograd.grad``; under data parallelism the ranks' parts summed (the mean
-        of ``W·`` each part)."""
-        params = self.layout.params
-        grad = grad.view_as(features).to(features.dtype)
-        if group is not None:
-            grad = grad * dist.get_world_size(group)
-        parts = list(torch.autograd.grad(features, params, grad, allow_unused=True))
-        if group is not None:
-            parts = [torch.zeros_like(p) if g is None else g for p, g in zip(params, parts)]
-            all_reduce_mean_(parts, group)
-        return WriteBack(params, parts, owned=owned_grads(parts))
-
-    def check_features(self, features: Tensor) -> None:
-        if not reaches(features, self.layout.params):
-            raise ValueError(
-                f"features (shape {tuple(features.shape)}) is not computed from "
-                f"shared_params: no shared parameter lies on its graph (the input, another "
-                f"module's output, a detached copy?), so the trunk would get no gradient; "
-                f"pass the trunk's output, e.g. feats = model.trunk(x); "
-                f"buf.backward(losses, features=feats)"
-            )
+    def reused_update(self, held: Held | None, losses: Tensor, heads: Sequence[Tensor],
+                      group: Any) -> tuple[Update, Tensor]:
+        """The held update of a reused step, built in full, and the losses, both averaged
+        over the ranks (with the heads' ``.grad``)."""
+        ...
 
 
 def columns_of(layout: ParamLayout, head_params: Sequence[Tensor], passes: Passes) -> Columns:

@@ -43,8 +43,8 @@ from ..clip._task import TaskValueClip
 from ..distributed import all_reduce_grads_and_losses_
 from ..stats import StepStats, build_stats
 from ..taskgrads import ParamLayout, Passes, TaskRoots
-from ._engine import RowsEngine
-from ._sharded_passes import ShardedWriteBack, sharded_passes, trunk_backward
+from ._engine import RowsEngine, Update
+from ._sharded_passes import ShardedWriteBack, grads_set_aside, sharded_passes, trunk_backward
 
 __all__ = ["ShardedColumns", "check_replicated_heads", "check_sharded_clip"]
 
@@ -145,3 +145,33 @@ class ShardedColumns:
                 f"from the sharded trunk; pass the trunk's output, e.g. "
                 f"feats = model.trunk(x); buf.backward(losses, features=feats)"
             )
+
+    def reused_backward(self, weights: Tensor, roots: TaskRoots, heads: Sequence[Tensor],
+                        held: Tensor | None) -> Tensor:
+        """The trunk's ``Σₖ wₖ ∂Lₖ/∂θ`` from one ordinary backward of ``Σₖ wₖ s·Lₖ`` (FSDP2
+        reduce-scatters it, this rank keeps its shard); the heads' plain gradient of
+        ``Σₖ Lₖ`` completed by a second backward of ``Σₖ (1 − wₖ) s·Lₖ`` (through the heads
+        only when they are replicated; through the trunk too when FSDP2 shards them, the
+        trunk's part of that pass discarded)."""
+        scaled = roots.scaled
+        w = weights.to(dtype=scaled.dtype, device=scaled.device)
+        out = torch.empty(self.numel, dtype=self.dtype, device=self.device) if held is None \
+            else held
+        trunk_backward(self.layout, (w * scaled).sum(), retain_graph=True, out=out,
+                       accumulate=held is not None)
+        rest = ((1 - w) * scaled).sum()
+        with grads_set_aside(self.layout.params):
+            if len(self.plain_heads) < len(heads):
+                torch.autograd.backward(rest)
+            elif self.plain_heads:
+                torch.autograd.backward(rest, inputs=self.plain_heads)
+        return out
+
+    def reused_update(self, held: Tensor | None, losses: Tensor, heads: Sequence[Tensor],
+                      group: Any) -> tuple[Update, Tensor]:
+        """The losses and the replicated heads averaged over the ranks (FSDP2 averaged the
+        rest)."""
+        assert held is not None
+        if group is not None:
+            losses = all_reduce_grads_and_losses_(self.plain_heads, losses, group)
+        return ShardedWriteBack(self.layout, held, None), losses
