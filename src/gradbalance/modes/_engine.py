@@ -63,7 +63,10 @@ class Engine(Protocol):
     task gradients kept; nothing else the user owns moves); ``apply`` once per step (reduce
     over ranks, unscale, check, clip, balance, write ``.grad`` last, when nothing can fail
     any more); ``clear`` drops what a step holds, also after a failure. ``state_dict`` holds
-    what a resumed run needs to compute the same way (the measured passes).
+    what a resumed run needs to compute the same way (the measured passes). An engine class
+    may declare ``shardable = True`` (a class attribute, False when absent): it also runs on
+    a trunk sharded with ``fully_shard``, its columns a
+    :class:`~gradbalance.modes._layout.Columns`; ``make_engine`` refuses the others there.
     """
 
     #: The name users pass as ``mode=``.
