@@ -26,10 +26,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._shard import Shard, full_gramian
 from ._sharding import local_of
 from ._types import NonFiniteGradientError
 from .distributed import all_ranks_true
-from .gramian import compute_gramian, is_finite_gramian
+from .gramian import is_finite_gramian
 
 __all__ = [
     "finite_step", "finite_update", "no_autocast", "nonfinite_error", "poison_", "scale_of",
@@ -65,17 +66,18 @@ def grads_finite(params: Sequence[Tensor]) -> Tensor:
 
 
 def unscaled_gramian(scale: Tensor | None, *, matrix: Tensor | None = None,
-                     gramian: Tensor | None = None) -> Tensor:
+                     gramian: Tensor | None = None, shard: Shard | None = None) -> Tensor:
     """The true Gramian ``[K, K]`` (float64) of a step's task gradients.
 
     ``matrix``: the ``[K, ·]`` rows of the scaled losses, divided by ``s`` in place (the
-    balancer then sees true rows) before their Gramian is taken. ``gramian``: the Gramian of
-    the scaled losses, divided by ``s²``.
+    balancer then sees true rows) before their Gramian is taken; with ``shard``, a rank's
+    columns, whose partial Gramians are summed over the ranks (``shard.sum``). ``gramian``:
+    the Gramian of the scaled losses, divided by ``s²``.
     """
     if matrix is not None:
         if scale is not None:
             matrix.div_(scale.to(matrix.dtype))
-        return compute_gramian(matrix)
+        return full_gramian(matrix, shard)
     assert gramian is not None
     return gramian if scale is None else gramian / scale.double() ** 2
 

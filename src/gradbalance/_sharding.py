@@ -18,7 +18,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor
 
-from .balancers._shard import Shard
+from ._shard import Shard
 
 __all__ = ["ShardedLayout", "is_dtensor", "is_sharded", "local_of"]
 

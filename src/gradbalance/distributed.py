@@ -117,12 +117,12 @@ def _code(name: str) -> int:
     return zlib.crc32(name.encode())
 
 
-_KNOWN_NAMES = ("matrix", "gramian", "features", "torch.float16", "torch.bfloat16",
-                "torch.float32", "torch.float64")
+_DTYPE_NAMES = ("torch.float16", "torch.bfloat16", "torch.float32", "torch.float64")
 
 
-def _name_of(code: int, local: str) -> str:
-    for name in (local, *_KNOWN_NAMES):
+def _name_of(code: int, local: str, known: Sequence[str]) -> str:
+    """The name (this rank's, one of ``known``, a dtype) whose code is ``code``."""
+    for name in (local, *known, *_DTYPE_NAMES):
         if _code(name) == code:
             return name
     return f"<unknown, code {code}>"
@@ -193,11 +193,12 @@ _STEP_FIELDS: dict[str, tuple[str, str]] = {
 }
 
 
-def _reads(key: str, value: int, names: dict[str, str]) -> str:
-    """How ``value`` of field ``key`` reads (``names``: this rank's mode and dtype)."""
+def _reads(key: str, value: int, names: dict[str, str], modes: Sequence[str]) -> str:
+    """How ``value`` of field ``key`` reads (``names``: this rank's mode and dtype; ``modes``:
+    every mode's name)."""
     if key == "reused":
         return "reuses cached weights (update_every)" if value else "recomputes the weights"
-    shown: object = _name_of(value, names[key]) if key in names else value
+    shown: object = _name_of(value, names[key], modes) if key in names else value
     return _STEP_FIELDS[key][0].format(shown)
 
 
@@ -212,6 +213,7 @@ def check_step_agreement(
     step: int,
     count: int,
     reused: bool,
+    modes: Sequence[str] = (),
 ) -> None:
     """Raise :class:`RankAgreementError` on every rank unless all ranks run the same step.
 
@@ -219,7 +221,8 @@ def check_step_agreement(
     owns changes: one all-gather of nine int64s. Ranks with another K or P
     would otherwise abort inside the collective library, and a rank that skipped a step
     would pair its collectives with another rank's next step without a word. ``group`` must
-    be resolved (not None).
+    be resolved (not None); ``modes`` (every mode's name, :data:`gradbalance.modes.ENGINES`)
+    names another rank's mode in the error.
     """
     dtype = str(shared[0].dtype) if shared else ""
     local = {
@@ -239,7 +242,7 @@ def check_step_agreement(
     for i, key in enumerate(local):
         column = [row[i] for row in rows]
         if len(set(column)) > 1:
-            text = _disagreement([_reads(key, value, names) for value in column])
+            text = _disagreement([_reads(key, value, names, modes) for value in column])
             problems.append(f"{text}: {_STEP_FIELDS[key][1]}")
     if problems:
         raise RankAgreementError(

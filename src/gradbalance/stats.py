@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._shard import Shard
 from .gramian import cosine_matrix
 
 __all__ = ["StepStats", "build_stats", "stats_from_gramian"]
@@ -76,11 +77,13 @@ def stats_from_gramian(
     matrix: Tensor | None,
     update: Tensor | None,
     weights: Tensor | None,
+    shard: Shard | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(task_norms, cosine, cosine_to_update, update_norm)`` in float64.
 
     With weights, ``G g = (G Gᵀ) w`` and ``‖g‖² = wᵀ G Gᵀ w`` cost O(K²); otherwise one
-    ``G g`` product over the matrix is needed.
+    ``G g`` product over the matrix is needed (with ``shard``, over a rank's columns: ``G g``
+    and ``‖g‖²`` summed over the ranks in one small reduce, alike on every rank).
     """
     norms = torch.diagonal(gram).clamp_min(0).sqrt()
     cosine = cosine_matrix(gram)
@@ -88,10 +91,15 @@ def stats_from_gramian(
         w = weights.to(dtype=gram.dtype, device=gram.device)
         dots = gram @ w
         update_norm = (w @ dots).clamp_min(0).sqrt()
-    else:
+    elif shard is None:
         assert matrix is not None and update is not None
         dots = (matrix @ update).to(torch.float64)
         update_norm = update.to(torch.float64).norm()
+    else:
+        assert matrix is not None and update is not None
+        total = shard.sum(torch.cat([(matrix @ update).to(torch.float64),
+                                     update.to(torch.float64).pow(2).sum().reshape(1)]))
+        dots, update_norm = total[:-1], total[-1].clamp_min(0).sqrt()
     denom = norms * update_norm
     safe = torch.where(denom > 0, denom, torch.ones_like(denom))
     cos_update = torch.where(denom > 0, dots / safe, torch.zeros_like(dots))
@@ -107,6 +115,7 @@ def build_stats(
     update: Tensor | None = None,
     weights: Tensor | None = None,
     scale: Tensor | None = None,
+    shard: Shard | None = None,
     **fields: Any,
 ) -> StepStats:
     """The :class:`StepStats` of a refresh step from its Gramian ``[K, K]`` (float64).
@@ -116,7 +125,7 @@ def build_stats(
     """
     if finite:
         norms, cosine, cos_update, update_norm = stats_from_gramian(
-            gram, matrix, update, weights
+            gram, matrix, update, weights, shard
         )
     else:
         k = gram.shape[0]

@@ -37,18 +37,17 @@ from ._checks import (
     check_parameters_unchanged,
     param_signatures,
 )
-from ._sharding import ShardedLayout, is_sharded
+from ._sharding import is_sharded
 from .balancers._base import Balancer
 from .balancers._checks import check_balancer
 from .clip._checks import check_row_clipper
 from .clip._protocol import RowClipper
 from .distributed import check_step_agreement, resolve_process_group
-from .modes import Engine, Mode, StepInput, make_engine
+from .modes import ENGINES, Engine, Mode, StepInput, make_engine
 from .modes._amortize import ReusedStep, WeightCache
 from .modes._engine import check_saved_passes
+from .modes._layout import columns_of
 from .modes._rollback import GradSnapshot, StateSnapshot
-from .modes._sharded import make_sharded_engine
-from .modes._sharded_reuse import ShardedReusedStep
 from .stats import StepStats
 from .taskgrads import ParamLayout, Passes, TaskRoots, resolve_passes
 
@@ -152,15 +151,13 @@ class TaskGradBuffer:
         self.update_every = update_every
         self._cache = WeightCache(update_every)
         self.sharded = is_sharded(shared)  # a trunk under FSDP2's fully_shard
-        self._engine: Engine = (make_sharded_engine if self.sharded else make_engine)(
-            mode, self.layout, heads, passes, modules)
+        self._engine: Engine = make_engine(mode, self.layout, heads, passes, modules)
         self._losses: Tensor | None = None
         self._count = 0
         self._scaler: Any = None
         self._scale: Tensor | None = None
         self._reused = False
-        self._reused_step: ReusedStep | ShardedReusedStep = (
-            ShardedReusedStep(ShardedLayout(shared), heads) if self.sharded else ReusedStep())
+        self._reused_step = ReusedStep(columns_of(self.layout, heads, passes))
         self._heads_before: GradSnapshot | None = None  # the heads' .grad before the step
         self._states_before: StateSnapshot | None = None  # balancer, clipper, during apply_
         self._steps = 0  # steps begun; apply_ compares it across the ranks
@@ -304,7 +301,8 @@ class TaskGradBuffer:
             check_step_agreement(group, num_tasks=self._losses.shape[0],
                                  shared=self.layout.params, heads=self.head_params,
                                  mode=self.mode, update_every=self.update_every,
-                                 step=self._steps, count=self._count, reused=self._reused)
+                                 step=self._steps, count=self._count, reused=self._reused,
+                                 modes=tuple(ENGINES))
         self._states_before = StateSnapshot(balancer, clip)
         return StepInput(self._losses, self._scale, self._count, clip, group,
                          self._states_before)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._registry import build, register
+from .._shard import Shard, dim0_runs
 from ._alignedmtl import AlignedMTL
 from ._base import Balancer, Combination
 from ._cagrad import CAGrad
@@ -33,7 +34,6 @@ from ._pcd import PCD
 from ._pcgrad import PCGrad
 from ._random import Random
 from ._sdmgrad import SDMGrad
-from ._shard import Shard, dim0_runs
 from ._solvers import SolverError
 from ._sum import Sum
 from ._trimmed_mean import TrimmedMean

@@ -12,8 +12,8 @@ A balancer maps the task-gradient matrix ``G`` ``[K, P]`` (and the detached task
 * **matrix** (``from_gramian = False``): needs the rows themselves (per-coordinate masks,
   EMA of gradients...). It implements :meth:`Balancer._combine_matrix`.
 
-Under a sharded trunk (FSDP2) :meth:`Balancer.combine_sharded` combines one rank's columns
-with a :class:`~gradbalance.balancers.Shard`: weighted balancers from the full Gramian,
+Under a sharded trunk (FSDP2) :meth:`Balancer.combine` takes one rank's columns and a
+:class:`~gradbalance.balancers.Shard` (``shard=``): weighted balancers from the full Gramian,
 matrix balancers through :meth:`Balancer._combine_matrix_sharded` (``docs/balancers.md``,
 "Sharded trunks").
 
@@ -44,9 +44,9 @@ from torch import Tensor
 
 from .._checks import check_matrix, check_num_tasks
 from .._module import StateModule
+from .._shard import Shard, full_gramian
 from .._types import NonFiniteGradientError
-from ..gramian import compute_gramian, is_finite_gramian
-from ._shard import Shard
+from ..gramian import is_finite_gramian
 
 __all__ = ["Balancer", "Combination", "combine_rows"]
 
@@ -120,26 +120,37 @@ class Balancer(StateModule):
 
     # -- public -------------------------------------------------------------------------
     def combine(
-        self, matrix: Tensor, losses: Tensor | None = None, gramian: Tensor | None = None
+        self, matrix: Tensor, losses: Tensor | None = None, gramian: Tensor | None = None,
+        shard: Shard | None = None,
     ) -> Combination:
         """Combine the task gradients ``matrix`` ``[K, P]`` into one update.
 
         ``gramian`` may be passed when already computed (``matrix @ matrix.T`` in float64).
         Raises :class:`NonFiniteGradientError` on inf/NaN input, before any state change.
+
+        ``shard`` (a trunk sharded over ranks): ``matrix`` ``[K, P_local]`` holds this rank's
+        columns of ``G`` (``shard.runs``), ``gramian`` is then the FULL Gramian (summed over
+        the ranks; computed with ``shard.reduce`` when not given), and the vector returned is
+        this rank's columns of the single-process update, the weights identical on every
+        rank. Every rank calls it with the same losses and state; the checks are agreed over
+        the ranks (one rank's inf/NaN raises on every rank). ``TypeError`` for a balancer
+        that cannot run sharded (:attr:`shardable`).
         """
+        if shard is not None:
+            self.check_shardable()
         check_matrix("matrix", matrix, self.num_tasks)
+        _check_shard(shard, matrix)
         losses = self._check_losses(losses, matrix.shape[0])
         self.check_tracked_tasks(matrix.shape[0], matrix)
+        gram = self._checked_gramian(matrix, gramian, shard)
         if self.from_gramian:
-            gram = compute_gramian(matrix) if gramian is None else gramian
-            self._check_finite_gramian(gram, matrix if gramian is None else None)
+            assert gram is not None
             w = self._scaled_weights(gram, losses)
             return Combination(combine_rows(w, matrix), w)
-        if gramian is not None:
-            self._check_finite_gramian(gramian)
-        elif not bool(torch.isfinite(matrix).all()):
-            raise NonFiniteGradientError(self._nonfinite_message())
-        return self._combine_matrix(matrix, losses)
+        if shard is None:
+            return self._combine_matrix(matrix, losses)
+        assert gram is not None
+        return self._combine_matrix_sharded(matrix, losses, gram, shard)
 
     def forward(self, matrix: Tensor, losses: Tensor | None = None) -> Tensor:
         """Combined gradient ``[P]`` (see :meth:`combine`); ``balancer(matrix, losses)``."""
@@ -158,14 +169,15 @@ class Balancer(StateModule):
 
     @property
     def shardable(self) -> bool:
-        """Whether :meth:`combine_sharded` runs: every weighted balancer (``from_gramian``) and
-        the matrix balancers that implement :meth:`_combine_matrix_sharded`."""
+        """Whether :meth:`combine` runs with a ``shard``: every weighted balancer
+        (``from_gramian``) and the matrix balancers that implement
+        :meth:`_combine_matrix_sharded`."""
         return self.from_gramian or (
             type(self)._combine_matrix_sharded is not Balancer._combine_matrix_sharded
         )
 
     def check_shardable(self) -> None:
-        """Raise ``TypeError`` (nothing moved) when :meth:`combine_sharded` would refuse."""
+        """Raise ``TypeError`` (nothing moved) when :meth:`combine` would refuse a ``shard``."""
         if not self.shardable:
             raise TypeError(
                 f"{type(self).__name__} needs every column of the task gradients at once, so it "
@@ -175,48 +187,8 @@ class Balancer(StateModule):
 
     def combine_sharded(self, matrix: Tensor, shard: Shard, losses: Tensor | None = None,
                         gramian: Tensor | None = None) -> Combination:
-        """This rank's columns of the single-process :meth:`combine` under a sharded trunk.
-
-        ``matrix`` ``[K, P_local]`` holds this rank's columns of ``G`` (``shard.runs``);
-        ``gramian``, when given, is the FULL ``[K, K]`` Gramian (summed over ranks, identical
-        on every rank), else it is computed with ``shard.reduce``. Every rank calls this with
-        the same losses and state; the returned vector is this rank's columns of the
-        single-process update (in ``shard.runs`` order) and the weights are identical on
-        every rank. The same checks as :meth:`combine` (agreed over the ranks: one rank's
-        inf/NaN raises on every rank, before any state change); ``TypeError`` for a balancer
-        that cannot run sharded (:attr:`shardable`).
-        """
-        self.check_shardable()
-        check_matrix("matrix", matrix, self.num_tasks)
-        if not isinstance(shard, Shard):
-            raise TypeError(f"shard must be a Shard, got {type(shard).__name__}")
-        if matrix.shape[1] != shard.size:
-            raise ValueError(
-                f"matrix has {matrix.shape[1]} columns but the shard's runs {list(shard.runs)} "
-                f"hold {shard.size}; pass this rank's columns, in the order of the runs"
-            )
-        k = matrix.shape[0]
-        losses = self._check_losses(losses, k)
-        self.check_tracked_tasks(k, matrix)
-        if gramian is None:
-            gram = shard.sum(compute_gramian(matrix))
-            if not bool(is_finite_gramian(gram)):  # the same on every rank: all reduce again
-                local = torch.isfinite(matrix).logical_not().sum().to(torch.float64)
-                rows_finite = not bool(shard.sum(local.reshape(1)) > 0)
-                if self.from_gramian or not rows_finite:
-                    self._raise_nonfinite(rows_finite)
-        else:
-            if gramian.shape != (k, k):
-                raise ValueError(
-                    f"gramian must be the full [K, K] = [{k}, {k}] Gramian summed over ranks, "
-                    f"got shape {tuple(gramian.shape)}"
-                )
-            gram = gramian
-            self._check_finite_gramian(gram)
-        if self.from_gramian:
-            w = self._scaled_weights(gram, losses)
-            return Combination(combine_rows(w, matrix), w)
-        return self._combine_matrix_sharded(matrix, losses, gram, shard)
+        """:meth:`combine` of this rank's columns under a sharded trunk (``shard=shard``)."""
+        return self.combine(matrix, losses, gramian, shard=shard)
 
     def compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         """The task weights ``w`` ``[K]`` (float64) of ``g = wᵀ G``, from the Gramian alone.
@@ -281,6 +253,31 @@ class Balancer(StateModule):
             )
         return losses
 
+    def _checked_gramian(self, matrix: Tensor, gramian: Tensor | None,
+                         shard: Shard | None) -> Tensor | None:
+        """The full Gramian the combine needs (None: a matrix balancer on every column, which
+        needs none), raising before any state change on inf/NaN rows, or on finite rows
+        whose Gramian overflows where the weights need it."""
+        k = matrix.shape[0]
+        if gramian is not None:
+            if gramian.shape != (k, k):
+                raise ValueError(
+                    f"gramian must be the full [K, K] = [{k}, {k}] Gramian (summed over the "
+                    f"ranks under a shard), got shape {tuple(gramian.shape)}"
+                )
+            self._check_finite_gramian(gramian)
+            return gramian
+        if not self.from_gramian and shard is None:
+            if _count_nonfinite(matrix, None) > 0:
+                self._raise_nonfinite(False)
+            return None
+        gram = full_gramian(matrix, shard)
+        if not bool(is_finite_gramian(gram)):  # the same on every rank: agree on the rows
+            rows_finite = _count_nonfinite(matrix, shard) == 0
+            if self.from_gramian or not rows_finite:
+                self._raise_nonfinite(rows_finite)
+        return gram
+
     def _check_finite_gramian(self, gram: Tensor, matrix: Tensor | None = None) -> None:
         """Raise before any state change when ``gram`` (computed from ``matrix``) is not finite.
 
@@ -308,6 +305,25 @@ class Balancer(StateModule):
             f"Skip the optimizer step (a GradScaler does this when the gradient is written "
             f"back through TaskGradBuffer) or find the source of the overflow"
         )
+
+
+def _check_shard(shard: Shard | None, matrix: Tensor) -> None:
+    """``shard`` is None or a :class:`Shard` naming as many columns as ``matrix`` holds."""
+    if shard is None:
+        return
+    if not isinstance(shard, Shard):
+        raise TypeError(f"shard must be a Shard, got {type(shard).__name__}")
+    if matrix.shape[1] != shard.size:
+        raise ValueError(
+            f"matrix has {matrix.shape[1]} columns but the shard's runs {list(shard.runs)} "
+            f"hold {shard.size}; pass this rank's columns, in the order of the runs"
+        )
+
+
+def _count_nonfinite(matrix: Tensor, shard: Shard | None) -> int:
+    """The inf/NaN entries of the rows (over every rank's columns with ``shard``)."""
+    local = torch.isfinite(matrix).logical_not().sum().to(torch.float64).reshape(1)
+    return int((local if shard is None else shard.sum(local)).item())
 
 
 def _declares_homogeneous(balancer: Balancer) -> bool:

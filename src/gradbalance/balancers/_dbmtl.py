@@ -9,9 +9,9 @@ import torch
 from torch import Tensor
 
 from .._checks import check_range
+from .._shard import Shard, sharded_unit_rows
 from ..gramian import unit_rows
 from ._base import Balancer, Combination
-from ._shard import Shard, sharded_unit_rows
 
 __all__ = ["DBMTL", "dbmtl_update"]
 
@@ -33,7 +33,7 @@ def dbmtl_update(ema: Tensor) -> Tensor:
 
 def _dbmtl_update_sharded(ema: Tensor, shard: Shard) -> Tensor:
     """This rank's columns of :func:`dbmtl_update`: the rows scaled by powers of two chosen
-    from the full norms (:func:`~gradbalance.balancers._shard.sharded_unit_rows`)."""
+    from the full norms (:func:`~gradbalance._shard.sharded_unit_rows`)."""
     unit, scale, norms = sharded_unit_rows(ema, shard)
     top = norms.max()
     unit_norms = norms / scale

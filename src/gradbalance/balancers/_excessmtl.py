@@ -11,9 +11,9 @@ import torch
 from torch import Tensor
 
 from .._checks import check_int, check_range
+from .._shard import Shard
 from ..gramian import unit_rows
 from ._base import Balancer, Combination
-from ._shard import Shard
 
 __all__ = ["ExcessMTL", "excessmtl_risks"]
 

@@ -12,9 +12,9 @@ import torch
 from torch import Tensor
 
 from .._checks import as_task_vector, check_generator
+from .._shard import Shard
 from ._base import Balancer, Combination
 from ._rng import OptionalGeneratorState
-from ._shard import Shard
 
 __all__ = ["GradDrop", "graddrop_update"]
 
@@ -96,9 +96,9 @@ class GradDrop(OptionalGeneratorState, Balancer):
             RNG. A given generator's state is saved by :meth:`state_dict`. The draws come in
             chunks of 2²⁰ columns (:func:`graddrop_uniform`).
 
-    Sharded (:meth:`~Balancer.combine_sharded`): the purity is per coordinate, so each rank
-    works on its own columns with no collective; it draws the whole single-process stream
-    (``P`` numbers, one chunk in memory at a time) and keeps its columns' draws.
+    Sharded (:meth:`~Balancer.combine` with a ``shard``): the purity is per coordinate, so
+    each rank works on its own columns with no collective; it draws the whole single-process
+    stream (``P`` numbers, one chunk in memory at a time) and keeps its columns' draws.
     """
 
     name = "graddrop"

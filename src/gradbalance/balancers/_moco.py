@@ -13,10 +13,10 @@ import torch
 from torch import Tensor
 
 from .._checks import check_range
+from .._shard import Shard, sharded_unit_rows
 from ..gramian import compute_gramian, unit_rows
 from ._base import Balancer, Combination
 from ._modo import modo_step
-from ._shard import Shard, sharded_unit_rows
 
 __all__ = ["MoCo", "moco_step"]
 

@@ -10,8 +10,8 @@ import torch
 from torch import Tensor
 
 from .._checks import check_int
+from .._shard import Shard
 from ._base import Balancer, Combination
-from ._shard import Shard
 
 __all__ = ["TrimmedMean", "trimmed_mean_update"]
 

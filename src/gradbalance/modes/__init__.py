@@ -27,10 +27,11 @@ the weights for T - 1 steps.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from torch import Tensor
 
+from .._sharding import is_sharded
 from ..taskgrads import ParamLayout, Passes
 from ._auto import AutoMode
 from ._engine import Engine, RowsEngine, StepInput
@@ -38,14 +39,21 @@ from ._features import FeaturesMode
 from ._gramian import GramianMode
 from ._matrix import MatrixMode
 
-__all__ = ["ENGINES", "MODES", "Engine", "Mode", "RowsEngine", "StepInput", "make_engine"]
+__all__ = [
+    "ENGINES", "MODES", "Engine", "Mode", "RowsEngine", "StepInput", "make_engine",
+    "sharded_modes",
+]
 
 Mode = Literal["matrix", "gramian", "auto", "features"]
 
 #: The gradient modes the library ships (the values ``mode=`` accepts out of the box).
-MODES: tuple[str, ...] = ("matrix", "gramian", "auto", "features")
+MODES: tuple[str, ...] = get_args(Mode)
 
-#: Mode name -> engine class; a new mode is one :class:`Engine` class and one entry here.
+#: Mode name -> engine class: the one table of mode names (the buffer, the ranks' agreement
+#: check in :mod:`gradbalance.distributed` and every error naming the modes read it); a new
+#: mode is one :class:`Engine` class and one entry here. An engine class declaring
+#: ``shardable = True`` also runs on a trunk sharded with ``fully_shard`` (its columns are a
+#: :class:`~gradbalance.modes._layout.Columns`).
 ENGINES: dict[str, type[Engine]] = {
     "matrix": MatrixMode,
     "gramian": GramianMode,
@@ -54,9 +62,21 @@ ENGINES: dict[str, type[Engine]] = {
 }
 
 
+def sharded_modes() -> list[str]:
+    """The modes of :data:`ENGINES` that run on a trunk sharded with ``fully_shard``."""
+    return [name for name, engine in ENGINES.items() if getattr(engine, "shardable", False)]
+
+
 def make_engine(mode: str, layout: ParamLayout, head_params: list[Tensor], passes: Passes,
                 modules: Any = None) -> Engine:
     """The engine of ``mode`` over the shared parameters ``layout`` and the heads."""
     if not isinstance(mode, str) or mode not in ENGINES:
         raise ValueError(f"Invalid mode: {mode!r} (expected one of {', '.join(ENGINES)})")
+    if is_sharded(layout.params) and mode not in sharded_modes():
+        runs = " or ".join(f"mode={name!r}" for name in sharded_modes())
+        raise ValueError(
+            f"mode={mode!r} cannot run on a trunk sharded with fully_shard: its Gramian is "
+            f"built from each layer's full weight gradients, which FSDP2 never holds. Use "
+            f"{runs} (docs/distributed.md, \"Sharded trunks (FSDP2)\")"
+        )
     return ENGINES[mode](layout, head_params, passes, modules)

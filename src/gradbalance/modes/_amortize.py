@@ -20,10 +20,10 @@ from torch import Tensor
 
 from .._amp import finite_update, nonfinite_error
 from .._checks import check_int
-from ..distributed import all_reduce_mean_
 from ..stats import StepStats
 from ..taskgrads import TaskRoots
-from ._engine import StepInput, Update, WriteBack, commit, heads_backward_, owned_grads
+from ._engine import StepInput, Update, commit
+from ._layout import Columns, Held
 
 __all__ = ["ReusedStep", "WeightCache"]
 
@@ -89,26 +89,17 @@ class WeightCache:
 
 class ReusedStep:
     """A step that reuses the cached weights: the trunk's ``Σₖ wₖ ∂Lₖ/∂θ`` summed over the
-    micro-batches, held here until :meth:`finish` writes it, as every step writes last."""
+    micro-batches, held here until :meth:`finish` writes it, as every step writes last; its
+    :class:`~gradbalance.modes._layout.Columns` (local or sharded) say how."""
 
-    def __init__(self) -> None:
-        self.grads: list[Tensor | None] | None = None
+    def __init__(self, columns: Columns) -> None:
+        self.columns = columns
+        self.held: Held | None = None
 
     def backward(self, weights: Tensor, roots: TaskRoots, shared: Sequence[Tensor],
                  head_params: Sequence[Tensor]) -> None:
         """Heads ``.grad += ∂(Σₖ Lₖ)``; the trunk's ``∂(Σₖ wₖ Lₖ)`` added to the held sum."""
-        heads_backward_(roots, head_params)
-        scaled = roots.scaled
-        total = (weights.to(dtype=scaled.dtype, device=scaled.device) * scaled).sum()
-        grads = list(torch.autograd.grad(total, list(shared), allow_unused=True))
-        if self.grads is None:
-            owned = owned_grads(grads)
-            self.grads = [g if g is None or ok else g.clone() for g, ok in zip(grads, owned)]
-            return
-        for i, g in enumerate(grads):
-            held = self.grads[i]
-            if g is not None:
-                self.grads[i] = g.clone() if held is None else held.add_(g)
+        self.held = self.columns.reused_backward(weights, roots, head_params, self.held)
 
     def finish(self, cache: WeightCache, step: StepInput, shared: Sequence[Tensor],
                head_params: Sequence[Tensor], mode: str) -> StepStats:
@@ -119,24 +110,13 @@ class ReusedStep:
         ``.grad`` of the step made non-finite (the scaler skips the step) and the counter of
         ``update_every`` stays, as on a skipped refresh step.
         """
-        grads: list[Tensor | None] = [None] * len(shared) if self.grads is None \
-            else list(self.grads)
-        self.grads = None
-        losses = step.losses
-        if step.group is not None:  # each rank holds its own shard's gradients
-            full = [torch.zeros_like(p) if g is None else g for p, g in zip(shared, grads)]
-            for h in head_params:
-                if h.grad is None:  # the same layout on every rank
-                    h.grad = torch.zeros_like(h)
-            losses = losses.detach().clone()
-            all_reduce_mean_([*full, *[h.grad for h in head_params if h.grad is not None],
-                              losses], step.group)
-            grads = list(full)
-        update = WriteBack(shared, grads, owned=[True] * len(grads))
+        held, self.held = self.held, None
+        update, losses = self.columns.reused_update(held, step.losses, head_params,
+                                                    step.group)
         return commit_reused(update, cache, step, losses, head_params, mode)
 
     def clear(self) -> None:
-        self.grads = None
+        self.held = None
 
 
 def commit_reused(update: Update, cache: WeightCache, step: StepInput, losses: Tensor,

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from .._amp import finite_update, nonfinite_error, poison_
+from .._shard import Shard
 from ..balancers._base import Balancer, Combination
 from ..clip._protocol import RowClipper
 from ..stats import StepStats
@@ -62,7 +63,10 @@ class Engine(Protocol):
     task gradients kept; nothing else the user owns moves); ``apply`` once per step (reduce
     over ranks, unscale, check, clip, balance, write ``.grad`` last, when nothing can fail
     any more); ``clear`` drops what a step holds, also after a failure. ``state_dict`` holds
-    what a resumed run needs to compute the same way (the measured passes).
+    what a resumed run needs to compute the same way (the measured passes). An engine class
+    may declare ``shardable = True`` (a class attribute, False when absent): it also runs on
+    a trunk sharded with ``fully_shard``, its columns a
+    :class:`~gradbalance.modes._layout.Columns`; ``make_engine`` refuses the others there.
     """
 
     #: The name users pass as ``mode=``.
@@ -154,11 +158,13 @@ class RowsEngine:
 
 
 def combine_or_skip(balancer: Balancer, matrix: Tensor, losses: Tensor, gram: Tensor,
-                    finite: bool, scale: Tensor | None) -> Combination:
-    """The balancer's combination, or on inf/NaN: the plain (non-finite) sum with a scaler,
-    so that it skips the step without the balancer seeing it; without one, raise."""
+                    finite: bool, scale: Tensor | None, shard: Shard | None = None
+                    ) -> Combination:
+    """The balancer's combination (of a rank's columns with ``shard``), or on inf/NaN: the
+    plain (non-finite) sum with a scaler, so that it skips the step without the balancer
+    seeing it; without one, raise."""
     if finite:
-        return balancer.combine(matrix, losses, gramian=gram)
+        return balancer.combine(matrix, losses, gramian=gram, shard=shard)
     if scale is not None:
         return Combination(matrix.sum(dim=0))
     raise nonfinite_error()

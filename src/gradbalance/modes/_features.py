@@ -21,6 +21,8 @@ computed in full (one ``autograd.grad``) before it is written; a parameter the b
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -28,21 +30,20 @@ from torch import Tensor
 from .._amp import finite_step, unscaled_gramian
 from ..balancers._base import Balancer
 from ..clip._protocol import RowClipper
-from ..distributed import all_gather_columns, all_reduce_grads_and_losses_, all_reduce_mean_
+from ..distributed import all_gather_columns, all_reduce_grads_and_losses_
 from ..stats import StepStats, build_stats
-from ..taskgrads import ParamLayout, TaskRoots
+from ..taskgrads import ParamLayout, Passes, TaskRoots
 from ._engine import (
     RowsEngine,
     StepInput,
     Update,
-    WriteBack,
     combine_or_skip,
     commit,
     heads_backward_,
-    owned_grads,
-    reaches,
     settle,
 )
+from ._layout import Columns, columns_of
+from ._sharded import check_replicated_heads
 
 __all__ = ["FeaturesMode"]
 
@@ -52,7 +53,15 @@ class FeaturesMode(RowsEngine):
     row clippers do not (the rows are not the parameters' gradients)."""
 
     mode = "features"
+    shardable = True
     features: Tensor | None = None
+
+    def __init__(self, layout: ParamLayout, head_params: list[Tensor], passes: Passes,
+                 modules: Any = None) -> None:
+        super().__init__(layout, head_params, passes, modules)
+        self.columns: Columns = columns_of(layout, head_params, passes)
+        if self.columns.shard is not None:
+            check_replicated_heads(head_params)
 
     def check_backward(self, features: Tensor | None, count: int, reused: bool) -> None:
         if reused:  # a step reusing cached weights takes any number of backward() calls
@@ -74,13 +83,7 @@ class FeaturesMode(RowsEngine):
                 f"grad), got {found}; e.g. feats = model.trunk(x); "
                 f"buf.backward(losses, features=feats)"
             )
-        if not reaches(features, self.layout.params):
-            raise ValueError(
-                f"features (shape {tuple(features.shape)}) is not computed from shared_params: "
-                f"no shared parameter lies on its graph (the input, another module's output, "
-                f"a detached copy?), so the trunk would get no gradient; pass the trunk's "
-                f"output, e.g. feats = model.trunk(x); buf.backward(losses, features=feats)"
-            )
+        self.columns.check_features(features)
 
     def check_apply(self, balancer: Balancer, clip: RowClipper | None) -> None:
         if clip is not None:
@@ -134,19 +137,9 @@ class FeaturesMode(RowsEngine):
 
     def _trunk_update(self, features: Tensor, grad: Tensor, step: StepInput) -> Update:
         """The trunk's gradient of ``s·⟨features, grad⟩`` (one backward, nothing written)."""
-        params = self.layout.params
         if step.scale is not None:
             grad = grad * step.scale.to(grad.dtype)
-        grad = grad.view_as(features).to(features.dtype)
-        if step.group is None:
-            parts = list(torch.autograd.grad(features, params, grad, allow_unused=True))
-            return WriteBack(params, parts, owned=owned_grads(parts))
-        # Σ over the ranks of each rank's columns: the mean of W·(own part)
-        size = dist.get_world_size(step.group)
-        trunk = torch.autograd.grad(features, params, grad * size, allow_unused=True)
-        sums = [torch.zeros_like(p) if g is None else g for p, g in zip(params, trunk)]
-        all_reduce_mean_(sums, step.group)
-        return WriteBack(params, sums, owned=owned_grads(sums))
+        return self.columns.features_update(features, grad, step.group)
 
     def clear(self) -> None:
         self.features = None

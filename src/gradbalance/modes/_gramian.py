@@ -64,7 +64,7 @@ from torch import Tensor, nn
 from .._amp import finite_step, nonfinite_error, unscaled_gramian
 from .._checks import check_int
 from ..balancers._base import Balancer
-from ..clip._protocol import RowClipper
+from ..clip._protocol import RowClipper, scales_whole_rows
 from ..distributed import (
     _comm_device,
     all_gather_columns,
@@ -629,8 +629,7 @@ class GramianMode:
                 f"{type(balancer).__name__} needs the task-gradient rows, not only the "
                 f"Gramian; use mode='matrix' (or 'features')"
             )
-        if clip is not None and not (callable(getattr(clip, "coefficients", None))
-                                     and getattr(clip, "norm_type", None) == 2.0):
+        if clip is not None and not scales_whole_rows(clip):
             raise ValueError(
                 f"clip={clip!r} needs the task-gradient rows; mode='gramian' applies only "
                 f"2-norm clipping that scales whole rows (TaskClip, TaskAutoClip with "

@@ -12,74 +12,69 @@ rank may have reached it.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
 from .._amp import finite_step, unscaled_gramian
+from .._shard import full_gramian
 from ..balancers._base import Balancer
 from ..clip._protocol import RowClipper
-from ..distributed import all_reduce_step_
-from ..gramian import compute_gramian
-from ..stats import StepStats, build_stats
-from ..taskgrads import TaskRoots
-from ._engine import (
-    RowsEngine,
-    StepInput,
-    WriteBack,
-    combine_or_skip,
-    commit,
-    heads_backward_,
-    reject_features,
-    settle,
-)
+from ..stats import StepStats
+from ..taskgrads import ParamLayout, Passes, TaskRoots
+from ._engine import RowsEngine, StepInput, combine_or_skip, commit, reject_features, settle
+from ._layout import Columns, columns_of
 
 __all__ = ["MatrixMode"]
 
 
 class MatrixMode(RowsEngine):
     """Holds ``G`` ``[K, P]`` across micro-batches; combines it once per step. Every balancer
-    and every row clipper works here."""
+    and every row clipper works here; on a sharded trunk each rank holds its columns
+    (:class:`~gradbalance.modes._layout.Columns`), with the shardable balancers and the
+    2-norm and value clippers."""
 
     mode = "matrix"
+    shardable = True
+
+    def __init__(self, layout: ParamLayout, head_params: list[Tensor], passes: Passes,
+                 modules: Any = None) -> None:
+        super().__init__(layout, head_params, passes, modules)
+        self.columns: Columns = columns_of(layout, head_params, passes)
 
     def check_backward(self, features: Tensor | None, count: int, reused: bool) -> None:
         reject_features(self.mode, features)
 
     def check_apply(self, balancer: Balancer, clip: RowClipper | None) -> None:
-        """Everything is supported."""
+        self.columns.check_apply(balancer, clip)
 
     def backward(self, roots: TaskRoots, first: bool, features: Tensor | None = None) -> None:
         """``G += task gradients`` (``G =`` on the step's first micro-batch); heads ``+=``."""
-        k = roots.num_tasks
+        k, columns = roots.num_tasks, self.columns
         if self.matrix is None or self.matrix.shape[0] != k:
-            self.matrix = torch.empty(
-                k, self.layout.numel, dtype=self.layout.dtype, device=self.layout.device
-            )
-        if first:
-            self.reached = [False] * len(self.layout.params)
-        heads_backward_(roots, self.head_params)
-        self.compute(roots, self.layout, self.matrix, accumulate=not first,
-                     reached=self.reached)
+            self.matrix = torch.empty(k, columns.numel, dtype=columns.dtype,
+                                      device=columns.device)
+        columns.task_passes(self, roots, self.matrix, first)
 
     def apply(self, balancer: Balancer, step: StepInput) -> StepStats:
-        matrix, losses, scale = self.matrix, step.losses, step.scale
+        matrix, losses, scale, columns = self.matrix, step.losses, step.scale, self.columns
         assert matrix is not None
         if step.group is not None:  # mean over the ranks, before unscaling and balancing
-            losses = all_reduce_step_(matrix, losses, self.head_params, step.group)
-        gram = unscaled_gramian(scale, matrix=matrix)
+            losses = columns.reduce_(matrix, losses, self.head_params, step.group)
+        gram = unscaled_gramian(scale, matrix=matrix, shard=columns.shard)
         finite = finite_step(gram, scale, self.head_params, step.group)
         pre_clip = None
         if finite and step.clip is not None:
-            pre_clip = step.clip(matrix)
-            gram = compute_gramian(matrix)
-        result = combine_or_skip(balancer, matrix, losses, gram, finite, scale)
+            pre_clip = columns.clip_(step.clip, matrix, gram)
+            gram = full_gramian(matrix, columns.shard)
+        result = combine_or_skip(balancer, matrix, losses, gram, finite, scale, columns.shard)
         vector, weights = result.vector, result.weights
-        reached = self.reached if step.group is None else None
-        update = WriteBack.from_flat(self.layout, vector, scale, reached)
+        update = columns.write_back(vector, scale, self.reached if step.group is None else None)
         finite = settle(update, step, finite)
-        stats = build_stats(gram, losses, finite, matrix=matrix, update=vector,
-                            weights=weights, scale=scale, pre_clip_norms=pre_clip,
-                            num_backward=step.count)
+        stats = columns.stats(gram, losses, finite, matrix=matrix, update=vector,
+                              weights=weights, scale=scale, pre_clip_norms=pre_clip,
+                              num_backward=step.count)
         commit(update, self.head_params, finite)
         return stats
 

@@ -1,4 +1,5 @@
-"""``matrix`` mode on a trunk sharded with FSDP2: each rank keeps its own columns ``[K, P/W]``.
+"""The columns of a trunk sharded with FSDP2 (:class:`~gradbalance.modes._layout.Columns`):
+each rank keeps its own ``[K, P/W]``.
 
 Per micro-batch, K ordinary backward passes (one per task, from its own loss) let FSDP2
 reduce-scatter each task's gradient; this rank's shard of it is added into row ``k`` of the
@@ -10,10 +11,16 @@ local buffer (:func:`~gradbalance.modes._sharded_passes.sharded_passes`). Once p
    (one all-reduce of ``K²`` numbers), identical on every rank, and decides finiteness;
 3. 2-norm row clipping scales each row by the factor its full norm (from the Gramian's
    diagonal) gives; value clipping acts on each coordinate where it lies;
-4. ``Balancer.combine_sharded`` gives this rank's columns of the single-process update
-   (weighted balancers: the weights from the Gramian, computed alike everywhere; the others
-   on their columns, with global sums through ``Shard.reduce``);
+4. ``Balancer.combine`` with this layout's ``Shard`` gives this rank's columns of the
+   single-process update (weighted balancers: the weights from the Gramian, computed alike
+   everywhere; the others on their columns, with global sums through ``Shard.reduce``);
 5. ``.grad += s·g`` as ``DTensor`` gradients, written last.
+
+``features`` mode takes the feature gradients through replicated heads and all-gathers them
+as under data parallelism; the trunk's update is one ordinary backward of ``⟨f, W·s·z_r⟩``
+from this rank's features ``f`` and its columns ``z_r`` of the balanced gradient: FSDP2's
+reduce-scatter averages it over the ranks, which gives this rank's shard of
+``Σ_r ∂⟨f_r, s·z_r⟩/∂θ``, the single-process trunk gradient.
 
 Memory per rank: ``K·P/W`` for the buffer. Communication per micro-batch: K all-gathers and K
 reduce-scatters of the trunk (``docs/distributed.md``, "Sharded trunks").
@@ -21,140 +28,150 @@ reduce-scatters of the trunk (``docs/distributed.md``, "Sharded trunks").
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from collections.abc import Sequence
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from .._amp import finite_step, nonfinite_error
+from .._shard import Shard
 from .._sharding import ShardedLayout, is_dtensor
-from ..balancers._base import Balancer, Combination
-from ..clip._protocol import RowClipper
+from ..balancers._base import Balancer
+from ..clip._protocol import RowClipper, scales_whole_rows
 from ..clip._task import TaskValueClip
 from ..distributed import all_reduce_grads_and_losses_
-from ..gramian import compute_gramian
-from ..stats import StepStats
+from ..stats import StepStats, build_stats
 from ..taskgrads import ParamLayout, Passes, TaskRoots
-from ._engine import StepInput, commit, reject_features, settle
-from ._features_sharded import ShardedFeaturesMode
-from ._sharded_passes import ShardedWriteBack, sharded_passes, sharded_stats
+from ._engine import RowsEngine, Update
+from ._sharded_passes import ShardedWriteBack, grads_set_aside, sharded_passes, trunk_backward
 
-__all__ = ["ShardedMatrixMode", "check_sharded_balancer", "check_sharded_clip"]
+__all__ = ["ShardedColumns", "check_replicated_heads", "check_sharded_clip"]
 
 
-def check_sharded_balancer(balancer: Balancer) -> None:
-    """Raise ``TypeError`` before anything moves if ``balancer`` cannot run on local columns
-    (:attr:`~gradbalance.balancers.Balancer.shardable`)."""
-    balancer.check_shardable()
+def check_replicated_heads(head_params: Sequence[Tensor]) -> None:
+    """``features`` mode on a sharded trunk takes the feature gradients through the heads,
+    which must stay replicated (not under ``fully_shard``)."""
+    sharded = [i for i, h in enumerate(head_params) if is_dtensor(h)]
+    if sharded:
+        raise ValueError(
+            f"mode='features' on a sharded trunk needs replicated heads, but "
+            f"head_params{sharded[:5]} are DTensors (the heads are under fully_shard); "
+            f"shard only the trunk (fully_shard(model.trunk)) or use mode='matrix'"
+        )
 
 
 def check_sharded_clip(clip: RowClipper | None) -> None:
-    """2-norm row clippers (with ``coefficients``) and value clipping run sharded."""
-    if clip is None or isinstance(clip, TaskValueClip):
+    """2-norm row clippers (:func:`~gradbalance.clip._protocol.scales_whole_rows`) and value
+    clipping run sharded."""
+    if clip is None or isinstance(clip, TaskValueClip) or scales_whole_rows(clip):
         return
-    if not callable(getattr(clip, "coefficients", None)) or getattr(
-        clip, "norm_type", 2.0
-    ) != 2.0:
-        raise ValueError(
-            f"clip={type(clip).__name__} cannot run on a sharded trunk: it needs whole rows "
-            f"of the task gradients (norm_type={getattr(clip, 'norm_type', None)}). Use "
-            f"TaskClip or TaskAutoClip with norm_type=2, TaskValueClip, or a 2-norm row "
-            f"clipper defining coefficients(norms) -> [K]"
-        )
+    raise ValueError(
+        f"clip={type(clip).__name__} cannot run on a sharded trunk: it needs whole rows of "
+        f"the task gradients (norm_type={getattr(clip, 'norm_type', None)}). Use TaskClip or "
+        f"TaskAutoClip with norm_type=2, TaskValueClip, or a row clipper declaring "
+        f"norm_type = 2.0 and coefficients(norms) -> [K]"
+    )
 
 
-class ShardedMatrixMode:
-    """``matrix`` mode over ``DTensor`` parameters: ``G`` ``[K, P_local]`` on each rank."""
+class ShardedColumns:
+    """This rank's columns of a trunk of ``DTensor`` parameters (``fully_shard``)."""
 
-    mode: ClassVar[str] = "matrix"
-
-    def __init__(self, layout: ParamLayout, head_params: list[Tensor], passes: Passes,
-                 modules: Any = None) -> None:
+    def __init__(self, layout: ParamLayout, head_params: Sequence[Tensor],
+                 passes: Passes) -> None:
+        if passes == "batched":
+            raise ValueError(
+                "passes='batched' cannot run on a trunk sharded with fully_shard (FSDP2 "
+                "gathers and reduces each backward pass itself); use passes='auto' or 'loop'"
+            )
         self.layout = ShardedLayout(layout.params)
-        self.head_params = head_params
+        self.shard: Shard | None = self.layout.shard
+        self.numel, self.dtype, self.device = (self.layout.numel, self.layout.dtype,
+                                               self.layout.device)
         self.plain_heads = [h for h in head_params if not is_dtensor(h)]
-        self.passes: Passes = passes
-        self.matrix: Tensor | None = None
-
-    def check_backward(self, features: Tensor | None, count: int, reused: bool) -> None:
-        reject_features(self.mode, features)
 
     def check_apply(self, balancer: Balancer, clip: RowClipper | None) -> None:
-        check_sharded_balancer(balancer)
+        balancer.check_shardable()
         check_sharded_clip(clip)
 
-    def backward(self, roots: TaskRoots, first: bool, features: Tensor | None = None) -> None:
-        """``G (+)= this rank's columns of the task gradients``; heads ``+=`` their plain
-        gradient (one backward pass per task)."""
-        k = roots.num_tasks
-        if self.matrix is None or self.matrix.shape[0] != k:
-            self.matrix = torch.empty(k, self.layout.numel, dtype=self.layout.dtype,
-                                      device=self.layout.device)
-        sharded_passes(roots, self.layout, self.matrix, accumulate=not first)
+    def task_passes(self, engine: RowsEngine, roots: TaskRoots, out: Tensor,
+                    first: bool) -> None:
+        """K ordinary backward passes (the heads get their plain gradient from them)."""
+        sharded_passes(roots, self.layout, out, accumulate=not first)
 
-    def apply(self, balancer: Balancer, step: StepInput) -> StepStats:
-        matrix, losses, scale = self.matrix, step.losses, step.scale
-        assert matrix is not None
-        shard = self.layout.shard
-        if step.group is not None:  # sharded heads were averaged by FSDP2's reduce-scatter
-            losses = all_reduce_grads_and_losses_(self.plain_heads, losses, step.group)
-        if scale is not None:
-            matrix.div_(scale.to(matrix.dtype))
-        gram = shard.sum(compute_gramian(matrix))
-        finite = finite_step(gram, scale, self.head_params, step.group)
-        pre_clip = None
-        if finite and step.clip is not None:
-            pre_clip = torch.diagonal(gram).clamp_min(0).sqrt().to(matrix.dtype)
-            _clip_rows(step.clip, matrix, pre_clip)
-            gram = shard.sum(compute_gramian(matrix))
-        if finite:
-            result = balancer.combine_sharded(matrix, shard, losses, gramian=gram)
-        elif scale is not None:
-            result = Combination(matrix.sum(dim=0))
+    def reduce_(self, matrix: Tensor, losses: Tensor, heads: Sequence[Tensor],
+                group: Any) -> Tensor:
+        """The losses and the replicated heads (FSDP2 averaged the rest)."""
+        return all_reduce_grads_and_losses_(self.plain_heads, losses, group)
+
+    def clip_(self, clip: RowClipper, matrix: Tensor, gram: Tensor) -> Tensor:
+        """Each row scaled by the factor its full norm (the Gramian's diagonal) gives;
+        value clipping where each coordinate lies."""
+        norms = torch.diagonal(gram).clamp_min(0).sqrt().to(matrix.dtype)
+        if isinstance(clip, TaskValueClip):
+            clip(matrix)
         else:
-            raise nonfinite_error()
-        vector, weights = result.vector, result.weights
-        update = ShardedWriteBack(self.layout, vector, scale)
-        finite = settle(update, step, finite)
-        stats = sharded_stats(gram, losses, finite, matrix, vector, weights, self.layout,
-                              scale, pre_clip_norms=pre_clip, num_backward=step.count)
-        commit(update, self.head_params, finite)
-        return stats
+            coefficients: Tensor = clip.coefficients(norms)  # type: ignore[attr-defined]
+            matrix.mul_(coefficients.to(device=matrix.device, dtype=matrix.dtype)[:, None])
+        return norms
 
-    def clear(self) -> None:
-        """Nothing to drop: ``G`` is overwritten by the next step's first backward."""
+    def write_back(self, vector: Tensor, scale: Tensor | None,
+                   reached: Sequence[bool] | None) -> ShardedWriteBack:
+        return ShardedWriteBack(self.layout, vector, scale)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {}
+    def stats(self, gram: Tensor, losses: Tensor, finite: bool, **fields: Any) -> StepStats:
+        return build_stats(gram, losses, finite, shard=self.shard, **fields)
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Nothing to restore: the passes are always the loop of ordinary backward passes."""
+    def features_update(self, features: Tensor, grad: Tensor, group: Any) -> ShardedWriteBack:
+        """One ordinary backward of ``⟨features, W·grad⟩`` (FSDP2 reduce-scatters it)."""
+        size = 1 if group is None else dist.get_world_size(group)
+        grad = (grad * size).view_as(features).to(features.dtype)
+        flat = trunk_backward(self.layout, features, grad)
+        if flat is None:
+            raise ValueError(
+                f"features (shape {tuple(features.shape)}) is not computed from the sharded "
+                f"trunk (or FSDP2's gradient sync is off): its backward wrote no trunk "
+                f"gradient; pass the trunk's output, e.g. feats = model.trunk(x)"
+            )
+        return ShardedWriteBack(self.layout, flat, None)
 
+    def check_features(self, features: Tensor) -> None:
+        """FSDP2's forward uses gathered copies of the parameters, so whether the trunk lies
+        on ``features``' graph is told by its backward (:meth:`features_update`); a leaf is
+        refused here."""
+        if features.grad_fn is None:
+            raise ValueError(
+                f"features (shape {tuple(features.shape)}) is a leaf tensor, not computed "
+                f"from the sharded trunk; pass the trunk's output, e.g. "
+                f"feats = model.trunk(x); buf.backward(losses, features=feats)"
+            )
 
-def _clip_rows(clip: RowClipper, matrix: Tensor, norms: Tensor) -> None:
-    """Clip the local columns as the clipper would clip the full rows of norms ``norms``."""
-    if isinstance(clip, TaskValueClip):  # per coordinate: the same wherever it lies
-        clip(matrix)
-        return
-    coefficients: Tensor = clip.coefficients(norms)  # type: ignore[attr-defined]
-    matrix.mul_(coefficients.to(device=matrix.device, dtype=matrix.dtype)[:, None])
+    def reused_backward(self, weights: Tensor, roots: TaskRoots, heads: Sequence[Tensor],
+                        held: Tensor | None) -> Tensor:
+        """The trunk's ``Σₖ wₖ ∂Lₖ/∂θ`` from one ordinary backward of ``Σₖ wₖ s·Lₖ`` (FSDP2
+        reduce-scatters it, this rank keeps its shard); the heads' plain gradient of
+        ``Σₖ Lₖ`` completed by a second backward of ``Σₖ (1 − wₖ) s·Lₖ`` (through the heads
+        only when they are replicated; through the trunk too when FSDP2 shards them, the
+        trunk's part of that pass discarded)."""
+        scaled = roots.scaled
+        w = weights.to(dtype=scaled.dtype, device=scaled.device)
+        out = torch.empty(self.numel, dtype=self.dtype, device=self.device) if held is None \
+            else held
+        trunk_backward(self.layout, (w * scaled).sum(), retain_graph=True, out=out,
+                       accumulate=held is not None)
+        rest = ((1 - w) * scaled).sum()
+        with grads_set_aside(self.layout.params):
+            if len(self.plain_heads) < len(heads):
+                torch.autograd.backward(rest)
+            elif self.plain_heads:
+                torch.autograd.backward(rest, inputs=self.plain_heads)
+        return out
 
-
-def make_sharded_engine(mode: str, layout: ParamLayout, head_params: list[Tensor],
-                        passes: Passes, modules: Any = None) -> Any:
-    """The engine of ``mode`` over a trunk of ``DTensor`` parameters (``fully_shard``)."""
-    if passes == "batched":
-        raise ValueError(
-            "passes='batched' cannot run on a trunk sharded with fully_shard (FSDP2 gathers "
-            "and reduces each backward pass itself); use passes='auto' or 'loop'"
-        )
-    if mode == "matrix":
-        return ShardedMatrixMode(layout, head_params, passes, modules)
-    if mode == "features":
-        return ShardedFeaturesMode(layout, head_params, passes, modules)
-    raise ValueError(
-        f"mode={mode!r} cannot run on a trunk sharded with fully_shard: its Gramian is built "
-        f"from each layer's full weight gradients, which FSDP2 never holds. Use "
-        f"mode='matrix' (the same update; each rank keeps [K, P/W] columns) or "
-        f"mode='features' (the cheap route for large trunks)"
-    )
+    def reused_update(self, held: Tensor | None, losses: Tensor, heads: Sequence[Tensor],
+                      group: Any) -> tuple[Update, Tensor]:
+        """The losses and the replicated heads averaged over the ranks (FSDP2 averaged the
+        rest)."""
+        assert held is not None
+        if group is not None:
+            losses = all_reduce_grads_and_losses_(self.plain_heads, losses, group)
+        return ShardedWriteBack(self.layout, held, None), losses

@@ -16,18 +16,17 @@ The update goes back as ``DTensor`` gradients with the parameters' placements
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from .._sharding import ShardedLayout, local_of
-from ..gramian import cosine_matrix
-from ..stats import StepStats, stats_from_gramian
 from ..taskgrads import TaskRoots
 
-__all__ = ["ShardedWriteBack", "sharded_passes", "sharded_stats"]
+__all__ = ["ShardedWriteBack", "grads_set_aside", "sharded_passes", "trunk_backward"]
 
 
 def task_backward(roots: TaskRoots, k: int, retain_graph: bool) -> bool:
@@ -57,6 +56,35 @@ def _write_row(row: Tensor, grads: Sequence[Tensor | None], layout: ShardedLayou
             part.copy_(g.reshape(-1))
 
 
+@contextlib.contextmanager
+def grads_set_aside(params: Sequence[Tensor]) -> Iterator[None]:
+    """The trunk's ``.grad`` set aside (None) inside, put back on the way out, also on a
+    failure: the passes' gradients never mix with the user's."""
+    saved = [p.grad for p in params]
+    try:
+        for p in params:
+            p.grad = None
+        yield
+    finally:
+        for p, g in zip(params, saved):
+            p.grad = g
+
+
+def trunk_backward(layout: ShardedLayout, root: Tensor, grad: Tensor | None = None,
+                   retain_graph: bool = False, out: Tensor | None = None,
+                   accumulate: bool = False) -> Tensor | None:
+    """This rank's columns ``[P_local]`` of one ordinary backward of ``root`` (``grad``: its
+    ``grad_tensors``) into ``out`` (``+=`` with ``accumulate``), the trunk's ``.grad`` set
+    aside meanwhile; None when the pass reached no trunk parameter."""
+    if out is None:
+        out = torch.empty(layout.numel, dtype=layout.dtype, device=layout.device)
+    with grads_set_aside(layout.params):
+        torch.autograd.backward(root, grad_tensors=grad, retain_graph=retain_graph)
+        grads = layout.local_grads()
+        _write_row(out, grads, layout, accumulate)
+    return out if any(g is not None for g in grads) else None
+
+
 def sharded_passes(roots: TaskRoots, layout: ShardedLayout, out: Tensor, accumulate: bool,
                    retain_graph: bool = False) -> None:
     """``out[k] (+)=`` this rank's columns of task ``k``'s full-batch gradient, for every k.
@@ -66,11 +94,8 @@ def sharded_passes(roots: TaskRoots, layout: ShardedLayout, out: Tensor, accumul
     reduce-scatter that fills the sharded ``.grad`` did not run.
     """
     params = layout.params
-    saved = [p.grad for p in params]
     reached = False
-    try:
-        for p in params:
-            p.grad = None
+    with grads_set_aside(params):
         k_total = roots.num_tasks
         for k in range(k_total):
             keep = retain_graph or k < k_total - 1
@@ -80,9 +105,6 @@ def sharded_passes(roots: TaskRoots, layout: ShardedLayout, out: Tensor, accumul
             _write_row(out[k], grads, layout, accumulate)
             for p in params:
                 p.grad = None
-    finally:
-        for p, g in zip(params, saved):
-            p.grad = g
     if not reached:
         raise RuntimeError(
             "no task's backward pass wrote a gradient into the sharded trunk: FSDP2's gradient "
@@ -142,33 +164,3 @@ class ShardedWriteBack:
             grad = p.grad
             assert grad is not None
             local_of(grad).add_(part)
-
-
-def sharded_stats(gram: Tensor, losses: Tensor, finite: bool, matrix: Tensor, update: Tensor,
-                  weights: Tensor | None, layout: ShardedLayout, scale: Tensor | None,
-                  **fields: Any) -> StepStats:
-    """:func:`~gradbalance.stats.build_stats` for local columns: the Gramian is the full one
-    already; ``G g`` and ``‖g‖²`` of an unweighted update are summed over the shards (one
-    small all-reduce), so every rank reports the same statistics."""
-    if finite:
-        if weights is not None:
-            norms, cosine, cos_update, update_norm = stats_from_gramian(gram, None, None,
-                                                                         weights)
-        else:
-            local = torch.cat([(matrix @ update).to(torch.float64),
-                               update.to(torch.float64).pow(2).sum().reshape(1)])
-            total = layout.shard.sum(local)
-            dots, update_norm = total[:-1], total[-1].clamp_min(0).sqrt()
-            norms = torch.diagonal(gram).clamp_min(0).sqrt()
-            cosine = cosine_matrix(gram)
-            denom = norms * update_norm
-            safe = torch.where(denom > 0, denom, torch.ones_like(denom))
-            cos_update = torch.where(denom > 0, dots / safe, torch.zeros_like(dots))
-    else:
-        k = gram.shape[0]
-        nan = torch.full((k,), float("nan"), dtype=torch.float64, device=gram.device)
-        norms = torch.diagonal(gram).sqrt()
-        cosine, cos_update, update_norm, weights = nan[:, None] * nan, nan, nan[0], None
-    return StepStats(losses=losses, task_norms=norms, cosine=cosine,
-                     cosine_to_update=cos_update, update_norm=update_norm, weights=weights,
-                     found_inf=not finite, loss_scale_tensor=scale, **fields)

@@ -37,8 +37,8 @@ GRAPH = import_graph(SOURCES)
 #: The layer table of docs/ARCHITECTURE.md, bottom first: files, or whole subpackages ("x/").
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("_types.py", "_version.py", "_optional.py", "_pickling.py", "_registry.py",
-     "_statedict.py", "_checks.py", "_module.py"),
-    ("gramian.py", "stats.py", "taskgrads.py"),
+     "_statedict.py", "_checks.py", "_state_spec.py", "_module.py"),
+    ("gramian.py", "_shard.py", "stats.py", "taskgrads.py"),
     ("balancers/",),
     ("weighting/",),
     ("_sharding.py", "distributed.py", "_amp.py"),

@@ -33,7 +33,7 @@ from gradbalance import (
     TaskGradBuffer,
 )
 from gradbalance.balancers import Constant, GradVac, SolverError
-from gradbalance.modes import _features, _gramian, _matrix
+from gradbalance.modes import _features, _gramian, _local
 from gradbalance.modes._engine import WriteBack
 from gradbalance.modes._rollback import StateSnapshot
 from gradbalance.weighting import WEIGHTINGS
@@ -291,7 +291,8 @@ def inject(run: Run, stage: str) -> Iterator[dict[str, Any]]:
     elif stage == "write_back":
         patches.append(mock.patch.object(WriteBack, "bound", side_effect=Injected("bound")))
     elif stage == "stats":
-        module = {"matrix": _matrix, "gramian": _gramian, "features": _features}[case.mode]
+        # matrix mode's statistics come from its columns (modes/_layout.py)
+        module = {"matrix": _local, "gramian": _gramian, "features": _features}[case.mode]
         patches.append(mock.patch.object(module, "build_stats", side_effect=Injected("stats")))
     elif stage == "nonfinite":
         kwargs["bump"] = torch.tensor([1.0, float("inf"), 1.0], dtype=torch.float64)

@@ -3,7 +3,7 @@
 Under a trunk sharded with ``fully_shard`` every rank holds some columns of the single-process
 ``[K, P]`` matrix ``G``: each parameter is split on dim 0, so a rank's columns are one run of
 consecutive flat indices per parameter. :class:`Shard` names those runs and the sum over
-ranks; :meth:`Balancer.combine_sharded` uses it so that the concatenation of every rank's
+ranks; :meth:`Balancer.combine` takes it so that the concatenation of every rank's
 output equals the single-process update (``docs/balancers.md``, "Sharded trunks").
 
 Everything global (Gramians, norms, sums over coordinates) goes through :attr:`Shard.reduce`;
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..gramian import _FLOAT_BITS, _pow2, _work_dtype, unit_rows
+from .gramian import _FLOAT_BITS, _pow2, _work_dtype, compute_gramian, unit_rows
 
 __all__ = ["Shard", "dim0_runs"]
 
@@ -124,6 +124,13 @@ def dim0_runs(shapes: Sequence[Sequence[int]], rank: int, world_size: int
         runs.append((offset + lo * per_row, (hi - lo) * per_row))
         offset += numel
     return tuple(runs)
+
+
+def full_gramian(matrix: Tensor, shard: Shard | None = None) -> Tensor:
+    """The full ``[K, K]`` Gramian (float64) of the rows ``matrix`` holds: all of them, or with
+    ``shard`` a rank's columns, whose partial Gramians are summed over the ranks."""
+    gram = compute_gramian(matrix)
+    return gram if shard is None else shard.sum(gram)
 
 
 def sharded_row_norms(matrix: Tensor, shard: Shard) -> Tensor:

@@ -1,0 +1,40 @@
+"""One table of mode names: the buffer's modes, the ranks' agreement check and the errors all
+read :data:`gradbalance.modes.ENGINES`."""
+
+from __future__ import annotations
+
+import typing
+import zlib
+
+import pytest
+import torch
+
+from gradbalance import TaskGradBuffer
+from gradbalance import distributed as dist_module
+from gradbalance.modes import ENGINES, MODES, Mode, sharded_modes
+
+
+def test_the_names_are_the_mode_literal() -> None:
+    assert MODES == typing.get_args(Mode) == ("matrix", "gramian", "auto", "features")
+    assert tuple(ENGINES) == MODES
+    assert sharded_modes() == ["matrix", "features"]
+    for name, engine in ENGINES.items():
+        assert engine.mode == name
+
+
+@pytest.mark.parametrize("other", ["matrix", "gramian", "auto", "features"])
+def test_a_disagreement_names_every_mode(other: str) -> None:
+    """Each rank sends the CRC-32 of its mode; the other ranks read it back as the name
+    (``"auto"`` was once missing and read as ``<unknown, code …>``)."""
+    code = zlib.crc32(other.encode())
+    for local in MODES:
+        phrase = dist_module._reads("mode", code, {"mode": local, "dtype": "torch.float32"},
+                                    tuple(ENGINES))
+        assert phrase == f"has mode='{other}'"
+
+
+def test_an_unknown_mode_lists_the_table() -> None:
+    trunk = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="Invalid mode: 'bogus'") as info:
+        TaskGradBuffer(list(trunk.parameters()), mode="bogus")  # type: ignore[arg-type]
+    assert "matrix, gramian, auto, features" in str(info.value)
