@@ -34,8 +34,7 @@ from ._roots import TaskRoots
 from ._sinks import PassSink, RowsSink
 
 __all__ = [
-    "AUTO_PREFERENCE", "ParamLayout", "Passes", "TaskRoots", "compute_into", "run_passes",
-    "task_gradients",
+    "AUTO_PREFERENCE", "ParamLayout", "Passes", "TaskRoots", "compute_into", "task_gradients",
 ]
 
 Passes = Literal["auto", "measure", "loop", "batched"]
@@ -74,7 +73,7 @@ def resolve_passes(passes: Passes, device: torch.device) -> Concrete:
 
     The ``AUTO_PREFERENCE`` entry of the device type, else the batched call. The row modes
     measure instead where due (:meth:`gradbalance.modes._engine.RowsEngine.compute`); the
-    ``gramian`` mode does not measure and takes this.
+    ``gramian`` mode does not measure and takes this (both keep the fallback to the loop).
     """
     check_choice("passes", passes, _PASSES)
     if passes == "auto" or passes == "measure":

@@ -23,6 +23,12 @@ weighted write-back follows — no second backward through the trunk. The rows l
 buffers kept across steps (no allocation per step); ``layer_routes`` says which route each
 layer took.
 
+The K passes run through :func:`~gradbalance.taskgrads.run_passes`, as in ``matrix`` mode
+(loop or batched as ``passes`` resolves on the device, no first-step timing; the same
+fallback to the loop, which then sticks): one sink takes the activations-route outputs'
+gradients, one per rows-route block its rows. The recorder (:mod:`._recorder`), the blocks
+(:mod:`._blocks`) and the routes (:mod:`._routes`) have modules of their own.
+
 Each backward keeps only these operands (the linear inputs detached) and lets the graph go.
 Micro-batches: the Gramian of a sum of micro-batches is not the sum of their Gramians, but
 the full batch's ``x`` and ``Dₖ`` are the micro-batches' concatenations along N and its rows
