@@ -46,9 +46,10 @@ from ..stats import StepStats
 from ..taskgrads import ParamLayout, Passes, TaskRoots
 from ._costs import FLOPS_PER_BYTE, LinearShape, flops_per_byte, layer_costs
 from ._engine import reject_features
-from ._gramian import GramianMode, GramianRecorder, load_tasks
+from ._gramian import GramianMode, load_tasks
 from ._matrix import MatrixMode
 from ._measure import _synchronize
+from ._routes import layer_shapes
 
 __all__ = ["DECISIVE", "FLOPS_PER_BYTE", "TRIALS", "AutoMode", "LinearShape", "RouteCosts",
            "route_costs"]
@@ -145,40 +146,29 @@ class AutoMode:
         self.matrix: Tensor | None = None
 
     # -- the decision ---------------------------------------------------------------------
-    def _shapes(self) -> tuple[tuple[int, int, int, bool, bool], ...]:
-        assert self._gramian is not None
-        shapes = []
-        for block in self._gramian.recorder.linear:
-            if not block.calls:
-                continue
-            weight, bias = GramianRecorder._linear_params(block)
-            assert block.form is not None
-            i, o = block.form
-            n = sum(call.n for call in block.calls)
-            shapes.append((n, i, o, weight, bias))
-        return tuple(shapes)
-
     def _decide(self, roots: TaskRoots) -> Route:
         """The route of a step, from its first micro-batch (before any pass runs)."""
         self._key = self._base = None
         self._timing = False
         if self._gramian is None or not self.gramian_ok:
             return "matrix"
-        shapes = self._shapes()
+        shapes = layer_shapes(self._gramian.recorder.linear)
         self._base = (roots.num_tasks, shapes)
         key = self._key = (self._base, self._counts.get(self._base, 1))
-        route = self._decided.get(key)
-        if route is not None:
-            return route
-        if not shapes or not self._safe(roots):
+        if key not in self._decided and (not shapes or not self._safe(roots)):
             self._decided[key] = "matrix"
-            return "matrix"
-        device = self.layout.device
-        layers = [LinearShape(*s) for s in shapes]
+        route = self._decided.get(key)
+        return self._by_model(key, shapes) if route is None else route
+
+    def _by_model(self, key: Any, shapes: Sequence[tuple[int, int, int, bool, bool]]) -> Route:
+        """The cost model's route for a new shape key (kept where it decides), else the route
+        of the next timed trial."""
+        assert self._gramian is not None
+        k, micro = key[0][0], key[1]
         other = sum(p.numel() for b in self._gramian.recorder.other for p in b.params)
         costs = self.costs = route_costs(
-            layers, other, roots.num_tasks, key[1], self.layout.params[0].element_size(),
-            flops_per_byte(device.type))
+            [LinearShape(*s) for s in shapes], other, k, micro,
+            self.layout.params[0].element_size(), flops_per_byte(self.layout.device.type))
         ratio = costs.ratio
         # no layer gains (ratio 1: gramian would take the rows everywhere), or a decisive
         # gain; under torch.distributed the model alone decides (the same on every rank)

@@ -32,8 +32,8 @@ from ..taskgrads import (
     Passes,
     TaskRoots,
     compute_into,
+    kept_passes,
     needs_measuring,
-    resolve_passes,
 )
 from ._measure import measure_passes
 from ._rollback import StateSnapshot
@@ -144,9 +144,7 @@ class RowsEngine:
             return
         used = compute_into(roots, layout, out, passes=self.passes, accumulate=accumulate,
                             retain_graph=retain_graph, preferred=self.chosen, reached=reached)
-        expected = self.chosen or resolve_passes(self.passes, layout.device)
-        if self.passes in ("auto", "measure") and used != expected:
-            self.chosen = used  # a fallback sticks: no failing batched call every step
+        self.chosen = kept_passes(self.passes, layout.device, self.chosen, used)
 
     def state_dict(self) -> dict[str, Any]:
         return {} if self.chosen is None else {"passes": self.chosen}

@@ -1,0 +1,124 @@
+"""Where each task's backward pass starts: :class:`TaskRoots` (re-exported by
+:mod:`gradbalance.taskgrads`).
+
+Each pass starts at the task's own loss: the scalar given in a list, or, for
+``torch.stack([L_1, ..., L_K])`` (also behind elementwise ops such as ``/ M``), the stack's
+k-th input edge. Starting at ``stacked[k]`` instead would send zeros back through every other
+task's head: K passes over all K heads instead of one pass over each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+from torch.autograd.graph import GradientEdge, Node
+
+__all__ = ["TaskRoots"]
+
+#: Autograd nodes of elementwise ops ``[K] -> [K]`` that may sit between a ``torch.stack`` of
+#: the task losses and the vector given (``stacked / M``, ``stacked.float()``, ``w * stacked``
+#: with a constant ``w``).
+_ELEMENTWISE = frozenset({
+    "MulBackward0", "DivBackward0", "AddBackward0", "SubBackward0", "NegBackward0",
+    "ToCopyBackward0",
+})
+
+
+def _elementwise_step(node: Node, factor: Tensor) -> tuple[Node | None, Tensor] | None:
+    """One elementwise op back: its one differentiable input, and the factor times the op's
+    derivative (its backward called on the factor); None if it has several inputs or the
+    factor loses its ``[K]`` shape."""
+    live = [i for i, (child, _) in enumerate(node.next_functions) if child is not None]
+    if len(live) != 1:
+        return None
+    grad_shape = factor.shape
+    grad = node(factor)  # type: ignore[operator]  # a grad_fn is callable; Node has no __call__
+    factor = grad if isinstance(grad, Tensor) else grad[live[0]]
+    if factor is None or factor.shape != grad_shape:
+        return None
+    return node.next_functions[live[0]][0], factor
+
+
+def _stack_edges(node: Node | None, k: int) -> list[GradientEdge] | None:
+    """The ``k`` input edges of a ``torch.stack`` node (None for any other node, or a stack
+    of leaves)."""
+    if node is None or node.name() != "StackBackward0" or len(node.next_functions) != k:
+        return None
+    edges = []
+    for child, nr in node.next_functions:
+        if child is None or child.name() == "torch::autograd::AccumulateGrad":
+            return None
+        edges.append(GradientEdge(child, nr))
+    return edges
+
+
+def _stack_inputs(vector: Tensor) -> tuple[list[GradientEdge], Tensor] | None:
+    """The input edges of the ``torch.stack`` that ``vector`` is made from, and ``∂vₖ/∂cₖ``.
+
+    Walks back through elementwise ops with one differentiable input (each node's backward,
+    called on the running factor, gives the chain rule). None when the graph is anything
+    else: then a task's pass must start at ``vector[k]``.
+    """
+    k = vector.shape[0]
+    node = vector.grad_fn
+    factor = torch.ones(k, dtype=vector.dtype, device=vector.device)
+    while node is not None and node.name() in _ELEMENTWISE:
+        step = _elementwise_step(node, factor)
+        if step is None:
+            return None
+        node, factor = step
+    edges = _stack_edges(node, k)
+    return None if edges is None else (edges, factor.detach())
+
+
+class TaskRoots:
+    """Where each task's backward pass starts, and the output gradient it starts with.
+
+    Args:
+        given: the losses as the user passed them (a list of scalars or a ``[K]`` tensor).
+        vector: the same losses as one ``[K]`` tensor (:func:`~gradbalance._checks.as_loss_vector`).
+        scale: the loss scale ``s`` (0-d), or None.
+
+    ``scaled`` is ``s·vector`` (the batched call and one-pass backwards use it). ``outputs[k]``
+    reaches task k's graph only: the k-th scalar of a list, or the k-th input edge of the
+    ``torch.stack`` the vector is made from (through elementwise ops, whose derivative goes
+    into ``grad_outputs[k]``). Otherwise ``outputs`` is None and ``scaled[k]`` is
+    backpropagated, through every head.
+    """
+
+    def __init__(self, given: Tensor | Sequence[Tensor], vector: Tensor,
+                 scale: Tensor | None) -> None:
+        if not vector.requires_grad:
+            raise ValueError(
+                "losses do not require grad; compute them from the model's outputs with grad "
+                "enabled (not under torch.no_grad() or from detached tensors)"
+            )
+        self.scaled = vector if scale is None else vector * scale.to(vector.dtype)
+        self.num_tasks = vector.shape[0]
+        self.outputs: list[Tensor | GradientEdge | None] | None = None
+        factor: Tensor | None = None
+        if isinstance(given, (list, tuple)):
+            self.outputs = [t.reshape(()) if t.requires_grad else None for t in given]
+        else:
+            found = _stack_inputs(vector)
+            if found is not None:
+                edges, factor = found
+                self.outputs = list(edges)
+        if factor is None:
+            factor = torch.ones(self.num_tasks, dtype=vector.dtype, device=vector.device)
+        factor = factor.to(vector.dtype)  # a float16 factor times the scale could overflow
+        self.grad_outputs = factor if scale is None else factor * scale.to(vector.dtype)
+
+    def grad(self, k: int, inputs: Sequence[Tensor], retain_graph: bool
+             ) -> tuple[Tensor | None, ...]:
+        """``∂(s·Lₖ)/∂x`` for every ``x`` in ``inputs`` (None where ``Lₖ`` does not reach it)."""
+        if self.outputs is None:
+            return torch.autograd.grad(self.scaled[k], inputs, retain_graph=retain_graph,
+                                       allow_unused=True)
+        root = self.outputs[k]
+        if root is None:  # a constant loss: no gradient anywhere
+            return (None,) * len(inputs)
+        return torch.autograd.grad(root, inputs, grad_outputs=[self.grad_outputs[k]],
+                                   retain_graph=retain_graph, allow_unused=True)

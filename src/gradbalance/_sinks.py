@@ -1,0 +1,124 @@
+"""Where the K task passes of :func:`gradbalance.taskgrads.run_passes` put their gradients.
+
+A sink names the tensors it wants gradients at (``inputs``) and receives them either one
+pass at a time (the loop: ``write_pass(k, grads)``, ``∂Lₖ/∂x`` per input) or all at once (the
+batched call: ``write_batched(grads)``, ``[K, *x.shape]`` per input); None wherever no task
+reaches an input. Both give the same result, so a sink does not know which way ran.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+__all__ = ["PassSink", "RowsSink", "StackSink"]
+
+
+class ColumnLayout(Protocol):
+    """What a rows sink reads of :class:`gradbalance.taskgrads.ParamLayout`: the parameters
+    and each one's column range in a row."""
+
+    @property
+    def params(self) -> Sequence[Tensor]:
+        """The parameters, in row order."""
+        ...
+
+    def slices(self) -> Iterable[tuple[Tensor, int, int]]:
+        """``(param, start, stop)`` for each parameter, in order."""
+        ...
+
+
+class PassSink(Protocol):
+    """What :func:`~gradbalance.taskgrads.run_passes` writes into."""
+
+    @property
+    def inputs(self) -> Sequence[Tensor]:
+        """The tensors whose gradients the sink takes, in the order it takes them."""
+        ...
+
+    def write_pass(self, k: int, grads: Sequence[Tensor | None]) -> None:
+        """Task ``k``'s gradients at ``inputs``."""
+        ...
+
+    def write_batched(self, grads: Sequence[Tensor | None]) -> None:
+        """Every task's gradients at ``inputs``, ``[K, *x.shape]`` each."""
+        ...
+
+
+def _write_part(part: Tensor, g: Tensor | None, accumulate: bool) -> None:
+    if g is None:
+        if not accumulate:
+            part.zero_()
+    elif accumulate:
+        part.add_(g.reshape(part.shape))
+    else:
+        part.copy_(g.reshape(part.shape))
+
+
+def _mark_reached(reached: list[bool] | None, grads: Sequence[Tensor | None]) -> None:
+    """``reached[i] = True`` where ``grads[i]`` exists (some task reaches parameter i)."""
+    if reached is not None:
+        for i, g in enumerate(grads):
+            if g is not None:
+                reached[i] = True
+
+
+def _write_row(row: Tensor, grads: Sequence[Tensor | None], layout: ColumnLayout,
+               accumulate: bool) -> None:
+    if not accumulate and all(g is not None for g in grads):
+        torch.cat([g.reshape(-1) for g in grads if g is not None], out=row)
+        return
+    for g, (_, start, stop) in zip(grads, layout.slices()):
+        _write_part(row[start:stop], g, accumulate)
+
+
+class RowsSink:
+    """The ``[K, P]`` rows of ``layout``'s parameters written (or added, ``accumulate``) into
+    ``out``; ``reached[i]`` set True where some task reaches ``layout.params[i]`` (its
+    columns are zeros, or unchanged when accumulating, otherwise)."""
+
+    def __init__(self, layout: ColumnLayout, out: Tensor, accumulate: bool,
+                 reached: list[bool] | None = None) -> None:
+        self.layout, self.out, self.accumulate, self.reached = layout, out, accumulate, reached
+
+    @property
+    def inputs(self) -> Sequence[Tensor]:
+        return self.layout.params
+
+    def write_pass(self, k: int, grads: Sequence[Tensor | None]) -> None:
+        _write_row(self.out[k], grads, self.layout, self.accumulate)
+        _mark_reached(self.reached, grads)
+
+    def write_batched(self, grads: Sequence[Tensor | None]) -> None:
+        for g, (_, start, stop) in zip(grads, self.layout.slices()):
+            _write_part(self.out[:, start:stop], g, self.accumulate)
+        _mark_reached(self.reached, grads)
+
+
+class StackSink:
+    """The gradients at ``inputs`` (tensors inside the graph, e.g. layer outputs) as one
+    ``[K, *x.shape]`` stack each: ``stacks[j]``, None where no task reaches ``inputs[j]``."""
+
+    def __init__(self, inputs: Sequence[Tensor], num_tasks: int) -> None:
+        self._inputs = list(inputs)
+        self.num_tasks = num_tasks
+        self.stacks: list[Tensor | None] = [None] * len(self._inputs)
+
+    @property
+    def inputs(self) -> list[Tensor]:
+        return self._inputs
+
+    def write_pass(self, k: int, grads: Sequence[Tensor | None]) -> None:
+        for j, g in enumerate(grads):
+            if g is None:
+                continue
+            stack = self.stacks[j]
+            if stack is None:
+                stack = self.stacks[j] = g.new_zeros((self.num_tasks, *g.shape))
+            stack[k].copy_(g)
+
+    def write_batched(self, grads: Sequence[Tensor | None]) -> None:
+        self.stacks = list(grads)

@@ -1,0 +1,168 @@
+"""The blocks of ``gramian`` mode's trunk: what each holds for a step (:mod:`._gramian`).
+
+A module with shared parameters of its own is one block (with all of its sub-modules); a
+module without direct parameters is split into its children. A block of linear form
+(:mod:`._layers`) records its forwards and takes the rows or the activations route; any
+other block takes the rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from ..taskgrads import ParamLayout
+from ._costs import LayerCosts, LinearShape, flops_per_byte, layer_costs
+from ._layers import LAYER_TYPES, linear_form
+
+__all__ = ["Block", "Call", "find_blocks"]
+
+
+@dataclass
+class Call:
+    """One recorded forward: its rows ``n``; its input and output only where the layer may
+    take the activations route (a call bound for the rows keeps no tensor alive)."""
+
+    n: int
+    input: Tensor | None = None
+    output: Tensor | None = None
+    versions: tuple[int, int] = (0, 0)
+
+
+@dataclass
+class Block:
+    module: nn.Module
+    name: str
+    params: list[Tensor]
+    form: tuple[int, int] | None  # (i, o) of a layer with a linear form, else None
+    calls: list[Call] = field(default_factory=list)  # recorded since the last backward
+    # a layer of linear form: this step's route, "rows" or "activations" (other blocks: always rows)
+    route: str = "rows"
+    # the step so far, activations route: the inputs [N, i] and output gradients [K, N, o]
+    inputs: list[Tensor] = field(default_factory=list)
+    output_grads: list[Tensor] = field(default_factory=list)
+    # rows route: the rows [K, P_b] summed over the micro-batches (None: none yet this step),
+    # written into ``buffer``, which persists across steps (no allocation per step)
+    rows: Tensor | None = None
+    buffer: Tensor | None = None
+    # rows route: whether some task of the step reached each of ``params``
+    reached: list[bool] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.layout = ParamLayout(self.params)
+
+    @property
+    def linear(self) -> bool:
+        """Whether the block is a layer of linear form (``nn.Linear``, a convolution)."""
+        return self.form is not None
+
+    def forget(self) -> None:
+        self.calls.clear()
+        self.inputs.clear()
+        self.output_grads.clear()
+        self.rows = None
+        self.reached = []
+
+    def rows_buffer(self, k_total: int) -> Tensor:
+        """The persistent ``[K, P_b]`` storage of the rows."""
+        if self.buffer is None or self.buffer.shape[0] != k_total:
+            self.buffer = torch.empty(k_total, self.layout.numel, dtype=self.layout.dtype,
+                                      device=self.layout.device)
+        return self.buffer
+
+    def start_rows(self, k_total: int) -> Tensor:
+        """The rows' storage for this micro-batch; ``reached`` starts afresh with the step."""
+        if self.rows is None:
+            self.reached = [False] * len(self.params)
+        return self.rows_buffer(k_total)
+
+    def module_layer(self) -> nn.Linear | nn.Conv1d | nn.Conv2d:
+        """The layer of linear form (only for a block that is one)."""
+        mod = self.module
+        assert isinstance(mod, LAYER_TYPES)
+        return mod
+
+    def linear_params(self) -> tuple[bool, bool]:
+        """Whether the layer's weight and its bias are among the shared parameters."""
+        mod = self.module_layer()
+        ids = {id(p) for p in self.params}
+        return id(mod.weight) in ids, mod.bias is not None and id(mod.bias) in ids
+
+    def called_rows(self) -> int:
+        """The rows of the forwards recorded since the last backward."""
+        return sum(call.n for call in self.calls)
+
+    def shape(self, n: int) -> LinearShape:
+        """The layer over ``n`` rows, for the cost model."""
+        assert self.form is not None
+        return LinearShape(n, *self.form, *self.linear_params())
+
+    def costs(self, n: int, k_total: int, micro: int) -> LayerCosts:
+        """Both routes' costs over the step's ``n`` rows (:func:`._costs.layer_costs`)."""
+        return layer_costs(self.shape(n), k_total, micro, self.layout.params[0].element_size(),
+                           flops_per_byte(self.layout.device.type), total_rows=n)
+
+    def operands(self) -> tuple[Tensor, Tensor | None]:
+        """``x`` ``[N, i]`` and ``D`` ``[K, N, o]`` of the step so far, in at least float32."""
+        if not self.output_grads:
+            return torch.empty(0), None
+        dtype = torch.promote_types(self.module_layer().weight.dtype, torch.float32)
+        xs = [x.to(dtype) for x in self.inputs]
+        ds = [d.to(dtype) for d in self.output_grads]
+        if len(ds) == 1:
+            return xs[0], ds[0]
+        return torch.cat(xs), torch.cat(ds, dim=1)
+
+    def to_rows(self, k_total: int) -> None:
+        """Move an activations-route block to rows for the rest of the step: its rows are
+        ``Dₖᵀx`` (weight) and ``Σₙ Dₖ`` (bias) of the operands so far (exact)."""
+        x, d = self.operands()
+        buffer = self.rows_buffer(k_total)
+        mod = self.module_layer()
+        for p, (_, start, stop) in zip(self.params, self.layout.slices()):
+            part = buffer[:, start:stop]
+            if d is None:
+                part.zero_()
+            elif p is mod.weight:
+                part.copy_(torch.matmul(d.transpose(1, 2), x).reshape(k_total, -1))
+            else:
+                part.copy_(d.sum(dim=1))
+        self.rows = buffer
+        self.reached = [d is not None] * len(self.params)
+        self.route = "rows"
+        self.inputs.clear()
+        self.output_grads.clear()
+
+
+def find_blocks(roots: Sequence[nn.Module], params: Sequence[Tensor]) -> list[Block]:
+    """The blocks of ``roots`` holding ``params``, each parameter in one block; raises
+    naming a parameter no module of ``roots`` owns."""
+    wanted = {id(p) for p in params}
+    blocks: list[Block] = []
+    seen: set[int] = set()
+
+    def visit(module: nn.Module, name: str) -> None:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        if any(id(p) in wanted for p in module.parameters(recurse=False)):
+            own: list[Tensor] = [p for p in module.parameters() if id(p) in wanted]
+            blocks.append(Block(module, name or type(module).__name__, own, linear_form(module)))
+            return
+        for child_name, child in module.named_children():
+            visit(child, f"{name}.{child_name}" if name else child_name)
+
+    for i, root in enumerate(roots):
+        visit(root, "" if len(roots) == 1 else f"modules[{i}]")
+    covered = {id(p) for block in blocks for p in block.params}
+    for i, p in enumerate(params):
+        if id(p) not in covered:
+            raise ValueError(
+                f"shared_params[{i}] (shape {tuple(p.shape)}) is not a parameter of any module "
+                f"in modules; mode='gramian' needs the trunk module(s) owning every shared "
+                f"parameter, e.g. modules=model.trunk"
+            )
+    return blocks

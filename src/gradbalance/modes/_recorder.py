@@ -1,0 +1,330 @@
+"""``gramian`` mode's recorder: forward hooks on the trunk's linear blocks, the K passes into
+each block's operands, the Gramian and the weighted write-back (:mod:`._gramian`)."""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .._sinks import PassSink, RowsSink, StackSink
+from ..distributed import _comm_device, all_gather_columns, all_reduce_mean_
+from ..gramian import compute_gramian, linear_gramian
+from ..taskgrads import Concrete, Passes, TaskRoots, run_passes
+from ._blocks import Block, Call, find_blocks
+from ._engine import WriteBack, reaches
+from ._layers import rows_grad, rows_input
+from ._routes import Force, keeps, plan_routes, promote_routes
+
+__all__ = ["GramianRecorder"]
+
+#: Recorded forwards of one layer past which a forgotten torch.no_grad() is likely.
+_MANY_CALLS = 64
+
+_COMPILED = (
+    "mode='gramian' cannot record a torch.compile'd trunk: the compiled graph hides the "
+    "layer inputs and output gradients its Gramian is built from. Use mode='matrix' with a "
+    "compiled trunk, or leave the trunk uncompiled (docs/integrations.md, torch.compile)"
+)
+
+
+def _roots_of(modules: nn.Module | Iterable[nn.Module]) -> list[nn.Module]:
+    roots = [modules] if isinstance(modules, nn.Module) else list(modules)
+    if not roots or not all(isinstance(m, nn.Module) for m in roots):
+        raise ValueError(
+            f"Invalid modules: {modules!r} (expected an nn.Module or a list of them, "
+            f"the trunk owning shared_params)"
+        )
+    if any(hasattr(m, "_orig_mod") for m in roots):  # torch.compile's OptimizedModule
+        raise RuntimeError(_COMPILED)
+    return roots
+
+
+def _recorded_input(block: Block, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
+    x = args[0] if args else kwargs.get("input")
+    if not isinstance(x, Tensor):
+        raise RuntimeError(
+            f"mode='gramian': module {block.name} ({type(block.module).__name__}) was "
+            f"called without an input tensor it can record (found {type(x).__name__}); "
+            f"call it as layer(x)"
+        )
+    return x
+
+
+def _check_called(block: Block, roots: TaskRoots) -> bool:
+    """Whether ``block`` has recorded calls; raise if it has none yet the losses depend on it
+    (without calls and off the losses' graph, its parameters keep their ``.grad``)."""
+    if block.calls:
+        return True
+    if not reaches(roots.scaled, block.params):
+        return False
+    raise RuntimeError(
+        f"mode='gramian': module {block.name} ({type(block.module).__name__}) was "
+        f"not called as a module during the forward under grad, yet the losses "
+        f"depend on its parameters; run the forward (with the buffer built "
+        f"before it) before backward(), or use mode='matrix' if the parameters are "
+        f"used another way"
+    )
+
+
+def _kept_outputs(block: Block) -> list[Tensor]:
+    """The outputs ``block``'s calls kept (none for a call bound for the rows), checked for
+    in-place edits since their forward."""
+    outputs = []
+    for call in block.calls:
+        if call.input is None or call.output is None:
+            continue
+        if (call.input._version, call.output._version) != call.versions:
+            raise RuntimeError(
+                f"mode='gramian': the output or input of module {block.name} was "
+                f"modified in place after its forward (e.g. nn.ReLU(inplace=True)); "
+                f"use out-of-place ops in the trunk or mode='matrix'"
+            )
+        outputs.append(call.output)
+    return outputs
+
+
+def agree_on_rows(flags: list[int], group: Any) -> list[int]:
+    """The maximum over the ranks of each flag (1: this rank has the layer on rows): the
+    step's one cross-rank reduction of the routes."""
+    local = torch.tensor(flags, dtype=torch.int32)
+    agreed = local.to(_comm_device(group, local.device))
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+    rows: list[int] = agreed.tolist()
+    return rows
+
+
+class GramianRecorder:
+    """Forward hooks on the trunk's linear blocks; the Gramian and the weighted write-back.
+
+    Args:
+        modules: the module(s) owning the shared parameters (e.g. ``model.trunk``).
+        params: the shared parameters; each must belong to one of ``modules``.
+    """
+
+    def __init__(self, modules: nn.Module | Iterable[nn.Module], params: Sequence[Tensor]) -> None:
+        self.blocks = find_blocks(_roots_of(modules), params)
+        self.device = params[0].device  # where the passes run, as in matrix mode
+        self.linear = [block for block in self.blocks if block.linear]
+        self.other = [block for block in self.blocks if not block.linear]
+        #: a route forced on every layer of linear form (``"rows"`` or ``"activations"``), or
+        #: by block name (a dict); None: each layer's cost model decides
+        self.force: Force = None
+        #: K of the last step's passes (None before the first): a forward bound for the rows
+        #: at this K keeps no tensor
+        self.num_tasks: int | None = None
+        self._stepping = False  # a micro-batch of the current step has run its passes
+        ref = weakref.ref(self)
+        self._handles = [
+            block.module.register_forward_hook(_make_hook(ref, block), with_kwargs=True)
+            for block in self.linear
+        ]
+
+    # -- recording ----------------------------------------------------------------------
+    def record(self, block: Block, args: tuple[Any, ...], kwargs: dict[str, Any],
+               output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        if not isinstance(output, Tensor) or not output.requires_grad:
+            return
+        if "Compiled" in type(output.grad_fn).__name__:  # an output of a compiled graph
+            raise RuntimeError(_COMPILED)
+        x = _recorded_input(block, args, kwargs)
+        assert block.form is not None
+        n = output.numel() // max(block.form[1], 1)
+        if keeps(block, n, self.force, self._stepping, self.num_tasks):
+            block.calls.append(Call(n, x, output, (x._version, output._version)))
+        else:
+            block.calls.append(Call(n))
+        if len(block.calls) == _MANY_CALLS:
+            warnings.warn(
+                f"mode='gramian' holds {_MANY_CALLS} forwards of layer {block.name!r} since "
+                f"the last backward(): every forward under grad is kept until the next "
+                f"backward() or reset(); evaluate under torch.no_grad()",
+                RuntimeWarning, stacklevel=2)
+
+    def clear(self) -> None:
+        """Forget the step: recorded calls, output gradients, inputs and rows."""
+        self._stepping = False
+        for block in self.blocks:
+            block.forget()
+
+    def remove(self) -> None:
+        """Remove the forward hooks."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.clear()
+
+    def _check_recorded(self, roots: TaskRoots, every: bool = False) -> list[Tensor]:
+        """The recorded outputs of the activations-route layers; such a layer without a
+        recorded call must not be on the losses' graph (then it is unused, and its parameters
+        keep their ``.grad``). ``every``: check every linear layer, whatever its route."""
+        outputs: list[Tensor] = []
+        for block in self.linear:
+            if (block.route == "activations" or every) and _check_called(block, roots):
+                outputs += _kept_outputs(block)
+        return outputs
+
+    @property
+    def routes(self) -> dict[str, str]:
+        """Each layer of linear form's route in the current (or last) step, by block name:
+        ``"rows"`` or ``"activations"``."""
+        return {block.name: block.route for block in self.linear}
+
+    # -- stage 1: the K passes ------------------------------------------------------------
+    def task_passes(self, roots: TaskRoots, passes: Passes, first: bool = True, micro: int = 1,
+                    preferred: Concrete | None = None) -> Concrete:
+        """K passes for this micro-batch (``micro``-th of the step), run by
+        :func:`~gradbalance.taskgrads.run_passes`: ``∂Lₖ/∂y`` at the recorded outputs of the
+        activations-route layers (kept with their inputs) and the rows of every other block
+        (added to the step's). Returns the passes used."""
+        k_total = roots.num_tasks
+        if first:
+            plan_routes(self.linear, self.force, k_total)
+        stacks = StackSink(self._check_recorded(roots), k_total)
+        row_blocks = [block for block in self.blocks if block.route == "rows"]
+        sinks: list[PassSink] = [stacks]
+        for block in row_blocks:
+            accumulate = block.rows is not None
+            sinks.append(RowsSink(block.layout, block.start_rows(k_total), accumulate,
+                                  block.reached))
+        used = run_passes(roots, sinks, self.device, passes=passes, preferred=preferred)
+        self._keep_activations(stacks.stacks, k_total)
+        for block in row_blocks:
+            block.rows = block.rows_buffer(k_total)
+        if not first:
+            promote_routes(self.linear, self.force, k_total, micro)
+        self.num_tasks, self._stepping = k_total, True
+        return used
+
+    def _keep_activations(self, stacks: list[Tensor | None], k_total: int) -> None:
+        """Each activations-route call's input and output gradient, as rows; the calls go
+        (and with them the graph)."""
+        gradients = iter(stacks)
+        for block in self.linear:
+            if block.route == "activations":
+                for call, d in zip(block.calls, gradients):
+                    if d is not None:
+                        assert call.input is not None
+                        block.inputs.append(rows_input(block.module, call.input.detach()))
+                        block.output_grads.append(rows_grad(block.module, d, k_total))
+            block.calls.clear()
+
+    # -- data parallel ----------------------------------------------------------------
+    def reduce_over_ranks(self, k_total: int, group: Any) -> None:
+        """Give every rank the full batch's operands. The routes are agreed first
+        (:func:`agree_on_rows`): a layer is on the activations route only where every rank
+        took it, a rank's activations move to rows otherwise (exact). Then activations-route
+        inputs and output gradients are all-gathered (gradients divided by the world size)
+        and every block's rows averaged. ``group`` must be resolved (not None)."""
+        if self.linear:
+            flags = [int(block.route == "rows") for block in self.linear]
+            for block, on_rows in zip(self.linear, agree_on_rows(flags, group)):
+                if on_rows and block.route == "activations":
+                    block.to_rows(k_total)
+        size = dist.get_world_size(group)
+        for block in self.linear:
+            if block.route == "activations":
+                _gather_operands(block, k_total, size, group)
+        rows: list[Tensor] = []
+        for block in self.blocks:
+            if block.route == "rows":
+                if block.rows is None:
+                    block.rows = block.rows_buffer(k_total).zero_()
+                block.reached = [True] * len(block.params)  # another rank may have reached them
+                rows.append(block.rows)
+        all_reduce_mean_(rows, group)
+
+    # -- stage 2: the Gramian ---------------------------------------------------------
+    def gramian(self, k_total: int, device: torch.device) -> Tensor:
+        """``G Gᵀ`` ``[K, K]`` in float64, summed block by block."""
+        gram = torch.zeros(k_total, k_total, dtype=torch.float64, device=device)
+        for block in self.blocks:
+            if block.route == "activations":
+                x, d = block.operands()
+                if d is not None:
+                    weight, bias = block.linear_params()
+                    gram += linear_gramian(x, d, weight, bias, route="activations")
+            elif block.rows is not None:
+                gram += compute_gramian(block.rows)
+        return gram
+
+    # -- stage 3: the weighted gradient, written last ------------------------------------
+    def weighted_update(self, weights: Tensor) -> WriteBack:
+        """``Σₖ wₖ ∂Lₖ/∂θ`` for every shared parameter the step reached, block by block,
+        computed in full before anything is written (:meth:`WriteBack.commit_`)."""
+        params: list[Tensor] = []
+        parts: list[Tensor | None] = []
+        owned: list[bool] = []
+        for block in self.blocks:
+            if block.route == "activations":
+                found = _activations_update(block, weights)
+            elif block.rows is not None:
+                found = _rows_update(block, weights)
+            else:
+                continue
+            params += [p for p, _ in found]
+            parts += [part for _, part in found]
+            owned += [block.route == "activations"] * len(found)
+        return WriteBack(params, parts, owned=owned)
+
+
+def _gather_operands(block: Block, k_total: int, size: int, group: Any) -> None:
+    """All-gather an activations-route layer's ``x`` and ``Dₖ`` (``Dₖ`` divided by the world
+    size: each loss is the mean of the ranks' means)."""
+    mod = block.module_layer()
+    assert block.form is not None
+    width_in, width_out = block.form
+    x, d = block.operands()
+    if d is None:  # no output gradient here: an empty share
+        dtype = torch.promote_types(mod.weight.dtype, torch.float32)
+        x = mod.weight.new_zeros(0, width_in, dtype=dtype)
+        d = mod.weight.new_zeros(k_total, 0, width_out, dtype=dtype)
+    n = x.shape[0]
+    block.inputs = [all_gather_columns(x.reshape(1, -1), group, "gramian")
+                    .view(size * n, width_in)]
+    block.output_grads = [all_gather_columns(d.reshape(k_total, -1), group, "gramian")
+                          .view(k_total, size * n, width_out).div_(size)]
+
+
+def _activations_update(block: Block, weights: Tensor) -> list[tuple[Tensor, Tensor | None]]:
+    """``(Σₖ wₖ Dₖ)ᵀ x`` (weight) and ``Σₙ Σₖ wₖ Dₖ`` (bias), where shared and reached."""
+    x, d = block.operands()
+    if d is None:
+        return []
+    dw = torch.tensordot(weights.to(d.dtype), d, 1)  # [N, o]
+    weight, bias = block.linear_params()
+    mod = block.module_layer()
+    found: list[tuple[Tensor, Tensor | None]] = []
+    if weight:
+        found.append((mod.weight, dw.T @ x))
+    if bias:
+        assert mod.bias is not None
+        found.append((mod.bias, dw.sum(dim=0)))
+    return found
+
+
+def _rows_update(block: Block, weights: Tensor) -> list[tuple[Tensor, Tensor | None]]:
+    """``wᵀ G_b`` cut per parameter (None where no task of the step reached it)."""
+    assert block.rows is not None
+    combined = weights.to(block.rows.dtype) @ block.rows
+    return [(p, combined[start:stop] if hit else None)
+            for hit, (p, start, stop) in zip(block.reached, block.layout.slices())]
+
+
+def _make_hook(ref: weakref.ReferenceType[GramianRecorder], block: Block) -> Any:
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+             output: Any) -> None:
+        recorder = ref()
+        if recorder is not None:
+            if torch.compiler.is_compiling():
+                raise RuntimeError(_COMPILED)
+            recorder.record(block, args, kwargs, output)
+
+    return hook

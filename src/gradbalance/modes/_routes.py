@@ -1,0 +1,82 @@
+"""Each linear layer's route in ``gramian`` mode, ``"rows"`` or ``"activations"``, in one place.
+
+The cost model (:mod:`._costs`) decides from the layer's shapes, K and the micro-batches,
+unless a route is forced (``GramianRecorder.force``): at a forward, whether to keep its
+tensors (:func:`keeps`); at the step's first backward, the route (:func:`plan_routes`); after a
+later micro-batch, a move to rows where they have become cheaper (:func:`promote_routes`).
+``auto`` mode decides between the ``matrix`` and ``gramian`` routes from the same layer shapes
+(:func:`layer_shapes`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ._blocks import Block
+
+__all__ = ["Force", "forced_route", "keeps", "layer_shapes", "plan_routes", "promote_routes"]
+
+#: A route forced on every layer of linear form, or by block name; None: the cost model.
+Force = str | dict[str, str] | None
+
+
+def forced_route(force: Force, block: Block) -> str | None:
+    """The route ``force`` sets for ``block`` (None: the cost model decides)."""
+    route = force.get(block.name) if isinstance(force, dict) else force
+    if route not in (None, "rows", "activations"):
+        raise ValueError(
+            f"Invalid force: {route!r} for {block.name} (expected 'rows', 'activations' "
+            f"or None)"
+        )
+    return route
+
+
+def keeps(block: Block, n: int, force: Force, stepping: bool, num_tasks: int | None) -> bool:
+    """Whether a forward of ``n`` rows must keep its input and output: not where the layer
+    takes the rows for sure (forced; a later micro-batch (``stepping``) of a step on rows;
+    or the rows at these rows and the last step's K, 2 before the first: a layer whose
+    tensors were not kept takes the rows in that step; the last K is in ``state_dict``, so a
+    resumed run takes the same routes). Holding the tensors of a layer that takes the rows
+    keeps its output alive through the K passes for nothing (measured 1.3x on the CNN of the
+    benchmarks)."""
+    forced = forced_route(force, block)
+    if forced is not None:
+        return forced == "activations"
+    if stepping:
+        return block.route == "activations"
+    k = 2 if num_tasks is None else num_tasks  # K = 2 before the first step
+    return block.costs(n + block.called_rows(), k, 1).route == "activations"
+
+
+def plan_routes(blocks: Sequence[Block], force: Force, k_total: int) -> None:
+    """Each linear block's route for the step, from its first micro-batch's calls: the
+    cheaper of :func:`~gradbalance.modes._costs.layer_costs` (rows without calls)."""
+    for block in blocks:
+        forced = forced_route(force, block)
+        if forced is not None:
+            block.route = forced
+        elif not block.calls or any(call.output is None for call in block.calls):
+            block.route = "rows"  # no call, or a call whose tensors were not kept
+        else:
+            block.route = block.costs(block.called_rows(), k_total, 1).route
+
+
+def promote_routes(blocks: Sequence[Block], force: Force, k_total: int, micro: int) -> None:
+    """After a later micro-batch: an activations-route layer whose rows have become the
+    cheaper route (its rows ``N`` grew) moves to rows, unless its route is forced."""
+    for block in blocks:
+        if block.route != "activations" or forced_route(force, block) is not None:
+            continue
+        n = sum(x.shape[0] for x in block.inputs)
+        if n and block.costs(n, k_total, micro).route == "rows":
+            block.to_rows(k_total)
+
+
+def layer_shapes(blocks: Sequence[Block]) -> tuple[tuple[int, int, int, bool, bool], ...]:
+    """``(n, i, o, weight, bias)`` of every linear block called since the last backward."""
+    shapes = []
+    for block in blocks:
+        if block.calls:
+            shape = block.shape(block.called_rows())
+            shapes.append((shape.n, shape.i, shape.o, shape.weight, shape.bias))
+    return tuple(shapes)

@@ -1,0 +1,95 @@
+"""One implementation of the K task passes: ``matrix`` and ``gramian`` modes fall back alike.
+
+A trunk op without a batching rule makes the batched call fail; under ``passes="auto"`` both
+modes then run the loop (with one warning, and the loop sticks), and give the update of
+``passes="loop"`` — computed by ``matrix`` mode's loop, an independent path for the gramian
+mode's activations route. ``passes="batched"`` raises in both, with nothing moved.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from gradbalance import TaskGradBuffer, taskgrads
+from gradbalance_lab.models import MultiTaskModel, make_heads, regression_losses
+from support.helpers import ItemInBackward, grads_of
+from support.perf import make_balancer
+
+K = 3
+
+
+class _Unbatchable(nn.Module):
+    """Doubles its input through a backward that vmap cannot batch."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = ItemInBackward.apply(x)
+        return out
+
+
+def _model() -> tuple[MultiTaskModel, Tensor, Tensor]:
+    torch.manual_seed(0)
+    trunk = nn.Sequential(nn.Linear(6, 8), _Unbatchable(), nn.Tanh(), nn.Linear(8, 8),
+                          nn.Tanh())
+    model = MultiTaskModel(trunk, make_heads(8, K)).double()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 6, generator=gen, dtype=torch.float64)
+    return model, x, torch.randn(5, K, generator=gen, dtype=torch.float64)
+
+
+def _buffer(model: MultiTaskModel, mode: str, passes: str, force: str | None
+            ) -> TaskGradBuffer:
+    buf = TaskGradBuffer(model.shared_parameters(), model.head_parameters(), mode=mode,
+                         passes=passes,  # type: ignore[arg-type]
+                         **({"modules": model.trunk} if mode == "gramian" else {}))
+    if force is not None:
+        buf._engine.recorder.force = force  # type: ignore[attr-defined]
+    return buf
+
+
+def _step(buf: TaskGradBuffer, model: MultiTaskModel, x: Tensor, y: Tensor
+          ) -> tuple[list[Tensor], list[Tensor]]:
+    buf.backward(regression_losses(model(x), y))
+    buf.apply_(make_balancer("upgrad"))
+    trunk, heads = grads_of(model.shared_parameters()), grads_of(model.head_parameters())
+    model.zero_grad(set_to_none=True)
+    return trunk, heads
+
+
+def _close(actual: list[Tensor], expected: list[Tensor]) -> None:
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize(("mode", "force"), [
+    ("matrix", None), ("gramian", "activations"), ("gramian", "rows"), ("gramian", None),
+])
+def test_auto_falls_back_to_the_loop_in_every_mode(monkeypatch: pytest.MonkeyPatch, mode: str,
+                                                   force: str | None) -> None:
+    model, x, y = _model()
+    reference = _step(_buffer(model, "matrix", "loop", None), model, x, y)
+    # "auto" now asks for the batched call on this device, without measuring
+    monkeypatch.setitem(taskgrads.AUTO_PREFERENCE, "cpu", "batched")
+    buf = _buffer(model, mode, "auto", force)
+    with pytest.warns(RuntimeWarning, match="falling back to the loop"):
+        first = _step(buf, model, x, y)
+    _close(first[0], reference[0])
+    _close(first[1], reference[1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the fallback sticks: no second failed batched call
+        second = _step(buf, model, x, y)
+    _close(second[0], reference[0])
+    _close(second[1], reference[1])
+
+
+@pytest.mark.parametrize("mode", ["matrix", "gramian"])
+def test_forced_batched_raises_in_every_mode(mode: str) -> None:
+    model, x, y = _model()
+    buf = _buffer(model, mode, "batched", "activations" if mode == "gramian" else None)
+    with pytest.raises(RuntimeError, match="passes='batched' failed"):
+        buf.backward(regression_losses(model(x), y))
+    assert all(p.grad is None for p in model.parameters())
