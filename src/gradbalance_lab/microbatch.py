@@ -22,6 +22,7 @@ from torch import Tensor
 
 from gradbalance import RowClipper, TaskGradBuffer
 from gradbalance._checks import as_loss_vector, as_parameter_list, check_matrix
+from gradbalance.balancers import Shard
 from gradbalance.balancers._base import Balancer, Combination
 from gradbalance.stats import StepStats
 from gradbalance.taskgrads import Passes
@@ -55,13 +56,13 @@ class _Averaged(Balancer):
     """Delegates to ``inner`` and divides its output by ``count`` (one micro-batch's share)."""
 
     def __init__(self, inner: Balancer, count: int) -> None:
+        super().__init__(inner.num_tasks)
         self.inner = inner
         self.count = count
-        self.num_tasks = inner.num_tasks
 
     def combine(self, matrix: Tensor, losses: Tensor | None = None,
-                gramian: Tensor | None = None) -> Combination:
-        result = self.inner.combine(matrix, losses, gramian=gramian)
+                gramian: Tensor | None = None, shard: Shard | None = None) -> Combination:
+        result = self.inner.combine(matrix, losses, gramian=gramian, shard=shard)
         weights = None if result.weights is None else result.weights / self.count
         return Combination(result.vector / self.count, weights)
 

@@ -151,4 +151,5 @@ def gloo_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
                          "weights": [c.weights for c in steps],
                          "state": balancer.state_dict()}
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()  # torch 2.6's gloo can hang in destroy while the other rank is still busy
     dist.destroy_process_group()

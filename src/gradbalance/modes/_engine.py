@@ -161,7 +161,9 @@ def combine_or_skip(balancer: Balancer, matrix: Tensor, losses: Tensor, gram: Te
     """The balancer's combination (of a rank's columns with ``shard``), or on inf/NaN: the
     plain (non-finite) sum with a scaler, so that it skips the step without the balancer
     seeing it; without one, raise."""
-    if finite:
+    if finite:  # a subclass that overrides combine() without ``shard`` still runs unsharded
+        if shard is None:
+            return balancer.combine(matrix, losses, gramian=gram)
         return balancer.combine(matrix, losses, gramian=gram, shard=shard)
     if scale is not None:
         return Combination(matrix.sum(dim=0))
