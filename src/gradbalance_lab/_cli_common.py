@@ -2,46 +2,63 @@
 
 An output folder (``--out``) is checked before any work: it must be a folder that exists or
 can be created, and that can be written. An existing folder that holds anything is refused
-unless ``--overwrite`` is given; then only the files and folders the command family writes
-(``outputs``) are deleted from it before the run, and everything else there is left alone.
+unless ``--overwrite`` is given; then the run writes aside and its outputs replace the files
+and folders the command family writes (``outputs``) only once complete
+(:mod:`gradbalance_lab._out_folder`); everything else there is left alone.
+
+Every integer option has a range (:func:`int_at_least`, at most :data:`INT64_MAX` unless a
+smaller bound is given): a value outside it is argparse's one-line error, exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from gradbalance_lab._out_folder import OutFolder, plan
+
 __all__ = [
+    "INT64_MAX",
+    "MAX_THREADS",
     "OVERWRITE_HELP",
     "OutputError",
     "check_file",
     "check_out",
+    "commit_out",
     "int_at_least",
     "prepare_out",
 ]
 
-#: ``--overwrite``'s help, completed by each command with the names it deletes.
-OVERWRITE_HELP = ("use an --out folder that already holds files: first delete the outputs "
-                  "of an earlier run there ({names}); other files are kept")
+#: The largest value torch's integer arguments (sizes, seeds) take.
+INT64_MAX = 2**63 - 1
+
+#: The most torch CPU threads ``--threads`` sets.
+MAX_THREADS = 1_024
+
+#: ``--overwrite``'s help, completed by each command with the names it replaces.
+OVERWRITE_HELP = ("use an --out folder that already holds files: the outputs of an earlier "
+                  "run there ({names}) are replaced once the new ones are complete (until then "
+                  "the new ones are written in a sibling <out>.incomplete-* folder); other "
+                  "files are kept")
 
 
 class OutputError(Exception):
     """An output path the command cannot use; the message is one line naming it."""
 
 
-def int_at_least(low: int) -> Callable[[str], int]:
-    """Parser of an int ``>= low`` with argparse's one-line error."""
+def int_at_least(low: int, high: int = INT64_MAX) -> Callable[[str], int]:
+    """Parser of an int in ``[low, high]`` with argparse's one-line error."""
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"invalid int: {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"invalid value: {value} (expected an int >= {low})")
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(
+                f"invalid value: {value} (expected an int from {low} to {high})")
         return value
     return parse
 
@@ -95,30 +112,38 @@ def check_out(path: Path, *, overwrite: bool, option: str = "--out") -> None:
 
 
 def prepare_out(path: Path, *, overwrite: bool, outputs: Sequence[str],
-                option: str = "--out") -> None:
-    """Check ``path`` again, create it and, with ``overwrite``, delete ``outputs`` in it.
+                option: str = "--out") -> OutFolder:
+    """Check ``path`` again, create it and return where the run writes.
 
-    A file is then created and removed in the folder, so that a folder that only looked
-    writable fails here, before any work, with :class:`OutputError`.
+    With ``overwrite`` and an earlier run's ``outputs`` in ``path``, the run writes into a
+    new staging folder and :meth:`OutFolder.commit` swaps its outputs in at the end; nothing
+    in ``path`` is deleted here. A file is then created and removed in the folder written,
+    so that a folder that only looked writable fails here, before any work, with
+    :class:`OutputError`.
     """
     check_out(path, overwrite=overwrite, option=option)
+    folder = None
     try:
         path.mkdir(parents=True, exist_ok=True)
-        if overwrite:
-            for name in outputs:
-                _remove(path / name)
-        with tempfile.TemporaryFile(dir=path):
+        folder = plan(path, overwrite=overwrite, outputs=outputs)
+        with tempfile.TemporaryFile(dir=folder.work):
             pass
     except OSError as error:
+        if folder is not None:
+            folder.discard()
         raise OutputError(f"{option} {path}: cannot write there "
                           f"({error.strerror or error})") from None
+    return folder
 
 
-def _remove(entry: Path) -> None:
-    if entry.is_symlink() or entry.is_file():
-        entry.unlink()
-    elif entry.is_dir():
-        shutil.rmtree(entry)
+def commit_out(folder: OutFolder, option: str = "--out") -> None:
+    """:meth:`OutFolder.commit`, a failed move raised as :class:`OutputError`."""
+    try:
+        folder.commit()
+    except OSError as error:
+        raise OutputError(f"{option} {folder.final}: cannot move the new outputs in "
+                          f"({error.strerror or error}); those not moved are in "
+                          f"{folder.work}") from None
 
 
 def check_file(path: Path, option: str) -> None:

@@ -10,19 +10,42 @@ import sys
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
-from gradbalance_lab._cli_common import OVERWRITE_HELP, check_out, int_at_least, prepare_out
+from gradbalance_lab._cli_common import (
+    MAX_THREADS,
+    OVERWRITE_HELP,
+    OutputError,
+    check_out,
+    commit_out,
+    int_at_least,
+    prepare_out,
+)
 from gradbalance_lab._mtl_methods import Method
 from gradbalance_lab._mtl_progress import Progress
 from gradbalance_lab._mtl_report import format_markdown, plot_results, summarize, write_csvs
-from gradbalance_lab._mtl_runner import RunConfig, RunResult, check_method, open_writer, train_run
+from gradbalance_lab._mtl_runner import (
+    RunConfig,
+    RunResult,
+    build_model,
+    check_method,
+    open_writer,
+    train_run,
+)
+from gradbalance_lab._out_folder import OutFolder
 from gradbalance_lab.data import MultiDigits, make_multidigits
 
-__all__ = ["OUTPUTS", "add_common_options", "config_from_args", "data_from_args", "execute"]
+__all__ = ["MAX_DEPTH", "MAX_SEEDS", "OUTPUTS", "add_common_options",
+           "config_from_args", "data_from_args", "execute"]
 
-#: What ``compare`` and ``train`` write into ``--out`` (``--overwrite`` deletes these first).
+#: Bounds of the integer options that are not sizes of a tensor (those are bounded by memory:
+#: a data set or a model that cannot be allocated is a one-line error naming the options).
+MAX_SEEDS = 100_000
+MAX_DEPTH = 1_000
+
+#: What ``compare`` and ``train`` write into ``--out`` (``--overwrite`` replaces these).
 OUTPUTS = ("summary.md", "summary.csv", "runs.csv", "history.csv", "config.json",
            "compare.png", "train.png", "tb")
 
@@ -43,6 +66,8 @@ def _finite_float(allow_zero: bool) -> Callable[[str], float]:
     return parse
 
 
+_T = TypeVar("_T")
+
 _positive_float = _finite_float(allow_zero=False)
 _non_negative_float = _finite_float(allow_zero=True)
 
@@ -60,8 +85,10 @@ def add_common_options(parser: argparse.ArgumentParser, *, seeds: int, out: str,
                        epochs: int = 10) -> None:
     """Data, training and output options (every one documented in ``--help``)."""
     parser.formatter_class = _DefaultsFormatter
-    parser.epilog = ("Ctrl-C stops the command after it writes the outputs of the runs that "
-                     "finished (exit code 130). A usage error (a bad value, an unusable --out) "
+    parser.epilog = ("Ctrl-C (or SIGTERM) stops the command after it writes the outputs of the "
+                     "runs that finished (exit code 130; 143 for SIGTERM); with --overwrite "
+                     "they go to the <out>.incomplete-* folder and the earlier outputs are "
+                     "kept. A usage error (a bad value, an unusable --out, too large a size) "
                      "is one line on stderr, exit code 2, before any training.")
     data = parser.add_argument_group("data (MultiDigits, built from scikit-learn's digits)")
     data.add_argument("--variant", choices=("plain", "scaled"), default="plain",
@@ -75,12 +102,12 @@ def add_common_options(parser: argparse.ArgumentParser, *, seeds: int, out: str,
                       help="training canvases (drawn from the training pool of images)")
     data.add_argument("--n-test", type=int_at_least(1), default=2000,
                       help="test canvases (drawn from the disjoint test pool of images)")
-    data.add_argument("--data-seed", type=int, default=0,
-                      help="seed of the dataset build (pools, pairs, offsets)")
+    data.add_argument("--data-seed", type=int_at_least(0, 2**64 - 1), default=0,
+                      help="seed of the dataset build (pools, pairs, offsets), 0 to 2**64-1")
     train = parser.add_argument_group("training")
-    train.add_argument("--seeds", type=int_at_least(1), default=seeds,
+    train.add_argument("--seeds", type=int_at_least(1, MAX_SEEDS), default=seeds,
                        help="number of seeds per method (seeds 0..N-1: initialisation, "
-                            "batch order, the balancers' random draws)")
+                            f"batch order, the balancers' random draws; at most {MAX_SEEDS})")
     train.add_argument("--epochs", type=int_at_least(1), default=epochs,
                        help="passes over the training canvases")
     train.add_argument("--batch-size", type=int_at_least(1), default=128, help="batch size")
@@ -93,7 +120,8 @@ def add_common_options(parser: argparse.ArgumentParser, *, seeds: int, out: str,
                        help="shared trunk: MLP on the flattened canvas or a small CNN")
     train.add_argument("--hidden", type=int_at_least(2), default=64,
                        help="trunk width (MLP units; CNN: 2× the first conv's channels)")
-    train.add_argument("--depth", type=int_at_least(1), default=2, help="MLP layers")
+    train.add_argument("--depth", type=int_at_least(1, MAX_DEPTH), default=2,
+                       help=f"MLP layers (at most {MAX_DEPTH})")
     train.add_argument("--max-norm", type=_positive_float, default=None,
                        help="global clip_grad_norm_ after the balanced backward (off by default)")
     train.add_argument("--per-sample-clip", type=_positive_float, default=None, metavar="C",
@@ -102,8 +130,9 @@ def add_common_options(parser: argparse.ArgumentParser, *, seeds: int, out: str,
     train.add_argument("--noise", type=_non_negative_float, default=0.0, metavar="SIGMA",
                        help="DP-SGD noise multiplier: N(0, (SIGMA*C/B)^2) on the update "
                             "(needs --per-sample-clip)")
-    train.add_argument("--threads", type=int_at_least(1), default=1,
-                       help="torch CPU threads (1 keeps step times comparable)")
+    train.add_argument("--threads", type=int_at_least(1, MAX_THREADS), default=1,
+                       help=f"torch CPU threads (1 keeps step times comparable; at most "
+                            f"{MAX_THREADS})")
     outs = parser.add_argument_group("outputs")
     outs.add_argument("--out", type=Path, default=Path(out),
                       help="output folder: tables (CSV, markdown), plot, TensorBoard logs; a "
@@ -216,7 +245,10 @@ def _execute(args: argparse.Namespace, methods: list[Method], *, baselines: bool
         return 2
     out: Path = args.out
     check_out(out, overwrite=args.overwrite)
-    data = data_from_args(args)
+    data = _fitting(f"--n-train {args.n_train} and --n-test {args.n_test}: the data",
+                    lambda: data_from_args(args))
+    _fitting(f"--hidden {args.hidden} and --depth {args.depth}: the model",
+             lambda: build_model(data, cfg, list(range(data.num_tasks))))
     usable = _usable(data, methods, cfg, title)
     if usable is None:
         return 2
@@ -224,25 +256,57 @@ def _execute(args: argparse.Namespace, methods: list[Method], *, baselines: bool
     plan = [(seed, m) for seed in range(args.seeds)
             for m in (singles if baselines else []) + usable]
     per_run = cfg.epochs * math.ceil(data.x_train.shape[0] / cfg.batch_size)
-    prepare_out(out, overwrite=args.overwrite, outputs=OUTPUTS)
+    folder = prepare_out(out, overwrite=args.overwrite, outputs=OUTPUTS)
+    try:
+        return _train_and_write(args, data, plan, cfg, per_run, folder, title, plot_name)
+    except BaseException:
+        folder.discard()  # a failure (or a second Ctrl-C) while writing: --out as it was
+        raise
+
+
+def _fitting(what: str, build: Callable[[], _T]) -> _T:
+    """``build()``; a tensor too large for memory is :class:`OutputError` naming ``what``
+    (the options and what they size)."""
+    try:
+        return build()
+    except (MemoryError, RuntimeError, OverflowError) as error:
+        text = str(error).lower()
+        if isinstance(error, RuntimeError) and "alloc" not in text and "overflow" not in text:
+            raise
+        raise OutputError(f"{what} does not fit in this machine's memory; give smaller "
+                          "values") from None
+
+
+def _train_and_write(args: argparse.Namespace, data: MultiDigits,
+                     plan: list[tuple[int, Method]], cfg: RunConfig, per_run: int,
+                     folder: OutFolder, title: str, plot_name: str) -> int:
+    """Train ``plan`` and write the outputs; a staged run replaces the earlier outputs only
+    when every run finished (interrupted, it leaves them and its own in ``folder.work``)."""
+    out = folder.final
     if not args.quiet:
         scales = ", ".join(f"{n}×{s:g}" for n, s in zip(data.task_names, data.loss_scales))
         print(f"{title}: MultiDigits {data.x_train.shape[0]} train / {data.x_test.shape[0]} "
               f"test canvases {tuple(data.input_shape)}, loss scales {scales}; "
               f"{len(plan)} runs of {per_run} steps", flush=True)
-    results, interrupted = _train_all(args, data, plan, cfg, per_run)
+    results, interrupted = _train_all(args, data, plan, cfg, per_run, folder.work)
     done = f"{len(results)} of {len(plan)} runs finished"
     heading = f"{title} (interrupted: {done})" if interrupted else title
-    _write_outputs(args, data, results, title=heading, plot_name=plot_name)
-    if interrupted:
+    shown = folder.work if interrupted else out
+    _write_outputs(args, data, results, folder.work, shown, title=heading, plot_name=plot_name)
+    if not interrupted:
+        commit_out(folder)
+        return 0
+    if folder.staged:
+        print(f"{title}: interrupted: {done}; the earlier outputs in {out}/ are kept; the "
+              f"summary and CSVs of those runs are in {folder.work}/", file=sys.stderr)
+    else:
         print(f"{title}: interrupted: {done}; the summary and CSVs in {out}/ hold those runs "
               "only", file=sys.stderr)
-        return 130
-    return 0
+    return 130
 
 
 def _train_all(args: argparse.Namespace, data: MultiDigits, plan: list[tuple[int, Method]],
-               cfg: RunConfig, per_run: int) -> tuple[list[RunResult], bool]:
+               cfg: RunConfig, per_run: int, work: Path) -> tuple[list[RunResult], bool]:
     """Train the runs of ``plan`` in order; returns the finished runs and whether Ctrl-C
     stopped the loop (the TensorBoard folder of the run it cut short is removed)."""
     progress = Progress(len(plan) * per_run, runs=len(plan), bar=not args.no_progress,
@@ -252,7 +316,7 @@ def _train_all(args: argparse.Namespace, data: MultiDigits, plan: list[tuple[int
     try:
         for seed, method in plan:
             progress.describe(f"{method.label} seed {seed}")
-            tb = None if args.no_tensorboard else args.out / "tb" / method.label / f"seed{seed}"
+            tb = None if args.no_tensorboard else work / "tb" / method.label / f"seed{seed}"
             running = tb
             results.append(_one_run(data, method, seed, cfg, progress, tb, per_run))
             running = None
@@ -278,10 +342,10 @@ def _one_run(data: MultiDigits, method: Method, seed: int, cfg: RunConfig, progr
                          error=f"{type(error).__name__}: {error}")
 
 
-def _write_outputs(args: argparse.Namespace, data: MultiDigits, results: list[RunResult], *,
-                   title: str, plot_name: str) -> None:
-    """Tables, config, plot and TensorBoard summary of ``results``; prints the table."""
-    out: Path = args.out
+def _write_outputs(args: argparse.Namespace, data: MultiDigits, results: list[RunResult],
+                   out: Path, shown: Path, *, title: str, plot_name: str) -> None:
+    """Tables, config, plot and TensorBoard summary of ``results`` into ``out``; prints the
+    table and the outputs' names in ``shown`` (where they end up)."""
     hib = data.higher_is_better
     summaries = summarize(results, hib)
     table = format_markdown(summaries, data.metric_names, hib)
@@ -297,10 +361,10 @@ def _write_outputs(args: argparse.Namespace, data: MultiDigits, results: list[Ru
         _summary_to_tensorboard(out / "tb" / "summary", table)
         written.append(out / "tb")
     print(table)
-    print(f"outputs in {out}/: " + ", ".join(p.name + ("/" if p.is_dir() else "")
-                                             for p in written))
+    print(f"outputs in {shown}/: " + ", ".join(p.name + ("/" if p.is_dir() else "")
+                                               for p in written))
     if not args.no_tensorboard:
-        print(f"view the training curves with: tensorboard --logdir {out / 'tb'}")
+        print(f"view the training curves with: tensorboard --logdir {shown / 'tb'}")
 
 
 def _summary_to_tensorboard(path: Path, table: str) -> None:

@@ -5,13 +5,15 @@ Also run by ``python -m gradbalance`` and ``python -m gradbalance_lab``.
 
 Exit codes: 0 success, 1 a command's own failure (e.g. an unmet claim of ``figures``), 2 a
 usage error (a bad option value, an unusable ``--out``, a missing extra; one line on stderr),
-130 interrupted (Ctrl-C; ``compare``/``train``/``figures`` first write what finished).
+130 interrupted (Ctrl-C; ``compare``/``train``/``figures`` first write what finished), 143
+terminated (SIGTERM, handled like Ctrl-C: what finished is written first).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 from types import ModuleType
 from typing import NoReturn
@@ -20,6 +22,7 @@ import torch
 
 from gradbalance import __version__
 from gradbalance_lab._cli_common import OutputError
+from gradbalance_lab._signals import Terminated, sigterm_as_interrupt
 
 __all__ = ["COMMANDS", "main", "version_text"]
 
@@ -76,13 +79,20 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "_run", None) is None:
         parser.print_help()
         return 2
+    with sigterm_as_interrupt() as received:
+        code = _run(args)
+    # a command stopped by SIGTERM reports it with 128 + 15, as an unhandled SIGTERM would
+    return 128 + signal.SIGTERM if received and code == 130 else code
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         return int(args._run(args) or 0)
     except OutputError as error:
         print(f"gradbalance {args.command}: error: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"gradbalance {args.command}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as stop:
+        print(f"gradbalance {args.command}: {_stopped(stop)}", file=sys.stderr)
         return 130
     except ImportError as error:
         # an optional package the command needs is missing: the message names the extra
@@ -90,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"gradbalance {args.command}: error: {error}", file=sys.stderr)
         return 2
+
+
+def _stopped(stop: KeyboardInterrupt) -> str:
+    return "terminated (SIGTERM)" if isinstance(stop, Terminated) else "interrupted"
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@ Each figure is one module with ``NAME``, ``TITLE``, ``compute(quick) -> dict`` (
 numbers and series), ``claims(result) -> list[Claim]`` (each claim of the text beside the
 measured value) and ``plot(result, path)``. The command prints every claim with its value,
 writes ``<name>.png`` per figure and ``report.md`` into ``--out`` (a new or empty folder, or
-one whose earlier figures ``--overwrite`` replaces). On Ctrl-C the figures that finished are
-reported and the command exits with 130.
+one whose earlier figures ``--overwrite`` replaces once the new ones are complete). On Ctrl-C
+or SIGTERM the figures that finished are reported and the command exits with 130 (143).
 """
 
 from __future__ import annotations
@@ -22,12 +22,15 @@ from typing import Any
 import torch
 
 from gradbalance_lab._cli_common import (
+    MAX_THREADS,
     OVERWRITE_HELP,
     check_file,
     check_out,
+    commit_out,
     int_at_least,
     prepare_out,
 )
+from gradbalance_lab._out_folder import OutFolder
 from gradbalance_lab.figures._common import Claim, Missing
 
 HELP = "regenerate the tutorials' claims with the library: numbers, one PNG per figure, report"
@@ -75,13 +78,15 @@ def load(name: str) -> ModuleType:
 
 
 def outputs() -> list[str]:
-    """What the command writes into ``--out`` (``--overwrite`` deletes these first)."""
+    """What the command writes into ``--out`` (``--overwrite`` replaces these)."""
     return ["report.md", *(f"{name}.png" for name in FIGURES)]
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.epilog = ("Ctrl-C stops the command after it writes report.md and the PNGs of the "
-                     "figures that finished (exit code 130; --doc is then left as it was).")
+    parser.epilog = ("Ctrl-C (or SIGTERM) stops the command after it writes report.md and the "
+                     "PNGs of the figures that finished (exit code 130, 143 for SIGTERM; --doc "
+                     "is then left as it was; with --overwrite they go to the "
+                     "<out>.incomplete-* folder and the earlier ones are kept).")
     parser.add_argument("--only", nargs="+", action="extend", choices=list(FIGURES),
                         metavar="NAME",
                         help=f"figures to run (default: all): {', '.join(FIGURES)}")
@@ -96,8 +101,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--doc", type=Path, default=None, metavar="PATH",
                         help="also write the report there, without image links "
                              "(e.g. docs/figures.md; replaced if it exists)")
-    parser.add_argument("--threads", type=int_at_least(1), default=1,
-                        help="torch CPU threads (default: %(default)s)")
+    parser.add_argument("--threads", type=int_at_least(1, MAX_THREADS), default=1,
+                        help=f"torch CPU threads, at most {MAX_THREADS} (default: %(default)s)")
 
 
 def run_one(name: str, quick: bool, out: Path | None, draw: bool = True) -> dict[str, Any]:
@@ -135,9 +140,9 @@ open are under *Settings*. Regenerate this page and the PNGs with
 `gradbalance figures --out runs/figures --overwrite --doc docs/figures.md` (about 30 s on
 one CPU thread; each figure's time is in its heading; the PNGs land in the output folder)
 or add `--quick` for a smoke run. An `--out` folder that already holds files is refused
-without `--overwrite`, which deletes only the earlier `report.md` and `<figure>.png` there;
-on Ctrl-C the figures that finished are reported, `--doc` is left as it was, and the exit
-code is 130."""
+without `--overwrite`, which replaces only the earlier `report.md` and `<figure>.png` there,
+once the new ones are complete; on Ctrl-C (or SIGTERM) the figures that finished are reported,
+`--doc` is left as it was, and the exit code is 130 (143)."""
 
 
 def write_report(entries: list[dict[str, Any]], path: Path, quick: bool,
@@ -172,8 +177,9 @@ def write_report(entries: list[dict[str, Any]], path: Path, quick: bool,
     path.write_text("\n".join(lines), encoding="utf-8")
 
 
-def _check_paths(args: argparse.Namespace) -> None:
-    """Fail before any work on an unusable ``--out`` or ``--doc`` or a missing matplotlib."""
+def _check_paths(args: argparse.Namespace) -> OutFolder:
+    """Fail before any work on an unusable ``--out`` or ``--doc`` or a missing matplotlib;
+    returns where the figures are written."""
     check_out(args.out, overwrite=args.overwrite)
     if args.doc is not None:
         check_file(args.doc, "--doc")
@@ -181,7 +187,7 @@ def _check_paths(args: argparse.Namespace) -> None:
         from gradbalance_lab.figures._common import pyplot
 
         pyplot()  # fail before any work when matplotlib is missing
-    prepare_out(args.out, overwrite=args.overwrite, outputs=outputs())
+    return prepare_out(args.out, overwrite=args.overwrite, outputs=outputs())
 
 
 def _print_entry(entry: dict[str, Any]) -> None:
@@ -192,42 +198,49 @@ def _print_entry(entry: dict[str, Any]) -> None:
         print(f"   [{_verdict(c):7s}] {c.text}\n             measured: {c.measured}")
 
 
-def _run_all(names: list[str], args: argparse.Namespace) -> tuple[list[dict[str, Any]], bool]:
-    """Run the figures in order; returns the finished ones and whether Ctrl-C stopped the loop
-    (the PNG of the figure it cut short is removed)."""
+def _run_all(names: list[str], args: argparse.Namespace,
+             work: Path) -> tuple[list[dict[str, Any]], bool]:
+    """Run the figures in order, their PNGs into ``work``; returns the finished ones and
+    whether Ctrl-C stopped the loop (the PNG of the figure it cut short is removed)."""
     entries: list[dict[str, Any]] = []
     try:
         for name in names:
-            entries.append(run_one(name, args.quick, args.out, draw=not args.no_plot))
+            entries.append(run_one(name, args.quick, work, draw=not args.no_plot))
             _print_entry(entries[-1])
     except KeyboardInterrupt:
         if len(entries) < len(names):
-            (args.out / f"{names[len(entries)]}.png").unlink(missing_ok=True)
+            (work / f"{names[len(entries)]}.png").unlink(missing_ok=True)
         return entries, True
     return entries, False
 
 
 def run(args: argparse.Namespace) -> int:
-    _check_paths(args)
+    folder = _check_paths(args)
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)  # the report names the threads: set while it is written
     try:
-        return _run(args)
+        return _run(args, folder)
+    except BaseException:
+        folder.discard()  # a failure (or a second Ctrl-C) while writing: --out as it was
+        raise
     finally:
         torch.set_num_threads(threads)
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, folder: OutFolder) -> int:
     names = list(dict.fromkeys(args.only)) if args.only else list(FIGURES)
-    entries, interrupted = _run_all(names, args)
-    report = args.out / "report.md"
+    entries, interrupted = _run_all(names, args, folder.work)
+    report = folder.work / "report.md"
     write_report(entries, report, args.quick, planned=len(names))
-    print(f"wrote {report}")
     if interrupted:
+        print(f"wrote {report}")
         kept = f"; {args.doc} left as it was" if args.doc is not None else ""
+        where = (f"; the earlier outputs in {folder.final}/ are kept" if folder.staged else "")
         print(f"gradbalance figures: interrupted: {len(entries)} of {len(names)} figures "
-              f"finished; {report} and the PNGs hold those only{kept}", file=sys.stderr)
+              f"finished; {report} and the PNGs hold those only{where}{kept}", file=sys.stderr)
         return 130
+    commit_out(folder)
+    print(f"wrote {folder.final / 'report.md'}")
     if args.doc is not None:
         write_report(entries, args.doc, args.quick, images=False)
         print(f"wrote {args.doc}")
