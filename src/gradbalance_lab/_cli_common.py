@@ -57,8 +57,8 @@ def int_at_least(low: int, high: int = INT64_MAX) -> Callable[[str], int]:
         except ValueError:
             raise argparse.ArgumentTypeError(f"invalid int: {text!r}") from None
         if not low <= value <= high:
-            raise argparse.ArgumentTypeError(
-                f"invalid value: {value} (expected an int from {low} to {high})")
+            bound = f">= {low}" if value < low else f"<= {high}"
+            raise argparse.ArgumentTypeError(f"invalid value: {value} (expected an int {bound})")
         return value
     return parse
 

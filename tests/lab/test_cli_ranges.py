@@ -46,7 +46,8 @@ def test_out_of_range_is_one_line(command: str, option: str, default: int, value
         main([command, f"{option}={value}"])
     assert info.value.code == 2
     line = _one_error_line(capsys.readouterr().err, command)
-    assert f"argument {option}: invalid value: {int(value)}" in line
+    bound = ">= " if int(value) < 0 else "<= "
+    assert f"argument {option}: invalid value: {int(value)} (expected an int {bound}" in line
 
 
 @pytest.mark.parametrize("seed", [0, 2**32, 2**63, 2**64 - 1])
