@@ -24,9 +24,11 @@ class Terminated(KeyboardInterrupt):
 @contextmanager
 def sigterm_as_interrupt() -> Iterator[list[int]]:
     """Within the block SIGTERM raises :class:`Terminated` once; yields the list of the
-    signals received (empty unless one came). Outside the main thread it does nothing."""
+    signals received (empty unless one came). Outside the main thread, or where SIGTERM is
+    ignored (as Python leaves Ctrl-C alone where SIGINT is), it does nothing."""
     received: list[int] = []
-    if threading.current_thread() is not threading.main_thread():
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) == signal.SIG_IGN):
         yield received
         return
 

@@ -199,14 +199,13 @@ def _finished(line: str) -> bool:
     return line.startswith("[") and ": running [" not in line
 
 
-def test_ctrl_c_writes_the_finished_runs_subprocess(tmp_path: Path) -> None:
-    # 20 runs of 63 steps: the first finishes long before the last
-    argv = [*CLI, "compare", *TINY, "--n-train", "2000", "--seeds", "20", "--balancers", "sum",
-            "--weightings", "none", "--no-baselines", "--out", "runs"]
+def stop_after_first_run(argv: list[str], cwd: Path, sig: int) -> tuple[int, str]:
+    """Run ``argv`` in ``cwd`` (stdout into ``stdout.txt``), send ``sig`` once a run has
+    finished; returns the exit code and stderr."""
     # a child started with SIGINT ignored (a background job) would not see Ctrl-C
-    with (tmp_path / "stdout.txt").open("w") as stdout:
+    with (cwd / "stdout.txt").open("w") as stdout:
         proc = subprocess.Popen(
-            argv, cwd=tmp_path, stdout=stdout, stderr=subprocess.PIPE, text=True,
+            argv, cwd=cwd, stdout=stdout, stderr=subprocess.PIPE, text=True,
             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     err: queue.Queue[str] = queue.Queue()
     threading.Thread(target=_lines, args=(proc.stderr, err), daemon=True).start()
@@ -215,15 +214,25 @@ def test_ctrl_c_writes_the_finished_runs_subprocess(tmp_path: Path) -> None:
         while not any(_finished(line) for line in seen):
             seen.append(err.get(timeout=TIMEOUT))
             assert seen[-1], "".join(seen)  # the command ended before its first run finished
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         proc.wait(timeout=TIMEOUT)
         while (line := err.get(timeout=TIMEOUT)) != "":
             seen.append(line)
     finally:
         proc.kill()
         proc.wait()
-    stderr = "".join(seen)
-    assert proc.returncode == 130, stderr
+    return proc.returncode, "".join(seen)
+
+
+#: a compare of 20 runs of 63 steps into runs/: the first finishes long before the last
+LONG = [*CLI, "compare", *TINY, "--n-train", "2000", "--seeds", "20", "--balancers", "sum",
+        "--weightings", "none", "--no-baselines", "--out", "runs"]
+
+
+def test_ctrl_c_writes_the_finished_runs_subprocess(tmp_path: Path) -> None:
+    code, stderr = stop_after_first_run(LONG, tmp_path, signal.SIGINT)
+    seen = stderr.splitlines(keepends=True)
+    assert code == 130, stderr
     assert "Traceback" not in stderr
     finished = sum(_finished(line) for line in seen)
     assert 1 <= finished < 20

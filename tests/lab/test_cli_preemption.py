@@ -5,10 +5,7 @@ stopped or killed leaves the earlier outputs as they were."""
 from __future__ import annotations
 
 import os
-import queue
 import signal
-import subprocess
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -17,36 +14,9 @@ import pytest
 import gradbalance_lab.figures as figures
 from gradbalance_lab._mtl_runner import RunResult, train_run
 from gradbalance_lab.cli import main
-from lab.test_cli_outputs import CLI, COMMANDS, TIMEOUT, TINY, _finished, _lines, _read_csv
+from lab.test_cli_outputs import COMMANDS, LONG, _finished, _read_csv, stop_after_first_run
 
 pytest.importorskip("sklearn")
-
-#: a compare of 20 runs of 63 steps: the first finishes long before the last
-LONG = [*CLI, "compare", *TINY, "--n-train", "2000", "--seeds", "20", "--balancers", "sum",
-        "--weightings", "none", "--no-baselines", "--out", "runs"]
-
-
-def _stop_after_first_run(argv: list[str], cwd: Path, sig: int) -> tuple[int, str]:
-    """Start ``argv``, send ``sig`` once a run has finished; the exit code and stderr."""
-    with (cwd / "stdout.txt").open("w") as stdout:
-        proc = subprocess.Popen(argv, cwd=cwd, stdout=stdout, stderr=subprocess.PIPE,
-                                text=True)
-    err: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=_lines, args=(proc.stderr, err), daemon=True).start()
-    seen: list[str] = []
-    try:
-        while not any(_finished(line) for line in seen):
-            seen.append(err.get(timeout=TIMEOUT))
-            assert seen[-1], "".join(seen)  # the command ended before its first run finished
-        proc.send_signal(sig)
-        proc.wait(timeout=TIMEOUT)
-        while (line := err.get(timeout=TIMEOUT)) != "":
-            seen.append(line)
-    finally:
-        proc.kill()
-        proc.wait()
-    return proc.returncode, "".join(seen)
-
 
 def _snapshot(folder: Path) -> dict[str, bytes | None]:
     """Every path under ``folder`` with its bytes (None for a folder)."""
@@ -70,7 +40,7 @@ def _incomplete(parent: Path) -> list[Path]:
 
 
 def test_sigterm_writes_the_finished_runs_subprocess(tmp_path: Path) -> None:
-    code, stderr = _stop_after_first_run(LONG, tmp_path, signal.SIGTERM)
+    code, stderr = stop_after_first_run(LONG, tmp_path, signal.SIGTERM)
     assert code == 143, stderr
     assert "Traceback" not in stderr
     finished = sum(_finished(line) for line in stderr.splitlines(keepends=True))
@@ -87,7 +57,7 @@ def test_a_stopped_overwrite_keeps_the_earlier_outputs_subprocess(tmp_path: Path
                                                                   sig: int) -> None:
     out = tmp_path / "runs"
     before = _earlier_run(out)
-    code, stderr = _stop_after_first_run([*LONG, "--overwrite"], tmp_path, sig)
+    code, stderr = stop_after_first_run([*LONG, "--overwrite"], tmp_path, sig)
     assert _snapshot(out) == before  # not one byte of the earlier outputs moved
     staged = _incomplete(tmp_path)
     assert len(staged) == 1 and staged[0].name.startswith("runs.incomplete-")
