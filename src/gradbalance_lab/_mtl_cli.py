@@ -35,6 +35,7 @@ from gradbalance_lab._mtl_runner import (
     train_run,
 )
 from gradbalance_lab._out_folder import OutFolder
+from gradbalance_lab._signals import shielded
 from gradbalance_lab.data import MultiDigits, make_multidigits
 
 __all__ = ["MAX_DEPTH", "MAX_SEEDS", "OUTPUTS", "add_common_options",
@@ -292,10 +293,12 @@ def _train_and_write(args: argparse.Namespace, data: MultiDigits,
     done = f"{len(results)} of {len(plan)} runs finished"
     heading = f"{title} (interrupted: {done})" if interrupted else title
     shown = folder.work if interrupted else out
-    _write_outputs(args, data, results, folder.work, shown, title=heading, plot_name=plot_name)
-    if not interrupted:
-        commit_out(folder)
-        return 0
+    with shielded():
+        _write_outputs(args, data, results, folder.work, shown, title=heading,
+                       plot_name=plot_name)
+        if not interrupted:
+            commit_out(folder)
+            return 0
     if folder.staged:
         print(f"{title}: interrupted: {done}; the earlier outputs in {out}/ are kept; the "
               f"summary and CSVs of those runs are in {folder.work}/", file=sys.stderr)

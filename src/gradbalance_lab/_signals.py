@@ -3,7 +3,8 @@
 SLURM, Kubernetes and ``timeout`` stop a job with SIGTERM. While :func:`sigterm_as_interrupt`
 is active, the first SIGTERM raises :class:`Terminated`, a :class:`KeyboardInterrupt`, so
 every command's Ctrl-C path runs: the finished runs' outputs are written. Later SIGTERMs are
-ignored so that this writing completes (SIGKILL still stops the process).
+ignored so that this writing completes (SIGKILL still stops the process), and so is one that
+comes while the outputs are written (:func:`shielded`): the run is complete by then.
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
 
-__all__ = ["Terminated", "sigterm_as_interrupt"]
+__all__ = ["Terminated", "shielded", "sigterm_as_interrupt"]
+
+#: Set while :func:`shielded` runs: a SIGTERM is then recorded, not raised.
+_SHIELD: list[bool] = []
 
 
 class Terminated(KeyboardInterrupt):
@@ -33,7 +37,7 @@ def sigterm_as_interrupt() -> Iterator[list[int]]:
         return
 
     def handler(signum: int, frame: FrameType | None) -> None:
-        if not received:
+        if not received and not _SHIELD:
             received.append(signum)
             raise Terminated(f"signal {signum}")
         received.append(signum)
@@ -43,3 +47,13 @@ def sigterm_as_interrupt() -> Iterator[list[int]]:
         yield received
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
+def shielded() -> Iterator[None]:
+    """Within the block (the outputs being written) SIGTERM does not interrupt."""
+    _SHIELD.append(True)
+    try:
+        yield
+    finally:
+        _SHIELD.pop()

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 import gradbalance_lab.figures as figures
+from gradbalance_lab._mtl_report import write_csvs
 from gradbalance_lab._mtl_runner import RunResult, train_run
 from gradbalance_lab.cli import main
 from lab.test_cli_outputs import COMMANDS, LONG, _finished, _read_csv, stop_after_first_run
@@ -158,3 +159,23 @@ def test_stopped_figures_overwrite_keeps_the_earlier_report(
     assert (out / "clipping.png").read_bytes() == b"old figure"
     [staged] = _incomplete(tmp_path)
     assert "Interrupted: 1 of 2 figures finished." in (staged / "report.md").read_text()
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_sigterm_while_writing_lets_the_outputs_complete(
+        overwrite: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "runs"
+    if overwrite:
+        _earlier_run(out)
+    real = write_csvs
+
+    def terminated_while_writing(*args: Any, **kwargs: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("gradbalance_lab._mtl_cli.write_csvs", terminated_while_writing)
+    argv = [*COMMANDS["compare"], "--seeds", "3", "--out", str(out)]
+    assert main([*argv, "--overwrite"] if overwrite else argv) == 0  # every run had finished
+    assert [r["seed"] for r in _read_csv(out / "runs.csv")] == ["0", "1", "2"]
+    assert (out / "summary.md").exists() and (out / "config.json").exists()
+    assert _incomplete(tmp_path) == []

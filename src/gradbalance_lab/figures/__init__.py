@@ -31,6 +31,7 @@ from gradbalance_lab._cli_common import (
     prepare_out,
 )
 from gradbalance_lab._out_folder import OutFolder
+from gradbalance_lab._signals import shielded
 from gradbalance_lab.figures._common import Claim, Missing
 
 HELP = "regenerate the tutorials' claims with the library: numbers, one PNG per figure, report"
@@ -227,23 +228,33 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(threads)
 
 
-def _run(args: argparse.Namespace, folder: OutFolder) -> int:
-    names = list(dict.fromkeys(args.only)) if args.only else list(FIGURES)
-    entries, interrupted = _run_all(names, args, folder.work)
+def _publish(entries: list[dict[str, Any]], planned: int, args: argparse.Namespace,
+             folder: OutFolder, interrupted: bool) -> None:
+    """``report.md`` into ``folder``, then (all finished) the swap into ``--out`` and ``--doc``;
+    interrupted, the message saying what finished and where it is."""
     report = folder.work / "report.md"
-    write_report(entries, report, args.quick, planned=len(names))
+    write_report(entries, report, args.quick, planned=planned)
     if interrupted:
         print(f"wrote {report}")
         kept = f"; {args.doc} left as it was" if args.doc is not None else ""
         where = (f"; the earlier outputs in {folder.final}/ are kept" if folder.staged else "")
-        print(f"gradbalance figures: interrupted: {len(entries)} of {len(names)} figures "
+        print(f"gradbalance figures: interrupted: {len(entries)} of {planned} figures "
               f"finished; {report} and the PNGs hold those only{where}{kept}", file=sys.stderr)
-        return 130
+        return
     commit_out(folder)
     print(f"wrote {folder.final / 'report.md'}")
     if args.doc is not None:
         write_report(entries, args.doc, args.quick, images=False)
         print(f"wrote {args.doc}")
+
+
+def _run(args: argparse.Namespace, folder: OutFolder) -> int:
+    names = list(dict.fromkeys(args.only)) if args.only else list(FIGURES)
+    entries, interrupted = _run_all(names, args, folder.work)
+    with shielded():
+        _publish(entries, len(names), args, folder, interrupted)
+    if interrupted:
+        return 130
     unmet = [f"{e['name']}: {c.text}" for e in entries for c in e["claims"] if c.met is False]
     missing = [f"{e['name']}: {e['missing']}" for e in entries if e["missing"]]
     met = sum(c.met is True for e in entries for c in e["claims"])
