@@ -29,13 +29,6 @@ from typing import Any
 from torch import Tensor
 
 from ._amp import no_autocast, scale_of
-from ._coverage import (
-    Coverage,
-    OtherParams,
-    check_other_params,
-    fire_post_accumulate_hooks,
-    sum_backward_,
-)
 from ._checks import (
     as_loss_vector,
     as_parameter_list,
@@ -43,6 +36,13 @@ from ._checks import (
     check_optional_num_tasks,
     check_parameters_unchanged,
     param_signatures,
+)
+from ._coverage import (
+    Coverage,
+    OtherParams,
+    check_other_params,
+    fire_post_accumulate_hooks,
+    sum_backward_,
 )
 from ._sharding import is_sharded
 from .balancers._base import Balancer
