@@ -67,8 +67,8 @@ def test_left_out_leaves_are_refused_before_anything_moves(shape: tuple[int, int
     before = _grads(list(net.parameters()))
     cases = {  # (shared, heads, the parameter named in the error)
         "scale": (trunk, heads, "scale"),
-        "a head": (trunk + [net.scale], heads[2:], "heads.0.weight"),
-        "a trunk layer": (trunk[2:] + [net.scale], heads, "trunk.0.weight"),
+        "a head": ([*trunk, net.scale], heads[2:], "heads.0.weight"),
+        "a trunk layer": ([*trunk[2:], net.scale], heads, "trunk.0.weight"),
     }
     for shared, listed, name in cases.values():
         buf = TaskGradBuffer(shared, listed, modules=net)
@@ -150,7 +150,7 @@ def test_unfrozen_after_build_is_refused_then_trains_in_a_new_buffer(seed: int) 
     net.zero_grad(set_to_none=True)
     for p in first.parameters():  # progressive unfreezing
         p.requires_grad_(True)
-    with pytest.raises(ValueError, match="'trunk.0.weight'.*unfrozen after the TaskGradBuffer"):
+    with pytest.raises(ValueError, match=r"'trunk\.0\.weight'.*unfrozen after the TaskGradBuffer"):
         buf.backward(net.losses(x, y))
     assert all(p.grad is None for p in net.parameters())
     buf = TaskGradBuffer([*first.parameters(), *shared], heads, modules=net)
@@ -168,7 +168,7 @@ def test_reentrant_checkpoint_is_refused_and_the_other_works(shape: tuple[int, i
     ref, _, _ = _setup(shape, 6)
     shared = [*net.trunk.parameters(), net.scale]
     buf = TaskGradBuffer(shared, list(net.heads.parameters()))
-    with pytest.raises(ValueError, match="use_reentrant=True.*pass use_reentrant=False"):
+    with pytest.raises(ValueError, match=r"use_reentrant=True.*pass use_reentrant=False"):
         buf.backward(net.losses(x, y, reentrant=True))
     assert all(p.grad is None for p in net.parameters())
     buf.backward(net.losses(x, y, reentrant=False))
@@ -200,7 +200,7 @@ def test_post_accumulate_grad_hooks_fire_after_the_write(mode: str, update_every
         buf.apply_(Sum())
         ref.losses(x, y).sum().backward()
         assert [i for i, _ in seen] == list(range(len(shared)))  # each once, after its write
-        for (i, g), q in zip(seen, ref.trunk.parameters()):
+        for (_, g), q in zip(seen, ref.trunk.parameters()):
             torch.testing.assert_close(g, q.grad)
         net.zero_grad()
         ref.zero_grad()
