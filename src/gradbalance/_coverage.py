@@ -37,27 +37,38 @@ def check_other_params(value: object) -> OtherParams:
     )
 
 
-def walk_leaves(root: Tensor) -> tuple[dict[int, tuple[Tensor, str]], bool]:
-    """The trainable leaves on ``root``'s graph, by id, each with the name of an op that
-    reads it, and whether a reentrant checkpoint lies on the graph."""
+def _accumulate_grad_type() -> type:
+    """The class of autograd's ``AccumulateGrad`` nodes (the graph's trainable leaves)."""
+    leaf = torch.zeros(1, requires_grad=True)
+    node = (leaf * 1).grad_fn
+    assert node is not None
+    return type(node.next_functions[0][0])
+
+
+_ACCUMULATE = _accumulate_grad_type()
+
+
+def walk_leaves(root: Tensor) -> tuple[dict[int, tuple[Tensor, Any]], bool]:
+    """The trainable leaves on ``root``'s graph, by id, each with a node that reads it, and
+    whether a reentrant checkpoint lies on the graph."""
     start = root.grad_fn
     if start is None:
         return {}, False
-    leaves: dict[int, tuple[Tensor, str]] = {}
+    leaves: dict[int, tuple[Tensor, Any]] = {}
     reentrant = False
     stack = [start]
     seen = {start}
     while stack:
         node = stack.pop()
-        if not reentrant and type(node).__name__ == _REENTRANT:
+        if type(node).__name__ == _REENTRANT:
             reentrant = True
         for child, _ in node.next_functions:
             if child is None or child in seen:
                 continue
             seen.add(child)
-            variable = getattr(child, "variable", None)  # an AccumulateGrad node: a leaf
-            if variable is not None:
-                leaves[id(variable)] = (variable, node.name())
+            if type(child) is _ACCUMULATE:
+                variable = child.variable
+                leaves[id(variable)] = (variable, node)
             else:
                 stack.append(child)
     return leaves, reentrant
@@ -111,12 +122,12 @@ class Coverage:
         self.shared_reached |= reached & self.shared_ids
         return self.others
 
-    def _message(self, others: list[tuple[Tensor, str]]) -> str:
+    def _message(self, others: list[tuple[Tensor, Any]]) -> str:
         shown = []
-        for p, op in others[:5]:
+        for p, node in others[:5]:
             name = self.names.get(id(p))
             where = f"'{name}'" if name is not None else "a tensor"
-            shown.append(f"{where} (shape {tuple(p.shape)}, read by {op})")
+            shown.append(f"{where} (shape {tuple(p.shape)}, read by {node.name()})")
         more = f" and {len(others) - 5} more" if len(others) > 5 else ""
         return (
             f"{len(others)} trainable parameter(s) reached by the losses are in neither "
