@@ -67,7 +67,7 @@ def walk_leaves(root: Tensor) -> tuple[dict[int, tuple[Tensor, Any]], bool]:
                 continue
             seen.add(child)
             if type(child) is _ACCUMULATE:
-                variable = child.variable
+                variable = child.variable  # type: ignore[attr-defined]  # AccumulateGrad
                 leaves[id(variable)] = (variable, node)
             else:
                 stack.append(child)
