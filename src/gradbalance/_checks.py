@@ -293,7 +293,8 @@ def as_parameter_list(name: str, value: Iterable[Tensor] | Tensor | None,
         if not p.requires_grad:
             raise ValueError(
                 f"{name}[{i}] (shape {tuple(p.shape)}) does not require grad; leave frozen "
-                f"parameters out of {name}, e.g. [p for p in params if p.requires_grad]"
+                f"parameters out of {name}, e.g. [p for p in params if p.requires_grad] (one "
+                f"unfrozen later needs a new object that lists it)"
             )
         if leaf and not p.is_leaf:
             raise ValueError(

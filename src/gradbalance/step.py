@@ -37,6 +37,13 @@ from ._checks import (
     check_parameters_unchanged,
     param_signatures,
 )
+from ._coverage import (
+    Coverage,
+    OtherParams,
+    check_other_params,
+    fire_post_accumulate_hooks,
+    sum_backward_,
+)
 from ._sharding import is_sharded
 from .balancers._base import Balancer
 from .balancers._checks import check_balancer
@@ -97,7 +104,16 @@ class TaskGradBuffer:
         update_every: recompute a weighted balancer's weights every this many steps and reuse
             them in between with one backward of ``Σₖ wₖ Lₖ`` (1: every step).
         modules: for ``mode="gramian"`` (and ``"auto"``'s gramian route), the module(s) owning
-            ``shared_params`` (the trunk).
+            ``shared_params`` (the trunk); in any mode, the names that errors give parameters.
+        other_params: what a trainable leaf reached by the losses but in neither list gets:
+            ``"raise"`` (default) refuses the step before anything moves, naming it; ``"sum"``
+            gives it the plain gradient of ``Σₖ Lₖ``, as a head; ``"ignore"`` leaves its
+            ``.grad`` as it is, for a caller that fills it itself (docs/loop.md, "Parameter
+            coverage").
+
+    Each ``backward`` walks the losses' graph: a reentrant ``torch.utils.checkpoint`` is
+    refused (pass ``use_reentrant=False``), and ``register_post_accumulate_grad_hook`` hooks
+    of the trunk's parameters run once ``apply_`` has written their balanced ``.grad``.
 
     A trunk sharded with FSDP2 (``fully_shard``: ``DTensor`` parameters) takes the same calls:
     each rank keeps its own columns ``[K, P/W]`` of the task gradients, the ranks sum their
@@ -137,6 +153,7 @@ class TaskGradBuffer:
         mode: Mode = "matrix",
         update_every: int = 1,
         modules: Any = None,
+        other_params: OtherParams = "raise",
     ) -> None:
         shared = as_parameter_list("shared_params", shared_params)
         heads = as_parameter_list("head_params", head_params, allow_empty=True)
@@ -152,6 +169,7 @@ class TaskGradBuffer:
         self._cache = WeightCache(update_every)
         self.sharded = is_sharded(shared)  # a trunk under FSDP2's fully_shard
         self._engine: Engine = make_engine(mode, self.layout, heads, passes, modules)
+        self._coverage = Coverage(shared, heads, check_other_params(other_params), modules)
         self._losses: Tensor | None = None
         self._count = 0
         self._scaler: Any = None
@@ -204,13 +222,15 @@ class TaskGradBuffer:
         reused = self._cache.reuse_now() if first else self._reused
         self._engine.check_backward(features, self._count, reused)
         self._check_parameters()
+        others = self._other_params(vector)
         with no_autocast(self.layout.device):
             scale = scale_of(scaler, vector.device)
             roots = TaskRoots(losses, vector, scale)
         if first:
-            self._heads_before = GradSnapshot(self.head_params)
+            self._heads_before = GradSnapshot([*self.head_params, *others])
         try:
             with no_autocast(self.layout.device):
+                sum_backward_(roots.scaled.sum(), others)
                 if reused:
                     assert self._cache.weights is not None
                     self._reused_step.backward(self._cache.weights, roots, self.layout.params,
@@ -270,7 +290,10 @@ class TaskGradBuffer:
         except BaseException:
             self._abort()
             raise
+        reached = self._coverage.shared_reached
         self._end_step()
+        if not self.sharded:  # FSDP2's passes accumulate .grad, running the hooks themselves
+            fire_post_accumulate_hooks(self.layout.params, reached)
         return stats
 
     def _checked_step(self, balancer: Balancer, scaler: Any,
@@ -307,6 +330,19 @@ class TaskGradBuffer:
         return StepInput(self._losses, self._scale, self._count, clip, group,
                          self._states_before)
 
+    def _other_params(self, vector: Tensor) -> list[Tensor]:
+        """The coverage check (raises before anything moves); the leaves in neither list
+        that get the plain gradient (``other_params="sum"``)."""
+        if self.sharded:  # FSDP2's forward reads all-gathered copies: no walk there
+            return []
+        others = self._coverage.check(vector)
+        if others and resolve_process_group(self.process_group) is not None:
+            raise ValueError(
+                "other_params='sum' is not averaged over data-parallel ranks; list the "
+                "parameters in neither list in head_params instead"
+            )
+        return others
+
     def _check_parameters(self) -> None:
         """Raise before anything moves if a parameter was frozen, resized or moved."""
         shared, heads = self._signatures
@@ -331,6 +367,7 @@ class TaskGradBuffer:
         self._states_before = None
         self._reused_step.clear()
         self._engine.clear()
+        self._coverage.end_step()
 
     def state_dict(self) -> dict[str, Any]:
         """The ``update_every`` counter, the cached weights, the passes measured or fallen
@@ -390,6 +427,7 @@ def balanced_backward(
     process_group: Any = None,
     mode: Mode = "matrix",
     features: Tensor | None = None,
+    other_params: OtherParams = "raise",
 ) -> StepStats:
     """One-shot balanced backward for a single micro-batch.
 
@@ -407,6 +445,7 @@ def balanced_backward(
             "before the training loop, and call buf.backward(losses); buf.apply_(balancer)"
         )
     buf = TaskGradBuffer(shared_params, head_params, passes=passes,
-                         num_tasks=balancer.num_tasks, process_group=process_group, mode=mode)
+                         num_tasks=balancer.num_tasks, process_group=process_group, mode=mode,
+                         other_params=other_params)
     buf.backward(losses, scaler=scaler, features=features)
     return buf.apply_(balancer, scaler=scaler, clip=clip)

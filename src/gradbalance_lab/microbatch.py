@@ -108,7 +108,9 @@ class BalanceEach:
             )
         self.num_microbatches = num_microbatches
         self.head_params = as_parameter_list("head_params", head_params, allow_empty=True)
-        self._buffer = TaskGradBuffer(shared_params, num_tasks=num_tasks, passes=passes)
+        # the heads get their 1/M share from backward()'s own pass, beside the buffer
+        self._buffer = TaskGradBuffer(shared_params, num_tasks=num_tasks, passes=passes,
+                                      other_params="ignore")
         shared_ids = {id(p) for p in self._buffer.layout.params}
         for i, p in enumerate(self.head_params):
             if id(p) in shared_ids:

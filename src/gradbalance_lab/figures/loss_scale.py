@@ -56,7 +56,8 @@ def compute(quick: bool = False) -> dict[str, Any]:
         losses = [nn.MSELoss(reduction=reductions[0])(h1(feats), y[:, :1]),
                   nn.MSELoss(reduction=reductions[1])(h2(feats), y[:, 1:])]
         stats = balanced_backward(losses, get_balancer("sum"),
-                                  shared_params=list(trunk.parameters()))
+                                  shared_params=list(trunk.parameters()),
+                                  head_params=[*h1.parameters(), *h2.parameters()])
         cosines_to_update = stats.cosine_to_update
         assert cosines_to_update is not None
         shares[label] = cosines_to_update.tolist()

@@ -62,13 +62,15 @@ def test_two_micro_batches_equal_full_batch(kind: str) -> None:
 def test_mean_and_constant_weights() -> None:
     model, x, y = build("mlp")
     balanced_backward(losses_of(model, x, y), Constant([0.5, 2.0, -1.0]),
-                      shared_params=model.shared_parameters())
+                      shared_params=model.shared_parameters(),
+                      head_params=model.head_parameters())
     trunk_ref, _ = plain_grads("mlp", weights=[0.5, 2.0, -1.0])
     assert_close_lists(grads_of(model.shared_parameters()), trunk_ref)
 
     model, x, y = build("mlp")
     stats = balanced_backward(losses_of(model, x, y), Mean(),
-                              shared_params=model.shared_parameters())
+                              shared_params=model.shared_parameters(),
+                              head_params=model.head_parameters())
     trunk_ref, _ = plain_grads("mlp", scale=1 / 3)
     assert_close_lists(grads_of(model.shared_parameters()), trunk_ref)
     assert stats.weights is not None

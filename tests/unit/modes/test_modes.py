@@ -191,7 +191,7 @@ def test_gramian_mode_rejects_inplace_after_block() -> None:
 
 def test_features_mode_errors() -> None:
     model, x, y = build("mlp")
-    buf = TaskGradBuffer(model.shared_parameters(), mode="features")
+    buf = TaskGradBuffer(model.shared_parameters(), model.head_parameters(), mode="features")
     with pytest.raises(ValueError, match="mode='features' needs features="):
         buf.backward(losses_of(model, x, y))
     feats = model.trunk(x)
@@ -199,14 +199,14 @@ def test_features_mode_errors() -> None:
     feats = model.trunk(x)
     with pytest.raises(ValueError, match="mode='features' takes one backward\\(\\) per step"):
         buf.backward(torch.stack([head(feats).mean() for head in model.heads]), features=feats)
-    plain = TaskGradBuffer(model.shared_parameters())
+    plain = TaskGradBuffer(model.shared_parameters(), model.head_parameters())
     with pytest.raises(ValueError, match="features is only used with mode='features'"):
         plain.backward(losses_of(model, x, y), features=model.trunk(x))
 
 
 def test_matrix_mode_keeps_clip_and_other_modes_refuse_it() -> None:
     model, x, _ = build("mlp")
-    buf = TaskGradBuffer(model.shared_parameters(), mode="features")
+    buf = TaskGradBuffer(model.shared_parameters(), model.head_parameters(), mode="features")
     feats = model.trunk(x)
     buf.backward(torch.stack([head(feats).mean() for head in model.heads]), features=feats)
     with pytest.raises(ValueError, match="clip needs the task-gradient rows"):

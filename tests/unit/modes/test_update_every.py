@@ -88,7 +88,7 @@ def test_update_every_errors() -> None:
         TaskGradBuffer(model.shared_parameters(), update_every=0)
     matrix_only = [n for n, c in BALANCERS.items() if not c.from_gramian]
     if matrix_only:
-        buf = TaskGradBuffer(model.shared_parameters(), update_every=2)
+        buf = TaskGradBuffer(model.shared_parameters(), model.head_parameters(), update_every=2)
         buf.backward(losses_of(model, x, y))
         with pytest.raises(TypeError, match="not a weighted balancer"):
             buf.apply_(BALANCERS[matrix_only[0]]())
@@ -99,7 +99,7 @@ def test_update_every_errors() -> None:
 
 def test_reset_forgets_cached_weights() -> None:
     model, x, y = build("mlp")
-    buf = TaskGradBuffer(model.shared_parameters(), update_every=4)
+    buf = TaskGradBuffer(model.shared_parameters(), model.head_parameters(), update_every=4)
     buf.backward(losses_of(model, x, y))
     buf.apply_(Mean())
     assert buf.state_dict()["weights"] is not None
@@ -144,7 +144,7 @@ def test_gramian_pcgrad_equals_textbook(mode: str) -> None:
     seeded = torch.Generator().manual_seed(123)
     balancer = BALANCERS["pcgrad"](generator=seeded)  # type: ignore[call-arg]
     kwargs = {"modules": model.trunk} if mode == "gramian" else {}
-    buf = TaskGradBuffer(model.shared_parameters(), mode=mode, **kwargs)
+    buf = TaskGradBuffer(model.shared_parameters(), model.head_parameters(), mode=mode, **kwargs)
     buf.backward(losses_of(model, x, y))
     buf.apply_(balancer)
     actual = torch.cat([p.grad.reshape(-1) for p in model.shared_parameters()])

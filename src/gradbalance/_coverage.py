@@ -1,0 +1,159 @@
+"""Parameter coverage: every trainable leaf the losses reach is balanced, a head's, or refused.
+
+Plain ``sum(losses).backward()`` fills the ``.grad`` of every trainable leaf on the losses'
+graph; the balanced step writes only the two lists it was given. :class:`Coverage` walks the
+graph (its ``AccumulateGrad`` nodes are the trainable leaves it reaches) and refuses, before
+anything moves, a leaf in neither list, unless ``other_params="sum"`` asks for their plain
+gradient of ``Σₖ Lₖ``, or ``"ignore"`` leaves them to a caller that fills their ``.grad``
+itself (docs/loop.md, "Parameter coverage"). It also refuses a reentrant
+``torch.utils.checkpoint``, whose backward writes ``.grad`` directly, beside the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["Coverage", "OtherParams", "check_other_params", "fire_post_accumulate_hooks",
+           "sum_backward_", "walk_leaves"]
+
+OtherParams = Literal["raise", "sum", "ignore"]
+
+#: The backward node of ``torch.utils.checkpoint(..., use_reentrant=True)``.
+_REENTRANT = "CheckpointFunctionBackward"
+
+
+def check_other_params(value: object) -> OtherParams:
+    """``other_params`` is ``"raise"``, ``"sum"`` or ``"ignore"``."""
+    if value in ("raise", "sum", "ignore"):
+        return value
+    raise ValueError(
+        f"other_params must be 'raise', 'sum' or 'ignore', got {value!r}; 'sum' gives "
+        f"trainable leaves in neither list their plain gradient of sum(losses), 'ignore' "
+        f"leaves their .grad to the caller"
+    )
+
+
+def _accumulate_grad_type() -> type:
+    """The class of autograd's ``AccumulateGrad`` nodes (the graph's trainable leaves)."""
+    leaf = torch.zeros(1, requires_grad=True)
+    node = (leaf * 1).grad_fn
+    assert node is not None
+    return type(node.next_functions[0][0])
+
+
+_ACCUMULATE = _accumulate_grad_type()
+
+
+def walk_leaves(root: Tensor) -> tuple[dict[int, tuple[Tensor, Any]], bool]:
+    """The trainable leaves on ``root``'s graph, by id, each with a node that reads it, and
+    whether a reentrant checkpoint lies on the graph."""
+    start = root.grad_fn
+    if start is None:
+        return {}, False
+    leaves: dict[int, tuple[Tensor, Any]] = {}
+    reentrant = False
+    stack = [start]
+    seen = {start}
+    while stack:
+        node = stack.pop()
+        if type(node).__name__ == _REENTRANT:
+            reentrant = True
+        for child, _ in node.next_functions:
+            if child is None or child in seen:
+                continue
+            seen.add(child)
+            if type(child) is _ACCUMULATE:
+                variable = child.variable  # type: ignore[attr-defined]  # AccumulateGrad
+                leaves[id(variable)] = (variable, node)
+            else:
+                stack.append(child)
+    return leaves, reentrant
+
+
+def _module_names(modules: Any) -> dict[int, str]:
+    """Parameter id -> dotted name, from the module(s) given (empty when none)."""
+    if isinstance(modules, nn.Module):
+        modules = [modules]
+    if not isinstance(modules, (list, tuple, nn.ModuleList)):
+        return {}
+    names: dict[int, str] = {}
+    for m in modules:
+        if isinstance(m, nn.Module):
+            for name, p in m.named_parameters():
+                names.setdefault(id(p), name)
+    return names
+
+
+class Coverage:
+    """The coverage check of one buffer: walks each ``backward``'s losses; decides again
+    only when the set of trainable leaves reached changes."""
+
+    def __init__(self, shared: Sequence[Tensor], heads: Sequence[Tensor],
+                 other_params: OtherParams, modules: Any = None) -> None:
+        self.known = {id(p) for p in shared} | {id(p) for p in heads}
+        self.shared_ids = {id(p) for p in shared}
+        self.other_params = other_params
+        self.names = _module_names(modules)
+        self._reached: frozenset[int] | None = None  # the leaf ids of the last decision
+        self.others: list[Tensor] = []  # reached leaves in neither list ("sum")
+        self.shared_reached: set[int] = set()  # this step's, for the post-accumulate hooks
+
+    def check(self, vector: Tensor) -> list[Tensor]:
+        """Raise (nothing moved) on a reentrant checkpoint or, with ``"raise"``, on a
+        trainable leaf in neither list; the leaves to give ``∂(Σₖ Lₖ)`` (``"sum"``)."""
+        leaves, reentrant = walk_leaves(vector)
+        if reentrant:
+            raise ValueError(
+                "the losses' graph holds torch.utils.checkpoint(..., use_reentrant=True), whose "
+                "backward writes .grad directly, beside the balanced step (the trunk would get "
+                "no balanced gradient); pass use_reentrant=False to torch.utils.checkpoint"
+            )
+        reached = frozenset(leaves)
+        if reached != self._reached:
+            others = [(p, op) for i, (p, op) in leaves.items() if i not in self.known]
+            if others and self.other_params == "raise":
+                raise ValueError(self._message(others))
+            self.others = [p for p, _ in others] if self.other_params == "sum" else []
+            self._reached = reached
+        self.shared_reached |= reached & self.shared_ids
+        return self.others
+
+    def _message(self, others: list[tuple[Tensor, Any]]) -> str:
+        shown = []
+        for p, node in others[:5]:
+            name = self.names.get(id(p))
+            where = f"'{name}'" if name is not None else "a tensor"
+            shown.append(f"{where} (shape {tuple(p.shape)}, read by {node.name()})")
+        more = f" and {len(others) - 5} more" if len(others) > 5 else ""
+        return (
+            f"{len(others)} trainable parameter(s) reached by the losses are in neither "
+            f"shared_params nor head_params: {', '.join(shown)}{more}; they would get no "
+            f"gradient. Add each to shared_params (balanced) or head_params (plain gradient), "
+            f"or set requires_grad=False; a parameter unfrozen after the TaskGradBuffer was "
+            f"built needs a new buffer that lists it; other_params='sum' gives such parameters "
+            f"their plain gradient of sum(losses)"
+        )
+
+    def end_step(self) -> None:
+        """The step is over: the next one collects its own reached trunk parameters."""
+        self.shared_reached = set()
+
+
+def fire_post_accumulate_hooks(params: Iterable[Tensor], reached: set[int]) -> None:
+    """Run each ``register_post_accumulate_grad_hook`` hook of the ``reached`` parameters
+    whose ``.grad`` the step wrote, as autograd runs them after accumulating a ``.grad``."""
+    for p in params:
+        hooks = getattr(p, "_post_accumulate_grad_hooks", None)
+        if hooks and id(p) in reached and p.grad is not None:
+            for hook in tuple(hooks.values()):
+                hook(p)
+
+
+def sum_backward_(scaled_total: Tensor, others: Sequence[Tensor]) -> None:
+    """``.grad += ∂(Σₖ s·Lₖ)/∂p`` for ``others``, the graph kept for the step's passes."""
+    if others:
+        torch.autograd.backward(scaled_total, inputs=list(others), retain_graph=True)
