@@ -83,7 +83,7 @@ def _updates(model: _Altered, mode: str, x: Tensor, y: Tensor, steps: int,
         engine._decide = lambda roots: route  # type: ignore[method-assign]
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     grads = []
-    for step in range(steps):
+    for _ in range(steps):
         half = x.shape[0] // 2
         for part in (slice(0, half), slice(half, None)):  # two micro-batches
             buf.backward(regression_losses(model(x[part]), y[part]) * 0.5)
