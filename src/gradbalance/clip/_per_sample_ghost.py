@@ -28,7 +28,7 @@ is exact (its calls' rows are one sequence); a bounded parameter held by two lay
 weights, embedding/output tying) is refused at construction, and one used on the losses' graph
 outside its layer's recorded calls (``F.linear(x, layer.weight)``), or with a tensor hook, is
 refused by :meth:`GhostNorms.norms`: the per-layer ghost form would miss the cross terms
-between the uses (docs/clipping.md).
+between the uses (docs/loop.md).
 """
 
 from __future__ import annotations

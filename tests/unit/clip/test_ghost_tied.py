@@ -2,7 +2,7 @@
 
 The reference is a loop of B single-sample backward passes (autograd sums every use of a
 weight before the norm). A layer called several times is exact; a weight held by two layers,
-used outside its layer's forward or rewritten by a tensor hook is refused (docs/clipping.md).
+used outside its layer's forward or rewritten by a tensor hook is refused (docs/loop.md).
 """
 
 from __future__ import annotations
