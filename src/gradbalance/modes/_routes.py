@@ -94,7 +94,7 @@ def inexact(blocks: Sequence[Block], loss: Tensor) -> list[Block]:
     used on ``loss``'s graph other than by the block's recorded calls (tied to another layer,
     ``F.linear(x, layer.weight)`` elsewhere). One walk of the graph, only where needed."""
     hooked = [block for block in blocks if any(map(tensor_hooked, block.params))]
-    rest = [block for block in blocks if block not in hooked]
+    rest = [block for block in blocks if all(block is not h for h in hooked)]
     if not rest:
         return hooked
     uses = leaf_uses(loss, [p for block in rest for p in block.params])
