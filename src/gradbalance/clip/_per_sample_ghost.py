@@ -23,7 +23,12 @@ from the recorded input) and ``nn.Embedding`` (row v of sample i's gradient is
 ``Σ_{s: idsᵢₛ = v} Dᵢₛ``, summed per (sample, token id) in ``O(S·out)``; the padding row gets
 none; ``scale_grad_by_freq`` couples the samples and is refused), called through their
 ``forward``; any other trainable parameter of the module raises at construction (use
-:func:`~gradbalance.clip.per_sample_grad_norms_of_model` there).
+:func:`~gradbalance.clip.per_sample_grad_norms_of_model` there). A layer called several times
+is exact (its calls' rows are one sequence); a bounded parameter held by two layers (tied
+weights, embedding/output tying) is refused at construction, and one used on the losses' graph
+outside its layer's recorded calls (``F.linear(x, layer.weight)``), or with a tensor hook, is
+refused by :meth:`GhostNorms.norms`: the per-layer ghost form would miss the cross terms
+between the uses (docs/loop.md).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from torch import Tensor, nn
 
 from .._amp import no_autocast
 from .._checks import check_bool, check_norm_type
+from .._graph import leaf_uses, tensor_hooked
 from ._per_sample_graph import _check_losses
 
 __all__ = ["GhostNorms"]
@@ -58,6 +64,17 @@ class _Layer:
         self.bias = bias
         self.inputs: list[Tensor] = []
         self.outputs: list[Tensor] = []
+
+    def bounded(self) -> list[tuple[str, Tensor]]:
+        """The layer's bounded parameters, by their name in the model."""
+        prefix = f"{self.name}." if self.name else ""
+        weight, bias = getattr(self.module, "weight", None), getattr(self.module, "bias", None)
+        found: list[tuple[str, Tensor]] = []
+        if self.weight and isinstance(weight, Tensor):
+            found.append((f"{prefix}weight", weight))
+        if self.bias and isinstance(bias, Tensor):
+            found.append((f"{prefix}bias", bias))
+        return found
 
     def rows(self, x: Tensor, batch: int) -> Tensor:
         """The layer's input as ``[B, S, in]``: tokens, or a convolution's unfolded patches."""
@@ -210,6 +227,22 @@ def _uncovered_message(missing: list[str], refused: list[str]) -> str:
     )
 
 
+def _check_untied(layer: _Layer, owners: dict[int, str]) -> None:
+    """Record the layer's bounded parameters in ``owners`` (id to parameter name); raise
+    naming one already held by another layer (tied weights)."""
+    for name, p in layer.bounded():
+        if id(p) in owners:
+            raise ValueError(
+                f"GhostNorms cannot bound parameter {owners[id(p)]!r}: it is tied to "
+                f"{name!r} (one weight in two layers, e.g. embedding/output tying), and the "
+                f"per-sample gradient of a tied weight sums both layers' parts before the "
+                f"norm, which the per-layer ghost form does not; bound it with "
+                f"per_sample_grad_norms_of_model (torch.func) or per_sample_grad_norms, or "
+                f"pass params= without it"
+            )
+        owners[id(p)] = name
+
+
 class GhostNorms:
     """Forward hooks on the linear, conv, LayerNorm and embedding layers of ``module``;
     per-sample norms.
@@ -241,7 +274,11 @@ class GhostNorms:
         wanted = set(map(id, named.values() if params is None else params))
         self._layers: list[_Layer] = []
         self._handles: list[Any] = []
-        covered, refused = self._hook_layers(module, wanted)
+        try:
+            covered, refused = self._hook_layers(module, wanted)
+        except ValueError:
+            self.remove()  # nothing stays hooked
+            raise
         missing = _not_covered(named, wanted - covered, params is not None)
         if missing:
             self.remove()
@@ -252,6 +289,7 @@ class GhostNorms:
         covered, and the layers refused (``"name (reason)"``)."""
         covered: set[int] = set()
         refused: list[str] = []
+        owners: dict[int, str] = {}
         for name, sub in module.named_modules():
             mine = _wanted_of(sub, wanted)
             if not mine:
@@ -266,6 +304,7 @@ class GhostNorms:
             covered.update(map(id, mine))
             self._layers.append(layer)
             self._handles.append(sub.register_forward_hook(self._hook(layer)))
+            _check_untied(layer, owners)
         return covered, refused
 
     @staticmethod
@@ -305,6 +344,7 @@ class GhostNorms:
         columns = losses.reshape(losses.shape[0], -1)
         batch = columns.shape[0]
         self._check_batch(layers, batch)
+        self._check_uses(layers, columns)
         rows = [_Inputs(layer, batch) for layer in layers]  # once for all K tasks
         roots = [columns.sum(dim=1)] if not self.per_task else list(columns.unbind(1))
         outputs = [y for layer in layers for y in layer.outputs]
@@ -331,6 +371,27 @@ class GhostNorms:
                     f"losses have {batch} samples: the batch must be dim 0 of every layer "
                     f"input, and every forward under grad since the last norms() is "
                     f"recorded (call clear() after other forwards)"
+                )
+
+    def _check_uses(self, layers: list[_Layer], losses: Tensor) -> None:
+        """Every bounded parameter is used on the losses' graph only by its layer's recorded
+        calls and has no tensor hook (else the records are dropped and it raises)."""
+        bounded = [(layer, name, p) for layer in layers for name, p in layer.bounded()]
+        uses = leaf_uses(losses, [p for _, _, p in bounded])
+        for layer, name, p in bounded:
+            hooked = tensor_hooked(p)
+            if hooked or uses[id(p)] > len(layer.outputs):
+                how = ("has a tensor hook, which rewrites its gradient" if hooked else
+                       f"is used {uses[id(p)]} times on the losses' graph but its layer "
+                       f"recorded {len(layer.outputs)} calls (used outside the layer's "
+                       f"forward, e.g. F.linear(x, layer.weight) or a tied copy)")
+                self.clear()
+                raise RuntimeError(
+                    f"GhostNorms cannot bound parameter {name!r}: it {how}, so the ghost "
+                    f"form misses part of its per-sample gradient. Call the layer itself "
+                    f"wherever the weight is used, bound it with "
+                    f"per_sample_grad_norms_of_model (torch.func) or per_sample_grad_norms, "
+                    f"or pass params= without it"
                 )
 
     def _add_powers(self, column: Tensor, rows: list[_Inputs],

@@ -31,7 +31,6 @@ inputs or outputs. The decisions, the trials so far and the passes are in ``stat
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
@@ -49,7 +48,7 @@ from ._engine import reject_features
 from ._gramian import GramianMode, load_tasks
 from ._matrix import MatrixMode
 from ._measure import _synchronize
-from ._routes import layer_shapes
+from ._routes import inexact, layer_shapes
 
 __all__ = ["DECISIVE", "FLOPS_PER_BYTE", "TRIALS", "AutoMode", "LinearShape", "RouteCosts",
            "route_costs"]
@@ -180,16 +179,17 @@ class AutoMode:
         return "gramian" if len(samples["gramian"]) <= len(samples["matrix"]) else "matrix"
 
     def _safe(self, roots: TaskRoots) -> bool:
-        """Whether the gramian route computes this step exactly: each linear layer's recorded
-        calls are its parameters' only uses on the losses' graph, none edited in place."""
+        """Whether the gramian route suits this step: each linear layer's recorded calls are
+        its parameters' only uses on the losses' graph, none has a tensor hook or is edited in
+        place (a later step that breaks this still gets matrix mode's update: such a layer
+        takes the rows, :func:`._routes.keep_exact`)."""
         assert self._gramian is not None
         recorder = self._gramian.recorder
         try:
             recorder._check_recorded(roots, every=True)
         except RuntimeError:
             return False
-        expected = {id(p): len(block.calls) for block in recorder.linear for p in block.params}
-        return _uses(roots.scaled, expected) == expected
+        return not inexact(recorder.linear, roots.scaled)
 
     def _record(self, count: int) -> None:
         """After a timed step: its time, and the route once both have their trials."""
@@ -338,23 +338,3 @@ def _agree_route(route: Route, group: Any) -> None:
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
-
-
-def _uses(tensor: Tensor, expected: dict[int, int]) -> dict[int, int]:
-    """How many edges of ``tensor``'s autograd graph end at each leaf of ``expected``."""
-    counts = dict.fromkeys(expected, 0)
-    start = tensor.grad_fn
-    queue = deque([start] if start is not None else [])
-    seen = set(queue)
-    while queue:
-        node = queue.popleft()
-        for child, _ in node.next_functions:
-            if child is None:
-                continue
-            variable = getattr(child, "variable", None)
-            if variable is not None and id(variable) in counts:
-                counts[id(variable)] += 1
-            if child not in seen:
-                seen.add(child)
-                queue.append(child)
-    return counts

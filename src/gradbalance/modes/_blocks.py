@@ -143,23 +143,28 @@ def find_blocks(roots: Sequence[nn.Module], params: Sequence[Tensor]) -> list[Bl
     wanted = {id(p) for p in params}
     blocks: list[Block] = []
     seen: set[int] = set()
+    claimed: set[int] = set()
 
     def visit(module: nn.Module, name: str) -> None:
         if id(module) in seen:
             return
         seen.add(id(module))
         if any(id(p) in wanted for p in module.parameters(recurse=False)):
-            own: list[Tensor] = [p for p in module.parameters() if id(p) in wanted]
-            blocks.append(Block(module, name or type(module).__name__, own, linear_form(module)))
+            # a parameter tied to an earlier block stays there: each parameter in one block
+            own: list[Tensor] = [p for p in module.parameters()
+                                 if id(p) in wanted and id(p) not in claimed]
+            claimed.update(map(id, own))
+            if own:
+                blocks.append(Block(module, name or type(module).__name__, own,
+                                    linear_form(module)))
             return
         for child_name, child in module.named_children():
             visit(child, f"{name}.{child_name}" if name else child_name)
 
     for i, root in enumerate(roots):
         visit(root, "" if len(roots) == 1 else f"modules[{i}]")
-    covered = {id(p) for block in blocks for p in block.params}
     for i, p in enumerate(params):
-        if id(p) not in covered:
+        if id(p) not in claimed:
             raise ValueError(
                 f"shared_params[{i}] (shape {tuple(p.shape)}) is not a parameter of any module "
                 f"in modules; mode='gramian' needs the trunk module(s) owning every shared "

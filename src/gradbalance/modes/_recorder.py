@@ -19,7 +19,7 @@ from ..taskgrads import Concrete, Passes, TaskRoots, run_passes
 from ._blocks import Block, Call, find_blocks
 from ._engine import WriteBack, reaches
 from ._layers import rows_grad, rows_input
-from ._routes import Force, keeps, plan_routes, promote_routes
+from ._routes import Force, keep_exact, keeps, plan_routes, promote_routes
 
 __all__ = ["GramianRecorder"]
 
@@ -187,6 +187,7 @@ class GramianRecorder:
         k_total = roots.num_tasks
         if first:
             plan_routes(self.linear, self.force, k_total)
+        keep_exact(self.linear, self.force, roots.scaled, k_total, first)
         stacks = StackSink(self._check_recorded(roots), k_total)
         row_blocks = [block for block in self.blocks if block.route == "rows"]
         sinks: list[PassSink] = [stacks]

@@ -5,16 +5,22 @@ unless a route is forced (``GramianRecorder.force``): at a forward, whether to k
 tensors (:func:`keeps`); at the step's first backward, the route (:func:`plan_routes`); after a
 later micro-batch, a move to rows where they have become cheaper (:func:`promote_routes`).
 ``auto`` mode decides between the ``matrix`` and ``gramian`` routes from the same layer shapes
-(:func:`layer_shapes`).
+(:func:`layer_shapes`). A layer whose parameters the activations route would get wrong (a
+tensor hook, a use outside its recorded forwards) takes the rows (:func:`inexact`,
+:func:`keep_exact`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from torch import Tensor
+
+from .._graph import leaf_uses, tensor_hooked
 from ._blocks import Block
 
-__all__ = ["Force", "forced_route", "keeps", "layer_shapes", "plan_routes", "promote_routes"]
+__all__ = ["Force", "forced_route", "inexact", "keep_exact", "keeps", "layer_shapes",
+           "plan_routes", "promote_routes"]
 
 #: A route forced on every layer of linear form, or by block name; None: the cost model.
 Force = str | dict[str, str] | None
@@ -80,3 +86,36 @@ def layer_shapes(blocks: Sequence[Block]) -> tuple[tuple[int, int, int, bool, bo
             shape = block.shape(block.called_rows())
             shapes.append((shape.n, shape.i, shape.o, shape.weight, shape.bias))
     return tuple(shapes)
+
+
+def inexact(blocks: Sequence[Block], loss: Tensor) -> list[Block]:
+    """The linear ``blocks`` whose activations route would not give their parameters'
+    gradient: a parameter with a tensor hook (``w.register_hook(lambda g: g * mask)``), or
+    used on ``loss``'s graph other than by the block's recorded calls (tied to another layer,
+    ``F.linear(x, layer.weight)`` elsewhere). One walk of the graph, only where needed."""
+    hooked = [block for block in blocks if any(map(tensor_hooked, block.params))]
+    rest = [block for block in blocks if all(block is not h for h in hooked)]
+    if not rest:
+        return hooked
+    uses = leaf_uses(loss, [p for block in rest for p in block.params])
+    return hooked + [block for block in rest
+                     if any(uses[id(p)] != len(block.calls) for p in block.params)]
+
+
+def keep_exact(blocks: Sequence[Block], force: Force, loss: Tensor, k_total: int,
+               first: bool) -> None:
+    """Move every activations-route block that :func:`inexact` finds to the rows (its
+    operands so far become rows, exactly); raise where the activations route is forced."""
+    active = [block for block in blocks if block.route == "activations"]
+    for block in inexact(active, loss) if active else []:
+        if forced_route(force, block) is not None:
+            raise RuntimeError(
+                f"mode='gramian': layer {block.name} is forced onto the activations route, "
+                f"but a parameter of it has a tensor hook or is used outside its forward "
+                f"(tied to another layer); its gradient needs the rows: force 'rows' there "
+                f"or leave its route to the cost model"
+            )
+        if first:
+            block.route = "rows"
+        else:
+            block.to_rows(k_total)

@@ -38,8 +38,8 @@ GRAPH = import_graph(SOURCES)
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("_types.py", "_version.py", "_optional.py", "_pickling.py", "_registry.py",
      "_statedict.py", "_checks.py", "_state_spec.py", "_module.py"),
-    ("gramian.py", "_shard.py", "stats.py", "_roots.py", "_coverage.py", "_sinks.py",
-     "taskgrads.py"),
+    ("gramian.py", "_shard.py", "stats.py", "_roots.py", "_graph.py", "_coverage.py",
+     "_sinks.py", "taskgrads.py"),
     ("balancers/",),
     ("weighting/",),
     ("_sharding.py", "distributed.py", "_amp.py"),
