@@ -17,11 +17,12 @@ identity.
 
 Loads are all or nothing: :meth:`StateModule.load_state_dict` checks the class, the keys, the
 shapes, the number of tasks (the ``num_tasks`` setting, else the state tracked now, else the
-first loaded per-task entry: every entry must agree), finite values and the extra state of the object and of its stateful submodules (CR-MOGM's inner
-balancer) first and raises ``ValueError`` before anything changes. Loaded as part of a parent
-module, the same checks run before the object's first tensor is copied; a refusal is then one
-of ``load_state_dict``'s error messages and leaves the object (and its stateful submodules)
-as they were.
+first loaded per-task entry: every entry must agree; the loaded states shaped like the
+rows agree on P), finite values and the extra state of the object and of its stateful
+submodules (CR-MOGM's inner balancer) first and raises ``ValueError`` before anything
+changes. Loaded as part of a parent module, the same checks run before the object's first
+tensor is copied; a refusal is then one of ``load_state_dict``'s error messages and leaves
+the object (and its stateful submodules) as they were.
 """
 
 from __future__ import annotations
@@ -241,18 +242,16 @@ class StateModule(PicklableGenerators, nn.Module):
 
     def _tracked_shapes(self, loaded: Mapping[str, Tensor | None]
                         ) -> tuple[int | None, tuple[int, ...] | None]:
-        """The K and the ``[K, P]`` rows shape a load must keep: the ``num_tasks`` setting,
-        else the current state's, else the first loaded entry's (so that entries agree)."""
+        """The K a load must keep (the ``num_tasks`` setting, else the current state's, else
+        the first loaded entry's) and the ``[K, P]`` shape of the first loaded state like the
+        rows (P is the parameters', not a setting: only the loaded entries must agree)."""
         current = {**self._buffers, **self._parameters}
         k: int | None = self.__dict__.get("num_tasks")
-        rows: tuple[int, ...] | None = None
         for values in (current, loaded):
             for key, value in values.items():
-                spec = self._spec(key)
-                if k is None and spec.tasks_in(value) is not None:
-                    k = spec.tasks_in(value)
-                if rows is None and spec.like_rows and value is not None:
-                    rows = tuple(value.shape)
+                k = self._spec(key).tasks_in(value) if k is None else k
+        rows = next((tuple(value.shape) for key, value in loaded.items()
+                     if value is not None and self._spec(key).like_rows), None)
         return k, rows
 
     def _loaded_tensor(self, key: str, own: Mapping[str, Any]) -> Tensor | None:

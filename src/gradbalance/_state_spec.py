@@ -70,8 +70,8 @@ class StateSpec:
         """Why a loaded ``value`` cannot replace ``current``, or None.
 
         ``num_tasks``: the K the object tracks (its setting, else its current state, else the
-        first loaded per-task entry); ``rows``: the ``[K, P]`` shape its state like the rows
-        has (now, else as loaded first).
+        first loaded per-task entry); ``rows``: the ``[K, P]`` shape of the first loaded
+        state like the rows.
         """
         found = self.tasks_in(value)
         if found is not None and num_tasks is not None and found != num_tasks:
