@@ -23,11 +23,7 @@ class StepOwner:
 
     def enter(self, call: str) -> None:
         """Before a call (``call`` names it in messages); pair it with :meth:`exit`."""
-        if not self._lock.acquire(blocking=False):
-            raise RuntimeError(
-                f"TaskGradBuffer.{call}() called while another thread is inside this buffer; "
-                f"a buffer holds one step: use one buffer per thread, or serialise whole steps"
-            )
+        self._take(call)
         me = threading.get_ident()
         if self.thread is not None and self.thread != me:
             self._lock.release()
@@ -44,6 +40,19 @@ class StepOwner:
         if not step_open:
             self.thread = None
         self._lock.release()
+
+    def drop(self, call: str) -> None:
+        """The step is dropped (``reset``), from whichever thread: no owner."""
+        self._take(call)
+        self.thread = None
+        self._lock.release()
+
+    def _take(self, call: str) -> None:
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError(
+                f"TaskGradBuffer.{call}() called while another thread is inside this buffer; "
+                f"a buffer holds one step: use one buffer per thread, or serialise whole steps"
+            )
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (StepOwner, ())  # a copy of a buffer starts without an owner

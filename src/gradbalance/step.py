@@ -398,7 +398,9 @@ class TaskGradBuffer:
         return self._engine.matrix if self._count > 0 else None
 
     def reset(self) -> None:
-        """Drop the current step and the cached weights (keeps the buffer's memory)."""
+        """Drop the current step and the cached weights (keeps the buffer's memory); from any
+        thread, not while another thread is inside a call (``RuntimeError``)."""
+        self._owner.drop("reset")
         self._end_step()
         self._cache.reset()
 
