@@ -73,23 +73,37 @@ class StateSpec:
         first loaded per-task entry); ``rows``: the ``[K, P]`` shape of the first loaded
         state like the rows.
         """
+        where = f"{owner} state_dict[{key!r}]"
+        return (self._tasks_error(where, owner, value, num_tasks)
+                or self._shape_error(where, owner, value, current, rows)
+                or self._finite_error(where, value))
+
+    def _tasks_error(self, where: str, owner: str, value: Tensor,
+                     num_tasks: int | None) -> str | None:
         found = self.tasks_in(value)
-        if found is not None and num_tasks is not None and found != num_tasks:
-            return (f"{owner} state_dict[{key!r}] has shape {tuple(value.shape)}, not one "
-                    f"entry per task along dim {self.task_dim}: {owner} tracks "
-                    f"num_tasks={num_tasks}; load a state saved with the same number of "
-                    f"tasks (or call reset() first to drop the tracked one)")
+        if found is None or num_tasks is None or found == num_tasks:
+            return None
+        return (f"{where} has shape {tuple(value.shape)}, not one entry per task along dim "
+                f"{self.task_dim}: {owner} tracks num_tasks={num_tasks}; load a state saved "
+                f"with the same number of tasks (or call reset() first to drop the tracked one)")
+
+    def _shape_error(self, where: str, owner: str, value: Tensor, current: Tensor | None,
+                     rows: tuple[int, ...] | None) -> str | None:
         shape = self.shape if self.optional else None if current is None else current.shape
         if self.like_rows and rows is not None:
             shape = rows
-        if shape is not None and tuple(value.shape) != tuple(shape):
-            return (f"{owner} state_dict[{key!r}] has shape {tuple(value.shape)}, expected "
-                    f"{tuple(shape)}; load a state saved by a {owner} built with the same "
-                    f"settings (number of tasks) and used on the same parameters")
-        if self.finite and (value.is_floating_point() or value.is_complex()) \
-                and not bool(torch.isfinite(value).all()):
-            return (f"{owner} state_dict[{key!r}] holds inf/NaN "
-                    f"({int((~torch.isfinite(value)).sum())} of {value.numel()} entries); "
-                    f"the state was saved after a failed step or damaged: load an earlier "
-                    f"checkpoint, or call reset() instead")
-        return None
+        if shape is None or tuple(value.shape) == tuple(shape):
+            return None
+        return (f"{where} has shape {tuple(value.shape)}, expected {tuple(shape)}; load a state "
+                f"saved by a {owner} built with the same settings (number of tasks) and used "
+                f"on the same parameters")
+
+    def _finite_error(self, where: str, value: Tensor) -> str | None:
+        if not self.finite or not (value.is_floating_point() or value.is_complex()):
+            return None
+        bad = int((~torch.isfinite(value)).sum())
+        if not bad:
+            return None
+        return (f"{where} holds inf/NaN ({bad} of {value.numel()} entries); the state was "
+                f"saved after a failed step or damaged: load an earlier checkpoint, or call "
+                f"reset() instead")
