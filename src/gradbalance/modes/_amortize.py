@@ -37,7 +37,8 @@ class WeightCache:
     ``step`` counts the finished steps; step ``t`` refreshes when ``t % T == 0`` or no weights
     are cached. A refresh step that found inf/NaN stores nothing and does not advance, so the
     next step refreshes again. A step that reuses the weights takes the balancer that computed
-    them (after a load, the first one given), never another object.
+    them, never another object while that one is alive (after a load, or once it is garbage
+    collected, the first one given takes over).
     """
 
     def __init__(self, update_every: int = 1) -> None:
@@ -58,10 +59,10 @@ class WeightCache:
     def check_balancer(self, balancer: Balancer) -> None:
         """Raise ``ValueError`` when a reuse step gets another balancer than the weights'."""
         owner = None if self._owner is None else self._owner()
-        if self._owner is not None and owner is not balancer:
+        if owner is not None and owner is not balancer:
             raise ValueError(
-                f"balancer is another object than the {type(owner).__name__ if owner else ''} "
-                f"balancer whose weights update_every={self.update_every} reuses until step "
+                f"balancer is another object than the {type(owner).__name__} "
+                f"whose weights update_every={self.update_every} reuses until step "
                 f"{self.step + self.update_every - self.step % self.update_every}; pass the "
                 f"same balancer object every step (or call reset() to start a new window)"
             )
