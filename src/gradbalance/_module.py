@@ -16,11 +16,13 @@ failed training step puts the object back from a snapshot of references
 identity.
 
 Loads are all or nothing: :meth:`StateModule.load_state_dict` checks the class, the keys, the
-shapes and the extra state of the object and of its stateful submodules (CR-MOGM's inner
-balancer) first and raises ``ValueError`` before anything changes. Loaded as part of a parent
-module, the same checks run before the object's first tensor is copied; a refusal is then one
-of ``load_state_dict``'s error messages and leaves the object (and its stateful submodules)
-as they were.
+shapes, the number of tasks (the ``num_tasks`` setting, else the state tracked now, else the
+first loaded per-task entry: every entry must agree; the loaded states shaped like the
+rows agree on P), finite values and the extra state of the object and of its stateful
+submodules (CR-MOGM's inner balancer) first and raises ``ValueError`` before anything
+changes. Loaded as part of a parent module, the same checks run before the object's first
+tensor is copied; a refusal is then one of ``load_state_dict``'s error messages and leaves
+the object (and its stateful submodules) as they were.
 """
 
 from __future__ import annotations
@@ -63,14 +65,15 @@ class StateModule(PicklableGenerators, nn.Module):
     def register_state(self, name: str, default: Tensor | None, *, optional: bool = False,
                        shape: tuple[int, ...] | None = None, per_task: bool = False,
                        task_dim: int = 0, like_rows: bool = False,
-                       persistent: bool = True) -> None:
+                       persistent: bool = True, finite: bool = True) -> None:
         """Declare a state tensor (a buffer; an ``nn.Parameter`` is registered as one).
 
         ``default``: its value now and after :meth:`reset` (None needs ``optional``);
         ``optional``: may be None (absent from the state); ``shape``: the shape a loaded
         optional value must have (default: any; a required one keeps its current shape);
         ``per_task``: one entry per task along ``task_dim``; ``like_rows``: the shape of the
-        task-gradient rows ``[K, P]``; ``persistent=False``: not saved, only reset.
+        task-gradient rows ``[K, P]``; ``persistent=False``: not saved, only reset;
+        ``finite=False``: a loaded value may hold inf/NaN (by default a load refuses them).
         """
         if default is None and not optional:
             raise ValueError(f"Invalid default for state {name!r}: None (expected a tensor, "
@@ -81,7 +84,7 @@ class StateModule(PicklableGenerators, nn.Module):
             self.register_buffer(name, default, persistent=persistent)
         self._state_specs[name] = StateSpec(
             None if default is None else default.detach().clone(), optional, shape,
-            task_dim if per_task or like_rows else None, like_rows, persistent)
+            task_dim if per_task or like_rows else None, like_rows, persistent, finite)
 
     @property
     def state_specs(self) -> Mapping[str, StateSpec]:
@@ -158,7 +161,8 @@ class StateModule(PicklableGenerators, nn.Module):
         """Restore ``state_dict()`` output; works on a freshly built object.
 
         Raises ``ValueError``, changing nothing, for a state saved by another class, with
-        unknown or missing keys, or with tensors of another shape or number of tasks.
+        unknown or missing keys, or with tensors of another shape or number of tasks (than
+        the object's setting or the state it tracks now) or holding inf/NaN.
         """
         if not isinstance(state_dict, Mapping):
             raise ValueError(
@@ -228,12 +232,27 @@ class StateModule(PicklableGenerators, nn.Module):
         tensors = {key: self._loaded_tensor(key, own) for key in slots}
         rest = {key: value for key, value in extra.items() if key != TYPE_KEY}
         self._check_state(tensors, rest)  # the class's own checks name the setting first
+        k, rows = self._tracked_shapes(tensors)
         for key, value in tensors.items():
             error = None if value is None else self._spec(key).load_error(
-                name, key, value, slots[key], self.__dict__.get("num_tasks"))  # K, where known
+                name, key, value, slots[key], k, rows)
             if error is not None:
                 raise ValueError(error)
         return tensors, rest
+
+    def _tracked_shapes(self, loaded: Mapping[str, Tensor | None]
+                        ) -> tuple[int | None, tuple[int, ...] | None]:
+        """The K a load must keep (the ``num_tasks`` setting, else the current state's, else
+        the first loaded entry's) and the ``[K, P]`` shape of the first loaded state like the
+        rows (P is the parameters', not a setting: only the loaded entries must agree)."""
+        current = {**self._buffers, **self._parameters}
+        k: int | None = self.__dict__.get("num_tasks")
+        for values in (current, loaded):
+            for key, value in values.items():
+                k = self._spec(key).tasks_in(value) if k is None else k
+        rows = next((tuple(value.shape) for key, value in loaded.items()
+                     if value is not None and self._spec(key).like_rows), None)
+        return k, rows
 
     def _loaded_tensor(self, key: str, own: Mapping[str, Any]) -> Tensor | None:
         """``own[key]``, checked to be a tensor (or absent, for an optional state)."""

@@ -1,7 +1,8 @@
 """Declared state: what :meth:`~gradbalance._module.StateModule.register_state` records.
 
 One declaration per state tensor gives it its value at construction and after ``reset()``,
-the checks of a loaded value (its shape, its number of tasks) and, for a balancer, the check
+the checks of a loaded value (its shape, its number of tasks, finite entries) and, for a
+balancer, the check
 on every call that the input still has the tasks (and, for state shaped like the task
 gradients, the columns) the state was built from, so a mismatch raises instead of
 broadcasting silently (``docs/ARCHITECTURE.md``, "Extension contract").
@@ -24,7 +25,8 @@ class StateSpec:
     shape a loaded optional value must have (None: any); ``task_dim``: the dimension with one
     entry per task (None: not per task); ``like_rows``: the shape of the task-gradient rows
     ``[K, P]`` (a rank's ``[K, P_local]`` columns on a sharded trunk); ``persistent``: saved in
-    ``state_dict`` (a non-persistent one is only reset).
+    ``state_dict`` (a non-persistent one is only reset); ``finite``: a loaded floating value
+    must hold no inf/NaN.
     """
 
     default: Tensor | None
@@ -33,6 +35,13 @@ class StateSpec:
     task_dim: int | None = None
     like_rows: bool = False
     persistent: bool = True
+    finite: bool = True
+
+    def tasks_in(self, value: Tensor | None) -> int | None:
+        """The number of tasks ``value`` holds (None: not per task, unset, or too few dims)."""
+        if self.task_dim is None or value is None:
+            return None
+        return value.shape[self.task_dim] if value.dim() > self.task_dim >= -value.dim() else -1
 
     def initial(self, current: Tensor | None, home: torch.device | None) -> Tensor | None:
         """A fresh copy of the default, where the current value (else ``home``) lives."""
@@ -57,19 +66,44 @@ class StateSpec:
         return None
 
     def load_error(self, owner: str, key: str, value: Tensor, current: Tensor | None,
-                   num_tasks: int | None) -> str | None:
-        """Why a loaded ``value`` cannot replace ``current``, or None."""
-        if self.task_dim is not None and num_tasks is not None:
-            found = value.shape[self.task_dim] if value.dim() > self.task_dim >= -value.dim() \
-                else None
-            if found != num_tasks:
-                return (f"{owner} state_dict[{key!r}] has shape {tuple(value.shape)}, not one "
-                        f"entry per task along dim {self.task_dim}: {owner} was built with "
-                        f"num_tasks={num_tasks}; load a state saved with the same number of "
-                        f"tasks")
+                   num_tasks: int | None, rows: tuple[int, ...] | None) -> str | None:
+        """Why a loaded ``value`` cannot replace ``current``, or None.
+
+        ``num_tasks``: the K the object tracks (its setting, else its current state, else the
+        first loaded per-task entry); ``rows``: the ``[K, P]`` shape of the first loaded
+        state like the rows.
+        """
+        where = f"{owner} state_dict[{key!r}]"
+        return (self._tasks_error(where, owner, value, num_tasks)
+                or self._shape_error(where, owner, value, current, rows)
+                or self._finite_error(where, value))
+
+    def _tasks_error(self, where: str, owner: str, value: Tensor,
+                     num_tasks: int | None) -> str | None:
+        found = self.tasks_in(value)
+        if found is None or num_tasks is None or found == num_tasks:
+            return None
+        return (f"{where} has shape {tuple(value.shape)}, not one entry per task along dim "
+                f"{self.task_dim}: {owner} tracks num_tasks={num_tasks}; load a state saved "
+                f"with the same number of tasks (or call reset() first to drop the tracked one)")
+
+    def _shape_error(self, where: str, owner: str, value: Tensor, current: Tensor | None,
+                     rows: tuple[int, ...] | None) -> str | None:
         shape = self.shape if self.optional else None if current is None else current.shape
-        if shape is not None and tuple(value.shape) != tuple(shape):
-            return (f"{owner} state_dict[{key!r}] has shape {tuple(value.shape)}, expected "
-                    f"{tuple(shape)}; load a state saved by a {owner} built with the same "
-                    f"settings (number of tasks)")
-        return None
+        if self.like_rows and rows is not None:
+            shape = rows
+        if shape is None or tuple(value.shape) == tuple(shape):
+            return None
+        return (f"{where} has shape {tuple(value.shape)}, expected {tuple(shape)}; load a state "
+                f"saved by a {owner} built with the same settings (number of tasks) and used "
+                f"on the same parameters")
+
+    def _finite_error(self, where: str, value: Tensor) -> str | None:
+        if not self.finite or not (value.is_floating_point() or value.is_complex()):
+            return None
+        bad = int((~torch.isfinite(value)).sum())
+        if not bad:
+            return None
+        return (f"{where} holds inf/NaN ({bad} of {value.numel()} entries); the state was "
+                f"saved after a failed step or damaged: load an earlier checkpoint, or call "
+                f"reset() instead")

@@ -33,7 +33,9 @@ Files are written atomically and read safely:
   (``.<name>.<random>.tmp``), flushes it and syncs it to disk (``fsync``), then renames it
   over the target and syncs the folder where the OS allows. A save that raises or is killed
   at any moment leaves the previous checkpoint whole; on an error the temporary file is
-  removed (a killed save may leave one behind, safe to delete).
+  removed (a killed save may leave one behind, safe to delete). A file this process may not
+  write (``chmod 0444``) is refused with ``PermissionError``, as ``torch.save`` refuses it,
+  before anything is written.
 * Everything saved must load back with ``torch.load(weights_only=True)``: tensors and plain
   Python values (dict, list, tuple, set, str, int, float, bool, None, ``torch.dtype``...). A
   value that would not (a NumPy array, an arbitrary object, in ``extra`` or in a
@@ -406,6 +408,7 @@ def _write_atomic(path: str, checkpoint: dict[str, Any]) -> None:
         raise CheckpointError(f"cannot save checkpoint {path}: folder {folder} does not exist")
     if os.path.isdir(target):
         raise CheckpointError(f"cannot save checkpoint {path}: it is a directory")
+    _check_writable(path, target)
     temp = os.path.join(folder, f".{os.path.basename(target)}.{secrets.token_hex(6)}.tmp")
     try:
         _write_synced(temp, checkpoint)
@@ -416,6 +419,21 @@ def _write_atomic(path: str, checkpoint: dict[str, Any]) -> None:
             os.unlink(temp)
         raise
     _sync_folder(folder)
+
+
+def _check_writable(path: str, target: str) -> None:
+    """Raise ``PermissionError`` for an existing file this process may not write, as
+    ``torch.save`` would (the rename could replace it, the user protected it): it is opened
+    for writing, without truncating, and closed."""
+    if not os.path.isfile(target):
+        return
+    try:
+        os.close(os.open(target, os.O_WRONLY | getattr(os, "O_BINARY", 0)))
+    except PermissionError as error:
+        raise PermissionError(
+            error.errno, f"cannot save checkpoint {path}: the file is write-protected "
+            f"({stat.filemode(os.stat(target).st_mode)}); make it writable (chmod u+w) or save "
+            f"to another path", path) from error
 
 
 def _write_synced(temp: str, checkpoint: dict[str, Any]) -> None:

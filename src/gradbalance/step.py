@@ -45,6 +45,7 @@ from ._coverage import (
     sum_backward_,
 )
 from ._sharding import is_sharded
+from ._threads import StepOwner
 from .balancers._base import Balancer
 from .balancers._checks import check_balancer
 from .clip._checks import check_row_clipper
@@ -179,6 +180,7 @@ class TaskGradBuffer:
         self._heads_before: GradSnapshot | None = None  # the heads' .grad before the step
         self._states_before: StateSnapshot | None = None  # balancer, clipper, during apply_
         self._steps = 0  # steps begun; apply_ compares it across the ranks
+        self._owner = StepOwner()  # one thread per step, no concurrent calls
 
     @property
     def mode(self) -> str:
@@ -212,6 +214,14 @@ class TaskGradBuffer:
         anything moves; a failure past the checks drops the step, the heads' ``.grad`` as
         before its first ``backward``.
         """
+        self._owner.enter("backward")
+        try:
+            self._backward(losses, scaler, features)
+        finally:
+            self._owner.exit(self._count > 0)
+
+    def _backward(self, losses: Tensor | Sequence[Tensor], scaler: Any,
+                  features: Tensor | None) -> None:
         vector = as_loss_vector("losses", losses, self.num_tasks)
         if self._count > 0 and scaler is not self._scaler:
             raise ValueError(
@@ -277,16 +287,23 @@ class TaskGradBuffer:
         moves and leaves the step; a failure past the checks drops the step: every
         ``.grad``, the balancer's and ``clip``'s state are as before its first ``backward``.
         """
+        self._owner.enter("apply_")
+        try:
+            return self._apply(balancer, scaler, clip)
+        finally:
+            self._owner.exit(self._count > 0)
+
+    def _apply(self, balancer: Balancer, scaler: Any, clip: RowClipper | None) -> StepStats:
         step = self._checked_step(balancer, scaler, clip)
         try:
             with no_autocast(self.layout.device):
                 if self._reused:
                     stats = self._reused_step.finish(self._cache, step, self.layout.params,
-                                                     self.head_params, self.mode)
+                                                     self.head_params, self.mode, balancer)
                 else:
                     stats = self._engine.apply(balancer, step)
                     if not stats.found_inf:  # a skipped step leaves the cache and the counter
-                        self._cache.refreshed(stats.weights)
+                        self._cache.refreshed(stats.weights, balancer)
         except BaseException:
             self._abort()
             raise
@@ -316,7 +333,9 @@ class TaskGradBuffer:
                 f"update_every={self.update_every} reuses task weights, but "
                 f"{type(balancer).__name__} is not a weighted balancer; use update_every=1"
             )
-        if not self._reused:
+        if self._reused:
+            self._cache.check_balancer(balancer)
+        else:
             self._engine.check_apply(balancer, clip)
         self._check_parameters()
         group = resolve_process_group(self.process_group)
@@ -377,7 +396,11 @@ class TaskGradBuffer:
                 "steps_begun": self._steps}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; works on a freshly built buffer."""
+        """Restore :meth:`state_dict` output; works on a freshly built buffer.
+
+        The cached weights must be ``[K]`` finite numbers, K the buffer's ``num_tasks`` (set
+        from them when not known yet); a refused state raises ``ValueError`` before anything
+        changes."""
         state = dict(state_dict)
         passes = check_saved_passes(state.pop("passes", None))
         route = state.pop("auto_route", None)  # mode="auto"'s decisions
@@ -385,13 +408,15 @@ class TaskGradBuffer:
         if tasks is not None:
             check_int("state_dict['gramian_tasks']", tasks, 1)
         steps = check_int("state_dict['steps_begun']", state.pop("steps_begun", 0), 0)
-        self._cache.load_state_dict(state)  # checks everything before it changes anything
+        self._cache.load_state_dict(state, self.num_tasks)  # checks all, then changes
         engine_state: dict[str, Any] = {} if passes is None else {"passes": passes}
         if route is not None:
             engine_state["auto_route"] = route
         if tasks is not None:
             engine_state["gramian_tasks"] = tasks
         self._engine.load_state_dict(engine_state)
+        if self.num_tasks is None and self._cache.weights is not None:
+            self.num_tasks = self._cache.weights.shape[0]  # backward checks the losses' K
         self._steps = steps  # a state saved before the counter existed resumes at 0
 
     @property
@@ -410,7 +435,9 @@ class TaskGradBuffer:
         return self._engine.matrix if self._count > 0 else None
 
     def reset(self) -> None:
-        """Drop the current step and the cached weights (keeps the buffer's memory)."""
+        """Drop the current step and the cached weights (keeps the buffer's memory); from any
+        thread, not while another thread is inside a call (``RuntimeError``)."""
+        self._owner.drop("reset")
         self._end_step()
         self._cache.reset()
 

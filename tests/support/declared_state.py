@@ -4,7 +4,8 @@ contract suites (balancers, loss weightings) run on every registered class.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -58,3 +59,35 @@ def assert_replaced_not_edited(obj: StateModule, step: Callable[[], object]) -> 
     step()
     for key, (ref, copy) in before.items():
         assert torch.equal(ref, copy), f"{key} was changed in place: assign a new tensor"
+
+
+def resized(value: Tensor, dim: int, change: int) -> Tensor:
+    """``value`` with ``change`` (±1) entries more along ``dim`` (a task more or fewer)."""
+    if change < 0:
+        return value.narrow(dim, 0, value.shape[dim] - 1).clone()
+    return torch.cat([value, value.narrow(dim, 0, 1)], dim=dim)
+
+
+def poisoned(value: Tensor, bad: float, seed: int) -> Tensor:
+    """A copy of ``value`` with one entry, drawn with ``seed``, set to ``bad``."""
+    flat = value.detach().clone().reshape(-1)
+    flat[int(torch.randint(flat.numel(), (), generator=torch.Generator().manual_seed(seed)))] = bad
+    return flat.reshape(value.shape)
+
+
+def damaged_states(obj: StateModule, seed: int) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Copies of ``obj.state_dict()`` with one declared tensor damaged: an inf or NaN entry
+    (floating ones), a task more or fewer along the task dimension (per-task ones)."""
+    state = obj.state_dict()
+    for prefix, module in modules(obj):
+        for name, spec in module.state_specs.items():
+            key, value = prefix + name, state.get(prefix + name)
+            if not isinstance(value, Tensor) or value.numel() == 0:
+                continue
+            if value.is_floating_point():
+                for bad in (float("nan"), float("inf")):
+                    yield f"{key} holds {bad}", {**state, key: poisoned(value, bad, seed)}
+            if spec.task_dim is not None:
+                for change in (-1, 1):
+                    yield (f"{key} with {change:+d} task",
+                           {**state, key: resized(value, spec.task_dim, change)})

@@ -23,7 +23,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._checks import check_matrix, check_norm_type, check_positive_int, check_range
+from .._checks import (
+    check_int,
+    check_matrix,
+    check_norm_type,
+    check_positive_int,
+    check_range,
+)
 from .._statedict import check_keys, tag_state, untag_state
 from .._types import NonFiniteGradientError
 from ._params import params_with_grads
@@ -107,17 +113,55 @@ class _PercentileHistory:
             raise ValueError(
                 f"state_dict lacks {sorted(missing)}; pass the output of {owner}.state_dict()"
             )
-        history = state["history"]
-        if history is not None and (history.dim() != 2 or history.shape[0] != self.history_size):
+        history, threshold = state["history"], state["threshold"]
+        count = check_int("state_dict['count']", state["count"], 0)
+        position = check_int("state_dict['position']", state["position"], 0)
+        self._check_history(history, count, owner)
+        columns = None if history is None else history.shape[1]
+        _check_norms("threshold", threshold, columns, owner)
+        if position != count % self.history_size:
             raise ValueError(
-                f"state_dict history has shape {tuple(history.shape)} but this {owner} keeps "
-                f"history_size={self.history_size} rows; build it with the saved history_size"
+                f"state_dict position={position} does not follow count={count} with "
+                f"history_size={self.history_size}; pass the output of {owner}.state_dict()"
             )
         self.history = None if history is None else history.clone()
-        self.count = int(state["count"])
-        self.position = int(state["position"])
-        threshold = state["threshold"]
+        self.count, self.position = count, position
         self.threshold = None if threshold is None else threshold.clone()
+
+    def _check_history(self, history: Any, count: int, owner: str) -> None:
+        """Raise ``ValueError`` unless ``history`` is finite ``[history_size, C]`` (C: the
+        number of norms this history tracks now, if it tracks any), or None before any."""
+        if history is None:
+            if count:
+                raise ValueError(f"state_dict count={count} but no history; pass the output "
+                                 f"of {owner}.state_dict()")
+            return
+        if not isinstance(history, Tensor) or history.dim() != 2 \
+                or history.shape[0] != self.history_size:
+            shape = tuple(history.shape) if isinstance(history, Tensor) else type(history)
+            raise ValueError(
+                f"state_dict history has shape {shape} but this {owner} keeps "
+                f"history_size={self.history_size} rows; build it with the saved history_size"
+            )
+        tracked = self.history.shape[1] if self.history is not None and self.count else None
+        _check_norms("history", history, tracked, owner)
+
+
+def _check_norms(key: str, value: Any, columns: int | None, owner: str) -> None:
+    """Raise ``ValueError`` unless ``value`` (None, or norms ``[..., C]``) is finite with
+    ``columns`` norms per step (where known)."""
+    if value is None:
+        return
+    if not isinstance(value, Tensor) or not value.is_floating_point() or value.dim() == 0:
+        raise ValueError(f"state_dict[{key!r}] must be a floating tensor of norms, got "
+                         f"{type(value).__name__}; pass the output of {owner}.state_dict()")
+    if columns is not None and value.shape[-1] != columns:
+        raise ValueError(f"state_dict[{key!r}] has {value.shape[-1]} norms per step but "
+                         f"{owner} tracks {columns} (one per task or clipped group); load a "
+                         f"state saved with the same tasks, or call reset() first")
+    if not bool(torch.isfinite(value).all()):
+        raise ValueError(f"state_dict[{key!r}] holds inf/NaN; load an earlier checkpoint, or "
+                         f"call reset() instead")
 
 
 class _AutoBase:

@@ -12,6 +12,7 @@ for inf/NaN there (one host sync), so that ``found_inf`` and the scaler agree on
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,6 +21,7 @@ from torch import Tensor
 
 from .._amp import finite_update, nonfinite_error
 from .._checks import check_int
+from ..balancers._base import Balancer
 from ..stats import StepStats
 from ..taskgrads import TaskRoots
 from ._engine import StepInput, Update, commit
@@ -29,11 +31,14 @@ __all__ = ["ReusedStep", "WeightCache"]
 
 
 class WeightCache:
-    """The cached weights and the step counter of ``update_every``.
+    """The cached weights, the balancer that computed them and the step counter of
+    ``update_every``.
 
     ``step`` counts the finished steps; step ``t`` refreshes when ``t % T == 0`` or no weights
     are cached. A refresh step that found inf/NaN stores nothing and does not advance, so the
-    next step refreshes again.
+    next step refreshes again. A step that reuses the weights takes the balancer that computed
+    them, never another object while that one is alive (after a load, or once it is garbage
+    collected, the first one given takes over).
     """
 
     def __init__(self, update_every: int = 1) -> None:
@@ -41,6 +46,7 @@ class WeightCache:
                                       "; 1 recomputes the weights every step")
         self.step = 0
         self.weights: Tensor | None = None
+        self._owner: weakref.ref[Balancer] | None = None
 
     @property
     def active(self) -> bool:
@@ -50,13 +56,26 @@ class WeightCache:
         """True when this step reuses the cached weights."""
         return self.active and self.weights is not None and self.step % self.update_every != 0
 
-    def refreshed(self, weights: Tensor | None) -> None:
-        """A refresh step finished with finite gradients and these weights."""
+    def check_balancer(self, balancer: Balancer) -> None:
+        """Raise ``ValueError`` when a reuse step gets another balancer than the weights'."""
+        owner = None if self._owner is None else self._owner()
+        if owner is not None and owner is not balancer:
+            raise ValueError(
+                f"balancer is another object than the {type(owner).__name__} "
+                f"whose weights update_every={self.update_every} reuses until step "
+                f"{self.step + self.update_every - self.step % self.update_every}; pass the "
+                f"same balancer object every step (or call reset() to start a new window)"
+            )
+
+    def refreshed(self, weights: Tensor | None, balancer: Balancer) -> None:
+        """A refresh step of ``balancer`` finished with finite gradients and these weights."""
         if self.active:
             self.weights = None if weights is None else weights.detach().clone()
+            self._owner = weakref.ref(balancer)
         self.step += 1
 
-    def reused(self) -> None:
+    def reused(self, balancer: Balancer) -> None:
+        self._owner = weakref.ref(balancer)
         self.step += 1
 
     def state_dict(self) -> dict[str, Any]:
@@ -66,7 +85,9 @@ class WeightCache:
             "weights": None if self.weights is None else self.weights.clone(),
         }
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any], num_tasks: int | None) -> None:
+        """Restore :meth:`state_dict` output, checked first (``num_tasks``: the buffer's K,
+        None if not known yet)."""
         missing = {"update_every", "step", "weights"} - set(state_dict)
         if missing:
             raise ValueError(
@@ -78,13 +99,39 @@ class WeightCache:
                 f"Invalid state_dict: update_every={state_dict['update_every']} but this buffer "
                 f"has update_every={self.update_every}; build it with the saved value"
             )
+        step = check_int("state_dict['step']", state_dict["step"], 0)
         weights = state_dict["weights"]
-        self.step = int(state_dict["step"])
-        self.weights = None if weights is None else torch.as_tensor(weights).clone()
+        if weights is not None:
+            check_cached_weights(weights, num_tasks)
+        self.step = step
+        self.weights = None if weights is None else weights.detach().clone()
+        self._owner = None
 
     def reset(self) -> None:
         self.step = 0
         self.weights = None
+        self._owner = None
+
+
+def check_cached_weights(weights: Any, num_tasks: int | None) -> None:
+    """Raise ``ValueError`` unless ``weights`` are K finite floating numbers ``[K]``."""
+    if not isinstance(weights, Tensor) or not weights.is_floating_point() \
+            or weights.dim() != 1 or weights.numel() == 0:
+        shape = tuple(weights.shape) if isinstance(weights, Tensor) else type(weights).__name__
+        raise ValueError(
+            f"Invalid state_dict['weights']: {shape} (expected a floating tensor [K] of the "
+            f"task weights); pass the output of TaskGradBuffer.state_dict()"
+        )
+    if num_tasks is not None and weights.shape[0] != num_tasks:
+        raise ValueError(
+            f"Invalid state_dict['weights']: {weights.shape[0]} task weights but this buffer "
+            f"has num_tasks={num_tasks}; load a state saved with the same tasks"
+        )
+    if not bool(torch.isfinite(weights).all()):
+        raise ValueError(
+            f"Invalid state_dict['weights']: {weights.tolist()} holds inf/NaN; load an earlier "
+            f"checkpoint, or drop 'weights' (None) so that the next step recomputes them"
+        )
 
 
 class ReusedStep:
@@ -102,7 +149,7 @@ class ReusedStep:
         self.held = self.columns.reused_backward(weights, roots, head_params, self.held)
 
     def finish(self, cache: WeightCache, step: StepInput, shared: Sequence[Tensor],
-               head_params: Sequence[Tensor], mode: str) -> StepStats:
+               head_params: Sequence[Tensor], mode: str, balancer: Balancer) -> StepStats:
         """Average over the ranks, check (one host sync), write; no task gradient to report.
 
         Inf/NaN in the update (or, with a scaler, in a head's ``.grad``): without a scaler
@@ -113,14 +160,14 @@ class ReusedStep:
         held, self.held = self.held, None
         update, losses = self.columns.reused_update(held, step.losses, head_params,
                                                     step.group)
-        return commit_reused(update, cache, step, losses, head_params, mode)
+        return commit_reused(update, cache, step, losses, head_params, mode, balancer)
 
     def clear(self) -> None:
         self.held = None
 
 
 def commit_reused(update: Update, cache: WeightCache, step: StepInput, losses: Tensor,
-                  head_params: Sequence[Tensor], mode: str) -> StepStats:
+                  head_params: Sequence[Tensor], mode: str, balancer: Balancer) -> StepStats:
     """A reused-weight step's end, whatever holds its update: check it (one host sync, agreed
     over the ranks; a non-finite step without a scaler raises before anything is written),
     then write it and count the reuse if it was finite."""
@@ -134,5 +181,5 @@ def commit_reused(update: Update, cache: WeightCache, step: StepInput, losses: T
                       weights_reused=True)
     commit(update, head_params, finite)
     if finite:
-        cache.reused()
+        cache.reused(balancer)
     return stats

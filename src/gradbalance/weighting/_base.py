@@ -50,6 +50,7 @@ def check_optimizer_state(make: Callable[[Tensor], torch.optim.Optimizer], param
     """Raise ``ValueError`` unless ``state`` loads into an optimizer like ``owner``'s own.
 
     Loaded into a scratch optimizer built on a copy of ``param``: nothing of ``owner`` moves.
+    Its moments must have ``param``'s shape (one entry per task) and be finite.
     """
     if not isinstance(state, dict):
         raise ValueError(f"state_dict lacks 'optimizer' (the state of {owner}'s own "
@@ -60,6 +61,24 @@ def check_optimizer_state(make: Callable[[Tensor], torch.optim.Optimizer], param
     except (ValueError, KeyError, TypeError, RuntimeError) as error:
         raise ValueError(f"state_dict['optimizer'] does not load into {owner}'s optimizer "
                          f"({error}); was it saved with another optimizer?") from error
+    for entries in scratch.state.values():
+        for key, value in entries.items():
+            _check_moment(owner, key, value, param)
+
+
+def _check_moment(owner: str, key: str, value: Any, param: Tensor) -> None:
+    """Raise ``ValueError`` for an optimizer state entry of another shape than ``param``'s
+    (another number of tasks) or holding inf/NaN."""
+    if not isinstance(value, Tensor):
+        return
+    if value.dim() > 0 and value.shape != param.shape:
+        raise ValueError(f"state_dict['optimizer'] holds {key!r} of shape {tuple(value.shape)} "
+                         f"but {owner} trains {tuple(param.shape)} (one entry per task); load "
+                         f"a state saved with the same number of tasks")
+    if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+        raise ValueError(f"state_dict['optimizer'][{key!r}] holds inf/NaN; the state was saved "
+                         f"after a failed step or damaged: load an earlier checkpoint, or call "
+                         f"reset() instead")
 
 
 def _as_flag(found_inf: bool | Tensor) -> bool:

@@ -26,6 +26,7 @@ from support.declared_state import (
     assert_every_tensor_declared,
     assert_replaced_not_edited,
     assert_task_sized_state_declared,
+    damaged_states,
     task_shapes,
 )
 from support.loop_state import assert_same_state
@@ -294,6 +295,49 @@ def test_stateful_balancer_rejects_a_new_task_count(name: str) -> None:
         pytest.skip("no per-task state")
     with pytest.raises(ValueError):
         run(b, 1, k=K + 2)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_damaged_state_is_refused_and_nothing_moves(name: str, seed: int) -> None:
+    """A state tensor with inf/NaN or another number of tasks is refused by the load; the
+    balancer keeps its state and its next update."""
+    a, twin = make(name, seed=seed), make(name, seed=seed)
+    for step in range(2):
+        run(a, seed + step)
+        run(twin, seed + step)
+    before = snapshot(a)
+    damages = list(damaged_states(a, seed))
+    if not damages:
+        pytest.skip("no declared state tensor")
+    for label, state in damages:
+        with pytest.raises(ValueError, match=r"inf/NaN|task|shape"):
+            a.load_state_dict(state)
+        assert_same_state(snapshot(a), before, label)
+    assert torch.equal(run(a, 7), run(twin, 7))
+
+
+@pytest.mark.parametrize("extra", [1, 2])
+@pytest.mark.parametrize("built_with_k", [True, False])
+def test_state_of_another_task_count_is_refused(name: str, extra: int,
+                                                built_with_k: bool) -> None:
+    """A balancer that tracks K tasks (its setting, or its state from earlier calls) refuses a
+    whole state saved with K + extra tasks, and keeps its own."""
+    if make(name).min_tasks > K:
+        pytest.skip("needs more tasks")
+    if not built_with_k and not takes_num_tasks(name):
+        pytest.skip("K is fixed at construction")
+    saver = make(name, k=K + extra)
+    run(saver, 0, k=K + extra)
+    saved = snapshot(saver)
+    if not any(spec.task_dim is not None and isinstance(saved.get(key), Tensor)
+               for key, spec in saver.state_specs.items()):
+        pytest.skip("no per-task state")
+    a = make(name, k=K if built_with_k else None)
+    run(a, 0)
+    before = snapshot(a)
+    with pytest.raises(ValueError, match=r"num_tasks|shape"):
+        a.load_state_dict(saved)
+    assert_same_state(snapshot(a), before)
 
 
 def test_weighted_combine_is_weights_times_rows(name: str) -> None:

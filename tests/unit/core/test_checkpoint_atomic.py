@@ -445,3 +445,59 @@ def test_a_successful_restore_loads_everything(tmp_path: Path) -> None:
     fresh = _run_objects(seed=1)
     assert load_checkpoint(tmp_path / "a.pt", **fresh)["step"] == 7
     assert_same_state(_states(fresh), _states(saved))
+
+
+# -- a write-protected checkpoint is refused like torch.save refuses it --------------------
+
+
+def _outcome(save: Any, path: Path, mode: int) -> tuple[str, bool, int]:
+    """Write a previous file with ``mode``, call ``save(path)``: what happened, whether the
+    previous bytes are still there, the file's mode after."""
+    path.write_bytes(b"previous")
+    path.chmod(mode)
+    try:
+        save(path)
+        outcome = "saved"
+    except PermissionError:
+        outcome = "PermissionError"
+    kept = path.read_bytes() == b"previous"
+    final = path.stat().st_mode & 0o777
+    path.chmod(0o600)
+    return outcome, kept, final
+
+
+@pytest.mark.parametrize("mode", [0o444, 0o400, 0o555, 0o644, 0o600])
+def test_a_protected_checkpoint_is_treated_as_torch_save_treats_it(tmp_path: Path,
+                                                                   mode: int) -> None:
+    """Whatever this process may write (root writes any file), save_checkpoint refuses
+    exactly the files torch.save refuses, keeping them whole, and keeps a replaced file's
+    mode."""
+    ours = _outcome(lambda p: save_checkpoint(p, step=2, rng=False), tmp_path / "ours.pt", mode)
+    theirs = _outcome(lambda p: torch.save({"step": 2}, p), tmp_path / "torch.pt", mode)
+    assert ours == theirs
+    _only(tmp_path, "ours.pt", "torch.pt")
+
+
+@pytest.mark.parametrize("mode", [0o444, 0o400, 0o555])
+@pytest.mark.parametrize("size", [0, 3, 1000])
+def test_a_write_protected_checkpoint_is_refused_and_kept(tmp_path: Path, monkeypatch,
+                                                          mode: int, size: int) -> None:
+    """The OS refuses to open the file for writing (as for any user but root on a 0444
+    file): PermissionError naming the fix, the previous file whole, no temporary file."""
+    target = tmp_path / "run.pt"
+    _save(target, 1)
+    target.chmod(mode)
+    real_open = os.open
+
+    def refusing_open(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if os.fspath(path) == str(target) and flags & (os.O_WRONLY | os.O_RDWR):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refusing_open)
+    with pytest.raises(PermissionError, match=r"write-protected.*chmod u\+w"):
+        save_checkpoint(target, step=2, rng=False, extra={"w": torch.zeros(size)})
+    monkeypatch.undo()
+    target.chmod(0o600)
+    _assert_whole(target, 1)
+    _only(tmp_path, "run.pt")

@@ -37,7 +37,7 @@ GRAPH = import_graph(SOURCES)
 #: The layer table of docs/ARCHITECTURE.md, bottom first: files, or whole subpackages ("x/").
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("_types.py", "_version.py", "_optional.py", "_pickling.py", "_registry.py",
-     "_statedict.py", "_checks.py", "_state_spec.py", "_module.py"),
+     "_statedict.py", "_checks.py", "_state_spec.py", "_module.py", "_threads.py"),
     ("gramian.py", "_shard.py", "stats.py", "_roots.py", "_graph.py", "_coverage.py",
      "_sinks.py", "taskgrads.py"),
     ("balancers/",),

@@ -119,10 +119,11 @@ def test_reused_steps_keep_no_records() -> None:
     buf = TaskGradBuffer(model.shared_parameters(), model.head_parameters(), mode="gramian",
                          modules=model.trunk, update_every=4)
     recorder = buf._engine.recorder
+    balancer = make_balancer("mgda")  # one object: a reuse step refuses another
     for _ in range(3):
         for part in (slice(0, 4), slice(4, 8)):
             buf.backward(regression_losses(model(x[part]), y[part]) / 2)
-        buf.apply_(make_balancer("mgda"))
+        buf.apply_(balancer)
         assert all(not block.calls and block.rows is None for block in recorder.blocks)
 
 

@@ -18,6 +18,9 @@ from support.declared_state import (
     assert_every_tensor_declared,
     assert_replaced_not_edited,
     assert_task_sized_state_declared,
+    damaged_states,
+    poisoned,
+    resized,
     task_shapes,
 )
 from support.weighting import K, Tiny, assert_states_equal, data, make, train_step, user_optimizer
@@ -236,3 +239,41 @@ def test_pending_tensors_hold_all_that_update_reads(name: str) -> None:
     assert wa.update(*after) and wb.update(*after)
     assert_states_equal(wa.state_dict(), wb.state_dict())
     assert wa.pending_tensors() == []
+
+
+def _damaged_moments(w: LossWeighting, seed: int) -> list[tuple[str, dict]]:
+    """Copies of ``w.state_dict()`` with one moment of its own optimizer damaged (inf/NaN, a
+    task more or fewer)."""
+    state = w.state_dict()
+    extra = state["_extra_state"]
+    moments = extra.get("optimizer", {"state": {}})["state"]
+    out = []
+    for index, entries in moments.items():
+        for key, value in entries.items():
+            if not isinstance(value, Tensor) or value.dim() == 0:
+                continue
+            for label, bad in (("nan", poisoned(value, float("nan"), seed)),
+                               ("K+1", resized(value, 0, 1)), ("K-1", resized(value, 0, -1))):
+                opt = copy.deepcopy(extra["optimizer"])
+                opt["state"][index][key] = bad
+                out.append((f"optimizer {key} {label}",
+                            {**state, "_extra_state": {**extra, "optimizer": opt}}))
+    return out
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_damaged_state_is_refused_and_nothing_moves(name: str, seed: int) -> None:
+    """A state tensor (or an optimizer moment) with inf/NaN or another number of tasks is
+    refused by the load; the weighting keeps its state."""
+    w, step = _stepper(name)
+    for _ in range(2 + seed):
+        step()
+    before = w.state_dict()
+    damages = [*damaged_states(w, seed), *_damaged_moments(w, seed)]
+    if not damages:
+        pytest.skip("no state tensor")
+    for _, state in damages:
+        with pytest.raises(ValueError, match=r"inf/NaN|task|shape"):
+            w.load_state_dict(state)
+        assert_states_equal(before, w.state_dict())
