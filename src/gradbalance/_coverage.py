@@ -94,13 +94,28 @@ class Coverage:
 
     def __init__(self, shared: Sequence[Tensor], heads: Sequence[Tensor],
                  other_params: OtherParams, modules: Any = None) -> None:
-        self.known = {id(p) for p in shared} | {id(p) for p in heads}
-        self.shared_ids = {id(p) for p in shared}
+        self.shared, self.heads = list(shared), list(heads)
         self.other_params = other_params
-        self.names = _module_names(modules)
+        self.modules = modules
+        self._index()
+
+    def _index(self) -> None:
+        """The id-keyed look-ups, rebuilt in every process: ids do not survive a pickle
+        (``mp.spawn``, Lightning's ``ddp_spawn``) or a copy."""
+        self.known = {id(p) for p in self.shared} | {id(p) for p in self.heads}
+        self.shared_ids = {id(p) for p in self.shared}
+        self.names = _module_names(self.modules)
         self._reached: frozenset[int] | None = None  # the leaf ids of the last decision
         self.others: list[Tensor] = []  # reached leaves in neither list ("sum")
         self.shared_reached: set[int] = set()  # this step's, for the post-accumulate hooks
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"shared": self.shared, "heads": self.heads, "other_params": self.other_params,
+                "modules": self.modules}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._index()
 
     def check(self, vector: Tensor) -> list[Tensor]:
         """Raise (nothing moved) on a reentrant checkpoint or, with ``"raise"``, on a
