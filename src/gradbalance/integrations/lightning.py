@@ -105,10 +105,6 @@ class BalancedManualStep(nn.Module):
         super().__init__()
         check_int("accumulate_grad_batches", accumulate_grad_batches, 1,
                   ", the number of batches per optimizer step")
-        # Under Lightning's ddp_spawn the losses' graph reaches the parameters through
-        # objects the coverage walk does not match with the lists, so the Lightning step
-        # keeps the earlier behaviour unless asked (docs/integrations.md).
-        buffer_kwargs.setdefault("other_params", "ignore")
         buffer = TaskGradBuffer(
             shared_params, head_params, num_tasks=balancer.num_tasks, passes=passes,
             process_group=process_group, **buffer_kwargs,
