@@ -205,3 +205,34 @@ def test_post_accumulate_grad_hooks_fire_after_the_write(mode: str, update_every
         net.zero_grad()
         ref.zero_grad()
         x = x + step
+
+
+class _PickledNet(torch.nn.Module):
+    """A model that holds its own buffer, as Lightning's module holds the step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = torch.nn.Linear(3, 4)
+        self.heads = torch.nn.ModuleList([torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)])
+        self.scale = torch.nn.Parameter(torch.ones(()))
+        self.buf = TaskGradBuffer(list(self.trunk.parameters()), list(self.heads.parameters()))
+
+
+@pytest.mark.parametrize("copy_with", ["pickle", "deepcopy"])
+def test_the_check_survives_a_pickle_or_a_copy(copy_with: str) -> None:
+    """Ids do not survive ``mp.spawn`` (Lightning's ``ddp_spawn``) or a copy: the copied
+    buffer must still accept its own parameters and still refuse a leaf in neither list."""
+    import copy as copy_module
+    import pickle
+
+    net = _PickledNet()
+    net = (pickle.loads(pickle.dumps(net)) if copy_with == "pickle"
+           else copy_module.deepcopy(net))
+    x = torch.randn(5, 3)
+    feats = net.trunk(x)
+    net.buf.backward(torch.stack([h(feats).pow(2).mean() for h in net.heads]))
+    net.buf.apply_(Sum())
+    assert net.trunk.weight.grad is not None
+    feats = net.trunk(x) * net.scale  # a leaf in neither list
+    with pytest.raises(ValueError, match="neither shared_params nor head_params"):
+        net.buf.backward(torch.stack([h(feats).pow(2).mean() for h in net.heads]))
