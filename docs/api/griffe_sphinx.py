@@ -8,8 +8,13 @@ Loaded by mkdocstrings (``extensions`` in mkdocs.yml); it changes only what is r
   up in the scope of the docstring's object, then in each enclosing scope, as Sphinx does.
 * reST's ``::`` before a literal block becomes ``:`` (the indented block is Markdown's code
   block).
+* A doctest (lines from ``>>>`` to the next blank line) becomes a fenced ``pycon`` code block,
+  so that an ``Example:`` section renders as code, not as nested quotes.
 * ``#:`` comments above a module-level constant become its docstring, as Sphinx's autodoc
   reads them.
+* A registry filled at import (``BALANCERS: dict[str, type[...]] = {}`` then ``register``)
+  shows its contents: the module is imported at build time and its names and classes are
+  listed under the docstring.
 * Members of a class without a docstring (instance attributes, overrides such as
   ``__repr__``) are left out; ``__call__`` stays, its signature is the interface, and so
   does ``__init__``, merged into the class.
@@ -17,6 +22,7 @@ Loaded by mkdocstrings (``extensions`` in mkdocs.yml); it changes only what is r
 
 from __future__ import annotations
 
+import importlib
 import re
 from typing import Any
 
@@ -63,8 +69,26 @@ def _resolve(scope: Object, target: str) -> str:
     return target
 
 
+def _fence_doctests(text: str) -> str:
+    """``text`` with each doctest block wrapped in a fenced ``pycon`` block at its indent."""
+    out: list[str] = []
+    indent: str | None = None
+    for line in text.split("\n"):
+        stripped = line.lstrip()
+        if indent is None and stripped.startswith(">>>"):
+            indent = line[: len(line) - len(stripped)]
+            out.append(f"{indent}```pycon")
+        elif indent is not None and not stripped:
+            out.append(f"{indent}```")
+            indent = None
+        out.append(line)
+    if indent is not None:
+        out.append(f"{indent}```")
+    return "\n".join(out)
+
+
 def rewrite(text: str, scope: Object) -> str:
-    """``text`` with its roles as optional autorefs and ``::`` before a block as ``:``."""
+    """``text`` with its roles as optional autorefs, ``::`` as ``:``, doctests fenced."""
 
     def link(match: re.Match[str]) -> str:
         target = match["target"]
@@ -72,7 +96,7 @@ def rewrite(text: str, scope: Object) -> str:
         identifier = _resolve(scope, target)
         return f'<autoref identifier="{identifier}" optional>`{shown}`</autoref>'
 
-    return _LITERAL_BLOCK.sub(":\n", _ROLE.sub(link, text))
+    return _fence_doctests(_LITERAL_BLOCK.sub(":\n", _ROLE.sub(link, text)))
 
 
 def _comment_docstring(attr: Object) -> Docstring | None:
@@ -90,6 +114,19 @@ def _comment_docstring(attr: Object) -> Docstring | None:
     return Docstring("\n".join(found), lineno=index + 2, parent=attr)
 
 
+def _registry_contents(attr: Object) -> str | None:
+    """The names and classes of a registry filled at import, as a Markdown list, else None."""
+    annotation = str(attr.annotation or "")
+    if str(attr.value) != "{}" or not annotation.startswith("dict[str, type["):
+        return None
+    registry = getattr(importlib.import_module(attr.module.path), attr.name)
+    rows = [
+        f"- `{name}`: [`{cls.__name__}`][{cls.__module__.split('._')[0]}.{cls.__name__}]"
+        for name, cls in sorted(registry.items())
+    ]
+    return "Contents:\n\n" + "\n".join(rows)
+
+
 class SphinxStyle(Extension):
     """Apply the rules of the module docstring to every object of the loaded package."""
 
@@ -104,6 +141,10 @@ class SphinxStyle(Extension):
             if obj.is_attribute and obj.docstring is None and obj.parent is not None \
                     and obj.parent.is_module:
                 obj.docstring = _comment_docstring(obj)
+            contents = _registry_contents(obj) if obj.is_attribute else None
+            if contents is not None and obj.docstring is not None:
+                obj.docstring.value += "\n\n" + contents
+                obj.value = None  # not the empty dict of the source line
             if obj.docstring is not None:
                 obj.docstring.value = rewrite(obj.docstring.value, obj)
         # Last, so that the roles above could still be resolved against these members.
