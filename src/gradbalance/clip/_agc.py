@@ -1,22 +1,8 @@
-"""Adaptive gradient clipping (AGC), unit-wise, from NFNets.
-
-Brock, De, Smith, Simonyan (2021), "High-Performance Large-Scale Image Recognition Without
-Normalization", ICML, arXiv:2102.06171, eq. 3. For every unit i (a row of a weight: one output
-unit of a linear or conv layer; a whole vector for biases and gains):
-
-    ‖Wᵢ‖* = max(‖Wᵢ‖, eps)
-    Gᵢ ← clip_factor · ‖Wᵢ‖* / ‖Gᵢ‖ · Gᵢ     if ‖Gᵢ‖ / ‖Wᵢ‖* > clip_factor, else Gᵢ
-
-Norms are Frobenius over every dimension but the first (dimension 0 is the output unit). The
-paper does not clip the final classifier layer: pass it as ``exclude``. Paper defaults:
-``eps = 1e-3``; ``clip_factor`` 0.01 for large batches (the paper tunes it with batch size).
-Under AMP call it after ``scaler.unscale_(optimizer)``.
-"""
+"""Adaptive gradient clipping (AGC), unit-wise, from NFNets (docs/loop.md, "Clipping")."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -41,17 +27,22 @@ def unitwise_norm(x: Tensor) -> Tensor:
     return norm
 
 
-def adaptive_clip_grad_(
-    parameters: Iterable[Tensor] | Tensor,
-    clip_factor: float = 0.01,
-    eps: float = 1e-3,
-    exclude: Iterable[Tensor] = (),
-    error_if_nonfinite: bool = False,
-) -> Tensor:
+def adaptive_clip_grad_(parameters: Iterable[Tensor] | Tensor, clip_factor: float = 0.01,
+                        eps: float = 1e-3, exclude: Iterable[Tensor] = (),
+                        error_if_nonfinite: bool = False) -> Tensor:
     """Unit-wise AGC of every ``.grad`` in ``parameters`` (in place); returns the pre-clip norm.
 
-    The returned value is the total 2-norm of all gradients given (excluded ones included),
-    as ``clip_grad_norm_`` returns it, for logging.
+    Brock, De, Smith, Simonyan (2021), "High-Performance Large-Scale Image Recognition Without
+    Normalization", ICML, arXiv:2102.06171, eq. 3. For every unit i (a row of a weight: one
+    output unit of a linear or conv layer, norms over the other dimensions; a whole bias or
+    gain vector)::
+
+        ‖Wᵢ‖* = max(‖Wᵢ‖, eps),   Gᵢ ← λ · ‖Wᵢ‖* / ‖Gᵢ‖ · Gᵢ   if ‖Gᵢ‖ / ‖Wᵢ‖* > λ = clip_factor
+
+    The paper leaves the final classifier layer unclipped (pass it as ``exclude``) and uses
+    ``eps = 1e-3``, ``clip_factor`` 0.01 for large batches. Under AMP call it after
+    ``scaler.unscale_(optimizer)``. The returned value is the total 2-norm of all gradients
+    given (excluded ones included), as ``clip_grad_norm_`` returns it, for logging.
     """
     check_positive("clip_factor", clip_factor)
     eps = check_positive("eps", eps, allow_zero=True, hint=", e.g. 1e-3")
@@ -85,7 +76,8 @@ def adaptive_clip_grad_(
 
 
 class AGC(_Stateless):
-    """Adaptive gradient clipping as an object: ``AGC(0.01, exclude=head)(model.parameters())``.
+    """Adaptive gradient clipping (:func:`adaptive_clip_grad_`, Brock et al. 2021) as an
+    object: ``AGC(0.01, exclude=head)(model.parameters())``.
 
     Args:
         clip_factor: λ, the largest allowed ratio ‖Gᵢ‖ / max(‖Wᵢ‖, eps).
@@ -105,9 +97,6 @@ class AGC(_Stateless):
     def __call__(self, parameters: Iterable[Tensor] | Tensor) -> Tensor:
         return adaptive_clip_grad_(parameters, self.clip_factor, self.eps, self.exclude,
                                    self.error_if_nonfinite)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
 
     def __repr__(self) -> str:
         return (f"AGC(clip_factor={self.clip_factor}, eps={self.eps}, "
