@@ -9,17 +9,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._checks import (
-    check_int,
-    check_matrix,
-    check_norm_type,
-    check_positive_int,
-    check_range,
-)
+from .._checks import check_int, check_matrix, check_norm_type, check_positive_int, check_range
 from .._statedict import check_keys, tag_state, untag_state
 from .._types import NonFiniteGradientError
 from ._params import params_with_grads
-from ._task import _EPS, row_norms
+from ._task import norm_clip_coefficients, row_norms
 
 __all__ = ["AutoClip", "TaskAutoClip", "suggest_max_norm"]
 
@@ -102,7 +96,7 @@ class _AutoBase:
         self._count += 1
         filled = self._ring[: min(self._count, self.history_size)]
         self.threshold = torch.quantile(filled, self.percentile / 100, dim=0)
-        return (self.threshold / (values + _EPS)).clamp(max=1.0)
+        return norm_clip_coefficients(values, self.threshold)
 
     def state_dict(self) -> dict[str, Any]:
         return tag_state(self, {

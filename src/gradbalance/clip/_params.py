@@ -21,13 +21,9 @@ def check_leaves(name: str, params: list[Tensor]) -> None:
 
 
 def params_with_grads(parameters: Iterable[Tensor] | Tensor) -> list[Tensor]:
-    """The parameters whose ``.grad`` is set, in order.
-
-    A tensor that neither has a ``.grad`` nor requires grad is not a parameter: typically the
-    gradients themselves were passed, and clipping would silently do nothing (a known failure
-    of ``clip_grads_with_norm_``-style helpers). A non-leaf tensor (``w * 2``) never gets a
-    ``.grad`` either. Both raise instead.
-    """
+    """The parameters whose ``.grad`` is set, in order; ``ValueError`` for a non-leaf tensor
+    or one with neither ``.grad`` nor ``requires_grad`` (typically the gradients themselves),
+    which clipping would silently skip."""
     if isinstance(parameters, Tensor):
         parameters = [parameters]
     params = list(parameters)
