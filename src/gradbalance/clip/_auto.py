@@ -47,6 +47,9 @@ class _AutoBase:
     """The percentile threshold: a ring of the last ``history_size`` healthy norm sets ``[C]``
     (float64); a non-finite set is not recorded and clips nothing."""
 
+    #: The norms per step (C), where fixed by the class (None: set by the first call).
+    _columns: int | None = None
+
     def __init__(self, percentile: float = 10.0, history_size: int = 1000,
                  norm_type: float = 2.0, error_if_nonfinite: bool = False) -> None:
         self.history_size = check_positive_int("history_size", history_size, ", e.g. 1000")
@@ -120,8 +123,16 @@ class _AutoBase:
         count = check_int("state_dict['count']", state["count"], 0)
         position = check_int("state_dict['position']", state["position"], 0)
         ring, threshold = state["history"], state["threshold"]
-        self._check_ring(ring, count)
-        _check_norms("threshold", threshold, None if ring is None else ring.shape[1], name)
+        if ring is None or threshold is None:
+            if ring is not None or threshold is not None or count:
+                raise ValueError(
+                    f"state_dict has count={count}, history and threshold not all unset (before "
+                    f"any norm) nor all set; pass the output of {name}.state_dict()"
+                )
+        else:
+            tracked = self._ring.shape[1] if self._ring is not None and self._count else None
+            self._check_saved("history", ring, (self.history_size, self._columns or tracked))
+            self._check_saved("threshold", threshold, (ring.shape[1],))
         if position != count % self.history_size:
             raise ValueError(
                 f"state_dict position={position} does not follow count={count} with "
@@ -131,44 +142,29 @@ class _AutoBase:
         self._count, self._position = count, position
         self.threshold = None if threshold is None else threshold.clone()
 
-    def _check_ring(self, ring: Any, count: int) -> None:
-        """``ValueError`` unless the saved history is None (before any norm) or finite
-        ``[history_size, C]``, C the number of norms tracked now (if any)."""
+    def _check_saved(self, key: str, value: Any, shape: tuple[int | None, ...]) -> None:
+        """``ValueError`` unless ``value`` is a finite floating tensor of ``shape`` (None: any
+        size)."""
         name = type(self).__name__
-        if ring is None:
-            if count:
-                raise ValueError(f"state_dict count={count} but no history; pass the output "
-                                 f"of {name}.state_dict()")
-            return
-        if not isinstance(ring, Tensor) or ring.dim() != 2 or ring.shape[0] != self.history_size:
-            shape = tuple(ring.shape) if isinstance(ring, Tensor) else type(ring)
+        if not isinstance(value, Tensor) or not value.is_floating_point():
+            raise ValueError(f"state_dict[{key!r}] must be a floating tensor of norms, got "
+                             f"{type(value).__name__}; pass the output of {name}.state_dict()")
+        if value.dim() != len(shape) or any(
+                n is not None and n != m for n, m in zip(shape, value.shape)):
+            expected = tuple("C" if n is None else n for n in shape)
             raise ValueError(
-                f"state_dict history has shape {shape} but this {name} keeps "
-                f"history_size={self.history_size} rows; build it with the saved history_size"
+                f"state_dict[{key!r}] has shape {tuple(value.shape)}, expected {expected} (this "
+                f"{name} keeps history_size={self.history_size} steps of C norms, one per task "
+                f"or clipped group); load a state saved with the same history_size and tasks, "
+                f"or call reset() first"
             )
-        tracked = self._ring.shape[1] if self._ring is not None and self._count else None
-        _check_norms("history", ring, tracked, name)
+        if not bool(torch.isfinite(value).all()):
+            raise ValueError(f"state_dict[{key!r}] holds inf/NaN; load an earlier checkpoint, "
+                             f"or call reset() instead")
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(percentile={self.percentile}, "
                 f"history_size={self.history_size}, norm_type={self.norm_type})")
-
-
-def _check_norms(key: str, value: Any, columns: int | None, owner: str) -> None:
-    """``ValueError`` unless ``value`` is None or finite floating norms ``[..., C]`` with
-    ``columns`` norms per step (where known)."""
-    if value is None:
-        return
-    if not isinstance(value, Tensor) or not value.is_floating_point() or value.dim() == 0:
-        raise ValueError(f"state_dict[{key!r}] must be a floating tensor of norms, got "
-                         f"{type(value).__name__}; pass the output of {owner}.state_dict()")
-    if columns is not None and value.shape[-1] != columns:
-        raise ValueError(f"state_dict[{key!r}] has {value.shape[-1]} norms per step but "
-                         f"{owner} tracks {columns} (one per task or clipped group); load a "
-                         f"state saved with the same tasks, or call reset() first")
-    if not bool(torch.isfinite(value).all()):
-        raise ValueError(f"state_dict[{key!r}] holds inf/NaN; load an earlier checkpoint, or "
-                         f"call reset() instead")
 
 
 class AutoClip(_AutoBase):
@@ -204,6 +200,8 @@ class AutoClip(_AutoBase):
         >>> clip([w]), w.grad  # threshold min(0.5, 10): clipped to norm 0.5
         (tensor(10.), tensor([0.3000, 0.4000]))
     """
+
+    _columns = 1  # the total norm
 
     def __call__(self, parameters: Iterable[Tensor] | Tensor) -> Tensor:
         grads = [p.grad for p in params_with_grads(parameters) if p.grad is not None]

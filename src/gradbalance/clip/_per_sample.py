@@ -25,7 +25,7 @@ from .._types import NonFiniteGradientError
 from ..balancers._rng import private_generator
 from ._per_sample_func import per_sample_grad_norms_of_model
 from ._per_sample_graph import _check_losses, per_sample_grad_norms
-from ._task import norm_clip_coefficients
+from ._task import check_dict, norm_clip_coefficients
 
 __all__ = ["PerSampleClip"]
 
@@ -172,9 +172,22 @@ class PerSampleClip(PicklableGenerators):
         return {"generator": self.generator.get_state().clone()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        check_keys(type(self).__name__, state_dict, ["generator"], kind="clipper")
-        if "generator" in state_dict:
-            self.generator.set_state(state_dict["generator"].clone())
+        """Restore :meth:`state_dict` output; ``ValueError``, the generator unchanged, for other
+        keys or a state this generator cannot take."""
+        name = type(self).__name__
+        check_dict(name, state_dict)
+        check_keys(name, state_dict, ["generator"], kind="clipper")
+        if "generator" not in state_dict:
+            raise ValueError(f"{name} state_dict lacks 'generator'; pass the output of "
+                             f"{name}.state_dict()")
+        saved = state_dict["generator"]
+        try:  # torch's own checks, on a scratch generator
+            torch.Generator(self.generator.device).set_state(saved)
+        except (TypeError, RuntimeError) as error:
+            raise ValueError(f"{name} state_dict['generator'] is not the state of a "
+                             f"{self.generator.device} generator ({error}); pass the output of "
+                             f"{name}.state_dict()") from None
+        self.generator.set_state(saved.clone())
 
     def __repr__(self) -> str:
         return (f"PerSampleClip(max_norm={self.max_norm}, norm_type={self.norm_type}, "

@@ -79,6 +79,13 @@ def clip_task_values_(matrix: Tensor, clip_value: float) -> Tensor:
     return norms
 
 
+def check_dict(owner: str, state: object) -> None:
+    """``ValueError`` unless ``state`` is a dict (what ``owner.state_dict()`` returns)."""
+    if not isinstance(state, dict):
+        raise ValueError(f"{owner}.load_state_dict expects the dict returned by state_dict(), "
+                         f"got a {type(state).__name__}")
+
+
 class _Stateless:
     """state_dict/load_state_dict/reset for a clipper whose settings are all it holds."""
 
@@ -86,6 +93,7 @@ class _Stateless:
         return {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        check_dict(type(self).__name__, state_dict)
         reject_state(type(self).__name__, state_dict, "clipper")
 
     def reset(self) -> None:
