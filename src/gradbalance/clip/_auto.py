@@ -123,16 +123,7 @@ class _AutoBase:
         count = check_int("state_dict['count']", state["count"], 0)
         position = check_int("state_dict['position']", state["position"], 0)
         ring, threshold = state["history"], state["threshold"]
-        if ring is None or threshold is None:
-            if ring is not None or threshold is not None or count:
-                raise ValueError(
-                    f"state_dict has count={count}, history and threshold not all unset (before "
-                    f"any norm) nor all set; pass the output of {name}.state_dict()"
-                )
-        else:
-            tracked = self._ring.shape[1] if self._ring is not None and self._count else None
-            self._check_saved("history", ring, (self.history_size, self._columns or tracked))
-            self._check_saved("threshold", threshold, (ring.shape[1],))
+        self._check_history(ring, threshold, count)
         if position != count % self.history_size:
             raise ValueError(
                 f"state_dict position={position} does not follow count={count} with "
@@ -141,6 +132,20 @@ class _AutoBase:
         self._ring = None if ring is None else ring.clone()
         self._count, self._position = count, position
         self.threshold = None if threshold is None else threshold.clone()
+
+    def _check_history(self, ring: Any, threshold: Any, count: int) -> None:
+        """``ValueError`` unless history and threshold are both unset (count 0, before any norm)
+        or a finite ``[history_size, C]`` and ``[C]``, C the norms per step tracked (if any)."""
+        if ring is None or threshold is None:
+            if ring is not None or threshold is not None or count:
+                raise ValueError(
+                    f"state_dict has count={count}, history and threshold not all unset (before "
+                    f"any norm) nor all set; pass the output of {type(self).__name__}.state_dict()"
+                )
+            return
+        tracked = self._ring.shape[1] if self._ring is not None and self._count else None
+        self._check_saved("history", ring, (self.history_size, self._columns or tracked))
+        self._check_saved("threshold", threshold, (ring.shape[1],))
 
     def _check_saved(self, key: str, value: Any, shape: tuple[int | None, ...]) -> None:
         """``ValueError`` unless ``value`` is a finite floating tensor of ``shape`` (None: any
