@@ -9,7 +9,7 @@ from torch import Tensor
 
 from .._checks import check_positive
 from .._types import NonFiniteGradientError
-from ._params import check_leaves, params_with_grads
+from ._params import check_leaves, params_with_grads, total_grad_norm
 from ._task import _Stateless
 
 __all__ = ["AGC", "adaptive_clip_grad_", "unitwise_norm"]
@@ -53,10 +53,7 @@ def adaptive_clip_grad_(parameters: Iterable[Tensor] | Tensor, clip_factor: floa
     grads = [p.grad for p in params if p.grad is not None]  # all of them: params_with_grads
     if not grads:
         return torch.zeros(())
-    device = grads[0].device
-    total: Tensor = torch.linalg.vector_norm(torch.stack([
-        torch.linalg.vector_norm(g.detach()).to(device) for g in grads
-    ]))
+    total = total_grad_norm(grads)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise NonFiniteGradientError(
             f"pre-clip gradient norm is {total.item()}; nothing was clipped. Skip this step, or "

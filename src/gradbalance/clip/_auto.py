@@ -12,7 +12,7 @@ from torch import Tensor
 from .._checks import check_int, check_matrix, check_norm_type, check_positive_int, check_range
 from .._statedict import check_keys, tag_state, untag_state
 from .._types import NonFiniteGradientError
-from ._params import params_with_grads
+from ._params import params_with_grads, total_grad_norm
 from ._task import norm_clip_coefficients, row_norms
 
 __all__ = ["AutoClip", "TaskAutoClip", "suggest_max_norm"]
@@ -212,11 +212,7 @@ class AutoClip(_AutoBase):
         grads = [p.grad for p in params_with_grads(parameters) if p.grad is not None]
         if not grads:
             return torch.zeros(())
-        device = grads[0].device
-        norms = torch.stack([
-            torch.linalg.vector_norm(g.detach(), self.norm_type).to(device) for g in grads
-        ])
-        total: Tensor = torch.linalg.vector_norm(norms, self.norm_type)
+        total = total_grad_norm(grads, self.norm_type)
         coef = self._factors(total.reshape(1))
         if coef is not None:
             for g in grads:

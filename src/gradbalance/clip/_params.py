@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import torch
 from torch import Tensor
 
-__all__ = ["check_leaves", "params_with_grads"]
+__all__ = ["check_leaves", "params_with_grads", "total_grad_norm"]
 
 
 def check_leaves(name: str, params: list[Tensor]) -> None:
@@ -36,3 +37,12 @@ def params_with_grads(parameters: Iterable[Tensor] | Tensor) -> list[Tensor]:
                 f"the gradient (e.g. model.parameters()), not the gradient tensors"
             )
     return [p for p in params if p.grad is not None]
+
+
+def total_grad_norm(grads: list[Tensor], norm_type: float = 2.0) -> Tensor:
+    """The ``norm_type``-norm of all ``grads`` together (``clip_grad_norm_``'s total norm), on
+    the first gradient's device."""
+    device = grads[0].device
+    norms = [torch.linalg.vector_norm(g.detach(), norm_type).to(device) for g in grads]
+    total: Tensor = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    return total
