@@ -138,14 +138,12 @@ class PerSampleClip(PicklableGenerators):
         trainable parameter of ``module``). Returns the task losses of :meth:`__call__`.
         """
         per_sample = loss_fn(module(inputs), targets)
-        plist = [p for p in module.parameters() if p.requires_grad] if params is None \
-            else list(params)
         scale = scale_of(scaler, inputs.device)
         norms = per_sample_grad_norms_of_model(
-            module, loss_fn, inputs, targets, params=plist, norm_type=self.norm_type,
+            module, loss_fn, inputs, targets, params=params, norm_type=self.norm_type,
             per_task=self.per_task, chunk_size=self.chunk_size,
             scale=1.0 if scale is None else float(scale))
-        return self(per_sample, plist, scaler, norms=norms)
+        return self(per_sample, (), scaler, norms=norms)  # the norms given: no params read
 
     def add_noise_(self, params: Iterable[Tensor], batch_size: int) -> bool:
         """``.grad += N(0, (σ·C/batch_size)²)`` on every parameter with a ``.grad``.
