@@ -1,29 +1,15 @@
-"""Adaptive gradient clipping (AGC), unit-wise, from NFNets.
-
-Brock, De, Smith, Simonyan (2021), "High-Performance Large-Scale Image Recognition Without
-Normalization", ICML, arXiv:2102.06171, eq. 3. For every unit i (a row of a weight: one output
-unit of a linear or conv layer; a whole vector for biases and gains):
-
-    ‖Wᵢ‖* = max(‖Wᵢ‖, eps)
-    Gᵢ ← clip_factor · ‖Wᵢ‖* / ‖Gᵢ‖ · Gᵢ     if ‖Gᵢ‖ / ‖Wᵢ‖* > clip_factor, else Gᵢ
-
-Norms are Frobenius over every dimension but the first (dimension 0 is the output unit). The
-paper does not clip the final classifier layer: pass it as ``exclude``. Paper defaults:
-``eps = 1e-3``; ``clip_factor`` 0.01 for large batches (the paper tunes it with batch size).
-Under AMP call it after ``scaler.unscale_(optimizer)``.
-"""
+"""Adaptive gradient clipping (AGC), unit-wise, from NFNets (docs/loop.md, "Clipping")."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from .._checks import check_positive
 from .._types import NonFiniteGradientError
-from ._params import check_leaves, params_with_grads
+from ._params import check_leaves, params_with_grads, total_grad_norm
 from ._task import _Stateless
 
 __all__ = ["AGC", "adaptive_clip_grad_", "unitwise_norm"]
@@ -41,17 +27,22 @@ def unitwise_norm(x: Tensor) -> Tensor:
     return norm
 
 
-def adaptive_clip_grad_(
-    parameters: Iterable[Tensor] | Tensor,
-    clip_factor: float = 0.01,
-    eps: float = 1e-3,
-    exclude: Iterable[Tensor] = (),
-    error_if_nonfinite: bool = False,
-) -> Tensor:
+def adaptive_clip_grad_(parameters: Iterable[Tensor] | Tensor, clip_factor: float = 0.01,
+                        eps: float = 1e-3, exclude: Iterable[Tensor] = (),
+                        error_if_nonfinite: bool = False) -> Tensor:
     """Unit-wise AGC of every ``.grad`` in ``parameters`` (in place); returns the pre-clip norm.
 
-    The returned value is the total 2-norm of all gradients given (excluded ones included),
-    as ``clip_grad_norm_`` returns it, for logging.
+    Brock, De, Smith, Simonyan (2021), "High-Performance Large-Scale Image Recognition Without
+    Normalization", ICML, arXiv:2102.06171, eq. 3. For every unit i (a row of a weight: one
+    output unit of a linear or conv layer, norms over the other dimensions; a whole bias or
+    gain vector)::
+
+        ‖Wᵢ‖* = max(‖Wᵢ‖, eps),   Gᵢ ← λ · ‖Wᵢ‖* / ‖Gᵢ‖ · Gᵢ   if ‖Gᵢ‖ / ‖Wᵢ‖* > λ = clip_factor
+
+    The paper leaves the final classifier layer unclipped (pass it as ``exclude``) and uses
+    ``eps = 1e-3``, ``clip_factor`` 0.01 for large batches. Under AMP call it after
+    ``scaler.unscale_(optimizer)``. The returned value is the total 2-norm of all gradients
+    given (excluded ones included), as ``clip_grad_norm_`` returns it, for logging.
     """
     check_positive("clip_factor", clip_factor)
     eps = check_positive("eps", eps, allow_zero=True, hint=", e.g. 1e-3")
@@ -62,10 +53,7 @@ def adaptive_clip_grad_(
     grads = [p.grad for p in params if p.grad is not None]  # all of them: params_with_grads
     if not grads:
         return torch.zeros(())
-    device = grads[0].device
-    total: Tensor = torch.linalg.vector_norm(torch.stack([
-        torch.linalg.vector_norm(g.detach()).to(device) for g in grads
-    ]))
+    total = total_grad_norm(grads)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise NonFiniteGradientError(
             f"pre-clip gradient norm is {total.item()}; nothing was clipped. Skip this step, or "
@@ -85,7 +73,8 @@ def adaptive_clip_grad_(
 
 
 class AGC(_Stateless):
-    """Adaptive gradient clipping as an object: ``AGC(0.01, exclude=head)(model.parameters())``.
+    """Adaptive gradient clipping (:func:`adaptive_clip_grad_`, Brock et al. 2021) as an
+    object: ``AGC(0.01, exclude=head)(model.parameters())``.
 
     Args:
         clip_factor: λ, the largest allowed ratio ‖Gᵢ‖ / max(‖Wᵢ‖, eps).
@@ -105,9 +94,6 @@ class AGC(_Stateless):
     def __call__(self, parameters: Iterable[Tensor] | Tensor) -> Tensor:
         return adaptive_clip_grad_(parameters, self.clip_factor, self.eps, self.exclude,
                                    self.error_if_nonfinite)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
 
     def __repr__(self) -> str:
         return (f"AGC(clip_factor={self.clip_factor}, eps={self.eps}, "

@@ -1,19 +1,5 @@
-"""AutoClip: a clipping threshold that adapts to the run's own gradient norms.
-
-Seetharaman et al. (2020), "AutoClip: Adaptive Gradient Clipping for Source Separation
-Networks", MLSP. At step t the threshold is the p-th percentile of the norms seen so far,
-including the current one:
-
-    τₜ = percentile_p({‖g_s‖ : s ≤ t, healthy}),   g ← g · min(1, τₜ / (‖g‖ + 1e-6))
-
-Here the history is bounded (the last ``history_size`` healthy norms, a ring buffer) and
-non-finite norms never enter it; a step with a non-finite norm changes no state and clips
-nothing (a GradScaler skips it). The percentile uses linear interpolation, as
-``numpy.percentile``'s default. Reading the finiteness costs one host sync per call.
-
-:func:`suggest_max_norm` is the offline version (docs/loop.md, "Clipping"): log the pre-clip
-norms of an unclipped run and set ``max_norm`` near their 90th–95th percentile.
-"""
+"""AutoClip: a clipping threshold from a percentile of the run's own recent gradient norms,
+on the parameters or per task, and its offline form :func:`suggest_max_norm`."""
 
 from __future__ import annotations
 
@@ -23,19 +9,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._checks import (
-    check_int,
-    check_matrix,
-    check_norm_type,
-    check_positive_int,
-    check_range,
-)
+from .._checks import check_int, check_matrix, check_norm_type, check_positive_int, check_range
 from .._statedict import check_keys, tag_state, untag_state
 from .._types import NonFiniteGradientError
-from ._params import params_with_grads
-from ._task import _EPS, row_norms
+from ._params import params_with_grads, total_grad_norm
+from ._task import norm_clip_coefficients, row_norms
 
 __all__ = ["AutoClip", "TaskAutoClip", "suggest_max_norm"]
+
+_STATE_KEYS = ("history", "count", "position", "threshold")
 
 
 def suggest_max_norm(norms: Sequence[float] | Tensor, percentile: float = 95.0) -> float:
@@ -61,155 +43,129 @@ def suggest_max_norm(norms: Sequence[float] | Tensor, percentile: float = 95.0) 
     return float(torch.quantile(healthy, p / 100))
 
 
-_HISTORY_KEYS = ("history", "count", "position", "threshold")
+class _AutoBase:
+    """The percentile threshold: a ring of the last ``history_size`` healthy norm sets ``[C]``
+    (float64); a non-finite set is not recorded and clips nothing."""
 
+    #: The norms per step (C), where fixed by the class (None: set by the first call).
+    _columns: int | None = None
 
-class _PercentileHistory:
-    """Ring buffer of the last ``size`` healthy norm vectors ``[C]``, float64."""
-
-    def __init__(self, percentile: float, history_size: int) -> None:
+    def __init__(self, percentile: float = 10.0, history_size: int = 1000,
+                 norm_type: float = 2.0, error_if_nonfinite: bool = False) -> None:
         self.history_size = check_positive_int("history_size", history_size, ", e.g. 1000")
         self.percentile = check_range("percentile", percentile, 0, 100)
+        self.norm_type = check_norm_type("norm_type", norm_type)
+        self.error_if_nonfinite = error_if_nonfinite
         self.reset()
 
     def reset(self) -> None:
-        self.history: Tensor | None = None  # [history_size, C]
-        self.count = 0  # healthy norms seen (the buffer holds the last min(count, size))
-        self.position = 0
+        """Forget every norm seen."""
+        self._ring: Tensor | None = None  # [history_size, C]
+        self._count = 0  # healthy sets seen; the ring holds the last min(count, history_size)
+        self._position = 0
+        #: The threshold of the last healthy call ``[C]``, or None before any.
         self.threshold: Tensor | None = None
-
-    def observe(self, norms: Tensor) -> Tensor | None:
-        """Add finite ``norms`` ``[C]`` and return the threshold ``[C]``; None if non-finite."""
-        if not bool(torch.isfinite(norms).all()):
-            return None
-        values = norms.detach().to(torch.float64)
-        if self.history is None or self.history.shape[1] != values.numel():
-            if self.history is not None and self.count > 0:
-                raise ValueError(
-                    f"got {values.numel()} norms but the history holds "
-                    f"{self.history.shape[1]} per step; use one clipper per set of tasks"
-                )
-            self.history = torch.zeros(
-                self.history_size, values.numel(), dtype=torch.float64, device=values.device
-            )
-        self.history[self.position].copy_(values)
-        self.position = (self.position + 1) % self.history_size
-        self.count += 1
-        filled = self.history[: min(self.count, self.history_size)]
-        self.threshold = torch.quantile(filled, self.percentile / 100, dim=0)
-        return self.threshold
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "history": None if self.history is None else self.history.clone(),
-            "count": self.count,
-            "position": self.position,
-            "threshold": None if self.threshold is None else self.threshold.clone(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any], owner: str) -> None:
-        missing = {"history", "count", "position", "threshold"} - set(state)
-        if missing:
-            raise ValueError(
-                f"state_dict lacks {sorted(missing)}; pass the output of {owner}.state_dict()"
-            )
-        history, threshold = state["history"], state["threshold"]
-        count = check_int("state_dict['count']", state["count"], 0)
-        position = check_int("state_dict['position']", state["position"], 0)
-        self._check_history(history, count, owner)
-        columns = None if history is None else history.shape[1]
-        _check_norms("threshold", threshold, columns, owner)
-        if position != count % self.history_size:
-            raise ValueError(
-                f"state_dict position={position} does not follow count={count} with "
-                f"history_size={self.history_size}; pass the output of {owner}.state_dict()"
-            )
-        self.history = None if history is None else history.clone()
-        self.count, self.position = count, position
-        self.threshold = None if threshold is None else threshold.clone()
-
-    def _check_history(self, history: Any, count: int, owner: str) -> None:
-        """Raise ``ValueError`` unless ``history`` is finite ``[history_size, C]`` (C: the
-        number of norms this history tracks now, if it tracks any), or None before any."""
-        if history is None:
-            if count:
-                raise ValueError(f"state_dict count={count} but no history; pass the output "
-                                 f"of {owner}.state_dict()")
-            return
-        if not isinstance(history, Tensor) or history.dim() != 2 \
-                or history.shape[0] != self.history_size:
-            shape = tuple(history.shape) if isinstance(history, Tensor) else type(history)
-            raise ValueError(
-                f"state_dict history has shape {shape} but this {owner} keeps "
-                f"history_size={self.history_size} rows; build it with the saved history_size"
-            )
-        tracked = self.history.shape[1] if self.history is not None and self.count else None
-        _check_norms("history", history, tracked, owner)
-
-
-def _check_norms(key: str, value: Any, columns: int | None, owner: str) -> None:
-    """Raise ``ValueError`` unless ``value`` (None, or norms ``[..., C]``) is finite with
-    ``columns`` norms per step (where known)."""
-    if value is None:
-        return
-    if not isinstance(value, Tensor) or not value.is_floating_point() or value.dim() == 0:
-        raise ValueError(f"state_dict[{key!r}] must be a floating tensor of norms, got "
-                         f"{type(value).__name__}; pass the output of {owner}.state_dict()")
-    if columns is not None and value.shape[-1] != columns:
-        raise ValueError(f"state_dict[{key!r}] has {value.shape[-1]} norms per step but "
-                         f"{owner} tracks {columns} (one per task or clipped group); load a "
-                         f"state saved with the same tasks, or call reset() first")
-    if not bool(torch.isfinite(value).all()):
-        raise ValueError(f"state_dict[{key!r}] holds inf/NaN; load an earlier checkpoint, or "
-                         f"call reset() instead")
-
-
-class _AutoBase:
-    def __init__(self, percentile: float, history_size: int, norm_type: float,
-                 error_if_nonfinite: bool) -> None:
-        self._history = _PercentileHistory(percentile, history_size)
-        self.norm_type = check_norm_type("norm_type", norm_type)
-        self.error_if_nonfinite = error_if_nonfinite
-
-    @property
-    def percentile(self) -> float:
-        return self._history.percentile
-
-    @property
-    def history_size(self) -> int:
-        return self._history.history_size
 
     @property
     def history(self) -> Tensor:
         """The healthy norms kept, oldest first ``[n, C]`` (n ≤ history_size)."""
-        h = self._history
-        if h.history is None:
+        if self._ring is None:
             return torch.zeros(0, 1, dtype=torch.float64)
-        if h.count < h.history_size:
-            return h.history[: h.count].clone()
-        return torch.roll(h.history, -h.position, dims=0)
+        if self._count < self.history_size:
+            return self._ring[: self._count].clone()
+        return torch.roll(self._ring, -self._position, dims=0)
 
-    @property
-    def threshold(self) -> Tensor | None:
-        """The threshold used by the last healthy call, or None before any."""
-        return self._history.threshold
+    def _factors(self, norms: Tensor) -> Tensor | None:
+        """Record ``norms`` ``[C]`` and return ``min(1, τ / (norm + 1e-6))``; None (nothing
+        recorded) for a non-finite set, unless ``error_if_nonfinite`` raises."""
+        if not bool(torch.isfinite(norms).all()):
+            if self.error_if_nonfinite:
+                raise NonFiniteGradientError(
+                    f"pre-clip norm {norms.tolist()} is not finite; {type(self).__name__} "
+                    f"clipped nothing and its history is unchanged. Skip this step"
+                )
+            return None
+        values = norms.detach().to(torch.float64)
+        if self._ring is None or self._ring.shape[1] != values.numel():
+            if self._ring is not None and self._count > 0:
+                raise ValueError(
+                    f"got {values.numel()} norms but the history holds "
+                    f"{self._ring.shape[1]} per step; use one clipper per set of tasks"
+                )
+            self._ring = torch.zeros(self.history_size, values.numel(), dtype=torch.float64,
+                                     device=values.device)
+        self._ring[self._position].copy_(values)
+        self._position = (self._position + 1) % self.history_size
+        self._count += 1
+        filled = self._ring[: min(self._count, self.history_size)]
+        self.threshold = torch.quantile(filled, self.percentile / 100, dim=0)
+        return norm_clip_coefficients(values, self.threshold)
 
     def state_dict(self) -> dict[str, Any]:
-        return tag_state(self, self._history.state_dict())
+        return tag_state(self, {
+            "history": None if self._ring is None else self._ring.clone(),
+            "count": self._count,
+            "position": self._position,
+            "threshold": None if self.threshold is None else self.threshold.clone(),
+        })
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output; ``ValueError``, nothing changed, for the state of
+        another class or a history that does not fit this clipper."""
+        name = type(self).__name__
         state = untag_state(self, state_dict, "clipper")  # AutoClip's and TaskAutoClip's
-        check_keys(type(self).__name__, state, _HISTORY_KEYS, "clipper")  # keys coincide
-        self._history.load_state_dict(state, type(self).__name__)
+        check_keys(name, state, _STATE_KEYS, "clipper")  # keys coincide
+        missing = set(_STATE_KEYS) - set(state)
+        if missing:
+            raise ValueError(
+                f"state_dict lacks {sorted(missing)}; pass the output of {name}.state_dict()"
+            )
+        count = check_int("state_dict['count']", state["count"], 0)
+        position = check_int("state_dict['position']", state["position"], 0)
+        ring, threshold = state["history"], state["threshold"]
+        self._check_history(ring, threshold, count)
+        if position != count % self.history_size:
+            raise ValueError(
+                f"state_dict position={position} does not follow count={count} with "
+                f"history_size={self.history_size}; pass the output of {name}.state_dict()"
+            )
+        self._ring = None if ring is None else ring.clone()
+        self._count, self._position = count, position
+        self.threshold = None if threshold is None else threshold.clone()
 
-    def reset(self) -> None:
-        self._history.reset()
+    def _check_history(self, ring: Any, threshold: Any, count: int) -> None:
+        """``ValueError`` unless history and threshold are both unset (count 0, before any norm)
+        or a finite ``[history_size, C]`` and ``[C]``, C the norms per step tracked (if any)."""
+        if ring is None or threshold is None:
+            if ring is not None or threshold is not None or count:
+                raise ValueError(
+                    f"state_dict has count={count}, history and threshold not all unset (before "
+                    f"any norm) nor all set; pass the output of {type(self).__name__}.state_dict()"
+                )
+            return
+        tracked = self._ring.shape[1] if self._ring is not None and self._count else None
+        self._check_saved("history", ring, (self.history_size, self._columns or tracked))
+        self._check_saved("threshold", threshold, (ring.shape[1],))
 
-    def _nonfinite(self, norms: Tensor) -> NonFiniteGradientError:
-        return NonFiniteGradientError(
-            f"pre-clip norm {norms.tolist()} is not finite; {type(self).__name__} clipped "
-            f"nothing and its history is unchanged. Skip this step"
-        )
+    def _check_saved(self, key: str, value: Any, shape: tuple[int | None, ...]) -> None:
+        """``ValueError`` unless ``value`` is a finite floating tensor of ``shape`` (None: any
+        size)."""
+        name = type(self).__name__
+        if not isinstance(value, Tensor) or not value.is_floating_point():
+            raise ValueError(f"state_dict[{key!r}] must be a floating tensor of norms, got "
+                             f"{type(value).__name__}; pass the output of {name}.state_dict()")
+        if value.dim() != len(shape) or any(
+                n is not None and n != m for n, m in zip(shape, value.shape)):
+            expected = tuple("C" if n is None else n for n in shape)
+            raise ValueError(
+                f"state_dict[{key!r}] has shape {tuple(value.shape)}, expected {expected} (this "
+                f"{name} keeps history_size={self.history_size} steps of C norms, one per task "
+                f"or clipped group); load a state saved with the same history_size and tasks, "
+                f"or call reset() first"
+            )
+        if not bool(torch.isfinite(value).all()):
+            raise ValueError(f"state_dict[{key!r}] holds inf/NaN; load an earlier checkpoint, "
+                             f"or call reset() instead")
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(percentile={self.percentile}, "
@@ -219,38 +175,48 @@ class _AutoBase:
 class AutoClip(_AutoBase):
     """AutoClip on parameters, used like ``torch.nn.utils.clip_grad_norm_``.
 
-    ``clipper(model.parameters())`` clips the total gradient norm to the ``percentile``-th
-    percentile of the last ``history_size`` healthy norms (the current one included) and
-    returns the pre-clip total norm. Under AMP call it after ``scaler.unscale_(optimizer)``.
+    Seetharaman et al. (2020), "AutoClip: Adaptive Gradient Clipping for Source Separation
+    Networks", MLSP. The threshold is the ``percentile``-th percentile (linear interpolation,
+    as ``numpy.percentile``) of the last ``history_size`` healthy total norms, the current
+    one included::
+
+        τₜ = percentile_p({‖g_s‖ : s ≤ t, healthy}),   g ← g · min(1, τₜ / (‖g‖ + 1e-6))
+
+    ``clipper(model.parameters())`` clips in place and returns the pre-clip total norm. A
+    non-finite norm changes no state and clips nothing (a GradScaler skips the step); reading
+    the finiteness costs one host sync. Under AMP call it after ``scaler.unscale_(optimizer)``.
+    ``threshold`` and ``history`` hold the last threshold and the norms kept.
 
     Args:
         percentile: p in [0, 100]; the paper's recommended value is 10.
         history_size: how many healthy norms to remember.
         norm_type: the p of the p-norm.
         error_if_nonfinite: raise on a non-finite norm instead of returning it.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.clip import AutoClip
+        >>> w = torch.nn.Parameter(torch.zeros(2))
+        >>> clip = AutoClip(percentile=0)  # the smallest norm seen so far
+        >>> w.grad = torch.tensor([0.3, 0.4])
+        >>> clip([w])  # the pre-clip norm (the first one is its own threshold)
+        tensor(0.5000)
+        >>> w.grad = torch.tensor([6.0, 8.0])
+        >>> clip([w]), w.grad  # threshold min(0.5, 10): clipped to norm 0.5
+        (tensor(10.), tensor([0.3000, 0.4000]))
     """
 
-    def __init__(self, percentile: float = 10.0, history_size: int = 1000,
-                 norm_type: float = 2.0, error_if_nonfinite: bool = False) -> None:
-        super().__init__(percentile, history_size, norm_type, error_if_nonfinite)
+    _columns = 1  # the total norm
 
     def __call__(self, parameters: Iterable[Tensor] | Tensor) -> Tensor:
         grads = [p.grad for p in params_with_grads(parameters) if p.grad is not None]
         if not grads:
             return torch.zeros(())
-        device = grads[0].device
-        norms = torch.stack([
-            torch.linalg.vector_norm(g.detach(), self.norm_type).to(device) for g in grads
-        ])
-        total: Tensor = torch.linalg.vector_norm(norms, self.norm_type)
-        threshold = self._history.observe(total.reshape(1))
-        if threshold is None:
-            if self.error_if_nonfinite:
-                raise self._nonfinite(total.reshape(1))
-            return total
-        coef = (threshold[0] / (total.double() + _EPS)).clamp(max=1.0)
-        for g in grads:
-            g.detach().mul_(coef.to(device=g.device, dtype=g.dtype))
+        total = total_grad_norm(grads, self.norm_type)
+        coef = self._factors(total.reshape(1))
+        if coef is not None:
+            for g in grads:
+                g.detach().mul_(coef[0].to(device=g.device, dtype=g.dtype))
         return total
 
 
@@ -258,12 +224,9 @@ class TaskAutoClip(_AutoBase):
     """AutoClip per task on the rows of ``G``: a ``RowClipper`` for ``apply_(clip=...)``.
 
     Each task keeps its own history; row ``k`` is clipped to the ``percentile``-th percentile
-    of task ``k``'s last ``history_size`` healthy norms. Returns the pre-clip row norms ``[K]``.
+    of task ``k``'s last ``history_size`` healthy norms (the rule and arguments of
+    :class:`AutoClip`, per row). Returns the pre-clip row norms ``[K]``.
     """
-
-    def __init__(self, percentile: float = 10.0, history_size: int = 1000,
-                 norm_type: float = 2.0, error_if_nonfinite: bool = False) -> None:
-        super().__init__(percentile, history_size, norm_type, error_if_nonfinite)
 
     def __call__(self, matrix: Tensor) -> Tensor:
         check_matrix("matrix", matrix)
@@ -274,11 +237,5 @@ class TaskAutoClip(_AutoBase):
     def coefficients(self, norms: Tensor) -> Tensor:
         """The factor ``cₖ`` each row is multiplied by, from its pre-clip norm ``[K]``; the
         norms join the history (a non-finite set is not recorded and clips nothing)."""
-        threshold = self._history.observe(norms)
-        if threshold is None:
-            if self.error_if_nonfinite:
-                raise self._nonfinite(norms)
-            return torch.ones_like(norms, dtype=torch.float64)
-        return (threshold / (norms.double() + _EPS)).clamp(max=1.0)
-
-
+        coef = self._factors(norms)
+        return torch.ones_like(norms, dtype=torch.float64) if coef is None else coef

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import torch
 from torch import Tensor
 
-__all__ = ["check_leaves", "params_with_grads"]
+__all__ = ["check_leaves", "params_with_grads", "total_grad_norm"]
 
 
 def check_leaves(name: str, params: list[Tensor]) -> None:
@@ -21,13 +22,9 @@ def check_leaves(name: str, params: list[Tensor]) -> None:
 
 
 def params_with_grads(parameters: Iterable[Tensor] | Tensor) -> list[Tensor]:
-    """The parameters whose ``.grad`` is set, in order.
-
-    A tensor that neither has a ``.grad`` nor requires grad is not a parameter: typically the
-    gradients themselves were passed, and clipping would silently do nothing (a known failure
-    of ``clip_grads_with_norm_``-style helpers). A non-leaf tensor (``w * 2``) never gets a
-    ``.grad`` either. Both raise instead.
-    """
+    """The parameters whose ``.grad`` is set, in order; ``ValueError`` for a non-leaf tensor
+    or one with neither ``.grad`` nor ``requires_grad`` (typically the gradients themselves),
+    which clipping would silently skip."""
     if isinstance(parameters, Tensor):
         parameters = [parameters]
     params = list(parameters)
@@ -40,3 +37,12 @@ def params_with_grads(parameters: Iterable[Tensor] | Tensor) -> list[Tensor]:
                 f"the gradient (e.g. model.parameters()), not the gradient tensors"
             )
     return [p for p in params if p.grad is not None]
+
+
+def total_grad_norm(grads: list[Tensor], norm_type: float = 2.0) -> Tensor:
+    """The ``norm_type``-norm of all ``grads`` together (``clip_grad_norm_``'s total norm), on
+    the first gradient's device."""
+    device = grads[0].device
+    norms = [torch.linalg.vector_norm(g.detach(), norm_type).to(device) for g in grads]
+    total: Tensor = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    return total

@@ -1,24 +1,5 @@
-"""Per-sample gradient clipping (DP-SGD; docs/loop.md, "Per-sample clipping").
-
-Each sample's gradient is clipped on its own before the batch mean (Abadi et al. 2016,
-*Deep Learning with Differential Privacy*, Algorithm 1):
-
-    ĝ = (1/B) Σᵢ cᵢ gᵢ,    cᵢ = min(1, C / (‖gᵢ‖ + 1e-6)),    gᵢ = ∇θ ℓᵢ
-
-The factors cᵢ are constants of the step, so ĝ is the gradient of the reweighted loss
-``(1/B) Σᵢ cᵢ ℓᵢ``. :class:`PerSampleClip` therefore takes the per-sample norms first (from
-the graph, :mod:`._per_sample_graph`; from the model, :mod:`._per_sample_func`; or as ghost
-norms, :mod:`._per_sample_ghost`) and returns task losses whose value is the plain batch
-mean and whose gradient is ĝ. They go into the ordinary step
-(``TaskGradBuffer.backward``), so every balancer, gradient mode, micro-batching, mixed
-precision and data parallelism work unchanged.
-
-With K tasks the per-sample losses are ``[B, K]``: ``per_task=True`` clips every
-(sample, task) gradient ``∇ℓᵢₖ`` to C, ``per_task=False`` clips each sample's whole gradient
-``∇Σₖ ℓᵢₖ`` and scales its K task losses by the same cᵢ. DP-SGD then adds Gaussian noise
-``N(0, σ²C²)`` to the clipped sum, i.e. standard deviation ``σC/B`` on the mean:
-:meth:`PerSampleClip.add_noise_`. The privacy accounting is not part of this library.
-"""
+"""Per-sample gradient clipping (DP-SGD) as task losses whose gradient is the clipped mean
+(docs/loop.md, "Per-sample clipping")."""
 
 from __future__ import annotations
 
@@ -44,9 +25,10 @@ from .._types import NonFiniteGradientError
 from ..balancers._rng import private_generator
 from ._per_sample_func import per_sample_grad_norms_of_model
 from ._per_sample_graph import _check_losses, per_sample_grad_norms
-from ._task import _EPS
+from ._task import check_dict, norm_clip_coefficients
 
 __all__ = ["PerSampleClip"]
+
 
 def _check_finite_norms(norms: Tensor) -> None:
     """Without a scaler a non-finite per-sample norm raises (nothing is clipped)."""
@@ -61,9 +43,10 @@ def _check_finite_norms(norms: Tensor) -> None:
 class PerSampleClip(PicklableGenerators):
     """Clips every sample's gradient to ``max_norm`` before the batch mean (DP-SGD's clip).
 
-    ``ĝ = (1/B) Σᵢ min(1, C / (‖∇ℓᵢ‖ + 1e-6)) ∇ℓᵢ``, realised as the gradient of the
-    reweighted loss (Abadi et al. 2016). Call it on the per-sample losses; hand the result to
-    the step as the task losses::
+    Abadi et al. (2016), "Deep Learning with Differential Privacy", Algorithm 1:
+    ``ĝ = (1/B) Σᵢ cᵢ ∇ℓᵢ`` with ``cᵢ = min(1, C / (‖∇ℓᵢ‖ + 1e-6))``. The factors are
+    constants of the step, so ĝ is the gradient of ``(1/B) Σᵢ cᵢ ℓᵢ``: the returned task
+    losses have the plain batch mean as value and ĝ as gradient, for the ordinary step::
 
         per_sample = torch.stack([loss_fn(out_k, y_k, reduction="none") for ...], dim=1)
         losses = clip(per_sample, params)          # [K]: value = batch mean, grad = ĝ
@@ -71,7 +54,7 @@ class PerSampleClip(PicklableGenerators):
 
     The norms: without ``norms=`` they are measured here on the graph (any model; the cost
     grows with B²). Faster, linear in B: ``norms=GhostNorms(model).norms(per_sample)``
-    (``nn.Linear`` / ``nn.Conv2d`` models) or :meth:`losses_of_model` (``torch.func``).
+    or :meth:`losses_of_model` (``torch.func``).
 
     Args:
         max_norm: C, the bound on each per-sample gradient's norm.
@@ -100,21 +83,17 @@ class PerSampleClip(PicklableGenerators):
 
     def factors(self, norms: Tensor) -> Tensor:
         """``min(1, C / (norm + 1e-6))``; 1 where a norm is not finite (the step is skipped)."""
-        coef = (self.max_norm / (norms + _EPS)).clamp(max=1.0)
-        return torch.where(torch.isfinite(norms), coef, torch.ones_like(coef))
+        return norm_clip_coefficients(norms, self.max_norm)
 
     def __call__(self, per_sample_losses: Tensor, params: Iterable[Tensor],
                  scaler: Any = None, *, norms: Tensor | None = None) -> Tensor:
-        """Task losses ``[K]`` (0-d for ``[B]`` input) with the plain batch-mean value and the
-        per-sample-clipped gradient.
+        """Task losses ``[K]`` (0-d for ``[B]`` input): the batch-mean value, the clipped gradient.
 
         ``params``: the parameters whose per-sample gradient is bounded (usually all trained
-        ones, trunk and heads). With an enabled ``GradScaler`` the norms are measured on the
-        scaled losses and unscaled, and a non-finite norm leaves its sample unclipped so the
-        overflow reaches ``.grad`` and the scaler skips the step; without one it raises
-        ``NonFiniteGradientError``. ``norms``: per-sample norms measured elsewhere (e.g. by
-        :func:`per_sample_grad_norms_of_model`, see :meth:`losses_of_model`); then the graph
-        is not differentiated here.
+        ones). With an enabled ``GradScaler`` the norms are measured on the scaled losses and
+        unscaled, and a non-finite norm leaves its sample unclipped so that the scaler skips
+        the step; without one it raises ``NonFiniteGradientError``. ``norms``: per-sample
+        norms measured elsewhere (``GhostNorms``, :meth:`losses_of_model`).
         """
         losses = _check_losses(per_sample_losses)
         scale = scale_of(scaler, losses.device)
@@ -159,14 +138,12 @@ class PerSampleClip(PicklableGenerators):
         trainable parameter of ``module``). Returns the task losses of :meth:`__call__`.
         """
         per_sample = loss_fn(module(inputs), targets)
-        plist = [p for p in module.parameters() if p.requires_grad] if params is None \
-            else list(params)
         scale = scale_of(scaler, inputs.device)
         norms = per_sample_grad_norms_of_model(
-            module, loss_fn, inputs, targets, params=plist, norm_type=self.norm_type,
+            module, loss_fn, inputs, targets, params=params, norm_type=self.norm_type,
             per_task=self.per_task, chunk_size=self.chunk_size,
             scale=1.0 if scale is None else float(scale))
-        return self(per_sample, plist, scaler, norms=norms)
+        return self(per_sample, (), scaler, norms=norms)  # the norms given: no params read
 
     def add_noise_(self, params: Iterable[Tensor], batch_size: int) -> bool:
         """``.grad += N(0, (σ·C/batch_size)²)`` on every parameter with a ``.grad``.
@@ -193,9 +170,22 @@ class PerSampleClip(PicklableGenerators):
         return {"generator": self.generator.get_state().clone()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        check_keys(type(self).__name__, state_dict, ["generator"], kind="clipper")
-        if "generator" in state_dict:
-            self.generator.set_state(state_dict["generator"].clone())
+        """Restore :meth:`state_dict` output; ``ValueError``, the generator unchanged, for other
+        keys or a state this generator cannot take."""
+        name = type(self).__name__
+        check_dict(name, state_dict)
+        check_keys(name, state_dict, ["generator"], kind="clipper")
+        if "generator" not in state_dict:
+            raise ValueError(f"{name} state_dict lacks 'generator'; pass the output of "
+                             f"{name}.state_dict()")
+        saved = state_dict["generator"]
+        try:  # torch's own checks, on a scratch generator
+            torch.Generator(self.generator.device).set_state(saved)
+        except (TypeError, RuntimeError) as error:
+            raise ValueError(f"{name} state_dict['generator'] is not the state of a "
+                             f"{self.generator.device} generator ({error}); pass the output of "
+                             f"{name}.state_dict()") from None
+        self.generator.set_state(saved.clone())
 
     def __repr__(self) -> str:
         return (f"PerSampleClip(max_norm={self.max_norm}, norm_type={self.norm_type}, "

@@ -1,17 +1,6 @@
-"""Per-sample gradient norms from the model itself (``torch.func``), linear in the batch.
-
-:func:`~gradbalance.clip.per_sample_grad_norms` works on any graph, but each of its ``B·K``
-rows backpropagates through the whole batch (the row's cotangent is one-hot on one sample),
-so its cost grows with ``B²``. Given the module and the loss function instead, every sample
-runs as one lane of ``vmap(jacrev(...))`` on a batch of one: ``B·K`` single-sample backward
-passes batched together, about K backward passes of the whole batch — the cost of the
-``matrix`` step itself. This is the functorch recipe for per-sample gradients (used by
-Opacus' functorch mode).
-
-The sample's loss is evaluated on a batch of one, so layers that couple samples (BatchNorm in
-training mode) cannot be used here: put them in eval mode or use GroupNorm/LayerNorm, as in
-any DP-SGD setting.
-"""
+"""Per-sample gradient norms from the model itself: each sample one lane of
+``vmap(jacrev(...))`` (``torch.func``), linear in the batch (docs/loop.md, "Per-sample
+clipping")."""
 
 from __future__ import annotations
 
@@ -48,17 +37,9 @@ def _trainable(module: nn.Module, params: Iterable[Tensor] | None) -> dict[str, 
 
 
 def per_sample_grad_norms_of_model(
-    module: nn.Module,
-    loss_fn: LossFn,
-    inputs: Tensor,
-    targets: Tensor,
-    *,
-    params: Iterable[Tensor] | None = None,
-    norm_type: float = 2.0,
-    per_task: bool = True,
-    chunk_size: int | None = None,
-    scale: float = 1.0,
-) -> Tensor:
+        module: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor, *,
+        params: Iterable[Tensor] | None = None, norm_type: float = 2.0, per_task: bool = True,
+        chunk_size: int | None = None, scale: float = 1.0) -> Tensor:
     """Norms of the per-sample gradients ``‖∇θ ℓᵢₖ‖`` ``[B, K]`` (``[B]`` for one task).
 
     ``loss_fn(module(inputs), targets)`` must return the per-sample losses ``[B]`` or

@@ -14,19 +14,15 @@ class RowClipper(Protocol):
     """Clips the rows of the task-gradient matrix ``G`` ``[K, P]`` in place before the combine
     and returns their pre-clip norms ``[K]``.
 
-    A clipper that scales whole rows by 2-norm may also define ``norm_type = 2.0`` and
-    ``coefficients(norms) -> [K]`` (the factor each row is multiplied by, given the pre-clip
-    norms); ``mode="gramian"`` then applies it to ``G Gᵀ`` without the rows, and a sharded
-    trunk to each rank's columns (``TaskClip`` and ``TaskAutoClip`` do;
-    :func:`scales_whole_rows`).
+    One that scales whole rows by 2-norm may also declare it (:func:`scales_whole_rows`);
+    ``mode="gramian"`` then scales ``G Gᵀ`` and a sharded trunk each rank's columns.
     """
 
     def __call__(self, matrix: Tensor) -> Tensor: ...
 
 
 def scales_whole_rows(clip: object) -> bool:
-    """Whether ``clip`` scales each whole row by a factor of its 2-norm: it declares
-    ``norm_type = 2.0`` and a callable ``coefficients(norms) -> [K]`` (both required: a
-    clipper that does not say which norm it clips is not assumed to clip the 2-norm)."""
+    """Whether ``clip`` scales each whole row by a factor of its 2-norm: it declares both
+    ``norm_type = 2.0`` and ``coefficients(norms) -> [K]`` (each row's factor)."""
     return callable(getattr(clip, "coefficients", None)) and (
         getattr(clip, "norm_type", None) == 2.0)

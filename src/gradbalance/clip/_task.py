@@ -1,16 +1,6 @@
-"""Per-task clipping of the rows of ``G`` before the combine (docs/loop.md, "Clipping").
-
-Norm clipping scales each row ``gₖ`` by ``min(1, max_norm / (‖gₖ‖ + 1e-6))`` (the formula of
-``torch.nn.utils.clip_grad_norm_``, applied to every task on its own), so no single task's
-gradient is longer than ``max_norm`` when it reaches the balancer. Value clipping clamps every
-coordinate to ``[-clip_value, clip_value]`` and can turn a row. Norm clipping's factor ``cₖ``
-depends on the row's norm alone (``coefficients``), so ``gramian`` mode applies it to the
-Gramian, ``cᵢ cⱼ (G Gᵀ)ᵢⱼ``, without the rows.
-
-Global clipping of the combined gradient is not here: it stays
-``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` in the user's loop, after
-``TaskGradBuffer.apply_`` (and ``scaler.unscale_``).
-"""
+"""Per-task clipping of the rows of ``G`` before the combine (docs/loop.md, "Clipping"):
+by norm (a factor of each row's norm alone, so ``gramian`` mode can scale ``G Gᵀ`` instead)
+or by value."""
 
 from __future__ import annotations
 
@@ -34,19 +24,8 @@ def row_norms(matrix: Tensor, norm_type: float = 2.0) -> Tensor:
     return norms
 
 
-def _nonfinite(argname: str, norms: Tensor) -> NonFiniteGradientError:
-    return NonFiniteGradientError(
-        f"{argname} holds inf or NaN (pre-clip norms {norms.tolist()}); nothing was clipped. "
-        f"Skip this step, or pass error_if_nonfinite=False to return the norms instead"
-    )
-
-
-def clip_task_norms_(
-    matrix: Tensor,
-    max_norm: float | Tensor,
-    norm_type: float = 2.0,
-    error_if_nonfinite: bool = False,
-) -> Tensor:
+def clip_task_norms_(matrix: Tensor, max_norm: float | Tensor, norm_type: float = 2.0,
+                     error_if_nonfinite: bool = False) -> Tensor:
     """Clip every row of ``matrix`` ``[K, P]`` in place to norm ``max_norm``; return pre-clip norms.
 
     ``gₖ ← gₖ · min(1, max_norm / (‖gₖ‖ + 1e-6))``. ``max_norm`` may be a float or a ``[K]``
@@ -78,7 +57,10 @@ def norm_clip_coefficients(norms: Tensor, max_norm: float | Tensor,
     """``min(1, max_norm / (‖gₖ‖ + 1e-6))`` per row ``[K]``; 1 where a norm is not finite."""
     finite = torch.isfinite(norms)
     if error_if_nonfinite and not bool(finite.all()):
-        raise _nonfinite("matrix", norms)
+        raise NonFiniteGradientError(
+            f"matrix holds inf or NaN (pre-clip norms {norms.tolist()}); nothing was clipped. "
+            f"Skip this step, or pass error_if_nonfinite=False to return the norms instead"
+        )
     limit = max_norm.to(norms) if isinstance(max_norm, Tensor) else max_norm
     coef = (limit / (norms + _EPS)).clamp(max=1.0)
     return torch.where(finite, coef, torch.ones_like(coef))
@@ -97,6 +79,13 @@ def clip_task_values_(matrix: Tensor, clip_value: float) -> Tensor:
     return norms
 
 
+def check_dict(owner: str, state: object) -> None:
+    """``ValueError`` unless ``state`` is a dict (what ``owner.state_dict()`` returns)."""
+    if not isinstance(state, dict):
+        raise ValueError(f"{owner}.load_state_dict expects the dict returned by state_dict(), "
+                         f"got a {type(state).__name__}")
+
+
 class _Stateless:
     """state_dict/load_state_dict/reset for a clipper whose settings are all it holds."""
 
@@ -104,6 +93,7 @@ class _Stateless:
         return {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        check_dict(type(self).__name__, state_dict)
         reject_state(type(self).__name__, state_dict, "clipper")
 
     def reset(self) -> None:
