@@ -26,8 +26,8 @@ def _in_range(value: float, low: float | None, high: float | None, low_open: boo
     return high is None or (value < high if high_open else value <= high)
 
 
-def _range_text(name: str, low: float | None, high: float | None, low_open: bool,
-                high_open: bool) -> str:
+def _range_text(name: str, low: float | None, high: float | None, low_open: bool = False,
+                high_open: bool = False) -> str:
     """The expected range as written in a message, e.g. ``0.0 <= beta < 1.0``."""
     left = "" if low is None else f"{low} {'<' if low_open else '<='} "
     right = "" if high is None else f" {'<' if high_open else '<='} {high}"
@@ -141,13 +141,6 @@ def _all_within(vec: Tensor, low: float | None, high: float | None) -> bool:
     return ok
 
 
-def _bounds_text(name: str, low: float | None, high: float | None) -> str:
-    """The expected values as written in a message: ``low <= name <= high`` or finite."""
-    left = "" if low is None else f"{low} <= "
-    right = "" if high is None else f" <= {high}"
-    return f"{left}{name}{right}" if left or right else "finite numbers"
-
-
 def as_task_vector(name: str, value: Sequence[float] | Tensor, num_tasks: int | None = None,
                    low: float | None = None, high: float | None = None) -> Tensor:
     """A per-task setting: one finite number per task ``[K]`` (float64 copy), optionally
@@ -158,9 +151,9 @@ def as_task_vector(name: str, value: Sequence[float] | Tensor, num_tasks: int | 
             f"Invalid {name}: shape {tuple(vec.shape)} (expected a 1-D list of K numbers)"
         )
     if not _all_within(vec, low, high):
-        raise ValueError(
-            f"Invalid {name}: {vec.tolist()} (expected {_bounds_text(name, low, high)})"
-        )
+        bounded = low is not None or high is not None
+        expected = _range_text(name, low, high) if bounded else "finite numbers"
+        raise ValueError(f"Invalid {name}: {vec.tolist()} (expected {expected})")
     if num_tasks is not None and vec.numel() != num_tasks:
         raise ValueError(
             f"Invalid {name}: {vec.numel()} values but num_tasks={num_tasks} (expected one "

@@ -1,11 +1,8 @@
 """Checkpoints of a whole balanced training run: resume bit-identically.
 
-Everything stateful is saved by name: the model, the optimizer, the ``GradScaler``, the
-balancer, a loss weighting, clippers (:class:`~gradbalance.AutoClip`), loggers
-(:class:`~gradbalance.RunningStats`), any ``torch.Generator``, and the global random states
-(torch CPU and CUDA, Python's ``random``, NumPy's legacy global generator when NumPy is
-installed). A run saved after N steps and loaded into freshly built objects continues exactly
-as the uninterrupted run would have.
+Every stateful object (model, optimizer, ``GradScaler``, balancer, weighting, clippers,
+loggers, any ``torch.Generator``) is saved by name with the global random states (torch CPU
+and CUDA, ``random``, NumPy's): a run loaded into fresh objects continues exactly.
 
 Example:
     >>> import io
@@ -49,14 +46,8 @@ from typing import IO, Any
 import torch
 
 __all__ = [
-    "CheckpointError",
-    "CheckpointNotFoundError",
-    "capture_state",
-    "get_rng_state",
-    "load_checkpoint",
-    "restore_state",
-    "save_checkpoint",
-    "set_rng_state",
+    "CheckpointError", "CheckpointNotFoundError", "capture_state", "get_rng_state",
+    "load_checkpoint", "restore_state", "save_checkpoint", "set_rng_state",
 ]
 
 _FORMAT = 1
@@ -424,26 +415,19 @@ def _write_synced(temp: str, checkpoint: dict[str, Any]) -> None:
 
 
 def _copy_mode(target: str, temp: str) -> None:
-    """The new file keeps the permissions of the file it replaces."""
-    try:
-        mode = stat.S_IMODE(os.stat(target).st_mode)
-    except FileNotFoundError:
-        return
-    os.chmod(temp, mode)
+    """The new file keeps the permissions of the file it replaces (if any)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.chmod(temp, stat.S_IMODE(os.stat(target).st_mode))
 
 
 def _sync_folder(folder: str) -> None:
     """``fsync`` the folder, so the rename is on disk too (skipped where the OS refuses)."""
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def load_checkpoint(

@@ -25,16 +25,9 @@ if TYPE_CHECKING:
     from .weighting import LossWeighting
 
 __all__ = [
-    "LOCAL",
-    "RankAgreementError",
-    "all_reduce_grads_",
-    "all_reduce_mean_",
-    "assert_same_across_ranks",
-    "broadcast_generator_",
-    "broadcast_parameters_",
-    "ddp_no_sync",
-    "gathered_parameters",
-    "sync_weighting_",
+    "LOCAL", "RankAgreementError", "all_reduce_grads_", "all_reduce_mean_",
+    "assert_same_across_ranks", "broadcast_generator_", "broadcast_parameters_", "ddp_no_sync",
+    "gathered_parameters", "sync_weighting_",
 ]
 
 #: Pass ``process_group=LOCAL`` to a :class:`TaskGradBuffer` to turn the reduction off.
@@ -272,12 +265,6 @@ def all_reduce_mean_(tensors: Sequence[Tensor], group: Any = None) -> None:
     if group is None or not tensors:
         return
     _finish_mean(_launch_mean(tensors, group), dist.get_world_size(group))
-
-
-def all_reduce_task_gradients_(matrix: Tensor, group: Any = None) -> Tensor:
-    """``G ← (1/n) Σ_r G_r`` in place: one collective over the ``[K, P]`` buffer."""
-    all_reduce_mean_([matrix], group)
-    return matrix
 
 
 def _grads_of(params: Iterable[Tensor]) -> list[Tensor]:
