@@ -257,10 +257,8 @@ def _finish_mean(pending: list[tuple[Any, Tensor, list[Tensor]]], size: int) -> 
 
 
 def all_reduce_mean_(tensors: Sequence[Tensor], group: Any = None) -> None:
-    """Replace every tensor by its mean over the ranks, in place, bucketed by dtype/device.
-
-    Unchecked: every rank must pass tensors of the same shapes, dtypes and order.
-    """
+    """Replace every tensor by its mean over the ranks, in place, bucketed by dtype/device
+    (unchecked: every rank must pass tensors of the same shapes, dtypes and order)."""
     group = resolve_process_group(group)
     if group is None or not tensors:
         return
@@ -294,11 +292,8 @@ def all_reduce_grads_(params: Iterable[Tensor], group: Any = None) -> None:
 def all_reduce_grads_and_losses_(
     params: Sequence[Tensor], losses: Tensor, group: Any, matrix: Tensor | None = None
 ) -> Tensor:
-    """Average ``.grad`` of ``params`` in place and return the mean losses, in one bucket.
-
-    With ``matrix`` (a step's ``G``), ``G`` is averaged too, in its own collective in flight
-    with the bucket. ``group`` must already be resolved (not None).
-    """
+    """Average ``.grad`` of ``params`` in place and return the mean losses, in one bucket; with
+    ``matrix`` (a step's ``G``), ``G`` too, in a second collective. ``group``: resolved."""
     mean_losses = losses.detach().clone()
     pending = [] if matrix is None else _launch_mean([matrix], group)
     pending += _launch_mean([*_grads_of(params), mean_losses], group)
@@ -307,10 +302,8 @@ def all_reduce_grads_and_losses_(
 
 
 def all_gather_columns(matrix: Tensor, group: Any, mode: str = "features") -> Tensor:
-    """``[K, n]`` on every rank -> ``[K, W·n]``, the ranks' columns side by side in rank order
-    (the full batch's per-sample quantities). Another ``n`` on some rank raises on every rank,
-    naming ``mode``. ``group`` must be resolved.
-    """
+    """``[K, n]`` on every rank -> ``[K, W·n]``, the ranks' columns side by side in rank order;
+    another ``n`` on some rank raises on every rank, naming ``mode``. ``group``: resolved."""
     found = [row[0] for row in _gather_ints([matrix.shape[1]], group,
                                             f"TaskGradBuffer.apply_() ({mode} mode)")]
     if len(set(found)) > 1:

@@ -69,12 +69,8 @@ def _scale_rows(part: Tensor, owned: bool, size: Tensor) -> tuple[Tensor, Tensor
 
 
 def _plain_is_exact(max_abs: Tensor, n: int) -> bool:
-    """Whether ``U Uᵀ`` of these rows, unscaled, neither over- nor underflows (CPU only: a
-    free host read there skips the scaled copy; other devices always scale).
-
-    Safe when every finite non-zero row's largest entry ``m`` has ``n m² ≤ max/4`` and
-    ``m² ≥ n·tiny/eps`` (flushed products change no entry by more than ``eps m_i m_j``).
-    """
+    """Whether ``U Uᵀ`` of rows of largest entries ``m``, unscaled, is exact: ``n m² ≤ max/4``
+    and ``m² ≥ n·tiny/eps`` (CPU only, where the host read is free; other devices scale)."""
     if max_abs.device.type != "cpu":
         return False
     info = torch.finfo(max_abs.dtype)

@@ -114,11 +114,8 @@ def build_stats(
     shard: Shard | None = None,
     **fields: Any,
 ) -> StepStats:
-    """The :class:`StepStats` of a refresh step from its Gramian ``[K, K]`` (float64).
-
-    On a non-finite step the norms are the Gramian's (inf/NaN where a row is), the cosines
-    and the update norm NaN, and no weights are reported.
-    """
+    """The :class:`StepStats` of a refresh step from its Gramian ``[K, K]`` (float64); on a
+    non-finite step the norms are the Gramian's, the cosines and update norm NaN, no weights."""
     if finite:
         norms, cosine, cos_update, update_norm = stats_from_gramian(
             gram, matrix, update, weights, shard
