@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from ._pickling import PicklableGenerators
 from ._state_spec import StateSpec
-from ._statedict import TYPE_KEY, check_keys, check_saved_type
+from ._statedict import TYPE_KEY, check_keys, check_saved_type, tag_state
 
 #: The key of a module's extra state in its ``state_dict`` (``torch.nn.Module``'s).
 EXTRA_KEY = "_extra_state"
@@ -113,7 +113,7 @@ class StateModule(PicklableGenerators, nn.Module):
     # -- nn.Module hooks ----------------------------------------------------------------
     def get_extra_state(self) -> dict[str, Any]:
         """``"_type"`` (the class name) and the non-tensor state."""
-        return {TYPE_KEY: type(self).__name__, **self._extra_state()}
+        return tag_state(self, self._extra_state())
 
     def set_extra_state(self, state: Any) -> None:
         """Restore :meth:`get_extra_state` output (checked first)."""

@@ -61,10 +61,8 @@ class PicklableGenerators:
 
 def unshare_tensors(root: Any) -> int:
     """Give every CPU tensor reachable from ``root`` that lives in shared memory its own copy
-    (``t.data`` replaced by a clone, the tensor objects kept); returns how many were copied.
-
-    Lightning unshares the modules' parameters and buffers only; this unshares the rest.
-    """
+    (``t.data`` replaced by a clone, the tensor objects kept; Lightning unshares the modules'
+    parameters and buffers only); returns how many were copied."""
     seen: set[int] = set()
     stack = [root]
     copied = 0

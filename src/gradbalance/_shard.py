@@ -128,20 +128,14 @@ def full_gramian(matrix: Tensor, shard: Shard | None = None) -> Tensor:
     return gram if shard is None else shard.sum(gram)
 
 
-def sharded_row_norms(matrix: Tensor, shard: Shard) -> Tensor:
-    """``‖gₖ‖`` ``[K]`` (float64) of the full rows, from the local columns and one reduce
-    (scale-safe: squares summed on :func:`~gradbalance.gramian.unit_rows`)."""
-    unit, scale = unit_rows(matrix)
-    local = unit.pow(2).sum(dim=1, dtype=torch.float64) * scale * scale
-    return shard.sum(local).clamp_min(0).sqrt()
-
-
 def sharded_unit_rows(matrix: Tensor, shard: Shard) -> tuple[Tensor, Tensor, Tensor]:
     """``(U, s, n)``: the local columns ``= diag(s) U`` with ``s = 2**e`` chosen from the FULL
     rows' norms ``n`` ``[K]`` (float64, one reduce), so ``‖Uₖ‖ = nₖ / sₖ ∈ [0.5, 1)`` over all
     ranks and every rank scales a row alike (the sharded :func:`~gradbalance.gramian.unit_rows`).
     """
-    norms = sharded_row_norms(matrix, shard)
+    local_unit, local_scale = unit_rows(matrix)  # the local squares, summed scale-safe
+    squares = local_unit.pow(2).sum(dim=1, dtype=torch.float64) * local_scale * local_scale
+    norms = shard.sum(squares).clamp_min(0).sqrt()
     part = matrix.to(_work_dtype(matrix.dtype))
     unit, scale = _scale_rows(part, part is not matrix, norms)
     return unit, scale, norms

@@ -60,11 +60,9 @@ def _sum_over(group: Any) -> Any:
 
 
 class ShardedLayout:
-    """The local ``[K, P_local]`` columns of a trunk of ``DTensor`` parameters, each sharded on
-    dim 0 over one 1-D mesh (as ``fully_shard`` makes them).
-
-    ``local_shapes[i]``, ``offsets[i]``, ``sizes[i]``: this rank's part of ``params[i]`` and
-    where it sits in the local flat axis; :attr:`shard`: the columns and the sum over the mesh.
+    """The local ``[K, P_local]`` columns of a trunk of ``DTensor`` parameters sharded on dim 0
+    over one 1-D mesh: ``local_shapes[i]``, ``offsets[i]``, ``sizes[i]`` place this rank's part
+    of ``params[i]`` in the local flat axis; :attr:`shard`: the columns and the sum over ranks.
     """
 
     def __init__(self, params: Iterable[Tensor]) -> None:

@@ -38,12 +38,9 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def unit_rows(matrix: Tensor) -> tuple[Tensor, Tensor]:
-    """``(U, s)``: ``matrix = diag(s) U``, each row's largest ``|entry|`` in ``[0.5, 1)``.
-
-    ``s = 2**e`` ``[K]`` (float64): exact. ``U``: a new float32 tensor (float64 input:
-    float64). A zero row keeps ``s = 1``; ``e`` is clamped so that ``2**±e`` stays normal in
-    ``U``'s dtype. Non-finite rows stay non-finite.
-    """
+    """``(U, s)``: ``matrix = diag(s) U``, each row's largest ``|entry|`` in ``[0.5, 1)``, with
+    ``s = 2**e`` ``[K]`` (float64, exact; 1 for a zero row, ``e`` clamped so that ``2**±e`` is
+    normal) and ``U`` a new float32 tensor (float64 input: float64)."""
     part = matrix.to(_work_dtype(matrix.dtype))
     if part.shape[1] == 0:
         return part.clone(), torch.ones(part.shape[0], dtype=torch.float64, device=part.device)

@@ -76,11 +76,9 @@ def stats_from_gramian(
     weights: Tensor | None,
     shard: Shard | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(task_norms, cosine, cosine_to_update, update_norm)`` in float64.
-
-    With weights, ``G g = (G Gᵀ) w`` and ``‖g‖² = wᵀ G Gᵀ w`` cost O(K²); otherwise one ``G g``
-    over the matrix (with ``shard``, a rank's columns, summed over the ranks in one reduce).
-    """
+    """``(task_norms, cosine, cosine_to_update, update_norm)`` in float64: O(K²) from weights
+    (``G g = (G Gᵀ) w``), else one ``G g`` over the matrix (a rank's columns, summed, with
+    ``shard``)."""
     norms = torch.diagonal(gram).clamp_min(0).sqrt()
     cosine = cosine_matrix(gram)
     if weights is not None:
