@@ -3,8 +3,9 @@
 Every state tensor is declared once (:meth:`StateModule.register_state`), which generates
 ``reset()``, the load checks and the call's task check; everything else a resume needs is the
 module's extra state, tagged with the class that saved it. A load is checked whole, submodules
-included, before anything changes (docs/ARCHITECTURE.md, "Extension contract"; docs/loop.md,
-"Checkpoints").
+included, before anything changes; loaded inside a parent module, a refusal is one of the
+parent's ``load_state_dict`` error messages (docs/ARCHITECTURE.md, "Extension contract";
+docs/loop.md, "Checkpoints").
 """
 
 from __future__ import annotations
