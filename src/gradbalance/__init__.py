@@ -1,9 +1,7 @@
 """gradbalance: balance the task gradients of a multitask PyTorch model in your own loop.
 
-The top level holds what a training loop uses: the step (:class:`TaskGradBuffer`,
-:func:`balanced_backward`, :class:`StepStats`), the base classes to subclass
-(:class:`Balancer`, :class:`LossWeighting`, :class:`RowClipper`), the registries, the
-everyday clippers, logging, checkpoints and the data-parallel helpers. The methods live in
+The top level holds what a training loop uses (the step, the base classes, the registries,
+the everyday clippers, logging, checkpoints, the data-parallel helpers); the methods live in
 :mod:`gradbalance.balancers` and :mod:`gradbalance.weighting`, every clipper in
 :mod:`gradbalance.clip`, the pure kernels in :mod:`gradbalance.functional`.
 
@@ -45,44 +43,12 @@ from .taskgrads import task_gradients
 from .weighting import WEIGHTINGS, LossWeighting, get_weighting
 
 __all__ = [
-    "AGC",
-    "BALANCERS",
-    "WEIGHTINGS",
-    "AutoClip",
-    "Balancer",
-    "CSVLogger",
-    "Combination",
-    "LossWeighting",
-    "NonFiniteGradientError",
-    "RowClipper",
-    "RunningStats",
-    "SolverError",
-    "StepStats",
-    "TaskAutoClip",
-    "TaskClip",
-    "TaskGradBuffer",
-    "TaskValueClip",
-    "__version__",
-    "assert_same_across_ranks",
-    "balanced_backward",
-    "balancers",
-    "broadcast_generator_",
-    "broadcast_parameters_",
-    "capture_state",
-    "clip",
-    "ddp_no_sync",
-    "distributed",
-    "functional",
-    "get_balancer",
-    "get_weighting",
-    "load_checkpoint",
-    "log_stats",
-    "modes",
-    "restore_state",
-    "save_checkpoint",
-    "stats_to_dict",
-    "summary_writer",
-    "sync_weighting_",
-    "task_gradients",
+    "AGC", "BALANCERS", "WEIGHTINGS", "AutoClip", "Balancer", "CSVLogger", "Combination",
+    "LossWeighting", "NonFiniteGradientError", "RowClipper", "RunningStats", "SolverError",
+    "StepStats", "TaskAutoClip", "TaskClip", "TaskGradBuffer", "TaskValueClip", "__version__",
+    "assert_same_across_ranks", "balanced_backward", "balancers", "broadcast_generator_",
+    "broadcast_parameters_", "capture_state", "clip", "ddp_no_sync", "distributed", "functional",
+    "get_balancer", "get_weighting", "load_checkpoint", "log_stats", "modes", "restore_state",
+    "save_checkpoint", "stats_to_dict", "summary_writer", "sync_weighting_", "task_gradients",
     "weighting",
 ]

@@ -1,20 +1,9 @@
 """Mixed precision in the balanced step: the one place that reads the loss scale, unscales
-and decides whether a step is finite (``docs/loop.md``, mixed precision).
+and decides whether a step is finite (docs/loop.md, "Mixed precision").
 
-A ``GradScaler`` multiplies every loss by one scale ``s``; every task gradient is then ``s``
-times too large. The step divides the task gradients (or their Gramian, by ``s²``) before
-norms, clipping and balancing, and writes the update back multiplied by ``s`` again, so that
-``scaler.unscale_``, ``clip_grad_norm_`` and ``scaler.step`` work unchanged.
-
-Host syncs: ``bool(finite)`` before the balancer (whether it may run is a Python decision;
-a balancer with state must not see inf/NaN), and once more after it, on the update about to
-be written (:func:`finite_update`): ``StepStats.found_inf`` is True exactly when a
-``GradScaler`` will skip the step. With data parallelism each flag is agreed over the ranks
-first, so every rank takes the same branch.
-
-The contract with the scaler: on a step with ``found_inf`` every ``.grad`` the step wrote
-holds inf or NaN (:func:`poison_`), so that ``scaler.step`` skips every optimizer and
-``scaler.update`` lowers the scale; on any other step the balanced update was written, finite.
+The step divides the task gradients by the scale ``s`` (their Gramian by ``s²``) before
+clipping and balancing and writes the update back times ``s``; on a step with ``found_inf``
+every ``.grad`` it wrote holds inf or NaN (:func:`poison_`), so that ``scaler.step`` skips.
 """
 
 from __future__ import annotations
@@ -39,11 +28,8 @@ __all__ = [
 
 
 def no_autocast(device: torch.device) -> contextlib.AbstractContextManager[Any]:
-    """Autocast off on ``device``: gradient arithmetic stays in the gradients' dtype.
-
-    Under autocast a GEMM on float32 gradients would run in float16/bfloat16 (losing the
-    Gramian's precision) and its result could not be written into a float32 ``.grad``.
-    """
+    """Autocast off on ``device``: gradient arithmetic stays in the gradients' dtype (an
+    autocast GEMM would lose the Gramian's precision and not fit a float32 ``.grad``)."""
     if torch.amp.is_autocast_available(device.type):
         return torch.autocast(device.type, enabled=False)
     return contextlib.nullcontext()
@@ -67,13 +53,9 @@ def grads_finite(params: Sequence[Tensor]) -> Tensor:
 
 def unscaled_gramian(scale: Tensor | None, *, matrix: Tensor | None = None,
                      gramian: Tensor | None = None, shard: Shard | None = None) -> Tensor:
-    """The true Gramian ``[K, K]`` (float64) of a step's task gradients.
-
-    ``matrix``: the ``[K, ·]`` rows of the scaled losses, divided by ``s`` in place (the
-    balancer then sees true rows) before their Gramian is taken; with ``shard``, a rank's
-    columns, whose partial Gramians are summed over the ranks (``shard.sum``). ``gramian``:
-    the Gramian of the scaled losses, divided by ``s²``.
-    """
+    """The true Gramian ``[K, K]`` (float64) of a step's task gradients: of ``matrix`` (the
+    scaled rows, divided by ``s`` in place; with ``shard``, a rank's columns), or ``gramian``
+    (the scaled one) divided by ``s²``."""
     if matrix is not None:
         if scale is not None:
             matrix.div_(scale.to(matrix.dtype))
@@ -82,21 +64,20 @@ def unscaled_gramian(scale: Tensor | None, *, matrix: Tensor | None = None,
     return gramian if scale is None else gramian / scale.double() ** 2
 
 
+def _agreed(flag: Tensor, group: Any) -> bool:
+    """``flag`` read on the host, True only if it is True on every rank of ``group``."""
+    return bool(flag if group is None else all_ranks_true(flag, group))
+
+
 def finite_step(gramian: Tensor, scale: Tensor | None, head_params: Sequence[Tensor],
                 group: Any) -> bool:
-    """Whether the balancer may run this step (one host sync).
-
-    The Gramian's diagonal covers every task gradient (a non-finite entry in row ``k`` makes
-    ``gramian[k, k]`` inf or NaN: O(K), not O(K·P)). Under a scaler the heads' ``.grad``
-    count too: the scaler skips a step on which any of them overflowed, so the balancer must
-    not update its state then either. With a process group the ranks agree first.
-    """
+    """Whether the balancer may run this step (one host sync, agreed over the ranks): the
+    Gramian's diagonal and, under a scaler (which skips a step whose heads overflowed), the
+    heads' ``.grad``."""
     flag = is_finite_gramian(gramian)
     if scale is not None and head_params:
         flag = flag & grads_finite(head_params)
-    if group is not None:
-        flag = all_ranks_true(flag, group)
-    return bool(flag)
+    return _agreed(flag, group)
 
 
 def finite_update(bound: Tensor, factor: Tensor | None, dtype: torch.dtype, group: Any,
@@ -110,17 +91,12 @@ def finite_update(bound: Tensor, factor: Tensor | None, dtype: torch.dtype, grou
     flag = top <= torch.finfo(dtype).max  # False for inf and NaN
     if heads:
         flag = flag & grads_finite(heads).to(flag.device)
-    if group is not None:
-        flag = all_ranks_true(flag, group)
-    return bool(flag)
+    return _agreed(flag, group)
 
 
 def poison_(grads: Sequence[Tensor | None]) -> None:
-    """Make every gradient non-finite: NaN in each one that holds no inf/NaN yet (no host sync).
-
-    The written gradients of a skipped step, so that ``scaler.step`` skips whichever optimizer
-    holds them; one left finite would let its optimizer step on an unbalanced update.
-    """
+    """Make every gradient of a skipped step non-finite (NaN in each one still finite, no host
+    sync), so that ``scaler.step`` skips whichever optimizer holds one."""
     for g in grads:
         if g is not None:
             g = local_of(g)

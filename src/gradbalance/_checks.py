@@ -1,19 +1,10 @@
-"""Every argument check of the package, in one house style.
+"""Every argument check of the package, in one house style (docs/ARCHITECTURE.md, "Modules").
 
-This module is the bottom layer (docs/ARCHITECTURE.md, "Layers"): it imports nothing of the
-package, so a check of a higher layer's objects lives with them
-(:func:`gradbalance.balancers._checks.check_balancer`,
-:func:`gradbalance.clip._checks.check_row_clipper`) in the same style.
-
-A check is ``check_<what>(name, value, ...)``: the argument's name, the value given, then the
-bounds or options; it returns the validated value. A converter, ``as_<what>(name, value, ...)``,
-takes the same order and returns the converted value (a tensor, a list). Every message names
-the argument, shows the value found and says what to pass instead::
+The bottom layer: it imports nothing of the package. ``check_<what>(name, value, ...)``
+returns the validated value, ``as_<what>(name, value, ...)`` the converted one; every message
+names the argument, shows the value found and says what to pass instead::
 
     Invalid beta: 1.5 (expected 0.0 <= beta < 1.0)
-
-Shapes follow :mod:`gradbalance._types`: ``K`` tasks, ``P`` shared parameters, the task-gradient
-matrix ``G`` ``[K, P]``.
 """
 
 from __future__ import annotations
@@ -35,8 +26,8 @@ def _in_range(value: float, low: float | None, high: float | None, low_open: boo
     return high is None or (value < high if high_open else value <= high)
 
 
-def _range_text(name: str, low: float | None, high: float | None, low_open: bool,
-                high_open: bool) -> str:
+def _range_text(name: str, low: float | None, high: float | None, low_open: bool = False,
+                high_open: bool = False) -> str:
     """The expected range as written in a message, e.g. ``0.0 <= beta < 1.0``."""
     left = "" if low is None else f"{low} {'<' if low_open else '<='} "
     right = "" if high is None else f" {'<' if high_open else '<='} {high}"
@@ -92,9 +83,8 @@ def check_num_tasks(name: str, value: int) -> int:
 
 def check_optional_num_tasks(name: str, value: int | None) -> int | None:
     """None (inferred later) or the number of tasks ``K`` (:func:`check_num_tasks`)."""
-    if value is None:
-        return None
-    return check_positive_int(name, value, ", the number of tasks K, or None to infer it")
+    return None if value is None else check_positive_int(
+        name, value, ", the number of tasks K, or None to infer it")
 
 
 def check_norm_type(name: str, value: float) -> float:
@@ -151,29 +141,19 @@ def _all_within(vec: Tensor, low: float | None, high: float | None) -> bool:
     return ok
 
 
-def _bounds_text(name: str, low: float | None, high: float | None) -> str:
-    """The expected values as written in a message: ``low <= name <= high`` or finite."""
-    left = "" if low is None else f"{low} <= "
-    right = "" if high is None else f" <= {high}"
-    return f"{left}{name}{right}" if left or right else "finite numbers"
-
-
 def as_task_vector(name: str, value: Sequence[float] | Tensor, num_tasks: int | None = None,
                    low: float | None = None, high: float | None = None) -> Tensor:
-    """One finite number per task ``[K]`` (float64 copy), optionally within ``[low, high]``.
-
-    With ``num_tasks`` the length must be ``K``. Used for per-task settings given at
-    construction (fixed weights, leaks, preference vectors).
-    """
+    """A per-task setting: one finite number per task ``[K]`` (float64 copy), optionally
+    within ``[low, high]``; with ``num_tasks`` the length must be ``K``."""
     vec = torch.as_tensor(value, dtype=torch.float64).detach().clone()
     if vec.dim() != 1 or vec.numel() == 0:
         raise ValueError(
             f"Invalid {name}: shape {tuple(vec.shape)} (expected a 1-D list of K numbers)"
         )
     if not _all_within(vec, low, high):
-        raise ValueError(
-            f"Invalid {name}: {vec.tolist()} (expected {_bounds_text(name, low, high)})"
-        )
+        bounded = low is not None or high is not None
+        expected = _range_text(name, low, high) if bounded else "finite numbers"
+        raise ValueError(f"Invalid {name}: {vec.tolist()} (expected {expected})")
     if num_tasks is not None and vec.numel() != num_tasks:
         raise ValueError(
             f"Invalid {name}: {vec.numel()} values but num_tasks={num_tasks} (expected one "
@@ -237,10 +217,8 @@ def _stacked_losses(name: str, value: Sequence[Tensor]) -> Tensor:
 
 def as_loss_vector(name: str, value: Tensor | Sequence[Tensor],
                    num_tasks: int | None = None) -> Tensor:
-    """The task losses as a 1-D tensor ``[K]`` that keeps the autograd graph.
-
-    Accepts a 1-D tensor or a list/tuple of scalar tensors (batch means).
-    """
+    """The task losses (a 1-D tensor or a list of scalar tensors) as a 1-D tensor ``[K]`` that
+    keeps the autograd graph."""
     if isinstance(value, Tensor):
         vector = _loss_tensor(name, value)
     elif isinstance(value, (list, tuple)):
@@ -259,10 +237,8 @@ def as_loss_vector(name: str, value: Tensor | Sequence[Tensor],
 
 
 def check_nonnegative_losses(name: str, value: Tensor, method: str) -> Tensor:
-    """Finite losses must be ``>= 0`` for ``method`` (inf/NaN pass: the step is skipped).
-
-    One host sync.
-    """
+    """Finite losses must be ``>= 0`` for ``method`` (inf/NaN pass: the step is skipped);
+    one host sync."""
     finite = value.detach()[torch.isfinite(value.detach())]
     if bool((finite < 0).any()):
         raise ValueError(

@@ -1,28 +1,11 @@
 """The ``nn.Module`` base of balancers and loss weightings: declared state, atomic loads.
 
-Every state tensor is declared once with :meth:`StateModule.register_state`: a persistent
-buffer (in ``state_dict``, moved by ``.to()``) or an ``nn.Parameter`` the user's optimizer
-trains. The declaration (:class:`~gradbalance._state_spec.StateSpec`) generates ``reset()``,
-the checks of a loaded value (shape, number of tasks) and the check that a call's input still
-has the tasks the state tracks. Everything else a resume needs (generator states, Python
-counters, an internal optimizer's state and ``"_type"``, the class that saved the state) is
-the module's *extra state*. A state that is None until the first call (an EMA, a warm start:
-``optional=True``) is absent from ``state_dict`` while None, and an absent key loads as None.
-
-State is replaced, never edited in place (``self._ema = new``, not ``self._ema.mul_(…)``): a
-failed training step puts the object back from a snapshot of references
-(``modes/_rollback.py``). Tensors an optimizer steps in place (parameters, buffers with
-``requires_grad``) are the exception: ``reset()`` and loads copy into them, keeping their
-identity.
-
-Loads are all or nothing: :meth:`StateModule.load_state_dict` checks the class, the keys, the
-shapes, the number of tasks (the ``num_tasks`` setting, else the state tracked now, else the
-first loaded per-task entry: every entry must agree; the loaded states shaped like the
-rows agree on P), finite values and the extra state of the object and of its stateful
-submodules (CR-MOGM's inner balancer) first and raises ``ValueError`` before anything
-changes. Loaded as part of a parent module, the same checks run before the object's first
-tensor is copied; a refusal is then one of ``load_state_dict``'s error messages and leaves
-the object (and its stateful submodules) as they were.
+Every state tensor is declared once (:meth:`StateModule.register_state`), which generates
+``reset()``, the load checks and the call's task check; everything else a resume needs is the
+module's extra state, tagged with the class that saved it. A load is checked whole, submodules
+included, before anything changes; loaded inside a parent module, a refusal is one of the
+parent's ``load_state_dict`` error messages (docs/ARCHITECTURE.md, "Extension contract";
+docs/loop.md, "Checkpoints").
 """
 
 from __future__ import annotations
@@ -35,7 +18,7 @@ from torch import Tensor, nn
 
 from ._pickling import PicklableGenerators
 from ._state_spec import StateSpec
-from ._statedict import TYPE_KEY, check_keys, check_saved_type
+from ._statedict import TYPE_KEY, check_keys, check_saved_type, tag_state
 
 #: The key of a module's extra state in its ``state_dict`` (``torch.nn.Module``'s).
 EXTRA_KEY = "_extra_state"
@@ -45,12 +28,8 @@ _UNDECLARED = StateSpec(None)
 
 class StateModule(PicklableGenerators, nn.Module):
     """``nn.Module`` whose state is declared, loads all or nothing, and is tagged with the
-    class that saved it.
-
-    A subclass declares its tensor state with :meth:`register_state`, lists the keys of its
-    extra state in ``_extra_keys`` and implements :meth:`_extra_state` / :meth:`_load_extra`
-    (and :meth:`_check_state` for checks across entries).
-    """
+    class that saved it; extra state: ``_extra_keys``, :meth:`_extra_state`, :meth:`_load_extra`
+    (and :meth:`_check_state` for checks across entries)."""
 
     #: What the object is, in messages ("balancer", "weighting").
     _kind: ClassVar[str] = "object"
@@ -68,12 +47,9 @@ class StateModule(PicklableGenerators, nn.Module):
                        persistent: bool = True, finite: bool = True) -> None:
         """Declare a state tensor (a buffer; an ``nn.Parameter`` is registered as one).
 
-        ``default``: its value now and after :meth:`reset` (None needs ``optional``);
-        ``optional``: may be None (absent from the state); ``shape``: the shape a loaded
-        optional value must have (default: any; a required one keeps its current shape);
-        ``per_task``: one entry per task along ``task_dim``; ``like_rows``: the shape of the
-        task-gradient rows ``[K, P]``; ``persistent=False``: not saved, only reset;
-        ``finite=False``: a loaded value may hold inf/NaN (by default a load refuses them).
+        ``default``: its value now and after :meth:`reset` (None needs ``optional``); the
+        other arguments are :class:`~gradbalance._state_spec.StateSpec`'s (``per_task``: one
+        entry per task along ``task_dim``).
         """
         if default is None and not optional:
             raise ValueError(f"Invalid default for state {name!r}: None (expected a tensor, "
@@ -108,9 +84,8 @@ class StateModule(PicklableGenerators, nn.Module):
                 child.reset()
 
     def check_tracked_tasks(self, k: int, rows: Tensor | None = None) -> None:
-        """Raise ``ValueError`` (nothing changed) when the per-task state of this object or
-        of its stateful submodules tracks another number of tasks than ``k``, or state shaped
-        like the rows another shape than ``rows``."""
+        """Raise ``ValueError`` (nothing changed) when the per-task state of this object or its
+        stateful submodules tracks another K than ``k``, or another shape than ``rows``."""
         for name, spec in self._state_specs.items():
             if spec.task_dim is not None:
                 value = self._buffers.get(name, self._parameters.get(name))
@@ -139,7 +114,7 @@ class StateModule(PicklableGenerators, nn.Module):
     # -- nn.Module hooks ----------------------------------------------------------------
     def get_extra_state(self) -> dict[str, Any]:
         """``"_type"`` (the class name) and the non-tensor state."""
-        return {TYPE_KEY: type(self).__name__, **self._extra_state()}
+        return tag_state(self, self._extra_state())
 
     def set_extra_state(self, state: Any) -> None:
         """Restore :meth:`get_extra_state` output (checked first)."""
@@ -161,8 +136,7 @@ class StateModule(PicklableGenerators, nn.Module):
         """Restore ``state_dict()`` output; works on a freshly built object.
 
         Raises ``ValueError``, changing nothing, for a state saved by another class, with
-        unknown or missing keys, or with tensors of another shape or number of tasks (than
-        the object's setting or the state it tracks now) or holding inf/NaN.
+        unknown or missing keys, or with tensors of another shape or K, or holding inf/NaN.
         """
         if not isinstance(state_dict, Mapping):
             raise ValueError(
@@ -244,7 +218,7 @@ class StateModule(PicklableGenerators, nn.Module):
                         ) -> tuple[int | None, tuple[int, ...] | None]:
         """The K a load must keep (the ``num_tasks`` setting, else the current state's, else
         the first loaded entry's) and the ``[K, P]`` shape of the first loaded state like the
-        rows (P is the parameters', not a setting: only the loaded entries must agree)."""
+        rows (the loaded entries must agree on P)."""
         current = {**self._buffers, **self._parameters}
         k: int | None = self.__dict__.get("num_tasks")
         for values in (current, loaded):

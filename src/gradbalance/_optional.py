@@ -10,10 +10,8 @@ __all__ = ["pyplot", "require"]
 
 def require(module: str, extra: str, needed_by: str, alternative: str | None = None
             ) -> ModuleType:
-    """Import ``module`` or raise an ``ImportError`` naming ``pip install gradbalance[extra]``.
-
-    ``needed_by`` says what wanted it; ``alternative`` how to do without it.
-    """
+    """Import ``module`` or raise an ``ImportError`` naming ``pip install gradbalance[extra]``,
+    what wanted it (``needed_by``) and how to do without it (``alternative``)."""
     try:
         return importlib.import_module(module)
     except ImportError as error:

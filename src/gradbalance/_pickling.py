@@ -1,15 +1,9 @@
 """Objects holding a ``torch.Generator`` that survive ``torch.multiprocessing``.
 
-``torch.multiprocessing`` (``mp.spawn``, Lightning's ``ddp_spawn``, DataLoader workers) sends
-arguments through a pickler that moves tensor storages into shared memory and passes file
-descriptors. A ``torch.Generator`` pickles its state as a temporary tensor, freed (and its
-descriptor closed) before the child reads it, so the child fails with "unable to resize
-file ... Invalid argument" and a balancer, weighting or clipper holding a generator would
-never reach the worker. :class:`PicklableGenerators` pickles every generator attribute as
-its device and its state as plain bytes, and rebuilds it on unpickling, so the random stream
-continues exactly. The same pickler also leaves every CPU tensor in shared memory, so the
-workers would update one state in place and race; unpickling gives the object's tensors
-their own memory (:func:`unshare_tensors`).
+Its pickler sends a generator's state as a temporary shared tensor, freed before the child
+(``mp.spawn``, ``ddp_spawn``) reads it: :class:`PicklableGenerators` pickles generators as
+their device and state bytes instead. It also leaves CPU tensors in shared memory, where the
+workers would race on one state: unpickling gives them their own (:func:`unshare_tensors`).
 """
 
 from __future__ import annotations
@@ -66,14 +60,9 @@ class PicklableGenerators:
 
 
 def unshare_tensors(root: Any) -> int:
-    """Give every CPU tensor reachable from ``root`` that lives in shared memory its own copy.
-
-    ``torch.multiprocessing`` moves every CPU tensor it pickles into shared memory, so the
-    worker processes of ``mp.spawn`` (Lightning's ``ddp_spawn``) would all update one balancer
-    state, one weighting, one optimizer state in place, racing each other. Lightning unshares
-    the modules' parameters and buffers only; this unshares the rest (``t.data`` replaced by a
-    clone, the tensor objects kept). Returns the number of tensors copied.
-    """
+    """Give every CPU tensor reachable from ``root`` that lives in shared memory its own copy
+    (``t.data`` replaced by a clone, the tensor objects kept; Lightning unshares the modules'
+    parameters and buffers only); returns how many were copied."""
     seen: set[int] = set()
     stack = [root]
     copied = 0

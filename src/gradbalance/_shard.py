@@ -1,13 +1,8 @@
 """A rank's columns of the task-gradient matrix under a sharded trunk (FSDP2).
 
-Under a trunk sharded with ``fully_shard`` every rank holds some columns of the single-process
-``[K, P]`` matrix ``G``: each parameter is split on dim 0, so a rank's columns are one run of
-consecutive flat indices per parameter. :class:`Shard` names those runs and the sum over
-ranks; :meth:`Balancer.combine` takes it so that the concatenation of every rank's
-output equals the single-process update (``docs/balancers.md``, "Sharded trunks").
-
-Everything global (Gramians, norms, sums over coordinates) goes through :attr:`Shard.reduce`;
-per-coordinate work and state stay local.
+Each rank holds one run of consecutive flat columns of ``G`` ``[K, P]`` per parameter;
+:class:`Shard` names those runs and the sum over ranks, through which everything global
+(Gramians, norms) goes (docs/balancers.md, "Sharded trunks").
 """
 
 from __future__ import annotations
@@ -19,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .gramian import _FLOAT_BITS, _pow2, _work_dtype, compute_gramian, unit_rows
+from .gramian import _scale_rows, _work_dtype, compute_gramian, unit_rows
 
 __all__ = ["Shard", "dim0_runs"]
 
@@ -109,9 +104,9 @@ class Shard:
 
 def dim0_runs(shapes: Sequence[Sequence[int]], rank: int, world_size: int
               ) -> tuple[tuple[int, int], ...]:
-    """FSDP2's runs: each parameter (in flat order) split on dim 0 into ``world_size`` chunks
-    of ``ceil(n / world_size)`` rows; rank ``r`` holds rows ``[r·c, min((r+1)·c, n))``,
-    possibly none. A 0-d parameter counts as one row."""
+    """FSDP2's runs: each parameter (in flat order) split on dim 0 into chunks of
+    ``c = ceil(n / world_size)`` rows, rank ``r`` holding rows ``[r·c, min((r+1)·c, n))``
+    (possibly none; a 0-d parameter counts as one row)."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
     runs, offset = [], 0
@@ -133,29 +128,14 @@ def full_gramian(matrix: Tensor, shard: Shard | None = None) -> Tensor:
     return gram if shard is None else shard.sum(gram)
 
 
-def sharded_row_norms(matrix: Tensor, shard: Shard) -> Tensor:
-    """``‖gₖ‖`` ``[K]`` (float64) of the full rows, from the local columns and one reduce.
-
-    Scale-safe as :func:`~gradbalance.gramian.unit_rows`: the local squares are summed on
-    rows scaled by a power of two and the factors restored in float64.
-    """
-    unit, scale = unit_rows(matrix)
-    local = unit.pow(2).sum(dim=1, dtype=torch.float64) * scale * scale
-    return shard.sum(local).clamp_min(0).sqrt()
-
-
 def sharded_unit_rows(matrix: Tensor, shard: Shard) -> tuple[Tensor, Tensor, Tensor]:
     """``(U, s, n)``: the local columns ``= diag(s) U`` with ``s = 2**e`` chosen from the FULL
     rows' norms ``n`` ``[K]`` (float64, one reduce), so ``‖Uₖ‖ = nₖ / sₖ ∈ [0.5, 1)`` over all
     ranks and every rank scales a row alike (the sharded :func:`~gradbalance.gramian.unit_rows`).
-
-    ``U`` is float32 (float64 input: float64); a zero row keeps ``s = 1``; ``e`` is clamped so
-    that ``2**±e`` stays normal in ``U``'s dtype.
     """
-    norms = sharded_row_norms(matrix, shard)
-    work = _work_dtype(matrix.dtype)
-    _, exponent = torch.frexp(norms)
-    bias = _FLOAT_BITS[work][0]
-    exponent = exponent.clamp(2 - bias, bias - 1)
-    unit = matrix.to(work) * _pow2(-exponent, work).unsqueeze(1)
-    return unit, _pow2(exponent, torch.float64), norms
+    local_unit, local_scale = unit_rows(matrix)  # the local squares, summed scale-safe
+    squares = local_unit.pow(2).sum(dim=1, dtype=torch.float64) * local_scale * local_scale
+    norms = shard.sum(squares).clamp_min(0).sqrt()
+    part = matrix.to(_work_dtype(matrix.dtype))
+    unit, scale = _scale_rows(part, part is not matrix, norms)
+    return unit, scale, norms

@@ -1,12 +1,5 @@
-"""A trunk sharded with FSDP2 (``torch.distributed.fsdp.fully_shard``): where each rank's
-columns of the task-gradient matrix lie (``docs/distributed.md``, "Sharded trunks").
-
-``fully_shard`` replaces every parameter by a ``DTensor`` split on dim 0 over a 1-D device
-mesh: rank ``r`` holds rows ``[r·c, min((r+1)·c, n))`` (``c = ⌈n / W⌉``) of each parameter, so
-its columns of the single-process ``[K, P]`` matrix are one run of consecutive flat indices per
-parameter. :class:`ShardedLayout` records those runs (the balancers' :class:`Shard`), the
-local offsets of each parameter in the ``[K, P_local]`` buffer, and the mesh's process group,
-over which partial Gramians and norms are summed.
+"""A trunk sharded with FSDP2 (``fully_shard``): where each rank's columns of the
+task-gradient matrix lie (docs/distributed.md, "Sharded trunks").
 """
 
 from __future__ import annotations
@@ -24,8 +17,7 @@ __all__ = ["ShardedLayout", "is_dtensor", "is_sharded", "local_of"]
 
 
 def is_dtensor(tensor: object) -> bool:
-    """Whether ``tensor`` is a ``DTensor`` (without importing torch.distributed.tensor when
-    distributed is unavailable)."""
+    """Whether ``tensor`` is a ``DTensor`` (False where torch.distributed is unavailable)."""
     if not dist.is_available():
         return False
     from torch.distributed.tensor import DTensor
@@ -42,11 +34,8 @@ def local_of(tensor: Tensor) -> Tensor:
 
 
 def is_sharded(params: Sequence[Tensor]) -> bool:
-    """Whether the parameters are ``DTensor``s (a trunk under ``fully_shard``).
-
-    A trunk mixing ``DTensor`` and plain parameters is refused: its plain parameters would get
-    each rank's own gradient, never averaged.
-    """
+    """Whether the parameters are ``DTensor``s (a trunk under ``fully_shard``); a mix is
+    refused (its plain parameters would get each rank's own gradient, never averaged)."""
     flags = [is_dtensor(p) for p in params]
     if any(flags) and not all(flags):
         plain = [i for i, f in enumerate(flags) if not f]
@@ -71,12 +60,9 @@ def _sum_over(group: Any) -> Any:
 
 
 class ShardedLayout:
-    """The local ``[K, P_local]`` columns of a trunk of ``DTensor`` parameters.
-
-    ``params``: the trunk's parameters, each a ``DTensor`` sharded on dim 0 (``Shard(0)``)
-    over one 1-D mesh, as ``fully_shard`` makes them. ``local_shapes[i]``: rank's part of
-    ``params[i]``; ``offsets``/``sizes``: where it sits in the local flat axis (``numel`` in
-    all); :attr:`shard`: the single-process columns they are and the sum over the mesh.
+    """The local ``[K, P_local]`` columns of a trunk of ``DTensor`` parameters sharded on dim 0
+    over one 1-D mesh: ``local_shapes[i]``, ``offsets[i]``, ``sizes[i]`` place this rank's part
+    of ``params[i]`` in the local flat axis; :attr:`shard`: the columns and the sum over ranks.
     """
 
     def __init__(self, params: Iterable[Tensor]) -> None:

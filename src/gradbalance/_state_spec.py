@@ -1,11 +1,5 @@
-"""Declared state: what :meth:`~gradbalance._module.StateModule.register_state` records.
-
-One declaration per state tensor gives it its value at construction and after ``reset()``,
-the checks of a loaded value (its shape, its number of tasks, finite entries) and, for a
-balancer, the check
-on every call that the input still has the tasks (and, for state shaped like the task
-gradients, the columns) the state was built from, so a mismatch raises instead of
-broadcasting silently (``docs/ARCHITECTURE.md``, "Extension contract").
+"""Declared state: what :meth:`~gradbalance._module.StateModule.register_state` records, and
+the checks it generates (docs/ARCHITECTURE.md, "Extension contract").
 """
 
 from __future__ import annotations
@@ -67,12 +61,8 @@ class StateSpec:
 
     def load_error(self, owner: str, key: str, value: Tensor, current: Tensor | None,
                    num_tasks: int | None, rows: tuple[int, ...] | None) -> str | None:
-        """Why a loaded ``value`` cannot replace ``current``, or None.
-
-        ``num_tasks``: the K the object tracks (its setting, else its current state, else the
-        first loaded per-task entry); ``rows``: the ``[K, P]`` shape of the first loaded
-        state like the rows.
-        """
+        """Why a loaded ``value`` cannot replace ``current``, or None (``num_tasks``, ``rows``:
+        the K and ``[K, P]`` shape the load keeps, ``StateModule._tracked_shapes``)."""
         where = f"{owner} state_dict[{key!r}]"
         return (self._tasks_error(where, owner, value, num_tasks)
                 or self._shape_error(where, owner, value, current, rows)

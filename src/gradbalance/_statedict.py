@@ -1,11 +1,8 @@
 """Checks on a ``state_dict`` handed to ``load_state_dict`` (shared by every stateful object).
 
-A state saved from another object should fail loudly, naming the keys found, not load half.
-Every balancer and loss weighting records the class that saved its state under
-:data:`TYPE_KEY` (:func:`tag_state`); :func:`untag_state` refuses a state recorded by another
-class before anything changes, so states whose keys coincide (PCGrad's and GradDrop's
-``"generator"``) cannot cross. States saved before the record existed carry no
-:data:`TYPE_KEY`: they still load, and the key checks (:func:`check_keys`) decide.
+Every balancer, loss weighting and stateful clipper records the class that saved its state under
+:data:`TYPE_KEY`; a state recorded by another class, or by none, is refused before anything
+changes, so states whose keys coincide (PCGrad's and GradDrop's ``"generator"``) cannot cross.
 """
 
 from __future__ import annotations
@@ -23,11 +20,8 @@ def tag_state(owner: object, state: dict[str, Any]) -> dict[str, Any]:
 
 
 def untag_state(owner: object, state: Any, kind: str) -> dict[str, Any]:
-    """``state`` without :data:`TYPE_KEY`, once checked to be a dict saved by ``owner``'s class.
-
-    ``kind`` names what ``owner`` is (balancer, weighting, clipper) in the messages; the
-    caller's key checks then apply.
-    """
+    """``state`` without :data:`TYPE_KEY`, once checked to be a dict saved by ``owner``'s class
+    (``kind``: what ``owner`` is, in the messages)."""
     name = type(owner).__name__
     if not isinstance(state, dict):
         raise ValueError(

@@ -1,10 +1,7 @@
 """One step, one thread: the ownership guard of a :class:`~gradbalance.TaskGradBuffer`.
 
-A buffer accumulates one step's task gradients; two threads calling it at once, or one thread
-continuing a step another thread began, would mix their micro-batches into wrong gradients.
-Each call takes a lock without waiting (a concurrent call raises instead of blocking) and a
-step belongs to the thread of its first ``backward`` until it ends (``docs/loop.md``, "One
-buffer per loop").
+Two threads in one buffer would mix their micro-batches: a call takes a lock without waiting,
+and a step belongs to the thread of its first ``backward`` until it ends.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""Shape conventions and the error a non-finite gradient raises.
+"""The error a non-finite gradient raises, and the shapes used throughout the library.
 
-Shapes used throughout the library:
-
-* ``K``: number of tasks; ``P``: number of shared (trunk) parameters, flattened.
-* task-gradient matrix ``G``: ``[K, P]``, row ``k`` is task ``k``'s gradient.
-* Gramian ``G Gᵀ``: ``[K, K]``, kept in float64.
-* weights: ``[K]``; combined gradient: ``[P]``.
-
-The argument checks are in :mod:`gradbalance._checks`.
+``K`` tasks, ``P`` shared (trunk) parameter values; the task-gradient matrix ``G`` ``[K, P]``
+(row ``k``: task ``k``'s gradient), its Gramian ``G Gᵀ`` ``[K, K]`` (float64), the weights
+``[K]`` and the combined gradient ``[P]``.
 """
 
 from __future__ import annotations

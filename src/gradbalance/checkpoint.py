@@ -1,11 +1,8 @@
 """Checkpoints of a whole balanced training run: resume bit-identically.
 
-Everything stateful is saved by name: the model, the optimizer, the ``GradScaler``, the
-balancer, a loss weighting, clippers (:class:`~gradbalance.AutoClip`), loggers
-(:class:`~gradbalance.RunningStats`), any ``torch.Generator``, and the global random states
-(torch CPU and CUDA, Python's ``random``, NumPy's legacy global generator when NumPy is
-installed). A run saved after N steps and loaded into freshly built objects continues exactly
-as the uninterrupted run would have.
+Every stateful object (model, optimizer, ``GradScaler``, balancer, weighting, clippers,
+loggers, any ``torch.Generator``) is saved by name with the global random states (torch CPU
+and CUDA, ``random``, NumPy's): a run loaded into fresh objects continues exactly.
 
 Example:
     >>> import io
@@ -27,27 +24,9 @@ Example:
     >>> meta["step"] + 1, torch.equal(model2.weight, model.weight)
     (100, True)
 
-Files are written atomically and read safely:
-
-* :func:`save_checkpoint` to a path writes a temporary file beside it
-  (``.<name>.<random>.tmp``), flushes it and syncs it to disk (``fsync``), then renames it
-  over the target and syncs the folder where the OS allows. A save that raises or is killed
-  at any moment leaves the previous checkpoint whole; on an error the temporary file is
-  removed (a killed save may leave one behind, safe to delete). A file this process may not
-  write (``chmod 0444``) is refused with ``PermissionError``, as ``torch.save`` refuses it,
-  before anything is written.
-* Everything saved must load back with ``torch.load(weights_only=True)``: tensors and plain
-  Python values (dict, list, tuple, set, str, int, float, bool, None, ``torch.dtype``...). A
-  value that would not (a NumPy array, an arbitrary object, in ``extra`` or in a
-  ``state_dict``) is refused before anything is written, with its key path and the fix.
-* A file that cannot be loaded (missing, empty, truncated, a directory, not written by
-  :func:`save_checkpoint`) raises :class:`CheckpointError`, naming the file and the reason;
-  a missing file raises its subclass :class:`CheckpointNotFoundError`, also a
-  ``FileNotFoundError``.
-* :func:`restore_state` (and so :func:`load_checkpoint`) is all or nothing: when one object
-  refuses its state (e.g. a balancer given another balancer's state), every object loaded
-  before it is put back as it was and :class:`CheckpointError` is raised. For this it keeps a
-  copy of each object's current state until all have loaded (models and optimizers on CPU).
+Saves are atomic, values ``torch.load(weights_only=True)`` would not read back are refused
+before writing, unreadable files raise :class:`CheckpointError` and loads are all or nothing
+(docs/loop.md, "Checkpoints").
 """
 
 from __future__ import annotations
@@ -67,14 +46,8 @@ from typing import IO, Any
 import torch
 
 __all__ = [
-    "CheckpointError",
-    "CheckpointNotFoundError",
-    "capture_state",
-    "get_rng_state",
-    "load_checkpoint",
-    "restore_state",
-    "save_checkpoint",
-    "set_rng_state",
+    "CheckpointError", "CheckpointNotFoundError", "capture_state", "get_rng_state",
+    "load_checkpoint", "restore_state", "save_checkpoint", "set_rng_state",
 ]
 
 _FORMAT = 1
@@ -264,10 +237,9 @@ def capture_state(*, rng: bool = True, **objects: Any) -> dict[str, Any]:
 def restore_state(checkpoint: dict[str, Any], *, strict: bool = True, **objects: Any) -> None:
     """Load :func:`capture_state` output into ``objects`` (matched by name) and the RNGs.
 
-    With ``strict``, every object passed must be in the checkpoint and every saved object
-    must be passed, so nothing is silently left in its fresh state. All or nothing: if one
-    object refuses its state, those loaded before it are restored and
-    :class:`CheckpointError` is raised.
+    With ``strict``, the names given and saved must match. All or nothing: if one object
+    refuses its state, those loaded before it are restored and :class:`CheckpointError` is
+    raised.
     """
     _restore(checkpoint, "checkpoint", strict, objects)
 
@@ -381,10 +353,8 @@ def save_checkpoint(
 ) -> None:
     """Save every named stateful object, the RNG states, ``step`` and ``extra`` to ``f``.
 
-    To a path, atomically: the previous file stays whole until the new one is complete and
-    on disk. ``f`` may also be an open binary file. Raises :class:`CheckpointError`, writing
-    nothing, when a value (in ``extra``, ``step`` or a ``state_dict``) would not load back
-    with ``torch.load(weights_only=True)``.
+    To a path atomically, or to an open binary file. Raises :class:`CheckpointError`, writing
+    nothing, for a value that would not load back with ``torch.load(weights_only=True)``.
     """
     extra = {} if extra is None else extra
     _check_loadable(extra, "extra")
@@ -423,8 +393,7 @@ def _write_atomic(path: str, checkpoint: dict[str, Any]) -> None:
 
 def _check_writable(path: str, target: str) -> None:
     """Raise ``PermissionError`` for an existing file this process may not write, as
-    ``torch.save`` would (the rename could replace it, the user protected it): it is opened
-    for writing, without truncating, and closed."""
+    ``torch.save`` would (the rename could replace it, but the user protected it)."""
     if not os.path.isfile(target):
         return
     try:
@@ -446,26 +415,19 @@ def _write_synced(temp: str, checkpoint: dict[str, Any]) -> None:
 
 
 def _copy_mode(target: str, temp: str) -> None:
-    """The new file keeps the permissions of the file it replaces."""
-    try:
-        mode = stat.S_IMODE(os.stat(target).st_mode)
-    except FileNotFoundError:
-        return
-    os.chmod(temp, mode)
+    """The new file keeps the permissions of the file it replaces (if any)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.chmod(temp, stat.S_IMODE(os.stat(target).st_mode))
 
 
 def _sync_folder(folder: str) -> None:
     """``fsync`` the folder, so the rename is on disk too (skipped where the OS refuses)."""
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def load_checkpoint(

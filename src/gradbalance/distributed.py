@@ -1,34 +1,10 @@
 """Data-parallel training: the task gradients are averaged over the ranks before balancing.
 
-Under data parallelism each rank holds ``G_r`` ``[K, P]``, the task gradients of its own shard
-of the batch. The full-batch task gradients are their mean, ``G = (1/n) Σ_r G_r`` (every loss
-is a batch mean and every rank has the same number of samples). :class:`TaskGradBuffer`
-therefore all-reduces, in ``apply_`` and before unscaling, clipping and balancing:
-
-* ``G`` itself: one collective over the contiguous ``[K, P]`` buffer (the ideal bucket);
-* one small bucket holding the heads' ``.grad`` (flattened) and the ``K`` losses;
-* after the Gramian of the mean, one flag (``found_inf``), so that every rank skips the same
-  steps under a ``GradScaler`` and no balancer changes its state on one rank only.
-
-Balancing the mean is not the same as averaging balanced per-rank gradients (balancers are
-not linear: docs/loop.md, "Micro-batches"), and the Gramian of the mean is not the mean of the
-Gramians: the reduction happens on ``G``, never after the combine.
-
-Cost: a plain data-parallel step all-reduces ``P + H`` numbers; the balanced step all-reduces
-``K·P + H + K + 1``, i.e. about K× the gradient traffic, in two collectives (plus one of a
-single element) instead of DDP's ~25 MB buckets.
-
-``DistributedDataParallel``: run the forward and ``buf.backward`` inside ``model.no_sync()``
-(:func:`ddp_no_sync`). K task gradients through ``autograd.grad`` never reach DDP's reducer,
-and K ``backward`` calls would synchronise only the first one; the buffer does the whole
-reduction itself.
-
-Before any of this, ``apply_`` all-gathers a few int64s per rank (K, P, the heads' size, the
-trunk's dtype, the mode, ``update_every``, the step number, the step's ``backward`` calls,
-whether it reuses cached weights) and raises :class:`RankAgreementError` on every rank if they
-differ, or if a rank does not arrive within the process group's ``timeout``: nothing has been
-reduced or written then. :func:`all_reduce_grads_`, :func:`sync_weighting_` and
-:func:`broadcast_parameters_` check their tensors' shapes the same way.
+Under data parallelism the full-batch task gradients are the mean of the ranks' ``G_r``
+``[K, P]``; :class:`TaskGradBuffer` checks that the ranks agree, all-reduces ``G`` in one
+collective and the heads' ``.grad`` with the losses in a second, before unscaling, clipping
+and balancing (the reduction happens on ``G``, never after the combine). The steps, the costs
+and the use under ``DistributedDataParallel`` are in docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -49,16 +25,9 @@ if TYPE_CHECKING:
     from .weighting import LossWeighting
 
 __all__ = [
-    "LOCAL",
-    "RankAgreementError",
-    "all_reduce_grads_",
-    "all_reduce_mean_",
-    "assert_same_across_ranks",
-    "broadcast_generator_",
-    "broadcast_parameters_",
-    "ddp_no_sync",
-    "gathered_parameters",
-    "sync_weighting_",
+    "LOCAL", "RankAgreementError", "all_reduce_grads_", "all_reduce_mean_",
+    "assert_same_across_ranks", "broadcast_generator_", "broadcast_parameters_", "ddp_no_sync",
+    "gathered_parameters", "sync_weighting_",
 ]
 
 #: Pass ``process_group=LOCAL`` to a :class:`TaskGradBuffer` to turn the reduction off.
@@ -66,12 +35,8 @@ LOCAL = "local"
 
 
 def resolve_process_group(process_group: Any = None) -> Any:
-    """The group to reduce over, or None when there is nothing to do.
-
-    ``None`` means the default (world) group when ``torch.distributed`` is initialised; the
-    result is None without an initialised process group, for a group of one rank, or for
-    ``"local"`` (reduction turned off on purpose).
-    """
+    """The group to reduce over (None: the world group), or None when there is nothing to do:
+    no initialised process group, a group of one rank, or ``"local"``."""
     if isinstance(process_group, str):
         if process_group != LOCAL:
             raise ValueError(
@@ -105,10 +70,8 @@ def _comm_device(group: Any, device: torch.device) -> torch.device:
 class RankAgreementError(RuntimeError):
     """The ranks of a data-parallel step disagree, or one of them did not arrive in time.
 
-    Raised before anything the user owns changes: no gradient was reduced or written and no
-    state advanced. On a disagreement (K, P, mode, step, micro-batches, tensor shapes) every
-    rank raises the same message; a rank that stalls or crashes makes the others raise
-    within the process group's ``timeout`` (``init_process_group(timeout=...)``).
+    Raised on every rank before anything the user owns changes (docs/distributed.md, "When
+    ranks disagree", "Stalls and timeouts").
     """
 
 
@@ -137,8 +100,8 @@ _PLURAL = {"has": "have", "is": "are", "reuses": "reuse", "recomputes": "recompu
 
 
 def _disagreement(phrases: list[str]) -> str:
-    """``"rank 1 has K=3 tasks, rank 0 has K=2 tasks"`` from each rank's phrase (``"has K=3
-    tasks"``): the ranks grouped by phrase, rank 0's group last (the reference)."""
+    """``"rank 1 has K=3 tasks, rank 0 has K=2 tasks"`` from each rank's phrase, rank 0's
+    group last (the reference)."""
     groups: dict[str, list[int]] = {}
     for rank, phrase in enumerate(phrases):
         groups.setdefault(phrase, []).append(rank)
@@ -150,8 +113,8 @@ def _disagreement(phrases: list[str]) -> str:
 
 
 def _gather_ints(values: list[int], group: Any, what: str) -> list[list[int]]:
-    """Every rank's ``values`` (one all-gather of int64s); a rank that does not arrive
-    within the group's timeout (or has crashed) raises :class:`RankAgreementError` here."""
+    """Every rank's ``values`` (one all-gather of int64s); a stalled or crashed rank raises
+    :class:`RankAgreementError` within the group's timeout."""
     local = torch.tensor(values, dtype=torch.int64,
                          device=_comm_device(group, torch.device("cpu")))
     parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
@@ -194,8 +157,7 @@ _STEP_FIELDS: dict[str, tuple[str, str]] = {
 
 
 def _reads(key: str, value: int, names: dict[str, str], modes: Sequence[str]) -> str:
-    """How ``value`` of field ``key`` reads (``names``: this rank's mode and dtype; ``modes``:
-    every mode's name)."""
+    """How ``value`` of field ``key`` reads (``names``: this rank's mode and dtype)."""
     if key == "reused":
         return "reuses cached weights (update_every)" if value else "recomputes the weights"
     shown: object = _name_of(value, names[key], modes) if key in names else value
@@ -215,15 +177,9 @@ def check_step_agreement(
     reused: bool,
     modes: Sequence[str] = (),
 ) -> None:
-    """Raise :class:`RankAgreementError` on every rank unless all ranks run the same step.
-
-    Called by ``TaskGradBuffer.apply_`` before its collectives and before anything the user
-    owns changes: one all-gather of nine int64s. Ranks with another K or P
-    would otherwise abort inside the collective library, and a rank that skipped a step
-    would pair its collectives with another rank's next step without a word. ``group`` must
-    be resolved (not None); ``modes`` (every mode's name, :data:`gradbalance.modes.ENGINES`)
-    names another rank's mode in the error.
-    """
+    """Raise :class:`RankAgreementError` on every rank unless all ranks run the same step
+    (one all-gather of nine int64s, before any collective). ``group``: resolved; ``modes``:
+    every mode's name, to name another rank's mode in the error."""
     dtype = str(shared[0].dtype) if shared else ""
     local = {
         "num_tasks": num_tasks,
@@ -252,8 +208,8 @@ def check_step_agreement(
 
 
 def check_same_layout(tensors: Sequence[Tensor], group: Any, what: str) -> None:
-    """Raise :class:`RankAgreementError` on every rank unless every rank passes tensors of the
-    same number, shapes and dtypes (one all-gather of three int64s). ``group``: resolved."""
+    """Raise :class:`RankAgreementError` on every rank unless all pass tensors of the same
+    number, shapes and dtypes (one all-gather of three int64s). ``group``: resolved."""
     layout = repr([(tuple(t.shape), str(t.dtype)) for t in tensors])
     local = [len(tensors), sum(t.numel() for t in tensors), _code(layout)]
     rows = _gather_ints(local, group, what)
@@ -301,21 +257,12 @@ def _finish_mean(pending: list[tuple[Any, Tensor, list[Tensor]]], size: int) -> 
 
 
 def all_reduce_mean_(tensors: Sequence[Tensor], group: Any = None) -> None:
-    """Replace every tensor by its mean over the ranks, in place, bucketed by dtype/device.
-
-    Every rank must pass tensors of the same shapes, dtypes and order; this raw collective
-    does not check it (the buffer, :func:`all_reduce_grads_` and :func:`sync_weighting_` do).
-    """
+    """Replace every tensor by its mean over the ranks, in place, bucketed by dtype/device
+    (unchecked: every rank must pass tensors of the same shapes, dtypes and order)."""
     group = resolve_process_group(group)
     if group is None or not tensors:
         return
     _finish_mean(_launch_mean(tensors, group), dist.get_world_size(group))
-
-
-def all_reduce_task_gradients_(matrix: Tensor, group: Any = None) -> Tensor:
-    """``G ← (1/n) Σ_r G_r`` in place: one collective over the ``[K, P]`` buffer."""
-    all_reduce_mean_([matrix], group)
-    return matrix
 
 
 def _grads_of(params: Iterable[Tensor]) -> list[Tensor]:
@@ -328,12 +275,10 @@ def _grads_of(params: Iterable[Tensor]) -> list[Tensor]:
 
 
 def all_reduce_grads_(params: Iterable[Tensor], group: Any = None) -> None:
-    """Average ``.grad`` of ``params`` over the ranks in place, in one bucket per dtype.
+    """Average ``.grad`` of ``params`` (outside the buffer) over the ranks, in place.
 
-    A missing ``.grad`` is treated as zeros (and materialised), so every rank reduces the
-    same layout. Use it for parameters outside the buffer (e.g. a loss weighting's own).
-    Parameters of other shapes on another rank raise :class:`RankAgreementError` on every
-    rank before any ``.grad`` changes.
+    A missing ``.grad`` counts as zeros (and is materialised). Parameters of other shapes on
+    another rank raise :class:`RankAgreementError` on every rank before any ``.grad`` changes.
     """
     listed = list(params)
     group = resolve_process_group(group)
@@ -344,59 +289,31 @@ def all_reduce_grads_(params: Iterable[Tensor], group: Any = None) -> None:
         all_reduce_mean_(grads, group)
 
 
-def all_reduce_step_(
-    matrix: Tensor, losses: Tensor, head_params: Sequence[Tensor], group: Any
-) -> Tensor:
-    """The reduction of one balanced step; returns the mean losses ``[K]`` (a new tensor).
-
-    ``G`` goes in one collective, the heads' ``.grad`` and the losses share a second one;
-    both are in flight together. ``group`` must already be resolved (not None).
-    """
-    size = dist.get_world_size(group)
-    mean_losses = losses.detach().clone()
-    pending = _launch_mean([matrix], group)
-    pending += _launch_mean([*_grads_of(head_params), mean_losses], group)
-    _finish_mean(pending, size)
-    return mean_losses
-
-
 def all_reduce_grads_and_losses_(
-    params: Sequence[Tensor], losses: Tensor, group: Any
+    params: Sequence[Tensor], losses: Tensor, group: Any, matrix: Tensor | None = None
 ) -> Tensor:
-    """Average ``.grad`` of ``params`` in place and return the mean losses, in one bucket.
-
-    For a step that wrote its gradients by one weighted backward (cached weights,
-    ``update_every``): ``Σₖ wₖ ∇Lₖ`` is linear, so the mean of the ranks' gradients equals
-    the full-batch one. ``group`` must already be resolved (not None).
-    """
+    """Average ``.grad`` of ``params`` in place and return the mean losses, in one bucket; with
+    ``matrix`` (a step's ``G``), ``G`` too, in a second collective. ``group``: resolved."""
     mean_losses = losses.detach().clone()
-    _finish_mean(_launch_mean([*_grads_of(params), mean_losses], group),
-                 dist.get_world_size(group))
+    pending = [] if matrix is None else _launch_mean([matrix], group)
+    pending += _launch_mean([*_grads_of(params), mean_losses], group)
+    _finish_mean(pending, dist.get_world_size(group))
     return mean_losses
 
 
 def all_gather_columns(matrix: Tensor, group: Any, mode: str = "features") -> Tensor:
-    """``[K, n]`` on every rank -> ``[K, W·n]``, the ranks' columns side by side in rank order.
-
-    For ``features`` and ``gramian`` modes: each rank's per-sample quantities (feature
-    gradients; layer inputs and output gradients) cover its own samples, so the full batch's
-    are their concatenation. Every rank must hold the same ``n`` (the same shard size); a
-    different one raises on every rank, naming ``mode``. ``group`` must be resolved.
-    """
-    size = dist.get_world_size(group)
-    device = _comm_device(group, matrix.device)
-    width = torch.tensor([matrix.shape[1]], dtype=torch.int64, device=device)
-    widths = [torch.empty_like(width) for _ in range(size)]
-    dist.all_gather(widths, width, group=group)
-    found = [int(w) for w in widths]
+    """``[K, n]`` on every rank -> ``[K, W·n]``, the ranks' columns side by side in rank order;
+    another ``n`` on some rank raises on every rank, naming ``mode``. ``group``: resolved."""
+    found = [row[0] for row in _gather_ints([matrix.shape[1]], group,
+                                            f"TaskGradBuffer.apply_() ({mode} mode)")]
     if len(set(found)) > 1:
         raise ValueError(
             f"{mode} mode under data parallelism needs the same number of samples on every "
             f"rank, found sizes {found} (samples x width per rank); give every rank the same "
             f"number of samples (DistributedSampler(drop_last=True))"
         )
-    local = matrix.contiguous().to(device)
-    parts = [torch.empty_like(local) for _ in range(size)]
+    local = matrix.contiguous().to(_comm_device(group, matrix.device))
+    parts = [torch.empty_like(local) for _ in range(len(found))]
     dist.all_gather(parts, local, group=group)
     return torch.cat(parts, dim=1).to(matrix.device)
 
@@ -404,13 +321,9 @@ def all_gather_columns(matrix: Tensor, group: Any, mode: str = "features") -> Te
 def sync_weighting_(weighting: LossWeighting, group: Any = None) -> None:
     """Average a loss weighting's pending observation over the ranks; call before ``update``.
 
-    A weighting learns from the step's losses (and GradNorm from its layer gradients), which
-    each rank observed on its own shard; their mean is the full batch's. The tensors are the
-    ones :meth:`~gradbalance.LossWeighting.pending_tensors` returns, averaged in place. After
-    this call every rank updates the weighting from the same numbers, so its state stays
-    identical. (FAMO's ``losses_after``: average it with :func:`all_reduce_mean_` before
-    passing it.) A weighting of another K (or another method) on another rank raises
-    :class:`RankAgreementError` on every rank before anything is averaged.
+    The tensors :meth:`~gradbalance.LossWeighting.pending_tensors` returns are averaged in
+    place, so every rank updates from the full batch's numbers. A weighting of another K or
+    method on another rank raises :class:`RankAgreementError` on every rank first.
     """
     group = resolve_process_group(group)
     if group is None:
@@ -428,11 +341,8 @@ def all_ranks_true(flag: Tensor, group: Any) -> Tensor:
 
 
 def broadcast_parameters_(params: Iterable[Tensor], src: int = 0, group: Any = None) -> None:
-    """Copy the values of ``params`` from rank ``src`` to every rank (unwrapped models).
-
-    ``DistributedDataParallel`` does this at construction; without it, call this once before
-    training so that every rank starts from the same weights.
-    """
+    """Copy the values of ``params`` from rank ``src`` to every rank; call once before training
+    an unwrapped model (``DistributedDataParallel`` does it at construction)."""
     group = resolve_process_group(group)
     if group is None:
         return
@@ -447,17 +357,13 @@ def broadcast_parameters_(params: Iterable[Tensor], src: int = 0, group: Any = N
 
 
 def broadcast_generator_(generator: torch.Generator, src: int = 0, group: Any = None) -> None:
-    """Give ``generator`` on every rank the state it has on rank ``src``.
-
-    Balancers that draw random numbers (random task order, random weights) then draw the same
-    numbers on every rank; seeding every rank with the same seed does the same.
-    """
+    """Give ``generator`` on every rank the state it has on rank ``src`` (so that a balancer
+    draws the same random numbers on every rank)."""
     group = resolve_process_group(group)
     if group is None:
         return
     state = generator.get_state()
-    device = _comm_device(group, state.device)
-    buf = state.to(device)
+    buf = state.to(_comm_device(group, state.device))
     dist.broadcast(buf, src=src, group=group)
     generator.set_state(buf.cpu())
 
@@ -488,11 +394,8 @@ def _flatten_state(obj: Any) -> Iterator[Any]:
 
 
 def assert_same_across_ranks(obj: Any, group: Any = None, what: str = "state") -> None:
-    """Raise ``RuntimeError`` unless ``obj`` is bit-identical on every rank.
-
-    ``obj``: a tensor, a list of tensors (e.g. ``list(model.parameters())``) or a state dict
-    (nested dicts/lists of tensors and numbers, e.g. ``balancer.state_dict()``). Costs one
-    ``all_gather_object`` of a SHA-256 digest; meant for checks, not for every step.
+    """Raise ``RuntimeError`` unless ``obj`` (a tensor, a list of tensors, a state dict) is
+    bit-identical on every rank: one ``all_gather_object`` of a SHA-256 digest, a debugging aid.
     """
     group = resolve_process_group(group)
     if group is None:
@@ -510,11 +413,8 @@ def assert_same_across_ranks(obj: Any, group: Any = None, what: str = "state") -
 
 
 def ddp_no_sync(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
-    """``model.no_sync()`` for a ``DistributedDataParallel`` model, else a null context.
-
-    Wrap the forward pass and ``buf.backward`` (every micro-batch) in it: the buffer reduces
-    the task gradients and the heads' gradients itself.
-    """
+    """``model.no_sync()`` for a ``DistributedDataParallel`` model, else a null context; wrap
+    the forward and every ``buf.backward`` in it (the buffer reduces the gradients itself)."""
     from torch.nn.parallel import DistributedDataParallel
 
     if isinstance(model, DistributedDataParallel):
@@ -525,14 +425,10 @@ def ddp_no_sync(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
 def gathered_parameters(module: nn.Module) -> list[Tensor]:
     """The parameters FSDP2 computes ``module``'s forward with: its all-gathered copies.
 
-    Under ``fully_shard`` a module's registered parameters are ``DTensor`` shards that never
-    enter the autograd graph, so ``autograd.grad`` cannot target them; the forward uses plain
-    all-gathered copies, the same tensor objects every step (their storage is freed and
-    refilled). Pass these where a layer's own gradients are needed on a sharded trunk, e.g.
-    ``GradNorm(K, gathered_parameters(model.trunk[-2]))``: each rank then gets its shard of the
-    batch's gradient, which :func:`sync_weighting_` averages, as under data parallelism.
-    A module not under ``fully_shard`` gives its ordinary parameters. One all-gather (and the
-    reshard) when the module is sharded; call it once, after ``fully_shard``.
+    ``autograd.grad`` cannot target the ``DTensor`` shards of a module under ``fully_shard``;
+    pass these instead, e.g. ``GradNorm(K, gathered_parameters(model.trunk[-2]))``
+    (docs/distributed.md, "Sharded trunks"). A module not under ``fully_shard`` gives its
+    ordinary parameters. Call it once, after ``fully_shard``.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")

@@ -1,13 +1,10 @@
 """The pure kernels behind the classes: tensors in, tensors out, no state, no ``.grad``.
 
-Naming: ``<method>_weights`` returns the task weights ``w`` ``[K]`` of a weighted method
-(``g = wᵀ G``), with the method's new state after them when it has one (``(w, state)``);
-``<method>_coefficients`` returns a ``[K, K]`` matrix ``C`` of per-task projections
-(``g_i = Σⱼ C[i, j] gⱼ``; PCGrad, GradVac); ``<method>_update`` returns a matrix method's
-combined gradient ``[P]``; ``<method>_step`` advances a method's state by one step;
-``<method>_orders`` draws a method's random visiting orders. Clipping kernels end in ``_``
-when they work in place and return the pre-clip norms, as ``torch.nn.utils.clip_grad_norm_``
-does.
+Naming: ``<method>_weights`` gives the weights ``w`` ``[K]`` (``g = wᵀ G``; ``(w, state)``
+for a method with state), ``<method>_coefficients`` a ``[K, K]`` matrix ``C`` of per-task
+projections (``g_i = Σⱼ C[i, j] gⱼ``), ``<method>_update`` a combined gradient ``[P]``,
+``<method>_step`` one step of a method's state, ``<method>_orders`` random visiting orders;
+in-place clipping kernels end in ``_`` and return the pre-clip norms.
 
 Example:
     >>> import torch
@@ -57,48 +54,14 @@ from .weighting._scale_invariant import scale_invariant_weights
 from .weighting._stch import stch_weights
 
 __all__ = [
-    "adaptive_clip_grad_",
-    "alignedmtl_weights",
-    "cagrad_weights",
-    "clip_task_norms_",
-    "clip_task_values_",
-    "combine_rows",
-    "compute_gramian",
-    "config_weights",
-    "cosine_matrix",
-    "dbmtl_update",
-    "dualproj_weights",
-    "dwa_weights",
-    "excessmtl_risks",
-    "fairgrad_weights",
-    "famo_weights",
-    "gls_weights",
-    "graddrop_update",
-    "gradnorm_targets",
-    "gradvac_coefficients",
-    "gradvac_orders",
-    "imtlg_weights",
-    "is_finite_gramian",
-    "krum_weights",
-    "linear_gramian",
-    "mean_weights",
-    "mgda_weights",
-    "moco_step",
-    "modo_step",
-    "nashmtl_weights",
-    "pcd_weights",
-    "pcgrad_coefficients",
-    "pcgrad_orders",
-    "per_sample_grad_norms",
-    "per_sample_grad_norms_of_model",
-    "random_weights",
-    "row_norms",
-    "scale_invariant_weights",
-    "sdmgrad_weights",
-    "stch_weights",
-    "sum_weights",
-    "task_gradients",
-    "trimmed_mean_update",
-    "unitwise_norm",
-    "upgrad_weights",
+    "adaptive_clip_grad_", "alignedmtl_weights", "cagrad_weights", "clip_task_norms_",
+    "clip_task_values_", "combine_rows", "compute_gramian", "config_weights", "cosine_matrix",
+    "dbmtl_update", "dualproj_weights", "dwa_weights", "excessmtl_risks", "fairgrad_weights",
+    "famo_weights", "gls_weights", "graddrop_update", "gradnorm_targets", "gradvac_coefficients",
+    "gradvac_orders", "imtlg_weights", "is_finite_gramian", "krum_weights", "linear_gramian",
+    "mean_weights", "mgda_weights", "moco_step", "modo_step", "nashmtl_weights", "pcd_weights",
+    "pcgrad_coefficients", "pcgrad_orders", "per_sample_grad_norms",
+    "per_sample_grad_norms_of_model", "random_weights", "row_norms", "scale_invariant_weights",
+    "sdmgrad_weights", "stch_weights", "sum_weights", "task_gradients", "trimmed_mean_update",
+    "unitwise_norm", "upgrad_weights",
 ]

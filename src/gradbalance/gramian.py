@@ -1,12 +1,9 @@
 """The Gramian ``G Gᵀ`` of a task-gradient matrix, accumulated in float64, scale-safe.
 
-Numerical range: every row (or, for :func:`linear_gramian`, every task's output gradient
-and the layer input) is scaled by a power of two to a largest entry in ``[0.5, 1)`` before
-the products (exact: only the exponent changes), and the factors are restored in float64.
-So the Gramian of float32, bfloat16 or float16 rows is exact to the products' rounding for
-every finite input (float32 rows of norm ``1e-30`` or ``1e30`` included, where ``‖gₖ‖²``
-under- or overflows float32), and that of float64 rows for row norms up to about ``1e150``
-and down to about ``1e-150`` (beyond, ``‖gₖ‖²`` itself is outside float64).
+Rows (for :func:`linear_gramian`, the layer input and each task's output gradient) are scaled
+by powers of two to a largest entry in ``[0.5, 1)`` before the products and the factors
+restored in float64: exact to the products' rounding for every finite float32/half input and
+for float64 row norms within about ``1e±150`` (docs/balancers.md, "Numerical range").
 """
 
 from __future__ import annotations
@@ -28,10 +25,8 @@ _FLOAT_BITS = {
 
 
 def _pow2(exponent: Tensor, dtype: torch.dtype) -> Tensor:
-    """``2**exponent`` in ``dtype`` (float32/float64), exactly, by writing the exponent bits.
-
-    ``exponent`` (an integer tensor) must lie in the normal range of ``dtype``.
-    """
+    """``2**exponent`` in ``dtype`` (float32/float64), exactly, by writing the exponent bits
+    (``exponent``: integers in the normal range of ``dtype``)."""
     bias, mantissa_bits, int_type = _FLOAT_BITS[dtype]
     bits = (exponent.to(int_type) + bias) << mantissa_bits
     return bits.view(dtype)
@@ -43,13 +38,9 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def unit_rows(matrix: Tensor) -> tuple[Tensor, Tensor]:
-    """``(U, s)``: ``matrix = diag(s) U``, each row's largest ``|entry|`` in ``[0.5, 1)``.
-
-    ``s = 2**e`` ``[K]`` (float64) is a power of two per row, so the scaling is exact; ``U``
-    is a new tensor in float32 (float64 input: float64). A zero row keeps ``s = 1``; ``e`` is
-    clamped so that ``2**±e`` stays a normal number of ``U``'s dtype (a subnormal row then
-    keeps a largest entry below 0.5). Non-finite rows stay non-finite.
-    """
+    """``(U, s)``: ``matrix = diag(s) U``, each row's largest ``|entry|`` in ``[0.5, 1)``, with
+    ``s = 2**e`` ``[K]`` (float64, exact; 1 for a zero row, ``e`` clamped so that ``2**±e`` is
+    normal) and ``U`` a new float32 tensor (float64 input: float64)."""
     part = matrix.to(_work_dtype(matrix.dtype))
     if part.shape[1] == 0:
         return part.clone(), torch.ones(part.shape[0], dtype=torch.float64, device=part.device)
@@ -61,10 +52,12 @@ def _max_abs(part: Tensor) -> Tensor:
     return torch.maximum(part.amax(dim=1), -part.amin(dim=1))
 
 
-def _scale_rows(part: Tensor, owned: bool, max_abs: Tensor) -> tuple[Tensor, Tensor]:
-    """:func:`unit_rows` given each row's largest ``|entry|``; ``owned``: scale in place."""
+def _scale_rows(part: Tensor, owned: bool, size: Tensor) -> tuple[Tensor, Tensor]:
+    """``(U, s)`` with each row's ``2**e`` chosen from ``size`` ``[K]`` (:func:`unit_rows` from
+    the largest ``|entry|``; the sharded version from the full rows' norms); ``owned``: scale
+    ``part`` in place."""
     work = part.dtype
-    _, exponent = torch.frexp(max_abs)
+    _, exponent = torch.frexp(size)
     bias = _FLOAT_BITS[work][0]
     exponent = exponent.clamp(2 - bias, bias - 1)  # 2**±e normal in `work`
     factor = _pow2(-exponent, work).unsqueeze(1)
@@ -73,13 +66,8 @@ def _scale_rows(part: Tensor, owned: bool, max_abs: Tensor) -> tuple[Tensor, Ten
 
 
 def _plain_is_exact(max_abs: Tensor, n: int) -> bool:
-    """Whether ``U Uᵀ`` of these rows, unscaled, neither over- nor underflows (CPU only).
-
-    Safe when every finite non-zero row's largest entry ``m`` has ``n m² ≤ max/4`` (no sum of
-    ``n`` products overflows) and ``m² ≥ n·tiny/eps`` (flushed products change no entry by
-    more than ``eps m_i m_j``); non-finite rows stay non-finite either way. On the CPU a host
-    read is free and this skips the scaled copy; other devices always scale (no host sync).
-    """
+    """Whether ``U Uᵀ`` of rows of largest entries ``m``, unscaled, is exact: ``n m² ≤ max/4``
+    and ``m² ≥ n·tiny/eps`` (CPU only, where the host read is free; other devices scale)."""
     if max_abs.device.type != "cpu":
         return False
     info = torch.finfo(max_abs.dtype)
@@ -92,12 +80,9 @@ def compute_gramian(matrix: Tensor, block: int = _COLUMN_BLOCK) -> Tensor:
     """Return ``G Gᵀ`` ``[K, K]`` in float64.
 
     Each column block is scaled row by row by a power of two (:func:`unit_rows`), multiplied
-    in float32 (float64 input: float64; fast BLAS), and the block products, rescaled, are
-    summed in float64: neither over- nor underflow inside the product, and rounding does not
-    grow with ``P``. Exact to the products' rounding for every finite float32 / half input;
-    for float64 rows up to norms of about ``1e150`` (the float64 range of ``‖gₖ‖²``). On the
-    CPU, a block whose rows need no scaling is multiplied as it is (the same result: a power
-    of two changes no rounding).
+    in float32 (float64 input: float64) and the rescaled block products summed in float64, so
+    rounding does not grow with ``P``. On the CPU a block that needs no scaling is multiplied
+    as it is (the same result: a power of two changes no rounding).
     """
     k, p = matrix.shape
     gram = torch.zeros(k, k, dtype=torch.float64, device=matrix.device)
@@ -114,21 +99,16 @@ def compute_gramian(matrix: Tensor, block: int = _COLUMN_BLOCK) -> Tensor:
 
 
 def is_finite_gramian(gram: Tensor) -> Tensor:
-    """True (0-d bool tensor) when every task gradient is finite.
-
-    A non-finite entry in row ``k`` of ``G`` makes ``gram[k, k]`` inf or NaN, so the diagonal
-    is enough: an O(K) check instead of O(K·P). With the scale-safe :func:`compute_gramian`
-    a finite row never gives a non-finite diagonal (float64 rows: up to norms of ``1e150``).
-    """
+    """True (0-d bool tensor) when every task gradient is finite: O(K), from the diagonal (a
+    non-finite entry in row ``k`` makes ``gram[k, k]`` inf or NaN; a finite row never does)."""
     return torch.isfinite(torch.diagonal(gram)).all()
 
 
 def cosine_matrix(gram: Tensor, eps: float = 0.0) -> Tensor:
     """Pairwise cosine similarities ``[K, K]`` from the Gramian, in ``[-1, 1]``.
 
-    ``cos(gᵢ, gⱼ) = Gᵢⱼ / ‖gᵢ‖ / ‖gⱼ‖`` (divided one norm at a time, so rows of norm
-    ``1e-150`` … ``1e150`` keep their cosines); 0 where a norm is at most ``eps`` times the
-    largest norm (default: exactly 0).
+    ``cos(gᵢ, gⱼ) = Gᵢⱼ / ‖gᵢ‖ / ‖gⱼ‖`` (one norm at a time: scale-safe); 0 where a norm is at
+    most ``eps`` times the largest norm (default: exactly 0).
     """
     norms = torch.diagonal(gram).clamp_min(0).sqrt()
     zero = norms <= eps * norms.max() if norms.numel() else norms > 0
@@ -143,18 +123,11 @@ def linear_gramian(x: Tensor, d: Tensor, weight: bool, bias: bool,
     ``x`` ``[N, i]`` and the output gradients ``d`` ``[K, N, o]`` (``d[k] = ∂Lₖ/∂y``).
 
     ``weight``/``bias``: whether each is among the shared parameters. The weight block takes
-    the cheaper of two exact routes: the rows ``G_b[k] = d[k]ᵀ x`` (``2K·N·o·i`` flops, a
-    ``[K, o·i]`` scratch), or the activations, ``⟨dᵢᵀx, dⱼᵀx⟩ = Σ_{n,m} (dᵢ dⱼᵀ)_{nm}
-    (x xᵀ)_{nm}`` (``N²·i + K²N²·o`` flops, nothing weight-sized): the ghost trick of
-    per-sample clipping, applied across tasks. ``route`` (``"rows"`` or ``"activations"``)
-    forces one; None takes the one of fewer flops. The activation route holds at most
-    ``max(K·N², 2²²)`` numbers of ``Dᵢ Dⱼᵀ`` at a time (tasks in chunks).
-
-    Scale-safe: ``x`` and each ``d[k]`` are first scaled by powers of two to a largest entry
-    in ``[0.5, 1)`` (:func:`unit_rows`), the products taken on those, and the factors
-    restored in float64, so float32 layers whose blocks have norms from ``1e-30`` to ``1e30``
-    keep an exact Gramian (samples of ``x`` or ``d[k]`` differing from each other by more
-    than float32's range are not rescaled apart).
+    the cheaper of two exact routes: the rows ``G_b[k] = d[k]ᵀ x`` (``2K·N·o·i`` flops), or
+    the activations, ``⟨dᵢᵀx, dⱼᵀx⟩ = Σ_{n,m} (dᵢ dⱼᵀ)_{nm} (x xᵀ)_{nm}`` (``N²·i + K²N²·o``
+    flops, nothing weight-sized; the ghost trick of per-sample clipping across tasks).
+    ``route`` (``"rows"`` or ``"activations"``) forces one; None takes the one of fewer flops.
+    ``x`` and each ``d[k]`` are scaled as a whole by :func:`unit_rows` (scale-safe).
     """
     k, n, o = d.shape
     i = x.shape[1]

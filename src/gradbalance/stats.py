@@ -1,13 +1,6 @@
 """``StepStats``: what one balanced step is worth logging, returned, never printed.
 
-All fields are tensors on the gradients' device (no host sync until you read them), except
-the flags and counts; ``loss_scale`` reads the scale tensor when accessed.
-
-Per gradient mode (:mod:`gradbalance.modes`): ``matrix`` and ``gramian`` fill every field
-(``gramian`` from ``G Gᵀ`` alone); in ``features`` mode the norms and cosines are those of the
-gradients w.r.t. the shared representation, not the parameters; on a step that reuses cached
-weights (``update_every``, ``weights_reused=True``) no task gradient exists, so
-``task_norms``, ``cosine``, ``cosine_to_update`` and ``update_norm`` are None.
+Fields are tensors on the gradients' device (no host sync until read), except flags and counts.
 """
 
 from __future__ import annotations
@@ -27,6 +20,10 @@ __all__ = ["StepStats", "build_stats", "stats_from_gramian"]
 @dataclass
 class StepStats:
     """Per-step diagnostics of a balanced step (docs/loop.md, "Logging").
+
+    In ``features`` mode the norms and cosines are those of the gradients w.r.t. the shared
+    representation; on a step that reuses cached weights (``update_every``) ``task_norms``,
+    ``cosine``, ``cosine_to_update`` and ``update_norm`` are None.
 
     Attributes:
         losses: raw, unweighted task losses ``[K]`` (summed over the micro-batches).
@@ -79,12 +76,9 @@ def stats_from_gramian(
     weights: Tensor | None,
     shard: Shard | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(task_norms, cosine, cosine_to_update, update_norm)`` in float64.
-
-    With weights, ``G g = (G Gᵀ) w`` and ``‖g‖² = wᵀ G Gᵀ w`` cost O(K²); otherwise one
-    ``G g`` product over the matrix is needed (with ``shard``, over a rank's columns: ``G g``
-    and ``‖g‖²`` summed over the ranks in one small reduce, alike on every rank).
-    """
+    """``(task_norms, cosine, cosine_to_update, update_norm)`` in float64: O(K²) from weights
+    (``G g = (G Gᵀ) w``), else one ``G g`` over the matrix (a rank's columns, summed, with
+    ``shard``)."""
     norms = torch.diagonal(gram).clamp_min(0).sqrt()
     cosine = cosine_matrix(gram)
     if weights is not None:
@@ -118,11 +112,8 @@ def build_stats(
     shard: Shard | None = None,
     **fields: Any,
 ) -> StepStats:
-    """The :class:`StepStats` of a refresh step from its Gramian ``[K, K]`` (float64).
-
-    On a non-finite step the norms are the Gramian's (inf/NaN where a row is), the cosines
-    and the update norm NaN, and no weights are reported.
-    """
+    """The :class:`StepStats` of a refresh step from its Gramian ``[K, K]`` (float64); on a
+    non-finite step the norms are the Gramian's, the cosines and update norm NaN, no weights."""
     if finite:
         norms, cosine, cos_update, update_norm = stats_from_gramian(
             gram, matrix, update, weights, shard

@@ -14,7 +14,7 @@ from torch import Tensor
 from .._shard import Shard
 from ..balancers._base import Balancer
 from ..clip._protocol import RowClipper
-from ..distributed import all_reduce_mean_, all_reduce_step_
+from ..distributed import all_reduce_grads_and_losses_, all_reduce_mean_
 from ..stats import StepStats, build_stats
 from ..taskgrads import ParamLayout, TaskRoots
 from ._engine import RowsEngine, Update, WriteBack, heads_backward_, owned_grads, reaches
@@ -43,7 +43,7 @@ class LocalColumns:
 
     def reduce_(self, matrix: Tensor, losses: Tensor, heads: Sequence[Tensor],
                 group: Any) -> Tensor:
-        return all_reduce_step_(matrix, losses, heads, group)
+        return all_reduce_grads_and_losses_(heads, losses, group, matrix=matrix)
 
     def clip_(self, clip: RowClipper, matrix: Tensor, gram: Tensor) -> Tensor:
         return clip(matrix)
