@@ -6,19 +6,23 @@ graph (its ``AccumulateGrad`` nodes are the trainable leaves it reaches) and ref
 anything moves, a leaf in neither list, unless ``other_params="sum"`` asks for their plain
 gradient of ``Σₖ Lₖ``, or ``"ignore"`` leaves them to a caller that fills their ``.grad``
 itself (docs/loop.md, "Parameter coverage"). It also refuses a reentrant
-``torch.utils.checkpoint``, whose backward writes ``.grad`` directly, beside the step.
+``torch.utils.checkpoint``, whose backward writes ``.grad`` directly, beside the step, and
+warns once when the two lists look swapped (:func:`swap_warning`).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
+from ._roots import _stack_inputs
+
 __all__ = ["Coverage", "OtherParams", "check_other_params", "fire_post_accumulate_hooks",
-           "sum_backward_", "walk_leaves"]
+           "sum_backward_", "swap_warning", "walk_leaves"]
 
 OtherParams = Literal["raise", "sum", "ignore"]
 
@@ -51,7 +55,11 @@ _ACCUMULATE = _accumulate_grad_type()
 def walk_leaves(root: Tensor) -> tuple[dict[int, tuple[Tensor, Any]], bool]:
     """The trainable leaves on ``root``'s graph, by id, each with a node that reads it, and
     whether a reentrant checkpoint lies on the graph."""
-    start = root.grad_fn
+    return _walk(root.grad_fn)
+
+
+def _walk(start: Any) -> tuple[dict[int, tuple[Tensor, Any]], bool]:
+    """:func:`walk_leaves` from an autograd node (None: an empty graph)."""
     if start is None:
         return {}, False
     leaves: dict[int, tuple[Tensor, Any]] = {}
@@ -88,6 +96,45 @@ def _module_names(modules: Any) -> dict[int, str]:
     return names
 
 
+def _task_reach(vector: Tensor) -> list[set[int]] | None:
+    """The ids of the trainable leaves each task's loss reaches, when ``vector`` is a
+    ``torch.stack`` of the K losses (behind elementwise ops); None otherwise (one graph)."""
+    found = _stack_inputs(vector)
+    if found is None:
+        return None
+    return [set(_walk(edge.node)[0]) for edge in found[0]]
+
+
+def swap_warning(vector: Tensor, shared: set[int], heads: set[int],
+                 names: dict[int, str]) -> str | None:
+    """The warning when the lists look swapped: every shared parameter the losses reach is
+    reached by one task's loss only, while a head parameter is reached by every task's
+    (K ≥ 2); None otherwise, or when the tasks' graphs cannot be told apart."""
+    reach = _task_reach(vector) if vector.shape[0] >= 2 else None
+    if reach is None:
+        return None
+    counts: dict[int, int] = {}
+    for task in reach:
+        for i in task:
+            counts[i] = counts.get(i, 0) + 1
+    reached_shared = [i for i in counts if i in shared]
+    everywhere = [i for i in counts if i in heads and counts[i] == len(reach)]
+    if not reached_shared or not everywhere or any(counts[i] > 1 for i in reached_shared):
+        return None
+
+    def name(i: int) -> str:
+        return f"'{names[i]}'" if i in names else "a tensor"
+
+    return (
+        f"shared_params and head_params look swapped: every shared parameter the losses "
+        f"reach is reached by one task's loss only (e.g. {name(reached_shared[0])}), while "
+        f"head parameter {name(everywhere[0])} is reached by all {len(reach)} tasks' losses. "
+        f"shared_params are the trunk's parameters, which every task uses (balanced); "
+        f"head_params each task's own (plain gradient): pass "
+        f"TaskGradBuffer(trunk.parameters(), head_params=heads.parameters())"
+    )
+
+
 class Coverage:
     """The coverage check of one buffer: walks each ``backward``'s losses; decides again
     only when the set of trainable leaves reached changes."""
@@ -106,6 +153,7 @@ class Coverage:
         self.shared_ids = {id(p) for p in self.shared}
         self.names = _module_names(self.modules)
         self._reached: frozenset[int] | None = None  # the leaf ids of the last decision
+        self._warned = False  # the swap warning, once per buffer
         self.others: list[Tensor] = []  # reached leaves in neither list ("sum")
         self.shared_reached: set[int] = set()  # this step's, for the post-accumulate hooks
 
@@ -134,8 +182,19 @@ class Coverage:
                 raise ValueError(self._message(others))
             self.others = [p for p, _ in others] if self.other_params == "sum" else []
             self._reached = reached
+            self._warn_swapped(vector)
         self.shared_reached |= reached & self.shared_ids
         return self.others
+
+    def _warn_swapped(self, vector: Tensor) -> None:
+        """Warn once if the two lists look swapped (:func:`swap_warning`)."""
+        if self._warned or not self.heads:
+            return
+        heads = self.known - self.shared_ids
+        message = swap_warning(vector, self.shared_ids, heads, self.names)
+        if message is not None:
+            self._warned = True
+            warnings.warn(message, UserWarning, stacklevel=6)
 
     def _message(self, others: list[tuple[Tensor, Any]]) -> str:
         shown = []
