@@ -13,6 +13,7 @@ warns once when the two lists look swapped (:func:`swap_warning`).
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
@@ -105,6 +106,22 @@ def _task_reach(vector: Tensor) -> list[set[int]] | None:
     return [set(_walk(edge.node)[0]) for edge in found[0]]
 
 
+def _named(i: int, names: dict[int, str]) -> str:
+    return f"'{names[i]}'" if i in names else "a tensor"
+
+
+def _swapped_pair(counts: Counter[int], shared: set[int], heads: set[int],
+                  tasks: int) -> tuple[int, int] | None:
+    """A shared leaf and a head leaf showing the swap, from each leaf's count of tasks that
+    reach it; None when some reached shared leaf is reached by two tasks or more, or no head
+    leaf by all of them."""
+    reached_shared = [i for i in counts if i in shared]
+    everywhere = [i for i in counts if i in heads and counts[i] == tasks]
+    if not reached_shared or not everywhere or any(counts[i] > 1 for i in reached_shared):
+        return None
+    return reached_shared[0], everywhere[0]
+
+
 def swap_warning(vector: Tensor, shared: set[int], heads: set[int],
                  names: dict[int, str]) -> str | None:
     """The warning when the lists look swapped: every shared parameter the losses reach is
@@ -113,24 +130,15 @@ def swap_warning(vector: Tensor, shared: set[int], heads: set[int],
     reach = _task_reach(vector) if vector.shape[0] >= 2 else None
     if reach is None:
         return None
-    counts: dict[int, int] = {}
-    for task in reach:
-        for i in task:
-            counts[i] = counts.get(i, 0) + 1
-    reached_shared = [i for i in counts if i in shared]
-    everywhere = [i for i in counts if i in heads and counts[i] == len(reach)]
-    if not reached_shared or not everywhere or any(counts[i] > 1 for i in reached_shared):
+    pair = _swapped_pair(Counter(i for task in reach for i in task), shared, heads, len(reach))
+    if pair is None:
         return None
-
-    def name(i: int) -> str:
-        return f"'{names[i]}'" if i in names else "a tensor"
-
     return (
         f"shared_params and head_params look swapped: every shared parameter the losses "
-        f"reach is reached by one task's loss only (e.g. {name(reached_shared[0])}), while "
-        f"head parameter {name(everywhere[0])} is reached by all {len(reach)} tasks' losses. "
-        f"shared_params are the trunk's parameters, which every task uses (balanced); "
-        f"head_params each task's own (plain gradient): pass "
+        f"reach is reached by one task's loss only (e.g. {_named(pair[0], names)}), "
+        f"while head parameter {_named(pair[1], names)} is reached by all {len(reach)} "
+        f"tasks' losses. shared_params are the trunk's parameters, which every task uses "
+        f"(balanced); head_params each task's own (plain gradient): pass "
         f"TaskGradBuffer(trunk.parameters(), head_params=heads.parameters())"
     )
 
