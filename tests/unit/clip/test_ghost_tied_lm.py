@@ -189,3 +189,41 @@ def test_a_tied_weight_with_a_tensor_hook_is_refused() -> None:
     model.embed.weight.register_hook(lambda g: g * 0.5)  # type: ignore[no-untyped-call]
     with pytest.raises(RuntimeError, match=r"'embed\.weight'.*tensor hook"):
         ghost.norms(lm_losses(model, ids, target))
+
+
+class SharedNormsAndBiases(nn.Module):
+    """Two LayerNorms holding one weight and one bias, two linear layers holding one bias:
+    the dense (LayerNorm weight) and bias sites of a tied parameter."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.n1, self.n2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+        with torch.no_grad():
+            self.n1.weight.uniform_(0.5, 1.5)
+            self.n1.bias.uniform_(-0.5, 0.5)
+        self.n2.weight, self.n2.bias = self.n1.weight, self.n1.bias
+        self.b.bias = self.a.bias
+        self.out = nn.Linear(width, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.a(self.n1(x)))
+        out: Tensor = self.out(self.b(self.n2(h)))
+        return out
+
+
+@pytest.mark.parametrize(("seed", "batch", "seq", "width"), [(0, 3, 4, 5), (1, 5, 2, 3)])
+@pytest.mark.parametrize("norm_type", [2.0, 1.5])
+def test_tied_layernorms_and_biases_are_exact(seed: int, batch: int, seq: int, width: int,
+                                              norm_type: float) -> None:
+    torch.manual_seed(seed)
+    model = SharedNormsAndBiases(width).double()
+    x = torch.randn(batch, seq, width, dtype=torch.float64)
+    y = torch.randn(batch, seq, 2, dtype=torch.float64)
+
+    def per_sample(m: Model, xs: Tensor, ys: Tensor) -> Tensor:
+        return square_losses(m, xs, ys).sum(dim=1)
+
+    expected = reference_norms(model, per_sample, x, y, norm_type)
+    got = GhostNorms(model, norm_type=norm_type).norms(per_sample(model, x, y))
+    torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-12)
