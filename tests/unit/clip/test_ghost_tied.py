@@ -56,25 +56,14 @@ def _data(seed: int, batch: int, seq: int, vocab: int) -> tuple[Tensor, Tensor]:
             torch.randn(batch, 2, generator=gen, dtype=torch.float64))
 
 
-@pytest.mark.parametrize(("seed", "batch", "seq", "repeat"),
-                         [(0, 3, 4, 2), (1, 5, 2, 3), (2, 4, 6, 2)])
-def test_layers_called_several_times_are_exact(seed: int, batch: int, seq: int,
-                                               repeat: int) -> None:
+@pytest.mark.parametrize(("seed", "batch", "seq", "repeat", "tie"),
+                         [(0, 3, 4, 2, False), (1, 5, 2, 3, False), (2, 4, 6, 2, False),
+                          (0, 3, 4, 1, True), (1, 5, 2, 3, True), (2, 4, 6, 2, True)])
+def test_layers_called_several_times_and_a_tied_output_are_exact(
+        seed: int, batch: int, seq: int, repeat: int, tie: bool) -> None:
+    """``tie``: the output projection holds the embedding's weight."""
     torch.manual_seed(seed)
-    model = _Tokens(7, 6, tie=False, repeat=repeat).double()
-    x, y = _data(seed, batch, seq, 7)
-    expected = _loop_norms(model, x, y, list(model.parameters()))
-    ghost = GhostNorms(model)
-    torch.testing.assert_close(ghost.norms((model(x) - y) ** 2), expected, rtol=1e-10,
-                               atol=1e-12)
-
-
-@pytest.mark.parametrize(("seed", "batch", "seq", "repeat"),
-                         [(0, 3, 4, 1), (1, 5, 2, 3), (2, 4, 6, 2)])
-def test_an_embedding_tied_to_the_output_is_exact(seed: int, batch: int, seq: int,
-                                                  repeat: int) -> None:
-    torch.manual_seed(seed)
-    model = _Tokens(7, 6, tie=True, repeat=repeat).double()
+    model = _Tokens(7, 6, tie=tie, repeat=repeat).double()
     x, y = _data(seed, batch, seq, 7)
     expected = _loop_norms(model, x, y, list(model.parameters()))
     ghost = GhostNorms(model)

@@ -122,13 +122,8 @@ def _run(case: Case, other: str) -> tuple[Net, Net, Tensor, Tensor, TaskGradBuff
     return net, ref, x, y, buf, name
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("place", PLACES)
-@settings(max_examples=EXAMPLES)
-@given(data=st.data())
-def test_a_left_out_leaf_is_refused_with_its_module_path(place: str, mode: str,
-                                                         data: st.DataObject) -> None:
-    case = data.draw(shapes(place, mode))
+def _refused_with_its_path(case: Case) -> None:
+    """``"raise"``: refused before anything moves, naming the leaf's module path."""
     net, _, x, y, buf, name = _run(case, "raise")
     for p in net.parameters():
         p.grad = torch.full_like(p, 0.25)
@@ -142,13 +137,8 @@ def test_a_left_out_leaf_is_refused_with_its_module_path(place: str, mode: str,
     assert buf.matrix is None
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("place", PLACES)
-@settings(max_examples=EXAMPLES)
-@given(data=st.data())
-def test_sum_gives_every_leaf_the_plain_gradient(place: str, mode: str,
-                                                 data: st.DataObject) -> None:
-    case = data.draw(shapes(place, mode))
+def _plain_gradient_everywhere(case: Case) -> None:
+    """``"sum"`` with the ``Sum`` balancer: every ``.grad`` is plain PyTorch's."""
     net, ref, x, y, buf, _ = _run(case, "sum")
     _step(net, buf, case.mode, x, y)
     buf.apply_(Sum())
@@ -156,3 +146,16 @@ def test_sum_gives_every_leaf_the_plain_gradient(place: str, mode: str,
     for (name, p), q in zip(net.named_parameters(), ref.parameters()):
         assert p.grad is not None and q.grad is not None, name
         torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+PROPERTIES = {"raise": _refused_with_its_path, "sum": _plain_gradient_everywhere}
+
+
+@pytest.mark.parametrize("other_params", sorted(PROPERTIES))
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("place", PLACES)
+@settings(max_examples=EXAMPLES)
+@given(data=st.data())
+def test_a_left_out_leaf(place: str, mode: str, other_params: str,
+                         data: st.DataObject) -> None:
+    PROPERTIES[other_params](data.draw(shapes(place, mode)))
