@@ -227,3 +227,23 @@ def test_tied_layernorms_and_biases_are_exact(seed: int, batch: int, seq: int, w
     expected = reference_norms(model, per_sample, x, y, norm_type)
     got = GhostNorms(model, norm_type=norm_type).norms(per_sample(model, x, y))
     torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-12)
+
+
+class MatmulOutputLM(TiedLM):
+    """The output projection as a matrix product with the embedding's weight, outside any
+    layer: the use is not recorded, so the weight is refused."""
+
+    def forward(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        h = self.block(self.embed(ids))
+        return h @ self.embed.weight.T, self.head(h.mean(dim=1))[:, 0]
+
+
+def test_an_output_projection_outside_any_layer_is_refused_naming_the_weight() -> None:
+    torch.manual_seed(0)
+    model = MatmulOutputLM(9, 4, None, False, False).double()
+    del model.out  # the projection is the matrix product
+    ids, target = torch.randint(9, (3, 5)), torch.randn(3, dtype=torch.float64)
+    ghost = GhostNorms(model)
+    with pytest.raises(RuntimeError, match=r"'embed\.weight'.*used 2 times.*recorded 1 calls"):
+        ghost.norms(lm_losses(model, ids, target))
+    assert all(not layer.outputs for layer in ghost._layers)  # the records are dropped
