@@ -131,14 +131,6 @@ def _conv_refusal(module: nn.Conv1d | nn.Conv2d) -> str | None:
     return None
 
 
-class _Tied:
-    """A bounded parameter held by several layers: its name and its sites."""
-
-    def __init__(self, name: str, sites: list[tuple[_Layer, bool]]) -> None:
-        self.name = name
-        self.sites = sites  # (layer, whether it is that layer's weight)
-
-
 class _Inputs:
     """A layer's recorded inputs as ``[B, S, in]`` rows, built once per :meth:`norms` call,
     with their per-sample Gram matrix ``Xᵢ Xᵢᵀ`` computed once when the Gram form is used."""
@@ -271,7 +263,7 @@ class GhostNorms:
         self._layers: list[_Layer] = []
         self._handles: list[Any] = []
         self._bounded: list[tuple[str, Tensor, list[_Layer]]] = []  # (name, tensor, holders)
-        self._tied: list[_Tied] = []
+        self._tied: list[list[tuple[_Layer, bool]]] = []  # per tied parameter: (layer, weight?)
         try:
             covered, refused = self._hook_layers(module, wanted)
         except ValueError:
@@ -320,8 +312,7 @@ class GhostNorms:
                     layer.weight = False
                 else:
                     layer.bias = False
-            self._tied.append(_Tied(name, [(layer, is_weight) for _, _, layer, is_weight
-                                           in sites]))
+            self._tied.append([(layer, is_weight) for _, _, layer, is_weight in sites])
 
     @staticmethod
     def _hook(layer: _Layer) -> Any:
@@ -424,9 +415,9 @@ class GhostNorms:
             d = torch.cat([inputs.layer.output_rows(t, batch) for t in ds], 1)
             seen[id(inputs.layer)] = inputs.x, d
             column += _sample_norms(inputs, d, self.norm_type)
-        for tied in self._tied:  # every site's gradient summed before the norm
+        for sites in self._tied:  # every site's gradient summed before the norm
             forms = [site_form(Site(layer.module, is_weight), *seen[id(layer)])
-                     for layer, is_weight in tied.sites]
+                     for layer, is_weight in sites]
             column += tied_powers(forms, self.norm_type)
 
     def clear(self) -> None:
