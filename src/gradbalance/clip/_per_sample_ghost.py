@@ -252,6 +252,22 @@ class GhostNorms:
     Inputs are recorded only while grad is enabled; :meth:`norms` consumes the step's
     records. Samples coupled by the model (BatchNorm in training mode) are not independent:
     ``Dᵢ`` is then the derivative of ``Σⱼ ℓⱼ`` and the norm is not a per-sample one.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from gradbalance.clip import GhostNorms
+        >>> _ = torch.manual_seed(0)
+        >>> embed, out = nn.Embedding(5, 3), nn.Linear(3, 5, bias=False)
+        >>> out.weight = embed.weight  # tied, as in language models
+        >>> model = nn.Sequential(embed, out)
+        >>> ghost = GhostNorms(model)
+        >>> ids = torch.tensor([[0, 1, 1], [2, 4, 2]])
+        >>> per_sample = model(ids).logsumexp(-1).sum(1)          # [B]
+        >>> norms = ghost.norms(per_sample)
+        >>> alone = torch.autograd.grad(per_sample[1], embed.weight)[0]  # sample 1's gradient
+        >>> torch.allclose(norms[1], alone.norm())
+        True
     """
 
     def __init__(self, module: nn.Module, params: Iterable[Tensor] | None = None, *,
