@@ -97,17 +97,19 @@ def _module_names(modules: Any) -> dict[int, str]:
     return names
 
 
-def _task_reach(vector: Tensor) -> list[set[int]] | None:
-    """The ids of the trainable leaves each task's loss reaches, when ``vector`` is a
-    ``torch.stack`` of the K losses (behind elementwise ops); None otherwise (one graph)."""
+def _task_reach(vector: Tensor) -> list[dict[int, tuple[Tensor, Any]]] | None:
+    """The trainable leaves each task's loss reaches (:func:`walk_leaves`), when ``vector``
+    is a ``torch.stack`` of the K losses (behind elementwise ops); None otherwise (one
+    graph)."""
     found = _stack_inputs(vector)
     if found is None:
         return None
-    return [set(_walk(edge.node)[0]) for edge in found[0]]
+    return [_walk(edge.node)[0] for edge in found[0]]
 
 
-def _named(i: int, names: dict[int, str]) -> str:
-    return f"'{names[i]}'" if i in names else "a tensor"
+def _named(leaf: Tensor, names: dict[int, str]) -> str:
+    name = names.get(id(leaf))
+    return f"'{name}'" if name is not None else f"a tensor of shape {tuple(leaf.shape)}"
 
 
 def _swapped_pair(counts: Counter[int], shared: set[int], heads: set[int],
@@ -133,10 +135,11 @@ def swap_warning(vector: Tensor, shared: set[int], heads: set[int],
     pair = _swapped_pair(Counter(i for task in reach for i in task), shared, heads, len(reach))
     if pair is None:
         return None
+    leaves = {i: leaf for task in reach for i, (leaf, _) in task.items()}
     return (
         f"shared_params and head_params look swapped: every shared parameter the losses "
-        f"reach is reached by one task's loss only (e.g. {_named(pair[0], names)}), "
-        f"while head parameter {_named(pair[1], names)} is reached by all {len(reach)} "
+        f"reach is reached by one task's loss only (e.g. {_named(leaves[pair[0]], names)}"
+        f"), while head parameter {_named(leaves[pair[1]], names)} is reached by all {len(reach)} "
         f"tasks' losses. shared_params are the trunk's parameters, which every task uses "
         f"(balanced); head_params each task's own (plain gradient): pass "
         f"TaskGradBuffer(trunk.parameters(), head_params=heads.parameters())"

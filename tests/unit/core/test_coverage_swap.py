@@ -117,3 +117,14 @@ def test_one_task_or_a_vector_of_unknown_origin_is_silent() -> None:
         single = TaskGradBuffer(list(model.heads[0].parameters()), trunk)
         single.backward([model.heads[0](model.trunk(torch.randn(5, 3))).pow(2).mean()])
         single.apply_(Sum())
+
+
+def test_without_modules_the_warning_names_shapes() -> None:
+    torch.manual_seed(1)
+    model = Mlp(3, 2, 5)
+    trunk, heads = _split(model)
+    buf = TaskGradBuffer(heads, trunk)  # swapped, no modules= for the names
+    with pytest.warns(UserWarning, match=r"look swapped.*e\.g\. a tensor of shape \(1[, 5]*\)\)"
+                                         r".*head parameter a tensor of shape \(5[, 25]*\) is "
+                                         r"reached by all 3"):
+        _step(model, buf, torch.randn(4, 3, 2), as_list=False)
