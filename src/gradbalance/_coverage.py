@@ -6,19 +6,24 @@ graph (its ``AccumulateGrad`` nodes are the trainable leaves it reaches) and ref
 anything moves, a leaf in neither list, unless ``other_params="sum"`` asks for their plain
 gradient of ``Σₖ Lₖ``, or ``"ignore"`` leaves them to a caller that fills their ``.grad``
 itself (docs/loop.md, "Parameter coverage"). It also refuses a reentrant
-``torch.utils.checkpoint``, whose backward writes ``.grad`` directly, beside the step.
+``torch.utils.checkpoint``, whose backward writes ``.grad`` directly, beside the step, and
+warns once when the two lists look swapped (:func:`swap_warning`).
 """
 
 from __future__ import annotations
 
+import warnings
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
+from ._roots import _stack_inputs
+
 __all__ = ["Coverage", "OtherParams", "check_other_params", "fire_post_accumulate_hooks",
-           "sum_backward_", "walk_leaves"]
+           "sum_backward_", "swap_warning", "walk_leaves"]
 
 OtherParams = Literal["raise", "sum", "ignore"]
 
@@ -51,7 +56,11 @@ _ACCUMULATE = _accumulate_grad_type()
 def walk_leaves(root: Tensor) -> tuple[dict[int, tuple[Tensor, Any]], bool]:
     """The trainable leaves on ``root``'s graph, by id, each with a node that reads it, and
     whether a reentrant checkpoint lies on the graph."""
-    start = root.grad_fn
+    return _walk(root.grad_fn)
+
+
+def _walk(start: Any) -> tuple[dict[int, tuple[Tensor, Any]], bool]:
+    """:func:`walk_leaves` from an autograd node (None: an empty graph)."""
     if start is None:
         return {}, False
     leaves: dict[int, tuple[Tensor, Any]] = {}
@@ -88,6 +97,55 @@ def _module_names(modules: Any) -> dict[int, str]:
     return names
 
 
+def _task_reach(vector: Tensor) -> list[dict[int, tuple[Tensor, Any]]] | None:
+    """The trainable leaves each task's loss reaches (:func:`walk_leaves`), when ``vector``
+    is a ``torch.stack`` of the K losses (behind elementwise ops); None otherwise (one
+    graph)."""
+    found = _stack_inputs(vector)
+    if found is None:
+        return None
+    return [_walk(edge.node)[0] for edge in found[0]]
+
+
+def _named(leaf: Tensor, names: dict[int, str]) -> str:
+    name = names.get(id(leaf))
+    return f"'{name}'" if name is not None else f"a tensor of shape {tuple(leaf.shape)}"
+
+
+def _swapped_pair(counts: Counter[int], shared: set[int], heads: set[int],
+                  tasks: int) -> tuple[int, int] | None:
+    """A shared leaf and a head leaf showing the swap, from each leaf's count of tasks that
+    reach it; None when some reached shared leaf is reached by two tasks or more, or no head
+    leaf by all of them."""
+    reached_shared = [i for i in counts if i in shared]
+    everywhere = [i for i in counts if i in heads and counts[i] == tasks]
+    if not reached_shared or not everywhere or any(counts[i] > 1 for i in reached_shared):
+        return None
+    return reached_shared[0], everywhere[0]
+
+
+def swap_warning(vector: Tensor, shared: set[int], heads: set[int],
+                 names: dict[int, str]) -> str | None:
+    """The warning when the lists look swapped: every shared parameter the losses reach is
+    reached by one task's loss only, while a head parameter is reached by every task's
+    (K ≥ 2); None otherwise, or when the tasks' graphs cannot be told apart."""
+    reach = _task_reach(vector) if vector.shape[0] >= 2 else None
+    if reach is None:
+        return None
+    pair = _swapped_pair(Counter(i for task in reach for i in task), shared, heads, len(reach))
+    if pair is None:
+        return None
+    leaves = {i: leaf for task in reach for i, (leaf, _) in task.items()}
+    return (
+        f"shared_params and head_params look swapped: every shared parameter the losses "
+        f"reach is reached by one task's loss only (e.g. {_named(leaves[pair[0]], names)}"
+        f"), while head parameter {_named(leaves[pair[1]], names)} is reached by all {len(reach)} "
+        f"tasks' losses. shared_params are the trunk's parameters, which every task uses "
+        f"(balanced); head_params each task's own (plain gradient): pass "
+        f"TaskGradBuffer(trunk.parameters(), head_params=heads.parameters())"
+    )
+
+
 class Coverage:
     """The coverage check of one buffer: walks each ``backward``'s losses; decides again
     only when the set of trainable leaves reached changes."""
@@ -106,6 +164,7 @@ class Coverage:
         self.shared_ids = {id(p) for p in self.shared}
         self.names = _module_names(self.modules)
         self._reached: frozenset[int] | None = None  # the leaf ids of the last decision
+        self._warned = False  # the swap warning, once per buffer
         self.others: list[Tensor] = []  # reached leaves in neither list ("sum")
         self.shared_reached: set[int] = set()  # this step's, for the post-accumulate hooks
 
@@ -134,8 +193,19 @@ class Coverage:
                 raise ValueError(self._message(others))
             self.others = [p for p, _ in others] if self.other_params == "sum" else []
             self._reached = reached
+            self._warn_swapped(vector)
         self.shared_reached |= reached & self.shared_ids
         return self.others
+
+    def _warn_swapped(self, vector: Tensor) -> None:
+        """Warn once if the two lists look swapped (:func:`swap_warning`)."""
+        if self._warned or not self.heads:
+            return
+        heads = self.known - self.shared_ids
+        message = swap_warning(vector, self.shared_ids, heads, self.names)
+        if message is not None:
+            self._warned = True
+            warnings.warn(message, UserWarning, stacklevel=6)
 
     def _message(self, others: list[tuple[Tensor, Any]]) -> str:
         shown = []

@@ -262,8 +262,17 @@ def test_clear_errors(tmp_path: Path) -> None:
     one_head = BalancedTrainer(model=model, args=args, train_dataset=Data(),
                                balancer=PCGrad(K), shared_params=model.trunk.parameters(),
                                head_params=model.heads[0].parameters())
-    with pytest.raises(ValueError, match=r"\['heads.1.weight', .*in neither shared_params"):
+    with pytest.raises(ValueError, match=r"in neither shared_params nor head_params: "
+                                         r".*'heads\.1\.weight'") as raised:
         one_head.train()
+    # the core's check, word for word: a plain buffer over the same model and losses
+    core = TaskGradBuffer(list(model.trunk.parameters()), list(model.heads[0].parameters()),
+                          modules=model)
+    batch = {"x": Data().x[:BATCH], "y": Data().y[:BATCH]}
+    with pytest.raises(ValueError) as plain:
+        core.backward(model(**batch)["losses"])
+    assert str(raised.value) == str(plain.value)
+    assert all(p.grad is None for p in model.parameters())  # refused before anything moved
 
     class NoLosses(TinyMultiTask):
         def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -24,11 +24,12 @@ from the recorded input) and ``nn.Embedding`` (row v of sample i's gradient is
 none; ``scale_grad_by_freq`` couples the samples and is refused), called through their
 ``forward``; any other trainable parameter of the module raises at construction (use
 :func:`~gradbalance.clip.per_sample_grad_norms_of_model` there). A layer called several times
-is exact (its calls' rows are one sequence); a bounded parameter held by two layers (tied
-weights, embedding/output tying) is refused at construction, and one used on the losses' graph
-outside its layer's recorded calls (``F.linear(x, layer.weight)``), or with a tensor hook, is
-refused by :meth:`GhostNorms.norms`: the per-layer ghost form would miss the cross terms
-between the uses (docs/loop.md).
+is exact (its calls' rows are one sequence); a bounded parameter held by several covered layers
+(tied weights, embedding/output tying) is exact too, its sites' gradients summed per sample
+before the norm (:mod:`._per_sample_tied`, the cross terms between the sites included). One
+also held by a refused layer is refused at construction; one used on the losses' graph
+outside its layers' recorded calls (``F.linear(x, layer.weight)``), or with a tensor hook, is
+refused by :meth:`GhostNorms.norms`: those uses are not recorded (docs/loop.md).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from .._amp import no_autocast
 from .._checks import check_bool, check_norm_type
 from .._graph import leaf_uses, tensor_hooked
 from ._per_sample_graph import _check_losses
+from ._per_sample_tied import Site, site_form, tied_powers
 
 __all__ = ["GhostNorms"]
 
@@ -65,15 +67,16 @@ class _Layer:
         self.inputs: list[Tensor] = []
         self.outputs: list[Tensor] = []
 
-    def bounded(self) -> list[tuple[str, Tensor]]:
-        """The layer's bounded parameters, by their name in the model."""
+    def bounded(self) -> list[tuple[str, Tensor, bool]]:
+        """The layer's bounded parameters: their name in the model, the tensor, and whether
+        it is the layer's weight (else its bias)."""
         prefix = f"{self.name}." if self.name else ""
         weight, bias = getattr(self.module, "weight", None), getattr(self.module, "bias", None)
-        found: list[tuple[str, Tensor]] = []
+        found: list[tuple[str, Tensor, bool]] = []
         if self.weight and isinstance(weight, Tensor):
-            found.append((f"{prefix}weight", weight))
+            found.append((f"{prefix}weight", weight, True))
         if self.bias and isinstance(bias, Tensor):
-            found.append((f"{prefix}bias", bias))
+            found.append((f"{prefix}bias", bias, False))
         return found
 
     def rows(self, x: Tensor, batch: int) -> Tensor:
@@ -164,8 +167,9 @@ def _embedding_norms(ids: Tensor, d: Tensor, module: nn.Embedding, norm_type: fl
 def _sample_norms(inputs: _Inputs, d: Tensor, norm_type: float) -> Tensor:
     """Per-sample ``‖∇W‖ᵖ + ‖∇b‖ᵖ`` (p-th powers, float64) from the rows and ``d`` ``[B, S, o]``."""
     layer = inputs.layer
-    if isinstance(layer.module, nn.Embedding):
-        return _embedding_norms(inputs.x, d, layer.module, norm_type)
+    if isinstance(layer.module, nn.Embedding):  # its weight, unless tied (bounded apart)
+        return (_embedding_norms(inputs.x, d, layer.module, norm_type) if layer.weight
+                else torch.zeros(d.shape[0], dtype=torch.float64, device=d.device))
     common = torch.promote_types(torch.promote_types(inputs.x.dtype, d.dtype), torch.float32)
     x, d = inputs.x.to(common), d.to(common)  # autocast: fp32 inputs, 16-bit output gradients
     b, s, i = x.shape
@@ -227,22 +231,6 @@ def _uncovered_message(missing: list[str], refused: list[str]) -> str:
     )
 
 
-def _check_untied(layer: _Layer, owners: dict[int, str]) -> None:
-    """Record the layer's bounded parameters in ``owners`` (id to parameter name); raise
-    naming one already held by another layer (tied weights)."""
-    for name, p in layer.bounded():
-        if id(p) in owners:
-            raise ValueError(
-                f"GhostNorms cannot bound parameter {owners[id(p)]!r}: it is tied to "
-                f"{name!r} (one weight in two layers, e.g. embedding/output tying), and the "
-                f"per-sample gradient of a tied weight sums both layers' parts before the "
-                f"norm, which the per-layer ghost form does not; bound it with "
-                f"per_sample_grad_norms_of_model (torch.func) or per_sample_grad_norms, or "
-                f"pass params= without it"
-            )
-        owners[id(p)] = name
-
-
 class GhostNorms:
     """Forward hooks on the linear, conv, LayerNorm and embedding layers of ``module``;
     per-sample norms.
@@ -264,6 +252,22 @@ class GhostNorms:
     Inputs are recorded only while grad is enabled; :meth:`norms` consumes the step's
     records. Samples coupled by the model (BatchNorm in training mode) are not independent:
     ``Dᵢ`` is then the derivative of ``Σⱼ ℓⱼ`` and the norm is not a per-sample one.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from gradbalance.clip import GhostNorms
+        >>> _ = torch.manual_seed(0)
+        >>> embed, out = nn.Embedding(5, 3), nn.Linear(3, 5, bias=False)
+        >>> out.weight = embed.weight  # tied, as in language models
+        >>> model = nn.Sequential(embed, out)
+        >>> ghost = GhostNorms(model)
+        >>> ids = torch.tensor([[0, 1, 1], [2, 4, 2]])
+        >>> per_sample = model(ids).logsumexp(-1).sum(1)          # [B]
+        >>> norms = ghost.norms(per_sample)
+        >>> alone = torch.autograd.grad(per_sample[1], embed.weight)[0]  # sample 1's gradient
+        >>> torch.allclose(norms[1], alone.norm())
+        True
     """
 
     def __init__(self, module: nn.Module, params: Iterable[Tensor] | None = None, *,
@@ -274,6 +278,8 @@ class GhostNorms:
         wanted = set(map(id, named.values() if params is None else params))
         self._layers: list[_Layer] = []
         self._handles: list[Any] = []
+        self._bounded: list[tuple[str, Tensor, list[_Layer]]] = []  # (name, tensor, holders)
+        self._tied: list[list[tuple[_Layer, bool]]] = []  # per tied parameter: (layer, weight?)
         try:
             covered, refused = self._hook_layers(module, wanted)
         except ValueError:
@@ -287,9 +293,9 @@ class GhostNorms:
     def _hook_layers(self, module: nn.Module, wanted: set[int]) -> tuple[set[int], list[str]]:
         """Hook every covered layer holding a wanted parameter; the ids of the parameters
         covered, and the layers refused (``"name (reason)"``)."""
-        covered: set[int] = set()
         refused: list[str] = []
-        owners: dict[int, str] = {}
+        refused_ids: set[int] = set()  # held by a refused layer: not covered, even if tied
+        holders: dict[int, list[tuple[str, Tensor, _Layer, bool]]] = {}
         for name, sub in module.named_modules():
             mine = _wanted_of(sub, wanted)
             if not mine:
@@ -297,15 +303,32 @@ class GhostNorms:
             reason = _refusal(sub)
             if reason is not None:
                 refused.append(f"{name} ({reason})")
+                refused_ids.update(map(id, mine))
                 continue
             bias = getattr(sub, "bias", None)
             layer = _Layer(name, sub, id(sub.weight) in wanted,
                            bias is not None and id(bias) in wanted)
-            covered.update(map(id, mine))
             self._layers.append(layer)
             self._handles.append(sub.register_forward_hook(self._hook(layer)))
-            _check_untied(layer, owners)
-        return covered, refused
+            for pname, p, is_weight in layer.bounded():
+                holders.setdefault(id(p), []).append((pname, p, layer, is_weight))
+        self._group(holders)
+        return set(holders) - refused_ids, refused
+
+    def _group(self, holders: dict[int, list[tuple[str, Tensor, _Layer, bool]]]) -> None:
+        """Record each bounded parameter with its layers; one held by several layers (tied)
+        leaves their per-layer norms and is bounded over all its sites at once."""
+        for sites in holders.values():
+            name, p = sites[0][0], sites[0][1]
+            self._bounded.append((name, p, [layer for _, _, layer, _ in sites]))
+            if len(sites) == 1:
+                continue
+            for _, _, layer, is_weight in sites:
+                if is_weight:
+                    layer.weight = False
+                else:
+                    layer.bias = False
+            self._tied.append([(layer, is_weight) for _, _, layer, is_weight in sites])
 
     @staticmethod
     def _hook(layer: _Layer) -> Any:
@@ -344,7 +367,7 @@ class GhostNorms:
         columns = losses.reshape(losses.shape[0], -1)
         batch = columns.shape[0]
         self._check_batch(layers, batch)
-        self._check_uses(layers, columns)
+        self._check_uses(columns)
         rows = [_Inputs(layer, batch) for layer in layers]  # once for all K tasks
         roots = [columns.sum(dim=1)] if not self.per_task else list(columns.unbind(1))
         outputs = [y for layer in layers for y in layer.outputs]
@@ -373,18 +396,18 @@ class GhostNorms:
                     f"recorded (call clear() after other forwards)"
                 )
 
-    def _check_uses(self, layers: list[_Layer], losses: Tensor) -> None:
-        """Every bounded parameter is used on the losses' graph only by its layer's recorded
+    def _check_uses(self, losses: Tensor) -> None:
+        """Every bounded parameter is used on the losses' graph only by its layers' recorded
         calls and has no tensor hook (else the records are dropped and it raises)."""
-        bounded = [(layer, name, p) for layer in layers for name, p in layer.bounded()]
-        uses = leaf_uses(losses, [p for _, _, p in bounded])
-        for layer, name, p in bounded:
+        uses = leaf_uses(losses, [p for _, p, _ in self._bounded])
+        for name, p, holders in self._bounded:
             hooked = tensor_hooked(p)
-            if hooked or uses[id(p)] > len(layer.outputs):
+            calls = sum(len(layer.outputs) for layer in holders)
+            if hooked or uses[id(p)] > calls:
                 how = ("has a tensor hook, which rewrites its gradient" if hooked else
-                       f"is used {uses[id(p)]} times on the losses' graph but its layer "
-                       f"recorded {len(layer.outputs)} calls (used outside the layer's "
-                       f"forward, e.g. F.linear(x, layer.weight) or a tied copy)")
+                       f"is used {uses[id(p)]} times on the losses' graph but its layer(s) "
+                       f"recorded {calls} calls (used outside the layers' forward, e.g. "
+                       f"F.linear(x, layer.weight) or by a module GhostNorms does not hook)")
                 self.clear()
                 raise RuntimeError(
                     f"GhostNorms cannot bound parameter {name!r}: it {how}, so the ghost "
@@ -399,13 +422,19 @@ class GhostNorms:
         """Add each layer's per-sample ``‖∇θ‖ᵖ`` to ``column`` ``[B]`` (in place), from one
         task's gradients of every recorded output (in order; None: unused, zero)."""
         at = 0
+        seen: dict[int, tuple[Tensor, Tensor]] = {}  # layer id: (input rows, output gradients)
         for inputs in rows:
             outputs = inputs.layer.outputs
             ds = [torch.zeros_like(y) if g is None else g
                   for y, g in zip(outputs, grads[at : at + len(outputs)])]
             at += len(outputs)
             d = torch.cat([inputs.layer.output_rows(t, batch) for t in ds], 1)
+            seen[id(inputs.layer)] = inputs.x, d
             column += _sample_norms(inputs, d, self.norm_type)
+        for sites in self._tied:  # every site's gradient summed before the norm
+            forms = [site_form(Site(layer.module, is_weight), *seen[id(layer)])
+                     for layer, is_weight in sites]
+            column += tied_powers(forms, self.norm_type)
 
     def clear(self) -> None:
         """Drop the recorded inputs and outputs (e.g. after an evaluation under grad)."""

@@ -111,16 +111,14 @@ def _resolve(name: str, source: ParamSource | None, model: nn.Module, method: st
     return list(source(model) if callable(source) else source)
 
 
-def _check_covered(model: nn.Module, shared: list[Tensor], heads: list[Tensor]) -> None:
-    """Every trainable parameter is shared or a head's: the others would get no gradient."""
-    known = {id(p) for p in shared} | {id(p) for p in heads}
-    left = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in known]
-    if left:
-        raise ValueError(
-            f"trainable parameters {left[:5]}{' ...' if len(left) > 5 else ''} are in neither "
-            f"shared_params nor head_params, so they would get no gradient; add them to one "
-            f"(or set requires_grad=False)"
-        )
+def _buffer_options(options: Mapping[str, Any], model: nn.Module) -> dict[str, Any]:
+    """The buffer's options; the model names the parameters in the core's coverage check
+    (docs/loop.md, "Parameter coverage") unless ``modules`` is given or the mode hooks them
+    (``gramian``, ``auto``: ``modules`` is the trunk there)."""
+    found = dict(options)
+    if "modules" not in found and found.get("mode", "matrix") in ("matrix", "features"):
+        found["modules"] = model
+    return found
 
 
 class BalancedTrainer(Trainer):
@@ -134,14 +132,16 @@ class BalancedTrainer(Trainer):
             Default: ``model.shared_parameters()``.
         head_params: the heads' parameters (a plain gradient of ``Σₖ Lₖ``), or a callable.
             Default: ``model.head_parameters()`` if the model has it, else every trainable
-            parameter outside ``shared_params``. Every trainable parameter must be in one of
-            the two lists.
+            parameter outside ``shared_params``. Every trainable parameter the losses reach
+            must be in one of the two lists: the buffer's coverage check refuses the step
+            otherwise, naming it (``buffer_options={"other_params": "sum"}`` gives such
+            parameters their plain gradient; docs/loop.md, "Parameter coverage").
         weighting: optional :class:`~gradbalance.LossWeighting` applied to every micro-batch's
             losses. A learnable one needs its parameters in the optimizer
             (``optimizers=(...)``).
         clip: optional row clipper (e.g. :class:`~gradbalance.TaskClip`).
         buffer_options: more arguments of :class:`~gradbalance.TaskGradBuffer` (``mode``,
-            ``passes``, ``update_every``, ``modules``, ``process_group``).
+            ``passes``, ``update_every``, ``modules``, ``process_group``, ``other_params``).
         log_prefix: prefix of the logged scalars.
         **kwargs: the ``Trainer``'s.
 
@@ -195,9 +195,8 @@ class BalancedTrainer(Trainer):
                                    if p.requires_grad and id(p) not in ids]
         else:
             heads = _resolve("head_params", self._head_source, model, "head_parameters")
-        _check_covered(model, shared, heads)
         return TaskGradBuffer(shared, heads, num_tasks=self.balanced.balancer.num_tasks,
-                              **self._buffer_options)
+                              **_buffer_options(self._buffer_options, model))
 
     def compute_task_losses(self, model: nn.Module, inputs: dict[str, Any]
                             ) -> Tensor | Sequence[Tensor]:

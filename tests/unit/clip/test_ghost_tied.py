@@ -1,8 +1,9 @@
 """``GhostNorms`` with reused and tied weights: exact, or refused naming the weight.
 
 The reference is a loop of B single-sample backward passes (autograd sums every use of a
-weight before the norm). A layer called several times is exact; a weight held by two layers,
-used outside its layer's forward or rewritten by a tensor hook is refused (docs/loop.md).
+weight before the norm). A layer called several times and a weight held by two layers are
+exact; a weight used outside its layers' forward or rewritten by a tensor hook is refused
+(docs/loop.md). More tied models: ``test_ghost_tied_lm.py``.
 """
 
 from __future__ import annotations
@@ -55,24 +56,19 @@ def _data(seed: int, batch: int, seq: int, vocab: int) -> tuple[Tensor, Tensor]:
             torch.randn(batch, 2, generator=gen, dtype=torch.float64))
 
 
-@pytest.mark.parametrize(("seed", "batch", "seq", "repeat"),
-                         [(0, 3, 4, 2), (1, 5, 2, 3), (2, 4, 6, 2)])
-def test_layers_called_several_times_are_exact(seed: int, batch: int, seq: int,
-                                               repeat: int) -> None:
+@pytest.mark.parametrize(("seed", "batch", "seq", "repeat", "tie"),
+                         [(0, 3, 4, 2, False), (1, 5, 2, 3, False), (2, 4, 6, 2, False),
+                          (0, 3, 4, 1, True), (1, 5, 2, 3, True), (2, 4, 6, 2, True)])
+def test_layers_called_several_times_and_a_tied_output_are_exact(
+        seed: int, batch: int, seq: int, repeat: int, tie: bool) -> None:
+    """``tie``: the output projection holds the embedding's weight."""
     torch.manual_seed(seed)
-    model = _Tokens(7, 6, tie=False, repeat=repeat).double()
+    model = _Tokens(7, 6, tie=tie, repeat=repeat).double()
     x, y = _data(seed, batch, seq, 7)
     expected = _loop_norms(model, x, y, list(model.parameters()))
     ghost = GhostNorms(model)
     torch.testing.assert_close(ghost.norms((model(x) - y) ** 2), expected, rtol=1e-10,
                                atol=1e-12)
-
-
-def test_an_embedding_tied_to_the_output_is_refused_naming_it() -> None:
-    model = _Tokens(7, 6, tie=True).double()
-    with pytest.raises(ValueError, match=r"'embed\.weight'.*tied to 'out\.weight'"):
-        GhostNorms(model)
-    assert all(not m._forward_hooks for m in model.modules())  # nothing stays hooked
 
 
 class _TwoLayersOneWeight(nn.Module):
@@ -86,17 +82,19 @@ class _TwoLayersOneWeight(nn.Module):
         return out
 
 
-def test_one_weight_in_two_linear_layers_is_refused_and_the_rest_is_exact() -> None:
-    torch.manual_seed(0)
-    model = _TwoLayersOneWeight(2).double()
-    with pytest.raises(ValueError, match=r"'a\.weight'.*tied to 'b\.weight'"):
-        GhostNorms(model)
-    rest = [model.a.bias, model.b.bias]  # without the tied weight: exact
-    x, y = torch.randn(4, 2, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
-    expected = _loop_norms(model, x, y, rest)
-    ghost = GhostNorms(model, params=rest)
-    torch.testing.assert_close(ghost.norms((model(x) - y) ** 2), expected, rtol=1e-10,
-                               atol=1e-12)
+@pytest.mark.parametrize(("seed", "width"), [(0, 2), (1, 5)])
+def test_one_weight_in_two_linear_layers_is_exact_with_or_without_it(seed: int,
+                                                                      width: int) -> None:
+    torch.manual_seed(seed)
+    model = _TwoLayersOneWeight(width).double()
+    x = torch.randn(4, width, dtype=torch.float64)
+    y = torch.randn(4, width, dtype=torch.float64)
+    for params in (list(model.parameters()), [model.a.bias, model.b.bias]):
+        expected = _loop_norms(model, x, y, params)
+        ghost = GhostNorms(model, params=params)
+        torch.testing.assert_close(ghost.norms((model(x) - y) ** 2), expected, rtol=1e-10,
+                                   atol=1e-12)
+        ghost.remove()
 
 
 class _Outside(nn.Module):
