@@ -122,3 +122,14 @@ class TaskRoots:
             return (None,) * len(inputs)
         return torch.autograd.grad(root, inputs, grad_outputs=[self.grad_outputs[k]],
                                    retain_graph=retain_graph, allow_unused=True)
+
+    def backward(self, k: int, retain_graph: bool) -> None:
+        """An ordinary ``backward`` of ``s·Lₖ`` from the same root (into ``.grad``); nothing
+        for a constant loss."""
+        if self.outputs is None:
+            torch.autograd.backward(self.scaled[k], retain_graph=retain_graph)
+            return
+        root = self.outputs[k]
+        if root is not None:
+            torch.autograd.backward(root, grad_tensors=self.grad_outputs[k].reshape(()),
+                                    retain_graph=retain_graph)

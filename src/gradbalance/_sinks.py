@@ -3,13 +3,15 @@
 A sink names the tensors it wants gradients at (``inputs``) and receives them either one
 pass at a time (the loop: ``write_pass(k, grads)``, ``∂Lₖ/∂x`` per input) or all at once (the
 batched call: ``write_batched(grads)``, ``[K, *x.shape]`` per input); None wherever no task
-reaches an input. Both give the same result, so a sink does not know which way ran.
+reaches an input. Both give the same result, so a sink does not know which way ran. A sink
+with ``by_backward`` takes no ``inputs``: each pass is an ordinary ``backward`` (for
+parameters ``autograd.grad`` cannot target, a sharded trunk's) and the sink reads ``.grad``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 from torch import Tensor
@@ -33,6 +35,9 @@ class ColumnLayout(Protocol):
 
 class PassSink(Protocol):
     """What :func:`~gradbalance.taskgrads.run_passes` writes into."""
+
+    #: The passes are ordinary ``backward`` calls, run as a loop (this module's docstring).
+    by_backward: ClassVar[bool]
 
     @property
     def inputs(self) -> Sequence[Tensor]:
@@ -80,6 +85,8 @@ class RowsSink:
     ``out``; ``reached[i]`` set True where some task reaches ``layout.params[i]`` (its
     columns are zeros, or unchanged when accumulating, otherwise)."""
 
+    by_backward: ClassVar[bool] = False
+
     def __init__(self, layout: ColumnLayout, out: Tensor, accumulate: bool,
                  reached: list[bool] | None = None) -> None:
         self.layout, self.out, self.accumulate, self.reached = layout, out, accumulate, reached
@@ -101,6 +108,8 @@ class RowsSink:
 class StackSink:
     """The gradients at ``inputs`` (tensors inside the graph, e.g. layer outputs) as one
     ``[K, *x.shape]`` stack each: ``stacks[j]``, None where no task reaches ``inputs[j]``."""
+
+    by_backward: ClassVar[bool] = False
 
     def __init__(self, inputs: Sequence[Tensor], num_tasks: int) -> None:
         self._inputs = list(inputs)

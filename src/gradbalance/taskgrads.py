@@ -120,11 +120,16 @@ def _split(sinks: Sequence[PassSink], grads: Sequence[Tensor | None]
 
 
 def _loop(roots: TaskRoots, inputs: list[Tensor], sinks: Sequence[PassSink],
-          retain_graph: bool) -> None:
+          retain_graph: bool, by_backward: bool) -> None:
     k_total = roots.num_tasks
     previous: tuple[Tensor | None, ...] = ()
     for k in range(k_total):
-        grads = roots.grad(k, inputs, retain_graph or k < k_total - 1)
+        keep = retain_graph or k < k_total - 1
+        if by_backward:
+            roots.backward(k, keep)
+            grads: tuple[Tensor | None, ...] = ()
+        else:
+            grads = roots.grad(k, inputs, keep)
         for sink, part in _split(sinks, grads):
             sink.write_pass(k, part)
         # Freed only once the next pass has allocated its own: freeing first lets the
@@ -175,16 +180,20 @@ def run_passes(
     ``"auto"``/``"measure"`` resolve to on ``device`` (:func:`plan_passes`); a batched call
     without a batching rule falls back to the loop unless ``passes="batched"``. The batched
     call writes nothing before it returns, so a failed call leaves the sinks untouched.
-    Returns the passes actually used (``"loop"`` after a fallback).
+    Sinks taking their gradients ``by_backward`` (all or none) run the loop of ordinary
+    ``backward`` calls. Returns the passes actually used (``"loop"`` after a fallback).
     """
+    by_backward = any(sink.by_backward for sink in sinks)
+    if by_backward and not all(sink.by_backward for sink in sinks):
+        raise ValueError("run_passes: sinks mix by_backward and autograd.grad inputs")
     inputs = [x for sink in sinks for x in sink.inputs]
-    if plan_passes(passes, device, preferred) == "batched":
+    if not by_backward and plan_passes(passes, device, preferred) == "batched":
         grads = _batched(roots, inputs, passes, retain_graph)
         if grads is not None:
             for sink, part in _split(sinks, grads):
                 sink.write_batched(part)
             return "batched"
-    _loop(roots, inputs, sinks, retain_graph)
+    _loop(roots, inputs, sinks, retain_graph, by_backward)
     return "loop"
 
 

@@ -1,9 +1,14 @@
 """The columns of a trunk sharded with FSDP2 (:class:`~gradbalance.modes._layout.Columns`):
 each rank keeps its own ``[K, P/W]``.
 
-Per micro-batch, K ordinary backward passes (one per task, from its own loss) let FSDP2
-reduce-scatter each task's gradient; this rank's shard of it is added into row ``k`` of the
-local buffer (:func:`~gradbalance.modes._sharded_passes.sharded_passes`). Once per step:
+Under ``fully_shard`` the trunk's ``DTensor`` parameters never enter the autograd graph (the
+forward uses their all-gathered copies), so ``autograd.grad`` cannot target them. Per
+micro-batch, :func:`~gradbalance.taskgrads.run_passes` runs each task's pass as an ordinary
+``backward`` from its own loss into a :class:`ShardedSink`: FSDP2 reduce-scatters the task's
+gradient into the sharded ``.grad`` (the full batch's), whose local shard is added into row
+``k`` of the local buffer, ``.grad`` cleared for the next task; the trunk's ``.grad`` from
+before the step is set aside meanwhile (:func:`grads_set_aside`). The heads receive every
+pass's ``∂Lₖ/∂h``, so their ``.grad`` gains their plain gradient once. Once per step:
 
 1. the losses and the heads' plain ``.grad`` (unless FSDP2 already averaged them, when the
    heads are sharded too) are averaged over the ranks;
@@ -14,7 +19,8 @@ local buffer (:func:`~gradbalance.modes._sharded_passes.sharded_passes`). Once p
 4. ``Balancer.combine`` with this layout's ``Shard`` gives this rank's columns of the
    single-process update (weighted balancers: the weights from the Gramian, computed alike
    everywhere; the others on their columns, with global sums through ``Shard.reduce``);
-5. ``.grad += s·g`` as ``DTensor`` gradients, written last.
+5. ``.grad += s·g`` as ``DTensor`` gradients with the parameters' placements, written last
+   (:class:`ShardedWriteBack`).
 
 ``features`` mode takes the feature gradients through replicated heads and all-gathers them
 as under data parallelism; the trunk's update is one ordinary backward of ``⟨f, W·s·z_r⟩``
@@ -28,7 +34,8 @@ reduce-scatters of the trunk (``docs/distributed.md``, "Sharded trunks").
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -36,17 +43,71 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .._shard import Shard
-from .._sharding import ShardedLayout, is_dtensor
+from .._sharding import ShardedLayout, is_dtensor, local_of
+from .._sinks import RowsSink
 from ..balancers._base import Balancer
 from ..clip._protocol import RowClipper, scales_whole_rows
 from ..clip._task import TaskValueClip
 from ..distributed import all_reduce_grads_and_losses_
 from ..stats import StepStats, build_stats
-from ..taskgrads import ParamLayout, Passes, TaskRoots
+from ..taskgrads import ParamLayout, Passes, TaskRoots, run_passes
 from ._engine import RowsEngine, Update
-from ._sharded_passes import ShardedWriteBack, grads_set_aside, sharded_passes, trunk_backward
 
-__all__ = ["ShardedColumns", "check_replicated_heads", "check_sharded_clip"]
+__all__ = ["ShardedColumns", "ShardedSink", "ShardedWriteBack", "check_replicated_heads",
+           "check_sharded_clip"]
+
+
+@contextlib.contextmanager
+def grads_set_aside(params: Sequence[Tensor]) -> Iterator[None]:
+    """The trunk's ``.grad`` set aside (None) inside, put back on the way out, also on a
+    failure: the passes' gradients never mix with the user's."""
+    saved = [p.grad for p in params]
+    try:
+        for p in params:
+            p.grad = None
+        yield
+    finally:
+        for p, g in zip(params, saved):
+            p.grad = g
+
+
+class ShardedSink(RowsSink):
+    """Row ``k`` (+)= this rank's shard of ``.grad`` after task ``k``'s ordinary backward,
+    which is then cleared (:mod:`gradbalance._sinks`, ``by_backward``)."""
+
+    by_backward = True
+
+    def __init__(self, layout: ShardedLayout, out: Tensor, accumulate: bool,
+                 reached: list[bool] | None = None) -> None:
+        super().__init__(layout, out, accumulate, reached)
+        self.sharded = layout
+
+    @property
+    def inputs(self) -> Sequence[Tensor]:
+        return ()
+
+    def write_pass(self, k: int, grads: Sequence[Tensor | None]) -> None:
+        super().write_pass(k, self.sharded.local_grads())
+        for p in self.sharded.params:
+            p.grad = None
+
+    def write_batched(self, grads: Sequence[Tensor | None]) -> None:
+        raise RuntimeError("a sharded trunk's passes run as a loop of backward calls")
+
+
+def trunk_backward(layout: ShardedLayout, root: Tensor, grad: Tensor | None = None,
+                   retain_graph: bool = False, out: Tensor | None = None,
+                   accumulate: bool = False) -> Tensor | None:
+    """This rank's columns ``[P_local]`` of one ordinary backward of ``root`` (``grad``: its
+    ``grad_tensors``) into ``out`` (``+=`` with ``accumulate``), the trunk's ``.grad`` set
+    aside meanwhile; None when the pass reached no trunk parameter."""
+    if out is None:
+        out = torch.empty(layout.numel, dtype=layout.dtype, device=layout.device)
+    reached = [False] * len(layout.params)
+    with grads_set_aside(layout.params):
+        torch.autograd.backward(root, grad_tensors=grad, retain_graph=retain_graph)
+        ShardedSink(layout, out[None], accumulate, reached).write_pass(0, ())
+    return out if any(reached) else None
 
 
 def check_replicated_heads(head_params: Sequence[Tensor]) -> None:
@@ -96,8 +157,24 @@ class ShardedColumns:
 
     def task_passes(self, engine: RowsEngine, roots: TaskRoots, out: Tensor,
                     first: bool) -> None:
-        """K ordinary backward passes (the heads get their plain gradient from them)."""
-        sharded_passes(roots, self.layout, out, accumulate=not first)
+        """K ordinary backward passes (the heads get their plain gradient from them).
+
+        Raises (after putting the trunk's ``.grad`` back) when no task reached any trunk
+        parameter: FSDP2's gradient sync is off (``set_requires_gradient_sync(False)``), so
+        the reduce-scatter that fills the sharded ``.grad`` did not run.
+        """
+        reached = [False] * len(self.layout.params)
+        with grads_set_aside(self.layout.params):
+            run_passes(roots, [ShardedSink(self.layout, out, not first, reached)],
+                       self.device, passes="loop")
+        if not any(reached):
+            raise RuntimeError(
+                "no task's backward pass wrote a gradient into the sharded trunk: FSDP2's "
+                "gradient sync is off (model.set_requires_gradient_sync(False)) or the losses "
+                "do not depend on the trunk. Keep the sync on during buf.backward (the buffer "
+                "accumulates micro-batches itself: each pass reduce-scatters its task's "
+                "gradient); nothing was written"
+            )
 
     def reduce_(self, matrix: Tensor, losses: Tensor, heads: Sequence[Tensor],
                 group: Any) -> Tensor:
@@ -175,3 +252,54 @@ class ShardedColumns:
         if group is not None:
             losses = all_reduce_grads_and_losses_(self.plain_heads, losses, group)
         return ShardedWriteBack(self.layout, held, None), losses
+
+
+class ShardedWriteBack:
+    """A step's update of a sharded trunk (:class:`~gradbalance.modes._engine.WriteBack`'s
+    interface): ``.grad = s·g`` as a new ``DTensor`` with the parameter's mesh and placements
+    where there was none, ``.grad += s·g`` on the local shard elsewhere; every tensor made
+    here, so :meth:`commit_` only assigns and adds."""
+
+    def __init__(self, layout: ShardedLayout, vector: Tensor, scale: Tensor | None) -> None:
+        from torch.distributed.tensor import DTensor
+
+        self.scale = scale
+        self.flat = vector
+        self.dtype = layout.dtype
+        self.assign: list[tuple[Tensor, Tensor]] = []
+        self.add: list[tuple[Tensor, Tensor]] = []
+        factor = None if scale is None else scale.to(device=vector.device, dtype=vector.dtype)
+        for (p, start, stop), shape in zip(layout.slices(), layout.local_shapes):
+            part = vector[start:stop].reshape(shape)
+            if factor is not None:
+                part = part * factor
+            part = part.to(p.dtype)
+            if p.grad is None:
+                meta: Any = p
+                new = DTensor.from_local(part.clone() if factor is None else part,
+                                         meta.device_mesh, meta.placements, run_check=False,
+                                         shape=p.shape, stride=p.stride())
+                self.assign.append((p, new))
+            else:
+                self.add.append((p, part))
+
+    @property
+    def params(self) -> list[Tensor]:
+        return [p for p, _ in self.assign] + [p for p, _ in self.add]
+
+    def bound(self) -> Tensor:
+        """The largest magnitude of this rank's part of the update before the scale (0-d
+        float64, NaN if any); :func:`~gradbalance.modes._engine.settle` agrees it over the
+        ranks."""
+        if self.flat.numel() == 0:
+            return torch.zeros((), dtype=torch.float64)
+        low, high = torch.aminmax(self.flat)
+        return torch.maximum(high, -low).to(torch.float64)
+
+    def commit_(self) -> None:
+        for p, new in self.assign:
+            p.grad = new
+        for p, part in self.add:
+            grad = p.grad
+            assert grad is not None
+            local_of(grad).add_(part)
