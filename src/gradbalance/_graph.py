@@ -1,10 +1,7 @@
-"""How a loss's autograd graph uses given leaves: each leaf's count of uses, and tensor hooks.
-
-A route that forms a parameter's gradient from its layer's recorded forwards (``gramian``
-mode's activations route, :class:`~gradbalance.clip.GhostNorms`) is exact only where those
-forwards are the parameter's only uses and no tensor hook rewrites its gradient;
-``sum(losses).backward()`` counts every use and runs every hook (docs/loop.md, "One update
-whatever the route").
+"""How a loss's graph uses given leaves (each one's count of uses) and tensor hooks: a route
+that forms a gradient from its layer's recorded forwards (``gramian`` mode's activations,
+:class:`~gradbalance.clip.GhostNorms`) is exact only where those are the only uses and no
+hook rewrites it (docs/loop.md, "One update whatever the route").
 """
 
 from __future__ import annotations
@@ -27,9 +24,8 @@ def _is_cast(node: Node) -> bool:
 
 
 def leaf_uses(tensor: Tensor, leaves: Sequence[Tensor]) -> dict[int, int]:
-    """How many times ``tensor``'s graph uses each of ``leaves``, by ``id``: the edges into
-    its gradient accumulator, an edge from a cast counting as the edges into that cast (one
-    breadth-first walk of the graph)."""
+    """How many times ``tensor``'s graph uses each of ``leaves``, by ``id`` (an edge from a
+    cast counts as the edges into that cast; one breadth-first walk)."""
     counts = dict.fromkeys(map(id, leaves), 0)
     start = tensor.grad_fn
     queue = deque([start] if start is not None else [])
@@ -54,7 +50,6 @@ def leaf_uses(tensor: Tensor, leaves: Sequence[Tensor]) -> dict[int, int]:
 
 
 def tensor_hooked(param: Tensor) -> bool:
-    """Whether ``param`` has a tensor hook (``param.register_hook``), which rewrites its
-    gradient in every backward that computes it."""
+    """Whether ``param`` has a tensor hook (``param.register_hook``)."""
     hooks = getattr(param, "_backward_hooks", None)
     return bool(hooks)

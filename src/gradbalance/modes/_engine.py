@@ -34,7 +34,7 @@ from ..taskgrads import (
 from ._measure import measure_passes
 from ._rollback import StateSnapshot
 
-__all__ = ["Engine", "RowsEngine", "StepInput", "Update", "WriteBack", "commit", "settle"]
+__all__ = ["Engine", "RowsEngine", "StepInput", "WriteBack", "commit", "settle"]
 
 
 @dataclass
@@ -275,22 +275,7 @@ class WriteBack:
                 grad.addcmul_(part, self._factor)
 
 
-class Update(Protocol):
-    """What :func:`settle` and :func:`commit` need of a step's update: :class:`WriteBack`,
-    or :class:`~gradbalance.modes._sharded.ShardedWriteBack` on a sharded trunk."""
-
-    scale: Tensor | None
-    dtype: torch.dtype
-
-    @property
-    def params(self) -> list[Tensor]: ...
-
-    def bound(self) -> Tensor: ...
-
-    def commit_(self) -> None: ...
-
-
-def settle(update: Update, step: StepInput, finite: bool) -> bool:
+def settle(update: WriteBack, step: StepInput, finite: bool) -> bool:
     """Whether the step's update is written as balanced (``not found_inf``), before anything
     is written: an update that overflows once scaled (one host sync) puts the balancer and
     clipper back; a non-finite step without a scaler raises ``NonFiniteGradientError``."""
@@ -303,7 +288,7 @@ def settle(update: Update, step: StepInput, finite: bool) -> bool:
     return finite
 
 
-def commit(update: Update, head_params: Sequence[Tensor], finite: bool) -> None:
+def commit(update: WriteBack, head_params: Sequence[Tensor], finite: bool) -> None:
     """Write the update, last; on a non-finite step poison every ``.grad`` of the step so
     that the scaler skips it."""
     update.commit_()

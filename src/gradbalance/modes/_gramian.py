@@ -33,16 +33,9 @@ __all__ = ["GramianMode", "GramianRecorder"]
 
 
 class GramianMode:
-    """``G Gᵀ`` from the recorder, the weights, one weighted write-back.
-
-    The same update as ``matrix`` mode for every weighted balancer. With a loss scale ``s``
-    the Gramian of the scaled losses is divided by ``s²``; the write-back stays scaled, as
-    ``scaler.unscale_`` expects. Under data parallelism the heads' ``.grad`` and the losses
-    are averaged and the recorder gives every rank the full batch's operands, so every rank
-    writes the full-batch update. A row clipper with a ``coefficients(norms)`` rule on
-    2-norms (``TaskClip``, ``TaskAutoClip``) acts on the Gramian: ``cᵢ cⱼ (G Gᵀ)ᵢⱼ`` for the
-    balancer, ``w ⊙ c`` for the write-back.
-    """
+    """``G Gᵀ`` from the recorder, the weights, one weighted write-back: ``matrix`` mode's
+    update for every weighted balancer. The Gramian is unscaled by ``s²``, the write-back
+    stays scaled; a 2-norm row clipper acts as ``cᵢ cⱼ (G Gᵀ)ᵢⱼ`` and ``w ⊙ c``."""
 
     mode: ClassVar[str] = "gramian"
     matrix: Tensor | None = None  # never a [K, P] matrix
@@ -56,18 +49,14 @@ class GramianMode:
             )
         self.recorder = GramianRecorder(modules, layout.params)
         self.head_params = head_params
-        # no first-step measurement here: the passes resolve by device (loop on CPU), with
-        # matrix mode's fallback to the loop, which then sticks
-        self.passes: Passes = passes
+        self.passes: Passes = passes  # resolved by device, not measured
         self.chosen: Concrete | None = None
         self._micro = 0  # micro-batches of the step so far
 
     @property
     def layer_routes(self) -> dict[str, str]:
-        """The route of each trunk layer of linear form (``nn.Linear``, a convolution) in
-        the current (or last) step, by module name: ``"activations"`` (its Gramian from
-        inputs and output gradients) or ``"rows"`` (per-task weight gradients, as in
-        ``matrix`` mode)."""
+        """Each trunk layer of linear form's route in the current (or last) step, by module
+        name: ``"activations"`` or ``"rows"``."""
         return self.recorder.routes
 
     def check_backward(self, features: Tensor | None, count: int, reused: bool) -> None:
@@ -133,8 +122,7 @@ class GramianMode:
         return {} if tasks is None else {"gramian_tasks": tasks}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (nothing is measured in this mode: a saved ``passes``
-        choice is ignored)."""
+        """Restore :meth:`state_dict` (a saved ``passes`` choice is ignored)."""
         self.recorder.num_tasks = load_tasks(state_dict)
 
 

@@ -1,35 +1,13 @@
 """The columns of a trunk sharded with FSDP2 (:class:`~gradbalance.modes._layout.Columns`):
 each rank keeps its own ``[K, P/W]``.
 
-Under ``fully_shard`` the trunk's ``DTensor`` parameters never enter the autograd graph (the
-forward uses their all-gathered copies), so ``autograd.grad`` cannot target them. Per
-micro-batch, :func:`~gradbalance.taskgrads.run_passes` runs each task's pass as an ordinary
-``backward`` from its own loss into a :class:`ShardedSink`: FSDP2 reduce-scatters the task's
-gradient into the sharded ``.grad`` (the full batch's), whose local shard is added into row
-``k`` of the local buffer, ``.grad`` cleared for the next task; the trunk's ``.grad`` from
-before the step is set aside meanwhile (:func:`grads_set_aside`). The heads receive every
-pass's ``∂Lₖ/∂h``, so their ``.grad`` gains their plain gradient once. Once per step:
-
-1. the losses and the heads' plain ``.grad`` (unless FSDP2 already averaged them, when the
-   heads are sharded too) are averaged over the ranks;
-2. ``G /= s``; the Gramian ``G Gᵀ`` is the sum over the ranks of the local partial Gramians
-   (one all-reduce of ``K²`` numbers), identical on every rank, and decides finiteness;
-3. 2-norm row clipping scales each row by the factor its full norm (from the Gramian's
-   diagonal) gives; value clipping acts on each coordinate where it lies;
-4. ``Balancer.combine`` with this layout's ``Shard`` gives this rank's columns of the
-   single-process update (weighted balancers: the weights from the Gramian, computed alike
-   everywhere; the others on their columns, with global sums through ``Shard.reduce``);
-5. ``.grad += s·g`` as ``DTensor`` gradients with the parameters' placements, written last
-   (:class:`ShardedWriteBack`).
-
-``features`` mode takes the feature gradients through replicated heads and all-gathers them
-as under data parallelism; the trunk's update is one ordinary backward of ``⟨f, W·s·z_r⟩``
-from this rank's features ``f`` and its columns ``z_r`` of the balanced gradient: FSDP2's
-reduce-scatter averages it over the ranks, which gives this rank's shard of
-``Σ_r ∂⟨f_r, s·z_r⟩/∂θ``, the single-process trunk gradient.
-
-Memory per rank: ``K·P/W`` for the buffer. Communication per micro-batch: K all-gathers and K
-reduce-scatters of the trunk (``docs/distributed.md``, "Sharded trunks").
+FSDP2's ``DTensor`` parameters never enter the autograd graph, so each task's pass is an
+ordinary ``backward`` that FSDP2 reduce-scatters, run by
+:func:`~gradbalance.taskgrads.run_passes` into a :class:`ShardedSink` (the trunk's ``.grad``
+set aside meanwhile). Once per step the losses and replicated heads are averaged, the
+Gramian is the sum of the ranks' partial ones, ``Balancer.combine`` with the layout's
+``Shard`` gives this rank's columns, and :class:`ShardedWriteBack` writes them last
+(docs/distributed.md, "Sharded trunks (FSDP2)").
 """
 
 from __future__ import annotations
@@ -51,7 +29,7 @@ from ..clip._task import TaskValueClip
 from ..distributed import all_reduce_grads_and_losses_
 from ..stats import StepStats, build_stats
 from ..taskgrads import ParamLayout, Passes, TaskRoots, run_passes
-from ._engine import RowsEngine, Update
+from ._engine import RowsEngine, WriteBack
 
 __all__ = ["ShardedColumns", "ShardedSink", "ShardedWriteBack", "check_replicated_heads",
            "check_sharded_clip"]
@@ -111,8 +89,7 @@ def trunk_backward(layout: ShardedLayout, root: Tensor, grad: Tensor | None = No
 
 
 def check_replicated_heads(head_params: Sequence[Tensor]) -> None:
-    """``features`` mode on a sharded trunk takes the feature gradients through the heads,
-    which must stay replicated (not under ``fully_shard``)."""
+    """``features`` mode on a sharded trunk needs replicated heads."""
     sharded = [i for i, h in enumerate(head_params) if is_dtensor(h)]
     if sharded:
         raise ValueError(
@@ -123,8 +100,7 @@ def check_replicated_heads(head_params: Sequence[Tensor]) -> None:
 
 
 def check_sharded_clip(clip: RowClipper | None) -> None:
-    """2-norm row clippers (:func:`~gradbalance.clip._protocol.scales_whole_rows`) and value
-    clipping run sharded."""
+    """Only 2-norm row clippers that scale whole rows and value clipping run sharded."""
     if clip is None or isinstance(clip, TaskValueClip) or scales_whole_rows(clip):
         return
     raise ValueError(
@@ -157,12 +133,8 @@ class ShardedColumns:
 
     def task_passes(self, engine: RowsEngine, roots: TaskRoots, out: Tensor,
                     first: bool) -> None:
-        """K ordinary backward passes (the heads get their plain gradient from them).
-
-        Raises (after putting the trunk's ``.grad`` back) when no task reached any trunk
-        parameter: FSDP2's gradient sync is off (``set_requires_gradient_sync(False)``), so
-        the reduce-scatter that fills the sharded ``.grad`` did not run.
-        """
+        """K ordinary backward passes (the heads get their plain gradient from them); raise
+        when none reached the trunk (FSDP2's gradient sync off)."""
         reached = [False] * len(self.layout.params)
         with grads_set_aside(self.layout.params):
             run_passes(roots, [ShardedSink(self.layout, out, not first, reached)],
@@ -182,8 +154,7 @@ class ShardedColumns:
         return all_reduce_grads_and_losses_(self.plain_heads, losses, group)
 
     def clip_(self, clip: RowClipper, matrix: Tensor, gram: Tensor) -> Tensor:
-        """Each row scaled by the factor its full norm (the Gramian's diagonal) gives;
-        value clipping where each coordinate lies."""
+        """Row factors from the full norms (the Gramian's diagonal); value clipping in place."""
         norms = torch.diagonal(gram).clamp_min(0).sqrt().to(matrix.dtype)
         if isinstance(clip, TaskValueClip):
             clip(matrix)
@@ -213,9 +184,7 @@ class ShardedColumns:
         return ShardedWriteBack(self.layout, flat, None)
 
     def check_features(self, features: Tensor) -> None:
-        """FSDP2's forward uses gathered copies of the parameters, so whether the trunk lies
-        on ``features``' graph is told by its backward (:meth:`features_update`); a leaf is
-        refused here."""
+        """Refuse a leaf; the trunk's use is told by the backward (:meth:`features_update`)."""
         if features.grad_fn is None:
             raise ValueError(
                 f"features (shape {tuple(features.shape)}) is a leaf tensor, not computed "
@@ -225,11 +194,9 @@ class ShardedColumns:
 
     def reused_backward(self, weights: Tensor, roots: TaskRoots, heads: Sequence[Tensor],
                         held: Tensor | None) -> Tensor:
-        """The trunk's ``Σₖ wₖ ∂Lₖ/∂θ`` from one ordinary backward of ``Σₖ wₖ s·Lₖ`` (FSDP2
-        reduce-scatters it, this rank keeps its shard); the heads' plain gradient of
-        ``Σₖ Lₖ`` completed by a second backward of ``Σₖ (1 − wₖ) s·Lₖ`` (through the heads
-        only when they are replicated; through the trunk too when FSDP2 shards them, the
-        trunk's part of that pass discarded)."""
+        """The trunk's shard of ``Σₖ wₖ ∂Lₖ/∂θ`` from one backward of ``Σₖ wₖ s·Lₖ``; the
+        heads' plain gradient completed by a backward of ``Σₖ (1 − wₖ) s·Lₖ`` (through the
+        trunk too when FSDP2 shards the heads, that part discarded)."""
         scaled = roots.scaled
         w = weights.to(dtype=scaled.dtype, device=scaled.device)
         out = torch.empty(self.numel, dtype=self.dtype, device=self.device) if held is None \
@@ -245,29 +212,24 @@ class ShardedColumns:
         return out
 
     def reused_update(self, held: Tensor | None, losses: Tensor, heads: Sequence[Tensor],
-                      group: Any) -> tuple[Update, Tensor]:
-        """The losses and the replicated heads averaged over the ranks (FSDP2 averaged the
-        rest)."""
+                      group: Any) -> tuple[WriteBack, Tensor]:
+        """The losses and the replicated heads averaged (FSDP2 averaged the rest)."""
         assert held is not None
         if group is not None:
             losses = all_reduce_grads_and_losses_(self.plain_heads, losses, group)
         return ShardedWriteBack(self.layout, held, None), losses
 
 
-class ShardedWriteBack:
-    """A step's update of a sharded trunk (:class:`~gradbalance.modes._engine.WriteBack`'s
-    interface): ``.grad = s·g`` as a new ``DTensor`` with the parameter's mesh and placements
-    where there was none, ``.grad += s·g`` on the local shard elsewhere; every tensor made
-    here, so :meth:`commit_` only assigns and adds."""
+class ShardedWriteBack(WriteBack):
+    """A sharded trunk's :class:`~gradbalance.modes._engine.WriteBack`: ``.grad = s·g`` as a
+    new ``DTensor`` with the parameter's placements where there was none, ``.grad += s·g`` on
+    the local shard elsewhere; ``bound`` is this rank's part (``settle`` agrees it)."""
 
     def __init__(self, layout: ShardedLayout, vector: Tensor, scale: Tensor | None) -> None:
         from torch.distributed.tensor import DTensor
 
-        self.scale = scale
-        self.flat = vector
+        super().__init__([], [], scale, flat=vector)
         self.dtype = layout.dtype
-        self.assign: list[tuple[Tensor, Tensor]] = []
-        self.add: list[tuple[Tensor, Tensor]] = []
         factor = None if scale is None else scale.to(device=vector.device, dtype=vector.dtype)
         for (p, start, stop), shape in zip(layout.slices(), layout.local_shapes):
             part = vector[start:stop].reshape(shape)
@@ -282,19 +244,6 @@ class ShardedWriteBack:
                 self.assign.append((p, new))
             else:
                 self.add.append((p, part))
-
-    @property
-    def params(self) -> list[Tensor]:
-        return [p for p, _ in self.assign] + [p for p, _ in self.add]
-
-    def bound(self) -> Tensor:
-        """The largest magnitude of this rank's part of the update before the scale (0-d
-        float64, NaN if any); :func:`~gradbalance.modes._engine.settle` agrees it over the
-        ranks."""
-        if self.flat.numel() == 0:
-            return torch.zeros((), dtype=torch.float64)
-        low, high = torch.aminmax(self.flat)
-        return torch.maximum(high, -low).to(torch.float64)
 
     def commit_(self) -> None:
         for p, new in self.assign:
