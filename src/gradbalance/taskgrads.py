@@ -13,6 +13,7 @@ it, into its own sinks (:mod:`gradbalance._sinks`).
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Literal, get_args
@@ -43,15 +44,9 @@ class ParamLayout:
     def __init__(self, params: Sequence[Tensor]) -> None:
         self.params = list(params)
         self.sizes = [p.numel() for p in self.params]
-        self.offsets: list[int] = []
-        total = 0
-        for n in self.sizes:
-            self.offsets.append(total)
-            total += n
-        self.numel = total
-        first = self.params[0]
-        self.dtype = first.dtype
-        self.device = first.device
+        self.offsets = list(itertools.accumulate(self.sizes, initial=0))[:-1]
+        self.numel = sum(self.sizes)
+        self.dtype, self.device = self.params[0].dtype, self.params[0].device
 
     def slices(self) -> Iterable[tuple[Tensor, int, int]]:
         """``(param, start, stop)`` for every parameter."""
@@ -59,12 +54,13 @@ class ParamLayout:
             yield p, off, off + n
 
 
-def resolve_passes(passes: Passes, device: torch.device) -> Concrete:
-    """The concrete passes ``passes`` stands for without measuring: for ``"auto"`` and
-    ``"measure"`` the ``AUTO_PREFERENCE`` entry of the device type, else the batched call."""
+def resolve_passes(passes: Passes, device: torch.device,
+                   preferred: Concrete | None = None) -> Concrete:
+    """The passes a call runs first: for ``"auto"`` and ``"measure"``, ``preferred`` (measured
+    or fallen back to) where given, else the device type's ``AUTO_PREFERENCE``, else batched."""
     check_choice("passes", passes, _PASSES)
     if passes == "auto" or passes == "measure":
-        return AUTO_PREFERENCE.get(device.type, "batched")
+        return preferred or AUTO_PREFERENCE.get(device.type, "batched")
     return passes
 
 
@@ -74,21 +70,11 @@ def needs_measuring(passes: Passes, device: torch.device) -> bool:
     return passes == "measure" or (passes == "auto" and device.type not in AUTO_PREFERENCE)
 
 
-def plan_passes(passes: Passes, device: torch.device,
-                preferred: Concrete | None = None) -> Concrete:
-    """The passes a call runs first: ``preferred`` (measured or fallen back to) under
-    ``"auto"``/``"measure"``, else :func:`resolve_passes`."""
-    chosen = resolve_passes(passes, device)
-    if preferred is not None and passes in ("auto", "measure"):
-        return preferred
-    return chosen
-
-
 def kept_passes(passes: Passes, device: torch.device, preferred: Concrete | None,
                 used: Concrete) -> Concrete | None:
     """The choice a buffer keeps after a call that ran ``used``: a fallback under ``"auto"``/
     ``"measure"`` sticks; otherwise ``preferred``."""
-    if passes in ("auto", "measure") and used != plan_passes(passes, device, preferred):
+    if passes in ("auto", "measure") and used != resolve_passes(passes, device, preferred):
         return used
     return preferred
 
@@ -172,7 +158,7 @@ def run_passes(
     if by_backward and not all(sink.by_backward for sink in sinks):
         raise ValueError("run_passes: sinks mix by_backward and autograd.grad inputs")
     inputs = [x for sink in sinks for x in sink.inputs]
-    if not by_backward and plan_passes(passes, device, preferred) == "batched":
+    if not by_backward and resolve_passes(passes, device, preferred) == "batched":
         grads = _batched(roots, inputs, passes, retain_graph)
         if grads is not None:
             for sink, part in _split(sinks, grads):

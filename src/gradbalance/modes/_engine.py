@@ -9,7 +9,6 @@ the statistics first and writes last (:func:`settle`, then :func:`commit`)
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
@@ -164,25 +163,6 @@ def heads_backward_(roots: TaskRoots, head_params: Sequence[Tensor]) -> None:
     performance.md: folding it into the task passes measured no faster)."""
     if head_params:
         torch.autograd.backward(roots.scaled.sum(), inputs=list(head_params), retain_graph=True)
-
-
-def reaches(tensor: Tensor, params: Sequence[Tensor]) -> bool:
-    """Whether one of ``params`` lies on ``tensor``'s autograd graph (breadth first: the
-    trunk's last layer is a few nodes away)."""
-    ids = {id(p) for p in params}
-    start = tensor.grad_fn
-    queue = deque([start] if start is not None else [])
-    seen = set(queue)
-    while queue:
-        node = queue.popleft()
-        variable = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf
-        if variable is not None and id(variable) in ids:
-            return True
-        for child, _ in node.next_functions:
-            if child is not None and child not in seen:
-                seen.add(child)
-                queue.append(child)
-    return False
 
 
 def owned_grads(grads: Sequence[Tensor | None]) -> list[bool]:

@@ -29,7 +29,7 @@ from ..taskgrads import Concrete, ParamLayout, Passes, TaskRoots, kept_passes
 from ._engine import StepInput, commit, heads_backward_, reject_features, settle
 from ._recorder import GramianRecorder
 
-__all__ = ["GramianMode", "GramianRecorder"]
+__all__ = ["GramianMode"]
 
 
 class GramianMode:

@@ -10,13 +10,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .._graph import reaches
 from .._shard import Shard
 from ..balancers._base import Balancer
 from ..clip._protocol import RowClipper
 from ..distributed import all_reduce_mean_, all_reduce_step_
 from ..stats import StepStats, build_stats
 from ..taskgrads import ParamLayout, TaskRoots
-from ._engine import RowsEngine, WriteBack, heads_backward_, owned_grads, reaches
+from ._engine import RowsEngine, WriteBack, heads_backward_, owned_grads
 
 __all__ = ["LocalColumns"]
 

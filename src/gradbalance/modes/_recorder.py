@@ -12,12 +12,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from .._graph import reaches
 from .._sinks import PassSink, RowsSink, StackSink
 from ..distributed import _comm_device, all_gather_columns, all_reduce_mean_
 from ..gramian import compute_gramian, linear_gramian
 from ..taskgrads import Concrete, Passes, TaskRoots, run_passes
 from ._blocks import Block, Call, find_blocks
-from ._engine import WriteBack, reaches
+from ._engine import WriteBack
 from ._layers import rows_grad, rows_input
 from ._routes import Force, keep_exact, keeps, plan_routes, promote_routes
 
@@ -142,13 +143,6 @@ class GramianRecorder:
         self._stepping = False
         for block in self.blocks:
             block.forget()
-
-    def remove(self) -> None:
-        """Remove the forward hooks."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        self.clear()
 
     def _check_recorded(self, roots: TaskRoots, every: bool = False) -> list[Tensor]:
         """The recorded outputs of the activations-route layers (``every``: of every linear
