@@ -249,10 +249,16 @@ class WriteBack:
         for p, part in self.add:
             grad = p.grad
             assert grad is not None
+            target = self.local(grad)
             if self._factor is None:
-                grad.add_(part)
+                target.add_(part)
             else:
-                grad.addcmul_(part, self._factor)
+                target.addcmul_(part, self._factor)
+
+    @staticmethod
+    def local(grad: Tensor) -> Tensor:
+        """The part of ``grad`` this process adds into (a sharded update: its local shard)."""
+        return grad
 
 
 def settle(update: WriteBack, step: StepInput, finite: bool) -> bool:

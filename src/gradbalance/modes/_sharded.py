@@ -245,10 +245,6 @@ class ShardedWriteBack(WriteBack):
             else:
                 self.add.append((p, part))
 
-    def commit_(self) -> None:
-        for p, new in self.assign:
-            p.grad = new
-        for p, part in self.add:
-            grad = p.grad
-            assert grad is not None
-            local_of(grad).add_(part)
+    @staticmethod
+    def local(grad: Tensor) -> Tensor:
+        return local_of(grad)
