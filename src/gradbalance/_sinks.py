@@ -23,11 +23,9 @@ class ColumnLayout(Protocol):
     @property
     def params(self) -> Sequence[Tensor]:
         """The parameters, in row order."""
-        ...
 
     def slices(self) -> Iterable[tuple[Tensor, int, int]]:
         """``(param, start, stop)`` for each parameter, in order."""
-        ...
 
 
 class PassSink(Protocol):
@@ -39,15 +37,12 @@ class PassSink(Protocol):
     @property
     def inputs(self) -> Sequence[Tensor]:
         """The tensors whose gradients the sink takes, in the order it takes them."""
-        ...
 
     def write_pass(self, k: int, grads: Sequence[Tensor | None]) -> None:
         """Task ``k``'s gradients at ``inputs``."""
-        ...
 
     def write_batched(self, grads: Sequence[Tensor | None]) -> None:
         """Every task's gradients at ``inputs``, ``[K, *x.shape]`` each."""
-        ...
 
 
 def _write_part(part: Tensor, g: Tensor | None, accumulate: bool) -> None:

@@ -67,17 +67,14 @@ class Engine(Protocol):
                  modules: Any = None) -> None:
         """``layout``: the shared parameters; ``passes``: loop or batched (or how to choose);
         ``modules``: the trunk module(s), for modes that hook the forward."""
-        ...
 
     def check_backward(self, features: Tensor | None, count: int, reused: bool) -> None:
         """Raise if this ``backward`` call cannot run (before anything moves)."""
-        ...
 
     def backward(self, roots: TaskRoots, first: bool, features: Tensor | None) -> None: ...
 
     def check_apply(self, balancer: Balancer, clip: RowClipper | None) -> None:
         """Raise if this mode cannot run ``balancer`` with ``clip`` (before anything moves)."""
-        ...
 
     def apply(self, balancer: Balancer, step: StepInput) -> StepStats: ...
 

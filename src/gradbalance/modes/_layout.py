@@ -43,51 +43,41 @@ class Columns(Protocol):
 
     def check_apply(self, balancer: Balancer, clip: RowClipper | None) -> None:
         """Raise (before anything moves) if ``balancer`` or ``clip`` cannot run here."""
-        ...
 
     def task_passes(self, engine: RowsEngine, roots: TaskRoots, out: Tensor,
                     first: bool) -> None:
         """``out (+)=`` the task gradients of these columns; the heads' ``.grad +=`` their
         plain gradient."""
-        ...
 
     def reduce_(self, matrix: Tensor, losses: Tensor, heads: Sequence[Tensor],
                 group: Any) -> Tensor:
         """Average over the ranks what each holds of the batch; the mean losses."""
-        ...
 
     def clip_(self, clip: RowClipper, matrix: Tensor, gram: Tensor) -> Tensor:
         """Clip the rows (in place) as ``clip`` clips the full rows; their pre-clip norms."""
-        ...
 
     def write_back(self, vector: Tensor, scale: Tensor | None,
                    reached: Sequence[bool] | None) -> WriteBack:
         """The update ``s·g`` of these columns, built in full, not written."""
-        ...
 
     def stats(self, gram: Tensor, losses: Tensor, finite: bool, **fields: Any) -> StepStats:
         """The step's statistics, alike on every rank."""
-        ...
 
     def features_update(self, features: Tensor, grad: Tensor, group: Any) -> WriteBack:
         """The trunk's update from one backward of ``⟨features, grad⟩`` (``features`` mode);
         each rank's part times the world size, since the ranks' parts are averaged."""
-        ...
 
     def check_features(self, features: Tensor) -> None:
         """Raise if no trunk parameter lies on ``features``' graph (where it can be told)."""
-        ...
 
     def reused_backward(self, weights: Tensor, roots: TaskRoots, heads: Sequence[Tensor],
                         held: Held | None) -> Held:
         """A reuse step's micro-batch: heads' ``.grad +=``; the trunk's ``Σₖ wₖ ∂(s·Lₖ)/∂θ``
         added to ``held`` (None at first), returned."""
-        ...
 
     def reused_update(self, held: Held | None, losses: Tensor, heads: Sequence[Tensor],
                       group: Any) -> tuple[WriteBack, Tensor]:
         """The reuse step's update, built in full, and the losses, averaged over the ranks."""
-        ...
 
 
 def columns_of(layout: ParamLayout, head_params: Sequence[Tensor], passes: Passes) -> Columns:
