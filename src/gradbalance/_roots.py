@@ -1,10 +1,10 @@
 """Where each task's backward pass starts: :class:`TaskRoots` (re-exported by
 :mod:`gradbalance.taskgrads`).
 
-Each pass starts at the task's own loss: the scalar given in a list, or, for
-``torch.stack([L_1, ..., L_K])`` (also behind elementwise ops such as ``/ M``), the stack's
-k-th input edge. Starting at ``stacked[k]`` instead would send zeros back through every other
-task's head: K passes over all K heads instead of one pass over each.
+At the task's own loss: the scalar given in a list, or the k-th input edge of the
+``torch.stack`` the ``[K]`` vector is made from (also behind elementwise ops such as ``/ M``).
+Starting at ``stacked[k]`` would send zeros back through every other task's head
+(docs/performance.md, "The task passes start at each task's own loss").
 """
 
 from __future__ import annotations
@@ -17,9 +17,7 @@ from torch.autograd.graph import GradientEdge, Node
 
 __all__ = ["TaskRoots"]
 
-#: Autograd nodes of elementwise ops ``[K] -> [K]`` that may sit between a ``torch.stack`` of
-#: the task losses and the vector given (``stacked / M``, ``stacked.float()``, ``w * stacked``
-#: with a constant ``w``).
+#: Elementwise ops ``[K] -> [K]`` that may sit between the stack and the vector given.
 _ELEMENTWISE = frozenset({
     "MulBackward0", "DivBackward0", "AddBackward0", "SubBackward0", "NegBackward0",
     "ToCopyBackward0",
@@ -27,9 +25,8 @@ _ELEMENTWISE = frozenset({
 
 
 def _elementwise_step(node: Node, factor: Tensor) -> tuple[Node | None, Tensor] | None:
-    """One elementwise op back: its one differentiable input, and the factor times the op's
-    derivative (its backward called on the factor); None if it has several inputs or the
-    factor loses its ``[K]`` shape."""
+    """One elementwise op back: its one differentiable input and the factor times the op's
+    derivative; None if it has several inputs or the factor loses its ``[K]`` shape."""
     live = [i for i, (child, _) in enumerate(node.next_functions) if child is not None]
     if len(live) != 1:
         return None
@@ -42,8 +39,7 @@ def _elementwise_step(node: Node, factor: Tensor) -> tuple[Node | None, Tensor] 
 
 
 def _stack_edges(node: Node | None, k: int) -> list[GradientEdge] | None:
-    """The ``k`` input edges of a ``torch.stack`` node (None for any other node, or a stack
-    of leaves)."""
+    """The ``k`` input edges of a ``torch.stack`` node (None otherwise, or for leaves)."""
     if node is None or node.name() != "StackBackward0" or len(node.next_functions) != k:
         return None
     edges = []
@@ -55,12 +51,8 @@ def _stack_edges(node: Node | None, k: int) -> list[GradientEdge] | None:
 
 
 def _stack_inputs(vector: Tensor) -> tuple[list[GradientEdge], Tensor] | None:
-    """The input edges of the ``torch.stack`` that ``vector`` is made from, and ``∂vₖ/∂cₖ``.
-
-    Walks back through elementwise ops with one differentiable input (each node's backward,
-    called on the running factor, gives the chain rule). None when the graph is anything
-    else: then a task's pass must start at ``vector[k]``.
-    """
+    """The input edges of the ``torch.stack`` ``vector`` is made from, and ``∂vₖ/∂cₖ`` (the
+    chain rule through elementwise ops); None for any other graph."""
     k = vector.shape[0]
     node = vector.grad_fn
     factor = torch.ones(k, dtype=vector.dtype, device=vector.device)
@@ -81,11 +73,9 @@ class TaskRoots:
         vector: the same losses as one ``[K]`` tensor (:func:`~gradbalance._checks.as_loss_vector`).
         scale: the loss scale ``s`` (0-d), or None.
 
-    ``scaled`` is ``s·vector`` (the batched call and one-pass backwards use it). ``outputs[k]``
-    reaches task k's graph only: the k-th scalar of a list, or the k-th input edge of the
-    ``torch.stack`` the vector is made from (through elementwise ops, whose derivative goes
-    into ``grad_outputs[k]``). Otherwise ``outputs`` is None and ``scaled[k]`` is
-    backpropagated, through every head.
+    ``scaled`` is ``s·vector``. ``outputs[k]`` reaches task k's graph only (the k-th scalar
+    of a list, or the stack's k-th input edge, the elementwise ops' derivative in
+    ``grad_outputs[k]``); None where neither is found: ``scaled[k]`` is then backpropagated.
     """
 
     def __init__(self, given: Tensor | Sequence[Tensor], vector: Tensor,
@@ -122,3 +112,14 @@ class TaskRoots:
             return (None,) * len(inputs)
         return torch.autograd.grad(root, inputs, grad_outputs=[self.grad_outputs[k]],
                                    retain_graph=retain_graph, allow_unused=True)
+
+    def backward(self, k: int, retain_graph: bool) -> None:
+        """An ordinary ``backward`` of ``s·Lₖ`` from the same root (into ``.grad``); nothing
+        for a constant loss."""
+        if self.outputs is None:
+            torch.autograd.backward(self.scaled[k], retain_graph=retain_graph)
+            return
+        root = self.outputs[k]
+        if root is not None:
+            torch.autograd.backward(root, grad_tensors=self.grad_outputs[k].reshape(()),
+                                    retain_graph=retain_graph)

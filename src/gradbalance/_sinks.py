@@ -1,15 +1,15 @@
 """Where the K task passes of :func:`gradbalance.taskgrads.run_passes` put their gradients.
 
-A sink names the tensors it wants gradients at (``inputs``) and receives them either one
-pass at a time (the loop: ``write_pass(k, grads)``, ``∂Lₖ/∂x`` per input) or all at once (the
-batched call: ``write_batched(grads)``, ``[K, *x.shape]`` per input); None wherever no task
-reaches an input. Both give the same result, so a sink does not know which way ran.
+A sink names the tensors it wants gradients at (``inputs``) and takes them one pass at a time
+(``write_pass(k, grads)``) or all at once (``write_batched``, ``[K, *x.shape]`` each); None
+where no task reaches an input. A sink ``by_backward`` takes no ``inputs``: each pass is an
+ordinary ``backward`` (for parameters ``autograd.grad`` cannot target) and it reads ``.grad``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 from torch import Tensor
@@ -18,34 +18,31 @@ __all__ = ["PassSink", "RowsSink", "StackSink"]
 
 
 class ColumnLayout(Protocol):
-    """What a rows sink reads of :class:`gradbalance.taskgrads.ParamLayout`: the parameters
-    and each one's column range in a row."""
+    """The parameters and each one's column range in a row (``ParamLayout``, ``ShardedLayout``)."""
 
     @property
     def params(self) -> Sequence[Tensor]:
         """The parameters, in row order."""
-        ...
 
     def slices(self) -> Iterable[tuple[Tensor, int, int]]:
         """``(param, start, stop)`` for each parameter, in order."""
-        ...
 
 
 class PassSink(Protocol):
     """What :func:`~gradbalance.taskgrads.run_passes` writes into."""
 
+    #: The passes are ordinary ``backward`` calls, run as a loop (this module's docstring).
+    by_backward: ClassVar[bool]
+
     @property
     def inputs(self) -> Sequence[Tensor]:
         """The tensors whose gradients the sink takes, in the order it takes them."""
-        ...
 
     def write_pass(self, k: int, grads: Sequence[Tensor | None]) -> None:
         """Task ``k``'s gradients at ``inputs``."""
-        ...
 
     def write_batched(self, grads: Sequence[Tensor | None]) -> None:
         """Every task's gradients at ``inputs``, ``[K, *x.shape]`` each."""
-        ...
 
 
 def _write_part(part: Tensor, g: Tensor | None, accumulate: bool) -> None:
@@ -76,9 +73,10 @@ def _write_row(row: Tensor, grads: Sequence[Tensor | None], layout: ColumnLayout
 
 
 class RowsSink:
-    """The ``[K, P]`` rows of ``layout``'s parameters written (or added, ``accumulate``) into
-    ``out``; ``reached[i]`` set True where some task reaches ``layout.params[i]`` (its
-    columns are zeros, or unchanged when accumulating, otherwise)."""
+    """The ``[K, P]`` rows of ``layout``'s parameters written (or added) into ``out``;
+    ``reached[i]`` set True where some task reaches ``layout.params[i]``."""
+
+    by_backward: ClassVar[bool] = False
 
     def __init__(self, layout: ColumnLayout, out: Tensor, accumulate: bool,
                  reached: list[bool] | None = None) -> None:
@@ -99,8 +97,10 @@ class RowsSink:
 
 
 class StackSink:
-    """The gradients at ``inputs`` (tensors inside the graph, e.g. layer outputs) as one
-    ``[K, *x.shape]`` stack each: ``stacks[j]``, None where no task reaches ``inputs[j]``."""
+    """The gradients at ``inputs`` (e.g. layer outputs) as ``[K, *x.shape]`` stacks
+    (``stacks[j]``, None where no task reaches ``inputs[j]``)."""
+
+    by_backward: ClassVar[bool] = False
 
     def __init__(self, inputs: Sequence[Tensor], num_tasks: int) -> None:
         self._inputs = list(inputs)

@@ -1,30 +1,22 @@
 """Per-task gradients of the shared parameters, as one ``[K, P]`` matrix.
 
 Two ways of running the passes compute the same matrix without touching any ``.grad``:
-
-* ``"loop"``: one ``torch.autograd.grad(L_k, params, retain_graph=True)`` per task — K
-  backward passes, the floor on a CPU.
-* ``"batched"``: one ``torch.autograd.grad`` call with ``is_grads_batched=True`` (vmap over
-  the K one-hot output gradients). It can win on a GPU; ops without a batching rule make it
-  raise, and ``"auto"`` then falls back to the loop.
-
-``"auto"`` uses the loop on CPU (the batched call measures up to 1.9× slower there and at
-best 4% faster: ``benchmarks/results/passes_choice_cpu.md``); on other devices a buffer
-measures both on its first step and keeps the faster (``"measure"`` forces that anywhere;
-:mod:`gradbalance.modes._measure`). Both keep the fallback.
-
-Each pass of the loop starts at the task's own loss (:class:`TaskRoots`,
-:mod:`gradbalance._roots`). :func:`run_passes` is the one implementation of the passes: every
-mode runs them through it, each into its own sinks (:mod:`gradbalance._sinks`: the ``[K, P]``
-rows of :func:`compute_into`, the layer output gradients of ``gramian`` mode), with the same
-fallback.
+``"loop"``, one ``torch.autograd.grad`` per task, each starting at the task's own loss
+(:class:`TaskRoots`); ``"batched"``, one call with ``is_grads_batched=True`` (vmap over the
+K one-hot output gradients), which ops without a batching rule make raise. ``"auto"`` uses
+the loop on CPU (the batched call measured up to 1.9× slower there:
+``benchmarks/results/passes_choice_cpu.md``) and elsewhere measures both on a buffer's first
+step (``"measure"`` forces that anywhere); both fall back to the loop where batching fails.
+:func:`run_passes` is the one implementation of the passes: every mode runs them through
+it, into its own sinks (:mod:`gradbalance._sinks`).
 """
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
@@ -39,7 +31,7 @@ __all__ = [
 
 Passes = Literal["auto", "measure", "loop", "batched"]
 Concrete = Literal["loop", "batched"]
-_PASSES = ("auto", "measure", "loop", "batched")
+_PASSES = get_args(Passes)
 
 #: What ``"auto"`` uses per device type without measuring (falling back to the loop if
 #: batching fails); a device type not listed is measured by each buffer on its first step.
@@ -52,15 +44,9 @@ class ParamLayout:
     def __init__(self, params: Sequence[Tensor]) -> None:
         self.params = list(params)
         self.sizes = [p.numel() for p in self.params]
-        self.offsets: list[int] = []
-        total = 0
-        for n in self.sizes:
-            self.offsets.append(total)
-            total += n
-        self.numel = total
-        first = self.params[0]
-        self.dtype = first.dtype
-        self.device = first.device
+        self.offsets = list(itertools.accumulate(self.sizes, initial=0))[:-1]
+        self.numel = sum(self.sizes)
+        self.dtype, self.device = self.params[0].dtype, self.params[0].device
 
     def slices(self) -> Iterable[tuple[Tensor, int, int]]:
         """``(param, start, stop)`` for every parameter."""
@@ -68,16 +54,13 @@ class ParamLayout:
             yield p, off, off + n
 
 
-def resolve_passes(passes: Passes, device: torch.device) -> Concrete:
-    """The concrete passes ``"auto"`` (and ``"measure"``) stand for without measuring.
-
-    The ``AUTO_PREFERENCE`` entry of the device type, else the batched call. The row modes
-    measure instead where due (:meth:`gradbalance.modes._engine.RowsEngine.compute`); the
-    ``gramian`` mode does not measure and takes this (both keep the fallback to the loop).
-    """
+def resolve_passes(passes: Passes, device: torch.device,
+                   preferred: Concrete | None = None) -> Concrete:
+    """The passes a call runs first: for ``"auto"`` and ``"measure"``, ``preferred`` (measured
+    or fallen back to) where given, else the device type's ``AUTO_PREFERENCE``, else batched."""
     check_choice("passes", passes, _PASSES)
     if passes == "auto" or passes == "measure":
-        return AUTO_PREFERENCE.get(device.type, "batched")
+        return preferred or AUTO_PREFERENCE.get(device.type, "batched")
     return passes
 
 
@@ -87,21 +70,11 @@ def needs_measuring(passes: Passes, device: torch.device) -> bool:
     return passes == "measure" or (passes == "auto" and device.type not in AUTO_PREFERENCE)
 
 
-def plan_passes(passes: Passes, device: torch.device,
-                preferred: Concrete | None = None) -> Concrete:
-    """The passes a call runs first: ``preferred`` (a measured or fallen-back choice) where
-    ``passes`` is ``"auto"`` or ``"measure"``, else :func:`resolve_passes`."""
-    chosen = resolve_passes(passes, device)
-    if preferred is not None and passes in ("auto", "measure"):
-        return preferred
-    return chosen
-
-
 def kept_passes(passes: Passes, device: torch.device, preferred: Concrete | None,
                 used: Concrete) -> Concrete | None:
-    """The choice a buffer keeps after a call that ran ``used``: a fallback under ``"auto"`` or
-    ``"measure"`` sticks (no failing batched call every step); otherwise ``preferred``."""
-    if passes in ("auto", "measure") and used != plan_passes(passes, device, preferred):
+    """The choice a buffer keeps after a call that ran ``used``: a fallback under ``"auto"``/
+    ``"measure"`` sticks; otherwise ``preferred``."""
+    if passes in ("auto", "measure") and used != resolve_passes(passes, device, preferred):
         return used
     return preferred
 
@@ -120,11 +93,16 @@ def _split(sinks: Sequence[PassSink], grads: Sequence[Tensor | None]
 
 
 def _loop(roots: TaskRoots, inputs: list[Tensor], sinks: Sequence[PassSink],
-          retain_graph: bool) -> None:
+          retain_graph: bool, by_backward: bool) -> None:
     k_total = roots.num_tasks
     previous: tuple[Tensor | None, ...] = ()
     for k in range(k_total):
-        grads = roots.grad(k, inputs, retain_graph or k < k_total - 1)
+        keep = retain_graph or k < k_total - 1
+        if by_backward:
+            roots.backward(k, keep)
+            grads: tuple[Tensor | None, ...] = ()
+        else:
+            grads = roots.grad(k, inputs, keep)
         for sink, part in _split(sinks, grads):
             sink.write_pass(k, part)
         # Freed only once the next pass has allocated its own: freeing first lets the
@@ -171,20 +149,22 @@ def run_passes(
 ) -> Concrete:
     """The K task passes, as a loop or one batched call, into ``sinks`` (:mod:`gradbalance._sinks`).
 
-    The one implementation of the passes every mode runs. ``preferred`` replaces what
-    ``"auto"``/``"measure"`` resolve to on ``device`` (:func:`plan_passes`); a batched call
-    without a batching rule falls back to the loop unless ``passes="batched"``. The batched
-    call writes nothing before it returns, so a failed call leaves the sinks untouched.
-    Returns the passes actually used (``"loop"`` after a fallback).
+    ``preferred`` replaces what ``"auto"``/``"measure"`` resolve to on ``device``; a failed
+    batched call writes nothing and falls back to the loop unless ``passes="batched"``.
+    Sinks ``by_backward`` (all or none) take a loop of ordinary ``backward`` calls. Returns
+    the passes used.
     """
+    by_backward = any(sink.by_backward for sink in sinks)
+    if by_backward and not all(sink.by_backward for sink in sinks):
+        raise ValueError("run_passes: sinks mix by_backward and autograd.grad inputs")
     inputs = [x for sink in sinks for x in sink.inputs]
-    if plan_passes(passes, device, preferred) == "batched":
+    if not by_backward and resolve_passes(passes, device, preferred) == "batched":
         grads = _batched(roots, inputs, passes, retain_graph)
         if grads is not None:
             for sink, part in _split(sinks, grads):
                 sink.write_batched(part)
             return "batched"
-    _loop(roots, inputs, sinks, retain_graph)
+    _loop(roots, inputs, sinks, retain_graph, by_backward)
     return "loop"
 
 
@@ -201,9 +181,8 @@ def compute_into(
 ) -> Concrete:
     """Write (or add, with ``accumulate``) the task gradients into ``out`` ``[K, P]``.
 
-    :func:`run_passes` into one :class:`~gradbalance._sinks.RowsSink`. ``reached[i]`` is set
-    True when some task's loss reaches ``layout.params[i]`` (its column is zeros otherwise).
-    Returns the passes actually used (``"loop"`` after a batched fallback).
+    ``reached[i]`` becomes True where some task reaches ``layout.params[i]`` (zeros
+    otherwise). Returns the passes used (``"loop"`` after a batched fallback).
     """
     sink = RowsSink(layout, out, accumulate, reached)
     return run_passes(roots, [sink], layout.device, passes=passes, retain_graph=retain_graph,

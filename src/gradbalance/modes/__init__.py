@@ -1,28 +1,20 @@
 """Gradient modes of :class:`~gradbalance.TaskGradBuffer`: what a step holds of the task
 gradients. Each mode is an :class:`Engine`; the buffer builds one with :func:`make_engine`.
 
-* ``"matrix"`` (default): the ``[K, P]`` task gradients of the shared parameters in one
-  persistent buffer; every balancer and every row clipper works. Cost: one forward + K
-  backward passes.
-* ``"gramian"``: only ``G Gᵀ`` ``[K, K]``, accumulated block by block; each ``nn.Linear``
-  takes the cheaper of two exact routes by a cost model of its shapes (its activations and
-  output gradients, nothing weight-sized; or its per-task rows, as ``matrix`` mode), then
-  one weighted write-back. Weighted balancers only (``from_gramian = True``); same update as
-  ``matrix``, over any number of micro-batches and under data parallelism, with 2-norm row
-  clipping applied to ``G Gᵀ``. Pays off when K·P dwarfs the activations (large layers,
-  small batches); elsewhere its layers take the rows, ``matrix`` mode's work.
-* ``"auto"``: per batch shape, the faster of the two exact routes, ``matrix`` or ``gramian``
-  (a cost model from the linear layers' shapes, K and the batch, confirmed by timing a few
-  steps of each where the model does not decide; re-decided when the batch shape changes);
-  ``matrix``'s update, to rounding. ``gramian`` is taken only where it can run (a weighted
-  balancer, 2-norm clipping, ``modules=``); ``StepStats.route`` says which route ran.
-* ``"features"``: task gradients w.r.t. the shared representation (the trunk's output)
-  instead of its parameters, combined there and backpropagated once through the trunk. A
-  different, cheaper, approximate method (e.g. MGDA-UB, Sener & Koltun 2018, §3.3).
+* ``"matrix"`` (default): the ``[K, P]`` task gradients in one persistent buffer; every
+  balancer and every row clipper works. Cost: one forward + K backward passes.
+* ``"gramian"``: only ``G Gᵀ`` ``[K, K]``, block by block, each ``nn.Linear`` by the cheaper
+  of two exact routes (its activations and output gradients, or its per-task rows), then one
+  weighted write-back: ``matrix``'s update for weighted balancers (``from_gramian = True``),
+  micro-batches, data parallelism and 2-norm row clipping included. Pays off when K·P
+  dwarfs the activations (large layers, small batches).
+* ``"auto"``: per batch shape, the faster of ``matrix`` and ``gramian`` (a cost model, steps
+  of each timed where it does not decide); ``StepStats.route`` says which route ran.
+* ``"features"``: task gradients w.r.t. the trunk's output, combined there and backpropagated
+  once through the trunk: a cheaper, approximate method (MGDA-UB, Sener & Koltun 2018, §3.3).
 
-How the K backward passes run is a separate choice, ``passes`` (``"loop"`` or ``"batched"``,
-see :mod:`gradbalance.taskgrads`). ``update_every=T`` (any mode, weighted balancers) reuses
-the weights for T - 1 steps.
+``passes`` (loop or batched, :mod:`gradbalance.taskgrads`) and ``update_every=T`` (the weights
+reused for T - 1 steps) are separate choices (docs/performance.md, "Modes").
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """``update_every=T``: recompute the balancer's weights every T steps, reuse them in between.
 
-On a refresh step the full method runs (K backward passes, the Gramian, the weights). On the
-``T - 1`` steps in between, the cached weights ``w`` give the update with one backward pass of
-``Σₖ wₖ Lₖ``, the cost of a plain step (Navon et al., "Multi-Task Learning as a Bargaining
-Game", ICML 2022, §5.4, update the weights every few steps). Only weighted balancers
-(``from_gramian = True``) can be amortised: their update is a weighted sum of the rows.
-
-A reused step holds the trunk's gradient until ``apply_``, as every step does, and checks it
-for inf/NaN there (one host sync), so that ``found_inf`` and the scaler agree on it too.
+A refresh step runs the full method; the ``T - 1`` steps in between take the update from one
+backward of ``Σₖ wₖ Lₖ``, a plain step's cost (Navon et al., "Multi-Task Learning as a
+Bargaining Game", ICML 2022, §5.4). Weighted balancers only (``from_gramian = True``). A
+reused step also writes last, after its inf/NaN check (one host sync).
 """
 
 from __future__ import annotations
@@ -24,21 +20,18 @@ from .._checks import check_int
 from ..balancers._base import Balancer
 from ..stats import StepStats
 from ..taskgrads import TaskRoots
-from ._engine import StepInput, Update, commit
+from ._engine import StepInput, WriteBack, commit
 from ._layout import Columns, Held
 
 __all__ = ["ReusedStep", "WeightCache"]
 
 
 class WeightCache:
-    """The cached weights, the balancer that computed them and the step counter of
-    ``update_every``.
+    """The cached weights, the balancer that computed them and the step counter.
 
-    ``step`` counts the finished steps; step ``t`` refreshes when ``t % T == 0`` or no weights
-    are cached. A refresh step that found inf/NaN stores nothing and does not advance, so the
-    next step refreshes again. A step that reuses the weights takes the balancer that computed
-    them, never another object while that one is alive (after a load, or once it is garbage
-    collected, the first one given takes over).
+    Step ``t`` refreshes when ``t % T == 0`` or no weights are cached; a non-finite refresh
+    stores nothing and does not advance. A reuse step takes the weights' own balancer object
+    while it is alive (after a load, or once it is collected, the first one given).
     """
 
     def __init__(self, update_every: int = 1) -> None:
@@ -86,8 +79,7 @@ class WeightCache:
         }
 
     def load_state_dict(self, state_dict: dict[str, Any], num_tasks: int | None) -> None:
-        """Restore :meth:`state_dict` output, checked first (``num_tasks``: the buffer's K,
-        None if not known yet)."""
+        """Restore :meth:`state_dict`, checked first (``num_tasks``: K, or None if unknown)."""
         missing = {"update_every", "step", "weights"} - set(state_dict)
         if missing:
             raise ValueError(
@@ -135,9 +127,8 @@ def check_cached_weights(weights: Any, num_tasks: int | None) -> None:
 
 
 class ReusedStep:
-    """A step that reuses the cached weights: the trunk's ``Σₖ wₖ ∂Lₖ/∂θ`` summed over the
-    micro-batches, held here until :meth:`finish` writes it, as every step writes last; its
-    :class:`~gradbalance.modes._layout.Columns` (local or sharded) say how."""
+    """A reuse step: the trunk's ``Σₖ wₖ ∂Lₖ/∂θ`` summed over the micro-batches, held until
+    :meth:`finish` writes it; its :class:`~gradbalance.modes._layout.Columns` say how."""
 
     def __init__(self, columns: Columns) -> None:
         self.columns = columns
@@ -150,13 +141,7 @@ class ReusedStep:
 
     def finish(self, cache: WeightCache, step: StepInput, shared: Sequence[Tensor],
                head_params: Sequence[Tensor], mode: str, balancer: Balancer) -> StepStats:
-        """Average over the ranks, check (one host sync), write; no task gradient to report.
-
-        Inf/NaN in the update (or, with a scaler, in a head's ``.grad``): without a scaler
-        ``NonFiniteGradientError`` and nothing written; with one, the update is written, every
-        ``.grad`` of the step made non-finite (the scaler skips the step) and the counter of
-        ``update_every`` stays, as on a skipped refresh step.
-        """
+        """Average over the ranks, check, write (:func:`commit_reused`)."""
         held, self.held = self.held, None
         update, losses = self.columns.reused_update(held, step.losses, head_params,
                                                     step.group)
@@ -166,11 +151,11 @@ class ReusedStep:
         self.held = None
 
 
-def commit_reused(update: Update, cache: WeightCache, step: StepInput, losses: Tensor,
+def commit_reused(update: WriteBack, cache: WeightCache, step: StepInput, losses: Tensor,
                   head_params: Sequence[Tensor], mode: str, balancer: Balancer) -> StepStats:
-    """A reused-weight step's end, whatever holds its update: check it (one host sync, agreed
-    over the ranks; a non-finite step without a scaler raises before anything is written),
-    then write it and count the reuse if it was finite."""
+    """A reuse step's end: check the update (one host sync, agreed over the ranks; inf/NaN
+    without a scaler raises before anything is written; with one, every ``.grad`` of the step
+    is poisoned and the counter stays), write it, count the reuse if finite."""
     heads = head_params if step.scale is not None else ()
     finite = finite_update(update.bound(), None, update.dtype, step.group, heads)
     if not finite and step.scale is None:

@@ -1,31 +1,11 @@
 """``auto`` mode: per batch shape, the faster of the two exact routes, ``matrix`` or ``gramian``.
 
-Both routes give the same update (to rounding), so the choice is one of speed only:
-
-1. **Cost model** (:func:`route_costs`): from the shapes of the trunk's layers of linear form
-   (``nn.Linear``, convolutions; recorded by the ``gramian`` route's forward hooks), K, the
-   rows N per layer and the micro-batch count, each layer's two routes
-   (:func:`~gradbalance.modes._costs.layer_costs`): ``matrix`` pays the per-task rows
-   everywhere, ``gramian`` the route its per-layer choice takes, the cheaper one. Other
-   blocks cost the same rows in both. No gain (``gramian`` would take the rows everywhere)
-   decides ``matrix``; a predicted ratio of at most ``1 /`` :data:`DECISIVE` decides
-   ``gramian``.
-2. **Measurement**: otherwise the next steps alternate the routes, :data:`TRIALS` timed steps
-   each (the buffer's ``backward`` calls and ``apply_``, the device synchronised), and the
-   faster minimum wins. Under ``torch.distributed`` the model alone decides, from the
-   shapes, so ranks with the same batch shape take the same route; ``apply_`` checks that
-   they did (one all-gather of one integer) and raises :class:`RankAgreementError` before
-   anything moves otherwise.
-
-The decision is kept per *shape key* — K, the rows and widths of every recorded linear layer in
-the first micro-batch, the micro-batch count last seen with them — so a new batch shape is
-decided anew and an old one reuses its route. The ``gramian`` route is taken only where it is
-possible: a weighted balancer and 2-norm clipping on the previous step (the first step, whose
-balancer is not known yet, takes ``matrix``), ``modules=`` covering the shared parameters and
-not a ``torch.compile``'d module (a trunk compiled after the buffer is built is refused by
-the forward hooks, as in ``gramian`` mode: build such a buffer without ``modules``),
-every linear weight used only by its own layer's recorded calls, no in-place edit of their
-inputs or outputs. The decisions, the trials so far and the passes are in ``state_dict``.
+Both give the same update, so the choice is one of speed: the cost model
+(:func:`route_costs`) decides where it is clear (no layer gains, or a ratio of at most
+``1 /`` :data:`DECISIVE`), else :data:`TRIALS` timed steps of each route; under
+``torch.distributed`` the model alone decides and ``apply_`` checks that the ranks agree. A
+decision is kept per shape key (K, the recorded linear shapes, the micro-batch count) and in
+``state_dict`` (docs/performance.md, "``auto`` mode: the faster exact route").
 """
 
 from __future__ import annotations
@@ -75,16 +55,10 @@ class RouteCosts:
 
 def route_costs(layers: Sequence[LinearShape], other_numel: int, k: int, micro: int = 1,
                 element_size: int = 4, flops_per_byte: float = 8.0) -> RouteCosts:
-    """The cost model: what ``matrix`` and ``gramian`` do differently in one step.
-
-    ``layers``: the trunk's linear layers in one micro-batch (all calls of a layer
-    together); ``other_numel``: the shared parameters outside those layers;
-    ``micro``: micro-batches per step. Per layer (:func:`~gradbalance.modes._costs.layer_costs`):
-    ``matrix`` pays the rows route, ``gramian`` the route ``gramian`` mode takes for the
-    layer, the cheaper one (so ``gramian <= matrix``). Other blocks take the rows
-    ``[K, P_b]`` in both: ``K²P_b + 2KP_b`` flops and ``(3·micro + 2)·K·P_b`` elements,
-    added to both.
-    """
+    """What ``matrix`` and ``gramian`` cost differently in one step: per linear layer of
+    ``layers`` (one micro-batch) the rows route against the cheaper one
+    (:func:`~gradbalance.modes._costs.layer_costs`); the ``other_numel`` parameters take
+    their rows in both."""
     byte = element_size * flops_per_byte
     common = k * k * other_numel + 2 * k * other_numel + (3 * micro + 2) * k * other_numel * byte
     matrix = gramian = float(common)
@@ -160,8 +134,7 @@ class AutoMode:
         return self._by_model(key, shapes) if route is None else route
 
     def _by_model(self, key: Any, shapes: Sequence[tuple[int, int, int, bool, bool]]) -> Route:
-        """The cost model's route for a new shape key (kept where it decides), else the route
-        of the next timed trial."""
+        """The cost model's route for a new shape key, else the next timed trial's."""
         assert self._gramian is not None
         k, micro = key[0][0], key[1]
         other = sum(p.numel() for b in self._gramian.recorder.other for p in b.params)
@@ -179,10 +152,8 @@ class AutoMode:
         return "gramian" if len(samples["gramian"]) <= len(samples["matrix"]) else "matrix"
 
     def _safe(self, roots: TaskRoots) -> bool:
-        """Whether the gramian route suits this step: each linear layer's recorded calls are
-        its parameters' only uses on the losses' graph, none has a tensor hook or is edited in
-        place (a later step that breaks this still gets matrix mode's update: such a layer
-        takes the rows, :func:`._routes.keep_exact`)."""
+        """Whether every linear layer's recorded calls are its parameters' only uses, with no
+        tensor hook or in-place edit (:func:`._routes.keep_exact` guards later steps)."""
         assert self._gramian is not None
         recorder = self._gramian.recorder
         try:
@@ -231,8 +202,7 @@ class AutoMode:
         self._elapsed += self._tick() - start
 
     def check_apply(self, balancer: Balancer, clip: RowClipper | None) -> None:
-        """Every balancer and clipper works on a ``matrix`` step; a ``gramian`` step needs
-        what ``gramian`` mode needs (the previous step's balancer and clipper allowed it)."""
+        """A ``gramian`` step needs what ``gramian`` mode needs."""
         if self.route == "gramian":
             assert self._gramian is not None
             try:
@@ -256,8 +226,7 @@ class AutoMode:
 
     @property
     def layer_routes(self) -> dict[str, str] | None:
-        """On a ``gramian`` step, each trunk layer's route
-        (:attr:`GramianMode.layer_routes`); None on a ``matrix`` step."""
+        """Each trunk layer's route on a ``gramian`` step; None on a ``matrix`` step."""
         if self.route != "gramian" or self._gramian is None:
             return None
         return self._gramian.layer_routes
@@ -293,8 +262,7 @@ class AutoMode:
         }}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; a state without ``auto_route`` (another mode's, or
-        saved before ``auto`` existed) keeps only its passes."""
+        """Restore :meth:`state_dict`; without ``auto_route`` only the passes."""
         saved = state_dict.get("auto_route")
         if saved is not None:
             try:
@@ -321,8 +289,7 @@ class AutoMode:
 
 
 def _agree_route(route: Route, group: Any) -> None:
-    """Raise :class:`RankAgreementError` on every rank unless all ranks took ``route`` (one
-    all-gather of one integer, before any other collective of the step)."""
+    """Raise :class:`RankAgreementError` unless all ranks took ``route`` (one all-gather)."""
     taken = [row[0] for row in _gather_ints([int(route == "gramian")], group,
                                             "TaskGradBuffer.apply_()")]
     if len(set(taken)) > 1:

@@ -1,9 +1,6 @@
-"""The blocks of ``gramian`` mode's trunk: what each holds for a step (:mod:`._gramian`).
-
-A module with shared parameters of its own is one block (with all of its sub-modules); a
-module without direct parameters is split into its children. A block of linear form
-(:mod:`._layers`) records its forwards and takes the rows or the activations route; any
-other block takes the rows.
+"""The blocks of ``gramian`` mode's trunk and what each holds for a step: a module with shared
+parameters of its own is one block (with its sub-modules), one without is split into its
+children; a block of linear form takes the rows or the activations route, any other the rows.
 """
 
 from __future__ import annotations
@@ -24,7 +21,7 @@ __all__ = ["Block", "Call", "find_blocks"]
 @dataclass
 class Call:
     """One recorded forward: its rows ``n``; its input and output only where the layer may
-    take the activations route (a call bound for the rows keeps no tensor alive)."""
+    take the activations route."""
 
     n: int
     input: Tensor | None = None
@@ -39,16 +36,14 @@ class Block:
     params: list[Tensor]
     form: tuple[int, int] | None  # (i, o) of a layer with a linear form, else None
     calls: list[Call] = field(default_factory=list)  # recorded since the last backward
-    # a layer of linear form: this step's route, "rows" or "activations" (other blocks: always rows)
-    route: str = "rows"
-    # the step so far, activations route: the inputs [N, i] and output gradients [K, N, o]
+    route: str = "rows"  # this step's route, "rows" or "activations"
+    # activations route, the step so far: the inputs [N, i] and output gradients [K, N, o]
     inputs: list[Tensor] = field(default_factory=list)
     output_grads: list[Tensor] = field(default_factory=list)
-    # rows route: the rows [K, P_b] summed over the micro-batches (None: none yet this step),
-    # written into ``buffer``, which persists across steps (no allocation per step)
+    # rows route: the rows [K, P_b] of the step (None: none yet), in ``buffer`` (kept across
+    # steps), and whether some task reached each of ``params``
     rows: Tensor | None = None
     buffer: Tensor | None = None
-    # rows route: whether some task of the step reached each of ``params``
     reached: list[bool] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -117,8 +112,8 @@ class Block:
         return torch.cat(xs), torch.cat(ds, dim=1)
 
     def to_rows(self, k_total: int) -> None:
-        """Move an activations-route block to rows for the rest of the step: its rows are
-        ``Dₖᵀx`` (weight) and ``Σₙ Dₖ`` (bias) of the operands so far (exact)."""
+        """Move an activations-route block to rows for the rest of the step: ``Dₖᵀx`` (weight)
+        and ``Σₙ Dₖ`` (bias) of the operands so far."""
         x, d = self.operands()
         buffer = self.rows_buffer(k_total)
         mod = self.module_layer()
@@ -138,8 +133,8 @@ class Block:
 
 
 def find_blocks(roots: Sequence[nn.Module], params: Sequence[Tensor]) -> list[Block]:
-    """The blocks of ``roots`` holding ``params``, each parameter in one block; raises
-    naming a parameter no module of ``roots`` owns."""
+    """The blocks of ``roots`` holding ``params``, each in one block; raises naming a
+    parameter no module of ``roots`` owns."""
     wanted = {id(p) for p in params}
     blocks: list[Block] = []
     seen: set[int] = set()

@@ -1,26 +1,13 @@
-"""The cost model of an ``nn.Linear``'s Gramian block: per-task rows or the activations.
+"""The cost model of a linear layer's Gramian block: per-task rows or the activations.
 
-For a layer ``y = x Wᵀ + b`` over ``N`` rows (``x`` ``[N, i]``, ``Dₖ = ∂Lₖ/∂y`` ``[N, o]``)
-with ``P = o·i + o`` shared numbers, ``gramian`` mode takes one of two exact routes:
-
-* **rows**: the K task passes ask autograd for the layer's parameters, so each pass forms
-  ``Dₖᵀx`` (its weight-gradient GEMM) into a ``[K, P]`` block; then ``G_b G_bᵀ`` and
-  ``wᵀ G_b``. What ``matrix`` mode does for the layer: ``2KNoi + KNo`` flops in the passes,
-  ``K²P + 2KP`` after them, ``(3m + 2)·K·P`` elements moved (``m`` micro-batches: each
-  row produced and written, the block read by the Gramian and the write-back); ``K·P`` held.
-* **activations**: the passes stop at ``y`` (autograd skips the weight-gradient kernel)
-  and keep ``Dₖ`` and ``x``; then ``⟨Dᵢᵀx, Dⱼᵀx⟩ = Σ_{n,m} (Dᵢ Dⱼᵀ)_{nm} (x xᵀ)_{nm}``:
-  ``N²·i + K²N²·o`` flops and ``2K²N²`` elements moved (``Dᵢ Dⱼᵀ`` written and read), the
-  bias ``KNo + K²o``, the write-back ``(Σₖ wₖ Dₖ)ᵀ x``: ``2Noi + 2KNo``, and ``3KNo`` elements
-  moved (``Dₖ`` stored and read); ``K·N·o + N·i + N² + K·N²`` held at the peak.
-
-Elements moved count ``element_size × flops_per_byte`` flops each (a machine balance). A
-layer takes the activations only where they cost less time **and** hold no more memory than
-the rows, so the per-layer choice is never slower or heavier than ``matrix`` mode by the
-model: the crossover is ``N²(i + K²o) ≈ 2KNoi`` in flops, roughly ``N < 2i/K`` for square
-layers — the per-layer trade of mixed ghost clipping for per-sample gradients (Bu, Mao & Xu,
-"Scalable and Efficient Training of Large Convolutional Neural Networks with Differential
-Privacy", NeurIPS 2022), made across tasks.
+For ``y = x Wᵀ + b`` over ``N`` rows, ``rows`` forms each task's ``Dₖᵀx`` into ``[K, P]`` (as
+``matrix`` mode), ``activations`` keeps ``Dₖ`` and ``x`` and forms ``Σ (Dᵢ Dⱼᵀ) ⊙ (x xᵀ)``.
+Time is in flop equivalents (an element moved costs ``element_size × flops_per_byte``),
+memory in elements held; a layer takes the activations only where they are both faster and
+no heavier, so ``gramian`` mode is never slower or heavier than ``matrix`` by the model. The
+formulas and the crossover ``N ≈ 2i/K`` are in docs/performance.md ("Modes", the per-layer
+choice); the trade is that of mixed ghost clipping (Bu, Mao & Xu, "Scalable and Efficient
+Training of Large Convolutional Neural Networks with Differential Privacy", NeurIPS 2022).
 """
 
 from __future__ import annotations
@@ -75,9 +62,8 @@ class LayerCosts:
 
 def layer_costs(shape: LinearShape, k: int, micro: int = 1, element_size: int = 4,
                 flops_per_byte: float = 8.0, total_rows: int | None = None) -> LayerCosts:
-    """Both routes of one layer over ``micro`` micro-batches of ``shape.n`` rows (the step's
-    ``N = micro·n``, or ``total_rows`` where given), K tasks; the formulas of the module
-    docstring."""
+    """Both routes of one layer over ``micro`` micro-batches of ``shape.n`` rows (``N =
+    micro·n``, or ``total_rows``), K tasks (docs/performance.md, the per-layer choice)."""
     n = shape.n * micro if total_rows is None else total_rows
     i, o = shape.i, shape.o
     byte = element_size * flops_per_byte

@@ -1,23 +1,17 @@
 """The interface every gradient mode implements, and what the modes share.
 
-:class:`~gradbalance.TaskGradBuffer` owns one :class:`Engine` and delegates to it; it never
-asks which mode it holds. A mode says what it supports through :meth:`Engine.check_backward`
-and :meth:`Engine.check_apply`, which raise before anything the user owns has moved.
-Unscaling and the finiteness decision live in :mod:`gradbalance._amp`.
-
-A step is all or nothing. ``backward`` writes only the heads' ``.grad`` (the buffer keeps a
-copy from before the step, :mod:`gradbalance.modes._rollback`); ``apply`` computes the whole
-update of the trunk as a :class:`WriteBack` and the step's statistics first, and commits the
-update last (:func:`settle`, then :func:`commit`), after the last thing that can raise, so a
-failure leaves the trunk's ``.grad`` untouched.
+:class:`~gradbalance.TaskGradBuffer` owns one :class:`Engine` and never asks which mode it
+holds. A step is all or nothing: ``backward`` writes only the heads' ``.grad``
+(:mod:`._rollback` keeps a copy); ``apply`` builds the whole update (:class:`WriteBack`) and
+the statistics first and writes last (:func:`settle`, then :func:`commit`)
+(docs/ARCHITECTURE.md, "How to add a mode").
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import Tensor
@@ -28,6 +22,7 @@ from ..balancers._base import Balancer, Combination
 from ..clip._protocol import RowClipper
 from ..stats import StepStats
 from ..taskgrads import (
+    Concrete,
     ParamLayout,
     Passes,
     TaskRoots,
@@ -38,9 +33,7 @@ from ..taskgrads import (
 from ._measure import measure_passes
 from ._rollback import StateSnapshot
 
-__all__ = ["Engine", "RowsEngine", "StepInput", "Update", "WriteBack", "commit", "settle"]
-
-Concrete = Literal["loop", "batched"]
+__all__ = ["Engine", "RowsEngine", "StepInput", "WriteBack", "commit", "settle"]
 
 
 @dataclass
@@ -59,14 +52,10 @@ class StepInput:
 class Engine(Protocol):
     """A gradient mode: how the task gradients of one step are held and combined.
 
-    ``backward`` runs once per micro-batch (the heads' ``.grad +=`` their plain gradient, the
-    task gradients kept; nothing else the user owns moves); ``apply`` once per step (reduce
-    over ranks, unscale, check, clip, balance, write ``.grad`` last, when nothing can fail
-    any more); ``clear`` drops what a step holds, also after a failure. ``state_dict`` holds
-    what a resumed run needs to compute the same way (the measured passes). An engine class
-    may declare ``shardable = True`` (a class attribute, False when absent): it also runs on
-    a trunk sharded with ``fully_shard``, its columns a
-    :class:`~gradbalance.modes._layout.Columns`; ``make_engine`` refuses the others there.
+    ``backward`` once per micro-batch (heads' ``.grad +=``, the task gradients kept);
+    ``apply`` once per step (reduce, unscale, check, clip, balance, write ``.grad`` last);
+    ``clear`` drops what a step holds, also after a failure. ``shardable = True`` (a class
+    attribute, False when absent): it also runs on a trunk under ``fully_shard``.
     """
 
     #: The name users pass as ``mode=``.
@@ -78,17 +67,14 @@ class Engine(Protocol):
                  modules: Any = None) -> None:
         """``layout``: the shared parameters; ``passes``: loop or batched (or how to choose);
         ``modules``: the trunk module(s), for modes that hook the forward."""
-        ...
 
     def check_backward(self, features: Tensor | None, count: int, reused: bool) -> None:
         """Raise if this ``backward`` call cannot run (before anything moves)."""
-        ...
 
     def backward(self, roots: TaskRoots, first: bool, features: Tensor | None) -> None: ...
 
     def check_apply(self, balancer: Balancer, clip: RowClipper | None) -> None:
         """Raise if this mode cannot run ``balancer`` with ``clip`` (before anything moves)."""
-        ...
 
     def apply(self, balancer: Balancer, step: StepInput) -> StepStats: ...
 
@@ -158,9 +144,8 @@ class RowsEngine:
 def combine_or_skip(balancer: Balancer, matrix: Tensor, losses: Tensor, gram: Tensor,
                     finite: bool, scale: Tensor | None, shard: Shard | None = None
                     ) -> Combination:
-    """The balancer's combination (of a rank's columns with ``shard``), or on inf/NaN: the
-    plain (non-finite) sum with a scaler, so that it skips the step without the balancer
-    seeing it; without one, raise."""
+    """The balancer's combination (of a rank's columns with ``shard``); on inf/NaN the plain
+    sum with a scaler (which skips the step), else raise."""
     if finite:  # a subclass that overrides combine() without ``shard`` still runs unsharded
         if shard is None:
             return balancer.combine(matrix, losses, gramian=gram)
@@ -171,38 +156,15 @@ def combine_or_skip(balancer: Balancer, matrix: Tensor, losses: Tensor, gram: Te
 
 
 def heads_backward_(roots: TaskRoots, head_params: Sequence[Tensor]) -> None:
-    """Heads' ``.grad += ∂(Σₖ s·Lₖ)/∂h``: one pass over the heads, the graph kept for the rest.
-
-    (Collecting ``∂Lₖ/∂h`` from the K task passes instead saves this pass but measured no
-    faster, within ±2 %, on the benchmark trunks; see docs/performance.md.)
-    """
+    """Heads' ``.grad += ∂(Σₖ s·Lₖ)/∂h``: one pass over the heads, the graph kept (docs/
+    performance.md: folding it into the task passes measured no faster)."""
     if head_params:
         torch.autograd.backward(roots.scaled.sum(), inputs=list(head_params), retain_graph=True)
 
 
-def reaches(tensor: Tensor, params: Sequence[Tensor]) -> bool:
-    """Whether one of ``params`` lies on ``tensor``'s autograd graph (breadth first: the
-    trunk's last layer is a few nodes away)."""
-    ids = {id(p) for p in params}
-    start = tensor.grad_fn
-    queue = deque([start] if start is not None else [])
-    seen = set(queue)
-    while queue:
-        node = queue.popleft()
-        variable = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf
-        if variable is not None and id(variable) in ids:
-            return True
-        for child, _ in node.next_functions:
-            if child is not None and child not in seen:
-                seen.add(child)
-                queue.append(child)
-    return False
-
-
 def owned_grads(grads: Sequence[Tensor | None]) -> list[bool]:
     """Whether each gradient from ``autograd.grad`` may become a ``.grad`` as it is: not a
-    view of another tensor, contiguous, and not returned twice (autograd may hand one tensor
-    to two inputs)."""
+    view, contiguous, not returned twice."""
     seen: set[int] = set()
     owned = []
     for g in grads:
@@ -216,11 +178,9 @@ def owned_grads(grads: Sequence[Tensor | None]) -> list[bool]:
 class WriteBack:
     """A step's update of the shared parameters, computed in full before any ``.grad`` moves.
 
-    ``parts[i]`` is the gradient of ``params[i]`` (any shape with its numel), to be multiplied
-    by ``scale`` when one is given; None where the step never reached the parameter, whose
-    ``.grad`` is then left as it is (None stays None, as after ``sum(losses).backward()``).
-    Every tensor :meth:`commit_` needs is allocated here, so the commit only assigns and adds
-    in place: it cannot fail half-way.
+    ``parts[i]``: the gradient of ``params[i]`` (times ``scale`` where given); None leaves
+    that ``.grad`` as it is. Every tensor :meth:`commit_` needs is allocated here, so the
+    commit only assigns and adds: it cannot fail half-way.
     """
 
     def __init__(self, params: Sequence[Tensor], parts: Sequence[Tensor | None],
@@ -265,11 +225,8 @@ class WriteBack:
         return [p for p, _ in self.assign] + [p for p, _ in self.add]
 
     def bound(self) -> Tensor:
-        """The largest magnitude of the update before the scale (0-d float64; NaN if any).
-
-        From ``aminmax`` (one vectorised pass that propagates NaN; ``vector_norm(inf)`` and
-        ``isfinite().all()`` measured 25x slower on CPU).
-        """
+        """The largest magnitude of the update before the scale (0-d float64; NaN if any),
+        from ``aminmax`` (``vector_norm(inf)`` measured 25x slower on CPU)."""
         parts = [self.flat] if self.flat is not None else self._parts
         parts = [part for part in parts if part.numel() > 0]
         if not parts:
@@ -289,36 +246,22 @@ class WriteBack:
         for p, part in self.add:
             grad = p.grad
             assert grad is not None
+            target = self.local(grad)
             if self._factor is None:
-                grad.add_(part)
+                target.add_(part)
             else:
-                grad.addcmul_(part, self._factor)
+                target.addcmul_(part, self._factor)
+
+    @staticmethod
+    def local(grad: Tensor) -> Tensor:
+        """The part of ``grad`` this process adds into (a sharded update: its local shard)."""
+        return grad
 
 
-class Update(Protocol):
-    """What :func:`settle` and :func:`commit` need of a step's update: :class:`WriteBack`,
-    or :class:`~gradbalance.modes._sharded_passes.ShardedWriteBack` on a sharded trunk."""
-
-    scale: Tensor | None
-    dtype: torch.dtype
-
-    @property
-    def params(self) -> list[Tensor]: ...
-
-    def bound(self) -> Tensor: ...
-
-    def commit_(self) -> None: ...
-
-
-def settle(update: Update, step: StepInput, finite: bool) -> bool:
-    """Whether the step's update is written as balanced (``not found_inf``); checked before
-    anything is written.
-
-    ``finite``: the task gradients were (the balancer ran). Then the update itself is checked
-    (one host sync): if it overflows once scaled, the balancer and the clipper get their state
-    back and the step counts as non-finite. A non-finite step without a scaler raises
-    ``NonFiniteGradientError``.
-    """
+def settle(update: WriteBack, step: StepInput, finite: bool) -> bool:
+    """Whether the step's update is written as balanced (``not found_inf``), before anything
+    is written: an update that overflows once scaled (one host sync) puts the balancer and
+    clipper back; a non-finite step without a scaler raises ``NonFiniteGradientError``."""
     if finite:
         finite = finite_update(update.bound(), update.scale, update.dtype, step.group)
         if not finite and step.saved is not None:
@@ -328,15 +271,14 @@ def settle(update: Update, step: StepInput, finite: bool) -> bool:
     return finite
 
 
-def commit(update: Update, head_params: Sequence[Tensor], finite: bool) -> None:
-    """Write the update (the last thing a step does); on a non-finite step make every
-    ``.grad`` of the step non-finite, so that the scaler skips every optimizer holding one."""
+def commit(update: WriteBack, head_params: Sequence[Tensor], finite: bool) -> None:
+    """Write the update, last; on a non-finite step poison every ``.grad`` of the step so
+    that the scaler skips it."""
     update.commit_()
     if not finite:
         poison_([p.grad for p in update.params] + [h.grad for h in head_params])
 
 
 def add_flat_(layout: ParamLayout, vector: Tensor, scale: Tensor | None) -> None:
-    """``.grad += s·g`` for the flat update ``g`` ``[P]`` (``s``: the loss scale, or 1), at
-    once: for a mode outside the package; the shipped ones :func:`settle` and :func:`commit`."""
+    """``.grad += s·g`` for the flat update ``g`` ``[P]`` at once (a mode outside the package)."""
     WriteBack.from_flat(layout, vector, scale).commit_()

@@ -1,22 +1,11 @@
 """``features`` mode: balance the task gradients of the shared representation, not the trunk.
 
-``Z = [∂Lₖ/∂f]ₖ`` ``[K, B·D]`` for the trunk's output ``f`` (K passes through the heads only,
-plus one for the heads' plain gradient), combined by any balancer into ``z``, then one
-backward of ``z`` through the trunk. A different, cheaper method than ``matrix`` (equal only
-for linear balancers): MGDA-UB, Sener & Koltun, "Multi-Task Learning as Multi-Objective
-Optimization", NeurIPS 2018, §3.3.
-
-Data parallel (W ranks, equal shards): rank r holds ``Z_r`` for its own samples, and the
-full-batch matrix is ``[Z_0 … Z_{W-1}] / W`` (each loss is the mean of the ranks' means). The
-ranks all-gather it (``K·B·D`` numbers, small next to ``P``), average the heads' ``.grad`` and
-the losses, and balance the same matrix as one process on the whole batch would; each rank
-then backpropagates its own columns of ``z`` and the trunk's gradients are summed over the
-ranks — one all-reduce of ``P`` numbers, as in a plain data-parallel step.
-
-Checked before anything moves: ``features`` requires grad and some shared parameter lies on
-its graph; after the task passes, some task loss depends on it. The trunk's gradient is
-computed in full (one ``autograd.grad``) before it is written; a parameter the backward of
-``z`` does not reach keeps its ``.grad``.
+``Z = [∂Lₖ/∂f]ₖ`` ``[K, B·D]`` for the trunk's output ``f`` (K passes through the heads only),
+combined by any balancer into ``z``, then one backward of ``z`` through the trunk. A
+different, cheaper method than ``matrix`` (equal only for linear balancers): MGDA-UB, Sener &
+Koltun, "Multi-Task Learning as Multi-Objective Optimization", NeurIPS 2018, §3.3. Data
+parallel: the ranks all-gather ``Z`` (divided by W) and each backpropagates its own columns
+of ``z`` (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -36,7 +25,7 @@ from ..taskgrads import ParamLayout, Passes, TaskRoots
 from ._engine import (
     RowsEngine,
     StepInput,
-    Update,
+    WriteBack,
     combine_or_skip,
     commit,
     heads_backward_,
@@ -135,7 +124,7 @@ class FeaturesMode(RowsEngine):
         commit(update, self.head_params, finite)
         return stats
 
-    def _trunk_update(self, features: Tensor, grad: Tensor, step: StepInput) -> Update:
+    def _trunk_update(self, features: Tensor, grad: Tensor, step: StepInput) -> WriteBack:
         """The trunk's gradient of ``s·⟨features, grad⟩`` (one backward, nothing written)."""
         if step.scale is not None:
             grad = grad * step.scale.to(grad.dtype)

@@ -1,58 +1,15 @@
 """``gramian`` mode: the Gramian ``G Gᵀ`` block by block, each linear layer by its cheaper route.
 
-The trunk is cut into *blocks*: a module with shared parameters of its own is one block
-(with all of its sub-modules, e.g. ``nn.MultiheadAttention`` and its ``out_proj``); a module
-without direct parameters is split into its children. A forward hook records the input and
-output of every layer of linear form (``nn.Linear``; ``nn.Conv1d`` / ``nn.Conv2d``, whose rows
-are the batch × output positions and ``x`` the unfolded patches: :mod:`._layers`). Each
-(``y = x Wᵀ + b``, ``x`` ``[N, i]``, ``Dₖ = ∂Lₖ/∂y`` ``[N, o]``) takes one of two exact
-routes, chosen per layer and per step
-from its shapes by the cost model of :mod:`gradbalance.modes._costs` (time and memory; the
-first micro-batch decides, a layer whose rows grow over later micro-batches moves to rows):
+Forward hooks record every layer of linear form (:mod:`._layers`); each takes the
+**activations** route (``⟨Dᵢᵀx, Dⱼᵀx⟩`` from its inputs and output gradients, no
+weight-sized tensor) or the **rows** route (its ``[K, P_b]`` rows, as ``matrix`` mode), by
+the cost model of :mod:`._costs`; every other block takes the rows. ``G Gᵀ = Σ_b G_b G_bᵀ``
+in float64, then one weighted write-back, no second backward through the trunk. The K passes
+run through :func:`~gradbalance.taskgrads.run_passes` (no first-step timing; the same
+fallback). Micro-batches and data parallelism stay exact: the operands concatenate along N,
+the rows sum (docs/performance.md, "Modes"; docs/distributed.md).
 
-* **activations**: the K passes stop at ``y`` (autograd skips the weight-gradient kernel)
-  and keep ``Dₖ`` and ``x``; the block is ``⟨Dᵢᵀx, Dⱼᵀx⟩ = Σ_{n,m} (Dᵢ Dⱼᵀ)_{nm} (x xᵀ)_{nm}``
-  (``N²·i + K²N²·o`` flops, no weight-sized tensor: large layers, few rows) and the
-  write-back ``(Σₖ wₖ Dₖ)ᵀ x``;
-* **rows**: the K passes ask for the layer's parameters, so each forms ``Dₖᵀx`` into a
-  ``[K, P_b]`` block, as ``matrix`` mode does (many rows: convolutions' and transformers'
-  token rows); the block is ``G_b G_bᵀ``, the write-back ``wᵀ G_b``.
-
-Every other block takes the rows. ``G Gᵀ = Σ_b G_b G_bᵀ`` is summed in float64 and one
-weighted write-back follows — no second backward through the trunk. The rows live in
-buffers kept across steps (no allocation per step); ``layer_routes`` says which route each
-layer took.
-
-The K passes run through :func:`~gradbalance.taskgrads.run_passes`, as in ``matrix`` mode
-(loop or batched as ``passes`` resolves on the device, no first-step timing; the same
-fallback to the loop, which then sticks): one sink takes the activations-route outputs'
-gradients, one per rows-route block its rows. The recorder (:mod:`._recorder`), the blocks
-(:mod:`._blocks`) and the routes (:mod:`._routes`) have modules of their own.
-
-Each backward keeps only these operands (the linear inputs detached) and lets the graph go.
-Micro-batches: the Gramian of a sum of micro-batches is not the sum of their Gramians, but
-the full batch's ``x`` and ``Dₖ`` are the micro-batches' concatenations along N and its rows
-their sums, so every route above stays exact.
-
-Data parallel (W ranks, equal shards): the ranks agree on the routes first (one all-reduce
-of one integer per layer; a layer any rank has on rows is moved to rows everywhere, exactly),
-then all-gather each activations-route layer's ``x`` and ``Dₖ`` (``Dₖ`` divided by W: each
-loss is the mean of the ranks' means) and average every block's rows. Every rank then holds
-the full batch's operands: the same Gramian, the same weights, and the full-batch write-back
-with no further reduction. Traffic per activations-route layer: ``W·N·(i + K·o)`` numbers,
-small next to ``o·i`` where that route is taken.
-
-Reference: the Gramian-based Jacobian descent of Quinton & Rey, "Jacobian Descent for
-Multi-Objective Optimization" (2024), §6.
-
-Requirements of the activations route (checked where possible, with a clear error): the
-layer's shared parameters are used only through its ``forward`` (no weight tying with another
-layer), and its input and output are not modified in place afterwards
-(``nn.ReLU(inplace=True)`` right after it); every shared parameter belongs to a module of
-``modules``. Forward passes
-run under grad between two backward calls are recorded: evaluate under ``torch.no_grad()``.
-A layer that a micro-batch does not call is fine when the losses do not depend on it (the
-losses' graph is searched then); a parameter no micro-batch reaches keeps its ``.grad``.
+Reference: Quinton & Rey, "Jacobian Descent for Multi-Objective Optimization" (2024), §6.
 """
 
 from __future__ import annotations
@@ -72,20 +29,13 @@ from ..taskgrads import Concrete, ParamLayout, Passes, TaskRoots, kept_passes
 from ._engine import StepInput, commit, heads_backward_, reject_features, settle
 from ._recorder import GramianRecorder
 
-__all__ = ["GramianMode", "GramianRecorder"]
+__all__ = ["GramianMode"]
 
 
 class GramianMode:
-    """``G Gᵀ`` from the recorder, the weights, one weighted write-back.
-
-    The same update as ``matrix`` mode for every weighted balancer. With a loss scale ``s``
-    the Gramian of the scaled losses is divided by ``s²``; the write-back stays scaled, as
-    ``scaler.unscale_`` expects. Under data parallelism the heads' ``.grad`` and the losses
-    are averaged and the recorder gives every rank the full batch's operands, so every rank
-    writes the full-batch update. A row clipper with a ``coefficients(norms)`` rule on
-    2-norms (``TaskClip``, ``TaskAutoClip``) acts on the Gramian: ``cᵢ cⱼ (G Gᵀ)ᵢⱼ`` for the
-    balancer, ``w ⊙ c`` for the write-back.
-    """
+    """``G Gᵀ`` from the recorder, the weights, one weighted write-back: ``matrix`` mode's
+    update for every weighted balancer. The Gramian is unscaled by ``s²``, the write-back
+    stays scaled; a 2-norm row clipper acts as ``cᵢ cⱼ (G Gᵀ)ᵢⱼ`` and ``w ⊙ c``."""
 
     mode: ClassVar[str] = "gramian"
     matrix: Tensor | None = None  # never a [K, P] matrix
@@ -99,18 +49,14 @@ class GramianMode:
             )
         self.recorder = GramianRecorder(modules, layout.params)
         self.head_params = head_params
-        # no first-step measurement here: the passes resolve by device (loop on CPU), with
-        # matrix mode's fallback to the loop, which then sticks
-        self.passes: Passes = passes
+        self.passes: Passes = passes  # resolved by device, not measured
         self.chosen: Concrete | None = None
         self._micro = 0  # micro-batches of the step so far
 
     @property
     def layer_routes(self) -> dict[str, str]:
-        """The route of each trunk layer of linear form (``nn.Linear``, a convolution) in
-        the current (or last) step, by module name: ``"activations"`` (its Gramian from
-        inputs and output gradients) or ``"rows"`` (per-task weight gradients, as in
-        ``matrix`` mode)."""
+        """Each trunk layer of linear form's route in the current (or last) step, by module
+        name: ``"activations"`` or ``"rows"``."""
         return self.recorder.routes
 
     def check_backward(self, features: Tensor | None, count: int, reused: bool) -> None:
@@ -176,8 +122,7 @@ class GramianMode:
         return {} if tasks is None else {"gramian_tasks": tasks}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (nothing is measured in this mode: a saved ``passes``
-        choice is ignored)."""
+        """Restore :meth:`state_dict` (a saved ``passes`` choice is ignored)."""
         self.recorder.num_tasks = load_tasks(state_dict)
 
 

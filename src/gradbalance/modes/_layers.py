@@ -1,17 +1,10 @@
 """The linear form of a layer: ``nn.Linear`` and convolutions as ``y = x Wᵀ + b`` over rows.
 
-A layer of this form has a weight gradient ``Dᵀ x`` over ``N`` rows, so ``gramian`` mode can
-build its Gramian block from ``x`` ``[N, i]`` and the task output gradients ``D`` ``[K, N, o]``
-(the activations route) instead of per-task weight gradients:
-
-* ``nn.Linear(i, o)``: the rows are the input's leading dimensions;
-* ``nn.Conv1d`` / ``nn.Conv2d`` (``groups=1``, zero padding): the rows are the batch × the
-  output positions, ``x`` the unfolded input patches (``i = C_in·∏kernel``), ``o = C_out``:
-  the weight gradient ``Σ_positions patch ⊗ ∂L/∂y`` is then ``Dᵀx`` (the identity behind
-  ghost clipping of convolutions: Bu, Mao & Xu, "Scalable and Efficient Training of Large
-  Convolutional Neural Networks with Differential Privacy", NeurIPS 2022).
-
-Any other module has no linear form here and takes the rows.
+Its weight gradient is ``Dᵀx`` over ``N`` rows, which ``gramian`` mode's activations route
+builds on. ``nn.Linear``: the rows are the input's leading dimensions; ``nn.Conv1d`` /
+``nn.Conv2d`` (``groups=1``, zero padding): the batch × output positions, ``x`` the unfolded
+patches (the identity behind ghost clipping of convolutions: Bu, Mao & Xu, NeurIPS 2022).
+Any other module has no linear form here.
 """
 
 from __future__ import annotations

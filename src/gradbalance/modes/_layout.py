@@ -1,14 +1,9 @@
 """Where a step's task-gradient columns lie, so that each mode is written once.
 
-A trunk's ``[K, P]`` task gradients are either all on this process
-(:class:`~gradbalance.modes._local.LocalColumns`; under data parallelism each rank holds its
-own batch's, averaged over the ranks) or split over the ranks of a trunk sharded with
-``fully_shard`` (:class:`~gradbalance.modes._sharded.ShardedColumns`; each rank holds its
-columns of the full batch's). :class:`Columns` is what a mode asks of either: the K task
-passes, the reduction over the ranks, the clipping, the write-back, the statistics and
-``update_every``'s reused steps. The Gramian is the full one on both
-(``_amp.unscaled_gramian`` with :attr:`Columns.shard`), and so is the combine
-(``Balancer.combine(..., shard=)``): ``docs/distributed.md``, "Sharded trunks (FSDP2)".
+All on this process (:class:`~gradbalance.modes._local.LocalColumns`, averaged over
+data-parallel ranks) or split over the ranks of a trunk under ``fully_shard``
+(:class:`~gradbalance.modes._sharded.ShardedColumns`). The Gramian and the combine are the
+full ones on both (docs/distributed.md, "Sharded trunks (FSDP2)").
 """
 
 from __future__ import annotations
@@ -25,20 +20,19 @@ from ..balancers._base import Balancer
 from ..clip._protocol import RowClipper
 from ..stats import StepStats
 from ..taskgrads import ParamLayout, Passes, TaskRoots
-from ._engine import RowsEngine, Update
+from ._engine import RowsEngine, WriteBack
 from ._local import LocalColumns
 from ._sharded import ShardedColumns
 
 __all__ = ["Columns", "Held", "columns_of"]
 
 
-#: What a reused step holds between its micro-batches: per-parameter gradients (local) or a
-#: rank's flat columns (sharded); only the :class:`Columns` that made it reads it.
+#: What a reused step holds between micro-batches; only the :class:`Columns` that made it reads it.
 Held = Any
 
 
 class Columns(Protocol):
-    """A trunk's columns of the task gradients, local or sharded (this module's docstring)."""
+    """A trunk's columns of the task gradients, local or sharded."""
 
     #: ``None``: every column is here; else this rank's columns and the sum over the ranks.
     shard: Shard | None
@@ -49,61 +43,45 @@ class Columns(Protocol):
 
     def check_apply(self, balancer: Balancer, clip: RowClipper | None) -> None:
         """Raise (before anything moves) if ``balancer`` or ``clip`` cannot run here."""
-        ...
 
     def task_passes(self, engine: RowsEngine, roots: TaskRoots, out: Tensor,
                     first: bool) -> None:
         """``out (+)=`` the task gradients of these columns; the heads' ``.grad +=`` their
         plain gradient."""
-        ...
 
     def reduce_(self, matrix: Tensor, losses: Tensor, heads: Sequence[Tensor],
                 group: Any) -> Tensor:
         """Average over the ranks what each holds of the batch; the mean losses."""
-        ...
 
     def clip_(self, clip: RowClipper, matrix: Tensor, gram: Tensor) -> Tensor:
         """Clip the rows (in place) as ``clip`` clips the full rows; their pre-clip norms."""
-        ...
 
     def write_back(self, vector: Tensor, scale: Tensor | None,
-                   reached: Sequence[bool] | None) -> Update:
+                   reached: Sequence[bool] | None) -> WriteBack:
         """The update ``s·g`` of these columns, built in full, not written."""
-        ...
 
     def stats(self, gram: Tensor, losses: Tensor, finite: bool, **fields: Any) -> StepStats:
         """The step's statistics, alike on every rank."""
-        ...
 
-    def features_update(self, features: Tensor, grad: Tensor, group: Any) -> Update:
-        """The trunk's update from one backward of ``⟨features, grad⟩`` (``features`` mode;
-        ``grad``: this rank's columns of the balanced gradient, flat). Under data
-        parallelism or a sharded trunk the ranks' parts are averaged (all-reduced, or
-        reduce-scattered by FSDP2), so each is multiplied by the world size ``W`` first."""
-        ...
+    def features_update(self, features: Tensor, grad: Tensor, group: Any) -> WriteBack:
+        """The trunk's update from one backward of ``⟨features, grad⟩`` (``features`` mode);
+        each rank's part times the world size, since the ranks' parts are averaged."""
 
     def check_features(self, features: Tensor) -> None:
-        """Raise if no trunk parameter lies on ``features``' graph (where it can be told
-        before the backward)."""
-        ...
+        """Raise if no trunk parameter lies on ``features``' graph (where it can be told)."""
 
     def reused_backward(self, weights: Tensor, roots: TaskRoots, heads: Sequence[Tensor],
                         held: Held | None) -> Held:
-        """``update_every``'s step reusing ``weights``: the heads' ``.grad +=`` their plain
-        gradient, the trunk's ``Σₖ wₖ ∂(s·Lₖ)/∂θ`` added to ``held`` (None: the step's
-        first micro-batch), which is returned."""
-        ...
+        """A reuse step's micro-batch: heads' ``.grad +=``; the trunk's ``Σₖ wₖ ∂(s·Lₖ)/∂θ``
+        added to ``held`` (None at first), returned."""
 
     def reused_update(self, held: Held | None, losses: Tensor, heads: Sequence[Tensor],
-                      group: Any) -> tuple[Update, Tensor]:
-        """The held update of a reused step, built in full, and the losses, both averaged
-        over the ranks (with the heads' ``.grad``)."""
-        ...
+                      group: Any) -> tuple[WriteBack, Tensor]:
+        """The reuse step's update, built in full, and the losses, averaged over the ranks."""
 
 
 def columns_of(layout: ParamLayout, head_params: Sequence[Tensor], passes: Passes) -> Columns:
-    """The columns of ``layout``: sharded when its parameters are ``DTensor``s (a trunk
-    under ``fully_shard``), else all local."""
+    """The columns of ``layout``: sharded for ``DTensor`` parameters, else local."""
     if not is_sharded(layout.params):
         return LocalColumns(layout)
     return ShardedColumns(layout, head_params, passes)

@@ -1,6 +1,5 @@
 """Every column of a trunk of plain parameters on this process: the
-:class:`~gradbalance.modes._layout.Columns` of an unsharded trunk, alone or under data
-parallelism (each rank holds its own batch's task gradients, averaged over the ranks)."""
+:class:`~gradbalance.modes._layout.Columns` of an unsharded trunk, alone or data-parallel."""
 
 from __future__ import annotations
 
@@ -11,13 +10,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .._graph import reaches
 from .._shard import Shard
 from ..balancers._base import Balancer
 from ..clip._protocol import RowClipper
 from ..distributed import all_reduce_grads_and_losses_, all_reduce_mean_
 from ..stats import StepStats, build_stats
 from ..taskgrads import ParamLayout, TaskRoots
-from ._engine import RowsEngine, Update, WriteBack, heads_backward_, owned_grads, reaches
+from ._engine import RowsEngine, WriteBack, heads_backward_, owned_grads
 
 __all__ = ["LocalColumns"]
 
@@ -49,16 +49,15 @@ class LocalColumns:
         return clip(matrix)
 
     def write_back(self, vector: Tensor, scale: Tensor | None,
-                   reached: Sequence[bool] | None) -> Update:
+                   reached: Sequence[bool] | None) -> WriteBack:
         return WriteBack.from_flat(self.layout, vector, scale, reached)
 
     def stats(self, gram: Tensor, losses: Tensor, finite: bool, **fields: Any) -> StepStats:
         """:func:`~gradbalance.stats.build_stats` of the whole rows."""
         return build_stats(gram, losses, finite, **fields)
 
-    def features_update(self, features: Tensor, grad: Tensor, group: Any) -> Update:
-        """One ``autograd.grad``; under data parallelism the ranks' parts summed (the mean
-        of ``W·`` each part)."""
+    def features_update(self, features: Tensor, grad: Tensor, group: Any) -> WriteBack:
+        """One ``autograd.grad``; data-parallel, the mean of the ranks' parts."""
         params = self.layout.params
         grad = grad.view_as(features).to(features.dtype)
         if group is not None:
@@ -96,9 +95,8 @@ class LocalColumns:
         return held
 
     def reused_update(self, held: list[Tensor | None] | None, losses: Tensor,
-                      heads: Sequence[Tensor], group: Any) -> tuple[Update, Tensor]:
-        """Under data parallelism each rank holds its own batch's gradients: averaged, with
-        the heads' ``.grad`` and the losses, in one collective."""
+                      heads: Sequence[Tensor], group: Any) -> tuple[WriteBack, Tensor]:
+        """Data-parallel: the held gradients, heads and losses averaged in one collective."""
         params = self.layout.params
         grads: list[Tensor | None] = [None] * len(params) if held is None else list(held)
         if group is not None:

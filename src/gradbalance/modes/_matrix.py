@@ -1,13 +1,9 @@
 """``matrix`` mode: the ``[K, P]`` task gradients in one persistent buffer, then the combine.
 
-Per micro-batch, ``G += [∂Lₖ/∂θ]ₖ`` (one ``autograd.grad`` per task, each starting at the
-task's own loss) and the heads' ``.grad +=`` their plain gradient (one pass of ``Σₖ Lₖ`` over
-the heads). Once per step: mean over data-parallel ranks, ``G /= s`` (the loss
-scale), the Gramian in float64, the finiteness check from its diagonal, optional row
-clipping, the combine, and ``.grad += s·g`` on the trunk, written last. A parameter no task
-reached in any micro-batch keeps its ``.grad`` (None stays None), as after
-``sum(losses).backward()``; under data parallelism every parameter is written, since another
-rank may have reached it.
+Per micro-batch ``G += [∂Lₖ/∂θ]ₖ`` and the heads' ``.grad +=``; once per step the mean over
+the ranks, ``G /= s``, the Gramian in float64 and the finiteness check, row clipping, the
+combine and ``.grad += s·g``, written last. A parameter no task reached keeps its ``.grad``
+(every one is written under data parallelism, where another rank may have reached it).
 """
 
 from __future__ import annotations
@@ -30,10 +26,8 @@ __all__ = ["MatrixMode"]
 
 
 class MatrixMode(RowsEngine):
-    """Holds ``G`` ``[K, P]`` across micro-batches; combines it once per step. Every balancer
-    and every row clipper works here; on a sharded trunk each rank holds its columns
-    (:class:`~gradbalance.modes._layout.Columns`), with the shardable balancers and the
-    2-norm and value clippers."""
+    """Holds ``G`` ``[K, P]`` (a rank's columns on a sharded trunk) across micro-batches;
+    combines it once per step. Every balancer and row clipper works unsharded."""
 
     mode = "matrix"
     shardable = True

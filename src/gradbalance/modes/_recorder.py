@@ -12,12 +12,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from .._graph import reaches
 from .._sinks import PassSink, RowsSink, StackSink
 from ..distributed import _comm_device, all_gather_columns, all_reduce_mean_
 from ..gramian import compute_gramian, linear_gramian
 from ..taskgrads import Concrete, Passes, TaskRoots, run_passes
 from ._blocks import Block, Call, find_blocks
-from ._engine import WriteBack, reaches
+from ._engine import WriteBack
 from ._layers import rows_grad, rows_input
 from ._routes import Force, keep_exact, keeps, plan_routes, promote_routes
 
@@ -57,8 +58,7 @@ def _recorded_input(block: Block, args: tuple[Any, ...], kwargs: dict[str, Any])
 
 
 def _check_called(block: Block, roots: TaskRoots) -> bool:
-    """Whether ``block`` has recorded calls; raise if it has none yet the losses depend on it
-    (without calls and off the losses' graph, its parameters keep their ``.grad``)."""
+    """Whether ``block`` has recorded calls; raise if it has none yet the losses depend on it."""
     if block.calls:
         return True
     if not reaches(roots.scaled, block.params):
@@ -73,8 +73,7 @@ def _check_called(block: Block, roots: TaskRoots) -> bool:
 
 
 def _kept_outputs(block: Block) -> list[Tensor]:
-    """The outputs ``block``'s calls kept (none for a call bound for the rows), checked for
-    in-place edits since their forward."""
+    """The outputs ``block``'s calls kept, checked for in-place edits since their forward."""
     outputs = []
     for call in block.calls:
         if call.input is None or call.output is None:
@@ -90,8 +89,7 @@ def _kept_outputs(block: Block) -> list[Tensor]:
 
 
 def agree_on_rows(flags: list[int], group: Any) -> list[int]:
-    """The maximum over the ranks of each flag (1: this rank has the layer on rows): the
-    step's one cross-rank reduction of the routes."""
+    """The maximum over the ranks of each flag (1: this rank has the layer on rows)."""
     local = torch.tensor(flags, dtype=torch.int32)
     agreed = local.to(_comm_device(group, local.device))
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
@@ -100,24 +98,16 @@ def agree_on_rows(flags: list[int], group: Any) -> list[int]:
 
 
 class GramianRecorder:
-    """Forward hooks on the trunk's linear blocks; the Gramian and the weighted write-back.
-
-    Args:
-        modules: the module(s) owning the shared parameters (e.g. ``model.trunk``).
-        params: the shared parameters; each must belong to one of ``modules``.
-    """
+    """Forward hooks on the trunk's linear blocks (of ``modules``, owning every one of
+    ``params``); the Gramian and the weighted write-back."""
 
     def __init__(self, modules: nn.Module | Iterable[nn.Module], params: Sequence[Tensor]) -> None:
         self.blocks = find_blocks(_roots_of(modules), params)
         self.device = params[0].device  # where the passes run, as in matrix mode
         self.linear = [block for block in self.blocks if block.linear]
         self.other = [block for block in self.blocks if not block.linear]
-        #: a route forced on every layer of linear form (``"rows"`` or ``"activations"``), or
-        #: by block name (a dict); None: each layer's cost model decides
-        self.force: Force = None
-        #: K of the last step's passes (None before the first): a forward bound for the rows
-        #: at this K keeps no tensor
-        self.num_tasks: int | None = None
+        self.force: Force = None  # a route forced on every layer, or by block name
+        self.num_tasks: int | None = None  # the last step's K (keeps() reads it)
         self._stepping = False  # a micro-batch of the current step has run its passes
         ref = weakref.ref(self)
         self._handles = [
@@ -154,17 +144,9 @@ class GramianRecorder:
         for block in self.blocks:
             block.forget()
 
-    def remove(self) -> None:
-        """Remove the forward hooks."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        self.clear()
-
     def _check_recorded(self, roots: TaskRoots, every: bool = False) -> list[Tensor]:
-        """The recorded outputs of the activations-route layers; such a layer without a
-        recorded call must not be on the losses' graph (then it is unused, and its parameters
-        keep their ``.grad``). ``every``: check every linear layer, whatever its route."""
+        """The recorded outputs of the activations-route layers (``every``: of every linear
+        layer), each layer checked by :func:`_check_called`."""
         outputs: list[Tensor] = []
         for block in self.linear:
             if (block.route == "activations" or every) and _check_called(block, roots):
@@ -173,17 +155,15 @@ class GramianRecorder:
 
     @property
     def routes(self) -> dict[str, str]:
-        """Each layer of linear form's route in the current (or last) step, by block name:
-        ``"rows"`` or ``"activations"``."""
+        """Each linear layer's route in the current (or last) step, by block name."""
         return {block.name: block.route for block in self.linear}
 
     # -- stage 1: the K passes ------------------------------------------------------------
     def task_passes(self, roots: TaskRoots, passes: Passes, first: bool = True, micro: int = 1,
                     preferred: Concrete | None = None) -> Concrete:
-        """K passes for this micro-batch (``micro``-th of the step), run by
-        :func:`~gradbalance.taskgrads.run_passes`: ``∂Lₖ/∂y`` at the recorded outputs of the
-        activations-route layers (kept with their inputs) and the rows of every other block
-        (added to the step's). Returns the passes used."""
+        """The ``micro``-th micro-batch's K passes through
+        :func:`~gradbalance.taskgrads.run_passes`: ``∂Lₖ/∂y`` at the activations-route
+        outputs, the rows of every other block. Returns the passes used."""
         k_total = roots.num_tasks
         if first:
             plan_routes(self.linear, self.force, k_total)
@@ -205,8 +185,7 @@ class GramianRecorder:
         return used
 
     def _keep_activations(self, stacks: list[Tensor | None], k_total: int) -> None:
-        """Each activations-route call's input and output gradient, as rows; the calls go
-        (and with them the graph)."""
+        """Each activations-route call's input and output gradient, as rows; the calls go."""
         gradients = iter(stacks)
         for block in self.linear:
             if block.route == "activations":
@@ -219,11 +198,8 @@ class GramianRecorder:
 
     # -- data parallel ----------------------------------------------------------------
     def reduce_over_ranks(self, k_total: int, group: Any) -> None:
-        """Give every rank the full batch's operands. The routes are agreed first
-        (:func:`agree_on_rows`): a layer is on the activations route only where every rank
-        took it, a rank's activations move to rows otherwise (exact). Then activations-route
-        inputs and output gradients are all-gathered (gradients divided by the world size)
-        and every block's rows averaged. ``group`` must be resolved (not None)."""
+        """Give every rank the full batch's operands: the routes agreed (a layer some rank has
+        on rows moves to rows, exactly), activations all-gathered, rows averaged."""
         if self.linear:
             flags = [int(block.route == "rows") for block in self.linear]
             for block, on_rows in zip(self.linear, agree_on_rows(flags, group)):
@@ -258,8 +234,7 @@ class GramianRecorder:
 
     # -- stage 3: the weighted gradient, written last ------------------------------------
     def weighted_update(self, weights: Tensor) -> WriteBack:
-        """``Σₖ wₖ ∂Lₖ/∂θ`` for every shared parameter the step reached, block by block,
-        computed in full before anything is written (:meth:`WriteBack.commit_`)."""
+        """``Σₖ wₖ ∂Lₖ/∂θ`` for every shared parameter the step reached, nothing written."""
         params: list[Tensor] = []
         parts: list[Tensor | None] = []
         owned: list[bool] = []
@@ -277,8 +252,7 @@ class GramianRecorder:
 
 
 def _gather_operands(block: Block, k_total: int, size: int, group: Any) -> None:
-    """All-gather an activations-route layer's ``x`` and ``Dₖ`` (``Dₖ`` divided by the world
-    size: each loss is the mean of the ranks' means)."""
+    """All-gather an activations-route layer's ``x`` and ``Dₖ`` (divided by the world size)."""
     mod = block.module_layer()
     assert block.form is not None
     width_in, width_out = block.form

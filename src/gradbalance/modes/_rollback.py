@@ -1,16 +1,12 @@
-"""What a failed or skipped step puts back: captured before the step moves it.
+"""What a failed or skipped step puts back, captured before the step moves it.
 
-A step writes the trunk's ``.grad`` last, once everything that can fail has run, so the trunk
-needs no copy. What moves earlier is captured here, all of it small:
-
-* the heads' ``.grad`` (written by every ``backward``, averaged over the ranks in ``apply_``):
-  :class:`GradSnapshot`, taken at the step's first ``backward``; free when ``.grad`` is None;
-* the balancer, the row clipper and torch's global CPU generator (advanced by ``apply_``):
-  :class:`StateSnapshot`. A balancer's attributes, buffers and parameters are saved by
-  reference (balancers replace their state tensors instead of writing into them, tested for
-  every registered one), its generators by state and its stateful submodules (CR-MOGM's
-  inner balancer) likewise; an object with ``state_dict``/``load_state_dict``
-  (``TaskAutoClip``) through those; any other object by its attributes.
+The trunk's ``.grad`` is written last and needs no copy. What moves earlier is small: the
+heads' ``.grad`` (:class:`GradSnapshot`, at the step's first ``backward``) and the balancer,
+the row clipper and torch's global CPU generator (:class:`StateSnapshot`). A balancer's
+attributes, buffers and parameters are saved by reference (balancers replace their state
+tensors, never edit them in place: docs/ARCHITECTURE.md, extension contract), generators by
+state, nested balancers likewise, an object with ``state_dict``/``load_state_dict``
+through those, any other object by its attributes.
 """
 
 from __future__ import annotations
@@ -52,7 +48,7 @@ class StateSnapshot:
 
     def __init__(self, *objects: object) -> None:
         self._restores: list[Restore] = [_capture(o) for o in objects if o is not None]
-        self._restores.append(_capture_global_rng())
+        self._restores.append(_capture_generator(torch.default_generator))
 
     def restore(self) -> None:
         for restore in self._restores:
@@ -96,15 +92,6 @@ def _capture_attributes(obj: object) -> Restore:
             table.update(entries)
         for restore_inner in inner:
             restore_inner()
-
-    return restore
-
-
-def _capture_global_rng() -> Restore:
-    state = torch.get_rng_state()
-
-    def restore() -> None:
-        torch.set_rng_state(state)
 
     return restore
 

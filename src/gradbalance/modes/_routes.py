@@ -1,13 +1,9 @@
 """Each linear layer's route in ``gramian`` mode, ``"rows"`` or ``"activations"``, in one place.
 
-The cost model (:mod:`._costs`) decides from the layer's shapes, K and the micro-batches,
-unless a route is forced (``GramianRecorder.force``): at a forward, whether to keep its
-tensors (:func:`keeps`); at the step's first backward, the route (:func:`plan_routes`); after a
-later micro-batch, a move to rows where they have become cheaper (:func:`promote_routes`).
-``auto`` mode decides between the ``matrix`` and ``gramian`` routes from the same layer shapes
-(:func:`layer_shapes`). A layer whose parameters the activations route would get wrong (a
-tensor hook, a use outside its recorded forwards) takes the rows (:func:`inexact`,
-:func:`keep_exact`).
+The cost model (:mod:`._costs`) decides unless ``GramianRecorder.force`` sets it: at a forward
+(:func:`keeps`), at the step's first backward (:func:`plan_routes`), after a later
+micro-batch (:func:`promote_routes`). A layer the activations route would get wrong takes
+the rows (:func:`inexact`, :func:`keep_exact`).
 """
 
 from __future__ import annotations
@@ -39,12 +35,8 @@ def forced_route(force: Force, block: Block) -> str | None:
 
 def keeps(block: Block, n: int, force: Force, stepping: bool, num_tasks: int | None) -> bool:
     """Whether a forward of ``n`` rows must keep its input and output: not where the layer
-    takes the rows for sure (forced; a later micro-batch (``stepping``) of a step on rows;
-    or the rows at these rows and the last step's K, 2 before the first: a layer whose
-    tensors were not kept takes the rows in that step; the last K is in ``state_dict``, so a
-    resumed run takes the same routes). Holding the tensors of a layer that takes the rows
-    keeps its output alive through the K passes for nothing (measured 1.3x on the CNN of the
-    benchmarks)."""
+    takes the rows for sure (forced; a later micro-batch of a step on rows; the rows at the
+    last step's K, 2 before the first). Kept tensors of a rows layer cost the CNN 1.3x."""
     forced = forced_route(force, block)
     if forced is not None:
         return forced == "activations"
@@ -55,8 +47,7 @@ def keeps(block: Block, n: int, force: Force, stepping: bool, num_tasks: int | N
 
 
 def plan_routes(blocks: Sequence[Block], force: Force, k_total: int) -> None:
-    """Each linear block's route for the step, from its first micro-batch's calls: the
-    cheaper of :func:`~gradbalance.modes._costs.layer_costs` (rows without calls)."""
+    """Each linear block's route for the step, from its first micro-batch's calls."""
     for block in blocks:
         forced = forced_route(force, block)
         if forced is not None:
@@ -68,8 +59,7 @@ def plan_routes(blocks: Sequence[Block], force: Force, k_total: int) -> None:
 
 
 def promote_routes(blocks: Sequence[Block], force: Force, k_total: int, micro: int) -> None:
-    """After a later micro-batch: an activations-route layer whose rows have become the
-    cheaper route (its rows ``N`` grew) moves to rows, unless its route is forced."""
+    """An unforced activations-route layer whose rows have become cheaper moves to rows."""
     for block in blocks:
         if block.route != "activations" or forced_route(force, block) is not None:
             continue
@@ -89,10 +79,9 @@ def layer_shapes(blocks: Sequence[Block]) -> tuple[tuple[int, int, int, bool, bo
 
 
 def inexact(blocks: Sequence[Block], loss: Tensor) -> list[Block]:
-    """The linear ``blocks`` whose activations route would not give their parameters'
-    gradient: a parameter with a tensor hook (``w.register_hook(lambda g: g * mask)``), or
-    used on ``loss``'s graph other than by the block's recorded calls (tied to another layer,
-    ``F.linear(x, layer.weight)`` elsewhere). One walk of the graph, only where needed."""
+    """The linear ``blocks`` whose activations route would miss part of their gradient: a
+    parameter with a tensor hook, or used on ``loss``'s graph outside the block's recorded
+    calls (tied to another layer)."""
     hooked = [block for block in blocks if any(map(tensor_hooked, block.params))]
     rest = [block for block in blocks if all(block is not h for h in hooked)]
     if not rest:
@@ -104,8 +93,8 @@ def inexact(blocks: Sequence[Block], loss: Tensor) -> list[Block]:
 
 def keep_exact(blocks: Sequence[Block], force: Force, loss: Tensor, k_total: int,
                first: bool) -> None:
-    """Move every activations-route block that :func:`inexact` finds to the rows (its
-    operands so far become rows, exactly); raise where the activations route is forced."""
+    """Move every activations-route block :func:`inexact` finds to the rows (exactly);
+    raise where the activations route is forced."""
     active = [block for block in blocks if block.route == "activations"]
     for block in inexact(active, loss) if active else []:
         if forced_route(force, block) is not None:

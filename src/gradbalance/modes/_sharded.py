@@ -1,34 +1,19 @@
 """The columns of a trunk sharded with FSDP2 (:class:`~gradbalance.modes._layout.Columns`):
 each rank keeps its own ``[K, P/W]``.
 
-Per micro-batch, K ordinary backward passes (one per task, from its own loss) let FSDP2
-reduce-scatter each task's gradient; this rank's shard of it is added into row ``k`` of the
-local buffer (:func:`~gradbalance.modes._sharded_passes.sharded_passes`). Once per step:
-
-1. the losses and the heads' plain ``.grad`` (unless FSDP2 already averaged them, when the
-   heads are sharded too) are averaged over the ranks;
-2. ``G /= s``; the Gramian ``G Gᵀ`` is the sum over the ranks of the local partial Gramians
-   (one all-reduce of ``K²`` numbers), identical on every rank, and decides finiteness;
-3. 2-norm row clipping scales each row by the factor its full norm (from the Gramian's
-   diagonal) gives; value clipping acts on each coordinate where it lies;
-4. ``Balancer.combine`` with this layout's ``Shard`` gives this rank's columns of the
-   single-process update (weighted balancers: the weights from the Gramian, computed alike
-   everywhere; the others on their columns, with global sums through ``Shard.reduce``);
-5. ``.grad += s·g`` as ``DTensor`` gradients, written last.
-
-``features`` mode takes the feature gradients through replicated heads and all-gathers them
-as under data parallelism; the trunk's update is one ordinary backward of ``⟨f, W·s·z_r⟩``
-from this rank's features ``f`` and its columns ``z_r`` of the balanced gradient: FSDP2's
-reduce-scatter averages it over the ranks, which gives this rank's shard of
-``Σ_r ∂⟨f_r, s·z_r⟩/∂θ``, the single-process trunk gradient.
-
-Memory per rank: ``K·P/W`` for the buffer. Communication per micro-batch: K all-gathers and K
-reduce-scatters of the trunk (``docs/distributed.md``, "Sharded trunks").
+FSDP2's ``DTensor`` parameters never enter the autograd graph, so each task's pass is an
+ordinary ``backward`` that FSDP2 reduce-scatters, run by
+:func:`~gradbalance.taskgrads.run_passes` into a :class:`ShardedSink` (the trunk's ``.grad``
+set aside meanwhile). Once per step the losses and replicated heads are averaged, the
+Gramian is the sum of the ranks' partial ones, ``Balancer.combine`` with the layout's
+``Shard`` gives this rank's columns, and :class:`ShardedWriteBack` writes them last
+(docs/distributed.md, "Sharded trunks (FSDP2)").
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -36,22 +21,75 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .._shard import Shard
-from .._sharding import ShardedLayout, is_dtensor
+from .._sharding import ShardedLayout, is_dtensor, local_of
+from .._sinks import RowsSink
 from ..balancers._base import Balancer
 from ..clip._protocol import RowClipper, scales_whole_rows
 from ..clip._task import TaskValueClip
 from ..distributed import all_reduce_grads_and_losses_
 from ..stats import StepStats, build_stats
-from ..taskgrads import ParamLayout, Passes, TaskRoots
-from ._engine import RowsEngine, Update
-from ._sharded_passes import ShardedWriteBack, grads_set_aside, sharded_passes, trunk_backward
+from ..taskgrads import ParamLayout, Passes, TaskRoots, run_passes
+from ._engine import RowsEngine, WriteBack
 
-__all__ = ["ShardedColumns", "check_replicated_heads", "check_sharded_clip"]
+__all__ = ["ShardedColumns", "ShardedSink", "ShardedWriteBack", "check_replicated_heads",
+           "check_sharded_clip"]
+
+
+@contextlib.contextmanager
+def grads_set_aside(params: Sequence[Tensor]) -> Iterator[None]:
+    """The trunk's ``.grad`` set aside (None) inside, put back on the way out, also on a
+    failure: the passes' gradients never mix with the user's."""
+    saved = [p.grad for p in params]
+    try:
+        for p in params:
+            p.grad = None
+        yield
+    finally:
+        for p, g in zip(params, saved):
+            p.grad = g
+
+
+class ShardedSink(RowsSink):
+    """Row ``k`` (+)= this rank's shard of ``.grad`` after task ``k``'s ordinary backward,
+    which is then cleared (:mod:`gradbalance._sinks`, ``by_backward``)."""
+
+    by_backward = True
+
+    def __init__(self, layout: ShardedLayout, out: Tensor, accumulate: bool,
+                 reached: list[bool] | None = None) -> None:
+        super().__init__(layout, out, accumulate, reached)
+        self.sharded = layout
+
+    @property
+    def inputs(self) -> Sequence[Tensor]:
+        return ()
+
+    def write_pass(self, k: int, grads: Sequence[Tensor | None]) -> None:
+        super().write_pass(k, self.sharded.local_grads())
+        for p in self.sharded.params:
+            p.grad = None
+
+    def write_batched(self, grads: Sequence[Tensor | None]) -> None:
+        raise RuntimeError("a sharded trunk's passes run as a loop of backward calls")
+
+
+def trunk_backward(layout: ShardedLayout, root: Tensor, grad: Tensor | None = None,
+                   retain_graph: bool = False, out: Tensor | None = None,
+                   accumulate: bool = False) -> Tensor | None:
+    """This rank's columns ``[P_local]`` of one ordinary backward of ``root`` (``grad``: its
+    ``grad_tensors``) into ``out`` (``+=`` with ``accumulate``), the trunk's ``.grad`` set
+    aside meanwhile; None when the pass reached no trunk parameter."""
+    if out is None:
+        out = torch.empty(layout.numel, dtype=layout.dtype, device=layout.device)
+    reached = [False] * len(layout.params)
+    with grads_set_aside(layout.params):
+        torch.autograd.backward(root, grad_tensors=grad, retain_graph=retain_graph)
+        ShardedSink(layout, out[None], accumulate, reached).write_pass(0, ())
+    return out if any(reached) else None
 
 
 def check_replicated_heads(head_params: Sequence[Tensor]) -> None:
-    """``features`` mode on a sharded trunk takes the feature gradients through the heads,
-    which must stay replicated (not under ``fully_shard``)."""
+    """``features`` mode on a sharded trunk needs replicated heads."""
     sharded = [i for i, h in enumerate(head_params) if is_dtensor(h)]
     if sharded:
         raise ValueError(
@@ -62,8 +100,7 @@ def check_replicated_heads(head_params: Sequence[Tensor]) -> None:
 
 
 def check_sharded_clip(clip: RowClipper | None) -> None:
-    """2-norm row clippers (:func:`~gradbalance.clip._protocol.scales_whole_rows`) and value
-    clipping run sharded."""
+    """Only 2-norm row clippers that scale whole rows and value clipping run sharded."""
     if clip is None or isinstance(clip, TaskValueClip) or scales_whole_rows(clip):
         return
     raise ValueError(
@@ -96,8 +133,20 @@ class ShardedColumns:
 
     def task_passes(self, engine: RowsEngine, roots: TaskRoots, out: Tensor,
                     first: bool) -> None:
-        """K ordinary backward passes (the heads get their plain gradient from them)."""
-        sharded_passes(roots, self.layout, out, accumulate=not first)
+        """K ordinary backward passes (the heads get their plain gradient from them); raise
+        when none reached the trunk (FSDP2's gradient sync off)."""
+        reached = [False] * len(self.layout.params)
+        with grads_set_aside(self.layout.params):
+            run_passes(roots, [ShardedSink(self.layout, out, not first, reached)],
+                       self.device, passes="loop")
+        if not any(reached):
+            raise RuntimeError(
+                "no task's backward pass wrote a gradient into the sharded trunk: FSDP2's "
+                "gradient sync is off (model.set_requires_gradient_sync(False)) or the losses "
+                "do not depend on the trunk. Keep the sync on during buf.backward (the buffer "
+                "accumulates micro-batches itself: each pass reduce-scatters its task's "
+                "gradient); nothing was written"
+            )
 
     def reduce_(self, matrix: Tensor, losses: Tensor, heads: Sequence[Tensor],
                 group: Any) -> Tensor:
@@ -105,8 +154,7 @@ class ShardedColumns:
         return all_reduce_grads_and_losses_(self.plain_heads, losses, group)
 
     def clip_(self, clip: RowClipper, matrix: Tensor, gram: Tensor) -> Tensor:
-        """Each row scaled by the factor its full norm (the Gramian's diagonal) gives;
-        value clipping where each coordinate lies."""
+        """Row factors from the full norms (the Gramian's diagonal); value clipping in place."""
         norms = torch.diagonal(gram).clamp_min(0).sqrt().to(matrix.dtype)
         if isinstance(clip, TaskValueClip):
             clip(matrix)
@@ -136,9 +184,7 @@ class ShardedColumns:
         return ShardedWriteBack(self.layout, flat, None)
 
     def check_features(self, features: Tensor) -> None:
-        """FSDP2's forward uses gathered copies of the parameters, so whether the trunk lies
-        on ``features``' graph is told by its backward (:meth:`features_update`); a leaf is
-        refused here."""
+        """Refuse a leaf; the trunk's use is told by the backward (:meth:`features_update`)."""
         if features.grad_fn is None:
             raise ValueError(
                 f"features (shape {tuple(features.shape)}) is a leaf tensor, not computed "
@@ -148,11 +194,9 @@ class ShardedColumns:
 
     def reused_backward(self, weights: Tensor, roots: TaskRoots, heads: Sequence[Tensor],
                         held: Tensor | None) -> Tensor:
-        """The trunk's ``Σₖ wₖ ∂Lₖ/∂θ`` from one ordinary backward of ``Σₖ wₖ s·Lₖ`` (FSDP2
-        reduce-scatters it, this rank keeps its shard); the heads' plain gradient of
-        ``Σₖ Lₖ`` completed by a second backward of ``Σₖ (1 − wₖ) s·Lₖ`` (through the heads
-        only when they are replicated; through the trunk too when FSDP2 shards them, the
-        trunk's part of that pass discarded)."""
+        """The trunk's shard of ``Σₖ wₖ ∂Lₖ/∂θ`` from one backward of ``Σₖ wₖ s·Lₖ``; the
+        heads' plain gradient completed by a backward of ``Σₖ (1 − wₖ) s·Lₖ`` (through the
+        trunk too when FSDP2 shards the heads, that part discarded)."""
         scaled = roots.scaled
         w = weights.to(dtype=scaled.dtype, device=scaled.device)
         out = torch.empty(self.numel, dtype=self.dtype, device=self.device) if held is None \
@@ -168,10 +212,39 @@ class ShardedColumns:
         return out
 
     def reused_update(self, held: Tensor | None, losses: Tensor, heads: Sequence[Tensor],
-                      group: Any) -> tuple[Update, Tensor]:
-        """The losses and the replicated heads averaged over the ranks (FSDP2 averaged the
-        rest)."""
+                      group: Any) -> tuple[WriteBack, Tensor]:
+        """The losses and the replicated heads averaged (FSDP2 averaged the rest)."""
         assert held is not None
         if group is not None:
             losses = all_reduce_grads_and_losses_(self.plain_heads, losses, group)
         return ShardedWriteBack(self.layout, held, None), losses
+
+
+class ShardedWriteBack(WriteBack):
+    """A sharded trunk's :class:`~gradbalance.modes._engine.WriteBack`: ``.grad = s·g`` as a
+    new ``DTensor`` with the parameter's placements where there was none, ``.grad += s·g`` on
+    the local shard elsewhere; ``bound`` is this rank's part (``settle`` agrees it)."""
+
+    def __init__(self, layout: ShardedLayout, vector: Tensor, scale: Tensor | None) -> None:
+        from torch.distributed.tensor import DTensor
+
+        super().__init__([], [], scale, flat=vector)
+        self.dtype = layout.dtype
+        factor = None if scale is None else scale.to(device=vector.device, dtype=vector.dtype)
+        for (p, start, stop), shape in zip(layout.slices(), layout.local_shapes):
+            part = vector[start:stop].reshape(shape)
+            if factor is not None:
+                part = part * factor
+            part = part.to(p.dtype)
+            if p.grad is None:
+                meta: Any = p
+                new = DTensor.from_local(part.clone() if factor is None else part,
+                                         meta.device_mesh, meta.placements, run_check=False,
+                                         shape=p.shape, stride=p.stride())
+                self.assign.append((p, new))
+            else:
+                self.add.append((p, part))
+
+    @staticmethod
+    def local(grad: Tensor) -> Tensor:
+        return local_of(grad)
