@@ -1,37 +1,10 @@
 """The balancer interface: weights apart from combining.
 
-A balancer maps the task-gradient matrix ``G`` ``[K, P]`` (and the detached task losses
-``[K]``) to one update vector ``g`` ``[P]``. Two kinds exist:
-
-* **weighted** (``from_gramian = True``): ``g = wᵀ G`` with weights ``w`` a function of the
-  Gramian ``G Gᵀ`` (and the losses) only. Such a balancer implements
-  :meth:`Balancer._compute_weights`
-  and never touches ``[K, P]``; the product ``wᵀ G`` happens in one place, :func:`combine_rows`.
-  It can therefore run in every gradient mode, including ``gramian`` mode, which keeps no
-  ``[K, P]`` matrix at all.
-* **matrix** (``from_gramian = False``): needs the rows themselves (per-coordinate masks,
-  EMA of gradients...). It implements :meth:`Balancer._combine_matrix`.
-
-Under a sharded trunk (FSDP2) :meth:`Balancer.combine` takes one rank's columns and a
-:class:`~gradbalance.balancers.Shard` (``shard=``): weighted balancers from the full Gramian,
-matrix balancers through :meth:`Balancer._combine_matrix_sharded` (``docs/balancers.md``,
-"Sharded trunks").
-
-A balancer is a ``torch.nn.Module``: ``balancer(G)`` is :meth:`Balancer.forward`. Its state
-(EMA targets, warm starts, counters) lives in registered buffers (None before the first call
-where its shape comes from the input), its random generators' states and the class name in
-the module's extra state, so a balancer attached to a model is in ``model.state_dict()`` and
-moves with ``model.to()``. :meth:`Balancer.load_state_dict` restores it into a fresh object
-with no warm-up call, all or nothing (:mod:`gradbalance._module`). A balancer never changes
-state when its input is not finite: it raises :class:`~gradbalance.NonFiniteGradientError`
-first.
-
-Numerical range: a weighted balancer with a declared weight degree ``δ``
-(:attr:`Balancer.weight_degree`, ``w(c·G Gᵀ) = c^δ w(G Gᵀ)``) computes its weights on the
-Gramian divided by its largest diagonal entry ``t = maxₖ ‖gₖ‖²`` and multiplies them by
-``t^δ``; the Gramian itself is scale-safe (:mod:`gradbalance.gramian`). Together: the same
-update, to rounding, for rows of norm ``1e-30`` … ``1e30`` in float32 and float64 (tested),
-and in float64 for norms ``1e-150`` … ``1e150``.
+A balancer maps the task gradients ``G`` ``[K, P]`` (and the detached task losses ``[K]``)
+to one update ``[P]``: a *weighted* balancer (``from_gramian``) as ``wᵀ G`` with ``w`` a
+function of the Gramian, a *matrix* balancer from the rows themselves. docs/balancers.md
+holds the design (sharded trunks, state, the numerical range); docs/ARCHITECTURE.md, the
+extension contract.
 """
 
 from __future__ import annotations
@@ -97,6 +70,7 @@ class Balancer(StateModule):
     min_tasks: int = 1
     weight_degree: float | None = None
     _kind = "balancer"
+    _repr_args: ClassVar[tuple[str, ...]] = ("num_tasks",)
 
     def __init__(self, num_tasks: int | None = None) -> None:
         super().__init__()
@@ -208,9 +182,6 @@ class Balancer(StateModule):
         self.check_tracked_tasks(gramian.shape[0])
         self._check_finite_gramian(gramian)
         return self._scaled_weights(gramian, losses)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(num_tasks={self.num_tasks})"
 
     # -- helpers ------------------------------------------------------------------------
     def _degree(self) -> float | None:

@@ -1,7 +1,4 @@
-"""DB-MTL, gradient part: EMA of each task gradient, rescaled to the largest norm.
-
-Lin et al. (2023), *Dual-Balancing for Multi-Task Learning*, arXiv:2308.12029 (Algorithm 1).
-"""
+"""DB-MTL, gradient part: EMA of each task gradient, rescaled to the largest norm."""
 
 from __future__ import annotations
 
@@ -45,10 +42,9 @@ def _dbmtl_update_sharded(ema: Tensor, shard: Shard) -> Tensor:
 class DBMTL(Balancer):
     """DB-MTL's gradient balancing: ``ĝₖ ← β_t ĝₖ + (1 − β_t) gₖ``, ``g = Σₖ (max‖ĝ‖/‖ĝₖ‖) ĝₖ``.
 
-    ``β_t = β / t^σ`` at step ``t ≥ 1``; ``ĝ`` starts at 0. DB-MTL's other half, the loss-scale
-    balancing, backpropagates ``log Lₖ`` instead of ``Lₖ``; it belongs to the loss weighting.
-    Here it is available as ``log_losses=True``, which uses ``∇ log Lₖ = gₖ / Lₖ`` (exact) and
-    reads the losses; do not combine it with a log-loss weighting.
+    ``β_t = β / t^σ`` at step ``t ≥ 1``; ``ĝ`` starts at 0. DB-MTL's loss-scale half
+    (``log Lₖ`` instead of ``Lₖ``) is ``log_losses=True`` (``∇ log Lₖ = gₖ / Lₖ``); do not
+    combine it with a log-loss weighting.
 
     Args:
         num_tasks: K (optional).
@@ -59,12 +55,16 @@ class DBMTL(Balancer):
 
     State: ``ĝ`` ``[K, P]`` in the gradients' dtype (a rank's ``[K, P_local]`` under a
     sharded trunk) and the step count (buffers ``_ema``, ``_step``).
+
+    Reference: Lin et al., "Dual-Balancing for Multi-Task Learning", arXiv:2308.12029,
+    Algorithm 1.
     """
 
     _ema: Tensor | None
     _step: Tensor
 
     name = "dbmtl"
+    _repr_args = ("num_tasks", "beta", "beta_sigma", "log_losses")
     from_gramian = False
     homogeneous = True
 
@@ -87,8 +87,7 @@ class DBMTL(Balancer):
 
     def _combine_matrix_sharded(self, matrix: Tensor, losses: Tensor | None, gramian: Tensor,
                                 shard: Shard) -> Combination:
-        """The EMA is per coordinate (local state ``[K, P_local]``); the norms ``‖ĝₖ‖`` are
-        summed over ranks (one ``[K]`` reduce)."""
+        """The EMA is per column; the norms ``‖ĝₖ‖`` are summed over ranks."""
         ema, t = self._next_ema(matrix, losses)
         update = _dbmtl_update_sharded(ema, shard)
         self._ema, self._step = ema, torch.tensor(t, dtype=torch.int64)
@@ -111,7 +110,3 @@ class DBMTL(Balancer):
         ema = rows.clone() if self._ema is None else self._ema.to(rows)
         ema = rows + beta_t * (ema - rows) if self._ema is not None else (1.0 - beta_t) * ema
         return ema, t
-
-    def __repr__(self) -> str:
-        return (f"DBMTL(num_tasks={self.num_tasks}, beta={self.beta}, "
-                f"beta_sigma={self.beta_sigma}, log_losses={self.log_losses})")

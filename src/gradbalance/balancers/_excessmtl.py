@@ -1,9 +1,4 @@
-"""ExcessMTL: task weights driven by estimated excess risks.
-
-He et al. (2024), *Robust Multi-Task Learning with Excess Risks*, ICML, PMLR 235
-(Equations 6-7 for the excess-risk estimate, Equation 9 for the weight update, §3.2 for the
-scale processing).
-"""
+"""ExcessMTL: task weights driven by estimated excess risks."""
 
 from __future__ import annotations
 
@@ -58,10 +53,12 @@ class ExcessMTL(Balancer):
             paper's Appendix C.1 uses three epochs).
         eps: added inside the square root of ``H`` (default 1e-7, the official code's value).
 
-    State: ``R = √S`` ``[K, P]`` in the gradients' dtype (as large as ``G``; a state saved
-    with ``S`` itself, ``"sq_sum"``, loads as ``√S``), ``α``, the baseline, the warm-up sum
-    and the step count (buffers ``_root_sq_sum``, ``_weights``, ``_baseline``,
-    ``_warmup_sum``, ``_step``). Under a sharded trunk ``R`` holds the rank's columns.
+    State: ``R = √S`` ``[K, P]`` in the gradients' dtype (a rank's columns under a sharded
+    trunk), ``α``, the baseline, the warm-up sum and the step count (buffers
+    ``_root_sq_sum``, ``_weights``, ``_baseline``, ``_warmup_sum``, ``_step``).
+
+    Reference: He et al., "Robust Multi-Task Learning with Excess Risks", ICML 2024, eqs. 6-9
+    and §3.2.
     """
 
     _root_sq_sum: Tensor | None
@@ -71,6 +68,7 @@ class ExcessMTL(Balancer):
     _step: Tensor
 
     name = "excessmtl"
+    _repr_args = ("num_tasks", "robust_step_size", "n_warmup_steps")
     from_gramian = False
     homogeneous = False  # ε makes the excess-risk ratios depend on the scale
 
@@ -91,8 +89,7 @@ class ExcessMTL(Balancer):
 
     def _combine_matrix_sharded(self, matrix: Tensor, losses: Tensor | None, gramian: Tensor,
                                 shard: Shard) -> Combination:
-        """``R`` is per coordinate (local state ``[K, P_local]``); the excess risks, sums over
-        coordinates, are summed over ranks (one ``[K]`` reduce)."""
+        """``R`` is per column; the excess risks are summed over ranks."""
         return self._advance(matrix, shard)
 
     def _advance(self, matrix: Tensor, shard: Shard | None) -> Combination:
@@ -120,7 +117,3 @@ class ExcessMTL(Balancer):
         self._warmup_sum = warmup_sum
         self._step = torch.tensor(t + 1, dtype=torch.int64)
         return Combination(weights.to(matrix.dtype) @ matrix, weights)
-
-    def __repr__(self) -> str:
-        return (f"ExcessMTL(num_tasks={self.num_tasks}, robust_step_size="
-                f"{self.robust_step_size}, n_warmup_steps={self.n_warmup_steps})")

@@ -1,8 +1,4 @@
-"""FairGrad: α-fair allocation of the update among the tasks.
-
-Ban & Ji (2024), *Fair Resource Allocation in Multi-Task Learning*, ICML, arXiv:2402.15638
-(Algorithm 1, Equation 4).
-"""
+"""FairGrad: α-fair allocation of the update among the tasks."""
 
 from __future__ import annotations
 
@@ -114,9 +110,13 @@ class FairGrad(Balancer):
         alpha: fairness ``α ≥ 0`` (default 1.0, proportional fairness; the paper sweeps
             α ∈ {0.5, 1, 2, 5, ...} per benchmark).
         max_iter: Newton iterations (default 100; it usually stops below 15).
+
+    Reference: Ban & Ji, "Fair Resource Allocation in Multi-Task Learning", ICML 2024,
+    arXiv:2402.15638, eq. 4.
     """
 
     name = "fairgrad"
+    _repr_args = ("num_tasks", "alpha")
     from_gramian = True
     homogeneous = False  # B(sG) = s^{(1-α)/(1+α)} B(G)
 
@@ -130,6 +130,3 @@ class FairGrad(Balancer):
 
     def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         return fairgrad_weights(gramian, self.alpha, self.max_iter)
-
-    def __repr__(self) -> str:
-        return f"FairGrad(num_tasks={self.num_tasks}, alpha={self.alpha})"

@@ -1,9 +1,4 @@
-"""MoDo: multi-objective gradient with double sampling.
-
-Chen et al. (2023), *Three-Way Trade-Off in Multi-Objective Learning: Optimization,
-Generalization and Conflict-Avoidance*, NeurIPS 2023 / JMLR 2024, arXiv:2305.20057
-(Algorithm 1, Equation 2.9).
-"""
+"""MoDo: multi-objective gradient with double sampling."""
 
 from __future__ import annotations
 
@@ -32,12 +27,10 @@ def modo_step(lam: Tensor, gramian: Tensor, gamma: float, rho: float) -> Tensor:
 class MoDo(Balancer):
     """``g = Σₖ λₖ gₖ`` with simplex weights ``λ`` moved by one projected step per call.
 
-    The paper samples three independent batches per step: two for the ``λ`` step,
-    ``A = G_{ξ₁} G_{ξ₂}ᵀ`` (an unbiased estimate of ``∇F ∇Fᵀ``), and a third for the update
-    ``G_{ξ₃}ᵀ λ``. A balancer here sees one ``G`` per step, so ``A = G Gᵀ`` (same batch: biased
-    by the gradient covariance, the bias MoDo's double sampling removes) and the update uses the
-    same ``G``. For the double-sampled variant, call :func:`modo_step` with your own cross
-    product ``G₁ G₂ᵀ`` and combine another batch's rows with the returned ``λ``.
+    The paper's ``λ`` step uses ``A = G_{ξ₁} G_{ξ₂}ᵀ`` from two independent batches and a
+    third for the update; with one ``G`` per step ``A = G Gᵀ`` (biased by the gradient
+    covariance). For the double-sampled variant call :func:`modo_step` with your own
+    ``G₁ G₂ᵀ`` and combine another batch's rows with the returned ``λ``.
 
     Args:
         num_tasks: K (optional).
@@ -46,11 +39,15 @@ class MoDo(Balancer):
         rho: ℓ₂ regularisation ``ρ ≥ 0`` (default 0.1).
 
     State: ``λ`` ``[K]`` float64, starting at ``1/K`` (buffer ``_lambda``).
+
+    Reference: Chen et al., "Three-Way Trade-Off in Multi-Objective Learning: Optimization,
+    Generalization and Conflict-Avoidance", NeurIPS 2023, arXiv:2305.20057, Algorithm 1.
     """
 
     _lambda: Tensor | None
 
     name = "modo"
+    _repr_args = ("num_tasks", "gamma", "rho")
     from_gramian = True
     homogeneous = False
     weight_degree = None  # γ multiplies squared norms: λ sees the raw Gramian
@@ -69,6 +66,3 @@ class MoDo(Balancer):
         lam = modo_step(lam, gramian.to(torch.float64), self.gamma, self.rho)
         self._lambda = lam
         return lam
-
-    def __repr__(self) -> str:
-        return f"MoDo(num_tasks={self.num_tasks}, gamma={self.gamma}, rho={self.rho})"

@@ -1,9 +1,4 @@
-"""Random: random task weights on the gradients (RLW / RGW).
-
-Lin et al. (2022), *Reasonable Effectiveness of Random Weighting: A Litmus Test for Multi-Task
-Learning*, TMLR, arXiv:2111.10603 (Algorithm 2, random weights on the task gradients; LibMTL's
-``RGW``, TorchJD's ``Random``).
-"""
+"""Random: random task weights on the gradients (RLW / RGW)."""
 
 from __future__ import annotations
 
@@ -61,9 +56,13 @@ class Random(OptionalGeneratorState, Balancer):
         distribution: ``"normal"`` (default), ``"uniform"`` or ``"dirichlet"``.
         generator: the random source; None draws from torch's global RNG. A given generator's
             state is saved by :meth:`state_dict` so that a resumed run draws the same weights.
+
+    Reference: Lin et al., "Reasonable Effectiveness of Random Weighting: A Litmus Test for
+    Multi-Task Learning", TMLR 2022, arXiv:2111.10603, Algorithm 2.
     """
 
     name = "random"
+    _repr_args = ("num_tasks", "distribution")
     from_gramian = True
     homogeneous = True
     weight_degree = 0.0
@@ -78,6 +77,3 @@ class Random(OptionalGeneratorState, Balancer):
     def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         return random_weights(gramian.shape[0], self.distribution, self.generator,
                               device=gramian.device)
-
-    def __repr__(self) -> str:
-        return f"Random(num_tasks={self.num_tasks}, distribution={self.distribution!r})"

@@ -40,6 +40,7 @@ class RLW(LossWeighting):
 
     name = "rlw"
     _extra_keys = ("num_tasks", "rng_state")
+    _rebuilt = (("generator", "_first_generator"),)
     _weights: Tensor
 
     def __init__(self, num_tasks: int, *, distribution: Literal["normal", "dirichlet"] = "normal",
@@ -63,8 +64,9 @@ class RLW(LossWeighting):
                                                        generator).to(self.device), per_task=True)
         self._initial_rng = generator.get_state()  # after the first draw, the declared default
 
-    def _reset_state(self) -> None:
-        self.generator.set_state(self._initial_rng)
+    def _first_generator(self) -> torch.Generator:
+        """The generator back at its state after the draw of the declared ``_weights``."""
+        return self.generator.set_state(self._initial_rng)
 
     def _weighted(self, losses: Tensor) -> Tensor:
         return self._weights.to(dtype=losses.dtype, device=losses.device) * losses
