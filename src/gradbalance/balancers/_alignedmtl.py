@@ -37,12 +37,7 @@ def alignedmtl_weights(
     if not bool(keep.any()):
         return torch.zeros(k, dtype=torch.float64)
     lam, vec = lam[keep], vec[:, keep]
-    if scale_mode == "min":
-        sigma = lam.min()
-    elif scale_mode == "median":
-        sigma = lam.median()
-    else:
-        sigma = lam.mean()
+    sigma = {"min": lam.min, "median": lam.median, "rmse": lam.mean}[scale_mode]()
     balance: Tensor = sigma.sqrt() * (vec * lam.rsqrt()) @ vec.T
     return balance @ p
 

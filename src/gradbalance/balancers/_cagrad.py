@@ -37,11 +37,7 @@ def cagrad_weights(gramian: Tensor, c: float = 0.4, rescale: Rescale = "none") -
         gw_sq = float(w @ gram @ w)
         # Degenerate dual (g_w* = 0, e.g. a zero task gradient): d = g₀, as the authors' code.
         weights = mean if gw_sq <= 1e-24 else mean + (c * g0_norm / gw_sq**0.5) * w
-    if rescale == "c2":
-        weights = weights / (1 + c * c)
-    elif rescale == "c":
-        weights = weights / (1 + c)
-    return weights
+    return weights / {"none": 1.0, "c2": 1 + c * c, "c": 1 + c}[rescale]
 
 
 class CAGrad(Balancer):

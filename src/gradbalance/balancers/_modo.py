@@ -7,6 +7,7 @@ from torch import Tensor
 
 from .._checks import check_range
 from ._base import Balancer
+from ._mean import mean_weights
 from ._solvers import project_simplex
 
 __all__ = ["MoDo", "modo_step"]
@@ -60,9 +61,8 @@ class MoDo(Balancer):
         self.register_state("_lambda", None, optional=True, per_task=True)
 
     def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
-        k = gramian.shape[0]
-        lam = (torch.full((k,), 1.0 / k, dtype=torch.float64, device=gramian.device)
-               if self._lambda is None else self._lambda.to(torch.float64))
-        lam = modo_step(lam, gramian.to(torch.float64), self.gamma, self.rho)
+        gram = gramian.to(torch.float64)
+        lam = mean_weights(gram) if self._lambda is None else self._lambda.to(torch.float64)
+        lam = modo_step(lam, gram, self.gamma, self.rho)
         self._lambda = lam
         return lam

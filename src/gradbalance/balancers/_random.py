@@ -28,21 +28,15 @@ def random_weights(num_tasks: int, distribution: Distribution = "normal",
 
     The draw happens on the generator's device (CPU for the global RNG), then moves to ``device``.
     """
+    check_choice("distribution", distribution, _DISTRIBUTIONS)
     where = generator.device if generator is not None else torch.device("cpu")
-    if distribution == "normal":
-        z = torch.randn(num_tasks, generator=generator, dtype=torch.float64, device=where)
-        w = torch.softmax(z, dim=0)
-    elif distribution == "uniform":
-        z = torch.rand(num_tasks, generator=generator, dtype=torch.float64, device=where)
-        w = torch.softmax(z, dim=0)
-    elif distribution == "dirichlet":
-        u = torch.rand(num_tasks, generator=generator, dtype=torch.float64, device=where)
-        e = -torch.log1p(-u)  # Exp(1); 1 − u > 0 because u < 1
+    draw = torch.randn if distribution == "normal" else torch.rand
+    z = draw(num_tasks, generator=generator, dtype=torch.float64, device=where)
+    if distribution == "dirichlet":
+        e = -torch.log1p(-z)  # Exp(1); 1 − z > 0 because z < 1
         w = e / e.sum() if bool(e.sum() > 0) else torch.full_like(e, 1.0 / num_tasks)
     else:
-        raise ValueError(
-            f"Invalid distribution: {distribution!r} (expected one of {', '.join(_DISTRIBUTIONS)})"
-        )
+        w = torch.softmax(z, dim=0)
     return w if device is None else w.to(device)
 
 

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from .._checks import as_task_vector, check_int, check_range
 from ._base import Balancer
+from ._mean import mean_weights
 from ._solvers import project_simplex
 
 __all__ = ["SDMGrad", "sdmgrad_weights"]
@@ -81,12 +82,9 @@ class SDMGrad(Balancer):
         self.register_state("_w", None, optional=True, per_task=True)
 
     def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
-        k = gramian.shape[0]
         gram = gramian.to(torch.float64)
-        w = (torch.full((k,), 1.0 / k, dtype=torch.float64, device=gram.device)
-             if self._w is None else self._w)
-        pref = (torch.full((k,), 1.0 / k, dtype=torch.float64, device=gram.device)
-                if self.pref_vector is None else self.pref_vector.to(gram.device))
+        w = mean_weights(gram) if self._w is None else self._w
+        pref = mean_weights(gram) if self.pref_vector is None else self.pref_vector.to(gram.device)
         out, w = sdmgrad_weights(gram, w, pref, self.lambda_, self.lr, self.momentum,
                                  self.n_iter)
         self._w = w

@@ -52,6 +52,8 @@ class LossWeighting(StateModule):
     _kind = "weighting"
     _extra_keys: ClassVar[tuple[str, ...]] = ("num_tasks",)
     _repr_args: ClassVar[tuple[str, ...]] = ("num_tasks",)
+    #: The state that :attr:`weights` returns (empty: the class implements :attr:`weights`).
+    _weights_state: ClassVar[str] = ""
     #: Attributes holding what a step gathers besides the losses for :meth:`update` (None
     #: between steps): :meth:`pending_tensors` returns them, a skipped step drops them.
     _pending_state: ClassVar[tuple[str, ...]] = ()
@@ -78,8 +80,11 @@ class LossWeighting(StateModule):
 
     @property
     def weights(self) -> Tensor:
-        """The current task weights ``[K]`` (detached), for logging."""
-        raise NotImplementedError
+        """The current task weights ``[K]`` (a detached copy), for logging."""
+        if not self._weights_state:
+            raise NotImplementedError(f"{type(self).__name__} must implement weights")
+        state: Tensor = getattr(self, self._weights_state)
+        return state.detach().clone()
 
     # -- public -------------------------------------------------------------------------
     def forward(self, losses: Tensor | Sequence[Tensor], *, scaler: Any = None) -> Tensor:

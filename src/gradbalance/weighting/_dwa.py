@@ -38,6 +38,7 @@ class DWA(LossWeighting):
     """
 
     name = "dwa"
+    _weights_state = "_weights"
     _repr_args = ("num_tasks", "temperature", "period")
     _weights: Tensor
     _history: Tensor
@@ -85,7 +86,3 @@ class DWA(LossWeighting):
         if int(self._periods) >= 2:
             self._weights = dwa_weights(self._history[0], self._history[1], self.temperature)
         return True
-
-    @property
-    def weights(self) -> Tensor:
-        return self._weights.clone()

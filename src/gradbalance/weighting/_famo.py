@@ -54,6 +54,7 @@ class FAMO(OwnOptimizerWeighting):
     """
 
     name = "famo"
+    _weights_state = "_last"
     logits: Tensor
     min_losses: Tensor
     _last: Tensor
@@ -105,11 +106,6 @@ class FAMO(OwnOptimizerWeighting):
         self.logits.grad = z * (delta - (z * delta).sum())
         self.optimizer.step()
         self.logits.grad = None
-
-    @property
-    def weights(self) -> Tensor:
-        """Weights of the last call (``1/K`` before the first)."""
-        return self._last.clone()
 
     @property
     def task_probabilities(self) -> Tensor:

@@ -76,6 +76,7 @@ class GradNorm(OwnOptimizerWeighting):
     """
 
     name = "gradnorm"
+    _weights_state = "task_weights"
     _repr_args = ("num_tasks", "alpha", "lr", "renormalize")
     needs_task_gradients = True
     _pending_state = ("_grads",)  # the summed layer gradients [K, P_layer] of this step
@@ -169,10 +170,6 @@ class GradNorm(OwnOptimizerWeighting):
         self.last_norms = norms
 
     # -- state --------------------------------------------------------------------------
-    @property
-    def weights(self) -> Tensor:
-        return self.task_weights.detach().clone()
-
     @property
     def initial_losses(self) -> Tensor | None:
         """``Lₖ(0)`` ``[K]``, None before the first update."""

@@ -39,6 +39,7 @@ class RLW(LossWeighting):
     """
 
     name = "rlw"
+    _weights_state = "_weights"
     _extra_keys = ("num_tasks", "rng_state")
     _rebuilt = (("generator", "_first_generator"),)
     _weights: Tensor
@@ -74,10 +75,6 @@ class RLW(LossWeighting):
     def _apply_update(self, losses: Tensor, losses_after: Tensor | None) -> None:
         self._weights = random_weights(self.num_tasks, self.distribution,
                                        self.generator).to(self.device)
-
-    @property
-    def weights(self) -> Tensor:
-        return self._weights.clone()
 
     def _extra_state(self) -> dict[str, Any]:
         return {**super()._extra_state(), "rng_state": self.generator.get_state()}

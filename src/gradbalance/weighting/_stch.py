@@ -52,6 +52,7 @@ class STCH(LossWeighting):
     """
 
     name = "stch"
+    _weights_state = "_last"
     preference: Tensor
     _given_nadir: Tensor | None
     _nadir: Tensor | None
@@ -118,8 +119,3 @@ class STCH(LossWeighting):
             if int(self._steps) >= self.warmup_steps:
                 nadir = self._warmup_sum / self._steps
                 self._nadir = nadir.clamp_min(torch.finfo(torch.float64).tiny)
-
-    @property
-    def weights(self) -> Tensor:
-        """Weights of the last call (ones before the first)."""
-        return self._last.clone()
