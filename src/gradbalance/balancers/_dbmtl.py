@@ -16,9 +16,8 @@ __all__ = ["DBMTL", "dbmtl_update"]
 def dbmtl_update(ema: Tensor) -> Tensor:
     """``g = Σₖ (maxⱼ ‖ĝⱼ‖ / ‖ĝₖ‖) ĝₖ``: every (EMA) task gradient scaled to the largest norm.
 
-    A zero row stays zero. Scale-safe: computed as ``maxⱼ‖ĝⱼ‖ · Σₖ uₖ/‖uₖ‖`` from the rows
-    scaled by powers of two (``ĝₖ = sₖ uₖ``), so no norm is squared in the gradients' dtype
-    and no factor ``max‖ĝ‖/‖ĝₖ‖`` is formed (rows of very different norms stay finite).
+    A zero row stays zero. Scale-safe: ``maxⱼ‖ĝⱼ‖ · Σₖ uₖ/‖uₖ‖`` on the rows scaled by powers
+    of two (docs/balancers.md, "Numerical range").
     """
     unit, scale = unit_rows(ema)
     unit_norms: Tensor = torch.linalg.vector_norm(unit, dim=1)
@@ -80,16 +79,14 @@ class DBMTL(Balancer):
         self.register_state("_step", torch.zeros((), dtype=torch.int64))
 
     def _combine_matrix(self, matrix: Tensor, losses: Tensor | None) -> Combination:
-        ema, t = self._next_ema(matrix, losses)
-        update = dbmtl_update(ema)
-        self._ema, self._step = ema, torch.tensor(t, dtype=torch.int64)
-        return Combination(update)
+        return self._combine_matrix_sharded(matrix, losses, None, None)
 
-    def _combine_matrix_sharded(self, matrix: Tensor, losses: Tensor | None, gramian: Tensor,
-                                shard: Shard) -> Combination:
-        """The EMA is per column; the norms ``‖ĝₖ‖`` are summed over ranks."""
+    def _combine_matrix_sharded(self, matrix: Tensor, losses: Tensor | None,
+                                gramian: Tensor | None, shard: Shard | None) -> Combination:
+        """The EMA is per column; the norms ``‖ĝₖ‖`` are summed over ranks (``shard=None``:
+        every column, one process)."""
         ema, t = self._next_ema(matrix, losses)
-        update = _dbmtl_update_sharded(ema, shard)
+        update = dbmtl_update(ema) if shard is None else _dbmtl_update_sharded(ema, shard)
         self._ema, self._step = ema, torch.tensor(t, dtype=torch.int64)
         return Combination(update)
 

@@ -16,11 +16,9 @@ __all__ = ["ExcessMTL", "excessmtl_risks"]
 def excessmtl_risks(matrix: Tensor, root_sq_sum: Tensor, eps: float = 1e-7) -> Tensor:
     """``Êₖ = gₖᵀ Hₖ⁻¹ gₖ`` ``[K]`` (float64), ``Hₖ = diag(√(Σ_{τ≤t} gₖ,τ² + ε))`` (AdaGrad).
 
-    ``root_sq_sum`` is ``R = √(Σ_{τ≤t} g_τ²)`` ``[K, P]`` (gradient units; it already includes
-    the current step, so ``R ≥ |g|``), and ``H = hypot(R, √ε)``. Scale-safe: with the rows
-    ``gₖ = sₖ uₖ`` scaled by a power of two (``|uₖ| < 1``), ``Êₖ = sₖ² Σⱼ uₖⱼ² / Hₖⱼ`` is
-    summed in float64; ``uₖⱼ² / Hₖⱼ ≤ |uₖⱼ| / sₖ`` cannot overflow, and ``gₖⱼ²`` (which
-    under- or overflows float32 for ``|g| ≈ 1e-23`` or ``1e19``) is never formed.
+    ``root_sq_sum`` is ``R = √(Σ_{τ≤t} g_τ²)`` ``[K, P]`` (the current step included) and
+    ``H = hypot(R, √ε)``. Scale-safe: ``Êₖ = sₖ² Σⱼ uₖⱼ² / Hₖⱼ`` on the rows ``gₖ = sₖ uₖ``
+    scaled by powers of two, summed in float64 (``gₖⱼ²`` is never formed).
     """
     unit, scale = unit_rows(matrix)
     h = torch.hypot(root_sq_sum.to(unit.dtype), unit.new_tensor(eps**0.5))
@@ -35,16 +33,15 @@ class ExcessMTL(Balancer):
     Update rule at each call, after ``n_warmup_steps`` warm-up calls (uniform weights, excess
     risks recorded):
 
-    * ``Sₖ += gₖ²``; ``Êₖ = Σⱼ gₖⱼ² / √(Sₖⱼ + ε)`` (kept as ``Rₖ = √Sₖ``, updated by
-      ``R ← hypot(R, g)``: gradient units, so ``Ê`` is right at every finite scale);
+    * ``Sₖ += gₖ²``; ``Êₖ = Σⱼ gₖⱼ² / √(Sₖⱼ + ε)`` (kept as ``Rₖ = √Sₖ``,
+      ``R ← hypot(R, g)``);
     * scale processing: ``rₖ = Êₖ / Êₖ⁰`` with the baseline ``Ê⁰`` = the first post-warm-up
       estimate (``n_warmup_steps = 0``) or the warm-up average;
     * ``αₖ ← αₖ exp(η rₖ) / Σⱼ αⱼ exp(η rⱼ)`` (in log space), starting at ``1/K`` (the paper;
       the official code and LibMTL start at 1 and keep ``Σα = K``: multiply by K to match).
 
-    Conventions: the first call sets the baseline and then updates as every call does (all
-    ratios are 1, so the weights stay uniform, as in the official code); TorchJD applies the
-    raw ``Ê`` on that first call instead. A task whose baseline is 0 gets ratio 0.
+    The first call sets the baseline (its ratios are 1: uniform weights, as the official
+    code). A task whose baseline is 0 gets ratio 0.
 
     Args:
         num_tasks: K (optional).
@@ -85,14 +82,12 @@ class ExcessMTL(Balancer):
         self.register_state("_step", torch.zeros((), dtype=torch.int64))
 
     def _combine_matrix(self, matrix: Tensor, losses: Tensor | None) -> Combination:
-        return self._advance(matrix, None)
+        return self._combine_matrix_sharded(matrix, losses, None, None)
 
-    def _combine_matrix_sharded(self, matrix: Tensor, losses: Tensor | None, gramian: Tensor,
-                                shard: Shard) -> Combination:
-        """``R`` is per column; the excess risks are summed over ranks."""
-        return self._advance(matrix, shard)
-
-    def _advance(self, matrix: Tensor, shard: Shard | None) -> Combination:
+    def _combine_matrix_sharded(self, matrix: Tensor, losses: Tensor | None,
+                                gramian: Tensor | None, shard: Shard | None) -> Combination:
+        """``R`` is per column; the excess risks are summed over ranks (``shard=None``: every
+        column, one process)."""
         k = matrix.shape[0]
         root = matrix.abs() if self._root_sq_sum is None else torch.hypot(
             self._root_sq_sum.to(matrix), matrix)

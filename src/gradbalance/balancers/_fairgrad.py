@@ -73,10 +73,8 @@ def fairgrad_weights(gramian: Tensor, alpha: float = 1.0, max_iter: int = 100,
     improvements ``uₖ = gₖᵀ g``. ``α = 0`` is linear scalarisation (uniform ``1/K``), ``α = 1``
     proportional fairness (Nash-MTL's bargaining solution), ``α → ∞`` max-min fairness.
 
-    Solved in torch (no scipy) as the minimiser of the strictly convex
-    ``½ wᵀAw − Σₖ φ(wₖ)``, ``φ'(w) = w^{-1/α}``, after normalising ``A`` to unit mean diagonal
-    (the solution then rescales by ``s^{-α/(1+α)}``). A task with a zero gradient would need an
-    infinite weight; it gets weight 0 (its row contributes nothing either way).
+    Solved as the minimiser of the strictly convex ``½ wᵀAw − Σₖ φ(wₖ)``,
+    ``φ'(w) = w^{-1/α}``, on ``A`` normalised to unit mean diagonal. A zero row gets weight 0.
     """
     k = gramian.shape[0]
     a = gramian.to(torch.float64)

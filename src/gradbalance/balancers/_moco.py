@@ -111,15 +111,12 @@ class MoCo(Balancer):
         self.register_state("_step", torch.zeros((), dtype=torch.int64))
 
     def _combine_matrix(self, matrix: Tensor, losses: Tensor | None) -> Combination:
-        return self._advance(matrix, losses, None)
+        return self._combine_matrix_sharded(matrix, losses, None, None)
 
-    def _combine_matrix_sharded(self, matrix: Tensor, losses: Tensor | None, gramian: Tensor,
-                                shard: Shard) -> Combination:
-        """``y`` is per column; ``Y Yᵀ`` (and the norms ``‖gₖ‖``) are summed over ranks."""
-        return self._advance(matrix, losses, shard)
-
-    def _advance(self, matrix: Tensor, losses: Tensor | None, shard: Shard | None
-                 ) -> Combination:
+    def _combine_matrix_sharded(self, matrix: Tensor, losses: Tensor | None,
+                                gramian: Tensor | None, shard: Shard | None) -> Combination:
+        """``y`` is per column; ``Y Yᵀ`` (and the norms ``‖gₖ‖``) are summed over ranks
+        (``shard=None``: every column, one process)."""
         k = matrix.shape[0]
         h = matrix
         if self.normalize_grads:

@@ -16,10 +16,8 @@ __all__ = ["MoDo", "modo_step"]
 def modo_step(lam: Tensor, gramian: Tensor, gamma: float, rho: float) -> Tensor:
     """``λ ← Π_Δ(λ − γ (A λ + ρ λ))`` with ``A`` the (cross-)Gramian ``[K, K]``.
 
-    ``Π_Δ(v) = Π_Δ(v − c·1)`` for every ``c``: the step is shifted by its largest entry
-    before the projection, so a step far outside the simplex (``γ‖gₖ‖² ≫ 1``: large
-    gradients, in float64 from ``‖gₖ‖ ≈ 1e8``) still projects exactly (onto the vertices of
-    its largest entries) instead of losing the simplex's ``1`` to rounding.
+    The step is shifted by its largest entry before the projection (``Π_Δ(v) = Π_Δ(v − c·1)``),
+    so a step far outside the simplex (``γ‖gₖ‖² ≫ 1``) still projects exactly.
     """
     step = lam - gamma * (gramian @ lam + rho * lam)
     return project_simplex(step - step.max())

@@ -23,10 +23,6 @@ def nashmtl_weights(gramian: Tensor, normalization: Normalization = "none",
     ``α_unit`` solves ``(G/tr G) α = 1/α``; the weights solve ``(G/n) α = 1/α`` with ``n = 1``
     (``"none"``, the paper) or ``n = ‖G‖_F`` (``"frobenius"``, the authors' code and
     TorchJD), i.e. ``α = α_unit √(n / tr G)`` since ``α(G/s) = √s α(G)``.
-
-    Scaling: for ``J → sJ`` (``G → s²G``) the paper's weights scale by ``1/s`` and the
-    update ``Jᵀα`` is unchanged (degree-0 homogeneous, so a loss scale never leaks into it);
-    with ``"frobenius"`` the weights are scale-free and the update scales with ``s``.
     """
     unit, trace = trace_normalized(gramian)
     alpha = nash_bargaining(unit, alpha0)

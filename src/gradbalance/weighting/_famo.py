@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._checks import check_nonnegative_losses, check_positive
+from .._checks import as_task_vector, check_nonnegative_losses, check_positive
 from ._own_optimizer import OptimizerFactory, OwnOptimizerWeighting
 
 __all__ = ["FAMO", "famo_weights"]
@@ -45,9 +45,8 @@ class FAMO(OwnOptimizerWeighting):
         min_losses: ``m`` ``[K]``, lower bounds of the losses (default 0).
         optimizer: factory ``params -> torch.optim.Optimizer`` replacing the default Adam.
 
-    ``ξ`` is trained by FAMO's own optimizer, never by the user's: it is a buffer
-    (``logits``), not an ``nn.Parameter``. State: the buffers ``logits`` and ``min_losses``
-    ``[K]``; the optimizer's state in the extra state (``"optimizer"``).
+    State: the buffers ``logits`` (stepped by FAMO's own optimizer, never by the user's) and
+    ``min_losses`` ``[K]``; the optimizer's state in the extra state (``"optimizer"``).
 
     Reference: Liu, Liu, Jin, Stone & Liu, "FAMO: Fast Adaptive Multitask Optimization",
     NeurIPS 2023.
@@ -68,11 +67,8 @@ class FAMO(OwnOptimizerWeighting):
         self.gamma = check_positive("gamma", gamma, allow_zero=True)
         self.eps = check_positive("eps", eps)
         k = num_tasks
-        m = torch.zeros(k) if min_losses is None else torch.as_tensor(min_losses)
-        m = m.detach().to(dtype=torch.float64, device=self.device).clone()
-        if m.shape != (k,) or not bool(torch.isfinite(m).all()):
-            raise ValueError(f"Invalid min_losses: {m.tolist()} (expected {k} finite numbers)")
-        self.register_state("min_losses", m, per_task=True)
+        m = as_task_vector("min_losses", torch.zeros(k) if min_losses is None else min_losses, k)
+        self.register_state("min_losses", m.to(self.device), per_task=True)
         self._register_trained("logits", torch.zeros(k, dtype=torch.float64,
                                                      device=self.device), optimizer)
         self.register_state("_last", torch.full((k,), 1.0 / k, dtype=torch.float64,

@@ -66,10 +66,9 @@ class GradNorm(OwnOptimizerWeighting):
         min_weight: floor that keeps every weight positive.
         optimizer: factory ``params -> torch.optim.Optimizer`` replacing the default Adam.
 
-    ``w`` is trained by GradNorm's own optimizer, never by the user's: it is a buffer
-    (``task_weights``), not an ``nn.Parameter``. State: the buffers ``task_weights`` and
-    ``_initial`` (``Lₖ(0)``, None before the first update); the optimizer's state in the
-    extra state (``"optimizer"``).
+    State: the buffers ``task_weights`` (stepped by GradNorm's own optimizer, never by the
+    user's) and ``_initial`` (``Lₖ(0)``, None before the first update); the optimizer's state
+    in the extra state (``"optimizer"``).
 
     Reference: Chen, Badrinarayanan, Lee & Rabinovich, "GradNorm: Gradient Normalization for
     Adaptive Loss Balancing in Deep Multitask Networks", ICML 2018.

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from .._checks import check_choice, check_generator
 from ..balancers._random import random_weights
+from ..balancers._rng import private_generator
 from ._base import LossWeighting
 
 __all__ = ["RLW"]
@@ -54,9 +55,7 @@ class RLW(LossWeighting):
         if generator is not None and seed is not None:
             raise ValueError("Invalid seed: give either generator or seed, not both")
         if generator is None:
-            if seed is None:
-                seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
-            generator = torch.Generator().manual_seed(seed)
+            generator = private_generator() if seed is None else torch.Generator().manual_seed(seed)
         elif generator.device.type != "cpu":
             raise ValueError(f"Invalid generator: on {generator.device} (expected a CPU "
                              f"torch.Generator)")

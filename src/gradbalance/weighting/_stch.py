@@ -54,7 +54,6 @@ class STCH(LossWeighting):
     name = "stch"
     _weights_state = "_last"
     preference: Tensor
-    _given_nadir: Tensor | None
     _nadir: Tensor | None
     _warmup_sum: Tensor
     _last: Tensor
@@ -70,10 +69,8 @@ class STCH(LossWeighting):
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
         self.register_buffer("preference", self._vector(preference, "preference"),
                              persistent=False)
-        self.register_buffer("_given_nadir", None if nadir is None else
-                             self._vector(nadir, "nadir"), persistent=False)
         k, dev = num_tasks, self.device
-        nadir_0 = (self._given_nadir.clone() if self._given_nadir is not None
+        nadir_0 = (self._vector(nadir, "nadir") if nadir is not None
                    else torch.ones(k, dtype=torch.float64, device=dev) if warmup_steps == 0
                    else None)
         self.register_state("_nadir", nadir_0, optional=True, shape=(k,), per_task=True)
