@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from .._checks import as_parameter_list, check_positive
 from .._types import NonFiniteGradientError
+from ..taskgrads import task_gradients
 from ._own_optimizer import OptimizerFactory, OwnOptimizerWeighting
 
 __all__ = ["GradNorm", "gradnorm_targets", "last_layer_parameters"]
@@ -119,14 +120,8 @@ class GradNorm(OwnOptimizerWeighting):
         if scaler is not None and scaler.is_enabled():
             scale = scaler.scale(torch.ones((), dtype=torch.float32, device=losses.device))
         scaled = losses if scale is None else losses * scale.to(losses.dtype)
-        rows = []
-        for k in range(losses.shape[0]):
-            grads = torch.autograd.grad(scaled[k], self.layer_params, retain_graph=True,
-                                        allow_unused=True)
-            flat = [torch.zeros(p.numel(), dtype=torch.float64, device=p.device) if g is None
-                    else g.reshape(-1).double() for g, p in zip(grads, self.layer_params)]
-            rows.append(torch.cat(flat))
-        matrix = torch.stack(rows)
+        matrix = task_gradients(scaled, self.layer_params, passes="loop",
+                                retain_graph=True).double()
         if scale is not None:
             matrix = matrix / scale.to(device=matrix.device, dtype=matrix.dtype)
         return matrix
