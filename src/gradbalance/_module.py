@@ -35,6 +35,11 @@ class StateModule(PicklableGenerators, nn.Module):
     _kind: ClassVar[str] = "object"
     #: The keys of the extra state besides ``"_type"``.
     _extra_keys: ClassVar[tuple[str, ...]] = ()
+    #: Non-tensor state that :meth:`reset` rebuilds: (attribute, the method that makes its
+    #: value as at construction) pairs (an own optimizer, a generator at its first state).
+    _rebuilt: ClassVar[tuple[tuple[str, str], ...]] = ()
+    #: The settings ``repr()`` shows, in order (empty: ``nn.Module``'s own repr).
+    _repr_args: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self) -> None:
         super().__init__()
@@ -69,7 +74,8 @@ class StateModule(PicklableGenerators, nn.Module):
 
     def reset(self) -> None:
         """Forget all state (as freshly built): every declared state back to its default
-        (tensors an optimizer steps in place are reset in place), stateful submodules too."""
+        (tensors an optimizer steps in place are reset in place), the :attr:`_rebuilt`
+        attributes rebuilt, stateful submodules too."""
         home = self._state_device()
         with torch.no_grad():
             for name, spec in self._state_specs.items():
@@ -79,6 +85,8 @@ class StateModule(PicklableGenerators, nn.Module):
                     current.copy_(value)
                 else:
                     self._buffers[name] = value
+        for attr, make in self._rebuilt:
+            setattr(self, attr, getattr(self, make)())
         for child in self.children():
             if isinstance(child, StateModule):
                 child.reset()
@@ -95,6 +103,12 @@ class StateModule(PicklableGenerators, nn.Module):
         for child in self._modules.values():
             if isinstance(child, StateModule):
                 child.check_tracked_tasks(k, rows)
+
+    def __repr__(self) -> str:
+        if not self._repr_args:
+            return super().__repr__()
+        args = ", ".join(f"{name}={_shown(getattr(self, name))}" for name in self._repr_args)
+        return f"{type(self).__name__}({args})"
 
     def _extra_state(self) -> dict[str, Any]:
         """The non-tensor state (copies), without ``"_type"``."""
@@ -258,6 +272,11 @@ class StateModule(PicklableGenerators, nn.Module):
                     where = current.device if current is not None else home or value.device
                     self._buffers[key] = value.detach().to(device=where, copy=True)
         self._load_extra(extra)
+
+
+def _shown(value: Any) -> str:
+    """A setting as ``repr()`` shows it (a tensor as its list of values)."""
+    return repr(value.tolist() if isinstance(value, Tensor) else value)
 
 
 def _trained(module: nn.Module, name: str, current: Tensor) -> bool:

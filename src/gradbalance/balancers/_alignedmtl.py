@@ -1,8 +1,4 @@
-"""Aligned-MTL: align the task gradients' principal components, then combine.
-
-Senushkin et al. (2023), *Independent Component Alignment for Multi-Task Learning*, CVPR,
-Algorithm 1.
-"""
+"""Aligned-MTL: align the task gradients' principal components, then combine."""
 
 from __future__ import annotations
 
@@ -12,7 +8,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from .._checks import as_pref, check_pref
+from .._checks import as_pref, check_choice, check_pref
 from ._base import Balancer
 from ._solvers import trace_normalized
 
@@ -41,12 +37,7 @@ def alignedmtl_weights(
     if not bool(keep.any()):
         return torch.zeros(k, dtype=torch.float64)
     lam, vec = lam[keep], vec[:, keep]
-    if scale_mode == "min":
-        sigma = lam.min()
-    elif scale_mode == "median":
-        sigma = lam.median()
-    else:
-        sigma = lam.mean()
+    sigma = {"min": lam.min, "median": lam.median, "rmse": lam.mean}[scale_mode]()
     balance: Tensor = sigma.sqrt() * (vec * lam.rsqrt()) @ vec.T
     return balance @ p
 
@@ -56,38 +47,27 @@ class AlignedMTL(Balancer):
 
     Args:
         num_tasks: K (optional).
-        pref: task weights ``[K]`` of the aligned gradients; default ones (the authors' code
-            sums the aligned gradients; TorchJD's default is ``1/K``, the same direction
-            ``K`` times shorter).
+        pref: task weights ``[K]`` of the aligned gradients (default ones, as the authors'
+            code).
         scale_mode: ``"min"`` (paper), ``"median"`` or ``"rmse"`` (mean eigenvalue).
+
+    Reference: Senushkin et al., "Independent Component Alignment for Multi-Task Learning",
+    CVPR 2023, Algorithm 1.
     """
 
     name = "alignedmtl"
+    _repr_args = ("num_tasks", "pref", "scale_mode")
     from_gramian = True
     homogeneous = True
     weight_degree = 0.0  # B = √σ V Λ^{-1/2} Vᵀ: √σ and Λ^{-1/2} cancel under G → cG
 
-    def __init__(
-        self,
-        num_tasks: int | None = None,
-        *,
-        pref: Sequence[float] | Tensor | None = None,
-        scale_mode: ScaleMode = "min",
-    ) -> None:
+    def __init__(self, num_tasks: int | None = None, *,
+                 pref: Sequence[float] | Tensor | None = None,
+                 scale_mode: ScaleMode = "min") -> None:
         super().__init__(num_tasks)
-        if scale_mode not in ("min", "median", "rmse"):
-            raise ValueError(
-                f"Invalid scale_mode: {scale_mode!r} (expected 'min', 'median' or 'rmse')"
-            )
+        check_choice("scale_mode", scale_mode, ("min", "median", "rmse"))
         self.pref = as_pref("pref", pref)
         self.scale_mode: ScaleMode = scale_mode
 
     def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         return alignedmtl_weights(gramian, self.pref, self.scale_mode).to(gramian.device)
-
-    def __repr__(self) -> str:
-        pref = None if self.pref is None else self.pref.tolist()
-        return (
-            f"AlignedMTL(num_tasks={self.num_tasks}, pref={pref}, "
-            f"scale_mode={self.scale_mode!r})"
-        )

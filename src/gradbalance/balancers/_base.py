@@ -1,37 +1,10 @@
 """The balancer interface: weights apart from combining.
 
-A balancer maps the task-gradient matrix ``G`` ``[K, P]`` (and the detached task losses
-``[K]``) to one update vector ``g`` ``[P]``. Two kinds exist:
-
-* **weighted** (``from_gramian = True``): ``g = wᵀ G`` with weights ``w`` a function of the
-  Gramian ``G Gᵀ`` (and the losses) only. Such a balancer implements
-  :meth:`Balancer._compute_weights`
-  and never touches ``[K, P]``; the product ``wᵀ G`` happens in one place, :func:`combine_rows`.
-  It can therefore run in every gradient mode, including ``gramian`` mode, which keeps no
-  ``[K, P]`` matrix at all.
-* **matrix** (``from_gramian = False``): needs the rows themselves (per-coordinate masks,
-  EMA of gradients...). It implements :meth:`Balancer._combine_matrix`.
-
-Under a sharded trunk (FSDP2) :meth:`Balancer.combine` takes one rank's columns and a
-:class:`~gradbalance.balancers.Shard` (``shard=``): weighted balancers from the full Gramian,
-matrix balancers through :meth:`Balancer._combine_matrix_sharded` (``docs/balancers.md``,
-"Sharded trunks").
-
-A balancer is a ``torch.nn.Module``: ``balancer(G)`` is :meth:`Balancer.forward`. Its state
-(EMA targets, warm starts, counters) lives in registered buffers (None before the first call
-where its shape comes from the input), its random generators' states and the class name in
-the module's extra state, so a balancer attached to a model is in ``model.state_dict()`` and
-moves with ``model.to()``. :meth:`Balancer.load_state_dict` restores it into a fresh object
-with no warm-up call, all or nothing (:mod:`gradbalance._module`). A balancer never changes
-state when its input is not finite: it raises :class:`~gradbalance.NonFiniteGradientError`
-first.
-
-Numerical range: a weighted balancer with a declared weight degree ``δ``
-(:attr:`Balancer.weight_degree`, ``w(c·G Gᵀ) = c^δ w(G Gᵀ)``) computes its weights on the
-Gramian divided by its largest diagonal entry ``t = maxₖ ‖gₖ‖²`` and multiplies them by
-``t^δ``; the Gramian itself is scale-safe (:mod:`gradbalance.gramian`). Together: the same
-update, to rounding, for rows of norm ``1e-30`` … ``1e30`` in float32 and float64 (tested),
-and in float64 for norms ``1e-150`` … ``1e150``.
+A balancer maps the task gradients ``G`` ``[K, P]`` (and the detached task losses ``[K]``)
+to one update ``[P]``: a *weighted* balancer (``from_gramian``) as ``wᵀ G`` with ``w`` a
+function of the Gramian, a *matrix* balancer from the rows themselves. docs/balancers.md
+holds the design (sharded trunks, state, the numerical range); docs/ARCHITECTURE.md, the
+extension contract.
 """
 
 from __future__ import annotations
@@ -76,14 +49,10 @@ class Balancer(StateModule):
     * ``needs_losses``: the losses are read (e.g. MGDA's loss normalisation).
     * ``min_tasks``: the smallest K the settings allow (Krum, TrimmedMean: 3 by default).
     * ``weight_degree`` (weighted balancers): ``δ`` with ``w(c·G Gᵀ) = c^δ w(G Gᵀ)`` for
-      every ``c > 0`` (``0``: scale-free weights; Nash-MTL ``−½``). With a degree,
-      :meth:`_compute_weights` receives the Gramian normalised to unit largest diagonal
-      ``t`` and the base class multiplies the weights by ``t^δ``, so no solver sees the
-      gradients' scale. ``None`` (default): the raw Gramian. A class that declares
-      ``homogeneous = True`` itself (not through this base class's default) has ``δ = 0``
-      unless it says otherwise: ``B(sJ) = s·B(J)`` for ``B = w(J Jᵀ)ᵀ J`` gives
-      ``w(G/t)ᵀ J = w(G)ᵀ J``. Together they give the scaling law
-      :attr:`homogeneous_degree`, which the contract suite checks.
+      every ``c > 0`` (Nash-MTL ``−½``; ``0`` for a class that declares ``homogeneous = True``
+      itself). With a degree, :meth:`_compute_weights` receives the Gramian normalised to unit
+      largest diagonal ``t`` and the weights are multiplied by ``t^δ`` (docs/balancers.md,
+      "Numerical range"); ``None`` (default): the raw Gramian.
 
     State is declared with :meth:`register_state` (``per_task`` / ``like_rows``), which makes
     every call check that the input still has the tasks the state tracks, and generates
@@ -97,6 +66,7 @@ class Balancer(StateModule):
     min_tasks: int = 1
     weight_degree: float | None = None
     _kind = "balancer"
+    _repr_args: ClassVar[tuple[str, ...]] = ("num_tasks",)
 
     def __init__(self, num_tasks: int | None = None) -> None:
         super().__init__()
@@ -129,12 +99,9 @@ class Balancer(StateModule):
         Raises :class:`NonFiniteGradientError` on inf/NaN input, before any state change.
 
         ``shard`` (a trunk sharded over ranks): ``matrix`` ``[K, P_local]`` holds this rank's
-        columns of ``G`` (``shard.runs``), ``gramian`` is then the FULL Gramian (summed over
-        the ranks; computed with ``shard.reduce`` when not given), and the vector returned is
-        this rank's columns of the single-process update, the weights identical on every
-        rank. Every rank calls it with the same losses and state; the checks are agreed over
-        the ranks (one rank's inf/NaN raises on every rank). ``TypeError`` for a balancer
-        that cannot run sharded (:attr:`shardable`).
+        columns of ``G``, ``gramian`` (if given) the full Gramian, and the vector returned is
+        this rank's columns of the single-process update (docs/balancers.md, "Sharded
+        trunks"). ``TypeError`` for a balancer that cannot run sharded (:attr:`shardable`).
         """
         if shard is not None:
             self.check_shardable()
@@ -209,9 +176,6 @@ class Balancer(StateModule):
         self._check_finite_gramian(gramian)
         return self._scaled_weights(gramian, losses)
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(num_tasks={self.num_tasks})"
-
     # -- helpers ------------------------------------------------------------------------
     def _degree(self) -> float | None:
         """The weight degree in use: declared, ``0`` for a declared homogeneous class, or None."""
@@ -255,9 +219,9 @@ class Balancer(StateModule):
 
     def _checked_gramian(self, matrix: Tensor, gramian: Tensor | None,
                          shard: Shard | None) -> Tensor | None:
-        """The full Gramian the combine needs (None: a matrix balancer on every column, which
-        needs none), raising before any state change on inf/NaN rows, or on finite rows
-        whose Gramian overflows where the weights need it."""
+        """The full Gramian the combine needs (None: a matrix balancer on every column), raising
+        before any state change on inf/NaN rows, or on finite rows whose Gramian overflows
+        where the weights need it."""
         k = matrix.shape[0]
         if gramian is not None:
             if gramian.shape != (k, k):
@@ -278,32 +242,26 @@ class Balancer(StateModule):
                 self._raise_nonfinite(rows_finite)
         return gram
 
-    def _check_finite_gramian(self, gram: Tensor, matrix: Tensor | None = None) -> None:
-        """Raise before any state change when ``gram`` (computed from ``matrix``) is not finite.
-
-        Finite rows whose Gramian overflows float64 (float64 rows of norm above ~1e154, out of
-        the range every balancer supports) raise ``ValueError``: they are not inf/NaN.
-        """
-        if bool(is_finite_gramian(gram)):
-            return
-        self._raise_nonfinite(matrix is not None and bool(torch.isfinite(matrix).all()))
+    def _check_finite_gramian(self, gram: Tensor) -> None:
+        """Raise :class:`NonFiniteGradientError` before any state change when ``gram`` is not
+        finite."""
+        if not bool(is_finite_gramian(gram)):
+            self._raise_nonfinite(False)
 
     def _raise_nonfinite(self, rows_finite: bool) -> NoReturn:
-        """``ValueError`` for finite rows whose Gramian overflows, else
+        """``ValueError`` for finite rows whose Gramian overflows float64, else
         :class:`NonFiniteGradientError`."""
+        name = type(self).__name__
         if rows_finite:
             raise ValueError(
                 f"task gradients are finite but their squared norms overflow float64 (row "
-                f"norms above ~1e154); {type(self).__name__} state is unchanged. Scale the "
-                f"losses down (the supported range is row norms of 1e-150 to 1e150)"
+                f"norms above ~1e154); {name} state is unchanged. Scale the losses down (the "
+                f"supported range is row norms of 1e-150 to 1e150)"
             )
-        raise NonFiniteGradientError(self._nonfinite_message())
-
-    def _nonfinite_message(self) -> str:
-        return (
-            f"task gradients hold inf or NaN; {type(self).__name__} state is unchanged. "
-            f"Skip the optimizer step (a GradScaler does this when the gradient is written "
-            f"back through TaskGradBuffer) or find the source of the overflow"
+        raise NonFiniteGradientError(
+            f"task gradients hold inf or NaN; {name} state is unchanged. Skip the optimizer "
+            f"step (a GradScaler does this when the gradient is written back through "
+            f"TaskGradBuffer) or find the source of the overflow"
         )
 
 

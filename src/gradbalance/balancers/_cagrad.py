@@ -1,8 +1,4 @@
-"""CAGrad: the update closest to the mean that maximises the worst task's improvement.
-
-Liu et al. (2021), *Conflict-Averse Gradient Descent for Multi-task Learning*, NeurIPS,
-arXiv:2110.14048, eq. 3-4 and Algorithm 1.
-"""
+"""CAGrad: the update closest to the mean that maximises the worst task's improvement."""
 
 from __future__ import annotations
 
@@ -11,6 +7,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from .._checks import check_choice
 from ._base import Balancer
 from ._solvers import cagrad_dual, trace_normalized
 
@@ -40,31 +37,28 @@ def cagrad_weights(gramian: Tensor, c: float = 0.4, rescale: Rescale = "none") -
         gw_sq = float(w @ gram @ w)
         # Degenerate dual (g_w* = 0, e.g. a zero task gradient): d = g₀, as the authors' code.
         weights = mean if gw_sq <= 1e-24 else mean + (c * g0_norm / gw_sq**0.5) * w
-    if rescale == "c2":
-        weights = weights / (1 + c * c)
-    elif rescale == "c":
-        weights = weights / (1 + c)
-    return weights
+    return weights / {"none": 1.0, "c2": 1 + c * c, "c": 1 + c}[rescale]
 
 
 class CAGrad(Balancer):
     """CAGrad (Liu et al. 2021): ``d = g₀ + c‖g₀‖ g_w/‖g_w‖`` with the dual weights ``w``.
 
     Within a ball of radius ``c‖g₀‖`` around the mean gradient ``g₀``, the update maximises
-    the smallest task improvement ``min_k gₖ·d``. ``c = 0`` is the mean. The dual is solved
-    exactly on the trace-normalised Gramian (no ``+1e-4`` terms, no SLSQP): weights are the
-    same at every gradient scale, and every Gramian gets an answer (rank-deficient ones, with
-    colinear tasks or ``K > P``, included) within a bounded number of QPs.
+    the smallest task improvement ``min_k gₖ·d`` (:func:`cagrad_weights`); ``c = 0`` is the
+    mean. The dual is solved exactly on the trace-normalised Gramian.
 
     Args:
         num_tasks: K (optional).
-        c: ball radius factor, ``0 <= c < 1`` (the paper's convergence condition); default
-            ``0.4`` (the paper's NYU-v2 / Cityscapes setting; LibMTL uses 0.5).
+        c: ball radius factor, ``0 <= c < 1`` (default 0.4, the paper's NYU-v2 setting).
         rescale: ``"none"`` (paper), ``"c2"`` (``/(1+c²)``, authors' code and LibMTL
             default) or ``"c"`` (``/(1+c)``).
+
+    Reference: Liu et al., "Conflict-Averse Gradient Descent for Multi-task Learning",
+    NeurIPS 2021, arXiv:2110.14048, eq. 3-4.
     """
 
     name = "cagrad"
+    _repr_args = ("num_tasks", "c", "rescale")
     from_gramian = True
     homogeneous = True
 
@@ -74,13 +68,9 @@ class CAGrad(Balancer):
         super().__init__(num_tasks)
         if not 0.0 <= c < 1.0:
             raise ValueError(f"Invalid c: {c} (expected 0 <= c < 1)")
-        if rescale not in ("none", "c2", "c"):
-            raise ValueError(f"Invalid rescale: {rescale!r} (expected 'none', 'c2' or 'c')")
+        check_choice("rescale", rescale, ("none", "c2", "c"))
         self.c = float(c)
         self.rescale: Rescale = rescale
 
     def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         return cagrad_weights(gramian, self.c, self.rescale).to(gramian.device)
-
-    def __repr__(self) -> str:
-        return f"CAGrad(num_tasks={self.num_tasks}, c={self.c}, rescale={self.rescale!r})"

@@ -1,5 +1,5 @@
-"""The check of a step's ``balancer=`` argument, kept with :class:`Balancer` so that
-:mod:`gradbalance._checks` below it never imports a balancer (docs/ARCHITECTURE.md, "Layers")."""
+"""The check of a ``balancer=`` argument, here so that :mod:`gradbalance._checks` never
+imports a balancer (docs/ARCHITECTURE.md, "Layers")."""
 
 from __future__ import annotations
 

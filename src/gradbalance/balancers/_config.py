@@ -1,8 +1,4 @@
-"""ConFIG: the conflict-free direction with equal cosine to every task gradient.
-
-Liu et al. (2024), *ConFIG: Towards Conflict-free Training of Physics Informed Neural
-Networks*, arXiv:2408.11104, eq. 2 (without the momentum variant).
-"""
+"""ConFIG: the conflict-free direction with equal cosine to every task gradient."""
 
 from __future__ import annotations
 
@@ -43,13 +39,15 @@ def config_weights(gramian: Tensor, pref: Tensor | None = None, rtol: float = 1e
 class ConFIG(PreferenceBalancer):
     """ConFIG (Liu et al. 2024): ``g = (Σₖ gₖ·ĝ) ĝ``, ``ĝ ∝ U⁺p``.
 
-    The direction ``ĝ`` has the same cosine with every task gradient (for linearly independent
-    gradients); its length is the sum of the task gradients' projections on it. Runs on the
-    Gramian (the direction lies in the span of the rows). Positively homogeneous.
+    The direction ``ĝ`` has the same cosine with every (linearly independent) task gradient;
+    its length is the sum of the task gradients' projections on it.
 
     Args:
         num_tasks: K (optional).
         pref: ``[K]`` non-negative; default ones (the paper).
+
+    Reference: Liu et al., "ConFIG: Towards Conflict-free Training of Physics Informed Neural
+    Networks", arXiv:2408.11104, eq. 2 (without the momentum variant).
     """
 
     name = "config"

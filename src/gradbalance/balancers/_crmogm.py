@@ -1,9 +1,4 @@
-"""CR-MOGM: a moving average of another weighted balancer's weights.
-
-Zhou et al. (2022), *On the Convergence of Stochastic Multi-Objective Gradient Manipulation
-and Beyond*, NeurIPS (the correlation-reduced weights of CR-MOGM; TorchJD's
-``CRMOGMWeighting``).
-"""
+"""CR-MOGM: a moving average of another weighted balancer's weights."""
 
 from __future__ import annotations
 
@@ -23,13 +18,10 @@ __all__ = ["CRMOGM"]
 class CRMOGM(Balancer):
     """``g = λₜᵀ G`` with ``λₜ = β λₜ₋₁ + (1 − β) λ̂ₜ``, ``λ̂ₜ`` the inner balancer's weights.
 
-    The weights of a stochastic gradient manipulation (MGDA, UPGrad, ...) computed on one
-    batch are correlated with that batch's gradients, which biases the update; averaging them
-    over steps reduces the correlation (the paper's CR-MOGM). ``λ₀`` is ``initial_weights`` if
-    given, else ``λ̂₁`` (the first output is then the inner balancer's, whatever ``β``).
-    ``β = 0`` returns the inner weights unchanged, ``β = 1`` freezes ``λ₀``. The paper's
-    Corollary 1 grows ``β`` towards 1 as the learning rate decays: assign ``balancer.beta``
-    between steps, e.g. ``1 - lr / lr0``.
+    Averaging the weights of a stochastic gradient manipulation over steps reduces their
+    correlation with one batch's gradients. ``λ₀`` is ``initial_weights`` if given, else
+    ``λ̂₁``. The paper's Corollary 1 grows ``β`` towards 1 as the learning rate decays: assign
+    ``balancer.beta`` between steps, e.g. ``1 - lr / lr0``.
 
     Args:
         inner: a weighted balancer (``from_gramian``) that keeps its own state; default
@@ -38,16 +30,18 @@ class CRMOGM(Balancer):
         beta: weight ``β ∈ [0, 1]`` of the previous average (default 0.9, TorchJD's ``alpha``).
         initial_weights: ``λ₀`` ``[K]`` (default: the first inner weights).
 
-    Runs on the Gramian like its inner balancer; reads the losses when it does; positively
-    homogeneous when it is. ``reset()`` resets the inner balancer too.
+    Reads the losses and is homogeneous when the inner balancer is. State: ``λ`` ``[K]``
+    float64 (``"_lambda"``; None before the first call) and the inner balancer's, under
+    ``"inner.<key>"`` (``reset()`` resets it too).
 
-    State: ``λ`` ``[K]`` float64 (None before the first call; saved as ``"_lambda"``), and
-    the inner balancer, a submodule, under ``"inner.<key>"``.
+    Reference: Zhou et al., "On the Convergence of Stochastic Multi-Objective Gradient
+    Manipulation and Beyond", NeurIPS 2022.
     """
 
     _lambda: Tensor | None
 
     name = "crmogm"
+    _repr_args = ("inner", "beta")
     from_gramian = True
     homogeneous = True
 
@@ -111,6 +105,3 @@ class CRMOGM(Balancer):
                 f"is '_lambda', the inner balancer's is under 'inner.'; was it saved from "
                 f"another balancer?"
             )
-
-    def __repr__(self) -> str:
-        return f"CRMOGM(inner={self.inner!r}, beta={self._beta})"

@@ -1,7 +1,4 @@
-"""DB-MTL, gradient part: EMA of each task gradient, rescaled to the largest norm.
-
-Lin et al. (2023), *Dual-Balancing for Multi-Task Learning*, arXiv:2308.12029 (Algorithm 1).
-"""
+"""DB-MTL, gradient part: EMA of each task gradient, rescaled to the largest norm."""
 
 from __future__ import annotations
 
@@ -19,9 +16,8 @@ __all__ = ["DBMTL", "dbmtl_update"]
 def dbmtl_update(ema: Tensor) -> Tensor:
     """``g = Σₖ (maxⱼ ‖ĝⱼ‖ / ‖ĝₖ‖) ĝₖ``: every (EMA) task gradient scaled to the largest norm.
 
-    A zero row stays zero. Scale-safe: computed as ``maxⱼ‖ĝⱼ‖ · Σₖ uₖ/‖uₖ‖`` from the rows
-    scaled by powers of two (``ĝₖ = sₖ uₖ``), so no norm is squared in the gradients' dtype
-    and no factor ``max‖ĝ‖/‖ĝₖ‖`` is formed (rows of very different norms stay finite).
+    A zero row stays zero. Scale-safe: ``maxⱼ‖ĝⱼ‖ · Σₖ uₖ/‖uₖ‖`` on the rows scaled by powers
+    of two (docs/balancers.md, "Numerical range").
     """
     unit, scale = unit_rows(ema)
     unit_norms: Tensor = torch.linalg.vector_norm(unit, dim=1)
@@ -45,10 +41,9 @@ def _dbmtl_update_sharded(ema: Tensor, shard: Shard) -> Tensor:
 class DBMTL(Balancer):
     """DB-MTL's gradient balancing: ``ĝₖ ← β_t ĝₖ + (1 − β_t) gₖ``, ``g = Σₖ (max‖ĝ‖/‖ĝₖ‖) ĝₖ``.
 
-    ``β_t = β / t^σ`` at step ``t ≥ 1``; ``ĝ`` starts at 0. DB-MTL's other half, the loss-scale
-    balancing, backpropagates ``log Lₖ`` instead of ``Lₖ``; it belongs to the loss weighting.
-    Here it is available as ``log_losses=True``, which uses ``∇ log Lₖ = gₖ / Lₖ`` (exact) and
-    reads the losses; do not combine it with a log-loss weighting.
+    ``β_t = β / t^σ`` at step ``t ≥ 1``; ``ĝ`` starts at 0. DB-MTL's loss-scale half
+    (``log Lₖ`` instead of ``Lₖ``) is ``log_losses=True`` (``∇ log Lₖ = gₖ / Lₖ``); do not
+    combine it with a log-loss weighting.
 
     Args:
         num_tasks: K (optional).
@@ -59,12 +54,16 @@ class DBMTL(Balancer):
 
     State: ``ĝ`` ``[K, P]`` in the gradients' dtype (a rank's ``[K, P_local]`` under a
     sharded trunk) and the step count (buffers ``_ema``, ``_step``).
+
+    Reference: Lin et al., "Dual-Balancing for Multi-Task Learning", arXiv:2308.12029,
+    Algorithm 1.
     """
 
     _ema: Tensor | None
     _step: Tensor
 
     name = "dbmtl"
+    _repr_args = ("num_tasks", "beta", "beta_sigma", "log_losses")
     from_gramian = False
     homogeneous = True
 
@@ -80,17 +79,14 @@ class DBMTL(Balancer):
         self.register_state("_step", torch.zeros((), dtype=torch.int64))
 
     def _combine_matrix(self, matrix: Tensor, losses: Tensor | None) -> Combination:
-        ema, t = self._next_ema(matrix, losses)
-        update = dbmtl_update(ema)
-        self._ema, self._step = ema, torch.tensor(t, dtype=torch.int64)
-        return Combination(update)
+        return self._combine_matrix_sharded(matrix, losses, None, None)
 
-    def _combine_matrix_sharded(self, matrix: Tensor, losses: Tensor | None, gramian: Tensor,
-                                shard: Shard) -> Combination:
-        """The EMA is per coordinate (local state ``[K, P_local]``); the norms ``‖ĝₖ‖`` are
-        summed over ranks (one ``[K]`` reduce)."""
+    def _combine_matrix_sharded(self, matrix: Tensor, losses: Tensor | None,
+                                gramian: Tensor | None, shard: Shard | None) -> Combination:
+        """The EMA is per column; the norms ``‖ĝₖ‖`` are summed over ranks (``shard=None``:
+        every column, one process)."""
         ema, t = self._next_ema(matrix, losses)
-        update = _dbmtl_update_sharded(ema, shard)
+        update = dbmtl_update(ema) if shard is None else _dbmtl_update_sharded(ema, shard)
         self._ema, self._step = ema, torch.tensor(t, dtype=torch.int64)
         return Combination(update)
 
@@ -111,7 +107,3 @@ class DBMTL(Balancer):
         ema = rows.clone() if self._ema is None else self._ema.to(rows)
         ema = rows + beta_t * (ema - rows) if self._ema is not None else (1.0 - beta_t) * ema
         return ema, t
-
-    def __repr__(self) -> str:
-        return (f"DBMTL(num_tasks={self.num_tasks}, beta={self.beta}, "
-                f"beta_sigma={self.beta_sigma}, log_losses={self.log_losses})")

@@ -1,9 +1,4 @@
-"""ExcessMTL: task weights driven by estimated excess risks.
-
-He et al. (2024), *Robust Multi-Task Learning with Excess Risks*, ICML, PMLR 235
-(Equations 6-7 for the excess-risk estimate, Equation 9 for the weight update, §3.2 for the
-scale processing).
-"""
+"""ExcessMTL: task weights driven by estimated excess risks."""
 
 from __future__ import annotations
 
@@ -21,11 +16,9 @@ __all__ = ["ExcessMTL", "excessmtl_risks"]
 def excessmtl_risks(matrix: Tensor, root_sq_sum: Tensor, eps: float = 1e-7) -> Tensor:
     """``Êₖ = gₖᵀ Hₖ⁻¹ gₖ`` ``[K]`` (float64), ``Hₖ = diag(√(Σ_{τ≤t} gₖ,τ² + ε))`` (AdaGrad).
 
-    ``root_sq_sum`` is ``R = √(Σ_{τ≤t} g_τ²)`` ``[K, P]`` (gradient units; it already includes
-    the current step, so ``R ≥ |g|``), and ``H = hypot(R, √ε)``. Scale-safe: with the rows
-    ``gₖ = sₖ uₖ`` scaled by a power of two (``|uₖ| < 1``), ``Êₖ = sₖ² Σⱼ uₖⱼ² / Hₖⱼ`` is
-    summed in float64; ``uₖⱼ² / Hₖⱼ ≤ |uₖⱼ| / sₖ`` cannot overflow, and ``gₖⱼ²`` (which
-    under- or overflows float32 for ``|g| ≈ 1e-23`` or ``1e19``) is never formed.
+    ``root_sq_sum`` is ``R = √(Σ_{τ≤t} g_τ²)`` ``[K, P]`` (the current step included) and
+    ``H = hypot(R, √ε)``. Scale-safe: ``Êₖ = sₖ² Σⱼ uₖⱼ² / Hₖⱼ`` on the rows ``gₖ = sₖ uₖ``
+    scaled by powers of two, summed in float64 (``gₖⱼ²`` is never formed).
     """
     unit, scale = unit_rows(matrix)
     h = torch.hypot(root_sq_sum.to(unit.dtype), unit.new_tensor(eps**0.5))
@@ -40,16 +33,15 @@ class ExcessMTL(Balancer):
     Update rule at each call, after ``n_warmup_steps`` warm-up calls (uniform weights, excess
     risks recorded):
 
-    * ``Sₖ += gₖ²``; ``Êₖ = Σⱼ gₖⱼ² / √(Sₖⱼ + ε)`` (kept as ``Rₖ = √Sₖ``, updated by
-      ``R ← hypot(R, g)``: gradient units, so ``Ê`` is right at every finite scale);
+    * ``Sₖ += gₖ²``; ``Êₖ = Σⱼ gₖⱼ² / √(Sₖⱼ + ε)`` (kept as ``Rₖ = √Sₖ``,
+      ``R ← hypot(R, g)``);
     * scale processing: ``rₖ = Êₖ / Êₖ⁰`` with the baseline ``Ê⁰`` = the first post-warm-up
       estimate (``n_warmup_steps = 0``) or the warm-up average;
     * ``αₖ ← αₖ exp(η rₖ) / Σⱼ αⱼ exp(η rⱼ)`` (in log space), starting at ``1/K`` (the paper;
       the official code and LibMTL start at 1 and keep ``Σα = K``: multiply by K to match).
 
-    Conventions: the first call sets the baseline and then updates as every call does (all
-    ratios are 1, so the weights stay uniform, as in the official code); TorchJD applies the
-    raw ``Ê`` on that first call instead. A task whose baseline is 0 gets ratio 0.
+    The first call sets the baseline (its ratios are 1: uniform weights, as the official
+    code). A task whose baseline is 0 gets ratio 0.
 
     Args:
         num_tasks: K (optional).
@@ -58,10 +50,12 @@ class ExcessMTL(Balancer):
             paper's Appendix C.1 uses three epochs).
         eps: added inside the square root of ``H`` (default 1e-7, the official code's value).
 
-    State: ``R = √S`` ``[K, P]`` in the gradients' dtype (as large as ``G``; a state saved
-    with ``S`` itself, ``"sq_sum"``, loads as ``√S``), ``α``, the baseline, the warm-up sum
-    and the step count (buffers ``_root_sq_sum``, ``_weights``, ``_baseline``,
-    ``_warmup_sum``, ``_step``). Under a sharded trunk ``R`` holds the rank's columns.
+    State: ``R = √S`` ``[K, P]`` in the gradients' dtype (a rank's columns under a sharded
+    trunk), ``α``, the baseline, the warm-up sum and the step count (buffers
+    ``_root_sq_sum``, ``_weights``, ``_baseline``, ``_warmup_sum``, ``_step``).
+
+    Reference: He et al., "Robust Multi-Task Learning with Excess Risks", ICML 2024, eqs. 6-9
+    and §3.2.
     """
 
     _root_sq_sum: Tensor | None
@@ -71,6 +65,7 @@ class ExcessMTL(Balancer):
     _step: Tensor
 
     name = "excessmtl"
+    _repr_args = ("num_tasks", "robust_step_size", "n_warmup_steps")
     from_gramian = False
     homogeneous = False  # ε makes the excess-risk ratios depend on the scale
 
@@ -87,15 +82,12 @@ class ExcessMTL(Balancer):
         self.register_state("_step", torch.zeros((), dtype=torch.int64))
 
     def _combine_matrix(self, matrix: Tensor, losses: Tensor | None) -> Combination:
-        return self._advance(matrix, None)
+        return self._combine_matrix_sharded(matrix, losses, None, None)
 
-    def _combine_matrix_sharded(self, matrix: Tensor, losses: Tensor | None, gramian: Tensor,
-                                shard: Shard) -> Combination:
-        """``R`` is per coordinate (local state ``[K, P_local]``); the excess risks, sums over
-        coordinates, are summed over ranks (one ``[K]`` reduce)."""
-        return self._advance(matrix, shard)
-
-    def _advance(self, matrix: Tensor, shard: Shard | None) -> Combination:
+    def _combine_matrix_sharded(self, matrix: Tensor, losses: Tensor | None,
+                                gramian: Tensor | None, shard: Shard | None) -> Combination:
+        """``R`` is per column; the excess risks are summed over ranks (``shard=None``: every
+        column, one process)."""
         k = matrix.shape[0]
         root = matrix.abs() if self._root_sq_sum is None else torch.hypot(
             self._root_sq_sum.to(matrix), matrix)
@@ -120,7 +112,3 @@ class ExcessMTL(Balancer):
         self._warmup_sum = warmup_sum
         self._step = torch.tensor(t + 1, dtype=torch.int64)
         return Combination(weights.to(matrix.dtype) @ matrix, weights)
-
-    def __repr__(self) -> str:
-        return (f"ExcessMTL(num_tasks={self.num_tasks}, robust_step_size="
-                f"{self.robust_step_size}, n_warmup_steps={self.n_warmup_steps})")

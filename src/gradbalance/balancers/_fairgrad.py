@@ -1,8 +1,4 @@
-"""FairGrad: α-fair allocation of the update among the tasks.
-
-Ban & Ji (2024), *Fair Resource Allocation in Multi-Task Learning*, ICML, arXiv:2402.15638
-(Algorithm 1, Equation 4).
-"""
+"""FairGrad: α-fair allocation of the update among the tasks."""
 
 from __future__ import annotations
 
@@ -77,10 +73,8 @@ def fairgrad_weights(gramian: Tensor, alpha: float = 1.0, max_iter: int = 100,
     improvements ``uₖ = gₖᵀ g``. ``α = 0`` is linear scalarisation (uniform ``1/K``), ``α = 1``
     proportional fairness (Nash-MTL's bargaining solution), ``α → ∞`` max-min fairness.
 
-    Solved in torch (no scipy) as the minimiser of the strictly convex
-    ``½ wᵀAw − Σₖ φ(wₖ)``, ``φ'(w) = w^{-1/α}``, after normalising ``A`` to unit mean diagonal
-    (the solution then rescales by ``s^{-α/(1+α)}``). A task with a zero gradient would need an
-    infinite weight; it gets weight 0 (its row contributes nothing either way).
+    Solved as the minimiser of the strictly convex ``½ wᵀAw − Σₖ φ(wₖ)``,
+    ``φ'(w) = w^{-1/α}``, on ``A`` normalised to unit mean diagonal. A zero row gets weight 0.
     """
     k = gramian.shape[0]
     a = gramian.to(torch.float64)
@@ -114,9 +108,13 @@ class FairGrad(Balancer):
         alpha: fairness ``α ≥ 0`` (default 1.0, proportional fairness; the paper sweeps
             α ∈ {0.5, 1, 2, 5, ...} per benchmark).
         max_iter: Newton iterations (default 100; it usually stops below 15).
+
+    Reference: Ban & Ji, "Fair Resource Allocation in Multi-Task Learning", ICML 2024,
+    arXiv:2402.15638, eq. 4.
     """
 
     name = "fairgrad"
+    _repr_args = ("num_tasks", "alpha")
     from_gramian = True
     homogeneous = False  # B(sG) = s^{(1-α)/(1+α)} B(G)
 
@@ -130,6 +128,3 @@ class FairGrad(Balancer):
 
     def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         return fairgrad_weights(gramian, self.alpha, self.max_iter)
-
-    def __repr__(self) -> str:
-        return f"FairGrad(num_tasks={self.num_tasks}, alpha={self.alpha})"

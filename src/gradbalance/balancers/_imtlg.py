@@ -1,9 +1,4 @@
-"""IMTL-G: the update with equal projections on every unit task gradient.
-
-Liu et al. (2021), *Towards Impartial Multi-task Learning*, ICLR (gradient part, IMTL-G),
-in the pseudo-inverse form of Quinton & Rey (2024), arXiv:2406.16232, which also covers
-linearly dependent gradients.
-"""
+"""IMTL-G: the update with equal projections on every unit task gradient."""
 
 from __future__ import annotations
 
@@ -35,8 +30,10 @@ def imtlg_weights(gramian: Tensor, rtol: float = 1e-12) -> Tensor:
 class IMTLG(Balancer):
     """IMTL-G (Liu et al. 2021): ``g = Σₖ wₖ gₖ``, ``Σ wₖ = 1``, equal ``g·gₖ/‖gₖ‖``.
 
-    The combined gradient makes the same angle-weighted progress on every task: its
-    projections on the unit task gradients are equal. Positively homogeneous.
+    Its projections on the unit task gradients are equal (:func:`imtlg_weights`).
+
+    Reference: Liu et al., "Towards Impartial Multi-task Learning", ICLR 2021 (IMTL-G), in
+    the pseudo-inverse form of Quinton & Rey, arXiv:2406.16232 (dependent gradients too).
     """
 
     name = "imtlg"

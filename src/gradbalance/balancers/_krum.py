@@ -1,8 +1,4 @@
-"""Krum and Multi-Krum: pick the task gradients closest to their neighbours.
-
-Blanchard et al. (2017), *Machine Learning with Adversaries: Byzantine Tolerant Gradient
-Descent*, NeurIPS (Krum; Multi-Krum averages the ``m`` best). TorchJD's ``Krum``.
-"""
+"""Krum and Multi-Krum: pick the task gradients closest to their neighbours."""
 
 from __future__ import annotations
 
@@ -49,9 +45,13 @@ class Krum(Balancer):
         num_tasks: K (optional).
         n_byzantine: ``f``, the number of rows that may be adversarial (default 0).
         n_selected: ``m``, how many rows are averaged (default 1: Krum).
+
+    Reference: Blanchard et al., "Machine Learning with Adversaries: Byzantine Tolerant
+    Gradient Descent", NeurIPS 2017.
     """
 
     name = "krum"
+    _repr_args = ("num_tasks", "n_byzantine", "n_selected")
     from_gramian = True
     homogeneous = True
     weight_degree = 0.0  # the ranking of the scores is scale-free
@@ -62,7 +62,7 @@ class Krum(Balancer):
         self.n_byzantine = check_int("n_byzantine", n_byzantine, 0)
         self.n_selected = check_int("n_selected", n_selected, 1)
         self.min_tasks = max(self.n_byzantine + 3, self.n_selected)
-        if num_tasks is not None and num_tasks < max(n_byzantine + 3, n_selected):
+        if num_tasks is not None and num_tasks < self.min_tasks:
             raise ValueError(
                 f"Invalid num_tasks: {num_tasks} (expected num_tasks >= n_byzantine + 3 = "
                 f"{n_byzantine + 3} and >= n_selected = {n_selected})"
@@ -70,7 +70,3 @@ class Krum(Balancer):
 
     def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         return krum_weights(gramian, self.n_byzantine, self.n_selected)
-
-    def __repr__(self) -> str:
-        return (f"Krum(num_tasks={self.num_tasks}, n_byzantine={self.n_byzantine}, "
-                f"n_selected={self.n_selected})")

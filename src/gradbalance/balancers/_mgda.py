@@ -1,9 +1,4 @@
-"""MGDA: the min-norm point of the convex hull of the (normalised) task gradients.
-
-Sener & Koltun (2018), *Multi-Task Learning as Multi-Objective Optimization*, NeurIPS,
-arXiv:1810.04650 (the problem of eq. 3; their Frank-Wolfe solver is replaced by an exact
-active-set QP, see :mod:`gradbalance.balancers._solvers`).
-"""
+"""MGDA: the min-norm point of the convex hull of the (normalised) task gradients."""
 
 from __future__ import annotations
 
@@ -12,6 +7,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from .._checks import check_choice
 from ._base import Balancer
 from ._solvers import min_norm_simplex, trace_normalized
 
@@ -43,12 +39,9 @@ def _scales(gramian: Tensor, losses: Tensor | None, normalization: str) -> Tenso
     return scale
 
 
-def mgda_weights(
-    gramian: Tensor,
-    losses: Tensor | None = None,
-    normalization: Normalization = "none",
-    apply_to: ApplyTo = "normalized",
-) -> Tensor:
+def mgda_weights(gramian: Tensor, losses: Tensor | None = None,
+                 normalization: Normalization = "none",
+                 apply_to: ApplyTo = "normalized") -> Tensor:
     """Weights ``[K]`` (float64, CPU) of MGDA's update ``g = Σₖ wₖ gₖ``.
 
     Update rule: ``α = argmin_{α∈Δ} ‖Σₖ αₖ nₖ‖²`` with ``nₖ = gₖ / cₖ``. With
@@ -81,42 +74,29 @@ class MGDA(Balancer):
             gradient has a negative inner product with it). ``"raw"``: ``Σ αₖ gₖ``, the
             weights applied to the raw gradients as in Sener et al.'s code and LibMTL.
 
-    Positively homogeneous (``B(sJ) = s·B(J)``) except with ``l2``/``loss+`` normalisation
-    and ``apply_to="normalized"``, where the update does not depend on the gradients' scale.
+    The paper's Frank-Wolfe solver is replaced by an exact QP.
+
+    Reference: Sener & Koltun, "Multi-Task Learning as Multi-Objective Optimization",
+    NeurIPS 2018, arXiv:1810.04650, eq. 3.
     """
 
     name = "mgda"
+    _repr_args = ("num_tasks", "normalization", "apply_to")
     from_gramian = True
     homogeneous = True
 
-    def __init__(
-        self,
-        num_tasks: int | None = None,
-        *,
-        normalization: Normalization = "none",
-        apply_to: ApplyTo = "normalized",
-    ) -> None:
+    def __init__(self, num_tasks: int | None = None, *,
+                 normalization: Normalization = "none",
+                 apply_to: ApplyTo = "normalized") -> None:
         super().__init__(num_tasks)
-        if normalization not in _NORMALIZATIONS:
-            raise ValueError(
-                f"Invalid normalization: {normalization!r} (expected one of {_NORMALIZATIONS})"
-            )
-        if apply_to not in ("normalized", "raw"):
-            raise ValueError(f"Invalid apply_to: {apply_to!r} (expected 'normalized' or 'raw')")
+        check_choice("normalization", normalization, _NORMALIZATIONS)
+        check_choice("apply_to", apply_to, ("normalized", "raw"))
         self.normalization: Normalization = normalization
         self.apply_to: ApplyTo = apply_to
         # Instance values of the class flags: they depend on the settings.
         self.needs_losses = normalization in ("loss", "loss+")
-        self.homogeneous = not (
-            normalization in ("l2", "loss+") and apply_to == "normalized"
-        )
+        self.homogeneous = not (normalization in ("l2", "loss+") and apply_to == "normalized")
 
     def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         w = mgda_weights(gramian, losses, self.normalization, self.apply_to)
         return w.to(gramian.device)
-
-    def __repr__(self) -> str:
-        return (
-            f"MGDA(num_tasks={self.num_tasks}, normalization={self.normalization!r}, "
-            f"apply_to={self.apply_to!r})"
-        )

@@ -1,8 +1,4 @@
-"""MoCo: multi-objective gradient correction with tracked task gradients.
-
-Fernando et al. (2023), *Mitigating Gradient Bias in Multi-objective Learning: A Provably
-Convergent Approach*, ICLR, openreview dLAYGdKTi2 (Algorithm 1).
-"""
+"""MoCo: multi-objective gradient correction with tracked task gradients."""
 
 from __future__ import annotations
 
@@ -12,7 +8,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from .._checks import check_range
+from .._checks import check_choice, check_range
 from .._shard import Shard, sharded_unit_rows
 from ..gramian import compute_gramian, unit_rows
 from ._base import Balancer, Combination
@@ -33,13 +29,9 @@ def moco_step(y: Tensor, lam: Tensor, h: Tensor, beta_t: float, gamma_t: float, 
       softmax (LibMTL's variant);
     * the update is ``d = Yᵀ λ`` (computed by the caller).
 
-    ``y`` stays in gradient units (its meaning); the numerics are scale-safe instead:
-    ``Y Yᵀ`` is the scale-safe float64 Gramian and the projection is shifted
-    (:func:`~gradbalance.balancers._modo.modo_step`), so any finite ``y`` gives a ``λ`` on
-    the simplex (a vertex when ``γ_t ‖yₖ‖² ≫ 1``).
-
-    ``reduce`` (sharded trunks): ``y`` and ``h`` hold some columns and ``reduce`` sums the
-    partial Gramians over ranks.
+    Scale-safe: ``Y Yᵀ`` is the float64 Gramian and the projection is shifted
+    (:func:`~gradbalance.balancers._modo.modo_step`). ``reduce`` (sharded trunks): ``y`` and
+    ``h`` hold some columns and ``reduce`` sums the partial Gramians over ranks.
     """
     y = y - beta_t * (y - h)
     gram = compute_gramian(y)
@@ -52,10 +44,8 @@ def moco_step(y: Tensor, lam: Tensor, h: Tensor, beta_t: float, gamma_t: float, 
 
 def _loss_scaled_directions(matrix: Tensor, losses: Tensor, shard: Shard | None = None
                             ) -> Tensor:
-    """``Lₖ gₖ / ‖gₖ‖`` (0 for a zero row), from the power-of-two scaled rows (no overflow).
-
-    With ``shard``: this rank's columns, the norms of the full rows summed over ranks.
-    """
+    """``Lₖ gₖ / ‖gₖ‖`` (0 for a zero row) from the power-of-two scaled rows (with ``shard``:
+    this rank's columns, the norms of the full rows)."""
     if shard is None:
         unit, _ = unit_rows(matrix)
         norms = torch.linalg.vector_norm(unit, dim=1, keepdim=True)
@@ -88,6 +78,9 @@ class MoCo(Balancer):
     Defaults follow LibMTL's MoCo settings. State: ``y`` ``[K, P]`` in the gradients' dtype,
     ``λ`` ``[K]`` float64 and the step count (buffers ``_y``, ``_lambda``, ``_step``; ``y``
     holds a rank's columns under a sharded trunk).
+
+    Reference: Fernando et al., "Mitigating Gradient Bias in Multi-objective Learning: A
+    Provably Convergent Approach", ICLR 2023, Algorithm 1.
     """
 
     _y: Tensor | None
@@ -95,6 +88,7 @@ class MoCo(Balancer):
     _step: Tensor
 
     name = "moco"
+    _repr_args = ("num_tasks", "beta", "gamma", "rho", "lambda_update")
     from_gramian = False
     homogeneous = False
 
@@ -108,10 +102,7 @@ class MoCo(Balancer):
         self.gamma = check_range("gamma", gamma, 0.0, None, low_open=True)
         self.gamma_sigma = check_range("gamma_sigma", gamma_sigma, 0.0, None)
         self.rho = check_range("rho", rho, 0.0, None)
-        if lambda_update not in ("projection", "softmax"):
-            raise ValueError(
-                f"Invalid lambda_update: {lambda_update!r} (expected 'projection' or 'softmax')"
-            )
+        check_choice("lambda_update", lambda_update, ("projection", "softmax"))
         self.lambda_update: LambdaUpdate = lambda_update
         self.normalize_grads = bool(normalize_grads)
         self.needs_losses = self.normalize_grads
@@ -120,16 +111,12 @@ class MoCo(Balancer):
         self.register_state("_step", torch.zeros((), dtype=torch.int64))
 
     def _combine_matrix(self, matrix: Tensor, losses: Tensor | None) -> Combination:
-        return self._advance(matrix, losses, None)
+        return self._combine_matrix_sharded(matrix, losses, None, None)
 
-    def _combine_matrix_sharded(self, matrix: Tensor, losses: Tensor | None, gramian: Tensor,
-                                shard: Shard) -> Combination:
-        """``y`` is per coordinate (local state ``[K, P_local]``); ``Y Yᵀ`` (and, with
-        ``normalize_grads``, the norms ``‖gₖ‖``) are summed over ranks."""
-        return self._advance(matrix, losses, shard)
-
-    def _advance(self, matrix: Tensor, losses: Tensor | None, shard: Shard | None
-                 ) -> Combination:
+    def _combine_matrix_sharded(self, matrix: Tensor, losses: Tensor | None,
+                                gramian: Tensor | None, shard: Shard | None) -> Combination:
+        """``y`` is per column; ``Y Yᵀ`` (and the norms ``‖gₖ‖``) are summed over ranks
+        (``shard=None``: every column, one process)."""
         k = matrix.shape[0]
         h = matrix
         if self.normalize_grads:
@@ -146,7 +133,3 @@ class MoCo(Balancer):
         self._y, self._lambda = y, lam
         self._step = torch.tensor(t, dtype=torch.int64)
         return Combination(lam.to(y.dtype) @ y)
-
-    def __repr__(self) -> str:
-        return (f"MoCo(num_tasks={self.num_tasks}, beta={self.beta}, gamma={self.gamma}, "
-                f"rho={self.rho}, lambda_update={self.lambda_update!r})")

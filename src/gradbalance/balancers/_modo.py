@@ -1,9 +1,4 @@
-"""MoDo: multi-objective gradient with double sampling.
-
-Chen et al. (2023), *Three-Way Trade-Off in Multi-Objective Learning: Optimization,
-Generalization and Conflict-Avoidance*, NeurIPS 2023 / JMLR 2024, arXiv:2305.20057
-(Algorithm 1, Equation 2.9).
-"""
+"""MoDo: multi-objective gradient with double sampling."""
 
 from __future__ import annotations
 
@@ -12,6 +7,7 @@ from torch import Tensor
 
 from .._checks import check_range
 from ._base import Balancer
+from ._mean import mean_weights
 from ._solvers import project_simplex
 
 __all__ = ["MoDo", "modo_step"]
@@ -20,10 +16,8 @@ __all__ = ["MoDo", "modo_step"]
 def modo_step(lam: Tensor, gramian: Tensor, gamma: float, rho: float) -> Tensor:
     """``λ ← Π_Δ(λ − γ (A λ + ρ λ))`` with ``A`` the (cross-)Gramian ``[K, K]``.
 
-    ``Π_Δ(v) = Π_Δ(v − c·1)`` for every ``c``: the step is shifted by its largest entry
-    before the projection, so a step far outside the simplex (``γ‖gₖ‖² ≫ 1``: large
-    gradients, in float64 from ``‖gₖ‖ ≈ 1e8``) still projects exactly (onto the vertices of
-    its largest entries) instead of losing the simplex's ``1`` to rounding.
+    The step is shifted by its largest entry before the projection (``Π_Δ(v) = Π_Δ(v − c·1)``),
+    so a step far outside the simplex (``γ‖gₖ‖² ≫ 1``) still projects exactly.
     """
     step = lam - gamma * (gramian @ lam + rho * lam)
     return project_simplex(step - step.max())
@@ -32,12 +26,10 @@ def modo_step(lam: Tensor, gramian: Tensor, gamma: float, rho: float) -> Tensor:
 class MoDo(Balancer):
     """``g = Σₖ λₖ gₖ`` with simplex weights ``λ`` moved by one projected step per call.
 
-    The paper samples three independent batches per step: two for the ``λ`` step,
-    ``A = G_{ξ₁} G_{ξ₂}ᵀ`` (an unbiased estimate of ``∇F ∇Fᵀ``), and a third for the update
-    ``G_{ξ₃}ᵀ λ``. A balancer here sees one ``G`` per step, so ``A = G Gᵀ`` (same batch: biased
-    by the gradient covariance, the bias MoDo's double sampling removes) and the update uses the
-    same ``G``. For the double-sampled variant, call :func:`modo_step` with your own cross
-    product ``G₁ G₂ᵀ`` and combine another batch's rows with the returned ``λ``.
+    The paper's ``λ`` step uses ``A = G_{ξ₁} G_{ξ₂}ᵀ`` from two independent batches and a
+    third for the update; with one ``G`` per step ``A = G Gᵀ`` (biased by the gradient
+    covariance). For the double-sampled variant call :func:`modo_step` with your own
+    ``G₁ G₂ᵀ`` and combine another batch's rows with the returned ``λ``.
 
     Args:
         num_tasks: K (optional).
@@ -46,11 +38,15 @@ class MoDo(Balancer):
         rho: ℓ₂ regularisation ``ρ ≥ 0`` (default 0.1).
 
     State: ``λ`` ``[K]`` float64, starting at ``1/K`` (buffer ``_lambda``).
+
+    Reference: Chen et al., "Three-Way Trade-Off in Multi-Objective Learning: Optimization,
+    Generalization and Conflict-Avoidance", NeurIPS 2023, arXiv:2305.20057, Algorithm 1.
     """
 
     _lambda: Tensor | None
 
     name = "modo"
+    _repr_args = ("num_tasks", "gamma", "rho")
     from_gramian = True
     homogeneous = False
     weight_degree = None  # γ multiplies squared norms: λ sees the raw Gramian
@@ -63,12 +59,8 @@ class MoDo(Balancer):
         self.register_state("_lambda", None, optional=True, per_task=True)
 
     def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
-        k = gramian.shape[0]
-        lam = (torch.full((k,), 1.0 / k, dtype=torch.float64, device=gramian.device)
-               if self._lambda is None else self._lambda.to(torch.float64))
-        lam = modo_step(lam, gramian.to(torch.float64), self.gamma, self.rho)
+        gram = gramian.to(torch.float64)
+        lam = mean_weights(gram) if self._lambda is None else self._lambda.to(torch.float64)
+        lam = modo_step(lam, gram, self.gamma, self.rho)
         self._lambda = lam
         return lam
-
-    def __repr__(self) -> str:
-        return f"MoDo(num_tasks={self.num_tasks}, gamma={self.gamma}, rho={self.rho})"

@@ -1,9 +1,4 @@
-"""Nash-MTL: the Nash bargaining solution between the tasks.
-
-Navon et al. (2022), *Multi-Task Learning as a Bargaining Game*, ICML, arXiv:2202.01017,
-Algorithm 1 (the exact solution of ``GᵀG α = 1/α``; the authors approximate it by a sequence
-of convex programs).
-"""
+"""Nash-MTL: the Nash bargaining solution between the tasks."""
 
 from __future__ import annotations
 
@@ -12,7 +7,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from .._checks import check_int
+from .._checks import check_choice, check_int
 from ._base import Balancer
 from ._solvers import nash_bargaining, trace_normalized
 
@@ -21,20 +16,13 @@ __all__ = ["NashMTL", "nashmtl_weights"]
 Normalization = Literal["none", "frobenius"]
 
 
-def nashmtl_weights(
-    gramian: Tensor,
-    normalization: Normalization = "none",
-    alpha0: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
+def nashmtl_weights(gramian: Tensor, normalization: Normalization = "none",
+                    alpha0: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``(weights, α_unit)``: Nash-MTL weights ``[K]`` and the warm-start state.
 
     ``α_unit`` solves ``(G/tr G) α = 1/α``; the weights solve ``(G/n) α = 1/α`` with ``n = 1``
     (``"none"``, the paper) or ``n = ‖G‖_F`` (``"frobenius"``, the authors' code and
     TorchJD), i.e. ``α = α_unit √(n / tr G)`` since ``α(G/s) = √s α(G)``.
-
-    Scaling: for ``J → sJ`` (``G → s²G``) the paper's weights scale by ``1/s`` and the
-    update ``Jᵀα`` is unchanged (degree-0 homogeneous, so a loss scale never leaks into it);
-    with ``"frobenius"`` the weights are scale-free and the update scales with ``s``.
     """
     unit, trace = trace_normalized(gramian)
     alpha = nash_bargaining(unit, alpha0)
@@ -59,9 +47,8 @@ class NashMTL(Balancer):
     previous step; raises ``SolverError`` when no solution exists (a non-negative combination
     of the gradients vanishes, e.g. a zero or two exactly opposite task gradients).
 
-    Not positively homogeneous: with ``normalization="none"`` (paper) ``B(sJ) = B(J)``
-    (equivalently weights ``w(sG) = w(G)/√s``). No norm clipping inside (the authors' code
-    clips ``‖g‖`` to 1; clip in your loop instead).
+    With ``normalization="none"`` (paper) ``B(sJ) = B(J)``. No norm clipping inside (the
+    authors' code clips ``‖g‖`` to 1; clip in your loop instead).
 
     Args:
         num_tasks: K (optional).
@@ -72,27 +59,23 @@ class NashMTL(Balancer):
 
     State: the last ``α`` (warm start and reuse) and the call counter (buffers ``alpha``,
     ``step``).
+
+    Reference: Navon et al., "Multi-Task Learning as a Bargaining Game", ICML 2022,
+    arXiv:2202.01017, Algorithm 1 (solved exactly here).
     """
 
     alpha: Tensor | None
     step: Tensor
 
     name = "nashmtl"
+    _repr_args = ("num_tasks", "normalization", "update_weights_every")
     from_gramian = True
     homogeneous = False
 
-    def __init__(
-        self,
-        num_tasks: int | None = None,
-        *,
-        normalization: Normalization = "none",
-        update_weights_every: int = 1,
-    ) -> None:
+    def __init__(self, num_tasks: int | None = None, *,
+                 normalization: Normalization = "none", update_weights_every: int = 1) -> None:
         super().__init__(num_tasks)
-        if normalization not in ("none", "frobenius"):
-            raise ValueError(
-                f"Invalid normalization: {normalization!r} (expected 'none' or 'frobenius')"
-            )
+        check_choice("normalization", normalization, ("none", "frobenius"))
         self.update_weights_every = check_int("update_weights_every", update_weights_every, 1)
         self.normalization: Normalization = normalization
         self.homogeneous = normalization == "frobenius"
@@ -119,9 +102,3 @@ class NashMTL(Balancer):
     def _load_extra(self, extra: dict[str, Any]) -> None:
         if self.alpha is not None:
             self.num_tasks = self.alpha.numel()
-
-    def __repr__(self) -> str:
-        return (
-            f"NashMTL(num_tasks={self.num_tasks}, normalization={self.normalization!r}, "
-            f"update_weights_every={self.update_weights_every})"
-        )

@@ -1,8 +1,4 @@
-"""The shell of a stateless weighted balancer set by one preference vector ``pref``.
-
-Not a balancer module (no ``__all__``). UPGrad, DualProj and ConFIG differ only in their weight
-rule ``rule(gramian, pref) -> [K]``; this class holds ``pref`` and calls the rule.
-"""
+"""The shell of UPGrad, DualProj and ConFIG: a weight rule set by one preference ``pref``."""
 
 from __future__ import annotations
 
@@ -17,11 +13,12 @@ from ._base import Balancer
 class PreferenceBalancer(Balancer):
     """``g = wᵀ G`` with ``w = rule(G Gᵀ, pref)``; ``pref`` ``[K]`` non-negative or None.
 
-    A subclass sets ``name`` and ``rule`` (a function of the Gramian and ``pref`` returning
-    float64 weights on the CPU). None means the rule's own default preference.
+    A subclass sets ``name`` and ``rule`` (float64 weights on the CPU); ``pref=None`` is the
+    rule's own default.
     """
 
     from_gramian = True
+    _repr_args = ("num_tasks", "pref")
     homogeneous = True
     weight_degree = 0.0  # each rule's weights are scale-free
 
@@ -38,7 +35,3 @@ class PreferenceBalancer(Balancer):
 
     def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         return type(self).rule(gramian, self.pref).to(gramian.device)
-
-    def __repr__(self) -> str:
-        pref = None if self.pref is None else self.pref.tolist()
-        return f"{type(self).__name__}(num_tasks={self.num_tasks}, pref={pref})"

@@ -1,9 +1,4 @@
-"""Random: random task weights on the gradients (RLW / RGW).
-
-Lin et al. (2022), *Reasonable Effectiveness of Random Weighting: A Litmus Test for Multi-Task
-Learning*, TMLR, arXiv:2111.10603 (Algorithm 2, random weights on the task gradients; LibMTL's
-``RGW``, TorchJD's ``Random``).
-"""
+"""Random: random task weights on the gradients (RLW / RGW)."""
 
 from __future__ import annotations
 
@@ -33,21 +28,15 @@ def random_weights(num_tasks: int, distribution: Distribution = "normal",
 
     The draw happens on the generator's device (CPU for the global RNG), then moves to ``device``.
     """
+    check_choice("distribution", distribution, _DISTRIBUTIONS)
     where = generator.device if generator is not None else torch.device("cpu")
-    if distribution == "normal":
-        z = torch.randn(num_tasks, generator=generator, dtype=torch.float64, device=where)
-        w = torch.softmax(z, dim=0)
-    elif distribution == "uniform":
-        z = torch.rand(num_tasks, generator=generator, dtype=torch.float64, device=where)
-        w = torch.softmax(z, dim=0)
-    elif distribution == "dirichlet":
-        u = torch.rand(num_tasks, generator=generator, dtype=torch.float64, device=where)
-        e = -torch.log1p(-u)  # Exp(1); 1 − u > 0 because u < 1
+    draw = torch.randn if distribution == "normal" else torch.rand
+    z = draw(num_tasks, generator=generator, dtype=torch.float64, device=where)
+    if distribution == "dirichlet":
+        e = -torch.log1p(-z)  # Exp(1); 1 − z > 0 because z < 1
         w = e / e.sum() if bool(e.sum() > 0) else torch.full_like(e, 1.0 / num_tasks)
     else:
-        raise ValueError(
-            f"Invalid distribution: {distribution!r} (expected one of {', '.join(_DISTRIBUTIONS)})"
-        )
+        w = torch.softmax(z, dim=0)
     return w if device is None else w.to(device)
 
 
@@ -61,9 +50,13 @@ class Random(OptionalGeneratorState, Balancer):
         distribution: ``"normal"`` (default), ``"uniform"`` or ``"dirichlet"``.
         generator: the random source; None draws from torch's global RNG. A given generator's
             state is saved by :meth:`state_dict` so that a resumed run draws the same weights.
+
+    Reference: Lin et al., "Reasonable Effectiveness of Random Weighting: A Litmus Test for
+    Multi-Task Learning", TMLR 2022, arXiv:2111.10603, Algorithm 2.
     """
 
     name = "random"
+    _repr_args = ("num_tasks", "distribution")
     from_gramian = True
     homogeneous = True
     weight_degree = 0.0
@@ -78,6 +71,3 @@ class Random(OptionalGeneratorState, Balancer):
     def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         return random_weights(gramian.shape[0], self.distribution, self.generator,
                               device=gramian.device)
-
-    def __repr__(self) -> str:
-        return f"Random(num_tasks={self.num_tasks}, distribution={self.distribution!r})"

@@ -1,13 +1,8 @@
 """The random source of the stochastic balancers and its place in ``state_dict``.
 
-Not a balancer module (no ``__all__``). A generator's state is in the balancer's extra state
-(``state_dict()["_extra_state"]["generator"]``, a uint8 tensor). Two conventions, both
-resumable bit-identically:
-
-* an *owned* generator (PCGrad, GradVac): always present, a private CPU generator seeded from
-  the global RNG when none is given; the state always holds ``"generator"``;
-* an *optional* generator (GradDrop, Random): None draws from torch's global RNG, which the
-  balancer does not own, so the state holds ``"generator"`` only for a given generator.
+An *owned* generator (PCGrad, GradVac) is always present and saved; an *optional* one
+(GradDrop, Random: None draws from torch's global RNG) is saved only when given
+(docs/balancers.md). Its state is a uint8 tensor under the extra state's ``"generator"``.
 """
 
 from __future__ import annotations
@@ -42,24 +37,6 @@ def check_generator_state(owner: str, state_dict: dict[str, Any]) -> None:
         )
 
 
-def generator_state(generator: torch.Generator | None) -> dict[str, Tensor]:
-    """Optional generator: ``{"generator": state}`` for a held generator, else empty."""
-    return {} if generator is None else {"generator": generator.get_state().clone()}
-
-
-def restore_generator(generator: torch.Generator | None, state: dict[str, Any],
-                      owner: str) -> None:
-    """Optional generator: restore a state saved by :func:`generator_state`."""
-    if "generator" not in state:
-        return
-    if generator is None:
-        raise ValueError(
-            f"state_dict holds a generator state but this {owner} has no generator; build it "
-            f"with generator=torch.Generator() to resume the same random stream"
-        )
-    generator.set_state(state["generator"].clone())
-
-
 class OptionalGeneratorState(Balancer):
     """A balancer whose only state is an optional generator (in its extra state)."""
 
@@ -67,7 +44,7 @@ class OptionalGeneratorState(Balancer):
     _extra_keys = ("generator",)
 
     def _extra_state(self) -> dict[str, Any]:
-        return generator_state(self.generator)
+        return {} if self.generator is None else {"generator": self.generator.get_state()}
 
     def _check_state(self, tensors: dict[str, Tensor | None], extra: dict[str, Any]) -> None:
         super()._check_state(tensors, extra)
@@ -81,7 +58,9 @@ class OptionalGeneratorState(Balancer):
                 )
 
     def _load_extra(self, extra: dict[str, Any]) -> None:
-        restore_generator(self.generator, extra, type(self).__name__)
+        if "generator" in extra:
+            assert self.generator is not None  # _check_state refused it otherwise
+            self.generator.set_state(extra["generator"].clone())
 
 
 class OwnedGeneratorState(Balancer):

@@ -1,8 +1,4 @@
-"""SDMGrad: stochastic direction-oriented multi-objective gradient descent.
-
-Xiao et al. (2023), *Direction-oriented Multi-objective Learning: Simple and Provable
-Stochastic Algorithms*, NeurIPS, arXiv:2305.18409 (Algorithm 1; the normalisation of §6.1).
-"""
+"""SDMGrad: stochastic direction-oriented multi-objective gradient descent."""
 
 from __future__ import annotations
 
@@ -13,6 +9,7 @@ from torch import Tensor
 
 from .._checks import as_task_vector, check_int, check_range
 from ._base import Balancer
+from ._mean import mean_weights
 from ._solvers import project_simplex
 
 __all__ = ["SDMGrad", "sdmgrad_weights"]
@@ -42,9 +39,8 @@ def sdmgrad_weights(gramian: Tensor, w: Tensor, pref: Tensor, lambda_: float = 0
 class SDMGrad(Balancer):
     """``g = Σₖ (wₖ + λ w̃ₖ)/(1 + λ) gₖ`` with ``w`` from a warm-started simplex SGD.
 
-    With one ``G`` per step, the paper's two independent batches ``ξ, ξ'`` of the inner
-    objective and the third ``ζ`` of the update are the same batch (``A = G Gᵀ``); see
-    :class:`~gradbalance.balancers.MoDo` for the bias this keeps.
+    With one ``G`` per step the paper's three batches are the same (``A = G Gᵀ``, see
+    :class:`~gradbalance.balancers.MoDo`).
 
     Args:
         num_tasks: K (optional).
@@ -57,11 +53,15 @@ class SDMGrad(Balancer):
 
     State: the simplex iterate ``w`` ``[K]`` float64 (warm start), starting at ``1/K``
     (buffer ``_w``).
+
+    Reference: Xiao et al., "Direction-oriented Multi-objective Learning: Simple and Provable
+    Stochastic Algorithms", NeurIPS 2023, arXiv:2305.18409, Algorithm 1.
     """
 
     _w: Tensor | None
 
     name = "sdmgrad"
+    _repr_args = ("num_tasks", "lambda_", "lr", "momentum", "n_iter")
     from_gramian = True
     homogeneous = True
     weight_degree = 0.0  # A is normalised by mean √diag: the simplex iterate is scale-free
@@ -82,17 +82,10 @@ class SDMGrad(Balancer):
         self.register_state("_w", None, optional=True, per_task=True)
 
     def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
-        k = gramian.shape[0]
         gram = gramian.to(torch.float64)
-        w = (torch.full((k,), 1.0 / k, dtype=torch.float64, device=gram.device)
-             if self._w is None else self._w)
-        pref = (torch.full((k,), 1.0 / k, dtype=torch.float64, device=gram.device)
-                if self.pref_vector is None else self.pref_vector.to(gram.device))
+        w = mean_weights(gram) if self._w is None else self._w
+        pref = mean_weights(gram) if self.pref_vector is None else self.pref_vector.to(gram.device)
         out, w = sdmgrad_weights(gram, w, pref, self.lambda_, self.lr, self.momentum,
                                  self.n_iter)
         self._w = w
         return out
-
-    def __repr__(self) -> str:
-        return (f"SDMGrad(num_tasks={self.num_tasks}, lambda_={self.lambda_}, lr={self.lr}, "
-                f"momentum={self.momentum}, n_iter={self.n_iter})")

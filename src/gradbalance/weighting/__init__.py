@@ -22,19 +22,8 @@ from ._stch import STCH
 from ._uncertainty import UncertaintyWeighting
 
 __all__ = [
-    "DWA",
-    "FAMO",
-    "GLS",
-    "IMTLL",
-    "RLW",
-    "STCH",
-    "WEIGHTINGS",
-    "GradNorm",
-    "LossWeighting",
-    "ScaleInvariant",
-    "UncertaintyWeighting",
-    "get_weighting",
-    "last_layer_parameters",
+    "DWA", "FAMO", "GLS", "IMTLL", "RLW", "STCH", "WEIGHTINGS", "GradNorm", "LossWeighting",
+    "ScaleInvariant", "UncertaintyWeighting", "get_weighting", "last_layer_parameters",
 ]
 
 #: Registry name -> class, for every loss weighting the library ships.

@@ -1,36 +1,11 @@
 """The loss-weighting interface: weighted per-task losses before the backward pass.
 
-A loss weighting maps the K task losses to K *weighted* task losses (docs/weighting.md: weights
-act before the backward passes and change a task gradient's length, never its direction)::
-
-    weighted = weighting(losses)            # Tensor[K], keeps the graph
-    weighted.sum().backward()               # plain loop: one backward pass
-    # or: buf.backward(weighted); buf.apply_(Sum())   # any gradient balancer
-    optimizer.step()
-    weighting.update(found_inf=skipped)     # methods that learn from the step
-
-The sum of the returned vector has the method's gradient. Entry ``k`` depends on ``L_k`` only
-(plus the method's own learnable parameters), so the per-task gradient rows a
-:class:`~gradbalance.TaskGradBuffer` computes from it are ``wₖ ∇Lₖ``.
-
-Every call adds the detached losses into a *pending* observation (summed over the calls of
-one step, i.e. over micro-batches); :meth:`LossWeighting.update` consumes it once per optimizer
-step. A skipped step (``found_inf=True``) discards it and leaves every state tensor
-bit-identical; a non-finite observation on a step said not to be skipped raises
-:class:`~gradbalance.NonFiniteGradientError` before any change.
-
-A loss weighting is a ``torch.nn.Module`` (``weighting(losses)`` is :meth:`LossWeighting.forward`):
-its tensor state is in buffers, Python counters, generator and internal optimizer states and
-the class name in its extra state (:mod:`gradbalance._module`), so attached to a model it is in
-``model.state_dict()`` and moves with ``model.to()``. Weights the *user's* optimizer trains
-(Uncertainty Weighting, IMTL-L) are ``nn.Parameter`` and appear in ``model.parameters()``;
-weights a method steps itself in :meth:`LossWeighting.update` (GradNorm's ``w``, FAMO's ``ξ``)
-are buffers, hidden from ``parameters()``, so no user optimizer steps them a second time.
+The contract (the call, the pending observation that :meth:`LossWeighting.update` consumes,
+skipped steps, which weights are parameters) is in docs/weighting.md, "The contract".
 """
 
 from __future__ import annotations
 
-import copy
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
@@ -43,42 +18,6 @@ from .._module import StateModule
 from .._types import NonFiniteGradientError
 
 __all__ = ["LossWeighting"]
-
-
-def check_optimizer_state(make: Callable[[Tensor], torch.optim.Optimizer], param: Tensor,
-                          state: Any, owner: str) -> None:
-    """Raise ``ValueError`` unless ``state`` loads into an optimizer like ``owner``'s own.
-
-    Loaded into a scratch optimizer built on a copy of ``param``: nothing of ``owner`` moves.
-    Its moments must have ``param``'s shape (one entry per task) and be finite.
-    """
-    if not isinstance(state, dict):
-        raise ValueError(f"state_dict lacks 'optimizer' (the state of {owner}'s own "
-                         f"optimizer); was it saved from another {owner}?")
-    scratch = make(param.detach().clone().requires_grad_(True))
-    try:
-        scratch.load_state_dict(copy.deepcopy(state))
-    except (ValueError, KeyError, TypeError, RuntimeError) as error:
-        raise ValueError(f"state_dict['optimizer'] does not load into {owner}'s optimizer "
-                         f"({error}); was it saved with another optimizer?") from error
-    for entries in scratch.state.values():
-        for key, value in entries.items():
-            _check_moment(owner, key, value, param)
-
-
-def _check_moment(owner: str, key: str, value: Any, param: Tensor) -> None:
-    """Raise ``ValueError`` for an optimizer state entry of another shape than ``param``'s
-    (another number of tasks) or holding inf/NaN."""
-    if not isinstance(value, Tensor):
-        return
-    if value.dim() > 0 and value.shape != param.shape:
-        raise ValueError(f"state_dict['optimizer'] holds {key!r} of shape {tuple(value.shape)} "
-                         f"but {owner} trains {tuple(param.shape)} (one entry per task); load "
-                         f"a state saved with the same number of tasks")
-    if value.is_floating_point() and not bool(torch.isfinite(value).all()):
-        raise ValueError(f"state_dict['optimizer'][{key!r}] holds inf/NaN; the state was saved "
-                         f"after a failed step or damaged: load an earlier checkpoint, or call "
-                         f"reset() instead")
 
 
 def _as_flag(found_inf: bool | Tensor) -> bool:
@@ -99,8 +38,8 @@ class LossWeighting(StateModule):
       step (Uncertainty Weighting, IMTL-L).
     * ``_pending_state``: what a step gathers for :meth:`update` besides the losses.
 
-    Tensor state is declared with :meth:`register_state`, which generates :meth:`reset`;
-    :meth:`_reset_state` resets the rest (counters, an own optimizer, a generator).
+    State is declared with :meth:`register_state` (and :attr:`_rebuilt`), which generates
+    :meth:`reset` (``docs/ARCHITECTURE.md``, "Extension contract").
 
     Args:
         num_tasks: K; every call checks it.
@@ -112,8 +51,9 @@ class LossWeighting(StateModule):
     learnable: ClassVar[bool] = False
     _kind = "weighting"
     _extra_keys: ClassVar[tuple[str, ...]] = ("num_tasks",)
-    #: Buffers stepped by the method's own ``optimizer`` (leaves with ``requires_grad``).
-    _self_trained: ClassVar[tuple[str, ...]] = ()
+    _repr_args: ClassVar[tuple[str, ...]] = ("num_tasks",)
+    #: The state that :attr:`weights` returns (empty: the class implements :attr:`weights`).
+    _weights_state: ClassVar[str] = ""
     #: Attributes holding what a step gathers besides the losses for :meth:`update` (None
     #: between steps): :meth:`pending_tensors` returns them, a skipped step drops them.
     _pending_state: ClassVar[tuple[str, ...]] = ()
@@ -123,7 +63,6 @@ class LossWeighting(StateModule):
         self.num_tasks: int = check_num_tasks("num_tasks", num_tasks)
         self.device = torch.device("cpu") if device is None else torch.device(device)
         self._pending: Tensor | None = None
-        self._pending_calls = 0
 
     # -- to implement -------------------------------------------------------------------
     def _weighted(self, losses: Tensor, *args: Any) -> Tensor:
@@ -133,19 +72,19 @@ class LossWeighting(StateModule):
     def _apply_update(self, losses: Tensor, losses_after: Tensor | None) -> None:
         """Change the state from this step's (finite, summed) losses; default: nothing."""
 
-    def _reset_state(self) -> None:
-        """Back to the state at construction, beyond the declared state (which
-        :meth:`reset` restores): counters, an own optimizer, a generator."""
-
     def _discard_pending(self) -> None:
-        """Drop what a step gathered besides the losses (:attr:`_pending_state`)."""
+        """Drop the pending observation: the losses and :attr:`_pending_state`."""
+        self._pending = None
         for name in self._pending_state:
             setattr(self, name, None)
 
     @property
     def weights(self) -> Tensor:
-        """The current task weights ``[K]`` (detached), for logging."""
-        raise NotImplementedError
+        """The current task weights ``[K]`` (a detached copy), for logging."""
+        if not self._weights_state:
+            raise NotImplementedError(f"{type(self).__name__} must implement weights")
+        state: Tensor = getattr(self, self._weights_state)
+        return state.detach().clone()
 
     # -- public -------------------------------------------------------------------------
     def forward(self, losses: Tensor | Sequence[Tensor], *, scaler: Any = None) -> Tensor:
@@ -167,7 +106,6 @@ class LossWeighting(StateModule):
             self._weighted(vector)
         detached = vector.detach().to(device=self.device, dtype=torch.float64)
         self._pending = detached if self._pending is None else self._pending + detached
-        self._pending_calls += 1
         return out
 
     def update(
@@ -190,37 +128,32 @@ class LossWeighting(StateModule):
             NonFiniteGradientError: the step's losses (or ``losses_after``) hold inf/NaN and
                 ``found_inf`` is False; the state is unchanged.
         """
-        pending, calls = self._pending, self._pending_calls
-        self._pending, self._pending_calls = None, 0
-        if _as_flag(found_inf):
-            self._discard_pending()
-            return False
-        if pending is None or calls == 0:
-            raise RuntimeError(
-                f"{type(self).__name__}.update() called without a weighting call since the "
-                f"last update; call weighting(losses) every step before the optimizer step"
-            )
-        after = None
-        if losses_after is not None:
-            after = as_loss_vector("losses_after", losses_after, self.num_tasks)
-            after = after.detach().to(device=self.device, dtype=torch.float64)
-        bad = not bool(torch.isfinite(pending).all())
-        if after is not None and not bool(torch.isfinite(after).all()):
-            bad = True
-        if bad:
-            self._discard_pending()
-            raise NonFiniteGradientError(
-                f"the losses of this step hold inf or NaN ({pending.tolist()}); "
-                f"{type(self).__name__} state is unchanged. Pass found_inf=True for a skipped "
-                f"step, or find the source of the overflow"
-            )
-        if self.learnable:
-            self._warn_if_no_grad()
+        pending = self._pending
         try:
+            if _as_flag(found_inf):
+                return False
+            if pending is None:
+                raise RuntimeError(
+                    f"{type(self).__name__}.update() called without a weighting call since "
+                    f"the last update; call weighting(losses) every step before the optimizer "
+                    f"step"
+                )
+            after = None
+            if losses_after is not None:
+                after = as_loss_vector("losses_after", losses_after, self.num_tasks)
+                after = after.detach().to(device=self.device, dtype=torch.float64)
+            if not all(bool(torch.isfinite(t).all()) for t in (pending, after) if t is not None):
+                raise NonFiniteGradientError(
+                    f"the losses of this step hold inf or NaN ({pending.tolist()}); "
+                    f"{type(self).__name__} state is unchanged. Pass found_inf=True for a "
+                    f"skipped step, or find the source of the overflow"
+                )
+            if self.learnable:
+                self._warn_if_no_grad()
             self._apply_update(pending, after)
+            return True
         finally:
             self._discard_pending()
-        return True
 
     def pending_tensors(self) -> list[Tensor]:
         """The pending observation of this step: what :meth:`update` will learn from.
@@ -249,34 +182,14 @@ class LossWeighting(StateModule):
 
     def _load_extra(self, extra: dict[str, Any]) -> None:
         """A loaded state starts a new step: the pending observation is dropped."""
-        self._pending, self._pending_calls = None, 0
         self._discard_pending()
 
     def _state_device(self) -> torch.device:
         return self.device
 
-    def _own_optimizer(self) -> torch.optim.Optimizer | None:
-        """The optimizer of the :attr:`_self_trained` buffers, rebuilt by :meth:`_apply`."""
-        return None
-
-    def _rebuild_optimizer(self, state: dict[str, Any]) -> None:
-        """Build the own optimizer again on the (moved) buffers and load ``state`` into it."""
-
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Any:
-        """``.to()``, ``.double()``...: buffers stepped in place by the method's own
-        optimizer stay leaves, the optimizer follows them with its state, ``device`` too."""
-        own = self._own_optimizer()
-        before = {name: self._buffers[name] for name in self._self_trained}
-        saved = None if own is None else own.state_dict()
+        """``.to()``, ``.double()``...: ``device`` follows the state."""
         out = super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
-        moved = False
-        for name, tensor in before.items():
-            now = self._buffers[name]
-            if now is not tensor and now is not None:
-                self._buffers[name] = now.detach().requires_grad_(True)
-                moved = True
-        if moved and saved is not None:
-            self._rebuild_optimizer(saved)
         for tensor in [*self._parameters.values(), *self._buffers.values()]:
             if tensor is not None:
                 self.device = tensor.device
@@ -285,13 +198,8 @@ class LossWeighting(StateModule):
 
     def reset(self) -> None:
         """Forget all state (as freshly built); learnable tensors are reset in place."""
-        self._pending, self._pending_calls = None, 0
         self._discard_pending()
         super().reset()
-        self._reset_state()
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(num_tasks={self.num_tasks})"
 
     # -- helpers ------------------------------------------------------------------------
     def _warn_if_no_grad(self) -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor
 
@@ -26,27 +24,27 @@ class DWA(LossWeighting):
     ``wₖ(t) = K·exp(rₖ(t−1)/T) / Σᵢ exp(rᵢ(t−1)/T)``, ``rₖ(t−1) = Lₖ(t−1)/Lₖ(t−2)``, where
     ``Lₖ(t)`` is the mean loss of period ``t``; ``wₖ = 1`` for the first two periods.
 
-    A period is ``period`` calls of :meth:`update` (the paper averages over an epoch:
-    pass ``period=steps_per_epoch``), or ``period=None`` and close it yourself with
-    :meth:`end_period`. Skipped steps do not count.
-
     Args:
         num_tasks: K.
         temperature: ``T > 0``; the paper uses 2.
-        period: optimizer steps per averaging period, or None for :meth:`end_period`.
+        period: optimizer steps (not skipped) per averaging period (the paper's epoch:
+            ``steps_per_epoch``), or None to close periods with :meth:`end_period`.
 
-    State: the buffers ``_weights`` ``[K]``, ``_history`` ``[2, K]`` and ``_window`` ``[K]``;
-    the period and window counts in the extra state.
+    State: the buffers ``_weights`` ``[K]``, ``_history`` ``[2, K]``, ``_window`` ``[K]`` and
+    the period and window step counts ``_periods``, ``_window_steps``.
 
     Reference: Liu, Johns & Davison, "End-to-End Multi-Task Learning with Attention",
     CVPR 2019.
     """
 
     name = "dwa"
-    _extra_keys = ("num_tasks", "periods", "window_steps")
+    _weights_state = "_weights"
+    _repr_args = ("num_tasks", "temperature", "period")
     _weights: Tensor
     _history: Tensor
     _window: Tensor
+    _periods: Tensor
+    _window_steps: Tensor
 
     def __init__(self, num_tasks: int, *, temperature: float = 2.0, period: int | None = 1,
                  device: torch.device | str | None = None) -> None:
@@ -61,19 +59,16 @@ class DWA(LossWeighting):
                             per_task=True, task_dim=1)  # L(t-1), L(t-2)
         self.register_state("_window", torch.zeros(k, dtype=torch.float64, device=dev),
                             per_task=True)
-        self._reset_state()
-
-    def _reset_state(self) -> None:
-        self._periods = 0
-        self._window_steps = 0
+        for name in ("_periods", "_window_steps"):
+            self.register_state(name, torch.zeros((), dtype=torch.int64, device=dev))
 
     def _weighted(self, losses: Tensor) -> Tensor:
         return self._weights.to(dtype=losses.dtype, device=losses.device) * losses
 
     def _apply_update(self, losses: Tensor, losses_after: Tensor | None) -> None:
         self._window = self._window + losses
-        self._window_steps += 1
-        if self.period is not None and self._window_steps >= self.period:
+        self._window_steps = self._window_steps + 1
+        if self.period is not None and int(self._window_steps) >= self.period:
             self.end_period()
 
     def end_period(self) -> bool:
@@ -81,30 +76,13 @@ class DWA(LossWeighting):
 
         Returns False (and changes nothing) when the period holds no step.
         """
-        if self._window_steps == 0:
+        if int(self._window_steps) == 0:
             return False
         mean = self._window / self._window_steps
         self._history = torch.stack([mean, self._history[0]])
-        self._periods += 1
+        self._periods = self._periods + 1
         self._window = torch.zeros_like(self._window)
-        self._window_steps = 0
-        if self._periods >= 2:
+        self._window_steps = torch.zeros_like(self._window_steps)
+        if int(self._periods) >= 2:
             self._weights = dwa_weights(self._history[0], self._history[1], self.temperature)
         return True
-
-    @property
-    def weights(self) -> Tensor:
-        return self._weights.clone()
-
-    def _extra_state(self) -> dict[str, Any]:
-        return {**super()._extra_state(), "periods": self._periods,
-                "window_steps": self._window_steps}
-
-    def _load_extra(self, extra: dict[str, Any]) -> None:
-        super()._load_extra(extra)
-        self._periods = int(extra.get("periods", 0))
-        self._window_steps = int(extra.get("window_steps", 0))
-
-    def __repr__(self) -> str:
-        return f"DWA(num_tasks={self.num_tasks}, temperature={self.temperature}, " \
-               f"period={self.period})"

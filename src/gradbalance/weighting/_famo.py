@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import Tensor
 
-from .._checks import check_nonnegative_losses, check_positive
-from ._own_optimizer import OwnOptimizerWeighting
+from .._checks import as_task_vector, check_nonnegative_losses, check_positive
+from ._own_optimizer import OptimizerFactory, OwnOptimizerWeighting
 
 __all__ = ["FAMO", "famo_weights"]
 
@@ -37,11 +35,8 @@ class FAMO(OwnOptimizerWeighting):
        ``ξ`` takes one step of its own Adam (``lr``, ``weight_decay=gamma``) along
        ``∇_ξ softmax(ξ)·δ``: tasks whose loss fell less get more weight.
 
-    Micro-batches: ``before`` is the sum of the losses passed to the calls of the step (pass
-    each micro-batch's losses divided by the number of micro-batches, as for
-    :class:`~gradbalance.TaskGradBuffer`, and the sum is the batch mean); pass
-    ``losses_after`` aggregated the same way, over the same micro-batches. A skipped step
-    (``found_inf=True``) leaves ``ξ`` and its Adam state unchanged.
+    With micro-batches pass ``losses_after`` aggregated as the step's calls were (their
+    sum; docs/weighting.md).
 
     Args:
         num_tasks: K.
@@ -50,9 +45,7 @@ class FAMO(OwnOptimizerWeighting):
         min_losses: ``m`` ``[K]``, lower bounds of the losses (default 0).
         optimizer: factory ``params -> torch.optim.Optimizer`` replacing the default Adam.
 
-    ``ξ`` is trained by FAMO's own optimizer in :meth:`update`, never by the user's: it is a
-    buffer (``logits``), not an ``nn.Parameter``, so ``model.parameters()`` leaves it out
-    even when the weighting is a submodule of the model. State: the buffers ``logits`` and
+    State: the buffers ``logits`` (stepped by FAMO's own optimizer, never by the user's) and
     ``min_losses`` ``[K]``; the optimizer's state in the extra state (``"optimizer"``).
 
     Reference: Liu, Liu, Jin, Stone & Liu, "FAMO: Fast Adaptive Multitask Optimization",
@@ -60,37 +53,29 @@ class FAMO(OwnOptimizerWeighting):
     """
 
     name = "famo"
-    _self_trained = ("logits",)
+    _weights_state = "_last"
     logits: Tensor
     min_losses: Tensor
     _last: Tensor
 
     def __init__(self, num_tasks: int, *, lr: float = 0.025, gamma: float = 0.01,
                  min_losses: Tensor | list[float] | None = None, eps: float = 1e-8,
-                 optimizer: Callable[[list[Tensor]], torch.optim.Optimizer] | None = None,
+                 optimizer: OptimizerFactory | None = None,
                  device: torch.device | str | None = None) -> None:
         super().__init__(num_tasks, device=device)
         self.lr = check_positive("lr", lr)
         self.gamma = check_positive("gamma", gamma, allow_zero=True)
         self.eps = check_positive("eps", eps)
         k = num_tasks
-        m = torch.zeros(k) if min_losses is None else torch.as_tensor(min_losses)
-        m = m.detach().to(dtype=torch.float64, device=self.device).clone()
-        if m.shape != (k,) or not bool(torch.isfinite(m).all()):
-            raise ValueError(f"Invalid min_losses: {m.tolist()} (expected {k} finite numbers)")
-        self.register_state("min_losses", m, per_task=True)
-        self._factory = optimizer
-        self.register_state("logits", torch.zeros(k, dtype=torch.float64, device=self.device,
-                                                  requires_grad=True), per_task=True)
-        self.optimizer = self._make_optimizer()
+        m = as_task_vector("min_losses", torch.zeros(k) if min_losses is None else min_losses, k)
+        self.register_state("min_losses", m.to(self.device), per_task=True)
+        self._register_trained("logits", torch.zeros(k, dtype=torch.float64,
+                                                     device=self.device), optimizer)
         self.register_state("_last", torch.full((k,), 1.0 / k, dtype=torch.float64,
                                                 device=self.device), per_task=True,
                             persistent=False)
 
-    def _make_optimizer(self, logits: Tensor | None = None) -> torch.optim.Optimizer:
-        params = [self.logits if logits is None else logits]
-        if self._factory is not None:
-            return self._factory(params)
+    def _default_optimizer(self, params: list[Tensor]) -> torch.optim.Optimizer:
         return torch.optim.Adam(params, lr=self.lr, weight_decay=self.gamma)
 
     def _check_above_min(self, losses: Tensor, argname: str) -> None:
@@ -119,14 +104,6 @@ class FAMO(OwnOptimizerWeighting):
         self.logits.grad = None
 
     @property
-    def weights(self) -> Tensor:
-        """Weights of the last call (``1/K`` before the first)."""
-        return self._last.clone()
-
-    @property
     def task_probabilities(self) -> Tensor:
         """``softmax(ξ)`` ``[K]``."""
         return torch.softmax(self.logits.detach(), dim=0)
-
-    def _reset_state(self) -> None:
-        self.optimizer = self._make_optimizer()

@@ -35,6 +35,7 @@ class GLS(LossWeighting):
     """
 
     name = "gls"
+    _weights_state = "_last"
     _last: Tensor
 
     def __init__(self, num_tasks: int, *, eps: float = 1e-12,
@@ -54,8 +55,3 @@ class GLS(LossWeighting):
         w = self.weights_of(losses)
         self._last = w
         return w.to(dtype=losses.dtype) * losses
-
-    @property
-    def weights(self) -> Tensor:
-        """Weights of the last call (``1/K`` before the first)."""
-        return self._last.clone()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -10,7 +10,8 @@ from torch import Tensor, nn
 
 from .._checks import as_parameter_list, check_positive
 from .._types import NonFiniteGradientError
-from ._own_optimizer import OwnOptimizerWeighting
+from ..taskgrads import task_gradients
+from ._own_optimizer import OptimizerFactory, OwnOptimizerWeighting
 
 __all__ = ["GradNorm", "gradnorm_targets", "last_layer_parameters"]
 
@@ -50,12 +51,10 @@ class GradNorm(OwnOptimizerWeighting):
     is clamped to ``>= min_weight`` and rescaled to sum to K (docs/weighting.md;
     ``renormalize=False`` leaves the sum free to drift).
 
-    Step ``t``: ``weighting(losses)`` computes ``∇_W Lₖ`` (K small backward passes through the
-    heads and ``W``; gradients summed over micro-batches) and returns ``wₖ Lₖ`` with ``w``
-    detached; after ``optimizer.step()``, ``update(found_inf=...)`` takes the ``w`` step.
-    ``Lₖ(0)`` are the losses of the first step not skipped. Under mixed precision pass the
-    ``GradScaler`` to the call (``weighting(losses, scaler=scaler)``): the layer gradients
-    are taken of the scaled losses and divided by the scale, so the norms are the true ones.
+    ``weighting(losses)`` computes ``∇_W Lₖ`` (K small backward passes; summed over
+    micro-batches) and returns ``wₖ Lₖ`` with ``w`` detached; ``update()`` takes the ``w``
+    step. ``Lₖ(0)`` are the losses of the first step not skipped. Under mixed precision pass
+    the scaler: ``weighting(losses, scaler=scaler)``.
 
     Args:
         num_tasks: K.
@@ -68,28 +67,28 @@ class GradNorm(OwnOptimizerWeighting):
         min_weight: floor that keeps every weight positive.
         optimizer: factory ``params -> torch.optim.Optimizer`` replacing the default Adam.
 
-    ``w`` is trained by GradNorm's own optimizer in :meth:`update`, never by the user's: it is
-    a buffer (``task_weights``), not an ``nn.Parameter``, so ``model.parameters()`` leaves it
-    out even when the weighting is a submodule of the model (a second optimizer would step it
-    twice, with the model's weight decay). State: the buffers ``task_weights`` and
-    ``_initial`` (``Lₖ(0)``, None before the first update); the optimizer's state in the
-    extra state (``"optimizer"``).
+    State: the buffers ``task_weights`` (stepped by GradNorm's own optimizer, never by the
+    user's) and ``_initial`` (``Lₖ(0)``, None before the first update); the optimizer's state
+    in the extra state (``"optimizer"``).
 
     Reference: Chen, Badrinarayanan, Lee & Rabinovich, "GradNorm: Gradient Normalization for
     Adaptive Loss Balancing in Deep Multitask Networks", ICML 2018.
     """
 
     name = "gradnorm"
+    _weights_state = "task_weights"
+    _repr_args = ("num_tasks", "alpha", "lr", "renormalize")
     needs_task_gradients = True
-    _self_trained = ("task_weights",)
     _pending_state = ("_grads",)  # the summed layer gradients [K, P_layer] of this step
     task_weights: Tensor
     _initial: Tensor | None
+    last_loss_grad: Tensor | None
+    last_norms: Tensor | None
 
     def __init__(self, num_tasks: int, layer: nn.Module | Iterable[Tensor], *,
                  alpha: float = 1.5, lr: float = 0.025, renormalize: bool = True,
                  min_weight: float = 1e-4,
-                 optimizer: Callable[[list[Tensor]], torch.optim.Optimizer] | None = None,
+                 optimizer: OptimizerFactory | None = None,
                  device: torch.device | str | None = None) -> None:
         super().__init__(num_tasks, device=device)
         self.alpha = check_positive("alpha", alpha, allow_zero=True)
@@ -103,21 +102,16 @@ class GradNorm(OwnOptimizerWeighting):
             self.layer_params = last_layer_parameters(layer)
         else:
             self.layer_params = as_parameter_list("layer", layer)
-        self._factory = optimizer
-        self.register_state("task_weights", torch.ones(
-            num_tasks, dtype=torch.float64, device=self.device, requires_grad=True),
-            per_task=True)
-        self.optimizer = self._make_optimizer()
+        self._register_trained("task_weights", torch.ones(
+            num_tasks, dtype=torch.float64, device=self.device), optimizer)
         self.register_state("_initial", None, optional=True, shape=(num_tasks,),
                             per_task=True)
         self._grads: Tensor | None = None
-        self.last_loss_grad: Tensor | None = None
-        self.last_norms: Tensor | None = None
+        # Diagnostics of the last update, for logging.
+        self.register_state("last_loss_grad", None, optional=True, persistent=False)
+        self.register_state("last_norms", None, optional=True, per_task=True, persistent=False)
 
-    def _make_optimizer(self, weights: Tensor | None = None) -> torch.optim.Optimizer:
-        params = [self.task_weights if weights is None else weights]
-        if self._factory is not None:
-            return self._factory(params)
+    def _default_optimizer(self, params: list[Tensor]) -> torch.optim.Optimizer:
         return torch.optim.Adam(params, lr=self.lr)
 
     # -- step ---------------------------------------------------------------------------
@@ -126,14 +120,8 @@ class GradNorm(OwnOptimizerWeighting):
         if scaler is not None and scaler.is_enabled():
             scale = scaler.scale(torch.ones((), dtype=torch.float32, device=losses.device))
         scaled = losses if scale is None else losses * scale.to(losses.dtype)
-        rows = []
-        for k in range(losses.shape[0]):
-            grads = torch.autograd.grad(scaled[k], self.layer_params, retain_graph=True,
-                                        allow_unused=True)
-            flat = [torch.zeros(p.numel(), dtype=torch.float64, device=p.device) if g is None
-                    else g.reshape(-1).double() for g, p in zip(grads, self.layer_params)]
-            rows.append(torch.cat(flat))
-        matrix = torch.stack(rows)
+        matrix = task_gradients(scaled, self.layer_params, passes="loop",
+                                retain_graph=True).double()
         if scale is not None:
             matrix = matrix / scale.to(device=matrix.device, dtype=matrix.dtype)
         return matrix
@@ -177,19 +165,6 @@ class GradNorm(OwnOptimizerWeighting):
 
     # -- state --------------------------------------------------------------------------
     @property
-    def weights(self) -> Tensor:
-        return self.task_weights.detach().clone()
-
-    @property
     def initial_losses(self) -> Tensor | None:
         """``Lₖ(0)`` ``[K]``, None before the first update."""
         return None if self._initial is None else self._initial.clone()
-
-    def _reset_state(self) -> None:
-        self.optimizer = self._make_optimizer()
-        self.last_loss_grad = None
-        self.last_norms = None
-
-    def __repr__(self) -> str:
-        return (f"GradNorm(num_tasks={self.num_tasks}, alpha={self.alpha}, lr={self.lr}, "
-                f"renormalize={self.renormalize})")

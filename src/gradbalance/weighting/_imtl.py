@@ -13,12 +13,8 @@ __all__ = ["IMTLL"]
 class IMTLL(LossWeighting):
     """Learned loss scales: weighted loss ``e^{sₖ}·Lₖ − sₖ``, ``sₖ`` learnable.
 
-    The scale ``sₖ`` is trained by *your* optimizer on the same objective: it is an
-    ``nn.Parameter`` (``log_scales``), in ``model.parameters()`` when the weighting is a
-    submodule of the model (else add :meth:`parameters` to the optimizer; with a
-    :class:`~gradbalance.TaskGradBuffer` also list them in ``head_params``). Its optimum
-    ``e^{sₖ} = 1/Lₖ`` makes every scaled loss ``1 + log Lₖ``: all tasks contribute a scaled
-    loss of the same size.
+    ``sₖ`` is trained by *your* optimizer, as Uncertainty Weighting's (an ``nn.Parameter``,
+    ``log_scales``). Its optimum ``e^{sₖ} = 1/Lₖ`` makes every scaled loss ``1 + log Lₖ``.
 
     Args:
         num_tasks: K.

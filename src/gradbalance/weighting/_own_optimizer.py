@@ -1,40 +1,92 @@
 """Loss weightings whose weights their own optimizer steps (GradNorm, FAMO).
 
-Such a weighting keeps its trained tensor as a buffer with ``requires_grad`` (named in
-``_self_trained``), so an optimizer built from ``model.parameters()`` never steps it a second
-time, and saves its optimizer's state as extra state. A state is checked against a scratch
-optimizer first (:func:`~gradbalance.weighting._base.check_optimizer_state`), so a load that
-would fail changes nothing; ``.to()`` rebuilds the optimizer on the moved tensor with its
-state (:meth:`LossWeighting._apply`).
+The trained tensor is a per-task buffer with ``requires_grad``, so an optimizer built from
+``model.parameters()`` never steps it a second time; the optimizer's state is extra state,
+checked against a scratch optimizer before a load changes anything (docs/weighting.md).
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from ._base import LossWeighting, check_optimizer_state
+from ._base import LossWeighting
+
+OptimizerFactory = Callable[[list[Tensor]], torch.optim.Optimizer]
+
+
+def check_optimizer_state(make: Callable[[Tensor], torch.optim.Optimizer], param: Tensor,
+                          state: Any, owner: str) -> None:
+    """Raise ``ValueError`` unless ``state`` loads into an optimizer like ``owner``'s own.
+
+    Loaded into a scratch optimizer built on a copy of ``param``: nothing of ``owner`` moves.
+    Its moments must have ``param``'s shape (one entry per task) and be finite.
+    """
+    if not isinstance(state, dict):
+        raise ValueError(f"state_dict lacks 'optimizer' (the state of {owner}'s own "
+                         f"optimizer); was it saved from another {owner}?")
+    scratch = make(param.detach().clone().requires_grad_(True))
+    try:
+        scratch.load_state_dict(copy.deepcopy(state))
+    except (ValueError, KeyError, TypeError, RuntimeError) as error:
+        raise ValueError(f"state_dict['optimizer'] does not load into {owner}'s optimizer "
+                         f"({error}); was it saved with another optimizer?") from error
+    for entries in scratch.state.values():
+        for key, value in entries.items():
+            _check_moment(owner, key, value, param)
+
+
+def _check_moment(owner: str, key: str, value: Any, param: Tensor) -> None:
+    """Raise ``ValueError`` for an optimizer state entry of another shape than ``param``'s
+    (another number of tasks) or holding inf/NaN."""
+    if not isinstance(value, Tensor):
+        return
+    if value.dim() > 0 and value.shape != param.shape:
+        raise ValueError(f"state_dict['optimizer'] holds {key!r} of shape {tuple(value.shape)} "
+                         f"but {owner} trains {tuple(param.shape)} (one entry per task); load "
+                         f"a state saved with the same number of tasks")
+    if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+        raise ValueError(f"state_dict['optimizer'][{key!r}] holds inf/NaN; the state was saved "
+                         f"after a failed step or damaged: load an earlier checkpoint, or call "
+                         f"reset() instead")
 
 
 class OwnOptimizerWeighting(LossWeighting):
     """A :class:`LossWeighting` with one self-trained buffer and its own ``optimizer``.
 
-    A subclass names the buffer in ``_self_trained`` (one entry) and implements
-    :meth:`_make_optimizer`.
+    A subclass declares the buffer with :meth:`_register_trained` and implements
+    :meth:`_default_optimizer`.
     """
 
     _extra_keys: ClassVar[tuple[str, ...]] = ("num_tasks", "optimizer")
+    _rebuilt = (("optimizer", "_make_optimizer"),)
     optimizer: torch.optim.Optimizer
+
+    def _register_trained(self, name: str, initial: Tensor,
+                          factory: OptimizerFactory | None) -> None:
+        """Declare the per-task buffer ``name`` stepped by the own optimizer (``factory``,
+        else :meth:`_default_optimizer`) and build that optimizer."""
+        self._trained_name = name
+        self._factory = factory
+        self.register_state(name, initial.requires_grad_(True), per_task=True)
+        self.optimizer = self._make_optimizer()
+
+    def _default_optimizer(self, params: list[Tensor]) -> torch.optim.Optimizer:
+        """The optimizer used when no factory is given."""
+        raise NotImplementedError
 
     def _make_optimizer(self, trained: Tensor | None = None) -> torch.optim.Optimizer:
         """An optimizer over ``trained`` (default: the self-trained buffer)."""
-        raise NotImplementedError
+        params = [self._trained() if trained is None else trained]
+        return self._default_optimizer(params) if self._factory is None else \
+            self._factory(params)
 
     def _trained(self) -> Tensor:
-        tensor = self._buffers[self._self_trained[0]]
+        tensor = self._buffers[self._trained_name]
         assert tensor is not None
         return tensor
 
@@ -51,9 +103,13 @@ class OwnOptimizerWeighting(LossWeighting):
         super()._load_extra(extra)
         self.optimizer.load_state_dict(copy.deepcopy(extra["optimizer"]))
 
-    def _own_optimizer(self) -> torch.optim.Optimizer:
-        return self.optimizer
-
-    def _rebuild_optimizer(self, state: dict[str, Any]) -> None:
-        self.optimizer = self._make_optimizer()
-        self.optimizer.load_state_dict(state)
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Any:
+        """``.to()``, ``.double()``...: the trained buffer stays a leaf and the optimizer
+        follows it with its state."""
+        before, saved = self._trained(), self.optimizer.state_dict()
+        out = super()._apply(fn, recurse)
+        if self._trained() is not before:
+            self._buffers[self._trained_name] = self._trained().detach().requires_grad_(True)
+            self.optimizer = self._make_optimizer()
+            self.optimizer.load_state_dict(saved)
+        return out

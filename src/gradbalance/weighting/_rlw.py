@@ -9,6 +9,7 @@ from torch import Tensor
 
 from .._checks import check_choice, check_generator
 from ..balancers._random import random_weights
+from ..balancers._rng import private_generator
 from ._base import LossWeighting
 
 __all__ = ["RLW"]
@@ -39,7 +40,9 @@ class RLW(LossWeighting):
     """
 
     name = "rlw"
+    _weights_state = "_weights"
     _extra_keys = ("num_tasks", "rng_state")
+    _rebuilt = (("generator", "_first_generator"),)
     _weights: Tensor
 
     def __init__(self, num_tasks: int, *, distribution: Literal["normal", "dirichlet"] = "normal",
@@ -52,9 +55,7 @@ class RLW(LossWeighting):
         if generator is not None and seed is not None:
             raise ValueError("Invalid seed: give either generator or seed, not both")
         if generator is None:
-            if seed is None:
-                seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
-            generator = torch.Generator().manual_seed(seed)
+            generator = private_generator() if seed is None else torch.Generator().manual_seed(seed)
         elif generator.device.type != "cpu":
             raise ValueError(f"Invalid generator: on {generator.device} (expected a CPU "
                              f"torch.Generator)")
@@ -63,8 +64,9 @@ class RLW(LossWeighting):
                                                        generator).to(self.device), per_task=True)
         self._initial_rng = generator.get_state()  # after the first draw, the declared default
 
-    def _reset_state(self) -> None:
-        self.generator.set_state(self._initial_rng)
+    def _first_generator(self) -> torch.Generator:
+        """The generator back at its state after the draw of the declared ``_weights``."""
+        return self.generator.set_state(self._initial_rng)
 
     def _weighted(self, losses: Tensor) -> Tensor:
         return self._weights.to(dtype=losses.dtype, device=losses.device) * losses
@@ -72,10 +74,6 @@ class RLW(LossWeighting):
     def _apply_update(self, losses: Tensor, losses_after: Tensor | None) -> None:
         self._weights = random_weights(self.num_tasks, self.distribution,
                                        self.generator).to(self.device)
-
-    @property
-    def weights(self) -> Tensor:
-        return self._weights.clone()
 
     def _extra_state(self) -> dict[str, Any]:
         return {**super()._extra_state(), "rng_state": self.generator.get_state()}

@@ -17,11 +17,9 @@ def scale_invariant_weights(losses: Tensor, eps: float = 1e-12) -> Tensor:
 class ScaleInvariant(GLS):
     """Minimise ``Σₖ log Lₖ``: every task's gradient divided by its loss.
 
-    Multiplying a task's loss by a constant leaves the update unchanged (hence the name). The
-    returned weighted losses are ``wₖ Lₖ`` with the detached weights ``1/Lₖ``: each equals 1
-    in value, and their sum has the gradient of ``Σₖ log Lₖ``. Stateless; losses must be
-    >= 0. ``Σₖ log Lₖ = K · log GLS``, so SI is GLS with its weights rescaled by
-    ``K / (Πⱼ Lⱼ)^{1/K}``.
+    A constant factor on a task's loss leaves the update unchanged. The returned weighted
+    losses are ``wₖ Lₖ`` with the detached ``wₖ = 1/Lₖ`` (each equals 1 in value). Losses
+    must be >= 0.
 
     Reference: Navon et al., "Multi-Task Learning as a Bargaining Game", ICML 2022 (the SI
     baseline); Liu et al., "FAMO: Fast Adaptive Multitask Optimization", NeurIPS 2023.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -34,13 +33,9 @@ class STCH(LossWeighting):
     """Smooth Tchebycheff scalarisation: minimise a smooth max of the normalised log-losses.
 
     ``g(L) = K·μ·log Σₖ exp(λₖ·log(Lₖ/nₖ)/μ)``, ``n`` the nadir (reference) losses. During
-    the first ``warmup_steps`` optimizer steps the objective is ``Σₖ log Lₖ`` (weights
-    ``1/Lₖ``) and the mean of those steps' losses becomes the nadir, as the reference
-    implementation does over its warm-up epoch. Give ``nadir`` to skip the estimate; with
-    ``warmup_steps=0`` and no nadir, ``n = 1``.
-
-    Returned weighted losses are ``wₖ Lₖ`` with detached weights (:func:`stch_weights`):
-    their sum has the objective's gradient (not its value). Losses must be > 0.
+    the first ``warmup_steps`` optimizer steps the objective is ``Σₖ log Lₖ`` and the mean of
+    those steps' losses becomes the nadir; with ``warmup_steps=0`` and no nadir, ``n = 1``.
+    Returns ``wₖ Lₖ`` with detached weights (:func:`stch_weights`). Losses must be > 0.
 
     Args:
         num_tasks: K.
@@ -49,20 +44,20 @@ class STCH(LossWeighting):
         nadir: reference losses ``[K]`` (> 0), instead of the warm-up estimate.
         preference: ``λ`` ``[K]`` (> 0, default ones).
 
-    State: the buffers ``_nadir`` ``[K]`` (None while being estimated) and ``_warmup_sum``
-    ``[K]``; the step count in the extra state.
+    State: the buffers ``_nadir`` ``[K]`` (None while being estimated), ``_warmup_sum``
+    ``[K]`` and the step count ``_steps``.
 
     Reference: Lin et al., "Smooth Tchebycheff Scalarization for Multi-Objective
     Optimization", ICML 2024.
     """
 
     name = "stch"
-    _extra_keys = ("num_tasks", "steps")
+    _weights_state = "_last"
     preference: Tensor
-    _given_nadir: Tensor | None
     _nadir: Tensor | None
     _warmup_sum: Tensor
     _last: Tensor
+    _steps: Tensor
 
     def __init__(self, num_tasks: int, *, mu: float = 1.0, warmup_steps: int = 0,
                  nadir: Sequence[float] | Tensor | None = None,
@@ -74,10 +69,8 @@ class STCH(LossWeighting):
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
         self.register_buffer("preference", self._vector(preference, "preference"),
                              persistent=False)
-        self.register_buffer("_given_nadir", None if nadir is None else
-                             self._vector(nadir, "nadir"), persistent=False)
         k, dev = num_tasks, self.device
-        nadir_0 = (self._given_nadir.clone() if self._given_nadir is not None
+        nadir_0 = (self._vector(nadir, "nadir") if nadir is not None
                    else torch.ones(k, dtype=torch.float64, device=dev) if warmup_steps == 0
                    else None)
         self.register_state("_nadir", nadir_0, optional=True, shape=(k,), per_task=True)
@@ -85,7 +78,7 @@ class STCH(LossWeighting):
                             per_task=True)
         self.register_state("_last", torch.ones(k, dtype=torch.float64, device=dev),
                             per_task=True, persistent=False)
-        self._reset_state()
+        self.register_state("_steps", torch.zeros((), dtype=torch.int64, device=dev))
 
     def _vector(self, value: Sequence[float] | Tensor | None, argname: str) -> Tensor:
         k = self.num_tasks
@@ -96,9 +89,6 @@ class STCH(LossWeighting):
             raise ValueError(f"Invalid {argname}: {v.tolist()} (expected {k} finite numbers "
                              f"> 0, one per task)")
         return v
-
-    def _reset_state(self) -> None:
-        self._steps = 0
 
     @property
     def in_warmup(self) -> bool:
@@ -120,21 +110,9 @@ class STCH(LossWeighting):
         return w.to(dtype=losses.dtype, device=losses.device) * losses
 
     def _apply_update(self, losses: Tensor, losses_after: Tensor | None) -> None:
-        self._steps += 1
+        self._steps = self._steps + 1
         if self._nadir is None:
             self._warmup_sum = self._warmup_sum + losses
-            if self._steps >= self.warmup_steps:
+            if int(self._steps) >= self.warmup_steps:
                 nadir = self._warmup_sum / self._steps
                 self._nadir = nadir.clamp_min(torch.finfo(torch.float64).tiny)
-
-    @property
-    def weights(self) -> Tensor:
-        """Weights of the last call (ones before the first)."""
-        return self._last.clone()
-
-    def _extra_state(self) -> dict[str, Any]:
-        return {**super()._extra_state(), "steps": self._steps}
-
-    def _load_extra(self, extra: dict[str, Any]) -> None:
-        super()._load_extra(extra)
-        self._steps = int(extra.get("steps", 0))

@@ -22,17 +22,11 @@ class UncertaintyWeighting(LossWeighting):
 
         cₖ·e^{−sₖ}·Lₖ + sₖ/2   (= Lₖ/(2σₖ²) + log σₖ, or Lₖ/σₖ² + log σₖ)
 
-    so at ``σ = 1`` the weights are 0.5 and 1 (docs/weighting.md). Minimising over ``sₖ`` gives
-    ``σₖ² = Lₖ`` (regression) or ``σₖ² = 2Lₖ`` (classification). The ``sₖ`` are trained by
-    *your* optimizer: they are an ``nn.Parameter`` (``log_vars``), so they are in
-    ``model.parameters()`` when the weighting is a submodule of the model; otherwise add
-    :meth:`parameters` to the optimizer. With a
-    :class:`~gradbalance.TaskGradBuffer` list them in ``head_params`` too (they are not
-    shared parameters), so they get their plain gradient.
-
-    Weight decay on ``s`` pulls every ``sₖ`` toward 0, i.e. each weight toward its value at
-    ``σ = 1`` (0.5 or 1): leave the ``sₖ`` out of weight decay (a parameter group with
-    ``weight_decay=0``) unless you want that prior.
+    so at ``σ = 1`` the weights are 0.5 and 1. The ``sₖ`` are trained by *your* optimizer:
+    an ``nn.Parameter`` (``log_vars``), in ``model.parameters()`` when the weighting is a
+    submodule of the model, else add :meth:`parameters` (and, with a
+    :class:`~gradbalance.TaskGradBuffer`, list them in ``head_params``). Leave them out of
+    weight decay unless you want its prior (docs/weighting.md).
 
     Args:
         num_tasks: K.

@@ -17,7 +17,8 @@ import torch.multiprocessing as mp
 from torch import Tensor, nn
 
 from gradbalance import BALANCERS
-from gradbalance.balancers import CRMOGM, MGDA, Balancer, MoCo, MoDo, PCGrad
+from gradbalance.balancers import CRMOGM, MGDA, AlignedMTL, Balancer, MoCo, MoDo, PCGrad
+from gradbalance.weighting import DWA
 from support.balancers import build_balancer
 from support.loop_state import assert_same_state
 from support.saved import through_a_file
@@ -201,3 +202,14 @@ def test_a_model_with_a_balancer_reaches_a_spawned_process(tmp_path: Path) -> No
     theirs = torch.load(out)
     for a, b in zip(theirs, [model.balancer(_matrix(s)) for s in range(3, 6)]):
         assert torch.equal(a, b)
+
+
+def test_repr_shows_the_declared_settings() -> None:
+    """``_repr_args`` generates the repr the classes wrote by hand before."""
+    assert repr(MGDA(normalization="l2")) == \
+        "MGDA(num_tasks=None, normalization='l2', apply_to='normalized')"
+    assert repr(CRMOGM(MGDA(3), beta=0.5)) == \
+        "CRMOGM(inner=MGDA(num_tasks=3, normalization='none', apply_to='normalized'), beta=0.5)"
+    assert repr(AlignedMTL(pref=[1.0, 2.0])) == \
+        "AlignedMTL(num_tasks=None, pref=[1.0, 2.0], scale_mode='min')"
+    assert repr(DWA(3, period=None)) == "DWA(num_tasks=3, temperature=2.0, period=None)"

@@ -175,6 +175,26 @@ def test_reset_restores_construction_state(name: str) -> None:
     assert_states_equal(fresh, w.state_dict())
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_training_after_reset_repeats_a_fresh_run(name: str) -> None:
+    """reset() also rebuilds what a tensor cannot hold (an own optimizer's moments, RLW's
+    generator) and the step counters: the steps after it are a fresh object's, bit for bit."""
+    x, y = data()
+    used_model, fresh_model = Tiny(), Tiny()
+    used, fresh = make(name, used_model), make(name, fresh_model)
+    opt = user_optimizer(used, used_model)
+    for _ in range(3):
+        train_step(used, used_model, opt, x, y)
+    used.reset()
+    used_model.load_state_dict(fresh_model.state_dict())
+    runs = []
+    for w, model in ((used, used_model), (fresh, fresh_model)):
+        opt = user_optimizer(w, model)
+        runs.append([train_step(w, model, opt, x, y) for _ in range(4)])
+    for after_reset, from_fresh in zip(*runs):
+        assert torch.equal(after_reset, from_fresh)
+
+
 def _stepper(name: str, k: int = K) -> tuple[LossWeighting, Callable[[], Tensor]]:
     """A weighting and one training step of it on a fixed batch."""
     model = Tiny(k=k)
