@@ -330,3 +330,19 @@ def check_matrix(name: str, value: Tensor, num_tasks: int | None = None) -> Tens
     if not value.is_floating_point():
         raise ValueError(f"{name} must be floating point, got dtype {value.dtype}")
     return value
+
+
+def check_generator_state(owner: str, state: object, device: torch.device | str = "cpu") -> Tensor:
+    """``state`` if a ``device`` generator takes it (tried on a scratch generator), else
+    ``ValueError``: a bad state never reaches the owner's generator."""
+    if not isinstance(state, Tensor) or state.dtype != torch.uint8:
+        found = state.dtype if isinstance(state, Tensor) else type(state).__name__
+        raise ValueError(f"{owner} state_dict['generator'] must be a uint8 tensor from "
+                         f"torch.Generator.get_state(), got {found}")
+    try:  # torch's own checks
+        torch.Generator(device).set_state(state)
+    except (TypeError, RuntimeError) as error:
+        raise ValueError(f"{owner} state_dict['generator'] is not the state of a {device} "
+                         f"generator ({error}); pass the output of {owner}.state_dict()") from None
+    return state
+

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._checks import check_generator_state as check_state_value
 from ._base import Balancer
 
 
@@ -22,19 +23,13 @@ def private_generator() -> torch.Generator:
 
 
 def check_generator_state(owner: str, state_dict: dict[str, Any]) -> None:
-    """Owned generator: ``state_dict`` must hold ``"generator"``, a ``uint8`` state tensor."""
+    """``state_dict`` must hold ``"generator"``, a state a CPU generator takes."""
     if "generator" not in state_dict:
         raise ValueError(
             f"{owner} state_dict has keys {sorted(state_dict, key=str)} but needs "
             f"'generator'; was it saved from another balancer?"
         )
-    state = state_dict["generator"]
-    if not isinstance(state, Tensor) or state.dtype != torch.uint8:
-        found = state.dtype if isinstance(state, Tensor) else type(state).__name__
-        raise ValueError(
-            f"{owner} state_dict['generator'] must be a uint8 tensor from "
-            f"torch.Generator.get_state(), got {found}"
-        )
+    check_state_value(owner, state_dict["generator"])
 
 
 class OptionalGeneratorState(Balancer):

@@ -14,6 +14,7 @@ from .._checks import (
     as_parameter_list,
     check_bool,
     check_generator,
+    check_generator_state,
     check_int,
     check_norm_type,
     check_optional_int,
@@ -178,13 +179,7 @@ class PerSampleClip(PicklableGenerators):
         if "generator" not in state_dict:
             raise ValueError(f"{name} state_dict lacks 'generator'; pass the output of "
                              f"{name}.state_dict()")
-        saved = state_dict["generator"]
-        try:  # torch's own checks, on a scratch generator
-            torch.Generator(self.generator.device).set_state(saved)
-        except (TypeError, RuntimeError) as error:
-            raise ValueError(f"{name} state_dict['generator'] is not the state of a "
-                             f"{self.generator.device} generator ({error}); pass the output of "
-                             f"{name}.state_dict()") from None
+        saved = check_generator_state(name, state_dict["generator"], self.generator.device)
         self.generator.set_state(saved.clone())
 
     def __repr__(self) -> str:
