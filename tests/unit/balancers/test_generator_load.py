@@ -1,4 +1,4 @@
-"""A generator state torch would refuse is refused at load, before anything of the balancer moves."""
+"""A generator state torch would refuse is refused at load, before the balancer moves."""
 
 from __future__ import annotations
 
