@@ -1,15 +1,16 @@
 """Method names for ``compare``/``train``: parsing, validation and construction.
 
-A *method* is either a gradient balancer (``gradbalance.BALANCERS``), a loss weighting
-(``gradbalance.WEIGHTINGS``, run with the plain ``sum`` balancer), or a single-task baseline
-(one model per task, trained on that task alone; the reference of Δm).
+A *method* is the plain step (``losses.sum().backward()``, no balancing: the time reference),
+a gradient balancer (``gradbalance.BALANCERS``), a loss weighting (``gradbalance.WEIGHTINGS``,
+run through its one-pass path ``weighting(losses).sum().backward()``), or a single-task
+baseline (one model per task, trained on that task alone; the reference of Δm).
 """
 
 from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,12 +21,14 @@ from gradbalance.balancers import BALANCERS, Balancer
 __all__ = [
     "DEFAULT_BALANCERS",
     "DEFAULT_WEIGHTINGS",
+    "PLAIN",
     "Method",
     "available_weightings",
     "build_balancer",
     "build_weighting",
     "required_arguments",
     "resolve_methods",
+    "resolve_names",
     "runnable",
 ]
 
@@ -38,8 +41,9 @@ DEFAULT_WEIGHTINGS = ("gradnorm", "uncertainty")
 class Method:
     """One row of the comparison.
 
-    ``kind`` is ``"balancer"``, ``"weighting"`` or ``"single"``; ``key`` is the registry name
-    (for ``single``, the task name) and ``task`` the task index of a single-task baseline.
+    ``kind`` is ``"plain"``, ``"balancer"``, ``"weighting"`` or ``"single"``; ``key`` is the
+    registry name (``"plain"`` for the plain step; for ``single``, the task name) and ``task``
+    the task index of a single-task baseline.
     """
 
     kind: str
@@ -50,6 +54,35 @@ class Method:
     @property
     def label(self) -> str:
         return f"single-{self.key}" if self.kind == "single" else self.key
+
+
+#: The plain step: ``losses.sum().backward()`` without the library.
+PLAIN = Method("plain", "plain")
+
+
+def resolve_names(names: Sequence[str], option: str = "methods") -> list[Method]:
+    """``names`` (``"plain"``, balancer or loss-weighting names, in any order) as methods,
+    the plain step first whether named or not; an unknown or unbuildable name raises a
+    ValueError naming ``option`` and the valid names."""
+    if isinstance(names, str):
+        raise TypeError(f"Invalid {option}: the string {names!r} (expected a list of names, "
+                        f"e.g. ['mgda', 'uncertainty'])")
+    weightings = available_weightings()
+    kinds = {_norm(key): "balancer" for key in BALANCERS}
+    kinds.update({_norm(key): "weighting" for key in weightings})
+    methods = [PLAIN]
+    for name in names:
+        if _norm(name) == "plain":
+            continue
+        kind = kinds.get(_norm(name))
+        if kind is None:
+            valid = ", ".join(["plain", *sorted(BALANCERS), *sorted(weightings)])
+            raise ValueError(f"Unknown method {name!r} in {option}; valid names: {valid}")
+        registry = BALANCERS if kind == "balancer" else weightings
+        key = _lookup([name], registry, kind, option, None)[0]
+        if Method(kind, key) not in methods:
+            methods.append(Method(kind, key))
+    return methods
 
 
 def available_weightings() -> dict[str, Any]:
@@ -97,10 +130,10 @@ def _lookup(names: Iterable[str], registry: dict[str, Any], what: str, option: s
 def resolve_methods(balancers: list[str] | None, weightings: list[str] | None,
                     optional: bool = False, *, options: tuple[str, str] = ("--balancers",
                                                                           "--weightings"),
-                    with_sum: bool = True) -> list[Method]:
+                    with_plain: bool = True) -> list[Method]:
     """Validate the requested names (``None``: the defaults that exist) into methods.
 
-    With ``with_sum``, ``sum`` is included first: it is the reference of the step-time
+    With ``with_plain``, the plain step comes first: it is the reference of the step-time
     ratio. Methods from the defaults (or ``optional=True``, e.g. for ``all``) are marked
     optional. ``options`` name the command-line options in error messages.
     """
@@ -110,11 +143,9 @@ def resolve_methods(balancers: list[str] | None, weightings: list[str] | None,
     chosen_w = _lookup(DEFAULT_WEIGHTINGS if weightings is None else weightings, registry_w,
                        "weighting", options[1],
                        DEFAULT_WEIGHTINGS if weightings is None else None)
-    if with_sum and "sum" in chosen_b:
-        chosen_b.remove("sum")
     opt_b = optional or balancers is None
     opt_w = optional or weightings is None
-    first = [Method("balancer", "sum")] if with_sum else []
+    first = [PLAIN] if with_plain else []
     return (first + [Method("balancer", k, None, opt_b) for k in chosen_b]
             + [Method("weighting", k, None, opt_w) for k in chosen_w])
 

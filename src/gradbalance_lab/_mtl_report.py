@@ -14,12 +14,13 @@ from __future__ import annotations
 import csv
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from gradbalance._optional import pyplot
 from gradbalance_lab._mtl_runner import RunResult
+from gradbalance_lab._mtl_timing import StepTime
 
 __all__ = [
     "Summary",
@@ -91,8 +92,14 @@ def run_delta(result: RunResult, baseline: list[float] | None,
     return delta_m(result.metrics, baseline, higher_is_better)
 
 
-def summarize(results: Sequence[RunResult], higher_is_better: Sequence[bool]) -> list[Summary]:
-    """One :class:`Summary` per method (in first-seen order), plus one for the baselines."""
+def summarize(results: Sequence[RunResult], higher_is_better: Sequence[bool],
+              timings: Mapping[str, StepTime] | None = None) -> list[Summary]:
+    """One :class:`Summary` per method (in first-seen order), plus one for the baselines.
+
+    The step time and its ratio to the plain step come from ``timings`` (by label, measured
+    interleaved: :mod:`gradbalance_lab._mtl_timing`); a method without one gets its runs'
+    own median step time and the ratio of the means to the plain runs'.
+    """
     k = len(higher_is_better)
     baseline = baseline_metrics(results, k)
     labels: list[str] = []
@@ -100,8 +107,8 @@ def summarize(results: Sequence[RunResult], higher_is_better: Sequence[bool]) ->
         label = "single-task" if r.method.kind == "single" else r.method.label
         if label not in labels:
             labels.append(label)
-    sum_ms = [r.step_ms for r in results if r.method.kind == "balancer" and r.method.key == "sum"]
-    ref = statistics.fmean(sum_ms) if sum_ms else math.nan
+    plain_ms = [r.step_ms for r in results if r.method.kind == "plain"]
+    ref = statistics.fmean(plain_ms) if plain_ms else math.nan
     out = []
     for label in labels:
         group = [r for r in results
@@ -114,6 +121,9 @@ def summarize(results: Sequence[RunResult], higher_is_better: Sequence[bool]) ->
         step_ms, _ = _mean_std([r.step_ms for r in group])
         kind = group[0].method.kind
         ratio = step_ms / ref if kind != "single" and not math.isnan(ref) else math.nan
+        timed = (timings or {}).get(label)
+        if timed is not None and kind != "single":
+            step_ms, ratio = timed.ms, timed.ratio
         runs = len({r.seed for r in group})
         errors = [r.error for r in group if r.error is not None]
         note = f"{len(errors)}/{len(group)} runs failed: {errors[0]}" if errors else ""
@@ -138,7 +148,7 @@ def format_markdown(summaries: Sequence[Summary], metric_names: Sequence[str],
     heads = [f"{n.replace('_acc', ' acc %').replace('_mae', ' MAE')} {'↑' if up else '↓'}"
              for n, up in zip(metric_names, higher_is_better)]
     notes = any(s.note for s in summaries)
-    header = ["method", "kind", *heads, "Δm % ↑", "step ms", "time × sum"]
+    header = ["method", "kind", *heads, "Δm % ↑", "step ms", "× plain step"]
     header += ["notes"] if notes else []
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for s in summaries:
@@ -183,7 +193,7 @@ def write_csvs(out: Path, results: Sequence[RunResult], summaries: Sequence[Summ
         w = csv.writer(f)
         cols = [c for n in metric_names for c in (f"{n}_mean", f"{n}_std")]
         w.writerow([*SUMMARY_COLUMNS, *cols, "delta_m_mean", "delta_m_std", "step_ms",
-                    "time_ratio", "failed", "note"])
+                    "x_plain_step", "failed", "note"])
         for s in summaries:
             vals = [v for m, d in zip(s.means, s.stds) for v in (m, d)]
             w.writerow([s.label, s.kind, s.runs, *map(_fmt6, vals), _fmt6(s.delta_mean),
@@ -251,7 +261,7 @@ def plot_results(path: Path, results: Sequence[RunResult], summaries: Sequence[S
     ax.barh(names_y, [0.0 if math.isnan(s.time_ratio) else s.time_ratio for s in rows][::-1],
             color="tab:gray")
     ax.axvline(1, color="k", linewidth=0.8)
-    ax.set_title("step time × sum", fontsize=9)
+    ax.set_title("step time × plain step (sum().backward())", fontsize=9)
     for ax in axes[k:]:
         ax.tick_params(axis="y", labelsize=7)
     fig.legend(handles, names, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=7)

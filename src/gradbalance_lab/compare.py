@@ -2,7 +2,8 @@
 
 Trains one shared trunk with a head per task for every chosen method and seed, plus one
 single-task model per task and seed (the Δm baseline), then prints and writes the table of
-per-task test metrics (mean ± std over seeds), Δm % and the step time relative to ``sum``.
+per-task test metrics (mean ± std over seeds), Δm % and the step time relative to the plain
+step ``losses.sum().backward()`` (timed interleaved: :mod:`gradbalance_lab._mtl_timing`).
 """
 
 from __future__ import annotations
@@ -33,12 +34,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     methods.add_argument(
         "--balancers", default=None,
         help="comma-separated balancer names, 'all' or 'none' (default: "
-             f"{','.join(DEFAULT_BALANCERS)}); 'sum' always runs as the time reference. "
+             f"{','.join(DEFAULT_BALANCERS)}); the plain step (losses.sum().backward(), "
+             "no balancing) always runs as the time reference. "
              f"Installed: {', '.join(sorted(BALANCERS))}")
     methods.add_argument(
         "--weightings", default=None,
-        help="comma-separated loss-weighting names, 'all' or 'none', each run with the plain "
-             f"sum of the weighted losses (default: {','.join(DEFAULT_WEIGHTINGS)}). "
+        help="comma-separated loss-weighting names, 'all' or 'none', each run through its "
+             "one-pass path weighting(losses).sum().backward() (default: "
+             f"{','.join(DEFAULT_WEIGHTINGS)}). "
              f"Installed: {', '.join(sorted(available_weightings())) or 'none'}")
     methods.add_argument("--no-baselines", action="store_true",
                          help="skip the single-task models (no Δm column)")
