@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import shutil
 import sys
@@ -25,14 +24,13 @@ from gradbalance_lab._cli_common import (
 )
 from gradbalance_lab._extras import Extra, missing_extras, missing_message
 from gradbalance_lab._mtl_methods import PLAIN, Method
+from gradbalance_lab._mtl_outputs import Tasks, Written, write_report
 from gradbalance_lab._mtl_progress import Progress
-from gradbalance_lab._mtl_report import format_markdown, plot_results, summarize, write_csvs
 from gradbalance_lab._mtl_runner import (
     RunConfig,
     RunResult,
     build_model,
     check_method,
-    open_writer,
     step_timer,
     train_run,
 )
@@ -379,28 +377,17 @@ def _write_outputs(args: argparse.Namespace, data: MultiDigits, results: list[Ru
                    timings: dict[str, StepTime]) -> None:
     """Tables, config, plot and TensorBoard summary of ``results`` into ``out``; prints the
     table and the outputs' names in ``shown`` (where they end up)."""
-    hib = data.higher_is_better
-    summaries = summarize(results, hib, timings)
-    table = format_markdown(summaries, data.metric_names, hib)
-    paths = write_csvs(out, results, summaries, data.metric_names, data.task_names, hib)
-    (out / "summary.md").write_text(f"# {title}\n\n{table}")
-    (out / "config.json").write_text(json.dumps(
-        {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
-         if not k.startswith("_")}, indent=2) + "\n")
-    written = [out / "summary.md", *paths.values(), out / "config.json"]
-    if not args.no_plot and results:
-        written.append(plot_results(out / plot_name, results, summaries, data.metric_names))
-    if not args.no_tensorboard:
-        _summary_to_tensorboard(out / "tb" / "summary", table)
-        written.append(out / "tb")
-    print(table)
+    tasks = Tasks(data.task_names, data.metric_names, data.higher_is_better)
+    written = write_report(out, results, timings, tasks, vars(args), title=title,
+                           plot=None if args.no_plot else plot_name,
+                           tensorboard=not args.no_tensorboard)
+    print_outputs(written, shown, tensorboard=not args.no_tensorboard)
+
+
+def print_outputs(written: Written, shown: Path, *, tensorboard: bool) -> None:
+    """The table, then where the outputs are (``shown``: where they end up)."""
+    print(written.table)
     print(f"outputs in {shown}/: " + ", ".join(p.name + ("/" if p.is_dir() else "")
-                                               for p in written))
-    if not args.no_tensorboard:
+                                               for p in written.paths))
+    if tensorboard:
         print(f"view the training curves with: tensorboard --logdir {shown / 'tb'}")
-
-
-def _summary_to_tensorboard(path: Path, table: str) -> None:
-    writer = open_writer(path)
-    writer.add_text("summary", table)
-    writer.close()

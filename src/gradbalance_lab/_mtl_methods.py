@@ -26,6 +26,7 @@ __all__ = [
     "available_weightings",
     "build_balancer",
     "build_weighting",
+    "build_weighting_from",
     "required_arguments",
     "resolve_methods",
     "resolve_names",
@@ -192,14 +193,21 @@ def build_weighting(key: str, data: Any, seed: int, trunk: Any) -> Any:
     shared ``layer`` (the trunk: its last layer is used) and Uncertainty Weighting's
     ``task_types`` (classification or regression per task).
     """
-    cls = available_weightings()[key]
+    return build_weighting_from(
+        available_weightings()[key], data.num_tasks, seed, layer=trunk,
+        task_types=["classification" if c else "regression" for c in data.is_classification])
+
+
+def build_weighting_from(cls: Any, num_tasks: int, seed: int, *, layer: Any,
+                         task_types: list[str] | None = None) -> Any:
+    """``cls`` for ``num_tasks`` tasks with what its constructor asks for (a seeded
+    ``generator``, GradNorm's ``layer``, ``task_types`` when known)."""
     params = inspect.signature(cls).parameters
-    kwargs: dict[str, Any] = {"num_tasks": data.num_tasks}
+    kwargs: dict[str, Any] = {"num_tasks": num_tasks}
     if "generator" in params:
         kwargs["generator"] = torch.Generator().manual_seed(10_000 + seed)
     if "layer" in params:
-        kwargs["layer"] = trunk
-    if "task_types" in params:
-        kwargs["task_types"] = ["classification" if c else "regression"
-                                for c in data.is_classification]
+        kwargs["layer"] = layer
+    if "task_types" in params and task_types is not None:
+        kwargs["task_types"] = task_types
     return cls(**kwargs)

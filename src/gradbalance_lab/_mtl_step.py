@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from gradbalance import StepStats
 from gradbalance.step import TaskGradBuffer
@@ -74,7 +74,3 @@ class MethodStep:
                 after = after_losses()
         self.weighting.update(after)
 
-
-def module_parameters(module: nn.Module) -> list[nn.Parameter]:
-    """The trainable parameters of ``module``."""
-    return [p for p in module.parameters() if p.requires_grad]
