@@ -320,9 +320,9 @@ def _timings(args: argparse.Namespace, data: MultiDigits, plan: list[tuple[int, 
              cfg: RunConfig, title: str) -> dict[str, StepTime] | None:
     """The interleaved step times of the planned methods (``{}`` with ``--timing-rounds 0``
     or without the plain step); None when Ctrl-C stopped them."""
-    methods = {m.label: m for _, m in plan if m.kind != "single"}
+    methods = {PLAIN.label: PLAIN, **{m.label: m for _, m in plan if m.kind != "single"}}
     seeds = sorted({seed for seed, _ in plan})
-    if args.timing_rounds == 0 or PLAIN.label not in methods:
+    if args.timing_rounds == 0 or len(methods) == 1:
         return {}
     if not args.quiet:
         print(f"{title}: timing the step of {len(methods)} methods × {len(seeds)} seeds, "

@@ -131,11 +131,12 @@ def _lookup(names: Iterable[str], registry: dict[str, Any], what: str, option: s
 def resolve_methods(balancers: list[str] | None, weightings: list[str] | None,
                     optional: bool = False, *, options: tuple[str, str] = ("--balancers",
                                                                           "--weightings"),
-                    with_plain: bool = True) -> list[Method]:
+                    with_sum: bool = True) -> list[Method]:
     """Validate the requested names (``None``: the defaults that exist) into methods.
 
-    With ``with_plain``, the plain step comes first: it is the reference of the step-time
-    ratio. Methods from the defaults (or ``optional=True``, e.g. for ``all``) are marked
+    With ``with_sum``, ``sum`` is included first (the buffer's step without balancing; the
+    plain step, the time reference, is timed beside every method but not trained: it makes
+    the same update). Methods from the defaults (or ``optional=True``, e.g. for ``all``) are marked
     optional. ``options`` name the command-line options in error messages.
     """
     chosen_b = _lookup(DEFAULT_BALANCERS if balancers is None else balancers, BALANCERS,
@@ -144,9 +145,11 @@ def resolve_methods(balancers: list[str] | None, weightings: list[str] | None,
     chosen_w = _lookup(DEFAULT_WEIGHTINGS if weightings is None else weightings, registry_w,
                        "weighting", options[1],
                        DEFAULT_WEIGHTINGS if weightings is None else None)
+    if with_sum and "sum" in chosen_b:
+        chosen_b.remove("sum")
     opt_b = optional or balancers is None
     opt_w = optional or weightings is None
-    first = [PLAIN] if with_plain else []
+    first = [Method("balancer", "sum")] if with_sum else []
     return (first + [Method("balancer", k, None, opt_b) for k in chosen_b]
             + [Method("weighting", k, None, opt_w) for k in chosen_w])
 

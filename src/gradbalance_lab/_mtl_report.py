@@ -104,15 +104,21 @@ def summarize(results: Sequence[RunResult], higher_is_better: Sequence[bool],
     baseline = baseline_metrics(results, k)
     labels: list[str] = []
     for r in results:
-        label = "single-task" if r.method.kind == "single" else r.method.label
-        if label not in labels:
-            labels.append(label)
+        if _label(r) not in labels:
+            labels.append(_label(r))
     plain_ms = [r.step_ms for r in results if r.method.kind == "plain"]
     ref = statistics.fmean(plain_ms) if plain_ms else math.nan
+    if timings and "plain" in timings and "plain" not in labels:
+        # timed, not trained (it makes the same update as sum): the row before the methods
+        at = next((i for i, r in enumerate(results) if r.method.kind != "single"), None)
+        labels.insert(len(labels) if at is None else labels.index(_label(results[at])),
+                      "plain")
     out = []
     for label in labels:
-        group = [r for r in results
-                 if ("single-task" if r.method.kind == "single" else r.method.label) == label]
+        group = [r for r in results if _label(r) == label]
+        if not group:
+            out.append(_timing_only(label, timings[label], k))  # type: ignore[index]
+            continue
         stats = [_mean_std([r.metrics[t] for r in group]) for t in range(k)]
         deltas = [run_delta(r, baseline, higher_is_better) for r in group]
         d_mean, d_std = _mean_std(deltas)
@@ -130,6 +136,17 @@ def summarize(results: Sequence[RunResult], higher_is_better: Sequence[bool],
         out.append(Summary(label, kind, runs, [s[0] for s in stats], [s[1] for s in stats],
                            d_mean, d_std, step_ms, ratio, len(errors), note))
     return out
+
+
+def _label(result: RunResult) -> str:
+    return "single-task" if result.method.kind == "single" else result.method.label
+
+
+def _timing_only(label: str, timed: StepTime, k: int) -> Summary:
+    """The row of a method timed but not trained (the plain step)."""
+    nan = [math.nan] * k
+    return Summary(label, "plain step", 0, nan, list(nan), math.nan, math.nan, timed.ms,
+                   timed.ratio)
 
 
 def _fmt(value: float, digits: int = 1) -> str:
@@ -251,9 +268,11 @@ def plot_results(path: Path, results: Sequence[RunResult], summaries: Sequence[S
         ax.barh(names_y, [0.0 if math.isnan(d) else d for d in deltas], xerr=errs, capsize=2,
                 color=["tab:green" if d >= 0 else "tab:red" for d in deltas])
         ax.axvline(0, color="k", linewidth=0.8)
-        for y, (name, d) in enumerate(zip(names_y, deltas)):
+        for y, (row, d) in enumerate(zip(rows[::-1], deltas)):
             if math.isnan(d):
-                ax.text(0, y, f" {name}: failed", va="center", fontsize=7, color="tab:red")
+                what = "timed only" if row.runs == 0 else "failed"
+                ax.text(0, y, f" {row.label}: {what}", va="center", fontsize=7,
+                        color="tab:gray" if row.runs == 0 else "tab:red")
         ax.set_title("Δm % vs single-task (higher is better)", fontsize=9)
     else:
         ax.set_title("Δm: no single-task baselines", fontsize=9)

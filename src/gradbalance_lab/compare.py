@@ -47,8 +47,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     methods.add_argument(
         "--balancers", default=None,
         help="comma-separated balancer names, 'all' or 'none' (default: "
-             f"{','.join(DEFAULT_BALANCERS)}); the plain step (losses.sum().backward(), "
-             "no balancing) always runs as the time reference. "
+             f"{','.join(DEFAULT_BALANCERS)}); 'sum' always runs; the plain step "
+             "(losses.sum().backward(), no library) is timed beside every method as the "
+             "reference of '× plain step'. "
              f"Installed: {', '.join(sorted(BALANCERS))}")
     methods.add_argument(
         "--weightings", default=None,
@@ -87,7 +88,8 @@ def _run_own(args: argparse.Namespace) -> int:
         spec = load_factory(args.model)
         methods = [m.label for m in resolve_methods(
             _choice(args.balancers, BALANCERS), _choice(args.weightings, available_weightings()),
-            optional=True)]
+            optional=True) if m.label != "sum" or args.balancers is None
+            or "sum" in args.balancers.lower()]
         check_extras(needed_extras(args, data=False))
         result = compare(**spec, methods=methods, steps=args.steps, seeds=args.seeds,
                          timing_rounds=args.timing_rounds, out=args.out,

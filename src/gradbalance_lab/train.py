@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         methods = resolve_methods([args.balancer] if args.balancer else [],
                                   [args.weighting] if args.weighting else [],
-                                  options=("--balancer", "--weighting"), with_plain=False)
+                                  options=("--balancer", "--weighting"), with_sum=False)
     except ValueError as error:
         print(f"gradbalance train: error: {error}", file=sys.stderr)
         return 2
