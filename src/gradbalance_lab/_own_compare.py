@@ -33,6 +33,7 @@ from gradbalance_lab._mtl_timing import STEP_ERRORS, StepTime, time_interleaved
 from gradbalance_lab._own_model import (
     OwnProblem,
     make_weighting,
+    metrics,
     own_run,
     own_step_timer,
     task_losses,
@@ -212,6 +213,9 @@ def compare(
     problem = OwnProblem(build_model, make_batches, shared, problem.steps, problem.optimizer,
                          evaluate, num_tasks)
     tasks = _tasks(num_tasks, task_names, evaluate, higher_is_better)
+    if evaluate is not None:
+        _callable("evaluate", evaluate, "a callable model -> one metric per task")
+        metrics(problem, model, [])  # a wrong count fails here, before any training
     chosen = resolve_names(default_methods() if methods is None else methods)
     _check_methods(problem, chosen)
     if out is not None:

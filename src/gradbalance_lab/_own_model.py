@@ -26,7 +26,7 @@ from gradbalance_lab._mtl_methods import Method, build_weighting_from
 from gradbalance_lab._mtl_runner import RunResult, open_writer
 from gradbalance_lab._mtl_step import MethodStep
 
-__all__ = ["OwnProblem", "own_run", "own_step_timer"]
+__all__ = ["OwnProblem", "make_weighting", "metrics", "own_run", "own_step_timer", "task_losses"]
 
 Optimizer = Callable[[list[Tensor]], torch.optim.Optimizer]
 
@@ -123,7 +123,7 @@ class _Run:
         return losses.detach()
 
 
-def _metrics(problem: OwnProblem, model: nn.Module, recent: list[Tensor]) -> list[float]:
+def metrics(problem: OwnProblem, model: nn.Module, recent: list[Tensor]) -> list[float]:
     if problem.evaluate is None:
         return torch.stack(recent).double().mean(0).tolist()
     model.eval()
@@ -154,7 +154,7 @@ def own_run(problem: OwnProblem, method: Method, seed: int,
                 for k, value in enumerate(losses.tolist()):
                     writer.add_scalar(f"loss/task{k}", value, step)
             if (step + 1) % every == 0 or step + 1 == problem.steps:
-                history.append(_metrics(problem, run.model, recent))
+                history.append(metrics(problem, run.model, recent))
     finally:
         if writer is not None:
             writer.close()
