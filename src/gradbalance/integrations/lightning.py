@@ -74,8 +74,10 @@ class BalancedManualStep(nn.Module):
         weighting: optional :class:`~gradbalance.LossWeighting` (e.g. GradNorm): applied to
             each batch's losses, updated once per optimizer step.
         log: call ``module.log`` for each scalar of :func:`stats_scalars` on a step (and
-            ``weighting/task{k}``, the weighting's weights).
+            ``weighting/<task>``, the weighting's weights).
         prefix: prefix of the logged names.
+        task_names: the tasks' names in the logged names (``balance/loss/depth``); default
+            ``task0``, ``task1``, ...
         passes: passed to the buffer.
         process_group: passed to the buffer.
         **buffer_kwargs: passed to the buffer (e.g. ``mode``).
@@ -98,6 +100,7 @@ class BalancedManualStep(nn.Module):
         weighting: LossWeighting | None = None,
         log: bool = True,
         prefix: str = "balance/",
+        task_names: Sequence[str] | None = None,
         passes: Passes = "auto",
         process_group: Any = None,
         **buffer_kwargs: Any,
@@ -109,7 +112,8 @@ class BalancedManualStep(nn.Module):
             shared_params, head_params, num_tasks=balancer.num_tasks, passes=passes,
             process_group=process_group, **buffer_kwargs,
         )
-        self.parts = BalancedParts(balancer, buffer, weighting=weighting, clip=clip)
+        self.parts = BalancedParts(balancer, buffer, weighting=weighting, clip=clip,
+                                   task_names=task_names)
         self.accumulate_grad_batches = accumulate_grad_batches
         self.log = log
         self.prefix = prefix
