@@ -14,7 +14,7 @@ import types
 from typing import Any
 
 from gradbalance.balancers import BALANCERS
-from gradbalance_lab._cli_common import int_at_least
+from gradbalance_lab._cli_common import check_out, int_at_least
 from gradbalance_lab._factory import load_factory
 from gradbalance_lab._mtl_cli import (
     add_common_options,
@@ -84,6 +84,7 @@ def _choice(text: str | None, registry: dict[str, Any]) -> list[str] | None:
 
 def _run_own(args: argparse.Namespace) -> int:
     """``--model``: :func:`compare` on the user's factory, with the command's options."""
+    check_out(args.out, overwrite=args.overwrite)  # the command's message, before any work
     try:
         spec = load_factory(args.model)
         methods = [m.label for m in resolve_methods(

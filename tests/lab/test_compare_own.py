@@ -225,3 +225,13 @@ def test_cli_bad_model_spec_is_one_line(user_folder: str, spec: str, text: str,
     assert code == 2
     assert err.startswith("gradbalance compare: error: --model ") and text in err, err
     assert err.count("\n") == 1
+
+
+def test_cli_model_refuses_a_full_out_naming_the_option(user_folder: str, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    assert main(["compare", "--model", f"{user_folder}:problem", "--out", "out"]) == 2
+    assert "error: --out out: the folder is not empty" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["keep.txt"]
