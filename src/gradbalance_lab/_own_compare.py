@@ -172,7 +172,8 @@ def compare(
     better). With ``out`` the outputs of ``gradbalance compare`` are written there
     (``summary.md``, ``summary.csv``, ``runs.csv``, ``history.csv``, ``config.json``,
     ``compare.png`` with ``plot`` and matplotlib, ``tb/`` with ``tensorboard``); a folder
-    holding files needs ``overwrite=True``. The optimizer defaults to Adam, lr 1e-3.
+    holding files needs ``overwrite=True``. The optimizer defaults to Adam, lr 1e-3. torch's
+    global random state is as before the call (each run seeds it).
 
     Example, two regression tasks on a small GRU (docs/compare.md, "Your own model")::
 
@@ -203,6 +204,23 @@ def compare(
     """
     _callable("build_model", build_model, "a callable returning the model")
     _callable("make_batches", make_batches, "a callable seed -> iterable of batches")
+    with torch.random.fork_rng(devices=[]):  # every run seeds torch: the caller's RNG is kept
+        return _compare(build_model, make_batches, methods=methods, steps=steps, seeds=seeds,
+                        shared=shared, evaluate=evaluate, higher_is_better=higher_is_better,
+                        task_names=task_names, optimizer=optimizer,
+                        timing_rounds=timing_rounds, out=out, overwrite=overwrite, plot=plot,
+                        tensorboard=tensorboard, verbose=verbose)
+
+
+def _compare(build_model: Callable[[], nn.Module], make_batches: Callable[[int], Iterable[Any]],
+             *, methods: Sequence[str] | None, steps: int, seeds: int | Sequence[int],
+             shared: str | Callable[[nn.Module], Iterable[Tensor]],
+             evaluate: Callable[[nn.Module], Sequence[float]] | None,
+             higher_is_better: bool | Sequence[bool], task_names: Sequence[str] | None,
+             optimizer: Callable[[list[Tensor]], torch.optim.Optimizer] | None,
+             timing_rounds: int, out: str | Path | None, overwrite: bool, plot: bool,
+             tensorboard: bool, verbose: bool) -> Comparison:
+    """:func:`compare` once its callables are checked, inside a forked torch RNG."""
     problem = OwnProblem(build_model, make_batches, shared, _count("steps", steps, 1),
                          optimizer or (lambda params: torch.optim.Adam(params, lr=1e-3)),
                          evaluate, 0)

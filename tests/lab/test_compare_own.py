@@ -112,6 +112,8 @@ def test_the_module_is_the_function(tmp_path: Path) -> None:
         evaluate_calls.append(model.training)
         return [1.0, 2.0, 3.0]
 
+    torch.manual_seed(123)
+    before = torch.random.get_rng_state()
     got = gradbalance_lab.compare(Seq, batches, methods=["plain"], steps=2, seeds=[7],
                                   shared=lambda m: m.encoder.parameters(), evaluate=evaluate,
                                   higher_is_better=[True, False, True], timing_rounds=0)
@@ -119,6 +121,7 @@ def test_the_module_is_the_function(tmp_path: Path) -> None:
     assert got.rows[0].means == [1.0, 2.0, 3.0]
     assert "task0 ↑" in got.table and "task1 ↓" in got.table
     assert evaluate_calls and not any(evaluate_calls)  # evaluated in eval mode
+    assert torch.equal(torch.random.get_rng_state(), before)  # the caller's RNG is kept
 
 
 @pytest.mark.parametrize(("kwargs", "error", "text"), [
@@ -235,3 +238,12 @@ def test_cli_model_refuses_a_full_out_naming_the_option(user_folder: str, tmp_pa
     assert main(["compare", "--model", f"{user_folder}:problem", "--out", "out"]) == 2
     assert "error: --out out: the folder is not empty" in capsys.readouterr().err
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["keep.txt"]
+
+
+def test_the_docstring_example_runs() -> None:
+    import doctest
+
+    from gradbalance_lab import _own_compare
+
+    outcome = doctest.testmod(_own_compare, optionflags=doctest.ELLIPSIS)
+    assert outcome.attempted >= 6 and outcome.failed == 0
