@@ -6,6 +6,7 @@ ignoring case, ``-`` and ``_`` (``"Nash-MTL"``, ``"nash_mtl"`` and ``"nashmtl"``
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, MutableMapping
 from typing import Any, TypeVar
 
@@ -37,4 +38,23 @@ def build(registry: MutableMapping[str, type[T]], name: str, kind: str,
         raise ValueError(
             f"Unknown {kind} {name!r}; valid names: {', '.join(sorted(registry))}"
         )
-    return lookup[_key(name)](**kwargs)
+    cls = lookup[_key(name)]
+    missing = _missing_arguments(cls, kwargs)
+    if missing:
+        given = ", ".join([repr(name), *(f"{k}=..." for k in kwargs)])
+        raise TypeError(
+            f"{kind} {name!r} ({cls.__name__}) needs {', '.join(missing)}: pass "
+            f"{', '.join(f'{m}=...' for m in missing)} too, e.g. get_{kind.split()[-1]}({given}, "
+            f"{', '.join(f'{m}=...' for m in missing)}); see {cls.__name__}'s docstring"
+        )
+    return cls(**kwargs)
+
+
+def _missing_arguments(cls: type[Any], kwargs: dict[str, Any]) -> list[str]:
+    """The required keyword-able arguments of ``cls`` that ``kwargs`` leaves out."""
+    try:
+        params = inspect.signature(cls).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.default is p.empty and p.name not in kwargs
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]

@@ -1,12 +1,13 @@
 """Logging a balanced step: the scalars of docs/loop.md ("Logging"), to TensorBoard or CSV.
 
-Tags (``K`` tasks, ``i < j``):
+Tags (``K`` tasks, ``i < j``; ``<k>`` is the task's name from ``task_names``, by default
+``task{k}``):
 
-* ``loss/task{k}``: raw, unweighted task loss; ``size/task{k}``: true (unscaled) gradient norm
-  over the shared parameters; ``w/task{k}``: the task weight (balancer or loss weighting);
-* ``cos/task{i}_task{j}``: cosine similarity of two task gradients, for every pair;
+* ``loss/<k>``: raw, unweighted task loss; ``size/<k>``: true (unscaled) gradient norm
+  over the shared parameters; ``w/<k>``: the task weight (balancer or loss weighting);
+* ``cos/<i>_<j>``: cosine similarity of two task gradients, for every pair;
 * ``pre_clip``: the norm before the user's global clip (``clip_grad_norm_``'s return value);
-  ``pre_clip/task{k}``: per-task pre-clip norms when the step clipped rows;
+  ``pre_clip/<k>``: per-task pre-clip norms when the step clipped rows;
 * ``amp_skipped``: 1 when the gradient scaler skips the step, else 0.
 
 :class:`RunningStats` adds how much each number varies (``std/<tag>``, a standard deviation
@@ -20,7 +21,7 @@ from __future__ import annotations
 import csv
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -30,7 +31,30 @@ from ._checks import check_int
 from ._optional import require
 from .stats import StepStats
 
-__all__ = ["CSVLogger", "RunningStats", "log_stats", "stats_to_dict", "summary_writer"]
+__all__ = ["CSVLogger", "RunningStats", "log_stats", "stats_to_dict", "summary_writer",
+           "task_labels"]
+
+
+def task_labels(task_names: Sequence[str] | None, num_tasks: int) -> list[str]:
+    """The names of the ``num_tasks`` tasks in the logged tags: ``task_names`` (checked: one
+    distinct, non-empty name per task, without ``/``), or ``task0``, ``task1``, ...
+
+    >>> task_labels(["depth", "normals"], 2), task_labels(None, 2)
+    (['depth', 'normals'], ['task0', 'task1'])
+    """
+    if task_names is None:
+        return [f"task{k}" for k in range(num_tasks)]
+    if isinstance(task_names, str):
+        raise TypeError(f"Invalid task_names: the string {task_names!r} (expected one name per "
+                        f"task, e.g. ['depth', 'normals'])")
+    names = list(task_names)
+    bad = [n for n in names if not isinstance(n, str) or not n or "/" in n]
+    if len(names) != num_tasks or bad or len(set(names)) != len(names):
+        raise ValueError(
+            f"Invalid task_names: {names} (expected {num_tasks} distinct non-empty strings "
+            f"without '/', one per task{'; bad: ' + repr(bad) if bad else ''})"
+        )
+    return names
 
 
 def _weights_of(stats: StepStats, weights: Tensor | None) -> Tensor | None:
@@ -72,28 +96,29 @@ def _tensors_to_log(stats: StepStats, pre_clip: float | Tensor | None,
     return {name: tensor for name, tensor in parts.items() if tensor is not None}
 
 
-def _task_tags(prefix: str, values: list[float] | None, k: int) -> dict[str, float]:
-    """``{prefix/task{t}: value}`` for the ``K`` tasks (none without values)."""
-    return {} if values is None else {f"{prefix}/task{t}": values[t] for t in range(k)}
+def _task_tags(prefix: str, values: list[float] | None, names: list[str]) -> dict[str, float]:
+    """``{prefix/<name>: value}`` for the ``K`` tasks (none without values)."""
+    return {} if values is None else {f"{prefix}/{n}": values[t] for t, n in enumerate(names)}
 
 
-def _per_task_tags(values: dict[str, list[float]], k: int) -> dict[str, float]:
+def _per_task_tags(values: dict[str, list[float]], names: list[str]) -> dict[str, float]:
     """``loss``/``size``, ``w``, ``cos`` and per-task ``pre_clip`` tags, in the logged order.
 
     A step reusing ``update_every``'s cached weights computed no task gradients: it logs the
     losses and the weights, not sizes or cosines.
     """
     out: dict[str, float] = {}
-    for t in range(k):
-        out[f"loss/task{t}"] = values["loss"][t]
+    k = len(names)
+    for t, name in enumerate(names):
+        out[f"loss/{name}"] = values["loss"][t]
         if "size" in values:
-            out[f"size/task{t}"] = values["size"][t]
-    out.update(_task_tags("w", values.get("w"), k))
+            out[f"size/{name}"] = values["size"][t]
+    out.update(_task_tags("w", values.get("w"), names))
     cos = values.get("cos")
     if cos is not None:
-        out.update({f"cos/task{i}_task{j}": cos[i * k + j]
+        out.update({f"cos/{names[i]}_{names[j]}": cos[i * k + j]
                     for i in range(k) for j in range(i + 1, k)})
-    out.update(_task_tags("pre_clip", values.get("pre_clip_tasks"), k))
+    out.update(_task_tags("pre_clip", values.get("pre_clip_tasks"), names))
     return out
 
 
@@ -102,6 +127,7 @@ def stats_to_dict(
     pre_clip: float | Tensor | None = None,
     amp_skipped: bool | None = None,
     weights: Tensor | None = None,
+    task_names: Sequence[str] | None = None,
 ) -> dict[str, float]:
     """The logged scalars of one step as ``{tag: float}`` (one host sync: the tensors of a
     device are read in one transfer).
@@ -113,9 +139,11 @@ def stats_to_dict(
             the step used a scaler (a step without one is never skipped).
         weights: task weights ``[K]`` to log as ``w/task{k}``; default ``stats.weights``
             (pass a loss weighting's weights here).
+        task_names: the tasks' names in the tags (``loss/depth``); default ``task0``, ...
     """
+    names = task_labels(task_names, stats.num_tasks)
     values = _host_lists(_tensors_to_log(stats, pre_clip, _weights_of(stats, weights)))
-    out = _per_task_tags(values, stats.num_tasks)
+    out = _per_task_tags(values, names)
     if pre_clip is not None:
         out["pre_clip"] = values["pre_clip"][0] if "pre_clip" in values else float(pre_clip)
     if amp_skipped is None:
@@ -143,18 +171,22 @@ def log_stats(
     amp_skipped: bool | None = None,
     weights: Tensor | None = None,
     running: RunningStats | None = None,
+    task_names: Sequence[str] | None = None,
 ) -> dict[str, float]:
     """Write the logged scalars of one step with ``writer.add_scalar(tag, value, step)``.
 
     ``writer`` is a TensorBoard ``SummaryWriter`` (or anything with ``add_scalar``). With
-    ``running``, its ``std/<tag>`` variabilities are written too. Returns what was written.
+    ``running``, its ``std/<tag>`` variabilities are written too; ``task_names`` name the
+    tasks in the tags (``loss/depth``, ``cos/depth_normals``; default ``task0``, ...).
+    Returns what was written.
     """
     if not hasattr(writer, "add_scalar"):
         raise ValueError(
             f"writer is a {type(writer).__name__} without add_scalar; pass a "
             f"torch.utils.tensorboard.SummaryWriter (gradbalance.summary_writer(log_dir))"
         )
-    scalars = stats_to_dict(stats, pre_clip=pre_clip, amp_skipped=amp_skipped, weights=weights)
+    scalars = stats_to_dict(stats, pre_clip=pre_clip, amp_skipped=amp_skipped, weights=weights,
+                            task_names=task_names)
     if running is not None:
         scalars.update(running.update(scalars))
     for tag, value in scalars.items():
@@ -217,11 +249,15 @@ class CSVLogger:
     """Appends one row per step to a CSV file: ``step`` then every tag, in first-seen order.
 
     Columns are fixed by the first row written (later new tags raise, so the file stays
-    rectangular); a missing tag is written as an empty cell. Use as a context manager or
-    call :meth:`close`.
+    rectangular); a missing tag is written as an empty cell. ``task_names`` name the tasks
+    in the columns of :meth:`log_stats` (``loss/depth``; default ``task0``, ...). Use as a
+    context manager or call :meth:`close`.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str],
+                 task_names: Sequence[str] | None = None) -> None:
+        self.task_names = None if task_names is None else task_labels(
+            task_names, len(task_names) if not isinstance(task_names, str) else 0)
         self.path = os.fspath(path)
         self._file = open(self.path, "w", newline="")  # noqa: SIM115 - closed in close()
         self._writer = csv.writer(self._file)
@@ -241,7 +277,9 @@ class CSVLogger:
         self._file.flush()
 
     def log_stats(self, stats: StepStats, step: int, **kwargs: Any) -> dict[str, float]:
-        """``stats_to_dict(stats, **kwargs)`` written as one row; returns the dict."""
+        """``stats_to_dict(stats, **kwargs)`` written as one row (the logger's ``task_names``
+        unless given); returns the dict."""
+        kwargs.setdefault("task_names", self.task_names)
         scalars = stats_to_dict(stats, **kwargs)
         self.log(scalars, step)
         return scalars

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import shutil
 import sys
@@ -23,17 +22,19 @@ from gradbalance_lab._cli_common import (
     int_at_least,
     prepare_out,
 )
-from gradbalance_lab._mtl_methods import Method
+from gradbalance_lab._extras import Extra, missing_extras, missing_message
+from gradbalance_lab._mtl_methods import PLAIN, Method
+from gradbalance_lab._mtl_outputs import Tasks, Written, write_report
 from gradbalance_lab._mtl_progress import Progress
-from gradbalance_lab._mtl_report import format_markdown, plot_results, summarize, write_csvs
 from gradbalance_lab._mtl_runner import (
     RunConfig,
     RunResult,
     build_model,
     check_method,
-    open_writer,
+    step_timer,
     train_run,
 )
+from gradbalance_lab._mtl_timing import StepTime, time_interleaved
 from gradbalance_lab._out_folder import OutFolder
 from gradbalance_lab._signals import shielded
 from gradbalance_lab.data import MultiDigits, make_multidigits
@@ -131,6 +132,10 @@ def add_common_options(parser: argparse.ArgumentParser, *, seeds: int, out: str,
     train.add_argument("--noise", type=_non_negative_float, default=0.0, metavar="SIGMA",
                        help="DP-SGD noise multiplier: N(0, (SIGMA*C/B)^2) on the update "
                             "(needs --per-sample-clip)")
+    train.add_argument("--timing-rounds", type=int_at_least(0, MAX_SEEDS), default=20,
+                       help="rounds of the interleaved step timing (one step of every method "
+                            "and seed per round, after 3 warm-up rounds); 0: each run's own "
+                            "median step time instead")
     train.add_argument("--threads", type=int_at_least(1, MAX_THREADS), default=1,
                        help=f"torch CPU threads (1 keeps step times comparable; at most "
                             f"{MAX_THREADS})")
@@ -170,23 +175,24 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
                      log_every=args.log_every)
 
 
-def _check_outputs(args: argparse.Namespace) -> None:
-    """Fail before training if an optional output's package is missing."""
+def needed_extras(args: argparse.Namespace, *, data: bool = True) -> list[Extra]:
+    """The optional packages the options ask for (the data's, TensorBoard's, the plot's)."""
+    extras = []
+    if data:
+        extras.append(Extra("sklearn", "data", "the MultiDigits data", package="scikit-learn"))
     if not args.no_tensorboard:
-        try:
-            import tensorboard  # noqa: F401
-        except ImportError:
-            raise ImportError(
-                "TensorBoard logs need the tensorboard package: `pip install "
-                "gradbalance[tensorboard]` (or pass --no-tensorboard)"
-            ) from None
+        extras.append(Extra("tensorboard", "tensorboard", "TensorBoard logs",
+                            "pass --no-tensorboard"))
     if not args.no_plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise ImportError(
-                "plots need matplotlib: `pip install gradbalance[plot]` (or pass --no-plot)"
-            ) from None
+        extras.append(Extra("matplotlib", "plot", "the plot", "pass --no-plot"))
+    return extras
+
+
+def check_extras(extras: list[Extra]) -> None:
+    """Fail before any work, naming every missing optional package at once."""
+    missing = missing_extras(extras)
+    if missing:
+        raise ImportError(missing_message(missing))
 
 
 def _brief(result: RunResult, names: Sequence[str]) -> str:
@@ -205,7 +211,7 @@ def execute(args: argparse.Namespace, methods: list[Method], *, baselines: bool,
     the outputs of the runs that finished are written and 130 is returned.
     """
     try:
-        _check_outputs(args)
+        check_extras(needed_extras(args))
     except ImportError as error:
         print(f"{title}: error: {error}", file=sys.stderr)
         return 2
@@ -289,13 +295,15 @@ def _train_and_write(args: argparse.Namespace, data: MultiDigits,
         print(f"{title}: MultiDigits {data.x_train.shape[0]} train / {data.x_test.shape[0]} "
               f"test canvases {tuple(data.input_shape)}, loss scales {scales}; "
               f"{len(plan)} runs of {per_run} steps", flush=True)
-    results, interrupted = _train_all(args, data, plan, cfg, per_run, folder.work)
+    timings = _timings(args, data, plan, cfg, title)
+    results, interrupted = ([], True) if timings is None else _train_all(
+        args, data, plan, cfg, per_run, folder.work)
     done = f"{len(results)} of {len(plan)} runs finished"
     heading = f"{title} (interrupted: {done})" if interrupted else title
     shown = folder.work if interrupted else out
     with shielded():
         _write_outputs(args, data, results, folder.work, shown, title=heading,
-                       plot_name=plot_name)
+                       plot_name=plot_name, timings=timings or {})
         if not interrupted:
             commit_out(folder)
             return 0
@@ -306,6 +314,25 @@ def _train_and_write(args: argparse.Namespace, data: MultiDigits,
         print(f"{title}: interrupted: {done}; the summary and CSVs in {out}/ hold those runs "
               "only", file=sys.stderr)
     return 130
+
+
+def _timings(args: argparse.Namespace, data: MultiDigits, plan: list[tuple[int, Method]],
+             cfg: RunConfig, title: str) -> dict[str, StepTime] | None:
+    """The interleaved step times of the planned methods (``{}`` with ``--timing-rounds 0``
+    or without the plain step); None when Ctrl-C stopped them."""
+    methods = {PLAIN.label: PLAIN, **{m.label: m for _, m in plan if m.kind != "single"}}
+    seeds = sorted({seed for seed, _ in plan})
+    if args.timing_rounds == 0 or len(methods) == 1:
+        return {}
+    if not args.quiet:
+        print(f"{title}: timing the step of {len(methods)} methods × {len(seeds)} seeds, "
+              f"interleaved, {args.timing_rounds} rounds", file=sys.stderr, flush=True)
+    try:
+        return time_interleaved(lambda label, seed: step_timer(data, methods[label], seed, cfg),
+                                list(methods), seeds, reference=PLAIN.label,
+                                rounds=args.timing_rounds)
+    except KeyboardInterrupt:
+        return None
 
 
 def _train_all(args: argparse.Namespace, data: MultiDigits, plan: list[tuple[int, Method]],
@@ -346,31 +373,21 @@ def _one_run(data: MultiDigits, method: Method, seed: int, cfg: RunConfig, progr
 
 
 def _write_outputs(args: argparse.Namespace, data: MultiDigits, results: list[RunResult],
-                   out: Path, shown: Path, *, title: str, plot_name: str) -> None:
+                   out: Path, shown: Path, *, title: str, plot_name: str,
+                   timings: dict[str, StepTime]) -> None:
     """Tables, config, plot and TensorBoard summary of ``results`` into ``out``; prints the
     table and the outputs' names in ``shown`` (where they end up)."""
-    hib = data.higher_is_better
-    summaries = summarize(results, hib)
-    table = format_markdown(summaries, data.metric_names, hib)
-    paths = write_csvs(out, results, summaries, data.metric_names, data.task_names, hib)
-    (out / "summary.md").write_text(f"# {title}\n\n{table}")
-    (out / "config.json").write_text(json.dumps(
-        {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
-         if not k.startswith("_")}, indent=2) + "\n")
-    written = [out / "summary.md", *paths.values(), out / "config.json"]
-    if not args.no_plot and results:
-        written.append(plot_results(out / plot_name, results, summaries, data.metric_names))
-    if not args.no_tensorboard:
-        _summary_to_tensorboard(out / "tb" / "summary", table)
-        written.append(out / "tb")
-    print(table)
+    tasks = Tasks(data.task_names, data.metric_names, data.higher_is_better)
+    written = write_report(out, results, timings, tasks, vars(args), title=title,
+                           plot=None if args.no_plot else plot_name,
+                           tensorboard=not args.no_tensorboard)
+    print_outputs(written, shown, tensorboard=not args.no_tensorboard)
+
+
+def print_outputs(written: Written, shown: Path, *, tensorboard: bool) -> None:
+    """The table, then where the outputs are (``shown``: where they end up)."""
+    print(written.table)
     print(f"outputs in {shown}/: " + ", ".join(p.name + ("/" if p.is_dir() else "")
-                                               for p in written))
-    if not args.no_tensorboard:
+                                               for p in written.paths))
+    if tensorboard:
         print(f"view the training curves with: tensorboard --logdir {shown / 'tb'}")
-
-
-def _summary_to_tensorboard(path: Path, table: str) -> None:
-    writer = open_writer(path)
-    writer.add_text("summary", table)
-    writer.close()

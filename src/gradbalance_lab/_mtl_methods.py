@@ -1,15 +1,16 @@
 """Method names for ``compare``/``train``: parsing, validation and construction.
 
-A *method* is either a gradient balancer (``gradbalance.BALANCERS``), a loss weighting
-(``gradbalance.WEIGHTINGS``, run with the plain ``sum`` balancer), or a single-task baseline
-(one model per task, trained on that task alone; the reference of Δm).
+A *method* is the plain step (``losses.sum().backward()``, no balancing: the time reference),
+a gradient balancer (``gradbalance.BALANCERS``), a loss weighting (``gradbalance.WEIGHTINGS``,
+run through its one-pass path ``weighting(losses).sum().backward()``), or a single-task
+baseline (one model per task, trained on that task alone; the reference of Δm).
 """
 
 from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,12 +21,15 @@ from gradbalance.balancers import BALANCERS, Balancer
 __all__ = [
     "DEFAULT_BALANCERS",
     "DEFAULT_WEIGHTINGS",
+    "PLAIN",
     "Method",
     "available_weightings",
     "build_balancer",
     "build_weighting",
+    "build_weighting_from",
     "required_arguments",
     "resolve_methods",
+    "resolve_names",
     "runnable",
 ]
 
@@ -38,8 +42,9 @@ DEFAULT_WEIGHTINGS = ("gradnorm", "uncertainty")
 class Method:
     """One row of the comparison.
 
-    ``kind`` is ``"balancer"``, ``"weighting"`` or ``"single"``; ``key`` is the registry name
-    (for ``single``, the task name) and ``task`` the task index of a single-task baseline.
+    ``kind`` is ``"plain"``, ``"balancer"``, ``"weighting"`` or ``"single"``; ``key`` is the
+    registry name (``"plain"`` for the plain step; for ``single``, the task name) and ``task``
+    the task index of a single-task baseline.
     """
 
     kind: str
@@ -50,6 +55,35 @@ class Method:
     @property
     def label(self) -> str:
         return f"single-{self.key}" if self.kind == "single" else self.key
+
+
+#: The plain step: ``losses.sum().backward()`` without the library.
+PLAIN = Method("plain", "plain")
+
+
+def resolve_names(names: Sequence[str], option: str = "methods") -> list[Method]:
+    """``names`` (``"plain"``, balancer or loss-weighting names, in any order) as methods,
+    the plain step first whether named or not; an unknown or unbuildable name raises a
+    ValueError naming ``option`` and the valid names."""
+    if isinstance(names, str):
+        raise TypeError(f"Invalid {option}: the string {names!r} (expected a list of names, "
+                        f"e.g. ['mgda', 'uncertainty'])")
+    weightings = available_weightings()
+    kinds = {_norm(key): "balancer" for key in BALANCERS}
+    kinds.update({_norm(key): "weighting" for key in weightings})
+    methods = [PLAIN]
+    for name in names:
+        if _norm(name) == "plain":
+            continue
+        kind = kinds.get(_norm(name))
+        if kind is None:
+            valid = ", ".join(["plain", *sorted(BALANCERS), *sorted(weightings)])
+            raise ValueError(f"Unknown method {name!r} in {option}; valid names: {valid}")
+        registry = BALANCERS if kind == "balancer" else weightings
+        key = _lookup([name], registry, kind, option, None)[0]
+        if Method(kind, key) not in methods:
+            methods.append(Method(kind, key))
+    return methods
 
 
 def available_weightings() -> dict[str, Any]:
@@ -100,8 +134,9 @@ def resolve_methods(balancers: list[str] | None, weightings: list[str] | None,
                     with_sum: bool = True) -> list[Method]:
     """Validate the requested names (``None``: the defaults that exist) into methods.
 
-    With ``with_sum``, ``sum`` is included first: it is the reference of the step-time
-    ratio. Methods from the defaults (or ``optional=True``, e.g. for ``all``) are marked
+    With ``with_sum``, ``sum`` is included first (the buffer's step without balancing; the
+    plain step, the time reference, is timed beside every method but not trained: it makes
+    the same update). Methods from the defaults (or ``optional=True``, e.g. for ``all``) are marked
     optional. ``options`` name the command-line options in error messages.
     """
     chosen_b = _lookup(DEFAULT_BALANCERS if balancers is None else balancers, BALANCERS,
@@ -161,14 +196,21 @@ def build_weighting(key: str, data: Any, seed: int, trunk: Any) -> Any:
     shared ``layer`` (the trunk: its last layer is used) and Uncertainty Weighting's
     ``task_types`` (classification or regression per task).
     """
-    cls = available_weightings()[key]
+    return build_weighting_from(
+        available_weightings()[key], data.num_tasks, seed, layer=trunk,
+        task_types=["classification" if c else "regression" for c in data.is_classification])
+
+
+def build_weighting_from(cls: Any, num_tasks: int, seed: int, *, layer: Any,
+                         task_types: list[str] | None = None) -> Any:
+    """``cls`` for ``num_tasks`` tasks with what its constructor asks for (a seeded
+    ``generator``, GradNorm's ``layer``, ``task_types`` when known)."""
     params = inspect.signature(cls).parameters
-    kwargs: dict[str, Any] = {"num_tasks": data.num_tasks}
+    kwargs: dict[str, Any] = {"num_tasks": num_tasks}
     if "generator" in params:
         kwargs["generator"] = torch.Generator().manual_seed(10_000 + seed)
     if "layer" in params:
-        kwargs["layer"] = trunk
-    if "task_types" in params:
-        kwargs["task_types"] = ["classification" if c else "regression"
-                                for c in data.is_classification]
+        kwargs["layer"] = layer
+    if "task_types" in params and task_types is not None:
+        kwargs["task_types"] = task_types
     return cls(**kwargs)

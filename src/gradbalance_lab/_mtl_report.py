@@ -14,12 +14,13 @@ from __future__ import annotations
 import csv
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from gradbalance._optional import pyplot
 from gradbalance_lab._mtl_runner import RunResult
+from gradbalance_lab._mtl_timing import StepTime
 
 __all__ = [
     "Summary",
@@ -91,21 +92,33 @@ def run_delta(result: RunResult, baseline: list[float] | None,
     return delta_m(result.metrics, baseline, higher_is_better)
 
 
-def summarize(results: Sequence[RunResult], higher_is_better: Sequence[bool]) -> list[Summary]:
-    """One :class:`Summary` per method (in first-seen order), plus one for the baselines."""
+def summarize(results: Sequence[RunResult], higher_is_better: Sequence[bool],
+              timings: Mapping[str, StepTime] | None = None) -> list[Summary]:
+    """One :class:`Summary` per method (in first-seen order), plus one for the baselines.
+
+    The step time and its ratio to the plain step come from ``timings`` (by label, measured
+    interleaved: :mod:`gradbalance_lab._mtl_timing`); a method without one gets its runs'
+    own median step time and the ratio of the means to the plain runs'.
+    """
     k = len(higher_is_better)
     baseline = baseline_metrics(results, k)
     labels: list[str] = []
     for r in results:
-        label = "single-task" if r.method.kind == "single" else r.method.label
-        if label not in labels:
-            labels.append(label)
-    sum_ms = [r.step_ms for r in results if r.method.kind == "balancer" and r.method.key == "sum"]
-    ref = statistics.fmean(sum_ms) if sum_ms else math.nan
+        if _label(r) not in labels:
+            labels.append(_label(r))
+    plain_ms = [r.step_ms for r in results if r.method.kind == "plain"]
+    ref = statistics.fmean(plain_ms) if plain_ms else math.nan
+    if timings and "plain" in timings and "plain" not in labels:
+        # timed, not trained (it makes the same update as sum): the row before the methods
+        at = next((i for i, r in enumerate(results) if r.method.kind != "single"), None)
+        labels.insert(len(labels) if at is None else labels.index(_label(results[at])),
+                      "plain")
     out = []
     for label in labels:
-        group = [r for r in results
-                 if ("single-task" if r.method.kind == "single" else r.method.label) == label]
+        group = [r for r in results if _label(r) == label]
+        if not group:
+            out.append(_timing_only(label, timings[label], k))  # type: ignore[index]
+            continue
         stats = [_mean_std([r.metrics[t] for r in group]) for t in range(k)]
         deltas = [run_delta(r, baseline, higher_is_better) for r in group]
         d_mean, d_std = _mean_std(deltas)
@@ -114,12 +127,26 @@ def summarize(results: Sequence[RunResult], higher_is_better: Sequence[bool]) ->
         step_ms, _ = _mean_std([r.step_ms for r in group])
         kind = group[0].method.kind
         ratio = step_ms / ref if kind != "single" and not math.isnan(ref) else math.nan
+        timed = (timings or {}).get(label)
+        if timed is not None and kind != "single":
+            step_ms, ratio = timed.ms, timed.ratio
         runs = len({r.seed for r in group})
         errors = [r.error for r in group if r.error is not None]
         note = f"{len(errors)}/{len(group)} runs failed: {errors[0]}" if errors else ""
         out.append(Summary(label, kind, runs, [s[0] for s in stats], [s[1] for s in stats],
                            d_mean, d_std, step_ms, ratio, len(errors), note))
     return out
+
+
+def _label(result: RunResult) -> str:
+    return "single-task" if result.method.kind == "single" else result.method.label
+
+
+def _timing_only(label: str, timed: StepTime, k: int) -> Summary:
+    """The row of a method timed but not trained (the plain step)."""
+    nan = [math.nan] * k
+    return Summary(label, "plain step", 0, nan, list(nan), math.nan, math.nan, timed.ms,
+                   timed.ratio)
 
 
 def _fmt(value: float, digits: int = 1) -> str:
@@ -138,7 +165,7 @@ def format_markdown(summaries: Sequence[Summary], metric_names: Sequence[str],
     heads = [f"{n.replace('_acc', ' acc %').replace('_mae', ' MAE')} {'↑' if up else '↓'}"
              for n, up in zip(metric_names, higher_is_better)]
     notes = any(s.note for s in summaries)
-    header = ["method", "kind", *heads, "Δm % ↑", "step ms", "time × sum"]
+    header = ["method", "kind", *heads, "Δm % ↑", "step ms", "× plain step"]
     header += ["notes"] if notes else []
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for s in summaries:
@@ -183,7 +210,7 @@ def write_csvs(out: Path, results: Sequence[RunResult], summaries: Sequence[Summ
         w = csv.writer(f)
         cols = [c for n in metric_names for c in (f"{n}_mean", f"{n}_std")]
         w.writerow([*SUMMARY_COLUMNS, *cols, "delta_m_mean", "delta_m_std", "step_ms",
-                    "time_ratio", "failed", "note"])
+                    "x_plain_step", "failed", "note"])
         for s in summaries:
             vals = [v for m, d in zip(s.means, s.stds) for v in (m, d)]
             w.writerow([s.label, s.kind, s.runs, *map(_fmt6, vals), _fmt6(s.delta_mean),
@@ -241,9 +268,11 @@ def plot_results(path: Path, results: Sequence[RunResult], summaries: Sequence[S
         ax.barh(names_y, [0.0 if math.isnan(d) else d for d in deltas], xerr=errs, capsize=2,
                 color=["tab:green" if d >= 0 else "tab:red" for d in deltas])
         ax.axvline(0, color="k", linewidth=0.8)
-        for y, (name, d) in enumerate(zip(names_y, deltas)):
+        for y, (row, d) in enumerate(zip(rows[::-1], deltas)):
             if math.isnan(d):
-                ax.text(0, y, f" {name}: failed", va="center", fontsize=7, color="tab:red")
+                what = "timed only" if row.runs == 0 else "failed"
+                ax.text(0, y, f" {row.label}: {what}", va="center", fontsize=7,
+                        color="tab:gray" if row.runs == 0 else "tab:red")
         ax.set_title("Δm % vs single-task (higher is better)", fontsize=9)
     else:
         ax.set_title("Δm: no single-task baselines", fontsize=9)
@@ -251,7 +280,7 @@ def plot_results(path: Path, results: Sequence[RunResult], summaries: Sequence[S
     ax.barh(names_y, [0.0 if math.isnan(s.time_ratio) else s.time_ratio for s in rows][::-1],
             color="tab:gray")
     ax.axvline(1, color="k", linewidth=0.8)
-    ax.set_title("step time × sum", fontsize=9)
+    ax.set_title("step time × plain step (sum().backward())", fontsize=9)
     for ax in axes[k:]:
         ax.tick_params(axis="y", labelsize=7)
     fig.legend(handles, names, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=7)

@@ -8,10 +8,10 @@ measured from the forward to the end of ``optimizer.step``.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,15 +21,15 @@ from torch import Tensor, nn
 
 from gradbalance import RunningStats, StepStats, log_stats
 from gradbalance._optional import require
-from gradbalance.balancers import BALANCERS
 from gradbalance.clip import GhostNorms, PerSampleClip
-from gradbalance.step import TaskGradBuffer
-from gradbalance_lab._mtl_methods import Method, build_balancer, build_weighting
+from gradbalance_lab._mtl_methods import Method, build_weighting
 from gradbalance_lab._mtl_progress import Progress
+from gradbalance_lab._mtl_step import MethodStep
 from gradbalance_lab.data import MultiDigits
 from gradbalance_lab.models import MultiTaskModel, cnn_trunk, mlp_trunk
 
-__all__ = ["RunConfig", "RunResult", "build_model", "check_method", "open_writer", "train_run"]
+__all__ = ["RunConfig", "RunResult", "build_model", "check_method", "open_writer", "step_timer",
+           "train_run"]
 
 
 @dataclass(frozen=True)
@@ -106,10 +106,18 @@ class _Logger:
         self.writer = writer
         self.running = RunningStats(window=50)
 
-    def __call__(self, stats: StepStats, step: int, pre_clip: float | None,
-                 weights: Tensor | None) -> None:
-        log_stats(self.writer, stats, step, pre_clip=pre_clip, weights=weights,
-                  running=self.running)
+    def step(self, stats: StepStats | None, losses: Tensor, step: int, pre_clip: Tensor | None,
+             weights: Tensor | None, tasks: list[int | None]) -> None:
+        """One step's scalars: the StepStats of a balanced step (with the losses before a
+        weighting), else each task's loss (and a weighting's weights)."""
+        clip = None if pre_clip is None else float(pre_clip)
+        if stats is not None:
+            log_stats(self.writer, stats, step, pre_clip=clip, running=self.running)
+            return
+        for value, task in zip(losses.tolist(), tasks):
+            self.writer.add_scalar(f"loss/task{task}", value, step)
+        for task, value in enumerate([] if weights is None else weights.tolist()):
+            self.writer.add_scalar(f"w/task{task}", value, step)
 
 
 def _evaluate(model: MultiTaskModel, data: MultiDigits, tasks: list[int]) -> list[float]:
@@ -126,10 +134,9 @@ def _evaluate(model: MultiTaskModel, data: MultiDigits, tasks: list[int]) -> lis
 class _Step:
     """The per-method part of the step: returns the raw losses (and stats) of the batch.
 
-    A loss weighting's learnable parameters (Uncertainty's log-variances) are stepped by the
-    run's optimizer and receive their gradient through the buffer's head parameters; its
-    ``update`` runs after ``optimizer.step()`` and before ``zero_grad`` (FAMO also gets the
-    batch's losses after the step).
+    The backward itself is :class:`~gradbalance_lab._mtl_step.MethodStep`'s (the plain sum, a
+    loss weighting's one pass or a balancer's buffer); a single-task baseline runs the plain
+    backward of its one loss. With per-sample clipping the losses are the clipped ones.
     """
 
     def __init__(self, method: Method, model: MultiTaskModel, data: MultiDigits,
@@ -137,28 +144,27 @@ class _Step:
         self.method = method
         self.data = data
         self.model = model
-        k = data.num_tasks
-        self.weighting: Any = None
-        self.extra_params: list[Tensor] = []
-        self.buf: TaskGradBuffer | None = None
+        self.core: MethodStep | None = None
         self.clip: PerSampleClip | None = None
         self.ghost: GhostNorms | None = None
         if cfg is not None and cfg.per_sample_clip is not None:
             self.clip = PerSampleClip(cfg.per_sample_clip, noise_multiplier=cfg.noise_multiplier,
                                       generator=torch.Generator().manual_seed(10_000 + seed))
             self.ghost = GhostNorms(model)  # hooks before the first forward
-        if method.kind == "single":
-            return
-        if method.kind == "balancer":
-            self.balancer = build_balancer(method.key, k, seed)
-        else:
-            self.balancer = BALANCERS["sum"](num_tasks=k)
-            self.weighting = build_weighting(method.key, data, seed, model.trunk)
-            self.extra_params = [p for p in self.weighting.parameters() if p.requires_grad]
-        self.wants_after = method.key == "famo" or bool(
-            getattr(self.weighting, "needs_losses_after", False))
-        self.buf = TaskGradBuffer(model.shared_parameters(),
-                                  model.head_parameters() + self.extra_params, num_tasks=k)
+        if method.kind != "single":
+            self.core = MethodStep(method, model.shared_parameters(), model.head_parameters(),
+                                   data.num_tasks, seed,
+                                   lambda key: build_weighting(key, data, seed, model.trunk))
+
+    @property
+    def extra_params(self) -> list[Tensor]:
+        """A loss weighting's learnable parameters (for the run's optimizer)."""
+        return [] if self.core is None else self.core.extra_params
+
+    @property
+    def weights(self) -> Tensor | None:
+        """A loss weighting's current weights (None for the other methods)."""
+        return None if self.core is None else self.core.weights
 
     def _clipped(self, outputs: list[Tensor], targets: Tensor, tasks: list[int]) -> Tensor:
         """Per-sample-clipped task losses (value: the batch means) for ``tasks``."""
@@ -168,7 +174,7 @@ class _Step:
 
     def __call__(self, outputs: list[Tensor], targets: Tensor) -> tuple[Tensor, StepStats | None]:
         data = self.data
-        if self.method.kind == "single":
+        if self.core is None:
             task = self.method.task
             assert task is not None
             loss = (data.task_loss(task, outputs[0], targets[:, task]) if self.clip is None
@@ -176,14 +182,9 @@ class _Step:
             loss.backward()
             self._add_noise(targets.shape[0])
             return loss.detach().reshape(1), None
-        assert self.buf is not None
         losses = (data.losses(outputs, targets) if self.clip is None
                   else self._clipped(outputs, targets, list(range(data.num_tasks))))
-        if self.weighting is not None:
-            self.buf.backward(self.weighting(losses))
-        else:
-            self.buf.backward(losses)
-        stats = self.buf.apply_(self.balancer)
+        stats = self.core.backward(losses)
         self._add_noise(targets.shape[0])
         return losses.detach(), stats
 
@@ -191,15 +192,10 @@ class _Step:
         if self.clip is not None:
             self.clip.add_noise_(self.model.parameters(), batch_size=batch)
 
-    def after_step(self, xb: Tensor, yb: Tensor, stats: StepStats | None) -> None:
+    def after_step(self, xb: Tensor, yb: Tensor) -> None:
         """The weighting's post-step update (before ``zero_grad``)."""
-        if self.weighting is None or stats is None:
-            return
-        after = None
-        if self.wants_after:
-            with torch.no_grad():
-                after = self.data.losses(self.model(xb), yb)
-        self.weighting.update(after, found_inf=stats.found_inf)
+        if self.core is not None:
+            self.core.after_step(lambda: self.data.losses(self.model(xb), yb))
 
 
 def check_method(data: MultiDigits, method: Method, cfg: RunConfig) -> None:
@@ -243,7 +239,7 @@ def train_run(data: MultiDigits, method: Method, seed: int, cfg: RunConfig,
                 if cfg.max_norm is not None:
                     pre_clip = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_norm)
                 opt.step()
-                step_fn.after_step(xb, yb, stats)
+                step_fn.after_step(xb, yb)
                 opt.zero_grad(set_to_none=True)
                 times.append(time.perf_counter() - t0)
                 if method.kind == "single":
@@ -251,13 +247,7 @@ def train_run(data: MultiDigits, method: Method, seed: int, cfg: RunConfig,
                 else:
                     sums += losses.double() / scales
                 if log is not None and step % cfg.log_every == 0:
-                    if stats is not None:
-                        weights = getattr(step_fn.weighting, "weights", None)
-                        if weights is not None:  # log the task losses before the weighting
-                            stats = dataclasses.replace(stats, losses=losses)
-                        log(stats, step, None if pre_clip is None else float(pre_clip), weights)
-                    else:
-                        log.writer.add_scalar(f"loss/task{method.task}", float(losses[0]), step)
+                    log.step(stats, losses, step, pre_clip, step_fn.weights, tasks)
                 step += 1
                 if progress is not None:
                     progress.advance()
@@ -273,3 +263,27 @@ def train_run(data: MultiDigits, method: Method, seed: int, cfg: RunConfig,
     warm = times[min(5, len(times) - 1):] if times else [math.nan]
     return RunResult(method, seed, history[-1], history, 1000.0 * statistics.median(warm),
                      step, epoch_losses, time.perf_counter() - start)
+
+
+def step_timer(data: MultiDigits, method: Method, seed: int,
+               cfg: RunConfig) -> Callable[[], None]:
+    """One training step of ``method`` on seed ``seed``'s first batch, as a callable to time:
+    forward, the method's backward, the global clip, ``optimizer.step``, the weighting's
+    update and ``zero_grad``, exactly as :func:`train_run` takes it."""
+    tasks = [method.task] if method.kind == "single" else list(range(data.num_tasks))
+    torch.manual_seed(seed)
+    model = build_model(data, cfg, [t for t in tasks if t is not None])
+    step_fn = _Step(method, model, data, seed, cfg)
+    opt = _optimizer(list(model.parameters()) + step_fn.extra_params, cfg)
+    idx = torch.randperm(data.x_train.shape[0],
+                         generator=torch.Generator().manual_seed(seed))[:cfg.batch_size]
+    xb, yb = data.x_train[idx], data.y_train[idx]
+
+    def step() -> None:
+        step_fn(model(xb), yb)
+        if cfg.max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_norm)
+        opt.step()
+        step_fn.after_step(xb, yb)
+        opt.zero_grad(set_to_none=True)
+    return step

@@ -2,17 +2,27 @@
 
 Trains one shared trunk with a head per task for every chosen method and seed, plus one
 single-task model per task and seed (the Δm baseline), then prints and writes the table of
-per-task test metrics (mean ± std over seeds), Δm % and the step time relative to ``sum``.
+per-task test metrics (mean ± std over seeds), Δm % and the step time relative to the plain
+step ``losses.sum().backward()`` (timed interleaved: :mod:`gradbalance_lab._mtl_timing`).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import types
 from typing import Any
 
 from gradbalance.balancers import BALANCERS
-from gradbalance_lab._mtl_cli import add_common_options, execute
+from gradbalance_lab._cli_common import check_out, int_at_least
+from gradbalance_lab._factory import load_factory
+from gradbalance_lab._mtl_cli import (
+    add_common_options,
+    check_extras,
+    execute,
+    needed_extras,
+    print_outputs,
+)
 from gradbalance_lab._mtl_methods import (
     DEFAULT_BALANCERS,
     DEFAULT_WEIGHTINGS,
@@ -20,6 +30,10 @@ from gradbalance_lab._mtl_methods import (
     resolve_methods,
     runnable,
 )
+from gradbalance_lab._mtl_outputs import Written
+from gradbalance_lab._own_compare import Comparison, compare, default_methods
+
+__all__ = ["HELP", "Comparison", "compare", "configure", "default_methods", "run"]
 
 HELP = "compare balancers and loss weightings on the bundled MultiDigits benchmark"
 
@@ -33,15 +47,28 @@ def configure(parser: argparse.ArgumentParser) -> None:
     methods.add_argument(
         "--balancers", default=None,
         help="comma-separated balancer names, 'all' or 'none' (default: "
-             f"{','.join(DEFAULT_BALANCERS)}); 'sum' always runs as the time reference. "
+             f"{','.join(DEFAULT_BALANCERS)}); 'sum' always runs; the plain step "
+             "(losses.sum().backward(), no library) is timed beside every method as the "
+             "reference of '× plain step'. "
              f"Installed: {', '.join(sorted(BALANCERS))}")
     methods.add_argument(
         "--weightings", default=None,
-        help="comma-separated loss-weighting names, 'all' or 'none', each run with the plain "
-             f"sum of the weighted losses (default: {','.join(DEFAULT_WEIGHTINGS)}). "
+        help="comma-separated loss-weighting names, 'all' or 'none', each run through its "
+             "one-pass path weighting(losses).sum().backward() (default: "
+             f"{','.join(DEFAULT_WEIGHTINGS)}). "
              f"Installed: {', '.join(sorted(available_weightings())) or 'none'}")
     methods.add_argument("--no-baselines", action="store_true",
                          help="skip the single-task models (no Δm column)")
+    own = parser.add_argument_group(
+        "your own model (instead of MultiDigits; the data, trunk and epoch options are then "
+        "not used)")
+    own.add_argument("--model", default=None, metavar="PKG.MODULE:FACTORY",
+                     help="compare on your model and data: FACTORY() returns "
+                          "dict(build_model=..., make_batches=..., [shared, evaluate, "
+                          "higher_is_better, task_names, optimizer]), the arguments of "
+                          "gradbalance_lab.compare.compare (docs/compare.md, 'Your own model')")
+    own.add_argument("--steps", type=int_at_least(1), default=200,
+                     help="training steps of each run with --model")
     add_common_options(parser, seeds=3, out="runs/compare")
 
 
@@ -55,7 +82,32 @@ def _choice(text: str | None, registry: dict[str, Any]) -> list[str] | None:
     return _names(text)
 
 
+def _run_own(args: argparse.Namespace) -> int:
+    """``--model``: :func:`compare` on the user's factory, with the command's options."""
+    check_out(args.out, overwrite=args.overwrite)  # the command's message, before any work
+    try:
+        spec = load_factory(args.model)
+        methods = [m.label for m in resolve_methods(
+            _choice(args.balancers, BALANCERS), _choice(args.weightings, available_weightings()),
+            optional=True) if m.label != "sum" or args.balancers is None
+            or "sum" in args.balancers.lower()]
+        check_extras(needed_extras(args, data=False))
+        result = compare(**spec, methods=methods, steps=args.steps, seeds=args.seeds,
+                         timing_rounds=args.timing_rounds, out=args.out,
+                         overwrite=args.overwrite, plot=not args.no_plot,
+                         tensorboard=not args.no_tensorboard, verbose=not args.quiet)
+    except (ValueError, TypeError, ImportError) as error:
+        print(f"gradbalance compare: error: {error}", file=sys.stderr)
+        return 2
+    assert result.out is not None
+    print_outputs(Written(result.rows, result.table, sorted(result.out.iterdir())), result.out,
+                  tensorboard=not args.no_tensorboard)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.model is not None:
+        return _run_own(args)
     try:
         everything = "all" in (str(args.balancers).lower(), str(args.weightings).lower())
         methods = resolve_methods(_choice(args.balancers, BALANCERS),
@@ -66,3 +118,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
     return execute(args, methods, baselines=not args.no_baselines,
                    title="gradbalance compare")
+
+
+class _CallableModule(types.ModuleType):
+    """This module, callable: ``gradbalance_lab.compare(build_model, make_batches, ...)`` is
+    :func:`compare` (``from gradbalance_lab.compare import compare`` is the same function)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Comparison:
+        return compare(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -120,3 +120,50 @@ def test_invalid_accumulation() -> None:
     model = _model()
     with pytest.raises(ValueError, match=r"Invalid accumulate_grad_batches: 0 \(expected"):
         BalancedManualStep(_balancer(), model.shared_parameters(), accumulate_grad_batches=0)
+
+
+class Scheduled(Module):
+    """The helper's module with a StepLR (halving) from ``configure_optimizers``."""
+
+    def __init__(self, interval: str | None, step_schedulers: bool = True,
+                 plateau: bool = False) -> None:
+        super().__init__(1)
+        self.balanced.step_schedulers = step_schedulers
+        self.interval, self.plateau = interval, plateau
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        if self.plateau:
+            return {"optimizer": opt, "lr_scheduler": {
+                "scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(opt),
+                "monitor": "val"}}
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        if self.interval is None:  # Lightning's default: once per epoch
+            return [opt], [scheduler]
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler,
+                                                   "interval": self.interval}}
+
+
+def _fit_scheduled(module: Scheduled, epochs: int, batches: int) -> float:
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=epochs, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_train_batches=batches)
+    trainer.fit(module, DataLoader(_data(), batch_size=BATCH, shuffle=False))
+    assert trainer.global_step == epochs * batches
+    return float(trainer.optimizers[0].param_groups[0]["lr"])
+
+
+@pytest.mark.parametrize(("interval", "step_schedulers", "halvings"), [
+    ("step", True, 6),  # after each of the 2 × 3 optimizer steps
+    (None, True, 2),  # at the end of each of the 2 epochs
+    ("step", False, 0),  # left to the module
+])
+def test_configured_schedulers_are_stepped(interval: str | None, step_schedulers: bool,
+                                           halvings: int) -> None:
+    lr = _fit_scheduled(Scheduled(interval, step_schedulers), epochs=2, batches=3)
+    assert lr == pytest.approx(0.1 * 0.5**halvings, rel=1e-12)
+
+
+def test_a_plateau_scheduler_is_refused_with_the_fix() -> None:
+    with pytest.raises(ValueError, match=r"ReduceLROnPlateau.*step_schedulers=False"):
+        _fit_scheduled(Scheduled("epoch", plateau=True), epochs=1, batches=1)

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -103,7 +104,8 @@ def _optimizers(model: nn.Module) -> tuple[torch.optim.Optimizer, Any]:
 
 
 def _trainer(out: Path, method: str = "gradvac", *, seed: int = 0, accumulate: int = 2,
-             batch: int = BATCH, epochs: int = 2, **args: Any) -> BalancedTrainer:
+             batch: int = BATCH, epochs: int = 2, task_names: list[str] | None = None,
+             **args: Any) -> BalancedTrainer:
     model = _model(seed)
     options = {"save_strategy": "no", "logging_steps": 1, **args}
     return BalancedTrainer(
@@ -114,7 +116,7 @@ def _trainer(out: Path, method: str = "gradvac", *, seed: int = 0, accumulate: i
                                disable_tqdm=True, seed=42, **options),
         train_dataset=Data(), optimizers=_optimizers(model),
         shared_params=lambda m: m.trunk.parameters(),
-        head_params=lambda m: m.heads.parameters(),
+        head_params=lambda m: m.heads.parameters(), task_names=task_names,
         **_parts(method, model, seed),
     )
 
@@ -236,6 +238,29 @@ def test_evaluation_loss_is_the_sum_of_the_task_losses(tmp_path: Path) -> None:
         expected = [model(data.x[i:i + 8], data.y[i:i + 8])["losses"].sum()
                     for i in range(0, N, 8)]
     assert metrics["eval_loss"] == pytest.approx(float(torch.stack(expected).mean()), rel=1e-6)
+
+
+def test_per_task_evaluation_losses_and_named_tags(tmp_path: Path) -> None:
+    names = ["a", "b", "c"]
+    trainer = _trainer(tmp_path, epochs=1, label_names=["y"], per_device_eval_batch_size=8,
+                       task_names=names)
+    trainer.train()
+    assert {f"balance/loss/{n}" for n in names} <= set(trainer.state.log_history[0])
+    metrics = trainer.evaluate(Data())
+    model = trainer.model.eval()
+    data = Data()
+    with torch.no_grad():  # batches of 8: the mean over the samples is the mean of the batches
+        per_batch = torch.stack([model(data.x[i:i + 8], data.y[i:i + 8])["losses"]
+                                 for i in range(0, N, 8)]).double()
+    for k, name in enumerate(names):
+        assert metrics[f"eval_loss_{name}"] == pytest.approx(float(per_batch[:, k].mean()),
+                                                             rel=1e-6)
+    assert metrics["eval_loss"] == pytest.approx(sum(metrics[f"eval_loss_{n}"] for n in names),
+                                                 rel=1e-5)
+    predicted = trainer.predict(Data())
+    assert predicted.metrics["test_loss_b"] == pytest.approx(metrics["eval_loss_b"], rel=1e-6)
+    # the loss vector is not returned as if it were the model's predictions
+    assert predicted.predictions is None or np.size(predicted.predictions) != K * (N // 8)
 
 
 def test_fp16_on_cpu_is_turned_off_by_accelerate(tmp_path: Path) -> None:

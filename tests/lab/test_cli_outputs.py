@@ -242,7 +242,7 @@ def test_ctrl_c_writes_the_finished_runs_subprocess(tmp_path: Path) -> None:
     runs = _read_csv(out / "runs.csv")
     assert [(r["method"], r["seed"]) for r in runs] == [("sum", str(s)) for s in range(finished)]
     assert [(r["method"], r["runs"]) for r in _read_csv(out / "summary.csv")] == [
-        ("sum", str(finished))]
+        ("plain", "0"), ("sum", str(finished))]  # the plain step: timed, not trained
     assert f"interrupted: {finished} of 20 runs finished" in (out / "summary.md").read_text()
     # the table of the finished runs is printed
     assert "| sum |" in (tmp_path / "stdout.txt").read_text()

@@ -128,7 +128,7 @@ def test_a_failure_while_writing_leaves_the_earlier_outputs(
     def broken(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("disk went away")
 
-    monkeypatch.setattr("gradbalance_lab._mtl_cli.write_csvs", broken)
+    monkeypatch.setattr("gradbalance_lab._mtl_outputs.write_csvs", broken)
     with pytest.raises(RuntimeError, match="disk went away"):
         main([*COMMANDS["compare"], "--out", str(out), "--overwrite"])
     assert _snapshot(out) == before
@@ -173,7 +173,7 @@ def test_sigterm_while_writing_lets_the_outputs_complete(
         os.kill(os.getpid(), signal.SIGTERM)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr("gradbalance_lab._mtl_cli.write_csvs", terminated_while_writing)
+    monkeypatch.setattr("gradbalance_lab._mtl_outputs.write_csvs", terminated_while_writing)
     argv = [*COMMANDS["compare"], "--seeds", "3", "--out", str(out)]
     assert main([*argv, "--overwrite"] if overwrite else argv) == 0  # every run had finished
     assert [r["seed"] for r in _read_csv(out / "runs.csv")] == ["0", "1", "2"]

@@ -24,6 +24,7 @@ from ..checkpoint import capture_state, restore_state
 from ..clip._checks import check_row_clipper
 from ..clip._protocol import RowClipper
 from ..distributed import sync_weighting_
+from ..monitor import task_labels
 from ..stats import StepStats
 from ..step import TaskGradBuffer
 from ..weighting._base import LossWeighting
@@ -31,20 +32,23 @@ from ..weighting._base import LossWeighting
 __all__ = ["BalancedParts", "divide_losses", "stats_scalars", "unshare_tensors"]
 
 
-def stats_scalars(stats: StepStats) -> dict[str, Tensor | float]:
-    """The scalars of one step, as tensors (no host sync): losses, norms, weights, cosines."""
+def stats_scalars(stats: StepStats, task_names: Sequence[str] | None = None
+                  ) -> dict[str, Tensor | float]:
+    """The scalars of one step, as tensors (no host sync): losses, norms, weights, cosines,
+    each task named by ``task_names`` (``loss/depth``; default ``loss/task0``, ...)."""
     out: dict[str, Tensor | float] = {}
     k = stats.num_tasks
-    for t in range(k):
-        out[f"loss/task{t}"] = stats.losses[t]
+    names = task_labels(task_names, k)
+    for t, name in enumerate(names):
+        out[f"loss/{name}"] = stats.losses[t]
         if stats.task_norms is not None:
-            out[f"size/task{t}"] = stats.task_norms[t]
+            out[f"size/{name}"] = stats.task_norms[t]
         if stats.weights is not None:
-            out[f"w/task{t}"] = stats.weights[t]
+            out[f"w/{name}"] = stats.weights[t]
     if stats.cosine is not None:
         for i in range(k):
             for j in range(i + 1, k):
-                out[f"cos/task{i}_task{j}"] = stats.cosine[i, j]
+                out[f"cos/{names[i]}_{names[j]}"] = stats.cosine[i, j]
     if stats.update_norm is not None:
         out["update_norm"] = stats.update_norm
     out["amp_skipped"] = 1.0 if stats.found_inf else 0.0
@@ -76,6 +80,7 @@ class BalancedParts:
         weighting: optional :class:`~gradbalance.LossWeighting` applied to the losses of every
             micro-batch and updated once per step.
         clip: optional row clipper (e.g. :class:`~gradbalance.TaskAutoClip`).
+        task_names: the tasks' names in the logged tags (``loss/depth``); default ``task0``, ...
     """
 
     def __init__(
@@ -85,8 +90,12 @@ class BalancedParts:
         *,
         weighting: LossWeighting | None = None,
         clip: RowClipper | None = None,
+        task_names: Sequence[str] | None = None,
     ) -> None:
         check_balancer("balancer", balancer)
+        if task_names is not None and balancer.num_tasks is not None:
+            task_labels(task_names, balancer.num_tasks)  # a wrong count fails here
+        self.task_names = None if task_names is None else list(task_names)
         check_row_clipper("clip", clip)
         if weighting is not None and not isinstance(weighting, LossWeighting):
             raise TypeError(
@@ -140,11 +149,12 @@ class BalancedParts:
         return stats
 
     def scalars(self, stats: StepStats) -> dict[str, Tensor | float]:
-        """:func:`stats_scalars`, plus the weighting's weights as ``weighting/task{k}``."""
-        out = stats_scalars(stats)
+        """:func:`stats_scalars`, plus the weighting's weights as ``weighting/<task>``."""
+        out = stats_scalars(stats, self.task_names)
         if self.weighting is not None:
-            for k, w in enumerate(self.weighting.weights):
-                out[f"weighting/task{k}"] = w
+            names = task_labels(self.task_names, stats.num_tasks)
+            for name, w in zip(names, self.weighting.weights):
+                out[f"weighting/{name}"] = w
         return out
 
     def objects(self) -> dict[str, Any]:

@@ -20,7 +20,9 @@ One call per batch does, in order: the loss weighting (if any), ``buf.backward(l
 with Lightning's gradient scaler (``precision="16-mixed"``), and on every N-th batch
 ``buf.apply_``, the weighting's update, the optimizer step through Lightning (which unscales,
 runs ``on_before_optimizer_step`` — the place for a global ``clip_grad_norm_`` — and steps the
-scaler), ``zero_grad`` and ``self.log`` of the StepStats.
+scaler), ``zero_grad``, the learning-rate schedulers of ``configure_optimizers`` (as Lightning
+steps them under automatic optimisation; ``step_schedulers=False`` leaves them to you) and
+``self.log`` of the StepStats.
 
 Checkpoints: :class:`BalancedManualStep` is an ``nn.Module`` without parameters whose
 ``state_dict`` holds, as its extra state, the buffer's, the balancer's (its random generator
@@ -42,6 +44,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from torch import Tensor, nn
+from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from .._checks import check_int
 from .._optional import require
@@ -54,6 +57,19 @@ from ..weighting._base import LossWeighting
 from ._core import BalancedParts, stats_scalars, unshare_tensors
 
 __all__ = ["BalancedManualStep", "require_lightning", "stats_scalars"]
+
+
+def _step(configs: list[Any], trainer: Any, last_of_epoch: bool) -> None:
+    """Step the schedulers due after an optimizer step, as Lightning's automatic loop does:
+    ``"step"`` ones every ``frequency`` optimizer steps, ``"epoch"`` ones on the epoch's last
+    batch every ``frequency`` epochs."""
+    for config in configs:
+        if config.interval == "step":
+            due = trainer.global_step % config.frequency == 0
+        else:
+            due = last_of_epoch and (trainer.current_epoch + 1) % config.frequency == 0
+        if due:
+            config.scheduler.step()
 
 
 def require_lightning() -> Any:
@@ -74,8 +90,16 @@ class BalancedManualStep(nn.Module):
         weighting: optional :class:`~gradbalance.LossWeighting` (e.g. GradNorm): applied to
             each batch's losses, updated once per optimizer step.
         log: call ``module.log`` for each scalar of :func:`stats_scalars` on a step (and
-            ``weighting/task{k}``, the weighting's weights).
+            ``weighting/<task>``, the weighting's weights).
         prefix: prefix of the logged names.
+        task_names: the tasks' names in the logged names (``balance/loss/depth``); default
+            ``task0``, ``task1``, ...
+        step_schedulers: step the learning-rate schedulers of ``configure_optimizers`` (which
+            Lightning leaves to the module under manual optimisation) as Lightning would: an
+            ``"interval": "step"`` one after every ``frequency``-th optimizer step, an
+            ``"epoch"`` one (the default) at the end of every ``frequency``-th epoch.
+            ``ReduceLROnPlateau`` needs its metric: it is refused; pass
+            ``step_schedulers=False`` and step it yourself.
         passes: passed to the buffer.
         process_group: passed to the buffer.
         **buffer_kwargs: passed to the buffer (e.g. ``mode``).
@@ -98,6 +122,8 @@ class BalancedManualStep(nn.Module):
         weighting: LossWeighting | None = None,
         log: bool = True,
         prefix: str = "balance/",
+        task_names: Sequence[str] | None = None,
+        step_schedulers: bool = True,
         passes: Passes = "auto",
         process_group: Any = None,
         **buffer_kwargs: Any,
@@ -109,10 +135,12 @@ class BalancedManualStep(nn.Module):
             shared_params, head_params, num_tasks=balancer.num_tasks, passes=passes,
             process_group=process_group, **buffer_kwargs,
         )
-        self.parts = BalancedParts(balancer, buffer, weighting=weighting, clip=clip)
+        self.parts = BalancedParts(balancer, buffer, weighting=weighting, clip=clip,
+                                   task_names=task_names)
         self.accumulate_grad_batches = accumulate_grad_batches
         self.log = log
         self.prefix = prefix
+        self.step_schedulers = step_schedulers
         self.last_stats: StepStats | None = None
 
     @property
@@ -160,6 +188,7 @@ class BalancedManualStep(nn.Module):
                     f"the module has {len(optimizer)} optimizers; pass the one to step as "
                     f"optimizer=..."
                 )
+        schedulers = self._schedulers(module, optimizer)
         scaler = getattr(module.trainer.precision_plugin, "scaler", None)
         n = self.accumulate_grad_batches
         self.parts.backward(losses, n, scaler)
@@ -169,11 +198,29 @@ class BalancedManualStep(nn.Module):
         stats = self.parts.step(scaler)  # autocast off: balanced in the gradients' dtype
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        _step(schedulers, module.trainer, last)
         self.last_stats = stats
         if self.log:
             for name, value in self.parts.scalars(stats).items():
                 module.log(self.prefix + name, value, on_step=True, on_epoch=False)
         return stats
+
+    def _schedulers(self, module: Any, optimizer: Any) -> list[Any]:
+        """The scheduler configurations of ``optimizer`` to step (none when switched off);
+        a ``ReduceLROnPlateau`` is refused before the step, naming the fix."""
+        if not self.step_schedulers:
+            return []
+        torch_optimizer = getattr(optimizer, "optimizer", optimizer)
+        configs = [c for c in getattr(module.trainer, "lr_scheduler_configs", None) or []
+                   if getattr(c.scheduler, "optimizer", None) is torch_optimizer]
+        if any(c.reduce_on_plateau or isinstance(c.scheduler, ReduceLROnPlateau)
+               for c in configs):
+            raise ValueError(
+                "BalancedManualStep cannot step a ReduceLROnPlateau scheduler (it needs the "
+                "monitored metric): pass step_schedulers=False and call "
+                "self.lr_schedulers().step(metric) yourself, e.g. in on_validation_epoch_end"
+            )
+        return configs
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Unpickled (``ddp_spawn`` on CPU): the parts' tensors get memory of their own."""

@@ -24,10 +24,13 @@ Only ``training_step`` changes; the Trainer's loop around it is kept:
   weighting's update. The Trainer then clips as usual (``max_grad_norm``: a global clip of
   the balanced gradient, after unscaling), steps the optimizer and the scaler, and zeroes;
 * evaluation (``evaluate``, ``predict``): the loss is the sum of the K task losses (set
-  ``label_names`` when the targets are not called ``labels``);
-* logging: the mean over the logging interval of ``balance/loss/task{k}``,
-  ``balance/size/task{k}``, ``balance/w/task{k}``, ``balance/cos/task{i}_task{j}`` (and
-  ``balance/weighting/task{k}``) joins the Trainer's training logs, hence every ``report_to``
+  ``label_names`` when the targets are not called ``labels``), and the metrics hold each
+  task's mean loss, ``eval_loss_<task>`` (``test_loss_<task>`` for ``predict``); the
+  predictions are the model's outputs other than ``losses``;
+* logging: the mean over the logging interval of ``balance/loss/<task>``,
+  ``balance/size/<task>``, ``balance/w/<task>``, ``balance/cos/<i>_<j>`` (and
+  ``balance/weighting/<task>``; the tasks named by ``task_names``, default ``task0``,
+  ...) joins the Trainer's training logs, hence every ``report_to``
   backend; ``loss`` is the sum of the K (weighted) losses;
 * checkpoints: ``gradbalance.pt`` in each ``checkpoint-N`` folder holds the buffer's,
   balancer's, weighting's and row clipper's states (written by the main process beside the
@@ -53,6 +56,7 @@ from ..balancers._base import Balancer
 from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ..clip._protocol import RowClipper
 from ..distributed import ddp_no_sync
+from ..monitor import task_labels
 from ..stats import StepStats
 from ..step import TaskGradBuffer
 from ..weighting._base import LossWeighting
@@ -143,6 +147,8 @@ class BalancedTrainer(Trainer):
         buffer_options: more arguments of :class:`~gradbalance.TaskGradBuffer` (``mode``,
             ``passes``, ``update_every``, ``modules``, ``process_group``, ``other_params``).
         log_prefix: prefix of the logged scalars.
+        task_names: the tasks' names in the logged scalars (``balance/loss/depth``) and the
+            per-task evaluation losses; default ``task0``, ``task1``, ...
         **kwargs: the ``Trainer``'s.
 
     Attributes:
@@ -159,6 +165,7 @@ class BalancedTrainer(Trainer):
         clip: RowClipper | None = None,
         buffer_options: Mapping[str, Any] | None = None,
         log_prefix: str = "balance/",
+        task_names: Sequence[str] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -177,11 +184,12 @@ class BalancedTrainer(Trainer):
         self._head_source = _materialize("head_params", head_params)
         self._buffer_options = dict(buffer_options or {})
         self.balanced = BalancedParts(balancer, self._build_buffer, weighting=weighting,
-                                      clip=clip)
+                                      clip=clip, task_names=task_names)
         self.log_prefix = log_prefix
         self.last_stats: StepStats | None = None
         self._sums: dict[str, Tensor | float] = {}
         self._steps_logged = 0
+        self._eval_sums: Tensor | None = None
 
     # -- the step ------------------------------------------------------------------------
     def _build_buffer(self) -> TaskGradBuffer:
@@ -209,12 +217,40 @@ class BalancedTrainer(Trainer):
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Tensor | tuple[Tensor, Any]:
         """The loss of evaluation and prediction: the sum of the K task losses of
-        ``model(**inputs)`` (training runs :meth:`training_step`, which balances them)."""
+        ``model(**inputs)`` (training runs :meth:`training_step`, which balances them).
+
+        Each task's loss is kept for the per-task evaluation losses; the outputs returned
+        leave ``losses`` out, so ``predict`` returns the model's other outputs."""
         outputs = model(**inputs)
         losses = task_losses_of(outputs)
         vector = losses if isinstance(losses, Tensor) else torch.stack(list(losses))
+        self._eval_record(vector, inputs)
         loss = vector.sum()
+        if isinstance(outputs, Mapping):
+            outputs = {key: value for key, value in outputs.items() if key != "losses"}
         return (loss, outputs) if return_outputs else loss
+
+    def _eval_record(self, vector: Tensor, inputs: dict[str, Any]) -> None:
+        """Adds a batch's task losses, weighted by its size, to the evaluation's sums."""
+        n = next((v.shape[0] for v in inputs.values() if isinstance(v, Tensor) and v.dim() > 0),
+                 1)
+        row = torch.cat([vector.detach().double() * n, vector.new_full((1,), n).double()])
+        self._eval_sums = row if self._eval_sums is None else self._eval_sums + row
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's evaluation (``evaluate``, ``predict``), its metrics with each task's
+        mean loss: ``<prefix>_loss_<task>`` (e.g. ``eval_loss_task0``), over every process's
+        samples."""
+        self._eval_sums = None
+        output = super().evaluation_loop(*args, **kwargs)
+        prefix = kwargs.get("metric_key_prefix", args[4] if len(args) > 4 else "eval")
+        if self._eval_sums is not None:
+            sums = self.accelerator.reduce(self._eval_sums, reduction="sum")
+            means = (sums[:-1] / sums[-1]).tolist()
+            for name, value in zip(task_labels(self.balanced.task_names, len(means)), means):
+                output.metrics[f"{prefix}_loss_{name}"] = value
+        self._eval_sums = None
+        return output
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any],
                       num_items_in_batch: Any = None) -> Tensor:
