@@ -34,7 +34,8 @@ Call = Callable[[], object]
 
 
 def conflicting_rows(k: int, p: int, seed: int) -> torch.Tensor:
-    """``[K, P]`` float32: ``aᵢ s + nᵢ``, ``aᵢ ~ N(0, 1)`` (signs conflict), ``s``, ``nᵢ`` random."""
+    """``[K, P]`` float32: ``aᵢ s + nᵢ/2``, ``aᵢ ~ N(0, 1)`` (signs conflict), ``s``, ``nᵢ``
+    standard normal."""
     gen = torch.Generator().manual_seed(seed)
     shared = torch.randn(p, generator=gen)
     scale = torch.randn(k, 1, generator=gen)
@@ -93,7 +94,7 @@ def time_k(calls: dict[str, Call], rounds: int, budget: float) -> dict[str, floa
             start = time.perf_counter()
             try:
                 calls[name]()
-            except Exception as exc:  # noqa: BLE001 — recorded in the table
+            except Exception as exc:
                 result[name] = f"error: {type(exc).__name__}"
                 continue
             elapsed = time.perf_counter() - start
@@ -116,7 +117,8 @@ def table(ks: list[int], rows: dict[str, dict[int, float | str]]) -> str:
         for k in ks:
             v, g = per_k.get(k, "—"), rows["gramian"].get(k)
             if isinstance(v, float) and isinstance(g, float):
-                cells.append(f"{v * 1e3:.1f} ms" + ("" if name == "gramian" else f" ({v / g:.1f}×)"))
+                ratio = "" if name == "gramian" else f" ({v / g:.1f}×)"
+                cells.append(f"{v * 1e3:.1f} ms{ratio}")
             else:
                 cells.append(str(v))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")

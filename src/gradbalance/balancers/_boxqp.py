@@ -110,7 +110,7 @@ def _exchange(free: Tensor, bad: Tensor, block: Tensor, order: Tensor, simplex: 
 
 def _pcg_free(q: Tensor, h: Tensor, rhs: Tensor, free: Tensor, y0: Tensor,
               tight: Tensor) -> tuple[Tensor, Tensor]:
-    """``(y, converged)`` ``[B, K]``, ``[B]``: ``Q_FF y_F = rhs_F`` for every row, ``y`` zero off ``F``.
+    """``(y, converged)`` (``[B, K]``, ``[B]``): ``Q_FF y_F = rhs_F`` per row, ``y`` zero off ``F``.
 
     Conjugate gradients preconditioned by ``(Q⁻¹)_FF`` (``h = Q⁻¹``), from ``y0``: two
     ``[B, K] × [K, K]`` products per step for all the problems together, until the residual

@@ -16,8 +16,8 @@ from .._checks import check_generator
 from .._shard import Shard
 from ..gramian import compute_gramian
 from ._base import Combination
-from ._rng import OwnedGeneratorState, private_generator
 from ._pcgrad import pairwise_pass
+from ._rng import OwnedGeneratorState, private_generator
 from ._solvers import trace_normalized
 
 __all__ = ["GradVac", "gradvac_coefficients", "gradvac_orders"]
