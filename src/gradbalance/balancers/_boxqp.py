@@ -122,21 +122,29 @@ def _pcg_free(q: Tensor, h: Tensor, rhs: Tensor, free: Tensor, y0: Tensor,
     r = (rhs - y @ q) * f
     rtol = torch.where(tight, CG_RTOL, CG_LOOSE_RTOL).to(q.dtype)
     target = rtol * _norm(rhs * f, dim=1)
+    converged = _norm(r, dim=1) <= target
+    live = torch.nonzero(~converged).flatten()  # rows still iterating: the others drop out
+    f, r, target, x = f[live], r[live], target[live], y[live]
     z = (r @ h) * f
     p, rz = z, (r * z).sum(dim=1)
-    converged = _norm(r, dim=1) <= target
     for _ in range(CG_MAX_STEPS):
-        if bool(converged.all()):
+        if live.numel() == 0:
             break
         ap = (p @ q) * f
         pap = (p * ap).sum(dim=1)
-        alpha = torch.where(converged | (pap <= 0), 0.0, rz / torch.where(pap > 0, pap, 1.0))
-        y, r = y + alpha[:, None] * p, r - alpha[:, None] * ap
-        converged = converged | (_norm(r, dim=1) <= target)
+        alpha = torch.where(pap > 0, rz / torch.where(pap > 0, pap, 1.0), 0.0)
+        x, r = x + alpha[:, None] * p, r - alpha[:, None] * ap
+        ok = _norm(r, dim=1) <= target
+        stop = ok | (pap <= 0)  # converged, or broken down (left unconverged)
+        if bool(stop.any()):
+            y[live[stop]], converged[live[stop]] = x[stop], ok[stop]
+            keep = ~stop
+            live, f, r, target, x, p, rz = (t[keep] for t in (live, f, r, target, x, p, rz))
         z = (r @ h) * f
         rz_new = (r * z).sum(dim=1)
         p = z + torch.where(rz > 0, rz_new / torch.where(rz > 0, rz, 1.0), 0.0)[:, None] * p
         rz = rz_new
+    y[live] = x
     return y, converged & tight
 
 
