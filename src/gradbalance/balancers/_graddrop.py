@@ -84,7 +84,8 @@ class GradDrop(OptionalGeneratorState, Balancer):
 
     Applied to the flattened gradient of the shared parameters, as TorchJD does. The paper
     places it after a chosen layer, on the gradient with respect to that layer's activations
-    summed over the batch; the rule per coordinate is the same.
+    summed over the batch; the rule per coordinate is the same. ``O(K P)``: a few passes over
+    the rows, no Gramian.
 
     Args:
         num_tasks: K (optional; required when ``leak`` is not given).

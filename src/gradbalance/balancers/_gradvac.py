@@ -112,6 +112,7 @@ class GradVac(OwnedGeneratorState):
     Like PCGrad, each task gradient visits the others in a random order, but instead of
     removing conflict it adds just enough of ``gⱼ`` to lift ``cos(g_i^PC, gⱼ)`` to the target
     ``φ̂ᵢⱼ``, an EMA of the observed cosines (initially 0, where GradVac equals PCGrad).
+    ``O(K³)`` in K on the Gramian (:func:`gradvac_coefficients`), ``O(K²)`` state.
 
     Args:
         num_tasks: K (optional; the EMA targets are created on the first call otherwise).

@@ -108,7 +108,8 @@ class PCD(Balancer):
     ``g̃ᵢ = gᵢ / √(v̂ᵢ + ε)`` (``v̂``: bias-corrected EMA of ``‖gᵢ‖²``, decay ``β``). The update
     is ``d̃`` rescaled to ``‖g₁‖`` (zero when ``g₁ = 0`` or ``d̃ = 0`` up to rounding).
 
-    Not symmetric: row 0 (the first loss) is the primary task.
+    Not symmetric: row 0 (the first loss) is the primary task. Cost in K: one box QP on the
+    ``K − 1`` secondary tasks, ``O(|F|³)`` per pivoting iteration (``O(K³)`` at most).
 
     Args:
         num_tasks: K (optional).

@@ -97,7 +97,8 @@ class PCGrad(OwnedGeneratorState):
 
     Each ``g_i^PC`` starts at ``gᵢ`` and is projected onto the normal plane of every ``gⱼ`` it
     conflicts with (``g_i^PC·gⱼ < 0``), visiting the other tasks in a random order drawn per
-    task. Runs on the Gramian: the weights are ``w = 1ᵀC`` (see :func:`pcgrad_coefficients`).
+    task. Runs on the Gramian: the weights are ``w = 1ᵀC`` (see :func:`pcgrad_coefficients`),
+    ``O(K³)`` in K (the Gramian ``O(K² P)``); the orders are one ``randperm(K)`` per task.
 
     Args:
         num_tasks: K (optional, checked on every call).
