@@ -232,3 +232,21 @@ def test_pairwise_and_coordinate_balancers_at_64_tasks_are_finite(kind: str) -> 
     g = rows(kind, 64, 40, 11)
     for balancer in (PCGrad(), GradVac(), TrimmedMean(trim_number=3), GradDrop(), PCD()):
         assert bool(torch.isfinite(balancer(g)).all()), type(balancer).__name__
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(2, 64), st.sampled_from(KINDS), st.integers(0, 2**16), st.booleans())
+def test_graddrop_matches_its_masked_sum(k: int, kind: str, seed: int, leak: bool) -> None:
+    """The rule as written in the paper: a keep mask per entry, then the (leaky) sum."""
+    from gradbalance.balancers._graddrop import graddrop_update
+
+    g = rows(kind, k, 50, seed)
+    g[:, :3] = 0.0  # zero columns: purity ½
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.rand(50, generator=gen, dtype=F64)
+    lk = torch.rand(k, generator=gen, dtype=F64) if leak else torch.zeros(k, dtype=F64)
+    purity = torch.where(g.abs().sum(0) > 0, 0.5 * (1 + g.sum(0) / g.abs().sum(0)), 0.5)
+    mask = (((purity > u) & (g > 0)) | ((purity < u) & (g < 0))).to(F64)
+    expected = ((lk[:, None] + (1 - lk[:, None]) * mask) * g).sum(dim=0)
+    out = graddrop_update(g, u, lk if leak else None)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12 * float(g.abs().sum()))
