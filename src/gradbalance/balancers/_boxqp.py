@@ -29,6 +29,7 @@ The cost of a call is bounded by the iteration counts above, whatever the input.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,17 @@ RANK_RTOL_PER_ROW = 4 * torch.finfo(torch.float64).eps
 INDEPENDENCE_RTOL = 1e-10
 #: FISTA iterations of the fallback (its error bound is stated for this count).
 FALLBACK_ITERATIONS = 1000
+#: Batched problems of at least this size pivot with conjugate-gradient solves (``O(K³)``
+#: per step for all ``K`` of UPGrad's projections) instead of ``B`` factorisations
+#: (``O(B K³)`` per pivoting iteration).
+CG_MIN_SIZE = 64
+#: Relative residual at which those solves stop (while the free set still moves: loose), their
+#: step cap, and the pivoting iterations before the problems still open go to the
+#: factorisations.
+CG_RTOL = 1e-13
+CG_LOOSE_RTOL = 1e-6
+CG_MAX_STEPS = 100
+CG_MAX_PIVOTS = 30
 
 _EPS = torch.finfo(torch.float64).eps
 _norm = torch.linalg.vector_norm  # the direct kernel: Tensor.norm dispatches in Python first
@@ -96,52 +108,126 @@ def _exchange(free: Tensor, bad: Tensor, block: Tensor, order: Tensor, simplex: 
     return free
 
 
+def _pcg_free(q: Tensor, h: Tensor, rhs: Tensor, free: Tensor, y0: Tensor,
+              tight: Tensor) -> tuple[Tensor, Tensor]:
+    """``(y, converged)`` (``[B, K]``, ``[B]``): ``Q_FF y_F = rhs_F`` per row, ``y`` zero off ``F``.
+
+    Conjugate gradients preconditioned by ``(Q⁻¹)_FF`` (``h = Q⁻¹``), from ``y0``: two
+    ``[B, K] × [K, K]`` products per step for all the problems together, until the residual
+    is ``CG_RTOL`` (rows where ``tight``, else ``CG_LOOSE_RTOL``) times ``‖rhs_F‖``, at most
+    ``CG_MAX_STEPS`` steps; ``converged`` only where ``tight``.
+    """
+    f = free.to(q.dtype)
+    y = y0 * f
+    r = (rhs - y @ q) * f
+    rtol = torch.where(tight, CG_RTOL, CG_LOOSE_RTOL).to(q.dtype)
+    target = rtol * _norm(rhs * f, dim=1)
+    converged = _norm(r, dim=1) <= target
+    live = torch.nonzero(~converged).flatten()  # rows still iterating: the others drop out
+    f, r, target, x = f[live], r[live], target[live], y[live]
+    z = (r @ h) * f
+    p, rz = z, (r * z).sum(dim=1)
+    for _ in range(CG_MAX_STEPS):
+        if live.numel() == 0:
+            break
+        ap = (p @ q) * f
+        pap = (p * ap).sum(dim=1)
+        alpha = torch.where(pap > 0, rz / torch.where(pap > 0, pap, 1.0), 0.0)
+        x, r = x + alpha[:, None] * p, r - alpha[:, None] * ap
+        ok = _norm(r, dim=1) <= target
+        stop = ok | (pap <= 0)  # converged, or broken down (left unconverged)
+        if bool(stop.any()):
+            y[live[stop]], converged[live[stop]] = x[stop], ok[stop]
+            keep = ~stop
+            live, f, r, target, x, p, rz = (t[keep] for t in (live, f, r, target, x, p, rz))
+        z = (r @ h) * f
+        rz_new = (r * z).sum(dim=1)
+        p = z + torch.where(rz > 0, rz_new / torch.where(rz > 0, rz, 1.0), 0.0)[:, None] * p
+        rz = rz_new
+    y[live] = x
+    return y, converged & tight
+
+
+Solve = Callable[[Tensor, Tensor, Tensor, Tensor], "tuple[Tensor, Tensor] | None"]
+
+
 def solve_lcp_pivoting(
     q: Tensor, c: Tensor, lower: Tensor, simplex: bool, free0: Tensor, tol: float,
-    max_iter: int,
+    max_iter: int, iterative: bool = False,
 ) -> tuple[Tensor, Tensor] | None:
     """Block principal pivoting (Júdice & Pires 1994): ``(x, done)``, ``x`` valid where done.
 
     Optimality of ``y = x − lower ≥ 0`` is the complementarity problem ``w = Qy + c' − ν1 ≥ 0``
     (``c' = Q·lower + c``; ``ν`` and ``Σy = 1 − Σ lower`` only with the simplex), ``yᵀw = 0``.
-    Given the free set ``F``, ``y_F`` solves the equalities (Cholesky: ``Q`` positive
-    definite) and ``y`` is zero elsewhere; every index with ``y_F < −tol`` or ``w_A < −tol``
-    changes side at once, falling back to exchanging only the largest such index (Murty's
-    rule, finite for positive definite ``Q``) after three exchanges that do not reduce their
-    number. Problems still open after ``max_iter`` iterations are returned with ``done``
-    False; None if a factorisation fails.
+    Given the free set ``F``, ``y_F`` solves the equalities and ``y`` is zero elsewhere; every
+    index with ``y_F < −tol`` or ``w_A < −tol`` changes side at once, falling back to
+    exchanging only the largest such index (Murty's rule, finite for positive definite ``Q``)
+    after three exchanges that do not reduce their number. Problems still open after
+    ``max_iter`` iterations are returned with ``done`` False; None if a factorisation fails.
+
+    The equalities of the open problems: one batched Cholesky factorisation of the masked
+    ``Q`` each (``O(K³)`` per problem and iteration), or with ``iterative`` (box only)
+    preconditioned conjugate gradients (:func:`_pcg_free`: ``O(K²)`` per problem and step,
+    warm-started from the last iteration's ``y``), loose while the free set moves and tight
+    once it has no infeasible index (only a tight solve can finish a problem); a problem
+    whose solve does not converge stays open.
     """
-    b, k = c.shape
     shift = lower @ q + c
     total = 1.0 - lower.sum(dim=1) if simplex else None
+    solve: Solve
+    if iterative:
+        chol, info = torch.linalg.cholesky_ex(q)
+        if int(info) != 0:
+            return None
+        h = torch.cholesky_inverse(chol)
+        def solve(rows: Tensor, free: Tensor, y: Tensor,
+                  tight: Tensor) -> tuple[Tensor, Tensor] | None:
+            return _pcg_free(q, h, -shift[rows], free, y, tight)
+    else:
+        def solve(rows: Tensor, free: Tensor, y: Tensor,
+                  tight: Tensor) -> tuple[Tensor, Tensor] | None:
+            out = _solve_free(q, -shift[rows], free, None if total is None else total[rows])
+            return None if out is None else (out, torch.ones(len(rows), dtype=torch.bool))
+    return _pivot_loop(q, shift, lower, simplex, free0, tol, max_iter, solve)
+
+
+def _pivot_loop(q: Tensor, shift: Tensor, lower: Tensor, simplex: bool, free0: Tensor,
+                tol: float, max_iter: int, solve: Solve) -> tuple[Tensor, Tensor] | None:
+    """The iterations of :func:`solve_lcp_pivoting`; ``solve(rows, free, y_last, tight)``
+    gives the free-set solutions of the open problems ``rows`` and which are exact (``tight``:
+    the free set had no infeasible index)."""
+    b, k = shift.shape
     free = free0.clone()
     best = torch.full((b,), k + 1, dtype=torch.int64)
     chances = torch.full((b,), 3, dtype=torch.int64)
     order = torch.arange(1, k + 1)
-    start_empty = not simplex and not bool(free.any())
+    rows = torch.arange(b)
+    y = torch.zeros_like(shift)
+    # From an empty free set (the default start of a box QP) y = 0 needs no solve.
+    solved: tuple[Tensor, Tensor] | None = (y, torch.ones(b, dtype=torch.bool))
+    if simplex or bool(free.any()):
+        solved = solve(rows, free, y, torch.zeros(b, dtype=torch.bool))
     x = lower.clone()
-    done = torch.zeros(b, dtype=torch.bool)
     for _ in range(max_iter):
-        # From an empty free set (the default start of a box QP) y = 0 needs no solve.
-        if start_empty:
-            y: Tensor | None = torch.zeros_like(shift)
-            start_empty = False
-        else:
-            y = _solve_free(q, -shift, free, total)
-        if y is None:
+        if solved is None:
             return None
-        w = _multipliers(q, y, shift, free, simplex)
+        y, exact = solved
+        w = _multipliers(q, y, shift[rows], free, simplex)
         bad = torch.where(free, y < -tol, w < -tol)
         count = bad.sum(dim=1)
-        finished = (count == 0) & ~done
-        x = torch.where(finished[:, None], lower + y.clamp_min(0.0), x)
-        done = done | finished
-        if bool(done.all()):
-            return x, done
-        better = count < best
-        best = torch.where(better, count, best)
-        chances = torch.where(better, 3, chances - 1)
-        free = _exchange(free, bad, chances >= 0, order, simplex, w)
+        finished = (count == 0) & exact
+        x[rows[finished]] = lower[rows[finished]] + y[finished].clamp_min(0.0)
+        keep = ~finished
+        rows, y, free, bad, w = rows[keep], y[keep], free[keep], bad[keep], w[keep]
+        if rows.numel() == 0:
+            return x, torch.ones(b, dtype=torch.bool)
+        better = count[keep] < best[rows]
+        best[rows] = torch.where(better, count[keep], best[rows])
+        chances[rows] = torch.where(better, 3, chances[rows] - 1)
+        free = _exchange(free, bad, chances[rows] >= 0, order, simplex, w)
+        solved = solve(rows, free, y, count[keep] == 0)
+    done = torch.ones(b, dtype=torch.bool)
+    done[rows] = False
     return x, done
 
 
@@ -604,8 +690,28 @@ def _pivot_all(q: Tensor, c: Tensor, lower: Tensor, simplex: bool, x: Tensor,
         single = _pivot_single(q, c[0], lower[0], simplex, (x[0] > lower[0]).tolist(), tol,
                                budget)
         return None if single is None else single[None]
-    pivot = solve_lcp_pivoting(q, c, lower, simplex, x > lower, tol, budget)
+    pivot = None
+    if not simplex and k >= CG_MIN_SIZE:
+        pivot = solve_lcp_pivoting(q, c, lower, simplex, x > lower, tol, CG_MAX_PIVOTS,
+                                   iterative=True)
+    if pivot is None:
+        pivot = solve_lcp_pivoting(q, c, lower, simplex, x > lower, tol, budget)
+    elif not bool(pivot[1].all()):
+        pivot = _finish_direct(q, c, lower, x, tol, pivot)
     return pivot[0] if pivot is not None and bool(pivot[1].all()) else pivot
+
+
+def _finish_direct(q: Tensor, c: Tensor, lower: Tensor, x: Tensor, tol: float,
+                   pivot: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    """The box problems the iterative pivoting left open, pivoted with factorisations."""
+    out, done = pivot
+    rest = torch.nonzero(~done).flatten()
+    direct = solve_lcp_pivoting(q, c[rest], lower[rest], False, x[rest] > lower[rest], tol,
+                                10 + 3 * q.shape[0])
+    if direct is not None:
+        out[rest] = torch.where(direct[1][:, None], direct[0], out[rest])
+        done[rest] = direct[1]
+    return out, done
 
 
 def _start_of(given: Tensor | None, previous: Tensor | None, lower: Tensor) -> Tensor | None:

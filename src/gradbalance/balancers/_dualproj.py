@@ -29,7 +29,8 @@ def dualproj_weights(gramian: Tensor, pref: Tensor | None = None) -> Tensor:
 class DualProj(PreferenceBalancer):
     """DualProj: ``g = π(Σₖ pₖ gₖ)``, ``π`` the projection onto ``{x : gₖ·x ≥ 0 ∀k}``.
 
-    One K-dimensional QP on the Gramian, solved exactly (active set).
+    One K-dimensional QP on the Gramian, solved exactly (active set): ``O(|F|³)`` per
+    pivoting iteration for ``|F|`` free indices, ``O(K³)`` at most (the Gramian ``O(K² P)``).
 
     Args:
         num_tasks: K (optional).

@@ -70,13 +70,13 @@ def graddrop_update(matrix: Tensor, uniform: Tensor, leak: Tensor | None = None,
     purity = torch.where(mass > 0, 0.5 * (1.0 + total / safe), torch.full_like(mass, 0.5))
     fp = purity if f is None else f(purity)
     uniform = uniform.to(dtype=matrix.dtype, device=matrix.device)
-    keep_pos = (fp > uniform).unsqueeze(0) & (matrix > 0)
-    keep_neg = (fp < uniform).unsqueeze(0) & (matrix < 0)
-    mask = (keep_pos | keep_neg).to(matrix.dtype)
+    # The kept entries, zero elsewhere: one side per coordinate (none where f(P) = U).
+    kept = torch.where((fp > uniform).unsqueeze(0), matrix.clamp_min(0),
+                       matrix.clamp_max(0) * (fp < uniform).to(matrix.dtype).unsqueeze(0))
     if leak is None:
-        return (mask * matrix).sum(dim=0)
+        return kept.sum(dim=0)
     lk = leak.to(dtype=matrix.dtype, device=matrix.device).unsqueeze(1)
-    return ((lk + (1.0 - lk) * mask) * matrix).sum(dim=0)
+    return ((lk + (1.0 - lk) * (kept != 0).to(matrix.dtype)) * matrix).sum(dim=0)
 
 
 class GradDrop(OptionalGeneratorState, Balancer):
@@ -84,7 +84,8 @@ class GradDrop(OptionalGeneratorState, Balancer):
 
     Applied to the flattened gradient of the shared parameters, as TorchJD does. The paper
     places it after a chosen layer, on the gradient with respect to that layer's activations
-    summed over the batch; the rule per coordinate is the same.
+    summed over the batch; the rule per coordinate is the same. ``O(K P)``: a few passes over
+    the rows, no Gramian.
 
     Args:
         num_tasks: K (optional; required when ``leak`` is not given).

@@ -16,6 +16,7 @@ from .._checks import check_generator
 from .._shard import Shard
 from ..gramian import compute_gramian
 from ._base import Combination
+from ._pcgrad import pairwise_pass
 from ._rng import OwnedGeneratorState, private_generator
 from ._solvers import trace_normalized
 
@@ -48,7 +49,8 @@ def gradvac_coefficients(
     (the first term is the paper's closed form that makes the cosine exactly ``φ̂``;
     ``ρ = max_step``); then ``φ̂ᵢⱼ ← (1−β) φ̂ᵢⱼ + β φ``. ``eps`` is added to the two
     denominators (on the trace-normalised Gramian, so it is scale-free). All from the
-    Gramian, vectorised over ``i``. ``targets`` is not modified.
+    Gramian, vectorised over ``i`` (:func:`~gradbalance.balancers._pcgrad.pairwise_pass`,
+    ``O(K³)``; ``‖g_i^PC‖²`` updated per visit). ``targets`` is not modified.
 
     Bound. With ``θ = arccos φ``, ``θ̂ = arccos φ̂`` the paper's step is
     ``w‖gⱼ‖ = ‖g_i^PC‖ sin(θ − θ̂) / sin θ̂ ≥ 0``: unbounded as ``φ̂ → 1`` (after colinear
@@ -63,29 +65,22 @@ def gradvac_coefficients(
     """
     k = gramian.shape[0]
     gram = gramian.to(torch.float64)
-    dev = gram.device
-    orders = orders.to(dev)
-    hat_all = targets.to(device=dev, dtype=torch.float64).clone()
-    coef = torch.eye(k, dtype=torch.float64, device=dev)
-    cg = gram.clone()  # rows: C[i] G
-    norm_all = torch.diagonal(gram).clamp_min(0).sqrt()
-    # Everything indexed by the orders, gathered once: step t reads slices (no indexing ops).
-    gram_sel = gram[orders]  # [i, t] -> G[j_it]
-    norm_sel = norm_all[orders]
-    onehot = torch.nn.functional.one_hot(orders, k).to(torch.float64)
-    picked = onehot.bool()
-    for t in range(orders.shape[1]):
-        sel = onehot[:, t]
-        dot = (cg * sel).sum(dim=1)
-        norm_i = (cg * coef).sum(dim=1).clamp_min(0).sqrt()
-        norm_j = norm_sel[:, t]
+    hat_all = targets.to(device=gram.device, dtype=torch.float64).clone()
+    diag = torch.diagonal(gram)
+    norm_all = diag.clamp_min(0).sqrt()
+    sq = diag.clone()  # ‖g_i^PC‖², kept up to date visit by visit
+    rows = torch.arange(k, device=gram.device)
+
+    def visit(j: Tensor, dot: Tensor) -> Tensor:
+        norm_i, norm_j = sq.clamp_min(0).sqrt(), norm_all[j]
         phi = _ratio(dot, norm_i * norm_j + eps).clamp(-1.0, 1.0)
-        hat = (hat_all * sel).sum(dim=1)
+        hat = hat_all[rows, j]
         w = _vaccine(phi, hat, norm_i, norm_j, max_step * norm_all, eps)
-        coef = coef + w[:, None] * sel
-        cg = cg + w[:, None] * gram_sel[:, t]
-        hat_all = torch.where(picked[:, t], ((1 - beta) * hat + beta * phi)[:, None], hat_all)
-    return coef, hat_all
+        sq.add_(w * (2 * dot + w * diag[j]))
+        hat_all[rows, j] = (1 - beta) * hat + beta * phi
+        return w
+
+    return pairwise_pass(gram, orders, visit), hat_all
 
 
 def _ratio(num: Tensor, den: Tensor) -> Tensor:
@@ -117,6 +112,7 @@ class GradVac(OwnedGeneratorState):
     Like PCGrad, each task gradient visits the others in a random order, but instead of
     removing conflict it adds just enough of ``gⱼ`` to lift ``cos(g_i^PC, gⱼ)`` to the target
     ``φ̂ᵢⱼ``, an EMA of the observed cosines (initially 0, where GradVac equals PCGrad).
+    ``O(K³)`` in K on the Gramian (:func:`gradvac_coefficients`), ``O(K²)`` state.
 
     Args:
         num_tasks: K (optional; the EMA targets are created on the first call otherwise).

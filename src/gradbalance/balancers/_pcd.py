@@ -20,7 +20,6 @@ from ._solvers import solve_box_qp
 
 __all__ = ["PCD", "pcd_weights"]
 
-_MAX_SECONDARY = 15  # num_tasks ≤ 16
 _ENUMERATE_UP_TO = 4  # below this K, the few working sets are cheaper than the QP solver
 
 
@@ -109,10 +108,11 @@ class PCD(Balancer):
     ``g̃ᵢ = gᵢ / √(v̂ᵢ + ε)`` (``v̂``: bias-corrected EMA of ``‖gᵢ‖²``, decay ``β``). The update
     is ``d̃`` rescaled to ``‖g₁‖`` (zero when ``g₁ = 0`` or ``d̃ = 0`` up to rounding).
 
-    Not symmetric: row 0 (the first loss) is the primary task.
+    Not symmetric: row 0 (the first loss) is the primary task. Cost in K: one box QP on the
+    ``K − 1`` secondary tasks, ``O(|F|³)`` per pivoting iteration (``O(K³)`` at most).
 
     Args:
-        num_tasks: K (optional; at most 16).
+        num_tasks: K (optional).
         tau: guaranteed fraction ``τ ∈ [0, 1]``, one number or one per secondary task
             (default 0.02).
         beta: EMA decay ``β ∈ [0, 1)`` (default 0.999).
@@ -144,8 +144,6 @@ class PCD(Balancer):
             self.tau = t
         self.beta = check_range("beta", beta, 0.0, 1.0, high_open=True)
         self.eps = check_range("eps", eps, 0.0, None)
-        if num_tasks is not None and num_tasks > _MAX_SECONDARY + 1:
-            raise ValueError(f"Invalid num_tasks: {num_tasks} (expected num_tasks <= 16 for PCD)")
         self.register_state("_ema", None, optional=True, per_task=True)
         self.register_state("_step", torch.zeros((), dtype=torch.int64))
 
@@ -161,8 +159,6 @@ class PCD(Balancer):
 
     def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         m = gramian.shape[0]
-        if m > _MAX_SECONDARY + 1:
-            raise ValueError(f"PCD handles at most 16 tasks, got {m}")
         gram = gramian.to(torch.float64)
         taus = self._taus(m, gram.device)
         sq = torch.diagonal(gram).clamp_min(0)

@@ -6,6 +6,7 @@ Algorithm 1.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -15,7 +16,7 @@ from .._checks import check_generator
 from ._rng import OwnedGeneratorState, private_generator
 from ._solvers import trace_normalized
 
-__all__ = ["PCGrad", "pcgrad_coefficients", "pcgrad_orders"]
+__all__ = ["PCGrad", "pairwise_pass", "pcgrad_coefficients", "pcgrad_orders"]
 
 Reduction = Literal["sum", "mean"]
 
@@ -29,31 +30,66 @@ def pcgrad_orders(k: int, generator: torch.Generator | None = None) -> Tensor:
     return torch.stack([torch.randperm(k, generator=generator) for _ in range(k)])
 
 
+#: Steps of a pairwise pass between two refreshes of ``C G`` (one ``[K, K]`` product each).
+PASS_BLOCK = 64
+
+Visit = Callable[[Tensor, Tensor], Tensor]
+
+
+def pairwise_pass(gram: Tensor, orders: Tensor, visit: Visit, block: int = PASS_BLOCK) -> Tensor:
+    """``C`` ``[K, K]`` with ``g_i^PC = Σⱼ C[i, j] gⱼ`` after a pass of visits, from the Gramian.
+
+    At step ``t`` every task ``i`` visits ``j = orders[i, t]`` and adds ``w gⱼ`` to
+    ``g_i^PC = C[i] J``, with ``w = visit(j, (C G)[i, j])`` (``[K]`` vectors over ``i``). The
+    dots are read from ``C G``, refreshed by one ``[K, K]`` product every ``block`` steps;
+    inside a block each dot is corrected by the block's earlier steps,
+    ``Σ w G[j', j]`` (the ``[K, block, block]`` sub-Gramians of the block's visits). Cost:
+    ``O(K⁴/block + K² block)`` arithmetic in ``K/block`` products, no ``[K, K, K]`` tensor.
+    """
+    k, steps = orders.shape
+    orders = orders.to(gram.device)
+    coef = torch.eye(k, dtype=gram.dtype, device=gram.device)
+    cg = gram.clone()
+    rows = torch.arange(k, device=gram.device)
+    flat = gram.reshape(-1)
+    for start in range(0, steps, block):
+        cols = orders[:, start : start + block]
+        n = cols.shape[1]
+        dots = cg.gather(1, cols)
+        sub = flat.index_select(0, (cols[:, :, None] * k + cols[:, None, :]).reshape(-1))
+        sub = sub.reshape(k, n, n)  # sub[i, s, s'] = G[j_is, j_is']
+        delta = torch.zeros_like(coef)
+        for s in range(n):
+            w = visit(cols[:, s], dots[:, s])
+            dots[:, s + 1 :] += w[:, None] * sub[:, s, s + 1 :]
+            delta[rows, cols[:, s]] = w
+        coef += delta
+        if start + n < steps:
+            cg += delta @ gram
+    return coef
+
+
 def pcgrad_coefficients(gramian: Tensor, orders: Tensor) -> Tensor:
     """Coefficients ``C`` ``[K, K]`` with ``g_i^PC = Σⱼ C[i, j] gⱼ``, from the Gramian only.
 
     Update rule, for each task ``i`` and each ``j ≠ i`` in ``orders[i]``: if
     ``g_i^PC·gⱼ < 0`` then ``g_i^PC ← g_i^PC − (g_i^PC·gⱼ / ‖gⱼ‖²) gⱼ``. With
     ``g_i^PC = C[i] J``, ``g_i^PC·gⱼ = (C G)[i, j]`` and the projection is
-    ``C[i, j] −= (C G)[i, j] / G[j, j]``: O(K³) work, vectorised over ``i`` (no host sync).
-    A zero gradient ``gⱼ`` is never projected on.
+    ``C[i, j] −= (C G)[i, j] / G[j, j]`` (:func:`pairwise_pass`, vectorised over ``i``:
+    ``O(K³)`` work in ``K/64`` products of ``[K, K]`` matrices). A zero gradient ``gⱼ`` is
+    never projected on.
     """
     k = gramian.shape[0]
     gram = gramian.to(torch.float64)
-    orders = orders.to(gram.device)
-    coef = torch.eye(k, dtype=torch.float64, device=gram.device)
+    diag = torch.diagonal(gram)
+    safe = torch.where(diag > 0, diag, 1.0)
     rows = torch.arange(k, device=gram.device)
-    # Everything indexed by the orders, gathered once: step t reads slices (no indexing ops).
-    gram_sel = gram[orders]  # [i, t] -> G[j_it] = G[:, j_it] (symmetric)
-    norm_sel = torch.diagonal(gram)[orders]
-    onehot = torch.nn.functional.one_hot(orders, k).to(torch.float64)
-    allowed = (orders != rows[:, None]) & (norm_sel > 0)
-    safe = torch.where(norm_sel > 0, norm_sel, 1.0)
-    for t in range(k):
-        dots = (coef * gram_sel[:, t]).sum(dim=1)  # (C G)[i, j_i] = C[i] · G[:, j_i]
-        delta = torch.where((dots < 0) & allowed[:, t], dots / safe[:, t], 0.0)
-        coef = coef - delta[:, None] * onehot[:, t]
-    return coef
+
+    def visit(j: Tensor, dots: Tensor) -> Tensor:
+        allowed = (dots < 0) & (j != rows) & (diag[j] > 0)
+        return torch.where(allowed, -dots / safe[j], 0.0)
+
+    return pairwise_pass(gram, orders, visit)
 
 
 class PCGrad(OwnedGeneratorState):
@@ -61,7 +97,8 @@ class PCGrad(OwnedGeneratorState):
 
     Each ``g_i^PC`` starts at ``gᵢ`` and is projected onto the normal plane of every ``gⱼ`` it
     conflicts with (``g_i^PC·gⱼ < 0``), visiting the other tasks in a random order drawn per
-    task. Runs on the Gramian: the weights are ``w = 1ᵀC`` (see :func:`pcgrad_coefficients`).
+    task. Runs on the Gramian: the weights are ``w = 1ᵀC`` (see :func:`pcgrad_coefficients`),
+    ``O(K³)`` in K (the Gramian ``O(K² P)``); the orders are one ``randperm(K)`` per task.
 
     Args:
         num_tasks: K (optional, checked on every call).

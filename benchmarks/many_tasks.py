@@ -1,0 +1,167 @@
+"""Combine time against the number of tasks: every registered balancer at K = 8 … 1,024.
+
+For each K, one ``[K, P]`` float32 matrix of conflicting rows (each row a random multiple of a
+shared direction plus noise, so about half the pairs conflict), then rounds in which the
+Gramian (``compute_gramian``, the product every weighted balancer's ``combine`` starts with;
+the ratio base) and the plain float32 ``J Jᵀ``, every balancer's
+``combine`` and, if installed, TorchJD's aggregators each run once, in an order that rotates
+each round (interleaved). The figure is the median over the rounds, in ms and as a multiple
+of the Gramian's median. A method whose call at some K takes more than ``--budget / 8``
+seconds is not run at the larger K (marked ``cut``; cubic growth would take it past the
+budget), and a single call over ``--budget`` ends its rounds at that K.
+
+    python benchmarks/many_tasks.py                      # K = 8 … 1,024, P = 20,000
+    python benchmarks/many_tasks.py --ks 8,64 --p 2000   # smoke run
+
+Writes ``results/many_tasks_<name>.md`` and ``.json``; see ``docs/performance.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from gradbalance.balancers import BALANCERS, Balancer, Constant
+from gradbalance.gramian import compute_gramian
+
+Call = Callable[[], object]
+
+
+def conflicting_rows(k: int, p: int, seed: int) -> torch.Tensor:
+    """``[K, P]`` float32: ``aᵢ s + nᵢ/2``, ``aᵢ ~ N(0, 1)`` (signs conflict), ``s``, ``nᵢ``
+    standard normal."""
+    gen = torch.Generator().manual_seed(seed)
+    shared = torch.randn(p, generator=gen)
+    scale = torch.randn(k, 1, generator=gen)
+    noise = torch.randn(k, p, generator=gen)
+    return (scale * shared + 0.5 * noise).contiguous()
+
+
+def make_balancer(name: str, k: int) -> Balancer:
+    """The balancer with its defaults (Constant: equal weights)."""
+    if name == "constant":
+        return Constant(torch.full((k,), 1.0 / k))
+    return BALANCERS[name]()
+
+
+def torchjd_calls(matrix: torch.Tensor) -> dict[str, Call]:
+    """TorchJD's aggregators on the same matrix (empty without TorchJD)."""
+    try:
+        from torchjd import aggregation
+    except ImportError:
+        return {}
+    names = ["UPGrad", "DualProj", "PCGrad", "MGDA"]
+    out: dict[str, Call] = {}
+    for name in names:
+        agg = getattr(aggregation, name, None)
+        if agg is not None:
+            inst = agg()
+            out[f"torchjd:{name}"] = lambda inst=inst: inst(matrix)
+    return out
+
+
+def calls_at(k: int, p: int, names: list[str], torchjd: bool) -> dict[str, Call]:
+    """Every method to time at this K, the Gramian first."""
+    matrix = conflicting_rows(k, p, seed=k)
+    losses = torch.rand(k, generator=torch.Generator().manual_seed(k)) + 0.5
+    calls: dict[str, Call] = {"gramian": lambda: compute_gramian(matrix),
+                              "J Jᵀ float32": lambda: matrix @ matrix.T}
+    for name in names:
+        bal = make_balancer(name, k)
+        arg = losses if bal.needs_losses else None
+        calls[name] = lambda bal=bal, arg=arg: bal.combine(matrix, arg)
+    if torchjd:
+        calls.update(torchjd_calls(matrix))
+    return calls
+
+
+def time_k(calls: dict[str, Call], rounds: int, budget: float) -> dict[str, float | str]:
+    """Median seconds per method over interleaved rounds (a first call warms each up)."""
+    times: dict[str, list[float]] = {n: [] for n in calls}
+    result: dict[str, float | str] = {}
+    names = list(calls)
+    for r in range(rounds + 1):
+        order = names[r % len(names):] + names[: r % len(names)]
+        for name in order:
+            if name in result:
+                continue
+            start = time.perf_counter()
+            try:
+                calls[name]()
+            except Exception as exc:
+                result[name] = f"error: {type(exc).__name__}"
+                continue
+            elapsed = time.perf_counter() - start
+            if r > 0 or elapsed > budget:
+                times[name].append(elapsed)
+            if elapsed > budget:
+                result[name] = statistics.median(times[name])
+    for name, ts in times.items():
+        if name not in result:
+            result[name] = statistics.median(ts)
+    return result
+
+
+def table(ks: list[int], rows: dict[str, dict[int, float | str]]) -> str:
+    """Markdown: ms and multiple of the Gramian per method and K."""
+    head = "| method | " + " | ".join(f"K={k}" for k in ks) + " |"
+    lines = [head, "|---" * (len(ks) + 1) + "|"]
+    for name, per_k in rows.items():
+        cells = []
+        for k in ks:
+            v, g = per_k.get(k, "—"), rows["gramian"].get(k)
+            if isinstance(v, float) and isinstance(g, float):
+                ratio = "" if name == "gramian" else f" ({v / g:.1f}×)"
+                cells.append(f"{v * 1e3:.1f} ms{ratio}")
+            else:
+                cells.append(str(v))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ks", default="8,16,32,64,128,256,512,1024")
+    parser.add_argument("--p", type=int, default=20_000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--budget", type=float, default=20.0, help="seconds per call")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--only", default="", help="comma-separated balancer names")
+    parser.add_argument("--no-torchjd", action="store_true")
+    parser.add_argument("--name", default="cpu")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    ks = [int(k) for k in args.ks.split(",")]
+    names = [n for n in BALANCERS if not args.only or n in args.only.split(",")]
+    rows: dict[str, dict[int, float | str]] = {}
+    cut: set[str] = set()
+    for k in ks:
+        calls = {n: c for n, c in calls_at(k, args.p, names, not args.no_torchjd).items()
+                 if n not in cut}
+        for name, value in time_k(calls, args.rounds, args.budget).items():
+            rows.setdefault(name, {})[k] = value
+            if not isinstance(value, float) or value > args.budget / 8:
+                cut.add(name)
+        for name in cut:
+            rows.setdefault(name, {}).setdefault(k, "cut")
+        print(f"K={k} done", flush=True)
+    text = (f"# Combine time vs K (P = {args.p}, float32 rows, {args.threads} thread(s), "
+            f"median of {args.rounds} interleaved rounds, budget {args.budget} s)\n\n"
+            + table(ks, rows) + "\n")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"many_tasks_{args.name}.md").write_text(text)
+    (out / f"many_tasks_{args.name}.json").write_text(json.dumps(
+        {n: {str(k): v for k, v in r.items()} for n, r in rows.items()}, indent=1))
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
