@@ -106,7 +106,13 @@ def dim0_runs(shapes: Sequence[Sequence[int]], rank: int, world_size: int
               ) -> tuple[tuple[int, int], ...]:
     """FSDP2's runs: each parameter (in flat order) split on dim 0 into chunks of
     ``c = ceil(n / world_size)`` rows, rank ``r`` holding rows ``[r·c, min((r+1)·c, n))``
-    (possibly none; a 0-d parameter counts as one row)."""
+    (possibly none; a 0-d parameter counts as one row).
+
+    Example:
+        >>> from gradbalance.balancers import dim0_runs
+        >>> dim0_runs([(4, 3), (5,)], rank=0, world_size=2)  # rows 0-1 of 4, rows 0-2 of 5
+        ((0, 6), (12, 3))
+    """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
     runs, offset = [], 0

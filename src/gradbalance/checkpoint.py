@@ -62,15 +62,43 @@ _SEQUENCES = frozenset({list, tuple, set})
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be saved or loaded; the message names the file and why."""
+    """A checkpoint that cannot be saved or loaded; the message names the file and why.
+
+    Example:
+        >>> import io
+        >>> from gradbalance.checkpoint import CheckpointError, load_checkpoint
+        >>> try:
+        ...     load_checkpoint(io.BytesIO(b""))
+        ... except CheckpointError as error:
+        ...     print(error)
+        checkpoint in BytesIO ends early: it is empty or cut short, not a whole checkpoint
+    """
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
-    """No file at the path given to :func:`load_checkpoint` (also a ``FileNotFoundError``)."""
+    """No file at the path given to :func:`load_checkpoint` (also a ``FileNotFoundError``).
+
+    Example:
+        >>> import os, tempfile
+        >>> from gradbalance.checkpoint import CheckpointNotFoundError, load_checkpoint
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     try:
+        ...         load_checkpoint(os.path.join(folder, "missing.pt"))
+        ...     except FileNotFoundError as error:
+        ...         print(type(error).__name__)
+        CheckpointNotFoundError
+    """
 
 
 def get_rng_state() -> dict[str, Any]:
-    """The global random states: torch CPU, every CUDA device (if initialised), Python, NumPy."""
+    """The global random states: torch CPU, every CUDA device (if initialised), Python, NumPy.
+
+    Example:
+        >>> from gradbalance.checkpoint import get_rng_state
+        >>> state = get_rng_state()
+        >>> state["torch"].dtype, "python" in state  # torch's CPU generator, Python's random
+        (torch.uint8, True)
+    """
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": _to_plain(random.getstate()),
@@ -91,7 +119,17 @@ def get_rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore :func:`get_rng_state` output."""
+    """Restore :func:`get_rng_state` output.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.checkpoint import get_rng_state, set_rng_state
+        >>> state = get_rng_state()
+        >>> first = torch.rand(3)
+        >>> set_rng_state(state)
+        >>> torch.equal(torch.rand(3), first)  # the same draws again
+        True
+    """
     if "torch" not in state or "python" not in state:
         raise ValueError(
             f"rng state has keys {sorted(state)}; pass the output of get_rng_state()"
@@ -226,7 +264,18 @@ def _check_loadable(value: Any, path: str) -> None:
 
 
 def capture_state(*, rng: bool = True, **objects: Any) -> dict[str, Any]:
-    """In-memory checkpoint: ``{"objects": {name: state}, "rng": ...}``. None objects skipped."""
+    """In-memory checkpoint: ``{"objects": {name: state}, "rng": ...}``. None objects skipped.
+
+    The states are the objects' own ``state_dict()``, not copies: a model's tensors are its
+    parameters, so ``copy.deepcopy`` the result to keep a snapshot while training goes on.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance import capture_state
+        >>> snapshot = capture_state(model=torch.nn.Linear(2, 1), scaler=None)
+        >>> sorted(snapshot["objects"]["model"]), "rng" in snapshot
+        (['bias', 'weight'], True)
+    """
     states = {name: _state_of(name, obj) for name, obj in objects.items() if obj is not None}
     out: dict[str, Any] = {"format": _FORMAT, "objects": states}
     if rng:
@@ -240,6 +289,14 @@ def restore_state(checkpoint: dict[str, Any], *, strict: bool = True, **objects:
     With ``strict``, the names given and saved must match. All or nothing: if one object
     refuses its state, those loaded before it are restored and :class:`CheckpointError` is
     raised.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance import capture_state, restore_state
+        >>> trained, fresh = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
+        >>> restore_state(capture_state(model=trained), model=fresh)
+        >>> torch.equal(fresh.weight, trained.weight)
+        True
     """
     _restore(checkpoint, "checkpoint", strict, objects)
 
@@ -355,6 +412,14 @@ def save_checkpoint(
 
     To a path atomically, or to an open binary file. Raises :class:`CheckpointError`, writing
     nothing, for a value that would not load back with ``torch.load(weights_only=True)``.
+
+    Example:
+        >>> import os, tempfile, torch
+        >>> from gradbalance import save_checkpoint
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     save_checkpoint(os.path.join(folder, "run.pt"), model=torch.nn.Linear(2, 1))
+        ...     print(os.listdir(folder))  # written atomically: no temporary file left
+        ['run.pt']
     """
     extra = {} if extra is None else extra
     _check_loadable(extra, "extra")
@@ -441,6 +506,16 @@ def load_checkpoint(
 
     Raises :class:`CheckpointError` (changing nothing) for a file that is missing, empty,
     truncated or not a checkpoint, and for a state an object refuses.
+
+    Example:
+        >>> import os, tempfile, torch
+        >>> from gradbalance import load_checkpoint, save_checkpoint
+        >>> model, fresh = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     save_checkpoint(os.path.join(folder, "run.pt"), step=10, model=model)
+        ...     meta = load_checkpoint(os.path.join(folder, "run.pt"), model=fresh)
+        >>> meta, torch.equal(fresh.weight, model.weight)
+        ({'step': 10, 'extra': {}}, True)
     """
     where = _describe(f)
     checkpoint = _read(f, where, map_location)

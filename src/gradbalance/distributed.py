@@ -72,6 +72,11 @@ class RankAgreementError(RuntimeError):
 
     Raised on every rank before anything the user owns changes (docs/distributed.md, "When
     ranks disagree", "Stalls and timeouts").
+
+    Example:
+        >>> from gradbalance.distributed import RankAgreementError
+        >>> issubclass(RankAgreementError, RuntimeError)  # caught by ``except RuntimeError``
+        True
     """
 
 
@@ -258,7 +263,16 @@ def _finish_mean(pending: list[tuple[Any, Tensor, list[Tensor]]], size: int) -> 
 
 def all_reduce_mean_(tensors: Sequence[Tensor], group: Any = None) -> None:
     """Replace every tensor by its mean over the ranks, in place, bucketed by dtype/device
-    (unchecked: every rank must pass tensors of the same shapes, dtypes and order)."""
+    (unchecked: every rank must pass tensors of the same shapes, dtypes and order).
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.distributed import all_reduce_mean_
+        >>> t = torch.tensor([1.0, 3.0])
+        >>> all_reduce_mean_([t])  # one process: the mean over one rank is the tensor itself
+        >>> t
+        tensor([1., 3.])
+    """
     group = resolve_process_group(group)
     if group is None or not tensors:
         return
@@ -279,6 +293,14 @@ def all_reduce_grads_(params: Iterable[Tensor], group: Any = None) -> None:
 
     A missing ``.grad`` counts as zeros (and is materialised). Parameters of other shapes on
     another rank raise :class:`RankAgreementError` on every rank before any ``.grad`` changes.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.distributed import all_reduce_grads_
+        >>> w = torch.nn.Parameter(torch.ones(2))
+        >>> all_reduce_grads_([w])  # one process: nothing to average
+        >>> w.grad  # the missing gradient counts as zeros, and is materialised
+        tensor([0., 0.])
     """
     listed = list(params)
     group = resolve_process_group(group)
@@ -324,6 +346,16 @@ def sync_weighting_(weighting: LossWeighting, group: Any = None) -> None:
     The tensors :meth:`~gradbalance.LossWeighting.pending_tensors` returns are averaged in
     place, so every rank updates from the full batch's numbers. A weighting of another K or
     method on another rank raises :class:`RankAgreementError` on every rank first.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance import sync_weighting_
+        >>> from gradbalance.weighting import DWA
+        >>> weighting = DWA(num_tasks=2)
+        >>> _ = weighting(torch.tensor([2.0, 4.0], requires_grad=True))  # the step's losses
+        >>> sync_weighting_(weighting)  # one process: the pending losses stay as they are
+        >>> weighting.pending_tensors()
+        [tensor([2., 4.], dtype=torch.float64)]
     """
     group = resolve_process_group(group)
     if group is None:
@@ -342,7 +374,17 @@ def all_ranks_true(flag: Tensor, group: Any) -> Tensor:
 
 def broadcast_parameters_(params: Iterable[Tensor], src: int = 0, group: Any = None) -> None:
     """Copy the values of ``params`` from rank ``src`` to every rank; call once before training
-    an unwrapped model (``DistributedDataParallel`` does it at construction)."""
+    an unwrapped model (``DistributedDataParallel`` does it at construction).
+
+    Example:
+        >>> import torch
+        >>> from gradbalance import broadcast_parameters_
+        >>> model = torch.nn.Linear(2, 1)
+        >>> before = model.weight.clone()
+        >>> broadcast_parameters_(model.parameters())  # one process: nothing to copy
+        >>> torch.equal(model.weight, before)
+        True
+    """
     group = resolve_process_group(group)
     if group is None:
         return
@@ -358,7 +400,16 @@ def broadcast_parameters_(params: Iterable[Tensor], src: int = 0, group: Any = N
 
 def broadcast_generator_(generator: torch.Generator, src: int = 0, group: Any = None) -> None:
     """Give ``generator`` on every rank the state it has on rank ``src`` (so that a balancer
-    draws the same random numbers on every rank)."""
+    draws the same random numbers on every rank).
+
+    Example:
+        >>> import torch
+        >>> from gradbalance import broadcast_generator_
+        >>> generator = torch.Generator().manual_seed(0)
+        >>> broadcast_generator_(generator)  # one process: rank 0's state is already its own
+        >>> torch.equal(generator.get_state(), torch.Generator().manual_seed(0).get_state())
+        True
+    """
     group = resolve_process_group(group)
     if group is None:
         return
@@ -396,6 +447,12 @@ def _flatten_state(obj: Any) -> Iterator[Any]:
 def assert_same_across_ranks(obj: Any, group: Any = None, what: str = "state") -> None:
     """Raise ``RuntimeError`` unless ``obj`` (a tensor, a list of tensors, a state dict) is
     bit-identical on every rank: one ``all_gather_object`` of a SHA-256 digest, a debugging aid.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance import assert_same_across_ranks
+        >>> model = torch.nn.Linear(2, 1)
+        >>> assert_same_across_ranks(model.state_dict(), what="weights")  # one process: passes
     """
     group = resolve_process_group(group)
     if group is None:
@@ -414,7 +471,17 @@ def assert_same_across_ranks(obj: Any, group: Any = None, what: str = "state") -
 
 def ddp_no_sync(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
     """``model.no_sync()`` for a ``DistributedDataParallel`` model, else a null context; wrap
-    the forward and every ``buf.backward`` in it (the buffer reduces the gradients itself)."""
+    the forward and every ``buf.backward`` in it (the buffer reduces the gradients itself).
+
+    Example:
+        >>> import torch
+        >>> from gradbalance import ddp_no_sync
+        >>> model = torch.nn.Linear(2, 1)
+        >>> with ddp_no_sync(model):  # a plain module: a null context
+        ...     model(torch.ones(1, 2)).sum().backward()
+        >>> model.bias.grad
+        tensor([1.])
+    """
     from torch.nn.parallel import DistributedDataParallel
 
     if isinstance(model, DistributedDataParallel):
@@ -429,6 +496,13 @@ def gathered_parameters(module: nn.Module) -> list[Tensor]:
     pass these instead, e.g. ``GradNorm(K, gathered_parameters(model.trunk[-2]))``
     (docs/distributed.md, "Sharded trunks"). A module not under ``fully_shard`` gives its
     ordinary parameters. Call it once, after ``fully_shard``.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.distributed import gathered_parameters
+        >>> layer = torch.nn.Linear(2, 1)  # not under fully_shard: its own parameters
+        >>> [p is q for p, q in zip(gathered_parameters(layer), layer.parameters())]
+        [True, True]
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")

@@ -83,6 +83,13 @@ def compute_gramian(matrix: Tensor, block: int = _COLUMN_BLOCK) -> Tensor:
     in float32 (float64 input: float64) and the rescaled block products summed in float64, so
     rounding does not grow with ``P``. On the CPU a block that needs no scaling is multiplied
     as it is (the same result: a power of two changes no rounding).
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.functional import compute_gramian
+        >>> compute_gramian(torch.tensor([[3.0, 4.0], [0.0, 2.0]]))  # [[9+16, 8], [8, 4]]
+        tensor([[25.,  8.],
+                [ 8.,  4.]], dtype=torch.float64)
     """
     k, p = matrix.shape
     gram = torch.zeros(k, k, dtype=torch.float64, device=matrix.device)
@@ -100,7 +107,15 @@ def compute_gramian(matrix: Tensor, block: int = _COLUMN_BLOCK) -> Tensor:
 
 def is_finite_gramian(gram: Tensor) -> Tensor:
     """True (0-d bool tensor) when every task gradient is finite: O(K), from the diagonal (a
-    non-finite entry in row ``k`` makes ``gram[k, k]`` inf or NaN; a finite row never does)."""
+    non-finite entry in row ``k`` makes ``gram[k, k]`` inf or NaN; a finite row never does).
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.functional import compute_gramian, is_finite_gramian
+        >>> G = torch.tensor([[3.0, 4.0], [0.0, float("nan")]])
+        >>> is_finite_gramian(compute_gramian(G)), is_finite_gramian(compute_gramian(G[:1]))
+        (tensor(False), tensor(True))
+    """
     return torch.isfinite(torch.diagonal(gram)).all()
 
 
@@ -109,6 +124,13 @@ def cosine_matrix(gram: Tensor, eps: float = 0.0) -> Tensor:
 
     ``cos(gᵢ, gⱼ) = Gᵢⱼ / ‖gᵢ‖ / ‖gⱼ‖`` (one norm at a time: scale-safe); 0 where a norm is at
     most ``eps`` times the largest norm (default: exactly 0).
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.functional import cosine_matrix
+        >>> gram = torch.tensor([[25.0, 8.0], [8.0, 4.0]])  # norms 5 and 2, dot product 8
+        >>> cosine_matrix(gram)[0, 1]  # 8 / (5 * 2)
+        tensor(0.8000)
     """
     norms = torch.diagonal(gram).clamp_min(0).sqrt()
     zero = norms <= eps * norms.max() if norms.numel() else norms > 0
@@ -128,6 +150,15 @@ def linear_gramian(x: Tensor, d: Tensor, weight: bool, bias: bool,
     flops, nothing weight-sized; the ghost trick of per-sample clipping across tasks).
     ``route`` (``"rows"`` or ``"activations"``) forces one; None takes the one of fewer flops.
     ``x`` and each ``d[k]`` are scaled as a whole by :func:`unit_rows` (scale-safe).
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.functional import linear_gramian
+        >>> x = torch.tensor([[1.0, 2.0]])  # N = 1 sample, i = 2 inputs
+        >>> d = torch.tensor([[[1.0]], [[3.0]]])  # K = 2 tasks, o = 1 output
+        >>> linear_gramian(x, d, weight=True, bias=False)  # rows d[k]ᵀx: [1, 2] and [3, 6]
+        tensor([[ 5., 15.],
+                [15., 45.]], dtype=torch.float64)
     """
     k, n, o = d.shape
     i = x.shape[1]

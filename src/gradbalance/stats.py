@@ -43,6 +43,16 @@ class StepStats:
         weights_reused: the step reused the cached weights of ``update_every``.
         route: in ``auto`` mode, the exact route the step took (``"matrix"`` or
             ``"gramian"``); None in the other modes and on reused-weight steps.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance import balanced_backward
+        >>> from gradbalance.balancers import Sum
+        >>> w = torch.nn.Parameter(torch.zeros(2))
+        >>> losses = [w @ torch.tensor([3.0, 4.0]), w @ torch.tensor([0.0, 2.0])]
+        >>> stats = balanced_backward(losses, Sum(), shared_params=[w])
+        >>> stats.num_tasks, stats.task_norms, stats.cosine[0, 1]  # cosine 8 / (5 * 2)
+        (2, tensor([5., 2.], dtype=torch.float64), tensor(0.8000, dtype=torch.float64))
     """
 
     losses: Tensor

@@ -18,7 +18,15 @@ _DIV_GUARD = 1e-6
 
 
 def unitwise_norm(x: Tensor) -> Tensor:
-    """Per-unit 2-norm: over all dims but 0 (keepdim) for ``ndim >= 2``, whole tensor otherwise."""
+    """Per-unit 2-norm: over all dims but 0 (keepdim) for ``ndim >= 2``, whole tensor otherwise.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.clip import unitwise_norm
+        >>> unitwise_norm(torch.tensor([[3.0, 4.0], [0.0, 2.0]]))  # one norm per row
+        tensor([[5.],
+                [2.]])
+    """
     norm: Tensor
     if x.dim() <= 1:
         norm = torch.linalg.vector_norm(x)
@@ -43,6 +51,14 @@ def adaptive_clip_grad_(parameters: Iterable[Tensor] | Tensor, clip_factor: floa
     ``eps = 1e-3``, ``clip_factor`` 0.01 for large batches. Under AMP call it after
     ``scaler.unscale_(optimizer)``. The returned value is the total 2-norm of all gradients
     given (excluded ones included), as ``clip_grad_norm_`` returns it, for logging.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.clip import adaptive_clip_grad_
+        >>> w = torch.nn.Parameter(torch.tensor([[3.0, 4.0]]))  # one unit, ‖W‖ = 5
+        >>> w.grad = torch.tensor([[30.0, 40.0]])  # ‖G‖ = 50 > 0.1 · 5
+        >>> adaptive_clip_grad_([w], clip_factor=0.1), w.grad  # G rescaled to norm 0.5
+        (tensor(50.), tensor([[0.3000, 0.4000]]))
     """
     check_positive("clip_factor", clip_factor)
     eps = check_positive("eps", eps, allow_zero=True, hint=", e.g. 1e-3")
@@ -81,6 +97,15 @@ class AGC(_Stateless):
         eps: floor on the weight norm, so zero-initialised units can move (paper: 1e-3).
         exclude: parameters never clipped (the paper leaves the final linear layer alone).
         error_if_nonfinite: raise on a non-finite gradient norm.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.clip import AGC
+        >>> w = torch.nn.Parameter(torch.tensor([[3.0, 4.0], [0.0, 1.0]]))  # unit norms 5, 1
+        >>> w.grad = torch.tensor([[0.3, 0.4], [0.0, 2.0]])  # ratios 0.1 and 2
+        >>> AGC(clip_factor=0.5)([w]), w.grad  # only unit 2 exceeds 0.5: scaled to 0.5 · 1
+        (tensor(2.0616), tensor([[0.3000, 0.4000],
+                [0.0000, 0.5000]]))
     """
 
     def __init__(self, clip_factor: float = 0.01, eps: float = 1e-3,

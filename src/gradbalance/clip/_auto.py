@@ -226,6 +226,17 @@ class TaskAutoClip(_AutoBase):
     Each task keeps its own history; row ``k`` is clipped to the ``percentile``-th percentile
     of task ``k``'s last ``history_size`` healthy norms (the rule and arguments of
     :class:`AutoClip`, per row). Returns the pre-clip row norms ``[K]``.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.clip import TaskAutoClip
+        >>> clip = TaskAutoClip(percentile=0)  # each task's smallest norm so far
+        >>> clip(torch.tensor([[0.3, 0.4], [3.0, 4.0]]))  # the first norms: thresholds
+        tensor([0.5000, 5.0000])
+        >>> G = torch.tensor([[6.0, 8.0], [0.6, 0.8]])
+        >>> clip(G), G  # row 0 clipped to its task's 0.5; row 1, its task's smallest, kept
+        (tensor([10.,  1.]), tensor([[0.3000, 0.4000],
+                [0.6000, 0.8000]]))
     """
 
     def __call__(self, matrix: Tensor) -> Tensor:

@@ -68,6 +68,15 @@ class PerSampleClip(PicklableGenerators):
         chunk_size: rows per batched backward (see :func:`per_sample_grad_norms`).
 
     ``last_norms`` holds the pre-clip per-sample norms of the latest call (for logging).
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.clip import PerSampleClip
+        >>> w = torch.nn.Parameter(torch.ones(2))
+        >>> x = torch.tensor([[3.0, 4.0], [0.0, 0.5]])  # sample gradients, norms 5 and 0.5
+        >>> PerSampleClip(max_norm=1.0)(x @ w, [w]).backward()
+        >>> w.grad  # the mean of [0.6, 0.8] (clipped to norm 1) and [0, 0.5]
+        tensor([0.3000, 0.6500])
     """
 
     def __init__(self, max_norm: float, *, norm_type: float = 2.0, per_task: bool = True,

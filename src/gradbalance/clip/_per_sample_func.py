@@ -49,6 +49,16 @@ def per_sample_grad_norms_of_model(
     of ``∇Σₖ ℓᵢₖ`` per sample. ``chunk_size``: samples per vmap call (default: as many as
     fit 2^26 gradient entries). ``scale``: differentiate ``scale·ℓ`` and divide the norms
     by it (for fp16 autocast). ``.grad`` is untouched and no graph is kept.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.clip import per_sample_grad_norms_of_model
+        >>> model = torch.nn.Linear(2, 1, bias=False)
+        >>> x = torch.tensor([[3.0, 4.0], [0.0, 2.0]])
+        >>> def loss_fn(out, y):  # per-sample losses [B]; sample i's gradient is y_i · x_i
+        ...     return out[:, 0] * y
+        >>> per_sample_grad_norms_of_model(model, loss_fn, x, torch.ones(2))
+        tensor([5., 2.])
     """
     norm_type = check_norm_type("norm_type", norm_type)
     chunk_size = check_optional_int("chunk_size", chunk_size, 1)

@@ -112,6 +112,14 @@ def per_sample_grad_norms(
     The graph is kept. ``chunk_size`` rows per batched backward (default: as many as fit
     2^26 entries of gradients and cotangents); ``scale``: differentiate ``scale·ℓ`` and
     divide the norms by it (a loss scale keeps fp16 backward from underflowing).
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.clip import per_sample_grad_norms
+        >>> w = torch.nn.Parameter(torch.ones(2))
+        >>> x = torch.tensor([[3.0, 4.0], [0.0, 2.0]])  # sample i's loss x_i · w, gradient x_i
+        >>> per_sample_grad_norms(x @ w, [w])
+        tensor([5., 2.])
     """
     losses = _check_losses(per_sample_losses)
     plist = as_parameter_list("params", params)

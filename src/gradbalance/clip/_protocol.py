@@ -16,6 +16,16 @@ class RowClipper(Protocol):
 
     One that scales whole rows by 2-norm may also declare it (:func:`scales_whole_rows`);
     ``mode="gramian"`` then scales ``G Gᵀ`` and a sharded trunk each rank's columns.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.clip import RowClipper, TaskClip
+        >>> def halve(matrix: torch.Tensor) -> torch.Tensor:  # a clipper of one's own
+        ...     norms = matrix.norm(dim=1)
+        ...     matrix.mul_(0.5)
+        ...     return norms
+        >>> isinstance(halve, RowClipper), isinstance(TaskClip(max_norm=1.0), RowClipper)
+        (True, True)
     """
 
     def __call__(self, matrix: Tensor) -> Tensor: ...

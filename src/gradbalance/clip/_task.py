@@ -19,7 +19,15 @@ _EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s guard
 
 
 def row_norms(matrix: Tensor, norm_type: float = 2.0) -> Tensor:
-    """Norm of every row of ``matrix`` ``[K, P]`` -> ``[K]`` (in the matrix's dtype)."""
+    """Norm of every row of ``matrix`` ``[K, P]`` -> ``[K]`` (in the matrix's dtype).
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.functional import row_norms
+        >>> G = torch.tensor([[3.0, 4.0], [0.0, -2.0]])
+        >>> row_norms(G), row_norms(G, norm_type=float("inf"))
+        (tensor([5., 2.]), tensor([4., 2.]))
+    """
     norms: Tensor = torch.linalg.vector_norm(matrix, ord=norm_type, dim=1)
     return norms
 
@@ -71,6 +79,14 @@ def clip_task_values_(matrix: Tensor, clip_value: float) -> Tensor:
 
     Returns the pre-clip 2-norms of the rows ``[K]``. Unlike norm clipping, this can turn a
     row (``[30, 40]`` with ``clip_value=5`` becomes ``[5, 5]``).
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.functional import clip_task_values_
+        >>> G = torch.tensor([[30.0, 40.0], [0.3, -0.4]])
+        >>> clip_task_values_(G, clip_value=5.0), G  # row 0 turns to [5, 5]
+        (tensor([50.0000,  0.5000]), tensor([[ 5.0000,  5.0000],
+                [ 0.3000, -0.4000]]))
     """
     check_matrix("matrix", matrix)
     check_positive("clip_value", clip_value)
@@ -139,7 +155,18 @@ class TaskClip(_Stateless):
 
 
 class TaskValueClip(_Stateless):
-    """Per-value clipping of the rows of ``G`` (a ``RowClipper``); returns pre-clip row norms."""
+    """Per-value clipping of the rows of ``G`` (a ``RowClipper``); returns pre-clip row norms.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance import TaskValueClip, balanced_backward
+        >>> from gradbalance.balancers import Sum
+        >>> w = torch.nn.Parameter(torch.zeros(2))
+        >>> losses = [w @ torch.tensor([30.0, -40.0]), w @ torch.tensor([0.3, 0.4])]
+        >>> _ = balanced_backward(losses, Sum(), shared_params=[w], clip=TaskValueClip(5.0))
+        >>> w.grad  # the clamped rows [5, -5] and [0.3, 0.4], summed
+        tensor([ 5.3000, -4.6000])
+    """
 
     def __init__(self, clip_value: float) -> None:
         self.clip_value = check_positive("clip_value", clip_value)
