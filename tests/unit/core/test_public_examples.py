@@ -52,7 +52,7 @@ LACKING: dict[str, tuple[str, ...]] = {
     "balancers._sdmgrad": ("SDMGrad", "sdmgrad_weights"),
     "balancers._solvers": ("SolverError",),
     "balancers._sum": ("Sum", "sum_weights"),
-    "balancers._trimmed_mean": ("TrimmedMean", "trimmed_mean_update"),
+    "balancers._trimmed_mean": ("TrimmedMean",),
     "balancers._upgrad": ("UPGrad", "upgrad_weights"),
     "integrations._core": ("stats_scalars",),
     "integrations.accelerate": ("BalancedAcceleratorStep",),
