@@ -266,8 +266,8 @@ def _check_loadable(value: Any, path: str) -> None:
 def capture_state(*, rng: bool = True, **objects: Any) -> dict[str, Any]:
     """In-memory checkpoint: ``{"objects": {name: state}, "rng": ...}``. None objects skipped.
 
-    The states are the objects' own ``state_dict()``, not copies: a model's tensors are its
-    parameters, so ``copy.deepcopy`` the result to keep a snapshot while training goes on.
+    A snapshot: the states are deep copies of the objects' ``state_dict()`` (a model's own
+    ``state_dict()`` holds its live parameters), so training on does not change it.
 
     Example:
         >>> import torch
@@ -276,6 +276,13 @@ def capture_state(*, rng: bool = True, **objects: Any) -> dict[str, Any]:
         >>> sorted(snapshot["objects"]["model"]), "rng" in snapshot
         (['bias', 'weight'], True)
     """
+    checkpoint = _capture(rng, objects)
+    checkpoint["objects"] = copy.deepcopy(checkpoint["objects"])
+    return checkpoint
+
+
+def _capture(rng: bool, objects: dict[str, Any]) -> dict[str, Any]:
+    """:func:`capture_state` without the copy (the states share the objects' tensors)."""
     states = {name: _state_of(name, obj) for name, obj in objects.items() if obj is not None}
     out: dict[str, Any] = {"format": _FORMAT, "objects": states}
     if rng:
@@ -424,7 +431,7 @@ def save_checkpoint(
     extra = {} if extra is None else extra
     _check_loadable(extra, "extra")
     _check_loadable(step, "step")
-    checkpoint = capture_state(rng=rng, **objects)
+    checkpoint = _capture(rng, objects)  # written at once: no copy needed
     for name, state in checkpoint["objects"].items():
         _check_loadable(state, f"{name}.state_dict()")
     checkpoint["step"] = step
