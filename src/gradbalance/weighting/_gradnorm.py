@@ -92,9 +92,9 @@ class GradNorm(OwnOptimizerWeighting):
     Example:
         >>> import torch
         >>> from gradbalance.weighting import GradNorm
-        >>> layer = torch.nn.Linear(2, 1)
-        >>> gradnorm, out = GradNorm(2, layer), layer(torch.ones(4, 2)).sum()
-        >>> _ = gradnorm(torch.stack([out, 2 * out])); _ = gradnorm.update()
+        >>> shared = torch.ones(2, requires_grad=True)
+        >>> gradnorm, loss = GradNorm(2, [shared]), shared.sum()  # task 2: twice the gradient
+        >>> _ = gradnorm(torch.stack([loss, 2 * loss])); _ = gradnorm.update()
         >>> gradnorm.weights  # one Adam step of lr=0.025 towards equal norms, renormalised
         tensor([1.0250, 0.9750], dtype=torch.float64)
     """
