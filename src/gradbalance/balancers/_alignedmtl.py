@@ -27,6 +27,12 @@ def alignedmtl_weights(
     mean (``"rmse"``) of the kept eigenvalues. The aligned gradients ``ĝ = Bᵀ J`` are
     orthogonal with equal norms ``√σ`` (on the span of the gradients); the update is
     ``Σₖ pₖ ĝₖ``, default ``pₖ = 1`` (the authors' code sums them).
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.functional import alignedmtl_weights
+        >>> alignedmtl_weights(torch.diag(torch.tensor([1.0, 4.0], dtype=torch.float64)))
+        tensor([1.0000, 0.5000], dtype=torch.float64)
     """
     k = gramian.shape[0]
     gram, _ = trace_normalized(gramian)
@@ -53,6 +59,13 @@ class AlignedMTL(Balancer):
 
     Reference: Senushkin et al., "Independent Component Alignment for Multi-Task Learning",
     CVPR 2023, Algorithm 1.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.balancers import AlignedMTL
+        >>> g = torch.tensor([[1.0, 0.0], [0.0, 2.0]], dtype=torch.float64)
+        >>> AlignedMTL()(g)  # each row rescaled to norm √λ_min = 1
+        tensor([1., 1.], dtype=torch.float64)
     """
 
     name = "alignedmtl"

@@ -26,14 +26,30 @@ __all__ = ["Balancer", "Combination", "combine_rows"]
 
 @dataclass
 class Combination:
-    """A balancer's output: the combined gradient ``[P]`` and, for weighted methods, ``[K]``."""
+    """A balancer's output: the combined gradient ``[P]`` and, for weighted methods, ``[K]``.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.balancers import Mean
+        >>> out = Mean().combine(torch.tensor([[1.0, 0.0], [0.0, 2.0]], dtype=torch.float64))
+        >>> out.vector, out.weights
+        (tensor([0.5000, 1.0000], dtype=torch.float64),
+         tensor([0.5000, 0.5000], dtype=torch.float64))
+    """
 
     vector: Tensor
     weights: Tensor | None = None
 
 
 def combine_rows(weights: Tensor, matrix: Tensor) -> Tensor:
-    """``wᵀ G``: the one place a weighted balancer touches the ``[K, P]`` matrix."""
+    """``wᵀ G``: the one place a weighted balancer touches the ``[K, P]`` matrix.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.functional import combine_rows
+        >>> combine_rows(torch.tensor([1.0, 3.0]), torch.eye(2))
+        tensor([1., 3.])
+    """
     return weights.to(dtype=matrix.dtype, device=matrix.device) @ matrix
 
 
@@ -57,6 +73,16 @@ class Balancer(StateModule):
     State is declared with :meth:`register_state` (``per_task`` / ``like_rows``), which makes
     every call check that the input still has the tasks the state tracks, and generates
     :meth:`reset` (``docs/ARCHITECTURE.md``, "Extension contract").
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.balancers import Balancer
+        >>> class Half(Balancer):  # a weighted balancer: w from the Gramian
+        ...     from_gramian = True
+        ...     def _compute_weights(self, gramian, losses=None):
+        ...         return torch.full(gramian.shape[:1], 0.5, dtype=torch.float64)
+        >>> Half()(torch.tensor([[1.0, 0.0], [0.0, 2.0]], dtype=torch.float64))
+        tensor([0.5000, 1.0000], dtype=torch.float64)
     """
 
     name: ClassVar[str] = ""

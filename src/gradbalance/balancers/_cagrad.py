@@ -25,6 +25,12 @@ def cagrad_weights(gramian: Tensor, c: float = 0.4, rescale: Rescale = "none") -
     weights ``1/K + c‖g₀‖ wₖ/‖g_w‖``. ``rescale``: ``"none"`` (the paper), ``"c2"`` divides
     by ``1 + c²`` (the authors' code and LibMTL, ``rescale=1``), ``"c"`` by ``1 + c``.
     When the dual optimum has ``g_w = 0`` (e.g. a zero task gradient) the update is ``g₀``.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.functional import cagrad_weights
+        >>> cagrad_weights(torch.eye(3, dtype=torch.float64), c=0.4)  # (1 + c) / 3
+        tensor([0.4667, 0.4667, 0.4667], dtype=torch.float64)
     """
     k = gramian.shape[0]
     gram, _ = trace_normalized(gramian)
@@ -55,6 +61,12 @@ class CAGrad(Balancer):
 
     Reference: Liu et al., "Conflict-Averse Gradient Descent for Multi-task Learning",
     NeurIPS 2021, arXiv:2110.14048, eq. 3-4.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.balancers import CAGrad
+        >>> CAGrad(c=0.5)(torch.eye(2, dtype=torch.float64))  # (1 + c) / 2 per task
+        tensor([0.7500, 0.7500], dtype=torch.float64)
     """
 
     name = "cagrad"

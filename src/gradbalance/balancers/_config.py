@@ -20,6 +20,12 @@ def config_weights(gramian: Tensor, pref: Tensor | None = None, rtol: float = 1e
     ``U⁺ = Uᵀ(UUᵀ)⁺`` and ``UUᵀ = C`` (the cosine matrix), ``g_u = Σₖ (C⁺p)ₖ uₖ``,
     ``‖g_u‖² = pᵀC⁺p``: the weights on the raw rows are ``vₖ = (C⁺p)ₖ/‖gₖ‖`` times
     ``1ᵀGv / pᵀC⁺p``. ``p`` defaults to ones (the paper).
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.functional import config_weights
+        >>> config_weights(torch.diag(torch.tensor([1.0, 4.0], dtype=torch.float64)))
+        tensor([1.5000, 0.7500], dtype=torch.float64)
     """
     k = gramian.shape[0]
     gram, _ = trace_normalized(gramian)
@@ -48,6 +54,13 @@ class ConFIG(PreferenceBalancer):
 
     Reference: Liu et al., "ConFIG: Towards Conflict-free Training of Physics Informed Neural
     Networks", arXiv:2408.11104, eq. 2 (without the momentum variant).
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.balancers import ConFIG
+        >>> g = torch.tensor([[1.0, 0.0], [0.0, 2.0]], dtype=torch.float64)
+        >>> ConFIG()(g)  # along (1, 1)/√2, length (1 + 2)/√2
+        tensor([1.5000, 1.5000], dtype=torch.float64)
     """
 
     name = "config"

@@ -17,6 +17,13 @@ class Constant(Balancer):
 
     Args:
         weights: one finite number per task (``K`` is ``len(weights)``).
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.balancers import Constant
+        >>> g = torch.tensor([[1.0, 0.0], [0.0, 2.0]], dtype=torch.float64)
+        >>> Constant([1.0, 3.0])(g)
+        tensor([1., 6.], dtype=torch.float64)
     """
 
     name = "constant"

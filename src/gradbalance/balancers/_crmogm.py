@@ -36,6 +36,13 @@ class CRMOGM(Balancer):
 
     Reference: Zhou et al., "On the Convergence of Stochastic Multi-Objective Gradient
     Manipulation and Beyond", NeurIPS 2022.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.balancers import CRMOGM
+        >>> g = torch.tensor([[1.0, 0.0], [0.0, 2.0]], dtype=torch.float64)
+        >>> CRMOGM()(g)  # first step: MGDA's min-norm point, weights (0.8, 0.2)
+        tensor([0.8000, 0.4000], dtype=torch.float64)
     """
 
     _lambda: Tensor | None

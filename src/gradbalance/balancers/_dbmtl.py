@@ -18,6 +18,12 @@ def dbmtl_update(ema: Tensor) -> Tensor:
 
     A zero row stays zero. Scale-safe: ``maxⱼ‖ĝⱼ‖ · Σₖ uₖ/‖uₖ‖`` on the rows scaled by powers
     of two (docs/balancers.md, "Numerical range").
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.functional import dbmtl_update
+        >>> dbmtl_update(torch.tensor([[1.0, 0.0], [0.0, 2.0]], dtype=torch.float64))
+        tensor([2., 2.], dtype=torch.float64)
     """
     unit, scale = unit_rows(ema)
     unit_norms: Tensor = torch.linalg.vector_norm(unit, dim=1)
@@ -57,6 +63,13 @@ class DBMTL(Balancer):
 
     Reference: Lin et al., "Dual-Balancing for Multi-Task Learning", arXiv:2308.12029,
     Algorithm 1.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.balancers import DBMTL
+        >>> g = torch.tensor([[1.0, 0.0], [0.0, 2.0]], dtype=torch.float64)
+        >>> DBMTL(beta=0.9)(g)  # EMA rows 0.1·g, each scaled to the largest norm 0.2
+        tensor([0.2000, 0.2000], dtype=torch.float64)
     """
 
     _ema: Tensor | None

@@ -19,6 +19,13 @@ def excessmtl_risks(matrix: Tensor, root_sq_sum: Tensor, eps: float = 1e-7) -> T
     ``root_sq_sum`` is ``R = √(Σ_{τ≤t} g_τ²)`` ``[K, P]`` (the current step included) and
     ``H = hypot(R, √ε)``. Scale-safe: ``Êₖ = sₖ² Σⱼ uₖⱼ² / Hₖⱼ`` on the rows ``gₖ = sₖ uₖ``
     scaled by powers of two, summed in float64 (``gₖⱼ²`` is never formed).
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.functional import excessmtl_risks
+        >>> g = torch.tensor([[1.0, 0.0], [0.0, 2.0]], dtype=torch.float64)
+        >>> excessmtl_risks(g, g.abs())  # first step: R = |g|, so Êₖ ≈ ‖gₖ‖₁
+        tensor([1.0000, 2.0000], dtype=torch.float64)
     """
     unit, scale = unit_rows(matrix)
     h = torch.hypot(root_sq_sum.to(unit.dtype), unit.new_tensor(eps**0.5))
@@ -56,6 +63,13 @@ class ExcessMTL(Balancer):
 
     Reference: He et al., "Robust Multi-Task Learning with Excess Risks", ICML 2024, eqs. 6-9
     and §3.2.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.balancers import ExcessMTL
+        >>> g = torch.tensor([[1.0, 0.0], [0.0, 2.0]], dtype=torch.float64)
+        >>> ExcessMTL()(g)  # the first step weighs the tasks equally
+        tensor([0.5000, 1.0000], dtype=torch.float64)
     """
 
     _root_sq_sum: Tensor | None

@@ -75,6 +75,12 @@ def fairgrad_weights(gramian: Tensor, alpha: float = 1.0, max_iter: int = 100,
 
     Solved as the minimiser of the strictly convex ``½ wᵀAw − Σₖ φ(wₖ)``,
     ``φ'(w) = w^{-1/α}``, on ``A`` normalised to unit mean diagonal. A zero row gets weight 0.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.functional import fairgrad_weights
+        >>> fairgrad_weights(torch.diag(torch.tensor([1.0, 4.0], dtype=torch.float64)))
+        tensor([1.0000, 0.5000], dtype=torch.float64)
     """
     k = gramian.shape[0]
     a = gramian.to(torch.float64)
@@ -111,6 +117,13 @@ class FairGrad(Balancer):
 
     Reference: Ban & Ji, "Fair Resource Allocation in Multi-Task Learning", ICML 2024,
     arXiv:2402.15638, eq. 4.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.balancers import FairGrad
+        >>> g = torch.tensor([[1.0, 0.0], [0.0, 2.0]], dtype=torch.float64)
+        >>> FairGrad(alpha=1.0)(g)  # w = (1, 1/2) solves diag(1, 4) w = 1/w
+        tensor([1., 1.], dtype=torch.float64)
     """
 
     name = "fairgrad"

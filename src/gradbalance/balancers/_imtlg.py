@@ -18,6 +18,12 @@ def imtlg_weights(gramian: Tensor, rtol: float = 1e-12) -> Tensor:
     i.e. ``g·(gₖ/‖gₖ‖) = 1/Σv`` for every task ``k`` (Liu et al.'s closed form
     ``α₂:K = g₁Uᵀ(DUᵀ)⁻¹`` when the gradients are independent). When ``Σv`` vanishes
     (``|Σv| ≤ rtol·‖v‖₁``) no such direction exists and the weights are zero.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.functional import imtlg_weights
+        >>> imtlg_weights(torch.diag(torch.tensor([1.0, 4.0], dtype=torch.float64)))
+        tensor([0.6667, 0.3333], dtype=torch.float64)
     """
     gram, _ = trace_normalized(gramian)
     d = torch.diagonal(gram).clamp_min(0).sqrt()
@@ -34,6 +40,13 @@ class IMTLG(Balancer):
 
     Reference: Liu et al., "Towards Impartial Multi-task Learning", ICLR 2021 (IMTL-G), in
     the pseudo-inverse form of Quinton & Rey, arXiv:2406.16232 (dependent gradients too).
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.balancers import IMTLG
+        >>> g = torch.tensor([[1.0, 0.0], [0.0, 2.0]], dtype=torch.float64)
+        >>> IMTLG()(g)  # equal projections on both unit gradients
+        tensor([0.6667, 0.6667], dtype=torch.float64)
     """
 
     name = "imtlg"

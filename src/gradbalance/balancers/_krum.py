@@ -18,6 +18,13 @@ def krum_weights(gramian: Tensor, n_byzantine: int = 0, n_selected: int = 1) -> 
     ``gᵢ`` to its ``K − f − 2`` nearest other rows (``f = n_byzantine``). The ``m = n_selected``
     lowest scores get weight ``1/m`` (ties: the lower index), the others 0. Needs
     ``K ≥ f + 3`` and ``K ≥ m``.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.functional import krum_weights
+        >>> g = torch.tensor([[1.0, 0.0], [0.0, 1.0], [10.0, 10.0]], dtype=torch.float64)
+        >>> krum_weights(g @ g.T, n_selected=2)
+        tensor([0.5000, 0.5000, 0.0000], dtype=torch.float64)
     """
     k = gramian.shape[0]
     if k < n_byzantine + 3 or k < n_selected:
@@ -48,6 +55,13 @@ class Krum(Balancer):
 
     Reference: Blanchard et al., "Machine Learning with Adversaries: Byzantine Tolerant
     Gradient Descent", NeurIPS 2017.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.balancers import Krum
+        >>> g = torch.tensor([[1.0, 0.0], [0.0, 1.0], [10.0, 10.0]], dtype=torch.float64)
+        >>> Krum(n_selected=2)(g)  # the mean of the two closest rows; the outlier is dropped
+        tensor([0.5000, 0.5000], dtype=torch.float64)
     """
 
     name = "krum"

@@ -11,13 +11,28 @@ __all__ = ["Mean", "mean_weights"]
 
 
 def mean_weights(gramian: Tensor) -> Tensor:
-    """Weights ``1/K`` ``[K]``."""
+    """Weights ``1/K`` ``[K]``.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.functional import mean_weights
+        >>> mean_weights(torch.eye(4, dtype=torch.float64))
+        tensor([0.2500, 0.2500, 0.2500, 0.2500], dtype=torch.float64)
+    """
     k = gramian.shape[0]
     return torch.full((k,), 1.0 / k, dtype=gramian.dtype, device=gramian.device)
 
 
 class Mean(Balancer):
-    """``g = (1/K) Σₖ gₖ``: ``wₖ = 1/K``."""
+    """``g = (1/K) Σₖ gₖ``: ``wₖ = 1/K``.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.balancers import Mean
+        >>> g = torch.tensor([[1.0, 0.0], [0.0, 2.0]], dtype=torch.float64)
+        >>> Mean()(g)
+        tensor([0.5000, 1.0000], dtype=torch.float64)
+    """
 
     name = "mean"
     from_gramian = True

@@ -48,6 +48,12 @@ def mgda_weights(gramian: Tensor, losses: Tensor | None = None,
     ``apply_to="normalized"`` the update is that min-norm point, ``Σₖ αₖ nₖ`` (weights
     ``αₖ / cₖ``): it has a non-negative inner product with every task gradient. With
     ``apply_to="raw"`` it is ``Σₖ αₖ gₖ`` (Sener et al.'s code, LibMTL): weights ``αₖ``.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.functional import mgda_weights
+        >>> mgda_weights(torch.diag(torch.tensor([1.0, 4.0], dtype=torch.float64)))
+        tensor([0.8000, 0.2000], dtype=torch.float64)
     """
     gram = gramian.detach().to(device="cpu", dtype=torch.float64)
     scale = _scales(gram, losses, normalization)
@@ -78,6 +84,13 @@ class MGDA(Balancer):
 
     Reference: Sener & Koltun, "Multi-Task Learning as Multi-Objective Optimization",
     NeurIPS 2018, arXiv:1810.04650, eq. 3.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.balancers import MGDA
+        >>> g = torch.tensor([[1.0, 0.0], [0.0, 2.0]], dtype=torch.float64)
+        >>> MGDA()(g)  # min-norm point of the segment [g₁, g₂]
+        tensor([0.8000, 0.4000], dtype=torch.float64)
     """
 
     name = "mgda"

@@ -32,6 +32,15 @@ def moco_step(y: Tensor, lam: Tensor, h: Tensor, beta_t: float, gamma_t: float, 
     Scale-safe: ``Y Yᵀ`` is the float64 Gramian and the projection is shifted
     (:func:`~gradbalance.balancers._modo.modo_step`). ``reduce`` (sharded trunks): ``y`` and
     ``h`` hold some columns and ``reduce`` sums the partial Gramians over ranks.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.functional import moco_step
+        >>> h = torch.diag(torch.tensor([1.0, 2.0], dtype=torch.float64))
+        >>> lam = torch.tensor([0.5, 0.5], dtype=torch.float64)
+        >>> y, lam = moco_step(torch.zeros_like(h), lam, h, beta_t=1.0, gamma_t=0.5, rho=0.0)
+        >>> torch.equal(y, h), lam  # Π_Δ((0.5, 0.5) − 0.5·(0.5, 2)) = Π_Δ((0.25, −0.5))
+        (True, tensor([0.8750, 0.1250], dtype=torch.float64))
     """
     y = y - beta_t * (y - h)
     gram = compute_gramian(y)
@@ -81,6 +90,12 @@ class MoCo(Balancer):
 
     Reference: Fernando et al., "Mitigating Gradient Bias in Multi-objective Learning: A
     Provably Convergent Approach", ICLR 2023, Algorithm 1.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.balancers import MoCo
+        >>> MoCo(beta=0.5)(torch.eye(2, dtype=torch.float64))  # y = β·G, λ uniform by symmetry
+        tensor([0.2500, 0.2500], dtype=torch.float64)
     """
 
     _y: Tensor | None

@@ -18,6 +18,14 @@ def modo_step(lam: Tensor, gramian: Tensor, gamma: float, rho: float) -> Tensor:
 
     The step is shifted by its largest entry before the projection (``Π_Δ(v) = Π_Δ(v − c·1)``),
     so a step far outside the simplex (``γ‖gₖ‖² ≫ 1``) still projects exactly.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.functional import modo_step
+        >>> lam = torch.tensor([0.5, 0.5], dtype=torch.float64)
+        >>> a = torch.diag(torch.tensor([1.0, 4.0], dtype=torch.float64))
+        >>> modo_step(lam, a, gamma=0.1, rho=0.0)  # Π_Δ((0.45, 0.30))
+        tensor([0.5750, 0.4250], dtype=torch.float64)
     """
     step = lam - gamma * (gramian @ lam + rho * lam)
     return project_simplex(step - step.max())
@@ -41,6 +49,12 @@ class MoDo(Balancer):
 
     Reference: Chen et al., "Three-Way Trade-Off in Multi-Objective Learning: Optimization,
     Generalization and Conflict-Avoidance", NeurIPS 2023, arXiv:2305.20057, Algorithm 1.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.balancers import MoDo
+        >>> MoDo()(torch.eye(2, dtype=torch.float64))  # λ stays uniform by symmetry
+        tensor([0.5000, 0.5000], dtype=torch.float64)
     """
 
     _lambda: Tensor | None

@@ -23,6 +23,13 @@ def nashmtl_weights(gramian: Tensor, normalization: Normalization = "none",
     ``α_unit`` solves ``(G/tr G) α = 1/α``; the weights solve ``(G/n) α = 1/α`` with ``n = 1``
     (``"none"``, the paper) or ``n = ‖G‖_F`` (``"frobenius"``, the authors' code and
     TorchJD), i.e. ``α = α_unit √(n / tr G)`` since ``α(G/s) = √s α(G)``.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.functional import nashmtl_weights
+        >>> weights, _ = nashmtl_weights(torch.diag(torch.tensor([1.0, 4.0], dtype=torch.float64)))
+        >>> weights
+        tensor([1.0000, 0.5000], dtype=torch.float64)
     """
     unit, trace = trace_normalized(gramian)
     alpha = nash_bargaining(unit, alpha0)
@@ -62,6 +69,13 @@ class NashMTL(Balancer):
 
     Reference: Navon et al., "Multi-Task Learning as a Bargaining Game", ICML 2022,
     arXiv:2202.01017, Algorithm 1 (solved exactly here).
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.balancers import NashMTL
+        >>> g = torch.tensor([[1.0, 0.0], [0.0, 2.0]], dtype=torch.float64)
+        >>> NashMTL()(g)  # w = (1, 1/2) solves diag(1, 4) w = 1/w
+        tensor([1.0000, 1.0000], dtype=torch.float64)
     """
 
     alpha: Tensor | None

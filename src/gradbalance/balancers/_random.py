@@ -27,6 +27,13 @@ def random_weights(num_tasks: int, distribution: Distribution = "normal",
     * ``"dirichlet"``: ``w ~ Dirichlet(1, …, 1)`` (normalised ``−log U``).
 
     The draw happens on the generator's device (CPU for the global RNG), then moves to ``device``.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.functional import random_weights
+        >>> w = random_weights(4, "dirichlet", generator=torch.Generator().manual_seed(0))
+        >>> w.shape, bool((w > 0).all()), round(w.sum().item(), 12)
+        (torch.Size([4]), True, 1.0)
     """
     check_choice("distribution", distribution, _DISTRIBUTIONS)
     where = generator.device if generator is not None else torch.device("cpu")
@@ -53,6 +60,14 @@ class Random(OptionalGeneratorState, Balancer):
 
     Reference: Lin et al., "Reasonable Effectiveness of Random Weighting: A Litmus Test for
     Multi-Task Learning", TMLR 2022, arXiv:2111.10603, Algorithm 2.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.balancers import Random
+        >>> balancer = Random(generator=torch.Generator().manual_seed(0))
+        >>> update = balancer(torch.eye(3, dtype=torch.float64))  # the weights themselves
+        >>> bool((update > 0).all()), round(update.sum().item(), 12)
+        (True, 1.0)
     """
 
     name = "random"

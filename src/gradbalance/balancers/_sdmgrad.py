@@ -24,6 +24,14 @@ def sdmgrad_weights(gramian: Tensor, w: Tensor, pref: Tensor, lambda_: float = 0
     heavy-ball momentum (fresh buffer each call) on ``½‖Gᵀ(w + λ w̃)‖²`` over the simplex:
     ``v ← μ v + A (w + λ w̃)``, ``w ← Π_Δ(w − lr · v)``. Output weights ``(w + λ w̃)/(1 + λ)``
     (the update ``g = Gᵀ(w + λ w̃)/(1 + λ)``, direction-oriented towards ``g₀ = Gᵀ w̃``).
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.functional import sdmgrad_weights
+        >>> third = torch.full((3,), 1 / 3, dtype=torch.float64)
+        >>> weights, _ = sdmgrad_weights(torch.eye(3, dtype=torch.float64), third, third)
+        >>> weights  # uniform by symmetry
+        tensor([0.3333, 0.3333, 0.3333], dtype=torch.float64)
     """
     diag = torch.diagonal(gramian).clamp_min(0)
     scale = diag.sqrt().mean() ** 2
@@ -56,6 +64,12 @@ class SDMGrad(Balancer):
 
     Reference: Xiao et al., "Direction-oriented Multi-objective Learning: Simple and Provable
     Stochastic Algorithms", NeurIPS 2023, arXiv:2305.18409, Algorithm 1.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.balancers import SDMGrad
+        >>> SDMGrad()(torch.eye(3, dtype=torch.float64))  # uniform by symmetry
+        tensor([0.3333, 0.3333, 0.3333], dtype=torch.float64)
     """
 
     _w: Tensor | None

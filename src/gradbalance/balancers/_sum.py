@@ -11,12 +11,27 @@ __all__ = ["Sum", "sum_weights"]
 
 
 def sum_weights(gramian: Tensor) -> Tensor:
-    """All-ones weights ``[K]``."""
+    """All-ones weights ``[K]``.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.functional import sum_weights
+        >>> sum_weights(torch.eye(3, dtype=torch.float64))
+        tensor([1., 1., 1.], dtype=torch.float64)
+    """
     return torch.ones(gramian.shape[0], dtype=gramian.dtype, device=gramian.device)
 
 
 class Sum(Balancer):
-    """``g = Σₖ gₖ``, the unbalanced baseline: ``wₖ = 1``."""
+    """``g = Σₖ gₖ``, the unbalanced baseline: ``wₖ = 1``.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.balancers import Sum
+        >>> g = torch.tensor([[1.0, 0.0], [0.0, 2.0]], dtype=torch.float64)
+        >>> Sum()(g)
+        tensor([1., 2.], dtype=torch.float64)
+    """
 
     name = "sum"
     from_gramian = True

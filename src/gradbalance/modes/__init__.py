@@ -55,13 +55,29 @@ ENGINES: dict[str, type[Engine]] = {
 
 
 def sharded_modes() -> list[str]:
-    """The modes of :data:`ENGINES` that run on a trunk sharded with ``fully_shard``."""
+    """The modes of :data:`ENGINES` that run on a trunk sharded with ``fully_shard``.
+
+    Example:
+        >>> from gradbalance.modes import sharded_modes
+        >>> sharded_modes()
+        ['matrix', 'features']
+    """
     return [name for name, engine in ENGINES.items() if getattr(engine, "shardable", False)]
 
 
 def make_engine(mode: str, layout: ParamLayout, head_params: list[Tensor], passes: Passes,
                 modules: Any = None) -> Engine:
-    """The engine of ``mode`` over the shared parameters ``layout`` and the heads."""
+    """The engine of ``mode`` over the shared parameters ``layout`` and the heads.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.modes import make_engine
+        >>> from gradbalance.taskgrads import ParamLayout
+        >>> layout = ParamLayout(list(torch.nn.Linear(3, 2).parameters()))
+        >>> engine = make_engine("matrix", layout, [], "loop")
+        >>> engine.mode, engine.layout.numel  # 3·2 weights + 2 biases
+        ('matrix', 8)
+    """
     if not isinstance(mode, str) or mode not in ENGINES:
         raise ValueError(f"Invalid mode: {mode!r} (expected one of {', '.join(ENGINES)})")
     if is_sharded(layout.params) and mode not in sharded_modes():

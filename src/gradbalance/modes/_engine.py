@@ -38,7 +38,14 @@ __all__ = ["Engine", "RowsEngine", "StepInput", "WriteBack", "commit", "settle"]
 
 @dataclass
 class StepInput:
-    """What ``apply_`` hands a mode: the step's losses, scale and options."""
+    """What ``apply_`` hands a mode: the step's losses, scale and options.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.modes import StepInput
+        >>> StepInput(torch.tensor([1.0, 2.0]), scale=None, count=1, clip=None, group=None)
+        StepInput(losses=tensor([1., 2.]), scale=None, count=1, clip=None, group=None, saved=None)
+    """
 
     losses: Tensor  # [K], detached, summed over the micro-batches
     scale: Tensor | None  # the GradScaler's scale (0-d), None without one
@@ -56,6 +63,15 @@ class Engine(Protocol):
     ``apply`` once per step (reduce, unscale, check, clip, balance, write ``.grad`` last);
     ``clear`` drops what a step holds, also after a failure. ``shardable = True`` (a class
     attribute, False when absent): it also runs on a trunk under ``fully_shard``.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.modes import make_engine
+        >>> from gradbalance.taskgrads import ParamLayout
+        >>> trunk = torch.nn.Linear(3, 2)
+        >>> engine = make_engine("gramian", ParamLayout([*trunk.parameters()]), [], "loop", trunk)
+        >>> engine.mode, engine.matrix  # only G Gᵀ: no [K, P] rows
+        ('gramian', None)
     """
 
     #: The name users pass as ``mode=``.
@@ -105,7 +121,17 @@ def reject_features(mode: str, features: Tensor | None) -> None:
 
 class RowsEngine:
     """A mode that holds task-gradient rows ``[K, ·]`` (``matrix`` and ``features``) and
-    computes them with the K backward passes run as a loop or batched (``passes``)."""
+    computes them with the K backward passes run as a loop or batched (``passes``).
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.modes import RowsEngine, make_engine
+        >>> from gradbalance.taskgrads import ParamLayout
+        >>> layout = ParamLayout([torch.zeros(3, requires_grad=True)])
+        >>> engine = make_engine("matrix", layout, [], "loop")
+        >>> isinstance(engine, RowsEngine), engine.passes, engine.matrix
+        (True, 'loop', None)
+    """
 
     mode: ClassVar[str] = ""
 

@@ -35,5 +35,11 @@ register(WEIGHTINGS, [
 
 
 def get_weighting(name: str, **kwargs: Any) -> LossWeighting:
-    """Build a loss weighting by registry name (case, - and _ ignored), e.g. ``"dwa"``."""
+    """Build a loss weighting by registry name (case, - and _ ignored), e.g. ``"dwa"``.
+
+    Example:
+        >>> from gradbalance.weighting import get_weighting
+        >>> get_weighting("dwa", num_tasks=2)
+        DWA(num_tasks=2, temperature=2.0, period=1)
+    """
     return build(WEIGHTINGS, name, "loss weighting", kwargs)

@@ -44,6 +44,15 @@ class LossWeighting(StateModule):
     Args:
         num_tasks: K; every call checks it.
         device: where the state tensors live (default CPU); use the losses' device.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.weighting import LossWeighting, ScaleInvariant
+        >>> weighting = ScaleInvariant(2)  # a LossWeighting: call, step, then update()
+        >>> isinstance(weighting, LossWeighting), weighting(torch.tensor([2.0, 4.0]))
+        (True, tensor([1., 1.]))
+        >>> weighting.update()
+        True
     """
 
     name: ClassVar[str] = ""

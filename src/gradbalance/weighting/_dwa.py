@@ -12,7 +12,14 @@ __all__ = ["DWA", "dwa_weights"]
 
 
 def dwa_weights(previous: Tensor, before_previous: Tensor, temperature: float = 2.0) -> Tensor:
-    """``wₖ = K·softmax(rₖ/T)ₖ`` with ``rₖ = Lₖ(t−1) / Lₖ(t−2)``, the descent rates."""
+    """``wₖ = K·softmax(rₖ/T)ₖ`` with ``rₖ = Lₖ(t−1) / Lₖ(t−2)``, the descent rates.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.functional import dwa_weights
+        >>> dwa_weights(torch.tensor([0.5, 1.0]), torch.tensor([1.0, 1.0]))  # 2·softmax(r/2)
+        tensor([0.8756, 1.1244], dtype=torch.float64)
+    """
     k = previous.shape[0]
     rate = previous.double() / before_previous.double().clamp_min(1e-300)
     return k * torch.softmax(rate / temperature, dim=0)
@@ -35,6 +42,15 @@ class DWA(LossWeighting):
 
     Reference: Liu, Johns & Davison, "End-to-End Multi-Task Learning with Attention",
     CVPR 2019.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.weighting import DWA
+        >>> dwa = DWA(2)  # period=1: each step closes a period
+        >>> for losses in ([1.0, 1.0], [0.5, 1.0]):
+        ...     _ = dwa(torch.tensor(losses)); _ = dwa.update()
+        >>> dwa.weights  # 2·softmax((0.5, 1.0) / 2): the slower task weighs more
+        tensor([0.8756, 1.1244], dtype=torch.float64)
     """
 
     name = "dwa"

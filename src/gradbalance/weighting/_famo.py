@@ -16,6 +16,12 @@ def famo_weights(losses: Tensor, logits: Tensor, min_losses: Tensor, eps: float 
 
     ``Σₖ wₖ ∇Lₖ = ∇ Σₖ zₖ log Dₖ / c`` (``c = Σᵢ zᵢ/Dᵢ`` held constant): the gradient of the
     weighted log-losses, normalised so that the weights sum to 1.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.functional import famo_weights
+        >>> famo_weights(torch.tensor([1.0, 3.0]), torch.zeros(2), torch.zeros(2))  # ∝ (1, 1/3)
+        tensor([0.7500, 0.2500], dtype=torch.float64)
     """
     z = torch.softmax(logits.detach().double(), dim=0)
     d = losses.detach().double() - min_losses.double() + eps
@@ -50,6 +56,13 @@ class FAMO(OwnOptimizerWeighting):
 
     Reference: Liu, Liu, Jin, Stone & Liu, "FAMO: Fast Adaptive Multitask Optimization",
     NeurIPS 2023.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.weighting import FAMO
+        >>> famo = FAMO(2)  # uniform logits at first: wₖ ∝ 1/Lₖ, summing to 1
+        >>> famo(torch.tensor([1.0, 3.0])), famo.weights
+        (tensor([0.7500, 0.7500]), tensor([0.7500, 0.2500], dtype=torch.float64))
     """
 
     name = "famo"

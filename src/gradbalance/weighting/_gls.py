@@ -16,6 +16,12 @@ def gls_weights(losses: Tensor, eps: float = 1e-12) -> Tensor:
 
     ``∇ (Πⱼ Lⱼ)^{1/K} = Σₖ wₖ ∇Lₖ`` and ``Σₖ wₖ Lₖ = (Πⱼ Lⱼ)^{1/K}``. Losses are clamped at
     ``eps`` (computed in log space, float64).
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.functional import gls_weights
+        >>> gls_weights(torch.tensor([1.0, 4.0]))  # √(1·4) / (2·Lₖ)
+        tensor([1.0000, 0.2500], dtype=torch.float64)
     """
     logs = losses.detach().double().clamp_min(eps).log()
     k = losses.shape[0]
@@ -32,6 +38,12 @@ class GLS(LossWeighting):
 
     Reference: Chennupati et al., "MultiNet++: Multi-Stream Feature Aggregation and Geometric
     Loss Strategy for Multi-Task Learning", CVPR Workshops 2019.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.weighting import GLS
+        >>> GLS(2)(torch.tensor([1.0, 4.0]))  # wₖLₖ = √(1·4) / 2
+        tensor([1., 1.])
     """
 
     name = "gls"

@@ -17,7 +17,15 @@ __all__ = ["GradNorm", "gradnorm_targets", "last_layer_parameters"]
 
 
 def last_layer_parameters(module: nn.Module) -> list[Tensor]:
-    """Trainable parameters of the last submodule (in registration order) that owns some."""
+    """Trainable parameters of the last submodule (in registration order) that owns some.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.weighting import last_layer_parameters
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.ReLU(), torch.nn.Linear(3, 1))
+        >>> [tuple(p.shape) for p in last_layer_parameters(net)]
+        [(1, 3), (1,)]
+    """
     owners = [m for m in module.modules()
               if any(p.requires_grad for p in m.parameters(recurse=False))]
     if not owners:
@@ -32,6 +40,13 @@ def gradnorm_targets(norms: Tensor, losses: Tensor, initial_losses: Tensor,
 
     ``norms`` are the weighted norms ``Gₖ = ‖∇_W wₖLₖ‖``, ``Ḡ`` their mean, and
     ``rₖ = L̃ₖ / mean(L̃)`` the relative inverse training rates, ``L̃ₖ = Lₖ(t)/Lₖ(0)``.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.functional import gradnorm_targets
+        >>> norms, losses = torch.tensor([1.0, 3.0]), torch.tensor([2.0, 1.0])
+        >>> gradnorm_targets(norms, losses, torch.ones(2), alpha=1.0)  # 2·(2, 1)/1.5
+        tensor([2.6667, 1.3333], dtype=torch.float64)
     """
     ratio = losses.double() / initial_losses.double()
     rate = ratio / ratio.mean()
@@ -73,6 +88,15 @@ class GradNorm(OwnOptimizerWeighting):
 
     Reference: Chen, Badrinarayanan, Lee & Rabinovich, "GradNorm: Gradient Normalization for
     Adaptive Loss Balancing in Deep Multitask Networks", ICML 2018.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.weighting import GradNorm
+        >>> shared = torch.ones(2, requires_grad=True)
+        >>> gradnorm, loss = GradNorm(2, [shared]), shared.sum()  # task 2: twice the gradient
+        >>> _ = gradnorm(torch.stack([loss, 2 * loss])); _ = gradnorm.update()
+        >>> gradnorm.weights  # one Adam step of lr=0.025 towards equal norms, renormalised
+        tensor([1.0250, 0.9750], dtype=torch.float64)
     """
 
     name = "gradnorm"

@@ -21,6 +21,12 @@ class IMTLL(LossWeighting):
         dtype: dtype of ``s`` (float32 by default).
 
     Reference: Liu et al., "Towards Impartial Multi-task Learning", ICLR 2021 (IMTL-L).
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.weighting import IMTLL
+        >>> IMTLL(2)(torch.tensor([1.0, 2.0])).tolist()  # s = 0 at first: eˢL − s = L
+        [1.0, 2.0]
     """
 
     log_scales: nn.Parameter

@@ -37,6 +37,14 @@ class RLW(LossWeighting):
 
     Reference: Lin et al., "Reasonable Effectiveness of Random Weighting: A Litmus Test for
     Multi-Task Learning", TMLR 2022.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.weighting import RLW
+        >>> rlw = RLW(3, seed=0)
+        >>> w = rlw.weights
+        >>> bool((w > 0).all()), round(w.sum().item(), 12)
+        (True, 1.0)
     """
 
     name = "rlw"

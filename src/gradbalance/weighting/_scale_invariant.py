@@ -10,7 +10,14 @@ __all__ = ["ScaleInvariant", "scale_invariant_weights"]
 
 
 def scale_invariant_weights(losses: Tensor, eps: float = 1e-12) -> Tensor:
-    """``wₖ = 1 / Lₖ``: ``∇ Σₖ log Lₖ = Σₖ wₖ ∇Lₖ``. Losses clamped at ``eps``, float64."""
+    """``wₖ = 1 / Lₖ``: ``∇ Σₖ log Lₖ = Σₖ wₖ ∇Lₖ``. Losses clamped at ``eps``, float64.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.functional import scale_invariant_weights
+        >>> scale_invariant_weights(torch.tensor([2.0, 4.0]))
+        tensor([0.5000, 0.2500], dtype=torch.float64)
+    """
     return 1.0 / losses.detach().double().clamp_min(eps)
 
 
@@ -23,6 +30,12 @@ class ScaleInvariant(GLS):
 
     Reference: Navon et al., "Multi-Task Learning as a Bargaining Game", ICML 2022 (the SI
     baseline); Liu et al., "FAMO: Fast Adaptive Multitask Optimization", NeurIPS 2023.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.weighting import ScaleInvariant
+        >>> ScaleInvariant(2)(torch.tensor([2.0, 4.0]))  # Lₖ / Lₖ, gradient ∇ log Lₖ
+        tensor([1., 1.])
     """
 
     name = "si"

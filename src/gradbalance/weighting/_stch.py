@@ -20,6 +20,13 @@ def stch_weights(losses: Tensor, nadir: Tensor, mu: float, preference: Tensor,
     Objective ``g = K·μ·log Σₖ exp(λₖ fₖ / μ)`` with ``fₖ = log(Lₖ/nₖ + eps)``, so
     ``wₖ = K·softmax(λ f / μ)ₖ · λₖ / (Lₖ + eps·nₖ)``. As ``μ → 0`` the weight goes to the
     task with the largest ``λₖ fₖ`` (Tchebycheff); a large ``μ`` spreads it evenly.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.functional import stch_weights
+        >>> losses = torch.tensor([1.0, 2.0])
+        >>> stch_weights(losses, losses, mu=1.0, preference=torch.ones(2))  # at the nadir: 1/Lₖ
+        tensor([1.0000, 0.5000], dtype=torch.float64)
     """
     x = losses.detach().double()
     n = nadir.double()
@@ -49,6 +56,13 @@ class STCH(LossWeighting):
 
     Reference: Lin et al., "Smooth Tchebycheff Scalarization for Multi-Objective
     Optimization", ICML 2024.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.weighting import STCH
+        >>> stch = STCH(2, nadir=[1.0, 2.0])
+        >>> stch(torch.tensor([1.0, 2.0])), stch.weights  # at the nadir: wₖ = 1/Lₖ
+        (tensor([1., 1.]), tensor([1.0000, 0.5000], dtype=torch.float64))
     """
 
     name = "stch"

@@ -36,6 +36,13 @@ class UncertaintyWeighting(LossWeighting):
 
     Reference: Kendall, Gal & Cipolla, "Multi-Task Learning Using Uncertainty to Weigh Losses
     for Scene Geometry and Semantics", CVPR 2018.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.weighting import UncertaintyWeighting
+        >>> weighting = UncertaintyWeighting(2)  # log σ² = 0: L / (2σ²) + log σ = L / 2
+        >>> weighting(torch.tensor([1.0, 2.0])).tolist()
+        [0.5, 1.0]
     """
 
     log_vars: nn.Parameter
