@@ -53,6 +53,7 @@ class Case:
     local_state: bool = False  # the balancer keeps [K, P] state: each rank its columns
     keep: str = ""  # "forward": reshard_after_forward=False; "backward": the parameters stay
     # gathered through the K passes (set_reshard_after_backward(False), then reshard())
+    mesh: tuple[int, int] | None = None  # HSDP: (replicas, shards) over the world's ranks
 
 
 class Model(nn.Module):
@@ -94,13 +95,19 @@ def build_model(case: Case, world: int) -> Model:
         from torch.distributed.fsdp import fully_shard
 
         after_forward = case.keep != "forward"
+        on: dict[str, Any] = {}
+        if case.mesh is not None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            on["mesh"] = init_device_mesh("cpu", case.mesh, mesh_dim_names=("replicate", "shard"))
+        shard = functools.partial(fully_shard, reshard_after_forward=after_forward, **on)
         if case.wrap == "layers":
             for layer in model.trunk:
                 if isinstance(layer, nn.Linear):
-                    fully_shard(layer, reshard_after_forward=after_forward)
-        fully_shard(model.trunk, reshard_after_forward=after_forward)
+                    shard(layer)
+        shard(model.trunk)
         if case.heads_sharded:
-            fully_shard(model)
+            fully_shard(model, **on)
     return model
 
 

@@ -1,0 +1,98 @@
+"""Helpers of the HSDP tests: the FSDP2 cases (:mod:`support.fsdp`) on a 2-D
+``(replicate, shard)`` mesh, and what a sharded trunk on another mesh is refused.
+
+Every rank trains on its own quarter of each global batch; the trunk is sharded over the
+mesh's shard dimension and replicated over its replicate dimension, so that the update must
+equal the single-process full-batch one (docs/distributed.md, "HSDP").
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gradbalance import TaskGradBuffer
+from support.fsdp import Case, _error, init_group, resume_run, train
+
+MESH = (2, 2)  # (replicas, shards) over 4 ranks
+
+
+def refusals() -> dict[str, str]:
+    """A trunk of DTensors on placements the balanced step does not take, and a buffer whose
+    process group is not the mesh's: each a message (or ``"no error"``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    world = dist.get_world_size()
+    flat = init_device_mesh("cpu", (world,))
+    three = init_device_mesh("cpu", (1, *MESH), mesh_dim_names=("a", "b", "c"))
+    two = init_device_mesh("cpu", MESH, mesh_dim_names=("replicate", "shard"))
+    head = list(nn.Linear(2, 1).parameters())
+
+    def param(mesh: Any, placements: list[Any]) -> nn.Parameter:
+        return nn.Parameter(distribute_tensor(torch.ones(8, 3), mesh, placements))
+
+    out = {
+        "replicated": _error(lambda: TaskGradBuffer([param(flat, [Replicate()])], head)),
+        "tensor_parallel": _error(lambda: TaskGradBuffer([param(flat, [Shard(1)])], head)),
+        "three_dims": _error(lambda: TaskGradBuffer(
+            [param(three, [Replicate(), Replicate(), Shard(0)])], head)),
+        "two_meshes": _error(lambda: TaskGradBuffer(
+            [param(two, [Replicate(), Shard(0)]), param(flat, [Shard(0)])], head)),
+    }
+    return out
+
+
+def group_mismatch() -> dict[str, Any]:
+    """A trunk sharded over each replica's 1-D shard submesh while the buffer averages the
+    losses over the world: apply_ refuses before anything moves."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", MESH, mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    trunk, head = nn.Linear(4, 6), nn.Linear(6, 2)
+    fully_shard(trunk, mesh=mesh["shard"])
+    buf = TaskGradBuffer(list(trunk.parameters()), list(head.parameters()))
+    out = head(trunk(torch.randn(3, 4)))
+    buf.backward(out.pow(2).mean(dim=0))
+    heads_before = [h.grad.clone() for h in head.parameters()]  # type: ignore[union-attr]
+    from gradbalance.balancers import UPGrad
+
+    message = _error(lambda: buf.apply_(UPGrad()))
+    return {"message": message,
+            "trunk_untouched": all(p.grad is None for p in trunk.parameters()),
+            "heads_untouched": all(torch.equal(h.grad, b) for h, b in  # type: ignore[arg-type]
+                                   zip(head.parameters(), heads_before))}
+
+
+def run_worker(rank: int, world: int, init_file: str, out_dir: str, cases: list[Case],
+               resume: list[Case]) -> None:
+    """Every case on the 2-D mesh, every resume, the refusals: ``out_dir/rank{r}.pt``."""
+    init_group(rank, world, init_file)
+    results: dict[str, Any] = {}
+
+    def guarded(name: str, call: Callable[[], Any]) -> None:
+        try:
+            results[name] = call()
+        except Exception as error:  # reported to the test, which fails with the message
+            import traceback
+
+            results[name] = {"error": f"{type(error).__name__}: {error}\n"
+                                      f"{traceback.format_exc()}"}
+        dist.barrier()
+
+    for case in cases:
+        guarded(case.name, functools.partial(train, case, rank, world))
+    for case in resume:
+        guarded("resume_" + case.name, functools.partial(resume_run, case, rank, world, out_dir))
+    guarded("refusals", refusals)
+    guarded("group_mismatch", group_mismatch)
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
