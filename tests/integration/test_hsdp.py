@@ -39,12 +39,17 @@ CASES = [
     Case("features", MGDA, mode="features", mesh=MESH),
 ]
 RESUME = [Case("upgrad_amp", UPGrad, steps=4, amp=True, mesh=MESH)]
+# Each replica's 1-D "shard" submesh as an independent 2-rank job, the buffer on its group
+SUBMESH = [Case("submesh_upgrad", UPGrad, mesh=MESH, submesh=True),
+           Case("submesh_pcgrad_amp_overflow", PCGrad, amp=True, overflow=(1, 1), mesh=MESH,
+                submesh=True)]
 WORLD = MESH[0] * MESH[1]
 
 
 @pytest.fixture(scope="module")
 def four_ranks() -> list[dict[str, Any]]:
-    return spawn_bounded(functools.partial(run_worker, cases=CASES, resume=RESUME),
+    return spawn_bounded(functools.partial(run_worker, cases=CASES, resume=RESUME,
+                                           submesh=SUBMESH),
                          world=WORLD, limit_s=540)
 
 
@@ -69,6 +74,15 @@ def test_ranks_agree_exactly(four_ranks: list[dict[str, Any]], case: Case) -> No
                     torch.testing.assert_close(value, b[key], rtol=0, atol=0, equal_nan=True)
                 else:
                     assert value == b[key], key
+
+
+@pytest.mark.parametrize("case", SUBMESH, ids=[c.name for c in SUBMESH])
+def test_submesh_over_a_subgroup_equals_single_process(four_ranks: list[dict[str, Any]],
+                                                        case: Case) -> None:
+    """Each replica's pair of ranks trains alone on the whole batch (its sub-rank's share)."""
+    reference = train(case)
+    for rank in range(WORLD):
+        assert_close_runs(four_ranks[rank][case.name], reference)
 
 
 def test_overflow_on_one_rank_skips_everywhere(four_ranks: list[dict[str, Any]]) -> None:

@@ -54,6 +54,8 @@ class Case:
     keep: str = ""  # "forward": reshard_after_forward=False; "backward": the parameters stay
     # gathered through the K passes (set_reshard_after_backward(False), then reshard())
     mesh: tuple[int, int] | None = None  # HSDP: (replicas, shards) over the world's ranks
+    submesh: bool = False  # with mesh: the trunk on each replica's 1-D "shard" submesh, the
+    # buffer on its group (each replica an independent job; train with its rank and size)
 
 
 class Model(nn.Module):
@@ -99,7 +101,8 @@ def build_model(case: Case, world: int) -> Model:
         if case.mesh is not None:
             from torch.distributed.device_mesh import init_device_mesh
 
-            on["mesh"] = init_device_mesh("cpu", case.mesh, mesh_dim_names=("replicate", "shard"))
+            mesh = init_device_mesh("cpu", case.mesh, mesh_dim_names=("replicate", "shard"))
+            on["mesh"] = mesh["shard"] if case.submesh else mesh
         shard = functools.partial(fully_shard, reshard_after_forward=after_forward, **on)
         if case.wrap == "layers":
             for layer in model.trunk:
@@ -183,8 +186,10 @@ def train(case: Case, rank: int = 0, world: int = 1, *, save: tuple[int, str] | 
     opts = [torch.optim.SGD(trunk_params, lr=0.05, momentum=0.9),
             torch.optim.SGD(head_params, lr=0.05, momentum=0.9)]
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if case.amp else None
+    sub = case.submesh and world > 1
+    group = trunk_params[0].device_mesh.get_group() if sub else None  # type: ignore[attr-defined]
     buf = TaskGradBuffer(trunk_params, head_params, mode=case.mode,
-                         update_every=case.update_every)
+                         update_every=case.update_every, process_group=group)
     clip = case.clip() if case.clip is not None else None
     stats_log: list[dict[str, Any]] = []
     share = GLOBAL_BATCH // world

@@ -73,8 +73,9 @@ def group_mismatch() -> dict[str, Any]:
 
 
 def run_worker(rank: int, world: int, init_file: str, out_dir: str, cases: list[Case],
-               resume: list[Case]) -> None:
-    """Every case on the 2-D mesh, every resume, the refusals: ``out_dir/rank{r}.pt``."""
+               resume: list[Case], submesh: list[Case]) -> None:
+    """Every case on the 2-D mesh, every resume, every case on each replica's 1-D submesh
+    (rank ``r`` is rank ``r % S`` of its replica), the refusals: ``out_dir/rank{r}.pt``."""
     init_group(rank, world, init_file)
     results: dict[str, Any] = {}
 
@@ -92,6 +93,8 @@ def run_worker(rank: int, world: int, init_file: str, out_dir: str, cases: list[
         guarded(case.name, functools.partial(train, case, rank, world))
     for case in resume:
         guarded("resume_" + case.name, functools.partial(resume_run, case, rank, world, out_dir))
+    for case in submesh:
+        guarded(case.name, functools.partial(train, case, rank % MESH[1], MESH[1]))
     guarded("refusals", refusals)
     guarded("group_mismatch", group_mismatch)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
