@@ -136,24 +136,6 @@ class ShardedLayout:
         self.total = global_total
         self.shard = Shard(tuple(runs), global_total, _sum_over(self.group))
 
-    def check_group(self, group: Any) -> None:
-        """Raise unless the buffer's process group (resolved; None: no reduction) spans the
-        mesh's ranks: FSDP2 averages the trunk over the mesh, the buffer the losses and
-        replicated heads over ``group``, and both must be the mean over the same batch."""
-        if group is None:
-            return
-        mesh_ranks = sorted(int(r) for r in self.mesh.mesh.flatten().tolist())
-        group_ranks = sorted(dist.get_process_group_ranks(group))
-        if mesh_ranks != group_ranks:
-            raise ValueError(
-                f"process_group spans ranks {group_ranks[:8]}"
-                f"{'...' if len(group_ranks) > 8 else ''} but the trunk is sharded over a "
-                f"mesh of ranks {mesh_ranks[:8]}{'...' if len(mesh_ranks) > 8 else ''}: the "
-                f"losses and heads would be averaged over other ranks than the trunk. Pass "
-                f"TaskGradBuffer(process_group=...) the group of the trunk's mesh (for a 1-D "
-                f"mesh, mesh.get_group(); for HSDP, the world of the mesh); nothing was reduced"
-            )
-
     def slices(self) -> Iterable[tuple[Tensor, int, int]]:
         """``(param, local start, local stop)`` for every parameter."""
         for p, off, n in zip(self.params, self.offsets, self.sizes):

@@ -57,6 +57,31 @@ def resolve_process_group(process_group: Any = None) -> Any:
     return group
 
 
+def check_mesh_group(params: Sequence[Tensor], process_group: Any) -> None:
+    """Raise ``ValueError`` unless the buffer's ``process_group`` (unresolved) spans the ranks
+    of the mesh a sharded trunk's ``params`` lie on: FSDP2 averages the trunk over the mesh,
+    the buffer the losses and replicated heads over the group, and both must be the mean over
+    the same batch (docs/distributed.md, "Sharded trunks (FSDP2)"). Plain parameters pass."""
+    if not params or not is_dtensor(params[0]):
+        return
+    group = resolve_process_group(process_group)
+    mesh: Any = params[0].device_mesh  # type: ignore[attr-defined]
+    mesh_ranks = sorted(int(r) for r in mesh.mesh.flatten().tolist())
+    if group is None and len(mesh_ranks) == 1:
+        return
+    group_ranks = [0] if group is None else sorted(dist.get_process_group_ranks(group))
+    if group is not None and mesh_ranks == group_ranks:
+        return
+    found = "no group ('local', or one rank)" if group is None else f"ranks {group_ranks}"
+    raise ValueError(
+        f"process_group spans {found} but the trunk is sharded over a mesh of ranks "
+        f"{mesh_ranks}: the losses and heads would be averaged over other ranks than the "
+        f"trunk. Pass TaskGradBuffer(process_group=...) the group of the trunk's whole mesh "
+        f"(the default world group when the mesh spans the world; mesh.get_group() for a 1-D "
+        f"mesh over a subgroup)"
+    )
+
+
 def _comm_device(group: Any, device: torch.device) -> torch.device:
     """NCCL reduces CUDA tensors only; other backends take tensors where they are."""
     if dist.get_backend(group) == "nccl" and device.type != "cuda":

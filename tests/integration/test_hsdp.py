@@ -128,11 +128,15 @@ def test_other_placements_are_refused_naming_what_is_supported(
         assert "same mesh=" in found["two_meshes"]
 
 
-def test_buffer_group_other_than_the_mesh_is_refused_atomically(
-        four_ranks: list[dict[str, Any]]) -> None:
+def test_buffer_group_other_than_the_mesh_is_refused(four_ranks: list[dict[str, Any]]) -> None:
     for rank in range(WORLD):
         found = four_ranks[rank]["group_mismatch"]
         assert "error" not in found, found.get("error")
-        assert found["message"].startswith("ValueError"), found["message"]
-        assert "process_group" in found["message"] and "[0, 1, 2, 3]" in found["message"]
-        assert found["trunk_untouched"] and found["heads_untouched"]
+        pair = [0, 1] if rank < 2 else [2, 3]
+        world = found["world_over_submesh"]
+        assert world.startswith("ValueError"), world
+        assert f"ranks [0, 1, 2, 3] but the trunk is sharded over a mesh of ranks {pair}" in world
+        assert "mesh.get_group()" in world
+        local = found["local_over_mesh"]
+        assert local.startswith("ValueError") and "no group ('local'" in local, local
+        assert found["submesh_group"] == "no error"

@@ -151,7 +151,6 @@ class ShardedColumns:
     def reduce_(self, matrix: Tensor, losses: Tensor, heads: Sequence[Tensor],
                 group: Any) -> Tensor:
         """The losses and the replicated heads (FSDP2 averaged the rest)."""
-        self.layout.check_group(group)
         return all_reduce_grads_and_losses_(self.plain_heads, losses, group)
 
     def clip_(self, clip: RowClipper, matrix: Tensor, gram: Tensor) -> Tensor:
@@ -173,7 +172,6 @@ class ShardedColumns:
 
     def features_update(self, features: Tensor, grad: Tensor, group: Any) -> ShardedWriteBack:
         """One ordinary backward of ``⟨features, W·grad⟩`` (FSDP2 reduce-scatters it)."""
-        self.layout.check_group(group)
         size = 1 if group is None else dist.get_world_size(group)
         grad = (grad * size).view_as(features).to(features.dtype)
         flat = trunk_backward(self.layout, features, grad)
@@ -217,7 +215,6 @@ class ShardedColumns:
                       group: Any) -> tuple[WriteBack, Tensor]:
         """The losses and the replicated heads averaged (FSDP2 averaged the rest)."""
         assert held is not None
-        self.layout.check_group(group)
         if group is not None:
             losses = all_reduce_grads_and_losses_(self.plain_heads, losses, group)
         return ShardedWriteBack(self.layout, held, None), losses
