@@ -197,16 +197,18 @@ def _table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
         f"Bytes: the payload per rank and step (all-gather output, reduce-scatter input, "
         f"all-reduce tensor), in MiB.",
         "",
-        "| K | setting | plain step (ms) | balanced (ms) | ratio | plain gather / scatter MiB "
+        "| K | setting | plain step (ms) | balanced (ms) | ratio | plain gather / scatter"
+        f"{'' if args.mesh is None else ' / all-reduce'} MiB "
         "| balanced gather / scatter / all-reduce MiB | balanced collectives |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         pb, bb, bc = r["plain_bytes"], r["balanced_bytes"], r["balanced_calls"]
+        reduced = "" if args.mesh is None else f" / {pb['reduce'] * mb:.4f}"
         lines.append(
             f"| {r['k']} | {r['setting']} | {r['plain_s'] * 1e3:.1f} | "
             f"{r['balanced_s'] * 1e3:.1f} | {r['balanced_s'] / r['plain_s']:.2f} | "
-            f"{pb['gather'] * mb:.2f} / {pb['scatter'] * mb:.2f} | "
+            f"{pb['gather'] * mb:.2f} / {pb['scatter'] * mb:.2f}{reduced} | "
             f"{bb['gather'] * mb:.2f} / {bb['scatter'] * mb:.2f} / {bb['reduce'] * mb:.4f} | "
             f"{bc['gather']} AG, {bc['scatter']} RS, {bc['reduce']} AR |")
     return "\n".join(lines) + "\n"

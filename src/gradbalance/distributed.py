@@ -57,6 +57,10 @@ def resolve_process_group(process_group: Any = None) -> Any:
     return group
 
 
+def _listed(ranks: list[int]) -> str:
+    return str(ranks) if len(ranks) <= 8 else f"[{', '.join(map(str, ranks[:8]))}, ...]"
+
+
 def check_mesh_group(params: Sequence[Tensor], process_group: Any) -> None:
     """Raise ``ValueError`` unless the buffer's ``process_group`` (unresolved) spans the ranks
     of the mesh a sharded trunk's ``params`` lie on: FSDP2 averages the trunk over the mesh,
@@ -69,13 +73,14 @@ def check_mesh_group(params: Sequence[Tensor], process_group: Any) -> None:
     mesh_ranks = sorted(int(r) for r in mesh.mesh.flatten().tolist())
     if group is None and len(mesh_ranks) == 1:
         return
-    group_ranks = [0] if group is None else sorted(dist.get_process_group_ranks(group))
-    if group is not None and mesh_ranks == group_ranks:
+    group_ranks = [] if group is None else sorted(dist.get_process_group_ranks(group))
+    if mesh_ranks == group_ranks:
         return
-    found = "no group ('local', or one rank)" if group is None else f"ranks {group_ranks}"
+    found = ("process_group='local' (or a one-rank group) reduces over no ranks" if group is None
+             else f"process_group spans ranks {_listed(group_ranks)}")
     raise ValueError(
-        f"process_group spans {found} but the trunk is sharded over a mesh of ranks "
-        f"{mesh_ranks}: the losses and heads would be averaged over other ranks than the "
+        f"{found} but the trunk is sharded over a mesh of ranks "
+        f"{_listed(mesh_ranks)}: the losses and heads would be averaged over other ranks than the "
         f"trunk. Pass TaskGradBuffer(process_group=...) the group of the trunk's whole mesh "
         f"(the default world group when the mesh spans the world; mesh.get_group() for a 1-D "
         f"mesh over a subgroup)"

@@ -418,13 +418,13 @@ def failures(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-def run_all_worker(rank: int, world: int, init_file: str, out_dir: str, cases: list[Case],
-                   resume: list[Case], with_failures: bool, naive: Case | None = None) -> None:
-    """Every case (sharded), every resume, the failures: ``out_dir/rank{r}.pt``."""
+def run_jobs(rank: int, world: int, init_file: str, out_dir: str,
+             jobs: list[tuple[str, Callable[[], Any]]]) -> None:
+    """Each ``(name, call)`` in turn inside the process group, its result (or the exception
+    text, reported to the test) under ``name``: ``out_dir/rank{r}.pt``."""
     init_group(rank, world, init_file)
     results: dict[str, Any] = {}
-
-    def guarded(name: str, call: Callable[[], Any]) -> None:
+    for name, call in jobs:
         try:
             results[name] = call()
         except Exception as error:  # reported to the test, which fails with the message
@@ -433,14 +433,31 @@ def run_all_worker(rank: int, world: int, init_file: str, out_dir: str, cases: l
             results[name] = {"error": f"{type(error).__name__}: {error}\n"
                                       f"{traceback.format_exc()}"}
         dist.barrier()
-
-    for case in cases:
-        guarded(case.name, functools.partial(train, case, rank, world))
-    for case in resume:
-        guarded("resume_" + case.name, functools.partial(resume_run, case, rank, world, out_dir))
-    if naive is not None:
-        guarded("naive", functools.partial(naive_run, naive, rank, world))
-    if with_failures:
-        guarded("failures", lambda: failures(rank, world))
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
+
+
+def run_all_worker(rank: int, world: int, init_file: str, out_dir: str, cases: list[Case],
+                   resume: list[Case], with_failures: bool, naive: Case | None = None) -> None:
+    """Every case (sharded), every resume, the failures: ``out_dir/rank{r}.pt``."""
+    jobs: list[tuple[str, Callable[[], Any]]] = [
+        (case.name, functools.partial(train, case, rank, world)) for case in cases]
+    jobs += [("resume_" + case.name, functools.partial(resume_run, case, rank, world, out_dir))
+             for case in resume]
+    if naive is not None:
+        jobs.append(("naive", functools.partial(naive_run, naive, rank, world)))
+    if with_failures:
+        jobs.append(("failures", lambda: failures(rank, world)))
+    run_jobs(rank, world, init_file, out_dir, jobs)
+
+
+def assert_resumed_bit_identical(run: dict[str, Any]) -> None:
+    """A :func:`resume_run` result: the resumed run ends as the uninterrupted one, bit for bit."""
+    assert "error" not in run, run.get("error")
+    whole, resumed = run["whole"], run["resumed"]
+    for a, b in zip(whole["params"], resumed["params"]):
+        assert torch.equal(a, b)
+    assert repr(whole["balancer"]) == repr(resumed["balancer"])
+    assert whole["scale"] == resumed["scale"]
+    for a, b in zip(whole["stats"][2:], resumed["stats"]):
+        assert torch.equal(a["losses"], b["losses"])

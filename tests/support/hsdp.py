@@ -9,7 +9,6 @@ equal the single-process full-batch one (docs/distributed.md, "HSDP").
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradbalance import TaskGradBuffer
-from support.fsdp import Case, _error, init_group, resume_run, train
+from support.fsdp import Case, _error, resume_run, run_jobs, train
 
 MESH = (2, 2)  # (replicas, shards) over 4 ranks
 
@@ -72,26 +71,11 @@ def run_worker(rank: int, world: int, init_file: str, out_dir: str, cases: list[
                resume: list[Case], submesh: list[Case]) -> None:
     """Every case on the 2-D mesh, every resume, every case on each replica's 1-D submesh
     (rank ``r`` is rank ``r % S`` of its replica), the refusals: ``out_dir/rank{r}.pt``."""
-    init_group(rank, world, init_file)
-    results: dict[str, Any] = {}
-
-    def guarded(name: str, call: Callable[[], Any]) -> None:
-        try:
-            results[name] = call()
-        except Exception as error:  # reported to the test, which fails with the message
-            import traceback
-
-            results[name] = {"error": f"{type(error).__name__}: {error}\n"
-                                      f"{traceback.format_exc()}"}
-        dist.barrier()
-
-    for case in cases:
-        guarded(case.name, functools.partial(train, case, rank, world))
-    for case in resume:
-        guarded("resume_" + case.name, functools.partial(resume_run, case, rank, world, out_dir))
-    for case in submesh:
-        guarded(case.name, functools.partial(train, case, rank % MESH[1], MESH[1]))
-    guarded("refusals", refusals)
-    guarded("group_mismatch", group_mismatch)
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    jobs: list[tuple[str, Callable[[], Any]]] = [
+        (case.name, functools.partial(train, case, rank, world)) for case in cases]
+    jobs += [("resume_" + case.name, functools.partial(resume_run, case, rank, world, out_dir))
+             for case in resume]
+    jobs += [(case.name, functools.partial(train, case, rank % MESH[1], MESH[1]))
+             for case in submesh]
+    jobs += [("refusals", refusals), ("group_mismatch", group_mismatch)]
+    run_jobs(rank, world, init_file, out_dir, jobs)
