@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from gradbalance.balancers import MGDA, GradVac, NashMTL, PCGrad, Sum, UPGrad
-from gradbalance.clip import TaskAutoClip, TaskClip
+from gradbalance.clip import TaskAutoClip, TaskClip, TaskValueClip
 from support.ddp import spawn_bounded
 from support.fsdp import Case, assert_close_runs, assert_resumed_bit_identical, gradnorm, train
 from support.hsdp import MESH, run_worker
@@ -36,7 +36,11 @@ CASES = [
     Case("two_micro_batches", MGDA, micro=2, mesh=MESH),
     Case("task_clip", UPGrad, clip=functools.partial(TaskClip, 0.5), mesh=MESH),
     Case("task_auto_clip", PCGrad, clip=functools.partial(TaskAutoClip, 50.0), mesh=MESH),
+    Case("task_value_clip", UPGrad, clip=functools.partial(TaskValueClip, 0.05), mesh=MESH),
     Case("features", MGDA, mode="features", mesh=MESH),
+    Case("update_every_sharded_heads", MGDA, update_every=2, steps=4, heads_sharded=True,
+         micro=2, mesh=MESH),
+    Case("gathered_once_per_step", UPGrad, keep="backward", micro=2, mesh=MESH),
 ]
 RESUME = [Case("upgrad_amp", UPGrad, steps=4, amp=True, mesh=MESH)]
 # Each replica's 1-D "shard" submesh as an independent 2-rank job, the buffer on its group
