@@ -15,8 +15,13 @@ backward), ``keep-forward`` (``reshard_after_forward=False``), ``keep-backward``
 parameters are gathered once more for the first pass, held unsharded through the others),
 ``keep-both`` (both: gathered once per step, by the forward).
 
+With ``--mesh RxS`` the trunk is under HSDP instead: ``R·S`` ranks, ``fully_shard`` over a 2-D
+``(replicate, shard)`` mesh of ``R`` replicas of ``S`` shards; the all-reduce column then
+holds FSDP2's all-reduce of the gradient shards over the replicate dimension.
+
     python benchmarks/fsdp_cost.py --quick        # smoke run, ~20 s
     python benchmarks/fsdp_cost.py                # K = 2, 4, 8; writes results/fsdp_cost_cpu.md
+    python benchmarks/fsdp_cost.py --mesh 2x2     # HSDP on 4 ranks; results/fsdp_cost_cpu-hsdp.md
 """
 
 from __future__ import annotations
@@ -92,10 +97,15 @@ def _model(args: argparse.Namespace, k: int, setting: str) -> nn.Module:
     model.trunk = nn.Sequential(*layers)
     model.heads = nn.ModuleList([nn.Linear(size, 1) for _ in range(k)])
     keep = setting in ("keep-forward", "keep-both")
+    on: dict[str, Any] = {}
+    if args.mesh is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        on["mesh"] = init_device_mesh("cpu", args.mesh, mesh_dim_names=("replicate", "shard"))
     for layer in model.trunk:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer, reshard_after_forward=not keep)
-    fully_shard(model.trunk, reshard_after_forward=not keep)
+            fully_shard(layer, reshard_after_forward=not keep, **on)
+    fully_shard(model.trunk, reshard_after_forward=not keep, **on)
     return model
 
 
@@ -175,26 +185,30 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str,
 
 def _table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     mb = 1 / 2**20
+    how = "fully_shard" if args.mesh is None else \
+        f"fully_shard over a {args.mesh[0]}x{args.mesh[1]} (replicate, shard) mesh: HSDP"
     lines = [
-        f"# FSDP2 balanced step: cost on CPU/gloo, 2 ranks (torch {torch.__version__})",
+        f"# FSDP2 balanced step: cost on CPU/gloo, {args.world} ranks (torch {torch.__version__})",
         "",
         f"Trunk: MLP {args.depth}x{args.width} on input {args.inputs} "
-        f"({rows[0]['params']:,} parameters, each Linear and the root under fully_shard), "
+        f"({rows[0]['params']:,} parameters, each Linear and the root under {how}), "
         f"global batch {args.batch}, K linear heads (replicated), UPGrad; median of "
         f"{args.steps} steps on rank 0 after {args.warmup} warm-up, one torch thread per rank. "
         f"Bytes: the payload per rank and step (all-gather output, reduce-scatter input, "
         f"all-reduce tensor), in MiB.",
         "",
-        "| K | setting | plain step (ms) | balanced (ms) | ratio | plain gather / scatter MiB "
+        "| K | setting | plain step (ms) | balanced (ms) | ratio | plain gather / scatter"
+        f"{'' if args.mesh is None else ' / all-reduce'} MiB "
         "| balanced gather / scatter / all-reduce MiB | balanced collectives |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         pb, bb, bc = r["plain_bytes"], r["balanced_bytes"], r["balanced_calls"]
+        reduced = "" if args.mesh is None else f" / {pb['reduce'] * mb:.4f}"
         lines.append(
             f"| {r['k']} | {r['setting']} | {r['plain_s'] * 1e3:.1f} | "
             f"{r['balanced_s'] * 1e3:.1f} | {r['balanced_s'] / r['plain_s']:.2f} | "
-            f"{pb['gather'] * mb:.2f} / {pb['scatter'] * mb:.2f} | "
+            f"{pb['gather'] * mb:.2f} / {pb['scatter'] * mb:.2f}{reduced} | "
             f"{bb['gather'] * mb:.2f} / {bb['scatter'] * mb:.2f} / {bb['reduce'] * mb:.4f} | "
             f"{bc['gather']} AG, {bc['scatter']} RS, {bc['reduce']} AR |")
     return "\n".join(lines) + "\n"
@@ -212,14 +226,20 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny trunk, K = 2, 2 steps")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     parser.add_argument("--limit", type=float, default=600.0, help="seconds before giving up")
+    parser.add_argument("--mesh", default="", help="RxS: HSDP over R replicas of S shards")
     args = parser.parse_args()
     args.ks = [int(v) for v in args.ks.split(",") if v]
+    args.mesh = tuple(int(v) for v in args.mesh.split("x")) if args.mesh else None
+    if args.mesh is not None and (len(args.mesh) != 2 or min(args.mesh) < 1):
+        parser.error(f"--mesh takes RxS (e.g. 2x2), got {'x'.join(map(str, args.mesh))}")
+    args.world = 2 if args.mesh is None else args.mesh[0] * args.mesh[1]
     if args.quick:
         args.ks, args.width, args.inputs, args.steps, args.warmup = [2], 32, 16, 2, 1
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_worker, args=(r, 2, os.path.join(tmp, "init"), tmp, args))
-                 for r in range(2)]
+        procs = [ctx.Process(target=_worker,
+                             args=(r, args.world, os.path.join(tmp, "init"), tmp, args))
+                 for r in range(args.world)]
         for p in procs:
             p.start()
         deadline = time.monotonic() + args.limit
@@ -233,7 +253,8 @@ def main() -> None:
     text = _table(rows, args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"fsdp_cost_cpu{'-quick' if args.quick else ''}.md").write_text(text)
+    suffix = ("" if args.mesh is None else "-hsdp") + ("-quick" if args.quick else "")
+    (out / f"fsdp_cost_cpu{suffix}.md").write_text(text)
     print(text)
 
 

@@ -59,31 +59,59 @@ def _sum_over(group: Any) -> Any:
     return reduce
 
 
+#: The placements the balanced step takes, by mesh dimensions: FSDP2's ``fully_shard`` on a
+#: 1-D mesh, and HSDP on a 2-D ``(replicate, shard)`` mesh.
+SUPPORTED = "Shard(0) on a 1-D mesh (fully_shard) or (Replicate(), Shard(0)) on a 2-D mesh (HSDP)"
+
+
+def _placements_ok(mesh: Any, placements: tuple[Any, ...]) -> bool:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Shard as ShardPlacement
+
+    if mesh.ndim == 1:
+        return placements == (ShardPlacement(0),)
+    return mesh.ndim == 2 and placements == (Replicate(), ShardPlacement(0))
+
+
+def _check_placements(params: Sequence[Tensor], mesh: Any) -> None:
+    """Every parameter on ``mesh`` with FSDP2's placements (:data:`SUPPORTED`), else a
+    ``ValueError`` naming the first that is not."""
+    for i, p in enumerate(params):
+        found: Any = p.device_mesh  # type: ignore[attr-defined]
+        placements = tuple(p.placements)  # type: ignore[attr-defined]
+        if found != mesh:
+            raise ValueError(
+                f"shared_params[{i}] (shape {tuple(p.shape)}) lies on another device mesh "
+                f"({found}) than shared_params[0] ({mesh}); shard the whole trunk over one "
+                f"mesh (pass the same mesh= to every fully_shard call)"
+            )
+        if not _placements_ok(found, placements):
+            raise ValueError(
+                f"shared_params[{i}] (shape {tuple(p.shape)}) is a DTensor with placements "
+                f"{placements} on a {found.ndim}-D mesh; the balanced step supports "
+                f"{SUPPORTED}, as fully_shard(module, mesh=...) makes them. For tensor "
+                f"parallelism or a mesh of more than 2 dims use fully_shard over a 1-D or "
+                f"(replicate, shard) 2-D mesh for the trunk instead"
+            )
+
+
 class ShardedLayout:
     """The local ``[K, P_local]`` columns of a trunk of ``DTensor`` parameters sharded on dim 0
-    over one 1-D mesh: ``local_shapes[i]``, ``offsets[i]``, ``sizes[i]`` place this rank's part
-    of ``params[i]`` in the local flat axis; :attr:`shard`: the columns and the sum over ranks.
+    over one mesh, 1-D (``fully_shard``) or 2-D (HSDP: replicated over dim 0, sharded over
+    dim 1): ``local_shapes[i]``, ``offsets[i]``, ``sizes[i]`` place this rank's part of
+    ``params[i]`` in the local flat axis; :attr:`shard`: the columns and the sum over the
+    shard dimension's ranks (the replicas hold the same columns, already averaged by FSDP2).
     """
 
     def __init__(self, params: Iterable[Tensor]) -> None:
-        from torch.distributed.tensor import Shard as ShardPlacement
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         self.params = list(params)
         first: Any = self.params[0]
         self.mesh = first.device_mesh
-        for i, p in enumerate(self.params):
-            mesh: Any = p.device_mesh  # type: ignore[attr-defined]
-            placements = tuple(p.placements)  # type: ignore[attr-defined]
-            if mesh != self.mesh or mesh.ndim != 1 or placements != (ShardPlacement(0),):
-                raise ValueError(
-                    f"shared_params[{i}] (shape {tuple(p.shape)}) is a DTensor with placements "
-                    f"{placements} on a {mesh.ndim}-D mesh; the balanced step supports "
-                    f"parameters sharded on dim 0 over one 1-D mesh (fully_shard(module) with "
-                    f"its default mesh). For HSDP (a 2-D mesh) or tensor parallelism use "
-                    f"data parallelism for the trunk instead"
-                )
-        self.group = self.mesh.get_group()
+        _check_placements(self.params, self.mesh)
+        #: The ranks among which the columns are split (the mesh's last dimension).
+        self.group = self.mesh.get_group(self.mesh.ndim - 1)
         self.dtype = first.dtype
         self.device = local_of(first).device
         self.local_shapes: list[tuple[int, ...]] = []

@@ -57,6 +57,36 @@ def resolve_process_group(process_group: Any = None) -> Any:
     return group
 
 
+def _listed(ranks: list[int]) -> str:
+    return str(ranks) if len(ranks) <= 8 else f"[{', '.join(map(str, ranks[:8]))}, ...]"
+
+
+def check_mesh_group(params: Sequence[Tensor], process_group: Any) -> None:
+    """Raise ``ValueError`` unless the buffer's ``process_group`` (unresolved) spans the ranks
+    of the mesh a sharded trunk's ``params`` lie on: FSDP2 averages the trunk over the mesh,
+    the buffer the losses and replicated heads over the group, and both must be the mean over
+    the same batch (docs/distributed.md, "Sharded trunks (FSDP2)"). Plain parameters pass."""
+    if not params or not is_dtensor(params[0]):
+        return
+    group = resolve_process_group(process_group)
+    mesh: Any = params[0].device_mesh  # type: ignore[attr-defined]
+    mesh_ranks = sorted(int(r) for r in mesh.mesh.flatten().tolist())
+    if group is None and len(mesh_ranks) == 1:
+        return
+    group_ranks = [] if group is None else sorted(dist.get_process_group_ranks(group))
+    if mesh_ranks == group_ranks:
+        return
+    found = ("process_group='local' (or a one-rank group) reduces over no ranks" if group is None
+             else f"process_group spans ranks {_listed(group_ranks)}")
+    raise ValueError(
+        f"{found} but the trunk is sharded over a mesh of ranks "
+        f"{_listed(mesh_ranks)}: the losses and heads would be averaged over other ranks than the "
+        f"trunk. Pass TaskGradBuffer(process_group=...) the group of the trunk's whole mesh "
+        f"(the default world group when the mesh spans the world; mesh.get_group() for a 1-D "
+        f"mesh over a subgroup)"
+    )
+
+
 def _comm_device(group: Any, device: torch.device) -> torch.device:
     """NCCL reduces CUDA tensors only; other backends take tensors where they are."""
     if dist.get_backend(group) == "nccl" and device.type != "cuda":

@@ -50,7 +50,7 @@ from .balancers._base import Balancer
 from .balancers._checks import check_balancer
 from .clip._checks import check_row_clipper
 from .clip._protocol import RowClipper
-from .distributed import check_step_agreement, resolve_process_group
+from .distributed import check_mesh_group, check_step_agreement, resolve_process_group
 from .modes import ENGINES, Engine, Mode, StepInput, make_engine
 from .modes._amortize import ReusedStep, WeightCache
 from .modes._engine import check_saved_passes
@@ -169,6 +169,7 @@ class TaskGradBuffer:
         self.update_every = update_every
         self._cache = WeightCache(update_every)
         self.sharded = is_sharded(shared)  # a trunk under FSDP2's fully_shard
+        check_mesh_group(shared, process_group)  # FSDP2's mesh = the buffer's group
         self._engine: Engine = make_engine(mode, self.layout, heads, passes, modules)
         self._coverage = Coverage(shared, heads, check_other_params(other_params), modules)
         self._losses: Tensor | None = None

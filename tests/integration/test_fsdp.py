@@ -19,6 +19,7 @@ from support.ddp import spawn_bounded
 from support.fsdp import (
     Case,
     assert_close_runs,
+    assert_resumed_bit_identical,
     dbmtl,
     graddrop,
     gradnorm,
@@ -128,15 +129,7 @@ def test_naive_per_rank_balancing_differs(two_ranks: list[dict[str, Any]]) -> No
 def test_resume_from_distributed_checkpoint_is_bit_identical(
         two_ranks: list[dict[str, Any]], case: Case) -> None:
     for rank in range(2):
-        run = two_ranks[rank]["resume_" + case.name]
-        assert "error" not in run, run.get("error")
-        whole, resumed = run["whole"], run["resumed"]
-        for a, b in zip(whole["params"], resumed["params"]):
-            assert torch.equal(a, b)
-        assert repr(whole["balancer"]) == repr(resumed["balancer"])
-        assert whole["scale"] == resumed["scale"]
-        for a, b in zip(whole["stats"][2:], resumed["stats"]):
-            assert torch.equal(a["losses"], b["losses"])
+        assert_resumed_bit_identical(two_ranks[rank]["resume_" + case.name])
 
 
 def test_refusals_name_the_alternative_and_move_nothing(

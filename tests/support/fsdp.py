@@ -53,6 +53,9 @@ class Case:
     local_state: bool = False  # the balancer keeps [K, P] state: each rank its columns
     keep: str = ""  # "forward": reshard_after_forward=False; "backward": the parameters stay
     # gathered through the K passes (set_reshard_after_backward(False), then reshard())
+    mesh: tuple[int, int] | None = None  # HSDP: (replicas, shards) over the world's ranks
+    submesh: bool = False  # with mesh: the trunk on each replica's 1-D "shard" submesh, the
+    # buffer on its group (each replica an independent job; train with its rank and size)
 
 
 class Model(nn.Module):
@@ -94,13 +97,20 @@ def build_model(case: Case, world: int) -> Model:
         from torch.distributed.fsdp import fully_shard
 
         after_forward = case.keep != "forward"
+        on: dict[str, Any] = {}
+        if case.mesh is not None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", case.mesh, mesh_dim_names=("replicate", "shard"))
+            on["mesh"] = mesh["shard"] if case.submesh else mesh
+        shard = functools.partial(fully_shard, reshard_after_forward=after_forward, **on)
         if case.wrap == "layers":
             for layer in model.trunk:
                 if isinstance(layer, nn.Linear):
-                    fully_shard(layer, reshard_after_forward=after_forward)
-        fully_shard(model.trunk, reshard_after_forward=after_forward)
+                    shard(layer)
+        shard(model.trunk)
         if case.heads_sharded:
-            fully_shard(model)
+            fully_shard(model, **on)
     return model
 
 
@@ -176,8 +186,10 @@ def train(case: Case, rank: int = 0, world: int = 1, *, save: tuple[int, str] | 
     opts = [torch.optim.SGD(trunk_params, lr=0.05, momentum=0.9),
             torch.optim.SGD(head_params, lr=0.05, momentum=0.9)]
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if case.amp else None
+    sub = case.submesh and world > 1
+    group = trunk_params[0].device_mesh.get_group() if sub else None  # type: ignore[attr-defined]
     buf = TaskGradBuffer(trunk_params, head_params, mode=case.mode,
-                         update_every=case.update_every)
+                         update_every=case.update_every, process_group=group)
     clip = case.clip() if case.clip is not None else None
     stats_log: list[dict[str, Any]] = []
     share = GLOBAL_BATCH // world
@@ -406,13 +418,13 @@ def failures(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-def run_all_worker(rank: int, world: int, init_file: str, out_dir: str, cases: list[Case],
-                   resume: list[Case], with_failures: bool, naive: Case | None = None) -> None:
-    """Every case (sharded), every resume, the failures: ``out_dir/rank{r}.pt``."""
+def run_jobs(rank: int, world: int, init_file: str, out_dir: str,
+             jobs: list[tuple[str, Callable[[], Any]]]) -> None:
+    """Each ``(name, call)`` in turn inside the process group, its result (or the exception
+    text, reported to the test) under ``name``: ``out_dir/rank{r}.pt``."""
     init_group(rank, world, init_file)
     results: dict[str, Any] = {}
-
-    def guarded(name: str, call: Callable[[], Any]) -> None:
+    for name, call in jobs:
         try:
             results[name] = call()
         except Exception as error:  # reported to the test, which fails with the message
@@ -421,14 +433,31 @@ def run_all_worker(rank: int, world: int, init_file: str, out_dir: str, cases: l
             results[name] = {"error": f"{type(error).__name__}: {error}\n"
                                       f"{traceback.format_exc()}"}
         dist.barrier()
-
-    for case in cases:
-        guarded(case.name, functools.partial(train, case, rank, world))
-    for case in resume:
-        guarded("resume_" + case.name, functools.partial(resume_run, case, rank, world, out_dir))
-    if naive is not None:
-        guarded("naive", functools.partial(naive_run, naive, rank, world))
-    if with_failures:
-        guarded("failures", lambda: failures(rank, world))
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
+
+
+def run_all_worker(rank: int, world: int, init_file: str, out_dir: str, cases: list[Case],
+                   resume: list[Case], with_failures: bool, naive: Case | None = None) -> None:
+    """Every case (sharded), every resume, the failures: ``out_dir/rank{r}.pt``."""
+    jobs: list[tuple[str, Callable[[], Any]]] = [
+        (case.name, functools.partial(train, case, rank, world)) for case in cases]
+    jobs += [("resume_" + case.name, functools.partial(resume_run, case, rank, world, out_dir))
+             for case in resume]
+    if naive is not None:
+        jobs.append(("naive", functools.partial(naive_run, naive, rank, world)))
+    if with_failures:
+        jobs.append(("failures", lambda: failures(rank, world)))
+    run_jobs(rank, world, init_file, out_dir, jobs)
+
+
+def assert_resumed_bit_identical(run: dict[str, Any]) -> None:
+    """A :func:`resume_run` result: the resumed run ends as the uninterrupted one, bit for bit."""
+    assert "error" not in run, run.get("error")
+    whole, resumed = run["whole"], run["resumed"]
+    for a, b in zip(whole["params"], resumed["params"]):
+        assert torch.equal(a, b)
+    assert repr(whole["balancer"]) == repr(resumed["balancer"])
+    assert whole["scale"] == resumed["scale"]
+    for a, b in zip(whole["stats"][2:], resumed["stats"]):
+        assert torch.equal(a["losses"], b["losses"])

@@ -172,8 +172,12 @@ class BalancedTrainer(Trainer):
         if getattr(self, "is_deepspeed_enabled", False) or getattr(self, "is_fsdp_enabled",
                                                                     False):
             raise ValueError(
-                "BalancedTrainer does not run under DeepSpeed or FSDP (they shard or own the "
-                "gradients); use DDP (several processes: torchrun / accelerate launch)"
+                "BalancedTrainer does not run under DeepSpeed or the Trainer's FSDP: DeepSpeed's "
+                "ZeRO owns the gradient partitions (it reduces and partitions each backward's "
+                "gradient itself, so the K task gradients never reach the buffer). Use DDP "
+                "(torchrun / accelerate launch), or, for a model that does not fit one device, "
+                "FSDP2 in your own loop: fully_shard the trunk and call TaskGradBuffer's "
+                "backward and apply_ (docs/distributed.md, 'Sharded trunks (FSDP2)')"
             )
         if self.args.n_gpu > 1:
             raise ValueError(

@@ -5,7 +5,8 @@ FSDP2's ``DTensor`` parameters never enter the autograd graph, so each task's pa
 ordinary ``backward`` that FSDP2 reduce-scatters, run by
 :func:`~gradbalance.taskgrads.run_passes` into a :class:`ShardedSink` (the trunk's ``.grad``
 set aside meanwhile). Once per step the losses and replicated heads are averaged, the
-Gramian is the sum of the ranks' partial ones, ``Balancer.combine`` with the layout's
+Gramian is the sum of the partial ones over the ranks that split the columns (the mesh's
+shard dimension under HSDP), ``Balancer.combine`` with the layout's
 ``Shard`` gives this rank's columns, and :class:`ShardedWriteBack` writes them last
 (docs/distributed.md, "Sharded trunks (FSDP2)").
 """
