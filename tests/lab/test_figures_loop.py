@@ -157,6 +157,27 @@ def test_weight_decay_adam_vs_adamw_per_wd() -> None:
     assert max(adam) - min(adam) < 1e-3 * 1e-3  # Adam: the same whatever wd
 
 
+def _noisy_adam(wd: float, n: int = 256, steps: int = 200, lr: float = 1e-3) -> float:
+    """Adam written out here (Kingma & Ba 2015, PyTorch's defaults, L2 decay added to the
+    gradient) on n weights from 1 whose gradient is ξ (same draws as the figure)."""
+    gen = torch.Generator().manual_seed(0)
+    w = np.ones(n)
+    m, v = np.zeros(n), np.zeros(n)
+    for t in range(1, steps + 1):
+        g = torch.randn(n, generator=gen, dtype=torch.float64).numpy() + wd * w
+        m = 0.9 * m + 0.1 * g
+        v = 0.999 * v + 0.001 * g * g
+        w = w - lr * (m / (1 - 0.9**t)) / (np.sqrt(v / (1 - 0.999**t)) + 1e-8)
+    return float(1 - w.mean()) / steps
+
+
+def test_weight_decay_adam_with_noisy_task_gradient() -> None:
+    r = quick("weight_decay")
+    control = _noisy_adam(0.0)
+    for wd in (0.01, 0.1, 1.0):
+        assert r["noisy_adam"][wd] == pytest.approx(_noisy_adam(wd) - control, rel=1e-6)
+
+
 def test_adam_tilt_sgd_path_starts_at_the_start() -> None:
     r = quick("adam_tilt")
     assert (r["sgd"]["x"][0], r["sgd"]["y"][0]) == (5.0, 5.0)

@@ -130,6 +130,8 @@ def run_one(name: str, quick: bool, out: Path | None, draw: bool = True) -> dict
 
 
 def _verdict(claim: Claim) -> str:
+    if claim.met is None and claim.reason:
+        return f"not measurable: {claim.reason}"
     return {True: "met", False: "NOT met", None: "shown"}[claim.met]
 
 
@@ -160,9 +162,10 @@ def write_report(entries: list[dict[str, Any]], path: Path, quick: bool,
               f"{'s' if threads > 1 else ''}.", ""]
     met = sum(c.met is True for e in entries for c in e["claims"])
     unmet = sum(c.met is False for e in entries for c in e["claims"])
+    loose = sum(c.met is None and bool(c.reason) for e in entries for c in e["claims"])
     missing = [e["name"] for e in entries if e["missing"]]
-    lines += [f"Claims met: {met}; not met: {unmet}; figures waiting on a library piece: "
-              f"{', '.join(missing) or 'none'}.", ""]
+    lines += [f"Claims met: {met}; not met: {unmet}; not measurable: {loose}; figures waiting "
+              f"on a library piece: {', '.join(missing) or 'none'}.", ""]
     for e in entries:
         lines += [f"## {e['title']} (`{e['name']}`, {e['seconds']:.1f} s)", ""]
         if e["missing"]:
