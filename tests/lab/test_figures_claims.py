@@ -144,12 +144,15 @@ def test_mixed_precision_sizes_directions_skips() -> None:
 def test_microbatch_orders_about_7_and_19_degrees() -> None:
     r = quick("microbatch")
     # The text's numbers, as it rounds them (7° is 6.5–7.5°), against the range of the five
-    # seed medians of the reading that reproduces each.
+    # seed medians of the one reading fixed for the section: PCGrad's 7° is reproduced,
+    # MGDA's 19° is not (about 22°); only a sensitivity reading gives 19°.
     pcgrad = r["medians"]["micro-batch/same"]["pcgrad"]
-    mgda = r["medians"]["averaged/per task"]["mgda"]
+    mgda = r["medians"]["micro-batch/same"]["mgda"]
     assert len(pcgrad) == len(mgda) == 5
     assert min(pcgrad) <= 7.5 and max(pcgrad) >= 6.5
-    assert min(mgda) <= 19.5 and max(mgda) >= 18.5
+    assert min(mgda) > 19.5
+    other = r["medians"]["averaged/per task"]["mgda"]
+    assert min(other) <= 19.5 and max(other) >= 18.5
     assert r["control_max"] < 1e-4  # a linear balancer: both orders agree
     assert r["library_gap"] < 1e-12  # the batched orders are the library's
     assert r["full_batch"]["matrix_gap"] < 1e-12  # averaging first = the full batch's G
@@ -165,7 +168,8 @@ def test_logging_tags_and_skip_flag() -> None:
 
 
 #: claims of the texts the measurement does not reproduce (figure -> words of the claim).
-FINDINGS = {"mgda_noise": ["size of the batch-to-batch noise"]}
+FINDINGS = {"mgda_noise": ["size of the batch-to-batch noise"],
+            "microbatch": ["19° apart for MGDA"]}
 
 
 @pytest.mark.parametrize("name", list(FIGURES))
