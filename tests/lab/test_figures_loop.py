@@ -16,7 +16,7 @@ from gradbalance_lab.figures import load
 
 LOOP = ["task_grads", "loss_scale", "momentum", "adam_turn", "adam_tilt", "pcgrad_momentum",
         "mgda_noise", "gradnorm", "weight_decay", "adam_absorb", "mixed_precision", "amp_cpu",
-        "microbatch", "logging"]
+        "microbatch", "logging", "fp16_underflow"]
 NEW = ["task_grads", "adam_absorb", "amp_cpu"]
 
 
@@ -183,3 +183,13 @@ def test_adam_tilt_sgd_path_starts_at_the_start() -> None:
     assert (r["sgd"]["x"][0], r["sgd"]["y"][0]) == (5.0, 5.0)
     assert (r["adam"]["x"][0], r["adam"]["y"][0]) == (5.0, 5.0)
     assert math.isclose(r["sgd"]["tilt"], 0.0, abs_tol=1e-3)
+
+
+def test_fp16_underflow_against_float64() -> None:
+    r = quick("fp16_underflow")
+    assert r["scale"] == 2.0**16  # GradScaler's default initial scale
+    entries = np.array(r["entries"])
+    # round to nearest: entries below half of float16's smallest subnormal 2⁻²⁴ become 0
+    below = float(np.mean(entries < 2.0**-25))
+    assert r["unscaled"]["zero_share"][1] >= below - 0.1
+    assert r["scaled"]["zero_share"][1] == 0.0 and r["scaled"]["error"][1] < 1e-2

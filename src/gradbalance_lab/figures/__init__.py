@@ -50,11 +50,13 @@ FIGURES: dict[str, str] = {
     "adam_absorb": "adam_absorb",
     "clipping": "clipping",
     "mixed_precision": "mixed_precision",
+    "fp16_underflow": "fp16_underflow",
     "amp_cpu": "amp_cpu",
     "microbatch": "microbatch",
     "logging": "log_scalars",
     # the clip tutorial, in its order
     "clip_basics": "clip_basics",
+    "clip_explode": "clip_explode",
     "clip_accumulation": "clip_accumulation",
     "clip_threshold": "clip_threshold",
     "clip_nonfinite": "clip_nonfinite",
