@@ -193,3 +193,17 @@ def test_fp16_underflow_against_float64() -> None:
     below = float(np.mean(entries < 2.0**-25))
     assert r["unscaled"]["zero_share"][1] >= below - 0.1
     assert r["scaled"]["zero_share"][1] == 0.0 and r["scaled"]["error"][1] < 1e-2
+
+
+def test_momentum_beta_zero_keeps_only_this_step() -> None:
+    r = quick("momentum")
+    assert r["memory_0"] == 1.0  # Σ βⁿ at β = 0
+    assert r["angles_0"][0] == pytest.approx(90.0, abs=1e-9)  # the new gradient at once
+
+
+def test_l2_in_the_loss_reaches_pcgrad() -> None:
+    l2 = quick("weight_decay")["l2"]
+    # task 1: ∇(w₁ + ¼‖w‖²) at (1, 1) = (1.5, 0.5); task 2: (−1, 1); g₁·g₂ = −1, so by hand
+    # g₁' = g₁ + ½g₂ = (1, 1), g₂' = g₂ + 0.4g₁ = (−0.4, 1.2), sum (0.6, 2.2)
+    assert l2["penalty"]["matrix"].tolist() == [[1.5, 0.5], [-1.0, 1.0]]
+    assert l2["penalty"]["grad"].tolist() == pytest.approx([0.6, 2.2], abs=1e-12)

@@ -27,6 +27,11 @@ weighted loss ``c·e^{−s}·L + s/2`` plus the decay's ``wd·s²/2`` is station
 ``c·e^{−s}·L = ½ + wd·s``, solved here by bisection: that is the closed-form reference for
 the learned weights ``c·e^{−s}``, which move from ``c/(2cL)`` toward ``c`` (0.5 and 1, the
 weights at ``σ = 1``) as ``wd`` grows.
+
+Setting (L2 in the loss): two conflicting tasks ``w₁`` and ``−w₁ + w₂`` at ``w = (1, 1)``, the
+library's ``PCGrad``; ``½·0.5·‖w‖²`` added to task 1's loss lands in task 1's row of ``G``
+(closed form ``(1.5, 0.5)``), so ``.grad`` is PCGrad of the penalised rows (the two-task
+closed form of :mod:`._common`), not PCGrad of the plain rows plus the penalty.
 """
 
 from __future__ import annotations
@@ -40,7 +45,14 @@ import torch
 
 from gradbalance.balancers import BALANCERS, get_balancer
 from gradbalance.step import TaskGradBuffer
-from gradbalance_lab.figures._common import Claim, grad_of, pyplot, require_attr, save_figure
+from gradbalance_lab.figures._common import (
+    Claim,
+    grad_of,
+    pcgrad_two,
+    pyplot,
+    require_attr,
+    save_figure,
+)
 
 NAME = "weight_decay"
 TITLE = "§9.2 Weight decay: Adam vs AdamW, and Uncertainty Weighting at σ = 1"
@@ -88,6 +100,31 @@ def _noisy_adam_shrink(wd: float) -> float:
     return float(1.0 - w.detach().mean()) / STEPS
 
 
+L2 = 0.5
+
+
+def _l2_in_loss() -> dict[str, Any]:
+    """PCGrad on two conflicting tasks (``w₁`` and ``−w₁ + w₂`` at ``w = (1, 1)``), once with
+    ``L2/2·‖w‖²`` written into task 1's loss: the rows of ``G`` the balancer saw and the
+    ``.grad`` it wrote, against the closed form and against decay added after it."""
+    out: dict[str, Any] = {}
+    for key, lam in (("plain", 0.0), ("penalty", L2)):
+        w = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
+        buf = TaskGradBuffer([w], num_tasks=2)
+        buf.backward(torch.stack([w[0] + lam / 2 * w.pow(2).sum(), -w[0] + w[1]]))
+        matrix = buf.matrix
+        assert matrix is not None
+        out[key] = {"matrix": matrix.detach().clone(), "grad": None}
+        buf.apply_(get_balancer("pcgrad" if "pcgrad" in BALANCERS else "sum"))
+        out[key]["grad"] = grad_of(w).clone()
+    rows = torch.tensor([[1.0 + L2, L2], [-1.0, 1.0]], dtype=torch.float64)
+    out["row_gap"] = float((out["penalty"]["matrix"] - rows).abs().max())
+    out["closed_gap"] = float((out["penalty"]["grad"] - pcgrad_two(rows)).abs().max())
+    out["after_gap"] = float((out["penalty"]["grad"]
+                              - (out["plain"]["grad"] + L2 * torch.ones(2))).norm())
+    return out
+
+
 def _stationary_weight(c: float, loss: float, wd: float) -> float:
     """``c·e^{−s}`` at the root of ``c·e^{−s}·L − ½ − wd·s`` (decreasing in ``s``)."""
     lo, hi = -50.0, 50.0
@@ -129,6 +166,7 @@ def compute(quick: bool = False) -> dict[str, Any]:
     control = _noisy_adam_shrink(0.0)
     result["noisy_adam"] = {wd: _noisy_adam_shrink(wd) - control for wd in DECAYS}
     result["grad_diff"] = max(float((g - grads[0]).abs().max()) for g in grads)
+    result["l2"] = _l2_in_loss()
     uw_cls = require_attr("weighting", "UncertaintyWeighting")
     at_one = uw_cls(2, task_types=["regression", "classification"], dtype=torch.float64)
     result["uw_sigma1"] = at_one.weights.tolist()
@@ -145,6 +183,7 @@ def claims(result: dict[str, Any]) -> list[Claim]:
     adamw, adam = result["adamw"], result["adam"]
     exact = max(abs(adamw[wd]["factor"] - (1 - LR * wd)) for wd in DECAYS)
     adam_steps = [adam[wd]["per_step"] / LR for wd in DECAYS]
+    l2 = result["l2"]
     noisy = [result["noisy_adam"][wd] / LR for wd in DECAYS]
     expected = [wd / math.sqrt(1 + wd * wd) for wd in DECAYS]
     uw, ref = result["uw"], result["uw_expected"]
@@ -175,6 +214,12 @@ def claims(result: dict[str, Any]) -> list[Claim]:
               "per-coordinate scale normalises the decay with it",
               "shrink per step / lr = " + ", ".join(f"{s:.3f}" for s in adam_steps)
               + f" at wd {wds} (about 1 whatever wd)"),
+        Claim(f"§9.2 an L2 penalty written into a task's loss does pass through the balancer "
+              f"(PCGrad, two conflicting tasks, {L2:g}/2·‖w‖² in task 1's loss)",
+              f"task 1's row of G holds it (to {l2['row_gap']:.0e}); .grad is PCGrad of those "
+              f"rows (closed form to {l2['closed_gap']:.0e}), {l2['after_gap']:.3f} away from "
+              f"PCGrad without it plus the penalty's gradient added after",
+              l2["row_gap"] < 1e-12 and l2["closed_gap"] < 1e-12 and l2["after_gap"] > 0.01),
         Claim("§9.2 Uncertainty Weighting's weights at σ = 1 are 0.5 (regression) and 1 "
               "(classification)", f"{result['uw_sigma1'][0]:.4g}, {result['uw_sigma1'][1]:.4g}",
               result["uw_sigma1"] == [0.5, 1.0]),
