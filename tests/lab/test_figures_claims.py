@@ -27,6 +27,10 @@ def quick(name: str) -> dict[str, Any]:
 
 def test_loss_scale_sum_is_n_times_mean() -> None:
     r = quick("loss_scale")
+    # Uncertainty Weighting (regression, weight ½e^{−s}) is stationary at ½e^{−s}·L = ½, so
+    # its weight is 1/(2L): 0.25 for L = 2, 0.025 for L = 20 (the scale undone)
+    assert r["uw"][1.0] == pytest.approx(0.25, rel=1e-3)
+    assert r["uw"][10.0] == pytest.approx(0.025, rel=1e-3)
     for n, ratio in zip(r["n"], r["ratio"]):
         assert ratio == pytest.approx(n, rel=1e-5)  # float32 gradients: 1e-5 relative
     assert min(r["cosine"]) > 1 - 1e-6  # same direction
@@ -56,6 +60,9 @@ def test_adam_tilt_two_bowls() -> None:
     assert r["sgd"]["pareto_end"] < 1e-3  # SGD ends on the Pareto set
     assert r["adam"]["pareto_end"] < 0.01  # Adam within one step length (lr) of it
     assert r["adam"]["tilt"] > 5.0 and r["sgd"]["tilt"] < 1e-3
+    tilt = np.array(r["adam"]["tilt_series"])
+    assert r["adam"]["tilted_share"] == pytest.approx(float(np.mean(tilt > 1.0)))
+    assert r["sgd"]["tilted_share"] == 0.0  # SGD's step is the handed gradient
     assert r["end_gap"] > 0.1  # Adam lands elsewhere on the set
 
 
@@ -67,7 +74,10 @@ def test_pcgrad_momentum_reaches_optimum_or_opposed() -> None:
 
 def test_mgda_step_stops_at_noise_level() -> None:
     r = quick("mgda_noise")
-    assert 0.75 < r["plateau"] / r["predicted"] < 1.33  # plateau = noise level within a third
+    assert 0.75 < r["plateau"] / r["predicted"] < 1.33  # MGDA's own output at the noise
+    # the noise itself: E‖ξ‖ of a 2-d standard Gaussian is √(π/2) (χ with 2 degrees of freedom)
+    assert r["noise_step"] == pytest.approx(0.02 * math.sqrt(math.pi / 2), rel=1e-12)
+    assert r["plateau"] / r["noise_step"] < 0.5  # the min-norm point is shorter than the noise
     assert all(0.75 < f < 1.33 for f in r["flat"])  # no further shrinking
     assert r["share_clean"] < 1e-3 * r["share_median"]  # without noise it keeps shrinking
 
@@ -109,7 +119,10 @@ def test_clipping_exact_examples() -> None:
     assert r["task_pre_clip"] == pytest.approx([50.0, 0.5], rel=1e-12)
     assert r["task_grad"] == pytest.approx([0.9, 1.2], abs=1e-6)  # row 1 capped, row 2 kept
     assert r["suggested"] == pytest.approx(float(np.percentile(r["norms"], 95)), rel=1e-9)
-    assert r["share_above"] <= 0.05
+    # the τ of the §10 sweep are the logged run's percentiles; each clipped run is its own
+    assert r["sweep_tau"][:4] == pytest.approx(np.percentile(r["norms"], [10, 50, 90, 95]),
+                                               rel=1e-9)
+    assert r["sweep_share"][0] > r["sweep_share"][3] > r["sweep_share"][4] == 0.0
 
 
 def test_mixed_precision_sizes_directions_skips() -> None:
@@ -131,12 +144,15 @@ def test_mixed_precision_sizes_directions_skips() -> None:
 def test_microbatch_orders_about_7_and_19_degrees() -> None:
     r = quick("microbatch")
     # The text's numbers, as it rounds them (7° is 6.5–7.5°), against the range of the five
-    # seed medians of the reading that reproduces each.
+    # seed medians of the one reading fixed for the section: PCGrad's 7° is reproduced,
+    # MGDA's 19° is not (about 22°); only a sensitivity reading gives 19°.
     pcgrad = r["medians"]["micro-batch/same"]["pcgrad"]
-    mgda = r["medians"]["averaged/per task"]["mgda"]
+    mgda = r["medians"]["micro-batch/same"]["mgda"]
     assert len(pcgrad) == len(mgda) == 5
     assert min(pcgrad) <= 7.5 and max(pcgrad) >= 6.5
-    assert min(mgda) <= 19.5 and max(mgda) >= 18.5
+    assert min(mgda) > 19.5
+    other = r["medians"]["averaged/per task"]["mgda"]
+    assert min(other) <= 19.5 and max(other) >= 18.5
     assert r["control_max"] < 1e-4  # a linear balancer: both orders agree
     assert r["library_gap"] < 1e-12  # the batched orders are the library's
     assert r["full_batch"]["matrix_gap"] < 1e-12  # averaging first = the full batch's G
@@ -151,10 +167,18 @@ def test_logging_tags_and_skip_flag() -> None:
     assert scalars["cos/task0_task1"][-1][1] == pytest.approx(r["check"]["cos"], abs=1e-5)
 
 
+#: claims of the texts the measurement does not reproduce (figure -> words of the claim).
+FINDINGS = {"mgda_noise": ["size of the batch-to-batch noise"],
+            "microbatch": ["19° apart for MGDA"]}
+
+
 @pytest.mark.parametrize("name", list(FIGURES))
 def test_every_claim_is_met_at_quick_size(name: str) -> None:
     module = load(name)
     claims = module.claims(quick(name))
     assert claims
     failed = [c for c in claims if c.met is False]
-    assert not failed, [f"{c.text}: {c.measured}" for c in failed]
+    expected = FINDINGS.get(name, [])
+    assert len(failed) == len(expected), [f"{c.text}: {c.measured}" for c in failed]
+    for claim, words in zip(failed, expected):
+        assert words in claim.text and "(check)" not in claim.text

@@ -26,9 +26,10 @@ def quick(name: str) -> dict[str, Any]:
 
 
 def test_the_clip_figures_are_registered() -> None:
-    assert CLIP_FIGURES == ["clip_basics", "clip_accumulation", "clip_threshold",
-                            "clip_nonfinite", "clip_api", "clip_amp", "clip_autoclip",
-                            "clip_agc", "clip_per_sample", "clip_small_tau", "clip_ddp"]
+    assert CLIP_FIGURES == ["clip_basics", "clip_explode", "clip_accumulation",
+                            "clip_threshold", "clip_nonfinite", "clip_api", "clip_amp",
+                            "clip_autoclip", "clip_agc", "clip_per_sample", "clip_small_tau",
+                            "clip_ddp"]
 
 
 @pytest.mark.parametrize("name", [*CLIP_FIGURES, "clipping"])
@@ -213,3 +214,18 @@ def test_clipping_turn_closed_form() -> None:
     cos = combined @ unclipped / (np.linalg.norm(combined) * np.linalg.norm(unclipped))
     assert turn["turn"] == pytest.approx(math.degrees(math.acos(cos)), abs=1e-9)
     assert r["sweep_turn"][0] < 1e-6 and r["sweep_turn"][-1] < 1e-6  # parallel rows: no turn
+
+
+def test_clip_explode_runs() -> None:
+    r = quick("clip_explode")
+    for lr in (0.01, 0.03):
+        runs = r[lr]["runs"]
+        # τ is the healthy run's 95th percentile (numpy as the second implementation)
+        assert r[lr]["tau"] == pytest.approx(float(np.percentile(runs["healthy"]["norm"], 95)),
+                                             rel=1e-9)
+        assert all(np.isfinite(runs["clipped"]["loss"])) and len(runs["clipped"]["loss"]) == 200
+    hot = r[0.03]["runs"]["unclipped"]["loss"]
+    assert not np.isfinite(hot[-1])  # lr 0.3 unclipped: the loss turns inf or NaN
+    before = r[0.03]["runs"]["before backward"]
+    assert set(before["norm"]) == {0.0}  # before backward there is no gradient to measure
+    assert before["loss"] == hot and r[0.03]["runs"]["after step"]["loss"] == hot

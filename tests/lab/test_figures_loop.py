@@ -16,7 +16,7 @@ from gradbalance_lab.figures import load
 
 LOOP = ["task_grads", "loss_scale", "momentum", "adam_turn", "adam_tilt", "pcgrad_momentum",
         "mgda_noise", "gradnorm", "weight_decay", "adam_absorb", "mixed_precision", "amp_cpu",
-        "microbatch", "logging"]
+        "microbatch", "logging", "fp16_underflow"]
 NEW = ["task_grads", "adam_absorb", "amp_cpu"]
 
 
@@ -157,8 +157,53 @@ def test_weight_decay_adam_vs_adamw_per_wd() -> None:
     assert max(adam) - min(adam) < 1e-3 * 1e-3  # Adam: the same whatever wd
 
 
+def _noisy_adam(wd: float, n: int = 256, steps: int = 200, lr: float = 1e-3) -> float:
+    """Adam written out here (Kingma & Ba 2015, PyTorch's defaults, L2 decay added to the
+    gradient) on n weights from 1 whose gradient is ξ (same draws as the figure)."""
+    gen = torch.Generator().manual_seed(0)
+    w = np.ones(n)
+    m, v = np.zeros(n), np.zeros(n)
+    for t in range(1, steps + 1):
+        g = torch.randn(n, generator=gen, dtype=torch.float64).numpy() + wd * w
+        m = 0.9 * m + 0.1 * g
+        v = 0.999 * v + 0.001 * g * g
+        w = w - lr * (m / (1 - 0.9**t)) / (np.sqrt(v / (1 - 0.999**t)) + 1e-8)
+    return float(1 - w.mean()) / steps
+
+
+def test_weight_decay_adam_with_noisy_task_gradient() -> None:
+    r = quick("weight_decay")
+    control = _noisy_adam(0.0)
+    for wd in (0.01, 0.1, 1.0):
+        assert r["noisy_adam"][wd] == pytest.approx(_noisy_adam(wd) - control, rel=1e-6)
+
+
 def test_adam_tilt_sgd_path_starts_at_the_start() -> None:
     r = quick("adam_tilt")
     assert (r["sgd"]["x"][0], r["sgd"]["y"][0]) == (5.0, 5.0)
     assert (r["adam"]["x"][0], r["adam"]["y"][0]) == (5.0, 5.0)
     assert math.isclose(r["sgd"]["tilt"], 0.0, abs_tol=1e-3)
+
+
+def test_fp16_underflow_against_float64() -> None:
+    r = quick("fp16_underflow")
+    assert r["scale"] == 2.0**16  # GradScaler's default initial scale
+    entries = np.array(r["entries"])
+    # round to nearest: entries below half of float16's smallest subnormal 2⁻²⁴ become 0
+    below = float(np.mean(entries < 2.0**-25))
+    assert r["unscaled"]["zero_share"][1] >= below - 0.1
+    assert r["scaled"]["zero_share"][1] == 0.0 and r["scaled"]["error"][1] < 1e-2
+
+
+def test_momentum_beta_zero_keeps_only_this_step() -> None:
+    r = quick("momentum")
+    assert r["memory_0"] == 1.0  # Σ βⁿ at β = 0
+    assert r["angles_0"][0] == pytest.approx(90.0, abs=1e-9)  # the new gradient at once
+
+
+def test_l2_in_the_loss_reaches_pcgrad() -> None:
+    l2 = quick("weight_decay")["l2"]
+    # task 1: ∇(w₁ + ¼‖w‖²) at (1, 1) = (1.5, 0.5); task 2: (−1, 1); g₁·g₂ = −1, so by hand
+    # g₁' = g₁ + ½g₂ = (1, 1), g₂' = g₂ + 0.4g₁ = (−0.4, 1.2), sum (0.6, 2.2)
+    assert l2["penalty"]["matrix"].tolist() == [[1.5, 0.5], [-1.0, 1.0]]
+    assert l2["penalty"]["grad"].tolist() == pytest.approx([0.6, 2.2], abs=1e-12)

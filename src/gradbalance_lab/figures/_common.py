@@ -54,12 +54,15 @@ __all__ = [
 class Claim:
     """One claim of the text beside what was measured.
 
-    ``met`` is True/False when the claim has a checkable number, None when it is shown only.
+    ``met`` is True/False when the claim has a checkable number, None when it is shown only;
+    ``reason`` (with ``met`` None) says why the claim is not measurable, e.g. the text gives no
+    number to compare with.
     """
 
     text: str
     measured: str
     met: bool | None = None
+    reason: str = ""
 
 
 class Missing(RuntimeError):

@@ -18,8 +18,12 @@ trained for 200 steps with Adam (lr 1e-2) and the ``Mean`` balancer, no clipping
 pre-clip norms (``clip_grad_norm_(max_norm=inf)``) are logged and
 :func:`gradbalance.clip.suggest_max_norm` picks the 95th percentile, checked against
 ``numpy``-style linear interpolation done here by sorting. Sweeping the limit τ from the 10th
-percentile to twice the largest norm shows the share of steps clipped and the mean
-shrink factor ``min(1, τ/‖g‖)``.
+percentile to twice the largest norm, each τ is then used in a training run of its own (the
+same model and batches, seed 1, clipped globally at τ): the share of that run's steps clipped
+and the mean shrink factor ``min(1, τ/‖g‖)`` are measured there, so a smaller τ is not more
+clipping by construction (the clipped runs move elsewhere and meet other norms). That the
+p95 limit of the logged run is exceeded by at most 5 % of the same 200 norms holds by
+definition; the test on a fresh run is in the ``clip_threshold`` figure.
 """
 
 from __future__ import annotations
@@ -95,8 +99,9 @@ def _percentile(values: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def _logged_run(steps: int, seed: int = 0) -> list[float]:
-    """Pre-clip norms of an unclipped run of a small 3-task model."""
+def _logged_run(steps: int, seed: int = 0, tau: float = math.inf) -> list[float]:
+    """Pre-clip norms of a run of a small 3-task model, clipped globally at ``tau``
+    (default: unclipped)."""
     torch.manual_seed(seed)
     x = torch.randn(512, 8)
     targets = torch.stack([(x @ torch.randn(8)) * s for s in (1.0, 10.0, 0.1)], dim=1)
@@ -110,7 +115,7 @@ def _logged_run(steps: int, seed: int = 0) -> list[float]:
         idx = torch.randint(0, x.shape[0], (32,), generator=gen)
         buf.backward(regression_losses(model(x[idx]), targets[idx]))
         buf.apply_(balancer)
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), tau)))
         opt.step()
         opt.zero_grad(set_to_none=True)
     return norms
@@ -155,11 +160,12 @@ def compute(quick: bool = False) -> dict[str, Any]:
     result["norms"] = norms
     result["suggested"] = float(suggest(norms, percentile=95))
     result["reference_p95"] = _percentile(norms, 95)
-    result["share_above"] = sum(n > result["suggested"] for n in norms) / len(norms)
     taus = [_percentile(norms, q) for q in (10, 50, 90, 95)] + [2 * max(norms)]
     result["sweep_tau"] = taus
-    result["sweep_share"] = [sum(n > t for n in norms) / len(norms) for t in taus]
-    result["sweep_factor"] = [sum(min(1.0, t / n) for n in norms) / len(norms) for t in taus]
+    clipped = [_logged_run(200, seed=1, tau=t) for t in taus]
+    result["sweep_share"] = [sum(n > t for n in run) / len(run) for t, run in zip(taus, clipped)]
+    result["sweep_factor"] = [sum(min(1.0, t / n) for n in run) / len(run)
+                              for t, run in zip(taus, clipped)]
     return result
 
 
@@ -190,20 +196,19 @@ def claims(result: dict[str, Any]) -> list[Claim]:
               f"{rows[1]:.6f}] (expected [0.9, 1.2])",
               abs(rows[0] - expected_row[0]) < 1e-9 and abs(rows[1] - expected_row[1]) < 1e-9
               and abs(pre[0] - 50) < 1e-9 and abs(pre[1] - 0.5) < 1e-9),
-        Claim("clip tutorial §Try it yourself / §Choosing the limit: the limit at the 95th "
-              "percentile of a logged unclipped run (200 steps) catches only runaways",
-              f"suggest_max_norm = {result['suggested']:.4g} (reference "
-              f"{result['reference_p95']:.4g}); {100 * result['share_above']:.1f}% of steps "
-              f"above it",
-              abs(result["suggested"] - result["reference_p95"]) < 1e-9 * result["suggested"]
-              and result["share_above"] <= 0.05),
+        Claim("clip tutorial §Try it yourself (check): suggest_max_norm of a logged unclipped "
+              "run (200 steps) is its 95th percentile",
+              f"suggest_max_norm = {result['suggested']:.4g}, percentile by sorting "
+              f"{result['reference_p95']:.4g} (that at most 5% of the same norms lie above it "
+              f"holds by definition; the fresh-run test is the clip_threshold figure)",
+              abs(result["suggested"] - result["reference_p95"]) < 1e-9 * result["suggested"]),
         Claim("§10: a smaller τ clips more steps and shortens them more; a very large τ never "
-              "clips",
-              "share clipped at p10/p50/p90/p95/2·max: "
-              + ", ".join(f"{100 * s:.0f}%" for s in share)
-              + "; mean factor " + ", ".join(f"{f:.2f}" for f in factor),
-              all(a >= b for a, b in pairwise(share))
-              and all(a <= b for a, b in pairwise(factor))
+              "clips (one training run clipped at each τ)",
+              "share of the run's steps clipped at τ = p10/p50/p90/p95/2·max of the logged "
+              "run: " + ", ".join(f"{100 * s:.0f}%" for s in share)
+              + "; mean factor min(1, τ/‖g‖) " + ", ".join(f"{f:.2f}" for f in factor),
+              all(a > b for a, b in pairwise(share[:-1]))
+              and all(a < b for a, b in pairwise(factor[:-1]))
               and share[-1] == 0.0 and factor[-1] == 1.0),
         Claim("§10: only the global clip scales the whole gradient by one factor — per-task "
               "clipping of rows that are not parallel turns the update",

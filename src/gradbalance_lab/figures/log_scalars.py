@@ -114,6 +114,10 @@ def claims(result: dict[str, Any]) -> list[Claim]:
               f"{check['size0']:.6f}",
               abs(last_cos - check["cos"]) < 1e-5
               and abs(last_size / check["size0"] - 1) < 1e-5),
+        Claim("§13 compare each raw loss with that task trained alone, and log how much each "
+              "number varies, not only its average", "advice; not run here",
+              reason="a recommendation for the reader's own runs, with no outcome the text "
+                     "states"),
     ]
 
 

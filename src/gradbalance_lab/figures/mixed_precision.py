@@ -221,11 +221,13 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax1.legend()
     names = sorted(result["balancers"])
     angles = [result["balancers"][n]["angle"] for n in names]
-    ax2.barh(names, [max(a, 1e-12) for a in angles], color=["C0" if a > 0 else "C7"
-                                                             for a in angles])
+    ax2.barh(names, [a if a > 0 else 0.0 for a in angles], left=1e-12, color="C0")
+    for name, a in zip(names, angles):
+        if a == 0:  # a log axis has no 0: say it in words
+            ax2.text(2e-12, name, "exactly 0", va="center", fontsize=7, color="C7")
     ax2.set_xscale("log")
     ax2.set_xlim(1e-12, 1)
-    ax2.set_xlabel("angle between the scaled and unscaled step (°, log; 0 drawn at 1e-12)")
+    ax2.set_xlabel("angle between the scaled and unscaled step (°, log)")
     zero = sum(a == 0 for a in angles)
     ax2.set_title(f"angle per balancer: {zero} of {len(angles)} exactly 0, the largest "
                   f"{max(angles):.0e}° (float32 rounding)", fontsize=10)

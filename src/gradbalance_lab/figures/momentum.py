@@ -9,7 +9,8 @@ with the ``Sum`` balancer give the same steps (checked over 130 steps for β = 0
 Closed form (heavy ball, ``m ← β m + g``): ``n`` steps after the turn the step is
 ``βⁿ e₁ + (1 − βⁿ) e₂`` up to a common factor, so it has turned 45° once ``βⁿ ≤ ½``:
 ``n = ⌈ln ½ / ln β⌉`` = 1, 7, 69 for β = 0.5, 0.9, 0.99. The memory (all steps an impulse
-gradient causes, over the first) is ``1/(1 − β)`` = 2, 10, 100.
+gradient causes, over the first) is ``1/(1 − β)`` = 2, 10, 100; at β = 0 (plain SGD) it is
+1 and the first step after the turn is the new gradient.
 
 Adam (1000 warm-up steps): a coordinate whose gradient had been 0 has ``v = 0``; one step
 after the turn its bias-corrected step is ``m̂₂/√v̂₂ = 0.1/√(0.001/0.632) ≈ 2.5`` against
@@ -90,6 +91,14 @@ def compute(quick: bool = False) -> dict[str, Any]:
         impulse = _linear_run(sgd, [e1] + [zero] * int(20 / (1 - beta)))
         result["memory"][beta] = float(sum(-d[0] for d in impulse) / -impulse[0][0])
 
+    def plain(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=1.0, momentum=0.0)
+
+    e1 = torch.tensor([1.0, 0.0], dtype=torch.float64)
+    impulse = _linear_run(plain, [e1] + [torch.zeros(2, dtype=torch.float64)] * 20)
+    result["memory_0"] = float(sum(-d[0] for d in impulse) / -impulse[0][0])
+    result["angles_0"] = _turn(plain, 10, 3)
+
     def adam(params: list[torch.Tensor]) -> torch.optim.Optimizer:
         return torch.optim.Adam(params)
 
@@ -118,6 +127,11 @@ def claims(result: dict[str, Any]) -> list[Claim]:
               f"{n[0.9]} steps (β = 0.5: {n[0.5]}, 0.99: {n[0.99]})", n[0.9] == 7),
         Claim("§6.1 the memory spans about 2, 10 and 100 steps at β = 0.5, 0.9, 0.99",
               f"{spans} steps", all(abs(mem[b] * (1 - b) - 1) < 0.01 for b in BETAS)),
+        Claim("§6.1 at β₁ = 0 the momentum keeps only this step (closed form: memory 1, the "
+              "first step after the turn is the new gradient, 90°)",
+              f"memory {result['memory_0']:.6g} step; first step after the turn at "
+              f"{result['angles_0'][0]:.6g}°",
+              result["memory_0"] == 1.0 and abs(result["angles_0"][0] - 90.0) < 1e-9),
         Claim("§6 Adam's step can turn 45° in 1 step onto a coordinate whose gradient was small",
               f"{result['adam_steps_45']} step (first step at {result['adam_first_angle']:.1f}°)",
               result["adam_steps_45"] == 1),

@@ -276,6 +276,11 @@ def claims(result: dict[str, Any]) -> list[Claim]:
               f"weights = the vector to {result['v2p_weights_gap']:.0e}; .grad unchanged: "
               f"{result['v2p_grad_untouched']}",
               result["v2p_weights_gap"] == 0.0 and result["v2p_grad_untouched"]),
+        Claim("§3 writing into the shared .grad and leaving each head its plain gradient is "
+              "the PCGrad paper's rule and how LibMTL writes back PCGrad and GradVac",
+              "the write-back itself is measured above (heads keep their plain gradient)",
+              reason="a statement about a paper and another library's source, which no run "
+                     "of this library can measure"),
     ]
 
 
