@@ -44,6 +44,7 @@ from ._coverage import (
     fire_post_accumulate_hooks,
     sum_backward_,
 )
+from ._per_sample_buffer import PerSampleBuffer
 from ._sharding import is_sharded
 from ._threads import StepOwner
 from .balancers._base import Balancer
@@ -111,6 +112,10 @@ class TaskGradBuffer:
             gives it the plain gradient of ``Σₖ Lₖ``, as a head; ``"ignore"`` leaves its
             ``.grad`` as it is, for a caller that fills it itself (docs/loop.md, "Parameter
             coverage").
+        batch_dim: ``0``: every sample (``[B]`` losses) or sample × task (``[B, K]``) is an
+            objective, balanced through the per-sample Gramian from one backward (needs
+            ``modules`` and a weighted balancer; docs/per_sample.md). None (default): the
+            K task losses.
 
     Each ``backward`` walks the losses' graph: a reentrant ``torch.utils.checkpoint`` is
     refused (pass ``use_reentrant=False``), and ``register_post_accumulate_grad_hook`` hooks
@@ -155,7 +160,12 @@ class TaskGradBuffer:
         update_every: int = 1,
         modules: Any = None,
         other_params: OtherParams = "raise",
+        batch_dim: int | None = None,
     ) -> None:
+        self._per_sample = None if batch_dim is None else PerSampleBuffer(
+            shared_params, head_params, modules=modules, batch_dim=batch_dim)
+        if self._per_sample is not None:  # each sample an objective (docs/per_sample.md)
+            return
         shared = as_parameter_list("shared_params", shared_params)
         heads = as_parameter_list("head_params", head_params, allow_empty=True)
         _check_shared_and_heads(shared, heads)
@@ -214,6 +224,8 @@ class TaskGradBuffer:
         anything moves; a failure past the checks drops the step, the heads' ``.grad`` as
         before its first ``backward``.
         """
+        if self._per_sample is not None:
+            return self._per_sample.backward(losses)
         self._owner.enter("backward")
         try:
             self._backward(losses, scaler, features)
@@ -287,6 +299,8 @@ class TaskGradBuffer:
         moves and leaves the step; a failure past the checks drops the step: every
         ``.grad``, the balancer's and ``clip``'s state are as before its first ``backward``.
         """
+        if self._per_sample is not None:
+            return self._per_sample.apply_(balancer)
         self._owner.enter("apply_")
         try:
             return self._apply(balancer, scaler, clip)
@@ -392,6 +406,8 @@ class TaskGradBuffer:
         """The ``update_every`` counter, the cached weights, the passes measured or fallen
         back to, and ``steps_begun`` (the data-parallel ranks compare it in ``apply_``; the
         task gradients of a step are transient)."""
+        if self._per_sample is not None:
+            return self._per_sample.state_dict()
         return {**self._cache.state_dict(), **self._engine.state_dict(),
                 "steps_begun": self._steps}
 
@@ -437,6 +453,8 @@ class TaskGradBuffer:
     def reset(self) -> None:
         """Drop the current step and the cached weights (keeps the buffer's memory); from any
         thread, not while another thread is inside a call (``RuntimeError``)."""
+        if self._per_sample is not None:
+            return self._per_sample.reset()
         self._owner.drop("reset")
         self._end_step()
         self._cache.reset()

@@ -1,0 +1,172 @@
+"""``TaskGradBuffer(..., batch_dim=0)``: every sample (or sample × task) an objective.
+
+``backward(losses)`` takes the unreduced losses ``[B]`` or ``[B, K]`` and, from one backward
+of ``Σᵢ ℓᵢ`` per task column (K of them; no weight-gradient kernel runs), builds the
+per-sample Gramian ``[N, N]`` (``N = B·K``, objective ``(i, k)`` at ``i·K + k``) with
+:class:`~gradbalance._per_sample_gramian.PerSampleGramian`. ``apply_(balancer)`` takes the
+weights ``w`` of a weighted balancer from it and writes the trunk's ``.grad`` with one
+backward of ``Σ wᵢₖ ℓᵢₖ`` through the kept graph; the heads get their plain gradient of
+``Σ ℓᵢₖ``. The update equals the matrix route over the same N objectives (each passed as a
+task). Reference: Quinton & Rey, "Jacobian Descent for Multi-Objective Optimization"
+(arXiv:2406.16232), instance-wise risk minimisation (docs/per_sample.md).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._checks import as_parameter_list
+from ._per_sample_gramian import PerSampleGramian
+from ._types import NonFiniteGradientError
+from .balancers._base import Balancer
+from .balancers._checks import check_balancer
+from .stats import StepStats, build_stats
+
+__all__ = ["PerSampleBuffer"]
+
+
+def check_per_sample_losses(losses: object) -> Tensor:
+    """``[B]`` or ``[B, K]`` unreduced losses on the graph (else ``ValueError`` naming both)."""
+    if not isinstance(losses, Tensor) or losses.dim() not in (1, 2) or losses.numel() == 0:
+        found = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
+        raise ValueError(
+            f"losses must be the unreduced per-sample losses, shape [B] (each sample an "
+            f"objective) or [B, K] (each sample x task), with batch_dim=0; got {found}. "
+            f"Compute them with reduction='none' (torch.stack K task columns along dim 1)"
+        )
+    if not losses.requires_grad:
+        raise ValueError("losses does not require grad; compute them from this step's forward")
+    return losses
+
+
+class PerSampleBuffer:
+    """The per-sample route of :class:`~gradbalance.TaskGradBuffer` (``batch_dim=0``).
+
+    Args:
+        shared_params: the trunk's parameters, each held by a module of ``modules``.
+        head_params: parameters that get their plain gradient of ``Σ ℓ`` (``+=``).
+        modules: the trunk (module or list of modules); hooks record its layers' calls.
+        batch_dim: 0, the samples' dimension of every trunk layer's input and of ``losses``.
+
+    One ``backward`` per step: a second before :meth:`apply_` is refused (the cross terms
+    between micro-batches are not built here); call :meth:`reset` to drop a step.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance import TaskGradBuffer
+        >>> from gradbalance.balancers import UPGrad
+        >>> _ = torch.manual_seed(0)
+        >>> trunk = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(),
+        ...                             torch.nn.Linear(8, 1))
+        >>> buf = TaskGradBuffer(trunk.parameters(), modules=trunk, batch_dim=0)
+        >>> x, y = torch.randn(6, 4), torch.randn(6)
+        >>> losses = (trunk(x)[:, 0] - y) ** 2             # [B], reduction='none'
+        >>> buf.backward(losses)
+        >>> stats = buf.apply_(UPGrad())
+        >>> stats.weights.shape, stats.mode
+        (torch.Size([6]), 'per_sample')
+    """
+
+    def __init__(self, shared_params: Iterable[Tensor], head_params: Iterable[Tensor] | None
+                 = None, *, modules: Any = None, batch_dim: int = 0) -> None:
+        if batch_dim != 0 or isinstance(batch_dim, bool):
+            raise ValueError(f"batch_dim must be 0 (the samples' dimension), got {batch_dim!r}")
+        if modules is None:
+            raise ValueError(
+                "batch_dim=0 needs modules=...: the module(s) owning shared_params, e.g. "
+                "TaskGradBuffer(trunk.parameters(), modules=trunk, batch_dim=0)"
+            )
+        self.shared = as_parameter_list("shared_params", shared_params)
+        self.head_params = as_parameter_list("head_params", head_params, allow_empty=True)
+        self.gramian = PerSampleGramian(modules, self.shared)
+        self._pending: tuple[Tensor, Tensor, list[Tensor | None]] | None = None
+
+    def backward(self, losses: Tensor | Sequence[Tensor]) -> None:
+        """Build the step's per-sample Gramian from ``losses`` ``[B]`` or ``[B, K]``."""
+        if self._pending is not None:
+            raise RuntimeError(
+                "backward() called twice before apply_(): with batch_dim=0 a step takes one "
+                "backward (the cross terms between micro-batches are not built); call "
+                "apply_() first, or pass the whole batch's losses at once"
+            )
+        vector = check_per_sample_losses(losses)
+        columns = vector.reshape(vector.shape[0], -1)
+        self.gramian.check(vector)
+        outputs = self.gramian.outputs()
+        heads: list[Tensor | None] = [None] * len(self.head_params)
+        tasks = []
+        try:
+            for k in range(columns.shape[1]):
+                grads = torch.autograd.grad(columns[:, k].sum(), [*outputs, *self.head_params],
+                                            retain_graph=True, allow_unused=True)
+                tasks.append(grads[: len(outputs)])
+                heads = [_add(h, g) for h, g in zip(heads, grads[len(outputs):])]
+            gram = self.gramian.compute(columns.shape[0], tasks)
+        finally:
+            self.gramian.clear()
+        self._pending = vector, gram, heads
+
+    def apply_(self, balancer: Balancer) -> StepStats:
+        """Weights from the Gramian, one weighted backward into the trunk's ``.grad``."""
+        if self._pending is None:
+            raise RuntimeError("apply_() called before backward(); call buf.backward(losses)")
+        check_balancer("balancer", balancer)
+        if not balancer.from_gramian:
+            raise TypeError(
+                f"{type(balancer).__name__} needs the per-sample gradient rows, not only their "
+                f"Gramian; with batch_dim=0 use a weighted balancer (UPGrad, MGDA, IMTL-G, "
+                f"Nash-MTL, Mean...), or pass each sample's loss as a task: TaskGradBuffer "
+                f"without batch_dim, mode='matrix'"
+            )
+        losses, gram, heads = self._pending
+        if not bool(torch.isfinite(torch.diagonal(gram)).all()):
+            self.reset()
+            raise NonFiniteGradientError(
+                "per-sample gradients hold inf or NaN; nothing was written. Skip this step "
+                "or find the source of the overflow"
+            )
+        saved = copy.deepcopy(balancer.state_dict())
+        try:
+            w = balancer.compute_weights(gram, losses.detach().reshape(-1))
+            trunk = torch.autograd.grad(losses, self.shared, w.reshape(losses.shape).to(
+                losses.dtype), allow_unused=True)
+        except BaseException:
+            balancer.load_state_dict(saved)
+            self.reset()
+            raise
+        for p, g in zip(self.shared, trunk):
+            _accumulate(p, torch.zeros_like(p) if g is None else g)
+        for p, h in zip(self.head_params, heads):
+            if h is not None:
+                _accumulate(p, h)
+        self._pending = None
+        return build_stats(gram, losses.detach().reshape(-1), True, weights=w,
+                           mode="per_sample")
+
+    def reset(self) -> None:
+        """Drop the step (the records and the pending Gramian)."""
+        self._pending = None
+        self.gramian.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Empty: the per-sample route keeps no state across steps."""
+        return {}
+
+
+def _add(total: Tensor | None, part: Tensor | None) -> Tensor | None:
+    if part is None:
+        return total
+    return part if total is None else total + part
+
+
+def _accumulate(p: Tensor, g: Tensor) -> None:
+    """``.grad = g`` where there was none, ``.grad += g`` elsewhere."""
+    if p.grad is None:
+        p.grad = g.detach().clone()
+    else:
+        p.grad.add_(g)
