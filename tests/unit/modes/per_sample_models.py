@@ -35,6 +35,29 @@ class Gate(nn.Module):
         return x * self.w + torch.sin(x * self.w)
 
 
+class Attention(nn.Module):
+    """A one-block transformer over ``[B, S, 6]``: q, k, v and out projections (3-D Linear),
+    LayerNorm, a feed-forward, mean pooling; attention mixes positions, never samples."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(6, 6) for _ in range(4))
+        self.norm1, self.norm2 = nn.LayerNorm(6), nn.LayerNorm(6)
+        self.ff = nn.Sequential(nn.Linear(6, 12), nn.GELU(), nn.Linear(12, 6))
+        self.out = nn.Linear(6, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.norm1(x)
+        scores = self.q(h) @ self.k(h).transpose(1, 2) / 6 ** 0.5
+        x = x + self.o(scores.softmax(-1) @ self.v(h))
+        x = x + self.ff(self.norm2(x))
+        return self.out(x).mean(1)
+
+
+def attention() -> tuple[nn.Module, Callable[[int], Tensor]]:
+    return Attention(), lambda b: torch.randn(b, 5, 6)
+
+
 def mlp() -> tuple[nn.Module, Callable[[int], Tensor]]:
     model = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 8))
     return model, lambda b: torch.randn(b, 5)
@@ -61,4 +84,4 @@ def mixed() -> tuple[nn.Module, Callable[[int], Tensor]]:
     return model, lambda b: torch.randn(b, 5)
 
 
-TRUNKS = {"mlp": mlp, "cnn": cnn, "tokens": tokens, "mixed": mixed}
+TRUNKS = {"mlp": mlp, "cnn": cnn, "tokens": tokens, "mixed": mixed, "attention": attention}
