@@ -28,11 +28,11 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import torch  # noqa: E402
-from torch import Tensor, nn  # noqa: E402
+import torch
+from torch import Tensor, nn
 
-from gradbalance import TaskGradBuffer  # noqa: E402
-from gradbalance.balancers import MGDA, UPGrad  # noqa: E402
+from gradbalance import TaskGradBuffer
+from gradbalance.balancers import MGDA, UPGrad
 
 Step = Callable[[Tensor, Tensor], None]
 

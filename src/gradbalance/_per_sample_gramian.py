@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from ._graph import leaf_uses, tensor_hooked
 from ._per_sample_fallback import per_sample_vjp
-from .clip._per_sample_layers import HookedLayer, refusal
+from .clip._per_sample_layers import HookedLayer, check_batch, refusal
 from .clip._per_sample_tied import Site, materialised, site_form
 
 __all__ = ["PerSampleGramian"]
@@ -189,16 +189,8 @@ class PerSampleGramian:
                     f"with {fallback.bad_call}; the per-sample fallback takes one tensor in "
                     f"and one tensor out: wrap it, or leave its parameters out of shared_params"
                 )
-        for record in self._records():
-            shapes = [tuple(t.shape) for t in record.inputs if t.dim() == 0
-                      or t.shape[0] != batch]
-            if shapes:
-                raise ValueError(
-                    f"layer {record.name!r} recorded inputs of shapes {shapes} but the losses "
-                    f"have {batch} samples: the batch must be dim 0 of every trunk layer's "
-                    f"input, and only this step's forward recorded (call reset() after "
-                    f"other forwards under grad)"
-                )
+        check_batch(self._records(), batch, "only this step's forward recorded (call "
+                    "reset() after other forwards under grad)")
 
     def _check_uses(self, losses: Tensor) -> None:
         """Each covered layer's parameter is used on the graph only by its recorded calls

@@ -47,6 +47,7 @@ from .._graph import leaf_uses, tensor_hooked
 from ._per_sample_graph import _check_losses
 from ._per_sample_layers import COVERED as _COVERED
 from ._per_sample_layers import HookedLayer as _Layer
+from ._per_sample_layers import check_batch
 from ._per_sample_layers import refusal as _refusal
 from ._per_sample_tied import Site, site_form, tied_powers
 
@@ -310,16 +311,12 @@ class GhostNorms:
     def _check_batch(self, layers: list[_Layer], batch: int) -> None:
         """Every recorded input has the losses' ``batch`` samples on dim 0 (else the records
         are dropped and it raises)."""
-        for layer in layers:
-            if any(t.shape[0] != batch for t in layer.inputs):
-                shapes = [tuple(t.shape) for t in layer.inputs]
-                self.clear()
-                raise ValueError(
-                    f"layer {layer.name!r} recorded inputs of shapes {shapes} but the "
-                    f"losses have {batch} samples: the batch must be dim 0 of every layer "
-                    f"input, and every forward under grad since the last norms() is "
-                    f"recorded (call clear() after other forwards)"
-                )
+        try:
+            check_batch(layers, batch, "every forward under grad since the last norms() is "
+                        "recorded (call clear() after other forwards)")
+        except ValueError:
+            self.clear()
+            raise
 
     def _check_uses(self, losses: Tensor) -> None:
         """Every bounded parameter is used on the losses' graph only by its layers' recorded

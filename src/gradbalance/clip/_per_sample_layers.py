@@ -7,9 +7,12 @@ diagonal of the per-sample Gramian) and the per-sample Gramian of ``batch_dim=0`
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Protocol
+
 from torch import Tensor, nn
 
-__all__ = ["COVERED", "HookedLayer", "refusal"]
+__all__ = ["COVERED", "HookedLayer", "Recorded", "check_batch", "refusal"]
 
 #: The layers with a ghost form.
 COVERED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.LayerNorm, nn.Embedding)
@@ -88,3 +91,23 @@ def _conv_refusal(module: nn.Conv1d | nn.Conv2d) -> str | None:
     if module.padding_mode != "zeros" or isinstance(module.padding, str):
         return f"padding {module.padding!r} with padding_mode {module.padding_mode!r}"
     return None
+
+
+class Recorded(Protocol):
+    """A hooked module's name and its recorded inputs."""
+
+    name: str
+    inputs: list[Tensor]
+
+
+def check_batch(records: Iterable[Recorded], batch: int, fix: str) -> None:
+    """Every recorded input has the losses' ``batch`` samples on dim 0 (else ``ValueError``
+    naming the layer, its shapes and ``fix``)."""
+    for record in records:
+        if any(t.dim() == 0 or t.shape[0] != batch for t in record.inputs):
+            shapes = [tuple(t.shape) for t in record.inputs]
+            raise ValueError(
+                f"layer {record.name!r} recorded inputs of shapes {shapes} but the losses "
+                f"have {batch} samples: the batch must be dim 0 of every layer input, and "
+                f"{fix}"
+            )
