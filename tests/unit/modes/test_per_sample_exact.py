@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from gradbalance import TaskGradBuffer
 from gradbalance._per_sample_gramian import PerSampleGramian
+from gradbalance.balancers import BALANCERS as BALANCERS_ALL
 from gradbalance.balancers import IMTLG, MGDA, Balancer, Mean, NashMTL, UPGrad
 
 from .per_sample_models import TRUNKS
@@ -107,3 +108,42 @@ def test_gramian_equals_per_sample_autograd(name: str) -> None:
     finally:
         torch.set_default_dtype(torch.float32)
     assert torch.allclose(gram, rows @ rows.T, rtol=1e-10, atol=1e-12)
+
+
+def _weighted(name: str) -> Balancer:
+    if name == "constant":
+        return BALANCERS_ALL[name](torch.linspace(0.5, 1.5, 6).tolist())
+    return BALANCERS_ALL[name]()
+
+
+def _two_steps(name: str, per_sample: bool) -> Tensor:
+    """Two steps (stateful balancers carry state between them) on the MLP, B = 6."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        trunk, inputs = TRUNKS["mlp"]()
+        heads = nn.Linear(8, 1)
+        x, y = inputs(6), torch.randn(6, 1)
+        torch.manual_seed(1)  # a balancer's private generator: the same seed on both routes
+        balancer = _weighted(name)
+        kwargs = {"modules": trunk, "batch_dim": 0} if per_sample else {}
+        buf = TaskGradBuffer(trunk.parameters(), heads.parameters(), **kwargs)  # type: ignore[arg-type]
+        params = [*trunk.parameters(), *heads.parameters()]
+        updates = []
+        for _ in range(2):
+            for p in params:
+                p.grad = None
+            losses = (heads(trunk(x))[:, 0] - y[:, 0]) ** 2 + 0.1
+            buf.backward(losses)
+            buf.apply_(balancer)
+            updates.append(_grads(params))
+    return torch.cat(updates)
+
+
+@pytest.mark.parametrize("name", sorted(n for n, c in BALANCERS_ALL.items() if c.from_gramian))
+def test_every_weighted_balancer_equals_matrix_route(name: str) -> None:
+    torch.set_default_dtype(torch.float64)
+    try:
+        got, want = _two_steps(name, True), _two_steps(name, False)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert torch.allclose(got, want, rtol=1e-8, atol=1e-10 * want.abs().max())
