@@ -6,9 +6,11 @@ per-sample Gramian ``[N, N]`` (``N = B·K``, objective ``(i, k)`` at ``i·K + k`
 :class:`~gradbalance._per_sample_gramian.PerSampleGramian`. ``apply_(balancer)`` takes the
 weights ``w`` of a weighted balancer from it and writes the trunk's ``.grad`` with one
 backward of ``Σ wᵢₖ ℓᵢₖ`` through the kept graph; the heads get their plain gradient of
-``Σ ℓᵢₖ``. The update equals the matrix route over the same N objectives (each passed as a
-task). Reference: Quinton & Rey, "Jacobian Descent for Multi-Objective Optimization"
-(arXiv:2406.16232), instance-wise risk minimisation (docs/per_sample.md).
+``Σ ℓᵢₖ``. Micro-batches: each ``backward`` adds its objectives, the Gramian of all of them
+(cross terms included) is built in ``apply_``. The update equals the matrix route over the
+same N objectives (each passed as a task). Reference: Quinton & Rey, "Jacobian Descent for
+Multi-Objective Optimization" (arXiv:2406.16232), instance-wise risk minimisation
+(docs/per_sample.md).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 from torch import Tensor
 
 from ._checks import as_parameter_list
-from ._per_sample_gramian import PerSampleGramian
+from ._per_sample_gramian import Parts, PerSampleGramian
 from ._types import NonFiniteGradientError
 from .balancers._base import Balancer
 from .balancers._checks import check_balancer
@@ -53,8 +55,9 @@ class PerSampleBuffer:
         modules: the trunk (module or list of modules); hooks record its layers' calls.
         batch_dim: 0, the samples' dimension of every trunk layer's input and of ``losses``.
 
-    One ``backward`` per step: a second before :meth:`apply_` is refused (the cross terms
-    between micro-batches are not built here); call :meth:`reset` to drop a step.
+    Micro-batches: every ``backward`` before :meth:`apply_` adds its objectives to the step's
+    Gramian, cross terms included (its layer rows and its graph are kept until ``apply_``);
+    :meth:`reset` drops the step.
 
     Example:
         >>> import torch
@@ -84,16 +87,14 @@ class PerSampleBuffer:
         self.shared = as_parameter_list("shared_params", shared_params)
         self.head_params = as_parameter_list("head_params", head_params, allow_empty=True)
         self.gramian = PerSampleGramian(modules, self.shared)
-        self._pending: tuple[Tensor, Tensor, list[Tensor | None]] | None = None
+        self._losses: list[Tensor] = []  # the step's micro-batches, graphs kept
+        self._parts: list[Parts] = []
+        self._heads: list[Tensor | None] = [None] * len(self.head_params)
 
     def backward(self, losses: Tensor | Sequence[Tensor]) -> None:
-        """Build the step's per-sample Gramian from ``losses`` ``[B]`` or ``[B, K]``."""
-        if self._pending is not None:
-            raise RuntimeError(
-                "backward() called twice before apply_(): with batch_dim=0 a step takes one "
-                "backward (the cross terms between micro-batches are not built); call "
-                "apply_() first, or pass the whole batch's losses at once"
-            )
+        """Add this micro-batch's objectives, ``losses`` ``[B]`` or ``[B, K]``; their rows
+        join the step's Gramian (cross terms with the earlier micro-batches included), and
+        their graph is kept until :meth:`apply_`."""
         vector = check_per_sample_losses(losses)
         columns = vector.reshape(vector.shape[0], -1)
         self.gramian.check(vector)
@@ -106,14 +107,17 @@ class PerSampleBuffer:
                                             retain_graph=True, allow_unused=True)
                 tasks.append(grads[: len(outputs)])
                 heads = [_add(h, g) for h, g in zip(heads, grads[len(outputs):])]
-            gram = self.gramian.compute(columns.shape[0], tasks)
+            part = self.gramian.collect(columns.shape[0], tasks)
         finally:
             self.gramian.clear()
-        self._pending = vector, gram, heads
+        self._losses.append(vector)
+        self._parts.append(part)
+        self._heads = [_add(h, g) for h, g in zip(self._heads, heads)]
 
     def apply_(self, balancer: Balancer) -> StepStats:
-        """Weights from the Gramian, one weighted backward into the trunk's ``.grad``."""
-        if self._pending is None:
+        """Weights from the Gramian of the step's objectives, one weighted backward per
+        micro-batch into the trunk's ``.grad``; the heads' plain gradients."""
+        if not self._losses:
             raise RuntimeError("apply_() called before backward(); call buf.backward(losses)")
         check_balancer("balancer", balancer)
         if not balancer.from_gramian:
@@ -123,34 +127,46 @@ class PerSampleBuffer:
                 f"Nash-MTL, Mean...), or pass each sample's loss as a task: TaskGradBuffer "
                 f"without batch_dim, mode='matrix'"
             )
-        losses, gram, heads = self._pending
-        if not bool(torch.isfinite(torch.diagonal(gram)).all()):
-            self.reset()
-            raise NonFiniteGradientError(
-                "per-sample gradients hold inf or NaN; nothing was written. Skip this step "
-                "or find the source of the overflow"
-            )
         saved = copy.deepcopy(balancer.state_dict())
         try:
-            w = balancer.compute_weights(gram, losses.detach().reshape(-1))
-            trunk = torch.autograd.grad(losses, self.shared, w.reshape(losses.shape).to(
-                losses.dtype), allow_unused=True)
+            gram = self.gramian.gramian(self._parts)
+            if not bool(torch.isfinite(torch.diagonal(gram)).all()):
+                raise NonFiniteGradientError(
+                    "per-sample gradients hold inf or NaN; nothing was written. Skip this "
+                    "step or find the source of the overflow"
+                )
+            flat = torch.cat([v.detach().reshape(-1) for v in self._losses])
+            w = balancer.compute_weights(gram, flat)
+            trunk = self._weighted_grads(w)
         except BaseException:
             balancer.load_state_dict(saved)
             self.reset()
             raise
         for p, g in zip(self.shared, trunk):
-            _accumulate(p, torch.zeros_like(p) if g is None else g)
-        for p, h in zip(self.head_params, heads):
+            _accumulate(p, g)
+        for p, h in zip(self.head_params, self._heads):
             if h is not None:
                 _accumulate(p, h)
-        self._pending = None
-        return build_stats(gram, losses.detach().reshape(-1), True, weights=w,
-                           mode="per_sample")
+        count = len(self._losses)
+        self.reset()
+        return build_stats(gram, flat, True, weights=w, mode="per_sample", num_backward=count)
+
+    def _weighted_grads(self, w: Tensor) -> list[Tensor]:
+        """``∇ Σ wᵢₖ ℓᵢₖ`` of the trunk, one backward per micro-batch (its graph freed)."""
+        total = [torch.zeros_like(p) for p in self.shared]
+        at = 0
+        for losses in self._losses:
+            part = w[at: at + losses.numel()].reshape(losses.shape).to(losses.dtype)
+            at += losses.numel()
+            grads = torch.autograd.grad(losses, self.shared, part, allow_unused=True)
+            total = [t if g is None else t + g for t, g in zip(total, grads)]
+        return total
 
     def reset(self) -> None:
         """Drop the step (the records and the pending Gramian)."""
-        self._pending = None
+        self._losses = []
+        self._parts = []
+        self._heads = [None] * len(self.head_params)
         self.gramian.clear()
 
     def state_dict(self) -> dict[str, Any]:

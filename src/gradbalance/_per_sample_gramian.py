@@ -19,6 +19,7 @@ gradients through ``torch.func`` (:mod:`._per_sample_fallback`). Layers that mix
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,9 +30,34 @@ from ._per_sample_fallback import per_sample_vjp
 from .clip._per_sample_layers import HookedLayer, check_batch, refusal
 from .clip._per_sample_tied import Site, materialised, site_form
 
-__all__ = ["PerSampleGramian"]
+__all__ = ["Parts", "PerSampleGramian"]
 
 Form = tuple[Tensor, Tensor] | Tensor
+
+
+@dataclass(frozen=True)
+class Parts:
+    """One micro-batch's objectives: their number, each covered layer's input and output
+    gradient rows ``[n, S, ·]``, each fallback module's per-sample gradients ``[n, numel]``."""
+
+    n: int
+    rows: dict[int, tuple[Tensor, Tensor]]
+    dense: dict[int, list[Tensor]]
+
+
+def _padded(part: Parts, key: int, parts: Sequence[Parts]) -> tuple[Tensor, Tensor]:
+    """``part``'s rows of layer ``key`` padded with zero rows to the longest S of ``parts``
+    (zero output gradients add nothing); zeros where the layer did not run."""
+    found = [p.rows[key] for p in parts if key in p.rows]
+    s = max(x.shape[1] for x, _ in found)
+    x_like, d_like = found[0]
+    x, d = part.rows.get(key, (x_like.new_zeros(part.n, 0, *x_like.shape[2:]),
+                               d_like.new_zeros(part.n, 0, *d_like.shape[2:])))
+    pad = s - x.shape[1]
+    if pad:
+        x = torch.cat([x, x.new_zeros(x.shape[0], pad, *x.shape[2:])], 1)
+        d = torch.cat([d, d.new_zeros(d.shape[0], pad, *d.shape[2:])], 1)
+    return x, d
 
 
 class _Fallback:
@@ -218,6 +244,26 @@ class PerSampleGramian:
     def compute(self, batch: int, tasks: Sequence[tuple[Tensor | None, ...]]) -> Tensor:
         """``[B·K, B·K]`` float64 (objective ``(i, k)`` at ``i·K + k``) from each task's
         gradients of :meth:`outputs` (same order; None: unused)."""
+        return self.gramian([self.collect(batch, tasks)])
+
+    def gramian(self, parts: Sequence[Parts]) -> Tensor:
+        """The Gramian of every micro-batch's objectives at once, cross terms included
+        (objectives in micro-batch order)."""
+        rows: dict[int, tuple[Tensor, Tensor]] = {}
+        for key in {key for part in parts for key in part.rows}:
+            xs, ds = zip(*(_padded(part, key, parts) for part in parts))
+            rows[key] = torch.cat(xs), torch.cat(ds)
+        dense: dict[int, list[Tensor]] = {}
+        for key in {key for part in parts for key in part.dense}:
+            like = next(part.dense[key] for part in parts if key in part.dense)
+            dense[key] = [torch.cat([part.dense[key][i] if key in part.dense else
+                                     g.new_zeros(part.n, g.shape[1]) for part in parts])
+                          for i, g in enumerate(like)]
+        return self._assemble(sum(part.n for part in parts), rows, dense)
+
+    def collect(self, batch: int, tasks: Sequence[tuple[Tensor | None, ...]]) -> Parts:
+        """One micro-batch's per-objective rows of every layer (objective ``(i, k)`` at
+        ``i·K + k``) from each task's gradients of :meth:`outputs`; clears nothing."""
         k = len(tasks)
         rows: dict[int, tuple[Tensor, Tensor]] = {}
         dense: dict[int, list[Tensor]] = {}
@@ -242,7 +288,7 @@ class PerSampleGramian:
                 at += n
         finally:
             self.recording = True
-        return self._assemble(batch * k, rows, dense)
+        return Parts(batch * k, rows, dense)
 
     def _assemble(self, n: int, rows: dict[int, tuple[Tensor, Tensor]],
                   dense: dict[int, list[Tensor]]) -> Tensor:

@@ -147,3 +147,41 @@ def test_every_weighted_balancer_equals_matrix_route(name: str) -> None:
     finally:
         torch.set_default_dtype(torch.float32)
     assert torch.allclose(got, want, rtol=1e-8, atol=1e-10 * want.abs().max())
+
+
+@pytest.mark.parametrize("name", ["mlp", "tokens", "mixed", "attention"])
+def test_micro_batches_form_one_gramian(name: str) -> None:
+    """Two micro-batches (3 and 5 samples; sequences of 4 and 6 tokens for ``tokens``) give
+    the matrix route's update over all 8 objectives at once, cross terms included."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(5)
+        trunk, inputs = TRUNKS[name]()
+        heads = nn.Linear(8, 1)
+        xs = ([torch.randint(0, 11, (3, 4)), torch.randint(0, 11, (5, 6))]
+              if name == "tokens" else [inputs(3), inputs(5)])
+        ys = [torch.randn(3), torch.randn(5)]
+        params = [*trunk.parameters(), *heads.parameters()]
+        updates, weights = [], []
+        for per_sample in (True, False):
+            for p in params:
+                p.grad = None
+            kwargs = {"modules": trunk, "batch_dim": 0} if per_sample else {}
+            buf = TaskGradBuffer(trunk.parameters(), heads.parameters(), **kwargs)  # type: ignore[arg-type]
+            if per_sample:  # each micro-batch's forward, then its backward
+                for x, y in zip(xs, ys):
+                    buf.backward((heads(trunk(x))[:, 0] - y) ** 2)
+            else:
+                buf.backward(torch.cat([(heads(trunk(x))[:, 0] - y) ** 2
+                                        for x, y in zip(xs, ys)]))
+            stats = buf.apply_(UPGrad())
+            assert stats.weights is not None and stats.weights.shape == (8,)
+            updates.append(_grads(params))
+            weights.append(stats.weights)
+            if per_sample:
+                assert buf._per_sample is not None and stats.num_backward == 2
+                buf._per_sample.gramian.remove()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert torch.allclose(weights[0], weights[1], rtol=1e-7, atol=1e-10)
+    assert torch.allclose(updates[0], updates[1], rtol=1e-8, atol=1e-10 * updates[1].abs().max())
