@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._amp import finite_step, nonfinite_error, poison_, scale_of, unscaled_gramian
 from ._checks import as_parameter_list
 from ._per_sample_gramian import Parts, PerSampleGramian
-from ._types import NonFiniteGradientError
 from .balancers._base import Balancer
 from .balancers._checks import check_balancer
 from .stats import StepStats, build_stats
@@ -90,20 +90,30 @@ class PerSampleBuffer:
         self._losses: list[Tensor] = []  # the step's micro-batches, graphs kept
         self._parts: list[Parts] = []
         self._heads: list[Tensor | None] = [None] * len(self.head_params)
+        self._scaler: Any = None
+        self._scale: Tensor | None = None
 
-    def backward(self, losses: Tensor | Sequence[Tensor]) -> None:
+    def backward(self, losses: Tensor | Sequence[Tensor], scaler: Any = None) -> None:
         """Add this micro-batch's objectives, ``losses`` ``[B]`` or ``[B, K]``; their rows
         join the step's Gramian (cross terms with the earlier micro-batches included), and
-        their graph is kept until :meth:`apply_`."""
+        their graph is kept until :meth:`apply_`. With a ``GradScaler`` (the same one to
+        every call and to :meth:`apply_`) the scaled losses are differentiated."""
         vector = check_per_sample_losses(losses)
+        if self._losses and scaler is not self._scaler:
+            raise ValueError(
+                "scaler differs from the one given to the earlier backward() of this step; "
+                "pass the same GradScaler (or None) to every backward() and to apply_()"
+            )
         columns = vector.reshape(vector.shape[0], -1)
         self.gramian.check(vector)
+        scale = scale_of(scaler, vector.device)
         outputs = self.gramian.outputs()
         heads: list[Tensor | None] = [None] * len(self.head_params)
         tasks = []
         try:
             for k in range(columns.shape[1]):
-                grads = torch.autograd.grad(columns[:, k].sum(), [*outputs, *self.head_params],
+                root = columns[:, k].sum() if scale is None else columns[:, k].sum() * scale
+                grads = torch.autograd.grad(root, [*outputs, *self.head_params],
                                             retain_graph=True, allow_unused=True)
                 tasks.append(grads[: len(outputs)])
                 heads = [_add(h, g) for h, g in zip(heads, grads[len(outputs):])]
@@ -113,10 +123,50 @@ class PerSampleBuffer:
         self._losses.append(vector)
         self._parts.append(part)
         self._heads = [_add(h, g) for h, g in zip(self._heads, heads)]
+        self._scaler, self._scale = scaler, scale
 
-    def apply_(self, balancer: Balancer) -> StepStats:
+    def apply_(self, balancer: Balancer, scaler: Any = None, clip: Any = None) -> StepStats:
         """Weights from the Gramian of the step's objectives, one weighted backward per
-        micro-batch into the trunk's ``.grad``; the heads' plain gradients."""
+        micro-batch into the trunk's ``.grad``; the heads' plain gradients.
+
+        With a scaler the Gramian is unscaled (``/ s²``) before the balancer and the update
+        written scaled (``s·g``), as ``scaler.scale(loss).backward()`` would; a non-finite
+        step sets ``StepStats.found_inf``, leaves the balancer's state and makes every
+        ``.grad`` of the step non-finite so that ``scaler.step`` skips it. Without one it
+        raises ``NonFiniteGradientError`` and nothing moves."""
+        self._check_apply(balancer, scaler, clip)
+        saved = copy.deepcopy(balancer.state_dict())
+        scale = self._scale
+        try:
+            gram = unscaled_gramian(scale, gramian=self.gramian.gramian(self._parts))
+            flat = torch.cat([v.detach().reshape(-1) for v in self._losses])
+            finite = finite_step(gram, scale, [h for h in self._heads if h is not None], None)
+            if finite:
+                w = balancer.compute_weights(gram, flat)
+                trunk = self._weighted_grads(w if scale is None else w * scale.double())
+                finite = bool(torch.stack([torch.isfinite(g).all() for g in trunk]).all())
+            if not finite and scale is None:
+                raise nonfinite_error()
+        except BaseException:
+            balancer.load_state_dict(saved)
+            self.reset()
+            raise
+        count = len(self._losses)
+        if not finite:
+            balancer.load_state_dict(saved)
+            self._skip()
+            return build_stats(gram, flat, False, scale=scale, mode="per_sample",
+                               num_backward=count)
+        for p, g in zip(self.shared, trunk):
+            _accumulate(p, g)
+        for p, h in zip(self.head_params, self._heads):
+            if h is not None:
+                _accumulate(p, h)
+        self.reset()
+        return build_stats(gram, flat, True, weights=w, scale=scale, mode="per_sample",
+                           num_backward=count)
+
+    def _check_apply(self, balancer: Balancer, scaler: Any, clip: Any) -> None:
         if not self._losses:
             raise RuntimeError("apply_() called before backward(); call buf.backward(losses)")
         check_balancer("balancer", balancer)
@@ -127,29 +177,27 @@ class PerSampleBuffer:
                 f"Nash-MTL, Mean...), or pass each sample's loss as a task: TaskGradBuffer "
                 f"without batch_dim, mode='matrix'"
             )
-        saved = copy.deepcopy(balancer.state_dict())
-        try:
-            gram = self.gramian.gramian(self._parts)
-            if not bool(torch.isfinite(torch.diagonal(gram)).all()):
-                raise NonFiniteGradientError(
-                    "per-sample gradients hold inf or NaN; nothing was written. Skip this "
-                    "step or find the source of the overflow"
-                )
-            flat = torch.cat([v.detach().reshape(-1) for v in self._losses])
-            w = balancer.compute_weights(gram, flat)
-            trunk = self._weighted_grads(w)
-        except BaseException:
-            balancer.load_state_dict(saved)
-            self.reset()
-            raise
-        for p, g in zip(self.shared, trunk):
-            _accumulate(p, g)
+        if scaler is not self._scaler:
+            raise ValueError(
+                "scaler differs from the one given to backward(); pass the same GradScaler "
+                "(or None) to backward() and apply_()"
+            )
+        if clip is not None:
+            raise ValueError(
+                f"clip={clip!r}: per-task clipping is not available with batch_dim=0; clip "
+                f"the per-sample gradients with gradbalance.clip.PerSampleClip, or the update "
+                f"with torch.nn.utils.clip_grad_norm_ after apply_()"
+            )
+
+    def _skip(self) -> None:
+        """A skipped step under a scaler: every ``.grad`` it would write made non-finite."""
+        for p in self.shared:
+            _accumulate(p, torch.zeros_like(p))
         for p, h in zip(self.head_params, self._heads):
             if h is not None:
                 _accumulate(p, h)
-        count = len(self._losses)
+        poison_([p.grad for p in [*self.shared, *self.head_params]])
         self.reset()
-        return build_stats(gram, flat, True, weights=w, mode="per_sample", num_backward=count)
 
     def _weighted_grads(self, w: Tensor) -> list[Tensor]:
         """``∇ Σ wᵢₖ ℓᵢₖ`` of the trunk, one backward per micro-batch (its graph freed)."""
@@ -167,6 +215,7 @@ class PerSampleBuffer:
         self._losses = []
         self._parts = []
         self._heads = [None] * len(self.head_params)
+        self._scaler, self._scale = None, None
         self.gramian.clear()
 
     def state_dict(self) -> dict[str, Any]:

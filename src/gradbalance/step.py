@@ -225,7 +225,7 @@ class TaskGradBuffer:
         before its first ``backward``.
         """
         if self._per_sample is not None:
-            return self._per_sample.backward(losses)
+            return self._per_sample.backward(losses, scaler)
         self._owner.enter("backward")
         try:
             self._backward(losses, scaler, features)
@@ -300,7 +300,7 @@ class TaskGradBuffer:
         ``.grad``, the balancer's and ``clip``'s state are as before its first ``backward``.
         """
         if self._per_sample is not None:
-            return self._per_sample.apply_(balancer)
+            return self._per_sample.apply_(balancer, scaler, clip)
         self._owner.enter("apply_")
         try:
             return self._apply(balancer, scaler, clip)
