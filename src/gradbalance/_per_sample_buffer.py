@@ -157,12 +157,7 @@ class PerSampleBuffer:
             self._skip()
             return build_stats(gram, flat, False, scale=scale, mode="per_sample",
                                num_backward=count)
-        for p, g in zip(self.shared, trunk):
-            _accumulate(p, g)
-        for p, h in zip(self.head_params, self._heads):
-            if h is not None:
-                _accumulate(p, h)
-        self.reset()
+        self._write(trunk)
         return build_stats(gram, flat, True, weights=w, scale=scale, mode="per_sample",
                            num_backward=count)
 
@@ -189,15 +184,20 @@ class PerSampleBuffer:
                 f"with torch.nn.utils.clip_grad_norm_ after apply_()"
             )
 
-    def _skip(self) -> None:
-        """A skipped step under a scaler: every ``.grad`` it would write made non-finite."""
-        for p in self.shared:
-            _accumulate(p, torch.zeros_like(p))
+    def _write(self, trunk: list[Tensor]) -> None:
+        """The trunk's update and the heads' gradients into ``.grad``; the step ends."""
+        for p, g in zip(self.shared, trunk):
+            _accumulate(p, g)
         for p, h in zip(self.head_params, self._heads):
             if h is not None:
                 _accumulate(p, h)
-        poison_([p.grad for p in [*self.shared, *self.head_params]])
         self.reset()
+
+    def _skip(self) -> None:
+        """A skipped step under a scaler: every ``.grad`` it would write made non-finite."""
+        written = [p for p, h in zip(self.head_params, self._heads) if h is not None]
+        self._write([torch.zeros_like(p) for p in self.shared])
+        poison_([p.grad for p in [*self.shared, *written]])
 
     def _weighted_grads(self, w: Tensor) -> list[Tensor]:
         """``∇ Σ wᵢₖ ℓᵢₖ`` of the trunk, one backward per micro-batch (its graph freed)."""

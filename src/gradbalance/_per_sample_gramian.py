@@ -60,6 +60,20 @@ def _padded(part: Parts, key: int, parts: Sequence[Parts]) -> tuple[Tensor, Tens
     return x, d
 
 
+def _merged_rows(key: int, parts: Sequence[Parts]) -> tuple[Tensor, Tensor]:
+    """Layer ``key``'s rows of every micro-batch, stacked along the objectives."""
+    xs, ds = zip(*(_padded(part, key, parts) for part in parts))
+    return torch.cat(xs), torch.cat(ds)
+
+
+def _merged_dense(key: int, parts: Sequence[Parts]) -> list[Tensor]:
+    """Fallback ``key``'s per-sample gradients of every micro-batch (zeros where it did not
+    run), stacked along the objectives."""
+    like = next(part.dense[key] for part in parts if key in part.dense)
+    return [torch.cat([part.dense[key][i] if key in part.dense else g.new_zeros(part.n, g.shape[1])
+                       for part in parts]) for i, g in enumerate(like)]
+
+
 class _Fallback:
     """A module whose own trunk parameters take ``torch.func``: its recorded calls."""
 
@@ -249,16 +263,10 @@ class PerSampleGramian:
     def gramian(self, parts: Sequence[Parts]) -> Tensor:
         """The Gramian of every micro-batch's objectives at once, cross terms included
         (objectives in micro-batch order)."""
-        rows: dict[int, tuple[Tensor, Tensor]] = {}
-        for key in {key for part in parts for key in part.rows}:
-            xs, ds = zip(*(_padded(part, key, parts) for part in parts))
-            rows[key] = torch.cat(xs), torch.cat(ds)
-        dense: dict[int, list[Tensor]] = {}
-        for key in {key for part in parts for key in part.dense}:
-            like = next(part.dense[key] for part in parts if key in part.dense)
-            dense[key] = [torch.cat([part.dense[key][i] if key in part.dense else
-                                     g.new_zeros(part.n, g.shape[1]) for part in parts])
-                          for i, g in enumerate(like)]
+        rows = {key: _merged_rows(key, parts)
+                for key in {key for part in parts for key in part.rows}}
+        dense = {key: _merged_dense(key, parts)
+                 for key in {key for part in parts for key in part.dense}}
         return self._assemble(sum(part.n for part in parts), rows, dense)
 
     def collect(self, batch: int, tasks: Sequence[tuple[Tensor | None, ...]]) -> Parts:
