@@ -76,7 +76,15 @@ class PerSampleBuffer:
     """
 
     def __init__(self, shared_params: Iterable[Tensor], head_params: Iterable[Tensor] | None
-                 = None, *, modules: Any = None, batch_dim: int = 0) -> None:
+                 = None, *, modules: Any = None, batch_dim: int = 0,
+                 unsupported: dict[str, bool] | None = None) -> None:
+        given = [name for name, set_ in (unsupported or {}).items() if set_]
+        if given:
+            raise ValueError(
+                f"{given} are not available with batch_dim=0 (each sample an objective); "
+                f"leave them at their defaults, or use TaskGradBuffer without batch_dim "
+                f"(docs/per_sample.md)"
+            )
         if batch_dim != 0 or isinstance(batch_dim, bool):
             raise ValueError(f"batch_dim must be 0 (the samples' dimension), got {batch_dim!r}")
         if modules is None:
@@ -93,11 +101,15 @@ class PerSampleBuffer:
         self._scaler: Any = None
         self._scale: Tensor | None = None
 
-    def backward(self, losses: Tensor | Sequence[Tensor], scaler: Any = None) -> None:
+    def backward(self, losses: Tensor | Sequence[Tensor], scaler: Any = None,
+                 features: Tensor | None = None) -> None:
         """Add this micro-batch's objectives, ``losses`` ``[B]`` or ``[B, K]``; their rows
         join the step's Gramian (cross terms with the earlier micro-batches included), and
         their graph is kept until :meth:`apply_`. With a ``GradScaler`` (the same one to
         every call and to :meth:`apply_`) the scaled losses are differentiated."""
+        if features is not None:
+            raise ValueError("features= is for mode='features'; with batch_dim=0 pass only "
+                             "the per-sample losses")
         vector = check_per_sample_losses(losses)
         if self._losses and scaler is not self._scaler:
             raise ValueError(
@@ -210,6 +222,14 @@ class PerSampleBuffer:
             total = [t if g is None else t + g for t, g in zip(total, grads)]
         return total
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Accept the empty state of :meth:`TaskGradBuffer.state_dict` (nothing to restore)."""
+        if dict(state_dict):
+            raise ValueError(
+                f"state_dict has keys {sorted(state_dict)}, but a batch_dim=0 buffer keeps no "
+                f"state: pass the state_dict() of a batch_dim=0 buffer (empty)"
+            )
+
     def reset(self) -> None:
         """Drop the step (the records and the pending Gramian)."""
         self._losses = []
@@ -217,10 +237,6 @@ class PerSampleBuffer:
         self._heads = [None] * len(self.head_params)
         self._scaler, self._scale = None, None
         self.gramian.clear()
-
-    def state_dict(self) -> dict[str, Any]:
-        """Empty: the per-sample route keeps no state across steps."""
-        return {}
 
 
 def _add(total: Tensor | None, part: Tensor | None) -> Tensor | None:

@@ -163,7 +163,10 @@ class TaskGradBuffer:
         batch_dim: int | None = None,
     ) -> None:
         self._per_sample = None if batch_dim is None else PerSampleBuffer(
-            shared_params, head_params, modules=modules, batch_dim=batch_dim)
+            shared_params, head_params, modules=modules, batch_dim=batch_dim, unsupported={
+                "num_tasks": num_tasks is not None, "passes": passes != "auto",
+                "process_group": process_group is not None, "mode": mode != "matrix",
+                "update_every": update_every != 1, "other_params": other_params != "raise"})
         if self._per_sample is not None:  # each sample an objective (docs/per_sample.md)
             return
         shared = as_parameter_list("shared_params", shared_params)
@@ -195,8 +198,8 @@ class TaskGradBuffer:
     @property
     def mode(self) -> str:
         """The gradient mode (``"matrix"``, ``"gramian"``, ``"auto"`` or ``"features"``), its
-        engine's."""
-        return self._engine.mode
+        engine's; ``"per_sample"`` with ``batch_dim=0``."""
+        return "per_sample" if self._per_sample is not None else self._engine.mode
 
     # -- stage 1 ------------------------------------------------------------------------
     def backward(
@@ -225,7 +228,7 @@ class TaskGradBuffer:
         before its first ``backward``.
         """
         if self._per_sample is not None:
-            return self._per_sample.backward(losses, scaler)
+            return self._per_sample.backward(losses, scaler, features)
         self._owner.enter("backward")
         try:
             self._backward(losses, scaler, features)
@@ -407,7 +410,7 @@ class TaskGradBuffer:
         back to, and ``steps_begun`` (the data-parallel ranks compare it in ``apply_``; the
         task gradients of a step are transient)."""
         if self._per_sample is not None:
-            return self._per_sample.state_dict()
+            return {}  # the per-sample route keeps no state across steps
         return {**self._cache.state_dict(), **self._engine.state_dict(),
                 "steps_begun": self._steps}
 
@@ -417,6 +420,8 @@ class TaskGradBuffer:
         The cached weights must be ``[K]`` finite numbers, K the buffer's ``num_tasks`` (set
         from them when not known yet); a refused state raises ``ValueError`` before anything
         changes."""
+        if self._per_sample is not None:
+            return self._per_sample.load_state_dict(state_dict)
         state = dict(state_dict)
         passes = check_saved_passes(state.pop("passes", None))
         route = state.pop("auto_route", None)  # mode="auto"'s decisions

@@ -133,3 +133,23 @@ def test_failed_apply_leaves_balancer_and_grads() -> None:
     with pytest.raises(ValueError):
         buf.apply_(balancer)
     assert _unchanged(model)
+
+
+def test_options_of_the_task_route_are_refused() -> None:
+    model = nn.Linear(3, 1)
+    for option in ({"update_every": 2}, {"mode": "gramian"}, {"num_tasks": 4},
+                   {"process_group": "local"}, {"other_params": "sum"}, {"passes": "loop"}):
+        with pytest.raises(ValueError, match=rf"\['{next(iter(option))}'\] are not available "
+                                             r"with batch_dim=0"):
+            TaskGradBuffer(model.parameters(), modules=model, batch_dim=0, **option)  # type: ignore[arg-type]
+    buf = _setup(model)
+    with pytest.raises(ValueError, match="features= is for mode='features'"):
+        buf.backward(model(torch.randn(4, 3))[:, 0], features=torch.ones(4, 3))
+    assert buf.mode == "per_sample" and buf.state_dict() == {}
+    buf.load_state_dict({})
+    with pytest.raises(ValueError, match=r"keys \['steps_begun'\].*keeps no state"):
+        buf.load_state_dict({"steps_begun": 3})
+    buf.backward(model(torch.randn(4, 3))[:, 0])
+    with pytest.raises(ValueError, match=r"clip=.*not available with batch_dim=0"):
+        buf.apply_(UPGrad(), clip=object())  # type: ignore[arg-type]
+    assert _unchanged(model)
