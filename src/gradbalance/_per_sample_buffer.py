@@ -24,9 +24,11 @@ from torch import Tensor
 
 from ._amp import finite_step, nonfinite_error, poison_, scale_of, unscaled_gramian
 from ._checks import as_parameter_list
+from ._coverage import Coverage
 from ._per_sample_gramian import Parts, PerSampleGramian
 from .balancers._base import Balancer
 from .balancers._checks import check_balancer
+from .distributed import resolve_process_group
 from .stats import StepStats, build_stats
 
 __all__ = ["PerSampleBuffer"]
@@ -94,6 +96,13 @@ class PerSampleBuffer:
             )
         self.shared = as_parameter_list("shared_params", shared_params)
         self.head_params = as_parameter_list("head_params", head_params, allow_empty=True)
+        if resolve_process_group(None) is not None:
+            raise ValueError(
+                "batch_dim=0 runs in one process: the objectives of several data-parallel "
+                "ranks do not form one Gramian here yet; use TaskGradBuffer without batch_dim "
+                "under torch.distributed"
+            )
+        self._coverage = Coverage(self.shared, self.head_params, "raise", modules)
         self.gramian = PerSampleGramian(modules, self.shared)
         self._losses: list[Tensor] = []  # the step's micro-batches, graphs kept
         self._parts: list[Parts] = []
@@ -117,6 +126,11 @@ class PerSampleBuffer:
                 "pass the same GradScaler (or None) to every backward() and to apply_()"
             )
         columns = vector.reshape(vector.shape[0], -1)
+        try:
+            self._coverage.check(vector)
+        except ValueError:
+            self.gramian.clear()
+            raise
         self.gramian.check(vector)
         scale = scale_of(scaler, vector.device)
         outputs = self.gramian.outputs()

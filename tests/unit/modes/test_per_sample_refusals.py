@@ -153,3 +153,11 @@ def test_options_of_the_task_route_are_refused() -> None:
     with pytest.raises(ValueError, match=r"clip=.*not available with batch_dim=0"):
         buf.apply_(UPGrad(), clip=object())  # type: ignore[arg-type]
     assert _unchanged(model)
+
+
+def test_a_parameter_in_neither_list_is_refused() -> None:
+    model, extra = nn.Linear(3, 1), nn.Parameter(torch.ones(1))
+    buf = _setup(model)
+    with pytest.raises(ValueError, match="neither"):
+        buf.backward(model(torch.randn(4, 3))[:, 0] * extra)
+    assert _unchanged(model) and extra.grad is None
