@@ -44,6 +44,7 @@ from ._coverage import (
     fire_post_accumulate_hooks,
     sum_backward_,
 )
+from ._per_sample_buffer import PerSampleBuffer
 from ._sharding import is_sharded
 from ._threads import StepOwner
 from .balancers._base import Balancer
@@ -111,6 +112,10 @@ class TaskGradBuffer:
             gives it the plain gradient of ``Σₖ Lₖ``, as a head; ``"ignore"`` leaves its
             ``.grad`` as it is, for a caller that fills it itself (docs/loop.md, "Parameter
             coverage").
+        batch_dim: ``0``: every sample (``[B]`` losses) or sample × task (``[B, K]``) is an
+            objective, balanced through the per-sample Gramian from one backward (needs
+            ``modules`` and a weighted balancer; docs/per_sample.md). None (default): the
+            K task losses.
 
     Each ``backward`` walks the losses' graph: a reentrant ``torch.utils.checkpoint`` is
     refused (pass ``use_reentrant=False``), and ``register_post_accumulate_grad_hook`` hooks
@@ -155,7 +160,15 @@ class TaskGradBuffer:
         update_every: int = 1,
         modules: Any = None,
         other_params: OtherParams = "raise",
+        batch_dim: int | None = None,
     ) -> None:
+        self._per_sample = None if batch_dim is None else PerSampleBuffer(
+            shared_params, head_params, modules=modules, batch_dim=batch_dim, unsupported={
+                "num_tasks": num_tasks is not None, "passes": passes != "auto",
+                "process_group": process_group is not None, "mode": mode != "matrix",
+                "update_every": update_every != 1, "other_params": other_params != "raise"})
+        if self._per_sample is not None:  # each sample an objective (docs/per_sample.md)
+            return
         shared = as_parameter_list("shared_params", shared_params)
         heads = as_parameter_list("head_params", head_params, allow_empty=True)
         _check_shared_and_heads(shared, heads)
@@ -186,8 +199,8 @@ class TaskGradBuffer:
     @property
     def mode(self) -> str:
         """The gradient mode (``"matrix"``, ``"gramian"``, ``"auto"`` or ``"features"``), its
-        engine's."""
-        return self._engine.mode
+        engine's; ``"per_sample"`` with ``batch_dim=0``."""
+        return "per_sample" if self._per_sample is not None else self._engine.mode
 
     # -- stage 1 ------------------------------------------------------------------------
     def backward(
@@ -215,6 +228,8 @@ class TaskGradBuffer:
         anything moves; a failure past the checks drops the step, the heads' ``.grad`` as
         before its first ``backward``.
         """
+        if self._per_sample is not None:
+            return self._per_sample.backward(losses, scaler, features)
         self._owner.enter("backward")
         try:
             self._backward(losses, scaler, features)
@@ -288,6 +303,8 @@ class TaskGradBuffer:
         moves and leaves the step; a failure past the checks drops the step: every
         ``.grad``, the balancer's and ``clip``'s state are as before its first ``backward``.
         """
+        if self._per_sample is not None:
+            return self._per_sample.apply_(balancer, scaler, clip)
         self._owner.enter("apply_")
         try:
             return self._apply(balancer, scaler, clip)
@@ -393,6 +410,8 @@ class TaskGradBuffer:
         """The ``update_every`` counter, the cached weights, the passes measured or fallen
         back to, and ``steps_begun`` (the data-parallel ranks compare it in ``apply_``; the
         task gradients of a step are transient)."""
+        if self._per_sample is not None:
+            return {}  # the per-sample route keeps no state across steps
         return {**self._cache.state_dict(), **self._engine.state_dict(),
                 "steps_begun": self._steps}
 
@@ -402,6 +421,8 @@ class TaskGradBuffer:
         The cached weights must be ``[K]`` finite numbers, K the buffer's ``num_tasks`` (set
         from them when not known yet); a refused state raises ``ValueError`` before anything
         changes."""
+        if self._per_sample is not None:
+            return self._per_sample.load_state_dict(state_dict)
         state = dict(state_dict)
         passes = check_saved_passes(state.pop("passes", None))
         route = state.pop("auto_route", None)  # mode="auto"'s decisions
@@ -438,6 +459,8 @@ class TaskGradBuffer:
     def reset(self) -> None:
         """Drop the current step and the cached weights (keeps the buffer's memory); from any
         thread, not while another thread is inside a call (``RuntimeError``)."""
+        if self._per_sample is not None:
+            return self._per_sample.reset()
         self._owner.drop("reset")
         self._end_step()
         self._cache.reset()

@@ -45,90 +45,16 @@ from .._amp import no_autocast
 from .._checks import check_bool, check_norm_type
 from .._graph import leaf_uses, tensor_hooked
 from ._per_sample_graph import _check_losses
+from ._per_sample_layers import COVERED as _COVERED
+from ._per_sample_layers import HookedLayer as _Layer
+from ._per_sample_layers import check_batch
+from ._per_sample_layers import refusal as _refusal
 from ._per_sample_tied import Site, site_form, tied_powers
 
 __all__ = ["GhostNorms"]
 
-#: The layers with a ghost form.
-_COVERED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.LayerNorm, nn.Embedding)
-
 #: Recorded forwards of one layer past which a forgotten norms()/clear() is likely.
 _MANY_CALLS = 64
-
-
-class _Layer:
-    """One hooked layer: its recorded calls and how they become ``[B, S, in]`` / ``[B, S, out]``."""
-
-    def __init__(self, name: str, module: nn.Module, weight: bool, bias: bool) -> None:
-        self.name = name
-        self.module = module
-        self.weight = weight
-        self.bias = bias
-        self.inputs: list[Tensor] = []
-        self.outputs: list[Tensor] = []
-
-    def bounded(self) -> list[tuple[str, Tensor, bool]]:
-        """The layer's bounded parameters: their name in the model, the tensor, and whether
-        it is the layer's weight (else its bias)."""
-        prefix = f"{self.name}." if self.name else ""
-        weight, bias = getattr(self.module, "weight", None), getattr(self.module, "bias", None)
-        found: list[tuple[str, Tensor, bool]] = []
-        if self.weight and isinstance(weight, Tensor):
-            found.append((f"{prefix}weight", weight, True))
-        if self.bias and isinstance(bias, Tensor):
-            found.append((f"{prefix}bias", bias, False))
-        return found
-
-    def rows(self, x: Tensor, batch: int) -> Tensor:
-        """The layer's input as ``[B, S, in]``: tokens, or a convolution's unfolded patches."""
-        m = self.module
-        if isinstance(m, nn.Conv2d):
-            assert not isinstance(m.padding, str)  # _refusal turns string paddings away
-            patches = nn.functional.unfold(x, m.kernel_size, m.dilation, m.padding, m.stride)
-            return patches.transpose(1, 2)  # [B, H'·W', C·kh·kw]
-        if isinstance(m, nn.LayerNorm):  # the normalised input x̂: y = γ ⊙ x̂ + β
-            dims = len(m.normalized_shape)
-            flat = nn.functional.layer_norm(x, m.normalized_shape, None, None, m.eps)
-            return flat.reshape(batch, -1, *x.shape[x.dim() - dims:]).flatten(2)
-        if isinstance(m, nn.Conv1d):  # a 1 × k convolution on a [B, C, 1, L] image
-            assert not isinstance(m.padding, str)  # _refusal turns string paddings away
-            patches = nn.functional.unfold(x.unsqueeze(2), (1, m.kernel_size[0]),
-                                           (1, m.dilation[0]), (0, m.padding[0]),
-                                           (1, m.stride[0]))
-            return patches.transpose(1, 2)  # [B, L', C·k]
-        if isinstance(m, nn.Embedding):  # the token ids [B, S]
-            return x.reshape(batch, -1)
-        return x.reshape(batch, -1, x.shape[-1])
-
-    def output_rows(self, d: Tensor, batch: int) -> Tensor:
-        """The gradient of the layer's output as ``[B, S, out]``."""
-        if isinstance(self.module, (nn.Conv1d, nn.Conv2d)):
-            return d.reshape(batch, d.shape[1], -1).transpose(1, 2)
-        if isinstance(self.module, nn.LayerNorm):
-            dims = len(self.module.normalized_shape)
-            return d.reshape(batch, -1, *d.shape[d.dim() - dims:]).flatten(2)
-        return d.reshape(batch, -1, d.shape[-1])
-
-
-def _refusal(module: nn.Module) -> str | None:
-    """Why ``module``'s per-sample gradient has no ghost form here (None: it has one)."""
-    if isinstance(module, (nn.Linear, nn.LayerNorm)):
-        return None
-    if isinstance(module, nn.Embedding):
-        return "scale_grad_by_freq couples the samples" if module.scale_grad_by_freq else None
-    if isinstance(module, (nn.Conv1d, nn.Conv2d)):
-        return _conv_refusal(module)
-    return type(module).__name__
-
-
-def _conv_refusal(module: nn.Conv1d | nn.Conv2d) -> str | None:
-    """Why a convolution has no ghost form here: groups, or a padding other than zeros given
-    as numbers (None: it has one)."""
-    if module.groups != 1:
-        return "grouped convolution"
-    if module.padding_mode != "zeros" or isinstance(module.padding, str):
-        return f"padding {module.padding!r} with padding_mode {module.padding_mode!r}"
-    return None
 
 
 class _Inputs:
@@ -385,16 +311,12 @@ class GhostNorms:
     def _check_batch(self, layers: list[_Layer], batch: int) -> None:
         """Every recorded input has the losses' ``batch`` samples on dim 0 (else the records
         are dropped and it raises)."""
-        for layer in layers:
-            if any(t.shape[0] != batch for t in layer.inputs):
-                shapes = [tuple(t.shape) for t in layer.inputs]
-                self.clear()
-                raise ValueError(
-                    f"layer {layer.name!r} recorded inputs of shapes {shapes} but the "
-                    f"losses have {batch} samples: the batch must be dim 0 of every layer "
-                    f"input, and every forward under grad since the last norms() is "
-                    f"recorded (call clear() after other forwards)"
-                )
+        try:
+            check_batch(layers, batch, "every forward under grad since the last norms() is "
+                        "recorded (call clear() after other forwards)")
+        except ValueError:
+            self.clear()
+            raise
 
     def _check_uses(self, losses: Tensor) -> None:
         """Every bounded parameter is used on the losses' graph only by its layers' recorded

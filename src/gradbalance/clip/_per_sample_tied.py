@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Site", "site_form", "tied_powers"]
+__all__ = ["Site", "materialised", "site_form", "tied_powers"]
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ def site_form(site: Site, x: Tensor, d: Tensor) -> tuple[Tensor, Tensor] | Tenso
     return d, x
 
 
-def _materialised(forms: list[tuple[Tensor, Tensor] | Tensor], dtype: torch.dtype) -> Tensor:
+def materialised(forms: list[tuple[Tensor, Tensor] | Tensor], dtype: torch.dtype) -> Tensor:
     """``Σ`` of the sites' per-sample gradients, flattened ``[B, numel]``."""
     total: Tensor | None = None
     for form in forms:
@@ -85,6 +85,6 @@ def tied_powers(forms: list[tuple[Tensor, Tensor] | Tensor], norm_type: float) -
         if s * s * (m + n) < s * m * n:
             gram = (a @ a.transpose(1, 2)).double() * (b @ b.transpose(1, 2)).double()
             return gram.sum(dim=(1, 2)).clamp_min(0)
-    norms = torch.linalg.vector_norm(_materialised(forms, dtype), norm_type, dim=1)
+    norms = torch.linalg.vector_norm(materialised(forms, dtype), norm_type, dim=1)
     powers: Tensor = norms.double() ** norm_type
     return powers

@@ -1,0 +1,336 @@
+"""The per-sample Gramian ``G_ij = ⟨∇θ ℓᵢ, ∇θ ℓⱼ⟩`` ``[B, B]`` from one backward of ``Σᵢ ℓᵢ``.
+
+When the trunk treats its samples independently, the backward of ``Σᵢ ℓᵢ`` gives every
+sample's output gradient ``Dᵢ`` at every layer. A layer of linear form (``nn.Linear`` on 2-D
+or 3-D inputs, ``nn.Conv1d``/``nn.Conv2d``, ``nn.Embedding``, ``nn.LayerNorm``, their
+biases) has per-sample weight gradients ``Dᵢᵀ Xᵢ`` (inputs or patches ``Xᵢ`` ``[S, in]``), so
+
+    G_ij = Σ_layers Σ_{s,t} (Xᵢₛ·Xⱼₜ)(Dᵢₛ·Dⱼₜ)          (the ghost-norm identity, i ≠ j too)
+
+or ``⟨Dᵢᵀ Xᵢ, Dⱼᵀ Xⱼ⟩`` from the materialised per-sample gradients, per parameter whichever
+costs less (Goodfellow 2015; Li et al. 2022; Quinton & Rey 2024, "Jacobian Descent for
+Multi-Objective Optimization", §6). The forms are those of :class:`~gradbalance.clip.GhostNorms`
+(:mod:`gradbalance.clip._per_sample_layers`, :mod:`gradbalance.clip._per_sample_tied`), tied
+weights included. Any other module holding trunk parameters falls back to per-sample
+gradients through ``torch.func`` (:mod:`._per_sample_fallback`). Layers that mix the samples
+(BatchNorm or SyncBatchNorm in training mode) are refused (docs/per_sample.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ._graph import leaf_uses, tensor_hooked
+from ._per_sample_fallback import per_sample_vjp
+from .clip._per_sample_layers import HookedLayer, check_batch, refusal
+from .clip._per_sample_tied import Site, materialised, site_form
+
+__all__ = ["Parts", "PerSampleGramian"]
+
+Form = tuple[Tensor, Tensor] | Tensor
+
+
+@dataclass(frozen=True)
+class Parts:
+    """One micro-batch's objectives: their number, each covered layer's input and output
+    gradient rows ``[n, S, ·]``, each fallback module's per-sample gradients ``[n, numel]``."""
+
+    n: int
+    rows: dict[int, tuple[Tensor, Tensor]]
+    dense: dict[int, list[Tensor]]
+
+
+def _padded(part: Parts, key: int, parts: Sequence[Parts]) -> tuple[Tensor, Tensor]:
+    """``part``'s rows of layer ``key`` padded with zero rows to the longest S of ``parts``
+    (zero output gradients add nothing); zeros where the layer did not run."""
+    found = [p.rows[key] for p in parts if key in p.rows]
+    s = max(x.shape[1] for x, _ in found)
+    x_like, d_like = found[0]
+    x, d = part.rows.get(key, (x_like.new_zeros(part.n, 0, *x_like.shape[2:]),
+                               d_like.new_zeros(part.n, 0, *d_like.shape[2:])))
+    pad = s - x.shape[1]
+    if pad:
+        x = torch.cat([x, x.new_zeros(x.shape[0], pad, *x.shape[2:])], 1)
+        d = torch.cat([d, d.new_zeros(d.shape[0], pad, *d.shape[2:])], 1)
+    return x, d
+
+
+def _merged_rows(key: int, parts: Sequence[Parts]) -> tuple[Tensor, Tensor]:
+    """Layer ``key``'s rows of every micro-batch, stacked along the objectives."""
+    xs, ds = zip(*(_padded(part, key, parts) for part in parts))
+    return torch.cat(xs), torch.cat(ds)
+
+
+def _merged_dense(key: int, parts: Sequence[Parts]) -> list[Tensor]:
+    """Fallback ``key``'s per-sample gradients of every micro-batch (zeros where it did not
+    run), stacked along the objectives."""
+    like = next(part.dense[key] for part in parts if key in part.dense)
+    return [torch.cat([part.dense[key][i] if key in part.dense else g.new_zeros(part.n, g.shape[1])
+                       for part in parts]) for i, g in enumerate(like)]
+
+
+class _Fallback:
+    """A module whose own trunk parameters take ``torch.func``: its recorded calls."""
+
+    def __init__(self, name: str, module: nn.Module, names: list[str]) -> None:
+        self.name = name
+        self.module = module
+        self.names = names
+        self.inputs: list[Tensor] = []
+        self.outputs: list[Tensor] = []
+        self.bad_call: str | None = None
+
+
+def _as_modules(modules: Any) -> list[tuple[str, nn.Module]]:
+    """``modules`` (one module or an iterable of them) as ``(prefix, module)`` pairs."""
+    if isinstance(modules, nn.Module):
+        return [("", modules)]
+    found = list(modules) if isinstance(modules, Iterable) else [modules]
+    if not found or not all(isinstance(m, nn.Module) for m in found):
+        raise TypeError(
+            f"modules must be the trunk: an nn.Module or a list of them, got "
+            f"{type(modules).__name__}; pass modules=model.trunk"
+        )
+    return [(f"{i}", m) for i, m in enumerate(found)] if len(found) > 1 else [("", found[0])]
+
+
+def _joined(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix and name else prefix or name
+
+
+def gram_of(forms: list[Form]) -> Tensor:
+    """``[B, B]`` (float64) Gramian of one parameter's per-sample gradients, the sum of its
+    sites' forms: the Gram form of the stacked outer forms, or the materialised rows."""
+    outer = [f for f in forms if not isinstance(f, Tensor)]
+    if len(outer) == len(forms):
+        a = torch.cat([f[0] for f in outer], 1).double()
+        b = torch.cat([f[1] for f in outer], 1).double()
+        batch, s, m = a.shape
+        n = b.shape[2]
+        rows = batch * s
+        if rows * rows * (m + n) <= rows * m * n + batch * batch * m * n:
+            a2, b2 = a.reshape(rows, m), b.reshape(rows, n)
+            return ((a2 @ a2.T) * (b2 @ b2.T)).reshape(batch, s, batch, s).sum((1, 3))
+    flat = materialised(forms, torch.float64)
+    return flat @ flat.T
+
+
+class PerSampleGramian:
+    """Forward hooks on the trunk's parameter-holding modules; the per-sample Gramian.
+
+    ``modules``: the trunk (a module or a list); ``params``: the trunk parameters, each held
+    by a module in it. Build it before the forward; :meth:`compute` consumes the records.
+    """
+
+    def __init__(self, modules: Any, params: list[Tensor]) -> None:
+        self._roots = _as_modules(modules)
+        self.params = params
+        wanted = {id(p): p for p in params}
+        self._layers: list[HookedLayer] = []
+        self._fallbacks: list[_Fallback] = []
+        self._sites: dict[int, list[tuple[HookedLayer, bool]]] = {}
+        self._dense: dict[int, list[tuple[_Fallback, int]]] = {}
+        self._names: dict[int, str] = {}
+        self._handles: list[Any] = []
+        self.recording = True
+        for prefix, root in self._roots:
+            for name, sub in root.named_modules():
+                self._hook(_joined(prefix, name), sub, wanted)
+        missing = [i for i in wanted if i not in self._sites and i not in self._dense]
+        if missing:
+            self.remove()
+            raise ValueError(
+                f"{len(missing)} shared parameter(s) (shapes "
+                f"{[tuple(wanted[i].shape) for i in missing]}) are held by no module of "
+                f"modules; pass modules= the module(s) owning every shared parameter"
+            )
+
+    def _hook(self, name: str, sub: nn.Module, wanted: dict[int, Tensor]) -> None:
+        own = [(pname, p) for pname, p in sub.named_parameters(recurse=False)
+               if id(p) in wanted]
+        if not own:
+            return
+        for pname, param in own:
+            self._names.setdefault(id(param), _joined(name, pname))
+        if refusal(sub) is None:
+            bias = getattr(sub, "bias", None)
+            layer = HookedLayer(name, sub, id(sub.weight) in wanted,
+                                bias is not None and id(bias) in wanted)
+            self._layers.append(layer)
+            for _, p, is_weight in layer.bounded():
+                self._sites.setdefault(id(p), []).append((layer, is_weight))
+            self._handles.append(sub.register_forward_hook(self._record_layer(layer)))
+            return
+        fallback = _Fallback(name, sub, [pname for pname, _ in own])
+        self._fallbacks.append(fallback)
+        for index, (_, p) in enumerate(own):
+            self._dense.setdefault(id(p), []).append((fallback, index))
+        self._handles.append(sub.register_forward_hook(self._record_fallback(fallback),
+                                                       with_kwargs=True))
+
+    def _record_layer(self, layer: HookedLayer) -> Any:
+        def record(module: nn.Module, args: tuple[Any, ...], output: Tensor) -> None:
+            if self.recording and torch.is_grad_enabled() and output.requires_grad:
+                layer.inputs.append(args[0].detach())
+                layer.outputs.append(output)
+        return record
+
+    def _record_fallback(self, fallback: _Fallback) -> Any:
+        def record(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                   output: Any) -> None:
+            if not (self.recording and torch.is_grad_enabled()):
+                return
+            if len(args) != 1 or kwargs or not isinstance(args[0], Tensor) or not (
+                    isinstance(output, Tensor)):
+                fallback.bad_call = (f"{len(args)} positional and {len(kwargs)} keyword "
+                                     f"argument(s), output {type(output).__name__}")
+                return
+            if output.requires_grad:
+                fallback.inputs.append(args[0].detach())
+                fallback.outputs.append(output)
+        return record
+
+    def _records(self) -> list[HookedLayer | _Fallback]:
+        return [*self._layers, *self._fallbacks]
+
+    # -- checks before anything moves ---------------------------------------------------
+    def check(self, losses: Tensor) -> None:
+        """Refuse (``ValueError``/``RuntimeError``, records dropped) what would make the
+        Gramian wrong: sample-mixing layers, wrong batch sizes, unrecorded uses."""
+        try:
+            self._check_mixing()
+            self._check_calls(losses.shape[0])
+            self._check_uses(losses)
+        except (ValueError, RuntimeError):
+            self.clear()
+            raise
+
+    def _check_mixing(self) -> None:
+        for prefix, root in self._roots:
+            for name, sub in root.named_modules():
+                if isinstance(sub, nn.modules.batchnorm._BatchNorm) and sub.training:
+                    raise ValueError(
+                        f"layer {_joined(prefix, name)!r} ({type(sub).__name__} in training "
+                        f"mode) mixes the samples of the batch, so per-sample gradients are "
+                        f"not defined: use nn.GroupNorm or nn.LayerNorm, or put it in eval "
+                        f"mode (module.eval()), or use batch_dim=None"
+                    )
+
+    def _check_calls(self, batch: int) -> None:
+        for fallback in self._fallbacks:
+            if fallback.bad_call is not None:
+                raise ValueError(
+                    f"layer {fallback.name!r} ({type(fallback.module).__name__}) was called "
+                    f"with {fallback.bad_call}; the per-sample fallback takes one tensor in "
+                    f"and one tensor out: wrap it, or leave its parameters out of shared_params"
+                )
+        check_batch(self._records(), batch, "only this step's forward recorded (call "
+                    "reset() after other forwards under grad)")
+
+    def _check_uses(self, losses: Tensor) -> None:
+        """Each covered layer's parameter is used on the graph only by its recorded calls
+        and has no tensor hook."""
+        uses = leaf_uses(losses, self.params)
+        for p in self.params:
+            calls = sum(len(layer.outputs) for layer, _ in self._sites.get(id(p), []))
+            if id(p) in self._dense:
+                calls = uses[id(p)]  # a fallback module may use its parameter several times
+            if tensor_hooked(p) or uses[id(p)] > calls:
+                raise RuntimeError(
+                    f"shared parameter {self._names[id(p)]!r} is used {uses[id(p)]} times on "
+                    f"the losses' graph but its layer(s) recorded {calls} calls, or it has a "
+                    f"tensor hook: its per-sample gradient would be incomplete. Call the "
+                    f"layer itself wherever its weight is used (not F.linear(x, "
+                    f"layer.weight)), run the forward after building the buffer, or use "
+                    f"batch_dim=None"
+                )
+
+    # -- the Gramian --------------------------------------------------------------------
+    def outputs(self) -> list[Tensor]:
+        """Every recorded output, layers first, in order."""
+        return [y for r in self._records() for y in r.outputs]
+
+    def compute(self, batch: int, tasks: Sequence[tuple[Tensor | None, ...]]) -> Tensor:
+        """``[B·K, B·K]`` float64 (objective ``(i, k)`` at ``i·K + k``) from each task's
+        gradients of :meth:`outputs` (same order; None: unused)."""
+        return self.gramian([self.collect(batch, tasks)])
+
+    def gramian(self, parts: Sequence[Parts]) -> Tensor:
+        """The Gramian of every micro-batch's objectives at once, cross terms included
+        (objectives in micro-batch order)."""
+        rows = {key: _merged_rows(key, parts)
+                for key in {key for part in parts for key in part.rows}}
+        dense = {key: _merged_dense(key, parts)
+                 for key in {key for part in parts for key in part.dense}}
+        return self._assemble(sum(part.n for part in parts), rows, dense)
+
+    def collect(self, batch: int, tasks: Sequence[tuple[Tensor | None, ...]]) -> Parts:
+        """One micro-batch's per-objective rows of every layer (objective ``(i, k)`` at
+        ``i·K + k``) from each task's gradients of :meth:`outputs`; clears nothing."""
+        k = len(tasks)
+        rows: dict[int, tuple[Tensor, Tensor]] = {}
+        dense: dict[int, list[Tensor]] = {}
+        at = 0
+        for layer in self._layers:
+            n = len(layer.outputs)
+            if n:
+                d = torch.stack([torch.cat([layer.output_rows(g, batch) for g in _filled(
+                    layer.outputs, grads[at: at + n])], 1) for grads in tasks], 1)
+                x = torch.cat([layer.rows(t, batch) for t in layer.inputs], 1)
+                rows[id(layer)] = (x.repeat_interleave(k, 0), d.flatten(0, 1))
+            at += n
+        self.recording = False  # the fallback's functional calls are not the step's
+        try:
+            for fallback in self._fallbacks:
+                n = len(fallback.outputs)
+                for call, x in enumerate(fallback.inputs):
+                    d = torch.stack([_filled(fallback.outputs, grads[at: at + n])[call]
+                                     for grads in tasks], 1).flatten(0, 1)
+                    dense[id(fallback)] = _summed(dense.get(id(fallback)), per_sample_vjp(
+                        fallback.module, fallback.names, x.repeat_interleave(k, 0), d))
+                at += n
+        finally:
+            self.recording = True
+        return Parts(batch * k, rows, dense)
+
+    def _assemble(self, n: int, rows: dict[int, tuple[Tensor, Tensor]],
+                  dense: dict[int, list[Tensor]]) -> Tensor:
+        """Σ over the parameters of the Gramian of their sites' forms."""
+        gram = torch.zeros(n, n, dtype=torch.float64, device=self.params[0].device)
+        for p in self.params:
+            forms: list[Form] = [site_form(Site(layer.module, is_weight), *rows[id(layer)])
+                                 for layer, is_weight in self._sites.get(id(p), [])
+                                 if id(layer) in rows]
+            forms += [dense[id(f)][index] for f, index in self._dense.get(id(p), [])
+                      if id(f) in dense]
+            if forms:
+                gram += gram_of(forms).to(gram.device)
+        return gram
+
+    def clear(self) -> None:
+        """Drop the recorded calls."""
+        for record in self._records():
+            record.inputs.clear()
+            record.outputs.clear()
+        for fallback in self._fallbacks:
+            fallback.bad_call = None
+
+    def remove(self) -> None:
+        """Remove the hooks."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.clear()
+
+
+def _filled(outputs: list[Tensor], grads: tuple[Tensor | None, ...]) -> list[Tensor]:
+    return [torch.zeros_like(y) if g is None else g for y, g in zip(outputs, grads)]
+
+
+def _summed(before: list[Tensor] | None, new: list[Tensor]) -> list[Tensor]:
+    return new if before is None else [a + b for a, b in zip(before, new)]
