@@ -81,7 +81,7 @@ class BalancedAcceleratorStep:
         >>> from gradbalance.balancers import UPGrad
         >>> from gradbalance.integrations.accelerate import BalancedAcceleratorStep
         >>> w = torch.nn.Parameter(torch.zeros(2))
-        >>> step = BalancedAcceleratorStep(Accelerator(cpu=True), UPGrad(), [w])
+        >>> step = BalancedAcceleratorStep(Accelerator(), UPGrad(), [w])
         >>> _ = step.backward([w @ torch.tensor([1.0, 0.0]), w @ torch.tensor([-1.0, 1.0])])
         >>> w.grad  # a sync step (no accumulation): UPGrad of the rows, as in its example
         tensor([0.2500, 0.7500])
