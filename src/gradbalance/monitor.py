@@ -140,6 +140,14 @@ def stats_to_dict(
         weights: task weights ``[K]`` to log as ``w/task{k}``; default ``stats.weights``
             (pass a loss weighting's weights here).
         task_names: the tasks' names in the tags (``loss/depth``); default ``task0``, ...
+
+    Example:
+        >>> import torch
+        >>> from gradbalance import StepStats, stats_to_dict
+        >>> stats = StepStats(torch.tensor([0.5, 2.0]), torch.tensor([3.0, 4.0]), None, None, None)
+        >>> stats_to_dict(stats, task_names=["depth", "seg"])
+        {'loss/depth': 0.5, 'size/depth': 3.0, 'loss/seg': 2.0, 'size/seg': 4.0,
+         'amp_skipped': 0.0}
     """
     names = task_labels(task_names, stats.num_tasks)
     values = _host_lists(_tensors_to_log(stats, pre_clip, _weights_of(stats, weights)))
@@ -155,7 +163,17 @@ def stats_to_dict(
 
 
 def summary_writer(log_dir: str | os.PathLike[str] | None = None, **kwargs: Any) -> Any:
-    """A ``torch.utils.tensorboard.SummaryWriter``, with a clear error if tensorboard is missing."""
+    """A ``torch.utils.tensorboard.SummaryWriter``, with a clear error if tensorboard is missing.
+
+    Example:
+        >>> import tempfile
+        >>> from gradbalance import summary_writer
+        >>> with tempfile.TemporaryDirectory() as log_dir:
+        ...     with summary_writer(log_dir) as writer:
+        ...         writer.add_scalar("loss/task0", 0.5, 0)
+        ...     print(type(writer).__name__, writer.get_logdir() == log_dir)
+        SummaryWriter True
+    """
     require("tensorboard", "tensorboard", "TensorBoard logging",
             "log with stats_to_dict / CSVLogger instead")
     from torch.utils.tensorboard import SummaryWriter
@@ -179,6 +197,15 @@ def log_stats(
     ``running``, its ``std/<tag>`` variabilities are written too; ``task_names`` name the
     tasks in the tags (``loss/depth``, ``cos/depth_normals``; default ``task0``, ...).
     Returns what was written.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance import StepStats, log_stats
+        >>> class Printer:  # stands in for a SummaryWriter
+        ...     def add_scalar(self, tag, value, step): print(step, tag, value)
+        >>> _ = log_stats(Printer(), StepStats(torch.tensor([0.5]), None, None, None, None), 7)
+        7 loss/task0 0.5
+        7 amp_skipped 0.0
     """
     if not hasattr(writer, "add_scalar"):
         raise ValueError(
@@ -207,6 +234,12 @@ class RunningStats:
     values and returns ``{"std/<tag>": population std}`` for every tag in ``scalars`` seen at
     least once (0 after one value, so CSV columns are stable from the first step).
     ``amp_skipped`` and ``std/*`` tags are not tracked; non-finite values are ignored.
+
+    Example:
+        >>> from gradbalance import RunningStats
+        >>> running = RunningStats(window=2)
+        >>> [running.update({"loss/task0": v}) for v in (1.0, 3.0, 7.0)]  # std of 1, {1, 3}, {3, 7}
+        [{'std/loss/task0': 0.0}, {'std/loss/task0': 1.0}, {'std/loss/task0': 2.0}]
     """
 
     def __init__(self, window: int = 100) -> None:
@@ -252,6 +285,17 @@ class CSVLogger:
     rectangular); a missing tag is written as an empty cell. ``task_names`` name the tasks
     in the columns of :meth:`log_stats` (``loss/depth``; default ``task0``, ...). Use as a
     context manager or call :meth:`close`.
+
+    Example:
+        >>> import pathlib, tempfile
+        >>> from gradbalance import CSVLogger
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     with CSVLogger(pathlib.Path(d, "run.csv")) as log:
+        ...         log.log({"loss/task0": 0.5, "update_norm": 2.0}, step=0)
+        ...     print(pathlib.Path(d, "run.csv").read_text())
+        step,loss/task0,update_norm
+        0,0.5,2.0
+        <BLANKLINE>
     """
 
     def __init__(self, path: str | os.PathLike[str],

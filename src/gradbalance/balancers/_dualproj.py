@@ -20,6 +20,13 @@ def dualproj_weights(gramian: Tensor, pref: Tensor | None = None) -> Tensor:
 
     ``Jᵀw`` is the projection of ``Jᵀp`` (default ``p = 1/K``: the mean gradient) onto the
     dual cone ``{x : J x ≥ 0}``: the closest vector to the mean that conflicts with no task.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.functional import dualproj_weights
+        >>> g = torch.tensor([[1.0, 0.0], [-2.0, 1.0]], dtype=torch.float64)
+        >>> dualproj_weights(g @ g.T)  # 1·g₁ + ½·g₂ = (0, ½), as in DualProj's example
+        tensor([1.0000, 0.5000], dtype=torch.float64)
     """
     k = gramian.shape[0]
     gram, _ = trace_normalized(gramian)
@@ -35,6 +42,13 @@ class DualProj(PreferenceBalancer):
     Args:
         num_tasks: K (optional).
         pref: preference vector ``[K]`` (non-negative); default ``1/K`` each (TorchJD's).
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.balancers import DualProj
+        >>> g = torch.tensor([[1.0, 0.0], [-2.0, 1.0]], dtype=torch.float64)
+        >>> DualProj()(g)  # the mean (-½, ½) conflicts with g₁: projected onto x₁ = 0
+        tensor([0.0000, 0.5000], dtype=torch.float64)
     """
 
     name = "dualproj"

@@ -63,6 +63,13 @@ def graddrop_update(matrix: Tensor, uniform: Tensor, leak: Tensor | None = None,
 
     So each coordinate keeps only the positive or only the negative task contributions, the
     positive side with probability ``f(Pⱼ)``.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.functional import graddrop_update
+        >>> g = torch.tensor([[1.0, 0.0], [-1.0, 1.0]], dtype=torch.float64)  # P = (½, 1)
+        >>> graddrop_update(g, torch.tensor([0.75, 0.5]))  # column 0: P < U keeps the −1
+        tensor([-1.,  1.], dtype=torch.float64)
     """
     total = matrix.sum(dim=0)
     mass = matrix.abs().sum(dim=0)
@@ -100,6 +107,13 @@ class GradDrop(OptionalGeneratorState, Balancer):
     Sharded (:meth:`~Balancer.combine` with a ``shard``): the purity is per coordinate, so
     each rank works on its own columns with no collective; it draws the whole single-process
     stream (``P`` numbers, one chunk in memory at a time) and keeps its columns' draws.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.balancers import GradDrop
+        >>> g = torch.tensor([[1.0, -2.0], [3.0, -1.0]], dtype=torch.float64)
+        >>> GradDrop(generator=torch.Generator().manual_seed(0))(g)  # signs agree: the plain sum
+        tensor([ 4., -3.], dtype=torch.float64)
     """
 
     name = "graddrop"

@@ -27,6 +27,13 @@ def gradvac_orders(k: int, generator: torch.Generator | None = None) -> Tensor:
     """``[K, K-1]`` int64: row ``i`` is a random order of the tasks ``j ≠ i``.
 
     One ``torch.randperm(K-1)`` per task in task order (TorchJD's draw pattern).
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.functional import gradvac_orders
+        >>> orders = gradvac_orders(3)
+        >>> orders.shape, bool((orders != torch.arange(3)[:, None]).all())  # never itself
+        (torch.Size([3, 2]), True)
     """
     if k == 0:
         return torch.zeros(0, 0, dtype=torch.int64)
@@ -62,6 +69,16 @@ def gradvac_coefficients(
     binds at ``ρ = 1``: then ``θ − θ̂ ≤ π − θ̂ ≤ π/2`` gives ``sin(θ − θ̂) ≤ sin θ̂`` and
     ``sin θ ≤ sin θ̂``, so no visit grows ``‖g_i^PC‖ = ‖g_i^PC‖_before sin θ / sin θ̂`` past
     ``‖gᵢ‖`` (with zero targets this is PCGrad exactly).
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.functional import gradvac_coefficients, gradvac_orders
+        >>> g = torch.tensor([[1.0, 0.0], [-1.0, 1.0]], dtype=torch.float64)
+        >>> c, targets = gradvac_coefficients(g @ g.T, gradvac_orders(2), torch.zeros(2, 2), 0.5)
+        >>> c, targets  # zero targets: PCGrad's C; new targets β·cos = ½·(−1/√2)
+        (tensor([[1.0000, 0.5000],
+                [1.0000, 1.0000]], dtype=torch.float64), tensor([[ 0.0000, -0.3536],
+                [-0.3536,  0.0000]], dtype=torch.float64))
     """
     k = gramian.shape[0]
     gram = gramian.to(torch.float64)
@@ -134,6 +151,13 @@ class GradVac(OwnedGeneratorState):
         generator: source of the visiting orders (see :class:`PCGrad`).
 
     State: ``targets`` ``[K, K]`` (or ``[n_groups, K, K]``) and the generator state.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.balancers import GradVac
+        >>> g = torch.tensor([[1.0, 0.0], [-1.0, 1.0]], dtype=torch.float64)
+        >>> GradVac()(g)  # the targets start at 0: PCGrad's update (see PCGrad)
+        tensor([0.5000, 1.5000], dtype=torch.float64)
     """
 
     targets: Tensor | None

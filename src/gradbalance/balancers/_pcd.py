@@ -41,6 +41,13 @@ def pcd_weights(gramian: Tensor, taus: Tensor, tol: float = 1e-9) -> Tensor:
     No KKT point (the constraints are infeasible, or, for a singular ``Q``, met only by a
     ``d − g₁`` over ``1/√eps ≈ 7·10⁷`` times the gradients' length, whose direction rounding
     would decide): ``g₁`` is returned (``[1, 0, …, 0]``).
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.functional import pcd_weights
+        >>> g = torch.tensor([[1.0, 0.0], [-1.0, 1.0]], dtype=torch.float64)
+        >>> pcd_weights(g @ g.T, torch.tensor([0.5]))  # g₂·(g₁ + g₂) = ½‖g₂‖²
+        tensor([1., 1.], dtype=torch.float64)
     """
     m = gramian.shape[0]
     out = torch.zeros(m, dtype=gramian.dtype, device=gramian.device)
@@ -119,6 +126,13 @@ class PCD(Balancer):
         eps: ``ε ≥ 0`` (default 1e-8).
 
     State: the EMA ``[K]`` float64 and the step count (buffers ``_ema``, ``_step``).
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.balancers import PCD
+        >>> g = torch.tensor([[5.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
+        >>> PCD(tau=0.75)(g)  # d̃ = (1, ¾) on the normalised rows, rescaled to ‖g₁‖ = 5
+        tensor([4.0000, 3.0000], dtype=torch.float64)
     """
 
     _ema: Tensor | None

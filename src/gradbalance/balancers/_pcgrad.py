@@ -26,6 +26,13 @@ def pcgrad_orders(k: int, generator: torch.Generator | None = None) -> Tensor:
 
     One ``torch.randperm(K)`` per task, in task order (the entry equal to ``i`` is skipped
     when used), so a generator seeded like ``torch.manual_seed`` reproduces TorchJD's order.
+
+    Example:
+        >>> from gradbalance.functional import pcgrad_orders
+        >>> pcgrad_orders(3).sort(dim=1).values  # each row a permutation of the tasks
+        tensor([[0, 1, 2],
+                [0, 1, 2],
+                [0, 1, 2]])
     """
     return torch.stack([torch.randperm(k, generator=generator) for _ in range(k)])
 
@@ -78,6 +85,14 @@ def pcgrad_coefficients(gramian: Tensor, orders: Tensor) -> Tensor:
     ``C[i, j] −= (C G)[i, j] / G[j, j]`` (:func:`pairwise_pass`, vectorised over ``i``:
     ``O(K³)`` work in ``K/64`` products of ``[K, K]`` matrices). A zero gradient ``gⱼ`` is
     never projected on.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.functional import pcgrad_coefficients, pcgrad_orders
+        >>> g = torch.tensor([[1.0, 0.0], [-1.0, 1.0]], dtype=torch.float64)
+        >>> pcgrad_coefficients(g @ g.T, pcgrad_orders(2))  # g₁ + ½g₂ and g₂ + g₁
+        tensor([[1.0000, 0.5000],
+                [1.0000, 1.0000]], dtype=torch.float64)
     """
     k = gramian.shape[0]
     gram = gramian.to(torch.float64)
@@ -108,6 +123,13 @@ class PCGrad(OwnedGeneratorState):
             seeded from the global RNG (so ``torch.manual_seed`` makes runs repeatable). Its
             state is in :meth:`state_dict` (the extra state), so a resumed run draws the same
             orders.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.balancers import PCGrad
+        >>> g = torch.tensor([[1.0, 0.0], [-1.0, 1.0]], dtype=torch.float64)
+        >>> PCGrad()(g)  # g₁ − (−1/2) g₂ = (½, ½) plus g₂ − (−1/1) g₁ = (0, 1)
+        tensor([0.5000, 1.5000], dtype=torch.float64)
     """
 
     name = "pcgrad"

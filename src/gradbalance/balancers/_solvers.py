@@ -50,7 +50,17 @@ QP_TOL = 1e-12
 
 class SolverError(RuntimeError):
     """A K-dimensional problem has no solution (Nash-MTL's bargaining equation); no balancer
-    state was changed."""
+    state was changed.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.balancers import NashMTL, SolverError
+        >>> try:  # opposite gradients: no α > 0 with (G α)ᵢ = 1/αᵢ
+        ...     NashMTL()(torch.tensor([[1.0, 0.0], [-1.0, 0.0]], dtype=torch.float64))
+        ... except SolverError as err:
+        ...     print(str(err).split(";")[0])
+        Nash-MTL bargaining solve did not converge in 100 Newton steps (K=2)
+    """
 
 
 def trace_normalized(gramian: Tensor) -> tuple[Tensor, Tensor]:

@@ -58,6 +58,13 @@ class TrimmedMean(Balancer):
         num_tasks: K (optional).
         trim_number: ``t``, the number of largest and of smallest values removed per
             coordinate (default 1); needs ``K ≥ 2t + 1``.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.balancers import TrimmedMean
+        >>> g = torch.tensor([[1.0, 5.0], [2.0, -4.0], [9.0, 0.0]], dtype=torch.float64)
+        >>> TrimmedMean(trim_number=1)(g)  # K = 3, t = 1: the median of each column
+        tensor([2., 0.], dtype=torch.float64)
     """
 
     name = "trimmedmean"

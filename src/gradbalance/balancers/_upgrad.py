@@ -23,6 +23,13 @@ def upgrad_weights(gramian: Tensor, pref: Tensor | None = None) -> Tensor:
     update ``Σᵢ Jᵀvᵢ`` has a non-negative inner product with every task gradient. ``pref``
     defaults to ``1/K`` (the paper's mean). The K projections share the Gramian and are
     solved together (one batched solve); ``K = 2`` has a closed form.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.functional import upgrad_weights
+        >>> g = torch.tensor([[1.0, 0.0], [-1.0, 1.0]], dtype=torch.float64)
+        >>> upgrad_weights(g @ g.T)  # 1·g₁ + ¾·g₂ = (¼, ¾), as in UPGrad's example
+        tensor([1.0000, 0.7500], dtype=torch.float64)
     """
     k = gramian.shape[0]
     gram, _ = trace_normalized(gramian)
@@ -44,6 +51,13 @@ class UPGrad(PreferenceBalancer):
     Args:
         num_tasks: K (optional).
         pref: preference vector ``[K]`` (non-negative); default ``1/K`` each (the paper's).
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.balancers import UPGrad
+        >>> g = torch.tensor([[1.0, 0.0], [-1.0, 1.0]], dtype=torch.float64)
+        >>> UPGrad()(g)  # ½g₁ → (¼, ¼) onto g₂·x = 0, ½g₂ → (0, ½) onto g₁·x = 0
+        tensor([0.2500, 0.7500], dtype=torch.float64)
     """
 
     name = "upgrad"

@@ -35,7 +35,17 @@ __all__ = ["BalancedParts", "divide_losses", "stats_scalars", "unshare_tensors"]
 def stats_scalars(stats: StepStats, task_names: Sequence[str] | None = None
                   ) -> dict[str, Tensor | float]:
     """The scalars of one step, as tensors (no host sync): losses, norms, weights, cosines,
-    each task named by ``task_names`` (``loss/depth``; default ``loss/task0``, ...)."""
+    each task named by ``task_names`` (``loss/depth``; default ``loss/task0``, ...).
+
+    Example:
+        >>> import torch
+        >>> from gradbalance import StepStats
+        >>> from gradbalance.integrations.lightning import stats_scalars
+        >>> stats = StepStats(torch.tensor([0.5, 2.0]), torch.tensor([3.0, 4.0]), None, None, None)
+        >>> stats_scalars(stats, ["depth", "seg"])  # tensors: no host sync
+        {'loss/depth': tensor(0.5000), 'size/depth': tensor(3.), 'loss/seg': tensor(2.),
+         'size/seg': tensor(4.), 'amp_skipped': 0.0}
+    """
     out: dict[str, Tensor | float] = {}
     k = stats.num_tasks
     names = task_labels(task_names, k)

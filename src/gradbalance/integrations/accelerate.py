@@ -74,6 +74,17 @@ class BalancedAcceleratorStep:
 
     ``state_dict``/``load_state_dict`` hold the buffer's, balancer's, weighting's and
     clipper's states: pass the object to ``accelerator.register_for_checkpointing``.
+
+    Example:
+        >>> import torch
+        >>> from accelerate import Accelerator
+        >>> from gradbalance.balancers import UPGrad
+        >>> from gradbalance.integrations.accelerate import BalancedAcceleratorStep
+        >>> w = torch.nn.Parameter(torch.zeros(2))
+        >>> step = BalancedAcceleratorStep(Accelerator(), UPGrad(), [w])
+        >>> _ = step.backward([w @ torch.tensor([1.0, 0.0]), w @ torch.tensor([-1.0, 1.0])])
+        >>> w.grad  # a sync step (no accumulation): UPGrad of the rows, as in its example
+        tensor([0.2500, 0.7500])
     """
 
     def __init__(

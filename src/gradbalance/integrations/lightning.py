@@ -73,7 +73,13 @@ def _step(configs: list[Any], trainer: Any, last_of_epoch: bool) -> None:
 
 
 def require_lightning() -> Any:
-    """Import ``lightning.pytorch``, or raise an ImportError naming the extra to install."""
+    """Import ``lightning.pytorch``, or raise an ImportError naming the extra to install.
+
+    Example:
+        >>> from gradbalance.integrations.lightning import require_lightning
+        >>> require_lightning().__name__
+        'lightning.pytorch'
+    """
     return require("lightning.pytorch", "lightning", "gradbalance.integrations.lightning")
 
 
@@ -109,6 +115,15 @@ class BalancedManualStep(nn.Module):
 
     Assign it as an attribute of the ``LightningModule`` (``self.balanced = ...``): its state
     then travels in the module's ``state_dict`` and so in Lightning's checkpoints.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.balancers import UPGrad
+        >>> from gradbalance.integrations.lightning import BalancedManualStep
+        >>> trunk, heads = torch.nn.Linear(3, 2), torch.nn.Linear(2, 2)
+        >>> balanced = BalancedManualStep(UPGrad(), trunk.parameters(), heads.parameters())
+        >>> balanced.balancer, list(balanced.state_dict())  # its state, for the checkpoints
+        (UPGrad(num_tasks=None, pref=None), ['_extra_state'])
     """
 
     def __init__(

@@ -75,7 +75,14 @@ ParamSource = Iterable[Tensor] | Callable[[nn.Module], Iterable[Tensor]]
 
 
 def task_losses_of(outputs: Any) -> Tensor | Sequence[Tensor]:
-    """The K task losses in a model's output: ``outputs["losses"]`` (or ``outputs.losses``)."""
+    """The K task losses in a model's output: ``outputs["losses"]`` (or ``outputs.losses``).
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.integrations.transformers import task_losses_of
+        >>> task_losses_of({"loss": torch.tensor(3.0), "losses": torch.tensor([1.0, 2.0])})
+        tensor([1., 2.])
+    """
     losses = None
     if isinstance(outputs, Mapping):
         losses = outputs.get("losses")
@@ -153,6 +160,18 @@ class BalancedTrainer(Trainer):
 
     Attributes:
         last_stats: the :class:`~gradbalance.StepStats` of the last step.
+
+    Example:
+        >>> import tempfile, torch
+        >>> from transformers import TrainingArguments
+        >>> from gradbalance.balancers import UPGrad
+        >>> from gradbalance.integrations.transformers import BalancedTrainer
+        >>> model = torch.nn.Linear(2, 2)
+        >>> with tempfile.TemporaryDirectory() as out:  # nothing is written before a save
+        ...     trainer = BalancedTrainer(model=model, args=TrainingArguments(out, report_to=[]),
+        ...                               balancer=UPGrad(), shared_params=model.parameters())
+        >>> trainer.balanced.balancer, trainer.last_stats  # no step yet
+        (UPGrad(num_tasks=None, pref=None), None)
     """
 
     def __init__(
