@@ -26,12 +26,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from ._amp import no_autocast, scale_of
 from ._checks import (
     as_loss_vector,
     as_parameter_list,
+    check_bool,
     check_int,
     check_optional_num_tasks,
     check_parameters_unchanged,
@@ -40,11 +42,14 @@ from ._checks import (
 from ._coverage import (
     Coverage,
     OtherParams,
+    _module_names,
     check_other_params,
     fire_post_accumulate_hooks,
     sum_backward_,
 )
 from ._sharding import is_sharded
+from ._step_inputs import refuse_complex
+from ._step_state import GradWatch
 from ._threads import StepOwner
 from .balancers._base import Balancer
 from .balancers._checks import check_balancer
@@ -159,6 +164,9 @@ class TaskGradBuffer:
         shared = as_parameter_list("shared_params", shared_params)
         heads = as_parameter_list("head_params", head_params, allow_empty=True)
         _check_shared_and_heads(shared, heads)
+        names = _module_names(modules)
+        refuse_complex("shared_params", shared, names)
+        refuse_complex("head_params", heads, names)
         self.layout = ParamLayout(shared)
         resolve_passes(passes, self.layout.device)  # an invalid value raises here, not later
         self.head_params = heads
@@ -181,6 +189,7 @@ class TaskGradBuffer:
         self._states_before: StateSnapshot | None = None  # balancer, clipper, during apply_
         self._steps = 0  # steps begun; apply_ compares it across the ranks
         self._owner = StepOwner()  # one thread per step, no concurrent calls
+        self._watch = GradWatch()  # the heads' .grad as the step's last call left them
 
     @property
     def mode(self) -> str:
@@ -216,7 +225,8 @@ class TaskGradBuffer:
         """
         self._owner.enter("backward")
         try:
-            self._backward(losses, scaler, features)
+            with torch.enable_grad():  # a call under torch.no_grad() still has the graph
+                self._backward(losses, scaler, features)
         finally:
             self._owner.exit(self._count > 0)
 
@@ -232,6 +242,8 @@ class TaskGradBuffer:
         reused = self._cache.reuse_now() if first else self._reused
         self._engine.check_backward(features, self._count, reused)
         self._check_parameters()
+        if not first:
+            self._watch.check("backward", self._count)
         others = self._other_params(vector)
         with no_autocast(self.layout.device):
             scale = scale_of(scaler, vector.device)
@@ -262,6 +274,7 @@ class TaskGradBuffer:
         self._steps += int(first)
         self._scaler = scaler
         self._scale = scale
+        self._watch.record(self._watched(others))
 
     # -- stage 2 ------------------------------------------------------------------------
     def apply_(
@@ -338,6 +351,7 @@ class TaskGradBuffer:
         else:
             self._engine.check_apply(balancer, clip)
         self._check_parameters()
+        self._watch.check("apply_", self._count)
         group = resolve_process_group(self.process_group)
         if group is not None:  # every rank runs the same step: checked before anything moves
             check_step_agreement(group, num_tasks=self._losses.shape[0],
@@ -362,6 +376,16 @@ class TaskGradBuffer:
             )
         return others
 
+    def _watched(self, others: list[Tensor]) -> list[tuple[str, Tensor]]:
+        """The parameters whose ``.grad`` only the step may change until ``apply_``: the
+        heads and the leaves given the plain gradient (the trunk's, with no heads)."""
+        if not self.head_params:
+            return [(f"shared_params[{i}]", p) for i, p in enumerate(self.layout.params)]
+        names = self._coverage.names
+        return [*((f"head_params[{i}]", p) for i, p in enumerate(self.head_params)),
+                *((f"'{names.get(id(p), 'a parameter')}' (other_params='sum')", p)
+                  for p in others)]
+
     def _check_parameters(self) -> None:
         """Raise before anything moves if a parameter was frozen, resized or moved."""
         shared, heads = self._signatures
@@ -384,6 +408,7 @@ class TaskGradBuffer:
         self._reused = False
         self._heads_before = None
         self._states_before = None
+        self._watch.clear()
         self._reused_step.clear()
         self._engine.clear()
         self._coverage.end_step()
@@ -434,12 +459,19 @@ class TaskGradBuffer:
         on a sharded trunk this rank's columns ``[K, P_local]``."""
         return self._engine.matrix if self._count > 0 else None
 
-    def reset(self) -> None:
-        """Drop the current step and the cached weights (keeps the buffer's memory); from any
-        thread, not while another thread is inside a call (``RuntimeError``)."""
+    def reset(self, *, keep_weights: bool = False) -> None:
+        """Drop the current step: the heads' ``.grad`` back as before its first ``backward``
+        (as a failed step leaves them), the trunk's task gradients gone; then the cached
+        weights of ``update_every`` too, unless ``keep_weights`` (the recovery from a failed
+        forward keeps them: docs/loop.md, "When a step fails"). Keeps the buffer's memory;
+        from any thread, not while another thread is inside a call (``RuntimeError``)."""
+        check_bool("keep_weights", keep_weights)
         self._owner.drop("reset")
+        if self._heads_before is not None:
+            self._heads_before.restore()
         self._end_step()
-        self._cache.reset()
+        if not keep_weights:
+            self._cache.reset()
 
 
 def balanced_backward(

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .._shard import Shard
+from .._sparse import dense_all
 from ..balancers._base import Balancer
 from ..clip._protocol import RowClipper
 from ..distributed import all_reduce_mean_, all_reduce_step_
@@ -63,7 +64,7 @@ class LocalColumns:
         grad = grad.view_as(features).to(features.dtype)
         if group is not None:
             grad = grad * dist.get_world_size(group)
-        parts = list(torch.autograd.grad(features, params, grad, allow_unused=True))
+        parts = dense_all(torch.autograd.grad(features, params, grad, allow_unused=True))
         if group is not None:
             parts = [torch.zeros_like(p) if g is None else g for p, g in zip(params, parts)]
             all_reduce_mean_(parts, group)
@@ -85,7 +86,7 @@ class LocalColumns:
         heads_backward_(roots, heads)
         scaled = roots.scaled
         total = (weights.to(dtype=scaled.dtype, device=scaled.device) * scaled).sum()
-        grads = list(torch.autograd.grad(total, self.layout.params, allow_unused=True))
+        grads = dense_all(torch.autograd.grad(total, self.layout.params, allow_unused=True))
         if held is None:
             owned = owned_grads(grads)
             return [g if g is None or ok else g.clone() for g, ok in zip(grads, owned)]
