@@ -163,10 +163,10 @@ class TaskGradBuffer:
     ) -> None:
         shared = as_parameter_list("shared_params", shared_params)
         heads = as_parameter_list("head_params", head_params, allow_empty=True)
-        _check_shared_and_heads(shared, heads)
         names = _module_names(modules)
         refuse_complex("shared_params", shared, names)
         refuse_complex("head_params", heads, names)
+        _check_shared_and_heads(shared, heads)
         self.layout = ParamLayout(shared)
         resolve_passes(passes, self.layout.device)  # an invalid value raises here, not later
         self.head_params = heads
