@@ -13,7 +13,10 @@ A step is all or nothing (``docs/loop.md``, "When a step fails"). Each call chec
 arguments and the parameters first; a check that fails raises before anything moves, and the
 step stays as it was (fix the call and repeat it). A failure past the checks (a solver, a
 clipper, a hook, inf/NaN without a scaler) drops the step: every ``.grad`` it wrote, the
-balancer's and the row clipper's state are as before the step's first ``backward``.
+balancer's and the row clipper's state are as before the step's first ``backward``. A change
+of the heads' ``.grad`` outside the buffer between two calls of a step (a ``zero_grad()``
+after a failed forward) is refused at the next call; ``reset()`` drops the step, the heads'
+``.grad`` back as before it.
 
 Both run with autocast disabled on the gradients' device (a loop may call them inside
 ``torch.autocast``): the gradient arithmetic stays in the gradients' dtype. How each gradient
@@ -219,9 +222,11 @@ class TaskGradBuffer:
         inputs and output gradients (and the ``[K, P_b]`` rows of other blocks) so that the
         step's Gramian is the full batch's.
 
-        A failed check (the losses, ``features``, a frozen or resized parameter) raises before
+        A failed check (the losses, ``features``, a frozen or resized parameter, a head's
+        ``.grad`` changed outside the buffer since the step's last call) raises before
         anything moves; a failure past the checks drops the step, the heads' ``.grad`` as
-        before its first ``backward``.
+        before its first ``backward``. Called under ``torch.no_grad()``, the passes still run
+        with grad enabled.
         """
         self._owner.enter("backward")
         try:

@@ -66,8 +66,9 @@ class LocalColumns:
             grad = grad * dist.get_world_size(group)
         parts = dense_all(torch.autograd.grad(features, params, grad, allow_unused=True))
         if group is not None:
-            parts = [torch.zeros_like(p) if g is None else g for p, g in zip(params, parts)]
-            all_reduce_mean_(parts, group)
+            full = [torch.zeros_like(p) if g is None else g for p, g in zip(params, parts)]
+            all_reduce_mean_(full, group)
+            parts = list(full)
         return WriteBack(params, parts, owned=owned_grads(parts))
 
     def check_features(self, features: Tensor) -> None:

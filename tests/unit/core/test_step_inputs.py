@@ -1,5 +1,5 @@
-"""Inputs plain PyTorch supports (docs/loop.md, "Inputs"): a trunk or heads with
-``nn.Embedding(sparse=True)`` give the update of the same model with ``sparse=False`` in every
+"""Inputs plain PyTorch takes (docs/loop.md): a trunk or heads with ``nn.Embedding(sparse=True)``
+give the update of the same model with ``sparse=False`` in every
 mode (the heads keep their sparse plain gradient, as ``sum(losses).backward()`` gives it);
 complex parameters are refused at construction, naming them; ``backward`` called under
 ``torch.no_grad()`` gives the update of the call outside it, and losses built under it are
@@ -123,6 +123,27 @@ def test_sparse_heads_keep_their_sparse_plain_gradient() -> None:
     # the trunk's embedding gets the balanced update, dense
     weight = net.trunk[0].weight
     assert weight.grad is not None and weight.grad.layout == torch.strided
+
+
+@pytest.mark.parametrize("mode", ["matrix", "gramian", "auto"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_sparse_embedding_bag_gives_the_dense_bags_update(mode: str, seed: int) -> None:
+    def step(sparse: bool) -> list[Tensor]:
+        torch.manual_seed(seed)
+        trunk = nn.ModuleList([nn.EmbeddingBag(9, 4, mode="sum", sparse=sparse),
+                               nn.Linear(4, 3)]).double()
+        heads = nn.ModuleList([nn.Linear(3, 1) for _ in range(3)]).double()
+        buf = TaskGradBuffer(trunk.parameters(), heads.parameters(), mode=mode, modules=trunk)
+        g = torch.Generator().manual_seed(seed)
+        for _ in range(2):
+            tokens = torch.randint(0, 9, (5, 3), generator=g)
+            feats = torch.tanh(trunk[1](trunk[0](tokens)))
+            buf.backward(torch.stack([h(feats).pow(2).mean() for h in heads]))
+        buf.apply_(UPGrad())
+        return [p.grad.clone() for p in trunk.parameters() if p.grad is not None]
+
+    for a, b in zip(step(True), step(False), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("where", ["shared", "head"])
