@@ -382,10 +382,8 @@ class TaskGradBuffer:
         return others
 
     def _watched(self, others: list[Tensor]) -> list[tuple[str, Tensor]]:
-        """The parameters whose ``.grad`` only the step may change until ``apply_``: the
-        heads and the leaves given the plain gradient (the trunk's, with no heads)."""
-        if not self.head_params:
-            return [(f"shared_params[{i}]", p) for i, p in enumerate(self.layout.params)]
+        """The parameters whose ``.grad`` holds part of the step until ``apply_``: the heads
+        and the leaves given the plain gradient (the trunk's part is in the buffer)."""
         names = self._coverage.names
         return [*((f"head_params[{i}]", p) for i, p in enumerate(self.head_params)),
                 *((f"'{names.get(id(p), 'a parameter')}' (other_params='sum')", p)
