@@ -13,7 +13,7 @@ refuses the call before anything moves (docs/loop.md, "When a step fails").
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from torch import Tensor
 
@@ -29,31 +29,32 @@ def _how(before: Tensor | None, now: Tensor | None) -> str:
 
 
 class GradWatch:
-    """The ``.grad`` of some parameters as the buffer's last call of a step left them.
-
-    ``params`` come with the names errors give them (``head_params[0]``, a module path).
-    """
+    """The ``.grad`` of some parameters as the buffer's last call of a step left them."""
 
     def __init__(self) -> None:
-        self._seen: list[tuple[str, Tensor, Tensor | None, int]] = []
+        self._params: list[Tensor] = []
+        self._grads: list[Tensor | None] = []
+        self._versions: list[int] = []
 
-    def record(self, params: Sequence[tuple[str, Tensor]]) -> None:
+    def record(self, params: Sequence[Tensor]) -> None:
         """Note each ``.grad`` now (after a call of the step)."""
-        self._seen = [(name, p, g, -1 if g is None else g._version)
-                      for name, p in params for g in (p.grad,)]
+        self._params = list(params)
+        self._grads = grads = [p.grad for p in self._params]
+        self._versions = [-1 if g is None else g._version for g in grads]
 
     def clear(self) -> None:
         """The step is over: nothing to compare against."""
-        self._seen = []
+        self._params, self._grads, self._versions = [], [], []
 
-    def check(self, call: str, count: int) -> None:
-        """Raise ``RuntimeError`` if a watched ``.grad`` changed since :meth:`record`."""
-        for name, p, before, version in self._seen:
+    def check(self, call: str, count: int, name_of: Callable[[Tensor], str]) -> None:
+        """Raise ``RuntimeError`` if a watched ``.grad`` changed since :meth:`record`;
+        ``name_of`` names a parameter in the message."""
+        for p, before, version in zip(self._params, self._grads, self._versions):
             now = p.grad
             if now is before and (now is None or now._version == version):
                 continue
             raise RuntimeError(
-                f"{call}(): the .grad of {name} (shape {tuple(p.shape)}) was "
+                f"{call}(): the .grad of {name_of(p)} (shape {tuple(p.shape)}) was "
                 f"{_how(before, now)} outside the buffer since the last backward() of this "
                 f"step, e.g. by optimizer.zero_grad() after a failed forward; the buffer still "
                 f"holds the trunk's task gradients of {count} micro-batch(es) that the heads "

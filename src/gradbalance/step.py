@@ -230,8 +230,11 @@ class TaskGradBuffer:
         """
         self._owner.enter("backward")
         try:
-            with torch.enable_grad():  # a call under torch.no_grad() still has the graph
+            if torch.is_grad_enabled():
                 self._backward(losses, scaler, features)
+            else:  # called under torch.no_grad(): the losses' graph is there all the same
+                with torch.enable_grad():
+                    self._backward(losses, scaler, features)
         finally:
             self._owner.exit(self._count > 0)
 
@@ -248,7 +251,7 @@ class TaskGradBuffer:
         self._engine.check_backward(features, self._count, reused)
         self._check_parameters()
         if not first:
-            self._watch.check("backward", self._count)
+            self._watch.check("backward", self._count, self._name_of)
         others = self._other_params(vector)
         with no_autocast(self.layout.device):
             scale = scale_of(scaler, vector.device)
@@ -279,7 +282,8 @@ class TaskGradBuffer:
         self._steps += int(first)
         self._scaler = scaler
         self._scale = scale
-        self._watch.record(self._watched(others))
+        # the .grad holding part of the step until apply_ (the trunk's part is in the buffer)
+        self._watch.record([*self.head_params, *others])
 
     # -- stage 2 ------------------------------------------------------------------------
     def apply_(
@@ -356,7 +360,7 @@ class TaskGradBuffer:
         else:
             self._engine.check_apply(balancer, clip)
         self._check_parameters()
-        self._watch.check("apply_", self._count)
+        self._watch.check("apply_", self._count, self._name_of)
         group = resolve_process_group(self.process_group)
         if group is not None:  # every rank runs the same step: checked before anything moves
             check_step_agreement(group, num_tasks=self._losses.shape[0],
@@ -381,13 +385,13 @@ class TaskGradBuffer:
             )
         return others
 
-    def _watched(self, others: list[Tensor]) -> list[tuple[str, Tensor]]:
-        """The parameters whose ``.grad`` holds part of the step until ``apply_``: the heads
-        and the leaves given the plain gradient (the trunk's part is in the buffer)."""
-        names = self._coverage.names
-        return [*((f"head_params[{i}]", p) for i, p in enumerate(self.head_params)),
-                *((f"'{names.get(id(p), 'a parameter')}' (other_params='sum')", p)
-                  for p in others)]
+    def _name_of(self, param: Tensor) -> str:
+        """A watched parameter's name in an error: ``head_params[i]``, or a leaf given the
+        plain gradient by ``other_params="sum"``."""
+        for i, p in enumerate(self.head_params):
+            if p is param:
+                return f"head_params[{i}]"
+        return f"'{self._coverage.names.get(id(param), 'a parameter')}' (other_params='sum')"
 
     def _check_parameters(self) -> None:
         """Raise before anything moves if a parameter was frozen, resized or moved."""
