@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from gradbalance import TaskGradBuffer, balanced_backward
 from gradbalance.balancers import MGDA, PCGrad, UPGrad
+from support.step_net import StepNet
 
 
 class EmbNet(nn.Module):
@@ -167,29 +168,16 @@ def test_complex_parameters_are_refused_at_construction(where: str, mode: str) -
                               head_params=heads.parameters(), mode=mode)
 
 
-class Net(nn.Module):
-    def __init__(self, d_in: int, width: int, num_tasks: int, seed: int) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.trunk = nn.Sequential(nn.Linear(d_in, width), nn.Tanh(), nn.Linear(width, width))
-        self.heads = nn.ModuleList([nn.Linear(width, 1) for _ in range(num_tasks)])
-        self.double()
-
-    def losses(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
-        feats = torch.tanh(self.trunk(x))
-        return feats, torch.stack([((h(feats)[:, 0] - y[:, k]) ** 2).mean()
-                                   for k, h in enumerate(self.heads)])
-
-
 def _no_grad_run(shape: tuple[int, int, int], seed: int, mode: str, route: str,
                  inside: bool) -> list[Tensor | None]:
-    net = Net(*shape, seed)
+    net = StepNet(*shape, seed)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(5, shape[0], generator=g, dtype=torch.float64)
     y = torch.randn(5, shape[2], generator=g, dtype=torch.float64)
     buf = None if route == "balanced_backward" else TaskGradBuffer(
         net.trunk.parameters(), net.heads.parameters(), mode=mode, modules=net.trunk)
-    feats, losses = net.losses(x, y)
+    feats = net.features(x)
+    losses = net.task_losses(feats, y)
     extra: dict[str, Any] = {"features": feats} if mode == "features" else {}
     listed = list(losses.unbind()) if seed % 2 else losses  # a list of scalars, or a stack
     with torch.no_grad() if inside else torch.enable_grad():
@@ -218,16 +206,16 @@ def test_backward_under_no_grad_gives_the_update_of_the_call_outside_it(
 
 @pytest.mark.parametrize("mode", ["matrix", "gramian", "auto"])
 def test_losses_built_under_no_grad_are_refused_before_anything_moves(mode: str) -> None:
-    net = Net(3, 4, 2, 0)
+    net = StepNet(3, 4, 2, 0)
     buf = TaskGradBuffer(net.trunk.parameters(), net.heads.parameters(), mode=mode,
                          modules=net.trunk)
     x, y = torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
     with torch.no_grad():
-        _, losses = net.losses(x, y)
+        losses = net.task_losses(net.features(x), y)
     with pytest.raises(ValueError, match=r"losses do not require grad.*torch.no_grad\(\)"):
         buf.backward(losses)
     assert all(p.grad is None for p in net.parameters())
-    _, losses = net.losses(x, y)  # the same buffer then takes a step
+    losses = net.task_losses(net.features(x), y)  # the same buffer then takes a step
     buf.backward(losses)
     buf.apply_(UPGrad())
     assert all(p.grad is not None for p in net.parameters())

@@ -16,34 +16,14 @@ from torch import Tensor, nn
 
 from gradbalance import TaskGradBuffer
 from gradbalance.balancers import UPGrad
+from support.step_net import StepNet
 
 MICRO = 2
 
 
-class Net(nn.Module):
-    """A two-layer trunk and K linear heads; ``fail_at`` makes the trunk's second layer raise
-    ``torch.OutOfMemoryError`` on that forward call (the first layer has run: ``gramian``
-    mode has recorded part of it)."""
-
-    def __init__(self, d_in: int, width: int, num_tasks: int, seed: int) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.trunk = nn.Sequential(nn.Linear(d_in, width), nn.Tanh(), nn.Linear(width, width))
-        self.heads = nn.ModuleList([nn.Linear(width, 1) for _ in range(num_tasks)])
-        self.double()
-        self.calls = 0
-        self.fail_at: int | None = None
-        self.trunk[2].register_forward_pre_hook(self._maybe_fail)
-
-    def _maybe_fail(self, module: nn.Module, args: object) -> None:
-        self.calls += 1
-        if self.calls == self.fail_at:
-            raise torch.OutOfMemoryError("injected: out of memory")
-
+class Net(StepNet):
     def losses(self, x: Tensor, y: Tensor) -> Tensor:
-        feats = torch.tanh(self.trunk(x))
-        return torch.stack([((h(feats)[:, 0] - y[:, k]) ** 2).mean() / MICRO
-                            for k, h in enumerate(self.heads)])
+        return self.task_losses(self.features(x), y, MICRO)
 
 
 def batches(seed: int, steps: int, d_in: int, num_tasks: int) -> list[list[tuple[Tensor, Tensor]]]:
