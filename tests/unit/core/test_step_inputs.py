@@ -192,7 +192,8 @@ def _no_grad_run(shape: tuple[int, int, int], seed: int, mode: str, route: str,
 
 @pytest.mark.parametrize(("mode", "route"), [
     ("matrix", "buffer"), ("gramian", "buffer"), ("auto", "buffer"), ("features", "buffer"),
-    ("matrix", "balanced_backward"), ("features", "balanced_backward")])
+    ("matrix", "balanced_backward"), ("auto", "balanced_backward"),
+    ("features", "balanced_backward")])
 @pytest.mark.parametrize(("shape", "seed"), [((3, 4, 2), 0), ((5, 3, 3), 1), ((2, 6, 4), 2)])
 def test_backward_under_no_grad_gives_the_update_of_the_call_outside_it(
         mode: str, route: str, shape: tuple[int, int, int], seed: int) -> None:

@@ -206,3 +206,21 @@ def test_reset_keep_weights_keeps_the_window_and_reset_drops_it() -> None:
     assert buf.state_dict()["weights"] is None
     with pytest.raises(ValueError, match="Invalid keep_weights: 1"):
         buf.reset(keep_weights=1)  # type: ignore[arg-type]
+
+
+def test_a_leaf_given_the_plain_gradient_is_watched_as_a_head() -> None:
+    """``other_params="sum"``: a learnable scale in neither list gets ``.grad +=`` its plain
+    gradient in each ``backward``, so a change of it between the calls is refused too."""
+    net = Net(3, 4, 2, 0)
+    scale = nn.Parameter(torch.ones((), dtype=torch.float64))
+    buf = TaskGradBuffer(net.trunk.parameters(), net.heads.parameters(), other_params="sum")
+    micro = batches(0, 1, 3, 2)[0]
+    x, y = micro[0]
+    buf.backward(net.task_losses(net.features(x) * scale, y))
+    assert scale.grad is not None
+    scale.grad = None
+    with pytest.raises(RuntimeError, match=r"the .grad of 'a parameter' \(other_params='sum'\) "
+                                           r"\(shape \(\)\) was set to None"):
+        buf.apply_(UPGrad())
+    buf.reset()
+    assert scale.grad is None and all(p.grad is None for p in net.parameters())
