@@ -14,6 +14,8 @@ from typing import ClassVar, Protocol
 import torch
 from torch import Tensor
 
+from ._sparse import dense
+
 __all__ = ["PassSink", "RowsSink", "StackSink"]
 
 
@@ -50,9 +52,9 @@ def _write_part(part: Tensor, g: Tensor | None, accumulate: bool) -> None:
         if not accumulate:
             part.zero_()
     elif accumulate:
-        part.add_(g.reshape(part.shape))
+        part.add_(dense(g).reshape(part.shape))
     else:
-        part.copy_(g.reshape(part.shape))
+        part.copy_(dense(g).reshape(part.shape))
 
 
 def _mark_reached(reached: list[bool] | None, grads: Sequence[Tensor | None]) -> None:
@@ -66,7 +68,7 @@ def _mark_reached(reached: list[bool] | None, grads: Sequence[Tensor | None]) ->
 def _write_row(row: Tensor, grads: Sequence[Tensor | None], layout: ColumnLayout,
                accumulate: bool) -> None:
     if not accumulate and all(g is not None for g in grads):
-        torch.cat([g.reshape(-1) for g in grads if g is not None], out=row)
+        torch.cat([dense(g).reshape(-1) for g in grads if g is not None], out=row)
         return
     for g, (_, start, stop) in zip(grads, layout.slices()):
         _write_part(row[start:stop], g, accumulate)

@@ -13,7 +13,10 @@ A step is all or nothing (``docs/loop.md``, "When a step fails"). Each call chec
 arguments and the parameters first; a check that fails raises before anything moves, and the
 step stays as it was (fix the call and repeat it). A failure past the checks (a solver, a
 clipper, a hook, inf/NaN without a scaler) drops the step: every ``.grad`` it wrote, the
-balancer's and the row clipper's state are as before the step's first ``backward``.
+balancer's and the row clipper's state are as before the step's first ``backward``. A change
+of the heads' ``.grad`` outside the buffer between two calls of a step (a ``zero_grad()``
+after a failed forward) is refused at the next call; ``reset()`` drops the step, the heads'
+``.grad`` back as before it.
 
 Both run with autocast disabled on the gradients' device (a loop may call them inside
 ``torch.autocast``): the gradient arithmetic stays in the gradients' dtype. How each gradient
@@ -26,12 +29,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from ._amp import no_autocast, scale_of
 from ._checks import (
     as_loss_vector,
     as_parameter_list,
+    check_bool,
     check_int,
     check_optional_num_tasks,
     check_parameters_unchanged,
@@ -40,12 +45,15 @@ from ._checks import (
 from ._coverage import (
     Coverage,
     OtherParams,
+    _module_names,
     check_other_params,
     fire_post_accumulate_hooks,
     sum_backward_,
 )
 from ._per_sample_buffer import PerSampleBuffer
 from ._sharding import is_sharded
+from ._step_inputs import refuse_complex
+from ._step_state import GradWatch
 from ._threads import StepOwner
 from .balancers._base import Balancer
 from .balancers._checks import check_balancer
@@ -171,6 +179,9 @@ class TaskGradBuffer:
             return
         shared = as_parameter_list("shared_params", shared_params)
         heads = as_parameter_list("head_params", head_params, allow_empty=True)
+        names = _module_names(modules)
+        refuse_complex("shared_params", shared, names)
+        refuse_complex("head_params", heads, names)
         _check_shared_and_heads(shared, heads)
         self.layout = ParamLayout(shared)
         resolve_passes(passes, self.layout.device)  # an invalid value raises here, not later
@@ -195,6 +206,7 @@ class TaskGradBuffer:
         self._states_before: StateSnapshot | None = None  # balancer, clipper, during apply_
         self._steps = 0  # steps begun; apply_ compares it across the ranks
         self._owner = StepOwner()  # one thread per step, no concurrent calls
+        self._watch = GradWatch()  # the heads' .grad as the step's last call left them
 
     @property
     def mode(self) -> str:
@@ -224,15 +236,21 @@ class TaskGradBuffer:
         inputs and output gradients (and the ``[K, P_b]`` rows of other blocks) so that the
         step's Gramian is the full batch's.
 
-        A failed check (the losses, ``features``, a frozen or resized parameter) raises before
+        A failed check (the losses, ``features``, a frozen or resized parameter, a head's
+        ``.grad`` changed outside the buffer since the step's last call) raises before
         anything moves; a failure past the checks drops the step, the heads' ``.grad`` as
-        before its first ``backward``.
+        before its first ``backward``. Called under ``torch.no_grad()``, the passes still run
+        with grad enabled.
         """
         if self._per_sample is not None:
             return self._per_sample.backward(losses, scaler, features)
         self._owner.enter("backward")
         try:
-            self._backward(losses, scaler, features)
+            if torch.is_grad_enabled():
+                self._backward(losses, scaler, features)
+            else:  # called under torch.no_grad(): the losses' graph is there all the same
+                with torch.enable_grad():
+                    self._backward(losses, scaler, features)
         finally:
             self._owner.exit(self._count > 0)
 
@@ -248,6 +266,8 @@ class TaskGradBuffer:
         reused = self._cache.reuse_now() if first else self._reused
         self._engine.check_backward(features, self._count, reused)
         self._check_parameters()
+        if not first:
+            self._watch.check("backward", self._count, self._name_of)
         others = self._other_params(vector)
         with no_autocast(self.layout.device):
             scale = scale_of(scaler, vector.device)
@@ -278,6 +298,8 @@ class TaskGradBuffer:
         self._steps += int(first)
         self._scaler = scaler
         self._scale = scale
+        # the .grad holding part of the step until apply_ (the trunk's part is in the buffer)
+        self._watch.record([*self.head_params, *others])
 
     # -- stage 2 ------------------------------------------------------------------------
     def apply_(
@@ -356,6 +378,7 @@ class TaskGradBuffer:
         else:
             self._engine.check_apply(balancer, clip)
         self._check_parameters()
+        self._watch.check("apply_", self._count, self._name_of)
         group = resolve_process_group(self.process_group)
         if group is not None:  # every rank runs the same step: checked before anything moves
             check_step_agreement(group, num_tasks=self._losses.shape[0],
@@ -380,6 +403,14 @@ class TaskGradBuffer:
             )
         return others
 
+    def _name_of(self, param: Tensor) -> str:
+        """A watched parameter's name in an error: ``head_params[i]``, or a leaf given the
+        plain gradient by ``other_params="sum"``."""
+        for i, p in enumerate(self.head_params):
+            if p is param:
+                return f"head_params[{i}]"
+        return f"'{self._coverage.names.get(id(param), 'a parameter')}' (other_params='sum')"
+
     def _check_parameters(self) -> None:
         """Raise before anything moves if a parameter was frozen, resized or moved."""
         shared, heads = self._signatures
@@ -402,6 +433,7 @@ class TaskGradBuffer:
         self._reused = False
         self._heads_before = None
         self._states_before = None
+        self._watch.clear()
         self._reused_step.clear()
         self._engine.clear()
         self._coverage.end_step()
@@ -456,14 +488,21 @@ class TaskGradBuffer:
         on a sharded trunk this rank's columns ``[K, P_local]``."""
         return self._engine.matrix if self._count > 0 else None
 
-    def reset(self) -> None:
-        """Drop the current step and the cached weights (keeps the buffer's memory); from any
-        thread, not while another thread is inside a call (``RuntimeError``)."""
+    def reset(self, *, keep_weights: bool = False) -> None:
+        """Drop the current step: the heads' ``.grad`` back as before its first ``backward``
+        (as a failed step leaves them), the trunk's task gradients gone; then the cached
+        weights of ``update_every`` too, unless ``keep_weights`` (the recovery from a failed
+        forward keeps them: docs/loop.md, "When a step fails"). Keeps the buffer's memory;
+        from any thread, not while another thread is inside a call (``RuntimeError``)."""
+        check_bool("keep_weights", keep_weights)
         if self._per_sample is not None:
             return self._per_sample.reset()
         self._owner.drop("reset")
+        if self._heads_before is not None:
+            self._heads_before.restore()
         self._end_step()
-        self._cache.reset()
+        if not keep_weights:
+            self._cache.reset()
 
 
 def balanced_backward(

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from .._graph import reaches
 from .._shard import Shard
+from .._sparse import dense_all
 from ..balancers._base import Balancer
 from ..clip._protocol import RowClipper
 from ..distributed import all_reduce_grads_and_losses_, all_reduce_mean_
@@ -62,10 +63,11 @@ class LocalColumns:
         grad = grad.view_as(features).to(features.dtype)
         if group is not None:
             grad = grad * dist.get_world_size(group)
-        parts = list(torch.autograd.grad(features, params, grad, allow_unused=True))
+        parts = dense_all(torch.autograd.grad(features, params, grad, allow_unused=True))
         if group is not None:
-            parts = [torch.zeros_like(p) if g is None else g for p, g in zip(params, parts)]
-            all_reduce_mean_(parts, group)
+            full = [torch.zeros_like(p) if g is None else g for p, g in zip(params, parts)]
+            all_reduce_mean_(full, group)
+            parts = list(full)
         return WriteBack(params, parts, owned=owned_grads(parts))
 
     def check_features(self, features: Tensor) -> None:
@@ -84,7 +86,7 @@ class LocalColumns:
         heads_backward_(roots, heads)
         scaled = roots.scaled
         total = (weights.to(dtype=scaled.dtype, device=scaled.device) * scaled).sum()
-        grads = list(torch.autograd.grad(total, self.layout.params, allow_unused=True))
+        grads = dense_all(torch.autograd.grad(total, self.layout.params, allow_unused=True))
         if held is None:
             owned = owned_grads(grads)
             return [g if g is None or ok else g.clone() for g, ok in zip(grads, owned)]

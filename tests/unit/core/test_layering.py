@@ -37,9 +37,11 @@ GRAPH = import_graph(SOURCES)
 #: The layer table of docs/ARCHITECTURE.md, bottom first: files, or whole subpackages ("x/").
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("_types.py", "_version.py", "_optional.py", "_pickling.py", "_registry.py",
-     "_statedict.py", "_checks.py", "_state_spec.py", "_module.py", "_threads.py"),
+     "_statedict.py", "_checks.py", "_state_spec.py", "_module.py", "_threads.py",
+     "_sparse.py"),
     ("gramian.py", "_shard.py", "stats.py", "_roots.py", "_graph.py", "_coverage.py",
-     "_sinks.py", "taskgrads.py", "_per_sample_fallback.py"),
+     "_sinks.py", "taskgrads.py", "_per_sample_fallback.py", "_step_state.py",
+     "_step_inputs.py"),
     ("balancers/",),
     ("weighting/",),
     ("_sharding.py", "distributed.py", "_amp.py"),
