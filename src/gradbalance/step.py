@@ -526,6 +526,16 @@ def balanced_backward(
     instead: it reuses its ``[K, P]`` buffer, keeps ``update_every``'s cached weights (a
     one-shot call has no next step to reuse them in), and in ``gramian`` mode registers its
     forward hooks once (build it before the forward).
+
+    Example:
+        >>> import torch
+        >>> from gradbalance import balanced_backward
+        >>> from gradbalance.balancers import PCGrad
+        >>> w = torch.zeros(2, requires_grad=True)
+        >>> losses = torch.stack([w @ torch.tensor([1.0, 0.0]), w @ torch.tensor([-1.0, 1.0])])
+        >>> _ = balanced_backward(losses, PCGrad(), shared_params=[w])
+        >>> w.grad  # rows (1, 0), (-1, 1) conflict: each projected off the other, then summed
+        tensor([0.5000, 1.5000])
     """
     check_balancer("balancer", balancer)
     if mode == "gramian":
