@@ -1,5 +1,5 @@
 """Instance-wise balancing (``batch_dim=0``): the step against the plain mean-loss step and
-TorchJD 0.18's autogram engine, on the MLP 128→768→768→1 of issue 25.
+TorchJD 0.18's autogram engine, on an MLP 128→768→768→1.
 
 Every variant has its own copy of the model (hooks do not cross). Per round each variant runs
 one step, interleaved; the table gives the median over rounds of the step time and of its ratio

@@ -1,4 +1,4 @@
-"""The many-task fast paths against slow exact references, up to K = 64 (issue 26).
+"""The many-task fast paths against slow exact references, up to K = 64.
 
 UPGrad's batched projections pivot with conjugate-gradient solves (forced here from K = 2 on)
 and are checked against the factorisation path and against the optimality conditions of
