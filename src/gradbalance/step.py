@@ -57,6 +57,7 @@ from ._step_state import GradWatch
 from ._threads import StepOwner
 from .balancers._base import Balancer
 from .balancers._checks import check_balancer
+from .modes._masked import check_active, mask_balancer
 from .clip._checks import check_row_clipper
 from .clip._protocol import RowClipper
 from .distributed import check_mesh_group, check_step_agreement, resolve_process_group
@@ -307,6 +308,7 @@ class TaskGradBuffer:
         balancer: Balancer,
         scaler: Any = None,
         clip: RowClipper | None = None,
+        active: Tensor | None = None,
     ) -> StepStats:
         """Balance the accumulated task gradients once and add the result into ``.grad``.
 
@@ -324,24 +326,44 @@ class TaskGradBuffer:
         raised. A failed check (the arguments, a frozen parameter) raises before anything
         moves and leaves the step; a failure past the checks drops the step: every
         ``.grad``, the balancer's and ``clip``'s state are as before its first ``backward``.
+
+        ``active`` (partial labels, docs/loop.md): a bool ``[K]`` mask; the balancer then runs
+        on the active tasks' rows only and the inactive tasks get weight 0 (their heads keep
+        their plain gradient). Refused (nothing moves) when all False, with
+        ``update_every > 1`` or per-sample clipping, and by a balancer with per-task state
+        unless all True.
         """
         if self._per_sample is not None:
+            self._refuse_mask(active, "per-sample clipping (clip_per_sample)")
             return self._per_sample.apply_(balancer, scaler, clip)
         self._owner.enter("apply_")
         try:
-            return self._apply(balancer, scaler, clip)
+            return self._apply(balancer, scaler, clip, active)
         finally:
             self._owner.exit(self._count > 0)
 
-    def _apply(self, balancer: Balancer, scaler: Any, clip: RowClipper | None) -> StepStats:
+    def _refuse_mask(self, active: Tensor | None, what: str) -> None:
+        """Raise ``ValueError`` (nothing moved) for a mask that is not all True under ``what``."""
+        k = None if self._losses is None else self._losses.shape[0]
+        if k is not None and check_active(active, k) is not None:
+            raise ValueError(f"active={active.tolist() if active is not None else None} drops "
+                             f"tasks, which {what} does not support; pass active=None")
+
+    def _apply(self, balancer: Balancer, scaler: Any, clip: RowClipper | None,
+               active: Tensor | None) -> StepStats:
         step = self._checked_step(balancer, scaler, clip)
+        index = check_active(active, step.losses.shape[0])
+        if index is not None and self._cache.active:
+            self._refuse_mask(active, f"update_every={self.update_every} (weights reused "
+                                      f"across steps)")
+        masked = mask_balancer(balancer, index, step.losses.shape[0])
         try:
             with no_autocast(self.layout.device):
                 if self._reused:
                     stats = self._reused_step.finish(self._cache, step, self.layout.params,
                                                      self.head_params, self.mode, balancer)
                 else:
-                    stats = self._engine.apply(balancer, step)
+                    stats = self._engine.apply(masked, step)
                     if not stats.found_inf:  # a skipped step leaves the cache and the counter
                         self._cache.refreshed(stats.weights, balancer)
         except BaseException:
@@ -518,11 +540,12 @@ def balanced_backward(
     mode: Mode = "matrix",
     features: Tensor | None = None,
     other_params: OtherParams = "raise",
+    active: Tensor | None = None,
 ) -> StepStats:
     """One-shot balanced backward for a single micro-batch.
 
     Equivalent to ``TaskGradBuffer(...).backward(losses, features=features)`` then
-    ``.apply_(balancer)``, with the same options. For a loop, keep a :class:`TaskGradBuffer`
+    ``.apply_(balancer, active=active)``, with the same options. For a loop, keep a :class:`TaskGradBuffer`
     instead: it reuses its ``[K, P]`` buffer, keeps ``update_every``'s cached weights (a
     one-shot call has no next step to reuse them in), and in ``gramian`` mode registers its
     forward hooks once (build it before the forward).
@@ -548,4 +571,4 @@ def balanced_backward(
                          num_tasks=balancer.num_tasks, process_group=process_group, mode=mode,
                          other_params=other_params)
     buf.backward(losses, scaler=scaler, features=features)
-    return buf.apply_(balancer, scaler=scaler, clip=clip)
+    return buf.apply_(balancer, scaler=scaler, clip=clip, active=active)
