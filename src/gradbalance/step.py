@@ -57,7 +57,6 @@ from ._step_state import GradWatch
 from ._threads import StepOwner
 from .balancers._base import Balancer
 from .balancers._checks import check_balancer
-from .modes._masked import check_active, mask_balancer
 from .clip._checks import check_row_clipper
 from .clip._protocol import RowClipper
 from .distributed import check_mesh_group, check_step_agreement, resolve_process_group
@@ -65,6 +64,7 @@ from .modes import ENGINES, Engine, Mode, StepInput, make_engine
 from .modes._amortize import ReusedStep, WeightCache
 from .modes._engine import check_saved_passes
 from .modes._layout import columns_of
+from .modes._masked import check_active, mask_balancer
 from .modes._rollback import GradSnapshot, StateSnapshot
 from .stats import StepStats
 from .taskgrads import ParamLayout, Passes, TaskRoots, resolve_passes
@@ -545,10 +545,10 @@ def balanced_backward(
     """One-shot balanced backward for a single micro-batch.
 
     Equivalent to ``TaskGradBuffer(...).backward(losses, features=features)`` then
-    ``.apply_(balancer, active=active)``, with the same options. For a loop, keep a :class:`TaskGradBuffer`
-    instead: it reuses its ``[K, P]`` buffer, keeps ``update_every``'s cached weights (a
-    one-shot call has no next step to reuse them in), and in ``gramian`` mode registers its
-    forward hooks once (build it before the forward).
+    ``.apply_(balancer, active=active)``, with the same options. For a loop, keep a
+    :class:`TaskGradBuffer` instead: it reuses its ``[K, P]`` buffer, keeps ``update_every``'s
+    cached weights (a one-shot call has no next step to reuse them in), and in ``gramian`` mode
+    registers its forward hooks once (build it before the forward).
 
     Example:
         >>> import torch
