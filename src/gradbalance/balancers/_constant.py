@@ -29,6 +29,7 @@ class Constant(Balancer):
     name = "constant"
     from_gramian = True
     weight_degree = 0.0
+    per_task_settings = True
 
     def __init__(self, weights: Sequence[float] | Tensor) -> None:
         w = as_task_vector("weights", weights)

@@ -44,7 +44,14 @@ def check_active(active: Any, k: int) -> Tensor | None:
 
 
 def check_maskable(balancer: Balancer) -> None:
-    """Raise ``ValueError`` when ``balancer`` (or a stateful part of it) keeps per-task state."""
+    """Raise ``ValueError`` when ``balancer`` (or a stateful part of it) keeps per-task state
+    or settings."""
+    if balancer.per_task_settings:
+        raise ValueError(
+            f"{type(balancer).__name__} has one setting per task ({balancer!r}), which does not "
+            f"say what to do with fewer tasks; it refuses a mask that is not all True. Pass "
+            f"active=None, or build it for the active tasks and call it on them yourself"
+        )
     for module in balancer.modules():
         if isinstance(module, StateModule) and any(
                 spec.task_dim is not None for spec in module.state_specs.values()):

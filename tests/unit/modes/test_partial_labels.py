@@ -14,9 +14,11 @@ import torch
 from torch import nn
 
 from gradbalance import TaskGradBuffer, balanced_backward
-from gradbalance.balancers import IMTLG, MGDA, Balancer, NashMTL, PCGrad, UPGrad
+from gradbalance.balancers import BALANCERS, IMTLG, MGDA, Balancer, NashMTL, PCGrad, UPGrad
+from gradbalance.modes._masked import check_maskable
+from support.balancers import build_balancer
 
-BALANCERS = [MGDA, IMTLG, UPGrad, PCGrad]
+CLASSES = [MGDA, IMTLG, UPGrad, PCGrad]
 MASKS = {2: [[True, False], [False, True]],
          3: [[True, False, True], [False, True, True], [False, False, True]],
          5: [[True, True, False, True, False], [False, True, True, True, True]]}
@@ -56,7 +58,9 @@ def _expected(net: Net, x: torch.Tensor, y: torch.Tensor, active: torch.Tensor,
     rows = [torch.cat([g.reshape(-1) for g in torch.autograd.grad(losses[i], wrt,
                                                                    retain_graph=True)])
             for i in idx]
-    vector = copy.deepcopy(balancer)(torch.stack(rows), losses.detach()[idx])
+    reference = copy.deepcopy(balancer)
+    reference.num_tasks = None  # a copy for the K' active tasks
+    vector = reference(torch.stack(rows), losses.detach()[idx])
     if on_features:
         trunk_grads = list(torch.autograd.grad(h, trunk, vector.reshape(h.shape),
                                                retain_graph=True))
@@ -79,7 +83,7 @@ def _run(net: Net, x: torch.Tensor, y: torch.Tensor, active: torch.Tensor, balan
 
 
 @pytest.mark.parametrize("mode", ["matrix", "gramian", "auto", "features"])
-@pytest.mark.parametrize("cls", BALANCERS)
+@pytest.mark.parametrize("cls", CLASSES)
 @pytest.mark.parametrize(("k", "mask"), CASES)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_equals_the_balancer_on_the_active_rows(mode, cls, k, mask, seed):
@@ -96,7 +100,24 @@ def test_equals_the_balancer_on_the_active_rows(mode, cls, k, mask, seed):
     assert bool((stats.weights[~active] == 0).all())
 
 
-@pytest.mark.parametrize("cls", BALANCERS)
+PER_TASK_STATE = ["constant", "crmogm", "dbmtl", "excessmtl", "gradvac", "moco", "modo",
+                  "nashmtl", "pcd", "sdmgrad"]
+
+
+@pytest.mark.parametrize("name", sorted(set(BALANCERS) - set(PER_TASK_STATE)))
+def test_every_maskable_balancer_equals_itself_on_the_active_rows(name):
+    k, active = 5, torch.tensor([True, True, False, True, True])
+    net, x, y = _setup(k, 7)
+    balancer = build_balancer(name, k)
+    trunk, _ = _expected(net, x, y, active, balancer, False)
+    stats = _run(net, x, y, active, balancer, "matrix")
+    for p, g in zip(net.trunk.parameters(), trunk):
+        torch.testing.assert_close(p.grad, g, rtol=1e-6, atol=1e-9)
+    if stats.weights is not None:
+        assert float(stats.weights[2]) == 0.0
+
+
+@pytest.mark.parametrize("cls", [MGDA, IMTLG, UPGrad, PCGrad])
 def test_balanced_backward_and_num_tasks(cls):
     k, active = 3, torch.tensor([True, False, True])
     net, x, y = _setup(k, 3)
@@ -199,3 +220,33 @@ def test_update_every_refuses_a_partial_mask():
         buf.apply_(UPGrad(), active=active)
     assert _unmoved(net, before)
     buf.apply_(UPGrad(), active=torch.ones(3, dtype=torch.bool))
+
+
+def test_refusing_balancers_are_the_ones_docs_name():
+    """docs/loop.md lists the balancers with per-task state; exactly those refuse a mask."""
+    refused = set()
+    for name in BALANCERS:
+        balancer = build_balancer(name, 3)
+        try:
+            check_maskable(balancer)
+        except ValueError as error:
+            assert type(balancer).__name__ in str(error)
+            refused.add(name)
+    assert refused == set(PER_TASK_STATE)
+
+
+def test_docs_example_runs():
+    import contextlib
+    import io
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[3] / "docs" / "loop.md").read_text()
+    section = page.split("## Partial labels")[1].split("\n## ")[0]
+    (block,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    namespace: dict[str, object] = {}
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        exec(compile(block, "loop.md", "exec"), namespace)
+    weights = namespace["stats"].weights  # type: ignore[attr-defined]
+    assert "0.0000" in printed.getvalue() and weights[1] == 0
+    assert torch.isclose(weights[0] + weights[2], torch.tensor(1.0, dtype=weights.dtype))
