@@ -334,7 +334,10 @@ class TaskGradBuffer:
         unless all True.
         """
         if self._per_sample is not None:
-            self._refuse_mask(active, "per-sample clipping (clip_per_sample)")
+            if active is not None:
+                raise ValueError("active= masks tasks, but with batch_dim=0 every sample is an "
+                                 "objective: drop the unlabelled samples' losses instead, and "
+                                 "pass active=None")
             return self._per_sample.apply_(balancer, scaler, clip)
         self._owner.enter("apply_")
         try:
@@ -342,20 +345,14 @@ class TaskGradBuffer:
         finally:
             self._owner.exit(self._count > 0)
 
-    def _refuse_mask(self, active: Tensor | None, what: str) -> None:
-        """Raise ``ValueError`` (nothing moved) for a mask that is not all True under ``what``."""
-        k = None if self._losses is None else self._losses.shape[0]
-        if k is not None and check_active(active, k) is not None:
-            raise ValueError(f"active={active.tolist() if active is not None else None} drops "
-                             f"tasks, which {what} does not support; pass active=None")
-
     def _apply(self, balancer: Balancer, scaler: Any, clip: RowClipper | None,
                active: Tensor | None) -> StepStats:
         step = self._checked_step(balancer, scaler, clip)
         index = check_active(active, step.losses.shape[0])
         if index is not None and self._cache.active:
-            self._refuse_mask(active, f"update_every={self.update_every} (weights reused "
-                                      f"across steps)")
+            raise ValueError(f"active drops tasks, but update_every={self.update_every} reuses "
+                             f"weights across steps (applied in backward); pass active=None "
+                             f"or use update_every=1")
         masked = mask_balancer(balancer, index, step.losses.shape[0])
         try:
             with no_autocast(self.layout.device):

@@ -2,8 +2,8 @@
 
 ``apply_(balancer, active=mask)`` runs the balancer on the active tasks' rows only (their
 Gramian block and losses) and gives the inactive tasks zero weight (docs/loop.md, "Partial
-labels"). A balancer with per-task state refuses a mask that is not all true: its state
-tracks every task, and a step on fewer rows would misalign it.
+labels"). A balancer with per-task state (or settings: Constant) refuses a mask that is not
+all true: its state tracks every task, and a step on fewer rows would misalign it.
 """
 
 from __future__ import annotations

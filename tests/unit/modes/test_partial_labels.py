@@ -250,3 +250,36 @@ def test_docs_example_runs():
     weights = namespace["stats"].weights  # type: ignore[attr-defined]
     assert "0.0000" in printed.getvalue() and weights[1] == 0
     assert torch.isclose(weights[0] + weights[2], torch.tensor(1.0, dtype=weights.dtype))
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize("runs", [((0, 5),), ((5, 3), (9, 3))])
+def test_sharded_columns_equal_the_active_rows_columns(cls, runs):
+    """Under a sharded trunk a rank's columns of the masked update are those of the balancer
+    on the active rows (the full Gramian given, as the sharded mode passes it)."""
+    from gradbalance.balancers import Shard
+    from gradbalance.modes._masked import mask_balancer
+
+    torch.manual_seed(8)
+    matrix = torch.randn(4, 12, dtype=torch.float64)
+    index = torch.tensor([0, 2, 3])
+    expected = cls()(matrix[index])
+    cols = torch.cat([torch.arange(s, s + n) for s, n in runs])
+    masked = mask_balancer(cls(), index, 4)
+    out = masked.combine(matrix[:, cols], gramian=matrix @ matrix.T,
+                         shard=Shard(runs, 12, lambda t: t))
+    torch.testing.assert_close(out.vector, expected[cols], rtol=1e-6, atol=1e-9)
+    assert out.weights is not None and float(out.weights[1]) == 0.0
+
+
+def test_per_sample_objectives_refuse_a_mask_and_move_nothing():
+    model = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1))
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 0.5)
+    buf = TaskGradBuffer(model.parameters(), modules=model, batch_dim=0)
+    buf.backward(model(torch.randn(4, 3))[:, 0] ** 2)
+    before = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="batch_dim=0 every sample is an objective"):
+        buf.apply_(UPGrad(), active=torch.ones(4, dtype=torch.bool))
+    assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before))
+    buf.apply_(UPGrad())
