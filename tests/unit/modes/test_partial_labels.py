@@ -283,3 +283,16 @@ def test_per_sample_objectives_refuse_a_mask_and_move_nothing():
         buf.apply_(UPGrad(), active=torch.ones(4, dtype=torch.bool))
     assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before))
     buf.apply_(UPGrad())
+
+
+def test_too_few_active_tasks_for_the_balancer_drops_the_step_atomically():
+    """Krum needs 3 tasks: a mask leaving 2 raises, the balancer's num_tasks is back and every
+    ``.grad`` is as before the step's backward (a failure past the checks drops the step)."""
+    from gradbalance.balancers import Krum
+
+    net, buf, active = _prepared(3)
+    balancer = Krum(num_tasks=3)
+    with pytest.raises(ValueError, match="Krum"):
+        buf.apply_(balancer, active=active)
+    assert balancer.num_tasks == 3
+    assert all(bool((p.grad == 0.25).all()) for p in net.parameters())
