@@ -226,33 +226,50 @@ def claims(result: dict[str, Any]) -> list[Claim]:
     ]
 
 
+def _plot_examples(ax: Any, result: dict[str, Any]) -> None:
+    """Top left, at true scale: the clipped vectors, and the direction of ``[30, 40]`` as a
+    dashed ray (its length, 50, is off the axes)."""
+    gx, gy = result["grad"]
+    reach = 7.0 / max(gx, gy)
+    ax.plot([0, gx * reach], [0, gy * reach], color="grey", ls="--", lw=1.2,
+            label="direction of [30, 40] (length 50, off the axes)")
+    for vec, label, color in ((result["value"], "value clip (5): [5, 5]", "C3"),
+                              (result["global"], "global clip (τ = 1): [0.6, 0.8]", "C0")):
+        ax.quiver(0.0, 0.0, *vec, angles="xy", scale_units="xy", scale=1, color=color,
+                  label=label, width=0.012, zorder=3)
+    ax.set_xlim(-0.3, 6.5)
+    ax.set_ylim(-0.3, 6.5)
+    ax.set_aspect("equal")
+    ax.legend(loc="upper left", fontsize=8)
+    ax.set_xlabel("gradient, weight 1")
+    ax.set_ylabel("gradient, weight 2")
+    ax.set_title("true scale: norm clip keeps the direction, value clip turns it", fontsize=10)
+
+
+def _plot_logged(ax: Any, result: dict[str, Any]) -> None:
+    """Top right: the logged pre-clip norms, the start-up transient shaded, p95 marked."""
+    norms = result["norms"]
+    settle = len(norms) // 4
+    ax.axvspan(0, settle, color="0.9", label=f"start-up transient (first {settle} steps)")
+    ax.plot(norms, lw=0.8, label="pre-clip norm (unclipped run)")
+    ax.axhline(result["suggested"], color="C3", ls="--",
+               label=f"suggest_max_norm (p95) = {result['suggested']:.3g}")
+    above = [(i, n) for i, n in enumerate(norms) if n > result["suggested"]]
+    if above:
+        ax.plot(*zip(*above), "x", color="C3", ms=4, label=f"{len(above)} steps above p95")
+    ax.set_xlabel("step")
+    ax.set_ylabel("gradient norm")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    ax.set_title("choosing the limit from a logged run (spikes: clip_explode)", fontsize=10)
+
+
 def plot(result: dict[str, Any], path: Path) -> None:
     plt = pyplot()
     fig, ((ax1, ax2), (ax3, ax4)) = plt.subplots(2, 2, figsize=(11, 8))
     origin = [0.0, 0.0]
-    for vec, label, color, width in (
-        ([x / 50 for x in result["grad"]], "[30, 40] / 50", "lightgrey", 0.03),
-        (result["global"], "global clip (τ = 1)", "C0", 0.01),
-        ([x / 10 for x in result["value"]], "value clip (5) / 10", "C3", 0.01),
-    ):
-        ax1.quiver(*origin, *vec, angles="xy", scale_units="xy", scale=1, color=color,
-                   label=label, width=width)
-    ax1.set_xlim(-0.1, 1.0)
-    ax1.set_ylim(-0.1, 1.0)
-    ax1.set_aspect("equal")
-    ax1.legend(loc="upper left")
-    ax1.set_xlabel("gradient, weight 1")
-    ax1.set_ylabel("gradient, weight 2")
-    ax1.set_title("direction kept (norm) vs turned (value)")
-    norms = result["norms"]
-    ax2.plot(norms, lw=0.8, label="pre-clip norm (unclipped run)")
-    ax2.axhline(result["suggested"], color="C3", ls="--",
-                label=f"suggest_max_norm (p95) = {result['suggested']:.3g}")
-    ax2.set_xlabel("step")
-    ax2.set_ylabel("gradient norm")
-    ax2.set_yscale("log")
-    ax2.legend()
-    ax2.set_title("choosing the limit from a logged run")
+    _plot_examples(ax1, result)
+    _plot_logged(ax2, result)
     turn = result["turn"]
     unclipped = turn["unclipped"]
     size = math.hypot(*unclipped)

@@ -436,12 +436,13 @@ def register_lines(entries: list[dict[str, Any]]) -> list[str]:
     """The register and the library checks as two markdown tables."""
     resolved = resolve(entries)
     lines = ["## Claim register", "", summary(entries), "",
-             "| # | text | section | claim (quoted) | quantity | setup | figure | verdict |",
-             "|---|---|---|---|---|---|---|---|"]
-    for i, (row, verdict, _) in enumerate(resolved, 1):
+             "| # | text | section | claim (quoted) | quantity | setup | figure | measured "
+             "| verdict |", "|---|---|---|---|---|---|---|---|---|"]
+    for i, (row, verdict, claim) in enumerate(resolved, 1):
+        measured = claim.measured if claim is not None else "—"
         lines.append(f"| {i} | {row.text} | {row.section} | {_cell(row.quote)} | "
                      f"{_cell(row.quantity)} | {_cell(row.setup)} | "
-                     f"{row.figure or '—'} | {_cell(verdict)} |")
+                     f"{row.figure or '—'} | {_cell(measured)} | {_cell(verdict)} |")
     checks = library_checks(entries)
     lines += ["", "## Library checks", "",
               "Rows that are not claims of the texts: checks of the batched runs against the "
