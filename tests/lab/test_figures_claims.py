@@ -197,7 +197,8 @@ def test_the_register_maps_every_claim_of_the_texts() -> None:
     for row, verdict, claim in resolved:
         assert (claim is None) == (not row.figure)
         if claim is None:
-            assert verdict.startswith("not measured: ") and len(row.reason) > 10
+            kind = "not measured: " if row.measurable else "not measurable: "
+            assert verdict == kind + row.reason and len(row.reason) > 10
         else:
             assert row.key in claim.text and not row.reason
     counts = tally(resolved)

@@ -226,6 +226,18 @@ def claims(result: dict[str, Any]) -> list[Claim]:
     ]
 
 
+def _vector_axes(ax: Any, xlim: tuple[float, float], ylim: tuple[float, float], where: str,
+                 title: str) -> None:
+    """Equal-aspect gradient axes with their limits, labels, legend and title."""
+    ax.set_xlim(*xlim)
+    ax.set_ylim(*ylim)
+    ax.set_aspect("equal")
+    ax.legend(loc=where, fontsize=8)
+    ax.set_xlabel("gradient, weight 1")
+    ax.set_ylabel("gradient, weight 2")
+    ax.set_title(title, fontsize=10)
+
+
 def _plot_examples(ax: Any, result: dict[str, Any]) -> None:
     """Top left, at true scale: the clipped vectors, and the direction of ``[30, 40]`` as a
     dashed ray (its length, 50, is off the axes)."""
@@ -237,13 +249,8 @@ def _plot_examples(ax: Any, result: dict[str, Any]) -> None:
                               (result["global"], "global clip (τ = 1): [0.6, 0.8]", "C0")):
         ax.quiver(0.0, 0.0, *vec, angles="xy", scale_units="xy", scale=1, color=color,
                   label=label, width=0.012, zorder=3)
-    ax.set_xlim(-0.3, 6.5)
-    ax.set_ylim(-0.3, 6.5)
-    ax.set_aspect("equal")
-    ax.legend(loc="upper left", fontsize=8)
-    ax.set_xlabel("gradient, weight 1")
-    ax.set_ylabel("gradient, weight 2")
-    ax.set_title("true scale: norm clip keeps the direction, value clip turns it", fontsize=10)
+    _vector_axes(ax, (-0.3, 6.5), (-0.3, 6.5), "upper left",
+                 "true scale: norm clip keeps the direction, value clip turns it")
 
 
 def _plot_logged(ax: Any, result: dict[str, Any]) -> None:
@@ -281,13 +288,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ):
         ax3.quiver(*origin, *vec, angles="xy", scale_units="xy", scale=1, color=color,
                    label=label, width=width)
-    ax3.set_xlim(-0.6, 1.0)
-    ax3.set_ylim(-0.1, 1.3)
-    ax3.set_aspect("equal")
-    ax3.legend(loc="lower right", fontsize=8)
-    ax3.set_xlabel("gradient, weight 1")
-    ax3.set_ylabel("gradient, weight 2")
-    ax3.set_title(f"per-task clip of rows 90° apart: turned {turn['turn']:.1f}°")
+    _vector_axes(ax3, (-0.6, 1.0), (-0.1, 1.3), "lower right",
+                 f"per-task clip of rows 90° apart: turned {turn['turn']:.1f}°")
     ax4.plot(result["sweep_between"], result["sweep_turn"], "o-", ms=3, color="C3",
              label="TaskClip(1), then Sum")
     ax4.axhline(turn["global_turn"], color="C0", ls="--", label="global clip of the sum")

@@ -24,7 +24,8 @@ __all__ = ["REGISTER", "Row", "library_checks", "register_lines", "resolve", "su
 class Row:
     """One claim of a text: where it is, its words, what is measured and how, and either the
     figure and ``key`` (a phrase of exactly one of its claims) or the ``reason`` it is not
-    measured."""
+    measured; ``measurable`` False when the words state no outcome a run could check (a
+    description, advice, history, a theorem)."""
 
     text: str
     section: str
@@ -34,16 +35,17 @@ class Row:
     figure: str = ""
     key: str = ""
     reason: str = ""
+    measurable: bool = True
 
 
 def _b(section: str, quote: str, quantity: str, setup: str, figure: str = "", key: str = "",
-       reason: str = "") -> Row:
-    return Row("balancing", section, quote, quantity, setup, figure, key, reason)
+       reason: str = "", measurable: bool = True) -> Row:
+    return Row("balancing", section, quote, quantity, setup, figure, key, reason, measurable)
 
 
 def _c(section: str, quote: str, quantity: str, setup: str, figure: str = "", key: str = "",
-       reason: str = "") -> Row:
-    return Row("clipping", section, quote, quantity, setup, figure, key, reason)
+       reason: str = "", measurable: bool = True) -> Row:
+    return Row("clipping", section, quote, quantity, setup, figure, key, reason, measurable)
 
 
 _TEXT = "the text's own"
@@ -53,13 +55,15 @@ _NET = "small trunk + 3 heads (task_grads settings)"
 REGISTER: tuple[Row, ...] = (
     # -- the balancing text ---------------------------------------------------------------
     _b("§1", "A balancer acts once per training step, on that step's batch",
-       "—", "—", reason="a description of where the balancer sits, no outcome to measure"),
+       "—", "—", measurable=False,
+       reason="a description of where the balancer sits, no outcome to measure"),
     _b("§1", "Loss-weighting methods ... change the task losses before the backward pass; "
        "gradient methods ... replace the summed gradient after it", "—", "—",
+       measurable=False,
        reason="a description; its consequence is §4's row (gradient methods can turn the step)"),
     _b("§1", "A balancer can do exactly what it promises and the step still come out "
        "unbalanced", "—", "—",
-       reason="the section's thesis; measured piece by piece in §5–§12"),
+       measurable=False, reason="the section's thesis; measured piece by piece in §5–§12"),
     _b("§3", "Each loss is a batch mean ..., so gradients do not grow with batch size",
        "slope of log ‖g‖ against log n", f"{_NET}, n = 8 … 2048, 5 seeds",
        "task_grads", "each loss is a batch mean"),
@@ -93,7 +97,7 @@ REGISTER: tuple[Row, ...] = (
        "cosine of g_sum and g_mean", "MSELoss, n = 8 … 512", "loss_scale",
        "... in the same direction"),
     _b("§5", "length is what balancers compare", "—", "—",
-       reason="a description of the balancers; its consequence is the next rows"),
+       measurable=False, reason="a description of the balancers; its consequence is the next rows"),
     _b("§5", "Loss-weighting methods undo a constant scale once their weights adapt",
        "weight × scale ratio", "Uncertainty Weighting, task 1's loss × 10, 500 Adam steps",
        "loss_scale", "loss-weighting methods undo a constant scale"),
@@ -154,7 +158,7 @@ REGISTER: tuple[Row, ...] = (
     _b("§8.2", "once it reaches the size of the batch-to-batch noise",
        "plateau / lr·E‖ξ‖", "as above", "mgda_noise", "once it reaches the size"),
     _b("§8.2", "Watch the per-task losses to decide when to stop, not a gradient size",
-       "—", "—", reason="advice for the reader's runs, no outcome stated"),
+       "—", "—", measurable=False, reason="advice for the reader's runs, no outcome stated"),
     _b("§9.1", "The GradNorm paper renormalizes after every step", "largest |Σw − K|",
        "GradNorm, K = 3, 200 steps", "gradnorm", "with the rescale after every step"),
     _b("§9.1", "without it the weights' sum drifts", "largest |Σw − K|", "as above",
@@ -191,6 +195,7 @@ REGISTER: tuple[Row, ...] = (
        "decay on log σ pulls"),
     _b("§9.3", "The Uncertainty Weighting paper ... saw all three uncertainties fall and "
        "lowered the learning rate on a schedule", "—", "—",
+       measurable=False,
        reason="a report of the paper's experiment (three street-scene tasks), not rerun"),
     _b("§9.3", "Uncertainty and the effective learning rate (SGD)", "head step ratio",
        "σ halving over the run, SGD", "adam_absorb", "under SGD a task weight"),
@@ -247,7 +252,7 @@ REGISTER: tuple[Row, ...] = (
        "opposed", "logged value vs the formula on G / s", "as above", "logging",
        "the logged cosine and size"),
     _b("§13", "The weighted total loss hides all of this", "—", "—",
-       reason="a motivation, no outcome stated"),
+       measurable=False, reason="a motivation, no outcome stated"),
     _b("§13", "Compare each raw loss with that task trained alone, and log how much each "
        "number varies", "—", "—", "logging", "compare each raw loss"),
     # -- the clipping text ----------------------------------------------------------------
@@ -262,7 +267,7 @@ REGISTER: tuple[Row, ...] = (
        "snowballs", "—", "—",
        reason="not run: no depth sweep; see 'Why gradients explode' below"),
     _c("Why it exists", "Clipping does not fix the cause of the giant gradient", "—", "—",
-       reason="a framing, no outcome to measure"),
+       measurable=False, reason="a framing, no outcome to measure"),
     _c("How it works", "gradient size 3, limit 10 -> untouched", "returned norm, .grad",
        _TEXT, "clip_basics", "gradient size 3"),
     _c("How it works", "gradient size 250, limit 10 -> every gradient scaled down by 25x",
@@ -271,7 +276,7 @@ REGISTER: tuple[Row, ...] = (
        "clip_basics", "direction kept, size now exactly 10"),
     _c("A real example", "Clipping was the workhorse fix ... standard practice in the "
        "recipes behind today's chat models", "—", "—",
-       reason="history of practice, not a measurable outcome"),
+       measurable=False, reason="history of practice, not a measurable outcome"),
     _c("Watching a clip happen", "returned: 50.0", "returned norm", _TEXT, "clipping",
        "returns 50"),
     _c("Watching a clip happen", "tensor([0.6000, 0.8000]) norm = 0.9999999403953552",
@@ -281,7 +286,7 @@ REGISTER: tuple[Row, ...] = (
        "wanders within a band"),
     _c("The walkthrough", "the log tells you when they started, which batch, and whether "
        "your limit is doing anything at all", "—", "—",
-       reason="advice on reading the log, no outcome stated"),
+       measurable=False, reason="advice on reading the log, no outcome stated"),
     _c("The walkthrough", "With gradient accumulation, clip once per update on the finished "
        "pile", "pile vs full batch", "20 updates of 4 micro-batches", "clip_accumulation",
        "clip once per update on the finished pile"),
@@ -291,9 +296,9 @@ REGISTER: tuple[Row, ...] = (
        _TEXT, "clipping", "per-value clip at 5"),
     _c("The walkthrough", "Norm clipping is the default choice in modern recipes ...; value "
        "clipping survives in some reinforcement-learning code", "—", "—",
-       reason="a survey of practice, not a measurable outcome"),
+       measurable=False, reason="a survey of practice, not a measurable outcome"),
     _c("Choosing the limit", "Common starting points: 1.0 (transformer training), 0.5–5.0 "
-       "elsewhere", "—", "—", reason="folklore the text itself sets aside"),
+       "elsewhere", "—", "—", measurable=False, reason="folklore the text itself sets aside"),
     _c("Choosing the limit", "set the limit around the 90th–95th percentile of healthy "
        "values", "share clipped on a fresh run", "200 logged steps", "clip_threshold",
        "90th–95th percentile"),
@@ -312,7 +317,8 @@ REGISTER: tuple[Row, ...] = (
        "rescaled — training slows", "loss after 200 steps at p10 vs p95", "same batches",
        "clip_threshold", "limit brutally low"),
     _c("Common mistakes", "The logged pre-clip norm tells you when this is happening", "—",
-       "—", reason="advice on reading the log; the band row above measures the log itself"),
+       "—", measurable=False,
+       reason="advice on reading the log; the band row above measures the log itself"),
     _c("Common mistakes", "With GradScaler, gradients are scaled up", "norm before unscale_",
        "GradScaler('cpu')", "clip_amp", "gradients are scaled up"),
     _c("Common mistakes", "scaler.unscale_(optimizer) first, then clip, then scaler.step",
@@ -320,27 +326,33 @@ REGISTER: tuple[Row, ...] = (
     _c("Common mistakes", "Clipping scaled gradients applies a meaningless threshold",
        "update length ratio", "as above", "clip_amp", "meaningless threshold"),
     _c("Try it yourself", "Find your 95th percentile and compare it with the limit you had "
-       "guessed", "—", "—", reason="an exercise; the guessed limit is the reader's"),
+       "guessed", "—", "—", measurable=False,
+       reason="an exercise; the guessed limit is the reader's"),
     _c("Try it yourself", "multiply your learning rate by 10 and watch what the seismograph "
        "does — explosions on demand", "largest norm / p95 at lr × 10", "lr 0.01 → 0.1",
        reason="measured by the band row above (spikes at lr 0.1), not a second row"),
     _c("Definitions", "ε a small constant against division by zero", "ε; zero gradient "
        "clipped", "clip_grad_norm_, clip_task_norms_", "clip_basics", "§Definitions: ε"),
+    _c("Definitions", "its global L2 norm (computed across all parameters jointly — the default "
+       "in clip_grad_norm_)", "—", "—",
+       reason="not run as its own row (the foreach row returns one norm over 10 tensors but "
+       "does not compare it with the per-tensor norms)"),
     _c("Definitions", "Direction is preserved exactly; magnitude is capped at c",
        "direction and ‖u‖ over 51 limits", "one gradient, c from 1e-6 to 10⁴",
        "clip_small_tau", "clipping interpolates"),
     _c("Definitions", "Cost: ... O(P) in parameter count, negligible against the backward "
-       "pass", "—", "—", reason="a timing claim; the figures keep no wall-clock checks"),
+       "pass", "—", "—", measurable=False,
+       reason="a timing claim; the figures keep no wall-clock checks"),
     _c("Definitions", "clip_grad_norm_ also accepts norm_type (any p-norm, including inf)",
        "inf-norm vs max |gᵢ|", "one gradient", "clip_api", "accepts norm_type"),
     _c("Definitions", "foreach=True fused implementations in torch 2.x",
        "foreach vs loop, bitwise", "10 tensors", "clip_api", "foreach=True"),
     _c("Why gradients explode", "If the spectral radii of the J_t sit above 1, the product "
        "grows exponentially in T; below 1, it vanishes", "—", "—",
-       reason="not measured: no run of a depth-T Jacobian product yet"),
+       reason="no run of a depth-T Jacobian product yet"),
     _c("Why gradients explode", "clipped GD provably beats any fixed-step GD "
        "(Zhang et al. 2020)", "—", "—",
-       reason="a theorem under (L₀, L₁)-smoothness; no run reproduces a proof"),
+       measurable=False, reason="a theorem under (L₀, L₁)-smoothness; no run reproduces a proof"),
     _c("Relatives and variants", "thresholds tracked from gradient-norm history (AutoClip)",
        "threshold vs the percentile so far", "200 steps, p = 10", "clip_autoclip",
        "adaptive clipping"),
@@ -379,7 +391,8 @@ def resolve(entries: list[dict[str, Any]]) -> list[tuple[Row, str, Claim | None]
     out: list[tuple[Row, str, Claim | None]] = []
     for row in REGISTER:
         if not row.figure:
-            out.append((row, f"not measured: {row.reason}", None))
+            kind = "not measured" if row.measurable else "not measurable"
+            out.append((row, f"{kind}: {row.reason}", None))
             continue
         entry = by_name.get(row.figure)
         if entry is None or entry["missing"]:
