@@ -182,3 +182,34 @@ def test_every_claim_is_met_at_quick_size(name: str) -> None:
     assert len(failed) == len(expected), [f"{c.text}: {c.measured}" for c in failed]
     for claim, words in zip(failed, expected):
         assert words in claim.text and "(check)" not in claim.text
+
+
+def test_the_register_maps_every_claim_of_the_texts() -> None:
+    """Every register row picks exactly one measured row of its figure or gives a reason; the
+    totals add up; a measured row left out of the register is a marked library check or one of
+    the rows written down here as beyond the texts."""
+    from gradbalance_lab.figures.register import REGISTER, library_checks, resolve, tally
+
+    entries = [{"name": name, "missing": None, "claims": load(name).claims(quick(name))}
+               for name in FIGURES]
+    resolved = resolve(entries)  # raises when a key picks no claim or several
+    assert len(resolved) == len(REGISTER)
+    for row, verdict, claim in resolved:
+        assert (claim is None) == (not row.figure)
+        if claim is None:
+            kind = "not measured: " if row.measurable else "not measurable: "
+            assert verdict == kind + row.reason and len(row.reason) > 10
+        else:
+            assert row.key in claim.text and not row.reason
+    counts = tally(resolved)
+    assert sum(counts.values()) == len(REGISTER) and counts["not run"] == 0
+    # a measured row counted once per text (the same example may serve both texts)
+    for text in ("balancing", "clipping"):
+        picked = [id(c) for r, _, c in resolved if c is not None and r.text == text]
+        assert len(picked) == len(set(picked)), text
+    beyond = ("SGD for contrast", "network on Adam", "snippet runs unscaled", "inf entry",
+              "error_if_nonfinite", "the library's", "AutoClip caps each step",
+              "DP-SGD adds Gaussian noise", "clipping before the sync")
+    markers = ("(check)", "control", "(sensitivity)", "(beyond the text)")
+    for name, claim in library_checks(entries):
+        assert any(m in claim.text for m in markers + beyond), (name, claim.text)

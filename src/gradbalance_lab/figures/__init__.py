@@ -33,6 +33,7 @@ from gradbalance_lab._cli_common import (
 from gradbalance_lab._out_folder import OutFolder
 from gradbalance_lab._signals import shielded
 from gradbalance_lab.figures._common import Claim, Missing
+from gradbalance_lab.figures.register import register_lines, summary
 
 HELP = "regenerate the tutorials' claims with the library: numbers, one PNG per figure, report"
 
@@ -143,12 +144,15 @@ clipping, weightings and logging. Each section gives the claim as the text state
 value measured, and whether the number is met. The verdicts: *met* or *not met* (a comparison
 fixed before measuring, with an independent expectation: the text's number as it rounds it, a
 closed form, a control run); *not measurable* (with the reason, e.g. the text states no
-number); *shown* (a number beside the text, not a verdict). Rows marked *(check)* or
-*control* are the library's own checks, not claims of the texts; rows marked *(sensitivity)*
-show readings of an ambiguous setting other than the one each section is judged under. The
-settings chosen where the text leaves them open are under *Settings*. Regenerate this page
+number); *shown* (a number beside the text, not a verdict); *not measured* (a claim of a
+text no figure runs, with the reason). The *claim register* lists every checkable claim of
+the two texts once (section, quoted words, quantity, setup) with its verdict, and its totals
+are the report's; the *library checks* (rows marked *(check)*, *control*, *(sensitivity)*
+or *(beyond the text)*, and the library's own behaviour) are a separate table and are not
+counted. The figures' sections below give every measured row with its value. The settings
+chosen where the text leaves them open are under *Settings*. Regenerate this page
 and the PNGs with `gradbalance figures --out runs/figures --overwrite --doc docs/figures.md`
-(about 55 CPU-seconds on one thread; each figure's time is in its heading; the PNGs land in
+(about 40 CPU-seconds on one thread; each figure's time is in its heading; the PNGs land in
 the output folder) or add `--quick` for a smoke run. An `--out` folder that already holds
 files is refused
 without `--overwrite`, which replaces only the earlier `report.md` and `<figure>.png` there,
@@ -168,12 +172,9 @@ def write_report(entries: list[dict[str, Any]], path: Path, quick: bool,
     threads = torch.get_num_threads()
     lines += [f"Run: {size}, torch {torch.__version__}, CPU, {threads} thread"
               f"{'s' if threads > 1 else ''}.", ""]
-    met = sum(c.met is True for e in entries for c in e["claims"])
-    unmet = sum(c.met is False for e in entries for c in e["claims"])
-    loose = sum(c.met is None and bool(c.reason) for e in entries for c in e["claims"])
     missing = [e["name"] for e in entries if e["missing"]]
-    lines += [f"Claims met: {met}; not met: {unmet}; not measurable: {loose}; figures waiting "
-              f"on a library piece: {', '.join(missing) or 'none'}.", ""]
+    lines += [f"Figures waiting on a library piece: {', '.join(missing) or 'none'}.", ""]
+    lines += register_lines(entries)
     for e in entries:
         lines += [f"## {e['title']} (`{e['name']}`, {e['seconds']:.1f} s)", ""]
         if e["missing"]:
@@ -268,8 +269,8 @@ def _run(args: argparse.Namespace, folder: OutFolder) -> int:
         return 130
     unmet = [f"{e['name']}: {c.text}" for e in entries for c in e["claims"] if c.met is False]
     missing = [f"{e['name']}: {e['missing']}" for e in entries if e["missing"]]
-    met = sum(c.met is True for e in entries for c in e["claims"])
-    print(f"{met} claims met, {len(unmet)} not met, {len(missing)} figures not run")
+    print(summary(entries))
+    print(f"{len(unmet)} measured rows not met, {len(missing)} figures not run")
     return 1 if unmet or missing else 0
 
 

@@ -113,9 +113,11 @@ def pyplot() -> Any:
     return optional_pyplot("gradbalance figures (its PNGs)", "run with --no-plot")
 
 
-def save_figure(fig: Any, path: Any) -> None:
-    """Lay out ``fig``, write it to ``path`` as a 100 dpi PNG and free it."""
-    fig.tight_layout()
+def save_figure(fig: Any, path: Any, rect: tuple[float, float, float, float] | None = None
+                ) -> None:
+    """Lay out ``fig`` (its axes inside ``rect``, figure fractions, when given), write it to
+    ``path`` as a 100 dpi PNG and free it."""
+    fig.tight_layout(rect=rect)
     fig.savefig(path, dpi=100)
     pyplot().close(fig)
 

@@ -226,33 +226,57 @@ def claims(result: dict[str, Any]) -> list[Claim]:
     ]
 
 
+def _vector_axes(ax: Any, xlim: tuple[float, float], ylim: tuple[float, float], where: str,
+                 title: str) -> None:
+    """Equal-aspect gradient axes with their limits, labels, legend and title."""
+    ax.set_xlim(*xlim)
+    ax.set_ylim(*ylim)
+    ax.set_aspect("equal")
+    ax.legend(loc=where, fontsize=8)
+    ax.set_xlabel("gradient, weight 1")
+    ax.set_ylabel("gradient, weight 2")
+    ax.set_title(title, fontsize=10)
+
+
+def _plot_examples(ax: Any, result: dict[str, Any]) -> None:
+    """Top left, at true scale: the clipped vectors, and the direction of ``[30, 40]`` as a
+    dashed ray (its length, 50, is off the axes)."""
+    gx, gy = result["grad"]
+    reach = 7.0 / max(gx, gy)
+    ax.plot([0, gx * reach], [0, gy * reach], color="grey", ls="--", lw=1.2,
+            label="direction of [30, 40] (length 50, off the axes)")
+    for vec, label, color in ((result["value"], "value clip (5): [5, 5]", "C3"),
+                              (result["global"], "global clip (τ = 1): [0.6, 0.8]", "C0")):
+        ax.quiver(0.0, 0.0, *vec, angles="xy", scale_units="xy", scale=1, color=color,
+                  label=label, width=0.012, zorder=3)
+    _vector_axes(ax, (-0.3, 6.5), (-0.3, 6.5), "upper left",
+                 "true scale: norm clip keeps the direction, value clip turns it")
+
+
+def _plot_logged(ax: Any, result: dict[str, Any]) -> None:
+    """Top right: the logged pre-clip norms, the start-up transient shaded, p95 marked."""
+    norms = result["norms"]
+    settle = len(norms) // 4
+    ax.axvspan(0, settle, color="0.9", label=f"start-up transient (first {settle} steps)")
+    ax.plot(norms, lw=0.8, label="pre-clip norm (unclipped run)")
+    ax.axhline(result["suggested"], color="C3", ls="--",
+               label=f"suggest_max_norm (p95) = {result['suggested']:.3g}")
+    above = [(i, n) for i, n in enumerate(norms) if n > result["suggested"]]
+    if above:
+        ax.plot(*zip(*above), "x", color="C3", ms=4, label=f"{len(above)} steps above p95")
+    ax.set_xlabel("step")
+    ax.set_ylabel("gradient norm")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    ax.set_title("choosing the limit from a logged run (spikes: clip_explode)", fontsize=10)
+
+
 def plot(result: dict[str, Any], path: Path) -> None:
     plt = pyplot()
     fig, ((ax1, ax2), (ax3, ax4)) = plt.subplots(2, 2, figsize=(11, 8))
     origin = [0.0, 0.0]
-    for vec, label, color, width in (
-        ([x / 50 for x in result["grad"]], "[30, 40] / 50", "lightgrey", 0.03),
-        (result["global"], "global clip (τ = 1)", "C0", 0.01),
-        ([x / 10 for x in result["value"]], "value clip (5) / 10", "C3", 0.01),
-    ):
-        ax1.quiver(*origin, *vec, angles="xy", scale_units="xy", scale=1, color=color,
-                   label=label, width=width)
-    ax1.set_xlim(-0.1, 1.0)
-    ax1.set_ylim(-0.1, 1.0)
-    ax1.set_aspect("equal")
-    ax1.legend(loc="upper left")
-    ax1.set_xlabel("gradient, weight 1")
-    ax1.set_ylabel("gradient, weight 2")
-    ax1.set_title("direction kept (norm) vs turned (value)")
-    norms = result["norms"]
-    ax2.plot(norms, lw=0.8, label="pre-clip norm (unclipped run)")
-    ax2.axhline(result["suggested"], color="C3", ls="--",
-                label=f"suggest_max_norm (p95) = {result['suggested']:.3g}")
-    ax2.set_xlabel("step")
-    ax2.set_ylabel("gradient norm")
-    ax2.set_yscale("log")
-    ax2.legend()
-    ax2.set_title("choosing the limit from a logged run")
+    _plot_examples(ax1, result)
+    _plot_logged(ax2, result)
     turn = result["turn"]
     unclipped = turn["unclipped"]
     size = math.hypot(*unclipped)
@@ -264,13 +288,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ):
         ax3.quiver(*origin, *vec, angles="xy", scale_units="xy", scale=1, color=color,
                    label=label, width=width)
-    ax3.set_xlim(-0.6, 1.0)
-    ax3.set_ylim(-0.1, 1.3)
-    ax3.set_aspect("equal")
-    ax3.legend(loc="lower right", fontsize=8)
-    ax3.set_xlabel("gradient, weight 1")
-    ax3.set_ylabel("gradient, weight 2")
-    ax3.set_title(f"per-task clip of rows 90° apart: turned {turn['turn']:.1f}°")
+    _vector_axes(ax3, (-0.6, 1.0), (-0.1, 1.3), "lower right",
+                 f"per-task clip of rows 90° apart: turned {turn['turn']:.1f}°")
     ax4.plot(result["sweep_between"], result["sweep_turn"], "o-", ms=3, color="C3",
              label="TaskClip(1), then Sum")
     ax4.axhline(turn["global_turn"], color="C0", ls="--", label="global clip of the sum")

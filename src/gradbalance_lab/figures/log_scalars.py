@@ -3,8 +3,12 @@
 Setting: a 3-task regression model (MLP trunk 8→32→32, linear heads, targets scaled 1, 10,
 0.1) trained for 120 steps (40 with ``--quick``) with ``torch.optim.Adam(lr=1e-2)``, the
 ``PCGrad`` balancer (``Mean`` if absent) through :class:`~gradbalance.TaskGradBuffer`, an
-enabled ``torch.amp.GradScaler("cpu")``, and the global ``clip_grad_norm_(max_norm=10)``
-after ``scaler.unscale_``. At one step (a third of the way) task 0's loss is made to
+enabled ``torch.amp.GradScaler("cpu")``, and the global ``clip_grad_norm_`` after
+``scaler.unscale_`` at ``max_norm = 60``, about the 90th–95th percentile of this run's pre-clip
+norms (5 to 90), so it catches the largest steps only, as the clip tutorial advises.
+PCGrad weights no loss: the ``w/`` tags hold the coefficients of its combine (each task row's
+share of ``.grad``, 1 when it is not projected), drawn as such; the text's ``w`` is a
+loss-weighting method's. At one step (a third of the way) task 0's loss is made to
 overflow, so the scaler skips that step. Every step,
 :func:`gradbalance.log_stats` writes the text's scalars to a writer with ``add_scalar``
 (a recording stand-in for ``SummaryWriter``, so tensorboard is not needed).
@@ -32,6 +36,7 @@ from gradbalance_lab.models import MultiTaskModel, make_heads, mlp_trunk, regres
 NAME = "logging"
 TITLE = "§13 The logged scalars of a short run"
 K = 3
+MAX_NORM = 60.0
 
 
 class RecordingWriter:
@@ -75,7 +80,7 @@ def compute(quick: bool = False) -> dict[str, Any]:
         buf.backward(losses, scaler=scaler)
         stats = buf.apply_(balancer, scaler=scaler)
         scaler.unscale_(opt)
-        pre_clip = torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
+        pre_clip = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=True)
@@ -133,10 +138,11 @@ def _smooth(values: list[float], weight: float = 0.6) -> list[float]:
 
 def plot(result: dict[str, Any], path: Path) -> None:
     plt = pyplot()
-    panels = [("loss", "loss/"), ("size", "size/"), ("w", "w/"), ("cos", "cos/"),
+    panels = [("loss", "loss/"), ("size", "size/"),
+              ("w/: PCGrad's combine coefficients (no loss weights)", "w/"), ("cos", "cos/"),
               ("pre_clip", "pre_clip"), ("amp_skipped", "amp_skipped")]
     ylabels = {"loss/": "raw task loss (log)", "size/": "true gradient norm ‖G/s‖ (log)",
-               "w/": "task weight", "cos/": "cosine of two tasks' gradients",
+               "w/": "PCGrad's coefficient per task row", "cos/": "cosine of two tasks' gradients",
                "pre_clip": "norm before clipping (log)",
                "amp_skipped": "step skipped (1) or not (0)"}
     fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
@@ -154,6 +160,12 @@ def plot(result: dict[str, Any], path: Path) -> None:
             ax.plot(steps, _smooth(values), color=f"C{i}", lw=1.5, label=tag)
         if prefix in ("loss/", "size/", "pre_clip"):
             ax.set_yscale("log")
+        if prefix == "pre_clip":
+            values = [v for _, v in scalars.get("pre_clip", [])]
+            share = sum(v > MAX_NORM for v in values) / max(1, len(values))
+            ax.axhline(MAX_NORM, color="C3", ls="--",
+                       label=f"max_norm {MAX_NORM:g}: {share:.0%} of steps clipped")
+            ax.legend(fontsize=7)
         ax.set_title(title, fontsize=10, loc="left")
         ax.set_ylabel(ylabels[prefix], fontsize=9)
         ax.grid(alpha=0.3)

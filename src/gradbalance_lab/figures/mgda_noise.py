@@ -152,8 +152,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.semilogy(xs, result["mean_steps"], color="C0", lw=0.8,
                 label=f"with noise σ = {SIGMA} (mean of {result['runs']} runs)")
     clean = [(x, s) for x, s in zip(xs, result["clean_steps"]) if s > 0]
+    zero = result["clean_zero_from"]
+    ending = (f"exactly 0 from step {zero}: not drawn" if zero
+              else f"{clean[-1][1]:.0e} at step {clean[-1][0]}, not yet 0" if clean else "0")
     ax.semilogy([x for x, _ in clean], [s for _, s in clean], "--", color="C1",
-                label="exact gradients (exactly 0 afterwards: not drawn)")
+                label=f"exact gradients ({ending})")
     ax.axhline(result["noise_step"], color="k", ls="-.", lw=0.8,
                label="noise size lr·E‖ξₖ‖ = lr·σ·√(π/2)")
     ax.axhline(result["predicted"], color="grey", ls=":", label="MGDA's output at the noise, "

@@ -154,12 +154,17 @@ def claims(result: dict[str, Any]) -> list[Claim]:
     ]
 
 
+def _coord(value: float) -> str:
+    """A start coordinate to one decimal, without a negative zero."""
+    return f"{value:.1f}".replace("-0.0", "0.0") if abs(value) < 0.05 else f"{value:.1f}"
+
+
 def plot(result: dict[str, Any], path: Path) -> None:
     plt = pyplot()
     runs = result["runs"]
     cols = 4
     rows = math.ceil(len(runs) / cols)
-    fig = plt.figure(figsize=(12, 3 * rows + 3.2))
+    fig = plt.figure(figsize=(12, 3.3 * rows + 3.4))
     grid = fig.add_gridspec(rows + 1, cols, height_ratios=[3] * rows + [2.6])
     (x1, y1), (x2, y2) = BOWL_CENTERS
     for i, run in enumerate(runs):
@@ -175,9 +180,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.set_xlabel("weight 1", fontsize=8)
         ax.set_ylabel("weight 2", fontsize=8)
         ax.tick_params(labelsize=7)
-        ax.set_title(f"start ({run['start'][0]:.1f}, {run['start'][1]:.1f})", fontsize=8)
+        ax.set_title(f"start ({_coord(run['start'][0])}, {_coord(run['start'][1])})",
+                     fontsize=9)
         if i == 0:
-            ax.legend(fontsize=6, loc="upper left")
+            fig.legend(*ax.get_legend_handles_labels(), loc="upper center", ncol=4,
+                       fontsize=9, bbox_to_anchor=(0.5, 0.955), frameon=False)
     ax = fig.add_subplot(grid[rows, :])
     heavy, plain = result["heavy"], result["plain"]
     moving = [i for i, c in enumerate(heavy["step_cos"]) if c == c]  # not NaN
@@ -191,10 +198,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
             label="SGD step without momentum (its own run)")
     ax.axhline(0, color="k", lw=0.8)
     ax.text(xs[-1], -0.05, "below 0: uphill for a task", ha="right", va="top", fontsize=8)
-    ax.set_xlabel(f"step (start ({runs[0]['start'][0]:.1f}, {runs[0]['start'][1]:.1f}), "
+    ax.set_xlabel(f"step (start ({_coord(runs[0]['start'][0])}, {_coord(runs[0]['start'][1])}), "
                   f"while it moves)")
     ax.set_ylabel("min over tasks of cos(·, gₖ)")
     ax.set_ylim(-1.05, 1.05)
     ax.legend(fontsize=8, loc="upper right")
-    fig.suptitle(TITLE)
-    save_figure(fig, path)
+    fig.suptitle(TITLE, y=0.995)
+    save_figure(fig, path, rect=(0, 0, 1, 0.93))
