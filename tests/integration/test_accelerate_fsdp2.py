@@ -84,7 +84,8 @@ def _worker(out: str) -> None:
 
     loop = _loop()
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
-    accelerator = Accelerator(cpu=True, fsdp_plugin=plugin, gradient_accumulation_steps=loop.ACCUMULATE)
+    accelerator = Accelerator(cpu=True, fsdp_plugin=plugin,
+                              gradient_accumulation_steps=loop.ACCUMULATE)
     run = loop._build("gradnorm")
     raw = run["model"]
     model, opt, loader = accelerator.prepare(

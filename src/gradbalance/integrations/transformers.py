@@ -193,7 +193,10 @@ class BalancedTrainer(Trainer):
             raise ValueError(
                 "BalancedTrainer does not run under DeepSpeed or the Trainer's FSDP: DeepSpeed's "
                 "ZeRO owns the gradient partitions (it reduces and partitions each backward's "
-                "gradient itself, so the K task gradients never reach the buffer). Use DDP "
+                "gradient itself, so the K task gradients never reach the buffer); the "
+                "Trainer's FSDP goes through accelerate's FSDP plugin, which accelerate (1.15) "
+                "runs only on accelerator devices, never on CPU processes, so the balanced "
+                "step is not verified on a Trainer-sharded model. Use DDP "
                 "(torchrun / accelerate launch), or, for a model that does not fit one device, "
                 "FSDP2 in your own loop: fully_shard the trunk and call TaskGradBuffer's "
                 "backward and apply_ (docs/distributed.md, 'Sharded trunks (FSDP2)')"
