@@ -13,7 +13,6 @@ worker of the two-process test.
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -69,12 +68,9 @@ def test_a_data_parallel_accelerator_is_accepted() -> None:
 
 def _loop() -> ModuleType:
     """``test_accelerate`` (the documented loop, its model, data and plain reference)."""
-    spec = importlib.util.spec_from_file_location("_accelerate_loop",
-                                                  Path(__file__).with_name("test_accelerate.py"))
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from support.sibling import load_sibling
+
+    return load_sibling(__file__, "test_accelerate")
 
 
 def _worker(out: str) -> None:

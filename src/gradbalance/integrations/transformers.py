@@ -336,4 +336,6 @@ class BalancedTrainer(Trainer):
                 f"cannot be restored; resume from a BalancedTrainer checkpoint"
             )
         device = self.args.device if isinstance(self.args.device, torch.device) else None
+        if device is not None and device.type == "cpu":
+            device = torch.device("cpu")  # a CPU process's "cpu:N" is no torch.load location
         load_checkpoint(path, map_location=device, **self.balanced.objects())
