@@ -14,7 +14,6 @@ worker of the two-process test.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
@@ -25,7 +24,6 @@ from torch.utils.data import DataLoader
 pytest.importorskip("accelerate")
 
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
 from gradbalance.balancers import UPGrad
@@ -34,14 +32,15 @@ from gradbalance.integrations.accelerate import BalancedAcceleratorStep
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state() -> Iterator[None]:
-    """accelerate keeps process-wide singletons; every test starts from none."""
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+def _loop() -> ModuleType:
+    """``test_accelerate`` (the documented loop, its model, data and plain reference)."""
+    from support.sibling import load_sibling
+
+    return load_sibling(__file__, "test_accelerate")
+
+
+# accelerate keeps process-wide singletons; every test starts from none (autouse)
+_fresh_accelerate_state = _loop()._fresh_accelerate_state
 
 
 @pytest.mark.parametrize(("kind", "reason"), [(DistributedType.FSDP, "fully_shard"),
@@ -64,13 +63,6 @@ def test_a_data_parallel_accelerator_is_accepted() -> None:
     step = BalancedAcceleratorStep(accelerator, UPGrad(2), [w])
     step.backward([w @ torch.tensor([1.0, 0.0]), w @ torch.tensor([-1.0, 1.0])])
     assert torch.equal(w.grad, torch.tensor([0.25, 0.75]))  # UPGrad's example, by hand
-
-
-def _loop() -> ModuleType:
-    """``test_accelerate`` (the documented loop, its model, data and plain reference)."""
-    from support.sibling import load_sibling
-
-    return load_sibling(__file__, "test_accelerate")
 
 
 def _worker(out: str) -> None:

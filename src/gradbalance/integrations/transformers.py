@@ -38,8 +38,11 @@ Only ``training_step`` changes; the Trainer's loop around it is kept:
   Trainer saves the model, optimizer, scheduler, scaler and random states. A resumed run
   continues bit for bit.
 
-DeepSpeed, FSDP and ``DataParallel`` (several GPUs in one process) are refused: the first two
-shard or own the gradients, the third replicates the model per forward.
+DeepSpeed, FSDP and ``DataParallel`` (several GPUs in one process) are refused: DeepSpeed owns
+the gradients; the Trainer's FSDP goes through accelerate's FSDP plugin, which accelerate 1.15
+applies only on accelerator devices (on CPU processes the run stays data-parallel), so the
+balanced step is not verified on a Trainer-sharded model; ``DataParallel`` replicates the model
+per forward (docs/integrations.md, "Hugging Face").
 """
 
 from __future__ import annotations
