@@ -38,6 +38,10 @@ What the helper does, written out (a :class:`~gradbalance.TaskGradBuffer` ``buf`
   unscales before clipping, the prepared optimizer steps and updates the scaler.
 * With a loss weighting the helper also applies it, averages its observation over the
   processes (:func:`~gradbalance.sync_weighting_`) and updates it on the sync step.
+* Accelerate's FSDP and DeepSpeed are refused (:func:`_refuse_sharding`): accelerate 1.15
+  turns its FSDP plugin on only for accelerator devices (a CPU process group stays
+  ``MULTI_CPU``), so the helper cannot be checked on a sharded model there; a sharded trunk
+  trains in your own loop (docs/distributed.md, "Sharded trunks (FSDP2)").
 """
 
 from __future__ import annotations
@@ -58,6 +62,28 @@ from ._core import BalancedParts
 
 __all__ = ["BalancedAcceleratorStep"]
 
+_SHARDED_REASONS = {
+    "FSDP": "accelerate (1.15) runs its FSDP plugin only on accelerator devices, never on a "
+            "CPU process group, so this helper is not verified on an Accelerate-sharded model; "
+            "and FSDP2's fully_shard replaces the trunk's parameters given here",
+    "DEEPSPEED": "DeepSpeed's ZeRO owns the gradient partitions (it reduces and partitions "
+                 "each backward's gradient itself, so the K task gradients never reach the "
+                 "buffer)",
+}
+
+
+def _refuse_sharding(accelerator: Any) -> None:
+    """Raise for an accelerator that shards the model (FSDP, DeepSpeed), with the reason."""
+    kind = getattr(accelerator, "distributed_type", None)
+    name = str(getattr(kind, "value", kind))
+    if name in _SHARDED_REASONS:
+        raise ValueError(
+            f"BalancedAcceleratorStep does not run under accelerator.distributed_type={name}: "
+            f"{_SHARDED_REASONS[name]}. Use DDP (no fsdp_plugin / deepspeed_plugin), or, for a "
+            f"model that does not fit one device, FSDP2 in your own loop: fully_shard the "
+            f"trunk and call TaskGradBuffer's backward and apply_ (docs/distributed.md, "
+            f"'Sharded trunks (FSDP2)')")
+
 
 class BalancedAcceleratorStep:
     """The balanced step of an ``accelerate`` loop, with its state in one object.
@@ -74,6 +100,8 @@ class BalancedAcceleratorStep:
 
     ``state_dict``/``load_state_dict`` hold the buffer's, balancer's, weighting's and
     clipper's states: pass the object to ``accelerator.register_for_checkpointing``.
+    An accelerator under FSDP or DeepSpeed raises ``ValueError`` (the reason in the module's
+    notes).
 
     Example:
         >>> import torch
@@ -101,6 +129,7 @@ class BalancedAcceleratorStep:
         if not hasattr(accelerator, "sync_gradients"):
             raise TypeError(f"Invalid accelerator: a {type(accelerator).__name__} (expected "
                             f"an accelerate.Accelerator)")
+        _refuse_sharding(accelerator)
         shared = list(shared_params)
         heads = [] if head_params is None else list(head_params)
 

@@ -38,8 +38,11 @@ Only ``training_step`` changes; the Trainer's loop around it is kept:
   Trainer saves the model, optimizer, scheduler, scaler and random states. A resumed run
   continues bit for bit.
 
-DeepSpeed, FSDP and ``DataParallel`` (several GPUs in one process) are refused: the first two
-shard or own the gradients, the third replicates the model per forward.
+DeepSpeed, FSDP and ``DataParallel`` (several GPUs in one process) are refused: DeepSpeed owns
+the gradients; the Trainer's FSDP goes through accelerate's FSDP plugin, which accelerate 1.15
+applies only on accelerator devices (on CPU processes the run stays data-parallel), so the
+balanced step is not verified on a Trainer-sharded model; ``DataParallel`` replicates the model
+per forward (docs/integrations.md, "Hugging Face").
 """
 
 from __future__ import annotations
@@ -193,7 +196,10 @@ class BalancedTrainer(Trainer):
             raise ValueError(
                 "BalancedTrainer does not run under DeepSpeed or the Trainer's FSDP: DeepSpeed's "
                 "ZeRO owns the gradient partitions (it reduces and partitions each backward's "
-                "gradient itself, so the K task gradients never reach the buffer). Use DDP "
+                "gradient itself, so the K task gradients never reach the buffer); the "
+                "Trainer's FSDP goes through accelerate's FSDP plugin, which accelerate (1.15) "
+                "runs only on accelerator devices, never on CPU processes, so the balanced "
+                "step is not verified on a Trainer-sharded model. Use DDP "
                 "(torchrun / accelerate launch), or, for a model that does not fit one device, "
                 "FSDP2 in your own loop: fully_shard the trunk and call TaskGradBuffer's "
                 "backward and apply_ (docs/distributed.md, 'Sharded trunks (FSDP2)')"
@@ -333,4 +339,6 @@ class BalancedTrainer(Trainer):
                 f"cannot be restored; resume from a BalancedTrainer checkpoint"
             )
         device = self.args.device if isinstance(self.args.device, torch.device) else None
+        if device is not None and device.type == "cpu":
+            device = torch.device("cpu")  # a CPU process's "cpu:N" is no torch.load location
         load_checkpoint(path, map_location=device, **self.balanced.objects())
