@@ -7,7 +7,7 @@ from torch import Tensor
 
 from .._checks import check_int, check_range
 from .._shard import Shard
-from ..gramian import unit_rows
+from ..gramian import _max_abs, _work_dtype, _pow2_row_scales
 from ._base import Balancer, Combination
 
 __all__ = ["ExcessMTL", "excessmtl_risks"]
@@ -18,7 +18,8 @@ def excessmtl_risks(matrix: Tensor, root_sq_sum: Tensor, eps: float = 1e-7) -> T
 
     ``root_sq_sum`` is ``R = √(Σ_{τ≤t} g_τ²)`` ``[K, P]`` (the current step included) and
     ``H = hypot(R, √ε)``. Scale-safe: ``Êₖ = sₖ² Σⱼ uₖⱼ² / Hₖⱼ`` on the rows ``gₖ = sₖ uₖ``
-    scaled by powers of two, summed in float64 (``gₖⱼ²`` is never formed).
+    scaled by powers of two, computed as ``sₖ Σⱼ uₖⱼ (gₖⱼ / Hₖⱼ)`` (``|gₖⱼ| ≤ Hₖⱼ``: every
+    factor at most 1) and summed in float64 (``gₖⱼ²`` is never formed). ``O(K·P)``.
 
     Example:
         >>> import torch
@@ -27,11 +28,16 @@ def excessmtl_risks(matrix: Tensor, root_sq_sum: Tensor, eps: float = 1e-7) -> T
         >>> excessmtl_risks(g, g.abs())  # first step: R = |g|, so Êₖ ≈ ‖gₖ‖₁
         tensor([1.0000, 2.0000], dtype=torch.float64)
     """
-    unit, scale = unit_rows(matrix)
-    h = torch.hypot(root_sq_sum.to(unit.dtype), unit.new_tensor(eps**0.5))
-    safe = torch.where(h > 0, h, torch.ones_like(h))  # H = 0 only where g = 0 and ε = 0
-    terms = torch.where(h > 0, unit * unit / safe, torch.zeros_like(unit))
-    return terms.sum(dim=1, dtype=torch.float64) * scale * scale
+    g = matrix.to(_work_dtype(matrix.dtype))
+    inv, scale = _pow2_row_scales(_max_abs(g), g.dtype)
+    h = torch.hypot(root_sq_sum.to(g.dtype), g.new_tensor(eps**0.5))
+    # gₖⱼ/Hₖⱼ ∈ [-1, 1] (H ≥ |g|), times 2⁻ᵉ then gₖⱼ: uₖⱼ gₖⱼ/Hₖⱼ, no over/underflow
+    terms = torch.div(g, h, out=h)
+    if eps == 0:
+        terms.nan_to_num_(0.0)  # 0/0 where g = 0 and H = 0
+    terms.mul_(inv).mul_(g)
+    # nonnegative terms of at most 1: the cascaded float32 sum loses no more than the terms
+    return terms.sum(dim=1).to(torch.float64) * scale
 
 
 class ExcessMTL(Balancer):
