@@ -29,6 +29,8 @@ def excessmtl_risks(matrix: Tensor, root_sq_sum: Tensor, eps: float = 1e-7) -> T
         tensor([1.0000, 2.0000], dtype=torch.float64)
     """
     g = matrix.to(_work_dtype(matrix.dtype))
+    if g.shape[1] == 0:  # a rank holding no columns
+        return torch.zeros(g.shape[0], dtype=torch.float64, device=g.device)
     inv, scale = _pow2_row_scales(_max_abs(g), g.dtype)
     h = torch.hypot(root_sq_sum.to(g.dtype), g.new_tensor(eps**0.5))
     # gₖⱼ/Hₖⱼ ∈ [-1, 1] (H ≥ |g|), times 2⁻ᵉ then gₖⱼ: uₖⱼ gₖⱼ/Hₖⱼ, no over/underflow
