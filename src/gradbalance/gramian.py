@@ -2,13 +2,12 @@
 
 Rows (for :func:`linear_gramian`, the layer input and each task's output gradient) are scaled
 by powers of two to a largest entry in ``[0.5, 1)`` before the products and the factors
-restored in float64 (on the CPU, only where the unscaled product's diagonal shows a risk): exact to the products' rounding for every finite float32/half input and
-for float64 row norms within about ``1e±150`` (docs/balancers.md, "Numerical range").
+restored in float64 (on the CPU, only where the unscaled product's diagonal shows a risk):
+exact to the products' rounding for every finite float32/half input and for float64 row
+norms within about ``1e±150`` (docs/balancers.md, "Numerical range").
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import Tensor

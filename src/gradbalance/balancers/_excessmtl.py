@@ -7,7 +7,7 @@ from torch import Tensor
 
 from .._checks import check_int, check_range
 from .._shard import Shard
-from ..gramian import _max_abs, _work_dtype, _pow2_row_scales
+from ..gramian import _max_abs, _pow2_row_scales, _work_dtype
 from ._base import Balancer, Combination
 
 __all__ = ["ExcessMTL", "excessmtl_risks"]

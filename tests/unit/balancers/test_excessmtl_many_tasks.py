@@ -25,8 +25,8 @@ F64 = torch.float64
 
 def float32_rows(k: int, p: int, seed: int, low: float, high: float,
                  dtype: torch.dtype = torch.float32) -> Tensor:
-    """``[K, P]`` conflicting rows (float32 unless ``dtype``), each scaled by ``10**x``, ``x ∈ [low, high]``;
-    a few pairs near-duplicate and one row zero when ``K ≥ 4``."""
+    """``[K, P]`` conflicting rows (float32 unless ``dtype``), each scaled by ``10**x``,
+    ``x ∈ [low, high]``; a near-duplicate pair and a zero row when ``K ≥ 4``."""
     gen = torch.Generator().manual_seed(seed)
     g = torch.randn(k, 1, generator=gen, dtype=F64) * torch.randn(p, generator=gen, dtype=F64)
     g = g + 0.5 * torch.randn(k, p, generator=gen, dtype=F64)
