@@ -51,23 +51,17 @@ def _max_abs(part: Tensor) -> Tensor:
     return torch.maximum(part.amax(dim=1), -part.amin(dim=1))
 
 
-def _pow2_row_scales(size: Tensor, work: torch.dtype) -> tuple[Tensor, Tensor]:
-    """``(2**-e [K, 1] in work, 2**e [K] in float64)`` with ``2**e`` the power of two of
-    each ``size`` ``[K]`` (largest ``|entry|`` or norm: ``size·2**-e`` in ``[0.5, 1)``), ``e``
-    clamped so that ``2**±e`` is normal in ``work`` (float32/float64)."""
-    _, exponent = torch.frexp(size)
-    bias = _FLOAT_BITS[work][0]
-    exponent = exponent.clamp(2 - bias, bias - 1)  # 2**±e normal in `work`
-    return _pow2(-exponent, work).unsqueeze(1), _pow2(exponent, torch.float64)
-
-
 def _scale_rows(part: Tensor, owned: bool, size: Tensor) -> tuple[Tensor, Tensor]:
     """``(U, s)`` with each row's ``2**e`` chosen from ``size`` ``[K]`` (:func:`unit_rows` from
     the largest ``|entry|``; the sharded version from the full rows' norms); ``owned``: scale
     ``part`` in place."""
-    factor, scale = _pow2_row_scales(size, part.dtype)
+    work = part.dtype
+    _, exponent = torch.frexp(size)
+    bias = _FLOAT_BITS[work][0]
+    exponent = exponent.clamp(2 - bias, bias - 1)  # 2**±e normal in `work`
+    factor = _pow2(-exponent, work).unsqueeze(1)
     unit = part.mul_(factor) if owned else part * factor
-    return unit, scale
+    return unit, _pow2(exponent, torch.float64)
 
 
 def _plain_is_exact(product: Tensor, part: Tensor) -> bool:

@@ -7,7 +7,7 @@ from torch import Tensor
 
 from .._checks import check_int, check_range
 from .._shard import Shard
-from ..gramian import _max_abs, _pow2_row_scales, _work_dtype
+from ..gramian import unit_rows
 from ._base import Balancer, Combination
 
 __all__ = ["ExcessMTL", "excessmtl_risks"]
@@ -19,7 +19,8 @@ def excessmtl_risks(matrix: Tensor, root_sq_sum: Tensor, eps: float = 1e-7) -> T
     ``root_sq_sum`` is ``R = √(Σ_{τ≤t} g_τ²)`` ``[K, P]`` (the current step included) and
     ``H = hypot(R, √ε)``. Scale-safe: ``Êₖ = sₖ² Σⱼ uₖⱼ² / Hₖⱼ`` on the rows ``gₖ = sₖ uₖ``
     scaled by powers of two, computed as ``sₖ Σⱼ uₖⱼ (gₖⱼ / Hₖⱼ)`` (``|gₖⱼ| ≤ Hₖⱼ``: every
-    factor at most 1) and summed in float64 (``gₖⱼ²`` is never formed). ``O(K·P)``.
+    factor at most 1; ``gₖⱼ²`` is never formed), the nonnegative terms summed pairwise in
+    float32 (float64 input: float64) and scaled in float64. ``O(K·P)``.
 
     Example:
         >>> import torch
@@ -28,17 +29,14 @@ def excessmtl_risks(matrix: Tensor, root_sq_sum: Tensor, eps: float = 1e-7) -> T
         >>> excessmtl_risks(g, g.abs())  # first step: R = |g|, so Êₖ ≈ ‖gₖ‖₁
         tensor([1.0000, 2.0000], dtype=torch.float64)
     """
-    g = matrix.to(_work_dtype(matrix.dtype))
-    if g.shape[1] == 0:  # a rank holding no columns
-        return torch.zeros(g.shape[0], dtype=torch.float64, device=g.device)
-    inv, scale = _pow2_row_scales(_max_abs(g), g.dtype)
-    h = torch.hypot(root_sq_sum.to(g.dtype), g.new_tensor(eps**0.5))
-    # gₖⱼ/Hₖⱼ ∈ [-1, 1] (H ≥ |g|), times 2⁻ᵉ then gₖⱼ: uₖⱼ gₖⱼ/Hₖⱼ, no over/underflow
-    terms = torch.div(g, h, out=h)
+    unit, scale = unit_rows(matrix)  # g = diag(s) U
+    h = torch.hypot(root_sq_sum.to(unit.dtype), unit.new_tensor(eps**0.5))
+    # gₖⱼ/Hₖⱼ ∈ [-1, 1] (H ≥ |g|) times uₖⱼ: no over/underflow
+    terms = torch.div(matrix.to(unit.dtype), h, out=h)
     if eps == 0:
         terms.nan_to_num_(0.0)  # 0/0 where g = 0 and H = 0
-    terms.mul_(inv).mul_(g)
-    # nonnegative terms of at most 1: the cascaded float32 sum loses no more than the terms
+    terms.mul_(unit)
+    # nonnegative terms (no cancellation): a pairwise sum is exact to about log₂P roundings
     return terms.sum(dim=1).to(torch.float64) * scale
 
 
