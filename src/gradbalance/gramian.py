@@ -2,13 +2,12 @@
 
 Rows (for :func:`linear_gramian`, the layer input and each task's output gradient) are scaled
 by powers of two to a largest entry in ``[0.5, 1)`` before the products and the factors
-restored in float64: exact to the products' rounding for every finite float32/half input and
-for float64 row norms within about ``1e±150`` (docs/balancers.md, "Numerical range").
+restored in float64 (on the CPU, only where the unscaled product's diagonal shows a risk):
+exact to the products' rounding for every finite float32/half input and for float64 row
+norms within about ``1e±150`` (docs/balancers.md, "Numerical range").
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import Tensor
@@ -65,15 +64,21 @@ def _scale_rows(part: Tensor, owned: bool, size: Tensor) -> tuple[Tensor, Tensor
     return unit, _pow2(exponent, torch.float64)
 
 
-def _plain_is_exact(max_abs: Tensor, n: int) -> bool:
-    """Whether ``U Uᵀ`` of rows of largest entries ``m``, unscaled, is exact: ``n m² ≤ max/4``
-    and ``m² ≥ n·tiny/eps`` (CPU only, where the host read is free; other devices scale)."""
-    if max_abs.device.type != "cpu":
+def _plain_is_exact(product: Tensor, part: Tensor) -> bool:
+    """Whether the unscaled product ``part @ part.T`` (CPU) is exact, from its diagonal
+    ``dₖ = ‖gₖ‖²`` (``n`` columns): every ``dₖ`` finite and at most ``max/4`` (Cauchy-Schwarz
+    bounds every partial sum by ``√(dᵢ dⱼ)``: nothing overflowed) and either 0 on a zero row
+    or at least ``n²·tiny/eps`` (a row's largest ``m² ≥ dₖ/n``, so what underflowed is below
+    the rounding of ``m²``)."""
+    diag = torch.diagonal(product)
+    info = torch.finfo(diag.dtype)
+    n = part.shape[1]
+    low, high = n * n * info.tiny / info.eps, info.max / 4
+    unsafe = ~torch.isfinite(diag) | (diag > high) | ((diag < low) & (diag > 0))
+    if bool(unsafe.any()):
         return False
-    info = torch.finfo(max_abs.dtype)
-    low, high = math.sqrt(n * info.tiny / info.eps), math.sqrt(info.max / (4 * n))
-    unsafe = (max_abs > 0) & torch.isfinite(max_abs) & ((max_abs < low) | (max_abs > high))
-    return not bool(unsafe.any())
+    zero = diag == 0
+    return not bool(zero.any()) or not bool(part[zero].any())  # d = 0: a zero row only
 
 
 def compute_gramian(matrix: Tensor, block: int = _COLUMN_BLOCK) -> Tensor:
@@ -81,8 +86,10 @@ def compute_gramian(matrix: Tensor, block: int = _COLUMN_BLOCK) -> Tensor:
 
     Each column block is scaled row by row by a power of two (:func:`unit_rows`), multiplied
     in float32 (float64 input: float64) and the rescaled block products summed in float64, so
-    rounding does not grow with ``P``. On the CPU a block that needs no scaling is multiplied
-    as it is (the same result: a power of two changes no rounding).
+    rounding does not grow with ``P``. On the CPU each block is multiplied first, as it is,
+    and scaled and multiplied again only when its diagonal overflowed or fell outside the
+    safe range (the same result: a power of two changes no rounding), so the common case
+    reads ``[K, P]`` once.
 
     Example:
         >>> import torch
@@ -96,11 +103,12 @@ def compute_gramian(matrix: Tensor, block: int = _COLUMN_BLOCK) -> Tensor:
     for start in range(0, p, block):
         raw = matrix[:, start : start + block]
         part = raw.to(_work_dtype(raw.dtype))
-        max_abs = _max_abs(part)
-        if _plain_is_exact(max_abs, part.shape[1]):
-            gram.add_((part @ part.T).to(torch.float64))
-            continue
-        unit, scale = _scale_rows(part, part is not raw, max_abs)
+        if part.device.type == "cpu":  # multiply first, scale only when the diagonal says so
+            product = part @ part.T
+            if _plain_is_exact(product, part):
+                gram.add_(product.to(torch.float64))
+                continue
+        unit, scale = _scale_rows(part, part is not raw, _max_abs(part))
         gram.add_((unit @ unit.T).to(torch.float64).mul_(scale[:, None] * scale[None, :]))
     return gram
 

@@ -310,9 +310,14 @@ def _check_shard(shard: Shard | None, matrix: Tensor) -> None:
 
 
 def _count_nonfinite(matrix: Tensor, shard: Shard | None) -> int:
-    """The inf/NaN entries of the rows (over every rank's columns with ``shard``)."""
-    local = torch.isfinite(matrix).logical_not().sum().to(torch.float64).reshape(1)
-    return int((local if shard is None else shard.sum(local)).item())
+    """The ranks (one process: 0 or 1) whose rows hold an inf/NaN entry, from the extremes
+    ``amax``/``amin`` (NaN propagates; two reductions, no ``[K, P]`` temporary)."""
+    if matrix.numel() == 0:
+        bad = torch.zeros(1, dtype=torch.float64, device=matrix.device)
+    else:
+        ends = torch.stack([matrix.amax(), matrix.amin()])
+        bad = torch.isfinite(ends).all().logical_not().to(torch.float64).reshape(1)
+    return int((bad if shard is None else shard.sum(bad)).item())
 
 
 def _declares_homogeneous(balancer: Balancer) -> bool:

@@ -18,7 +18,9 @@ def excessmtl_risks(matrix: Tensor, root_sq_sum: Tensor, eps: float = 1e-7) -> T
 
     ``root_sq_sum`` is ``R = √(Σ_{τ≤t} g_τ²)`` ``[K, P]`` (the current step included) and
     ``H = hypot(R, √ε)``. Scale-safe: ``Êₖ = sₖ² Σⱼ uₖⱼ² / Hₖⱼ`` on the rows ``gₖ = sₖ uₖ``
-    scaled by powers of two, summed in float64 (``gₖⱼ²`` is never formed).
+    scaled by powers of two, computed as ``sₖ Σⱼ uₖⱼ (gₖⱼ / Hₖⱼ)`` (``|gₖⱼ| ≤ Hₖⱼ``: every
+    factor at most 1; ``gₖⱼ²`` is never formed), the nonnegative terms summed pairwise in
+    float32 (float64 input: float64) and scaled in float64. ``O(K·P)``.
 
     Example:
         >>> import torch
@@ -27,11 +29,15 @@ def excessmtl_risks(matrix: Tensor, root_sq_sum: Tensor, eps: float = 1e-7) -> T
         >>> excessmtl_risks(g, g.abs())  # first step: R = |g|, so Êₖ ≈ ‖gₖ‖₁
         tensor([1.0000, 2.0000], dtype=torch.float64)
     """
-    unit, scale = unit_rows(matrix)
+    unit, scale = unit_rows(matrix)  # g = diag(s) U
     h = torch.hypot(root_sq_sum.to(unit.dtype), unit.new_tensor(eps**0.5))
-    safe = torch.where(h > 0, h, torch.ones_like(h))  # H = 0 only where g = 0 and ε = 0
-    terms = torch.where(h > 0, unit * unit / safe, torch.zeros_like(unit))
-    return terms.sum(dim=1, dtype=torch.float64) * scale * scale
+    # gₖⱼ/Hₖⱼ ∈ [-1, 1] (H ≥ |g|) times uₖⱼ: no over/underflow
+    terms = torch.div(matrix.to(unit.dtype), h, out=h)
+    if eps == 0:
+        terms.nan_to_num_(0.0)  # 0/0 where g = 0 and H = 0
+    terms.mul_(unit)
+    # nonnegative terms (no cancellation): a pairwise sum is exact to about log₂P roundings
+    return terms.sum(dim=1).to(torch.float64) * scale
 
 
 class ExcessMTL(Balancer):
