@@ -24,8 +24,9 @@ from torch import Tensor
 
 from ._amp import finite_step, nonfinite_error, poison_, scale_of, unscaled_gramian
 from ._checks import as_parameter_list
-from ._coverage import Coverage
+from ._coverage import Coverage, _module_names
 from ._per_sample_gramian import Parts, PerSampleGramian
+from ._step_inputs import refuse_complex
 from .balancers._base import Balancer
 from .balancers._checks import check_balancer
 from .distributed import resolve_process_group
@@ -96,6 +97,9 @@ class PerSampleBuffer:
             )
         self.shared = as_parameter_list("shared_params", shared_params)
         self.head_params = as_parameter_list("head_params", head_params, allow_empty=True)
+        names = _module_names(modules)
+        refuse_complex("shared_params", self.shared, names)
+        refuse_complex("head_params", self.head_params, names)
         if resolve_process_group(None) is not None:
             raise ValueError(
                 "batch_dim=0 runs in one process: the objectives of several data-parallel "

@@ -243,8 +243,9 @@ class TaskGradBuffer:
         before its first ``backward``. Called under ``torch.no_grad()``, the passes still run
         with grad enabled.
         """
-        if self._per_sample is not None:
-            return self._per_sample.backward(losses, scaler, features)
+        if self._per_sample is not None:  # under torch.no_grad() too, as below
+            with torch.enable_grad():
+                return self._per_sample.backward(losses, scaler, features)
         self._owner.enter("backward")
         try:
             if torch.is_grad_enabled():
@@ -338,7 +339,8 @@ class TaskGradBuffer:
                 raise ValueError("active= masks tasks, but with batch_dim=0 every sample is an "
                                  "objective: drop the unlabelled samples' losses instead, and "
                                  "pass active=None")
-            return self._per_sample.apply_(balancer, scaler, clip)
+            with torch.enable_grad():  # its weighted backward, under torch.no_grad() too
+                return self._per_sample.apply_(balancer, scaler, clip)
         self._owner.enter("apply_")
         try:
             return self._apply(balancer, scaler, clip, active)
