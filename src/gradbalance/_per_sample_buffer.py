@@ -15,22 +15,30 @@ Multi-Objective Optimization" (arXiv:2406.16232), instance-wise risk minimisatio
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from ._amp import finite_step, nonfinite_error, poison_, scale_of, unscaled_gramian
+from ._amp import poison_, scale_of
 from ._checks import as_parameter_list
 from ._coverage import Coverage, _module_names
 from ._per_sample_gramian import Parts, PerSampleGramian
+from ._per_sample_step import (
+    PerSampleStep,
+    check_gramian_clip,
+    check_reused_count,
+    refreshed_update,
+    reused_update,
+)
 from ._step_inputs import refuse_complex
 from .balancers._base import Balancer
 from .balancers._checks import check_balancer
 from .distributed import resolve_process_group
-from .stats import StepStats, build_stats
+from .modes._amortize import WeightCache
+from .modes._rollback import StateSnapshot
+from .stats import StepStats
 
 __all__ = ["PerSampleBuffer"]
 
@@ -57,6 +65,11 @@ class PerSampleBuffer:
         head_params: parameters that get their plain gradient of ``Σ ℓ`` (``+=``).
         modules: the trunk (module or list of modules); hooks record its layers' calls.
         batch_dim: 0, the samples' dimension of every trunk layer's input and of ``losses``.
+        update_every: recompute the weights every this many steps; the steps in between
+            reuse the last ones (the same number of objectives) with one weighted backward.
+        process_group: data parallelism, per rank: each rank balances its own objectives
+            and the written gradients are averaged over the ranks (None: the default group
+            when torch.distributed is initialised; ``"local"``: off).
 
     Micro-batches: every ``backward`` before :meth:`apply_` adds its objectives to the step's
     Gramian, cross terms included (its layer rows and its graph are kept until ``apply_``);
@@ -79,8 +92,8 @@ class PerSampleBuffer:
     """
 
     def __init__(self, shared_params: Iterable[Tensor], head_params: Iterable[Tensor] | None
-                 = None, *, modules: Any = None, batch_dim: int = 0,
-                 unsupported: dict[str, bool] | None = None) -> None:
+                 = None, *, modules: Any = None, batch_dim: int = 0, update_every: int = 1,
+                 process_group: Any = None, unsupported: dict[str, bool] | None = None) -> None:
         given = [name for name, set_ in (unsupported or {}).items() if set_]
         if given:
             raise ValueError(
@@ -95,17 +108,14 @@ class PerSampleBuffer:
                 "batch_dim=0 needs modules=...: the module(s) owning shared_params, e.g. "
                 "TaskGradBuffer(trunk.parameters(), modules=trunk, batch_dim=0)"
             )
+        self._cache = WeightCache(update_every)
+        resolve_process_group(process_group)  # an invalid value raises here, not later
+        self.process_group = process_group
         self.shared = as_parameter_list("shared_params", shared_params)
         self.head_params = as_parameter_list("head_params", head_params, allow_empty=True)
         names = _module_names(modules)
         refuse_complex("shared_params", self.shared, names)
         refuse_complex("head_params", self.head_params, names)
-        if resolve_process_group(None) is not None:
-            raise ValueError(
-                "batch_dim=0 runs in one process: the objectives of several data-parallel "
-                "ranks do not form one Gramian here yet; use TaskGradBuffer without batch_dim "
-                "under torch.distributed"
-            )
         self._coverage = Coverage(self.shared, self.head_params, "raise", modules)
         self.gramian = PerSampleGramian(modules, self.shared)
         self._losses: list[Tensor] = []  # the step's micro-batches, graphs kept
@@ -113,83 +123,114 @@ class PerSampleBuffer:
         self._heads: list[Tensor | None] = [None] * len(self.head_params)
         self._scaler: Any = None
         self._scale: Tensor | None = None
+        self._tasks = 0  # the step's K (task columns of every micro-batch)
+        self._reused = False  # the step reuses update_every's cached weights
 
     def backward(self, losses: Tensor | Sequence[Tensor], scaler: Any = None,
                  features: Tensor | None = None) -> None:
         """Add this micro-batch's objectives, ``losses`` ``[B]`` or ``[B, K]``; their rows
         join the step's Gramian (cross terms with the earlier micro-batches included), and
         their graph is kept until :meth:`apply_`. With a ``GradScaler`` (the same one to
-        every call and to :meth:`apply_`) the scaled losses are differentiated."""
-        if features is not None:
-            raise ValueError("features= is for mode='features'; with batch_dim=0 pass only "
-                             "the per-sample losses")
-        vector = check_per_sample_losses(losses)
-        if self._losses and scaler is not self._scaler:
-            raise ValueError(
-                "scaler differs from the one given to the earlier backward() of this step; "
-                "pass the same GradScaler (or None) to every backward() and to apply_()"
-            )
+        every call and to :meth:`apply_`) the scaled losses are differentiated. On a step
+        that reuses ``update_every``'s weights no rows are taken."""
+        vector = self._checked(losses, scaler, features)
         columns = vector.reshape(vector.shape[0], -1)
+        first = not self._losses
+        reused = self._cache.reuse_now() if first else self._reused
+        scale = scale_of(scaler, vector.device)
         try:
+            part, heads = self._passes(columns, scale, reused)
+        finally:
+            self.gramian.clear()
+        if part is not None:
+            self._parts.append(part)
+        self._losses.append(vector)
+        self._heads = [_add(h, g) for h, g in zip(self._heads, heads)]
+        self._scaler, self._scale = scaler, scale
+        self._tasks, self._reused = columns.shape[1], reused
+
+    def _checked(self, losses: Any, scaler: Any, features: Tensor | None) -> Tensor:
+        """Every check of :meth:`backward` (the records of this forward dropped if one
+        fails; the step as it was)."""
+        try:
+            if features is not None:
+                raise ValueError("features= is for mode='features'; with batch_dim=0 pass "
+                                 "only the per-sample losses")
+            vector = check_per_sample_losses(losses)
+            tasks = 1 if vector.dim() == 1 else vector.shape[1]
+            if self._losses and scaler is not self._scaler:
+                raise ValueError(
+                    "scaler differs from the one given to the earlier backward() of this "
+                    "step; pass the same GradScaler (or None) to every backward() and to apply_()"
+                )
+            if self._losses and tasks != self._tasks:
+                raise ValueError(
+                    f"losses has {tasks} task column(s) but the earlier backward() of this "
+                    f"step had {self._tasks}; every micro-batch of a step has the same K"
+                )
             self._coverage.check(vector)
         except ValueError:
             self.gramian.clear()
             raise
         self.gramian.check(vector)
-        scale = scale_of(scaler, vector.device)
-        outputs = self.gramian.outputs()
+        return vector
+
+    def _passes(self, columns: Tensor, scale: Tensor | None,
+                reused: bool) -> tuple[Parts | None, list[Tensor | None]]:
+        """One ``autograd.grad`` per task column: the layers' output gradients (the
+        micro-batch's rows) and the heads' gradients; the heads' only on a reused step."""
+        outputs = [] if reused else self.gramian.outputs()
         heads: list[Tensor | None] = [None] * len(self.head_params)
+        if reused and not self.head_params:
+            return None, heads
         tasks = []
-        try:
-            for k in range(columns.shape[1]):
-                root = columns[:, k].sum() if scale is None else columns[:, k].sum() * scale
-                grads = torch.autograd.grad(root, [*outputs, *self.head_params],
-                                            retain_graph=True, allow_unused=True)
-                tasks.append(grads[: len(outputs)])
-                heads = [_add(h, g) for h, g in zip(heads, grads[len(outputs):])]
-            part = self.gramian.collect(columns.shape[0], tasks)
-        finally:
-            self.gramian.clear()
-        self._losses.append(vector)
-        self._parts.append(part)
-        self._heads = [_add(h, g) for h, g in zip(self._heads, heads)]
-        self._scaler, self._scale = scaler, scale
+        roots = [columns[:, k].sum() for k in range(columns.shape[1])]
+        for root in [sum(roots[1:], roots[0])] if reused else roots:
+            scaled = root if scale is None else root * scale
+            grads = torch.autograd.grad(scaled, [*outputs, *self.head_params],
+                                        retain_graph=True, allow_unused=True)
+            tasks.append(grads[: len(outputs)])
+            heads = [_add(h, g) for h, g in zip(heads, grads[len(outputs):])]
+        return None if reused else self.gramian.collect(columns.shape[0], tasks), heads
 
     def apply_(self, balancer: Balancer, scaler: Any = None, clip: Any = None) -> StepStats:
-        """Weights from the Gramian of the step's objectives, one weighted backward per
-        micro-batch into the trunk's ``.grad``; the heads' plain gradients.
+        """Weights from the Gramian of the step's objectives (``D G D`` with a row clipper's
+        factors ``D``), one weighted backward per micro-batch into the trunk's ``.grad``;
+        the heads' plain gradients. A reused step (``update_every``) takes the cached
+        weights; under a process group the written gradients are the ranks' mean.
 
         With a scaler the Gramian is unscaled (``/ s²``) before the balancer and the update
         written scaled (``s·g``), as ``scaler.scale(loss).backward()`` would; a non-finite
-        step sets ``StepStats.found_inf``, leaves the balancer's state and makes every
-        ``.grad`` of the step non-finite so that ``scaler.step`` skips it. Without one it
-        raises ``NonFiniteGradientError`` and nothing moves."""
+        step sets ``StepStats.found_inf``, leaves the balancer's and the clipper's state and
+        makes every ``.grad`` of the step non-finite so that ``scaler.step`` skips it.
+        Without one it raises ``NonFiniteGradientError`` and nothing moves."""
         self._check_apply(balancer, scaler, clip)
-        saved = copy.deepcopy(balancer.state_dict())
-        scale = self._scale
+        saved = StateSnapshot(balancer, clip)
+        group = resolve_process_group(self.process_group)
         try:
-            gram = unscaled_gramian(scale, gramian=self.gramian.gramian(self._parts))
-            flat = torch.cat([v.detach().reshape(-1) for v in self._losses])
-            finite = finite_step(gram, scale, [h for h in self._heads if h is not None], None)
-            if finite:
-                w = balancer.compute_weights(gram, flat)
-                trunk = self._weighted_grads(w if scale is None else w * scale.double())
-                finite = bool(torch.stack([torch.isfinite(g).all() for g in trunk]).all())
-            if not finite and scale is None:
-                raise nonfinite_error()
+            if self._reused:
+                update = reused_update(self._step(), self._cache, balancer, group)
+            else:
+                update = refreshed_update(self._step(), self.gramian.gramian(self._parts),
+                                          balancer, clip, group)
         except BaseException:
-            balancer.load_state_dict(saved)
-            self.reset()
+            saved.restore()
+            self._end_step()
             raise
-        count = len(self._losses)
-        if not finite:
-            balancer.load_state_dict(saved)
-            self._skip()
-            return build_stats(gram, flat, False, scale=scale, mode="per_sample",
-                               num_backward=count)
-        self._write(trunk)
-        return build_stats(gram, flat, True, weights=w, scale=scale, mode="per_sample",
-                           num_backward=count)
+        if update.finite:
+            self._write(update.trunk, update.heads)
+            if self._reused:
+                self._cache.reused(balancer)
+            else:
+                self._cache.refreshed(update.stats.weights, balancer)
+        else:
+            saved.restore()
+            self._skip(update.heads)
+        return update.stats
+
+    def _step(self) -> PerSampleStep:
+        return PerSampleStep(self._losses, self._heads, self.shared, self.head_params,
+                             self._scale, self._tasks)
 
     def _check_apply(self, balancer: Balancer, scaler: Any, clip: Any) -> None:
         if not self._losses:
@@ -207,53 +248,57 @@ class PerSampleBuffer:
                 "scaler differs from the one given to backward(); pass the same GradScaler "
                 "(or None) to backward() and apply_()"
             )
-        if clip is not None:
-            raise ValueError(
-                f"clip={clip!r}: per-task clipping is not available with batch_dim=0; clip "
-                f"the per-sample gradients with gradbalance.clip.PerSampleClip, or the update "
-                f"with torch.nn.utils.clip_grad_norm_ after apply_()"
-            )
+        check_gramian_clip(clip)
+        if self._reused:
+            self._cache.check_balancer(balancer)
+            check_reused_count(self._cache, sum(v.numel() for v in self._losses))
 
-    def _write(self, trunk: list[Tensor]) -> None:
+    def _write(self, trunk: list[Tensor], heads: list[Tensor | None]) -> None:
         """The trunk's update and the heads' gradients into ``.grad``; the step ends."""
         for p, g in zip(self.shared, trunk):
             _accumulate(p, g)
-        for p, h in zip(self.head_params, self._heads):
+        for p, h in zip(self.head_params, heads):
             if h is not None:
                 _accumulate(p, h)
-        self.reset()
+        self._end_step()
 
-    def _skip(self) -> None:
+    def _skip(self, heads: list[Tensor | None]) -> None:
         """A skipped step under a scaler: every ``.grad`` it would write made non-finite."""
-        written = [p for p, h in zip(self.head_params, self._heads) if h is not None]
-        self._write([torch.zeros_like(p) for p in self.shared])
+        written = [p for p, h in zip(self.head_params, heads) if h is not None]
+        self._write([torch.zeros_like(p) for p in self.shared], heads)
         poison_([p.grad for p in [*self.shared, *written]])
 
-    def _weighted_grads(self, w: Tensor) -> list[Tensor]:
-        """``∇ Σ wᵢₖ ℓᵢₖ`` of the trunk, one backward per micro-batch (its graph freed)."""
-        total = [torch.zeros_like(p) for p in self.shared]
-        at = 0
-        for losses in self._losses:
-            part = w[at: at + losses.numel()].reshape(losses.shape).to(losses.dtype)
-            at += losses.numel()
-            grads = torch.autograd.grad(losses, self.shared, part, allow_unused=True)
-            total = [t if g is None else t + g for t, g in zip(total, grads)]
-        return total
+    def state_dict(self) -> dict[str, Any]:
+        """``update_every``'s counter and cached weights (``{}`` with ``update_every=1``:
+        the route keeps no other state across steps)."""
+        return self._cache.state_dict() if self._cache.active else {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Accept the empty state of :meth:`TaskGradBuffer.state_dict` (nothing to restore)."""
-        if dict(state_dict):
+        """Restore :meth:`state_dict` output (checked whole before anything changes)."""
+        state = dict(state_dict)
+        unknown = sorted(set(state) - {"update_every", "step", "weights"})
+        if unknown:
             raise ValueError(
-                f"state_dict has keys {sorted(state_dict)}, but a batch_dim=0 buffer keeps no "
-                f"state: pass the state_dict() of a batch_dim=0 buffer (empty)"
+                f"state_dict has keys {unknown}, but a batch_dim=0 buffer keeps no state "
+                f"but update_every's ('update_every', 'step', 'weights'): pass the "
+                f"state_dict() of a batch_dim=0 buffer"
             )
+        if state:
+            self._cache.load_state_dict(state, None)
 
-    def reset(self) -> None:
-        """Drop the step (the records and the pending Gramian)."""
+    def reset(self, keep_weights: bool = False) -> None:
+        """Drop the step (the records and the pending Gramian); then ``update_every``'s
+        cached weights too, unless ``keep_weights``."""
+        self._end_step()
+        if not keep_weights:
+            self._cache.reset()
+
+    def _end_step(self) -> None:
         self._losses = []
         self._parts = []
         self._heads = [None] * len(self.head_params)
         self._scaler, self._scale = None, None
+        self._tasks, self._reused = 0, False
         self.gramian.clear()
 
 

@@ -30,7 +30,7 @@ from ._per_sample_fallback import per_sample_vjp
 from .clip._per_sample_layers import HookedLayer, check_batch, refusal
 from .clip._per_sample_tied import Site, materialised, site_form
 
-__all__ = ["Parts", "PerSampleGramian"]
+__all__ = ["Parts", "PerSampleGramian", "as_modules", "refuse_mixing"]
 
 Form = tuple[Tensor, Tensor] | Tensor
 
@@ -86,7 +86,7 @@ class _Fallback:
         self.bad_call: str | None = None
 
 
-def _as_modules(modules: Any) -> list[tuple[str, nn.Module]]:
+def as_modules(modules: Any) -> list[tuple[str, nn.Module]]:
     """``modules`` (one module or an iterable of them) as ``(prefix, module)`` pairs."""
     if isinstance(modules, nn.Module):
         return [("", modules)]
@@ -97,6 +97,20 @@ def _as_modules(modules: Any) -> list[tuple[str, nn.Module]]:
             f"{type(modules).__name__}; pass modules=model.trunk"
         )
     return [(f"{i}", m) for i, m in enumerate(found)] if len(found) > 1 else [("", found[0])]
+
+
+def refuse_mixing(roots: list[tuple[str, nn.Module]]) -> None:
+    """Raise ``ValueError`` naming the first layer of the trunk (:func:`as_modules`) that
+    mixes the samples: BatchNorm or SyncBatchNorm in training mode."""
+    for prefix, root in roots:
+        for name, sub in root.named_modules():
+            if isinstance(sub, nn.modules.batchnorm._BatchNorm) and sub.training:
+                raise ValueError(
+                    f"layer {_joined(prefix, name)!r} ({type(sub).__name__} in training "
+                    f"mode) mixes the samples of the batch, so per-sample gradients are "
+                    f"not defined: use nn.GroupNorm or nn.LayerNorm, or put it in eval "
+                    f"mode (module.eval()), or use batch_dim=None"
+                )
 
 
 def _joined(prefix: str, name: str) -> str:
@@ -128,7 +142,7 @@ class PerSampleGramian:
     """
 
     def __init__(self, modules: Any, params: list[Tensor]) -> None:
-        self._roots = _as_modules(modules)
+        self._roots = as_modules(modules)
         self.params = params
         wanted = {id(p): p for p in params}
         self._layers: list[HookedLayer] = []
@@ -203,23 +217,13 @@ class PerSampleGramian:
         """Refuse (``ValueError``/``RuntimeError``, records dropped) what would make the
         Gramian wrong: sample-mixing layers, wrong batch sizes, unrecorded uses."""
         try:
-            self._check_mixing()
+            refuse_mixing(self._roots)
             self._check_calls(losses.shape[0])
             self._check_uses(losses)
         except (ValueError, RuntimeError):
             self.clear()
             raise
 
-    def _check_mixing(self) -> None:
-        for prefix, root in self._roots:
-            for name, sub in root.named_modules():
-                if isinstance(sub, nn.modules.batchnorm._BatchNorm) and sub.training:
-                    raise ValueError(
-                        f"layer {_joined(prefix, name)!r} ({type(sub).__name__} in training "
-                        f"mode) mixes the samples of the batch, so per-sample gradients are "
-                        f"not defined: use nn.GroupNorm or nn.LayerNorm, or put it in eval "
-                        f"mode (module.eval()), or use batch_dim=None"
-                    )
 
     def _check_calls(self, batch: int) -> None:
         for fallback in self._fallbacks:

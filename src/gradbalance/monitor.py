@@ -141,6 +141,9 @@ def stats_to_dict(
             (pass a loss weighting's weights here).
         task_names: the tasks' names in the tags (``loss/depth``); default ``task0``, ...
 
+    A per-sample step (``batch_dim=0``) is logged by its K summed tasks, ``stats.per_task``
+    (docs/per_sample.md, "Statistics and logging").
+
     Example:
         >>> import torch
         >>> from gradbalance import StepStats, stats_to_dict
@@ -149,6 +152,7 @@ def stats_to_dict(
         {'loss/depth': 0.5, 'size/depth': 3.0, 'loss/seg': 2.0, 'size/seg': 4.0,
          'amp_skipped': 0.0}
     """
+    stats = stats if stats.per_task is None else stats.per_task
     names = task_labels(task_names, stats.num_tasks)
     values = _host_lists(_tensors_to_log(stats, pre_clip, _weights_of(stats, weights)))
     out = _per_task_tags(values, names)

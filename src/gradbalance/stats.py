@@ -14,7 +14,7 @@ from torch import Tensor
 from ._shard import Shard
 from .gramian import cosine_matrix
 
-__all__ = ["StepStats", "build_stats", "stats_from_gramian"]
+__all__ = ["StepStats", "build_stats", "stats_from_gramian", "summed_tasks"]
 
 
 @dataclass
@@ -43,6 +43,11 @@ class StepStats:
         weights_reused: the step reused the cached weights of ``update_every``.
         route: in ``auto`` mode, the exact route the step took (``"matrix"`` or
             ``"gramian"``); None in the other modes and on reused-weight steps.
+        per_task: with ``batch_dim=0`` (``mode="per_sample"``; docs/per_sample.md), the
+            same statistics of the K summed tasks ``Lₖ = Σᵢ ℓᵢₖ`` (K = 1 for ``[B]``
+            losses): ``losses`` the ``Lₖ``, ``task_norms`` ``‖∇Lₖ‖``, ``cosine`` and
+            ``cosine_to_update`` of the ``∇Lₖ``, ``weights`` the weight sums ``Σᵢ wᵢₖ``;
+            what the loggers write for such a step. None on the other routes.
 
     Example:
         >>> import torch
@@ -68,6 +73,7 @@ class StepStats:
     mode: str = "matrix"
     weights_reused: bool = False
     route: str | None = None
+    per_task: StepStats | None = None
 
     @property
     def num_tasks(self) -> int:
@@ -138,3 +144,34 @@ def build_stats(
         update_norm=update_norm, weights=weights, found_inf=not finite,
         loss_scale_tensor=scale, **fields,
     )
+
+
+def summed_tasks(stats: StepStats, gram: Tensor | None, tasks: int) -> StepStats:
+    """The statistics of the ``tasks`` summed tasks ``Lₖ = Σᵢ ℓᵢₖ`` of a per-sample step
+    whose objective ``j`` belongs to task ``j mod tasks``, from its Gramian ``[N, N]``
+    (float64; None on a step that reused its weights: losses and weights only).
+    ``∇Lₖ = Σᵢ ∇ℓᵢₖ``, so their Gramian is ``Sᵀ G S`` and their dots with the update
+    ``Sᵀ G w`` (``S`` the ``[N, K]`` indicator of the tasks)."""
+    n = stats.losses.shape[0]
+    owner = torch.arange(n, device=stats.losses.device) % tasks
+    select = (owner[:, None] == torch.arange(tasks, device=owner.device)).to(torch.float64)
+    weights = None if stats.weights is None else (
+        stats.weights.to(select) @ select).to(stats.weights.dtype)
+    summary = StepStats(
+        losses=stats.losses.reshape(-1, tasks).sum(0), task_norms=None, cosine=None,
+        cosine_to_update=None, update_norm=stats.update_norm, weights=weights,
+        found_inf=stats.found_inf, loss_scale_tensor=stats.loss_scale_tensor,
+        num_backward=stats.num_backward, mode=stats.mode, weights_reused=stats.weights_reused,
+    )
+    if gram is None:
+        return summary
+    select = select.to(gram.device)
+    task_gram = select.T @ gram @ select
+    summary.task_norms = torch.diagonal(task_gram).clamp_min(0).sqrt()
+    summary.cosine = cosine_matrix(task_gram)
+    if stats.weights is not None and stats.update_norm is not None:
+        dots = select.T @ (gram @ stats.weights.to(gram))
+        denom = summary.task_norms * stats.update_norm.to(gram)
+        safe = torch.where(denom > 0, denom, torch.ones_like(denom))
+        summary.cosine_to_update = torch.where(denom > 0, dots / safe, torch.zeros_like(dots))
+    return summary

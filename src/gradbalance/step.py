@@ -50,7 +50,8 @@ from ._coverage import (
     fire_post_accumulate_hooks,
     sum_backward_,
 )
-from ._per_sample_buffer import PerSampleBuffer
+from ._per_sample_buffer import PerSampleBuffer, check_per_sample_losses
+from ._per_sample_gramian import as_modules, refuse_mixing
 from ._sharding import is_sharded
 from ._step_inputs import refuse_complex
 from ._step_state import GradWatch
@@ -66,7 +67,7 @@ from .modes._engine import check_saved_passes
 from .modes._layout import columns_of
 from .modes._masked import check_active, mask_balancer
 from .modes._rollback import GradSnapshot, StateSnapshot
-from .stats import StepStats
+from .stats import StepStats, summed_tasks
 from .taskgrads import ParamLayout, Passes, TaskRoots, resolve_passes
 
 __all__ = ["TaskGradBuffer", "balanced_backward"]
@@ -123,8 +124,10 @@ class TaskGradBuffer:
             coverage").
         batch_dim: ``0``: every sample (``[B]`` losses) or sample × task (``[B, K]``) is an
             objective, balanced through the per-sample Gramian from one backward (needs
-            ``modules`` and a weighted balancer; docs/per_sample.md). None (default): the
-            K task losses.
+            ``modules`` and a weighted balancer; docs/per_sample.md). With it,
+            ``update_every`` reuses the last weights between refreshes, ``clip`` takes 2-norm
+            row clippers, and under a process group each rank balances its own samples and
+            the ranks' updates are averaged. None (default): the K task losses.
 
     Each ``backward`` walks the losses' graph: a reentrant ``torch.utils.checkpoint`` is
     refused (pass ``use_reentrant=False``), and ``register_post_accumulate_grad_hook`` hooks
@@ -172,10 +175,10 @@ class TaskGradBuffer:
         batch_dim: int | None = None,
     ) -> None:
         self._per_sample = None if batch_dim is None else PerSampleBuffer(
-            shared_params, head_params, modules=modules, batch_dim=batch_dim, unsupported={
+            shared_params, head_params, modules=modules, batch_dim=batch_dim,
+            update_every=update_every, process_group=process_group, unsupported={
                 "num_tasks": num_tasks is not None, "passes": passes != "auto",
-                "process_group": process_group is not None, "mode": mode != "matrix",
-                "update_every": update_every != 1, "other_params": other_params != "raise"})
+                "mode": mode != "matrix", "other_params": other_params != "raise"})
         if self._per_sample is not None:  # each sample an objective (docs/per_sample.md)
             return
         shared = as_parameter_list("shared_params", shared_params)
@@ -463,8 +466,8 @@ class TaskGradBuffer:
         """The ``update_every`` counter, the cached weights, the passes measured or fallen
         back to, and ``steps_begun`` (the data-parallel ranks compare it in ``apply_``; the
         task gradients of a step are transient)."""
-        if self._per_sample is not None:
-            return {}  # the per-sample route keeps no state across steps
+        if self._per_sample is not None:  # update_every's counter and weights only
+            return self._per_sample.state_dict()
         return {**self._cache.state_dict(), **self._engine.state_dict(),
                 "steps_begun": self._steps}
 
@@ -517,7 +520,7 @@ class TaskGradBuffer:
         from any thread, not while another thread is inside a call (``RuntimeError``)."""
         check_bool("keep_weights", keep_weights)
         if self._per_sample is not None:
-            return self._per_sample.reset()
+            return self._per_sample.reset(keep_weights)
         self._owner.drop("reset")
         if self._heads_before is not None:
             self._heads_before.restore()
@@ -540,6 +543,8 @@ def balanced_backward(
     features: Tensor | None = None,
     other_params: OtherParams = "raise",
     active: Tensor | None = None,
+    modules: Any = None,
+    batch_dim: int | None = None,
 ) -> StepStats:
     """One-shot balanced backward for a single micro-batch.
 
@@ -548,6 +553,13 @@ def balanced_backward(
     :class:`TaskGradBuffer` instead: it reuses its ``[K, P]`` buffer, keeps ``update_every``'s
     cached weights (a one-shot call has no next step to reuse them in), and in ``gramian`` mode
     registers its forward hooks once (build it before the forward).
+
+    ``batch_dim=0`` (with ``modules=`` the trunk): every sample of the ``[B]`` (or sample ×
+    task of the ``[B, K]``) losses is an objective, the update that of
+    ``TaskGradBuffer(..., batch_dim=0)``. Called after the forward, it has no layer hooks:
+    it takes the rows route, the B·K objectives passed as tasks of the matrix mode (B·K
+    backward passes, one batched pass with ``passes="batched"``); build the buffer before
+    the forward for the per-sample Gramian's one backward (docs/per_sample.md).
 
     Example:
         >>> import torch
@@ -560,6 +572,13 @@ def balanced_backward(
         tensor([0.5000, 1.5000])
     """
     check_balancer("balancer", balancer)
+    if batch_dim is not None:
+        return _per_sample_backward(losses, balancer, shared_params, head_params, scaler, clip,
+                                    passes, other_params, modules, batch_dim,
+                                    {"process_group": resolve_process_group(process_group)
+                                     is not None, "mode": mode != "matrix",
+                                     "features": features is not None,
+                                     "active": active is not None})
     if mode == "gramian":
         raise ValueError(
             "balanced_backward cannot use mode='gramian': its forward hooks must exist before "
@@ -571,3 +590,37 @@ def balanced_backward(
                          other_params=other_params)
     buf.backward(losses, scaler=scaler, features=features)
     return buf.apply_(balancer, scaler=scaler, clip=clip, active=active)
+
+
+def _per_sample_backward(losses: Any, balancer: Balancer, shared_params: Iterable[Tensor],
+                         head_params: Iterable[Tensor] | None, scaler: Any,
+                         clip: RowClipper | None, passes: Passes, other_params: OtherParams,
+                         modules: Any, batch_dim: int, given: dict[str, bool]) -> StepStats:
+    """``balanced_backward(..., batch_dim=0)``: the objectives as the matrix mode's tasks,
+    the statistics those of the per-sample route (``mode="per_sample"``, ``per_task``)."""
+    refused = [name for name, set_ in given.items() if set_]
+    if refused:
+        raise ValueError(
+            f"{refused} are not available with balanced_backward(..., batch_dim=0), which "
+            f"runs the objectives of one process; leave them at their defaults, or build "
+            f"TaskGradBuffer(..., modules=trunk, batch_dim=0) before the forward "
+            f"(docs/per_sample.md)"
+        )
+    if batch_dim != 0 or isinstance(batch_dim, bool):
+        raise ValueError(f"batch_dim must be 0 (the samples' dimension) or None, got "
+                         f"{batch_dim!r}")
+    if modules is None:
+        raise ValueError("batch_dim=0 needs modules=...: the trunk, whose layers are checked "
+                         "for sample-mixing ones (BatchNorm in training mode)")
+    refuse_mixing(as_modules(modules))
+    vector = check_per_sample_losses(losses)
+    buf = TaskGradBuffer(shared_params, head_params, passes=passes, process_group="local",
+                         modules=modules, other_params=other_params)
+    buf.backward(vector.reshape(-1), scaler=scaler)
+    stats = buf.apply_(balancer, scaler=scaler, clip=clip)
+    stats.mode = "per_sample"
+    gram = None
+    if not stats.found_inf and stats.task_norms is not None and stats.cosine is not None:
+        gram = stats.cosine * stats.task_norms[:, None] * stats.task_norms[None, :]
+    stats.per_task = summed_tasks(stats, gram, 1 if vector.dim() == 1 else vector.shape[1])
+    return stats
