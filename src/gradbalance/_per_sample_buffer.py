@@ -8,9 +8,11 @@ weights ``w`` of a weighted balancer from it and writes the trunk's ``.grad`` wi
 backward of ``Σ wᵢₖ ℓᵢₖ`` through the kept graph; the heads get their plain gradient of
 ``Σ ℓᵢₖ``. Micro-batches: each ``backward`` adds its objectives, the Gramian of all of them
 (cross terms included) is built in ``apply_``. The update equals the matrix route over the
-same N objectives (each passed as a task). Reference: Quinton & Rey, "Jacobian Descent for
-Multi-Objective Optimization" (arXiv:2406.16232), instance-wise risk minimisation
-(docs/per_sample.md).
+same N objectives (each passed as a task); so do its 2-norm row clipping and
+``update_every`` (:mod:`._per_sample_step`). Under a process group each rank balances its
+own objectives and the written gradients are averaged. Reference: Quinton & Rey, "Jacobian
+Descent for Multi-Objective Optimization" (arXiv:2406.16232), instance-wise risk
+minimisation (docs/per_sample.md).
 """
 
 from __future__ import annotations

@@ -195,8 +195,8 @@ def test_balanced_backward_forwards_every_buffer_option() -> None:
     import inspect
 
     # update_every needs a next step, which a one-shot call does not have; modules serves
-    # only mode="gramian", whose hooks must exist before the forward (refused here), and so
-    # does batch_dim=0's (docs/per_sample.md).
+    # mode="gramian", whose hooks must exist before the forward (refused here), and
+    # batch_dim=0, which takes the rows route here (docs/per_sample.md).
     per_step = {"shared_params", "head_params", "num_tasks", "update_every", "modules",
                 "batch_dim"}
     options = set(inspect.signature(TaskGradBuffer).parameters) - per_step

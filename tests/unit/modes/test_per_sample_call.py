@@ -16,12 +16,7 @@ from gradbalance.clip import TaskClip
 
 from .per_sample_runs import flat_grads, losses_of, models
 
-
-@pytest.fixture(autouse=True)
-def _float64() -> object:
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(torch.float32)
+pytestmark = pytest.mark.usefixtures("float64")
 
 
 @pytest.mark.parametrize("name", ["mlp", "cnn", "mixed", "attention"])

@@ -14,12 +14,7 @@ from gradbalance.clip import TaskAutoClip, TaskClip, TaskValueClip
 
 from .per_sample_runs import batches, close, flat_grads, losses_of, models, run
 
-
-@pytest.fixture(autouse=True)
-def _float64() -> object:
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(torch.float32)
+pytestmark = pytest.mark.usefixtures("float64")
 
 
 @pytest.mark.parametrize("name", ["mlp", "cnn", "mixed"])

@@ -16,12 +16,7 @@ from gradbalance.balancers import MGDA, UPGrad
 
 from .per_sample_models import TRUNKS
 
-
-@pytest.fixture(autouse=True)
-def _float64() -> object:
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(torch.float32)
+pytestmark = pytest.mark.usefixtures("float64")
 
 
 def _flat(grads: tuple[Tensor | None, ...], params: list[Tensor]) -> Tensor:

@@ -18,12 +18,7 @@ from gradbalance.clip import TaskClip
 
 from .per_sample_runs import batches, close, losses_of, models, run
 
-
-@pytest.fixture(autouse=True)
-def _float64() -> object:
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(torch.float32)
+pytestmark = pytest.mark.usefixtures("float64")
 
 
 @pytest.mark.parametrize("name", ["mlp", "cnn", "tokens"])
@@ -160,3 +155,39 @@ def test_state_dict_holds_the_counter_and_the_weights() -> None:
     with pytest.raises(ValueError, match=r"state_dict\['weights'\].*inf/NaN"):
         buf.load_state_dict({**state, "weights": torch.tensor([1.0, float("nan")])})
     assert buf.state_dict()["step"] == 1  # the refused loads changed nothing
+
+
+def test_scaled_reused_steps_equal_matrix_route() -> None:
+    """Under a ``GradScaler`` the reused steps write ``s·∇ Σ wᵢ ℓᵢ`` as the matrix route does;
+    a non-finite reused step is skipped and does not advance the counter."""
+    trunk, heads, inputs = models("mlp", 1, 12)
+    data = batches(inputs, [4] * 3, 1)
+    params = [*trunk.parameters(), *heads.parameters()]
+    results = []
+    for per_sample in (True, False):
+        kwargs: dict[str, Any] = {"modules": trunk, "batch_dim": 0} if per_sample else {}
+        buf = TaskGradBuffer(trunk.parameters(), heads.parameters(), update_every=2, **kwargs)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**6)
+        balancer, updates = MGDA(), []
+        for x, y in data:
+            for p in params:
+                p.grad = None
+            losses = losses_of(trunk, heads, x, y)
+            buf.backward(losses if per_sample else losses.reshape(-1), scaler)
+            stats = buf.apply_(balancer, scaler)
+            assert not stats.found_inf
+            updates.append(torch.cat([p.grad.flatten() for p in params if p.grad is not None]))
+        results.append(updates)
+        if per_sample:
+            for p in params:
+                p.grad = None
+            step = buf.state_dict()["step"]
+            buf.backward(losses_of(trunk, heads, *data[0]) * float("inf"), scaler)
+            stats = buf.apply_(balancer, scaler)
+            assert stats.found_inf and stats.weights_reused
+            assert buf.state_dict()["step"] == step
+            assert all(not bool(torch.isfinite(p.grad).all()) for p in params
+                       if p.grad is not None)
+            assert buf._per_sample is not None
+            buf._per_sample.gramian.remove()
+    assert close(results[0], results[1])
