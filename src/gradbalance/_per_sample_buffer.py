@@ -37,7 +37,7 @@ from ._per_sample_step import (
 from ._step_inputs import refuse_complex
 from .balancers._base import Balancer
 from .balancers._checks import check_balancer
-from .distributed import resolve_process_group
+from .distributed import check_step_agreement, resolve_process_group
 from .modes._amortize import WeightCache
 from .modes._rollback import StateSnapshot
 from .stats import StepStats
@@ -206,9 +206,8 @@ class PerSampleBuffer:
         step sets ``StepStats.found_inf``, leaves the balancer's and the clipper's state and
         makes every ``.grad`` of the step non-finite so that ``scaler.step`` skips it.
         Without one it raises ``NonFiniteGradientError`` and nothing moves."""
-        self._check_apply(balancer, scaler, clip)
+        group = self._check_apply(balancer, scaler, clip)
         saved = StateSnapshot(balancer, clip)
-        group = resolve_process_group(self.process_group)
         try:
             if self._reused:
                 update = reused_update(self._step(), self._cache, balancer, group)
@@ -234,7 +233,9 @@ class PerSampleBuffer:
         return PerSampleStep(self._losses, self._heads, self.shared, self.head_params,
                              self._scale, self._tasks)
 
-    def _check_apply(self, balancer: Balancer, scaler: Any, clip: Any) -> None:
+    def _check_apply(self, balancer: Balancer, scaler: Any, clip: Any) -> Any:
+        """Every check of :meth:`apply_` (nothing moves if one raises); the process group
+        (resolved), whose ranks agree on the step."""
         if not self._losses:
             raise RuntimeError("apply_() called before backward(); call buf.backward(losses)")
         check_balancer("balancer", balancer)
@@ -254,6 +255,14 @@ class PerSampleBuffer:
         if self._reused:
             self._cache.check_balancer(balancer)
             check_reused_count(self._cache, sum(v.numel() for v in self._losses))
+        group = resolve_process_group(self.process_group)
+        if group is not None:  # every rank runs the same kind of step: checked first
+            check_step_agreement(group, num_tasks=self._tasks, shared=self.shared,
+                                 heads=self.head_params, mode="per_sample",
+                                 update_every=self._cache.update_every, step=self._cache.step,
+                                 count=len(self._losses), reused=self._reused,
+                                 modes=("per_sample",))
+        return group
 
     def _write(self, trunk: list[Tensor], heads: list[Tensor | None]) -> None:
         """The trunk's update and the heads' gradients into ``.grad``; the step ends."""

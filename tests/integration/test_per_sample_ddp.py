@@ -60,3 +60,12 @@ def test_every_rank_writes_the_mean_of_the_per_rank_updates(ranks: list[dict[str
         for got, ref in zip(rank["grads"], want):
             assert torch.allclose(got, ref, rtol=1e-9, atol=1e-12 * float(ref.abs().max()))
     assert all(torch.equal(a, b) for a, b in zip(ranks[0]["grads"], ranks[1]["grads"]))
+
+
+def test_ranks_running_other_steps_raise_before_anything_moves(ranks: list[dict[str, Any]]
+                                                              ) -> None:
+    for rank in ranks:
+        result = rank["disagree"]
+        assert result["type"] == "RankAgreementError", result
+        assert "rank 1 has update_every=3, rank 0 has update_every=2" in result["text"]
+        assert not result["moved"]

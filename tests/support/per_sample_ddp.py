@@ -57,5 +57,24 @@ def worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         grads.append(torch.cat([p.grad.flatten() for p in params if p.grad is not None]))
         opt.step()
         opt.zero_grad()
-    torch.save({"grads": grads, "reused": reused}, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.save({"grads": grads, "reused": reused, "disagree": _disagreeing(rank, world)},
+               os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
+
+
+def _disagreeing(rank: int, world: int) -> dict[str, object]:
+    """Rank r builds its buffer with ``update_every=2 + r``: every rank raises before
+    anything moves."""
+    trunk, heads, data = model()
+    buf = TaskGradBuffer(trunk.parameters(), heads.parameters(), modules=trunk, batch_dim=0,
+                         update_every=2 + rank)
+    x, y = data[0]
+    share = GLOBAL_BATCH // world
+    buf.backward(losses(trunk, heads, x[rank * share:(rank + 1) * share],
+                        y[rank * share:(rank + 1) * share]))
+    try:
+        buf.apply_(UPGrad())
+    except Exception as error:  # the test reads the type and the text
+        moved = any(p.grad is not None for p in [*trunk.parameters(), *heads.parameters()])
+        return {"type": type(error).__name__, "text": str(error), "moved": moved}
+    return {"type": None, "text": "", "moved": True}
