@@ -85,3 +85,22 @@ def test_batchnorm_in_training_mode_and_wrong_shapes_are_refused() -> None:
     stats = balanced_backward(model(torch.randn(4, 3))[:, 0] ** 2, UPGrad(),
                               shared_params=model.parameters(), modules=model, batch_dim=0)
     assert stats.weights is not None and stats.weights.shape == (4,)
+
+
+def test_batched_passes_and_a_scaler_give_the_same_update() -> None:
+    trunk, heads, inputs = models("mlp", 2, 13)
+    x, y = inputs(6), torch.randn(6, 2)
+    params = [*trunk.parameters(), *heads.parameters()]
+    updates = []
+    for options in ({"passes": "loop"}, {"passes": "batched"},
+                    {"scaler": torch.amp.GradScaler("cpu", init_scale=2.0**8)}):
+        for p in params:
+            p.grad = None
+        stats = balanced_backward(losses_of(trunk, heads, x, y), UPGrad(),
+                                  shared_params=trunk.parameters(),
+                                  head_params=heads.parameters(), modules=trunk, batch_dim=0,
+                                  **options)  # type: ignore[arg-type]
+        scale = 1.0 if stats.loss_scale is None else stats.loss_scale
+        updates.append(flat_grads(params) / scale)
+    assert torch.allclose(updates[1], updates[0], rtol=1e-9, atol=1e-12)
+    assert torch.allclose(updates[2], updates[0], rtol=1e-9, atol=1e-12)

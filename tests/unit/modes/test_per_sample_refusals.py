@@ -142,6 +142,8 @@ def test_options_of_the_task_route_are_refused() -> None:
         with pytest.raises(ValueError, match=rf"\['{next(iter(option))}'\] are not available "
                                              r"with batch_dim=0"):
             TaskGradBuffer(model.parameters(), modules=model, batch_dim=0, **option)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="Invalid process_group: 'world'"):
+        TaskGradBuffer(model.parameters(), modules=model, batch_dim=0, process_group="world")
     buf = _setup(model)
     with pytest.raises(ValueError, match="features= is for mode='features'"):
         buf.backward(model(torch.randn(4, 3))[:, 0], features=torch.ones(4, 3))
