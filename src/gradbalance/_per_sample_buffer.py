@@ -152,24 +152,24 @@ class PerSampleBuffer:
         self._tasks, self._reused = columns.shape[1], reused
 
     def _checked(self, losses: Any, scaler: Any, features: Tensor | None) -> Tensor:
-        """Every check of :meth:`backward` (the records of this forward dropped if one
-        fails; the step as it was)."""
+        """Every check of :meth:`backward`: the arguments (fix the call and repeat it with
+        the same forward), then the graph (the forward's records dropped if it fails)."""
+        if features is not None:
+            raise ValueError("features= is for mode='features'; with batch_dim=0 pass only "
+                             "the per-sample losses")
+        vector = check_per_sample_losses(losses)
+        tasks = 1 if vector.dim() == 1 else vector.shape[1]
+        if self._losses and scaler is not self._scaler:
+            raise ValueError(
+                "scaler differs from the one given to the earlier backward() of this step; "
+                "pass the same GradScaler (or None) to every backward() and to apply_()"
+            )
+        if self._losses and tasks != self._tasks:
+            raise ValueError(
+                f"losses has {tasks} task column(s) but the earlier backward() of this step "
+                f"had {self._tasks}; every micro-batch of a step has the same K"
+            )
         try:
-            if features is not None:
-                raise ValueError("features= is for mode='features'; with batch_dim=0 pass "
-                                 "only the per-sample losses")
-            vector = check_per_sample_losses(losses)
-            tasks = 1 if vector.dim() == 1 else vector.shape[1]
-            if self._losses and scaler is not self._scaler:
-                raise ValueError(
-                    "scaler differs from the one given to the earlier backward() of this "
-                    "step; pass the same GradScaler (or None) to every backward() and to apply_()"
-                )
-            if self._losses and tasks != self._tasks:
-                raise ValueError(
-                    f"losses has {tasks} task column(s) but the earlier backward() of this "
-                    f"step had {self._tasks}; every micro-batch of a step has the same K"
-                )
             self._coverage.check(vector)
         except ValueError:
             self.gramian.clear()
