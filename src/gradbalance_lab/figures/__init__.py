@@ -157,7 +157,7 @@ or *(beyond the text)*, and the library's own behaviour) are a separate table an
 counted. The figures' sections below give every measured row with its value. The settings
 chosen where the text leaves them open are under *Settings*. Regenerate this page
 and the PNGs with `gradbalance figures --out runs/figures --overwrite --doc docs/figures.md`
-(about 40 CPU-seconds on one thread; each figure's time is in its heading; the PNGs land in
+(about a minute of CPU on one thread; each figure's time is in its heading; the PNGs land in
 the output folder) or add `--quick` for a smoke run. An `--out` folder that already holds
 files is refused
 without `--overwrite`, which replaces only the earlier `report.md` and `<figure>.png` there,

@@ -18,9 +18,11 @@ The ten-step average (§6, β₁ = 0.9): ``Adam``'s ``exp_avg`` fed a gradient t
 to 1. Its lag is the mean delay of the response, ``Σₙ (1 − mₙ)`` over the steps after the
 change; closed form ``β₁/(1 − β₁)`` = 9 steps (the window of ``1/(1 − β₁)`` = 10 steps less
 the current one). Its smoothing: fed standard Gaussian gradients (20,000 steps, 5 seeds), the
-standard deviation of ``exp_avg`` over the gradient's, closed form ``√((1 − β₁)/(1 + β₁))``
-= 0.229 (a first-order recursion's stationary variance). Met when the lag matches its closed
-form and the closed form of the smoothing lies within the seeds' mean ± 3 standard errors.
+standard deviation of ``exp_avg`` over the gradient's (the first 100 steps left out; the
+5 seeds are 5 coordinates of one parameter, each its own run), closed form
+``√((1 − β₁)/(1 + β₁))`` = 0.229 (a first-order recursion's stationary variance). Met when
+the lag matches its closed form and the closed form of the smoothing lies within the seeds'
+mean ± 3 standard errors.
 
 Common factors (§7): the two-bowl example (:mod:`._common`, gradient noise σ = 1) run through
 the library with the ``Sum`` and the ``Mean`` balancer (``Mean`` = ``Sum``/2 for two tasks: a
@@ -119,33 +121,31 @@ def _rules() -> dict[str, Any]:
     }
 
 
-def _exp_avg(grads: torch.Tensor) -> list[float]:
-    """Adam's ``exp_avg`` (β₁ = 0.9) after each of the gradients ``grads`` ``[n]``."""
-    w = torch.nn.Parameter(torch.zeros(1, dtype=torch.float64))
+def _exp_avg(grads: torch.Tensor) -> torch.Tensor:
+    """Adam's ``exp_avg`` (β₁ = 0.9) after each row of the gradients ``grads`` ``[n, d]``
+    (each of the d coordinates is a run of its own: Adam's state is per coordinate)."""
+    w = torch.nn.Parameter(torch.zeros(grads.shape[1], dtype=torch.float64))
     opt = torch.optim.Adam([w], lr=1e-3, betas=(BETA1, BETA2))
     out = []
     for g in grads:
-        w.grad = g.reshape(1).clone()
+        w.grad = g.clone()
         opt.step()
-        out.append(float(opt.state[w]["exp_avg"][0]))
-    return out
+        out.append(opt.state[w]["exp_avg"].clone())
+    return torch.stack(out)
 
 
 def _average(steps: int) -> dict[str, Any]:
     """The lag after a step change and the smoothing of noise of ``exp_avg``."""
-    change = torch.cat([torch.zeros(50, dtype=torch.float64),
-                        torch.ones(400, dtype=torch.float64)])
-    response = _exp_avg(change)
+    change = torch.cat([torch.zeros(50, 1, dtype=torch.float64),
+                        torch.ones(400, 1, dtype=torch.float64)])
+    response = _exp_avg(change)[:, 0].tolist()
     lag = sum(1.0 - m for m in response[50:])
-    ratios, trace = [], []
-    for seed in range(SEEDS):
-        gen = torch.Generator().manual_seed(seed)
-        noise = torch.randn(steps, generator=gen, dtype=torch.float64)
-        avg = torch.tensor(_exp_avg(noise), dtype=torch.float64)[100:]
-        ratios.append(float(avg.std() / noise[100:].std()))
-        if seed == 0:
-            trace = [noise[100:300].tolist(), avg[:200].tolist()]
-    return {"response": response[40:120], "lag": lag, "ratios": ratios, "trace": trace,
+    noise = torch.stack([torch.randn(steps, generator=torch.Generator().manual_seed(seed),
+                                     dtype=torch.float64) for seed in range(SEEDS)], dim=1)
+    avg = _exp_avg(noise)[100:]
+    ratios = (avg.std(dim=0) / noise[100:].std(dim=0)).tolist()
+    return {"response": response[40:120], "lag": lag, "ratios": ratios,
+            "trace": [noise[100:300, 0].tolist(), avg[:200, 0].tolist()],
             "lag_closed": BETA1 / (1 - BETA1),
             "ratio_closed": math.sqrt((1 - BETA1) / (1 + BETA1))}
 
