@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from gradbalance_lab.figures._common import Claim, pyplot, save_figure
+from gradbalance_lab.figures._common import Claim, mean_se, pyplot, save_figure
 
 NAME = "clip_depth"
 TITLE = "Clip tutorial, Why gradients explode: a depth-T product of Jacobians"
@@ -100,19 +100,13 @@ def compute(quick: bool = False) -> dict[str, Any]:
             "closed": {g: lyapunov(g, WIDTH_NET) for g in GAINS}}
 
 
-def _mean_se(values: list[float]) -> tuple[float, float]:
-    mean = sum(values) / len(values)
-    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1)
-    return mean, math.sqrt(var / len(values))
-
-
 def claims(result: dict[str, Any]) -> list[Claim]:
     rnn = result["rnn_slopes"]
     rnn_ok = all(abs(s - math.log(rho)) <= 0.1 * abs(math.log(rho))
                  for rho in RADII for s in rnn[rho])
     parts = []
     for g in GAINS:
-        mean, se = _mean_se(result["net_slopes"][g])
+        mean, se = mean_se(result["net_slopes"][g])
         parts.append((g, mean, se, result["closed"][g]))
     net_ok = all(abs(mean - closed) <= 3 * se for _, mean, se, closed in parts) and all(
         s > 0 for s in result["net_slopes"][GAINS[0]])

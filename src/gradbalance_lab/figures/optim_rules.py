@@ -42,7 +42,7 @@ import torch
 
 from gradbalance.balancers import get_balancer
 from gradbalance.step import TaskGradBuffer
-from gradbalance_lab.figures._common import Claim, TwoBowls, pyplot, save_figure
+from gradbalance_lab.figures._common import Claim, TwoBowls, mean_se, pyplot, save_figure
 
 NAME = "optim_rules"
 TITLE = "§6, §7, §9.2 SGD's and Adam's rules against their closed forms"
@@ -175,8 +175,7 @@ def compute(quick: bool = False) -> dict[str, Any]:
 def claims(result: dict[str, Any]) -> list[Claim]:
     r, avg, common = result["rules"], result["average"], result["common"]
     ratios = avg["ratios"]
-    mean = sum(ratios) / len(ratios)
-    se = math.sqrt(sum((x - mean) ** 2 for x in ratios) / (len(ratios) - 1) / len(ratios))
+    mean, se = mean_se(ratios)
     adam, sgd = common["adam"], common["sgd"]
     return [
         Claim("§6 plain SGD steps against the gradient times the learning rate",
