@@ -28,8 +28,8 @@ def quick(name: str) -> dict[str, Any]:
 def test_the_clip_figures_are_registered() -> None:
     assert CLIP_FIGURES == ["clip_basics", "clip_explode", "clip_accumulation",
                             "clip_threshold", "clip_nonfinite", "clip_api", "clip_amp",
-                            "clip_autoclip", "clip_agc", "clip_per_sample", "clip_small_tau",
-                            "clip_ddp"]
+                            "clip_depth", "clip_autoclip", "clip_agc", "clip_per_sample",
+                            "clip_small_tau", "clip_ddp"]
 
 
 @pytest.mark.parametrize("name", [*CLIP_FIGURES, "clipping"])

@@ -16,7 +16,7 @@ from gradbalance_lab.figures import load
 
 LOOP = ["task_grads", "loss_scale", "momentum", "adam_turn", "adam_tilt", "pcgrad_momentum",
         "mgda_noise", "gradnorm", "weight_decay", "adam_absorb", "mixed_precision", "amp_cpu",
-        "microbatch", "logging", "fp16_underflow"]
+        "microbatch", "logging", "fp16_underflow", "optim_rules"]
 NEW = ["task_grads", "adam_absorb", "amp_cpu"]
 
 

@@ -7,9 +7,12 @@ from typing import Any
 
 import pytest
 
+from gradbalance_lab.figures import register
 from gradbalance_lab.figures._common import Claim
 from gradbalance_lab.figures.register import (
+    BY_KIND,
     REGISTER,
+    Row,
     library_checks,
     register_lines,
     resolve,
@@ -38,7 +41,9 @@ def test_totals_match_the_register() -> None:
     assert counts["met"] == measured  # all 'met' by hand
     unmeasurable = sum(not r.figure and not r.measurable for r in REGISTER)
     assert counts["not measurable"] == unmeasurable > 0
-    assert counts["not measured"] == len(REGISTER) - measured - unmeasurable > 0
+    covered = sum(bool(r.by) for r in REGISTER)
+    assert counts[BY_KIND] == covered > 0
+    assert counts["not measured"] == len(REGISTER) - measured - unmeasurable - covered
     assert sum(counts.values()) == len(REGISTER)
     counts = tally(resolve(_entries(False)))
     assert counts["not met"] == measured and counts["met"] == 0
@@ -76,3 +81,23 @@ def test_every_row_names_its_section_and_quote() -> None:
         assert bool(row.figure) == bool(row.key)
         assert bool(row.figure) != bool(row.reason)
         assert row.measurable or not row.figure  # a measured row is measurable
+        assert not row.by or (row.measurable and not row.figure)
+
+
+def test_a_row_measured_by_others_names_their_numbers() -> None:
+    """The §8 summary names the register numbers of the momentum row and Adam's tilt row,
+    counted by hand from the register; it takes no verdict of its own."""
+    numbers = {(r.figure, r.key): i for i, r in enumerate(REGISTER, 1)}
+    for row, verdict, claim in resolve(_entries(False)):
+        if row.by:
+            expected = ", ".join(str(numbers[ref]) for ref in row.by)
+            assert verdict.startswith(f"measured by rows {expected}: ") and claim is None
+            assert "met" not in verdict.split(":")[0]
+
+
+def test_a_reference_to_no_row_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    stale = Row("balancing", "§0", "words", "—", "—", reason="a summary",
+                by=(("momentum", "no such key"),))
+    monkeypatch.setattr(register, "REGISTER", (*REGISTER, stale))
+    with pytest.raises(ValueError, match="no such key"):
+        register.resolve(_entries(True))

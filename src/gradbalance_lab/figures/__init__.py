@@ -41,6 +41,7 @@ HELP = "regenerate the tutorials' claims with the library: numbers, one PNG per 
 FIGURES: dict[str, str] = {
     "task_grads": "task_grads",
     "loss_scale": "loss_scale",
+    "optim_rules": "optim_rules",
     "momentum": "momentum",
     "adam_turn": "adam_turn",
     "adam_tilt": "adam_tilt",
@@ -63,6 +64,7 @@ FIGURES: dict[str, str] = {
     "clip_nonfinite": "clip_nonfinite",
     "clip_api": "clip_api",
     "clip_amp": "clip_amp",
+    "clip_depth": "clip_depth",
     "clip_autoclip": "clip_autoclip",
     "clip_agc": "clip_agc",
     "clip_per_sample": "clip_per_sample",
@@ -144,15 +146,18 @@ clipping, weightings and logging. Each section gives the claim as the text state
 value measured, and whether the number is met. The verdicts: *met* or *not met* (a comparison
 fixed before measuring, with an independent expectation: the text's number as it rounds it, a
 closed form, a control run); *not measurable* (with the reason, e.g. the text states no
-number); *shown* (a number beside the text, not a verdict); *not measured* (a claim of a
-text no figure runs, with the reason). The *claim register* lists every checkable claim of
+number); *shown* (a number beside the text, not a verdict); *measured by rows N, M* (a
+claim whose words state no quantity beyond the rows named, e.g. a section's summary of two
+others: it takes no verdict of its own, so a number is never counted twice, and it is counted
+apart, never as met nor as not measured); *not measured* (a claim of a text no figure runs,
+with the reason). The *claim register* lists every checkable claim of
 the two texts once (section, quoted words, quantity, setup) with its verdict, and its totals
 are the report's; the *library checks* (rows marked *(check)*, *control*, *(sensitivity)*
 or *(beyond the text)*, and the library's own behaviour) are a separate table and are not
 counted. The figures' sections below give every measured row with its value. The settings
 chosen where the text leaves them open are under *Settings*. Regenerate this page
 and the PNGs with `gradbalance figures --out runs/figures --overwrite --doc docs/figures.md`
-(about 40 CPU-seconds on one thread; each figure's time is in its heading; the PNGs land in
+(about a minute of CPU on one thread; each figure's time is in its heading; the PNGs land in
 the output folder) or add `--quick` for a smoke run. An `--out` folder that already holds
 files is refused
 without `--overwrite`, which replaces only the earlier `report.md` and `<figure>.png` there,

@@ -39,6 +39,7 @@ __all__ = [
     "bowl_noise",
     "grad_of",
     "kernel_gap",
+    "mean_se",
     "mgda_two",
     "pareto_distances",
     "pcgrad_two",
@@ -382,3 +383,10 @@ def seed_range(values: list[float], text: float, rounding: float = 0.5) -> tuple
     as the text rounds it (``text ± rounding``)."""
     lo, hi = min(values), max(values)
     return lo, hi, lo <= text + rounding and hi >= text - rounding
+
+
+def mean_se(values: list[float]) -> tuple[float, float]:
+    """Mean of per-seed values and its standard error (sample standard deviation / √n)."""
+    mean = sum(values) / len(values)
+    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1)
+    return mean, math.sqrt(var / len(values))

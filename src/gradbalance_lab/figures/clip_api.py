@@ -9,6 +9,10 @@ which is then multiplied by 100 so that every clip below is active.
   largest entry at 0.01 (the ε of the formula: 0.01·ε/max|g| below it, plus float32
   rounding); the library's ``TaskClip(0.01, norm_type=inf)`` on the rows of ``G`` leaves every
   row's largest entry at 0.01 the same way.
+* the global norm: ``clip_grad_norm_(params, 1)``'s return against the norm of all the
+  gradient entries concatenated and the norm of the vector of per-tensor norms (float64,
+  computed here), and the factor each tensor was scaled by (one factor, ``1/(‖g‖ + ε)``, for
+  all of them, within float32 rounding);
 * ``foreach``: the same clip at ``max_norm=1`` with ``foreach=True`` and ``foreach=False`` (torch
   2.x's grouped kernels against the per-tensor loop): returned norms and every ``.grad`` are
   compared bit for bit.
@@ -90,6 +94,22 @@ def _foreach() -> dict[str, Any]:
             "tensors": len(out[True][1])}
 
 
+def _global() -> dict[str, Any]:
+    """``clip_grad_norm_(max_norm=1)``'s return against the norm of every gradient entry
+    concatenated and the norm of the per-tensor norms (both float64, here), and the factor
+    each tensor was scaled by."""
+    model, _ = _model()
+    before = [g.double() for g in _grads(model)]
+    returned = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+    per_tensor = [float(g.norm()) for g in before]
+    factors = [float((a.double() * b).sum() / (b * b).sum())
+               for a, b in zip(_grads(model), before) if float(b.norm()) > 0]
+    return {"returned": returned, "concat": float(torch.cat([g.reshape(-1) for g in before])
+                                                   .norm()),
+            "of_norms": sum(n * n for n in per_tensor) ** 0.5, "largest": max(per_tensor),
+            "tensors": len(per_tensor), "factors": [min(factors), max(factors)]}
+
+
 def _autoclip(model: torch.nn.Module) -> None:
     """AutoClip at the median of a history holding this gradient / 64 and the gradient."""
     clip = AutoClip(percentile=50)
@@ -156,6 +176,7 @@ def _cloud(n: int) -> dict[str, list[list[float]]]:
 
 def compute(quick: bool = False) -> dict[str, Any]:
     return {"inf": _norm_inf(), "foreach": _foreach(), "grad_only": _grad_only(),
+            "global": _global(),
             "cloud": _cloud(60 if quick else 300)}
 
 
@@ -165,7 +186,20 @@ def claims(result: dict[str, Any]) -> list[Claim]:
     tol = 0.01 * (EPS / inf["largest"] + 4 * F32)
     rows_ok = all(abs(r - 0.01) <= 0.01 * (EPS / pre + 4 * F32)
                   for r, pre in zip(inf["rows_after"], inf["rows_pre"]) if pre > 0.01)
+    glob = result["global"]
+    lo, hi = glob["factors"]
+    expected = 1.0 / (glob["concat"] + EPS)
     return [
+        Claim("§Definitions: ‖g‖₂ its global L2 norm, computed across all parameters jointly "
+              "(the default in clip_grad_norm_)",
+              f"{glob['tensors']} tensors: returned {glob['returned']:.7g}; norm of all entries "
+              f"concatenated {glob['concat']:.7g}, of the per-tensor norms "
+              f"{glob['of_norms']:.7g} (largest per-tensor norm {glob['largest']:.4g}); every "
+              f"tensor scaled by {lo:.7g} … {hi:.7g} (1/(‖g‖ + ε) = {expected:.7g})",
+              abs(glob["returned"] / glob["concat"] - 1) < 4 * F32
+              and abs(glob["of_norms"] / glob["concat"] - 1) < 1e-12
+              and abs(lo / expected - 1) < 4 * F32 and abs(hi / expected - 1) < 4 * F32
+              and glob["largest"] < glob["returned"]),
         Claim("§Definitions: clip_grad_norm_ also accepts norm_type (any p-norm, including "
               "inf)",
               f"norm_type=inf returns {inf['returned']:.7g} = max|gᵢ| {inf['largest']:.7g}; "

@@ -13,7 +13,10 @@ inf, the text's "the loss suddenly reads NaN", the model "effectively dead") or 
 its starting loss; it *survives* when every loss of the 200 steps is finite. Whether a
 survivor also learned (last loss below the first) is reported beside it. The healthy run's
 norms after a 50-step warm-up *wander within a band* when none exceeds twice its p95; a
-*spike* is a norm above ten times the healthy p95.
+*spike* is a norm above ten times the healthy p95. "Try it yourself" (multiply the learning
+rate by 10 and watch the seismograph, "explosions on demand, safely") is read as the clipped
+run at lr × 10 (the one that is safe), its logged ``clip_grad_norm_`` return: met when, for
+both healthy rates, its largest value is a spike and every loss of the run is finite.
 
 Clipping in the wrong place, at lr 0.3: ``clip_grad_norm_`` before ``backward()`` (after
 ``zero_grad``) finds no gradient and returns 0; after ``optimizer.step()`` it clips a
@@ -126,11 +129,20 @@ def claims(result: dict[str, Any]) -> list[Claim]:
         hot, clipped = runs["unclipped"], runs["clipped"]
         share = sum(n > tau for n in clipped["norm"]) / len(clipped["norm"])
         out.append(Claim(
-            f"clip tutorial §Why it exists / §Try it yourself: lr × 10 ({lr:g} → {10 * lr:g}) "
+            f"clip tutorial §Why it exists: lr × 10 ({lr:g} → {10 * lr:g}) "
             f"explodes unclipped; clipping at the healthy run's p95 makes it survivable",
             f"healthy: {_end(runs['healthy'])}; unclipped: {_end(hot)}; clipped at τ = "
             f"{tau:.3g}: {_end(clipped)} ({100 * share:.0f}% of its steps clipped)",
             _diverged(hot["loss"]) and _survived(clipped["loss"])))
+    seismo = {lr: (max(result[lr]["runs"]["clipped"]["norm"]) / result[lr]["tau"],
+                   _survived(result[lr]["runs"]["clipped"]["loss"])) for lr in HEALTHY}
+    out.append(Claim(
+        "clip tutorial §Try it yourself: the seismograph at lr × 10 shows explosions on "
+        "demand, safely (the clipped run's logged pre-clip norm)",
+        "; ".join(f"lr {lr:g} → {10 * lr:g}: largest pre-clip norm {ratio:.1f} × the healthy "
+                  f"p95 (spike: over 10×), all {STEPS} losses finite: {alive}"
+                  for lr, (ratio, alive) in seismo.items()),
+        all(ratio > 10 and alive for ratio, alive in seismo.values())))
     runs, tau = result[HEALTHY[0]]["runs"], result[HEALTHY[0]]["tau"]
     band = max(runs["healthy"]["norm"][WARMUP:])
     spike = max(runs["unclipped"]["norm"])

@@ -24,11 +24,18 @@ and the mean shrink factor ``min(1, τ/‖g‖)`` are measured there, so a small
 clipping by construction (the clipped runs move elsewhere and meet other norms). That the
 p95 limit of the logged run is exceeded by at most 5 % of the same 200 norms holds by
 definition; the test on a fresh run is in the ``clip_threshold`` figure.
+
+No default limit: ``inspect.signature`` of ``clip_grad_norm_`` (``max_norm``),
+``clip_grad_value_`` (``clip_value``) and the library's ``TaskClip`` (``max_norm``) is read,
+and each is called without its limit; met when no signature gives the limit a default and
+each call raises a ``TypeError`` naming it.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
+from collections.abc import Callable
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -121,8 +128,30 @@ def _logged_run(steps: int, seed: int = 0, tau: float = math.inf) -> list[float]
     return norms
 
 
+def _no_default() -> dict[str, dict[str, Any]]:
+    """The limit of ``clip_grad_norm_``, ``clip_grad_value_`` and the library's ``TaskClip``:
+    whether the signature gives it a default, and the error of a call without it."""
+    out = {}
+    limits: tuple[tuple[str, Callable[..., Any], str], ...] = (
+        ("clip_grad_norm_", torch.nn.utils.clip_grad_norm_, "max_norm"),
+        ("clip_grad_value_", torch.nn.utils.clip_grad_value_, "clip_value"),
+        ("TaskClip", require_attr("clip", "TaskClip"), "max_norm"))
+    for name, fn, arg in limits:
+        w = torch.nn.Parameter(torch.ones(2))
+        w.grad = torch.ones(2)
+        try:
+            fn() if name == "TaskClip" else fn([w])
+            error = ""
+        except TypeError as exc:
+            error = str(exc)
+        out[name] = {"arg": arg, "error": error,
+                     "required": inspect.signature(fn).parameters[arg].default
+                     is inspect.Parameter.empty}
+    return out
+
+
 def compute(quick: bool = False) -> dict[str, Any]:
-    result: dict[str, Any] = {}
+    result: dict[str, Any] = {"no_default": _no_default()}
     w = _single_grad()
     result["grad"] = _grad(w).tolist()
     result["returned"] = float(torch.nn.utils.clip_grad_norm_([w], max_norm=1.0))
@@ -223,6 +252,12 @@ def claims(result: dict[str, Any]) -> list[Claim]:
               f"{sweep[0]:.1g}° when parallel",
               abs(turn["turn"] - turn["turn_expected"]) < 1e-6 and turn["turn"] > 1.0
               and turn["global_turn"] < 1e-6 and sweep[0] < 1e-6),
+        Claim("§10: PyTorch has no default limit; it is set per model",
+              "; ".join(f"{k}: {v['arg']} required in the signature {v['required']}, a call "
+                        f"without it raises TypeError naming it {v['arg'] in v['error']}"
+                        for k, v in result["no_default"].items()),
+              all(v["required"] and v["arg"] in v["error"]
+                  for v in result["no_default"].values())),
     ]
 
 

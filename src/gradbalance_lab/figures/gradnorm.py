@@ -24,7 +24,10 @@ Measured:
   default) and the paper's network (2×10⁻⁵), and the step sizes they give: per step, the
   median ``|Δwₖ|`` over the median ``|Δθ|`` of the network's moving coordinates, over 20 steps
   with the network on ``Adam(lr=2e-5)`` (``renormalize=False``, so the weights' own steps are
-  seen).
+  seen);
+* the text's fragment (``L_grad.backward(inputs=[w])``, ``opt_w.step()``, the rescale inside
+  ``no_grad``) run on a small case, against closed forms
+  (:mod:`gradbalance_lab.figures._gradnorm_fragment`).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import torch
 from gradbalance.balancers import get_balancer
 from gradbalance.step import TaskGradBuffer
 from gradbalance_lab.figures._common import Claim, pyplot, require_attr, save_figure
+from gradbalance_lab.figures._gradnorm_fragment import library_update, text_fragment
 from gradbalance_lab.models import MultiTaskModel, make_heads, mlp_trunk, regression_losses
 
 NAME = "gradnorm"
@@ -144,7 +148,8 @@ def _lr_ratio() -> dict[str, Any]:
 def compute(quick: bool = False) -> dict[str, Any]:
     steps = 80 if quick else 200
     on = _run(True, steps)
-    result: dict[str, Any] = {"steps": steps, "on": on, "lr_ratio": _lr_ratio()}
+    result: dict[str, Any] = {"steps": steps, "on": on, "lr_ratio": _lr_ratio(),
+                              "fragment": text_fragment(), "library_update": library_update()}
     for key, (_, cls, lr) in NETWORK.items():
         free = _run(False, steps, cls, lr)
         moved = float((free["end"] - free["start"]).norm())
@@ -205,7 +210,25 @@ def claims(result: dict[str, Any]) -> list[Claim]:
               f"{lr['ratio_lr']:.0f}; median |Δw| / median |Δθ|: {lr['first']:.0f} on the "
               f"first step, {lr['median']:.0f} over 20 steps",
               abs(lr["ratio_lr"] - 1250) < 1e-6 and abs(lr["first"] / 1250 - 1) < 0.01),
+        _fragment_claim(result["fragment"], result["library_update"]),
     ]
+
+
+def _fragment_claim(frag: dict[str, Any], lib: dict[str, Any]) -> Claim:
+    return Claim(
+        "§9.1 in the fragment L_grad trains only w; the rescale inside no_grad is not trained",
+        f"the text's fragment: θ.grad after L_grad.backward(inputs=[w]) None, w.grad set: "
+        f"{frag['only_w']}; after the rescale w is a leaf without grad_fn: {frag['leaf']}, "
+        f"|Σw − K| {frag['sum_gap']:.0e}; next gradient in w vs its closed form at the "
+        f"rescaled w {frag['closed_gap']:.0e}, vs the rescale differentiated through "
+        f"{frag['in_graph_gap']:.3f} (that one's closed form to {frag['in_graph_closed_gap']:.0e}"
+        f", orthogonal to w: {frag['in_graph_dot']:.0e}); the library's GradNorm update: "
+        f"weights a leaf without grad_fn {lib['leaf']}, |Σw − K| {lib['sum_gap']:.0e}, "
+        f"network .grad bitwise unchanged {lib['grad_same']}",
+        frag["only_w"] and frag["leaf"] and frag["sum_gap"] < 1e-12
+        and frag["closed_gap"] < 1e-12 and frag["in_graph_gap"] > 1e-3
+        and frag["in_graph_closed_gap"] < 1e-12 and lib["leaf"] and lib["sum_gap"] < 1e-12
+        and lib["grad_same"])
 
 
 def plot(result: dict[str, Any], path: Path) -> None:

@@ -32,6 +32,15 @@ of 64 split into 4 micro-batches of 16, losses as batch means (float64). Averagi
 batch's ``task_gradients`` and its balanced step (``PCGrad`` with the same seed, ``MGDA``),
 trunk and heads; balancing each micro-batch (:class:`gradbalance_lab.microbatch.BalanceEach`)
 is the contrast.
+
+Balancing is not linear (the hand-derived case): ``A`` with the rows ``(1, 0)``, ``(0, 1)``
+(no conflict) and ``C`` with ``(1, 0)``, ``(−1, 0)`` (exactly opposed). By hand, ``PCGrad``
+(sum of the projected rows) gives ``(1, 1)`` on ``A``, ``0`` on ``C`` and on ``A + C``
+(rows ``(2, 0)``, ``(−1, 1)``, dot −2) ``1.5·(2, 0) + 2·(−1, 1) = (1, 2)``; ``MGDA`` (the
+min-norm point ``γ g₁ + (1 − γ) g₂``) gives ``(0.5, 0.5)``, ``0`` and, with
+``γ = (2 + 2)/(4 + 4 + 2) = 0.4``, ``(0.2, 0.6)``; ``Mean`` gives ``(0.5, 0.5)`` both ways.
+The library's balancers are run on the three matrices; met when every value matches the hand
+values and ``PCGrad`` and ``MGDA`` break additivity while ``Mean`` keeps it.
 """
 
 from __future__ import annotations
@@ -219,11 +228,39 @@ def compute(quick: bool = False) -> dict[str, Any]:
             "median": {name: _median(angles["/".join(READING)][name])
                        for name in SEED_NUMBERS},
             "library_gap": gap, "check_points": CHECK_POINTS, "control_max": control,
-            "full_batch": _full_batch()}
+            "full_batch": _full_batch(), "not_linear": not_linear()}
+
+
+#: the hand-derived case of "balancing is not linear": B(A + C) against B(A) + B(C)
+LINEAR_CASE = {"A": ((1.0, 0.0), (0.0, 1.0)), "C": ((1.0, 0.0), (-1.0, 0.0))}
+#: (B(A + C), B(A) + B(C)) by hand, see the module's docstring
+BY_HAND = {"pcgrad": ((1.0, 2.0), (1.0, 1.0)), "mgda": ((0.2, 0.6), (0.5, 0.5)),
+           "mean": ((0.5, 0.5), (0.5, 0.5))}
+
+
+def not_linear() -> dict[str, dict[str, Any]]:
+    """The library's balancers on ``A``, ``C`` and ``A + C``: both sides, and their gaps to
+    the values by hand."""
+    a, c = (torch.tensor(LINEAR_CASE[k], dtype=torch.float64) for k in ("A", "C"))
+    out = {}
+    for name, (whole, parts) in BY_HAND.items():
+        balancer = require_balancer(name)
+        left, right = balancer(a + c), balancer(a) + balancer(c)
+        out[name] = {"left": left.tolist(), "right": right.tolist(),
+                     "gap": float((left - right).norm()),
+                     "hand_gap": max(float((left - torch.tensor(whole, dtype=torch.float64))
+                                           .norm()),
+                                     float((right - torch.tensor(parts, dtype=torch.float64))
+                                           .norm()))}
+    return out
 
 
 def _median(values: list[float]) -> float:
     return float(torch.tensor(values).median())
+
+
+def _pair(v: list[float]) -> str:
+    return f"({v[0]:.6g}, {v[1]:.6g})"
 
 
 def _ranges(medians: dict[str, list[float]]) -> str:
@@ -267,6 +304,14 @@ def claims(result: dict[str, Any]) -> list[Claim]:
         f"{fb['mgda']['each_angle']:.1f}° (MGDA) from the full-batch step",
         fb["matrix_gap"] < 1e-12 and fb["pcgrad"]["once_gap"] < 1e-12
         and fb["mgda"]["once_gap"] < 1e-12))
+    lin = result["not_linear"]
+    out.append(Claim(
+        "§12 balancing is not linear: B(A + C) ≠ B(A) + B(C), with Mean as the linear control",
+        "; ".join(f"{LABELS.get(k, 'Mean')}: B(A + C) = {_pair(v['left'])}, B(A) + B(C) = "
+                  f"{_pair(v['right'])} (by hand to {v['hand_gap']:.0e})"
+                  for k, v in lin.items()),
+        all(v["hand_gap"] < 1e-12 for v in lin.values()) and lin["mean"]["gap"] < 1e-12
+        and min(lin["pcgrad"]["gap"], lin["mgda"]["gap"]) > 0.1))
     out.append(Claim("§12 control: a linear balancer (Mean) gives the same step in both orders",
                      f"largest angle {result['control_max']:.1e}°",
                      result["control_max"] < 1e-4))

@@ -5,9 +5,11 @@ A row names the text (``balancing``: "Gradient Balancing Inside the Training Loo
 the setup (the text's own parameters where it states them, the stated choice where it does
 not). A measured row names its figure and a phrase (``key``) that picks exactly one of that
 figure's claims, whose verdict it takes; a row the figures do not measure gives the reason
-instead. The measured claims no row picks are the library's own checks (controls, checks of
-the batched runs against the library, sensitivity readings, rows beyond the texts), reported
-in a table of their own (`docs/figures.md`).
+instead, and a row whose words state no quantity beyond other rows' (a summary) names those
+rows (``by``) and is counted apart, as *measured by another row*. The measured claims no row
+picks are the library's own checks (controls, checks of the batched runs against the
+library, sensitivity readings, rows beyond the texts), reported in a table of their own
+(`docs/figures.md`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from typing import Any
 
 from gradbalance_lab.figures._common import Claim
 
-__all__ = ["REGISTER", "Row", "library_checks", "register_lines", "resolve", "summary", "tally"]
+__all__ = ["BY_KIND", "KINDS", "REGISTER", "Row", "library_checks", "register_lines", "resolve",
+           "summary", "tally"]
 
 
 @dataclass(frozen=True)
@@ -25,7 +28,9 @@ class Row:
     """One claim of a text: where it is, its words, what is measured and how, and either the
     figure and ``key`` (a phrase of exactly one of its claims) or the ``reason`` it is not
     measured; ``measurable`` False when the words state no outcome a run could check (a
-    description, advice, history, a theorem)."""
+    description, advice, history, a theorem); ``by`` the ``(figure, key)`` of the rows that
+    measure it when its words state no quantity beyond theirs (a summary of other rows): it
+    then takes no verdict of its own and is counted apart."""
 
     text: str
     section: str
@@ -36,11 +41,13 @@ class Row:
     key: str = ""
     reason: str = ""
     measurable: bool = True
+    by: tuple[tuple[str, str], ...] = ()
 
 
 def _b(section: str, quote: str, quantity: str, setup: str, figure: str = "", key: str = "",
-       reason: str = "", measurable: bool = True) -> Row:
-    return Row("balancing", section, quote, quantity, setup, figure, key, reason, measurable)
+       reason: str = "", measurable: bool = True, by: tuple[tuple[str, str], ...] = ()) -> Row:
+    return Row("balancing", section, quote, quantity, setup, figure, key, reason, measurable,
+               by)
 
 
 def _c(section: str, quote: str, quantity: str, setup: str, figure: str = "", key: str = "",
@@ -51,6 +58,7 @@ def _c(section: str, quote: str, quantity: str, setup: str, figure: str = "", ke
 _TEXT = "the text's own"
 _BOWLS = "two-bowl example (docs/figures.md §7.2)"
 _NET = "small trunk + 3 heads (task_grads settings)"
+_RULES = "TaskGradBuffer + Sum, 2 linear tasks on R³, 3 steps, lr 0.1"
 
 REGISTER: tuple[Row, ...] = (
     # -- the balancing text ---------------------------------------------------------------
@@ -104,12 +112,15 @@ REGISTER: tuple[Row, ...] = (
     _b("§5", "Gradient methods feel it directly", "turn of the combined direction",
        "PCGrad, GradVac, CAGrad, MGDA; task 1's loss × 10", "loss_scale",
        "gradient methods feel a loss scale directly"),
-    _b("§6", "Plain SGD ... steps against the gradient times the learning rate", "—", "—",
-       reason="torch.optim.SGD's documented rule; the momentum runs use it, no separate row"),
-    _b("§6", "Adam keeps two running averages for each coordinate of the gradient", "—", "—",
-       reason="torch.optim.Adam's documented rule; used by every Adam run, no separate row"),
-    _b("§6", "The ten-step average smooths noise but lags", "—", "β₁ = 0.9",
-       reason="qualitative; the lag is the next row's 7 steps"),
+    _b("§6", "Plain SGD ... steps against the gradient times the learning rate",
+       "weights vs θ − lr·g by hand", _RULES, "optim_rules", "plain SGD steps against"),
+    _b("§6", "Adam keeps two running averages for each coordinate of the gradient",
+       "exp_avg, exp_avg_sq and weights vs the rule by hand", f"{_RULES}, Adam",
+       "optim_rules", "Adam keeps two running averages"),
+    _b("§6", "The ten-step average smooths noise but lags",
+       "lag after a step change; std of exp_avg / std of the gradient",
+       "Adam's exp_avg, β₁ = 0.9; 20,000 Gaussian gradients, 5 seeds", "optim_rules",
+       "the ten-step average (β₁ = 0.9) smooths"),
     _b("§6", "after a 90 degree turn the momentum takes 7 steps to turn 45 degrees",
        "steps until the step is 45° from the old direction", "heavy ball, β = 0.9 "
        "(stated choice: unit gradients, e₁ then e₂)", "momentum", "β₁ = 0.9 takes 7 steps"),
@@ -120,8 +131,10 @@ REGISTER: tuple[Row, ...] = (
        "β₁ = 0", "momentum", "at β₁ = 0 the momentum keeps only"),
     _b("§6.1", "at 0.5 it spans about 2 steps, at 0.9 about 10 and at 0.99 about 100",
        "memory Σβⁿ", "β = 0.5, 0.9, 0.99", "momentum", "the memory spans about 2"),
-    _b("§7", "The per-coordinate division cancels some of the balancer's changes", "—", "—",
-       reason="measured as §7.1's turn back and §9.3's absorbed slow weight change"),
+    _b("§7", "The per-coordinate division cancels some of the balancer's changes",
+       "Adam's step with Mean / with Sum (SGD the control)",
+       f"{_BOWLS}, noise σ = 1, lr 0.01, 300 steps", "optim_rules",
+       "the per-coordinate division cancels some"),
     _b("§7", "... delays others", "head step ratio after a sudden ×4",
        "Adam, a task weight ×4 at once", "adam_absorb", "a sudden change is not absorbed"),
     _b("§7", "... and tilts every step", "share of steps tilted > 1° from PCGrad's direction",
@@ -143,7 +156,9 @@ REGISTER: tuple[Row, ...] = (
        f"{_BOWLS}, lr 0.01", "adam_tilt", "lands elsewhere on the Pareto set"),
     _b("§8", "PCGrad's and MGDA's guarantees cover the direction they hand over, for one "
        "batch; momentum and the per-coordinate scale change the step after", "—", "—",
-       reason="measured as §8.1 (momentum) and §7.2 (Adam's tilt)"),
+       reason="a summary of §8.1 (momentum) and §7 (the per-coordinate scale); no quantity "
+       "beyond theirs", by=(("pcgrad_momentum", "carries the past into every step"),
+                            ("adam_tilt", "tilts every step"))),
     _b("§8.1", "Momentum ... carries the past into every step",
        "steps uphill for a task: handed-over direction vs momentum step",
        f"{_BOWLS}, heavy ball", "pcgrad_momentum", "carries the past into every step"),
@@ -168,9 +183,10 @@ REGISTER: tuple[Row, ...] = (
     _b("§9.1", "Adam at 0.025 against 2×10⁻⁵ for the network, about 1250 times larger",
        "ratio of the learning rates and of the first steps", _TEXT, "gradnorm",
        "the weights' optimizer"),
-    _b("§9.1", "the last two lines rescale w ... inside no_grad, so the rescale is not "
-       "trained", "—", "—", reason="the fragment is not run; the library's GradNorm rescale "
-       "is the one measured two rows up"),
+    _b("§9.1", "L_grad trains only w; the last two lines rescale w ... inside no_grad, so the "
+       "rescale is not trained", "θ.grad; w a leaf; next gradient in w vs closed forms",
+       "the text's fragment on K = 3; the library's GradNorm update", "gradnorm",
+       "in the fragment L_grad trains only w"),
     _b("§9.2", "inside opt.step(), after the balancer wrote the gradient, so the balancer "
        "never sees it", "balanced .grad across wd and optimizers", "wd 0.01, 0.1, 1",
        "weight_decay", "decay acts inside opt.step()"),
@@ -179,8 +195,9 @@ REGISTER: tuple[Row, ...] = (
     _b("§9.2", "a larger wd shrinks them faster (Adam)", "shrink per step / lr",
        "256 weights with noise-only task gradients, 200 steps", "weight_decay",
        "shrinks them faster: Adam"),
-    _b("§9.2", "Adam adds wd times the weights to the gradient before m and v", "—", "—",
-       reason="torch.optim.Adam's documented rule; not run as its own row"),
+    _b("§9.2", "Adam adds wd times the weights to the gradient before m and v",
+       "m, v and weights vs the coupled rule by hand; vs the decoupled reading",
+       f"{_RULES}, Adam, wd 0.5", "optim_rules", "Adam adds wd times the weights"),
     _b("§9.2", "AdamW shrinks the weights directly, by the learning rate times wd",
        "per-step factor vs 1 − lr·wd", "wd 0.01, 0.1, 1", "weight_decay",
        "AdamW shrinks the weights directly"),
@@ -205,8 +222,10 @@ REGISTER: tuple[Row, ...] = (
     _b("§10", "A smaller τ clips more steps and shortens them more; a very large τ never "
        "clips", "share clipped, mean factor", "one logged run, τ at its percentiles",
        "clipping", "a smaller τ clips more steps"),
-    _b("§10", "PyTorch has no default; it is set per model", "—", "—",
-       reason="a fact of torch's signature (max_norm is required); not run as a row"),
+    _b("§10", "PyTorch has no default; it is set per model",
+       "the limit's default in the signature; a call without it",
+       "clip_grad_norm_, clip_grad_value_, TaskClip", "clipping",
+       "PyTorch has no default limit"),
     _b("§10", "only the first scales the whole gradient by one factor",
        "combined update of clipped rows", "rows [30, 40] and [−0.4, 0.3]", "clipping",
        "only the global clip scales"),
@@ -238,9 +257,9 @@ REGISTER: tuple[Row, ...] = (
        "about 7° apart"),
     _b("§12", "... and 19 for MGDA", "median angle between the two orders", "as above",
        "microbatch", "about 19° apart"),
-    _b("§12", "Balancing is not linear", "—", "—",
-       reason="the cause of the two rows above; a linear balancer's control is a library "
-       "check"),
+    _b("§12", "Balancing is not linear", "B(A + C) vs B(A) + B(C), by hand",
+       "PCGrad, MGDA; Mean the control; 2 × 2 matrices", "microbatch",
+       "balancing is not linear"),
     _b("§12", "Averaging first and balancing once gives the balancer the same gradients a "
        "full batch would", "G and the step vs one batch", "4 micro-batches of 16",
        "microbatch", "averaging first and balancing once"),
@@ -264,8 +283,9 @@ REGISTER: tuple[Row, ...] = (
        "survivable", "loss unclipped vs clipped", "lr 0.03 → 0.3 (second base rate)",
        "clip_explode", "(0.03 → 0.3)"),
     _c("Why it exists", "a deep network multiplying blame layer after layer until it "
-       "snowballs", "—", "—",
-       reason="not run: no depth sweep; see 'Why gradients explode' below"),
+       "snowballs", "slope of log ‖∂L/∂xₜ‖ per layer vs its closed form",
+       "T-layer linear net, width 64, Gaussian layers of gain 1.5 (1 beside), 5 seeds",
+       "clip_depth", "a deep network multiplying blame"),
     _c("Why it exists", "Clipping does not fix the cause of the giant gradient", "—", "—",
        measurable=False, reason="a framing, no outcome to measure"),
     _c("How it works", "gradient size 3, limit 10 -> untouched", "returned norm, .grad",
@@ -329,14 +349,15 @@ REGISTER: tuple[Row, ...] = (
        "guessed", "—", "—", measurable=False,
        reason="an exercise; the guessed limit is the reader's"),
     _c("Try it yourself", "multiply your learning rate by 10 and watch what the seismograph "
-       "does — explosions on demand", "largest norm / p95 at lr × 10", "lr 0.01 → 0.1",
-       reason="measured by the band row above (spikes at lr 0.1), not a second row"),
+       "does — explosions on demand", "largest pre-clip norm / healthy p95; finite losses",
+       "the clipped runs at lr 0.01 → 0.1 and 0.03 → 0.3", "clip_explode",
+       "the seismograph at lr × 10"),
     _c("Definitions", "ε a small constant against division by zero", "ε; zero gradient "
        "clipped", "clip_grad_norm_, clip_task_norms_", "clip_basics", "§Definitions: ε"),
     _c("Definitions", "its global L2 norm (computed across all parameters jointly — the default "
-       "in clip_grad_norm_)", "—", "—",
-       reason="not run as its own row (the foreach row returns one norm over 10 tensors but "
-       "does not compare it with the per-tensor norms)"),
+       "in clip_grad_norm_)", "returned norm vs the concatenated and per-tensor norms; "
+       "the factor per tensor", "10 tensors", "clip_api",
+       "computed across all parameters jointly"),
     _c("Definitions", "Direction is preserved exactly; magnitude is capped at c",
        "direction and ‖u‖ over 51 limits", "one gradient, c from 1e-6 to 10⁴",
        "clip_small_tau", "clipping interpolates"),
@@ -348,8 +369,10 @@ REGISTER: tuple[Row, ...] = (
     _c("Definitions", "foreach=True fused implementations in torch 2.x",
        "foreach vs loop, bitwise", "10 tensors", "clip_api", "foreach=True"),
     _c("Why gradients explode", "If the spectral radii of the J_t sit above 1, the product "
-       "grows exponentially in T; below 1, it vanishes", "—", "—",
-       reason="no run of a depth-T Jacobian product yet"),
+       "grows exponentially in T; below 1, it vanishes",
+       "slope of log ‖∂L/∂h₀‖ against T vs log ρ",
+       "linear recurrence, n = 16, ρ = 1.1 and 0.9, T = 10 … 400, 5 seeds", "clip_depth",
+       "spectral radii above 1"),
     _c("Why gradients explode", "clipped GD provably beats any fixed-step GD "
        "(Zhang et al. 2020)", "—", "—",
        measurable=False, reason="a theorem under (L₀, L₁)-smoothness; no run reproduces a proof"),
@@ -390,6 +413,9 @@ def resolve(entries: list[dict[str, Any]]) -> list[tuple[Row, str, Claim | None]
     by_name = {e["name"]: e for e in entries}
     out: list[tuple[Row, str, Claim | None]] = []
     for row in REGISTER:
+        if row.by:
+            out.append((row, f"{BY_ROWS} {_row_numbers(row.by)}: {row.reason}", None))
+            continue
         if not row.figure:
             kind = "not measured" if row.measurable else "not measurable"
             out.append((row, f"{kind}: {row.reason}", None))
@@ -405,6 +431,21 @@ def resolve(entries: list[dict[str, Any]]) -> list[tuple[Row, str, Claim | None]
         claim = picked[0]
         out.append((row, _verdict(claim), claim))
     return out
+
+
+BY_ROWS = "measured by rows"
+
+
+def _row_numbers(by: tuple[tuple[str, str], ...]) -> str:
+    """The register's numbers (1-based) of the rows ``by`` names; raises when one is not a
+    measured row of the register."""
+    numbers = []
+    for figure, key in by:
+        found = [i for i, r in enumerate(REGISTER, 1) if r.figure == figure and r.key == key]
+        if len(found) != 1:
+            raise ValueError(f"register: no measured row ({figure!r}, {key!r}) to refer to")
+        numbers.append(str(found[0]))
+    return ", ".join(numbers)
 
 
 def _verdict(claim: Claim) -> str:
@@ -423,13 +464,17 @@ def library_checks(entries: list[dict[str, Any]]) -> list[tuple[str, Claim]]:
             if not any(k in c.text for k in keys.get(e["name"], []))]
 
 
+BY_KIND = "measured by another row"
+KINDS = ("met", "not met", "not measurable", "shown", BY_KIND, "not measured", "not run")
+
+
 def tally(resolved: list[tuple[Row, str, Claim | None]]) -> dict[str, int]:
-    """Register rows per verdict kind: met, not met, not measurable, shown, not measured,
-    not run (the six add up to the register's length)."""
-    kinds = ("met", "not met", "not measurable", "shown", "not measured", "not run")
-    counts = dict.fromkeys(kinds, 0)
+    """Register rows per verdict kind: met, not met, not measurable, shown, measured by
+    another row, not measured, not run (the seven add up to the register's length)."""
+    counts = dict.fromkeys(KINDS, 0)
     for _, verdict, _ in resolved:
-        counts[verdict.split(":")[0]] += 1
+        kind = BY_KIND if verdict.startswith(BY_ROWS) else verdict.split(":")[0]
+        counts[kind] += 1
     return counts
 
 
@@ -440,7 +485,8 @@ def _cell(text: str) -> str:
 def summary(entries: list[dict[str, Any]]) -> str:
     """One line: the register's rows by verdict (they add up to its length)."""
     counts = tally(resolve(entries))
-    parts = [f"{kind} {n}" for kind, n in counts.items() if n or kind in ("met", "not met")]
+    parts = [f"{kind} {n}" for kind, n in counts.items()
+             if n or kind in ("met", "not met", "not measured")]
     return (f"Claim register: {len(REGISTER)} claims of the two texts: "
             f"{'; '.join(parts)}; library checks: {len(library_checks(entries))}.")
 
