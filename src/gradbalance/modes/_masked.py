@@ -64,7 +64,7 @@ def check_maskable(balancer: Balancer) -> None:
                     f"all True until then. Take that step with every task active "
                     f"(active=None), or load a saved state first"
                 )
-            if value is not None and (isinstance(value, nn.Parameter) or value.requires_grad):
+            if isinstance(value, nn.Parameter) or value.requires_grad:
                 raise ValueError(
                     f"{type(module).__name__} trains its per-task state {name!r} in place (an "
                     f"optimizer holds it), so a step on only the active tasks cannot take a "
