@@ -15,6 +15,11 @@ Loaded by mkdocstrings (``extensions`` in mkdocs.yml); it changes only what is r
 * A registry filled at import (``BALANCERS: dict[str, type[...]] = {}`` then ``register``)
   shows its contents: the module is imported at build time and its names and classes are
   listed under the docstring.
+* A class's bases that are not public (a class of a private module that no public namespace
+  exports, such as ``_Stateless`` or ``StateModule``) are left out of its "Bases:" line
+  (``extra["gradbalance"]["bases"]``, read by ``templates/python/mkdocs/class.html.jinja``),
+  so internal names stay off the public pages; bases from other libraries (``nn.Module``)
+  stay. The bases themselves are kept: inherited ``__init__`` signatures come through them.
 * Members of a class without a docstring (instance attributes, overrides such as
   ``__repr__``) are left out; ``__call__`` stays, its signature is the interface, and so
   does ``__init__``, merged into the class.
@@ -127,6 +132,19 @@ def _registry_contents(attr: Object) -> str | None:
     return "Contents:\n\n" + "\n".join(rows)
 
 
+def _public_base(base: object) -> bool:
+    """Whether a base class is shown: from another library, or exported by the public
+    namespace above its private module (``gradbalance.balancers._base.Balancer``: yes)."""
+    path = str(getattr(base, "canonical_path", base))
+    if path.split(".")[0] not in ("gradbalance", "gradbalance_lab"):
+        return True
+    package, private, _ = path.partition("._")
+    name = path.rsplit(".", 1)[-1]
+    if not private:
+        return not name.startswith("_")
+    return name in getattr(importlib.import_module(package), "__all__", ())
+
+
 class SphinxStyle(Extension):
     """Apply the rules of the module docstring to every object of the loaded package."""
 
@@ -150,6 +168,7 @@ class SphinxStyle(Extension):
         # Last, so that the roles above could still be resolved against these members.
         for obj in objects:
             if obj.is_class:
+                obj.extra["gradbalance"]["bases"] = [b for b in obj.bases if _public_base(b)]
                 for name, member in list(obj.members.items()):
                     if member.docstring is None and name not in _KEEP_UNDOCUMENTED:
                         del obj.members[name]

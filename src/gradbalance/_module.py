@@ -49,12 +49,14 @@ class StateModule(PicklableGenerators, nn.Module):
     def register_state(self, name: str, default: Tensor | None, *, optional: bool = False,
                        shape: tuple[int, ...] | None = None, per_task: bool = False,
                        task_dim: int = 0, like_rows: bool = False,
-                       persistent: bool = True, finite: bool = True) -> None:
+                       persistent: bool = True, finite: bool = True,
+                       pairwise: bool = False) -> None:
         """Declare a state tensor (a buffer; an ``nn.Parameter`` is registered as one).
 
         ``default``: its value now and after :meth:`reset` (None needs ``optional``); the
         other arguments are :class:`~gradbalance._state_spec.StateSpec`'s (``per_task``: one
-        entry per task along ``task_dim``).
+        entry per task along ``task_dim``; ``pairwise``: one per task pair, the last two
+        dimensions).
         """
         if default is None and not optional:
             raise ValueError(f"Invalid default for state {name!r}: None (expected a tensor, "
@@ -65,12 +67,26 @@ class StateModule(PicklableGenerators, nn.Module):
             self.register_buffer(name, default, persistent=persistent)
         self._state_specs[name] = StateSpec(
             None if default is None else default.detach().clone(), optional, shape,
-            task_dim if per_task or like_rows else None, like_rows, persistent, finite)
+            -1 if pairwise else task_dim if per_task or like_rows else None, like_rows,
+            persistent, finite, pairwise)
 
     @property
     def state_specs(self) -> Mapping[str, StateSpec]:
         """The declared state of this object (not of its submodules), by name."""
         return dict(self._state_specs)
+
+    def task_state(self) -> dict[str, tuple[StateSpec, Tensor | None]]:
+        """The per-task state of this object (not of its submodules): name -> (its
+        declaration, its value now)."""
+        return {name: (spec, self._parameters.get(name, self._buffers.get(name)))
+                for name, spec in self._state_specs.items() if spec.task_dim is not None}
+
+    def put_state(self, name: str, value: Tensor | None) -> None:
+        """Replace the declared buffer ``name`` by ``value`` (not a parameter: an optimizer
+        holds those)."""
+        if name not in self._state_specs or name in self._parameters:
+            raise KeyError(f"{type(self).__name__} has no declared state buffer {name!r}")
+        self._buffers[name] = value
 
     def reset(self) -> None:
         """Forget all state (as freshly built): every declared state back to its default

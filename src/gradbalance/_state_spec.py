@@ -20,7 +20,10 @@ class StateSpec:
     entry per task (None: not per task); ``like_rows``: the shape of the task-gradient rows
     ``[K, P]`` (a rank's ``[K, P_local]`` columns on a sharded trunk); ``persistent``: saved in
     ``state_dict`` (a non-persistent one is only reset); ``finite``: a loaded floating value
-    must hold no inf/NaN.
+    must hold no inf/NaN; ``pairwise``: one entry per task pair ``[..., K, K]`` (the last two
+    dimensions, ``task_dim`` -1). A partial-labels mask slices every per-task dimension
+    (:meth:`on_tasks`) and writes the step's result back into the active tasks' entries
+    (:meth:`into_tasks`; docs/loop.md, "Partial labels").
     """
 
     default: Tensor | None
@@ -30,6 +33,35 @@ class StateSpec:
     like_rows: bool = False
     persistent: bool = True
     finite: bool = True
+    pairwise: bool = False
+
+    def task_dims(self, value: Tensor) -> tuple[int, ...]:
+        """The dimensions of ``value`` with one entry per task (non-negative; none: not per
+        task)."""
+        if self.task_dim is None:
+            return ()
+        dims = (-2, -1) if self.pairwise else (self.task_dim,)
+        return tuple(d % value.dim() for d in dims)
+
+    def on_tasks(self, value: Tensor, index: Tensor) -> Tensor:
+        """A copy of ``value`` holding the tasks ``index`` only, along every per-task
+        dimension."""
+        dims, front, grid = self._grid(value, index)
+        return value.movedim(dims, front)[grid].movedim(front, dims)
+
+    def into_tasks(self, full: Tensor, part: Tensor, index: Tensor) -> Tensor:
+        """A copy of ``full`` (as ``part``'s dtype and device) whose tasks ``index`` hold
+        ``part`` (:meth:`on_tasks`'s shape); every other entry is ``full``'s."""
+        out = full.to(device=part.device, dtype=part.dtype, copy=True)
+        dims, front, grid = self._grid(out, index)
+        out.movedim(dims, front)[grid] = part.movedim(dims, front)
+        return out
+
+    def _grid(self, value: Tensor, index: Tensor
+              ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[Tensor, ...]]:
+        dims = self.task_dims(value)
+        idx = index.to(value.device)
+        return dims, tuple(range(len(dims))), torch.meshgrid(*[idx] * len(dims), indexing="ij")
 
     def tasks_in(self, value: Tensor | None) -> int | None:
         """The number of tasks ``value`` holds (None: not per task, unset, or too few dims)."""

@@ -7,8 +7,8 @@ K one-hot output gradients), which ops without a batching rule make raise. ``"au
 the loop on CPU (the batched call measured up to 1.9× slower there:
 ``benchmarks/results/passes_choice_cpu.md``) and elsewhere measures both on a buffer's first
 step (``"measure"`` forces that anywhere); both fall back to the loop where batching fails.
-:func:`run_passes` is the one implementation of the passes: every mode runs them through
-it, into its own sinks (:mod:`gradbalance._sinks`).
+Every mode runs the passes through this module's one implementation, into its own sinks
+(docs/ARCHITECTURE.md, the layer table).
 """
 
 from __future__ import annotations

@@ -64,8 +64,9 @@ class Balancer(StateModule):
     * ``homogeneous``: ``B(sG) = s·B(G)`` for every ``s > 0`` (positive homogeneity).
     * ``needs_losses``: the losses are read (e.g. MGDA's loss normalisation).
     * ``min_tasks``: the smallest K the settings allow (Krum, TrimmedMean: 3 by default).
-    * ``per_task_settings``: a setting holds one entry per task (Constant's weights), so a
-      partial-labels mask is refused (docs/loop.md, "Partial labels").
+    * ``per_task_settings``: the attributes holding one tensor entry per task (Constant's
+      weights), sliced to the active tasks under a partial-labels mask (docs/loop.md,
+      "Partial labels").
     * ``weight_degree`` (weighted balancers): ``δ`` with ``w(c·G Gᵀ) = c^δ w(G Gᵀ)`` for
       every ``c > 0`` (Nash-MTL ``−½``; ``0`` for a class that declares ``homogeneous = True``
       itself). With a degree, :meth:`_compute_weights` receives the Gramian normalised to unit
@@ -74,9 +75,9 @@ class Balancer(StateModule):
 
     State is declared with :meth:`register_state` (``per_task`` / ``like_rows``), which makes
     every call check that the input still has the tasks the state tracks, and generates
-    :meth:`reset` (``docs/ARCHITECTURE.md``, "Extension contract"). A balancer with per-task
-    state refuses a partial-labels mask that is not all True (``apply_(..., active=)``,
-    docs/loop.md, "Partial labels"): its state tracks every task.
+    :meth:`reset` (``docs/ARCHITECTURE.md``, "Extension contract"). Under a partial-labels
+    mask (``apply_(..., active=)``, docs/loop.md, "Partial labels") the per-task state is
+    sliced to the active tasks and the step's result written back into their entries.
 
     Example:
         >>> import torch
@@ -94,7 +95,7 @@ class Balancer(StateModule):
     homogeneous: bool = True
     needs_losses: bool = False
     min_tasks: int = 1
-    per_task_settings: bool = False
+    per_task_settings: tuple[str, ...] = ()
     weight_degree: float | None = None
     _kind = "balancer"
     _repr_args: ClassVar[tuple[str, ...]] = ("num_tasks",)

@@ -29,7 +29,7 @@ class Constant(Balancer):
     name = "constant"
     from_gramian = True
     weight_degree = 0.0
-    per_task_settings = True
+    per_task_settings = ("_weights",)
 
     def __init__(self, weights: Sequence[float] | Tensor) -> None:
         w = as_task_vector("weights", weights)

@@ -197,7 +197,7 @@ class GradVac(OwnedGeneratorState):
         self.from_gramian = groups is None
         self.generator = check_generator("generator", generator) or private_generator()
         self.register_state("targets", None if num_tasks is None else self._zeros(num_tasks),
-                            optional=True, per_task=True, task_dim=-1)
+                            optional=True, pairwise=True)
 
     def _zeros(self, k: int) -> Tensor:
         shape = (k, k) if self.groups is None else (len(self.groups), k, k)

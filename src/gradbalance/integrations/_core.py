@@ -40,7 +40,7 @@ def stats_scalars(stats: StepStats, task_names: Sequence[str] | None = None
     Example:
         >>> import torch
         >>> from gradbalance import StepStats
-        >>> from gradbalance.integrations._core import stats_scalars
+        >>> from gradbalance.integrations.lightning import stats_scalars
         >>> stats = StepStats(torch.tensor([0.5, 2.0]), torch.tensor([3.0, 4.0]), None, None, None)
         >>> stats_scalars(stats, ["depth", "seg"])  # tensors: no host sync
         {'loss/depth': tensor(0.5000), 'size/depth': tensor(3.), 'loss/seg': tensor(2.),

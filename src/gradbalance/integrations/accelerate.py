@@ -38,7 +38,7 @@ What the helper does, written out (a :class:`~gradbalance.TaskGradBuffer` ``buf`
   unscales before clipping, the prepared optimizer steps and updates the scaler.
 * With a loss weighting the helper also applies it, averages its observation over the
   processes (:func:`~gradbalance.sync_weighting_`) and updates it on the sync step.
-* Accelerate's FSDP and DeepSpeed are refused (:func:`_refuse_sharding`): accelerate 1.15
+* Accelerate's FSDP and DeepSpeed are refused (``ValueError`` at construction): accelerate 1.15
   turns its FSDP plugin on only for accelerator devices (a CPU process group stays
   ``MULTI_CPU``), so the helper cannot be checked on a sharded model there; a sharded trunk
   trains in your own loop (docs/distributed.md, "Sharded trunks (FSDP2)").

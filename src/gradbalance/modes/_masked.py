@@ -2,8 +2,12 @@
 
 ``apply_(balancer, active=mask)`` runs the balancer on the active tasks' rows only (their
 Gramian block and losses) and gives the inactive tasks zero weight (docs/loop.md, "Partial
-labels"). A balancer with per-task state (or settings: Constant) refuses a mask that is not
-all true: its state tracks every task, and a step on fewer rows would misalign it.
+labels"). A balancer with per-task state or settings runs as if built for the active tasks:
+each declared per-task state (and each setting named in ``per_task_settings``, Constant's
+weights) is sliced to the active tasks for the call, and the step's new state is written into
+the active tasks' entries only; state that is not per task (a step counter, a generator) moves
+as on any step. A per-task state not set yet (before the balancer's first step) or trained in
+place is refused (docs/ARCHITECTURE.md, "Extension contract").
 """
 
 from __future__ import annotations
@@ -11,11 +15,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .._module import StateModule
 from .._shard import Shard
 from ..balancers._base import Balancer, Combination
+from ._rollback import StateSnapshot
 
 __all__ = ["MaskedBalancer", "check_active", "mask_balancer"]
 
@@ -44,23 +49,28 @@ def check_active(active: Any, k: int) -> Tensor | None:
 
 
 def check_maskable(balancer: Balancer) -> None:
-    """Raise ``ValueError`` when ``balancer`` (or a stateful part of it) keeps per-task state
-    or settings."""
-    if balancer.per_task_settings:
-        raise ValueError(
-            f"{type(balancer).__name__} has one setting per task ({balancer!r}), which does not "
-            f"say what to do with fewer tasks; it refuses a mask that is not all True. Pass "
-            f"active=None, or build it for the active tasks and call it on them yourself"
-        )
+    """Raise ``ValueError`` when a per-task state of ``balancer`` (or of a stateful part of
+    it) cannot be sliced to the active tasks: one not set yet, or one an optimizer steps in
+    place."""
     for module in balancer.modules():
-        if isinstance(module, StateModule) and any(
-                spec.task_dim is not None for spec in module.state_specs.values()):
-            raise ValueError(
-                f"{type(balancer).__name__} keeps per-task state, which a step on only the "
-                f"active tasks would misalign; it refuses a mask that is not all True. Pass "
-                f"active=None (or all True), or use a balancer without per-task state "
-                f"(e.g. UPGrad, MGDA, IMTL-G, PCGrad)"
-            )
+        if not isinstance(module, StateModule):
+            continue
+        for name, (_, value) in module.task_state().items():
+            if value is None:
+                raise ValueError(
+                    f"{type(module).__name__}'s per-task state {name!r} is not set yet: its "
+                    f"first step sets it for every task, and a step on only the active tasks "
+                    f"would leave the other tasks without one; it refuses a mask that is not "
+                    f"all True until then. Take that step with every task active "
+                    f"(active=None), or load a saved state first"
+                )
+            if isinstance(value, nn.Parameter) or value.requires_grad:
+                raise ValueError(
+                    f"{type(module).__name__} trains its per-task state {name!r} in place (an "
+                    f"optimizer holds it), so a step on only the active tasks cannot take a "
+                    f"slice of it; it refuses a mask that is not all True. Pass active=None "
+                    f"(or all True), or use a balancer without trained per-task state"
+                )
 
 
 class MaskedBalancer(Balancer):
@@ -86,12 +96,12 @@ class MaskedBalancer(Balancer):
                 gramian: Tensor | None = None, shard: Shard | None = None) -> Combination:
         idx = self.index.to(matrix.device)
         sub_gram = None if gramian is None else _block(gramian, self.index)
-        with _unbounded(self.inner):
+        with _OnActive(self.inner, self.index, self.k):
             out = self.inner.combine(matrix[idx], _rows(losses, self.index), sub_gram, shard)
         return Combination(out.vector, self._scatter(out.weights))
 
     def compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
-        with _unbounded(self.inner):
+        with _OnActive(self.inner, self.index, self.k):
             w = self.inner.compute_weights(_block(gramian, self.index),
                                            _rows(losses, self.index))
         out = self._scatter(w)
@@ -111,6 +121,7 @@ def mask_balancer(balancer: Balancer, index: Tensor | None, k: int) -> Balancer:
     if index is None:
         return balancer
     check_maskable(balancer)
+    balancer.check_tracked_tasks(k)
     return MaskedBalancer(balancer, index, k)
 
 
@@ -126,15 +137,39 @@ def _rows(losses: Tensor | None, index: Tensor) -> Tensor | None:
     return losses.reshape(-1)[index.to(losses.device)]
 
 
-class _unbounded:
-    """``balancer.num_tasks`` set to None for one call on fewer rows (restored after)."""
+class _OnActive:
+    """One call of ``balancer`` on the active tasks ``index`` (of ``k``), as a balancer built
+    for them: every ``num_tasks`` None, the per-task settings and states sliced to the active
+    tasks. On success each state's result goes into the active tasks' entries (the others
+    as before) and the settings come back; on failure everything is put back."""
 
-    def __init__(self, balancer: Balancer) -> None:
-        self.balancer = balancer
-        self.saved = balancer.num_tasks
+    def __init__(self, balancer: Balancer, index: Tensor, k: int) -> None:
+        self.balancer, self.index, self.k = balancer, index, k
+        self.snapshot = StateSnapshot(balancer)
+        self.settings = {name: getattr(balancer, name) for name in balancer.per_task_settings}
+        self.counts = [(module, module.num_tasks) for module in balancer.modules()
+                       if isinstance(module, Balancer)]
+        self.states = [(module, name, spec, value) for module in balancer.modules()
+                       if isinstance(module, StateModule)
+                       for name, (spec, value) in module.task_state().items()]
 
     def __enter__(self) -> None:
-        self.balancer.num_tasks = None
+        for counted, _ in self.counts:
+            counted.num_tasks = None
+        for name, value in self.settings.items():
+            setattr(self.balancer, name, value[self.index.to(value.device)])
+        for module, name, spec, value in self.states:
+            module.put_state(name, None if value is None else spec.on_tasks(value, self.index))
 
-    def __exit__(self, *exc: object) -> None:
-        self.balancer.num_tasks = self.saved
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        if kind is not None:
+            self.snapshot.restore()
+            return
+        for module, name, spec, before in self.states:
+            after = module.task_state()[name][1]
+            module.put_state(name, None if after is None or before is None
+                             else spec.into_tasks(before, after, self.index))
+        for counted, count in self.counts:
+            counted.num_tasks = count
+        for name, value in self.settings.items():
+            setattr(self.balancer, name, value)

@@ -15,7 +15,6 @@ from torch import nn
 
 from gradbalance import TaskGradBuffer, balanced_backward
 from gradbalance.balancers import BALANCERS, IMTLG, MGDA, Balancer, NashMTL, PCGrad, UPGrad
-from gradbalance.modes._masked import check_maskable
 from support.balancers import build_balancer
 
 CLASSES = [MGDA, IMTLG, UPGrad, PCGrad]
@@ -100,6 +99,7 @@ def test_equals_the_balancer_on_the_active_rows(mode, cls, k, mask, seed):
     assert bool((stats.weights[~active] == 0).all())
 
 
+#: Per-task state or settings: test_partial_labels_state.py.
 PER_TASK_STATE = ["constant", "crmogm", "dbmtl", "excessmtl", "gradvac", "moco", "modo",
                   "nashmtl", "pcd", "sdmgrad"]
 
@@ -197,22 +197,6 @@ def test_bad_mask_is_refused_and_moves_nothing(active, error, match):
     assert not _unmoved(net, before)
 
 
-def test_per_task_state_refuses_a_mask_and_moves_nothing():
-    net, buf, active = _prepared(3)
-    balancer, grads = NashMTL(), _grads(net)
-    balancer(torch.randn(3, 5, dtype=torch.float64))  # per-task state now set
-    before = copy.deepcopy(balancer.state_dict())
-    with pytest.raises(ValueError, match="NashMTL keeps per-task state"):
-        buf.apply_(balancer, active=active)
-    assert _unmoved(net, grads)
-    after = balancer.state_dict()
-    assert before.keys() == after.keys()
-    for key, value in before.items():
-        if isinstance(value, torch.Tensor):
-            assert torch.equal(value, after[key])
-    buf.apply_(balancer)  # the step was left: the unmasked call still runs
-
-
 def test_update_every_refuses_a_partial_mask():
     net, buf, active = _prepared(3, update_every=2)
     before = _grads(net)
@@ -220,19 +204,6 @@ def test_update_every_refuses_a_partial_mask():
         buf.apply_(UPGrad(), active=active)
     assert _unmoved(net, before)
     buf.apply_(UPGrad(), active=torch.ones(3, dtype=torch.bool))
-
-
-def test_refusing_balancers_are_the_ones_docs_name():
-    """docs/loop.md lists the balancers with per-task state; exactly those refuse a mask."""
-    refused = set()
-    for name in BALANCERS:
-        balancer = build_balancer(name, 3)
-        try:
-            check_maskable(balancer)
-        except ValueError as error:
-            assert type(balancer).__name__ in str(error)
-            refused.add(name)
-    assert refused == set(PER_TASK_STATE)
 
 
 def test_docs_example_runs():
