@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
@@ -78,6 +79,48 @@ def test_a_data_parallel_accelerator_is_accepted() -> None:
     step = BalancedAcceleratorStep(_stand_in(DistributedType.MULTI_CPU), UPGrad(2), [w])
     step.backward([w @ torch.tensor([1.0, 0.0]), w @ torch.tensor([-1.0, 1.0])])
     assert torch.equal(w.grad, torch.tensor([0.25, 0.75]))  # UPGrad's example, by hand
+
+
+@pytest.fixture()
+def one_process_group(tmp_path: Path) -> Iterator[None]:
+    """A gloo world of this process alone (``fully_shard`` needs a process group)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.usefixtures("one_process_group")
+def test_a_sharded_state_resumes_on_as_many_processes_as_saved_it() -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    from gradbalance.checkpoint import CheckpointError
+    from gradbalance_lab.models import regression_losses
+    from support.loop_state import assert_same_state
+
+    loop = _loop()
+    run = loop._build("dbmtl")
+    model = run["model"]
+    fully_shard(model)
+    step = BalancedAcceleratorStep(_stand_in(DistributedType.FSDP, 2), run["balancer"],
+                                   model.shared_parameters(), model.head_parameters())
+    x, y = loop._data().tensors
+    step.backward(regression_losses(model(x), y))
+    saved = step.state_dict()
+    assert len(saved["ranks"]) == 1 and saved["ranks"][0]["objects"]["balancer"]["_ema"] is not None
+    for wrong, message in [({"ranks": saved["ranks"] * 2}, "holds 2 ranks' states, this run "
+                                                            "has 1 processes"),
+                           (saved["ranks"][0], "no per-rank states")]:
+        with pytest.raises(CheckpointError, match=message):
+            step.load_state_dict(wrong)
+        assert_same_state(step.state_dict(), saved)  # nothing moved
+    step.backward(regression_losses(model(x), y))
+    step.load_state_dict(saved)
+    assert_same_state(step.state_dict(), saved)
 
 
 STAGE = "GRADBALANCE_TEST_STAGE"  # the worker's run: "straight" or "resumed"

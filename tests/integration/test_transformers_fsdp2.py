@@ -82,6 +82,20 @@ def test_parameters_read_before_the_sharding_are_refused(
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_per_process_states_resume_on_as_many_processes_as_saved_them(tmp_path: Path) -> None:
+    from gradbalance.checkpoint import CheckpointError
+    from gradbalance.integrations.transformers import _check_rank_files
+
+    for rank in range(2):
+        (tmp_path / RANK_STATE_FILE.format(rank=rank)).write_bytes(b"")
+    (tmp_path / STATE_FILE).write_bytes(b"")  # not a per-process file
+    _check_rank_files(str(tmp_path), 2)
+    for world in (1, 3):
+        with pytest.raises(CheckpointError, match=f"holds 2 processes' states .* this run "
+                                                  f"has {world} processes"):
+            _check_rank_files(str(tmp_path), world)
+
+
 RESUME = "GRADBALANCE_TEST_RESUME_FROM"  # the worker resumes from this checkpoint when set
 
 
