@@ -151,8 +151,9 @@ class BalancedTrainer(Trainer):
         *args: the ``Trainer``'s.
         balancer: any :class:`~gradbalance.Balancer`, the same object for the whole run.
         shared_params: the trunk's parameters, or a callable ``model -> parameters`` (called
-            once, on the unwrapped model placed on its device; use one with ``model_init``).
-            Default: ``model.shared_parameters()``.
+            once, on the unwrapped model placed on its device; use one with ``model_init``,
+            and under FSDP2, where it is called on the sharded model). Default:
+            ``model.shared_parameters()``.
         head_params: the heads' parameters (a plain gradient of ``Σₖ Lₖ``), or a callable.
             Default: ``model.head_parameters()`` if the model has it, else every trainable
             parameter outside ``shared_params``. Every trainable parameter the losses reach
