@@ -90,8 +90,9 @@ def own_rank_state(saved: dict[str, Any], group: Any) -> dict[str, Any]:
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     states = saved.get("ranks") if isinstance(saved, dict) else None
     if not isinstance(states, list):
+        found = f"keys {sorted(saved)}" if isinstance(saved, dict) else type(saved).__name__
         raise CheckpointError(
-            f"the saved state has no per-rank states (keys {sorted(saved)}): it was saved "
+            f"the saved state has no per-rank states ({found}): it was saved "
             f"without a sharded trunk; resume a sharded run from a sharded run's checkpoint")
     if len(states) != world:
         raise CheckpointError(

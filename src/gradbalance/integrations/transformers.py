@@ -342,14 +342,15 @@ class BalancedTrainer(Trainer):
 
     # -- checkpoints ---------------------------------------------------------------------
     def _state_path(self, folder: str) -> str:
-        """The balanced step's file in a checkpoint folder: one per process under FSDP2."""
-        if self._fsdp2:
+        """The balanced step's file in a checkpoint folder: one per process on a sharded
+        trunk (FSDP2)."""
+        if self.balanced.buffer.sharded:
             return os.path.join(folder, RANK_STATE_FILE.format(rank=self.args.process_index))
         return os.path.join(folder, STATE_FILE)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
-        if self.args.should_save or self._fsdp2:  # FSDP2: every process its own state
+        if self.args.should_save or self.balanced.buffer.sharded:  # each its own state
             save_checkpoint(self._state_path(output_dir), rng=False,
                             step=self.state.global_step, **self.balanced.objects())
 
@@ -362,10 +363,11 @@ class BalancedTrainer(Trainer):
             raise CheckpointError(
                 f"checkpoint folder {checkpoint} has no {os.path.basename(path)}: it was not "
                 f"written by BalancedTrainer (or with save_only_model=True"
-                f"{', or not under FSDP2' if self._fsdp2 else ''}), so the balancer's state "
+                f"{', or not on a sharded trunk' if self.balanced.buffer.sharded else ''}), "
+                f"so the balancer's state "
                 f"cannot be restored; resume from a BalancedTrainer checkpoint"
             )
-        if self._fsdp2:
+        if self.balanced.buffer.sharded:
             _check_rank_files(checkpoint, self.args.world_size)
         device = self.args.device if isinstance(self.args.device, torch.device) else None
         if device is not None and device.type == "cpu":
