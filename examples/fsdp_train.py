@@ -3,14 +3,17 @@
     torchrun --nproc_per_node=2 examples/fsdp_train.py           # CPU: gloo, 2 shards
     torchrun --nproc_per_node=2 examples/fsdp_train.py --balancer mgda --micro 2 --amp
     python examples/fsdp_train.py                                # one process, whole batch
+    # 2 "nodes" × 2 ranks (docs/distributed.md, "Several nodes"): the same with --node_rank 1
+    torchrun --nnodes 2 --nproc_per_node 2 --node_rank 0 --master_addr 127.0.0.1 \\
+        --master_port 29500 examples/fsdp_train.py
 
 Each linear layer of the trunk and the whole model are wrapped with ``fully_shard``: every
 parameter is a ``DTensor`` split on dim 0, and each rank keeps only its shard of the K task
 gradients (``[K, P/W]``). The step is the same as on one process: ``buf.backward(losses)``
 and ``buf.apply_(balancer, scaler=...)``; the ranks sum their partial Gramians, so every rank
 computes the same weights and writes its shard of the update the single process would write.
-The printed lines are the same with one process on the whole batch and with 2 ranks (to the
-last printed digit). A checkpoint of the sharded state is saved half-way with
+The printed lines are the same with one process on the whole batch and with 2 or 4 ranks (to
+the last printed digit). A checkpoint of the sharded state is saved half-way with
 ``torch.distributed.checkpoint``; ``--resume`` starts from it.
 """
 

@@ -23,7 +23,7 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
 
 from gradbalance import TaskAutoClip, TaskGradBuffer
-from gradbalance.balancers import GradVac, PCGrad
+from gradbalance.balancers import DBMTL, GradVac, PCGrad
 from gradbalance.integrations.accelerate import BalancedAcceleratorStep
 from gradbalance.weighting import GradNorm
 from gradbalance_lab.models import MultiTaskModel, make_heads, mlp_trunk, regression_losses
@@ -57,6 +57,9 @@ def _build(method: str, seed: int = 0) -> dict[str, Any]:
     if method == "gradvac":
         parts: dict[str, Any] = {"balancer": GradVac(K, beta=0.5, generator=gen),
                                  "clip": TaskAutoClip(percentile=50, history_size=4)}
+    elif method == "dbmtl":  # a [K, P] state: each rank's columns on a sharded trunk
+        parts = {"balancer": DBMTL(K, beta=0.5),
+                 "clip": TaskAutoClip(percentile=50, history_size=4)}
     else:
         parts = {"balancer": PCGrad(K, generator=gen),
                  "weighting": GradNorm(K, model.trunk, alpha=1.5, lr=0.05)}
@@ -65,11 +68,12 @@ def _build(method: str, seed: int = 0) -> dict[str, Any]:
 
 
 def _accelerated(o: dict[str, Any], epochs: int, load: str | None = None,
-                 save: str | None = None
+                 save: str | None = None, fsdp_plugin: Any = None
                  ) -> tuple[Accelerator, BalancedAcceleratorStep, list[Any]]:
     """The documented loop; ``load``: ``load_state`` before the first epoch; ``save``:
     ``save_state`` after the first epoch."""
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATE)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATE,
+                              fsdp_plugin=fsdp_plugin)
     raw = o["model"]
     model, opt, loader = accelerator.prepare(
         raw, o["optimizer"], DataLoader(_data(), batch_size=BATCH, shuffle=False))

@@ -26,7 +26,7 @@ import transformers
 from transformers import PretrainedConfig, PreTrainedModel, TrainingArguments
 
 from gradbalance import TaskAutoClip, TaskGradBuffer
-from gradbalance.balancers import GradVac, PCGrad
+from gradbalance.balancers import DBMTL, GradVac, PCGrad
 from gradbalance.checkpoint import CheckpointError
 from gradbalance.integrations.transformers import STATE_FILE, BalancedTrainer
 from gradbalance.weighting import GradNorm
@@ -63,6 +63,9 @@ class TinyMultiTask(PreTrainedModel):
     def _init_weights(self, module: nn.Module) -> None:  # keep torch's initialisation
         pass
 
+    def get_input_embeddings(self) -> None:  # no embedding (accelerate's FSDP2 asks)
+        return None
+
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
         if self.training:
             self.seen.append((x.detach().clone(), y.detach().clone()))
@@ -94,6 +97,9 @@ def _parts(method: str, model: TinyMultiTask, seed: int = 0) -> dict[str, Any]:
     if method == "gradvac":
         return {"balancer": GradVac(K, beta=0.5, generator=gen),
                 "clip": TaskAutoClip(percentile=50, history_size=4)}
+    if method == "dbmtl":  # a [K, P] state: each rank's columns on a sharded trunk
+        return {"balancer": DBMTL(K, beta=0.5),
+                "clip": TaskAutoClip(percentile=50, history_size=4)}
     return {"balancer": PCGrad(K, generator=gen),
             "weighting": GradNorm(K, model.trunk, alpha=1.5, lr=0.05)}
 
@@ -105,16 +111,21 @@ def _optimizers(model: nn.Module) -> tuple[torch.optim.Optimizer, Any]:
 
 def _trainer(out: Path, method: str = "gradvac", *, seed: int = 0, accumulate: int = 2,
              batch: int = BATCH, epochs: int = 2, task_names: list[str] | None = None,
-             **args: Any) -> BalancedTrainer:
+             own_optimizer: bool = False, **args: Any) -> BalancedTrainer:
+    """``own_optimizer``: the Trainer builds the optimizer of :func:`_optimizers` from its
+    arguments (under FSDP it refuses ``optimizers=``)."""
     model = _model(seed)
     options = {"save_strategy": "no", "logging_steps": 1, **args}
+    if own_optimizer:  # SGD, momentum 0.9, a constant learning rate of 0.05: _optimizers'
+        options.update(optim="sgd", optim_args="momentum=0.9", learning_rate=0.05,
+                       lr_scheduler_type="constant", weight_decay=0.0)
     return BalancedTrainer(
         model=model,
         args=TrainingArguments(str(out), per_device_train_batch_size=batch,
                                gradient_accumulation_steps=accumulate, num_train_epochs=epochs,
                                max_grad_norm=MAX_NORM, use_cpu=True, report_to=[],
                                disable_tqdm=True, seed=42, **options),
-        train_dataset=Data(), optimizers=_optimizers(model),
+        train_dataset=Data(), optimizers=(None, None) if own_optimizer else _optimizers(model),
         shared_params=lambda m: m.trunk.parameters(),
         head_params=lambda m: m.heads.parameters(), task_names=task_names,
         **_parts(method, model, seed),

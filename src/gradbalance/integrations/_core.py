@@ -23,11 +23,12 @@ from ..balancers._checks import check_balancer
 from ..checkpoint import capture_state, restore_state
 from ..clip._checks import check_row_clipper
 from ..clip._protocol import RowClipper
-from ..distributed import sync_weighting_
+from ..distributed import resolve_process_group, sync_weighting_
 from ..monitor import task_labels
 from ..stats import StepStats
 from ..step import TaskGradBuffer
 from ..weighting._base import LossWeighting
+from ._sharded import gather_rank_states, own_rank_state
 
 __all__ = ["BalancedParts", "divide_losses", "stats_scalars", "unshare_tensors"]
 
@@ -139,6 +140,11 @@ class BalancedParts:
         if self.weighting is not None:
             losses = self.weighting(losses, scaler=scaler)
         losses = divide_losses(losses, divisor)
+        if buffer.sharded and isinstance(losses, Tensor):
+            # FSDP2 gathers the parameters for the backward in a hook on the model's outputs;
+            # each task's pass must run through them (the k-th scalar of the vector), not
+            # start past them at the stack that built a vector of losses inside the forward
+            losses = list(losses.unbind())
         buffer.backward(losses, scaler=scaler)
         return _total(losses)
 
@@ -177,9 +183,20 @@ class BalancedParts:
         return objects
 
     def state_dict(self) -> dict[str, Any]:
-        """Every part's ``state_dict`` (the buffer, the balancer, the weighting, the clipper)."""
-        return capture_state(rng=False, **self.objects())
+        """Every part's ``state_dict`` (the buffer, the balancer, the weighting, the clipper).
+
+        On a sharded trunk (FSDP2) a matrix balancer's state holds this rank's columns: the
+        state is every rank's, gathered over the buffer's group (``{"ranks": [...]}``; a
+        collective, for a checkpoint one process writes)."""
+        state = capture_state(rng=False, **self.objects())
+        if self.buffer.sharded:
+            return gather_rank_states(state, resolve_process_group(self.buffer.process_group))
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output: all parts or none (``CheckpointError``)."""
+        """Restore :meth:`state_dict` output: all parts or none (``CheckpointError``); on a
+        sharded trunk this rank's entry."""
+        if self.buffer.sharded:
+            group = resolve_process_group(self.buffer.process_group)
+            state_dict = own_rank_state(state_dict, group)
         restore_state(state_dict, **self.objects())

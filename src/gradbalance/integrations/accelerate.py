@@ -38,10 +38,15 @@ What the helper does, written out (a :class:`~gradbalance.TaskGradBuffer` ``buf`
   unscales before clipping, the prepared optimizer steps and updates the scaler.
 * With a loss weighting the helper also applies it, averages its observation over the
   processes (:func:`~gradbalance.sync_weighting_`) and updates it on the sync step.
-* Accelerate's FSDP and DeepSpeed are refused (``ValueError`` at construction): accelerate 1.15
-  turns its FSDP plugin on only for accelerator devices (a CPU process group stays
-  ``MULTI_CPU``), so the helper cannot be checked on a sharded model there; a sharded trunk
-  trains in your own loop (docs/distributed.md, "Sharded trunks (FSDP2)").
+* Under Accelerate's FSDP2 plugin (``FullyShardedDataParallelPlugin(fsdp_version=2)``)
+  ``prepare`` shards the model with ``fully_shard``, replacing its parameters: build the
+  helper after ``prepare``, from the prepared model's parameters (``DTensor``s; others are
+  refused). The buffer balances the sharded trunk as in a hand-written FSDP2 loop
+  (docs/distributed.md, "Sharded trunks (FSDP2)"); ``accumulate`` keeps FSDP2's gradient sync
+  on (each task's pass reduce-scatters its gradient; the buffer accumulates the
+  micro-batches), and ``state_dict`` holds every rank's state (a matrix balancer's columns),
+  gathered for the one process that writes it, each rank restoring its own.
+* FSDP1 and DeepSpeed are refused at construction, with the reason.
 """
 
 from __future__ import annotations
@@ -59,30 +64,22 @@ from ..stats import StepStats
 from ..step import TaskGradBuffer
 from ..weighting._base import LossWeighting
 from ._core import BalancedParts
+from ._sharded import ALTERNATIVE, fsdp2_sync_on, require_sharded, sharding_refusal
 
 __all__ = ["BalancedAcceleratorStep"]
 
-_SHARDED_REASONS = {
-    "FSDP": "accelerate (1.15) runs its FSDP plugin only on accelerator devices, never on a "
-            "CPU process group, so this helper is not verified on an Accelerate-sharded model; "
-            "and FSDP2's fully_shard replaces the trunk's parameters given here",
-    "DEEPSPEED": "DeepSpeed's ZeRO owns the gradient partitions (it reduces and partitions "
-                 "each backward's gradient itself, so the K task gradients never reach the "
-                 "buffer)",
-}
-
-
-def _refuse_sharding(accelerator: Any) -> None:
-    """Raise for an accelerator that shards the model (FSDP, DeepSpeed), with the reason."""
+def _refuse_sharding(accelerator: Any) -> bool:
+    """Raise for an accelerator whose sharding the helper cannot run under (FSDP1,
+    DeepSpeed), with the reason; whether the model is under FSDP2."""
     kind = getattr(accelerator, "distributed_type", None)
     name = str(getattr(kind, "value", kind))
-    if name in _SHARDED_REASONS:
+    plugin = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None)
+    reason = sharding_refusal(name, getattr(plugin, "fsdp_version", None))
+    if reason is not None:
         raise ValueError(
-            f"BalancedAcceleratorStep does not run under accelerator.distributed_type={name}: "
-            f"{_SHARDED_REASONS[name]}. Use DDP (no fsdp_plugin / deepspeed_plugin), or, for a "
-            f"model that does not fit one device, FSDP2 in your own loop: fully_shard the "
-            f"trunk and call TaskGradBuffer's backward and apply_ (docs/distributed.md, "
-            f"'Sharded trunks (FSDP2)')")
+            f"BalancedAcceleratorStep does not run under accelerator.distributed_type={name}"
+            f"{'' if name != 'FSDP' else ' with fsdp_version=1'}: {reason}. {ALTERNATIVE}")
+    return name == "FSDP"
 
 
 class BalancedAcceleratorStep:
@@ -92,7 +89,8 @@ class BalancedAcceleratorStep:
         accelerator: the ``accelerate.Accelerator`` of the loop.
         balancer: any :class:`~gradbalance.Balancer`.
         shared_params: the trunk's parameters (of the model given to ``prepare``; read now,
-            the buffer is built on the first call, after ``prepare`` placed them).
+            the buffer is built on the first call, after ``prepare`` placed them; under
+            FSDP2, whose ``fully_shard`` replaces them, read after ``prepare``).
         head_params: the heads' parameters.
         weighting: optional :class:`~gradbalance.LossWeighting`.
         clip: optional row clipper (e.g. :class:`~gradbalance.TaskAutoClip`).
@@ -100,8 +98,9 @@ class BalancedAcceleratorStep:
 
     ``state_dict``/``load_state_dict`` hold the buffer's, balancer's, weighting's and
     clipper's states: pass the object to ``accelerator.register_for_checkpointing``.
-    An accelerator under FSDP or DeepSpeed raises ``ValueError`` (the reason in the module's
-    notes).
+    Under FSDP2 build it after ``prepare`` (the parameters must be the sharded model's);
+    an accelerator under FSDP1 or DeepSpeed raises ``ValueError`` (the reason in the
+    module's notes).
 
     Example:
         >>> import torch
@@ -129,9 +128,13 @@ class BalancedAcceleratorStep:
         if not hasattr(accelerator, "sync_gradients"):
             raise TypeError(f"Invalid accelerator: a {type(accelerator).__name__} (expected "
                             f"an accelerate.Accelerator)")
-        _refuse_sharding(accelerator)
+        fsdp2 = _refuse_sharding(accelerator)
         shared = list(shared_params)
         heads = [] if head_params is None else list(head_params)
+        if fsdp2:
+            fix = "Build BalancedAcceleratorStep after accelerator.prepare(model, ...)."
+            require_sharded("shared_params", shared, fix)
+            require_sharded("head_params", heads, fix)
 
         def build() -> TaskGradBuffer:
             return TaskGradBuffer(shared, heads, num_tasks=balancer.num_tasks, **buffer_kwargs)
@@ -147,8 +150,9 @@ class BalancedAcceleratorStep:
 
     @contextlib.contextmanager
     def accumulate(self, model: nn.Module) -> Iterator[None]:
-        """``accelerator.accumulate(model)`` with DDP's ``no_sync`` on every micro-batch."""
-        with self.accelerator.accumulate(model), ddp_no_sync(model):
+        """``accelerator.accumulate(model)`` with DDP's ``no_sync`` on every micro-batch
+        (FSDP2's gradient sync kept on)."""
+        with self.accelerator.accumulate(model), ddp_no_sync(model), fsdp2_sync_on(model):
             yield
 
     def backward(self, losses: Tensor | Sequence[Tensor]) -> StepStats | None:
@@ -162,7 +166,8 @@ class BalancedAcceleratorStep:
         return self.last_stats
 
     def state_dict(self) -> dict[str, Any]:
-        """The buffer's, balancer's, weighting's and clipper's states."""
+        """The buffer's, balancer's, weighting's and clipper's states (under FSDP2 every
+        rank's: a collective)."""
         return self.parts.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -38,11 +38,16 @@ Only ``training_step`` changes; the Trainer's loop around it is kept:
   Trainer saves the model, optimizer, scheduler, scaler and random states. A resumed run
   continues bit for bit.
 
-DeepSpeed, FSDP and ``DataParallel`` (several GPUs in one process) are refused: DeepSpeed owns
-the gradients; the Trainer's FSDP goes through accelerate's FSDP plugin, which accelerate 1.15
-applies only on accelerator devices (on CPU processes the run stays data-parallel), so the
-balanced step is not verified on a Trainer-sharded model; ``DataParallel`` replicates the model
-per forward (docs/integrations.md, "Hugging Face").
+Under the Trainer's FSDP2 (``fsdp=...``, ``fsdp_config={"fsdp_version": 2}``, through
+accelerate's FSDP plugin) the buffer is built after the Trainer shards the model: give
+``shared_params``/``head_params`` as callables (or leave the defaults) so that they name the
+sharded ``DTensor`` parameters; FSDP2's gradient sync stays on during the K passes, and each
+process writes and reads its own ``gradbalance.rank{N}.pt`` (a matrix balancer's state holds
+that rank's columns), beside the Trainer's sharded model and optimizer.
+
+DeepSpeed, FSDP1 and ``DataParallel`` (several GPUs in one process) are refused: DeepSpeed
+owns the gradients; FSDP1 flattens the parameters into ``FlatParameter``s; ``DataParallel``
+replicates the model per forward (docs/integrations.md, "Hugging Face").
 """
 
 from __future__ import annotations
@@ -64,14 +69,18 @@ from ..stats import StepStats
 from ..step import TaskGradBuffer
 from ..weighting._base import LossWeighting
 from ._core import BalancedParts
+from ._sharded import ALTERNATIVE, fsdp2_sync_on, require_sharded, sharding_refusal
 
 require("transformers", "transformers", "gradbalance.integrations.transformers")
 from transformers import Trainer  # noqa: E402 - after the check that names the extra
 
-__all__ = ["STATE_FILE", "BalancedTrainer", "ParamSource", "task_losses_of"]
+__all__ = ["RANK_STATE_FILE", "STATE_FILE", "BalancedTrainer", "ParamSource", "task_losses_of"]
 
 #: The file in each checkpoint folder that holds the balanced step's state.
 STATE_FILE = "gradbalance.pt"
+
+#: Under FSDP2, the file of each process's state (``RANK_STATE_FILE.format(rank=N)``).
+RANK_STATE_FILE = "gradbalance.rank{rank}.pt"
 
 #: Parameters, or a callable that picks them from the (unwrapped) model.
 ParamSource = Iterable[Tensor] | Callable[[nn.Module], Iterable[Tensor]]
@@ -142,8 +151,9 @@ class BalancedTrainer(Trainer):
         *args: the ``Trainer``'s.
         balancer: any :class:`~gradbalance.Balancer`, the same object for the whole run.
         shared_params: the trunk's parameters, or a callable ``model -> parameters`` (called
-            once, on the unwrapped model placed on its device; use one with ``model_init``).
-            Default: ``model.shared_parameters()``.
+            once, on the unwrapped model placed on its device; use one with ``model_init``,
+            and under FSDP2, where it is called on the sharded model). Default:
+            ``model.shared_parameters()``.
         head_params: the heads' parameters (a plain gradient of ``Σₖ Lₖ``), or a callable.
             Default: ``model.head_parameters()`` if the model has it, else every trainable
             parameter outside ``shared_params``. Every trainable parameter the losses reach
@@ -191,19 +201,7 @@ class BalancedTrainer(Trainer):
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        if getattr(self, "is_deepspeed_enabled", False) or getattr(self, "is_fsdp_enabled",
-                                                                    False):
-            raise ValueError(
-                "BalancedTrainer does not run under DeepSpeed or the Trainer's FSDP: DeepSpeed's "
-                "ZeRO owns the gradient partitions (it reduces and partitions each backward's "
-                "gradient itself, so the K task gradients never reach the buffer); the "
-                "Trainer's FSDP goes through accelerate's FSDP plugin, which accelerate (1.15) "
-                "runs only on accelerator devices, never on CPU processes, so the balanced "
-                "step is not verified on a Trainer-sharded model. Use DDP "
-                "(torchrun / accelerate launch), or, for a model that does not fit one device, "
-                "FSDP2 in your own loop: fully_shard the trunk and call TaskGradBuffer's "
-                "backward and apply_ (docs/distributed.md, 'Sharded trunks (FSDP2)')"
-            )
+        self._fsdp2 = self._check_sharding()
         if self.args.n_gpu > 1:
             raise ValueError(
                 f"BalancedTrainer does not run under DataParallel ({self.args.n_gpu} GPUs in "
@@ -220,6 +218,23 @@ class BalancedTrainer(Trainer):
         self._steps_logged = 0
         self._eval_sums: Tensor | None = None
 
+    def _check_sharding(self) -> bool:
+        """Raise under DeepSpeed or FSDP1, with the reason; whether the Trainer runs FSDP2."""
+        if getattr(self, "is_deepspeed_enabled", False):
+            kind, version = "DEEPSPEED", None
+        elif getattr(self, "is_fsdp_enabled", False):
+            plugin = getattr(getattr(self, "accelerator", None), "state", None)
+            kind, version = "FSDP", getattr(getattr(plugin, "fsdp_plugin", None),
+                                            "fsdp_version", None)
+        else:
+            return False
+        reason = sharding_refusal(kind, version)
+        if reason is not None:
+            name = "DeepSpeed" if kind == "DEEPSPEED" else "the Trainer's FSDP1"
+            raise ValueError(f"BalancedTrainer does not run under {name}: {reason}. "
+                             f"{ALTERNATIVE}")
+        return True
+
     # -- the step ------------------------------------------------------------------------
     def _build_buffer(self) -> TaskGradBuffer:
         model = self.model
@@ -232,6 +247,11 @@ class BalancedTrainer(Trainer):
                                    if p.requires_grad and id(p) not in ids]
         else:
             heads = _resolve("head_params", self._head_source, model, "head_parameters")
+        if self._fsdp2:
+            fix = ("Pass shared_params and head_params as callables model -> parameters, "
+                   "called once the Trainer has sharded the model.")
+            require_sharded("shared_params", shared, fix)
+            require_sharded("head_params", heads, fix)
         return TaskGradBuffer(shared, heads, num_tasks=self.balanced.balancer.num_tasks,
                               **_buffer_options(self._buffer_options, model))
 
@@ -294,7 +314,7 @@ class BalancedTrainer(Trainer):
         scaler = getattr(self.accelerator, "scaler", None)
         n = int(getattr(self, "current_gradient_accumulation_steps",
                         self.args.gradient_accumulation_steps))
-        with ddp_no_sync(model):
+        with ddp_no_sync(model), fsdp2_sync_on(model):
             with self.compute_loss_context_manager():
                 losses = self.compute_task_losses(model, inputs)
             total = parts.backward(losses, n, scaler)
@@ -321,24 +341,48 @@ class BalancedTrainer(Trainer):
         super().log(logs, *args, **kwargs)
 
     # -- checkpoints ---------------------------------------------------------------------
+    def _state_path(self, folder: str) -> str:
+        """The balanced step's file in a checkpoint folder: one per process on a sharded
+        trunk (FSDP2)."""
+        if self.balanced.buffer.sharded:
+            return os.path.join(folder, RANK_STATE_FILE.format(rank=self.args.process_index))
+        return os.path.join(folder, STATE_FILE)
+
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
-        if self.args.should_save:
-            save_checkpoint(os.path.join(output_dir, STATE_FILE), rng=False,
+        if self.args.should_save or self.balanced.buffer.sharded:  # each its own state
+            save_checkpoint(self._state_path(output_dir), rng=False,
                             step=self.state.global_step, **self.balanced.objects())
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None:
             return
-        path = os.path.join(checkpoint, STATE_FILE)
+        path = self._state_path(checkpoint)
         if not os.path.isfile(path):
             raise CheckpointError(
-                f"checkpoint folder {checkpoint} has no {STATE_FILE}: it was not written by "
-                f"BalancedTrainer (or with save_only_model=True), so the balancer's state "
+                f"checkpoint folder {checkpoint} has no {os.path.basename(path)}: it was not "
+                f"written by BalancedTrainer (or with save_only_model=True"
+                f"{', or not on a sharded trunk' if self.balanced.buffer.sharded else ''}), "
+                f"so the balancer's state "
                 f"cannot be restored; resume from a BalancedTrainer checkpoint"
             )
+        if self.balanced.buffer.sharded:
+            _check_rank_files(checkpoint, self.args.world_size)
         device = self.args.device if isinstance(self.args.device, torch.device) else None
         if device is not None and device.type == "cpu":
             device = torch.device("cpu")  # a CPU process's "cpu:N" is no torch.load location
         load_checkpoint(path, map_location=device, **self.balanced.objects())
+
+
+def _check_rank_files(folder: str, world: int) -> None:
+    """A sharded run's per-process states resume on as many processes as saved them."""
+    prefix, suffix = RANK_STATE_FILE.split("{rank}")
+    saved = [name for name in os.listdir(folder)
+             if name.startswith(prefix) and name.endswith(suffix)]
+    if len(saved) != world:
+        raise CheckpointError(
+            f"checkpoint folder {folder} holds {len(saved)} processes' states "
+            f"({RANK_STATE_FILE.format(rank='N')}), this run has {world} processes: a sharded "
+            f"trunk's per-process state (a matrix balancer's columns) resumes on as many "
+            f"processes as saved it")
