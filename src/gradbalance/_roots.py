@@ -24,18 +24,16 @@ _ELEMENTWISE = frozenset({
 })
 
 
-def _elementwise_step(node: Node, factor: Tensor) -> tuple[Node | None, Tensor] | None:
-    """One elementwise op back: its one differentiable input and the factor times the op's
-    derivative; None if it has several inputs or the factor loses its ``[K]`` shape."""
-    live = [i for i, (child, _) in enumerate(node.next_functions) if child is not None]
-    if len(live) != 1:
-        return None
-    grad_shape = factor.shape
-    grad = node(factor)  # type: ignore[operator]  # a grad_fn is callable; Node has no __call__
-    factor = grad if isinstance(grad, Tensor) else grad[live[0]]
-    if factor is None or factor.shape != grad_shape:
-        return None
-    return node.next_functions[live[0]][0], factor
+def _chain_end(vector: Tensor) -> Node | None:
+    """The node the elementwise ops back from ``vector`` lead to (each with one differentiable
+    input); None where another op sits in between."""
+    node = vector.grad_fn
+    while node is not None and node.name() in _ELEMENTWISE:
+        live = [child for child, _ in node.next_functions if child is not None]
+        if len(live) != 1:
+            return None
+        node = live[0]
+    return node
 
 
 def _stack_edges(node: Node | None, k: int) -> list[GradientEdge] | None:
@@ -52,17 +50,22 @@ def _stack_edges(node: Node | None, k: int) -> list[GradientEdge] | None:
 
 def _stack_inputs(vector: Tensor) -> tuple[list[GradientEdge], Tensor] | None:
     """The input edges of the ``torch.stack`` ``vector`` is made from, and ``∂vₖ/∂cₖ`` (the
-    chain rule through elementwise ops); None for any other graph."""
+    chain rule through the elementwise ops); None for any other graph.
+
+    The factor is one backward from ``vector`` to the stack's output, so that the hooks on the
+    tensors in between (and on ``vector``) run once and act on it, as in
+    ``vector.sum().backward()``."""
     k = vector.shape[0]
-    node = vector.grad_fn
-    factor = torch.ones(k, dtype=vector.dtype, device=vector.device)
-    while node is not None and node.name() in _ELEMENTWISE:
-        step = _elementwise_step(node, factor)
-        if step is None:
-            return None
-        node, factor = step
-    edges = _stack_edges(node, k)
-    return None if edges is None else (edges, factor.detach())
+    stack = _chain_end(vector)
+    edges = _stack_edges(stack, k)
+    if edges is None or stack is None:
+        return None
+    ones = torch.ones(k, dtype=vector.dtype, device=vector.device)
+    if stack is vector.grad_fn and not getattr(vector, "_backward_hooks", None):
+        return edges, ones
+    (factor,) = torch.autograd.grad(vector, GradientEdge(stack, 0), grad_outputs=ones,
+                                    retain_graph=True)
+    return None if factor.shape != ones.shape else (edges, factor.detach())
 
 
 class TaskRoots:
@@ -72,6 +75,9 @@ class TaskRoots:
         given: the losses as the user passed them (a list of scalars or a ``[K]`` tensor).
         vector: the same losses as one ``[K]`` tensor (:func:`~gradbalance._checks.as_loss_vector`).
         scale: the loss scale ``s`` (0-d), or None.
+        past_the_stack: start at the stack's input edges where found. False on an FSDP2
+            trunk: its hook on the root module's output (which may be the stack) must run in
+            every pass, to gather the parameters.
 
     ``scaled`` is ``s·vector``. ``outputs[k]`` reaches task k's graph only (the k-th scalar
     of a list, or the stack's k-th input edge, the elementwise ops' derivative in
@@ -79,7 +85,7 @@ class TaskRoots:
     """
 
     def __init__(self, given: Tensor | Sequence[Tensor], vector: Tensor,
-                 scale: Tensor | None) -> None:
+                 scale: Tensor | None, past_the_stack: bool = True) -> None:
         if not vector.requires_grad:
             raise ValueError(
                 "losses do not require grad; compute them from the model's outputs with grad "
@@ -91,7 +97,7 @@ class TaskRoots:
         factor: Tensor | None = None
         if isinstance(given, (list, tuple)):
             self.outputs = [t.reshape(()) if t.requires_grad else None for t in given]
-        else:
+        elif past_the_stack:
             found = _stack_inputs(vector)
             if found is not None:
                 edges, factor = found

@@ -276,7 +276,7 @@ class TaskGradBuffer:
         others = self._other_params(vector)
         with no_autocast(self.layout.device):
             scale = scale_of(scaler, vector.device)
-            roots = TaskRoots(losses, vector, scale)
+            roots = TaskRoots(losses, vector, scale, past_the_stack=not self.sharded)
         if first:
             self._heads_before = GradSnapshot([*self.head_params, *others])
         try:
