@@ -1,24 +1,6 @@
-"""Per-sample gradient norms of a weight used at several sites (tied or reused weights).
-
-A weight held by several layers (embedding/output tying in language models, one weight in two
-linear layers) gets, per sample, the sum of its sites' gradients, so its norm has cross terms
-between the sites that a per-layer ghost norm misses. Each site's gradient of sample i is an
-outer form ``Aᵢᵀ Bᵢ`` (``Aᵢ`` ``[S, m]``, ``Bᵢ`` ``[S, n]``, the weight seen as ``[m, n]``):
-
-* linear or convolution weight: ``A = D`` (output gradients), ``B = X`` (inputs or patches);
-* embedding weight: ``A = O`` (the one-hot token ids, a padding token's row zero),
-  ``B = D``; bias: ``A = D``, ``B = 1``;
-
-or a dense vector (a LayerNorm weight's ``Σₛ Dₛ ⊙ x̂ₛ``). The sum over sites is one outer form
-of the sites' rows stacked along S, ``[A₁; A₂]ᵀ [B₁; B₂]``, so the ghost-norm identity holds
-with every cross term included:
-
-    ‖Σ_s Aₛᵀ Bₛ‖² = Σ_{s,t} ⟨Aₛ Aₜᵀ, Bₛ Bₜᵀ⟩ = ‖(A Aᵀ) ⊙ (B Bᵀ)‖₁-sum
-
-(Goodfellow 2015; Li et al. 2022, ghost clipping). Per sample the cheaper of this Gram form
-(``S²·(m + n)``) and the materialised ``Aᵀ B`` (``S·m·n``) is taken; a p-norm other than 2, or
-a dense site, materialises (docs/loop.md, per-sample clipping).
-"""
+"""The per-sample gradient of a parameter as the sum of its sites' outer forms ``Aᵢᵀ Bᵢ``
+(tied or reused weights included, cross terms and all), and its p-th power norm: the cheaper
+of the Gram form and the materialised gradient (docs/loop.md, "Per-sample clipping")."""
 
 from __future__ import annotations
 
@@ -72,7 +54,9 @@ def materialised(forms: list[tuple[Tensor, Tensor] | Tensor], dtype: torch.dtype
 
 
 def tied_powers(forms: list[tuple[Tensor, Tensor] | Tensor], norm_type: float) -> Tensor:
-    """Per-sample ``‖Σ_sites ∇‖ᵖ`` (float64 ``[B]``) of one weight from its sites' forms."""
+    """Per-sample ``‖Σ_sites ∇‖ᵖ`` (float64 ``[B]``) of one parameter from its sites' forms:
+    the Gram form ``Σ (A Aᵀ) ⊙ (B Bᵀ)`` of the stacked outer forms where cheaper (p = 2),
+    else the materialised gradient."""
     parts = [t for form in forms for t in ((form,) if isinstance(form, Tensor) else form)]
     dtype = torch.float32
     for t in parts:
