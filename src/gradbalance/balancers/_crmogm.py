@@ -30,9 +30,7 @@ class CRMOGM(Balancer):
         beta: weight ``β ∈ [0, 1]`` of the previous average (default 0.9, TorchJD's ``alpha``).
         initial_weights: ``λ₀`` ``[K]`` (default: the first inner weights).
 
-    Reads the losses and is homogeneous when the inner balancer is. State: ``λ`` ``[K]``
-    float64 (``"_lambda"``; None before the first call) and the inner balancer's, under
-    ``"inner.<key>"`` (``reset()`` resets it too).
+    Reads the losses and is homogeneous when the inner balancer is.
 
     Reference: Zhou et al., "On the Convergence of Stochastic Multi-Objective Gradient
     Manipulation and Beyond", NeurIPS 2022.

@@ -58,9 +58,6 @@ class DBMTL(Balancer):
         log_losses: divide each row by its loss first (default False).
         eps: added to the losses when ``log_losses`` (default 1e-8, as ``log(L + ε)``).
 
-    State: ``ĝ`` ``[K, P]`` in the gradients' dtype (a rank's ``[K, P_local]`` under a
-    sharded trunk) and the step count (buffers ``_ema``, ``_step``).
-
     Reference: Lin et al., "Dual-Balancing for Multi-Task Learning", arXiv:2308.12029,
     Algorithm 1.
 

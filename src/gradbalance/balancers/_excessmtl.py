@@ -63,10 +63,6 @@ class ExcessMTL(Balancer):
             paper's Appendix C.1 uses three epochs).
         eps: added inside the square root of ``H`` (default 1e-7, the official code's value).
 
-    State: ``R = √S`` ``[K, P]`` in the gradients' dtype (a rank's columns under a sharded
-    trunk), ``α``, the baseline, the warm-up sum and the step count (buffers
-    ``_root_sq_sum``, ``_weights``, ``_baseline``, ``_warmup_sum``, ``_step``).
-
     Reference: He et al., "Robust Multi-Task Learning with Excess Risks", ICML 2024, eqs. 6-9
     and §3.2.
 

@@ -84,9 +84,7 @@ class MoCo(Balancer):
         normalize_grads: track ``Lₖ gₖ / ‖gₖ‖`` instead of ``gₖ`` (LibMTL's practice; reads the
             losses). Default False (the paper's algorithm).
 
-    Defaults follow LibMTL's MoCo settings. State: ``y`` ``[K, P]`` in the gradients' dtype,
-    ``λ`` ``[K]`` float64 and the step count (buffers ``_y``, ``_lambda``, ``_step``; ``y``
-    holds a rank's columns under a sharded trunk).
+    Defaults follow LibMTL's MoCo settings.
 
     Reference: Fernando et al., "Mitigating Gradient Bias in Multi-objective Learning: A
     Provably Convergent Approach", ICLR 2023, Algorithm 1.

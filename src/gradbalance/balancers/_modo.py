@@ -45,8 +45,6 @@ class MoDo(Balancer):
             squared gradient norms, so tune it to your gradient scale).
         rho: ℓ₂ regularisation ``ρ ≥ 0`` (default 0.1).
 
-    State: ``λ`` ``[K]`` float64, starting at ``1/K`` (buffer ``_lambda``).
-
     Reference: Chen et al., "Three-Way Trade-Off in Multi-Objective Learning: Optimization,
     Generalization and Conflict-Avoidance", NeurIPS 2023, arXiv:2305.20057, Algorithm 1.
 

@@ -64,9 +64,6 @@ class NashMTL(Balancer):
         update_weights_every: solve every N-th call and reuse ``α`` in between (authors'
             option; default 1).
 
-    State: the last ``α`` (warm start and reuse) and the call counter (buffers ``alpha``,
-    ``step``).
-
     Reference: Navon et al., "Multi-Task Learning as a Bargaining Game", ICML 2022,
     arXiv:2202.01017, Algorithm 1 (solved exactly here).
 

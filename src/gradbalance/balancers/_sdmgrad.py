@@ -59,9 +59,6 @@ class SDMGrad(Balancer):
         n_iter: iterations of the inner SGD (default 20).
         pref_vector: ``w̃`` (default uniform ``1/K``: the mean gradient).
 
-    State: the simplex iterate ``w`` ``[K]`` float64 (warm start), starting at ``1/K``
-    (buffer ``_w``).
-
     Reference: Xiao et al., "Direction-oriented Multi-objective Learning: Simple and Provable
     Stochastic Algorithms", NeurIPS 2023, arXiv:2305.18409, Algorithm 1.
 

@@ -99,10 +99,8 @@ class GhostNorms:
     """Forward hooks on the linear, conv, LayerNorm and embedding layers of ``module``;
     per-sample norms.
 
-    Build it once, before the forward; then per step::
-
-        per_sample = loss_fn(model(x), y)                  # [B, K], reduction='none'
-        losses = clip(per_sample, params, norms=ghost.norms(per_sample))
+    Build it once, before the forward; per step ``clip(per_sample, params,
+    norms=ghost.norms(per_sample))`` (docs/loop.md, "Per-sample clipping").
 
     Args:
         module: the model (or the part whose parameters are bounded).

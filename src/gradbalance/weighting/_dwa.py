@@ -37,9 +37,6 @@ class DWA(LossWeighting):
         period: optimizer steps (not skipped) per averaging period (the paper's epoch:
             ``steps_per_epoch``), or None to close periods with :meth:`end_period`.
 
-    State: the buffers ``_weights`` ``[K]``, ``_history`` ``[2, K]``, ``_window`` ``[K]`` and
-    the period and window step counts ``_periods``, ``_window_steps``.
-
     Reference: Liu, Johns & Davison, "End-to-End Multi-Task Learning with Attention",
     CVPR 2019.
 

@@ -32,9 +32,6 @@ class RLW(LossWeighting):
         seed: seed of the generator made here; default: drawn from torch's global RNG, so
             ``torch.manual_seed`` makes runs repeat.
 
-    State: the buffer ``_weights`` ``[K]``; the generator's state in the extra state
-    (``"rng_state"``).
-
     Reference: Lin et al., "Reasonable Effectiveness of Random Weighting: A Litmus Test for
     Multi-Task Learning", TMLR 2022.
 

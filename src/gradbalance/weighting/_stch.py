@@ -51,9 +51,6 @@ class STCH(LossWeighting):
         nadir: reference losses ``[K]`` (> 0), instead of the warm-up estimate.
         preference: ``λ`` ``[K]`` (> 0, default ones).
 
-    State: the buffers ``_nadir`` ``[K]`` (None while being estimated), ``_warmup_sum``
-    ``[K]`` and the step count ``_steps``.
-
     Reference: Lin et al., "Smooth Tchebycheff Scalarization for Multi-Objective
     Optimization", ICML 2024.
 
