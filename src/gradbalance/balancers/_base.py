@@ -51,11 +51,12 @@ def combine_rows(weights: Tensor, matrix: Tensor) -> Tensor:
 class Balancer(StateModule):
     """Base class of every gradient balancer.
 
-    A subclass declares ``name`` (registry key), ``from_gramian`` (``g = wᵀ G`` with ``w``
-    from ``G Gᵀ``: implement :meth:`_compute_weights`; else :meth:`_combine_matrix`),
-    ``homogeneous``, ``needs_losses``, ``min_tasks``, ``per_task_settings`` and, weighted,
-    ``weight_degree`` (``δ`` with ``w(c·G Gᵀ) = c^δ w(G Gᵀ)``: the weights then see the
-    Gramian over its largest diagonal ``t`` and are multiplied by ``t^δ``), and its state with
+    ``num_tasks`` (K, optional) is checked on every call. A subclass declares ``name``,
+    ``from_gramian`` (``g = wᵀ G`` with ``w`` from ``G Gᵀ``: implement
+    :meth:`_compute_weights`; else :meth:`_combine_matrix`), ``homogeneous``,
+    ``needs_losses``, ``min_tasks``, ``per_task_settings`` and, weighted, ``weight_degree``
+    (``δ`` with ``w(c·G Gᵀ) = c^δ w(G Gᵀ)``: the weights then see the Gramian over its
+    largest diagonal ``t`` and are multiplied by ``t^δ``), and its state with
     :meth:`register_state`: the rules of docs/ARCHITECTURE.md, "Extension contract".
 
     Example:
@@ -300,11 +301,5 @@ def _count_nonfinite(matrix: Tensor, shard: Shard | None) -> int:
 
 def _declares_homogeneous(balancer: Balancer) -> bool:
     """Whether ``homogeneous`` is set on the instance or on a class below :class:`Balancer`."""
-    if "homogeneous" in vars(balancer):
-        return True
-    for cls in type(balancer).__mro__:
-        if cls is Balancer:
-            return False
-        if "homogeneous" in vars(cls):
-            return True
-    return False
+    mro = type(balancer).__mro__
+    return any("homogeneous" in vars(owner) for owner in (balancer, *mro[: mro.index(Balancer)]))

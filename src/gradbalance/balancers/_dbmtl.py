@@ -16,8 +16,7 @@ __all__ = ["DBMTL", "dbmtl_update"]
 def dbmtl_update(ema: Tensor) -> Tensor:
     """``g = Σₖ (maxⱼ ‖ĝⱼ‖ / ‖ĝₖ‖) ĝₖ``: every (EMA) task gradient scaled to the largest norm.
 
-    A zero row stays zero. Scale-safe: ``maxⱼ‖ĝⱼ‖ · Σₖ uₖ/‖uₖ‖`` on the rows scaled by powers
-    of two (docs/balancers.md, "Numerical range").
+    A zero row stays zero; scale-safe (docs/balancers.md, "Numerical range").
 
     Example:
         >>> import torch
@@ -52,7 +51,6 @@ class DBMTL(Balancer):
     combine it with a log-loss weighting.
 
     Args:
-        num_tasks: K (optional).
         beta: EMA factor ``β ∈ [0, 1)`` (default 0.9, LibMTL's DB-MTL setting).
         beta_sigma: decay ``σ ≥ 0`` of ``β`` (default 0: a constant ``β``).
         log_losses: divide each row by its loss first (default False).

@@ -54,11 +54,7 @@ class NashMTL(Balancer):
     previous step; raises ``SolverError`` when no solution exists (a non-negative combination
     of the gradients vanishes, e.g. a zero or two exactly opposite task gradients).
 
-    With ``normalization="none"`` (paper) ``B(sJ) = B(J)``. No norm clipping inside (the
-    authors' code clips ``‖g‖`` to 1; clip in your loop instead).
-
     Args:
-        num_tasks: K (optional).
         normalization: ``"none"`` (paper) or ``"frobenius"`` (authors' code: ``G/‖G‖_F``,
             then the update scales with the gradients).
         update_weights_every: solve every N-th call and reuse ``α`` in between (authors'

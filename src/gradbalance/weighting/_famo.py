@@ -42,7 +42,6 @@ class FAMO(OwnOptimizerWeighting):
        ``∇_ξ softmax(ξ)·δ``: tasks whose loss fell less get more weight.
 
     Args:
-        num_tasks: K.
         lr: learning rate of ``ξ`` (paper: 0.025).
         gamma: weight decay of ``ξ`` (reference implementation default 0.01).
         min_losses: ``m`` ``[K]``, lower bounds of the losses (default 0).

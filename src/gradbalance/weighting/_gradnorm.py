@@ -70,7 +70,6 @@ class GradNorm(OwnOptimizerWeighting):
     with ``w`` detached; ``update()`` takes the ``w`` step. ``Lₖ(0)``: the first losses.
 
     Args:
-        num_tasks: K.
         layer: the shared layer ``W``: a module (its last parametrised submodule is used,
             e.g. ``model.trunk``) or a list of parameters.
         alpha: asymmetry ``α >= 0`` (paper: 1.5 on NYUv2, 0.12 on its synthetic tasks; 0

@@ -25,7 +25,6 @@ class RLW(LossWeighting):
     skipped step keeps its weights and does not advance the generator.
 
     Args:
-        num_tasks: K.
         distribution: ``"normal"`` (default) or ``"dirichlet"``.
         generator: a CPU ``torch.Generator`` (its state is saved in :meth:`state_dict`); one
             seeded with ``seed`` is made when omitted.

@@ -45,7 +45,6 @@ class STCH(LossWeighting):
     Returns ``wₖ Lₖ`` with detached weights (:func:`stch_weights`). Losses must be > 0.
 
     Args:
-        num_tasks: K.
         mu: smoothing ``μ > 0``.
         warmup_steps: optimizer steps used to estimate the nadir.
         nadir: reference losses ``[K]`` (> 0), instead of the warm-up estimate.

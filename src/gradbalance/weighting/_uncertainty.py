@@ -26,7 +26,6 @@ class UncertaintyWeighting(LossWeighting):
     are trained by *your* optimizer (docs/weighting.md).
 
     Args:
-        num_tasks: K.
         task_types: ``"regression"``, ``"classification"`` or one of them per task.
         init_log_var: initial ``sₖ`` (0: ``σ = 1``).
         dtype: dtype of ``s`` (float32 by default, like the model).
