@@ -43,12 +43,12 @@ def per_sample_grad_norms_of_model(
     """Norms of the per-sample gradients ``‖∇θ ℓᵢₖ‖`` ``[B, K]`` (``[B]`` for one task).
 
     ``loss_fn(module(inputs), targets)`` must return the per-sample losses ``[B]`` or
-    ``[B, K]`` (``reduction='none'``) — the same call that gives the losses of the step. It
-    is evaluated here on one sample at a time (``inputs[i:i+1]``). ``params``: the parameters
-    bounded (default: every trainable parameter of ``module``); ``per_task=False``: the norm
-    of ``∇Σₖ ℓᵢₖ`` per sample. ``chunk_size``: samples per vmap call (default: as many as
-    fit 2^26 gradient entries). ``scale``: differentiate ``scale·ℓ`` and divide the norms
-    by it (for fp16 autocast). ``.grad`` is untouched and no graph is kept.
+    ``[B, K]`` (``reduction='none'``); it is evaluated on one sample at a time. ``params``:
+    the parameters bounded (default: every trainable parameter of ``module``);
+    ``per_task=False``: the norm of ``∇Σₖ ℓᵢₖ`` per sample. ``chunk_size``: samples per vmap
+    call (default: as many as fit 2^26 gradient entries). ``scale``: differentiate
+    ``scale·ℓ`` and divide the norms by it (fp16 autocast). ``.grad`` is untouched, no graph
+    is kept.
 
     Example:
         >>> import torch

@@ -112,8 +112,7 @@ class GhostNorms:
             each sample's gradient of ``Σₖ ℓᵢₖ``.
 
     Inputs are recorded only while grad is enabled; :meth:`norms` consumes the step's
-    records. Samples coupled by the model (BatchNorm in training mode) are not independent:
-    ``Dᵢ`` is then the derivative of ``Σⱼ ℓⱼ`` and the norm is not a per-sample one.
+    records.
 
     Example:
         >>> import torch
@@ -142,11 +141,7 @@ class GhostNorms:
         self._handles: list[Any] = []
         # (name, tensor, sites): each bounded parameter with its (layer, is the weight) uses
         self._bounded: list[tuple[str, Tensor, list[tuple[_Layer, bool]]]] = []
-        try:
-            covered, refused = self._hook_layers(module, wanted)
-        except ValueError:
-            self.remove()  # nothing stays hooked
-            raise
+        covered, refused = self._hook_layers(module, wanted)
         missing = _not_covered(named, wanted - covered, params is not None)
         if missing:
             self.remove()
@@ -157,7 +152,7 @@ class GhostNorms:
         covered, and the layers refused (``"name (reason)"``)."""
         refused: list[str] = []
         refused_ids: set[int] = set()  # held by a refused layer: not covered, even if tied
-        holders: dict[int, list[tuple[str, Tensor, _Layer, bool]]] = {}
+        bounded: dict[int, tuple[str, Tensor, list[tuple[_Layer, bool]]]] = {}
         for name, sub in module.named_modules():
             mine = _wanted_of(sub, wanted)
             if not mine:
@@ -173,10 +168,9 @@ class GhostNorms:
             self._layers.append(layer)
             self._handles.append(sub.register_forward_hook(self._hook(layer)))
             for pname, p, is_weight in layer.bounded():
-                holders.setdefault(id(p), []).append((pname, p, layer, is_weight))
-        self._bounded = [(sites[0][0], sites[0][1], [(layer, w) for _, _, layer, w in sites])
-                         for sites in holders.values()]
-        return set(holders) - refused_ids, refused
+                bounded.setdefault(id(p), (pname, p, []))[2].append((layer, is_weight))
+        self._bounded = list(bounded.values())
+        return set(bounded) - refused_ids, refused
 
     @staticmethod
     def _hook(layer: _Layer) -> Any:

@@ -109,19 +109,11 @@ class LossWeighting(StateModule):
     ) -> bool:
         """Learn from the step just taken; call once per optimizer step, after it.
 
-        Args:
-            losses_after: the same batch's task losses after the step (FAMO only; other
-                methods ignore it).
-            found_inf: True when the optimizer step was skipped (e.g.
-                ``scaler.get_scale() < scale_before``); the pending observation is then
-                dropped and the state stays bit-identical.
-
-        Returns:
-            True when the state was updated.
-
-        Raises:
-            NonFiniteGradientError: the step's losses (or ``losses_after``) hold inf/NaN and
-                ``found_inf`` is False; the state is unchanged.
+        ``losses_after``: the same batch's task losses after the step (FAMO only).
+        ``found_inf``: True when the optimizer step was skipped (e.g. ``scaler.get_scale() <
+        scale_before``): the pending observation is dropped, the state bit-identical. Returns
+        True when the state was updated; ``NonFiniteGradientError`` (state unchanged) for
+        inf/NaN losses of a step not skipped.
         """
         pending = self._pending
         try:
@@ -153,11 +145,9 @@ class LossWeighting(StateModule):
     def pending_tensors(self) -> list[Tensor]:
         """The pending observation of this step: what :meth:`update` will learn from.
 
-        The summed detached losses ``[K]`` (float64) and whatever a method gathers besides
-        (GradNorm: the ``[K, P_layer]`` gradients at its layer); empty before the step's first
-        call. The list order is the same on every process. Changing the tensors in place
-        changes what :meth:`update` sees: data-parallel training averages them over the ranks
-        (:func:`~gradbalance.sync_weighting_`), so that every rank learns from the full batch.
+        The summed detached losses ``[K]`` (float64) and what a method gathers besides
+        (GradNorm: its layer's ``[K, P_layer]`` gradients), in the same order on every process;
+        data-parallel training averages them in place (:func:`~gradbalance.sync_weighting_`).
         """
         gathered = [getattr(self, name) for name in self._pending_state]
         return [t for t in [self._pending, *gathered] if t is not None]
