@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -102,11 +101,3 @@ class CRMOGM(Balancer):
             prev = hat
         self._lambda = self._beta * prev + (1.0 - self._beta) * hat
         return self._lambda
-
-    def _check_state(self, tensors: dict[str, Tensor | None], extra: dict[str, Any]) -> None:
-        if extra:
-            raise ValueError(
-                f"CRMOGM state_dict has unexpected keys {sorted(extra, key=str)}: its own state "
-                f"is '_lambda', the inner balancer's is under 'inner.'; was it saved from "
-                f"another balancer?"
-            )
