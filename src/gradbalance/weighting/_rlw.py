@@ -88,6 +88,11 @@ class RLW(LossWeighting):
         if not isinstance(rng_state, Tensor) or rng_state.dtype != torch.uint8:
             raise ValueError("state_dict lacks 'rng_state' (the uint8 state of a "
                              "torch.Generator); was it saved from another RLW?")
+        try:  # torch's own check, on a scratch generator: a bad state never reaches ours
+            torch.Generator().set_state(rng_state)
+        except (TypeError, RuntimeError) as error:
+            raise ValueError(f"state_dict['rng_state'] is not the state of a CPU generator "
+                             f"({error}); pass the output of RLW.state_dict()") from None
 
     def _load_extra(self, extra: dict[str, Any]) -> None:
         super()._load_extra(extra)
