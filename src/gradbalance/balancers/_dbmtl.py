@@ -112,6 +112,6 @@ class DBMTL(Balancer):
                                                    device=matrix.device).unsqueeze(1)
         t = int(self._step) + 1
         beta_t = self.beta / t**self.beta_sigma
-        ema = rows.clone() if self._ema is None else self._ema.to(rows)
-        ema = rows + beta_t * (ema - rows) if self._ema is not None else (1.0 - beta_t) * ema
+        ema = ((1.0 - beta_t) * rows if self._ema is None
+               else rows + beta_t * (self._ema.to(rows) - rows))
         return ema, t

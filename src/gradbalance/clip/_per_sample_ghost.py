@@ -74,17 +74,15 @@ def _wanted_of(module: nn.Module, wanted: set[int]) -> list[Tensor]:
     return [p for p in (module.weight, bias) if p is not None and id(p) in wanted]
 
 
-def _not_covered(named: Mapping[str, Tensor], uncovered: set[int], given: bool) -> list[str]:
-    """The names of the ``uncovered`` parameters, and a note for given tensors that are no
-    parameters of the module."""
+def _uncovered(named: Mapping[str, Tensor], uncovered: set[int], given: bool,
+               refused: list[str]) -> str | None:
+    """Which wanted parameters have no ghost form (given tensors that are no parameters of the
+    module included) and what to do instead; None when every one has."""
     missing = [name for name, p in named.items() if id(p) in uncovered]
     if given and len(uncovered) > len(missing):
         missing.append("(tensors that are not parameters of module)")
-    return missing
-
-
-def _uncovered_message(missing: list[str], refused: list[str]) -> str:
-    """Why parameters have no ghost form, and what to do instead."""
+    if not missing:
+        return None
     layers = f" (refused layers: {', '.join(refused)})" if refused else ""
     return (
         f"GhostNorms covers the weights and biases of nn.Linear, nn.Conv1d, "
@@ -142,10 +140,10 @@ class GhostNorms:
         # (name, tensor, sites): each bounded parameter with its (layer, is the weight) uses
         self._bounded: list[tuple[str, Tensor, list[tuple[_Layer, bool]]]] = []
         covered, refused = self._hook_layers(module, wanted)
-        missing = _not_covered(named, wanted - covered, params is not None)
-        if missing:
+        message = _uncovered(named, wanted - covered, params is not None, refused)
+        if message is not None:
             self.remove()
-            raise ValueError(_uncovered_message(missing, refused))
+            raise ValueError(message)
 
     def _hook_layers(self, module: nn.Module, wanted: set[int]) -> tuple[set[int], list[str]]:
         """Hook every covered layer holding a wanted parameter; the ids of the parameters
