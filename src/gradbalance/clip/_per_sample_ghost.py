@@ -206,8 +206,13 @@ class GhostNorms:
     def _norms(self, losses: Tensor, layers: list[_Layer], scale: float | Tensor) -> Tensor:
         columns = losses.reshape(losses.shape[0], -1)
         batch = columns.shape[0]
-        self._check_batch(layers, batch)
-        self._check_uses(columns)
+        try:  # a refused step drops its records
+            check_batch(layers, batch, "every forward under grad since the last norms() is "
+                        "recorded (call clear() after other forwards)")
+            self._check_uses(columns)
+        except (ValueError, RuntimeError):
+            self.clear()
+            raise
         inputs = [torch.cat([layer.rows(t, batch) for t in layer.inputs], 1)
                   for layer in layers]  # once for all K tasks
         roots = [columns.sum(dim=1)] if not self.per_task else list(columns.unbind(1))
@@ -223,19 +228,9 @@ class GhostNorms:
         norms = norms.to(torch.promote_types(losses.dtype, torch.float32))
         return norms[:, 0] if norms.shape[1] == 1 else norms
 
-    def _check_batch(self, layers: list[_Layer], batch: int) -> None:
-        """Every recorded input has the losses' ``batch`` samples on dim 0 (else the records
-        are dropped and it raises)."""
-        try:
-            check_batch(layers, batch, "every forward under grad since the last norms() is "
-                        "recorded (call clear() after other forwards)")
-        except ValueError:
-            self.clear()
-            raise
-
     def _check_uses(self, losses: Tensor) -> None:
         """Every bounded parameter is used on the losses' graph only by its layers' recorded
-        calls and has no tensor hook (else the records are dropped and it raises)."""
+        calls and has no tensor hook (else ``RuntimeError``)."""
         uses = leaf_uses(losses, [p for _, p, _ in self._bounded])
         for name, p, sites in self._bounded:
             hooked = tensor_hooked(p)
@@ -245,7 +240,6 @@ class GhostNorms:
                        f"is used {uses[id(p)]} times on the losses' graph but its layer(s) "
                        f"recorded {calls} calls (used outside the layers' forward, e.g. "
                        f"F.linear(x, layer.weight) or by a module GhostNorms does not hook)")
-                self.clear()
                 raise RuntimeError(
                     f"GhostNorms cannot bound parameter {name!r}: it {how}, so the ghost "
                     f"form misses part of its per-sample gradient. Call the layer itself "
