@@ -45,14 +45,24 @@ def _embedding_norms(ids: Tensor, d: Tensor, module: nn.Embedding, norm_type: fl
 
 
 def _powers(sites: list[tuple[_Layer, bool]], rows: dict[int, tuple[Tensor, Tensor]],
-            norm_type: float) -> Tensor:
+            grams: dict[int, Tensor], norm_type: float) -> Tensor:
     """Per-sample ``‖Σ_sites ∇θ‖ᵖ`` (float64 ``[B]``) of one parameter from its sites'
-    ``(input rows, output gradient rows)``; an embedding weight alone sums its rows per token."""
+    ``(input rows, output gradient rows)``; an embedding weight alone sums its rows per token,
+    a layer's own weight takes its inputs' Gram from ``grams`` (one for every task)."""
     first, first_is_weight = sites[0]
     if len(sites) == 1 and first_is_weight and isinstance(first.module, nn.Embedding):
         return _embedding_norms(*rows[id(first)], first.module, norm_type)
+
+    def input_gram() -> Tensor:
+        if id(first) not in grams:
+            x = rows[id(first)][0]
+            x = x.to(torch.promote_types(x.dtype, torch.float32))
+            grams[id(first)] = (x @ x.transpose(1, 2)).double()
+        return grams[id(first)]
+
     return tied_powers([site_form(Site(layer.module, is_weight), *rows[id(layer)])
-                        for layer, is_weight in sites], norm_type)
+                        for layer, is_weight in sites], norm_type,
+                       input_gram if len(sites) == 1 and first_is_weight else None)
 
 
 def _finite_norm_type(norm_type: float) -> float:
@@ -215,13 +225,14 @@ class GhostNorms:
             raise
         inputs = [torch.cat([layer.rows(t, batch) for t in layer.inputs], 1)
                   for layer in layers]  # once for all K tasks
+        grams: dict[int, Tensor] = {}  # layer id: its inputs' Gram, once for all K tasks
         roots = [columns.sum(dim=1)] if not self.per_task else list(columns.unbind(1))
         outputs = [y for layer in layers for y in layer.outputs]
         result = torch.zeros(batch, len(roots), dtype=torch.float64, device=losses.device)
         for k, root in enumerate(roots):
             grads = torch.autograd.grad(root.sum() * scale, outputs, retain_graph=True,
                                         allow_unused=True)
-            self._add_powers(result[:, k], layers, inputs, grads, batch)
+            self._add_powers(result[:, k], layers, inputs, grams, grads, batch)
         self.clear()
         divisor = scale.detach().double() if isinstance(scale, Tensor) else float(scale)
         norms = result ** (1.0 / self.norm_type) / divisor
@@ -249,7 +260,8 @@ class GhostNorms:
                 )
 
     def _add_powers(self, column: Tensor, layers: list[_Layer], inputs: list[Tensor],
-                    grads: tuple[Tensor | None, ...], batch: int) -> None:
+                    grams: dict[int, Tensor], grads: tuple[Tensor | None, ...],
+                    batch: int) -> None:
         """Add every bounded parameter's per-sample ``‖∇θ‖ᵖ`` to ``column`` ``[B]`` (in place),
         from one task's gradients of every recorded output (in order; None: unused, zero)."""
         at = 0
@@ -260,7 +272,7 @@ class GhostNorms:
             at += len(layer.outputs)
             rows[id(layer)] = x, torch.cat([layer.output_rows(t, batch) for t in ds], 1)
         for _, _, sites in self._bounded:  # every site's gradient summed before the norm
-            column += _powers(sites, rows, self.norm_type)
+            column += _powers(sites, rows, grams, self.norm_type)
 
     def clear(self) -> None:
         """Drop the recorded inputs and outputs (e.g. after an evaluation under grad)."""

@@ -4,6 +4,7 @@ of the Gram form and the materialised gradient (docs/loop.md, "Per-sample clippi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,8 +31,8 @@ def site_form(site: Site, x: Tensor, d: Tensor) -> tuple[Tensor, Tensor] | Tenso
         x = x.to(dtype)
     d = d.to(dtype)
     m = site.module
-    if not site.is_weight:
-        return d, torch.ones(*d.shape[:2], 1, dtype=dtype, device=d.device)
+    if not site.is_weight:  # a bias: Σₛ Dₛ
+        return d.sum(dim=1)
     if isinstance(m, nn.Embedding):
         hot = nn.functional.one_hot(x, m.num_embeddings).to(dtype)
         if m.padding_idx is not None:
@@ -53,21 +54,27 @@ def materialised(forms: list[tuple[Tensor, Tensor] | Tensor], dtype: torch.dtype
     return total
 
 
-def tied_powers(forms: list[tuple[Tensor, Tensor] | Tensor], norm_type: float) -> Tensor:
+def tied_powers(forms: list[tuple[Tensor, Tensor] | Tensor], norm_type: float,
+                b_gram: Callable[[], Tensor] | None = None) -> Tensor:
     """Per-sample ``‖Σ_sites ∇‖ᵖ`` (float64 ``[B]``) of one parameter from its sites' forms:
     the Gram form ``Σ (A Aᵀ) ⊙ (B Bᵀ)`` of the stacked outer forms where cheaper (p = 2),
-    else the materialised gradient."""
+    else the materialised gradient. ``b_gram``: ``B Bᵀ`` (float64) where the caller keeps it
+    (a layer's inputs, the same for every task)."""
     parts = [t for form in forms for t in ((form,) if isinstance(form, Tensor) else form)]
     dtype = torch.float32
     for t in parts:
         dtype = torch.promote_types(dtype, t.dtype)
     outer = [form for form in forms if not isinstance(form, Tensor)]
     if norm_type == 2.0 and len(outer) == len(forms):
-        a = torch.cat([form[0].to(dtype) for form in outer], 1)
-        b = torch.cat([form[1].to(dtype) for form in outer], 1)
+        if len(outer) == 1:  # one site: its own rows, no copy
+            a, b = outer[0][0].to(dtype), outer[0][1].to(dtype)
+        else:
+            a = torch.cat([form[0].to(dtype) for form in outer], 1)
+            b = torch.cat([form[1].to(dtype) for form in outer], 1)
         s, m, n = a.shape[1], a.shape[2], b.shape[2]
         if s * s * (m + n) < s * m * n:
-            gram = (a @ a.transpose(1, 2)).double() * (b @ b.transpose(1, 2)).double()
+            bb = (b @ b.transpose(1, 2)).double() if b_gram is None else b_gram()
+            gram = (a @ a.transpose(1, 2)).double() * bb
             return gram.sum(dim=(1, 2)).clamp_min(0)
     norms = torch.linalg.vector_norm(materialised(forms, dtype), norm_type, dim=1)
     powers: Tensor = norms.double() ** norm_type
