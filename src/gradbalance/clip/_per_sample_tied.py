@@ -54,6 +54,12 @@ def materialised(forms: list[tuple[Tensor, Tensor] | Tensor], dtype: torch.dtype
     return total
 
 
+def _stacked(outer: list[tuple[Tensor, Tensor]], side: int, dtype: torch.dtype) -> Tensor:
+    """The sites' ``A`` (``side`` 0) or ``B`` rows stacked along S; one site's are not copied."""
+    rows = [form[side].to(dtype) for form in outer]
+    return rows[0] if len(rows) == 1 else torch.cat(rows, 1)
+
+
 def tied_powers(forms: list[tuple[Tensor, Tensor] | Tensor], norm_type: float,
                 b_gram: Callable[[], Tensor] | None = None) -> Tensor:
     """Per-sample ``‖Σ_sites ∇‖ᵖ`` (float64 ``[B]``) of one parameter from its sites' forms:
@@ -66,11 +72,7 @@ def tied_powers(forms: list[tuple[Tensor, Tensor] | Tensor], norm_type: float,
         dtype = torch.promote_types(dtype, t.dtype)
     outer = [form for form in forms if not isinstance(form, Tensor)]
     if norm_type == 2.0 and len(outer) == len(forms):
-        if len(outer) == 1:  # one site: its own rows, no copy
-            a, b = outer[0][0].to(dtype), outer[0][1].to(dtype)
-        else:
-            a = torch.cat([form[0].to(dtype) for form in outer], 1)
-            b = torch.cat([form[1].to(dtype) for form in outer], 1)
+        a, b = _stacked(outer, 0, dtype), _stacked(outer, 1, dtype)
         s, m, n = a.shape[1], a.shape[2], b.shape[2]
         if s * s * (m + n) < s * m * n:
             bb = (b @ b.transpose(1, 2)).double() if b_gram is None else b_gram()
