@@ -1,9 +1,5 @@
-"""Gradient balancers: one algorithm per private module, collected in :data:`BALANCERS`.
-
-A balancer maps the ``[K, P]`` task gradients (or, for weighted balancers, their Gramian) to
-one update; :class:`Balancer` is the base class to subclass (see ``docs/ARCHITECTURE.md``).
-The pure kernels behind the classes live in :mod:`gradbalance.functional`.
-"""
+"""Gradient balancers: one algorithm per private module, collected in :data:`BALANCERS`
+(docs/balancers.md); their pure kernels are in :mod:`gradbalance.functional`."""
 
 from __future__ import annotations
 

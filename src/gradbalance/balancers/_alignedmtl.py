@@ -52,7 +52,6 @@ class AlignedMTL(Balancer):
     """Aligned-MTL (Senushkin et al. 2023): stable, orthogonal, equal-norm aligned gradients.
 
     Args:
-        num_tasks: K (optional).
         pref: task weights ``[K]`` of the aligned gradients (default ones, as the authors'
             code).
         scale_mode: ``"min"`` (paper), ``"median"`` or ``"rmse"`` (mean eigenvalue).

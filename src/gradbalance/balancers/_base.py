@@ -1,11 +1,6 @@
-"""The balancer interface: weights apart from combining.
-
-A balancer maps the task gradients ``G`` ``[K, P]`` (and the detached task losses ``[K]``)
-to one update ``[P]``: a *weighted* balancer (``from_gramian``) as ``wᵀ G`` with ``w`` a
-function of the Gramian, a *matrix* balancer from the rows themselves. docs/balancers.md
-holds the design (sharded trunks, state, the numerical range); docs/ARCHITECTURE.md, the
-extension contract.
-"""
+"""The balancer interface: checks, the Gramian's scaling and ``wᵀ G`` in one place
+(design: docs/balancers.md; rules for a new balancer: docs/ARCHITECTURE.md, "Extension
+contract")."""
 
 from __future__ import annotations
 
@@ -56,28 +51,14 @@ def combine_rows(weights: Tensor, matrix: Tensor) -> Tensor:
 class Balancer(StateModule):
     """Base class of every gradient balancer.
 
-    Class attributes a subclass declares (the three flags may be set per instance instead,
-    where they depend on the constructor's arguments):
-
-    * ``name``: registry key (lower case).
-    * ``from_gramian``: output is ``wᵀ G`` with ``w`` computed from ``G Gᵀ`` (and losses).
-    * ``homogeneous``: ``B(sG) = s·B(G)`` for every ``s > 0`` (positive homogeneity).
-    * ``needs_losses``: the losses are read (e.g. MGDA's loss normalisation).
-    * ``min_tasks``: the smallest K the settings allow (Krum, TrimmedMean: 3 by default).
-    * ``per_task_settings``: the attributes holding one tensor entry per task (Constant's
-      weights), sliced to the active tasks under a partial-labels mask (docs/loop.md,
-      "Partial labels").
-    * ``weight_degree`` (weighted balancers): ``δ`` with ``w(c·G Gᵀ) = c^δ w(G Gᵀ)`` for
-      every ``c > 0`` (Nash-MTL ``−½``; ``0`` for a class that declares ``homogeneous = True``
-      itself). With a degree, :meth:`_compute_weights` receives the Gramian normalised to unit
-      largest diagonal ``t`` and the weights are multiplied by ``t^δ`` (docs/balancers.md,
-      "Numerical range"); ``None`` (default): the raw Gramian.
-
-    State is declared with :meth:`register_state` (``per_task`` / ``like_rows``), which makes
-    every call check that the input still has the tasks the state tracks, and generates
-    :meth:`reset` (``docs/ARCHITECTURE.md``, "Extension contract"). Under a partial-labels
-    mask (``apply_(..., active=)``, docs/loop.md, "Partial labels") the per-task state is
-    sliced to the active tasks and the step's result written back into their entries.
+    ``num_tasks`` (K, optional) is checked on every call. A subclass declares ``name``,
+    ``from_gramian`` (``g = wᵀ G`` with ``w`` from ``G Gᵀ``: implement
+    :meth:`_compute_weights`; else :meth:`_combine_matrix`), ``homogeneous``,
+    ``needs_losses``, ``min_tasks``, ``per_task_settings`` (the attributes holding one
+    entry per task) and, weighted, ``weight_degree``
+    (``δ`` with ``w(c·G Gᵀ) = c^δ w(G Gᵀ)``: the weights then see the Gramian over its
+    largest diagonal ``t`` and are multiplied by ``t^δ``), and its state with
+    :meth:`register_state`: the rules of docs/ARCHITECTURE.md, "Extension contract".
 
     Example:
         >>> import torch
@@ -216,10 +197,8 @@ class Balancer(StateModule):
         return 0.0 if self.homogeneous and _declares_homogeneous(self) else None
 
     def _scaled_weights(self, gramian: Tensor, losses: Tensor | None) -> Tensor:
-        """:meth:`_compute_weights` on ``G/t`` (``t`` the largest diagonal entry), times ``t^δ``.
-
-        Without a degree, on the raw Gramian. A zero Gramian is passed unchanged. No host sync.
-        """
+        """:meth:`_compute_weights` on ``G/t`` (``t`` the largest diagonal entry, 1 for a zero
+        Gramian) times ``t^δ``; without a degree, on the raw Gramian. No host sync."""
         degree = self._degree()
         if degree is None:
             return self._compute_weights(gramian, losses)
@@ -323,11 +302,5 @@ def _count_nonfinite(matrix: Tensor, shard: Shard | None) -> int:
 
 def _declares_homogeneous(balancer: Balancer) -> bool:
     """Whether ``homogeneous`` is set on the instance or on a class below :class:`Balancer`."""
-    if "homogeneous" in vars(balancer):
-        return True
-    for cls in type(balancer).__mro__:
-        if cls is Balancer:
-            return False
-        if "homogeneous" in vars(cls):
-            return True
-    return False
+    mro = type(balancer).__mro__
+    return any("homogeneous" in vars(owner) for owner in (balancer, *mro[: mro.index(Balancer)]))

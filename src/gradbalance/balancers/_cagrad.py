@@ -54,7 +54,6 @@ class CAGrad(Balancer):
     mean. The dual is solved exactly on the trace-normalised Gramian.
 
     Args:
-        num_tasks: K (optional).
         c: ball radius factor, ``0 <= c < 1`` (default 0.4, the paper's NYU-v2 setting).
         rescale: ``"none"`` (paper), ``"c2"`` (``/(1+c²)``, authors' code and LibMTL
             default) or ``"c"`` (``/(1+c)``).

@@ -49,7 +49,6 @@ class ConFIG(PreferenceBalancer):
     its length is the sum of the task gradients' projections on it.
 
     Args:
-        num_tasks: K (optional).
         pref: ``[K]`` non-negative; default ones (the paper).
 
     Reference: Liu et al., "ConFIG: Towards Conflict-free Training of Physics Informed Neural

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -30,9 +29,7 @@ class CRMOGM(Balancer):
         beta: weight ``β ∈ [0, 1]`` of the previous average (default 0.9, TorchJD's ``alpha``).
         initial_weights: ``λ₀`` ``[K]`` (default: the first inner weights).
 
-    Reads the losses and is homogeneous when the inner balancer is. State: ``λ`` ``[K]``
-    float64 (``"_lambda"``; None before the first call) and the inner balancer's, under
-    ``"inner.<key>"`` (``reset()`` resets it too).
+    Reads the losses and is homogeneous when the inner balancer is.
 
     Reference: Zhou et al., "On the Convergence of Stochastic Multi-Objective Gradient
     Manipulation and Beyond", NeurIPS 2022.
@@ -104,11 +101,3 @@ class CRMOGM(Balancer):
             prev = hat
         self._lambda = self._beta * prev + (1.0 - self._beta) * hat
         return self._lambda
-
-    def _check_state(self, tensors: dict[str, Tensor | None], extra: dict[str, Any]) -> None:
-        if extra:
-            raise ValueError(
-                f"CRMOGM state_dict has unexpected keys {sorted(extra, key=str)}: its own state "
-                f"is '_lambda', the inner balancer's is under 'inner.'; was it saved from "
-                f"another balancer?"
-            )

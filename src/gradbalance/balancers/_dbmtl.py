@@ -16,8 +16,7 @@ __all__ = ["DBMTL", "dbmtl_update"]
 def dbmtl_update(ema: Tensor) -> Tensor:
     """``g = Σₖ (maxⱼ ‖ĝⱼ‖ / ‖ĝₖ‖) ĝₖ``: every (EMA) task gradient scaled to the largest norm.
 
-    A zero row stays zero. Scale-safe: ``maxⱼ‖ĝⱼ‖ · Σₖ uₖ/‖uₖ‖`` on the rows scaled by powers
-    of two (docs/balancers.md, "Numerical range").
+    A zero row stays zero; scale-safe (docs/balancers.md, "Numerical range").
 
     Example:
         >>> import torch
@@ -52,14 +51,10 @@ class DBMTL(Balancer):
     combine it with a log-loss weighting.
 
     Args:
-        num_tasks: K (optional).
         beta: EMA factor ``β ∈ [0, 1)`` (default 0.9, LibMTL's DB-MTL setting).
         beta_sigma: decay ``σ ≥ 0`` of ``β`` (default 0: a constant ``β``).
         log_losses: divide each row by its loss first (default False).
         eps: added to the losses when ``log_losses`` (default 1e-8, as ``log(L + ε)``).
-
-    State: ``ĝ`` ``[K, P]`` in the gradients' dtype (a rank's ``[K, P_local]`` under a
-    sharded trunk) and the step count (buffers ``_ema``, ``_step``).
 
     Reference: Lin et al., "Dual-Balancing for Multi-Task Learning", arXiv:2308.12029,
     Algorithm 1.
@@ -117,6 +112,6 @@ class DBMTL(Balancer):
                                                    device=matrix.device).unsqueeze(1)
         t = int(self._step) + 1
         beta_t = self.beta / t**self.beta_sigma
-        ema = rows.clone() if self._ema is None else self._ema.to(rows)
-        ema = rows + beta_t * (ema - rows) if self._ema is not None else (1.0 - beta_t) * ema
+        ema = ((1.0 - beta_t) * rows if self._ema is None
+               else rows + beta_t * (self._ema.to(rows) - rows))
         return ema, t

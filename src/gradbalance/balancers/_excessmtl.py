@@ -17,10 +17,8 @@ def excessmtl_risks(matrix: Tensor, root_sq_sum: Tensor, eps: float = 1e-7) -> T
     """``Êₖ = gₖᵀ Hₖ⁻¹ gₖ`` ``[K]`` (float64), ``Hₖ = diag(√(Σ_{τ≤t} gₖ,τ² + ε))`` (AdaGrad).
 
     ``root_sq_sum`` is ``R = √(Σ_{τ≤t} g_τ²)`` ``[K, P]`` (the current step included) and
-    ``H = hypot(R, √ε)``. Scale-safe: ``Êₖ = sₖ² Σⱼ uₖⱼ² / Hₖⱼ`` on the rows ``gₖ = sₖ uₖ``
-    scaled by powers of two, computed as ``sₖ Σⱼ uₖⱼ (gₖⱼ / Hₖⱼ)`` (``|gₖⱼ| ≤ Hₖⱼ``: every
-    factor at most 1; ``gₖⱼ²`` is never formed), the nonnegative terms summed pairwise in
-    float32 (float64 input: float64) and scaled in float64. ``O(K·P)``.
+    ``H = hypot(R, √ε)``; scale-safe, ``gₖⱼ²`` never formed (docs/balancers.md, "Numerical
+    range"). ``O(K·P)``.
 
     Example:
         >>> import torch
@@ -53,19 +51,11 @@ class ExcessMTL(Balancer):
     * ``αₖ ← αₖ exp(η rₖ) / Σⱼ αⱼ exp(η rⱼ)`` (in log space), starting at ``1/K`` (the paper;
       the official code and LibMTL start at 1 and keep ``Σα = K``: multiply by K to match).
 
-    The first call sets the baseline (its ratios are 1: uniform weights, as the official
-    code). A task whose baseline is 0 gets ratio 0.
-
     Args:
-        num_tasks: K (optional).
         robust_step_size: ``η > 0`` (default 1.0).
         n_warmup_steps: calls with uniform weights that average the baseline (default 0; the
             paper's Appendix C.1 uses three epochs).
         eps: added inside the square root of ``H`` (default 1e-7, the official code's value).
-
-    State: ``R = √S`` ``[K, P]`` in the gradients' dtype (a rank's columns under a sharded
-    trunk), ``α``, the baseline, the warm-up sum and the step count (buffers
-    ``_root_sq_sum``, ``_weights``, ``_baseline``, ``_warmup_sum``, ``_step``).
 
     Reference: He et al., "Robust Multi-Task Learning with Excess Risks", ICML 2024, eqs. 6-9
     and §3.2.

@@ -110,7 +110,6 @@ class FairGrad(Balancer):
     """``g = Σₖ wₖ gₖ`` with ``(G Gᵀ) w = w^{-1/α}``, ``w > 0`` (α-fair update).
 
     Args:
-        num_tasks: K (optional).
         alpha: fairness ``α ≥ 0`` (default 1.0, proportional fairness; the paper sweeps
             α ∈ {0.5, 1, 2, 5, ...} per benchmark).
         max_iter: Newton iterations (default 100; it usually stops below 15).

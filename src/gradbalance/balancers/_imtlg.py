@@ -36,8 +36,6 @@ def imtlg_weights(gramian: Tensor, rtol: float = 1e-12) -> Tensor:
 class IMTLG(Balancer):
     """IMTL-G (Liu et al. 2021): ``g = Σₖ wₖ gₖ``, ``Σ wₖ = 1``, equal ``g·gₖ/‖gₖ‖``.
 
-    Its projections on the unit task gradients are equal (:func:`imtlg_weights`).
-
     Reference: Liu et al., "Towards Impartial Multi-task Learning", ICLR 2021 (IMTL-G), in
     the pseudo-inverse form of Quinton & Rey, arXiv:2406.16232 (dependent gradients too).
 

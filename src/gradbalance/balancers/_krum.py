@@ -49,7 +49,6 @@ class Krum(Balancer):
     """``g`` = the mean of the ``n_selected`` most central task gradients (Multi-Krum).
 
     Args:
-        num_tasks: K (optional).
         n_byzantine: ``f``, the number of rows that may be adversarial (default 0).
         n_selected: ``m``, how many rows are averaged (default 1: Krum).
 

@@ -73,14 +73,11 @@ class MGDA(Balancer):
       (the normalisations of Sener et al.'s code; the loss ones read the losses).
 
     Args:
-        num_tasks: K (optional).
         normalization: see above.
         apply_to: ``"normalized"`` (default): the update is the min-norm point of the
             normalised gradients, ``Σ αₖ nₖ``, which keeps MGDA's guarantee (no task's
             gradient has a negative inner product with it). ``"raw"``: ``Σ αₖ gₖ``, the
             weights applied to the raw gradients as in Sener et al.'s code and LibMTL.
-
-    The paper's Frank-Wolfe solver is replaced by an exact QP.
 
     Reference: Sener & Koltun, "Multi-Task Learning as Multi-Objective Optimization",
     NeurIPS 2018, arXiv:1810.04650, eq. 3.

@@ -29,9 +29,8 @@ def moco_step(y: Tensor, lam: Tensor, h: Tensor, beta_t: float, gamma_t: float, 
       softmax (LibMTL's variant);
     * the update is ``d = Yᵀ λ`` (computed by the caller).
 
-    Scale-safe: ``Y Yᵀ`` is the float64 Gramian and the projection is shifted
-    (:func:`~gradbalance.balancers._modo.modo_step`). ``reduce`` (sharded trunks): ``y`` and
-    ``h`` hold some columns and ``reduce`` sums the partial Gramians over ranks.
+    ``reduce`` (sharded trunks): ``y`` and ``h`` hold some columns and ``reduce`` sums the
+    partial Gramians over ranks.
 
     Example:
         >>> import torch
@@ -70,11 +69,9 @@ class MoCo(Balancer):
     """Tracked task gradients ``y`` and simplex weights ``λ``; output ``d = Σₖ λₖ yₖ``.
 
     Step sizes decay as ``β_t = β / t^{σ_β}``, ``γ_t = γ / t^{σ_γ}`` (step ``t ≥ 1``). ``y``
-    starts at 0 and ``λ`` at ``1/K``. The paper's projection of ``y`` onto a bounded set is
-    omitted (the set is unbounded in practice).
+    starts at 0 and ``λ`` at ``1/K`` (the paper's projection of ``y`` is omitted).
 
     Args:
-        num_tasks: K (optional).
         beta: tracking rate of ``y`` (default 0.5).
         beta_sigma: decay of the tracking rate (default 0.5).
         gamma: step of ``λ`` (default 0.1).
@@ -84,9 +81,7 @@ class MoCo(Balancer):
         normalize_grads: track ``Lₖ gₖ / ‖gₖ‖`` instead of ``gₖ`` (LibMTL's practice; reads the
             losses). Default False (the paper's algorithm).
 
-    Defaults follow LibMTL's MoCo settings. State: ``y`` ``[K, P]`` in the gradients' dtype,
-    ``λ`` ``[K]`` float64 and the step count (buffers ``_y``, ``_lambda``, ``_step``; ``y``
-    holds a rank's columns under a sharded trunk).
+    Defaults follow LibMTL's MoCo settings.
 
     Reference: Fernando et al., "Mitigating Gradient Bias in Multi-objective Learning: A
     Provably Convergent Approach", ICLR 2023, Algorithm 1.

@@ -34,18 +34,13 @@ def modo_step(lam: Tensor, gramian: Tensor, gamma: float, rho: float) -> Tensor:
 class MoDo(Balancer):
     """``g = Σₖ λₖ gₖ`` with simplex weights ``λ`` moved by one projected step per call.
 
-    The paper's ``λ`` step uses ``A = G_{ξ₁} G_{ξ₂}ᵀ`` from two independent batches and a
-    third for the update; with one ``G`` per step ``A = G Gᵀ`` (biased by the gradient
-    covariance). For the double-sampled variant call :func:`modo_step` with your own
-    ``G₁ G₂ᵀ`` and combine another batch's rows with the returned ``λ``.
+    With one ``G`` per step ``A = G Gᵀ`` (the paper's two batches are one); for the
+    double-sampled variant call :func:`modo_step` with your own ``G₁ G₂ᵀ``.
 
     Args:
-        num_tasks: K (optional).
         gamma: step size ``γ > 0`` of ``λ`` (default 1e-3, LibMTL's MoDo setting; it multiplies
             squared gradient norms, so tune it to your gradient scale).
         rho: ℓ₂ regularisation ``ρ ≥ 0`` (default 0.1).
-
-    State: ``λ`` ``[K]`` float64, starting at ``1/K`` (buffer ``_lambda``).
 
     Reference: Chen et al., "Three-Way Trade-Off in Multi-Objective Learning: Optimization,
     Generalization and Conflict-Avoidance", NeurIPS 2023, arXiv:2305.20057, Algorithm 1.

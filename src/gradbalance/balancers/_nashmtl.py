@@ -54,18 +54,11 @@ class NashMTL(Balancer):
     previous step; raises ``SolverError`` when no solution exists (a non-negative combination
     of the gradients vanishes, e.g. a zero or two exactly opposite task gradients).
 
-    With ``normalization="none"`` (paper) ``B(sJ) = B(J)``. No norm clipping inside (the
-    authors' code clips ``‖g‖`` to 1; clip in your loop instead).
-
     Args:
-        num_tasks: K (optional).
         normalization: ``"none"`` (paper) or ``"frobenius"`` (authors' code: ``G/‖G‖_F``,
             then the update scales with the gradients).
         update_weights_every: solve every N-th call and reuse ``α`` in between (authors'
             option; default 1).
-
-    State: the last ``α`` (warm start and reuse) and the call counter (buffers ``alpha``,
-    ``step``).
 
     Reference: Navon et al., "Multi-Task Learning as a Bargaining Game", ICML 2022,
     arXiv:2202.01017, Algorithm 1 (solved exactly here).

@@ -53,7 +53,6 @@ class Random(OptionalGeneratorState, Balancer):
     Update rule (paper's default): ``w = softmax(z)``, ``z ~ N(0, I_K)``.
 
     Args:
-        num_tasks: K (optional; checked on every call).
         distribution: ``"normal"`` (default), ``"uniform"`` or ``"dirichlet"``.
         generator: the random source; None draws from torch's global RNG. A given generator's
             state is saved by :meth:`state_dict` so that a resumed run draws the same weights.

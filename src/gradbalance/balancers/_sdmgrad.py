@@ -47,20 +47,13 @@ def sdmgrad_weights(gramian: Tensor, w: Tensor, pref: Tensor, lambda_: float = 0
 class SDMGrad(Balancer):
     """``g = Σₖ (wₖ + λ w̃ₖ)/(1 + λ) gₖ`` with ``w`` from a warm-started simplex SGD.
 
-    With one ``G`` per step the paper's three batches are the same (``A = G Gᵀ``, see
-    :class:`~gradbalance.balancers.MoDo`).
-
     Args:
-        num_tasks: K (optional).
         lambda_: pull ``λ ≥ 0`` towards the preference direction (default 0.3, the official
             experiments and LibMTL).
         lr: step size of the inner SGD (default 5.0: LibMTL / the official code).
         momentum: momentum of the inner SGD (default 0.5).
         n_iter: iterations of the inner SGD (default 20).
         pref_vector: ``w̃`` (default uniform ``1/K``: the mean gradient).
-
-    State: the simplex iterate ``w`` ``[K]`` float64 (warm start), starting at ``1/K``
-    (buffer ``_w``).
 
     Reference: Xiao et al., "Direction-oriented Multi-objective Learning: Simple and Provable
     Stochastic Algorithms", NeurIPS 2023, arXiv:2305.18409, Algorithm 1.

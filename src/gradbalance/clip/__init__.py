@@ -1,17 +1,6 @@
-"""Gradient clipping for the balanced step (``docs/loop.md``, "Clipping").
-
-* Per task, on the rows of ``G`` before the combine (``RowClipper`` objects for
-  ``TaskGradBuffer.apply_(clip=...)``): :class:`TaskClip`, :class:`TaskValueClip`,
-  :class:`TaskAutoClip`.
-* On parameters, after ``apply_`` (and ``scaler.unscale_``): :class:`AutoClip`, :class:`AGC`;
-  global clipping stays ``torch.nn.utils.clip_grad_norm_``.
-* Per sample, before the batch mean (DP-SGD): :class:`PerSampleClip`, with the per-sample
-  norms of :func:`per_sample_grad_norms`, :func:`per_sample_grad_norms_of_model` or
-  :class:`GhostNorms`.
-* :func:`suggest_max_norm`: a limit from logged pre-clip norms.
-
-Every clip works in place and returns the pre-clip norm(s) for logging.
-"""
+"""Gradient clipping for the balanced step: per task on the rows of ``G`` (``RowClipper``
+objects), on the parameters after ``apply_``, and per sample (DP-SGD); every clip works in
+place and returns the pre-clip norm(s) (docs/loop.md, "Clipping")."""
 
 from __future__ import annotations
 

@@ -47,10 +47,8 @@ def adaptive_clip_grad_(parameters: Iterable[Tensor] | Tensor, clip_factor: floa
 
         ‖Wᵢ‖* = max(‖Wᵢ‖, eps),   Gᵢ ← λ · ‖Wᵢ‖* / ‖Gᵢ‖ · Gᵢ   if ‖Gᵢ‖ / ‖Wᵢ‖* > λ = clip_factor
 
-    The paper leaves the final classifier layer unclipped (pass it as ``exclude``) and uses
-    ``eps = 1e-3``, ``clip_factor`` 0.01 for large batches. Under AMP call it after
-    ``scaler.unscale_(optimizer)``. The returned value is the total 2-norm of all gradients
-    given (excluded ones included), as ``clip_grad_norm_`` returns it, for logging.
+    Returns the total 2-norm of all gradients given (excluded ones included), as
+    ``clip_grad_norm_`` does.
 
     Example:
         >>> import torch

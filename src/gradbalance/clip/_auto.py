@@ -23,9 +23,7 @@ _STATE_KEYS = ("history", "count", "position", "threshold")
 def suggest_max_norm(norms: Sequence[float] | Tensor, percentile: float = 95.0) -> float:
     """A ``max_norm`` from logged pre-clip norms: their ``percentile``-th percentile.
 
-    The rule of docs/loop.md ("Clipping"): run without clipping for a while, log the norms,
-    and set the limit around the 90th–95th percentile of the healthy values, so that clipping
-    catches runaways instead of leaning on every step. Non-finite entries are ignored.
+    The rule of docs/loop.md ("Clipping"); non-finite entries are ignored.
 
     Example:
         >>> from gradbalance.clip import suggest_max_norm
@@ -182,10 +180,8 @@ class AutoClip(_AutoBase):
 
         τₜ = percentile_p({‖g_s‖ : s ≤ t, healthy}),   g ← g · min(1, τₜ / (‖g‖ + 1e-6))
 
-    ``clipper(model.parameters())`` clips in place and returns the pre-clip total norm. A
-    non-finite norm changes no state and clips nothing (a GradScaler skips the step); reading
-    the finiteness costs one host sync. Under AMP call it after ``scaler.unscale_(optimizer)``.
-    ``threshold`` and ``history`` hold the last threshold and the norms kept.
+    ``clipper(model.parameters())`` clips in place and returns the pre-clip total norm; a
+    non-finite norm clips nothing and is not recorded (docs/loop.md, "Clipping").
 
     Args:
         percentile: p in [0, 100]; the paper's recommended value is 10.

@@ -45,17 +45,10 @@ class PerSampleClip(PicklableGenerators):
     """Clips every sample's gradient to ``max_norm`` before the batch mean (DP-SGD's clip).
 
     Abadi et al. (2016), "Deep Learning with Differential Privacy", Algorithm 1:
-    ``ĝ = (1/B) Σᵢ cᵢ ∇ℓᵢ`` with ``cᵢ = min(1, C / (‖∇ℓᵢ‖ + 1e-6))``. The factors are
-    constants of the step, so ĝ is the gradient of ``(1/B) Σᵢ cᵢ ℓᵢ``: the returned task
-    losses have the plain batch mean as value and ĝ as gradient, for the ordinary step::
-
-        per_sample = torch.stack([loss_fn(out_k, y_k, reduction="none") for ...], dim=1)
-        losses = clip(per_sample, params)          # [K]: value = batch mean, grad = ĝ
-        buf.backward(losses); buf.apply_(balancer)
-
-    The norms: without ``norms=`` they are measured here on the graph (any model; the cost
-    grows with B²). Faster, linear in B: ``norms=GhostNorms(model).norms(per_sample)``
-    or :meth:`losses_of_model` (``torch.func``).
+    ``ĝ = (1/B) Σᵢ cᵢ ∇ℓᵢ`` with ``cᵢ = min(1, C / (‖∇ℓᵢ‖ + 1e-6))``, constants of the step:
+    the returned task losses have the batch mean as value and ĝ as gradient. The norms come
+    from the graph (any model, cost in B²), ``GhostNorms`` or :meth:`losses_of_model`
+    (docs/loop.md, "Per-sample clipping").
 
     Args:
         max_norm: C, the bound on each per-sample gradient's norm.
@@ -99,11 +92,9 @@ class PerSampleClip(PicklableGenerators):
                  scaler: Any = None, *, norms: Tensor | None = None) -> Tensor:
         """Task losses ``[K]`` (0-d for ``[B]`` input): the batch-mean value, the clipped gradient.
 
-        ``params``: the parameters whose per-sample gradient is bounded (usually all trained
-        ones). With an enabled ``GradScaler`` the norms are measured on the scaled losses and
-        unscaled, and a non-finite norm leaves its sample unclipped so that the scaler skips
-        the step; without one it raises ``NonFiniteGradientError``. ``norms``: per-sample
-        norms measured elsewhere (``GhostNorms``, :meth:`losses_of_model`).
+        ``params``: the parameters bounded. With an enabled ``GradScaler`` the norms are
+        unscaled and a non-finite one leaves its sample unclipped (the scaler skips the step);
+        without one it raises ``NonFiniteGradientError``. ``norms``: measured elsewhere.
         """
         losses = _check_losses(per_sample_losses)
         scale = scale_of(scaler, losses.device)
@@ -142,10 +133,9 @@ class PerSampleClip(PicklableGenerators):
                         params: Iterable[Tensor] | None = None) -> Tensor:
         """The forward, the per-sample norms from the model (linear in B) and the clip.
 
-        ``per_sample = loss_fn(module(inputs), targets)`` (``[B]`` or ``[B, K]``); the norms
-        come from :func:`per_sample_grad_norms_of_model` (each sample on its own through
-        ``torch.func``; no BatchNorm in training mode) over ``params`` (default: every
-        trainable parameter of ``module``). Returns the task losses of :meth:`__call__`.
+        ``per_sample = loss_fn(module(inputs), targets)`` (``[B]`` or ``[B, K]``), the norms of
+        :func:`per_sample_grad_norms_of_model` over ``params`` (default: every trainable one);
+        returns the task losses of :meth:`__call__`.
         """
         per_sample = loss_fn(module(inputs), targets)
         scale = scale_of(scaler, inputs.device)
@@ -158,11 +148,9 @@ class PerSampleClip(PicklableGenerators):
     def add_noise_(self, params: Iterable[Tensor], batch_size: int) -> bool:
         """``.grad += N(0, (σ·C/batch_size)²)`` on every parameter with a ``.grad``.
 
-        Call it once per optimizer step on the finished, unscaled gradients (after
-        ``scaler.unscale_`` and the data-parallel sync; with the same generator seed on every
-        rank, all ranks add the same noise). ``batch_size``: the samples of the whole step.
-        Returns False, touching neither ``.grad`` nor the generator, when a gradient is not
-        finite (the step is going to be skipped) or when σ = 0.
+        Once per optimizer step on the finished, unscaled gradients; ``batch_size``: the
+        samples of the whole step. Returns False, touching neither ``.grad`` nor the generator,
+        when a gradient is not finite or σ = 0.
         """
         check_int("batch_size", batch_size, 1)
         grads = [p.grad for p in as_parameter_list("params", params) if p.grad is not None]

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, jacrev, vmap
 
 from .._checks import check_bool, check_norm_type, check_optional_int
-from ._per_sample_graph import _CHUNK_ELEMENTS
+from ._per_sample_graph import _CHUNK_ELEMENTS, batched_norms
 
 __all__ = ["per_sample_grad_norms_of_model"]
 
@@ -43,12 +43,12 @@ def per_sample_grad_norms_of_model(
     """Norms of the per-sample gradients ``‖∇θ ℓᵢₖ‖`` ``[B, K]`` (``[B]`` for one task).
 
     ``loss_fn(module(inputs), targets)`` must return the per-sample losses ``[B]`` or
-    ``[B, K]`` (``reduction='none'``) — the same call that gives the losses of the step. It
-    is evaluated here on one sample at a time (``inputs[i:i+1]``). ``params``: the parameters
-    bounded (default: every trainable parameter of ``module``); ``per_task=False``: the norm
-    of ``∇Σₖ ℓᵢₖ`` per sample. ``chunk_size``: samples per vmap call (default: as many as
-    fit 2^26 gradient entries). ``scale``: differentiate ``scale·ℓ`` and divide the norms
-    by it (for fp16 autocast). ``.grad`` is untouched and no graph is kept.
+    ``[B, K]`` (``reduction='none'``); it is evaluated on one sample at a time. ``params``:
+    the parameters bounded (default: every trainable parameter of ``module``);
+    ``per_task=False``: the norm of ``∇Σₖ ℓᵢₖ`` per sample. ``chunk_size``: samples per vmap
+    call (default: as many as fit 2^26 gradient entries). ``scale``: differentiate
+    ``scale·ℓ`` and divide the norms by it (fp16 autocast). ``.grad`` is untouched, no graph
+    is kept.
 
     Example:
         >>> import torch
@@ -114,8 +114,5 @@ def _chunk_norms(jac: Callable[..., dict[str, Tensor]], theta: dict[str, Tensor]
     with warnings.catch_warnings():  # ops without a batching rule run lane by lane
         warnings.filterwarnings("ignore", message=".*performance drop.*")
         grads = jac(theta, inputs, targets)  # [b, K, ...] each
-    per_param = [torch.linalg.vector_norm(g.flatten(2), norm_type, dim=2,
-                                          dtype=torch.promote_types(g.dtype, torch.float32))
-                 for g in grads.values()]
-    norms: Tensor = torch.linalg.vector_norm(torch.stack(per_param, dim=2), norm_type, dim=2)
-    return norms
+    rows = inputs.shape[0] * next(iter(grads.values())).shape[1]  # b·K
+    return batched_norms(list(grads.values()), rows, norm_type, inputs).view(inputs.shape[0], -1)

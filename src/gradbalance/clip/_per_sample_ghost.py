@@ -1,36 +1,6 @@
-"""Per-sample gradient norms of linear and conv layers without per-sample gradients ("ghost norms").
-
-For a linear layer ``y = x Wᵀ + b`` the gradient of sample i's loss is ``Dᵢᵀ Xᵢ`` (weight)
-and ``Σₛ Dᵢₛ`` (bias), with ``Xᵢ`` ``[S, in]`` its inputs and ``Dᵢ = ∂ℓᵢ/∂yᵢ`` ``[S, out]``
-(S = 1 without a sequence axis). A 1-D or 2-D convolution is the same with ``Xᵢ`` its
-unfolded patches (S = output positions, in = C·kernel size). The squared norm needs no
-``[out, in]`` matrix:
-
-    ‖Dᵢᵀ Xᵢ‖² = Σₛ,ₜ (Xᵢₛ·Xᵢₜ)(Dᵢₛ·Dᵢₜ)          (= ‖xᵢ‖²‖dᵢ‖² when S = 1)
-
-(Goodfellow 2015, "Efficient per-example gradient computations"; Li et al. 2022, "Large
-language models can be strong differentially private learners", ghost clipping). Forward
-hooks keep each layer's input and output; one backward per task from the per-sample losses
-to the layer outputs gives every ``Dᵢ`` at once (autograd skips every weight-gradient
-kernel), so the cost is about K half-backward passes, independent of the batch size's square.
-Per sample, the cheaper of the two exact routes is taken: the Gram form above
-(``S²·(in + out)``) or the materialised ``Dᵢᵀ Xᵢ`` (``S·in·out``); a p-norm other than 2
-always materialises.
-
-Covered: ``nn.Linear``, ``nn.Conv1d`` and ``nn.Conv2d`` (groups 1, zero padding given as
-numbers), ``nn.LayerNorm`` (``∇γ = Σₛ Dᵢₛ ⊙ x̂ᵢₛ``, ``∇β = Σₛ Dᵢₛ``, with ``x̂`` recomputed
-from the recorded input) and ``nn.Embedding`` (row v of sample i's gradient is
-``Σ_{s: idsᵢₛ = v} Dᵢₛ``, summed per (sample, token id) in ``O(S·out)``; the padding row gets
-none; ``scale_grad_by_freq`` couples the samples and is refused), called through their
-``forward``; any other trainable parameter of the module raises at construction (use
-:func:`~gradbalance.clip.per_sample_grad_norms_of_model` there). A layer called several times
-is exact (its calls' rows are one sequence); a bounded parameter held by several covered layers
-(tied weights, embedding/output tying) is exact too, its sites' gradients summed per sample
-before the norm (:mod:`._per_sample_tied`, the cross terms between the sites included). One
-also held by a refused layer is refused at construction; one used on the losses' graph
-outside its layers' recorded calls (``F.linear(x, layer.weight)``), or with a tensor hook, is
-refused by :meth:`GhostNorms.norms`: those uses are not recorded (docs/loop.md).
-"""
+"""Per-sample gradient norms of linear, conv, LayerNorm and embedding layers without
+per-sample gradients (the ghost-norm identity ``‖Dᵢᵀ Xᵢ‖² = Σₛ,ₜ (Xᵢₛ·Xᵢₜ)(Dᵢₛ·Dᵢₜ)``; the
+design, covered layers and refusals: docs/loop.md, "Per-sample clipping")."""
 
 from __future__ import annotations
 
@@ -57,22 +27,6 @@ __all__ = ["GhostNorms"]
 _MANY_CALLS = 64
 
 
-class _Inputs:
-    """A layer's recorded inputs as ``[B, S, in]`` rows, built once per :meth:`norms` call,
-    with their per-sample Gram matrix ``Xᵢ Xᵢᵀ`` computed once when the Gram form is used."""
-
-    def __init__(self, layer: _Layer, batch: int) -> None:
-        self.layer = layer
-        self.x = torch.cat([layer.rows(t, batch) for t in layer.inputs], 1)
-        self._gram: Tensor | None = None
-
-    def gram(self) -> Tensor:
-        if self._gram is None:
-            x = self.x.to(torch.promote_types(self.x.dtype, torch.float32))
-            self._gram = (x @ x.transpose(1, 2)).double()
-        return self._gram
-
-
 def _embedding_norms(ids: Tensor, d: Tensor, module: nn.Embedding, norm_type: float) -> Tensor:
     """Per-sample ``‖∇W‖ᵖ`` (float64) of an embedding: the rows ``d`` ``[B, S, o]`` summed per
     (sample, token id), the padding id left out."""
@@ -90,31 +44,25 @@ def _embedding_norms(ids: Tensor, d: Tensor, module: nn.Embedding, norm_type: fl
     return total.index_add_(0, unique // module.num_embeddings, powers)
 
 
-def _sample_norms(inputs: _Inputs, d: Tensor, norm_type: float) -> Tensor:
-    """Per-sample ``‖∇W‖ᵖ + ‖∇b‖ᵖ`` (p-th powers, float64) from the rows and ``d`` ``[B, S, o]``."""
-    layer = inputs.layer
-    if isinstance(layer.module, nn.Embedding):  # its weight, unless tied (bounded apart)
-        return (_embedding_norms(inputs.x, d, layer.module, norm_type) if layer.weight
-                else torch.zeros(d.shape[0], dtype=torch.float64, device=d.device))
-    common = torch.promote_types(torch.promote_types(inputs.x.dtype, d.dtype), torch.float32)
-    x, d = inputs.x.to(common), d.to(common)  # autocast: fp32 inputs, 16-bit output gradients
-    b, s, i = x.shape
-    o = d.shape[2]
-    total = torch.zeros(b, dtype=torch.float64, device=d.device)
-    if layer.bias:
-        total += torch.linalg.vector_norm(d.sum(dim=1), norm_type, dim=1).double() ** norm_type
-    if layer.weight and isinstance(layer.module, nn.LayerNorm):  # ∇γ = Σₛ Dₛ ⊙ x̂ₛ
-        total += torch.linalg.vector_norm((d * x).sum(dim=1), norm_type, dim=1).double() \
-            ** norm_type
-    elif layer.weight:
-        if norm_type == 2.0 and s * s * (i + o) < s * i * o:
-            gram = inputs.gram() * (d @ d.transpose(1, 2)).double()
-            total += gram.sum(dim=(1, 2)).clamp_min(0)
-        else:
-            grads = d.transpose(1, 2) @ x  # [B, o, i]
-            total += torch.linalg.vector_norm(grads.flatten(1), norm_type, dim=1).double() \
-                ** norm_type
-    return total
+def _powers(sites: list[tuple[_Layer, bool]], rows: dict[int, tuple[Tensor, Tensor]],
+            grams: dict[int, Tensor], norm_type: float) -> Tensor:
+    """Per-sample ``‖Σ_sites ∇θ‖ᵖ`` (float64 ``[B]``) of one parameter from its sites'
+    ``(input rows, output gradient rows)``; an embedding weight alone sums its rows per token,
+    a layer's own weight takes its inputs' Gram from ``grams`` (one for every task)."""
+    first, first_is_weight = sites[0]
+    if len(sites) == 1 and first_is_weight and isinstance(first.module, nn.Embedding):
+        return _embedding_norms(*rows[id(first)], first.module, norm_type)
+
+    def input_gram() -> Tensor:
+        if id(first) not in grams:
+            x = rows[id(first)][0]
+            x = x.to(torch.promote_types(x.dtype, torch.float32))
+            grams[id(first)] = (x @ x.transpose(1, 2)).double()
+        return grams[id(first)]
+
+    return tied_powers([site_form(Site(layer.module, is_weight), *rows[id(layer)])
+                        for layer, is_weight in sites], norm_type,
+                       input_gram if len(sites) == 1 and first_is_weight else None)
 
 
 def _finite_norm_type(norm_type: float) -> float:
@@ -136,17 +84,15 @@ def _wanted_of(module: nn.Module, wanted: set[int]) -> list[Tensor]:
     return [p for p in (module.weight, bias) if p is not None and id(p) in wanted]
 
 
-def _not_covered(named: Mapping[str, Tensor], uncovered: set[int], given: bool) -> list[str]:
-    """The names of the ``uncovered`` parameters, and a note for given tensors that are no
-    parameters of the module."""
+def _uncovered(named: Mapping[str, Tensor], uncovered: set[int], given: bool,
+               refused: list[str]) -> str | None:
+    """Which wanted parameters have no ghost form (given tensors that are no parameters of the
+    module included) and what to do instead; None when every one has."""
     missing = [name for name, p in named.items() if id(p) in uncovered]
     if given and len(uncovered) > len(missing):
         missing.append("(tensors that are not parameters of module)")
-    return missing
-
-
-def _uncovered_message(missing: list[str], refused: list[str]) -> str:
-    """Why parameters have no ghost form, and what to do instead."""
+    if not missing:
+        return None
     layers = f" (refused layers: {', '.join(refused)})" if refused else ""
     return (
         f"GhostNorms covers the weights and biases of nn.Linear, nn.Conv1d, "
@@ -161,10 +107,8 @@ class GhostNorms:
     """Forward hooks on the linear, conv, LayerNorm and embedding layers of ``module``;
     per-sample norms.
 
-    Build it once, before the forward; then per step::
-
-        per_sample = loss_fn(model(x), y)                  # [B, K], reduction='none'
-        losses = clip(per_sample, params, norms=ghost.norms(per_sample))
+    Build it once, before the forward; per step ``clip(per_sample, params,
+    norms=ghost.norms(per_sample))`` (docs/loop.md, "Per-sample clipping").
 
     Args:
         module: the model (or the part whose parameters are bounded).
@@ -176,8 +120,7 @@ class GhostNorms:
             each sample's gradient of ``Σₖ ℓᵢₖ``.
 
     Inputs are recorded only while grad is enabled; :meth:`norms` consumes the step's
-    records. Samples coupled by the model (BatchNorm in training mode) are not independent:
-    ``Dᵢ`` is then the derivative of ``Σⱼ ℓⱼ`` and the norm is not a per-sample one.
+    records.
 
     Example:
         >>> import torch
@@ -204,24 +147,20 @@ class GhostNorms:
         wanted = set(map(id, named.values() if params is None else params))
         self._layers: list[_Layer] = []
         self._handles: list[Any] = []
-        self._bounded: list[tuple[str, Tensor, list[_Layer]]] = []  # (name, tensor, holders)
-        self._tied: list[list[tuple[_Layer, bool]]] = []  # per tied parameter: (layer, weight?)
-        try:
-            covered, refused = self._hook_layers(module, wanted)
-        except ValueError:
-            self.remove()  # nothing stays hooked
-            raise
-        missing = _not_covered(named, wanted - covered, params is not None)
-        if missing:
+        # (name, tensor, sites): each bounded parameter with its (layer, is the weight) uses
+        self._bounded: list[tuple[str, Tensor, list[tuple[_Layer, bool]]]] = []
+        covered, refused = self._hook_layers(module, wanted)
+        message = _uncovered(named, wanted - covered, params is not None, refused)
+        if message is not None:
             self.remove()
-            raise ValueError(_uncovered_message(missing, refused))
+            raise ValueError(message)
 
     def _hook_layers(self, module: nn.Module, wanted: set[int]) -> tuple[set[int], list[str]]:
         """Hook every covered layer holding a wanted parameter; the ids of the parameters
         covered, and the layers refused (``"name (reason)"``)."""
         refused: list[str] = []
         refused_ids: set[int] = set()  # held by a refused layer: not covered, even if tied
-        holders: dict[int, list[tuple[str, Tensor, _Layer, bool]]] = {}
+        bounded: dict[int, tuple[str, Tensor, list[tuple[_Layer, bool]]]] = {}
         for name, sub in module.named_modules():
             mine = _wanted_of(sub, wanted)
             if not mine:
@@ -237,24 +176,9 @@ class GhostNorms:
             self._layers.append(layer)
             self._handles.append(sub.register_forward_hook(self._hook(layer)))
             for pname, p, is_weight in layer.bounded():
-                holders.setdefault(id(p), []).append((pname, p, layer, is_weight))
-        self._group(holders)
-        return set(holders) - refused_ids, refused
-
-    def _group(self, holders: dict[int, list[tuple[str, Tensor, _Layer, bool]]]) -> None:
-        """Record each bounded parameter with its layers; one held by several layers (tied)
-        leaves their per-layer norms and is bounded over all its sites at once."""
-        for sites in holders.values():
-            name, p = sites[0][0], sites[0][1]
-            self._bounded.append((name, p, [layer for _, _, layer, _ in sites]))
-            if len(sites) == 1:
-                continue
-            for _, _, layer, is_weight in sites:
-                if is_weight:
-                    layer.weight = False
-                else:
-                    layer.bias = False
-            self._tied.append([(layer, is_weight) for _, _, layer, is_weight in sites])
+                bounded.setdefault(id(p), (pname, p, []))[2].append((layer, is_weight))
+        self._bounded = list(bounded.values())
+        return set(bounded) - refused_ids, refused
 
     @staticmethod
     def _hook(layer: _Layer) -> Any:
@@ -292,45 +216,41 @@ class GhostNorms:
     def _norms(self, losses: Tensor, layers: list[_Layer], scale: float | Tensor) -> Tensor:
         columns = losses.reshape(losses.shape[0], -1)
         batch = columns.shape[0]
-        self._check_batch(layers, batch)
-        self._check_uses(columns)
-        rows = [_Inputs(layer, batch) for layer in layers]  # once for all K tasks
+        try:  # a refused step drops its records
+            check_batch(layers, batch, "every forward under grad since the last norms() is "
+                        "recorded (call clear() after other forwards)")
+            self._check_uses(columns)
+        except (ValueError, RuntimeError):
+            self.clear()
+            raise
+        inputs = [torch.cat([layer.rows(t, batch) for t in layer.inputs], 1)
+                  for layer in layers]  # once for all K tasks
+        grams: dict[int, Tensor] = {}  # layer id: its inputs' Gram, once for all K tasks
         roots = [columns.sum(dim=1)] if not self.per_task else list(columns.unbind(1))
         outputs = [y for layer in layers for y in layer.outputs]
         result = torch.zeros(batch, len(roots), dtype=torch.float64, device=losses.device)
         for k, root in enumerate(roots):
             grads = torch.autograd.grad(root.sum() * scale, outputs, retain_graph=True,
                                         allow_unused=True)
-            self._add_powers(result[:, k], rows, grads, batch)
+            self._add_powers(result[:, k], layers, inputs, grams, grads, batch)
         self.clear()
         divisor = scale.detach().double() if isinstance(scale, Tensor) else float(scale)
         norms = result ** (1.0 / self.norm_type) / divisor
         norms = norms.to(torch.promote_types(losses.dtype, torch.float32))
         return norms[:, 0] if norms.shape[1] == 1 else norms
 
-    def _check_batch(self, layers: list[_Layer], batch: int) -> None:
-        """Every recorded input has the losses' ``batch`` samples on dim 0 (else the records
-        are dropped and it raises)."""
-        try:
-            check_batch(layers, batch, "every forward under grad since the last norms() is "
-                        "recorded (call clear() after other forwards)")
-        except ValueError:
-            self.clear()
-            raise
-
     def _check_uses(self, losses: Tensor) -> None:
         """Every bounded parameter is used on the losses' graph only by its layers' recorded
-        calls and has no tensor hook (else the records are dropped and it raises)."""
+        calls and has no tensor hook (else ``RuntimeError``)."""
         uses = leaf_uses(losses, [p for _, p, _ in self._bounded])
-        for name, p, holders in self._bounded:
+        for name, p, sites in self._bounded:
             hooked = tensor_hooked(p)
-            calls = sum(len(layer.outputs) for layer in holders)
+            calls = sum(len(layer.outputs) for layer, _ in sites)
             if hooked or uses[id(p)] > calls:
                 how = ("has a tensor hook, which rewrites its gradient" if hooked else
                        f"is used {uses[id(p)]} times on the losses' graph but its layer(s) "
                        f"recorded {calls} calls (used outside the layers' forward, e.g. "
                        f"F.linear(x, layer.weight) or by a module GhostNorms does not hook)")
-                self.clear()
                 raise RuntimeError(
                     f"GhostNorms cannot bound parameter {name!r}: it {how}, so the ghost "
                     f"form misses part of its per-sample gradient. Call the layer itself "
@@ -339,24 +259,20 @@ class GhostNorms:
                     f"or pass params= without it"
                 )
 
-    def _add_powers(self, column: Tensor, rows: list[_Inputs],
-                    grads: tuple[Tensor | None, ...], batch: int) -> None:
-        """Add each layer's per-sample ``‖∇θ‖ᵖ`` to ``column`` ``[B]`` (in place), from one
-        task's gradients of every recorded output (in order; None: unused, zero)."""
+    def _add_powers(self, column: Tensor, layers: list[_Layer], inputs: list[Tensor],
+                    grams: dict[int, Tensor], grads: tuple[Tensor | None, ...],
+                    batch: int) -> None:
+        """Add every bounded parameter's per-sample ``‖∇θ‖ᵖ`` to ``column`` ``[B]`` (in place),
+        from one task's gradients of every recorded output (in order; None: unused, zero)."""
         at = 0
-        seen: dict[int, tuple[Tensor, Tensor]] = {}  # layer id: (input rows, output gradients)
-        for inputs in rows:
-            outputs = inputs.layer.outputs
+        rows: dict[int, tuple[Tensor, Tensor]] = {}  # layer id: (input rows, output gradients)
+        for layer, x in zip(layers, inputs):
             ds = [torch.zeros_like(y) if g is None else g
-                  for y, g in zip(outputs, grads[at : at + len(outputs)])]
-            at += len(outputs)
-            d = torch.cat([inputs.layer.output_rows(t, batch) for t in ds], 1)
-            seen[id(inputs.layer)] = inputs.x, d
-            column += _sample_norms(inputs, d, self.norm_type)
-        for sites in self._tied:  # every site's gradient summed before the norm
-            forms = [site_form(Site(layer.module, is_weight), *seen[id(layer)])
-                     for layer, is_weight in sites]
-            column += tied_powers(forms, self.norm_type)
+                  for y, g in zip(layer.outputs, grads[at : at + len(layer.outputs)])]
+            at += len(layer.outputs)
+            rows[id(layer)] = x, torch.cat([layer.output_rows(t, batch) for t in ds], 1)
+        for _, _, sites in self._bounded:  # every site's gradient summed before the norm
+            column += _powers(sites, rows, grams, self.norm_type)
 
     def clear(self) -> None:
         """Drop the recorded inputs and outputs (e.g. after an evaluation under grad)."""

@@ -1,13 +1,6 @@
-"""Per-sample gradient norms from any graph: one batched backward of one-hot rows.
-
-Row ``(i, k)`` backpropagates a cotangent that is 1 at sample i, task k (or at all of sample
-i's tasks, ``per_task=False``) through the retained graph, ``chunk_size`` rows per
-``autograd.grad(..., is_grads_batched=True)`` call, with a loop fallback for ops without a
-batching rule. Each row crosses the whole batch, so the cost grows with B²; it needs nothing
-but the losses. With batch statistics (BatchNorm in training mode) a sample's gradient also
-depends on the rest of the batch, and these are the norms of that coupled gradient.
-The faster routes: :mod:`._per_sample_ghost` and :mod:`._per_sample_func`.
-"""
+"""Per-sample gradient norms from any graph: batched backwards of one-hot cotangent rows,
+one per (sample, task), with a loop fallback; the cost grows with B² (docs/loop.md,
+"Per-sample clipping")."""
 
 from __future__ import annotations
 
@@ -20,7 +13,7 @@ from torch import Tensor
 
 from .._checks import as_parameter_list, check_bool, check_norm_type, check_optional_int
 
-__all__ = ["per_sample_grad_norms"]
+__all__ = ["batched_norms", "per_sample_grad_norms"]
 
 #: Default memory budget of one batched backward: rows x (parameters + losses), 2^26 entries
 #: (≈ 256 MiB in fp32).
@@ -60,9 +53,10 @@ def _cotangents(rows: range, shape: torch.Size, joint: bool, value: float | Tens
     return out * value
 
 
-def _row_norms(grads: Sequence[Tensor | None], rows: int, norm_type: float,
-               like: Tensor) -> Tensor:
-    """Norm of each row's gradient over all parameters, in float32 at least (fp16 overflows)."""
+def batched_norms(grads: Sequence[Tensor | None], rows: int, norm_type: float,
+                  like: Tensor) -> Tensor:
+    """Norm of each row's gradient over all parameters ``[rows, ...]`` each (None: unused), in
+    float32 at least (fp16 overflows)."""
     parts = [torch.linalg.vector_norm(g.reshape(rows, -1), norm_type, dim=1,
                                       dtype=torch.promote_types(g.dtype, torch.float32))
              for g in grads if g is not None]
@@ -81,7 +75,7 @@ def _norms_of_rows(losses: Tensor, params: list[Tensor], rows: range, joint: boo
             warnings.filterwarnings("ignore", message=".*performance drop.*")
             grads = torch.autograd.grad(losses, params, cot, retain_graph=True,
                                         is_grads_batched=True, allow_unused=True)
-        return _row_norms(grads, len(rows), norm_type, losses)
+        return batched_norms(grads, len(rows), norm_type, losses)
     except RuntimeError as error:  # no batching rule: a real error re-raises in the loop
         warnings.warn(
             f"batched per-sample gradients unsupported by this model ({str(error)[:120]}); "
@@ -90,7 +84,7 @@ def _norms_of_rows(losses: Tensor, params: list[Tensor], rows: range, joint: boo
             stacklevel=4,
         )
     return torch.cat([
-        _row_norms([None if g is None else g.unsqueeze(0) for g in torch.autograd.grad(
+        batched_norms([None if g is None else g.unsqueeze(0) for g in torch.autograd.grad(
             losses, params, cot[r], retain_graph=True, allow_unused=True)], 1, norm_type, losses)
         for r in range(len(rows))
     ])

@@ -1,27 +1,10 @@
-"""Per-sample gradient norms of a weight used at several sites (tied or reused weights).
-
-A weight held by several layers (embedding/output tying in language models, one weight in two
-linear layers) gets, per sample, the sum of its sites' gradients, so its norm has cross terms
-between the sites that a per-layer ghost norm misses. Each site's gradient of sample i is an
-outer form ``Aᵢᵀ Bᵢ`` (``Aᵢ`` ``[S, m]``, ``Bᵢ`` ``[S, n]``, the weight seen as ``[m, n]``):
-
-* linear or convolution weight: ``A = D`` (output gradients), ``B = X`` (inputs or patches);
-* embedding weight: ``A = O`` (the one-hot token ids, a padding token's row zero),
-  ``B = D``; bias: ``A = D``, ``B = 1``;
-
-or a dense vector (a LayerNorm weight's ``Σₛ Dₛ ⊙ x̂ₛ``). The sum over sites is one outer form
-of the sites' rows stacked along S, ``[A₁; A₂]ᵀ [B₁; B₂]``, so the ghost-norm identity holds
-with every cross term included:
-
-    ‖Σ_s Aₛᵀ Bₛ‖² = Σ_{s,t} ⟨Aₛ Aₜᵀ, Bₛ Bₜᵀ⟩ = ‖(A Aᵀ) ⊙ (B Bᵀ)‖₁-sum
-
-(Goodfellow 2015; Li et al. 2022, ghost clipping). Per sample the cheaper of this Gram form
-(``S²·(m + n)``) and the materialised ``Aᵀ B`` (``S·m·n``) is taken; a p-norm other than 2, or
-a dense site, materialises (docs/loop.md, per-sample clipping).
-"""
+"""The per-sample gradient of a parameter as the sum of its sites' outer forms ``Aᵢᵀ Bᵢ``
+(tied or reused weights included, cross terms and all), and its p-th power norm: the cheaper
+of the Gram form and the materialised gradient (docs/loop.md, "Per-sample clipping")."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -48,8 +31,8 @@ def site_form(site: Site, x: Tensor, d: Tensor) -> tuple[Tensor, Tensor] | Tenso
         x = x.to(dtype)
     d = d.to(dtype)
     m = site.module
-    if not site.is_weight:
-        return d, torch.ones(*d.shape[:2], 1, dtype=dtype, device=d.device)
+    if not site.is_weight:  # a bias: Σₛ Dₛ
+        return d.sum(dim=1)
     if isinstance(m, nn.Embedding):
         hot = nn.functional.one_hot(x, m.num_embeddings).to(dtype)
         if m.padding_idx is not None:
@@ -71,19 +54,29 @@ def materialised(forms: list[tuple[Tensor, Tensor] | Tensor], dtype: torch.dtype
     return total
 
 
-def tied_powers(forms: list[tuple[Tensor, Tensor] | Tensor], norm_type: float) -> Tensor:
-    """Per-sample ``‖Σ_sites ∇‖ᵖ`` (float64 ``[B]``) of one weight from its sites' forms."""
+def _stacked(outer: list[tuple[Tensor, Tensor]], side: int, dtype: torch.dtype) -> Tensor:
+    """The sites' ``A`` (``side`` 0) or ``B`` rows stacked along S; one site's are not copied."""
+    rows = [form[side].to(dtype) for form in outer]
+    return rows[0] if len(rows) == 1 else torch.cat(rows, 1)
+
+
+def tied_powers(forms: list[tuple[Tensor, Tensor] | Tensor], norm_type: float,
+                b_gram: Callable[[], Tensor] | None = None) -> Tensor:
+    """Per-sample ``‖Σ_sites ∇‖ᵖ`` (float64 ``[B]``) of one parameter from its sites' forms:
+    the Gram form ``Σ (A Aᵀ) ⊙ (B Bᵀ)`` of the stacked outer forms where cheaper (p = 2),
+    else the materialised gradient. ``b_gram``: ``B Bᵀ`` (float64) where the caller keeps it
+    (a layer's inputs, the same for every task)."""
     parts = [t for form in forms for t in ((form,) if isinstance(form, Tensor) else form)]
     dtype = torch.float32
     for t in parts:
         dtype = torch.promote_types(dtype, t.dtype)
     outer = [form for form in forms if not isinstance(form, Tensor)]
     if norm_type == 2.0 and len(outer) == len(forms):
-        a = torch.cat([form[0].to(dtype) for form in outer], 1)
-        b = torch.cat([form[1].to(dtype) for form in outer], 1)
+        a, b = _stacked(outer, 0, dtype), _stacked(outer, 1, dtype)
         s, m, n = a.shape[1], a.shape[2], b.shape[2]
         if s * s * (m + n) < s * m * n:
-            gram = (a @ a.transpose(1, 2)).double() * (b @ b.transpose(1, 2)).double()
+            bb = (b @ b.transpose(1, 2)).double() if b_gram is None else b_gram()
+            gram = (a @ a.transpose(1, 2)).double() * bb
             return gram.sum(dim=(1, 2)).clamp_min(0)
     norms = torch.linalg.vector_norm(materialised(forms, dtype), norm_type, dim=1)
     powers: Tensor = norms.double() ** norm_type

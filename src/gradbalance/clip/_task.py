@@ -77,8 +77,7 @@ def norm_clip_coefficients(norms: Tensor, max_norm: float | Tensor,
 def clip_task_values_(matrix: Tensor, clip_value: float) -> Tensor:
     """Clamp every entry of ``matrix`` ``[K, P]`` to ``[-clip_value, clip_value]`` in place.
 
-    Returns the pre-clip 2-norms of the rows ``[K]``. Unlike norm clipping, this can turn a
-    row (``[30, 40]`` with ``clip_value=5`` becomes ``[5, 5]``).
+    Returns the pre-clip 2-norms of the rows ``[K]``; unlike norm clipping, it can turn a row.
 
     Example:
         >>> import torch

@@ -1,9 +1,6 @@
-"""Loss weightings: one method per private module, collected in :data:`WEIGHTINGS`.
-
-A loss weighting turns the K task losses into K weighted losses before the backward pass
-(GradNorm, Uncertainty Weighting, DWA, RLW, GLS, SI, FAMO, IMTL-L, STCH); subclass
-:class:`LossWeighting` to add one. The pure kernels live in :mod:`gradbalance.functional`.
-"""
+"""Loss weightings: K weighted task losses before the backward pass, one method per private
+module, collected in :data:`WEIGHTINGS` (docs/weighting.md); kernels in
+:mod:`gradbalance.functional`."""
 
 from __future__ import annotations
 

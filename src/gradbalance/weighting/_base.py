@@ -1,8 +1,5 @@
-"""The loss-weighting interface: weighted per-task losses before the backward pass.
-
-The contract (the call, the pending observation that :meth:`LossWeighting.update` consumes,
-skipped steps, which weights are parameters) is in docs/weighting.md, "The contract".
-"""
+"""The loss-weighting interface: weighted per-task losses before the backward pass
+(docs/weighting.md, "The contract")."""
 
 from __future__ import annotations
 
@@ -29,17 +26,10 @@ def _as_flag(found_inf: bool | Tensor) -> bool:
 class LossWeighting(StateModule):
     """Base class of every loss weighting.
 
-    Class attributes a subclass declares:
-
-    * ``name``: registry key (lower case).
-    * ``needs_task_gradients``: the call itself computes per-task gradients (GradNorm's norms
-      at one layer); all other methods cost no extra backward pass.
-    * ``learnable``: :meth:`parameters` yields ``nn.Parameter`` s the *user's* optimizer must
-      step (Uncertainty Weighting, IMTL-L).
-    * ``_pending_state``: what a step gathers for :meth:`update` besides the losses.
-
-    State is declared with :meth:`register_state` (and :attr:`_rebuilt`), which generates
-    :meth:`reset` (``docs/ARCHITECTURE.md``, "Extension contract").
+    A subclass declares ``name`` (registry key), ``needs_task_gradients`` (the call computes
+    task gradients, as GradNorm), ``learnable`` (:meth:`parameters` are for the *user's*
+    optimizer), ``_pending_state`` and its state with :meth:`register_state`: the rules of
+    docs/ARCHITECTURE.md, "Extension contract".
 
     Args:
         num_tasks: K; every call checks it.
@@ -99,14 +89,10 @@ class LossWeighting(StateModule):
     def forward(self, losses: Tensor | Sequence[Tensor], *, scaler: Any = None) -> Tensor:
         """Weighted task losses ``[K]`` (same dtype as ``losses``, graph kept).
 
-        Called as ``weighting(losses)``.
-
-        ``losses`` are the K task losses (batch means), a 1-D tensor or a list of scalars.
-        ``scaler``: the ``GradScaler`` of the loop; methods that take task gradients
-        (``needs_task_gradients``) use it to unscale them, the others ignore it.
-        The detached losses are added to the pending observation that :meth:`update` uses.
-        Non-finite losses are not an error here: they make the result (and the gradient)
-        non-finite, so a ``GradScaler`` skips the step; :meth:`update` then refuses them.
+        Called as ``weighting(losses)``, ``losses`` the K task losses (a 1-D tensor or a list
+        of scalars); ``scaler``: the loop's ``GradScaler`` (read by GradNorm only). The detached
+        losses join the pending observation of :meth:`update`; inf/NaN losses do not raise
+        here (the scaler skips the step).
         """
         vector = as_loss_vector("losses", losses, self.num_tasks)
         if not vector.is_floating_point():
@@ -123,19 +109,11 @@ class LossWeighting(StateModule):
     ) -> bool:
         """Learn from the step just taken; call once per optimizer step, after it.
 
-        Args:
-            losses_after: the same batch's task losses after the step (FAMO only; other
-                methods ignore it).
-            found_inf: True when the optimizer step was skipped (e.g.
-                ``scaler.get_scale() < scale_before``); the pending observation is then
-                dropped and the state stays bit-identical.
-
-        Returns:
-            True when the state was updated.
-
-        Raises:
-            NonFiniteGradientError: the step's losses (or ``losses_after``) hold inf/NaN and
-                ``found_inf`` is False; the state is unchanged.
+        ``losses_after``: the same batch's task losses after the step (FAMO only).
+        ``found_inf``: True when the optimizer step was skipped (e.g. ``scaler.get_scale() <
+        scale_before``): the pending observation is dropped, the state bit-identical. Returns
+        True when the state was updated; ``NonFiniteGradientError`` (state unchanged) for
+        inf/NaN losses of a step not skipped.
         """
         pending = self._pending
         try:
@@ -167,11 +145,9 @@ class LossWeighting(StateModule):
     def pending_tensors(self) -> list[Tensor]:
         """The pending observation of this step: what :meth:`update` will learn from.
 
-        The summed detached losses ``[K]`` (float64) and whatever a method gathers besides
-        (GradNorm: the ``[K, P_layer]`` gradients at its layer); empty before the step's first
-        call. The list order is the same on every process. Changing the tensors in place
-        changes what :meth:`update` sees: data-parallel training averages them over the ranks
-        (:func:`~gradbalance.sync_weighting_`), so that every rank learns from the full batch.
+        The summed detached losses ``[K]`` (float64) and what a method gathers besides
+        (GradNorm: its layer's ``[K, P_layer]`` gradients), in the same order on every process;
+        data-parallel training averages them in place (:func:`~gradbalance.sync_weighting_`).
         """
         gathered = [getattr(self, name) for name in self._pending_state]
         return [t for t in [self._pending, *gathered] if t is not None]

@@ -32,13 +32,9 @@ class DWA(LossWeighting):
     ``Lₖ(t)`` is the mean loss of period ``t``; ``wₖ = 1`` for the first two periods.
 
     Args:
-        num_tasks: K.
         temperature: ``T > 0``; the paper uses 2.
         period: optimizer steps (not skipped) per averaging period (the paper's epoch:
             ``steps_per_epoch``), or None to close periods with :meth:`end_period`.
-
-    State: the buffers ``_weights`` ``[K]``, ``_history`` ``[2, K]``, ``_window`` ``[K]`` and
-    the period and window step counts ``_periods``, ``_window_steps``.
 
     Reference: Liu, Johns & Davison, "End-to-End Multi-Task Learning with Attention",
     CVPR 2019.

@@ -41,18 +41,11 @@ class FAMO(OwnOptimizerWeighting):
        ``ξ`` takes one step of its own Adam (``lr``, ``weight_decay=gamma``) along
        ``∇_ξ softmax(ξ)·δ``: tasks whose loss fell less get more weight.
 
-    With micro-batches pass ``losses_after`` aggregated as the step's calls were (their
-    sum; docs/weighting.md).
-
     Args:
-        num_tasks: K.
         lr: learning rate of ``ξ`` (paper: 0.025).
         gamma: weight decay of ``ξ`` (reference implementation default 0.01).
         min_losses: ``m`` ``[K]``, lower bounds of the losses (default 0).
         optimizer: factory ``params -> torch.optim.Optimizer`` replacing the default Adam.
-
-    State: the buffers ``logits`` (stepped by FAMO's own optimizer, never by the user's) and
-    ``min_losses`` ``[K]``; the optimizer's state in the extra state (``"optimizer"``).
 
     Reference: Liu, Liu, Jin, Stone & Liu, "FAMO: Fast Adaptive Multitask Optimization",
     NeurIPS 2023.

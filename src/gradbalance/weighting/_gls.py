@@ -31,10 +31,8 @@ def gls_weights(losses: Tensor, eps: float = 1e-12) -> Tensor:
 class GLS(LossWeighting):
     """Geometric loss strategy: minimise ``(Πₖ Lₖ)^{1/K}``.
 
-    Returned weighted losses are ``wₖ Lₖ`` with the detached weights of :func:`gls_weights`:
-    their sum equals the geometric mean in value and gradient, and their per-task rows are
-    ``wₖ ∇Lₖ``. Stateless; the losses must be >= 0. Weights come from each call's losses, so
-    with micro-batches they follow each micro-batch.
+    Returns ``wₖ Lₖ`` with the detached weights of :func:`gls_weights` (their sum is the
+    geometric mean in value and gradient); stateless, the losses must be >= 0.
 
     Reference: Chennupati et al., "MultiNet++: Multi-Stream Feature Aggregation and Geometric
     Loss Strategy for Multi-Task Learning", CVPR Workshops 2019.

@@ -66,13 +66,10 @@ class GradNorm(OwnOptimizerWeighting):
     is clamped to ``>= min_weight`` and rescaled to sum to K (docs/weighting.md;
     ``renormalize=False`` leaves the sum free to drift).
 
-    ``weighting(losses)`` computes ``∇_W Lₖ`` (K small backward passes; summed over
-    micro-batches) and returns ``wₖ Lₖ`` with ``w`` detached; ``update()`` takes the ``w``
-    step. ``Lₖ(0)`` are the losses of the first step not skipped. Under mixed precision pass
-    the scaler: ``weighting(losses, scaler=scaler)``.
+    ``weighting(losses)`` computes ``∇_W Lₖ`` (K small backward passes) and returns ``wₖ Lₖ``
+    with ``w`` detached; ``update()`` takes the ``w`` step. ``Lₖ(0)``: the first losses.
 
     Args:
-        num_tasks: K.
         layer: the shared layer ``W``: a module (its last parametrised submodule is used,
             e.g. ``model.trunk``) or a list of parameters.
         alpha: asymmetry ``α >= 0`` (paper: 1.5 on NYUv2, 0.12 on its synthetic tasks; 0
@@ -81,10 +78,6 @@ class GradNorm(OwnOptimizerWeighting):
         renormalize: rescale ``w`` to sum to K after every update.
         min_weight: floor that keeps every weight positive.
         optimizer: factory ``params -> torch.optim.Optimizer`` replacing the default Adam.
-
-    State: the buffers ``task_weights`` (stepped by GradNorm's own optimizer, never by the
-    user's) and ``_initial`` (``Lₖ(0)``, None before the first update); the optimizer's state
-    in the extra state (``"optimizer"``).
 
     Reference: Chen, Badrinarayanan, Lee & Rabinovich, "GradNorm: Gradient Normalization for
     Adaptive Loss Balancing in Deep Multitask Networks", ICML 2018.

@@ -17,7 +17,6 @@ class IMTLL(LossWeighting):
     ``log_scales``). Its optimum ``e^{sₖ} = 1/Lₖ`` makes every scaled loss ``1 + log Lₖ``.
 
     Args:
-        num_tasks: K.
         dtype: dtype of ``s`` (float32 by default).
 
     Reference: Liu et al., "Towards Impartial Multi-task Learning", ICLR 2021 (IMTL-L).

@@ -1,9 +1,6 @@
-"""Loss weightings whose weights their own optimizer steps (GradNorm, FAMO).
-
-The trained tensor is a per-task buffer with ``requires_grad``, so an optimizer built from
-``model.parameters()`` never steps it a second time; the optimizer's state is extra state,
-checked against a scratch optimizer before a load changes anything (docs/weighting.md).
-"""
+"""Loss weightings whose weights their own optimizer steps (GradNorm, FAMO): a per-task
+buffer with ``requires_grad`` (so the user's optimizer never steps it) and the optimizer's
+state as extra state, checked on a scratch optimizer before a load (docs/weighting.md)."""
 
 from __future__ import annotations
 

@@ -25,15 +25,11 @@ class RLW(LossWeighting):
     skipped step keeps its weights and does not advance the generator.
 
     Args:
-        num_tasks: K.
         distribution: ``"normal"`` (default) or ``"dirichlet"``.
         generator: a CPU ``torch.Generator`` (its state is saved in :meth:`state_dict`); one
             seeded with ``seed`` is made when omitted.
         seed: seed of the generator made here; default: drawn from torch's global RNG, so
             ``torch.manual_seed`` makes runs repeat.
-
-    State: the buffer ``_weights`` ``[K]``; the generator's state in the extra state
-    (``"rng_state"``).
 
     Reference: Lin et al., "Reasonable Effectiveness of Random Weighting: A Litmus Test for
     Multi-Task Learning", TMLR 2022.
@@ -92,6 +88,11 @@ class RLW(LossWeighting):
         if not isinstance(rng_state, Tensor) or rng_state.dtype != torch.uint8:
             raise ValueError("state_dict lacks 'rng_state' (the uint8 state of a "
                              "torch.Generator); was it saved from another RLW?")
+        try:  # torch's own check, on a scratch generator: a bad state never reaches ours
+            torch.Generator().set_state(rng_state)
+        except (TypeError, RuntimeError) as error:
+            raise ValueError(f"state_dict['rng_state'] is not the state of a CPU generator "
+                             f"({error}); pass the output of RLW.state_dict()") from None
 
     def _load_extra(self, extra: dict[str, Any]) -> None:
         super()._load_extra(extra)

@@ -45,14 +45,10 @@ class STCH(LossWeighting):
     Returns ``wₖ Lₖ`` with detached weights (:func:`stch_weights`). Losses must be > 0.
 
     Args:
-        num_tasks: K.
         mu: smoothing ``μ > 0``.
         warmup_steps: optimizer steps used to estimate the nadir.
         nadir: reference losses ``[K]`` (> 0), instead of the warm-up estimate.
         preference: ``λ`` ``[K]`` (> 0, default ones).
-
-    State: the buffers ``_nadir`` ``[K]`` (None while being estimated), ``_warmup_sum``
-    ``[K]`` and the step count ``_steps``.
 
     Reference: Lin et al., "Smooth Tchebycheff Scalarization for Multi-Objective
     Optimization", ICML 2024.

@@ -22,14 +22,10 @@ class UncertaintyWeighting(LossWeighting):
 
         cₖ·e^{−sₖ}·Lₖ + sₖ/2   (= Lₖ/(2σₖ²) + log σₖ, or Lₖ/σₖ² + log σₖ)
 
-    so at ``σ = 1`` the weights are 0.5 and 1. The ``sₖ`` are trained by *your* optimizer:
-    an ``nn.Parameter`` (``log_vars``), in ``model.parameters()`` when the weighting is a
-    submodule of the model, else add :meth:`parameters` (and, with a
-    :class:`~gradbalance.TaskGradBuffer`, list them in ``head_params``). Leave them out of
-    weight decay unless you want its prior (docs/weighting.md).
+    so at ``σ = 1`` the weights are 0.5 and 1. The ``sₖ`` (``log_vars``, an ``nn.Parameter``)
+    are trained by *your* optimizer (docs/weighting.md).
 
     Args:
-        num_tasks: K.
         task_types: ``"regression"``, ``"classification"`` or one of them per task.
         init_log_var: initial ``sₖ`` (0: ``σ = 1``).
         dtype: dtype of ``s`` (float32 by default, like the model).

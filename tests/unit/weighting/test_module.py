@@ -190,6 +190,17 @@ def test_a_damaged_optimizer_state_is_refused_before_anything_moves() -> None:
     assert_same_state(target.weighting.state_dict(), before)
 
 
+def test_a_generator_state_of_the_wrong_size_is_refused_before_anything_moves() -> None:
+    state = RLW(K, seed=0).state_dict()
+    state["_weights"] = torch.full((K,), 1.0 / K, dtype=torch.float64)
+    state["_extra_state"]["rng_state"] = torch.zeros(7, dtype=torch.uint8)  # too short
+    target = RLW(K, seed=3)
+    before = copy.deepcopy(target.state_dict())
+    with pytest.raises(ValueError, match="rng_state"):
+        target.load_state_dict(state)
+    assert_same_state(target.state_dict(), before)
+
+
 def test_a_loaded_state_lands_on_the_weightings_device() -> None:
     weighting = GradNorm(K, Tiny().trunk, device="meta")
     saved = GradNorm(K, Tiny().trunk).state_dict()
