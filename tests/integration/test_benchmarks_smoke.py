@@ -17,7 +17,9 @@ def _run(script: str, *args: str) -> None:
 
 
 def _ratios(row: str) -> list[float]:
-    return [float(v) for v in re.findall(r"\| ([0-9.]+)", row)]
+    """The row's numeric cells (signed: LB is a difference of medians, which a noisy machine
+    can push below zero)."""
+    return [float(v) for v in re.findall(r"\| (-?[0-9.]+(?:e[-+]?[0-9]+)?)", row)]
 
 
 def test_step_overhead_quick_writes_every_requested_variant(tmp_path: Path) -> None:
@@ -30,7 +32,9 @@ def test_step_overhead_quick_writes_every_requested_variant(tmp_path: Path) -> N
     for name in ("LB", "matrix-mgda", "passes-loop", "passes-batched",
                  "persample-graph-mgda", "persample-model-mgda", "persample-ghost-mgda"):
         values = _ratios(rows[name])
-        assert values and all(math.isfinite(v) and v > 0 for v in values), rows[name]
+        assert values and all(math.isfinite(v) for v in values), rows[name]
+        if name != "LB":  # a measured time over the plain step's: positive by construction
+            assert all(v > 0 for v in values), rows[name]
 
 
 def test_gramian_crossover_quick_writes_its_table(tmp_path: Path) -> None:
