@@ -36,11 +36,11 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch
-from per_sample_models import MODELS
 from torch import Tensor, nn
 
 from gradbalance import TaskGradBuffer
 from gradbalance.balancers import MGDA, UPGrad
+from per_sample_models import MODELS
 
 Step = Callable[[Tensor, Tensor], None]
 MiB = 2.0**20
