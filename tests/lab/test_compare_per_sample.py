@@ -79,8 +79,9 @@ def test_a_run_equals_the_matrix_route_over_the_same_objectives(data: MultiDigit
 def test_the_cli_writes_the_rows_config_and_figure(tmp_path: Path,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"
-    code = main(["compare", "--per-sample", *TINY, "--seeds", "2", "--timing-rounds", "1",
-                 "--out", str(out)])
+    with_tb = [a for a in TINY if a != "--no-tensorboard"]
+    code = main(["compare", "--per-sample", *with_tb, "--seeds", "2", "--timing-rounds", "1",
+                 "--log-every", "1", "--out", str(out)])
     assert code == 0, capsys.readouterr().err
     summary = _read(out / "summary.csv")
     assert [(r["method"], r["kind"]) for r in summary] == [
@@ -91,6 +92,17 @@ def test_the_cli_writes_the_rows_config_and_figure(tmp_path: Path,
     assert json.loads((out / "config.json").read_text())["per_sample"] is True
     assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "# gradbalance compare --per-sample" in (out / "summary.md").read_text()
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(out / "tb" / "mgda-per-sample" / "seed0"))
+    acc.Reload()
+    assert {"loss/task0", "loss/task1", "w/task0", "w/task1"} <= set(acc.Tags()["scalars"])
+    # MGDA's weights are a convex combination of the B·K objectives, so the per-task means
+    # over the batch of 32 add up to 1/32 at every logged step
+    for w0, w1 in zip(acc.Scalars("w/task0"), acc.Scalars("w/task1")):
+        assert w0.value + w1.value == pytest.approx(1 / 32, rel=1e-4)
+    assert len(acc.Scalars("w/task0")) == 3
 
 
 @pytest.mark.parametrize(("extra", "text"), [
