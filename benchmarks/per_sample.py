@@ -17,7 +17,7 @@ Peak memory: one more step of each variant (MGDA) under ``torch.profiler`` with
 and the peak is the largest sum of the bytes allocated during the step and still alive
 (tensors that existed before the step, the parameters and the input, are not counted).
 
-    python benchmarks/per_sample.py                     # ≈ 25 min on a loaded 2-core machine
+    python benchmarks/per_sample.py                     # ≈ 50 min on a shared 2-core machine
     python benchmarks/per_sample.py --models mlp --batches 16 --rounds 3
     python benchmarks/per_sample.py --quick             # smoke run, tiny models, seconds
 """
