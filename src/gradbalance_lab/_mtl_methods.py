@@ -21,6 +21,7 @@ from gradbalance.balancers import BALANCERS, Balancer
 __all__ = [
     "DEFAULT_BALANCERS",
     "DEFAULT_WEIGHTINGS",
+    "PER_SAMPLE",
     "PLAIN",
     "Method",
     "available_weightings",
@@ -37,14 +38,18 @@ __all__ = [
 DEFAULT_BALANCERS = ("sum", "pcgrad", "mgda", "cagrad", "imtlg", "nashmtl", "upgrad")
 DEFAULT_WEIGHTINGS = ("gradnorm", "uncertainty")
 
+#: The kind of a balancer run over per-sample objectives (``gradbalance compare --per-sample``).
+PER_SAMPLE = "per-sample"
+
 
 @dataclass(frozen=True)
 class Method:
     """One row of the comparison.
 
-    ``kind`` is ``"plain"``, ``"balancer"``, ``"weighting"`` or ``"single"``; ``key`` is the
-    registry name (``"plain"`` for the plain step; for ``single``, the task name) and ``task``
-    the task index of a single-task baseline.
+    ``kind`` is ``"plain"``, ``"balancer"``, ``"weighting"``, ``"single"`` or
+    ``"per-sample"`` (a balancer over the per-sample losses, ``compare --per-sample``); ``key``
+    is the registry name (``"plain"`` for the plain step; for ``single``, the task name) and
+    ``task`` the task index of a single-task baseline.
     """
 
     kind: str
@@ -54,6 +59,8 @@ class Method:
 
     @property
     def label(self) -> str:
+        if self.kind == PER_SAMPLE:
+            return f"{self.key}-per-sample"
         return f"single-{self.key}" if self.kind == "single" else self.key
 
 

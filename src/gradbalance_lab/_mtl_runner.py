@@ -25,6 +25,7 @@ from gradbalance.clip import GhostNorms, PerSampleClip
 from gradbalance_lab._mtl_methods import Method, build_weighting
 from gradbalance_lab._mtl_progress import Progress
 from gradbalance_lab._mtl_step import MethodStep
+from gradbalance_lab._per_sample_methods import PER_SAMPLE
 from gradbalance_lab.data import MultiDigits
 from gradbalance_lab.models import MultiTaskModel, cnn_trunk, mlp_trunk
 
@@ -136,7 +137,8 @@ class _Step:
 
     The backward itself is :class:`~gradbalance_lab._mtl_step.MethodStep`'s (the plain sum, a
     loss weighting's one pass or a balancer's buffer); a single-task baseline runs the plain
-    backward of its one loss. With per-sample clipping the losses are the clipped ones.
+    backward of its one loss. With per-sample clipping the losses are the clipped ones; a
+    per-sample balancer (``compare --per-sample``) gets the ``[B, K]`` losses.
     """
 
     def __init__(self, method: Method, model: MultiTaskModel, data: MultiDigits,
@@ -148,13 +150,18 @@ class _Step:
         self.clip: PerSampleClip | None = None
         self.ghost: GhostNorms | None = None
         if cfg is not None and cfg.per_sample_clip is not None:
+            if method.kind == PER_SAMPLE:
+                raise ValueError("per-sample clipping (--per-sample-clip) and per-sample "
+                                 "objectives (--per-sample) cannot be combined; drop one")
             self.clip = PerSampleClip(cfg.per_sample_clip, noise_multiplier=cfg.noise_multiplier,
                                       generator=torch.Generator().manual_seed(10_000 + seed))
             self.ghost = GhostNorms(model)  # hooks before the first forward
         if method.kind != "single":
             self.core = MethodStep(method, model.shared_parameters(), model.head_parameters(),
                                    data.num_tasks, seed,
-                                   lambda key: build_weighting(key, data, seed, model.trunk))
+                                   lambda key: build_weighting(key, data, seed, model.trunk),
+                                   trunk=model.trunk)
+        self.sample_weights: Tensor | None = None  # a per-sample balancer's, per task [K]
 
     @property
     def extra_params(self) -> list[Tensor]:
@@ -163,7 +170,10 @@ class _Step:
 
     @property
     def weights(self) -> Tensor | None:
-        """A loss weighting's current weights (None for the other methods)."""
+        """A loss weighting's current weights; a per-sample balancer's last weights, the mean
+        over the batch per task (1 for the plain mean); None for the other methods."""
+        if self.sample_weights is not None:
+            return self.sample_weights
         return None if self.core is None else self.core.weights
 
     def _clipped(self, outputs: list[Tensor], targets: Tensor, tasks: list[int]) -> Tensor:
@@ -182,11 +192,24 @@ class _Step:
             loss.backward()
             self._add_noise(targets.shape[0])
             return loss.detach().reshape(1), None
+        if self.method.kind == PER_SAMPLE:
+            return self._per_sample(outputs, targets), None
         losses = (data.losses(outputs, targets) if self.clip is None
                   else self._clipped(outputs, targets, list(range(data.num_tasks))))
         stats = self.core.backward(losses)
         self._add_noise(targets.shape[0])
         return losses.detach(), stats
+
+    def _per_sample(self, outputs: list[Tensor], targets: Tensor) -> Tensor:
+        """The balancer over the ``[B, K]`` losses ``ℓᵢₖ / B`` (their sum: the plain mean's
+        loss); returns the batch-mean task losses ``[K]``."""
+        assert self.core is not None
+        batch = targets.shape[0]
+        losses = self.data.per_sample_losses(outputs, targets) / batch
+        stats = self.core.backward(losses)
+        if stats is not None and stats.weights is not None:
+            self.sample_weights = stats.weights.detach().reshape(batch, -1).mean(0)
+        return losses.detach().sum(0)
 
     def _add_noise(self, batch: int) -> None:
         if self.clip is not None:

@@ -4,6 +4,8 @@ Trains one shared trunk with a head per task for every chosen method and seed, p
 single-task model per task and seed (the Δm baseline), then prints and writes the table of
 per-task test metrics (mean ± std over seeds), Δm % and the step time relative to the plain
 step ``losses.sum().backward()`` (timed interleaved: :mod:`gradbalance_lab._mtl_timing`).
+``--per-sample`` runs the balancers over the per-sample losses instead
+(:mod:`gradbalance_lab._per_sample_methods`).
 """
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ from gradbalance_lab._mtl_cli import (
 from gradbalance_lab._mtl_methods import (
     DEFAULT_BALANCERS,
     DEFAULT_WEIGHTINGS,
+    Method,
     available_weightings,
     resolve_methods,
     runnable,
 )
 from gradbalance_lab._mtl_outputs import Written
 from gradbalance_lab._own_compare import Comparison, compare, default_methods
+from gradbalance_lab._per_sample_methods import DEFAULT_PER_SAMPLE, resolve_per_sample
 
 __all__ = ["HELP", "Comparison", "compare", "configure", "default_methods", "run"]
 
@@ -59,6 +63,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
              f"Installed: {', '.join(sorted(available_weightings())) or 'none'}")
     methods.add_argument("--no-baselines", action="store_true",
                          help="skip the single-task models (no Δm column)")
+    methods.add_argument(
+        "--per-sample", action="store_true",
+        help="instance-wise: every balancer combines the B x K per-sample (sample x task) "
+             "losses of the batch (TaskGradBuffer(batch_dim=0)), against 'sum', the plain "
+             f"mean; default balancers {','.join(DEFAULT_PER_SAMPLE)}, no loss weightings "
+             "(docs/compare.md, 'Per-sample objectives')")
     own = parser.add_argument_group(
         "your own model (instead of MultiDigits; the data, trunk and epoch options are then "
         "not used)")
@@ -105,7 +115,29 @@ def _run_own(args: argparse.Namespace) -> int:
     return 0
 
 
+def _per_sample_methods(args: argparse.Namespace) -> list[Method]:
+    """``--per-sample``'s methods; a ValueError for the options it cannot take."""
+    for given, option, why in (
+            (args.model is not None, f"--model {args.model}", "it runs on MultiDigits"),
+            (args.weightings not in (None, "none"), f"--weightings {args.weightings}",
+             "loss weightings weight the K task losses (pass --weightings none)"),
+            (args.per_sample_clip is not None, f"--per-sample-clip {args.per_sample_clip}",
+             "per-sample clipping and per-sample objectives are two routes; drop one")):
+        if given:
+            raise ValueError(f"--per-sample does not take {option}: {why}")
+    return resolve_per_sample(_choice(args.balancers, BALANCERS),
+                              optional=str(args.balancers).strip().lower() == "all")
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.per_sample:
+        try:
+            methods = _per_sample_methods(args)
+        except ValueError as error:
+            print(f"gradbalance compare: error: {error}", file=sys.stderr)
+            return 2
+        return execute(args, methods, baselines=not args.no_baselines,
+                       title="gradbalance compare --per-sample")
     if args.model is not None:
         return _run_own(args)
     try:
