@@ -430,27 +430,41 @@ def _off_span(a: Tensor, idx: list[int], work: _Work) -> Tensor:
 
 @dataclass
 class _Scales:
-    """The fixed scales of one :func:`_lawson_hanson` call: the column norms ``‖Aⱼ‖``,
-    ``‖A‖_F`` and ``‖b‖``."""
+    """The fixed scales of one :func:`_lawson_hanson` call: the column norms ``‖Aⱼ‖`` (as a
+    tensor too), ``‖A‖_F`` and ``‖b‖``."""
 
     norms: list[float]
     fro: float
     bnorm: float
+    norms_t: Tensor
 
 
 def _candidates(a: Tensor, b: Tensor, x: Tensor, passive: list[bool], scales: _Scales,
-                tol: float, work: _Work) -> list[tuple[float, int]]:
-    """``(gⱼ, j)`` of every index that may enter the passive set (see :func:`_lawson_hanson`):
-    outside it, independent of it, and with ``wⱼ`` above both ``tol ‖eⱼ‖‖r‖`` and rounding."""
+                tol: float, work: _Work) -> Tensor:
+    """``gⱼ`` ``[n]`` of every index that may enter the passive set (see
+    :func:`_lawson_hanson`), ``−inf`` elsewhere: outside it, independent of it, and with
+    ``wⱼ`` above both ``tol ‖eⱼ‖‖r‖`` and rounding. One pass of tensor operations over the
+    ``n`` columns (no per-column Python work)."""
     r = b - a @ x
     rnorm = float(_norm(r))
-    w_l = (a.T @ r).tolist()
-    off = _off_span(a, _indices(passive), work).tolist()
+    w = a.T @ r
+    off = _off_span(a, _indices(passive), work)
     noise = 8 * _EPS * (scales.bnorm + scales.fro * float(_norm(x)))
-    norms = scales.norms
-    return [(w_l[j] / off[j], j) for j in range(len(passive))
-            if not passive[j] and off[j] > INDEPENDENCE_RTOL * norms[j]
-            and w_l[j] > max(tol * rnorm * off[j], noise * norms[j])]
+    norms = scales.norms_t
+    outside = ~torch.tensor(passive, dtype=torch.bool)
+    ok = outside & (off > INDEPENDENCE_RTOL * norms) & (
+        w > torch.maximum(tol * rnorm * off, noise * norms))
+    return torch.where(ok, w / torch.where(ok, off, 1.0), -math.inf)
+
+
+def _pick(scores: Tensor, aside: set[int]) -> int | None:
+    """The index of the largest score not set aside (the last one of equal scores), or None
+    when no candidate is left."""
+    if aside:
+        scores = scores.clone()
+        scores[list(aside)] = -math.inf
+    last = scores.shape[0] - 1 - int(torch.argmax(scores.flip(0)))
+    return last if float(scores[last]) > -math.inf else None
 
 
 def _add(a: Tensor, b: Tensor, x: Tensor, passive: list[bool], t: int, norms: list[float],
@@ -485,19 +499,19 @@ def _lawson_hanson(a: Tensor, b: Tensor, passive0: list[bool] | None, tol: float
     entering index no positive value (it is then set aside until ``x`` changes).
     """
     n = a.shape[1]
-    norms = _norm(a, dim=0).tolist()
-    scales = _Scales(norms, float(_norm(a)), float(_norm(b)))
+    norms_t = _norm(a, dim=0)
+    norms = norms_t.tolist()
+    scales = _Scales(norms, float(_norm(a)), float(_norm(b)), norms_t)
     passive = [False] * n if passive0 is None else _nonzero_guess(passive0, norms)
     x = _warm_start(a, b, passive, norms, work)
     seen: set[tuple[bool, ...]] = set()
     aside: set[int] = set()
     while work.additions < max_additions:
-        cands = _candidates(a, b, x, passive, scales, tol, work)
-        open_ = [c for c in cands if c[1] not in aside]
-        if not open_:
-            return x, not cands
+        scores = _candidates(a, b, x, passive, scales, tol, work)
+        t = _pick(scores, aside)
+        if t is None:
+            return x, not bool((scores > -math.inf).any())
         work.additions += 1
-        t = max(open_)[1]
         moved = _add(a, b, x, passive, t, norms, work)
         if moved is None:
             aside.add(t)
