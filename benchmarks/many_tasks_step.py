@@ -20,9 +20,9 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent))  # the sibling script below
 
-import step_overhead  # noqa: E402  (the sibling script, importable once its folder is on the path)
+import step_overhead
 
 VARIANTS = "matrix-upgrad,gramian-upgrad,matrix-pcgrad,gramian-pcgrad"
 MEMORY_VARIANTS = ("plain", "matrix-upgrad", "gramian-upgrad")
