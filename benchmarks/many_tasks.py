@@ -8,10 +8,13 @@ the ratio base) and the plain float32 ``J Jᵀ``, every balancer's
 each round (interleaved). The figure is the median over the rounds, in ms and as a multiple
 of the Gramian's median. A method whose call at some K takes more than ``--budget / 8``
 seconds is not run at the larger K (marked ``cut``; cubic growth would take it past the
-budget), and a single call over ``--budget`` ends its rounds at that K.
+budget), and a single call over ``--budget`` ends its rounds at that K. A result that is not
+finite is reported as such (``--kind rank8``: rows in a rank-8 span, near-duplicate pairs,
+norms spanning 1e-6 … 1e6).
 
     python benchmarks/many_tasks.py                      # K = 8 … 1,024, P = 20,000
     python benchmarks/many_tasks.py --ks 8,64 --p 2000   # smoke run
+    python benchmarks/many_tasks.py --kind rank8 --ks 64,256 --name cpu_rank8
 
 Writes ``results/many_tasks_<name>.md`` and ``.json``; see ``docs/performance.md``.
 """
@@ -43,6 +46,19 @@ def conflicting_rows(k: int, p: int, seed: int) -> torch.Tensor:
     return (scale * shared + 0.5 * noise).contiguous()
 
 
+def rank_deficient_rows(k: int, p: int, seed: int) -> torch.Tensor:
+    """``[K, P]`` float32 rows in a rank-8 span: adjacent pairs 1e-6 apart (relative), each row
+    then scaled by one of ``logspace(-6, 6, K)`` (norms spanning 1e-6 … 1e6)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randn(k, 8, generator=gen) @ torch.randn(8, p, generator=gen)
+    rows[1::2] = rows[0 : k - 1 : 2] + 1e-6 * torch.randn(k // 2, p, generator=gen)
+    scales = torch.logspace(-6, 6, k)[torch.randperm(k, generator=gen)]
+    return (rows * scales[:, None]).contiguous()
+
+
+KINDS = {"conflicting": conflicting_rows, "rank8": rank_deficient_rows}
+
+
 def make_balancer(name: str, k: int) -> Balancer:
     """The balancer with its defaults (Constant: equal weights)."""
     if name == "constant":
@@ -66,9 +82,10 @@ def torchjd_calls(matrix: torch.Tensor) -> dict[str, Call]:
     return out
 
 
-def calls_at(k: int, p: int, names: list[str], torchjd: bool) -> dict[str, Call]:
+def calls_at(k: int, p: int, names: list[str], torchjd: bool,
+             kind: str = "conflicting") -> dict[str, Call]:
     """Every method to time at this K, the Gramian first."""
-    matrix = conflicting_rows(k, p, seed=k)
+    matrix = KINDS[kind](k, p, seed=k)
     losses = torch.rand(k, generator=torch.Generator().manual_seed(k)) + 0.5
     calls: dict[str, Call] = {"gramian": lambda: compute_gramian(matrix),
                               "J Jᵀ float32": lambda: matrix @ matrix.T}
@@ -93,11 +110,14 @@ def time_k(calls: dict[str, Call], rounds: int, budget: float) -> dict[str, floa
                 continue
             start = time.perf_counter()
             try:
-                calls[name]()
+                out = calls[name]()
             except Exception as exc:
                 result[name] = f"error: {type(exc).__name__}"
                 continue
             elapsed = time.perf_counter() - start
+            if not finite(out):
+                result[name] = "not finite"
+                continue
             if r > 0 or elapsed > budget:
                 times[name].append(elapsed)
             if elapsed > budget:
@@ -106,6 +126,12 @@ def time_k(calls: dict[str, Call], rounds: int, budget: float) -> dict[str, floa
         if name not in result:
             result[name] = statistics.median(ts)
     return result
+
+
+def finite(out: object) -> bool:
+    """Whether a call's result (a tensor, a Combination or TorchJD's vector) is finite."""
+    vector = getattr(out, "vector", out)
+    return not isinstance(vector, torch.Tensor) or bool(torch.isfinite(vector).all())
 
 
 def table(ks: list[int], rows: dict[str, dict[int, float | str]]) -> str:
@@ -134,6 +160,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--only", default="", help="comma-separated balancer names")
     parser.add_argument("--no-torchjd", action="store_true")
+    parser.add_argument("--kind", default="conflicting", choices=sorted(KINDS),
+                        help="rank8: rows in a rank-8 span, near duplicates, norms 1e-6 … 1e6")
     parser.add_argument("--name", default="cpu")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
@@ -143,7 +171,8 @@ def main() -> None:
     rows: dict[str, dict[int, float | str]] = {}
     cut: set[str] = set()
     for k in ks:
-        calls = {n: c for n, c in calls_at(k, args.p, names, not args.no_torchjd).items()
+        calls = {n: c for n, c in calls_at(k, args.p, names, not args.no_torchjd,
+                                                   args.kind).items()
                  if n not in cut}
         for name, value in time_k(calls, args.rounds, args.budget).items():
             rows.setdefault(name, {})[k] = value
@@ -152,7 +181,8 @@ def main() -> None:
         for name in cut:
             rows.setdefault(name, {}).setdefault(k, "cut")
         print(f"K={k} done", flush=True)
-    text = (f"# Combine time vs K (P = {args.p}, float32 rows, {args.threads} thread(s), "
+    text = (f"# Combine time vs K ({args.kind} rows, P = {args.p}, float32, {args.threads} "
+            f"thread(s), "
             f"median of {args.rounds} interleaved rounds, budget {args.budget} s)\n\n"
             + table(ks, rows) + "\n")
     out = Path(args.out)

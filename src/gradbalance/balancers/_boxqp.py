@@ -84,12 +84,12 @@ def _solve_free(q: Tensor, rhs: Tensor, free: Tensor, total: Tensor | None) -> T
     return torch.cholesky_solve((rhs * freef)[..., None], chol)[..., 0] * freef
 
 
-def _multipliers(q: Tensor, y: Tensor, shift: Tensor, free: Tensor, simplex: bool) -> Tensor:
-    """``w = Qy + shift`` (``[B, K]``), less ``ν``, its mean over the free set, with the
-    simplex."""
-    w = y @ q + shift
+def _multipliers(yq: Tensor, shift: Tensor, free: Tensor, simplex: bool) -> Tensor:
+    """``w = Qy + shift`` (``[B, K]``; ``yq = yQ``, from the solve), less ``ν``, its mean
+    over the free set, with the simplex."""
+    w = yq + shift
     if simplex:
-        freef = free.to(q.dtype)
+        freef = free.to(yq.dtype)
         w = w - (w * freef).sum(dim=1, keepdim=True) / freef.sum(dim=1, keepdim=True)
     return w
 
@@ -108,47 +108,65 @@ def _exchange(free: Tensor, bad: Tensor, block: Tensor, order: Tensor, simplex: 
     return free
 
 
-def _pcg_free(q: Tensor, h: Tensor, rhs: Tensor, free: Tensor, y0: Tensor,
-              tight: Tensor) -> tuple[Tensor, Tensor]:
-    """``(y, converged)`` (``[B, K]``, ``[B]``): ``Q_FF y_F = rhs_F`` per row, ``y`` zero off ``F``.
+def _restricted_product(q: Tensor, y0: Tensor, y0q: Tensor, f: Tensor) -> Tensor:
+    """``(y0 ∘ f) Q`` from ``y0 Q``: the rows of ``Q`` of the few entries ``f`` drops are
+    subtracted (one ``[B, K] × [K, K]`` product instead when they are many)."""
+    dropped = y0 * (1.0 - f)
+    bi, ki = torch.nonzero(dropped, as_tuple=True)
+    if 8 * bi.numel() > dropped.numel():
+        return (y0 * f) @ q
+    return y0q.index_add(0, bi, -dropped[bi, ki][:, None] * q[ki])
+
+
+def _pcg_free(q: Tensor, h: Tensor, rhs: Tensor, free: Tensor, y0: Tensor, y0q: Tensor,
+              tight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(y, converged, yQ)`` (``[B, K]``, ``[B]``, ``[B, K]``): ``Q_FF y_F = rhs_F`` per row,
+    ``y`` zero off ``F``; ``y0q = y0 Q`` (the last solve's product).
 
     Conjugate gradients preconditioned by ``(Q⁻¹)_FF`` (``h = Q⁻¹``), from ``y0``: two
     ``[B, K] × [K, K]`` products per step for all the problems together, until the residual
     is ``CG_RTOL`` (rows where ``tight``, else ``CG_LOOSE_RTOL``) times ``‖rhs_F‖``, at most
-    ``CG_MAX_STEPS`` steps; ``converged`` only where ``tight``.
+    ``CG_MAX_STEPS`` steps; ``converged`` only where ``tight``. ``yQ`` is carried along the
+    iterations from ``y0q`` (the unmasked operator products), so neither the start nor the
+    caller's multipliers need a product of their own.
     """
     f = free.to(q.dtype)
     y = y0 * f
-    r = (rhs - y @ q) * f
+    yq = _restricted_product(q, y0, y0q, f)
+    r = (rhs - yq) * f
     rtol = torch.where(tight, CG_RTOL, CG_LOOSE_RTOL).to(q.dtype)
     target = rtol * _norm(rhs * f, dim=1)
     converged = _norm(r, dim=1) <= target
     live = torch.nonzero(~converged).flatten()  # rows still iterating: the others drop out
-    f, r, target, x = f[live], r[live], target[live], y[live]
+    f, r, target, x, xq = f[live], r[live], target[live], y[live], yq[live]
     z = (r @ h) * f
     p, rz = z, (r * z).sum(dim=1)
     for _ in range(CG_MAX_STEPS):
         if live.numel() == 0:
             break
-        ap = (p @ q) * f
+        pq = p @ q
+        ap = pq * f
         pap = (p * ap).sum(dim=1)
-        alpha = torch.where(pap > 0, rz / torch.where(pap > 0, pap, 1.0), 0.0)
-        x, r = x + alpha[:, None] * p, r - alpha[:, None] * ap
+        alpha = torch.where(pap > 0, rz / torch.where(pap > 0, pap, 1.0), 0.0)[:, None]
+        x, xq, r = x + alpha * p, xq + alpha * pq, r - alpha * ap
         ok = _norm(r, dim=1) <= target
         stop = ok | (pap <= 0)  # converged, or broken down (left unconverged)
         if bool(stop.any()):
-            y[live[stop]], converged[live[stop]] = x[stop], ok[stop]
+            done = live[stop]
+            y[done], yq[done], converged[done] = x[stop], xq[stop], ok[stop]
             keep = ~stop
-            live, f, r, target, x, p, rz = (t[keep] for t in (live, f, r, target, x, p, rz))
+            live, f, r, target, x, xq, p, rz = (
+                t[keep] for t in (live, f, r, target, x, xq, p, rz))
         z = (r @ h) * f
         rz_new = (r * z).sum(dim=1)
         p = z + torch.where(rz > 0, rz_new / torch.where(rz > 0, rz, 1.0), 0.0)[:, None] * p
         rz = rz_new
-    y[live] = x
-    return y, converged & tight
+    y[live], yq[live] = x, xq
+    return y, converged & tight, yq
 
 
-Solve = Callable[[Tensor, Tensor, Tensor, Tensor], "tuple[Tensor, Tensor] | None"]
+Solve = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor],
+                 "tuple[Tensor, Tensor, Tensor] | None"]
 
 
 def solve_lcp_pivoting(
@@ -180,22 +198,23 @@ def solve_lcp_pivoting(
         if int(info) != 0:
             return None
         h = torch.cholesky_inverse(chol)
-        def solve(rows: Tensor, free: Tensor, y: Tensor,
-                  tight: Tensor) -> tuple[Tensor, Tensor] | None:
-            return _pcg_free(q, h, -shift[rows], free, y, tight)
+        def solve(rows: Tensor, free: Tensor, y: Tensor, yq: Tensor,
+                  tight: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
+            return _pcg_free(q, h, -shift[rows], free, y, yq, tight)
     else:
-        def solve(rows: Tensor, free: Tensor, y: Tensor,
-                  tight: Tensor) -> tuple[Tensor, Tensor] | None:
+        def solve(rows: Tensor, free: Tensor, y: Tensor, yq: Tensor,
+                  tight: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
             out = _solve_free(q, -shift[rows], free, None if total is None else total[rows])
-            return None if out is None else (out, torch.ones(len(rows), dtype=torch.bool))
+            return None if out is None else (out, torch.ones(len(rows), dtype=torch.bool),
+                                             out @ q)
     return _pivot_loop(q, shift, lower, simplex, free0, tol, max_iter, solve)
 
 
 def _pivot_loop(q: Tensor, shift: Tensor, lower: Tensor, simplex: bool, free0: Tensor,
                 tol: float, max_iter: int, solve: Solve) -> tuple[Tensor, Tensor] | None:
-    """The iterations of :func:`solve_lcp_pivoting`; ``solve(rows, free, y_last, tight)``
-    gives the free-set solutions of the open problems ``rows`` and which are exact (``tight``:
-    the free set had no infeasible index)."""
+    """The iterations of :func:`solve_lcp_pivoting`; ``solve(rows, free, y_last, y_last Q,
+    tight)`` gives the free-set solutions of the open problems ``rows``, which are exact
+    (``tight``: the free set had no infeasible index) and their products ``yQ``."""
     b, k = shift.shape
     free = free0.clone()
     best = torch.full((b,), k + 1, dtype=torch.int64)
@@ -204,28 +223,29 @@ def _pivot_loop(q: Tensor, shift: Tensor, lower: Tensor, simplex: bool, free0: T
     rows = torch.arange(b)
     y = torch.zeros_like(shift)
     # From an empty free set (the default start of a box QP) y = 0 needs no solve.
-    solved: tuple[Tensor, Tensor] | None = (y, torch.ones(b, dtype=torch.bool))
+    solved: tuple[Tensor, Tensor, Tensor] | None = (y, torch.ones(b, dtype=torch.bool),
+                                                    torch.zeros_like(y))
     if simplex or bool(free.any()):
-        solved = solve(rows, free, y, torch.zeros(b, dtype=torch.bool))
+        solved = solve(rows, free, y, torch.zeros_like(y), torch.zeros(b, dtype=torch.bool))
     x = lower.clone()
     for _ in range(max_iter):
         if solved is None:
             return None
-        y, exact = solved
-        w = _multipliers(q, y, shift[rows], free, simplex)
+        y, exact, yq = solved
+        w = _multipliers(yq, shift[rows], free, simplex)
         bad = torch.where(free, y < -tol, w < -tol)
         count = bad.sum(dim=1)
         finished = (count == 0) & exact
         x[rows[finished]] = lower[rows[finished]] + y[finished].clamp_min(0.0)
         keep = ~finished
-        rows, y, free, bad, w = rows[keep], y[keep], free[keep], bad[keep], w[keep]
+        rows, y, yq, free, bad, w = (t[keep] for t in (rows, y, yq, free, bad, w))
         if rows.numel() == 0:
             return x, torch.ones(b, dtype=torch.bool)
         better = count[keep] < best[rows]
         best[rows] = torch.where(better, count[keep], best[rows])
         chances[rows] = torch.where(better, 3, chances[rows] - 1)
         free = _exchange(free, bad, chances[rows] >= 0, order, simplex, w)
-        solved = solve(rows, free, y, count[keep] == 0)
+        solved = solve(rows, free, y, yq, count[keep] == 0)
     done = torch.ones(b, dtype=torch.bool)
     done[rows] = False
     return x, done
@@ -430,27 +450,41 @@ def _off_span(a: Tensor, idx: list[int], work: _Work) -> Tensor:
 
 @dataclass
 class _Scales:
-    """The fixed scales of one :func:`_lawson_hanson` call: the column norms ``‖Aⱼ‖``,
-    ``‖A‖_F`` and ``‖b‖``."""
+    """The fixed scales of one :func:`_lawson_hanson` call: the column norms ``‖Aⱼ‖`` (as a
+    tensor too), ``‖A‖_F`` and ``‖b‖``."""
 
     norms: list[float]
     fro: float
     bnorm: float
+    norms_t: Tensor
 
 
 def _candidates(a: Tensor, b: Tensor, x: Tensor, passive: list[bool], scales: _Scales,
-                tol: float, work: _Work) -> list[tuple[float, int]]:
-    """``(gⱼ, j)`` of every index that may enter the passive set (see :func:`_lawson_hanson`):
-    outside it, independent of it, and with ``wⱼ`` above both ``tol ‖eⱼ‖‖r‖`` and rounding."""
+                tol: float, work: _Work) -> Tensor:
+    """``gⱼ`` ``[n]`` of every index that may enter the passive set (see
+    :func:`_lawson_hanson`), ``−inf`` elsewhere: outside it, independent of it, and with
+    ``wⱼ`` above both ``tol ‖eⱼ‖‖r‖`` and rounding. One pass of tensor operations over the
+    ``n`` columns (no per-column Python work)."""
     r = b - a @ x
     rnorm = float(_norm(r))
-    w_l = (a.T @ r).tolist()
-    off = _off_span(a, _indices(passive), work).tolist()
+    w = a.T @ r
+    off = _off_span(a, _indices(passive), work)
     noise = 8 * _EPS * (scales.bnorm + scales.fro * float(_norm(x)))
-    norms = scales.norms
-    return [(w_l[j] / off[j], j) for j in range(len(passive))
-            if not passive[j] and off[j] > INDEPENDENCE_RTOL * norms[j]
-            and w_l[j] > max(tol * rnorm * off[j], noise * norms[j])]
+    norms = scales.norms_t
+    outside = ~torch.tensor(passive, dtype=torch.bool)
+    ok = outside & (off > INDEPENDENCE_RTOL * norms) & (
+        w > torch.maximum(tol * rnorm * off, noise * norms))
+    return torch.where(ok, w / torch.where(ok, off, 1.0), -math.inf)
+
+
+def _pick(scores: Tensor, aside: set[int]) -> int | None:
+    """The index of the largest score not set aside (the last one of equal scores), or None
+    when no candidate is left."""
+    if aside:
+        scores = scores.clone()
+        scores[list(aside)] = -math.inf
+    last = scores.shape[0] - 1 - int(torch.argmax(scores.flip(0)))
+    return last if float(scores[last]) > -math.inf else None
 
 
 def _add(a: Tensor, b: Tensor, x: Tensor, passive: list[bool], t: int, norms: list[float],
@@ -485,19 +519,19 @@ def _lawson_hanson(a: Tensor, b: Tensor, passive0: list[bool] | None, tol: float
     entering index no positive value (it is then set aside until ``x`` changes).
     """
     n = a.shape[1]
-    norms = _norm(a, dim=0).tolist()
-    scales = _Scales(norms, float(_norm(a)), float(_norm(b)))
+    norms_t = _norm(a, dim=0)
+    norms = norms_t.tolist()
+    scales = _Scales(norms, float(_norm(a)), float(_norm(b)), norms_t)
     passive = [False] * n if passive0 is None else _nonzero_guess(passive0, norms)
     x = _warm_start(a, b, passive, norms, work)
     seen: set[tuple[bool, ...]] = set()
     aside: set[int] = set()
     while work.additions < max_additions:
-        cands = _candidates(a, b, x, passive, scales, tol, work)
-        open_ = [c for c in cands if c[1] not in aside]
-        if not open_:
-            return x, not cands
+        scores = _candidates(a, b, x, passive, scales, tol, work)
+        t = _pick(scores, aside)
+        if t is None:
+            return x, not bool((scores > -math.inf).any())
         work.additions += 1
-        t = max(open_)[1]
         moved = _add(a, b, x, passive, t, norms, work)
         if moved is None:
             aside.add(t)

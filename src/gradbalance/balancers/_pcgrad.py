@@ -43,6 +43,16 @@ PASS_BLOCK = 64
 Visit = Callable[[Tensor, Tensor], Tensor]
 
 
+def _block_pairs(gram: Tensor, cols: Tensor) -> tuple[Tensor, list[int]]:
+    """``G[j_is, j_is']`` for ``s < s'`` (``[K, n(n−1)/2]``, row-major over the block's strict
+    upper triangle) and the offset of each ``s``'s run ``s' = s+1 … n−1``."""
+    k, n = cols.shape
+    first, second = torch.triu_indices(n, n, 1, device=cols.device)
+    flat_index = (cols[:, first] * gram.shape[1] + cols[:, second]).reshape(-1)
+    pairs = gram.reshape(-1).index_select(0, flat_index).reshape(k, -1)
+    return pairs, [s * n - s * (s + 1) // 2 for s in range(n)]
+
+
 def pairwise_pass(gram: Tensor, orders: Tensor, visit: Visit, block: int = PASS_BLOCK) -> Tensor:
     """``C`` ``[K, K]`` with ``g_i^PC = Σⱼ C[i, j] gⱼ`` after a pass of visits, from the Gramian.
 
@@ -50,25 +60,25 @@ def pairwise_pass(gram: Tensor, orders: Tensor, visit: Visit, block: int = PASS_
     ``g_i^PC = C[i] J``, with ``w = visit(j, (C G)[i, j])`` (``[K]`` vectors over ``i``). The
     dots are read from ``C G``, refreshed by one ``[K, K]`` product every ``block`` steps;
     inside a block each dot is corrected by the block's earlier steps,
-    ``Σ w G[j', j]`` (the ``[K, block, block]`` sub-Gramians of the block's visits). Cost:
-    ``O(K⁴/block + K² block)`` arithmetic in ``K/block`` products, no ``[K, K, K]`` tensor.
+    ``Σ w G[j', j]`` (the strict upper triangles of the ``[K, block, block]`` sub-Gramians of
+    the block's visits, :func:`_block_pairs`). Cost: ``O(K⁴/block + K² block)`` arithmetic in
+    ``K/block`` products, no ``[K, K, K]`` tensor.
     """
     k, steps = orders.shape
     orders = orders.to(gram.device)
     coef = torch.eye(k, dtype=gram.dtype, device=gram.device)
     cg = gram.clone()
     rows = torch.arange(k, device=gram.device)
-    flat = gram.reshape(-1)
     for start in range(0, steps, block):
         cols = orders[:, start : start + block]
         n = cols.shape[1]
         dots = cg.gather(1, cols)
-        sub = flat.index_select(0, (cols[:, :, None] * k + cols[:, None, :]).reshape(-1))
-        sub = sub.reshape(k, n, n)  # sub[i, s, s'] = G[j_is, j_is']
+        pairs, offsets = _block_pairs(gram, cols)
         delta = torch.zeros_like(coef)
         for s in range(n):
             w = visit(cols[:, s], dots[:, s])
-            dots[:, s + 1 :] += w[:, None] * sub[:, s, s + 1 :]
+            run = pairs[:, offsets[s] : offsets[s] + n - 1 - s]
+            dots[:, s + 1 :].addcmul_(w[:, None], run)
             delta[rows, cols[:, s]] = w
         coef += delta
         if start + n < steps:
