@@ -51,6 +51,8 @@ def alignedmtl_weights(
 class AlignedMTL(Balancer):
     """Aligned-MTL (Senushkin et al. 2023): stable, orthogonal, equal-norm aligned gradients.
 
+    Cost in K: one eigendecomposition, ``O(K³)``, besides the Gramian ``O(K²P)``.
+
     Args:
         pref: task weights ``[K]`` of the aligned gradients (default ones, as the authors'
             code).

@@ -48,6 +48,8 @@ class ConFIG(PreferenceBalancer):
     The direction ``ĝ`` has the same cosine with every (linearly independent) task gradient;
     its length is the sum of the task gradients' projections on it.
 
+    Cost in K: one pseudo-inverse, ``O(K³)``, besides the Gramian ``O(K²P)``.
+
     Args:
         pref: ``[K]`` non-negative; default ones (the paper).
 

@@ -15,6 +15,8 @@ __all__ = ["Constant"]
 class Constant(Balancer):
     """``g = Σₖ wₖ gₖ`` with weights fixed at construction.
 
+    Cost in K: ``O(K)`` weights and the sum ``O(KP)``; no Gramian.
+
     Args:
         weights: one finite number per task (``K`` is ``len(weights)``).
 

@@ -22,6 +22,8 @@ class CRMOGM(Balancer):
     ``λ̂₁``. The paper's Corollary 1 grows ``β`` towards 1 as the learning rate decays: assign
     ``balancer.beta`` between steps, e.g. ``1 - lr / lr0``.
 
+    Cost in K: its inner balancer's, plus ``O(K)``.
+
     Args:
         inner: a weighted balancer (``from_gramian``) that keeps its own state; default
             ``MGDA(num_tasks)``.

@@ -50,6 +50,8 @@ class DBMTL(Balancer):
     (``log Lₖ`` instead of ``Lₖ``) is ``log_losses=True`` (``∇ log Lₖ = gₖ / Lₖ``); do not
     combine it with a log-loss weighting.
 
+    Cost in K: ``O(KP)``: elementwise passes over the rows and its ``[K, P]`` averages.
+
     Args:
         beta: EMA factor ``β ∈ [0, 1)`` (default 0.9, LibMTL's DB-MTL setting).
         beta_sigma: decay ``σ ≥ 0`` of ``β`` (default 0: a constant ``β``).

@@ -39,6 +39,9 @@ class DualProj(PreferenceBalancer):
     One K-dimensional QP on the Gramian, solved exactly (active set): ``O(|F|³)`` per
     pivoting iteration for ``|F|`` free indices, ``O(K³)`` at most (the Gramian ``O(K² P)``).
 
+    Cost in K: one box QP on the Gramian, ``O(|F|³)`` per pivoting iteration for ``|F|`` free
+    indices (``O(K³)`` at most), besides the Gramian ``O(K²P)``.
+
     Args:
         num_tasks: K (optional).
         pref: preference vector ``[K]`` (non-negative); default ``1/K`` each (TorchJD's).

@@ -51,6 +51,8 @@ class ExcessMTL(Balancer):
     * ``αₖ ← αₖ exp(η rₖ) / Σⱼ αⱼ exp(η rⱼ)`` (in log space), starting at ``1/K`` (the paper;
       the official code and LibMTL start at 1 and keep ``Σα = K``: multiply by K to match).
 
+    Cost in K: ``O(KP)``: elementwise passes over the ``[K, P]`` rows.
+
     Args:
         robust_step_size: ``η > 0`` (default 1.0).
         n_warmup_steps: calls with uniform weights that average the baseline (default 0; the

@@ -94,6 +94,8 @@ class GradDrop(OptionalGeneratorState, Balancer):
     summed over the batch; the rule per coordinate is the same. ``O(K P)``: a few passes over
     the rows, no Gramian.
 
+    Cost in K: ``O(KP)``: elementwise passes over the ``[K, P]`` rows.
+
     Args:
         num_tasks: K (optional; required when ``leak`` is not given).
         leak: ``ℓₖ ∈ [0, 1]`` per task, how much of each task's gradient always passes

@@ -131,6 +131,9 @@ class GradVac(OwnedGeneratorState):
     ``φ̂ᵢⱼ``, an EMA of the observed cosines (initially 0, where GradVac equals PCGrad).
     ``O(K³)`` in K on the Gramian (:func:`gradvac_coefficients`), ``O(K²)`` state.
 
+    Cost in K: ``O(K³)``: the blocked pairwise pass of PCGrad (``K/64`` products of ``[K, K]``
+    plus ``O(64·K²)`` gathered pairs); state ``O(K²)``.
+
     Args:
         num_tasks: K (optional; the EMA targets are created on the first call otherwise).
         beta: EMA rate ``β`` in ``φ̂ ← (1−β)φ̂ + βφ``, ``0 <= beta <= 1``. Default ``0.01``

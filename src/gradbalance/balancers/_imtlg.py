@@ -39,6 +39,8 @@ class IMTLG(Balancer):
     Reference: Liu et al., "Towards Impartial Multi-task Learning", ICLR 2021 (IMTL-G), in
     the pseudo-inverse form of Quinton & Rey, arXiv:2406.16232 (dependent gradients too).
 
+    Cost in K: one pseudo-inverse, ``O(K³)``, besides the Gramian ``O(K²P)``.
+
     Example:
         >>> import torch
         >>> from gradbalance.balancers import IMTLG

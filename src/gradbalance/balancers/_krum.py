@@ -48,6 +48,9 @@ def krum_weights(gramian: Tensor, n_byzantine: int = 0, n_selected: int = 1) -> 
 class Krum(Balancer):
     """``g`` = the mean of the ``n_selected`` most central task gradients (Multi-Krum).
 
+    Cost in K: pairwise distances from the Gramian and a sort per task, ``O(K² log K)``, besides
+    the Gramian ``O(K²P)``.
+
     Args:
         n_byzantine: ``f``, the number of rows that may be adversarial (default 0).
         n_selected: ``m``, how many rows are averaged (default 1: Krum).

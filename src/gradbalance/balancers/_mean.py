@@ -26,6 +26,8 @@ def mean_weights(gramian: Tensor) -> Tensor:
 class Mean(Balancer):
     """``g = (1/K) Σₖ gₖ``: ``wₖ = 1/K``.
 
+    Cost in K: ``O(K)`` weights and the sum ``O(KP)``; no Gramian.
+
     Example:
         >>> import torch
         >>> from gradbalance.balancers import Mean

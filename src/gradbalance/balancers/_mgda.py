@@ -72,6 +72,9 @@ class MGDA(Balancer):
     * ``"l2"``: ``cₖ = ‖gₖ‖``; ``"loss"``: ``cₖ = Lₖ``; ``"loss+"``: ``cₖ = Lₖ‖gₖ‖``
       (the normalisations of Sener et al.'s code; the loss ones read the losses).
 
+    Cost in K: one simplex QP on the Gramian, ``O(|F|³)`` per pivoting iteration for ``|F|``
+    free indices (``O(K³)`` at most), besides the Gramian ``O(K²P)``.
+
     Args:
         normalization: see above.
         apply_to: ``"normalized"`` (default): the update is the min-norm point of the

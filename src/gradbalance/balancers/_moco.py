@@ -71,6 +71,9 @@ class MoCo(Balancer):
     Step sizes decay as ``β_t = β / t^{σ_β}``, ``γ_t = γ / t^{σ_γ}`` (step ``t ≥ 1``). ``y``
     starts at 0 and ``λ`` at ``1/K`` (the paper's projection of ``y`` is omitted).
 
+    Cost in K: its tracked ``[K, P]`` gradients ``O(KP)``, their Gramian ``O(K²P)`` and one
+    projected step ``O(K²)``.
+
     Args:
         beta: tracking rate of ``y`` (default 0.5).
         beta_sigma: decay of the tracking rate (default 0.5).

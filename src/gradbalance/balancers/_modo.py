@@ -37,6 +37,9 @@ class MoDo(Balancer):
     With one ``G`` per step ``A = G Gᵀ`` (the paper's two batches are one); for the
     double-sampled variant call :func:`modo_step` with your own ``G₁ G₂ᵀ``.
 
+    Cost in K: Gramian–vector products ``O(K²)`` per inner step and a simplex projection ``O(K
+    log K)``, besides the Gramian ``O(K²P)``.
+
     Args:
         gamma: step size ``γ > 0`` of ``λ`` (default 1e-3, LibMTL's MoDo setting; it multiplies
             squared gradient norms, so tune it to your gradient scale).

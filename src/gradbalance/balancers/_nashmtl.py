@@ -54,6 +54,9 @@ class NashMTL(Balancer):
     previous step; raises ``SolverError`` when no solution exists (a non-negative combination
     of the gradients vanishes, e.g. a zero or two exactly opposite task gradients).
 
+    Cost in K: damped Newton, ``O(K³)`` per step (at most 100 steps), besides the Gramian
+    ``O(K²P)``.
+
     Args:
         normalization: ``"none"`` (paper) or ``"frobenius"`` (authors' code: ``G/‖G‖_F``,
             then the update scales with the gradients).

@@ -125,6 +125,9 @@ class PCGrad(OwnedGeneratorState):
     task. Runs on the Gramian: the weights are ``w = 1ᵀC`` (see :func:`pcgrad_coefficients`),
     ``O(K³)`` in K (the Gramian ``O(K² P)``); the orders are one ``randperm(K)`` per task.
 
+    Cost in K: ``O(K³)``: the blocked pairwise pass (``K/64`` products of ``[K, K]`` plus
+    ``O(64·K²)`` gathered pairs), besides the Gramian ``O(K²P)``.
+
     Args:
         num_tasks: K (optional, checked on every call).
         reduction: ``"sum"`` (the paper's Algorithm 1, LibMTL, TorchJD) or ``"mean"`` (some

@@ -52,6 +52,8 @@ class Random(OptionalGeneratorState, Balancer):
 
     Update rule (paper's default): ``w = softmax(z)``, ``z ~ N(0, I_K)``.
 
+    Cost in K: ``O(K)`` weights and the sum ``O(KP)``; no Gramian.
+
     Args:
         distribution: ``"normal"`` (default), ``"uniform"`` or ``"dirichlet"``.
         generator: the random source; None draws from torch's global RNG. A given generator's

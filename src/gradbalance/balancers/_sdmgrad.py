@@ -47,6 +47,9 @@ def sdmgrad_weights(gramian: Tensor, w: Tensor, pref: Tensor, lambda_: float = 0
 class SDMGrad(Balancer):
     """``g = Σₖ (wₖ + λ w̃ₖ)/(1 + λ) gₖ`` with ``w`` from a warm-started simplex SGD.
 
+    Cost in K: Gramian–vector products ``O(K²)`` per inner step and a simplex projection ``O(K
+    log K)``, besides the Gramian ``O(K²P)``.
+
     Args:
         lambda_: pull ``λ ≥ 0`` towards the preference direction (default 0.3, the official
             experiments and LibMTL).

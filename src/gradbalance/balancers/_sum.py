@@ -25,6 +25,8 @@ def sum_weights(gramian: Tensor) -> Tensor:
 class Sum(Balancer):
     """``g = Σₖ gₖ``, the unbalanced baseline: ``wₖ = 1``.
 
+    Cost in K: ``O(K)`` weights and the sum ``O(KP)``; no Gramian.
+
     Example:
         >>> import torch
         >>> from gradbalance.balancers import Sum

@@ -54,6 +54,9 @@ class TrimmedMean(Balancer):
 
     ``O(K P log K)`` (a sort per coordinate) up to 32 tasks, ``O(t K P)`` above (``topk``).
 
+    Cost in K: ``O(KP log K)`` (a sort per coordinate) up to 32 tasks, ``O(tKP)`` above
+    (``topk``).
+
     Args:
         num_tasks: K (optional).
         trim_number: ``t``, the number of largest and of smallest values removed per
