@@ -1,8 +1,5 @@
-"""Registries of the methods the library ships: name -> class, looked up forgivingly.
-
-Each subpackage lists its classes explicitly and calls :func:`register`; names are matched
-ignoring case, ``-`` and ``_`` (``"Nash-MTL"``, ``"nash_mtl"`` and ``"nashmtl"`` agree).
-"""
+"""Registries of the methods the library ships: name -> class, names matched ignoring case,
+``-`` and ``_`` (``"Nash-MTL"``, ``"nash_mtl"`` and ``"nashmtl"`` agree)."""
 
 from __future__ import annotations
 

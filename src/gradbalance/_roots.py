@@ -1,11 +1,5 @@
-"""Where each task's backward pass starts: :class:`TaskRoots` (re-exported by
-:mod:`gradbalance.taskgrads`).
-
-At the task's own loss: the scalar given in a list, or the k-th input edge of the
-``torch.stack`` the ``[K]`` vector is made from (also behind elementwise ops such as ``/ M``).
-Starting at ``stacked[k]`` would send zeros back through every other task's head
-(docs/performance.md, "The task passes start at each task's own loss").
-"""
+"""Where each task's backward pass starts: at its own loss, the scalar given or the stack's
+input edge (docs/performance.md, "The task passes start at each task's own loss")."""
 
 from __future__ import annotations
 
@@ -25,8 +19,7 @@ _ELEMENTWISE = frozenset({
 
 
 def _elementwise_step(node: Node, factor: Tensor) -> tuple[Node | None, Tensor] | None:
-    """One elementwise op back: its one differentiable input and the factor times the op's
-    derivative; None if it has several inputs or the factor loses its ``[K]`` shape."""
+    """One elementwise op back: its one input and the factor times its derivative, or None."""
     live = [i for i, (child, _) in enumerate(node.next_functions) if child is not None]
     if len(live) != 1:
         return None
@@ -51,8 +44,7 @@ def _stack_edges(node: Node | None, k: int) -> list[GradientEdge] | None:
 
 
 def _stack_inputs(vector: Tensor) -> tuple[list[GradientEdge], Tensor] | None:
-    """The input edges of the ``torch.stack`` ``vector`` is made from, and ``∂vₖ/∂cₖ`` (the
-    chain rule through elementwise ops); None for any other graph."""
+    """The input edges of the ``torch.stack`` ``vector`` is made from and ``∂vₖ/∂cₖ``, or None."""
     k = vector.shape[0]
     node = vector.grad_fn
     factor = torch.ones(k, dtype=vector.dtype, device=vector.device)
@@ -73,9 +65,8 @@ class TaskRoots:
         vector: the same losses as one ``[K]`` tensor (:func:`~gradbalance._checks.as_loss_vector`).
         scale: the loss scale ``s`` (0-d), or None.
 
-    ``scaled`` is ``s·vector``. ``outputs[k]`` reaches task k's graph only (the k-th scalar
-    of a list, or the stack's k-th input edge, the elementwise ops' derivative in
-    ``grad_outputs[k]``); None where neither is found: ``scaled[k]`` is then backpropagated.
+    ``scaled`` is ``s·vector``; ``outputs[k]`` reaches task k's graph only (None: ``scaled[k]``
+    is backpropagated).
     """
 
     def __init__(self, given: Tensor | Sequence[Tensor], vector: Tensor,
@@ -114,8 +105,7 @@ class TaskRoots:
                                    retain_graph=retain_graph, allow_unused=True)
 
     def backward(self, k: int, retain_graph: bool) -> None:
-        """An ordinary ``backward`` of ``s·Lₖ`` from the same root (into ``.grad``); nothing
-        for a constant loss."""
+        """An ordinary ``backward`` of ``s·Lₖ`` from the same root (into ``.grad``)."""
         if self.outputs is None:
             torch.autograd.backward(self.scaled[k], retain_graph=retain_graph)
             return

@@ -1,14 +1,5 @@
-"""The heads' ``.grad`` between the calls of a step: changed outside the buffer, or not.
-
-A step spans several calls (``backward`` per micro-batch, then ``apply_``): each ``backward``
-adds into the heads' ``.grad`` and into the trunk's task gradients, which the buffer holds
-until ``apply_``. A ``zero_grad()`` between two calls (say after a forward that ran out of
-memory) clears the heads' part of the step but not the trunk's, so the step would mix
-micro-batches. :class:`GradWatch` notes, after each call, the identity and the version
-counter (``Tensor._version``, bumped by every in-place write) of each watched ``.grad`` (the
-heads'; the trunk's part of the step is in the buffer, not in its ``.grad``); the next call
-compares them, O(number of parameters) attribute reads, no gradient value read, and
-refuses the call before anything moves (docs/loop.md, "When a step fails").
+"""The heads' ``.grad`` between the calls of a step: its identity and version counter after
+each call, so that a ``zero_grad()`` in between is refused (docs/loop.md, "When a step fails").
 """
 
 from __future__ import annotations

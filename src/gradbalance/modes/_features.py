@@ -1,11 +1,8 @@
-"""``features`` mode: balance the task gradients of the shared representation, not the trunk.
+"""``features`` mode: ``Z = [∂Lₖ/∂f]ₖ`` for the trunk's output ``f``, combined into ``z``, then
+one backward of ``z`` through the trunk (docs/performance.md, "Modes").
 
-``Z = [∂Lₖ/∂f]ₖ`` ``[K, B·D]`` for the trunk's output ``f`` (K passes through the heads only),
-combined by any balancer into ``z``, then one backward of ``z`` through the trunk. A
-different, cheaper method than ``matrix`` (equal only for linear balancers): MGDA-UB, Sener &
-Koltun, "Multi-Task Learning as Multi-Objective Optimization", NeurIPS 2018, §3.3. Data
-parallel: the ranks all-gather ``Z`` (divided by W) and each backpropagates its own columns
-of ``z`` (docs/distributed.md).
+Reference: Sener & Koltun, "Multi-Task Learning as Multi-Objective Optimization", NeurIPS
+2018, §3.3 (MGDA-UB).
 """
 
 from __future__ import annotations
@@ -38,8 +35,7 @@ __all__ = ["FeaturesMode"]
 
 
 class FeaturesMode(RowsEngine):
-    """Holds the feature gradients of one micro-batch until ``apply``. Every balancer works;
-    row clippers do not (the rows are not the parameters' gradients)."""
+    """Holds the feature gradients of one micro-batch until ``apply``; no row clipper."""
 
     mode = "features"
     shardable = True

@@ -1,5 +1,4 @@
-"""Every column of a trunk of plain parameters on this process: the
-:class:`~gradbalance.modes._layout.Columns` of an unsharded trunk, alone or data-parallel."""
+"""The :class:`~gradbalance.modes._layout.Columns` of an unsharded trunk."""
 
 from __future__ import annotations
 
@@ -103,11 +102,6 @@ class LocalColumns:
         grads: list[Tensor | None] = [None] * len(params) if held is None else list(held)
         if group is not None:
             full = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
-            for h in heads:
-                if h.grad is None:  # the same layout on every rank
-                    h.grad = torch.zeros_like(h)
-            losses = losses.detach().clone()
-            all_reduce_mean_([*full, *[h.grad for h in heads if h.grad is not None], losses],
-                             group)
+            losses = all_reduce_grads_and_losses_(heads, losses, group, also=full)
             grads = list(full)
         return WriteBack(params, grads, owned=[True] * len(grads)), losses
