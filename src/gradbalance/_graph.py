@@ -20,8 +20,7 @@ def _is_cast(node: Node) -> bool:
 
 
 def edges(start: Node | None) -> Iterator[tuple[Node, Node]]:
-    """Every edge ``(parent, child)`` of the graph below ``start``, breadth first: the one walk
-    of a graph."""
+    """Every edge ``(parent, child)`` of the graph below ``start``, breadth first."""
     queue = deque([start] if start is not None else [])
     seen = set(queue)
     while queue:

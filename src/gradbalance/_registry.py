@@ -12,8 +12,7 @@ T = TypeVar("T")
 
 def register(registry: MutableMapping[str, type[T]], classes: Iterable[type[T]],
              kind: str) -> None:
-    """Put every class with a non-empty ``name`` in ``registry`` under that name (two
-    different classes under one name raise ``RuntimeError``)."""
+    """Put every class with a ``name`` in ``registry`` (two under one name raise RuntimeError)."""
     for cls in classes:
         key: str = getattr(cls, "name", "")
         if not key:

@@ -206,22 +206,21 @@ def _find_unloadable(value: Any, path: str, active: frozenset[int] = frozenset()
         return None
     if id(value) in active:  # a container that holds itself: pickle keeps the cycle
         return None
-    inner = active | {id(value)}
+    children: list[tuple[Any, str]] = []
     if kind in _MAPPINGS:
         for key, item in value.items():
-            found = (_find_unloadable(key, f"{path} (the key {key!r})", inner)
-                     or _find_unloadable(item, f"{path}[{key!r}]", inner))
-            if found:
-                return found
-        return None
-    if kind in _SEQUENCES:
-        for i, item in enumerate(value):
-            found = _find_unloadable(item, f"{path}[{i}]", inner)
-            if found:
-                return found
-        return None
-    why = _round_trip_error(value)
-    return None if why is None else (path, value, why)
+            children += [(key, f"{path} (the key {key!r})"), (item, f"{path}[{key!r}]")]
+    elif kind in _SEQUENCES:
+        children = [(item, f"{path}[{i}]") for i, item in enumerate(value)]
+    else:
+        why = _round_trip_error(value)
+        return None if why is None else (path, value, why)
+    inner = active | {id(value)}
+    for child, where in children:
+        found = _find_unloadable(child, where, inner)
+        if found:
+            return found
+    return None
 
 
 def _check_loadable(value: Any, path: str) -> None:

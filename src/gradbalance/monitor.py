@@ -92,9 +92,7 @@ def _per_task_tags(values: dict[str, list[float]], names: list[str]) -> dict[str
     out: dict[str, float] = {}
     k = len(names)
     for t, name in enumerate(names):
-        out[f"loss/{name}"] = values["loss"][t]
-        if "size" in values:
-            out[f"size/{name}"] = values["size"][t]
+        out.update({f"{key}/{name}": values[key][t] for key in ("loss", "size") if key in values})
     out.update(_task_tags("w", values.get("w"), names))
     cos = values.get("cos")
     if cos is not None:

@@ -25,15 +25,12 @@ __all__ = ["ReusedStep", "WeightCache"]
 
 
 class WeightCache:
-    """The cached weights, their balancer and the step counter: step ``t`` refreshes when
-    ``t % T == 0`` or nothing is cached."""
+    """The cached weights, their balancer and the step counter (refresh: ``t % T == 0``)."""
 
     def __init__(self, update_every: int = 1) -> None:
         self.update_every = check_int("update_every", update_every, 1,
                                       "; 1 recomputes the weights every step")
-        self.step = 0
-        self.weights: Tensor | None = None
-        self._owner: weakref.ref[Balancer] | None = None
+        self.reset()
 
     @property
     def active(self) -> bool:
@@ -95,8 +92,8 @@ class WeightCache:
 
     def reset(self) -> None:
         self.step = 0
-        self.weights = None
-        self._owner = None
+        self.weights: Tensor | None = None
+        self._owner: weakref.ref[Balancer] | None = None
 
 
 def check_cached_weights(weights: Any, num_tasks: int | None) -> None:

@@ -176,26 +176,23 @@ class AutoMode:
 
     def check_apply(self, balancer: Balancer, clip: RowClipper | None) -> None:
         """A ``gramian`` step needs what ``gramian`` mode needs."""
-        if self.route == "gramian":
-            assert self._gramian is not None
-            try:
-                self._gramian.check_apply(balancer, clip)
-            except (TypeError, ValueError) as error:
-                self.gramian_ok = False  # the next steps take the matrix route
-                raise type(error)(
-                    f"mode='auto' took the gramian route for this step, after a step whose "
-                    f"balancer and clip allowed it; {error}. Call buf.reset() and repeat the "
-                    f"step: the next steps take the matrix route"
-                ) from error
+        error = self._refusal(balancer, clip) if self.route == "gramian" else None
+        if error is not None:
+            self.gramian_ok = False  # the next steps take the matrix route
+            raise type(error)(
+                f"mode='auto' took the gramian route for this step, after a step whose "
+                f"balancer and clip allowed it; {error}. Call buf.reset() and repeat the "
+                f"step: the next steps take the matrix route"
+            ) from error
 
-    def _allows_gramian(self, balancer: Balancer, clip: RowClipper | None) -> bool:
-        if self._gramian is None:
-            return False
+    def _refusal(self, balancer: Balancer, clip: RowClipper | None) -> Exception | None:
+        """Why ``gramian`` mode refuses ``balancer`` with ``clip`` (None: it takes them)."""
+        assert self._gramian is not None
         try:
             self._gramian.check_apply(balancer, clip)
-        except (TypeError, ValueError):
-            return False
-        return True
+        except (TypeError, ValueError) as error:
+            return error
+        return None
 
     @property
     def layer_routes(self) -> dict[str, str] | None:
@@ -213,7 +210,7 @@ class AutoMode:
         stats = engine.apply(balancer, step)
         self._elapsed += self._tick() - start
         stats.mode, stats.route = self.mode, self.route
-        self.gramian_ok = self._allows_gramian(balancer, step.clip)
+        self.gramian_ok = self._gramian is not None and self._refusal(balancer, step.clip) is None
         if self._base is not None:
             self._record(step.count)
             self._counts[self._base] = step.count

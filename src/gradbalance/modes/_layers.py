@@ -63,8 +63,7 @@ def rows_input(module: nn.Module, x: Tensor) -> Tensor:
 
 
 def rows_grad(module: nn.Module, d: Tensor, k: int) -> Tensor:
-    """The task output gradients ``[K, *output]`` as ``[K, N, o]``, rows in the order of
-    :func:`rows_input`."""
+    """The task output gradients ``[K, *output]`` as ``[K, N, o]`` (rows as :func:`rows_input`)."""
     if type(module) is nn.Linear:
         return d.reshape(k, -1, d.shape[-1])
     assert isinstance(module, (nn.Conv1d, nn.Conv2d))

@@ -53,7 +53,6 @@ class LocalColumns:
         return WriteBack.from_flat(self.layout, vector, scale, reached)
 
     def stats(self, gram: Tensor, losses: Tensor, finite: bool, **fields: Any) -> StepStats:
-        """:func:`~gradbalance.stats.build_stats` of the whole rows."""
         return build_stats(gram, losses, finite, **fields)
 
     def features_update(self, features: Tensor, grad: Tensor, group: Any) -> WriteBack:
@@ -81,7 +80,6 @@ class LocalColumns:
 
     def reused_backward(self, weights: Tensor, roots: TaskRoots, heads: Sequence[Tensor],
                         held: list[Tensor | None] | None) -> list[Tensor | None]:
-        """Heads ``.grad += ∂(Σₖ Lₖ)``; the trunk's ``∂(Σₖ wₖ Lₖ)`` added to ``held``."""
         heads_backward_(roots, heads)
         scaled = roots.scaled
         total = (weights.to(dtype=scaled.dtype, device=scaled.device) * scaled).sum()

@@ -89,8 +89,7 @@ def _kept_outputs(block: Block) -> list[Tensor]:
 
 
 class GramianRecorder:
-    """Forward hooks on the trunk's linear blocks (of ``modules``, owning every one of
-    ``params``); the Gramian and the weighted write-back."""
+    """Forward hooks on the trunk's linear blocks; the Gramian and the weighted write-back."""
 
     def __init__(self, modules: nn.Module | Iterable[nn.Module], params: Sequence[Tensor]) -> None:
         self.blocks = find_blocks(_roots_of(modules), params)

@@ -60,8 +60,7 @@ def _capture(obj: object) -> Restore:
 
 
 def _capture_attributes(obj: object) -> Restore:
-    """The object's attributes by reference (a module's buffers and parameters too); nested
-    balancers and generators by state."""
+    """The attributes (buffers, parameters) by reference; balancers and generators by state."""
     attributes: dict[str, Any] | None = getattr(obj, "__dict__", None)
     if attributes is None:
         return lambda: None

@@ -201,7 +201,6 @@ class ShardedColumns:
 
     def reused_update(self, held: Tensor | None, losses: Tensor, heads: Sequence[Tensor],
                       group: Any) -> tuple[WriteBack, Tensor]:
-        """The losses and the replicated heads averaged (FSDP2 averaged the rest)."""
         assert held is not None
         if group is not None:
             losses = all_reduce_grads_and_losses_(self.plain_heads, losses, group)
