@@ -15,10 +15,6 @@ __all__ = ["edges", "leaf_uses", "reaches", "tensor_hooked"]
 _CAST = "ToCopyBackward0"
 
 
-def _is_cast(node: Node) -> bool:
-    return type(node).__name__ == _CAST and len(node.next_functions) == 1
-
-
 def edges(start: Node | None) -> Iterator[tuple[Node, Node]]:
     """Every edge ``(parent, child)`` of the graph below ``start``, breadth first."""
     queue = deque([start] if start is not None else [])
@@ -57,7 +53,8 @@ def leaf_uses(tensor: Tensor, leaves: Sequence[Tensor]) -> dict[int, int]:
         if leaf in counts:
             into_leaf.append((node, leaf))
     for parent, leaf in into_leaf:
-        counts[leaf] += fan_in[parent] if _is_cast(parent) else 1
+        cast = type(parent).__name__ == _CAST and len(parent.next_functions) == 1
+        counts[leaf] += fan_in[parent] if cast else 1
     return counts
 
 

@@ -23,24 +23,20 @@ class GradWatch:
     """The ``.grad`` of some parameters as the buffer's last call of a step left them."""
 
     def __init__(self) -> None:
-        self._params: list[Tensor] = []
-        self._grads: list[Tensor | None] = []
-        self._versions: list[int] = []
+        self._seen: list[tuple[Tensor, Tensor | None, int]] = []  # (param, .grad, version)
 
     def record(self, params: Sequence[Tensor]) -> None:
         """Note each ``.grad`` now (after a call of the step)."""
-        self._params = list(params)
-        self._grads = grads = [p.grad for p in self._params]
-        self._versions = [-1 if g is None else g._version for g in grads]
+        self._seen = [(p, p.grad, -1 if p.grad is None else p.grad._version) for p in params]
 
     def clear(self) -> None:
         """The step is over: nothing to compare against."""
-        self._params, self._grads, self._versions = [], [], []
+        self._seen = []
 
     def check(self, call: str, count: int, name_of: Callable[[Tensor], str]) -> None:
         """Raise ``RuntimeError`` if a watched ``.grad`` changed since :meth:`record`;
         ``name_of`` names a parameter in the message."""
-        for p, before, version in zip(self._params, self._grads, self._versions):
+        for p, before, version in self._seen:
             now = p.grad
             if now is before and (now is None or now._version == version):
                 continue

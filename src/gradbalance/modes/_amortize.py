@@ -30,7 +30,9 @@ class WeightCache:
     def __init__(self, update_every: int = 1) -> None:
         self.update_every = check_int("update_every", update_every, 1,
                                       "; 1 recomputes the weights every step")
-        self.reset()
+        self.step = 0
+        self.weights: Tensor | None = None
+        self._owner: weakref.ref[Balancer] | None = None
 
     @property
     def active(self) -> bool:
@@ -92,8 +94,8 @@ class WeightCache:
 
     def reset(self) -> None:
         self.step = 0
-        self.weights: Tensor | None = None
-        self._owner: weakref.ref[Balancer] | None = None
+        self.weights = None
+        self._owner = None
 
 
 def check_cached_weights(weights: Any, num_tasks: int | None) -> None:

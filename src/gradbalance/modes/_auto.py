@@ -6,11 +6,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, cast, get_args
 
 import torch.distributed as dist
 from torch import Tensor
 
+from .._checks import check_choice
 from .._statedict import as_lists, as_tuples
 from ..balancers._base import Balancer
 from ..clip._protocol import RowClipper
@@ -28,6 +29,7 @@ __all__ = ["DECISIVE", "FLOPS_PER_BYTE", "TRIALS", "AutoMode", "LinearShape", "R
            "route_costs"]
 
 Route = Literal["matrix", "gramian"]
+ROUTES: tuple[str, ...] = get_args(Route)
 #: A predicted cost ratio at least this large decides without measuring.
 DECISIVE = 2.0
 #: Timed steps per route when the model does not decide (the minimum of each counts).
@@ -57,13 +59,6 @@ def route_costs(layers: Sequence[LinearShape], other_numel: int, k: int, micro: 
         matrix += costs.rows
         gramian += costs.chosen
     return RouteCosts(matrix, gramian)
-
-
-def _check_route(route: Any) -> Route:
-    if route not in ("matrix", "gramian"):
-        raise ValueError(f"Invalid state_dict: route={route!r} (expected 'matrix' or 'gramian')")
-    checked: Route = route
-    return checked
 
 
 class AutoMode:
@@ -118,7 +113,7 @@ class AutoMode:
             self.layout.params[0].element_size(), flops_per_byte(self.layout.device.type))
         ratio = costs.ratio
         # no layer gains, or a decisive gain; under torch.distributed the model alone decides
-        if ratio >= 1 or ratio <= 1 / DECISIVE or _distributed():
+        if ratio >= 1 or ratio <= 1 / DECISIVE or (dist.is_available() and dist.is_initialized()):
             self._decided[key] = "gramian" if ratio < 1 else "matrix"
             return self._decided[key]
         samples = self._samples.setdefault(key, {"matrix": [], "gramian": []})
@@ -239,7 +234,8 @@ class AutoMode:
                 ok = saved["gramian_ok"]
                 if ok not in (None, True, False):
                     raise ValueError(f"gramian_ok={ok!r}")
-                decided = {as_tuples(key): _check_route(route) for key, route in saved["decided"]}
+                decided = {as_tuples(key): cast(Route, check_choice("route", route, ROUTES))
+                           for key, route in saved["decided"]}
                 samples = {as_tuples(key): {r: [float(t) for t in s[r]]
                                             for r in ("matrix", "gramian")}
                            for key, s in saved["samples"]}
@@ -271,7 +267,3 @@ def _agree_route(route: Route, group: Any) -> None:
             f"rank the same batch shape (DistributedSampler(drop_last=True)) or use "
             f"mode='matrix'"
         )
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()

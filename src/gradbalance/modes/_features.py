@@ -22,7 +22,6 @@ from ..taskgrads import ParamLayout, Passes, TaskRoots
 from ._engine import (
     RowsEngine,
     StepInput,
-    WriteBack,
     combine_or_skip,
     commit,
     heads_backward_,
@@ -112,19 +111,14 @@ class FeaturesMode(RowsEngine):
         finite = finite_step(gram, scale, self.head_params, step.group)
         result = combine_or_skip(balancer, matrix, losses, gram, finite, scale)
         vector, weights = result.vector, result.weights
-        update = self._trunk_update(features, vector[local], step)
+        grad = vector[local] if scale is None else vector[local] * scale.to(vector.dtype)
+        update = self.columns.features_update(features, grad, step.group)
         finite = settle(update, step, finite)
         stats = build_stats(gram, losses, finite, matrix=matrix, update=vector,
                             weights=weights, scale=scale, num_backward=step.count,
                             mode="features")
         commit(update, self.head_params, finite)
         return stats
-
-    def _trunk_update(self, features: Tensor, grad: Tensor, step: StepInput) -> WriteBack:
-        """The trunk's gradient of ``s·⟨features, grad⟩`` (one backward, nothing written)."""
-        if step.scale is not None:
-            grad = grad * step.scale.to(grad.dtype)
-        return self.columns.features_update(features, grad, step.group)
 
     def clear(self) -> None:
         self.features = None
