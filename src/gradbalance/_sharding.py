@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ._shard import Shard
+from .taskgrads import ParamLayout
 
 __all__ = ["ShardedLayout", "is_dtensor", "is_sharded", "local_of"]
 
@@ -89,7 +90,7 @@ def _check_placements(params: Sequence[Tensor], mesh: Any) -> None:
             )
 
 
-class ShardedLayout:
+class ShardedLayout(ParamLayout):
     """The local ``[K, P_local]`` columns of ``DTensor`` parameters sharded on dim 0 over a 1-D
     or HSDP 2-D mesh; :attr:`shard` sums over the shard dimension's ranks."""
 
@@ -124,8 +125,3 @@ class ShardedLayout:
         self.numel = local_total
         self.total = global_total
         self.shard = Shard(tuple(runs), global_total, _sum_over(self.group))
-
-    def slices(self) -> Iterable[tuple[Tensor, int, int]]:
-        """``(param, local start, local stop)`` for every parameter."""
-        for p, off, n in zip(self.params, self.offsets, self.sizes):
-            yield p, off, off + n

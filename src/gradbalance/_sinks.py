@@ -98,13 +98,9 @@ class StackSink:
     by_backward: ClassVar[bool] = False
 
     def __init__(self, inputs: Sequence[Tensor], num_tasks: int) -> None:
-        self._inputs = list(inputs)
+        self.inputs = list(inputs)
         self.num_tasks = num_tasks
-        self.stacks: list[Tensor | None] = [None] * len(self._inputs)
-
-    @property
-    def inputs(self) -> list[Tensor]:
-        return self._inputs
+        self.stacks: list[Tensor | None] = [None] * len(self.inputs)
 
     def write_pass(self, k: int, grads: Sequence[Tensor | None]) -> None:
         for j, g in enumerate(grads):

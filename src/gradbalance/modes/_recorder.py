@@ -107,9 +107,7 @@ class GramianRecorder:
 
     def record(self, block: Block, args: tuple[Any, ...], kwargs: dict[str, Any],
                output: Any) -> None:
-        if not torch.is_grad_enabled():
-            return
-        if not isinstance(output, Tensor) or not output.requires_grad:
+        if not (torch.is_grad_enabled() and isinstance(output, Tensor) and output.requires_grad):
             return
         if "Compiled" in type(output.grad_fn).__name__:  # an output of a compiled graph
             raise RuntimeError(_COMPILED)
