@@ -65,12 +65,6 @@ class Block:
                                       device=self.layout.device)
         return self.buffer
 
-    def start_rows(self, k_total: int) -> Tensor:
-        """The rows' storage for this micro-batch; ``reached`` starts afresh with the step."""
-        if self.rows is None:
-            self.reached = [False] * len(self.params)
-        return self.rows_buffer(k_total)
-
     def module_layer(self) -> nn.Linear | nn.Conv1d | nn.Conv2d:
         """The layer of linear form (only for a block that is one)."""
         mod = self.module

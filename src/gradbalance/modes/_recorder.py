@@ -156,9 +156,10 @@ class GramianRecorder:
         row_blocks = [block for block in self.blocks if block.route == "rows"]
         sinks: list[PassSink] = [stacks]
         for block in row_blocks:
-            accumulate = block.rows is not None
-            sinks.append(RowsSink(block.layout, block.start_rows(k_total), accumulate,
-                                  block.reached))
+            if block.rows is None:  # the step's first pass into this block
+                block.reached = [False] * len(block.params)
+            sinks.append(RowsSink(block.layout, block.rows_buffer(k_total),
+                                  block.rows is not None, block.reached))
         used = run_passes(roots, sinks, self.device, passes=passes, preferred=preferred)
         self._keep_activations(stacks.stacks, k_total)
         for block in row_blocks:

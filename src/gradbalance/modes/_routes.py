@@ -64,12 +64,8 @@ def promote_routes(blocks: Sequence[Block], force: Force, k_total: int, micro: i
 
 def layer_shapes(blocks: Sequence[Block]) -> tuple[tuple[int, int, int, bool, bool], ...]:
     """``(n, i, o, weight, bias)`` of every linear block called since the last backward."""
-    shapes = []
-    for block in blocks:
-        if block.calls:
-            shape = block.shape(block.called_rows())
-            shapes.append((shape.n, shape.i, shape.o, shape.weight, shape.bias))
-    return tuple(shapes)
+    shapes = [block.shape(block.called_rows()) for block in blocks if block.calls]
+    return tuple((s.n, s.i, s.o, s.weight, s.bias) for s in shapes)
 
 
 def inexact(blocks: Sequence[Block], loss: Tensor) -> list[Block]:
