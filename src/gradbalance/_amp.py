@@ -1,10 +1,5 @@
 """Mixed precision in the balanced step: the one place that reads the loss scale, unscales
-and decides whether a step is finite (docs/loop.md, "Mixed precision").
-
-The step divides the task gradients by the scale ``s`` (their Gramian by ``s²``) before
-clipping and balancing and writes the update back times ``s``; on a step with ``found_inf``
-every ``.grad`` it wrote holds inf or NaN (:func:`poison_`), so that ``scaler.step`` skips.
-"""
+and decides whether a step is finite (docs/loop.md, "Mixed precision")."""
 
 from __future__ import annotations
 
@@ -28,8 +23,7 @@ __all__ = [
 
 
 def no_autocast(device: torch.device) -> contextlib.AbstractContextManager[Any]:
-    """Autocast off on ``device``: gradient arithmetic stays in the gradients' dtype (an
-    autocast GEMM would lose the Gramian's precision and not fit a float32 ``.grad``)."""
+    """Autocast off on ``device``: gradient arithmetic stays in the gradients' dtype."""
     if torch.amp.is_autocast_available(device.type):
         return torch.autocast(device.type, enabled=False)
     return contextlib.nullcontext()
@@ -53,9 +47,7 @@ def grads_finite(params: Sequence[Tensor]) -> Tensor:
 
 def unscaled_gramian(scale: Tensor | None, *, matrix: Tensor | None = None,
                      gramian: Tensor | None = None, shard: Shard | None = None) -> Tensor:
-    """The true Gramian ``[K, K]`` (float64) of a step's task gradients: of ``matrix`` (the
-    scaled rows, divided by ``s`` in place; with ``shard``, a rank's columns), or ``gramian``
-    (the scaled one) divided by ``s²``."""
+    """The true Gramian (float64): of ``matrix`` divided by ``s`` in place, or ``gramian / s²``."""
     if matrix is not None:
         if scale is not None:
             matrix.div_(scale.to(matrix.dtype))
@@ -71,9 +63,8 @@ def _agreed(flag: Tensor, group: Any) -> bool:
 
 def finite_step(gramian: Tensor, scale: Tensor | None, head_params: Sequence[Tensor],
                 group: Any) -> bool:
-    """Whether the balancer may run this step (one host sync, agreed over the ranks): the
-    Gramian's diagonal and, under a scaler (which skips a step whose heads overflowed), the
-    heads' ``.grad``."""
+    """Whether the balancer may run: the Gramian's diagonal and, under a scaler, the heads'
+    ``.grad`` (one host sync, agreed over the ranks)."""
     flag = is_finite_gramian(gramian)
     if scale is not None and head_params:
         flag = flag & grads_finite(head_params)
@@ -82,9 +73,8 @@ def finite_step(gramian: Tensor, scale: Tensor | None, head_params: Sequence[Ten
 
 def finite_update(bound: Tensor, factor: Tensor | None, dtype: torch.dtype, group: Any,
                   heads: Sequence[Tensor] = ()) -> bool:
-    """Whether an update whose largest magnitude is ``bound`` (0-d, before the factor ``s``)
-    can be written in ``dtype`` without overflow, and the ``heads``' ``.grad`` are finite
-    (one host sync, agreed over the ranks). A NaN bound is not finite."""
+    """Whether an update of largest magnitude ``bound`` (before ``s``; NaN is not) fits
+    ``dtype`` and the ``heads``' ``.grad`` are finite (one host sync, agreed over the ranks)."""
     top = bound.to(torch.float64)
     if factor is not None:
         top = top * factor.to(device=top.device, dtype=torch.float64)
@@ -95,8 +85,7 @@ def finite_update(bound: Tensor, factor: Tensor | None, dtype: torch.dtype, grou
 
 
 def poison_(grads: Sequence[Tensor | None]) -> None:
-    """Make every gradient of a skipped step non-finite (NaN in each one still finite, no host
-    sync), so that ``scaler.step`` skips whichever optimizer holds one."""
+    """Make every gradient of a skipped step non-finite, so that ``scaler.step`` skips it."""
     for g in grads:
         if g is not None:
             g = local_of(g)

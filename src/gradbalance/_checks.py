@@ -1,11 +1,7 @@
-"""Every argument check of the package, in one house style (docs/ARCHITECTURE.md, "Modules").
-
-The bottom layer: it imports nothing of the package. ``check_<what>(name, value, ...)``
-returns the validated value, ``as_<what>(name, value, ...)`` the converted one; every message
-names the argument, shows the value found and says what to pass instead::
-
-    Invalid beta: 1.5 (expected 0.0 <= beta < 1.0)
-"""
+"""Every argument check of the package, in one house style (docs/ARCHITECTURE.md, "Modules"):
+``check_<what>(name, value, ...)`` returns the value, ``as_<what>`` the converted one, and a
+message names the argument, the value found and what to pass: ``Invalid beta: 1.5 (expected
+0.0 <= beta < 1.0)``."""
 
 from __future__ import annotations
 
@@ -14,8 +10,6 @@ from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
-
-# -- numbers ------------------------------------------------------------------------------
 
 
 def _in_range(value: float, low: float | None, high: float | None, low_open: bool,
@@ -94,9 +88,6 @@ def check_norm_type(name: str, value: float) -> float:
     return float(value)
 
 
-# -- flags, options, objects --------------------------------------------------------------
-
-
 def check_bool(name: str, value: bool) -> bool:
     """``True`` or ``False`` (no truthy stand-ins)."""
     if not isinstance(value, bool):
@@ -126,9 +117,6 @@ def short_repr(value: object, limit: int = 60) -> str:
     """``repr(value)``, cut to ``limit`` characters, for an error message."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-# -- per-task vectors ---------------------------------------------------------------------
 
 
 def _all_within(vec: Tensor, low: float | None, high: float | None) -> bool:
@@ -185,9 +173,6 @@ def check_pref(name: str, value: Tensor | None, num_tasks: int, default: float) 
     if not bool(torch.isfinite(vec).all()) or bool((vec < 0).any()):
         raise ValueError(f"Invalid {name}: {vec.tolist()} (expected finite numbers >= 0)")
     return vec
-
-
-# -- losses, parameters, task gradients ---------------------------------------------------
 
 
 def _loss_tensor(name: str, value: Tensor) -> Tensor:

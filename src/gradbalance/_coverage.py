@@ -1,14 +1,5 @@
-"""Parameter coverage: every trainable leaf the losses reach is balanced, a head's, or refused.
-
-Plain ``sum(losses).backward()`` fills the ``.grad`` of every trainable leaf on the losses'
-graph; the balanced step writes only the two lists it was given. :class:`Coverage` walks the
-graph (its ``AccumulateGrad`` nodes are the trainable leaves it reaches) and refuses, before
-anything moves, a leaf in neither list, unless ``other_params="sum"`` asks for their plain
-gradient of ``Σₖ Lₖ``, or ``"ignore"`` leaves them to a caller that fills their ``.grad``
-itself (docs/loop.md, "Parameter coverage"). It also refuses a reentrant
-``torch.utils.checkpoint``, whose backward writes ``.grad`` directly, beside the step, and
-warns once when the two lists look swapped (:func:`swap_warning`).
-"""
+"""Parameter coverage: every trainable leaf the losses reach is balanced, a head's, or refused;
+a reentrant checkpoint is refused, swapped lists warn (docs/loop.md, "Parameter coverage")."""
 
 from __future__ import annotations
 
@@ -20,6 +11,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from ._graph import edges
 from ._roots import _stack_inputs
 
 __all__ = ["Coverage", "OtherParams", "check_other_params", "fire_post_accumulate_hooks",
@@ -53,33 +45,17 @@ def _accumulate_grad_type() -> type:
 _ACCUMULATE = _accumulate_grad_type()
 
 
-def walk_leaves(root: Tensor) -> tuple[dict[int, tuple[Tensor, Any]], bool]:
-    """The trainable leaves on ``root``'s graph, by id, each with a node that reads it, and
-    whether a reentrant checkpoint lies on the graph."""
-    return _walk(root.grad_fn)
-
-
-def _walk(start: Any) -> tuple[dict[int, tuple[Tensor, Any]], bool]:
-    """:func:`walk_leaves` from an autograd node (None: an empty graph)."""
-    if start is None:
-        return {}, False
+def walk_leaves(start: Any) -> tuple[dict[int, tuple[Tensor, Any]], bool]:
+    """The trainable leaves below the autograd node ``start`` (by id, with a node reading
+    each); whether a reentrant checkpoint lies on the graph."""
     leaves: dict[int, tuple[Tensor, Any]] = {}
-    reentrant = False
-    stack = [start]
-    seen = {start}
-    while stack:
-        node = stack.pop()
-        if type(node).__name__ == _REENTRANT:
+    reentrant = type(start).__name__ == _REENTRANT
+    for node, child in edges(start):
+        if type(child) is _ACCUMULATE:
+            variable = child.variable  # type: ignore[attr-defined]  # AccumulateGrad
+            leaves.setdefault(id(variable), (variable, node))
+        elif type(child).__name__ == _REENTRANT:
             reentrant = True
-        for child, _ in node.next_functions:
-            if child is None or child in seen:
-                continue
-            seen.add(child)
-            if type(child) is _ACCUMULATE:
-                variable = child.variable  # type: ignore[attr-defined]  # AccumulateGrad
-                leaves[id(variable)] = (variable, node)
-            else:
-                stack.append(child)
     return leaves, reentrant
 
 
@@ -98,13 +74,11 @@ def _module_names(modules: Any) -> dict[int, str]:
 
 
 def _task_reach(vector: Tensor) -> list[dict[int, tuple[Tensor, Any]]] | None:
-    """The trainable leaves each task's loss reaches (:func:`walk_leaves`), when ``vector``
-    is a ``torch.stack`` of the K losses (behind elementwise ops); None otherwise (one
-    graph)."""
+    """The trainable leaves each task's loss reaches; None when the tasks' graphs are one."""
     found = _stack_inputs(vector)
     if found is None:
         return None
-    return [_walk(edge.node)[0] for edge in found[0]]
+    return [walk_leaves(edge.node)[0] for edge in found[0]]
 
 
 def _named(leaf: Tensor, names: dict[int, str]) -> str:
@@ -114,9 +88,7 @@ def _named(leaf: Tensor, names: dict[int, str]) -> str:
 
 def _swapped_pair(counts: Counter[int], shared: set[int], heads: set[int],
                   tasks: int) -> tuple[int, int] | None:
-    """A shared leaf and a head leaf showing the swap, from each leaf's count of tasks that
-    reach it; None when some reached shared leaf is reached by two tasks or more, or no head
-    leaf by all of them."""
+    """A shared leaf reached by one task and a head leaf reached by all, or None."""
     reached_shared = [i for i in counts if i in shared]
     everywhere = [i for i in counts if i in heads and counts[i] == tasks]
     if not reached_shared or not everywhere or any(counts[i] > 1 for i in reached_shared):
@@ -126,9 +98,7 @@ def _swapped_pair(counts: Counter[int], shared: set[int], heads: set[int],
 
 def swap_warning(vector: Tensor, shared: set[int], heads: set[int],
                  names: dict[int, str]) -> str | None:
-    """The warning when the lists look swapped: every shared parameter the losses reach is
-    reached by one task's loss only, while a head parameter is reached by every task's
-    (K ≥ 2); None otherwise, or when the tasks' graphs cannot be told apart."""
+    """The warning when every reached shared parameter has one task and a head all of them."""
     reach = _task_reach(vector) if vector.shape[0] >= 2 else None
     if reach is None:
         return None
@@ -147,8 +117,7 @@ def swap_warning(vector: Tensor, shared: set[int], heads: set[int],
 
 
 class Coverage:
-    """The coverage check of one buffer: walks each ``backward``'s losses; decides again
-    only when the set of trainable leaves reached changes."""
+    """The coverage check of one buffer; it decides again when the leaves reached change."""
 
     def __init__(self, shared: Sequence[Tensor], heads: Sequence[Tensor],
                  other_params: OtherParams, modules: Any = None) -> None:
@@ -158,8 +127,7 @@ class Coverage:
         self._index()
 
     def _index(self) -> None:
-        """The id-keyed look-ups, rebuilt in every process: ids do not survive a pickle
-        (``mp.spawn``, Lightning's ``ddp_spawn``) or a copy."""
+        """The id-keyed look-ups, rebuilt after a pickle or a copy (ids do not survive it)."""
         self.known = {id(p) for p in self.shared} | {id(p) for p in self.heads}
         self.shared_ids = {id(p) for p in self.shared}
         self.names = _module_names(self.modules)
@@ -177,9 +145,8 @@ class Coverage:
         self._index()
 
     def check(self, vector: Tensor) -> list[Tensor]:
-        """Raise (nothing moved) on a reentrant checkpoint or, with ``"raise"``, on a
-        trainable leaf in neither list; the leaves to give ``∂(Σₖ Lₖ)`` (``"sum"``)."""
-        leaves, reentrant = walk_leaves(vector)
+        """Raise on a reentrant checkpoint or an uncovered leaf; the leaves of ``"sum"``."""
+        leaves, reentrant = walk_leaves(vector.grad_fn)
         if reentrant:
             raise ValueError(
                 "the losses' graph holds torch.utils.checkpoint(..., use_reentrant=True), whose "
@@ -229,8 +196,7 @@ class Coverage:
 
 
 def fire_post_accumulate_hooks(params: Iterable[Tensor], reached: set[int]) -> None:
-    """Run each ``register_post_accumulate_grad_hook`` hook of the ``reached`` parameters
-    whose ``.grad`` the step wrote, as autograd runs them after accumulating a ``.grad``."""
+    """Run the post-accumulate-grad hooks of the ``reached`` parameters the step wrote."""
     for p in params:
         hooks = getattr(p, "_post_accumulate_grad_hooks", None)
         if hooks and id(p) in reached and p.grad is not None:

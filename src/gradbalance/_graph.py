@@ -1,8 +1,5 @@
-"""How a loss's graph uses given leaves (each one's count of uses) and tensor hooks: a route
-that forms a gradient from its layer's recorded forwards (``gramian`` mode's activations,
-:class:`~gradbalance.clip.GhostNorms`) is exact only where those are the only uses and no
-hook rewrites it (docs/loop.md, "One update whatever the route").
-"""
+"""How a loss's graph uses given leaves, and their tensor hooks: what makes a route built from
+recorded forwards exact (docs/loop.md, "One update whatever the route")."""
 
 from __future__ import annotations
 
@@ -12,20 +9,14 @@ from collections.abc import Iterator, Sequence
 from torch import Tensor
 from torch.autograd.graph import Node
 
-__all__ = ["leaf_uses", "reaches", "tensor_hooked"]
+__all__ = ["edges", "leaf_uses", "reaches", "tensor_hooked"]
 
-#: A node that only casts its one input (autocast caches one cast of a weight per region,
-#: shared by every use of it there).
+#: A node that only casts its one input (autocast shares one cast of a weight per region).
 _CAST = "ToCopyBackward0"
 
 
-def _is_cast(node: Node) -> bool:
-    return type(node).__name__ == _CAST and len(node.next_functions) == 1
-
-
-def _edges(tensor: Tensor) -> Iterator[tuple[Node, Node]]:
-    """Every edge ``(parent, child)`` of ``tensor``'s graph, breadth first."""
-    start = tensor.grad_fn
+def edges(start: Node | None) -> Iterator[tuple[Node, Node]]:
+    """Every edge ``(parent, child)`` of the graph below ``start``, breadth first."""
     queue = deque([start] if start is not None else [])
     seen = set(queue)
     while queue:
@@ -48,22 +39,22 @@ def _leaf_id(node: Node) -> int | None:
 def reaches(tensor: Tensor, params: Sequence[Tensor]) -> bool:
     """Whether one of ``params`` lies on ``tensor``'s graph (stops at the first found)."""
     ids = {id(p) for p in params}
-    return any(_leaf_id(child) in ids for _, child in _edges(tensor))
+    return any(_leaf_id(child) in ids for _, child in edges(tensor.grad_fn))
 
 
 def leaf_uses(tensor: Tensor, leaves: Sequence[Tensor]) -> dict[int, int]:
-    """How many times ``tensor``'s graph uses each of ``leaves``, by ``id`` (an edge from a
-    cast counts as the edges into that cast; one breadth-first walk)."""
+    """How many times ``tensor``'s graph uses each of ``leaves``, by ``id`` (through casts)."""
     counts = dict.fromkeys(map(id, leaves), 0)
     fan_in: Counter[Node] = Counter([tensor.grad_fn] if tensor.grad_fn is not None else [])
     into_leaf: list[tuple[Node, int]] = []  # (the parent, the leaf's id) of every edge to a leaf
-    for node, child in _edges(tensor):
+    for node, child in edges(tensor.grad_fn):
         fan_in[child] += 1
         leaf = _leaf_id(child)
         if leaf in counts:
             into_leaf.append((node, leaf))
     for parent, leaf in into_leaf:
-        counts[leaf] += fan_in[parent] if _is_cast(parent) else 1
+        cast = type(parent).__name__ == _CAST and len(parent.next_functions) == 1
+        counts[leaf] += fan_in[parent] if cast else 1
     return counts
 
 

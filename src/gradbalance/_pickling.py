@@ -1,10 +1,5 @@
-"""Objects holding a ``torch.Generator`` that survive ``torch.multiprocessing``.
-
-Its pickler sends a generator's state as a temporary shared tensor, freed before the child
-(``mp.spawn``, ``ddp_spawn``) reads it: :class:`PicklableGenerators` pickles generators as
-their device and state bytes instead. It also leaves CPU tensors in shared memory, where the
-workers would race on one state: unpickling gives them their own (:func:`unshare_tensors`).
-"""
+"""Objects holding a ``torch.Generator`` that survive ``torch.multiprocessing``: generators
+pickle as bytes, and each worker owns its tensors instead of sharing the parent's memory."""
 
 from __future__ import annotations
 
@@ -60,9 +55,8 @@ class PicklableGenerators:
 
 
 def unshare_tensors(root: Any) -> int:
-    """Give every CPU tensor reachable from ``root`` that lives in shared memory its own copy
-    (``t.data`` replaced by a clone, the tensor objects kept; Lightning unshares the modules'
-    parameters and buffers only); returns how many were copied."""
+    """Give every shared-memory CPU tensor reachable from ``root`` its own copy (``t.data``
+    replaced); returns how many were copied."""
     seen: set[int] = set()
     stack = [root]
     copied = 0

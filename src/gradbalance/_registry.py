@@ -1,8 +1,5 @@
-"""Registries of the methods the library ships: name -> class, looked up forgivingly.
-
-Each subpackage lists its classes explicitly and calls :func:`register`; names are matched
-ignoring case, ``-`` and ``_`` (``"Nash-MTL"``, ``"nash_mtl"`` and ``"nashmtl"`` agree).
-"""
+"""Registries of the methods the library ships: name -> class, names matched ignoring case,
+``-`` and ``_`` (``"Nash-MTL"``, ``"nash_mtl"`` and ``"nashmtl"`` agree)."""
 
 from __future__ import annotations
 
@@ -15,8 +12,7 @@ T = TypeVar("T")
 
 def register(registry: MutableMapping[str, type[T]], classes: Iterable[type[T]],
              kind: str) -> None:
-    """Put every class with a non-empty ``name`` in ``registry`` under that name (two
-    different classes under one name raise ``RuntimeError``)."""
+    """Put every class with a ``name`` in ``registry`` (two under one name raise RuntimeError)."""
     for cls in classes:
         key: str = getattr(cls, "name", "")
         if not key:

@@ -1,11 +1,5 @@
-"""Where each task's backward pass starts: :class:`TaskRoots` (re-exported by
-:mod:`gradbalance.taskgrads`).
-
-At the task's own loss: the scalar given in a list, or the k-th input edge of the
-``torch.stack`` the ``[K]`` vector is made from (also behind elementwise ops such as ``/ M``).
-Starting at ``stacked[k]`` would send zeros back through every other task's head
-(docs/performance.md, "The task passes start at each task's own loss").
-"""
+"""Where each task's backward pass starts: at its own loss, the scalar given or the stack's
+input edge (docs/performance.md, "The task passes start at each task's own loss")."""
 
 from __future__ import annotations
 
@@ -49,12 +43,9 @@ def _stack_edges(node: Node | None, k: int) -> list[GradientEdge] | None:
 
 
 def _stack_inputs(vector: Tensor) -> tuple[list[GradientEdge], Tensor] | None:
-    """The input edges of the ``torch.stack`` ``vector`` is made from, and ``∂vₖ/∂cₖ`` (the
-    chain rule through the elementwise ops); None for any other graph.
-
-    The factor is one backward from ``vector`` to the stack's output, so that the hooks on the
-    tensors in between (and on ``vector``) run once and act on it, as in
-    ``vector.sum().backward()``."""
+    """The input edges of the ``torch.stack`` ``vector`` is made from and ``∂vₖ/∂cₖ``, or None;
+    the factor is one backward to the stack's output, so hooks on the way run once and act on
+    it, as in ``vector.sum().backward()``."""
     k = vector.shape[0]
     stack = _chain_end(vector)
     edges = _stack_edges(stack, k)
@@ -79,9 +70,8 @@ class TaskRoots:
             trunk: its hook on the root module's output (which may be the stack) must run in
             every pass, to gather the parameters.
 
-    ``scaled`` is ``s·vector``. ``outputs[k]`` reaches task k's graph only (the k-th scalar
-    of a list, or the stack's k-th input edge, the elementwise ops' derivative in
-    ``grad_outputs[k]``); None where neither is found: ``scaled[k]`` is then backpropagated.
+    ``scaled`` is ``s·vector``; ``outputs[k]`` reaches task k's graph only (None: ``scaled[k]``
+    is backpropagated).
     """
 
     def __init__(self, given: Tensor | Sequence[Tensor], vector: Tensor,
@@ -120,8 +110,7 @@ class TaskRoots:
                                    retain_graph=retain_graph, allow_unused=True)
 
     def backward(self, k: int, retain_graph: bool) -> None:
-        """An ordinary ``backward`` of ``s·Lₖ`` from the same root (into ``.grad``); nothing
-        for a constant loss."""
+        """An ordinary ``backward`` of ``s·Lₖ`` from the same root (into ``.grad``)."""
         if self.outputs is None:
             torch.autograd.backward(self.scaled[k], retain_graph=retain_graph)
             return

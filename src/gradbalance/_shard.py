@@ -1,9 +1,5 @@
-"""A rank's columns of the task-gradient matrix under a sharded trunk (FSDP2).
-
-Each rank holds one run of consecutive flat columns of ``G`` ``[K, P]`` per parameter;
-:class:`Shard` names those runs and the sum over ranks, through which everything global
-(Gramians, norms) goes (docs/balancers.md, "Sharded trunks").
-"""
+"""A rank's columns of the task-gradient matrix under a sharded trunk (docs/balancers.md,
+"Sharded trunks")."""
 
 from __future__ import annotations
 
@@ -128,17 +124,14 @@ def dim0_runs(shapes: Sequence[Sequence[int]], rank: int, world_size: int
 
 
 def full_gramian(matrix: Tensor, shard: Shard | None = None) -> Tensor:
-    """The full ``[K, K]`` Gramian (float64) of the rows ``matrix`` holds: all of them, or with
-    ``shard`` a rank's columns, whose partial Gramians are summed over the ranks."""
+    """The full ``[K, K]`` Gramian (float64) of ``matrix``, summed over the ranks with ``shard``."""
     gram = compute_gramian(matrix)
     return gram if shard is None else shard.sum(gram)
 
 
 def sharded_unit_rows(matrix: Tensor, shard: Shard) -> tuple[Tensor, Tensor, Tensor]:
-    """``(U, s, n)``: the local columns ``= diag(s) U`` with ``s = 2**e`` chosen from the FULL
-    rows' norms ``n`` ``[K]`` (float64, one reduce), so ``‖Uₖ‖ = nₖ / sₖ ∈ [0.5, 1)`` over all
-    ranks and every rank scales a row alike (the sharded :func:`~gradbalance.gramian.unit_rows`).
-    """
+    """``(U, s, n)``: the sharded :func:`~gradbalance.gramian.unit_rows`, ``s`` chosen from the
+    full rows' norms ``n`` (one reduce), so that every rank scales a row alike."""
     local_unit, local_scale = unit_rows(matrix)  # the local squares, summed scale-safe
     squares = local_unit.pow(2).sum(dim=1, dtype=torch.float64) * local_scale * local_scale
     norms = shard.sum(squares).clamp_min(0).sqrt()

@@ -1,6 +1,4 @@
-"""A trunk sharded with FSDP2 (``fully_shard``): where each rank's columns of the
-task-gradient matrix lie (docs/distributed.md, "Sharded trunks").
-"""
+"""Where each rank's columns of ``G`` lie under ``fully_shard`` (docs/distributed.md)."""
 
 from __future__ import annotations
 
@@ -12,6 +10,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ._shard import Shard
+from .taskgrads import ParamLayout
 
 __all__ = ["ShardedLayout", "is_dtensor", "is_sharded", "local_of"]
 
@@ -34,8 +33,7 @@ def local_of(tensor: Tensor) -> Tensor:
 
 
 def is_sharded(params: Sequence[Tensor]) -> bool:
-    """Whether the parameters are ``DTensor``s (a trunk under ``fully_shard``); a mix is
-    refused (its plain parameters would get each rank's own gradient, never averaged)."""
+    """Whether the parameters are ``DTensor``s (a trunk under ``fully_shard``); a mix is refused."""
     flags = [is_dtensor(p) for p in params]
     if any(flags) and not all(flags):
         plain = [i for i, f in enumerate(flags) if not f]
@@ -59,8 +57,6 @@ def _sum_over(group: Any) -> Any:
     return reduce
 
 
-#: The placements the balanced step takes, by mesh dimensions: FSDP2's ``fully_shard`` on a
-#: 1-D mesh, and HSDP on a 2-D ``(replicate, shard)`` mesh.
 SUPPORTED = "Shard(0) on a 1-D mesh (fully_shard) or (Replicate(), Shard(0)) on a 2-D mesh (HSDP)"
 
 
@@ -74,8 +70,7 @@ def _placements_ok(mesh: Any, placements: tuple[Any, ...]) -> bool:
 
 
 def _check_placements(params: Sequence[Tensor], mesh: Any) -> None:
-    """Every parameter on ``mesh`` with FSDP2's placements (:data:`SUPPORTED`), else a
-    ``ValueError`` naming the first that is not."""
+    """Raise unless every parameter lies on ``mesh`` with :data:`SUPPORTED` placements."""
     for i, p in enumerate(params):
         found: Any = p.device_mesh  # type: ignore[attr-defined]
         placements = tuple(p.placements)  # type: ignore[attr-defined]
@@ -95,13 +90,9 @@ def _check_placements(params: Sequence[Tensor], mesh: Any) -> None:
             )
 
 
-class ShardedLayout:
-    """The local ``[K, P_local]`` columns of a trunk of ``DTensor`` parameters sharded on dim 0
-    over one mesh, 1-D (``fully_shard``) or 2-D (HSDP: replicated over dim 0, sharded over
-    dim 1): ``local_shapes[i]``, ``offsets[i]``, ``sizes[i]`` place this rank's part of
-    ``params[i]`` in the local flat axis; :attr:`shard`: the columns and the sum over the
-    shard dimension's ranks (the replicas hold the same columns, already averaged by FSDP2).
-    """
+class ShardedLayout(ParamLayout):
+    """The local ``[K, P_local]`` columns of ``DTensor`` parameters sharded on dim 0 over a 1-D
+    or HSDP 2-D mesh; :attr:`shard` sums over the shard dimension's ranks."""
 
     def __init__(self, params: Iterable[Tensor]) -> None:
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -110,7 +101,6 @@ class ShardedLayout:
         first: Any = self.params[0]
         self.mesh = first.device_mesh
         _check_placements(self.params, self.mesh)
-        #: The ranks among which the columns are split (the mesh's last dimension).
         self.group = self.mesh.get_group(self.mesh.ndim - 1)
         self.dtype = first.dtype
         self.device = local_of(first).device
@@ -135,12 +125,3 @@ class ShardedLayout:
         self.numel = local_total
         self.total = global_total
         self.shard = Shard(tuple(runs), global_total, _sum_over(self.group))
-
-    def slices(self) -> Iterable[tuple[Tensor, int, int]]:
-        """``(param, local start, local stop)`` for every parameter."""
-        for p, off, n in zip(self.params, self.offsets, self.sizes):
-            yield p, off, off + n
-
-    def local_grads(self) -> list[Tensor | None]:
-        """Each parameter's ``.grad`` on this rank (its local part), None where absent."""
-        return [None if p.grad is None else local_of(p.grad) for p in self.params]

@@ -1,10 +1,5 @@
-"""Where the K task passes of :func:`gradbalance.taskgrads.run_passes` put their gradients.
-
-A sink names the tensors it wants gradients at (``inputs``) and takes them one pass at a time
-(``write_pass(k, grads)``) or all at once (``write_batched``, ``[K, *x.shape]`` each); None
-where no task reaches an input. A sink ``by_backward`` takes no ``inputs``: each pass is an
-ordinary ``backward`` (for parameters ``autograd.grad`` cannot target) and it reads ``.grad``.
-"""
+"""Where the K task passes of :func:`gradbalance.taskgrads.run_passes` put their gradients; a
+sink ``by_backward`` takes no ``inputs`` and reads ``.grad`` after ordinary backward passes."""
 
 from __future__ import annotations
 
@@ -75,8 +70,7 @@ def _write_row(row: Tensor, grads: Sequence[Tensor | None], layout: ColumnLayout
 
 
 class RowsSink:
-    """The ``[K, P]`` rows of ``layout``'s parameters written (or added) into ``out``;
-    ``reached[i]`` set True where some task reaches ``layout.params[i]``."""
+    """The ``[K, P]`` rows of ``layout``'s parameters written (or added) into ``out``."""
 
     by_backward: ClassVar[bool] = False
 
@@ -99,19 +93,14 @@ class RowsSink:
 
 
 class StackSink:
-    """The gradients at ``inputs`` (e.g. layer outputs) as ``[K, *x.shape]`` stacks
-    (``stacks[j]``, None where no task reaches ``inputs[j]``)."""
+    """The gradients at ``inputs`` as ``[K, *x.shape]`` stacks (None where none reaches it)."""
 
     by_backward: ClassVar[bool] = False
 
     def __init__(self, inputs: Sequence[Tensor], num_tasks: int) -> None:
-        self._inputs = list(inputs)
+        self.inputs = list(inputs)
         self.num_tasks = num_tasks
-        self.stacks: list[Tensor | None] = [None] * len(self._inputs)
-
-    @property
-    def inputs(self) -> list[Tensor]:
-        return self._inputs
+        self.stacks: list[Tensor | None] = [None] * len(self.inputs)
 
     def write_pass(self, k: int, grads: Sequence[Tensor | None]) -> None:
         for j, g in enumerate(grads):

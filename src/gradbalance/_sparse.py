@@ -1,12 +1,5 @@
-"""Sparse gradients as dense tensors: the trunk of a balanced step may hold an
-``nn.Embedding(sparse=True)`` (or ``nn.EmbeddingBag(sparse=True)``).
-
-Autograd gives such a weight a sparse COO gradient, which has no ``reshape`` and no flat view.
-A task's row of ``G`` and the balanced update are dense in general (a combination of the
-tasks' rows touches the union of their indices), so the step takes the dense form, with the
-same values: every mode then writes the trunk's ``.grad`` as a dense tensor, equal to the
-``.grad`` of the same model with ``sparse=False`` (docs/loop.md, "Sparse embeddings").
-"""
+"""Sparse gradients (``nn.Embedding(sparse=True)``) in their dense form: a row of ``G`` and the
+update are dense in general (docs/loop.md, "Inputs plain PyTorch takes")."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Checks on a ``state_dict`` handed to ``load_state_dict`` (shared by every stateful object).
-
-Every balancer, loss weighting and stateful clipper records the class that saved its state under
-:data:`TYPE_KEY`; a state recorded by another class, or by none, is refused before anything
-changes, so states whose keys coincide (PCGrad's and GradDrop's ``"generator"``) cannot cross.
-"""
+"""Checks on a ``state_dict`` handed to ``load_state_dict``: a state names the class that saved
+it (:data:`TYPE_KEY`), so states whose keys coincide cannot cross."""
 
 from __future__ import annotations
 
@@ -65,3 +61,13 @@ def check_keys(owner: str, state: dict[str, Any], allowed: Iterable[str],
             f"state_dict has unexpected keys {extra} for {owner} (expected a subset of "
             f"{sorted(allowed)}); was it saved from another {kind}?"
         )
+
+
+def as_lists(value: Any) -> Any:
+    """Nested tuples and lists as lists (what every serialiser keeps)."""
+    return [as_lists(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
+def as_tuples(value: Any) -> Any:
+    """Nested lists and tuples back as tuples (:func:`as_lists` undone)."""
+    return tuple(as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value

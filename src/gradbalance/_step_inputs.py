@@ -1,9 +1,5 @@
-"""Parameters a balanced step refuses at construction, naming them and the fix.
-
-A complex parameter: the balancers work on real Gramians and real task weights (the inner
-products of complex rows would need their conjugates), so a step over it would fail in
-``apply_``, after the gradients had moved. Refused when the buffer is built instead.
-"""
+"""Parameters a balanced step refuses at construction: complex ones, since the balancers work on
+real Gramians (docs/loop.md, "Inputs plain PyTorch takes")."""
 
 from __future__ import annotations
 

@@ -1,14 +1,5 @@
-"""The heads' ``.grad`` between the calls of a step: changed outside the buffer, or not.
-
-A step spans several calls (``backward`` per micro-batch, then ``apply_``): each ``backward``
-adds into the heads' ``.grad`` and into the trunk's task gradients, which the buffer holds
-until ``apply_``. A ``zero_grad()`` between two calls (say after a forward that ran out of
-memory) clears the heads' part of the step but not the trunk's, so the step would mix
-micro-batches. :class:`GradWatch` notes, after each call, the identity and the version
-counter (``Tensor._version``, bumped by every in-place write) of each watched ``.grad`` (the
-heads'; the trunk's part of the step is in the buffer, not in its ``.grad``); the next call
-compares them, O(number of parameters) attribute reads, no gradient value read, and
-refuses the call before anything moves (docs/loop.md, "When a step fails").
+"""The heads' ``.grad`` between the calls of a step: its identity and version counter after
+each call, so that a ``zero_grad()`` in between is refused (docs/loop.md, "When a step fails").
 """
 
 from __future__ import annotations
@@ -32,24 +23,20 @@ class GradWatch:
     """The ``.grad`` of some parameters as the buffer's last call of a step left them."""
 
     def __init__(self) -> None:
-        self._params: list[Tensor] = []
-        self._grads: list[Tensor | None] = []
-        self._versions: list[int] = []
+        self._seen: list[tuple[Tensor, Tensor | None, int]] = []  # (param, .grad, version)
 
     def record(self, params: Sequence[Tensor]) -> None:
         """Note each ``.grad`` now (after a call of the step)."""
-        self._params = list(params)
-        self._grads = grads = [p.grad for p in self._params]
-        self._versions = [-1 if g is None else g._version for g in grads]
+        self._seen = [(p, p.grad, -1 if p.grad is None else p.grad._version) for p in params]
 
     def clear(self) -> None:
         """The step is over: nothing to compare against."""
-        self._params, self._grads, self._versions = [], [], []
+        self._seen = []
 
     def check(self, call: str, count: int, name_of: Callable[[Tensor], str]) -> None:
         """Raise ``RuntimeError`` if a watched ``.grad`` changed since :meth:`record`;
         ``name_of`` names a parameter in the message."""
-        for p, before, version in zip(self._params, self._grads, self._versions):
+        for p, before, version in self._seen:
             now = p.grad
             if now is before and (now is None or now._version == version):
                 continue

@@ -1,8 +1,5 @@
-"""One step, one thread: the ownership guard of a :class:`~gradbalance.TaskGradBuffer`.
-
-Two threads in one buffer would mix their micro-batches: a call takes a lock without waiting,
-and a step belongs to the thread of its first ``backward`` until it ends.
-"""
+"""One step, one thread: the ownership guard of a :class:`~gradbalance.TaskGradBuffer` (two
+threads would mix their micro-batches)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""The error a non-finite gradient raises, and the shapes used throughout the library.
-
-``K`` tasks, ``P`` shared (trunk) parameter values; the task-gradient matrix ``G`` ``[K, P]``
-(row ``k``: task ``k``'s gradient), its Gramian ``G Gᵀ`` ``[K, K]`` (float64), the weights
-``[K]`` and the combined gradient ``[P]``.
-"""
+"""The error a non-finite gradient raises. Shapes throughout: ``K`` tasks, ``P`` shared values,
+``G`` ``[K, P]``, its Gramian ``[K, K]`` (float64), the weights ``[K]``, the update ``[P]``."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Checkpoints of a whole balanced training run: resume bit-identically.
-
-Every stateful object (model, optimizer, ``GradScaler``, balancer, weighting, clippers,
-loggers, any ``torch.Generator``) is saved by name with the global random states (torch CPU
-and CUDA, ``random``, NumPy's): a run loaded into fresh objects continues exactly.
+"""Checkpoints of a whole balanced training run: every stateful object by name and the global
+random states, saved atomically, loaded all or nothing (docs/loop.md, "Checkpoints").
 
 Example:
     >>> import io
@@ -23,10 +20,6 @@ Example:
     ...                        clipper=clipper2)
     >>> meta["step"] + 1, torch.equal(model2.weight, model.weight)
     (100, True)
-
-Saves are atomic, values ``torch.load(weights_only=True)`` would not read back are refused
-before writing, unreadable files raise :class:`CheckpointError` and loads are all or nothing
-(docs/loop.md, "Checkpoints").
 """
 
 from __future__ import annotations
@@ -45,6 +38,8 @@ from typing import IO, Any
 
 import torch
 
+from ._statedict import as_lists, as_tuples
+
 __all__ = [
     "CheckpointError", "CheckpointNotFoundError", "capture_state", "get_rng_state",
     "load_checkpoint", "restore_state", "save_checkpoint", "set_rng_state",
@@ -52,8 +47,7 @@ __all__ = [
 
 _FORMAT = 1
 
-#: Leaf types that ``torch.load(weights_only=True)`` reads back (checked exactly: a NumPy
-#: float64 is a ``float`` subclass that it refuses).
+#: Leaf types ``torch.load(weights_only=True)`` reads back (exactly: not NumPy's float64).
 _PLAIN_TYPES = frozenset({type(None), bool, int, float, complex, str, bytes, bytearray,
                           torch.dtype, torch.device, torch.Size, torch.layout, torch.Tensor,
                           torch.nn.Parameter})
@@ -101,7 +95,7 @@ def get_rng_state() -> dict[str, Any]:
     """
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
-        "python": _to_plain(random.getstate()),
+        "python": as_lists(random.getstate()),
     }
     if (torch.cuda.is_available()
             and torch.cuda.is_initialized()):  # type: ignore[no-untyped-call]  # untyped in torch
@@ -135,7 +129,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
             f"rng state has keys {sorted(state)}; pass the output of get_rng_state()"
         )
     torch.set_rng_state(state["torch"])
-    random.setstate(_from_plain(state["python"]))
+    random.setstate(as_tuples(state["python"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
     if "numpy" in state:
@@ -149,19 +143,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
         n = state["numpy"]
         np.random.set_state((n["kind"], n["keys"].numpy().astype("uint32"), n["pos"],
                              n["has_gauss"], n["cached"]))
-
-
-def _to_plain(value: Any) -> Any:
-    """Python's random state as nested lists (tuples do not survive every serialiser)."""
-    if isinstance(value, tuple):
-        return [_to_plain(v) for v in value]
-    return value
-
-
-def _from_plain(value: Any) -> Any:
-    if isinstance(value, list):
-        return tuple(_from_plain(v) for v in value)
-    return value
 
 
 def _state_of(name: str, obj: Any) -> Any:
@@ -190,9 +171,6 @@ def _check_target(name: str, obj: Any, state: Any, where: str) -> None:
             raise CheckpointError(f"{where}: entry {name!r} is not a generator state")
     elif not callable(getattr(obj, "load_state_dict", None)):
         raise CheckpointError(f"{name} is a {type(obj).__name__} without load_state_dict()")
-
-
-# -- what a file may hold ----------------------------------------------------------------
 
 
 def _round_trip_error(value: Any) -> str | None:
@@ -228,22 +206,21 @@ def _find_unloadable(value: Any, path: str, active: frozenset[int] = frozenset()
         return None
     if id(value) in active:  # a container that holds itself: pickle keeps the cycle
         return None
-    inner = active | {id(value)}
+    children: list[tuple[Any, str]] = []
     if kind in _MAPPINGS:
         for key, item in value.items():
-            found = (_find_unloadable(key, f"{path} (the key {key!r})", inner)
-                     or _find_unloadable(item, f"{path}[{key!r}]", inner))
-            if found:
-                return found
-        return None
-    if kind in _SEQUENCES:
-        for i, item in enumerate(value):
-            found = _find_unloadable(item, f"{path}[{i}]", inner)
-            if found:
-                return found
-        return None
-    why = _round_trip_error(value)
-    return None if why is None else (path, value, why)
+            children += [(key, f"{path} (the key {key!r})"), (item, f"{path}[{key!r}]")]
+    elif kind in _SEQUENCES:
+        children = [(item, f"{path}[{i}]") for i, item in enumerate(value)]
+    else:
+        why = _round_trip_error(value)
+        return None if why is None else (path, value, why)
+    inner = active | {id(value)}
+    for child, where in children:
+        found = _find_unloadable(child, where, inner)
+        if found:
+            return found
+    return None
 
 
 def _check_loadable(value: Any, path: str) -> None:
@@ -260,14 +237,9 @@ def _check_loadable(value: Any, path: str) -> None:
         )
 
 
-# -- in memory -----------------------------------------------------------------------------
-
-
 def capture_state(*, rng: bool = True, **objects: Any) -> dict[str, Any]:
-    """In-memory checkpoint: ``{"objects": {name: state}, "rng": ...}``. None objects skipped.
-
-    A snapshot: the states are deep copies of the objects' ``state_dict()`` (a model's own
-    ``state_dict()`` holds its live parameters), so training on does not change it.
+    """In-memory checkpoint: ``{"objects": {name: state}, "rng": ...}``, deep copies of the
+    ``state_dict()`` of the objects not None.
 
     Example:
         >>> import torch
@@ -291,11 +263,8 @@ def _capture(rng: bool, objects: dict[str, Any]) -> dict[str, Any]:
 
 
 def restore_state(checkpoint: dict[str, Any], *, strict: bool = True, **objects: Any) -> None:
-    """Load :func:`capture_state` output into ``objects`` (matched by name) and the RNGs.
-
-    With ``strict``, the names given and saved must match. All or nothing: if one object
-    refuses its state, those loaded before it are restored and :class:`CheckpointError` is
-    raised.
+    """Load :func:`capture_state` output into ``objects`` (matched by name; with ``strict``, the
+    same names) and the RNGs, all or nothing (:class:`CheckpointError`).
 
     Example:
         >>> import torch
@@ -309,7 +278,7 @@ def restore_state(checkpoint: dict[str, Any], *, strict: bool = True, **objects:
 
 
 def _saved_objects(checkpoint: Any, where: str) -> dict[str, Any]:
-    """The ``"objects"`` of a checkpoint dict, after checking it is one this version reads."""
+    """The ``"objects"`` of a checkpoint this version reads."""
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("objects"), dict):
         held = (f"a dict with keys {sorted(checkpoint, key=str)[:10]}"
                 if isinstance(checkpoint, dict) else f"a {type(checkpoint).__name__}")
@@ -404,9 +373,6 @@ def _roll_back(done: list[tuple[str, Any, Any]], rng_before: Any) -> list[str]:
     return failed
 
 
-# -- files ---------------------------------------------------------------------------------
-
-
 def save_checkpoint(
     f: str | os.PathLike[str] | IO[bytes],
     *,
@@ -415,10 +381,8 @@ def save_checkpoint(
     rng: bool = True,
     **objects: Any,
 ) -> None:
-    """Save every named stateful object, the RNG states, ``step`` and ``extra`` to ``f``.
-
-    To a path atomically, or to an open binary file. Raises :class:`CheckpointError`, writing
-    nothing, for a value that would not load back with ``torch.load(weights_only=True)``.
+    """Save every named stateful object, the RNG states, ``step`` and ``extra`` to ``f`` (a path,
+    atomically, or an open binary file); nothing is written for a value that would not load.
 
     Example:
         >>> import os, tempfile, torch
@@ -454,7 +418,8 @@ def _write_atomic(path: str, checkpoint: dict[str, Any]) -> None:
     temp = os.path.join(folder, f".{os.path.basename(target)}.{secrets.token_hex(6)}.tmp")
     try:
         _write_synced(temp, checkpoint)
-        _copy_mode(target, temp)
+        with contextlib.suppress(FileNotFoundError):  # keep the replaced file's permissions
+            os.chmod(temp, stat.S_IMODE(os.stat(target).st_mode))
         os.replace(temp, target)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -464,8 +429,7 @@ def _write_atomic(path: str, checkpoint: dict[str, Any]) -> None:
 
 
 def _check_writable(path: str, target: str) -> None:
-    """Raise ``PermissionError`` for an existing file this process may not write, as
-    ``torch.save`` would (the rename could replace it, but the user protected it)."""
+    """Raise ``PermissionError`` for an existing file this process may not write."""
     if not os.path.isfile(target):
         return
     try:
@@ -486,12 +450,6 @@ def _write_synced(temp: str, checkpoint: dict[str, Any]) -> None:
         os.fsync(handle.fileno())
 
 
-def _copy_mode(target: str, temp: str) -> None:
-    """The new file keeps the permissions of the file it replaces (if any)."""
-    with contextlib.suppress(FileNotFoundError):
-        os.chmod(temp, stat.S_IMODE(os.stat(target).st_mode))
-
-
 def _sync_folder(folder: str) -> None:
     """``fsync`` the folder, so the rename is on disk too (skipped where the OS refuses)."""
     with contextlib.suppress(OSError):
@@ -509,10 +467,8 @@ def load_checkpoint(
     map_location: Any = None,
     **objects: Any,
 ) -> dict[str, Any]:
-    """Load a :func:`save_checkpoint` file into ``objects``; returns ``{"step", "extra"}``.
-
-    Raises :class:`CheckpointError` (changing nothing) for a file that is missing, empty,
-    truncated or not a checkpoint, and for a state an object refuses.
+    """Load a :func:`save_checkpoint` file into ``objects``; returns ``{"step", "extra"}``, or
+    raises :class:`CheckpointError`, changing nothing.
 
     Example:
         >>> import os, tempfile, torch

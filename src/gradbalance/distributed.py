@@ -1,11 +1,5 @@
-"""Data-parallel training: the task gradients are averaged over the ranks before balancing.
-
-Under data parallelism the full-batch task gradients are the mean of the ranks' ``G_r``
-``[K, P]``; :class:`TaskGradBuffer` checks that the ranks agree, all-reduces ``G`` in one
-collective and the heads' ``.grad`` with the losses in a second, before unscaling, clipping
-and balancing (the reduction happens on ``G``, never after the combine). The steps, the costs
-and the use under ``DistributedDataParallel`` are in docs/distributed.md.
-"""
+"""Data-parallel training: the task gradients ``G`` are averaged over the ranks before
+balancing, never after the combine (docs/distributed.md)."""
 
 from __future__ import annotations
 
@@ -62,10 +56,8 @@ def _listed(ranks: list[int]) -> str:
 
 
 def check_mesh_group(params: Sequence[Tensor], process_group: Any) -> None:
-    """Raise ``ValueError`` unless the buffer's ``process_group`` (unresolved) spans the ranks
-    of the mesh a sharded trunk's ``params`` lie on: FSDP2 averages the trunk over the mesh,
-    the buffer the losses and replicated heads over the group, and both must be the mean over
-    the same batch (docs/distributed.md, "Sharded trunks (FSDP2)"). Plain parameters pass."""
+    """Raise ``ValueError`` unless ``process_group`` (unresolved) spans the mesh of a sharded
+    trunk's ``params``: both must average over the same batch (docs/distributed.md)."""
     if not params or not is_dtensor(params[0]):
         return
     group = resolve_process_group(process_group)
@@ -92,9 +84,6 @@ def _comm_device(group: Any, device: torch.device) -> torch.device:
     if dist.get_backend(group) == "nccl" and device.type != "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return device
-
-
-# -- agreement between the ranks ---------------------------------------------------------
 
 
 class RankAgreementError(RuntimeError):
@@ -135,8 +124,7 @@ _PLURAL = {"has": "have", "is": "are", "reuses": "reuse", "recomputes": "recompu
 
 
 def _disagreement(phrases: list[str]) -> str:
-    """``"rank 1 has K=3 tasks, rank 0 has K=2 tasks"`` from each rank's phrase, rank 0's
-    group last (the reference)."""
+    """``"rank 1 has K=3 tasks, rank 0 has K=2 tasks"`` from each rank's phrase, rank 0 last."""
     groups: dict[str, list[int]] = {}
     for rank, phrase in enumerate(phrases):
         groups.setdefault(phrase, []).append(rank)
@@ -212,9 +200,8 @@ def check_step_agreement(
     reused: bool,
     modes: Sequence[str] = (),
 ) -> None:
-    """Raise :class:`RankAgreementError` on every rank unless all ranks run the same step
-    (one all-gather of nine int64s, before any collective). ``group``: resolved; ``modes``:
-    every mode's name, to name another rank's mode in the error."""
+    """Raise :class:`RankAgreementError` on every rank unless all run the same step (one
+    all-gather of nine int64s); ``modes`` names another rank's mode in the error."""
     dtype = str(shared[0].dtype) if shared else ""
     local = {
         "num_tasks": num_tasks,
@@ -342,13 +329,15 @@ def all_reduce_grads_(params: Iterable[Tensor], group: Any = None) -> None:
 
 
 def all_reduce_grads_and_losses_(
-    params: Sequence[Tensor], losses: Tensor, group: Any, matrix: Tensor | None = None
+    params: Sequence[Tensor], losses: Tensor, group: Any, matrix: Tensor | None = None,
+    also: Sequence[Tensor] = (),
 ) -> Tensor:
-    """Average ``.grad`` of ``params`` in place and return the mean losses, in one bucket; with
-    ``matrix`` (a step's ``G``), ``G`` too, in a second collective. ``group``: resolved."""
+    """Average ``.grad`` of ``params`` and ``also`` in place and return the mean losses, in one
+    bucket; with ``matrix`` (a step's ``G``), ``G`` too, in a second collective. ``group``:
+    resolved."""
     mean_losses = losses.detach().clone()
     pending = [] if matrix is None else _launch_mean([matrix], group)
-    pending += _launch_mean([*_grads_of(params), mean_losses], group)
+    pending += _launch_mean([*also, *_grads_of(params), mean_losses], group)
     _finish_mean(pending, dist.get_world_size(group))
     return mean_losses
 
@@ -371,11 +360,8 @@ def all_gather_columns(matrix: Tensor, group: Any, mode: str = "features") -> Te
 
 
 def sync_weighting_(weighting: LossWeighting, group: Any = None) -> None:
-    """Average a loss weighting's pending observation over the ranks; call before ``update``.
-
-    The tensors :meth:`~gradbalance.LossWeighting.pending_tensors` returns are averaged in
-    place, so every rank updates from the full batch's numbers. A weighting of another K or
-    method on another rank raises :class:`RankAgreementError` on every rank first.
+    """Average a loss weighting's :meth:`~gradbalance.LossWeighting.pending_tensors` over the
+    ranks, in place; call before ``update``.
 
     Example:
         >>> import torch
@@ -396,10 +382,10 @@ def sync_weighting_(weighting: LossWeighting, group: Any = None) -> None:
 
 
 def all_ranks_true(flag: Tensor, group: Any) -> Tensor:
-    """A 0-d bool tensor, True only if ``flag`` is True on every rank (one MIN all-reduce)."""
-    value = flag.to(device=_comm_device(group, flag.device), dtype=torch.int32).reshape(1)
+    """``flag`` (bool, any shape) True only where it is True on every rank (one MIN all-reduce)."""
+    value = flag.to(device=_comm_device(group, flag.device), dtype=torch.int32).reshape(-1)
     dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
-    return value[0].to(device=flag.device, dtype=torch.bool)
+    return value.reshape(flag.shape).to(device=flag.device, dtype=torch.bool)
 
 
 def broadcast_parameters_(params: Iterable[Tensor], src: int = 0, group: Any = None) -> None:
@@ -422,10 +408,16 @@ def broadcast_parameters_(params: Iterable[Tensor], src: int = 0, group: Any = N
     check_same_layout(listed, group, "broadcast_parameters_()")
     with torch.no_grad():
         for p in listed:
-            buf = p.data.to(_comm_device(group, p.device))
-            dist.broadcast(buf, src=src, group=group)
+            buf = _broadcast(p.data, src, group)
             if buf.data_ptr() != p.data.data_ptr():
                 p.data.copy_(buf)
+
+
+def _broadcast(tensor: Tensor, src: int, group: Any) -> Tensor:
+    """Rank ``src``'s ``tensor`` (in place where the backend takes it where it is)."""
+    buf = tensor.to(_comm_device(group, tensor.device))
+    dist.broadcast(buf, src=src, group=group)
+    return buf
 
 
 def broadcast_generator_(generator: torch.Generator, src: int = 0, group: Any = None) -> None:
@@ -443,10 +435,7 @@ def broadcast_generator_(generator: torch.Generator, src: int = 0, group: Any = 
     group = resolve_process_group(group)
     if group is None:
         return
-    state = generator.get_state()
-    buf = state.to(_comm_device(group, state.device))
-    dist.broadcast(buf, src=src, group=group)
-    generator.set_state(buf.cpu())
+    generator.set_state(_broadcast(generator.get_state(), src, group).cpu())
 
 
 def _digest(tensors: Iterable[Any]) -> str:
@@ -520,12 +509,9 @@ def ddp_no_sync(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
 
 
 def gathered_parameters(module: nn.Module) -> list[Tensor]:
-    """The parameters FSDP2 computes ``module``'s forward with: its all-gathered copies.
-
-    ``autograd.grad`` cannot target the ``DTensor`` shards of a module under ``fully_shard``;
-    pass these instead, e.g. ``GradNorm(K, gathered_parameters(model.trunk[-2]))``
-    (docs/distributed.md, "Sharded trunks"). A module not under ``fully_shard`` gives its
-    ordinary parameters. Call it once, after ``fully_shard``.
+    """The parameters FSDP2 computes ``module``'s forward with, its all-gathered copies, which
+    ``autograd.grad`` can target (docs/distributed.md, "Sharded trunks"); call it once, after
+    ``fully_shard``.
 
     Example:
         >>> import torch

@@ -1,19 +1,7 @@
-"""Logging a balanced step: the scalars of docs/loop.md ("Logging"), to TensorBoard or CSV.
-
-Tags (``K`` tasks, ``i < j``; ``<k>`` is the task's name from ``task_names``, by default
-``task{k}``):
-
-* ``loss/<k>``: raw, unweighted task loss; ``size/<k>``: true (unscaled) gradient norm
-  over the shared parameters; ``w/<k>``: the task weight (balancer or loss weighting);
-* ``cos/<i>_<j>``: cosine similarity of two task gradients, for every pair;
-* ``pre_clip``: the norm before the user's global clip (``clip_grad_norm_``'s return value);
-  ``pre_clip/<k>``: per-task pre-clip norms when the step clipped rows;
-* ``amp_skipped``: 1 when the gradient scaler skips the step, else 0.
-
-:class:`RunningStats` adds how much each number varies (``std/<tag>``, a standard deviation
-over a sliding window): how much a number varies is logged, not only its average.
-TensorBoard is optional (``pip install gradbalance[tensorboard]``); :func:`stats_to_dict` and
-:class:`CSVLogger` need nothing but the standard library.
+"""Logging a balanced step to TensorBoard or CSV: ``loss/<k>`` (raw), ``size/<k>`` (true
+gradient norm), ``w/<k>``, ``cos/<i>_<j>``, ``pre_clip``, ``pre_clip/<k>``, ``amp_skipped``
+and, with :class:`RunningStats`, ``std/<tag>`` (docs/loop.md, "Logging"). TensorBoard is
+optional (``pip install gradbalance[tensorboard]``).
 """
 
 from __future__ import annotations
@@ -72,9 +60,7 @@ def _weights_of(stats: StepStats, weights: Tensor | None) -> Tensor | None:
 
 
 def _host_lists(parts: dict[str, Tensor]) -> dict[str, list[float]]:
-    """Every tensor's entries as Python floats (through float64): the tensors of one device
-    are concatenated and read together, so a step on one accelerator makes one device→host
-    transfer."""
+    """Every tensor's entries as Python floats, one device→host transfer per device."""
     by_device: dict[torch.device, list[str]] = {}
     for name, tensor in parts.items():
         by_device.setdefault(tensor.device, []).append(name)
@@ -102,17 +88,11 @@ def _task_tags(prefix: str, values: list[float] | None, names: list[str]) -> dic
 
 
 def _per_task_tags(values: dict[str, list[float]], names: list[str]) -> dict[str, float]:
-    """``loss``/``size``, ``w``, ``cos`` and per-task ``pre_clip`` tags, in the logged order.
-
-    A step reusing ``update_every``'s cached weights computed no task gradients: it logs the
-    losses and the weights, not sizes or cosines.
-    """
+    """``loss``/``size``, ``w``, ``cos`` and per-task ``pre_clip`` tags, in the logged order."""
     out: dict[str, float] = {}
     k = len(names)
     for t, name in enumerate(names):
-        out[f"loss/{name}"] = values["loss"][t]
-        if "size" in values:
-            out[f"size/{name}"] = values["size"][t]
+        out.update({f"{key}/{name}": values[key][t] for key in ("loss", "size") if key in values})
     out.update(_task_tags("w", values.get("w"), names))
     cos = values.get("cos")
     if cos is not None:
@@ -129,16 +109,12 @@ def stats_to_dict(
     weights: Tensor | None = None,
     task_names: Sequence[str] | None = None,
 ) -> dict[str, float]:
-    """The logged scalars of one step as ``{tag: float}`` (one host sync: the tensors of a
-    device are read in one transfer).
+    """The logged scalars of one step as ``{tag: float}`` (one transfer per device).
 
     Args:
-        stats: what ``TaskGradBuffer.apply_`` / ``balanced_backward`` returned.
         pre_clip: the global pre-clip norm (``clip_grad_norm_``'s return value), if any.
-        amp_skipped: whether the scaler skipped the step; by default ``stats.found_inf`` when
-            the step used a scaler (a step without one is never skipped).
-        weights: task weights ``[K]`` to log as ``w/task{k}``; default ``stats.weights``
-            (pass a loss weighting's weights here).
+        amp_skipped: default ``stats.found_inf`` when the step used a scaler, else False.
+        weights: task weights ``[K]`` (e.g. a loss weighting's); default ``stats.weights``.
         task_names: the tasks' names in the tags (``loss/depth``); default ``task0``, ...
 
     A per-sample step (``batch_dim=0``) is logged by its K summed tasks, ``stats.per_task``
@@ -195,12 +171,8 @@ def log_stats(
     running: RunningStats | None = None,
     task_names: Sequence[str] | None = None,
 ) -> dict[str, float]:
-    """Write the logged scalars of one step with ``writer.add_scalar(tag, value, step)``.
-
-    ``writer`` is a TensorBoard ``SummaryWriter`` (or anything with ``add_scalar``). With
-    ``running``, its ``std/<tag>`` variabilities are written too; ``task_names`` name the
-    tasks in the tags (``loss/depth``, ``cos/depth_normals``; default ``task0``, ...).
-    Returns what was written.
+    """Write :func:`stats_to_dict` (and ``running``'s ``std/<tag>``) with
+    ``writer.add_scalar(tag, value, step)``; returns what was written.
 
     Example:
         >>> import torch
@@ -232,12 +204,8 @@ def _population_std(values: list[float]) -> float:
 
 
 class RunningStats:
-    """Sliding-window standard deviation of every logged scalar: ``std/<tag>``.
-
-    ``update(scalars)`` appends each finite value to its tag's window of the last ``window``
-    values and returns ``{"std/<tag>": population std}`` for every tag in ``scalars`` seen at
-    least once (0 after one value, so CSV columns are stable from the first step).
-    ``amp_skipped`` and ``std/*`` tags are not tracked; non-finite values are ignored.
+    """Sliding-window population standard deviation of every logged scalar: ``std/<tag>``
+    (finite values only; 0 after one value, so CSV columns are stable from the first step).
 
     Example:
         >>> from gradbalance import RunningStats
@@ -261,7 +229,6 @@ class RunningStats:
                 if values and tag in scalars}
 
     def _append(self, tag: str, value: float) -> None:
-        """A finite value joins its tag's window of the last ``window`` values."""
         if not math.isfinite(value):
             return
         values = self._values.setdefault(tag, [])
@@ -283,12 +250,8 @@ class RunningStats:
 
 
 class CSVLogger:
-    """Appends one row per step to a CSV file: ``step`` then every tag, in first-seen order.
-
-    Columns are fixed by the first row written (later new tags raise, so the file stays
-    rectangular); a missing tag is written as an empty cell. ``task_names`` name the tasks
-    in the columns of :meth:`log_stats` (``loss/depth``; default ``task0``, ...). Use as a
-    context manager or call :meth:`close`.
+    """Appends one row per step to a CSV file: ``step`` then every tag, in first-seen order;
+    the first row fixes the columns (a new tag later raises, a missing one is empty).
 
     Example:
         >>> import pathlib, tempfile
@@ -325,8 +288,7 @@ class CSVLogger:
         self._file.flush()
 
     def log_stats(self, stats: StepStats, step: int, **kwargs: Any) -> dict[str, float]:
-        """``stats_to_dict(stats, **kwargs)`` written as one row (the logger's ``task_names``
-        unless given); returns the dict."""
+        """``stats_to_dict(stats, **kwargs)`` written as one row; returns the dict."""
         kwargs.setdefault("task_names", self.task_names)
         scalars = stats_to_dict(stats, **kwargs)
         self.log(scalars, step)

@@ -1,15 +1,5 @@
-"""Per-task gradients of the shared parameters, as one ``[K, P]`` matrix.
-
-Two ways of running the passes compute the same matrix without touching any ``.grad``:
-``"loop"``, one ``torch.autograd.grad`` per task, each starting at the task's own loss
-(:class:`TaskRoots`); ``"batched"``, one call with ``is_grads_batched=True`` (vmap over the
-K one-hot output gradients), which ops without a batching rule make raise. ``"auto"`` uses
-the loop on CPU (the batched call measured up to 1.9× slower there:
-``benchmarks/results/passes_choice_cpu.md``) and elsewhere measures both on a buffer's first
-step (``"measure"`` forces that anywhere); both fall back to the loop where batching fails.
-Every mode runs the passes through this module's one implementation, into its own sinks
-(docs/ARCHITECTURE.md, the layer table).
-"""
+"""Per-task gradients of the shared parameters, as one ``[K, P]`` matrix, ``.grad`` untouched:
+a loop of ``autograd.grad`` or one batched call (docs/performance.md, "Modes")."""
 
 from __future__ import annotations
 
@@ -33,8 +23,7 @@ Passes = Literal["auto", "measure", "loop", "batched"]
 Concrete = Literal["loop", "batched"]
 _PASSES = get_args(Passes)
 
-#: What ``"auto"`` uses per device type without measuring (falling back to the loop if
-#: batching fails); a device type not listed is measured by each buffer on its first step.
+#: What ``"auto"`` uses per device type without measuring; other types are measured.
 AUTO_PREFERENCE: dict[str, Concrete] = {"cpu": "loop"}
 
 
@@ -56,8 +45,7 @@ class ParamLayout:
 
 def resolve_passes(passes: Passes, device: torch.device,
                    preferred: Concrete | None = None) -> Concrete:
-    """The passes a call runs first: for ``"auto"`` and ``"measure"``, ``preferred`` (measured
-    or fallen back to) where given, else the device type's ``AUTO_PREFERENCE``, else batched."""
+    """The passes a call runs first: ``preferred``, else ``AUTO_PREFERENCE``, else batched."""
     check_choice("passes", passes, _PASSES)
     if passes == "auto" or passes == "measure":
         return preferred or AUTO_PREFERENCE.get(device.type, "batched")
@@ -72,8 +60,7 @@ def needs_measuring(passes: Passes, device: torch.device) -> bool:
 
 def kept_passes(passes: Passes, device: torch.device, preferred: Concrete | None,
                 used: Concrete) -> Concrete | None:
-    """The choice a buffer keeps after a call that ran ``used``: a fallback under ``"auto"``/
-    ``"measure"`` sticks; otherwise ``preferred``."""
+    """The choice a buffer keeps after a call that ran ``used`` (a fallback sticks)."""
     if passes in ("auto", "measure") and used != resolve_passes(passes, device, preferred):
         return used
     return preferred
@@ -105,9 +92,7 @@ def _loop(roots: TaskRoots, inputs: list[Tensor], sinks: Sequence[PassSink],
             grads = roots.grad(k, inputs, keep)
         for sink, part in _split(sinks, grads):
             sink.write_pass(k, part)
-        # Freed only once the next pass has allocated its own: freeing first lets the
-        # allocator hand the memory back to the OS, and every pass page-faults it in again.
-        previous = grads  # noqa: F841
+        previous = grads  # noqa: F841  # freed after the next pass allocates: no page faults
 
 
 def _batched(roots: TaskRoots, inputs: list[Tensor], passes: Passes,
@@ -147,13 +132,9 @@ def run_passes(
     retain_graph: bool = False,
     preferred: Concrete | None = None,
 ) -> Concrete:
-    """The K task passes, as a loop or one batched call, into ``sinks`` (:mod:`gradbalance._sinks`).
-
-    ``preferred`` replaces what ``"auto"``/``"measure"`` resolve to on ``device``; a failed
-    batched call writes nothing and falls back to the loop unless ``passes="batched"``.
-    Sinks ``by_backward`` (all or none) take a loop of ordinary ``backward`` calls. Returns
-    the passes used.
-    """
+    """The K task passes, as a loop or one batched call, into ``sinks``; a failed batched call
+    writes nothing and falls back to the loop unless ``passes="batched"``. Returns the passes
+    used."""
     by_backward = any(sink.by_backward for sink in sinks)
     if by_backward and not all(sink.by_backward for sink in sinks):
         raise ValueError("run_passes: sinks mix by_backward and autograd.grad inputs")
@@ -179,11 +160,8 @@ def compute_into(
     preferred: Concrete | None = None,
     reached: list[bool] | None = None,
 ) -> Concrete:
-    """Write (or add, with ``accumulate``) the task gradients into ``out`` ``[K, P]``.
-
-    ``reached[i]`` becomes True where some task reaches ``layout.params[i]`` (zeros
-    otherwise). Returns the passes used (``"loop"`` after a batched fallback).
-    """
+    """Write (or add) the task gradients into ``out`` ``[K, P]``; ``reached[i]`` True where
+    some task reaches ``layout.params[i]``. Returns the passes used."""
     sink = RowsSink(layout, out, accumulate, reached)
     return run_passes(roots, [sink], layout.device, passes=passes, retain_graph=retain_graph,
                       preferred=preferred)

@@ -1,20 +1,9 @@
 """Gradient modes of :class:`~gradbalance.TaskGradBuffer`: what a step holds of the task
 gradients. Each mode is an :class:`Engine`; the buffer builds one with :func:`make_engine`.
 
-* ``"matrix"`` (default): the ``[K, P]`` task gradients in one persistent buffer; every
-  balancer and every row clipper works. Cost: one forward + K backward passes.
-* ``"gramian"``: only ``G Gᵀ`` ``[K, K]``, block by block, each ``nn.Linear`` by the cheaper
-  of two exact routes (its activations and output gradients, or its per-task rows), then one
-  weighted write-back: ``matrix``'s update for weighted balancers (``from_gramian = True``),
-  micro-batches, data parallelism and 2-norm row clipping included. Pays off when K·P
-  dwarfs the activations (large layers, small batches).
-* ``"auto"``: per batch shape, the faster of ``matrix`` and ``gramian`` (a cost model, steps
-  of each timed where it does not decide); ``StepStats.route`` says which route ran.
-* ``"features"``: task gradients w.r.t. the trunk's output, combined there and backpropagated
-  once through the trunk: a cheaper, approximate method (MGDA-UB, Sener & Koltun 2018, §3.3).
-
-``passes`` (loop or batched, :mod:`gradbalance.taskgrads`) and ``update_every=T`` (the weights
-reused for T - 1 steps) are separate choices (docs/performance.md, "Modes").
+``"matrix"`` (default, ``[K, P]``), ``"gramian"`` (``G Gᵀ`` only, weighted balancers),
+``"auto"`` (the faster of the two) and ``"features"`` (gradients of the trunk's output, an
+approximation: MGDA-UB, Sener & Koltun 2018, §3.3); docs/performance.md, "Modes".
 """
 
 from __future__ import annotations
@@ -41,11 +30,7 @@ Mode = Literal["matrix", "gramian", "auto", "features"]
 #: The gradient modes the library ships (the values ``mode=`` accepts out of the box).
 MODES: tuple[str, ...] = get_args(Mode)
 
-#: Mode name -> engine class: the one table of mode names (the buffer, the ranks' agreement
-#: check in :mod:`gradbalance.distributed` and every error naming the modes read it); a new
-#: mode is one :class:`Engine` class and one entry here. An engine class declaring
-#: ``shardable = True`` also runs on a trunk sharded with ``fully_shard`` (its columns are a
-#: :class:`~gradbalance.modes._layout.Columns`).
+#: Mode name -> engine class: the one table of mode names (docs/ARCHITECTURE.md, "Modules").
 ENGINES: dict[str, type[Engine]] = {
     "matrix": MatrixMode,
     "gramian": GramianMode,

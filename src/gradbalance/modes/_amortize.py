@@ -1,9 +1,7 @@
-"""``update_every=T``: recompute the balancer's weights every T steps, reuse them in between.
+"""``update_every=T``: the balancer's weights every T steps, one backward of ``Σₖ wₖ Lₖ`` in
+between (docs/performance.md, "Modes").
 
-A refresh step runs the full method; the ``T - 1`` steps in between take the update from one
-backward of ``Σₖ wₖ Lₖ``, a plain step's cost (Navon et al., "Multi-Task Learning as a
-Bargaining Game", ICML 2022, §5.4). Weighted balancers only (``from_gramian = True``). A
-reused step also writes last, after its inf/NaN check (one host sync).
+Reference: Navon et al., "Multi-Task Learning as a Bargaining Game", ICML 2022, §5.4.
 """
 
 from __future__ import annotations
@@ -27,12 +25,7 @@ __all__ = ["ReusedStep", "WeightCache"]
 
 
 class WeightCache:
-    """The cached weights, the balancer that computed them and the step counter.
-
-    Step ``t`` refreshes when ``t % T == 0`` or no weights are cached; a non-finite refresh
-    stores nothing and does not advance. A reuse step takes the weights' own balancer object
-    while it is alive (after a load, or once it is collected, the first one given).
-    """
+    """The cached weights, their balancer and the step counter (refresh: ``t % T == 0``)."""
 
     def __init__(self, update_every: int = 1) -> None:
         self.update_every = check_int("update_every", update_every, 1,
@@ -127,8 +120,7 @@ def check_cached_weights(weights: Any, num_tasks: int | None) -> None:
 
 
 class ReusedStep:
-    """A reuse step: the trunk's ``Σₖ wₖ ∂Lₖ/∂θ`` summed over the micro-batches, held until
-    :meth:`finish` writes it; its :class:`~gradbalance.modes._layout.Columns` say how."""
+    """A reuse step: the trunk's ``Σₖ wₖ ∂Lₖ/∂θ`` over the micro-batches, until :meth:`finish`."""
 
     def __init__(self, columns: Columns) -> None:
         self.columns = columns
@@ -136,7 +128,7 @@ class ReusedStep:
 
     def backward(self, weights: Tensor, roots: TaskRoots, shared: Sequence[Tensor],
                  head_params: Sequence[Tensor]) -> None:
-        """Heads ``.grad += ∂(Σₖ Lₖ)``; the trunk's ``∂(Σₖ wₖ Lₖ)`` added to the held sum."""
+        """Heads ``.grad += ∂(Σₖ Lₖ)``; the trunk's ``∂(Σₖ wₖ Lₖ)`` held."""
         self.held = self.columns.reused_backward(weights, roots, head_params, self.held)
 
     def finish(self, cache: WeightCache, step: StepInput, shared: Sequence[Tensor],
@@ -153,9 +145,7 @@ class ReusedStep:
 
 def commit_reused(update: WriteBack, cache: WeightCache, step: StepInput, losses: Tensor,
                   head_params: Sequence[Tensor], mode: str, balancer: Balancer) -> StepStats:
-    """A reuse step's end: check the update (one host sync, agreed over the ranks; inf/NaN
-    without a scaler raises before anything is written; with one, every ``.grad`` of the step
-    is poisoned and the counter stays), write it, count the reuse if finite."""
+    """A reuse step's end: check the update (one host sync), write it, count it if finite."""
     heads = head_params if step.scale is not None else ()
     finite = finite_update(update.bound(), None, update.dtype, step.group, heads)
     if not finite and step.scale is None:

@@ -1,29 +1,24 @@
-"""``auto`` mode: per batch shape, the faster of the two exact routes, ``matrix`` or ``gramian``.
-
-Both give the same update, so the choice is one of speed: the cost model
-(:func:`route_costs`) decides where it is clear (no layer gains, or a ratio of at most
-``1 /`` :data:`DECISIVE`), else :data:`TRIALS` timed steps of each route; under
-``torch.distributed`` the model alone decides and ``apply_`` checks that the ranks agree. A
-decision is kept per shape key (K, the recorded linear shapes, the micro-batch count) and in
-``state_dict`` (docs/performance.md, "``auto`` mode: the faster exact route").
-"""
+"""``auto`` mode: per batch shape, the faster exact route, ``matrix`` or ``gramian``: the cost
+model where it decides, else timed trials (docs/performance.md, "``auto`` mode")."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, cast, get_args
 
 import torch.distributed as dist
 from torch import Tensor
 
+from .._checks import check_choice
+from .._statedict import as_lists, as_tuples
 from ..balancers._base import Balancer
 from ..clip._protocol import RowClipper
 from ..distributed import RankAgreementError, _gather_ints
 from ..stats import StepStats
 from ..taskgrads import ParamLayout, Passes, TaskRoots
-from ._costs import FLOPS_PER_BYTE, LinearShape, flops_per_byte, layer_costs
+from ._costs import FLOPS_PER_BYTE, LinearShape, flops_per_byte, layer_costs, rows_cost
 from ._engine import reject_features
 from ._gramian import GramianMode, load_tasks
 from ._matrix import MatrixMode
@@ -34,6 +29,7 @@ __all__ = ["DECISIVE", "FLOPS_PER_BYTE", "TRIALS", "AutoMode", "LinearShape", "R
            "route_costs"]
 
 Route = Literal["matrix", "gramian"]
+ROUTES: tuple[str, ...] = get_args(Route)
 #: A predicted cost ratio at least this large decides without measuring.
 DECISIVE = 2.0
 #: Timed steps per route when the model does not decide (the minimum of each counts).
@@ -55,34 +51,14 @@ class RouteCosts:
 
 def route_costs(layers: Sequence[LinearShape], other_numel: int, k: int, micro: int = 1,
                 element_size: int = 4, flops_per_byte: float = 8.0) -> RouteCosts:
-    """What ``matrix`` and ``gramian`` cost differently in one step: per linear layer of
-    ``layers`` (one micro-batch) the rows route against the cheaper one
-    (:func:`~gradbalance.modes._costs.layer_costs`); the ``other_numel`` parameters take
-    their rows in both."""
-    byte = element_size * flops_per_byte
-    common = k * k * other_numel + 2 * k * other_numel + (3 * micro + 2) * k * other_numel * byte
-    matrix = gramian = float(common)
+    """What ``matrix`` and ``gramian`` cost differently in one step (``layers``: one
+    micro-batch; the ``other_numel`` parameters take their rows in both)."""
+    matrix = gramian = rows_cost(other_numel, k, micro, element_size * flops_per_byte)
     for layer in layers:
         costs = layer_costs(layer, k, micro, element_size, flops_per_byte)
         matrix += costs.rows
         gramian += costs.chosen
     return RouteCosts(matrix, gramian)
-
-
-def _as_tuple(value: Any) -> Any:
-    """Lists (from a ``state_dict``) back to the tuples of a shape key."""
-    return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
-
-
-def _as_list(value: Any) -> Any:
-    return [_as_list(v) for v in value] if isinstance(value, (list, tuple)) else value
-
-
-def _check_route(route: Any) -> Route:
-    if route not in ("matrix", "gramian"):
-        raise ValueError(f"Invalid state_dict: route={route!r} (expected 'matrix' or 'gramian')")
-    checked: Route = route
-    return checked
 
 
 class AutoMode:
@@ -100,14 +76,10 @@ class AutoMode:
                 self._gramian = GramianMode(layout, head_params, passes, modules)
             except (ValueError, RuntimeError):  # modules miss a shared parameter, or are
                 self._gramian = None  # a torch.compile'd trunk: matrix only
-        #: the clock of the trials (seconds); replaceable, e.g. by a test
-        self.clock: Callable[[], float] = time.perf_counter
-        #: the route of the current step
-        self.route: Route = "matrix"
-        #: whether the last balancer and clipper allowed the gramian route (None: no step yet)
-        self.gramian_ok: bool | None = None
-        #: the model's costs of the last shape key decided (for inspection)
-        self.costs: RouteCosts | None = None
+        self.clock: Callable[[], float] = time.perf_counter  # the trials' clock (seconds)
+        self.route: Route = "matrix"  # the current step's
+        self.gramian_ok: bool | None = None  # the last balancer and clip allowed gramian
+        self.costs: RouteCosts | None = None  # the model's, of the last shape key decided
         self._decided: dict[Any, Route] = {}
         self._samples: dict[Any, dict[str, list[float]]] = {}
         self._counts: dict[Any, int] = {}
@@ -115,10 +87,8 @@ class AutoMode:
         self._key: Any = None
         self._timing = False
         self._elapsed = 0.0
-        #: the ``[K, P]`` rows on a ``matrix`` step, else None
-        self.matrix: Tensor | None = None
+        self.matrix: Tensor | None = None  # the rows on a ``matrix`` step
 
-    # -- the decision ---------------------------------------------------------------------
     def _decide(self, roots: TaskRoots) -> Route:
         """The route of a step, from its first micro-batch (before any pass runs)."""
         self._key = self._base = None
@@ -142,9 +112,8 @@ class AutoMode:
             [LinearShape(*s) for s in shapes], other, k, micro,
             self.layout.params[0].element_size(), flops_per_byte(self.layout.device.type))
         ratio = costs.ratio
-        # no layer gains (ratio 1: gramian would take the rows everywhere), or a decisive
-        # gain; under torch.distributed the model alone decides (the same on every rank)
-        if ratio >= 1 or ratio <= 1 / DECISIVE or _distributed():
+        # no layer gains, or a decisive gain; under torch.distributed the model alone decides
+        if ratio >= 1 or ratio <= 1 / DECISIVE or (dist.is_available() and dist.is_initialized()):
             self._decided[key] = "gramian" if ratio < 1 else "matrix"
             return self._decided[key]
         samples = self._samples.setdefault(key, {"matrix": [], "gramian": []})
@@ -153,7 +122,7 @@ class AutoMode:
 
     def _safe(self, roots: TaskRoots) -> bool:
         """Whether every linear layer's recorded calls are its parameters' only uses, with no
-        tensor hook or in-place edit (:func:`._routes.keep_exact` guards later steps)."""
+        tensor hook or in-place edit."""
         assert self._gramian is not None
         recorder = self._gramian.recorder
         try:
@@ -179,7 +148,6 @@ class AutoMode:
         _synchronize(self.layout.device)
         return self.clock()
 
-    # -- the Engine protocol --------------------------------------------------------------
     def check_backward(self, features: Tensor | None, count: int, reused: bool) -> None:
         reject_features(self.mode, features)
 
@@ -203,26 +171,23 @@ class AutoMode:
 
     def check_apply(self, balancer: Balancer, clip: RowClipper | None) -> None:
         """A ``gramian`` step needs what ``gramian`` mode needs."""
-        if self.route == "gramian":
-            assert self._gramian is not None
-            try:
-                self._gramian.check_apply(balancer, clip)
-            except (TypeError, ValueError) as error:
-                self.gramian_ok = False  # the next steps take the matrix route
-                raise type(error)(
-                    f"mode='auto' took the gramian route for this step, after a step whose "
-                    f"balancer and clip allowed it; {error}. Call buf.reset() and repeat the "
-                    f"step: the next steps take the matrix route"
-                ) from error
+        error = self._refusal(balancer, clip) if self.route == "gramian" else None
+        if error is not None:
+            self.gramian_ok = False  # the next steps take the matrix route
+            raise type(error)(
+                f"mode='auto' took the gramian route for this step, after a step whose "
+                f"balancer and clip allowed it; {error}. Call buf.reset() and repeat the "
+                f"step: the next steps take the matrix route"
+            ) from error
 
-    def _allows_gramian(self, balancer: Balancer, clip: RowClipper | None) -> bool:
-        if self._gramian is None:
-            return False
+    def _refusal(self, balancer: Balancer, clip: RowClipper | None) -> Exception | None:
+        """Why ``gramian`` mode refuses ``balancer`` with ``clip`` (None: it takes them)."""
+        assert self._gramian is not None
         try:
             self._gramian.check_apply(balancer, clip)
-        except (TypeError, ValueError):
-            return False
-        return True
+        except (TypeError, ValueError) as error:
+            return error
+        return None
 
     @property
     def layer_routes(self) -> dict[str, str] | None:
@@ -240,7 +205,7 @@ class AutoMode:
         stats = engine.apply(balancer, step)
         self._elapsed += self._tick() - start
         stats.mode, stats.route = self.mode, self.route
-        self.gramian_ok = self._allows_gramian(balancer, step.clip)
+        self.gramian_ok = self._gramian is not None and self._refusal(balancer, step.clip) is None
         if self._base is not None:
             self._record(step.count)
             self._counts[self._base] = step.count
@@ -255,10 +220,10 @@ class AutoMode:
         gramian = {} if self._gramian is None else self._gramian.state_dict()
         return {**self._matrix.state_dict(), **gramian, "auto_route": {
             "gramian_ok": self.gramian_ok,
-            "decided": [[_as_list(key), route] for key, route in self._decided.items()],
-            "samples": [[_as_list(key), {r: list(t) for r, t in s.items()}]
+            "decided": [[as_lists(key), route] for key, route in self._decided.items()],
+            "samples": [[as_lists(key), {r: list(t) for r, t in s.items()}]
                         for key, s in self._samples.items()],
-            "counts": [[_as_list(base), count] for base, count in self._counts.items()],
+            "counts": [[as_lists(base), count] for base, count in self._counts.items()],
         }}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -269,11 +234,12 @@ class AutoMode:
                 ok = saved["gramian_ok"]
                 if ok not in (None, True, False):
                     raise ValueError(f"gramian_ok={ok!r}")
-                decided = {_as_tuple(key): _check_route(route) for key, route in saved["decided"]}
-                samples = {_as_tuple(key): {r: [float(t) for t in s[r]]
+                decided = {as_tuples(key): cast(Route, check_choice("route", route, ROUTES))
+                           for key, route in saved["decided"]}
+                samples = {as_tuples(key): {r: [float(t) for t in s[r]]
                                             for r in ("matrix", "gramian")}
                            for key, s in saved["samples"]}
-                counts = {_as_tuple(base): int(count) for base, count in saved["counts"]}
+                counts = {as_tuples(base): int(count) for base, count in saved["counts"]}
             except (KeyError, TypeError, ValueError) as error:
                 raise ValueError(
                     f"Invalid state_dict['auto_route']: {error}; pass the output of "
@@ -301,7 +267,3 @@ def _agree_route(route: Route, group: Any) -> None:
             f"rank the same batch shape (DistributedSampler(drop_last=True)) or use "
             f"mode='matrix'"
         )
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()

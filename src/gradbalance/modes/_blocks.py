@@ -1,7 +1,5 @@
-"""The blocks of ``gramian`` mode's trunk and what each holds for a step: a module with shared
-parameters of its own is one block (with its sub-modules), one without is split into its
-children; a block of linear form takes the rows or the activations route, any other the rows.
-"""
+"""The blocks of ``gramian`` mode's trunk (a module with shared parameters of its own, with its
+sub-modules) and what each holds for a step."""
 
 from __future__ import annotations
 
@@ -20,8 +18,7 @@ __all__ = ["Block", "Call", "find_blocks"]
 
 @dataclass
 class Call:
-    """One recorded forward: its rows ``n``; its input and output only where the layer may
-    take the activations route."""
+    """One recorded forward: its rows; input and output where it may take the activations."""
 
     n: int
     input: Tensor | None = None
@@ -68,12 +65,6 @@ class Block:
                                       device=self.layout.device)
         return self.buffer
 
-    def start_rows(self, k_total: int) -> Tensor:
-        """The rows' storage for this micro-batch; ``reached`` starts afresh with the step."""
-        if self.rows is None:
-            self.reached = [False] * len(self.params)
-        return self.rows_buffer(k_total)
-
     def module_layer(self) -> nn.Linear | nn.Conv1d | nn.Conv2d:
         """The layer of linear form (only for a block that is one)."""
         mod = self.module
@@ -111,20 +102,22 @@ class Block:
             return xs[0], ds[0]
         return torch.cat(xs), torch.cat(ds, dim=1)
 
+    def linear_grad(self, p: Tensor, x: Tensor, d: Tensor) -> Tensor:
+        """The gradient at ``p`` (weight: ``Dᵀx``, bias: ``Σₙ D``) of ``D`` ``[..., N, o]``."""
+        if p is self.module_layer().weight:
+            return torch.matmul(d.transpose(-1, -2), x)
+        return d.sum(dim=-2)
+
     def to_rows(self, k_total: int) -> None:
-        """Move an activations-route block to rows for the rest of the step: ``Dₖᵀx`` (weight)
-        and ``Σₙ Dₖ`` (bias) of the operands so far."""
+        """Move to rows for the rest of the step: ``Dₖᵀx``, ``Σₙ Dₖ`` of the operands so far."""
         x, d = self.operands()
         buffer = self.rows_buffer(k_total)
-        mod = self.module_layer()
         for p, (_, start, stop) in zip(self.params, self.layout.slices()):
             part = buffer[:, start:stop]
             if d is None:
                 part.zero_()
-            elif p is mod.weight:
-                part.copy_(torch.matmul(d.transpose(1, 2), x).reshape(k_total, -1))
             else:
-                part.copy_(d.sum(dim=1))
+                part.copy_(self.linear_grad(p, x, d).reshape(k_total, -1))
         self.rows = buffer
         self.reached = [d is not None] * len(self.params)
         self.route = "rows"
@@ -133,8 +126,7 @@ class Block:
 
 
 def find_blocks(roots: Sequence[nn.Module], params: Sequence[Tensor]) -> list[Block]:
-    """The blocks of ``roots`` holding ``params``, each in one block; raises naming a
-    parameter no module of ``roots`` owns."""
+    """The blocks of ``roots`` holding ``params``, each parameter in one."""
     wanted = {id(p) for p in params}
     blocks: list[Block] = []
     seen: set[int] = set()

@@ -1,20 +1,16 @@
-"""The cost model of a linear layer's Gramian block: per-task rows or the activations.
+"""The cost model of a linear layer's Gramian block, rows or activations: time in flop
+equivalents, memory in elements held (docs/performance.md, "Modes", the per-layer choice).
 
-For ``y = x Wᵀ + b`` over ``N`` rows, ``rows`` forms each task's ``Dₖᵀx`` into ``[K, P]`` (as
-``matrix`` mode), ``activations`` keeps ``Dₖ`` and ``x`` and forms ``Σ (Dᵢ Dⱼᵀ) ⊙ (x xᵀ)``.
-Time is in flop equivalents (an element moved costs ``element_size × flops_per_byte``),
-memory in elements held; a layer takes the activations only where they are both faster and
-no heavier, so ``gramian`` mode is never slower or heavier than ``matrix`` by the model. The
-formulas and the crossover ``N ≈ 2i/K`` are in docs/performance.md ("Modes", the per-layer
-choice); the trade is that of mixed ghost clipping (Bu, Mao & Xu, "Scalable and Efficient
-Training of Large Convolutional Neural Networks with Differential Privacy", NeurIPS 2022).
+Reference: Bu, Mao & Xu, "Scalable and Efficient Training of Large Convolutional Neural
+Networks with Differential Privacy", NeurIPS 2022 (mixed ghost clipping).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["FLOPS_PER_BYTE", "LayerCosts", "LinearShape", "flops_per_byte", "layer_costs"]
+__all__ = ["FLOPS_PER_BYTE", "LayerCosts", "LinearShape", "flops_per_byte", "layer_costs",
+           "rows_cost"]
 
 #: Flops one byte of memory traffic is worth, per device type (a rough machine balance).
 FLOPS_PER_BYTE: dict[str, float] = {"cpu": 8.0}
@@ -28,8 +24,7 @@ def flops_per_byte(device_type: str) -> float:
 
 @dataclass(frozen=True)
 class LinearShape:
-    """One trunk ``nn.Linear`` in one micro-batch: ``n`` rows of width ``i`` in, ``o`` out
-    (all of the layer's calls together)."""
+    """One linear layer in one micro-batch: ``n`` rows (all its calls), ``i`` in, ``o`` out."""
 
     n: int
     i: int
@@ -60,15 +55,21 @@ class LayerCosts:
         return self.activations if self.route == "activations" else self.rows
 
 
+def rows_cost(p: int, k: int, micro: int, byte: float) -> float:
+    """What ``p`` parameter values cost on the rows route besides forming them: the Gramian,
+    the combine and the memory traffic of ``micro`` micro-batches."""
+    return float(k * k * p + 2 * k * p + (3 * micro + 2) * k * p * byte)
+
+
 def layer_costs(shape: LinearShape, k: int, micro: int = 1, element_size: int = 4,
                 flops_per_byte: float = 8.0, total_rows: int | None = None) -> LayerCosts:
-    """Both routes of one layer over ``micro`` micro-batches of ``shape.n`` rows (``N =
-    micro·n``, or ``total_rows``), K tasks (docs/performance.md, the per-layer choice)."""
+    """Both routes of one layer over ``micro`` micro-batches of ``shape.n`` rows (or
+    ``total_rows``), K tasks."""
     n = shape.n * micro if total_rows is None else total_rows
     i, o = shape.i, shape.o
     byte = element_size * flops_per_byte
     p = (o * i if shape.weight else 0) + (o if shape.bias else 0)
-    rows = float(k * k * p + 2 * k * p + (3 * micro + 2) * k * p * byte)
+    rows = rows_cost(p, k, micro, byte)
     activations = float(3 * k * n * o * byte)
     activations_memory = k * n * o
     if shape.weight:

@@ -1,11 +1,5 @@
-"""The interface every gradient mode implements, and what the modes share.
-
-:class:`~gradbalance.TaskGradBuffer` owns one :class:`Engine` and never asks which mode it
-holds. A step is all or nothing: ``backward`` writes only the heads' ``.grad``
-(:mod:`._rollback` keeps a copy); ``apply`` builds the whole update (:class:`WriteBack`) and
-the statistics first and writes last (:func:`settle`, then :func:`commit`)
-(docs/ARCHITECTURE.md, "How to add a mode").
-"""
+"""The interface every gradient mode implements, and what the modes share: the heads' pass,
+the update built in full, then written last (docs/ARCHITECTURE.md, "How to add a mode")."""
 
 from __future__ import annotations
 
@@ -59,10 +53,8 @@ class StepInput:
 class Engine(Protocol):
     """A gradient mode: how the task gradients of one step are held and combined.
 
-    ``backward`` once per micro-batch (heads' ``.grad +=``, the task gradients kept);
-    ``apply`` once per step (reduce, unscale, check, clip, balance, write ``.grad`` last);
-    ``clear`` drops what a step holds, also after a failure. ``shardable = True`` (a class
-    attribute, False when absent): it also runs on a trunk under ``fully_shard``.
+    ``backward`` per micro-batch, ``apply`` per step (``.grad`` written last), ``clear`` after
+    a step or a failure; ``shardable = True`` also runs on a trunk under ``fully_shard``.
 
     Example:
         >>> import torch
@@ -81,8 +73,7 @@ class Engine(Protocol):
 
     def __init__(self, layout: ParamLayout, head_params: list[Tensor], passes: Passes,
                  modules: Any = None) -> None:
-        """``layout``: the shared parameters; ``passes``: loop or batched (or how to choose);
-        ``modules``: the trunk module(s), for modes that hook the forward."""
+        """``modules``: the trunk module(s), for modes that hook the forward."""
 
     def check_backward(self, features: Tensor | None, count: int, reused: bool) -> None:
         """Raise if this ``backward`` call cannot run (before anything moves)."""
@@ -120,8 +111,7 @@ def reject_features(mode: str, features: Tensor | None) -> None:
 
 
 class RowsEngine:
-    """A mode that holds task-gradient rows ``[K, ·]`` (``matrix`` and ``features``) and
-    computes them with the K backward passes run as a loop or batched (``passes``).
+    """A mode that holds task-gradient rows ``[K, ·]`` (``matrix`` and ``features``).
 
     Example:
         >>> import torch
@@ -141,15 +131,12 @@ class RowsEngine:
         self.head_params = head_params
         self.passes: Passes = passes
         self.matrix: Tensor | None = None
-        #: whether some task of the step reached each parameter of ``layout``
-        self.reached: list[bool] = []
-        #: the passes measured (or fallen back to) for ``"auto"``/``"measure"``.
-        self.chosen: Concrete | None = None
+        self.reached: list[bool] = []  # whether some task reached each parameter
+        self.chosen: Concrete | None = None  # measured or fallen back to
 
     def compute(self, roots: TaskRoots, layout: ParamLayout, out: Tensor, accumulate: bool,
                 retain_graph: bool = False, reached: list[bool] | None = None) -> None:
-        """``out (+)= task gradients`` with the passes in force, measuring them first if due;
-        ``reached[i]`` becomes True where some task reaches ``layout.params[i]``."""
+        """``out (+)= task gradients`` with the passes in force, measuring them first if due."""
         if self.chosen is None and not accumulate and needs_measuring(self.passes,
                                                                       layout.device):
             self.chosen = measure_passes(roots, layout, out, reached)
@@ -170,8 +157,7 @@ class RowsEngine:
 def combine_or_skip(balancer: Balancer, matrix: Tensor, losses: Tensor, gram: Tensor,
                     finite: bool, scale: Tensor | None, shard: Shard | None = None
                     ) -> Combination:
-    """The balancer's combination (of a rank's columns with ``shard``); on inf/NaN the plain
-    sum with a scaler (which skips the step), else raise."""
+    """The balancer's combination; on inf/NaN the plain sum with a scaler, else raise."""
     if finite:  # a subclass that overrides combine() without ``shard`` still runs unsharded
         if shard is None:
             return balancer.combine(matrix, losses, gramian=gram)
@@ -182,15 +168,13 @@ def combine_or_skip(balancer: Balancer, matrix: Tensor, losses: Tensor, gram: Te
 
 
 def heads_backward_(roots: TaskRoots, head_params: Sequence[Tensor]) -> None:
-    """Heads' ``.grad += ∂(Σₖ s·Lₖ)/∂h``: one pass over the heads, the graph kept (docs/
-    performance.md: folding it into the task passes measured no faster)."""
+    """Heads' ``.grad += ∂(Σₖ s·Lₖ)/∂h``: one pass over the heads, the graph kept."""
     if head_params:
         torch.autograd.backward(roots.scaled.sum(), inputs=list(head_params), retain_graph=True)
 
 
 def owned_grads(grads: Sequence[Tensor | None]) -> list[bool]:
-    """Whether each gradient from ``autograd.grad`` may become a ``.grad`` as it is: not a
-    view, contiguous, not returned twice."""
+    """Whether each gradient may become a ``.grad`` as it is: no view, contiguous, once."""
     seen: set[int] = set()
     owned = []
     for g in grads:
@@ -202,12 +186,8 @@ def owned_grads(grads: Sequence[Tensor | None]) -> list[bool]:
 
 
 class WriteBack:
-    """A step's update of the shared parameters, computed in full before any ``.grad`` moves.
-
-    ``parts[i]``: the gradient of ``params[i]`` (times ``scale`` where given); None leaves
-    that ``.grad`` as it is. Every tensor :meth:`commit_` needs is allocated here, so the
-    commit only assigns and adds: it cannot fail half-way.
-    """
+    """A step's update ``s·parts[i]`` (None: ``.grad`` left as is), allocated in full here so
+    that :meth:`commit_` only assigns and adds: it cannot fail half-way."""
 
     def __init__(self, params: Sequence[Tensor], parts: Sequence[Tensor | None],
                  scale: Tensor | None = None, owned: Sequence[bool] | None = None,
@@ -251,8 +231,7 @@ class WriteBack:
         return [p for p, _ in self.assign] + [p for p, _ in self.add]
 
     def bound(self) -> Tensor:
-        """The largest magnitude of the update before the scale (0-d float64; NaN if any),
-        from ``aminmax`` (``vector_norm(inf)`` measured 25x slower on CPU)."""
+        """The largest magnitude before the scale (0-d float64; NaN if any), by ``aminmax``."""
         parts = [self.flat] if self.flat is not None else self._parts
         parts = [part for part in parts if part.numel() > 0]
         if not parts:
@@ -285,9 +264,8 @@ class WriteBack:
 
 
 def settle(update: WriteBack, step: StepInput, finite: bool) -> bool:
-    """Whether the step's update is written as balanced (``not found_inf``), before anything
-    is written: an update that overflows once scaled (one host sync) puts the balancer and
-    clipper back; a non-finite step without a scaler raises ``NonFiniteGradientError``."""
+    """Whether the update is written as balanced; one that overflows once scaled puts the
+    balancer and clipper back, or raises without a scaler (one host sync)."""
     if finite:
         finite = finite_update(update.bound(), update.scale, update.dtype, step.group)
         if not finite and step.saved is not None:
@@ -298,8 +276,7 @@ def settle(update: WriteBack, step: StepInput, finite: bool) -> bool:
 
 
 def commit(update: WriteBack, head_params: Sequence[Tensor], finite: bool) -> None:
-    """Write the update, last; on a non-finite step poison every ``.grad`` of the step so
-    that the scaler skips it."""
+    """Write the update, last; a non-finite step's ``.grad`` are poisoned for the scaler."""
     update.commit_()
     if not finite:
         poison_([p.grad for p in update.params] + [h.grad for h in head_params])

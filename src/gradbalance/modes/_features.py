@@ -1,11 +1,8 @@
-"""``features`` mode: balance the task gradients of the shared representation, not the trunk.
+"""``features`` mode: ``Z = [∂Lₖ/∂f]ₖ`` for the trunk's output ``f``, combined into ``z``, then
+one backward of ``z`` through the trunk (docs/performance.md, "Modes").
 
-``Z = [∂Lₖ/∂f]ₖ`` ``[K, B·D]`` for the trunk's output ``f`` (K passes through the heads only),
-combined by any balancer into ``z``, then one backward of ``z`` through the trunk. A
-different, cheaper method than ``matrix`` (equal only for linear balancers): MGDA-UB, Sener &
-Koltun, "Multi-Task Learning as Multi-Objective Optimization", NeurIPS 2018, §3.3. Data
-parallel: the ranks all-gather ``Z`` (divided by W) and each backpropagates its own columns
-of ``z`` (docs/distributed.md).
+Reference: Sener & Koltun, "Multi-Task Learning as Multi-Objective Optimization", NeurIPS
+2018, §3.3 (MGDA-UB).
 """
 
 from __future__ import annotations
@@ -25,7 +22,6 @@ from ..taskgrads import ParamLayout, Passes, TaskRoots
 from ._engine import (
     RowsEngine,
     StepInput,
-    WriteBack,
     combine_or_skip,
     commit,
     heads_backward_,
@@ -38,8 +34,7 @@ __all__ = ["FeaturesMode"]
 
 
 class FeaturesMode(RowsEngine):
-    """Holds the feature gradients of one micro-batch until ``apply``. Every balancer works;
-    row clippers do not (the rows are not the parameters' gradients)."""
+    """Holds the feature gradients of one micro-batch until ``apply``; no row clipper."""
 
     mode = "features"
     shardable = True
@@ -116,19 +111,14 @@ class FeaturesMode(RowsEngine):
         finite = finite_step(gram, scale, self.head_params, step.group)
         result = combine_or_skip(balancer, matrix, losses, gram, finite, scale)
         vector, weights = result.vector, result.weights
-        update = self._trunk_update(features, vector[local], step)
+        grad = vector[local] if scale is None else vector[local] * scale.to(vector.dtype)
+        update = self.columns.features_update(features, grad, step.group)
         finite = settle(update, step, finite)
         stats = build_stats(gram, losses, finite, matrix=matrix, update=vector,
                             weights=weights, scale=scale, num_backward=step.count,
                             mode="features")
         commit(update, self.head_params, finite)
         return stats
-
-    def _trunk_update(self, features: Tensor, grad: Tensor, step: StepInput) -> WriteBack:
-        """The trunk's gradient of ``s·⟨features, grad⟩`` (one backward, nothing written)."""
-        if step.scale is not None:
-            grad = grad * step.scale.to(grad.dtype)
-        return self.columns.features_update(features, grad, step.group)
 
     def clear(self) -> None:
         self.features = None

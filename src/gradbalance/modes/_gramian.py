@@ -1,13 +1,5 @@
-"""``gramian`` mode: the Gramian ``G Gᵀ`` block by block, each linear layer by its cheaper route.
-
-Forward hooks record every layer of linear form (:mod:`._layers`); each takes the
-**activations** route (``⟨Dᵢᵀx, Dⱼᵀx⟩`` from its inputs and output gradients, no
-weight-sized tensor) or the **rows** route (its ``[K, P_b]`` rows, as ``matrix`` mode), by
-the cost model of :mod:`._costs`; every other block takes the rows. ``G Gᵀ = Σ_b G_b G_bᵀ``
-in float64, then one weighted write-back, no second backward through the trunk. The K passes
-run through :func:`~gradbalance.taskgrads.run_passes` (no first-step timing; the same
-fallback). Micro-batches and data parallelism stay exact: the operands concatenate along N,
-the rows sum (docs/performance.md, "Modes"; docs/distributed.md).
+"""``gramian`` mode: ``G Gᵀ = Σ_b G_b G_bᵀ`` block by block, each linear layer by its cheaper
+route (activations or rows), then one weighted write-back (docs/performance.md, "Modes").
 
 Reference: Quinton & Rey, "Jacobian Descent for Multi-Objective Optimization" (2024), §6.
 """
@@ -33,9 +25,8 @@ __all__ = ["GramianMode"]
 
 
 class GramianMode:
-    """``G Gᵀ`` from the recorder, the weights, one weighted write-back: ``matrix`` mode's
-    update for every weighted balancer. The Gramian is unscaled by ``s²``, the write-back
-    stays scaled; a 2-norm row clipper acts as ``cᵢ cⱼ (G Gᵀ)ᵢⱼ`` and ``w ⊙ c``."""
+    """``matrix`` mode's update for weighted balancers from ``G Gᵀ``; a 2-norm row clipper
+    acts as ``cᵢ cⱼ (G Gᵀ)ᵢⱼ`` and ``w ⊙ c``."""
 
     mode: ClassVar[str] = "gramian"
     matrix: Tensor | None = None  # never a [K, P] matrix
@@ -55,8 +46,7 @@ class GramianMode:
 
     @property
     def layer_routes(self) -> dict[str, str]:
-        """Each trunk layer of linear form's route in the current (or last) step, by module
-        name: ``"activations"`` or ``"rows"``."""
+        """Each linear layer's route in the current (or last) step, by module name."""
         return self.recorder.routes
 
     def check_backward(self, features: Tensor | None, count: int, reused: bool) -> None:

@@ -1,11 +1,5 @@
-"""The linear form of a layer: ``nn.Linear`` and convolutions as ``y = x Wᵀ + b`` over rows.
-
-Its weight gradient is ``Dᵀx`` over ``N`` rows, which ``gramian`` mode's activations route
-builds on. ``nn.Linear``: the rows are the input's leading dimensions; ``nn.Conv1d`` /
-``nn.Conv2d`` (``groups=1``, zero padding): the batch × output positions, ``x`` the unfolded
-patches (the identity behind ghost clipping of convolutions: Bu, Mao & Xu, NeurIPS 2022).
-Any other module has no linear form here.
-"""
+"""The linear form ``y = x Wᵀ + b`` over rows of ``nn.Linear`` and of ``nn.Conv1d``/``nn.Conv2d``
+(``groups=1``, zero padding) over unfolded patches (Bu, Mao & Xu, NeurIPS 2022)."""
 
 from __future__ import annotations
 
@@ -22,8 +16,7 @@ LAYER_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d)
 
 
 def _conv_geometry(module: nn.Module) -> tuple[tuple[int, int], ...] | None:
-    """``(kernel, stride, padding, dilation)`` as 2-d tuples (Conv1d with a height of one), or
-    None for a convolution without a linear form here (groups, non-zero or string padding)."""
+    """``(kernel, stride, padding, dilation)`` as 2-d tuples, or None without a linear form."""
     if not isinstance(module, (nn.Conv1d, nn.Conv2d)) or type(module) not in LAYER_TYPES:
         return None
     if module.groups != 1 or module.padding_mode != "zeros":
@@ -70,8 +63,7 @@ def rows_input(module: nn.Module, x: Tensor) -> Tensor:
 
 
 def rows_grad(module: nn.Module, d: Tensor, k: int) -> Tensor:
-    """The task output gradients ``[K, *output]`` as ``[K, N, o]``, rows in the order of
-    :func:`rows_input`."""
+    """The task output gradients ``[K, *output]`` as ``[K, N, o]`` (rows as :func:`rows_input`)."""
     if type(module) is nn.Linear:
         return d.reshape(k, -1, d.shape[-1])
     assert isinstance(module, (nn.Conv1d, nn.Conv2d))

@@ -1,10 +1,5 @@
-"""Where a step's task-gradient columns lie, so that each mode is written once.
-
-All on this process (:class:`~gradbalance.modes._local.LocalColumns`, averaged over
-data-parallel ranks) or split over the ranks of a trunk under ``fully_shard``
-(:class:`~gradbalance.modes._sharded.ShardedColumns`). The Gramian and the combine are the
-full ones on both (docs/distributed.md, "Sharded trunks (FSDP2)").
-"""
+"""Where a step's task-gradient columns lie, local or sharded, so that each mode is written once
+(docs/distributed.md, "Sharded trunks (FSDP2)")."""
 
 from __future__ import annotations
 
@@ -27,17 +22,14 @@ from ._sharded import ShardedColumns
 __all__ = ["Columns", "Held", "columns_of"]
 
 
-#: What a reused step holds between micro-batches; only the :class:`Columns` that made it reads it.
-Held = Any
+Held = Any  # what a reused step holds between micro-batches, read by its Columns only
 
 
 class Columns(Protocol):
     """A trunk's columns of the task gradients, local or sharded."""
 
-    #: ``None``: every column is here; else this rank's columns and the sum over the ranks.
-    shard: Shard | None
-    #: Columns held here, their dtype and device (a ``[K, numel]`` buffer holds them).
-    numel: int
+    shard: Shard | None  # None: every column is here
+    numel: int  # columns held here
     dtype: torch.dtype
     device: torch.device
 
@@ -46,8 +38,7 @@ class Columns(Protocol):
 
     def task_passes(self, engine: RowsEngine, roots: TaskRoots, out: Tensor,
                     first: bool) -> None:
-        """``out (+)=`` the task gradients of these columns; the heads' ``.grad +=`` their
-        plain gradient."""
+        """``out (+)=`` the task gradients of these columns; the heads' ``.grad +=``."""
 
     def reduce_(self, matrix: Tensor, losses: Tensor, heads: Sequence[Tensor],
                 group: Any) -> Tensor:
@@ -64,20 +55,18 @@ class Columns(Protocol):
         """The step's statistics, alike on every rank."""
 
     def features_update(self, features: Tensor, grad: Tensor, group: Any) -> WriteBack:
-        """The trunk's update from one backward of ``⟨features, grad⟩`` (``features`` mode);
-        each rank's part times the world size, since the ranks' parts are averaged."""
+        """The trunk's update from one backward of ``⟨features, grad⟩`` (``features`` mode)."""
 
     def check_features(self, features: Tensor) -> None:
         """Raise if no trunk parameter lies on ``features``' graph (where it can be told)."""
 
     def reused_backward(self, weights: Tensor, roots: TaskRoots, heads: Sequence[Tensor],
                         held: Held | None) -> Held:
-        """A reuse step's micro-batch: heads' ``.grad +=``; the trunk's ``Σₖ wₖ ∂(s·Lₖ)/∂θ``
-        added to ``held`` (None at first), returned."""
+        """A reuse step's micro-batch: the trunk's ``Σₖ wₖ ∂(s·Lₖ)/∂θ`` added to ``held``."""
 
     def reused_update(self, held: Held | None, losses: Tensor, heads: Sequence[Tensor],
                       group: Any) -> tuple[WriteBack, Tensor]:
-        """The reuse step's update, built in full, and the losses, averaged over the ranks."""
+        """The reuse step's update, built in full, and the mean losses."""
 
 
 def columns_of(layout: ParamLayout, head_params: Sequence[Tensor], passes: Passes) -> Columns:

@@ -1,5 +1,4 @@
-"""Every column of a trunk of plain parameters on this process: the
-:class:`~gradbalance.modes._layout.Columns` of an unsharded trunk, alone or data-parallel."""
+"""The :class:`~gradbalance.modes._layout.Columns` of an unsharded trunk."""
 
 from __future__ import annotations
 
@@ -54,7 +53,6 @@ class LocalColumns:
         return WriteBack.from_flat(self.layout, vector, scale, reached)
 
     def stats(self, gram: Tensor, losses: Tensor, finite: bool, **fields: Any) -> StepStats:
-        """:func:`~gradbalance.stats.build_stats` of the whole rows."""
         return build_stats(gram, losses, finite, **fields)
 
     def features_update(self, features: Tensor, grad: Tensor, group: Any) -> WriteBack:
@@ -82,7 +80,6 @@ class LocalColumns:
 
     def reused_backward(self, weights: Tensor, roots: TaskRoots, heads: Sequence[Tensor],
                         held: list[Tensor | None] | None) -> list[Tensor | None]:
-        """Heads ``.grad += ∂(Σₖ Lₖ)``; the trunk's ``∂(Σₖ wₖ Lₖ)`` added to ``held``."""
         heads_backward_(roots, heads)
         scaled = roots.scaled
         total = (weights.to(dtype=scaled.dtype, device=scaled.device) * scaled).sum()
@@ -103,11 +100,6 @@ class LocalColumns:
         grads: list[Tensor | None] = [None] * len(params) if held is None else list(held)
         if group is not None:
             full = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
-            for h in heads:
-                if h.grad is None:  # the same layout on every rank
-                    h.grad = torch.zeros_like(h)
-            losses = losses.detach().clone()
-            all_reduce_mean_([*full, *[h.grad for h in heads if h.grad is not None], losses],
-                             group)
+            losses = all_reduce_grads_and_losses_(heads, losses, group, also=full)
             grads = list(full)
         return WriteBack(params, grads, owned=[True] * len(grads)), losses

@@ -1,10 +1,4 @@
-"""``matrix`` mode: the ``[K, P]`` task gradients in one persistent buffer, then the combine.
-
-Per micro-batch ``G += [∂Lₖ/∂θ]ₖ`` and the heads' ``.grad +=``; once per step the mean over
-the ranks, ``G /= s``, the Gramian in float64 and the finiteness check, row clipping, the
-combine and ``.grad += s·g``, written last. A parameter no task reached keeps its ``.grad``
-(every one is written under data parallelism, where another rank may have reached it).
-"""
+"""``matrix`` mode: the ``[K, P]`` task gradients in one persistent buffer, then the combine."""
 
 from __future__ import annotations
 
@@ -26,8 +20,7 @@ __all__ = ["MatrixMode"]
 
 
 class MatrixMode(RowsEngine):
-    """Holds ``G`` ``[K, P]`` (a rank's columns on a sharded trunk) across micro-batches;
-    combines it once per step. Every balancer and row clipper works unsharded."""
+    """Holds ``G`` ``[K, P]`` (a rank's columns when sharded) across micro-batches."""
 
     mode = "matrix"
     shardable = True

@@ -1,9 +1,5 @@
-"""Choosing the task-gradient passes by measurement, once per buffer.
-
-Where ``"auto"`` has no preference for the device, or under ``"measure"``, the first
-micro-batch that overwrites ``G`` runs batched, loop, batched, loop (the first pair absorbs
-one-off costs) and keeps the faster of the last two, in the buffer's ``state_dict``.
-"""
+"""Choosing the task-gradient passes by measurement, once per buffer (docs/performance.md,
+"Modes")."""
 
 from __future__ import annotations
 

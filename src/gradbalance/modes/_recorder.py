@@ -1,5 +1,5 @@
-"""``gramian`` mode's recorder: forward hooks on the trunk's linear blocks, the K passes into
-each block's operands, the Gramian and the weighted write-back (:mod:`._gramian`)."""
+"""``gramian`` mode's recorder: forward hooks, the K passes into each block's operands, the
+Gramian and the weighted write-back."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from .._graph import reaches
 from .._sinks import PassSink, RowsSink, StackSink
-from ..distributed import _comm_device, all_gather_columns, all_reduce_mean_
+from ..distributed import all_gather_columns, all_ranks_true, all_reduce_mean_
 from ..gramian import compute_gramian, linear_gramian
 from ..taskgrads import Concrete, Passes, TaskRoots, run_passes
 from ._blocks import Block, Call, find_blocks
@@ -88,18 +88,8 @@ def _kept_outputs(block: Block) -> list[Tensor]:
     return outputs
 
 
-def agree_on_rows(flags: list[int], group: Any) -> list[int]:
-    """The maximum over the ranks of each flag (1: this rank has the layer on rows)."""
-    local = torch.tensor(flags, dtype=torch.int32)
-    agreed = local.to(_comm_device(group, local.device))
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
-    rows: list[int] = agreed.tolist()
-    return rows
-
-
 class GramianRecorder:
-    """Forward hooks on the trunk's linear blocks (of ``modules``, owning every one of
-    ``params``); the Gramian and the weighted write-back."""
+    """Forward hooks on the trunk's linear blocks; the Gramian and the weighted write-back."""
 
     def __init__(self, modules: nn.Module | Iterable[nn.Module], params: Sequence[Tensor]) -> None:
         self.blocks = find_blocks(_roots_of(modules), params)
@@ -115,12 +105,9 @@ class GramianRecorder:
             for block in self.linear
         ]
 
-    # -- recording ----------------------------------------------------------------------
     def record(self, block: Block, args: tuple[Any, ...], kwargs: dict[str, Any],
                output: Any) -> None:
-        if not torch.is_grad_enabled():
-            return
-        if not isinstance(output, Tensor) or not output.requires_grad:
+        if not (torch.is_grad_enabled() and isinstance(output, Tensor) and output.requires_grad):
             return
         if "Compiled" in type(output.grad_fn).__name__:  # an output of a compiled graph
             raise RuntimeError(_COMPILED)
@@ -145,8 +132,7 @@ class GramianRecorder:
             block.forget()
 
     def _check_recorded(self, roots: TaskRoots, every: bool = False) -> list[Tensor]:
-        """The recorded outputs of the activations-route layers (``every``: of every linear
-        layer), each layer checked by :func:`_check_called`."""
+        """The recorded outputs of the activations-route (``every``: all linear) layers."""
         outputs: list[Tensor] = []
         for block in self.linear:
             if (block.route == "activations" or every) and _check_called(block, roots):
@@ -158,12 +144,10 @@ class GramianRecorder:
         """Each linear layer's route in the current (or last) step, by block name."""
         return {block.name: block.route for block in self.linear}
 
-    # -- stage 1: the K passes ------------------------------------------------------------
     def task_passes(self, roots: TaskRoots, passes: Passes, first: bool = True, micro: int = 1,
                     preferred: Concrete | None = None) -> Concrete:
-        """The ``micro``-th micro-batch's K passes through
-        :func:`~gradbalance.taskgrads.run_passes`: ``∂Lₖ/∂y`` at the activations-route
-        outputs, the rows of every other block. Returns the passes used."""
+        """A micro-batch's K passes: ``∂Lₖ/∂y`` at the activations-route outputs, the rows of
+        every other block. Returns the passes used."""
         k_total = roots.num_tasks
         if first:
             plan_routes(self.linear, self.force, k_total)
@@ -172,9 +156,10 @@ class GramianRecorder:
         row_blocks = [block for block in self.blocks if block.route == "rows"]
         sinks: list[PassSink] = [stacks]
         for block in row_blocks:
-            accumulate = block.rows is not None
-            sinks.append(RowsSink(block.layout, block.start_rows(k_total), accumulate,
-                                  block.reached))
+            if block.rows is None:  # the step's first pass into this block
+                block.reached = [False] * len(block.params)
+            sinks.append(RowsSink(block.layout, block.rows_buffer(k_total),
+                                  block.rows is not None, block.reached))
         used = run_passes(roots, sinks, self.device, passes=passes, preferred=preferred)
         self._keep_activations(stacks.stacks, k_total)
         for block in row_blocks:
@@ -196,14 +181,13 @@ class GramianRecorder:
                         block.output_grads.append(rows_grad(block.module, d, k_total))
             block.calls.clear()
 
-    # -- data parallel ----------------------------------------------------------------
     def reduce_over_ranks(self, k_total: int, group: Any) -> None:
-        """Give every rank the full batch's operands: the routes agreed (a layer some rank has
-        on rows moves to rows, exactly), activations all-gathered, rows averaged."""
-        if self.linear:
-            flags = [int(block.route == "rows") for block in self.linear]
-            for block, on_rows in zip(self.linear, agree_on_rows(flags, group)):
-                if on_rows and block.route == "activations":
+        """Every rank gets the full batch's operands: routes agreed, activations gathered,
+        rows averaged."""
+        if self.linear:  # activations only where every rank has them
+            local = torch.tensor([block.route == "activations" for block in self.linear])
+            for block, kept in zip(self.linear, all_ranks_true(local, group).tolist()):
+                if not kept and block.route == "activations":
                     block.to_rows(k_total)
         size = dist.get_world_size(group)
         for block in self.linear:
@@ -218,7 +202,6 @@ class GramianRecorder:
                 rows.append(block.rows)
         all_reduce_mean_(rows, group)
 
-    # -- stage 2: the Gramian ---------------------------------------------------------
     def gramian(self, k_total: int, device: torch.device) -> Tensor:
         """``G Gᵀ`` ``[K, K]`` in float64, summed block by block."""
         gram = torch.zeros(k_total, k_total, dtype=torch.float64, device=device)
@@ -232,7 +215,6 @@ class GramianRecorder:
                 gram += compute_gramian(block.rows)
         return gram
 
-    # -- stage 3: the weighted gradient, written last ------------------------------------
     def weighted_update(self, weights: Tensor) -> WriteBack:
         """``Σₖ wₖ ∂Lₖ/∂θ`` for every shared parameter the step reached, nothing written."""
         params: list[Tensor] = []
@@ -274,15 +256,7 @@ def _activations_update(block: Block, weights: Tensor) -> list[tuple[Tensor, Ten
     if d is None:
         return []
     dw = torch.tensordot(weights.to(d.dtype), d, 1)  # [N, o]
-    weight, bias = block.linear_params()
-    mod = block.module_layer()
-    found: list[tuple[Tensor, Tensor | None]] = []
-    if weight:
-        found.append((mod.weight, dw.T @ x))
-    if bias:
-        assert mod.bias is not None
-        found.append((mod.bias, dw.sum(dim=0)))
-    return found
+    return [(p, block.linear_grad(p, x, dw)) for p in block.params]
 
 
 def _rows_update(block: Block, weights: Tensor) -> list[tuple[Tensor, Tensor | None]]:

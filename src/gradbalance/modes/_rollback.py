@@ -1,13 +1,6 @@
-"""What a failed or skipped step puts back, captured before the step moves it.
-
-The trunk's ``.grad`` is written last and needs no copy. What moves earlier is small: the
-heads' ``.grad`` (:class:`GradSnapshot`, at the step's first ``backward``) and the balancer,
-the row clipper and torch's global CPU generator (:class:`StateSnapshot`). A balancer's
-attributes, buffers and parameters are saved by reference (balancers replace their state
-tensors, never edit them in place: docs/ARCHITECTURE.md, extension contract), generators by
-state, nested balancers likewise, an object with ``state_dict``/``load_state_dict``
-through those, any other object by its attributes.
-"""
+"""What a failed or skipped step puts back: the heads' ``.grad``, the balancer, the row clipper
+and the global CPU generator. A balancer's state is saved by reference (docs/ARCHITECTURE.md,
+extension contract)."""
 
 from __future__ import annotations
 
@@ -67,8 +60,7 @@ def _capture(obj: object) -> Restore:
 
 
 def _capture_attributes(obj: object) -> Restore:
-    """The object's attributes by reference (a module's buffers and parameters too); nested
-    balancers and generators by state."""
+    """The attributes (buffers, parameters) by reference; balancers and generators by state."""
     attributes: dict[str, Any] | None = getattr(obj, "__dict__", None)
     if attributes is None:
         return lambda: None

@@ -1,10 +1,5 @@
-"""Each linear layer's route in ``gramian`` mode, ``"rows"`` or ``"activations"``, in one place.
-
-The cost model (:mod:`._costs`) decides unless ``GramianRecorder.force`` sets it: at a forward
-(:func:`keeps`), at the step's first backward (:func:`plan_routes`), after a later
-micro-batch (:func:`promote_routes`). A layer the activations route would get wrong takes
-the rows (:func:`inexact`, :func:`keep_exact`).
-"""
+"""Each linear layer's route in ``gramian`` mode, ``"rows"`` or ``"activations"``, in one place:
+the cost model decides unless ``force`` sets it; an inexact activations route takes the rows."""
 
 from __future__ import annotations
 
@@ -35,8 +30,7 @@ def forced_route(force: Force, block: Block) -> str | None:
 
 def keeps(block: Block, n: int, force: Force, stepping: bool, num_tasks: int | None) -> bool:
     """Whether a forward of ``n`` rows must keep its input and output: not where the layer
-    takes the rows for sure (forced; a later micro-batch of a step on rows; the rows at the
-    last step's K, 2 before the first). Kept tensors of a rows layer cost the CNN 1.3x."""
+    takes the rows for sure (docs/performance.md, the per-layer choice)."""
     forced = forced_route(force, block)
     if forced is not None:
         return forced == "activations"
@@ -70,18 +64,13 @@ def promote_routes(blocks: Sequence[Block], force: Force, k_total: int, micro: i
 
 def layer_shapes(blocks: Sequence[Block]) -> tuple[tuple[int, int, int, bool, bool], ...]:
     """``(n, i, o, weight, bias)`` of every linear block called since the last backward."""
-    shapes = []
-    for block in blocks:
-        if block.calls:
-            shape = block.shape(block.called_rows())
-            shapes.append((shape.n, shape.i, shape.o, shape.weight, shape.bias))
-    return tuple(shapes)
+    shapes = [block.shape(block.called_rows()) for block in blocks if block.calls]
+    return tuple((s.n, s.i, s.o, s.weight, s.bias) for s in shapes)
 
 
 def inexact(blocks: Sequence[Block], loss: Tensor) -> list[Block]:
-    """The linear ``blocks`` whose activations route would miss part of their gradient: a
-    parameter with a tensor hook, or used on ``loss``'s graph outside the block's recorded
-    calls (tied to another layer)."""
+    """The ``blocks`` whose activations route would miss part of their gradient: a parameter
+    hooked, or used outside the block's recorded calls."""
     hooked = [block for block in blocks if any(map(tensor_hooked, block.params))]
     rest = [block for block in blocks if all(block is not h for h in hooked)]
     if not rest:
@@ -93,8 +82,7 @@ def inexact(blocks: Sequence[Block], loss: Tensor) -> list[Block]:
 
 def keep_exact(blocks: Sequence[Block], force: Force, loss: Tensor, k_total: int,
                first: bool) -> None:
-    """Move every activations-route block :func:`inexact` finds to the rows (exactly);
-    raise where the activations route is forced."""
+    """Move every :func:`inexact` activations-route block to the rows; raise where forced."""
     active = [block for block in blocks if block.route == "activations"]
     for block in inexact(active, loss) if active else []:
         if forced_route(force, block) is not None:

@@ -1,15 +1,6 @@
-"""The columns of a trunk sharded with FSDP2 (:class:`~gradbalance.modes._layout.Columns`):
-each rank keeps its own ``[K, P/W]``.
-
-FSDP2's ``DTensor`` parameters never enter the autograd graph, so each task's pass is an
-ordinary ``backward`` that FSDP2 reduce-scatters, run by
-:func:`~gradbalance.taskgrads.run_passes` into a :class:`ShardedSink` (the trunk's ``.grad``
-set aside meanwhile). Once per step the losses and replicated heads are averaged, the
-Gramian is the sum of the partial ones over the ranks that split the columns (the mesh's
-shard dimension under HSDP), ``Balancer.combine`` with the layout's
-``Shard`` gives this rank's columns, and :class:`ShardedWriteBack` writes them last
-(docs/distributed.md, "Sharded trunks (FSDP2)").
-"""
+"""The :class:`~gradbalance.modes._layout.Columns` of a trunk sharded with FSDP2: each rank
+keeps its ``[K, P/W]``, each task's pass an ordinary ``backward`` that FSDP2 reduce-scatters
+(docs/distributed.md, "Sharded trunks (FSDP2)")."""
 
 from __future__ import annotations
 
@@ -38,8 +29,7 @@ __all__ = ["ShardedColumns", "ShardedSink", "ShardedWriteBack", "check_replicate
 
 @contextlib.contextmanager
 def grads_set_aside(params: Sequence[Tensor]) -> Iterator[None]:
-    """The trunk's ``.grad`` set aside (None) inside, put back on the way out, also on a
-    failure: the passes' gradients never mix with the user's."""
+    """The trunk's ``.grad`` set aside (None) inside, put back on the way out."""
     saved = [p.grad for p in params]
     try:
         for p in params:
@@ -51,8 +41,7 @@ def grads_set_aside(params: Sequence[Tensor]) -> Iterator[None]:
 
 
 class ShardedSink(RowsSink):
-    """Row ``k`` (+)= this rank's shard of ``.grad`` after task ``k``'s ordinary backward,
-    which is then cleared (:mod:`gradbalance._sinks`, ``by_backward``)."""
+    """Row ``k`` (+)= this rank's shard of ``.grad`` after task ``k``'s backward, then cleared."""
 
     by_backward = True
 
@@ -66,7 +55,8 @@ class ShardedSink(RowsSink):
         return ()
 
     def write_pass(self, k: int, grads: Sequence[Tensor | None]) -> None:
-        super().write_pass(k, self.sharded.local_grads())
+        super().write_pass(k, [None if p.grad is None else local_of(p.grad)
+                               for p in self.sharded.params])
         for p in self.sharded.params:
             p.grad = None
 
@@ -77,9 +67,8 @@ class ShardedSink(RowsSink):
 def trunk_backward(layout: ShardedLayout, root: Tensor, grad: Tensor | None = None,
                    retain_graph: bool = False, out: Tensor | None = None,
                    accumulate: bool = False) -> Tensor | None:
-    """This rank's columns ``[P_local]`` of one ordinary backward of ``root`` (``grad``: its
-    ``grad_tensors``) into ``out`` (``+=`` with ``accumulate``), the trunk's ``.grad`` set
-    aside meanwhile; None when the pass reached no trunk parameter."""
+    """This rank's columns ``[P_local]`` of one backward of ``root`` into ``out``; None when it
+    reached no trunk parameter."""
     if out is None:
         out = torch.empty(layout.numel, dtype=layout.dtype, device=layout.device)
     reached = [False] * len(layout.params)
@@ -134,8 +123,7 @@ class ShardedColumns:
 
     def task_passes(self, engine: RowsEngine, roots: TaskRoots, out: Tensor,
                     first: bool) -> None:
-        """K ordinary backward passes (the heads get their plain gradient from them); raise
-        when none reached the trunk (FSDP2's gradient sync off)."""
+        """K ordinary backward passes (the heads' plain gradient with them)."""
         reached = [False] * len(self.layout.params)
         with grads_set_aside(self.layout.params):
             run_passes(roots, [ShardedSink(self.layout, out, not first, reached)],
@@ -195,9 +183,8 @@ class ShardedColumns:
 
     def reused_backward(self, weights: Tensor, roots: TaskRoots, heads: Sequence[Tensor],
                         held: Tensor | None) -> Tensor:
-        """The trunk's shard of ``Σₖ wₖ ∂Lₖ/∂θ`` from one backward of ``Σₖ wₖ s·Lₖ``; the
-        heads' plain gradient completed by a backward of ``Σₖ (1 − wₖ) s·Lₖ`` (through the
-        trunk too when FSDP2 shards the heads, that part discarded)."""
+        """The trunk's shard of ``Σₖ wₖ ∂Lₖ/∂θ``; the heads' plain gradient completed by a
+        backward of ``Σₖ (1 − wₖ) s·Lₖ``."""
         scaled = roots.scaled
         w = weights.to(dtype=scaled.dtype, device=scaled.device)
         out = torch.empty(self.numel, dtype=self.dtype, device=self.device) if held is None \
@@ -214,7 +201,6 @@ class ShardedColumns:
 
     def reused_update(self, held: Tensor | None, losses: Tensor, heads: Sequence[Tensor],
                       group: Any) -> tuple[WriteBack, Tensor]:
-        """The losses and the replicated heads averaged (FSDP2 averaged the rest)."""
         assert held is not None
         if group is not None:
             losses = all_reduce_grads_and_losses_(self.plain_heads, losses, group)
@@ -222,9 +208,7 @@ class ShardedColumns:
 
 
 class ShardedWriteBack(WriteBack):
-    """A sharded trunk's :class:`~gradbalance.modes._engine.WriteBack`: ``.grad = s·g`` as a
-    new ``DTensor`` with the parameter's placements where there was none, ``.grad += s·g`` on
-    the local shard elsewhere; ``bound`` is this rank's part (``settle`` agrees it)."""
+    """A sharded trunk's ``WriteBack``: a new ``DTensor`` ``.grad``, or ``+=`` on its shard."""
 
     def __init__(self, layout: ShardedLayout, vector: Tensor, scale: Tensor | None) -> None:
         from torch.distributed.tensor import DTensor
