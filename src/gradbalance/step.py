@@ -334,9 +334,9 @@ class TaskGradBuffer:
         ``active`` (partial labels, docs/loop.md): a bool ``[K]`` mask; the balancer then runs
         on the active tasks' rows only and the inactive tasks get weight 0 (their heads keep
         their plain gradient); a per-task state is sliced to them and updated in their
-        entries only. Refused (nothing moves) when all False, with ``update_every > 1`` or
-        per-sample clipping, and by a balancer whose per-task state is not set yet, unless
-        all True.
+        entries only (one not set yet stays unset until a step with every task active).
+        Refused (nothing moves) when all False, with ``update_every > 1`` or per-sample
+        clipping, unless all True.
         """
         if self._per_sample is not None:
             if active is not None:

@@ -6,8 +6,10 @@ labels"). A balancer with per-task state or settings runs as if built for the ac
 each declared per-task state (and each setting named in ``per_task_settings``, Constant's
 weights) is sliced to the active tasks for the call, and the step's new state is written into
 the active tasks' entries only; state that is not per task (a step counter, a generator) moves
-as on any step. A per-task state not set yet (before the balancer's first step) or trained in
-place is refused (docs/ARCHITECTURE.md, "Extension contract").
+as on any step. A per-task state not set yet (before the balancer's first step) stays unset:
+the step runs as the balancer's first on the active tasks, and the first step with every
+task active sets it for all. A per-task state trained in place is refused
+(docs/ARCHITECTURE.md, "Extension contract").
 """
 
 from __future__ import annotations
@@ -50,21 +52,12 @@ def check_active(active: Any, k: int) -> Tensor | None:
 
 def check_maskable(balancer: Balancer) -> None:
     """Raise ``ValueError`` when a per-task state of ``balancer`` (or of a stateful part of
-    it) cannot be sliced to the active tasks: one not set yet, or one an optimizer steps in
-    place."""
+    it) cannot be sliced to the active tasks: one an optimizer steps in place."""
     for module in balancer.modules():
         if not isinstance(module, StateModule):
             continue
         for name, (_, value) in module.task_state().items():
-            if value is None:
-                raise ValueError(
-                    f"{type(module).__name__}'s per-task state {name!r} is not set yet: its "
-                    f"first step sets it for every task, and a step on only the active tasks "
-                    f"would leave the other tasks without one; it refuses a mask that is not "
-                    f"all True until then. Take that step with every task active "
-                    f"(active=None), or load a saved state first"
-                )
-            if isinstance(value, nn.Parameter) or value.requires_grad:
+            if value is not None and (isinstance(value, nn.Parameter) or value.requires_grad):
                 raise ValueError(
                     f"{type(module).__name__} trains its per-task state {name!r} in place (an "
                     f"optimizer holds it), so a step on only the active tasks cannot take a "
