@@ -10,6 +10,7 @@ bundled data).
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -58,3 +59,16 @@ def _isolated_torch_globals(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture()
+def one_process_group(tmp_path: Path) -> Iterator[None]:
+    """A gloo world of this process alone (``fully_shard`` needs a process group)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
@@ -79,19 +78,6 @@ def test_a_data_parallel_accelerator_is_accepted() -> None:
     step = BalancedAcceleratorStep(_stand_in(DistributedType.MULTI_CPU), UPGrad(2), [w])
     step.backward([w @ torch.tensor([1.0, 0.0]), w @ torch.tensor([-1.0, 1.0])])
     assert torch.equal(w.grad, torch.tensor([0.25, 0.75]))  # UPGrad's example, by hand
-
-
-@pytest.fixture()
-def one_process_group(tmp_path: Path) -> Iterator[None]:
-    """A gloo world of this process alone (``fully_shard`` needs a process group)."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.usefixtures("one_process_group")

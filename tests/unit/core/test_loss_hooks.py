@@ -7,9 +7,6 @@ starts at the losses, never past them at the ``torch.stack`` inputs.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 import torch
 from torch import Tensor, nn
@@ -75,18 +72,6 @@ def test_a_hook_on_the_losses_changes_the_update_as_in_plain_backward(mode: str,
     for got, want in zip((p.grad for p in model.parameters()), expected, strict=True):
         assert got is not None
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
-
-
-@pytest.fixture()
-def one_process_group(tmp_path: Path) -> Iterator[None]:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.usefixtures("one_process_group")
