@@ -27,51 +27,20 @@ from torch import Tensor, nn
 
 from ._graph import leaf_uses, tensor_hooked
 from ._per_sample_fallback import per_sample_vjp
+from ._per_sample_forms import Form, block, contracted
 from .clip._per_sample_layers import HookedLayer, check_batch, refusal
-from .clip._per_sample_tied import Site, materialised, site_form
+from .clip._per_sample_tied import Site, site_form
 
 __all__ = ["Parts", "PerSampleGramian", "as_modules", "refuse_mixing"]
-
-Form = tuple[Tensor, Tensor] | Tensor
 
 
 @dataclass(frozen=True)
 class Parts:
-    """One micro-batch's objectives: their number, each covered layer's input and output
-    gradient rows ``[n, S, ·]``, each fallback module's per-sample gradients ``[n, numel]``."""
+    """One micro-batch's objectives: their number, and each trunk parameter's per-sample
+    gradient forms (:mod:`._per_sample_forms`), one per site or fallback module."""
 
     n: int
-    rows: dict[int, tuple[Tensor, Tensor]]
-    dense: dict[int, list[Tensor]]
-
-
-def _padded(part: Parts, key: int, parts: Sequence[Parts]) -> tuple[Tensor, Tensor]:
-    """``part``'s rows of layer ``key`` padded with zero rows to the longest S of ``parts``
-    (zero output gradients add nothing); zeros where the layer did not run."""
-    found = [p.rows[key] for p in parts if key in p.rows]
-    s = max(x.shape[1] for x, _ in found)
-    x_like, d_like = found[0]
-    x, d = part.rows.get(key, (x_like.new_zeros(part.n, 0, *x_like.shape[2:]),
-                               d_like.new_zeros(part.n, 0, *d_like.shape[2:])))
-    pad = s - x.shape[1]
-    if pad:
-        x = torch.cat([x, x.new_zeros(x.shape[0], pad, *x.shape[2:])], 1)
-        d = torch.cat([d, d.new_zeros(d.shape[0], pad, *d.shape[2:])], 1)
-    return x, d
-
-
-def _merged_rows(key: int, parts: Sequence[Parts]) -> tuple[Tensor, Tensor]:
-    """Layer ``key``'s rows of every micro-batch, stacked along the objectives."""
-    xs, ds = zip(*(_padded(part, key, parts) for part in parts))
-    return torch.cat(xs), torch.cat(ds)
-
-
-def _merged_dense(key: int, parts: Sequence[Parts]) -> list[Tensor]:
-    """Fallback ``key``'s per-sample gradients of every micro-batch (zeros where it did not
-    run), stacked along the objectives."""
-    like = next(part.dense[key] for part in parts if key in part.dense)
-    return [torch.cat([part.dense[key][i] if key in part.dense else g.new_zeros(part.n, g.shape[1])
-                       for part in parts]) for i, g in enumerate(like)]
+    forms: dict[int, list[Form]]
 
 
 class _Fallback:
@@ -115,23 +84,6 @@ def refuse_mixing(roots: list[tuple[str, nn.Module]]) -> None:
 
 def _joined(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix and name else prefix or name
-
-
-def gram_of(forms: list[Form]) -> Tensor:
-    """``[B, B]`` (float64) Gramian of one parameter's per-sample gradients, the sum of its
-    sites' forms: the Gram form of the stacked outer forms, or the materialised rows."""
-    outer = [f for f in forms if not isinstance(f, Tensor)]
-    if len(outer) == len(forms):
-        a = torch.cat([f[0] for f in outer], 1).double()
-        b = torch.cat([f[1] for f in outer], 1).double()
-        batch, s, m = a.shape
-        n = b.shape[2]
-        rows = batch * s
-        if rows * rows * (m + n) <= rows * m * n + batch * batch * m * n:
-            a2, b2 = a.reshape(rows, m), b.reshape(rows, n)
-            return ((a2 @ a2.T) * (b2 @ b2.T)).reshape(batch, s, batch, s).sum((1, 3))
-    flat = materialised(forms, torch.float64)
-    return flat @ flat.T
 
 
 class PerSampleGramian:
@@ -265,56 +217,60 @@ class PerSampleGramian:
         return self.gramian([self.collect(batch, tasks)])
 
     def gramian(self, parts: Sequence[Parts]) -> Tensor:
-        """The Gramian of every micro-batch's objectives at once, cross terms included
-        (objectives in micro-batch order)."""
-        rows = {key: _merged_rows(key, parts)
-                for key in {key for part in parts for key in part.rows}}
-        dense = {key: _merged_dense(key, parts)
-                 for key in {key for part in parts for key in part.dense}}
-        return self._assemble(sum(part.n for part in parts), rows, dense)
+        """The Gramian of every micro-batch's objectives at once (objectives in micro-batch
+        order): each parameter's blocks between every two micro-batches' forms, summed
+        (no concatenation; the cross terms between micro-batches included)."""
+        starts = [sum(part.n for part in parts[:i]) for i in range(len(parts) + 1)]
+        gram = torch.zeros(starts[-1], starts[-1], dtype=torch.float64,
+                           device=self.params[0].device)
+        for i, left in enumerate(parts):
+            for j in range(i, len(parts)):
+                part = _pair_block(left, parts[j]).to(gram.device)
+                gram[starts[i]: starts[i + 1], starts[j]: starts[j + 1]] += part
+                if j != i:
+                    gram[starts[j]: starts[j + 1], starts[i]: starts[i + 1]] += part.T
+        return gram
 
     def collect(self, batch: int, tasks: Sequence[tuple[Tensor | None, ...]]) -> Parts:
-        """One micro-batch's per-objective rows of every layer (objective ``(i, k)`` at
-        ``i·K + k``) from each task's gradients of :meth:`outputs`; clears nothing."""
-        k = len(tasks)
-        rows: dict[int, tuple[Tensor, Tensor]] = {}
-        dense: dict[int, list[Tensor]] = {}
+        """One micro-batch's per-objective forms of every trunk parameter (objective
+        ``(i, k)`` at ``i·K + k``) from each task's gradients of :meth:`outputs`, each layer
+        contracted (:func:`~._per_sample_forms.contracted`) as soon as its rows are formed;
+        clears nothing."""
+        forms: dict[int, list[Form]] = {}
         at = 0
         for layer in self._layers:
             n = len(layer.outputs)
             if n:
-                d = torch.stack([torch.cat([layer.output_rows(g, batch) for g in _filled(
-                    layer.outputs, grads[at: at + n])], 1) for grads in tasks], 1)
-                x = torch.cat([layer.rows(t, batch) for t in layer.inputs], 1)
-                rows[id(layer)] = (x.repeat_interleave(k, 0), d.flatten(0, 1))
+                x, d = _layer_rows(layer, [_filled(layer.outputs, grads[at: at + n])
+                                           for grads in tasks], batch)
+                for _, p, is_weight in layer.bounded():
+                    forms.setdefault(id(p), []).append(
+                        contracted(site_form(Site(layer.module, is_weight), x, d)))
             at += n
         self.recording = False  # the fallback's functional calls are not the step's
         try:
             for fallback in self._fallbacks:
                 n = len(fallback.outputs)
-                for call, x in enumerate(fallback.inputs):
-                    d = torch.stack([_filled(fallback.outputs, grads[at: at + n])[call]
-                                     for grads in tasks], 1).flatten(0, 1)
-                    dense[id(fallback)] = _summed(dense.get(id(fallback)), per_sample_vjp(
-                        fallback.module, fallback.names, x.repeat_interleave(k, 0), d))
+                self._add_fallback(fallback, [grads[at: at + n] for grads in tasks], forms)
                 at += n
         finally:
             self.recording = True
-        return Parts(batch * k, rows, dense)
+        return Parts(batch * len(tasks), forms)
 
-    def _assemble(self, n: int, rows: dict[int, tuple[Tensor, Tensor]],
-                  dense: dict[int, list[Tensor]]) -> Tensor:
-        """Σ over the parameters of the Gramian of their sites' forms."""
-        gram = torch.zeros(n, n, dtype=torch.float64, device=self.params[0].device)
-        for p in self.params:
-            forms: list[Form] = [site_form(Site(layer.module, is_weight), *rows[id(layer)])
-                                 for layer, is_weight in self._sites.get(id(p), [])
-                                 if id(layer) in rows]
-            forms += [dense[id(f)][index] for f, index in self._dense.get(id(p), [])
-                      if id(f) in dense]
-            if forms:
-                gram += gram_of(forms).to(gram.device)
-        return gram
+    def _add_fallback(self, fallback: _Fallback, tasks: list[tuple[Tensor | None, ...]],
+                      forms: dict[int, list[Form]]) -> None:
+        """The fallback module's per-sample gradients ``[B·K, numel]`` (summed over its
+        calls) into ``forms``."""
+        k = len(tasks)
+        dense: list[Tensor] | None = None
+        for call, x in enumerate(fallback.inputs):
+            d = torch.stack([_filled(fallback.outputs, grads)[call] for grads in tasks],
+                            1).flatten(0, 1)
+            dense = _summed(dense, per_sample_vjp(fallback.module, fallback.names,
+                                                  _repeated(x, k), d))
+        own = dict(fallback.module.named_parameters(recurse=False))
+        for name, g in zip(fallback.names, dense or []):
+            forms.setdefault(id(own[name]), []).append(g)
 
     def clear(self) -> None:
         """Drop the recorded calls."""
@@ -330,6 +286,36 @@ class PerSampleGramian:
             handle.remove()
         self._handles.clear()
         self.clear()
+
+
+def _pair_block(left: Parts, right: Parts) -> Tensor:
+    """``[nₗ, nᵣ]`` float64: Σ over the parameters of the blocks between the two
+    micro-batches' forms (tied sites: every pair of sites)."""
+    total: Tensor | None = None
+    for key, forms in left.forms.items():
+        for a in forms:
+            for b in right.forms.get(key, []):
+                total = block(a, b) if total is None else total.add_(block(a, b))
+    return torch.zeros(left.n, right.n, dtype=torch.float64) if total is None else total
+
+
+def _layer_rows(layer: HookedLayer, tasks: list[list[Tensor]],
+                batch: int) -> tuple[Tensor, Tensor]:
+    """A layer's input rows ``[B·K, S, in]`` and output gradient rows ``[B·K, S, out]``
+    (every call along S; objective ``(i, k)`` at ``i·K + k``): views of the recorded
+    tensors for one call and one task, copies only otherwise."""
+    k = len(tasks)
+    xs = [layer.rows(t, batch) for t in layer.inputs]
+    if len(xs) == 1 and k == 1:
+        return xs[0], layer.output_rows(tasks[0][0], batch)
+    d = torch.stack([torch.cat([layer.output_rows(g, batch) for g in grads], 1)
+                     for grads in tasks], 1)
+    return _repeated(torch.cat(xs, 1), k), d.flatten(0, 1)
+
+
+def _repeated(x: Tensor, k: int) -> Tensor:
+    """``x`` with every sample's row repeated ``k`` times (itself for ``k = 1``)."""
+    return x if k == 1 else x.repeat_interleave(k, 0)
 
 
 def _filled(outputs: list[Tensor], grads: tuple[Tensor | None, ...]) -> list[Tensor]:
