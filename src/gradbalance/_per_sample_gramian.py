@@ -27,9 +27,8 @@ from torch import Tensor, nn
 
 from ._graph import leaf_uses, tensor_hooked
 from ._per_sample_fallback import per_sample_vjp
-from ._per_sample_forms import Form, block, contracted
+from ._per_sample_forms import Form, block, layer_form
 from .clip._per_sample_layers import HookedLayer, check_batch, refusal
-from .clip._per_sample_tied import Site, site_form
 
 __all__ = ["Parts", "PerSampleGramian", "as_modules", "refuse_mixing"]
 
@@ -234,7 +233,7 @@ class PerSampleGramian:
     def collect(self, batch: int, tasks: Sequence[tuple[Tensor | None, ...]]) -> Parts:
         """One micro-batch's per-objective forms of every trunk parameter (objective
         ``(i, k)`` at ``i·K + k``) from each task's gradients of :meth:`outputs`, each layer
-        contracted (:func:`~._per_sample_forms.contracted`) as soon as its rows are formed;
+        contracted (:func:`~._per_sample_forms.layer_form`) as soon as its rows are formed;
         clears nothing."""
         forms: dict[int, list[Form]] = {}
         at = 0
@@ -245,7 +244,7 @@ class PerSampleGramian:
                                            for grads in tasks], batch)
                 for _, p, is_weight in layer.bounded():
                     forms.setdefault(id(p), []).append(
-                        contracted(site_form(Site(layer.module, is_weight), x, d)))
+                        layer_form(layer.module, is_weight, x, d))
             at += n
         self.recording = False  # the fallback's functional calls are not the step's
         try:
