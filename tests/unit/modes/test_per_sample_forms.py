@@ -1,0 +1,103 @@
+"""The per-sample Gramian's contracted forms (``gradbalance._per_sample_forms``).
+
+Each layer is contracted when its rows form: to the Gram form's rows or to materialised
+per-sample gradients, whichever costs less, with float32 products for float32 inputs. The
+references are independent: B separate ``autograd.grad`` calls (their rows' Gram matrix in
+float64), and the other form of the same site.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from gradbalance._per_sample_forms import block, contracted, layer_form
+from gradbalance._per_sample_gramian import PerSampleGramian
+from gradbalance.clip._per_sample_tied import Site, materialised, site_form
+
+from .per_sample_models import TRUNKS
+
+
+def _rows(losses: Tensor, params: list[Tensor]) -> Tensor:
+    """Each loss's gradient, one ``autograd.grad`` per loss, as float64 rows."""
+    return torch.stack([torch.cat([g.flatten() for g in torch.autograd.grad(
+        loss, params, retain_graph=True)]) for loss in losses]).double()
+
+
+def _gramian(trunk: nn.Module, xs: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """The route's Gramian over the micro-batches ``xs`` (one forward and backward each)
+    and the reference Gram matrix of the per-sample rows."""
+    params = list(trunk.parameters())
+    engine = PerSampleGramian(trunk, params)
+    parts, rows = [], []
+    for x in xs:
+        losses = trunk(x).pow(2).flatten(1).sum(1)
+        grads = torch.autograd.grad(losses.sum(), engine.outputs(), retain_graph=True)
+        parts.append(engine.collect(x.shape[0], [grads]))
+        engine.clear()
+        rows.append(_rows(losses, params))
+    engine.remove()
+    flat = torch.cat(rows)
+    return engine.gramian(parts), flat @ flat.T
+
+
+@pytest.mark.parametrize("name", sorted(TRUNKS))
+def test_float32_gramian_equals_per_sample_autograd_at_float32_rounding(name: str) -> None:
+    torch.manual_seed(5)
+    trunk, inputs = TRUNKS[name]()
+    got, want = _gramian(trunk, [inputs(6)])
+    assert got.dtype == torch.float64
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max())
+
+
+def _tokens_trunk() -> nn.Module:
+    """A Linear on ``[n, 4, 16]`` tokens: the Gram form for n ≤ 4, materialised above."""
+    return nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_micro_batches_with_different_forms_give_the_whole_gramian(dtype: torch.dtype) -> None:
+    """Micro-batches of 3 and 7 samples (the first layer kept as Gram-form rows, then as
+    materialised gradients) and 5 tokens then 4: the cross blocks between the two forms."""
+    torch.manual_seed(6)
+    trunk = _tokens_trunk().to(dtype)
+    small = contracted((torch.randn(3, 4, 16), torch.randn(3, 4, 16)))
+    large = contracted((torch.randn(7, 4, 16), torch.randn(7, 4, 16)))
+    assert not isinstance(small, Tensor) and isinstance(large, Tensor)
+    got, want = _gramian(trunk, [torch.randn(3, 5, 16, dtype=dtype),
+                                 torch.randn(7, 4, 16, dtype=dtype)])
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    assert torch.allclose(got, want, rtol=tol, atol=tol * want.abs().max())
+
+
+@pytest.mark.parametrize(("n", "s", "m", "k"), [(3, 4, 16, 16), (9, 4, 16, 16), (5, 7, 3, 2)])
+def test_eager_contraction_equals_the_deferred_gram_form(n: int, s: int, m: int,
+                                                         k: int) -> None:
+    """The block of the contracted forms equals the Gram form of the full rows (float64:
+    to 1e-12) and the Gram matrix of the materialised ``Dᵢᵀ Xᵢ`` computed by hand."""
+    torch.manual_seed(7)
+    d, x = torch.randn(n, s, k, dtype=torch.float64), torch.randn(n, s, m, dtype=torch.float64)
+    deferred = block((d, x), (d, x))
+    eager = contracted((d, x))
+    by_hand = torch.stack([(d[i].T @ x[i]).flatten() for i in range(n)])
+    want = by_hand @ by_hand.T
+    for got in (deferred, block(eager, eager), block(eager, (d, x))):
+        assert torch.allclose(got, want, rtol=1e-12, atol=1e-12 * want.abs().max())
+
+
+@pytest.mark.parametrize("padding_idx", [None, 2])
+def test_scattered_embedding_gradients_equal_the_one_hot_products(
+        padding_idx: int | None) -> None:
+    """A wide vocabulary (materialised): scattered rows equal the one-hot form, padding ids
+    included (their rows add nothing)."""
+    torch.manual_seed(8)
+    emb = nn.Embedding(50, 3, padding_idx=padding_idx).double()
+    ids = torch.randint(0, 6, (4, 5))
+    d = torch.randn(4, 5, 3, dtype=torch.float64)
+    got = layer_form(emb, True, ids, d)
+    assert isinstance(got, Tensor)
+    want = materialised([site_form(Site(emb, True), ids, d)], torch.float64)
+    assert torch.equal(got, want)
+    if padding_idx is not None:
+        assert got.reshape(4, 50, 3)[:, padding_idx].abs().max() == 0
