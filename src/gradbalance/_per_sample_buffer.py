@@ -26,7 +26,7 @@ from torch import Tensor
 from ._amp import poison_, scale_of
 from ._checks import as_parameter_list
 from ._coverage import Coverage, _module_names
-from ._per_sample_gramian import Parts, PerSampleGramian
+from ._per_sample_gramian import Parts, PerSampleGramian, Snapshot
 from ._per_sample_step import (
     PerSampleStep,
     check_gramian_clip,
@@ -122,6 +122,7 @@ class PerSampleBuffer:
         self.gramian = PerSampleGramian(modules, self.shared)
         self._losses: list[Tensor] = []  # the step's micro-batches, graphs kept
         self._parts: list[Parts] = []
+        self._first: Snapshot = []  # the first micro-batch's records, for the cross terms
         self._heads: list[Tensor | None] = [None] * len(self.head_params)
         self._scaler: Any = None
         self._scale: Tensor | None = None
@@ -141,9 +142,14 @@ class PerSampleBuffer:
         reused = self._cache.reuse_now() if first else self._reused
         scale = scale_of(scaler, vector.device)
         try:
-            part, heads = self._passes(columns, scale, reused)
+            part, heads = self._passes(columns, scale, reused, keep=not first)
+            records = self.gramian.snapshot() if first and part is not None else None
         finally:
             self.gramian.clear()
+        if part is not None and len(self._parts) == 1 and self._parts[0].forms is None:
+            self._parts[0], self._first = self._first_forms(), []
+        if records is not None:
+            self._first = records
         if part is not None:
             self._parts.append(part)
         self._losses.append(vector)
@@ -177,23 +183,41 @@ class PerSampleBuffer:
         self.gramian.check(vector)
         return vector
 
-    def _passes(self, columns: Tensor, scale: Tensor | None,
-                reused: bool) -> tuple[Parts | None, list[Tensor | None]]:
+    def _first_forms(self) -> Parts:
+        """The first micro-batch's layer forms, which a second micro-batch's cross terms
+        need: its output gradients once more, through its kept graph and recorded calls."""
+        vector = self._losses[0]
+        columns = vector.reshape(vector.shape[0], -1)
+        with self.gramian.restored(self._first):
+            outputs = self.gramian.outputs()
+            tasks: list[list[Tensor | None]] = []
+            for k in range(columns.shape[1]):
+                root = columns[:, k].sum()
+                tasks.append(list(torch.autograd.grad(
+                    root if self._scale is None else root * self._scale, outputs,
+                    retain_graph=True, allow_unused=True)))
+            return self.gramian.collect(columns.shape[0], tasks, keep=True)
+
+    def _passes(self, columns: Tensor, scale: Tensor | None, reused: bool,
+                keep: bool) -> tuple[Parts | None, list[Tensor | None]]:
         """One ``autograd.grad`` per task column: the layers' output gradients (the
-        micro-batch's rows) and the heads' gradients; the heads' only on a reused step."""
+        micro-batch's rows; its forms kept if ``keep``) and the heads' gradients; the heads'
+        only on a reused step."""
         outputs = [] if reused else self.gramian.outputs()
         heads: list[Tensor | None] = [None] * len(self.head_params)
         if reused and not self.head_params:
             return None, heads
-        tasks = []
+        tasks: list[list[Tensor | None]] = []
         roots = [columns[:, k].sum() for k in range(columns.shape[1])]
         for root in [sum(roots[1:], roots[0])] if reused else roots:
             scaled = root if scale is None else root * scale
             grads = torch.autograd.grad(scaled, [*outputs, *self.head_params],
                                         retain_graph=True, allow_unused=True)
-            tasks.append(grads[: len(outputs)])
+            tasks.append(list(grads[: len(outputs)]))
             heads = [_add(h, g) for h, g in zip(heads, grads[len(outputs):])]
-        return None if reused else self.gramian.collect(columns.shape[0], tasks), heads
+            del grads
+        return (None if reused else self.gramian.collect(columns.shape[0], tasks, keep),
+                heads)
 
     def apply_(self, balancer: Balancer, scaler: Any = None, clip: Any = None) -> StepStats:
         """Weights from the Gramian of the step's objectives (``D G D`` with a row clipper's
@@ -307,6 +331,7 @@ class PerSampleBuffer:
     def _end_step(self) -> None:
         self._losses = []
         self._parts = []
+        self._first = []
         self._heads = [None] * len(self.head_params)
         self._scaler, self._scale = None, None
         self._tasks, self._reused = 0, False

@@ -18,12 +18,14 @@ gradients through ``torch.func`` (:mod:`._per_sample_fallback`). Layers that mix
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import get_gradient_edge
 
 from ._graph import leaf_uses, tensor_hooked
 from ._per_sample_fallback import per_sample_vjp
@@ -35,11 +37,13 @@ __all__ = ["Parts", "PerSampleGramian", "as_modules", "refuse_mixing"]
 
 @dataclass(frozen=True)
 class Parts:
-    """One micro-batch's objectives: their number, and each trunk parameter's per-sample
+    """One micro-batch's objectives: their number, their own block of the Gramian, and
+    (kept for the cross terms of micro-batches, else None) each trunk parameter's per-sample
     gradient forms (:mod:`._per_sample_forms`), one per site or fallback module."""
 
     n: int
-    forms: dict[int, list[Form]]
+    gram: Tensor
+    forms: dict[int, list[Form]] | None
 
 
 class _Fallback:
@@ -206,57 +210,73 @@ class PerSampleGramian:
                 )
 
     # -- the Gramian --------------------------------------------------------------------
-    def outputs(self) -> list[Tensor]:
-        """Every recorded output, layers first, in order."""
-        return [y for r in self._records() for y in r.outputs]
+    def outputs(self) -> list[Any]:
+        """Every recorded output, layers first, in order (gradient edges once
+        :meth:`restored` from a :meth:`snapshot`)."""
+        return [_edge(y) for r in self._records() for y in r.outputs]
 
-    def compute(self, batch: int, tasks: Sequence[tuple[Tensor | None, ...]]) -> Tensor:
+    def compute(self, batch: int, tasks: Sequence[Sequence[Tensor | None]]) -> Tensor:
         """``[B·K, B·K]`` float64 (objective ``(i, k)`` at ``i·K + k``) from each task's
         gradients of :meth:`outputs` (same order; None: unused)."""
-        return self.gramian([self.collect(batch, tasks)])
+        return self.gramian([self.collect(batch, [list(grads) for grads in tasks])])
 
     def gramian(self, parts: Sequence[Parts]) -> Tensor:
         """The Gramian of every micro-batch's objectives at once (objectives in micro-batch
-        order): each parameter's blocks between every two micro-batches' forms, summed
-        (no concatenation; the cross terms between micro-batches included)."""
+        order): each micro-batch's own block, and each parameter's blocks between every two
+        micro-batches' kept forms (the cross terms; no concatenation)."""
         starts = [sum(part.n for part in parts[:i]) for i in range(len(parts) + 1)]
         gram = torch.zeros(starts[-1], starts[-1], dtype=torch.float64,
                            device=self.params[0].device)
         for i, left in enumerate(parts):
-            for j in range(i, len(parts)):
+            gram[starts[i]: starts[i + 1], starts[i]: starts[i + 1]] = left.gram
+            for j in range(i + 1, len(parts)):
                 part = _pair_block(left, parts[j]).to(gram.device)
-                gram[starts[i]: starts[i + 1], starts[j]: starts[j + 1]] += part
-                if j != i:
-                    gram[starts[j]: starts[j + 1], starts[i]: starts[i + 1]] += part.T
+                gram[starts[i]: starts[i + 1], starts[j]: starts[j + 1]] = part
+                gram[starts[j]: starts[j + 1], starts[i]: starts[i + 1]] = part.T
         return gram
 
-    def collect(self, batch: int, tasks: Sequence[tuple[Tensor | None, ...]]) -> Parts:
-        """One micro-batch's per-objective forms of every trunk parameter (objective
-        ``(i, k)`` at ``i·K + k``) from each task's gradients of :meth:`outputs`, each layer
-        contracted (:func:`~._per_sample_forms.layer_form`) as soon as its rows are formed;
-        clears nothing."""
+    def collect(self, batch: int, tasks: list[list[Tensor | None]], keep: bool = False) -> Parts:
+        """One micro-batch's objectives (``(i, k)`` at ``i·K + k``) from each task's gradients
+        of :meth:`outputs`: each layer contracted (:func:`~._per_sample_forms.layer_form`)
+        and its block of the Gramian added as soon as its rows form, then its forms and
+        output gradients dropped (``tasks``' entries set to None) unless ``keep`` (the cross
+        terms of micro-batches need them) or its parameter is tied (every site first)."""
         forms: dict[int, list[Form]] = {}
+        gram = torch.zeros(batch * len(tasks), batch * len(tasks), dtype=torch.float64,
+                           device=self.params[0].device)
         at = 0
         for layer in self._layers:
             n = len(layer.outputs)
             if n:
                 x, d = _layer_rows(layer, [_filled(layer.outputs, grads[at: at + n])
                                            for grads in tasks], batch)
+                _release(tasks, at, n)
                 for _, p, is_weight in layer.bounded():
-                    forms.setdefault(id(p), []).append(
-                        layer_form(layer.module, is_weight, x, d))
+                    self._add(gram, forms, p, layer_form(layer.module, is_weight, x, d), keep)
+                del x, d
             at += n
         self.recording = False  # the fallback's functional calls are not the step's
         try:
             for fallback in self._fallbacks:
                 n = len(fallback.outputs)
                 self._add_fallback(fallback, [grads[at: at + n] for grads in tasks], forms)
+                _release(tasks, at, n)
                 at += n
         finally:
             self.recording = True
-        return Parts(batch * len(tasks), forms)
+        for waiting in forms.values():  # tied parameters, or every one with keep
+            gram += _pair_block_of(waiting, []).to(gram.device)
+        return Parts(gram.shape[0], gram, forms if keep else None)
 
-    def _add_fallback(self, fallback: _Fallback, tasks: list[tuple[Tensor | None, ...]],
+    def _add(self, gram: Tensor, forms: dict[int, list[Form]], p: Tensor, form: Form,
+             keep: bool) -> None:
+        """``form``'s own block into ``gram`` now, or into ``forms`` where it must wait."""
+        if keep or len(self._sites.get(id(p), [])) + len(self._dense.get(id(p), [])) > 1:
+            forms.setdefault(id(p), []).append(form)
+        else:
+            gram += block(form, form).to(gram.device)
+
+    def _add_fallback(self, fallback: _Fallback, tasks: list[list[Tensor | None]],
                       forms: dict[int, list[Form]]) -> None:
         """The fallback module's per-sample gradients ``[B·K, numel]`` (summed over its
         calls) into ``forms``."""
@@ -270,6 +290,24 @@ class PerSampleGramian:
         own = dict(fallback.module.named_parameters(recurse=False))
         for name, g in zip(fallback.names, dense or []):
             forms.setdefault(id(own[name]), []).append(g)
+
+    def snapshot(self) -> Snapshot:
+        """The current records (inputs, and outputs as gradient edges: no output is kept
+        alive), to :meth:`restored` later."""
+        return [(list(r.inputs), [_Output(y) for y in r.outputs]) for r in self._records()]
+
+    @contextmanager
+    def restored(self, snapshot: Snapshot) -> Iterator[None]:
+        """The records of ``snapshot`` in place of the current ones, inside the block."""
+        records = self._records()
+        current = [(r.inputs, r.outputs) for r in records]
+        try:
+            for r, (inputs, outputs) in zip(records, snapshot):
+                r.inputs, r.outputs = list(inputs), cast(list[Tensor], list(outputs))
+            yield
+        finally:
+            for r, (was_in, was_out) in zip(records, current):
+                r.inputs, r.outputs = was_in, was_out
 
     def clear(self) -> None:
         """Drop the recorded calls."""
@@ -289,13 +327,44 @@ class PerSampleGramian:
 
 def _pair_block(left: Parts, right: Parts) -> Tensor:
     """``[nₗ, nᵣ]`` float64: Σ over the parameters of the blocks between the two
-    micro-batches' forms (tied sites: every pair of sites)."""
-    total: Tensor | None = None
+    micro-batches' kept forms (tied sites: every pair of sites)."""
+    assert left.forms is not None and right.forms is not None
+    total = torch.zeros(left.n, right.n, dtype=torch.float64)
     for key, forms in left.forms.items():
-        for a in forms:
-            for b in right.forms.get(key, []):
-                total = block(a, b) if total is None else total.add_(block(a, b))
-    return torch.zeros(left.n, right.n, dtype=torch.float64) if total is None else total
+        total = total + _pair_block_of(forms, right.forms.get(key, [])).to(total.device)
+    return total
+
+
+def _pair_block_of(left: list[Form], right: list[Form]) -> Tensor:
+    """Σ of the blocks between every form of ``left`` and every one of ``right`` (``left``
+    with itself where ``right`` is empty)."""
+    total: Tensor | None = None
+    for a in left:
+        for b in right or left:
+            total = block(a, b) if total is None else total + block(a, b)
+    assert total is not None
+    return total
+
+
+class _Output:
+    """A recorded output kept as its gradient edge and its shape (not its storage)."""
+
+    def __init__(self, y: Tensor) -> None:
+        self.edge = get_gradient_edge(y)
+        self.shape, self.dtype, self.device = y.shape, y.dtype, y.device
+
+
+Snapshot = list[tuple[list[Tensor], list[_Output]]]
+
+
+def _edge(y: Tensor | _Output) -> Any:
+    return y.edge if isinstance(y, _Output) else y
+
+
+def _release(tasks: list[list[Tensor | None]], at: int, n: int) -> None:
+    """Drop the gradients ``at: at + n`` of every task (contracted)."""
+    for grads in tasks:
+        grads[at: at + n] = [None] * n
 
 
 def _layer_rows(layer: HookedLayer, tasks: list[list[Tensor]],
@@ -317,8 +386,10 @@ def _repeated(x: Tensor, k: int) -> Tensor:
     return x if k == 1 else x.repeat_interleave(k, 0)
 
 
-def _filled(outputs: list[Tensor], grads: tuple[Tensor | None, ...]) -> list[Tensor]:
-    return [torch.zeros_like(y) if g is None else g for y, g in zip(outputs, grads)]
+def _filled(outputs: Sequence[Tensor | _Output],
+            grads: Sequence[Tensor | None]) -> list[Tensor]:
+    return [(torch.zeros(y.shape, dtype=y.dtype, device=y.device) if g is None else g)
+            for y, g in zip(outputs, grads)]
 
 
 def _summed(before: list[Tensor] | None, new: list[Tensor]) -> list[Tensor]:

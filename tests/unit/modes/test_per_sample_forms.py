@@ -34,7 +34,7 @@ def _gramian(trunk: nn.Module, xs: list[Tensor]) -> tuple[Tensor, Tensor]:
     for x in xs:
         losses = trunk(x).pow(2).flatten(1).sum(1)
         grads = torch.autograd.grad(losses.sum(), engine.outputs(), retain_graph=True)
-        parts.append(engine.collect(x.shape[0], [grads]))
+        parts.append(engine.collect(x.shape[0], [list(grads)], keep=len(xs) > 1))
         engine.clear()
         rows.append(_rows(losses, params))
     engine.remove()
@@ -49,6 +49,30 @@ def test_float32_gramian_equals_per_sample_autograd_at_float32_rounding(name: st
     got, want = _gramian(trunk, [inputs(6)])
     assert got.dtype == torch.float64
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max())
+
+
+@pytest.mark.parametrize("name", sorted(TRUNKS))
+def test_eager_blocks_equal_the_kept_forms_blocks(name: str) -> None:
+    """One micro-batch: its block added layer by layer, forms dropped (``keep=False``),
+    equals the block of the kept forms (float64, to 1e-12) and per-sample autograd."""
+    torch.manual_seed(9)
+    torch.set_default_dtype(torch.float64)
+    try:
+        trunk, inputs = TRUNKS[name]()
+        params = list(trunk.parameters())
+        engine = PerSampleGramian(trunk, params)
+        losses = trunk(inputs(5)).pow(2).sum(1)
+        grads = torch.autograd.grad(losses.sum(), engine.outputs(), retain_graph=True)
+        eager = engine.collect(5, [list(grads)])
+        kept = engine.collect(5, [list(grads)], keep=True)
+        engine.remove()
+        rows = _rows(losses, params)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert eager.forms is None and kept.forms is not None
+    want = rows @ rows.T
+    for got in (eager.gram, kept.gram, engine.gramian([kept])):
+        assert torch.allclose(got, want, rtol=1e-10, atol=1e-12 * want.abs().max())
 
 
 def _tokens_trunk() -> nn.Module:
