@@ -8,12 +8,17 @@ float64), and the other form of the same site.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import Tensor, nn
 
+from gradbalance import TaskGradBuffer
+from gradbalance._per_sample_buffer import PerSampleBuffer
 from gradbalance._per_sample_forms import block, contracted, layer_form
-from gradbalance._per_sample_gramian import PerSampleGramian
+from gradbalance._per_sample_gramian import Parts, PerSampleGramian
+from gradbalance.balancers import MGDA
 from gradbalance.clip._per_sample_tied import Site, materialised, site_form
 
 from .per_sample_models import TRUNKS
@@ -125,3 +130,76 @@ def test_scattered_embedding_gradients_equal_the_one_hot_products(
     assert torch.equal(got, want)
     if padding_idx is not None:
         assert got.reshape(4, 50, 3)[:, padding_idx].abs().max() == 0
+
+
+class _Tied(nn.Module):
+    """One Linear called twice, and a weight tied between two Linear layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.twice, self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 8), nn.Linear(4, 8)
+        self.b.weight = self.a.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.twice(torch.tanh(self.twice(x))))
+        return torch.tanh(self.a(h)) + self.b(h * h)
+
+
+def _trunk(name: str) -> tuple[nn.Module, Callable[[int], Tensor]]:
+    if name == "tied":
+        return _Tied(), lambda b: torch.randn(b, 4)
+    return TRUNKS[name]()
+
+
+def _grads(params: list[Tensor]) -> Tensor:
+    return torch.cat([torch.zeros_like(p).flatten() if p.grad is None else p.grad.flatten()
+                      for p in params])
+
+
+@pytest.mark.parametrize("name", ["cnn", "mixed", "tied"])
+@pytest.mark.parametrize("count", [1, 3])
+def test_micro_batches_of_sample_by_task_losses_equal_matrix_route(
+        name: str, count: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``count`` micro-batches (2, 3, 4 samples) of ``[B, 2]`` losses: the matrix route's
+    weights and update over all objectives at once; the first micro-batch's forms are
+    recomputed once when the second arrives, never with one micro-batch."""
+    replays = []
+    original = PerSampleBuffer._first_forms
+
+    def counted(self: PerSampleBuffer) -> Parts:
+        replays.append(1)
+        return original(self)
+
+    monkeypatch.setattr(PerSampleBuffer, "_first_forms", counted)
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(10)
+        trunk, inputs = _trunk(name)
+        heads = nn.Linear(8, 2)
+        xs = [inputs(b) for b in (2, 3, 4)[:count]]
+        ys = [torch.randn(x.shape[0], 2) for x in xs]
+        params = [*trunk.parameters(), *heads.parameters()]
+        found = []
+        for per_sample in (True, False):
+            for p in params:
+                p.grad = None
+            kwargs = {"modules": trunk, "batch_dim": 0} if per_sample else {}
+            buf = TaskGradBuffer(trunk.parameters(), heads.parameters(), **kwargs)  # type: ignore[arg-type]
+            if per_sample:
+                for x, y in zip(xs, ys):
+                    buf.backward((heads(trunk(x)) - y) ** 2)
+            else:
+                buf.backward(torch.cat([((heads(trunk(x)) - y) ** 2).reshape(-1)
+                                        for x, y in zip(xs, ys)]))
+            stats = buf.apply_(MGDA())
+            assert stats.weights is not None
+            found.append((stats.weights, _grads(params)))
+            if per_sample:
+                assert buf._per_sample is not None
+                buf._per_sample.gramian.remove()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert len(replays) == (count > 1)
+    (w_got, got), (w_want, want) = found
+    assert torch.allclose(w_got, w_want, rtol=1e-7, atol=1e-10)
+    assert torch.allclose(got, want, rtol=1e-8, atol=1e-10 * want.abs().max())
