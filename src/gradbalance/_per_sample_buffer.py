@@ -203,21 +203,22 @@ class PerSampleBuffer:
         """One ``autograd.grad`` per task column: the layers' output gradients (the
         micro-batch's rows; its forms kept if ``keep``) and the heads' gradients; the heads'
         only on a reused step."""
-        outputs = [] if reused else self.gramian.outputs()
         heads: list[Tensor | None] = [None] * len(self.head_params)
         if reused and not self.head_params:
             return None, heads
-        tasks: list[list[Tensor | None]] = []
         roots = [columns[:, k].sum() for k in range(columns.shape[1])]
-        for root in [sum(roots[1:], roots[0])] if reused else roots:
-            scaled = root if scale is None else root * scale
-            grads = torch.autograd.grad(scaled, [*outputs, *self.head_params],
-                                        retain_graph=True, allow_unused=True)
-            tasks.append(list(grads[: len(outputs)]))
-            heads = [_add(h, g) for h, g in zip(heads, grads[len(outputs):])]
-            del grads
-        return (None if reused else self.gramian.collect(columns.shape[0], tasks, keep),
-                heads)
+        roots = [sum(roots[1:], roots[0])] if reused else roots
+        roots = roots if scale is None else [root * scale for root in roots]
+        found: list[list[Tensor | None]]
+        if reused:
+            found = [list(torch.autograd.grad(roots[0], self.head_params, retain_graph=True,
+                                              allow_unused=True))]
+            part = None
+        else:
+            part, found = self.gramian.passes(columns.shape[0], roots, self.head_params, keep)
+        for grads in found:
+            heads = [_add(h, g) for h, g in zip(heads, grads)]
+        return part, heads
 
     def apply_(self, balancer: Balancer, scaler: Any = None, clip: Any = None) -> StepStats:
         """Weights from the Gramian of the step's objectives (``D G D`` with a row clipper's

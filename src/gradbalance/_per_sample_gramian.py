@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, cast
 
 import torch
@@ -28,6 +29,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 
 from ._graph import leaf_uses, tensor_hooked
+from ._per_sample_eager import Slots, lowest
 from ._per_sample_fallback import per_sample_vjp
 from ._per_sample_forms import Form, block, layer_form
 from .clip._per_sample_layers import HookedLayer, check_batch, refusal
@@ -248,19 +250,69 @@ class PerSampleGramian:
         for layer in self._layers:
             n = len(layer.outputs)
             if n:
-                x, d = _layer_rows(layer, [_filled(layer.outputs, grads[at: at + n])
-                                           for grads in tasks], batch)
+                grads = [list(task[at: at + n]) for task in tasks]
                 _release(tasks, at, n)
-                for _, p, is_weight in layer.bounded():
-                    self._add(gram, forms, p, layer_form(layer.module, is_weight, x, d), keep)
-                del x, d
+                self._contract(layer, grads, batch, gram, forms, keep)
             at += n
+        return self._finished(gram, forms, [task[at:] for task in tasks], keep)
+
+    def passes(self, batch: int, roots: list[Tensor], extra: list[Tensor],
+               keep: bool = False) -> tuple[Parts, list[list[Tensor | None]]]:
+        """One ``autograd.grad`` per root (each task's scaled ``Σᵢ ℓᵢₖ``, objective
+        ``(i, k)`` at ``i·K + k``): the micro-batch's :class:`Parts`, each layer contracted
+        inside the backward as soon as its output gradients arrive (a tensor hook), and each
+        root's gradients of ``extra``."""
+        forms: dict[int, list[Form]] = {}
+        n = batch * len(roots)
+        gram = torch.zeros(n, n, dtype=torch.float64, device=self.params[0].device)
+        slots, handles = [], []
+        for layer in self._layers:
+            if layer.outputs:
+                slots.append(Slots(len(roots), len(layer.outputs), partial(
+                    self._contract, layer, batch=batch, gram=gram, forms=forms, keep=keep)))
+                handles += [y.register_hook(slots[-1].hook(call))  # type: ignore[no-untyped-call]
+                            for call, y in enumerate(layer.outputs)]
+        own = [y for layer in self._layers for y in layer.outputs]
+        fallen = [y for f in self._fallbacks for y in f.outputs]
+        asked = [y for y, low in zip(own, lowest(roots, [*own, *fallen])) if low]
+        rest: list[list[Tensor | None]] = []
+        extras: list[list[Tensor | None]] = []
+        try:
+            for task, root in enumerate(roots):
+                for slot in slots:
+                    slot.task = task
+                grads = torch.autograd.grad(root, [*asked, *fallen, *extra],
+                                            retain_graph=True, allow_unused=True)
+                rest.append(list(grads[len(asked): len(asked) + len(fallen)]))
+                extras.append(list(grads[len(asked) + len(fallen):]))
+                del grads
+            for slot in slots:  # outputs off some task's graph: zeros there
+                slot.finish()
+        finally:
+            for handle in handles:
+                handle.remove()
+        return self._finished(gram, forms, rest, keep), extras
+
+    def _contract(self, layer: HookedLayer, grads: list[list[Tensor | None]], batch: int,
+                  gram: Tensor, forms: dict[int, list[Form]], keep: bool) -> None:
+        """The layer's forms from its output gradients ``[task][call]`` (None: zeros), its
+        block added to ``gram`` (or its forms kept, :meth:`_add`)."""
+        x, d = _layer_rows(layer, [_filled(layer.outputs, g) for g in grads], batch)
+        grads.clear()
+        for _, p, is_weight in layer.bounded():
+            self._add(gram, forms, p, layer_form(layer.module, is_weight, x, d), keep)
+
+    def _finished(self, gram: Tensor, forms: dict[int, list[Form]],
+                  fallen: list[list[Tensor | None]], keep: bool) -> Parts:
+        """The fallback modules' forms from their output gradients ``fallen`` ``[task][·]``,
+        the blocks of the forms that waited; the micro-batch's :class:`Parts`."""
         self.recording = False  # the fallback's functional calls are not the step's
         try:
+            at = 0
             for fallback in self._fallbacks:
                 n = len(fallback.outputs)
-                self._add_fallback(fallback, [grads[at: at + n] for grads in tasks], forms)
-                _release(tasks, at, n)
+                self._add_fallback(fallback, [grads[at: at + n] for grads in fallen], forms)
+                _release(fallen, at, n)
                 at += n
         finally:
             self.recording = True

@@ -1,7 +1,10 @@
-"""The per-sample Gramian's contracted forms (``gradbalance._per_sample_forms``).
+"""The per-sample Gramian's contracted forms (``gradbalance._per_sample_forms``,
+``gradbalance._per_sample_eager``).
 
-Each layer is contracted when its rows form: to the Gram form's rows or to materialised
-per-sample gradients, whichever costs less, with float32 products for float32 inputs. The
+Each layer is contracted when its output gradients arrive (a hook inside the backward): to
+the Gram form's rows or to materialised per-sample gradients, whichever costs less, with
+float32 products for float32 inputs; its block added, its forms dropped unless micro-batches
+need them. The
 references are independent: B separate ``autograd.grad`` calls (their rows' Gram matrix in
 float64), and the other form of the same site.
 """
@@ -16,6 +19,7 @@ from torch import Tensor, nn
 
 from gradbalance import TaskGradBuffer
 from gradbalance._per_sample_buffer import PerSampleBuffer
+from gradbalance._per_sample_eager import lowest
 from gradbalance._per_sample_forms import block, contracted, layer_form
 from gradbalance._per_sample_gramian import Parts, PerSampleGramian
 from gradbalance.balancers import MGDA
@@ -203,3 +207,47 @@ def test_micro_batches_of_sample_by_task_losses_equal_matrix_route(
     (w_got, got), (w_want, want) = found
     assert torch.allclose(w_got, w_want, rtol=1e-7, atol=1e-10)
     assert torch.allclose(got, want, rtol=1e-8, atol=1e-10 * want.abs().max())
+
+
+@pytest.mark.parametrize("name", [*sorted(TRUNKS), "tied"])
+@pytest.mark.parametrize("tasks", [1, 2])
+def test_contraction_inside_the_backward_equals_the_deferred_one(name: str,
+                                                                 tasks: int) -> None:
+    """``passes`` (each layer contracted in its output's hook) gives the Gramian of
+    ``collect`` over every output gradient at once (float64, to 1e-12) and the heads'
+    gradients of a plain ``autograd.grad``."""
+    torch.manual_seed(11)
+    torch.set_default_dtype(torch.float64)
+    try:
+        trunk, inputs = _trunk(name)
+        head = nn.Linear(8, tasks)
+        engine = PerSampleGramian(trunk, list(trunk.parameters()))
+        losses = head(trunk(inputs(4))).pow(2)
+        roots = [losses[:, k].sum() for k in range(tasks)]
+        deferred = engine.collect(4, [list(torch.autograd.grad(
+            root, engine.outputs(), retain_graph=True, allow_unused=True)) for root in roots])
+        eager, heads = engine.passes(4, roots, list(head.parameters()))
+        want_heads = [torch.autograd.grad(root, list(head.parameters()), retain_graph=True)
+                      for root in roots]
+        engine.remove()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert torch.allclose(eager.gram, deferred.gram, rtol=1e-12,
+                          atol=1e-12 * deferred.gram.abs().max())
+    for got, want in zip(heads, want_heads):
+        assert all(g is not None and torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_only_the_lowest_outputs_are_asked_of_autograd() -> None:
+    """A chain of three Linear layers: only the first one's output lies below no other; two
+    parallel branches are both lowest; an output off the graph counts as lowest."""
+    layers = [nn.Linear(3, 3) for _ in range(4)]
+    x = torch.randn(2, 3)
+    first = layers[0](x)
+    second = layers[1](torch.tanh(first))
+    third = layers[2](second)
+    off = layers[3](x)
+    assert lowest([third.sum()], [first, second, third, off]) == [True, False, False, True]
+    left, right = layers[0](x), layers[1](x)
+    top = layers[2](left * right)
+    assert lowest([top.sum()], [top, left, right]) == [False, True, True]
