@@ -18,7 +18,7 @@ gradients through ``torch.func`` (:mod:`._per_sample_fallback`). Layers that mix
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -265,13 +265,8 @@ class PerSampleGramian:
         forms: dict[int, list[Form]] = {}
         n = batch * len(roots)
         gram = torch.zeros(n, n, dtype=torch.float64, device=self.params[0].device)
-        slots, handles = [], []
-        for layer in self._layers:
-            if layer.outputs:
-                slots.append(Slots(len(roots), len(layer.outputs), partial(
-                    self._contract, layer, batch=batch, gram=gram, forms=forms, keep=keep)))
-                handles += [y.register_hook(slots[-1].hook(call))  # type: ignore[no-untyped-call]
-                            for call, y in enumerate(layer.outputs)]
+        slots, handles = self._hooked(len(roots), partial(
+            self._contract, batch=batch, gram=gram, forms=forms, keep=keep))
         own = [y for layer in self._layers for y in layer.outputs]
         fallen = [y for f in self._fallbacks for y in f.outputs]
         asked = [y for y, low in zip(own, lowest(roots, [*own, *fallen])) if low]
@@ -292,6 +287,18 @@ class PerSampleGramian:
             for handle in handles:
                 handle.remove()
         return self._finished(gram, forms, rest, keep), extras
+
+    def _hooked(self, tasks: int, contract: Callable[..., None]) -> tuple[list[Slots],
+                                                                          list[Any]]:
+        """A :class:`Slots` per recorded layer, ``contract(layer, grads)`` once full, and a
+        hook on each of its outputs (the handles, to remove)."""
+        slots, handles = [], []
+        for layer in self._layers:
+            if layer.outputs:
+                slots.append(Slots(tasks, len(layer.outputs), partial(contract, layer)))
+                handles += [y.register_hook(slots[-1].hook(call))  # type: ignore[no-untyped-call]
+                            for call, y in enumerate(layer.outputs)]
+        return slots, handles
 
     def _contract(self, layer: HookedLayer, grads: list[list[Tensor | None]], batch: int,
                   gram: Tensor, forms: dict[int, list[Form]], keep: bool) -> None:
