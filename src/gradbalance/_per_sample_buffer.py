@@ -6,8 +6,10 @@ per-sample Gramian ``[N, N]`` (``N = B·K``, objective ``(i, k)`` at ``i·K + k`
 :class:`~gradbalance._per_sample_gramian.PerSampleGramian`. ``apply_(balancer)`` takes the
 weights ``w`` of a weighted balancer from it and writes the trunk's ``.grad`` with one
 backward of ``Σ wᵢₖ ℓᵢₖ`` through the kept graph; the heads get their plain gradient of
-``Σ ℓᵢₖ``. Micro-batches: each ``backward`` adds its objectives, the Gramian of all of them
-(cross terms included) is built in ``apply_``. The update equals the matrix route over the
+``Σ ℓᵢₖ``. Each layer is contracted inside that backward (its block of the Gramian added,
+its per-sample forms dropped). Micro-batches: each ``backward`` adds its objectives; from the
+second on the forms are kept (the first micro-batch's recomputed once, through its kept
+graph) and ``apply_`` adds the cross terms between them. The update equals the matrix route over the
 same N objectives (each passed as a task); so do its 2-norm row clipping and
 ``update_every`` (:mod:`._per_sample_step`). Under a process group each rank balances its
 own objectives and the written gradients are averaged. Reference: Quinton & Rey, "Jacobian
@@ -74,8 +76,8 @@ class PerSampleBuffer:
             when torch.distributed is initialised; ``"local"``: off).
 
     Micro-batches: every ``backward`` before :meth:`apply_` adds its objectives to the step's
-    Gramian, cross terms included (its layer rows and its graph are kept until ``apply_``);
-    :meth:`reset` drops the step.
+    Gramian, cross terms included (its graph, and with more than one micro-batch each layer's
+    per-sample forms, are kept until ``apply_``); :meth:`reset` drops the step.
 
     Example:
         >>> import torch
@@ -131,11 +133,12 @@ class PerSampleBuffer:
 
     def backward(self, losses: Tensor | Sequence[Tensor], scaler: Any = None,
                  features: Tensor | None = None) -> None:
-        """Add this micro-batch's objectives, ``losses`` ``[B]`` or ``[B, K]``; their rows
-        join the step's Gramian (cross terms with the earlier micro-batches included), and
-        their graph is kept until :meth:`apply_`. With a ``GradScaler`` (the same one to
+        """Add this micro-batch's objectives, ``losses`` ``[B]`` or ``[B, K]``; their block
+        joins the step's Gramian (cross terms with the earlier micro-batches included: a
+        second call recomputes the first one's layer forms once), and their graph is kept
+        until :meth:`apply_`. With a ``GradScaler`` (the same one to
         every call and to :meth:`apply_`) the scaled losses are differentiated. On a step
-        that reuses ``update_every``'s weights no rows are taken."""
+        that reuses ``update_every``'s weights no Gramian is formed."""
         vector = self._checked(losses, scaler, features)
         columns = vector.reshape(vector.shape[0], -1)
         first = not self._losses
