@@ -108,6 +108,7 @@ class PerSampleGramian:
         self._dense: dict[int, list[tuple[_Fallback, int]]] = {}
         self._names: dict[int, str] = {}
         self._handles: list[Any] = []
+        self._versions: dict[int, int] = {}  # each recorded output's version when recorded
         self.recording = True
         for prefix, root in self._roots:
             for name, sub in root.named_modules():
@@ -149,6 +150,7 @@ class PerSampleGramian:
             if self.recording and torch.is_grad_enabled() and output.requires_grad:
                 layer.inputs.append(args[0].detach())
                 layer.outputs.append(output)
+                self._versions[id(output)] = output._version
         return record
 
     def _record_fallback(self, fallback: _Fallback) -> Any:
@@ -164,6 +166,7 @@ class PerSampleGramian:
             if output.requires_grad:
                 fallback.inputs.append(args[0].detach())
                 fallback.outputs.append(output)
+                self._versions[id(output)] = output._version
         return record
 
     def _records(self) -> list[HookedLayer | _Fallback]:
@@ -192,6 +195,16 @@ class PerSampleGramian:
                 )
         check_batch(self._records(), batch, "only this step's forward recorded (call "
                     "reset() after other forwards under grad)")
+        for record in self._records():
+            for y in record.outputs:
+                if y._version != self._versions.get(id(y), y._version):
+                    raise ValueError(
+                        f"the output of layer {record.name!r} "
+                        f"({type(record.module).__name__}) was modified in place after the "
+                        f"layer (version {self._versions[id(y)]} -> {y._version}), so its "
+                        f"gradient would be the in-place op's, not the layer's: use "
+                        f"inplace=False there (e.g. nn.ReLU(inplace=False)), or batch_dim=None"
+                    )
 
     def _check_uses(self, losses: Tensor) -> None:
         """Each covered layer's parameter is used on the graph only by its recorded calls
@@ -375,6 +388,7 @@ class PerSampleGramian:
             record.outputs.clear()
         for fallback in self._fallbacks:
             fallback.bad_call = None
+        self._versions.clear()
 
     def remove(self) -> None:
         """Remove the hooks."""
