@@ -4,17 +4,19 @@ is contracted as soon as they arrive and they are then freed (docs/per_sample.md
 ``autograd.grad`` is asked only for the recorded outputs below which no other recorded output
 lies (:func:`lowest`): the backward still runs through every other one, whose hook hands its
 gradient over and keeps nothing, so the peak holds one layer's output gradients and
-per-sample work rather than every layer's at once.
+per-sample work rather than every layer's at once. A micro-batch's records kept for a later
+pass (:class:`Recorded`) hold each output's gradient edge, not its storage.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from torch import Tensor
-from torch.autograd.graph import Node
+from torch.autograd.graph import Node, get_gradient_edge
 
-__all__ = ["Slots", "lowest"]
+__all__ = ["Recorded", "Slots", "Snapshot", "edge_of", "lowest"]
 
 
 def _children(node: Node) -> list[Node]:
@@ -68,3 +70,19 @@ class Slots:
         if self.missing >= 0:
             grads, self.grads, self.missing = self.grads, [], -1
             self.done(grads)
+
+
+class Recorded:
+    """A recorded output kept as its gradient edge and its shape (not its storage)."""
+
+    def __init__(self, y: Tensor) -> None:
+        self.edge = get_gradient_edge(y)
+        self.shape, self.dtype, self.device = y.shape, y.dtype, y.device
+
+
+Snapshot = list[tuple[list[Tensor], list[Recorded]]]
+
+
+def edge_of(y: Tensor | Recorded) -> Any:
+    """What ``autograd.grad`` takes for a recorded output: the tensor, or its edge."""
+    return y.edge if isinstance(y, Recorded) else y

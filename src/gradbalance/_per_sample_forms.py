@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from .clip._per_sample_tied import Site, materialised, site_form
 
-__all__ = ["Form", "block", "contracted", "layer_form"]
+__all__ = ["Form", "block", "contracted", "layer_form", "summed_blocks"]
 
 Form = tuple[Tensor, Tensor] | Tensor
 
@@ -77,3 +77,14 @@ def block(left: Form, right: Form) -> Tensor:
     first = a.reshape(n * s, -1).to(dtype) @ c.reshape(n2 * s2, -1).to(dtype).T
     second = b.reshape(n * s, -1).to(dtype) @ e.reshape(n2 * s2, -1).to(dtype).T
     return (first * second).reshape(n, s, n2, s2).sum((1, 3), dtype=torch.float64)
+
+
+def summed_blocks(left: list[Form], right: list[Form]) -> Tensor:
+    """Σ of the blocks between every form of ``left`` and every one of ``right`` (``left``
+    with itself where ``right`` is empty)."""
+    total: Tensor | None = None
+    for a in left:
+        for b in right or left:
+            total = block(a, b) if total is None else total + block(a, b)
+    assert total is not None
+    return total

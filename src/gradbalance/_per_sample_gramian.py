@@ -26,15 +26,14 @@ from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.graph import get_gradient_edge
 
 from ._graph import leaf_uses, tensor_hooked
-from ._per_sample_eager import Slots, lowest
+from ._per_sample_eager import Recorded, Slots, Snapshot, edge_of, lowest
 from ._per_sample_fallback import per_sample_vjp
-from ._per_sample_forms import Form, block, layer_form
+from ._per_sample_forms import Form, block, layer_form, summed_blocks
 from .clip._per_sample_layers import HookedLayer, check_batch, refusal
 
-__all__ = ["Parts", "PerSampleGramian", "as_modules", "refuse_mixing"]
+__all__ = ["Parts", "PerSampleGramian", "Snapshot", "as_modules", "refuse_mixing"]
 
 
 @dataclass(frozen=True)
@@ -228,7 +227,7 @@ class PerSampleGramian:
     def outputs(self) -> list[Any]:
         """Every recorded output, layers first, in order (gradient edges once
         :meth:`restored` from a :meth:`snapshot`)."""
-        return [_edge(y) for r in self._records() for y in r.outputs]
+        return [edge_of(y) for r in self._records() for y in r.outputs]
 
     def compute(self, batch: int, tasks: Sequence[Sequence[Tensor | None]]) -> Tensor:
         """``[B·K, B·K]`` float64 (objective ``(i, k)`` at ``i·K + k``) from each task's
@@ -337,7 +336,7 @@ class PerSampleGramian:
         finally:
             self.recording = True
         for waiting in forms.values():  # tied parameters, or every one with keep
-            gram += _pair_block_of(waiting, []).to(gram.device)
+            gram += summed_blocks(waiting, []).to(gram.device)
         return Parts(gram.shape[0], gram, forms if keep else None)
 
     def _add(self, gram: Tensor, forms: dict[int, list[Form]], p: Tensor, form: Form,
@@ -366,7 +365,7 @@ class PerSampleGramian:
     def snapshot(self) -> Snapshot:
         """The current records (inputs, and outputs as gradient edges: no output is kept
         alive), to :meth:`restored` later."""
-        return [(list(r.inputs), [_Output(y) for y in r.outputs]) for r in self._records()]
+        return [(list(r.inputs), [Recorded(y) for y in r.outputs]) for r in self._records()]
 
     @contextmanager
     def restored(self, snapshot: Snapshot) -> Iterator[None]:
@@ -404,34 +403,8 @@ def _pair_block(left: Parts, right: Parts) -> Tensor:
     assert left.forms is not None and right.forms is not None
     total = torch.zeros(left.n, right.n, dtype=torch.float64)
     for key, forms in left.forms.items():
-        total = total + _pair_block_of(forms, right.forms.get(key, [])).to(total.device)
+        total = total + summed_blocks(forms, right.forms.get(key, [])).to(total.device)
     return total
-
-
-def _pair_block_of(left: list[Form], right: list[Form]) -> Tensor:
-    """Σ of the blocks between every form of ``left`` and every one of ``right`` (``left``
-    with itself where ``right`` is empty)."""
-    total: Tensor | None = None
-    for a in left:
-        for b in right or left:
-            total = block(a, b) if total is None else total + block(a, b)
-    assert total is not None
-    return total
-
-
-class _Output:
-    """A recorded output kept as its gradient edge and its shape (not its storage)."""
-
-    def __init__(self, y: Tensor) -> None:
-        self.edge = get_gradient_edge(y)
-        self.shape, self.dtype, self.device = y.shape, y.dtype, y.device
-
-
-Snapshot = list[tuple[list[Tensor], list[_Output]]]
-
-
-def _edge(y: Tensor | _Output) -> Any:
-    return y.edge if isinstance(y, _Output) else y
 
 
 def _release(tasks: list[list[Tensor | None]], at: int, n: int) -> None:
@@ -459,7 +432,7 @@ def _repeated(x: Tensor, k: int) -> Tensor:
     return x if k == 1 else x.repeat_interleave(k, 0)
 
 
-def _filled(outputs: Sequence[Tensor | _Output],
+def _filled(outputs: Sequence[Tensor | Recorded],
             grads: Sequence[Tensor | None]) -> list[Tensor]:
     return [(torch.zeros(y.shape, dtype=y.dtype, device=y.device) if g is None else g)
             for y, g in zip(outputs, grads)]
