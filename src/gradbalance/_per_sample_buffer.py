@@ -6,8 +6,10 @@ per-sample Gramian ``[N, N]`` (``N = B·K``, objective ``(i, k)`` at ``i·K + k`
 :class:`~gradbalance._per_sample_gramian.PerSampleGramian`. ``apply_(balancer)`` takes the
 weights ``w`` of a weighted balancer from it and writes the trunk's ``.grad`` with one
 backward of ``Σ wᵢₖ ℓᵢₖ`` through the kept graph; the heads get their plain gradient of
-``Σ ℓᵢₖ``. Micro-batches: each ``backward`` adds its objectives, the Gramian of all of them
-(cross terms included) is built in ``apply_``. The update equals the matrix route over the
+``Σ ℓᵢₖ``. Each layer is contracted inside that backward (its block of the Gramian added,
+its per-sample forms dropped). Micro-batches: each ``backward`` adds its objectives; from the
+second on the forms are kept (the first micro-batch's recomputed once, through its kept
+graph) and ``apply_`` adds the cross terms between them. The update equals the matrix route over the
 same N objectives (each passed as a task); so do its 2-norm row clipping and
 ``update_every`` (:mod:`._per_sample_step`). Under a process group each rank balances its
 own objectives and the written gradients are averaged. Reference: Quinton & Rey, "Jacobian
@@ -26,7 +28,7 @@ from torch import Tensor
 from ._amp import poison_, scale_of
 from ._checks import as_parameter_list
 from ._coverage import Coverage, _module_names
-from ._per_sample_gramian import Parts, PerSampleGramian
+from ._per_sample_gramian import Parts, PerSampleGramian, Snapshot
 from ._per_sample_step import (
     PerSampleStep,
     check_gramian_clip,
@@ -74,8 +76,8 @@ class PerSampleBuffer:
             when torch.distributed is initialised; ``"local"``: off).
 
     Micro-batches: every ``backward`` before :meth:`apply_` adds its objectives to the step's
-    Gramian, cross terms included (its layer rows and its graph are kept until ``apply_``);
-    :meth:`reset` drops the step.
+    Gramian, cross terms included (its graph, and with more than one micro-batch each layer's
+    per-sample forms, are kept until ``apply_``); :meth:`reset` drops the step.
 
     Example:
         >>> import torch
@@ -122,6 +124,7 @@ class PerSampleBuffer:
         self.gramian = PerSampleGramian(modules, self.shared)
         self._losses: list[Tensor] = []  # the step's micro-batches, graphs kept
         self._parts: list[Parts] = []
+        self._first: Snapshot = []  # the first micro-batch's records, for the cross terms
         self._heads: list[Tensor | None] = [None] * len(self.head_params)
         self._scaler: Any = None
         self._scale: Tensor | None = None
@@ -130,20 +133,26 @@ class PerSampleBuffer:
 
     def backward(self, losses: Tensor | Sequence[Tensor], scaler: Any = None,
                  features: Tensor | None = None) -> None:
-        """Add this micro-batch's objectives, ``losses`` ``[B]`` or ``[B, K]``; their rows
-        join the step's Gramian (cross terms with the earlier micro-batches included), and
-        their graph is kept until :meth:`apply_`. With a ``GradScaler`` (the same one to
+        """Add this micro-batch's objectives, ``losses`` ``[B]`` or ``[B, K]``; their block
+        joins the step's Gramian (cross terms with the earlier micro-batches included: a
+        second call recomputes the first one's layer forms once), and their graph is kept
+        until :meth:`apply_`. With a ``GradScaler`` (the same one to
         every call and to :meth:`apply_`) the scaled losses are differentiated. On a step
-        that reuses ``update_every``'s weights no rows are taken."""
+        that reuses ``update_every``'s weights no Gramian is formed."""
         vector = self._checked(losses, scaler, features)
         columns = vector.reshape(vector.shape[0], -1)
         first = not self._losses
         reused = self._cache.reuse_now() if first else self._reused
         scale = scale_of(scaler, vector.device)
         try:
-            part, heads = self._passes(columns, scale, reused)
+            part, heads = self._passes(columns, scale, reused, keep=not first)
+            records = self.gramian.snapshot() if first and part is not None else None
         finally:
             self.gramian.clear()
+        if part is not None and len(self._parts) == 1 and self._parts[0].forms is None:
+            self._parts[0], self._first = self._first_forms(), []
+        if records is not None:
+            self._first = records
         if part is not None:
             self._parts.append(part)
         self._losses.append(vector)
@@ -177,23 +186,42 @@ class PerSampleBuffer:
         self.gramian.check(vector)
         return vector
 
-    def _passes(self, columns: Tensor, scale: Tensor | None,
-                reused: bool) -> tuple[Parts | None, list[Tensor | None]]:
+    def _first_forms(self) -> Parts:
+        """The first micro-batch's layer forms, which a second micro-batch's cross terms
+        need: its output gradients once more, through its kept graph and recorded calls."""
+        vector = self._losses[0]
+        columns = vector.reshape(vector.shape[0], -1)
+        with self.gramian.restored(self._first):
+            outputs = self.gramian.outputs()
+            tasks: list[list[Tensor | None]] = []
+            for k in range(columns.shape[1]):
+                root = columns[:, k].sum()
+                tasks.append(list(torch.autograd.grad(
+                    root if self._scale is None else root * self._scale, outputs,
+                    retain_graph=True, allow_unused=True)))
+            return self.gramian.collect(columns.shape[0], tasks, keep=True)
+
+    def _passes(self, columns: Tensor, scale: Tensor | None, reused: bool,
+                keep: bool) -> tuple[Parts | None, list[Tensor | None]]:
         """One ``autograd.grad`` per task column: the layers' output gradients (the
-        micro-batch's rows) and the heads' gradients; the heads' only on a reused step."""
-        outputs = [] if reused else self.gramian.outputs()
+        micro-batch's rows; its forms kept if ``keep``) and the heads' gradients; the heads'
+        only on a reused step."""
         heads: list[Tensor | None] = [None] * len(self.head_params)
         if reused and not self.head_params:
             return None, heads
-        tasks = []
         roots = [columns[:, k].sum() for k in range(columns.shape[1])]
-        for root in [sum(roots[1:], roots[0])] if reused else roots:
-            scaled = root if scale is None else root * scale
-            grads = torch.autograd.grad(scaled, [*outputs, *self.head_params],
-                                        retain_graph=True, allow_unused=True)
-            tasks.append(grads[: len(outputs)])
-            heads = [_add(h, g) for h, g in zip(heads, grads[len(outputs):])]
-        return None if reused else self.gramian.collect(columns.shape[0], tasks), heads
+        roots = [sum(roots[1:], roots[0])] if reused else roots
+        roots = roots if scale is None else [root * scale for root in roots]
+        found: list[list[Tensor | None]]
+        if reused:
+            found = [list(torch.autograd.grad(roots[0], self.head_params, retain_graph=True,
+                                              allow_unused=True))]
+            part = None
+        else:
+            part, found = self.gramian.passes(columns.shape[0], roots, self.head_params, keep)
+        for grads in found:
+            heads = [_add(h, g) for h, g in zip(heads, grads)]
+        return part, heads
 
     def apply_(self, balancer: Balancer, scaler: Any = None, clip: Any = None) -> StepStats:
         """Weights from the Gramian of the step's objectives (``D G D`` with a row clipper's
@@ -307,6 +335,7 @@ class PerSampleBuffer:
     def _end_step(self) -> None:
         self._losses = []
         self._parts = []
+        self._first = []
         self._heads = [None] * len(self.head_params)
         self._scaler, self._scale = None, None
         self._tasks, self._reused = 0, False

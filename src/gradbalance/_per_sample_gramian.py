@@ -18,60 +18,33 @@ gradients through ``torch.func`` (:mod:`._per_sample_fallback`). Layers that mix
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
 from ._graph import leaf_uses, tensor_hooked
+from ._per_sample_eager import Recorded, Slots, Snapshot, edge_of, lowest
 from ._per_sample_fallback import per_sample_vjp
+from ._per_sample_forms import Form, block, layer_form, summed_blocks
 from .clip._per_sample_layers import HookedLayer, check_batch, refusal
-from .clip._per_sample_tied import Site, materialised, site_form
 
-__all__ = ["Parts", "PerSampleGramian", "as_modules", "refuse_mixing"]
-
-Form = tuple[Tensor, Tensor] | Tensor
+__all__ = ["Parts", "PerSampleGramian", "Snapshot", "as_modules", "refuse_mixing"]
 
 
 @dataclass(frozen=True)
 class Parts:
-    """One micro-batch's objectives: their number, each covered layer's input and output
-    gradient rows ``[n, S, ·]``, each fallback module's per-sample gradients ``[n, numel]``."""
+    """One micro-batch's objectives: their number, their own block of the Gramian, and
+    (kept for the cross terms of micro-batches, else None) each trunk parameter's per-sample
+    gradient forms (:mod:`._per_sample_forms`), one per site or fallback module."""
 
     n: int
-    rows: dict[int, tuple[Tensor, Tensor]]
-    dense: dict[int, list[Tensor]]
-
-
-def _padded(part: Parts, key: int, parts: Sequence[Parts]) -> tuple[Tensor, Tensor]:
-    """``part``'s rows of layer ``key`` padded with zero rows to the longest S of ``parts``
-    (zero output gradients add nothing); zeros where the layer did not run."""
-    found = [p.rows[key] for p in parts if key in p.rows]
-    s = max(x.shape[1] for x, _ in found)
-    x_like, d_like = found[0]
-    x, d = part.rows.get(key, (x_like.new_zeros(part.n, 0, *x_like.shape[2:]),
-                               d_like.new_zeros(part.n, 0, *d_like.shape[2:])))
-    pad = s - x.shape[1]
-    if pad:
-        x = torch.cat([x, x.new_zeros(x.shape[0], pad, *x.shape[2:])], 1)
-        d = torch.cat([d, d.new_zeros(d.shape[0], pad, *d.shape[2:])], 1)
-    return x, d
-
-
-def _merged_rows(key: int, parts: Sequence[Parts]) -> tuple[Tensor, Tensor]:
-    """Layer ``key``'s rows of every micro-batch, stacked along the objectives."""
-    xs, ds = zip(*(_padded(part, key, parts) for part in parts))
-    return torch.cat(xs), torch.cat(ds)
-
-
-def _merged_dense(key: int, parts: Sequence[Parts]) -> list[Tensor]:
-    """Fallback ``key``'s per-sample gradients of every micro-batch (zeros where it did not
-    run), stacked along the objectives."""
-    like = next(part.dense[key] for part in parts if key in part.dense)
-    return [torch.cat([part.dense[key][i] if key in part.dense else g.new_zeros(part.n, g.shape[1])
-                       for part in parts]) for i, g in enumerate(like)]
+    gram: Tensor
+    forms: dict[int, list[Form]] | None
 
 
 class _Fallback:
@@ -117,23 +90,6 @@ def _joined(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix and name else prefix or name
 
 
-def gram_of(forms: list[Form]) -> Tensor:
-    """``[B, B]`` (float64) Gramian of one parameter's per-sample gradients, the sum of its
-    sites' forms: the Gram form of the stacked outer forms, or the materialised rows."""
-    outer = [f for f in forms if not isinstance(f, Tensor)]
-    if len(outer) == len(forms):
-        a = torch.cat([f[0] for f in outer], 1).double()
-        b = torch.cat([f[1] for f in outer], 1).double()
-        batch, s, m = a.shape
-        n = b.shape[2]
-        rows = batch * s
-        if rows * rows * (m + n) <= rows * m * n + batch * batch * m * n:
-            a2, b2 = a.reshape(rows, m), b.reshape(rows, n)
-            return ((a2 @ a2.T) * (b2 @ b2.T)).reshape(batch, s, batch, s).sum((1, 3))
-    flat = materialised(forms, torch.float64)
-    return flat @ flat.T
-
-
 class PerSampleGramian:
     """Forward hooks on the trunk's parameter-holding modules; the per-sample Gramian.
 
@@ -151,6 +107,7 @@ class PerSampleGramian:
         self._dense: dict[int, list[tuple[_Fallback, int]]] = {}
         self._names: dict[int, str] = {}
         self._handles: list[Any] = []
+        self._versions: dict[int, int] = {}  # each recorded output's version when recorded
         self.recording = True
         for prefix, root in self._roots:
             for name, sub in root.named_modules():
@@ -192,6 +149,7 @@ class PerSampleGramian:
             if self.recording and torch.is_grad_enabled() and output.requires_grad:
                 layer.inputs.append(args[0].detach())
                 layer.outputs.append(output)
+                self._versions[id(output)] = output._version
         return record
 
     def _record_fallback(self, fallback: _Fallback) -> Any:
@@ -207,6 +165,7 @@ class PerSampleGramian:
             if output.requires_grad:
                 fallback.inputs.append(args[0].detach())
                 fallback.outputs.append(output)
+                self._versions[id(output)] = output._version
         return record
 
     def _records(self) -> list[HookedLayer | _Fallback]:
@@ -235,6 +194,16 @@ class PerSampleGramian:
                 )
         check_batch(self._records(), batch, "only this step's forward recorded (call "
                     "reset() after other forwards under grad)")
+        for record in self._records():
+            for y in record.outputs:
+                if y._version != self._versions.get(id(y), y._version):
+                    raise ValueError(
+                        f"the output of layer {record.name!r} "
+                        f"({type(record.module).__name__}) was modified in place after the "
+                        f"layer (version {self._versions[id(y)]} -> {y._version}), so its "
+                        f"gradient would be the in-place op's, not the layer's: use "
+                        f"inplace=False there (e.g. nn.ReLU(inplace=False)), or batch_dim=None"
+                    )
 
     def _check_uses(self, losses: Tensor) -> None:
         """Each covered layer's parameter is used on the graph only by its recorded calls
@@ -255,66 +224,161 @@ class PerSampleGramian:
                 )
 
     # -- the Gramian --------------------------------------------------------------------
-    def outputs(self) -> list[Tensor]:
-        """Every recorded output, layers first, in order."""
-        return [y for r in self._records() for y in r.outputs]
+    def outputs(self) -> list[Any]:
+        """Every recorded output, layers first, in order (gradient edges once
+        :meth:`restored` from a :meth:`snapshot`)."""
+        return [edge_of(y) for r in self._records() for y in r.outputs]
 
-    def compute(self, batch: int, tasks: Sequence[tuple[Tensor | None, ...]]) -> Tensor:
+    def compute(self, batch: int, tasks: Sequence[Sequence[Tensor | None]]) -> Tensor:
         """``[B·K, B·K]`` float64 (objective ``(i, k)`` at ``i·K + k``) from each task's
         gradients of :meth:`outputs` (same order; None: unused)."""
-        return self.gramian([self.collect(batch, tasks)])
+        return self.gramian([self.collect(batch, [list(grads) for grads in tasks])])
 
     def gramian(self, parts: Sequence[Parts]) -> Tensor:
-        """The Gramian of every micro-batch's objectives at once, cross terms included
-        (objectives in micro-batch order)."""
-        rows = {key: _merged_rows(key, parts)
-                for key in {key for part in parts for key in part.rows}}
-        dense = {key: _merged_dense(key, parts)
-                 for key in {key for part in parts for key in part.dense}}
-        return self._assemble(sum(part.n for part in parts), rows, dense)
+        """The Gramian of every micro-batch's objectives at once (objectives in micro-batch
+        order): each micro-batch's own block, and each parameter's blocks between every two
+        micro-batches' kept forms (the cross terms; no concatenation)."""
+        starts = [sum(part.n for part in parts[:i]) for i in range(len(parts) + 1)]
+        gram = torch.zeros(starts[-1], starts[-1], dtype=torch.float64,
+                           device=self.params[0].device)
+        for i, left in enumerate(parts):
+            gram[starts[i]: starts[i + 1], starts[i]: starts[i + 1]] = left.gram
+            for j in range(i + 1, len(parts)):
+                part = _pair_block(left, parts[j]).to(gram.device)
+                gram[starts[i]: starts[i + 1], starts[j]: starts[j + 1]] = part
+                gram[starts[j]: starts[j + 1], starts[i]: starts[i + 1]] = part.T
+        return gram
 
-    def collect(self, batch: int, tasks: Sequence[tuple[Tensor | None, ...]]) -> Parts:
-        """One micro-batch's per-objective rows of every layer (objective ``(i, k)`` at
-        ``i·K + k``) from each task's gradients of :meth:`outputs`; clears nothing."""
-        k = len(tasks)
-        rows: dict[int, tuple[Tensor, Tensor]] = {}
-        dense: dict[int, list[Tensor]] = {}
+    def collect(self, batch: int, tasks: list[list[Tensor | None]], keep: bool = False) -> Parts:
+        """One micro-batch's objectives (``(i, k)`` at ``i·K + k``) from each task's gradients
+        of :meth:`outputs`: each layer contracted (:func:`~._per_sample_forms.layer_form`)
+        and its block of the Gramian added as soon as its rows form, then its forms and
+        output gradients dropped (``tasks``' entries set to None) unless ``keep`` (the cross
+        terms of micro-batches need them) or its parameter is tied (every site first)."""
+        forms: dict[int, list[Form]] = {}
+        gram = torch.zeros(batch * len(tasks), batch * len(tasks), dtype=torch.float64,
+                           device=self.params[0].device)
         at = 0
         for layer in self._layers:
             n = len(layer.outputs)
             if n:
-                d = torch.stack([torch.cat([layer.output_rows(g, batch) for g in _filled(
-                    layer.outputs, grads[at: at + n])], 1) for grads in tasks], 1)
-                x = torch.cat([layer.rows(t, batch) for t in layer.inputs], 1)
-                rows[id(layer)] = (x.repeat_interleave(k, 0), d.flatten(0, 1))
+                grads = [list(task[at: at + n]) for task in tasks]
+                _release(tasks, at, n)
+                self._contract(layer, grads, batch, gram, forms, keep)
             at += n
+        return self._finished(gram, forms, [task[at:] for task in tasks], keep)
+
+    def passes(self, batch: int, roots: list[Tensor], extra: list[Tensor],
+               keep: bool = False) -> tuple[Parts, list[list[Tensor | None]]]:
+        """One ``autograd.grad`` per root (each task's scaled ``Σᵢ ℓᵢₖ``, objective
+        ``(i, k)`` at ``i·K + k``): the micro-batch's :class:`Parts`, each layer contracted
+        inside the backward as soon as its output gradients arrive (a tensor hook), and each
+        root's gradients of ``extra``."""
+        forms: dict[int, list[Form]] = {}
+        n = batch * len(roots)
+        gram = torch.zeros(n, n, dtype=torch.float64, device=self.params[0].device)
+        slots, handles = self._hooked(len(roots), partial(
+            self._contract, batch=batch, gram=gram, forms=forms, keep=keep))
+        own = [y for layer in self._layers for y in layer.outputs]
+        fallen = [y for f in self._fallbacks for y in f.outputs]
+        asked = [y for y, low in zip(own, lowest(roots, [*own, *fallen])) if low]
+        rest: list[list[Tensor | None]] = []
+        extras: list[list[Tensor | None]] = []
+        try:
+            for task, root in enumerate(roots):
+                for slot in slots:
+                    slot.task = task
+                grads = torch.autograd.grad(root, [*asked, *fallen, *extra],
+                                            retain_graph=True, allow_unused=True)
+                rest.append(list(grads[len(asked): len(asked) + len(fallen)]))
+                extras.append(list(grads[len(asked) + len(fallen):]))
+                del grads
+            for slot in slots:  # outputs off some task's graph: zeros there
+                slot.finish()
+        finally:
+            for handle in handles:
+                handle.remove()
+        return self._finished(gram, forms, rest, keep), extras
+
+    def _hooked(self, tasks: int, contract: Callable[..., None]) -> tuple[list[Slots],
+                                                                          list[Any]]:
+        """A :class:`Slots` per recorded layer, ``contract(layer, grads)`` once full, and a
+        hook on each of its outputs (the handles, to remove)."""
+        slots, handles = [], []
+        for layer in self._layers:
+            if layer.outputs:
+                slots.append(Slots(tasks, len(layer.outputs), partial(contract, layer)))
+                handles += [y.register_hook(slots[-1].hook(call))  # type: ignore[no-untyped-call]
+                            for call, y in enumerate(layer.outputs)]
+        return slots, handles
+
+    def _contract(self, layer: HookedLayer, grads: list[list[Tensor | None]], batch: int,
+                  gram: Tensor, forms: dict[int, list[Form]], keep: bool) -> None:
+        """The layer's forms from its output gradients ``[task][call]`` (None: zeros), its
+        block added to ``gram`` (or its forms kept, :meth:`_add`)."""
+        x, d = _layer_rows(layer, [_filled(layer.outputs, g) for g in grads], batch)
+        grads.clear()
+        for _, p, is_weight in layer.bounded():
+            self._add(gram, forms, p, layer_form(layer.module, is_weight, x, d), keep)
+
+    def _finished(self, gram: Tensor, forms: dict[int, list[Form]],
+                  fallen: list[list[Tensor | None]], keep: bool) -> Parts:
+        """The fallback modules' forms from their output gradients ``fallen`` ``[task][·]``,
+        the blocks of the forms that waited; the micro-batch's :class:`Parts`."""
         self.recording = False  # the fallback's functional calls are not the step's
         try:
+            at = 0
             for fallback in self._fallbacks:
                 n = len(fallback.outputs)
-                for call, x in enumerate(fallback.inputs):
-                    d = torch.stack([_filled(fallback.outputs, grads[at: at + n])[call]
-                                     for grads in tasks], 1).flatten(0, 1)
-                    dense[id(fallback)] = _summed(dense.get(id(fallback)), per_sample_vjp(
-                        fallback.module, fallback.names, x.repeat_interleave(k, 0), d))
+                self._add_fallback(fallback, [grads[at: at + n] for grads in fallen], forms)
+                _release(fallen, at, n)
                 at += n
         finally:
             self.recording = True
-        return Parts(batch * k, rows, dense)
+        for waiting in forms.values():  # tied parameters, or every one with keep
+            gram += summed_blocks(waiting, []).to(gram.device)
+        return Parts(gram.shape[0], gram, forms if keep else None)
 
-    def _assemble(self, n: int, rows: dict[int, tuple[Tensor, Tensor]],
-                  dense: dict[int, list[Tensor]]) -> Tensor:
-        """Σ over the parameters of the Gramian of their sites' forms."""
-        gram = torch.zeros(n, n, dtype=torch.float64, device=self.params[0].device)
-        for p in self.params:
-            forms: list[Form] = [site_form(Site(layer.module, is_weight), *rows[id(layer)])
-                                 for layer, is_weight in self._sites.get(id(p), [])
-                                 if id(layer) in rows]
-            forms += [dense[id(f)][index] for f, index in self._dense.get(id(p), [])
-                      if id(f) in dense]
-            if forms:
-                gram += gram_of(forms).to(gram.device)
-        return gram
+    def _add(self, gram: Tensor, forms: dict[int, list[Form]], p: Tensor, form: Form,
+             keep: bool) -> None:
+        """``form``'s own block into ``gram`` now, or into ``forms`` where it must wait."""
+        if keep or len(self._sites.get(id(p), [])) + len(self._dense.get(id(p), [])) > 1:
+            forms.setdefault(id(p), []).append(form)
+        else:
+            gram += block(form, form).to(gram.device)
+
+    def _add_fallback(self, fallback: _Fallback, tasks: list[list[Tensor | None]],
+                      forms: dict[int, list[Form]]) -> None:
+        """The fallback module's per-sample gradients ``[B·K, numel]`` (summed over its
+        calls) into ``forms``."""
+        k = len(tasks)
+        dense: list[Tensor] | None = None
+        for call, x in enumerate(fallback.inputs):
+            d = torch.stack([_filled(fallback.outputs, grads)[call] for grads in tasks],
+                            1).flatten(0, 1)
+            dense = _summed(dense, per_sample_vjp(fallback.module, fallback.names,
+                                                  _repeated(x, k), d))
+        own = dict(fallback.module.named_parameters(recurse=False))
+        for name, g in zip(fallback.names, dense or []):
+            forms.setdefault(id(own[name]), []).append(g)
+
+    def snapshot(self) -> Snapshot:
+        """The current records (inputs, and outputs as gradient edges: no output is kept
+        alive), to :meth:`restored` later."""
+        return [(list(r.inputs), [Recorded(y) for y in r.outputs]) for r in self._records()]
+
+    @contextmanager
+    def restored(self, snapshot: Snapshot) -> Iterator[None]:
+        """The records of ``snapshot`` in place of the current ones, inside the block."""
+        records = self._records()
+        current = [(r.inputs, r.outputs) for r in records]
+        try:
+            for r, (inputs, outputs) in zip(records, snapshot):
+                r.inputs, r.outputs = list(inputs), cast(list[Tensor], list(outputs))
+            yield
+        finally:
+            for r, (was_in, was_out) in zip(records, current):
+                r.inputs, r.outputs = was_in, was_out
 
     def clear(self) -> None:
         """Drop the recorded calls."""
@@ -323,6 +387,7 @@ class PerSampleGramian:
             record.outputs.clear()
         for fallback in self._fallbacks:
             fallback.bad_call = None
+        self._versions.clear()
 
     def remove(self) -> None:
         """Remove the hooks."""
@@ -332,8 +397,45 @@ class PerSampleGramian:
         self.clear()
 
 
-def _filled(outputs: list[Tensor], grads: tuple[Tensor | None, ...]) -> list[Tensor]:
-    return [torch.zeros_like(y) if g is None else g for y, g in zip(outputs, grads)]
+def _pair_block(left: Parts, right: Parts) -> Tensor:
+    """``[nₗ, nᵣ]`` float64: Σ over the parameters of the blocks between the two
+    micro-batches' kept forms (tied sites: every pair of sites)."""
+    assert left.forms is not None and right.forms is not None
+    total = torch.zeros(left.n, right.n, dtype=torch.float64)
+    for key, forms in left.forms.items():
+        total = total + summed_blocks(forms, right.forms.get(key, [])).to(total.device)
+    return total
+
+
+def _release(tasks: list[list[Tensor | None]], at: int, n: int) -> None:
+    """Drop the gradients ``at: at + n`` of every task (contracted)."""
+    for grads in tasks:
+        grads[at: at + n] = [None] * n
+
+
+def _layer_rows(layer: HookedLayer, tasks: list[list[Tensor]],
+                batch: int) -> tuple[Tensor, Tensor]:
+    """A layer's input rows ``[B·K, S, in]`` and output gradient rows ``[B·K, S, out]``
+    (every call along S; objective ``(i, k)`` at ``i·K + k``): views of the recorded
+    tensors for one call and one task, copies only otherwise."""
+    k = len(tasks)
+    xs = [layer.rows(t, batch) for t in layer.inputs]
+    if len(xs) == 1 and k == 1:
+        return xs[0], layer.output_rows(tasks[0][0], batch)
+    d = torch.stack([torch.cat([layer.output_rows(g, batch) for g in grads], 1)
+                     for grads in tasks], 1)
+    return _repeated(torch.cat(xs, 1), k), d.flatten(0, 1)
+
+
+def _repeated(x: Tensor, k: int) -> Tensor:
+    """``x`` with every sample's row repeated ``k`` times (itself for ``k = 1``)."""
+    return x if k == 1 else x.repeat_interleave(k, 0)
+
+
+def _filled(outputs: Sequence[Tensor | Recorded],
+            grads: Sequence[Tensor | None]) -> list[Tensor]:
+    return [(torch.zeros(y.shape, dtype=y.dtype, device=y.device) if g is None else g)
+            for y, g in zip(outputs, grads)]
 
 
 def _summed(before: list[Tensor] | None, new: list[Tensor]) -> list[Tensor]:

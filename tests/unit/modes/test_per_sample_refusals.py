@@ -24,6 +24,23 @@ def _unchanged(model: nn.Module) -> bool:
     return all(p.grad is not None and bool((p.grad == 0.5).all()) for p in model.parameters())
 
 
+def test_a_layer_output_modified_in_place_is_refused() -> None:
+    """An in-place ReLU after a Linear rewrites the recorded output: its gradient would be
+    the ReLU's, and the Gramian wrong."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), nn.ReLU(inplace=True), nn.Linear(8, 1))
+    buf = _setup(model)
+    x = torch.randn(4, 3)
+    with pytest.raises(ValueError, match=r"output of layer '0' \(Linear\) was modified in "
+                                         r"place.*version 0 -> 1.*inplace=False"):
+        buf.backward(model(x)[:, 0] ** 2)
+    assert _unchanged(model)
+    model[1].inplace = False  # the same layers out of place: the step runs
+    buf.backward(model(x)[:, 0] ** 2)
+    buf.apply_(UPGrad())
+    assert not _unchanged(model)
+
+
 @pytest.mark.parametrize("norm", [nn.BatchNorm1d(8), nn.BatchNorm1d(8, affine=False)])
 def test_batchnorm_in_training_mode_is_refused(norm: nn.Module) -> None:
     model = nn.Sequential(nn.Linear(3, 8), norm, nn.Linear(8, 1))

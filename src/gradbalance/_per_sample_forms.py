@@ -1,0 +1,90 @@
+"""Per-sample gradient forms of one parameter and the Gramian blocks between them.
+
+A layer's site holds sample i's gradient as an outer form ``Aᵢᵀ Bᵢ`` (rows ``[n, S, m]``,
+``[n, S, k]``) or materialised ``[n, numel]``. :func:`contracted` keeps the cheaper of the two
+for the Gramian, as soon as the layer's output gradient is known (the rows of the other form
+are then dropped); :func:`block` gives ``⟨gᵢ, gⱼ⟩`` between two forms, ``[nₐ, n_b]`` float64:
+``Σₛₜ (Aᵢₛ·Aⱼₜ)(Bᵢₛ·Bⱼₜ)`` for two outer forms (the ghost-norm identity), ``Gₐ G_bᵀ``
+otherwise. Products run in the forms' dtype (float32 inputs stay float32, float64 ones
+float64); the Gram form's sums over positions accumulate in float64 (docs/per_sample.md,
+"Layers").
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .clip._per_sample_tied import Site, materialised, site_form
+
+__all__ = ["Form", "block", "contracted", "layer_form", "summed_blocks"]
+
+Form = tuple[Tensor, Tensor] | Tensor
+
+
+def _dtype(*tensors: Tensor) -> torch.dtype:
+    dtype = torch.float32
+    for t in tensors:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+def _gram_form_cheaper(n: int, s: int, m: int, k: int) -> bool:
+    """Whether the Gram form of ``n`` samples' ``[S, m]``, ``[S, k]`` rows, ``(n·S)²·(m + k)``,
+    costs no more than materialising them and their products, ``n·S·m·k + n²·m·k``."""
+    rows = n * s
+    return rows * rows * (m + k) <= rows * m * k + n * n * m * k
+
+
+def contracted(form: Form) -> Form:
+    """``form`` as kept for the Gramian: an outer form materialised ``[n, numel]`` (its
+    dtype) where that is cheaper (:func:`_gram_form_cheaper`); else unchanged."""
+    if isinstance(form, Tensor):
+        return form
+    n, s, m = form[0].shape
+    if _gram_form_cheaper(n, s, m, form[1].shape[2]):
+        return form
+    return materialised([form], _dtype(*form))
+
+
+def layer_form(module: nn.Module, is_weight: bool, x: Tensor, d: Tensor) -> Form:
+    """The contracted form of one site (:func:`contracted`): its layer's input rows ``x``
+    (token ids ``[n, S]`` for an embedding) and output gradient rows ``d`` ``[n, S, o]``.
+    An embedding's materialised per-sample gradients are scattered rows, not one-hot
+    products."""
+    if not (is_weight and isinstance(module, nn.Embedding)) or _gram_form_cheaper(
+            x.shape[0], x.shape[1], module.num_embeddings, d.shape[2]):
+        return contracted(site_form(Site(module, is_weight), x, d))
+    rows = d.to(_dtype(d))
+    if module.padding_idx is not None:
+        rows = rows * (x != module.padding_idx).unsqueeze(-1).to(rows.dtype)
+    grads = rows.new_zeros(x.shape[0], module.num_embeddings, d.shape[2])
+    return grads.scatter_add_(1, x.unsqueeze(-1).expand_as(rows), rows).flatten(1)
+
+
+def block(left: Form, right: Form) -> Tensor:
+    """``[nₗ, nᵣ]`` float64: the inner products of ``left``'s per-sample gradients with
+    ``right``'s (forms of the same parameter)."""
+    if isinstance(left, Tensor) or isinstance(right, Tensor):
+        dense = [f if isinstance(f, Tensor) else materialised([f], _dtype(*f))
+                 for f in (left, right)]
+        dtype = _dtype(*dense)
+        return (dense[0].to(dtype) @ dense[1].to(dtype).T).double()
+    dtype = _dtype(*left, *right)
+    (a, b), (c, e) = left, right
+    n, s = a.shape[:2]
+    n2, s2 = c.shape[:2]
+    first = a.reshape(n * s, -1).to(dtype) @ c.reshape(n2 * s2, -1).to(dtype).T
+    second = b.reshape(n * s, -1).to(dtype) @ e.reshape(n2 * s2, -1).to(dtype).T
+    return (first * second).reshape(n, s, n2, s2).sum((1, 3), dtype=torch.float64)
+
+
+def summed_blocks(left: list[Form], right: list[Form]) -> Tensor:
+    """Σ of the blocks between every form of ``left`` and every one of ``right`` (``left``
+    with itself where ``right`` is empty)."""
+    total: Tensor | None = None
+    for a in left:
+        for b in right or left:
+            total = block(a, b) if total is None else total + block(a, b)
+    assert total is not None
+    return total
