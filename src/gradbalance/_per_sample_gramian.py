@@ -31,7 +31,7 @@ from ._graph import leaf_uses, tensor_hooked
 from ._per_sample_eager import Recorded, Slots, Snapshot, edge_of, lowest
 from ._per_sample_fallback import per_sample_vjp
 from ._per_sample_forms import Form, block, layer_form, summed_blocks
-from .clip._per_sample_layers import HookedLayer, check_batch, refusal
+from .clip._per_sample_layers import HookedLayer, check_batch, check_outputs_unchanged, refusal
 
 __all__ = ["Parts", "PerSampleGramian", "Snapshot", "as_modules", "refuse_mixing"]
 
@@ -194,16 +194,7 @@ class PerSampleGramian:
                 )
         check_batch(self._records(), batch, "only this step's forward recorded (call "
                     "reset() after other forwards under grad)")
-        for record in self._records():
-            for y in record.outputs:
-                if y._version != self._versions.get(id(y), y._version):
-                    raise ValueError(
-                        f"the output of layer {record.name!r} "
-                        f"({type(record.module).__name__}) was modified in place after the "
-                        f"layer (version {self._versions[id(y)]} -> {y._version}), so its "
-                        f"gradient would be the in-place op's, not the layer's: use "
-                        f"inplace=False there (e.g. nn.ReLU(inplace=False)), or batch_dim=None"
-                    )
+        check_outputs_unchanged(self._records(), self._versions, "or batch_dim=None")
 
     def _check_uses(self, losses: Tensor) -> None:
         """Each covered layer's parameter is used on the graph only by its recorded calls

@@ -17,7 +17,7 @@ from .._graph import leaf_uses, tensor_hooked
 from ._per_sample_graph import _check_losses
 from ._per_sample_layers import COVERED as _COVERED
 from ._per_sample_layers import HookedLayer as _Layer
-from ._per_sample_layers import check_batch
+from ._per_sample_layers import check_batch, check_outputs_unchanged
 from ._per_sample_layers import refusal as _refusal
 from ._per_sample_tied import Site, site_form, tied_powers
 
@@ -147,6 +147,7 @@ class GhostNorms:
         wanted = set(map(id, named.values() if params is None else params))
         self._layers: list[_Layer] = []
         self._handles: list[Any] = []
+        self._versions: dict[int, int] = {}  # each recorded output's version when recorded
         # (name, tensor, sites): each bounded parameter with its (layer, is the weight) uses
         self._bounded: list[tuple[str, Tensor, list[tuple[_Layer, bool]]]] = []
         covered, refused = self._hook_layers(module, wanted)
@@ -180,12 +181,12 @@ class GhostNorms:
         self._bounded = list(bounded.values())
         return set(bounded) - refused_ids, refused
 
-    @staticmethod
-    def _hook(layer: _Layer) -> Any:
+    def _hook(self, layer: _Layer) -> Any:
         def record(module: nn.Module, args: tuple[Any, ...], output: Tensor) -> None:
             if torch.is_grad_enabled() and output.requires_grad:
                 layer.inputs.append(args[0].detach())
                 layer.outputs.append(output)
+                self._versions[id(output)] = output._version
                 if len(layer.outputs) == _MANY_CALLS:
                     warnings.warn(
                         f"GhostNorms holds {_MANY_CALLS} forwards of layer "
@@ -220,6 +221,8 @@ class GhostNorms:
             check_batch(layers, batch, "every forward under grad since the last norms() is "
                         "recorded (call clear() after other forwards)")
             self._check_uses(columns)
+            check_outputs_unchanged(layers, self._versions, "or leave the layer's parameters "
+                                    "out of the clipped ones")
         except (ValueError, RuntimeError):
             self.clear()
             raise
@@ -279,6 +282,7 @@ class GhostNorms:
         for layer in self._layers:
             layer.inputs.clear()
             layer.outputs.clear()
+        self._versions.clear()
 
     def remove(self) -> None:
         """Remove the forward hooks."""

@@ -7,7 +7,7 @@ diagonal of the per-sample Gramian) and the per-sample Gramian of ``batch_dim=0`
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Protocol
 
 from torch import Tensor, nn
@@ -111,3 +111,26 @@ def check_batch(records: Iterable[Recorded], batch: int, fix: str) -> None:
                 f"have {batch} samples: the batch must be dim 0 of every layer input, and "
                 f"{fix}"
             )
+
+
+class RecordedCalls(Recorded, Protocol):
+    """A hooked module and its recorded outputs too."""
+
+    module: nn.Module
+    outputs: list[Tensor]
+
+
+def check_outputs_unchanged(records: Iterable[RecordedCalls], versions: Mapping[int, int],
+                            fix: str) -> None:
+    """No recorded output was modified in place after its layer (``nn.ReLU(inplace=True)``):
+    its gradient would then be the in-place op's, not the layer's. ``versions``: each output's
+    ``_version`` when recorded, by ``id``. Else ``ValueError`` naming the layer and ``fix``."""
+    for record in records:
+        for y in record.outputs:
+            if y._version != versions.get(id(y), y._version):
+                raise ValueError(
+                    f"the output of layer {record.name!r} ({type(record.module).__name__}) "
+                    f"was modified in place after the layer (version {versions[id(y)]} -> "
+                    f"{y._version}), so its gradient would be the in-place op's, not the "
+                    f"layer's: use inplace=False there (e.g. nn.ReLU(inplace=False)), {fix}"
+                )
