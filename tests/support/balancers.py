@@ -37,7 +37,8 @@ def build_balancer(name: str, num_tasks: int | None, seed: int = 0) -> Balancer:
     missing = [n for n, p in params.items() if p.default is inspect.Parameter.empty
                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and n not in kwargs]
     if missing:
-        pytest.fail(f"{name} needs {missing}: add it to support.balancers.FACTORY")
+        pytest.fail(f"{name} needs {missing}: add it to support.balancers.FACTORY "
+                    f"(docs/ARCHITECTURE.md, \"Extension contract\", \"Registered by name\")")
     return cls(**kwargs)
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
+import pytest
 import torch
 from torch import Tensor, nn
 
@@ -49,6 +51,13 @@ def make(name: str, model: Tiny | None = None, k: int = K) -> LossWeighting:
         return WEIGHTINGS[name](k, mu=0.5, warmup_steps=2)
     if name == "dwa":
         return WEIGHTINGS[name](k, period=2)
+    params = list(inspect.signature(WEIGHTINGS[name]).parameters.values())[1:]
+    missing = [p.name for p in params if p.default is p.empty
+               and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if missing:
+        pytest.fail(f"{name} needs {missing} besides num_tasks: add its settings to "
+                    f"support.weighting.make (docs/ARCHITECTURE.md, \"Extension contract\", "
+                    f"\"Registered by name\")")
     return WEIGHTINGS[name](k)
 
 

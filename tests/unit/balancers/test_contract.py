@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import io
 import re
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -38,6 +39,19 @@ NAMES = sorted(gradbalance.BALANCERS)
 KNOWN_GAPS: dict[tuple[str, str], str] = {}
 
 K, P = 3, 24
+
+#: Where the rules checked here are written down.
+RULES = 'docs/ARCHITECTURE.md, "Extension contract"'
+
+
+def rule(text: str) -> str:
+    """A failure message: the rule broken and where it is written."""
+    return f"{text} ({RULES}, \"{text.split(':')[0]}\")" if ":" in text else f"{text} ({RULES})"
+
+
+def with_rule(text: str) -> Callable[[str], str]:
+    """``assert_close``'s ``msg``: its own report, then the rule."""
+    return lambda report: f"{report}\n{rule(text)}"
 
 
 def make(name: str, k: int | None = K, seed: int = 0) -> Balancer:
@@ -86,31 +100,45 @@ def name(request: pytest.FixtureRequest) -> str:
 
 def test_registry_entry_is_declared(name: str) -> None:
     cls = gradbalance.BALANCERS[name]
-    assert cls.name == name and name == name.lower()
-    assert isinstance(cls.from_gramian, bool) and isinstance(cls.homogeneous, bool)
+    assert cls.name == name and name == name.lower(), rule(
+        f"Registered by name: {cls.__name__}.name is {cls.name!r}, the lower-case registry key")
+    assert isinstance(cls.from_gramian, bool) and isinstance(cls.homogeneous, bool), rule(
+        f"Flags declared, not inferred: {cls.__name__}'s from_gramian and homogeneous are bools")
     b = make(name)
-    assert b.num_tasks == K
+    assert b.num_tasks == K, rule(f"Flags declared, not inferred: {cls.__name__}(num_tasks={K}) "
+                                  f"keeps num_tasks (pass it to Balancer.__init__)")
     assert repr(b).startswith(type(b).__name__)
-    assert b.weight_degree is None or isinstance(b.weight_degree, float)
+    assert b.weight_degree is None or isinstance(b.weight_degree, float), rule(
+        f"Flags declared, not inferred: weight_degree is a float or None, found "
+        f"{b.weight_degree!r}, a {type(b.weight_degree).__name__} (write 0.0 or -0.5, not 0)")
     if b.homogeneous and b.weight_degree is not None:  # B(sG) = s B(G) needs δ = 0
-        assert b.weight_degree == 0.0
+        assert b.weight_degree == 0.0, rule(
+            f"A scaling law or none: homogeneous=True needs weight_degree 0.0, found "
+            f"{b.weight_degree!r}; a scale-free method declares homogeneous = False")
     if b.weight_degree is not None:
-        assert b.from_gramian, "weight_degree is for weighted balancers"
+        assert b.from_gramian, rule("Flags declared, not inferred: weight_degree is for weighted "
+                                    "balancers (from_gramian = True)")
 
 
 def test_declared_min_tasks_is_the_smallest_k_that_runs(name: str) -> None:
     m = make(name).min_tasks
     if not takes_num_tasks(name):
         pytest.skip("K is fixed at construction")
-    assert bool(torch.isfinite(run(make(name, k=None), 0, k=m)).all())
+    assert bool(torch.isfinite(run(make(name, k=None), 0, k=m)).all()), rule(
+        f"Flags declared, not inferred: min_tasks={m} must run (finite) at K = {m}")
     if m > 1:
-        with pytest.raises(ValueError):
+        try:
             run(make(name, k=None), 0, k=m - 1)
+        except ValueError:
+            return
+        pytest.fail(rule(f"Flags declared, not inferred: min_tasks={m}, so K = {m - 1} must "
+                         f"raise ValueError"))
 
 
 def test_runs_sharded(name: str) -> None:
     """A matrix balancer implements ``_combine_matrix_sharded`` (weighted ones need nothing)."""
-    assert make(name).shardable
+    assert make(name).shardable, rule(
+        "Every matrix balancer is shardable: implement _combine_matrix_sharded")
 
 
 def test_every_state_tensor_is_declared(name: str) -> None:
@@ -138,10 +166,13 @@ def test_shape_dtype_device_finite(name: str, dtype: torch.dtype) -> None:
     g = matrix(0, dtype=dtype)
     result = b.combine(g, losses_for(0))
     out = result.vector
-    assert out.shape == (P,) and out.dtype == dtype and out.device == g.device
-    assert bool(torch.isfinite(out).all())
+    assert out.shape == (P,) and out.dtype == dtype and out.device == g.device, rule(
+        f"The update is the rows' kind: shape {(P,)}, dtype {dtype}; found "
+        f"{tuple(out.shape)}, {out.dtype}")
+    assert bool(torch.isfinite(out).all()), rule("The update is the rows' kind: finite")
     if result.weights is not None:
-        assert result.weights.shape == (K,) and bool(torch.isfinite(result.weights).all())
+        assert result.weights.shape == (K,) and bool(torch.isfinite(result.weights).all()), rule(
+            f"The update is the rows' kind: weights [K] and finite, found {result.weights}")
 
 
 def test_single_task_gives_a_nonnegative_multiple_of_its_gradient(name: str) -> None:
@@ -154,9 +185,9 @@ def test_single_task_gives_a_nonnegative_multiple_of_its_gradient(name: str) -> 
     out = b(g, losses_for(0, k=1))
     row = g[0]
     coef = (out @ row) / (row @ row)
-    assert bool(torch.isfinite(out).all())
-    assert coef >= 0
-    torch.testing.assert_close(out, coef * row, rtol=1e-9, atol=1e-12)
+    single = "The update is the rows' kind: one task gives a non-negative multiple of its row"
+    assert bool(torch.isfinite(out).all()) and coef >= 0, rule(f"{single}, found coef {coef}")
+    torch.testing.assert_close(out, coef * row, rtol=1e-9, atol=1e-12, msg=with_rule(single))
 
 
 def test_zero_gradients_give_zero_update(name: str) -> None:
@@ -164,7 +195,8 @@ def test_zero_gradients_give_zero_update(name: str) -> None:
         pytest.skip("needs more tasks")
     b = make(name)
     out = b(torch.zeros(K, P, dtype=torch.float64), losses_for(0))
-    assert bool(torch.isfinite(out).all()) and bool((out == 0).all())
+    assert bool(torch.isfinite(out).all()) and bool((out == 0).all()), rule(
+        "The update is the rows' kind: all-zero rows give exactly zero")
 
 
 def test_one_zero_row_and_duplicate_rows_are_finite(name: str) -> None:
@@ -173,9 +205,10 @@ def test_one_zero_row_and_duplicate_rows_are_finite(name: str) -> None:
     with_zero[1] = 0
     dup = g.clone()
     dup[2] = dup[0]
-    for m in (with_zero, dup):
+    for label, m in (("a zero row", with_zero), ("duplicate rows", dup)):
         out = make(name)(m, losses_for(1))
-        assert bool(torch.isfinite(out).all())
+        assert bool(torch.isfinite(out).all()), rule(
+            f"The update is the rows' kind: finite with {label}")
 
 
 @pytest.mark.parametrize("scale", [1e-8, 1e-4, 1e4, 1e8])
@@ -183,12 +216,15 @@ def test_extreme_scales(name: str, scale: float) -> None:
     # float32 input: the common training dtype, where overflow/underflow would show first.
     g = matrix(2, dtype=torch.float32)
     out = make(name)(g * scale, losses_for(2))
-    assert bool(torch.isfinite(out).all())
+    assert bool(torch.isfinite(out).all()), rule(
+        f"The update is the rows' kind: finite for float32 rows scaled by {scale:g}")
     if gradbalance.BALANCERS[name].homogeneous:
         g64 = matrix(2)
         scaled = make(name)(g64 * scale, losses_for(2))
         base = make(name)(g64, losses_for(2))
-        torch.testing.assert_close(scaled / scale, base, rtol=1e-6, atol=1e-12)
+        torch.testing.assert_close(scaled / scale, base, rtol=1e-6, atol=1e-12, msg=with_rule(
+            f"A scaling law or none: {name} is declared homogeneous (B(s·G) = s·B(G)) but is "
+            f"not; declare homogeneous = False and its weight_degree (or None)"))
 
 
 def test_declared_scaling_law_over_several_steps(name: str) -> None:
@@ -201,7 +237,10 @@ def test_declared_scaling_law_over_several_steps(name: str) -> None:
     s = 1e3
     for seed in range(3):
         g, lo = matrix(seed), losses_for(seed)
-        torch.testing.assert_close(a(s * g, lo) / s**degree, b(g, lo), rtol=1e-6, atol=1e-12)
+        torch.testing.assert_close(a(s * g, lo) / s**degree, b(g, lo), rtol=1e-6, atol=1e-12,
+                                   msg=with_rule(
+            f"A scaling law or none: {name} declares B(s·G) = s^{degree:g}·B(G) (homogeneous="
+            f"{a.homogeneous}, weight_degree={a.weight_degree}) and breaks it"))
 
 
 @pytest.mark.parametrize("bad", [42, "0", 1.5, None.__class__], ids=["int", "str", "float", "type"])

@@ -153,7 +153,8 @@ def test_every_public_name_is_in_the_api_reference(rendered: list[tuple[str, str
             missing.append(f"{namespace}.{name}")
     assert missing == [], (
         f"public names without an entry in docs/api/*.md: {missing}; add a ':::' directive "
-        f"(or the name to a directive's members list)"
+        f"(or the name to a directive's members list; a new balancer goes in "
+        f"docs/api/balancers.md's list: docs/ARCHITECTURE.md, \"How to add a balancer\")"
     )
 
 

@@ -13,13 +13,25 @@ from gradbalance import TaskGradBuffer
 from gradbalance import distributed as dist_module
 from gradbalance.modes import ENGINES, MODES, Mode, sharded_modes
 
+#: Where shipping a mode is written down.
+HOW_TO = 'docs/ARCHITECTURE.md, "How to add a gradient mode"'
+
 
 def test_the_names_are_the_mode_literal() -> None:
-    assert MODES == typing.get_args(Mode) == ("matrix", "gramian", "auto", "features")
-    assert tuple(ENGINES) == MODES
-    assert sharded_modes() == ["matrix", "features"]
+    shipped = ("matrix", "gramian", "auto", "features")
+    assert MODES == typing.get_args(Mode) == shipped, (
+        f"the Mode literal {typing.get_args(Mode)} is not this test's list {shipped}: a shipped "
+        f"mode goes in the literal, in ENGINES, and in this list ({HOW_TO})")
+    assert tuple(ENGINES) == MODES, (
+        f"ENGINES {tuple(ENGINES)} and the Mode literal {MODES} differ: a shipped mode is in both, "
+        f"in the same order ({HOW_TO})")
+    assert sharded_modes() == ["matrix", "features"], (
+        f"sharded_modes() is {sharded_modes()}: an engine declaring shardable = True (or "
+        f"inheriting it, as a subclass of MatrixMode does) runs on a sharded trunk; add it "
+        f"here or set shardable = False ({HOW_TO})")
     for name, engine in ENGINES.items():
-        assert engine.mode == name
+        assert engine.mode == name, (
+            f"ENGINES[{name!r}].mode is {engine.mode!r}: an engine's mode is its key ({HOW_TO})")
 
 
 @pytest.mark.parametrize("other", ["matrix", "gramian", "auto", "features"])

@@ -133,7 +133,11 @@ def test_resume_is_bit_identical(name: str) -> None:
     wb.load_state_dict(saved_weighting)          # no warm-up call
     opt_b.load_state_dict(saved_opt)
     if name not in ("gls", "si", "stch", "famo"):  # these report the last call's weights
-        assert torch.equal(wb.weights, weights_at_save)
+        assert torch.equal(wb.weights, weights_at_save), (
+            f"{name}: weights after load_state_dict {wb.weights} differ from those saved "
+            f"{weights_at_save}; weights come from the saved state, or the weighting reports the "
+            f"last call's and is named in this test's list (docs/ARCHITECTURE.md, \"How to add "
+            f"a loss weighting\")")
     got = [train_step(wb, model_b, opt_b, x, y) for _ in range(4)]
     for a, b in zip(ref, got):
         assert torch.equal(a, b)

@@ -32,8 +32,12 @@ from support.saved import through_a_file
 from support.weighting import K, Tiny, data, make, train_step
 
 NAMES = sorted(WEIGHTINGS)
+#: The weightings whose weights the user's optimizer trains, and the weights' attribute.
 LEARNABLE = {"uncertainty": "log_vars", "imtl_l": "log_scales"}
+#: The weightings that step their own weights (an own optimizer), and the weights' attribute.
 SELF_TRAINED = {"gradnorm": "task_weights", "famo": "logits"}
+#: Where these rules are written down.
+RULES = 'docs/ARCHITECTURE.md, "How to add a loss weighting"'
 
 
 class Model(nn.Module):
@@ -68,12 +72,18 @@ def test_parameters_are_exactly_the_weights_the_user_trains(name: str) -> None:
         assert own == [id(getattr(weighting, LEARNABLE[name]))]
         assert weighting.learnable
     else:
-        assert own == [] and not weighting.learnable
+        assert own == [] and not weighting.learnable, (
+            f"{name}: learnable={weighting.learnable}, {len(own)} parameters; a weighting with "
+            f"weights the user's optimizer trains declares learnable = True, holds them as its "
+            f"only nn.Parameters and is named in LEARNABLE here ({RULES})")
     assert [id(p) for p in model.parameters()] == [id(p) for p in model.net.parameters()] + own
+    trained = [key for key, b in weighting.named_buffers() if b.requires_grad]
+    assert trained == ([SELF_TRAINED[name]] if name in SELF_TRAINED else []), (
+        f"{name}: buffers with requires_grad {trained}; the weights a method steps itself are "
+        f"such a buffer, named in SELF_TRAINED here ({RULES})")
     if name in SELF_TRAINED:
         hidden = getattr(weighting, SELF_TRAINED[name])
         assert hidden.requires_grad and id(hidden) not in {id(p) for p in model.parameters()}
-        assert SELF_TRAINED[name] in dict(weighting.named_buffers())
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -91,10 +101,6 @@ def test_model_state_dict_through_a_file_resumes_bit_identically(name: str) -> N
         assert torch.equal(ours, theirs)
 
 
-#: The integer step counters (declared int64 state).
-COUNTERS = {"_steps", "_periods", "_window_steps"}
-
-
 @pytest.mark.parametrize("name", NAMES)
 def test_double_moves_the_state_and_training_continues(name: str) -> None:
     model = Model(name)
@@ -103,10 +109,14 @@ def test_double_moves_the_state_and_training_continues(name: str) -> None:
     weighting = model.weighting
     if name in SELF_TRAINED:
         before = getattr(weighting, SELF_TRAINED[name]).detach().clone()
+    state = [*weighting.named_buffers(), *weighting.named_parameters()]
+    kept = {key: t.dtype for key, t in state if not t.is_floating_point()}
     weighting.double()
     for key, tensor in [*weighting.named_buffers(), *weighting.named_parameters()]:
-        # floating state is cast; step counters stay integers, as torch casts them
-        assert tensor.dtype == (torch.int64 if key in COUNTERS else torch.float64), key
+        # floating state is cast; counters and flags keep their dtype, as torch casts them
+        assert tensor.dtype == kept.get(key, torch.float64), (
+            f"{name}.{key}: {tensor.dtype} after .double(); floating state is float64, an "
+            f"integer or bool state keeps its dtype ({RULES})")
     if name in LEARNABLE:
         assert isinstance(getattr(weighting, LEARNABLE[name]), nn.Parameter)
     x, y = data()
