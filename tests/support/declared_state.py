@@ -12,6 +12,9 @@ from torch import Tensor
 
 from gradbalance._module import StateModule
 
+#: Where the rules are written down.
+_RULES = 'docs/ARCHITECTURE.md, "Extension contract"'
+
 
 def modules(obj: StateModule) -> list[tuple[str, StateModule]]:
     """The object and its stateful submodules, with their key prefixes."""
@@ -25,7 +28,9 @@ def assert_every_tensor_declared(obj: StateModule) -> None:
     for prefix, module in modules(obj):
         tensors = set(module._slots())
         undeclared = sorted(tensors - set(module.state_specs))
-        assert not undeclared, f"{type(module).__name__}: {prefix}{undeclared} not declared"
+        assert not undeclared, (
+            f"{type(module).__name__}: {prefix}{undeclared} not declared: register it with "
+            f"register_state ({_RULES}, \"State is declared once\")")
 
 
 def task_shapes(obj: StateModule) -> dict[str, tuple[int, ...]]:
@@ -44,8 +49,12 @@ def assert_task_sized_state_declared(obj: StateModule, shapes_k: dict[str, tuple
     for key, shape in shapes_k.items():
         if key in shapes_k1 and shapes_k1[key] != shape:
             spec = specs[key]
-            assert spec.task_dim is not None, f"{key} {shape} depends on K: declare per_task"
-            assert shape[spec.task_dim] == k, f"{key} {shape}: task_dim {spec.task_dim}"
+            assert spec.task_dim is not None, (
+                f"{key} {shape} depends on K: declare per_task=True (and task_dim) or "
+                f"like_rows=True ({_RULES}, \"State is declared once\")")
+            assert shape[spec.task_dim] == k, (
+                f"{key} {shape}: its declared task_dim {spec.task_dim} is not of size K = {k} "
+                f"({_RULES}, \"State is declared once\")")
 
 
 def assert_replaced_not_edited(obj: StateModule, step: Callable[[], object]) -> None:
@@ -58,7 +67,9 @@ def assert_replaced_not_edited(obj: StateModule, step: Callable[[], object]) -> 
                 before[prefix + name] = (t, t.detach().clone())
     step()
     for key, (ref, copy) in before.items():
-        assert torch.equal(ref, copy), f"{key} was changed in place: assign a new tensor"
+        assert torch.equal(ref, copy), (
+            f"{key} was changed in place: assign a new tensor ({_RULES}, \"Replace a state "
+            f"tensor, never edit it in place\")")
 
 
 def resized(value: Tensor, dim: int, change: int) -> Tensor:
