@@ -116,7 +116,7 @@ class FeaturesMode(RowsEngine):
         finite = settle(update, step, finite)
         stats = build_stats(gram, losses, finite, matrix=matrix, update=vector,
                             weights=weights, scale=scale, num_backward=step.count,
-                            mode="features")
+                            mode=self.mode)
         commit(update, self.head_params, finite)
         return stats
 

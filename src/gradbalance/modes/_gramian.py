@@ -97,7 +97,7 @@ class GramianMode:
             finite = settle(update, step, finite)
             stats = build_stats(gram, losses, finite, weights=weights, scale=scale,
                                 pre_clip_norms=pre_clip, num_backward=step.count,
-                                mode="gramian")
+                                mode=self.mode)
         finally:
             self.recorder.clear()
         commit(update, self.head_params, finite)

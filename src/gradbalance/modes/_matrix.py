@@ -61,7 +61,7 @@ class MatrixMode(RowsEngine):
         finite = settle(update, step, finite)
         stats = columns.stats(gram, losses, finite, matrix=matrix, update=vector,
                               weights=weights, scale=scale, pre_clip_norms=pre_clip,
-                              num_backward=step.count)
+                              num_backward=step.count, mode=self.mode)
         commit(update, self.head_params, finite)
         return stats
 

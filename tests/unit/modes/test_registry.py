@@ -50,3 +50,27 @@ def test_an_unknown_mode_lists_the_table() -> None:
     with pytest.raises(ValueError, match="Invalid mode: 'bogus'") as info:
         TaskGradBuffer(list(trunk.parameters()), mode="bogus")  # type: ignore[arg-type]
     assert "matrix, gramian, auto, features" in str(info.value)
+
+
+@pytest.mark.parametrize("base", ["matrix", "gramian", "features"])
+def test_a_subclassed_engine_reports_its_own_name(base: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mode registered as a subclass of a shipped engine names itself in ``StepStats.mode``
+    (the engines once wrote their parent's name)."""
+    from gradbalance.balancers import Mean
+
+    parent = ENGINES[base]
+    child = type("CopyMode", (parent,), {"mode": f"{base}_copy"})
+    monkeypatch.setitem(ENGINES, f"{base}_copy", child)
+    torch.manual_seed(0)
+    trunk = torch.nn.Linear(3, 4)
+    heads = torch.nn.ModuleList(torch.nn.Linear(4, 1) for _ in range(2))
+    buf = TaskGradBuffer(list(trunk.parameters()), list(heads.parameters()),
+                         mode=f"{base}_copy", modules=trunk if base == "gramian" else None)
+    feats = trunk(torch.randn(5, 3))
+    losses = torch.stack([h(feats).pow(2).mean() for h in heads])
+    if base == "features":
+        buf.backward(losses, features=feats)
+    else:
+        buf.backward(losses)
+    assert buf.apply_(Mean()).mode == f"{base}_copy"
