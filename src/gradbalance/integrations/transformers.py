@@ -64,6 +64,7 @@ from ..balancers._base import Balancer
 from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ..clip._protocol import RowClipper
 from ..distributed import ddp_no_sync
+from ..modes import ENGINES
 from ..monitor import task_labels
 from ..stats import StepStats
 from ..step import TaskGradBuffer
@@ -139,7 +140,8 @@ def _buffer_options(options: Mapping[str, Any], model: nn.Module) -> dict[str, A
     (docs/loop.md, "Parameter coverage") unless ``modules`` is given or the mode hooks them
     (``gramian``, ``auto``: ``modules`` is the trunk there)."""
     found = dict(options)
-    if "modules" not in found and found.get("mode", "matrix") in ("matrix", "features"):
+    engine = ENGINES.get(found.get("mode", "matrix"))
+    if "modules" not in found and engine is not None and not engine.hooks_forward:
         found["modules"] = model
     return found
 

@@ -65,6 +65,7 @@ class AutoMode:
     """The faster exact route per batch shape; ``StepStats.route`` says which one ran."""
 
     mode: ClassVar[str] = "auto"
+    hooks_forward: ClassVar[bool] = True
 
     def __init__(self, layout: ParamLayout, head_params: list[Tensor], passes: Passes,
                  modules: Any = None) -> None:

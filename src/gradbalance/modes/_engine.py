@@ -68,6 +68,9 @@ class Engine(Protocol):
 
     #: The name users pass as ``mode=``.
     mode: ClassVar[str]
+    #: Whether it hooks the forward of ``modules`` (the trunk); an integration passes the
+    #: whole model as ``modules`` (for the coverage check) only to a mode that does not.
+    hooks_forward: ClassVar[bool]
     #: The step's ``[K, ·]`` task-gradient rows, when the mode holds them.
     matrix: Tensor | None
 
@@ -124,6 +127,7 @@ class RowsEngine:
     """
 
     mode: ClassVar[str] = ""
+    hooks_forward: ClassVar[bool] = False
 
     def __init__(self, layout: ParamLayout, head_params: list[Tensor], passes: Passes,
                  modules: Any = None) -> None:

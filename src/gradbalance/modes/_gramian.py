@@ -29,6 +29,7 @@ class GramianMode:
     acts as ``cᵢ cⱼ (G Gᵀ)ᵢⱼ`` and ``w ⊙ c``."""
 
     mode: ClassVar[str] = "gramian"
+    hooks_forward: ClassVar[bool] = True
     matrix: Tensor | None = None  # never a [K, P] matrix
 
     def __init__(self, layout: ParamLayout, head_params: list[Tensor], passes: Passes,

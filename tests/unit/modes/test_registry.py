@@ -29,6 +29,10 @@ def test_the_names_are_the_mode_literal() -> None:
         f"sharded_modes() is {sharded_modes()}: an engine declaring shardable = True (or "
         f"inheriting it, as a subclass of MatrixMode does) runs on a sharded trunk; add it "
         f"here or set shardable = False ({HOW_TO})")
+    hooking = [name for name, engine in ENGINES.items() if engine.hooks_forward]
+    assert hooking == ["gramian", "auto"], (
+        f"the engines declaring hooks_forward = True are {hooking}: the modes that hook the "
+        f"forward of modules are gramian and auto ({HOW_TO})")
     for name, engine in ENGINES.items():
         assert engine.mode == name, (
             f"ENGINES[{name!r}].mode is {engine.mode!r}: an engine's mode is its key ({HOW_TO})")
