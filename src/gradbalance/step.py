@@ -9,14 +9,9 @@ Stages (``docs/loop.md``):
    (O(K), from the Gramian's diagonal), optionally clip rows, combine once, and add the result
    (re-scaled) into the trunk's ``.grad``. Returns :class:`~gradbalance.StepStats`.
 
-A step is all or nothing (``docs/loop.md``, "When a step fails"). Each call checks its
-arguments and the parameters first; a check that fails raises before anything moves, and the
-step stays as it was (fix the call and repeat it). A failure past the checks (a solver, a
-clipper, a hook, inf/NaN without a scaler) drops the step: every ``.grad`` it wrote, the
-balancer's and the row clipper's state are as before the step's first ``backward``. A change
-of the heads' ``.grad`` outside the buffer between two calls of a step (a ``zero_grad()``
-after a failed forward) is refused at the next call; ``reset()`` drops the step, the heads'
-``.grad`` back as before it.
+A step is all or nothing: a failed check raises before anything moves; a failure past the
+checks drops the step, every ``.grad`` and state as before its first ``backward``
+(``docs/loop.md``, "When a step fails").
 
 Both run with autocast disabled on the gradients' device (a loop may call them inside
 ``torch.autocast``): the gradient arithmetic stays in the gradients' dtype. How each gradient
