@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from ._pickling import PicklableGenerators
 from ._state_spec import StateSpec
-from ._statedict import TYPE_KEY, check_keys, check_saved_type, tag_state
+from ._statedict import TYPE_KEY, check_dict, check_keys, check_saved_type, tag_state
 
 #: The key of a module's extra state in its ``state_dict`` (``torch.nn.Module``'s).
 EXTRA_KEY = "_extra_state"
@@ -168,11 +168,7 @@ class StateModule(PicklableGenerators, nn.Module):
         Raises ``ValueError``, changing nothing, for a state saved by another class, with
         unknown or missing keys, or with tensors of another shape or K, or holding inf/NaN.
         """
-        if not isinstance(state_dict, Mapping):
-            raise ValueError(
-                f"{type(self).__name__}.load_state_dict expects the dict returned by "
-                f"state_dict(), got a {type(state_dict).__name__}"
-            )
+        check_dict(type(self).__name__, state_dict)
         for module, prefix in self._state_tree(""):
             module._plan(_own_entries(state_dict, prefix, module))
         return super().load_state_dict(state_dict, strict=strict, assign=assign)

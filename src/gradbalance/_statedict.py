@@ -3,7 +3,7 @@ it (:data:`TYPE_KEY`), so states whose keys coincide cannot cross."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 #: The key under which a state names the class that saved it.
@@ -19,13 +19,16 @@ def untag_state(owner: object, state: Any, kind: str) -> dict[str, Any]:
     """``state`` without :data:`TYPE_KEY`, once checked to be a dict saved by ``owner``'s class
     (``kind``: what ``owner`` is, in the messages)."""
     name = type(owner).__name__
-    if not isinstance(state, dict):
-        raise ValueError(
-            f"{name}.load_state_dict expects the dict returned by state_dict(), got a "
-            f"{type(state).__name__}"
-        )
+    check_dict(name, state)
     check_saved_type(state.get(TYPE_KEY), name, kind)
     return {key: value for key, value in state.items() if key != TYPE_KEY}
+
+
+def check_dict(owner: str, state: object) -> None:
+    """``ValueError`` unless ``state`` is a mapping (what ``owner.state_dict()`` returns)."""
+    if not isinstance(state, Mapping):
+        raise ValueError(f"{owner}.load_state_dict expects the dict returned by state_dict(), "
+                         f"got a {type(state).__name__}")
 
 
 def check_saved_type(saved: Any, name: str, kind: str) -> None:

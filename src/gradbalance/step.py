@@ -9,14 +9,9 @@ Stages (``docs/loop.md``):
    (O(K), from the Gramian's diagonal), optionally clip rows, combine once, and add the result
    (re-scaled) into the trunk's ``.grad``. Returns :class:`~gradbalance.StepStats`.
 
-A step is all or nothing (``docs/loop.md``, "When a step fails"). Each call checks its
-arguments and the parameters first; a check that fails raises before anything moves, and the
-step stays as it was (fix the call and repeat it). A failure past the checks (a solver, a
-clipper, a hook, inf/NaN without a scaler) drops the step: every ``.grad`` it wrote, the
-balancer's and the row clipper's state are as before the step's first ``backward``. A change
-of the heads' ``.grad`` outside the buffer between two calls of a step (a ``zero_grad()``
-after a failed forward) is refused at the next call; ``reset()`` drops the step, the heads'
-``.grad`` back as before it.
+A step is all or nothing: a failed check raises before anything moves; a failure past the
+checks drops the step, every ``.grad`` and state as before its first ``backward``
+(``docs/loop.md``, "When a step fails").
 
 Both run with autocast disabled on the gradients' device (a loop may call them inside
 ``torch.autocast``): the gradient arithmetic stays in the gradients' dtype. How each gradient
@@ -238,13 +233,8 @@ class TaskGradBuffer:
         In ``features`` mode a step takes one ``backward`` (any number on a step that reuses
         cached weights, ``update_every``); ``gramian`` mode keeps each micro-batch's linear-layer
         inputs and output gradients (and the ``[K, P_b]`` rows of other blocks) so that the
-        step's Gramian is the full batch's.
-
-        A failed check (the losses, ``features``, a frozen or resized parameter, a head's
-        ``.grad`` changed outside the buffer since the step's last call) raises before
-        anything moves; a failure past the checks drops the step, the heads' ``.grad`` as
-        before its first ``backward``. Called under ``torch.no_grad()``, the passes still run
-        with grad enabled.
+        step's Gramian is the full batch's. Called under ``torch.no_grad()``, the passes still
+        run with grad enabled. Failures: docs/loop.md, "When a step fails".
         """
         if self._per_sample is not None:  # under torch.no_grad() too, as below
             with torch.enable_grad():
@@ -327,16 +317,10 @@ class TaskGradBuffer:
         once re-scaled. The balancer, the clipper and the cached weights then keep their
         state; with a scaler every ``.grad`` of the step is made non-finite so that the
         scaler skips it (and lowers the scale); without one ``NonFiniteGradientError`` is
-        raised. A failed check (the arguments, a frozen parameter) raises before anything
-        moves and leaves the step; a failure past the checks drops the step: every
-        ``.grad``, the balancer's and ``clip``'s state are as before its first ``backward``.
+        raised. Failures: docs/loop.md, "When a step fails".
 
-        ``active`` (partial labels, docs/loop.md): a bool ``[K]`` mask; the balancer then runs
-        on the active tasks' rows only and the inactive tasks get weight 0 (their heads keep
-        their plain gradient); a per-task state is sliced to them and updated in their
-        entries only (one not set yet stays unset until a step with every task active).
-        Refused (nothing moves) when all False, with ``update_every > 1`` or per-sample
-        clipping, unless all True.
+        ``active`` (a bool ``[K]`` mask): the balancer runs on the active tasks' rows only,
+        the others get weight 0 (docs/loop.md, "Partial labels").
         """
         if self._per_sample is not None:
             if active is not None:
@@ -555,12 +539,9 @@ def balanced_backward(
     cached weights (a one-shot call has no next step to reuse them in), and in ``gramian`` mode
     registers its forward hooks once (build it before the forward).
 
-    ``batch_dim=0`` (with ``modules=`` the trunk): every sample of the ``[B]`` (or sample ×
-    task of the ``[B, K]``) losses is an objective, the update that of
-    ``TaskGradBuffer(..., batch_dim=0)``. Called after the forward, it has no layer hooks:
-    it takes the rows route, the B·K objectives passed as tasks of the matrix mode (B·K
-    backward passes, one batched pass with ``passes="batched"``); build the buffer before
-    the forward for the per-sample Gramian's one backward (docs/per_sample.md).
+    ``batch_dim=0`` (with ``modules=`` the trunk): the update of
+    ``TaskGradBuffer(..., batch_dim=0)`` through the rows route, as it runs after the forward
+    without layer hooks (docs/per_sample.md).
 
     Example:
         >>> import torch

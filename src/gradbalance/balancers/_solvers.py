@@ -22,8 +22,9 @@ bargaining raises :class:`SolverError`, where its equation has no solution.
 * :func:`cagrad_dual` — CAGrad's dual ``min_{w∈Δ} wᵀG u + r‖Jᵀw‖`` by a safeguarded
   one-dimensional root search over an auxiliary norm variable, each point one simplex QP,
   the next point the exact root on the current support.
-* :func:`nash_bargaining` — Nash-MTL's ``G α = 1/α``, ``α > 0`` by damped Newton on the
-  strictly convex ``½ αᵀGα − Σ log αᵢ``.
+* :func:`fair_newton` — ``G w = w^{-p}``, ``w > 0`` by damped Newton on the strictly convex
+  ``½ wᵀGw − Σ φ(wᵢ)``, ``φ' = w^{-p}``: Nash-MTL's bargaining (``p = 1``,
+  :func:`nash_bargaining`) and FairGrad's α-fair weights (``p = 1/α``).
 
 Accuracy: a Gramian fixes ``‖Jᵀv‖² = vᵀGv`` only to its own rounding, so where ``wᵀJ``
 cancels (a dual cone ``{0}``, ``0`` in the convex hull) any method working from ``G`` alone
@@ -412,97 +413,112 @@ def _cagrad_root(gram: Tensor, lin: Tensor, r: float, hi: float,
     return w_mid
 
 
-def _nash_objective(gram: Tensor, alpha: Tensor) -> float:
-    """Nash-MTL's ``f(α) = ½ αᵀGα − Σ log αᵢ``."""
-    return float(0.5 * alpha @ gram @ alpha - torch.log(alpha).sum())
+def _fair_measures(gram: Tensor, w: Tensor, p: float) -> list[float]:
+    """``[f(w), residual, max w]`` in one host sync: the potential ``½ wᵀGw − Σ φ(wᵢ)``,
+    ``φ' = w^{-p}`` (``φ = log`` for ``p = 1``), and ``max |wᵢ^p (Gw)ᵢ − 1|``."""
+    gw = gram @ w
+    phi = torch.log(w).sum() if p == 1.0 else (w.pow(1.0 - p) / (1.0 - p)).sum()
+    return torch.stack([0.5 * w @ gw - phi, (w.pow(p) * gw - 1.0).abs().max(), w.max()]).tolist()
 
 
-def _nash_start(gram: Tensor, alpha0: Tensor | None) -> Tensor:
-    """The warm start if it is positive with one entry per task, else ``Gᵢᵢ^{-1/2}``; then
-    its best multiple: ``f(sα)`` is minimal at ``s² αᵀGα = K`` (``Σ αᵢ(Gα)ᵢ = K`` holds at
-    the solution), which removes the scale error of a cold or stale start in one step."""
-    k = gram.shape[0]
-    if alpha0 is None or alpha0.numel() != k or not bool(torch.all(alpha0 > 0)):
-        alpha = torch.diagonal(gram).rsqrt()
+def _fair_start(gram: Tensor, p: float, w0: Tensor | None) -> Tensor:
+    """The warm start if it is positive with one entry per task, else the solution for
+    orthogonal rows ``Gᵢᵢ^{-1/(1+p)}``; then its best multiple: ``d/ds f(s·w) = 0`` at
+    ``s^{1+p} = Σ wᵢ^{1−p} / wᵀGw``, which removes the scale error of a cold or stale start
+    (and solves ``K = 2`` for ``p = 1`` exactly)."""
+    if w0 is None or w0.numel() != gram.shape[0] or not bool(torch.all(w0 > 0)):
+        w = torch.diagonal(gram).pow(-1.0 / (1.0 + p))
     else:
-        alpha = alpha0.to(torch.float64).clone()
-    return alpha * (k / (alpha @ gram @ alpha).clamp_min(1e-300)).sqrt()
+        w = w0.to(gram).clone()
+    quad = float(w @ gram @ w)
+    if quad > 0.0:
+        w = w * (float(w.pow(1.0 - p).sum()) / quad) ** (1.0 / (1.0 + p))
+    return w
 
 
-def _nash_line_search(gram: Tensor, alpha: Tensor, step: Tensor, slope: float, value: float,
-                      res_max: float) -> tuple[Tensor, float] | None:
-    """Backtracking from the largest step that keeps ``α > 0`` (times 0.99) until ``f``
-    decreases (Armijo) or the residual does; None if the step falls below ``1e-12``."""
-    t = 1.0
-    neg = step < 0
-    if bool(neg.any()):
-        t = min(1.0, 0.99 * float((-alpha[neg] / step[neg]).min()))
-    while True:
-        cand = alpha + t * step
-        cand_value = _nash_objective(gram, cand)
+def _fair_step(gram: Tensor, w: Tensor, p: float,
+               measures: list[float]) -> tuple[Tensor, list[float]] | None:
+    """One damped Newton step on ``f`` from ``w`` (gradient ``Gw − w^{-p}``, Hessian
+    ``G + diag(p w^{-p-1})``), backtracking from the largest step that keeps ``w > 0`` (times
+    0.99) until ``f`` decreases (Armijo) or the residual does: the new ``(w, [f, residual])``,
+    or None when the solve fails or the step falls below ``1e-12``."""
+    value, residual = measures[:2]
+    wp = w.pow(-p)
+    grad = gram @ w - wp
+    neg_step, info = torch.linalg.solve_ex(gram + torch.diag(p * wp / w), grad)
+    step = -neg_step
+    ratio = torch.where(step < 0, -w / step, torch.full_like(w, math.inf)).min()
+    ratio_v, slope, bad = torch.stack([
+        ratio, grad @ step, (info != 0).to(w.dtype) + (~torch.isfinite(step)).sum()]).tolist()
+    t = min(1.0, 0.99 * ratio_v) if bad == 0 else 0.0
+    while t >= 1e-12:
+        cand = w + t * step
+        cand_measures = _fair_measures(gram, cand, p)
         # Near the optimum f changes by O(residual²), below float64 resolution of f, so
         # Armijo alone stalls there; a step that lowers the residual is accepted too.
-        cand_res = float((cand * (gram @ cand) - 1.0).abs().max())
-        if cand_value <= value + 1e-4 * t * slope or cand_res < res_max or t < 1e-12:
-            return None if t < 1e-12 else (cand, cand_value)
+        if cand_measures[0] <= value + 1e-4 * t * slope or cand_measures[1] < residual:
+            return cand, cand_measures
         t *= 0.5
+    return None
 
 
-def _nash_newton(gram: Tensor, alpha: Tensor, ga: Tensor, value: float,
-                 res_max: float) -> tuple[Tensor, float] | None:
-    """One damped Newton step on ``f`` from ``α`` (``ga = Gα``): the new ``(α, f(α))``, or
-    None when ``α`` diverges (a non-negative combination of the gradients vanishes)."""
-    grad = ga - 1.0 / alpha
-    hess = gram + torch.diag(1.0 / (alpha * alpha))
-    step, info = torch.linalg.solve_ex(hess, -grad)
-    if int(info) != 0 or float(alpha.max()) > 1e12 or not bool(torch.isfinite(step).all()):
-        return None
-    return _nash_line_search(gram, alpha, step, float(grad @ step), value, res_max)
-
-
-def _nash_without_zero_rows(gram: Tensor, alpha0: Tensor | None, active: Tensor, tol: float,
-                            max_iter: int) -> Tensor:
-    """A zero gradient can be neither helped nor hurt: it leaves the game (weight 0) and the
-    game is solved among the ``active`` others."""
+def _fair_without_zero_rows(gram: Tensor, p: float, w0: Tensor | None, active: Tensor,
+                            tol: float, max_iter: int) -> tuple[Tensor, float]:
+    """A zero gradient can be neither helped nor hurt: it gets weight 0 and the system is
+    solved among the ``active`` others."""
     k = gram.shape[0]
-    alpha = torch.zeros(k, dtype=torch.float64)
-    if bool(active.any()):
-        idx = torch.nonzero(active).flatten()
-        sub0 = None if alpha0 is None or alpha0.numel() != k else alpha0[idx]
-        alpha[idx] = nash_bargaining(gram[idx][:, idx], sub0, tol, max_iter)
-    return alpha
+    w = torch.zeros(k, dtype=gram.dtype, device=gram.device)
+    if not bool(active.any()):
+        return w, 0.0
+    idx = torch.nonzero(active).flatten()
+    sub0 = None if w0 is None or w0.numel() != k else w0.to(gram.device)[idx]
+    w[idx], residual = fair_newton(gram[idx][:, idx], p, sub0, tol, max_iter)
+    return w, residual
+
+
+def fair_newton(gram: Tensor, p: float, w0: Tensor | None = None, tol: float = 1e-10,
+                max_iter: int = 100) -> tuple[Tensor, float]:
+    """``(w, residual)``: the ``w > 0`` with ``(G w)ᵢ = wᵢ^{-p}`` (Nash-MTL: ``p = 1``;
+    FairGrad: ``p = 1/α``) and ``max |wᵢ^p (Gw)ᵢ − 1|`` at the returned ``w``.
+
+    Damped Newton on the strictly convex ``f(w) = ½ wᵀGw − Σ φ(wᵢ)``, ``φ' = w^{-p}``, from
+    the start (warm, or the orthogonal-rows solution) rescaled to its best multiple,
+    backtracking to stay in ``w > 0`` and to decrease ``f`` or the residual, on the Gramian's
+    device (two host syncs a step). Stops at ``residual ≤ tol``, or early when ``w`` diverges
+    (the solve fails or ``max w`` grows 1e12-fold: a non-negative combination of the rows
+    vanishes and no solution exists); the caller judges the residual. A row with ``Gᵢᵢ``
+    below ``1e-24 tr G`` gets ``wᵢ = 0`` and the system is solved among the others.
+    """
+    diag = torch.diagonal(gram)
+    active = diag > 1e-24 * diag.sum().clamp_min(1e-300)
+    if not bool(active.all()):
+        return _fair_without_zero_rows(gram, p, w0, active, tol, max_iter)
+    w = _fair_start(gram, p, w0)
+    measures = _fair_measures(gram, w, p)
+    limit = 1e12 * measures[2]
+    for _ in range(max_iter):
+        if measures[1] <= tol:
+            break
+        moved = _fair_step(gram, w, p, measures)
+        if moved is None or moved[1][2] > limit:
+            break
+        w, measures = moved
+    return w, measures[1]
 
 
 def nash_bargaining(
     gram: Tensor, alpha0: Tensor | None = None, tol: float = 1e-10, max_iter: int = 100
 ) -> Tensor:
-    """Nash-MTL: the ``α > 0`` with ``(G α)ᵢ = 1/αᵢ`` (Navon et al. 2022, Thm 5.1).
-
-    Damped Newton on ``f(α) = ½ αᵀGα − Σ log αᵢ`` (gradient ``Gα − 1/α``, Hessian
-    ``G + diag(1/α²)``), from the start (warm, or ``Gᵢᵢ^{-1/2}``) rescaled to its best
-    multiple, backtracking to stay in ``α > 0`` and decrease ``f``. Stops when
-    ``max |αᵢ (Gα)ᵢ − 1| ≤ tol``. A zero gradient gets ``αᵢ = 0`` and the game is solved
-    among the others. Raises :class:`SolverError` if it does not converge, e.g. when a
+    """Nash-MTL: the ``α > 0`` with ``(G α)ᵢ = 1/αᵢ`` (Navon et al. 2022, Thm 5.1), by
+    :func:`fair_newton` with ``p = 1`` from the warm start ``alpha0``. A zero gradient gets
+    ``αᵢ = 0``. Raises :class:`SolverError` unless ``max |αᵢ (Gα)ᵢ − 1| ≤ tol``, e.g. when a
     non-negative combination of non-zero gradients vanishes (then no solution exists).
     """
-    k = gram.shape[0]
-    diag = torch.diagonal(gram)
-    active = diag > 1e-24 * diag.sum().clamp_min(1e-300)
-    if not bool(active.all()):
-        return _nash_without_zero_rows(gram, alpha0, active, tol, max_iter)
-    alpha = _nash_start(gram, alpha0)
-    value = _nash_objective(gram, alpha)
-    for _ in range(max_iter):
-        ga = gram @ alpha
-        res_max = float((alpha * ga - 1.0).abs().max())
-        if res_max <= tol:
-            return alpha
-        moved = _nash_newton(gram, alpha, ga, value, res_max)
-        if moved is None:
-            break
-        alpha, value = moved
-    raise SolverError(
-        f"Nash-MTL bargaining solve did not converge in {max_iter} Newton steps (K={k}); "
-        f"a non-negative combination of the task gradients is (nearly) zero, so G α = 1/α "
-        f"has no solution"
-    )
+    alpha, residual = fair_newton(gram, 1.0, alpha0, tol, max_iter)
+    if not residual <= tol:
+        raise SolverError(
+            f"Nash-MTL bargaining solve did not converge in {max_iter} Newton steps "
+            f"(K={gram.shape[0]}); a non-negative combination of the task gradients is "
+            f"(nearly) zero, so G α = 1/α has no solution"
+        )
+    return alpha

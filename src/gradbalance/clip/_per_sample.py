@@ -21,12 +21,12 @@ from .._checks import (
     check_positive,
 )
 from .._pickling import PicklableGenerators
-from .._statedict import check_keys
+from .._statedict import check_dict, check_keys
 from .._types import NonFiniteGradientError
 from ..balancers._rng import private_generator
 from ._per_sample_func import per_sample_grad_norms_of_model
 from ._per_sample_graph import _check_losses, per_sample_grad_norms
-from ._task import check_dict, norm_clip_coefficients
+from ._task import norm_clip_coefficients
 
 __all__ = ["PerSampleClip"]
 

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from .._checks import check_matrix, check_norm_type, check_positive
-from .._statedict import reject_state
+from .._statedict import check_dict, reject_state
 from .._types import NonFiniteGradientError
 
 __all__ = ["TaskClip", "TaskValueClip", "clip_task_norms_", "clip_task_values_", "row_norms"]
@@ -92,13 +92,6 @@ def clip_task_values_(matrix: Tensor, clip_value: float) -> Tensor:
     norms = row_norms(matrix)
     matrix.clamp_(-clip_value, clip_value)
     return norms
-
-
-def check_dict(owner: str, state: object) -> None:
-    """``ValueError`` unless ``state`` is a dict (what ``owner.state_dict()`` returns)."""
-    if not isinstance(state, dict):
-        raise ValueError(f"{owner}.load_state_dict expects the dict returned by state_dict(), "
-                         f"got a {type(state).__name__}")
 
 
 class _Stateless:

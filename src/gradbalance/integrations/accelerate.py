@@ -16,37 +16,10 @@ it. The recipe, with the helper::
             optimizer.step()                                       # skipped while accumulating
             optimizer.zero_grad()
 
-What the helper does, written out (a :class:`~gradbalance.TaskGradBuffer` ``buf`` built after
-``prepare``)::
-
-    with accelerator.accumulate(model), gradbalance.ddp_no_sync(model):
-        losses = task_losses(model(x), y)
-        buf.backward(losses / accelerator.gradient_accumulation_steps,
-                     scaler=accelerator.scaler)
-        if accelerator.sync_gradients:
-            stats = buf.apply_(balancer, scaler=accelerator.scaler)
-            ...
-
-* ``accelerator.accumulate(model)`` decides the sync step (``accelerator.sync_gradients``)
-  and makes the prepared optimizer skip ``step``/``zero_grad`` in between; the losses are
-  divided by ``gradient_accumulation_steps`` here, as ``accelerator.backward`` would.
-* The forward and the backward always run under DDP's ``no_sync``: the buffer averages the
-  task gradients, the heads' gradients and the losses over the processes itself (its
-  ``process_group``, default: the world group accelerate initialised).
-* ``accelerator.scaler`` (``mixed_precision="fp16"`` on a GPU; None otherwise, and accelerate
-  runs no float16 autocast on CPU) goes to both calls; ``accelerator.clip_grad_norm_``
-  unscales before clipping, the prepared optimizer steps and updates the scaler.
-* With a loss weighting the helper also applies it, averages its observation over the
-  processes (:func:`~gradbalance.sync_weighting_`) and updates it on the sync step.
-* Under Accelerate's FSDP2 plugin (``FullyShardedDataParallelPlugin(fsdp_version=2)``)
-  ``prepare`` shards the model with ``fully_shard``, replacing its parameters: build the
-  helper after ``prepare``, from the prepared model's parameters (``DTensor``s; others are
-  refused). The buffer balances the sharded trunk as in a hand-written FSDP2 loop
-  (docs/distributed.md, "Sharded trunks (FSDP2)"); ``accumulate`` keeps FSDP2's gradient sync
-  on (each task's pass reduce-scatters its gradient; the buffer accumulates the
-  micro-batches), and ``state_dict`` holds every rank's state (a matrix balancer's columns),
-  gathered for the one process that writes it, each rank restoring its own.
-* FSDP1 and DeepSpeed are refused at construction, with the reason.
+The helper holds four lines of the loop (``buf.backward(losses / N, scaler=...)`` under
+``accumulate`` and DDP's ``no_sync``, ``buf.apply_`` on ``accelerator.sync_gradients``, and
+the weighting's call, sync and update); the loop written out, FSDP2, and why FSDP1 and
+DeepSpeed are refused: docs/integrations.md, "Accelerate".
 """
 
 from __future__ import annotations
@@ -99,8 +72,8 @@ class BalancedAcceleratorStep:
     ``state_dict``/``load_state_dict`` hold the buffer's, balancer's, weighting's and
     clipper's states: pass the object to ``accelerator.register_for_checkpointing``.
     Under FSDP2 build it after ``prepare`` (the parameters must be the sharded model's);
-    an accelerator under FSDP1 or DeepSpeed raises ``ValueError`` (the reason in the
-    module's notes).
+    an accelerator under FSDP1 or DeepSpeed raises ``ValueError`` (the reason:
+    docs/integrations.md, "Accelerate").
 
     Example:
         >>> import torch

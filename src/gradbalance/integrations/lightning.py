@@ -16,26 +16,10 @@ Lightning is optional (``pip install gradbalance[lightning]``). Use::
             losses = task_losses(self.net, batch)          # Tensor[K], batch means
             self.balanced(self, losses, batch_idx)          # backward, balance, step, log
 
-One call per batch does, in order: the loss weighting (if any), ``buf.backward(losses / N)``
-with Lightning's gradient scaler (``precision="16-mixed"``), and on every N-th batch
-``buf.apply_``, the weighting's update, the optimizer step through Lightning (which unscales,
-runs ``on_before_optimizer_step`` — the place for a global ``clip_grad_norm_`` — and steps the
-scaler), ``zero_grad``, the learning-rate schedulers of ``configure_optimizers`` (as Lightning
-steps them under automatic optimisation; ``step_schedulers=False`` leaves them to you) and
-``self.log`` of the StepStats.
-
-Checkpoints: :class:`BalancedManualStep` is an ``nn.Module`` without parameters whose
-``state_dict`` holds, as its extra state, the buffer's, the balancer's (its random generator
-included), the weighting's and the row clipper's states. Assigned as an attribute of the
-``LightningModule`` it is therefore saved in every Lightning checkpoint and restored by
-``Trainer.fit(..., ckpt_path=...)``, with no hook to write; Lightning saves the gradient
-scaler itself. A resumed run continues bit for bit (tested: GradVac, GradNorm, ``bf16-mixed``,
-``16-mixed`` with a CPU scaler, ``ddp_spawn``).
-
-Under ``strategy="ddp"`` Lightning keeps DDP's reducer off in manual optimisation until
-``manual_backward``; the helper never calls it, and the buffer averages the task gradients,
-the heads' gradients and the losses over the ranks itself (see :mod:`gradbalance.distributed`);
-tested with ``strategy="ddp_spawn"`` on two CPU processes.
+One call per batch runs the weighting, ``buf.backward(losses / N)`` with Lightning's scaler,
+and every N-th batch ``buf.apply_``, the optimizer step through Lightning, ``zero_grad``, the
+schedulers and ``self.log``; its state travels in Lightning's checkpoints. What each stage
+does, checkpoints, precision, DDP: docs/integrations.md, "Lightning".
 """
 
 from __future__ import annotations
@@ -100,12 +84,9 @@ class BalancedManualStep(nn.Module):
         prefix: prefix of the logged names.
         task_names: the tasks' names in the logged names (``balance/loss/depth``); default
             ``task0``, ``task1``, ...
-        step_schedulers: step the learning-rate schedulers of ``configure_optimizers`` (which
-            Lightning leaves to the module under manual optimisation) as Lightning would: an
-            ``"interval": "step"`` one after every ``frequency``-th optimizer step, an
-            ``"epoch"`` one (the default) at the end of every ``frequency``-th epoch.
-            ``ReduceLROnPlateau`` needs its metric: it is refused; pass
-            ``step_schedulers=False`` and step it yourself.
+        step_schedulers: step the learning-rate schedulers of ``configure_optimizers`` as
+            Lightning's automatic loop would (``ReduceLROnPlateau`` is refused: pass
+            ``False`` and step it yourself; docs/integrations.md, "Lightning").
         passes: passed to the buffer.
         process_group: passed to the buffer.
         **buffer_kwargs: passed to the buffer (e.g. ``mode``).

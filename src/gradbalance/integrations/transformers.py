@@ -13,41 +13,10 @@ losses (batch means) under the key ``losses`` of its output (a dict or a ``Model
         head_params=lambda m: m.heads.parameters())
     trainer.train()                                   # or train(resume_from_checkpoint=True)
 
-Only ``training_step`` changes; the Trainer's loop around it is kept:
-
-* each micro-batch: the forward (under the autocast of ``bf16``/``fp16``), the loss weighting,
-  ``buf.backward(losses / n)`` with ``n`` the micro-batches of the step
-  (``gradient_accumulation_steps``, fewer for a short last one) and the Trainer's
-  ``GradScaler``; forward and backward run under DDP's ``no_sync`` (the buffer averages the
-  task gradients over the processes itself);
-* on the last micro-batch of a step (``accelerator.sync_gradients``): ``buf.apply_``, then the
-  weighting's update. The Trainer then clips as usual (``max_grad_norm``: a global clip of
-  the balanced gradient, after unscaling), steps the optimizer and the scaler, and zeroes;
-* evaluation (``evaluate``, ``predict``): the loss is the sum of the K task losses (set
-  ``label_names`` when the targets are not called ``labels``), and the metrics hold each
-  task's mean loss, ``eval_loss_<task>`` (``test_loss_<task>`` for ``predict``); the
-  predictions are the model's outputs other than ``losses``;
-* logging: the mean over the logging interval of ``balance/loss/<task>``,
-  ``balance/size/<task>``, ``balance/w/<task>``, ``balance/cos/<i>_<j>`` (and
-  ``balance/weighting/<task>``; the tasks named by ``task_names``, default ``task0``,
-  ...) joins the Trainer's training logs, hence every ``report_to``
-  backend; ``loss`` is the sum of the K (weighted) losses;
-* checkpoints: ``gradbalance.pt`` in each ``checkpoint-N`` folder holds the buffer's,
-  balancer's, weighting's and row clipper's states (written by the main process beside the
-  optimizer's state; read by every process on ``train(resume_from_checkpoint=...)``); the
-  Trainer saves the model, optimizer, scheduler, scaler and random states. A resumed run
-  continues bit for bit.
-
-Under the Trainer's FSDP2 (``fsdp=...``, ``fsdp_config={"fsdp_version": 2}``, through
-accelerate's FSDP plugin) the buffer is built after the Trainer shards the model: give
-``shared_params``/``head_params`` as callables (or leave the defaults) so that they name the
-sharded ``DTensor`` parameters; FSDP2's gradient sync stays on during the K passes, and each
-process writes and reads its own ``gradbalance.rank{N}.pt`` (a matrix balancer's state holds
-that rank's columns), beside the Trainer's sharded model and optimizer.
-
-DeepSpeed, FSDP1 and ``DataParallel`` (several GPUs in one process) are refused: DeepSpeed
-owns the gradients; FSDP1 flattens the parameters into ``FlatParameter``s; ``DataParallel``
-replicates the model per forward (docs/integrations.md, "Hugging Face").
+Only ``training_step`` changes; the Trainer's loop around it (clipping, optimizer, scaler,
+logging, checkpoints with ``gradbalance.pt``, evaluation) is kept. What each stage does,
+FSDP2, and why DeepSpeed, FSDP1 and ``DataParallel`` are refused: docs/integrations.md,
+"Hugging Face ``Trainer``".
 """
 
 from __future__ import annotations
@@ -158,10 +127,8 @@ class BalancedTrainer(Trainer):
             ``model.shared_parameters()``.
         head_params: the heads' parameters (a plain gradient of ``Σₖ Lₖ``), or a callable.
             Default: ``model.head_parameters()`` if the model has it, else every trainable
-            parameter outside ``shared_params``. Every trainable parameter the losses reach
-            must be in one of the two lists: the buffer's coverage check refuses the step
-            otherwise, naming it (``buffer_options={"other_params": "sum"}`` gives such
-            parameters their plain gradient; docs/loop.md, "Parameter coverage").
+            parameter outside ``shared_params``; a trainable parameter the losses reach in
+            neither list is refused (docs/loop.md, "Parameter coverage").
         weighting: optional :class:`~gradbalance.LossWeighting` applied to every micro-batch's
             losses. A learnable one needs its parameters in the optimizer
             (``optimizers=(...)``).

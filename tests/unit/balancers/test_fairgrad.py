@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torchjd.aggregation import FairGradWeighting
 
 from gradbalance.balancers import FairGrad
@@ -56,3 +60,30 @@ def test_zero_row_gets_zero_weight() -> None:
 def test_invalid_alpha() -> None:
     with pytest.raises(ValueError, match="Invalid alpha: -1"):
         FairGrad(alpha=-1.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(k=st.integers(2, 8), p=st.integers(1, 12), alpha=st.floats(0.2, 8.0),
+       seed=st.integers(0, 10_000), span=st.floats(0.0, 4.0))
+def test_defining_equation_on_random_gramians(k: int, p: int, alpha: float, seed: int,
+                                              span: float) -> None:
+    """Any K ≤ P rows (so a solution exists), norms spanning up to 1e±4: ``w > 0`` solves
+    ``(G Gᵀ) w = w^{-1/α}`` to 1e-8 per task, with no warning."""
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(k, max(p, k), generator=gen, dtype=torch.float64)
+    g = g * torch.logspace(-span, span, k, dtype=torch.float64)[:, None]
+    a = g @ g.T
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        w = fairgrad_weights(a, alpha)
+    assert bool((w > 0).all())
+    torch.testing.assert_close(w.pow(1.0 / alpha) * (a @ w), torch.ones(k, dtype=torch.float64),
+                               rtol=0, atol=1e-8)
+
+
+def test_no_solution_warns_and_stays_finite() -> None:
+    # Opposite rows: (1, 1) combines them to zero, so no w > 0 solves the system.
+    g = torch.tensor([[1.0, 0.0], [-1.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
+    with pytest.warns(RuntimeWarning, match="no exact solution exists"):
+        w = fairgrad_weights(g @ g.T, 2.0)
+    assert bool(torch.isfinite(w).all()) and bool((w > 0).all())

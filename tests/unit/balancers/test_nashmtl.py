@@ -110,3 +110,15 @@ def test_warm_start_far_from_the_solution_converges() -> None:
     # The defining equation of the bargaining solution: αᵢ (G α)ᵢ = 1 for every task.
     torch.testing.assert_close(alpha * (gram @ alpha), torch.ones(2, dtype=torch.float64),
                                rtol=0, atol=1e-9)
+
+
+def test_row_norms_spanning_twelve_orders_are_solved() -> None:
+    """Row norms 1e-6 … 1e6 (K ≤ P, so a solution exists): α solves αᵢ (G α)ᵢ = 1 although
+    its entries span orders of magnitude (the divergence test is relative to the start)."""
+    gen = torch.Generator().manual_seed(6)
+    g = torch.randn(8, 12, generator=gen, dtype=torch.float64)
+    g = g * torch.logspace(-6, 6, 8, dtype=torch.float64)[:, None]
+    alpha = NashMTL().combine(g).weights
+    gram = g @ g.T
+    torch.testing.assert_close(alpha * (gram @ alpha), torch.ones(8, dtype=torch.float64),
+                               rtol=0, atol=1e-9)
