@@ -24,6 +24,7 @@ from gradbalance._per_sample_forms import block, contracted, layer_form
 from gradbalance._per_sample_gramian import Parts, PerSampleGramian
 from gradbalance.balancers import MGDA
 from gradbalance.clip._per_sample_tied import Site, materialised, site_form
+from gradbalance.clip._per_sample_tokens import TokenRows
 
 from .per_sample_models import TRUNKS
 
@@ -96,20 +97,20 @@ def test_eager_contraction_equals_the_deferred_gram_form(n: int, s: int, m: int,
 
 
 @pytest.mark.parametrize("padding_idx", [None, 2])
-def test_scattered_embedding_gradients_equal_the_one_hot_products(
-        padding_idx: int | None) -> None:
-    """A wide vocabulary (materialised): scattered rows equal the one-hot form, padding ids
-    included (their rows add nothing)."""
+def test_embedding_token_rows_equal_the_one_hot_products(padding_idx: int | None) -> None:
+    """A wide vocabulary (token rows): materialised, they equal the one-hot form, padding ids
+    included (their rows add nothing); their block is that form's Gram matrix."""
     torch.manual_seed(8)
     emb = nn.Embedding(50, 3, padding_idx=padding_idx).double()
     ids = torch.randint(0, 6, (4, 5))
     d = torch.randn(4, 5, 3, dtype=torch.float64)
     got = layer_form(emb, True, ids, d)
-    assert isinstance(got, Tensor)
+    assert isinstance(got, TokenRows)
     want = materialised([site_form(Site(emb, True), ids, d)], torch.float64)
-    assert torch.equal(got, want)
+    assert torch.allclose(got.dense(), want, rtol=1e-15, atol=1e-15)
+    assert torch.allclose(block(got, got), want @ want.T, rtol=1e-12, atol=1e-12)
     if padding_idx is not None:
-        assert got.reshape(4, 50, 3)[:, padding_idx].abs().max() == 0
+        assert got.dense().reshape(4, 50, 3)[:, padding_idx].abs().max() == 0
 
 
 class _Tied(nn.Module):
