@@ -67,12 +67,26 @@ def _dense(form: Form) -> Tensor:
     return form if isinstance(form, Tensor) else materialised([form], _dtype(*form))
 
 
+def _self_gram(dense: Tensor) -> Tensor:
+    """``M Mᵀ`` (float64) of materialised gradients ``M`` ``[n, numel]`` from its lower half:
+    the last rows against every row, the first ones against themselves (¾ of the products),
+    the rest mirrored."""
+    half = dense.shape[0] // 2
+    gram = dense.new_empty(dense.shape[0], dense.shape[0])
+    gram[:half, :half] = dense[:half] @ dense[:half].T
+    gram[half:] = dense[half:] @ dense.T
+    gram[:half, half:] = gram[half:, :half].T
+    return gram.double()
+
+
 def block(left: Form, right: Form) -> Tensor:
     """``[nₗ, nᵣ]`` float64: the inner products of ``left``'s per-sample gradients with
     ``right``'s (forms of the same parameter)."""
     if isinstance(left, TokenRows) and isinstance(right, TokenRows):
         return token_block(left, right)
     if not (isinstance(left, tuple) and isinstance(right, tuple)):
+        if left is right:
+            return _self_gram(_dense(left))
         dense = [_dense(left), _dense(right)]
         dtype = _dtype(*dense)
         return (dense[0].to(dtype) @ dense[1].to(dtype).T).double()
