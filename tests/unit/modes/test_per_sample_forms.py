@@ -137,7 +137,7 @@ def _grads(params: list[Tensor]) -> Tensor:
                       for p in params])
 
 
-@pytest.mark.parametrize("name", ["cnn", "mixed", "tied"])
+@pytest.mark.parametrize("name", ["cnn", "mixed", "tied", "tokens"])
 @pytest.mark.parametrize("count", [1, 3])
 def test_micro_batches_of_sample_by_task_losses_equal_matrix_route(
         name: str, count: int, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -228,3 +228,25 @@ def test_only_the_lowest_outputs_are_asked_of_autograd() -> None:
     left, right = layers[0](x), layers[1](x)
     top = layers[2](left * right)
     assert lowest([top.sum()], [top, left, right]) == [False, True, True]
+
+
+class _TiedLM(nn.Module):
+    """An embedding table tied to the output layer (token rows and an outer form of one
+    parameter): ``[B, S]`` ids to ``[B, S, V]`` logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.out = nn.Embedding(40, 3, padding_idx=1), nn.Linear(3, 40)
+        self.out.weight = self.embed.weight
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.out(torch.tanh(self.embed(ids)))
+
+
+@pytest.mark.parametrize("sizes", [(5,), (3, 4)])
+def test_tied_embedding_token_rows_give_the_per_sample_gramian(sizes: tuple[int, ...]) -> None:
+    """One micro-batch and two (the cross terms between token rows and outer forms)."""
+    torch.manual_seed(12)
+    trunk = _TiedLM().double()
+    got, want = _gramian(trunk, [torch.randint(0, 6, (n, 7)) for n in sizes])
+    assert torch.allclose(got, want, rtol=1e-10, atol=1e-10 * want.abs().max())
