@@ -1,13 +1,15 @@
 """Per-sample gradient forms of one parameter and the Gramian blocks between them.
 
 A layer's site holds sample i's gradient as an outer form ``Aᵢᵀ Bᵢ`` (rows ``[n, S, m]``,
-``[n, S, k]``) or materialised ``[n, numel]``. :func:`contracted` keeps the cheaper of the two
-for the Gramian, as soon as the layer's output gradient is known (the rows of the other form
-are then dropped); :func:`block` gives ``⟨gᵢ, gⱼ⟩`` between two forms, ``[nₐ, n_b]`` float64:
-``Σₛₜ (Aᵢₛ·Aⱼₜ)(Bᵢₛ·Bⱼₜ)`` for two outer forms (the ghost-norm identity), ``Gₐ G_bᵀ``
-otherwise. Products run in the forms' dtype (float32 inputs stay float32, float64 ones
-float64); the Gram form's sums over positions accumulate in float64 (docs/per_sample.md,
-"Layers").
+``[n, S, k]``), materialised ``[n, numel]``, or, for an embedding table, as token rows (one
+summed row per sample and token used, :mod:`gradbalance.clip._per_sample_tokens`).
+:func:`contracted` keeps the cheaper of the outer form and the materialised one for the
+Gramian, as soon as the layer's output gradient is known (the rows of the other form are then
+dropped); :func:`block` gives ``⟨gᵢ, gⱼ⟩`` between two forms, ``[nₐ, n_b]`` float64:
+``Σₛₜ (Aᵢₛ·Aⱼₜ)(Bᵢₛ·Bⱼₜ)`` for two outer forms (the ghost-norm identity), the products of
+the rows sharing a token for two token rows, ``Gₐ G_bᵀ`` otherwise. Products run in the
+forms' dtype (float32 inputs stay float32, float64 ones float64); the Gram form's sums over
+positions accumulate in float64 (docs/per_sample.md, "Layers").
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ import torch
 from torch import Tensor, nn
 
 from .clip._per_sample_tied import Site, materialised, site_form
+from .clip._per_sample_tokens import TokenRows, token_block, token_rows
 
 __all__ = ["Form", "block", "contracted", "layer_form", "summed_blocks"]
 
-Form = tuple[Tensor, Tensor] | Tensor
+Form = tuple[Tensor, Tensor] | Tensor | TokenRows
 
 
 def _dtype(*tensors: Tensor) -> torch.dtype:
@@ -39,7 +42,7 @@ def _gram_form_cheaper(n: int, s: int, m: int, k: int) -> bool:
 def contracted(form: Form) -> Form:
     """``form`` as kept for the Gramian: an outer form materialised ``[n, numel]`` (its
     dtype) where that is cheaper (:func:`_gram_form_cheaper`); else unchanged."""
-    if isinstance(form, Tensor):
+    if not isinstance(form, tuple):
         return form
     n, s, m = form[0].shape
     if _gram_form_cheaper(n, s, m, form[1].shape[2]):
@@ -50,24 +53,41 @@ def contracted(form: Form) -> Form:
 def layer_form(module: nn.Module, is_weight: bool, x: Tensor, d: Tensor) -> Form:
     """The contracted form of one site (:func:`contracted`): its layer's input rows ``x``
     (token ids ``[n, S]`` for an embedding) and output gradient rows ``d`` ``[n, S, o]``.
-    An embedding's materialised per-sample gradients are scattered rows, not one-hot
-    products."""
+    An embedding table's per-sample gradients are token rows, not one-hot products."""
     if not (is_weight and isinstance(module, nn.Embedding)) or _gram_form_cheaper(
             x.shape[0], x.shape[1], module.num_embeddings, d.shape[2]):
         return contracted(site_form(Site(module, is_weight), x, d))
-    rows = d.to(_dtype(d))
-    if module.padding_idx is not None:
-        rows = rows * (x != module.padding_idx).unsqueeze(-1).to(rows.dtype)
-    grads = rows.new_zeros(x.shape[0], module.num_embeddings, d.shape[2])
-    return grads.scatter_add_(1, x.unsqueeze(-1).expand_as(rows), rows).flatten(1)
+    return token_rows(x, d, module, _dtype(d))
+
+
+def _dense(form: Form) -> Tensor:
+    """``form``'s per-sample gradients materialised, ``[n, numel]``."""
+    if isinstance(form, TokenRows):
+        return form.dense()
+    return form if isinstance(form, Tensor) else materialised([form], _dtype(*form))
+
+
+def _self_gram(dense: Tensor) -> Tensor:
+    """``M Mᵀ`` (float64) of materialised gradients ``M`` ``[n, numel]`` from its lower half:
+    the last rows against every row, the first ones against themselves (¾ of the products),
+    the rest mirrored."""
+    half = dense.shape[0] // 2
+    gram = dense.new_empty(dense.shape[0], dense.shape[0])
+    gram[:half, :half] = dense[:half] @ dense[:half].T
+    gram[half:] = dense[half:] @ dense.T
+    gram[:half, half:] = gram[half:, :half].T
+    return gram.double()
 
 
 def block(left: Form, right: Form) -> Tensor:
     """``[nₗ, nᵣ]`` float64: the inner products of ``left``'s per-sample gradients with
     ``right``'s (forms of the same parameter)."""
-    if isinstance(left, Tensor) or isinstance(right, Tensor):
-        dense = [f if isinstance(f, Tensor) else materialised([f], _dtype(*f))
-                 for f in (left, right)]
+    if isinstance(left, TokenRows) and isinstance(right, TokenRows):
+        return token_block(left, right)
+    if not (isinstance(left, tuple) and isinstance(right, tuple)):
+        if left is right:
+            return _self_gram(_dense(left))
+        dense = [_dense(left), _dense(right)]
         dtype = _dtype(*dense)
         return (dense[0].to(dtype) @ dense[1].to(dtype).T).double()
     dtype = _dtype(*left, *right)

@@ -27,11 +27,11 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from ._graph import leaf_uses, tensor_hooked
 from ._per_sample_eager import Recorded, Slots, Snapshot, edge_of, lowest
 from ._per_sample_fallback import per_sample_vjp
 from ._per_sample_forms import Form, block, layer_form, summed_blocks
-from .clip._per_sample_layers import HookedLayer, check_batch, check_outputs_unchanged, refusal
+from .clip._per_sample_layers import HookedLayer, refusal
+from .clip._per_sample_record import Fallback, LayerRecorder
 
 __all__ = ["Parts", "PerSampleGramian", "Snapshot", "as_modules", "refuse_mixing"]
 
@@ -45,18 +45,6 @@ class Parts:
     n: int
     gram: Tensor
     forms: dict[int, list[Form]] | None
-
-
-class _Fallback:
-    """A module whose own trunk parameters take ``torch.func``: its recorded calls."""
-
-    def __init__(self, name: str, module: nn.Module, names: list[str]) -> None:
-        self.name = name
-        self.module = module
-        self.names = names
-        self.inputs: list[Tensor] = []
-        self.outputs: list[Tensor] = []
-        self.bad_call: str | None = None
 
 
 def as_modules(modules: Any) -> list[tuple[str, nn.Module]]:
@@ -100,19 +88,14 @@ class PerSampleGramian:
     def __init__(self, modules: Any, params: list[Tensor]) -> None:
         self._roots = as_modules(modules)
         self.params = params
+        self._record = LayerRecorder("the buffer")
+        self._layers, self._fallbacks = self._record.layers, self._record.fallbacks
+        self._sites, self._dense = self._record.sites, self._record.dense
         wanted = {id(p): p for p in params}
-        self._layers: list[HookedLayer] = []
-        self._fallbacks: list[_Fallback] = []
-        self._sites: dict[int, list[tuple[HookedLayer, bool]]] = {}
-        self._dense: dict[int, list[tuple[_Fallback, int]]] = {}
-        self._names: dict[int, str] = {}
-        self._handles: list[Any] = []
-        self._versions: dict[int, int] = {}  # each recorded output's version when recorded
-        self.recording = True
         for prefix, root in self._roots:
             for name, sub in root.named_modules():
                 self._hook(_joined(prefix, name), sub, wanted)
-        missing = [i for i in wanted if i not in self._sites and i not in self._dense]
+        missing = [i for i in wanted if i not in self._record.names]
         if missing:
             self.remove()
             raise ValueError(
@@ -126,99 +109,27 @@ class PerSampleGramian:
                if id(p) in wanted]
         if not own:
             return
-        for pname, param in own:
-            self._names.setdefault(id(param), _joined(name, pname))
         if refusal(sub) is None:
-            bias = getattr(sub, "bias", None)
-            layer = HookedLayer(name, sub, id(sub.weight) in wanted,
-                                bias is not None and id(bias) in wanted)
-            self._layers.append(layer)
-            for _, p, is_weight in layer.bounded():
-                self._sites.setdefault(id(p), []).append((layer, is_weight))
-            self._handles.append(sub.register_forward_hook(self._record_layer(layer)))
-            return
-        fallback = _Fallback(name, sub, [pname for pname, _ in own])
-        self._fallbacks.append(fallback)
-        for index, (_, p) in enumerate(own):
-            self._dense.setdefault(id(p), []).append((fallback, index))
-        self._handles.append(sub.register_forward_hook(self._record_fallback(fallback),
-                                                       with_kwargs=True))
+            self._record.add_layer(name, sub, wanted)
+        else:
+            self._record.add_fallback(name, sub, own)
 
-    def _record_layer(self, layer: HookedLayer) -> Any:
-        def record(module: nn.Module, args: tuple[Any, ...], output: Tensor) -> None:
-            if self.recording and torch.is_grad_enabled() and output.requires_grad:
-                layer.inputs.append(args[0].detach())
-                layer.outputs.append(output)
-                self._versions[id(output)] = output._version
-        return record
-
-    def _record_fallback(self, fallback: _Fallback) -> Any:
-        def record(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                   output: Any) -> None:
-            if not (self.recording and torch.is_grad_enabled()):
-                return
-            if len(args) != 1 or kwargs or not isinstance(args[0], Tensor) or not (
-                    isinstance(output, Tensor)):
-                fallback.bad_call = (f"{len(args)} positional and {len(kwargs)} keyword "
-                                     f"argument(s), output {type(output).__name__}")
-                return
-            if output.requires_grad:
-                fallback.inputs.append(args[0].detach())
-                fallback.outputs.append(output)
-                self._versions[id(output)] = output._version
-        return record
-
-    def _records(self) -> list[HookedLayer | _Fallback]:
-        return [*self._layers, *self._fallbacks]
-
-    # -- checks before anything moves ---------------------------------------------------
     def check(self, losses: Tensor) -> None:
         """Refuse (``ValueError``/``RuntimeError``, records dropped) what would make the
         Gramian wrong: sample-mixing layers, wrong batch sizes, unrecorded uses."""
         try:
             refuse_mixing(self._roots)
-            self._check_calls(losses.shape[0])
-            self._check_uses(losses)
+            self._record.check(losses, self.params, "only this step's forward recorded (call "
+                               "reset() after other forwards under grad)", "use batch_dim=None")
         except (ValueError, RuntimeError):
             self.clear()
             raise
-
-
-    def _check_calls(self, batch: int) -> None:
-        for fallback in self._fallbacks:
-            if fallback.bad_call is not None:
-                raise ValueError(
-                    f"layer {fallback.name!r} ({type(fallback.module).__name__}) was called "
-                    f"with {fallback.bad_call}; the per-sample fallback takes one tensor in "
-                    f"and one tensor out: wrap it, or leave its parameters out of shared_params"
-                )
-        check_batch(self._records(), batch, "only this step's forward recorded (call "
-                    "reset() after other forwards under grad)")
-        check_outputs_unchanged(self._records(), self._versions, "or batch_dim=None")
-
-    def _check_uses(self, losses: Tensor) -> None:
-        """Each covered layer's parameter is used on the graph only by its recorded calls
-        and has no tensor hook."""
-        uses = leaf_uses(losses, self.params)
-        for p in self.params:
-            calls = sum(len(layer.outputs) for layer, _ in self._sites.get(id(p), []))
-            if id(p) in self._dense:
-                calls = uses[id(p)]  # a fallback module may use its parameter several times
-            if tensor_hooked(p) or uses[id(p)] > calls:
-                raise RuntimeError(
-                    f"shared parameter {self._names[id(p)]!r} is used {uses[id(p)]} times on "
-                    f"the losses' graph but its layer(s) recorded {calls} calls, or it has a "
-                    f"tensor hook: its per-sample gradient would be incomplete. Call the "
-                    f"layer itself wherever its weight is used (not F.linear(x, "
-                    f"layer.weight)), run the forward after building the buffer, or use "
-                    f"batch_dim=None"
-                )
 
     # -- the Gramian --------------------------------------------------------------------
     def outputs(self) -> list[Any]:
         """Every recorded output, layers first, in order (gradient edges once
         :meth:`restored` from a :meth:`snapshot`)."""
-        return [edge_of(y) for r in self._records() for y in r.outputs]
+        return [edge_of(y) for r in self._record.records() for y in r.outputs]
 
     def compute(self, batch: int, tasks: Sequence[Sequence[Tensor | None]]) -> Tensor:
         """``[B·K, B·K]`` float64 (objective ``(i, k)`` at ``i·K + k``) from each task's
@@ -316,7 +227,7 @@ class PerSampleGramian:
                   fallen: list[list[Tensor | None]], keep: bool) -> Parts:
         """The fallback modules' forms from their output gradients ``fallen`` ``[task][·]``,
         the blocks of the forms that waited; the micro-batch's :class:`Parts`."""
-        self.recording = False  # the fallback's functional calls are not the step's
+        self._record.recording = False  # the fallback's functional calls are not the step's
         try:
             at = 0
             for fallback in self._fallbacks:
@@ -325,7 +236,7 @@ class PerSampleGramian:
                 _release(fallen, at, n)
                 at += n
         finally:
-            self.recording = True
+            self._record.recording = True
         for waiting in forms.values():  # tied parameters, or every one with keep
             gram += summed_blocks(waiting, []).to(gram.device)
         return Parts(gram.shape[0], gram, forms if keep else None)
@@ -338,7 +249,7 @@ class PerSampleGramian:
         else:
             gram += block(form, form).to(gram.device)
 
-    def _add_fallback(self, fallback: _Fallback, tasks: list[list[Tensor | None]],
+    def _add_fallback(self, fallback: Fallback, tasks: list[list[Tensor | None]],
                       forms: dict[int, list[Form]]) -> None:
         """The fallback module's per-sample gradients ``[B·K, numel]`` (summed over its
         calls) into ``forms``."""
@@ -356,12 +267,12 @@ class PerSampleGramian:
     def snapshot(self) -> Snapshot:
         """The current records (inputs, and outputs as gradient edges: no output is kept
         alive), to :meth:`restored` later."""
-        return [(list(r.inputs), [Recorded(y) for y in r.outputs]) for r in self._records()]
+        return [(list(r.inputs), [Recorded(y) for y in r.outputs]) for r in self._record.records()]
 
     @contextmanager
     def restored(self, snapshot: Snapshot) -> Iterator[None]:
         """The records of ``snapshot`` in place of the current ones, inside the block."""
-        records = self._records()
+        records = self._record.records()
         current = [(r.inputs, r.outputs) for r in records]
         try:
             for r, (inputs, outputs) in zip(records, snapshot):
@@ -373,19 +284,11 @@ class PerSampleGramian:
 
     def clear(self) -> None:
         """Drop the recorded calls."""
-        for record in self._records():
-            record.inputs.clear()
-            record.outputs.clear()
-        for fallback in self._fallbacks:
-            fallback.bad_call = None
-        self._versions.clear()
+        self._record.clear()
 
     def remove(self) -> None:
         """Remove the hooks."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        self.clear()
+        self._record.remove()
 
 
 def _pair_block(left: Parts, right: Parts) -> Tensor:

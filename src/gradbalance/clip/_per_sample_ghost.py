@@ -4,44 +4,30 @@ design, covered layers and refusals: docs/loop.md, "Per-sample clipping")."""
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable, Mapping
-from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from .._amp import no_autocast
 from .._checks import check_bool, check_norm_type
-from .._graph import leaf_uses, tensor_hooked
 from ._per_sample_graph import _check_losses
 from ._per_sample_layers import COVERED as _COVERED
 from ._per_sample_layers import HookedLayer as _Layer
-from ._per_sample_layers import check_batch, check_outputs_unchanged
 from ._per_sample_layers import refusal as _refusal
+from ._per_sample_record import LayerRecorder
 from ._per_sample_tied import Site, site_form, tied_powers
+from ._per_sample_tokens import token_rows
 
 __all__ = ["GhostNorms"]
 
-#: Recorded forwards of one layer past which a forgotten norms()/clear() is likely.
-_MANY_CALLS = 64
-
 
 def _embedding_norms(ids: Tensor, d: Tensor, module: nn.Embedding, norm_type: float) -> Tensor:
-    """Per-sample ``‖∇W‖ᵖ`` (float64) of an embedding: the rows ``d`` ``[B, S, o]`` summed per
-    (sample, token id), the padding id left out."""
-    batch, seq = ids.shape
-    keys = (torch.arange(batch, device=ids.device)[:, None] * module.num_embeddings + ids)
-    keys, rows = keys.reshape(-1), d.reshape(batch * seq, -1).double()
-    if module.padding_idx is not None:
-        kept = ids.reshape(-1) != module.padding_idx
-        keys, rows = keys[kept], rows[kept]
-    unique, position = torch.unique(keys, return_inverse=True)
-    summed = torch.zeros(unique.numel(), rows.shape[1], dtype=torch.float64, device=d.device)
-    summed.index_add_(0, position, rows)
-    powers = torch.linalg.vector_norm(summed, norm_type, dim=1) ** norm_type
-    total = torch.zeros(batch, dtype=torch.float64, device=d.device)
-    return total.index_add_(0, unique // module.num_embeddings, powers)
+    """Per-sample ``‖∇W‖ᵖ`` (float64) of an embedding from its token rows."""
+    rows = token_rows(ids, d, module, torch.float64)
+    powers = torch.linalg.vector_norm(rows.rows, norm_type, dim=1) ** norm_type
+    total = torch.zeros(ids.shape[0], dtype=torch.float64, device=d.device)
+    return total.index_add_(0, rows.samples, powers)
 
 
 def _powers(sites: list[tuple[_Layer, bool]], rows: dict[int, tuple[Tensor, Tensor]],
@@ -145,11 +131,11 @@ class GhostNorms:
         self.per_task = check_bool("per_task", per_task)
         named = {name: p for name, p in module.named_parameters() if p.requires_grad}
         wanted = set(map(id, named.values() if params is None else params))
-        self._layers: list[_Layer] = []
-        self._handles: list[Any] = []
-        self._versions: dict[int, int] = {}  # each recorded output's version when recorded
-        # (name, tensor, sites): each bounded parameter with its (layer, is the weight) uses
-        self._bounded: list[tuple[str, Tensor, list[tuple[_Layer, bool]]]] = []
+        self._record = LayerRecorder("GhostNorms", many_calls=(
+            "since the last norms(): every forward under grad is kept until norms() or "
+            "clear(); evaluate under torch.no_grad() or call clear()"))
+        self._layers = self._record.layers
+        self._bounded: list[Tensor] = []  # each bounded parameter (its sites: the record's)
         covered, refused = self._hook_layers(module, wanted)
         message = _uncovered(named, wanted - covered, params is not None, refused)
         if message is not None:
@@ -161,7 +147,6 @@ class GhostNorms:
         covered, and the layers refused (``"name (reason)"``)."""
         refused: list[str] = []
         refused_ids: set[int] = set()  # held by a refused layer: not covered, even if tied
-        bounded: dict[int, tuple[str, Tensor, list[tuple[_Layer, bool]]]] = {}
         for name, sub in module.named_modules():
             mine = _wanted_of(sub, wanted)
             if not mine:
@@ -171,29 +156,10 @@ class GhostNorms:
                 refused.append(f"{name} ({reason})")
                 refused_ids.update(map(id, mine))
                 continue
-            bias = getattr(sub, "bias", None)
-            layer = _Layer(name, sub, id(sub.weight) in wanted,
-                           bias is not None and id(bias) in wanted)
-            self._layers.append(layer)
-            self._handles.append(sub.register_forward_hook(self._hook(layer)))
-            for pname, p, is_weight in layer.bounded():
-                bounded.setdefault(id(p), (pname, p, []))[2].append((layer, is_weight))
-        self._bounded = list(bounded.values())
-        return set(bounded) - refused_ids, refused
-
-    def _hook(self, layer: _Layer) -> Any:
-        def record(module: nn.Module, args: tuple[Any, ...], output: Tensor) -> None:
-            if torch.is_grad_enabled() and output.requires_grad:
-                layer.inputs.append(args[0].detach())
-                layer.outputs.append(output)
-                self._versions[id(output)] = output._version
-                if len(layer.outputs) == _MANY_CALLS:
-                    warnings.warn(
-                        f"GhostNorms holds {_MANY_CALLS} forwards of layer "
-                        f"{layer.name!r} since the last norms(): every forward under grad is "
-                        f"kept until norms() or clear(); evaluate under torch.no_grad() or "
-                        f"call clear()", RuntimeWarning, stacklevel=2)
-        return record
+            layer = self._record.add_layer(name, sub, wanted)
+            self._bounded += [p for _, p, _ in layer.bounded()
+                              if len(self._record.sites[id(p)]) == 1]
+        return set(self._record.sites) - refused_ids, refused
 
     def norms(self, per_sample_losses: Tensor, scale: float | Tensor = 1.0) -> Tensor:
         """Per-sample norms ``[B, K]`` (``[B]`` for one task or ``per_task=False``).
@@ -218,11 +184,11 @@ class GhostNorms:
         columns = losses.reshape(losses.shape[0], -1)
         batch = columns.shape[0]
         try:  # a refused step drops its records
-            check_batch(layers, batch, "every forward under grad since the last norms() is "
-                        "recorded (call clear() after other forwards)")
-            self._check_uses(columns)
-            check_outputs_unchanged(layers, self._versions, "or leave the layer's parameters "
-                                    "out of the clipped ones")
+            self._record.check(
+                columns, self._bounded, "every forward under grad since the last norms() is "
+                "recorded (call clear() after other forwards)", "bound the parameter with "
+                "per_sample_grad_norms_of_model (torch.func) or per_sample_grad_norms, or "
+                "pass params= without it")
         except (ValueError, RuntimeError):
             self.clear()
             raise
@@ -242,26 +208,6 @@ class GhostNorms:
         norms = norms.to(torch.promote_types(losses.dtype, torch.float32))
         return norms[:, 0] if norms.shape[1] == 1 else norms
 
-    def _check_uses(self, losses: Tensor) -> None:
-        """Every bounded parameter is used on the losses' graph only by its layers' recorded
-        calls and has no tensor hook (else ``RuntimeError``)."""
-        uses = leaf_uses(losses, [p for _, p, _ in self._bounded])
-        for name, p, sites in self._bounded:
-            hooked = tensor_hooked(p)
-            calls = sum(len(layer.outputs) for layer, _ in sites)
-            if hooked or uses[id(p)] > calls:
-                how = ("has a tensor hook, which rewrites its gradient" if hooked else
-                       f"is used {uses[id(p)]} times on the losses' graph but its layer(s) "
-                       f"recorded {calls} calls (used outside the layers' forward, e.g. "
-                       f"F.linear(x, layer.weight) or by a module GhostNorms does not hook)")
-                raise RuntimeError(
-                    f"GhostNorms cannot bound parameter {name!r}: it {how}, so the ghost "
-                    f"form misses part of its per-sample gradient. Call the layer itself "
-                    f"wherever the weight is used, bound it with "
-                    f"per_sample_grad_norms_of_model (torch.func) or per_sample_grad_norms, "
-                    f"or pass params= without it"
-                )
-
     def _add_powers(self, column: Tensor, layers: list[_Layer], inputs: list[Tensor],
                     grams: dict[int, Tensor], grads: tuple[Tensor | None, ...],
                     batch: int) -> None:
@@ -274,19 +220,13 @@ class GhostNorms:
                   for y, g in zip(layer.outputs, grads[at : at + len(layer.outputs)])]
             at += len(layer.outputs)
             rows[id(layer)] = x, torch.cat([layer.output_rows(t, batch) for t in ds], 1)
-        for _, _, sites in self._bounded:  # every site's gradient summed before the norm
-            column += _powers(sites, rows, grams, self.norm_type)
+        for p in self._bounded:  # every site's gradient summed before the norm
+            column += _powers(self._record.sites[id(p)], rows, grams, self.norm_type)
 
     def clear(self) -> None:
         """Drop the recorded inputs and outputs (e.g. after an evaluation under grad)."""
-        for layer in self._layers:
-            layer.inputs.clear()
-            layer.outputs.clear()
-        self._versions.clear()
+        self._record.clear()
 
     def remove(self) -> None:
         """Remove the forward hooks."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        self.clear()
+        self._record.remove()

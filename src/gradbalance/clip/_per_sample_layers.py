@@ -7,12 +7,9 @@ diagonal of the per-sample Gramian) and the per-sample Gramian of ``batch_dim=0`
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Protocol
-
 from torch import Tensor, nn
 
-__all__ = ["COVERED", "HookedLayer", "Recorded", "check_batch", "refusal"]
+__all__ = ["COVERED", "HookedLayer", "refusal"]
 
 #: The layers with a ghost form.
 COVERED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.LayerNorm, nn.Embedding)
@@ -91,46 +88,3 @@ def _conv_refusal(module: nn.Conv1d | nn.Conv2d) -> str | None:
     if module.padding_mode != "zeros" or isinstance(module.padding, str):
         return f"padding {module.padding!r} with padding_mode {module.padding_mode!r}"
     return None
-
-
-class Recorded(Protocol):
-    """A hooked module's name and its recorded inputs."""
-
-    name: str
-    inputs: list[Tensor]
-
-
-def check_batch(records: Iterable[Recorded], batch: int, fix: str) -> None:
-    """Every recorded input has the losses' ``batch`` samples on dim 0 (else ``ValueError``
-    naming the layer, its shapes and ``fix``)."""
-    for record in records:
-        if any(t.dim() == 0 or t.shape[0] != batch for t in record.inputs):
-            shapes = [tuple(t.shape) for t in record.inputs]
-            raise ValueError(
-                f"layer {record.name!r} recorded inputs of shapes {shapes} but the losses "
-                f"have {batch} samples: the batch must be dim 0 of every layer input, and "
-                f"{fix}"
-            )
-
-
-class RecordedCalls(Recorded, Protocol):
-    """A hooked module and its recorded outputs too."""
-
-    module: nn.Module
-    outputs: list[Tensor]
-
-
-def check_outputs_unchanged(records: Iterable[RecordedCalls], versions: Mapping[int, int],
-                            fix: str) -> None:
-    """No recorded output was modified in place after its layer (``nn.ReLU(inplace=True)``):
-    its gradient would then be the in-place op's, not the layer's. ``versions``: each output's
-    ``_version`` when recorded, by ``id``. Else ``ValueError`` naming the layer and ``fix``."""
-    for record in records:
-        for y in record.outputs:
-            if y._version != versions.get(id(y), y._version):
-                raise ValueError(
-                    f"the output of layer {record.name!r} ({type(record.module).__name__}) "
-                    f"was modified in place after the layer (version {versions[id(y)]} -> "
-                    f"{y._version}), so its gradient would be the in-place op's, not the "
-                    f"layer's: use inplace=False there (e.g. nn.ReLU(inplace=False)), {fix}"
-                )

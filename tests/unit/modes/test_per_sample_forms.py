@@ -24,6 +24,7 @@ from gradbalance._per_sample_forms import block, contracted, layer_form
 from gradbalance._per_sample_gramian import Parts, PerSampleGramian
 from gradbalance.balancers import MGDA
 from gradbalance.clip._per_sample_tied import Site, materialised, site_form
+from gradbalance.clip._per_sample_tokens import TokenRows
 
 from .per_sample_models import TRUNKS
 
@@ -96,20 +97,20 @@ def test_eager_contraction_equals_the_deferred_gram_form(n: int, s: int, m: int,
 
 
 @pytest.mark.parametrize("padding_idx", [None, 2])
-def test_scattered_embedding_gradients_equal_the_one_hot_products(
-        padding_idx: int | None) -> None:
-    """A wide vocabulary (materialised): scattered rows equal the one-hot form, padding ids
-    included (their rows add nothing)."""
+def test_embedding_token_rows_equal_the_one_hot_products(padding_idx: int | None) -> None:
+    """A wide vocabulary (token rows): materialised, they equal the one-hot form, padding ids
+    included (their rows add nothing); their block is that form's Gram matrix."""
     torch.manual_seed(8)
     emb = nn.Embedding(50, 3, padding_idx=padding_idx).double()
     ids = torch.randint(0, 6, (4, 5))
     d = torch.randn(4, 5, 3, dtype=torch.float64)
     got = layer_form(emb, True, ids, d)
-    assert isinstance(got, Tensor)
+    assert isinstance(got, TokenRows)
     want = materialised([site_form(Site(emb, True), ids, d)], torch.float64)
-    assert torch.equal(got, want)
+    assert torch.allclose(got.dense(), want, rtol=1e-15, atol=1e-15)
+    assert torch.allclose(block(got, got), want @ want.T, rtol=1e-12, atol=1e-12)
     if padding_idx is not None:
-        assert got.reshape(4, 50, 3)[:, padding_idx].abs().max() == 0
+        assert got.dense().reshape(4, 50, 3)[:, padding_idx].abs().max() == 0
 
 
 class _Tied(nn.Module):
@@ -136,7 +137,7 @@ def _grads(params: list[Tensor]) -> Tensor:
                       for p in params])
 
 
-@pytest.mark.parametrize("name", ["cnn", "mixed", "tied"])
+@pytest.mark.parametrize("name", ["cnn", "mixed", "tied", "tokens"])
 @pytest.mark.parametrize("count", [1, 3])
 def test_micro_batches_of_sample_by_task_losses_equal_matrix_route(
         name: str, count: int, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -227,3 +228,25 @@ def test_only_the_lowest_outputs_are_asked_of_autograd() -> None:
     left, right = layers[0](x), layers[1](x)
     top = layers[2](left * right)
     assert lowest([top.sum()], [top, left, right]) == [False, True, True]
+
+
+class _TiedLM(nn.Module):
+    """An embedding table tied to the output layer (token rows and an outer form of one
+    parameter): ``[B, S]`` ids to ``[B, S, V]`` logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.out = nn.Embedding(40, 3, padding_idx=1), nn.Linear(3, 40)
+        self.out.weight = self.embed.weight
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.out(torch.tanh(self.embed(ids)))
+
+
+@pytest.mark.parametrize("sizes", [(5,), (3, 4)])
+def test_tied_embedding_token_rows_give_the_per_sample_gramian(sizes: tuple[int, ...]) -> None:
+    """One micro-batch and two (the cross terms between token rows and outer forms)."""
+    torch.manual_seed(12)
+    trunk = _TiedLM().double()
+    got, want = _gramian(trunk, [torch.randint(0, 6, (n, 7)) for n in sizes])
+    assert torch.allclose(got, want, rtol=1e-10, atol=1e-10 * want.abs().max())

@@ -1,0 +1,181 @@
+"""The one record of a trunk's layer calls that GhostNorms and the per-sample Gramian read:
+forward hooks keeping each call's input and output, and the checks that those calls are the
+whole of each parameter's per-sample gradient, one error text each (docs/per_sample.md,
+"Layers")."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Container, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .._graph import leaf_uses, tensor_hooked
+from ._per_sample_layers import HookedLayer
+
+__all__ = ["Fallback", "LayerRecorder"]
+
+
+class Fallback:
+    """A module whose own parameters have no outer form: its recorded calls, and the first
+    call that was not one tensor in, one tensor out."""
+
+    def __init__(self, name: str, module: nn.Module, names: list[str]) -> None:
+        self.name = name
+        self.module = module
+        self.names = names
+        self.inputs: list[Tensor] = []
+        self.outputs: list[Tensor] = []
+        self.bad_call: str | None = None
+
+
+class LayerRecorder:
+    """Forward hooks recording the calls of hooked layers and fallback modules under grad.
+
+    ``owner`` names the user in messages; ``many_calls``: the advice of a warning when a layer
+    holds 64 calls. ``sites``: each parameter's id to its (layer, is the weight) uses;
+    ``dense``: to its fallback modules."""
+
+    #: Recorded calls of one layer past which a forgotten clear is likely.
+    MANY_CALLS = 64
+
+    def __init__(self, owner: str, many_calls: str | None = None) -> None:
+        self.owner = owner
+        self.many_calls = many_calls
+        self.layers: list[HookedLayer] = []
+        self.fallbacks: list[Fallback] = []
+        self.sites: dict[int, list[tuple[HookedLayer, bool]]] = {}
+        self.dense: dict[int, list[tuple[Fallback, int]]] = {}
+        self.names: dict[int, str] = {}
+        self.recording = True
+        self._handles: list[Any] = []
+        self._versions: dict[int, int] = {}  # each recorded output's version when recorded
+
+    def add_layer(self, name: str, module: nn.Module, wanted: Container[int]) -> HookedLayer:
+        """Hook a covered layer for its weight and bias whose ids are ``wanted``."""
+        bias = getattr(module, "bias", None)
+        layer = HookedLayer(name, module, id(module.weight) in wanted,
+                            bias is not None and id(bias) in wanted)
+        self.layers.append(layer)
+        for pname, p, is_weight in layer.bounded():
+            self.names.setdefault(id(p), pname)
+            self.sites.setdefault(id(p), []).append((layer, is_weight))
+        self._handles.append(module.register_forward_hook(self._record_layer(layer)))
+        return layer
+
+    def add_fallback(self, name: str, module: nn.Module,
+                     own: Sequence[tuple[str, Tensor]]) -> None:
+        """Hook a module whose own parameters ``own`` (name, tensor) have no outer form."""
+        fallback = Fallback(name, module, [pname for pname, _ in own])
+        self.fallbacks.append(fallback)
+        for index, (pname, p) in enumerate(own):
+            self.names.setdefault(id(p), f"{name}.{pname}" if name else pname)
+            self.dense.setdefault(id(p), []).append((fallback, index))
+        self._handles.append(module.register_forward_hook(self._record_fallback(fallback),
+                                                          with_kwargs=True))
+
+    def _record_layer(self, layer: HookedLayer) -> Any:
+        def record(module: nn.Module, args: tuple[Any, ...], output: Tensor) -> None:
+            if self.recording and torch.is_grad_enabled() and output.requires_grad:
+                self._keep(layer, args[0], output)
+                if self.many_calls is not None and len(layer.outputs) == self.MANY_CALLS:
+                    warnings.warn(f"{self.owner} holds {self.MANY_CALLS} forwards of layer "
+                                  f"{layer.name!r} {self.many_calls}", RuntimeWarning,
+                                  stacklevel=2)
+        return record
+
+    def _record_fallback(self, fallback: Fallback) -> Any:
+        def record(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                   output: Any) -> None:
+            if not (self.recording and torch.is_grad_enabled()):
+                return
+            if len(args) != 1 or kwargs or not isinstance(args[0], Tensor) or not (
+                    isinstance(output, Tensor)):
+                fallback.bad_call = (f"{len(args)} positional and {len(kwargs)} keyword "
+                                     f"argument(s), output {type(output).__name__}")
+            elif output.requires_grad:
+                self._keep(fallback, args[0], output)
+        return record
+
+    def _keep(self, record: HookedLayer | Fallback, x: Tensor, output: Tensor) -> None:
+        record.inputs.append(x.detach())
+        record.outputs.append(output)
+        self._versions[id(output)] = output._version
+
+    def records(self) -> list[HookedLayer | Fallback]:
+        """Every hooked layer, then every fallback module."""
+        return [*self.layers, *self.fallbacks]
+
+    def check(self, losses: Tensor, params: list[Tensor], fix_batch: str, fix: str) -> None:
+        """Refuse (``ValueError``/``RuntimeError``) a fallback call not one tensor in and out,
+        inputs of another batch than ``losses``' (``fix_batch``), an output modified in place
+        after its layer, a parameter of ``params`` with a tensor hook or used more often than
+        recorded (``fix``: the user's alternative)."""
+        for fallback in self.fallbacks:
+            if fallback.bad_call is not None:
+                raise ValueError(
+                    f"layer {fallback.name!r} ({type(fallback.module).__name__}) was called "
+                    f"with {fallback.bad_call}; the per-sample fallback takes one tensor in "
+                    f"and one tensor out: wrap it, or leave its parameters out of shared_params"
+                )
+        self._check_batch(losses.shape[0], fix_batch)
+        self._check_unchanged(fix)
+        self._check_uses(losses, params, fix)
+
+    def _check_batch(self, batch: int, fix: str) -> None:
+        for record in self.records():
+            if any(t.dim() == 0 or t.shape[0] != batch for t in record.inputs):
+                shapes = [tuple(t.shape) for t in record.inputs]
+                raise ValueError(
+                    f"layer {record.name!r} recorded inputs of shapes {shapes} but the losses "
+                    f"have {batch} samples: the batch must be dim 0 of every layer input, and "
+                    f"{fix}"
+                )
+
+    def _check_unchanged(self, fix: str) -> None:
+        for record in self.records():
+            for y in record.outputs:
+                if y._version != self._versions.get(id(y), y._version):
+                    raise ValueError(
+                        f"the output of layer {record.name!r} ({type(record.module).__name__}) "
+                        f"was modified in place after the layer (version "
+                        f"{self._versions[id(y)]} -> {y._version}), so its gradient would be "
+                        f"the in-place op's, not the layer's: use inplace=False there (e.g. "
+                        f"nn.ReLU(inplace=False)), or {fix}"
+                    )
+
+    def _check_uses(self, losses: Tensor, params: list[Tensor], fix: str) -> None:
+        uses = leaf_uses(losses, params)
+        for p in params:
+            calls = sum(len(layer.outputs) for layer, _ in self.sites.get(id(p), []))
+            if id(p) in self.dense:
+                calls = uses[id(p)]  # a fallback module may use its parameter several times
+            hooked = tensor_hooked(p)
+            if hooked or uses[id(p)] > calls:
+                how = ("has a tensor hook, which rewrites its gradient" if hooked else
+                       f"is used {uses[id(p)]} times on the losses' graph but its layer(s) "
+                       f"recorded {calls} calls")
+                raise RuntimeError(
+                    f"parameter {self.names[id(p)]!r} {how}, so {self.owner} misses part of "
+                    f"its per-sample gradient. Call the layer itself wherever its weight is "
+                    f"used (not F.linear(x, layer.weight)), run the forward after building "
+                    f"{self.owner}, or {fix}"
+                )
+
+    def clear(self) -> None:
+        """Drop the recorded calls."""
+        for record in self.records():
+            record.inputs.clear()
+            record.outputs.clear()
+        for fallback in self.fallbacks:
+            fallback.bad_call = None
+        self._versions.clear()
+
+    def remove(self) -> None:
+        """Remove the hooks (and the records)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.clear()
