@@ -86,7 +86,7 @@ def gradvac_coefficients(
     old = targets.to(gram.device, torch.float64)
     visits = _Vaccination(gram, orders, old, beta, eps, max_step)
     coef = pairwise_pass(gram, orders, visits)
-    return coef, old.scatter(1, orders, visits.new_targets)
+    return coef, old.scatter(1, orders, visits.new_targets.T)
 
 
 def _ratio(num: Tensor, den: Tensor) -> Tensor:
@@ -108,12 +108,13 @@ class _Vaccination:
                  max_step: float) -> None:
         diag = torch.diagonal(gram)
         norms = diag.clamp_min(0).sqrt()
-        self.norm_j, self.diag_j = norms[orders], diag[orders]
-        self.hat = targets.gather(1, orders)
+        by_step = orders.T  # every per-pair tensor [step, task]: each step's row contiguous
+        self.norm_j, self.diag_j = norms[by_step], diag[by_step]
+        self.hat = targets.gather(1, orders).T.contiguous()
         self.root_hat = (1 - self.hat * self.hat).clamp_min(0).sqrt()
         self.den = self.norm_j * self.root_hat + eps
         self.zero_den = bool((self.den == 0).any())  # only with eps = 0
-        self.cap = _ratio(max_step * norms[:, None], self.norm_j)
+        self.cap = _ratio(max_step * norms, self.norm_j)
         self.decayed = (1 - beta) * self.hat
         self.new_targets = torch.empty_like(self.hat)
         self.sq = diag.clone()  # ‖g_i^PC‖², kept up to date visit by visit
@@ -122,23 +123,23 @@ class _Vaccination:
 
     def __call__(self, t: int, dot: Tensor, out: Tensor) -> Tensor:
         norm_i = self.sq.clamp_min(0).sqrt()
-        den = torch.mul(norm_i, self.norm_j[:, t]).add_(self.eps)
+        den = torch.mul(norm_i, self.norm_j[t]).add_(self.eps)
         phi = (dot / den if self.eps > 0 else _ratio(dot, den)).clamp_(-1.0, 1.0)
-        torch.add(self.decayed[:, t], phi, alpha=self.beta, out=self.new_targets[:, t])
+        torch.add(self.decayed[t], phi, alpha=self.beta, out=self.new_targets[t])
         w = self._step(t, phi, norm_i, out)
-        self.sq.addcmul_(w, torch.mul(w, self.diag_j[:, t]).add_(dot, alpha=2.0))
+        self.sq.addcmul_(w, torch.mul(w, self.diag_j[t]).add_(dot, alpha=2.0))
         return w
 
     def _step(self, t: int, phi: Tensor, norm_i: Tensor, out: Tensor) -> Tensor:
         """``w`` ``[K]``: the paper's step, clamped to ``w‖gⱼ‖ ≤ ρ‖gᵢ‖``, 0 if ``φ ≥ φ̂``."""
-        hat = self.hat[:, t]
+        hat, den = self.hat[t], self.den[t]
         root_phi = torch.addcmul(self.one, phi, phi, value=-1.0).clamp_min_(0).sqrt_()
-        lift = torch.mul(hat, root_phi).addcmul_(phi, self.root_hat[:, t], value=-1.0)
+        lift = torch.mul(hat, root_phi).addcmul_(phi, self.root_hat[t], value=-1.0)
         lift.mul_(norm_i).clamp_min_(0)  # ‖g_i^PC‖ sin(θ − θ̂)
-        paper = lift / self.den[:, t]
+        paper = lift / den
         if self.zero_den:  # 0 / 0: no lift, no step; x / 0 with x > 0: the cap
-            paper = torch.where(self.den[:, t] > 0, paper, torch.where(lift > 0, torch.inf, 0.0))
-        return torch.minimum(paper, self.cap[:, t], out=out).masked_fill_(phi >= hat, 0.0)
+            paper = torch.where(den > 0, paper, torch.where(lift > 0, torch.inf, 0.0))
+        return torch.minimum(paper, self.cap[t], out=out).masked_fill_(phi >= hat, 0.0)
 
 
 class GradVac(OwnedGeneratorState):

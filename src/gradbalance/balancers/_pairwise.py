@@ -46,19 +46,18 @@ def pass_block(k: int) -> int:
 
 def _triangle(n: int, device: torch.device) -> tuple[Tensor, Tensor, list[int]]:
     """The strict upper triangle of an ``n × n`` block (row-major: ``first``, ``second``
-    ``[1, n(n−1)/2]``) and the offset of each row's run ``s' = s+1 … n−1``."""
+    ``[n(n−1)/2]``) and the offset of each row's run ``s' = s+1 … n−1``."""
     first, second = torch.triu_indices(n, n, 1, device=device)
-    return first[None], second[None], [s * n - s * (s + 1) // 2 for s in range(n + 1)]
+    return first, second, [s * n - s * (s + 1) // 2 for s in range(n + 1)]
 
 
 def _block_pairs(gram: Tensor, cols: Tensor, tri: tuple[Tensor, Tensor, list[int]]) -> Tensor:
-    """``G[cols[i, s], cols[i, s']]`` for ``s < s'`` (``[K, n(n−1)/2]``, row-major; int32
-    flat indices while ``K²`` fits)."""
+    """``G[cols[s, i], cols[s', i]]`` for ``s < s'`` (``[n(n−1)/2, K]``, the pairs row-major;
+    ``cols`` ``[n, K]``; int32 flat indices while ``K²`` fits)."""
     k = gram.shape[0]
     c = cols.to(torch.int32 if k * k < 2**31 else torch.int64)
-    first, second = tri[0].expand(k, -1), tri[1].expand(k, -1)
-    index = torch.gather(c * k, 1, first).add_(torch.gather(c, 1, second))
-    return gram.reshape(-1).index_select(0, index.reshape(-1)).view(k, -1)
+    index = (c * k).index_select(0, tri[0]).add_(c.index_select(0, tri[1]))
+    return gram.reshape(-1).index_select(0, index.view(-1)).view(-1, k)
 
 
 def _refresh(cg: Tensor, gram: Tensor, cols: Tensor, weights: Tensor) -> None:
@@ -100,19 +99,21 @@ def pairwise_pass(gram: Tensor, orders: Tensor, visit: Visit, block: int | None 
     k, steps = orders.shape
     block = pass_block(k) if block is None else block
     orders = orders.to(gram.device)
-    weights = torch.zeros(k, steps, dtype=gram.dtype, device=gram.device)
+    by_step = orders.T.contiguous()  # [steps, K]: every per-step vector contiguous
+    weights = torch.zeros(steps, k, dtype=gram.dtype, device=gram.device)
     cg = gram
     triangles: dict[int, tuple[Tensor, Tensor, list[int]]] = {}
     for start in range(0, steps, block):
-        cols = orders[:, start : start + block]
-        n = cols.shape[1]
+        cols = by_step[start : start + block]
+        n = cols.shape[0]
         tri = triangles.setdefault(n, _triangle(n, gram.device))
-        dots, pairs, offsets = cg.gather(1, cols), _block_pairs(gram, cols, tri), tri[2]
+        dots = cg.gather(1, cols.T).T.contiguous()
+        pairs, offsets = _block_pairs(gram, cols, tri), tri[2]
         for s in range(n):
-            w = visit(start + s, dots[:, s], weights[:, start + s])
-            dots[:, s + 1 :].addcmul_(w[:, None], pairs[:, offsets[s] : offsets[s + 1]])
+            w = visit(start + s, dots[s], weights[start + s])
+            dots[s + 1 :].addcmul_(w, pairs[offsets[s] : offsets[s + 1]])
         if start + n < steps:
             cg = gram.clone() if cg is gram else cg
-            _refresh(cg, gram, cols, weights[:, start : start + n])
+            _refresh(cg, gram, cols.T, weights[start : start + n].T)
     coef = torch.eye(k, dtype=gram.dtype, device=gram.device)
-    return coef.scatter_add_(1, orders, weights)
+    return coef.scatter_add_(1, orders, weights.T)

@@ -61,9 +61,10 @@ def pcgrad_coefficients(gramian: Tensor, orders: Tensor) -> Tensor:
     rows = torch.arange(gram.shape[0], device=gram.device)[:, None]
     # w = −d / G[j, j] where d < 0; a division by inf (j = i, or gⱼ = 0) gives w = 0.
     den = torch.where((orders != rows) & (diag[orders] > 0), -diag[orders], float("inf"))
+    den = den.T.contiguous()  # [step, task]
 
     def visit(t: int, dots: Tensor, out: Tensor) -> Tensor:
-        return torch.clamp(dots, max=0.0, out=out).div_(den[:, t])
+        return torch.clamp(dots, max=0.0, out=out).div_(den[t])
 
     return pairwise_pass(gram, orders, visit)
 
