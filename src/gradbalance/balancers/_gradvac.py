@@ -84,9 +84,10 @@ def gradvac_coefficients(
     gram = gramian.to(torch.float64)
     orders = orders.to(gram.device)
     old = targets.to(gram.device, torch.float64)
-    visits = _Vaccination(gram, orders, old, beta, eps, max_step)
+    visits = _Vaccination(gram, orders, old, eps, max_step)
     coef = pairwise_pass(gram, orders, visits)
-    return coef, old.scatter(1, orders, visits.new_targets.T)
+    new = torch.add((1 - beta) * visits.hat, visits.phi, alpha=beta)
+    return coef, old.scatter(1, orders, new.T)
 
 
 def _ratio(num: Tensor, den: Tensor) -> Tensor:
@@ -98,13 +99,14 @@ class _Vaccination:
     """The visits of :func:`gradvac_coefficients`: ``w`` at step ``t`` from the dots.
 
     Everything that depends on the pair only (``‖gⱼ‖``, ``φ̂ᵢⱼ``, ``√(1−φ̂²)``, the paper
-    step's denominator ``‖gⱼ‖√(1−φ̂²) + eps``, the cap ``ρ‖gᵢ‖/‖gⱼ‖``) is read once as
-    ``[K, K−1]`` in visiting order; a step keeps ``‖g_i^PC‖²`` and computes the rest.
+    step's denominator ``‖gⱼ‖√(1−φ̂²) + eps``, the cap ``ρ‖gᵢ‖/‖gⱼ‖``) is read once, step
+    by task (``[K−1, K]``); a step keeps ``‖g_i^PC‖²`` and records the cosine ``φ``, from
+    which the targets move after the pass.
     ``φ ≥ φ̂``, a zero ``gⱼ`` or a zero ``g_i^PC`` give ``w = 0`` (adding ``gⱼ`` could not
     lift the cosine): the lift ``‖g_i^PC‖ sin(θ − θ̂)`` is then 0 or the cap is.
     """
 
-    def __init__(self, gram: Tensor, orders: Tensor, targets: Tensor, beta: float, eps: float,
+    def __init__(self, gram: Tensor, orders: Tensor, targets: Tensor, eps: float,
                  max_step: float) -> None:
         diag = torch.diagonal(gram)
         norms = diag.clamp_min(0).sqrt()
@@ -115,25 +117,26 @@ class _Vaccination:
         self.den = self.norm_j * self.root_hat + eps
         self.zero_den = bool((self.den == 0).any())  # only with eps = 0
         self.cap = _ratio(max_step * norms, self.norm_j)
-        self.decayed = (1 - beta) * self.hat
-        self.new_targets = torch.empty_like(self.hat)
+        self.phi = torch.empty_like(self.hat)  # the cosines at the visits
         self.sq = diag.clone()  # ‖g_i^PC‖², kept up to date visit by visit
-        self.one = torch.ones_like(diag)
-        self.beta, self.eps = beta, eps
+        self.one, self.eps = torch.ones_like(diag), torch.full_like(diag, eps)
+        self.bare = not eps > 0  # the cosine's denominator may be 0: 0 / 0 read as 0
 
     def __call__(self, t: int, dot: Tensor, out: Tensor) -> Tensor:
-        norm_i = self.sq.clamp_min(0).sqrt()
-        den = torch.mul(norm_i, self.norm_j[t]).add_(self.eps)
-        phi = (dot / den if self.eps > 0 else _ratio(dot, den)).clamp_(-1.0, 1.0)
-        torch.add(self.decayed[t], phi, alpha=self.beta, out=self.new_targets[t])
+        norm_i = self.sq.clamp_min(0).sqrt_()
+        den = torch.addcmul(self.eps, norm_i, self.norm_j[t])
+        if self.bare:
+            phi = self.phi[t].copy_(_ratio(dot, den)).clamp_(-1.0, 1.0)
+        else:
+            phi = torch.div(dot, den, out=self.phi[t]).clamp_(-1.0, 1.0)
         w = self._step(t, phi, norm_i, out)
-        self.sq.addcmul_(w, torch.mul(w, self.diag_j[t]).add_(dot, alpha=2.0))
+        self.sq.addcmul_(w, torch.addcmul(dot, w, self.diag_j[t], value=0.5), value=2.0)
         return w
 
     def _step(self, t: int, phi: Tensor, norm_i: Tensor, out: Tensor) -> Tensor:
         """``w`` ``[K]``: the paper's step, clamped to ``w‖gⱼ‖ ≤ ρ‖gᵢ‖``, 0 if ``φ ≥ φ̂``."""
         hat, den = self.hat[t], self.den[t]
-        root_phi = torch.addcmul(self.one, phi, phi, value=-1.0).clamp_min_(0).sqrt_()
+        root_phi = torch.addcmul(self.one, phi, phi, value=-1.0).sqrt_()  # |φ| ≤ 1: φ² ≤ 1
         lift = torch.mul(hat, root_phi).addcmul_(phi, self.root_hat[t], value=-1.0)
         lift.mul_(norm_i).clamp_min_(0)  # ‖g_i^PC‖ sin(θ − θ̂)
         paper = lift / den
