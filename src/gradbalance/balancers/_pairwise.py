@@ -2,7 +2,7 @@
 
 Not a balancer module (no ``__all__``). Every task ``i`` visits the others in its own order
 ``π_i``; at step ``t`` it reads ``d = g_i^PC·gⱼ`` (``j = π_i(t)``) and adds ``w gⱼ`` to
-``g_i^PC``, ``w = visit(t, d)``. With ``g_i^PC = C[i] J`` the dot is ``(C G)[i, j]``, so
+``g_i^PC``, ``w = visit(t, d, out)``. With ``g_i^PC = C[i] J`` the dot is ``(C G)[i, j]``, so
 the pass is a forward recurrence per task, ``d_t = G[i, π(t)] + Σ_{s<t} w_s G[π(s), π(t)]``,
 vectorised over the K tasks.
 
