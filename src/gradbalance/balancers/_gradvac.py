@@ -16,7 +16,7 @@ from .._checks import check_generator
 from .._shard import Shard
 from ..gramian import compute_gramian
 from ._base import Combination
-from ._pcgrad import pairwise_pass
+from ._pairwise import pairwise_pass
 from ._rng import OwnedGeneratorState, private_generator
 from ._solvers import trace_normalized
 
@@ -56,8 +56,9 @@ def gradvac_coefficients(
     (the first term is the paper's closed form that makes the cosine exactly ``φ̂``;
     ``ρ = max_step``); then ``φ̂ᵢⱼ ← (1−β) φ̂ᵢⱼ + β φ``. ``eps`` is added to the two
     denominators (on the trace-normalised Gramian, so it is scale-free). All from the
-    Gramian, vectorised over ``i`` (:func:`~gradbalance.balancers._pcgrad.pairwise_pass`,
-    ``O(K³)``; ``‖g_i^PC‖²`` updated per visit). ``targets`` is not modified.
+    Gramian, vectorised over ``i`` (the blocked pass of
+    :func:`~gradbalance.balancers._pairwise.pairwise_pass`, ``O(K³)``; ``‖g_i^PC‖²`` updated
+    per visit). ``targets`` is not modified.
 
     Bound. With ``θ = arccos φ``, ``θ̂ = arccos φ̂`` the paper's step is
     ``w‖gⱼ‖ = ‖g_i^PC‖ sin(θ − θ̂) / sin θ̂ ≥ 0``: unbounded as ``φ̂ → 1`` (after colinear
@@ -80,24 +81,13 @@ def gradvac_coefficients(
                 [1.0000, 1.0000]], dtype=torch.float64), tensor([[ 0.0000, -0.3536],
                 [-0.3536,  0.0000]], dtype=torch.float64))
     """
-    k = gramian.shape[0]
     gram = gramian.to(torch.float64)
-    hat_all = targets.to(device=gram.device, dtype=torch.float64).clone()
-    diag = torch.diagonal(gram)
-    norm_all = diag.clamp_min(0).sqrt()
-    sq = diag.clone()  # ‖g_i^PC‖², kept up to date visit by visit
-    rows = torch.arange(k, device=gram.device)
-
-    def visit(j: Tensor, dot: Tensor) -> Tensor:
-        norm_i, norm_j = sq.clamp_min(0).sqrt(), norm_all[j]
-        phi = _ratio(dot, norm_i * norm_j + eps).clamp(-1.0, 1.0)
-        hat = hat_all[rows, j]
-        w = _vaccine(phi, hat, norm_i, norm_j, max_step * norm_all, eps)
-        sq.add_(w * (2 * dot + w * diag[j]))
-        hat_all[rows, j] = (1 - beta) * hat + beta * phi
-        return w
-
-    return pairwise_pass(gram, orders, visit), hat_all
+    orders = orders.to(gram.device)
+    old = targets.to(gram.device, torch.float64)
+    visits = _Vaccination(gram, orders, old, eps, max_step)
+    coef = pairwise_pass(gram, orders, visits)
+    new = torch.add((1 - beta) * visits.hat, visits.phi, alpha=beta)
+    return coef, old.scatter(1, orders, new.T)
 
 
 def _ratio(num: Tensor, den: Tensor) -> Tensor:
@@ -105,22 +95,54 @@ def _ratio(num: Tensor, den: Tensor) -> Tensor:
     return torch.where(den > 0, num / torch.where(den > 0, den, 1.0), 0.0)
 
 
-def _vaccine(phi: Tensor, hat: Tensor, norm_i: Tensor, norm_j: Tensor, cap: Tensor,
-             eps: float) -> Tensor:
-    """One visit's ``w`` ``[K]``: the paper's step, clamped to ``w‖gⱼ‖ ≤ cap``, 0 if ``φ ≥ φ̂``.
+class _Vaccination:
+    """The visits of :func:`gradvac_coefficients`: ``w`` at step ``t`` from the dots.
 
-    A zero ``gⱼ`` or ``g_i^PC`` gets ``w = 0`` (adding it could not change the cosine).
+    Everything that depends on the pair only (``‖gⱼ‖``, ``φ̂ᵢⱼ``, ``√(1−φ̂²)``, the paper
+    step's denominator ``‖gⱼ‖√(1−φ̂²) + eps``, the cap ``ρ‖gᵢ‖/‖gⱼ‖``) is read once, step
+    by task (``[K−1, K]``); a step keeps ``‖g_i^PC‖²`` and records the cosine ``φ``, from
+    which the targets move after the pass.
+    ``φ ≥ φ̂``, a zero ``gⱼ`` or a zero ``g_i^PC`` give ``w = 0`` (adding ``gⱼ`` could not
+    lift the cosine): the lift ``‖g_i^PC‖ sin(θ − θ̂)`` is then 0 or the cap is.
     """
-    root_phi = (1 - phi * phi).clamp_min(0).sqrt()
-    root_hat = (1 - hat * hat).clamp_min(0).sqrt()
-    lift = (norm_i * (hat * root_phi - phi * root_hat)).clamp_min(0)  # ‖g_i^PC‖ sin(θ − θ̂)
-    den = norm_j * root_hat + eps
-    inf = torch.full_like(lift, float("inf"))
-    paper = torch.where(den > 0, lift / torch.where(den > 0, den, 1.0),
-                        torch.where(lift > 0, inf, torch.zeros_like(lift)))
-    bounded = torch.minimum(paper, _ratio(cap, norm_j))
-    active = (phi < hat) & (norm_j > 0) & (norm_i > 0)
-    return torch.where(active, bounded, torch.zeros_like(bounded))
+
+    def __init__(self, gram: Tensor, orders: Tensor, targets: Tensor, eps: float,
+                 max_step: float) -> None:
+        diag = torch.diagonal(gram)
+        norms = diag.clamp_min(0).sqrt()
+        by_step = orders.T  # every per-pair tensor [step, task]: each step's row contiguous
+        self.norm_j, self.diag_j = norms[by_step], diag[by_step]
+        self.hat = targets.gather(1, orders).T.contiguous()
+        self.root_hat = (1 - self.hat * self.hat).clamp_min(0).sqrt()
+        self.den = self.norm_j * self.root_hat + eps
+        self.zero_den = bool((self.den == 0).any())  # only with eps = 0
+        self.cap = _ratio(max_step * norms, self.norm_j)
+        self.phi = torch.empty_like(self.hat)  # the cosines at the visits
+        self.sq = diag.clone()  # ‖g_i^PC‖², kept up to date visit by visit
+        self.one, self.eps = torch.ones_like(diag), torch.full_like(diag, eps)
+        self.bare = not eps > 0  # the cosine's denominator may be 0: 0 / 0 read as 0
+
+    def __call__(self, t: int, dot: Tensor, out: Tensor) -> Tensor:
+        norm_i = self.sq.clamp_min(0).sqrt_()
+        den = torch.addcmul(self.eps, norm_i, self.norm_j[t])
+        if self.bare:
+            phi = self.phi[t].copy_(_ratio(dot, den)).clamp_(-1.0, 1.0)
+        else:
+            phi = torch.div(dot, den, out=self.phi[t]).clamp_(-1.0, 1.0)
+        w = self._step(t, phi, norm_i, out)
+        self.sq.addcmul_(w, torch.addcmul(dot, w, self.diag_j[t], value=0.5), value=2.0)
+        return w
+
+    def _step(self, t: int, phi: Tensor, norm_i: Tensor, out: Tensor) -> Tensor:
+        """``w`` ``[K]``: the paper's step, clamped to ``w‖gⱼ‖ ≤ ρ‖gᵢ‖``, 0 if ``φ ≥ φ̂``."""
+        hat, den = self.hat[t], self.den[t]
+        root_phi = torch.addcmul(self.one, phi, phi, value=-1.0).sqrt_()  # |φ| ≤ 1: φ² ≤ 1
+        lift = torch.mul(hat, root_phi).addcmul_(phi, self.root_hat[t], value=-1.0)
+        lift.mul_(norm_i).clamp_min_(0)  # ‖g_i^PC‖ sin(θ − θ̂)
+        paper = lift / den
+        if self.zero_den:  # 0 / 0: no lift, no step; x / 0 with x > 0: the cap
+            paper = torch.where(den > 0, paper, torch.where(lift > 0, torch.inf, 0.0))
+        return torch.minimum(paper, self.cap[t], out=out).masked_fill_(phi >= hat, 0.0)
 
 
 class GradVac(OwnedGeneratorState):
@@ -131,8 +153,7 @@ class GradVac(OwnedGeneratorState):
     ``φ̂ᵢⱼ``, an EMA of the observed cosines (initially 0, where GradVac equals PCGrad).
     ``O(K³)`` in K on the Gramian (:func:`gradvac_coefficients`), ``O(K²)`` state.
 
-    Cost in K: ``O(K³)``: the blocked pairwise pass of PCGrad (``K/64`` products of ``[K, K]``
-    plus ``O(64·K²)`` gathered pairs); state ``O(K²)``.
+    Cost in K: ``O(K³)``: PCGrad's blocked pass; state ``O(K²)``.
 
     Args:
         num_tasks: K (optional; the EMA targets are created on the first call otherwise).

@@ -6,17 +6,17 @@ Algorithm 1.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Literal
 
 import torch
 from torch import Tensor
 
 from .._checks import check_generator
+from ._pairwise import pairwise_pass
 from ._rng import OwnedGeneratorState, private_generator
 from ._solvers import trace_normalized
 
-__all__ = ["PCGrad", "pairwise_pass", "pcgrad_coefficients", "pcgrad_orders"]
+__all__ = ["PCGrad", "pcgrad_coefficients", "pcgrad_orders"]
 
 Reduction = Literal["sum", "mean"]
 
@@ -37,64 +37,15 @@ def pcgrad_orders(k: int, generator: torch.Generator | None = None) -> Tensor:
     return torch.stack([torch.randperm(k, generator=generator) for _ in range(k)])
 
 
-#: Steps of a pairwise pass between two refreshes of ``C G`` (one ``[K, K]`` product each).
-PASS_BLOCK = 64
-
-Visit = Callable[[Tensor, Tensor], Tensor]
-
-
-def _block_pairs(gram: Tensor, cols: Tensor) -> tuple[Tensor, list[int]]:
-    """``G[j_is, j_is']`` for ``s < s'`` (``[K, n(n−1)/2]``, row-major over the block's strict
-    upper triangle) and the offset of each ``s``'s run ``s' = s+1 … n−1``."""
-    k, n = cols.shape
-    first, second = torch.triu_indices(n, n, 1, device=cols.device)
-    flat_index = (cols[:, first] * gram.shape[1] + cols[:, second]).reshape(-1)
-    pairs = gram.reshape(-1).index_select(0, flat_index).reshape(k, -1)
-    return pairs, [s * n - s * (s + 1) // 2 for s in range(n)]
-
-
-def pairwise_pass(gram: Tensor, orders: Tensor, visit: Visit, block: int = PASS_BLOCK) -> Tensor:
-    """``C`` ``[K, K]`` with ``g_i^PC = Σⱼ C[i, j] gⱼ`` after a pass of visits, from the Gramian.
-
-    At step ``t`` every task ``i`` visits ``j = orders[i, t]`` and adds ``w gⱼ`` to
-    ``g_i^PC = C[i] J``, with ``w = visit(j, (C G)[i, j])`` (``[K]`` vectors over ``i``). The
-    dots are read from ``C G``, refreshed by one ``[K, K]`` product every ``block`` steps;
-    inside a block each dot is corrected by the block's earlier steps,
-    ``Σ w G[j', j]`` (the strict upper triangles of the ``[K, block, block]`` sub-Gramians of
-    the block's visits, :func:`_block_pairs`). Cost: ``O(K⁴/block + K² block)`` arithmetic in
-    ``K/block`` products, no ``[K, K, K]`` tensor.
-    """
-    k, steps = orders.shape
-    orders = orders.to(gram.device)
-    coef = torch.eye(k, dtype=gram.dtype, device=gram.device)
-    cg = gram.clone()
-    rows = torch.arange(k, device=gram.device)
-    for start in range(0, steps, block):
-        cols = orders[:, start : start + block]
-        n = cols.shape[1]
-        dots = cg.gather(1, cols)
-        pairs, offsets = _block_pairs(gram, cols)
-        delta = torch.zeros_like(coef)
-        for s in range(n):
-            w = visit(cols[:, s], dots[:, s])
-            run = pairs[:, offsets[s] : offsets[s] + n - 1 - s]
-            dots[:, s + 1 :].addcmul_(w[:, None], run)
-            delta[rows, cols[:, s]] = w
-        coef += delta
-        if start + n < steps:
-            cg += delta @ gram
-    return coef
-
-
 def pcgrad_coefficients(gramian: Tensor, orders: Tensor) -> Tensor:
     """Coefficients ``C`` ``[K, K]`` with ``g_i^PC = Σⱼ C[i, j] gⱼ``, from the Gramian only.
 
     Update rule, for each task ``i`` and each ``j ≠ i`` in ``orders[i]``: if
     ``g_i^PC·gⱼ < 0`` then ``g_i^PC ← g_i^PC − (g_i^PC·gⱼ / ‖gⱼ‖²) gⱼ``. With
     ``g_i^PC = C[i] J``, ``g_i^PC·gⱼ = (C G)[i, j]`` and the projection is
-    ``C[i, j] −= (C G)[i, j] / G[j, j]`` (:func:`pairwise_pass`, vectorised over ``i``:
-    ``O(K³)`` work in ``K/64`` products of ``[K, K]`` matrices). A zero gradient ``gⱼ`` is
-    never projected on.
+    ``C[i, j] −= (C G)[i, j] / G[j, j]`` (the blocked pass of
+    :func:`~gradbalance.balancers._pairwise.pairwise_pass`, vectorised over ``i``: ``O(K³)``
+    work). A zero gradient ``gⱼ`` is never projected on.
 
     Example:
         >>> import torch
@@ -104,15 +55,16 @@ def pcgrad_coefficients(gramian: Tensor, orders: Tensor) -> Tensor:
         tensor([[1.0000, 0.5000],
                 [1.0000, 1.0000]], dtype=torch.float64)
     """
-    k = gramian.shape[0]
     gram = gramian.to(torch.float64)
+    orders = orders.to(gram.device)
     diag = torch.diagonal(gram)
-    safe = torch.where(diag > 0, diag, 1.0)
-    rows = torch.arange(k, device=gram.device)
+    rows = torch.arange(gram.shape[0], device=gram.device)[:, None]
+    # w = −d / G[j, j] where d < 0; a division by inf (j = i, or gⱼ = 0) gives w = 0.
+    den = torch.where((orders != rows) & (diag[orders] > 0), -diag[orders], float("inf"))
+    den = den.T.contiguous()  # [step, task]
 
-    def visit(j: Tensor, dots: Tensor) -> Tensor:
-        allowed = (dots < 0) & (j != rows) & (diag[j] > 0)
-        return torch.where(allowed, -dots / safe[j], 0.0)
+    def visit(t: int, dots: Tensor, out: Tensor) -> Tensor:
+        return torch.clamp(dots, max=0.0, out=out).div_(den[t])
 
     return pairwise_pass(gram, orders, visit)
 
@@ -125,8 +77,9 @@ class PCGrad(OwnedGeneratorState):
     task. Runs on the Gramian: the weights are ``w = 1ᵀC`` (see :func:`pcgrad_coefficients`),
     ``O(K³)`` in K (the Gramian ``O(K² P)``); the orders are one ``randperm(K)`` per task.
 
-    Cost in K: ``O(K³)``: the blocked pairwise pass (``K/64`` products of ``[K, K]`` plus
-    ``O(64·K²)`` gathered pairs), besides the Gramian ``O(K²P)``.
+    Cost in K: ``O(K³)``: the blocked pass (``C G`` refreshed every 16–32 visits, by sparse
+    or dense products, ``O(K³)`` in all, plus ``O(K² b)`` gathered pairs for blocks of
+    ``b`` visits), besides the Gramian ``O(K²P)``.
 
     Args:
         num_tasks: K (optional, checked on every call).

@@ -2,11 +2,11 @@
 
 UPGrad's batched projections pivot with conjugate-gradient solves (forced here from K = 2 on)
 and are checked against the factorisation path and against the optimality conditions of
-each projection; PCGrad's and GradVac's blocked passes against a loop over the rows and the
-previous step-by-step loop; TrimmedMean's ``topk`` path against the sort; PCD past 16 tasks
-against its KKT conditions. Inputs: conflicting random rows, rank-deficient Gramians
-(``K ≫`` rank), near-duplicate tasks, row norms spanning 1e-6 … 1e6, and all three at once
-(rank 8). Tolerance: the same
+each projection; PCGrad's and GradVac's blocked passes (every block size, sparse and dense
+refreshes) against a loop over the rows and a loop over the pairs on the Gramian;
+TrimmedMean's ``topk`` path against the sort; PCD past 16 tasks against its KKT conditions.
+Inputs: conflicting random rows, rank-deficient Gramians (``K ≫`` rank), near-duplicate
+tasks, row norms spanning 1e-6 … 1e6, and all three at once (rank 8). Tolerance: the same
 update, cosine ≥ 0.999999 and norm within 1e-6 relative, where the update is not below
 ``1e-9 Σₖ‖gₖ‖`` (a cancelling update is fixed by a Gramian only to its rounding,
 ``docs/balancers.md``); below that, a difference under ``1e-8 Σₖ‖gₖ‖``.
@@ -14,6 +14,8 @@ update, cosine ≥ 0.999999 and norm within 1e-6 relative, where the update is n
 
 from __future__ import annotations
 
+import itertools
+import math
 import warnings
 
 import pytest
@@ -31,9 +33,10 @@ from gradbalance.balancers import (
     TrimmedMean,
     UPGrad,
     _boxqp,
+    _pairwise,
 )
-from gradbalance.balancers._gradvac import _ratio, _vaccine, gradvac_coefficients, gradvac_orders
-from gradbalance.balancers._pcgrad import pairwise_pass, pcgrad_coefficients, pcgrad_orders
+from gradbalance.balancers._gradvac import gradvac_coefficients, gradvac_orders
+from gradbalance.balancers._pcgrad import pcgrad_coefficients, pcgrad_orders
 from gradbalance.balancers._solvers import trace_normalized
 from gradbalance.balancers._trimmed_mean import trimmed_mean_update
 from gradbalance.balancers._upgrad import upgrad_weights
@@ -140,13 +143,38 @@ def pcgrad_loop(g: Tensor, orders: Tensor) -> Tensor:
     return out
 
 
-@settings(max_examples=30, deadline=None)
-@given(CASES)
-def test_pcgrad_blocked_pass_matches_the_loop_over_rows(case: tuple[int, str, int]) -> None:
+#: How a pass may run: its block size, and the refresh of ``C G`` forced sparse or dense
+#: (``SPARSE_COST`` 0: every refresh sparse; huge: every refresh one dense product).
+PASSES = st.tuples(st.sampled_from([1, 3, 8, 16, 32]), st.sampled_from([0, 10**9]))
+
+
+def pass_settings(mp: pytest.MonkeyPatch, how: tuple[int, int]) -> None:
+    block, cost = how
+    mp.setattr(_pairwise, "pass_block", lambda k: block)
+    mp.setattr(_pairwise, "SPARSE_COST", cost)
+
+
+@settings(max_examples=40, deadline=None)
+@given(CASES, PASSES)
+def test_pcgrad_blocked_pass_matches_the_loop_over_rows(case: tuple[int, str, int],
+                                                         how: tuple[int, int]) -> None:
     k, kind, seed = case
     g = rows(kind, k, 2 * k + 3, seed)
     orders = pcgrad_orders(k, torch.Generator().manual_seed(seed))
-    fast = pcgrad_coefficients(g @ g.T, orders).sum(dim=0) @ g
+    with pytest.MonkeyPatch.context() as mp:
+        pass_settings(mp, how)
+        fast = pcgrad_coefficients(g @ g.T, orders).sum(dim=0) @ g
+    assert_same_update(fast, pcgrad_loop(g, orders), g)
+
+
+@pytest.mark.parametrize("cost", [0, 10**9])
+def test_pcgrad_sparse_and_dense_refreshes_at_200_tasks(cost: int) -> None:
+    """Many blocks of the default size past the sparse threshold's K, against the loop."""
+    g = rows("conflicting", 200, 230, 5)
+    orders = pcgrad_orders(200, torch.Generator().manual_seed(5))
+    with pytest.MonkeyPatch.context() as mp:
+        pass_settings(mp, (_pairwise.SPARSE_BLOCK, cost))
+        fast = pcgrad_coefficients(g @ g.T, orders).sum(dim=0) @ g
     assert_same_update(fast, pcgrad_loop(g, orders), g)
 
 
@@ -156,50 +184,74 @@ def test_pcgrad_block_size_does_not_change_the_coefficients() -> None:
     orders = pcgrad_orders(40, torch.Generator().manual_seed(3))
     diag, ar = torch.diagonal(gram), torch.arange(40)
 
-    def visit(j: Tensor, dots: Tensor) -> Tensor:
-        return torch.where((dots < 0) & (j != ar), -dots / diag[j], 0.0)
+    def visit(t: int, dots: Tensor, out: Tensor) -> Tensor:
+        j = orders[:, t]
+        return out.copy_(torch.where((dots < 0) & (j != ar), -dots / diag[j], 0.0))
 
     whole = pcgrad_coefficients(gram, orders)
-    for block in (1, 7, 16, 40):
-        torch.testing.assert_close(pairwise_pass(gram, orders, visit, block), whole,
-                                   rtol=1e-10, atol=1e-12)
+    for block, cost in itertools.product((1, 7, 16, 40), (0, 10**9)):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(_pairwise, "SPARSE_COST", cost)
+            coef = _pairwise.pairwise_pass(gram, orders, visit, block)
+        torch.testing.assert_close(coef, whole, rtol=1e-10, atol=1e-12)
 
 
-def gradvac_steps(gram: Tensor, orders: Tensor, targets: Tensor, beta: float, eps: float,
-                  max_step: float) -> tuple[Tensor, Tensor]:
-    """The step-by-step loop GradVac ran before the blocked pass (kept as the reference):
-    every dot, norm and target read afresh from ``C``, ``C G`` at each visit."""
+def gradvac_loop(gram: Tensor, orders: Tensor, targets: Tensor, beta: float, eps: float,
+                 max_step: float) -> tuple[Tensor, Tensor]:
+    """Wang et al. (2021), Algorithm 1 with the step cap, one pair at a time on the Gramian
+    (every dot and norm read afresh from ``C``; ``(C, new targets)``)."""
     k = gram.shape[0]
-    hat_all = targets.clone()
-    coef = torch.eye(k, dtype=F64)
-    cg = gram.clone()
-    norm_all = torch.diagonal(gram).clamp_min(0).sqrt()
-    ar = torch.arange(k)
-    for t in range(orders.shape[1]):
-        j = orders[:, t]
-        dot = cg[ar, j]
-        norm_i = (cg * coef).sum(dim=1).clamp_min(0).sqrt()
-        phi = _ratio(dot, norm_i * norm_all[j] + eps).clamp(-1.0, 1.0)
-        hat = hat_all[ar, j]
-        w = _vaccine(phi, hat, norm_i, norm_all[j], max_step * norm_all, eps)
-        coef[ar, j] += w
-        cg = cg + w[:, None] * gram[j]
-        hat_all[ar, j] = (1 - beta) * hat + beta * phi
-    return coef, hat_all
+    coef, hat = torch.eye(k, dtype=F64), targets.clone()
+    norms = torch.diagonal(gram).clamp_min(0).sqrt().tolist()
+    for i in range(k):
+        for j in orders[i].tolist():
+            dot = float(coef[i] @ gram[:, j])
+            norm_i = max(float(coef[i] @ gram @ coef[i]), 0.0) ** 0.5
+            den = norm_i * norms[j] + eps
+            phi = min(max(dot / den, -1.0), 1.0) if den > 0 else 0.0
+            h = float(hat[i, j])
+            if phi < h and norms[j] > 0 and norm_i > 0:
+                lift = max(norm_i * (h * (1 - phi**2) ** 0.5 - phi * (1 - h**2) ** 0.5), 0.0)
+                den2 = norms[j] * (1 - h**2) ** 0.5 + eps
+                paper = lift / den2 if den2 > 0 else (math.inf if lift > 0 else 0.0)
+                coef[i, j] += min(paper, max_step * norms[i] / norms[j])
+            hat[i, j] = (1 - beta) * h + beta * phi
+    return coef, hat
 
 
-@settings(max_examples=30, deadline=None)
-@given(CASES, st.floats(0.0, 1.0))
-def test_gradvac_blocked_pass_matches_the_step_loop(case: tuple[int, str, int],
-                                                    beta: float) -> None:
+@settings(max_examples=40, deadline=None)
+@given(CASES, st.floats(0.0, 1.0), PASSES)
+def test_gradvac_blocked_pass_matches_the_pair_loop(case: tuple[int, str, int], beta: float,
+                                                    how: tuple[int, int]) -> None:
     k, kind, seed = case
     g = rows(kind, k, 2 * k + 3, seed)
     gram, _ = trace_normalized(g @ g.T)
     gen = torch.Generator().manual_seed(seed)
     orders = gradvac_orders(k, gen)
     targets = torch.rand(k, k, generator=gen, dtype=F64) * 1.6 - 0.8
-    coef, hat = gradvac_coefficients(gram, orders, targets, beta, 1e-8, 1.0)
-    ref_coef, ref_hat = gradvac_steps(gram, orders, targets, beta, 1e-8, 1.0)
+    with pytest.MonkeyPatch.context() as mp:
+        pass_settings(mp, how)
+        coef, hat = gradvac_coefficients(gram, orders, targets, beta, 1e-8, 1.0)
+    ref_coef, ref_hat = gradvac_loop(gram, orders, targets, beta, 1e-8, 1.0)
+    assert_same_update(coef.sum(dim=0) @ g, ref_coef.sum(dim=0) @ g, g)
+    torch.testing.assert_close(hat, ref_hat, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("eps", [0.0, 1e-8])
+def test_gradvac_zero_rows_and_unit_targets_at_40_tasks(eps: float) -> None:
+    """Zero gradients and targets of ±1 (the paper step's zero denominators with ``eps = 0``)
+    against the pair loop."""
+    g = rows("conflicting", 40, 60, 9)
+    g[[3, 17]] = 0.0
+    gram, _ = trace_normalized(g @ g.T)
+    gen = torch.Generator().manual_seed(9)
+    orders = gradvac_orders(40, gen)
+    targets = torch.rand(40, 40, generator=gen, dtype=F64).round() * 2 - 1
+    with pytest.MonkeyPatch.context() as mp:
+        pass_settings(mp, (8, 0))
+        coef, hat = gradvac_coefficients(gram, orders, targets, 0.3, eps, 0.5)
+    ref_coef, ref_hat = gradvac_loop(gram, orders, targets, 0.3, eps, 0.5)
+    assert bool(torch.isfinite(coef).all())
     assert_same_update(coef.sum(dim=0) @ g, ref_coef.sum(dim=0) @ g, g)
     torch.testing.assert_close(hat, ref_hat, rtol=1e-6, atol=1e-6)
 

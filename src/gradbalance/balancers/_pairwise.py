@@ -1,0 +1,119 @@
+"""The visiting pass of PCGrad and GradVac on the Gramian, blocked for many tasks.
+
+Not a balancer module (no ``__all__``). Every task ``i`` visits the others in its own order
+``π_i``; at step ``t`` it reads ``d = g_i^PC·gⱼ`` (``j = π_i(t)``) and adds ``w gⱼ`` to
+``g_i^PC``, ``w = visit(t, d, out)``. With ``g_i^PC = C[i] J`` the dot is ``(C G)[i, j]``, so
+the pass is a forward recurrence per task, ``d_t = G[i, π(t)] + Σ_{s<t} w_s G[π(s), π(t)]``,
+vectorised over the K tasks.
+
+Blocked: ``C G`` is refreshed after every block of ``b`` steps; inside a block each dot is
+corrected by the block's earlier visits, read from the strict upper triangle of the
+``[b, b]`` sub-Gramian of the task's visits (one gather of ``K b(b−1)/2`` entries). The
+refresh adds ``Δ G``, ``Δ`` the block's weights (``b`` entries per row, about half of them
+zero where the visits conflict half the time): as a sparse product, one row of ``G`` per
+non-zero weight (``O(nnz·K)``, ``O(K³)`` over the pass whatever ``b``), or as one dense
+``[K, K]`` product where that is cheaper (:data:`SPARSE_COST`). So ``b`` stays small
+(:func:`pass_block`) and the gathers, ``O(K² b)`` over the pass, stay few.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+#: Steps per block: :data:`SPARSE_BLOCK` where the refreshes are sparse products (from
+#: :data:`SPARSE_FROM` tasks on), :data:`DENSE_BLOCK` below, where one ``[K, K]`` product
+#: costs about as much as the block's gathers.
+SPARSE_BLOCK = 16
+DENSE_BLOCK = 32
+SPARSE_FROM = 512
+#: A sparse refresh's work per entry (one row of ``G`` per non-zero weight, gathered)
+#: against a dense product's (BLAS): the sparse product is used while
+#: ``nnz · SPARSE_COST < K²``.
+SPARSE_COST = 12
+
+#: ``visit(t, d, out)``: the weights ``w`` ``[K]`` of step ``t`` (``orders[:, t]``) from the
+#: dots ``d`` ``[K]``, written into ``out`` and returned.
+Visit = Callable[[int, Tensor, Tensor], Tensor]
+
+
+def pass_block(k: int) -> int:
+    """Steps per block of a pass over ``k`` tasks."""
+    return SPARSE_BLOCK if k >= SPARSE_FROM else DENSE_BLOCK
+
+
+def _triangle(n: int, device: torch.device) -> tuple[Tensor, Tensor, list[int]]:
+    """The strict upper triangle of an ``n × n`` block (row-major: ``first``, ``second``
+    ``[n(n−1)/2]``) and the offset of each row's run ``s' = s+1 … n−1``."""
+    first, second = torch.triu_indices(n, n, 1, device=device)
+    return first, second, [s * n - s * (s + 1) // 2 for s in range(n + 1)]
+
+
+def _block_pairs(gram: Tensor, cols: Tensor, tri: tuple[Tensor, Tensor, list[int]]) -> Tensor:
+    """``G[cols[s, i], cols[s', i]]`` for ``s < s'`` (``[n(n−1)/2, K]``, the pairs row-major;
+    ``cols`` ``[n, K]``; int32 flat indices while ``K²`` fits)."""
+    k = gram.shape[0]
+    c = cols.to(torch.int32 if k * k < 2**31 else torch.int64)
+    index = (c * k).index_select(0, tri[0]).add_(c.index_select(0, tri[1]))
+    return gram.reshape(-1).index_select(0, index.view(-1)).view(-1, k)
+
+
+def _refresh(cg: Tensor, gram: Tensor, cols: Tensor, weights: Tensor) -> None:
+    """``cg += Δ G`` with ``Δ[i, cols[i, s]] = weights[i, s]``: sparse (one row of ``G`` per
+    non-zero weight) or one dense product, whichever is cheaper."""
+    k = gram.shape[0]
+    live = weights != 0
+    if int(live.sum()) * SPARSE_COST >= k * k:
+        cg.addmm_(torch.zeros_like(cg).scatter_(1, cols, weights), gram)
+        return
+    sorted_cols, order = cols.sort(dim=1)  # coalesced: columns ascending in each row
+    sorted_weights = weights.gather(1, order)
+    rows, pos = (sorted_weights != 0).nonzero(as_tuple=True)
+    delta = torch.sparse_coo_tensor(
+        torch.stack([rows, sorted_cols[rows, pos]]), sorted_weights[rows, pos], (k, k),
+        is_coalesced=True, check_invariants=False,
+    )
+    cg.addmm_(delta, gram)
+
+
+def pairwise_pass(gram: Tensor, orders: Tensor, visit: Visit, block: int | None = None) -> Tensor:
+    """``C`` ``[K, K]`` with ``g_i^PC = Σⱼ C[i, j] gⱼ`` after a pass of visits, from the Gramian.
+
+    At step ``t`` every task ``i`` visits ``j = orders[i, t]`` and adds ``w gⱼ`` to
+    ``g_i^PC = C[i] J``, with ``w = visit(t, (C G)[:, j], out)`` (``[K]``, over ``i``; each
+    pair visited at most once). ``block`` steps between refreshes of ``C G`` (default
+    :func:`pass_block`); the result does not depend on it beyond rounding.
+
+    Example:
+        >>> import torch
+        >>> g = torch.tensor([[1.0, 0.0], [-1.0, 1.0]], dtype=torch.float64)
+        >>> gram, orders = g @ g.T, torch.tensor([[1], [0]])
+        >>> def half(t, dots, out):  # add ½ gⱼ at every visit
+        ...     return out.fill_(0.5)
+        >>> pairwise_pass(gram, orders, half)
+        tensor([[1.0000, 0.5000],
+                [0.5000, 1.0000]], dtype=torch.float64)
+    """
+    k, steps = orders.shape
+    block = pass_block(k) if block is None else block
+    orders = orders.to(gram.device)
+    by_step = orders.T.contiguous()  # [steps, K]: every per-step vector contiguous
+    weights = torch.zeros(steps, k, dtype=gram.dtype, device=gram.device)
+    cg = gram
+    triangles: dict[int, tuple[Tensor, Tensor, list[int]]] = {}
+    for start in range(0, steps, block):
+        cols = by_step[start : start + block]
+        n = cols.shape[0]
+        tri = triangles.setdefault(n, _triangle(n, gram.device))
+        dots = cg.gather(1, cols.T).T.contiguous()
+        pairs, offsets = _block_pairs(gram, cols, tri), tri[2]
+        for s in range(n):
+            w = visit(start + s, dots[s], weights[start + s])
+            dots[s + 1 :].addcmul_(w, pairs[offsets[s] : offsets[s + 1]])
+        if start + n < steps:
+            cg = gram.clone() if cg is gram else cg
+            _refresh(cg, gram, cols.T, weights[start : start + n].T)
+    coef = torch.eye(k, dtype=gram.dtype, device=gram.device)
+    return coef.scatter_add_(1, orders, weights.T)
