@@ -51,11 +51,11 @@ CASES = st.tuples(st.integers(2, 64), st.sampled_from(KINDS), st.integers(0, 2**
 
 
 def sample(k: int) -> list[int]:
-    """Up to six projections spread over the K (the references solve one at a time)."""
-    return sorted({0, k // 5, 2 * k // 5, 3 * k // 5, 4 * k // 5, k - 1})
+    """Up to four projections spread over the K (the references solve one at a time)."""
+    return sorted({0, k // 3, 2 * k // 3, k - 1})
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(CASES)
 def test_active_set_matches_the_factored_reference(case: tuple[int, str, int]) -> None:
     k, kind, seed = case
@@ -71,7 +71,7 @@ def test_active_set_matches_the_factored_reference(case: tuple[int, str, int]) -
         assert_same_update(v[i] @ g, slow[j] @ g, g)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(st.integers(17, 64), st.integers(0, 2**16), st.sampled_from([1e-5, 1e-6, 1e-7]))
 def test_ill_conditioned_pivoting_matches_both_references(k: int, seed: int,
                                                           span: float) -> None:
@@ -97,22 +97,6 @@ def test_dualproj_single_problem_matches_the_reference(kind: str) -> None:
     p = torch.full((1, 48), 1 / 48, dtype=F64)
     fast = DualProj().combine(g).vector
     assert_same_update(fast, reference(gram, p)[0] @ g, g)
-
-
-def test_relative_test_pivoting_reaches_the_reference() -> None:
-    """Large weights whose combination nearly cancels (condition number 1e14): the relative
-    test reaches the reference."""
-    g = ill_rows(32, 96, 11, 1e-7)
-    gram, _ = trace_normalized(g @ g.T)
-    u = torch.eye(32, dtype=F64) / 32
-    free0 = torch.zeros_like(u, dtype=torch.bool)
-    picked = sample(32)
-    slow = reference(gram, u[picked])
-    rel = _boxqp.solve_lcp_pivoting(gram, torch.zeros_like(u), u, False, free0, 1e-12, 50,
-                                    relative=True)
-    assert rel is not None and bool(rel[1].all())
-    for j, i in enumerate(picked):
-        assert_same_update(rel[0][i] @ g, slow[j] @ g, g)
 
 
 def test_upgrad_combine_on_an_ill_conditioned_gramian_is_conflict_free() -> None:
