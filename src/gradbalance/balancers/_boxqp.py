@@ -18,6 +18,13 @@ trace-normalised, ``c`` in its range). Every problem gets an answer; none raises
    independent (an entering column is checked by its QR diagonal), so every subproblem is a
    well-posed least-squares solve; it terminates in finitely many steps in exact
    arithmetic, and is capped here at ``3n + 10`` additions.
+   From ``MANY_TASKS`` tasks on, two batched paths come first, each finishing the problems
+   it can prove optimal and leaving the rest to this one: a positive definite ``Q`` of any
+   condition number is pivoted as in 1 with factorisations and a multiplier test relative to
+   the problem's own scale (:func:`_relative_threshold`), and the box problems with ``c = 0``
+   still open (a singular ``Q``) take Lawson–Hanson's steps all at once
+   (:func:`~._active_set.box_active_set`: masks, one batched factorisation of the passive
+   blocks per step) instead of one problem after another.
 3. **Fallback**, only if the active set cycles in floating point or runs out of additions:
    FISTA (Beck & Teboulle 2009), whose ``N``-th iterate satisfies
    ``f(x_N) − f* ≤ 2‖A‖²‖x₀ − x*‖² / (N + 1)²``, for a fixed ``N``; its support then
@@ -34,6 +41,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from ._active_set import box_active_set, solve_free
 
 #: Largest condition number of ``Q`` for which the Cholesky (pivoting) path is used.
 CHOLESKY_MAX_COND = 1e10
@@ -55,6 +64,13 @@ CG_RTOL = 1e-13
 CG_LOOSE_RTOL = 1e-6
 CG_MAX_STEPS = 100
 CG_MAX_PIVOTS = 30
+#: From this many tasks on, a badly conditioned or singular ``Q`` is pivoted with the
+#: relative multiplier test, or goes to the batched active set (:mod:`._active_set`), before
+#: the per-problem least squares; below, it goes to least squares directly.
+MANY_TASKS = 17
+#: Pivoting iterations on a positive definite but badly conditioned ``Q`` (relative
+#: multiplier test, factorisations) before the problems still open go to least squares.
+ILL_MAX_PIVOTS = 50
 
 _EPS = torch.finfo(torch.float64).eps
 _norm = torch.linalg.vector_norm  # the direct kernel: Tensor.norm dispatches in Python first
@@ -62,28 +78,18 @@ _norm = torch.linalg.vector_norm  # the direct kernel: Tensor.norm dispatches in
 
 def is_well_conditioned(q: Tensor) -> bool:
     """``Q`` symmetric positive definite with condition number below ``1e10`` (one host sync)."""
+    return _conditioning(q)[0]
+
+
+def _conditioning(q: Tensor) -> tuple[bool, bool]:
+    """``(well, definite)``: ``Q`` positive definite with condition number below ``1e10``,
+    and positive definite at all (its eigenvalues, one decomposition)."""
     lam = torch.linalg.eigvalsh(q)
-    return bool(lam[0] > lam[-1] / CHOLESKY_MAX_COND) and bool(lam[-1] > 0)
+    definite = bool(lam[0] > 0) and bool(lam[-1] > 0)
+    return definite and bool(lam[0] > lam[-1] / CHOLESKY_MAX_COND), definite
 
 
 # -- 1. block principal pivoting (positive definite Q) -----------------------------------
-def _solve_free(q: Tensor, rhs: Tensor, free: Tensor, total: Tensor | None) -> Tensor | None:
-    """``y`` ``[B, K]`` with ``Q_FF y_F = rhs_F`` (``+ ν1`` and ``1ᵀy_F = total`` if given).
-
-    Zero on the fixed indices; one batched Cholesky factorisation (None if one fails).
-    """
-    freef = free.to(q.dtype)
-    masked = q * (freef[:, :, None] * freef[:, None, :])
-    chol, info = torch.linalg.cholesky_ex(masked + torch.diag_embed(1.0 - freef))
-    if bool(info.any()):
-        return None
-    if total is not None:
-        sol = torch.cholesky_solve(torch.stack([rhs * freef, freef], dim=-1), chol)
-        nu = (total - sol[..., 0].sum(dim=1)) / sol[..., 1].sum(dim=1).clamp_min(1e-300)
-        return (sol[..., 0] + nu[:, None] * sol[..., 1]) * freef
-    return torch.cholesky_solve((rhs * freef)[..., None], chol)[..., 0] * freef
-
-
 def _multipliers(yq: Tensor, shift: Tensor, free: Tensor, simplex: bool) -> Tensor:
     """``w = Qy + shift`` (``[B, K]``; ``yq = yQ``, from the solve), less ``ν``, its mean
     over the free set, with the simplex."""
@@ -167,11 +173,32 @@ def _pcg_free(q: Tensor, h: Tensor, rhs: Tensor, free: Tensor, y0: Tensor, y0q: 
 
 Solve = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor],
                  "tuple[Tensor, Tensor, Tensor] | None"]
+#: ``(rows, y, yQ)`` → the threshold below which a multiplier ``w`` is infeasible.
+Threshold = Callable[[Tensor, Tensor, Tensor], "Tensor | float"]
+
+
+def _relative_threshold(q: Tensor, lower: Tensor, c: Tensor, tol: float) -> Threshold:
+    """``w_j < −tol (‖x‖ √Q_jj + |c_j|) − 8 eps (|Q||v|)_j`` is infeasible (``v = lower + y``,
+    ``‖x‖² = vᵀQv``): the multipliers against the size of the point ``x = Jᵀv`` and of each
+    row, as Lawson–Hanson's test (:func:`_lawson_hanson`), above their own rounding. Needed
+    where ``Q`` is badly conditioned: large weights whose combination nearly cancels make
+    every absolute tolerance too loose or too tight."""
+    d = torch.diagonal(q).clamp_min(0.0).sqrt()
+    qabs = q.abs()
+    lq = lower @ q
+
+    def threshold(rows: Tensor, y: Tensor, yq: Tensor) -> Tensor:
+        v = lower[rows] + y
+        size = ((v * (yq + lq[rows])).sum(dim=1).clamp_min(0.0).sqrt())
+        noise = 8 * _EPS * (v.abs() @ qabs)
+        return tol * (size[:, None] * d + c[rows].abs()) + noise
+
+    return threshold
 
 
 def solve_lcp_pivoting(
     q: Tensor, c: Tensor, lower: Tensor, simplex: bool, free0: Tensor, tol: float,
-    max_iter: int, iterative: bool = False,
+    max_iter: int, iterative: bool = False, relative: bool = False,
 ) -> tuple[Tensor, Tensor] | None:
     """Block principal pivoting (Júdice & Pires 1994): ``(x, done)``, ``x`` valid where done.
 
@@ -188,7 +215,9 @@ def solve_lcp_pivoting(
     preconditioned conjugate gradients (:func:`_pcg_free`: ``O(K²)`` per problem and step,
     warm-started from the last iteration's ``y``), loose while the free set moves and tight
     once it has no infeasible index (only a tight solve can finish a problem); a problem
-    whose solve does not converge stays open.
+    whose solve does not converge, or whose free block does not factorise, stays open.
+    With ``relative`` a multiplier is infeasible against the problem's own scale
+    (:func:`_relative_threshold`) instead of ``−tol``.
     """
     shift = lower @ q + c
     total = 1.0 - lower.sum(dim=1) if simplex else None
@@ -204,17 +233,20 @@ def solve_lcp_pivoting(
     else:
         def solve(rows: Tensor, free: Tensor, y: Tensor, yq: Tensor,
                   tight: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
-            out = _solve_free(q, -shift[rows], free, None if total is None else total[rows])
-            return None if out is None else (out, torch.ones(len(rows), dtype=torch.bool),
-                                             out @ q)
-    return _pivot_loop(q, shift, lower, simplex, free0, tol, max_iter, solve)
+            out = solve_free(q, -shift[rows], free, None if total is None else total[rows])
+            return out, torch.ones(len(rows), dtype=torch.bool), out.nan_to_num() @ q
+    threshold = (_relative_threshold(q, lower, c, tol) if relative
+                 else lambda rows, y, yq: tol)
+    return _pivot_loop(q, shift, lower, simplex, free0, tol, threshold, max_iter, solve)
 
 
 def _pivot_loop(q: Tensor, shift: Tensor, lower: Tensor, simplex: bool, free0: Tensor,
-                tol: float, max_iter: int, solve: Solve) -> tuple[Tensor, Tensor] | None:
+                tol: float, threshold: Threshold, max_iter: int,
+                solve: Solve) -> tuple[Tensor, Tensor] | None:
     """The iterations of :func:`solve_lcp_pivoting`; ``solve(rows, free, y_last, y_last Q,
     tight)`` gives the free-set solutions of the open problems ``rows``, which are exact
-    (``tight``: the free set had no infeasible index) and their products ``yQ``."""
+    (``tight``: the free set had no infeasible index) and their products ``yQ``; a free
+    ``y`` below ``−tol`` or a multiplier below ``−threshold(rows, y, yQ)`` is infeasible."""
     b, k = shift.shape
     free = free0.clone()
     best = torch.full((b,), k + 1, dtype=torch.int64)
@@ -228,26 +260,28 @@ def _pivot_loop(q: Tensor, shift: Tensor, lower: Tensor, simplex: bool, free0: T
     if simplex or bool(free.any()):
         solved = solve(rows, free, y, torch.zeros_like(y), torch.zeros(b, dtype=torch.bool))
     x = lower.clone()
+    done = torch.zeros(b, dtype=torch.bool)
     for _ in range(max_iter):
         if solved is None:
             return None
         y, exact, yq = solved
         w = _multipliers(yq, shift[rows], free, simplex)
-        bad = torch.where(free, y < -tol, w < -tol)
+        bad = torch.where(free, y < -tol, w < -threshold(rows, y, yq))
         count = bad.sum(dim=1)
-        finished = (count == 0) & exact
+        failed = y.isnan().any(dim=1)  # a free block that did not factorise: left open
+        finished = (count == 0) & exact & ~failed
         x[rows[finished]] = lower[rows[finished]] + y[finished].clamp_min(0.0)
-        keep = ~finished
-        rows, y, yq, free, bad, w = (t[keep] for t in (rows, y, yq, free, bad, w))
+        done[rows[finished]] = True
+        keep = ~(finished | failed)
+        rows, y, yq, free, bad, w, count = (
+            t[keep] for t in (rows, y, yq, free, bad, w, count))
         if rows.numel() == 0:
-            return x, torch.ones(b, dtype=torch.bool)
-        better = count[keep] < best[rows]
-        best[rows] = torch.where(better, count[keep], best[rows])
+            break
+        better = count < best[rows]
+        best[rows] = torch.where(better, count, best[rows])
         chances[rows] = torch.where(better, 3, chances[rows] - 1)
         free = _exchange(free, bad, chances[rows] >= 0, order, simplex, w)
-        solved = solve(rows, free, y, yq, count[keep] == 0)
-    done = torch.ones(b, dtype=torch.bool)
-    done[rows] = False
+        solved = solve(rows, free, y, yq, count == 0)
     return x, done
 
 
@@ -782,16 +816,39 @@ def solve_box_qp_batched(
 
     ``q`` ``[K, K]`` symmetric PSD (trace-normalised) with every ``c_b`` in its range; ``c``,
     ``lower`` and the optional feasible start ``x0`` are ``[B, K]``, float64 on the CPU.
-    ``well_conditioned`` selects the pivoting path (computed from ``q`` when None); the
-    problems it leaves open, and all of them otherwise, are solved on a factor of ``q``
+    ``well_conditioned`` selects the pivoting path (computed from ``q`` when None, with
+    whether ``q`` is positive definite at all); from ``MANY_TASKS`` tasks on a positive
+    definite ``q`` is pivoted with the relative test and open box problems go to the batched
+    active set; the problems still open are solved on a factor of ``q``
     (:func:`factored_box_qp`).
     """
     q, c, lower = q.to(torch.float64), c.to(torch.float64), lower.to(torch.float64)
+    definite = False
     if well_conditioned is None:
-        well_conditioned = is_well_conditioned(q)
+        well_conditioned, definite = _conditioning(q)
+    many = q.shape[0] >= MANY_TASKS
     x = _start_points(lower, simplex, x0)
-    pivot = _pivot_all(q, c, lower, simplex, x, tol) if well_conditioned else None
+    pivot: Tensor | tuple[Tensor, Tensor] | None = None
+    if well_conditioned:
+        pivot = _pivot_all(q, c, lower, simplex, x, tol)
+    elif definite and many:
+        pivot = solve_lcp_pivoting(q, c, lower, simplex, x > lower, tol, ILL_MAX_PIVOTS,
+                                   relative=True)
     if isinstance(pivot, Tensor):
         return pivot
     out, done = pivot or (x.clone(), torch.zeros(c.shape[0], dtype=torch.bool))
+    if many and not simplex and not bool(c.any()) and not bool(done.all()):
+        _finish_active_set(q, lower, out, done, tol)
+    if bool(done.all()):
+        return out
     return _solve_factored(q, c, lower, simplex, None if x0 is None else x, out, done, tol)
+
+
+def _finish_active_set(q: Tensor, lower: Tensor, out: Tensor, done: Tensor,
+                       tol: float) -> None:
+    """The open box problems (``c = 0``) by the batched active set
+    (:func:`~._active_set.box_active_set`), in place where it finishes them."""
+    rest = torch.nonzero(~done).flatten()
+    v, finished = box_active_set(q, lower[rest], tol, 3 * q.shape[0] + 10)
+    out[rest[finished]] = v[finished]
+    done[rest[finished]] = True

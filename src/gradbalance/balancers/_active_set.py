@@ -1,0 +1,215 @@
+"""Many box QPs on one positive semi-definite ``Q`` at once: Lawson–Hanson's active set.
+
+Not a balancer module (no ``__all__``). ``min ½ vᵀQv`` s.t. ``v ≥ lowerᵦ`` for ``B`` rows
+``lowerᵦ`` (UPGrad's K projections), where ``Q`` is singular or badly conditioned. With
+``Q = L Lᵀ`` this is the non-negative least-squares problem ``min ‖Lᵀ(lower + y)‖``,
+``y ≥ 0``, and Lawson & Hanson's method (1974, *Solving Least Squares Problems*, Ch. 23)
+needs ``L`` only through ``Q``: its passive-set solves are ``Q_PP z = −(Q lower)_P`` and its
+dual vector is ``−(Qv)``. Every problem takes its steps in the same tensor operations
+(masks, not Python lists): one index enters each open problem's passive set per iteration,
+the passive blocks ``[B, m, m]`` are factorised together (``m`` the largest passive set,
+at most the rank of ``Q``), and the passive sets stay independent (an entering column whose
+Schur complement is rounding, as the factor of :func:`~._boxqp.psd_factor` would drop it,
+stays out). A problem still open after its additions is left to the caller.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+_EPS = torch.finfo(torch.float64).eps
+#: Smallest Schur complement of an entering column, relative to its diagonal entry and per
+#: row of ``Q``: the eigenvalue cut-off of :func:`~._boxqp.psd_factor`.
+SCHUR_RTOL_PER_ROW = 4 * _EPS
+
+
+def free_first(free: Tensor) -> tuple[Tensor, Tensor]:
+    """``(idx, valid)`` ``[B, m]`` (``m``: the largest free set): each row's free indices
+    first, in order, then its fixed ones; ``valid`` marks the free entries."""
+    counts = free.sum(dim=1)
+    m = int(counts.max())
+    idx = torch.argsort((~free).to(torch.int8), dim=1, stable=True)[:, :m]
+    return idx, torch.arange(m)[None, :] < counts[:, None]
+
+
+def free_blocks(q: Tensor, idx: Tensor, valid: Tensor) -> Tensor:
+    """The blocks ``Q[idx, idx]`` ``[B, m, m]``, the identity on the invalid entries."""
+    m = idx.shape[1]
+    vf = valid.to(q.dtype)
+    block = q[idx].gather(2, idx[:, None, :].expand(-1, m, m))
+    return block * (vf[:, :, None] * vf[:, None, :]) + torch.diag_embed(1.0 - vf)
+
+
+def solve_free(q: Tensor, rhs: Tensor, free: Tensor, total: Tensor | None) -> Tensor:
+    """``y`` ``[B, K]`` with ``Q_FF y_F = rhs_F`` (``+ ν1`` and ``1ᵀy_F = total`` if given).
+
+    Zero on the fixed indices; one batched Cholesky factorisation of the ``[B, m, m]`` free
+    blocks. A problem whose block does not factorise gets a NaN row.
+    """
+    y = torch.zeros_like(rhs)
+    if not bool(free.any()):
+        return y
+    idx, valid = free_first(free)
+    vf = valid.to(q.dtype)
+    chol, info = torch.linalg.cholesky_ex(free_blocks(q, idx, valid))
+    r = rhs.gather(1, idx) * vf
+    if total is not None:
+        sol = torch.cholesky_solve(torch.stack([r, vf], dim=-1), chol)
+        nu = (total - sol[..., 0].sum(dim=1)) / sol[..., 1].sum(dim=1).clamp_min(1e-300)
+        z = (sol[..., 0] + nu[:, None] * sol[..., 1]) * vf
+    else:
+        z = torch.cholesky_solve(r[..., None], chol)[..., 0] * vf
+    y.scatter_(1, idx, z)
+    y[(info != 0) | ~torch.isfinite(z).all(dim=1)] = math.nan
+    return y
+
+
+def _entering_solve(q: Tensor, rhs: Tensor, passive: Tensor, t: Tensor) -> Tensor:
+    """``z`` ``[B, K]`` on ``P ∪ {t}`` (``t`` not in ``passive``), NaN where ``t`` depends on
+    ``P`` (its Schur complement below ``SCHUR_RTOL_PER_ROW · K · Q_tt``) or the block does
+    not factorise."""
+    b, k = rhs.shape
+    idx, valid = free_first(passive) if bool(passive.any()) else (
+        torch.zeros(b, 0, dtype=torch.int64), torch.zeros(b, 0, dtype=torch.bool))
+    idx = torch.cat([idx, t[:, None]], dim=1)
+    valid = torch.cat([valid, torch.ones(b, 1, dtype=torch.bool)], dim=1)
+    chol, info = torch.linalg.cholesky_ex(free_blocks(q, idx, valid))
+    vf = valid.to(q.dtype)
+    z = torch.cholesky_solve((rhs.gather(1, idx) * vf)[..., None], chol)[..., 0] * vf
+    schur = chol[:, -1, -1] ** 2
+    ok = (info == 0) & (schur > SCHUR_RTOL_PER_ROW * k * q.diagonal()[t])
+    y = torch.zeros_like(rhs).scatter_(1, idx, z)
+    y[~(ok & torch.isfinite(z).all(dim=1))] = math.nan
+    return y
+
+
+def _product(y: Tensor, q: Tensor) -> Tensor:
+    """``y Q`` for a sparse ``y`` ``[B, K]`` (its few passive entries)."""
+    out: Tensor = torch.sparse.mm(y.to_sparse(), q)
+    return out
+
+
+class _Problems:
+    """The open problems' state: ``y ≥ 0`` and ``yQ`` ``[B, K]``, the passive sets, the
+    indices set aside (a solve gave them no positive value; cleared when ``y`` moves) and
+    the additions made."""
+
+    def __init__(self, b: int, k: int, dtype: torch.dtype) -> None:
+        self.rows = torch.arange(b)
+        self.y = torch.zeros(b, k, dtype=dtype)
+        self.yq = torch.zeros(b, k, dtype=dtype)
+        self.passive = torch.zeros(b, k, dtype=torch.bool)
+        self.aside = torch.zeros(b, k, dtype=torch.bool)
+        self.additions = torch.zeros(b, dtype=torch.int64)
+
+    def keep(self, mask: Tensor) -> None:
+        """Only the problems where ``mask`` stay open."""
+        for name in ("rows", "y", "yq", "passive", "aside", "additions"):
+            setattr(self, name, getattr(self, name)[mask])
+
+
+def _off_span(q: Tensor, passive: Tensor, d: Tensor) -> Tensor:
+    """``sⱼ = Qⱼⱼ − Q_jP Q_PP⁻¹ Q_Pj`` ``[B, K]``: the squared distance of each column of
+    ``Lᵀ`` from the span of the passive ones (``d² `` where the passive set is empty)."""
+    if not bool(passive.any()):
+        return (d * d).expand(passive.shape[0], -1)
+    idx, valid = free_first(passive)
+    chol, _ = torch.linalg.cholesky_ex(free_blocks(q, idx, valid))
+    cols = q[idx] * valid.to(q.dtype)[:, :, None]
+    return d * d - (cols * torch.cholesky_solve(cols, chol)).sum(dim=1)
+
+
+def _entering(q: Tensor, shift: Tensor, lower: Tensor, st: _Problems, d: Tensor,
+              tol: float) -> Tensor:
+    """The index that enters each open problem's passive set, ``−1`` where none: the largest
+    ``gⱼ = −wⱼ/√sⱼ`` (``w = Qv``, ``sⱼ`` the column's squared distance from the passive
+    span, :func:`_off_span`) among the independent columns whose ``−wⱼ`` exceeds
+    ``tol ‖x‖ √sⱼ`` (``‖x‖² = vᵀQv``) and rounding."""
+    w = st.yq + shift[st.rows]
+    v = lower[st.rows] + st.y
+    size = (v * w).sum(dim=1).clamp_min(0.0).sqrt()
+    noise = 8 * _EPS * v.abs().sum(dim=1) * float(d.max())
+    off = _off_span(q, st.passive, d)
+    indep = off > SCHUR_RTOL_PER_ROW * q.shape[0] * d * d
+    root = torch.where(indep, off, 1.0).clamp_min(0.0).sqrt()
+    ok = (~st.passive & ~st.aside & indep
+          & (-w > tol * size[:, None] * root) & (-w > noise[:, None] * d))
+    score = torch.where(ok, -w / root, -math.inf)
+    best = score.argmax(dim=1)
+    return torch.where(ok.any(dim=1), best, -1)
+
+
+def _to_boundary(y: Tensor, z: Tensor, passive: Tensor) -> tuple[Tensor, Tensor]:
+    """Lawson–Hanson steps 8–11 for each row: the largest step from ``y`` towards ``z`` that
+    keeps ``y ≥ 0``; the indices it brings to zero leave the passive set."""
+    neg = passive & (z <= 0.0)
+    ratio = torch.where(neg, y / torch.where(neg, y - z, 1.0), math.inf)
+    alpha = ratio.min(dim=1, keepdim=True).values.clamp(0.0, 1.0)
+    blocking = neg & (ratio <= alpha)
+    y = torch.where(blocking, 0.0, y + alpha * (z - y))
+    passive = passive & ~blocking & (y > 0.0)
+    return torch.where(passive, y, 0.0), passive
+
+
+def _inner(q: Tensor, rhs: Tensor, y: Tensor, z: Tensor,
+           passive: Tensor) -> tuple[Tensor, Tensor]:
+    """Lawson–Hanson steps 7–11: move towards ``z`` until the passive solve is positive."""
+    while True:
+        moving = (passive & (z <= 0.0)).any(dim=1)
+        if not bool(moving.any()):
+            return torch.where(passive, z, 0.0), passive
+        ym, pm = _to_boundary(y[moving], z[moving], passive[moving])
+        y, passive = y.clone(), passive.clone()
+        y[moving], passive[moving] = ym, pm
+        z = z.clone()
+        z[moving] = solve_free(q, rhs[moving], pm, None).nan_to_num()
+
+
+def box_active_set(q: Tensor, lower: Tensor, tol: float,
+                   max_additions: int) -> tuple[Tensor, Tensor]:
+    """``(v, done)`` ``[B, K]``, ``[B]``: ``argmin ½ vᵀQv`` s.t. ``v ≥ lowerᵦ`` where done.
+
+    Lawson–Hanson from ``v = lower``: each iteration the index of the largest scaled
+    multiplier enters each open problem (:func:`_entering`), the passive system is solved,
+    and ``y`` moves towards it (:func:`_inner`). A problem is done when no multiplier
+    exceeds ``tol ‖x‖ √Qⱼⱼ`` (Lawson–Hanson's test on the factor, ``‖x‖ = ‖Lᵀv‖``), and left
+    open after ``max_additions`` additions.
+    """
+    b, k = lower.shape
+    shift = lower @ q
+    d = torch.diagonal(q).clamp_min(0.0).sqrt()
+    out, done = lower.clone(), torch.zeros(b, dtype=torch.bool)
+    st = _Problems(b, k, q.dtype)
+    while st.rows.numel():
+        t = _entering(q, shift, lower, st, d, tol)
+        finished = t < 0
+        out[st.rows[finished]] = lower[st.rows[finished]] + st.y[finished]
+        done[st.rows[finished]] = True
+        live = ~finished & (st.additions < max_additions)
+        t = t[live]
+        st.keep(live)
+        if not st.rows.numel():
+            break
+        st.additions += 1
+        _add(q, -shift[st.rows], st, t)
+    return out, done
+
+
+def _add(q: Tensor, rhs: Tensor, st: _Problems, t: Tensor) -> None:
+    """``t`` enters each open problem; where the solve gives it no positive value (or it
+    depends on the passive set) it is set aside instead, else ``y`` moves (:func:`_inner`)."""
+    z = _entering_solve(q, rhs, st.passive, t)
+    rows = torch.arange(t.shape[0])
+    good = ~z.isnan().any(dim=1) & (z[rows, t] > 0.0)
+    st.aside[rows[~good], t[~good]] = True
+    if not bool(good.any()):
+        return
+    passive = st.passive[good].clone()
+    passive[torch.arange(int(good.sum())), t[good]] = True
+    y, passive = _inner(q, rhs[good], st.y[good], z[good], passive)
+    st.y[good], st.passive[good] = y, passive
+    st.aside[good] = False
+    st.yq[good] = _product(y, q)
