@@ -17,7 +17,7 @@ from ..balancers._base import Balancer
 from ..clip._protocol import RowClipper, scales_whole_rows
 from ..distributed import all_reduce_grads_and_losses_
 from ..stats import StepStats, build_stats
-from ..taskgrads import Concrete, ParamLayout, Passes, TaskRoots, kept_passes
+from ..taskgrads import Concrete, ParamLayout, Passes, TaskRoots, kept_passes, resolve_passes
 from ._engine import StepInput, commit, heads_backward_, reject_features, settle
 from ._recorder import GramianRecorder
 
@@ -43,6 +43,12 @@ class GramianMode:
         self.passes: Passes = passes  # resolved by device, not measured
         self.chosen: Concrete | None = None
         self._micro = 0  # micro-batches of the step so far
+        self._contract_if_batched()
+
+    def _contract_if_batched(self) -> None:
+        """Batched passes are contracted inside the backward: the forwards keep every call."""
+        batched = resolve_passes(self.passes, self.recorder.device, self.chosen) == "batched"
+        self.recorder.contract = batched
 
     @property
     def layer_routes(self) -> dict[str, str]:
@@ -57,6 +63,7 @@ class GramianMode:
         self._micro = 1 if first else self._micro + 1
         used = self.recorder.task_passes(roots, self.passes, first, self._micro, self.chosen)
         self.chosen = kept_passes(self.passes, self.recorder.device, self.chosen, used)
+        self._contract_if_batched()
 
     def check_apply(self, balancer: Balancer, clip: RowClipper | None) -> None:
         if not balancer.from_gramian:
