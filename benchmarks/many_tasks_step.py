@@ -6,7 +6,9 @@ UPGrad and PCGrad in ``matrix`` mode (the ``[K, P]`` buffer of task gradients) a
 the figure the median over rounds of each variant's time over the plain step's in the same
 round. Peak memory: each variant in a fresh subprocess, the rise of the peak resident set
 size (``VmHWM``) over two steps from just after the model and the batch are built (CUDA: the
-allocator's peak), for the plain step and UPGrad in both modes.
+allocator's peak), for the plain step and UPGrad in both modes, with the passes the device
+prefers (the loop on CPU) and as one batched call (``-batched``: ``gramian`` mode then forms
+each layer's block inside the backward).
 
     python benchmarks/many_tasks_step.py                  # mlp and cnn, K = 64 and 256
     python benchmarks/many_tasks_step.py --trunks mlp --ks 64 --rounds 2   # a quicker run
@@ -25,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).parent))  # the sibling script below
 import step_overhead
 
 VARIANTS = "matrix-upgrad,gramian-upgrad,matrix-pcgrad,gramian-pcgrad"
-MEMORY_VARIANTS = ("plain", "matrix-upgrad", "gramian-upgrad")
+MEMORY_VARIANTS = ("plain", "matrix-upgrad", "gramian-upgrad", "matrix-upgrad-batched",
+                   "gramian-upgrad-batched")
 
 
 def main() -> int:

@@ -299,6 +299,11 @@ def variants(b: Bench, k: int, amortise_ks: set[int], own: Callable[[], Bench],
     if only is not None and any("passes" in o for o in only):  # on request only
         for passes in ("loop", "batched"):
             table[f"passes-{passes}"] = v_mode(b, "matrix", "mgda", passes=passes)
+    if only is not None and any("batched" in o for o in only):  # on request only
+        for mode in ("matrix", "gramian"):  # one vmapped call for the K passes
+            hooked = mode == "gramian"
+            table[f"{mode}-upgrad-batched"] = v_mode(own() if hooked else b, mode, "upgrad",
+                                                     passes="batched")
     if only is not None and any("persample" in o for o in only):  # on request only
         for route in ("graph", "model", "ghost"):  # the ghost hooks need their own model
             table[f"persample-{route}-mgda"] = v_per_sample(own() if route == "ghost" else b,
@@ -369,7 +374,7 @@ def measure_memory(trunk: str, k: int, variant: str, quick: bool, device: torch.
                    ) -> float:
     """Peak extra memory (MiB) of two steps of ``variant``, measured in this process."""
     b = Bench(trunk, k, device, quick)
-    fn = variants(b, k, {k}, lambda: b).get(variant)
+    fn = variants(b, k, {k}, lambda: b, only=[variant]).get(variant)
     if fn is None:
         return float("nan")
     if device.type == "cuda":

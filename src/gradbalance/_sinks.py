@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ._sparse import dense
 
-__all__ = ["PassSink", "RowsSink", "StackSink"]
+__all__ = ["PassSink", "RowsSink", "StackSink", "task_stack"]
 
 
 class ColumnLayout(Protocol):
@@ -113,3 +113,19 @@ class StackSink:
 
     def write_batched(self, grads: Sequence[Tensor | None]) -> None:
         self.stacks = list(grads)
+
+
+def task_stack(grad: Tensor, num_tasks: int) -> Tensor | None:
+    """The ``[K, *shape]`` tensor behind the gradient a tensor hook sees inside one batched
+    pass (``is_grads_batched``, torch's vmap over the tasks), task first; None outside one (a
+    loop pass) or where this torch's batched call hides it."""
+    try:
+        level = torch._C._vmapmode_increment_nesting()  # the batched call's level, plus one
+        torch._C._vmapmode_decrement_nesting()
+        if level < 2:
+            return None
+        stack: Tensor = torch._remove_batch_dim(
+            grad, level - 1, num_tasks, 0)
+    except (AttributeError, RuntimeError):  # another torch's batching: not inside this one
+        return None
+    return stack if stack.shape == (num_tasks, *grad.shape) else None

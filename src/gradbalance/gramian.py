@@ -209,5 +209,9 @@ def _weight_block(x: Tensor, d: Tensor, route: str | None = None) -> Tensor:
             m = m.permute(0, 2, 1, 3).reshape((stop - start) * k, n * n)
             gram[start:stop] = (m @ a).view(stop - start, k).to(torch.float64)
         return gram
-    rows = torch.matmul(d.transpose(1, 2), x).reshape(k, o * i)  # [K, o·i]
-    return compute_gramian(rows)
+    gram = torch.zeros(k, k, dtype=torch.float64, device=d.device)
+    step = max(1, _GRAM_CHUNK // max(k * i, 1))  # outputs per block of rows
+    for start in range(0, o, step):  # the rows [K, o·i] a column block at a time
+        rows = torch.matmul(d[:, :, start : start + step].transpose(1, 2), x)
+        gram += compute_gramian(rows.reshape(k, -1))
+    return gram

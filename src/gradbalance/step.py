@@ -97,7 +97,9 @@ class TaskGradBuffer:
             ``backward`` if None.
         passes: ``"auto"``, ``"measure"``, ``"loop"`` or ``"batched"`` (see
             :mod:`gradbalance.taskgrads`): ``"auto"`` takes the loop on CPU and measures both
-            on the first step elsewhere; ``"measure"`` measures on any device.
+            on the first step elsewhere; ``"measure"`` measures on any device. In
+            ``gramian`` mode, ``"batched"`` also forms each layer's block inside the backward
+            (``[K, K]`` plus one layer held; docs/performance.md, "Modes").
         process_group: data parallelism: ``G``, the heads' ``.grad`` and the losses are
             averaged over its ranks in ``apply_`` before balancing (None: the default group
             when torch.distributed is initialised; ``"local"``: off). See

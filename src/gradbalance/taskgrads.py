@@ -95,8 +95,8 @@ def _loop(roots: TaskRoots, inputs: list[Tensor], sinks: Sequence[PassSink],
         previous = grads  # noqa: F841  # freed after the next pass allocates: no page faults
 
 
-def _batched(roots: TaskRoots, inputs: list[Tensor], passes: Passes,
-             retain_graph: bool) -> tuple[Tensor | None, ...] | None:
+def batched_grads(roots: TaskRoots, inputs: Sequence[Tensor], passes: Passes,
+                  retain_graph: bool) -> tuple[Tensor | None, ...] | None:
     """The batched call's gradients; None where it failed and ``passes`` allows the loop."""
     losses = roots.scaled
     eye = torch.eye(losses.shape[0], dtype=losses.dtype, device=losses.device)
@@ -140,7 +140,7 @@ def run_passes(
         raise ValueError("run_passes: sinks mix by_backward and autograd.grad inputs")
     inputs = [x for sink in sinks for x in sink.inputs]
     if not by_backward and resolve_passes(passes, device, preferred) == "batched":
-        grads = _batched(roots, inputs, passes, retain_graph)
+        grads = batched_grads(roots, inputs, passes, retain_graph)
         if grads is not None:
             for sink, part in _split(sinks, grads):
                 sink.write_batched(part)

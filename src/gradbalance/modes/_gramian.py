@@ -44,6 +44,10 @@ class GramianMode:
         self.passes: Passes = passes  # resolved by device, not measured
         self.chosen: Concrete | None = None
         self._micro = 0  # micro-batches of the step so far
+        # Batched passes asked for by name are contracted inside the backward (the forwards
+        # keep every call); ``auto``'s batched choice keeps the operands (docs/performance.md,
+        # "Modes").
+        self.recorder.contract = passes == "batched"
 
     @property
     def layer_routes(self) -> dict[str, str]:

@@ -12,15 +12,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .._graph import reaches
+from .._graph import reaches, tensor_hooked
 from .._sinks import PassSink, RowsSink, StackSink
 from ..distributed import all_gather_columns, all_ranks_true, all_reduce_mean_
 from ..gramian import compute_gramian, linear_gramian
-from ..taskgrads import Concrete, Passes, TaskRoots, run_passes
+from ..taskgrads import Concrete, Passes, TaskRoots, resolve_passes, run_passes
 from ._blocks import Block, Call, find_blocks
+from ._contracted import ContractedStep, contract_passes
 from ._engine import WriteBack
 from ._layers import rows_grad, rows_input
-from ._routes import Force, keep_exact, keeps, plan_routes, promote_routes
+from ._routes import Force, inexact, keep_exact, keeps, plan_routes, promote_routes
 
 __all__ = ["GramianRecorder"]
 
@@ -99,6 +100,11 @@ class GramianRecorder:
         self.force: Force = None  # a route forced on every layer, or by block name
         self.num_tasks: int | None = None  # the last step's K (keeps() reads it)
         self._stepping = False  # a micro-batch of the current step has run its passes
+        # batched passes may contract each layer inside the backward (the mode's passes say
+        # so), unless a step needed the operands (micro-batches, ranks): then it keeps them
+        self.contract = False
+        self.keep_operands = False
+        self.contracted: ContractedStep | None = None  # this step's, until apply or clear
         ref = weakref.ref(self)
         self._handles = [
             block.module.register_forward_hook(_make_hook(ref, block), with_kwargs=True)
@@ -114,7 +120,7 @@ class GramianRecorder:
         x = _recorded_input(block, args, kwargs)
         assert block.form is not None
         n = output.numel() // max(block.form[1], 1)
-        if keeps(block, n, self.force, self._stepping, self.num_tasks):
+        if self._may_contract() or keeps(block, n, self.force, self._stepping, self.num_tasks):
             block.calls.append(Call(n, x, output, (x._version, output._version)))
         else:
             block.calls.append(Call(n))
@@ -125,9 +131,14 @@ class GramianRecorder:
                 f"backward() or reset(); evaluate under torch.no_grad()",
                 RuntimeWarning, stacklevel=2)
 
+    def _may_contract(self) -> bool:
+        """Whether the step's first micro-batch may be contracted: every call is kept."""
+        return self.contract and not self.keep_operands and not self._stepping
+
     def clear(self) -> None:
         """Forget the step: recorded calls, output gradients, inputs and rows."""
         self._stepping = False
+        self.contracted = None
         for block in self.blocks:
             block.forget()
 
@@ -146,11 +157,79 @@ class GramianRecorder:
 
     def task_passes(self, roots: TaskRoots, passes: Passes, first: bool = True, micro: int = 1,
                     preferred: Concrete | None = None) -> Concrete:
-        """A micro-batch's K passes: ``∂Lₖ/∂y`` at the activations-route outputs, the rows of
+        """A micro-batch's K passes: contracted inside one batched call where it can
+        (:mod:`._contracted`), else ``∂Lₖ/∂y`` at the activations-route outputs and the rows of
         every other block. Returns the passes used."""
         k_total = roots.num_tasks
         if first:
             plan_routes(self.linear, self.force, k_total)
+        elif self.contracted is not None:  # a second micro-batch: the first one's operands
+            self._materialise()
+        used: Concrete | None = None
+        if first and self._contractible(roots, passes, preferred):
+            used = self._contract(roots, passes, preferred)
+        if used is None or used == "loop":
+            used = self._kept_passes(roots, passes if used is None else "loop", first,
+                                     preferred)
+        if not first:
+            promote_routes(self.linear, self.force, k_total, micro)
+        self.num_tasks, self._stepping = k_total, True
+        return used
+
+    def _contractible(self, roots: TaskRoots, passes: Passes,
+                      preferred: Concrete | None) -> bool:
+        """Whether this micro-batch's passes may be contracted: batched, every call kept, no
+        tensor hook on a shared parameter (it would also see the weighted write-back)."""
+        return (self._may_contract() and resolve_passes(passes, self.device, preferred)
+                == "batched" and not any(tensor_hooked(p) for b in self.blocks for p in b.params))
+
+    def _contract(self, roots: TaskRoots, passes: Passes,
+                  preferred: Concrete | None) -> Concrete | None:
+        """Contract the passes (:func:`._contracted.contract_passes`); the passes to run
+        instead where that could not (None: as asked)."""
+        hooked = self._hooked_blocks(roots)
+        rows = [block for block in self.blocks if all(block is not h for h in hooked)]
+        gram, ran = contract_passes(roots, hooked, rows, passes)
+        if gram is None:
+            return None if ran else "loop"
+        calls = [list(block.calls) for block in self.linear]
+        for block in self.linear:
+            block.calls.clear()
+        self.contracted = ContractedStep(roots, gram, calls, passes, preferred)
+        return "batched"
+
+    def _hooked_blocks(self, roots: TaskRoots) -> list[Block]:
+        """The linear blocks contracted from their recorded calls: every call kept and
+        unchanged, and no parameter used outside them (those take autograd's rows)."""
+        self._check_recorded(roots)  # the activations-route layers' checks, as in the passes
+        keep_exact(self.linear, self.force, roots.scaled, roots.num_tasks, True)
+        called = [block for block in self.linear
+                  if block.calls and all(call.output is not None for call in block.calls)]
+        for block in called:
+            _kept_outputs(block)  # refuses an in-place edit since the forward
+        unsure = [block for block in called if block.route == "rows"]
+        wrong = {id(block) for block in inexact(unsure, roots.scaled)} if unsure else set()
+        return [block for block in called if id(block) not in wrong]
+
+    def _materialise(self) -> None:
+        """The contracted micro-batch's operands after all, from its kept graph; the step
+        (and every later one) keeps them (a second micro-batch, or a process group)."""
+        step, self.contracted = self.contracted, None
+        assert step is not None
+        self.keep_operands = True
+        current = [block.calls for block in self.linear]
+        try:
+            for block, calls in zip(self.linear, step.calls):
+                block.calls = calls
+            self._kept_passes(step.roots, step.passes, True, step.preferred)
+        finally:
+            for block, calls in zip(self.linear, current):
+                block.calls = calls
+
+    def _kept_passes(self, roots: TaskRoots, passes: Passes, first: bool,
+                     preferred: Concrete | None) -> Concrete:
+        """The passes into each block's operands: output gradients or rows."""
+        k_total = roots.num_tasks
         keep_exact(self.linear, self.force, roots.scaled, k_total, first)
         stacks = StackSink(self._check_recorded(roots), k_total)
         row_blocks = [block for block in self.blocks if block.route == "rows"]
@@ -164,9 +243,6 @@ class GramianRecorder:
         self._keep_activations(stacks.stacks, k_total)
         for block in row_blocks:
             block.rows = block.rows_buffer(k_total)
-        if not first:
-            promote_routes(self.linear, self.force, k_total, micro)
-        self.num_tasks, self._stepping = k_total, True
         return used
 
     def _keep_activations(self, stacks: list[Tensor | None], k_total: int) -> None:
@@ -184,6 +260,8 @@ class GramianRecorder:
     def reduce_over_ranks(self, k_total: int, group: Any) -> None:
         """Every rank gets the full batch's operands: routes agreed, activations gathered,
         rows averaged."""
+        if self.contracted is not None:  # the Gramian of the ranks' mean needs the operands
+            self._materialise()
         if self.linear:  # activations only where every rank has them
             local = torch.tensor([block.route == "activations" for block in self.linear])
             for block, kept in zip(self.linear, all_ranks_true(local, group).tolist()):
@@ -204,6 +282,8 @@ class GramianRecorder:
 
     def gramian(self, k_total: int, device: torch.device) -> Tensor:
         """``G Gᵀ`` ``[K, K]`` in float64, summed block by block."""
+        if self.contracted is not None:
+            return self.contracted.gram
         gram = torch.zeros(k_total, k_total, dtype=torch.float64, device=device)
         for block in self.blocks:
             if block.route == "activations":
@@ -217,6 +297,9 @@ class GramianRecorder:
 
     def weighted_update(self, weights: Tensor) -> WriteBack:
         """``Σₖ wₖ ∂Lₖ/∂θ`` for every shared parameter the step reached, nothing written."""
+        if self.contracted is not None:
+            return self.contracted.weighted_update([p for b in self.blocks for p in b.params],
+                                                   weights)
         params: list[Tensor] = []
         parts: list[Tensor | None] = []
         owned: list[bool] = []
