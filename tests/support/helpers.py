@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from gradbalance import TaskGradBuffer
 from gradbalance_lab.models import (
     MultiTaskModel,
     cnn_trunk,
@@ -87,3 +88,15 @@ def optimizer_step(opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler | No
     else:
         opt.step()
     opt.zero_grad(set_to_none=True)
+
+
+def forced_buffer(model: MultiTaskModel, mode: str, passes: str, force: object = None
+                  ) -> TaskGradBuffer:
+    """A buffer over ``model`` in ``mode`` with ``passes``; in ``gramian`` mode, ``force`` (if
+    given) pins every layer's route on its recorder."""
+    buf = TaskGradBuffer(model.shared_parameters(), model.head_parameters(), mode=mode,
+                         passes=passes,  # type: ignore[arg-type]
+                         **({"modules": model.trunk} if mode == "gramian" else {}))
+    if force is not None:
+        buf._engine.recorder.force = force  # type: ignore[attr-defined]
+    return buf

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from gradbalance import TaskClip, TaskGradBuffer, taskgrads
 from gradbalance.modes import _contracted
 from gradbalance_lab.models import MultiTaskModel, make_heads, regression_losses
-from support.helpers import TRUNKS, ItemInBackward, build, grads_of
+from support.helpers import TRUNKS, ItemInBackward, build, forced_buffer, grads_of
 from support.perf import make_balancer
 
 
@@ -62,15 +62,6 @@ def _mixed(num_tasks: int, batch: int, seed: int, dtype: torch.dtype
             torch.randn(batch, num_tasks, generator=gen, dtype=dtype))
 
 
-def _buffer(model: MultiTaskModel, mode: str, passes: str, force: object = None
-            ) -> TaskGradBuffer:
-    buf = TaskGradBuffer(model.shared_parameters(), model.head_parameters(), mode=mode,
-                         passes=passes,  # type: ignore[arg-type]
-                         **({"modules": model.trunk} if mode == "gramian" else {}))
-    if force is not None:
-        buf._engine.recorder.force = force  # type: ignore[attr-defined]
-    return buf
-
 
 def _step(buf: TaskGradBuffer, model: MultiTaskModel, x: Tensor, y: Tensor, name: str,
           split: tuple[int, ...] = (), scaler: torch.amp.GradScaler | None = None,
@@ -106,7 +97,7 @@ def _contracted_now(buf: TaskGradBuffer) -> bool:
 
 def _contracted_step(model: MultiTaskModel, x: Tensor, y: Tensor, name: str,
                      force: object = None) -> tuple[list[Tensor], Tensor]:
-    buf = _buffer(model, "gramian", "batched", force)
+    buf = forced_buffer(model, "gramian", "batched", force)
     buf.backward(regression_losses(model(x), y))
     assert _contracted_now(buf)
     stats = buf.apply_(make_balancer(name))
@@ -122,7 +113,7 @@ def test_contracted_passes_give_matrix_modes_update(kind: str, force: str | None
     # mlp: linear layers; cnn: convolutions; transformer: linear layers among attention and
     # LayerNorm blocks (their [K, P_b] rows) — float64, to the rounding of the two routes
     model, x, y = build(kind, batch=6, dtype=torch.float64)
-    ref, ref_w = _step(_buffer(model, "matrix", "loop"), model, x, y, "upgrad")
+    ref, ref_w = _step(forced_buffer(model, "matrix", "loop"), model, x, y, "upgrad")
     got, got_w = _contracted_step(model, x, y, "upgrad", force)
     _close(got, ref, 1e-9)
     torch.testing.assert_close(got_w, ref_w, rtol=1e-8, atol=1e-10)
@@ -131,7 +122,7 @@ def test_contracted_passes_give_matrix_modes_update(kind: str, force: str | None
 @pytest.mark.parametrize("kind", ["mlp", "cnn"])
 def test_contracted_passes_match_in_float32(kind: str) -> None:
     model, x, y = build(kind, batch=8)
-    ref, ref_w = _step(_buffer(model, "matrix", "loop"), model, x, y, "upgrad")
+    ref, ref_w = _step(forced_buffer(model, "matrix", "loop"), model, x, y, "upgrad")
     got, got_w = _contracted_step(model, x, y, "upgrad")
     _close(got, ref, 1e-4)
     torch.testing.assert_close(got_w, ref_w, rtol=1e-4, atol=1e-5)
@@ -148,7 +139,7 @@ def test_mixed_trunk_property(num_tasks: int, batch: int, seed: int, name: str,
     # recorded and unrecorded blocks, a layer called twice, a weight used outside its call
     # (that layer takes its rows from autograd, as the loop does)
     model, x, y = _mixed(num_tasks, batch, seed, torch.float64)
-    ref, ref_w = _step(_buffer(model, "matrix", "loop"), model, x, y, name)
+    ref, ref_w = _step(forced_buffer(model, "matrix", "loop"), model, x, y, name)
     got, got_w = _contracted_step(model, x, y, name, force)
     _close(got, ref, 1e-8)
     torch.testing.assert_close(got_w, ref_w, rtol=1e-6, atol=1e-8)
@@ -162,12 +153,12 @@ def test_adversarial_scales_stay_exact() -> None:
     def losses() -> Tensor:
         return regression_losses(model(x), y) * scales
 
-    matrix = _buffer(model, "matrix", "loop")
+    matrix = forced_buffer(model, "matrix", "loop")
     matrix.backward(losses())
     ref_stats = matrix.apply_(make_balancer("mgda"))
     ref = grads_of(model.shared_parameters())
     model.zero_grad(set_to_none=True)
-    buf = _buffer(model, "gramian", "batched")
+    buf = forced_buffer(model, "gramian", "batched")
     buf.backward(losses())
     assert _contracted_now(buf)
     stats = buf.apply_(make_balancer("mgda"))
@@ -178,11 +169,11 @@ def test_adversarial_scales_stay_exact() -> None:
 
 def test_grad_scaler_and_row_clipping() -> None:
     model, x, y = _mixed(3, 6, 2, torch.float32)
-    ref, ref_w = _step(_buffer(model, "matrix", "loop"), model, x, y, "upgrad",
+    ref, ref_w = _step(forced_buffer(model, "matrix", "loop"), model, x, y, "upgrad",
                        clip=TaskClip(0.05))
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
     assert scaler.is_enabled()
-    got, got_w = _step(_buffer(model, "gramian", "batched"), model, x, y, "upgrad",
+    got, got_w = _step(forced_buffer(model, "gramian", "batched"), model, x, y, "upgrad",
                        scaler=scaler, clip=TaskClip(0.05))
     _close([g / 2.0**12 for g in got], ref, 1e-4)
     torch.testing.assert_close(got_w, ref_w, rtol=1e-4, atol=1e-6)
@@ -192,8 +183,8 @@ def test_micro_batches_take_the_operands_from_then_on() -> None:
     # the first micro-batch was contracted: the second one makes the step take its operands
     # (from the kept graph), and the buffer keeps them from the first micro-batch thereafter
     model, x, y = build("mlp", batch=8, dtype=torch.float64)
-    ref, _ = _step(_buffer(model, "matrix", "loop"), model, x, y, "upgrad")
-    buf = _buffer(model, "gramian", "batched")
+    ref, _ = _step(forced_buffer(model, "matrix", "loop"), model, x, y, "upgrad")
+    buf = forced_buffer(model, "gramian", "batched")
     for _ in range(2):
         got, _ = _step(buf, model, x, y, "upgrad", split=(3, 5))
         _close(got, ref, 1e-9)
@@ -207,10 +198,10 @@ def test_micro_batches_take_the_operands_from_then_on() -> None:
 def test_a_hooked_parameter_keeps_the_operands() -> None:
     # a tensor hook on a shared parameter would also see the weighted write-back
     model, x, y = build("mlp", batch=6, dtype=torch.float64)
-    ref, _ = _step(_buffer(model, "matrix", "loop"), model, x, y, "upgrad")
+    ref, _ = _step(forced_buffer(model, "matrix", "loop"), model, x, y, "upgrad")
     handle = model.shared_parameters()[0].register_hook(lambda g: g)
     try:
-        buf = _buffer(model, "gramian", "batched")
+        buf = forced_buffer(model, "gramian", "batched")
         buf.backward(regression_losses(model(x), y))
         assert buf._engine.recorder.contracted is None  # type: ignore[attr-defined]
         buf.apply_(make_balancer("upgrad"))
@@ -223,9 +214,9 @@ def test_hidden_batched_gradients_take_the_operands(monkeypatch: pytest.MonkeyPa
     # where the hooks cannot see the [K, ·] gradients (another torch), the kept graph runs
     # the passes that keep the operands
     model, x, y = _mixed(3, 5, 3, torch.float64)
-    ref, _ = _step(_buffer(model, "matrix", "loop"), model, x, y, "upgrad")
+    ref, _ = _step(forced_buffer(model, "matrix", "loop"), model, x, y, "upgrad")
     monkeypatch.setattr(_contracted, "task_stack", lambda grad, k: None)
-    buf = _buffer(model, "gramian", "batched")
+    buf = forced_buffer(model, "gramian", "batched")
     buf.backward(regression_losses(model(x), y))
     assert buf._engine.recorder.contracted is None  # type: ignore[attr-defined]
     buf.apply_(make_balancer("upgrad"))
@@ -243,9 +234,9 @@ def test_a_failed_batched_call_falls_back_to_the_loop(monkeypatch: pytest.Monkey
     trunk = nn.Sequential(nn.Linear(6, 8), _Unbatchable(), nn.Tanh(), nn.Linear(8, 8))
     model = MultiTaskModel(trunk, make_heads(8, 3)).double()
     x, y = torch.randn(5, 6, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
-    ref, _ = _step(_buffer(model, "matrix", "loop"), model, x, y, "upgrad")
+    ref, _ = _step(forced_buffer(model, "matrix", "loop"), model, x, y, "upgrad")
     monkeypatch.setitem(taskgrads.AUTO_PREFERENCE, "cpu", "batched")
-    buf = _buffer(model, "gramian", "auto")
+    buf = forced_buffer(model, "gramian", "auto")
     with pytest.warns(RuntimeWarning, match="falling back to the loop"):
         got, _ = _step(buf, model, x, y, "upgrad")
     _close(got, ref, 1e-9)
@@ -257,7 +248,7 @@ def test_a_failed_batched_call_falls_back_to_the_loop(monkeypatch: pytest.Monkey
 
 def test_a_failed_apply_drops_the_kept_graph() -> None:
     model, x, y = build("mlp", batch=6)
-    buf = _buffer(model, "gramian", "batched")
+    buf = forced_buffer(model, "gramian", "batched")
     losses = regression_losses(model(x), y)
     buf.backward(losses)
     with pytest.raises(TypeError, match="needs the task-gradient rows"):

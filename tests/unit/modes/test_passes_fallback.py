@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from gradbalance import TaskGradBuffer, taskgrads
 from gradbalance_lab.models import MultiTaskModel, make_heads, regression_losses
-from support.helpers import ItemInBackward, grads_of
+from support.helpers import ItemInBackward, forced_buffer, grads_of
 from support.perf import make_balancer
 
 K = 3
@@ -40,15 +40,6 @@ def _model() -> tuple[MultiTaskModel, Tensor, Tensor]:
     return model, x, torch.randn(5, K, generator=gen, dtype=torch.float64)
 
 
-def _buffer(model: MultiTaskModel, mode: str, passes: str, force: str | None
-            ) -> TaskGradBuffer:
-    buf = TaskGradBuffer(model.shared_parameters(), model.head_parameters(), mode=mode,
-                         passes=passes,  # type: ignore[arg-type]
-                         **({"modules": model.trunk} if mode == "gramian" else {}))
-    if force is not None:
-        buf._engine.recorder.force = force  # type: ignore[attr-defined]
-    return buf
-
 
 def _step(buf: TaskGradBuffer, model: MultiTaskModel, x: Tensor, y: Tensor
           ) -> tuple[list[Tensor], list[Tensor]]:
@@ -71,10 +62,10 @@ def _close(actual: list[Tensor], expected: list[Tensor]) -> None:
 def test_auto_falls_back_to_the_loop_in_every_mode(monkeypatch: pytest.MonkeyPatch, mode: str,
                                                    force: str | None) -> None:
     model, x, y = _model()
-    reference = _step(_buffer(model, "matrix", "loop", None), model, x, y)
+    reference = _step(forced_buffer(model, "matrix", "loop", None), model, x, y)
     # "auto" now asks for the batched call on this device, without measuring
     monkeypatch.setitem(taskgrads.AUTO_PREFERENCE, "cpu", "batched")
-    buf = _buffer(model, mode, "auto", force)
+    buf = forced_buffer(model, mode, "auto", force)
     with pytest.warns(RuntimeWarning, match="falling back to the loop"):
         first = _step(buf, model, x, y)
     _close(first[0], reference[0])
@@ -89,7 +80,7 @@ def test_auto_falls_back_to_the_loop_in_every_mode(monkeypatch: pytest.MonkeyPat
 @pytest.mark.parametrize("mode", ["matrix", "gramian"])
 def test_forced_batched_raises_in_every_mode(mode: str) -> None:
     model, x, y = _model()
-    buf = _buffer(model, mode, "batched", "activations" if mode == "gramian" else None)
+    buf = forced_buffer(model, mode, "batched", "activations" if mode == "gramian" else None)
     with pytest.raises(RuntimeError, match="passes='batched' failed"):
         buf.backward(regression_losses(model(x), y))
     assert all(p.grad is None for p in model.parameters())
