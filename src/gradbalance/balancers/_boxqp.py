@@ -828,12 +828,7 @@ def solve_box_qp_batched(
         well_conditioned, definite = _conditioning(q)
     many = q.shape[0] >= MANY_TASKS
     x = _start_points(lower, simplex, x0)
-    pivot: Tensor | tuple[Tensor, Tensor] | None = None
-    if well_conditioned:
-        pivot = _pivot_all(q, c, lower, simplex, x, tol)
-    elif definite and many:
-        pivot = solve_lcp_pivoting(q, c, lower, simplex, x > lower, tol, ILL_MAX_PIVOTS,
-                                   relative=True)
+    pivot = _pivot_first(q, c, lower, simplex, x, tol, well_conditioned, definite and many)
     if isinstance(pivot, Tensor):
         return pivot
     out, done = pivot or (x.clone(), torch.zeros(c.shape[0], dtype=torch.bool))
@@ -842,6 +837,19 @@ def solve_box_qp_batched(
     if bool(done.all()):
         return out
     return _solve_factored(q, c, lower, simplex, None if x0 is None else x, out, done, tol)
+
+
+def _pivot_first(q: Tensor, c: Tensor, lower: Tensor, simplex: bool, x: Tensor, tol: float,
+                 well_conditioned: bool, ill_but_definite: bool
+                 ) -> Tensor | tuple[Tensor, Tensor] | None:
+    """The pivoting, where it applies: absolute multiplier test on a well-conditioned ``q``,
+    relative test on a badly conditioned positive definite one (many tasks); else None."""
+    if well_conditioned:
+        return _pivot_all(q, c, lower, simplex, x, tol)
+    if ill_but_definite:
+        return solve_lcp_pivoting(q, c, lower, simplex, x > lower, tol, ILL_MAX_PIVOTS,
+                                  relative=True)
+    return None
 
 
 def _finish_active_set(q: Tensor, lower: Tensor, out: Tensor, done: Tensor,
