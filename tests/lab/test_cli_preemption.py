@@ -151,8 +151,14 @@ def test_stopped_figures_overwrite_keeps_the_earlier_report(
         return real(name, *args, **kwargs)
 
     monkeypatch.setattr(figures, "run_one", stopped_second)
-    code = main(["figures", "--quick", "--no-plot", "--only", "clipping", "loss_scale",
-                 "--out", str(out), "--overwrite"])
+    # Python leaves SIGINT ignored in a process started as a background job (`cmd &`): Ctrl-C
+    # is the terminal's, so this test installs the handler an interactive run has.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        code = main(["figures", "--quick", "--no-plot", "--only", "clipping", "loss_scale",
+                     "--out", str(out), "--overwrite"])
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert code == (143 if sig == signal.SIGTERM else 130)
     assert "1 of 2 figures finished" in capsys.readouterr().err
     assert (out / "report.md").read_text() == "old report"
