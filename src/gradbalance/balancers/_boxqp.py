@@ -59,8 +59,10 @@ FALLBACK_ITERATIONS = 1000
 #: (``O(B K³)`` per pivoting iteration).
 CG_MIN_SIZE = 64
 #: Relative residual at which those solves stop (while the free set still moves: loose), and
-#: the pivoting iterations before the problems still open go to the factorisations.
-CG_RTOL = 1e-13
+#: the pivoting iterations before the problems still open go to the factorisations. ``CG_RTOL``
+#: times the condition number of ``Q`` (below ``1e5`` where this path is fast) bounds the
+#: relative error of ``y``: within the ``1e-6`` to which the update is stated.
+CG_RTOL = 1e-11
 CG_LOOSE_RTOL = 1e-6
 CG_MAX_PIVOTS = 30
 #: From this many tasks on, a badly conditioned or singular ``Q`` is pivoted with the
