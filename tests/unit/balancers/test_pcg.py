@@ -3,7 +3,7 @@
 ``pcg_free`` (float64 and float32) against a direct solve of each free block; the whole path
 (the float32 pivoting of ``rough_free_sets``, then the float64 pivoting from it) against
 scipy's NNLS on the rows, projection by projection, and against the same path from a wrong
-start (the float32 phase is only a start: the float64 pivoting decides). Inputs: conflicting
+start (K ≤ 24; the float32 phase is only a start: the float64 pivoting decides). Inputs: conflicting
 rows, rows whose norms span 1e-3 … 1e3, and few coordinates (``P = K + 3``: condition numbers
 up to about 1e6), all on the conjugate-gradient path (``CG_MIN_SIZE`` forced to 2).
 Tolerance: the same update (cosine ≥ 0.999999, norm within 1e-6 relative).
@@ -47,7 +47,7 @@ def cg_projections(gram: Tensor, u: Tensor) -> Tensor:
 CASES = st.tuples(st.integers(3, 48), st.sampled_from(KINDS), st.integers(0, 2**16))
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(st.integers(2, 48), st.sampled_from([torch.float64, torch.float32]),
        st.integers(0, 2**16))
 def test_pcg_free_solves_every_free_block(k: int, dtype: torch.dtype, seed: int) -> None:
@@ -77,7 +77,7 @@ def test_pcg_free_solves_every_free_block(k: int, dtype: torch.dtype, seed: int)
     assert bool((drift <= size * 1e-2 * rtol ** 0.5 + slack).all())
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(CASES)
 def test_float32_start_then_float64_matches_scipy_nnls(case: tuple[int, str, int]) -> None:
     """UPGrad's projections on the conjugate-gradient path against scipy's NNLS on the rows
@@ -92,7 +92,7 @@ def test_float32_start_then_float64_matches_scipy_nnls(case: tuple[int, str, int
 
 
 @settings(max_examples=6, deadline=None)
-@given(CASES)
+@given(st.tuples(st.integers(3, 24), st.sampled_from(KINDS), st.integers(0, 2**16)))
 def test_the_float32_phase_is_only_a_start(case: tuple[int, str, int]) -> None:
     """A wrong guess (every index free, random positive ``y``) in place of the float32
     pivoting gives the same projections: the float64 pivoting decides."""
