@@ -1,12 +1,13 @@
 """UPGrad's conjugate-gradient pivoting: the float32 start and the float64 solves, K ≤ 48.
 
-``pcg_free`` (float64 and float32) against a direct solve of each free block; the whole path
-(the float32 pivoting of ``rough_free_sets``, then the float64 pivoting from it) against
-scipy's NNLS on the rows, projection by projection, and against the same path from a wrong
-start (K ≤ 24; the float32 phase is only a start: the float64 pivoting decides). Inputs: conflicting
-rows, rows whose norms span 1e-3 … 1e3, and few coordinates (``P = K + 3``: condition numbers
-up to about 1e6), all on the conjugate-gradient path (``CG_MIN_SIZE`` forced to 2).
-Tolerance: the same update (cosine ≥ 0.999999, norm within 1e-6 relative).
+``pcg_free`` (float64 and float32): each free block's residual recomputed in float64 from the
+returned ``y``; the whole path (the float32 pivoting of ``rough_free_sets``, then the float64
+pivoting from it) against scipy's NNLS on the rows, projection by projection, and against the
+same path from a wrong start (K ≤ 24; the float32 phase is only a start: the float64 pivoting
+decides). Inputs: conflicting rows, rows whose norms span 1e-3 … 1e3, and few coordinates
+(``P = K + 3``: condition numbers up to about 1e6), all on the conjugate-gradient path
+(``CG_MIN_SIZE`` forced to 2). Tolerance: the same update (cosine ≥ 0.999999, norm within
+1e-6 relative).
 """
 
 from __future__ import annotations
