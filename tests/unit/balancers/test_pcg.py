@@ -4,9 +4,10 @@
 returned ``y``; the whole path (the float32 pivoting of ``rough_free_sets``, then the float64
 pivoting from it) against scipy's NNLS on the rows, projection by projection, and against the
 same path from a wrong start (K ≤ 24; the float32 phase is only a start: the float64 pivoting
-decides). Inputs: conflicting rows, rows whose norms span 1e-3 … 1e3, and few coordinates
-(``P = K + 3``: condition numbers up to about 1e6), all on the conjugate-gradient path
-(``CG_MIN_SIZE`` forced to 2). Tolerance: the same update (cosine ≥ 0.999999, norm within
+decides). Inputs: conflicting rows (condition numbers up to about 1e3), rows whose norms
+span 1e-2 … 1e2 (1e8 … 4e9, below the path's limit of 1e10), and few coordinates
+(``P = K + 3``: up to about 2e5), all on the conjugate-gradient path (``CG_MIN_SIZE`` forced
+to 2). Tolerance: the same update (cosine ≥ 0.999999, norm within
 1e-6 relative).
 """
 
@@ -34,7 +35,7 @@ def well_posed_rows(kind: str, k: int, seed: int) -> Tensor:
     g = torch.randn(k, 1, generator=gen, dtype=F64) * torch.randn(p, generator=gen, dtype=F64)
     g = g + 0.5 * torch.randn(k, p, generator=gen, dtype=F64)
     if kind == "wide_norms":
-        g = g * torch.logspace(-3, 3, k, dtype=F64)[torch.randperm(k, generator=gen), None]
+        g = g * torch.logspace(-2, 2, k, dtype=F64)[torch.randperm(k, generator=gen), None]
     return g
 
 
