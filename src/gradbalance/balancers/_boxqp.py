@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from ._active_set import box_active_set, solve_free
+from ._pcg import pcg_free, rough_free_sets
 
 #: Largest condition number of ``Q`` for which the Cholesky (pivoting) path is used.
 CHOLESKY_MAX_COND = 1e10
@@ -57,12 +58,13 @@ FALLBACK_ITERATIONS = 1000
 #: per step for all ``K`` of UPGrad's projections) instead of ``B`` factorisations
 #: (``O(B K³)`` per pivoting iteration).
 CG_MIN_SIZE = 64
-#: Relative residual at which those solves stop (while the free set still moves: loose), their
-#: step cap, and the pivoting iterations before the problems still open go to the
-#: factorisations.
-CG_RTOL = 1e-13
+#: Relative residual at which those solves stop (while the free set still moves: loose), and
+#: the pivoting iterations before the problems still open go to the factorisations. ``CG_RTOL``
+#: times the condition number of ``Q_FF`` bounds the relative error of ``y``: below the
+#: ``1e-6`` to which the update is stated up to ``1e5`` (conflicting rows: about ``3e3`` at
+#: ``K = 1,024``), a bound rarely approached beyond.
+CG_RTOL = 1e-11
 CG_LOOSE_RTOL = 1e-6
-CG_MAX_STEPS = 100
 CG_MAX_PIVOTS = 30
 #: From this many tasks on, a badly conditioned or singular ``Q`` is pivoted with the
 #: relative multiplier test, or goes to the batched active set (:mod:`._active_set`), before
@@ -114,63 +116,6 @@ def _exchange(free: Tensor, bad: Tensor, block: Tensor, order: Tensor, simplex: 
     return free
 
 
-def _restricted_product(q: Tensor, y0: Tensor, y0q: Tensor, f: Tensor) -> Tensor:
-    """``(y0 ∘ f) Q`` from ``y0 Q``: the rows of ``Q`` of the few entries ``f`` drops are
-    subtracted (one ``[B, K] × [K, K]`` product instead when they are many)."""
-    dropped = y0 * (1.0 - f)
-    bi, ki = torch.nonzero(dropped, as_tuple=True)
-    if 8 * bi.numel() > dropped.numel():
-        return (y0 * f) @ q
-    return y0q.index_add(0, bi, -dropped[bi, ki][:, None] * q[ki])
-
-
-def _pcg_free(q: Tensor, h: Tensor, rhs: Tensor, free: Tensor, y0: Tensor, y0q: Tensor,
-              tight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``(y, converged, yQ)`` (``[B, K]``, ``[B]``, ``[B, K]``): ``Q_FF y_F = rhs_F`` per row,
-    ``y`` zero off ``F``; ``y0q = y0 Q`` (the last solve's product).
-
-    Conjugate gradients preconditioned by ``(Q⁻¹)_FF`` (``h = Q⁻¹``), from ``y0``: two
-    ``[B, K] × [K, K]`` products per step for all the problems together, until the residual
-    is ``CG_RTOL`` (rows where ``tight``, else ``CG_LOOSE_RTOL``) times ``‖rhs_F‖``, at most
-    ``CG_MAX_STEPS`` steps; ``converged`` only where ``tight``. ``yQ`` is carried along the
-    iterations from ``y0q`` (the unmasked operator products), so neither the start nor the
-    caller's multipliers need a product of their own.
-    """
-    f = free.to(q.dtype)
-    y = y0 * f
-    yq = _restricted_product(q, y0, y0q, f)
-    r = (rhs - yq) * f
-    rtol = torch.where(tight, CG_RTOL, CG_LOOSE_RTOL).to(q.dtype)
-    target = rtol * _norm(rhs * f, dim=1)
-    converged = _norm(r, dim=1) <= target
-    live = torch.nonzero(~converged).flatten()  # rows still iterating: the others drop out
-    f, r, target, x, xq = f[live], r[live], target[live], y[live], yq[live]
-    z = (r @ h) * f
-    p, rz = z, (r * z).sum(dim=1)
-    for _ in range(CG_MAX_STEPS):
-        if live.numel() == 0:
-            break
-        pq = p @ q
-        ap = pq * f
-        pap = (p * ap).sum(dim=1)
-        alpha = torch.where(pap > 0, rz / torch.where(pap > 0, pap, 1.0), 0.0)[:, None]
-        x, xq, r = x + alpha * p, xq + alpha * pq, r - alpha * ap
-        ok = _norm(r, dim=1) <= target
-        stop = ok | (pap <= 0)  # converged, or broken down (left unconverged)
-        if bool(stop.any()):
-            done = live[stop]
-            y[done], yq[done], converged[done] = x[stop], xq[stop], ok[stop]
-            keep = ~stop
-            live, f, r, target, x, xq, p, rz = (
-                t[keep] for t in (live, f, r, target, x, xq, p, rz))
-        z = (r @ h) * f
-        rz_new = (r * z).sum(dim=1)
-        p = z + torch.where(rz > 0, rz_new / torch.where(rz > 0, rz, 1.0), 0.0)[:, None] * p
-        rz = rz_new
-    y[live], yq[live] = x, xq
-    return y, converged & tight, yq
-
-
 Solve = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor],
                  "tuple[Tensor, Tensor, Tensor] | None"]
 #: ``(rows, y, yQ)`` → the threshold below which a multiplier ``w`` is infeasible.
@@ -212,24 +157,26 @@ def solve_lcp_pivoting(
 
     The equalities of the open problems: one batched Cholesky factorisation of the masked
     ``Q`` each (``O(K³)`` per problem and iteration), or with ``iterative`` (box only)
-    preconditioned conjugate gradients (:func:`_pcg_free`: ``O(K²)`` per problem and step,
-    warm-started from the last iteration's ``y``), loose while the free set moves and tight
-    once it has no infeasible index (only a tight solve can finish a problem); a problem
-    whose solve does not converge, or whose free block does not factorise, stays open.
+    preconditioned conjugate gradients (:func:`~._pcg.pcg_free`: ``O(K²)`` per problem and
+    step, warm-started from the last iteration's ``y``), loose while the free set moves and
+    tight once it has no infeasible index or the last solve was tight (only a tight solve
+    can finish a problem), from the free sets and solutions of the same pivoting in float32
+    (:func:`~._pcg.rough_free_sets`); a problem whose solve does not converge, or whose free
+    block does not factorise, stays open.
     With ``relative`` a multiplier is infeasible against the problem's own scale
     (:func:`_relative_threshold`) instead of ``−tol``.
     """
     shift = lower @ q + c
     total = 1.0 - lower.sum(dim=1) if simplex else None
     solve: Solve
+    y0 = None
     if iterative:
         chol, info = torch.linalg.cholesky_ex(q)
         if int(info) != 0:
             return None
         h = torch.cholesky_inverse(chol)
-        def solve(rows: Tensor, free: Tensor, y: Tensor, yq: Tensor,
-                  tight: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
-            return _pcg_free(q, h, -shift[rows], free, y, yq, tight)
+        free0, y0 = rough_free_sets(q, h, shift, free0)
+        solve = _cg_solve(q, h, shift)
     else:
         def solve(rows: Tensor, free: Tensor, y: Tensor, yq: Tensor,
                   tight: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
@@ -237,28 +184,49 @@ def solve_lcp_pivoting(
             return out, torch.ones(len(rows), dtype=torch.bool), out.nan_to_num() @ q
     threshold = (_relative_threshold(q, lower, c, tol) if relative
                  else lambda rows, y, yq: tol)
-    return _pivot_loop(q, shift, lower, simplex, free0, tol, threshold, max_iter, solve)
+    return _pivot_loop(q, shift, lower, simplex, free0, tol, threshold, max_iter, solve, y0)
+
+
+def _cg_solve(q: Tensor, h: Tensor, shift: Tensor) -> Solve:
+    """The free-set solves of :func:`solve_lcp_pivoting` by :func:`~._pcg.pcg_free`: to
+    ``CG_RTOL`` where ``tight`` (only those count as exact), else ``CG_LOOSE_RTOL``."""
+    def solve(rows: Tensor, free: Tensor, y: Tensor, yq: Tensor,
+              tight: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
+        rtol = torch.where(tight, CG_RTOL, CG_LOOSE_RTOL).to(q.dtype)
+        out, converged, outq = pcg_free(q, h, -shift[rows], free, y, yq, rtol)
+        return out, converged & tight, outq
+    return solve
+
+
+def _first_solve(q: Tensor, free: Tensor, simplex: bool, solve: Solve,
+                 y0: Tensor | None) -> tuple[Tensor, Tensor, Tensor] | None:
+    """The pivoting's first solve (loose), from a guessed solution ``y0`` or from ``y = 0``;
+    none from an empty free set and no guess (the default start of a box QP: ``y = 0``)."""
+    b = free.shape[0]
+    rows = torch.arange(b)
+    if y0 is not None:
+        return solve(rows, free, y0, y0 @ q, torch.zeros(b, dtype=torch.bool))
+    y = torch.zeros(free.shape, dtype=q.dtype)
+    if simplex or bool(free.any()):
+        return solve(rows, free, y, torch.zeros_like(y), torch.zeros(b, dtype=torch.bool))
+    return y, torch.ones(b, dtype=torch.bool), torch.zeros_like(y)
 
 
 def _pivot_loop(q: Tensor, shift: Tensor, lower: Tensor, simplex: bool, free0: Tensor,
                 tol: float, threshold: Threshold, max_iter: int,
-                solve: Solve) -> tuple[Tensor, Tensor] | None:
+                solve: Solve, y0: Tensor | None = None) -> tuple[Tensor, Tensor] | None:
     """The iterations of :func:`solve_lcp_pivoting`; ``solve(rows, free, y_last, y_last Q,
     tight)`` gives the free-set solutions of the open problems ``rows``, which are exact
-    (``tight``: the free set had no infeasible index) and their products ``yQ``; a free
-    ``y`` below ``−tol`` or a multiplier below ``−threshold(rows, y, yQ)`` is infeasible."""
+    (``tight``: the free set had no infeasible index, or the last solve was exact) and their
+    products ``yQ``; a free ``y`` below ``−tol`` or a multiplier below
+    ``−threshold(rows, y, yQ)`` is infeasible. ``y0``: a guessed first solution."""
     b, k = shift.shape
     free = free0.clone()
     best = torch.full((b,), k + 1, dtype=torch.int64)
     chances = torch.full((b,), 3, dtype=torch.int64)
     order = torch.arange(1, k + 1)
     rows = torch.arange(b)
-    y = torch.zeros_like(shift)
-    # From an empty free set (the default start of a box QP) y = 0 needs no solve.
-    solved: tuple[Tensor, Tensor, Tensor] | None = (y, torch.ones(b, dtype=torch.bool),
-                                                    torch.zeros_like(y))
-    if simplex or bool(free.any()):
-        solved = solve(rows, free, y, torch.zeros_like(y), torch.zeros(b, dtype=torch.bool))
+    solved = _first_solve(q, free, simplex, solve, y0)
     x = lower.clone()
     done = torch.zeros(b, dtype=torch.bool)
     for _ in range(max_iter):
@@ -281,7 +249,7 @@ def _pivot_loop(q: Tensor, shift: Tensor, lower: Tensor, simplex: bool, free0: T
         best[rows] = torch.where(better, count, best[rows])
         chances[rows] = torch.where(better, 3, chances[rows] - 1)
         free = _exchange(free, bad, chances[rows] >= 0, order, simplex, w)
-        solved = solve(rows, free, y, yq, count == 0)
+        solved = solve(rows, free, y, yq, (count == 0) | exact[keep])
     return x, done
 
 

@@ -1,0 +1,131 @@
+"""UPGrad's conjugate-gradient pivoting: the float32 start and the float64 solves, K ≤ 48.
+
+``pcg_free`` (float64 and float32): each free block's residual recomputed in float64 from the
+returned ``y``; the whole path (the float32 pivoting of ``rough_free_sets``, then the float64
+pivoting from it) against scipy's NNLS on the rows, projection by projection, and against the
+same path from a wrong start (K ≤ 24; the float32 phase is only a start: the float64 pivoting
+decides). Inputs: conflicting rows (condition numbers up to about 1e3), rows whose norms
+span 1e-2 … 1e2 (1e8 … 4e9, below the path's limit of 1e10), and few coordinates
+(``P = K + 3``: up to about 2e5), all on the conjugate-gradient path (``CG_MIN_SIZE`` forced
+to 2). Tolerance: the same update (cosine ≥ 0.999999, norm within
+1e-6 relative).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor
+
+from gradbalance.balancers import _boxqp, _pcg
+from gradbalance.balancers._solvers import trace_normalized
+from support.balancers import nnls_dual_cone
+from unit.balancers.test_many_tasks import assert_same_update
+
+F64 = torch.float64
+KINDS = ["conflicting", "wide_norms", "few_coordinates"]
+
+
+def well_posed_rows(kind: str, k: int, seed: int) -> Tensor:
+    """``[K, P]`` rows with a positive definite Gramian (the pivoting's domain)."""
+    gen = torch.Generator().manual_seed(seed)
+    p = k + 3 if kind == "few_coordinates" else 4 * k + 8
+    g = torch.randn(k, 1, generator=gen, dtype=F64) * torch.randn(p, generator=gen, dtype=F64)
+    g = g + 0.5 * torch.randn(k, p, generator=gen, dtype=F64)
+    if kind == "wide_norms":
+        g = g * torch.logspace(-2, 2, k, dtype=F64)[torch.randperm(k, generator=gen), None]
+    return g
+
+
+def cg_projections(gram: Tensor, u: Tensor) -> Tensor:
+    """Every projection ``argmin_{v ≥ uᵢ} vᵀGv`` on the conjugate-gradient path."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_boxqp, "CG_MIN_SIZE", 2)
+        return _boxqp.solve_box_qp_batched(gram, torch.zeros_like(u), u)
+
+
+CASES = st.tuples(st.integers(3, 48), st.sampled_from(KINDS), st.integers(0, 2**16))
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(2, 48), st.sampled_from([torch.float64, torch.float32]),
+       st.integers(0, 2**16))
+def test_pcg_free_solves_every_free_block(k: int, dtype: torch.dtype, seed: int) -> None:
+    """Each row: ``y`` zero off ``F``, ``Q_FF y_F = rhs_F`` (checked in float64 against the
+    returned ``y``) to the relative tolerance asked for where converged (float64: every
+    row), ``yQ`` (carried along the steps) the product of the returned ``y``."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = well_posed_rows("conflicting", k, seed)
+    gram, _ = trace_normalized(rows @ rows.T)
+    h = torch.cholesky_inverse(torch.linalg.cholesky(gram))
+    free = torch.rand(k, k, generator=gen) < 0.6
+    rhs = torch.randn(k, k, generator=gen, dtype=F64) / k
+    start = torch.randn(k, k, generator=gen, dtype=F64) / k  # a warm start, partly off F
+    rtol = 1e-10 if dtype == torch.float64 else 1e-4
+    q = gram.to(dtype)
+    y, converged, yq = _pcg.pcg_free(q, h.to(dtype), rhs.to(dtype), free, start.to(dtype),
+                                     start.to(dtype) @ q, torch.full((k,), rtol, dtype=dtype))
+    y64, f = y.to(F64), free.to(F64)
+    assert bool((y64[~free] == 0).all())
+    size = torch.linalg.vector_norm(rhs * f, dim=1)
+    residual = torch.linalg.vector_norm((rhs - y64 @ gram) * f, dim=1)
+    # The recursive residual meets rtol; the true one within rounding of the products.
+    slack = 10 * k * torch.finfo(dtype).eps * torch.linalg.vector_norm(y64, dim=1)
+    assert bool((residual <= rtol * size + slack)[converged].all())
+    assert dtype == torch.float32 or bool(converged.all())
+    drift = torch.linalg.vector_norm(yq.to(F64) - y64 @ gram, dim=1)
+    assert bool((drift <= size * 1e-2 * rtol ** 0.5 + slack).all())
+
+
+@settings(max_examples=8, deadline=None)
+@given(CASES)
+def test_float32_start_then_float64_matches_scipy_nnls(case: tuple[int, str, int]) -> None:
+    """UPGrad's projections on the conjugate-gradient path against scipy's NNLS on the rows
+    (an independent solver), four of them per case."""
+    k, kind, seed = case
+    g = well_posed_rows(kind, k, seed)
+    gram, _ = trace_normalized(g @ g.T)
+    u = torch.eye(k, dtype=F64) / k
+    v = cg_projections(gram, u)
+    for i in sorted({0, k // 3, 2 * k // 3, k - 1}):
+        assert_same_update(g.T @ v[i], nnls_dual_cone(g, u[i]), g)
+
+
+@settings(max_examples=6, deadline=None)
+@given(st.tuples(st.integers(3, 24), st.sampled_from(KINDS), st.integers(0, 2**16)))
+def test_the_float32_phase_is_only_a_start(case: tuple[int, str, int]) -> None:
+    """A wrong guess (every index free, random positive ``y``) in place of the float32
+    pivoting gives the same projections: the float64 pivoting decides."""
+    k, kind, seed = case
+    g = well_posed_rows(kind, k, seed)
+    gram, _ = trace_normalized(g @ g.T)
+    u = torch.eye(k, dtype=F64) / k
+    expected = cg_projections(gram, u)
+
+    def wrong(q: Tensor, h: Tensor, shift: Tensor, free0: Tensor) -> tuple[Tensor, Tensor]:
+        gen = torch.Generator().manual_seed(seed)
+        return torch.ones_like(free0), torch.rand(free0.shape, generator=gen, dtype=F64) / k
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_boxqp, "rough_free_sets", wrong)
+        got = cg_projections(gram, u)
+    assert_same_update(got.sum(dim=0) @ g, expected.sum(dim=0) @ g, g)
+
+
+def test_rough_free_sets_keeps_the_start_where_float32_is_not_finite() -> None:
+    """A problem whose float32 solve is not finite (an overflowing or NaN ``shift``) keeps
+    its given free set and ``y = 0``; another gets the optimum (here ``Q = I``:
+    ``y = max(−shift, 0)``), one that overflows a finite guess."""
+    k = 6
+    q = torch.eye(k, dtype=F64)
+    shift = torch.tensor([[-1.0, 2.0, -3.0, 0.5, -0.25, 1.0], [float("nan")] * k,
+                          [1e300] * k], dtype=F64)
+    free0 = torch.zeros(3, k, dtype=torch.bool)
+    free0[1:, 1] = True
+    free, y = _pcg.rough_free_sets(q, q, shift, free0)
+    assert free[0].tolist() == [True, False, True, False, True, False]
+    assert torch.allclose(y[0], (-shift[0]).clamp_min(0.0), rtol=1e-6)
+    assert free[1].tolist() == free0[1].tolist()
+    assert bool((y[1:] == 0).all()) and bool(torch.isfinite(y).all())
