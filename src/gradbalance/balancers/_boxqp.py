@@ -398,7 +398,7 @@ def _warm_start(passive: list[bool], norms: list[float], qr: ColumnQR, work: _Wo
     """A feasible start from a guessed passive set: its columns independent of those before
     them enter, then the indices of a non-positive least-squares solution leave until none
     is left (each solve drops one or more)."""
-    x = torch.zeros(len(passive), dtype=qr.t.dtype)
+    x = torch.zeros(len(passive), dtype=qr.tt.dtype)
     for j in [j for j, p in enumerate(passive) if p]:
         if qr.off_norm(j) > INDEPENDENCE_RTOL * norms[j]:
             qr.add(j)
@@ -408,7 +408,7 @@ def _warm_start(passive: list[bool], norms: list[float], qr: ColumnQR, work: _Wo
         z = _solve(qr, work)
         z_l = z.tolist()
         if min(z_l) > 0.0:
-            x[qr.cols] = z
+            x[qr.cols_t] = z
             return x
         leaving = [j for j, v in zip(qr.cols, z_l, strict=True) if v <= 0.0]
         for j in leaving:
@@ -417,21 +417,23 @@ def _warm_start(passive: list[bool], norms: list[float], qr: ColumnQR, work: _Wo
     return x
 
 
-def _step_to_boundary(x: Tensor, passive: list[bool], idx: list[int], z: Tensor,
-                      x_l: list[float], z_l: list[float]) -> tuple[Tensor, list[int]]:
-    """Lawson–Hanson steps 8–11: the largest step from ``x`` towards ``z`` (on ``idx``) that
-    keeps it feasible; the blocking index and every other that reaches zero leave the
-    passive set (returned)."""
-    ratios = [(xv / (xv - zv), j) for j, xv, zv in zip(idx, x_l, z_l, strict=True)
+def _step_to_boundary(x: Tensor, passive: list[bool], qr: ColumnQR, z: Tensor,
+                      z_l: list[float]) -> tuple[Tensor, list[int]]:
+    """Lawson–Hanson steps 8–11: the largest step from ``x`` towards ``z`` (on the passive
+    set) that keeps it feasible; the blocking index and every other that reaches zero leave
+    the passive set (returned)."""
+    idx, idx_t = qr.cols, qr.cols_t
+    now = x[idx_t]
+    ratios = [(xv / (xv - zv), j) for j, xv, zv in zip(idx, now.tolist(), z_l, strict=True)
               if zv <= 0.0]
     alpha, block = min(ratios)
-    x = x.clone()
-    x[idx] = x[idx] + alpha * (z - x[idx])
-    x[block] = 0.0
-    leaving = [j for j in idx if j == block or float(x[j]) <= 0.0]
+    moved = now + alpha * (z - now)
+    leaving = [j for j, v in zip(idx, moved.tolist(), strict=True) if j == block or v <= 0.0]
+    x = torch.zeros_like(x)
+    x[idx_t] = moved
+    x[leaving] = 0.0
     for j in leaving:
         passive[j] = False
-        x[j] = 0.0
     return x, leaving
 
 
@@ -440,13 +442,12 @@ def _inner_loop(x: Tensor, passive: list[bool], z: Tensor, qr: ColumnQR,
     """Lawson–Hanson steps 7–11: move towards the least-squares solution ``z`` on the
     passive set until it is positive, dropping each index that reaches zero."""
     while True:
-        idx = list(qr.cols)
-        z_l, x_l = z.tolist(), x[idx].tolist()
+        z_l = z.tolist()
         if min(z_l) > 0.0:
             out = torch.zeros_like(x)
-            out[idx] = z
+            out[qr.cols_t] = z
             return out
-        x, leaving = _step_to_boundary(x, passive, idx, z, x_l, z_l)
+        x, leaving = _step_to_boundary(x, passive, qr, z, z_l)
         _drop(qr, leaving)
         if not qr.size:
             return torch.zeros_like(x)
@@ -456,30 +457,29 @@ def _inner_loop(x: Tensor, passive: list[bool], z: Tensor, qr: ColumnQR,
 @dataclass
 class _Scales:
     """The fixed scales of one :func:`_lawson_hanson` call: the column norms ``‖Aⱼ‖`` (as a
-    tensor too), ``‖A‖_F`` and ``‖b‖``."""
+    tensor too) and ``‖b‖``."""
 
     norms: list[float]
-    fro: float
     bnorm: float
     norms_t: Tensor
 
 
-def _candidates(a: Tensor, b: Tensor, x: Tensor, passive: list[bool], scales: _Scales,
-                tol: float, qr: ColumnQR) -> Tensor:
+def _candidates(x: Tensor, scales: _Scales, tol: float, qr: ColumnQR) -> Tensor:
     """``gⱼ`` ``[n]`` of every index that may enter the passive set (see
     :func:`_lawson_hanson`), ``−inf`` elsewhere: outside it, independent of it, and with
     ``wⱼ`` above both ``tol ‖eⱼ‖‖r‖`` and rounding. One pass of tensor operations over the
-    ``n`` columns (no per-column Python work)."""
-    r = b - a @ x
-    rnorm = float(_norm(r))
-    w = a.T @ r
-    off = qr.off_norms()
-    noise = 8 * _EPS * (scales.bnorm + scales.fro * float(_norm(x)))
-    norms = scales.norms_t
-    outside = ~torch.tensor(passive, dtype=torch.bool)
-    ok = outside & (off > INDEPENDENCE_RTOL * norms) & (
+    ``n`` columns in ``qr``'s stored order (no per-column Python work): ``x`` is the
+    least-squares solution on the passive set, so ``r``, ``w = Aᵀr`` and ``‖eⱼ‖`` are read
+    off the factorisation."""
+    rnorm = qr.residual_norm()
+    w = qr.dual()
+    off = qr.off_norms(stored=True)
+    noise = 8 * _EPS * (scales.bnorm + float(scales.norms_t @ x.abs()))
+    norms = scales.norms_t[qr.perm_t]
+    ok = (off > INDEPENDENCE_RTOL * norms) & (
         w > torch.maximum(tol * rnorm * off, noise * norms))
-    return torch.where(ok, w / torch.where(ok, off, 1.0), -math.inf)
+    ok[: qr.size] = False  # the passive set
+    return qr.to_columns(torch.where(ok, w / torch.where(ok, off, 1.0), -math.inf))
 
 
 def _pick(scores: Tensor, aside: set[int]) -> int | None:
@@ -515,7 +515,7 @@ def _lawson_hanson(a: Tensor, b: Tensor, passive0: list[bool] | None, tol: float
     ``x`` stays feasible and ``‖r‖`` strictly decreases, so no passive set repeats. Optimal
     when no ``gⱼ`` exceeds ``tol ‖r‖`` (the residual is then within ``tol ‖r‖`` of its
     optimum along every single column) or ``wⱼ`` is rounding (below ``8 eps ‖Aⱼ‖(‖b‖ +
-    ‖A‖_F‖x‖)``). A column with ``‖eⱼ‖`` below ``INDEPENDENCE_RTOL ‖Aⱼ‖`` depends on the
+    Σᵢ‖Aᵢ‖|xᵢ|)``). A column with ``‖eⱼ‖`` below ``INDEPENDENCE_RTOL ‖Aⱼ‖`` depends on the
     passive ones and never enters (its ``wⱼ = eⱼᵀr`` is at most ``INDEPENDENCE_RTOL
     ‖Aⱼ‖‖r‖``), so every least-squares solve is well posed. The passive columns' QR
     factorisation is updated, not recomputed (:class:`~._qr_update.ColumnQR`: ``O(m n)``
@@ -526,14 +526,14 @@ def _lawson_hanson(a: Tensor, b: Tensor, passive0: list[bool] | None, tol: float
     n = a.shape[1]
     norms_t = _norm(a, dim=0)
     norms = norms_t.tolist()
-    scales = _Scales(norms, float(_norm(a)), float(_norm(b)), norms_t)
+    scales = _Scales(norms, float(_norm(b)), norms_t)
     qr = ColumnQR(a, b)
     passive = [False] * n if passive0 is None else _nonzero_guess(passive0, norms)
     x = _warm_start(passive, norms, qr, work)
     seen: set[tuple[bool, ...]] = set()
     aside: set[int] = set()
     while work.additions < max_additions:
-        scores = _candidates(a, b, x, passive, scales, tol, qr)
+        scores = _candidates(x, scales, tol, qr)
         t = _pick(scores, aside)
         if t is None:
             return x, not bool((scores > -math.inf).any())

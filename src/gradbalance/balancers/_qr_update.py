@@ -40,17 +40,20 @@ BLOCK = 24
 
 class ColumnQR:
     """``T = Hᵀ[A | b]`` with the columns ``cols`` (in order) upper triangular in its first
-    ``p = len(cols)`` rows; ``A`` ``[m, n]``, ``b`` ``[m]``, float64.
+    ``p = size`` rows; ``A`` ``[m, n]``, ``b`` ``[m]``, float64.
 
-    ``T``'s columns are stored permuted, the factorised ones first, so that ``R`` is the
-    leading ``p × p`` block; ``b`` is the last column.
+    ``T`` is stored transposed (``tt``, one row per column of ``[A | b]``: a column's
+    distance and a triangular solve read contiguous memory), its columns permuted so that the
+    factorised ones come first (``R`` is the leading ``p × p`` block); ``perm_t`` maps a stored
+    place to its column of ``A``.
     """
 
     def __init__(self, a: Tensor, b: Tensor) -> None:
         self.n = a.shape[1]
-        self.t = torch.cat([a, b[:, None]], dim=1)
-        self.perm = list(range(self.n))  # stored position → column of A
-        self.where = list(range(self.n))  # column of A → stored position
+        self.tt = torch.cat([a.T, b[None]]).contiguous()
+        self.perm = list(range(self.n))  # stored place → column of A
+        self.where = list(range(self.n))  # column of A → stored place
+        self.perm_t = torch.arange(self.n)
         self.size = 0
 
     @property
@@ -58,66 +61,84 @@ class ColumnQR:
         """The factorised columns, in their order."""
         return self.perm[: self.size]
 
-    def off_norms(self) -> Tensor:
-        """``[n]``: each column's distance to the span of the factorised ones."""
-        off = _norm(self.t[self.size :, : self.n], dim=0)
-        out: Tensor = off[torch.tensor(self.where)]
-        return out
+    @property
+    def cols_t(self) -> Tensor:
+        """:attr:`cols` as an index tensor."""
+        return self.perm_t[: self.size].clone()
+
+    def to_columns(self, stored: Tensor) -> Tensor:
+        """A vector ``[n]`` in stored order, in the order of ``A``'s columns."""
+        return torch.empty_like(stored).index_copy_(0, self.perm_t, stored)
+
+    def off_norms(self, stored: bool = False) -> Tensor:
+        """``[n]``: each column's distance to the span of the factorised ones (in stored
+        order if ``stored``)."""
+        off: Tensor = _norm(self.tt[: self.n, self.size :], dim=1)
+        return off if stored else self.to_columns(off)
+
+    def dual(self) -> Tensor:
+        """``Aᵀr`` ``[n]`` in stored order, ``r`` the residual of :meth:`solve`."""
+        tail = self.tt[:, self.size :]
+        w: Tensor = tail[: self.n] @ tail[self.n]
+        return w
 
     def off_norm(self, j: int) -> float:
         """Column ``j``'s distance to the span of the factorised ones."""
-        return float(_norm(self.t[self.size :, self.where[j]]))
+        return float(_norm(self.tt[self.where[j], self.size :]))
 
-    def _move(self, start: int, order: list[int]) -> None:
-        """The stored columns from ``start`` on take the columns of ``A`` in ``order``."""
-        stop = start + len(order)
-        self.t[:, start:stop] = self.t[:, [self.where[j] for j in order]]
-        self.perm[start:stop] = order
-        for q, j in enumerate(order, start):
-            self.where[j] = q
+    def residual_norm(self) -> float:
+        """``‖A_cols z − b‖`` at the solution ``z`` of :meth:`solve`."""
+        return float(_norm(self.tt[self.n, self.size :]))
+
+    def _place(self, places: list[int], order: list[int]) -> None:
+        """The stored ``places`` take the columns of ``A`` in ``order``."""
+        old = [self.where[j] for j in order]
+        self.tt[places] = self.tt[old]
+        self.perm_t[places] = self.perm_t[old]
+        for q, j in zip(places, order, strict=True):
+            self.perm[q], self.where[j] = j, q
 
     def add(self, j: int) -> None:
         """Column ``j`` joins (last): one Householder reflection of rows ``p:`` of ``T``.
         The caller makes sure ``j`` is off the span (``off_norm(j) > 0``)."""
         p, q = self.size, self.where[j]
-        if q != p:  # swap the stored columns p and q
-            self.t[:, [p, q]] = self.t[:, [q, p]]
-            self.perm[p], self.perm[q] = j, self.perm[p]
-            self.where[self.perm[q]], self.where[j] = q, p
-        rows = self.t[p:]
-        v = rows[:, p].clone()
+        if q != p:
+            self._place([p, q], [j, self.perm[p]])
+        tail = self.tt[:, p:]
+        v = tail[p].clone()
         alpha = float(_norm(v))
         if float(v[0]) > 0.0:
             alpha = -alpha
         v[0] -= alpha  # v = x − αe₁ with α of the opposite sign of x₀: no cancellation
         vv = float(v @ v)
         if vv > 0.0:
-            rows.addr_(v, v @ rows, alpha=-2.0 / vv)
-        rows[0, p] = alpha
-        rows[1:, p] = 0.0
+            tail.addr_(tail @ v, v, alpha=-2.0 / vv)
+        tail[p, 0] = alpha
+        tail[p, 1:] = 0.0
         self.size = p + 1
 
     def drop(self, j: int) -> None:
         """Column ``j`` leaves: the columns behind it move one place forward, one row below
         the diagonal, and are rotated back onto it by blocks of ``BLOCK`` rows."""
         i, p = self.where[j], self.size
-        self._move(i, [*self.perm[i + 1 : p], j])
+        self.tt[i:p] = self.tt[i:p].roll(-1, 0)
+        self.perm_t[i:p] = self.perm_t[i:p].roll(-1, 0)
+        self.perm[i:p] = [*self.perm[i + 1 : p], j]
+        for q in range(i, p):
+            self.where[self.perm[q]] = q
         self.size = p - 1
         for k in range(i, p - 1, BLOCK):
-            end = min(k + BLOCK, p - 1)
-            rows = self.t[k : end + 1, k:]
-            q = torch.linalg.qr(rows[:, : end - k], mode="complete").Q
-            rows.copy_(q.T @ rows)
-            below = rows[1:, : end - k]
-            below.copy_(torch.triu(below, 1))
+            h = min(BLOCK, p - 1 - k)
+            block = self.tt[k:, k : k + h + 1]  # rows k … k + h of T, transposed
+            q = torch.linalg.qr(block[:h].T, mode="complete").Q
+            block.copy_(block @ q)
+            below = block[:h, 1:]  # T's entries under the diagonal: exact zeros
+            below.copy_(torch.tril(below, -1))
 
     def solve(self) -> Tensor:
         """``z`` ``[p]`` (in the order of ``cols``) minimising ``‖A_cols z − b‖``."""
         p = self.size
+        r_t = self.tt[:p, :p].contiguous()  # Rᵀ: R in column-major order
         z: Tensor = torch.linalg.solve_triangular(
-            self.t[:p, :p], self.t[:p, self.n :], upper=True)[:, 0]
+            r_t.T, self.tt[self.n, :p, None], upper=True)[:, 0]
         return z
-
-    def residual_norm(self) -> float:
-        """``‖A_cols z − b‖`` at that solution."""
-        return float(_norm(self.t[self.size :, self.n]))
