@@ -72,14 +72,19 @@ class ColumnQR:
 
     def off_norms(self, stored: bool = False) -> Tensor:
         """``[n]``: each column's distance to the span of the factorised ones (in stored
-        order if ``stored``)."""
-        off: Tensor = _norm(self.tt[: self.n, self.size :], dim=1)
+        order if ``stored``; zero for the factorised ones)."""
+        p = self.size
+        off = self.tt.new_zeros(self.n)
+        off[p:] = _norm(self.tt[p : self.n, p:], dim=1)
         return off if stored else self.to_columns(off)
 
     def dual(self) -> Tensor:
-        """``Aᵀr`` ``[n]`` in stored order, ``r`` the residual of :meth:`solve`."""
-        tail = self.tt[:, self.size :]
-        w: Tensor = tail[: self.n] @ tail[self.n]
+        """``Aᵀr`` ``[n]`` in stored order, ``r`` the residual of :meth:`solve` (zero on the
+        factorised columns)."""
+        p = self.size
+        tail = self.tt[p:, p:]
+        w = self.tt.new_zeros(self.n)
+        w[p:] = tail[:-1] @ tail[-1]
         return w
 
     def off_norm(self, j: int) -> float:
@@ -104,8 +109,8 @@ class ColumnQR:
         p, q = self.size, self.where[j]
         if q != p:
             self._place([p, q], [j, self.perm[p]])
-        tail = self.tt[:, p:]
-        v = tail[p].clone()
+        tail = self.tt[p:, p:]  # rows p: of T, columns not factorised (theirs are zero)
+        v = tail[0].clone()
         alpha = float(_norm(v))
         if float(v[0]) > 0.0:
             alpha = -alpha
@@ -113,8 +118,8 @@ class ColumnQR:
         vv = float(v @ v)
         if vv > 0.0:
             tail.addr_(tail @ v, v, alpha=-2.0 / vv)
-        tail[p, 0] = alpha
-        tail[p, 1:] = 0.0
+        tail[0, 0] = alpha
+        tail[0, 1:] = 0.0
         self.size = p + 1
 
     def drop(self, j: int) -> None:
