@@ -12,7 +12,8 @@ Cases (each the median of ``--rounds`` calls, interleaved):
   through ``mgda_weights`` and through the least-squares route alone
   (``_boxqp._solve_factored``: ``psd_factor`` and Lawson–Hanson on the simplex).
 
-The Gramian is computed once (the model's step, seeds fixed) and kept in ``--gramian``.
+The Gramian is recorded once (``per_sample_gramian.py``: the model's step, seeds fixed) and
+kept in ``--gramian``.
 Run it against two checkouts in alternate processes to compare them::
 
     PYTHONPATH=src python benchmarks/lawson_hanson.py --ks 256,1024
@@ -35,37 +36,25 @@ import torch
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
-from gradbalance.balancers import MGDA, PCD, _boxqp  # noqa: E402
+from gradbalance.balancers import PCD, _boxqp  # noqa: E402
 from gradbalance.balancers._mgda import mgda_weights  # noqa: E402
 from gradbalance.balancers._solvers import trace_normalized  # noqa: E402
 from gradbalance.gramian import compute_gramian  # noqa: E402
 from many_tasks import rank_deficient_rows  # noqa: E402
 
 
-def per_sample_gramian(path: Path) -> torch.Tensor:
-    """The ``[256, 256]`` Gramian MGDA receives in the transformer's per-sample step."""
+def cached_gramian(path: Path) -> torch.Tensor:
+    """The transformer's ``[256, 256]`` per-sample Gramian (``per_sample_gramian.py``), kept
+    in ``path`` after the first run."""
     if path.exists():
         gram: torch.Tensor = torch.load(path)
         return gram
-    import per_sample
+    from per_sample_gramian import per_sample_gramian
 
-    seen: list[torch.Tensor] = []
-    original = MGDA._compute_weights
-
-    def spy(self: MGDA, gramian: torch.Tensor, losses: torch.Tensor | None = None
-            ) -> torch.Tensor:
-        seen.append(gramian.detach().clone())
-        return original(self, gramian, losses)
-
-    MGDA._compute_weights = spy  # type: ignore[method-assign]
-    try:
-        steps, x, y, _ = per_sample._steps("transformer", 256, "mgda", False)
-        steps["gradbalance"](x, y)
-    finally:
-        MGDA._compute_weights = original  # type: ignore[method-assign]
+    gram = per_sample_gramian("transformer", 256)
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(seen[0], path)
-    return seen[0]
+    torch.save(gram, path)
+    return gram
 
 
 def factored_simplex(gram: torch.Tensor) -> Callable[[], object]:
@@ -86,7 +75,7 @@ def cases(ks: list[int], gram_path: Path) -> dict[str, Callable[[], object]]:
         rows = rank_deficient_rows(k, 20000, 0)
         out[f"gramian rank8 K={k}"] = lambda rows=rows: compute_gramian(rows)
         out[f"pcd rank8 K={k}"] = lambda rows=rows: PCD().combine(rows)
-    gram = per_sample_gramian(gram_path)
+    gram = cached_gramian(gram_path)
     out["mgda per-sample B=256"] = lambda: mgda_weights(gram)
     out["mgda per-sample B=256, least squares"] = factored_simplex(gram)
     return out
