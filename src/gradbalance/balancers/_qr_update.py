@@ -95,20 +95,21 @@ class ColumnQR:
         """``‖A_cols z − b‖`` at the solution ``z`` of :meth:`solve`."""
         return float(_norm(self.tt[self.n, self.size :]))
 
-    def _place(self, places: list[int], order: list[int]) -> None:
-        """The stored ``places`` take the columns of ``A`` in ``order``."""
-        old = [self.where[j] for j in order]
-        self.tt[places] = self.tt[old]
-        self.perm_t[places] = self.perm_t[old]
-        for q, j in zip(places, order, strict=True):
-            self.perm[q], self.where[j] = j, q
+    def _swap(self, p: int, q: int) -> None:
+        """The stored places ``p`` and ``q`` exchange their columns."""
+        row = self.tt[q].clone()
+        self.tt[q] = self.tt[p]
+        self.tt[p] = row
+        jp, jq = self.perm[p], self.perm[q]
+        self.perm[p], self.perm[q], self.where[jq], self.where[jp] = jq, jp, p, q
+        self.perm_t[p], self.perm_t[q] = jq, jp
 
     def add(self, j: int) -> None:
         """Column ``j`` joins (last): one Householder reflection of rows ``p:`` of ``T``.
         The caller makes sure ``j`` is off the span (``off_norm(j) > 0``)."""
         p, q = self.size, self.where[j]
         if q != p:
-            self._place([p, q], [j, self.perm[p]])
+            self._swap(p, q)
         tail = self.tt[p:, p:]  # rows p: of T, columns not factorised (theirs are zero)
         v = tail[0].clone()
         alpha = float(_norm(v))
