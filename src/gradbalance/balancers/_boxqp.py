@@ -44,6 +44,7 @@ from torch import Tensor
 
 from ._active_set import box_active_set, solve_free
 from ._pcg import pcg_free, rough_free_sets
+from ._qr_update import ColumnQR
 
 #: Largest condition number of ``Q`` for which the Cholesky (pivoting) path is used.
 CHOLESKY_MAX_COND = 1e10
@@ -336,39 +337,24 @@ class NNLSResult:
 
 
 class _Work:
-    """Counters of one :func:`nnls` call (Lawson–Hanson additions, least-squares solves) and
-    the orthonormal basis of the last solve's columns, keyed by their (sorted) indices."""
+    """Counters of one :func:`nnls` call: Lawson–Hanson additions, least-squares solves."""
 
     def __init__(self) -> None:
         self.additions = 0
         self.solves = 0
-        self.basis: tuple[tuple[int, ...], Tensor] | None = None
 
 
-def _indices(passive: list[bool]) -> list[int]:
-    """The indices of the passive set."""
-    return [j for j, p in enumerate(passive) if p]
-
-
-def _passive_ls(a: Tensor, b: Tensor, idx: list[int], norms: list[float],
-                work: _Work) -> Tensor | None:
-    """``argmin_z ‖A_P z − b‖`` by QR; None if a column of ``A_P`` depends on those before it.
-
-    A column depends when its QR diagonal (its distance to the span of the columns before
-    it) is below ``INDEPENDENCE_RTOL`` times its norm (always so past ``m`` columns).
-    """
-    if len(idx) > a.shape[0]:
-        return None
+def _solve(qr: ColumnQR, work: _Work) -> Tensor:
+    """The least-squares solution on the passive columns, in their order in ``qr``."""
     work.solves += 1
-    qmat: Tensor
-    r: Tensor
-    qmat, r = torch.linalg.qr(a[:, idx])
-    diag = torch.diagonal(r).abs().tolist()
-    if any(d <= INDEPENDENCE_RTOL * norms[j] for d, j in zip(diag, idx, strict=True)):
-        return None
-    work.basis = (tuple(sorted(idx)), qmat)
-    z: Tensor = torch.linalg.solve_triangular(r, (qmat.T @ b)[:, None], upper=True)[:, 0]
-    return z
+    return qr.solve()
+
+
+def _drop(qr: ColumnQR, leaving: list[int]) -> None:
+    """The columns ``leaving`` leave the factorisation, the last-placed first (the shorter
+    rotations)."""
+    for j in sorted(leaving, key=qr.where.__getitem__, reverse=True):
+        qr.drop(j)
 
 
 def _nonzero_guess(passive0: list[bool], norms: list[float]) -> list[bool]:
@@ -376,107 +362,92 @@ def _nonzero_guess(passive0: list[bool], norms: list[float]) -> list[bool]:
     return [bool(p) and norms[j] > 0.0 for j, p in enumerate(passive0)]
 
 
-def _warm_start(a: Tensor, b: Tensor, passive: list[bool], norms: list[float],
-                work: _Work) -> Tensor:
-    """A feasible start from a guessed passive set: drop the indices of a non-positive
-    least-squares solution until none is left (each solve drops one or more)."""
-    x = torch.zeros(a.shape[1], dtype=a.dtype)
-    while any(passive):
-        idx = _indices(passive)
-        z = _passive_ls(a, b, idx, norms, work)
-        if z is None:
-            passive[idx[-1]] = False  # a dependent guess: drop its last column and retry
-            continue
+def _warm_start(passive: list[bool], norms: list[float], qr: ColumnQR, work: _Work) -> Tensor:
+    """A feasible start from a guessed passive set: its columns independent of those before
+    them enter, then the indices of a non-positive least-squares solution leave until none
+    is left (each solve drops one or more)."""
+    x = torch.zeros(len(passive), dtype=qr.tt.dtype)
+    for j in [j for j, p in enumerate(passive) if p]:
+        if qr.off_norm(j) > INDEPENDENCE_RTOL * norms[j]:
+            qr.add(j)
+        else:
+            passive[j] = False
+    while qr.size:
+        z = _solve(qr, work)
         z_l = z.tolist()
         if min(z_l) > 0.0:
-            x[idx] = z
+            x[qr.cols_t] = z
             return x
-        for j, v in zip(idx, z_l, strict=True):
-            passive[j] = passive[j] and v > 0.0
+        leaving = [j for j, v in zip(qr.cols, z_l, strict=True) if v <= 0.0]
+        for j in leaving:
+            passive[j] = False
+        _drop(qr, leaving)
     return x
 
 
-def _step_to_boundary(x: Tensor, passive: list[bool], idx: list[int], z: Tensor,
-                      x_l: list[float], z_l: list[float]) -> Tensor:
-    """Lawson–Hanson steps 8–11: the largest step from ``x`` towards ``z`` (on ``idx``) that
-    keeps it feasible; the blocking index and every other that reaches zero leave the
-    passive set."""
-    ratios = [(xv / (xv - zv), j) for j, xv, zv in zip(idx, x_l, z_l, strict=True)
+def _step_to_boundary(x: Tensor, passive: list[bool], qr: ColumnQR, z: Tensor,
+                      z_l: list[float]) -> tuple[Tensor, list[int]]:
+    """Lawson–Hanson steps 8–11: the largest step from ``x`` towards ``z`` (on the passive
+    set) that keeps it feasible; the blocking index and every other that reaches zero leave
+    the passive set (returned)."""
+    idx, idx_t = qr.cols, qr.cols_t
+    now = x[idx_t]
+    ratios = [(xv / (xv - zv), j) for j, xv, zv in zip(idx, now.tolist(), z_l, strict=True)
               if zv <= 0.0]
     alpha, block = min(ratios)
-    x = x.clone()
-    x[idx] = x[idx] + alpha * (z - x[idx])
-    passive[block] = False
-    x[block] = 0.0
-    for j in idx:
-        if passive[j] and float(x[j]) <= 0.0:
-            passive[j] = False
-            x[j] = 0.0
-    return x
+    moved = now + alpha * (z - now)
+    leaving = [j for j, v in zip(idx, moved.tolist(), strict=True) if j == block or v <= 0.0]
+    x = torch.zeros_like(x)
+    x[idx_t] = moved
+    x[leaving] = 0.0
+    for j in leaving:
+        passive[j] = False
+    return x, leaving
 
 
-def _inner_loop(a: Tensor, b: Tensor, x: Tensor, passive: list[bool], z: Tensor,
-                norms: list[float], work: _Work) -> Tensor:
+def _inner_loop(x: Tensor, passive: list[bool], z: Tensor, qr: ColumnQR,
+                work: _Work) -> Tensor:
     """Lawson–Hanson steps 7–11: move towards the least-squares solution ``z`` on the
     passive set until it is positive, dropping each index that reaches zero."""
     while True:
-        idx = _indices(passive)
-        z_l, x_l = z.tolist(), x[idx].tolist()
+        z_l = z.tolist()
         if min(z_l) > 0.0:
             out = torch.zeros_like(x)
-            out[idx] = z
+            out[qr.cols_t] = z
             return out
-        x = _step_to_boundary(x, passive, idx, z, x_l, z_l)
-        if not any(passive):
+        x, leaving = _step_to_boundary(x, passive, qr, z, z_l)
+        _drop(qr, leaving)
+        if not qr.size:
             return torch.zeros_like(x)
-        idx = _indices(passive)
-        sol = _passive_ls(a, b, idx, norms, work)
-        if sol is None:  # cannot happen for a subset of an independent set: stop here
-            return x
-        z = sol
-
-
-def _off_span(a: Tensor, idx: list[int], work: _Work) -> Tensor:
-    """Norms ``[n]`` of the columns of ``A`` minus their projection on ``span(A_P)`` (the
-    last solve's basis when it was on these columns)."""
-    basis: Tensor
-    if not idx:
-        basis = a.new_zeros(a.shape[0], 0)
-    elif work.basis is not None and work.basis[0] == tuple(idx):
-        basis = work.basis[1]
-    else:
-        basis = torch.linalg.qr(a[:, idx]).Q
-    off: Tensor = _norm(a - basis @ (basis.T @ a), dim=0)
-    return off
+        z = _solve(qr, work)
 
 
 @dataclass
 class _Scales:
     """The fixed scales of one :func:`_lawson_hanson` call: the column norms ``‖Aⱼ‖`` (as a
-    tensor too), ``‖A‖_F`` and ``‖b‖``."""
+    tensor too) and ``‖b‖``."""
 
     norms: list[float]
-    fro: float
     bnorm: float
     norms_t: Tensor
 
 
-def _candidates(a: Tensor, b: Tensor, x: Tensor, passive: list[bool], scales: _Scales,
-                tol: float, work: _Work) -> Tensor:
+def _candidates(x: Tensor, scales: _Scales, tol: float, qr: ColumnQR) -> Tensor:
     """``gⱼ`` ``[n]`` of every index that may enter the passive set (see
     :func:`_lawson_hanson`), ``−inf`` elsewhere: outside it, independent of it, and with
     ``wⱼ`` above both ``tol ‖eⱼ‖‖r‖`` and rounding. One pass of tensor operations over the
-    ``n`` columns (no per-column Python work)."""
-    r = b - a @ x
-    rnorm = float(_norm(r))
-    w = a.T @ r
-    off = _off_span(a, _indices(passive), work)
-    noise = 8 * _EPS * (scales.bnorm + scales.fro * float(_norm(x)))
-    norms = scales.norms_t
-    outside = ~torch.tensor(passive, dtype=torch.bool)
-    ok = outside & (off > INDEPENDENCE_RTOL * norms) & (
+    ``n`` columns in ``qr``'s stored order (no per-column Python work): ``x`` is the
+    least-squares solution on the passive set, so ``r``, ``w = Aᵀr`` and ``‖eⱼ‖`` are read
+    off the factorisation."""
+    rnorm = qr.residual_norm()
+    w = qr.dual()
+    off = qr.off_norms(stored=True)
+    noise = 8 * _EPS * (scales.bnorm + float(scales.norms_t @ x.abs()))
+    norms = scales.norms_t[qr.perm_t]
+    ok = (off > INDEPENDENCE_RTOL * norms) & (
         w > torch.maximum(tol * rnorm * off, noise * norms))
-    return torch.where(ok, w / torch.where(ok, off, 1.0), -math.inf)
+    ok[: qr.size] = False  # the passive set
+    return qr.to_columns(torch.where(ok, w / torch.where(ok, off, 1.0), -math.inf))
 
 
 def _pick(scores: Tensor, aside: set[int]) -> int | None:
@@ -489,18 +460,16 @@ def _pick(scores: Tensor, aside: set[int]) -> int | None:
     return last if float(scores[last]) > -math.inf else None
 
 
-def _add(a: Tensor, b: Tensor, x: Tensor, passive: list[bool], t: int, norms: list[float],
-         work: _Work) -> Tensor | None:
+def _add(x: Tensor, passive: list[bool], t: int, qr: ColumnQR, work: _Work) -> Tensor | None:
     """Index ``t`` enters the passive set and ``x`` moves to the new solve (Lawson–Hanson
     steps 5–11); None, with ``t`` left out, if the solve gives it no positive value."""
-    cols = [*_indices(passive), t]
-    passive[t] = True
-    z = _passive_ls(a, b, cols, norms, work)
-    if z is None or float(z[-1]) <= 0.0:
-        passive[t] = False
+    qr.add(t)
+    z = _solve(qr, work)
+    if float(z[-1]) <= 0.0:
+        qr.drop(t)
         return None
-    order = sorted(range(len(cols)), key=cols.__getitem__)
-    return _inner_loop(a, b, x, passive, z[order], norms, work)
+    passive[t] = True
+    return _inner_loop(x, passive, z, qr, work)
 
 
 def _lawson_hanson(a: Tensor, b: Tensor, passive0: list[bool] | None, tol: float,
@@ -514,27 +483,30 @@ def _lawson_hanson(a: Tensor, b: Tensor, passive0: list[bool] | None, tol: float
     ``x`` stays feasible and ``‖r‖`` strictly decreases, so no passive set repeats. Optimal
     when no ``gⱼ`` exceeds ``tol ‖r‖`` (the residual is then within ``tol ‖r‖`` of its
     optimum along every single column) or ``wⱼ`` is rounding (below ``8 eps ‖Aⱼ‖(‖b‖ +
-    ‖A‖_F‖x‖)``). A column with ``‖eⱼ‖`` below ``INDEPENDENCE_RTOL ‖Aⱼ‖`` depends on the
+    Σᵢ‖Aᵢ‖|xᵢ|)``). A column with ``‖eⱼ‖`` below ``INDEPENDENCE_RTOL ‖Aⱼ‖`` depends on the
     passive ones and never enters (its ``wⱼ = eⱼᵀr`` is at most ``INDEPENDENCE_RTOL
-    ‖Aⱼ‖‖r‖``), so every least-squares solve is well posed. Not
+    ‖Aⱼ‖‖r‖``), so every least-squares solve is well posed. The passive columns' QR
+    factorisation is updated, not recomputed (:class:`~._qr_update.ColumnQR`: ``O(m n)``
+    per addition, ``O(p n)`` per removal, ``‖eⱼ‖`` read off it). Not
     converged: a passive set repeats (rounding), the additions run out, or a solve gives the
     entering index no positive value (it is then set aside until ``x`` changes).
     """
     n = a.shape[1]
     norms_t = _norm(a, dim=0)
     norms = norms_t.tolist()
-    scales = _Scales(norms, float(_norm(a)), float(_norm(b)), norms_t)
+    scales = _Scales(norms, float(_norm(b)), norms_t)
+    qr = ColumnQR(a, b)
     passive = [False] * n if passive0 is None else _nonzero_guess(passive0, norms)
-    x = _warm_start(a, b, passive, norms, work)
+    x = _warm_start(passive, norms, qr, work)
     seen: set[tuple[bool, ...]] = set()
     aside: set[int] = set()
     while work.additions < max_additions:
-        scores = _candidates(a, b, x, passive, scales, tol, work)
+        scores = _candidates(x, scales, tol, qr)
         t = _pick(scores, aside)
         if t is None:
             return x, not bool((scores > -math.inf).any())
         work.additions += 1
-        moved = _add(a, b, x, passive, t, norms, work)
+        moved = _add(x, passive, t, qr, work)
         if moved is None:
             aside.add(t)
             continue

@@ -57,7 +57,7 @@ def pcd_weights(gramian: Tensor, taus: Tensor, tol: float = 1e-9) -> Tensor:
     q = gramian[1:, 1:]
     b = taus * torch.diagonal(q) - gramian[1:, 0]
     trace = float(torch.diagonal(q).sum())
-    if not (trace > 0.0 and is_well_conditioned(q.cpu() / trace)):
+    if not (trace > 0.0 and _definite(q.cpu() / trace) and is_well_conditioned(q.cpu() / trace)):
         out[1:] = _ldp_weights(gramian.cpu(), taus.cpu()).to(out.device)
     elif m <= _ENUMERATE_UP_TO:
         out[1:] = _enumerate_working_sets(gramian, q, b, tol)
@@ -66,6 +66,12 @@ def pcd_weights(gramian: Tensor, taus: Tensor, tol: float = 1e-9) -> Tensor:
         mu = solve_box_qp(q.cpu() / trace, -b.cpu()[None] / trace, zeros)[0]
         out[1:] = mu.to(out.device)
     return out
+
+
+def _definite(q: Tensor) -> bool:
+    """A Cholesky factorisation of ``Q`` succeeds: the cheap test that rules out a singular
+    ``Q`` before the eigenvalues (``is_well_conditioned``) are computed."""
+    return int(torch.linalg.cholesky_ex(q.to(torch.float64)).info) == 0
 
 
 def _enumerate_working_sets(gramian: Tensor, q: Tensor, b: Tensor, tol: float) -> Tensor:
