@@ -232,22 +232,28 @@ def kinds_table(k: int, kinds: list[str], res: dict[str, dict[str, float | str]]
     return "\n".join(lines)
 
 
-def sweep(args: argparse.Namespace, ks: list[int], names: list[str], kinds: list[str]) -> str:
-    """Every kind at every K (``--kinds``): one table per K, the load average per kind."""
+def sweep(args: argparse.Namespace, ks: list[int], names: list[str], kinds: list[str],
+          out: Path) -> str:
+    """Every kind at every K (``--kinds``): one table per K, the load average per kind; the
+    file is rewritten after each kind (a long run keeps what it has measured)."""
     res: dict[int, dict[str, dict[str, float | str]]] = {k: {} for k in ks}
     loads: list[str] = []
-    for kind in kinds:
+    text = ""
+    for done, kind in enumerate(kinds):
         for k in ks:
             calls = calls_at(k, args.p, names, not args.no_torchjd, kind)
             res[k][kind] = time_k(calls, args.rounds, args.budget)
             print(f"{kind} K={k} done", flush=True)
         loads.append(f"{kind} {os.getloadavg()[0]:.1f}")
-    text = "".join(
-        f"\n## K = {k} ({', '.join(kinds)}; P = {args.p}, float32, {args.threads} thread(s), "
-        f"median of {args.rounds} interleaved rounds)\n\n" + kinds_table(k, kinds, res[k]) + "\n"
-        for k in ks
-    )
-    return text + f"\nLoad average (1 min) after each kind: {', '.join(loads)}.\n"
+        ran = kinds[: done + 1]
+        text = "# Combine time by kind of rows, as a multiple of the Gramian\n" + "".join(
+            f"\n## K = {k} ({', '.join(ran)}; P = {args.p}, float32, {args.threads} "
+            f"thread(s), median of {args.rounds} interleaved rounds)\n\n"
+            + kinds_table(k, ran, res[k]) + "\n"
+            for k in ks
+        ) + f"\nLoad average (1 min) after each kind: {', '.join(loads)}.\n"
+        (out / f"many_tasks_{args.name}.md").write_text(text)
+    return text
 
 
 def main() -> None:
@@ -273,10 +279,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     if args.kinds:
         kinds = list(KINDS) if args.kinds == "all" else args.kinds.split(",")
-        text = "# Combine time by kind of rows, as a multiple of the Gramian\n" + sweep(
-            args, ks, names, kinds)
-        (out / f"many_tasks_{args.name}.md").write_text(text)
-        print(text)
+        print(sweep(args, ks, names, kinds, out))
         return
     rows: dict[str, dict[int, float | str]] = {}
     cut: set[str] = set()
