@@ -111,7 +111,7 @@ def pairwise_pass(gram: Tensor, orders: Tensor, visit: Visit, block: int | None 
         n = cols.shape[0]
         tri = triangles.setdefault(n, _triangle(n, gram.device))
         dots = cg.gather(1, cols.T).T.contiguous()
-        pairs = _block_pairs(gram, cols, tri).split(list(range(n - 1, -1, -1)))
+        pairs = torch.split(_block_pairs(gram, cols, tri), list(range(n - 1, -1, -1)))
         for s, dot in enumerate(dots.unbind(0)):
             w = visit(start + s, dot, weight_rows[start + s])
             if s + 1 < n:
