@@ -189,7 +189,7 @@ def time_k(calls: dict[str, Call], rounds: int, budget: float) -> dict[str, floa
     for name, ts in times.items():
         if name not in result:
             result[name] = statistics.median(ts)
-    return result
+    return {name: result[name] for name in calls}  # in the calls' order, the Gramian first
 
 
 def finite(out: object) -> bool:

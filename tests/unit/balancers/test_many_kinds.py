@@ -33,8 +33,8 @@ from support.many_kinds import (
 )
 
 F64 = torch.float64
-#: K up to 32 (the loops are O(K⁴) in Python); ``test_many_tasks.py`` runs its kinds to 64.
-CASES = st.tuples(st.integers(2, 32), st.sampled_from(KIND_NAMES), st.integers(0, 2**16))
+#: K up to 24 (the loops are O(K⁴) in Python); ``test_many_tasks.py`` runs its kinds to 64.
+CASES = st.tuples(st.integers(2, 24), st.sampled_from(KIND_NAMES), st.integers(0, 2**16))
 PASSES = st.tuples(st.sampled_from([1, 5, 16, 32]), st.sampled_from([0, 10**9]))
 
 
@@ -46,13 +46,13 @@ def _one_thread() -> None:
 
 @pytest.mark.parametrize("kind", KIND_NAMES)
 def test_every_balancer_is_finite_on_every_kind(kind: str) -> None:
-    """K = 16 float32 rows: a finite update from every registered balancer; Nash-MTL may
+    """K = 12 float32 rows: a finite update from every registered balancer; Nash-MTL may
     instead raise :class:`SolverError` (documented: no solution when a non-negative
     combination of the rows vanishes), and then leaves its state as it was."""
-    g = kind_rows(kind, 16, 40, 3).to(torch.float32)
-    losses = torch.rand(16, generator=torch.Generator().manual_seed(3)) + 0.5
+    g = kind_rows(kind, 12, 40, 3).to(torch.float32)
+    losses = torch.rand(12, generator=torch.Generator().manual_seed(3)) + 0.5
     for name in BALANCERS:
-        balancer = build_balancer(name, 16, seed=3)
+        balancer = build_balancer(name, 12, seed=3)
         before = balancer.state_dict()
         try:
             with warnings.catch_warnings():
@@ -68,7 +68,7 @@ def test_every_balancer_is_finite_on_every_kind(kind: str) -> None:
         assert out.shape == (40,) and bool(torch.isfinite(out).all()), (name, kind)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(CASES, PASSES)
 def test_pcgrad_pass_matches_the_loop_on_every_kind(case: tuple[int, str, int],
                                                     how: tuple[int, int]) -> None:
@@ -81,7 +81,7 @@ def test_pcgrad_pass_matches_the_loop_on_every_kind(case: tuple[int, str, int],
     assert_same_update(fast, pcgrad_loop(g, orders), g)
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(CASES, st.floats(0.0, 1.0), PASSES)
 def test_gradvac_pass_matches_the_pair_loop_on_every_kind(case: tuple[int, str, int],
                                                           beta: float,
