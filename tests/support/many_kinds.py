@@ -112,3 +112,33 @@ def pass_settings(mp: pytest.MonkeyPatch, how: tuple[int, int]) -> None:
     block, cost = how
     mp.setattr(_pairwise, "pass_block", lambda k: block)
     mp.setattr(_pairwise, "SPARSE_COST", cost)
+
+
+def check_pcgrad_pass(g: Tensor, seed: int, how: tuple[int, int]) -> None:
+    """PCGrad's blocked pass run as ``how`` says (:func:`pass_settings`) against the loop."""
+    from gradbalance.balancers._pcgrad import pcgrad_coefficients, pcgrad_orders
+
+    orders = pcgrad_orders(g.shape[0], torch.Generator().manual_seed(seed))
+    with pytest.MonkeyPatch.context() as mp:
+        pass_settings(mp, how)
+        fast = pcgrad_coefficients(g @ g.T, orders).sum(dim=0) @ g
+    assert_same_update(fast, pcgrad_loop(g, orders), g)
+
+
+def check_gradvac_pass(g: Tensor, seed: int, beta: float, how: tuple[int, int]) -> None:
+    """GradVac's blocked pass (random targets in ``[−0.8, 0.8]``) against the pair loop: the
+    same update and the same new targets."""
+    from gradbalance.balancers._gradvac import gradvac_coefficients, gradvac_orders
+    from gradbalance.balancers._solvers import trace_normalized
+
+    k = g.shape[0]
+    gram, _ = trace_normalized(g @ g.T)
+    gen = torch.Generator().manual_seed(seed)
+    orders = gradvac_orders(k, gen)
+    targets = torch.rand(k, k, generator=gen, dtype=F64) * 1.6 - 0.8
+    with pytest.MonkeyPatch.context() as mp:
+        pass_settings(mp, how)
+        coef, hat = gradvac_coefficients(gram, orders, targets, beta, 1e-8, 1.0)
+    ref_coef, ref_hat = gradvac_loop(gram, orders, targets, beta, 1e-8, 1.0)
+    assert_same_update(coef.sum(dim=0) @ g, ref_coef.sum(dim=0) @ g, g)
+    torch.testing.assert_close(hat, ref_hat, rtol=1e-6, atol=1e-6)

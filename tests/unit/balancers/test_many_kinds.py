@@ -19,18 +19,8 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from gradbalance.balancers import BALANCERS, SolverError, _pairwise
-from gradbalance.balancers._gradvac import gradvac_coefficients, gradvac_orders
-from gradbalance.balancers._pcgrad import pcgrad_coefficients, pcgrad_orders
-from gradbalance.balancers._solvers import trace_normalized
 from support.balancers import build_balancer
-from support.many_kinds import (
-    KIND_NAMES,
-    assert_same_update,
-    gradvac_loop,
-    kind_rows,
-    pass_settings,
-    pcgrad_loop,
-)
+from support.many_kinds import KIND_NAMES, check_gradvac_pass, check_pcgrad_pass, kind_rows
 
 F64 = torch.float64
 #: K up to 24 (the loops are O(K⁴) in Python); ``test_many_tasks.py`` runs its kinds to 64.
@@ -73,12 +63,7 @@ def test_every_balancer_is_finite_on_every_kind(kind: str) -> None:
 def test_pcgrad_pass_matches_the_loop_on_every_kind(case: tuple[int, str, int],
                                                     how: tuple[int, int]) -> None:
     k, kind, seed = case
-    g = kind_rows(kind, k, 2 * k + 3, seed)
-    orders = pcgrad_orders(k, torch.Generator().manual_seed(seed))
-    with pytest.MonkeyPatch.context() as mp:
-        pass_settings(mp, how)
-        fast = pcgrad_coefficients(g @ g.T, orders).sum(dim=0) @ g
-    assert_same_update(fast, pcgrad_loop(g, orders), g)
+    check_pcgrad_pass(kind_rows(kind, k, 2 * k + 3, seed), seed, how)
 
 
 @settings(max_examples=10, deadline=None)
@@ -87,17 +72,7 @@ def test_gradvac_pass_matches_the_pair_loop_on_every_kind(case: tuple[int, str, 
                                                           beta: float,
                                                           how: tuple[int, int]) -> None:
     k, kind, seed = case
-    g = kind_rows(kind, k, 2 * k + 3, seed)
-    gram, _ = trace_normalized(g @ g.T)
-    gen = torch.Generator().manual_seed(seed)
-    orders = gradvac_orders(k, gen)
-    targets = torch.rand(k, k, generator=gen, dtype=F64) * 1.6 - 0.8
-    with pytest.MonkeyPatch.context() as mp:
-        pass_settings(mp, how)
-        coef, hat = gradvac_coefficients(gram, orders, targets, beta, 1e-8, 1.0)
-    ref_coef, ref_hat = gradvac_loop(gram, orders, targets, beta, 1e-8, 1.0)
-    assert_same_update(coef.sum(dim=0) @ g, ref_coef.sum(dim=0) @ g, g)
-    torch.testing.assert_close(hat, ref_hat, rtol=1e-6, atol=1e-6)
+    check_gradvac_pass(kind_rows(kind, k, 2 * k + 3, seed), seed, beta, how)
 
 
 @settings(max_examples=30, deadline=None)

@@ -39,7 +39,14 @@ from gradbalance.balancers._pcgrad import pcgrad_coefficients, pcgrad_orders
 from gradbalance.balancers._solvers import trace_normalized
 from gradbalance.balancers._trimmed_mean import trimmed_mean_update
 from gradbalance.balancers._upgrad import upgrad_weights
-from support.many_kinds import assert_same_update, gradvac_loop, pass_settings, pcgrad_loop
+from support.many_kinds import (
+    assert_same_update,
+    check_gradvac_pass,
+    check_pcgrad_pass,
+    gradvac_loop,
+    pass_settings,
+    pcgrad_loop,
+)
 
 F64 = torch.float64
 KINDS = ["conflicting", "rank_deficient", "near_duplicates", "wide_norms", "rank8_mixed"]
@@ -128,12 +135,7 @@ PASSES = st.tuples(st.sampled_from([1, 3, 8, 16, 32]), st.sampled_from([0, 10**9
 def test_pcgrad_blocked_pass_matches_the_loop_over_rows(case: tuple[int, str, int],
                                                          how: tuple[int, int]) -> None:
     k, kind, seed = case
-    g = rows(kind, k, 2 * k + 3, seed)
-    orders = pcgrad_orders(k, torch.Generator().manual_seed(seed))
-    with pytest.MonkeyPatch.context() as mp:
-        pass_settings(mp, how)
-        fast = pcgrad_coefficients(g @ g.T, orders).sum(dim=0) @ g
-    assert_same_update(fast, pcgrad_loop(g, orders), g)
+    check_pcgrad_pass(rows(kind, k, 2 * k + 3, seed), seed, how)
 
 
 @pytest.mark.parametrize("cost", [0, 10**9])
@@ -170,17 +172,7 @@ def test_pcgrad_block_size_does_not_change_the_coefficients() -> None:
 def test_gradvac_blocked_pass_matches_the_pair_loop(case: tuple[int, str, int], beta: float,
                                                     how: tuple[int, int]) -> None:
     k, kind, seed = case
-    g = rows(kind, k, 2 * k + 3, seed)
-    gram, _ = trace_normalized(g @ g.T)
-    gen = torch.Generator().manual_seed(seed)
-    orders = gradvac_orders(k, gen)
-    targets = torch.rand(k, k, generator=gen, dtype=F64) * 1.6 - 0.8
-    with pytest.MonkeyPatch.context() as mp:
-        pass_settings(mp, how)
-        coef, hat = gradvac_coefficients(gram, orders, targets, beta, 1e-8, 1.0)
-    ref_coef, ref_hat = gradvac_loop(gram, orders, targets, beta, 1e-8, 1.0)
-    assert_same_update(coef.sum(dim=0) @ g, ref_coef.sum(dim=0) @ g, g)
-    torch.testing.assert_close(hat, ref_hat, rtol=1e-6, atol=1e-6)
+    check_gradvac_pass(rows(kind, k, 2 * k + 3, seed), seed, beta, how)
 
 
 @pytest.mark.parametrize("eps", [0.0, 1e-8])
