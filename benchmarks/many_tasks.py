@@ -15,6 +15,11 @@ norms spanning 1e-6 … 1e6).
     python benchmarks/many_tasks.py                      # K = 8 … 1,024, P = 20,000
     python benchmarks/many_tasks.py --ks 8,64 --p 2000   # smoke run
     python benchmarks/many_tasks.py --kind rank8 --ks 64,256 --name cpu_rank8
+    python benchmarks/many_tasks.py --kinds all --ks 256,1024 --rounds 1 --no-torchjd
+
+``--kinds`` runs several kinds of rows (``all``: every entry of :data:`KINDS`, among them near
+duplicates, norms spanning 1e-6 … 1e6, rank 1 and 8, all aligned, half zero and a mix) and
+writes one table per K, a column per kind.
 
 Writes ``results/many_tasks_<name>.md`` and ``.json``; see ``docs/performance.md``.
 """
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -56,7 +62,65 @@ def rank_deficient_rows(k: int, p: int, seed: int) -> torch.Tensor:
     return (rows * scales[:, None]).contiguous()
 
 
-KINDS = {"conflicting": conflicting_rows, "rank8": rank_deficient_rows}
+def near_duplicate_rows(k: int, p: int, seed: int) -> torch.Tensor:
+    """``[K, P]`` float32: each row one of 4 random directions plus ``1e-6`` relative noise
+    (``K/4`` near-copies of each task)."""
+    gen = torch.Generator().manual_seed(seed)
+    dirs = torch.randn(4, p, generator=gen)
+    pick = torch.randint(0, 4, (k,), generator=gen)
+    return (dirs[pick] + 1e-6 * torch.randn(k, p, generator=gen)).contiguous()
+
+
+def wide_norm_rows(k: int, p: int, seed: int) -> torch.Tensor:
+    """The conflicting rows, each scaled by one of ``logspace(-6, 6, K)`` (shuffled)."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    scales = torch.logspace(-6, 6, k)[torch.randperm(k, generator=gen)]
+    return (conflicting_rows(k, p, seed) * scales[:, None]).contiguous()
+
+
+def span_rows(rank: int) -> Callable[[int, int, int], torch.Tensor]:
+    """``[K, P]`` float32 rows in a random ``rank``-dimensional span (rank 1: ± multiples of
+    one direction, every pair aligned or opposed)."""
+    def make(k: int, p: int, seed: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(seed)
+        return (torch.randn(k, rank, generator=gen) @ torch.randn(rank, p, generator=gen))
+    make.__doc__ = span_rows.__doc__
+    return make
+
+
+def aligned_rows(k: int, p: int, seed: int) -> torch.Tensor:
+    """``[K, P]`` float32: ``aᵢ s + nᵢ/2`` with ``aᵢ = 1 + |N(0, 1)|`` (no conflict: every
+    entry of the Gramian positive)."""
+    gen = torch.Generator().manual_seed(seed)
+    shared = torch.randn(p, generator=gen)
+    scale = 1 + torch.randn(k, 1, generator=gen).abs()
+    return (scale * shared + 0.5 * torch.randn(k, p, generator=gen)).contiguous()
+
+
+def half_zero_rows(k: int, p: int, seed: int) -> torch.Tensor:
+    """The conflicting rows with a random half of them zero (tasks without a gradient)."""
+    rows = conflicting_rows(k, p, seed)
+    gen = torch.Generator().manual_seed(seed + 2)
+    rows[torch.randperm(k, generator=gen)[: k // 2]] = 0.0
+    return rows
+
+
+def mixed_rows(k: int, p: int, seed: int) -> torch.Tensor:
+    """Every other kind at once: ``K/6`` rows of each (conflicting, near duplicates, wide
+    norms, rank 1, aligned, zero), shuffled."""
+    makers = [conflicting_rows, near_duplicate_rows, wide_norm_rows, span_rows(1),
+              aligned_rows]
+    sizes = [k // 6] * 5
+    parts = [make(n, p, seed + i) for i, (make, n) in enumerate(zip(makers, sizes, strict=True))]
+    parts.append(torch.zeros(k - sum(sizes), p))
+    gen = torch.Generator().manual_seed(seed + 3)
+    return torch.cat(parts)[torch.randperm(k, generator=gen)].contiguous()
+
+
+KINDS = {"conflicting": conflicting_rows, "rank8": rank_deficient_rows,
+         "near_duplicates": near_duplicate_rows, "wide_norms": wide_norm_rows,
+         "rank1": span_rows(1), "span8": span_rows(8), "aligned": aligned_rows,
+         "half_zero": half_zero_rows, "mixed": mixed_rows}
 
 
 def make_balancer(name: str, k: int) -> Balancer:
@@ -125,7 +189,7 @@ def time_k(calls: dict[str, Call], rounds: int, budget: float) -> dict[str, floa
     for name, ts in times.items():
         if name not in result:
             result[name] = statistics.median(ts)
-    return result
+    return {name: result[name] for name in calls}  # in the calls' order, the Gramian first
 
 
 def finite(out: object) -> bool:
@@ -151,6 +215,47 @@ def table(ks: list[int], rows: dict[str, dict[int, float | str]]) -> str:
     return "\n".join(lines)
 
 
+def kinds_table(k: int, kinds: list[str], res: dict[str, dict[str, float | str]]) -> str:
+    """Markdown at one K: a row per method, a column per kind; the Gramian in ms, every other
+    method as a multiple of the Gramian of the same kind and run."""
+    lines = ["| method | " + " | ".join(kinds) + " |", "|---" * (len(kinds) + 1) + "|"]
+    names = list(dict.fromkeys(n for kind in kinds for n in res[kind]))
+    for name in names:
+        cells = []
+        for kind in kinds:
+            v, g = res[kind].get(name, "—"), res[kind].get("gramian")
+            if isinstance(v, float) and isinstance(g, float):
+                cells.append(f"{v * 1e3:.0f} ms" if name == "gramian" else f"{v / g:.2f}×")
+            else:
+                cells.append(str(v))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def sweep(args: argparse.Namespace, ks: list[int], names: list[str], kinds: list[str],
+          out: Path) -> str:
+    """Every kind at every K (``--kinds``): one table per K, the load average per kind; the
+    file is rewritten after each kind (a long run keeps what it has measured)."""
+    res: dict[int, dict[str, dict[str, float | str]]] = {k: {} for k in ks}
+    loads: list[str] = []
+    text = ""
+    for done, kind in enumerate(kinds):
+        for k in ks:
+            calls = calls_at(k, args.p, names, not args.no_torchjd, kind)
+            res[k][kind] = time_k(calls, args.rounds, args.budget)
+            print(f"{kind} K={k} done", flush=True)
+        loads.append(f"{kind} {os.getloadavg()[0]:.1f}")
+        ran = kinds[: done + 1]
+        text = "# Combine time by kind of rows, as a multiple of the Gramian\n" + "".join(
+            f"\n## K = {k} ({', '.join(ran)}; P = {args.p}, float32, {args.threads} "
+            f"thread(s), median of {args.rounds} interleaved rounds)\n\n"
+            + kinds_table(k, ran, res[k]) + "\n"
+            for k in ks
+        ) + f"\nLoad average (1 min) after each kind: {', '.join(loads)}.\n"
+        (out / f"many_tasks_{args.name}.md").write_text(text)
+    return text
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ks", default="8,16,32,64,128,256,512,1024")
@@ -162,12 +267,20 @@ def main() -> None:
     parser.add_argument("--no-torchjd", action="store_true")
     parser.add_argument("--kind", default="conflicting", choices=sorted(KINDS),
                         help="rank8: rows in a rank-8 span, near duplicates, norms 1e-6 … 1e6")
+    parser.add_argument("--kinds", default="",
+                        help="comma-separated kinds or 'all': a table per K, a column per kind")
     parser.add_argument("--name", default="cpu")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     ks = [int(k) for k in args.ks.split(",")]
     names = [n for n in BALANCERS if not args.only or n in args.only.split(",")]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.kinds:
+        kinds = list(KINDS) if args.kinds == "all" else args.kinds.split(",")
+        print(sweep(args, ks, names, kinds, out))
+        return
     rows: dict[str, dict[int, float | str]] = {}
     cut: set[str] = set()
     for k in ks:
@@ -185,8 +298,6 @@ def main() -> None:
             f"thread(s), "
             f"median of {args.rounds} interleaved rounds, budget {args.budget} s)\n\n"
             + table(ks, rows) + "\n")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / f"many_tasks_{args.name}.md").write_text(text)
     (out / f"many_tasks_{args.name}.json").write_text(json.dumps(
         {n: {str(k): v for k, v in r.items()} for n, r in rows.items()}, indent=1))

@@ -110,39 +110,41 @@ class _Vaccination:
                  max_step: float) -> None:
         diag = torch.diagonal(gram)
         norms = diag.clamp_min(0).sqrt()
-        by_step = orders.T  # every per-pair tensor [step, task]: each step's row contiguous
-        self.norm_j, self.diag_j = norms[by_step], diag[by_step]
+        by_step = orders.T.contiguous()  # every per-pair tensor [step, task], rows contiguous
         self.hat = targets.gather(1, orders).T.contiguous()
-        self.root_hat = (1 - self.hat * self.hat).clamp_min(0).sqrt()
-        self.den = self.norm_j * self.root_hat + eps
-        self.zero_den = bool((self.den == 0).any())  # only with eps = 0
-        self.cap = _ratio(max_step * norms, self.norm_j)
+        norm_j = norms[by_step]
+        root_hat = (1 - self.hat * self.hat).clamp_min_(0).sqrt_()
+        den = torch.addcmul(torch.full_like(norm_j, eps), norm_j, root_hat)
+        self.zero_den = bool((den == 0).any())  # only with eps = 0
         self.phi = torch.empty_like(self.hat)  # the cosines at the visits
+        # Each step's row of every per-pair tensor, as views made once (a visit reads 7).
+        self.rows = list(zip(norm_j.unbind(0), diag[by_step].unbind(0), self.hat.unbind(0),
+                             root_hat.unbind(0), den.unbind(0),
+                             _ratio(max_step * norms, norm_j).unbind(0),
+                             self.phi.unbind(0), strict=True))
         self.sq = diag.clone()  # ‖g_i^PC‖², kept up to date visit by visit
         self.one, self.eps = torch.ones_like(diag), torch.full_like(diag, eps)
         self.bare = not eps > 0  # the cosine's denominator may be 0: 0 / 0 read as 0
 
     def __call__(self, t: int, dot: Tensor, out: Tensor) -> Tensor:
+        norm_j, diag_j, hat, root_hat, den_j, cap, phi_t = self.rows[t]
         norm_i = self.sq.clamp_min(0).sqrt_()
-        den = torch.addcmul(self.eps, norm_i, self.norm_j[t])
+        den = torch.addcmul(self.eps, norm_i, norm_j)
         if self.bare:
-            phi = self.phi[t].copy_(_ratio(dot, den)).clamp_(-1.0, 1.0)
+            phi = phi_t.copy_(_ratio(dot, den)).clamp_(-1.0, 1.0)
         else:
-            phi = torch.div(dot, den, out=self.phi[t]).clamp_(-1.0, 1.0)
-        w = self._step(t, phi, norm_i, out)
-        self.sq.addcmul_(w, torch.addcmul(dot, w, self.diag_j[t], value=0.5), value=2.0)
-        return w
-
-    def _step(self, t: int, phi: Tensor, norm_i: Tensor, out: Tensor) -> Tensor:
-        """``w`` ``[K]``: the paper's step, clamped to ``w‖gⱼ‖ ≤ ρ‖gᵢ‖``, 0 if ``φ ≥ φ̂``."""
-        hat, den = self.hat[t], self.den[t]
+            phi = torch.div(dot, den, out=phi_t).clamp_(-1.0, 1.0)
+        # The paper's step, clamped to w‖gⱼ‖ ≤ ρ‖gᵢ‖, 0 if φ ≥ φ̂.
         root_phi = torch.addcmul(self.one, phi, phi, value=-1.0).sqrt_()  # |φ| ≤ 1: φ² ≤ 1
-        lift = torch.mul(hat, root_phi).addcmul_(phi, self.root_hat[t], value=-1.0)
+        lift = torch.mul(hat, root_phi).addcmul_(phi, root_hat, value=-1.0)
         lift.mul_(norm_i).clamp_min_(0)  # ‖g_i^PC‖ sin(θ − θ̂)
-        paper = lift / den
         if self.zero_den:  # 0 / 0: no lift, no step; x / 0 with x > 0: the cap
-            paper = torch.where(den > 0, paper, torch.where(lift > 0, torch.inf, 0.0))
-        return torch.minimum(paper, self.cap[t], out=out).masked_fill_(phi >= hat, 0.0)
+            paper = torch.where(den_j > 0, lift / den_j, torch.where(lift > 0, torch.inf, 0.0))
+        else:
+            paper = lift.div_(den_j)
+        w = torch.minimum(paper, cap, out=out).masked_fill_(phi >= hat, 0.0)
+        self.sq.addcmul_(w, torch.addcmul(dot, w, diag_j, value=0.5), value=2.0)
+        return w
 
 
 class GradVac(OwnedGeneratorState):

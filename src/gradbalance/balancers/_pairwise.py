@@ -18,6 +18,7 @@ non-zero weight (``O(nnz·K)``, ``O(K³)`` over the pass whatever ``b``), or as 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -44,14 +45,14 @@ def pass_block(k: int) -> int:
     return SPARSE_BLOCK if k >= SPARSE_FROM else DENSE_BLOCK
 
 
-def _triangle(n: int, device: torch.device) -> tuple[Tensor, Tensor, list[int]]:
-    """The strict upper triangle of an ``n × n`` block (row-major: ``first``, ``second``
-    ``[n(n−1)/2]``) and the offset of each row's run ``s' = s+1 … n−1``."""
+def _triangle(n: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The strict upper triangle of an ``n × n`` block, row-major (``first``, ``second``
+    ``[n(n−1)/2]``): row ``s`` holds the ``n − 1 − s`` pairs ``(s, s' > s)``."""
     first, second = torch.triu_indices(n, n, 1, device=device)
-    return first, second, [s * n - s * (s + 1) // 2 for s in range(n + 1)]
+    return first, second
 
 
-def _block_pairs(gram: Tensor, cols: Tensor, tri: tuple[Tensor, Tensor, list[int]]) -> Tensor:
+def _block_pairs(gram: Tensor, cols: Tensor, tri: tuple[Tensor, Tensor]) -> Tensor:
     """``G[cols[s, i], cols[s', i]]`` for ``s < s'`` (``[n(n−1)/2, K]``, the pairs row-major;
     ``cols`` ``[n, K]``; int32 flat indices while ``K²`` fits)."""
     k = gram.shape[0]
@@ -62,19 +63,20 @@ def _block_pairs(gram: Tensor, cols: Tensor, tri: tuple[Tensor, Tensor, list[int
 
 def _refresh(cg: Tensor, gram: Tensor, cols: Tensor, weights: Tensor) -> None:
     """``cg += Δ G`` with ``Δ[i, cols[i, s]] = weights[i, s]``: sparse (one row of ``G`` per
-    non-zero weight) or one dense product, whichever is cheaper."""
+    non-zero weight; ``Δ`` in CSR, its columns in visiting order) or one dense product,
+    whichever is cheaper."""
     k = gram.shape[0]
     live = weights != 0
-    if int(live.sum()) * SPARSE_COST >= k * k:
+    per_row = live.sum(dim=1)
+    if int(per_row.sum()) * SPARSE_COST >= k * k:
         cg.addmm_(torch.zeros_like(cg).scatter_(1, cols, weights), gram)
         return
-    sorted_cols, order = cols.sort(dim=1)  # coalesced: columns ascending in each row
-    sorted_weights = weights.gather(1, order)
-    rows, pos = (sorted_weights != 0).nonzero(as_tuple=True)
-    delta = torch.sparse_coo_tensor(
-        torch.stack([rows, sorted_cols[rows, pos]]), sorted_weights[rows, pos], (k, k),
-        is_coalesced=True, check_invariants=False,
-    )
+    crow = torch.zeros(k + 1, dtype=torch.int64, device=cg.device)
+    torch.cumsum(per_row, 0, out=crow[1:])
+    with warnings.catch_warnings():  # torch calls its sparse CSR support beta
+        warnings.filterwarnings("ignore", "Sparse CSR tensor support", UserWarning)
+        delta = torch.sparse_csr_tensor(crow, cols[live], weights[live], (k, k),
+                                        check_invariants=False)
     cg.addmm_(delta, gram)
 
 
@@ -101,17 +103,19 @@ def pairwise_pass(gram: Tensor, orders: Tensor, visit: Visit, block: int | None 
     orders = orders.to(gram.device)
     by_step = orders.T.contiguous()  # [steps, K]: every per-step vector contiguous
     weights = torch.zeros(steps, k, dtype=gram.dtype, device=gram.device)
+    weight_rows = weights.unbind(0)  # every step's view made once
     cg = gram
-    triangles: dict[int, tuple[Tensor, Tensor, list[int]]] = {}
+    triangles: dict[int, tuple[Tensor, Tensor]] = {}
     for start in range(0, steps, block):
         cols = by_step[start : start + block]
         n = cols.shape[0]
         tri = triangles.setdefault(n, _triangle(n, gram.device))
         dots = cg.gather(1, cols.T).T.contiguous()
-        pairs, offsets = _block_pairs(gram, cols, tri), tri[2]
-        for s in range(n):
-            w = visit(start + s, dots[s], weights[start + s])
-            dots[s + 1 :].addcmul_(w, pairs[offsets[s] : offsets[s + 1]])
+        pairs = torch.split(_block_pairs(gram, cols, tri), list(range(n - 1, -1, -1)))
+        for s, dot in enumerate(dots.unbind(0)):
+            w = visit(start + s, dot, weight_rows[start + s])
+            if s + 1 < n:
+                dots[s + 1 :].addcmul_(w, pairs[s])
         if start + n < steps:
             cg = gram.clone() if cg is gram else cg
             _refresh(cg, gram, cols.T, weights[start : start + n].T)

@@ -15,7 +15,6 @@ update, cosine ≥ 0.999999 and norm within 1e-6 relative, where the update is n
 from __future__ import annotations
 
 import itertools
-import math
 import warnings
 
 import pytest
@@ -40,6 +39,14 @@ from gradbalance.balancers._pcgrad import pcgrad_coefficients, pcgrad_orders
 from gradbalance.balancers._solvers import trace_normalized
 from gradbalance.balancers._trimmed_mean import trimmed_mean_update
 from gradbalance.balancers._upgrad import upgrad_weights
+from support.many_kinds import (
+    assert_same_update,
+    check_gradvac_pass,
+    check_pcgrad_pass,
+    gradvac_loop,
+    pass_settings,
+    pcgrad_loop,
+)
 
 F64 = torch.float64
 KINDS = ["conflicting", "rank_deficient", "near_duplicates", "wide_norms", "rank8_mixed"]
@@ -64,18 +71,6 @@ def rows(kind: str, k: int, p: int, seed: int) -> Tensor:
         g[1::2] = g[0:k - 1:2] + 1e-9 * torch.randn(k // 2, p, generator=gen, dtype=F64)
         g = g * torch.logspace(-6, 6, k, dtype=F64)[torch.randperm(k, generator=gen)][:, None]
     return g
-
-
-def assert_same_update(a: Tensor, b: Tensor, g: Tensor) -> None:
-    """cos ≥ 0.999999 and norms within 1e-6 (or both below ``1e-9 Σ‖gₖ‖`` and close)."""
-    assert bool(torch.isfinite(a).all())
-    floor = float(g.norm(dim=1).sum())
-    na, nb = float(a.norm()), float(b.norm())
-    if nb <= 1e-9 * floor:
-        assert float((a - b).norm()) <= 1e-8 * floor
-        return
-    assert float(a @ b) / (na * nb) >= 0.999999
-    assert abs(na - nb) <= 1e-6 * nb
 
 
 CASES = st.tuples(st.integers(2, 64), st.sampled_from(KINDS), st.integers(0, 2**16))
@@ -130,28 +125,9 @@ def test_upgrad_and_dualproj_at_64_tasks_are_finite_and_conflict_free(kind: str)
 
 
 # -- PCGrad / GradVac -------------------------------------------------------------------
-def pcgrad_loop(g: Tensor, orders: Tensor) -> Tensor:
-    """Yu et al. (2020), Algorithm 1, on the rows themselves: the sum of the ``g_i^PC``."""
-    out = torch.zeros_like(g[0])
-    for i in range(g.shape[0]):
-        gi = g[i].clone()
-        for j in orders[i].tolist():
-            dot = float(gi @ g[j])
-            if j != i and dot < 0 and float(g[j] @ g[j]) > 0:
-                gi = gi - dot / float(g[j] @ g[j]) * g[j]
-        out += gi
-    return out
-
-
 #: How a pass may run: its block size, and the refresh of ``C G`` forced sparse or dense
 #: (``SPARSE_COST`` 0: every refresh sparse; huge: every refresh one dense product).
 PASSES = st.tuples(st.sampled_from([1, 3, 8, 16, 32]), st.sampled_from([0, 10**9]))
-
-
-def pass_settings(mp: pytest.MonkeyPatch, how: tuple[int, int]) -> None:
-    block, cost = how
-    mp.setattr(_pairwise, "pass_block", lambda k: block)
-    mp.setattr(_pairwise, "SPARSE_COST", cost)
 
 
 @settings(max_examples=40, deadline=None)
@@ -159,12 +135,7 @@ def pass_settings(mp: pytest.MonkeyPatch, how: tuple[int, int]) -> None:
 def test_pcgrad_blocked_pass_matches_the_loop_over_rows(case: tuple[int, str, int],
                                                          how: tuple[int, int]) -> None:
     k, kind, seed = case
-    g = rows(kind, k, 2 * k + 3, seed)
-    orders = pcgrad_orders(k, torch.Generator().manual_seed(seed))
-    with pytest.MonkeyPatch.context() as mp:
-        pass_settings(mp, how)
-        fast = pcgrad_coefficients(g @ g.T, orders).sum(dim=0) @ g
-    assert_same_update(fast, pcgrad_loop(g, orders), g)
+    check_pcgrad_pass(rows(kind, k, 2 * k + 3, seed), seed, how)
 
 
 @pytest.mark.parametrize("cost", [0, 10**9])
@@ -196,45 +167,12 @@ def test_pcgrad_block_size_does_not_change_the_coefficients() -> None:
         torch.testing.assert_close(coef, whole, rtol=1e-10, atol=1e-12)
 
 
-def gradvac_loop(gram: Tensor, orders: Tensor, targets: Tensor, beta: float, eps: float,
-                 max_step: float) -> tuple[Tensor, Tensor]:
-    """Wang et al. (2021), Algorithm 1 with the step cap, one pair at a time on the Gramian
-    (every dot and norm read afresh from ``C``; ``(C, new targets)``)."""
-    k = gram.shape[0]
-    coef, hat = torch.eye(k, dtype=F64), targets.clone()
-    norms = torch.diagonal(gram).clamp_min(0).sqrt().tolist()
-    for i in range(k):
-        for j in orders[i].tolist():
-            dot = float(coef[i] @ gram[:, j])
-            norm_i = max(float(coef[i] @ gram @ coef[i]), 0.0) ** 0.5
-            den = norm_i * norms[j] + eps
-            phi = min(max(dot / den, -1.0), 1.0) if den > 0 else 0.0
-            h = float(hat[i, j])
-            if phi < h and norms[j] > 0 and norm_i > 0:
-                lift = max(norm_i * (h * (1 - phi**2) ** 0.5 - phi * (1 - h**2) ** 0.5), 0.0)
-                den2 = norms[j] * (1 - h**2) ** 0.5 + eps
-                paper = lift / den2 if den2 > 0 else (math.inf if lift > 0 else 0.0)
-                coef[i, j] += min(paper, max_step * norms[i] / norms[j])
-            hat[i, j] = (1 - beta) * h + beta * phi
-    return coef, hat
-
-
 @settings(max_examples=40, deadline=None)
 @given(CASES, st.floats(0.0, 1.0), PASSES)
 def test_gradvac_blocked_pass_matches_the_pair_loop(case: tuple[int, str, int], beta: float,
                                                     how: tuple[int, int]) -> None:
     k, kind, seed = case
-    g = rows(kind, k, 2 * k + 3, seed)
-    gram, _ = trace_normalized(g @ g.T)
-    gen = torch.Generator().manual_seed(seed)
-    orders = gradvac_orders(k, gen)
-    targets = torch.rand(k, k, generator=gen, dtype=F64) * 1.6 - 0.8
-    with pytest.MonkeyPatch.context() as mp:
-        pass_settings(mp, how)
-        coef, hat = gradvac_coefficients(gram, orders, targets, beta, 1e-8, 1.0)
-    ref_coef, ref_hat = gradvac_loop(gram, orders, targets, beta, 1e-8, 1.0)
-    assert_same_update(coef.sum(dim=0) @ g, ref_coef.sum(dim=0) @ g, g)
-    torch.testing.assert_close(hat, ref_hat, rtol=1e-6, atol=1e-6)
+    check_gradvac_pass(rows(kind, k, 2 * k + 3, seed), seed, beta, how)
 
 
 @pytest.mark.parametrize("eps", [0.0, 1e-8])
