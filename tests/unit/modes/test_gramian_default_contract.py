@@ -19,7 +19,7 @@ from gradbalance.modes._blocks import Block, Call
 from gradbalance.modes._cut import trunk_cut
 from gradbalance.modes._routes import CONTRACT_MIN_TASKS, contract_by_default
 from gradbalance_lab.models import MultiTaskModel, make_heads, regression_losses
-from support.helpers import ItemInBackward, build, forced_buffer, grads_of
+from support.helpers import Unbatchable, build, forced_buffer, grads_of
 from support.perf import make_balancer
 
 K = CONTRACT_MIN_TASKS
@@ -237,15 +237,9 @@ def test_a_parameter_outside_the_lists_gets_its_plain_gradient() -> None:
         torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-12)
 
 
-class _Unbatchable(nn.Module):
-    def forward(self, x: Tensor) -> Tensor:
-        out: Tensor = ItemInBackward.apply(x)
-        return out
-
-
 def test_a_failed_batched_call_falls_back_to_the_loop_and_stays() -> None:
     torch.manual_seed(0)
-    trunk = nn.Sequential(nn.Linear(6, 16), _Unbatchable(), nn.Tanh(), nn.Linear(16, 16),
+    trunk = nn.Sequential(nn.Linear(6, 16), Unbatchable(), nn.Tanh(), nn.Linear(16, 16),
                           nn.Tanh(), nn.Linear(16, 16))
     model = MultiTaskModel(trunk, make_heads(16, K)).double()
     x, y = torch.randn(5, 6, dtype=torch.float64), torch.randn(5, K, dtype=torch.float64)
