@@ -96,16 +96,19 @@ def _loop(roots: TaskRoots, inputs: list[Tensor], sinks: Sequence[PassSink],
 
 
 def batched_grads(roots: TaskRoots, inputs: Sequence[Tensor], passes: Passes,
-                  retain_graph: bool) -> tuple[Tensor | None, ...] | None:
-    """The batched call's gradients; None where it failed and ``passes`` allows the loop."""
+                  retain_graph: bool, start: tuple[Sequence[Tensor], Sequence[Tensor]] | None
+                  = None) -> tuple[Tensor | None, ...] | None:
+    """The batched call's gradients, from the losses (or from ``start``: tensors and their
+    ``[K, *shape]`` gradients); None where it failed and ``passes`` allows the loop."""
     losses = roots.scaled
-    eye = torch.eye(losses.shape[0], dtype=losses.dtype, device=losses.device)
+    outputs, grad_outputs = start if start is not None else (
+        [losses], [torch.eye(losses.shape[0], dtype=losses.dtype, device=losses.device)])
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*performance drop.*")
             # Unless forced, keep the graph so that a failure can still fall back.
             return torch.autograd.grad(
-                losses, inputs, grad_outputs=eye, is_grads_batched=True,
+                outputs, inputs, grad_outputs=grad_outputs, is_grads_batched=True,
                 retain_graph=True if passes != "batched" else retain_graph, allow_unused=True,
             )
     except RuntimeError as error:

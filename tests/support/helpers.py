@@ -80,6 +80,14 @@ class ItemInBackward(torch.autograd.Function):
         return grad * (float(grad.abs().sum().item() >= 0) * 2.0)
 
 
+class Unbatchable(nn.Module):
+    """:class:`ItemInBackward` as a module: a trunk layer the batched passes cannot cross."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = ItemInBackward.apply(x)
+        return out
+
+
 def optimizer_step(opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> None:
     """``scaler.step`` + ``scaler.update`` (or ``opt.step``), then ``zero_grad``."""
     if scaler is not None:

@@ -24,6 +24,7 @@ class Call:
     input: Tensor | None = None
     output: Tensor | None = None
     versions: tuple[int, int] = (0, 0)
+    loop: bool = True  # the loop's rule would have kept them too (``_routes.keeps``)
 
 
 @dataclass

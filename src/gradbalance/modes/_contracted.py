@@ -19,9 +19,9 @@ import torch
 from torch import Tensor
 
 from .._per_sample_eager import Slots, lowest
-from .._sinks import task_stack
+from .._sinks import StackSink, task_stack
 from ..gramian import compute_gramian, linear_gramian
-from ..taskgrads import Concrete, Passes, TaskRoots, batched_grads
+from ..taskgrads import Concrete, Passes, TaskRoots, batched_grads, run_passes
 from ._blocks import Block, Call
 from ._engine import WriteBack
 from ._layers import rows_grad, rows_input
@@ -104,21 +104,40 @@ def _contract(block: Block, calls: list[Call], k_total: int, gram: Tensor,
         gram += linear_gramian(x, d, weight, bias, route=block.route)
 
 
+def _from_cut(roots: TaskRoots, cut: Sequence[Tensor]
+              ) -> tuple[list[Tensor], list[Tensor]]:
+    """``cut`` (the tensors some task reaches) and its ``[K, *y]`` gradients, by K passes
+    that each cross one task's head (:mod:`._cut`)."""
+    sink = StackSink(cut, roots.num_tasks)
+    run_passes(roots, [sink], roots.scaled.device, passes="loop", retain_graph=True)
+    found = [(y, g) for y, g in zip(cut, sink.stacks) if g is not None]
+    return [y for y, _ in found], [g for _, g in found]
+
+
 def contract_passes(roots: TaskRoots, hooked: Sequence[Block], rows: Sequence[Block],
-                    passes: Passes) -> tuple[Tensor | None, bool]:
+                    passes: Passes, cut: Sequence[Tensor] | None = None
+                    ) -> tuple[Tensor | None, bool]:
     """``G Gᵀ`` ``[K, K]`` float64 of one batched call, the graph kept: ``hooked`` blocks (exact
     linear layers with their calls kept) contracted inside it, the ``rows`` blocks' ``[K, P_b]``
-    after it. ``(None, ran)`` where it could not: the batched call failed (``ran`` False, the
-    loop is next) or this torch hid its batched gradients from the hooks."""
+    after it. The call starts at ``cut`` where given (:mod:`._cut`), else at the losses.
+    ``(None, ran)`` where it could not: the batched call failed (``ran`` False, the loop is
+    next) or this torch hid its batched gradients from the hooks."""
     k_total = roots.num_tasks
     gram = torch.zeros(k_total, k_total, dtype=torch.float64, device=roots.scaled.device)
-    hooks = _Hooks(hooked, k_total, gram)
+    start = None if cut is None else _from_cut(roots, cut)  # before the hooks: not batched
+    tops = [roots.scaled] if start is None else start[0]
     outputs = [call.output for block in hooked for call in block.calls
                if call.output is not None]
-    asked = [y for y, low in zip(outputs, lowest([roots.scaled], outputs)) if low]
+    asked = [y for y, low in zip(outputs, lowest(tops, outputs)) if low]
     params = [p for block in rows for p in block.params]
+    inputs = [*asked, *params]
+    hooks = _Hooks(hooked, k_total, gram)
     try:
-        grads = batched_grads(roots, [*asked, *params], passes, retain_graph=True)
+        if start is not None and not start[0]:  # no task reaches the trunk
+            grads: tuple[Tensor | None, ...] | None = (None,) * len(inputs)
+        else:
+            grads = batched_grads(roots, inputs, passes, retain_graph=True, start=start)
+        del start
         if grads is None or hooks.unbatched:
             return None, grads is not None
         hooks.finish()

@@ -45,9 +45,10 @@ class GramianMode:
         self.chosen: Concrete | None = None
         self._micro = 0  # micro-batches of the step so far
         # Batched passes asked for by name are contracted inside the backward (the forwards
-        # keep every call); ``auto``'s batched choice keeps the operands (docs/performance.md,
-        # "Modes").
-        self.recorder.contract = passes == "batched"
+        # keep every call); ``auto`` contracts where its rule says so (``_routes.py``,
+        # docs/performance.md, "Modes"); the loop never.
+        self.recorder.contract = passes != "loop"
+        self.recorder.by_name = passes == "batched"
 
     @property
     def layer_routes(self) -> dict[str, str]:
@@ -61,7 +62,8 @@ class GramianMode:
         heads_backward_(roots, self.head_params)
         self._micro = 1 if first else self._micro + 1
         used = self.recorder.task_passes(roots, self.passes, first, self._micro, self.chosen)
-        self.chosen = kept_passes(self.passes, self.recorder.device, self.chosen, used)
+        if self.recorder.contracted is None:  # a contracted step leaves the choice as it was
+            self.chosen = kept_passes(self.passes, self.recorder.device, self.chosen, used)
 
     def check_apply(self, balancer: Balancer, clip: RowClipper | None) -> None:
         if not balancer.from_gramian:

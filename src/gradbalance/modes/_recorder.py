@@ -16,12 +16,22 @@ from .._graph import reaches, tensor_hooked
 from .._sinks import PassSink, RowsSink, StackSink
 from ..distributed import all_gather_columns, all_ranks_true, all_reduce_mean_
 from ..gramian import compute_gramian, linear_gramian
-from ..taskgrads import Concrete, Passes, TaskRoots, resolve_passes, run_passes
+from ..taskgrads import Concrete, Passes, TaskRoots, run_passes
 from ._blocks import Block, Call, find_blocks
 from ._contracted import ContractedStep, contract_passes
+from ._cut import trunk_cut
 from ._engine import WriteBack
 from ._layers import rows_grad, rows_input
-from ._routes import Force, inexact, keep_exact, keeps, plan_routes, promote_routes
+from ._routes import (
+    CONTRACT_MIN_TASKS,
+    Force,
+    contract_by_default,
+    inexact,
+    keep_exact,
+    keeps,
+    plan_routes,
+    promote_routes,
+)
 
 __all__ = ["GramianRecorder"]
 
@@ -79,7 +89,7 @@ def _kept_outputs(block: Block) -> list[Tensor]:
     for call in block.calls:
         if call.input is None or call.output is None:
             continue
-        if (call.input._version, call.output._version) != call.versions:
+        if not _unchanged(call):
             raise RuntimeError(
                 f"mode='gramian': the output or input of module {block.name} was "
                 f"modified in place after its forward (e.g. nn.ReLU(inplace=True)); "
@@ -89,11 +99,19 @@ def _kept_outputs(block: Block) -> list[Tensor]:
     return outputs
 
 
+def _unchanged(call: Call) -> bool:
+    """Whether the call's input and output are as its forward left them."""
+    assert call.input is not None and call.output is not None
+    return (call.input._version, call.output._version) == call.versions
+
+
 class GramianRecorder:
     """Forward hooks on the trunk's linear blocks; the Gramian and the weighted write-back."""
 
     def __init__(self, modules: nn.Module | Iterable[nn.Module], params: Sequence[Tensor]) -> None:
-        self.blocks = find_blocks(_roots_of(modules), params)
+        roots = _roots_of(modules)
+        self.blocks = find_blocks(roots, params)
+        self.params = list(params)
         self.device = params[0].device  # where the passes run, as in matrix mode
         self.linear = [block for block in self.blocks if block.linear]
         self.other = [block for block in self.blocks if not block.linear]
@@ -103,13 +121,15 @@ class GramianRecorder:
         # batched passes may contract each layer inside the backward (the mode's passes say
         # so), unless a step needed the operands (micro-batches, ranks): then it keeps them
         self.contract = False
+        self.by_name = False  # batched passes asked for by name: contracted whatever the K
         self.keep_operands = False
         self.contracted: ContractedStep | None = None  # this step's, until apply or clear
+        self.tops: list[tuple[Tensor, int]] = []  # the trunk's outputs, each with its version
         ref = weakref.ref(self)
         self._handles = [
             block.module.register_forward_hook(_make_hook(ref, block), with_kwargs=True)
             for block in self.linear
-        ]
+        ] + [root.register_forward_hook(_make_top_hook(ref)) for root in roots]
 
     def record(self, block: Block, args: tuple[Any, ...], kwargs: dict[str, Any],
                output: Any) -> None:
@@ -120,8 +140,9 @@ class GramianRecorder:
         x = _recorded_input(block, args, kwargs)
         assert block.form is not None
         n = output.numel() // max(block.form[1], 1)
-        if self._may_contract() or keeps(block, n, self.force, self._stepping, self.num_tasks):
-            block.calls.append(Call(n, x, output, (x._version, output._version)))
+        loop = keeps(block, n, self.force, self._stepping, self.num_tasks)
+        if loop or self._may_contract():
+            block.calls.append(Call(n, x, output, (x._version, output._version), loop))
         else:
             block.calls.append(Call(n))
         if len(block.calls) == _MANY_CALLS:
@@ -132,13 +153,17 @@ class GramianRecorder:
                 RuntimeWarning, stacklevel=2)
 
     def _may_contract(self) -> bool:
-        """Whether the step's first micro-batch may be contracted: every call is kept."""
-        return self.contract and not self.keep_operands and not self._stepping
+        """Whether the step's first micro-batch may be contracted: every call is kept (by
+        ``auto``'s rule, from the last step's K on)."""
+        if not self.contract or self.keep_operands or self._stepping:
+            return False
+        return self.by_name or self.num_tasks is None or self.num_tasks >= CONTRACT_MIN_TASKS
 
     def clear(self) -> None:
         """Forget the step: recorded calls, output gradients, inputs and rows."""
         self._stepping = False
         self.contracted = None
+        self.tops.clear()
         for block in self.blocks:
             block.forget()
 
@@ -168,20 +193,35 @@ class GramianRecorder:
         used: Concrete | None = None
         if first and self._contractible(roots, passes, preferred):
             used = self._contract(roots, passes, preferred)
+        elif first and self._may_contract():  # kept for a contraction that did not come
+            self._as_the_loop_keeps(k_total)
         if used is None or used == "loop":
             used = self._kept_passes(roots, passes if used is None else "loop", first,
                                      preferred)
         if not first:
             promote_routes(self.linear, self.force, k_total, micro)
         self.num_tasks, self._stepping = k_total, True
+        self.tops.clear()
         return used
+
+    def _as_the_loop_keeps(self, k_total: int) -> None:
+        """Drop what only a contraction would have kept; the routes planned again."""
+        for block in self.linear:
+            for call in block.calls:
+                if not call.loop:
+                    call.input = call.output = None
+        plan_routes(self.linear, self.force, k_total)
 
     def _contractible(self, roots: TaskRoots, passes: Passes,
                       preferred: Concrete | None) -> bool:
-        """Whether this micro-batch's passes may be contracted: batched, every call kept, no
-        tensor hook on a shared parameter (it would also see the weighted write-back)."""
-        return (self._may_contract() and resolve_passes(passes, self.device, preferred)
-                == "batched" and not any(tensor_hooked(p) for b in self.blocks for p in b.params))
+        """Whether this micro-batch's passes are contracted: every call kept, no tensor hook
+        on a shared parameter (it would also see the weighted write-back), and batched passes
+        asked for by name or ``auto``'s rule (:func:`._routes.contract_by_default`)."""
+        if not self._may_contract() or any(tensor_hooked(p) for p in self.params):
+            return False
+        if self.by_name:
+            return True
+        return preferred != "loop" and contract_by_default(self.linear, roots.num_tasks)
 
     def _contract(self, roots: TaskRoots, passes: Passes,
                   preferred: Concrete | None) -> Concrete | None:
@@ -189,8 +229,11 @@ class GramianRecorder:
         instead where that could not (None: as asked)."""
         hooked = self._hooked_blocks(roots)
         rows = [block for block in self.blocks if all(block is not h for h in hooked)]
-        gram, ran = contract_passes(roots, hooked, rows, passes)
+        cut = trunk_cut(roots.scaled, self.tops, self.params)
+        gram, ran = contract_passes(roots, hooked, rows, passes, cut)
         if gram is None:
+            if not ran:  # no batching rule: the loop from now on, as a fallback sticks
+                self.contract = False
             return None if ran else "loop"
         calls = [list(block.calls) for block in self.linear]
         for block in self.linear:
@@ -203,10 +246,9 @@ class GramianRecorder:
         unchanged, and no parameter used outside them (those take autograd's rows)."""
         self._check_recorded(roots)  # the activations-route layers' checks, as in the passes
         keep_exact(self.linear, self.force, roots.scaled, roots.num_tasks, True)
-        called = [block for block in self.linear
-                  if block.calls and all(call.output is not None for call in block.calls)]
-        for block in called:
-            _kept_outputs(block)  # refuses an in-place edit since the forward
+        called = [block for block in self.linear  # an output edited in place: rows
+                  if block.calls and all(call.output is not None and _unchanged(call)
+                                         for call in block.calls)]
         unsure = [block for block in called if block.route == "rows"]
         wrong = {id(block) for block in inexact(unsure, roots.scaled)} if unsure else set()
         return [block for block in called if id(block) not in wrong]
@@ -358,5 +400,16 @@ def _make_hook(ref: weakref.ReferenceType[GramianRecorder], block: Block) -> Any
             if torch.compiler.is_compiling():
                 raise RuntimeError(_COMPILED)
             recorder.record(block, args, kwargs, output)
+
+    return hook
+
+
+def _make_top_hook(ref: weakref.ReferenceType[GramianRecorder]) -> Any:
+    """A forward hook on a root module: its output, where the contracted passes may start."""
+    def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        recorder = ref()
+        if (recorder is not None and torch.is_grad_enabled() and isinstance(output, Tensor)
+                and output.requires_grad):
+            recorder.tops.append((output, output._version))
 
     return hook

@@ -10,8 +10,12 @@ from torch import Tensor
 from .._graph import leaf_uses, tensor_hooked
 from ._blocks import Block
 
-__all__ = ["Force", "forced_route", "inexact", "keep_exact", "keeps", "layer_shapes",
-           "plan_routes", "promote_routes"]
+__all__ = ["CONTRACT_MIN_TASKS", "Force", "contract_by_default", "forced_route", "inexact",
+           "keep_exact", "keeps", "layer_shapes", "plan_routes", "promote_routes"]
+
+#: From this many tasks on, ``passes="auto"`` contracts the passes where that holds less (the
+#: contracted route's one more backward through the trunk costs about 1/K of the K passes).
+CONTRACT_MIN_TASKS = 32
 
 #: A route forced on every layer of linear form, or by block name; None: the cost model.
 Force = str | dict[str, str] | None
@@ -96,3 +100,25 @@ def keep_exact(blocks: Sequence[Block], force: Force, loss: Tensor, k_total: int
             block.route = "rows"
         else:
             block.to_rows(k_total)
+
+
+def _held(block: Block, k_total: int) -> int:
+    """The elements the K passes keep of ``block`` on its route (its rows, or the output
+    gradients of its calls)."""
+    if block.route == "activations":
+        assert block.form is not None
+        return k_total * block.called_rows() * block.form[1]
+    return k_total * block.layout.numel
+
+
+def contract_by_default(blocks: Sequence[Block], k_total: int) -> bool:
+    """Whether ``passes="auto"`` contracts a step's passes (routes planned): at least
+    :data:`CONTRACT_MIN_TASKS` tasks, and the operands the loop would keep of the layers with
+    their calls kept, every layer's at once, outweigh what the contracted passes hold in
+    their place: ``[K, K]``, the trunk's output gradients and one layer's (each counted as
+    the largest). Other blocks give their rows either way (docs/performance.md, "Modes")."""
+    if k_total < CONTRACT_MIN_TASKS:
+        return False
+    recorded = [_held(b, k_total) for b in blocks if b.linear and b.calls
+                and all(call.output is not None for call in b.calls)]
+    return bool(recorded) and sum(recorded) > k_total * k_total + 2 * max(recorded)

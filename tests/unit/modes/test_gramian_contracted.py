@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from gradbalance import TaskClip, TaskGradBuffer, taskgrads
 from gradbalance.modes import _contracted
 from gradbalance_lab.models import MultiTaskModel, make_heads, regression_losses
-from support.helpers import TRUNKS, ItemInBackward, build, forced_buffer, grads_of
+from support.helpers import TRUNKS, Unbatchable, build, forced_buffer, grads_of
 from support.perf import make_balancer
 
 
@@ -223,15 +223,9 @@ def test_hidden_batched_gradients_take_the_operands(monkeypatch: pytest.MonkeyPa
     _close(grads_of(model.shared_parameters()), ref[:len(model.shared_parameters())], 1e-9)
 
 
-class _Unbatchable(nn.Module):
-    def forward(self, x: Tensor) -> Tensor:
-        out: Tensor = ItemInBackward.apply(x)
-        return out
-
-
 def test_a_failed_batched_call_falls_back_to_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(0)
-    trunk = nn.Sequential(nn.Linear(6, 8), _Unbatchable(), nn.Tanh(), nn.Linear(8, 8))
+    trunk = nn.Sequential(nn.Linear(6, 8), Unbatchable(), nn.Tanh(), nn.Linear(8, 8))
     model = MultiTaskModel(trunk, make_heads(8, 3)).double()
     x, y = torch.randn(5, 6, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
     ref, _ = _step(forced_buffer(model, "matrix", "loop"), model, x, y, "upgrad")
