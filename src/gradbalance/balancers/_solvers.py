@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from ._boxqp import is_well_conditioned, solve_box_qp_batched
+from ._cone import scaled_projection
 
 __all__ = ["SolverError"]
 
@@ -150,12 +151,18 @@ def project_dual_cone(gram: Tensor, u: Tensor, tol: float = QP_TOL) -> Tensor:
 
     Dual form (Quinton & Rey 2024, Prop. 1): ``min vᵀ G v`` s.t. ``v ≥ u``. ``u`` may be
     ``[K]`` or ``[B, K]`` (``B`` projections solved together, result ``[B, K]``); ``K = 2``
-    has a closed form (:func:`dual_cone_two`).
+    has a closed form (:func:`dual_cone_two`); otherwise it is solved on the cosine matrix
+    of the non-zero rows (:func:`~._cone.scaled_projection`).
     """
     u = u.to(torch.float64)
     if gram.shape[0] == 2:
         return dual_cone_two(gram, u.reshape(-1, 2)).reshape(u.shape)
-    return solve_box_qp(gram, torch.zeros_like(u), u, tol=tol)
+    return scaled_projection(gram, u.reshape(-1, gram.shape[0]), tol, _box).reshape(u.shape)
+
+
+def _box(q: Tensor, lower: Tensor, tol: float) -> Tensor:
+    """``argmin_{x ≥ lowerᵦ} ½ xᵀQx`` for each row of ``lower`` ``[B, K]``."""
+    return solve_box_qp(q, torch.zeros_like(lower), lower, tol=tol)
 
 
 def dual_cone_two(gram: Tensor, u: Tensor) -> Tensor:

@@ -1,0 +1,46 @@
+"""The dual-cone projection of UPGrad and DualProj on the cosine matrix, zero rows set aside.
+
+Not a balancer module (no ``__all__``). ``min vᵀGv`` s.t. ``v ≥ u`` (Quinton & Rey 2024,
+Prop. 1) is unchanged by a diagonal change of variables: with ``D = diag(G)^{1/2}`` and
+``s = Dv`` it is ``min sᵀCs`` s.t. ``s ≥ Du`` on the cosine matrix ``C = D⁻¹GD⁻¹``, and
+``v = D⁻¹s`` exactly. ``C`` has a unit diagonal whatever the rows' norms (norms spanning
+``1e-6 … 1e6`` make ``G``'s condition number ``1e24`` and ``C``'s that of the directions
+alone: van der Sluis 1969, a diagonal scaling within a factor ``K`` of the best), so the
+solver's well-conditioned path applies. A zero row (``Gᵢᵢ = 0``) does not enter ``vᵀGv``:
+every ``vᵢ ≥ uᵢ`` is optimal and ``vᵢ = uᵢ`` is taken; it is left out of the solve. Each
+problem is scaled to a largest bound of 1 (the solution is homogeneous in ``u``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+#: ``(Q, lower, tol) → argmin_{x ≥ lower} ½ xᵀQx`` for ``lower`` ``[B, K]``.
+BoxSolve = Callable[[Tensor, Tensor, float], Tensor]
+
+
+def scaled_projection(gram: Tensor, u: Tensor, tol: float, solve: BoxSolve) -> Tensor:
+    """``v`` ``[B, K]`` with ``v = argmin_{v ≥ uᵦ} vᵀGv`` per row of ``u`` ``[B, K]``
+    (float64), ``solve`` run on the trace-normalised cosine matrix of the non-zero rows."""
+    d = torch.diagonal(gram).clamp_min(0.0).sqrt()
+    live = torch.nonzero(d > 0.0).flatten()
+    v = u.clone()
+    n = live.numel()
+    if n == 0:
+        return v
+    dl = d[live]
+    cos = gram[live][:, live] / torch.outer(dl, dl)
+    cos = 0.5 * (cos + cos.T) / n  # trace n: normalised as the solver expects
+    lower = u[:, live] * dl
+    top = lower.abs().amax(dim=1)
+    rows = torch.nonzero(top > 0.0).flatten()  # a zero bound: v = 0 there is optimal
+    v[:, live] = 0.0 * lower
+    if rows.numel() == 0:
+        return v
+    scale = top[rows, None]
+    s = solve(cos, lower[rows] / scale, tol)
+    v[rows[:, None], live[None, :]] = s * scale / dl
+    return v
