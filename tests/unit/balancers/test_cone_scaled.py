@@ -1,0 +1,92 @@
+"""The dual-cone projection of UPGrad and DualProj (on the cosine matrix, zero rows set
+aside) against scipy's NNLS on the rows and the optimality conditions on the rows, on every
+kind of rows of the many-task check (``support.many_kinds``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor
+
+from gradbalance.balancers._solvers import project_dual_cone, trace_normalized
+from support.many_kinds import KIND_NAMES, assert_same_update, kind_rows
+
+F64 = torch.float64
+#: K from 3 (2 has its closed form) to 48, each kind, a seed.
+CASES = st.tuples(st.integers(3, 48), st.sampled_from(KIND_NAMES), st.integers(0, 2**16))
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    """K ≤ 48: one thread is faster, and not slowed by a busy machine (conftest restores)."""
+    torch.set_num_threads(1)
+
+
+def _problems(k: int, seed: int) -> Tensor:
+    """UPGrad's K bounds ``pᵢeᵢ`` and DualProj's ``p``, for a random positive ``p``."""
+    pref = torch.rand(k, generator=torch.Generator().manual_seed(seed), dtype=F64) + 0.1
+    return torch.cat([torch.diag(pref), pref[None]])
+
+
+def _scipy_projection(g: Tensor, u: Tensor) -> Tensor:
+    """``Jᵀu`` projected onto ``{x : Jx ≥ 0}`` by scipy's NNLS over the unit rows (the same
+    cone: ``x = Jᵀu + Σ yₖ ĝₖ``, ``y ≥ 0``; zero rows left out)."""
+    from scipy.optimize import nnls
+
+    norms = g.norm(dim=1)
+    unit = g[norms > 0] / norms[norms > 0, None]
+    a = g.T @ u
+    if unit.shape[0] == 0:
+        return a
+    y, _ = nnls(unit.T.numpy(), -a.numpy(), maxiter=10_000)
+    return a + unit.T @ torch.from_numpy(y)
+
+
+@settings(max_examples=40, deadline=None)
+@given(CASES)
+def test_projection_is_scipys_and_meets_kkt(case: tuple[int, str, int]) -> None:
+    """Every problem: ``v ≥ u``, the update ``Jᵀv`` scipy's projection (cosine ≥ 0.999999,
+    norm within 1e-6), in the dual cone and complementary to ``v − u``, relative to the
+    rows' norms."""
+    k, kind, seed = case
+    g = kind_rows(kind, k, 2 * k + 3, seed)
+    u = _problems(k, seed)
+    v = project_dual_cone(trace_normalized(g @ g.T)[0], u)
+    norms = g.norm(dim=1)
+    for i in range(u.shape[0]):
+        x = v[i] @ g
+        assert_same_update(x, _scipy_projection(g, u[i]), g)
+        size = float((u[i] * norms).sum())
+        assert bool((v[i] >= u[i] * (1 - 1e-12)).all())
+        if size == 0.0:  # only zero rows bounded: x = 0, checked above
+            continue
+        slack = g @ x / (norms * size).clamp_min(1e-300)
+        assert float(slack.min()) >= -1e-9
+        assert float(((v[i] - u[i]) * norms / size * slack.abs()).max()) <= 1e-9
+
+
+def test_zero_rows_keep_their_bound_and_leave_the_rest() -> None:
+    """A zero row's weight is its bound; the others are the projection without it."""
+    g = kind_rows("conflicting", 6, 20, 3)
+    g[[1, 4]] = 0.0
+    u = _problems(6, 3)
+    v = project_dual_cone(trace_normalized(g @ g.T)[0], u)
+    live = torch.tensor([0, 2, 3, 5])
+    rest = project_dual_cone(trace_normalized(g[live] @ g[live].T)[0], u[:, live])
+    assert torch.equal(v[:, [1, 4]], u[:, [1, 4]])
+    for i in range(u.shape[0]):
+        assert_same_update(v[i, live] @ g[live], rest[i] @ g[live], g)
+
+
+def test_wide_norms_match_the_unit_rows() -> None:
+    """Rows scaled by 1e-6 … 1e6: the update is that of the unit rows with the bounds
+    scaled by the norms (``s = Dv``), as the definition gives."""
+    g = kind_rows("conflicting", 12, 40, 5)
+    scales = torch.logspace(-6, 6, 12, dtype=F64)
+    u = _problems(12, 5)
+    wide = project_dual_cone(trace_normalized((g * scales[:, None]) @ (g * scales[:, None]).T)[0], u)
+    unit = project_dual_cone(trace_normalized(g @ g.T)[0], u * scales)
+    for i in range(u.shape[0]):
+        assert_same_update(wide[i] @ (g * scales[:, None]), unit[i] @ g, g * scales[:, None])
