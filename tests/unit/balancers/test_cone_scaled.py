@@ -86,7 +86,8 @@ def test_wide_norms_match_the_unit_rows() -> None:
     g = kind_rows("conflicting", 12, 40, 5)
     scales = torch.logspace(-6, 6, 12, dtype=F64)
     u = _problems(12, 5)
-    wide = project_dual_cone(trace_normalized((g * scales[:, None]) @ (g * scales[:, None]).T)[0], u)
+    gw = g * scales[:, None]
+    wide = project_dual_cone(trace_normalized(gw @ gw.T)[0], u)
     unit = project_dual_cone(trace_normalized(g @ g.T)[0], u * scales)
     for i in range(u.shape[0]):
-        assert_same_update(wide[i] @ (g * scales[:, None]), unit[i] @ g, g * scales[:, None])
+        assert_same_update(wide[i] @ gw, unit[i] @ g, gw)
