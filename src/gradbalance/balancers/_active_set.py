@@ -24,6 +24,9 @@ _EPS = torch.finfo(torch.float64).eps
 #: Smallest Schur complement of an entering column, relative to its diagonal entry and per
 #: row of ``Q``: the eigenvalue cut-off of :func:`~._boxqp.psd_factor`.
 SCHUR_RTOL_PER_ROW = 4 * _EPS
+#: Up to this many tasks the free-set solves factorise the whole masked ``Q`` (the identity
+#: on the fixed indices: the same factor, in fewer operations than gathering the blocks).
+MASKED_MAX_SIZE = 16
 
 
 def free_first(free: Tensor) -> tuple[Tensor, Tensor]:
@@ -47,24 +50,36 @@ def solve_free(q: Tensor, rhs: Tensor, free: Tensor, total: Tensor | None) -> Te
     """``y`` ``[B, K]`` with ``Q_FF y_F = rhs_F`` (``+ ν1`` and ``1ᵀy_F = total`` if given).
 
     Zero on the fixed indices; one batched Cholesky factorisation of the ``[B, m, m]`` free
-    blocks. A problem whose block does not factorise gets a NaN row.
+    blocks (of the masked ``[B, K, K]`` up to ``MASKED_MAX_SIZE`` tasks). A problem whose
+    block does not factorise gets a NaN row.
     """
+    if q.shape[0] <= MASKED_MAX_SIZE:
+        vf = free.to(q.dtype)
+        z, info = _solve_block(q * (vf[:, :, None] * vf[:, None, :]) + torch.diag_embed(1.0 - vf),
+                               rhs * vf, vf, total)
+        z[(info != 0) | ~torch.isfinite(z).all(dim=1)] = math.nan
+        return z
     y = torch.zeros_like(rhs)
     if not bool(free.any()):
         return y
     idx, valid = free_first(free)
     vf = valid.to(q.dtype)
-    chol, info = torch.linalg.cholesky_ex(free_blocks(q, idx, valid))
-    r = rhs.gather(1, idx) * vf
-    if total is not None:
-        sol = torch.cholesky_solve(torch.stack([r, vf], dim=-1), chol)
-        nu = (total - sol[..., 0].sum(dim=1)) / sol[..., 1].sum(dim=1).clamp_min(1e-300)
-        z = (sol[..., 0] + nu[:, None] * sol[..., 1]) * vf
-    else:
-        z = torch.cholesky_solve(r[..., None], chol)[..., 0] * vf
+    z, info = _solve_block(free_blocks(q, idx, valid), rhs.gather(1, idx) * vf, vf, total)
     y.scatter_(1, idx, z)
     y[(info != 0) | ~torch.isfinite(z).all(dim=1)] = math.nan
     return y
+
+
+def _solve_block(block: Tensor, r: Tensor, vf: Tensor,
+                 total: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``(z, info)``: ``block z = r`` on the entries ``vf`` marks (``+ ν·vf`` and
+    ``vfᵀz = total`` if given), zero elsewhere; ``info`` the factorisation's."""
+    chol, info = torch.linalg.cholesky_ex(block)
+    if total is not None:
+        sol = torch.cholesky_solve(torch.stack([r, vf], dim=-1), chol)
+        nu = (total - sol[..., 0].sum(dim=1)) / sol[..., 1].sum(dim=1).clamp_min(1e-300)
+        return (sol[..., 0] + nu[:, None] * sol[..., 1]) * vf, info
+    return torch.cholesky_solve(r[..., None], chol)[..., 0] * vf, info
 
 
 def _entering_solve(q: Tensor, rhs: Tensor, passive: Tensor, t: Tensor) -> Tensor:

@@ -239,18 +239,24 @@ def _pivot_loop(q: Tensor, shift: Tensor, lower: Tensor, simplex: bool, free0: T
         count = bad.sum(dim=1)
         failed = y.isnan().any(dim=1)  # a free block that did not factorise: left open
         finished = (count == 0) & exact & ~failed
-        x[rows[finished]] = lower[rows[finished]] + y[finished].clamp_min(0.0)
-        done[rows[finished]] = True
-        keep = ~(finished | failed)
-        rows, y, yq, free, bad, w, count = (
-            t[keep] for t in (rows, y, yq, free, bad, w, count))
-        if rows.numel() == 0:
+        if bool(finished.all()):  # the usual last iteration: no compaction
+            x[rows] = lower[rows] + y.clamp_min(0.0)
+            done[rows] = True
             break
+        keep = ~(finished | failed)
+        if not bool(keep.all()):
+            x[rows[finished]] = lower[rows[finished]] + y[finished].clamp_min(0.0)
+            done[rows[finished]] = True
+            exact = exact[keep]
+            rows, y, yq, free, bad, w, count = (
+                t[keep] for t in (rows, y, yq, free, bad, w, count))
+            if rows.numel() == 0:
+                break
         better = count < best[rows]
         best[rows] = torch.where(better, count, best[rows])
         chances[rows] = torch.where(better, 3, chances[rows] - 1)
         free = _exchange(free, bad, chances[rows] >= 0, order, simplex, w)
-        solved = solve(rows, free, y, yq, (count == 0) | exact[keep])
+        solved = solve(rows, free, y, yq, (count == 0) | exact)
     return x, done
 
 

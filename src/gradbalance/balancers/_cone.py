@@ -8,7 +8,8 @@ Prop. 1) is unchanged by a diagonal change of variables: with ``D = diag(G)^{1/2
 alone: van der Sluis 1969, a diagonal scaling within a factor ``K`` of the best), so the
 solver's well-conditioned path applies. A zero row (``Gᵢᵢ = 0``) does not enter ``vᵀGv``:
 every ``vᵢ ≥ uᵢ`` is optimal and ``vᵢ = uᵢ`` is taken; it is left out of the solve. Each
-problem is scaled to a largest bound of 1 (the solution is homogeneous in ``u``).
+problem is scaled to a largest bound of 1 (the solution is homogeneous in ``u``). A Gramian
+with no zero row and a diagonal within ``PLAIN_MAX_RATIO`` is solved as given.
 """
 
 from __future__ import annotations
@@ -20,12 +21,19 @@ from torch import Tensor
 
 #: ``(Q, lower, tol) → argmin_{x ≥ lower} ½ xᵀQx`` for ``lower`` ``[B, K]``.
 BoxSolve = Callable[[Tensor, Tensor, float], Tensor]
+#: Largest ratio of the Gramian's diagonal entries solved as given (no zero row): below it
+#: the scaling changes the conditioning by less than this factor and costs more than it saves.
+PLAIN_MAX_RATIO = 1e3
 
 
 def scaled_projection(gram: Tensor, u: Tensor, tol: float, solve: BoxSolve) -> Tensor:
     """``v`` ``[B, K]`` with ``v = argmin_{v ≥ uᵦ} vᵀGv`` per row of ``u`` ``[B, K]``
     (float64), ``solve`` run on the trace-normalised cosine matrix of the non-zero rows."""
-    d = torch.diagonal(gram).clamp_min(0.0).sqrt()
+    diag = torch.diagonal(gram)
+    low, high = diag.aminmax()
+    if bool((low * PLAIN_MAX_RATIO >= high) & (low > 0.0)):
+        return solve(gram, u, tol)
+    d = diag.clamp_min(0.0).sqrt()
     live = torch.nonzero(d > 0.0).flatten()
     v = u.clone()
     n = live.numel()
