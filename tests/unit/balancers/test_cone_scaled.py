@@ -44,7 +44,7 @@ def _scipy_projection(g: Tensor, u: Tensor) -> Tensor:
     return a + unit.T @ torch.from_numpy(y)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(CASES)
 def test_projection_is_scipys_and_meets_kkt(case: tuple[int, str, int]) -> None:
     """Every problem: ``v ≥ u``, the update ``Jᵀv`` scipy's projection (cosine ≥ 0.999999,
