@@ -287,7 +287,7 @@ def cagrad_dual(gram: Tensor, c: float, tol: float = 1e-12, max_iter: int = 200)
     if full is not None and _is_cagrad_kkt(gram, lin, r, full[0], full[1], tol):
         return full[1]
     qp = _cagrad_qp(gram, lin, r, tol)
-    state: dict[str, Tensor] = {"x": mean.clone()}
+    state: dict[str, Tensor | None] = {"x": None}  # the first QP starts cold
 
     zero_sq = 1e-24 * hi * hi  # ‖g_w‖² below this counts as a zero-norm combination
 
@@ -302,8 +302,8 @@ def cagrad_dual(gram: Tensor, c: float, tol: float = 1e-12, max_iter: int = 200)
 
 
 def _cagrad_qp(gram: Tensor, lin: Tensor, r: float,
-               tol: float) -> Callable[[float, Tensor], Tensor]:
-    """``(ρ, x0) ↦ argmin_{w∈Δ} ½ (r/ρ) wᵀGw + wᵀlin`` from ``x0``: the QPs of
+               tol: float) -> Callable[[float, Tensor | None], Tensor]:
+    """``(ρ, x0) ↦ argmin_{w∈Δ} ½ (r/ρ) wᵀGw + wᵀlin`` from ``x0`` (if any): the QPs of
     :func:`cagrad_dual`'s root search. A badly conditioned ``G`` is factored once,
     ``G ≈ LLᵀ`` with ``lin = L h`` (:func:`~._boxqp.psd_factor`), and each QP solved on
     ``√(r/ρ) L`` with ``h/√(r/ρ)`` (:func:`~._boxqp.factored_box_qp`), the path
@@ -315,7 +315,7 @@ def _cagrad_qp(gram: Tensor, lin: Tensor, r: float,
     factor = psd_factor(gram)
     coords = torch.linalg.lstsq(factor, lin[:, None], driver="gelsd").solution[:, 0]
 
-    def solve(rho: float, x0: Tensor) -> Tensor:
+    def solve(rho: float, x0: Tensor | None) -> Tensor:
         root = (r / rho) ** 0.5
         return factored_box_qp(factor * root, lin, zeros, True, x0, tol, coords / root)
     return solve
