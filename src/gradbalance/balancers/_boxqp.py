@@ -616,17 +616,21 @@ def min_norm_ls(points: Tensor, start: Tensor | None, tol: float) -> Tensor:
 
 
 def factored_box_qp(factor: Tensor, c: Tensor, lower: Tensor, simplex: bool,
-                    start: Tensor | None, tol: float) -> Tensor:
+                    start: Tensor | None, tol: float, coords: Tensor | None = None) -> Tensor:
     """``argmin ½ xᵀLLᵀx + cᵀx`` s.t. ``x ≥ lower`` (and ``Σx = 1``), one problem ``[K]``.
 
-    With ``c = L h`` (``h = L⁺c``; a part of ``c`` outside the range of ``L`` is dropped) and
+    With ``c = L h`` (``h = L⁺c``, or ``coords`` when the caller has it: a sequence of QPs
+    on multiples of one ``Q`` factors and solves it once; a part of ``c`` outside the range
+    of ``L`` is dropped) and
     ``y = x − lower``, the objective is ``½‖Lᵀy + a‖²`` up to a constant, ``a = Lᵀlower + h``:
     the box QP is NNLS with ``A = Lᵀ``, ``b = −a``; on the simplex (``Σy = s = 1 − Σ lower``)
     it is ``(s²/2)‖Σᵢ wᵢ(ℓᵢ + a/s)‖²`` over ``w = y/s ∈ Δ``, a min-norm point
     (:func:`min_norm_ls`).
     """
     shift = lower @ factor
-    if bool(c.any()):
+    if coords is not None:
+        shift = shift + coords
+    elif bool(c.any()):
         shift = shift + torch.linalg.lstsq(factor, c[:, None], driver="gelsd").solution[:, 0]
     guess = None if start is None else start - lower
     if not simplex:

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ._boxqp import is_well_conditioned, solve_box_qp_batched
+from ._boxqp import factored_box_qp, is_well_conditioned, psd_factor, solve_box_qp_batched
 from ._cone import scaled_projection
 
 __all__ = ["SolverError"]
@@ -282,7 +282,6 @@ def cagrad_dual(gram: Tensor, c: float, tol: float = 1e-12, max_iter: int = 200)
     lin = gram @ mean
     g0_sq = float(mean @ lin)
     r = c * max(g0_sq, 0.0) ** 0.5
-    zeros = torch.zeros(k, dtype=torch.float64)
     hi = float(torch.diagonal(gram).max()) ** 0.5
     if hi == 0.0 or r == 0.0:
         return mean
@@ -294,20 +293,39 @@ def cagrad_dual(gram: Tensor, c: float, tol: float = 1e-12, max_iter: int = 200)
     full = _support_root(gram, lin, r, torch.ones(k, dtype=torch.bool))
     if full is not None and _is_cagrad_kkt(gram, lin, r, full[0], full[1], tol):
         return full[1]
-    well = is_well_conditioned(gram)
-    state: dict[str, Tensor] = {"x": mean.clone()}
+    qp = _cagrad_qp(gram, lin, r, tol)
+    state: dict[str, Tensor | None] = {"x": None}  # the first QP starts cold
 
     zero_sq = 1e-24 * hi * hi  # ‖g_w‖² below this counts as a zero-norm combination
 
     def f(rho: float) -> tuple[float, Tensor]:
         """``(1 − ‖g_w‖²/ρ², w(ρ))``; NaN when ``g_w = 0``."""
-        w = solve_box_qp(gram * (r / rho), lin, zeros, simplex=True, x0=state["x"], tol=tol,
-                         well_conditioned=well)
+        w = qp(rho, state["x"])
         state["x"] = w
         norm_sq = float(w @ gram @ w)
         return (float("nan") if norm_sq <= zero_sq else 1.0 - norm_sq / (rho * rho)), w
 
     return _cagrad_root(gram, lin, r, hi, f, tol, max_iter)
+
+
+def _cagrad_qp(gram: Tensor, lin: Tensor, r: float,
+               tol: float) -> Callable[[float, Tensor | None], Tensor]:
+    """``(ρ, x0) ↦ argmin_{w∈Δ} ½ (r/ρ) wᵀGw + wᵀlin`` from ``x0`` (if any): the QPs of
+    :func:`cagrad_dual`'s root search. A badly conditioned ``G`` is factored once,
+    ``G ≈ LLᵀ`` with ``lin = L h`` (:func:`~._boxqp.psd_factor`), and each QP solved on
+    ``√(r/ρ) L`` with ``h/√(r/ρ)`` (:func:`~._boxqp.factored_box_qp`), the path
+    :func:`solve_box_qp` takes for it, without a decomposition per point."""
+    zeros = torch.zeros(gram.shape[0], dtype=torch.float64)
+    if is_well_conditioned(gram):
+        return lambda rho, x0: solve_box_qp(gram * (r / rho), lin, zeros, simplex=True, x0=x0,
+                                            tol=tol, well_conditioned=True)
+    factor = psd_factor(gram)
+    coords = torch.linalg.lstsq(factor, lin[:, None], driver="gelsd").solution[:, 0]
+
+    def solve(rho: float, x0: Tensor | None) -> Tensor:
+        root = (r / rho) ** 0.5
+        return factored_box_qp(factor * root, lin, zeros, True, x0, tol, coords / root)
+    return solve
 
 
 @dataclass
