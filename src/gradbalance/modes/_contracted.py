@@ -114,6 +114,22 @@ def _from_cut(roots: TaskRoots, cut: Sequence[Tensor]
     return [y for y, _ in found], [g for _, g in found]
 
 
+def _asked_outputs(hooked: Sequence[Block], tops: Sequence[Tensor]) -> list[Tensor]:
+    """The hooked calls' outputs the batched call must return: the lowest ones below ``tops``
+    (the hooks see the others' gradients on the way down)."""
+    outputs = [call.output for block in hooked for call in block.calls
+               if call.output is not None]
+    return [y for y, low in zip(outputs, lowest(tops, outputs)) if low]
+
+
+def _add_row_blocks(gram: Tensor, rest: list[Tensor | None], k_total: int) -> None:
+    """Adds each ``[K, P_b]`` block's Gramian to ``gram``, dropping each block once added."""
+    while rest:
+        g = rest.pop(0)
+        if g is not None:
+            gram += compute_gramian(g.reshape(k_total, -1))
+
+
 def contract_passes(roots: TaskRoots, hooked: Sequence[Block], rows: Sequence[Block],
                     passes: Passes, cut: Sequence[Tensor] | None = None
                     ) -> tuple[Tensor | None, bool]:
@@ -125,12 +141,8 @@ def contract_passes(roots: TaskRoots, hooked: Sequence[Block], rows: Sequence[Bl
     k_total = roots.num_tasks
     gram = torch.zeros(k_total, k_total, dtype=torch.float64, device=roots.scaled.device)
     start = None if cut is None else _from_cut(roots, cut)  # before the hooks: not batched
-    tops = [roots.scaled] if start is None else start[0]
-    outputs = [call.output for block in hooked for call in block.calls
-               if call.output is not None]
-    asked = [y for y, low in zip(outputs, lowest(tops, outputs)) if low]
-    params = [p for block in rows for p in block.params]
-    inputs = [*asked, *params]
+    asked = _asked_outputs(hooked, [roots.scaled] if start is None else start[0])
+    inputs = [*asked, *(p for block in rows for p in block.params)]
     hooks = _Hooks(hooked, k_total, gram)
     try:
         if start is not None and not start[0]:  # no task reaches the trunk
@@ -145,8 +157,5 @@ def contract_passes(roots: TaskRoots, hooked: Sequence[Block], rows: Sequence[Bl
         hooks.remove()
     rest = list(grads[len(asked):])
     del grads
-    while rest:
-        g = rest.pop(0)
-        if g is not None:
-            gram += compute_gramian(g.reshape(k_total, -1))
+    _add_row_blocks(gram, rest, k_total)
     return gram, True

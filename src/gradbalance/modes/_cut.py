@@ -52,21 +52,30 @@ def _tops(loss: Tensor, keys: dict[tuple[Node, int], Tensor], params: Sequence[T
     return list(met.values())
 
 
+def _intact(outputs: Sequence[tuple[Tensor, int]]) -> bool:
+    """Every recorded output is still on the graph, unedited since recorded and unhooked."""
+    return all(y.grad_fn is not None and y._version == version and not tensor_hooked(y)
+               for y, version in outputs)
+
+
+def _one_below_another(tops: Sequence[Tensor], cut_nodes: set[object]) -> bool:
+    """Whether a cut tensor lies right below another (its gradient would count twice)."""
+    for top in tops:
+        assert top.grad_fn is not None
+        if any(child in cut_nodes for _, child in edges(top.grad_fn)):
+            return True
+    return False
+
+
 def trunk_cut(loss: Tensor, outputs: Sequence[tuple[Tensor, int]], params: Sequence[Tensor]
               ) -> list[Tensor] | None:
     """The ``outputs`` (each with its version when recorded) the batched passes may start
     from: those on ``loss``'s graph, where they cut every path from ``loss`` to ``params``;
     None where they do not (the passes start at the losses)."""
-    if not outputs or any(y.grad_fn is None or y._version != version or tensor_hooked(y)
-                          for y, version in outputs):
+    if not outputs or not _intact(outputs):
         return None
     keys = {(y.grad_fn, y.output_nr): y for y, _ in outputs if y.grad_fn is not None}
     tops = _tops(loss, keys, params)
-    if not tops:
+    if not tops or _one_below_another(tops, {node for node, _ in keys}):
         return None
-    cut_nodes = {node for node, _ in keys}
-    for top in tops:  # a cut tensor below another would count its gradient twice
-        assert top.grad_fn is not None
-        if any(child in cut_nodes for _, child in edges(top.grad_fn)):
-            return None
     return tops
