@@ -42,14 +42,17 @@ demo: $(STAMP)
 
 # ruff, the type checker, the tests (docstring examples included), the API docs build and
 # a core-only install in a fresh venv.
-# pytest runs in a random order (pytest-randomly); the seed is printed at the top and at the
-# end, and `make test PYTEST_ARGS=--randomly-seed=N` replays that order
-# (`PYTEST_ARGS=-p no:randomly` runs the files in order).
+# pytest runs in a random order (pytest-randomly), spread by pytest-xdist over one worker
+# process per core, each with one torch thread (tests/conftest.py). The seed is printed at
+# the end; `make test PYTEST_ARGS=--randomly-seed=N TEST_WORKERS=0` replays that order in one
+# process (`PYTEST_ARGS=-p no:randomly` runs the files in order).
 PYTEST_ARGS ?=
+TEST_WORKERS ?= logical
+PYTEST_PARALLEL = -n $(TEST_WORKERS) --dist worksteal
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(MAKE) --no-print-directory typecheck
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory docs
 	$(MAKE) --no-print-directory check-install
 	$(MAKE) --no-print-directory check-floor
@@ -110,7 +113,7 @@ check-floor: $(STAMP)
 	v = torch.__version__.split('+')[0]; \
 	sys.exit(0 if v == '$(FLOOR_VERSION)' and 'site-packages' in gradbalance.__file__ \
 	         else f'check-floor: torch {v} / {gradbalance.__file__}')"; \
-	"$$venv/bin/python" -m pytest tests/unit -p no:cacheprovider; \
+	"$$venv/bin/python" -m pytest $(PYTEST_PARALLEL) tests/unit -p no:cacheprovider; \
 	echo "check-floor: torch $(FLOOR_VERSION) ok in $$(( $$(date +%s) - start )) s"
 
 # On a machine with CUDA: its own venv (build/gpu-venv), the CUDA tests of tests/gpu/ and a

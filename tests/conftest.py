@@ -25,6 +25,11 @@ settings.register_profile("ci", derandomize=True, print_blob=True, **_PATIENT)
 settings.register_profile("explore", print_blob=True, **_PATIENT)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+# ``make test`` runs one pytest-xdist worker per core: each takes one torch thread, since two
+# threads per worker would oversubscribe the cores (intra-op threads then stall each other).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 
 
 def _seed_line(config: pytest.Config) -> str | None:
