@@ -38,7 +38,7 @@ def _seed_line(config: pytest.Config) -> str | None:
     if seed is None or not getattr(config.option, "randomly_reorganize", True):
         return None
     return (f"random test order: seed {seed}; "
-            f"replay with make test PYTEST_ARGS=--randomly-seed={seed}")
+            f"replay with make test PYTEST_ARGS=--randomly-seed={seed} TEST_WORKERS=0")
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
