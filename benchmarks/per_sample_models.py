@@ -3,8 +3,8 @@
 Each maps a batch of B inputs to ``[B, 1]``; the per-sample losses are ``(f(x) - y)²`` ``[B]``.
 Every parameter lives in a layer the per-sample Gramian covers (docs/per_sample.md, "Layers"):
 ``nn.Linear`` (2-D and 3-D inputs), ``nn.Conv2d``, ``nn.Embedding``, ``nn.LayerNorm``; the
-transformer's attention is written with ``nn.Linear`` projections (``nn.MultiheadAttention``
-is refused by the route).
+transformer's attention is written with ``nn.Linear`` projections, which the Gram forms cover
+(``nn.MultiheadAttention`` takes the slower ``torch.func`` fallback).
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ class Recorded:
         self.shape, self.dtype, self.device = y.shape, y.dtype, y.device
 
 
-Snapshot = list[tuple[list[Tensor], list[Recorded]]]
+Snapshot = list[tuple[list[Any], list[Recorded]]]  # inputs (tensors or fallback calls), outputs
 
 
 def edge_of(y: Tensor | Recorded) -> Any:

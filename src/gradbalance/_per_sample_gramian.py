@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from ._per_sample_eager import Recorded, Slots, Snapshot, edge_of, lowest
-from ._per_sample_fallback import per_sample_vjp
+from ._per_sample_fallback import per_sample_grads
 from ._per_sample_forms import Form, block, layer_form, summed_blocks
 from .clip._per_sample_layers import HookedLayer, refusal
 from .clip._per_sample_record import Fallback, LayerRecorder
@@ -74,6 +74,11 @@ def refuse_mixing(roots: list[tuple[str, nn.Module]]) -> None:
                 )
 
 
+#: Modules whose forward reads the parameters of their submodules itself rather than calling
+#: them (``nn.MultiheadAttention``'s ``out_proj``): one fallback for the whole module.
+WHOLE_MODULES: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
+
+
 def _joined(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix and name else prefix or name
 
@@ -92,9 +97,11 @@ class PerSampleGramian:
         self._layers, self._fallbacks = self._record.layers, self._record.fallbacks
         self._sites, self._dense = self._record.sites, self._record.dense
         wanted = {id(p): p for p in params}
+        whole: set[int] = set()  # modules inside a whole-module fallback
         for prefix, root in self._roots:
             for name, sub in root.named_modules():
-                self._hook(_joined(prefix, name), sub, wanted)
+                if id(sub) not in whole:
+                    self._hook(_joined(prefix, name), sub, wanted, whole)
         missing = [i for i in wanted if i not in self._record.names]
         if missing:
             self.remove()
@@ -104,12 +111,19 @@ class PerSampleGramian:
                 f"modules; pass modules= the module(s) owning every shared parameter"
             )
 
-    def _hook(self, name: str, sub: nn.Module, wanted: dict[int, Tensor]) -> None:
-        own = [(pname, p) for pname, p in sub.named_parameters(recurse=False)
+    def _hook(self, name: str, sub: nn.Module, wanted: dict[int, Tensor],
+              whole: set[int]) -> None:
+        """Hook ``sub`` for its own wanted parameters: a covered layer, or a fallback; a
+        module of :data:`WHOLE_MODULES` is one fallback for every parameter below it (added
+        to ``whole``)."""
+        inside = isinstance(sub, WHOLE_MODULES)
+        if inside:
+            whole.update(id(m) for m in sub.modules())
+        own = [(pname, p) for pname, p in sub.named_parameters(recurse=inside)
                if id(p) in wanted]
         if not own:
             return
-        if refusal(sub) is None:
+        if not inside and refusal(sub) is None:
             self._record.add_layer(name, sub, wanted)
         else:
             self._record.add_fallback(name, sub, own)
@@ -253,16 +267,16 @@ class PerSampleGramian:
                       forms: dict[int, list[Form]]) -> None:
         """The fallback module's per-sample gradients ``[B·K, numel]`` (summed over its
         calls) into ``forms``."""
-        k = len(tasks)
         dense: list[Tensor] | None = None
-        for call, x in enumerate(fallback.inputs):
-            d = torch.stack([_filled(fallback.outputs, grads)[call] for grads in tasks],
-                            1).flatten(0, 1)
-            dense = _summed(dense, per_sample_vjp(fallback.module, fallback.names,
-                                                  _repeated(x, k), d))
-        own = dict(fallback.module.named_parameters(recurse=False))
+        at = 0
+        for call in fallback.inputs:
+            n = len(call.carried)
+            dense = _summed(dense, per_sample_grads(
+                fallback.module, fallback.names, call, list(fallback.outputs[at: at + n]),
+                [grads[at: at + n] for grads in tasks], fallback.name))
+            at += n
         for name, g in zip(fallback.names, dense or []):
-            forms.setdefault(id(own[name]), []).append(g)
+            forms.setdefault(id(fallback.module.get_parameter(name)), []).append(g)
 
     def snapshot(self) -> Snapshot:
         """The current records (inputs, and outputs as gradient edges: no output is kept

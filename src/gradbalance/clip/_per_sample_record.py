@@ -7,26 +7,44 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Container, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves
 
 from .._graph import leaf_uses, tensor_hooked
 from ._per_sample_layers import HookedLayer
 
-__all__ = ["Fallback", "LayerRecorder"]
+__all__ = ["Fallback", "FallbackCall", "LayerRecorder"]
+
+
+@dataclass(frozen=True)
+class FallbackCall:
+    """One recorded call of a fallback module: the leaves of its ``(args, kwargs)`` (tensors
+    detached) and their structure, and the positions, among the leaves of its output, of the
+    outputs that carry a gradient (recorded in :attr:`Fallback.outputs`, in order)."""
+
+    leaves: list[Any]
+    spec: TreeSpec
+    carried: list[int]
+
+    @property
+    def first(self) -> Tensor:
+        """The first tensor argument (its dim 0 is the batch)."""
+        return next(t for t in self.leaves if isinstance(t, Tensor))
 
 
 class Fallback:
-    """A module whose own parameters have no outer form: its recorded calls, and the first
-    call that was not one tensor in, one tensor out."""
+    """A module whose parameters (``names``, dotted below it) have no outer form: its recorded
+    calls, their carried outputs in order, and the first call that had no tensor argument."""
 
     def __init__(self, name: str, module: nn.Module, names: list[str]) -> None:
         self.name = name
         self.module = module
         self.names = names
-        self.inputs: list[Tensor] = []
+        self.inputs: list[FallbackCall] = []
         self.outputs: list[Tensor] = []
         self.bad_call: str | None = None
 
@@ -67,7 +85,8 @@ class LayerRecorder:
 
     def add_fallback(self, name: str, module: nn.Module,
                      own: Sequence[tuple[str, Tensor]]) -> None:
-        """Hook a module whose own parameters ``own`` (name, tensor) have no outer form."""
+        """Hook a module whose parameters ``own`` (name below it, tensor) have no outer
+        form."""
         fallback = Fallback(name, module, [pname for pname, _ in own])
         self.fallbacks.append(fallback)
         for index, (pname, p) in enumerate(own):
@@ -91,15 +110,23 @@ class LayerRecorder:
                    output: Any) -> None:
             if not (self.recording and torch.is_grad_enabled()):
                 return
-            if len(args) != 1 or kwargs or not isinstance(args[0], Tensor) or not (
-                    isinstance(output, Tensor)):
-                fallback.bad_call = (f"{len(args)} positional and {len(kwargs)} keyword "
-                                     f"argument(s), output {type(output).__name__}")
-            elif output.requires_grad:
-                self._keep(fallback, args[0], output)
+            leaves, spec = tree_flatten((args, kwargs))
+            if not any(isinstance(t, Tensor) for t in leaves):
+                fallback.bad_call = (f"no tensor argument ({len(args)} positional and "
+                                     f"{len(kwargs)} keyword)")
+                return
+            outputs = tree_leaves(output)
+            carried = [i for i, y in enumerate(outputs)
+                       if isinstance(y, Tensor) and y.requires_grad]
+            if carried:
+                fallback.inputs.append(FallbackCall(
+                    [t.detach() if isinstance(t, Tensor) else t for t in leaves], spec, carried))
+                for i in carried:
+                    fallback.outputs.append(outputs[i])
+                    self._versions[id(outputs[i])] = outputs[i]._version
         return record
 
-    def _keep(self, record: HookedLayer | Fallback, x: Tensor, output: Tensor) -> None:
+    def _keep(self, record: HookedLayer, x: Tensor, output: Tensor) -> None:
         record.inputs.append(x.detach())
         record.outputs.append(output)
         self._versions[id(output)] = output._version
@@ -117,8 +144,9 @@ class LayerRecorder:
             if fallback.bad_call is not None:
                 raise ValueError(
                     f"layer {fallback.name!r} ({type(fallback.module).__name__}) was called "
-                    f"with {fallback.bad_call}; the per-sample fallback takes one tensor in "
-                    f"and one tensor out: wrap it, or leave its parameters out of shared_params"
+                    f"with {fallback.bad_call}; the per-sample fallback needs the batch as "
+                    f"dim 0 of a tensor argument: wrap it, or leave its parameters out of "
+                    f"shared_params"
                 )
         self._check_batch(losses.shape[0], fix_batch)
         self._check_unchanged(fix)
@@ -126,8 +154,9 @@ class LayerRecorder:
 
     def _check_batch(self, batch: int, fix: str) -> None:
         for record in self.records():
-            if any(t.dim() == 0 or t.shape[0] != batch for t in record.inputs):
-                shapes = [tuple(t.shape) for t in record.inputs]
+            firsts = [c.first if isinstance(c, FallbackCall) else c for c in record.inputs]
+            if any(t.dim() == 0 or t.shape[0] != batch for t in firsts):
+                shapes = [tuple(t.shape) for t in firsts]
                 raise ValueError(
                     f"layer {record.name!r} recorded inputs of shapes {shapes} but the losses "
                     f"have {batch} samples: the batch must be dim 0 of every layer input, and "

@@ -132,14 +132,44 @@ def test_modules_are_required_and_must_hold_the_parameters() -> None:
         TaskGradBuffer(model.parameters(), modules=model, batch_dim=1)
 
 
-def test_multi_input_fallback_is_refused() -> None:
-    attention = nn.MultiheadAttention(4, 2, batch_first=True)
+def test_a_sequence_first_attention_is_refused() -> None:
+    """``batch_first=False``: the batch is dim 1 of the inputs, so no row is one sample."""
+    attention = nn.MultiheadAttention(4, 2)
     buf = _setup(attention)
-    x = torch.randn(3, 2, 4)
-    losses = attention(x, x, x)[0].pow(2).sum((1, 2))
-    with pytest.raises(ValueError, match=r"MultiheadAttention.*one tensor in"):
+    x = torch.randn(2, 3, 4)  # [T, B, E]
+    losses = attention(x, x, x)[0].pow(2).sum((0, 2))
+    with pytest.raises(ValueError, match=r"layer '' recorded inputs of shapes \[\(2, 3, 4\)\] "
+                                         r"but the losses have 3 samples"):
         buf.backward(losses)
     assert _unchanged(attention)
+
+
+def test_a_used_output_without_the_batch_first_is_refused() -> None:
+    """A GRU's final state ``[layers, B, H]`` reaching the losses cannot be split by sample."""
+    gru = nn.GRU(3, 4, batch_first=True)
+    buf = _setup(gru)
+    _, last = gru(torch.randn(5, 2, 3))
+    with pytest.raises(ValueError, match=r"layer '' \(GRU\) returned an output of shape "
+                                         r"\(1, 5, 4\).*batch_first=True"):
+        buf.backward(last[0].pow(2).sum(1))
+    assert _unchanged(gru)
+
+
+def test_a_fallback_call_without_a_tensor_argument_is_refused() -> None:
+    class Bias(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.b = nn.Parameter(torch.ones(3))
+
+        def forward(self, batch: int) -> Tensor:
+            return self.b.expand(batch, 3)
+
+    model = Bias()
+    buf = _setup(model)
+    with pytest.raises(ValueError, match=r"\(Bias\) was called with no tensor argument.*dim 0 "
+                                         r"of a tensor argument"):
+        buf.backward(model(4).pow(2).sum(1))
+    assert _unchanged(model)
 
 
 def test_failed_apply_leaves_balancer_and_grads() -> None:
