@@ -97,7 +97,7 @@ class LayerRecorder:
 
     def _record_layer(self, layer: HookedLayer) -> Any:
         def record(module: nn.Module, args: tuple[Any, ...], output: Tensor) -> None:
-            if self.recording and torch.is_grad_enabled() and output.requires_grad:
+            if self._live() and output.requires_grad:
                 self._keep(layer, args[0], output)
                 if self.many_calls is not None and len(layer.outputs) == self.MANY_CALLS:
                     warnings.warn(f"{self.owner} holds {self.MANY_CALLS} forwards of layer "
@@ -108,7 +108,7 @@ class LayerRecorder:
     def _record_fallback(self, fallback: Fallback) -> Any:
         def record(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                    output: Any) -> None:
-            if not (self.recording and torch.is_grad_enabled()):
+            if not self._live():
                 return
             leaves, spec = tree_flatten((args, kwargs))
             if not any(isinstance(t, Tensor) for t in leaves):
@@ -125,6 +125,13 @@ class LayerRecorder:
                     fallback.outputs.append(outputs[i])
                     self._versions[id(outputs[i])] = outputs[i]._version
         return record
+
+    def _live(self) -> bool:
+        """Whether a call now is one of the step's forward: recording, under grad, and not
+        inside a backward (where a non-reentrant ``torch.utils.checkpoint`` recomputes the
+        calls already recorded; their recorded outputs stay those on the losses' graph)."""
+        return (self.recording and torch.is_grad_enabled()
+                and torch._C._current_autograd_node() is None)
 
     def _keep(self, record: HookedLayer, x: Tensor, output: Tensor) -> None:
         record.inputs.append(x.detach())
