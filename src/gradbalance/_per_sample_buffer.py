@@ -292,10 +292,12 @@ class PerSampleBuffer:
                                  modes=("per_sample",))
         return group
 
-    def _write(self, trunk: list[Tensor], heads: list[Tensor | None]) -> None:
-        """The trunk's update and the heads' gradients into ``.grad``; the step ends."""
+    def _write(self, trunk: Sequence[Tensor | None], heads: list[Tensor | None]) -> None:
+        """The trunk's update and the heads' gradients into ``.grad`` (None: left alone);
+        the step ends."""
         for p, g in zip(self.shared, trunk):
-            _accumulate(p, g)
+            if g is not None:
+                _accumulate(p, g)
         for p, h in zip(self.head_params, heads):
             if h is not None:
                 _accumulate(p, h)

@@ -49,7 +49,7 @@ class PerSampleStep:
 class Update:
     """What a step writes (the ranks' mean under a process group) and its statistics."""
 
-    trunk: list[Tensor]
+    trunk: list[Tensor | None]  # None: a parameter no loss reached (its .grad untouched)
     heads: list[Tensor | None]
     finite: bool
     stats: StepStats
@@ -88,7 +88,7 @@ def refreshed_update(step: PerSampleStep, scaled_gram: Tensor, balancer: Balance
     flat = step.flat
     finite = finite_step(gram, step.scale, [], group)
     pre_clip = coef = weights = None
-    trunk = [torch.zeros_like(p) for p in step.shared]
+    trunk: list[Tensor | None] = [torch.zeros_like(p) for p in step.shared]
     if finite and clip is not None:  # row i scaled by dᵢ: G by dᵢ dⱼ
         pre_clip = torch.diagonal(gram).clamp_min(0).sqrt()
         coef = clip.coefficients(pre_clip).to(torch.float64)
@@ -123,31 +123,34 @@ def reused_update(step: PerSampleStep, cache: WeightCache, balancer: Balancer,
     return Update(trunk, heads, finite, stats)
 
 
-def weighted_grads(step: PerSampleStep, weights: Tensor) -> list[Tensor]:
+def weighted_grads(step: PerSampleStep, weights: Tensor) -> list[Tensor | None]:
     """``s·∇ Σ wᵢₖ ℓᵢₖ`` of the trunk (``s`` the loss scale, 1 without), one backward per
-    micro-batch (its graph freed)."""
+    micro-batch (its graph freed); None for a parameter no micro-batch's losses reach, whose
+    ``.grad`` a plain backward leaves alone too."""
     w = weights if step.scale is None else weights * step.scale.double()
-    total = [torch.zeros_like(p) for p in step.shared]
+    total: list[Tensor | None] = [None] * len(step.shared)
     at = 0
     for losses in step.losses:
         part = w[at: at + losses.numel()].reshape(losses.shape).to(losses)
         at += losses.numel()
         grads = torch.autograd.grad(losses, step.shared, part, allow_unused=True)
-        total = [t if g is None else t + g for t, g in zip(total, grads)]
+        total = [t if g is None else g if t is None else t + g for t, g in zip(total, grads)]
     return total
 
 
-def _mean_over_ranks(step: PerSampleStep, trunk: list[Tensor], finite: bool,
-                     group: Any) -> tuple[list[Tensor], list[Tensor | None], bool]:
+def _mean_over_ranks(step: PerSampleStep, trunk: list[Tensor | None], finite: bool,
+                     group: Any) -> tuple[list[Tensor | None], list[Tensor | None], bool]:
     """The trunk's update and the heads' gradients averaged over ``group``'s ranks (every
-    head written, zeros where this rank's losses did not reach it), and whether the step is
-    finite: on every rank alike, since the mean of a non-finite entry is not finite. A step
-    all ranks skip (``finite`` False, agreed) is not reduced."""
+    trunk parameter and head written, zeros where this rank's losses did not reach it), and
+    whether the step is finite: on every rank alike, since the mean of a non-finite entry is
+    not finite. A step all ranks skip (``finite`` False, agreed) is not reduced."""
     heads = list(step.heads)
     if group is not None and finite:
+        trunk = [torch.zeros_like(p) if g is None else g for p, g in zip(step.shared, trunk)]
         heads = [torch.zeros_like(p) if h is None else h
                  for p, h in zip(step.head_params, heads)]
-        all_reduce_mean_([*trunk, *[h for h in heads if h is not None]], group)
+        all_reduce_mean_([g for g in [*trunk, *heads] if g is not None], group)
     if finite:
-        finite = bool(torch.stack([torch.isfinite(g).all() for g in trunk]).all())
+        checks = [torch.isfinite(g).all() for g in trunk if g is not None]
+        finite = not checks or bool(torch.stack(checks).all())
     return trunk, heads, finite

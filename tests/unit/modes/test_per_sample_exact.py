@@ -185,3 +185,24 @@ def test_micro_batches_form_one_gramian(name: str) -> None:
         torch.set_default_dtype(torch.float32)
     assert torch.allclose(weights[0], weights[1], rtol=1e-7, atol=1e-10)
     assert torch.allclose(updates[0], updates[1], rtol=1e-8, atol=1e-10 * updates[1].abs().max())
+
+
+@pytest.mark.parametrize("update_every", [1, 2])
+def test_a_parameter_no_loss_reaches_keeps_its_grad_as_plain_backward_does(
+        update_every: int) -> None:
+    """A trunk parameter off the losses' graph: a plain ``sum(losses).backward()`` leaves its
+    ``.grad`` alone (None stays None, so Adam and weight decay skip it), and so does the step,
+    on a refresh and on a step reusing the weights."""
+    torch.manual_seed(0)
+    used, unused, noted = nn.Linear(4, 3), nn.Linear(4, 3), nn.Linear(2, 2)
+    trunk = nn.ModuleList([used, unused, noted])
+    noted.weight.grad = torch.full_like(noted.weight, 0.25)
+    buf = TaskGradBuffer(trunk.parameters(), modules=trunk, batch_dim=0,
+                         update_every=update_every)
+    for _ in range(2):
+        losses = used(torch.randn(5, 4)).pow(2).sum(1)
+        buf.backward(losses)
+        buf.apply_(UPGrad())
+        assert used.weight.grad is not None and used.bias.grad is not None
+        assert unused.weight.grad is None and unused.bias.grad is None and noted.bias.grad is None
+        assert bool((noted.weight.grad == 0.25).all())
