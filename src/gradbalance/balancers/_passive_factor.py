@@ -1,0 +1,143 @@
+"""The Cholesky factors of many problems' passive blocks of one ``Q``, updated per addition.
+
+Not a balancer module (no ``__all__``). For each of ``B`` problems with passive indices
+``P`` (in the order they entered): ``C`` lower triangular with ``C Cᵀ = Q_PP``,
+``W = C⁻¹ Q_P:`` ``[m, K]``, ``h = C⁻¹ rhs_P`` and ``sⱼ = Qⱼⱼ − ‖W_:ⱼ‖²``, the squared
+distance of column ``j`` of ``Lᵀ`` (``Q = L Lᵀ``) from the span of the passive ones. An
+entering index ``t`` needs no new factorisation: its row of ``C`` is ``W_:t`` and its
+diagonal ``√sₜ`` (the left-looking Cholesky step), so the solve on ``P ∪ {t}`` is one
+triangular solve and the addition one ``[m] × [m, K]`` product per problem, ``O(mK)``
+instead of the ``O(m²K + m³)`` of factorising the blocks afresh (Golub & Van Loan 2013,
+*Matrix Computations*, §4.2 and §6.5.4). Removals refactorise the problems they touch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _tri_solve_upper(chol: Tensor, h: Tensor) -> Tensor:
+    """``z`` ``[B, m]`` with ``Cᵀ z = h`` (``chol`` ``[B, m, m]`` lower triangular)."""
+    return torch.linalg.solve_triangular(chol.mT, h[..., None], upper=True)[..., 0]
+
+
+class PassiveFactor:
+    """The factors of ``B`` problems' passive blocks of ``q`` ``[K, K]`` with right-hand sides
+    ``rhs`` ``[B, K]``: ``order`` ``[B, cap]`` (passive indices in order, ``count`` of them),
+    ``chol`` ``[B, cap, cap]`` (the identity past ``count``), ``w`` ``[B, cap, K]`` and
+    ``h`` ``[B, cap]`` (zero past ``count``), ``off`` ``[B, K]`` (``sⱼ``)."""
+
+    def __init__(self, q: Tensor, rhs: Tensor) -> None:
+        b, k = rhs.shape
+        self.q, self.rhs = q, rhs
+        self.diag = torch.diagonal(q).clamp_min(0.0)
+        self.count = torch.zeros(b, dtype=torch.int64)
+        self.order = torch.zeros(b, 0, dtype=torch.int64)
+        self.chol = torch.zeros(b, 0, 0, dtype=q.dtype)
+        self.w = torch.zeros(b, 0, k, dtype=q.dtype)
+        self.h = torch.zeros(b, 0, dtype=q.dtype)
+        self.off = self.diag.expand(b, k).clone()
+
+    def keep(self, mask: Tensor) -> None:
+        """Only the problems where ``mask`` stay."""
+        if bool(mask.all()):
+            return
+        for name in ("rhs", "count", "order", "chol", "w", "h", "off"):
+            setattr(self, name, getattr(self, name)[mask])
+
+    def _grow(self, size: int) -> None:
+        """Room for ``size`` passive indices per problem."""
+        cap = self.order.shape[1]
+        if size <= cap:
+            return
+        new = max(size, 2 * cap, 8)
+        b, k = self.off.shape
+        order = torch.zeros(b, new, dtype=torch.int64)
+        order[:, :cap] = self.order
+        chol = torch.eye(new, dtype=self.q.dtype).repeat(b, 1, 1)
+        chol[:, :cap, :cap] = self.chol
+        w = torch.zeros(b, new, k, dtype=self.q.dtype)
+        w[:, :cap] = self.w
+        h = torch.zeros(b, new, dtype=self.q.dtype)
+        h[:, :cap] = self.h
+        self.order, self.chol, self.w, self.h = order, chol, w, h
+
+    def scatter(self, sel: Tensor, z: Tensor) -> Tensor:
+        """``[len(sel), K]`` from the problems ``sel``'s values ``[·, m]`` in passive order
+        (zero off the passive sets)."""
+        m = z.shape[1]
+        valid = torch.arange(m)[None, :] < self.count[sel, None]
+        out = torch.zeros(sel.shape[0], self.off.shape[1], dtype=z.dtype)
+        return out.scatter_add_(1, self.order[sel, :m], torch.where(valid, z, 0.0))
+
+    def solve(self, sel: Tensor) -> Tensor:
+        """``z`` ``[len(sel), K]``: ``Q_PP z_P = rhs_P`` for the problems ``sel``, zero off
+        ``P``."""
+        m = int(self.count[sel].max()) if sel.numel() else 0
+        if m == 0:
+            return torch.zeros(sel.shape[0], self.off.shape[1], dtype=self.q.dtype)
+        return self.scatter(sel, _tri_solve_upper(self.chol[sel, :m, :m], self.h[sel, :m]))
+
+    def try_add(self, t: Tensor, min_schur: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``(z, root, hₜ)``: the solve on ``P ∪ {tᵦ}`` ``[B, K]`` for every problem (NaN
+        where ``sₜ`` is not above ``min_schur``), ``√sₜ`` and the new entry of ``h``; nothing
+        is stored."""
+        rows = torch.arange(t.shape[0])
+        m = int(self.count.max())
+        schur = self.off[rows, t]
+        ok = schur > min_schur
+        root = torch.where(ok, schur, 1.0).sqrt()
+        c = self.w[rows, :m, t]  # zero past each problem's count
+        h_t = (self.rhs[rows, t] - (c * self.h[:, :m]).sum(dim=1)) / root
+        z_t = h_t / root
+        z = torch.zeros_like(self.off)
+        if m:
+            z = self.scatter(rows, _tri_solve_upper(self.chol[:, :m, :m],
+                                                    self.h[:, :m] - c * z_t[:, None]))
+        z[rows, t] = z_t
+        z[~ok] = torch.nan
+        return z, root, h_t
+
+    def add(self, sel: Tensor, t: Tensor, root: Tensor, h_t: Tensor) -> None:
+        """``tᵦ`` enters the problems ``sel`` (``√sₜ`` and ``hₜ`` from :meth:`try_add`)."""
+        m = int(self.count[sel].max()) if sel.numel() else 0
+        self._grow(m + 1)
+        c = self.w[sel, :m, t]
+        pos = self.count[sel]
+        self.chol[sel, pos, :m] = c
+        self.chol[sel, pos, pos] = root
+        new = (self.q[t] - torch.bmm(c[:, None, :], self.w[sel, :m])[:, 0]) / root[:, None]
+        self.w[sel, pos] = new
+        self.h[sel, pos] = h_t
+        self.order[sel, pos] = t
+        self.off[sel] -= new * new
+        self.count[sel] = pos + 1
+
+    def refactor(self, sel: Tensor, passive: Tensor) -> None:
+        """The problems ``sel`` take the passive sets ``passive`` ``[len(sel), K]`` (subsets
+        of theirs, the order kept), factorised afresh."""
+        cap = self.order.shape[1]
+        valid = ((torch.arange(cap)[None, :] < self.count[sel, None])
+                 & passive.gather(1, self.order[sel]))
+        count = valid.sum(dim=1)
+        m = int(count.max()) if count.numel() else 0
+        first = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)[:, :m]
+        order = self.order[sel].gather(1, first)  # the kept indices, in their order
+        vf = (torch.arange(m)[None, :] < count[:, None]).to(self.q.dtype)
+        mask = vf[:, :, None] * vf[:, None, :]
+        eye = torch.diag_embed(1.0 - vf)
+        block = self.q[order].gather(2, order[:, None, :].expand(-1, m, m))
+        chol = torch.linalg.cholesky_ex(block * mask + eye)[0] * mask + eye
+        w = torch.linalg.solve_triangular(chol, self.q[order] * vf[:, :, None], upper=False)
+        h = torch.linalg.solve_triangular(
+            chol, (self.rhs[sel].gather(1, order) * vf)[..., None], upper=False)[..., 0]
+        b = sel.shape[0]
+        full = torch.eye(cap, dtype=self.q.dtype).repeat(b, 1, 1)
+        full[:, :m, :m] = chol
+        self.chol[sel] = full
+        self.w[sel] = torch.nn.functional.pad(w, (0, 0, 0, cap - m))
+        self.h[sel] = torch.nn.functional.pad(h, (0, cap - m))
+        self.order[sel] = torch.nn.functional.pad(order * vf.long(), (0, cap - m))
+        self.count[sel] = count
+        self.off[sel] = self.diag - (w * w).sum(dim=1)
