@@ -25,8 +25,10 @@ def _tri_solve_upper(chol: Tensor, h: Tensor) -> Tensor:
 class PassiveFactor:
     """The factors of ``B`` problems' passive blocks of ``q`` ``[K, K]`` with right-hand sides
     ``rhs`` ``[B, K]``: ``order`` ``[B, cap]`` (passive indices in order, ``count`` of them),
-    ``chol`` ``[B, cap, cap]`` (the identity past ``count``), ``w`` ``[B, cap, K]`` and
-    ``h`` ``[B, cap]`` (zero past ``count``), ``off`` ``[B, K]`` (``sⱼ``)."""
+    ``h`` ``[B, cap]`` (zero past ``count``), ``off`` ``[B, K]`` (``sⱼ``); ``chol``
+    ``[S, cap, cap]`` (the identity past ``count``) and ``w`` ``[S, cap, K]`` (zero past
+    ``count``) in storage rows ``slot`` ``[B]``, compacted only once half of them are
+    finished (the largest arrays are not copied on every step)."""
 
     def __init__(self, q: Tensor, rhs: Tensor) -> None:
         b, k = rhs.shape
@@ -38,13 +40,17 @@ class PassiveFactor:
         self.w = torch.zeros(b, 0, k, dtype=q.dtype)
         self.h = torch.zeros(b, 0, dtype=q.dtype)
         self.off = self.diag.expand(b, k).clone()
+        self.slot = torch.arange(b)
 
     def keep(self, mask: Tensor) -> None:
         """Only the problems where ``mask`` stay."""
         if bool(mask.all()):
             return
-        for name in ("rhs", "count", "order", "chol", "w", "h", "off"):
+        for name in ("rhs", "count", "order", "h", "off", "slot"):
             setattr(self, name, getattr(self, name)[mask])
+        if 2 * self.slot.numel() <= self.w.shape[0]:
+            self.chol, self.w = self.chol[self.slot], self.w[self.slot]
+            self.slot = torch.arange(self.slot.numel())
 
     def _grow(self, size: int) -> None:
         """Room for ``size`` passive indices per problem."""
@@ -55,9 +61,9 @@ class PassiveFactor:
         b, k = self.off.shape
         order = torch.zeros(b, new, dtype=torch.int64)
         order[:, :cap] = self.order
-        chol = torch.eye(new, dtype=self.q.dtype).repeat(b, 1, 1)
+        chol = torch.eye(new, dtype=self.q.dtype).repeat(self.w.shape[0], 1, 1)
         chol[:, :cap, :cap] = self.chol
-        w = torch.zeros(b, new, k, dtype=self.q.dtype)
+        w = torch.zeros(self.w.shape[0], new, k, dtype=self.q.dtype)
         w[:, :cap] = self.w
         h = torch.zeros(b, new, dtype=self.q.dtype)
         h[:, :cap] = self.h
@@ -77,7 +83,8 @@ class PassiveFactor:
         m = int(self.count[sel].max()) if sel.numel() else 0
         if m == 0:
             return torch.zeros(sel.shape[0], self.off.shape[1], dtype=self.q.dtype)
-        return self.scatter(sel, _tri_solve_upper(self.chol[sel, :m, :m], self.h[sel, :m]))
+        chol = self.chol[self.slot[sel], :m, :m]
+        return self.scatter(sel, _tri_solve_upper(chol, self.h[sel, :m]))
 
     def try_add(self, t: Tensor, min_schur: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``(z, root, hₜ)``: the solve on ``P ∪ {tᵦ}`` ``[B, K]`` for every problem (NaN
@@ -88,12 +95,12 @@ class PassiveFactor:
         schur = self.off[rows, t]
         ok = schur > min_schur
         root = torch.where(ok, schur, 1.0).sqrt()
-        c = self.w[rows, :m, t]  # zero past each problem's count
+        c = self.w[self.slot, :m, t]  # zero past each problem's count
         h_t = (self.rhs[rows, t] - (c * self.h[:, :m]).sum(dim=1)) / root
         z_t = h_t / root
         z = torch.zeros_like(self.off)
         if m:
-            z = self.scatter(rows, _tri_solve_upper(self.chol[:, :m, :m],
+            z = self.scatter(rows, _tri_solve_upper(self.chol[self.slot, :m, :m],
                                                     self.h[:, :m] - c * z_t[:, None]))
         z[rows, t] = z_t
         z[~ok] = torch.nan
@@ -103,12 +110,15 @@ class PassiveFactor:
         """``tᵦ`` enters the problems ``sel`` (``√sₜ`` and ``hₜ`` from :meth:`try_add`)."""
         m = int(self.count[sel].max()) if sel.numel() else 0
         self._grow(m + 1)
-        c = self.w[sel, :m, t]
+        slot = self.slot[sel]
+        c = self.w[slot, :m, t]
         pos = self.count[sel]
-        self.chol[sel, pos, :m] = c
-        self.chol[sel, pos, pos] = root
-        new = (self.q[t] - torch.bmm(c[:, None, :], self.w[sel, :m])[:, 0]) / root[:, None]
-        self.w[sel, pos] = new
+        self.chol[slot, pos, :m] = c
+        self.chol[slot, pos, pos] = root
+        spread = torch.zeros(self.w.shape[0], 1, m, dtype=c.dtype)
+        spread[slot, 0] = c  # the product on the stored rows: no copy of w
+        new = (self.q[t] - torch.bmm(spread, self.w[:, :m])[slot, 0]) / root[:, None]
+        self.w[slot, pos] = new
         self.h[sel, pos] = h_t
         self.order[sel, pos] = t
         self.off[sel] -= new * new
@@ -117,13 +127,13 @@ class PassiveFactor:
     def refactor(self, sel: Tensor, passive: Tensor) -> None:
         """The problems ``sel`` take the passive sets ``passive`` ``[len(sel), K]`` (subsets
         of theirs, the order kept), factorised afresh."""
-        cap = self.order.shape[1]
-        valid = ((torch.arange(cap)[None, :] < self.count[sel, None])
-                 & passive.gather(1, self.order[sel]))
+        top = int(self.count[sel].max())  # the rows in use before: cleared past m
+        before = self.order[sel, :top]
+        valid = (torch.arange(top)[None, :] < self.count[sel, None]) & passive.gather(1, before)
         count = valid.sum(dim=1)
-        m = int(count.max()) if count.numel() else 0
+        m = int(count.max())
         first = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)[:, :m]
-        order = self.order[sel].gather(1, first)  # the kept indices, in their order
+        order = before.gather(1, first)  # the kept indices, in their order
         vf = (torch.arange(m)[None, :] < count[:, None]).to(self.q.dtype)
         mask = vf[:, :, None] * vf[:, None, :]
         eye = torch.diag_embed(1.0 - vf)
@@ -132,12 +142,12 @@ class PassiveFactor:
         w = torch.linalg.solve_triangular(chol, self.q[order] * vf[:, :, None], upper=False)
         h = torch.linalg.solve_triangular(
             chol, (self.rhs[sel].gather(1, order) * vf)[..., None], upper=False)[..., 0]
-        b = sel.shape[0]
-        full = torch.eye(cap, dtype=self.q.dtype).repeat(b, 1, 1)
-        full[:, :m, :m] = chol
-        self.chol[sel] = full
-        self.w[sel] = torch.nn.functional.pad(w, (0, 0, 0, cap - m))
-        self.h[sel] = torch.nn.functional.pad(h, (0, cap - m))
-        self.order[sel] = torch.nn.functional.pad(order * vf.long(), (0, cap - m))
+        slot = self.slot[sel]
+        self.chol[slot, :top, :top] = torch.nn.functional.pad(chol, (0, top - m, 0, top - m))
+        if top > m:
+            self.chol[slot, m:top, m:top] = torch.eye(top - m, dtype=self.q.dtype)
+        self.w[slot, :top] = torch.nn.functional.pad(w, (0, 0, 0, top - m))
+        self.h[sel, :top] = torch.nn.functional.pad(h, (0, top - m))
+        self.order[sel, :top] = torch.nn.functional.pad(order * vf.long(), (0, top - m))
         self.count[sel] = count
         self.off[sel] = self.diag - (w * w).sum(dim=1)
