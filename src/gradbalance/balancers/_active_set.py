@@ -61,8 +61,7 @@ def solve_free(q: Tensor, rhs: Tensor, free: Tensor, total: Tensor | None) -> Te
         vf = free.to(q.dtype)
         z, info = _solve_block(q * (vf[:, :, None] * vf[:, None, :]) + torch.diag_embed(1.0 - vf),
                                rhs * vf, vf, total)
-        z[(info != 0) | ~torch.isfinite(z).all(dim=1)] = math.nan
-        return z
+        return z.masked_fill_(((info != 0) | ~torch.isfinite(z).all(dim=1))[:, None], math.nan)
     y = torch.zeros_like(rhs)
     if not bool(free.any()):
         return y
