@@ -19,7 +19,8 @@ from torch import Tensor
 
 def _tri_solve_upper(chol: Tensor, h: Tensor) -> Tensor:
     """``z`` ``[B, m]`` with ``Cᵀ z = h`` (``chol`` ``[B, m, m]`` lower triangular)."""
-    return torch.linalg.solve_triangular(chol.mT, h[..., None], upper=True)[..., 0]
+    z: Tensor = torch.linalg.solve_triangular(chol.mT, h[..., None], upper=True)
+    return z[..., 0]
 
 
 class PassiveFactor:
