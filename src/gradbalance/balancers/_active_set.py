@@ -96,39 +96,42 @@ class _Problems:
     factors (:class:`~._passive_factor.PassiveFactor`), the indices set aside (a solve gave
     them no positive value; cleared when ``y`` moves) and the additions made."""
 
-    def __init__(self, q: Tensor, rhs: Tensor) -> None:
-        b, k = rhs.shape
+    def __init__(self, q: Tensor, lower: Tensor) -> None:
+        b, k = lower.shape
+        self.lower, self.shift = lower, lower @ q
         self.rows = torch.arange(b)
         self.y = torch.zeros(b, k, dtype=q.dtype)
         self.yq = torch.zeros(b, k, dtype=q.dtype)
         self.passive = torch.zeros(b, k, dtype=torch.bool)
         self.aside = torch.zeros(b, k, dtype=torch.bool)
         self.additions = torch.zeros(b, dtype=torch.int64)
-        self.factor = PassiveFactor(q, rhs)
+        self.factor = PassiveFactor(q, -self.shift)
 
     def keep(self, mask: Tensor) -> None:
         """Only the problems where ``mask`` stay open."""
-        for name in ("rows", "y", "yq", "passive", "aside", "additions"):
+        if bool(mask.all()):
+            return
+        for name in ("lower", "shift", "rows", "y", "yq", "passive", "aside", "additions"):
             setattr(self, name, getattr(self, name)[mask])
         self.factor.keep(mask)
 
 
-def _entering(q: Tensor, shift: Tensor, lower: Tensor, st: _Problems, d: Tensor,
+def _entering(st: _Problems, d: Tensor, dmax: float, indep_min: Tensor,
               tol: float) -> Tensor:
     """The index that enters each open problem's passive set, ``−1`` where none: the largest
     ``gⱼ = −wⱼ/√sⱼ`` (``w = Qv``, ``sⱼ`` the column's squared distance from the passive
     span, kept by the factors) among the independent columns whose ``−wⱼ`` exceeds
-    ``tol ‖x‖ √sⱼ`` (``‖x‖² = vᵀQv``) and rounding."""
-    w = st.yq + shift[st.rows]
-    v = lower[st.rows] + st.y
-    size = (v * w).sum(dim=1).clamp_min(0.0).sqrt()
-    noise = 8 * _EPS * v.abs().sum(dim=1) * float(d.max())
+    ``tol ‖x‖ √sⱼ`` (``‖x‖² = vᵀQv``) and rounding (``indep_min``: ``4·eps·K·Qⱼⱼ``)."""
+    neg_w = -(st.yq + st.shift)
+    v = st.lower + st.y
+    size = (v * neg_w).sum(dim=1).neg_().clamp_min_(0.0).sqrt_()
+    noise = (8 * _EPS * dmax) * v.abs().sum(dim=1)
     off = st.factor.off
-    indep = off > SCHUR_RTOL_PER_ROW * q.shape[0] * d * d
-    root = torch.where(indep, off, 1.0).clamp_min(0.0).sqrt()
-    ok = (~st.passive & ~st.aside & indep
-          & (-w > tol * size[:, None] * root) & (-w > noise[:, None] * d))
-    score = torch.where(ok, -w / root, -math.inf)
+    indep = off > indep_min
+    root = torch.where(indep, off, 1.0).sqrt_()
+    ok = indep & ~(st.passive | st.aside)
+    ok &= neg_w > torch.maximum(tol * size[:, None] * root, noise[:, None] * d)
+    score = torch.where(ok, neg_w / root, -math.inf)
     best = score.argmax(dim=1)
     return torch.where(ok.any(dim=1), best, -1)
 
@@ -187,29 +190,31 @@ def _box_active_set(q: Tensor, lower: Tensor, tol: float,
     open after ``max_additions`` additions.
     """
     b = lower.shape[0]
-    shift = lower @ q
-    d = torch.diagonal(q).clamp_min(0.0).sqrt()
+    diag = torch.diagonal(q).clamp_min(0.0)
+    d, indep_min = diag.sqrt(), SCHUR_RTOL_PER_ROW * q.shape[0] * diag
+    dmax = float(d.max())
     out, done = lower.clone(), torch.zeros(b, dtype=torch.bool)
-    st = _Problems(q, -shift)
+    st = _Problems(q, lower)
     while st.rows.numel():
-        t = _entering(q, shift, lower, st, d, tol)
+        t = _entering(st, d, dmax, indep_min, tol)
         finished = t < 0
-        out[st.rows[finished]] = lower[st.rows[finished]] + st.y[finished]
-        done[st.rows[finished]] = True
+        if bool(finished.any()):
+            out[st.rows[finished]] = st.lower[finished] + st.y[finished]
+            done[st.rows[finished]] = True
         live = ~finished & (st.additions < max_additions)
         t = t[live]
         st.keep(live)
         if not st.rows.numel():
             break
         st.additions += 1
-        _add(q, st, t)
+        _add(q, st, t, indep_min[t])
     return out, done
 
 
-def _add(q: Tensor, st: _Problems, t: Tensor) -> None:
+def _add(q: Tensor, st: _Problems, t: Tensor, min_schur: Tensor) -> None:
     """``t`` enters each open problem; where the solve gives it no positive value (or it
-    depends on the passive set) it is set aside instead, else ``y`` moves (:func:`_inner`)."""
-    min_schur = SCHUR_RTOL_PER_ROW * q.shape[0] * q.diagonal()[t]
+    depends on the passive set: ``sₜ`` not above ``min_schur``) it is set aside instead,
+    else ``y`` moves (:func:`_inner`)."""
     z, root, h_t = st.factor.try_add(t, min_schur)
     rows = torch.arange(t.shape[0])
     good = ~z.isnan().any(dim=1) & (z[rows, t] > 0.0)

@@ -104,8 +104,7 @@ class PassiveFactor:
             z = self.scatter(rows, _tri_solve_upper(self.chol[self.slot, :m, :m],
                                                     self.h[:, :m] - c * z_t[:, None]))
         z[rows, t] = z_t
-        z[~ok] = torch.nan
-        return z, root, h_t
+        return z.masked_fill_(~ok[:, None], torch.nan), root, h_t
 
     def add(self, sel: Tensor, t: Tensor, root: Tensor, h_t: Tensor) -> None:
         """``tᵦ`` enters the problems ``sel`` (``√sₜ`` and ``hₜ`` from :meth:`try_add`)."""
