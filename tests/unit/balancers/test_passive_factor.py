@@ -9,19 +9,23 @@ squared residual of each row against the passive ones, to ``eps κ(Q_PP)``: a Gr
 no more), and :meth:`solve` and :meth:`try_add`
 must solve their systems (residuals recomputed in float64). Inputs: the kinds of rows of the
 many-task check (``support.many_kinds``: rank-deficient, near duplicates, wide norms, …).
+The batched active set run in chunks (as at K = 1,024) against scipy's NNLS on the rows.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
+from gradbalance.balancers import _active_set
 from gradbalance.balancers._active_set import SCHUR_RTOL_PER_ROW
 from gradbalance.balancers._passive_factor import PassiveFactor
 from gradbalance.balancers._solvers import trace_normalized
-from support.many_kinds import KIND_NAMES, kind_rows
+from support.balancers import nnls_dual_cone
+from support.many_kinds import KIND_NAMES, assert_same_update, kind_rows
 
 F64 = torch.float64
 CASES = st.tuples(st.integers(3, 40), st.sampled_from(KIND_NAMES), st.integers(0, 2**16))
@@ -109,3 +113,22 @@ def test_updated_factors_match_their_definitions(case: tuple[int, str, int]) -> 
     gen = torch.Generator().manual_seed(seed)
     rhs = torch.randn(4, g.shape[0], generator=gen, dtype=F64)
     _run(q, rhs, gen, min(12, g.shape[0]), g / trace.sqrt())
+
+
+@settings(max_examples=4, deadline=None)
+@given(st.integers(17, 32), st.sampled_from(["rank8", "mixed", "near_duplicates"]),
+       st.integers(0, 2**16))
+def test_active_set_in_chunks_matches_scipy(k: int, kind: str, seed: int) -> None:
+    """Problems solved in chunks of 8 (``FACTOR_MAX_ENTRIES`` lowered): every projection the
+    update of scipy's NNLS on the rows (cosine ≥ 0.999999, norm within 1e-6 relative)."""
+    g = kind_rows(kind, k, 2 * k + 3, seed)
+    g = g[g.norm(dim=1) > 0]
+    gram, trace = trace_normalized(g @ g.T)
+    u = torch.diag(torch.rand(g.shape[0], generator=torch.Generator().manual_seed(seed),
+                              dtype=F64))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_active_set, "FACTOR_MAX_ENTRIES", 8 * g.shape[0] ** 2)
+        v, done = _active_set.box_active_set(gram, u, 1e-12, 3 * g.shape[0] + 10)
+    assert bool(done.all()) and bool((v >= u).all())
+    for i in sorted({0, g.shape[0] // 2, g.shape[0] - 1}):
+        assert_same_update(v[i] @ g, nnls_dual_cone(g / trace.sqrt(), u[i]) * trace.sqrt(), g)
