@@ -159,7 +159,7 @@ def _inner(st: _Problems, sel: Tensor, z: Tensor) -> None:
             break
         ym, pm = _to_boundary(y[moving], z[moving], passive[moving])
         y[moving], passive[moving] = ym, pm
-        st.factor.refactor(sel[moving], pm)
+        st.factor.remove(sel[moving], pm)
         z[moving] = st.factor.solve(sel[moving]).nan_to_num()
     st.y[sel] = y = torch.where(passive, z, 0.0)
     st.passive[sel] = passive

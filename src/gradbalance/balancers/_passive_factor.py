@@ -16,6 +16,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+#: Up to this many passive indices a removal refactorises (``O(m²K)``, few operations);
+#: above, each leaving index is deleted by Givens rotations (``O(mK)``, ``m`` steps).
+DOWNDATE_MIN_SIZE = 24
+
 
 def _tri_solve_upper(chol: Tensor, h: Tensor) -> Tensor:
     """``z`` ``[B, m]`` with ``Cᵀ z = h`` (``chol`` ``[B, m, m]`` lower triangular)."""
@@ -124,9 +128,65 @@ class PassiveFactor:
         self.off[sel] -= new * new
         self.count[sel] = pos + 1
 
-    def refactor(self, sel: Tensor, passive: Tensor) -> None:
+    def remove(self, sel: Tensor, passive: Tensor) -> None:
         """The problems ``sel`` take the passive sets ``passive`` ``[len(sel), K]`` (subsets
-        of theirs, the order kept), factorised afresh."""
+        of theirs, the order kept): factorised afresh up to ``DOWNDATE_MIN_SIZE`` indices,
+        else each leaving index deleted from the factors (:meth:`_delete`)."""
+        top = int(self.count[sel].max())
+        if top <= DOWNDATE_MIN_SIZE:
+            self._refactor(sel, passive)
+            return
+        while True:
+            before = self.order[sel, :top]
+            gone = ((torch.arange(top)[None, :] < self.count[sel, None])
+                    & ~passive.gather(1, before))
+            has = gone.any(dim=1)
+            if not bool(has.any()):
+                return
+            self._delete(sel[has], gone[has].to(torch.int8).argmax(dim=1))
+
+    def _delete(self, sel: Tensor, p: Tensor) -> None:
+        """The index at position ``pᵦ`` leaves each problem ``sel``: its row of ``C`` goes,
+        Givens rotations of columns ``j, j+1`` (``j ≥ p``) make the rest triangular again and
+        rotate rows ``j, j+1`` of ``W`` and ``h`` alike (``C W`` is kept), and the last row of
+        ``W`` leaves, its squares added back to ``s`` (Golub & Van Loan 2013, §6.5.2)."""
+        slot, cnt = self.slot[sel], self.count[sel]
+        m = int(cnt.max())
+        n = sel.shape[0]
+        ar = torch.arange(m - 1)[None, :]
+        src = ar + (ar >= p[:, None]).long()  # the rows kept, in order
+        r = self.chol[slot, :m, :m].gather(1, src[..., None].expand(-1, -1, m))
+        w, h = self.w[slot, :m].clone(), self.h[sel, :m].clone()
+        for j in range(int(p.min()), m - 1):
+            act = (p <= j) & (j < cnt - 1)
+            a, b = r[:, j, j], r[:, j, j + 1]
+            rad = torch.hypot(a, b)
+            act &= rad > 0
+            cs = torch.where(act, a / torch.where(act, rad, 1.0), 1.0)
+            sn = torch.where(act, b / torch.where(act, rad, 1.0), 0.0)
+            rj, rk = r[:, :, j].clone(), r[:, :, j + 1]
+            r[:, :, j] = cs[:, None] * rj + sn[:, None] * rk
+            r[:, :, j + 1] = cs[:, None] * rk - sn[:, None] * rj
+            wj, wk = w[:, j].clone(), w[:, j + 1]
+            w[:, j] = cs[:, None] * wj + sn[:, None] * wk
+            w[:, j + 1] = cs[:, None] * wk - sn[:, None] * wj
+            hj, hk = h[:, j].clone(), h[:, j + 1]
+            h[:, j] = cs * hj + sn * hk
+            h[:, j + 1] = cs * hk - sn * hj
+        rows, last = torch.arange(n), cnt - 1
+        self.off[sel] += w[rows, last] ** 2
+        w[rows, last], h[rows, last] = 0.0, 0.0
+        vf = (torch.arange(m)[None, :] < last[:, None]).to(r.dtype)
+        chol = torch.nn.functional.pad(r[:, :, : m - 1], (0, 1, 0, 1))
+        mask = vf[:, :, None] * vf[:, None, :]
+        self.chol[slot, :m, :m] = chol * mask + torch.diag_embed(1.0 - vf)
+        self.w[slot, :m], self.h[sel, :m] = w, h
+        order = torch.nn.functional.pad(self.order[sel, :m].gather(1, src), (0, 1))
+        self.order[sel, :m] = torch.where(vf > 0, order, 0)
+        self.count[sel] = last
+
+    def _refactor(self, sel: Tensor, passive: Tensor) -> None:
+        """:meth:`remove` by a fresh factorisation of the passive blocks."""
         top = int(self.count[sel].max())  # the rows in use before: cleared past m
         before = self.order[sel, :top]
         valid = (torch.arange(top)[None, :] < self.count[sel, None]) & passive.gather(1, before)
