@@ -8,7 +8,8 @@ entering index ``t`` needs no new factorisation: its row of ``C`` is ``W_:t`` an
 diagonal ``√sₜ`` (the left-looking Cholesky step), so the solve on ``P ∪ {t}`` is one
 triangular solve and the addition one ``[m] × [m, K]`` product per problem, ``O(mK)``
 instead of the ``O(m²K + m³)`` of factorising the blocks afresh (Golub & Van Loan 2013,
-*Matrix Computations*, §4.2 and §6.5.4). Removals refactorise the problems they touch.
+*Matrix Computations*, §4.2 and §6.5.4). A leaving index is deleted by Givens rotations
+(``O(mK)``, §6.5.2), or its problem refactorised while the passive sets are small.
 """
 
 from __future__ import annotations
