@@ -7,10 +7,10 @@ Not a balancer module (no ``__all__``). ``min ½ vᵀQv`` s.t. ``v ≥ lowerᵦ`
 needs ``L`` only through ``Q``: its passive-set solves are ``Q_PP z = −(Q lower)_P`` and its
 dual vector is ``−(Qv)``. Every problem takes its steps in the same tensor operations
 (masks, not Python lists): one index enters each open problem's passive set per iteration,
-the passive blocks ``[B, m, m]`` are factorised together (``m`` the largest passive set,
-at most the rank of ``Q``), and the passive sets stay independent (an entering column whose
-Schur complement is rounding, as the factor of :func:`~._boxqp.psd_factor` would drop it,
-stays out). A problem still open after its additions is left to the caller.
+the passive blocks' factors are kept and extended (:class:`~._passive_factor.PassiveFactor`),
+and the passive sets stay independent (an entering column whose Schur complement is
+rounding, as the factor of :func:`~._boxqp.psd_factor` would drop it, stays out). A problem
+still open after its additions is left to the caller.
 """
 
 from __future__ import annotations
@@ -217,7 +217,7 @@ def _add(q: Tensor, st: _Problems, t: Tensor, min_schur: Tensor) -> None:
     else ``y`` moves (:func:`_inner`)."""
     z, root, h_t = st.factor.try_add(t, min_schur)
     rows = torch.arange(t.shape[0])
-    good = ~z.isnan().any(dim=1) & (z[rows, t] > 0.0)
+    good = torch.isfinite(z).all(dim=1) & (z[rows, t] > 0.0)
     st.aside[rows[~good], t[~good]] = True
     if not bool(good.any()):
         return
