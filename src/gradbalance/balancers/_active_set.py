@@ -7,10 +7,10 @@ Not a balancer module (no ``__all__``). ``min ½ vᵀQv`` s.t. ``v ≥ lowerᵦ`
 needs ``L`` only through ``Q``: its passive-set solves are ``Q_PP z = −(Q lower)_P`` and its
 dual vector is ``−(Qv)``. Every problem takes its steps in the same tensor operations
 (masks, not Python lists): one index enters each open problem's passive set per iteration,
-the passive blocks ``[B, m, m]`` are factorised together (``m`` the largest passive set,
-at most the rank of ``Q``), and the passive sets stay independent (an entering column whose
-Schur complement is rounding, as the factor of :func:`~._boxqp.psd_factor` would drop it,
-stays out). A problem still open after its additions is left to the caller.
+the passive blocks' factors are kept and extended (:class:`~._passive_factor.PassiveFactor`),
+and the passive sets stay independent (an entering column whose Schur complement is
+rounding, as the factor of :func:`~._boxqp.psd_factor` would drop it, stays out). A problem
+still open after its additions is left to the caller.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import math
 import torch
 from torch import Tensor
 
+from ._passive_factor import PassiveFactor
+
 _EPS = torch.finfo(torch.float64).eps
 #: Smallest Schur complement of an entering column, relative to its diagonal entry and per
 #: row of ``Q``: the eigenvalue cut-off of :func:`~._boxqp.psd_factor`.
@@ -27,6 +29,8 @@ SCHUR_RTOL_PER_ROW = 4 * _EPS
 #: Up to this many tasks the free-set solves factorise the whole masked ``Q`` (the identity
 #: on the fixed indices: the same factor, in fewer operations than gathering the blocks).
 MASKED_MAX_SIZE = 16
+#: Most numbers the passive factors of one batch of problems may hold (float64: 1 GiB).
+FACTOR_MAX_ENTRIES = 2**27
 
 
 def free_first(free: Tensor) -> tuple[Tensor, Tensor]:
@@ -57,8 +61,7 @@ def solve_free(q: Tensor, rhs: Tensor, free: Tensor, total: Tensor | None) -> Te
         vf = free.to(q.dtype)
         z, info = _solve_block(q * (vf[:, :, None] * vf[:, None, :]) + torch.diag_embed(1.0 - vf),
                                rhs * vf, vf, total)
-        z[(info != 0) | ~torch.isfinite(z).all(dim=1)] = math.nan
-        return z
+        return z.masked_fill_(((info != 0) | ~torch.isfinite(z).all(dim=1))[:, None], math.nan)
     y = torch.zeros_like(rhs)
     if not bool(free.any()):
         return y
@@ -82,25 +85,6 @@ def _solve_block(block: Tensor, r: Tensor, vf: Tensor,
     return torch.cholesky_solve(r[..., None], chol)[..., 0] * vf, info
 
 
-def _entering_solve(q: Tensor, rhs: Tensor, passive: Tensor, t: Tensor) -> Tensor:
-    """``z`` ``[B, K]`` on ``P ∪ {t}`` (``t`` not in ``passive``), NaN where ``t`` depends on
-    ``P`` (its Schur complement below ``SCHUR_RTOL_PER_ROW · K · Q_tt``) or the block does
-    not factorise."""
-    b, k = rhs.shape
-    idx, valid = free_first(passive) if bool(passive.any()) else (
-        torch.zeros(b, 0, dtype=torch.int64), torch.zeros(b, 0, dtype=torch.bool))
-    idx = torch.cat([idx, t[:, None]], dim=1)
-    valid = torch.cat([valid, torch.ones(b, 1, dtype=torch.bool)], dim=1)
-    chol, info = torch.linalg.cholesky_ex(free_blocks(q, idx, valid))
-    vf = valid.to(q.dtype)
-    z = torch.cholesky_solve((rhs.gather(1, idx) * vf)[..., None], chol)[..., 0] * vf
-    schur = chol[:, -1, -1] ** 2
-    ok = (info == 0) & (schur > SCHUR_RTOL_PER_ROW * k * q.diagonal()[t])
-    y = torch.zeros_like(rhs).scatter_(1, idx, z)
-    y[~(ok & torch.isfinite(z).all(dim=1))] = math.nan
-    return y
-
-
 def _product(y: Tensor, q: Tensor) -> Tensor:
     """``y Q`` for a sparse ``y`` ``[B, K]`` (its few passive entries)."""
     out: Tensor = torch.sparse.mm(y.to_sparse(), q)
@@ -108,51 +92,46 @@ def _product(y: Tensor, q: Tensor) -> Tensor:
 
 
 class _Problems:
-    """The open problems' state: ``y ≥ 0`` and ``yQ`` ``[B, K]``, the passive sets, the
-    indices set aside (a solve gave them no positive value; cleared when ``y`` moves) and
-    the additions made."""
+    """The open problems' state: ``y ≥ 0`` and ``yQ`` ``[B, K]``, the passive sets and their
+    factors (:class:`~._passive_factor.PassiveFactor`), the indices set aside (a solve gave
+    them no positive value; cleared when ``y`` moves) and the additions made."""
 
-    def __init__(self, b: int, k: int, dtype: torch.dtype) -> None:
+    def __init__(self, q: Tensor, lower: Tensor) -> None:
+        b, k = lower.shape
+        self.lower, self.shift = lower, lower @ q
         self.rows = torch.arange(b)
-        self.y = torch.zeros(b, k, dtype=dtype)
-        self.yq = torch.zeros(b, k, dtype=dtype)
+        self.y = torch.zeros(b, k, dtype=q.dtype)
+        self.yq = torch.zeros(b, k, dtype=q.dtype)
         self.passive = torch.zeros(b, k, dtype=torch.bool)
         self.aside = torch.zeros(b, k, dtype=torch.bool)
         self.additions = torch.zeros(b, dtype=torch.int64)
+        self.factor = PassiveFactor(q, -self.shift)
 
     def keep(self, mask: Tensor) -> None:
         """Only the problems where ``mask`` stay open."""
-        for name in ("rows", "y", "yq", "passive", "aside", "additions"):
+        if bool(mask.all()):
+            return
+        for name in ("lower", "shift", "rows", "y", "yq", "passive", "aside", "additions"):
             setattr(self, name, getattr(self, name)[mask])
+        self.factor.keep(mask)
 
 
-def _off_span(q: Tensor, passive: Tensor, d: Tensor) -> Tensor:
-    """``sⱼ = Qⱼⱼ − Q_jP Q_PP⁻¹ Q_Pj`` ``[B, K]``: the squared distance of each column of
-    ``Lᵀ`` from the span of the passive ones (``d² `` where the passive set is empty)."""
-    if not bool(passive.any()):
-        return (d * d).expand(passive.shape[0], -1)
-    idx, valid = free_first(passive)
-    chol, _ = torch.linalg.cholesky_ex(free_blocks(q, idx, valid))
-    cols = q[idx] * valid.to(q.dtype)[:, :, None]
-    return d * d - (cols * torch.cholesky_solve(cols, chol)).sum(dim=1)
-
-
-def _entering(q: Tensor, shift: Tensor, lower: Tensor, st: _Problems, d: Tensor,
+def _entering(st: _Problems, d: Tensor, dmax: float, indep_min: Tensor,
               tol: float) -> Tensor:
     """The index that enters each open problem's passive set, ``−1`` where none: the largest
     ``gⱼ = −wⱼ/√sⱼ`` (``w = Qv``, ``sⱼ`` the column's squared distance from the passive
-    span, :func:`_off_span`) among the independent columns whose ``−wⱼ`` exceeds
-    ``tol ‖x‖ √sⱼ`` (``‖x‖² = vᵀQv``) and rounding."""
-    w = st.yq + shift[st.rows]
-    v = lower[st.rows] + st.y
-    size = (v * w).sum(dim=1).clamp_min(0.0).sqrt()
-    noise = 8 * _EPS * v.abs().sum(dim=1) * float(d.max())
-    off = _off_span(q, st.passive, d)
-    indep = off > SCHUR_RTOL_PER_ROW * q.shape[0] * d * d
-    root = torch.where(indep, off, 1.0).clamp_min(0.0).sqrt()
-    ok = (~st.passive & ~st.aside & indep
-          & (-w > tol * size[:, None] * root) & (-w > noise[:, None] * d))
-    score = torch.where(ok, -w / root, -math.inf)
+    span, kept by the factors) among the independent columns whose ``−wⱼ`` exceeds
+    ``tol ‖x‖ √sⱼ`` (``‖x‖² = vᵀQv``) and rounding (``indep_min``: ``4·eps·K·Qⱼⱼ``)."""
+    neg_w = -(st.yq + st.shift)
+    v = st.lower + st.y
+    size = (v * neg_w).sum(dim=1).neg_().clamp_min_(0.0).sqrt_()
+    noise = (8 * _EPS * dmax) * v.abs().sum(dim=1)
+    off = st.factor.off
+    indep = off > indep_min
+    root = torch.where(indep, off, 1.0).sqrt_()
+    ok = indep & ~(st.passive | st.aside)
+    ok &= neg_w > torch.maximum(tol * size[:, None] * root, noise[:, None] * d)
+    score = torch.where(ok, neg_w / root, -math.inf)
     best = score.argmax(dim=1)
     return torch.where(ok.any(dim=1), best, -1)
 
@@ -169,22 +148,39 @@ def _to_boundary(y: Tensor, z: Tensor, passive: Tensor) -> tuple[Tensor, Tensor]
     return torch.where(passive, y, 0.0), passive
 
 
-def _inner(q: Tensor, rhs: Tensor, y: Tensor, z: Tensor,
-           passive: Tensor) -> tuple[Tensor, Tensor]:
-    """Lawson–Hanson steps 7–11: move towards ``z`` until the passive solve is positive."""
+def _inner(st: _Problems, sel: Tensor, z: Tensor) -> None:
+    """Lawson–Hanson steps 7–11 for the problems ``sel``: move towards ``z`` until the
+    passive solve is positive (each index brought to zero leaves, its problem's factor is
+    recomputed)."""
+    y, passive = st.y[sel], st.passive[sel]
     while True:
         moving = (passive & (z <= 0.0)).any(dim=1)
         if not bool(moving.any()):
-            return torch.where(passive, z, 0.0), passive
+            break
         ym, pm = _to_boundary(y[moving], z[moving], passive[moving])
-        y, passive = y.clone(), passive.clone()
         y[moving], passive[moving] = ym, pm
-        z = z.clone()
-        z[moving] = solve_free(q, rhs[moving], pm, None).nan_to_num()
+        st.factor.remove(sel[moving], pm)
+        z[moving] = st.factor.solve(sel[moving]).nan_to_num()
+    st.y[sel] = y = torch.where(passive, z, 0.0)
+    st.passive[sel] = passive
+    st.yq[sel] = _product(y, st.factor.q)
 
 
 def box_active_set(q: Tensor, lower: Tensor, tol: float,
                    max_additions: int) -> tuple[Tensor, Tensor]:
+    """``(v, done)`` ``[B, K]``, ``[B]``: :func:`_box_active_set` on chunks of at most
+    ``FACTOR_MAX_ENTRIES / K²`` problems (their factors hold up to ``K²`` numbers each)."""
+    b, k = lower.shape
+    step = max(1, FACTOR_MAX_ENTRIES // (k * k))
+    if b <= step:
+        return _box_active_set(q, lower, tol, max_additions)
+    parts = [_box_active_set(q, lower[i: i + step], tol, max_additions)
+             for i in range(0, b, step)]
+    return torch.cat([v for v, _ in parts]), torch.cat([d for _, d in parts])
+
+
+def _box_active_set(q: Tensor, lower: Tensor, tol: float,
+                    max_additions: int) -> tuple[Tensor, Tensor]:
     """``(v, done)`` ``[B, K]``, ``[B]``: ``argmin ½ vᵀQv`` s.t. ``v ≥ lowerᵦ`` where done.
 
     Lawson–Hanson from ``v = lower``: each iteration the index of the largest scaled
@@ -193,38 +189,40 @@ def box_active_set(q: Tensor, lower: Tensor, tol: float,
     exceeds ``tol ‖x‖ √Qⱼⱼ`` (Lawson–Hanson's test on the factor, ``‖x‖ = ‖Lᵀv‖``), and left
     open after ``max_additions`` additions.
     """
-    b, k = lower.shape
-    shift = lower @ q
-    d = torch.diagonal(q).clamp_min(0.0).sqrt()
+    b = lower.shape[0]
+    diag = torch.diagonal(q).clamp_min(0.0)
+    d, indep_min = diag.sqrt(), SCHUR_RTOL_PER_ROW * q.shape[0] * diag
+    dmax = float(d.max())
     out, done = lower.clone(), torch.zeros(b, dtype=torch.bool)
-    st = _Problems(b, k, q.dtype)
+    st = _Problems(q, lower)
     while st.rows.numel():
-        t = _entering(q, shift, lower, st, d, tol)
+        t = _entering(st, d, dmax, indep_min, tol)
         finished = t < 0
-        out[st.rows[finished]] = lower[st.rows[finished]] + st.y[finished]
-        done[st.rows[finished]] = True
+        if bool(finished.any()):
+            out[st.rows[finished]] = st.lower[finished] + st.y[finished]
+            done[st.rows[finished]] = True
         live = ~finished & (st.additions < max_additions)
         t = t[live]
         st.keep(live)
         if not st.rows.numel():
             break
         st.additions += 1
-        _add(q, -shift[st.rows], st, t)
+        _add(q, st, t, indep_min[t])
     return out, done
 
 
-def _add(q: Tensor, rhs: Tensor, st: _Problems, t: Tensor) -> None:
+def _add(q: Tensor, st: _Problems, t: Tensor, min_schur: Tensor) -> None:
     """``t`` enters each open problem; where the solve gives it no positive value (or it
-    depends on the passive set) it is set aside instead, else ``y`` moves (:func:`_inner`)."""
-    z = _entering_solve(q, rhs, st.passive, t)
+    depends on the passive set: ``sₜ`` not above ``min_schur``) it is set aside instead,
+    else ``y`` moves (:func:`_inner`)."""
+    z, root, h_t = st.factor.try_add(t, min_schur)
     rows = torch.arange(t.shape[0])
-    good = ~z.isnan().any(dim=1) & (z[rows, t] > 0.0)
+    good = torch.isfinite(z).all(dim=1) & (z[rows, t] > 0.0)
     st.aside[rows[~good], t[~good]] = True
     if not bool(good.any()):
         return
-    passive = st.passive[good].clone()
-    passive[torch.arange(int(good.sum())), t[good]] = True
-    y, passive = _inner(q, rhs[good], st.y[good], z[good], passive)
-    st.y[good], st.passive[good] = y, passive
-    st.aside[good] = False
-    st.yq[good] = _product(y, q)
+    sel = rows[good]
+    st.factor.add(sel, t[good], root[good], h_t[good])
+    st.passive[sel, t[good]] = True
+    _inner(st, sel, z[good])
+    st.aside[sel] = False

@@ -88,8 +88,9 @@ def _conditioning(q: Tensor) -> tuple[bool, bool]:
     """``(well, definite)``: ``Q`` positive definite with condition number below ``1e10``,
     and positive definite at all (its eigenvalues, one decomposition)."""
     lam = torch.linalg.eigvalsh(q)
-    definite = bool(lam[0] > 0) and bool(lam[-1] > 0)
-    return definite and bool(lam[0] > lam[-1] / CHOLESKY_MAX_COND), definite
+    low, high = lam[[0, -1]].tolist()  # one host sync
+    definite = low > 0 and high > 0
+    return definite and low > high / CHOLESKY_MAX_COND, definite
 
 
 # -- 1. block principal pivoting (positive definite Q) -----------------------------------
@@ -223,6 +224,7 @@ def _pivot_loop(q: Tensor, shift: Tensor, lower: Tensor, simplex: bool, free0: T
     ``−threshold(rows, y, yQ)`` is infeasible. ``y0``: a guessed first solution."""
     b, k = shift.shape
     free = free0.clone()
+    # the open problems' state, compacted together: no per-iteration gathers by ``rows``
     best = torch.full((b,), k + 1, dtype=torch.int64)
     chances = torch.full((b,), 3, dtype=torch.int64)
     order = torch.arange(1, k + 1)
@@ -234,28 +236,28 @@ def _pivot_loop(q: Tensor, shift: Tensor, lower: Tensor, simplex: bool, free0: T
         if solved is None:
             return None
         y, exact, yq = solved
-        w = _multipliers(yq, shift[rows], free, simplex)
+        w = _multipliers(yq, shift, free, simplex)
         bad = torch.where(free, y < -tol, w < -threshold(rows, y, yq))
         count = bad.sum(dim=1)
         failed = y.isnan().any(dim=1)  # a free block that did not factorise: left open
         finished = (count == 0) & exact & ~failed
         if bool(finished.all()):  # the usual last iteration: no compaction
-            x[rows] = lower[rows] + y.clamp_min(0.0)
+            x[rows] = lower + y.clamp_min(0.0)
             done[rows] = True
             break
         keep = ~(finished | failed)
         if not bool(keep.all()):
-            x[rows[finished]] = lower[rows[finished]] + y[finished].clamp_min(0.0)
+            x[rows[finished]] = lower[finished] + y[finished].clamp_min(0.0)
             done[rows[finished]] = True
-            exact = exact[keep]
-            rows, y, yq, free, bad, w, count = (
-                t[keep] for t in (rows, y, yq, free, bad, w, count))
+            rows, y, yq, free, bad, w, count, exact, best, chances, shift, lower = (
+                t[keep] for t in (rows, y, yq, free, bad, w, count, exact, best, chances,
+                                  shift, lower))
             if rows.numel() == 0:
                 break
-        better = count < best[rows]
-        best[rows] = torch.where(better, count, best[rows])
-        chances[rows] = torch.where(better, 3, chances[rows] - 1)
-        free = _exchange(free, bad, chances[rows] >= 0, order, simplex, w)
+        better = count < best
+        best = torch.where(better, count, best)
+        chances = torch.where(better, 3, chances - 1)
+        free = _exchange(free, bad, chances >= 0, order, simplex, w)
         solved = solve(rows, free, y, yq, (count == 0) | exact)
     return x, done
 

@@ -30,8 +30,8 @@ def scaled_projection(gram: Tensor, u: Tensor, tol: float, solve: BoxSolve) -> T
     """``v`` ``[B, K]`` with ``v = argmin_{v ≥ uᵦ} vᵀGv`` per row of ``u`` ``[B, K]``
     (float64), ``solve`` run on the trace-normalised cosine matrix of the non-zero rows."""
     diag = torch.diagonal(gram)
-    low, high = diag.aminmax()
-    if bool((low * PLAIN_MAX_RATIO >= high) & (low > 0.0)):
+    low, high = torch.stack(diag.aminmax()).tolist()  # one host sync
+    if low * PLAIN_MAX_RATIO >= high and low > 0.0:
         return solve(gram, u, tol)
     d = diag.clamp_min(0.0).sqrt()
     live = torch.nonzero(d > 0.0).flatten()

@@ -1,0 +1,214 @@
+"""The Cholesky factors of many problems' passive blocks of one ``Q``, updated per addition.
+
+Not a balancer module (no ``__all__``). For each of ``B`` problems with passive indices
+``P`` (in the order they entered): ``C`` lower triangular with ``C Cᵀ = Q_PP``,
+``W = C⁻¹ Q_P:`` ``[m, K]``, ``h = C⁻¹ rhs_P`` and ``sⱼ = Qⱼⱼ − ‖W_:ⱼ‖²``, the squared
+distance of column ``j`` of ``Lᵀ`` (``Q = L Lᵀ``) from the span of the passive ones. An
+entering index ``t`` needs no new factorisation: its row of ``C`` is ``W_:t`` and its
+diagonal ``√sₜ`` (the left-looking Cholesky step), so the solve on ``P ∪ {t}`` is one
+triangular solve and the addition one ``[m] × [m, K]`` product per problem, ``O(mK)``
+instead of the ``O(m²K + m³)`` of factorising the blocks afresh (Golub & Van Loan 2013,
+*Matrix Computations*, §4.2 and §6.5.4). A leaving index is deleted by Givens rotations
+(``O(mK)``, §6.5.2), or its problem refactorised while the passive sets are small.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+#: Up to this many passive indices a removal refactorises (``O(m²K)``, few operations);
+#: above, each leaving index is deleted by Givens rotations (``O(mK)``, ``m`` steps).
+DOWNDATE_MIN_SIZE = 24
+
+
+def _tri_solve_upper(chol: Tensor, h: Tensor) -> Tensor:
+    """``z`` ``[B, m]`` with ``Cᵀ z = h`` (``chol`` ``[B, m, m]`` lower triangular)."""
+    z: Tensor = torch.linalg.solve_triangular(chol.mT, h[..., None], upper=True)
+    return z[..., 0]
+
+
+class PassiveFactor:
+    """The factors of ``B`` problems' passive blocks of ``q`` ``[K, K]`` with right-hand sides
+    ``rhs`` ``[B, K]``: ``order`` ``[B, cap]`` (passive indices in order, ``count`` of them),
+    ``h`` ``[B, cap]`` (zero past ``count``), ``off`` ``[B, K]`` (``sⱼ``); ``chol``
+    ``[S, cap, cap]`` (the identity past ``count``) and ``w`` ``[S, cap, K]`` (zero past
+    ``count``) in storage rows ``slot`` ``[B]``, compacted only once half of them are
+    finished (the largest arrays are not copied on every step)."""
+
+    def __init__(self, q: Tensor, rhs: Tensor) -> None:
+        b, k = rhs.shape
+        self.q, self.rhs = q, rhs
+        self.diag = torch.diagonal(q).clamp_min(0.0)
+        self.count = torch.zeros(b, dtype=torch.int64)
+        self.order = torch.zeros(b, 0, dtype=torch.int64)
+        self.chol = torch.zeros(b, 0, 0, dtype=q.dtype)
+        self.w = torch.zeros(b, 0, k, dtype=q.dtype)
+        self.h = torch.zeros(b, 0, dtype=q.dtype)
+        self.off = self.diag.expand(b, k).clone()
+        self.slot = torch.arange(b)
+
+    def keep(self, mask: Tensor) -> None:
+        """Only the problems where ``mask`` stay."""
+        if bool(mask.all()):
+            return
+        for name in ("rhs", "count", "order", "h", "off", "slot"):
+            setattr(self, name, getattr(self, name)[mask])
+        if 2 * self.slot.numel() <= self.w.shape[0]:
+            self.chol, self.w = self.chol[self.slot], self.w[self.slot]
+            self.slot = torch.arange(self.slot.numel())
+
+    def _grow(self, size: int) -> None:
+        """Room for ``size`` passive indices per problem."""
+        cap = self.order.shape[1]
+        if size <= cap:
+            return
+        new = max(size, 2 * cap, 8)
+        b, k = self.off.shape
+        order = torch.zeros(b, new, dtype=torch.int64)
+        order[:, :cap] = self.order
+        chol = torch.eye(new, dtype=self.q.dtype).repeat(self.w.shape[0], 1, 1)
+        chol[:, :cap, :cap] = self.chol
+        w = torch.zeros(self.w.shape[0], new, k, dtype=self.q.dtype)
+        w[:, :cap] = self.w
+        h = torch.zeros(b, new, dtype=self.q.dtype)
+        h[:, :cap] = self.h
+        self.order, self.chol, self.w, self.h = order, chol, w, h
+
+    def scatter(self, sel: Tensor, z: Tensor) -> Tensor:
+        """``[len(sel), K]`` from the problems ``sel``'s values ``[·, m]`` in passive order
+        (zero off the passive sets)."""
+        m = z.shape[1]
+        valid = torch.arange(m)[None, :] < self.count[sel, None]
+        out = torch.zeros(sel.shape[0], self.off.shape[1], dtype=z.dtype)
+        return out.scatter_add_(1, self.order[sel, :m], torch.where(valid, z, 0.0))
+
+    def solve(self, sel: Tensor) -> Tensor:
+        """``z`` ``[len(sel), K]``: ``Q_PP z_P = rhs_P`` for the problems ``sel``, zero off
+        ``P``."""
+        m = int(self.count[sel].max()) if sel.numel() else 0
+        if m == 0:
+            return torch.zeros(sel.shape[0], self.off.shape[1], dtype=self.q.dtype)
+        chol = self.chol[self.slot[sel], :m, :m]
+        return self.scatter(sel, _tri_solve_upper(chol, self.h[sel, :m]))
+
+    def try_add(self, t: Tensor, min_schur: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``(z, root, hₜ)``: the solve on ``P ∪ {tᵦ}`` ``[B, K]`` for every problem (NaN
+        where ``sₜ`` is not above ``min_schur``), ``√sₜ`` and the new entry of ``h``; nothing
+        is stored."""
+        rows = torch.arange(t.shape[0])
+        m = int(self.count.max())
+        schur = self.off[rows, t]
+        ok = schur > min_schur
+        root = torch.where(ok, schur, 1.0).sqrt()
+        c = self.w[self.slot, :m, t]  # zero past each problem's count
+        h_t = (self.rhs[rows, t] - (c * self.h[:, :m]).sum(dim=1)) / root
+        z_t = h_t / root
+        z = torch.zeros_like(self.off)
+        if m:
+            z = self.scatter(rows, _tri_solve_upper(self.chol[self.slot, :m, :m],
+                                                    self.h[:, :m] - c * z_t[:, None]))
+        z[rows, t] = z_t
+        return z.masked_fill_(~ok[:, None], torch.nan), root, h_t
+
+    def add(self, sel: Tensor, t: Tensor, root: Tensor, h_t: Tensor) -> None:
+        """``tᵦ`` enters the problems ``sel`` (``√sₜ`` and ``hₜ`` from :meth:`try_add`)."""
+        m = int(self.count[sel].max()) if sel.numel() else 0
+        self._grow(m + 1)
+        slot = self.slot[sel]
+        c = self.w[slot, :m, t]
+        pos = self.count[sel]
+        self.chol[slot, pos, :m] = c
+        self.chol[slot, pos, pos] = root
+        spread = torch.zeros(self.w.shape[0], 1, m, dtype=c.dtype)
+        spread[slot, 0] = c  # the product on the stored rows: no copy of w
+        new = (self.q[t] - torch.bmm(spread, self.w[:, :m])[slot, 0]) / root[:, None]
+        self.w[slot, pos] = new
+        self.h[sel, pos] = h_t
+        self.order[sel, pos] = t
+        self.off[sel] -= new * new
+        self.count[sel] = pos + 1
+
+    def remove(self, sel: Tensor, passive: Tensor) -> None:
+        """The problems ``sel`` take the passive sets ``passive`` ``[len(sel), K]`` (subsets
+        of theirs, the order kept): factorised afresh up to ``DOWNDATE_MIN_SIZE`` indices,
+        else each leaving index deleted from the factors (:meth:`_delete`)."""
+        top = int(self.count[sel].max())
+        if top <= DOWNDATE_MIN_SIZE:
+            self._refactor(sel, passive)
+            return
+        while True:
+            before = self.order[sel, :top]
+            gone = ((torch.arange(top)[None, :] < self.count[sel, None])
+                    & ~passive.gather(1, before))
+            has = gone.any(dim=1)
+            if not bool(has.any()):
+                return
+            self._delete(sel[has], gone[has].to(torch.int8).argmax(dim=1))
+
+    def _delete(self, sel: Tensor, p: Tensor) -> None:
+        """The index at position ``pᵦ`` leaves each problem ``sel``: its row of ``C`` goes,
+        Givens rotations of columns ``j, j+1`` (``j ≥ p``) make the rest triangular again and
+        rotate rows ``j, j+1`` of ``W`` and ``h`` alike (``C W`` is kept), and the last row of
+        ``W`` leaves, its squares added back to ``s`` (Golub & Van Loan 2013, §6.5.2)."""
+        slot, cnt = self.slot[sel], self.count[sel]
+        m = int(cnt.max())
+        n = sel.shape[0]
+        ar = torch.arange(m - 1)[None, :]
+        src = ar + (ar >= p[:, None]).long()  # the rows kept, in order
+        r = self.chol[slot, :m, :m].gather(1, src[..., None].expand(-1, -1, m))
+        w, h = self.w[slot, :m].clone(), self.h[sel, :m].clone()
+        for j in range(int(p.min()), m - 1):
+            act = (p <= j) & (j < cnt - 1)
+            a, b = r[:, j, j], r[:, j, j + 1]
+            rad = torch.hypot(a, b)
+            act &= rad > 0
+            cs = torch.where(act, a / torch.where(act, rad, 1.0), 1.0)
+            sn = torch.where(act, b / torch.where(act, rad, 1.0), 0.0)
+            rj, rk = r[:, :, j].clone(), r[:, :, j + 1]
+            r[:, :, j] = cs[:, None] * rj + sn[:, None] * rk
+            r[:, :, j + 1] = cs[:, None] * rk - sn[:, None] * rj
+            wj, wk = w[:, j].clone(), w[:, j + 1]
+            w[:, j] = cs[:, None] * wj + sn[:, None] * wk
+            w[:, j + 1] = cs[:, None] * wk - sn[:, None] * wj
+            hj, hk = h[:, j].clone(), h[:, j + 1]
+            h[:, j] = cs * hj + sn * hk
+            h[:, j + 1] = cs * hk - sn * hj
+        rows, last = torch.arange(n), cnt - 1
+        self.off[sel] += w[rows, last] ** 2
+        w[rows, last], h[rows, last] = 0.0, 0.0
+        vf = (torch.arange(m)[None, :] < last[:, None]).to(r.dtype)
+        chol = torch.nn.functional.pad(r[:, :, : m - 1], (0, 1, 0, 1))
+        mask = vf[:, :, None] * vf[:, None, :]
+        self.chol[slot, :m, :m] = chol * mask + torch.diag_embed(1.0 - vf)
+        self.w[slot, :m], self.h[sel, :m] = w, h
+        order = torch.nn.functional.pad(self.order[sel, :m].gather(1, src), (0, 1))
+        self.order[sel, :m] = torch.where(vf > 0, order, 0)
+        self.count[sel] = last
+
+    def _refactor(self, sel: Tensor, passive: Tensor) -> None:
+        """:meth:`remove` by a fresh factorisation of the passive blocks."""
+        top = int(self.count[sel].max())  # the rows in use before: cleared past m
+        before = self.order[sel, :top]
+        valid = (torch.arange(top)[None, :] < self.count[sel, None]) & passive.gather(1, before)
+        count = valid.sum(dim=1)
+        m = int(count.max())
+        first = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)[:, :m]
+        order = before.gather(1, first)  # the kept indices, in their order
+        vf = (torch.arange(m)[None, :] < count[:, None]).to(self.q.dtype)
+        mask = vf[:, :, None] * vf[:, None, :]
+        eye = torch.diag_embed(1.0 - vf)
+        block = self.q[order].gather(2, order[:, None, :].expand(-1, m, m))
+        chol = torch.linalg.cholesky_ex(block * mask + eye)[0] * mask + eye
+        w = torch.linalg.solve_triangular(chol, self.q[order] * vf[:, :, None], upper=False)
+        h = torch.linalg.solve_triangular(
+            chol, (self.rhs[sel].gather(1, order) * vf)[..., None], upper=False)[..., 0]
+        slot = self.slot[sel]
+        self.chol[slot, :top, :top] = torch.nn.functional.pad(chol, (0, top - m, 0, top - m))
+        if top > m:
+            self.chol[slot, m:top, m:top] = torch.eye(top - m, dtype=self.q.dtype)
+        self.w[slot, :top] = torch.nn.functional.pad(w, (0, 0, 0, top - m))
+        self.h[sel, :top] = torch.nn.functional.pad(h, (0, top - m))
+        self.order[sel, :top] = torch.nn.functional.pad(order * vf.long(), (0, top - m))
+        self.count[sel] = count
+        self.off[sel] = self.diag - (w * w).sum(dim=1)

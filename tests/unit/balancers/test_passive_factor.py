@@ -1,0 +1,140 @@
+"""The passive factors of the batched active set, updated per addition and removal, against
+their definitions and a least-squares projection (K ≤ 40).
+
+After a random sequence of additions (each index independent of the passive ones) and
+removals (refactorised, or deleted by Givens rotations), every problem's stored ``C``, ``W``
+and ``h`` must satisfy their definitions on its own passive set (``C Cᵀ = Q_PP``,
+``C W = Q_P:``, ``C h = rhs_P``), the off-span distances must equal those of ``numpy``'s
+least squares on the rows themselves (``Q = G Gᵀ / tr``: the squared residual of each row
+against the passive ones, to ``eps κ(Q_PP)``: a Gramian fixes no more), and :meth:`solve`
+and :meth:`try_add` must solve their systems (residuals recomputed in float64). Inputs: the
+kinds of rows of the many-task check (``support.many_kinds``: rank-deficient, near
+duplicates, wide norms, …).
+The batched active set run in chunks (as at K = 1,024) against scipy's NNLS on the rows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor
+
+from gradbalance.balancers import _active_set, _passive_factor
+from gradbalance.balancers._active_set import SCHUR_RTOL_PER_ROW
+from gradbalance.balancers._passive_factor import PassiveFactor
+from gradbalance.balancers._solvers import trace_normalized
+from support.balancers import nnls_dual_cone
+from support.many_kinds import KIND_NAMES, assert_same_update, kind_rows
+
+F64 = torch.float64
+CASES = st.tuples(st.integers(3, 40), st.sampled_from(KIND_NAMES), st.integers(0, 2**16))
+
+
+def _run(q: Tensor, rhs: Tensor, gen: torch.Generator, steps: int,
+         factor: Tensor) -> PassiveFactor:
+    """Random additions of independent indices, and every third step a random removal."""
+    f = PassiveFactor(q, rhs)
+    b, k = rhs.shape
+    passive = torch.zeros(b, k, dtype=torch.bool)
+    rows = torch.arange(b)
+    min_schur = SCHUR_RTOL_PER_ROW * k * q.diagonal()
+    for step in range(steps):
+        score = torch.rand(b, k, generator=gen, dtype=F64)
+        indep = ~passive & (f.off > 100 * min_schur)
+        if step % 3 == 2 and bool(passive.any(dim=1).all()):
+            drop = torch.where(passive, score, -1.0).argmax(dim=1)
+            passive[rows, drop] = False
+            f.remove(rows, passive.clone())
+            continue
+        if not bool(indep.any(dim=1).all()):
+            break
+        t = torch.where(indep, score, -1.0).argmax(dim=1)
+        z, root, h_t = f.try_add(t, min_schur[t])
+        assert bool(torch.isfinite(z).all())
+        full = passive.clone()
+        full[rows, t] = True
+        _assert_solves(q, rhs, full, z)
+        f.add(rows, t, root, h_t)
+        passive = full
+    _assert_solves(q, rhs, passive, f.solve(rows))
+    _assert_factors(q, rhs, f, passive, factor)
+    return f
+
+
+def _assert_solves(q: Tensor, rhs: Tensor, passive: Tensor, z: Tensor) -> None:
+    """``z`` zero off ``P`` and ``Q_PP z_P = rhs_P`` relative to ``|Q_PP||z_P| + |rhs_P|``."""
+    assert bool((z[~passive] == 0).all())
+    for i in range(rhs.shape[0]):
+        p = torch.nonzero(passive[i]).flatten()
+        res = q[p][:, p] @ z[i, p] - rhs[i, p]
+        scale = q[p][:, p].abs() @ z[i, p].abs() + rhs[i, p].abs() + 1e-300
+        assert float((res.abs() / scale).max()) <= 1e-7
+
+
+def _assert_product(a: Tensor, b: Tensor, target: Tensor) -> None:
+    """``A B = target`` relative to ``‖Aᵢ‖₁ max|B_:ⱼ|`` (normwise, to 1e-9: the rotations mix
+    the rows of ``B``, which before a deletion may be ``1e4`` times larger)."""
+    scale = a.abs().sum(dim=1, keepdim=True) * b.abs().amax(dim=0, keepdim=True) + 1e-300
+    assert float(((a @ b - target).abs() / scale).max()) <= 1e-9
+
+
+def _assert_factors(q: Tensor, rhs: Tensor, f: PassiveFactor, passive: Tensor,
+                    factor: Tensor) -> None:
+    """The definitions on each passive set; ``factor`` ``[K, P]`` the rows, ``Q = FFᵀ``."""
+    import numpy as np
+
+    rows_np = factor.numpy()
+    for i in range(rhs.shape[0]):
+        m = int(f.count[i])
+        order = f.order[i, :m]
+        assert sorted(order.tolist()) == torch.nonzero(passive[i]).flatten().tolist()
+        c, w, h = f.chol[i, :m, :m], f.w[i, :m], f.h[i, :m]
+        _assert_product(c, c.T, q[order][:, order])
+        _assert_product(c, w, q[order])
+        _assert_product(c, h[:, None], rhs[i, order][:, None])
+        assert bool((f.w[i, m:] == 0).all()) and bool((f.h[i, m:] == 0).all())
+        basis = rows_np[order.numpy()].T  # [P, m]: the passive rows
+        coef = np.linalg.lstsq(basis, rows_np.T, rcond=None)[0]
+        off = ((rows_np.T - basis @ coef) ** 2).sum(axis=0)
+        # a Gramian fixes sⱼ to about eps κ(Q_PP) Qⱼⱼ (near-duplicate passive rows)
+        bound = 64 * np.finfo(float).eps * np.linalg.cond(q[order][:, order].numpy()) + 1e-12
+        assert np.allclose(f.off[i].numpy(), off, rtol=1e-6, atol=bound * float(q.max()))
+
+
+@settings(max_examples=30, deadline=None)
+@given(CASES, st.booleans())
+def test_updated_factors_match_their_definitions(case: tuple[int, str, int],
+                                                 rotate: bool) -> None:
+    """Removals by Givens rotations (``rotate``: ``DOWNDATE_MIN_SIZE`` 0) or refactorised."""
+    k, kind, seed = case
+    g = kind_rows(kind, k, 2 * k + 3, seed)
+    g = g[g.norm(dim=1) > 0]
+    if g.shape[0] < 2:
+        return
+    q, trace = trace_normalized(g @ g.T)
+    gen = torch.Generator().manual_seed(seed)
+    rhs = torch.randn(4, g.shape[0], generator=gen, dtype=F64)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_passive_factor, "DOWNDATE_MIN_SIZE", 0 if rotate else 10**9)
+        _run(q, rhs, gen, min(12, g.shape[0]), g / trace.sqrt())
+
+
+@settings(max_examples=4, deadline=None)
+@given(st.integers(17, 32), st.sampled_from(["rank8", "mixed", "near_duplicates"]),
+       st.integers(0, 2**16))
+def test_active_set_in_chunks_matches_scipy(k: int, kind: str, seed: int) -> None:
+    """Problems solved in chunks of 8 (``FACTOR_MAX_ENTRIES`` lowered): every projection the
+    update of scipy's NNLS on the rows (cosine ≥ 0.999999, norm within 1e-6 relative)."""
+    g = kind_rows(kind, k, 2 * k + 3, seed)
+    g = g[g.norm(dim=1) > 0]
+    gram, trace = trace_normalized(g @ g.T)
+    u = torch.diag(torch.rand(g.shape[0], generator=torch.Generator().manual_seed(seed),
+                              dtype=F64))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_active_set, "FACTOR_MAX_ENTRIES", 8 * g.shape[0] ** 2)
+        v, done = _active_set.box_active_set(gram, u, 1e-12, 3 * g.shape[0] + 10)
+    assert bool(done.all()) and bool((v >= u).all())
+    for i in sorted({0, g.shape[0] // 2, g.shape[0] - 1}):
+        assert_same_update(v[i] @ g, nnls_dual_cone(g / trace.sqrt(), u[i]) * trace.sqrt(), g)
