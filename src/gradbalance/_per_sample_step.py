@@ -146,11 +146,14 @@ def _mean_over_ranks(step: PerSampleStep, trunk: list[Tensor | None], finite: bo
     not finite. A step all ranks skip (``finite`` False, agreed) is not reduced."""
     heads = list(step.heads)
     if group is not None and finite:
-        trunk = [torch.zeros_like(p) if g is None else g for p, g in zip(step.shared, trunk)]
-        heads = [torch.zeros_like(p) if h is None else h
-                 for p, h in zip(step.head_params, heads)]
+        trunk, heads = _zeros_for_none(step.shared, trunk), _zeros_for_none(step.head_params,
+                                                                             heads)
         all_reduce_mean_([g for g in [*trunk, *heads] if g is not None], group)
     if finite:
         checks = [torch.isfinite(g).all() for g in trunk if g is not None]
         finite = not checks or bool(torch.stack(checks).all())
     return trunk, heads, finite
+
+
+def _zeros_for_none(params: list[Tensor], grads: list[Tensor | None]) -> list[Tensor | None]:
+    return [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
