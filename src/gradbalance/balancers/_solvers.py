@@ -48,8 +48,12 @@ __all__ = ["SolverError"]
 
 #: Optimality tolerance of the active-set QP (on a trace-normalised Gramian).
 QP_TOL = 1e-12
-#: Steps without progress after which :func:`fair_newton` stops (:class:`_Stall`).
+#: Steps without progress after which :func:`fair_newton` stops (:class:`_Stall`), and the
+#: :func:`cancellation` at which a combination counts as vanishing: below what a float64
+#: Gramian resolves (its entries carry a relative rounding of about ``P eps``; float32 rows
+#: leave about ``1e-7``).
 STALL_STEPS = 3
+CANCEL_FLOOR = 1e-12
 
 
 class SolverError(RuntimeError):
@@ -381,7 +385,7 @@ class _Bracket:
                 s_prev, psi_prev = self.above
                 sec = s_hi - self.psi_hi * (s_hi - s_prev) / (self.psi_hi - psi_prev)
                 nxt = sec if 0.0 < sec < nxt else nxt
-            return max(math.sqrt(nxt), floor)
+            return max(math.sqrt(max(nxt, 0.0)), floor)
         if bisect:
             middle: float = (lo * hi) ** 0.5  # bisection in log ρ
             return middle
@@ -538,8 +542,9 @@ def _fair_without_zero_rows(gram: Tensor, p: float, w0: Tensor | None, active: T
 class _Stall:
     """:func:`fair_newton`'s test for a solve going nowhere: the residual has stayed above 0.5
     and not fallen below 0.9 of its best for ``STALL_STEPS`` steps, and over those steps ``f``
-    did not fall beyond rounding (``1e-15 (1 + |f|)``), or the iterate's rows cancel to the
-    Gramian's rounding (:func:`cancellation` reads ``≤ 0``; its true value is positive).
+    did not fall beyond rounding (``1e-15 (1 + |f|)``), or the iterate's rows cancel to
+    float64's resolution of the Gramian (:func:`cancellation` at most ``CANCEL_FLOOR``; it
+    reads ``≤ 0`` at float32's).
 
     Where no solution exists, ``w`` grows along the vanishing combination (each damped step
     doubles that part for ``p = 1``) and its cancellation falls geometrically until it meets
@@ -560,7 +565,7 @@ class _Stall:
         if len(self.values) <= STALL_STEPS or self.best <= 0.5:
             return False
         level = self.values[-1 - STALL_STEPS] - value <= 1e-15 * (1.0 + abs(value))
-        return level or cancel <= 0.0
+        return level or cancel <= CANCEL_FLOOR
 
 
 def fair_newton(gram: Tensor, p: float, w0: Tensor | None = None, tol: float = 1e-10,
