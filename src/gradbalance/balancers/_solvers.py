@@ -54,6 +54,9 @@ QP_TOL = 1e-12
 #: leave about ``1e-7``).
 STALL_STEPS = 3
 CANCEL_FLOOR = 1e-12
+#: Steps of :func:`cagrad_dual`'s root search towards a lower end by its model of
+#: ``‖g_{w(ρ)}‖`` before it falls by a factor 100 a step.
+DESCENT_MODEL_STEPS = 4
 
 
 class SolverError(RuntimeError):
@@ -355,6 +358,7 @@ class _Bracket:
     psi_lo: float = 0.0
     psi_hi: float = 0.0
     above: tuple[float, float] | None = None  # the upper end before ``hi``: ``(s, ψ)``
+    descent: int = 0
 
     def bisect_due(self) -> bool:
         """Whether ``log(hi/lo)`` has not halved over the two steps before."""
@@ -375,18 +379,25 @@ class _Bracket:
         """The next ``ρ`` without a support root. No lower end yet: the secant in ``s``
         through the last two upper ends where it lands below ``‖g_{w(hi)}‖²``, else that
         value (``ρ ← ‖g_{w(ρ)}‖`` stays at or above the root: ``‖g_w‖`` grows with ``ρ``),
-        never below ``floor``. With a bracket: a bisection in ``log ρ`` when due, else an
-        Illinois regula falsi step in ``s``."""
+        never below ``floor`` nor a hundredth of ``ρ``; after ``DESCENT_MODEL_STEPS`` such
+        steps, a hundredth of ``ρ``. With a bracket: a bisection in
+        ``log ρ`` when due or while ``hi > 4 lo``, else an Illinois regula falsi step in
+        ``s``."""
         lo, hi = self.lo, self.hi
         if lo == 0.0:
+            self.descent += 1
+            if self.descent > DESCENT_MODEL_STEPS:
+                return max(0.01 * rho, floor)
             s_hi = hi * hi
             nxt = s_hi + self.psi_hi  # ‖g_{w(hi)}‖²
             if self.above is not None and self.psi_hi != self.above[1]:
                 s_prev, psi_prev = self.above
                 sec = s_hi - self.psi_hi * (s_hi - s_prev) / (self.psi_hi - psi_prev)
                 nxt = sec if 0.0 < sec < nxt else nxt
-            return max(math.sqrt(max(nxt, 0.0)), floor)
-        if bisect:
+            # At most a factor 100 in ρ per step: each QP stays well scaled (f(ρ) needs
+            # ‖g_w‖² to a precision of ρ²), and a root at a kink is not overshot by decades.
+            return max(math.sqrt(max(nxt, 1e-4 * s_hi)), floor)
+        if bisect or hi > 4.0 * lo:
             middle: float = (lo * hi) ** 0.5  # bisection in log ρ
             return middle
         s_lo, s_hi = lo * lo, hi * hi
@@ -440,8 +451,9 @@ def _cagrad_root(gram: Tensor, lin: Tensor, r: float, hi: float,
     ``ρ``'s objective too, so it stays optimal as ``ρ → 0``, where the root then lies (e.g. a
     zero task gradient), and it is returned.
 
-    Bounded: the descent to a lower bracket takes at most 6 steps (factor 100 down to
-    ``1e-12 hi``); after it, a step bisects ``log ρ`` whenever ``log(hi/lo)`` has not halved
+    Bounded: the descent to a lower bracket takes at most ``DESCENT_MODEL_STEPS`` steps of
+    the model, then 6 of a factor 100 (down to ``1e-12 hi``); after it, a step bisects
+    ``log ρ`` while ``hi > 4 lo`` and whenever ``log(hi/lo)`` has not halved
     over the two steps before, so it halves at least every third step, and it falls from
     ``ln 10¹²`` to ``tol`` within ``3 log₂(27.6/tol) ≤ 135`` steps for ``tol = 1e-12``. The
     default ``max_iter = 200`` is not reached; with a smaller one the last point is returned.

@@ -22,8 +22,7 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from gradbalance import SolverError
-from gradbalance.balancers import FairGrad, NashMTL
-from gradbalance.balancers import _solvers
+from gradbalance.balancers import FairGrad, NashMTL, _solvers
 
 F64 = torch.float64
 
