@@ -41,7 +41,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ._boxqp import factored_box_qp, is_well_conditioned, psd_factor, solve_box_qp_batched
+from ._boxqp import (
+    CHOLESKY_MAX_COND,
+    factored_box_qp,
+    is_well_conditioned,
+    psd_factor,
+    solve_box_qp_batched,
+)
 from ._cone import scaled_projection
 
 __all__ = ["SolverError"]
@@ -70,7 +76,7 @@ class SolverError(RuntimeError):
         ...     NashMTL()(torch.tensor([[1.0, 0.0], [-1.0, 0.0]], dtype=torch.float64))
         ... except SolverError as err:
         ...     print(str(err).split(";")[0])
-        Nash-MTL bargaining solve did not converge in 100 Newton steps (K=2)
+        Nash-MTL bargaining solve did not converge (K=2, residual ...)
     """
 
 
@@ -320,21 +326,35 @@ def cagrad_dual(gram: Tensor, c: float, tol: float = 1e-12, max_iter: int = 200)
 def _cagrad_qp(gram: Tensor, lin: Tensor, r: float,
                tol: float) -> Callable[[float, Tensor | None], Tensor]:
     """``(ρ, x0) ↦ argmin_{w∈Δ} ½ (r/ρ) wᵀGw + wᵀlin`` from ``x0`` (if any): the QPs of
-    :func:`cagrad_dual`'s root search. A badly conditioned ``G`` is factored once,
-    ``G ≈ LLᵀ`` with ``lin = L h`` (:func:`~._boxqp.psd_factor`), and each QP solved on
-    ``√(r/ρ) L`` with ``h/√(r/ρ)`` (:func:`~._boxqp.factored_box_qp`), the path
+    :func:`cagrad_dual`'s root search. A badly conditioned ``G`` (:func:`_surely_ill`, else
+    :func:`~._boxqp.is_well_conditioned`) is factored once, ``G ≈ LLᵀ``
+    (:func:`~._boxqp.psd_factor`), with ``lin = G1/K ≈ L h``, ``h = Lᵀ1/K``, and each QP
+    solved on ``√(r/ρ) L`` with ``h/√(r/ρ)`` (:func:`~._boxqp.factored_box_qp`), the path
     :func:`solve_box_qp` takes for it, without a decomposition per point."""
     zeros = torch.zeros(gram.shape[0], dtype=torch.float64)
-    if is_well_conditioned(gram):
+    if not _surely_ill(gram) and is_well_conditioned(gram):
         return lambda rho, x0: solve_box_qp(gram * (r / rho), lin, zeros, simplex=True, x0=x0,
                                             tol=tol, well_conditioned=True)
     factor = psd_factor(gram)
-    coords = torch.linalg.lstsq(factor, lin[:, None], driver="gelsd").solution[:, 0]
+    coords = factor.T.mean(dim=1)
 
     def solve(rho: float, x0: Tensor | None) -> Tensor:
         root = (r / rho) ** 0.5
         return factored_box_qp(factor * root, lin, zeros, True, x0, tol, coords / root)
     return solve
+
+
+def _surely_ill(gram: Tensor) -> bool:
+    """Whether ``G`` is certainly not :func:`~._boxqp.is_well_conditioned` (condition number
+    at least ``1e10``), from a Cholesky factorisation (``K³/3`` against an eigenvalue
+    decomposition): it fails (not positive definite in float64), or its pivots ``Lᵢᵢ²`` span
+    more than ``10 · 1e10``; ``λ_min ≤ min Lᵢᵢ² ≤ max Lᵢᵢ² ≤ λ_max`` (each pivot is
+    ``1/((G_{:i,:i})⁻¹)ᵢᵢ ≥ λ_min`` and at most ``Gᵢᵢ``), the factor 10 for rounding."""
+    chol, info = torch.linalg.cholesky_ex(gram)
+    if int(info) != 0:
+        return True
+    pivots = torch.diagonal(chol).square()
+    return bool(pivots.max() > 10.0 * CHOLESKY_MAX_COND * pivots.min())
 
 
 @dataclass
@@ -627,8 +647,8 @@ def nash_bargaining(
     alpha, residual = fair_newton(gram, 1.0, alpha0, tol, max_iter)
     if not residual <= tol:
         raise SolverError(
-            f"Nash-MTL bargaining solve did not converge in {max_iter} Newton steps "
-            f"(K={gram.shape[0]}); a non-negative combination of the task gradients is "
-            f"(nearly) zero, so G α = 1/α has no solution"
+            f"Nash-MTL bargaining solve did not converge (K={gram.shape[0]}, residual "
+            f"{residual:.1e} after at most {max_iter} Newton steps); a non-negative "
+            f"combination of the task gradients is (nearly) zero, so G α = 1/α has no solution"
         )
     return alpha
