@@ -9,7 +9,7 @@ from torch import Tensor
 
 from .._checks import check_int, check_range
 from ._base import Balancer
-from ._solvers import fair_newton
+from ._solvers import cancellation, fair_newton
 
 __all__ = ["FairGrad", "fairgrad_weights"]
 
@@ -23,7 +23,11 @@ def fairgrad_weights(gramian: Tensor, alpha: float = 1.0, max_iter: int = 100,
     proportional fairness (Nash-MTL's bargaining solution), ``α → ∞`` max-min fairness.
 
     Solved by the damped Newton shared with Nash-MTL (``fair_newton``, ``p = 1/α``) on
-    ``G Gᵀ`` normalised by its trace. A zero row gets weight 0.
+    ``G Gᵀ`` normalised by its trace. A zero row gets weight 0. No solution exists where a
+    non-negative combination of the non-zero rows vanishes (0 in their convex hull): no ``g``
+    improves every task, the utility has no maximiser; Newton stops within a few steps of its
+    iterate ceasing to progress and a ``RuntimeWarning`` gives the residual and how far the
+    weights' combination cancels; the weights are that iterate, finite and approximate.
 
     Example:
         >>> import torch
@@ -38,13 +42,15 @@ def fairgrad_weights(gramian: Tensor, alpha: float = 1.0, max_iter: int = 100,
     trace = float(torch.diagonal(a).sum())
     if not trace > 0.0:
         return torch.zeros(k, dtype=torch.float64, device=a.device)
-    w, residual = fair_newton(a / trace, 1.0 / alpha, None, tol, max_iter)
+    unit = a / trace
+    w, residual = fair_newton(unit, 1.0 / alpha, None, tol, max_iter)
     if not residual <= 1e-6:
+        ratio = max(cancellation(unit, w), 0.0) ** 0.5
         warnings.warn(
             f"FairGrad's solver stopped at relative residual {residual:.2e} (max_iter="
             f"{max_iter}); the weights are approximate: no exact solution exists when a "
-            f"non-negative combination of the task gradients (nearly) vanishes, else raise "
-            f"max_iter",
+            f"non-negative combination of the task gradients (nearly) vanishes, 0 in their "
+            f"convex hull (here ‖Σ wₖgₖ‖ = {ratio:.1e} Σ wₖ‖gₖ‖), else raise max_iter",
             RuntimeWarning,
             stacklevel=3,
         )

@@ -96,15 +96,15 @@ class NashMTL(Balancer):
 
     def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         k = gramian.shape[0]
-        if self.num_tasks is None:
-            self.num_tasks = k  # the warm start is per task: K is fixed from now on
         warm = self.alpha if self.alpha is not None and self.alpha.numel() == k else None
         unit, trace = trace_normalized(gramian)
         if warm is not None and int(self.step) % self.update_weights_every != 0:
             alpha_unit = warm
         else:
-            alpha_unit = nash_bargaining(unit, warm)
+            alpha_unit = nash_bargaining(unit, warm)  # SolverError: nothing has moved
         w = alpha_unit * _factor(unit, trace, self.normalization)
+        if self.num_tasks is None:
+            self.num_tasks = k  # the warm start is per task: K is fixed from now on
         self.alpha = alpha_unit.clone()
         self.step = self.step + 1
         return w.to(gramian.device)

@@ -36,18 +36,33 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from ._boxqp import factored_box_qp, is_well_conditioned, psd_factor, solve_box_qp_batched
+from ._boxqp import (
+    CHOLESKY_MAX_COND,
+    factored_box_qp,
+    is_well_conditioned,
+    psd_factor,
+    solve_box_qp_batched,
+)
 from ._cone import scaled_projection
 
 __all__ = ["SolverError"]
 
 #: Optimality tolerance of the active-set QP (on a trace-normalised Gramian).
 QP_TOL = 1e-12
+#: Steps without progress after which :func:`fair_newton` stops (:class:`_Stall`), and the
+#: :func:`cancellation` at which a combination counts as vanishing: below what a float64
+#: Gramian resolves (its entries carry a relative rounding of about ``P eps``; float32 rows
+#: leave about ``1e-7``).
+STALL_STEPS = 3
+CANCEL_FLOOR = 1e-12
+#: Steps of :func:`cagrad_dual`'s root search towards a lower end by its model of
+#: ``‖g_{w(ρ)}‖`` before it falls by a factor 100 a step.
+DESCENT_MODEL_STEPS = 4
 
 
 class SolverError(RuntimeError):
@@ -61,7 +76,7 @@ class SolverError(RuntimeError):
         ...     NashMTL()(torch.tensor([[1.0, 0.0], [-1.0, 0.0]], dtype=torch.float64))
         ... except SolverError as err:
         ...     print(str(err).split(";")[0])
-        Nash-MTL bargaining solve did not converge in 100 Newton steps (K=2)
+        Nash-MTL bargaining solve did not converge (K=2, residual ...)
     """
 
 
@@ -311,16 +326,17 @@ def cagrad_dual(gram: Tensor, c: float, tol: float = 1e-12, max_iter: int = 200)
 def _cagrad_qp(gram: Tensor, lin: Tensor, r: float,
                tol: float) -> Callable[[float, Tensor | None], Tensor]:
     """``(ρ, x0) ↦ argmin_{w∈Δ} ½ (r/ρ) wᵀGw + wᵀlin`` from ``x0`` (if any): the QPs of
-    :func:`cagrad_dual`'s root search. A badly conditioned ``G`` is factored once,
-    ``G ≈ LLᵀ`` with ``lin = L h`` (:func:`~._boxqp.psd_factor`), and each QP solved on
-    ``√(r/ρ) L`` with ``h/√(r/ρ)`` (:func:`~._boxqp.factored_box_qp`), the path
+    :func:`cagrad_dual`'s root search. A badly conditioned ``G`` (:func:`_surely_ill`, else
+    :func:`~._boxqp.is_well_conditioned`) is factored once, ``G ≈ LLᵀ``
+    (:func:`~._boxqp.psd_factor`), with ``lin = G1/K ≈ L h``, ``h = Lᵀ1/K``, and each QP
+    solved on ``√(r/ρ) L`` with ``h/√(r/ρ)`` (:func:`~._boxqp.factored_box_qp`), the path
     :func:`solve_box_qp` takes for it, without a decomposition per point."""
     zeros = torch.zeros(gram.shape[0], dtype=torch.float64)
-    if is_well_conditioned(gram):
+    if not _surely_ill(gram) and is_well_conditioned(gram):
         return lambda rho, x0: solve_box_qp(gram * (r / rho), lin, zeros, simplex=True, x0=x0,
                                             tol=tol, well_conditioned=True)
     factor = psd_factor(gram)
-    coords = torch.linalg.lstsq(factor, lin[:, None], driver="gelsd").solution[:, 0]
+    coords = factor.T.mean(dim=1)
 
     def solve(rho: float, x0: Tensor | None) -> Tensor:
         root = (r / rho) ** 0.5
@@ -328,11 +344,29 @@ def _cagrad_qp(gram: Tensor, lin: Tensor, r: float,
     return solve
 
 
+def _surely_ill(gram: Tensor) -> bool:
+    """Whether ``G`` is certainly not :func:`~._boxqp.is_well_conditioned` (condition number
+    at least ``1e10``), from a Cholesky factorisation (``K³/3`` against an eigenvalue
+    decomposition): it fails (not positive definite in float64), or its pivots ``Lᵢᵢ²`` span
+    more than ``10 · 1e10``; ``λ_min ≤ min Lᵢᵢ² ≤ max Lᵢᵢ² ≤ λ_max`` (each pivot is
+    ``1/((G_{:i,:i})⁻¹)ᵢᵢ ≥ λ_min`` and at most ``Gᵢᵢ``), the factor 10 for rounding."""
+    chol, info = torch.linalg.cholesky_ex(gram)
+    if int(info) != 0:
+        return True
+    pivots = torch.diagonal(chol).square()
+    return bool(pivots.max() > 10.0 * CHOLESKY_MAX_COND * pivots.min())
+
+
 @dataclass
 class _Bracket:
     """The state of :func:`_cagrad_root`'s search: ``f`` at the bracket ends ``lo < hi``
     (``lo = 0``: no lower end yet), the side of the last step (Illinois), and ``log(hi/lo)``
-    when it last halved with the steps since."""
+    when it last halved with the steps since.
+
+    The steps work in ``s = ρ²`` on ``ψ(s) = ‖g_{w(ρ)}‖² − ρ² = −ρ² f(ρ)``: on a fixed support
+    ``‖g_{w(ρ)}‖² = A + Cρ²`` (:func:`_support_root`), so ``ψ`` is piecewise linear in ``s``,
+    decreasing, and a secant through two points of one piece lands on the root exactly, also
+    where ``G_FF`` is singular and the support root is not available (near duplicates)."""
 
     lo: float
     f_lo: float
@@ -341,6 +375,10 @@ class _Bracket:
     side: int = 0
     mark: float = math.inf
     stale: int = 0
+    psi_lo: float = 0.0
+    psi_hi: float = 0.0
+    above: tuple[float, float] | None = None  # the upper end before ``hi``: ``(s, ψ)``
+    descent: int = 0
 
     def bisect_due(self) -> bool:
         """Whether ``log(hi/lo)`` has not halved over the two steps before."""
@@ -358,18 +396,33 @@ class _Bracket:
         return self.lo < rho < self.hi
 
     def fallback(self, rho: float, floor: float, bisect: bool) -> float:
-        """The next ``ρ`` without a support root: a fast descent to a lower end, else a
-        bisection in ``log ρ`` or an Illinois regula falsi step."""
+        """The next ``ρ`` without a support root. No lower end yet: the secant in ``s``
+        through the last two upper ends where it lands below ``‖g_{w(hi)}‖²``, else that
+        value (``ρ ← ‖g_{w(ρ)}‖`` stays at or above the root: ``‖g_w‖`` grows with ``ρ``),
+        never below ``floor`` nor a hundredth of ``ρ``; after ``DESCENT_MODEL_STEPS`` such
+        steps, a hundredth of ``ρ``. With a bracket: a bisection in
+        ``log ρ`` when due or while ``hi > 4 lo``, else an Illinois regula falsi step in
+        ``s``."""
         lo, hi = self.lo, self.hi
         if lo == 0.0:
-            # No lower bracket yet: descend fast, but keep each QP well scaled (f(ρ) needs
-            # ‖g_w‖² to a precision of ρ²).
-            return max(0.01 * rho, floor)
+            self.descent += 1
+            if self.descent > DESCENT_MODEL_STEPS:
+                return max(0.01 * rho, floor)
+            s_hi = hi * hi
+            nxt = s_hi + self.psi_hi  # ‖g_{w(hi)}‖²
+            if self.above is not None and self.psi_hi != self.above[1]:
+                s_prev, psi_prev = self.above
+                sec = s_hi - self.psi_hi * (s_hi - s_prev) / (self.psi_hi - psi_prev)
+                nxt = sec if 0.0 < sec < nxt else nxt
+            # At most a factor 100 in ρ per step: each QP stays well scaled (f(ρ) needs
+            # ‖g_w‖² to a precision of ρ²), and a root at a kink is not overshot by decades.
+            return max(math.sqrt(max(nxt, 1e-4 * s_hi)), floor)
         if bisect or hi > 4.0 * lo:
             middle: float = (lo * hi) ** 0.5  # bisection in log ρ
             return middle
-        nxt = (lo * self.f_hi - hi * self.f_lo) / (self.f_hi - self.f_lo)
-        return nxt if lo < nxt < hi else 0.5 * (lo + hi)
+        s_lo, s_hi = lo * lo, hi * hi
+        nxt = s_lo - self.psi_lo * (s_hi - s_lo) / (self.psi_hi - self.psi_lo)
+        return math.sqrt(nxt if s_lo < nxt < s_hi else 0.5 * (s_lo + s_hi))
 
     def converged(self, f_mid: float, tol: float) -> bool:
         """``f`` flags a zero-norm combination (NaN), is within ``tol`` of 0, or the bracket
@@ -378,17 +431,20 @@ class _Bracket:
         return f_mid != f_mid or abs(f_mid) <= tol or (lo > 0.0 and (hi - lo) <= tol * hi)
 
     def narrow(self, rho: float, f_mid: float) -> None:
-        """``ρ`` replaces the end of its sign; the other end's ``f`` halves (Illinois) when
+        """``ρ`` replaces the end of its sign; the other end's ``ψ`` halves (Illinois) when
         the same end moved twice in a row."""
+        psi = -rho * rho * f_mid
         if f_mid < 0.0:
-            self.lo, self.f_lo = rho, f_mid
+            self.lo, self.f_lo, self.psi_lo = rho, f_mid, psi
             if self.side == -1:
-                self.f_hi *= 0.5
+                self.psi_hi *= 0.5
             self.side = -1
         else:
-            self.hi, self.f_hi = rho, f_mid
+            if self.lo == 0.0:
+                self.above = (self.hi * self.hi, self.psi_hi)
+            self.hi, self.f_hi, self.psi_hi = rho, f_mid, psi
             if self.side == 1 and self.lo > 0.0:
-                self.f_lo *= 0.5
+                self.psi_lo *= 0.5
             self.side = 1
 
 
@@ -415,8 +471,9 @@ def _cagrad_root(gram: Tensor, lin: Tensor, r: float, hi: float,
     ``ρ``'s objective too, so it stays optimal as ``ρ → 0``, where the root then lies (e.g. a
     zero task gradient), and it is returned.
 
-    Bounded: the descent to a lower bracket takes at most 6 steps (factor 100 down to
-    ``1e-12 hi``); after it, a step bisects ``log ρ`` whenever ``log(hi/lo)`` has not halved
+    Bounded: the descent to a lower bracket takes at most ``DESCENT_MODEL_STEPS`` steps of
+    the model, then 6 of a factor 100 (down to ``1e-12 hi``); after it, a step bisects
+    ``log ρ`` while ``hi > 4 lo`` and whenever ``log(hi/lo)`` has not halved
     over the two steps before, so it halves at least every third step, and it falls from
     ``ln 10¹²`` to ``tol`` within ``3 log₂(27.6/tol) ≤ 135`` steps for ``tol = 1e-12``. The
     default ``max_iter = 200`` is not reached; with a smaller one the last point is returned.
@@ -425,7 +482,8 @@ def _cagrad_root(gram: Tensor, lin: Tensor, r: float, hi: float,
     f_hi, w_hi = f(hi)
     if f_hi != f_hi or f_hi <= 0.0:
         return w_hi
-    bracket = _Bracket(0.0, -math.inf, hi, f_hi)  # φ' < 0 near ρ = 0 unless g_w* = 0
+    # φ' < 0 near ρ = 0 unless g_w* = 0
+    bracket = _Bracket(0.0, -math.inf, hi, f_hi, psi_hi=-hi * hi * f_hi)
     rho, w_mid = hi, w_hi
     for _ in range(max_iter):
         rho, optimum = _next_rho(gram, lin, r, bracket, rho, w_mid, floor, tol)
@@ -438,12 +496,23 @@ def _cagrad_root(gram: Tensor, lin: Tensor, r: float, hi: float,
     return w_mid
 
 
-def _fair_measures(gram: Tensor, w: Tensor, p: float) -> list[float]:
-    """``[f(w), residual, max w]`` in one host sync: the potential ``½ wᵀGw − Σ φ(wᵢ)``,
-    ``φ' = w^{-p}`` (``φ = log`` for ``p = 1``), and ``max |wᵢ^p (Gw)ᵢ − 1|``."""
+def _fair_measures(gram: Tensor, w: Tensor, p: float, norms: Tensor) -> list[float]:
+    """``[f(w), residual, max w, cancellation]`` in one host sync: the potential
+    ``½ wᵀGw − Σ φ(wᵢ)``, ``φ' = w^{-p}`` (``φ = log`` for ``p = 1``), ``max |wᵢ^p (Gw)ᵢ − 1|``
+    and :func:`cancellation` (``norms = diag(G)^{1/2}``)."""
     gw = gram @ w
+    quad = w @ gw
     phi = torch.log(w).sum() if p == 1.0 else (w.pow(1.0 - p) / (1.0 - p)).sum()
-    return torch.stack([0.5 * w @ gw - phi, (w.pow(p) * gw - 1.0).abs().max(), w.max()]).tolist()
+    return torch.stack([0.5 * quad - phi, (w.pow(p) * gw - 1.0).abs().max(), w.max(),
+                        quad / (w @ norms).square()]).tolist()
+
+
+def cancellation(gram: Tensor, w: Tensor) -> float:
+    """``‖Σ wᵢgᵢ‖² / (Σ wᵢ‖gᵢ‖)²`` of weights ``w ≥ 0`` (not all on zero rows) from the
+    Gramian: 1 for aligned rows, 0 where the combination vanishes, scale-free per row; a
+    Gramian of float32 rows resolves it to about ``1e-7`` (it can read slightly negative)."""
+    norms = torch.diagonal(gram).clamp_min(0.0).sqrt()
+    return float((w @ gram @ w) / (w @ norms).square())
 
 
 def _fair_start(gram: Tensor, p: float, w0: Tensor | None) -> Tensor:
@@ -461,8 +530,8 @@ def _fair_start(gram: Tensor, p: float, w0: Tensor | None) -> Tensor:
     return w
 
 
-def _fair_step(gram: Tensor, w: Tensor, p: float,
-               measures: list[float]) -> tuple[Tensor, list[float]] | None:
+def _fair_step(gram: Tensor, w: Tensor, p: float, measures: list[float],
+               norms: Tensor) -> tuple[Tensor, list[float]] | None:
     """One damped Newton step on ``f`` from ``w`` (gradient ``Gw − w^{-p}``, Hessian
     ``G + diag(p w^{-p-1})``), backtracking from the largest step that keeps ``w > 0`` (times
     0.99) until ``f`` decreases (Armijo) or the residual does: the new ``(w, [f, residual])``,
@@ -478,7 +547,7 @@ def _fair_step(gram: Tensor, w: Tensor, p: float,
     t = min(1.0, 0.99 * ratio_v) if bad == 0 else 0.0
     while t >= 1e-12:
         cand = w + t * step
-        cand_measures = _fair_measures(gram, cand, p)
+        cand_measures = _fair_measures(gram, cand, p, norms)
         # Near the optimum f changes by O(residual²), below float64 resolution of f, so
         # Armijo alone stalls there; a step that lowers the residual is accepted too.
         if cand_measures[0] <= value + 1e-4 * t * slope or cand_measures[1] < residual:
@@ -501,6 +570,36 @@ def _fair_without_zero_rows(gram: Tensor, p: float, w0: Tensor | None, active: T
     return w, residual
 
 
+@dataclass
+class _Stall:
+    """:func:`fair_newton`'s test for a solve going nowhere: the residual has stayed above 0.5
+    and not fallen below 0.9 of its best for ``STALL_STEPS`` steps, and over those steps ``f``
+    did not fall beyond rounding (``1e-15 (1 + |f|)``), or the iterate's rows cancel to
+    float64's resolution of the Gramian (:func:`cancellation` at most ``CANCEL_FLOOR``; it
+    reads ``≤ 0`` at float32's).
+
+    Where no solution exists, ``w`` grows along the vanishing combination (each damped step
+    doubles that part for ``p = 1``) and its cancellation falls geometrically until it meets
+    the Gramian's rounding (about ``1e-7`` for float32 rows); there Newton's steps stop
+    lowering ``f`` (a step is taken when it lowers the residual instead), and with ``p > 1``
+    ``f`` is bounded below and levels off. A solve that converges, even to a nearly cancelling
+    solution, lowers ``f`` on every step until the residual falls (quadratically near it)."""
+
+    best: float
+    values: list[float] = field(default_factory=list)
+
+    def diverging(self, measures: list[float]) -> bool:
+        """Whether to stop after a step to ``measures`` (of :func:`_fair_measures`)."""
+        value, cancel = measures[0], measures[3]
+        if measures[1] < 0.9 * self.best:
+            self.best, self.values = measures[1], []
+        self.values.append(value)
+        if len(self.values) <= STALL_STEPS or self.best <= 0.5:
+            return False
+        level = self.values[-1 - STALL_STEPS] - value <= 1e-15 * (1.0 + abs(value))
+        return level or cancel <= CANCEL_FLOOR
+
+
 def fair_newton(gram: Tensor, p: float, w0: Tensor | None = None, tol: float = 1e-10,
                 max_iter: int = 100) -> tuple[Tensor, float]:
     """``(w, residual)``: the ``w > 0`` with ``(G w)ᵢ = wᵢ^{-p}`` (Nash-MTL: ``p = 1``;
@@ -509,25 +608,31 @@ def fair_newton(gram: Tensor, p: float, w0: Tensor | None = None, tol: float = 1
     Damped Newton on the strictly convex ``f(w) = ½ wᵀGw − Σ φ(wᵢ)``, ``φ' = w^{-p}``, from
     the start (warm, or the orthogonal-rows solution) rescaled to its best multiple,
     backtracking to stay in ``w > 0`` and to decrease ``f`` or the residual, on the Gramian's
-    device (two host syncs a step). Stops at ``residual ≤ tol``, or early when ``w`` diverges
-    (the solve fails or ``max w`` grows 1e12-fold: a non-negative combination of the rows
-    vanishes and no solution exists); the caller judges the residual. A row with ``Gᵢᵢ``
+    device (two host syncs a step). Stops at ``residual ≤ tol``, or early when ``w`` diverges:
+    the solve fails, ``max w`` grows 1e12-fold, or the residual has stalled while ``w``'s
+    combination cancels (:class:`_Stall`). A solution exists exactly when no non-negative
+    combination of the non-zero rows vanishes (else ``f`` falls without bound along it, for
+    ``p ≤ 1``, or has no minimiser); the caller judges the residual. A row with ``Gᵢᵢ``
     below ``1e-24 tr G`` gets ``wᵢ = 0`` and the system is solved among the others.
     """
     diag = torch.diagonal(gram)
     active = diag > 1e-24 * diag.sum().clamp_min(1e-300)
     if not bool(active.all()):
         return _fair_without_zero_rows(gram, p, w0, active, tol, max_iter)
+    norms = diag.clamp_min(0.0).sqrt()
     w = _fair_start(gram, p, w0)
-    measures = _fair_measures(gram, w, p)
+    measures = _fair_measures(gram, w, p, norms)
     limit = 1e12 * measures[2]
+    stall = _Stall(measures[1])
     for _ in range(max_iter):
         if measures[1] <= tol:
             break
-        moved = _fair_step(gram, w, p, measures)
+        moved = _fair_step(gram, w, p, measures, norms)
         if moved is None or moved[1][2] > limit:
             break
         w, measures = moved
+        if stall.diverging(measures):
+            break
     return w, measures[1]
 
 
@@ -542,8 +647,8 @@ def nash_bargaining(
     alpha, residual = fair_newton(gram, 1.0, alpha0, tol, max_iter)
     if not residual <= tol:
         raise SolverError(
-            f"Nash-MTL bargaining solve did not converge in {max_iter} Newton steps "
-            f"(K={gram.shape[0]}); a non-negative combination of the task gradients is "
-            f"(nearly) zero, so G α = 1/α has no solution"
+            f"Nash-MTL bargaining solve did not converge (K={gram.shape[0]}, residual "
+            f"{residual:.1e} after at most {max_iter} Newton steps); a non-negative "
+            f"combination of the task gradients is (nearly) zero, so G α = 1/α has no solution"
         )
     return alpha

@@ -1,9 +1,10 @@
 """CAGrad's root search on a singular or badly conditioned Gramian (one factor per search).
 
 Rows of the kinds of ``benchmarks/many_tasks.py`` (rank 1, a low-rank span, near
-duplicates, norms over 12 decades), rounded to float32 as a model's gradients are. The dual
-weights against their own KKT conditions (a closed form of the gradient of
-``wᵀlin + r‖g_w‖``) and against scipy's SLSQP on the same objective.
+duplicates, exact and near copies of 4 directions with norms over 6 decades, norms over 12
+decades), rounded to float32 as a model's gradients are. The dual weights against their own
+KKT conditions (a closed form of the gradient of ``wᵀlin + r‖g_w‖``) and against scipy's
+SLSQP on the same objective.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from gradbalance.balancers._boxqp import is_well_conditioned
 from gradbalance.balancers._solvers import cagrad_dual, trace_normalized
 
 F64 = torch.float64
-KINDS = ("rank1", "span3", "near_duplicates", "wide_norms")
+KINDS = ("rank1", "span3", "near_duplicates", "duplicate_blocks", "wide_norms")
 
 
 def rows(kind: str, k: int, seed: int) -> Tensor:
@@ -34,6 +35,12 @@ def rows(kind: str, k: int, seed: int) -> Tensor:
         dirs = torch.randn(3, p, generator=gen)
         g = dirs[torch.randint(0, 3, (k,), generator=gen)] + 1e-6 * torch.randn(
             k, p, generator=gen)
+    elif kind == "duplicate_blocks":  # 4 directions, exact and 1e-6 copies, norms 1e±3
+        dirs = torch.randn(4, p, generator=gen)
+        g = dirs[torch.randint(0, 4, (k,), generator=gen)]
+        g = g * torch.logspace(-3, 3, k)[torch.randperm(k, generator=gen), None]
+        g[::2] += 1e-6 * g[::2].norm(dim=1, keepdim=True) * torch.randn(g[::2].shape,
+                                                                         generator=gen)
     else:  # wide norms, k > p: singular too
         g = torch.randn(k, p, generator=gen) * torch.logspace(-6, 6, k)[:, None]
     return g.float().double()

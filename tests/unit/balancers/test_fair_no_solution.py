@@ -1,0 +1,109 @@
+"""Nash-MTL and FairGrad where their equation ``G w = w^{-p}`` has no solution, and near it.
+
+No solution exists exactly when a non-negative combination of the non-zero task gradients
+vanishes (docs/balancers.md, "Solvers"). The rows below plant one: ``g_last = −Σ cᵢgᵢ``,
+``c > 0``, so ``u = (c, 1) ≥ 0`` has ``Jᵀu = 0`` by construction (the independent
+certificate), then are rounded to float32 as a model's gradients are. Nash-MTL must raise its
+``SolverError`` with nothing moved, FairGrad warn with finite weights, and both stop within a
+few Newton steps of the iterate stalling rather than run all ``max_iter``. With the planted
+combination lifted off zero (``+ ε`` noise, a solution exists) the defining equation holds.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor
+
+from gradbalance import SolverError
+from gradbalance.balancers import FairGrad, NashMTL, _solvers
+
+F64 = torch.float64
+
+
+def planted_rows(k: int, rank: int, eps: float, zeros: int, seed: int) -> Tensor:
+    """``[K, 64]`` float32-rounded rows, as float64: ``K − 1 − zeros`` rows in a random
+    ``rank``-dimensional span (norms over 4 decades), then ``−Σ cᵢgᵢ + ε·noise`` (``c > 0``),
+    then ``zeros`` zero rows."""
+    gen = torch.Generator().manual_seed(seed)
+    n = k - 1 - zeros
+    g = torch.randn(n, rank, generator=gen, dtype=F64) @ torch.randn(rank, 64, generator=gen,
+                                                                      dtype=F64)
+    g = g * torch.logspace(-2, 2, n, dtype=F64)[torch.randperm(n, generator=gen), None]
+    c = torch.rand(n, 1, generator=gen, dtype=F64) + 0.1
+    last = -(c * g).sum(0)
+    last = last + eps * float(last.norm()) * torch.randn(64, generator=gen, dtype=F64) / 8
+    rows = torch.cat([g, last[None], torch.zeros(zeros, 64, dtype=F64)])
+    return rows[torch.randperm(k, generator=gen)].float().double()
+
+
+def same(a: Any, b: Any) -> bool:
+    """Bit-identical nested state (dicts, tensors, plain values)."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[x], b[x]) for x in a)
+    if isinstance(a, Tensor):
+        return isinstance(b, Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    return bool(a == b)
+
+
+class Steps:
+    """Counts :func:`~gradbalance.balancers._solvers._fair_step` calls."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        step = _solvers._fair_step
+
+        def counted(*args: object) -> object:
+            self.count += 1
+            return step(*args)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(_solvers, "_fair_step", counted)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(3, 64), st.integers(1, 8), st.integers(0, 3), st.integers(0, 2**16))
+def test_no_solution_stops_early_raises_and_moves_nothing(k: int, rank: int, zeros: int,
+                                                          seed: int) -> None:
+    zeros = min(zeros, k - 3)
+    g = planted_rows(k, min(rank, k - 2 - zeros), 0.0, zeros, seed)
+    with pytest.MonkeyPatch.context() as mp:
+        steps = Steps(mp)
+        nash = NashMTL()
+        before = copy.deepcopy(nash.state_dict())
+        with pytest.raises(SolverError, match="no solution"):
+            nash.combine(g)
+        nash_steps, steps.count = steps.count, 0
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", RuntimeWarning)
+            w = FairGrad().combine(g).weights
+    assert nash.num_tasks is None and nash.alpha is None and int(nash.step) == 0
+    assert same(before, nash.state_dict())
+    assert any("no exact solution exists" in str(c.message) for c in caught)
+    assert bool(torch.isfinite(w).all()) and bool((w >= 0).all())
+    # Where it diverges the iterate doubles along the vanishing combination: the cancellation
+    # reaches float32 rounding (2⁻²³ …) within about 25 steps; then three stalled steps.
+    assert nash_steps <= 40 and steps.count <= 40, (nash_steps, steps.count)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(3, 32), st.integers(0, 2), st.sampled_from([1e-1, 1e-2]),
+       st.integers(0, 2**16))
+def test_near_cancelling_rows_with_a_solution_are_solved(k: int, zeros: int, eps: float,
+                                                         seed: int) -> None:
+    """The planted combination lifted to ``ε`` of the rows' scale (``K − 1 − zeros ≤ 64``
+    rows in general position: a solution exists): ``αᵢ (G α)ᵢ = 1`` on the non-zero rows,
+    ``αᵢ = 0`` on the zero ones, although the combination nearly cancels."""
+    zeros = min(zeros, k - 3)
+    g = planted_rows(k, k - 1 - zeros, eps, zeros, seed)
+    alpha = NashMTL().combine(g).weights
+    gram = g @ g.T
+    live = torch.diagonal(gram) > 0
+    torch.testing.assert_close((alpha * (gram @ alpha))[live],
+                               torch.ones(int(live.sum()), dtype=F64), rtol=0, atol=1e-8)
+    assert bool((alpha[~live] == 0).all())
