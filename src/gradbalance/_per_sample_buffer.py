@@ -20,6 +20,7 @@ minimisation (docs/per_sample.md).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -258,8 +259,13 @@ class PerSampleBuffer:
         return update.stats
 
     def _step(self) -> PerSampleStep:
+        """The step; with one micro-batch whose layers' operands were kept, its update
+        comes from them (:meth:`PerSampleGramian.weighted_update`), not a second backward."""
+        direct = None
+        if len(self._parts) == 1 and self._parts[0].operands is not None:
+            direct = partial(self.gramian.weighted_update, self._parts[0])
         return PerSampleStep(self._losses, self._heads, self.shared, self.head_params,
-                             self._scale, self._tasks)
+                             self._scale, self._tasks, direct)
 
     def _check_apply(self, balancer: Balancer, scaler: Any, clip: Any) -> Any:
         """Every check of :meth:`apply_` (nothing moves if one raises); the process group

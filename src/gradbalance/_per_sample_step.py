@@ -10,6 +10,7 @@ gradients are the ranks' mean (docs/per_sample.md, "Data parallelism").
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +32,8 @@ __all__ = ["PerSampleStep", "Update", "check_gramian_clip", "check_reused_count"
 @dataclass(frozen=True)
 class PerSampleStep:
     """A step's micro-batches (losses with their graphs), the heads' plain gradients, the
-    parameters, the loss scale and the number of task columns K."""
+    parameters, the loss scale, the number of task columns K and, where the layers' operands
+    were kept, the trunk's weighted update from them (``w ↦ s·∇ Σ wᵢₖ ℓᵢₖ``, no backward)."""
 
     losses: list[Tensor]
     heads: list[Tensor | None]
@@ -39,6 +41,7 @@ class PerSampleStep:
     head_params: list[Tensor]
     scale: Tensor | None
     tasks: int
+    direct: Callable[[Tensor], list[Tensor]] | None = None
 
     @property
     def flat(self) -> Tensor:
@@ -124,8 +127,10 @@ def reused_update(step: PerSampleStep, cache: WeightCache, balancer: Balancer,
 
 
 def weighted_grads(step: PerSampleStep, weights: Tensor) -> list[Tensor]:
-    """``s·∇ Σ wᵢₖ ℓᵢₖ`` of the trunk (``s`` the loss scale, 1 without), one backward per
-    micro-batch (its graph freed)."""
+    """``s·∇ Σ wᵢₖ ℓᵢₖ`` of the trunk (``s`` the loss scale, 1 without): from the layers'
+    kept operands where ``step.direct`` is set, else one backward per micro-batch."""
+    if step.direct is not None:
+        return step.direct(weights)
     w = weights if step.scale is None else weights * step.scale.double()
     total = [torch.zeros_like(p) for p in step.shared]
     at = 0

@@ -46,7 +46,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("weighting/",),
     ("_sharding.py", "distributed.py", "_amp.py"),
     ("clip/",),
-    ("modes/", "_per_sample_gramian.py", "_per_sample_forms.py"),
+    ("modes/", "_per_sample_gramian.py", "_per_sample_forms.py", "_per_sample_update.py"),
     ("step.py", "_per_sample_buffer.py", "_per_sample_step.py"),
     ("functional.py", "monitor.py", "checkpoint.py", "integrations/"),
     ("__init__.py", "__main__.py"),

@@ -1,0 +1,67 @@
+"""A step's weighted update ``Σᵢ wᵢ gᵢ`` from its layers' operands, without a second backward.
+
+Sample i's gradient of a covered layer's weight is the outer form ``Dᵢᵀ Xᵢ`` of its output
+gradient and input rows (:mod:`gradbalance.clip._per_sample_layers`), so the weighted sum over
+the samples is one product over all their rows, ``(w ⊙ D)ᵀ X``: the weight-gradient kernel of
+a plain backward whose output gradient is ``w ⊙ D``. A bias's is ``Σᵢₛ wᵢ Dᵢₛ``, a
+LayerNorm weight's ``Σᵢₛ wᵢ Dᵢₛ ⊙ X̂ᵢₛ``, an embedding table's the ``wᵢ Dᵢₛ`` added at the
+tokens' rows. The output gradients are those the per-sample Gramian's backward took, kept
+until the weights are known; the update equals ``∇ Σᵢ wᵢ ℓᵢ`` through the graph to rounding
+(docs/per_sample.md, "What it computes").
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> layer = nn.Linear(3, 2)
+    >>> x, d, w = torch.randn(4, 1, 3), torch.randn(4, 1, 2), torch.rand(4)
+    >>> got = site_sum(layer, True, x, d * w[:, None, None])
+    >>> want = torch.einsum("b,bo,bi->oi", w, d[:, 0], x[:, 0])  # Σᵢ wᵢ Dᵢᵀ Xᵢ
+    >>> bool(torch.allclose(got, want.flatten()))
+    True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from .clip._per_sample_layers import HookedLayer
+from .clip._per_sample_tied import Site, site_form
+
+__all__ = ["LayerOperands", "site_sum", "weighted_rows"]
+
+
+@dataclass(frozen=True)
+class LayerOperands:
+    """One layer's recorded inputs and its output gradients ``[task][call]`` (zeros where an
+    output is off a task's graph), kept for the weighted update."""
+
+    layer: HookedLayer
+    inputs: list[Tensor]
+    grads: list[list[Tensor]]
+
+
+def weighted_rows(d: Tensor, weights: Tensor) -> Tensor:
+    """Output gradient rows ``d`` ``[N, S, o]`` scaled by each objective's weight ``[N]``
+    (at least float32, as the forms are)."""
+    dtype = torch.promote_types(d.dtype, torch.float32)
+    return d.to(dtype) * weights.to(dtype)[:, None, None]
+
+
+def site_sum(module: nn.Module, is_weight: bool, x: Tensor, d: Tensor) -> Tensor:
+    """``Σᵢ`` of the site's per-sample gradients (flattened, ``[numel]``) from its input rows
+    ``x`` (token ids ``[N, S]`` for an embedding) and output gradient rows ``d`` ``[N, S, o]``
+    (already weighted: :func:`weighted_rows`)."""
+    if is_weight and isinstance(module, nn.Embedding):
+        ids, rows = x.reshape(-1), d.reshape(-1, d.shape[-1])
+        if module.padding_idx is not None:
+            rows = rows * (ids != module.padding_idx).unsqueeze(1).to(rows.dtype)
+        table = rows.new_zeros(module.num_embeddings, rows.shape[1])
+        return table.index_add_(0, ids, rows).flatten()
+    form = site_form(Site(module, is_weight), x, d)
+    if isinstance(form, Tensor):
+        return form.sum(dim=0)
+    a, b = form
+    return (a.flatten(0, 1).T @ b.flatten(0, 1)).flatten()
