@@ -4,10 +4,12 @@
 of ``Σᵢ ℓᵢ`` per task column (K of them; no weight-gradient kernel runs), builds the
 per-sample Gramian ``[N, N]`` (``N = B·K``, objective ``(i, k)`` at ``i·K + k``) with
 :class:`~gradbalance._per_sample_gramian.PerSampleGramian`. ``apply_(balancer)`` takes the
-weights ``w`` of a weighted balancer from it and writes the trunk's ``.grad`` with one
-backward of ``Σ wᵢₖ ℓᵢₖ`` through the kept graph; the heads get their plain gradient of
-``Σ ℓᵢₖ``. Each layer is contracted inside that backward (its block of the Gramian added,
-its per-sample forms dropped). Micro-batches: each ``backward`` adds its objectives; from the
+weights ``w`` of a weighted balancer from it and writes the trunk's ``.grad``,
+``∇ Σ wᵢₖ ℓᵢₖ``: from the layers' recorded inputs and output gradients (one product per
+parameter, :mod:`._per_sample_update`) when the step has one micro-batch and every trunk
+layer is covered, else one backward through the kept graph; the heads get their plain
+gradient of ``Σ ℓᵢₖ``. Each layer is contracted inside the first backward (its block of the
+Gramian added, its per-sample forms dropped). Micro-batches: each ``backward`` adds its objectives; from the
 second on the forms are kept (the first micro-batch's recomputed once, through its kept
 graph) and ``apply_`` adds the cross terms between them. The update equals the matrix route over the
 same N objectives (each passed as a task); so do its 2-norm row clipping and
@@ -226,8 +228,9 @@ class PerSampleBuffer:
 
     def apply_(self, balancer: Balancer, scaler: Any = None, clip: Any = None) -> StepStats:
         """Weights from the Gramian of the step's objectives (``D G D`` with a row clipper's
-        factors ``D``), one weighted backward per micro-batch into the trunk's ``.grad``;
-        the heads' plain gradients. A reused step (``update_every``) takes the cached
+        factors ``D``), the trunk's ``.grad`` from the layers' operands (one micro-batch,
+        every trunk layer covered) or one weighted backward per micro-batch; the heads'
+        plain gradients. A reused step (``update_every``) takes the cached
         weights; under a process group the written gradients are the ranks' mean.
 
         With a scaler the Gramian is unscaled (``/ s²``) before the balancer and the update

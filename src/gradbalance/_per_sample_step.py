@@ -2,7 +2,8 @@
 
 A refresh step takes the weights ``w`` from the per-sample Gramian ``G`` ``[N, N]``; a
 2-norm row clipper's factors ``dᵢ = min(1, τ/‖gᵢ‖)`` (``D`` diagonal, ``‖gᵢ‖² = Gᵢᵢ``) act
-exactly as ``D G D``, and the update is ``∇ Σᵢ wᵢ dᵢ ℓᵢ``, one weighted backward per
+exactly as ``D G D``, and the update is ``∇ Σᵢ wᵢ dᵢ ℓᵢ``: from the layers' kept operands
+where the step has them (:mod:`._per_sample_update`), else one weighted backward per
 micro-batch. A step between refreshes (``update_every``) reuses the last ``w`` and computes
 no Gramian. Under a process group each rank balances its own objectives and the written
 gradients are the ranks' mean (docs/per_sample.md, "Data parallelism").
