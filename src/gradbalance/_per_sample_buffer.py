@@ -9,9 +9,9 @@ weights ``w`` of a weighted balancer from it and writes the trunk's ``.grad``,
 parameter, :mod:`._per_sample_update`) when the step has one micro-batch and every trunk
 layer is covered, else one backward through the kept graph; the heads get their plain
 gradient of ``Σ ℓᵢₖ``. Each layer is contracted inside the first backward (its block of the
-Gramian added, its per-sample forms dropped). Micro-batches: each ``backward`` adds its objectives; from the
-second on the forms are kept (the first micro-batch's recomputed once, through its kept
-graph) and ``apply_`` adds the cross terms between them. The update equals the matrix route over the
+Gramian added, its per-sample forms dropped). Micro-batches: each ``backward`` adds its
+objectives; from the second on the forms are kept (the first micro-batch's recomputed once,
+through its kept graph) and ``apply_`` adds the cross terms between them. The update equals the matrix route over the
 same N objectives (each passed as a task); so do its 2-norm row clipping and
 ``update_every`` (:mod:`._per_sample_step`). Under a process group each rank balances its
 own objectives and the written gradients are averaged. Reference: Quinton & Rey, "Jacobian
