@@ -13,10 +13,10 @@ Gramian added, its per-sample forms dropped). Micro-batches: each ``backward`` a
 objectives; from the second on the forms are kept (the first micro-batch's recomputed once,
 through its kept graph) and ``apply_`` adds the cross terms between them. The update equals
 the matrix route over the same N objectives (each passed as a task); so do its 2-norm row
-clipping and ``update_every`` (:mod:`._per_sample_step`). Under a process group each rank balances its
-own objectives and the written gradients are averaged. Reference: Quinton & Rey, "Jacobian
-Descent for Multi-Objective Optimization" (arXiv:2406.16232), instance-wise risk
-minimisation (docs/per_sample.md).
+clipping and ``update_every`` (:mod:`._per_sample_step`). Under a process group each rank
+balances its own objectives and the written gradients are averaged. Reference: Quinton &
+Rey, "Jacobian Descent for Multi-Objective Optimization" (arXiv:2406.16232), instance-wise
+risk minimisation (docs/per_sample.md).
 """
 
 from __future__ import annotations
