@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from ._per_sample_eager import Recorded, Slots, Snapshot, edge_of, lowest
 from ._per_sample_fallback import per_sample_vjp
 from ._per_sample_forms import Form, block, layer_form, summed_blocks
-from ._per_sample_update import LayerOperands, site_sum, weighted_rows
+from ._per_sample_update import LayerOperands, combined_grads, site_sum
 from .clip._per_sample_layers import HookedLayer, refusal
 from .clip._per_sample_record import Fallback, LayerRecorder
 
@@ -260,8 +260,8 @@ class PerSampleGramian:
         assert part.operands is not None
         total = {id(p): torch.zeros_like(p) for p in self.params}
         for op in part.operands:
-            x, d = _layer_rows(op.layer, op.inputs, op.grads, part.n // len(op.grads))
-            d = weighted_rows(d, weights.to(d.device))
+            batch = part.n // len(op.grads)
+            x, d = _layer_rows(op.layer, op.inputs, [combined_grads(op.grads, weights)], batch)
             for _, p, is_weight in op.layer.bounded():
                 grad = site_sum(op.layer.module, is_weight, x, d)
                 total[id(p)] += grad.reshape(p.shape).to(p.dtype)

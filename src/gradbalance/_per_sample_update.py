@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from .clip._per_sample_layers import HookedLayer
 from .clip._per_sample_tied import Site, site_form
 
-__all__ = ["LayerOperands", "site_sum", "weighted_rows"]
+__all__ = ["LayerOperands", "combined_grads", "site_sum"]
 
 
 @dataclass(frozen=True)
@@ -43,17 +43,28 @@ class LayerOperands:
     grads: list[list[Tensor]]
 
 
-def weighted_rows(d: Tensor, weights: Tensor) -> Tensor:
-    """Output gradient rows ``d`` ``[N, S, o]`` scaled by each objective's weight ``[N]``
-    (at least float32, as the forms are)."""
-    dtype = torch.promote_types(d.dtype, torch.float32)
-    return d.to(dtype) * weights.to(dtype)[:, None, None]
+def combined_grads(grads: list[list[Tensor]], weights: Tensor) -> list[Tensor]:
+    """Each call's output gradient ``Σₖ wᵢₖ Dᵢₖ`` (sample i's along dim 0, at least
+    float32, as the forms are) from the K tasks' ``grads`` ``[task][call]`` and the weights
+    ``[B·K]`` (objective ``(i, k)`` at ``i·K + k``): one product per layer, not K."""
+    w = weights.reshape(-1, len(grads))
+    out: list[Tensor] = []
+    for call in range(len(grads[0])):
+        total: Tensor | None = None
+        for k, task in enumerate(grads):
+            g = task[call]
+            dtype = torch.promote_types(g.dtype, torch.float32)
+            part = g.to(dtype) * w[:, k].to(g.device, dtype).reshape(-1, *[1] * (g.dim() - 1))
+            total = part if total is None else total + part
+        assert total is not None
+        out.append(total)
+    return out
 
 
 def site_sum(module: nn.Module, is_weight: bool, x: Tensor, d: Tensor) -> Tensor:
     """``Σᵢ`` of the site's per-sample gradients (flattened, ``[numel]``) from its input rows
     ``x`` (token ids ``[N, S]`` for an embedding) and output gradient rows ``d`` ``[N, S, o]``
-    (already weighted: :func:`weighted_rows`)."""
+    (already weighted: :func:`combined_grads`)."""
     if is_weight and isinstance(module, nn.Embedding):
         ids, rows = x.reshape(-1), d.reshape(-1, d.shape[-1])
         if module.padding_idx is not None:
