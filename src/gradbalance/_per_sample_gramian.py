@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from ._per_sample_eager import Recorded, Slots, Snapshot, edge_of, lowest
 from ._per_sample_fallback import per_sample_vjp
 from ._per_sample_forms import Form, block, layer_form, summed_blocks
-from ._per_sample_update import LayerOperands, combined_grads, site_sum
+from ._per_sample_update import CONVOLUTIONS, LayerOperands, combined_grads, conv_sum, site_sum
 from .clip._per_sample_layers import HookedLayer, refusal
 from .clip._per_sample_record import Fallback, LayerRecorder
 
@@ -260,10 +260,13 @@ class PerSampleGramian:
         assert part.operands is not None
         total = {id(p): torch.zeros_like(p) for p in self.params}
         for op in part.operands:
-            batch = part.n // len(op.grads)
-            x, d = _layer_rows(op.layer, op.inputs, [combined_grads(op.grads, weights)], batch)
+            module, grads = op.layer.module, combined_grads(op.grads, weights)
+            conv = isinstance(module, CONVOLUTIONS)
+            rows = None if conv else _layer_rows(op.layer, op.inputs, [grads],
+                                                 part.n // len(op.grads))
             for _, p, is_weight in op.layer.bounded():
-                grad = site_sum(op.layer.module, is_weight, x, d)
+                grad = (site_sum(module, is_weight, *rows) if rows is not None
+                        else conv_sum(module, is_weight, op.inputs, grads))  # type: ignore[arg-type]
                 total[id(p)] += grad.reshape(p.shape).to(p.dtype)
         return [total[id(p)] for p in self.params]
 

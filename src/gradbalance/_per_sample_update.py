@@ -3,7 +3,8 @@
 Sample i's gradient of a covered layer's weight is the outer form ``Dᵢᵀ Xᵢ`` of its output
 gradient and input rows (:mod:`gradbalance.clip._per_sample_layers`), so the weighted sum over
 the samples is one product over all their rows, ``(w ⊙ D)ᵀ X``: the weight-gradient kernel of
-a plain backward whose output gradient is ``w ⊙ D``. A bias's is ``Σᵢₛ wᵢ Dᵢₛ``, a
+a plain backward whose output gradient is ``w ⊙ D`` (a convolution's is that kernel itself, on
+the recorded input: no unfolded patches). A bias's is ``Σᵢₛ wᵢ Dᵢₛ``, a
 LayerNorm weight's ``Σᵢₛ wᵢ Dᵢₛ ⊙ X̂ᵢₛ``, an embedding table's the ``wᵢ Dᵢₛ`` added at the
 tokens' rows. The output gradients are those the per-sample Gramian's backward took, kept
 until the weights are known; the update equals ``∇ Σᵢ wᵢ ℓᵢ`` through the graph to rounding
@@ -26,11 +27,15 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.nn.grad import conv1d_weight, conv2d_weight
 
 from .clip._per_sample_layers import HookedLayer
 from .clip._per_sample_tied import Site, site_form
 
-__all__ = ["LayerOperands", "combined_grads", "site_sum"]
+__all__ = ["CONVOLUTIONS", "LayerOperands", "combined_grads", "conv_sum", "site_sum"]
+
+#: The layers whose sums come from the convolution's weight-gradient kernel (:func:`conv_sum`).
+CONVOLUTIONS = (nn.Conv1d, nn.Conv2d)
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,24 @@ def combined_grads(grads: list[list[Tensor]], weights: Tensor) -> list[Tensor]:
         assert total is not None
         out.append(total)
     return out
+
+
+def conv_sum(module: nn.Conv1d | nn.Conv2d, is_weight: bool, inputs: list[Tensor],
+             grads: list[Tensor]) -> Tensor:
+    """``Σᵢ`` of a convolution's per-sample weight (or bias) gradients over its calls,
+    flattened, from each call's input and (weighted) output gradient: the kernel a plain
+    backward runs (``torch.nn.grad``)."""
+    total: Tensor | None = None
+    for x, g in zip(inputs, grads):
+        if not is_weight:
+            part = g.sum(dim=[0, *range(2, g.dim())])
+        else:
+            kernel = conv2d_weight if isinstance(module, nn.Conv2d) else conv1d_weight
+            part = kernel(x.to(g.dtype), module.weight.shape, g,  # type: ignore[no-untyped-call]
+                          module.stride, module.padding, module.dilation, module.groups)
+        total = part if total is None else total + part
+    assert total is not None
+    return total.flatten()
 
 
 def site_sum(module: nn.Module, is_weight: bool, x: Tensor, d: Tensor) -> Tensor:
