@@ -48,7 +48,7 @@ MiB = 2.0**20
 
 
 def _losses(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
-    """``[B]`` (``y`` ``[B]``) or ``[B, K]`` (``y`` ``[B, K]``: K targets of the one output)
+    """``[B]`` (``y`` ``[B]``) or ``[B, K]`` (``y`` ``[B, K]``, the model's K outputs)
     per-sample losses, reduction='none'."""
     out = model(x)
     return (out[:, 0] - y) ** 2 if y.dim() == 1 else (out - y) ** 2
@@ -102,7 +102,7 @@ def _steps(name: str, batch: int, balancer: str, quick: bool,
            tasks: int = 1) -> tuple[dict[str, Step], Tensor, Tensor, int]:
     build, inputs = MODELS[quick][name]
     torch.manual_seed(0)
-    base = build()
+    base = build(tasks)
     steps = {v: make(copy.deepcopy(base), balancer) for v, make in _variants().items()}
     gen = torch.Generator().manual_seed(1)
     x = inputs(batch, gen)
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--balancers", default="mgda,upgrad")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tasks", type=int, default=1,
-                        help="K: [B, K] losses (K targets of the one output) when above 1")
+                        help="K: [B, K] losses (the models' K outputs) when above 1")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory table")
     parser.add_argument("--quick", action="store_true",
