@@ -20,6 +20,7 @@ and the peak is the largest sum of the bytes allocated during the step and still
     python benchmarks/per_sample.py                     # ≈ 50 min on a shared 2-core machine
     python benchmarks/per_sample.py --models mlp --batches 16 --rounds 3
     python benchmarks/per_sample.py --quick             # smoke run, tiny models, seconds
+    python benchmarks/per_sample.py --tasks 3           # [B, 3] losses: B·3 objectives
 """
 
 from __future__ import annotations
@@ -47,7 +48,10 @@ MiB = 2.0**20
 
 
 def _losses(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
-    return (model(x)[:, 0] - y) ** 2  # [B], reduction='none'
+    """``[B]`` (``y`` ``[B]``) or ``[B, K]`` (``y`` ``[B, K]``, the model's K outputs)
+    per-sample losses, reduction='none'."""
+    out = model(x)
+    return (out[:, 0] - y) ** 2 if y.dim() == 1 else (out - y) ** 2
 
 
 def plain_step(model: nn.Module, balancer: str) -> Step:
@@ -77,8 +81,8 @@ def torchjd_step(model: nn.Module, balancer: str) -> Step:
 
     def step(x: Tensor, y: Tensor) -> None:
         losses = _losses(model, x, y)
-        weights = weighting(engine.compute_gramian(losses))
-        losses.backward(weights)
+        weights = weighting(engine.compute_gramian(losses))  # [B·K, B·K]: (i, k) at i·K + k
+        losses.backward(weights.reshape(losses.shape))
         model.zero_grad(set_to_none=True)
     return step
 
@@ -94,14 +98,15 @@ def _variants() -> dict[str, Callable[[nn.Module, str], Step]]:
     return variants
 
 
-def _steps(name: str, batch: int, balancer: str, quick: bool) -> tuple[dict[str, Step],
-                                                                       Tensor, Tensor, int]:
+def _steps(name: str, batch: int, balancer: str, quick: bool,
+           tasks: int = 1) -> tuple[dict[str, Step], Tensor, Tensor, int]:
     build, inputs = MODELS[quick][name]
     torch.manual_seed(0)
-    base = build()
+    base = build(tasks)
     steps = {v: make(copy.deepcopy(base), balancer) for v, make in _variants().items()}
     gen = torch.Generator().manual_seed(1)
-    x, y = inputs(batch, gen), torch.randn(batch, generator=gen)
+    x = inputs(batch, gen)
+    y = torch.randn(batch, *([tasks] if tasks > 1 else []), generator=gen)
     return steps, x, y, sum(p.numel() for p in base.parameters())
 
 
@@ -112,9 +117,9 @@ def _time(step: Step, x: Tensor, y: Tensor) -> float:
 
 
 def timing(name: str, batch: int, balancer: str, rounds: int, warmup: int,
-           quick: bool) -> dict[str, float]:
+           quick: bool, tasks: int = 1) -> dict[str, float]:
     """Medians of the step times and of the per-round ratios to the plain step."""
-    steps, x, y, _ = _steps(name, batch, balancer, quick)
+    steps, x, y, _ = _steps(name, batch, balancer, quick, tasks)
     for _ in range(warmup):
         for step in steps.values():
             step(x, y)
@@ -188,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", default=None, help="default 16,64,256 (--quick: 4,8)")
     parser.add_argument("--balancers", default="mgda,upgrad")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--tasks", type=int, default=1,
+                        help="K: [B, K] losses (the models' K outputs) when above 1")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory table")
     parser.add_argument("--quick", action="store_true",
@@ -202,8 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in models:
         for balancer in args.balancers.split(","):
             for batch in batches:
-                r = timing(name, batch, balancer, args.rounds, args.warmup, args.quick)
-                times.append(_time_row(name, balancer, batch, r))
+                r = timing(name, batch, balancer, args.rounds, args.warmup, args.quick,
+                           args.tasks)
+                label = name if args.tasks == 1 else f"{name} [B, {args.tasks}]"
+                times.append(_time_row(label, balancer, batch, r))
                 print(times[-1], file=sys.stderr, flush=True)
         for batch in [] if args.no_memory else batches:
             mems.append(_memory_row(name, batch, memory(name, batch, args.quick)))

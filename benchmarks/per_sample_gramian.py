@@ -7,8 +7,10 @@ it (median of ``--rounds``, one thread) next to its condition number. Run it wit
 on ``PYTHONPATH`` alternately to compare solvers on the same Gramian.
 
     python benchmarks/per_sample_gramian.py --models transformer,cnn --batch 256
+    python benchmarks/per_sample_gramian.py --models mlp --save /tmp/grams  # keeps mlp256.pt
 
-Results: ``docs/performance.md`` ("Many tasks").
+Results: ``docs/performance.md`` ("Per-sample objectives"),
+``benchmarks/results/per_sample_cpu.md``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -56,13 +59,19 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--methods", default="upgrad,dualproj,mgda")
+    parser.add_argument("--save", default=None,
+                        help="folder to save each Gramian in (torch.save, <model><B>.pt)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rules = {"upgrad": upgrad_weights, "dualproj": dualproj_weights, "mgda": mgda_weights}
     for name in args.models.split(","):
         gram = per_sample_gramian(name, args.batch)
-        lam = torch.linalg.eigvalsh(gram)
-        print(f"{name} B={args.batch}: condition number {float(lam[-1] / lam[0]):.2e}")
+        if args.save:
+            Path(args.save).mkdir(parents=True, exist_ok=True)
+            torch.save(gram, Path(args.save) / f"{name}{args.batch}.pt")
+        lam, diag = torch.linalg.eigvalsh(gram), torch.diagonal(gram)
+        print(f"{name} B={args.batch}: condition number {float(lam[-1] / lam[0]):.2e}, "
+              f"diagonal span {float(diag.max() / diag.min()):.2e}")
         for method in args.methods.split(","):
             times = []
             for _ in range(args.rounds):

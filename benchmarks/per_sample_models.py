@@ -1,6 +1,7 @@
 """The three models of ``benchmarks/per_sample.py``: an MLP, a CNN and a small transformer.
 
-Each maps a batch of B inputs to ``[B, 1]``; the per-sample losses are ``(f(x) - y)²`` ``[B]``.
+Each maps a batch of B inputs to ``[B, K]`` (``build(K)``, K = 1 by default); the per-sample
+losses are ``(f(x) - y)²``, ``[B]`` or ``[B, K]``.
 Every parameter lives in a layer the per-sample Gramian covers (docs/per_sample.md, "Layers"):
 ``nn.Linear`` (2-D and 3-D inputs), ``nn.Conv2d``, ``nn.Embedding``, ``nn.LayerNorm``; the
 transformer's attention is written with ``nn.Linear`` projections, which the Gram forms cover
@@ -16,8 +17,8 @@ from torch import Tensor, nn
 
 __all__ = ["MODELS", "Model"]
 
-#: name -> (model builder, input builder ``(B, generator) -> x``)
-Model = tuple[Callable[[], nn.Module], Callable[[int, torch.Generator], Tensor]]
+#: name -> (model builder ``(K outputs) -> model``, input builder ``(B, generator) -> x``)
+Model = tuple[Callable[..., nn.Module], Callable[[int, torch.Generator], Tensor]]
 
 
 class SelfAttention(nn.Module):
@@ -56,11 +57,12 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """Token embedding + learned positions, ``depth`` blocks, mean pooling, a linear output."""
 
-    def __init__(self, vocab: int, length: int, d: int, heads: int, depth: int) -> None:
+    def __init__(self, vocab: int, length: int, d: int, heads: int, depth: int,
+                 outputs: int = 1) -> None:
         super().__init__()
         self.embed, self.pos = nn.Embedding(vocab, d), nn.Embedding(length, d)
         self.blocks = nn.Sequential(*(Block(d, heads) for _ in range(depth)))
-        self.norm, self.out = nn.LayerNorm(d), nn.Linear(d, 1)
+        self.norm, self.out = nn.LayerNorm(d), nn.Linear(d, outputs)
 
     def forward(self, ids: Tensor) -> Tensor:
         # positions per sample ([B, S]): every layer input keeps the batch as dim 0
@@ -69,22 +71,22 @@ class Transformer(nn.Module):
 
 
 def _mlp(width: int) -> Model:
-    return (lambda: nn.Sequential(nn.Linear(128, width), nn.ReLU(), nn.Linear(width, width),
-                                  nn.ReLU(), nn.Linear(width, 1)),
+    return (lambda k=1: nn.Sequential(nn.Linear(128, width), nn.ReLU(), nn.Linear(width, width),
+                                      nn.ReLU(), nn.Linear(width, k)),
             lambda b, g: torch.randn(b, 128, generator=g))
 
 
 def _cnn(c: int, side: int) -> Model:
-    return (lambda: nn.Sequential(
+    return (lambda k=1: nn.Sequential(
                 nn.Conv2d(3, c, 3, padding=1), nn.ReLU(),
                 nn.Conv2d(c, 2 * c, 3, stride=2, padding=1), nn.ReLU(),
                 nn.Conv2d(2 * c, 2 * c, 3, stride=2, padding=1), nn.ReLU(),
-                nn.Flatten(), nn.Linear(2 * c * (side // 4) ** 2, 1)),
+                nn.Flatten(), nn.Linear(2 * c * (side // 4) ** 2, k)),
             lambda b, g: torch.randn(b, 3, side, side, generator=g))
 
 
 def _transformer(vocab: int, length: int, d: int, depth: int) -> Model:
-    return (lambda: Transformer(vocab, length, d, 4, depth),
+    return (lambda k=1: Transformer(vocab, length, d, 4, depth, k),
             lambda b, g: torch.randint(0, vocab, (b, length), generator=g))
 
 

@@ -4,22 +4,25 @@
 of ``Σᵢ ℓᵢ`` per task column (K of them; no weight-gradient kernel runs), builds the
 per-sample Gramian ``[N, N]`` (``N = B·K``, objective ``(i, k)`` at ``i·K + k``) with
 :class:`~gradbalance._per_sample_gramian.PerSampleGramian`. ``apply_(balancer)`` takes the
-weights ``w`` of a weighted balancer from it and writes the trunk's ``.grad`` with one
-backward of ``Σ wᵢₖ ℓᵢₖ`` through the kept graph; the heads get their plain gradient of
-``Σ ℓᵢₖ``. Each layer is contracted inside that backward (its block of the Gramian added,
-its per-sample forms dropped). Micro-batches: each ``backward`` adds its objectives; from the
-second on the forms are kept (the first micro-batch's recomputed once, through its kept
-graph) and ``apply_`` adds the cross terms between them. The update equals the matrix route over the
-same N objectives (each passed as a task); so do its 2-norm row clipping and
-``update_every`` (:mod:`._per_sample_step`). Under a process group each rank balances its
-own objectives and the written gradients are averaged. Reference: Quinton & Rey, "Jacobian
-Descent for Multi-Objective Optimization" (arXiv:2406.16232), instance-wise risk
-minimisation (docs/per_sample.md).
+weights ``w`` of a weighted balancer from it and writes the trunk's ``.grad``,
+``∇ Σ wᵢₖ ℓᵢₖ``: from the layers' recorded inputs and output gradients (one product per
+parameter, :mod:`._per_sample_update`) when the step has one micro-batch and every trunk
+layer is covered, else one backward through the kept graph; the heads get their plain
+gradient of ``Σ ℓᵢₖ``. Each layer is contracted inside the first backward (its block of the
+Gramian added, its per-sample forms dropped). Micro-batches: each ``backward`` adds its
+objectives; from the second on the forms are kept (the first micro-batch's recomputed once,
+through its kept graph) and ``apply_`` adds the cross terms between them. The update equals
+the matrix route over the same N objectives (each passed as a task); so do its 2-norm row
+clipping and ``update_every`` (:mod:`._per_sample_step`). Under a process group each rank
+balances its own objectives and the written gradients are averaged. Reference: Quinton &
+Rey, "Jacobian Descent for Multi-Objective Optimization" (arXiv:2406.16232), instance-wise
+risk minimisation (docs/per_sample.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -225,8 +228,9 @@ class PerSampleBuffer:
 
     def apply_(self, balancer: Balancer, scaler: Any = None, clip: Any = None) -> StepStats:
         """Weights from the Gramian of the step's objectives (``D G D`` with a row clipper's
-        factors ``D``), one weighted backward per micro-batch into the trunk's ``.grad``;
-        the heads' plain gradients. A reused step (``update_every``) takes the cached
+        factors ``D``), the trunk's ``.grad`` from the layers' operands (one micro-batch,
+        every trunk layer covered) or one weighted backward per micro-batch; the heads'
+        plain gradients. A reused step (``update_every``) takes the cached
         weights; under a process group the written gradients are the ranks' mean.
 
         With a scaler the Gramian is unscaled (``/ s²``) before the balancer and the update
@@ -258,8 +262,13 @@ class PerSampleBuffer:
         return update.stats
 
     def _step(self) -> PerSampleStep:
+        """The step; with one micro-batch whose layers' operands were kept, its update
+        comes from them (:meth:`PerSampleGramian.weighted_update`), not a second backward."""
+        direct = None
+        if len(self._parts) == 1 and self._parts[0].operands is not None:
+            direct = partial(self.gramian.weighted_update, self._parts[0])
         return PerSampleStep(self._losses, self._heads, self.shared, self.head_params,
-                             self._scale, self._tasks)
+                             self._scale, self._tasks, direct)
 
     def _check_apply(self, balancer: Balancer, scaler: Any, clip: Any) -> Any:
         """Every check of :meth:`apply_` (nothing moves if one raises); the process group

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from ._per_sample_eager import Recorded, Slots, Snapshot, edge_of, lowest
 from ._per_sample_fallback import per_sample_grads
 from ._per_sample_forms import Form, block, layer_form, summed_blocks
+from ._per_sample_update import CONVOLUTIONS, LayerOperands, combined_grads, conv_sum, site_sum
 from .clip._per_sample_layers import HookedLayer, refusal
 from .clip._per_sample_record import Fallback, LayerRecorder
 
@@ -38,13 +39,16 @@ __all__ = ["Parts", "PerSampleGramian", "Snapshot", "as_modules", "refuse_mixing
 
 @dataclass(frozen=True)
 class Parts:
-    """One micro-batch's objectives: their number, their own block of the Gramian, and
+    """One micro-batch's objectives: their number, their own block of the Gramian,
     (kept for the cross terms of micro-batches, else None) each trunk parameter's per-sample
-    gradient forms (:mod:`._per_sample_forms`), one per site or fallback module."""
+    gradient forms (:mod:`._per_sample_forms`), one per site or fallback module, and (kept
+    for the weighted update where every trunk layer is recorded, else None) each layer's
+    operands (:mod:`._per_sample_update`)."""
 
     n: int
     gram: Tensor
     forms: dict[int, list[Form]] | None
+    operands: list[LayerOperands] | None = None
 
 
 def as_modules(modules: Any) -> list[tuple[str, nn.Module]]:
@@ -189,14 +193,16 @@ class PerSampleGramian:
         """One ``autograd.grad`` per root (each task's scaled ``Σᵢ ℓᵢₖ``, objective
         ``(i, k)`` at ``i·K + k``): the micro-batch's :class:`Parts`, each layer contracted
         inside the backward as soon as its output gradients arrive (a tensor hook), and each
-        root's gradients of ``extra``."""
+        root's gradients of ``extra``. Without ``keep`` and with no fallback module called,
+        the layers' operands are kept for :meth:`weighted_update`."""
         forms: dict[int, list[Form]] = {}
         n = batch * len(roots)
         gram = torch.zeros(n, n, dtype=torch.float64, device=self.params[0].device)
-        slots, handles = self._hooked(len(roots), partial(
-            self._contract, batch=batch, gram=gram, forms=forms, keep=keep))
         own = [y for layer in self._layers for y in layer.outputs]
         fallen = [y for f in self._fallbacks for y in f.outputs]
+        operands: list[LayerOperands] | None = None if keep or fallen else []
+        slots, handles = self._hooked(len(roots), partial(
+            self._contract, batch=batch, gram=gram, forms=forms, keep=keep, operands=operands))
         asked = [y for y, low in zip(own, lowest(roots, [*own, *fallen])) if low]
         rest: list[list[Tensor | None]] = []
         extras: list[list[Tensor | None]] = []
@@ -214,7 +220,7 @@ class PerSampleGramian:
         finally:
             for handle in handles:
                 handle.remove()
-        return self._finished(gram, forms, rest, keep), extras
+        return self._finished(gram, forms, rest, keep, operands), extras
 
     def _hooked(self, tasks: int, contract: Callable[..., None]) -> tuple[list[Slots],
                                                                           list[Any]]:
@@ -229,16 +235,22 @@ class PerSampleGramian:
         return slots, handles
 
     def _contract(self, layer: HookedLayer, grads: list[list[Tensor | None]], batch: int,
-                  gram: Tensor, forms: dict[int, list[Form]], keep: bool) -> None:
+                  gram: Tensor, forms: dict[int, list[Form]], keep: bool,
+                  operands: list[LayerOperands] | None = None) -> None:
         """The layer's forms from its output gradients ``[task][call]`` (None: zeros), its
-        block added to ``gram`` (or its forms kept, :meth:`_add`)."""
-        x, d = _layer_rows(layer, [_filled(layer.outputs, g) for g in grads], batch)
+        block added to ``gram`` (or its forms kept, :meth:`_add`); its operands appended
+        to ``operands`` (not None)."""
+        filled = [_filled(layer.outputs, g) for g in grads]
         grads.clear()
+        if operands is not None:
+            operands.append(LayerOperands(layer, list(layer.inputs), filled))
+        x, d = _layer_rows(layer, layer.inputs, filled, batch)
         for _, p, is_weight in layer.bounded():
             self._add(gram, forms, p, layer_form(layer.module, is_weight, x, d), keep)
 
     def _finished(self, gram: Tensor, forms: dict[int, list[Form]],
-                  fallen: list[list[Tensor | None]], keep: bool) -> Parts:
+                  fallen: list[list[Tensor | None]], keep: bool,
+                  operands: list[LayerOperands] | None = None) -> Parts:
         """The fallback modules' forms from their output gradients ``fallen`` ``[task][·]``,
         the blocks of the forms that waited; the micro-batch's :class:`Parts`."""
         self._record.recording = False  # the fallback's functional calls are not the step's
@@ -253,7 +265,25 @@ class PerSampleGramian:
             self._record.recording = True
         for waiting in forms.values():  # tied parameters, or every one with keep
             gram += summed_blocks(waiting, []).to(gram.device)
-        return Parts(gram.shape[0], gram, forms if keep else None)
+        return Parts(gram.shape[0], gram, forms if keep else None, operands)
+
+    def weighted_update(self, part: Parts, weights: Tensor) -> list[Tensor | None]:
+        """Each trunk parameter's ``Σ wᵢₖ ∇ℓᵢₖ`` (``weights`` ``[B·K]``, the loss scale
+        included in the kept output gradients) from ``part``'s operands, in place of a
+        weighted backward (:mod:`._per_sample_update`); None for a parameter the checked
+        losses do not reach."""
+        assert part.operands is not None
+        total = {id(p): torch.zeros_like(p) for p in self.params}
+        for op in part.operands:
+            module, grads = op.layer.module, combined_grads(op.grads, weights)
+            conv = isinstance(module, CONVOLUTIONS)
+            rows = None if conv else _layer_rows(op.layer, op.inputs, [grads],
+                                                 part.n // len(op.grads))
+            for _, p, is_weight in op.layer.bounded():
+                grad = (site_sum(module, is_weight, *rows) if rows is not None
+                        else conv_sum(module, is_weight, op.inputs, grads))  # type: ignore[arg-type]
+                total[id(p)] += grad.reshape(p.shape).to(p.dtype)
+        return [total[id(p)] if id(p) in self._record.reached else None for p in self.params]
 
     def _add(self, gram: Tensor, forms: dict[int, list[Form]], p: Tensor, form: Form,
              keep: bool) -> None:
@@ -321,13 +351,13 @@ def _release(tasks: list[list[Tensor | None]], at: int, n: int) -> None:
         grads[at: at + n] = [None] * n
 
 
-def _layer_rows(layer: HookedLayer, tasks: list[list[Tensor]],
+def _layer_rows(layer: HookedLayer, inputs: list[Tensor], tasks: list[list[Tensor]],
                 batch: int) -> tuple[Tensor, Tensor]:
     """A layer's input rows ``[B·K, S, in]`` and output gradient rows ``[B·K, S, out]``
     (every call along S; objective ``(i, k)`` at ``i·K + k``): views of the recorded
     tensors for one call and one task, copies only otherwise."""
     k = len(tasks)
-    xs = [layer.rows(t, batch) for t in layer.inputs]
+    xs = [layer.rows(t, batch) for t in inputs]
     if len(xs) == 1 and k == 1:
         return xs[0], layer.output_rows(tasks[0][0], batch)
     d = torch.stack([torch.cat([layer.output_rows(g, batch) for g in grads], 1)

@@ -2,7 +2,8 @@
 
 A refresh step takes the weights ``w`` from the per-sample Gramian ``G`` ``[N, N]``; a
 2-norm row clipper's factors ``dᵢ = min(1, τ/‖gᵢ‖)`` (``D`` diagonal, ``‖gᵢ‖² = Gᵢᵢ``) act
-exactly as ``D G D``, and the update is ``∇ Σᵢ wᵢ dᵢ ℓᵢ``, one weighted backward per
+exactly as ``D G D``, and the update is ``∇ Σᵢ wᵢ dᵢ ℓᵢ``: from the layers' kept operands
+where the step has them (:mod:`._per_sample_update`), else one weighted backward per
 micro-batch. A step between refreshes (``update_every``) reuses the last ``w`` and computes
 no Gramian. Under a process group each rank balances its own objectives and the written
 gradients are the ranks' mean (docs/per_sample.md, "Data parallelism").
@@ -10,6 +11,7 @@ gradients are the ranks' mean (docs/per_sample.md, "Data parallelism").
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +33,8 @@ __all__ = ["PerSampleStep", "Update", "check_gramian_clip", "check_reused_count"
 @dataclass(frozen=True)
 class PerSampleStep:
     """A step's micro-batches (losses with their graphs), the heads' plain gradients, the
-    parameters, the loss scale and the number of task columns K."""
+    parameters, the loss scale, the number of task columns K and, where the layers' operands
+    were kept, the trunk's weighted update from them (``w ↦ s·∇ Σ wᵢₖ ℓᵢₖ``, no backward)."""
 
     losses: list[Tensor]
     heads: list[Tensor | None]
@@ -39,6 +42,7 @@ class PerSampleStep:
     head_params: list[Tensor]
     scale: Tensor | None
     tasks: int
+    direct: Callable[[Tensor], list[Tensor | None]] | None = None
 
     @property
     def flat(self) -> Tensor:
@@ -124,9 +128,12 @@ def reused_update(step: PerSampleStep, cache: WeightCache, balancer: Balancer,
 
 
 def weighted_grads(step: PerSampleStep, weights: Tensor) -> list[Tensor | None]:
-    """``s·∇ Σ wᵢₖ ℓᵢₖ`` of the trunk (``s`` the loss scale, 1 without), one backward per
-    micro-batch (its graph freed); None for a parameter no micro-batch's losses reach, whose
-    ``.grad`` a plain backward leaves alone too."""
+    """``s·∇ Σ wᵢₖ ℓᵢₖ`` of the trunk (``s`` the loss scale, 1 without): from the layers'
+    kept operands where ``step.direct`` is set, else one backward per micro-batch (its graph
+    freed); None for a parameter no loss reaches, whose ``.grad`` a plain backward leaves
+    alone too."""
+    if step.direct is not None:
+        return step.direct(weights)
     w = weights if step.scale is None else weights * step.scale.double()
     total: list[Tensor | None] = [None] * len(step.shared)
     at = 0

@@ -68,6 +68,7 @@ class LayerRecorder:
         self.dense: dict[int, list[tuple[Fallback, int]]] = {}
         self.names: dict[int, str] = {}
         self.recording = True
+        self.reached: set[int] = set()  # ids of the parameters the last checked losses reach
         self._handles: list[Any] = []
         self._versions: dict[int, int] = {}  # each recorded output's version when recorded
 
@@ -184,6 +185,7 @@ class LayerRecorder:
 
     def _check_uses(self, losses: Tensor, params: list[Tensor], fix: str) -> None:
         uses = leaf_uses(losses, params)
+        self.reached = {id(p) for p in params if uses[id(p)] > 0}
         for p in params:
             calls = sum(len(layer.outputs) for layer, _ in self.sites.get(id(p), []))
             if id(p) in self.dense:
