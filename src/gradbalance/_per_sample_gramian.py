@@ -204,19 +204,8 @@ class PerSampleGramian:
         slots, handles = self._hooked(len(roots), partial(
             self._contract, batch=batch, gram=gram, forms=forms, keep=keep, operands=operands))
         asked = [y for y, low in zip(own, lowest(roots, [*own, *fallen])) if low]
-        rest: list[list[Tensor | None]] = []
-        extras: list[list[Tensor | None]] = []
         try:
-            for task, root in enumerate(roots):
-                for slot in slots:
-                    slot.task = task
-                grads = torch.autograd.grad(root, [*asked, *fallen, *extra],
-                                            retain_graph=True, allow_unused=True)
-                rest.append(list(grads[len(asked): len(asked) + len(fallen)]))
-                extras.append(list(grads[len(asked) + len(fallen):]))
-                del grads
-            for slot in slots:  # outputs off some task's graph: zeros there
-                slot.finish()
+            rest, extras = _root_passes(slots, roots, asked, fallen, extra)
         finally:
             for handle in handles:
                 handle.remove()
@@ -343,6 +332,26 @@ def _pair_block(left: Parts, right: Parts) -> Tensor:
     for key, forms in left.forms.items():
         total = total + summed_blocks(forms, right.forms.get(key, [])).to(total.device)
     return total
+
+
+def _root_passes(slots: list[Slots], roots: list[Tensor], asked: list[Tensor],
+                 fallen: list[Tensor], extra: list[Tensor]
+                 ) -> tuple[list[list[Tensor | None]], list[list[Tensor | None]]]:
+    """One ``autograd.grad`` per root (the layers' hooks fill ``slots`` on the way): each
+    root's gradients of the fallback outputs ``fallen`` and of ``extra``."""
+    rest: list[list[Tensor | None]] = []
+    extras: list[list[Tensor | None]] = []
+    for task, root in enumerate(roots):
+        for slot in slots:
+            slot.task = task
+        grads = torch.autograd.grad(root, [*asked, *fallen, *extra], retain_graph=True,
+                                    allow_unused=True)
+        rest.append(list(grads[len(asked): len(asked) + len(fallen)]))
+        extras.append(list(grads[len(asked) + len(fallen):]))
+        del grads
+    for slot in slots:  # outputs off some task's graph: zeros there
+        slot.finish()
+    return rest, extras
 
 
 def _release(tasks: list[list[Tensor | None]], at: int, n: int) -> None:
