@@ -48,11 +48,12 @@ def _guess(x: Tensor, s: Tensor) -> Tensor:
     return x / s > float(x.max()) / float(s.max().clamp_min(torch.finfo(x.dtype).tiny))
 
 
-def _iterate(h: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
+def _iterate(u: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     """``(x, s)`` after Mehrotra's iterations on ``s = Hx − c``, ``x, s ≥ 0``, ``xᵀs = 0``
     from ``x = s = 1``, until the guessed support settles, the complementarity stalls or a
     factorisation fails."""
-    n = c.shape[0]
+    n = u.shape[1]
+    h = u.T @ u
     x = torch.ones(n, dtype=h.dtype)
     s = torch.ones(n, dtype=h.dtype)
     last, stalls, stable, guess = 1.0, 0, 0, _guess(x, s)
@@ -60,7 +61,7 @@ def _iterate(h: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
         chol, info = torch.linalg.cholesky_ex(h + torch.diag(s / x))
         if int(info) != 0:
             break
-        r = h @ x - c - s
+        r = u.T @ (u @ x - b) - s  # from the columns: H's rounding left out
         dx = torch.cholesky_solve((-r - s)[:, None], chol)[:, 0]  # the affine direction
         ds = -s - s / x * dx
         alpha = min(_to_boundary(x, dx), _to_boundary(s, ds))
@@ -92,7 +93,7 @@ def interior_nnls(a: Tensor, b: Tensor) -> tuple[Tensor, list[int]]:
     if live.numel() == 0 or bnorm == 0.0:
         return x, []
     unit = a[:, live] / norms[live]  # unit columns and ‖b‖ = 1: the scales are O(1)
-    y, s = _iterate(unit.T @ unit, unit.T @ (b / bnorm))
+    y, s = _iterate(unit, b / bnorm)
     x[live] = y * bnorm / norms[live]
     keep = _guess(y, s)
     order = torch.argsort(y[keep], descending=True)
