@@ -594,7 +594,7 @@ def nnls(a: Tensor, b: Tensor, passive0: list[bool] | None = None, tol: float = 
     x, converged = _lawson_hanson(a, b, guess, tol,
                                   min(budget, INTERIOR_AFTER) if cold else budget, work)
     if cold and not converged and work.open > INTERIOR_AFTER:
-        point, support = interior_nnls(a, b)
+        point, support = interior_nnls(a, b, lambda v: _is_optimal(a, b, v, tol))
         if _is_optimal(a, b, point, tol):
             return NNLSResult(point, work.additions, work.solves)
         x, converged = _lawson_hanson(a, b, support, tol, budget, work, point)

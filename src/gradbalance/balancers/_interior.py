@@ -15,12 +15,15 @@ Example:
     >>> import torch
     >>> from gradbalance.balancers._interior import interior_nnls
     >>> a = torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 1.0]], dtype=torch.float64)
-    >>> x, support = interior_nnls(a, torch.tensor([1.0, -1.0], dtype=torch.float64))
+    >>> b = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    >>> x, support = interior_nnls(a, b, lambda x: False)
     >>> x.round(decimals=6), support
     (tensor([1., 0., 0.], dtype=torch.float64), [0])
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -33,6 +36,10 @@ STALLS = 2
 #: … or in which the guessed support may stay the same, once ``xᵀs/n`` is below ``SETTLED``.
 STABLE = 3
 SETTLED = 1e-12
+#: Above this ``xᵀs/n``, with fewer rows than columns, the Newton systems are solved on the
+#: rows (:func:`_newton`: cheaper, less accurate as ``X⁻¹S`` spreads); the residuals stay
+#: exact, so a rough direction only slows the first iterations.
+ROUGH = 1e-8
 #: Fraction of the step to the boundary taken.
 STEP = 0.99
 
@@ -48,43 +55,70 @@ def _guess(x: Tensor, s: Tensor) -> Tensor:
     return x / s > float(x.max()) / float(s.max().clamp_min(torch.finfo(x.dtype).tiny))
 
 
-def _iterate(u: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
-    """``(x, s)`` after Mehrotra's iterations on ``s = Hx − c``, ``x, s ≥ 0``, ``xᵀs = 0``
-    from ``x = s = 1``, until the guessed support settles, the complementarity stalls or a
-    factorisation fails."""
+def _newton(u: Tensor, h: Tensor, d: Tensor, rows: bool) -> Callable[[Tensor], Tensor] | None:
+    """Solves of ``(UᵀU + D) v = rhs`` (``D = diag(d) > 0``, ``h = UᵀU``): one Cholesky
+    factorisation of the ``n × n`` matrix ``h + D``, or, with ``rows``, of the ``m × m``
+    ``I + UD⁻¹Uᵀ`` (the Woodbury identity, ``(D + UᵀU)⁻¹ = D⁻¹ − D⁻¹Uᵀ(I + UD⁻¹Uᵀ)⁻¹UD⁻¹``);
+    None if it fails."""
+    if not rows:
+        chol, info = torch.linalg.cholesky_ex(h + torch.diag(d))
+        if int(info) != 0:
+            return None
+        return lambda rhs: torch.cholesky_solve(rhs[:, None], chol)[:, 0]
+    ud = u / d
+    small = ud @ u.T
+    small.diagonal().add_(1.0)
+    chol, info = torch.linalg.cholesky_ex(small)
+    if int(info) != 0:
+        return None
+
+    def solve(rhs: Tensor) -> Tensor:
+        t = rhs / d
+        return t - torch.cholesky_solve((u @ t)[:, None], chol)[:, 0] @ ud
+    return solve
+
+
+def _iterate(u: Tensor, b: Tensor, accept: Callable[[Tensor], bool]) -> tuple[Tensor, Tensor]:
+    """``(x, s)`` after Mehrotra's iterations on ``s = UᵀUx − Uᵀb``, ``x, s ≥ 0``,
+    ``xᵀs = 0`` from ``x = s = 1``, until the guessed support settles or ``accept(x)``
+    (both checked once ``xᵀs/n < SETTLED``), the complementarity stalls or a factorisation
+    fails."""
     n = u.shape[1]
     h = u.T @ u
-    x = torch.ones(n, dtype=h.dtype)
-    s = torch.ones(n, dtype=h.dtype)
+    x = torch.ones(n, dtype=u.dtype)
+    s = torch.ones(n, dtype=u.dtype)
     last, stalls, stable, guess = 1.0, 0, 0, _guess(x, s)
     for _ in range(MAX_ITERATIONS):
-        chol, info = torch.linalg.cholesky_ex(h + torch.diag(s / x))
-        if int(info) != 0:
+        solve = _newton(u, h, s / x, last > ROUGH and u.shape[0] < n)
+        if solve is None:
             break
-        r = u.T @ (u @ x - b) - s  # from the columns: H's rounding left out
-        dx = torch.cholesky_solve((-r - s)[:, None], chol)[:, 0]  # the affine direction
+        r = u.T @ (u @ x - b) - s  # from the columns: UᵀU's rounding left out
+        dx = solve(-r - s)  # the affine direction
         ds = -s - s / x * dx
         alpha = min(_to_boundary(x, dx), _to_boundary(s, ds))
         sigma = (float((x + alpha * dx) @ (s + alpha * ds)) / n / last) ** 3
         centre = (sigma * last - dx * ds) / x  # the corrector's term
-        dx = torch.cholesky_solve((-r - s + centre)[:, None], chol)[:, 0]
+        dx = solve(-r - s + centre)
         ds = -s - s / x * dx + centre
         alpha = STEP * min(_to_boundary(x, dx), _to_boundary(s, ds))
         x, s = x + alpha * dx, s + alpha * ds
         now = float(x @ s) / n
         stalls = stalls + 1 if now > 0.5 * last else 0
         nxt = _guess(x, s)
-        stable = stable + 1 if now < SETTLED and bool((nxt == guess).all()) else 0
-        if stalls >= STALLS or stable >= STABLE or now == 0.0:
+        settled = now < SETTLED
+        stable = stable + 1 if settled and bool((nxt == guess).all()) else 0
+        if stalls >= STALLS or stable >= STABLE or now == 0.0 or (settled and accept(x)):
             break
         last, guess = now, nxt
     return x, s
 
 
-def interior_nnls(a: Tensor, b: Tensor) -> tuple[Tensor, list[int]]:
+def interior_nnls(a: Tensor, b: Tensor,
+                  accept: Callable[[Tensor], bool]) -> tuple[Tensor, list[int]]:
     """``(x, support)``: the interior point's last iterate for ``min_{x ≥ 0} ‖Ax − b‖``
-    (``A`` ``[m, n]``, ``b`` ``[m]``, float64; zero on zero columns) and the columns it
-    guesses carry the solution (:func:`_guess`), the largest ``x`` first."""
+    (``A`` ``[m, n]``, ``b`` ``[m]``, float64; zero on zero columns), which stops early
+    where ``accept(x)`` holds, and the columns it guesses carry the solution
+    (:func:`_guess`), the largest ``x`` first."""
     n = a.shape[1]
     norms = torch.linalg.vector_norm(a, dim=0)
     live = torch.nonzero(norms > 0.0).flatten()
@@ -93,8 +127,13 @@ def interior_nnls(a: Tensor, b: Tensor) -> tuple[Tensor, list[int]]:
     if live.numel() == 0 or bnorm == 0.0:
         return x, []
     unit = a[:, live] / norms[live]  # unit columns and ‖b‖ = 1: the scales are O(1)
-    y, s = _iterate(unit, b / bnorm)
-    x[live] = y * bnorm / norms[live]
+    scale = bnorm / norms[live]
+
+    def accept_unit(y: Tensor) -> bool:
+        return accept(x.index_copy(0, live, y * scale))
+
+    y, s = _iterate(unit, b / bnorm, accept_unit)
+    x[live] = y * scale
     keep = _guess(y, s)
     order = torch.argsort(y[keep], descending=True)
     support: list[int] = live[keep][order].tolist()
