@@ -16,17 +16,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from torch import Tensor
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from unit.balancers import test_nnls_updated_qr as lh
-from unit.balancers.test_nnls_updated_qr import KINDS, _assert_nnls_optimal, _from_scratch, matrix
+from torch import Tensor
 
 from gradbalance.balancers import _boxqp
 from gradbalance.balancers._boxqp import nnls
 from gradbalance.balancers._qr_update import ColumnQR
 from gradbalance.functional import mgda_weights
 from gradbalance.gramian import compute_gramian
+from unit.balancers import test_nnls_updated_qr as lh
+from unit.balancers.test_nnls_updated_qr import KINDS, _assert_nnls_optimal, _from_scratch, matrix
 
 F64 = torch.float64
 FIXTURE = [HealthCheck.function_scoped_fixture]  # the same patch for every example
