@@ -571,6 +571,16 @@ def _is_optimal(a: Tensor, b: Tensor, x: Tensor, tol: float) -> bool:
     return bool((x >= 0.0).all()) and bool(((a.T @ r).abs() <= floor).all())
 
 
+def _corrected(a: Tensor, b: Tensor, x: Tensor) -> Tensor | None:
+    """``x + A⁺(b − Ax)`` (the least-norm correction, ``gelsd``) where ``A`` has fewer rows
+    than columns: the residual of an interior point whose every coordinate is positive (a
+    solution with ``Ax = b`` up to rounding, not unique) taken to rounding; None elsewhere."""
+    if a.shape[0] >= a.shape[1]:
+        return None
+    step: Tensor = torch.linalg.lstsq(a, (b - a @ x)[:, None], driver="gelsd").solution
+    return x + step[:, 0]
+
+
 def nnls(a: Tensor, b: Tensor, passive0: list[bool] | None = None, tol: float = 1e-12,
          max_additions: int | None = None) -> NNLSResult:
     """``argmin_{x ≥ 0} ‖A x − b‖`` for ``A`` ``[m, n]``, ``b`` ``[m]`` (float64).
@@ -595,8 +605,9 @@ def nnls(a: Tensor, b: Tensor, passive0: list[bool] | None = None, tol: float = 
                                   min(budget, INTERIOR_AFTER) if cold else budget, work)
     if cold and not converged and work.open > INTERIOR_AFTER:
         point, support = interior_nnls(a, b, lambda v: _is_optimal(a, b, v, tol))
-        if _is_optimal(a, b, point, tol):
-            return NNLSResult(point, work.additions, work.solves)
+        for v in (point, _corrected(a, b, point)):
+            if v is not None and _is_optimal(a, b, v, tol):
+                return NNLSResult(v, work.additions, work.solves)
         x, converged = _lawson_hanson(a, b, support, tol, budget, work, point)
     elif cold and not converged:
         x, converged = _lawson_hanson(a, b, torch.nonzero(x).flatten().tolist(), tol, budget,

@@ -36,10 +36,6 @@ STALLS = 2
 #: … or in which the guessed support may stay the same, once ``xᵀs/n`` is below ``SETTLED``.
 STABLE = 3
 SETTLED = 1e-12
-#: Above this ``xᵀs/n``, with fewer rows than columns, the Newton systems are solved on the
-#: rows (:func:`_newton`: cheaper, less accurate as ``X⁻¹S`` spreads); the residuals stay
-#: exact, so a rough direction only slows the first iterations.
-ROUGH = 1e-8
 #: Fraction of the step to the boundary taken.
 STEP = 0.99
 
@@ -55,12 +51,12 @@ def _guess(x: Tensor, s: Tensor) -> Tensor:
     return x / s > float(x.max()) / float(s.max().clamp_min(torch.finfo(x.dtype).tiny))
 
 
-def _newton(u: Tensor, h: Tensor, d: Tensor, rows: bool) -> Callable[[Tensor], Tensor] | None:
-    """Solves of ``(UᵀU + D) v = rhs`` (``D = diag(d) > 0``, ``h = UᵀU``): one Cholesky
-    factorisation of the ``n × n`` matrix ``h + D``, or, with ``rows``, of the ``m × m``
-    ``I + UD⁻¹Uᵀ`` (the Woodbury identity, ``(D + UᵀU)⁻¹ = D⁻¹ − D⁻¹Uᵀ(I + UD⁻¹Uᵀ)⁻¹UD⁻¹``);
-    None if it fails."""
-    if not rows:
+def _newton(u: Tensor, h: Tensor | None, d: Tensor) -> Callable[[Tensor], Tensor] | None:
+    """Solves of ``(UᵀU + D) v = rhs`` (``D = diag(d) > 0``): one Cholesky factorisation of
+    the ``n × n`` matrix ``h + D`` (``h = UᵀU``), or, with fewer rows than columns (``h``
+    None), of the ``m × m`` ``I + UD⁻¹Uᵀ`` (the Woodbury identity,
+    ``(D + UᵀU)⁻¹ = D⁻¹ − D⁻¹Uᵀ(I + UD⁻¹Uᵀ)⁻¹UD⁻¹``); None if it fails."""
+    if h is not None:
         chol, info = torch.linalg.cholesky_ex(h + torch.diag(d))
         if int(info) != 0:
             return None
@@ -83,13 +79,13 @@ def _iterate(u: Tensor, b: Tensor, accept: Callable[[Tensor], bool]) -> tuple[Te
     ``xᵀs = 0`` from ``x = s = 1``, until the guessed support settles or ``accept(x)``
     (both checked once ``xᵀs/n < SETTLED``), the complementarity stalls or a factorisation
     fails."""
-    n = u.shape[1]
-    h = u.T @ u
+    m, n = u.shape
+    h = u.T @ u if m >= n else None
     x = torch.ones(n, dtype=u.dtype)
     s = torch.ones(n, dtype=u.dtype)
     last, stalls, stable, guess = 1.0, 0, 0, _guess(x, s)
     for _ in range(MAX_ITERATIONS):
-        solve = _newton(u, h, s / x, last > ROUGH and u.shape[0] < n)
+        solve = _newton(u, h, s / x)
         if solve is None:
             break
         r = u.T @ (u @ x - b) - s  # from the columns: UᵀU's rounding left out
