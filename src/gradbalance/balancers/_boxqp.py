@@ -581,6 +581,15 @@ def _corrected(a: Tensor, b: Tensor, x: Tensor) -> Tensor | None:
     return x + step[:, 0]
 
 
+def _accepted(a: Tensor, b: Tensor, point: Tensor, tol: float) -> Tensor | None:
+    """The interior point, or its correction (:func:`_corrected`), where it passes
+    Lawson–Hanson's test (:func:`_is_optimal`); None where neither does."""
+    if _is_optimal(a, b, point, tol):
+        return point
+    corrected = _corrected(a, b, point)
+    return corrected if corrected is not None and _is_optimal(a, b, corrected, tol) else None
+
+
 def nnls(a: Tensor, b: Tensor, passive0: list[bool] | None = None, tol: float = 1e-12,
          max_additions: int | None = None) -> NNLSResult:
     """``argmin_{x ≥ 0} ‖A x − b‖`` for ``A`` ``[m, n]``, ``b`` ``[m]`` (float64).
@@ -605,9 +614,9 @@ def nnls(a: Tensor, b: Tensor, passive0: list[bool] | None = None, tol: float = 
                                   min(budget, INTERIOR_AFTER) if cold else budget, work)
     if cold and not converged and work.open > INTERIOR_AFTER:
         point, support = interior_nnls(a, b, lambda v: _is_optimal(a, b, v, tol))
-        for v in (point, _corrected(a, b, point)):
-            if v is not None and _is_optimal(a, b, v, tol):
-                return NNLSResult(v, work.additions, work.solves)
+        answer = _accepted(a, b, point, tol)
+        if answer is not None:
+            return NNLSResult(answer, work.additions, work.solves)
         x, converged = _lawson_hanson(a, b, support, tol, budget, work, point)
     elif cold and not converged:
         x, converged = _lawson_hanson(a, b, torch.nonzero(x).flatten().tolist(), tol, budget,
