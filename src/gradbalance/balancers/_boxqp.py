@@ -590,6 +590,27 @@ def _accepted(a: Tensor, b: Tensor, point: Tensor, tol: float) -> Tensor | None:
     return corrected if corrected is not None and _is_optimal(a, b, corrected, tol) else None
 
 
+def _first_pass(a: Tensor, b: Tensor, passive0: list[bool] | None, tol: float, budget: int,
+                work: _Work) -> tuple[Tensor, bool]:
+    """Lawson–Hanson from ``passive0``; a cold start on ``INTERIOR_MIN_COLUMNS`` columns or
+    more stops after ``INTERIOR_AFTER`` additions and, with more candidates than that left,
+    goes to the interior point (its point if accepted, else its support and point start
+    Lawson–Hanson again), or else goes on from its support."""
+    if passive0 is not None or a.shape[1] < INTERIOR_MIN_COLUMNS:
+        guess = [] if passive0 is None else [j for j, p in enumerate(passive0) if p]
+        return _lawson_hanson(a, b, guess, tol, budget, work)
+    x, converged = _lawson_hanson(a, b, [], tol, min(budget, INTERIOR_AFTER), work)
+    if converged:
+        return x, True
+    if work.open <= INTERIOR_AFTER:
+        return _lawson_hanson(a, b, torch.nonzero(x).flatten().tolist(), tol, budget, work)
+    point, support = interior_nnls(a, b, lambda v: _is_optimal(a, b, v, tol))
+    answer = _accepted(a, b, point, tol)
+    if answer is not None:
+        return answer, True
+    return _lawson_hanson(a, b, support, tol, budget, work, point)
+
+
 def nnls(a: Tensor, b: Tensor, passive0: list[bool] | None = None, tol: float = 1e-12,
          max_additions: int | None = None) -> NNLSResult:
     """``argmin_{x ≥ 0} ‖A x − b‖`` for ``A`` ``[m, n]``, ``b`` ``[m]`` (float64).
@@ -608,19 +629,7 @@ def nnls(a: Tensor, b: Tensor, passive0: list[bool] | None = None, tol: float = 
     n = a.shape[1]
     budget = 3 * n + 10 if max_additions is None else max_additions
     work = _Work()
-    cold = passive0 is None and n >= INTERIOR_MIN_COLUMNS
-    guess = [] if passive0 is None else [j for j, p in enumerate(passive0) if p]
-    x, converged = _lawson_hanson(a, b, guess, tol,
-                                  min(budget, INTERIOR_AFTER) if cold else budget, work)
-    if cold and not converged and work.open > INTERIOR_AFTER:
-        point, support = interior_nnls(a, b, lambda v: _is_optimal(a, b, v, tol))
-        answer = _accepted(a, b, point, tol)
-        if answer is not None:
-            return NNLSResult(answer, work.additions, work.solves)
-        x, converged = _lawson_hanson(a, b, support, tol, budget, work, point)
-    elif cold and not converged:
-        x, converged = _lawson_hanson(a, b, torch.nonzero(x).flatten().tolist(), tol, budget,
-                                      work)
+    x, converged = _first_pass(a, b, passive0, tol, budget, work)
     if converged:
         return NNLSResult(x, work.additions, work.solves)
     rough = _fista(a, b, x, FALLBACK_ITERATIONS)
