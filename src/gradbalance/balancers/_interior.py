@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -74,31 +75,43 @@ def _newton(u: Tensor, h: Tensor | None, d: Tensor) -> Callable[[Tensor], Tensor
     return solve
 
 
+def _step(u: Tensor, h: Tensor | None, b: Tensor, x: Tensor, s: Tensor,
+          mu: float) -> tuple[Tensor, Tensor, float] | None:
+    """One predictor–corrector step from ``(x, s)`` (``mu = xᵀs/n``): the next point and its
+    ``xᵀs/n``; None where the factorisation fails or the step is not finite (rounding)."""
+    n = x.shape[0]
+    solve = _newton(u, h, s / x)
+    if solve is None:
+        return None
+    r = u.T @ (u @ x - b) - s  # from the columns: UᵀU's rounding left out
+    dx = solve(-r - s)  # the affine direction
+    ds = -s - s / x * dx
+    alpha = min(_to_boundary(x, dx), _to_boundary(s, ds))
+    sigma = (float((x + alpha * dx) @ (s + alpha * ds)) / n / mu) ** 3
+    centre = (sigma * mu - dx * ds) / x  # the corrector's term
+    dx = solve(-r - s + centre)
+    ds = -s - s / x * dx + centre
+    alpha = STEP * min(_to_boundary(x, dx), _to_boundary(s, ds))
+    x, s = x + alpha * dx, s + alpha * ds
+    now = float(x @ s) / n
+    return (x, s, now) if math.isfinite(now) else None
+
+
 def _iterate(u: Tensor, b: Tensor, accept: Callable[[Tensor], bool]) -> tuple[Tensor, Tensor]:
     """``(x, s)`` after Mehrotra's iterations on ``s = UᵀUx − Uᵀb``, ``x, s ≥ 0``,
     ``xᵀs = 0`` from ``x = s = 1``, until the guessed support settles or ``accept(x)``
-    (both checked once ``xᵀs/n < SETTLED``), the complementarity stalls or a factorisation
-    fails."""
+    (both checked once ``xᵀs/n < SETTLED``), the complementarity stalls, or a step fails
+    (:func:`_step`; the last point is kept)."""
     m, n = u.shape
     h = u.T @ u if m >= n else None
     x = torch.ones(n, dtype=u.dtype)
     s = torch.ones(n, dtype=u.dtype)
     last, stalls, stable, guess = 1.0, 0, 0, _guess(x, s)
     for _ in range(MAX_ITERATIONS):
-        solve = _newton(u, h, s / x)
-        if solve is None:
+        step = _step(u, h, b, x, s, last)
+        if step is None:
             break
-        r = u.T @ (u @ x - b) - s  # from the columns: UᵀU's rounding left out
-        dx = solve(-r - s)  # the affine direction
-        ds = -s - s / x * dx
-        alpha = min(_to_boundary(x, dx), _to_boundary(s, ds))
-        sigma = (float((x + alpha * dx) @ (s + alpha * ds)) / n / last) ** 3
-        centre = (sigma * last - dx * ds) / x  # the corrector's term
-        dx = solve(-r - s + centre)
-        ds = -s - s / x * dx + centre
-        alpha = STEP * min(_to_boundary(x, dx), _to_boundary(s, ds))
-        x, s = x + alpha * dx, s + alpha * ds
-        now = float(x @ s) / n
+        x, s, now = step
         stalls = stalls + 1 if now > 0.5 * last else 0
         nxt = _guess(x, s)
         settled = now < SETTLED
