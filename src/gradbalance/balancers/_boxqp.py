@@ -333,13 +333,6 @@ def _pivot_single(
 
 
 # -- 2. non-negative least squares (Lawson & Hanson) ---------------------------------------
-#: Columns from which a cold Lawson–Hanson start not finished after ``INTERIOR_AFTER``
-#: additions goes to the interior point (:func:`nnls`): a handful of additions finish
-#: most problems; rank-deficient rows with float32 rounding take about ``n/2``.
-INTERIOR_MIN_COLUMNS = 64
-INTERIOR_AFTER = 16
-
-
 @dataclass
 class NNLSResult:
     """``x`` of :func:`nnls`, with its work: LH additions and least-squares solves, FISTA steps."""
@@ -358,6 +351,13 @@ class _Work:
         self.additions = 0
         self.solves = 0
         self.open = 0  # candidates left when the additions ran out
+
+
+#: Columns from which a cold Lawson–Hanson start not finished after ``INTERIOR_AFTER``
+#: additions goes to the interior point (:func:`nnls`): a handful of additions finish
+#: most problems; rank-deficient rows with float32 rounding take about ``n/2``.
+INTERIOR_MIN_COLUMNS = 64
+INTERIOR_AFTER = 16
 
 
 def _solve(qr: ColumnQR, work: _Work) -> tuple[Tensor, list[float]]:
