@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from ._active_set import box_active_set, solve_free
+from ._interior import interior_nnls
 from ._pcg import pcg_free, rough_free_sets
 from ._qr_update import ColumnQR
 
@@ -345,89 +346,104 @@ class NNLSResult:
 
 
 class _Work:
-    """Counters of one :func:`nnls` call: Lawson–Hanson additions, least-squares solves."""
+    """Counters of one :func:`nnls` call: Lawson–Hanson additions, least-squares solves,
+    and the candidates to enter left when the additions ran out."""
 
     def __init__(self) -> None:
         self.additions = 0
         self.solves = 0
+        self.open = 0  # candidates left when the additions ran out
 
 
-def _solve(qr: ColumnQR, work: _Work) -> Tensor:
-    """The least-squares solution on the passive columns, in their order in ``qr``."""
+#: Columns from which a cold Lawson–Hanson start not finished after ``INTERIOR_AFTER``
+#: additions goes to the interior point (:func:`nnls`): a handful of additions finish
+#: most problems; rank-deficient rows with float32 rounding take about ``n/2``.
+INTERIOR_MIN_COLUMNS = 64
+INTERIOR_AFTER = 16
+
+
+def _solve(qr: ColumnQR, work: _Work) -> tuple[Tensor, list[float]]:
+    """The least-squares solution on the passive columns, in their order in ``qr``, as a
+    tensor and as a list."""
     work.solves += 1
-    return qr.solve()
+    z = qr.solve()
+    return z, z.tolist()
 
 
 def _drop(qr: ColumnQR, leaving: list[int]) -> None:
     """The columns ``leaving`` leave the factorisation, the last-placed first (the shorter
     rotations)."""
-    for j in sorted(leaving, key=qr.where.__getitem__, reverse=True):
+    place = {j: i for i, j in enumerate(qr.cols)}
+    for j in sorted(leaving, key=place.__getitem__, reverse=True):
         qr.drop(j)
 
 
-def _nonzero_guess(passive0: list[bool], norms: list[float]) -> list[bool]:
-    """The guessed passive set less its zero columns."""
-    return [bool(p) and norms[j] > 0.0 for j, p in enumerate(passive0)]
+def _enter(qr: ColumnQR, guess: list[int], norms: Tensor) -> None:
+    """The guessed columns enter in their order, each that is independent of those before
+    it: those off the span as one block (:meth:`~._qr_update.ColumnQR.add_block`), cut
+    before its first column that depends on those before it in the block, which is left
+    out; then again with the rest."""
+    rest = guess
+    while rest and qr.size < qr.tt.shape[1]:
+        off = (qr.off_norms()[rest] > INDEPENDENCE_RTOL * norms[rest]).tolist()
+        rest = [j for j, ok in zip(rest, off, strict=True) if ok]
+        block, p = rest[: qr.tt.shape[1] - qr.size], qr.size
+        if not block:
+            return
+        qr.add_block(block)
+        independent = (qr.diagonal(p) > INDEPENDENCE_RTOL * norms[block]).tolist()
+        i = next((i for i, ok in enumerate(independent) if not ok), len(block))
+        qr.truncate(p + i)
+        rest = rest[i + 1 :] if i < len(block) else rest[i:]
 
 
-def _warm_start(passive: list[bool], norms: list[float], qr: ColumnQR, work: _Work) -> Tensor:
-    """A feasible start from a guessed passive set: its columns independent of those before
-    them enter, then the indices of a non-positive least-squares solution leave until none
-    is left (each solve drops one or more)."""
-    x = torch.zeros(len(passive), dtype=qr.tt.dtype)
-    for j in [j for j, p in enumerate(passive) if p]:
-        if qr.off_norm(j) > INDEPENDENCE_RTOL * norms[j]:
-            qr.add(j)
-        else:
-            passive[j] = False
+def _warm_start(guess: list[int], norms: Tensor, qr: ColumnQR, work: _Work,
+                point: Tensor | None) -> Tensor:
+    """A feasible start from a guessed passive set (its non-zero columns, in order of
+    preference): its columns independent of those before them enter; from a feasible
+    ``point``, Lawson–Hanson's inner loop then moves it on them towards their least-squares
+    solution (steps 7–11: each index that reaches zero leaves); without one, the indices of
+    a non-positive least-squares solution leave until none is left (each solve drops one or
+    more)."""
+    x = torch.zeros(qr.n, dtype=qr.tt.dtype)
+    _enter(qr, guess, norms)
+    if point is not None and qr.size:
+        x.index_copy_(0, qr.cols_t, point[qr.cols_t].clamp_min(0.0))
+        z, z_l = _solve(qr, work)
+        return _inner_loop(x, z, z_l, qr, work)
     while qr.size:
-        z = _solve(qr, work)
-        z_l = z.tolist()
+        z, z_l = _solve(qr, work)
         if min(z_l) > 0.0:
-            x[qr.cols_t] = z
-            return x
-        leaving = [j for j, v in zip(qr.cols, z_l, strict=True) if v <= 0.0]
-        for j in leaving:
-            passive[j] = False
-        _drop(qr, leaving)
+            return x.index_copy_(0, qr.cols_t, z)
+        _drop(qr, [j for j, v in zip(qr.cols, z_l, strict=True) if v <= 0.0])
     return x
 
 
-def _step_to_boundary(x: Tensor, passive: list[bool], qr: ColumnQR, z: Tensor,
-                      z_l: list[float]) -> tuple[Tensor, list[int]]:
+def _step_to_boundary(x: Tensor, qr: ColumnQR, z: Tensor) -> tuple[Tensor, list[int]]:
     """Lawson–Hanson steps 8–11: the largest step from ``x`` towards ``z`` (on the passive
-    set) that keeps it feasible; the blocking index and every other that reaches zero leave
-    the passive set (returned)."""
-    idx, idx_t = qr.cols, qr.cols_t
-    now = x[idx_t]
-    ratios = [(xv / (xv - zv), j) for j, xv, zv in zip(idx, now.tolist(), z_l, strict=True)
-              if zv <= 0.0]
-    alpha, block = min(ratios)
+    set) that keeps it feasible; the blocking index (the smallest of equal ratios) and every
+    other that reaches zero leave the passive set (returned)."""
+    idx = qr.cols_t
+    now = x[idx]
+    ratios = torch.where(z <= 0.0, now / (now - z), math.inf)
+    alpha = ratios.min()
+    block = torch.where(ratios == alpha, idx, x.shape[0]).min()
     moved = now + alpha * (z - now)
-    leaving = [j for j, v in zip(idx, moved.tolist(), strict=True) if j == block or v <= 0.0]
-    x = torch.zeros_like(x)
-    x[idx_t] = moved
-    x[leaving] = 0.0
-    for j in leaving:
-        passive[j] = False
-    return x, leaving
+    leave = (moved <= 0.0) | (idx == block)
+    out = torch.zeros_like(x).index_copy_(0, idx, moved.masked_fill_(leave, 0.0))
+    return out, idx[leave].tolist()
 
 
-def _inner_loop(x: Tensor, passive: list[bool], z: Tensor, qr: ColumnQR,
-                work: _Work) -> Tensor:
+def _inner_loop(x: Tensor, z: Tensor, z_l: list[float], qr: ColumnQR, work: _Work) -> Tensor:
     """Lawson–Hanson steps 7–11: move towards the least-squares solution ``z`` on the
     passive set until it is positive, dropping each index that reaches zero."""
-    while True:
-        z_l = z.tolist()
-        if min(z_l) > 0.0:
-            out = torch.zeros_like(x)
-            out[qr.cols_t] = z
-            return out
-        x, leaving = _step_to_boundary(x, passive, qr, z, z_l)
+    while min(z_l) <= 0.0:
+        x, leaving = _step_to_boundary(x, qr, z)
         _drop(qr, leaving)
         if not qr.size:
             return torch.zeros_like(x)
-        z = _solve(qr, work)
+        z, z_l = _solve(qr, work)
+    return torch.zeros_like(x).index_copy_(0, qr.cols_t, z)
 
 
 @dataclass
@@ -444,18 +460,17 @@ def _candidates(x: Tensor, scales: _Scales, tol: float, qr: ColumnQR) -> Tensor:
     """``gⱼ`` ``[n]`` of every index that may enter the passive set (see
     :func:`_lawson_hanson`), ``−inf`` elsewhere: outside it, independent of it, and with
     ``wⱼ`` above both ``tol ‖eⱼ‖‖r‖`` and rounding. One pass of tensor operations over the
-    ``n`` columns in ``qr``'s stored order (no per-column Python work): ``x`` is the
-    least-squares solution on the passive set, so ``r``, ``w = Aᵀr`` and ``‖eⱼ‖`` are read
-    off the factorisation."""
-    rnorm = qr.residual_norm()
-    w = qr.dual()
-    off = qr.off_norms(stored=True)
-    noise = 8 * _EPS * (scales.bnorm + float(scales.norms_t @ x.abs()))
-    norms = scales.norms_t[qr.perm_t]
-    ok = (off > INDEPENDENCE_RTOL * norms) & (
-        w > torch.maximum(tol * rnorm * off, noise * norms))
-    ok[: qr.size] = False  # the passive set
-    return qr.to_columns(torch.where(ok, w / torch.where(ok, off, 1.0), -math.inf))
+    ``n`` columns (no per-column Python work): ``x`` is the least-squares solution on the
+    passive set, so ``r``, ``w = Aᵀr`` and ``‖eⱼ‖`` are read off the factorisation (a
+    passive column has ``eⱼ = 0``, exactly)."""
+    tail = qr.tt[:, qr.size :]
+    r = tail[-1]
+    w = tail[:-1] @ r
+    off = _norm(tail[:-1], dim=1)
+    noise = (scales.norms_t @ x).add_(scales.bnorm).mul_(8 * _EPS)  # x ≥ 0
+    floor = torch.maximum(off * (tol * _norm(r)), scales.norms_t * noise)
+    ok = (off > INDEPENDENCE_RTOL * scales.norms_t) & (w > floor)
+    return torch.where(ok, w / off, -math.inf)
 
 
 def _pick(scores: Tensor, aside: set[int]) -> int | None:
@@ -464,24 +479,27 @@ def _pick(scores: Tensor, aside: set[int]) -> int | None:
     if aside:
         scores = scores.clone()
         scores[list(aside)] = -math.inf
-    last = scores.shape[0] - 1 - int(torch.argmax(scores.flip(0)))
-    return last if float(scores[last]) > -math.inf else None
+    flipped = scores.flip(0)
+    first = flipped.argmax()
+    if float(flipped[first]) == -math.inf:
+        return None
+    return scores.shape[0] - 1 - int(first)
 
 
-def _add(x: Tensor, passive: list[bool], t: int, qr: ColumnQR, work: _Work) -> Tensor | None:
+def _add(x: Tensor, t: int, qr: ColumnQR, work: _Work) -> Tensor | None:
     """Index ``t`` enters the passive set and ``x`` moves to the new solve (Lawson–Hanson
     steps 5–11); None, with ``t`` left out, if the solve gives it no positive value."""
     qr.add(t)
-    z = _solve(qr, work)
-    if float(z[-1]) <= 0.0:
+    z, z_l = _solve(qr, work)
+    if z_l[-1] <= 0.0:
         qr.drop(t)
         return None
-    passive[t] = True
-    return _inner_loop(x, passive, z, qr, work)
+    return _inner_loop(x, z, z_l, qr, work)
 
 
-def _lawson_hanson(a: Tensor, b: Tensor, passive0: list[bool] | None, tol: float,
-                   max_additions: int, work: _Work) -> tuple[Tensor, bool]:
+def _lawson_hanson(a: Tensor, b: Tensor, guess: list[int], tol: float,
+                   max_additions: int, work: _Work,
+                   point: Tensor | None = None) -> tuple[Tensor, bool]:
     """Lawson & Hanson (1974, *Solving Least Squares Problems*, Ch. 23, Alg. NNLS).
 
     ``(x, converged)``. With ``r = b − Ax`` orthogonal to the passive columns and
@@ -499,14 +517,11 @@ def _lawson_hanson(a: Tensor, b: Tensor, passive0: list[bool] | None, tol: float
     converged: a passive set repeats (rounding), the additions run out, or a solve gives the
     entering index no positive value (it is then set aside until ``x`` changes).
     """
-    n = a.shape[1]
     norms_t = _norm(a, dim=0)
-    norms = norms_t.tolist()
-    scales = _Scales(norms, float(_norm(b)), norms_t)
+    scales = _Scales(norms_t.tolist(), float(_norm(b)), norms_t)
     qr = ColumnQR(a, b)
-    passive = [False] * n if passive0 is None else _nonzero_guess(passive0, norms)
-    x = _warm_start(passive, norms, qr, work)
-    seen: set[tuple[bool, ...]] = set()
+    x = _warm_start([j for j in guess if scales.norms[j] > 0.0], norms_t, qr, work, point)
+    seen: set[frozenset[int]] = set()
     aside: set[int] = set()
     while work.additions < max_additions:
         scores = _candidates(x, scales, tol, qr)
@@ -514,16 +529,17 @@ def _lawson_hanson(a: Tensor, b: Tensor, passive0: list[bool] | None, tol: float
         if t is None:
             return x, not bool((scores > -math.inf).any())
         work.additions += 1
-        moved = _add(x, passive, t, qr, work)
+        moved = _add(x, t, qr, work)
         if moved is None:
             aside.add(t)
             continue
         x = moved
         aside.clear()
-        key = tuple(passive)
+        key = frozenset(qr.cols)
         if key in seen:
             return x, False
         seen.add(key)
+    work.open = int((_candidates(x, scales, tol, qr) > -math.inf).sum())
     return x, False
 
 
@@ -546,25 +562,82 @@ def _fista(a: Tensor, b: Tensor, x0: Tensor, steps: int) -> Tensor:
     return x
 
 
+def _is_optimal(a: Tensor, b: Tensor, x: Tensor, tol: float) -> bool:
+    """Lawson–Hanson's optimality test (:func:`_lawson_hanson`) for any ``x ≥ 0``, on both
+    sides: every ``|wⱼ|`` (``w = Aᵀ(b − Ax)``) below ``tol ‖Aⱼ‖‖r‖`` or rounding, so no
+    column, in or out, moves the residual by more than ``tol ‖r‖``."""
+    r = b - a @ x
+    norms = _norm(a, dim=0)
+    noise = 8 * _EPS * (float(_norm(b)) + float(norms @ x))
+    floor = norms * max(tol * float(_norm(r)), noise)
+    return bool((x >= 0.0).all()) and bool(((a.T @ r).abs() <= floor).all())
+
+
+def _corrected(a: Tensor, b: Tensor, x: Tensor) -> Tensor | None:
+    """``x + A⁺(b − Ax)`` (the least-norm correction, ``gelsd``) where ``A`` has fewer rows
+    than columns: the residual of an interior point whose every coordinate is positive (a
+    solution with ``Ax = b`` up to rounding, not unique) taken to rounding; None elsewhere."""
+    if a.shape[0] >= a.shape[1]:
+        return None
+    step: Tensor = torch.linalg.lstsq(a, (b - a @ x)[:, None], driver="gelsd").solution
+    return x + step[:, 0]
+
+
+def _accepted(a: Tensor, b: Tensor, point: Tensor, tol: float) -> Tensor | None:
+    """The interior point, or its correction (:func:`_corrected`), where it passes
+    Lawson–Hanson's test (:func:`_is_optimal`); None where neither does."""
+    if _is_optimal(a, b, point, tol):
+        return point
+    corrected = _corrected(a, b, point)
+    return corrected if corrected is not None and _is_optimal(a, b, corrected, tol) else None
+
+
+def _first_pass(a: Tensor, b: Tensor, passive0: list[bool] | None, tol: float, budget: int,
+                work: _Work) -> tuple[Tensor, bool]:
+    """Lawson–Hanson from ``passive0``; a cold start on ``INTERIOR_MIN_COLUMNS`` columns or
+    more stops after ``INTERIOR_AFTER`` additions and, with more candidates than that left,
+    goes to the interior point (its point if accepted, else its support and point start
+    Lawson–Hanson again), or else goes on from its support."""
+    if passive0 is not None or a.shape[1] < INTERIOR_MIN_COLUMNS:
+        guess = [] if passive0 is None else [j for j, p in enumerate(passive0) if p]
+        return _lawson_hanson(a, b, guess, tol, budget, work)
+    x, converged = _lawson_hanson(a, b, [], tol, min(budget, INTERIOR_AFTER), work)
+    if converged:
+        return x, True
+    if work.open <= INTERIOR_AFTER:
+        return _lawson_hanson(a, b, torch.nonzero(x).flatten().tolist(), tol, budget, work)
+    point, support = interior_nnls(a, b, lambda v: _is_optimal(a, b, v, tol))
+    answer = _accepted(a, b, point, tol)
+    if answer is not None:
+        return answer, True
+    return _lawson_hanson(a, b, support, tol, budget, work, point)
+
+
 def nnls(a: Tensor, b: Tensor, passive0: list[bool] | None = None, tol: float = 1e-12,
          max_additions: int | None = None) -> NNLSResult:
     """``argmin_{x ≥ 0} ‖A x − b‖`` for ``A`` ``[m, n]``, ``b`` ``[m]`` (float64).
 
     The Lawson–Hanson active set (:func:`_lawson_hanson`; warm-started from ``passive0`` if
-    given), at most ``max_additions`` (default ``3n + 10``) additions. If it does not
-    converge: ``FALLBACK_ITERATIONS`` FISTA steps (:func:`_fista`, a proven error bound)
-    from its point, then the active set again from the support of the FISTA point (the
-    polish); the point with the smaller residual is returned.
+    given), at most ``max_additions`` (default ``3n + 10``) additions. A cold start on
+    ``INTERIOR_MIN_COLUMNS`` columns or more that ``INTERIOR_AFTER`` additions do not finish,
+    with more than as many candidates left to enter, goes to an interior point
+    (:func:`~._interior.interior_nnls`): its point if it passes Lawson–Hanson's optimality
+    test on both sides (:func:`_is_optimal`), else Lawson–Hanson again, from the support it
+    guesses and its point (the inner loop's start). If it does not converge:
+    ``FALLBACK_ITERATIONS`` FISTA steps (:func:`_fista`, a proven error bound) from its
+    point, then the active set again from the support of the FISTA point (the polish); the
+    point with the smaller residual is returned.
     """
     n = a.shape[1]
     budget = 3 * n + 10 if max_additions is None else max_additions
     work = _Work()
-    x, converged = _lawson_hanson(a, b, passive0, tol, budget, work)
+    x, converged = _first_pass(a, b, passive0, tol, budget, work)
     if converged:
         return NNLSResult(x, work.additions, work.solves)
     rough = _fista(a, b, x, FALLBACK_ITERATIONS)
-    support = (rough > 1e-9 * float(rough.max().clamp_min(1e-300))).tolist()
-    polished, _ = _lawson_hanson(a, b, support, tol, work.additions + 3 * n + 10, work)
+    rough_support = torch.nonzero(rough > 1e-9 * float(rough.max().clamp_min(1e-300)))
+    polished, _ = _lawson_hanson(a, b, rough_support.flatten().tolist(), tol,
+                                 work.additions + 3 * n + 10, work)
     best = min((polished, rough, x), key=lambda v: float(_norm(a @ v - b)))
     return NNLSResult(best, work.additions, work.solves, FALLBACK_ITERATIONS)
 

@@ -12,6 +12,11 @@ upper triangular in ``T``'s first ``p`` rows, so
 * a column enters with one Householder reflection of rows ``p:`` (``O(m n)``), and one
   leaves with the Givens rotations that restore the triangle behind it (``O(p n)``).
 
+``T`` is kept transposed and in the order of ``A``'s columns (no row ever moves): a
+factorised column's row is zero beyond its place, exactly, so the reflections and
+rotations applied to every row leave it there, and a step is a handful of whole-matrix
+operations, whatever the column.
+
 Example:
     >>> import torch
     >>> from gradbalance.balancers._qr_update import ColumnQR
@@ -42,107 +47,101 @@ class ColumnQR:
     """``T = Hᵀ[A | b]`` with the columns ``cols`` (in order) upper triangular in its first
     ``p = size`` rows; ``A`` ``[m, n]``, ``b`` ``[m]``, float64.
 
-    ``T`` is stored transposed (``tt``, one row per column of ``[A | b]``: a column's
-    distance and a triangular solve read contiguous memory), its columns permuted so that the
-    factorised ones come first (``R`` is the leading ``p × p`` block); ``perm_t`` maps a stored
-    place to its column of ``A``.
+    ``T`` is stored transposed (``tt`` ``[n + 1, m]``, row ``j`` for column ``j`` of ``A``,
+    row ``n`` for ``b``): the factorised column at place ``i`` has its row zero beyond
+    entry ``i``, so ``Rᵀ`` is ``tt[cols, :p]``; ``order[:p]`` holds ``cols`` as a tensor.
     """
 
     def __init__(self, a: Tensor, b: Tensor) -> None:
         self.n = a.shape[1]
         self.tt = torch.cat([a.T, b[None]]).contiguous()
-        self.perm = list(range(self.n))  # stored place → column of A
-        self.where = list(range(self.n))  # column of A → stored place
-        self.perm_t = torch.arange(self.n)
+        self.cols: list[int] = []  # the factorised columns, in their order
+        self.order = torch.arange(self.n)  # order[:size] = cols
         self.size = 0
 
     @property
-    def cols(self) -> list[int]:
-        """The factorised columns, in their order."""
-        return self.perm[: self.size]
-
-    @property
     def cols_t(self) -> Tensor:
-        """:attr:`cols` as an index tensor."""
-        return self.perm_t[: self.size].clone()
+        """:attr:`cols` as an index tensor (a view: valid until the next change)."""
+        return self.order[: self.size]
 
-    def to_columns(self, stored: Tensor) -> Tensor:
-        """A vector ``[n]`` in stored order, in the order of ``A``'s columns."""
-        return torch.empty_like(stored).index_copy_(0, self.perm_t, stored)
-
-    def off_norms(self, stored: bool = False) -> Tensor:
-        """``[n]``: each column's distance to the span of the factorised ones (in stored
-        order if ``stored``; zero for the factorised ones)."""
-        p = self.size
-        off = self.tt.new_zeros(self.n)
-        off[p:] = _norm(self.tt[p : self.n, p:], dim=1)
-        return off if stored else self.to_columns(off)
-
-    def dual(self) -> Tensor:
-        """``Aᵀr`` ``[n]`` in stored order, ``r`` the residual of :meth:`solve` (zero on the
-        factorised columns)."""
-        p = self.size
-        tail = self.tt[p:, p:]
-        w = self.tt.new_zeros(self.n)
-        w[p:] = tail[:-1] @ tail[-1]
-        return w
+    def off_norms(self) -> Tensor:
+        """``[n]``: each column's distance to the span of the factorised ones (zero for
+        the factorised ones)."""
+        off: Tensor = _norm(self.tt[: self.n, self.size :], dim=1)
+        return off
 
     def off_norm(self, j: int) -> float:
         """Column ``j``'s distance to the span of the factorised ones."""
-        return float(_norm(self.tt[self.where[j], self.size :]))
+        return float(_norm(self.tt[j, self.size :]))
 
     def residual_norm(self) -> float:
         """``‖A_cols z − b‖`` at the solution ``z`` of :meth:`solve`."""
         return float(_norm(self.tt[self.n, self.size :]))
 
-    def _swap(self, p: int, q: int) -> None:
-        """The stored places ``p`` and ``q`` exchange their columns."""
-        row = self.tt[q].clone()
-        self.tt[q] = self.tt[p]
-        self.tt[p] = row
-        jp, jq = self.perm[p], self.perm[q]
-        self.perm[p], self.perm[q], self.where[jq], self.where[jp] = jq, jp, p, q
-        self.perm_t[p], self.perm_t[q] = jq, jp
-
     def add(self, j: int) -> None:
-        """Column ``j`` joins (last): one Householder reflection of rows ``p:`` of ``T``.
-        The caller makes sure ``j`` is off the span (``off_norm(j) > 0``)."""
-        p, q = self.size, self.where[j]
-        if q != p:
-            self._swap(p, q)
-        tail = self.tt[p:, p:]  # rows p: of T, columns not factorised (theirs are zero)
-        v = tail[0].clone()
+        """Column ``j`` joins (last): one Householder reflection of columns ``p:`` of every
+        row. The caller makes sure ``j`` is off the span (``off_norm(j) > 0``)."""
+        p = self.size
+        tail = self.tt[:, p:]  # rows of the factorised columns: zero here, and stay so
+        v = tail[j].clone()
+        x0 = float(v[0])
         alpha = float(_norm(v))
-        if float(v[0]) > 0.0:
+        if x0 > 0.0:
             alpha = -alpha
-        v[0] -= alpha  # v = x − αe₁ with α of the opposite sign of x₀: no cancellation
-        vv = float(v @ v)
+        v[0] = x0 - alpha  # v = x − αe₁ with α of the opposite sign of x₀: no cancellation
+        vv = 2.0 * alpha * (alpha - x0)  # ‖v‖² = ‖x‖² − 2αx₀ + α², ‖x‖² = α²
         if vv > 0.0:
             tail.addr_(tail @ v, v, alpha=-2.0 / vv)
-        tail[0, 0] = alpha
-        tail[0, 1:] = 0.0
+        tail[j, 0] = alpha
+        tail[j, 1:] = 0.0
+        self.order[p] = j
+        self.cols.append(j)
         self.size = p + 1
+
+    def add_block(self, js: list[int]) -> None:
+        """The columns ``js`` join (last, in order): one blocked Householder factorisation
+        of their part off the span (``geqrf``), applied to every row (``ormqr``). The caller
+        makes sure each is off the span of those before it (:meth:`diagonal`)."""
+        p, s = self.size, len(js)
+        tail = self.tt[:, p:]
+        idx = torch.tensor(js)
+        refl, tau = torch.geqrf(tail[idx].T)
+        tail.copy_(torch.ormqr(refl, tau, tail, left=False, transpose=False))
+        tail[idx] = tail[idx].tril()  # under the diagonal: rounding, made zero
+        self.order[p : p + s] = idx
+        self.cols.extend(js)
+        self.size = p + s
+
+    def truncate(self, size: int) -> None:
+        """The columns placed from ``size`` on leave (no rotation: they are the last)."""
+        del self.cols[size:]
+        self.size = size
+
+    def diagonal(self, start: int) -> Tensor:
+        """``|R_ii|`` for the places ``i ≥ start``: each column's distance to the span of
+        those placed before it."""
+        p = self.size
+        return self.tt[self.order[start:p], start:p].diagonal().abs()
 
     def drop(self, j: int) -> None:
         """Column ``j`` leaves: the columns behind it move one place forward, one row below
         the diagonal, and are rotated back onto it by blocks of ``BLOCK`` rows."""
-        i, p = self.where[j], self.size
-        self.tt[i:p] = self.tt[i:p].roll(-1, 0)
-        self.perm_t[i:p] = self.perm_t[i:p].roll(-1, 0)
-        self.perm[i:p] = [*self.perm[i + 1 : p], j]
-        for q in range(i, p):
-            self.where[self.perm[q]] = q
+        i, p = self.cols.index(j), self.size
+        del self.cols[i]
+        self.order[i:p] = self.order[i:p].roll(-1, 0)
         self.size = p - 1
         for k in range(i, p - 1, BLOCK):
             h = min(BLOCK, p - 1 - k)
-            block = self.tt[k:, k : k + h + 1]  # rows k … k + h of T, transposed
-            q = torch.linalg.qr(block[:h].T, mode="complete").Q
-            block.copy_(block @ q)  # under the diagonal: rounding, never read
+            rows = self.order[k : k + h]
+            span = self.tt[:, k : k + h + 1]
+            q = torch.linalg.qr(span[rows].T, mode="complete").Q
+            span.copy_(span @ q)
+            span[rows] = span[rows].tril()  # under the diagonal: rounding, made zero
 
     def solve(self) -> Tensor:
         """``z`` ``[p]`` (in the order of ``cols``) minimising ``‖A_cols z − b‖``."""
         p = self.size
-        r_t = self.tt[:p, :p].contiguous()  # Rᵀ: R in column-major order
+        r_t = self.tt[:, :p].index_select(0, self.order[:p])  # Rᵀ
         z: Tensor = torch.linalg.solve_triangular(
             r_t.T, self.tt[self.n, :p, None], upper=True)[:, 0]
         return z

@@ -1,0 +1,133 @@
+"""Lawson–Hanson's interior-point start and block entry (``balancers/_interior.py``,
+``ColumnQR.add_block`` in ``balancers/_qr_update.py``).
+
+A block of columns entered at once against a factorisation from scratch; the NNLS with its
+interior-point start forced on small problems (every cold start of four columns or more goes
+there after one addition) against scipy's ``nnls`` and its own KKT conditions, on the kinds of
+``test_nnls_updated_qr.py``; MGDA through it on the Gramian of float32 rows in a rank-1 or
+rank-8 span (the rounding makes the min-norm point's support about half the tasks) against
+its KKT conditions and the min-norm value of scipy's NNLS on a factor from numpy's
+eigen-decomposition; the PCD and per-sample-spectrum cases of ``test_nnls_updated_qr.py``
+through it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import Tensor
+
+from gradbalance.balancers import _boxqp
+from gradbalance.balancers._boxqp import nnls
+from gradbalance.balancers._qr_update import ColumnQR
+from gradbalance.functional import mgda_weights
+from gradbalance.gramian import compute_gramian
+from unit.balancers import test_nnls_updated_qr as lh
+from unit.balancers.test_nnls_updated_qr import KINDS, _assert_nnls_optimal, _from_scratch, matrix
+
+F64 = torch.float64
+FIXTURE = [HealthCheck.function_scoped_fixture]  # the same patch for every example
+
+
+@pytest.fixture
+def interior(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every cold start of four columns or more goes to the interior point."""
+    monkeypatch.setattr(_boxqp, "INTERIOR_MIN_COLUMNS", 4)
+    monkeypatch.setattr(_boxqp, "INTERIOR_AFTER", 1)
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.sampled_from(("random", "wide_scale")), st.integers(4, 24), st.integers(0, 2**31 - 1),
+       st.data())
+def test_block_entry_matches_from_scratch(kind: str, m: int, seed: int,
+                                          data: st.DataObject) -> None:
+    # Columns entered one by one, then a block at once, the block cut short, one dropped:
+    # the same least-squares fit, residual and distances as a factorisation from scratch
+    # (n ≤ m random columns: independent).
+    n = data.draw(st.integers(2, m))
+    a, b = matrix(kind, m, n, seed)
+    single = data.draw(st.integers(0, n - 1))
+    block = data.draw(st.integers(1, n - single))
+    kept = data.draw(st.integers(1, single + block))
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    qr = ColumnQR(a, b)
+    for j in order[:single]:
+        qr.add(j)
+    qr.add_block(order[single : single + block])
+    steps = [lambda: None, lambda: qr.truncate(kept), lambda: qr.drop(qr.cols[0])]
+    norms = a.norm(dim=0)
+    scale = float(b.norm()) + 1e-300
+    for step in steps:
+        step()
+        if not qr.cols:
+            continue
+        z, off, res = _from_scratch(a, b, qr.cols)
+        fit = a[:, qr.cols] @ qr.solve()
+        torch.testing.assert_close(fit, a[:, qr.cols] @ z, rtol=0, atol=1e-7 * scale)
+        assert qr.residual_norm() == pytest.approx(res, rel=1e-7, abs=1e-9 * scale)
+        torch.testing.assert_close(qr.off_norms(), off, rtol=0, atol=1e-9 * float(norms.max()))
+        assert torch.equal(qr.cols_t, torch.tensor(qr.cols, dtype=torch.int64))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=FIXTURE)
+@given(st.sampled_from(KINDS), st.integers(1, 40), st.integers(4, 64), st.integers(0, 2**31 - 1))
+def test_nnls_from_the_interior_point_is_optimal(interior: None, kind: str, m: int, n: int,
+                                                 seed: int) -> None:
+    a, b = matrix(kind, m, n, seed)
+    result = nnls(a, b)
+    _assert_nnls_optimal(a, b, result.x)
+    assert result.fallback_steps == 0
+
+
+def _psd_part(gram: Tensor) -> tuple[Tensor, np.ndarray]:
+    """The Gramian the solver works on and its factor ``P`` (``G₊ = PᵀP``), from numpy's
+    eigen-decomposition of the cosine matrix, its eigenvalues below ``4 eps n λ_max`` (the
+    rounding) dropped (``psd_factor``'s definition; no zero rows here)."""
+    g = gram.numpy()
+    d = np.sqrt(np.diag(g))
+    lam, vec = np.linalg.eigh(g / np.outer(d, d))
+    keep = lam > 4 * np.finfo(np.float64).eps * len(d) * lam[-1]
+    points = (d[:, None] * vec[:, keep] * np.sqrt(lam[keep])).T
+    return torch.from_numpy(points.T @ points), points
+
+
+def _reference_min_norm(points: np.ndarray) -> float:
+    """``min_{w ∈ Δ} ‖Pw‖²`` by scipy's NNLS of the least-distance program."""
+    from scipy.optimize import nnls as scipy_nnls
+
+    e = np.vstack([points, np.ones(points.shape[1])])
+    f = np.zeros(e.shape[0])
+    f[-1] = 1.0
+    u, _ = scipy_nnls(e, f, maxiter=100 * points.shape[1])
+    w = u / u.sum()
+    return float(np.sum((points @ w) ** 2))
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=FIXTURE)
+@given(st.sampled_from((1, 8)), st.integers(0, 2**31 - 1))
+def test_mgda_on_rounded_low_rank_rows(interior: None, rank: int, seed: int) -> None:
+    # float32 rows in a rank-1 or rank-8 span, K = 48: their Gramian's float32 rounding
+    # gives it about K/2 positive rounding-level eigenvalues, and the min-norm point a
+    # support of about K/2 (the case the interior point is for). KKT on the Gramian's
+    # positive part, and the min-norm value of an independent solve, to 1e-12 of the trace.
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randn(48, rank, generator=gen) @ torch.randn(rank, 300, generator=gen)
+    gram = compute_gramian(rows).to(F64)  # float32 products: rounding 6e-8 of each
+    unit = gram / gram.trace()
+    w = mgda_weights(gram)
+    positive, points = _psd_part(unit)
+    gw = positive @ w
+    value = float(w @ gw)
+    assert float(w.min()) >= 0.0 and float(w.sum()) == pytest.approx(1.0, abs=1e-12)
+    assert float(gw.min()) >= value - 1e-12
+    assert float((gw - value)[w > 0].abs().max()) <= 1e-12
+    assert value == pytest.approx(_reference_min_norm(points), abs=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_pcd_and_per_sample_cases_through_the_interior_point(interior: None, seed: int) -> None:
+    lh.test_pcd_on_rank_deficient_near_duplicate_rows(seed)
+    lh.test_mgda_least_squares_route_on_a_per_sample_spectrum(seed)
