@@ -147,11 +147,12 @@ def low_rank_box(factor: Tensor, lower: Tensor, tol: float,
 
 def low_rank_projection(q: Tensor, lower: Tensor, tol: float) -> tuple[Tensor, Tensor] | None:
     """``(v, done)``: the box QPs of ``lower`` ``[B, K]`` on ``q`` by :func:`low_rank_box`
-    when ``K ≥ LOW_RANK_MIN_SIZE`` and ``q``'s numerical rank is at most
+    for two or more problems (UPGrad's, not DualProj's one) when ``K ≥ LOW_RANK_MIN_SIZE``
+    and ``q``'s numerical rank is at most
     ``LOW_RANK_MAX_FRACTION · K`` and ``LOW_RANK_MAX_WORK / K``; else None (the caller's
     dense solve)."""
     k = q.shape[0]
-    if k < LOW_RANK_MIN_SIZE:
+    if k < LOW_RANK_MIN_SIZE or lower.shape[0] < 2:  # one problem: the dense pivoting is cheaper
         return None
     factor = pivoted_cholesky(q, min(int(LOW_RANK_MAX_FRACTION * k), LOW_RANK_MAX_WORK // k))
     if factor is None:
