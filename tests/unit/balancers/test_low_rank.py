@@ -98,6 +98,28 @@ def test_per_sample_rows_take_the_rank_and_match_scipy(b: int, t: int, seed: int
     assert seen == [b]
 
 
+def _near_duplicate_rows(k: int, r: int, log_delta: float, seed: int) -> Tensor:
+    """``K/2`` rows of rank ``r`` in a half-space (a positive leading coefficient: a
+    non-trivial update) and their copies moved by ``10^log_delta`` of their norm, norms
+    ``1e-2 … 1e2``: the cut-off ``4·eps·K`` falls between the copies or above them."""
+    gen = torch.Generator().manual_seed(seed)
+    coef = torch.randn(k // 2, r, generator=gen, dtype=F64)
+    coef[:, 0] = coef[:, 0].abs() + 1.0
+    base = coef @ torch.randn(r, 3 * k, generator=gen, dtype=F64)
+    noise = torch.randn(k // 2, 3 * k, generator=gen, dtype=F64) / (3 * k) ** 0.5
+    g = torch.cat([base, base + 10**log_delta * base.norm(dim=1, keepdim=True) * noise])
+    return g * torch.logspace(-2, 2, k, dtype=F64)[torch.randperm(k, generator=gen)][:, None]
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(10, 32), st.integers(1, 3), st.floats(-8.0, -6.0), st.integers(0, 2**16))
+def test_near_duplicates_around_the_cut_match_scipy(half: int, r: int, log_delta: float,
+                                                     seed: int) -> None:
+    """Copies closer than the cut-off (routed at rank ``r``) or farther (dense): scipy's
+    updates either way."""
+    _check_against_scipy(_near_duplicate_rows(2 * half, r, log_delta, seed), seed)
+
+
 @settings(max_examples=20, deadline=None)
 @given(st.integers(16, 48), st.integers(1, 12), st.integers(0, 2**16))
 def test_pivoted_cholesky_reveals_the_rank(k: int, r: int, seed: int) -> None:
