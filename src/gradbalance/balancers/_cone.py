@@ -9,7 +9,8 @@ alone: van der Sluis 1969, a diagonal scaling within a factor ``K`` of the best)
 solver's well-conditioned path applies. A zero row (``Gᵢᵢ = 0``) does not enter ``vᵀGv``:
 every ``vᵢ ≥ uᵢ`` is optimal and ``vᵢ = uᵢ`` is taken; it is left out of the solve. Each
 problem is scaled to a largest bound of 1 (the solution is homogeneous in ``u``). A Gramian
-with no zero row and a diagonal within ``PLAIN_MAX_RATIO`` is solved as given.
+with no zero row and a diagonal within ``PLAIN_MAX_RATIO`` is solved as given. A matrix of
+numerical rank at most ``K/4`` is solved in its rank's dimension (:mod:`~._low_rank`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor
+
+from ._low_rank import low_rank_projection
 
 #: ``(Q, lower, tol) → argmin_{x ≥ lower} ½ xᵀQx`` for ``lower`` ``[B, K]``.
 BoxSolve = Callable[[Tensor, Tensor, float], Tensor]
@@ -32,7 +35,7 @@ def scaled_projection(gram: Tensor, u: Tensor, tol: float, solve: BoxSolve) -> T
     diag = torch.diagonal(gram)
     low, high = torch.stack(diag.aminmax()).tolist()  # one host sync
     if low * PLAIN_MAX_RATIO >= high and low > 0.0:
-        return solve(gram, u, tol)
+        return _routed(gram, u, tol, solve)
     d = diag.clamp_min(0.0).sqrt()
     live = torch.nonzero(d > 0.0).flatten()
     v = u.clone()
@@ -49,6 +52,18 @@ def scaled_projection(gram: Tensor, u: Tensor, tol: float, solve: BoxSolve) -> T
     if rows.numel() == 0:
         return v
     scale = top[rows, None]
-    s = solve(cos, lower[rows] / scale, tol)
+    s = _routed(cos, lower[rows] / scale, tol, solve)
     v[rows[:, None], live[None, :]] = s * scale / dl
+    return v
+
+
+def _routed(q: Tensor, lower: Tensor, tol: float, solve: BoxSolve) -> Tensor:
+    """``solve``'s answer, in the rank's dimension where ``q``'s rank is low
+    (:func:`~._low_rank.low_rank_projection`), the problems it leaves open by ``solve``."""
+    routed = low_rank_projection(q, lower, tol)
+    if routed is None:
+        return solve(q, lower, tol)
+    v, done = routed
+    if not bool(done.all()):
+        v[~done] = solve(q, lower[~done], tol)
     return v

@@ -1,0 +1,152 @@
+"""UPGrad's and DualProj's projections on low-rank Gramians, solved in the rank's dimension
+(``balancers/_low_rank.py``), against scipy's NNLS on the rows and the optimality
+conditions on the rows: rows in a random low-dimensional span (norms spanning ``1e-3 …
+1e3``, some zero) and per-sample-like rows (``[B, T]`` objectives, each sample's ``T`` rows
+parallel: a ``[B·T, B·T]`` Gramian of rank ``B``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor
+
+from gradbalance.balancers import _cone, _low_rank
+from gradbalance.balancers._active_set import SCHUR_RTOL_PER_ROW
+from gradbalance.balancers._solvers import project_dual_cone, trace_normalized
+from support.balancers import nnls_dual_cone
+from support.many_kinds import assert_same_update
+
+F64 = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    """K ≤ 64: one thread is faster, and not slowed by a busy machine (conftest restores)."""
+    torch.set_num_threads(1)
+
+
+def _span_rows(k: int, r: int, seed: int) -> Tensor:
+    """``[K, P]`` rows in a random ``r``-dimensional span, norms ``1e-3 … 1e3``, a few zero."""
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(k, r, generator=gen, dtype=F64) @ torch.randn(r, 3 * k, generator=gen,
+                                                                  dtype=F64)
+    g *= torch.logspace(-3, 3, k, dtype=F64)[torch.randperm(k, generator=gen)][:, None]
+    g[torch.randperm(k, generator=gen)[: k // 8]] = 0.0
+    return g
+
+
+def _per_sample_rows(b: int, t: int, seed: int) -> Tensor:
+    """``[B·T, P]``: sample ``i``'s ``T`` task gradients ``sᵢₜ uᵢ`` (parallel or opposed)."""
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.randn(b, 4 * b * t, generator=gen, dtype=F64)
+    s = torch.randn(b, t, generator=gen, dtype=F64)
+    return (s[:, :, None] * u[:, None, :]).reshape(b * t, -1)
+
+
+def _check_against_scipy(g: Tensor, seed: int) -> None:
+    """UPGrad's K bounds ``pᵢeᵢ`` and DualProj's ``p`` (random positive ``p``): the update
+    ``Jᵀv`` scipy's (cosine ≥ 0.999999, norm within 1e-6), ``v ≥ u``, in the dual cone."""
+    k = g.shape[0]
+    pref = torch.rand(k, generator=torch.Generator().manual_seed(seed), dtype=F64) + 0.1
+    u = torch.cat([torch.diag(pref), pref[None]])
+    gram, trace = trace_normalized(g @ g.T)
+    v = project_dual_cone(gram, u)
+    unit = g / trace.sqrt()
+    norms = g.norm(dim=1)
+    for i in range(u.shape[0]):
+        x = v[i] @ g
+        assert_same_update(x, nnls_dual_cone(unit, u[i]) * trace.sqrt(), g)
+        assert bool((v[i] >= u[i] * (1 - 1e-12)).all())
+        size = float((u[i] * norms).sum())
+        assert float((g @ x / (norms * size).clamp_min(1e-300)).min()) >= -1e-9
+
+
+def _routed_ranks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The ranks :func:`~._low_rank.low_rank_box` is called with, recorded."""
+    seen: list[int] = []
+    solve = _low_rank.low_rank_box
+
+    def spy(factor: Tensor, *args: object) -> tuple[Tensor, Tensor]:
+        seen.append(factor.shape[1])
+        return solve(factor, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_low_rank, "low_rank_box", spy)
+    return seen
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(19, 64), st.integers(1, 8), st.integers(0, 2**16))
+def test_span_rows_take_the_rank_and_match_scipy(k: int, r: int, seed: int) -> None:
+    """Rows of rank ``r ≤ n/8`` (``n`` non-zero rows) are solved in ``r`` dimensions, with
+    scipy's updates."""
+    r = max(1, min(r, (k - k // 8) // 8))
+    with pytest.MonkeyPatch.context() as mp:
+        seen = _routed_ranks(mp)
+        _check_against_scipy(_span_rows(k, r, seed), seed)
+    assert seen and seen[0] == r
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.integers(2, 8), st.integers(8, 12), st.integers(0, 2**16))
+def test_per_sample_rows_take_the_rank_and_match_scipy(b: int, t: int, seed: int) -> None:
+    """``[B, T]`` objectives with parallel rows per sample: rank ``B``, scipy's updates."""
+    with pytest.MonkeyPatch.context() as mp:
+        seen = _routed_ranks(mp)
+        _check_against_scipy(_per_sample_rows(b, t, seed), seed)
+    assert seen == [b]
+
+
+def _near_duplicate_rows(k: int, r: int, log_delta: float, seed: int) -> Tensor:
+    """``K/2`` rows of rank ``r`` in a half-space (a positive leading coefficient: a
+    non-trivial update) and their copies moved by ``10^log_delta`` of their norm, norms
+    ``1e-2 … 1e2``: the cut-off ``4·eps·K`` falls between the copies or above them."""
+    gen = torch.Generator().manual_seed(seed)
+    coef = torch.randn(k // 2, r, generator=gen, dtype=F64)
+    coef[:, 0] = coef[:, 0].abs() + 1.0
+    base = coef @ torch.randn(r, 3 * k, generator=gen, dtype=F64)
+    noise = torch.randn(k // 2, 3 * k, generator=gen, dtype=F64) / (3 * k) ** 0.5
+    g = torch.cat([base, base + 10**log_delta * base.norm(dim=1, keepdim=True) * noise])
+    return g * torch.logspace(-2, 2, k, dtype=F64)[torch.randperm(k, generator=gen)][:, None]
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(10, 32), st.integers(1, 3), st.floats(-8.0, -6.0), st.integers(0, 2**16))
+def test_near_duplicates_around_the_cut_match_scipy(half: int, r: int, log_delta: float,
+                                                     seed: int) -> None:
+    """Copies closer than the cut-off (routed at rank ``r``) or farther (dense): scipy's
+    updates either way."""
+    _check_against_scipy(_near_duplicate_rows(2 * half, r, log_delta, seed), seed)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(16, 48), st.integers(1, 12), st.integers(0, 2**16))
+def test_pivoted_cholesky_reveals_the_rank(k: int, r: int, seed: int) -> None:
+    """Rank ``r`` by construction: ``r`` columns, the residual positive semi-definite with
+    its diagonal within ``τ Qᵢᵢ``; None when ``r`` exceeds the allowed rank."""
+    g = _span_rows(k, r, seed)
+    q = g @ g.T
+    factor = _low_rank.pivoted_cholesky(q, k)
+    assert factor is not None and factor.shape[1] == r
+    resid = q - factor @ factor.T
+    scale = float(torch.diagonal(q).max())
+    assert float(torch.linalg.eigvalsh(resid).min()) >= -1e-12 * k * scale
+    assert bool((torch.diagonal(resid) <= SCHUR_RTOL_PER_ROW * k * torch.diagonal(q)
+                 + 1e-12 * scale).all())
+    assert _low_rank.pivoted_cholesky(q, r - 1) is None
+
+
+def test_open_problems_fall_back_to_the_dense_solve(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Problems the low-rank route leaves open are solved densely: scipy's updates still."""
+    def none_done(factor: Tensor, lower: Tensor, *args: object) -> tuple[Tensor, Tensor]:
+        done = torch.zeros(lower.shape[0], dtype=torch.bool)
+        done[0] = True
+        out = lower.clone()
+        out[0] = _low_rank_box(factor, lower[:1], *args)[0][0]  # type: ignore[arg-type]
+        return out, done
+
+    _low_rank_box = _low_rank.low_rank_box
+    monkeypatch.setattr(_low_rank, "low_rank_box", none_done)
+    assert _cone.low_rank_projection is _low_rank.low_rank_projection
+    _check_against_scipy(_span_rows(32, 3, 5), 5)
