@@ -668,6 +668,16 @@ def psd_factor(q: Tensor) -> Tensor:
     return factor
 
 
+def singular_factor(q: Tensor) -> Tensor | None:
+    """:func:`psd_factor` of ``Q`` where its Cholesky factorisation fails (``Q`` not positive
+    definite to rounding: the factor's least squares is the path then), else None (pivoting
+    decides, after its own eigenvalue check). One ``K³/3`` factorisation decides instead of
+    the eigenvalues, so a singular ``Q`` costs one eigen-decomposition, not two."""
+    if int(torch.linalg.cholesky_ex(q.to(torch.float64)).info) == 0:
+        return None
+    return psd_factor(q)
+
+
 def min_norm_ls(points: Tensor, start: Tensor | None, tol: float) -> Tensor:
     """``argmin_{w ∈ Δ} ‖P w‖`` for the points ``P`` ``[r, K]``: the least-distance program.
 

@@ -46,6 +46,7 @@ from ._boxqp import (
     factored_box_qp,
     is_well_conditioned,
     psd_factor,
+    singular_factor,
     solve_box_qp_batched,
 )
 from ._cone import scaled_projection
@@ -150,7 +151,10 @@ def min_norm_simplex(gram: Tensor, tol: float = QP_TOL) -> Tensor:
     if k == 2:
         return min_norm_two(gram)
     zeros = torch.zeros(k, dtype=torch.float64)
-    return solve_box_qp(gram, zeros, zeros, simplex=True, tol=tol)
+    factor = singular_factor(gram)
+    if factor is None:
+        return solve_box_qp(gram, zeros, zeros, simplex=True, tol=tol)
+    return factored_box_qp(factor, zeros, zeros, True, None, tol)
 
 
 def min_norm_two(gram: Tensor) -> Tensor:
