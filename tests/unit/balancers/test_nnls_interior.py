@@ -198,3 +198,35 @@ def test_singular_factor_decides_and_min_norm_is_exact(k: int, rank: int, zero_r
         assert torch.equal(factor, psd_factor(gram))
         torch.testing.assert_close(factor @ factor.T, gram, rtol=0, atol=1e-12)
     _min_norm_kkt(gram, min_norm_simplex(gram))
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(2, 30), st.integers(1, 12), st.booleans(), st.integers(0, 2**31 - 1))
+def test_ldp_meets_its_kkt_conditions_and_slsqp(n: int, r: int, duplicates: bool,
+                                                seed: int) -> None:
+    # ``min ½‖x‖²`` s.t. ``Mx ≥ h``, feasible by construction (``h ≤ M x₀``), with repeated
+    # rows where drawn: ``x = Mᵀμ`` feasible, ``μ ≥ 0`` and complementary (relative to the
+    # scale), and ``½‖x‖²`` no larger than SLSQP's.
+    from scipy.optimize import minimize
+
+    from gradbalance.balancers._boxqp import ldp
+
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randn(n, r, generator=gen, dtype=F64)
+    if duplicates:
+        rows[n // 2 :] = rows[: n - n // 2].clone()
+    h = rows @ torch.randn(r, generator=gen, dtype=F64) - torch.rand(n, generator=gen,
+                                                                     dtype=F64)
+    mu = ldp(rows, h)
+    assert mu is not None
+    x = rows.T @ mu
+    scale = float(rows.norm(dim=1).max()) * (float(x.norm()) + 1.0) + float(h.abs().max())
+    slack = rows @ x - h
+    assert float(mu.min()) >= 0.0
+    assert float(slack.min()) >= -1e-9 * scale
+    assert float((mu * slack).abs().max()) <= 1e-9 * scale * max(1.0, float(mu.max()))
+    m_np, h_np = rows.numpy(), h.numpy()
+    ref = minimize(lambda v: 0.5 * v @ v, np.zeros(r), jac=lambda v: v, method="SLSQP",
+                   constraints=[{"type": "ineq", "fun": lambda v: m_np @ v - h_np,
+                                 "jac": lambda v: m_np}], options={"ftol": 1e-14})
+    assert 0.5 * float(x @ x) <= float(ref.fun) * (1 + 1e-7) + 1e-12
