@@ -145,7 +145,9 @@ def min_norm_simplex(gram: Tensor, tol: float = QP_TOL) -> Tensor:
 
     ``gram`` should be trace-normalised. Optimality (KKT): ``(G w)ₖ = wᵀGw`` where ``wₖ > 0``
     and ``(G w)ₖ ≥ wᵀGw`` elsewhere, to ``tol``. For ``K = 2`` the closed form of Sener &
-    Koltun (2018, Alg. 1): ``w₁ = clip((G₂₂ − G₁₂) / (G₁₁ − 2G₁₂ + G₂₂), 0, 1)``.
+    Koltun (2018, Alg. 1): ``w₁ = clip((G₂₂ − G₁₂) / (G₁₁ − 2G₁₂ + G₂₂), 0, 1)``. A Gramian
+    whose Cholesky factorisation fails goes straight to least squares on its factor
+    (:func:`~._boxqp.singular_factor`: one eigen-decomposition, not the pivoting's check too).
     """
     k = gram.shape[0]
     if k == 2:
