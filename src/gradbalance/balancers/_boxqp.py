@@ -574,12 +574,14 @@ def _is_optimal(a: Tensor, b: Tensor, x: Tensor, tol: float) -> bool:
 
 
 def _corrected(a: Tensor, b: Tensor, x: Tensor) -> Tensor | None:
-    """``x + A⁺(b − Ax)`` (the least-norm correction, ``gelsd``) where ``A`` has fewer rows
-    than columns: the residual of an interior point whose every coordinate is positive (a
-    solution with ``Ax = b`` up to rounding, not unique) taken to rounding; None elsewhere."""
+    """``x + A⁺(b − Ax)`` (the least-norm correction) where ``A`` has fewer rows than
+    columns: the residual of an interior point whose every coordinate is positive (a solution
+    with ``Ax = b`` up to rounding, not unique) taken to rounding; None elsewhere. ``gelsy``
+    (a complete orthogonal factorisation, half the cost of ``gelsd``'s SVD): the caller
+    tests the result."""
     if a.shape[0] >= a.shape[1]:
         return None
-    step: Tensor = torch.linalg.lstsq(a, (b - a @ x)[:, None], driver="gelsd").solution
+    step: Tensor = torch.linalg.lstsq(a, (b - a @ x)[:, None], driver="gelsy").solution
     return x + step[:, 0]
 
 
@@ -668,6 +670,16 @@ def psd_factor(q: Tensor) -> Tensor:
     return factor
 
 
+def singular_factor(q: Tensor) -> Tensor | None:
+    """:func:`psd_factor` of ``Q`` where its Cholesky factorisation fails (``Q`` not positive
+    definite to rounding: the factor's least squares is the path then), else None (pivoting
+    decides, after its own eigenvalue check). One ``K³/3`` factorisation decides instead of
+    the eigenvalues, so a singular ``Q`` costs one eigen-decomposition, not two."""
+    if int(torch.linalg.cholesky_ex(q.to(torch.float64)).info) == 0:
+        return None
+    return psd_factor(q)
+
+
 def min_norm_ls(points: Tensor, start: Tensor | None, tol: float) -> Tensor:
     """``argmin_{w ∈ Δ} ‖P w‖`` for the points ``P`` ``[r, K]``: the least-distance program.
 
@@ -741,8 +753,9 @@ def ldp(rows: Tensor, h: Tensor, tol: float = 1e-12) -> Tensor | None:
     Infeasible is decided at ``‖x‖ > 1/√eps`` (``‖ρ‖ < √eps``): constraints that only an
     ``x`` over ``7·10⁷`` times the scale of ``M`` and ``h`` meets, whose direction rounding
     decides. Dividing by ``1 − hᵀu = ‖ρ‖²`` magnifies rounding as ``‖x‖`` grows, so ``μ``
-    is then re-solved on its support ``S`` (``x = M_S⁺h_S``, ``μ_S = (M_Sᵀ)⁺x``), and the
-    one with the smaller KKT violation (:func:`_ldp_violation`) is returned.
+    is then re-solved on its support ``S`` (``x = M_S⁺h_S``, ``μ_S = (M_Sᵀ)⁺x``, each by
+    ``gelsy``), and the one with the smaller KKT violation (:func:`_ldp_violation`) is
+    returned.
     """
     e = torch.cat([rows.T, h[None]])
     f = torch.zeros(e.shape[0], dtype=e.dtype)
@@ -756,9 +769,9 @@ def ldp(rows: Tensor, h: Tensor, tol: float = 1e-12) -> Tensor | None:
     if support.numel() == 0:
         return mu
     sub = rows[support]
-    x = torch.linalg.lstsq(sub, h[support][:, None], driver="gelsd").solution
+    x = torch.linalg.lstsq(sub, h[support][:, None], driver="gelsy").solution
     polished = torch.zeros_like(mu)
-    polished[support] = torch.linalg.lstsq(sub.T, x, driver="gelsd").solution[:, 0]
+    polished[support] = torch.linalg.lstsq(sub.T, x, driver="gelsy").solution[:, 0]
     return min((mu, polished), key=lambda m: _ldp_violation(rows, h, m))
 
 

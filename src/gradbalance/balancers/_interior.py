@@ -37,6 +37,11 @@ STALLS = 2
 #: … or in which the guessed support may stay the same, once ``xᵀs/n`` is below ``SETTLED``.
 STABLE = 3
 SETTLED = 1e-12
+#: Iterations after ``xᵀs/n`` first falls below ``SETTLED`` at most: on the Gramian of
+#: rank-deficient float32 rows the optimum is degenerate at rounding level and the guessed
+#: support keeps moving (each further step costs about one Lawson–Hanson pass over a
+#: tenth of the columns and no longer improves the start it hands over).
+SETTLED_STEPS = 8
 #: Fraction of the step to the boundary taken.
 STEP = 0.99
 
@@ -100,13 +105,15 @@ def _step(u: Tensor, h: Tensor | None, b: Tensor, x: Tensor, s: Tensor,
 def _iterate(u: Tensor, b: Tensor, accept: Callable[[Tensor], bool]) -> tuple[Tensor, Tensor]:
     """``(x, s)`` after Mehrotra's iterations on ``s = UᵀUx − Uᵀb``, ``x, s ≥ 0``,
     ``xᵀs = 0`` from ``x = s = 1``, until the guessed support settles or ``accept(x)``
-    (both checked once ``xᵀs/n < SETTLED``), the complementarity stalls, or a step fails
+    (both checked once ``xᵀs/n < SETTLED``), ``SETTLED_STEPS`` steps have passed below
+    ``SETTLED``, the complementarity stalls, or a step fails
     (:func:`_step`; the last point is kept)."""
     m, n = u.shape
     h = u.T @ u if m >= n else None
     x = torch.ones(n, dtype=u.dtype)
     s = torch.ones(n, dtype=u.dtype)
     last, stalls, stable, guess = 1.0, 0, 0, _guess(x, s)
+    settled_steps = 0
     for _ in range(MAX_ITERATIONS):
         step = _step(u, h, b, x, s, last)
         if step is None:
@@ -115,8 +122,10 @@ def _iterate(u: Tensor, b: Tensor, accept: Callable[[Tensor], bool]) -> tuple[Te
         stalls = stalls + 1 if now > 0.5 * last else 0
         nxt = _guess(x, s)
         settled = now < SETTLED
+        settled_steps += settled
         stable = stable + 1 if settled and bool((nxt == guess).all()) else 0
-        if stalls >= STALLS or stable >= STABLE or now == 0.0 or (settled and accept(x)):
+        if (stalls >= STALLS or stable >= STABLE or settled_steps >= SETTLED_STEPS
+                or now == 0.0 or (settled and accept(x))):
             break
         last, guess = now, nxt
     return x, s

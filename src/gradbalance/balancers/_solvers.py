@@ -46,6 +46,7 @@ from ._boxqp import (
     factored_box_qp,
     is_well_conditioned,
     psd_factor,
+    singular_factor,
     solve_box_qp_batched,
 )
 from ._cone import scaled_projection
@@ -144,13 +145,18 @@ def min_norm_simplex(gram: Tensor, tol: float = QP_TOL) -> Tensor:
 
     ``gram`` should be trace-normalised. Optimality (KKT): ``(G w)ₖ = wᵀGw`` where ``wₖ > 0``
     and ``(G w)ₖ ≥ wᵀGw`` elsewhere, to ``tol``. For ``K = 2`` the closed form of Sener &
-    Koltun (2018, Alg. 1): ``w₁ = clip((G₂₂ − G₁₂) / (G₁₁ − 2G₁₂ + G₂₂), 0, 1)``.
+    Koltun (2018, Alg. 1): ``w₁ = clip((G₂₂ − G₁₂) / (G₁₁ − 2G₁₂ + G₂₂), 0, 1)``. A Gramian
+    whose Cholesky factorisation fails goes straight to least squares on its factor
+    (:func:`~._boxqp.singular_factor`: one eigen-decomposition, not the pivoting's check too).
     """
     k = gram.shape[0]
     if k == 2:
         return min_norm_two(gram)
     zeros = torch.zeros(k, dtype=torch.float64)
-    return solve_box_qp(gram, zeros, zeros, simplex=True, tol=tol)
+    factor = singular_factor(gram)
+    if factor is None:
+        return solve_box_qp(gram, zeros, zeros, simplex=True, tol=tol)
+    return factored_box_qp(factor, zeros, zeros, True, None, tol)
 
 
 def min_norm_two(gram: Tensor) -> Tensor:

@@ -131,3 +131,102 @@ def test_mgda_on_rounded_low_rank_rows(interior: None, rank: int, seed: int) -> 
 def test_pcd_and_per_sample_cases_through_the_interior_point(interior: None, seed: int) -> None:
     lh.test_pcd_on_rank_deficient_near_duplicate_rows(seed)
     lh.test_mgda_least_squares_route_on_a_per_sample_spectrum(seed)
+
+
+@pytest.fixture
+def short_interior(interior: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The interior point forced as above and cut one step after it settles."""
+    from gradbalance.balancers import _interior
+
+    monkeypatch.setattr(_interior, "SETTLED_STEPS", 1)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=FIXTURE)
+@given(st.sampled_from(KINDS), st.integers(1, 40), st.integers(4, 64), st.integers(0, 2**31 - 1))
+def test_nnls_from_a_cut_interior_point_is_optimal(short_interior: None, kind: str, m: int,
+                                                   n: int, seed: int) -> None:
+    # The interior point stopped as soon as it settles hands Lawson–Hanson a rougher start:
+    # the answer is still optimal (KKT, and scipy's residual).
+    a, b = matrix(kind, m, n, seed)
+    result = nnls(a, b)
+    _assert_nnls_optimal(a, b, result.x)
+    assert result.fallback_steps == 0
+
+
+def _min_norm_kkt(gram: Tensor, w: Tensor) -> None:
+    """MGDA's KKT on ``gram`` (trace 1): ``w ∈ Δ``, ``(Gw)ₖ ≥ wᵀGw`` with equality on the
+    support, to 1e-12; and the value of scipy's SLSQP no lower."""
+    from scipy.optimize import minimize
+
+    gw = gram @ w
+    value = float(w @ gw)
+    assert float(w.min()) >= 0.0 and float(w.sum()) == pytest.approx(1.0, abs=1e-12)
+    assert float(gw.min()) >= value - 1e-12
+    assert float((gw - value)[w > 0].abs().max()) <= 1e-12
+    g = gram.numpy()
+    k = g.shape[0]
+    ref = minimize(lambda v: v @ g @ v, np.full(k, 1.0 / k), jac=lambda v: 2 * g @ v,
+                   bounds=[(0.0, None)] * k, method="SLSQP", options={"ftol": 1e-15},
+                   constraints=[{"type": "eq", "fun": lambda v: v.sum() - 1.0}])
+    assert value <= float(ref.fun) + 1e-12
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(3, 40), st.integers(1, 6), st.integers(0, 3), st.integers(0, 2**31 - 1))
+def test_singular_factor_decides_and_min_norm_is_exact(k: int, rank: int, zero_rows: int,
+                                                       seed: int) -> None:
+    # Rows of rank ≤ 6 (with exact zero rows, which no Cholesky factorisation passes) or
+    # K independent ones: ``singular_factor`` is None exactly for the definite Gramian, else
+    # psd_factor's (LLᵀ = G to rounding); MGDA's min-norm point through either path meets
+    # its KKT conditions and SLSQP's value.
+    from gradbalance.balancers._boxqp import psd_factor, singular_factor
+    from gradbalance.balancers._solvers import min_norm_simplex
+
+    gen = torch.Generator().manual_seed(seed)
+    definite = zero_rows == 0 and rank == 6
+    width = k + 3 if definite else rank
+    rows = torch.randn(k, width, generator=gen, dtype=F64) @ torch.randn(
+        width, 50, generator=gen, dtype=F64)
+    rows[:zero_rows] = 0.0
+    gram = rows @ rows.T
+    gram = gram / gram.trace()
+    factor = singular_factor(gram)
+    if definite:
+        assert factor is None
+    if zero_rows:
+        assert factor is not None
+        assert torch.equal(factor, psd_factor(gram))
+        torch.testing.assert_close(factor @ factor.T, gram, rtol=0, atol=1e-12)
+    _min_norm_kkt(gram, min_norm_simplex(gram))
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(2, 30), st.integers(1, 12), st.booleans(), st.integers(0, 2**31 - 1))
+def test_ldp_meets_its_kkt_conditions_and_slsqp(n: int, r: int, duplicates: bool,
+                                                seed: int) -> None:
+    # ``min ½‖x‖²`` s.t. ``Mx ≥ h``, feasible by construction (``h ≤ M x₀``), with repeated
+    # rows where drawn: ``x = Mᵀμ`` feasible, ``μ ≥ 0`` and complementary (relative to the
+    # scale), and ``½‖x‖²`` no larger than SLSQP's.
+    from scipy.optimize import minimize
+
+    from gradbalance.balancers._boxqp import ldp
+
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randn(n, r, generator=gen, dtype=F64)
+    if duplicates:
+        rows[n // 2 :] = rows[: n - n // 2].clone()
+    h = rows @ torch.randn(r, generator=gen, dtype=F64) - torch.rand(n, generator=gen,
+                                                                     dtype=F64)
+    mu = ldp(rows, h)
+    assert mu is not None
+    x = rows.T @ mu
+    scale = float(rows.norm(dim=1).max()) * (float(x.norm()) + 1.0) + float(h.abs().max())
+    slack = rows @ x - h
+    assert float(mu.min()) >= 0.0
+    assert float(slack.min()) >= -1e-9 * scale
+    assert float((mu * slack).abs().max()) <= 1e-9 * scale * max(1.0, float(mu.max()))
+    m_np, h_np = rows.numpy(), h.numpy()
+    ref = minimize(lambda v: 0.5 * v @ v, np.zeros(r), jac=lambda v: v, method="SLSQP",
+                   constraints=[{"type": "ineq", "fun": lambda v: m_np @ v - h_np,
+                                 "jac": lambda v: m_np}], options={"ftol": 1e-14})
+    assert 0.5 * float(x @ x) <= float(ref.fun) * (1 + 1e-7) + 1e-12
