@@ -124,11 +124,17 @@ def _iterate(u: Tensor, b: Tensor, accept: Callable[[Tensor], bool]) -> tuple[Te
         settled = now < SETTLED
         settled_steps += settled
         stable = stable + 1 if settled and bool((nxt == guess).all()) else 0
-        if (stalls >= STALLS or stable >= STABLE or settled_steps >= SETTLED_STEPS
-                or now == 0.0 or (settled and accept(x))):
+        if _done(stalls, stable, settled_steps, now) or (settled and accept(x)):
             break
         last, guess = now, nxt
     return x, s
+
+
+def _done(stalls: int, stable: int, settled_steps: int, now: float) -> bool:
+    """Whether the iterations stop whatever the point: the complementarity stalled or is
+    zero, the guessed support stayed, or ``SETTLED_STEPS`` steps passed below ``SETTLED``."""
+    return (stalls >= STALLS or stable >= STABLE or settled_steps >= SETTLED_STEPS
+            or now == 0.0)
 
 
 def interior_nnls(a: Tensor, b: Tensor,
