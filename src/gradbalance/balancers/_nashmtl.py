@@ -14,15 +14,19 @@ from ._solvers import nash_bargaining, trace_normalized
 __all__ = ["NashMTL", "nashmtl_weights"]
 
 Normalization = Literal["none", "frobenius"]
+NoSolution = Literal["ridge", "raise"]
 
 
 def nashmtl_weights(gramian: Tensor, normalization: Normalization = "none",
-                    alpha0: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                    alpha0: Tensor | None = None,
+                    no_solution: NoSolution = "ridge") -> tuple[Tensor, Tensor]:
     """``(weights, α_unit)``: Nash-MTL weights ``[K]`` and the warm-start state.
 
     ``α_unit`` solves ``(G/tr G) α = 1/α``; the weights solve ``(G/n) α = 1/α`` with ``n = 1``
     (``"none"``, the paper) or ``n = ‖G‖_F`` (``"frobenius"``, the authors' code and
-    TorchJD), i.e. ``α = α_unit √(n / tr G)`` since ``α(G/s) = √s α(G)``.
+    TorchJD), i.e. ``α = α_unit √(n / tr G)`` since ``α(G/s) = √s α(G)``. Where no solution
+    exists, ``no_solution`` chooses a warning and the ridge's solution or a ``SolverError``
+    (:class:`NashMTL`).
 
     Example:
         >>> import torch
@@ -32,7 +36,7 @@ def nashmtl_weights(gramian: Tensor, normalization: Normalization = "none",
         tensor([1.0000, 0.5000], dtype=torch.float64)
     """
     unit, trace = trace_normalized(gramian)
-    alpha = nash_bargaining(unit, alpha0)
+    alpha = nash_bargaining(unit, alpha0, no_solution=no_solution)
     return alpha * _factor(unit, trace, normalization), alpha
 
 
@@ -51,8 +55,12 @@ class NashMTL(Balancer):
 
     Every task gets ``gₖ·g = 1/αₖ``: the bargaining solution maximises ``Σ log(gₖ·d)`` over
     the ball ``‖d‖ ≤ 1`` (up to scale). Solved by damped Newton with a warm start from the
-    previous step; raises ``SolverError`` when no solution exists (a non-negative combination
-    of the gradients vanishes, e.g. a zero or two exactly opposite task gradients).
+    previous step. No solution exists when a non-negative combination of the non-zero
+    gradients vanishes (two exactly opposite gradients; any K rows in fewer than K − 1
+    dimensions, as at large K): then it warns (``RuntimeWarning``) and solves
+    ``(G + εI) α = 1/α``, ``ε = 1e-6 tr G``, as if every gradient had a private
+    coordinate ``√ε`` (the update stays bounded: ``αᵀGα ≤ K``), or raises ``SolverError``
+    with ``no_solution="raise"``. A zero gradient gets weight 0.
 
     Cost in K: damped Newton, ``O(K³)`` per step (at most 100 steps), besides the Gramian
     ``O(K²P)``.
@@ -62,6 +70,8 @@ class NashMTL(Balancer):
             then the update scales with the gradients).
         update_weights_every: solve every N-th call and reuse ``α`` in between (authors'
             option; default 1).
+        no_solution: ``"ridge"`` (default: warn, solve the ridge's equation) or ``"raise"``
+            (``SolverError``, nothing moved) where the bargaining equation has no solution.
 
     Reference: Navon et al., "Multi-Task Learning as a Bargaining Game", ICML 2022,
     arXiv:2202.01017, Algorithm 1 (solved exactly here).
@@ -78,14 +88,17 @@ class NashMTL(Balancer):
     step: Tensor
 
     name = "nashmtl"
-    _repr_args = ("num_tasks", "normalization", "update_weights_every")
+    _repr_args = ("num_tasks", "normalization", "update_weights_every", "no_solution")
     from_gramian = True
     homogeneous = False
 
     def __init__(self, num_tasks: int | None = None, *,
-                 normalization: Normalization = "none", update_weights_every: int = 1) -> None:
+                 normalization: Normalization = "none", update_weights_every: int = 1,
+                 no_solution: NoSolution = "ridge") -> None:
         super().__init__(num_tasks)
         check_choice("normalization", normalization, ("none", "frobenius"))
+        check_choice("no_solution", no_solution, ("ridge", "raise"))
+        self.no_solution: NoSolution = no_solution
         self.update_weights_every = check_int("update_weights_every", update_weights_every, 1)
         self.normalization: Normalization = normalization
         self.homogeneous = normalization == "frobenius"
@@ -101,7 +114,8 @@ class NashMTL(Balancer):
         if warm is not None and int(self.step) % self.update_weights_every != 0:
             alpha_unit = warm
         else:
-            alpha_unit = nash_bargaining(unit, warm)  # SolverError: nothing has moved
+            # SolverError (no_solution="raise"): nothing has moved
+            alpha_unit = nash_bargaining(unit, warm, no_solution=self.no_solution)
         w = alpha_unit * _factor(unit, trace, self.normalization)
         if self.num_tasks is None:
             self.num_tasks = k  # the warm start is per task: K is fixed from now on

@@ -5,8 +5,9 @@ so up to rounding) that the caller has normalised by its trace, so the tolerance
 absolute on a problem whose largest entry is at most 1. They run on the CPU (the problems
 are tiny and branchy) and never fall back to uniform weights. The QPs and CAGrad's dual
 return the method's answer for every such Gramian — colinear rows, ``K > P``, zero rows,
-float32 rounding included — at a cost bounded whatever the input; only Nash-MTL's
-bargaining raises :class:`SolverError`, where its equation has no solution.
+float32 rounding included — at a cost bounded whatever the input; Nash-MTL's bargaining,
+where its equation has no solution, warns and solves it with a ridge (or raises
+:class:`SolverError` on request).
 
 * :func:`solve_box_qp` — ``min ½ xᵀQx + cᵀx`` s.t. ``x ≥ lower`` and optionally ``Σ x = 1``,
   for one or ``B`` problems sharing ``Q``: block principal pivoting when ``Q`` is well
@@ -35,6 +36,7 @@ float64 rounding.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -64,17 +66,25 @@ CANCEL_FLOOR = 1e-12
 #: Steps of :func:`cagrad_dual`'s root search towards a lower end by its model of
 #: ``‖g_{w(ρ)}‖`` before it falls by a factor 100 a step.
 DESCENT_MODEL_STEPS = 4
+#: Nash-MTL's ridge, relative to the Gramian's trace, where its bargaining equation has no
+#: solution (:func:`nash_bargaining`): above the rounding of a Gramian of float32 rows (its
+#: eigenvalues carry about ``1e-7 tr G``), so ``G + εI`` is positive definite.
+NASH_RIDGE = 1e-6
+#: The ridge's equation is solved to this residual: its weights reach ``1/√ε`` times the
+#: solution's scale, and ``αᵢ (Gα)ᵢ`` carries a rounding of about ``K eps / ε`` there.
+NASH_RIDGE_TOL = 1e-6
 
 
 class SolverError(RuntimeError):
-    """A K-dimensional problem has no solution (Nash-MTL's bargaining equation); no balancer
-    state was changed.
+    """A K-dimensional problem has no solution (Nash-MTL's bargaining equation, with
+    ``no_solution="raise"``); no balancer state was changed.
 
     Example:
         >>> import torch
         >>> from gradbalance.balancers import NashMTL, SolverError
+        >>> g = torch.tensor([[1.0, 0.0], [-1.0, 0.0]], dtype=torch.float64)
         >>> try:  # opposite gradients: no α > 0 with (G α)ᵢ = 1/αᵢ
-        ...     NashMTL()(torch.tensor([[1.0, 0.0], [-1.0, 0.0]], dtype=torch.float64))
+        ...     NashMTL(no_solution="raise")(g)
         ... except SolverError as err:
         ...     print(str(err).split(";")[0])
         Nash-MTL bargaining solve did not converge (K=2, residual ...)
@@ -643,18 +653,38 @@ def fair_newton(gram: Tensor, p: float, w0: Tensor | None = None, tol: float = 1
 
 
 def nash_bargaining(
-    gram: Tensor, alpha0: Tensor | None = None, tol: float = 1e-10, max_iter: int = 100
+    gram: Tensor, alpha0: Tensor | None = None, tol: float = 1e-10, max_iter: int = 100,
+    no_solution: str = "ridge",
 ) -> Tensor:
     """Nash-MTL: the ``α > 0`` with ``(G α)ᵢ = 1/αᵢ`` (Navon et al. 2022, Thm 5.1), by
     :func:`fair_newton` with ``p = 1`` from the warm start ``alpha0``. A zero gradient gets
-    ``αᵢ = 0``. Raises :class:`SolverError` unless ``max |αᵢ (Gα)ᵢ − 1| ≤ tol``, e.g. when a
-    non-negative combination of non-zero gradients vanishes (then no solution exists).
+    ``αᵢ = 0``.
+
+    No solution exists when a non-negative combination of non-zero gradients vanishes
+    (``max |αᵢ (Gα)ᵢ − 1| > tol`` at the stop). Then ``no_solution="raise"`` raises
+    :class:`SolverError`; ``"ridge"`` warns and solves ``((G + εD) α)ᵢ = 1/αᵢ`` (to a
+    residual ``NASH_RIDGE_TOL``) with
+    ``ε = NASH_RIDGE · tr G`` and ``D`` the indicator of the non-zero rows: the
+    bargaining of the gradients each lengthened by a private coordinate ``√ε``, which always
+    has a solution, with ``αᵀGα ≤ K`` (the update stays bounded) and ``gᵢ·g = 1/αᵢ − εαᵢ``.
     """
     alpha, residual = fair_newton(gram, 1.0, alpha0, tol, max_iter)
-    if not residual <= tol:
-        raise SolverError(
-            f"Nash-MTL bargaining solve did not converge (K={gram.shape[0]}, residual "
-            f"{residual:.1e} after at most {max_iter} Newton steps); a non-negative "
-            f"combination of the task gradients is (nearly) zero, so G α = 1/α has no solution"
-        )
+    if residual <= tol:
+        return alpha
+    k = gram.shape[0]
+    message = (f"Nash-MTL bargaining solve did not converge (K={k}, residual {residual:.1e} "
+               f"after at most {max_iter} Newton steps); a non-negative combination of the "
+               f"task gradients is (nearly) zero, so G α = 1/α has no solution")
+    if no_solution == "raise":
+        raise SolverError(message)
+    diag = torch.diagonal(gram)
+    trace = diag.sum()
+    live = (diag > 1e-24 * trace.clamp_min(1e-300)).to(gram.dtype)
+    ridged = gram + torch.diag(live * (NASH_RIDGE * trace))
+    alpha, residual = fair_newton(ridged, 1.0, None, max(tol, NASH_RIDGE_TOL), max_iter)
+    if not residual <= max(tol, NASH_RIDGE_TOL):  # G + εD is positive definite: a solution
+        raise SolverError(message + f"; the ridge solve stopped at residual {residual:.1e}")
+    warnings.warn(f"{message}: solved (G + εI) α = 1/α with ε = {NASH_RIDGE:g} tr G "
+                  f"instead (NashMTL(no_solution=\"ridge\"), docs/balancers.md); pass "
+                  f"no_solution=\"raise\" to get a SolverError", RuntimeWarning, stacklevel=2)
     return alpha

@@ -4,9 +4,11 @@ No solution exists exactly when a non-negative combination of the non-zero task 
 vanishes (docs/balancers.md, "Solvers"). The rows below plant one: ``g_last = −Σ cᵢgᵢ``,
 ``c > 0``, so ``u = (c, 1) ≥ 0`` has ``Jᵀu = 0`` by construction (the independent
 certificate), then are rounded to float32 as a model's gradients are. Nash-MTL must raise its
-``SolverError`` with nothing moved, FairGrad warn with finite weights, and both stop within a
-few Newton steps of the iterate stalling rather than run all ``max_iter``. With the planted
-combination lifted off zero (``+ ε`` noise, a solution exists) the defining equation holds.
+``SolverError`` with nothing moved when asked (``no_solution="raise"``) and otherwise warn and
+solve the ridge's equation ``((G + εI) α)ᵢ = 1/αᵢ``; FairGrad must warn with finite weights;
+both stop within a few Newton steps of the iterate stalling rather than run all
+``max_iter``. With the planted combination lifted off zero (``+ ε`` noise, a solution
+exists) the defining equation holds.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ def test_no_solution_stops_early_raises_and_moves_nothing(k: int, rank: int, zer
     g = planted_rows(k, min(rank, k - 2 - zeros), 0.0, zeros, seed)
     with pytest.MonkeyPatch.context() as mp:
         steps = Steps(mp)
-        nash = NashMTL()
+        nash = NashMTL(no_solution="raise")
         before = copy.deepcopy(nash.state_dict())
         with pytest.raises(SolverError, match="no solution"):
             nash.combine(g)
@@ -107,3 +109,30 @@ def test_near_cancelling_rows_with_a_solution_are_solved(k: int, zeros: int, eps
     torch.testing.assert_close((alpha * (gram @ alpha))[live],
                                torch.ones(int(live.sum()), dtype=F64), rtol=0, atol=1e-8)
     assert bool((alpha[~live] == 0).all())
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(3, 64), st.integers(1, 8), st.integers(0, 3), st.integers(0, 2**16))
+def test_no_solution_by_default_solves_the_ridge(k: int, rank: int, zeros: int,
+                                                 seed: int) -> None:
+    """By default Nash-MTL warns and returns the solution of the ridge's equation
+    ``αᵢ ((G + εD) α)ᵢ = 1`` on the non-zero rows (``ε = 1e-6 tr G``, ``D`` their indicator),
+    checked on the float64 Gramian of the rows to the documented ``1e-6``, with ``α = 0`` on
+    the zero rows; the update stays bounded, ``‖Jᵀα‖² = αᵀGα ≤`` the number of non-zero rows."""
+    zeros = min(zeros, k - 3)
+    g = planted_rows(k, min(rank, k - 2 - zeros), 0.0, zeros, seed)
+    with pytest.MonkeyPatch.context() as mp:
+        steps = Steps(mp)
+        with pytest.warns(RuntimeWarning, match="has no solution"):
+            result = NashMTL().combine(g)
+    alpha = result.weights
+    assert alpha is not None and bool(torch.isfinite(result.vector).all())
+    gram = g @ g.T
+    live = torch.diagonal(gram) > 0
+    ridged = gram + torch.diag(live.to(F64) * 1e-6 * float(gram.trace()))
+    residual = (alpha * (ridged @ alpha) - 1.0)[live].abs().max()
+    assert float(residual) <= 1e-6, float(residual)
+    assert bool((alpha[~live] == 0).all()) and bool((alpha[live] > 0).all())
+    assert float(result.vector.square().sum()) <= int(live.sum()) * (1 + 1e-9)
+    # The failed solve stops early (as above), the ridge's converges: two short Newton runs.
+    assert steps.count <= 80, steps.count

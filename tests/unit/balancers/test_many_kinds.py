@@ -16,9 +16,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch import Tensor
 
-from gradbalance.balancers import BALANCERS, SolverError, _pairwise
+from gradbalance.balancers import BALANCERS, _pairwise
 from support.balancers import build_balancer
 from support.many_kinds import KIND_NAMES, check_gradvac_pass, check_pcgrad_pass, kind_rows
 
@@ -36,25 +35,15 @@ def _one_thread() -> None:
 
 @pytest.mark.parametrize("kind", KIND_NAMES)
 def test_every_balancer_is_finite_on_every_kind(kind: str) -> None:
-    """K = 12 float32 rows: a finite update from every registered balancer; Nash-MTL may
-    instead raise :class:`SolverError` (documented: no solution when a non-negative
-    combination of the rows vanishes), and then leaves its state as it was."""
+    """K = 12 float32 rows: a finite update from every registered balancer (Nash-MTL by its
+    ridge where a non-negative combination of the rows vanishes, with a warning)."""
     g = kind_rows(kind, 12, 40, 3).to(torch.float32)
     losses = torch.rand(12, generator=torch.Generator().manual_seed(3)) + 0.5
     for name in BALANCERS:
         balancer = build_balancer(name, 12, seed=3)
-        before = balancer.state_dict()
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", RuntimeWarning)  # FairGrad's approximate solve
-                out = balancer.combine(g, losses if balancer.needs_losses else None).vector
-        except SolverError:
-            assert name == "nashmtl", name
-            after = balancer.state_dict()
-            assert after.keys() == before.keys()
-            assert all(torch.equal(after[n], before[n]) for n in before
-                       if isinstance(before[n], Tensor)), name
-            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # FairGrad, Nash-MTL: no solution
+            out = balancer.combine(g, losses if balancer.needs_losses else None).vector
         assert out.shape == (40,) and bool(torch.isfinite(out).all()), (name, kind)
 
 

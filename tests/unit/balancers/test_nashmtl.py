@@ -71,7 +71,7 @@ def test_state_resume_reuse_and_failures() -> None:
         a(bad)
     opposite = torch.tensor([[1.0, 0.0, 0.0], [-1.0, 0.0, 0.0], [0.0, 1.0, 0.0]],
                             dtype=torch.float64)
-    fresh = NashMTL()
+    fresh = NashMTL(no_solution="raise")
     with pytest.raises(SolverError):
         fresh(torch.cat([opposite, torch.zeros(3, 3, dtype=torch.float64)], dim=1))
     assert fresh.alpha is None and int(fresh.step) == 0
@@ -122,3 +122,25 @@ def test_row_norms_spanning_twelve_orders_are_solved() -> None:
     gram = g @ g.T
     torch.testing.assert_close(alpha * (gram @ alpha), torch.ones(8, dtype=torch.float64),
                                rtol=0, atol=1e-9)
+
+
+def test_no_solution_takes_the_ridge_in_closed_form() -> None:
+    """``g₁ = −g₂ = e₁``, ``g₃ = e₂``: no α > 0 solves ``(Gα)ᵢ = 1/αᵢ``. By default Nash-MTL
+    warns and solves ``((G + εI) α)ᵢ = 1/αᵢ`` with ``ε = 1e-6 tr G = 3e-6``, whose solution is,
+    by hand, ``α₁ = α₂ = 1/√ε`` (``εα₁² = 1``) and ``α₃ = 1/√(1 + ε)``; the update is ``α₃e₂``.
+    ``no_solution="raise"`` raises instead, with nothing moved."""
+    g = torch.tensor([[1.0, 0.0], [-1.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
+    eps = 3e-6
+    with pytest.warns(RuntimeWarning, match="no solution.*no_solution=\"raise\""):
+        result = NashMTL().combine(g)
+    expected = torch.tensor([eps**-0.5, eps**-0.5, (1 + eps) ** -0.5], dtype=torch.float64)
+    torch.testing.assert_close(result.weights, expected, rtol=1e-6, atol=0)
+    torch.testing.assert_close(result.vector, torch.tensor([0.0, (1 + eps) ** -0.5],
+                                                           dtype=torch.float64),
+                               rtol=1e-6, atol=1e-6)
+    strict = NashMTL(no_solution="raise")
+    with pytest.raises(SolverError, match="no solution"):
+        strict.combine(g)
+    assert strict.alpha is None and int(strict.step) == 0
+    with pytest.raises(ValueError, match="no_solution"):
+        NashMTL(no_solution="skip")  # type: ignore[arg-type]

@@ -148,6 +148,7 @@ def test_a_solver_failure_under_a_mask_moves_nothing_and_the_step_can_rerun():
     """Nash-MTL raises on two exactly opposite active rows (no bargaining point): the
     balancer and ``.grad`` are as before, and an unmasked step still runs."""
     balancer = _warmed("nashmtl")
+    balancer.no_solution = "raise"
     before = copy.deepcopy(balancer.state_dict())
     matrix, _ = _inputs(5)
     matrix[2] = -matrix[0]
