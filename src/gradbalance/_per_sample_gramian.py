@@ -262,7 +262,7 @@ class PerSampleGramian:
         weighted backward (:mod:`._per_sample_update`); None for a parameter the checked
         losses do not reach."""
         assert part.operands is not None
-        total = {id(p): torch.zeros_like(p) for p in self.params}
+        total: dict[int, Tensor] = {}
         for op in part.operands:
             module, grads = op.layer.module, combined_grads(op.grads, weights)
             conv = isinstance(module, CONVOLUTIONS)
@@ -271,8 +271,10 @@ class PerSampleGramian:
             for _, p, is_weight in op.layer.bounded():
                 grad = (site_sum(module, is_weight, *rows) if rows is not None
                         else conv_sum(module, is_weight, op.inputs, grads))  # type: ignore[arg-type]
-                total[id(p)] += grad.reshape(p.shape).to(p.dtype)
-        return [total[id(p)] if id(p) in self._record.reached else None for p in self.params]
+                grad = grad.reshape(p.shape).to(p.dtype)  # a new tensor: added to in place
+                total[id(p)] = grad if id(p) not in total else total[id(p)].add_(grad)
+        return [total.get(id(p), torch.zeros_like(p)) if id(p) in self._record.reached else None
+                for p in self.params]
 
     def _add(self, gram: Tensor, forms: dict[int, list[Form]], p: Tensor, form: Form,
              keep: bool) -> None:

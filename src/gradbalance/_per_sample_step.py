@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._amp import finite_step, nonfinite_error, unscaled_gramian
+from ._amp import all_finite, finite_step, nonfinite_error, unscaled_gramian
 from .balancers._base import Balancer
 from .clip._checks import check_row_clipper
 from .clip._protocol import scales_whole_rows
@@ -157,8 +157,7 @@ def _mean_over_ranks(step: PerSampleStep, trunk: list[Tensor | None], finite: bo
                                                                              heads)
         all_reduce_mean_([g for g in [*trunk, *heads] if g is not None], group)
     if finite:
-        checks = [torch.isfinite(g).all() for g in trunk if g is not None]
-        finite = not checks or bool(torch.stack(checks).all())
+        finite = all_finite([g for g in trunk if g is not None])
     return trunk, heads, finite
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .._amp import scale_of
+from .._amp import all_finite, scale_of
 from .._checks import (
     as_parameter_list,
     check_bool,
@@ -156,7 +156,7 @@ class PerSampleClip(PicklableGenerators):
         grads = [p.grad for p in as_parameter_list("params", params) if p.grad is not None]
         if self.noise_multiplier == 0.0 or not grads:
             return False
-        if not all(bool(torch.isfinite(g).all()) for g in grads):
+        if not all_finite(grads):
             return False
         std = self.noise_multiplier * self.max_norm / batch_size
         for g in grads:
