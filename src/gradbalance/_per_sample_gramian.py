@@ -273,8 +273,9 @@ class PerSampleGramian:
                         else conv_sum(module, is_weight, op.inputs, grads))  # type: ignore[arg-type]
                 grad = grad.reshape(p.shape).to(p.dtype)  # a new tensor: added to in place
                 total[id(p)] = grad if id(p) not in total else total[id(p)].add_(grad)
-        return [total.get(id(p), torch.zeros_like(p)) if id(p) in self._record.reached else None
-                for p in self.params]
+        reached = self._record.reached
+        return [None if id(p) not in reached else total[id(p)] if id(p) in total
+                else torch.zeros_like(p) for p in self.params]
 
     def _add(self, gram: Tensor, forms: dict[int, list[Form]], p: Tensor, form: Form,
              keep: bool) -> None:

@@ -92,15 +92,17 @@ def refreshed_update(step: PerSampleStep, scaled_gram: Tensor, balancer: Balance
     flat = step.flat
     finite = finite_step(gram, step.scale, [], group)
     pre_clip = coef = weights = None
-    trunk: list[Tensor | None] = [torch.zeros_like(p) for p in step.shared]
     if finite and clip is not None:  # row i scaled by dᵢ: G by dᵢ dⱼ
         pre_clip = torch.diagonal(gram).clamp_min(0).sqrt()
         coef = clip.coefficients(pre_clip).to(torch.float64)
         gram = gram * coef[:, None] * coef[None, :]
+    trunk: list[Tensor | None]
     if finite:
         weights = balancer.compute_weights(gram, flat)
         applied = weights if coef is None else weights * coef
         trunk = weighted_grads(step, applied)
+    else:  # a skipped step (found_inf): zeros
+        trunk = [torch.zeros_like(p) for p in step.shared]
     trunk, heads, finite = _mean_over_ranks(step, trunk, finite, group)
     if not finite and step.scale is None:
         raise nonfinite_error()
