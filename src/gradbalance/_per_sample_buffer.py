@@ -251,7 +251,7 @@ class PerSampleBuffer:
             self._end_step()
             raise
         if update.finite:
-            self._write(update.trunk, update.heads)
+            self._write(update.trunk, update.heads, update.owned)
             if self._reused:
                 self._cache.reused(balancer)
             else:
@@ -301,12 +301,14 @@ class PerSampleBuffer:
                                  modes=("per_sample",))
         return group
 
-    def _write(self, trunk: Sequence[Tensor | None], heads: list[Tensor | None]) -> None:
-        """The trunk's update and the heads' gradients into ``.grad`` (None: left alone);
-        the step ends."""
+    def _write(self, trunk: Sequence[Tensor | None], heads: list[Tensor | None],
+               owned: bool = False) -> None:
+        """The trunk's update and the heads' gradients into ``.grad`` (None: left alone;
+        ``owned``: the trunk's tensors are the step's own, taken without a copy where their
+        layout is the parameter's); the step ends."""
         for p, g in zip(self.shared, trunk):
             if g is not None:
-                _accumulate(p, g)
+                _accumulate(p, g, owned)
         for p, h in zip(self.head_params, heads):
             if h is not None:
                 _accumulate(p, h)
@@ -315,7 +317,7 @@ class PerSampleBuffer:
     def _skip(self, heads: list[Tensor | None]) -> None:
         """A skipped step under a scaler: every ``.grad`` it would write made non-finite."""
         written = [p for p, h in zip(self.head_params, heads) if h is not None]
-        self._write([torch.zeros_like(p) for p in self.shared], heads)
+        self._write([torch.zeros_like(p) for p in self.shared], heads, owned=True)
         poison_([p.grad for p in [*self.shared, *written]])
 
     def state_dict(self) -> dict[str, Any]:
@@ -359,9 +361,18 @@ def _add(total: Tensor | None, part: Tensor | None) -> Tensor | None:
     return part if total is None else total + part
 
 
-def _accumulate(p: Tensor, g: Tensor) -> None:
-    """``.grad = g`` where there was none, ``.grad += g`` elsewhere."""
+def _accumulate(p: Tensor, g: Tensor, owned: bool = False) -> None:
+    """``.grad = g`` where there was none (``g`` itself where ``owned`` and its layout is the
+    parameter's, with a storage of its own size; else a copy), ``.grad += g`` elsewhere."""
     if p.grad is None:
-        p.grad = g.detach().clone()
+        p.grad = g.detach() if owned and _takeable(p, g) else g.detach().clone()
     else:
         p.grad.add_(g)
+
+
+def _takeable(p: Tensor, g: Tensor) -> bool:
+    """Whether ``g`` can be ``p``'s ``.grad`` as it is: dense, the parameter's dtype, device,
+    shape and strides, and no storage beyond its own elements."""
+    return (g.layout == torch.strided and g.dtype == p.dtype and g.device == p.device
+            and g.shape == p.shape and g.stride() == p.stride()
+            and g.untyped_storage().nbytes() == g.numel() * g.element_size())

@@ -57,6 +57,9 @@ class Update:
     heads: list[Tensor | None]
     finite: bool
     stats: StepStats
+    #: The trunk's tensors are the step's own (from the kept operands): ``.grad`` may take
+    #: them without a copy, as a plain backward's accumulation takes its result.
+    owned: bool = False
 
 
 def check_gramian_clip(clip: Any) -> None:
@@ -110,7 +113,7 @@ def refreshed_update(step: PerSampleStep, scaled_gram: Tensor, balancer: Balance
                         pre_clip_norms=pre_clip, mode="per_sample",
                         num_backward=len(step.losses))
     stats.per_task = summed_tasks(stats, gram, step.tasks)
-    return Update(trunk, heads, finite, stats)
+    return Update(trunk, heads, finite, stats, owned=step.direct is not None)
 
 
 def reused_update(step: PerSampleStep, cache: WeightCache, balancer: Balancer,
@@ -126,7 +129,7 @@ def reused_update(step: PerSampleStep, cache: WeightCache, balancer: Balancer,
                       loss_scale_tensor=step.scale, num_backward=len(step.losses),
                       mode="per_sample", weights_reused=True)
     stats.per_task = summed_tasks(stats, None, step.tasks)
-    return Update(trunk, heads, finite, stats)
+    return Update(trunk, heads, finite, stats, owned=step.direct is not None)
 
 
 def weighted_grads(step: PerSampleStep, weights: Tensor) -> list[Tensor | None]:

@@ -7,8 +7,10 @@ backward: ``autograd.grad`` of ``Σ wᵢₖ ℓᵢₖ`` for the same weights (``
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -90,3 +92,44 @@ def _backward_runs(micro: int) -> int:
 def test_one_micro_batch_of_recorded_layers_runs_no_second_backward() -> None:
     assert _backward_runs(1) == 0
     assert _backward_runs(2) == 2  # micro-batches: one weighted backward each
+
+
+@pytest.mark.parametrize(("name", "seed"), [("mlp", 0), ("cnn", 1), ("tokens", 2),
+                                            ("reused", 4)])
+def test_grads_taken_without_a_copy_are_the_parameters_own(name: str, seed: int) -> None:
+    """The update from the kept operands becomes ``.grad`` without a copy: each ``.grad``
+    has its parameter's strides, a storage of its own size shared with no other ``.grad``,
+    and editing it in place changes nothing the next step computes (its reference: the
+    same second step on a copy of the model whose ``.grad`` were never edited)."""
+    torch.manual_seed(seed)
+    trunk, inputs = MODELS[name]()
+    heads = nn.Linear(8, 2)
+    twin, twin_heads = copy.deepcopy(trunk), copy.deepcopy(heads)
+    batches = [(inputs(4), torch.randn(4, 2)) for _ in range(2)]
+
+    def step(model: nn.Module, head: nn.Module, batch: tuple[Tensor, Tensor],
+             buf: TaskGradBuffer) -> None:
+        buf.backward(_losses(model, head, *batch))
+        buf.apply_(MGDA())
+
+    buf = TaskGradBuffer(trunk.parameters(), heads.parameters(), modules=trunk, batch_dim=0)
+    step(trunk, heads, batches[0], buf)
+    grads = [p.grad for p in trunk.parameters() if p.grad is not None]
+    assert grads
+    for p in trunk.parameters():
+        if p.grad is not None:
+            assert p.grad.stride() == p.stride()
+            assert p.grad.untyped_storage().nbytes() == p.grad.numel() * p.grad.element_size()
+    assert len({g.untyped_storage().data_ptr() for g in grads}) == len(grads)
+    for g in grads:
+        g.zero_()  # zero_grad(set_to_none=False): in place
+    step(trunk, heads, batches[1], buf)
+    twin_buf = TaskGradBuffer(twin.parameters(), twin_heads.parameters(), modules=twin,
+                              batch_dim=0)
+    for p in twin.parameters():
+        p.grad = torch.zeros_like(p)
+    step(twin, twin_heads, batches[1], twin_buf)
+    for p, q in zip(trunk.parameters(), twin.parameters()):
+        assert (p.grad is None) == (q.grad is None)
+        if p.grad is not None:
+            assert torch.equal(p.grad, q.grad)
