@@ -684,7 +684,10 @@ def nash_bargaining(
     alpha, residual = fair_newton(ridged, 1.0, None, max(tol, NASH_RIDGE_TOL), max_iter)
     if not residual <= max(tol, NASH_RIDGE_TOL):  # G + εD is positive definite: a solution
         raise SolverError(message + f"; the ridge solve stopped at residual {residual:.1e}")
-    warnings.warn(f"{message}: solved (G + εI) α = 1/α with ε = {NASH_RIDGE:g} tr G "
-                  f"instead (NashMTL(no_solution=\"ridge\"), docs/balancers.md); pass "
+    # The text carries no per-call numbers: Python shows it once per place, not every step.
+    warnings.warn(f"Nash-MTL's bargaining equation G α = 1/α has no solution for these {k} "
+                  f"task gradients (a non-negative combination of them vanishes): solved "
+                  f"(G + εI) α = 1/α with ε = {NASH_RIDGE:g} tr G instead "
+                  f"(NashMTL(no_solution=\"ridge\"), docs/balancers.md); pass "
                   f"no_solution=\"raise\" to get a SolverError", RuntimeWarning, stacklevel=2)
     return alpha
