@@ -32,6 +32,7 @@ from ._amp import poison_, scale_of
 from ._checks import as_parameter_list
 from ._coverage import Coverage, _module_names
 from ._per_sample_gramian import Parts, PerSampleGramian, Snapshot
+from ._per_sample_mixing import mixed_outputs
 from ._per_sample_step import (
     PerSampleStep,
     check_gramian_clip,
@@ -63,6 +64,10 @@ def check_per_sample_losses(losses: object) -> Tensor:
         raise ValueError("losses does not require grad; compute them from this step's forward")
     return losses
 
+
+#: Structures of recorded calls remembered as checked unmixed; past it each new one is checked
+#: on every step that has it (a model whose calls vary without bound).
+MAX_STRUCTURES = 64
 
 class PerSampleBuffer:
     """The per-sample route of :class:`~gradbalance.TaskGradBuffer` (``batch_dim=0``).
@@ -133,6 +138,7 @@ class PerSampleBuffer:
         self._scale: Tensor | None = None
         self._tasks = 0  # the step's K (task columns of every micro-batch)
         self._reused = False  # the step reuses update_every's cached weights
+        self._unmixed: set[tuple[tuple[int, ...], int]] = set()  # structures checked unmixed
 
     def backward(self, losses: Tensor | Sequence[Tensor], scaler: Any = None,
                  features: Tensor | None = None) -> None:
@@ -147,6 +153,8 @@ class PerSampleBuffer:
         first = not self._losses
         reused = self._cache.reuse_now() if first else self._reused
         scale = scale_of(scaler, vector.device)
+        if not reused:
+            self._check_unmixed(vector, scale)
         try:
             part, heads = self._passes(columns, scale, reused, keep=not first)
             records = self.gramian.snapshot() if first and part is not None else None
@@ -188,6 +196,31 @@ class PerSampleBuffer:
             raise
         self.gramian.check(vector)
         return vector
+
+    def _check_unmixed(self, vector: Tensor, scale: Tensor | None) -> None:
+        """Refuse (``ValueError``, records dropped) a trunk that mixes the samples after a
+        recorded layer (:mod:`gradbalance._per_sample_mixing`): checked once per structure
+        of recorded calls and number of task columns, two extra gradient passes then."""
+        structure = (self.gramian.calls(), vector.reshape(vector.shape[0], -1).shape[1])
+        if structure in self._unmixed:
+            return
+        try:
+            mixing = mixed_outputs(vector, scale, self.gramian.named_outputs())
+        except BaseException:
+            self.gramian.clear()
+            raise
+        if mixing:
+            self.gramian.clear()
+            raise ValueError(
+                f"the trunk mixes the samples of the batch after layer(s) {mixing}: their "
+                f"output gradients for one sample depend on the other samples' losses (an "
+                f"operation across dim 0 after them, e.g. x - x.mean(0), a softmax over the "
+                f"batch or a hand-written normalisation), so per-sample gradients are not "
+                f"defined: compute it per sample, or use batch_dim=None (docs/per_sample.md, "
+                f"\"Refusals\")"
+            )
+        if mixing is not None and len(self._unmixed) < MAX_STRUCTURES:
+            self._unmixed.add(structure)
 
     def _first_forms(self) -> Parts:
         """The first micro-batch's layer forms, which a second micro-batch's cross terms

@@ -318,6 +318,16 @@ class PerSampleGramian:
             for r, (was_in, was_out) in zip(records, current):
                 r.inputs, r.outputs = was_in, was_out
 
+    def named_outputs(self) -> list[tuple[str, list[Tensor]]]:
+        """Each recorded layer's and fallback module's name and outputs, for the check that
+        nothing after them mixes the samples (:mod:`gradbalance._per_sample_mixing`)."""
+        return [(r.name, list(r.outputs)) for r in self._record.records()]
+
+    def calls(self) -> tuple[int, ...]:
+        """The number of recorded calls of each layer and fallback module: the structure the
+        mixing check holds for."""
+        return tuple(len(r.outputs) for r in self._record.records())
+
     def clear(self) -> None:
         """Drop the recorded calls."""
         self._record.clear()

@@ -47,7 +47,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("_sharding.py", "distributed.py", "_amp.py"),
     ("clip/",),
     ("modes/", "_per_sample_gramian.py", "_per_sample_forms.py", "_per_sample_fallback.py",
-     "_per_sample_update.py"),
+     "_per_sample_update.py", "_per_sample_mixing.py"),
     ("step.py", "_per_sample_buffer.py", "_per_sample_step.py"),
     ("functional.py", "monitor.py", "checkpoint.py", "integrations/"),
     ("__init__.py", "__main__.py"),

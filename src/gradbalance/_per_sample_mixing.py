@@ -1,0 +1,89 @@
+"""The check that nothing outside the recorded layers mixes the samples of a batch.
+
+The per-sample Gramian takes sample i's gradient at a layer from its output gradient
+``Dᵢ = ∂(Σⱼ ℓⱼ)/∂yᵢ``, which is ``∂ℓᵢ/∂yᵢ`` only when no operation after the layer mixes the
+samples; a BatchNorm module is refused by name, but ``x − x.mean(0)``, a softmax over the batch
+or a hand-written normalisation are plain tensor operations. The check asks the gradients of
+two roots at every recorded output: ``Σᵢ ℓᵢ`` and ``Σᵢ rᵢ ℓᵢ`` with each ``rᵢ`` 1 or 2. Where
+the samples do not mix, every row of the second is ``rᵢ`` times the first's, and exactly so
+(a power of two commutes with rounding through the per-row linear operations of a backward);
+where they mix, row i also carries ``Σⱼ (rⱼ − rᵢ) ∂ℓⱼ/∂yᵢ`` over the other samples.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> layer = nn.Linear(3, 2)
+    >>> y = layer(torch.randn(4, 3))
+    >>> losses = (y - y.mean(0)).square().sum(1)  # the batch's mean: the samples mix
+    >>> mixed_outputs(losses, None, [("layer", [y])])
+    ['layer']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["MIXING_EPS", "mixed_outputs"]
+
+#: A row's mismatch accepted, in units of its dtype's ``eps`` times its size: none where the
+#: backward is deterministic; room for kernels whose sums run in a varying order.
+MIXING_EPS = 64
+
+
+def _probe(batch: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """``r`` ``[B]``: 1 or 2 per sample, both present (B ≥ 2), from a fixed private
+    generator (the global one does not move)."""
+    gen = torch.Generator().manual_seed(0x5EED)
+    r = torch.randint(1, 3, (batch,), generator=gen)
+    if batch >= 2:
+        r[0], r[1] = 1, 2
+    return r.to(device=device, dtype=dtype)
+
+
+def _mixes(plain: Tensor, probed: Tensor, r: Tensor) -> bool | None:
+    """Whether ``probed``'s rows differ from ``r`` times ``plain``'s beyond rounding; None if
+    either holds a non-finite entry (nothing can be told)."""
+    eps = torch.finfo(probed.dtype).eps if probed.is_floating_point() else 0.0
+    a = plain.reshape(plain.shape[0], -1).double()
+    b = probed.reshape(probed.shape[0], -1).double()
+    if not bool(torch.isfinite(a).all()) or not bool(torch.isfinite(b).all()):
+        return None
+    scale = r.double().reshape(-1, 1)
+    diff = torch.linalg.vector_norm(b - scale * a, dim=1)
+    size = torch.linalg.vector_norm(b, dim=1) + scale.flatten() * torch.linalg.vector_norm(a,
+                                                                                          dim=1)
+    return bool((diff > MIXING_EPS * eps * size).any())
+
+
+def mixed_outputs(losses: Tensor, scale: Tensor | None,
+                  records: Sequence[tuple[str, Sequence[Tensor]]]) -> list[str] | None:
+    """The names of the records (``(name, outputs)``) whose output gradients mix the samples
+    of ``losses`` (``[B]`` or ``[B, K]``, the loss scale ``scale`` applied as in the step's
+    passes); None when nothing could be told (no output with the batch along dim 0 on the
+    graph, or a non-finite gradient). Two ``autograd.grad`` calls, the graph retained."""
+    batch = losses.shape[0]
+    named = [(name, y) for name, outputs in records for y in outputs
+             if y.requires_grad and y.dim() > 0 and y.shape[0] == batch]
+    if batch < 2 or not named:
+        return None
+    columns = losses.reshape(batch, -1)
+    r = _probe(batch, columns.device, columns.dtype)
+    roots = [columns.sum(), (columns * r[:, None]).sum()]
+    if scale is not None:
+        roots = [root * scale.to(root.dtype) for root in roots]
+    outputs = [y for _, y in named]
+    plain, probed = (torch.autograd.grad(root, outputs, retain_graph=True, allow_unused=True)
+                     for root in roots)
+    mixing: list[str] = []
+    for (name, _), a, b in zip(named, plain, probed):
+        if a is None or b is None:
+            continue
+        verdict = _mixes(a, b, r)
+        if verdict is None:
+            return None
+        if verdict and name not in mixing:
+            mixing.append(name)
+    return mixing
