@@ -32,7 +32,7 @@ from ._amp import poison_, scale_of
 from ._checks import as_parameter_list
 from ._coverage import Coverage, _module_names
 from ._per_sample_gramian import Parts, PerSampleGramian, Snapshot
-from ._per_sample_mixing import mixed_outputs
+from ._per_sample_mixing import mixed_outputs, mixing_error
 from ._per_sample_step import (
     PerSampleStep,
     check_gramian_clip,
@@ -211,14 +211,7 @@ class PerSampleBuffer:
             raise
         if mixing:
             self.gramian.clear()
-            raise ValueError(
-                f"the trunk mixes the samples of the batch after layer(s) {mixing}: their "
-                f"output gradients for one sample depend on the other samples' losses (an "
-                f"operation across dim 0 after them, e.g. x - x.mean(0), a softmax over the "
-                f"batch or a hand-written normalisation), so per-sample gradients are not "
-                f"defined: compute it per sample, or use batch_dim=None (docs/per_sample.md, "
-                f"\"Refusals\")"
-            )
+            raise mixing_error(mixing, "use batch_dim=None")
         if mixing is not None and len(self._unmixed) < MAX_STRUCTURES:
             self._unmixed.add(structure)
 

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["MIXING_EPS", "mixed_outputs"]
+__all__ = ["MIXING_EPS", "mixed_outputs", "mixing_error"]
 
 #: A row's mismatch accepted, in units of its dtype's ``eps`` times its size: none where the
 #: backward is deterministic; room for kernels whose sums run in a varying order.
@@ -87,3 +87,15 @@ def mixed_outputs(losses: Tensor, scale: Tensor | None,
         if verdict and name not in mixing:
             mixing.append(name)
     return mixing
+
+
+def mixing_error(names: list[str], fix: str) -> ValueError:
+    """The refusal of a trunk whose output gradients after the layers ``names`` mix the
+    samples; ``fix``: the user's alternative."""
+    return ValueError(
+        f"the trunk mixes the samples of the batch after layer(s) {names}: their output "
+        f"gradients for one sample depend on the other samples' losses (an operation across "
+        f"dim 0 after them, e.g. x - x.mean(0), a softmax over the batch or a hand-written "
+        f"normalisation), so per-sample gradients are not defined: compute it per sample, "
+        f"or {fix} (docs/per_sample.md, \"Refused, before anything moves\")"
+    )

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from .._amp import no_autocast
 from .._checks import check_bool, check_norm_type
+from .._per_sample_mixing import mixed_outputs, mixing_error
 from ._per_sample_graph import _check_losses
 from ._per_sample_layers import COVERED as _COVERED
 from ._per_sample_layers import HookedLayer as _Layer
@@ -136,6 +137,7 @@ class GhostNorms:
             "clear(); evaluate under torch.no_grad() or call clear()"))
         self._layers = self._record.layers
         self._bounded: list[Tensor] = []  # each bounded parameter (its sites: the record's)
+        self._unmixed: set[tuple[tuple[int, ...], int]] = set()  # structures checked unmixed
         covered, refused = self._hook_layers(module, wanted)
         message = _uncovered(named, wanted - covered, params is not None, refused)
         if message is not None:
@@ -192,6 +194,7 @@ class GhostNorms:
         except (ValueError, RuntimeError):
             self.clear()
             raise
+        self._check_unmixed(columns, layers, scale)
         inputs = [torch.cat([layer.rows(t, batch) for t in layer.inputs], 1)
                   for layer in layers]  # once for all K tasks
         grams: dict[int, Tensor] = {}  # layer id: its inputs' Gram, once for all K tasks
@@ -207,6 +210,28 @@ class GhostNorms:
         norms = result ** (1.0 / self.norm_type) / divisor
         norms = norms.to(torch.promote_types(losses.dtype, torch.float32))
         return norms[:, 0] if norms.shape[1] == 1 else norms
+
+    def _check_unmixed(self, columns: Tensor, layers: list[_Layer],
+                       scale: float | Tensor) -> None:
+        """Refuse (``ValueError``, records dropped) a model that mixes the samples after a
+        recorded layer (:mod:`gradbalance._per_sample_mixing`), once per structure of
+        recorded calls and number of task columns."""
+        structure = (tuple(len(layer.outputs) for layer in layers), columns.shape[1])
+        if structure in self._unmixed:
+            return
+        factor = scale if isinstance(scale, Tensor) else torch.tensor(float(scale))
+        try:
+            mixing = mixed_outputs(columns, factor.to(columns.device),
+                                   [(layer.name, layer.outputs) for layer in layers])
+        except BaseException:
+            self.clear()
+            raise
+        if mixing:
+            self.clear()
+            raise mixing_error(mixing, "bound the per-sample norms with "
+                                       "per_sample_grad_norms_of_model (torch.func)")
+        if mixing is not None and len(self._unmixed) < 64:
+            self._unmixed.add(structure)
 
     def _add_powers(self, column: Tensor, layers: list[_Layer], inputs: list[Tensor],
                     grams: dict[int, Tensor], grads: tuple[Tensor | None, ...],

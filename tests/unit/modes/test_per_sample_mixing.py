@@ -119,3 +119,26 @@ def test_checked_once_per_structure_and_a_refusal_leaves_the_buffer_usable(
     fresh.apply_(MGDA())
     assert all(p.grad is not None for p in trunk.parameters())
     assert len(calls) == 4
+
+
+@pytest.mark.parametrize("op", sorted(MIXERS))
+def test_ghost_norms_refuse_the_same_trunks(op: str) -> None:
+    """``GhostNorms`` rests on the same identity: a mixing trunk is refused, its records
+    dropped; the same trunk without the mixing gives the norms of per-sample
+    ``autograd.grad`` (each sample's loss alone: the independent reference)."""
+    from gradbalance.clip import GhostNorms
+
+    torch.manual_seed(1)
+    trunk = Trunk(MIXERS[op])
+    ghost = GhostNorms(trunk)
+    x = torch.randn(5, 5)
+    with pytest.raises(ValueError, match=r"mixes the samples.*per_sample_grad_norms_of_model"):
+        ghost.norms(trunk(x).square().sum(1))
+    trunk.op = KEEPERS["identity"]
+    losses = trunk(x).square().sum(1)
+    norms = ghost.norms(losses)
+    expected = torch.stack([
+        torch.cat([g.flatten() for g in torch.autograd.grad(losses[i], list(trunk.parameters()),
+                                                            retain_graph=True)]).norm()
+        for i in range(5)])
+    torch.testing.assert_close(norms, expected, rtol=1e-4, atol=1e-6)
