@@ -31,6 +31,10 @@ ROUGH_FIRST_RTOL = 1e-4
 ROUGH_MAX_STEPS = 20
 ROUGH_MARGIN = 1e-5
 ROUGH_MAX_PIVOTS = 8
+#: The rows whose solve is done pivot together once they hold this many entries (or all
+#: the open rows are done): a pivot's tensor operations cost as much as a step's product
+#: of ``[8, 1024] × [1024, 1024]``; until then they take more steps.
+ROUGH_PIVOT_ENTRIES = 8192
 #: :func:`restricted_product` subtracts rows of ``Q`` while they are fewer than this
 #: fraction of the entries (a gathered row moves memory, a product's row is compute-bound).
 GATHER_FRACTION = 1 / 256
@@ -227,17 +231,20 @@ def rough_free_sets(q: Tensor, h: Tensor, shift: Tensor,
                  torch.full((b,), k + 1), count.clone())
     fresh = torch.ones(b, dtype=torch.bool)
     _restart(live, q32, rhs, free, fresh)
+    due = torch.zeros(b, dtype=torch.bool)
     for _ in range(ROUGH_MAX_PIVOTS * ROUGH_MAX_STEPS):
-        due = _step(live, q32, h32, fresh)
+        due = due | _step(live, q32, h32, fresh)
         fresh = torch.zeros_like(due)
-        if not bool(due.any()):
-            continue
+        waiting = int(due.sum())
+        if waiting * k < ROUGH_PIVOT_ENTRIES and waiting < due.numel():
+            continue  # the rows done step on until enough of them make a pivot worth it
         stop, nxt = _pivot(live, due, rhs, out_free, out_y)
         fresh[due] = ~stop
         _restart(live, q32, rhs, nxt[~stop], fresh)
         keep = ~due | fresh
         fresh = fresh[keep]
         live.take(keep)
+        due = torch.zeros_like(fresh)
         if live.rows.numel() == 0:
             break
     finite = torch.isfinite(out_y).all(dim=1, keepdim=True)  # else: the given free set
