@@ -85,6 +85,26 @@ def is_well_conditioned(q: Tensor) -> bool:
     return _conditioning(q)[0]
 
 
+def certified_inverse(q: Tensor) -> Tensor | None:
+    """``Q⁻¹`` where one Cholesky factorisation proves ``Q`` positive definite with condition
+    number below ``CHOLESKY_MAX_COND``, else None (then the eigenvalues decide).
+
+    ``λ_max ≤ tr Q`` and ``1/λ_min ≤ tr Q⁻¹``, so ``tr Q · tr Q⁻¹`` bounds the condition
+    number from above (by at most ``K`` times its value); ``max Q_jj / min L_jj²`` bounds it
+    from below (``λ_min ≤ L_jj²``) and skips the inverse of a surely ill ``Q``. One host
+    sync each; ``O(K³/3)`` for the factor and ``O(2K³/3)`` for the inverse, about a third of
+    :func:`torch.linalg.eigvalsh` together, and the inverse is the conjugate-gradient
+    preconditioner of :func:`solve_lcp_pivoting`.
+    """
+    chol, info = torch.linalg.cholesky_ex(q)
+    pivots = torch.diagonal(chol).square()
+    if int(info) != 0 or float(torch.diagonal(q).amax() / pivots.amin()) >= CHOLESKY_MAX_COND:
+        return None
+    h = torch.cholesky_inverse(chol)
+    bound = float(torch.trace(q) * torch.trace(h))
+    return h if 0.0 < bound < CHOLESKY_MAX_COND else None
+
+
 def _conditioning(q: Tensor) -> tuple[bool, bool]:
     """``(well, definite)``: ``Q`` positive definite with condition number below ``1e10``,
     and positive definite at all (its eigenvalues, one decomposition)."""
@@ -147,6 +167,7 @@ def _relative_threshold(q: Tensor, lower: Tensor, c: Tensor, tol: float) -> Thre
 def solve_lcp_pivoting(
     q: Tensor, c: Tensor, lower: Tensor, simplex: bool, free0: Tensor, tol: float,
     max_iter: int, iterative: bool = False, relative: bool = False,
+    inverse: Tensor | None = None,
 ) -> tuple[Tensor, Tensor] | None:
     """Block principal pivoting (Júdice & Pires 1994): ``(x, done)``, ``x`` valid where done.
 
@@ -167,19 +188,20 @@ def solve_lcp_pivoting(
     (:func:`~._pcg.rough_free_sets`); a problem whose solve does not converge, or whose free
     block does not factorise, stays open.
     With ``relative`` a multiplier is infeasible against the problem's own scale
-    (:func:`_relative_threshold`) instead of ``−tol``.
+    (:func:`_relative_threshold`) instead of ``−tol``. ``inverse``: ``Q⁻¹`` when already
+    computed (:func:`certified_inverse`), the preconditioner of ``iterative``.
     """
     shift = lower @ q + c
     total = 1.0 - lower.sum(dim=1) if simplex else None
     solve: Solve
     y0 = None
     if iterative:
-        chol, info = torch.linalg.cholesky_ex(q)
-        if int(info) != 0:
+        h = inverse if inverse is not None else _inverse(q)
+        if h is None:
             return None
-        h = torch.cholesky_inverse(chol)
-        free0, y0 = rough_free_sets(q, h, shift, free0)
-        solve = _cg_solve(q, h, shift)
+        h32 = h.float()  # the preconditioner of both phases: half the cost of a product
+        free0, y0 = rough_free_sets(q, h32, shift, free0)
+        solve = _cg_solve(q, h32, shift)
     else:
         def solve(rows: Tensor, free: Tensor, y: Tensor, yq: Tensor,
                   tight: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
@@ -188,6 +210,12 @@ def solve_lcp_pivoting(
     threshold = (_relative_threshold(q, lower, c, tol) if relative
                  else lambda rows, y, yq: tol)
     return _pivot_loop(q, shift, lower, simplex, free0, tol, threshold, max_iter, solve, y0)
+
+
+def _inverse(q: Tensor) -> Tensor | None:
+    """``Q⁻¹`` from a Cholesky factorisation; None if it fails."""
+    chol, info = torch.linalg.cholesky_ex(q)
+    return torch.cholesky_inverse(chol) if int(info) == 0 else None
 
 
 def _cg_solve(q: Tensor, h: Tensor, shift: Tensor) -> Solve:
@@ -786,10 +814,11 @@ def _start_points(lower: Tensor, simplex: bool, x0: Tensor | None) -> Tensor:
 
 
 def _pivot_all(q: Tensor, c: Tensor, lower: Tensor, simplex: bool, x: Tensor,
-               tol: float) -> Tensor | tuple[Tensor, Tensor] | None:
+               tol: float, inverse: Tensor | None = None
+               ) -> Tensor | tuple[Tensor, Tensor] | None:
     """The pivoting path from ``x``: the solutions when it solves every problem, else
     ``(out, done)`` (valid where done); None if a factorisation fails or the single problem
-    stays open."""
+    stays open. ``inverse``: ``Q⁻¹`` if known (the conjugate gradients' preconditioner)."""
     b, k = c.shape
     budget = 10 + 3 * k
     if b == 1:
@@ -799,7 +828,7 @@ def _pivot_all(q: Tensor, c: Tensor, lower: Tensor, simplex: bool, x: Tensor,
     pivot = None
     if not simplex and k >= CG_MIN_SIZE:
         pivot = solve_lcp_pivoting(q, c, lower, simplex, x > lower, tol, CG_MAX_PIVOTS,
-                                   iterative=True)
+                                   iterative=True, inverse=inverse)
     if pivot is None:
         pivot = solve_lcp_pivoting(q, c, lower, simplex, x > lower, tol, budget)
     elif not bool(pivot[1].all()):
@@ -862,11 +891,14 @@ def solve_box_qp_batched(
     """
     q, c, lower = q.to(torch.float64), c.to(torch.float64), lower.to(torch.float64)
     definite = False
+    inverse = None
     if well_conditioned is None:
-        well_conditioned, definite = _conditioning(q)
+        inverse = _certified_if_cg(q, c, simplex)
+        well_conditioned, definite = (True, True) if inverse is not None else _conditioning(q)
     many = q.shape[0] >= MANY_TASKS
     x = _start_points(lower, simplex, x0)
-    pivot = _pivot_first(q, c, lower, simplex, x, tol, well_conditioned, definite and many)
+    pivot = _pivot_first(q, c, lower, simplex, x, tol, well_conditioned, definite and many,
+                         inverse)
     if isinstance(pivot, Tensor):
         return pivot
     out, done = pivot or (x.clone(), torch.zeros(c.shape[0], dtype=torch.bool))
@@ -877,13 +909,23 @@ def solve_box_qp_batched(
     return _solve_factored(q, c, lower, simplex, None if x0 is None else x, out, done, tol)
 
 
+def _certified_if_cg(q: Tensor, c: Tensor, simplex: bool) -> Tensor | None:
+    """:func:`certified_inverse` where the batch takes the conjugate-gradient pivoting (box
+    problems, from ``CG_MIN_SIZE`` tasks on): its preconditioner, and the conditioning test
+    without the eigenvalues; None elsewhere."""
+    if simplex or q.shape[0] < CG_MIN_SIZE or c.shape[0] < 2:
+        return None
+    return certified_inverse(q)
+
+
 def _pivot_first(q: Tensor, c: Tensor, lower: Tensor, simplex: bool, x: Tensor, tol: float,
-                 well_conditioned: bool, ill_but_definite: bool
-                 ) -> Tensor | tuple[Tensor, Tensor] | None:
+                 well_conditioned: bool, ill_but_definite: bool,
+                 inverse: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor] | None:
     """The pivoting, where it applies: absolute multiplier test on a well-conditioned ``q``,
-    relative test on a badly conditioned positive definite one (many tasks); else None."""
+    relative test on a badly conditioned positive definite one (many tasks); else None.
+    ``inverse``: ``Q⁻¹`` if known."""
     if well_conditioned:
-        return _pivot_all(q, c, lower, simplex, x, tol)
+        return _pivot_all(q, c, lower, simplex, x, tol, inverse)
     if ill_but_definite:
         return solve_lcp_pivoting(q, c, lower, simplex, x > lower, tol, ILL_MAX_PIVOTS,
                                   relative=True)

@@ -4,12 +4,15 @@ Not a balancer module (no ``__all__``). The pivoting of :mod:`._boxqp` on ``B`` 
 (UPGrad's K projections) needs ``Q_FF y_F = rhs_F`` for a different free set ``F`` per
 problem; here all of them take their conjugate-gradient steps together, two
 ``[B, K] × [K, K]`` products per step (:func:`pcg_free`). :func:`rough_free_sets` runs the
-same block pivoting in float32 with loose solves (half the cost of a product, a quarter of
-the steps): a guess of each problem's free set and solution, which the float64 pivoting then
-only confirms (one tight solve and the optimality test) or corrects.
+same block pivoting in float32 (half the cost of a product), each problem pivoting as soon
+as its own solve is done, from a start two pivots in (:func:`opposite_start`): a guess of
+each problem's free set and solution, which the float64 pivoting then only confirms (one
+tight solve and the optimality test) or corrects.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
@@ -19,23 +22,39 @@ _dot = torch.linalg.vecdot  # row-wise inner products, one pass
 
 #: Step cap of one solve.
 CG_MAX_STEPS = 100
-#: Relative residual of the float32 solves of :func:`rough_free_sets` and their step cap,
-#: the fraction of a row's largest ``|y|`` (or ``|w|``) below which a sign there is not
-#: trusted, and its pivoting iterations.
+#: Relative residual of the float32 solves of :func:`rough_free_sets` (the first one, whose
+#: free set is furthest from the optimum: looser) and their step cap, the fraction of a
+#: row's largest ``|y|`` (or ``|w|``) below which a sign there is not trusted, and its
+#: pivoting iterations.
 ROUGH_RTOL = 1e-6
+ROUGH_FIRST_RTOL = 1e-4
 ROUGH_MAX_STEPS = 20
 ROUGH_MARGIN = 1e-5
 ROUGH_MAX_PIVOTS = 8
+#: The rows whose solve is done pivot together once they hold this many entries (or all
+#: the open rows are done): a pivot's tensor operations cost as much as a step's product
+#: of ``[8, 1024] × [1024, 1024]``; until then they take more steps.
+ROUGH_PIVOT_ENTRIES = 8192
+#: :func:`restricted_product` subtracts rows of ``Q`` while they are fewer than this
+#: fraction of the entries (a gathered row moves memory, a product's row is compute-bound).
+GATHER_FRACTION = 1 / 256
 
 
 def restricted_product(q: Tensor, y0: Tensor, y0q: Tensor, f: Tensor) -> Tensor:
     """``(y0 ∘ f) Q`` from ``y0 Q``: the rows of ``Q`` of the few entries ``f`` drops are
-    subtracted (one ``[B, K] × [K, K]`` product instead when they are many)."""
+    subtracted (one ``[B, K] × [K, K]`` product instead when they are more than
+    ``GATHER_FRACTION`` of the entries)."""
     dropped = y0 * (1.0 - f)
     bi, ki = torch.nonzero(dropped, as_tuple=True)
-    if 8 * bi.numel() > dropped.numel():
+    if bi.numel() > GATHER_FRACTION * dropped.numel():
         return (y0 * f) @ q
     return y0q.index_add(0, bi, -dropped[bi, ki][:, None] * q[ki])
+
+
+def _precondition(r: Tensor, h: Tensor) -> Tensor:
+    """``r h`` in the dtype of ``h`` (float32 for float64 solves: half the cost of the
+    product; rounding there only bends the search directions, the residual stays exact)."""
+    return r @ h if r.dtype == h.dtype else (r.to(h.dtype) @ h).to(r.dtype)
 
 
 def pcg_free(q: Tensor, h: Tensor, rhs: Tensor, free: Tensor, y0: Tensor, y0q: Tensor,
@@ -43,11 +62,12 @@ def pcg_free(q: Tensor, h: Tensor, rhs: Tensor, free: Tensor, y0: Tensor, y0q: T
     """``(y, converged, yQ)`` (``[B, K]``, ``[B]``, ``[B, K]``): ``Q_FF y_F = rhs_F`` per row,
     ``y`` zero off ``F``; ``y0q = y0 Q`` (the last solve's product).
 
-    Conjugate gradients preconditioned by ``(Q⁻¹)_FF`` (``h = Q⁻¹``), from ``y0``: two
-    ``[B, K] × [K, K]`` products per step for all the problems together, until the residual
-    is ``rtol`` ``[B]`` times ``‖rhs_F‖``, at most ``max_steps`` steps, in the dtype of
-    ``q``. ``yQ`` is carried along the iterations from ``y0q`` (the unmasked operator
-    products), so neither the start nor the caller's multipliers need a product of their own.
+    Conjugate gradients preconditioned by ``(Q⁻¹)_FF`` (``h ≈ Q⁻¹``, possibly in a lower
+    precision), from ``y0``: two ``[B, K] × [K, K]`` products per step for all the problems
+    together, until the residual is ``rtol`` ``[B]`` times ``‖rhs_F‖``, at most
+    ``max_steps`` steps, in the dtype of ``q``. ``yQ`` is carried along the iterations from
+    ``y0q`` (the unmasked operator products), so neither the start nor the caller's
+    multipliers need a product of their own.
     """
     f = free.to(q.dtype)
     y = y0 * f
@@ -57,7 +77,7 @@ def pcg_free(q: Tensor, h: Tensor, rhs: Tensor, free: Tensor, y0: Tensor, y0q: T
     converged = _norm(r, dim=1) <= target
     live = torch.nonzero(~converged).flatten()  # rows still iterating: the others drop out
     f, r, target, x, xq = f[live], r[live], target[live], y[live], yq[live]
-    z = (r @ h).mul_(f)
+    z = _precondition(r, h).mul_(f)
     p, rz = z, _dot(r, z)
     for _ in range(max_steps):
         if live.numel() == 0:
@@ -76,7 +96,7 @@ def pcg_free(q: Tensor, h: Tensor, rhs: Tensor, free: Tensor, y0: Tensor, y0q: T
             keep = ~stop
             live, f, r, target, x, xq, p, rz = (
                 t[keep] for t in (live, f, r, target, x, xq, p, rz))
-        z = (r @ h).mul_(f)
+        z = _precondition(r, h).mul_(f)
         rz_new = _dot(r, z)
         p = p.mul_(torch.where(rz > 0, rz_new / torch.where(rz > 0, rz, 1.0), 0.0)[:, None])
         p.add_(z)
@@ -85,44 +105,148 @@ def pcg_free(q: Tensor, h: Tensor, rhs: Tensor, free: Tensor, y0: Tensor, y0q: T
     return y, converged, yq
 
 
+def opposite_start(h: Tensor, shift: Tensor, free0: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(free, y, yQ)`` ``[B, K]``: a start of the pivoting from the all-free side, where
+    ``free0`` is empty (a cold start) and the first pivot from there drops one index.
+
+    Every index free: ``y = −Q⁻¹ shift`` (``h = Q⁻¹``, one product); its one negative index
+    ``a`` leaves, which a rank-one update of ``Q⁻¹`` solves in closed form,
+    ``y' = y − h_a y_a / h_aa`` (``y'Q = −shift − e_a y_a / h_aa``), and the next pivot
+    keeps the indices where ``y' > 0``: two pivoting iterations without a solve (UPGrad's
+    projections, ``shift = p_i Q_i``: ``y = −p_i e_i``, ``a = i``). Elsewhere ``free0`` and
+    ``y = 0``."""
+    y = -(shift @ h)
+    neg = y < -ROUGH_MARGIN * y.abs().amax(dim=1, keepdim=True)
+    cold = (neg.sum(dim=1) == 1) & ~free0.any(dim=1)
+    a = neg.to(torch.uint8).argmax(dim=1)
+    step = y.gather(1, a[:, None]) / torch.diagonal(h)[a, None]
+    y = (y - step * h[a]).scatter_(1, a[:, None], 0.0)
+    yq = (-shift).scatter_add(1, a[:, None], -step)
+    keep = cold[:, None]
+    return torch.where(keep, y > 0.0, free0), y * keep, yq * keep
+
+
+@dataclass
+class _Live:
+    """The open problems of :func:`rough_free_sets`, compacted together: their index
+    ``rows``, free sets ``f`` (as 0/1), point ``y``, product ``yq = yQ``, residual ``r``,
+    its target, search direction ``p``, ``rz = rᵀz``, steps since the last pivot, pivots,
+    best count of infeasible indices and iterations without a better one."""
+
+    rows: Tensor
+    f: Tensor
+    y: Tensor
+    yq: Tensor
+    r: Tensor
+    target: Tensor
+    p: Tensor
+    rz: Tensor
+    steps: Tensor
+    pivots: Tensor
+    best: Tensor
+    stale: Tensor
+
+    def take(self, keep: Tensor) -> None:
+        """Only the rows ``keep`` (a mask) stay."""
+        for field in fields(self):
+            setattr(self, field.name, getattr(self, field.name)[keep])
+
+
+def _restart(live: _Live, q: Tensor, rhs: Tensor, free: Tensor, at: Tensor) -> None:
+    """The rows ``at`` (a mask) start a new solve on ``free`` (theirs): ``y`` zero off it,
+    ``yQ`` updated (:func:`restricted_product`), the residual and its target recomputed."""
+    f = free.to(q.dtype)
+    y = live.y[at]
+    yq = restricted_product(q, y, live.yq[at], f)
+    b = rhs[live.rows[at]]
+    live.f[at], live.y[at], live.yq[at] = f, y * f, yq
+    live.r[at] = (b - yq) * f
+    rtol = torch.where(live.pivots[at] == 0, ROUGH_FIRST_RTOL, ROUGH_RTOL)
+    live.target[at] = rtol * _norm(b * f, dim=1)
+    live.steps[at] = 0
+
+
+def _step(live: _Live, q: Tensor, h: Tensor, fresh: Tensor) -> Tensor:
+    """One conjugate-gradient step of every open row (``fresh``: a new solve, ``p = z``);
+    the rows whose solve is done (converged, broken down or out of steps)."""
+    z = _precondition(live.r, h).mul_(live.f)
+    rz = _dot(live.r, z)
+    old = torch.where(fresh | (live.rz <= 0), 0.0, live.rz)
+    live.p = live.p.mul_(torch.where(old > 0, rz / torch.where(old > 0, old, 1.0), 0.0)[:, None])
+    live.p.add_(z)
+    live.rz = rz
+    pq = live.p @ q
+    pap = _dot(live.p, pq)
+    alpha = torch.where(pap > 0, rz / torch.where(pap > 0, pap, 1.0), 0.0)[:, None]
+    live.y.addcmul_(alpha, live.p)
+    live.yq.addcmul_(alpha, pq)
+    live.r.addcmul_(pq, live.f * alpha, value=-1.0)
+    live.steps += 1
+    done: Tensor = (_norm(live.r, dim=1) <= live.target) | (pap <= 0)
+    return done | (live.steps >= ROUGH_MAX_STEPS)
+
+
+def _pivot(live: _Live, due: Tensor, rhs: Tensor, out_free: Tensor,
+           out_y: Tensor) -> tuple[Tensor, Tensor]:
+    """The pivoting decision of the rows ``due``, whose result so far is written out:
+    ``(stop, free)``, the rows that stop (no infeasible index, no better count for two
+    iterations, or out of pivots) and the next free sets (of the rows ``due``)."""
+    y, f = live.y[due], live.f[due] > 0
+    w = live.yq[due] - rhs[live.rows[due]]
+    bad = torch.where(f, y < -ROUGH_MARGIN * y.abs().amax(dim=1, keepdim=True),
+                      w < -ROUGH_MARGIN * w.abs().amax(dim=1, keepdim=True))
+    count = bad.sum(dim=1)
+    out_free[live.rows[due]], out_y[live.rows[due]] = f, y.double()
+    better = count < live.best[due]
+    live.best[due] = torch.minimum(count, live.best[due])
+    live.stale[due] = torch.where(better, 0, live.stale[due] + 1)
+    live.pivots[due] += 1
+    stop = (count == 0) | (live.stale[due] >= 2) | (live.pivots[due] >= ROUGH_MAX_PIVOTS)
+    return stop, f ^ bad
+
+
 def rough_free_sets(q: Tensor, h: Tensor, shift: Tensor,
                     free0: Tensor) -> tuple[Tensor, Tensor]:
     """``(free, y)`` ``[B, K]`` (float64): a guess of each box problem's optimal free set and
-    ``y`` (``w = Qy + shift ≥ 0``, ``y ≥ 0``, ``yᵀw = 0``), from the free sets ``free0``.
+    ``y`` (``w = Qy + shift ≥ 0``, ``y ≥ 0``, ``yᵀw = 0``), from the free sets ``free0``
+    (where empty: from :func:`opposite_start`).
 
-    Block principal pivoting (Júdice & Pires 1994) in float32 with :func:`pcg_free` solves
-    to ``ROUGH_RTOL``: every index whose ``y`` or ``w`` is below ``−ROUGH_MARGIN`` times the
-    row's largest ``|y|`` or ``|w|`` changes side; a problem stops when none does, when their
-    number has not fallen for two iterations, or after ``ROUGH_MAX_PIVOTS``; a free index
-    whose ``y`` is not positive leaves, and a problem whose float32 solve overflowed keeps
-    ``free0`` (and ``y = 0``). Only a start: nothing here is checked, the float64 pivoting
-    decides.
+    Block principal pivoting (Júdice & Pires 1994) in float32 with the conjugate-gradient
+    steps of :func:`pcg_free`, each problem pivoting as soon as its own solve is done (its
+    residual ``ROUGH_RTOL`` times ``‖rhs_F‖``, ``ROUGH_FIRST_RTOL`` the first time, a
+    breakdown, or ``ROUGH_MAX_STEPS``) and starting its next solve in the same batch: every
+    index whose ``y`` or ``w`` is below ``−ROUGH_MARGIN`` times the row's largest ``|y|`` or
+    ``|w|`` changes side; a problem stops when none does, when their number has not fallen
+    for two iterations, or after ``ROUGH_MAX_PIVOTS``; a free index whose ``y`` is not
+    positive leaves, and a problem whose float32 solve overflowed keeps ``free0`` (and
+    ``y = 0``). Only a start: nothing here is checked, the float64 pivoting decides.
     """
     q32, h32, rhs = q.float(), h.float(), -shift.float()
-    b = rhs.shape[0]
-    rows = torch.arange(b)
-    free, out_free, out_y = free0, free0.clone(), torch.zeros_like(shift)
-    y, yq = torch.zeros_like(rhs), torch.zeros_like(rhs)
-    best = torch.full((b,), shift.shape[1] + 1)
-    stale = torch.zeros(b, dtype=torch.int64)
-    loose = torch.full((b,), ROUGH_RTOL, dtype=torch.float32)
-    for _ in range(ROUGH_MAX_PIVOTS):
-        y, _, yq = pcg_free(q32, h32, rhs[rows], free, y, yq, loose[: rows.numel()],
-                            ROUGH_MAX_STEPS)
-        w = yq - rhs[rows]
-        margin_y = ROUGH_MARGIN * y.abs().amax(dim=1, keepdim=True)
-        margin_w = ROUGH_MARGIN * w.abs().amax(dim=1, keepdim=True)
-        bad = torch.where(free, y < -margin_y, w < -margin_w)
-        count = bad.sum(dim=1)
-        out_free[rows], out_y[rows] = free, y.double()
-        better = count < best[rows]
-        best[rows] = torch.minimum(count, best[rows])
-        stale[rows] = torch.where(better, 0, stale[rows] + 1)
-        keep = (count > 0) & (stale[rows] < 2)
-        rows, free, bad, y, yq = (t[keep] for t in (rows, free, bad, y, yq))
-        if rows.numel() == 0:
+    b, k = rhs.shape
+    free, y, yq = opposite_start(h32, -rhs, free0)
+    out_free, out_y = free0.clone(), torch.zeros_like(shift)
+    count = torch.zeros(b, dtype=torch.int64)
+    live = _Live(torch.arange(b), torch.zeros_like(rhs), y, yq, torch.zeros_like(rhs),
+                 torch.zeros(b), torch.zeros_like(rhs), torch.zeros(b), count, count.clone(),
+                 torch.full((b,), k + 1), count.clone())
+    fresh = torch.ones(b, dtype=torch.bool)
+    _restart(live, q32, rhs, free, fresh)
+    due = torch.zeros(b, dtype=torch.bool)
+    for _ in range(ROUGH_MAX_PIVOTS * ROUGH_MAX_STEPS):
+        due = due | _step(live, q32, h32, fresh)
+        fresh = torch.zeros_like(due)
+        waiting = int(due.sum())
+        if waiting * k < ROUGH_PIVOT_ENTRIES and waiting < due.numel():
+            continue  # the rows done step on until enough of them make a pivot worth it
+        stop, nxt = _pivot(live, due, rhs, out_free, out_y)
+        fresh[due] = ~stop
+        _restart(live, q32, rhs, nxt[~stop], fresh)
+        keep = ~due | fresh
+        fresh = fresh[keep]
+        live.take(keep)
+        due = torch.zeros_like(fresh)
+        if live.rows.numel() == 0:
             break
-        free = free ^ bad
     finite = torch.isfinite(out_y).all(dim=1, keepdim=True)  # else: the given free set
     clean = torch.where(finite, out_free & (out_y > 0.0), free0)
     return clean, torch.where(clean & finite, out_y, 0.0)

@@ -129,3 +129,58 @@ def test_rough_free_sets_keeps_the_start_where_float32_is_not_finite() -> None:
     assert torch.allclose(y[0], (-shift[0]).clamp_min(0.0), rtol=1e-6)
     assert free[1].tolist() == free0[1].tolist()
     assert bool((y[1:] == 0).all()) and bool(torch.isfinite(y).all())
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.integers(2, 32), st.integers(0, 2**16))
+def test_opposite_start_solves_the_free_block_without_one_index(k: int, seed: int) -> None:
+    """UPGrad's shifts (``p_i Q_i``): ``y`` zero at ``i`` and ``Q_FF y_F = −shift_F`` on the
+    other indices (checked against a direct solve of that block), the free set where
+    ``y > 0``, ``yQ`` its product; a row with a given free set keeps it (and ``y = 0``)."""
+    gram, _ = trace_normalized((g := well_posed_rows("conflicting", k, seed)) @ g.T)
+    h = torch.cholesky_inverse(torch.linalg.cholesky(gram))
+    p = torch.rand(k, generator=torch.Generator().manual_seed(seed), dtype=F64) + 0.5
+    shift = p[:, None] * gram
+    free0 = torch.zeros(k, k, dtype=torch.bool)
+    free0[0, -1] = True  # row 0: a warm start
+    free, y, yq = _pcg.opposite_start(h, shift, free0)
+    assert free[0].tolist() == free0[0].tolist() and bool((y[0] == 0).all())
+    for i in range(1, k):
+        rest = [j for j in range(k) if j != i]
+        expected = torch.linalg.solve(gram[rest][:, rest], -shift[i, rest])
+        assert float(y[i, i]) == 0.0
+        scale = float(expected.abs().max())
+        assert torch.allclose(y[i, rest], expected, rtol=1e-8, atol=1e-10 * scale)
+        assert free[i].tolist() == (y[i] > 0).tolist()
+    assert torch.allclose(yq[1:], y[1:] @ gram, atol=1e-12)
+
+
+@pytest.mark.parametrize("dropped", [1, 40])
+def test_restricted_product_either_way_is_the_product(dropped: int) -> None:
+    """``(y ∘ f) Q`` from ``y Q``, by subtracted rows (few dropped) or one product (many)."""
+    gen = torch.Generator().manual_seed(dropped)
+    k = 64
+    q = torch.randn(k, k, generator=gen, dtype=F64)
+    y = torch.randn(3, k, generator=gen, dtype=F64)
+    f = torch.ones(3, k, dtype=F64)
+    f[:, :dropped] = 0.0
+    got = _pcg.restricted_product(q, y, y @ q, f)
+    assert torch.allclose(got, (y * f) @ q, atol=1e-12)
+
+
+def test_float64_solves_with_a_float32_preconditioner_converge() -> None:
+    """``pcg_free`` in float64 with ``h`` in float32 (the float64 pivoting's solves): every
+    row to ``1e-11`` (the tight tolerance), residual recomputed from ``y``."""
+    k = 48
+    gram, _ = trace_normalized((g := well_posed_rows("wide_norms", k, 5)) @ g.T)
+    h32 = torch.cholesky_inverse(torch.linalg.cholesky(gram)).float()
+    gen = torch.Generator().manual_seed(5)
+    free = torch.rand(k, k, generator=gen) < 0.5
+    rhs = torch.randn(k, k, generator=gen, dtype=F64)
+    zero = torch.zeros(k, k, dtype=F64)
+    y, converged, _ = _pcg.pcg_free(gram, h32, rhs, free, zero, zero,
+                                    torch.full((k,), 1e-11, dtype=F64))
+    f = free.to(F64)
+    residual = torch.linalg.vector_norm((rhs - y @ gram) * f, dim=1)
+    assert bool(converged.all())
+    assert bool((residual <= 2e-11 * torch.linalg.vector_norm(rhs * f, dim=1)).all())
