@@ -58,6 +58,13 @@ def _mixes(plain: Tensor, probed: Tensor, r: Tensor) -> bool | None:
     return bool((diff > MIXING_EPS * eps * size).any())
 
 
+def _batch_outputs(records: Sequence[tuple[str, Sequence[Tensor]]],
+                   batch: int) -> list[tuple[str, Tensor]]:
+    """The recorded outputs on a graph with the batch along dim 0, each with its name."""
+    return [(name, y) for name, outputs in records for y in outputs
+            if y.requires_grad and y.dim() > 0 and y.shape[0] == batch]
+
+
 def mixed_outputs(losses: Tensor, scale: Tensor | None,
                   records: Sequence[tuple[str, Sequence[Tensor]]]) -> list[str] | None:
     """The names of the records (``(name, outputs)``) whose output gradients mix the samples
@@ -65,8 +72,7 @@ def mixed_outputs(losses: Tensor, scale: Tensor | None,
     passes); None when nothing could be told (no output with the batch along dim 0 on the
     graph, or a non-finite gradient). Two ``autograd.grad`` calls, the graph retained."""
     batch = losses.shape[0]
-    named = [(name, y) for name, outputs in records for y in outputs
-             if y.requires_grad and y.dim() > 0 and y.shape[0] == batch]
+    named = _batch_outputs(records, batch)
     if batch < 2 or not named:
         return None
     columns = losses.reshape(batch, -1)
@@ -77,8 +83,15 @@ def mixed_outputs(losses: Tensor, scale: Tensor | None,
     outputs = [y for _, y in named]
     plain, probed = (torch.autograd.grad(root, outputs, retain_graph=True, allow_unused=True)
                      for root in roots)
+    return _mixing_names([name for name, _ in named], plain, probed, r)
+
+
+def _mixing_names(names: list[str], plain: Sequence[Tensor | None],
+                  probed: Sequence[Tensor | None], r: Tensor) -> list[str] | None:
+    """The names (once each, in order) whose two gradients differ beyond rounding; None if
+    some gradient is not finite. An output off the graph (None) tells nothing."""
     mixing: list[str] = []
-    for (name, _), a, b in zip(named, plain, probed):
+    for name, a, b in zip(names, plain, probed):
         if a is None or b is None:
             continue
         verdict = _mixes(a, b, r)
