@@ -101,8 +101,10 @@ def low_rank_factor(q: Tensor, max_rank: int) -> Tensor | None:
 
 class _Open:
     """The open problems: their rows, ``a = Lᵀlower``, and the passive columns in a list per
-    problem: ``idx`` ``[B, m]`` (zero past ``count``), ``mu`` (their ``μ > 0``), ``valid``;
-    and ``aside`` ``[B, K]`` (a solve gave the index no positive value; cleared on a move)."""
+    problem: ``idx`` ``[B, m]``, ``mu`` (their ``μ > 0``), ``valid`` (the entries in use),
+    ``chol`` ``[B, m, m]`` (the Cholesky factor of the block ``L_P L_Pᵀ``, the identity on
+    the entries not in use); and ``aside`` ``[B, K]`` (a solve gave the index no positive
+    value; cleared on a move)."""
 
     def __init__(self, factor: Tensor, lower: Tensor) -> None:
         b, k = lower.shape
@@ -112,35 +114,48 @@ class _Open:
         self.idx = torch.zeros(b, 0, dtype=torch.int64)
         self.mu = torch.zeros(b, 0, dtype=factor.dtype)
         self.valid = torch.zeros(b, 0, dtype=torch.bool)
+        self.chol = torch.zeros(b, 0, 0, dtype=factor.dtype)
         self.aside = torch.zeros(b, k, dtype=torch.bool)
 
     def keep(self, mask: Tensor) -> None:
         """Only the problems where ``mask`` stay open."""
-        for name in ("rows", "a", "anorm", "idx", "mu", "valid", "aside"):
+        for name in ("rows", "a", "anorm", "idx", "mu", "valid", "chol", "aside"):
             setattr(self, name, getattr(self, name)[mask])
 
-    def set_passive(self, idx: Tensor, mu: Tensor, valid: Tensor) -> None:
-        """The passive lists, the valid entries first, as narrow as the longest."""
+    def set_passive(self, idx: Tensor, mu: Tensor, valid: Tensor, chol: Tensor) -> None:
+        """The passive lists, the entries in use first (in their order: an entry not in use
+        is a row and column of the identity in ``chol``, which leave it triangular), as
+        narrow as the longest list."""
         m = int(valid.sum(dim=1).max()) if valid.numel() else 0
         first = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)[:, :m]
         self.valid = valid.gather(1, first)
         self.idx = idx.gather(1, first) * self.valid
         self.mu = torch.where(self.valid, mu.gather(1, first), 0.0)
+        width = chol.shape[1]
+        rows = chol.gather(1, first[..., None].expand(-1, -1, width))
+        self.chol = rows.gather(2, first[:, None, :].expand(-1, m, -1))
 
 
-def _passive_solve(factor: Tensor, a: Tensor, idx: Tensor,
-                   valid: Tensor) -> tuple[Tensor, Tensor]:
-    """``(z, pivot²)``: ``z`` ``[B, m]`` minimises ``‖a + Σₛ zₛ L_{idxₛ}‖`` on the valid
-    entries (zero elsewhere; NaN where the block does not factorise), by one batched Cholesky
-    factorisation of the gathered blocks ``L_P L_Pᵀ``; ``pivot²`` is the last entry's
-    squared distance from the span of the ones before it."""
+def _columns(factor: Tensor, idx: Tensor, valid: Tensor) -> Tensor:
+    """The passive columns ``L_{idx}`` ``[B, m, r]``, zero on the entries not in use."""
+    return factor[idx] * valid[..., None].to(factor.dtype)
+
+
+def _solve(chol: Tensor, cols: Tensor, a: Tensor, valid: Tensor) -> Tensor:
+    """``z`` ``[B, m]`` minimising ``‖a + Σₛ zₛ colsₛ‖`` on the valid entries from the
+    factor ``chol`` of ``cols colsᵀ`` (zero elsewhere; NaN rows where it is not finite)."""
+    z = torch.cholesky_solve(-(cols @ a[..., None]), chol)[..., 0] * valid.to(a.dtype)
+    return z.masked_fill_(~torch.isfinite(z).all(dim=1, keepdim=True), math.nan)
+
+
+def _factorise(factor: Tensor, a: Tensor, idx: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+    """``(z, chol)`` on the valid entries: one batched Cholesky factorisation of the
+    gathered blocks ``L_P L_Pᵀ`` (the identity elsewhere; NaN rows where it fails)."""
     vf = valid.to(factor.dtype)
-    cols = factor[idx] * vf[..., None]
-    block = cols @ cols.mT + torch.diag_embed(1.0 - vf)
-    chol, info = torch.linalg.cholesky_ex(block)
-    z = torch.cholesky_solve(-(cols @ a[..., None]), chol)[..., 0] * vf
-    z[(info != 0) | ~torch.isfinite(z).all(dim=1)] = math.nan
-    return z, chol[:, -1, -1] ** 2
+    cols = _columns(factor, idx, valid)
+    chol, info = torch.linalg.cholesky_ex(cols @ cols.mT + torch.diag_embed(1.0 - vf))
+    z = _solve(chol, cols, a, valid)
+    return z.masked_fill_((info != 0)[:, None], math.nan), chol
 
 
 def _entering(factor: Tensor, st: _Open, norms: Tensor, tol: float) -> Tensor:
@@ -170,37 +185,61 @@ def _to_boundary(mu: Tensor, z: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
     return torch.where(valid, mu, 0.0), valid
 
 
-def _move(factor: Tensor, a: Tensor, idx: Tensor, mu: Tensor, z: Tensor,
-          valid: Tensor) -> tuple[Tensor, Tensor]:
-    """Lawson–Hanson steps 7–11: ``(μ, valid)`` after moving towards the passive solves
-    ``z`` until they are positive (each entry brought to zero leaves)."""
+def _move(factor: Tensor, a: Tensor, idx: Tensor, mu: Tensor, z: Tensor, valid: Tensor,
+          chol: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Lawson–Hanson steps 7–11: ``(μ, valid, chol)`` after moving towards the passive
+    solves ``z`` until they are positive (each entry brought to zero leaves, its problem's
+    block factorised afresh)."""
     while True:
         moving = (valid & (z <= 0.0)).any(dim=1)
         if not bool(moving.any()):
-            return torch.where(valid, z, 0.0), valid
+            return torch.where(valid, z, 0.0), valid, chol
         mm, vm = _to_boundary(mu[moving], z[moving], valid[moving])
         mu[moving], valid[moving] = mm, vm
-        z[moving] = _passive_solve(factor, a[moving], idx[moving], vm)[0].nan_to_num()
+        zm, chol[moving] = _factorise(factor, a[moving], idx[moving], vm)
+        z[moving] = zm.nan_to_num()
+
+
+def _extend(factor: Tensor, st: _Open, t: Tensor, sq: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(chol, cols, pivot_ok)`` with ``t`` appended to each problem's list: the new row of
+    the factor ``C⁻¹ L_P Lₜ`` and its diagonal ``√sₜ`` (the left-looking Cholesky step,
+    Golub & Van Loan 2013, §4.2), ``sₜ`` the squared distance of ``Lₜ`` from the passive
+    span; where ``sₜ`` is at most ``τ ‖Lₜ‖²`` (dependent), the identity's row instead."""
+    m = st.idx.shape[1]
+    k = st.aside.shape[1]
+    lt = factor[t]
+    cols = torch.cat([_columns(factor, st.idx, st.valid), lt[:, None]], dim=1)
+    row = torch.linalg.solve_triangular(st.chol, cols[:, :m] @ lt[..., None],
+                                        upper=False)[..., 0]
+    schur = sq[t] - (row * row).sum(dim=1)
+    ok = schur > SCHUR_RTOL_PER_ROW * k * sq[t]
+    chol = torch.nn.functional.pad(st.chol, (0, 1, 0, 1))
+    chol[:, m, :m] = row * ok[:, None]
+    chol[:, m, m] = torch.where(ok, schur, 1.0).sqrt()
+    return chol, cols, ok
 
 
 def _add(factor: Tensor, st: _Open, t: Tensor, sq: Tensor) -> None:
     """``t`` enters each open problem's list; where the solve gives it no positive value
-    (or it depends on the passive columns: its pivot at most ``τ ‖Lₜ‖²``) it is set aside
-    instead, else ``μ`` moves towards the passive solves (Lawson–Hanson steps 5–11)."""
-    n, k = st.aside.shape
+    (or it depends on the passive columns: :func:`_extend`) it is set aside instead, else
+    ``μ`` moves towards the passive solves (Lawson–Hanson steps 5–11)."""
+    n, m = st.idx.shape
+    chol, cols, ok = _extend(factor, st, t, sq)
     idx = torch.cat([st.idx, t[:, None]], dim=1)
-    valid = torch.cat([st.valid, torch.ones(n, 1, dtype=torch.bool)], dim=1)
+    valid = torch.cat([st.valid, ok[:, None]], dim=1)
     mu = torch.cat([st.mu, st.mu.new_zeros(n, 1)], dim=1)
-    z, pivot = _passive_solve(factor, st.a, idx, valid)
-    good = (z[:, -1] > 0.0) & (pivot > SCHUR_RTOL_PER_ROW * k * sq[t])  # False on NaN
+    z = _solve(chol, cols, st.a, valid)
+    good = ok & (z[:, -1] > 0.0)  # False on a NaN row
     rows = torch.arange(n)
     st.aside[rows[~good], t[~good]] = True
     valid[:, -1] = good
+    chol[~good, m, :m] = 0.0
+    chol[~good, m, m] = 1.0
     if bool(good.any()):
-        mu[good], valid[good] = _move(factor, st.a[good], idx[good], mu[good], z[good],
-                                      valid[good])
+        mu[good], valid[good], chol[good] = _move(factor, st.a[good], idx[good], mu[good],
+                                                  z[good], valid[good], chol[good])
         st.aside[good] = False
-    st.set_passive(idx, mu, valid)
+    st.set_passive(idx, mu, valid, chol)
 
 
 def low_rank_box(factor: Tensor, lower: Tensor, tol: float,
