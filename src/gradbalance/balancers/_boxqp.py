@@ -658,18 +658,25 @@ def psd_factor(q: Tensor, rounding: float = 0.0) -> Tensor:
     negative eigenvalue (rounding of ``Q``: the negative part is dropped). ``r = 0`` for a
     zero ``Q``.
     """
+    return eigen_factor(q, rounding)[0]
+
+
+def eigen_factor(q: Tensor, rounding: float) -> tuple[Tensor, float]:
+    """``(L, cut)``: :func:`psd_factor`'s factor and the cut-off on the cosine matrix's
+    eigenvalues (:func:`rounding_cut`; 0 for a zero ``Q``)."""
     q = 0.5 * (q + q.T)
     k = q.shape[0]
     norms = torch.diagonal(q).clamp_min(0.0).sqrt()
     live = torch.nonzero(norms > 0.0).flatten()
     if live.numel() == 0:
-        return q.new_zeros(k, 0)
+        return q.new_zeros(k, 0), 0.0
     d = norms[live]
     lam, vec = torch.linalg.eigh(q[live][:, live] / torch.outer(d, d))
-    keep = lam > rounding_cut(lam, live.numel(), rounding)
+    cut = rounding_cut(lam, live.numel(), rounding)
+    keep = lam > cut
     factor = q.new_zeros(k, int(keep.sum()))
     factor[live] = d[:, None] * vec[:, keep] * lam[keep].sqrt()
-    return factor
+    return factor, cut
 
 
 def rounding_cut(lam: Tensor, n: int, rounding: float) -> float:

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from ._active_set import SCHUR_RTOL_PER_ROW
-from ._boxqp import psd_factor
+from ._boxqp import eigen_factor
 
 #: Fewest tasks for which the low-rank route is tried (below, the dense solve is cheap).
 LOW_RANK_MIN_SIZE = 16
@@ -86,17 +86,22 @@ def pivoted_cholesky(q: Tensor, max_rank: int) -> Tensor | None:
     return None if pivoted is None else pivoted[0]
 
 
-def low_rank_factor(q: Tensor, max_rank: int) -> Tensor | None:
-    """``L`` ``[K, r]``, ``r ≤ max_rank``: the exact pivoted factor, else the eigen-factor
-    cut at the rounding (module docstring) where the pivots pass ``ROUNDED_GATE``; None
-    when neither has rank ``max_rank`` or less."""
+def low_rank_factor(q: Tensor, max_rank: int) -> tuple[Tensor, float] | None:
+    """``(L, dependent)``, ``L`` ``[K, r]``, ``r ≤ max_rank``: the exact pivoted factor, else
+    the eigen-factor cut at the rounding (module docstring) where the pivots pass
+    ``ROUNDED_GATE``; None when neither has rank ``max_rank`` or less. ``dependent``: the
+    squared distance from a span, relative to ``‖Lⱼ‖²``, below which a column depends on it:
+    ``τ``, or the eigenvalue cut-off (a unit row closer than the dropped rounding)."""
+    k = q.shape[0]
     pivoted = _pivots(q, max_rank, ROUNDED_GATE)
     if pivoted is None:
         return None
     factor, exact = pivoted
+    dependent = SCHUR_RTOL_PER_ROW * k
     if not exact:
-        factor = psd_factor(q, ROUNDING_MULTIPLE)
-    return factor if factor.shape[1] <= max_rank else None
+        factor, cut = eigen_factor(q, ROUNDING_MULTIPLE)
+        dependent = max(dependent, cut)
+    return (factor, dependent) if factor.shape[1] <= max_rank else None
 
 
 class _Open:
@@ -200,31 +205,31 @@ def _move(factor: Tensor, a: Tensor, idx: Tensor, mu: Tensor, z: Tensor, valid: 
         z[moving] = zm.nan_to_num()
 
 
-def _extend(factor: Tensor, st: _Open, t: Tensor, sq: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _extend(factor: Tensor, st: _Open, t: Tensor,
+            floor: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """``(chol, cols, pivot_ok)`` with ``t`` appended to each problem's list: the new row of
     the factor ``C⁻¹ L_P Lₜ`` and its diagonal ``√sₜ`` (the left-looking Cholesky step,
     Golub & Van Loan 2013, §4.2), ``sₜ`` the squared distance of ``Lₜ`` from the passive
-    span; where ``sₜ`` is at most ``τ ‖Lₜ‖²`` (dependent), the identity's row instead."""
+    span; where ``sₜ`` is at most ``floorₜ`` (dependent), the identity's row instead."""
     m = st.idx.shape[1]
-    k = st.aside.shape[1]
     lt = factor[t]
     cols = torch.cat([_columns(factor, st.idx, st.valid), lt[:, None]], dim=1)
     row = torch.linalg.solve_triangular(st.chol, cols[:, :m] @ lt[..., None],
                                         upper=False)[..., 0]
-    schur = sq[t] - (row * row).sum(dim=1)
-    ok = schur > SCHUR_RTOL_PER_ROW * k * sq[t]
+    schur = (lt * lt).sum(dim=1) - (row * row).sum(dim=1)
+    ok = schur > floor[t]
     chol = torch.nn.functional.pad(st.chol, (0, 1, 0, 1))
     chol[:, m, :m] = row * ok[:, None]
     chol[:, m, m] = torch.where(ok, schur, 1.0).sqrt()
     return chol, cols, ok
 
 
-def _add(factor: Tensor, st: _Open, t: Tensor, sq: Tensor) -> None:
+def _add(factor: Tensor, st: _Open, t: Tensor, floor: Tensor) -> None:
     """``t`` enters each open problem's list; where the solve gives it no positive value
     (or it depends on the passive columns: :func:`_extend`) it is set aside instead, else
     ``μ`` moves towards the passive solves (Lawson–Hanson steps 5–11)."""
     n, m = st.idx.shape
-    chol, cols, ok = _extend(factor, st, t, sq)
+    chol, cols, ok = _extend(factor, st, t, floor)
     idx = torch.cat([st.idx, t[:, None]], dim=1)
     valid = torch.cat([st.valid, ok[:, None]], dim=1)
     mu = torch.cat([st.mu, st.mu.new_zeros(n, 1)], dim=1)
@@ -242,13 +247,15 @@ def _add(factor: Tensor, st: _Open, t: Tensor, sq: Tensor) -> None:
     st.set_passive(idx, mu, valid, chol)
 
 
-def low_rank_box(factor: Tensor, lower: Tensor, tol: float,
-                 max_additions: int) -> tuple[Tensor, Tensor]:
+def low_rank_box(factor: Tensor, lower: Tensor, tol: float, max_additions: int,
+                 dependent: float | None = None) -> tuple[Tensor, Tensor]:
     """``(v, done)`` ``[B, K]``, ``[B]``: ``argmin ½ vᵀLLᵀv`` s.t. ``v ≥ lowerᵦ`` where done
     (no multiplier above ``tol ‖Lᵀv‖ ‖Lⱼ‖``), ``lower`` elsewhere (open after
-    ``max_additions``)."""
+    ``max_additions``). A column whose squared distance from the passive span is at most
+    ``dependent ‖Lⱼ‖²`` (default ``τ``) does not enter."""
     out, done = lower.clone(), torch.zeros(lower.shape[0], dtype=torch.bool)
     norms = factor.norm(dim=1)
+    rel = SCHUR_RTOL_PER_ROW * lower.shape[1] if dependent is None else dependent
     st = _Open(factor, lower)
     for _ in range(max_additions + 1):
         t = _entering(factor, st, norms, tol)
@@ -261,7 +268,7 @@ def low_rank_box(factor: Tensor, lower: Tensor, tol: float,
             t = t[~finished]
         if not st.rows.numel():
             break
-        _add(factor, st, t, norms * norms)
+        _add(factor, st, t, rel * norms * norms)
     return out, done
 
 
@@ -274,7 +281,8 @@ def low_rank_projection(q: Tensor, lower: Tensor, tol: float) -> tuple[Tensor, T
     if k < LOW_RANK_MIN_SIZE or lower.shape[0] < 2:  # one problem: the dense pivoting is cheaper
         return None
     max_rank = min(int(LOW_RANK_MAX_FRACTION * k), math.isqrt(LOW_RANK_MAX_WORK // k))
-    factor = low_rank_factor(q, max_rank)
-    if factor is None:
+    found = low_rank_factor(q, max_rank)
+    if found is None:
         return None
-    return low_rank_box(factor, lower, tol, 3 * factor.shape[1] + 10)
+    factor, dependent = found
+    return low_rank_box(factor, lower, tol, 3 * factor.shape[1] + 10, dependent)
