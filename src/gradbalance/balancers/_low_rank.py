@@ -42,10 +42,11 @@ from ._boxqp import eigen_factor
 #: Fewest tasks for which the low-rank route is tried (below, the dense solve is cheap).
 LOW_RANK_MIN_SIZE = 16
 #: Largest rank taken by the low-rank route: ``K/4``, and at most ``√(LOW_RANK_MAX_WORK / K)``
-#: (``r = 64`` at ``K = 256``, ``32`` at ``1,024``: above, ``K`` problems' ``[r, r]``
-#: factorisations per addition cost more than the dense active set).
+#: (``r = 32`` at ``K = 256``, ``16`` at ``1,024``: measured, at ``r = 41 … 64`` and
+#: ``K = 256`` the ``K`` problems' ``[r, r]`` factors and their ``2r`` or more additions
+#: cost as much as the dense active set, and more where opposed rows make many removals).
 LOW_RANK_MAX_FRACTION = 0.25
-LOW_RANK_MAX_WORK = 2**20
+LOW_RANK_MAX_WORK = 2**18
 #: Residual diagonal, relative to ``Qᵢᵢ``, below which the pivots stop and the rank is
 #: read from the eigenvalues (a low rank rounded above ``τ``).
 ROUNDED_GATE = 1e-4
