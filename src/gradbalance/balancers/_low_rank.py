@@ -36,7 +36,7 @@ import math
 import torch
 from torch import Tensor
 
-from ._active_set import SCHUR_RTOL_PER_ROW
+from ._active_set import SCHUR_RTOL_PER_ROW, _to_boundary
 from ._boxqp import eigen_factor
 
 #: Fewest tasks for which the low-rank route is tried (below, the dense solve is cheap).
@@ -177,18 +177,6 @@ def _entering(factor: Tensor, st: _Open, norms: Tensor, tol: float) -> Tensor:
     ok = ~off & (norms > 0.0) & (w > torch.maximum(tol * size, noise) * norms)
     score = torch.where(ok, w / torch.where(norms > 0.0, norms, 1.0), -math.inf)
     return torch.where(ok.any(dim=1), score.argmax(dim=1), -1)
-
-
-def _to_boundary(mu: Tensor, z: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
-    """Lawson–Hanson steps 8–11 for each row: the largest step from ``μ`` towards ``z``
-    that keeps ``μ ≥ 0``; the entries it brings to zero leave."""
-    neg = valid & (z <= 0.0)
-    ratio = torch.where(neg, mu / torch.where(neg, mu - z, 1.0), math.inf)
-    alpha = ratio.min(dim=1, keepdim=True).values.clamp(0.0, 1.0)
-    blocking = neg & (ratio <= alpha)
-    mu = torch.where(blocking, 0.0, mu + alpha * (z - mu))
-    valid = valid & ~blocking & (mu > 0.0)
-    return torch.where(valid, mu, 0.0), valid
 
 
 def _move(factor: Tensor, a: Tensor, idx: Tensor, mu: Tensor, z: Tensor, valid: Tensor,
