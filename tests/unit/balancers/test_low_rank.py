@@ -19,7 +19,7 @@ from gradbalance.balancers import _cone, _low_rank
 from gradbalance.balancers._active_set import SCHUR_RTOL_PER_ROW
 from gradbalance.balancers._solvers import project_dual_cone, trace_normalized
 from support.balancers import nnls_dual_cone
-from support.many_kinds import assert_same_update
+from support.many_kinds import KIND_NAMES, assert_same_update, kind_rows
 
 F64 = torch.float64
 
@@ -269,3 +269,12 @@ def test_rounding_cut_is_the_larger_of_the_two() -> None:
     assert rounding_cut(lam, 4, 2.0) == 2e-7
     assert rounding_cut(lam, 4, 0.0) == RANK_RTOL_PER_ROW * 4 * 2.0
     assert rounding_cut(lam.abs(), 4, 2.0) == RANK_RTOL_PER_ROW * 4 * 2.0
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(16, 48), st.sampled_from(KIND_NAMES), st.integers(0, 2**16))
+def test_every_kind_rounded_to_float32_within_the_bound(k: int, kind: str, seed: int) -> None:
+    """Every kind of the many-task check (``support.many_kinds``) with its Gramian multiplied
+    in float32, whichever route it takes: scipy's updates on the rounded rows to the bound
+    of the rounding."""
+    _check_rounded(kind_rows(kind, k, 2 * k + 3, seed), seed, strict=False)
