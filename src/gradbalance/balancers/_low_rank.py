@@ -41,11 +41,12 @@ from ._boxqp import eigen_factor
 
 #: Fewest tasks for which the low-rank route is tried (below, the dense solve is cheap).
 LOW_RANK_MIN_SIZE = 16
-#: Largest rank taken by the low-rank route: ``K/4``, and at most ``√(LOW_RANK_MAX_WORK / K)``
-#: (``r = 32`` at ``K = 256``, ``16`` at ``1,024``: measured, at ``r = 41 … 64`` and
-#: ``K = 256`` the ``K`` problems' ``[r, r]`` factors and their ``2r`` or more additions
-#: cost as much as the dense active set, and more where opposed rows make many removals).
-LOW_RANK_MAX_FRACTION = 0.25
+#: Largest rank taken by the low-rank route: ``K/8`` (the pivots that find it cost little
+#: next to the dense solve) and at most ``√(LOW_RANK_MAX_WORK / K)`` (``r = 32`` at
+#: ``K = 256``, ``16`` at ``1,024``: measured, at ``r = 41 … 64`` and ``K = 256`` the ``K``
+#: problems' ``[r, r]`` factors and their ``2r`` or more additions cost as much as the dense
+#: active set, and more where opposed rows make many removals).
+LOW_RANK_MAX_FRACTION = 0.125
 LOW_RANK_MAX_WORK = 2**18
 #: Residual diagonal, relative to ``Qᵢᵢ``, below which the pivots stop and the rank is
 #: read from the eigenvalues (a low rank rounded above ``τ``).
@@ -63,11 +64,13 @@ def _pivots(q: Tensor, max_rank: int, gate: float) -> tuple[Tensor, bool] | None
     cut, loose = SCHUR_RTOL_PER_ROW * k * resid, gate * resid
     factor = q.new_zeros(k, max_rank)
     for r in range(max_rank + 1):
-        j = int(resid.argmax())
-        top = float(resid[j])
-        if top <= 0.0 or not bool((resid > cut).any()):
+        pick = resid.argmax()
+        flags = torch.stack([resid[pick], (resid > cut).any(), (resid > loose).any(), pick])
+        top, above_cut, above_gate, jf = flags.tolist()  # one host sync per pivot
+        j = int(jf)
+        if top <= 0.0 or not above_cut:
             return factor[:, :r], True
-        if not bool((resid > loose).any()):
+        if not above_gate:
             return factor[:, :r], False
         if r == max_rank:
             return None

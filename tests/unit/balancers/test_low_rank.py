@@ -245,11 +245,12 @@ def test_rounded_low_rank_takes_its_rank_and_matches_scipy(k: int, r: int, seed:
     Gramian multiplied in float32: the pivots stop at the gate, the eigen-factor cut at the
     rounding has rank ``r`` (the copies ``1e-6`` apart are below the rounding), and the
     updates are scipy's on the rounded rows."""
+    r = min(r, k // 8)
     assert _check_rounded(_half_space_rows(k, r, seed), seed, strict=True) == [r]
 
 
 @settings(max_examples=8, deadline=None)
-@given(st.integers(4, 12), st.integers(2, 5), st.integers(0, 2**16))
+@given(st.integers(2, 8), st.integers(2, 9), st.integers(0, 2**16))
 def test_parallel_per_sample_blocks_match_scipy(b: int, t: int, seed: int) -> None:
     """``[B, T]`` objectives from one output: each sample's ``T`` rows parallel or opposed,
     over an ill-conditioned per-sample Gramian, multiplied in float32: scipy's updates to the
@@ -257,7 +258,7 @@ def test_parallel_per_sample_blocks_match_scipy(b: int, t: int, seed: int) -> No
     dimensions where the route applies."""
     seen = _check_rounded(_ill_per_sample_rows(b, t, seed), seed, strict=False)
     assert all(r <= b for r in seen)
-    assert seen or t < 4 or b * t < _low_rank.LOW_RANK_MIN_SIZE  # rank ≤ B ≤ K/4: routed
+    assert seen or t < 8 or b * t < _low_rank.LOW_RANK_MIN_SIZE  # rank ≤ B ≤ K/8: routed
 
 
 def test_rounding_cut_is_the_larger_of_the_two() -> None:
