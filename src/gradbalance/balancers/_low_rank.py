@@ -41,13 +41,15 @@ from ._boxqp import eigen_factor
 
 #: Fewest tasks for which the low-rank route is tried (below, the dense solve is cheap).
 LOW_RANK_MIN_SIZE = 16
-#: Largest rank taken by the low-rank route: ``K/8`` (the pivots that find it cost little
-#: next to the dense solve) and at most ``√(LOW_RANK_MAX_WORK / K)`` (``r = 32`` at
-#: ``K = 256``, ``16`` at ``1,024``: measured, at ``r = 41 … 64`` and ``K = 256`` the ``K``
-#: problems' ``[r, r]`` factors and their ``2r`` or more additions cost as much as the dense
-#: active set, and more where opposed rows make many removals).
-LOW_RANK_MAX_FRACTION = 0.125
-LOW_RANK_MAX_WORK = 2**18
+#: Largest rank taken by the low-rank route: ``K/4`` (``K/8`` below ``LOW_RANK_WIDE_SIZE``
+#: tasks, where the pivots that look for it cost more next to the dense solve) and at most
+#: ``√(LOW_RANK_MAX_WORK / K)`` (``r = 64`` at ``K = 256``, ``32`` at ``1,024``). Measured at
+#: ``K = 256``: rows of rank 48 / 64 0.34 / 0.7–1.5 s against 6 / 12–16 s dense; parallel
+#: per-sample blocks of rank 41–64, a third opposed, 1.7–2.3 s against 1.1–1.6 s (many
+#: removals): benchmarks/results/many_tasks_cpu.md.
+LOW_RANK_MAX_FRACTION = 0.25
+LOW_RANK_WIDE_SIZE = 128
+LOW_RANK_MAX_WORK = 2**20
 #: Residual diagonal, relative to ``Qᵢᵢ``, below which the pivots stop and the rank is
 #: read from the eigenvalues (a low rank rounded above ``τ``).
 ROUNDED_GATE = 1e-4
@@ -267,12 +269,14 @@ def low_rank_box(factor: Tensor, lower: Tensor, tol: float, max_additions: int,
 def low_rank_projection(q: Tensor, lower: Tensor, tol: float) -> tuple[Tensor, Tensor] | None:
     """``(v, done)``: the box QPs of ``lower`` ``[B, K]`` on ``q`` by :func:`low_rank_box`
     for two or more problems (UPGrad's, not DualProj's one) when ``K ≥ LOW_RANK_MIN_SIZE``
-    and ``q`` has a :func:`low_rank_factor` of rank at most ``LOW_RANK_MAX_FRACTION · K``
-    and ``√(LOW_RANK_MAX_WORK / K)``; else None (the caller's dense solve)."""
+    and ``q`` has a :func:`low_rank_factor` of rank at most ``K/4`` (``K/8`` below
+    ``LOW_RANK_WIDE_SIZE`` tasks) and ``√(LOW_RANK_MAX_WORK / K)``; else None (the caller's
+    dense solve)."""
     k = q.shape[0]
     if k < LOW_RANK_MIN_SIZE or lower.shape[0] < 2:  # one problem: the dense pivoting is cheaper
         return None
-    max_rank = min(int(LOW_RANK_MAX_FRACTION * k), math.isqrt(LOW_RANK_MAX_WORK // k))
+    fraction = LOW_RANK_MAX_FRACTION if k >= LOW_RANK_WIDE_SIZE else LOW_RANK_MAX_FRACTION / 2
+    max_rank = min(int(fraction * k), math.isqrt(LOW_RANK_MAX_WORK // k))
     found = low_rank_factor(q, max_rank)
     if found is None:
         return None

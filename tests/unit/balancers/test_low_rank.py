@@ -279,3 +279,9 @@ def test_every_kind_rounded_to_float32_within_the_bound(k: int, kind: str, seed:
     in float32, whichever route it takes: scipy's updates on the rounded rows to the bound
     of the rounding."""
     _check_rounded(kind_rows(kind, k, 2 * k + 3, seed), seed, strict=False)
+
+
+def test_rank_above_an_eighth_from_128_tasks_takes_its_rank() -> None:
+    """K = 160 (140 non-zero rows), rank 24 (above ``K/8``, within ``K/4``) rounded to float32:
+    routed at its rank from ``LOW_RANK_WIDE_SIZE`` tasks on, with scipy's updates."""
+    assert _check_rounded(_half_space_rows(160, 24, 3), 3, strict=True) == [24]
