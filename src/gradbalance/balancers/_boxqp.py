@@ -673,29 +673,50 @@ def nnls(a: Tensor, b: Tensor, passive0: list[bool] | None = None, tol: float = 
 
 
 # -- the QPs as least squares on a factor of Q -------------------------------------------
-def psd_factor(q: Tensor) -> Tensor:
+def psd_factor(q: Tensor, rounding: float = 0.0) -> Tensor:
     """``L`` ``[K, r]`` with ``L Lᵀ`` the positive part of the symmetric ``Q``, rank-truncated.
 
     Eigen-decomposition of the cosine matrix ``C = D⁻¹QD⁻¹`` (``D = diag(Q)^{1/2}``, zero rows
     left out): ``L = D V_r Λ_r^{1/2}`` over the eigenvalues of ``C`` above
     ``RANK_RTOL_PER_ROW · n · λ_max(C)`` (``n`` non-zero rows: rounding of the
-    decomposition). Scaling by ``D`` first keeps a zero row of ``Q`` exactly zero in ``L``
-    and a short row accurate relative to its own length; ``|(LLᵀ − Q)ᵢⱼ|`` is at most that
-    cut-off times ``√(QᵢᵢQⱼⱼ)``, plus ``C``'s most negative eigenvalue (rounding of ``Q``:
-    the negative part is dropped). ``r = 0`` for a zero ``Q``.
+    decomposition) and above ``rounding · |λ_min(C)|`` (``C``'s negative part measures the
+    rounding ``Q`` carries, see :func:`rounding_cut`). Scaling by ``D`` first keeps a zero row
+    of ``Q`` exactly zero in ``L`` and a short row accurate relative to its own length;
+    ``|(LLᵀ − Q)ᵢⱼ|`` is at most that cut-off times ``√(QᵢᵢQⱼⱼ)``, plus ``C``'s most
+    negative eigenvalue (rounding of ``Q``: the negative part is dropped). ``r = 0`` for a
+    zero ``Q``.
     """
+    return eigen_factor(q, rounding)[0]
+
+
+def eigen_factor(q: Tensor, rounding: float) -> tuple[Tensor, float]:
+    """``(L, cut)``: :func:`psd_factor`'s factor and the cut-off on the cosine matrix's
+    eigenvalues (:func:`rounding_cut`; 0 for a zero ``Q``)."""
     q = 0.5 * (q + q.T)
     k = q.shape[0]
     norms = torch.diagonal(q).clamp_min(0.0).sqrt()
     live = torch.nonzero(norms > 0.0).flatten()
     if live.numel() == 0:
-        return q.new_zeros(k, 0)
+        return q.new_zeros(k, 0), 0.0
     d = norms[live]
     lam, vec = torch.linalg.eigh(q[live][:, live] / torch.outer(d, d))
-    keep = lam > RANK_RTOL_PER_ROW * live.numel() * float(lam[-1])
+    cut = rounding_cut(lam, live.numel(), rounding)
+    keep = lam > cut
     factor = q.new_zeros(k, int(keep.sum()))
     factor[live] = d[:, None] * vec[:, keep] * lam[keep].sqrt()
-    return factor
+    return factor, cut
+
+
+def rounding_cut(lam: Tensor, n: int, rounding: float) -> float:
+    """The eigenvalue cut-off of :func:`psd_factor` for the ascending eigenvalues ``lam`` of
+    an ``n × n`` cosine matrix: ``RANK_RTOL_PER_ROW · n · λ_max``, and ``rounding · |λ_min|``.
+
+    A negative ``λ_min`` bounds the matrix's distance from every positive semi-definite
+    one, the exact Gramian of the rows among them: ``‖C − C_exact‖₂ ≥ |λ_min|`` (Weyl), so
+    the eigenvalues cut at ``rounding · |λ_min|`` change ``C`` by no more than ``rounding``
+    times the rounding it already carries (a Gramian multiplied in float32: ``≈ 10⁻⁶``)."""
+    low, high = (float(v) for v in lam[[0, -1]].tolist())
+    return max(RANK_RTOL_PER_ROW * n * high, rounding * max(-low, 0.0))
 
 
 def singular_factor(q: Tensor) -> Tensor | None:

@@ -10,7 +10,8 @@ solver's well-conditioned path applies. A zero row (``Gᵢᵢ = 0``) does not en
 every ``vᵢ ≥ uᵢ`` is optimal and ``vᵢ = uᵢ`` is taken; it is left out of the solve. Each
 problem is scaled to a largest bound of 1 (the solution is homogeneous in ``u``). A Gramian
 with no zero row and a diagonal within ``PLAIN_MAX_RATIO`` is solved as given. A matrix of
-numerical rank at most ``K/4`` is solved in its rank's dimension (:mod:`~._low_rank`).
+numerical rank at most ``K/4`` (up to its rounding) is solved in its rank's dimension
+(:mod:`~._low_rank`).
 """
 
 from __future__ import annotations

@@ -1,21 +1,32 @@
 """Many box QPs on one low-rank ``Q``: non-negative least squares in the rank's dimension.
 
 Not a balancer module (no ``__all__``). ``min ½ vᵀQv`` s.t. ``v ≥ lowerᵦ`` depends on ``Q``
-only through ``x = Lᵀv`` with ``Q ≈ L Lᵀ``, ``L`` ``[K, r]`` from a pivoted Cholesky
-factorisation (Higham 2002, *Accuracy and Stability of Numerical Algorithms*, §10.3) stopped
-once every residual diagonal entry is at most ``τ = SCHUR_RTOL_PER_ROW · K`` times its
-own diagonal entry: for a positive semi-definite ``Q`` the residual ``Q − LLᵀ`` is too, so
-each row ``gᵢ`` of a Gramian ``Q = G Gᵀ`` is replaced by its projection on the span of ``r``
-pivot rows, at a distance of at most ``√τ ‖gᵢ‖`` (``√τ ≈ 10⁻⁶`` at ``K = 1,024``); a
-rounding-level negative part of ``Q`` adds its own size. A Gramian multiplied in float32 is
-rounded far above ``τ`` (``≈ 10⁻⁷``), which hides a low rank: it keeps the dense route. With
-``v = lower + μ`` each problem is the ``r``-dimensional NNLS ``min_{μ ≥ 0} ‖Lᵀlower +
+only through ``x = Lᵀv`` with ``Q ≈ L Lᵀ``, ``L`` ``[K, r]``. Two factors:
+
+- **exact low rank**: a pivoted Cholesky factor (Higham 2002, *Accuracy and Stability of
+  Numerical Algorithms*, §10.3) stopped once every residual diagonal entry is at most
+  ``τ = SCHUR_RTOL_PER_ROW · K`` times its own diagonal entry: for a positive semi-definite
+  ``Q`` the residual ``Q − LLᵀ`` is too, so each row ``gᵢ`` of a Gramian ``Q = G Gᵀ`` is
+  replaced by its projection on the span of ``r`` pivot rows, at a distance of at most
+  ``√τ ‖gᵢ‖`` (``√τ ≈ 10⁻⁶`` at ``K = 1,024``);
+- **low rank up to rounding**: a Gramian multiplied in float32 is rounded near ``10⁻⁷`` of
+  its entries, far above ``τ``, so the pivots stop only where every residual is below
+  ``ROUNDED_GATE`` of its diagonal; the factor is then the eigen-factor of the cosine matrix
+  cut at ``ROUNDING_MULTIPLE`` times its most negative eigenvalue
+  (:func:`~._boxqp.psd_factor`, :func:`~._boxqp.rounding_cut`). The cut moves ``Q`` by at
+  most ``ROUNDING_MULTIPLE`` times its distance from the rows' exact Gramian ``Q*``, so
+  ``‖Q' − Q*‖₂ ≤ (1 + ROUNDING_MULTIPLE) ε`` with ``ε = ‖Q − Q*‖₂``; for the minimisers
+  ``v`` of ``Q'`` and ``v*`` of ``Q*`` on the same convex set, ``‖Jᵀ(v − v*)‖² ≤ vᵀQ*v −
+  v*ᵀQ*v* ≤ (1 + ROUNDING_MULTIPLE) ε (‖v‖² + ‖v*‖²)``: the bound of a solve on ``Q``
+  itself, ``2ε(‖v‖² + ‖v*‖²)``, times ``1.5``.
+
+With ``v = lower + μ`` each problem is the ``r``-dimensional NNLS ``min_{μ ≥ 0} ‖Lᵀlower +
 Lᵀμ‖`` (``K`` columns of length ``r``), solved by Lawson & Hanson (1974, *Solving Least
 Squares Problems*, Ch. 23) for all problems in the same tensor operations: one column
-enters each open problem per iteration, its passive columns stay independent (at most ``r``
-of them), and a step costs ``O(rK + r³)`` per problem (the multipliers, the passive block's
-Cholesky factor) instead of ``O(mK)`` on passive sets ``m`` that reach hundreds. The
-weights need not be unique, the update ``Lᵀv`` is.
+enters each open problem per iteration, its passive columns (at most ``r``, independent)
+are kept as a list of indices per problem, so a step costs ``O(rK + r³)`` per problem
+(the multipliers, one batched factorisation of the ``[m, m]`` passive blocks gathered from
+``L``), never ``O(K²)``. The weights need not be unique, the update ``Lᵀv`` is.
 """
 
 from __future__ import annotations
@@ -25,136 +36,249 @@ import math
 import torch
 from torch import Tensor
 
-from ._active_set import SCHUR_RTOL_PER_ROW, _to_boundary, solve_free
+from ._active_set import SCHUR_RTOL_PER_ROW, _to_boundary
+from ._boxqp import eigen_factor
 
 #: Fewest tasks for which the low-rank route is tried (below, the dense solve is cheap).
 LOW_RANK_MIN_SIZE = 16
-#: Largest rank taken by the low-rank route: ``K/8``, and at most ``LOW_RANK_MAX_WORK / K``
-#: (measured: above, its refactorised passive blocks cost more than the dense active set's
-#: updated ones; benchmarks/results/many_tasks_cpu.md).
-LOW_RANK_MAX_FRACTION = 0.125
-LOW_RANK_MAX_WORK = 8192
+#: Largest rank taken by the low-rank route: ``K/4`` (``K/8`` below ``LOW_RANK_WIDE_SIZE``
+#: tasks, where the pivots that look for it cost more next to the dense solve) and at most
+#: ``√(LOW_RANK_MAX_WORK / K)`` (``r = 64`` at ``K = 256``, ``32`` at ``1,024``). Measured at
+#: ``K = 256``: rows of rank 48 / 64 0.34 / 0.7–1.5 s against 6 / 12–16 s dense; parallel
+#: per-sample blocks of rank 41–64, a third opposed, 1.7–2.3 s against 1.1–1.6 s (many
+#: removals): benchmarks/results/many_tasks_cpu.md.
+LOW_RANK_MAX_FRACTION = 0.25
+LOW_RANK_WIDE_SIZE = 128
+LOW_RANK_MAX_WORK = 2**20
+#: Residual diagonal, relative to ``Qᵢᵢ``, below which the pivots stop and the rank is
+#: read from the eigenvalues (a low rank rounded above ``τ``).
+ROUNDED_GATE = 1e-4
+#: Eigenvalues of the cosine matrix up to this multiple of its most negative one are
+#: rounding (:func:`~._boxqp.rounding_cut`).
+ROUNDING_MULTIPLE = 2.0
+
+
+def _pivots(q: Tensor, max_rank: int, gate: float) -> tuple[Tensor, bool] | None:
+    """``(L, exact)``: the pivoted Cholesky factor stopped at ``τ`` (``exact``) or, first,
+    where every residual diagonal entry is at most ``gate Qᵢᵢ``; None past ``max_rank``."""
+    k = q.shape[0]
+    resid = torch.diagonal(q).clamp_min(0.0).clone()
+    cut, loose = SCHUR_RTOL_PER_ROW * k * resid, gate * resid
+    factor = q.new_zeros(k, max_rank)
+    for r in range(max_rank + 1):
+        pick = resid.argmax()
+        flags = torch.stack([resid[pick], (resid > cut).any(), (resid > loose).any(), pick])
+        top, above_cut, above_gate, jf = flags.tolist()  # one host sync per pivot
+        j = int(jf)
+        if top <= 0.0 or not above_cut:
+            return factor[:, :r], True
+        if not above_gate:
+            return factor[:, :r], False
+        if r == max_rank:
+            return None
+        col = (q[:, j] - factor[:, :r] @ factor[j, :r]) / math.sqrt(top)
+        col[resid <= 0.0] = 0.0
+        factor[:, r] = col
+        resid = (resid - col * col).clamp_min_(0.0)
+        resid[j] = 0.0
+    return None
 
 
 def pivoted_cholesky(q: Tensor, max_rank: int) -> Tensor | None:
     """``L`` ``[K, r]`` with ``Q − LLᵀ`` positive semi-definite and each diagonal entry at
     most ``τ Qᵢᵢ`` (module docstring), or None when that needs more than ``max_rank``
     columns. ``O(K r²)``: the rank is revealed before any ``O(K³)`` work."""
+    pivoted = _pivots(q, max_rank, 0.0)
+    return None if pivoted is None else pivoted[0]
+
+
+def low_rank_factor(q: Tensor, max_rank: int) -> tuple[Tensor, float] | None:
+    """``(L, dependent)``, ``L`` ``[K, r]``, ``r ≤ max_rank``: the exact pivoted factor, else
+    the eigen-factor cut at the rounding (module docstring) where the pivots pass
+    ``ROUNDED_GATE``; None when neither has rank ``max_rank`` or less. ``dependent``: the
+    squared distance from a span, relative to ``‖Lⱼ‖²``, below which a column depends on it:
+    ``τ``, or the eigenvalue cut-off (a unit row closer than the dropped rounding)."""
     k = q.shape[0]
-    resid = torch.diagonal(q).clamp_min(0.0).clone()
-    cut = SCHUR_RTOL_PER_ROW * k * resid
-    cols: list[Tensor] = []
-    factor = q.new_zeros(k, 0)
-    while True:
-        j = int(resid.argmax())
-        top = float(resid[j])
-        if top <= 0.0 or not bool((resid > cut).any()):
-            return factor
-        if len(cols) >= max_rank:
-            return None
-        col = (q[:, j] - factor @ factor[j]) / math.sqrt(top)
-        col[resid <= 0.0] = 0.0
-        cols.append(col)
-        factor = torch.stack(cols, dim=1)
-        resid = (resid - col * col).clamp_min_(0.0)
-        resid[j] = 0.0
+    pivoted = _pivots(q, max_rank, ROUNDED_GATE)
+    if pivoted is None:
+        return None
+    factor, exact = pivoted
+    dependent = SCHUR_RTOL_PER_ROW * k
+    if not exact:
+        factor, cut = eigen_factor(q, ROUNDING_MULTIPLE)
+        dependent = max(dependent, cut)
+    return (factor, dependent) if factor.shape[1] <= max_rank else None
 
 
 class _Open:
-    """The open problems: their rows, ``Lᵀlower``, ``LLᵀlower``, ``μ ≥ 0``, the passive and
-    set-aside sets; ``q = LLᵀ`` (formed once, ``O(K²r)``: the blocks are gathered from it)."""
+    """The open problems: their rows, ``a = Lᵀlower``, and the passive columns in a list per
+    problem: ``idx`` ``[B, m]``, ``mu`` (their ``μ > 0``), ``valid`` (the entries in use),
+    ``chol`` ``[B, m, m]`` (the Cholesky factor of the block ``L_P L_Pᵀ``, the identity on
+    the entries not in use); and ``aside`` ``[B, K]`` (a solve gave the index no positive
+    value; cleared on a move)."""
 
     def __init__(self, factor: Tensor, lower: Tensor) -> None:
         b, k = lower.shape
-        self.q = factor @ factor.T
         self.rows = torch.arange(b)
         self.a = lower @ factor
-        self.shift = self.a @ factor.T
-        self.mu = torch.zeros(b, k, dtype=factor.dtype)
-        self.passive = torch.zeros(b, k, dtype=torch.bool)
+        self.anorm = self.a.norm(dim=1, keepdim=True)
+        self.idx = torch.zeros(b, 0, dtype=torch.int64)
+        self.mu = torch.zeros(b, 0, dtype=factor.dtype)
+        self.valid = torch.zeros(b, 0, dtype=torch.bool)
+        self.chol = torch.zeros(b, 0, 0, dtype=factor.dtype)
         self.aside = torch.zeros(b, k, dtype=torch.bool)
 
     def keep(self, mask: Tensor) -> None:
         """Only the problems where ``mask`` stay open."""
-        for name in ("rows", "a", "shift", "mu", "passive", "aside"):
+        for name in ("rows", "a", "anorm", "idx", "mu", "valid", "chol", "aside"):
             setattr(self, name, getattr(self, name)[mask])
 
+    def set_passive(self, idx: Tensor, mu: Tensor, valid: Tensor, chol: Tensor) -> None:
+        """The passive lists, the entries in use first (in their order: an entry not in use
+        is a row and column of the identity in ``chol``, which leave it triangular), as
+        narrow as the longest list."""
+        m = int(valid.sum(dim=1).max()) if valid.numel() else 0
+        first = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)[:, :m]
+        self.valid = valid.gather(1, first)
+        self.idx = idx.gather(1, first) * self.valid
+        self.mu = torch.where(self.valid, mu.gather(1, first), 0.0)
+        width = chol.shape[1]
+        rows = chol.gather(1, first[..., None].expand(-1, -1, width))
+        self.chol = rows.gather(2, first[:, None, :].expand(-1, m, -1))
 
-def _passive_solve(st: _Open, sel: Tensor, passive: Tensor) -> Tensor:
-    """``z`` ``[len(sel), K]``: ``argmin ‖aᵦ + Σ_{j∈P} zⱼ Lⱼ‖`` on each passive set (zero off
-    it), the normal equations ``(LLᵀ)_PP z_P = −(LLᵀ lower)_P`` by one batched Cholesky
-    factorisation of the gathered ``[m, m]`` blocks (:func:`~._active_set.solve_free`)."""
-    return solve_free(st.q, -st.shift[sel], passive, None)
+
+def _columns(factor: Tensor, idx: Tensor, valid: Tensor) -> Tensor:
+    """The passive columns ``L_{idx}`` ``[B, m, r]``, zero on the entries not in use."""
+    return factor[idx] * valid[..., None].to(factor.dtype)
+
+
+def _solve(chol: Tensor, cols: Tensor, a: Tensor, valid: Tensor) -> Tensor:
+    """``z`` ``[B, m]`` minimising ``‖a + Σₛ zₛ colsₛ‖`` on the valid entries from the
+    factor ``chol`` of ``cols colsᵀ`` (zero elsewhere; NaN rows where it is not finite)."""
+    z = torch.cholesky_solve(-(cols @ a[..., None]), chol)[..., 0] * valid.to(a.dtype)
+    return z.masked_fill_(~torch.isfinite(z).all(dim=1, keepdim=True), math.nan)
+
+
+def _factorise(factor: Tensor, a: Tensor, idx: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+    """``(z, chol)`` on the valid entries: one batched Cholesky factorisation of the
+    gathered blocks ``L_P L_Pᵀ`` (the identity elsewhere; NaN rows where it fails)."""
+    vf = valid.to(factor.dtype)
+    cols = _columns(factor, idx, valid)
+    chol, info = torch.linalg.cholesky_ex(cols @ cols.mT + torch.diag_embed(1.0 - vf))
+    z = _solve(chol, cols, a, valid)
+    return z.masked_fill_((info != 0)[:, None], math.nan), chol
 
 
 def _entering(factor: Tensor, st: _Open, norms: Tensor, tol: float) -> Tensor:
     """Each open problem's entering column, ``−1`` where none: the largest scaled
     multiplier ``wⱼ/‖Lⱼ‖`` (``w = −L x``, ``x = Lᵀv``) above ``tol ‖x‖ ‖Lⱼ‖`` and rounding."""
-    x = st.a + st.mu @ factor
+    x = st.a + (st.mu[..., None] * factor[st.idx]).sum(dim=1)
     w = -(x @ factor.T)
     size = x.norm(dim=1, keepdim=True)
-    noise = 8 * SCHUR_RTOL_PER_ROW * (st.a.norm(dim=1, keepdim=True) + size)
-    ok = ~(st.passive | st.aside) & (norms > 0.0)
-    ok &= w > torch.maximum(tol * size, noise) * norms
+    noise = 8 * SCHUR_RTOL_PER_ROW * (st.anorm + size)
+    off = st.aside.clone()
+    rows, pos = torch.nonzero(st.valid, as_tuple=True)
+    off[rows, st.idx[rows, pos]] = True
+    ok = ~off & (norms > 0.0) & (w > torch.maximum(tol * size, noise) * norms)
     score = torch.where(ok, w / torch.where(norms > 0.0, norms, 1.0), -math.inf)
     return torch.where(ok.any(dim=1), score.argmax(dim=1), -1)
 
 
-def _add(st: _Open, t: Tensor) -> None:
-    """``t`` enters each open problem; where the solve gives it no positive value it is set
-    aside, else ``μ`` moves towards the passive solves (Lawson–Hanson steps 7–11)."""
-    rows = torch.arange(t.shape[0])
-    passive = st.passive.clone()
-    passive[rows, t] = True
-    z = _passive_solve(st, rows, passive)
-    good = z[rows, t] > 0.0  # False on a NaN row: a block that did not factorise
-    st.aside[rows[~good], t[~good]] = True
-    sel = rows[good]
-    if not sel.numel():
-        return
-    mu, passive, z = st.mu[sel], passive[sel], z[sel]
+def _move(factor: Tensor, a: Tensor, idx: Tensor, mu: Tensor, z: Tensor, valid: Tensor,
+          chol: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Lawson–Hanson steps 7–11: ``(μ, valid, chol)`` after moving towards the passive
+    solves ``z`` until they are positive (each entry brought to zero leaves, its problem's
+    block factorised afresh)."""
     while True:
-        moving = (passive & (z <= 0.0)).any(dim=1)
+        moving = (valid & (z <= 0.0)).any(dim=1)
         if not bool(moving.any()):
-            break
-        mm, pm = _to_boundary(mu[moving], z[moving], passive[moving])
-        mu[moving], passive[moving] = mm, pm
-        z[moving] = _passive_solve(st, sel[moving], pm).nan_to_num()
-    st.mu[sel] = torch.where(passive, z, 0.0)
-    st.passive[sel] = passive
-    st.aside[sel] = False
+            return torch.where(valid, z, 0.0), valid, chol
+        mm, vm = _to_boundary(mu[moving], z[moving], valid[moving])
+        mu[moving], valid[moving] = mm, vm
+        zm, chol[moving] = _factorise(factor, a[moving], idx[moving], vm)
+        z[moving] = zm.nan_to_num()
 
 
-def low_rank_box(factor: Tensor, lower: Tensor, tol: float,
-                 max_additions: int) -> tuple[Tensor, Tensor]:
+def _extend(factor: Tensor, st: _Open, t: Tensor,
+            floor: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(chol, cols, pivot_ok)`` with ``t`` appended to each problem's list: the new row of
+    the factor ``C⁻¹ L_P Lₜ`` and its diagonal ``√sₜ`` (the left-looking Cholesky step,
+    Golub & Van Loan 2013, §4.2), ``sₜ`` the squared distance of ``Lₜ`` from the passive
+    span; where ``sₜ`` is at most ``floorₜ`` (dependent), the identity's row instead."""
+    m = st.idx.shape[1]
+    lt = factor[t]
+    cols = torch.cat([_columns(factor, st.idx, st.valid), lt[:, None]], dim=1)
+    row = torch.linalg.solve_triangular(st.chol, cols[:, :m] @ lt[..., None],
+                                        upper=False)[..., 0]
+    schur = (lt * lt).sum(dim=1) - (row * row).sum(dim=1)
+    ok = schur > floor[t]
+    chol = torch.nn.functional.pad(st.chol, (0, 1, 0, 1))
+    chol[:, m, :m] = row * ok[:, None]
+    chol[:, m, m] = torch.where(ok, schur, 1.0).sqrt()
+    return chol, cols, ok
+
+
+def _add(factor: Tensor, st: _Open, t: Tensor, floor: Tensor) -> None:
+    """``t`` enters each open problem's list; where the solve gives it no positive value
+    (or it depends on the passive columns: :func:`_extend`) it is set aside instead, else
+    ``μ`` moves towards the passive solves (Lawson–Hanson steps 5–11)."""
+    n, m = st.idx.shape
+    chol, cols, ok = _extend(factor, st, t, floor)
+    idx = torch.cat([st.idx, t[:, None]], dim=1)
+    valid = torch.cat([st.valid, ok[:, None]], dim=1)
+    mu = torch.cat([st.mu, st.mu.new_zeros(n, 1)], dim=1)
+    z = _solve(chol, cols, st.a, valid)
+    good = ok & (z[:, -1] > 0.0)  # False on a NaN row
+    rows = torch.arange(n)
+    st.aside[rows[~good], t[~good]] = True
+    valid[:, -1] = good
+    chol[~good, m, :m] = 0.0
+    chol[~good, m, m] = 1.0
+    if bool(good.any()):
+        mu[good], valid[good], chol[good] = _move(factor, st.a[good], idx[good], mu[good],
+                                                  z[good], valid[good], chol[good])
+        st.aside[good] = False
+    st.set_passive(idx, mu, valid, chol)
+
+
+def low_rank_box(factor: Tensor, lower: Tensor, tol: float, max_additions: int,
+                 dependent: float | None = None) -> tuple[Tensor, Tensor]:
     """``(v, done)`` ``[B, K]``, ``[B]``: ``argmin ½ vᵀLLᵀv`` s.t. ``v ≥ lowerᵦ`` where done
     (no multiplier above ``tol ‖Lᵀv‖ ‖Lⱼ‖``), ``lower`` elsewhere (open after
-    ``max_additions``)."""
+    ``max_additions``). A column whose squared distance from the passive span is at most
+    ``dependent ‖Lⱼ‖²`` (default ``τ``) does not enter."""
     out, done = lower.clone(), torch.zeros(lower.shape[0], dtype=torch.bool)
     norms = factor.norm(dim=1)
+    rel = SCHUR_RTOL_PER_ROW * lower.shape[1] if dependent is None else dependent
     st = _Open(factor, lower)
     for _ in range(max_additions + 1):
         t = _entering(factor, st, norms, tol)
         finished = t < 0
-        out[st.rows[finished]] = lower[st.rows[finished]] + st.mu[finished]
-        done[st.rows[finished]] = True
-        st.keep(~finished)
+        if bool(finished.any()):
+            rows = st.rows[finished]
+            out[rows] = lower[rows].scatter_add(1, st.idx[finished], st.mu[finished])
+            done[rows] = True
+            st.keep(~finished)
+            t = t[~finished]
         if not st.rows.numel():
             break
-        _add(st, t[~finished])
+        _add(factor, st, t, rel * norms * norms)
     return out, done
 
 
 def low_rank_projection(q: Tensor, lower: Tensor, tol: float) -> tuple[Tensor, Tensor] | None:
     """``(v, done)``: the box QPs of ``lower`` ``[B, K]`` on ``q`` by :func:`low_rank_box`
     for two or more problems (UPGrad's, not DualProj's one) when ``K ≥ LOW_RANK_MIN_SIZE``
-    and ``q``'s numerical rank is at most
-    ``LOW_RANK_MAX_FRACTION · K`` and ``LOW_RANK_MAX_WORK / K``; else None (the caller's
+    and ``q`` has a :func:`low_rank_factor` of rank at most ``K/4`` (``K/8`` below
+    ``LOW_RANK_WIDE_SIZE`` tasks) and ``√(LOW_RANK_MAX_WORK / K)``; else None (the caller's
     dense solve)."""
     k = q.shape[0]
     if k < LOW_RANK_MIN_SIZE or lower.shape[0] < 2:  # one problem: the dense pivoting is cheaper
         return None
-    factor = pivoted_cholesky(q, min(int(LOW_RANK_MAX_FRACTION * k), LOW_RANK_MAX_WORK // k))
-    if factor is None:
+    fraction = LOW_RANK_MAX_FRACTION if k >= LOW_RANK_WIDE_SIZE else LOW_RANK_MAX_FRACTION / 2
+    max_rank = min(int(fraction * k), math.isqrt(LOW_RANK_MAX_WORK // k))
+    found = low_rank_factor(q, max_rank)
+    if found is None:
         return None
-    return low_rank_box(factor, lower, tol, 3 * factor.shape[1] + 10)
+    factor, dependent = found
+    return low_rank_box(factor, lower, tol, 3 * factor.shape[1] + 10, dependent)

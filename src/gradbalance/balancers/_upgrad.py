@@ -46,8 +46,9 @@ class UPGrad(PreferenceBalancer):
     set for all K), where TorchJD adds ``1e-4`` to the diagonal of the trace-normalised
     Gramian. Cost in K: ``O(K⁴)`` per pivoting iteration below 64 tasks (K batched
     factorisations), ``O(K³)`` per conjugate-gradient step from 64 on (two ``[K, K]``
-    products for all K projections); a Gramian of numerical rank ``r ≤ K/8`` in ``r``
-    dimensions, ``O(rK + r³)`` per addition; the Gramian ``O(K² P)`` besides.
+    products for all K projections); a Gramian of numerical rank ``r ≤ K/4`` (``≤ √(2²⁰/K)``;
+    low up to its rounding counts: float32 products) in ``r`` dimensions, ``O(rK + r²)`` per
+    addition; the Gramian ``O(K² P)`` besides.
 
     Args:
         num_tasks: K (optional).
