@@ -19,13 +19,13 @@ definite, so an inexact ``v`` only slows the solves; ``v`` comes from a few powe
 
 Example:
     >>> import torch
-    >>> q = torch.eye(4, dtype=torch.float64) / 8 + torch.full((4, 4), 1 / 8, dtype=torch.float64)
-    >>> pre = deflated(q, torch.linalg.inv(q))
+    >>> q = torch.eye(4, dtype=torch.float64) / 8 + torch.full((4, 4), 0.5, dtype=torch.float64)
+    >>> pre = deflated(q, torch.linalg.inv(q))  # λ = 2.125 over μ = 0.125: B = I/8, exact
     >>> free = torch.tensor([[True, True, False, True]])
     >>> r = torch.tensor([[1.0, -2.0, 0.0, 0.5]], dtype=torch.float64)
     >>> z = pre.apply(r, free.double(), pre.setup(free.double()))
     >>> sel = free[0]
-    >>> torch.allclose(z[0, sel], torch.linalg.solve(q[sel][:, sel], r[0, sel]))
+    >>> torch.allclose(z[0, sel], torch.linalg.solve(q[sel][:, sel], r[0, sel]), rtol=1e-5)
     True
 """
 
