@@ -3,7 +3,8 @@
 Not a balancer module (no ``__all__``). The pivoting of :mod:`._boxqp` on ``B`` problems
 (UPGrad's K projections) needs ``Q_FF y_F = rhs_F`` for a different free set ``F`` per
 problem; here all of them take their conjugate-gradient steps together, two
-``[B, K] × [K, K]`` products per step (:func:`pcg_free`). :func:`rough_free_sets` runs the
+``[B, K] × [K, K]`` products per step (:func:`pcg_free`; the preconditioner in
+:mod:`._precond`). :func:`rough_free_sets` runs the
 same block pivoting in float32 (half the cost of a product), each problem pivoting as soon
 as its own solve is done, from a start two pivots in (:func:`opposite_start`): a guess of
 each problem's free set and solution, which the float64 pivoting then only confirms (one
