@@ -45,6 +45,7 @@ from torch import Tensor
 from ._active_set import box_active_set, solve_free
 from ._interior import interior_nnls
 from ._pcg import pcg_free, rough_free_sets
+from ._precond import Preconditioner, deflated
 from ._qr_update import ColumnQR
 
 #: Largest condition number of ``Q`` for which the Cholesky (pivoting) path is used.
@@ -199,9 +200,9 @@ def solve_lcp_pivoting(
         h = inverse if inverse is not None else _inverse(q)
         if h is None:
             return None
-        h32 = h.float()  # the preconditioner of both phases: half the cost of a product
-        free0, y0 = rough_free_sets(q, h32, shift, free0)
-        solve = _cg_solve(q, h32, shift)
+        pre = deflated(q, h)  # both phases', in float32: half the cost of a product
+        free0, y0 = rough_free_sets(q, pre, shift, free0)
+        solve = _cg_solve(q, pre, shift)
     else:
         def solve(rows: Tensor, free: Tensor, y: Tensor, yq: Tensor,
                   tight: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
@@ -218,7 +219,7 @@ def _inverse(q: Tensor) -> Tensor | None:
     return torch.cholesky_inverse(chol) if int(info) == 0 else None
 
 
-def _cg_solve(q: Tensor, h: Tensor, shift: Tensor) -> Solve:
+def _cg_solve(q: Tensor, h: Preconditioner, shift: Tensor) -> Solve:
     """The free-set solves of :func:`solve_lcp_pivoting` by :func:`~._pcg.pcg_free`: to
     ``CG_RTOL`` where ``tight`` (only those count as exact), else ``CG_LOOSE_RTOL``."""
     def solve(rows: Tensor, free: Tensor, y: Tensor, yq: Tensor,

@@ -3,7 +3,8 @@
 Not a balancer module (no ``__all__``). The pivoting of :mod:`._boxqp` on ``B`` problems
 (UPGrad's K projections) needs ``Q_FF y_F = rhs_F`` for a different free set ``F`` per
 problem; here all of them take their conjugate-gradient steps together, two
-``[B, K] × [K, K]`` products per step (:func:`pcg_free`). :func:`rough_free_sets` runs the
+``[B, K] × [K, K]`` products per step (:func:`pcg_free`; the preconditioner in
+:mod:`._precond`). :func:`rough_free_sets` runs the
 same block pivoting in float32 (half the cost of a product), each problem pivoting as soon
 as its own solve is done, from a start two pivots in (:func:`opposite_start`): a guess of
 each problem's free set and solution, which the float64 pivoting then only confirms (one
@@ -16,6 +17,8 @@ from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
+
+from ._precond import Preconditioner
 
 _norm = torch.linalg.vector_norm  # the direct kernel: Tensor.norm dispatches in Python first
 _dot = torch.linalg.vecdot  # row-wise inner products, one pass
@@ -51,19 +54,20 @@ def restricted_product(q: Tensor, y0: Tensor, y0q: Tensor, f: Tensor) -> Tensor:
     return y0q.index_add(0, bi, -dropped[bi, ki][:, None] * q[ki])
 
 
-def _precondition(r: Tensor, h: Tensor) -> Tensor:
-    """``r h`` in the dtype of ``h`` (float32 for float64 solves: half the cost of the
-    product; rounding there only bends the search directions, the residual stays exact)."""
-    return r @ h if r.dtype == h.dtype else (r.to(h.dtype) @ h).to(r.dtype)
+def _as_preconditioner(h: Tensor | Preconditioner) -> Preconditioner:
+    """``h`` as a :class:`~._precond.Preconditioner` (a tensor: plain ``(h)_FF``)."""
+    return h if isinstance(h, Preconditioner) else Preconditioner.plain(h)
 
 
-def pcg_free(q: Tensor, h: Tensor, rhs: Tensor, free: Tensor, y0: Tensor, y0q: Tensor,
-             rtol: Tensor, max_steps: int = CG_MAX_STEPS) -> tuple[Tensor, Tensor, Tensor]:
+def pcg_free(q: Tensor, h: Tensor | Preconditioner, rhs: Tensor, free: Tensor, y0: Tensor,
+             y0q: Tensor, rtol: Tensor,
+             max_steps: int = CG_MAX_STEPS) -> tuple[Tensor, Tensor, Tensor]:
     """``(y, converged, yQ)`` (``[B, K]``, ``[B]``, ``[B, K]``): ``Q_FF y_F = rhs_F`` per row,
     ``y`` zero off ``F``; ``y0q = y0 Q`` (the last solve's product).
 
     Conjugate gradients preconditioned by ``(Q⁻¹)_FF`` (``h ≈ Q⁻¹``, possibly in a lower
-    precision), from ``y0``: two ``[B, K] × [K, K]`` products per step for all the problems
+    precision), or by a :class:`~._precond.Preconditioner` (one more product per free set),
+    from ``y0``: two ``[B, K] × [K, K]`` products per step for all the problems
     together, until the residual is ``rtol`` ``[B]`` times ``‖rhs_F‖``, at most
     ``max_steps`` steps, in the dtype of ``q``. ``yQ`` is carried along the iterations from
     ``y0q`` (the unmasked operator products), so neither the start nor the caller's
@@ -77,7 +81,9 @@ def pcg_free(q: Tensor, h: Tensor, rhs: Tensor, free: Tensor, y0: Tensor, y0q: T
     converged = _norm(r, dim=1) <= target
     live = torch.nonzero(~converged).flatten()  # rows still iterating: the others drop out
     f, r, target, x, xq = f[live], r[live], target[live], y[live], yq[live]
-    z = _precondition(r, h).mul_(f)
+    pre = _as_preconditioner(h)
+    u = pre.setup(f)
+    z = pre.apply(r, f, u)
     p, rz = z, _dot(r, z)
     for _ in range(max_steps):
         if live.numel() == 0:
@@ -96,7 +102,8 @@ def pcg_free(q: Tensor, h: Tensor, rhs: Tensor, free: Tensor, y0: Tensor, y0q: T
             keep = ~stop
             live, f, r, target, x, xq, p, rz = (
                 t[keep] for t in (live, f, r, target, x, xq, p, rz))
-        z = _precondition(r, h).mul_(f)
+            u = None if u is None else u[keep]
+        z = pre.apply(r, f, u)
         rz_new = _dot(r, z)
         p = p.mul_(torch.where(rz > 0, rz_new / torch.where(rz > 0, rz, 1.0), 0.0)[:, None])
         p.add_(z)
@@ -131,7 +138,8 @@ class _Live:
     """The open problems of :func:`rough_free_sets`, compacted together: their index
     ``rows``, free sets ``f`` (as 0/1), point ``y``, product ``yq = yQ``, residual ``r``,
     its target, search direction ``p``, ``rz = rᵀz``, steps since the last pivot, pivots,
-    best count of infeasible indices and iterations without a better one."""
+    best count of infeasible indices and iterations without a better one; ``u``, the
+    preconditioner's per free set (:meth:`~._precond.Preconditioner.setup`), or None."""
 
     rows: Tensor
     f: Tensor
@@ -145,16 +153,21 @@ class _Live:
     pivots: Tensor
     best: Tensor
     stale: Tensor
+    u: Tensor | None = None
 
     def take(self, keep: Tensor) -> None:
         """Only the rows ``keep`` (a mask) stay."""
         for field in fields(self):
-            setattr(self, field.name, getattr(self, field.name)[keep])
+            value = getattr(self, field.name)
+            if value is not None:
+                setattr(self, field.name, value[keep])
 
 
-def _restart(live: _Live, q: Tensor, rhs: Tensor, free: Tensor, at: Tensor) -> None:
+def _restart(live: _Live, q: Tensor, rhs: Tensor, free: Tensor, at: Tensor,
+             pre: Preconditioner) -> None:
     """The rows ``at`` (a mask) start a new solve on ``free`` (theirs): ``y`` zero off it,
-    ``yQ`` updated (:func:`restricted_product`), the residual and its target recomputed."""
+    ``yQ`` updated (:func:`restricted_product`), the residual, its target and the
+    preconditioner's ``u`` recomputed."""
     f = free.to(q.dtype)
     y = live.y[at]
     yq = restricted_product(q, y, live.yq[at], f)
@@ -164,12 +177,17 @@ def _restart(live: _Live, q: Tensor, rhs: Tensor, free: Tensor, at: Tensor) -> N
     rtol = torch.where(live.pivots[at] == 0, ROUGH_FIRST_RTOL, ROUGH_RTOL)
     live.target[at] = rtol * _norm(b * f, dim=1)
     live.steps[at] = 0
+    u = pre.setup(f)
+    if u is not None:
+        if live.u is None:
+            live.u = torch.zeros_like(live.r)
+        live.u[at] = u
 
 
-def _step(live: _Live, q: Tensor, h: Tensor, fresh: Tensor) -> Tensor:
+def _step(live: _Live, q: Tensor, pre: Preconditioner, fresh: Tensor) -> Tensor:
     """One conjugate-gradient step of every open row (``fresh``: a new solve, ``p = z``);
     the rows whose solve is done (converged, broken down or out of steps)."""
-    z = _precondition(live.r, h).mul_(live.f)
+    z = pre.apply(live.r, live.f, live.u)
     rz = _dot(live.r, z)
     old = torch.where(fresh | (live.rz <= 0), 0.0, live.rz)
     live.p = live.p.mul_(torch.where(old > 0, rz / torch.where(old > 0, old, 1.0), 0.0)[:, None])
@@ -205,14 +223,15 @@ def _pivot(live: _Live, due: Tensor, rhs: Tensor, out_free: Tensor,
     return stop, f ^ bad
 
 
-def rough_free_sets(q: Tensor, h: Tensor, shift: Tensor,
+def rough_free_sets(q: Tensor, h: Tensor | Preconditioner, shift: Tensor,
                     free0: Tensor) -> tuple[Tensor, Tensor]:
     """``(free, y)`` ``[B, K]`` (float64): a guess of each box problem's optimal free set and
     ``y`` (``w = Qy + shift ≥ 0``, ``y ≥ 0``, ``yᵀw = 0``), from the free sets ``free0``
     (where empty: from :func:`opposite_start`).
 
     Block principal pivoting (Júdice & Pires 1994) in float32 with the conjugate-gradient
-    steps of :func:`pcg_free`, each problem pivoting as soon as its own solve is done (its
+    steps of :func:`pcg_free` (``h``: ``Q⁻¹`` or a preconditioner holding it, which
+    :func:`opposite_start` uses), each problem pivoting as soon as its own solve is done (its
     residual ``ROUGH_RTOL`` times ``‖rhs_F‖``, ``ROUGH_FIRST_RTOL`` the first time, a
     breakdown, or ``ROUGH_MAX_STEPS``) and starting its next solve in the same batch: every
     index whose ``y`` or ``w`` is below ``−ROUGH_MARGIN`` times the row's largest ``|y|`` or
@@ -221,26 +240,27 @@ def rough_free_sets(q: Tensor, h: Tensor, shift: Tensor,
     positive leaves, and a problem whose float32 solve overflowed keeps ``free0`` (and
     ``y = 0``). Only a start: nothing here is checked, the float64 pivoting decides.
     """
-    q32, h32, rhs = q.float(), h.float(), -shift.float()
+    q32, rhs = q.float(), -shift.float()
+    pre = _as_preconditioner(h.float() if isinstance(h, Tensor) else h)
     b, k = rhs.shape
-    free, y, yq = opposite_start(h32, -rhs, free0)
+    free, y, yq = opposite_start(pre.inverse, -rhs, free0)
     out_free, out_y = free0.clone(), torch.zeros_like(shift)
     count = torch.zeros(b, dtype=torch.int64)
     live = _Live(torch.arange(b), torch.zeros_like(rhs), y, yq, torch.zeros_like(rhs),
                  torch.zeros(b), torch.zeros_like(rhs), torch.zeros(b), count, count.clone(),
                  torch.full((b,), k + 1), count.clone())
     fresh = torch.ones(b, dtype=torch.bool)
-    _restart(live, q32, rhs, free, fresh)
+    _restart(live, q32, rhs, free, fresh, pre)
     due = torch.zeros(b, dtype=torch.bool)
     for _ in range(ROUGH_MAX_PIVOTS * ROUGH_MAX_STEPS):
-        due = due | _step(live, q32, h32, fresh)
+        due = due | _step(live, q32, pre, fresh)
         fresh = torch.zeros_like(due)
         waiting = int(due.sum())
         if waiting * k < ROUGH_PIVOT_ENTRIES and waiting < due.numel():
             continue  # the rows done step on until enough of them make a pivot worth it
         stop, nxt = _pivot(live, due, rhs, out_free, out_y)
         fresh[due] = ~stop
-        _restart(live, q32, rhs, nxt[~stop], fresh)
+        _restart(live, q32, rhs, nxt[~stop], fresh, pre)
         keep = ~due | fresh
         fresh = fresh[keep]
         live.take(keep)
