@@ -6,7 +6,8 @@ Not a balancer module (no ``__all__``). ``min ½ vᵀQv`` s.t. ``v ≥ lowerᵦ`
 ``y ≥ 0``, and Lawson & Hanson's method (1974, *Solving Least Squares Problems*, Ch. 23)
 needs ``L`` only through ``Q``: its passive-set solves are ``Q_PP z = −(Q lower)_P`` and its
 dual vector is ``−(Qv)``. Every problem takes its steps in the same tensor operations
-(masks, not Python lists): one index enters each open problem's passive set per iteration,
+(masks, not Python lists): one index enters each open problem's passive set per iteration
+(from ``BLOCK_MIN_SIZE`` tasks, up to ``BLOCK_SIZE`` together where that step stays positive),
 the passive blocks' factors are kept and extended (:class:`~._passive_factor.PassiveFactor`),
 and the passive sets stay independent (an entering column whose Schur complement is
 rounding, as the factor of :func:`~._boxqp.psd_factor` would drop it, stays out). A problem
@@ -227,11 +228,11 @@ def _box_active_set(q: Tensor, lower: Tensor, tol: float,
 
 
 def _add_block(st: _Problems, cand: Tensor, valid: Tensor, indep_min: Tensor) -> Tensor:
-    """The problems with ``width`` candidates take them all at once where the solve on the
-    enlarged passive set is positive on every index: a Lawson–Hanson step to that set's
-    minimiser with no move back (the objective falls, as by single additions; Bro & De Jong
-    1997, *A fast non-negativity-constrained least squares algorithm*). Returns the mask of
-    the others (one addition each, :func:`_add`)."""
+    """The problems with ``width`` candidates take the longest prefix of them (at least 2)
+    whose solve on the enlarged passive set is positive on every index: a Lawson–Hanson step
+    to that set's minimiser with no move back (the objective falls, as by single additions;
+    Bro & De Jong 1997, *A fast non-negativity-constrained least squares algorithm*).
+    Returns the mask of the others (one addition each, :func:`_add`)."""
     rest = ~valid.all(dim=1)
     sel = torch.nonzero(~rest).flatten()
     if not sel.numel():
