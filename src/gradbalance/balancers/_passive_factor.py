@@ -22,6 +22,9 @@ from torch import Tensor
 #: Up to this many passive indices a removal refactorises (``O(m²K)``, few operations);
 #: above, each leaving index is deleted by Givens rotations (``O(mK)``, ``m`` steps).
 DOWNDATE_MIN_SIZE = 24
+#: Most multiply-adds (``n m² K`` for ``n`` problems) a removal refactorises above
+#: ``DOWNDATE_MIN_SIZE``: the ``m`` rotation steps' fixed cost per step is larger below.
+REFACTOR_MAX_WORK = 2**23
 
 
 class Block(NamedTuple):
@@ -203,10 +206,12 @@ class PassiveFactor:
 
     def remove(self, sel: Tensor, passive: Tensor) -> None:
         """The problems ``sel`` take the passive sets ``passive`` ``[len(sel), K]`` (subsets
-        of theirs, the order kept): factorised afresh up to ``DOWNDATE_MIN_SIZE`` indices,
+        of theirs, the order kept): factorised afresh up to ``DOWNDATE_MIN_SIZE`` indices
+        or ``REFACTOR_MAX_WORK`` multiply-adds,
         else each leaving index deleted from the factors (:meth:`_delete`)."""
         top = int(self.count[sel].max())
-        if top <= DOWNDATE_MIN_SIZE:
+        work = sel.numel() * top * top * self.q.shape[0]
+        if top <= DOWNDATE_MIN_SIZE or work <= REFACTOR_MAX_WORK:
             self._refactor(sel, passive)
             return
         while True:

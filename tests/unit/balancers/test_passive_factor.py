@@ -15,6 +15,8 @@ The batched active set run in chunks (as at K = 1,024) against scipy's NNLS on t
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -30,6 +32,15 @@ from support.many_kinds import KIND_NAMES, assert_same_update, kind_rows
 
 F64 = torch.float64
 CASES = st.tuples(st.integers(3, 40), st.sampled_from(KIND_NAMES), st.integers(0, 2**16))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _removals_by_size() -> Iterator[None]:
+    """Removals refactorised or rotated by ``DOWNDATE_MIN_SIZE`` alone (the work rule off),
+    so that each test here reaches the path it names on small problems."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_passive_factor, "REFACTOR_MAX_WORK", 0)
+        yield
 
 
 def _run(q: Tensor, rhs: Tensor, gen: torch.Generator, steps: int,
