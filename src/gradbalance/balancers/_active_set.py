@@ -31,8 +31,9 @@ SCHUR_RTOL_PER_ROW = 4 * _EPS
 #: on the fixed indices: the same factor, in fewer operations than gathering the blocks).
 MASKED_MAX_SIZE = 16
 #: Indices entering together per iteration where each problem's best ``BLOCK_SIZE``
-#: candidates give a positive solve (from ``BLOCK_MIN_SIZE`` tasks): the passive factors are
-#: read once per block, not once per index (:func:`_add_block`).
+#: candidates give a positive solve (from ``BLOCK_MIN_SIZE`` tasks, two problems or more:
+#: DualProj's one problem gains nothing): the passive factors are read once per block, not
+#: once per index (:func:`_add_block`).
 BLOCK_SIZE = 8
 BLOCK_MIN_SIZE = 64
 #: Most numbers the passive factors of one batch of problems may hold (float64: 1 GiB).
@@ -203,7 +204,7 @@ def _box_active_set(q: Tensor, lower: Tensor, tol: float,
     diag = torch.diagonal(q).clamp_min(0.0)
     d, indep_min = diag.sqrt(), SCHUR_RTOL_PER_ROW * k * diag
     dmax = float(d.max())
-    width = min(BLOCK_SIZE, k) if k >= BLOCK_MIN_SIZE else 1
+    width = min(BLOCK_SIZE, k) if k >= BLOCK_MIN_SIZE and b > 1 else 1
     out, done = lower.clone(), torch.zeros(b, dtype=torch.bool)
     st = _Problems(q, lower)
     while st.rows.numel():
