@@ -6,7 +6,8 @@ Not a balancer module (no ``__all__``). ``min ½ vᵀQv`` s.t. ``v ≥ lowerᵦ`
 ``y ≥ 0``, and Lawson & Hanson's method (1974, *Solving Least Squares Problems*, Ch. 23)
 needs ``L`` only through ``Q``: its passive-set solves are ``Q_PP z = −(Q lower)_P`` and its
 dual vector is ``−(Qv)``. Every problem takes its steps in the same tensor operations
-(masks, not Python lists): one index enters each open problem's passive set per iteration,
+(masks, not Python lists): one index enters each open problem's passive set per iteration
+(from ``BLOCK_MIN_SIZE`` tasks, up to ``BLOCK_SIZE`` together where that step stays positive),
 the passive blocks' factors are kept and extended (:class:`~._passive_factor.PassiveFactor`),
 and the passive sets stay independent (an entering column whose Schur complement is
 rounding, as the factor of :func:`~._boxqp.psd_factor` would drop it, stays out). A problem
@@ -20,7 +21,7 @@ import math
 import torch
 from torch import Tensor
 
-from ._passive_factor import PassiveFactor
+from ._passive_factor import Block, PassiveFactor
 
 _EPS = torch.finfo(torch.float64).eps
 #: Smallest Schur complement of an entering column, relative to its diagonal entry and per
@@ -29,6 +30,12 @@ SCHUR_RTOL_PER_ROW = 4 * _EPS
 #: Up to this many tasks the free-set solves factorise the whole masked ``Q`` (the identity
 #: on the fixed indices: the same factor, in fewer operations than gathering the blocks).
 MASKED_MAX_SIZE = 16
+#: Indices entering together per iteration where each problem's best ``BLOCK_SIZE``
+#: candidates give a positive solve (from ``BLOCK_MIN_SIZE`` tasks, two problems or more:
+#: DualProj's one problem gains nothing): the passive factors are read once per block, not
+#: once per index (:func:`_add_block`).
+BLOCK_SIZE = 8
+BLOCK_MIN_SIZE = 64
 #: Most numbers the passive factors of one batch of problems may hold (float64: 1 GiB).
 FACTOR_MAX_ENTRIES = 2**27
 
@@ -116,12 +123,13 @@ class _Problems:
         self.factor.keep(mask)
 
 
-def _entering(st: _Problems, d: Tensor, dmax: float, indep_min: Tensor,
-              tol: float) -> Tensor:
-    """The index that enters each open problem's passive set, ``−1`` where none: the largest
-    ``gⱼ = −wⱼ/√sⱼ`` (``w = Qv``, ``sⱼ`` the column's squared distance from the passive
-    span, kept by the factors) among the independent columns whose ``−wⱼ`` exceeds
-    ``tol ‖x‖ √sⱼ`` (``‖x‖² = vᵀQv``) and rounding (``indep_min``: ``4·eps·K·Qⱼⱼ``)."""
+def _entering(st: _Problems, d: Tensor, dmax: float, indep_min: Tensor, tol: float,
+              width: int = 1) -> tuple[Tensor, Tensor]:
+    """``(t, valid)`` ``[B, width]``: the indices that may enter each open problem's passive
+    set, best first, ``valid`` where one does: the largest ``gⱼ = −wⱼ/√sⱼ`` (``w = Qv``,
+    ``sⱼ`` the column's squared distance from the passive span, kept by the factors) among
+    the independent columns whose ``−wⱼ`` exceeds ``tol ‖x‖ √sⱼ`` (``‖x‖² = vᵀQv``) and
+    rounding (``indep_min``: ``4·eps·K·Qⱼⱼ``)."""
     neg_w = -(st.yq + st.shift)
     v = st.lower + st.y
     size = (v * neg_w).sum(dim=1).neg_().clamp_min_(0.0).sqrt_()
@@ -132,8 +140,11 @@ def _entering(st: _Problems, d: Tensor, dmax: float, indep_min: Tensor,
     ok = indep & ~(st.passive | st.aside)
     ok &= neg_w > torch.maximum(tol * size[:, None] * root, noise[:, None] * d)
     score = torch.where(ok, neg_w / root, -math.inf)
-    best = score.argmax(dim=1)
-    return torch.where(ok.any(dim=1), best, -1)
+    if width == 1:
+        best = score.argmax(dim=1, keepdim=True)
+        return best, ok.any(dim=1, keepdim=True)
+    top, best = score.topk(width, dim=1)
+    return best, top > -math.inf
 
 
 def _to_boundary(y: Tensor, z: Tensor, passive: Tensor) -> tuple[Tensor, Tensor]:
@@ -189,40 +200,77 @@ def _box_active_set(q: Tensor, lower: Tensor, tol: float,
     exceeds ``tol ‖x‖ √Qⱼⱼ`` (Lawson–Hanson's test on the factor, ``‖x‖ = ‖Lᵀv‖``), and left
     open after ``max_additions`` additions.
     """
-    b = lower.shape[0]
+    b, k = lower.shape
     diag = torch.diagonal(q).clamp_min(0.0)
-    d, indep_min = diag.sqrt(), SCHUR_RTOL_PER_ROW * q.shape[0] * diag
+    d, indep_min = diag.sqrt(), SCHUR_RTOL_PER_ROW * k * diag
     dmax = float(d.max())
+    width = min(BLOCK_SIZE, k) if k >= BLOCK_MIN_SIZE and b > 1 else 1
     out, done = lower.clone(), torch.zeros(b, dtype=torch.bool)
     st = _Problems(q, lower)
     while st.rows.numel():
-        t = _entering(st, d, dmax, indep_min, tol)
-        finished = t < 0
+        cand, valid = _entering(st, d, dmax, indep_min, tol, width)
+        finished = ~valid[:, 0]
         if bool(finished.any()):
             out[st.rows[finished]] = st.lower[finished] + st.y[finished]
             done[st.rows[finished]] = True
         live = ~finished & (st.additions < max_additions)
-        t = t[live]
+        cand, valid = cand[live], valid[live]
         st.keep(live)
         if not st.rows.numel():
             break
         st.additions += 1
-        _add(q, st, t, indep_min[t])
+        single = _add_block(st, cand, valid, indep_min) if width > 1 else st.rows.new_ones(
+            st.rows.shape[0], dtype=torch.bool)
+        sel = torch.nonzero(single).flatten()
+        if sel.numel():
+            t = cand[sel, 0]
+            _add(st, sel, t, indep_min[t])
     return out, done
 
 
-def _add(q: Tensor, st: _Problems, t: Tensor, min_schur: Tensor) -> None:
-    """``t`` enters each open problem; where the solve gives it no positive value (or it
-    depends on the passive set: ``sₜ`` not above ``min_schur``) it is set aside instead,
+def _add_block(st: _Problems, cand: Tensor, valid: Tensor, indep_min: Tensor) -> Tensor:
+    """The problems with ``width`` candidates take the longest prefix of them (at least 2)
+    whose solve on the enlarged passive set is positive on every index: a Lawson–Hanson step
+    to that set's minimiser with no move back (the objective falls, as by single additions;
+    Bro & De Jong 1997, *A fast non-negativity-constrained least squares algorithm*).
+    Returns the mask of the others (one addition each, :func:`_add`)."""
+    rest = ~valid.all(dim=1)
+    sel = torch.nonzero(~rest).flatten()
+    if not sel.numel():
+        return rest
+    t = cand[sel]
+    z, ok, block = st.factor.try_block(sel, t, indep_min[t])
+    n, b = t.shape
+    passive = st.passive[sel, None].repeat(1, b, 1)  # [n, j, K]: P and the first j + 1
+    ar = torch.arange(b)
+    passive.scatter_(2, t[:, None].expand(-1, b, -1), (ar[None, None, :] <= ar[None, :, None])
+                     .expand(n, -1, -1))
+    pos = ok & ((z > 0.0) | ~passive).all(dim=2)
+    size = torch.where(pos, ar + 1, 0).amax(dim=1)
+    good = size >= 2
+    if bool(good.any()):
+        take, rows = sel[good], torch.nonzero(good).flatten()
+        st.factor.add_block(take, size[good], Block(*(part[good] for part in block)))
+        st.passive[take] = passive[rows, size[good] - 1]
+        st.y[take] = y = torch.where(st.passive[take], z[rows, size[good] - 1], 0.0)
+        st.yq[take] = _product(y, st.factor.q)
+        st.aside[take] = False
+    rest[sel[~good]] = True
+    return rest
+
+
+def _add(st: _Problems, sel: Tensor, t: Tensor, min_schur: Tensor) -> None:
+    """``t`` enters each open problem ``sel``; where the solve gives it no positive value (or
+    it depends on the passive set: ``sₜ`` not above ``min_schur``) it is set aside instead,
     else ``y`` moves (:func:`_inner`)."""
-    z, root, h_t = st.factor.try_add(t, min_schur)
+    z, root, h_t = st.factor.try_add(t, min_schur, sel)
     rows = torch.arange(t.shape[0])
     good = torch.isfinite(z).all(dim=1) & (z[rows, t] > 0.0)
-    st.aside[rows[~good], t[~good]] = True
+    st.aside[sel[~good], t[~good]] = True
     if not bool(good.any()):
         return
-    sel = rows[good]
-    st.factor.add(sel, t[good], root[good], h_t[good])
-    st.passive[sel, t[good]] = True
-    _inner(st, sel, z[good])
-    st.aside[sel] = False
+    take = sel[good]
+    st.factor.add(take, t[good], root[good], h_t[good])
+    st.passive[take, t[good]] = True
+    _inner(st, take, z[good])
+    st.aside[take] = False

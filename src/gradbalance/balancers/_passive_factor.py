@@ -14,12 +14,29 @@ instead of the ``O(m²K + m³)`` of factorising the blocks afresh (Golub & Van L
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
 #: Up to this many passive indices a removal refactorises (``O(m²K)``, few operations);
 #: above, each leaving index is deleted by Givens rotations (``O(mK)``, ``m`` steps).
 DOWNDATE_MIN_SIZE = 24
+#: Most multiply-adds (``n m² K`` for ``n`` problems) a removal refactorises above
+#: ``DOWNDATE_MIN_SIZE``: the ``m`` rotation steps' fixed cost per step is larger below.
+REFACTOR_MAX_WORK = 2**23
+
+
+class Block(NamedTuple):
+    """``b`` indices entering each of ``B`` problems together: ``t`` ``[B, b]``, the
+    Cholesky factor ``low`` ``[B, b, b]`` of their Schur complement on the passive block,
+    the new entries ``h`` ``[B, b]`` of ``h`` and ``cross`` ``[B, b, m]`` (their columns of
+    ``W``: the new rows of ``C`` left of ``low``)."""
+
+    t: Tensor
+    low: Tensor
+    h: Tensor
+    cross: Tensor
 
 
 def _tri_solve_upper(chol: Tensor, h: Tensor) -> Tensor:
@@ -92,23 +109,26 @@ class PassiveFactor:
         chol = self.chol[self.slot[sel], :m, :m]
         return self.scatter(sel, _tri_solve_upper(chol, self.h[sel, :m]))
 
-    def try_add(self, t: Tensor, min_schur: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """``(z, root, hₜ)``: the solve on ``P ∪ {tᵦ}`` ``[B, K]`` for every problem (NaN
-        where ``sₜ`` is not above ``min_schur``), ``√sₜ`` and the new entry of ``h``; nothing
-        is stored."""
-        rows = torch.arange(t.shape[0])
-        m = int(self.count.max())
+    def try_add(self, t: Tensor, min_schur: Tensor,
+                sel: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """``(z, root, hₜ)``: the solve on ``P ∪ {tᵦ}`` ``[B, K]`` for the problems ``sel``
+        (default all; NaN where ``sₜ`` is not above ``min_schur``), ``√sₜ`` and the new entry
+        of ``h``; nothing is stored."""
+        rows = torch.arange(t.shape[0]) if sel is None else sel
+        local = torch.arange(t.shape[0])
+        m = int(self.count[rows].max()) if rows.numel() else 0
+        slot = self.slot[rows]
         schur = self.off[rows, t]
         ok = schur > min_schur
         root = torch.where(ok, schur, 1.0).sqrt()
-        c = self.w[self.slot, :m, t]  # zero past each problem's count
-        h_t = (self.rhs[rows, t] - (c * self.h[:, :m]).sum(dim=1)) / root
+        c = self.w[slot, :m, t]  # zero past each problem's count
+        h_t = (self.rhs[rows, t] - (c * self.h[rows, :m]).sum(dim=1)) / root
         z_t = h_t / root
-        z = torch.zeros_like(self.off)
+        z = self.off.new_zeros(t.shape[0], self.off.shape[1])
         if m:
-            z = self.scatter(rows, _tri_solve_upper(self.chol[self.slot, :m, :m],
-                                                    self.h[:, :m] - c * z_t[:, None]))
-        z[rows, t] = z_t
+            z = self.scatter(rows, _tri_solve_upper(self.chol[slot, :m, :m],
+                                                    self.h[rows, :m] - c * z_t[:, None]))
+        z[local, t] = z_t
         return z.masked_fill_(~ok[:, None], torch.nan), root, h_t
 
     def add(self, sel: Tensor, t: Tensor, root: Tensor, h_t: Tensor) -> None:
@@ -129,12 +149,69 @@ class PassiveFactor:
         self.off[sel] -= new * new
         self.count[sel] = pos + 1
 
+    def try_block(self, sel: Tensor, t: Tensor, min_schur: Tensor) -> tuple[Tensor, Tensor, Block]:
+        """``(z, ok, block)`` for the problems ``sel`` and ``t`` ``[n, b]`` entering in order:
+        ``z`` ``[n, b, K]``, the solve on ``P`` and the first ``j + 1`` of ``t`` (zero
+        elsewhere), ``ok`` ``[n, b]`` where each of their Schur complements (the block's
+        left-looking Cholesky step) is above ``min_schur`` (the test of single additions in
+        turn), and the block's new rows of the factor; nothing is stored."""
+        n, b = t.shape
+        m = int(self.count[sel].max())
+        slot = self.slot[sel]
+        cross = self.w[slot[:, None], :m, t]  # [n, b, m]: zero past each count
+        low, info = torch.linalg.cholesky_ex(self.q[t[:, :, None], t[:, None, :]]
+                                             - cross @ cross.mT)
+        pivots = low.diagonal(dim1=1, dim2=2)
+        ar = torch.arange(b)
+        ok = ((pivots * pivots > min_schur) & ((info[:, None] == 0) | (ar < info[:, None] - 1)))
+        ok = ok.cumprod(dim=1).bool()
+        h = self.h[sel, :m]
+        rhs = self.rhs[sel[:, None], t] - (cross @ h[..., None])[..., 0]
+        h_t = torch.linalg.solve_triangular(low, rhs[..., None], upper=False)[..., 0]
+        prefix = (ar[None, :, None] <= ar[:, None, None]) & (ar[None, None, :] <= ar[:, None, None])
+        eye = torch.eye(b, dtype=low.dtype)
+        lows = torch.where(prefix, low[:, None], eye)  # [n, j, b, b]: the leading j + 1
+        z_t = _tri_solve_upper(lows, torch.where(prefix[:, :, 0], h_t[:, None], 0.0))
+        z = self.off.new_zeros(n, b, self.off.shape[1])
+        if m:
+            rest = h[:, None] - z_t @ cross  # [n, j, m]
+            zp = torch.linalg.solve_triangular(self.chol[slot, :m, :m].mT, rest.mT, upper=True)
+            z.scatter_add_(2, self.order[sel, None, :m].expand(-1, b, -1),
+                           torch.where(torch.arange(m) < self.count[sel, None, None], zp.mT, 0.0))
+        z.scatter_add_(2, t[:, None].expand(-1, b, -1), z_t)
+        return z, ok, Block(t, low, h_t, cross)
+
+    def add_block(self, sel: Tensor, size: Tensor, block: Block) -> None:
+        """The problems ``sel`` take the first ``size`` ``[n]`` indices of their blocks
+        (:meth:`try_block`, one row each): rows ``[X L]`` of ``C``, ``W_T = L⁻¹ (Q_T: − X W)``
+        and ``h_T`` (Golub & Van Loan 2013, §4.2: the block form of :meth:`add`)."""
+        t, low, h_t, cross = block
+        b, m = t.shape[1], cross.shape[2]
+        self._grow(int(self.count[sel].max()) + b)
+        slot, pos = self.slot[sel], self.count[sel]
+        spread = torch.zeros(self.w.shape[0], b, m, dtype=cross.dtype)
+        spread[slot] = cross  # the product on the stored rows: no copy of w
+        new = torch.linalg.solve_triangular(
+            low, self.q[t] - torch.bmm(spread, self.w[:, :m])[slot], upper=False)
+        i, r = torch.nonzero(torch.arange(b)[None, :] < size[:, None], as_tuple=True)
+        at = pos[i] + r
+        self.chol[slot[i], at, :m] = cross[i, r]  # zero from each count on
+        self.chol[slot[i, None], at[:, None], pos[i, None] + torch.arange(b)] = low[i, r]
+        self.w[slot[i], at] = new[i, r]
+        self.h[sel[i], at] = h_t[i, r]
+        self.order[sel[i], at] = t[i, r]
+        kept = (torch.arange(b) < size[:, None])[..., None]
+        self.off[sel] -= torch.where(kept, new * new, 0.0).sum(dim=1)
+        self.count[sel] = pos + size
+
     def remove(self, sel: Tensor, passive: Tensor) -> None:
         """The problems ``sel`` take the passive sets ``passive`` ``[len(sel), K]`` (subsets
-        of theirs, the order kept): factorised afresh up to ``DOWNDATE_MIN_SIZE`` indices,
+        of theirs, the order kept): factorised afresh up to ``DOWNDATE_MIN_SIZE`` indices
+        or ``REFACTOR_MAX_WORK`` multiply-adds,
         else each leaving index deleted from the factors (:meth:`_delete`)."""
         top = int(self.count[sel].max())
-        if top <= DOWNDATE_MIN_SIZE:
+        work = sel.numel() * top * top * self.q.shape[0]
+        if top <= DOWNDATE_MIN_SIZE or work <= REFACTOR_MAX_WORK:
             self._refactor(sel, passive)
             return
         while True:

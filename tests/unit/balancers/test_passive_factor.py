@@ -15,6 +15,8 @@ The batched active set run in chunks (as at K = 1,024) against scipy's NNLS on t
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -30,6 +32,15 @@ from support.many_kinds import KIND_NAMES, assert_same_update, kind_rows
 
 F64 = torch.float64
 CASES = st.tuples(st.integers(3, 40), st.sampled_from(KIND_NAMES), st.integers(0, 2**16))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _removals_by_size() -> Iterator[None]:
+    """Removals refactorised or rotated by ``DOWNDATE_MIN_SIZE`` alone (the work rule off),
+    so that each test here reaches the path it names on small problems."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_passive_factor, "REFACTOR_MAX_WORK", 0)
+        yield
 
 
 def _run(q: Tensor, rhs: Tensor, gen: torch.Generator, steps: int,
@@ -137,4 +148,74 @@ def test_active_set_in_chunks_matches_scipy(k: int, kind: str, seed: int) -> Non
         v, done = _active_set.box_active_set(gram, u, 1e-12, 3 * g.shape[0] + 10)
     assert bool(done.all()) and bool((v >= u).all())
     for i in sorted({0, g.shape[0] // 2, g.shape[0] - 1}):
+        assert_same_update(v[i] @ g, nnls_dual_cone(g / trace.sqrt(), u[i]) * trace.sqrt(), g)
+
+
+@settings(max_examples=12, deadline=None)
+@given(CASES, st.integers(2, 5))
+def test_block_additions_match_their_definitions(case: tuple[int, str, int], width: int) -> None:
+    """``b`` indices entering together (:meth:`try_block`, the first ``size`` of each kept):
+    the factors' definitions, and each prefix's solve, as after single additions."""
+    k, kind, seed = case
+    g = kind_rows(kind, k, 2 * k + 3, seed)
+    g = g[g.norm(dim=1) > 0]
+    if g.shape[0] < width + 1:
+        return
+    q, trace = trace_normalized(g @ g.T)
+    gen = torch.Generator().manual_seed(seed)
+    rhs = torch.randn(4, g.shape[0], generator=gen, dtype=F64)
+    f = _run(q, rhs, gen, min(4, g.shape[0] - width), g / trace.sqrt())
+    rows = torch.arange(4)
+    passive = torch.zeros(4, g.shape[0], dtype=torch.bool)
+    for i in range(4):
+        passive[i, f.order[i, : int(f.count[i])]] = True
+    for _ in range(2):  # the second round from passive sets of different sizes
+        if int((~passive).sum(dim=1).min()) < width:
+            break
+        passive = _add_blocks(q, rhs, f, passive, gen, width)
+    _assert_solves(q, rhs, passive, f.solve(rows))
+    _assert_factors(q, rhs, f, passive, g / trace.sqrt())
+
+
+def _add_blocks(q: Tensor, rhs: Tensor, f: PassiveFactor, passive: Tensor,
+                gen: torch.Generator, width: int) -> Tensor:
+    """Random blocks of ``width`` entering every problem, a random prefix of each kept (at
+    most its independent one): each prefix's solve checked; the passive sets after."""
+    b, k = passive.shape
+    rows = torch.arange(b)
+    score = torch.rand(b, k, generator=gen, dtype=F64)
+    t = torch.where(passive, -1.0, score).topk(width, dim=1).indices
+    z, ok, block = f.try_block(rows, t, SCHUR_RTOL_PER_ROW * k * q.diagonal()[t])
+    for j in range(width):
+        sub = ok[:, j]
+        full = passive.clone()
+        full[rows[:, None], t[:, : j + 1]] = True
+        _assert_solves(q, rhs[sub], full[sub], z[sub, j])
+    most = torch.where(ok, torch.arange(width) + 1, 0).amax(dim=1)
+    size = torch.minimum(torch.randint(0, width + 1, (b,), generator=gen), most)
+    f.add_block(rows, size, block)
+    out = passive.clone()
+    for i in range(b):
+        out[i, t[i, : int(size[i])]] = True
+    return out
+
+
+@settings(max_examples=5, deadline=None)
+@given(st.integers(12, 40), st.sampled_from(KIND_NAMES), st.integers(0, 2**16))
+def test_active_set_with_blocks_matches_scipy(k: int, kind: str, seed: int) -> None:
+    """Blocks of 3 candidates from any size (``BLOCK_MIN_SIZE`` 0): every third projection
+    the update of scipy's NNLS on the rows (cosine ≥ 0.999999, norm within 1e-6 relative)."""
+    g = kind_rows(kind, k, 2 * k + 3, seed)
+    g = g[g.norm(dim=1) > 0]
+    if g.shape[0] < 4:
+        return
+    gram, trace = trace_normalized(g @ g.T)
+    u = torch.diag(torch.rand(g.shape[0], generator=torch.Generator().manual_seed(seed),
+                              dtype=F64))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_active_set, "BLOCK_MIN_SIZE", 0)
+        mp.setattr(_active_set, "BLOCK_SIZE", 3)
+        v, done = _active_set.box_active_set(gram, u, 1e-12, 3 * g.shape[0] + 10)
+    assert bool(done.all()) and bool((v >= u).all())
+    for i in range(0, g.shape[0], 3):
         assert_same_update(v[i] @ g, nnls_dual_cone(g / trace.sqrt(), u[i]) * trace.sqrt(), g)
