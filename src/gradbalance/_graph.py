@@ -4,20 +4,23 @@ recorded forwards exact (docs/loop.md, "One update whatever the route")."""
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 
 from torch import Tensor
 from torch.autograd.graph import Node
 
-__all__ = ["edges", "leaf_uses", "reaches", "tensor_hooked"]
+__all__ = ["edges", "leaf_uses", "reaches", "tensor_hooked", "uses_below"]
 
 #: A node that only casts its one input (autocast shares one cast of a weight per region).
 _CAST = "ToCopyBackward0"
 
 
-def edges(start: Node | None) -> Iterator[tuple[Node, Node]]:
-    """Every edge ``(parent, child)`` of the graph below ``start``, breadth first."""
-    queue = deque([start] if start is not None else [])
+def edges(start: Node | None, stops: Collection[Node] = (),
+          more: Sequence[Node] = ()) -> Iterator[tuple[Node, Node]]:
+    """Every edge ``(parent, child)`` of the graph below ``start`` (and ``more``), breadth
+    first, not below a node of ``stops`` other than a start (an edge into a stop is
+    yielded)."""
+    queue = deque(dict.fromkeys([*([start] if start is not None else []), *more]))
     seen = set(queue)
     while queue:
         node = queue.popleft()
@@ -25,7 +28,7 @@ def edges(start: Node | None) -> Iterator[tuple[Node, Node]]:
             if child is None:
                 continue
             yield node, child
-            if child not in seen:
+            if child not in seen and child not in stops:
                 seen.add(child)
                 queue.append(child)
 
@@ -44,10 +47,21 @@ def reaches(tensor: Tensor, params: Sequence[Tensor]) -> bool:
 
 def leaf_uses(tensor: Tensor, leaves: Sequence[Tensor]) -> dict[int, int]:
     """How many times ``tensor``'s graph uses each of ``leaves``, by ``id`` (through casts)."""
+    return uses_below([tensor.grad_fn] if tensor.grad_fn is not None else [], (), leaves)
+
+
+def uses_below(starts: Sequence[Node], stops: Collection[Node],
+               leaves: Sequence[Tensor]) -> dict[int, int]:
+    """How many times the graph below ``starts``, cut at ``stops`` (e.g. the gradient edges
+    of a module call's inputs: then the uses inside the call), uses each of ``leaves``, by
+    ``id`` (through casts)."""
     counts = dict.fromkeys(map(id, leaves), 0)
-    fan_in: Counter[Node] = Counter([tensor.grad_fn] if tensor.grad_fn is not None else [])
+    starts = [node for node in starts if node not in stops]  # an argument returned as is
+    fan_in: Counter[Node] = Counter(starts)
     into_leaf: list[tuple[Node, int]] = []  # (the parent, the leaf's id) of every edge to a leaf
-    for node, child in edges(tensor.grad_fn):
+    for node, child in edges(None, stops, starts):
+        if child in stops:  # an input of the cut: a leaf given as an argument is no use of it
+            continue
         fan_in[child] += 1
         leaf = _leaf_id(child)
         if leaf in counts:

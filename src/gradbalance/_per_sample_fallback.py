@@ -19,10 +19,13 @@ gradient taken from the one backward of ``Σᵢ ℓᵢ`` (docs/per_sample.md, "L
 from __future__ import annotations
 
 import warnings
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import Node
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_leaves, tree_unflatten
 
@@ -51,9 +54,28 @@ def per_sample_grads(module: nn.Module, names: list[str], call: FallbackCall,
         rows = _vectorised(module, names, params, call, ds, len(tasks))
     except RuntimeError:  # a random op, or an op vmap cannot batch
         rows = None
-    if rows is None or not _adds_up(rows, params, outputs, ds, len(tasks)):
-        rows = _masked(params, outputs, ds, len(tasks))
+    with cut_at(call.stops):  # the module's own uses of its parameters in this call
+        if rows is None or not _adds_up(rows, params, outputs, ds, len(tasks)):
+            rows = _masked(params, outputs, ds, len(tasks))
     return [r.reshape(r.shape[0], -1) for r in rows]
+
+
+@contextmanager
+def cut_at(stops: Collection[Node]) -> Iterator[None]:
+    """Inside the block, a backward passes no gradient below the nodes ``stops`` (a call's
+    arguments): the vector-Jacobian products of a call's outputs are then the call's alone,
+    even where an argument was computed from the same parameters (the module called on its
+    own output)."""
+    handles = [node.register_prehook(_zeroed) for node in stops]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _zeroed(grads: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
+    return tuple(None if g is None else torch.zeros_like(g) for g in grads)
 
 
 def _output_gradients(outputs: list[Tensor | Recorded], tasks: list[list[Tensor | None]],

@@ -83,6 +83,23 @@ def refuse_mixing(roots: list[tuple[str, nn.Module]]) -> None:
 WHOLE_MODULES: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
 
 
+#: Modules that only hold parameters (their forward is not defined): the module holding one
+#: reads them in its own forward, so their parameters are that module's, for its fallback.
+PARAMETER_CONTAINERS: tuple[type[nn.Module], ...] = (nn.ParameterList, nn.ParameterDict)
+
+
+def _own_parameters(sub: nn.Module, whole: bool) -> list[tuple[str, Tensor]]:
+    """``sub``'s parameters by name below it: all of them for a whole-module fallback, else
+    its own and those of its :data:`PARAMETER_CONTAINERS` children."""
+    if whole:
+        return list(sub.named_parameters())
+    own: list[tuple[str, Tensor]] = list(sub.named_parameters(recurse=False))
+    for child_name, child in sub.named_children():
+        if isinstance(child, PARAMETER_CONTAINERS):
+            own += [(f"{child_name}.{n}", p) for n, p in child.named_parameters()]
+    return own
+
+
 def _joined(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix and name else prefix or name
 
@@ -120,11 +137,12 @@ class PerSampleGramian:
         """Hook ``sub`` for its own wanted parameters: a covered layer, or a fallback; a
         module of :data:`WHOLE_MODULES` is one fallback for every parameter below it (added
         to ``whole``)."""
+        if isinstance(sub, PARAMETER_CONTAINERS):
+            return  # never called: its parameters belong to the module holding it
         inside = isinstance(sub, WHOLE_MODULES)
         if inside:
             whole.update(id(m) for m in sub.modules())
-        own = [(pname, p) for pname, p in sub.named_parameters(recurse=inside)
-               if id(p) in wanted]
+        own = [(pname, p) for pname, p in _own_parameters(sub, inside) if id(p) in wanted]
         if not own:
             return
         if not inside and refusal(sub) is None:

@@ -12,9 +12,10 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import Node, get_gradient_edge
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves
 
-from .._graph import leaf_uses, tensor_hooked
+from .._graph import leaf_uses, tensor_hooked, uses_below
 from ._per_sample_layers import HookedLayer
 
 __all__ = ["Fallback", "FallbackCall", "LayerRecorder"]
@@ -29,6 +30,8 @@ class FallbackCall:
     leaves: list[Any]
     spec: TreeSpec
     carried: list[int]
+    stops: frozenset[Node] = frozenset()  # the gradient edges of its tensor arguments
+
 
     @property
     def first(self) -> Tensor:
@@ -47,6 +50,20 @@ class Fallback:
         self.inputs: list[FallbackCall] = []
         self.outputs: list[Tensor] = []
         self.bad_call: str | None = None
+
+    def uses(self) -> dict[int, int]:
+        """How many times the recorded calls use each of the module's parameters, by ``id``:
+        the graph below each call's outputs, cut at its arguments."""
+        params = [self.module.get_parameter(name) for name in self.names]
+        total = dict.fromkeys(map(id, params), 0)
+        at = 0
+        for call in self.inputs:
+            outputs = self.outputs[at: at + len(call.carried)]
+            at += len(call.carried)
+            found = uses_below([get_gradient_edge(y).node for y in outputs], call.stops, params)
+            for key, n in found.items():
+                total[key] += n
+        return total
 
 
 class LayerRecorder:
@@ -116,16 +133,22 @@ class LayerRecorder:
                 fallback.bad_call = (f"no tensor argument ({len(args)} positional and "
                                      f"{len(kwargs)} keyword)")
                 return
-            outputs = tree_leaves(output)
-            carried = [i for i, y in enumerate(outputs)
-                       if isinstance(y, Tensor) and y.requires_grad]
-            if carried:
-                fallback.inputs.append(FallbackCall(
-                    [t.detach() if isinstance(t, Tensor) else t for t in leaves], spec, carried))
-                for i in carried:
-                    fallback.outputs.append(outputs[i])
-                    self._versions[id(outputs[i])] = outputs[i]._version
+            self._keep_call(fallback, leaves, spec, tree_leaves(output))
         return record
+
+    def _keep_call(self, fallback: Fallback, leaves: list[Any], spec: TreeSpec,
+                   outputs: list[Any]) -> None:
+        """Record a fallback call whose outputs carry a gradient (the others are no use)."""
+        carried = [i for i, y in enumerate(outputs) if isinstance(y, Tensor) and y.requires_grad]
+        if not carried:
+            return
+        stops = frozenset(get_gradient_edge(t).node for t in leaves
+                          if isinstance(t, Tensor) and t.requires_grad)
+        fallback.inputs.append(FallbackCall(
+            [t.detach() if isinstance(t, Tensor) else t for t in leaves], spec, carried, stops))
+        for i in carried:
+            fallback.outputs.append(outputs[i])
+            self._versions[id(outputs[i])] = outputs[i]._version
 
     def _live(self) -> bool:
         """Whether a call now is one of the step's forward: recording, under grad, and not
@@ -186,10 +209,13 @@ class LayerRecorder:
     def _check_uses(self, losses: Tensor, params: list[Tensor], fix: str) -> None:
         uses = leaf_uses(losses, params)
         self.reached = {id(p) for p in params if uses[id(p)] > 0}
+        inside: dict[int, int] = {}  # the uses inside the fallback modules' recorded calls
+        for fallback in self.fallbacks:
+            for key, n in fallback.uses().items():
+                inside[key] = inside.get(key, 0) + n
         for p in params:
             calls = sum(len(layer.outputs) for layer, _ in self.sites.get(id(p), []))
-            if id(p) in self.dense:
-                calls = uses[id(p)]  # a fallback module may use its parameter several times
+            calls += inside.get(id(p), 0)
             hooked = tensor_hooked(p)
             if hooked or uses[id(p)] > calls:
                 how = ("has a tensor hook, which rewrites its gradient" if hooked else
