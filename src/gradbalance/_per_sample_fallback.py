@@ -109,13 +109,17 @@ def _vectorised(module: nn.Module, names: list[str], params: list[Tensor], call:
     lanes = [call.leaves[i] if k == 1 else call.leaves[i].repeat_interleave(k, 0)
              for i in split]
     at = [call.carried[j] for j in ds]
+    # copies of the module's buffers: a forward that updates its state (spectral norm's power
+    # iteration) updates these, not the module's, which the step's forward already moved
+    buffers = {n: b.clone() for n, b in module.named_buffers()}
 
     def pulled(theta: dict[str, Tensor], xs: list[Tensor], gs: list[Tensor]) -> Tensor:
         leaves = list(call.leaves)
         for i, x in zip(split, xs):
             leaves[i] = x.unsqueeze(0)
         args, kwargs = tree_unflatten(leaves, call.spec)
-        out = tree_leaves(functional_call(module, theta, tuple(args), dict(kwargs)))
+        out = tree_leaves(functional_call(module, {**theta, **buffers}, tuple(args),
+                                          dict(kwargs)))
         total: Tensor = sum(((out[i] * g.unsqueeze(0)).sum() for i, g in zip(at, gs)),
                             torch.zeros((), dtype=gs[0].dtype, device=gs[0].device))
         return total

@@ -26,6 +26,7 @@ from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.parametrize import is_parametrized
 
 from ._per_sample_eager import Recorded, Slots, Snapshot, edge_of, lowest
 from ._per_sample_fallback import per_sample_grads
@@ -79,7 +80,9 @@ def refuse_mixing(roots: list[tuple[str, nn.Module]]) -> None:
 
 
 #: Modules whose forward reads the parameters of their submodules itself rather than calling
-#: them (``nn.MultiheadAttention``'s ``out_proj``): one fallback for the whole module.
+#: them (``nn.MultiheadAttention``'s ``out_proj``): one fallback for the whole module. A
+#: parametrized module (``torch.nn.utils.parametrizations.weight_norm``, ...) is one too: its
+#: weight is computed from the parameters below it whenever its forward reads it.
 WHOLE_MODULES: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
 
 
@@ -139,7 +142,7 @@ class PerSampleGramian:
         to ``whole``)."""
         if isinstance(sub, PARAMETER_CONTAINERS):
             return  # never called: its parameters belong to the module holding it
-        inside = isinstance(sub, WHOLE_MODULES)
+        inside = isinstance(sub, WHOLE_MODULES) or is_parametrized(sub)
         if inside:
             whole.update(id(m) for m in sub.modules())
         own = [(pname, p) for pname, p in _own_parameters(sub, inside) if id(p) in wanted]

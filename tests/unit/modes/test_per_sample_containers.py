@@ -1,6 +1,7 @@
 """``batch_dim=0`` with parameters a module does not use in its own calls
 (docs/per_sample.md, "Layers"): parameters held in ``nn.ParameterList`` / ``nn.ParameterDict``
-and read by the module holding them, and a fallback module's parameter read outside its
+and read by the module holding them, parametrized layers (weight and spectral norm), a
+fallback module called on its own output, and a fallback module's parameter read outside its
 calls.
 
 The reference is a second implementation: the matrix route over the same objectives, each
@@ -9,12 +10,15 @@ sample × task loss passed as a task of its own (one backward each), in float64.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
+from torch.nn.utils import parametrizations
 
 from gradbalance import TaskGradBuffer
 from gradbalance.balancers import MGDA, Balancer, UPGrad
@@ -97,6 +101,30 @@ class _DroppedTwice(nn.Module):
         return torch.tanh(self.scale(torch.tanh(self.scale(self.inp(x)))))
 
 
+class _WeightNormed(nn.Module):
+    """A weight-normed layer (its parameters below it, its weight computed on each read)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = parametrizations.weight_norm(nn.Linear(5, 8))
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(torch.tanh(self.inp(x)))
+
+
+class _SpectralNormed(nn.Module):
+    """A spectral-normed layer: its forward also moves its power-iteration buffers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(5, 8)
+        self.out = parametrizations.spectral_norm(nn.Linear(8, 8))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(self.out(torch.tanh(self.inp(x))))
+
+
 def _update(trunk: nn.Module, heads: nn.Module, x: Tensor, y: Tensor, balancer: Balancer,
             per_sample: bool) -> Tensor:
     params = [*trunk.parameters(), *heads.parameters()]
@@ -107,7 +135,8 @@ def _update(trunk: nn.Module, heads: nn.Module, x: Tensor, y: Tensor, balancer: 
     losses = (heads(trunk(x)) - y) ** 2
     buf.backward(losses if per_sample else losses.reshape(-1))
     buf.apply_(balancer)
-    return torch.cat([p.grad.flatten() for p in params if p.grad is not None])
+    state = [b.flatten() for b in trunk.buffers()]  # moved by the forward alone
+    return torch.cat([p.grad.flatten() for p in params if p.grad is not None] + state)
 
 
 def _both(make: type[nn.Module], seed: int, batch: int, tasks: int,
@@ -118,25 +147,28 @@ def _both(make: type[nn.Module], seed: int, batch: int, tasks: int,
         trunk, heads = make(), nn.Linear(8, tasks)
         x, y = torch.randn(batch, 5), torch.randn(batch, tasks)
         state = torch.get_rng_state()  # the same dropout masks on both routes
+        twins = copy.deepcopy((trunk, heads))  # the same buffers before each route's forward
         got = _update(trunk, heads, x, y, balancer(), True)
         torch.set_rng_state(state)
-        want = _update(trunk, heads, x, y, balancer(), False)
+        want = _update(*twins, x, y, balancer(), False)
     finally:
         torch.set_default_dtype(torch.float32)
     return got, want
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**16), batch=st.integers(2, 7), tasks=st.integers(1, 3),
        balancer=st.sampled_from([UPGrad, MGDA]),
-       make=st.sampled_from([_Listed, _CalledTwice, _DroppedTwice]))
+       make=st.sampled_from([_Listed, _CalledTwice, _DroppedTwice, _WeightNormed,
+                             _SpectralNormed]))
 def test_parameters_read_by_their_holder_match_the_matrix_route(
         seed: int, batch: int, tasks: int, balancer: type[Balancer],
         make: type[nn.Module]) -> None:
     """A container's parameters are the holder's (one fallback through its forward), and a
     fallback module called on its own output has each call's gradient once (by vmap, or by
     the recorded graph cut at the call's arguments where dropout runs): the matrix route's
-    update."""
+    update; a parametrized layer is one fallback through its forward, and the trunk's
+    buffers are those of the plain step."""
     got, want = _both(make, seed, batch, tasks, balancer)
     assert got.shape == want.shape
     assert torch.allclose(got, want, rtol=1e-9, atol=1e-12 * float(want.abs().max()))
