@@ -23,6 +23,8 @@ from torch.nn.utils import parametrizations
 from gradbalance import TaskGradBuffer
 from gradbalance.balancers import MGDA, Balancer, UPGrad
 
+from .per_sample_runs import run
+
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
@@ -125,20 +127,6 @@ class _SpectralNormed(nn.Module):
         return torch.tanh(self.out(torch.tanh(self.inp(x))))
 
 
-def _update(trunk: nn.Module, heads: nn.Module, x: Tensor, y: Tensor, balancer: Balancer,
-            per_sample: bool) -> Tensor:
-    params = [*trunk.parameters(), *heads.parameters()]
-    for p in params:
-        p.grad = None
-    kwargs = {"modules": trunk, "batch_dim": 0} if per_sample else {}
-    buf = TaskGradBuffer(trunk.parameters(), heads.parameters(), **kwargs)  # type: ignore[arg-type]
-    losses = (heads(trunk(x)) - y) ** 2
-    buf.backward(losses if per_sample else losses.reshape(-1))
-    buf.apply_(balancer)
-    state = [b.flatten() for b in trunk.buffers()]  # moved by the forward alone
-    return torch.cat([p.grad.flatten() for p in params if p.grad is not None] + state)
-
-
 def _both(make: type[nn.Module], seed: int, batch: int, tasks: int,
           balancer: type[Balancer]) -> tuple[Tensor, Tensor]:
     torch.set_default_dtype(torch.float64)
@@ -148,12 +136,14 @@ def _both(make: type[nn.Module], seed: int, batch: int, tasks: int,
         x, y = torch.randn(batch, 5), torch.randn(batch, tasks)
         state = torch.get_rng_state()  # the same dropout masks on both routes
         twins = copy.deepcopy((trunk, heads))  # the same buffers before each route's forward
-        got = _update(trunk, heads, x, y, balancer(), True)
+        (got,), _ = run(trunk, heads, [(x, y)], balancer(), True)
         torch.set_rng_state(state)
-        want = _update(*twins, x, y, balancer(), False)
+        (want,), _ = run(*twins, [(x, y)], balancer(), False)
     finally:
         torch.set_default_dtype(torch.float32)
-    return got, want
+    # the buffers, moved by the forward alone
+    return (torch.cat([got, *(b.flatten() for b in trunk.buffers())]),
+            torch.cat([want, *(b.flatten() for b in twins[0].buffers())]))
 
 
 @settings(max_examples=25, deadline=None)
