@@ -11,7 +11,8 @@ every ``vᵢ ≥ uᵢ`` is optimal and ``vᵢ = uᵢ`` is taken; it is left out 
 problem is scaled to a largest bound of 1 (the solution is homogeneous in ``u``). A Gramian
 with no zero row and a diagonal within ``PLAIN_MAX_RATIO`` is solved as given. A matrix of
 numerical rank at most ``K/4`` (up to its rounding) is solved in its rank's dimension
-(:mod:`~._low_rank`).
+(:mod:`~._low_rank`); otherwise groups of rows parallel within its rounding are collapsed
+first (:mod:`~._parallel_groups`, each answer certified on the whole problem).
 """
 
 from __future__ import annotations
