@@ -69,9 +69,10 @@ class Groups:
     delta: float
 
 
-def find_groups(cos: Tensor) -> Groups | None:
+def find_groups(cos: Tensor, need_free: bool = False) -> Groups | None:
     """The groups of rows of the cosine matrix ``cos`` that are parallel within its rounding,
-    or None where they remove fewer than ``MIN_FRACTION`` of the rows."""
+    or None where they remove fewer than ``MIN_FRACTION`` of the rows (or, ``need_free``,
+    where no group has both signs)."""
     n = cos.shape[0]
     mag = cos.abs()
     mag.fill_diagonal_(0.0)
@@ -84,8 +85,10 @@ def find_groups(cos: Tensor) -> Groups | None:
     rep = _representatives(near)
     if n - int(torch.unique(rep).numel()) < max(1, int(MIN_FRACTION * n)):
         return None
-    groups = _groups(cos, rep)
-    return groups if groups.delta <= 2.0 * tau else None  # a row off its group: not rounding
+    groups = _groups(cos, rep, need_free)
+    if groups is None or groups.delta > 2.0 * tau:  # a row off its group: not rounding
+        return None
+    return groups
 
 
 def _representatives(near: Tensor) -> Tensor:
@@ -100,12 +103,15 @@ def _representatives(near: Tensor) -> Tensor:
         rep = nxt
 
 
-def _groups(cos: Tensor, rep: Tensor) -> Groups:
-    """The groups of ``rep``: signs, which have both, and ``δ`` from the rows' deviation."""
+def _groups(cos: Tensor, rep: Tensor, need_free: bool) -> Groups | None:
+    """The groups of ``rep``: signs, which have both, and ``δ`` from the rows' deviation
+    (None where ``need_free`` and no group has both signs)."""
     n = cos.shape[0]
     idx = torch.arange(n)
     sign = torch.where(cos[idx, rep] < 0.0, -1.0, 1.0).to(cos.dtype)
-    deviation = float((cos - sign[:, None] * cos[rep]).abs().amax()) if n else 0.0
+    if need_free and not bool((sign < 0.0).any()):
+        return None
+    deviation = float((cos - sign[:, None] * cos[rep]).abs().amax())
     head = rep == idx
     negatives = torch.zeros(n, dtype=cos.dtype).index_add_(0, rep, (sign < 0.0).to(cos.dtype))
     two_rep = negatives > 0.0
@@ -128,9 +134,9 @@ def grouped_projection(q: Tensor, lower: Tensor, reduced: Solve) -> tuple[Tensor
         return None
     d = torch.diagonal(q).sqrt()
     cos = q / torch.outer(d, d)
-    groups = find_groups(cos)
-    if groups is None or (lower.shape[0] == 1 and groups.free.numel() == 0):
-        return None  # one problem (DualProj's) gains only from a group of both signs
+    groups = find_groups(cos, need_free=lower.shape[0] == 1)  # one problem: see above
+    if groups is None:
+        return None
     s_low = lower * d
     s = _collapsed_solve(cos, s_low, groups, reduced)
     if s is None:
@@ -201,5 +207,5 @@ def _certified(q: Tensor, lower: Tensor, v: Tensor, d: Tensor, rtol: float) -> T
     w = v @ q
     bound = rtol * d[None, :] * (v.abs() @ d)[:, None]
     above = v > lower
-    ok = (w >= -bound) & (~above | (w <= bound))
+    ok = (w >= -bound) & (~above | (w <= bound)) & (v >= lower)
     return ok.all(dim=1) & torch.isfinite(v).all(dim=1)
