@@ -11,7 +11,8 @@ every ``vᵢ ≥ uᵢ`` is optimal and ``vᵢ = uᵢ`` is taken; it is left out 
 problem is scaled to a largest bound of 1 (the solution is homogeneous in ``u``). A Gramian
 with no zero row and a diagonal within ``PLAIN_MAX_RATIO`` is solved as given. A matrix of
 numerical rank at most ``K/4`` (up to its rounding) is solved in its rank's dimension
-(:mod:`~._low_rank`).
+(:mod:`~._low_rank`); otherwise groups of rows parallel within its rounding are collapsed
+first (:mod:`~._parallel_groups`, each answer certified on the whole problem).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from torch import Tensor
 
 from ._low_rank import low_rank_projection
+from ._parallel_groups import grouped_projection
 
 #: ``(Q, lower, tol) → argmin_{x ≥ lower} ½ xᵀQx`` for ``lower`` ``[B, K]``.
 BoxSolve = Callable[[Tensor, Tensor, float], Tensor]
@@ -30,13 +32,15 @@ BoxSolve = Callable[[Tensor, Tensor, float], Tensor]
 PLAIN_MAX_RATIO = 1e3
 
 
-def scaled_projection(gram: Tensor, u: Tensor, tol: float, solve: BoxSolve) -> Tensor:
+def scaled_projection(gram: Tensor, u: Tensor, tol: float, solve: BoxSolve,
+                      groups: bool = True) -> Tensor:
     """``v`` ``[B, K]`` with ``v = argmin_{v ≥ uᵦ} vᵀGv`` per row of ``u`` ``[B, K]``
-    (float64), ``solve`` run on the trace-normalised cosine matrix of the non-zero rows."""
+    (float64), ``solve`` run on the trace-normalised cosine matrix of the non-zero rows;
+    ``groups``: parallel rows collapsed first (:mod:`~._parallel_groups`)."""
     diag = torch.diagonal(gram)
     low, high = torch.stack(diag.aminmax()).tolist()  # one host sync
     if low * PLAIN_MAX_RATIO >= high and low > 0.0:
-        return _routed(gram, u, tol, solve)
+        return _routed(gram, u, tol, solve, groups)
     d = diag.clamp_min(0.0).sqrt()
     live = torch.nonzero(d > 0.0).flatten()
     v = u.clone()
@@ -53,15 +57,20 @@ def scaled_projection(gram: Tensor, u: Tensor, tol: float, solve: BoxSolve) -> T
     if rows.numel() == 0:
         return v
     scale = top[rows, None]
-    s = _routed(cos, lower[rows] / scale, tol, solve)
+    s = _routed(cos, lower[rows] / scale, tol, solve, groups)
     v[rows[:, None], live[None, :]] = s * scale / dl
     return v
 
 
-def _routed(q: Tensor, lower: Tensor, tol: float, solve: BoxSolve) -> Tensor:
+def _routed(q: Tensor, lower: Tensor, tol: float, solve: BoxSolve, groups: bool) -> Tensor:
     """``solve``'s answer, in the rank's dimension where ``q``'s rank is low
-    (:func:`~._low_rank.low_rank_projection`), the problems it leaves open by ``solve``."""
+    (:func:`~._low_rank.low_rank_projection`), else with its groups of parallel rows
+    collapsed where it has them (:func:`~._parallel_groups.grouped_projection`), the
+    problems either leaves open by ``solve``."""
     routed = low_rank_projection(q, lower, tol)
+    if routed is None and groups:
+        routed = grouped_projection(
+            q, lower, lambda q2, l2: scaled_projection(q2, l2, tol, solve, False))
     if routed is None:
         return solve(q, lower, tol)
     v, done = routed

@@ -48,7 +48,8 @@ class UPGrad(PreferenceBalancer):
     factorisations), ``O(K³)`` per conjugate-gradient step from 64 on (two ``[K, K]``
     products for all K projections); a Gramian of numerical rank ``r ≤ K/4`` (``≤ √(2²⁰/K)``;
     low up to its rounding counts: float32 products) in ``r`` dimensions, ``O(rK + r²)`` per
-    addition; the Gramian ``O(K² P)`` besides.
+    addition; groups of parallel rows collapsed (``O(K²)`` to find them, ``O(K³)`` to check
+    the answers); the Gramian ``O(K² P)`` besides.
 
     Args:
         num_tasks: K (optional).
