@@ -9,7 +9,7 @@ from collections.abc import Collection, Iterator, Sequence
 from torch import Tensor
 from torch.autograd.graph import Node
 
-__all__ = ["edges", "leaf_uses", "reaches", "tensor_hooked", "uses_below"]
+__all__ = ["edges", "leaf_uses", "reaches", "tensor_hooked", "uses_and_nodes", "uses_below"]
 
 #: A node that only casts its one input (autocast shares one cast of a weight per region).
 _CAST = "ToCopyBackward0"
@@ -55,6 +55,12 @@ def uses_below(starts: Sequence[Node], stops: Collection[Node],
     """How many times the graph below ``starts``, cut at ``stops`` (e.g. the gradient edges
     of a module call's inputs: then the uses inside the call), uses each of ``leaves``, by
     ``id`` (through casts)."""
+    return uses_and_nodes(starts, stops, leaves)[0]
+
+
+def uses_and_nodes(starts: Sequence[Node], stops: Collection[Node],
+                   leaves: Sequence[Tensor]) -> tuple[dict[int, int], set[Node]]:
+    """:func:`uses_below`, and the nodes of that graph (one walk for both)."""
     counts = dict.fromkeys(map(id, leaves), 0)
     starts = [node for node in starts if node not in stops]  # an argument returned as is
     fan_in: Counter[Node] = Counter(starts)
@@ -69,7 +75,7 @@ def uses_below(starts: Sequence[Node], stops: Collection[Node],
     for parent, leaf in into_leaf:
         cast = type(parent).__name__ == _CAST and len(parent.next_functions) == 1
         counts[leaf] += fan_in[parent] if cast else 1
-    return counts
+    return counts, set(fan_in)
 
 
 def tensor_hooked(param: Tensor) -> bool:

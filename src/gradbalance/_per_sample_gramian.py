@@ -158,8 +158,8 @@ class PerSampleGramian:
         Gramian wrong: sample-mixing layers, wrong batch sizes, unrecorded uses."""
         try:
             refuse_mixing(self._roots)
-            self._record.check(losses, self.params, "only this step's forward recorded (call "
-                               "reset() after other forwards under grad)", "use batch_dim=None")
+            self._record.check(losses, self.params, "the losses must keep it too (no slice "
+                               "or reduction over the batch)", "use batch_dim=None")
         except (ValueError, RuntimeError):
             self.clear()
             raise

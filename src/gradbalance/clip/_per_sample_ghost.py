@@ -187,13 +187,14 @@ class GhostNorms:
         batch = columns.shape[0]
         try:  # a refused step drops its records
             self._record.check(
-                columns, self._bounded, "every forward under grad since the last norms() is "
-                "recorded (call clear() after other forwards)", "bound the parameter with "
+                columns, self._bounded, "the losses must keep it too (no slice or reduction over "
+                "the batch)", "bound the parameter with "
                 "per_sample_grad_norms_of_model (torch.func) or per_sample_grad_norms, or "
                 "pass params= without it")
         except (ValueError, RuntimeError):
             self.clear()
             raise
+        layers = [layer for layer in layers if layer.outputs]  # off the losses' graph: 0
         self._check_unmixed(columns, layers, scale)
         inputs = [torch.cat([layer.rows(t, batch) for t in layer.inputs], 1)
                   for layer in layers]  # once for all K tasks

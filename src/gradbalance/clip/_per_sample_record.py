@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import Node, get_gradient_edge
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves
 
-from .._graph import leaf_uses, tensor_hooked, uses_below
+from .._graph import tensor_hooked, uses_and_nodes, uses_below
 from ._per_sample_layers import HookedLayer
 
 __all__ = ["Fallback", "FallbackCall", "LayerRecorder"]
@@ -179,9 +179,31 @@ class LayerRecorder:
                     f"dim 0 of a tensor argument: wrap it, or leave its parameters out of "
                     f"shared_params"
                 )
+        starts = [losses.grad_fn] if losses.grad_fn is not None else []
+        uses, nodes = uses_and_nodes(starts, (), params)
+        self._drop_unreached(nodes)
         self._check_batch(losses.shape[0], fix_batch)
         self._check_unchanged(fix)
-        self._check_uses(losses, params, fix)
+        self._check_uses(uses, params, fix)
+
+    def _drop_unreached(self, nodes: set[Node]) -> None:
+        """Drop the recorded calls whose outputs are not on the losses' graph (``nodes``):
+        a forward abandoned before its backward, or one under grad for another purpose,
+        gives these losses nothing, as with plain ``backward``."""
+        for layer in self.layers:
+            kept = [i for i, y in enumerate(layer.outputs) if y.grad_fn in nodes]
+            if len(kept) < len(layer.outputs):
+                layer.inputs[:] = [layer.inputs[i] for i in kept]
+                layer.outputs[:] = [layer.outputs[i] for i in kept]
+        for fallback in self.fallbacks:
+            calls, outputs, at = [], [], 0
+            for call in fallback.inputs:
+                mine = fallback.outputs[at: at + len(call.carried)]
+                at += len(call.carried)
+                if any(y.grad_fn in nodes for y in mine):
+                    calls.append(call)
+                    outputs += mine
+            fallback.inputs[:], fallback.outputs[:] = calls, outputs
 
     def _check_batch(self, batch: int, fix: str) -> None:
         for record in self.records():
@@ -206,8 +228,7 @@ class LayerRecorder:
                         f"nn.ReLU(inplace=False)), or {fix}"
                     )
 
-    def _check_uses(self, losses: Tensor, params: list[Tensor], fix: str) -> None:
-        uses = leaf_uses(losses, params)
+    def _check_uses(self, uses: dict[int, int], params: list[Tensor], fix: str) -> None:
         self.reached = {id(p) for p in params if uses[id(p)] > 0}
         inside: dict[int, int] = {}  # the uses inside the fallback modules' recorded calls
         for fallback in self.fallbacks:

@@ -90,11 +90,14 @@ def test_wrong_loss_shapes_name_the_expected_shape() -> None:
 
 
 def test_batch_mismatch_is_refused() -> None:
+    """A layer on the losses' graph whose input has another batch than the losses; a stray
+    forward under grad, off that graph, is no mismatch (docs/per_sample.md)."""
     model = nn.Linear(3, 1)
     buf = _setup(model)
-    model(torch.randn(5, 3))  # a stray forward under grad
-    losses = model(torch.randn(4, 3))[:, 0]
-    with pytest.raises(ValueError, match=r"recorded inputs of shapes.*4 samples.*reset"):
+    model(torch.randn(5, 3))  # a stray forward under grad: dropped, not refused
+    losses = model(torch.randn(5, 3))[:4, 0]
+    with pytest.raises(ValueError, match=r"recorded inputs of shapes \[\(5, 3\)\] but the losses "
+                                         r"have 4 samples.*no slice"):
         buf.backward(losses)
     assert _unchanged(model)
     buf.backward(model(torch.randn(4, 3))[:, 0])  # the records were dropped
