@@ -16,7 +16,7 @@ where its equation has no solution, warns and solves it with a ridge (or raises
   ``c`` must lie in the range of ``Q`` — true for every use here.
 * :func:`project_simplex` — Euclidean projection onto the simplex (MoDo, MoCo, SDMGrad).
 * :func:`min_norm_simplex` — MGDA's min-norm point of the convex hull of the rows (closed
-  form for ``K = 2``).
+  form for ``K = 2``; on the cosine matrix where the norms spread, :func:`min_norm_cosine`).
 * :func:`project_dual_cone` — UPGrad/DualProj: ``min vᵀGv`` s.t. ``v ≥ u``, whose solution
   ``Jᵀv`` is the projection of ``Jᵀu`` onto the dual cone ``{x : Jx ≥ 0}`` (batched; closed
   form for ``K = 2``).
