@@ -720,36 +720,40 @@ def rounding_cut(lam: Tensor, n: int, rounding: float) -> float:
     return max(RANK_RTOL_PER_ROW * n * high, rounding * max(-low, 0.0))
 
 
-def singular_factor(q: Tensor) -> Tensor | None:
-    """:func:`psd_factor` of ``Q`` where its Cholesky factorisation fails (``Q`` not positive
-    definite to rounding: the factor's least squares is the path then), else None (pivoting
-    decides, after its own eigenvalue check). One ``K³/3`` factorisation decides instead of
-    the eigenvalues, so a singular ``Q`` costs one eigen-decomposition, not two."""
+def singular_factor(q: Tensor, rounding: float = 0.0) -> Tensor | None:
+    """:func:`psd_factor` of ``Q`` (with its ``rounding`` cut) where its Cholesky
+    factorisation fails (``Q`` not positive definite to rounding: the factor's least squares
+    is the path then), else None (pivoting decides, after its own eigenvalue check). One
+    ``K³/3`` factorisation decides instead of the eigenvalues, so a singular ``Q`` costs one
+    eigen-decomposition, not two."""
     if int(torch.linalg.cholesky_ex(q.to(torch.float64)).info) == 0:
         return None
-    return psd_factor(q)
+    return psd_factor(q, rounding)
 
 
-def min_norm_ls(points: Tensor, start: Tensor | None, tol: float) -> Tensor:
-    """``argmin_{w ∈ Δ} ‖P w‖`` for the points ``P`` ``[r, K]``: the least-distance program.
+def min_norm_ls(points: Tensor, start: Tensor | None, tol: float,
+                weights: Tensor | None = None) -> Tensor:
+    """``argmin ‖P w‖`` over ``w ≥ 0``, ``aᵀw = 1`` for the points ``P`` ``[r, K]`` and
+    positive ``weights`` ``a`` (default ones: the simplex): the least-distance program.
 
-    Lawson & Hanson (1974, Ch. 23): ``u = argmin_{u ≥ 0} ‖[P; 1ᵀ] u − e_{r+1}‖`` has
-    ``u = w*/(1 + ‖Pw*‖²)`` (for ``u = t w``, ``w ∈ Δ``, the value ``t²m + (t − 1)²`` is
+    Lawson & Hanson (1974, Ch. 23): ``u = argmin_{u ≥ 0} ‖[P; aᵀ] u − e_{r+1}‖`` has
+    ``u = w*/(1 + ‖Pw*‖²)`` (for ``u = t w``, ``aᵀw = 1``, the value ``t²m + (t − 1)²`` is
     smallest at ``t = 1/(1 + m)``, where it is ``m/(1 + m)``, increasing in ``m = ‖Pw‖²``);
-    so ``w* = u/Σu``. The points are first scaled to a largest norm of 1. The NNLS dual
-    ``wⱼ = t(‖Pw‖² − pⱼᵀPw)`` is MGDA's KKT condition.
+    so ``w* = u/aᵀu``. The points are first scaled to a largest norm of 1. The NNLS dual
+    ``wⱼ = t(aⱼ‖Pw‖² − pⱼᵀPw)`` is MGDA's KKT condition.
     """
     r, k = points.shape
+    a = torch.ones(k, dtype=points.dtype) if weights is None else weights
     scale = float(points.norm(dim=0).max()) if r else 0.0
     if scale == 0.0:  # every point is the origin: every w is optimal
-        return start.clone() if start is not None else torch.full((k,), 1.0 / k,
+        return start.clone() if start is not None else torch.full((k,), 1.0 / float(a.sum()),
                                                                    dtype=points.dtype)
-    a = torch.cat([points / scale, torch.ones(1, k, dtype=points.dtype)])
+    m = torch.cat([points / scale, a[None]])
     b = torch.zeros(r + 1, dtype=points.dtype)
     b[-1] = 1.0
     guess = None if start is None else (start > 0).tolist()
-    u = nnls(a, b, guess, tol).x
-    return u / u.sum()
+    u = nnls(m, b, guess, tol).x
+    return u / (u.sum() if weights is None else a @ u)
 
 
 def factored_box_qp(factor: Tensor, c: Tensor, lower: Tensor, simplex: bool,

@@ -15,7 +15,8 @@ from torch import Tensor
 
 from .._checks import check_range
 from ._base import Balancer
-from ._boxqp import is_well_conditioned, ldp, psd_factor
+from ._boxqp import INTERIOR_MIN_COLUMNS, is_well_conditioned, ldp, psd_factor
+from ._low_rank import ROUNDING_MULTIPLE
 from ._solvers import solve_box_qp
 
 __all__ = ["PCD", "pcd_weights"]
@@ -102,7 +103,13 @@ def _ldp_weights(gramian: Tensor, taus: Tensor) -> Tensor:
     of the Gramian over its largest diagonal, which leaves ``μ`` unchanged) and
     ``x = d − f₁``, the problem is ``min ½‖x‖²`` s.t. ``fⱼᵀx ≥ bⱼ``: the optimal ``d`` lies in
     the span of the rows, so the factor loses nothing, and ``x = Σⱼ μⱼ fⱼ``
-    (:func:`~gradbalance.balancers._boxqp.ldp`).
+    (:func:`~gradbalance.balancers._boxqp.ldp`). From ``INTERIOR_MIN_COLUMNS`` tasks on the
+    factor is cut at ``ROUNDING_MULTIPLE`` times the cosine matrix's most negative eigenvalue
+    (:func:`~gradbalance.balancers._boxqp.rounding_cut`): the rounding a float32 Gramian
+    carries leaves it about ``K/2`` positive rounding-level eigenvalues, each a dimension more
+    for the least-distance program's interior point (``O(K³)`` per Newton step on a factor of
+    full rank); the answer is that of a Gramian within ``1 + ROUNDING_MULTIPLE`` times the
+    given one's distance from the rows' exact Gramian.
     """
     gram = gramian.to(torch.float64)
     top = float(torch.diagonal(gram).max())
@@ -110,7 +117,8 @@ def _ldp_weights(gramian: Tensor, taus: Tensor) -> Tensor:
         return torch.zeros(gram.shape[0] - 1, dtype=torch.float64)
     gram = gram / top
     b = taus.to(torch.float64) * torch.diagonal(gram)[1:] - gram[1:, 0]
-    mu = ldp(psd_factor(gram)[1:], b)
+    rounding = ROUNDING_MULTIPLE if gram.shape[0] >= INTERIOR_MIN_COLUMNS else 0.0
+    mu = ldp(psd_factor(gram, rounding)[1:], b)
     return torch.zeros_like(b) if mu is None else mu
 
 

@@ -16,7 +16,7 @@ where its equation has no solution, warns and solves it with a ridge (or raises
   ``c`` must lie in the range of ``Q`` — true for every use here.
 * :func:`project_simplex` — Euclidean projection onto the simplex (MoDo, MoCo, SDMGrad).
 * :func:`min_norm_simplex` — MGDA's min-norm point of the convex hull of the rows (closed
-  form for ``K = 2``).
+  form for ``K = 2``; on the cosine matrix where the norms spread, :func:`min_norm_cosine`).
 * :func:`project_dual_cone` — UPGrad/DualProj: ``min vᵀGv`` s.t. ``v ≥ u``, whose solution
   ``Jᵀv`` is the projection of ``Jᵀu`` onto the dual cone ``{x : Jx ≥ 0}`` (batched; closed
   form for ``K = 2``).
@@ -45,13 +45,18 @@ from torch import Tensor
 
 from ._boxqp import (
     CHOLESKY_MAX_COND,
+    INTERIOR_MIN_COLUMNS,
+    certified_inverse,
+    eigen_factor,
     factored_box_qp,
     is_well_conditioned,
+    min_norm_ls,
     psd_factor,
     singular_factor,
     solve_box_qp_batched,
 )
 from ._cone import scaled_projection
+from ._low_rank import ROUNDING_MULTIPLE
 
 __all__ = ["SolverError"]
 
@@ -73,6 +78,11 @@ NASH_RIDGE = 1e-6
 #: The ridge's equation is solved to this residual: its weights reach ``1/√ε`` times the
 #: solution's scale, and ``αᵢ (Gα)ᵢ`` carries a rounding of about ``K eps / ε`` there.
 NASH_RIDGE_TOL = 1e-6
+#: Largest ratio of the Gramian's diagonal entries for which MGDA's simplex QP is solved on
+#: ``G`` as given (:func:`min_norm_simplex`); above it, on the cosine matrix
+#: (:func:`min_norm_cosine`) where that is well conditioned. The ratio bounds ``G``'s
+#: condition number from below; the cosine matrix has that of the directions alone.
+MIN_NORM_PLAIN_RATIO = 1e3
 
 
 class SolverError(RuntimeError):
@@ -155,18 +165,81 @@ def min_norm_simplex(gram: Tensor, tol: float = QP_TOL) -> Tensor:
 
     ``gram`` should be trace-normalised. Optimality (KKT): ``(G w)ₖ = wᵀGw`` where ``wₖ > 0``
     and ``(G w)ₖ ≥ wᵀGw`` elsewhere, to ``tol``. For ``K = 2`` the closed form of Sener &
-    Koltun (2018, Alg. 1): ``w₁ = clip((G₂₂ − G₁₂) / (G₁₁ − 2G₁₂ + G₂₂), 0, 1)``. A Gramian
-    whose Cholesky factorisation fails goes straight to least squares on its factor
-    (:func:`~._boxqp.singular_factor`: one eigen-decomposition, not the pivoting's check too).
+    Koltun (2018, Alg. 1): ``w₁ = clip((G₂₂ − G₁₂) / (G₁₁ − 2G₁₂ + G₂₂), 0, 1)``. A diagonal
+    spanning more than ``MIN_NORM_PLAIN_RATIO`` (no zero row) is solved on the cosine
+    matrix (:func:`min_norm_cosine`). Otherwise a Gramian whose Cholesky factorisation fails
+    goes straight to least squares on its factor (:func:`~._boxqp.singular_factor`: one
+    eigen-decomposition, not the pivoting's check too). From ``INTERIOR_MIN_COLUMNS`` tasks
+    on, where that least squares goes to the interior point (whose Newton steps cost
+    ``O(K³)`` each on a factor of full rank), the factor is cut at ``ROUNDING_MULTIPLE``
+    times the most negative eigenvalue of the cosine matrix (:func:`~._boxqp.rounding_cut`:
+    the rounding a float32 Gramian carries, about ``K/2`` positive eigenvalues of it
+    dropped; the answer is that of a Gramian within ``1 + ROUNDING_MULTIPLE`` times the
+    given one's distance from the rows' exact Gramian).
     """
     k = gram.shape[0]
     if k == 2:
         return min_norm_two(gram)
+    rounding = ROUNDING_MULTIPLE if k >= INTERIOR_MIN_COLUMNS else 0.0
+    scaled = min_norm_cosine(gram, tol, rounding)
+    if scaled is not None:
+        return scaled
     zeros = torch.zeros(k, dtype=torch.float64)
-    factor = singular_factor(gram)
+    factor = singular_factor(gram, rounding)
     if factor is None:
         return solve_box_qp(gram, zeros, zeros, simplex=True, tol=tol)
     return factored_box_qp(factor, zeros, zeros, True, None, tol)
+
+
+def min_norm_cosine(gram: Tensor, tol: float = QP_TOL, rounding: float = 0.0) -> Tensor | None:
+    """MGDA's ``argmin_{w ∈ Δ} wᵀGw`` on the cosine matrix ``C = D⁻¹GD⁻¹``
+    (``D = diag(G)^{1/2}``), where the diagonal of ``G`` spans more than
+    ``MIN_NORM_PLAIN_RATIO`` and no row is zero; None elsewhere.
+
+    With ``u = Dw`` the problem is ``min uᵀCu`` over ``u ≥ 0``, ``aᵀu = 1``, ``aᵢ = 1/dᵢ``
+    (scaled to a largest entry of 1): ``C`` has a unit diagonal and the conditioning of the
+    directions alone whatever the norms (van der Sluis 1969), where ``G``'s tolerances and
+    factor would be set by its largest rows. Where ``C`` is certified positive definite
+    with condition number below ``CHOLESKY_MAX_COND`` (:func:`~._boxqp.certified_inverse`)
+    its dual box QP (:func:`_min_norm_dual`), else least squares on the eigen-factor of
+    ``C`` (cut at ``rounding`` times its most negative eigenvalue, :func:`~._boxqp.rounding_cut`)
+    by :func:`~._boxqp.min_norm_ls` with the weights ``a``; ``w = (u/d)/Σ(u/d)``.
+    ``O(K³)``: one Cholesky factorisation and inverse of ``C`` and the pivoting's, or one
+    eigen-decomposition and Lawson–Hanson.
+    """
+    diag = torch.diagonal(gram)
+    low, high = torch.stack(diag.aminmax()).tolist()  # one host sync
+    if not (low > 0.0 and high > MIN_NORM_PLAIN_RATIO * low):
+        return None
+    k = gram.shape[0]
+    d = diag.sqrt()
+    cos = gram / torch.outer(d, d)
+    cos = 0.5 * (cos + cos.T) / k  # trace 1: normalised as the solvers expect
+    a = d.min() / d
+    if certified_inverse(cos) is not None:
+        u = _min_norm_dual(cos, a, tol)
+    else:
+        u = min_norm_ls(eigen_factor(cos, rounding)[0].T, None, tol, a)
+    lam = u / d
+    return lam / lam.sum()
+
+
+def _min_norm_dual(cos: Tensor, a: Tensor, tol: float) -> Tensor:
+    """``argmin uᵀCu`` over ``u ≥ 0``, ``aᵀu = 1`` (up to a positive factor) for a positive
+    definite ``C`` (trace-normalised) by its dual box QP.
+
+    Independent rows leave ``0`` outside their hull, and the min-norm point is
+    ``x* = z/‖z‖²`` for the least-distance point ``z = argmin ‖z‖`` s.t. ``gᵢᵀz ≥ 1``
+    (Lawson & Hanson 1974, Ch. 23: ``g_wᵀz ≥ 1`` on the hull, so ``‖g_w‖ ≥ 1/‖z‖``). Its
+    dual is ``min_{λ ≥ 0} ½ λᵀGλ − 1ᵀλ`` with ``z = Σ λᵢgᵢ``; ``s = Dλ`` makes it the box
+    QP ``min_{s ≥ 0} ½ sᵀCs − aᵀs`` on the well-conditioned ``C``: block principal
+    pivoting (:func:`solve_box_qp`, what it leaves open by least squares on a factor of
+    ``C``). Complementarity ``λᵢ(gᵢᵀz − 1) = 0`` gives ``Σλ = ‖z‖²``, so ``λ/Σλ`` is the
+    minimiser ``w`` and ``s ∝ Dw = u``.
+    """
+    k = cos.shape[0]
+    zeros = torch.zeros(k, dtype=torch.float64)
+    return solve_box_qp(cos, -a / k, zeros, tol=tol, well_conditioned=True)
 
 
 def min_norm_two(gram: Tensor) -> Tensor:

@@ -1,0 +1,82 @@
+"""PCD on a singular secondary Gramian from 64 tasks on (the least-distance program on the
+factor cut at the rounding, docs/balancers.md "Solvers"): against scipy's NNLS of the same
+program on the rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor
+
+from gradbalance.functional import pcd_weights
+from gradbalance.gramian import compute_gramian
+
+F64 = torch.float64
+TAU = 0.02
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    """K ≤ 66: one thread is faster, and not slowed by a busy machine (conftest restores)."""
+    torch.set_num_threads(1)
+
+
+def _span(k: int, rank: int, seed: int) -> Tensor:
+    """``[K, 2K + 3]`` float64 unit rows in a random span of ``rank``."""
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(k, rank, generator=gen, dtype=F64) @ torch.randn(rank, 2 * k + 3,
+                                                                     generator=gen, dtype=F64)
+    return g / g.norm(dim=1, keepdim=True)
+
+
+def _scipy_pcd(g: Tensor) -> Tensor:
+    """``d = argmin ½‖d − g₁‖²`` s.t. ``gⱼᵀd ≥ τ‖gⱼ‖²`` on the rows, by scipy's NNLS of the
+    least-distance program in ``x = d − g₁`` (Lawson & Hanson 1974, Ch. 23); ``g₁`` where it
+    is infeasible (the residual vanishes, as :func:`~gradbalance.balancers._boxqp.ldp`
+    decides: below ``√eps``)."""
+    from scipy.optimize import nnls
+
+    rest = g[1:]
+    h = TAU * (rest * rest).sum(dim=1) - rest @ g[0]
+    e = torch.cat([rest.T, h[None]]).numpy()
+    f = np.zeros(e.shape[0])
+    f[-1] = 1.0
+    u, _ = nnls(e, f, maxiter=100 * e.shape[1])
+    rho = e @ u - f
+    if float(np.linalg.norm(rho)) < torch.finfo(F64).eps ** 0.5:
+        return g[0]
+    return g[0] + torch.from_numpy(-rho[:-1] / rho[-1])
+
+
+def _assert_same_direction(d: Tensor, ref: Tensor) -> None:
+    assert float(d @ ref) / float(d.norm() * ref.norm()) >= 0.999999
+    assert abs(float(d.norm() - ref.norm())) <= 1e-6 * float(ref.norm())
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(64, 66), st.integers(1, 63), st.integers(0, 2**16))
+def test_singular_secondary_gramian_is_scipys(k: int, rank: int, seed: int) -> None:
+    """float64 unit rows in a span of rank below ``K − 1``: ``d = g₁ + Σ μⱼgⱼ`` is scipy's
+    (cosine ≥ 0.999999, norm within 1e-6), feasible or not."""
+    g = _span(k, rank, seed)
+    mult = pcd_weights(g @ g.T, torch.full((k - 1,), TAU, dtype=F64))
+    _assert_same_direction(mult @ g, _scipy_pcd(g))
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(64, 66), st.integers(1, 8), st.integers(0, 2**16))
+def test_rounded_gramian_of_a_low_span_keeps_the_primary(k: int, rank: int,
+                                                         seed: int) -> None:
+    """Rows in a span of rank at most 8 (``0`` in the hull of the secondary rows, as scipy
+    finds on the float64 rows) rounded to float32: no direction of the span meets every
+    constraint, so ``d = g₁``; the float32 Gramian's rounding-level eigenvalues are cut, not
+    taken for directions that meet them."""
+    rows = _span(k, rank, seed)
+    ref = _scipy_pcd(rows)
+    assert torch.equal(ref, rows[0])
+    mult = pcd_weights(compute_gramian(rows.to(torch.float32)).to(F64),
+                       torch.full((k - 1,), TAU, dtype=F64))
+    _assert_same_direction(mult @ rows, ref)
