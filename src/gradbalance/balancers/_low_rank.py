@@ -38,6 +38,7 @@ from torch import Tensor
 
 from ._active_set import SCHUR_RTOL_PER_ROW, _to_boundary
 from ._boxqp import eigen_factor
+from ._zero_cone import zero_cone_box
 
 #: Fewest tasks for which the low-rank route is tried (below, the dense solve is cheap).
 LOW_RANK_MIN_SIZE = 16
@@ -245,8 +246,26 @@ def low_rank_box(factor: Tensor, lower: Tensor, tol: float, max_additions: int,
                  dependent: float | None = None) -> tuple[Tensor, Tensor]:
     """``(v, done)`` ``[B, K]``, ``[B]``: ``argmin ½ vᵀLLᵀv`` s.t. ``v ≥ lowerᵦ`` where done
     (no multiplier above ``tol ‖Lᵀv‖ ‖Lⱼ‖``), ``lower`` elsewhere (open after
-    ``max_additions``). A column whose squared distance from the passive span is at most
-    ``dependent ‖Lⱼ‖²`` (default ``τ``) does not enter."""
+    ``max_additions``). Where the rows' conic hull is their span (every projection zero) the
+    problems by :func:`~._zero_cone.zero_cone_box`, ``O(BKr)``; the others, or all where it
+    finds no certificate, by Lawson–Hanson (:func:`lawson_hanson`)."""
+    zero = zero_cone_box(factor, lower, tol)
+    if zero is None:
+        return lawson_hanson(factor, lower, tol, max_additions, dependent)
+    v, done = zero
+    rest = ~done
+    if bool(rest.any()):
+        v[rest], done[rest] = lawson_hanson(factor, lower[rest], tol, max_additions, dependent)
+    return v, done
+
+
+def lawson_hanson(factor: Tensor, lower: Tensor, tol: float, max_additions: int,
+                 dependent: float | None = None) -> tuple[Tensor, Tensor]:
+    """``(v, done)`` ``[B, K]``, ``[B]``: ``argmin ½ vᵀLLᵀv`` s.t. ``v ≥ lowerᵦ`` where done
+    (no multiplier above ``tol ‖Lᵀv‖ ‖Lⱼ‖``), ``lower`` elsewhere (open after
+    ``max_additions``), by Lawson–Hanson in ``r`` dimensions (module docstring). A column
+    whose squared distance from the passive span is at most ``dependent ‖Lⱼ‖²`` (default
+    ``τ``) does not enter."""
     out, done = lower.clone(), torch.zeros(lower.shape[0], dtype=torch.bool)
     norms = factor.norm(dim=1)
     rel = SCHUR_RTOL_PER_ROW * lower.shape[1] if dependent is None else dependent
