@@ -44,17 +44,23 @@ def passes_stop(factor: Tensor, lower: Tensor, v: Tensor, tol: float) -> Tensor:
     return stop & (v >= lower).all(dim=1) & torch.isfinite(v).all(dim=1)
 
 
-def interior_null(basis: Tensor, rounds: int = NULL_ROUNDS) -> Tensor | None:
-    """``c`` ``[K]`` with ``c ≥ 1`` and ``Lᵀc = 0`` up to rounding, ``basis`` ``[K, r]`` an
-    orthonormal basis of ``L``'s range: alternating projections (von Neumann 1950) between
-    ``L``'s null space and ``{c ≥ 1}`` from ``1``, each ``O(Kr)``, until the projection on
-    the null space is positive (then scaled to a least entry of 1); None after ``rounds``."""
-    y = basis.new_ones(basis.shape[0])
+def interior_null(factor: Tensor, rounds: int = NULL_ROUNDS) -> Tensor | None:
+    """``c`` ``[K]`` with ``c ≥ 1`` and ``Lᵀc = 0`` up to rounding, or None: alternating
+    projections (von Neumann 1950) between ``{c ≥ 1}`` and the null space of ``Uᵀ``
+    (``U = D⁻¹L`` the unit rows, zero rows left out), from ``1``, each ``O(Kr)``, until the
+    projection on the null space is positive; ``c = D⁻¹c'`` scaled to a least entry of 1.
+    A heuristic (None after ``rounds``): the certificate is what :func:`passes_stop`
+    checks."""
+    norms = factor.norm(dim=1)
+    live = torch.nonzero(norms > 0.0).flatten()
+    basis = torch.linalg.qr(factor[live] / norms[live, None])[0]
+    y = basis.new_ones(live.numel())
     for _ in range(rounds):
         c = y - basis @ (basis.T @ y)
-        low = float(c.min())  # one host sync per round
-        if low > 0.0:
-            return c / low
+        if float(c.min()) > 0.0:  # one host sync per round
+            out = factor.new_ones(factor.shape[0])
+            out[live] = c / norms[live]
+            return out / out.min()
         y = c.clamp_min(1.0)
     return None
 
@@ -63,10 +69,10 @@ def zero_cone_box(factor: Tensor, lower: Tensor, tol: float) -> tuple[Tensor, Te
     """``(v, done)`` ``[B, K]``, ``[B]``: ``v = lower + δ + t c`` (module docstring) where it
     passes :func:`passes_stop`, ``lower`` elsewhere; None where :func:`interior_null` finds
     no ``c``. ``O(BKr + Kr²)``."""
-    basis, tri = torch.linalg.qr(factor)
-    c = interior_null(basis)
+    c = interior_null(factor)
     if c is None:
         return None
+    basis, tri = torch.linalg.qr(factor)
     a = lower @ factor
     coef = torch.linalg.solve_triangular(tri.mT, a.T, upper=False)
     delta = -(basis @ coef).T
