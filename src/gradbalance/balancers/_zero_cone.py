@@ -16,9 +16,8 @@ dimensions, :func:`~._low_rank.low_rank_box`). Then, for all ``B`` problems in t
 tensor operations, ``δ = −L(LᵀL)⁻¹a`` (``Lᵀδ = −a``, from the QR factorisation of ``L``),
 ``t = maxⱼ (−δⱼ/cⱼ)⁺`` and ``v = lower + δ + t c ≥ lower``: ``O(BKr)`` in all, against the
 ``r`` additions of a batched Lawson–Hanson. An answer is kept only where ``x = Lᵀv``
-passes the stop of :func:`~._low_rank.low_rank_box` itself (no multiplier ``−Lⱼx`` above
-``max(tol ‖x‖, 8τ(‖a‖ + ‖x‖)) ‖Lⱼ‖`` on any index, ``τ = SCHUR_RTOL_PER_ROW · K``); the
-others stay open for Lawson–Hanson.
+passes the stop of :func:`~._low_rank.low_rank_box` itself, complementarity included
+(:func:`passes_stop`); the others stay open for Lawson–Hanson.
 """
 
 from __future__ import annotations
@@ -30,18 +29,26 @@ from ._active_set import SCHUR_RTOL_PER_ROW
 
 #: Most alternating projections :func:`interior_null` makes before giving up.
 NULL_ROUNDS = 32
+#: Least entry, relative to the largest, of a null vector taken as positive (above the
+#: rounding of its projection).
+NULL_MARGIN = 1e-8
 
 
 def passes_stop(factor: Tensor, lower: Tensor, v: Tensor, tol: float) -> Tensor:
-    """``[B]``: ``v ≥ lower`` and no multiplier ``wⱼ = −Lⱼ·x`` (``x = Lᵀv``) above
-    ``max(tol ‖x‖, 8τ(‖Lᵀlower‖ + ‖x‖)) ‖Lⱼ‖`` on any index (False where not finite)."""
+    """``[B]``: the KKT conditions of :func:`~._low_rank.low_rank_box`'s stop at ``v``:
+    ``v ≥ lower``, no multiplier ``wⱼ = −Lⱼ·x`` (``x = Lᵀv``) above ``max(tol ‖x‖, ν) ‖Lⱼ‖``
+    and ``|wⱼ| ≤ ν ‖Lⱼ‖`` wherever ``vⱼ > lowerⱼ`` (complementarity to the rounding ``ν =
+    8τ(‖Lᵀlower‖ + ‖x‖)``); False where not finite."""
     x = v @ factor
     size = x.norm(dim=1, keepdim=True)
     anorm = (lower @ factor).norm(dim=1, keepdim=True)
-    noise = 8 * SCHUR_RTOL_PER_ROW * lower.shape[1] * (anorm + size)
-    limit = torch.maximum(tol * size, noise) * factor.norm(dim=1)
-    stop: Tensor = (-(x @ factor.T) <= limit).all(dim=1)
-    return stop & (v >= lower).all(dim=1) & torch.isfinite(v).all(dim=1)
+    norms = factor.norm(dim=1)
+    noise = 8 * SCHUR_RTOL_PER_ROW * lower.shape[1] * (anorm + size) * norms
+    w = -(x @ factor.T)
+    feasible = w <= torch.maximum(tol * size * norms, noise)
+    complementary = (w.abs() <= noise) | (v <= lower)
+    stop: Tensor = (feasible & complementary & (v >= lower)).all(dim=1)
+    return stop & torch.isfinite(v).all(dim=1)
 
 
 def interior_null(factor: Tensor, rounds: int = NULL_ROUNDS) -> Tensor | None:
@@ -57,7 +64,8 @@ def interior_null(factor: Tensor, rounds: int = NULL_ROUNDS) -> Tensor | None:
     y = basis.new_ones(live.numel())
     for _ in range(rounds):
         c = y - basis @ (basis.T @ y)
-        if float(c.min()) > 0.0:  # one host sync per round
+        low, high = torch.stack(c.aminmax()).tolist()  # one host sync per round
+        if low > NULL_MARGIN * high:
             out = factor.new_ones(factor.shape[0])
             out[live] = c / norms[live]
             return out / out.min()

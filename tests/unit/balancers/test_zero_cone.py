@@ -152,3 +152,14 @@ def test_routed_spanning_rows_match_scipy(k: int, r: int, seed: int) -> None:
     for i in range(u.shape[0]):
         assert_same_update(v[i] @ g, nnls_dual_cone(unit, u[i]) * trace.sqrt(), g)
         assert bool((v[i] >= u[i] * (1 - 1e-12)).all())
+
+
+def test_equal_rows_are_not_certified() -> None:
+    """``K`` equal rows of rank 1 (a half-line cone): the null space's projection of ``1`` is
+    rounding, no positive null vector is claimed and no problem is certified."""
+    factor = torch.full((40, 1), 0.1581, dtype=F64)
+    found = _zero_cone.zero_cone_box(factor, _bounds(40, 0), 1e-12)
+    assert found is None or not bool(found[1].any())
+    rows, done = _low_rank.low_rank_box(factor, _bounds(40, 0), 1e-12, 13)
+    assert bool(done.all())
+    assert float((rows @ factor).norm()) > 0.0
