@@ -51,6 +51,14 @@ LOW_RANK_MIN_SIZE = 16
 LOW_RANK_MAX_FRACTION = 0.25
 LOW_RANK_WIDE_SIZE = 128
 LOW_RANK_MAX_WORK = 2**20
+#: Most tasks for which one problem (DualProj's) tries the zero dual cone's certificate
+#: (:mod:`~._zero_cone`): above, the eigen-factor of a rounded ``Q`` costs more than its dense
+#: solve on these rows (benchmarks/results/many_tasks_cpu.md).
+ONE_PROBLEM_MAX_SIZE = 512
+#: From this many pivots on (at each power of two) the pivots stop where the pace of the
+#: residual trace's fall would leave it positive at ``REACH_MARGIN`` times the largest rank.
+REACH_FROM = 16
+REACH_MARGIN = 2
 #: Residual diagonal, relative to ``Qᵢᵢ``, below which the pivots stop and the rank is
 #: read from the eigenvalues (a low rank rounded above ``τ``).
 ROUNDED_GATE = 1e-4
@@ -59,23 +67,37 @@ ROUNDED_GATE = 1e-4
 ROUNDING_MULTIPLE = 2.0
 
 
+def _out_of_reach(mass: dict[int, float], r: int, max_rank: int) -> bool:
+    """Whether the residual trace after ``r`` pivots (``r`` a power of two from
+    ``REACH_FROM``), falling at the pace of the last ``r/2`` pivots, would still be positive
+    at ``REACH_MARGIN · max_rank`` pivots: the rank is then taken as out of reach (a cost
+    decision only; greedy pivots take the largest residuals first, so the pace only slows)."""
+    if r < REACH_FROM or r & (r - 1) or REACH_MARGIN * max_rank <= r:
+        return False
+    fall = mass[r // 2] - mass[r]
+    return fall * (REACH_MARGIN * max_rank - r) < mass[r] * (r // 2)
+
+
 def _pivots(q: Tensor, max_rank: int, gate: float) -> tuple[Tensor, bool] | None:
     """``(L, exact)``: the pivoted Cholesky factor stopped at ``τ`` (``exact``) or, first,
-    where every residual diagonal entry is at most ``gate Qᵢᵢ``; None past ``max_rank``."""
+    where every residual diagonal entry is at most ``gate Qᵢᵢ``; None past ``max_rank`` or
+    once the rank looks out of its reach (:func:`_out_of_reach`)."""
     k = q.shape[0]
     resid = torch.diagonal(q).clamp_min(0.0).clone()
     cut, loose = SCHUR_RTOL_PER_ROW * k * resid, gate * resid
     factor = q.new_zeros(k, max_rank)
+    mass: dict[int, float] = {}
     for r in range(max_rank + 1):
         pick = resid.argmax()
-        flags = torch.stack([resid[pick], (resid > cut).any(), (resid > loose).any(), pick])
-        top, above_cut, above_gate, jf = flags.tolist()  # one host sync per pivot
+        flags = torch.stack([resid[pick], (resid > cut).any(), (resid > loose).any(), pick,
+                             resid.sum()])
+        top, above_cut, above_gate, jf, mass[r] = flags.tolist()  # one host sync per pivot
         j = int(jf)
         if top <= 0.0 or not above_cut:
             return factor[:, :r], True
         if not above_gate:
             return factor[:, :r], False
-        if r == max_rank:
+        if r == max_rank or _out_of_reach(mass, r, max_rank):
             return None
         col = (q[:, j] - factor[:, :r] @ factor[j, :r]) / math.sqrt(top)
         col[resid <= 0.0] = 0.0
@@ -286,18 +308,23 @@ def lawson_hanson(factor: Tensor, lower: Tensor, tol: float, max_additions: int,
 
 
 def low_rank_projection(q: Tensor, lower: Tensor, tol: float) -> tuple[Tensor, Tensor] | None:
-    """``(v, done)``: the box QPs of ``lower`` ``[B, K]`` on ``q`` by :func:`low_rank_box`
-    for two or more problems (UPGrad's, not DualProj's one) when ``K ≥ LOW_RANK_MIN_SIZE``
-    and ``q`` has a :func:`low_rank_factor` of rank at most ``K/4`` (``K/8`` below
-    ``LOW_RANK_WIDE_SIZE`` tasks) and ``√(LOW_RANK_MAX_WORK / K)``; else None (the caller's
-    dense solve)."""
+    """``(v, done)``: the box QPs of ``lower`` ``[B, K]`` on ``q`` when ``K ≥
+    LOW_RANK_MIN_SIZE`` and ``q`` has a :func:`low_rank_factor` of rank at most ``K/4``
+    (``K/8`` below ``LOW_RANK_WIDE_SIZE`` tasks): for two or more problems (UPGrad's) by
+    :func:`low_rank_box` up to rank ``√(LOW_RANK_MAX_WORK / K)``; above it, and for one
+    problem (DualProj's, up to ``ONE_PROBLEM_MAX_SIZE`` tasks), by the zero dual cone's
+    certificate alone (:func:`~._zero_cone.zero_cone_box`, ``O(BKr)``; the problems it
+    leaves open, or all where it finds none, not done); else None (the caller's dense
+    solve)."""
     k = q.shape[0]
-    if k < LOW_RANK_MIN_SIZE or lower.shape[0] < 2:  # one problem: the dense pivoting is cheaper
+    one = lower.shape[0] < 2
+    if k < LOW_RANK_MIN_SIZE or (one and k > ONE_PROBLEM_MAX_SIZE):
         return None
     fraction = LOW_RANK_MAX_FRACTION if k >= LOW_RANK_WIDE_SIZE else LOW_RANK_MAX_FRACTION / 2
-    max_rank = min(int(fraction * k), math.isqrt(LOW_RANK_MAX_WORK // k))
-    found = low_rank_factor(q, max_rank)
+    found = low_rank_factor(q, int(fraction * k))
     if found is None:
         return None
     factor, dependent = found
-    return low_rank_box(factor, lower, tol, 3 * factor.shape[1] + 10, dependent)
+    if not one and factor.shape[1] <= math.isqrt(LOW_RANK_MAX_WORK // k):
+        return low_rank_box(factor, lower, tol, 3 * factor.shape[1] + 10, dependent)
+    return zero_cone_box(factor, lower, tol)

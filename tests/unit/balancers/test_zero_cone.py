@@ -163,3 +163,29 @@ def test_equal_rows_are_not_certified() -> None:
     rows, done = _low_rank.low_rank_box(factor, _bounds(40, 0), 1e-12, 13)
     assert bool(done.all())
     assert float((rows @ factor).norm()) > 0.0
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(24, 64), st.integers(2, 8), st.integers(0, 2**16))
+def test_one_problem_on_spanning_rows_matches_scipy(k: int, r: int, seed: int) -> None:
+    """DualProj's one problem on rows whose conic hull is their span: certified in ``r``
+    dimensions, scipy's (zero) update and ``v ≥ p``."""
+    n = k - k // 8
+    r = max(2, min(r, n // 8))
+    g = _span_rows(k, r, seed)
+    p = _bounds(k, seed)[-1]
+    seen: list[bool] = []
+    box = _zero_cone.zero_cone_box
+
+    def spy(factor: Tensor, lower: Tensor, tol: float) -> tuple[Tensor, Tensor] | None:
+        out = box(factor, lower, tol)
+        seen.append(out is not None and bool(out[1].all()) and lower.shape[0] == 1)
+        return out
+
+    gram, trace = trace_normalized(g @ g.T)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_low_rank, "zero_cone_box", spy)
+        v = project_dual_cone(gram, p)
+    assert seen == [True]
+    assert_same_update(v @ g, nnls_dual_cone(g / trace.sqrt(), p) * trace.sqrt(), g)
+    assert bool((v >= p * (1 - 1e-12)).all())
