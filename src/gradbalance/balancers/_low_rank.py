@@ -52,8 +52,9 @@ LOW_RANK_MAX_FRACTION = 0.25
 LOW_RANK_WIDE_SIZE = 128
 LOW_RANK_MAX_WORK = 2**20
 #: Most tasks for which one problem (DualProj's) tries the zero dual cone's certificate
-#: (:mod:`~._zero_cone`): above, the eigen-factor of a rounded ``Q`` costs more than its dense
-#: solve on these rows (benchmarks/results/many_tasks_cpu.md).
+#: (:mod:`~._zero_cone`) at any rank: above, the eigen-factor of a rounded ``Q`` costs more
+#: than the dense solve of ranks up to ``√(LOW_RANK_MAX_WORK / K)``, so only higher ranks try
+#: it (benchmarks/results/many_tasks_cpu.md).
 ONE_PROBLEM_MAX_SIZE = 512
 #: From this many pivots on (at each power of two) the pivots stop where the pace of the
 #: residual trace's fall would leave it positive at ``REACH_MARGIN`` times the largest rank.
@@ -115,10 +116,12 @@ def pivoted_cholesky(q: Tensor, max_rank: int) -> Tensor | None:
     return None if pivoted is None else pivoted[0]
 
 
-def low_rank_factor(q: Tensor, max_rank: int) -> tuple[Tensor, float] | None:
+def low_rank_factor(q: Tensor, max_rank: int,
+                    min_rank: int = 0) -> tuple[Tensor, float] | None:
     """``(L, dependent)``, ``L`` ``[K, r]``, ``r ≤ max_rank``: the exact pivoted factor, else
     the eigen-factor cut at the rounding (module docstring) where the pivots pass
-    ``ROUNDED_GATE``; None when neither has rank ``max_rank`` or less. ``dependent``: the
+    ``ROUNDED_GATE``; None when neither has rank ``max_rank`` or less, or the pivots stop
+    below ``min_rank`` (before any eigen-decomposition). ``dependent``: the
     squared distance from a span, relative to ``‖Lⱼ‖²``, below which a column depends on it:
     ``τ``, or the eigenvalue cut-off (a unit row closer than the dropped rounding)."""
     k = q.shape[0]
@@ -126,6 +129,8 @@ def low_rank_factor(q: Tensor, max_rank: int) -> tuple[Tensor, float] | None:
     if pivoted is None:
         return None
     factor, exact = pivoted
+    if factor.shape[1] < min_rank:
+        return None
     dependent = SCHUR_RTOL_PER_ROW * k
     if not exact:
         factor, cut = eigen_factor(q, ROUNDING_MULTIPLE)
@@ -312,19 +317,22 @@ def low_rank_projection(q: Tensor, lower: Tensor, tol: float) -> tuple[Tensor, T
     LOW_RANK_MIN_SIZE`` and ``q`` has a :func:`low_rank_factor` of rank at most ``K/4``
     (``K/8`` below ``LOW_RANK_WIDE_SIZE`` tasks): for two or more problems (UPGrad's) by
     :func:`low_rank_box` up to rank ``√(LOW_RANK_MAX_WORK / K)``; above it, and for one
-    problem (DualProj's, up to ``ONE_PROBLEM_MAX_SIZE`` tasks), by the zero dual cone's
+    problem (DualProj's; above ``ONE_PROBLEM_MAX_SIZE`` tasks only above that rank, where
+    its dense solve grows past the eigen-factor), by the zero dual cone's
     certificate alone (:func:`~._zero_cone.zero_cone_box`, ``O(BKr)``; the problems it
     leaves open, or all where it finds none, not done); else None (the caller's dense
     solve)."""
     k = q.shape[0]
     one = lower.shape[0] < 2
-    if k < LOW_RANK_MIN_SIZE or (one and k > ONE_PROBLEM_MAX_SIZE):
+    if k < LOW_RANK_MIN_SIZE:
         return None
     fraction = LOW_RANK_MAX_FRACTION if k >= LOW_RANK_WIDE_SIZE else LOW_RANK_MAX_FRACTION / 2
-    found = low_rank_factor(q, int(fraction * k))
+    cap = math.isqrt(LOW_RANK_MAX_WORK // k)
+    least = cap + 1 if one and k > ONE_PROBLEM_MAX_SIZE else 0
+    found = low_rank_factor(q, int(fraction * k), least)
     if found is None:
         return None
     factor, dependent = found
-    if not one and factor.shape[1] <= math.isqrt(LOW_RANK_MAX_WORK // k):
+    if not one and factor.shape[1] <= cap:
         return low_rank_box(factor, lower, tol, 3 * factor.shape[1] + 10, dependent)
     return zero_cone_box(factor, lower, tol)
