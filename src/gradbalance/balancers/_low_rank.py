@@ -26,7 +26,9 @@ Squares Problems*, Ch. 23) for all problems in the same tensor operations: one c
 enters each open problem per iteration, its passive columns (at most ``r``, independent)
 are kept as a list of indices per problem, so a step costs ``O(rK + r³)`` per problem
 (the multipliers, one batched factorisation of the ``[m, m]`` passive blocks gathered from
-``L``), never ``O(K²)``. The weights need not be unique, the update ``Lᵀv`` is.
+``L``), never ``O(K²)``. The weights need not be unique, the update ``Lᵀv`` is. Before it,
+where the rows' conic hull is their span, every problem is certified in ``O(BKr)`` with a
+zero update (:mod:`~._zero_cone`).
 """
 
 from __future__ import annotations
@@ -43,8 +45,9 @@ from ._zero_cone import zero_cone_box
 #: Fewest tasks for which the low-rank route is tried (below, the dense solve is cheap).
 LOW_RANK_MIN_SIZE = 16
 #: Largest rank taken by the low-rank route: ``K/4`` (``K/8`` below ``LOW_RANK_WIDE_SIZE``
-#: tasks, where the pivots that look for it cost more next to the dense solve) and at most
-#: ``√(LOW_RANK_MAX_WORK / K)`` (``r = 64`` at ``K = 256``, ``32`` at ``1,024``). Measured at
+#: tasks, where the pivots that look for it cost more next to the dense solve); by
+#: Lawson–Hanson at most ``√(LOW_RANK_MAX_WORK / K)`` (``r = 64`` at ``K = 256``, ``32`` at
+#: ``1,024``), above it by the zero dual cone's certificate alone. Measured at
 #: ``K = 256``: rows of rank 48 / 64 0.34 / 0.7–1.5 s against 6 / 12–16 s dense; parallel
 #: per-sample blocks of rank 41–64, a third opposed, 1.7–2.3 s against 1.1–1.6 s (many
 #: removals): benchmarks/results/many_tasks_cpu.md.
