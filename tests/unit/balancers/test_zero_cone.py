@@ -189,3 +189,27 @@ def test_one_problem_on_spanning_rows_matches_scipy(k: int, r: int, seed: int) -
     assert seen == [True]
     assert_same_update(v @ g, nnls_dual_cone(g / trace.sqrt(), p) * trace.sqrt(), g)
     assert bool((v >= p * (1 - 1e-12)).all())
+
+
+def test_pivots_stop_early_only_out_of_reach() -> None:
+    """The pivots' early stop is a cost decision: the identity at K = 256 (rank 256, largest
+    rank 64) is given up at 16 pivots; rows of rank 60 (one row in ten scaled by ``1e3``)
+    and of rank 64 still reach their rank."""
+    calls: list[int] = []
+    reach = _low_rank._out_of_reach
+
+    def spy(mass: dict[int, float], r: int, max_rank: int) -> bool:
+        out = reach(mass, r, max_rank)
+        if out:
+            calls.append(r)
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_low_rank, "_out_of_reach", spy)
+        assert _low_rank.low_rank_factor(torch.eye(256, dtype=F64), 64) is None
+        assert calls == [16]
+        for rank in (60, 64):
+            g = _gaussian_factor(256, rank, rank) @ torch.randn(rank, 300, dtype=F64)
+            g[::10] *= 1e3
+            found = _low_rank.low_rank_factor(g @ g.T, 64)
+            assert found is not None and found[0].shape[1] == rank
