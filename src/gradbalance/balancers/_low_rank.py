@@ -34,13 +34,14 @@ zero update (:mod:`~._zero_cone`).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from ._active_set import SCHUR_RTOL_PER_ROW, _to_boundary
 from ._boxqp import eigen_factor
-from ._zero_cone import zero_cone_box
+from ._zero_cone import interior_null, zero_cone_box
 
 #: Fewest tasks for which the low-rank route is tried (below, the dense solve is cheap).
 LOW_RANK_MIN_SIZE = 16
@@ -119,12 +120,13 @@ def pivoted_cholesky(q: Tensor, max_rank: int) -> Tensor | None:
     return None if pivoted is None else pivoted[0]
 
 
-def low_rank_factor(q: Tensor, max_rank: int,
-                    min_rank: int = 0) -> tuple[Tensor, float] | None:
+def low_rank_factor(q: Tensor, max_rank: int, min_rank: int = 0,
+                    screen: Callable[[Tensor], bool] | None = None) -> tuple[Tensor, float] | None:
     """``(L, dependent)``, ``L`` ``[K, r]``, ``r ≤ max_rank``: the exact pivoted factor, else
     the eigen-factor cut at the rounding (module docstring) where the pivots pass
-    ``ROUNDED_GATE``; None when neither has rank ``max_rank`` or less, or the pivots stop
-    below ``min_rank`` (before any eigen-decomposition). ``dependent``: the
+    ``ROUNDED_GATE``; None when neither has rank ``max_rank`` or less, or, before any
+    eigen-decomposition, the pivots stop below ``min_rank`` or their factor fails
+    ``screen``. ``dependent``: the
     squared distance from a span, relative to ``‖Lⱼ‖²``, below which a column depends on it:
     ``τ``, or the eigenvalue cut-off (a unit row closer than the dropped rounding)."""
     k = q.shape[0]
@@ -132,7 +134,7 @@ def low_rank_factor(q: Tensor, max_rank: int,
     if pivoted is None:
         return None
     factor, exact = pivoted
-    if factor.shape[1] < min_rank:
+    if factor.shape[1] < min_rank or (screen is not None and not screen(factor)):
         return None
     dependent = SCHUR_RTOL_PER_ROW * k
     if not exact:
@@ -332,10 +334,20 @@ def low_rank_projection(q: Tensor, lower: Tensor, tol: float) -> tuple[Tensor, T
     fraction = LOW_RANK_MAX_FRACTION if k >= LOW_RANK_WIDE_SIZE else LOW_RANK_MAX_FRACTION / 2
     cap = math.isqrt(LOW_RANK_MAX_WORK // k)
     least = cap + 1 if one and k > ONE_PROBLEM_MAX_SIZE else 0
-    found = low_rank_factor(q, int(fraction * k), least)
+    found = low_rank_factor(q, int(fraction * k), least, _screen(one, cap))
     if found is None:
         return None
     factor, dependent = found
     if not one and factor.shape[1] <= cap:
         return low_rank_box(factor, lower, tol, 3 * factor.shape[1] + 10, dependent)
     return zero_cone_box(factor, lower, tol)
+
+
+def _screen(one: bool, cap: int) -> Callable[[Tensor], bool]:
+    """The test of the pivots' factor before its eigen-factor: where only the zero dual
+    cone's certificate would run (one problem, or a rank above ``cap``), whether
+    :func:`~._zero_cone.interior_null` finds a null vector on it (a cost decision: the
+    certificate is checked on the final factor)."""
+    def screen(factor: Tensor) -> bool:
+        return not (one or factor.shape[1] > cap) or interior_null(factor) is not None
+    return screen
