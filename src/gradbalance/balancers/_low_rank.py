@@ -55,6 +55,10 @@ LOW_RANK_MIN_SIZE = 16
 LOW_RANK_MAX_FRACTION = 0.25
 LOW_RANK_WIDE_SIZE = 128
 LOW_RANK_MAX_WORK = 2**20
+#: Fewest tasks for which one problem (DualProj's) tries the zero dual cone's certificate:
+#: below, the pivots and the screen cost more than the dense solve of most rows (at K = 64,
+#: 3.3 → 6.1 ms a call on conflicting rows, benchmarks/results/many_tasks_cpu.md).
+ONE_PROBLEM_MIN_SIZE = 256
 #: Most tasks for which one problem (DualProj's) tries the zero dual cone's certificate
 #: (:mod:`~._zero_cone`) at any rank: above, the eigen-factor of a rounded ``Q`` costs more
 #: than the dense solve of ranks up to ``√(LOW_RANK_MAX_WORK / K)``, so only higher ranks try
@@ -322,14 +326,15 @@ def low_rank_projection(q: Tensor, lower: Tensor, tol: float) -> tuple[Tensor, T
     LOW_RANK_MIN_SIZE`` and ``q`` has a :func:`low_rank_factor` of rank at most ``K/4``
     (``K/8`` below ``LOW_RANK_WIDE_SIZE`` tasks): for two or more problems (UPGrad's) by
     :func:`low_rank_box` up to rank ``√(LOW_RANK_MAX_WORK / K)``; above it, and for one
-    problem (DualProj's; above ``ONE_PROBLEM_MAX_SIZE`` tasks only above that rank, where
+    problem (DualProj's, from ``ONE_PROBLEM_MIN_SIZE`` tasks; above ``ONE_PROBLEM_MAX_SIZE``
+    tasks only above that rank, where
     its dense solve grows past the eigen-factor), by the zero dual cone's
     certificate alone (:func:`~._zero_cone.zero_cone_box`, ``O(BKr)``; the problems it
     leaves open, or all where it finds none, not done); else None (the caller's dense
     solve)."""
     k = q.shape[0]
     one = lower.shape[0] < 2
-    if k < LOW_RANK_MIN_SIZE:
+    if k < (ONE_PROBLEM_MIN_SIZE if one else LOW_RANK_MIN_SIZE):
         return None
     fraction = LOW_RANK_MAX_FRACTION if k >= LOW_RANK_WIDE_SIZE else LOW_RANK_MAX_FRACTION / 2
     cap = math.isqrt(LOW_RANK_MAX_WORK // k)

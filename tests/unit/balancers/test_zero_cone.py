@@ -168,8 +168,9 @@ def test_equal_rows_are_not_certified() -> None:
 @settings(max_examples=15, deadline=None)
 @given(st.integers(24, 64), st.integers(2, 8), st.integers(0, 2**16))
 def test_one_problem_on_spanning_rows_matches_scipy(k: int, r: int, seed: int) -> None:
-    """DualProj's one problem on rows whose conic hull is their span: certified in ``r``
-    dimensions, scipy's (zero) update and ``v ≥ p``."""
+    """DualProj's one problem on rows whose conic hull is their span (routed from 16 tasks
+    here; by default from ``ONE_PROBLEM_MIN_SIZE``): certified in ``r`` dimensions,
+    scipy's (zero) update and ``v ≥ p``."""
     n = k - k // 8
     r = max(2, min(r, n // 8))
     g = _span_rows(k, r, seed)
@@ -185,6 +186,7 @@ def test_one_problem_on_spanning_rows_matches_scipy(k: int, r: int, seed: int) -
     gram, trace = trace_normalized(g @ g.T)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_low_rank, "zero_cone_box", spy)
+        mp.setattr(_low_rank, "ONE_PROBLEM_MIN_SIZE", 16)
         v = project_dual_cone(gram, p)
     assert seen == [True]
     assert_same_update(v @ g, nnls_dual_cone(g / trace.sqrt(), p) * trace.sqrt(), g)
