@@ -28,7 +28,7 @@ from torch import Tensor
 from ._active_set import SCHUR_RTOL_PER_ROW
 
 #: Most alternating projections :func:`interior_null` makes before giving up.
-NULL_ROUNDS = 32
+NULL_ROUNDS = 16
 #: Least entry, relative to the largest, of a null vector taken as positive (above the
 #: rounding of its projection).
 NULL_MARGIN = 1e-8
