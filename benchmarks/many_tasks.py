@@ -18,8 +18,8 @@ norms spanning 1e-6 … 1e6).
     python benchmarks/many_tasks.py --kinds all --ks 256,1024 --rounds 1 --no-torchjd
 
 ``--kinds`` runs several kinds of rows (``all``: every entry of :data:`KINDS`, among them near
-duplicates, norms spanning 1e-6 … 1e6, rank 1 and 8, all aligned, half zero and a mix) and
-writes one table per K, a column per kind.
+duplicates, norms spanning 1e-6 … 1e6, spans of rank 1, 8, 16, 32 and 64, all aligned, half
+zero and a mix) and writes one table per K, a column per kind.
 
 Writes ``results/many_tasks_<name>.md`` and ``.json``; see ``docs/performance.md``.
 """
@@ -120,7 +120,8 @@ def mixed_rows(k: int, p: int, seed: int) -> torch.Tensor:
 KINDS = {"conflicting": conflicting_rows, "rank8": rank_deficient_rows,
          "near_duplicates": near_duplicate_rows, "wide_norms": wide_norm_rows,
          "rank1": span_rows(1), "span8": span_rows(8), "aligned": aligned_rows,
-         "half_zero": half_zero_rows, "mixed": mixed_rows}
+         "half_zero": half_zero_rows, "mixed": mixed_rows, "span16": span_rows(16),
+         "span32": span_rows(32), "span64": span_rows(64)}
 
 
 def make_balancer(name: str, k: int) -> Balancer:

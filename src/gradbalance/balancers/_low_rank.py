@@ -26,30 +26,48 @@ Squares Problems*, Ch. 23) for all problems in the same tensor operations: one c
 enters each open problem per iteration, its passive columns (at most ``r``, independent)
 are kept as a list of indices per problem, so a step costs ``O(rK + r³)`` per problem
 (the multipliers, one batched factorisation of the ``[m, m]`` passive blocks gathered from
-``L``), never ``O(K²)``. The weights need not be unique, the update ``Lᵀv`` is.
+``L``), never ``O(K²)``. The weights need not be unique, the update ``Lᵀv`` is. Before it,
+where the rows' conic hull is their span, every problem is certified in ``O(BKr)`` with a
+zero update (:mod:`~._zero_cone`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from ._active_set import SCHUR_RTOL_PER_ROW, _to_boundary
 from ._boxqp import eigen_factor
+from ._zero_cone import interior_null, zero_cone_box
 
 #: Fewest tasks for which the low-rank route is tried (below, the dense solve is cheap).
 LOW_RANK_MIN_SIZE = 16
 #: Largest rank taken by the low-rank route: ``K/4`` (``K/8`` below ``LOW_RANK_WIDE_SIZE``
-#: tasks, where the pivots that look for it cost more next to the dense solve) and at most
-#: ``√(LOW_RANK_MAX_WORK / K)`` (``r = 64`` at ``K = 256``, ``32`` at ``1,024``). Measured at
+#: tasks, where the pivots that look for it cost more next to the dense solve); by
+#: Lawson–Hanson at most ``√(LOW_RANK_MAX_WORK / K)`` (``r = 64`` at ``K = 256``, ``32`` at
+#: ``1,024``), above it by the zero dual cone's certificate alone. Measured at
 #: ``K = 256``: rows of rank 48 / 64 0.34 / 0.7–1.5 s against 6 / 12–16 s dense; parallel
 #: per-sample blocks of rank 41–64, a third opposed, 1.7–2.3 s against 1.1–1.6 s (many
 #: removals): benchmarks/results/many_tasks_cpu.md.
 LOW_RANK_MAX_FRACTION = 0.25
 LOW_RANK_WIDE_SIZE = 128
 LOW_RANK_MAX_WORK = 2**20
+#: Fewest tasks for which one problem (DualProj's) tries the zero dual cone's certificate:
+#: below, the pivots and the screen cost more than the dense solve of most rows (at K = 64,
+#: 3.3 → 6.1 ms a call on conflicting rows, benchmarks/results/many_tasks_cpu.md).
+ONE_PROBLEM_MIN_SIZE = 256
+#: Most tasks for which one problem (DualProj's) tries the zero dual cone's certificate
+#: (:mod:`~._zero_cone`) at any rank: above, the eigen-factor of a rounded ``Q`` costs more
+#: than the dense solve of ranks up to ``√(LOW_RANK_MAX_WORK / K)``, so only higher ranks try
+#: it (benchmarks/results/many_tasks_cpu.md).
+ONE_PROBLEM_MAX_SIZE = 512
+#: From this many pivots on (at each power of two) the pivots stop where the pace of the
+#: residual trace's fall would leave it positive at ``REACH_MARGIN`` times the largest rank.
+REACH_FROM = 16
+REACH_MARGIN = 2
 #: Residual diagonal, relative to ``Qᵢᵢ``, below which the pivots stop and the rank is
 #: read from the eigenvalues (a low rank rounded above ``τ``).
 ROUNDED_GATE = 1e-4
@@ -58,23 +76,37 @@ ROUNDED_GATE = 1e-4
 ROUNDING_MULTIPLE = 2.0
 
 
+def _out_of_reach(mass: dict[int, float], r: int, max_rank: int) -> bool:
+    """Whether the residual trace after ``r`` pivots (``r`` a power of two from
+    ``REACH_FROM``), falling at the pace of the last ``r/2`` pivots, would still be positive
+    at ``REACH_MARGIN · max_rank`` pivots: the rank is then taken as out of reach (a cost
+    decision only; greedy pivots take the largest residuals first, so the pace only slows)."""
+    if r < REACH_FROM or r & (r - 1) or REACH_MARGIN * max_rank <= r:
+        return False
+    fall = mass[r // 2] - mass[r]
+    return fall * (REACH_MARGIN * max_rank - r) < mass[r] * (r // 2)
+
+
 def _pivots(q: Tensor, max_rank: int, gate: float) -> tuple[Tensor, bool] | None:
     """``(L, exact)``: the pivoted Cholesky factor stopped at ``τ`` (``exact``) or, first,
-    where every residual diagonal entry is at most ``gate Qᵢᵢ``; None past ``max_rank``."""
+    where every residual diagonal entry is at most ``gate Qᵢᵢ``; None past ``max_rank`` or
+    once the rank looks out of its reach (:func:`_out_of_reach`)."""
     k = q.shape[0]
     resid = torch.diagonal(q).clamp_min(0.0).clone()
     cut, loose = SCHUR_RTOL_PER_ROW * k * resid, gate * resid
     factor = q.new_zeros(k, max_rank)
+    mass: dict[int, float] = {}
     for r in range(max_rank + 1):
         pick = resid.argmax()
-        flags = torch.stack([resid[pick], (resid > cut).any(), (resid > loose).any(), pick])
-        top, above_cut, above_gate, jf = flags.tolist()  # one host sync per pivot
+        flags = torch.stack([resid[pick], (resid > cut).any(), (resid > loose).any(), pick,
+                             resid.sum()])
+        top, above_cut, above_gate, jf, mass[r] = flags.tolist()  # one host sync per pivot
         j = int(jf)
         if top <= 0.0 or not above_cut:
             return factor[:, :r], True
         if not above_gate:
             return factor[:, :r], False
-        if r == max_rank:
+        if r == max_rank or _out_of_reach(mass, r, max_rank):
             return None
         col = (q[:, j] - factor[:, :r] @ factor[j, :r]) / math.sqrt(top)
         col[resid <= 0.0] = 0.0
@@ -92,10 +124,13 @@ def pivoted_cholesky(q: Tensor, max_rank: int) -> Tensor | None:
     return None if pivoted is None else pivoted[0]
 
 
-def low_rank_factor(q: Tensor, max_rank: int) -> tuple[Tensor, float] | None:
+def low_rank_factor(q: Tensor, max_rank: int, min_rank: int = 0,
+                    screen: Callable[[Tensor], bool] | None = None) -> tuple[Tensor, float] | None:
     """``(L, dependent)``, ``L`` ``[K, r]``, ``r ≤ max_rank``: the exact pivoted factor, else
     the eigen-factor cut at the rounding (module docstring) where the pivots pass
-    ``ROUNDED_GATE``; None when neither has rank ``max_rank`` or less. ``dependent``: the
+    ``ROUNDED_GATE``; None when neither has rank ``max_rank`` or less, or, before any
+    eigen-decomposition, the pivots stop below ``min_rank`` or their factor fails
+    ``screen``. ``dependent``: the
     squared distance from a span, relative to ``‖Lⱼ‖²``, below which a column depends on it:
     ``τ``, or the eigenvalue cut-off (a unit row closer than the dropped rounding)."""
     k = q.shape[0]
@@ -103,6 +138,8 @@ def low_rank_factor(q: Tensor, max_rank: int) -> tuple[Tensor, float] | None:
     if pivoted is None:
         return None
     factor, exact = pivoted
+    if factor.shape[1] < min_rank or (screen is not None and not screen(factor)):
+        return None
     dependent = SCHUR_RTOL_PER_ROW * k
     if not exact:
         factor, cut = eigen_factor(q, ROUNDING_MULTIPLE)
@@ -245,8 +282,26 @@ def low_rank_box(factor: Tensor, lower: Tensor, tol: float, max_additions: int,
                  dependent: float | None = None) -> tuple[Tensor, Tensor]:
     """``(v, done)`` ``[B, K]``, ``[B]``: ``argmin ½ vᵀLLᵀv`` s.t. ``v ≥ lowerᵦ`` where done
     (no multiplier above ``tol ‖Lᵀv‖ ‖Lⱼ‖``), ``lower`` elsewhere (open after
-    ``max_additions``). A column whose squared distance from the passive span is at most
-    ``dependent ‖Lⱼ‖²`` (default ``τ``) does not enter."""
+    ``max_additions``). Where the rows' conic hull is their span (every projection zero) the
+    problems by :func:`~._zero_cone.zero_cone_box`, ``O(BKr)``; the others, or all where it
+    finds no certificate, by Lawson–Hanson (:func:`lawson_hanson`)."""
+    zero = zero_cone_box(factor, lower, tol)
+    if zero is None:
+        return lawson_hanson(factor, lower, tol, max_additions, dependent)
+    v, done = zero
+    rest = ~done
+    if bool(rest.any()):
+        v[rest], done[rest] = lawson_hanson(factor, lower[rest], tol, max_additions, dependent)
+    return v, done
+
+
+def lawson_hanson(factor: Tensor, lower: Tensor, tol: float, max_additions: int,
+                 dependent: float | None = None) -> tuple[Tensor, Tensor]:
+    """``(v, done)`` ``[B, K]``, ``[B]``: ``argmin ½ vᵀLLᵀv`` s.t. ``v ≥ lowerᵦ`` where done
+    (no multiplier above ``tol ‖Lᵀv‖ ‖Lⱼ‖``), ``lower`` elsewhere (open after
+    ``max_additions``), by Lawson–Hanson in ``r`` dimensions (module docstring). A column
+    whose squared distance from the passive span is at most ``dependent ‖Lⱼ‖²`` (default
+    ``τ``) does not enter."""
     out, done = lower.clone(), torch.zeros(lower.shape[0], dtype=torch.bool)
     norms = factor.norm(dim=1)
     rel = SCHUR_RTOL_PER_ROW * lower.shape[1] if dependent is None else dependent
@@ -267,18 +322,37 @@ def low_rank_box(factor: Tensor, lower: Tensor, tol: float, max_additions: int,
 
 
 def low_rank_projection(q: Tensor, lower: Tensor, tol: float) -> tuple[Tensor, Tensor] | None:
-    """``(v, done)``: the box QPs of ``lower`` ``[B, K]`` on ``q`` by :func:`low_rank_box`
-    for two or more problems (UPGrad's, not DualProj's one) when ``K ≥ LOW_RANK_MIN_SIZE``
-    and ``q`` has a :func:`low_rank_factor` of rank at most ``K/4`` (``K/8`` below
-    ``LOW_RANK_WIDE_SIZE`` tasks) and ``√(LOW_RANK_MAX_WORK / K)``; else None (the caller's
-    dense solve)."""
+    """``(v, done)``: the box QPs of ``lower`` ``[B, K]`` on ``q`` when ``K ≥
+    LOW_RANK_MIN_SIZE`` and ``q`` has a :func:`low_rank_factor` of rank at most ``K/4``
+    (``K/8`` below ``LOW_RANK_WIDE_SIZE`` tasks): for two or more problems (UPGrad's) by
+    :func:`low_rank_box` up to rank ``√(LOW_RANK_MAX_WORK / K)``; above it, and for one
+    problem (DualProj's, from ``ONE_PROBLEM_MIN_SIZE`` tasks; above ``ONE_PROBLEM_MAX_SIZE``
+    tasks only above that rank, where
+    its dense solve grows past the eigen-factor), by the zero dual cone's
+    certificate alone (:func:`~._zero_cone.zero_cone_box`, ``O(BKr)``; the problems it
+    leaves open, or all where it finds none, not done); else None (the caller's dense
+    solve)."""
     k = q.shape[0]
-    if k < LOW_RANK_MIN_SIZE or lower.shape[0] < 2:  # one problem: the dense pivoting is cheaper
+    one = lower.shape[0] < 2
+    if k < (ONE_PROBLEM_MIN_SIZE if one else LOW_RANK_MIN_SIZE):
         return None
     fraction = LOW_RANK_MAX_FRACTION if k >= LOW_RANK_WIDE_SIZE else LOW_RANK_MAX_FRACTION / 2
-    max_rank = min(int(fraction * k), math.isqrt(LOW_RANK_MAX_WORK // k))
-    found = low_rank_factor(q, max_rank)
+    cap = math.isqrt(LOW_RANK_MAX_WORK // k)
+    least = cap + 1 if one and k > ONE_PROBLEM_MAX_SIZE else 0
+    found = low_rank_factor(q, int(fraction * k), least, _screen(one, cap))
     if found is None:
         return None
     factor, dependent = found
-    return low_rank_box(factor, lower, tol, 3 * factor.shape[1] + 10, dependent)
+    if not one and factor.shape[1] <= cap:
+        return low_rank_box(factor, lower, tol, 3 * factor.shape[1] + 10, dependent)
+    return zero_cone_box(factor, lower, tol)
+
+
+def _screen(one: bool, cap: int) -> Callable[[Tensor], bool]:
+    """The test of the pivots' factor before its eigen-factor: where only the zero dual
+    cone's certificate would run (one problem, or a rank above ``cap``), whether
+    :func:`~._zero_cone.interior_null` finds a null vector on it (a cost decision: the
+    certificate is checked on the final factor)."""
+    def screen(factor: Tensor) -> bool:
+        return not (one or factor.shape[1] > cap) or interior_null(factor) is not None
+    return screen

@@ -1,0 +1,217 @@
+"""The low-rank route's zero dual cone (``balancers/_zero_cone.py``): rows whose conic hull is
+their whole span give every projection zero, certified by an interior null vector; against
+scipy's NNLS on the projection's dual and the KKT conditions, with tolerances from the
+problem's own scale (``Σ vⱼ ‖gⱼ‖``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor
+
+from gradbalance.balancers import _low_rank, _zero_cone
+from gradbalance.balancers._solvers import project_dual_cone, trace_normalized
+from support.balancers import nnls_dual_cone
+from support.many_kinds import assert_same_update
+
+F64 = torch.float64
+EPS = torch.finfo(F64).eps
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    """K ≤ 64: one thread is faster, and not slowed by a busy machine (conftest restores)."""
+    torch.set_num_threads(1)
+
+
+def _spanning_factor(k: int, r: int, seed: int) -> Tensor:
+    """``[K, r]`` rows whose conic hull is ``ℝʳ`` by construction: ``K − r − 1`` random rows,
+    ``r`` more and minus their positive combination with the others (so ``Σ cⱼLⱼ = 0``
+    with every ``cⱼ > 0``); norms ``1e-3 … 1e3``, rows shuffled."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randn(k - 1, r, generator=gen, dtype=F64)
+    weights = torch.rand(k - 1, generator=gen, dtype=F64) + 0.1
+    rows = torch.cat([rows, -(weights @ rows)[None]])
+    rows *= torch.logspace(-3, 3, k, dtype=F64)[torch.randperm(k, generator=gen)][:, None]
+    return rows[torch.randperm(k, generator=gen)]
+
+
+def _bounds(k: int, seed: int) -> Tensor:
+    """UPGrad's ``K`` bounds ``pᵢeᵢ`` and DualProj's ``p`` (random positive ``p``)."""
+    pref = torch.rand(k, generator=torch.Generator().manual_seed(seed), dtype=F64) + 0.1
+    return torch.cat([torch.diag(pref), pref[None]])
+
+
+def _assert_kkt(factor: Tensor, lower: Tensor, v: Tensor) -> None:
+    """``v ≥ lower``, ``x = Lᵀv`` in the dual cone and complementary, each to ``64·eps·K``
+    times the problem's scale ``Σ vⱼ ‖Lⱼ‖`` (the rounding of ``Lᵀv``); and scipy's NNLS
+    on the same problem leaves a residual as small (the projection is zero)."""
+    k = factor.shape[0]
+    norms = factor.norm(dim=1)
+    for i in range(lower.shape[0]):
+        x = v[i] @ factor
+        scale = float(v[i].abs() @ norms)
+        slack = 64 * EPS * k * scale
+        assert bool((v[i] >= lower[i]).all())
+        assert float(x.norm()) <= slack
+        assert float((factor @ x).min()) >= -slack * float(norms.max())
+        assert float(((v[i] - lower[i]) * (factor @ x)).abs().max()) <= slack * scale
+        ref = nnls_dual_cone(factor, lower[i])
+        assert float(ref.norm()) <= 1e-8 * float(lower[i] @ norms)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(2, 16), st.integers(0, 48), st.integers(0, 2**16))
+def test_spanning_factor_gives_zero_projections(r: int, extra: int, seed: int) -> None:
+    """A factor whose rows positively span ``ℝʳ`` (``K = 2r + 2 … 64``, norms ``1e-3 …
+    1e3``): every problem done (certified, or by Lawson–Hanson where the alternating
+    projections find no ``c``), with scipy's (zero) projection and the KKT conditions."""
+    k = min(64, 2 * r + 2 + extra)
+    factor = _spanning_factor(k, r, seed)
+    lower = _bounds(k, seed)
+    v, done = _low_rank.low_rank_box(factor, lower, 1e-12, 3 * r + 10)
+    assert bool(done.all())
+    _assert_kkt(factor, lower, v)
+
+
+def _gaussian_factor(k: int, r: int, seed: int) -> Tensor:
+    """``[K, r]`` standard normal rows, norms then spread over ``1e-3 … 1e3``."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randn(k, r, generator=gen, dtype=F64)
+    return rows * torch.logspace(-3, 3, k, dtype=F64)[torch.randperm(k, generator=gen)][:, None]
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(2, 8), st.integers(0, 2**16))
+def test_random_rows_well_above_the_rank_are_certified(r: int, seed: int) -> None:
+    """``K = 8r`` random rows (in no half-space but with probability about ``2^{1−K}
+    Σ_{i<r} C(K−1, i)``, Wendel 1962): the certificate is found and every problem is done
+    by it, with scipy's (zero) projection and the KKT conditions."""
+    k = 8 * r
+    factor = _gaussian_factor(k, r, seed)
+    lower = _bounds(k, seed)
+    found = _zero_cone.zero_cone_box(factor, lower, 1e-12)
+    assert found is not None
+    v, done = found
+    assert bool(done.all())
+    _assert_kkt(factor, lower, v)
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(2, 16), st.integers(0, 48), st.integers(0, 2**16))
+def test_half_space_factor_has_no_certificate(r: int, extra: int, seed: int) -> None:
+    """Rows in an open half-space (``Lⱼ·e > 0``): no ``c > 0`` has ``Lᵀc = 0``, the cone is
+    not ``{0}`` (scipy's projections are not zero), and no certificate is claimed."""
+    k = min(64, 2 * r + 2 + extra)
+    gen = torch.Generator().manual_seed(seed)
+    factor = torch.randn(k, r, generator=gen, dtype=F64)
+    factor[:, 0] = factor[:, 0].abs() + 0.1
+    lower = _bounds(k, seed)
+    assert _zero_cone.zero_cone_box(factor, lower, 1e-12) is None
+    ref = nnls_dual_cone(factor, lower[-1])
+    assert float(ref.norm()) > 1e-3 * float(lower[-1] @ factor.norm(dim=1)) / k
+
+
+def _span_rows(k: int, r: int, seed: int) -> Tensor:
+    """``[K, P]`` rows ``coef @ basis`` in a random ``r``-dimensional span with coefficients
+    of :func:`_gaussian_factor` (norms ``1e-3 … 1e3``), a few zero."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    n = k - k // 8
+    g = torch.zeros(k, 3 * k, dtype=F64)
+    live = torch.randperm(k, generator=gen)[:n]
+    g[live] = _gaussian_factor(n, r, seed) @ torch.randn(r, 3 * k, generator=gen, dtype=F64)
+    return g
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(24, 64), st.integers(2, 8), st.integers(0, 2**16))
+def test_routed_spanning_rows_match_scipy(k: int, r: int, seed: int) -> None:
+    """UPGrad's and DualProj's problems on rows whose conic hull is their span, rank ``r ≤
+    n/8`` (``n`` non-zero rows): routed in ``r`` dimensions, every problem certified, the
+    updates scipy's on the rows (zero) and ``v ≥ u``."""
+    n = k - k // 8
+    r = max(2, min(r, n // 8))
+    g = _span_rows(k, r, seed)
+    u = _bounds(k, seed)
+    seen: list[bool] = []
+    box = _zero_cone.zero_cone_box
+
+    def spy(factor: Tensor, lower: Tensor, tol: float) -> tuple[Tensor, Tensor] | None:
+        out = box(factor, lower, tol)
+        seen.append(out is not None and bool(out[1].all()) and factor.shape[1] == r)
+        return out
+
+    gram, trace = trace_normalized(g @ g.T)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_low_rank, "zero_cone_box", spy)
+        v = project_dual_cone(gram, u)
+    assert seen == [True]
+    unit = g / trace.sqrt()
+    for i in range(u.shape[0]):
+        assert_same_update(v[i] @ g, nnls_dual_cone(unit, u[i]) * trace.sqrt(), g)
+        assert bool((v[i] >= u[i] * (1 - 1e-12)).all())
+
+
+def test_equal_rows_are_not_certified() -> None:
+    """``K`` equal rows of rank 1 (a half-line cone): the null space's projection of ``1`` is
+    rounding, no positive null vector is claimed and no problem is certified."""
+    factor = torch.full((40, 1), 0.1581, dtype=F64)
+    found = _zero_cone.zero_cone_box(factor, _bounds(40, 0), 1e-12)
+    assert found is None or not bool(found[1].any())
+    rows, done = _low_rank.low_rank_box(factor, _bounds(40, 0), 1e-12, 13)
+    assert bool(done.all())
+    assert float((rows @ factor).norm()) > 0.0
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(24, 64), st.integers(2, 8), st.integers(0, 2**16))
+def test_one_problem_on_spanning_rows_matches_scipy(k: int, r: int, seed: int) -> None:
+    """DualProj's one problem on rows whose conic hull is their span (routed from 16 tasks
+    here; by default from ``ONE_PROBLEM_MIN_SIZE``): certified in ``r`` dimensions,
+    scipy's (zero) update and ``v ≥ p``."""
+    n = k - k // 8
+    r = max(2, min(r, n // 8))
+    g = _span_rows(k, r, seed)
+    p = _bounds(k, seed)[-1]
+    seen: list[bool] = []
+    box = _zero_cone.zero_cone_box
+
+    def spy(factor: Tensor, lower: Tensor, tol: float) -> tuple[Tensor, Tensor] | None:
+        out = box(factor, lower, tol)
+        seen.append(out is not None and bool(out[1].all()) and lower.shape[0] == 1)
+        return out
+
+    gram, trace = trace_normalized(g @ g.T)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_low_rank, "zero_cone_box", spy)
+        mp.setattr(_low_rank, "ONE_PROBLEM_MIN_SIZE", 16)
+        v = project_dual_cone(gram, p)
+    assert seen == [True]
+    assert_same_update(v @ g, nnls_dual_cone(g / trace.sqrt(), p) * trace.sqrt(), g)
+    assert bool((v >= p * (1 - 1e-12)).all())
+
+
+def test_pivots_stop_early_only_out_of_reach() -> None:
+    """The pivots' early stop is a cost decision: the identity at K = 256 (rank 256, largest
+    rank 64) is given up at 16 pivots; rows of rank 60 (one row in ten scaled by ``1e3``)
+    and of rank 64 still reach their rank."""
+    calls: list[int] = []
+    reach = _low_rank._out_of_reach
+
+    def spy(mass: dict[int, float], r: int, max_rank: int) -> bool:
+        out = reach(mass, r, max_rank)
+        if out:
+            calls.append(r)
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_low_rank, "_out_of_reach", spy)
+        assert _low_rank.low_rank_factor(torch.eye(256, dtype=F64), 64) is None
+        assert calls == [16]
+        for rank in (60, 64):
+            g = _gaussian_factor(256, rank, rank) @ torch.randn(rank, 300, dtype=F64)
+            g[::10] *= 1e3
+            found = _low_rank.low_rank_factor(g @ g.T, 64)
+            assert found is not None and found[0].shape[1] == rank
