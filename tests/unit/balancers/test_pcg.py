@@ -104,7 +104,8 @@ def test_the_float32_phase_is_only_a_start(case: tuple[int, str, int]) -> None:
     u = torch.eye(k, dtype=F64) / k
     expected = cg_projections(gram, u)
 
-    def wrong(q: Tensor, h: Tensor, shift: Tensor, free0: Tensor) -> tuple[Tensor, Tensor]:
+    def wrong(q: Tensor, h: Tensor, shift: Tensor, free0: Tensor,
+              *_: object) -> tuple[Tensor, Tensor]:
         gen = torch.Generator().manual_seed(seed)
         return torch.ones_like(free0), torch.rand(free0.shape, generator=gen, dtype=F64) / k
 
