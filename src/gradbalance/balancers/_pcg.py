@@ -193,7 +193,7 @@ def _restart(live: _Live, q: Tensor, rhs: Tensor, free: Tensor, at: Tensor,
     u = pre.setup(f)
     if u is not None:
         if live.u is None:
-            live.u = torch.zeros_like(live.r)
+            live.u = u.new_zeros((live.r.shape[0], *u.shape[1:]))
         live.u[at] = u
 
 

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from gradbalance.balancers import _boxqp, _pcg
+from gradbalance.balancers import _boxqp, _pcg, _precond
 from gradbalance.balancers._solvers import trace_normalized
 from support.balancers import nnls_dual_cone
 from unit.balancers.test_many_tasks import assert_same_update
@@ -185,3 +185,51 @@ def test_float64_solves_with_a_float32_preconditioner_converge() -> None:
     residual = torch.linalg.vector_norm((rhs - y @ gram) * f, dim=1)
     assert bool(converged.all())
     assert bool((residual <= 2e-11 * torch.linalg.vector_norm(rhs * f, dim=1)).all())
+
+
+def shared_rows(k: int, directions: int, seed: int) -> Tensor:
+    """``[k, 4k + 8]`` rows ``Σⱼ wⱼ aᵢⱼ sⱼ + nᵢ/2`` (``w = 1, 0.7, 0.4``): one outlying eigenvalue
+    of the Gramian per shared direction ``sⱼ``, each deflated from the preconditioner."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = torch.tensor([1.0, 0.7, 0.4], dtype=F64)[:directions]
+    a = torch.randn(k, directions, generator=gen, dtype=F64) * weights
+    s = torch.randn(directions, 4 * k + 8, generator=gen, dtype=F64)
+    return a @ s + 0.5 * torch.randn(k, 4 * k + 8, generator=gen, dtype=F64)
+
+
+def assert_kkt(gram: Tensor, u: Tensor, v: Tensor) -> None:
+    """``argmin_{v ≥ u} vᵀGv`` per row, from its optimality conditions: ``v ≥ u``, ``w = Gv ≥
+    0`` and ``(v − u)ᵀw = 0``, each to ``1e-9`` of the sizes it is made of (``|G||v|`` for
+    ``w``: ``1e-11`` pivoting residuals amplified by ``Q``'s condition number, below ``1e2``
+    here)."""
+    y, w = v - u, v @ gram
+    size = v.abs() @ gram.abs()
+    top = v.abs().amax(dim=1, keepdim=True)
+    assert bool((y >= -1e-12 * top).all())
+    assert bool((w >= -1e-9 * size).all())
+    assert bool(((y * w).abs() <= 1e-9 * size * top).all())
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.integers(8, 64), st.integers(1, 3), st.integers(0, 2**16))
+def test_several_shared_directions_match_scipy_nnls_and_kkt(k: int, directions: int,
+                                                           seed: int) -> None:
+    """Rows sharing 1–3 directions (as many outlying eigenvalues, deflated together by one
+    ``m × m`` Woodbury solve per free set): every projection meets its KKT conditions, four
+    per case equal scipy's NNLS on the rows."""
+    g = shared_rows(k, directions, seed)
+    gram, _ = trace_normalized(g @ g.T)
+    u = torch.eye(k, dtype=F64) / k
+    seen = []
+
+    def spy(q: Tensor, h: Tensor) -> _precond.Preconditioner:
+        seen.append(pre := _precond.deflated(q, h))
+        return pre
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_boxqp, "deflated", spy)
+        v = cg_projections(gram, u)
+    assert seen and seen[0].v is not None
+    assert_kkt(gram, u, v)
+    for i in sorted({0, k // 3, 2 * k // 3, k - 1}):
+        assert_same_update(g.T @ v[i], nnls_dual_cone(g, u[i]), g)
