@@ -39,6 +39,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+_dot = torch.linalg.vecdot
+
 #: An eigenvalue ``λ`` is deflated only where it is at least this many times ``μ`` (else
 #: the bulk is one).
 OUTLIER_RATIO = 10.0
@@ -80,8 +82,11 @@ class Preconditioner:
         m = self.v.shape[1]
         vf = self.v.T.to(f.dtype)[None] * f[:, None, :]  # [B, m, K]: V_Fᵀ
         hv = self.product(vf.reshape(b * m, k)).reshape(b, m, k).mul_(f[:, None, :])
+        inv_c = (1.0 / self.c).to(f.dtype)
+        if m == 1:  # Sherman–Morrison: a square root, no factorisation
+            return hv.div_((inv_c + _dot(vf, hv)).clamp_min(1e-300).sqrt()[:, :, None])
         s = torch.bmm(vf, hv.transpose(1, 2))  # V_FᵀĤV_F, [B, m, m]
-        s.diagonal(dim1=1, dim2=2).add_((1.0 / self.c).to(f.dtype))
+        s.diagonal(dim1=1, dim2=2).add_(inv_c)
         chol, _ = torch.linalg.cholesky_ex(0.5 * (s + s.transpose(1, 2)))
         w: Tensor = torch.linalg.solve_triangular(chol, hv, upper=False)
         return w
@@ -89,7 +94,9 @@ class Preconditioner:
     def apply(self, r: Tensor, f: Tensor, u: Tensor | None) -> Tensor:
         """``M⁻¹ r`` per row (``r`` zero off ``F``; ``u``, ``W``, from :meth:`setup`)."""
         z = self.product(r).mul_(f)
-        if u is not None:
+        if u is not None and u.shape[1] == 1:
+            z.addcmul_(u[:, 0], _dot(u[:, 0], r)[:, None], value=-1.0)
+        elif u is not None:
             coef = torch.bmm(u, r[:, :, None])  # W r, [B, m, 1]
             z.sub_(torch.bmm(coef.transpose(1, 2), u)[:, 0])
         return z
