@@ -87,9 +87,7 @@ class Preconditioner:
             return hv.div_((inv_c + _dot(vf, hv)).clamp_min(1e-300).sqrt()[:, :, None])
         s = torch.bmm(vf, hv.transpose(1, 2))  # V_FᵀĤV_F, [B, m, m]
         s.diagonal(dim1=1, dim2=2).add_(inv_c)
-        chol, _ = torch.linalg.cholesky_ex(0.5 * (s + s.transpose(1, 2)))
-        w: Tensor = torch.linalg.solve_triangular(chol, hv, upper=False)
-        return w
+        return _forward_solve(_small_cholesky(s), hv)
 
     def apply(self, r: Tensor, f: Tensor, u: Tensor | None) -> Tensor:
         """``M⁻¹ r`` per row (``r`` zero off ``F``; ``u``, ``W``, from :meth:`setup`)."""
@@ -100,6 +98,54 @@ class Preconditioner:
             coef = torch.bmm(u, r[:, :, None])  # W r, [B, m, 1]
             z.sub_(torch.bmm(coef.transpose(1, 2), u)[:, 0])
         return z
+
+
+def _small_cholesky(s: Tensor) -> list[list[Tensor]]:
+    """The lower Cholesky factor ``L`` of the ``[B, m, m]`` positive definite ``s`` (small
+    ``m``), entry by entry as ``[B]`` tensors: ``m²/2`` elementwise operations for all ``B``
+    (a batched LAPACK call per tiny block costs more)."""
+    m = s.shape[1]
+    low: list[list[Tensor]] = [[] for _ in range(m)]
+    for j in range(m):
+        for i in range(j, m):
+            acc = s[:, i, j] - sum((low[i][t] * low[j][t] for t in range(j)),
+                                   torch.zeros_like(s[:, i, j]))
+            low[i].append(acc.clamp_min(1e-300).sqrt() if i == j else acc / low[j][j])
+    return low
+
+
+def _forward_solve(low: list[list[Tensor]], hv: Tensor) -> Tensor:
+    """``L⁻¹ hv`` (``hv`` ``[B, m, K]``, ``L`` from :func:`_small_cholesky`) by forward
+    substitution, row by row."""
+    rows: list[Tensor] = []
+    for i, li in enumerate(low):
+        acc = hv[:, i].clone()
+        for t in range(i):
+            acc.addcmul_(li[t][:, None], rows[t], value=-1.0)
+        rows.append(acc.div_(li[i][:, None]))
+    return torch.stack(rows, dim=1)
+
+
+def _top_one(q: Tensor) -> tuple[Tensor, Tensor]:
+    """The leading eigenpair of ``q`` ``([λ], [K, 1])`` from ``POWER_STEPS`` power steps
+    started at ``q``'s longest column (``λ`` its Rayleigh quotient)."""
+    v = q[:, int(torch.linalg.vecdot(q, q, dim=0).argmax())]
+    for _ in range(POWER_STEPS):
+        v = q @ (v / torch.linalg.vector_norm(v))
+    v = v / torch.linalg.vector_norm(v)
+    return (v @ q @ v)[None], v[:, None]
+
+
+def _room_for_more(q: Tensor, lam: float, trace: float, k: int) -> bool:
+    """Whether a second eigenvalue may be an outlier: ``s = (‖Q‖²_F − λ₁²)^{1/2}`` bounds
+    ``λ₂`` (``λ₁`` from below: its Rayleigh quotient), and ``λ₂ ≥ OUTLIER_RATIO · μ₂`` needs
+    ``s ≥ OUTLIER_RATIO (tr Q − λ₁ − s)/(K − 2)``. A bulk of ``K − 1`` eigenvalues near their
+    mean ``μ`` has ``s ≈ μ√(K − 1)``: no room below about 100 tasks, so the subspace
+    iteration (:func:`_top_eigen`) runs only where it may find more."""
+    if k < 3:
+        return False
+    s: float = max(float(torch.linalg.vector_norm(q)) ** 2 - lam * lam, 0.0) ** 0.5
+    return s >= OUTLIER_RATIO * (trace - lam - s) / (k - 2)
 
 
 def _top_eigen(q: Tensor, width: int) -> tuple[Tensor, Tensor]:
@@ -128,14 +174,17 @@ def _outliers(lam: list[float], trace: float, k: int) -> tuple[int, float]:
 def deflated(q: Tensor, h: Tensor) -> Preconditioner:
     """The preconditioner of ``q`` (float64, ``h = Q⁻¹``), in float32: the leading ``m ≤
     MAX_DEFLATED`` eigenvalues deflated, each at least ``OUTLIER_RATIO`` times the mean ``μ``
-    of the ``K − m`` others (:func:`_outliers`)."""
+    of the ``K − m`` others (:func:`_outliers`); the top one by power steps, the others by
+    subspace iteration where there is room for them (:func:`_room_for_more`)."""
     k = q.shape[0]
-    width = min(MAX_DEFLATED, k - 1)
     h32 = h.float()
-    if width < 1:
+    if k < 2:
         return Preconditioner.plain(h32)
-    lam, v = _top_eigen(q, width)
-    m, mu = _outliers(lam.tolist(), float(torch.trace(q)), k)
+    trace = float(torch.trace(q))
+    lam, v = _top_one(q)
+    if _room_for_more(q, float(lam[0]), trace, k):
+        lam, v = _top_eigen(q, min(MAX_DEFLATED, k - 1))
+    m, mu = _outliers(lam.tolist(), trace, k)
     if m == 0:
         return Preconditioner.plain(h32)
     lam, v = lam[:m], v[:, :m]

@@ -156,6 +156,43 @@ def test_opposite_start_solves_the_free_block_without_one_index(k: int, seed: in
     assert torch.allclose(yq[1:], y[1:] @ gram, atol=1e-12)
 
 
+@settings(max_examples=10, deadline=None)
+@given(st.integers(2, 48), st.integers(0, 2**16))
+def test_opposite_start_from_the_known_all_free_point(k: int, seed: int) -> None:
+    """UPGrad's bounds (``c = 0``): the all-free point ``−lower`` given instead of ``−Q⁻¹
+    shift`` (one product fewer) gives the start of the same closed form, every row cold."""
+    gram, _ = trace_normalized((g := well_posed_rows("conflicting", k, seed)) @ g.T)
+    h = torch.cholesky_inverse(torch.linalg.cholesky(gram))
+    lower = torch.diag(torch.rand(k, generator=torch.Generator().manual_seed(seed),
+                                  dtype=F64) + 0.5)
+    free0 = torch.zeros(k, k, dtype=torch.bool)
+    free, y, yq = _pcg.opposite_start(h, lower @ gram, free0, -lower)
+    for i in range(k):
+        rest = [j for j in range(k) if j != i]
+        expected = torch.linalg.solve(gram[rest][:, rest], -(lower @ gram)[i, rest])
+        scale = float(expected.abs().max()) if rest else 1.0
+        assert float(y[i, i]) == 0.0
+        assert torch.allclose(y[i, rest], expected, rtol=1e-8, atol=1e-10 * scale)
+        assert free[i].tolist() == (y[i] > 0).tolist()
+    assert torch.allclose(yq, y @ gram, atol=1e-12)
+
+
+@pytest.mark.parametrize("per_row", [1, 40])
+def test_sparse_rows_product_either_way_is_the_product(per_row: int) -> None:
+    """``a Q`` from the rows of ``Q`` of ``a``'s few non-zero entries (UPGrad's bounds: one
+    per row, each entry the product's own, bit for bit), or one product (many)."""
+    gen = torch.Generator().manual_seed(per_row)
+    k = 512  # one per row: within GATHER_FRACTION; 40: not
+    q = torch.randn(k, k, generator=gen, dtype=F64)
+    a = torch.zeros(k, k, dtype=F64)
+    cols = torch.rand(k, k, generator=gen).argsort(dim=1)[:, :per_row]
+    a.scatter_(1, cols, torch.randn(k, per_row, generator=gen, dtype=F64))
+    got = _pcg.sparse_rows_product(a, q)
+    assert torch.allclose(got, a @ q, atol=1e-12)
+    diag = torch.diag(torch.randn(k, generator=gen, dtype=F64))
+    assert torch.equal(_pcg.sparse_rows_product(diag[:3], q), diag[:3] @ q)
+
+
 @pytest.mark.parametrize("dropped", [1, 40])
 def test_restricted_product_either_way_is_the_product(dropped: int) -> None:
     """``(y ∘ f) Q`` from ``y Q``, by subtracted rows (few dropped) or one product (many)."""
