@@ -62,6 +62,8 @@ class Preconditioner:
     h: Tensor
     v: Tensor | None = None
     c: Tensor | None = None
+    #: ``1/c`` of a single deflated direction (``m = 1``), as a number.
+    inv_c1: float = 0.0
 
     @classmethod
     def plain(cls, inverse: Tensor) -> Preconditioner:
@@ -74,26 +76,28 @@ class Preconditioner:
         return r @ self.h if r.dtype == self.h.dtype else (r.to(self.h.dtype) @ self.h).to(r.dtype)
 
     def setup(self, f: Tensor) -> Tensor | None:
-        """``W`` ``[B, m, K]`` of the free sets ``f`` (0/1, the solves' dtype), None without
-        an outlier: ``m`` products and ``B`` Cholesky factors of ``m × m``."""
+        """``W`` ``[B, m, K]`` of the free sets ``f`` (0/1, the solves' dtype; ``[B, K]`` for
+        ``m = 1``), None without an outlier: ``m`` products and ``B`` Cholesky factors of
+        ``m × m``."""
         if self.v is None or self.c is None:
             return None
         b, k = f.shape
         m = self.v.shape[1]
+        if m == 1:  # Sherman–Morrison: a square root, no factorisation
+            v1 = self.v[:, 0].to(f.dtype) * f
+            hv1 = self.product(v1).mul_(f)
+            return hv1.div_((self.inv_c1 + _dot(v1, hv1)).clamp_min(1e-300).sqrt()[:, None])
         vf = self.v.T.to(f.dtype)[None] * f[:, None, :]  # [B, m, K]: V_Fᵀ
         hv = self.product(vf.reshape(b * m, k)).reshape(b, m, k).mul_(f[:, None, :])
-        inv_c = (1.0 / self.c).to(f.dtype)
-        if m == 1:  # Sherman–Morrison: a square root, no factorisation
-            return hv.div_((inv_c + _dot(vf, hv)).clamp_min(1e-300).sqrt()[:, :, None])
         s = torch.bmm(vf, hv.transpose(1, 2))  # V_FᵀĤV_F, [B, m, m]
-        s.diagonal(dim1=1, dim2=2).add_(inv_c)
+        s.diagonal(dim1=1, dim2=2).add_((1.0 / self.c).to(f.dtype))
         return _forward_solve(_small_cholesky(s), hv)
 
     def apply(self, r: Tensor, f: Tensor, u: Tensor | None) -> Tensor:
         """``M⁻¹ r`` per row (``r`` zero off ``F``; ``u``, ``W``, from :meth:`setup`)."""
         z = self.product(r).mul_(f)
-        if u is not None and u.shape[1] == 1:
-            z.addcmul_(u[:, 0], _dot(u[:, 0], r)[:, None], value=-1.0)
+        if u is not None and u.dim() == 2:
+            z.addcmul_(u, _dot(u, r)[:, None], value=-1.0)
         elif u is not None:
             coef = torch.bmm(u, r[:, :, None])  # W r, [B, m, 1]
             z.sub_(torch.bmm(coef.transpose(1, 2), u)[:, 0])
@@ -189,4 +193,5 @@ def deflated(q: Tensor, h: Tensor) -> Preconditioner:
         return Preconditioner.plain(h32)
     lam, v = lam[:m], v[:, :m]
     hb = h + (v * (1.0 / mu - 1.0 / lam)) @ v.T
-    return Preconditioner(h32, hb.float(), v.float(), (lam - mu).float())
+    c = (lam - mu).float()
+    return Preconditioner(h32, hb.float(), v.float(), c, 1.0 / float(c[0]) if m == 1 else 0.0)
