@@ -17,8 +17,9 @@ the inverse of ``Ĥ⁻¹ + V_F C V_Fᵀ`` (5 steps for one outlier; Sherman & Mo
 Woodbury 1950). ``W = L⁻¹ V_FᵀĤ`` (``LLᵀ`` the ``m × m`` Cholesky factor of ``C⁻¹ +
 V_FᵀĤV_F``) is ``m`` products per free set, then ``M⁻¹r = Ĥr − Wᵀ(Wr)``: the cost of a step
 unchanged but for ``2m`` dot products. For any orthonormal ``V`` and ``λⱼ > μ`` both ``B⁻¹``
-and ``M`` are symmetric positive definite, so an inexact ``V`` only slows the solves; ``V``
-comes from a few steps of subspace iteration and a Rayleigh–Ritz rotation.
+and ``M`` are symmetric positive definite, so an inexact ``V`` only slows the solves; ``v₁``
+comes from a few power steps, the others, where a bound leaves room for them, from a few
+steps of subspace iteration and a Rayleigh–Ritz rotation.
 
 Example:
     >>> import torch
