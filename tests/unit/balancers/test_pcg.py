@@ -8,7 +8,10 @@ decides). Inputs: conflicting rows (condition numbers up to about 1e3), rows who
 span 1e-2 … 1e2 (1e8 … 4e9, below the path's limit of 1e10), and few coordinates
 (``P = K + 3``: up to about 2e5), all on the conjugate-gradient path (``CG_MIN_SIZE`` forced
 to 2). Tolerance: the same update (cosine ≥ 0.999999, norm within
-1e-6 relative).
+1e-6 relative). Rows sharing one to three directions (as many outlying eigenvalues, deflated
+together), K ≤ 64: every projection against its KKT conditions, four per case against scipy's
+NNLS. The all-free start ``−lower`` against the closed form from ``−Q⁻¹ shift``, and the
+bounds' product from rows of ``Q`` against the product.
 """
 
 from __future__ import annotations
