@@ -44,7 +44,7 @@ from torch import Tensor
 
 from ._active_set import box_active_set, solve_free
 from ._interior import interior_nnls
-from ._pcg import pcg_free, rough_free_sets
+from ._pcg import pcg_free, rough_free_sets, sparse_rows_product
 from ._precond import Preconditioner, deflated
 from ._qr_update import ColumnQR
 
@@ -192,7 +192,7 @@ def solve_lcp_pivoting(
     (:func:`_relative_threshold`) instead of ``−tol``. ``inverse``: ``Q⁻¹`` when already
     computed (:func:`certified_inverse`), the preconditioner of ``iterative``.
     """
-    shift = lower @ q + c
+    shift = (sparse_rows_product(lower, q) if iterative else lower @ q) + c
     total = 1.0 - lower.sum(dim=1) if simplex else None
     solve: Solve
     y0 = None
@@ -201,7 +201,8 @@ def solve_lcp_pivoting(
         if h is None:
             return None
         pre = deflated(q, h)  # both phases', in float32: half the cost of a product
-        free0, y0 = rough_free_sets(q, pre, shift, free0)
+        whole = None if bool(c.any()) else -lower  # Q(−lower) + shift = 0: no product
+        free0, y0 = rough_free_sets(q, pre, shift, free0, whole)
         solve = _cg_solve(q, pre, shift)
     else:
         def solve(rows: Tensor, free: Tensor, y: Tensor, yq: Tensor,

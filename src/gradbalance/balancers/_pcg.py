@@ -54,6 +54,17 @@ def restricted_product(q: Tensor, y0: Tensor, y0q: Tensor, f: Tensor) -> Tensor:
     return y0q.index_add(0, bi, -dropped[bi, ki][:, None] * q[ki])
 
 
+def sparse_rows_product(a: Tensor, q: Tensor) -> Tensor:
+    """``a Q`` (``[B, K]``) from the rows of ``Q`` of ``a``'s non-zero entries while they are
+    fewer than ``GATHER_FRACTION`` of its entries (UPGrad's bounds ``p_i e_i``: one row of
+    ``Q`` per problem, each entry the product's own), else one product."""
+    bi, ki = torch.nonzero(a, as_tuple=True)
+    if bi.numel() > GATHER_FRACTION * a.numel():
+        return a @ q
+    return torch.zeros(a.shape[0], q.shape[1], dtype=q.dtype).index_add_(
+        0, bi, a[bi, ki][:, None] * q[ki])
+
+
 def _as_preconditioner(h: Tensor | Preconditioner) -> Preconditioner:
     """``h`` as a :class:`~._precond.Preconditioner` (a tensor: plain ``(h)_FF``)."""
     return h if isinstance(h, Preconditioner) else Preconditioner.plain(h)
@@ -112,17 +123,19 @@ def pcg_free(q: Tensor, h: Tensor | Preconditioner, rhs: Tensor, free: Tensor, y
     return y, converged, yq
 
 
-def opposite_start(h: Tensor, shift: Tensor, free0: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def opposite_start(h: Tensor, shift: Tensor, free0: Tensor,
+                   whole: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """``(free, y, yQ)`` ``[B, K]``: a start of the pivoting from the all-free side, where
     ``free0`` is empty (a cold start) and the first pivot from there drops one index.
 
-    Every index free: ``y = −Q⁻¹ shift`` (``h = Q⁻¹``, one product); its one negative index
+    Every index free: ``y = −Q⁻¹ shift`` (``h = Q⁻¹``, one product; ``whole`` where the
+    caller knows it: ``−lower`` for ``shift = Q·lower``, no product); its one negative index
     ``a`` leaves, which a rank-one update of ``Q⁻¹`` solves in closed form,
     ``y' = y − h_a y_a / h_aa`` (``y'Q = −shift − e_a y_a / h_aa``), and the next pivot
     keeps the indices where ``y' > 0``: two pivoting iterations without a solve (UPGrad's
     projections, ``shift = p_i Q_i``: ``y = −p_i e_i``, ``a = i``). Elsewhere ``free0`` and
     ``y = 0``."""
-    y = -(shift @ h)
+    y = -(shift @ h) if whole is None else whole.to(h.dtype)
     neg = y < -ROUGH_MARGIN * y.abs().amax(dim=1, keepdim=True)
     cold = (neg.sum(dim=1) == 1) & ~free0.any(dim=1)
     a = neg.to(torch.uint8).argmax(dim=1)
@@ -180,7 +193,7 @@ def _restart(live: _Live, q: Tensor, rhs: Tensor, free: Tensor, at: Tensor,
     u = pre.setup(f)
     if u is not None:
         if live.u is None:
-            live.u = torch.zeros_like(live.r)
+            live.u = u.new_zeros((live.r.shape[0], *u.shape[1:]))
         live.u[at] = u
 
 
@@ -224,10 +237,11 @@ def _pivot(live: _Live, due: Tensor, rhs: Tensor, out_free: Tensor,
 
 
 def rough_free_sets(q: Tensor, h: Tensor | Preconditioner, shift: Tensor,
-                    free0: Tensor) -> tuple[Tensor, Tensor]:
+                    free0: Tensor, whole: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``(free, y)`` ``[B, K]`` (float64): a guess of each box problem's optimal free set and
     ``y`` (``w = Qy + shift ≥ 0``, ``y ≥ 0``, ``yᵀw = 0``), from the free sets ``free0``
-    (where empty: from :func:`opposite_start`).
+    (where empty: from :func:`opposite_start`, with ``whole``, the all-free solution
+    ``−Q⁻¹ shift`` where known).
 
     Block principal pivoting (Júdice & Pires 1994) in float32 with the conjugate-gradient
     steps of :func:`pcg_free` (``h``: ``Q⁻¹`` or a preconditioner holding it, which
@@ -243,7 +257,7 @@ def rough_free_sets(q: Tensor, h: Tensor | Preconditioner, shift: Tensor,
     q32, rhs = q.float(), -shift.float()
     pre = _as_preconditioner(h.float() if isinstance(h, Tensor) else h)
     b, k = rhs.shape
-    free, y, yq = opposite_start(pre.inverse, -rhs, free0)
+    free, y, yq = opposite_start(pre.inverse, -rhs, free0, whole)
     out_free, out_y = free0.clone(), torch.zeros_like(shift)
     count = torch.zeros(b, dtype=torch.int64)
     live = _Live(torch.arange(b), torch.zeros_like(rhs), y, yq, torch.zeros_like(rhs),

@@ -1,21 +1,25 @@
 """The preconditioner of the free-set conjugate-gradient solves: ``(Q⁻¹)_FF``, with ``Q``'s
-one outlying eigenvalue deflated.
+few outlying eigenvalues deflated.
 
 Not a balancer module (no ``__all__``). :mod:`._pcg` solves ``Q_FF y_F = rhs_F`` with
 ``(Q⁻¹)_FF`` as the preconditioner, very good where ``Q``'s spectrum is one narrow bulk
 (random rows: about 4 steps to ``1e-6``). Rows sharing a direction (conflicting tasks) give
-``Q`` one eigenvalue ``λ`` far above the bulk, which the restriction to ``F`` spreads over the
-preconditioned spectrum (7 steps). Here ``Q = B + c vvᵀ`` (``v`` the top unit eigenvector,
-``μ = (tr Q − λ)/(K − 1)`` the mean of the other eigenvalues, ``c = λ − μ``), ``B``'s inverse
-``B⁻¹ = Q⁻¹ + (1/μ − 1/λ) vvᵀ`` restricted to ``F`` stands for ``B_FF⁻¹``, and the outlier is
-put back exactly by Sherman–Morrison::
+``Q`` one eigenvalue far above the bulk, rows sharing ``m`` directions ``m`` of them, which
+the restriction to ``F`` spreads over the preconditioned spectrum (7 steps for one). Here
+``Q = B + V C Vᵀ`` (``V`` ``[K, m]`` the top unit eigenvectors, ``λⱼ`` their eigenvalues,
+``μ`` the mean of the others, ``C = diag(λⱼ − μ)``), ``B``'s inverse ``B⁻¹ = Q⁻¹ + V diag(1/μ −
+1/λⱼ) Vᵀ`` restricted to ``F`` stands for ``B_FF⁻¹``, and the outliers are put back exactly
+by the Woodbury identity::
 
-    M⁻¹ = Ĥ − Ĥv_F (1/c + v_FᵀĤv_F)⁻¹ v_FᵀĤ,    Ĥ = (B⁻¹)_FF,
+    M⁻¹ = Ĥ − ĤV_F (C⁻¹ + V_FᵀĤV_F)⁻¹ V_FᵀĤ,    Ĥ = (B⁻¹)_FF,
 
-the inverse of ``Ĥ⁻¹ + c v_F v_Fᵀ`` (5 steps; Sherman & Morrison 1950). ``u = Ĥv_F / √(1/c +
-v_FᵀĤv_F)`` is one product per free set, then ``M⁻¹r = Ĥr − u (uᵀr)``: the cost of a step
-unchanged. For any unit ``v`` and ``λ > μ`` both ``B⁻¹`` and ``M`` are symmetric positive
-definite, so an inexact ``v`` only slows the solves; ``v`` comes from a few power steps.
+the inverse of ``Ĥ⁻¹ + V_F C V_Fᵀ`` (5 steps for one outlier; Sherman & Morrison 1950,
+Woodbury 1950). ``W = L⁻¹ V_FᵀĤ`` (``LLᵀ`` the ``m × m`` Cholesky factor of ``C⁻¹ +
+V_FᵀĤV_F``) is ``m`` products per free set, then ``M⁻¹r = Ĥr − Wᵀ(Wr)``: the cost of a step
+unchanged but for ``2m`` dot products. For any orthonormal ``V`` and ``λⱼ > μ`` both ``B⁻¹``
+and ``M`` are symmetric positive definite, so an inexact ``V`` only slows the solves; ``v₁``
+comes from a few power steps, the others, where a bound leaves room for them, from a few
+steps of subspace iteration and a Rayleigh–Ritz rotation.
 
 Example:
     >>> import torch
@@ -38,22 +42,29 @@ from torch import Tensor
 
 _dot = torch.linalg.vecdot
 
-#: ``λ`` is deflated only where it is at least this many times ``μ`` (else the bulk is one).
+#: An eigenvalue ``λ`` is deflated only where it is at least this many times ``μ`` (else
+#: the bulk is one).
 OUTLIER_RATIO = 10.0
-#: Power steps for ``v`` (their error shrinks by ``λ₂/λ`` each: below ``1/OUTLIER_RATIO``).
+#: At most this many eigenvalues are deflated (the width of the subspace iteration).
+MAX_DEFLATED = 4
+#: Subspace-iteration steps for ``V`` (the error of ``vⱼ`` shrinks by ``λ_{m+1}/λⱼ`` each:
+#: below ``1/OUTLIER_RATIO`` for a deflated one).
 POWER_STEPS = 6
 
 
 @dataclass(frozen=True)
 class Preconditioner:
     """``inverse`` ``[K, K]``: ``Q⁻¹``; ``h``: ``B⁻¹`` (``inverse`` itself when none is
-    deflated), in the dtype of the preconditioning products; ``v`` ``[K]`` (unit) and ``c``
-    the deflated eigen-direction and its excess (None, 0: plain ``(Q⁻¹)_FF``)."""
+    deflated), in the dtype of the preconditioning products; ``v`` ``[K, m]`` (orthonormal)
+    and ``c`` ``[m]`` the deflated eigen-directions and their excesses (None: plain
+    ``(Q⁻¹)_FF``)."""
 
     inverse: Tensor
     h: Tensor
     v: Tensor | None = None
-    c: float = 0.0
+    c: Tensor | None = None
+    #: ``1/c`` of a single deflated direction (``m = 1``), as a number.
+    inv_c1: float = 0.0
 
     @classmethod
     def plain(cls, inverse: Tensor) -> Preconditioner:
@@ -66,35 +77,122 @@ class Preconditioner:
         return r @ self.h if r.dtype == self.h.dtype else (r.to(self.h.dtype) @ self.h).to(r.dtype)
 
     def setup(self, f: Tensor) -> Tensor | None:
-        """``u`` ``[B, K]`` of the free sets ``f`` (0/1, the solves' dtype), None without
-        an outlier: one product."""
-        if self.v is None:
+        """``W`` ``[B, m, K]`` of the free sets ``f`` (0/1, the solves' dtype; ``[B, K]`` for
+        ``m = 1``), None without an outlier: ``m`` products and ``B`` Cholesky factors of
+        ``m × m``."""
+        if self.v is None or self.c is None:
             return None
-        vf = self.v.to(f.dtype) * f
-        hv = self.product(vf).mul_(f)
-        return hv.div_((1.0 / self.c + _dot(vf, hv)).clamp_min(1e-300).sqrt()[:, None])
+        b, k = f.shape
+        m = self.v.shape[1]
+        if m == 1:  # Sherman–Morrison: a square root, no factorisation
+            v1 = self.v[:, 0].to(f.dtype) * f
+            hv1 = self.product(v1).mul_(f)
+            return hv1.div_((self.inv_c1 + _dot(v1, hv1)).clamp_min(1e-300).sqrt()[:, None])
+        vf = self.v.T.to(f.dtype)[None] * f[:, None, :]  # [B, m, K]: V_Fᵀ
+        hv = self.product(vf.reshape(b * m, k)).reshape(b, m, k).mul_(f[:, None, :])
+        s = torch.bmm(vf, hv.transpose(1, 2))  # V_FᵀĤV_F, [B, m, m]
+        s.diagonal(dim1=1, dim2=2).add_((1.0 / self.c).to(f.dtype))
+        return _forward_solve(_small_cholesky(s), hv)
 
     def apply(self, r: Tensor, f: Tensor, u: Tensor | None) -> Tensor:
-        """``M⁻¹ r`` per row (``r`` zero off ``F``; ``u`` from :meth:`setup`)."""
+        """``M⁻¹ r`` per row (``r`` zero off ``F``; ``u``, ``W``, from :meth:`setup`)."""
         z = self.product(r).mul_(f)
-        if u is not None:
+        if u is not None and u.dim() == 2:
             z.addcmul_(u, _dot(u, r)[:, None], value=-1.0)
+        elif u is not None:
+            coef = torch.bmm(u, r[:, :, None])  # W r, [B, m, 1]
+            z.sub_(torch.bmm(coef.transpose(1, 2), u)[:, 0])
         return z
 
 
-def deflated(q: Tensor, h: Tensor) -> Preconditioner:
-    """The preconditioner of ``q`` (float64, ``h = Q⁻¹``), in float32: deflated where the top
-    eigenvalue (from ``POWER_STEPS`` power steps, started at ``q``'s longest column) is at
-    least ``OUTLIER_RATIO`` times the mean of the others."""
-    k = q.shape[0]
-    v = q[:, int(_dot(q, q, dim=0).argmax())]
+def _small_cholesky(s: Tensor) -> list[list[Tensor]]:
+    """The lower Cholesky factor ``L`` of the ``[B, m, m]`` positive definite ``s`` (small
+    ``m``), entry by entry as ``[B]`` tensors: ``m²/2`` elementwise operations for all ``B``
+    (a batched LAPACK call per tiny block costs more)."""
+    m = s.shape[1]
+    low: list[list[Tensor]] = [[] for _ in range(m)]
+    for j in range(m):
+        for i in range(j, m):
+            acc = s[:, i, j] - sum((low[i][t] * low[j][t] for t in range(j)),
+                                   torch.zeros_like(s[:, i, j]))
+            low[i].append(acc.clamp_min(1e-300).sqrt() if i == j else acc / low[j][j])
+    return low
+
+
+def _forward_solve(low: list[list[Tensor]], hv: Tensor) -> Tensor:
+    """``L⁻¹ hv`` (``hv`` ``[B, m, K]``, ``L`` from :func:`_small_cholesky`) by forward
+    substitution, row by row."""
+    rows: list[Tensor] = []
+    for i, li in enumerate(low):
+        acc = hv[:, i].clone()
+        for t in range(i):
+            acc.addcmul_(li[t][:, None], rows[t], value=-1.0)
+        rows.append(acc.div_(li[i][:, None]))
+    return torch.stack(rows, dim=1)
+
+
+def _top_one(q: Tensor) -> tuple[Tensor, Tensor]:
+    """The leading eigenpair of ``q`` ``([λ], [K, 1])`` from ``POWER_STEPS`` power steps
+    started at ``q``'s longest column (``λ`` its Rayleigh quotient)."""
+    v = q[:, int(torch.linalg.vecdot(q, q, dim=0).argmax())]
     for _ in range(POWER_STEPS):
         v = q @ (v / torch.linalg.vector_norm(v))
     v = v / torch.linalg.vector_norm(v)
-    lam = float(v @ q @ v)
-    mu = (float(torch.trace(q)) - lam) / max(k - 1, 1)
+    return (v @ q @ v)[None], v[:, None]
+
+
+def _room_for_more(q: Tensor, lam: float, trace: float, k: int) -> bool:
+    """Whether a second eigenvalue may be an outlier: ``s = (‖Q‖²_F − λ₁²)^{1/2}`` bounds
+    ``λ₂`` (``λ₁`` from below: its Rayleigh quotient), and ``λ₂ ≥ OUTLIER_RATIO · μ₂`` needs
+    ``s ≥ OUTLIER_RATIO (tr Q − λ₁ − s)/(K − 2)``. A bulk of ``K − 1`` eigenvalues near their
+    mean ``μ`` has ``s ≈ μ√(K − 1)``: no room below about 100 tasks, so the subspace
+    iteration (:func:`_top_eigen`) runs only where it may find more."""
+    if k < 3:
+        return False
+    s: float = max(float(torch.linalg.vector_norm(q)) ** 2 - lam * lam, 0.0) ** 0.5
+    return s >= OUTLIER_RATIO * (trace - lam - s) / (k - 2)
+
+
+def _top_eigen(q: Tensor, width: int) -> tuple[Tensor, Tensor]:
+    """The ``width`` leading Ritz pairs of ``q`` ``(λ ↓, V)`` from ``POWER_STEPS`` steps of
+    subspace iteration started at ``q``'s longest columns, then one Rayleigh–Ritz rotation."""
+    cols = torch.linalg.vecdot(q, q, dim=0).topk(width).indices
+    v = torch.linalg.qr(q[:, cols]).Q
+    for _ in range(POWER_STEPS):
+        v = torch.linalg.qr(q @ v).Q
+    lam, rot = torch.linalg.eigh(v.T @ q @ v)
+    return lam.flip(0), (v @ rot).flip(1)
+
+
+def _outliers(lam: list[float], trace: float, k: int) -> tuple[int, float]:
+    """``(m, μ)``: the largest ``m`` whose ``m``-th leading eigenvalue (``lam`` decreasing)
+    is at least ``OUTLIER_RATIO`` times ``μ``, the mean of the ``K − m`` others (``0``: none)."""
+    best, mu, head = 0, 0.0, 0.0
+    for j, value in enumerate(lam):
+        head += value
+        rest = (trace - head) / (k - j - 1)
+        if rest > 0.0 and value >= OUTLIER_RATIO * rest:
+            best, mu = j + 1, rest
+    return best, mu
+
+
+def deflated(q: Tensor, h: Tensor) -> Preconditioner:
+    """The preconditioner of ``q`` (float64, ``h = Q⁻¹``), in float32: the leading ``m ≤
+    MAX_DEFLATED`` eigenvalues deflated, each at least ``OUTLIER_RATIO`` times the mean ``μ``
+    of the ``K − m`` others (:func:`_outliers`); the top one by power steps, the others by
+    subspace iteration where there is room for them (:func:`_room_for_more`)."""
+    k = q.shape[0]
     h32 = h.float()
-    if not (mu > 0.0 and lam >= OUTLIER_RATIO * mu):
+    if k < 2:
         return Preconditioner.plain(h32)
-    hb = h + (1.0 / mu - 1.0 / lam) * torch.outer(v, v)
-    return Preconditioner(h32, hb.float(), v.float(), lam - mu)
+    trace = float(torch.trace(q))
+    lam, v = _top_one(q)
+    if _room_for_more(q, float(lam[0]), trace, k):
+        lam, v = _top_eigen(q, min(MAX_DEFLATED, k - 1))
+    m, mu = _outliers(lam.tolist(), trace, k)
+    if m == 0:
+        return Preconditioner.plain(h32)
+    lam, v = lam[:m], v[:, :m]
+    hb = h + (v * (1.0 / mu - 1.0 / lam)) @ v.T
+    c = (lam - mu).float()
+    return Preconditioner(h32, hb.float(), v.float(), c, 1.0 / float(c[0]) if m == 1 else 0.0)

@@ -8,7 +8,10 @@ decides). Inputs: conflicting rows (condition numbers up to about 1e3), rows who
 span 1e-2 … 1e2 (1e8 … 4e9, below the path's limit of 1e10), and few coordinates
 (``P = K + 3``: up to about 2e5), all on the conjugate-gradient path (``CG_MIN_SIZE`` forced
 to 2). Tolerance: the same update (cosine ≥ 0.999999, norm within
-1e-6 relative).
+1e-6 relative). Rows sharing one to three directions (as many outlying eigenvalues, deflated
+together), K ≤ 64: every projection against its KKT conditions, four per case against scipy's
+NNLS. The all-free start ``−lower`` against the closed form from ``−Q⁻¹ shift``, and the
+bounds' product from rows of ``Q`` against the product.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from gradbalance.balancers import _boxqp, _pcg
+from gradbalance.balancers import _boxqp, _pcg, _precond
 from gradbalance.balancers._solvers import trace_normalized
 from support.balancers import nnls_dual_cone
 from unit.balancers.test_many_tasks import assert_same_update
@@ -104,7 +107,8 @@ def test_the_float32_phase_is_only_a_start(case: tuple[int, str, int]) -> None:
     u = torch.eye(k, dtype=F64) / k
     expected = cg_projections(gram, u)
 
-    def wrong(q: Tensor, h: Tensor, shift: Tensor, free0: Tensor) -> tuple[Tensor, Tensor]:
+    def wrong(q: Tensor, h: Tensor, shift: Tensor, free0: Tensor,
+              *_: object) -> tuple[Tensor, Tensor]:
         gen = torch.Generator().manual_seed(seed)
         return torch.ones_like(free0), torch.rand(free0.shape, generator=gen, dtype=F64) / k
 
@@ -155,6 +159,43 @@ def test_opposite_start_solves_the_free_block_without_one_index(k: int, seed: in
     assert torch.allclose(yq[1:], y[1:] @ gram, atol=1e-12)
 
 
+@settings(max_examples=10, deadline=None)
+@given(st.integers(2, 48), st.integers(0, 2**16))
+def test_opposite_start_from_the_known_all_free_point(k: int, seed: int) -> None:
+    """UPGrad's bounds (``c = 0``): the all-free point ``−lower`` given instead of ``−Q⁻¹
+    shift`` (one product fewer) gives the start of the same closed form, every row cold."""
+    gram, _ = trace_normalized((g := well_posed_rows("conflicting", k, seed)) @ g.T)
+    h = torch.cholesky_inverse(torch.linalg.cholesky(gram))
+    lower = torch.diag(torch.rand(k, generator=torch.Generator().manual_seed(seed),
+                                  dtype=F64) + 0.5)
+    free0 = torch.zeros(k, k, dtype=torch.bool)
+    free, y, yq = _pcg.opposite_start(h, lower @ gram, free0, -lower)
+    for i in range(k):
+        rest = [j for j in range(k) if j != i]
+        expected = torch.linalg.solve(gram[rest][:, rest], -(lower @ gram)[i, rest])
+        scale = float(expected.abs().max()) if rest else 1.0
+        assert float(y[i, i]) == 0.0
+        assert torch.allclose(y[i, rest], expected, rtol=1e-8, atol=1e-10 * scale)
+        assert free[i].tolist() == (y[i] > 0).tolist()
+    assert torch.allclose(yq, y @ gram, atol=1e-12)
+
+
+@pytest.mark.parametrize("per_row", [1, 40])
+def test_sparse_rows_product_either_way_is_the_product(per_row: int) -> None:
+    """``a Q`` from the rows of ``Q`` of ``a``'s few non-zero entries (UPGrad's bounds: one
+    per row, each entry the product's own, bit for bit), or one product (many)."""
+    gen = torch.Generator().manual_seed(per_row)
+    k = 512  # one per row: within GATHER_FRACTION; 40: not
+    q = torch.randn(k, k, generator=gen, dtype=F64)
+    a = torch.zeros(k, k, dtype=F64)
+    cols = torch.rand(k, k, generator=gen).argsort(dim=1)[:, :per_row]
+    a.scatter_(1, cols, torch.randn(k, per_row, generator=gen, dtype=F64))
+    got = _pcg.sparse_rows_product(a, q)
+    assert torch.allclose(got, a @ q, atol=1e-12)
+    diag = torch.diag(torch.randn(k, generator=gen, dtype=F64))
+    assert torch.equal(_pcg.sparse_rows_product(diag[:3], q), diag[:3] @ q)
+
+
 @pytest.mark.parametrize("dropped", [1, 40])
 def test_restricted_product_either_way_is_the_product(dropped: int) -> None:
     """``(y ∘ f) Q`` from ``y Q``, by subtracted rows (few dropped) or one product (many)."""
@@ -184,3 +225,51 @@ def test_float64_solves_with_a_float32_preconditioner_converge() -> None:
     residual = torch.linalg.vector_norm((rhs - y @ gram) * f, dim=1)
     assert bool(converged.all())
     assert bool((residual <= 2e-11 * torch.linalg.vector_norm(rhs * f, dim=1)).all())
+
+
+def shared_rows(k: int, directions: int, seed: int) -> Tensor:
+    """``[k, 4k + 8]`` rows ``Σⱼ wⱼ aᵢⱼ sⱼ + nᵢ/2`` (``w = 1, 0.7, 0.4``): one outlying eigenvalue
+    of the Gramian per shared direction ``sⱼ``, each deflated from the preconditioner."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = torch.tensor([1.0, 0.7, 0.4], dtype=F64)[:directions]
+    a = torch.randn(k, directions, generator=gen, dtype=F64) * weights
+    s = torch.randn(directions, 4 * k + 8, generator=gen, dtype=F64)
+    return a @ s + 0.5 * torch.randn(k, 4 * k + 8, generator=gen, dtype=F64)
+
+
+def assert_kkt(gram: Tensor, u: Tensor, v: Tensor) -> None:
+    """``argmin_{v ≥ u} vᵀGv`` per row, from its optimality conditions: ``v ≥ u``, ``w = Gv ≥
+    0`` and ``(v − u)ᵀw = 0``, each to ``1e-9`` of the sizes it is made of (``|G||v|`` for
+    ``w``: ``1e-11`` pivoting residuals amplified by ``Q``'s condition number, below ``1e2``
+    here)."""
+    y, w = v - u, v @ gram
+    size = v.abs() @ gram.abs()
+    top = v.abs().amax(dim=1, keepdim=True)
+    assert bool((y >= -1e-12 * top).all())
+    assert bool((w >= -1e-9 * size).all())
+    assert bool(((y * w).abs() <= 1e-9 * size * top).all())
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.integers(8, 64), st.integers(1, 3), st.integers(0, 2**16))
+def test_several_shared_directions_match_scipy_nnls_and_kkt(k: int, directions: int,
+                                                           seed: int) -> None:
+    """Rows sharing 1–3 directions (as many outlying eigenvalues, deflated together by one
+    ``m × m`` Woodbury solve per free set): every projection meets its KKT conditions, four
+    per case equal scipy's NNLS on the rows."""
+    g = shared_rows(k, directions, seed)
+    gram, _ = trace_normalized(g @ g.T)
+    u = torch.eye(k, dtype=F64) / k
+    seen = []
+
+    def spy(q: Tensor, h: Tensor) -> _precond.Preconditioner:
+        seen.append(pre := _precond.deflated(q, h))
+        return pre
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_boxqp, "deflated", spy)
+        v = cg_projections(gram, u)
+    assert seen and seen[0].v is not None
+    assert_kkt(gram, u, v)
+    for i in sorted({0, k // 3, 2 * k // 3, k - 1}):
+        assert_same_update(g.T @ v[i], nnls_dual_cone(g, u[i]), g)

@@ -1,8 +1,9 @@
-"""The conjugate-gradient preconditioner with ``Q``'s outlying eigenvalue deflated.
+"""The conjugate-gradient preconditioner with ``Q``'s outlying eigenvalues deflated.
 
-``apply`` (Sherman–Morrison on each free set) against the explicit matrix it stands for,
-``(Ĥ_FF)⁻¹ + c v_F v_Fᵀ`` built and solved densely in float64; on ``Q = μI + c vvᵀ`` (where
-the deflated ``B`` is ``μI``) against ``Q_FF⁻¹`` itself; no deflation without an outlier.
+``apply`` (Woodbury on each free set) against the explicit matrix it stands for,
+``(Ĥ_FF)⁻¹ + V_F C V_Fᵀ`` built and solved densely in float64, on rows sharing one to three
+directions; on ``Q = μI + Σⱼ cⱼvⱼvⱼᵀ`` (where the deflated ``B`` is ``μI``) against ``Q_FF⁻¹``
+itself, with every planted outlier found; no deflation without an outlier.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from gradbalance.balancers._precond import deflated
+from gradbalance.balancers._precond import MAX_DEFLATED, deflated
 from gradbalance.balancers._solvers import trace_normalized
 
 F64 = torch.float64
@@ -25,25 +26,33 @@ def _masks(k: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
     return free, torch.randn(k, k, generator=gen, dtype=F64) * free
 
 
+def shared_rows(k: int, directions: int, gen: torch.Generator) -> Tensor:
+    """``[k, 4k]`` rows ``Σⱼ wⱼ aᵢⱼ sⱼ + nᵢ/2`` (``w = 1, 0.7, 0.4``): one outlying eigenvalue
+    of the Gramian per shared direction ``sⱼ``."""
+    weights = torch.tensor([1.0, 0.7, 0.4], dtype=F64)[:directions]
+    a = torch.randn(k, directions, generator=gen, dtype=F64) * weights
+    s = torch.randn(directions, 4 * k, generator=gen, dtype=F64)
+    return a @ s + 0.5 * torch.randn(k, 4 * k, generator=gen, dtype=F64)
+
+
 @settings(max_examples=10, deadline=None)
-@given(st.integers(8, 32), st.integers(0, 2**16))
-def test_apply_is_the_inverse_of_the_deflated_matrix(k: int, seed: int) -> None:
-    """Conflicting rows (one eigenvalue far above the rest): ``M⁻¹ r`` from ``u`` equals the
-    dense solve with ``M_F = (Ĥ_FF)⁻¹ + c v_F v_Fᵀ``, symmetric positive definite."""
+@given(st.integers(8, 32), st.integers(1, 3), st.integers(0, 2**16))
+def test_apply_is_the_inverse_of_the_deflated_matrix(k: int, directions: int,
+                                                     seed: int) -> None:
+    """Rows sharing 1–3 directions: ``M⁻¹ r`` from ``W`` equals the dense solve with ``M_F =
+    (Ĥ_FF)⁻¹ + V_F C V_Fᵀ``, symmetric positive definite; ``V`` orthonormal, ``C > 0``."""
     gen = torch.Generator().manual_seed(seed)
-    rows = torch.randn(k, 1, generator=gen, dtype=F64) * torch.randn(4 * k, generator=gen,
-                                                                      dtype=F64)
-    rows = rows + 0.5 * torch.randn(k, 4 * k, generator=gen, dtype=F64)
-    q, _ = trace_normalized(rows @ rows.T)
+    q, _ = trace_normalized((rows := shared_rows(k, directions, gen)) @ rows.T)
     pre = deflated(q, torch.linalg.inv(q))
-    assert pre.v is not None and pre.c > 0
+    assert pre.v is not None and pre.c is not None and bool((pre.c > 0).all())
+    v, c, h = pre.v.to(F64), pre.c.to(F64), pre.h.to(F64)
+    assert torch.allclose(v.T @ v, torch.eye(v.shape[1], dtype=F64), atol=1e-5)
     free, r = _masks(k, gen)
     f = free.to(F64)
     z = pre.apply(r, f, pre.setup(f))
-    h, v = pre.h.to(F64), pre.v.to(F64)
     for i in range(k):
         sel = free[i]
-        m = torch.linalg.inv(h[sel][:, sel]) + pre.c * torch.outer(v[sel], v[sel])
+        m = torch.linalg.inv(h[sel][:, sel]) + (v[sel] * c) @ v[sel].T
         expected = torch.linalg.solve(m, r[i, sel])
         assert bool((z[i, ~sel] == 0).all())
         err = torch.linalg.vector_norm(z[i, sel] - expected)
@@ -51,16 +60,19 @@ def test_apply_is_the_inverse_of_the_deflated_matrix(k: int, seed: int) -> None:
         assert float(z[i] @ r[i]) > 0
 
 
-@settings(max_examples=10, deadline=None)
-@given(st.integers(3, 40), st.integers(0, 2**16))
-def test_exact_on_a_bulk_of_one_eigenvalue(k: int, seed: int) -> None:
-    """``Q = μI + c vvᵀ`` (``c = 50μ``): the deflated preconditioner is ``Q_FF⁻¹`` exactly
-    (up to its float32 products), whatever the free set."""
+@settings(max_examples=12, deadline=None)
+@given(st.integers(1, MAX_DEFLATED), st.integers(0, 36), st.integers(0, 2**16))
+def test_exact_on_a_bulk_of_one_eigenvalue(m: int, extra: int, seed: int) -> None:
+    """``Q = I + Σⱼ cⱼvⱼvⱼᵀ`` (``cⱼ = 50, 40, …``, ``v`` orthonormal): all ``m`` outliers are
+    deflated and the preconditioner is ``Q_FF⁻¹`` exactly (up to its float32 products),
+    whatever the free set."""
+    k = m + 3 + extra
     gen = torch.Generator().manual_seed(seed)
-    v = torch.randn(k, generator=gen, dtype=F64)
-    v = v / torch.linalg.vector_norm(v)
-    q = torch.eye(k, dtype=F64) + 50.0 * torch.outer(v, v)
+    v = torch.linalg.qr(torch.randn(k, m, generator=gen, dtype=F64)).Q
+    c = 50.0 - 10.0 * torch.arange(m, dtype=F64)
+    q = torch.eye(k, dtype=F64) + (v * c) @ v.T
     pre = deflated(q, torch.linalg.inv(q))
+    assert pre.v is not None and pre.v.shape == (k, m)
     free, r = _masks(k, gen)
     z = pre.apply(r, free.to(F64), pre.setup(free.to(F64)))
     for i in range(k):
