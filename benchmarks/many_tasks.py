@@ -117,11 +117,23 @@ def mixed_rows(k: int, p: int, seed: int) -> torch.Tensor:
     return torch.cat(parts)[torch.randperm(k, generator=gen)].contiguous()
 
 
+def randn_rows(k: int, p: int, seed: int) -> torch.Tensor:
+    """``[K, P]`` float32 ``torch.randn`` rows (no shared direction: one Marchenko–Pastur
+    bulk)."""
+    return torch.randn(k, p, generator=torch.Generator().manual_seed(seed))
+
+
+def float64_rows(k: int, p: int, seed: int) -> torch.Tensor:
+    """The conflicting rows in float64 (the Gramian and the solvers in float64)."""
+    return conflicting_rows(k, p, seed).double()
+
+
 KINDS = {"conflicting": conflicting_rows, "rank8": rank_deficient_rows,
          "near_duplicates": near_duplicate_rows, "wide_norms": wide_norm_rows,
          "rank1": span_rows(1), "span8": span_rows(8), "aligned": aligned_rows,
          "half_zero": half_zero_rows, "mixed": mixed_rows, "span16": span_rows(16),
-         "span32": span_rows(32), "span64": span_rows(64)}
+         "span32": span_rows(32), "span64": span_rows(64), "randn": randn_rows,
+         "float64": float64_rows}
 
 
 def make_balancer(name: str, k: int) -> Balancer:
