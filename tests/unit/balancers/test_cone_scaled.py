@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from gradbalance.balancers._solvers import project_dual_cone, trace_normalized
+from support.cone_reference import assert_projections
 from support.many_kinds import KIND_NAMES, assert_same_update, kind_rows
 
 F64 = torch.float64
@@ -30,20 +31,6 @@ def _problems(k: int, seed: int) -> Tensor:
     return torch.cat([torch.diag(pref), pref[None]])
 
 
-def _scipy_projection(g: Tensor, u: Tensor) -> Tensor:
-    """``Jᵀu`` projected onto ``{x : Jx ≥ 0}`` by scipy's NNLS over the unit rows (the same
-    cone: ``x = Jᵀu + Σ yₖ ĝₖ``, ``y ≥ 0``; zero rows left out)."""
-    from scipy.optimize import nnls
-
-    norms = g.norm(dim=1)
-    unit = g[norms > 0] / norms[norms > 0, None]
-    a = g.T @ u
-    if unit.shape[0] == 0:
-        return a
-    y, _ = nnls(unit.T.numpy(), -a.numpy(), maxiter=10_000)
-    return a + unit.T @ torch.from_numpy(y)
-
-
 @settings(max_examples=30, deadline=None)
 @given(CASES)
 def test_projection_is_scipys_and_meets_kkt(case: tuple[int, str, int]) -> None:
@@ -54,17 +41,7 @@ def test_projection_is_scipys_and_meets_kkt(case: tuple[int, str, int]) -> None:
     g = kind_rows(kind, k, 2 * k + 3, seed)
     u = _problems(k, seed)
     v = project_dual_cone(trace_normalized(g @ g.T)[0], u)
-    norms = g.norm(dim=1)
-    for i in range(u.shape[0]):
-        x = v[i] @ g
-        assert_same_update(x, _scipy_projection(g, u[i]), g)
-        size = float((u[i] * norms).sum())
-        assert bool((v[i] >= u[i] * (1 - 1e-12)).all())
-        if size == 0.0:  # only zero rows bounded: x = 0, checked above
-            continue
-        slack = g @ x / (norms * size).clamp_min(1e-300)
-        assert float(slack.min()) >= -1e-9
-        assert float(((v[i] - u[i]) * norms / size * slack.abs()).max()) <= 1e-9
+    assert_projections(g, u, v)
 
 
 def test_zero_rows_keep_their_bound_and_leave_the_rest() -> None:

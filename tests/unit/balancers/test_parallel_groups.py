@@ -13,7 +13,7 @@ from torch import Tensor
 from gradbalance.balancers import _cone, _parallel_groups
 from gradbalance.balancers._solvers import project_dual_cone, trace_normalized
 from gradbalance.gramian import compute_gramian
-from support.many_kinds import assert_same_update
+from support.cone_reference import assert_projections
 
 F64 = torch.float64
 #: Each group: its size, whether it has both signs, whether its norms span 1e-6 … 1e6.
@@ -51,18 +51,6 @@ def _planted(case: tuple[list[tuple[int, bool, bool]], int, int, int], p: int) -
     return g[torch.randperm(g.shape[0], generator=gen)]
 
 
-def _scipy_projection(g: Tensor, u: Tensor) -> Tensor:
-    """``Jᵀu`` projected onto ``{x : Jx ≥ 0}`` by scipy's NNLS over the unit rows (the same
-    cone: ``x = Jᵀu + Σ yₖ ĝₖ``, ``y ≥ 0``; zero rows left out)."""
-    from scipy.optimize import nnls
-
-    norms = g.norm(dim=1)
-    unit = g[norms > 0] / norms[norms > 0, None]
-    a = g.T @ u
-    y, _ = nnls(unit.T.numpy(), -a.numpy(), maxiter=10_000)
-    return a + unit.T @ torch.from_numpy(y)
-
-
 def _problems(k: int, seed: int) -> Tensor:
     """UPGrad's K bounds ``pᵢeᵢ`` and DualProj's ``p``, for a random positive ``p``."""
     pref = torch.rand(k, generator=torch.Generator().manual_seed(seed), dtype=F64) + 0.1
@@ -82,22 +70,6 @@ class _Spy:
         return out
 
 
-def _assert_projections(g: Tensor, u: Tensor, v: Tensor) -> None:
-    """Every problem: the update scipy's projection (cosine ≥ 0.999999, norm within 1e-6),
-    ``v ≥ u``, in the dual cone and complementary to ``v − u``, relative to the rows' norms."""
-    norms = g.norm(dim=1)
-    for i in range(u.shape[0]):
-        x = v[i] @ g
-        assert_same_update(x, _scipy_projection(g, u[i]), g)
-        size = float((u[i] * norms).sum())
-        assert bool((v[i] >= u[i] * (1 - 1e-12)).all())
-        if size == 0.0:
-            continue
-        slack = g @ x / (norms * size).clamp_min(1e-300)
-        assert float(slack.min()) >= -1e-9
-        assert float(((v[i] - u[i]) * norms / size * slack.abs()).max()) <= 1e-9
-
-
 @settings(max_examples=40, deadline=None)
 @given(CASES)
 def test_planted_groups_are_collapsed_and_exact(
@@ -113,9 +85,9 @@ def test_planted_groups_are_collapsed_and_exact(
         mp.setattr(_cone, "grouped_projection", spy)
         v = project_dual_cone(trace_normalized(g @ g.T)[0], u)
     assert spy.calls and spy.calls[0] is not None and bool(spy.calls[0][1].all())
-    _assert_projections(g, u, v)
+    assert_projections(g, u, v)
     one = project_dual_cone(trace_normalized(g @ g.T)[0], u[-1])  # DualProj's one problem
-    _assert_projections(g, u[-1:], one[None])
+    assert_projections(g, u[-1:], one[None])
 
 
 @settings(max_examples=15, deadline=None)
@@ -132,7 +104,7 @@ def test_a_failed_check_falls_back_to_the_exact_path(
         mp.setattr(_cone, "grouped_projection", spy)
         v = project_dual_cone(trace_normalized(g @ g.T)[0], u)
     assert spy.calls and spy.calls[0] is not None and not bool(spy.calls[0][1].any())
-    _assert_projections(g, u, v)
+    assert_projections(g, u, v)
 
 
 def _reference_weights(g: Tensor, u: Tensor) -> Tensor:
