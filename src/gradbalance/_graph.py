@@ -15,12 +15,11 @@ __all__ = ["edges", "leaf_uses", "reaches", "tensor_hooked", "uses_and_nodes", "
 _CAST = "ToCopyBackward0"
 
 
-def edges(start: Node | None, stops: Collection[Node] = (),
-          more: Sequence[Node] = ()) -> Iterator[tuple[Node, Node]]:
-    """Every edge ``(parent, child)`` of the graph below ``start`` (and ``more``), breadth
+def edges(*starts: Node | None, stops: Collection[Node] = ()) -> Iterator[tuple[Node, Node]]:
+    """Every edge ``(parent, child)`` of the graph below ``starts`` (None: none), breadth
     first, not below a node of ``stops`` other than a start (an edge into a stop is
     yielded)."""
-    queue = deque(dict.fromkeys([*([start] if start is not None else []), *more]))
+    queue = deque(dict.fromkeys(node for node in starts if node is not None))
     seen = set(queue)
     while queue:
         node = queue.popleft()
@@ -65,7 +64,7 @@ def uses_and_nodes(starts: Sequence[Node], stops: Collection[Node],
     starts = [node for node in starts if node not in stops]  # an argument returned as is
     fan_in: Counter[Node] = Counter(starts)
     into_leaf: list[tuple[Node, int]] = []  # (the parent, the leaf's id) of every edge to a leaf
-    for node, child in edges(None, stops, starts):
+    for node, child in edges(*starts, stops=stops):
         if child in stops:  # an input of the cut: a leaf given as an argument is no use of it
             continue
         fan_in[child] += 1

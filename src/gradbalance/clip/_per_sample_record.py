@@ -32,7 +32,6 @@ class FallbackCall:
     carried: list[int]
     stops: frozenset[Node] = frozenset()  # the gradient edges of its tensor arguments
 
-
     @property
     def first(self) -> Tensor:
         """The first tensor argument (its dim 0 is the batch)."""
