@@ -12,8 +12,14 @@ from support.many_kinds import assert_same_update
 
 def scipy_projection(g: Tensor, u: Tensor) -> Tensor:
     """``Jᵀu`` projected onto ``{x : Jx ≥ 0}`` by scipy's NNLS over the unit rows (the same
-    cone: ``x = Jᵀu + Σ yₖ ĝₖ``, ``y ≥ 0``; zero rows left out)."""
-    from scipy.optimize import nnls
+    cone: ``x = Jᵀu + Σ yₖ ĝₖ``, ``y ≥ 0``; zero rows left out).
+
+    Two scipy solvers, Lawson–Hanson's ``nnls`` and ``lsq_linear``'s BVLS, and the answer
+    whose true residual ``‖Jᵀu + Σ yₖ ĝₖ‖`` is the smaller (judged by the residual, not by
+    either solver's report: ``nnls`` of scipy 1.17 returns, for a point on the cone's
+    boundary, a ``y`` whose residual exceeds that of ``y = 0`` while reporting a smaller
+    one)."""
+    from scipy.optimize import lsq_linear, nnls
 
     norms = g.norm(dim=1)
     unit = g[norms > 0] / norms[norms > 0, None]
@@ -21,7 +27,10 @@ def scipy_projection(g: Tensor, u: Tensor) -> Tensor:
     if unit.shape[0] == 0:
         return a
     y, _ = nnls(unit.T.numpy(), -a.numpy(), maxiter=10_000)
-    return a + unit.T @ torch.from_numpy(y)
+    bvls = lsq_linear(unit.T.numpy(), -a.numpy(), bounds=(0.0, float("inf")), method="bvls",
+                      tol=1e-15)
+    points = [a + unit.T @ torch.from_numpy(z).to(a.dtype) for z in (y, bvls.x)]
+    return min(points, key=lambda x: float(x.norm()))
 
 
 def assert_projections(g: Tensor, u: Tensor, v: Tensor) -> None:

@@ -12,7 +12,10 @@ problem is scaled to a largest bound of 1 (the solution is homogeneous in ``u``)
 with no zero row and a diagonal within ``PLAIN_MAX_RATIO`` is solved as given. A matrix of
 numerical rank at most ``K/4`` (up to its rounding) is solved in its rank's dimension
 (:mod:`~._low_rank`); otherwise groups of rows parallel within its rounding are collapsed
-first (:mod:`~._parallel_groups`, each answer certified on the whole problem).
+first (:mod:`~._parallel_groups`, each answer certified on the whole problem). A row of
+``u`` whose ``Jᵀu`` is already in the cone (``uG ≥ 0``: every multiplier of ``v ≥ u`` at
+``v = u`` is non-negative, the KKT conditions hold exactly) is its own projection and is
+not solved (tasks that all agree: no solve at all).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from torch import Tensor
 
 from ._low_rank import low_rank_projection
 from ._parallel_groups import grouped_projection
+from ._pcg import sparse_rows_product
 
 #: ``(Q, lower, tol) → argmin_{x ≥ lower} ½ xᵀQx`` for ``lower`` ``[B, K]``.
 BoxSolve = Callable[[Tensor, Tensor, float], Tensor]
@@ -35,8 +39,22 @@ PLAIN_MAX_RATIO = 1e3
 def scaled_projection(gram: Tensor, u: Tensor, tol: float, solve: BoxSolve,
                       groups: bool = True) -> Tensor:
     """``v`` ``[B, K]`` with ``v = argmin_{v ≥ uᵦ} vᵀGv`` per row of ``u`` ``[B, K]``
-    (float64), ``solve`` run on the trace-normalised cosine matrix of the non-zero rows;
-    ``groups``: parallel rows collapsed first (:mod:`~._parallel_groups`)."""
+    (float64): ``u``'s own rows where ``uG ≥ 0`` (already in the cone), else ``solve`` run
+    on the trace-normalised cosine matrix of the non-zero rows; ``groups``: parallel rows
+    collapsed first (:mod:`~._parallel_groups`)."""
+    inside = (sparse_rows_product(u, gram.to(u.dtype)) >= 0.0).all(dim=1)
+    if bool(inside.all()):
+        return u.clone()
+    if bool(inside.any()):
+        v = u.clone()
+        v[~inside] = _outside_projection(gram, u[~inside], tol, solve, groups)
+        return v
+    return _outside_projection(gram, u, tol, solve, groups)
+
+
+def _outside_projection(gram: Tensor, u: Tensor, tol: float, solve: BoxSolve,
+                        groups: bool) -> Tensor:
+    """:func:`scaled_projection` of rows ``u`` not known to be in the cone."""
     diag = torch.diagonal(gram)
     low, high = torch.stack(diag.aminmax()).tolist()  # one host sync
     if low * PLAIN_MAX_RATIO >= high and low > 0.0:

@@ -68,3 +68,39 @@ def test_wide_norms_match_the_unit_rows() -> None:
     unit = project_dual_cone(trace_normalized(g @ g.T)[0], u * scales)
     for i in range(u.shape[0]):
         assert_same_update(wide[i] @ gw, unit[i] @ g, gw)
+
+
+@settings(max_examples=30, deadline=None)
+@given(CASES)
+def test_rows_already_in_the_cone_are_their_own_projection(case: tuple[int, str, int]) -> None:
+    """A bound with ``uG ≥ 0`` (``Jᵀu`` in the cone: the KKT conditions hold at ``v = u``)
+    comes back as it is; mixed with rows outside, each row is still scipy's projection, and
+    projecting a projection gives it back (the cone's projection is idempotent)."""
+    k, kind, seed = case
+    g = kind_rows(kind, k, 2 * k + 3, seed)
+    gram = trace_normalized(g @ g.T)[0]
+    u = _problems(k, seed)
+    v = project_dual_cone(gram, u)
+    both = torch.cat([u, v])
+    inside = (both @ gram >= 0).all(dim=1)
+    again = project_dual_cone(gram, both)
+    assert torch.equal(again[inside], both[inside])
+    assert_projections(g, both, again)
+    for i in range(k + 1):
+        assert_same_update(again[k + 1 + i] @ g, v[i] @ g, g)
+
+
+def test_agreeing_tasks_take_no_solve(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows with pairwise non-negative inner products: every projection is its own bound,
+    and the box solver is never called."""
+    import gradbalance.balancers._solvers as solvers
+
+    def refuse(*args: object, **kwargs: object) -> Tensor:
+        raise AssertionError("the box solver ran on rows already in the cone")
+
+    monkeypatch.setattr(solvers, "solve_box_qp", refuse)
+    g = torch.rand(40, 90, generator=torch.Generator().manual_seed(0), dtype=F64)
+    u = _problems(40, 0)
+    v = project_dual_cone(trace_normalized(g @ g.T)[0], u)
+    assert torch.equal(v, u)
+    assert_projections(g, u, v)

@@ -246,7 +246,14 @@ def test_rounded_low_rank_takes_its_rank_and_matches_scipy(k: int, r: int, seed:
     rounding has rank ``r`` (the copies ``1e-6`` apart are below the rounding), and the
     updates are scipy's on the rounded rows."""
     r = min(r, k // 8)
-    assert _check_rounded(_half_space_rows(k, r, seed), seed, strict=True) == [r]
+    g = _half_space_rows(k, r, seed)
+    assert _check_rounded(g, seed, strict=True) == _expected_route(g, r)
+
+
+def _expected_route(g: Tensor, r: int) -> list[int]:
+    """``[r]``, or no route where every projection is its own row (a Gramian without a
+    negative entry: every ``uG ≥ 0`` for ``u ≥ 0``, the KKT point ``v = u``)."""
+    return [] if bool((_rounded(g)[1] >= 0).all()) else [r]
 
 
 @settings(max_examples=8, deadline=None)
@@ -284,4 +291,5 @@ def test_every_kind_rounded_to_float32_within_the_bound(k: int, kind: str, seed:
 def test_rank_above_an_eighth_from_128_tasks_takes_its_rank() -> None:
     """K = 160 (140 non-zero rows), rank 24 (above ``K/8``, within ``K/4``) rounded to float32:
     routed at its rank from ``LOW_RANK_WIDE_SIZE`` tasks on, with scipy's updates."""
-    assert _check_rounded(_half_space_rows(160, 24, 3), 3, strict=True) == [24]
+    g = _half_space_rows(160, 24, 3)
+    assert _check_rounded(g, 3, strict=True) == _expected_route(g, 24) == [24]
