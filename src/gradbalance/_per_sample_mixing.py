@@ -4,10 +4,14 @@ The per-sample Gramian takes sample i's gradient at a layer from its output grad
 ``Dᵢ = ∂(Σⱼ ℓⱼ)/∂yᵢ``, which is ``∂ℓᵢ/∂yᵢ`` only when no operation after the layer mixes the
 samples; a BatchNorm module is refused by name, but ``x − x.mean(0)``, a softmax over the batch
 or a hand-written normalisation are plain tensor operations. The check asks the gradients of
-two roots at every recorded output: ``Σᵢ ℓᵢ`` and ``Σᵢ rᵢ ℓᵢ`` with each ``rᵢ`` 1 or 2. Where
-the samples do not mix, every row of the second is ``rᵢ`` times the first's, and exactly so
-(a power of two commutes with rounding through the per-row linear operations of a backward);
-where they mix, row i also carries ``Σⱼ (rⱼ − rᵢ) ∂ℓⱼ/∂yᵢ`` over the other samples.
+``Σᵢ ℓᵢ`` and of ``Σᵢ rᵢ ℓᵢ`` at every recorded output, for each probe ``r`` with every
+``rᵢ`` 1 or 2. Where the samples do not mix, every row of a probe's gradient is ``rᵢ`` times
+the first's, and exactly so (a power of two commutes with rounding through the per-row linear
+operations of a backward); where they mix, row i also carries ``Σⱼ (rⱼ − rᵢ) ∂ℓⱼ/∂yᵢ`` over
+the other samples. Probe b takes ``rᵢ = 1 + bit b of i`` (``⌈log₂ B⌉`` probes): every two
+samples differ in some probe, so a loss that reads another sample (a pair ``(i, B−1−i)``, a
+permutation of the batch) is caught, which one probe misses where it gives both samples the
+same ``rᵢ``.
 
 Example:
     >>> import torch
@@ -33,14 +37,12 @@ __all__ = ["MIXING_EPS", "mixed_outputs", "mixing_error"]
 MIXING_EPS = 64
 
 
-def _probe(batch: int, device: torch.device, dtype: torch.dtype) -> Tensor:
-    """``r`` ``[B]``: 1 or 2 per sample, both present (B ≥ 2), from a fixed private
-    generator (the global one does not move)."""
-    gen = torch.Generator().manual_seed(0x5EED)
-    r = torch.randint(1, 3, (batch,), generator=gen)
-    if batch >= 2:
-        r[0], r[1] = 1, 2
-    return r.to(device=device, dtype=dtype)
+def _probes(batch: int, device: torch.device, dtype: torch.dtype) -> list[Tensor]:
+    """The probes ``r`` ``[B]``, ``⌈log₂ B⌉`` of them (B ≥ 2): probe b is ``1 + bit b`` of
+    each sample's index, so every two samples get different ``rᵢ`` in at least one."""
+    index = torch.arange(batch)
+    return [(1 + (index >> bit) % 2).to(device=device, dtype=dtype)
+            for bit in range((batch - 1).bit_length())]
 
 
 def _mixes(plain: Tensor, probed: Tensor, r: Tensor) -> bool | None:
@@ -70,20 +72,32 @@ def mixed_outputs(losses: Tensor, scale: Tensor | None,
     """The names of the records (``(name, outputs)``) whose output gradients mix the samples
     of ``losses`` (``[B]`` or ``[B, K]``, the loss scale ``scale`` applied as in the step's
     passes); None when nothing could be told (no output with the batch along dim 0 on the
-    graph, or a non-finite gradient). Two ``autograd.grad`` calls, the graph retained."""
+    graph, or a non-finite gradient). ``1 + ⌈log₂ B⌉`` ``autograd.grad`` calls, the graph
+    retained."""
     batch = losses.shape[0]
     named = _batch_outputs(records, batch)
     if batch < 2 or not named:
         return None
     columns = losses.reshape(batch, -1)
-    r = _probe(batch, columns.device, columns.dtype)
-    roots = [columns.sum(), (columns * r[:, None]).sum()]
-    if scale is not None:
-        roots = [root * scale.to(root.dtype) for root in roots]
     outputs = [y for _, y in named]
-    plain, probed = (torch.autograd.grad(root, outputs, retain_graph=True, allow_unused=True)
-                     for root in roots)
-    return _mixing_names([name for name, _ in named], plain, probed, r)
+    probes = _probes(batch, columns.device, columns.dtype)
+    plain = _gradients(columns.sum(), scale, outputs)
+    mixing: list[str] = []
+    for r in probes:
+        probed = _gradients((columns * r[:, None]).sum(), scale, outputs)
+        found = _mixing_names([name for name, _ in named], plain, probed, r)
+        if found is None:
+            return None
+        mixing += [name for name in found if name not in mixing]
+    return list(dict.fromkeys(name for name, _ in named if name in mixing))  # in call order
+
+
+def _gradients(root: Tensor, scale: Tensor | None,
+               outputs: list[Tensor]) -> Sequence[Tensor | None]:
+    """The gradients of ``root`` (times ``scale``) at ``outputs``, the graph retained."""
+    if scale is not None:
+        root = root * scale.to(root.dtype)
+    return torch.autograd.grad(root, outputs, retain_graph=True, allow_unused=True)
 
 
 def _mixing_names(names: list[str], plain: Sequence[Tensor | None],
