@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-__all__ = ["COVERED", "HookedLayer", "refusal"]
+__all__ = ["COVERED", "HookedLayer", "batched_rank", "refusal"]
 
 #: The layers with a ghost form.
 COVERED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.LayerNorm, nn.Embedding)
@@ -67,6 +67,20 @@ class HookedLayer:
             dims = len(self.module.normalized_shape)
             return d.reshape(batch, -1, *d.shape[d.dim() - dims:]).flatten(2)
         return d.reshape(batch, -1, d.shape[-1])
+
+
+def batched_rank(module: nn.Module) -> int:
+    """The fewest dims of a batched input of ``module``: one more than its unbatched input's
+    (``[B, in]`` for a Linear, ``[B, C, L]`` for a Conv1d, ``[B, *normalized_shape]`` for a
+    LayerNorm, ``[B]`` token ids for an Embedding). An unbatched call whose dim 0 happens to
+    be B must not pass for a batch."""
+    if isinstance(module, nn.LayerNorm):
+        return len(module.normalized_shape) + 1
+    if isinstance(module, nn.Conv2d):
+        return 4
+    if isinstance(module, nn.Conv1d):
+        return 3
+    return 1 if isinstance(module, nn.Embedding) else 2
 
 
 def refusal(module: nn.Module) -> str | None:

@@ -16,7 +16,7 @@ from torch.autograd.graph import Node, get_gradient_edge
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves
 
 from .._graph import tensor_hooked, uses_and_nodes, uses_below
-from ._per_sample_layers import HookedLayer
+from ._per_sample_layers import HookedLayer, batched_rank
 
 __all__ = ["Fallback", "FallbackCall", "LayerRecorder"]
 
@@ -207,12 +207,14 @@ class LayerRecorder:
     def _check_batch(self, batch: int, fix: str) -> None:
         for record in self.records():
             firsts = [c.first if isinstance(c, FallbackCall) else c for c in record.inputs]
-            if any(t.dim() == 0 or t.shape[0] != batch for t in firsts):
+            rank = batched_rank(record.module) if isinstance(record, HookedLayer) else 1
+            if any(t.dim() < rank or t.shape[0] != batch for t in firsts):
                 shapes = [tuple(t.shape) for t in firsts]
                 raise ValueError(
                     f"layer {record.name!r} recorded inputs of shapes {shapes} but the losses "
-                    f"have {batch} samples: the batch must be dim 0 of every layer input, and "
-                    f"{fix}"
+                    f"have {batch} samples: the batch must be dim 0 of every layer input (a "
+                    f"batched input of {type(record.module).__name__} has at least {rank} "
+                    f"dims), and {fix}"
                 )
 
     def _check_unchanged(self, fix: str) -> None:

@@ -153,3 +153,37 @@ def test_ghost_norms_refuse_pairs_within_the_batch() -> None:
     ghost = GhostNorms(trunk)
     with pytest.raises(ValueError, match="mixes the samples"):
         ghost.norms(trunk(torch.randn(4, 5)).square().sum(1))
+
+
+# --- A covered layer called without a batch (dim 0 equal to B by chance) --------------------
+
+
+class _Unbatched(nn.Module):
+    """``layer`` called on a learned tensor of its unbatched shape, whose dim 0 is 4: the
+    same number as the batch below."""
+
+    def __init__(self, layer: nn.Module, shape: tuple[int, ...]) -> None:
+        super().__init__()
+        self.const = nn.Parameter(torch.randn(*shape))
+        self.layer, self.first = layer, nn.Linear(5, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(self.first(x)) * self.layer(self.const).reshape(-1)[:1]
+
+
+@pytest.mark.parametrize(("layer", "shape"), [
+    (lambda: nn.Linear(4, 3), (4,)), (lambda: nn.Conv1d(4, 2, 3), (4, 6)),
+    (lambda: nn.Conv2d(4, 2, 1), (4, 2, 2)), (lambda: nn.LayerNorm((4, 3)), (4, 3))])
+def test_an_unbatched_call_is_refused_by_name(layer: Callable[[], nn.Module],
+                                              shape: tuple[int, ...]) -> None:
+    """A Linear on a ``[4]`` vector (or a Conv on ``[C, L]``, a LayerNorm on its normalised
+    shape) with B = 4 passed the batch check and failed later inside the Gramian with a
+    reshape error; it is refused by the batch check, naming the layer, before anything
+    moves."""
+    torch.manual_seed(0)
+    trunk, heads = _Unbatched(layer(), shape), nn.Linear(8, 2)
+    buf = TaskGradBuffer(trunk.parameters(), heads.parameters(), modules=trunk, batch_dim=0)
+    with pytest.raises(ValueError, match=r"layer 'layer' recorded inputs of shapes .* but the "
+                                         r"losses have 4 samples.*at least \d dims"):
+        buf.backward((heads(trunk(torch.randn(4, 5))) - 1).square())
+    assert all(p.grad is None for p in [*trunk.parameters(), *heads.parameters()])
