@@ -112,13 +112,17 @@ def _vectorised(module: nn.Module, names: list[str], params: list[Tensor], call:
     # copies of the module's buffers: a forward that updates its state (spectral norm's power
     # iteration) updates these, not the module's, which the step's forward already moved
     buffers = {n: b.clone() for n, b in module.named_buffers()}
+    # its other parameters (those of covered layers inside it) detached: the rows are values,
+    # with no graph back to them
+    mine = {id(p) for p in params}
+    fixed = {n: p.detach() for n, p in module.named_parameters() if id(p) not in mine}
 
     def pulled(theta: dict[str, Tensor], xs: list[Tensor], gs: list[Tensor]) -> Tensor:
         leaves = list(call.leaves)
         for i, x in zip(split, xs):
             leaves[i] = x.unsqueeze(0)
         args, kwargs = tree_unflatten(leaves, call.spec)
-        out = tree_leaves(functional_call(module, {**theta, **buffers}, tuple(args),
+        out = tree_leaves(functional_call(module, {**fixed, **theta, **buffers}, tuple(args),
                                           dict(kwargs)))
         total: Tensor = sum(((out[i] * g.unsqueeze(0)).sum() for i, g in zip(at, gs)),
                             torch.zeros((), dtype=gs[0].dtype, device=gs[0].device))

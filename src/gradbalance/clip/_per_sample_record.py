@@ -210,11 +210,12 @@ class LayerRecorder:
             rank = batched_rank(record.module) if isinstance(record, HookedLayer) else 1
             if any(t.dim() < rank or t.shape[0] != batch for t in firsts):
                 shapes = [tuple(t.shape) for t in firsts]
+                ranked = (f" (a batched input of {type(record.module).__name__} has at least "
+                          f"{rank} dims)" if rank > 1 else "")
                 raise ValueError(
                     f"layer {record.name!r} recorded inputs of shapes {shapes} but the losses "
-                    f"have {batch} samples: the batch must be dim 0 of every layer input (a "
-                    f"batched input of {type(record.module).__name__} has at least {rank} "
-                    f"dims), and {fix}"
+                    f"have {batch} samples: the batch must be dim 0 of every layer "
+                    f"input{ranked}, and {fix}"
                 )
 
     def _check_unchanged(self, fix: str) -> None:

@@ -9,11 +9,13 @@ objectives of a step in one call, in float64, compared as full updates (every pa
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
@@ -23,6 +25,15 @@ from gradbalance.balancers import Balancer, UPGrad
 
 LossFn = Callable[[nn.Module, nn.Module, Tensor, Tensor], Tensor]
 Batch = tuple[Tensor, Tensor]
+
+
+@contextmanager
+def _float64() -> Iterator[None]:
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(torch.float32)
 
 
 def _grads(params: list[Tensor]) -> Tensor:
@@ -36,7 +47,8 @@ def _squared(trunk: nn.Module, heads: nn.Module, x: Tensor, y: Tensor) -> Tensor
 
 def _run(build: Callable[[], tuple[nn.Module, nn.Module]], steps: list[list[Batch]],
          per_sample: bool, loss_fn: LossFn = _squared,
-         balancer: Callable[[], Balancer] = UPGrad, **options: Any) -> list[Tensor]:
+         balancer: Callable[[], Balancer] = UPGrad, clip: Any = None,
+         **options: Any) -> list[Tensor]:
     """The update of each step (``.grad`` of every parameter, zeroed before each step); the
     matrix route gets all of a step's objectives in one call."""
     torch.manual_seed(0)
@@ -59,7 +71,7 @@ def _run(build: Callable[[], tuple[nn.Module, nn.Module]], steps: list[list[Batc
                     buf = TaskGradBuffer(shared, heads.parameters())
                 buf.backward(torch.cat([loss_fn(trunk, heads, x, y).reshape(-1)
                                         for x, y in micro_batches]))
-            buf.apply_(weighing, clip=copy.deepcopy(options.get("_clip")))
+            buf.apply_(weighing, clip=copy.deepcopy(clip))
             updates.append(_grads(params))
             with torch.no_grad():  # move the model so that later steps differ
                 for p in params:
@@ -187,3 +199,209 @@ def test_an_unbatched_call_is_refused_by_name(layer: Callable[[], nn.Module],
                                          r"losses have 4 samples.*at least \d dims"):
         buf.backward((heads(trunk(torch.randn(4, 5))) - 1).square())
     assert all(p.grad is None for p in [*trunk.parameters(), *heads.parameters()])
+
+
+# --- Trunks and loops: parity with the matrix route ---------------------------------------
+
+
+class _MultiExit(nn.Module):
+    """Returns an early and a late feature: task 0's head reads layer 1, tasks 1–2 layer 3."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2, self.l3 = nn.Linear(5, 6), nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        a = torch.tanh(self.l1(x))
+        return a, self.l3(torch.tanh(self.l2(a)))
+
+
+class _ExitHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.early, self.late = nn.Linear(6, 1), nn.Linear(6, 2)
+
+    def forward(self, features: tuple[Tensor, Tensor]) -> Tensor:
+        return torch.cat([self.early(features[0]), self.late(features[1])], 1)
+
+
+class _Siamese(nn.Module):
+    """One encoder applied to both halves of each sample."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 4))
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        a, b = self.enc(x[:, :3]), self.enc(x[:, 3:])
+        return self.out(torch.cat([a * b, a - b], 1))
+
+
+class _Functional(nn.Module):
+    """Its own weights through ``F.linear`` / ``F.conv1d`` (no outer form: the fallback),
+    around a covered Linear inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 2, 3) / 3)
+        self.v = nn.Parameter(torch.randn(8, 9) / 3)
+        self.inner = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(F.conv1d(x, self.w, stride=2, padding=1)).flatten(1)  # [B, 9]
+        return self.inner(torch.tanh(F.linear(h, self.v)))
+
+
+class _TiedPair(nn.Module):
+    """Two Conv1d layers sharing one weight, then one Linear applied twice (depth) and
+    a second Linear sharing the first one's weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv1d(2, 2, 3, padding=1), nn.Conv1d(2, 2, 3, padding=2, dilation=2)
+        self.c2.weight = self.c1.weight
+        self.a, self.b = nn.Linear(12, 12), nn.Linear(12, 12)
+        self.b.weight = self.a.weight
+        self.out = nn.Linear(12, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.c2(torch.tanh(self.c1(x))).flatten(1)  # [B, 12]
+        h = torch.tanh(self.a(torch.tanh(self.a(h))))
+        return self.out(torch.tanh(self.b(h)))
+
+
+class _Decoder(nn.Module):
+    """A transformer decoder layer (causal mask, a padding mask on the memory)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tgt, self.mem = nn.Linear(3, 8), nn.Linear(3, 8)
+        self.layer = nn.TransformerDecoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(3, dtype=x.dtype)
+        pad = torch.zeros(x.shape[0], 2, dtype=torch.bool)
+        pad[0, 1] = True
+        out = self.layer(self.tgt(x[:, :3]), self.mem(x[:, 3:]), tgt_mask=mask,
+                         memory_key_padding_mask=pad, tgt_is_causal=True)
+        return out.mean(1)
+
+
+class _Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.mha = nn.Linear(3, 8), nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.inp(x)
+        return self.mha(h, h, h, need_weights=False)[0].mean(1)
+
+
+class _Padded(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.out = nn.Embedding(7, 6, padding_idx=2), nn.Linear(6, 8)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.out(torch.tanh(self.embed(ids)).mean(1))
+
+
+def _frozen_middle() -> nn.Module:
+    trunk = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    trunk[2].requires_grad_(False)
+    return trunk
+
+
+def _conv1d(**options: Any) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        conv = nn.Conv1d(2, 3, 3, **options)
+        width = conv(torch.zeros(1, 2, 9)).shape[-1]
+        return nn.Sequential(conv, nn.Tanh(), nn.Flatten(), nn.Linear(3 * width, 8))
+    return build
+
+
+def _vectors(*shape: int) -> Callable[[int], Tensor]:
+    return lambda b: torch.randn(b, *shape)
+
+
+#: name: (trunk, its heads, the inputs of a batch of b samples).
+KINDS: dict[str, tuple[Callable[[], nn.Module], Callable[[], nn.Module],
+                       Callable[[int], Tensor]]] = {
+    "multi_exit": (_MultiExit, _ExitHeads, _vectors(5)),
+    "tied_pair": (_TiedPair, lambda: nn.Linear(8, 3), _vectors(2, 6)),
+    "siamese": (_Siamese, lambda: nn.Linear(8, 3), _vectors(6)),
+    "functional": (_Functional, lambda: nn.Linear(8, 3), _vectors(2, 6)),
+    "decoder_masks": (_Decoder, lambda: nn.Linear(8, 3), _vectors(5, 3)),
+    "attention": (_Attention, lambda: nn.Linear(8, 3), _vectors(4, 3)),
+    "padding_idx": (_Padded, lambda: nn.Linear(8, 3), lambda b: torch.randint(0, 7, (b, 4))),
+    "prelu": (lambda: nn.Sequential(nn.Linear(5, 8), nn.PReLU(), nn.Linear(8, 8), nn.PReLU(8)),
+              lambda: nn.Linear(8, 3), _vectors(5)),
+    "frozen_middle": (_frozen_middle, lambda: nn.Linear(8, 3), _vectors(5)),
+    "conv1d_dilated_strided": (_conv1d(dilation=2, stride=2, padding=2), lambda: nn.Linear(8, 3),
+                               _vectors(2, 9)),
+    "conv1d_circular": (_conv1d(padding=1, padding_mode="circular"), lambda: nn.Linear(8, 3),
+                        _vectors(2, 9)),
+    "conv1d_same_replicate": (_conv1d(padding="same", padding_mode="replicate"),
+                              lambda: nn.Linear(8, 3), _vectors(2, 9)),
+    "linear_4d": (lambda: nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Flatten(1),
+                                        nn.Linear(128, 8)),
+                  lambda: nn.Linear(8, 3), _vectors(4, 4, 3)),
+}
+
+
+
+def _kind(name: str) -> Callable[[], tuple[nn.Module, nn.Module]]:
+    trunk, heads, _ = KINDS[name]
+    return lambda: (trunk(), heads())
+
+
+def _kind_steps(name: str, sizes: list[list[int]], tasks: int = 3) -> list[list[Batch]]:
+    inputs = KINDS[name][2]
+    torch.manual_seed(1)
+    return [[(inputs(b), torch.randn(b, tasks)) for b in step] for step in sizes]
+
+
+def _per_sample_sum(trunk: nn.Module, heads: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+    return _squared(trunk, heads, x, y).sum(1)  # [B]
+
+
+@pytest.mark.parametrize("losses", ["B", "BK"])
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_kind_matches_matrix_route(float64: None, kind: str, losses: str) -> None:
+    """Two steps: micro-batches of 3 and 2 samples, then one of a single sample."""
+    steps = _kind_steps(kind, [[3, 2], [1]])
+    _assert_parity(_kind(kind), steps, loss_fn=_per_sample_sum if losses == "B" else _squared)
+
+
+@pytest.mark.filterwarnings("error::UserWarning")
+def test_fallback_rows_carry_no_graph(float64: None) -> None:
+    """A fallback module holding a covered layer: its per-sample rows are values. They were
+    computed with the inner layer's live parameters, so they kept a graph back to them (and
+    a check converting them to numbers warned)."""
+    _assert_parity(_kind("functional"), _kind_steps("functional", [[4]]))
+
+
+@settings(max_examples=12, deadline=None)
+@given(data=st.data(), total=st.integers(2, 7), update_every=st.integers(1, 3),
+       tasks=st.integers(1, 2), clip=st.booleans())
+def test_micro_batches_with_update_every(data: st.DataObject, total: int, update_every: int,
+                                         tasks: int, clip: bool) -> None:
+    """Steps of ``total`` objectives split into micro-batches of any sizes (another split on
+    every step), ``update_every`` reusing the weights, a row clipper: the matrix route with
+    the same ``update_every`` and clipper over the same objectives."""
+    from gradbalance.clip import TaskClip
+
+    steps = []
+    torch.manual_seed(total)
+    with _float64():
+        for _ in range(4):
+            cuts = sorted(data.draw(st.sets(st.integers(1, total - 1), max_size=2)))
+            sizes = [b - a for a, b in zip([0, *cuts], [*cuts, total])]
+            steps.append([_batch(b, tasks=tasks) for b in sizes])
+    loss_fn = _per_sample_sum if tasks == 1 else _squared
+    build = lambda: (nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 8)),  # noqa: E731
+                     nn.Linear(8, tasks))
+    with _float64():
+        _assert_parity(build, steps, loss_fn=loss_fn, update_every=update_every,
+                       clip=TaskClip(max_norm=0.3) if clip else None)
