@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 from gradbalance import TaskGradBuffer
-from gradbalance.balancers import Balancer, UPGrad
+from gradbalance.balancers import MGDA, Balancer, UPGrad
 
 LossFn = Callable[[nn.Module, nn.Module, Tensor, Tensor], Tensor]
 Batch = tuple[Tensor, Tensor]
@@ -405,3 +405,156 @@ def test_micro_batches_with_update_every(data: st.DataObject, total: int, update
     with _float64():
         _assert_parity(build, steps, loss_fn=loss_fn, update_every=update_every,
                        clip=TaskClip(max_norm=0.3) if clip else None)
+
+
+def test_modules_may_hold_the_heads(float64: None) -> None:
+    """``modules`` the whole model (heads' layers recorded too, their parameters in
+    ``head_params``) and a trunk layer moved to ``head_params``: the matrix route's update."""
+
+    class Whole(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.trunk = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 8))
+            self.heads = nn.Linear(8, 2)
+
+    torch.manual_seed(0)
+    model = Whole()
+    x, y = _batch(5)
+    got = []
+    for per_sample in (True, False):
+        model.zero_grad(set_to_none=True)
+        kwargs: dict[str, Any] = {"modules": model, "batch_dim": 0} if per_sample else {}
+        buf = TaskGradBuffer(model.trunk[0].parameters(),
+                             [*model.trunk[2].parameters(), *model.heads.parameters()], **kwargs)
+        losses = (model.heads(model.trunk(x)) - y).square()
+        buf.backward(losses if per_sample else losses.reshape(-1))
+        buf.apply_(UPGrad())
+        got.append(_grads(list(model.parameters())))
+    torch.testing.assert_close(got[0], got[1], rtol=1e-8, atol=1e-10 * float(got[1].abs().max()))
+
+
+@pytest.mark.parametrize("zeroed", ["some", "all"])
+def test_samples_with_zero_loss_and_constant_weights(float64: None, zeroed: str) -> None:
+    """Losses weighted by fixed constants per task (``reduction="none"`` then ``* c``), some
+    samples' losses (or all) multiplied by 0: their gradients are zero rows of the Gramian."""
+    mask = torch.tensor([0.0, 1.0, 1.0, 0.0]) if zeroed == "some" else torch.zeros(4)
+
+    def weighted(trunk: nn.Module, heads: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+        losses = F.mse_loss(heads(trunk(x)), y, reduction="none") * torch.tensor([1.0, 3.0])
+        return losses * mask[: x.shape[0], None]
+
+    torch.manual_seed(3)
+    steps = [[_batch(4)], [_batch(4), _batch(2)]]
+    for balancer in (UPGrad, MGDA):
+        _assert_parity(_mlp, steps, loss_fn=weighted, balancer=balancer)
+
+
+# --- Refusals: nothing moves ----------------------------------------------------------------
+
+
+def test_a_non_finite_sample_moves_nothing() -> None:
+    """NaN in one sample's loss, with no scaler: ``NonFiniteGradientError`` naming the fix,
+    every ``.grad`` (filled before the step) and the balancer's state as they were, and with
+    ``update_every`` the next step is the first step of an uninterrupted run."""
+    from gradbalance import NonFiniteGradientError
+    from gradbalance.balancers import GradVac
+
+    torch.manual_seed(0)
+    trunk, heads = _mlp()
+    params = [*trunk.parameters(), *heads.parameters()]
+    for p in params:
+        p.grad = torch.full_like(p, 0.25)
+    balancer = GradVac()
+    balancer.compute_weights(torch.eye(8, dtype=torch.float64))  # some state to keep
+    state = copy.deepcopy(balancer.state_dict())
+    buf = TaskGradBuffer(trunk.parameters(), heads.parameters(), modules=trunk, batch_dim=0,
+                         update_every=2)
+    x, y = _batch(4)
+    losses = (heads(trunk(x)) - y).square() * torch.tensor([1.0, float("nan"), 1.0, 1.0])[:, None]
+    buf.backward(losses)
+    with pytest.raises(NonFiniteGradientError, match="inf or NaN"):
+        buf.apply_(balancer)
+    assert all(torch.equal(p.grad, torch.full_like(p, 0.25)) for p in params)
+    assert str(balancer.state_dict()) == str(state)
+    # the refused step was no step: the next one computes weights (no reuse of any)
+    trunk.zero_grad(set_to_none=True)
+    heads.zero_grad(set_to_none=True)
+    buf.backward((heads(trunk(x)) - y).square())
+    stats = buf.apply_(UPGrad())
+    assert not stats.weights_reused
+    assert all(bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None)
+
+
+class _SeqFirstAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.mha = nn.Linear(3, 8), nn.MultiheadAttention(8, 2)  # batch_first=False
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.inp(x).transpose(0, 1)  # [S, B, 8]
+        return self.mha(h, h, h, need_weights=False)[0].transpose(0, 1).mean(1)
+
+
+@pytest.mark.parametrize("length", [5, 4])
+def test_sequence_first_attention_is_refused(length: int) -> None:
+    """``nn.MultiheadAttention(batch_first=False)`` gets ``[S, B, E]``: refused by the batch
+    check where S ≠ B, and by the mixing check where S = B (its dim 0 is the positions)."""
+    torch.manual_seed(0)
+    trunk, heads = _SeqFirstAttention(), nn.Linear(8, 2)
+    buf = TaskGradBuffer(trunk.parameters(), heads.parameters(), modules=trunk, batch_dim=0)
+    x, y = torch.randn(4, length, 3), torch.randn(4, 2)
+    match = "recorded inputs of shapes" if length != 4 else "mixes the samples"
+    with pytest.raises(ValueError, match=match):
+        buf.backward((heads(trunk(x)) - y).square())
+    assert all(p.grad is None for p in trunk.parameters())
+
+
+def test_a_head_tied_to_a_trunk_weight_is_refused() -> None:
+    """An output layer reading the trunk's embedding table (``f @ embed.weight.T``): that
+    use is outside the embedding's recorded calls, refused by name."""
+
+    class Trunk(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.mix = nn.Embedding(6, 8), nn.Linear(8, 8)
+
+        def forward(self, ids: Tensor) -> Tensor:
+            return torch.tanh(self.mix(self.embed(ids).mean(1)))
+
+    torch.manual_seed(0)
+    trunk = Trunk()
+    buf = TaskGradBuffer(trunk.parameters(), modules=trunk, batch_dim=0)
+    logits = trunk(torch.randint(0, 6, (4, 3))) @ trunk.embed.weight.T
+    with pytest.raises(RuntimeError, match=r"'embed.weight' is used 2 times.*recorded 1 calls"):
+        buf.backward(F.cross_entropy(logits, torch.randint(0, 6, (4,)), reduction="none"))
+    assert all(p.grad is None for p in trunk.parameters())
+
+
+def test_bfloat16_autocast_with_a_scaler_equals_the_matrix_route() -> None:
+    """A float32 model under CPU bfloat16 autocast and ``GradScaler("cpu")``, micro-batches
+    of 3 and 4 samples: the matrix route's scaled update, to bfloat16 rounding."""
+    got = []
+    for per_sample in (True, False):
+        torch.manual_seed(0)
+        trunk, heads = KINDS["padding_idx"][0](), nn.Linear(8, 2)
+        params = [*trunk.parameters(), *heads.parameters()]
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+        assert scaler.is_enabled()
+        kwargs: dict[str, Any] = {"modules": trunk, "batch_dim": 0} if per_sample else {}
+        buf = TaskGradBuffer(trunk.parameters(), heads.parameters(), **kwargs)
+        gen = torch.Generator().manual_seed(1)
+        losses = []
+        for b in (3, 4):
+            ids, y = torch.randint(0, 7, (b, 4), generator=gen), torch.randn(b, 2, generator=gen)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = (heads(trunk(ids)).float() - y).square()
+            if per_sample:
+                buf.backward(loss, scaler)
+            losses.append(loss.reshape(-1))
+        if not per_sample:
+            buf.backward(torch.cat(losses), scaler)
+        stats = buf.apply_(UPGrad(), scaler)
+        assert not stats.found_inf and stats.loss_scale == 2.0**8
+        got.append(_grads(params))
+    torch.testing.assert_close(got[0], got[1], rtol=2e-2, atol=2e-2 * float(got[1].abs().max()))
+    assert float(got[1].abs().max()) > 10  # written scaled
