@@ -211,7 +211,7 @@ class LayerRecorder:
             if any(t.dim() < rank or t.shape[0] != batch for t in firsts):
                 shapes = [tuple(t.shape) for t in firsts]
                 ranked = (f" (a batched input of {type(record.module).__name__} has at least "
-                          f"{rank} dims)" if rank > 1 else "")
+                          f"{rank} dims)" if any(t.dim() < rank for t in firsts) else "")
                 raise ValueError(
                     f"layer {record.name!r} recorded inputs of shapes {shapes} but the losses "
                     f"have {batch} samples: the batch must be dim 0 of every layer "
