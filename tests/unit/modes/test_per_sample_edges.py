@@ -558,3 +558,29 @@ def test_bfloat16_autocast_with_a_scaler_equals_the_matrix_route() -> None:
         got.append(_grads(params))
     torch.testing.assert_close(got[0], got[1], rtol=2e-2, atol=2e-2 * float(got[1].abs().max()))
     assert float(got[1].abs().max()) > 10  # written scaled
+
+
+class _BatchStatistics(nn.Module):
+    """An affine normalisation by the batch's statistics of its input (no parameter below
+    it, so each sample's loss has a gradient of its own); one sample alone has no ``std``."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.rand(width) + 0.5)
+        self.shift = nn.Parameter(torch.randn(width))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.gain * (x - x.mean(0)) / (x.std(0) + 1e-3) + self.shift
+
+
+@pytest.mark.filterwarnings("error::UserWarning")
+def test_a_fallback_undefined_on_one_sample_takes_the_masked_route(float64: None) -> None:
+    """The vectorised rows (each sample called alone) are NaN; they were accepted by the
+    check that they add up (NaN compares false) and the step raised
+    ``NonFiniteGradientError`` where the matrix route is finite."""
+    build = lambda: (nn.Sequential(_BatchStatistics(5), nn.Linear(5, 8), nn.Tanh(),  # noqa: E731
+                                   nn.Linear(8, 8)), nn.Linear(8, 2))
+    torch.manual_seed(4)
+    with pytest.warns(UserWarning, match="degrees of freedom"):  # the step's own forward
+        build()[0](torch.randn(1, 5))
+    _assert_parity(build, [[_batch(4)], [_batch(5)]])  # the buffer's one-sample calls: silent
