@@ -113,7 +113,7 @@ class PerSampleBuffer:
                 f"leave them at their defaults, or use TaskGradBuffer without batch_dim "
                 f"(docs/per_sample.md)"
             )
-        if batch_dim != 0 or isinstance(batch_dim, bool):
+        if isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim != 0:
             raise ValueError(f"batch_dim must be 0 (the samples' dimension), got {batch_dim!r}")
         if modules is None:
             raise ValueError(

@@ -109,20 +109,14 @@ def _vectorised(module: nn.Module, names: list[str], params: list[Tensor], call:
     lanes = [call.leaves[i] if k == 1 else call.leaves[i].repeat_interleave(k, 0)
              for i in split]
     at = [call.carried[j] for j in ds]
-    # copies of the module's buffers: a forward that updates its state (spectral norm's power
-    # iteration) updates these, not the module's, which the step's forward already moved
-    buffers = {n: b.clone() for n, b in module.named_buffers()}
-    # its other parameters (those of covered layers inside it) detached: the rows are values,
-    # with no graph back to them
-    mine = {id(p) for p in params}
-    fixed = {n: p.detach() for n, p in module.named_parameters() if id(p) not in mine}
+    fixed = _fixed_state(module, params)
 
     def pulled(theta: dict[str, Tensor], xs: list[Tensor], gs: list[Tensor]) -> Tensor:
         leaves = list(call.leaves)
         for i, x in zip(split, xs):
             leaves[i] = x.unsqueeze(0)
         args, kwargs = tree_unflatten(leaves, call.spec)
-        out = tree_leaves(functional_call(module, {**fixed, **theta, **buffers}, tuple(args),
+        out = tree_leaves(functional_call(module, {**fixed, **theta}, tuple(args),
                                           dict(kwargs)))
         total: Tensor = sum(((out[i] * g.unsqueeze(0)).sum() for i, g in zip(at, gs)),
                             torch.zeros((), dtype=gs[0].dtype, device=gs[0].device))
@@ -137,6 +131,17 @@ def _vectorised(module: nn.Module, names: list[str], params: list[Tensor], call:
         found: dict[str, Tensor] = vmap(grad(pulled), in_dims=(None, 0, 0))(
             theta, lanes, list(ds.values()))
     return [found[n] for n in names]
+
+
+def _fixed_state(module: nn.Module, params: list[Tensor]) -> dict[str, Tensor]:
+    """What the vectorised call holds fixed: copies of the module's buffers (a forward that
+    updates its state, like spectral norm's power iteration, updates these, not the module's,
+    which the step's forward already moved) and its other parameters (those of covered layers
+    inside it) detached, so that the rows are values with no graph back to them."""
+    mine = {id(p) for p in params}
+    fixed = {n: p.detach() for n, p in module.named_parameters() if id(p) not in mine}
+    fixed.update({n: b.clone() for n, b in module.named_buffers()})
+    return fixed
 
 
 def _adds_up(rows: list[Tensor], params: list[Tensor], outputs: list[Tensor | Recorded],

@@ -590,7 +590,7 @@ def _per_sample_backward(losses: Any, balancer: Balancer, shared_params: Iterabl
             f"TaskGradBuffer(..., modules=trunk, batch_dim=0) before the forward "
             f"(docs/per_sample.md)"
         )
-    if batch_dim != 0 or isinstance(batch_dim, bool):
+    if isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim != 0:
         raise ValueError(f"batch_dim must be 0 (the samples' dimension) or None, got "
                          f"{batch_dim!r}")
     if modules is None:

@@ -584,3 +584,19 @@ def test_a_fallback_undefined_on_one_sample_takes_the_masked_route(float64: None
     with pytest.warns(UserWarning, match="degrees of freedom"):  # the step's own forward
         build()[0](torch.randn(1, 5))
     _assert_parity(build, [[_batch(4)], [_batch(5)]])  # the buffer's one-sample calls: silent
+
+
+@pytest.mark.parametrize("value", [0.0, True, 1])
+def test_batch_dim_is_the_int_zero(value: object) -> None:
+    """``batch_dim=0.0`` compared equal to 0 and was taken; like ``True`` it is refused by
+    name, in the buffer and in the one-shot call, before anything moves."""
+    from gradbalance import balanced_backward
+
+    trunk = nn.Linear(3, 2)
+    with pytest.raises(ValueError, match=rf"batch_dim must be 0.*got {value!r}"):
+        TaskGradBuffer(trunk.parameters(), modules=trunk, batch_dim=value)  # type: ignore[arg-type]
+    losses = trunk(torch.randn(4, 3)).sum(1)
+    with pytest.raises(ValueError, match=rf"batch_dim must be 0.*got {value!r}"):
+        balanced_backward(losses, UPGrad(), shared_params=trunk.parameters(), modules=trunk,
+                          batch_dim=value)  # type: ignore[arg-type]
+    assert all(p.grad is None for p in trunk.parameters())
