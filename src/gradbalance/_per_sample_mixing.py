@@ -32,8 +32,12 @@ from torch import Tensor
 
 __all__ = ["MIXING_EPS", "mixed_outputs", "mixing_error"]
 
-#: A row's mismatch accepted, in units of its dtype's ``eps`` times its size: none where the
-#: backward is deterministic; room for kernels whose sums run in a varying order.
+#: A row's mismatch accepted, in units of ``eps`` times its size: none where the backward is
+#: deterministic; room for kernels whose sums run in a varying order. The ``eps`` is float32's
+#: for half-precision gradients (bfloat16 and float16 are exact here too: a power of two
+#: commutes with their rounding; their own ``eps``, 2⁻⁷ for bfloat16, let a loss reading
+#: another sample with weight 1 pass), plus ``MIXING_EPS`` times the rows' difference between
+#: two runs of the same backward, and the underflow of their subnormal range.
 MIXING_EPS = 64
 
 
@@ -45,10 +49,10 @@ def _probes(batch: int, device: torch.device, dtype: torch.dtype) -> list[Tensor
             for bit in range((batch - 1).bit_length())]
 
 
-def _mixes(plain: Tensor, probed: Tensor, r: Tensor) -> bool | None:
-    """Whether ``probed``'s rows differ from ``r`` times ``plain``'s beyond rounding; None if
+def _mixes(plain: Tensor, probed: Tensor, r: Tensor, noise: Tensor | None) -> bool | None:
+    """Whether ``probed``'s rows differ from ``r`` times ``plain``'s beyond rounding (``noise``
+    ``[B]``: the rows' difference between two runs of ``plain``, None: not measured); None if
     either holds a non-finite entry (nothing can be told)."""
-    eps = torch.finfo(probed.dtype).eps if probed.is_floating_point() else 0.0
     a = plain.reshape(plain.shape[0], -1).double()
     b = probed.reshape(probed.shape[0], -1).double()
     if not bool(torch.isfinite(a).all()) or not bool(torch.isfinite(b).all()):
@@ -57,7 +61,34 @@ def _mixes(plain: Tensor, probed: Tensor, r: Tensor) -> bool | None:
     diff = torch.linalg.vector_norm(b - scale * a, dim=1)
     size = torch.linalg.vector_norm(b, dim=1) + scale.flatten() * torch.linalg.vector_norm(a,
                                                                                           dim=1)
-    return bool((diff > MIXING_EPS * eps * size).any())
+    relative, floor = _rounding(probed.dtype, a.shape[1])
+    room = relative * size + floor
+    if noise is not None:
+        room = room + MIXING_EPS * noise.double() * (1 + scale.flatten())
+    return bool((diff > room).any())
+
+
+def _rounding(dtype: torch.dtype, numel: int) -> tuple[float, float]:
+    """A row's room for rounding: relative to its size (``MIXING_EPS`` eps of at least
+    float32), and absolute (its subnormal range, where products lose relative precision)."""
+    if not dtype.is_floating_point:
+        return 0.0, 0.0
+    info = torch.finfo(dtype)
+    wide = torch.finfo(torch.promote_types(dtype, torch.float32)).eps
+    return MIXING_EPS * wide, MIXING_EPS * info.tiny * info.eps * numel ** 0.5
+
+
+def _noise(root: Tensor, scale: Tensor | None, outputs: list[Tensor],
+           plain: Sequence[Tensor | None]) -> list[Tensor | None]:
+    """Each half-precision output's rows' difference between ``plain`` and a second run of
+    the same backward (kernels whose sums run in a varying order); None elsewhere (float32
+    and float64 rows have ``MIXING_EPS`` of their own ``eps``)."""
+    if not any(y.dtype.is_floating_point and torch.finfo(y.dtype).bits <= 16 for y in outputs):
+        return [None] * len(outputs)
+    again = _gradients(root, scale, outputs)
+    return [None if a is None or g is None
+            else torch.linalg.vector_norm((g.double() - a.double()).reshape(g.shape[0], -1), dim=1)
+            for a, g in zip(plain, again)]
 
 
 def _batch_outputs(records: Sequence[tuple[str, Sequence[Tensor]]],
@@ -82,10 +113,11 @@ def mixed_outputs(losses: Tensor, scale: Tensor | None,
     outputs = [y for _, y in named]
     probes = _probes(batch, columns.device, columns.dtype)
     plain = _gradients(columns.sum(), scale, outputs)
+    noise = _noise(columns.sum(), scale, outputs, plain)
     mixing: list[str] = []
     for r in probes:
         probed = _gradients((columns * r[:, None]).sum(), scale, outputs)
-        found = _mixing_names([name for name, _ in named], plain, probed, r)
+        found = _mixing_names([name for name, _ in named], plain, probed, r, noise)
         if found is None:
             return None
         mixing += [name for name in found if name not in mixing]
@@ -101,14 +133,15 @@ def _gradients(root: Tensor, scale: Tensor | None,
 
 
 def _mixing_names(names: list[str], plain: Sequence[Tensor | None],
-                  probed: Sequence[Tensor | None], r: Tensor) -> list[str] | None:
+                  probed: Sequence[Tensor | None], r: Tensor,
+                  noise: Sequence[Tensor | None]) -> list[str] | None:
     """The names (once each, in order) whose two gradients differ beyond rounding; None if
     some gradient is not finite. An output off the graph (None) tells nothing."""
     mixing: list[str] = []
-    for name, a, b in zip(names, plain, probed):
+    for name, a, b, n in zip(names, plain, probed, noise):
         if a is None or b is None:
             continue
-        verdict = _mixes(a, b, r)
+        verdict = _mixes(a, b, r, n)
         if verdict is None:
             return None
         if verdict and name not in mixing:

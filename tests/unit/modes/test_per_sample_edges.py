@@ -600,3 +600,53 @@ def test_batch_dim_is_the_int_zero(value: object) -> None:
         balanced_backward(losses, UPGrad(), shared_params=trunk.parameters(), modules=trunk,
                           batch_dim=value)  # type: ignore[arg-type]
     assert all(p.grad is None for p in trunk.parameters())
+
+
+# --- The mixing check in half precision -----------------------------------------------------
+
+
+def _half_step(dtype: torch.dtype, autocast: bool, mixing: float) -> None:
+    """One ``backward`` of a trunk whose hidden features get ``mixing`` times their batch
+    mean, in a ``dtype`` model or a float32 model under bfloat16 autocast."""
+    torch.manual_seed(0)
+    trunk = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 8)).to(dtype)
+    heads = nn.Linear(8, 2).to(dtype)
+    buf = TaskGradBuffer(trunk.parameters(), heads.parameters(), modules=trunk, batch_dim=0)
+    x = torch.randn(8, 5, dtype=dtype)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        h = trunk[0](x)
+        out = heads(trunk[2](torch.tanh(h + mixing * h.mean(0))))
+    buf.backward((out.float() - 1).square())
+
+
+@pytest.mark.parametrize("mixing", [1.0, 0.05])
+@pytest.mark.parametrize(("dtype", "autocast"), [(torch.float32, True), (torch.bfloat16, False),
+                                                 (torch.float16, False)])
+def test_half_precision_mixing_is_refused(dtype: torch.dtype, autocast: bool,
+                                          mixing: float) -> None:
+    """Under bfloat16 autocast the recorded outputs' gradients are bfloat16, and 64 of its
+    eps (2⁻⁷) let a trunk adding its batch mean pass (at weight 1 as at 0.05): refused now."""
+    with pytest.raises(ValueError, match="mixes the samples of the batch"):
+        _half_step(dtype, autocast, mixing)
+
+
+@pytest.mark.parametrize("kind", ["attention", "decoder_masks", "padding_idx", "tied_pair",
+                                  "multi_exit"])
+@pytest.mark.parametrize(("dtype", "autocast"), [(torch.float32, True), (torch.bfloat16, False),
+                                                 (torch.float16, False)])
+def test_half_precision_trunks_that_keep_the_samples_apart_pass(kind: str, dtype: torch.dtype,
+                                                                autocast: bool) -> None:
+    """The same check accepts every trunk kind above in half precision (no false refusal:
+    the probes are exact there too, up to the subnormal range)."""
+    _half_step(dtype, autocast, 0.0)
+    torch.manual_seed(0)
+    trunk, heads = KINDS[kind][0]().to(dtype), KINDS[kind][1]().to(dtype)
+    shared = [p for p in trunk.parameters() if p.requires_grad]
+    buf = TaskGradBuffer(shared, heads.parameters(), modules=trunk, batch_dim=0)
+    x = KINDS[kind][2](8)
+    x = x.to(dtype) if x.is_floating_point() else x
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = heads(trunk(x))
+    buf.backward((out.float() - 1).square())
+    stats = buf.apply_(UPGrad())
+    assert stats.weights is not None and bool(torch.isfinite(stats.weights).all())
