@@ -366,10 +366,12 @@ def _per_sample_sum(trunk: nn.Module, heads: nn.Module, x: Tensor, y: Tensor) ->
     return _squared(trunk, heads, x, y).sum(1)  # [B]
 
 
-@pytest.mark.parametrize("losses", ["B", "BK"])
-@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize(("kind", "losses"), [
+    *((kind, "BK") for kind in sorted(KINDS)),
+    *((kind, "B") for kind in ["multi_exit", "siamese", "functional", "padding_idx"])])
 def test_kind_matches_matrix_route(float64: None, kind: str, losses: str) -> None:
-    """Two steps: micro-batches of 3 and 2 samples, then one of a single sample."""
+    """Two steps: micro-batches of 3 and 2 samples, then one of a single sample; ``[B, K]``
+    losses (each sample × task an objective), and ``[B]`` (each sample's summed tasks)."""
     steps = _kind_steps(kind, [[3, 2], [1]])
     _assert_parity(_kind(kind), steps, loss_fn=_per_sample_sum if losses == "B" else _squared)
 
@@ -630,8 +632,7 @@ def test_half_precision_mixing_is_refused(dtype: torch.dtype, autocast: bool,
         _half_step(dtype, autocast, mixing)
 
 
-@pytest.mark.parametrize("kind", ["attention", "decoder_masks", "padding_idx", "tied_pair",
-                                  "multi_exit"])
+@pytest.mark.parametrize("kind", ["attention", "padding_idx", "tied_pair", "multi_exit"])
 @pytest.mark.parametrize(("dtype", "autocast"), [(torch.float32, True), (torch.bfloat16, False),
                                                  (torch.float16, False)])
 def test_half_precision_trunks_that_keep_the_samples_apart_pass(kind: str, dtype: torch.dtype,
