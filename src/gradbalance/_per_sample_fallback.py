@@ -9,11 +9,12 @@ gradient taken from the one backward of ``Σᵢ ℓᵢ`` (docs/per_sample.md, "L
    ``[B, numel]`` per parameter at once. Its rows must add up to the recorded call's gradient
    ``∂(Σᵢ Dᵢ·yᵢ)/∂θ``; they do not when the module draws random numbers (dropout), treats
    a shared argument of batch length as per-sample, or mixes its samples.
-2. **Masked**, otherwise: the vector-Jacobian products of the recorded output itself with
-   ``Dᵢ`` on sample i's rows and zeros elsewhere, batched (``is_grads_batched``), in chunks of
-   at most :data:`MASKED_ELEMENTS` gradient elements. Exact for any module whose output rows
-   are its samples (the dropout masks are the recorded ones), at the cost of one backward
-   through the module per sample.
+2. **Masked**, otherwise (and for bfloat16 or float16 parameters, whose rounding the check
+   of route 1 cannot tell from a wrong split): the vector-Jacobian products of the recorded
+   output itself with ``Dᵢ`` on sample i's rows and zeros elsewhere, batched
+   (``is_grads_batched``), in chunks of at most :data:`MASKED_ELEMENTS` gradient elements.
+   Exact for any module whose output rows are its samples (the dropout masks are the
+   recorded ones), at the cost of one backward through the module per sample.
 """
 
 from __future__ import annotations
@@ -50,14 +51,23 @@ def per_sample_grads(module: nn.Module, names: list[str], call: FallbackCall,
     params: list[Tensor] = [module.get_parameter(n) for n in names]
     if not ds:
         return [p.new_zeros(batch * len(tasks), p.numel()) for p in params]
-    try:
-        rows = _vectorised(module, names, params, call, ds, len(tasks))
-    except RuntimeError:  # a random op, or an op vmap cannot batch
-        rows = None
+    rows = None
+    if not any(_half(p) for p in params):  # else the check below cannot tell a wrong split
+        try:
+            rows = _vectorised(module, names, params, call, ds, len(tasks))
+        except RuntimeError:  # a random op, or an op vmap cannot batch
+            rows = None
     with cut_at(call.stops):  # the module's own uses of its parameters in this call
         if rows is None or not _adds_up(rows, params, outputs, ds, len(tasks)):
             rows = _masked(params, outputs, ds, len(tasks))
     return [r.reshape(r.shape[0], -1) for r in rows]
+
+
+def _half(p: Tensor) -> bool:
+    """Whether ``p`` is bfloat16 or float16: the rows' check of :func:`_adds_up` allows 256
+    of its ``eps`` (2⁻⁷ for bfloat16), more than rows from a wrong split miss by, so such a
+    module takes the masked route, exact with any dtype."""
+    return p.is_floating_point() and torch.finfo(p.dtype).bits <= 16
 
 
 @contextmanager
