@@ -70,7 +70,8 @@ def _dense(form: Form) -> Tensor:
 def _self_gram(dense: Tensor) -> Tensor:
     """``M Mᵀ`` (float64) of materialised gradients ``M`` ``[n, numel]`` from its lower half:
     the last rows against every row, the first ones against themselves (¾ of the products),
-    the rest mirrored."""
+    the rest mirrored; in at least float32 (a fallback module's bfloat16 rows too)."""
+    dense = dense.to(_dtype(dense))
     half = dense.shape[0] // 2
     gram = dense.new_empty(dense.shape[0], dense.shape[0])
     gram[:half, :half] = dense[:half] @ dense[:half].T

@@ -692,3 +692,30 @@ def test_half_precision_fallback_rows_are_exact(dtype: torch.dtype) -> None:
         got.append(_grads(list(trunk.parameters())).double())
     tol = 5e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(got[0], got[1], rtol=tol, atol=tol * float(got[1].abs().max()))
+
+
+def test_bfloat16_fallback_rows_gramian_in_float32() -> None:
+    """A bfloat16 model whose attention is a fallback module: its rows' Gramian ran in
+    bfloat16 (every product rounded to 8 bits), and UPGrad's update was 8.5 times its own
+    size off the float64 model's, where the matrix route's is 7 % off; the products now run
+    in float32 (the table layers' rule), and both routes are alike. Reference: the matrix
+    route on the float64 copy of the model (the same data, rounded to bfloat16 first)."""
+    trunk_of, heads_of, inputs = KINDS["attention"]
+    errors = {}
+    for route in ("per_sample", "matrix", "float64"):
+        torch.manual_seed(1)
+        dtype = torch.float64 if route == "float64" else torch.bfloat16
+        trunk, heads = trunk_of().to(dtype), heads_of().to(dtype)
+        torch.manual_seed(11)
+        x, y = inputs(6).bfloat16().to(dtype), torch.randn(6, 3).bfloat16().to(dtype)
+        kwargs: dict[str, Any] = ({"modules": trunk, "batch_dim": 0} if route == "per_sample"
+                                  else {})
+        buf = TaskGradBuffer(trunk.parameters(), heads.parameters(), **kwargs)
+        losses = (heads(trunk(x)) - y).square()
+        buf.backward(losses if route == "per_sample" else losses.reshape(-1))
+        buf.apply_(UPGrad())
+        errors[route] = _grads(list(trunk.parameters())).double()
+    reference = errors.pop("float64")
+    rel = {k: float((v - reference).norm() / reference.norm()) for k, v in errors.items()}
+    assert rel["matrix"] < 0.15  # bfloat16's own rounding
+    assert rel["per_sample"] < 2 * rel["matrix"] + 0.02
