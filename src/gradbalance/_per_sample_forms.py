@@ -50,14 +50,33 @@ def contracted(form: Form) -> Form:
     return materialised([form], _dtype(*form))
 
 
-def layer_form(module: nn.Module, is_weight: bool, x: Tensor, d: Tensor) -> Form:
+def layer_form(module: nn.Module, is_weight: bool, x: Tensor, d: Tensor, k: int = 1) -> Form:
     """The contracted form of one site (:func:`contracted`): its layer's input rows ``x``
-    (token ids ``[n, S]`` for an embedding) and output gradient rows ``d`` ``[n, S, o]``.
-    An embedding table's per-sample gradients are token rows, not one-hot products."""
+    (token ids ``[n, S]`` for an embedding) and output gradient rows ``d`` ``[n·k, S, o]``
+    (``k`` objectives per sample, each sample's input shared by its ``k``). An embedding
+    table's per-sample gradients are token rows, not one-hot products; a weight of linear
+    form materialised for ``k > 1`` is ``k`` objectives' products at once
+    (:func:`_grouped_materialised`), its input not repeated."""
+    plain = is_weight and not isinstance(module, (nn.Embedding, nn.LayerNorm))
+    if k > 1 and plain and not _gram_form_cheaper(d.shape[0], d.shape[1], x.shape[2],
+                                                   d.shape[2]):
+        return _grouped_materialised(x, d, k)
+    if k > 1 and is_weight:  # a bias's form is its output gradient's alone
+        x = x.repeat_interleave(k, 0)
     if not (is_weight and isinstance(module, nn.Embedding)) or _gram_form_cheaper(
             x.shape[0], x.shape[1], module.num_embeddings, d.shape[2]):
         return contracted(site_form(Site(module, is_weight), x, d))
     return token_rows(x, d, module, _dtype(d))
+
+
+def _grouped_materialised(x: Tensor, d: Tensor, k: int) -> Tensor:
+    """``[n·k, o·m]``: objective ``(i, t)``'s gradient ``d_{it}ᵀ xᵢ`` (``x`` ``[n, S, m]``,
+    ``d`` ``[n·k, S, o]``), one batched product of ``[k·o, S] × [S, m]`` per sample."""
+    dtype = _dtype(x, d)
+    n, s, m = x.shape
+    o = d.shape[2]
+    dk = d.to(dtype).reshape(n, k, s, o).transpose(2, 3).reshape(n, k * o, s)
+    return (dk @ x.to(dtype)).reshape(n * k, o * m)
 
 
 def _dense(form: Form) -> Tensor:

@@ -256,7 +256,8 @@ class PerSampleGramian:
             operands.append(LayerOperands(layer, list(layer.inputs), filled))
         x, d = _layer_rows(layer, layer.inputs, filled, batch)
         for _, p, is_weight in layer.bounded():
-            self._add(gram, forms, p, layer_form(layer.module, is_weight, x, d), keep)
+            self._add(gram, forms, p, layer_form(layer.module, is_weight, x, d, len(filled)),
+                      keep)
 
     def _finished(self, gram: Tensor, forms: dict[int, list[Form]],
                   fallen: list[list[Tensor | None]], keep: bool,
@@ -396,21 +397,15 @@ def _release(tasks: list[list[Tensor | None]], at: int, n: int) -> None:
 
 def _layer_rows(layer: HookedLayer, inputs: list[Tensor], tasks: list[list[Tensor]],
                 batch: int) -> tuple[Tensor, Tensor]:
-    """A layer's input rows ``[B·K, S, in]`` and output gradient rows ``[B·K, S, out]``
-    (every call along S; objective ``(i, k)`` at ``i·K + k``): views of the recorded
-    tensors for one call and one task, copies only otherwise."""
-    k = len(tasks)
+    """A layer's input rows ``[B, S, in]`` (the same for every task) and output gradient
+    rows ``[B·K, S, out]`` (every call along S; objective ``(i, k)`` at ``i·K + k``): views
+    of the recorded tensors for one call and one task, copies only otherwise."""
     xs = [layer.rows(t, batch) for t in inputs]
-    if len(xs) == 1 and k == 1:
+    if len(xs) == 1 and len(tasks) == 1:
         return xs[0], layer.output_rows(tasks[0][0], batch)
     d = torch.stack([torch.cat([layer.output_rows(g, batch) for g in grads], 1)
                      for grads in tasks], 1)
-    return _repeated(torch.cat(xs, 1), k), d.flatten(0, 1)
-
-
-def _repeated(x: Tensor, k: int) -> Tensor:
-    """``x`` with every sample's row repeated ``k`` times (itself for ``k = 1``)."""
-    return x if k == 1 else x.repeat_interleave(k, 0)
+    return xs[0] if len(xs) == 1 else torch.cat(xs, 1), d.flatten(0, 1)
 
 
 def _filled(outputs: Sequence[Tensor | Recorded],

@@ -51,10 +51,10 @@ def free_first(free: Tensor) -> tuple[Tensor, Tensor]:
 
 def free_blocks(q: Tensor, idx: Tensor, valid: Tensor) -> Tensor:
     """The blocks ``Q[idx, idx]`` ``[B, m, m]``, the identity on the invalid entries."""
-    m = idx.shape[1]
-    vf = valid.to(q.dtype)
-    block = q[idx].gather(2, idx[:, None, :].expand(-1, m, m))
-    return block * (vf[:, :, None] * vf[:, None, :]) + torch.diag_embed(1.0 - vf)
+    flat = (idx * q.shape[0])[:, :, None] + idx[:, None, :]  # one gather of [B, m, m]
+    block = q.reshape(-1)[flat].masked_fill_(~(valid[:, :, None] & valid[:, None, :]), 0.0)
+    block.diagonal(dim1=1, dim2=2).add_((~valid).to(q.dtype))
+    return block
 
 
 def solve_free(q: Tensor, rhs: Tensor, free: Tensor, total: Tensor | None) -> Tensor:
