@@ -200,9 +200,9 @@ class PerSampleBuffer:
     def _check_unmixed(self, vector: Tensor, scale: Tensor | None) -> None:
         """Refuse (``ValueError``, records dropped) a trunk that mixes the samples after a
         recorded layer (:mod:`gradbalance._per_sample_mixing`): checked once per structure
-        of recorded calls and number of task columns, ``1 + ⌈log₂ B⌉`` extra gradient passes
-        then."""
-        structure = (self.gramian.calls(), vector.reshape(vector.shape[0], -1).shape[1])
+        of recorded calls, number of task columns and batch size, ``1 + ⌈log₂ B⌉`` extra
+        gradient passes then."""
+        structure = (self.gramian.calls(), *vector.reshape(vector.shape[0], -1).shape)
         if structure in self._unmixed:
             return
         try:

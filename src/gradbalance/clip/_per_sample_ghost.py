@@ -216,8 +216,8 @@ class GhostNorms:
                        scale: float | Tensor) -> None:
         """Refuse (``ValueError``, records dropped) a model that mixes the samples after a
         recorded layer (:mod:`gradbalance._per_sample_mixing`), once per structure of
-        recorded calls and number of task columns."""
-        structure = (tuple(len(layer.outputs) for layer in layers), columns.shape[1])
+        recorded calls, number of task columns and batch size."""
+        structure = (tuple(len(layer.outputs) for layer in layers), *columns.shape)
         if structure in self._unmixed:
             return
         factor = scale if isinstance(scale, Tensor) else torch.tensor(float(scale))

@@ -719,3 +719,46 @@ def test_bfloat16_fallback_rows_gramian_in_float32() -> None:
     rel = {k: float((v - reference).norm() / reference.norm()) for k, v in errors.items()}
     assert rel["matrix"] < 0.15  # bfloat16's own rounding
     assert rel["per_sample"] < 2 * rel["matrix"] + 0.02
+
+
+class _MixesWhenLarge(nn.Module):
+    """Centres its hidden features over the batch only from 6 samples on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(5, 8), nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.first(x)
+        return self.second(torch.tanh(h - h.mean(0) if h.shape[0] >= 6 else h))
+
+
+@pytest.mark.parametrize("ghost", [False, True])
+def test_a_new_batch_size_is_checked_again(float64: None, ghost: bool) -> None:
+    """A trunk that mixes the samples only at some batch size: the check of the structure
+    at B = 4 does not vouch for B = 8, which is refused before anything moves."""
+    torch.manual_seed(0)
+    trunk, heads = _MixesWhenLarge(), nn.Linear(8, 2)
+    if ghost:
+        from gradbalance.clip import GhostNorms
+
+        norms = GhostNorms(trunk)
+        for batch, refused in [(4, False), (4, False), (8, True)]:
+            x, y = _batch(batch)
+            losses = (heads(trunk(x)) - y).square().sum(1)
+            if refused:
+                with pytest.raises(ValueError, match="mixes the samples of the batch"):
+                    norms.norms(losses)
+            else:
+                norms.norms(losses)
+        return
+    buf = TaskGradBuffer(trunk.parameters(), heads.parameters(), modules=trunk, batch_dim=0)
+    for batch in (4, 4):
+        x, y = _batch(batch)
+        buf.backward((heads(trunk(x)) - y).square())
+        buf.apply_(MGDA())
+    before = [p.grad.clone() for p in trunk.parameters()]
+    x, y = _batch(8)
+    with pytest.raises(ValueError, match="mixes the samples of the batch"):
+        buf.backward((heads(trunk(x)) - y).square())
+    assert all(torch.equal(p.grad, b) for p, b in zip(trunk.parameters(), before))
