@@ -347,6 +347,11 @@ class PerSampleBuffer:
         self._write([torch.zeros_like(p) for p in self.shared], heads, owned=True)
         poison_([p.grad for p in [*self.shared, *written]])
 
+    @property
+    def in_step(self) -> bool:
+        """Whether a step is in progress (a ``backward`` since the last ``apply_``)."""
+        return bool(self._losses)
+
     def state_dict(self) -> dict[str, Any]:
         """``update_every``'s counter and cached weights (``{}`` with ``update_every=1``:
         the route keeps no other state across steps)."""

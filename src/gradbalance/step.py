@@ -451,19 +451,23 @@ class TaskGradBuffer:
 
     def state_dict(self) -> dict[str, Any]:
         """The ``update_every`` counter, the cached weights, the passes measured or fallen
-        back to, and ``steps_begun`` (the data-parallel ranks compare it in ``apply_``; the
-        task gradients of a step are transient)."""
+        back to, and ``steps_begun`` (the data-parallel ranks compare it in ``apply_``). A step
+        in progress is transient: its task gradients and its count are not saved, so a run
+        resumed from a state saved mid-step repeats that step whole, as one never saved."""
         if self._per_sample is not None:  # update_every's counter and weights only
             return self._per_sample.state_dict()
         return {**self._cache.state_dict(), **self._engine.state_dict(),
-                "steps_begun": self._steps}
+                "steps_begun": self._steps - int(self._count > 0)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output; works on a freshly built buffer.
 
         The cached weights must be ``[K]`` finite numbers, K the buffer's ``num_tasks`` (set
         from them when not known yet); a refused state raises ``ValueError`` before anything
-        changes."""
+        changes. Refused during a step (``RuntimeError``): its micro-batches so far ran with
+        the current weights and counter."""
+        _refuse_load_mid_step(self._count > 0 if self._per_sample is None
+                                  else self._per_sample.in_step)
         if self._per_sample is not None:
             return self._per_sample.load_state_dict(state_dict)
         state = dict(state_dict)
@@ -514,6 +518,17 @@ class TaskGradBuffer:
         self._end_step()
         if not keep_weights:
             self._cache.reset()
+
+
+def _refuse_load_mid_step(in_step: bool) -> None:
+    """``load_state_dict`` between steps only: raise ``RuntimeError`` during one."""
+    if in_step:
+        raise RuntimeError(
+            "load_state_dict() called during a step (after backward(), before apply_()): "
+            "the step's micro-batches so far used the buffer's current update_every weights "
+            "and counter; finish the step with apply_() or drop it with buf.reset() (or "
+            "load into a fresh buffer) first"
+        )
 
 
 def balanced_backward(

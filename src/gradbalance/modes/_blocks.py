@@ -25,6 +25,7 @@ class Call:
     output: Tensor | None = None
     versions: tuple[int, int] = (0, 0)
     loop: bool = True  # the loop's rule would have kept them too (``_routes.keeps``)
+    exact: bool = True  # the layer's own parameters and output (``Block.exact_call``)
 
 
 @dataclass
@@ -78,6 +79,19 @@ class Block:
         ids = {id(p) for p in self.params}
         return id(mod.weight) in ids, mod.bias is not None and id(mod.bias) in ids
 
+    def exact_call(self, hook_id: int) -> bool:
+        """Whether a forward now gives the linear form of the block's parameters: each one is
+        the layer's ``weight`` or ``bias`` during the call (not swapped by
+        ``torch.func.functional_call``, nor the source of a weight a pre-hook computes, as
+        ``torch.nn.utils.prune``), and no forward hook ran before ``hook_id`` (the recorder's)
+        to replace the output."""
+        mod = self.module_layer()
+        own = (mod.weight, mod.bias)
+        if not all(any(p is q for q in own) for p in self.params):
+            return False
+        first = next(iter(mod._forward_hooks), None)
+        return first == hook_id and not _global_forward_hooks()
+
     def called_rows(self) -> int:
         """The rows of the forwards recorded since the last backward."""
         return sum(call.n for call in self.calls)
@@ -124,6 +138,12 @@ class Block:
         self.route = "rows"
         self.inputs.clear()
         self.output_grads.clear()
+
+
+def _global_forward_hooks() -> bool:
+    """Whether a global forward hook (``nn.modules.module.register_module_forward_hook``) is
+    set: it runs before every module's own hooks."""
+    return bool(getattr(nn.modules.module, "_global_forward_hooks", None))
 
 
 def find_blocks(roots: Sequence[nn.Module], params: Sequence[Tensor]) -> list[Block]:

@@ -126,25 +126,27 @@ class GramianRecorder:
         self.contracted: ContractedStep | None = None  # this step's, until apply or clear
         self.tops: list[tuple[Tensor, int]] = []  # the trunk's outputs, each with its version
         ref = weakref.ref(self)
-        self._handles = [
-            block.module.register_forward_hook(_make_hook(ref, block), with_kwargs=True)
-            for block in self.linear
-        ] + [root.register_forward_hook(_make_top_hook(ref)) for root in roots]
+        # first among each layer's forward hooks: the output the layer itself returned
+        self._handles = [_hook_layer(ref, block) for block in self.linear]
+        self._handles += [root.register_forward_hook(_make_top_hook(ref)) for root in roots]
 
     def record(self, block: Block, args: tuple[Any, ...], kwargs: dict[str, Any],
-               output: Any) -> None:
+               output: Any, hook_id: int) -> None:
         if not (torch.is_grad_enabled() and isinstance(output, Tensor) and output.requires_grad):
             return
+        if torch._C._current_autograd_node() is not None:
+            return  # a non-reentrant checkpoint recomputing, inside a backward, a recorded call
         if "Compiled" in type(output.grad_fn).__name__:  # an output of a compiled graph
             raise RuntimeError(_COMPILED)
         x = _recorded_input(block, args, kwargs)
         assert block.form is not None
         n = output.numel() // max(block.form[1], 1)
         loop = keeps(block, n, self.force, self._stepping, self.num_tasks)
+        exact = block.exact_call(hook_id)
         if loop or self._may_contract():
-            block.calls.append(Call(n, x, output, (x._version, output._version), loop))
+            block.calls.append(Call(n, x, output, (x._version, output._version), loop, exact))
         else:
-            block.calls.append(Call(n))
+            block.calls.append(Call(n, exact=exact))
         if len(block.calls) == _MANY_CALLS:
             warnings.warn(
                 f"mode='gramian' holds {_MANY_CALLS} forwards of layer {block.name!r} since "
@@ -392,16 +394,21 @@ def _rows_update(block: Block, weights: Tensor) -> list[tuple[Tensor, Tensor | N
             for hit, (p, start, stop) in zip(block.reached, block.layout.slices())]
 
 
-def _make_hook(ref: weakref.ReferenceType[GramianRecorder], block: Block) -> Any:
+def _hook_layer(ref: weakref.ReferenceType[GramianRecorder], block: Block) -> Any:
+    """The forward hook recording ``block``'s calls, put before the layer's other hooks."""
+    hook_id: list[int] = []
+
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
              output: Any) -> None:
         recorder = ref()
         if recorder is not None:
             if torch.compiler.is_compiling():
                 raise RuntimeError(_COMPILED)
-            recorder.record(block, args, kwargs, output)
+            recorder.record(block, args, kwargs, output, hook_id[0])
 
-    return hook
+    handle = block.module.register_forward_hook(hook, with_kwargs=True, prepend=True)
+    hook_id.append(handle.id)
+    return handle
 
 
 def _make_top_hook(ref: weakref.ReferenceType[GramianRecorder]) -> Any:

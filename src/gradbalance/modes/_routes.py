@@ -74,8 +74,10 @@ def layer_shapes(blocks: Sequence[Block]) -> tuple[tuple[int, int, int, bool, bo
 
 def inexact(blocks: Sequence[Block], loss: Tensor) -> list[Block]:
     """The ``blocks`` whose activations route would miss part of their gradient: a parameter
-    hooked, or used outside the block's recorded calls."""
-    hooked = [block for block in blocks if any(map(tensor_hooked, block.params))]
+    hooked, or used outside the block's recorded calls, or a call that is not the linear form
+    of the block's parameters (:meth:`Block.exact_call`)."""
+    hooked = [block for block in blocks if any(map(tensor_hooked, block.params))
+              or not all(call.exact for call in block.calls)]
     rest = [block for block in blocks if all(block is not h for h in hooked)]
     if not rest:
         return hooked
