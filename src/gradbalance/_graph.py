@@ -4,12 +4,15 @@ recorded forwards exact (docs/loop.md, "One update whatever the route")."""
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
+from typing import Any
 
-from torch import Tensor
+from torch import Tensor, nn
 from torch.autograd.graph import Node
+from torch.utils.hooks import RemovableHandle
 
-__all__ = ["edges", "leaf_uses", "reaches", "tensor_hooked", "uses_and_nodes", "uses_below"]
+__all__ = ["edges", "leaf_uses", "own_output", "reaches", "record_calls", "tensor_hooked",
+           "uses_and_nodes", "uses_below"]
 
 #: A node that only casts its one input (autocast shares one cast of a weight per region).
 _CAST = "ToCopyBackward0"
@@ -81,3 +84,36 @@ def tensor_hooked(param: Tensor) -> bool:
     """Whether ``param`` has a tensor hook (``param.register_hook``)."""
     hooks = getattr(param, "_backward_hooks", None)
     return bool(hooks)
+
+
+#: The ids of the forward hooks :func:`record_calls` registered: they never replace an output.
+_RECORDING: set[int] = set()
+
+
+def record_calls(module: nn.Module, hook: Callable[..., None], *,
+                 with_kwargs: bool = False) -> RemovableHandle:
+    """Register ``hook(module, args, [kwargs,] output, hook_id)`` first among ``module``'s
+    forward hooks, where it sees the output the module returned (:func:`own_output` says
+    whether a hook registered later with ``prepend=True`` came before it)."""
+    hook_id: list[int] = []
+
+    def call(*args: Any) -> None:
+        hook(*args, hook_id[0])
+
+    handle = module.register_forward_hook(call, prepend=True, with_kwargs=with_kwargs)
+    hook_id.append(handle.id)
+    _RECORDING.add(handle.id)
+    return handle
+
+
+def own_output(module: nn.Module, hook_id: int) -> bool:
+    """Whether the forward hook ``hook_id`` of ``module`` receives the module's own output:
+    no global forward hook, and only recording hooks (:func:`record_calls`) before it."""
+    if nn.modules.module._global_forward_hooks:
+        return False
+    for key in module._forward_hooks:
+        if key == hook_id:
+            return True
+        if key not in _RECORDING:
+            return False
+    return False

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import Node, get_gradient_edge
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves
 
-from .._graph import tensor_hooked, uses_and_nodes, uses_below
+from .._graph import own_output, record_calls, tensor_hooked, uses_and_nodes, uses_below
 from ._per_sample_layers import HookedLayer, batched_rank
 
 __all__ = ["Fallback", "FallbackCall", "LayerRecorder"]
@@ -87,6 +87,7 @@ class LayerRecorder:
         self.reached: set[int] = set()  # ids of the parameters the last checked losses reach
         self._handles: list[Any] = []
         self._versions: dict[int, int] = {}  # each recorded output's version when recorded
+        self._foreign: dict[int, str] = {}  # why a recorded output is not its layer's own
 
     def add_layer(self, name: str, module: nn.Module, wanted: Container[int]) -> HookedLayer:
         """Hook a covered layer for its weight and bias whose ids are ``wanted``."""
@@ -97,7 +98,8 @@ class LayerRecorder:
         for pname, p, is_weight in layer.bounded():
             self.names.setdefault(id(p), pname)
             self.sites.setdefault(id(p), []).append((layer, is_weight))
-        self._handles.append(module.register_forward_hook(self._record_layer(layer)))
+        own = [p for _, p, _ in layer.bounded()]
+        self._handles.append(record_calls(module, self._record_layer(layer, own)))
         return layer
 
     def add_fallback(self, name: str, module: nn.Module,
@@ -112,9 +114,13 @@ class LayerRecorder:
         self._handles.append(module.register_forward_hook(self._record_fallback(fallback),
                                                           with_kwargs=True))
 
-    def _record_layer(self, layer: HookedLayer) -> Any:
-        def record(module: nn.Module, args: tuple[Any, ...], output: Tensor) -> None:
+    def _record_layer(self, layer: HookedLayer, own: list[Tensor]) -> Any:
+        def record(module: nn.Module, args: tuple[Any, ...], output: Tensor,
+                   hook_id: int) -> None:
             if self._live() and output.requires_grad:
+                why = _foreign_call(layer, own, hook_id)
+                if why is not None:
+                    self._foreign[id(output)] = why
                 self._keep(layer, args[0], output)
                 if self.many_calls is not None and len(layer.outputs) == self.MANY_CALLS:
                     warnings.warn(f"{self.owner} holds {self.MANY_CALLS} forwards of layer "
@@ -181,6 +187,7 @@ class LayerRecorder:
         starts = [losses.grad_fn] if losses.grad_fn is not None else []
         uses, nodes = uses_and_nodes(starts, (), params)
         self._drop_unreached(nodes)
+        self._check_own(fix)
         self._check_batch(losses.shape[0], fix_batch)
         self._check_unchanged(fix)
         self._check_uses(uses, params, fix)
@@ -203,6 +210,18 @@ class LayerRecorder:
                     calls.append(call)
                     outputs += mine
             fallback.inputs[:], fallback.outputs[:] = calls, outputs
+
+    def _check_own(self, fix: str) -> None:
+        """Refuse a recorded call (on the losses' graph) that is not its layer's own."""
+        for layer in self.layers:
+            for y in layer.outputs:
+                why = self._foreign.get(id(y))
+                if why is not None:
+                    raise RuntimeError(
+                        f"{why}, so {self.owner} would miss part of its per-sample gradient. "
+                        f"Call the layer with its own parameters and leave its output to it, "
+                        f"or {fix}"
+                    )
 
     def _check_batch(self, batch: int, fix: str) -> None:
         for record in self.records():
@@ -259,6 +278,7 @@ class LayerRecorder:
         for fallback in self.fallbacks:
             fallback.bad_call = None
         self._versions.clear()
+        self._foreign.clear()
 
     def remove(self) -> None:
         """Remove the hooks (and the records)."""
@@ -266,3 +286,19 @@ class LayerRecorder:
             handle.remove()
         self._handles.clear()
         self.clear()
+
+
+def _foreign_call(layer: HookedLayer, own: Sequence[Tensor], hook_id: int) -> str | None:
+    """Why a call now is not the outer form of ``layer``'s parameters ``own`` (None: it is):
+    a parameter swapped for the call (``torch.func.functional_call``, a weight a pre-hook
+    computes), or a forward hook run before the record's (``hook_id``) that may have
+    replaced the output."""
+    current = [p for _, p, _ in layer.bounded()]
+    if len(current) != len(own) or any(p is not q for p, q in zip(current, own)):
+        return (f"layer {layer.name!r} ({type(layer.module).__name__}) was called with a "
+                f"weight or bias that is not its parameter (torch.func.functional_call, a "
+                f"weight computed by a forward pre-hook)")
+    if not own_output(layer.module, hook_id):
+        return (f"a forward hook of layer {layer.name!r} ({type(layer.module).__name__}) "
+                f"runs before the record of its output and may replace it")
+    return None

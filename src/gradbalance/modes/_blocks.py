@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from .._graph import own_output
 from ..taskgrads import ParamLayout
 from ._costs import LayerCosts, LinearShape, flops_per_byte, layer_costs
 from ._layers import LAYER_TYPES, linear_form
@@ -89,8 +90,7 @@ class Block:
         own = (mod.weight, mod.bias)
         if not all(any(p is q for q in own) for p in self.params):
             return False
-        first = next(iter(mod._forward_hooks), None)
-        return first == hook_id and not _global_forward_hooks()
+        return own_output(mod, hook_id)
 
     def called_rows(self) -> int:
         """The rows of the forwards recorded since the last backward."""
@@ -138,12 +138,6 @@ class Block:
         self.route = "rows"
         self.inputs.clear()
         self.output_grads.clear()
-
-
-def _global_forward_hooks() -> bool:
-    """Whether a global forward hook (``nn.modules.module.register_module_forward_hook``) is
-    set: it runs before every module's own hooks."""
-    return bool(getattr(nn.modules.module, "_global_forward_hooks", None))
 
 
 def find_blocks(roots: Sequence[nn.Module], params: Sequence[Tensor]) -> list[Block]:

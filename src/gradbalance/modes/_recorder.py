@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .._graph import reaches, tensor_hooked
+from .._graph import reaches, record_calls, tensor_hooked
 from .._sinks import PassSink, RowsSink, StackSink
 from ..distributed import all_gather_columns, all_ranks_true, all_reduce_mean_
 from ..gramian import compute_gramian, linear_gramian
@@ -395,20 +395,16 @@ def _rows_update(block: Block, weights: Tensor) -> list[tuple[Tensor, Tensor | N
 
 
 def _hook_layer(ref: weakref.ReferenceType[GramianRecorder], block: Block) -> Any:
-    """The forward hook recording ``block``'s calls, put before the layer's other hooks."""
-    hook_id: list[int] = []
-
+    """The forward hook recording ``block``'s calls, first among the layer's hooks."""
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-             output: Any) -> None:
+             output: Any, hook_id: int) -> None:
         recorder = ref()
         if recorder is not None:
             if torch.compiler.is_compiling():
                 raise RuntimeError(_COMPILED)
-            recorder.record(block, args, kwargs, output, hook_id[0])
+            recorder.record(block, args, kwargs, output, hook_id)
 
-    handle = block.module.register_forward_hook(hook, with_kwargs=True, prepend=True)
-    hook_id.append(handle.id)
-    return handle
+    return record_calls(block.module, hook, with_kwargs=True)
 
 
 def _make_top_hook(ref: weakref.ReferenceType[GramianRecorder]) -> Any:
