@@ -431,3 +431,29 @@ def test_random_small_trunks_agree_with_the_plain_and_matrix_steps(
             return torch.tanh(functional.linear(x, self.trunk[0].weight)) if tie else x
 
     check_parity(Random, seed, micro, routes=[ROUTES[0], route])
+
+
+class ClampedGradient(Net):
+    """A tensor hook not linear in the gradient, on an activation of the trunk."""
+
+    def feats(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.trunk[0](x))
+        h.register_hook(lambda g: g.clamp(-0.01, 0.01))
+        return torch.tanh(self.trunk[2](h))
+
+
+@pytest.mark.parametrize("passes", ["loop", "batched"])
+def test_a_nonlinear_backward_hook_acts_on_each_tasks_gradient(passes: str) -> None:
+    """docs/loop.md, "Inputs plain PyTorch takes": ``Sum`` gives ``Σₖ h(gₖ)``, each task's
+    gradient through the hook (reference: one ``autograd.grad`` per task), not the plain
+    step's ``h(Σₖ gₖ)``."""
+    net = ClampedGradient(9)
+    params = list(net.trunk.parameters())
+    losses = net.losses(0)
+    per_task = [torch.autograd.grad(loss, params, retain_graph=True) for loss in losses]
+    expected: list[Tensor | None] = [sum(gs, torch.zeros_like(gs[0])) for gs in zip(*per_task)]
+    trunk, _, _ = balanced(ClampedGradient, 9, "matrix", passes, Sum())
+    assert_same(trunk, expected)
+    plain_trunk, _ = plain(ClampedGradient, 9)
+    assert any(not torch.allclose(a, b) for a, b in zip(trunk, plain_trunk)
+               if a is not None and b is not None)
