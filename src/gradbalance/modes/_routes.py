@@ -76,14 +76,19 @@ def inexact(blocks: Sequence[Block], loss: Tensor) -> list[Block]:
     """The ``blocks`` whose activations route would miss part of their gradient: a parameter
     hooked, or used outside the block's recorded calls, or a call that is not the linear form
     of the block's parameters (:meth:`Block.exact_call`)."""
-    hooked = [block for block in blocks if any(map(tensor_hooked, block.params))
-              or not all(call.exact for call in block.calls)]
+    hooked = [block for block in blocks if _foreign(block)]
     rest = [block for block in blocks if all(block is not h for h in hooked)]
     if not rest:
         return hooked
     uses = leaf_uses(loss, [p for block in rest for p in block.params])
     return hooked + [block for block in rest
                      if any(uses[id(p)] != len(block.calls) for p in block.params)]
+
+
+def _foreign(block: Block) -> bool:
+    """Whether a parameter of ``block`` has a tensor hook, or a recorded call is not the
+    layer's own (:meth:`Block.exact_call`)."""
+    return any(map(tensor_hooked, block.params)) or not all(call.exact for call in block.calls)
 
 
 def keep_exact(blocks: Sequence[Block], force: Force, loss: Tensor, k_total: int,
