@@ -457,3 +457,28 @@ def test_a_nonlinear_backward_hook_acts_on_each_tasks_gradient(passes: str) -> N
     plain_trunk, _ = plain(ClampedGradient, 9)
     assert any(not torch.allclose(a, b) for a, b in zip(trunk, plain_trunk)
                if a is not None and b is not None)
+
+
+class InPlaceHooked(Net):
+    """A forward hook, registered before the buffer, that scales the layer's output in place."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__(seed)
+        self.trunk[0].register_forward_hook(lambda m, a, y: y.mul_(2.0))
+
+
+@pytest.mark.parametrize("passes", ["loop", "batched"])
+def test_an_output_scaled_in_place_by_a_forward_hook_is_refused_before_anything_moves(
+        passes: str) -> None:
+    # Before the fix the recorder's hook ran after it and kept the scaled output as the
+    # layer's: 50 % off with Sum, no error.
+    net = InPlaceHooked(0)
+    buf = TaskGradBuffer(net.trunk.parameters(), net.heads.parameters(), mode="gramian",
+                         passes=passes, modules=net.trunk)
+    for p in net.parameters():
+        p.grad = torch.ones_like(p)
+    with pytest.raises(RuntimeError, match="module 0 was modified in place"):
+        buf.backward(net.losses(0))
+    assert all(p.grad is not None and torch.equal(p.grad, torch.ones_like(p))
+               for p in net.parameters())
+    check_parity(InPlaceHooked, 0, routes=[("auto", "loop")])  # auto takes matrix's route
