@@ -482,3 +482,13 @@ def test_an_output_scaled_in_place_by_a_forward_hook_is_refused_before_anything_
     assert all(p.grad is not None and torch.equal(p.grad, torch.ones_like(p))
                for p in net.parameters())
     check_parity(InPlaceHooked, 0, routes=[("auto", "loop")])  # auto takes matrix's route
+
+
+def test_per_sample_route_refuses_an_output_scaled_in_place_by_a_forward_hook() -> None:
+    # Before the fix the record ran after the hook: a wrong per-sample update, no error.
+    net = InPlaceHooked(2)
+    buf = TaskGradBuffer(net.trunk.parameters(), net.heads.parameters(), modules=net.trunk,
+                         batch_dim=0)
+    with pytest.raises(ValueError, match="layer '0' \\(Linear\\) was modified in place"):
+        buf.backward(per_sample_losses(net))
+    assert all(p.grad is None for p in net.parameters())
