@@ -398,6 +398,8 @@ def _accumulate(p: Tensor, g: Tensor, owned: bool = False) -> None:
     parameter's, with a storage of its own size; else a copy), ``.grad += g`` elsewhere."""
     if p.grad is None:
         p.grad = g.detach() if owned and _takeable(p, g) else g.detach().clone()
+    elif p.grad.layout != torch.strided and g.layout == torch.strided:
+        p.grad = g.detach() + p.grad  # a sparse .grad left by a plain backward: now dense
     else:
         p.grad.add_(g)
 

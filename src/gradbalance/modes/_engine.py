@@ -12,6 +12,7 @@ from torch import Tensor
 
 from .._amp import finite_update, nonfinite_error, poison_
 from .._shard import Shard
+from .._sparse import dense
 from ..balancers._base import Balancer, Combination
 from ..clip._protocol import RowClipper
 from ..stats import StepStats
@@ -216,6 +217,9 @@ class WriteBack:
                 else:
                     new = part.clone()
                 self.assign.append((p, new.to(p.dtype)))
+            elif p.grad.layout != torch.strided:  # a sparse .grad left by a plain backward
+                scaled = part if scale is None else part * scale.to(part.dtype)
+                self.assign.append((p, dense(p.grad) + scaled.to(p.dtype)))
             else:
                 self.add.append((p, part.to(p.dtype)))
                 if scale is not None and self._factor is None:

@@ -492,3 +492,56 @@ def test_per_sample_route_refuses_an_output_scaled_in_place_by_a_forward_hook() 
     with pytest.raises(ValueError, match="layer '0' \\(Linear\\) was modified in place"):
         buf.backward(per_sample_losses(net))
     assert all(p.grad is None for p in net.parameters())
+
+
+class SparseTrunk(nn.Module):
+    """A sparse embedding listed after the layer it feeds (its ``.grad`` is written last)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.emb = nn.Embedding(9, 4, sparse=True)
+
+
+def sparse_losses(trunk: SparseTrunk, heads: nn.ModuleList, seed: int,
+                  per_sample: bool) -> Tensor:
+    tokens = torch.randint(0, 9, (5,), generator=torch.Generator().manual_seed(seed))
+    f = torch.tanh(trunk.lin(trunk.emb(tokens)))
+    per = torch.stack([h(f)[:, 0] ** 2 for h in heads], 1)
+    return per if per_sample else per.mean(0)
+
+
+@pytest.mark.parametrize("mode", ["matrix", "gramian", "auto", "per_sample"])
+@pytest.mark.parametrize("update_every", [1, 2])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_a_sparse_grad_left_by_a_plain_backward_is_added_to(mode: str, update_every: int,
+                                                            scaled: bool) -> None:
+    # Before the fix the write-back raised "add(sparse, dense) is not supported" after the
+    # trunk's other .grad were written (a half-written step); plain backward adds the two.
+    def build() -> tuple[SparseTrunk, nn.ModuleList]:
+        torch.manual_seed(0)
+        return SparseTrunk().double(), nn.ModuleList([nn.Linear(3, 1) for _ in range(2)]).double()
+
+    per_sample = mode == "per_sample"
+    trunk, heads = build()
+    twin, twin_heads = build()
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0) if scaled else None
+    assert scaler is None or scaler.is_enabled()
+    factor = 4.0 if scaled else 1.0
+    options: dict[str, Any] = {"batch_dim": 0} if per_sample else {"mode": mode}
+    buf = TaskGradBuffer(trunk.parameters(), heads.parameters(), modules=trunk,
+                         update_every=update_every, **options)
+    for step in range(3):
+        for t, h in ((trunk, heads), (twin, twin_heads)):  # an auxiliary plain backward
+            (factor * sparse_losses(t, h, 10 + step, False).sum()).backward()
+        assert trunk.emb.weight.grad is not None and trunk.emb.weight.grad.is_sparse
+        buf.backward(sparse_losses(trunk, heads, step, per_sample), scaler=scaler)
+        buf.apply_(Sum(), scaler=scaler)
+        (factor * sparse_losses(twin, twin_heads, step, per_sample).sum()).backward()
+        for p, q in zip([*trunk.parameters(), *heads.parameters()],
+                        [*twin.parameters(), *twin_heads.parameters()], strict=True):
+            assert p.grad is not None and q.grad is not None
+            torch.testing.assert_close(p.grad.to_dense(), q.grad.to_dense(), rtol=1e-12,
+                                       atol=1e-14)
+        for m in (trunk, heads, twin, twin_heads):
+            m.zero_grad()
