@@ -14,9 +14,6 @@ from torch.utils.hooks import RemovableHandle
 __all__ = ["edges", "leaf_uses", "own_output", "reaches", "record_calls", "tensor_hooked",
            "uses_and_nodes", "uses_below"]
 
-#: A node that only casts its one input (autocast shares one cast of a weight per region).
-_CAST = "ToCopyBackward0"
-
 
 def edges(*starts: Node | None, stops: Collection[Node] = ()) -> Iterator[tuple[Node, Node]]:
     """Every edge ``(parent, child)`` of the graph below ``starts`` (None: none), breadth
@@ -47,25 +44,32 @@ def reaches(tensor: Tensor, params: Sequence[Tensor]) -> bool:
     return any(_leaf_id(child) in ids for _, child in edges(tensor.grad_fn))
 
 
-def leaf_uses(tensor: Tensor, leaves: Sequence[Tensor]) -> dict[int, int]:
-    """How many times ``tensor``'s graph uses each of ``leaves``, by ``id`` (through casts)."""
-    return uses_below([tensor.grad_fn] if tensor.grad_fn is not None else [], (), leaves)
+def leaf_uses(tensor: Tensor, leaves: Sequence[Tensor],
+              ends: Collection[Node] = ()) -> dict[int, int]:
+    """How many times ``tensor``'s graph uses each of ``leaves``, by ``id`` (:func:`uses_below`)."""
+    return uses_below([tensor.grad_fn] if tensor.grad_fn is not None else [], (), leaves, ends)
 
 
 def uses_below(starts: Sequence[Node], stops: Collection[Node],
-               leaves: Sequence[Tensor]) -> dict[int, int]:
+               leaves: Sequence[Tensor], ends: Collection[Node] = ()) -> dict[int, int]:
     """How many times the graph below ``starts``, cut at ``stops`` (e.g. the gradient edges
     of a module call's inputs: then the uses inside the call), uses each of ``leaves``, by
-    ``id`` (through casts)."""
-    return uses_and_nodes(starts, stops, leaves)[0]
+    ``id``.
+
+    A use is a node that reads the leaf with something else (two or more inputs), a node of
+    ``ends`` (a recorded layer output's) or a start, reaching the leaf through nodes of one
+    input each (a cast, a transpose, a view): so a cast autocast shares between calls counts
+    each call, and a saved ``weight.t()`` a double backward reads again counts twice."""
+    return uses_and_nodes(starts, stops, leaves, ends)[0]
 
 
-def uses_and_nodes(starts: Sequence[Node], stops: Collection[Node],
-                   leaves: Sequence[Tensor]) -> tuple[dict[int, int], set[Node]]:
+def uses_and_nodes(starts: Sequence[Node], stops: Collection[Node], leaves: Sequence[Tensor],
+                   ends: Collection[Node] = ()) -> tuple[dict[int, int], set[Node]]:
     """:func:`uses_below`, and the nodes of that graph (one walk for both)."""
     counts = dict.fromkeys(map(id, leaves), 0)
     starts = [node for node in starts if node not in stops]  # an argument returned as is
     fan_in: Counter[Node] = Counter(starts)
+    parents: dict[Node, list[Node]] = {}  # of the nodes of one input, for the uses
     into_leaf: list[tuple[Node, int]] = []  # (the parent, the leaf's id) of every edge to a leaf
     for node, child in edges(*starts, stops=stops):
         if child in stops:  # an input of the cut: a leaf given as an argument is no use of it
@@ -74,10 +78,55 @@ def uses_and_nodes(starts: Sequence[Node], stops: Collection[Node],
         leaf = _leaf_id(child)
         if leaf in counts:
             into_leaf.append((node, leaf))
+        elif _unary(child):
+            parents.setdefault(child, []).append(node)
+    uses = _Uses(parents, Counter(starts), ends)
     for parent, leaf in into_leaf:
-        cast = type(parent).__name__ == _CAST and len(parent.next_functions) == 1
-        counts[leaf] += fan_in[parent] if cast else 1
+        counts[leaf] += uses.of(parent)
     return counts, set(fan_in)
+
+
+def _unary(node: Node) -> bool:
+    """Whether ``node`` has one input (a cast, a transpose, a view, a product by a constant)."""
+    return sum(child is not None for child, _ in node.next_functions) == 1
+
+
+class _Uses:
+    """The uses a node passes to the nodes below it: one where it reads several inputs, is
+    an end or a start, else the sum of its parents' (iterative: chains may be long)."""
+
+    def __init__(self, parents: dict[Node, list[Node]], starts: Counter[Node],
+                 ends: Collection[Node]) -> None:
+        self.parents, self.starts, self.ends = parents, starts, ends
+        self.memo: dict[Node, int] = {}
+
+    def _own(self, node: Node) -> int | None:
+        """The node's uses where they do not depend on its parents' (None: they do)."""
+        if node in self.ends or not _unary(node):
+            return 1
+        if node not in self.parents:
+            return self.starts[node] or 1
+        return None
+
+    def of(self, node: Node) -> int:
+        stack = [node]
+        while stack:
+            top = stack[-1]
+            if top in self.memo:
+                stack.pop()
+                continue
+            own = self._own(top)
+            if own is not None:
+                self.memo[top] = own
+                stack.pop()
+                continue
+            waiting = [q for q in self.parents[top] if q not in self.memo]
+            if waiting:
+                stack.extend(waiting)
+                continue
+            self.memo[top] = self.starts[top] + sum(self.memo[q] for q in self.parents[top])
+            stack.pop()
+        return self.memo[node]
 
 
 def tensor_hooked(param: Tensor) -> bool:

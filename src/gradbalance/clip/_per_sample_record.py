@@ -185,7 +185,9 @@ class LayerRecorder:
                     f"shared_params"
                 )
         starts = [losses.grad_fn] if losses.grad_fn is not None else []
-        uses, nodes = uses_and_nodes(starts, (), params)
+        ends = {y.grad_fn for layer in self.layers for y in layer.outputs
+                if y.grad_fn is not None}
+        uses, nodes = uses_and_nodes(starts, (), params, ends)
         self._drop_unreached(nodes)
         self._check_own(fix)
         self._check_batch(losses.shape[0], fix_batch)

@@ -80,7 +80,9 @@ def inexact(blocks: Sequence[Block], loss: Tensor) -> list[Block]:
     rest = [block for block in blocks if all(block is not h for h in hooked)]
     if not rest:
         return hooked
-    uses = leaf_uses(loss, [p for block in rest for p in block.params])
+    ends = {call.output.grad_fn for block in rest for call in block.calls
+            if call.output is not None and call.output.grad_fn is not None}
+    uses = leaf_uses(loss, [p for block in rest for p in block.params], ends)
     return hooked + [block for block in rest
                      if any(uses[id(p)] != len(block.calls) for p in block.params)]
 
