@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from torch import Tensor
+from torch.autograd.graph import Node
 
 from .._graph import leaf_uses, tensor_hooked
 from ._blocks import Block
@@ -80,11 +81,15 @@ def inexact(blocks: Sequence[Block], loss: Tensor) -> list[Block]:
     rest = [block for block in blocks if all(block is not h for h in hooked)]
     if not rest:
         return hooked
-    ends = {call.output.grad_fn for block in rest for call in block.calls
-            if call.output is not None and call.output.grad_fn is not None}
-    uses = leaf_uses(loss, [p for block in rest for p in block.params], ends)
+    uses = leaf_uses(loss, [p for block in rest for p in block.params], _outputs(rest))
     return hooked + [block for block in rest
                      if any(uses[id(p)] != len(block.calls) for p in block.params)]
+
+
+def _outputs(blocks: Sequence[Block]) -> set[Node]:
+    """The nodes of the recorded calls' outputs: each one use of the layer's parameters."""
+    return {call.output.grad_fn for block in blocks for call in block.calls
+            if call.output is not None and call.output.grad_fn is not None}
 
 
 def _foreign(block: Block) -> bool:
