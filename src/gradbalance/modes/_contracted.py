@@ -44,9 +44,23 @@ class ContractedStep:
     def weighted_update(self, params: Sequence[Tensor], weights: Tensor) -> WriteBack:
         """``Σₖ wₖ ∂(s·Lₖ)/∂θ`` by one backward through the kept graph, nothing written."""
         scaled = self.roots.scaled
-        parts = torch.autograd.grad(scaled, list(params), grad_outputs=weights.to(scaled.dtype),
-                                    allow_unused=True)
+        try:
+            parts = torch.autograd.grad(scaled, list(params),
+                                        grad_outputs=weights.to(scaled.dtype), allow_unused=True)
+        except RuntimeError as error:
+            if "second time" not in str(error):
+                raise
+            raise RuntimeError(_FREED) from error
         return WriteBack(params, parts, owned=[True] * len(parts))
+
+
+#: A backward between ``backward()`` and ``apply_()`` freed the graph the write-back needs.
+_FREED = (
+    "mode='gramian' contracted this step's passes and keeps the losses' graph until apply_() "
+    "for its write-back, but a backward through that graph since backward() (e.g. "
+    "aux_loss.backward() on the same forward) freed it; run that backward before "
+    "buf.backward(), or with retain_graph=True. The step is dropped"
+)
 
 
 class _Hooks:

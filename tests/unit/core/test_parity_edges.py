@@ -572,3 +572,20 @@ def test_a_gradient_penalty_through_a_double_backward_gets_matrix_modes_update(
     check_parity(WeightGradientPenalty, 0, micro)
     *_, buf = balanced(WeightGradientPenalty, 0, "gramian", "loop", UPGrad(), micro)
     assert buf.layer_routes == {"0": "activations", "2": "rows"}
+
+
+def test_a_backward_that_frees_the_kept_graph_before_apply_is_named() -> None:
+    # Before the fix apply_ raised torch's "backward through the graph a second time".
+    net = Net(1)
+    buf = TaskGradBuffer(net.trunk.parameters(), net.heads.parameters(), mode="gramian",
+                         passes="batched", modules=net.trunk)
+    x = torch.randn(net.rows, net.width, generator=torch.Generator().manual_seed(3),
+                    dtype=torch.float64)
+    f = net.feats(x)
+    buf.backward([h(f).pow(2).mean() for h in net.heads])
+    f.pow(2).mean().backward()  # a trunk-only loss: frees the graph the write-back keeps
+    with pytest.raises(RuntimeError, match="freed it; run that backward before"):
+        buf.apply_(UPGrad())
+    assert all(p.grad is None for p in net.heads.parameters())  # as before the step
+    buf.backward(net.losses(1))  # the step was dropped: the next one starts clean
+    buf.apply_(UPGrad())
