@@ -158,7 +158,7 @@ def record_calls(module: nn.Module, hook: Callable[..., None], *,
 def own_output(module: nn.Module, hook_id: int) -> bool:
     """Whether the forward hook ``hook_id`` of ``module`` receives the module's own output:
     no global forward hook, and only recording hooks (:func:`record_calls`) before it."""
-    if nn.modules.module._global_forward_hooks:
+    if getattr(nn.modules.module, "_global_forward_hooks", None):
         return False
     for key in module._forward_hooks:
         if key == hook_id:
