@@ -91,8 +91,9 @@ def test_resumed_buffer_uses_the_saved_choice(monkeypatch: pytest.MonkeyPatch) -
     fresh.load_state_dict({"update_every": 1, "step": 0, "weights": None, "passes": "loop"})
     _matrix_after_backward(fresh, model, x, y)
     assert calls == [] and fresh.state_dict()["passes"] == "loop"
-    with pytest.raises(ValueError, match="Invalid state_dict: passes='fast'"):
-        fresh.load_state_dict({"update_every": 1, "step": 0, "weights": None,
+    other = TaskGradBuffer(model.trunk.parameters(), model.head_parameters(), passes="measure")
+    with pytest.raises(ValueError, match="Invalid state_dict: passes='fast'"):  # between steps
+        other.load_state_dict({"update_every": 1, "step": 0, "weights": None,
                                "passes": "fast"})
 
 
