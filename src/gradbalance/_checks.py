@@ -95,6 +95,15 @@ def check_bool(name: str, value: bool) -> bool:
     return value
 
 
+def check_batch_dim(value: object, or_none: bool = False) -> int:
+    """``batch_dim``: the int 0 (the samples' dimension); not a bool, a float or another dim."""
+    if isinstance(value, bool) or not isinstance(value, int) or value != 0:
+        alternatives = " or None" if or_none else ""
+        raise ValueError(f"batch_dim must be 0 (the samples' dimension){alternatives}, got "
+                         f"{value!r}")
+    return value
+
+
 def check_choice(name: str, value: str, options: Sequence[str]) -> str:
     """One of ``options``."""
     if value not in options:

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from ._amp import poison_, scale_of
-from ._checks import as_parameter_list
+from ._checks import as_parameter_list, check_batch_dim
 from ._coverage import Coverage, _module_names
 from ._per_sample_gramian import Parts, PerSampleGramian, Snapshot
 from ._per_sample_mixing import mixed_outputs, mixing_error
@@ -113,8 +113,7 @@ class PerSampleBuffer:
                 f"leave them at their defaults, or use TaskGradBuffer without batch_dim "
                 f"(docs/per_sample.md)"
             )
-        if isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim != 0:
-            raise ValueError(f"batch_dim must be 0 (the samples' dimension), got {batch_dim!r}")
+        check_batch_dim(batch_dim)
         if modules is None:
             raise ValueError(
                 "batch_dim=0 needs modules=...: the module(s) owning shared_params, e.g. "

@@ -31,6 +31,7 @@ from ._amp import no_autocast, scale_of
 from ._checks import (
     as_loss_vector,
     as_parameter_list,
+    check_batch_dim,
     check_bool,
     check_int,
     check_optional_num_tasks,
@@ -605,9 +606,7 @@ def _per_sample_backward(losses: Any, balancer: Balancer, shared_params: Iterabl
             f"TaskGradBuffer(..., modules=trunk, batch_dim=0) before the forward "
             f"(docs/per_sample.md)"
         )
-    if isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim != 0:
-        raise ValueError(f"batch_dim must be 0 (the samples' dimension) or None, got "
-                         f"{batch_dim!r}")
+    check_batch_dim(batch_dim, or_none=True)
     if modules is None:
         raise ValueError("batch_dim=0 needs modules=...: the trunk, whose layers are checked "
                          "for sample-mixing ones (BatchNorm in training mode)")
