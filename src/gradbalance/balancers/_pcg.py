@@ -43,14 +43,16 @@ ROUGH_PIVOT_ENTRIES = 8192
 GATHER_FRACTION = 1 / 256
 
 
-def restricted_product(q: Tensor, y0: Tensor, y0q: Tensor, f: Tensor) -> Tensor:
+def restricted_product(q: Tensor, y0: Tensor, y0q: Tensor, f: Tensor,
+                       kept: Tensor | None = None) -> Tensor:
     """``(y0 ∘ f) Q`` from ``y0 Q``: the rows of ``Q`` of the few entries ``f`` drops are
     subtracted (one ``[B, K] × [K, K]`` product instead when they are more than
-    ``GATHER_FRACTION`` of the entries)."""
-    dropped = y0 * (1.0 - f)
+    ``GATHER_FRACTION`` of the entries); ``kept``: ``y0 ∘ f`` where the caller has it."""
+    kept = y0 * f if kept is None else kept
+    dropped = y0 - kept
+    if int(torch.count_nonzero(dropped)) > GATHER_FRACTION * dropped.numel():
+        return kept @ q
     bi, ki = torch.nonzero(dropped, as_tuple=True)
-    if bi.numel() > GATHER_FRACTION * dropped.numel():
-        return (y0 * f) @ q
     return y0q.index_add(0, bi, -dropped[bi, ki][:, None] * q[ki])
 
 
@@ -86,9 +88,10 @@ def pcg_free(q: Tensor, h: Tensor | Preconditioner, rhs: Tensor, free: Tensor, y
     """
     f = free.to(q.dtype)
     y = y0 * f
-    yq = restricted_product(q, y0, y0q, f)
-    r = (rhs - yq) * f
-    target = rtol * _norm(rhs * f, dim=1)
+    yq = restricted_product(q, y0, y0q, f, y)
+    r = rhs * f
+    target = rtol * _norm(r, dim=1)
+    r.addcmul_(yq, f, value=-1.0)
     converged = _norm(r, dim=1) <= target
     live = torch.nonzero(~converged).flatten()  # rows still iterating: the others drop out
     f, r, target, x, xq = f[live], r[live], target[live], y[live], yq[live]
@@ -110,10 +113,10 @@ def pcg_free(q: Tensor, h: Tensor | Preconditioner, rhs: Tensor, free: Tensor, y
         if bool(stop.any()):
             done = live[stop]
             y[done], yq[done], converged[done] = x[stop], xq[stop], ok[stop]
-            keep = ~stop
+            keep = torch.nonzero(~stop).flatten()
             live, f, r, target, x, xq, p, rz = (
-                t[keep] for t in (live, f, r, target, x, xq, p, rz))
-            u = None if u is None else u[keep]
+                t.index_select(0, keep) for t in (live, f, r, target, x, xq, p, rz))
+            u = None if u is None else u.index_select(0, keep)
         z = pre.apply(r, f, u)
         rz_new = _dot(r, z)
         p = p.mul_(torch.where(rz > 0, rz_new / torch.where(rz > 0, rz, 1.0), 0.0)[:, None])
@@ -170,10 +173,11 @@ class _Live:
 
     def take(self, keep: Tensor) -> None:
         """Only the rows ``keep`` (a mask) stay."""
+        idx = torch.nonzero(keep).flatten()  # once: a mask would be searched per field
         for field in fields(self):
             value = getattr(self, field.name)
             if value is not None:
-                setattr(self, field.name, value[keep])
+                setattr(self, field.name, value.index_select(0, idx))
 
 
 def _restart(live: _Live, q: Tensor, rhs: Tensor, free: Tensor, at: Tensor,
@@ -183,10 +187,11 @@ def _restart(live: _Live, q: Tensor, rhs: Tensor, free: Tensor, at: Tensor,
     preconditioner's ``u`` recomputed."""
     f = free.to(q.dtype)
     y = live.y[at]
-    yq = restricted_product(q, y, live.yq[at], f)
+    kept = y * f
+    yq = restricted_product(q, y, live.yq[at], f, kept)
     b = rhs[live.rows[at]]
-    live.f[at], live.y[at], live.yq[at] = f, y * f, yq
-    live.r[at] = (b - yq) * f
+    live.f[at], live.y[at], live.yq[at] = f, kept, yq
+    live.r[at] = (b - yq).mul_(f)
     rtol = torch.where(live.pivots[at] == 0, ROUGH_FIRST_RTOL, ROUGH_RTOL)
     live.target[at] = rtol * _norm(b * f, dim=1)
     live.steps[at] = 0
