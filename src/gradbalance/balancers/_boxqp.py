@@ -44,8 +44,8 @@ from torch import Tensor
 
 from ._active_set import box_active_set, solve_free
 from ._interior import interior_nnls
-from ._pcg import pcg_free, rough_free_sets, sparse_rows_product
-from ._precond import Preconditioner, deflated
+from ._pcg import pcg_free, rough_free_sets
+from ._precond import Preconditioner, SetupCache, deflated, sparse_product
 from ._qr_update import ColumnQR
 
 #: Largest condition number of ``Q`` for which the Cholesky (pivoting) path is used.
@@ -194,7 +194,7 @@ def solve_lcp_pivoting(
     (:func:`_relative_threshold`) instead of ``−tol``. ``inverse``: ``Q⁻¹`` when already
     computed (:func:`certified_inverse`), the preconditioner of ``iterative``.
     """
-    shift = (sparse_rows_product(lower, q) if iterative else lower @ q) + c
+    shift = (sparse_product(lower, q) if iterative else lower @ q) + c
     total = 1.0 - lower.sum(dim=1) if simplex else None
     solve: Solve
     y0 = None
@@ -204,8 +204,9 @@ def solve_lcp_pivoting(
             return None
         pre = deflated(q, h)  # both phases', in float32: half the cost of a product
         whole = None if bool(c.any()) else -lower  # Q(−lower) + shift = 0: no product
-        free0, y0 = rough_free_sets(q, pre, shift, free0, whole)
-        solve = _cg_solve(q, pre, shift, tight_rtol(q, h))
+        cache = SetupCache(pre, *shift.shape)  # the setups, from float32 on
+        free0, y0 = rough_free_sets(q, pre, shift, free0, whole, cache)
+        solve = _cg_solve(q, pre, shift, tight_rtol(q, h), cache)
     else:
         def solve(rows: Tensor, free: Tensor, y: Tensor, yq: Tensor,
                   tight: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
@@ -235,13 +236,16 @@ def tight_rtol(q: Tensor, h: Tensor) -> float:
     return min(CG_RTOL_MAX, max(CG_RTOL_MIN, CG_ERROR / bound)) if bound > 0.0 else CG_RTOL_MIN
 
 
-def _cg_solve(q: Tensor, h: Preconditioner, shift: Tensor, tight_tol: float) -> Solve:
+def _cg_solve(q: Tensor, h: Preconditioner, shift: Tensor, tight_tol: float,
+              cache: SetupCache) -> Solve:
     """The free-set solves of :func:`solve_lcp_pivoting` by :func:`~._pcg.pcg_free`: to
-    ``tight_tol`` where ``tight`` (only those count as exact), else ``CG_LOOSE_RTOL``."""
+    ``tight_tol`` where ``tight`` (only those count as exact), else ``CG_LOOSE_RTOL``; the
+    preconditioner's setups from ``cache``."""
     def solve(rows: Tensor, free: Tensor, y: Tensor, yq: Tensor,
               tight: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
         rtol = torch.where(tight, tight_tol, CG_LOOSE_RTOL).to(q.dtype)
-        out, converged, outq = pcg_free(q, h, -shift[rows], free, y, yq, rtol)
+        out, converged, outq = pcg_free(q, h, -shift[rows], free, y, yq, rtol,
+                                        setup=lambda live, f: cache.setup(rows[live], f))
         return out, converged & tight, outq
     return solve
 

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from ._low_rank import low_rank_projection
 from ._parallel_groups import grouped_projection
-from ._pcg import sparse_rows_product
+from ._precond import sparse_product
 
 #: ``(Q, lower, tol) → argmin_{x ≥ lower} ½ xᵀQx`` for ``lower`` ``[B, K]``.
 BoxSolve = Callable[[Tensor, Tensor, float], Tensor]
@@ -42,7 +42,7 @@ def scaled_projection(gram: Tensor, u: Tensor, tol: float, solve: BoxSolve,
     (float64): ``u``'s own rows where ``uG ≥ 0`` (already in the cone), else ``solve`` run
     on the trace-normalised cosine matrix of the non-zero rows; ``groups``: parallel rows
     collapsed first (:mod:`~._parallel_groups`)."""
-    inside = (sparse_rows_product(u, gram.to(u.dtype)) >= 0.0).all(dim=1)
+    inside = (sparse_product(u, gram.to(u.dtype)) >= 0.0).all(dim=1)
     if bool(inside.all()):
         return u.clone()
     if bool(inside.any()):

@@ -13,12 +13,13 @@ tight solve and the optimality test) or corrects.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
 
-from ._precond import Preconditioner
+from ._precond import SPARSE_FRACTION, Preconditioner, SetupCache, sparse_product
 
 _norm = torch.linalg.vector_norm  # the direct kernel: Tensor.norm dispatches in Python first
 _dot = torch.linalg.vecdot  # row-wise inner products, one pass
@@ -38,33 +39,20 @@ ROUGH_MAX_PIVOTS = 8
 #: the open rows are done): a pivot's tensor operations cost as much as a step's product
 #: of ``[8, 1024] × [1024, 1024]``; until then they take more steps.
 ROUGH_PIVOT_ENTRIES = 8192
-#: :func:`restricted_product` subtracts rows of ``Q`` while they are fewer than this
-#: fraction of the entries (a gathered row moves memory, a product's row is compute-bound).
-GATHER_FRACTION = 1 / 256
-
-
 def restricted_product(q: Tensor, y0: Tensor, y0q: Tensor, f: Tensor,
                        kept: Tensor | None = None) -> Tensor:
-    """``(y0 ∘ f) Q`` from ``y0 Q``: the rows of ``Q`` of the few entries ``f`` drops are
-    subtracted (one ``[B, K] × [K, K]`` product instead when they are more than
-    ``GATHER_FRACTION`` of the entries); ``kept``: ``y0 ∘ f`` where the caller has it."""
+    """``(y0 ∘ f) Q`` from ``y0 Q``: the product of the few entries ``f`` drops is subtracted
+    (:func:`sparse_product`; one product of ``y0 ∘ f`` instead when they are many);
+    ``kept``: ``y0 ∘ f`` where the caller has it."""
     kept = y0 * f if kept is None else kept
     dropped = y0 - kept
-    if int(torch.count_nonzero(dropped)) > GATHER_FRACTION * dropped.numel():
+    if int(torch.count_nonzero(dropped)) > SPARSE_FRACTION * dropped.numel():
         return kept @ q
-    bi, ki = torch.nonzero(dropped, as_tuple=True)
-    return y0q.index_add(0, bi, -dropped[bi, ki][:, None] * q[ki])
+    return y0q - sparse_product(dropped, q)
 
 
-def sparse_rows_product(a: Tensor, q: Tensor) -> Tensor:
-    """``a Q`` (``[B, K]``) from the rows of ``Q`` of ``a``'s non-zero entries while they are
-    fewer than ``GATHER_FRACTION`` of its entries (UPGrad's bounds ``p_i e_i``: one row of
-    ``Q`` per problem, each entry the product's own), else one product."""
-    bi, ki = torch.nonzero(a, as_tuple=True)
-    if bi.numel() > GATHER_FRACTION * a.numel():
-        return a @ q
-    return torch.zeros(a.shape[0], q.shape[1], dtype=q.dtype).index_add_(
-        0, bi, a[bi, ki][:, None] * q[ki])
+#: ``(rows, f) → W``: a preconditioner's setup of the problems ``rows`` on free sets ``f``.
+Setup = Callable[[Tensor, Tensor], "Tensor | None"]
 
 
 def _as_preconditioner(h: Tensor | Preconditioner) -> Preconditioner:
@@ -73,8 +61,8 @@ def _as_preconditioner(h: Tensor | Preconditioner) -> Preconditioner:
 
 
 def pcg_free(q: Tensor, h: Tensor | Preconditioner, rhs: Tensor, free: Tensor, y0: Tensor,
-             y0q: Tensor, rtol: Tensor,
-             max_steps: int = CG_MAX_STEPS) -> tuple[Tensor, Tensor, Tensor]:
+             y0q: Tensor, rtol: Tensor, max_steps: int = CG_MAX_STEPS,
+             setup: Setup | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """``(y, converged, yQ)`` (``[B, K]``, ``[B]``, ``[B, K]``): ``Q_FF y_F = rhs_F`` per row,
     ``y`` zero off ``F``; ``y0q = y0 Q`` (the last solve's product).
 
@@ -84,7 +72,8 @@ def pcg_free(q: Tensor, h: Tensor | Preconditioner, rhs: Tensor, free: Tensor, y
     together, until the residual is ``rtol`` ``[B]`` times ``‖rhs_F‖``, at most
     ``max_steps`` steps, in the dtype of ``q``. ``yQ`` is carried along the iterations from
     ``y0q`` (the unmasked operator products), so neither the start nor the caller's
-    multipliers need a product of their own.
+    multipliers need a product of their own. ``setup(rows, f)``: the preconditioner's
+    :meth:`~._precond.Preconditioner.setup` of the rows ``rows`` (a :class:`SetupCache`'s).
     """
     f = free.to(q.dtype)
     y = y0 * f
@@ -96,7 +85,7 @@ def pcg_free(q: Tensor, h: Tensor | Preconditioner, rhs: Tensor, free: Tensor, y
     live = torch.nonzero(~converged).flatten()  # rows still iterating: the others drop out
     f, r, target, x, xq = f[live], r[live], target[live], y[live], yq[live]
     pre = _as_preconditioner(h)
-    u = pre.setup(f)
+    u = pre.setup(f) if setup is None else setup(live, f)
     z = pre.apply(r, f, u)
     p, rz = z, _dot(r, z)
     for _ in range(max_steps):
@@ -181,7 +170,7 @@ class _Live:
 
 
 def _restart(live: _Live, q: Tensor, rhs: Tensor, free: Tensor, at: Tensor,
-             pre: Preconditioner) -> None:
+             cache: SetupCache) -> None:
     """The rows ``at`` (a mask) start a new solve on ``free`` (theirs): ``y`` zero off it,
     ``yQ`` updated (:func:`restricted_product`), the residual, its target and the
     preconditioner's ``u`` recomputed."""
@@ -195,7 +184,7 @@ def _restart(live: _Live, q: Tensor, rhs: Tensor, free: Tensor, at: Tensor,
     rtol = torch.where(live.pivots[at] == 0, ROUGH_FIRST_RTOL, ROUGH_RTOL)
     live.target[at] = rtol * _norm(b * f, dim=1)
     live.steps[at] = 0
-    u = pre.setup(f)
+    u = cache.setup(live.rows[at], f)
     if u is not None:
         if live.u is None:
             live.u = u.new_zeros((live.r.shape[0], *u.shape[1:]))
@@ -242,7 +231,8 @@ def _pivot(live: _Live, due: Tensor, rhs: Tensor, out_free: Tensor,
 
 
 def rough_free_sets(q: Tensor, h: Tensor | Preconditioner, shift: Tensor,
-                    free0: Tensor, whole: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                    free0: Tensor, whole: Tensor | None = None,
+                    cache: SetupCache | None = None) -> tuple[Tensor, Tensor]:
     """``(free, y)`` ``[B, K]`` (float64): a guess of each box problem's optimal free set and
     ``y`` (``w = Qy + shift ≥ 0``, ``y ≥ 0``, ``yᵀw = 0``), from the free sets ``free0``
     (where empty: from :func:`opposite_start`, with ``whole``, the all-free solution
@@ -258,10 +248,13 @@ def rough_free_sets(q: Tensor, h: Tensor | Preconditioner, shift: Tensor,
     for two iterations, or after ``ROUGH_MAX_PIVOTS``; a free index whose ``y`` is not
     positive leaves, and a problem whose float32 solve overflowed keeps ``free0`` (and
     ``y = 0``). Only a start: nothing here is checked, the float64 pivoting decides.
+    ``cache``: the preconditioner's setups (:class:`~._precond.SetupCache`), kept for the
+    float64 solves.
     """
     q32, rhs = q.float(), -shift.float()
     pre = _as_preconditioner(h.float() if isinstance(h, Tensor) else h)
     b, k = rhs.shape
+    cache = SetupCache(pre, b, k) if cache is None else cache
     free, y, yq = opposite_start(pre.inverse, -rhs, free0, whole)
     out_free, out_y = free0.clone(), torch.zeros_like(shift)
     count = torch.zeros(b, dtype=torch.int64)
@@ -269,7 +262,7 @@ def rough_free_sets(q: Tensor, h: Tensor | Preconditioner, shift: Tensor,
                  torch.zeros(b), torch.zeros_like(rhs), torch.zeros(b), count, count.clone(),
                  torch.full((b,), k + 1), count.clone())
     fresh = torch.ones(b, dtype=torch.bool)
-    _restart(live, q32, rhs, free, fresh, pre)
+    _restart(live, q32, rhs, free, fresh, cache)
     due = torch.zeros(b, dtype=torch.bool)
     for _ in range(ROUGH_MAX_PIVOTS * ROUGH_MAX_STEPS):
         due = due | _step(live, q32, pre, fresh)
@@ -279,7 +272,7 @@ def rough_free_sets(q: Tensor, h: Tensor | Preconditioner, shift: Tensor,
             continue  # the rows done step on until enough of them make a pivot worth it
         stop, nxt = _pivot(live, due, rhs, out_free, out_y)
         fresh[due] = ~stop
-        _restart(live, q32, rhs, nxt[~stop], fresh, pre)
+        _restart(live, q32, rhs, nxt[~stop], fresh, cache)
         keep = ~due | fresh
         fresh = fresh[keep]
         live.take(keep)

@@ -181,19 +181,19 @@ def test_opposite_start_from_the_known_all_free_point(k: int, seed: int) -> None
 
 
 @pytest.mark.parametrize("per_row", [1, 40])
-def test_sparse_rows_product_either_way_is_the_product(per_row: int) -> None:
+def test_sparse_product_either_way_is_the_product(per_row: int) -> None:
     """``a Q`` from the rows of ``Q`` of ``a``'s few non-zero entries (UPGrad's bounds: one
     per row, each entry the product's own, bit for bit), or one product (many)."""
     gen = torch.Generator().manual_seed(per_row)
-    k = 512  # one per row: within GATHER_FRACTION; 40: not
+    k = 512  # one per row: within SPARSE_FRACTION; 40: not
     q = torch.randn(k, k, generator=gen, dtype=F64)
     a = torch.zeros(k, k, dtype=F64)
     cols = torch.rand(k, k, generator=gen).argsort(dim=1)[:, :per_row]
     a.scatter_(1, cols, torch.randn(k, per_row, generator=gen, dtype=F64))
-    got = _pcg.sparse_rows_product(a, q)
+    got = _precond.sparse_product(a, q)
     assert torch.allclose(got, a @ q, atol=1e-12)
     diag = torch.diag(torch.randn(k, generator=gen, dtype=F64))
-    assert torch.equal(_pcg.sparse_rows_product(diag[:3], q), diag[:3] @ q)
+    assert torch.equal(_precond.sparse_product(diag[:3], q), diag[:3] @ q)
 
 
 @pytest.mark.parametrize("dropped", [1, 40])
