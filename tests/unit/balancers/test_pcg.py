@@ -277,3 +277,28 @@ def test_several_shared_directions_match_scipy_nnls_and_kkt(k: int, directions: 
     assert_kkt(gram, u, v)
     for i in sorted({0, k // 3, 2 * k // 3, k - 1}):
         assert_same_update(g.T @ v[i], nnls_dual_cone(g, u[i]), g)
+
+
+@settings(max_examples=10, deadline=None)
+@given(CASES)
+def test_tight_solves_meet_their_error_bound(case: tuple[int, str, int]) -> None:
+    """The tight solves' residual (:func:`~._boxqp.tight_rtol`) bounds each projection's error
+    in ``Q``'s norm, ``‖Jᵀ(v − v*)‖``, by ``max(CG_ERROR, CG_RTOL_MIN·b)`` times its bound's,
+    ``‖Jᵀu‖``, against scipy's NNLS on the rows (an independent solver, to ``1e-10`` of it);
+    ``b = √(‖Q‖_∞‖Q⁻¹‖_∞)`` is at least ``√κ`` (eigenvalues)."""
+    k, kind, seed = case
+    g = well_posed_rows(kind, k, seed)
+    gram, _ = trace_normalized(g @ g.T)
+    u = torch.eye(k, dtype=F64) / k
+    h = torch.linalg.inv(gram)
+    lam = torch.linalg.eigvalsh(gram)
+    bound = float(gram.abs().sum(dim=1).amax() * h.abs().sum(dim=1).amax()) ** 0.5
+    assert bound >= float(lam[-1] / lam[0]) ** 0.5 * (1 - 1e-9)
+    rho = _boxqp.tight_rtol(gram, h)
+    assert _boxqp.CG_RTOL_MIN <= rho <= _boxqp.CG_RTOL_MAX
+    allowed = max(_boxqp.CG_ERROR, _boxqp.CG_RTOL_MIN * bound) + 1e-10
+    v = cg_projections(gram, u)
+    for i in range(k):
+        size = float(torch.linalg.vector_norm(g.T @ u[i]))
+        err = float(torch.linalg.vector_norm(g.T @ v[i] - nnls_dual_cone(g, u[i])))
+        assert err <= 1.01 * allowed * size

@@ -8,12 +8,13 @@ itself, with every planted outlier found; no deflation without an outlier.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from gradbalance.balancers._precond import MAX_DEFLATED, deflated
+from gradbalance.balancers._precond import MAX_DEFLATED, SetupCache, deflated, sparse_product
 from gradbalance.balancers._solvers import trace_normalized
 
 F64 = torch.float64
@@ -89,3 +90,48 @@ def test_no_deflation_without_an_outlier() -> None:
     q, _ = trace_normalized(rows @ rows.T)
     pre = deflated(q, torch.linalg.inv(q))
     assert pre.v is None and pre.h is pre.inverse
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(20, 48), st.integers(1, 3), st.integers(0, 2**16))
+def test_setup_cache_after_moves_equals_a_fresh_setup(k: int, directions: int,
+                                                      seed: int) -> None:
+    """A :class:`SetupCache` taken through free sets that move few indices (the product of
+    the moved ones only) and many (a fresh product): each ``W`` equals the preconditioner's
+    own setup of the same free sets, to float32 rounding, and so does ``M⁻¹r``."""
+    gen = torch.Generator().manual_seed(seed)
+    q, _ = trace_normalized((rows := shared_rows(k, directions, gen)) @ rows.T)
+    pre = deflated(q, torch.linalg.inv(q))
+    cache = SetupCache(pre, k, k)
+    free, _ = _masks(k, gen)
+    for moves in (k, 1, 2, k // 2, 1):
+        rows_ = torch.randperm(k, generator=gen)[: max(2, k // 2)]
+        flip = torch.zeros(len(rows_), k, dtype=torch.bool)
+        flip.scatter_(1, torch.rand(len(rows_), k, generator=gen).argsort(dim=1)[:, :moves], True)
+        free[rows_] ^= flip
+        free[:, 0] = True
+        f = free[rows_].to(F64)
+        got, expected = cache.setup(rows_, f), pre.setup(f)
+        assert got is not None and expected is not None
+        assert torch.allclose(got, expected, rtol=1e-4, atol=1e-5 * float(expected.abs().max()))
+        r = torch.randn(len(rows_), k, generator=gen, dtype=F64) * f
+        z, z0 = pre.apply(r, f, got), pre.apply(r, f, expected)
+        assert torch.allclose(z, z0, rtol=1e-4, atol=1e-5 * float(z0.abs().max()))
+
+
+@pytest.mark.parametrize("per_row", [0, 1, 3, 200])
+def test_sparse_product_is_the_product(per_row: int) -> None:
+    """``a M`` through the sparse copy (few non-zero entries) or the dense product (many),
+    contiguous or not; a row with a single non-zero entry bit for bit."""
+    gen = torch.Generator().manual_seed(per_row)
+    k = 256
+    m = torch.randn(k, k, generator=gen, dtype=F64)
+    a = torch.zeros(50, k, dtype=F64)
+    a.scatter_(1, torch.rand(50, k, generator=gen).argsort(dim=1)[:, :per_row],
+               torch.randn(50, per_row, generator=gen, dtype=F64))
+    for right in (m, m.T):
+        got = sparse_product(a, right)
+        assert got.shape == (50, k) and got.layout == torch.strided
+        assert torch.allclose(got, a @ right, atol=1e-12)
+        if per_row == 1:
+            assert torch.equal(got, a @ right)
