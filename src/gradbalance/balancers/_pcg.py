@@ -26,12 +26,13 @@ _dot = torch.linalg.vecdot  # row-wise inner products, one pass
 
 #: Step cap of one solve.
 CG_MAX_STEPS = 100
-#: Relative residual of the float32 solves of :func:`rough_free_sets` (the first one, whose
-#: free set is furthest from the optimum: looser) and their step cap, the fraction of a
-#: row's largest ``|y|`` (or ``|w|``) below which a sign there is not trusted, and its
-#: pivoting iterations.
+#: Relative residual of the float32 solves of :func:`rough_free_sets` (looser for the first
+#: one and after a pivot that moved more than ``ROUGH_FAR_MOVES`` indices: their free sets
+#: are still far from the optimum) and their step cap, the fraction of a row's largest
+#: ``|y|`` (or ``|w|``) below which a sign there is not trusted, and its pivoting iterations.
 ROUGH_RTOL = 1e-6
 ROUGH_FIRST_RTOL = 1e-4
+ROUGH_FAR_MOVES = 8
 ROUGH_MAX_STEPS = 20
 ROUGH_MARGIN = 1e-5
 ROUGH_MAX_PIVOTS = 8
@@ -179,9 +180,10 @@ def _restart(live: _Live, q: Tensor, rhs: Tensor, free: Tensor, at: Tensor,
     kept = y * f
     yq = restricted_product(q, y, live.yq[at], f, kept)
     b = rhs[live.rows[at]]
+    far = (live.f[at] != f).sum(dim=1) > ROUGH_FAR_MOVES
     live.f[at], live.y[at], live.yq[at] = f, kept, yq
     live.r[at] = (b - yq).mul_(f)
-    rtol = torch.where(live.pivots[at] == 0, ROUGH_FIRST_RTOL, ROUGH_RTOL)
+    rtol = torch.where((live.pivots[at] == 0) | far, ROUGH_FIRST_RTOL, ROUGH_RTOL)
     live.target[at] = rtol * _norm(b * f, dim=1)
     live.steps[at] = 0
     u = cache.setup(live.rows[at], f)
@@ -241,8 +243,9 @@ def rough_free_sets(q: Tensor, h: Tensor | Preconditioner, shift: Tensor,
     Block principal pivoting (Júdice & Pires 1994) in float32 with the conjugate-gradient
     steps of :func:`pcg_free` (``h``: ``Q⁻¹`` or a preconditioner holding it, which
     :func:`opposite_start` uses), each problem pivoting as soon as its own solve is done (its
-    residual ``ROUGH_RTOL`` times ``‖rhs_F‖``, ``ROUGH_FIRST_RTOL`` the first time, a
-    breakdown, or ``ROUGH_MAX_STEPS``) and starting its next solve in the same batch: every
+    residual ``ROUGH_RTOL`` times ``‖rhs_F‖``, ``ROUGH_FIRST_RTOL`` the first time and
+    after a pivot that moved more than ``ROUGH_FAR_MOVES`` indices, a breakdown, or
+    ``ROUGH_MAX_STEPS``) and starting its next solve in the same batch: every
     index whose ``y`` or ``w`` is below ``−ROUGH_MARGIN`` times the row's largest ``|y|`` or
     ``|w|`` changes side; a problem stops when none does, when their number has not fallen
     for two iterations, or after ``ROUGH_MAX_PIVOTS``; a free index whose ``y`` is not
