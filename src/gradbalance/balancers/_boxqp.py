@@ -68,7 +68,7 @@ CG_MIN_SIZE = 64
 #: before the problems still open go to the factorisations.
 CG_ERROR = 1e-7
 CG_RTOL_MIN = 1e-11
-CG_RTOL_MAX = 1e-9
+CG_RTOL_MAX = 1e-8
 CG_LOOSE_RTOL = 1e-6
 CG_MAX_PIVOTS = 30
 #: From this many tasks on, a badly conditioned or singular ``Q`` is pivoted with the
