@@ -252,12 +252,15 @@ def _cg_solve(q: Tensor, h: Preconditioner, shift: Tensor, tight_tol: float,
 
 def _first_solve(q: Tensor, free: Tensor, simplex: bool, solve: Solve,
                  y0: Tensor | None) -> tuple[Tensor, Tensor, Tensor] | None:
-    """The pivoting's first solve (loose), from a guessed solution ``y0`` or from ``y = 0``;
-    none from an empty free set and no guess (the default start of a box QP: ``y = 0``)."""
+    """The pivoting's first point: a guessed solution ``y0`` as it is (the float32 pivoting's,
+    already solved to about 1e-6 on its free set: its multipliers are tested first, and only
+    a tight solve can finish it), else a loose solve from ``y = 0``; none from an empty free
+    set and no guess (the default start of a box QP: ``y = 0``)."""
     b = free.shape[0]
     rows = torch.arange(b)
     if y0 is not None:
-        return solve(rows, free, y0, y0 @ q, torch.zeros(b, dtype=torch.bool))
+        y = torch.where(free, y0, 0.0)
+        return y, torch.zeros(b, dtype=torch.bool), y @ q
     y = torch.zeros(free.shape, dtype=q.dtype)
     if simplex or bool(free.any()):
         return solve(rows, free, y, torch.zeros_like(y), torch.zeros(b, dtype=torch.bool))

@@ -84,7 +84,9 @@ def pcg_free(q: Tensor, h: Tensor | Preconditioner, rhs: Tensor, free: Tensor, y
     r.addcmul_(yq, f, value=-1.0)
     converged = _norm(r, dim=1) <= target
     live = torch.nonzero(~converged).flatten()  # rows still iterating: the others drop out
-    f, r, target, x, xq = f[live], r[live], target[live], y[live], yq[live]
+    x, xq = y, yq  # every row iterating: updated in place, no gather
+    if live.numel() < y.shape[0]:
+        f, r, target, x, xq = (t.index_select(0, live) for t in (f, r, target, y, yq))
     pre = _as_preconditioner(h)
     u = pre.setup(f) if setup is None else setup(live, f)
     z = pre.apply(r, f, u)
@@ -97,7 +99,7 @@ def pcg_free(q: Tensor, h: Tensor | Preconditioner, rhs: Tensor, free: Tensor, y
         alpha = torch.where(pap > 0, rz / torch.where(pap > 0, pap, 1.0), 0.0)[:, None]
         x.addcmul_(alpha, p)
         xq.addcmul_(alpha, pq)
-        r.addcmul_(pq, f * alpha, value=-1.0)
+        r.addcmul_(pq.mul_(f), alpha, value=-1.0)
         ok = _norm(r, dim=1) <= target
         stop = ok | (pap <= 0)  # converged, or broken down (left unconverged)
         if bool(stop.any()):
@@ -112,7 +114,8 @@ def pcg_free(q: Tensor, h: Tensor | Preconditioner, rhs: Tensor, free: Tensor, y
         p = p.mul_(torch.where(rz > 0, rz_new / torch.where(rz > 0, rz, 1.0), 0.0)[:, None])
         p.add_(z)
         rz = rz_new
-    y[live], yq[live] = x, xq
+    if x is not y:  # else updated in place
+        y[live], yq[live] = x, xq
     return y, converged, yq
 
 
@@ -171,26 +174,31 @@ class _Live:
 
 
 def _restart(live: _Live, q: Tensor, rhs: Tensor, free: Tensor, at: Tensor,
-             cache: SetupCache) -> None:
-    """The rows ``at`` (a mask) start a new solve on ``free`` (theirs): ``y`` zero off it,
-    ``yQ`` updated (:func:`restricted_product`), the residual, its target and the
-    preconditioner's ``u`` recomputed."""
+             cache: SetupCache, moves: Tensor | None = None) -> None:
+    """The rows ``at`` (a mask) start a new solve on ``free`` (theirs; ``moves``: how many
+    indices the pivot moved, None for a first solve): ``y`` zero off it, ``yQ`` updated
+    (:func:`restricted_product`), the residual, its target and the preconditioner's ``u``
+    recomputed."""
+    idx = torch.nonzero(at).flatten()  # row gathers by index: a mask is searched per use
     f = free.to(q.dtype)
-    y = live.y[at]
+    y = live.y.index_select(0, idx)
     kept = y * f
-    yq = restricted_product(q, y, live.yq[at], f, kept)
-    b = rhs[live.rows[at]]
-    far = (live.f[at] != f).sum(dim=1) > ROUGH_FAR_MOVES
-    live.f[at], live.y[at], live.yq[at] = f, kept, yq
-    live.r[at] = (b - yq).mul_(f)
-    rtol = torch.where((live.pivots[at] == 0) | far, ROUGH_FIRST_RTOL, ROUGH_RTOL)
-    live.target[at] = rtol * _norm(b * f, dim=1)
-    live.steps[at] = 0
-    u = cache.setup(live.rows[at], f)
+    yq = restricted_product(q, y, live.yq.index_select(0, idx), f, kept)
+    rows = live.rows.index_select(0, idx)
+    b = rhs.index_select(0, rows)
+    live.f.index_copy_(0, idx, f)
+    live.y.index_copy_(0, idx, kept)
+    live.yq.index_copy_(0, idx, yq)
+    live.r.index_copy_(0, idx, (b - yq).mul_(f))
+    loose = torch.ones_like(idx, dtype=torch.bool) if moves is None else moves > ROUGH_FAR_MOVES
+    rtol = torch.where(loose, ROUGH_FIRST_RTOL, ROUGH_RTOL)
+    live.target[idx] = rtol * _norm(b.mul_(f), dim=1)
+    live.steps[idx] = 0
+    u = cache.setup(rows, f)
     if u is not None:
         if live.u is None:
             live.u = u.new_zeros((live.r.shape[0], *u.shape[1:]))
-        live.u[at] = u
+        live.u.index_copy_(0, idx, u)
 
 
 def _step(live: _Live, q: Tensor, pre: Preconditioner, fresh: Tensor) -> Tensor:
@@ -207,29 +215,33 @@ def _step(live: _Live, q: Tensor, pre: Preconditioner, fresh: Tensor) -> Tensor:
     alpha = torch.where(pap > 0, rz / torch.where(pap > 0, pap, 1.0), 0.0)[:, None]
     live.y.addcmul_(alpha, live.p)
     live.yq.addcmul_(alpha, pq)
-    live.r.addcmul_(pq, live.f * alpha, value=-1.0)
+    live.r.addcmul_(pq.mul_(live.f), alpha, value=-1.0)
     live.steps += 1
     done: Tensor = (_norm(live.r, dim=1) <= live.target) | (pap <= 0)
     return done | (live.steps >= ROUGH_MAX_STEPS)
 
 
 def _pivot(live: _Live, due: Tensor, rhs: Tensor, out_free: Tensor,
-           out_y: Tensor) -> tuple[Tensor, Tensor]:
+           out_y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """The pivoting decision of the rows ``due``, whose result so far is written out:
-    ``(stop, free)``, the rows that stop (no infeasible index, no better count for two
-    iterations, or out of pivots) and the next free sets (of the rows ``due``)."""
-    y, f = live.y[due], live.f[due] > 0
-    w = live.yq[due] - rhs[live.rows[due]]
+    ``(stop, free, moves)``, the rows that stop (no infeasible index, no better count for two
+    iterations, or out of pivots), the next free sets (of the rows ``due``) and how many
+    indices each moves."""
+    idx = torch.nonzero(due).flatten()
+    rows = live.rows.index_select(0, idx)
+    y, f = live.y.index_select(0, idx), live.f.index_select(0, idx) > 0
+    w = live.yq.index_select(0, idx).sub_(rhs.index_select(0, rows))
     bad = torch.where(f, y < -ROUGH_MARGIN * y.abs().amax(dim=1, keepdim=True),
                       w < -ROUGH_MARGIN * w.abs().amax(dim=1, keepdim=True))
     count = bad.sum(dim=1)
-    out_free[live.rows[due]], out_y[live.rows[due]] = f, y.double()
+    out_free.index_copy_(0, rows, f)
+    out_y.index_copy_(0, rows, y.double())
     better = count < live.best[due]
     live.best[due] = torch.minimum(count, live.best[due])
     live.stale[due] = torch.where(better, 0, live.stale[due] + 1)
     live.pivots[due] += 1
     stop = (count == 0) | (live.stale[due] >= 2) | (live.pivots[due] >= ROUGH_MAX_PIVOTS)
-    return stop, f ^ bad
+    return stop, f ^ bad, count
 
 
 def rough_free_sets(q: Tensor, h: Tensor | Preconditioner, shift: Tensor,
@@ -273,9 +285,9 @@ def rough_free_sets(q: Tensor, h: Tensor | Preconditioner, shift: Tensor,
         waiting = int(due.sum())
         if waiting * k < ROUGH_PIVOT_ENTRIES and waiting < due.numel():
             continue  # the rows done step on until enough of them make a pivot worth it
-        stop, nxt = _pivot(live, due, rhs, out_free, out_y)
+        stop, nxt, moves = _pivot(live, due, rhs, out_free, out_y)
         fresh[due] = ~stop
-        _restart(live, q32, rhs, nxt[~stop], fresh, cache)
+        _restart(live, q32, rhs, nxt[~stop], fresh, cache, moves[~stop])
         keep = ~due | fresh
         fresh = fresh[keep]
         live.take(keep)
