@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from ._precond import SPARSE_FRACTION, Preconditioner, SetupCache, sparse_product
+from ._precond import Preconditioner, SetupCache, goes_sparse, sparse_product
 
 _norm = torch.linalg.vector_norm  # the direct kernel: Tensor.norm dispatches in Python first
 _dot = torch.linalg.vecdot  # row-wise inner products, one pass
@@ -47,9 +47,9 @@ def restricted_product(q: Tensor, y0: Tensor, y0q: Tensor, f: Tensor,
     ``kept``: ``y0 ∘ f`` where the caller has it."""
     kept = y0 * f if kept is None else kept
     dropped = y0 - kept
-    if int(torch.count_nonzero(dropped)) > SPARSE_FRACTION * dropped.numel():
+    if not goes_sparse(dropped, q.shape[1]):
         return kept @ q
-    return y0q - sparse_product(dropped, q)
+    return y0q - sparse_product(dropped, q, sparse=True)
 
 
 #: ``(rows, f) → W``: a preconditioner's setup of the problems ``rows`` on free sets ``f``.

@@ -44,21 +44,31 @@ _dot = torch.linalg.vecdot
 
 #: :func:`sparse_product` multiplies a sparse copy while the non-zero entries are fewer than
 #: this fraction of them (one thread, ``[1000, 1024] × [1024, 1024]``: 5–15 ms in float32 up
-#: to 70 per row, 25–30 ms the dense product; about 2.5× that in float64).
+#: to 70 per row, 25–30 ms the dense product; about 2.5× that in float64), and ``M`` has at
+#: least ``SPARSE_MIN_COLUMNS`` columns (below, the copy's fixed cost, a few passes over
+#: ``a``, is not small next to the product: UPGrad at ``K = 256`` was about 10 % slower).
 SPARSE_FRACTION = 1 / 16
+SPARSE_MIN_COLUMNS = 512
 
 
-def sparse_product(a: Tensor, m: Tensor) -> Tensor:
-    """``a M`` (``[B, K] × [K, N]``, strided), by a sparse (COO) copy of ``a`` where it has
-    fewer than ``SPARSE_FRACTION`` non-zero entries, else one dense product. A row with one
-    non-zero entry ``aᵢⱼ`` is ``aᵢⱼ Mⱼ`` bit for bit either way."""
-    nnz = int(torch.count_nonzero(a))
-    if nnz > SPARSE_FRACTION * a.numel():
+def goes_sparse(a: Tensor, columns: int) -> bool:
+    """Whether ``a M`` (``M`` of ``columns`` columns) is cheaper through a sparse copy of
+    ``a``: fewer than ``SPARSE_FRACTION`` non-zero entries and ``columns ≥
+    SPARSE_MIN_COLUMNS`` (one pass over ``a`` where the size allows)."""
+    return (columns >= SPARSE_MIN_COLUMNS
+            and int(torch.count_nonzero(a)) <= SPARSE_FRACTION * a.numel())
+
+
+def sparse_product(a: Tensor, m: Tensor, sparse: bool | None = None) -> Tensor:
+    """``a M`` (``[B, K] × [K, N]``, strided), by a sparse (COO) copy of ``a`` where
+    :func:`goes_sparse` (or ``sparse``, where the caller has decided), else one dense
+    product. A row with one non-zero entry ``aᵢⱼ`` is ``aᵢⱼ Mⱼ`` bit for bit either way
+    (``M`` finite)."""
+    if not (goes_sparse(a, m.shape[1]) if sparse is None else sparse):
         return a @ m
-    if nnz == 0:
-        return a.new_zeros(a.shape[0], m.shape[1])
     out: Tensor = torch.sparse.mm(a.to_sparse(), m)
     return out
+
 
 #: An eigenvalue ``λ`` is deflated only where it is at least this many times ``μ`` (else
 #: the bulk is one).
@@ -153,7 +163,7 @@ class SetupCache:
             return None
         new = f.to(self.f.dtype)
         moved = new - self.f[rows]
-        if self.spread is None or int(torch.count_nonzero(moved)) > SPARSE_FRACTION * moved.numel():
+        if self.spread is None or not goes_sparse(moved, pre.h.shape[1]):
             spread = pre.spread(new)
         else:
             spread = self.spread[rows] + pre.spread(moved)

@@ -196,11 +196,11 @@ def test_sparse_product_either_way_is_the_product(per_row: int) -> None:
     assert torch.equal(_precond.sparse_product(diag[:3], q), diag[:3] @ q)
 
 
-@pytest.mark.parametrize("dropped", [1, 40])
-def test_restricted_product_either_way_is_the_product(dropped: int) -> None:
-    """``(y ∘ f) Q`` from ``y Q``, by subtracted rows (few dropped) or one product (many)."""
+@pytest.mark.parametrize(("k", "dropped"), [(64, 1), (512, 1), (512, 40)])
+def test_restricted_product_either_way_is_the_product(k: int, dropped: int) -> None:
+    """``(y ∘ f) Q`` from ``y Q``, by a sparse product of the dropped entries (few, ``Q``
+    wide) or one product (many, or ``Q`` narrow)."""
     gen = torch.Generator().manual_seed(dropped)
-    k = 64
     q = torch.randn(k, k, generator=gen, dtype=F64)
     y = torch.randn(3, k, generator=gen, dtype=F64)
     f = torch.ones(3, k, dtype=F64)

@@ -14,7 +14,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from gradbalance.balancers._precond import MAX_DEFLATED, SetupCache, deflated, sparse_product
+from gradbalance.balancers import _precond
+from gradbalance.balancers._precond import (
+    MAX_DEFLATED,
+    SetupCache,
+    deflated,
+    goes_sparse,
+    sparse_product,
+)
 from gradbalance.balancers._solvers import trace_normalized
 
 F64 = torch.float64
@@ -98,7 +105,18 @@ def test_setup_cache_after_moves_equals_a_fresh_setup(k: int, directions: int,
                                                       seed: int) -> None:
     """A :class:`SetupCache` taken through free sets that move few indices (the product of
     the moved ones only) and many (a fresh product): each ``W`` equals the preconditioner's
-    own setup of the same free sets, to float32 rounding, and so does ``M⁻¹r``."""
+    own setup of the same free sets, to float32 rounding, and so does ``M⁻¹r``. The sparse
+    products are allowed at these sizes (``SPARSE_MIN_COLUMNS`` lowered)."""
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(_precond, "SPARSE_MIN_COLUMNS", 1)
+    try:
+        _cache_through_moves(k, directions, seed)
+    finally:
+        monkey.undo()
+
+
+def _cache_through_moves(k: int, directions: int, seed: int) -> None:
+    """The body of :func:`test_setup_cache_after_moves_equals_a_fresh_setup`."""
     gen = torch.Generator().manual_seed(seed)
     q, _ = trace_normalized((rows := shared_rows(k, directions, gen)) @ rows.T)
     pre = deflated(q, torch.linalg.inv(q))
@@ -119,16 +137,18 @@ def test_setup_cache_after_moves_equals_a_fresh_setup(k: int, directions: int,
         assert torch.allclose(z, z0, rtol=1e-4, atol=1e-5 * float(z0.abs().max()))
 
 
-@pytest.mark.parametrize("per_row", [0, 1, 3, 200])
-def test_sparse_product_is_the_product(per_row: int) -> None:
-    """``a M`` through the sparse copy (few non-zero entries) or the dense product (many),
-    contiguous or not; a row with a single non-zero entry bit for bit."""
+@pytest.mark.parametrize(("k", "per_row"), [(512, 0), (512, 1), (512, 3), (512, 400),
+                                             (256, 1)])
+def test_sparse_product_is_the_product(k: int, per_row: int) -> None:
+    """``a M`` through the sparse copy (few non-zero entries, ``M`` wide) or the dense
+    product (many, or ``M`` narrow), contiguous or not; a row with a single non-zero entry
+    bit for bit; :func:`goes_sparse` says which."""
     gen = torch.Generator().manual_seed(per_row)
-    k = 256
     m = torch.randn(k, k, generator=gen, dtype=F64)
     a = torch.zeros(50, k, dtype=F64)
     a.scatter_(1, torch.rand(50, k, generator=gen).argsort(dim=1)[:, :per_row],
                torch.randn(50, per_row, generator=gen, dtype=F64))
+    assert goes_sparse(a, k) == (k >= 512 and per_row < k / 16)
     for right in (m, m.T):
         got = sparse_product(a, right)
         assert got.shape == (50, k) and got.layout == torch.strided
