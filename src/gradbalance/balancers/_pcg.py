@@ -40,6 +40,8 @@ ROUGH_MAX_PIVOTS = 8
 #: the open rows are done): a pivot's tensor operations cost as much as a step's product
 #: of ``[8, 1024] × [1024, 1024]``; until then they take more steps.
 ROUGH_PIVOT_ENTRIES = 8192
+
+
 def restricted_product(q: Tensor, y0: Tensor, y0q: Tensor, f: Tensor,
                        kept: Tensor | None = None) -> Tensor:
     """``(y0 ∘ f) Q`` from ``y0 Q``: the product of the few entries ``f`` drops is subtracted

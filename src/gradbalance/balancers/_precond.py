@@ -44,19 +44,24 @@ _dot = torch.linalg.vecdot
 
 #: :func:`sparse_product` multiplies a sparse copy while the non-zero entries are fewer than
 #: this fraction of them (one thread, ``[1000, 1024] × [1024, 1024]``: 5–15 ms in float32 up
-#: to 70 per row, 25–30 ms the dense product; about 2.5× that in float64), and ``M`` has at
-#: least ``SPARSE_MIN_COLUMNS`` columns (below, the copy's fixed cost, a few passes over
-#: ``a``, is not small next to the product: UPGrad at ``K = 256`` was about 10 % slower).
+#: to 70 per row, 25–30 ms the dense product; about 2.5× that in float64) where ``M`` has at
+#: least ``SPARSE_MIN_COLUMNS`` columns; below, only while they are at most one per row of
+#: ``a`` (UPGrad's bounds: 0.3 against 1.1 ms at ``K = 256``; a handful per row there, the
+#: copy's passes over ``a`` made UPGrad about 10 % slower); below ``DENSE_BELOW_COLUMNS``
+#: never (the count alone costs more than the product: UPGrad 3–7 % slower at ``K ≤ 16``).
 SPARSE_FRACTION = 1 / 16
 SPARSE_MIN_COLUMNS = 512
+DENSE_BELOW_COLUMNS = 64
 
 
 def goes_sparse(a: Tensor, columns: int) -> bool:
     """Whether ``a M`` (``M`` of ``columns`` columns) is cheaper through a sparse copy of
-    ``a``: fewer than ``SPARSE_FRACTION`` non-zero entries and ``columns ≥
-    SPARSE_MIN_COLUMNS`` (one pass over ``a`` where the size allows)."""
-    return (columns >= SPARSE_MIN_COLUMNS
-            and int(torch.count_nonzero(a)) <= SPARSE_FRACTION * a.numel())
+    ``a`` (``SPARSE_FRACTION``, ``SPARSE_MIN_COLUMNS``, ``DENSE_BELOW_COLUMNS``); one pass
+    over ``a`` from ``DENSE_BELOW_COLUMNS`` on."""
+    if columns < DENSE_BELOW_COLUMNS:
+        return False
+    limit = SPARSE_FRACTION * a.numel() if columns >= SPARSE_MIN_COLUMNS else a.shape[0]
+    return int(torch.count_nonzero(a)) <= limit
 
 
 def sparse_product(a: Tensor, m: Tensor, sparse: bool | None = None) -> Tensor:

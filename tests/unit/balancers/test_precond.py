@@ -138,17 +138,18 @@ def _cache_through_moves(k: int, directions: int, seed: int) -> None:
 
 
 @pytest.mark.parametrize(("k", "per_row"), [(512, 0), (512, 1), (512, 3), (512, 400),
-                                             (256, 1)])
+                                             (256, 1), (256, 3), (32, 1)])
 def test_sparse_product_is_the_product(k: int, per_row: int) -> None:
-    """``a M`` through the sparse copy (few non-zero entries, ``M`` wide) or the dense
-    product (many, or ``M`` narrow), contiguous or not; a row with a single non-zero entry
-    bit for bit; :func:`goes_sparse` says which."""
+    """``a M`` through the sparse copy (few non-zero entries: under 1/16 with ``M`` wide, at
+    most one per row with ``M`` narrow) or the dense product, contiguous or not; a row with
+    a single non-zero entry bit for bit; :func:`goes_sparse` says which."""
     gen = torch.Generator().manual_seed(per_row)
     m = torch.randn(k, k, generator=gen, dtype=F64)
     a = torch.zeros(50, k, dtype=F64)
     a.scatter_(1, torch.rand(50, k, generator=gen).argsort(dim=1)[:, :per_row],
                torch.randn(50, per_row, generator=gen, dtype=F64))
-    assert goes_sparse(a, k) == (k >= 512 and per_row < k / 16)
+    expected = per_row < k / 16 if k >= 512 else (k >= 64 and per_row <= 1)
+    assert goes_sparse(a, k) == expected
     for right in (m, m.T):
         got = sparse_product(a, right)
         assert got.shape == (50, k) and got.layout == torch.strided
