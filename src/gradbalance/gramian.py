@@ -9,6 +9,8 @@ norms within about ``1e±150`` (docs/balancers.md, "Numerical range").
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import Tensor
 
@@ -64,6 +66,45 @@ def _scale_rows(part: Tensor, owned: bool, size: Tensor) -> tuple[Tensor, Tensor
     return unit, _pow2(exponent, torch.float64)
 
 
+#: From this many rows on, :func:`symmetric_product` multiplies the blocks on and above the
+#: diagonal only (row blocks of ``max(SYMMETRIC_BLOCK_ROWS, K/8)``): about 5/8 of the
+#: products' work at ``K ≥ 512``. One thread, ``P = 20,000``: 179 against 268 ms at
+#: ``K = 1,024``, 13.5 against 18.5 at 256, 4.2 against 4.6 at 128; below 128 rows the
+#: product is memory-bound and blocks only read the rows again.
+SYMMETRIC_MIN_ROWS = 128
+SYMMETRIC_BLOCK_ROWS = 64
+SYMMETRIC_MAX_BLOCKS = 8
+
+
+def symmetric_product(part: Tensor) -> Tensor:
+    """``part @ part.T`` (``[K, n]`` → ``[K, K]``); from ``SYMMETRIC_MIN_ROWS`` rows on, exactly
+    symmetric: the row blocks ``Aₐ`` multiply the rows from their own on, ``Aₐ [Aₐ; Aₐ₊₁;
+    …]ᵀ``, and every entry below the diagonal is its mirror's (the same product of two
+    rows, rounded once).
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.gramian import symmetric_product
+        >>> a = torch.randn(200, 50, dtype=torch.float64)
+        >>> g = symmetric_product(a)
+        >>> torch.equal(g, g.T), torch.allclose(g, a @ a.T)
+        (True, True)
+    """
+    k = part.shape[0]
+    if k < SYMMETRIC_MIN_ROWS:
+        return part @ part.T
+    blocks = min(SYMMETRIC_MAX_BLOCKS, k // SYMMETRIC_BLOCK_ROWS)
+    out = part.new_empty((k, k))
+    bounds = [k * b // blocks for b in range(blocks + 1)]
+    for lo, hi in itertools.pairwise(bounds):
+        block = part[lo:hi] @ part[lo:].T
+        diagonal = block[:, : hi - lo]
+        diagonal.copy_(diagonal.triu() + diagonal.triu(1).T)
+        out[lo:hi, lo:] = block
+        out[hi:, lo:hi] = block[:, hi - lo :].T
+    return out
+
+
 def _plain_is_exact(product: Tensor, part: Tensor) -> bool:
     """Whether the unscaled product ``part @ part.T`` (CPU) is exact, from its diagonal
     ``dₖ = ‖gₖ‖²`` (``n`` columns): every ``dₖ`` finite and at most ``max/4`` (Cauchy-Schwarz
@@ -104,12 +145,13 @@ def compute_gramian(matrix: Tensor, block: int = _COLUMN_BLOCK) -> Tensor:
         raw = matrix[:, start : start + block]
         part = raw.to(_work_dtype(raw.dtype))
         if part.device.type == "cpu":  # multiply first, scale only when the diagonal says so
-            product = part @ part.T
+            product = symmetric_product(part)
             if _plain_is_exact(product, part):
                 gram.add_(product.to(torch.float64))
                 continue
         unit, scale = _scale_rows(part, part is not raw, _max_abs(part))
-        gram.add_((unit @ unit.T).to(torch.float64).mul_(scale[:, None] * scale[None, :]))
+        product = symmetric_product(unit) if unit.device.type == "cpu" else unit @ unit.T
+        gram.add_(product.to(torch.float64).mul_(scale[:, None] * scale[None, :]))
     return gram
 
 
