@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from gradbalance.balancers import _boxqp
 from support.many_kinds import assert_same_update
 
 
@@ -48,3 +49,20 @@ def assert_projections(g: Tensor, u: Tensor, v: Tensor) -> None:
         slack = g @ x / (norms * size).clamp_min(1e-300)
         assert float(slack.min()) >= -1e-9
         assert float(((v[i] - u[i]) * norms / size * slack.abs()).max()) <= 1e-9
+
+
+def assert_kkt(gram: Tensor, u: Tensor, v: Tensor) -> None:
+    """``argmin_{v ≥ u} vᵀGv`` per row, from its optimality conditions: ``v ≥ u``; on the
+    active set (``v = u``) ``w = Gv ≥ 0`` to ``1e-9`` of the sizes it is made of (``|G||v|``);
+    on the free set ``w = 0`` to the tight solves' residual, at most ``CG_RTOL_MAX`` times
+    ``‖(Gu)_F‖`` (the right-hand side there, :func:`~._boxqp.tight_rtol`), plus rounding."""
+    y, w = v - u, v @ gram
+    size = v.abs() @ gram.abs()
+    top = v.abs().amax(dim=1, keepdim=True)
+    assert bool((y >= -1e-12 * top).all())
+    free = y > 1e-12 * top
+    assert bool((w >= -1e-9 * size).logical_or(free).all())
+    rhs = torch.linalg.vector_norm((u @ gram) * free, dim=1)
+    residual = torch.linalg.vector_norm(w * free, dim=1)
+    assert bool((residual <= 1.01 * _boxqp.CG_RTOL_MAX * rhs
+                 + 1e-12 * torch.linalg.vector_norm(size, dim=1)).all())

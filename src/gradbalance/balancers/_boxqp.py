@@ -46,6 +46,7 @@ from ._active_set import box_active_set, solve_free
 from ._interior import interior_nnls
 from ._pcg import pcg_free, rough_free_sets
 from ._precond import Preconditioner, SetupCache, deflated, sparse_product
+from ._projected import pays
 from ._qr_update import ColumnQR
 
 #: Largest condition number of ``Q`` for which the Cholesky (pivoting) path is used.
@@ -78,6 +79,9 @@ MANY_TASKS = 17
 #: Pivoting iterations on a positive definite but badly conditioned ``Q`` (relative
 #: multiplier test, factorisations) before the problems still open go to least squares.
 ILL_MAX_PIVOTS = 50
+#: A problem of a badly conditioned ``Q`` finished by the pivoting or the batched active set
+#: with a multiplier below ``−HOLD_RTOL`` times its size goes on (:func:`_multipliers_hold`).
+HOLD_RTOL = 1e-6
 
 _EPS = torch.finfo(torch.float64).eps
 _norm = torch.linalg.vector_norm  # the direct kernel: Tensor.norm dispatches in Python first
@@ -205,8 +209,10 @@ def solve_lcp_pivoting(
         pre = deflated(q, h)  # both phases', in float32: half the cost of a product
         whole = None if bool(c.any()) else -lower  # Q(−lower) + shift = 0: no product
         cache = SetupCache(pre, *shift.shape)  # the setups, from float32 on
-        free0, y0 = rough_free_sets(q, pre, shift, free0, whole, cache)
-        solve = _cg_solve(q, pre, shift, tight_rtol(q, h), cache)
+        inverse_norm = float(h.abs().sum(dim=1).amax())
+        projected = pays(pre.top, inverse_norm, pre.v is not None)
+        free0, y0 = rough_free_sets(q, pre, shift, free0, whole, cache, projected)
+        solve = _cg_solve(q, pre, shift, tight_rtol(q, h, inverse_norm), cache)
     else:
         def solve(rows: Tensor, free: Tensor, y: Tensor, yq: Tensor,
                   tight: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
@@ -223,7 +229,7 @@ def _inverse(q: Tensor) -> Tensor | None:
     return torch.cholesky_inverse(chol) if int(info) == 0 else None
 
 
-def tight_rtol(q: Tensor, h: Tensor) -> float:
+def tight_rtol(q: Tensor, h: Tensor, inverse_norm: float | None = None) -> float:
     """The relative residual ``ρ`` of the tight free-set solves (``h = Q⁻¹``): ``CG_ERROR``
     over ``√(‖Q‖_∞‖Q⁻¹‖_∞)``, within ``[CG_RTOL_MIN, CG_RTOL_MAX]``.
 
@@ -231,8 +237,10 @@ def tight_rtol(q: Tensor, h: Tensor) -> float:
     ‖r‖/√λ_min(Q_FF) ≤ ‖r‖/√λ_min(Q)`` (Cauchy interlacing), and ``‖r‖ ≤ ρ‖(lower Q)_F‖ ≤
     ρ√λ_max ‖lower‖_Q``: ``‖e‖_Q ≤ ρ√κ ‖lower‖_Q`` with ``κ ≤ ‖Q‖_∞‖Q⁻¹‖_∞`` (both
     symmetric: Gershgorin), ``O(K²)``. Within 2× of ``√κ`` on UPGrad's conflicting rows at
-    ``K = 1,024`` (302 against 155)."""
-    bound = float(q.abs().sum(dim=1).amax() * h.abs().sum(dim=1).amax()) ** 0.5
+    ``K = 1,024`` (302 against 155). ``inverse_norm``: ``‖Q⁻¹‖_∞`` where the caller has it."""
+    if inverse_norm is None:
+        inverse_norm = float(h.abs().sum(dim=1).amax())
+    bound = (float(q.abs().sum(dim=1).amax()) * inverse_norm) ** 0.5
     return min(CG_RTOL_MAX, max(CG_RTOL_MIN, CG_ERROR / bound)) if bound > 0.0 else CG_RTOL_MIN
 
 
@@ -976,8 +984,11 @@ def _pivot_first(q: Tensor, c: Tensor, lower: Tensor, simplex: bool, x: Tensor, 
     if well_conditioned:
         return _pivot_all(q, c, lower, simplex, x, tol, inverse)
     if ill_but_definite:
-        return solve_lcp_pivoting(q, c, lower, simplex, x > lower, tol, ILL_MAX_PIVOTS,
-                                  relative=True)
+        pivot = solve_lcp_pivoting(q, c, lower, simplex, x > lower, tol, ILL_MAX_PIVOTS,
+                                   relative=True)
+        if pivot is not None and not simplex and not bool(c.any()):
+            pivot[1][:] &= _multipliers_hold(q, lower, pivot[0])
+        return pivot
     return None
 
 
@@ -987,5 +998,20 @@ def _finish_active_set(q: Tensor, lower: Tensor, out: Tensor, done: Tensor,
     (:func:`~._active_set.box_active_set`), in place where it finishes them."""
     rest = torch.nonzero(~done).flatten()
     v, finished = box_active_set(q, lower[rest], tol, 3 * q.shape[0] + 10)
+    finished &= _multipliers_hold(q, lower[rest], v)
     out[rest[finished]] = v[finished]
     done[rest[finished]] = True
+
+
+def _multipliers_hold(q: Tensor, lower: Tensor, v: Tensor) -> Tensor:
+    """``[B]``: no multiplier ``w = Qv`` of an index at its bound is below ``−HOLD_RTOL``
+    times the sizes it is made of, ``(|Q||v|)ⱼ`` (``c = 0``). On a ``Q`` of condition number
+    1e24 (norms spanning 1e-6 … 1e6, not positive definite to its rounding) the batched
+    active set can take an index for dependent while its multiplier is ``−3e-4`` of its
+    size, and the pivoting's factorisations of the free blocks can finish a problem 33 %
+    above its minimum: such a problem goes on (the active set, then least squares on a
+    factor). Rounding leaves ``w`` within about ``K·eps`` of its size, far above the
+    pivoting's own threshold on a singular ``Q`` but far below ``HOLD_RTOL``."""
+    at_bound = v <= lower
+    w = v @ q
+    return ~(at_bound & (w < -HOLD_RTOL * (v.abs() @ q.abs()))).any(dim=1)

@@ -19,13 +19,18 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from ._precond import Preconditioner, SetupCache, goes_sparse, sparse_product
+from ._precond import Preconditioner, SetupCache, row_dot, sparse_count, sparse_product
+from ._projected import projected_start
 
+_dot = row_dot
 _norm = torch.linalg.vector_norm  # the direct kernel: Tensor.norm dispatches in Python first
-_dot = torch.linalg.vecdot  # row-wise inner products, one pass
 
 #: Step cap of one solve.
 CG_MAX_STEPS = 100
+#: :func:`pcg_free` drops the rows whose solve is done from its tensors once they are this
+#: fraction of the rows it holds; until then they stay, parked (zero residual and direction):
+#: a gather of every tensor costs more than the products of a few rows.
+PARK_FRACTION = 1 / 8
 #: Relative residual of the float32 solves of :func:`rough_free_sets` (looser for the first
 #: one and after a pivot that moved more than ``ROUGH_FAR_MOVES`` indices: their free sets
 #: are still far from the optimum) and their step cap, the fraction of a row's largest
@@ -49,9 +54,12 @@ def restricted_product(q: Tensor, y0: Tensor, y0q: Tensor, f: Tensor,
     ``kept``: ``y0 ∘ f`` where the caller has it."""
     kept = y0 * f if kept is None else kept
     dropped = y0 - kept
-    if not goes_sparse(dropped, q.shape[1]):
+    nonzeros = sparse_count(dropped, q.shape[1])
+    if nonzeros is None:
         return kept @ q
-    return y0q - sparse_product(dropped, q, sparse=True)
+    if nonzeros == 0:
+        return y0q.clone()
+    return y0q - sparse_product(dropped, q, nonzeros)
 
 
 #: ``(rows, f) → W``: a preconditioner's setup of the problems ``rows`` on free sets ``f``.
@@ -93,6 +101,8 @@ def pcg_free(q: Tensor, h: Tensor | Preconditioner, rhs: Tensor, free: Tensor, y
     u = pre.setup(f) if setup is None else setup(live, f)
     z = pre.apply(r, f, u)
     p, rz = z, _dot(r, z)
+    active = torch.ones_like(live, dtype=torch.bool)  # rows of ``live`` not parked
+    parked = 0
     for _ in range(max_steps):
         if live.numel() == 0:
             break
@@ -103,14 +113,23 @@ def pcg_free(q: Tensor, h: Tensor | Preconditioner, rhs: Tensor, free: Tensor, y
         xq.addcmul_(alpha, pq)
         r.addcmul_(pq.mul_(f), alpha, value=-1.0)
         ok = _norm(r, dim=1) <= target
-        stop = ok | (pap <= 0)  # converged, or broken down (left unconverged)
+        stop = (ok | (pap <= 0)) & active  # converged, or broken down (left unconverged)
         if bool(stop.any()):
             done = live[stop]
             y[done], yq[done], converged[done] = x[stop], xq[stop], ok[stop]
-            keep = torch.nonzero(~stop).flatten()
-            live, f, r, target, x, xq, p, rz = (
-                t.index_select(0, keep) for t in (live, f, r, target, x, xq, p, rz))
-            u = None if u is None else u.index_select(0, keep)
+            active &= ~stop
+            parked += int(stop.sum())
+            if parked >= PARK_FRACTION * live.numel():
+                keep = torch.nonzero(active).flatten()
+                live, f, r, target, x, xq, p, rz, active = (
+                    t.index_select(0, keep)
+                    for t in (live, f, r, target, x, xq, p, rz, active))
+                u = None if u is None else u.index_select(0, keep)
+                parked = 0
+            else:  # parked: a zero residual and direction leave x where it is
+                idx = torch.nonzero(stop).flatten()
+                r.index_fill_(0, idx, 0.0)
+                p.index_fill_(0, idx, 0.0)
         z = pre.apply(r, f, u)
         rz_new = _dot(r, z)
         p = p.mul_(torch.where(rz > 0, rz_new / torch.where(rz > 0, rz, 1.0), 0.0)[:, None])
@@ -237,7 +256,7 @@ def _pivot(live: _Live, due: Tensor, rhs: Tensor, out_free: Tensor,
                       w < -ROUGH_MARGIN * w.abs().amax(dim=1, keepdim=True))
     count = bad.sum(dim=1)
     out_free.index_copy_(0, rows, f)
-    out_y.index_copy_(0, rows, y.double())
+    out_y.index_copy_(0, rows, y)
     better = count < live.best[due]
     live.best[due] = torch.minimum(count, live.best[due])
     live.stale[due] = torch.where(better, 0, live.stale[due] + 1)
@@ -248,7 +267,8 @@ def _pivot(live: _Live, due: Tensor, rhs: Tensor, out_free: Tensor,
 
 def rough_free_sets(q: Tensor, h: Tensor | Preconditioner, shift: Tensor,
                     free0: Tensor, whole: Tensor | None = None,
-                    cache: SetupCache | None = None) -> tuple[Tensor, Tensor]:
+                    cache: SetupCache | None = None,
+                    projected: bool = False) -> tuple[Tensor, Tensor]:
     """``(free, y)`` ``[B, K]`` (float64): a guess of each box problem's optimal free set and
     ``y`` (``w = Qy + shift ≥ 0``, ``y ≥ 0``, ``yᵀw = 0``), from the free sets ``free0``
     (where empty: from :func:`opposite_start`, with ``whole``, the all-free solution
@@ -266,14 +286,19 @@ def rough_free_sets(q: Tensor, h: Tensor | Preconditioner, shift: Tensor,
     positive leaves, and a problem whose float32 solve overflowed keeps ``free0`` (and
     ``y = 0``). Only a start: nothing here is checked, the float64 pivoting decides.
     ``cache``: the preconditioner's setups (:class:`~._precond.SetupCache`), kept for the
-    float64 solves.
+    float64 solves. ``projected`` (``h`` a :class:`~._precond.Preconditioner` with ``top``):
+    a cold start from :func:`~._projected.projected_start` instead, where ``Q`` is well
+    conditioned (:func:`~._projected.pays`).
     """
     q32, rhs = q.float(), -shift.float()
     pre = _as_preconditioner(h.float() if isinstance(h, Tensor) else h)
     b, k = rhs.shape
     cache = SetupCache(pre, b, k) if cache is None else cache
-    free, y, yq = opposite_start(pre.inverse, -rhs, free0, whole)
-    out_free, out_y = free0.clone(), torch.zeros_like(shift)
+    if projected and pre.top > 0.0 and not bool(free0.any()):
+        free, y, yq = projected_start(q32, -rhs, pre.top)
+    else:
+        free, y, yq = opposite_start(pre.inverse, -rhs, free0, whole)
+    out_free, out_y = free0.clone(), torch.zeros_like(rhs)
     count = torch.zeros(b, dtype=torch.int64)
     live = _Live(torch.arange(b), torch.zeros_like(rhs), y, yq, torch.zeros_like(rhs),
                  torch.zeros(b), torch.zeros_like(rhs), torch.zeros(b), count, count.clone(),
@@ -291,11 +316,12 @@ def rough_free_sets(q: Tensor, h: Tensor | Preconditioner, shift: Tensor,
         fresh[due] = ~stop
         _restart(live, q32, rhs, nxt[~stop], fresh, cache, moves[~stop])
         keep = ~due | fresh
-        fresh = fresh[keep]
-        live.take(keep)
+        if not bool(keep.all()):
+            fresh = fresh[keep]
+            live.take(keep)
         due = torch.zeros_like(fresh)
         if live.rows.numel() == 0:
             break
     finite = torch.isfinite(out_y).all(dim=1, keepdim=True)  # else: the given free set
     clean = torch.where(finite, out_free & (out_y > 0.0), free0)
-    return clean, torch.where(clean & finite, out_y, 0.0)
+    return clean, torch.where(clean & finite, out_y, 0.0).to(shift.dtype)

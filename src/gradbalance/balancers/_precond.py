@@ -40,7 +40,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-_dot = torch.linalg.vecdot
+
+def row_dot(a: Tensor, b: Tensor) -> Tensor:
+    """Row-wise inner products (``[B, K]`` → ``[B]``): a product and a sum, twice as fast
+    as :func:`torch.linalg.vecdot` in float64 (one thread, ``[900, 1024]``: 1.1 against
+    2.3 ms) and as fast in float32."""
+    return (a * b).sum(dim=-1)
+
+
+_dot = row_dot
 
 #: :func:`sparse_product` multiplies a sparse copy while the non-zero entries are fewer than
 #: this fraction of them (one thread, ``[1000, 1024] × [1024, 1024]``: 5–15 ms in float32 up
@@ -54,23 +62,35 @@ SPARSE_MIN_COLUMNS = 512
 DENSE_BELOW_COLUMNS = 64
 
 
-def goes_sparse(a: Tensor, columns: int) -> bool:
-    """Whether ``a M`` (``M`` of ``columns`` columns) is cheaper through a sparse copy of
-    ``a`` (``SPARSE_FRACTION``, ``SPARSE_MIN_COLUMNS``, ``DENSE_BELOW_COLUMNS``); one pass
-    over ``a`` from ``DENSE_BELOW_COLUMNS`` on."""
+def sparse_count(a: Tensor, columns: int) -> int | None:
+    """The number of non-zero entries of ``a`` where ``a M`` (``M`` of ``columns`` columns) is
+    cheaper through them (``SPARSE_FRACTION``, ``SPARSE_MIN_COLUMNS``,
+    ``DENSE_BELOW_COLUMNS``), else None (one dense product); one pass over ``a`` from
+    ``DENSE_BELOW_COLUMNS`` on."""
     if columns < DENSE_BELOW_COLUMNS:
-        return False
+        return None
     limit = SPARSE_FRACTION * a.numel() if columns >= SPARSE_MIN_COLUMNS else a.shape[0]
-    return int(torch.count_nonzero(a)) <= limit
+    count = int(torch.count_nonzero(a))
+    return count if count <= limit else None
 
 
-def sparse_product(a: Tensor, m: Tensor, sparse: bool | None = None) -> Tensor:
-    """``a M`` (``[B, K] × [K, N]``, strided), by a sparse (COO) copy of ``a`` where
-    :func:`goes_sparse` (or ``sparse``, where the caller has decided), else one dense
-    product. A row with one non-zero entry ``aᵢⱼ`` is ``aᵢⱼ Mⱼ`` bit for bit either way
-    (``M`` finite)."""
-    if not (goes_sparse(a, m.shape[1]) if sparse is None else sparse):
+def sparse_product(a: Tensor, m: Tensor, nonzeros: int | None = -1) -> Tensor:
+    """``a M`` (``[B, K] × [K, N]``, strided) through the ``nonzeros`` non-zero entries of ``a``
+    (``-1``: :func:`sparse_count` decides; None: one dense product): none, a zero product;
+    at most one per row, a gather of rows of ``M`` (``aᵢⱼ Mⱼ``, bit for bit the dense
+    product's for ``M`` finite: the other terms are zeros); else a sparse (COO) copy of
+    ``a``."""
+    if nonzeros == -1:
+        nonzeros = sparse_count(a, m.shape[1])
+    if nonzeros is None:
         return a @ m
+    if nonzeros == 0:
+        return a.new_zeros((a.shape[0], m.shape[1]))
+    if nonzeros <= a.shape[0]:
+        col = a.abs().argmax(dim=1, keepdim=True)
+        largest = a.gather(1, col)
+        if int(torch.count_nonzero(largest)) == nonzeros:  # one per non-zero row
+            return m.index_select(0, col[:, 0]).mul_(largest)
     out: Tensor = torch.sparse.mm(a.to_sparse(), m)
     return out
 
@@ -98,11 +118,13 @@ class Preconditioner:
     c: Tensor | None = None
     #: ``1/c`` of a single deflated direction (``m = 1``), as a number.
     inv_c1: float = 0.0
+    #: ``λ₁(Q)`` from the power steps (0: not estimated).
+    top: float = 0.0
 
     @classmethod
-    def plain(cls, inverse: Tensor) -> Preconditioner:
-        """``(Q⁻¹)_FF``, nothing deflated."""
-        return cls(inverse, inverse)
+    def plain(cls, inverse: Tensor, top: float = 0.0) -> Preconditioner:
+        """``(Q⁻¹)_FF``, nothing deflated (``top``: ``λ₁(Q)`` where estimated)."""
+        return cls(inverse, inverse, top=top)
 
     def product(self, r: Tensor) -> Tensor:
         """``r h`` in the dtype of ``h`` (float32 for float64 solves: half the cost of the
@@ -168,10 +190,14 @@ class SetupCache:
             return None
         new = f.to(self.f.dtype)
         moved = new - self.f[rows]
-        if self.spread is None or not goes_sparse(moved, pre.h.shape[1]):
+        kept = self.spread
+        nonzeros = None if kept is None else sparse_count(moved, pre.h.shape[1])
+        if kept is None or nonzeros is None:
             spread = pre.spread(new)
+        elif nonzeros == 0:
+            spread = kept[rows]
         else:
-            spread = self.spread[rows] + pre.spread(moved)
+            spread = kept[rows] + pre.spread(moved)
         if self.spread is None:
             self.spread = spread.new_zeros((self.f.shape[0], *spread.shape[1:]))
         self.spread[rows], self.f[rows] = spread, new
@@ -263,10 +289,11 @@ def deflated(q: Tensor, h: Tensor) -> Preconditioner:
     if _room_for_more(q, float(lam[0]), trace, k):
         lam, v = _top_eigen(q, min(MAX_DEFLATED, k - 1))
     m, mu = _outliers(lam.tolist(), trace, k)
+    top = float(lam[0])
     if m == 0:
-        return Preconditioner.plain(h32)
+        return Preconditioner.plain(h32, top)
     lam, v = lam[:m], v[:, :m]
     hb = h + (v * (1.0 / mu - 1.0 / lam)) @ v.T
     c = (lam - mu).float()
     return Preconditioner(h32, hb.float().contiguous(), v.float(), c,
-                          1.0 / float(c[0]) if m == 1 else 0.0)
+                          1.0 / float(c[0]) if m == 1 else 0.0, top)

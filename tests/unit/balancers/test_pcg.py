@@ -25,6 +25,7 @@ from torch import Tensor
 from gradbalance.balancers import _boxqp, _pcg, _precond
 from gradbalance.balancers._solvers import trace_normalized
 from support.balancers import nnls_dual_cone
+from support.cone_reference import assert_kkt
 from unit.balancers.test_many_tasks import assert_same_update
 
 F64 = torch.float64
@@ -235,23 +236,6 @@ def shared_rows(k: int, directions: int, seed: int) -> Tensor:
     a = torch.randn(k, directions, generator=gen, dtype=F64) * weights
     s = torch.randn(directions, 4 * k + 8, generator=gen, dtype=F64)
     return a @ s + 0.5 * torch.randn(k, 4 * k + 8, generator=gen, dtype=F64)
-
-
-def assert_kkt(gram: Tensor, u: Tensor, v: Tensor) -> None:
-    """``argmin_{v ≥ u} vᵀGv`` per row, from its optimality conditions: ``v ≥ u``; on the
-    active set (``v = u``) ``w = Gv ≥ 0`` to ``1e-9`` of the sizes it is made of (``|G||v|``);
-    on the free set ``w = 0`` to the tight solves' residual, at most ``CG_RTOL_MAX`` times
-    ``‖(Gu)_F‖`` (the right-hand side there, :func:`~._boxqp.tight_rtol`), plus rounding."""
-    y, w = v - u, v @ gram
-    size = v.abs() @ gram.abs()
-    top = v.abs().amax(dim=1, keepdim=True)
-    assert bool((y >= -1e-12 * top).all())
-    free = y > 1e-12 * top
-    assert bool((w >= -1e-9 * size).logical_or(free).all())
-    rhs = torch.linalg.vector_norm((u @ gram) * free, dim=1)
-    residual = torch.linalg.vector_norm(w * free, dim=1)
-    assert bool((residual <= 1.01 * _boxqp.CG_RTOL_MAX * rhs
-                 + 1e-12 * torch.linalg.vector_norm(size, dim=1)).all())
 
 
 @settings(max_examples=8, deadline=None)

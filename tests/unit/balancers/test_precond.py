@@ -19,7 +19,7 @@ from gradbalance.balancers._precond import (
     MAX_DEFLATED,
     SetupCache,
     deflated,
-    goes_sparse,
+    sparse_count,
     sparse_product,
 )
 from gradbalance.balancers._solvers import trace_normalized
@@ -141,18 +141,48 @@ def _cache_through_moves(k: int, directions: int, seed: int) -> None:
                                              (256, 1), (256, 3), (32, 1)])
 def test_sparse_product_is_the_product(k: int, per_row: int) -> None:
     """``a M`` through the sparse copy (few non-zero entries: under 1/16 with ``M`` wide, at
-    most one per row with ``M`` narrow) or the dense product, contiguous or not; a row with
-    a single non-zero entry bit for bit; :func:`goes_sparse` says which."""
+    most one per row with ``M`` narrow), the gather of single entries or the dense product,
+    contiguous or not; a row with a single non-zero entry bit for bit; :func:`sparse_count`
+    says which."""
     gen = torch.Generator().manual_seed(per_row)
     m = torch.randn(k, k, generator=gen, dtype=F64)
     a = torch.zeros(50, k, dtype=F64)
     a.scatter_(1, torch.rand(50, k, generator=gen).argsort(dim=1)[:, :per_row],
                torch.randn(50, per_row, generator=gen, dtype=F64))
     expected = per_row < k / 16 if k >= 512 else (k >= 64 and per_row <= 1)
-    assert goes_sparse(a, k) == expected
+    assert (sparse_count(a, k) is not None) == expected
+    if expected:
+        assert sparse_count(a, k) == 50 * per_row
     for right in (m, m.T):
         got = sparse_product(a, right)
         assert got.shape == (50, k) and got.layout == torch.strided
         assert torch.allclose(got, a @ right, atol=1e-12)
-        if per_row == 1:
+        if per_row <= 1:
             assert torch.equal(got, a @ right)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_single_entry_rows_need_every_row_single(seed: int) -> None:
+    """The gather of single entries is taken only where no row holds two: rows of zero, one
+    and two entries mixed (as many entries as rows, the count alone cannot tell) give the
+    product, single-entry rows bit for bit."""
+    gen = torch.Generator().manual_seed(seed)
+    k, b = 96, 40
+    m = torch.randn(k, k, generator=gen, dtype=F64)
+    per_row = torch.randint(0, 2, (b,), generator=gen)
+    per_row[0], per_row[1] = 0, 2  # one empty and one double row: at most b entries
+    a = torch.zeros(b, k, dtype=F64)
+    for i, n in enumerate(per_row.tolist()):
+        cols = torch.randperm(k, generator=gen)[:n]
+        a[i, cols] = torch.randn(n, generator=gen, dtype=F64)
+    nonzeros = int(per_row.sum())
+    assert nonzeros <= b
+    got = sparse_product(a, m, nonzeros)
+    assert torch.allclose(got, a @ m, atol=1e-12)
+    single = per_row <= 1
+    assert torch.equal(got[single], (a @ m)[single])
+    only_single = a * single[:, None]
+    got_single = sparse_product(only_single, m, int(per_row[single].sum()))
+    assert torch.equal(got_single, only_single @ m)
+    zero = torch.zeros(b, k, dtype=F64)
+    assert torch.equal(sparse_product(zero, m, 0), zero)
