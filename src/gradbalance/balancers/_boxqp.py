@@ -46,7 +46,7 @@ from ._active_set import box_active_set, solve_free
 from ._interior import interior_nnls
 from ._pcg import pcg_free, rough_free_sets
 from ._precond import Preconditioner, SetupCache, deflated, sparse_product
-from ._projected import pays
+from ._projected import plan
 from ._qr_update import ColumnQR
 
 #: Largest condition number of ``Q`` for which the Cholesky (pivoting) path is used.
@@ -210,8 +210,8 @@ def solve_lcp_pivoting(
         whole = None if bool(c.any()) else -lower  # Q(−lower) + shift = 0: no product
         cache = SetupCache(pre, *shift.shape)  # the setups, from float32 on
         inverse_norm = float(h.abs().sum(dim=1).amax())
-        projected = pays(pre.top, inverse_norm, pre.v is not None)
-        free0, y0 = rough_free_sets(q, pre, shift, free0, whole, cache, projected)
+        start = plan(q, pre, inverse_norm)
+        free0, y0 = rough_free_sets(q, pre, shift, free0, whole, cache, start)
         solve = _cg_solve(q, pre, shift, tight_rtol(q, h, inverse_norm), cache)
     else:
         def solve(rows: Tensor, free: Tensor, y: Tensor, yq: Tensor,

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from ._precond import Preconditioner, SetupCache, row_dot, sparse_count, sparse_product
-from ._projected import projected_start
+from ._projected import Plan, projected_start
 
 _dot = row_dot
 _norm = torch.linalg.vector_norm  # the direct kernel: Tensor.norm dispatches in Python first
@@ -268,7 +268,7 @@ def _pivot(live: _Live, due: Tensor, rhs: Tensor, out_free: Tensor,
 def rough_free_sets(q: Tensor, h: Tensor | Preconditioner, shift: Tensor,
                     free0: Tensor, whole: Tensor | None = None,
                     cache: SetupCache | None = None,
-                    projected: bool = False) -> tuple[Tensor, Tensor]:
+                    start: Plan | None = None) -> tuple[Tensor, Tensor]:
     """``(free, y)`` ``[B, K]`` (float64): a guess of each box problem's optimal free set and
     ``y`` (``w = Qy + shift ≥ 0``, ``y ≥ 0``, ``yᵀw = 0``), from the free sets ``free0``
     (where empty: from :func:`opposite_start`, with ``whole``, the all-free solution
@@ -286,16 +286,17 @@ def rough_free_sets(q: Tensor, h: Tensor | Preconditioner, shift: Tensor,
     positive leaves, and a problem whose float32 solve overflowed keeps ``free0`` (and
     ``y = 0``). Only a start: nothing here is checked, the float64 pivoting decides.
     ``cache``: the preconditioner's setups (:class:`~._precond.SetupCache`), kept for the
-    float64 solves. ``projected`` (``h`` a :class:`~._precond.Preconditioner` with ``top``):
-    a cold start from :func:`~._projected.projected_start` instead, where ``Q`` is well
-    conditioned (:func:`~._projected.pays`).
+    float64 solves. ``start``: a cold start from :func:`~._projected.projected_start`
+    instead, where ``Q`` (or its bulk) is well conditioned (:func:`~._projected.plan`).
     """
     q32, rhs = q.float(), -shift.float()
     pre = _as_preconditioner(h.float() if isinstance(h, Tensor) else h)
     b, k = rhs.shape
     cache = SetupCache(pre, b, k) if cache is None else cache
-    if projected and pre.top > 0.0 and not bool(free0.any()):
-        free, y, yq = projected_start(q32, -rhs, pre.top)
+    first_moves = None  # a first solve far from the optimum: loose
+    if start is not None and not bool(free0.any()):
+        free, y, yq = projected_start(q32, -rhs, start.top, start.v, start.c)
+        first_moves = torch.zeros(b, dtype=torch.int64)  # near it: to ROUGH_RTOL
     else:
         free, y, yq = opposite_start(pre.inverse, -rhs, free0, whole)
     out_free, out_y = free0.clone(), torch.zeros_like(rhs)
@@ -304,7 +305,7 @@ def rough_free_sets(q: Tensor, h: Tensor | Preconditioner, shift: Tensor,
                  torch.zeros(b), torch.zeros_like(rhs), torch.zeros(b), count, count.clone(),
                  torch.full((b,), k + 1), count.clone())
     fresh = torch.ones(b, dtype=torch.bool)
-    _restart(live, q32, rhs, free, fresh, cache)
+    _restart(live, q32, rhs, free, fresh, cache, first_moves)
     due = torch.zeros(b, dtype=torch.bool)
     for _ in range(ROUGH_MAX_PIVOTS * ROUGH_MAX_STEPS):
         due = due | _step(live, q32, pre, fresh)

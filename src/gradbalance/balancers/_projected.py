@@ -20,36 +20,56 @@ Example:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
+from ._precond import Preconditioner
+
 #: Steps of :func:`projected_start` (ten: 0.1 indices per problem from the optimal free sets
 #: on ``torch.randn`` rows at K = 1,024; fourteen take 40 % more time for the same start).
-PROJECTED_STEPS = 10
+PROJECTED_STEPS = 8
 #: The start is taken where ``λ₁ ‖Q⁻¹‖_∞`` (an upper estimate of the condition number: the
-#: power steps' ``λ₁`` and Gershgorin's bound on ``1/λ_min``) is at most this: FISTA's error
-#: falls by about ``1 − 1/√κ`` per step, the pivoting's does not depend on ``κ``.
+#: power steps' ``λ₁`` and Gershgorin's bound on ``1/λ_min``; of the bulk ``B`` where one
+#: outlier is deflated) is at most this: FISTA's error falls by about ``1 − 1/√κ`` per
+#: step, the pivoting's does not depend on ``κ``.
 PROJECTED_MAX_KAPPA = 32.0
 #: The step is ``1/(LIPSCHITZ_MARGIN λ₁)``: ``λ₁`` from a few power steps is below the
 #: largest eigenvalue.
 LIPSCHITZ_MARGIN = 1.1
+#: Power steps of :func:`bulk_top`.
+POWER_STEPS = 8
 
 
-def projected_start(q: Tensor, shift: Tensor, top: float,
-                    steps: int = PROJECTED_STEPS) -> tuple[Tensor, Tensor, Tensor]:
+def projected_start(q: Tensor, shift: Tensor, top: float, v: Tensor | None = None,
+                    c: float = 0.0, steps: int = PROJECTED_STEPS
+                    ) -> tuple[Tensor, Tensor, Tensor]:
     """``(free, y, yQ)`` ``[B, K]``: ``steps`` FISTA steps on ``min ½ yᵀQy + shiftᵀy``,
-    ``y ≥ 0`` per row, from ``y = 0``, in the dtype of ``q``; ``top``: ``λ₁(Q)`` (estimated).
+    ``y ≥ 0`` per row, from ``y = 0``, in the dtype of ``q``; ``top``: ``λ₁`` of the part
+    of ``Q`` taken by gradient steps (estimated).
 
-    ``y ← max(0, z − (zQ + shift)/L)``, ``z ← y + ((tₖ − 1)/tₖ₊₁)(y − y_prev)``, a row's
-    momentum reset (``t = 1``) where ``(z − y)ᵀ(y − y_prev) > 0`` (the step went uphill);
-    ``free = {y > 0}``, ``yQ`` one more product.
+    ``y ← prox(z − (z∇)/L)``, ``z ← y + ((tₖ − 1)/tₖ₊₁)(y − y_prev)``, a row's momentum
+    reset (``t = 1``) where ``(z − y)ᵀ(y − y_prev) > 0`` (the step went uphill); ``free =
+    {y > 0}``, ``yQ`` one more product. Without ``v`` the gradient is ``zQ + shift`` and
+    the prox ``max(0, ·)``. With ``Q = B + c vvᵀ`` (``v`` ``[K]`` unit, an outlying
+    eigenvalue ``c`` above the bulk) the gradient steps take ``B`` only (``top = λ₁(B)``:
+    the bulk's condition number, not ``Q``'s), and the prox the outlier too:
+    ``argmin_{y ≥ 0} ‖y − a‖²/(2η) + (c/2)(vᵀy)² = max(0, a − τv)`` with ``τ`` the root of
+    ``τ − ηc vᵀmax(0, a − τv)`` (increasing, slope at least 1), one Newton step per FISTA
+    step from the last one's ``τ``.
     """
     step = 1.0 / (LIPSCHITZ_MARGIN * top)
-    y = (shift * -step).clamp_min_(0.0)  # the first step from z = 0: no product
+    rows = shift.shape[0]
+    tau = torch.zeros(rows, dtype=q.dtype)
+    y = _prox(shift * -step, v, step * c, tau)  # the first step from z = 0: no product
     z = y
-    t = torch.ones(shift.shape[0], dtype=q.dtype)
+    t = torch.ones(rows, dtype=q.dtype)
     for _ in range(steps - 1):
-        new = (z @ q).add_(shift).mul_(-step).add_(z).clamp_min_(0.0)
+        grad = (z @ q).add_(shift)
+        if v is not None:
+            grad.sub_((z @ v)[:, None] * (c * v))
+        new = _prox(grad.mul_(-step).add_(z), v, step * c, tau)
         moved = new - y
         uphill = ((z - new) * moved).sum(dim=1) > 0.0
         t_next = (1.0 + (1.0 + 4.0 * t * t).sqrt()) / 2.0
@@ -60,7 +80,54 @@ def projected_start(q: Tensor, shift: Tensor, top: float,
     return y > 0.0, y, y @ q
 
 
-def pays(top: float, inverse_norm: float, has_outliers: bool) -> bool:
-    """Whether :func:`projected_start` is taken: no deflated outlier and ``λ₁ ‖Q⁻¹‖_∞`` at
-    most ``PROJECTED_MAX_KAPPA``."""
-    return not has_outliers and top * inverse_norm <= PROJECTED_MAX_KAPPA
+def _prox(a: Tensor, v: Tensor | None, weight: float, tau: Tensor) -> Tensor:
+    """``max(0, a − τv)`` (``max(0, a)`` without ``v``), ``τ`` ``[B]`` moved in place by one
+    Newton step on ``τ − weight·vᵀmax(0, a − τv)`` (``weight = ηc``)."""
+    if v is None:
+        return a.clamp_min_(0.0)
+    r = a - tau[:, None] * v
+    inside = r > 0.0
+    value = tau - weight * (r.clamp_min_(0.0) * v).sum(dim=1)
+    slope = 1.0 + weight * (inside * (v * v)).sum(dim=1)
+    tau.sub_(value / slope)
+    return a.sub_(tau[:, None] * v).clamp_min_(0.0)
+
+
+def bulk_top(q: Tensor, v: Tensor, c: float) -> float:
+    """``λ₁(Q − c vvᵀ)`` by ``POWER_STEPS`` power steps (``v`` ``[K]``, ``Q`` ``[K, K]``), from
+    the ones vector with ``v`` taken out; ``O(K²)`` each."""
+    x = torch.ones(q.shape[0], dtype=q.dtype)
+    x = x - v * (v @ x)
+    for _ in range(POWER_STEPS):
+        x = x / torch.linalg.vector_norm(x).clamp_min(1e-300)
+        x = q @ x - (c * (v @ x)) * v
+    x = x / torch.linalg.vector_norm(x).clamp_min(1e-300)
+    return float(x @ (q @ x) - c * (v @ x) ** 2)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What :func:`projected_start` takes: ``top`` (``λ₁`` of the gradient part), and the
+    outlier ``v`` ``[K]``, ``c`` (None, 0: none)."""
+
+    top: float
+    v: Tensor | None = None
+    c: float = 0.0
+
+
+def plan(q: Tensor, pre: Preconditioner, inverse_norm: float) -> Plan | None:
+    """The projected start of the box problems on ``q`` (float64) with the preconditioner
+    ``pre`` (:func:`~._precond.deflated`; ``inverse_norm = ‖Q⁻¹‖_∞``), or None: nothing
+    deflated and ``λ₁ ‖Q⁻¹‖_∞`` at most ``PROJECTED_MAX_KAPPA``, or one outlier deflated and
+    ``λ₁(B) ‖B⁻¹‖_∞`` at most that (``B = Q − c vvᵀ``, :func:`bulk_top`; ``B⁻¹`` the
+    preconditioner's ``h``); more outliers: None."""
+    if pre.v is None:
+        return Plan(pre.top) if 0.0 < pre.top * inverse_norm <= PROJECTED_MAX_KAPPA else None
+    if pre.v.shape[1] != 1 or pre.c is None:
+        return None
+    v, c = pre.v[:, 0].to(q.dtype), float(pre.c[0])
+    top = bulk_top(q, v, c)
+    bulk_inverse = float(pre.h.abs().sum(dim=1).amax())
+    if not 0.0 < top * bulk_inverse <= PROJECTED_MAX_KAPPA:
+        return None
+    return Plan(top, pre.v[:, 0], c)
