@@ -236,15 +236,20 @@ def table(ks: list[int], rows: dict[str, dict[int, float | str]]) -> str:
 
 def kinds_table(k: int, kinds: list[str], res: dict[str, dict[str, float | str]]) -> str:
     """Markdown at one K: a row per method, a column per kind; the Gramian in ms, every other
-    method as a multiple of the Gramian of the same kind and run."""
+    method as a multiple of the Gramian (``compute_gramian``) of the same kind and run, and
+    in brackets of the plain product ``J Jᵀ``."""
     lines = ["| method | " + " | ".join(kinds) + " |", "|---" * (len(kinds) + 1) + "|"]
     names = list(dict.fromkeys(n for kind in kinds for n in res[kind]))
     for name in names:
         cells = []
         for kind in kinds:
             v, g = res[kind].get(name, "—"), res[kind].get("gramian")
+            plain = res[kind].get("J Jᵀ float32")
             if isinstance(v, float) and isinstance(g, float):
-                cells.append(f"{v * 1e3:.0f} ms" if name == "gramian" else f"{v / g:.2f}×")
+                cell = f"{v * 1e3:.0f} ms" if name == "gramian" else f"{v / g:.2f}×"
+                if isinstance(plain, float) and name not in ("gramian", "J Jᵀ float32"):
+                    cell += f" ({v / plain:.2f}×)"
+                cells.append(cell)
             else:
                 cells.append(str(v))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
@@ -265,7 +270,8 @@ def sweep(args: argparse.Namespace, ks: list[int], names: list[str], kinds: list
             print(f"{kind} K={k} done", flush=True)
         loads.append(f"{kind} {os.getloadavg()[0]:.1f}")
         ran = kinds[: done + 1]
-        text = "# Combine time by kind of rows, as a multiple of the Gramian\n" + "".join(
+        text = ("# Combine time by kind of rows, as a multiple of the Gramian (in brackets: of"
+                " the plain product J Jᵀ)\n") + "".join(
             f"\n## K = {k} ({', '.join(ran)}; P = {args.p}, float32, {args.threads} "
             f"thread(s), median of {args.rounds} interleaved rounds, {args.clock} clock)\n\n"
             + kinds_table(k, ran, res[k]) + "\n"
