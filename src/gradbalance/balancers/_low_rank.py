@@ -57,13 +57,11 @@ LOW_RANK_WIDE_SIZE = 128
 LOW_RANK_MAX_WORK = 2**20
 #: Fewest tasks for which one problem (DualProj's) tries the zero dual cone's certificate:
 #: below, the pivots and the screen cost more than the dense solve of most rows (at K = 64,
-#: 3.3 → 6.1 ms a call on conflicting rows, benchmarks/results/many_tasks_cpu.md).
+#: 3.3 → 6.1 ms a call on conflicting rows, benchmarks/results/many_tasks_cpu.md). From it
+#: on at every rank: at K = 1,024 on rows in spans of rank 8 and 32 the certificate takes
+#: 0.20–0.23 s and leaves ``‖Jᵀw‖`` at 1e-6 of the mean's norm, where the dense solve
+#: (the batched active set, then least squares on a factor) took 0.6–0.7 s for 1e-5 … 1e-4.
 ONE_PROBLEM_MIN_SIZE = 256
-#: Most tasks for which one problem (DualProj's) tries the zero dual cone's certificate
-#: (:mod:`~._zero_cone`) at any rank: above, the eigen-factor of a rounded ``Q`` costs more
-#: than the dense solve of ranks up to ``√(LOW_RANK_MAX_WORK / K)``, so only higher ranks try
-#: it (benchmarks/results/many_tasks_cpu.md).
-ONE_PROBLEM_MAX_SIZE = 512
 #: From this many pivots on (at each power of two) the pivots stop where the pace of the
 #: residual trace's fall would leave it positive at ``REACH_MARGIN`` times the largest rank.
 REACH_FROM = 16
@@ -124,13 +122,12 @@ def pivoted_cholesky(q: Tensor, max_rank: int) -> Tensor | None:
     return None if pivoted is None else pivoted[0]
 
 
-def low_rank_factor(q: Tensor, max_rank: int, min_rank: int = 0,
+def low_rank_factor(q: Tensor, max_rank: int,
                     screen: Callable[[Tensor], bool] | None = None) -> tuple[Tensor, float] | None:
     """``(L, dependent)``, ``L`` ``[K, r]``, ``r ≤ max_rank``: the exact pivoted factor, else
     the eigen-factor cut at the rounding (module docstring) where the pivots pass
     ``ROUNDED_GATE``; None when neither has rank ``max_rank`` or less, or, before any
-    eigen-decomposition, the pivots stop below ``min_rank`` or their factor fails
-    ``screen``. ``dependent``: the
+    eigen-decomposition, the pivots' factor fails ``screen``. ``dependent``: the
     squared distance from a span, relative to ``‖Lⱼ‖²``, below which a column depends on it:
     ``τ``, or the eigenvalue cut-off (a unit row closer than the dropped rounding)."""
     k = q.shape[0]
@@ -138,7 +135,7 @@ def low_rank_factor(q: Tensor, max_rank: int, min_rank: int = 0,
     if pivoted is None:
         return None
     factor, exact = pivoted
-    if factor.shape[1] < min_rank or (screen is not None and not screen(factor)):
+    if screen is not None and not screen(factor):
         return None
     dependent = SCHUR_RTOL_PER_ROW * k
     if not exact:
@@ -326,9 +323,7 @@ def low_rank_projection(q: Tensor, lower: Tensor, tol: float) -> tuple[Tensor, T
     LOW_RANK_MIN_SIZE`` and ``q`` has a :func:`low_rank_factor` of rank at most ``K/4``
     (``K/8`` below ``LOW_RANK_WIDE_SIZE`` tasks): for two or more problems (UPGrad's) by
     :func:`low_rank_box` up to rank ``√(LOW_RANK_MAX_WORK / K)``; above it, and for one
-    problem (DualProj's, from ``ONE_PROBLEM_MIN_SIZE`` tasks; above ``ONE_PROBLEM_MAX_SIZE``
-    tasks only above that rank, where
-    its dense solve grows past the eigen-factor), by the zero dual cone's
+    problem (DualProj's, from ``ONE_PROBLEM_MIN_SIZE`` tasks), by the zero dual cone's
     certificate alone (:func:`~._zero_cone.zero_cone_box`, ``O(BKr)``; the problems it
     leaves open, or all where it finds none, not done); else None (the caller's dense
     solve)."""
@@ -338,8 +333,7 @@ def low_rank_projection(q: Tensor, lower: Tensor, tol: float) -> tuple[Tensor, T
         return None
     fraction = LOW_RANK_MAX_FRACTION if k >= LOW_RANK_WIDE_SIZE else LOW_RANK_MAX_FRACTION / 2
     cap = math.isqrt(LOW_RANK_MAX_WORK // k)
-    least = cap + 1 if one and k > ONE_PROBLEM_MAX_SIZE else 0
-    found = low_rank_factor(q, int(fraction * k), least, _screen(one, cap))
+    found = low_rank_factor(q, int(fraction * k), _screen(one, cap))
     if found is None:
         return None
     factor, dependent = found
