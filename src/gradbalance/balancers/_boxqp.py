@@ -210,7 +210,7 @@ def solve_lcp_pivoting(
         whole = None if bool(c.any()) else -lower  # Q(−lower) + shift = 0: no product
         cache = SetupCache(pre, *shift.shape)  # the setups, from float32 on
         inverse_norm = float(h.abs().sum(dim=1).amax())
-        start = plan(q, pre, inverse_norm)
+        start = plan(q, pre)
         free0, y0 = rough_free_sets(q, pre, shift, free0, whole, cache, start)
         solve = _cg_solve(q, pre, shift, tight_rtol(q, h, inverse_norm), cache)
     else:

@@ -295,7 +295,7 @@ def rough_free_sets(q: Tensor, h: Tensor | Preconditioner, shift: Tensor,
     cache = SetupCache(pre, b, k) if cache is None else cache
     first_moves = None  # a first solve far from the optimum: loose
     if start is not None and not bool(free0.any()):
-        free, y, yq = projected_start(q32, -rhs, start.top, start.v, start.c)
+        free, y, yq = projected_start(q32, -rhs, start)
         first_moves = torch.zeros(b, dtype=torch.int64)  # near it: to ROUGH_RTOL
     else:
         free, y, yq = opposite_start(pre.inverse, -rhs, free0, whole)

@@ -13,7 +13,7 @@ pivoting confirms them in one solve. Only a start: the float32 and float64 pivot
 Example:
     >>> import torch
     >>> q = torch.tensor([[2.0, -1.0], [-1.0, 2.0]])
-    >>> free, y, yq = projected_start(q, torch.tensor([[1.0, -2.0]]), 3.0, steps=40)
+    >>> free, y, yq = fista(q, torch.tensor([[1.0, -2.0]]), 3.0, steps=40)
     >>> free.tolist(), torch.allclose(y, torch.tensor([[0.0, 1.0]]), atol=1e-5)
     ([[False, True]], True)
 """
@@ -42,9 +42,8 @@ LIPSCHITZ_MARGIN = 1.1
 POWER_STEPS = 8
 
 
-def projected_start(q: Tensor, shift: Tensor, top: float, v: Tensor | None = None,
-                    c: float = 0.0, steps: int = PROJECTED_STEPS
-                    ) -> tuple[Tensor, Tensor, Tensor]:
+def fista(q: Tensor, shift: Tensor, top: float, v: Tensor | None = None, c: float = 0.0,
+          steps: int = PROJECTED_STEPS) -> tuple[Tensor, Tensor, Tensor]:
     """``(free, y, yQ)`` ``[B, K]``: ``steps`` FISTA steps on ``min ½ yᵀQy + shiftᵀy``,
     ``y ≥ 0`` per row, from ``y = 0``, in the dtype of ``q``; ``top``: ``λ₁`` of the part
     of ``Q`` taken by gradient steps (estimated).
@@ -93,10 +92,13 @@ def _prox(a: Tensor, v: Tensor | None, weight: float, tau: Tensor) -> Tensor:
     return a.sub_(tau[:, None] * v).clamp_min_(0.0)
 
 
-def bulk_top(q: Tensor, v: Tensor, c: float) -> float:
-    """``λ₁(Q − c vvᵀ)`` by ``POWER_STEPS`` power steps (``v`` ``[K]``, ``Q`` ``[K, K]``), from
-    the ones vector with ``v`` taken out; ``O(K²)`` each."""
+def bulk_top(q: Tensor, v: Tensor | None, c: float) -> float:
+    """``λ₁(Q − c vvᵀ)`` (``λ₁(Q)`` without ``v``) by ``POWER_STEPS`` power steps (``v``
+    ``[K]`` unit, ``Q`` ``[K, K]``), from the ones vector with ``v`` taken out; ``O(K²)``
+    each."""
     x = torch.ones(q.shape[0], dtype=q.dtype)
+    if v is None:
+        v, c = torch.zeros_like(x), 0.0
     x = x - v * (v @ x)
     for _ in range(POWER_STEPS):
         x = x / torch.linalg.vector_norm(x).clamp_min(1e-300)
@@ -107,27 +109,55 @@ def bulk_top(q: Tensor, v: Tensor, c: float) -> float:
 
 @dataclass(frozen=True)
 class Plan:
-    """What :func:`projected_start` takes: ``top`` (``λ₁`` of the gradient part), and the
-    outlier ``v`` ``[K]``, ``c`` (None, 0: none)."""
+    """What :func:`projected_start` takes: the diagonal scaling ``scale`` ``[K]`` (float64),
+    ``top`` (``λ₁`` of the scaled gradient part), and the scaled outlier ``v`` ``[K]`` (unit,
+    float32) and ``c`` (None, 0: none)."""
 
+    scale: Tensor
     top: float
     v: Tensor | None = None
     c: float = 0.0
 
 
-def plan(q: Tensor, pre: Preconditioner, inverse_norm: float) -> Plan | None:
+def projected_start(q: Tensor, shift: Tensor, start: Plan,
+                    steps: int = PROJECTED_STEPS) -> tuple[Tensor, Tensor, Tensor]:
+    """``(free, y, yQ)`` ``[B, K]`` of :func:`fista` on the problem scaled by ``S =
+    diag(start.scale)``: ``y = Sỹ`` with ``ỹ ≥ 0`` the same box, ``Q̃ = SQS`` (the bulk's
+    diagonal made 1: rows of norms far apart, such as the cosine matrix of rows that share
+    one direction to different degrees, leave the bulk's condition number at 7 instead of
+    50), ``yQ = (ỹQ̃)S⁻¹``; in the dtype of ``q``."""
+    scale = start.scale.to(q.dtype)
+    scaled = q * scale[:, None] * scale[None, :]
+    free, y, yq = fista(scaled, shift * scale, start.top, start.v, start.c, steps)
+    return free, y.mul_(scale), yq.div_(scale)
+
+
+def plan(q: Tensor, pre: Preconditioner) -> Plan | None:
     """The projected start of the box problems on ``q`` (float64) with the preconditioner
-    ``pre`` (:func:`~._precond.deflated`; ``inverse_norm = ‖Q⁻¹‖_∞``), or None: nothing
-    deflated and ``λ₁ ‖Q⁻¹‖_∞`` at most ``PROJECTED_MAX_KAPPA``, or one outlier deflated and
-    ``λ₁(B) ‖B⁻¹‖_∞`` at most that (``B = Q − c vvᵀ``, :func:`bulk_top`; ``B⁻¹`` the
-    preconditioner's ``h``); more outliers: None."""
-    if pre.v is None:
-        return Plan(pre.top) if 0.0 < pre.top * inverse_norm <= PROJECTED_MAX_KAPPA else None
-    if pre.v.shape[1] != 1 or pre.c is None:
+    ``pre`` (:func:`~._precond.deflated`, ``h`` its ``B⁻¹``), or None: nothing or one
+    outlier deflated (``B = Q − c vvᵀ``; ``B = Q`` for none), scaled by ``S = diag(B)^{-1/2}``,
+    and ``λ₁(SBS) ‖(SBS)⁻¹‖_∞`` at most ``PROJECTED_MAX_KAPPA`` (:func:`bulk_top`;
+    ``(SBS)⁻¹ = S⁻¹B⁻¹S⁻¹``, one pass over ``h``); more outliers: None."""
+    if pre.v is not None and pre.v.shape[1] != 1:
         return None
-    v, c = pre.v[:, 0].to(q.dtype), float(pre.c[0])
-    top = bulk_top(q, v, c)
-    bulk_inverse = float(pre.h.abs().sum(dim=1).amax())
-    if not 0.0 < top * bulk_inverse <= PROJECTED_MAX_KAPPA:
+    if pre.v is None or pre.c is None:
+        v, c = None, 0.0
+        diag = torch.diagonal(q)
+    else:
+        v, c = pre.v[:, 0].to(q.dtype), float(pre.c[0])
+        diag = torch.diagonal(q) - c * v * v
+    if not bool((diag > 0.0).all()):
         return None
-    return Plan(top, pre.v[:, 0], c)
+    scale = diag.rsqrt()
+    scaled = q * scale[:, None] * scale[None, :]
+    unit, weight = None, 0.0
+    if v is not None:
+        sv = v * scale
+        norm = float(torch.linalg.vector_norm(sv))
+        unit, weight = sv / norm, c * norm * norm
+    top = bulk_top(scaled, unit, weight)
+    scale32 = scale.to(pre.h.dtype)
+    inverse = float((pre.h.abs() / scale32[:, None] / scale32[None, :]).sum(dim=1).amax())
+    if not 0.0 < top * inverse <= PROJECTED_MAX_KAPPA:
+        return None
+    return Plan(scale, top, None if unit is None else unit.float(), weight)

@@ -1,6 +1,7 @@
 """The accelerated projected-gradient start of the box pivoting (``_projected.py``): FISTA's
-point against scipy's NNLS on the same problem, and UPGrad's update with and without the
-start (the pivoting decides either way)."""
+point against scipy's NNLS on the same problem, the scaled start's point against the
+unscaled FISTA's, and UPGrad's update with and without the start (the pivoting decides
+either way)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def test_fista_reaches_the_nnls_solution(k: int, seed: int) -> None:
     lower = torch.randn(3, k, generator=gen, dtype=F64)
     shift = lower @ q
     top = float(torch.linalg.eigvalsh(q)[-1])
-    free, y, yq = _projected.projected_start(q, shift, top, steps=300)
+    free, y, yq = _projected.fista(q, shift, top, steps=300)
     from scipy.optimize import nnls
 
     for i in range(3):
@@ -41,17 +42,21 @@ def test_fista_reaches_the_nnls_solution(k: int, seed: int) -> None:
     assert torch.equal(free, y > 0)
 
 
-@pytest.mark.parametrize(("k", "seed", "shared"), [(64, 0, 0.0), (96, 1, 0.0), (80, 2, 0.3),
-                                                    (72, 3, 2.0)])
-def test_upgrad_is_the_same_with_and_without_the_start(k: int, seed: int, shared: float) -> None:
+@pytest.mark.parametrize(("k", "seed", "shared", "spread"),
+                         [(64, 0, 0.0, 0.0), (96, 1, 0.0, 1.4), (80, 2, 0.3, 0.0),
+                          (72, 3, 2.0, 0.0), (70, 4, 2.0, 1.4)])
+def test_upgrad_is_the_same_with_and_without_the_start(k: int, seed: int, shared: float,
+                                                       spread: float) -> None:
     """UPGrad's update (K ≥ 64: the conjugate-gradient pivoting) with the projected start
     forced on every Gramian, with it forced off, and as chosen: the same update, on rows
     with no shared direction (the start's case) and with one (a start far from the
-    optimum: the pivoting still reaches it)."""
+    optimum: the pivoting still reaches it), norms equal or spread over ``10^±spread``
+    (the start's diagonal scaling; below 1e3 the Gramian is solved as given)."""
     gen = torch.Generator().manual_seed(seed)
     g = torch.randn(k, 4 * k, generator=gen, dtype=F64)
     g = g + shared * torch.randn(k, 1, generator=gen, dtype=F64) * torch.randn(
         4 * k, generator=gen, dtype=F64)
+    g = g * torch.logspace(-spread, spread, k, dtype=F64)[torch.randperm(k, generator=gen), None]
     gram = g @ g.T
     chosen = upgrad_weights(gram) @ g
     for forced in (True, False):
@@ -60,3 +65,34 @@ def test_upgrad_is_the_same_with_and_without_the_start(k: int, seed: int, shared
             assert_same_update(upgrad_weights(gram) @ g, chosen, g)
     q, _ = trace_normalized(gram)
     assert q.shape[0] >= _boxqp.CG_MIN_SIZE
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(3, 30), st.integers(0, 2**16), st.booleans())
+def test_scaled_start_is_the_problem_s_solution(k: int, seed: int, outlier: bool) -> None:
+    """:func:`~._projected.projected_start` on ``SQS`` with a scaling ``S`` and, optionally,
+    one outlier ``c vvᵀ`` in the prox: after 400 steps ``y``, mapped back, is scipy's NNLS
+    solution of the unscaled problem (``min ‖Jᵀ(y + l)‖``, ``y ≥ 0``) and ``yq = yQ``."""
+    from scipy.optimize import nnls
+
+    gen = torch.Generator().manual_seed(seed)
+    j = torch.randn(k, 4 * k, generator=gen, dtype=F64)
+    j *= torch.logspace(-1, 1, k, dtype=F64)[:, None]
+    q = j @ j.T
+    lower = torch.rand(2, k, generator=gen, dtype=F64)
+    scale = torch.diagonal(q).rsqrt()
+    scaled = q * scale[:, None] * scale[None, :]
+    v, c = None, 0.0
+    if outlier:  # the scaled Q's top eigenpair taken out of the gradient, into the prox
+        lam, vec = torch.linalg.eigh(scaled)
+        v, c = vec[:, -1], float(lam[-1] - lam[:-1].mean())
+        if c <= 0.0:
+            v, c = None, 0.0
+    top = _projected.bulk_top(scaled, v, c)
+    start = _projected.Plan(scale, top, v, c)
+    free, y, yq = _projected.projected_start(q, lower @ q, start, steps=400)
+    for i in range(2):
+        ref, _ = nnls(j.T.numpy(), -(j.T @ lower[i]).numpy(), maxiter=10_000)
+        ref_t = torch.from_numpy(ref)
+        assert torch.allclose(y[i], ref_t, atol=1e-6 * (float(ref_t.abs().max()) + 1.0))
+    assert torch.allclose(yq, y @ q, rtol=1e-9, atol=1e-9 * float(yq.abs().max()))

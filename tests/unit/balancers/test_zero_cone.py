@@ -193,6 +193,32 @@ def test_one_problem_on_spanning_rows_matches_scipy(k: int, r: int, seed: int) -
     assert bool((v >= p * (1 - 1e-12)).all())
 
 
+@pytest.mark.parametrize(("r", "seed"), [(2, 0), (8, 1)])
+def test_one_problem_above_512_tasks_is_certified_at_a_low_rank(r: int, seed: int) -> None:
+    """Above 512 tasks DualProj's one problem takes the certificate at every rank, low ones
+    included (it used to go to the dense solve there): rows in a span of rank 2 or 8 at
+    K = 600, ``v ≥ p`` and an update at most 1e-9 of the mean's (the projection is zero),
+    with the certificate seen."""
+    k = 600
+    g = _span_rows(k, r, seed)
+    p = torch.full((k,), 1.0 / k, dtype=F64)
+    seen: list[bool] = []
+    box = _zero_cone.zero_cone_box
+
+    def spy(factor: Tensor, lower: Tensor, tol: float) -> tuple[Tensor, Tensor] | None:
+        out = box(factor, lower, tol)
+        seen.append(out is not None and bool(out[1].all()))
+        return out
+
+    gram, _ = trace_normalized(g @ g.T)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_low_rank, "zero_cone_box", spy)
+        v = project_dual_cone(gram, p)
+    assert seen == [True]
+    assert bool((v >= p * (1 - 1e-12)).all())
+    assert float((v @ g).norm()) <= 1e-9 * float((p @ g).norm())
+
+
 def test_pivots_stop_early_only_out_of_reach() -> None:
     """The pivots' early stop is a cost decision: the identity at K = 256 (rank 256, largest
     rank 64) is given up at 16 pivots; rows of rank 60 (one row in ten scaled by ``1e3``)
