@@ -91,6 +91,7 @@ def test_scaled_start_is_the_problem_s_solution(k: int, seed: int, outlier: bool
     top = _projected.bulk_top(scaled, v, c)
     start = _projected.Plan(scale, top, v, c)
     free, y, yq = _projected.projected_start(q, lower @ q, start, steps=400)
+    assert torch.equal(free, y > 0)
     for i in range(2):
         ref, _ = nnls(j.T.numpy(), -(j.T @ lower[i]).numpy(), maxiter=10_000)
         ref_t = torch.from_numpy(ref)
