@@ -520,5 +520,11 @@ def torchrun_two(script: str, out: Path) -> list[dict[str, Any]]:
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
          "2", script, str(out)],
         env=env, capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    results = [out / f"rank{r}.pt" for r in range(2)]
+    # Under CPU contention torch's gloo teardown sometimes aborts a rank after its result is
+    # saved ("terminate called without an active exception", docs/distributed.md): the run is
+    # judged by both results; any other failure fails.
+    teardown = "terminate called without an active exception" in done.stderr
+    finished = all(path.is_file() for path in results)
+    assert done.returncode == 0 or (finished and teardown), done.stderr[-3000:]
+    return [torch.load(path, weights_only=False) for path in results]
