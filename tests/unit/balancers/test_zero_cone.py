@@ -5,6 +5,8 @@ problem's own scale (``Σ vⱼ ‖gⱼ‖``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -114,6 +116,27 @@ def test_half_space_factor_has_no_certificate(r: int, extra: int, seed: int) -> 
     assert float(ref.norm()) > 1e-3 * float(lower[-1] @ factor.norm(dim=1)) / k
 
 
+def _watched_projection(gram: Tensor, u: Tensor, certified: Callable[[Tensor, Tensor], bool],
+                        **settings: int) -> tuple[Tensor, list[bool]]:
+    """``project_dual_cone(gram, u)`` with the zero dual cone's certificate watched: per call,
+    whether it finished every problem and ``certified(factor, lower)`` holds; ``settings``:
+    ``_low_rank`` constants set for the call."""
+    seen: list[bool] = []
+    box = _zero_cone.zero_cone_box
+
+    def spy(factor: Tensor, lower: Tensor, tol: float) -> tuple[Tensor, Tensor] | None:
+        out = box(factor, lower, tol)
+        seen.append(out is not None and bool(out[1].all()) and certified(factor, lower))
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_low_rank, "zero_cone_box", spy)
+        for name, value in settings.items():
+            mp.setattr(_low_rank, name, value)
+        v = project_dual_cone(gram, u)
+    return v, seen
+
+
 def _span_rows(k: int, r: int, seed: int) -> Tensor:
     """``[K, P]`` rows ``coef @ basis`` in a random ``r``-dimensional span with coefficients
     of :func:`_gaussian_factor` (norms ``1e-3 … 1e3``), a few zero."""
@@ -135,18 +158,8 @@ def test_routed_spanning_rows_match_scipy(k: int, r: int, seed: int) -> None:
     r = max(2, min(r, n // 8))
     g = _span_rows(k, r, seed)
     u = _bounds(k, seed)
-    seen: list[bool] = []
-    box = _zero_cone.zero_cone_box
-
-    def spy(factor: Tensor, lower: Tensor, tol: float) -> tuple[Tensor, Tensor] | None:
-        out = box(factor, lower, tol)
-        seen.append(out is not None and bool(out[1].all()) and factor.shape[1] == r)
-        return out
-
     gram, trace = trace_normalized(g @ g.T)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_low_rank, "zero_cone_box", spy)
-        v = project_dual_cone(gram, u)
+    v, seen = _watched_projection(gram, u, lambda factor, lower: factor.shape[1] == r)
     assert seen == [True]
     unit = g / trace.sqrt()
     for i in range(u.shape[0]):
@@ -175,19 +188,9 @@ def test_one_problem_on_spanning_rows_matches_scipy(k: int, r: int, seed: int) -
     r = max(2, min(r, n // 8))
     g = _span_rows(k, r, seed)
     p = _bounds(k, seed)[-1]
-    seen: list[bool] = []
-    box = _zero_cone.zero_cone_box
-
-    def spy(factor: Tensor, lower: Tensor, tol: float) -> tuple[Tensor, Tensor] | None:
-        out = box(factor, lower, tol)
-        seen.append(out is not None and bool(out[1].all()) and lower.shape[0] == 1)
-        return out
-
     gram, trace = trace_normalized(g @ g.T)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_low_rank, "zero_cone_box", spy)
-        mp.setattr(_low_rank, "ONE_PROBLEM_MIN_SIZE", 16)
-        v = project_dual_cone(gram, p)
+    v, seen = _watched_projection(gram, p, lambda factor, lower: lower.shape[0] == 1,
+                                  ONE_PROBLEM_MIN_SIZE=16)
     assert seen == [True]
     assert_same_update(v @ g, nnls_dual_cone(g / trace.sqrt(), p) * trace.sqrt(), g)
     assert bool((v >= p * (1 - 1e-12)).all())
@@ -202,18 +205,8 @@ def test_one_problem_above_512_tasks_is_certified_at_a_low_rank(r: int, seed: in
     k = 600
     g = _span_rows(k, r, seed)
     p = torch.full((k,), 1.0 / k, dtype=F64)
-    seen: list[bool] = []
-    box = _zero_cone.zero_cone_box
-
-    def spy(factor: Tensor, lower: Tensor, tol: float) -> tuple[Tensor, Tensor] | None:
-        out = box(factor, lower, tol)
-        seen.append(out is not None and bool(out[1].all()))
-        return out
-
     gram, _ = trace_normalized(g @ g.T)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_low_rank, "zero_cone_box", spy)
-        v = project_dual_cone(gram, p)
+    v, seen = _watched_projection(gram, p, lambda factor, lower: True)
     assert seen == [True]
     assert bool((v >= p * (1 - 1e-12)).all())
     assert float((v @ g).norm()) <= 1e-9 * float((p @ g).norm())
