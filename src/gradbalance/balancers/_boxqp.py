@@ -209,10 +209,9 @@ def solve_lcp_pivoting(
         pre = deflated(q, h)  # both phases', in float32: half the cost of a product
         whole = None if bool(c.any()) else -lower  # Q(−lower) + shift = 0: no product
         cache = SetupCache(pre, *shift.shape)  # the setups, from float32 on
-        inverse_norm = float(h.abs().sum(dim=1).amax())
         start = plan(q, pre)
         free0, y0 = rough_free_sets(q, pre, shift, free0, whole, cache, start)
-        solve = _cg_solve(q, pre, shift, tight_rtol(q, h, inverse_norm), cache)
+        solve = _cg_solve(q, pre, shift, tight_rtol(q, h), cache)
     else:
         def solve(rows: Tensor, free: Tensor, y: Tensor, yq: Tensor,
                   tight: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
@@ -229,7 +228,7 @@ def _inverse(q: Tensor) -> Tensor | None:
     return torch.cholesky_inverse(chol) if int(info) == 0 else None
 
 
-def tight_rtol(q: Tensor, h: Tensor, inverse_norm: float | None = None) -> float:
+def tight_rtol(q: Tensor, h: Tensor) -> float:
     """The relative residual ``ρ`` of the tight free-set solves (``h = Q⁻¹``): ``CG_ERROR``
     over ``√(‖Q‖_∞‖Q⁻¹‖_∞)``, within ``[CG_RTOL_MIN, CG_RTOL_MAX]``.
 
@@ -237,10 +236,8 @@ def tight_rtol(q: Tensor, h: Tensor, inverse_norm: float | None = None) -> float
     ‖r‖/√λ_min(Q_FF) ≤ ‖r‖/√λ_min(Q)`` (Cauchy interlacing), and ``‖r‖ ≤ ρ‖(lower Q)_F‖ ≤
     ρ√λ_max ‖lower‖_Q``: ``‖e‖_Q ≤ ρ√κ ‖lower‖_Q`` with ``κ ≤ ‖Q‖_∞‖Q⁻¹‖_∞`` (both
     symmetric: Gershgorin), ``O(K²)``. Within 2× of ``√κ`` on UPGrad's conflicting rows at
-    ``K = 1,024`` (302 against 155). ``inverse_norm``: ``‖Q⁻¹‖_∞`` where the caller has it."""
-    if inverse_norm is None:
-        inverse_norm = float(h.abs().sum(dim=1).amax())
-    bound = (float(q.abs().sum(dim=1).amax()) * inverse_norm) ** 0.5
+    ``K = 1,024`` (302 against 155)."""
+    bound = float(q.abs().sum(dim=1).amax() * h.abs().sum(dim=1).amax()) ** 0.5
     return min(CG_RTOL_MAX, max(CG_RTOL_MIN, CG_ERROR / bound)) if bound > 0.0 else CG_RTOL_MIN
 
 
@@ -986,9 +983,10 @@ def _pivot_first(q: Tensor, c: Tensor, lower: Tensor, simplex: bool, x: Tensor, 
     if ill_but_definite:
         pivot = solve_lcp_pivoting(q, c, lower, simplex, x > lower, tol, ILL_MAX_PIVOTS,
                                    relative=True)
-        if pivot is not None and not simplex and not bool(c.any()):
-            pivot[1][:] &= _multipliers_hold(q, lower, pivot[0])
-        return pivot
+        if pivot is None or simplex or bool(c.any()):
+            return pivot
+        out, done = pivot
+        return out, done & _multipliers_hold(q, lower, out)
     return None
 
 

@@ -22,7 +22,6 @@ from torch import Tensor
 from ._precond import Preconditioner, SetupCache, row_dot, sparse_count, sparse_product
 from ._projected import Plan, projected_start
 
-_dot = row_dot
 _norm = torch.linalg.vector_norm  # the direct kernel: Tensor.norm dispatches in Python first
 
 #: Step cap of one solve.
@@ -100,14 +99,14 @@ def pcg_free(q: Tensor, h: Tensor | Preconditioner, rhs: Tensor, free: Tensor, y
     pre = _as_preconditioner(h)
     u = pre.setup(f) if setup is None else setup(live, f)
     z = pre.apply(r, f, u)
-    p, rz = z, _dot(r, z)
+    p, rz = z, row_dot(r, z)
     active = torch.ones_like(live, dtype=torch.bool)  # rows of ``live`` not parked
     parked = 0
     for _ in range(max_steps):
         if live.numel() == 0:
             break
         pq = p @ q
-        pap = _dot(p, pq)  # p is zero off F: pᵀQ_FF p
+        pap = row_dot(p, pq)  # p is zero off F: pᵀQ_FF p
         alpha = torch.where(pap > 0, rz / torch.where(pap > 0, pap, 1.0), 0.0)[:, None]
         x.addcmul_(alpha, p)
         xq.addcmul_(alpha, pq)
@@ -131,7 +130,7 @@ def pcg_free(q: Tensor, h: Tensor | Preconditioner, rhs: Tensor, free: Tensor, y
                 r.index_fill_(0, idx, 0.0)
                 p.index_fill_(0, idx, 0.0)
         z = pre.apply(r, f, u)
-        rz_new = _dot(r, z)
+        rz_new = row_dot(r, z)
         p = p.mul_(torch.where(rz > 0, rz_new / torch.where(rz > 0, rz, 1.0), 0.0)[:, None])
         p.add_(z)
         rz = rz_new
@@ -226,13 +225,13 @@ def _step(live: _Live, q: Tensor, pre: Preconditioner, fresh: Tensor) -> Tensor:
     """One conjugate-gradient step of every open row (``fresh``: a new solve, ``p = z``);
     the rows whose solve is done (converged, broken down or out of steps)."""
     z = pre.apply(live.r, live.f, live.u)
-    rz = _dot(live.r, z)
+    rz = row_dot(live.r, z)
     old = torch.where(fresh | (live.rz <= 0), 0.0, live.rz)
     live.p = live.p.mul_(torch.where(old > 0, rz / torch.where(old > 0, old, 1.0), 0.0)[:, None])
     live.p.add_(z)
     live.rz = rz
     pq = live.p @ q
-    pap = _dot(live.p, pq)
+    pap = row_dot(live.p, pq)
     alpha = torch.where(pap > 0, rz / torch.where(pap > 0, pap, 1.0), 0.0)[:, None]
     live.y.addcmul_(alpha, live.p)
     live.yq.addcmul_(alpha, pq)

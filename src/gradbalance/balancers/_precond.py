@@ -48,8 +48,6 @@ def row_dot(a: Tensor, b: Tensor) -> Tensor:
     return (a * b).sum(dim=-1)
 
 
-_dot = row_dot
-
 #: :func:`sparse_product` multiplies a sparse copy while the non-zero entries are fewer than
 #: this fraction of them (one thread, ``[1000, 1024] × [1024, 1024]``: 5–15 ms in float32 up
 #: to 70 per row, 25–30 ms the dense product; about 2.5× that in float64) where ``M`` has at
@@ -154,7 +152,7 @@ class Preconditioner:
         if spread.dim() == 2:  # Sherman–Morrison: a square root, no factorisation
             v1 = self.v[:, 0].to(f.dtype) * f
             hv1 = spread.to(f.dtype).mul_(f)
-            return hv1.div_((self.inv_c1 + _dot(v1, hv1)).clamp_min(1e-300).sqrt()[:, None])
+            return hv1.div_((self.inv_c1 + row_dot(v1, hv1)).clamp_min(1e-300).sqrt()[:, None])
         vf = self.v.T.to(f.dtype)[None] * f[:, None, :]  # [B, m, K]: V_Fᵀ
         hv = spread.to(f.dtype).mul_(f[:, None, :])
         s = torch.bmm(vf, hv.transpose(1, 2))  # V_FᵀĤV_F, [B, m, m]
@@ -165,7 +163,7 @@ class Preconditioner:
         """``M⁻¹ r`` per row (``r`` zero off ``F``; ``u``, ``W``, from :meth:`setup`)."""
         z = self.product(r).mul_(f)
         if u is not None and u.dim() == 2:
-            z.addcmul_(u, _dot(u, r)[:, None], value=-1.0)
+            z.addcmul_(u, row_dot(u, r)[:, None], value=-1.0)
         elif u is not None:
             coef = torch.bmm(u, r[:, :, None])  # W r, [B, m, 1]
             z.sub_(torch.bmm(coef.transpose(1, 2), u)[:, 0])

@@ -3,12 +3,14 @@
 Not a balancer module (no ``__all__``). The float32 pivoting of :mod:`._pcg` (UPGrad's K
 projections at K ≥ 64) starts from :func:`~._pcg.opposite_start`, about 50 indices per
 problem away from the optimal free set at K = 1,024, and pivots five to seven times, each
-pivot a preconditioned conjugate-gradient restart. Where ``Q`` has no outlying eigenvalue and
-a small condition number (rows with no shared direction: ``torch.randn`` rows at K = 1,024,
-P = 20,000 give ``κ = 2.5``), FISTA (Beck & Teboulle 2009) with the gradient-mapping restart
-(O'Donoghue & Candès 2015) reaches the optimal free sets in about ten products of
-``[B, K] × [K, K]``, one per step: after ten steps 0.1 indices per problem differ, and the
-pivoting confirms them in one solve. Only a start: the float32 and float64 pivotings decide.
+pivot a preconditioned conjugate-gradient restart. Where ``Q`` has no outlying eigenvalue or
+one (rows sharing a direction), and its bulk, scaled to a unit diagonal, has a small
+condition number (``torch.randn`` rows and the benchmark's conflicting rows at K = 1,024,
+P = 20,000: ``κ = 2.5``), FISTA (Beck & Teboulle 2009) with the gradient-mapping restart
+(O'Donoghue & Candès 2015), the outlier in the prox, comes within a few indices of the
+optimal free sets in eight products of ``[B, K] × [K, K]``, one per step (47 indices in all
+on those conflicting rows), and the pivoting confirms them in one solve. Only a start: the
+float32 and float64 pivotings decide.
 
 Example:
     >>> import torch
@@ -27,8 +29,9 @@ from torch import Tensor
 
 from ._precond import Preconditioner
 
-#: Steps of :func:`projected_start` (ten: 0.1 indices per problem from the optimal free sets
-#: on ``torch.randn`` rows at K = 1,024; fourteen take 40 % more time for the same start).
+#: Steps of :func:`projected_start` (on ``torch.randn`` rows at K = 1,024: 94 indices in all
+#: from the optimal free sets after six, none after ten; seven to nine steps took the same
+#: time per call within the noise).
 PROJECTED_STEPS = 8
 #: The start is taken where ``λ₁ ‖Q⁻¹‖_∞`` (an upper estimate of the condition number: the
 #: power steps' ``λ₁`` and Gershgorin's bound on ``1/λ_min``; of the bulk ``B`` where one
