@@ -45,7 +45,7 @@ from torch import Tensor
 from ._active_set import box_active_set, solve_free
 from ._interior import interior_nnls
 from ._pcg import pcg_free, rough_free_sets
-from ._precond import Preconditioner, SetupCache, deflated, sparse_product
+from ._precond import Preconditioner, SetupCache, deflated, sparse_product, symmetrized
 from ._projected import plan
 from ._qr_update import ColumnQR
 
@@ -257,15 +257,14 @@ def _cg_solve(q: Tensor, h: Preconditioner, shift: Tensor, tight_tol: float,
 
 def _first_solve(q: Tensor, free: Tensor, simplex: bool, solve: Solve,
                  y0: Tensor | None) -> tuple[Tensor, Tensor, Tensor] | None:
-    """The pivoting's first point: a guessed solution ``y0`` as it is (the float32 pivoting's,
-    already solved to about 1e-6 on its free set: its multipliers are tested first, and only
-    a tight solve can finish it), else a loose solve from ``y = 0``; none from an empty free
-    set and no guess (the default start of a box QP: ``y = 0``)."""
+    """The pivoting's first point: a guessed solution ``y0`` (zero off ``free``) as it is (the
+    float32 pivoting's, already solved to about 1e-6 on its free set: its multipliers are
+    tested first, and only a tight solve can finish it), else a loose solve from ``y = 0``;
+    none from an empty free set and no guess (the default start of a box QP: ``y = 0``)."""
     b = free.shape[0]
     rows = torch.arange(b)
-    if y0 is not None:
-        y = torch.where(free, y0, 0.0)
-        return y, torch.zeros(b, dtype=torch.bool), y @ q
+    if y0 is not None:  # zero off ``free`` (:func:`~._pcg.rough_free_sets`)
+        return y0, torch.zeros(b, dtype=torch.bool), y0 @ q
     y = torch.zeros(free.shape, dtype=q.dtype)
     if simplex or bool(free.any()):
         return solve(rows, free, y, torch.zeros_like(y), torch.zeros(b, dtype=torch.bool))
@@ -721,7 +720,7 @@ def psd_factor(q: Tensor, rounding: float = 0.0) -> Tensor:
 def eigen_factor(q: Tensor, rounding: float) -> tuple[Tensor, float]:
     """``(L, cut)``: :func:`psd_factor`'s factor and the cut-off on the cosine matrix's
     eigenvalues (:func:`rounding_cut`; 0 for a zero ``Q``)."""
-    q = 0.5 * (q + q.T)
+    q = symmetrized(q)
     k = q.shape[0]
     norms = torch.diagonal(q).clamp_min(0.0).sqrt()
     live = torch.nonzero(norms > 0.0).flatten()

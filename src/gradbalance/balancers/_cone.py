@@ -27,7 +27,7 @@ from torch import Tensor
 
 from ._low_rank import low_rank_projection
 from ._parallel_groups import grouped_projection
-from ._precond import sparse_product
+from ._precond import sparse_product, symmetrized
 
 #: ``(Q, lower, tol) → argmin_{x ≥ lower} ½ xᵀQx`` for ``lower`` ``[B, K]``.
 BoxSolve = Callable[[Tensor, Tensor, float], Tensor]
@@ -67,7 +67,7 @@ def _outside_projection(gram: Tensor, u: Tensor, tol: float, solve: BoxSolve,
         return v
     dl = d[live]
     cos = gram[live][:, live] / torch.outer(dl, dl)
-    cos = 0.5 * (cos + cos.T) / n  # trace n: normalised as the solver expects
+    cos = symmetrized(cos).div_(n)  # trace n: normalised as the solver expects
     lower = u[:, live] * dl
     top = lower.abs().amax(dim=1)
     rows = torch.nonzero(top > 0.0).flatten()  # a zero bound: v = 0 there is optimal

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ._precond import symmetrized
+
 #: Fewest tasks for which groups are looked for (below, the dense solve is cheap).
 GROUPS_MIN_SIZE = 17
 #: Multiple of the rounding ``ρ`` the matrix shows within which a cosine counts as ``±1``.
@@ -160,7 +162,7 @@ def _collapsed_solve(cos: Tensor, low: Tensor, groups: Groups, reduced: Solve) -
         return None
     proj = torch.cholesky_solve(c_kf.T, f_factor)  # C_TT⁻¹ C_TR  [|T|, |R|]
     schur = cos[keep][:, keep] - c_kf @ proj
-    z = _reduced(0.5 * (schur + schur.T), z_low, reduced)
+    z = _reduced(symmetrized(schur), z_low, reduced)
     t = torch.zeros_like(low)
     t[:, keep] = z
     t[:, free] = -z @ proj.T

@@ -92,16 +92,20 @@ def pcg_free(q: Tensor, h: Tensor | Preconditioner, rhs: Tensor, free: Tensor, y
     target = rtol * _norm(r, dim=1)
     r.addcmul_(yq, f, value=-1.0)
     converged = _norm(r, dim=1) <= target
-    live = torch.nonzero(~converged).flatten()  # rows still iterating: the others drop out
-    x, xq = y, yq  # every row iterating: updated in place, no gather
-    if live.numel() < y.shape[0]:
+    live = torch.arange(y.shape[0])
+    active = ~converged  # rows of ``live`` not parked
+    parked = int(converged.sum())
+    x, xq = y, yq  # every row held: updated in place, no gather
+    if parked >= PARK_FRACTION * y.shape[0]:  # the rows still iterating, gathered
+        live = torch.nonzero(active).flatten()
         f, r, target, x, xq = (t.index_select(0, live) for t in (f, r, target, y, yq))
+        active, parked = torch.ones_like(live, dtype=torch.bool), 0
+    elif parked:  # parked: a zero residual leaves them where they are
+        r.index_fill_(0, torch.nonzero(converged).flatten(), 0.0)
     pre = _as_preconditioner(h)
     u = pre.setup(f) if setup is None else setup(live, f)
     z = pre.apply(r, f, u)
     p, rz = z, row_dot(r, z)
-    active = torch.ones_like(live, dtype=torch.bool)  # rows of ``live`` not parked
-    parked = 0
     for _ in range(max_steps):
         if live.numel() == 0:
             break
@@ -131,8 +135,7 @@ def pcg_free(q: Tensor, h: Tensor | Preconditioner, rhs: Tensor, free: Tensor, y
                 p.index_fill_(0, idx, 0.0)
         z = pre.apply(r, f, u)
         rz_new = row_dot(r, z)
-        p = p.mul_(torch.where(rz > 0, rz_new / torch.where(rz > 0, rz, 1.0), 0.0)[:, None])
-        p.add_(z)
+        p = z.addcmul_(p, torch.where(rz > 0, rz_new / torch.where(rz > 0, rz, 1.0), 0.0)[:, None])
         rz = rz_new
     if x is not y:  # else updated in place
         y[live], yq[live] = x, xq
@@ -227,8 +230,8 @@ def _step(live: _Live, q: Tensor, pre: Preconditioner, fresh: Tensor) -> Tensor:
     z = pre.apply(live.r, live.f, live.u)
     rz = row_dot(live.r, z)
     old = torch.where(fresh | (live.rz <= 0), 0.0, live.rz)
-    live.p = live.p.mul_(torch.where(old > 0, rz / torch.where(old > 0, old, 1.0), 0.0)[:, None])
-    live.p.add_(z)
+    beta = torch.where(old > 0, rz / torch.where(old > 0, old, 1.0), 0.0)
+    live.p = z.addcmul_(live.p, beta[:, None])  # z + βp: one pass
     live.rz = rz
     pq = live.p @ q
     pap = row_dot(live.p, pq)

@@ -57,6 +57,7 @@ from ._boxqp import (
 )
 from ._cone import scaled_projection
 from ._low_rank import ROUNDING_MULTIPLE
+from ._precond import symmetrized
 
 __all__ = ["SolverError"]
 
@@ -108,7 +109,7 @@ def trace_normalized(gramian: Tensor) -> tuple[Tensor, Tensor]:
     same weights for ``G`` and ``s·G`` up to rounding (1e-8 … 1e8 scales included).
     """
     gram = gramian.detach().to(device="cpu", dtype=torch.float64)
-    gram = 0.5 * (gram + gram.T)
+    gram = symmetrized(gram)
     trace = torch.diagonal(gram).sum()
     if float(trace) > 0.0:
         return gram / trace, trace
