@@ -45,7 +45,14 @@ from torch import Tensor
 from ._active_set import box_active_set, solve_free
 from ._interior import interior_nnls
 from ._pcg import pcg_free, rough_free_sets
-from ._precond import Preconditioner, SetupCache, deflated, sparse_product, symmetrized
+from ._precond import (
+    Preconditioner,
+    SetupCache,
+    deflated,
+    row_dot,
+    sparse_product,
+    symmetrized,
+)
 from ._projected import plan
 from ._qr_update import ColumnQR
 
@@ -64,7 +71,7 @@ FALLBACK_ITERATIONS = 1000
 CG_MIN_SIZE = 64
 #: Error of each projection, relative to its bound (``‖x − x*‖_Q ≤ CG_ERROR ‖lower‖_Q``,
 #: the norm of the update's part in the rows' space), to which the tight solves run; their
-#: relative residual (:func:`tight_rtol`) is kept within ``[CG_RTOL_MIN, CG_RTOL_MAX]``.
+#: relative residual (:func:`tight_residuals`) is kept within ``[CG_RTOL_MIN, CG_RTOL_MAX]``.
 #: ``CG_LOOSE_RTOL``: while the free set still moves. ``CG_MAX_PIVOTS``: pivoting iterations
 #: before the problems still open go to the factorisations.
 CG_ERROR = 1e-7
@@ -198,7 +205,8 @@ def solve_lcp_pivoting(
     (:func:`_relative_threshold`) instead of ``−tol``. ``inverse``: ``Q⁻¹`` when already
     computed (:func:`certified_inverse`), the preconditioner of ``iterative``.
     """
-    shift = (sparse_product(lower, q) if iterative else lower @ q) + c
+    lq = sparse_product(lower, q) if iterative else lower @ q
+    shift = lq + c
     total = 1.0 - lower.sum(dim=1) if simplex else None
     solve: Solve
     y0 = None
@@ -211,7 +219,7 @@ def solve_lcp_pivoting(
         cache = SetupCache(pre, *shift.shape)  # the setups, from float32 on
         start = plan(q, pre)
         free0, y0 = rough_free_sets(q, pre, shift, free0, whole, cache, start)
-        solve = _cg_solve(q, pre, shift, tight_rtol(q, h), cache)
+        solve = _cg_solve(q, pre, shift, tight_residuals(h, lower, lq), cache)
     else:
         def solve(rows: Tensor, free: Tensor, y: Tensor, yq: Tensor,
                   tight: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
@@ -228,30 +236,37 @@ def _inverse(q: Tensor) -> Tensor | None:
     return torch.cholesky_inverse(chol) if int(info) == 0 else None
 
 
-def tight_rtol(q: Tensor, h: Tensor) -> float:
-    """The relative residual ``ρ`` of the tight free-set solves (``h = Q⁻¹``): ``CG_ERROR``
-    over ``√(‖Q‖_∞‖Q⁻¹‖_∞)``, within ``[CG_RTOL_MIN, CG_RTOL_MAX]``.
+def tight_residuals(h: Tensor, lower: Tensor, lq: Tensor) -> Tensor:
+    """``[B]``: the residual at which a tight free-set solve of each problem stops (``h =
+    Q⁻¹``, ``lq = lower·Q``), ``CG_ERROR ‖lower‖_Q / √min(‖Q⁻¹‖_∞, tr Q⁻¹)``; the solve
+    keeps it within ``[CG_RTOL_MIN, CG_RTOL_MAX]`` times its right-hand side (:func:`_cg_solve`).
 
     On a free set ``F`` the error ``e`` of ``y`` has ``Q_FF e_F = r_F``, so ``‖e‖_Q ≤
-    ‖r‖/√λ_min(Q_FF) ≤ ‖r‖/√λ_min(Q)`` (Cauchy interlacing), and ``‖r‖ ≤ ρ‖(lower Q)_F‖ ≤
-    ρ√λ_max ‖lower‖_Q``: ``‖e‖_Q ≤ ρ√κ ‖lower‖_Q`` with ``κ ≤ ‖Q‖_∞‖Q⁻¹‖_∞`` (both
-    symmetric: Gershgorin), ``O(K²)``. Within 2× of ``√κ`` on UPGrad's conflicting rows at
-    ``K = 1,024`` (302 against 155)."""
-    bound = float(q.abs().sum(dim=1).amax() * h.abs().sum(dim=1).amax()) ** 0.5
-    return min(CG_RTOL_MAX, max(CG_RTOL_MIN, CG_ERROR / bound)) if bound > 0.0 else CG_RTOL_MIN
+    ‖r‖/√λ_min(Q_FF) ≤ ‖r‖/√λ_min(Q)`` (Cauchy interlacing), and ``1/λ_min(Q) = λ_max(Q⁻¹)``
+    is at most ``‖Q⁻¹‖_∞`` (Gershgorin, symmetric) and ``tr Q⁻¹`` (positive definite):
+    ``‖e‖_Q ≤ CG_ERROR ‖lower‖_Q``, ``O(K²)``. Measured against the problem's own bound,
+    not ``λ_max``'s estimate ``‖(lower Q)_F‖ ≤ √λ_max ‖lower‖_Q``: 2× looser on UPGrad's
+    conflicting rows at ``K = 1,024``, one conjugate-gradient step fewer for most rows."""
+    inverse_top = min(float(h.abs().sum(dim=1).amax()), float(torch.trace(h)))
+    size = row_dot(lower, lq).clamp_min(0.0).sqrt()
+    return size * (CG_ERROR / inverse_top ** 0.5) if inverse_top > 0.0 else torch.zeros_like(size)
 
 
-def _cg_solve(q: Tensor, h: Preconditioner, shift: Tensor, tight_tol: float,
+def _cg_solve(q: Tensor, h: Preconditioner, shift: Tensor, tight: Tensor,
               cache: SetupCache) -> Solve:
-    """The free-set solves of :func:`solve_lcp_pivoting` by :func:`~._pcg.pcg_free`: to
-    ``tight_tol`` where ``tight`` (only those count as exact), else ``CG_LOOSE_RTOL``; the
-    preconditioner's setups from ``cache``."""
+    """The free-set solves of :func:`solve_lcp_pivoting` by :func:`~._pcg.pcg_free`: to the
+    residual ``tight`` ``[B]`` (:func:`tight_residuals`) where ``tight``, within
+    ``[CG_RTOL_MIN, CG_RTOL_MAX]`` times the right-hand side ``‖shift_F‖`` (only those count
+    as exact), else ``CG_LOOSE_RTOL`` times it; the preconditioner's setups from ``cache``."""
     def solve(rows: Tensor, free: Tensor, y: Tensor, yq: Tensor,
-              tight: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
-        rtol = torch.where(tight, tight_tol, CG_LOOSE_RTOL).to(q.dtype)
-        out, converged, outq = pcg_free(q, h, -shift[rows], free, y, yq, rtol,
+              exact: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
+        rhs = -shift[rows]
+        size = _norm(rhs * free, dim=1)
+        ratio = (tight[rows] / torch.where(size > 0.0, size, 1.0)).clamp(CG_RTOL_MIN, CG_RTOL_MAX)
+        rtol = torch.where(exact, ratio, CG_LOOSE_RTOL).to(q.dtype)
+        out, converged, outq = pcg_free(q, h, rhs, free, y, yq, rtol,
                                         setup=lambda live, f: cache.setup(rows[live], f))
-        return out, converged & tight, outq
+        return out, converged & exact, outq
     return solve
 
 

@@ -57,12 +57,14 @@ def graddrop_update(matrix: Tensor, uniform: Tensor, leak: Tensor | None = None,
 
     Update rule, per coordinate ``j``:
 
-    * positive sign purity ``Pⱼ = ½ (1 + Σₖ gₖⱼ / Σₖ |gₖⱼ|)`` (``½`` where every ``gₖⱼ = 0``);
+    * positive sign purity ``Pⱼ = ½ (1 + Σₖ gₖⱼ / Σₖ |gₖⱼ|) = Σₖ max(gₖⱼ, 0) / Σₖ |gₖⱼ|``
+      (``½`` where every ``gₖⱼ = 0``);
     * keep mask ``Mₖⱼ = [f(Pⱼ) > Uⱼ]·[gₖⱼ > 0] + [f(Pⱼ) < Uⱼ]·[gₖⱼ < 0]``;
     * ``gⱼ = Σₖ (ℓₖ + (1 − ℓₖ) Mₖⱼ) gₖⱼ`` with leak ``ℓ`` (0 by default).
 
     So each coordinate keeps only the positive or only the negative task contributions, the
-    positive side with probability ``f(Pⱼ)``.
+    positive side with probability ``f(Pⱼ)``. Without a leak the update is the kept side's
+    sum, four passes over the rows.
 
     Example:
         >>> import torch
@@ -71,19 +73,20 @@ def graddrop_update(matrix: Tensor, uniform: Tensor, leak: Tensor | None = None,
         >>> graddrop_update(g, torch.tensor([0.75, 0.5]))  # column 0: P < U keeps the −1
         tensor([-1.,  1.], dtype=torch.float64)
     """
-    total = matrix.sum(dim=0)
-    mass = matrix.abs().sum(dim=0)
-    safe = torch.where(mass > 0, mass, torch.ones_like(mass))
-    purity = torch.where(mass > 0, 0.5 * (1.0 + total / safe), torch.full_like(mass, 0.5))
+    # The kept side of a coordinate is all its positive entries or all its negative ones:
+    # without a leak their sums, two passes each over the rows, are the update (no mask).
+    positive, negative = matrix.clamp_min(0), matrix.clamp_max(0)
+    pos, neg = positive.sum(dim=0), negative.sum(dim=0)
+    mass = pos - neg  # Σₖ |gₖⱼ|
+    purity = torch.where(mass > 0, pos / torch.where(mass > 0, mass, 1.0), 0.5)  # Σ⁺ / Σ|g|
     fp = purity if f is None else f(purity)
     uniform = uniform.to(dtype=matrix.dtype, device=matrix.device)
-    # The kept entries, zero elsewhere: one side per coordinate (none where f(P) = U).
-    kept = torch.where((fp > uniform).unsqueeze(0), matrix.clamp_min(0),
-                       matrix.clamp_max(0) * (fp < uniform).to(matrix.dtype).unsqueeze(0))
+    up, down = fp > uniform, fp < uniform
     if leak is None:
-        return kept.sum(dim=0)
+        return torch.where(up, pos, torch.where(down, neg, 0.0))
+    keep = (up & (matrix > 0)) | (down & (matrix < 0))  # the mask M, summed entry by entry
     lk = leak.to(dtype=matrix.dtype, device=matrix.device).unsqueeze(1)
-    return ((lk + (1.0 - lk) * (kept != 0).to(matrix.dtype)) * matrix).sum(dim=0)
+    return ((lk + (1.0 - lk) * keep.to(matrix.dtype)) * matrix).sum(dim=0)
 
 
 class GradDrop(OptionalGeneratorState, Balancer):
