@@ -55,7 +55,7 @@ def assert_kkt(gram: Tensor, u: Tensor, v: Tensor) -> None:
     """``argmin_{v ≥ u} vᵀGv`` per row, from its optimality conditions: ``v ≥ u``; on the
     active set (``v = u``) ``w = Gv ≥ 0`` to ``1e-9`` of the sizes it is made of (``|G||v|``);
     on the free set ``w = 0`` to the tight solves' residual, at most ``CG_RTOL_MAX`` times
-    ``‖(Gu)_F‖`` (the right-hand side there, :func:`~._boxqp.tight_rtol`), plus rounding."""
+    ``‖(Gu)_F‖`` (the right-hand side there, :func:`~._boxqp.tight_residuals`), plus rounding."""
     y, w = v - u, v @ gram
     size = v.abs() @ gram.abs()
     top = v.abs().amax(dim=1, keepdim=True)

@@ -96,7 +96,7 @@ def test_upgrad_projections_meet_their_optimality_conditions(case: tuple[int, st
     """Each ``vᵢ = argmin_{v ≥ eᵢ/K} vᵀGv`` (the definition), the conjugate-gradient
     pivoting forced: feasible, ``Gvᵢ ≥ 0`` and ``(vᵢ − eᵢ/K)ᵀ G vᵢ = 0`` to rounding of the
     trace-normalised Gramian, plus on the free set the tight solves' residual (at most
-    ``CG_RTOL_MAX`` times ``‖(Gu)_F‖``, :func:`~._boxqp.tight_rtol`)."""
+    ``CG_RTOL_MAX`` times ``‖(Gu)_F‖``, :func:`~._boxqp.tight_residuals`)."""
     k, kind, seed = case
     g = rows(kind, k, 2 * k + 3, seed)
     gram, _ = trace_normalized(g @ g.T)

@@ -266,10 +266,11 @@ def test_several_shared_directions_match_scipy_nnls_and_kkt(k: int, directions: 
 @settings(max_examples=10, deadline=None)
 @given(CASES)
 def test_tight_solves_meet_their_error_bound(case: tuple[int, str, int]) -> None:
-    """The tight solves' residual (:func:`~._boxqp.tight_rtol`) bounds each projection's error
-    in ``Q``'s norm, ``‖Jᵀ(v − v*)‖``, by ``max(CG_ERROR, CG_RTOL_MIN·b)`` times its bound's,
-    ``‖Jᵀu‖``, against scipy's NNLS on the rows (an independent solver, to ``1e-10`` of it);
-    ``b = √(‖Q‖_∞‖Q⁻¹‖_∞)`` is at least ``√κ`` (eigenvalues)."""
+    """The tight solves' residual (:func:`~._boxqp.tight_residuals`) bounds each projection's
+    error in ``Q``'s norm, ``‖Jᵀ(v − v*)‖``, by ``max(CG_ERROR, CG_RTOL_MIN·b)`` times its
+    bound's, ``‖Jᵀu‖``, against scipy's NNLS on the rows (an independent solver, to ``1e-10``
+    of it); ``b = √(‖Q‖_∞‖Q⁻¹‖_∞)`` is at least ``√κ`` (eigenvalues), and each target is
+    ``CG_ERROR ‖u‖_Q √λ_min`` or less (``λ_min`` from the eigenvalues)."""
     k, kind, seed = case
     g = well_posed_rows(kind, k, seed)
     gram, _ = trace_normalized(g @ g.T)
@@ -278,8 +279,9 @@ def test_tight_solves_meet_their_error_bound(case: tuple[int, str, int]) -> None
     lam = torch.linalg.eigvalsh(gram)
     bound = float(gram.abs().sum(dim=1).amax() * h.abs().sum(dim=1).amax()) ** 0.5
     assert bound >= float(lam[-1] / lam[0]) ** 0.5 * (1 - 1e-9)
-    rho = _boxqp.tight_rtol(gram, h)
-    assert _boxqp.CG_RTOL_MIN <= rho <= _boxqp.CG_RTOL_MAX
+    targets = _boxqp.tight_residuals(h, u, u @ gram)
+    sizes = torch.einsum("bi,ij,bj->b", u, gram, u).sqrt()
+    assert bool((targets <= _boxqp.CG_ERROR * sizes * lam[0].sqrt() * (1 + 1e-9)).all())
     allowed = max(_boxqp.CG_ERROR, _boxqp.CG_RTOL_MIN * bound) + 1e-10
     v = cg_projections(gram, u)
     for i in range(k):
