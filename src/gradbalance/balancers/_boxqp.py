@@ -310,7 +310,7 @@ def _pivot_loop(q: Tensor, shift: Tensor, lower: Tensor, simplex: bool, free0: T
         w = _multipliers(yq, shift, free, simplex)
         bad = torch.where(free, y < -tol, w < -threshold(rows, y, yq))
         count = bad.sum(dim=1)
-        failed = y.isnan().any(dim=1)  # a free block that did not factorise: left open
+        failed = y.sum(dim=1).isnan()  # a free block that did not factorise: left open
         finished = (count == 0) & exact & ~failed
         if bool(finished.all()):  # the usual last iteration: no compaction
             x[rows] = lower + y.clamp_min(0.0)

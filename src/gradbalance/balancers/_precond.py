@@ -295,7 +295,7 @@ def deflated(q: Tensor, h: Tensor) -> Preconditioner:
     if m == 0:
         return Preconditioner.plain(h32, top)
     lam, v = lam[:m], v[:, :m]
-    hb = h + (v * (1.0 / mu - 1.0 / lam)) @ v.T
+    v32 = v.float()
+    hb = torch.addmm(h32, v32 * (1.0 / mu - 1.0 / lam).float(), v32.T)  # in float32: its dtype
     c = (lam - mu).float()
-    return Preconditioner(h32, hb.float().contiguous(), v.float(), c,
-                          1.0 / float(c[0]) if m == 1 else 0.0, top)
+    return Preconditioner(h32, hb, v32, c, 1.0 / float(c[0]) if m == 1 else 0.0, top)

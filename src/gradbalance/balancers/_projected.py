@@ -95,19 +95,20 @@ def _prox(a: Tensor, v: Tensor | None, weight: float, tau: Tensor) -> Tensor:
     return a.addr_(tau, v, alpha=-1.0).clamp_min_(0.0)
 
 
-def bulk_top(q: Tensor, v: Tensor | None, c: float) -> float:
-    """``λ₁(Q − c vvᵀ)`` (``λ₁(Q)`` without ``v``) by ``POWER_STEPS`` power steps (``v``
-    ``[K]`` unit, ``Q`` ``[K, K]``), from the ones vector with ``v`` taken out; ``O(K²)``
-    each."""
+def bulk_top(q: Tensor, v: Tensor | None, c: float, scale: Tensor | None = None) -> float:
+    """``λ₁(SQS − c vvᵀ)`` (``λ₁(SQS)`` without ``v``; ``S = diag(scale)``, the identity
+    without) by ``POWER_STEPS`` power steps (``v`` ``[K]`` unit, ``Q`` ``[K, K]``), from the
+    ones vector with ``v`` taken out; ``O(K²)`` each, ``SQS`` never formed."""
     x = torch.ones(q.shape[0], dtype=q.dtype)
+    s = torch.ones_like(x) if scale is None else scale.to(q.dtype)
     if v is None:
         v, c = torch.zeros_like(x), 0.0
     x = x - v * (v @ x)
     for _ in range(POWER_STEPS):
         x = x / torch.linalg.vector_norm(x).clamp_min(1e-300)
-        x = q @ x - (c * (v @ x)) * v
+        x = s * (q @ (s * x)) - (c * (v @ x)) * v
     x = x / torch.linalg.vector_norm(x).clamp_min(1e-300)
-    return float(x @ (q @ x) - c * (v @ x) ** 2)
+    return float(x @ (s * (q @ (s * x))) - c * (v @ x) ** 2)
 
 
 @dataclass(frozen=True)
@@ -152,15 +153,14 @@ def plan(q: Tensor, pre: Preconditioner) -> Plan | None:
     if not bool((diag > 0.0).all()):
         return None
     scale = diag.rsqrt()
-    scaled = q * scale[:, None] * scale[None, :]
     unit, weight = None, 0.0
     if v is not None:
         sv = v * scale
         norm = float(torch.linalg.vector_norm(sv))
         unit, weight = sv / norm, c * norm * norm
-    top = bulk_top(scaled, unit, weight)
-    scale32 = scale.to(pre.h.dtype)
-    inverse = float((pre.h.abs() / scale32[:, None] / scale32[None, :]).sum(dim=1).amax())
+    top = bulk_top(q, unit, weight, scale)
+    inverse_scale = scale.reciprocal().to(pre.h.dtype)  # ‖S⁻¹B⁻¹S⁻¹‖_∞, no scaled copy
+    inverse = float(((pre.h.abs() @ inverse_scale) * inverse_scale).amax())
     if not 0.0 < top * inverse <= PROJECTED_MAX_KAPPA:
         return None
     return Plan(scale, top, None if unit is None else unit.float(), weight)
