@@ -260,12 +260,11 @@ def _cg_solve(q: Tensor, h: Preconditioner, shift: Tensor, tight: Tensor,
     as exact), else ``CG_LOOSE_RTOL`` times it; the preconditioner's setups from ``cache``."""
     def solve(rows: Tensor, free: Tensor, y: Tensor, yq: Tensor,
               exact: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
-        rhs = -shift[rows]
-        size = _norm(rhs * free, dim=1)
-        ratio = (tight[rows] / torch.where(size > 0.0, size, 1.0)).clamp(CG_RTOL_MIN, CG_RTOL_MAX)
-        rtol = torch.where(exact, ratio, CG_LOOSE_RTOL).to(q.dtype)
-        out, converged, outq = pcg_free(q, h, rhs, free, y, yq, rtol,
-                                        setup=lambda live, f: cache.setup(rows[live], f))
+        rtol = torch.where(exact, CG_RTOL_MAX, CG_LOOSE_RTOL).to(q.dtype)
+        atol = torch.where(exact, tight[rows], torch.inf)  # loose: CG_LOOSE_RTOL
+        out, converged, outq = pcg_free(q, h, -shift[rows], free, y, yq, rtol,
+                                        setup=lambda live, f: cache.setup(rows[live], f),
+                                        atol=atol, rtol_min=CG_RTOL_MIN)
         return out, converged & exact, outq
     return solve
 

@@ -72,14 +72,16 @@ def _as_preconditioner(h: Tensor | Preconditioner) -> Preconditioner:
 
 def pcg_free(q: Tensor, h: Tensor | Preconditioner, rhs: Tensor, free: Tensor, y0: Tensor,
              y0q: Tensor, rtol: Tensor, max_steps: int = CG_MAX_STEPS,
-             setup: Setup | None = None) -> tuple[Tensor, Tensor, Tensor]:
+             setup: Setup | None = None, atol: Tensor | None = None,
+             rtol_min: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     """``(y, converged, yQ)`` (``[B, K]``, ``[B]``, ``[B, K]``): ``Q_FF y_F = rhs_F`` per row,
     ``y`` zero off ``F``; ``y0q = y0 Q`` (the last solve's product).
 
     Conjugate gradients preconditioned by ``(Q⁻¹)_FF`` (``h ≈ Q⁻¹``, possibly in a lower
     precision), or by a :class:`~._precond.Preconditioner` (one more product per free set),
     from ``y0``: two ``[B, K] × [K, K]`` products per step for all the problems
-    together, until the residual is ``rtol`` ``[B]`` times ``‖rhs_F‖``, at most
+    together, until the residual is ``rtol`` ``[B]`` times ``‖rhs_F‖`` (with ``atol`` ``[B]``:
+    ``atol`` within ``[rtol_min, rtol]`` times ``‖rhs_F‖``), at most
     ``max_steps`` steps, in the dtype of ``q``. ``yQ`` is carried along the iterations from
     ``y0q`` (the unmasked operator products), so neither the start nor the caller's
     multipliers need a product of their own. ``setup(rows, f)``: the preconditioner's
@@ -89,7 +91,9 @@ def pcg_free(q: Tensor, h: Tensor | Preconditioner, rhs: Tensor, free: Tensor, y
     y = y0 * f
     yq = restricted_product(q, y0, y0q, f, y)
     r = rhs * f
-    target = rtol * _norm(r, dim=1)
+    size = _norm(r, dim=1)
+    target = rtol * size if atol is None else torch.minimum(
+        torch.maximum(atol, rtol_min * size), rtol * size)
     r.addcmul_(yq, f, value=-1.0)
     converged = _norm(r, dim=1) <= target
     live = torch.arange(y.shape[0])
@@ -325,6 +329,6 @@ def rough_free_sets(q: Tensor, h: Tensor | Preconditioner, shift: Tensor,
         due = torch.zeros_like(fresh)
         if live.rows.numel() == 0:
             break
-    finite = torch.isfinite(out_y).all(dim=1, keepdim=True)  # else: the given free set
+    finite = torch.isfinite(out_y.sum(dim=1, keepdim=True))  # else: the given free set
     clean = torch.where(finite, out_free & (out_y > 0.0), free0)
-    return clean, torch.where(clean & finite, out_y, 0.0).to(shift.dtype)
+    return clean, out_y.masked_fill_(~(clean & finite), 0.0).to(shift.dtype)
