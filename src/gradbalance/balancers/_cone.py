@@ -61,22 +61,26 @@ def _outside_projection(gram: Tensor, u: Tensor, tol: float, solve: BoxSolve,
         return _routed(gram, u, tol, solve, groups)
     d = diag.clamp_min(0.0).sqrt()
     live = torch.nonzero(d > 0.0).flatten()
-    v = u.clone()
     n = live.numel()
     if n == 0:
-        return v
-    dl = d[live]
-    cos = gram[live][:, live] / torch.outer(dl, dl)
-    cos = symmetrized(cos).div_(n)  # trace n: normalised as the solver expects
-    lower = u[:, live] * dl
+        return u.clone()
+    every = n == d.numel()  # no zero row: no gathers or scatters of the [K, K] matrices
+    dl = d if every else d[live]
+    part = gram if every else gram[live][:, live]
+    cos = symmetrized(part / torch.outer(dl, dl * n))  # trace n: as the solver expects
+    lower = (u if every else u[:, live]) * dl
     top = lower.abs().amax(dim=1)
     rows = torch.nonzero(top > 0.0).flatten()  # a zero bound: v = 0 there is optimal
+    s = None
+    if rows.numel():
+        scale = top[rows, None]
+        s = _routed(cos, lower[rows] / scale, tol, solve, groups) * scale / dl
+        if every and rows.numel() == u.shape[0]:
+            return s
+    v = u.clone()
     v[:, live] = 0.0 * lower
-    if rows.numel() == 0:
-        return v
-    scale = top[rows, None]
-    s = _routed(cos, lower[rows] / scale, tol, solve, groups)
-    v[rows[:, None], live[None, :]] = s * scale / dl
+    if s is not None:
+        v[rows[:, None], live[None, :]] = s
     return v
 
 

@@ -37,8 +37,10 @@ PROJECTED_STEPS = 8
 #: The start is taken where ``λ₁ ‖Q⁻¹‖_∞`` (an upper estimate of the condition number: the
 #: power steps' ``λ₁`` and Gershgorin's bound on ``1/λ_min``; of the bulk ``B`` where one
 #: outlier is deflated) is at most this: FISTA's error falls by about ``1 − 1/√κ`` per
-#: step, the pivoting's does not depend on ``κ``.
-PROJECTED_MAX_KAPPA = 32.0
+#: step, the pivoting's does not depend on ``κ``. The estimate is 3–5× the condition number
+#: (conflicting rows at K = 1,024: 11 against 2.5); the wide-norm rows' cosine matrix at
+#: K = 1,024, 36, solves in 0.96× the time with the start as without.
+PROJECTED_MAX_KAPPA = 64.0
 #: The step is ``1/(LIPSCHITZ_MARGIN λ₁)``: ``λ₁`` from a few power steps is below the
 #: largest eigenvalue.
 LIPSCHITZ_MARGIN = 1.1
