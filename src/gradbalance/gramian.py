@@ -97,10 +97,9 @@ def symmetric_product(part: Tensor) -> Tensor:
     out = part.new_empty((k, k))
     bounds = [k * b // blocks for b in range(blocks + 1)]
     for lo, hi in itertools.pairwise(bounds):
-        block = part[lo:hi] @ part[lo:].T
+        block = torch.mm(part[lo:hi], part[lo:].T, out=out[lo:hi, lo:])  # in place
         diagonal = block[:, : hi - lo]
         diagonal.copy_(diagonal.triu() + diagonal.triu(1).T)
-        out[lo:hi, lo:] = block
         out[hi:, lo:hi] = block[:, hi - lo :].T
     return out
 
@@ -140,18 +139,22 @@ def compute_gramian(matrix: Tensor, block: int = _COLUMN_BLOCK) -> Tensor:
                 [ 8.,  4.]], dtype=torch.float64)
     """
     k, p = matrix.shape
-    gram = torch.zeros(k, k, dtype=torch.float64, device=matrix.device)
+    gram: Tensor | None = None  # the first block's product is the sum so far: no zeros, no add
     for start in range(0, p, block):
         raw = matrix[:, start : start + block]
         part = raw.to(_work_dtype(raw.dtype))
         if part.device.type == "cpu":  # multiply first, scale only when the diagonal says so
             product = symmetric_product(part)
             if _plain_is_exact(product, part):
-                gram.add_(product.to(torch.float64))
+                exact = product.to(torch.float64)
+                gram = exact if gram is None else gram.add_(exact)
                 continue
         unit, scale = _scale_rows(part, part is not raw, _max_abs(part))
         product = symmetric_product(unit) if unit.device.type == "cpu" else unit @ unit.T
-        gram.add_(product.to(torch.float64).mul_(scale[:, None] * scale[None, :]))
+        scaled = product.to(torch.float64).mul_(scale[:, None] * scale[None, :])
+        gram = scaled if gram is None else gram.add_(scaled)
+    if gram is None:  # no columns
+        return torch.zeros(k, k, dtype=torch.float64, device=matrix.device)
     return gram
 
 
