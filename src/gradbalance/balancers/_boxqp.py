@@ -317,8 +317,10 @@ def _pivot_loop(q: Tensor, shift: Tensor, lower: Tensor, simplex: bool, free0: T
             break
         keep = ~(finished | failed)
         if not bool(keep.all()):
-            x[rows[finished]] = lower[finished] + y[finished].clamp_min(0.0)
-            done[rows[finished]] = True
+            at = torch.nonzero(finished).flatten()  # row gathers by index, not by mask
+            x.index_copy_(0, rows[at], y.index_select(0, at).clamp_min_(0.0).add_(
+                lower.index_select(0, at)))
+            done[rows[at]] = True
             keep = torch.nonzero(keep).flatten()
             rows, y, yq, free, bad, w, count, exact, best, chances, shift, lower = (
                 t.index_select(0, keep) for t in (rows, y, yq, free, bad, w, count, exact,
