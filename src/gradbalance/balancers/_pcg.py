@@ -91,9 +91,7 @@ def pcg_free(q: Tensor, h: Tensor | Preconditioner, rhs: Tensor, free: Tensor, y
     y = y0 * f
     yq = restricted_product(q, y0, y0q, f, y)
     r = rhs * f
-    size = _norm(r, dim=1)
-    target = rtol * size if atol is None else torch.minimum(
-        torch.maximum(atol, rtol_min * size), rtol * size)
+    target = _target(_norm(r, dim=1), rtol, atol, rtol_min)
     r.addcmul_(yq, f, value=-1.0)
     converged = _norm(r, dim=1) <= target
     live = torch.arange(y.shape[0])
@@ -144,6 +142,14 @@ def pcg_free(q: Tensor, h: Tensor | Preconditioner, rhs: Tensor, free: Tensor, y
     if x is not y:  # else updated in place
         y[live], yq[live] = x, xq
     return y, converged, yq
+
+
+def _target(size: Tensor, rtol: Tensor, atol: Tensor | None, rtol_min: float) -> Tensor:
+    """The residual at which a solve of right-hand side norm ``size`` stops: ``rtol·size``, or
+    ``atol`` within ``[rtol_min, rtol]`` times ``size``."""
+    if atol is None:
+        return rtol * size
+    return torch.minimum(torch.maximum(atol, rtol_min * size), rtol * size)
 
 
 def opposite_start(h: Tensor, shift: Tensor, free0: Tensor,
