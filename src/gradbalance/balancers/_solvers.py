@@ -214,8 +214,7 @@ def min_norm_cosine(gram: Tensor, tol: float = QP_TOL, rounding: float = 0.0) ->
         return None
     k = gram.shape[0]
     d = diag.sqrt()
-    cos = gram / torch.outer(d, d)
-    cos = 0.5 * (cos + cos.T) / k  # trace 1: normalised as the solvers expect
+    cos = symmetrized(gram / torch.outer(d, d * k))  # trace 1: normalised as the solvers expect
     a = d.min() / d
     if certified_inverse(cos) is not None:
         u = _min_norm_dual(cos, a, tol)
