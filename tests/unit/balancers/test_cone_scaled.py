@@ -70,6 +70,23 @@ def test_wide_norms_match_the_unit_rows() -> None:
         assert_same_update(wide[i] @ gw, unit[i] @ g, gw)
 
 
+def test_wide_norms_with_zero_bounds_project_the_others_only() -> None:
+    """Norms 1e-6 … 1e6 and no zero row (the cosine matrix without gathers), some bounds
+    zero: those problems' answer is 0 (``v ≥ 0`` at no cost), the others are each
+    projected as they are alone (the same bound as a single problem)."""
+    g = kind_rows("conflicting", 12, 40, 8)
+    gw = g * torch.logspace(-6, 6, 12, dtype=F64)[:, None]
+    u = _problems(12, 8)
+    u[[2, 7]] = 0.0
+    gram = trace_normalized(gw @ gw.T)[0]
+    v = project_dual_cone(gram, u)
+    assert torch.equal(v[[2, 7]], torch.zeros(2, 12, dtype=F64))
+    for i in (0, 5, 12):
+        alone = project_dual_cone(gram, u[i : i + 1])[0]
+        assert_same_update(v[i] @ gw, alone @ gw, gw)
+    assert_projections(gw, u, v)
+
+
 @settings(max_examples=30, deadline=None)
 @given(CASES)
 def test_rows_already_in_the_cone_are_their_own_projection(case: tuple[int, str, int]) -> None:
