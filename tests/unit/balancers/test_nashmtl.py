@@ -144,3 +144,28 @@ def test_no_solution_takes_the_ridge_in_closed_form() -> None:
     assert strict.alpha is None and int(strict.step) == 0
     with pytest.raises(ValueError, match="no_solution"):
         NashMTL(no_solution="skip")  # type: ignore[arg-type]
+
+
+def test_the_ridge_from_a_warm_start_is_the_same_closed_form() -> None:
+    """The hand-derived ridge of the test above, reached again from the previous call's
+    weights (the balancer's warm start: the ridge solve starts there too), and from a warm
+    start far from it; each to the ridge's residual ``1e-6``."""
+    g = torch.tensor([[1.0, 0.0], [-1.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
+    eps = 3e-6
+    expected = torch.tensor([eps**-0.5, eps**-0.5, (1 + eps) ** -0.5], dtype=torch.float64)
+    balancer = NashMTL()
+    with pytest.warns(RuntimeWarning, match="no solution"):
+        balancer.combine(g)
+        again = balancer.combine(g)
+    torch.testing.assert_close(again.weights, expected, rtol=1e-6, atol=0)
+    from gradbalance.balancers._solvers import nash_bargaining
+
+    gram = (g @ g.T) / 3.0  # trace 1: ε = 1e-6
+    far = torch.tensor([5.0, 0.01, 40.0], dtype=torch.float64)
+    with pytest.warns(RuntimeWarning, match="no solution"):
+        alpha = nash_bargaining(gram, far)
+    ridge = gram + 1e-6 * torch.eye(3, dtype=torch.float64)
+    assert float((alpha * (ridge @ alpha) - 1.0).abs().max()) <= 1e-6
+    # by hand: εα₁² = 1 (α₁ = α₂), α₃²(1/3 + ε) = 1
+    torch.testing.assert_close(alpha, torch.tensor([1e3, 1e3, (1 / 3 + 1e-6) ** -0.5],
+                                                   dtype=torch.float64), rtol=1e-6, atol=0)
