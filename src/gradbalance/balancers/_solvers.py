@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 
 from ._boxqp import (
+    CG_MIN_SIZE,
     CHOLESKY_MAX_COND,
     INTERIOR_MIN_COLUMNS,
     certified_inverse,
@@ -421,7 +422,8 @@ def _cagrad_qp(gram: Tensor, lin: Tensor, r: float,
     solved on ``√(r/ρ) L`` with ``h/√(r/ρ)`` (:func:`~._boxqp.factored_box_qp`), the path
     :func:`solve_box_qp` takes for it, without a decomposition per point."""
     zeros = torch.zeros(gram.shape[0], dtype=torch.float64)
-    if not _surely_ill(gram) and is_well_conditioned(gram):
+    many = gram.shape[0] >= CG_MIN_SIZE  # there is_well_conditioned is one Cholesky itself
+    if (many or not _surely_ill(gram)) and is_well_conditioned(gram):
         return lambda rho, x0: solve_box_qp(gram * (r / rho), lin, zeros, simplex=True, x0=x0,
                                             tol=tol, well_conditioned=True)
     factor = psd_factor(gram)

@@ -57,3 +57,32 @@ def test_singular_and_indefinite_matrices_get_none() -> None:
         q = with_spectrum(lam, 3)
         assert _boxqp.certified_inverse(q) is None
         assert not _boxqp._conditioning(q)[0]
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.integers(64, 96), st.floats(0.0, 13.0), st.integers(0, 2**16))
+def test_is_well_conditioned_from_the_cholesky_agrees_with_the_eigenvalues(
+        k: int, log_cond: float, seed: int) -> None:
+    """From ``CG_MIN_SIZE`` tasks on ``is_well_conditioned`` decides by one Cholesky
+    factorisation where its bounds do: the same answer as the eigenvalues' test on matrices
+    of known spectrum (condition numbers 1 … 1e13), away from the limit by the spectrum's
+    own rounding (a factor 2)."""
+    assert k >= _boxqp.CG_MIN_SIZE
+    gen = torch.Generator().manual_seed(seed)
+    lam = torch.logspace(0.0, -log_cond, k, dtype=F64)[torch.randperm(k, generator=gen)]
+    q = with_spectrum(lam, seed)
+    cond = 10.0**log_cond
+    if 0.5 < cond / _boxqp.CHOLESKY_MAX_COND < 2.0:
+        return  # at the limit the eigenvalues' own rounding decides
+    assert _boxqp.is_well_conditioned(q) == (cond < _boxqp.CHOLESKY_MAX_COND)
+    assert _boxqp.is_well_conditioned(q) == _boxqp._conditioning(q)[0]
+
+
+def test_is_well_conditioned_refuses_singular_and_indefinite_at_many_tasks() -> None:
+    """K = 80: a zero or negative eigenvalue is not well conditioned (the Cholesky fails or
+    its bounds leave it to the eigenvalues, which say no)."""
+    k = 80
+    lam = torch.linspace(1.0, 2.0, k, dtype=F64)
+    for low in (0.0, -1e-3, -1.0, 1e-12):
+        lam[0] = low
+        assert not _boxqp.is_well_conditioned(with_spectrum(lam, 4))
