@@ -123,11 +123,12 @@ def certified_inverse(q: Tensor) -> Tensor | None:
 
 def _cholesky_verdict(q: Tensor) -> tuple[bool | None, Tensor | None]:
     """``(verdict, Q⁻¹)`` of :func:`certified_inverse`'s bounds: ``(True, Q⁻¹)`` proven well
-    conditioned, ``(False, None)`` surely not (the lower bound), ``(None, None)`` open (the
-    factorisation failed, or the upper bound is above the limit)."""
+    conditioned, ``(False, None)`` surely not (the factorisation failed: not positive
+    definite to float64's resolution, a condition number above ``1e13``; or the lower
+    bound), ``(None, None)`` open (the upper bound is above the limit)."""
     chol, info = torch.linalg.cholesky_ex(q)
     if int(info) != 0:
-        return None, None
+        return False, None
     pivots = torch.diagonal(chol).square()
     if float(torch.diagonal(q).amax() / pivots.amin()) >= CHOLESKY_MAX_COND:
         return False, None
