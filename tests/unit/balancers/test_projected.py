@@ -30,16 +30,17 @@ def test_fista_reaches_the_nnls_solution(k: int, seed: int) -> None:
     q = j @ j.T
     lower = torch.randn(3, k, generator=gen, dtype=F64)
     shift = lower @ q
-    top = float(torch.linalg.eigvalsh(q)[-1])
-    free, y, yq = _projected.fista(q, shift, top, steps=300)
+    lam = torch.linalg.eigvalsh(q)
     from scipy.optimize import nnls
 
-    for i in range(3):
-        ref, _ = nnls(j.T.numpy(), -(j.T @ lower[i]).numpy(), maxiter=10_000)
-        ref_t = torch.from_numpy(ref)
-        assert torch.allclose(y[i], ref_t, atol=1e-7 * (float(ref_t.abs().max()) + 1.0))
-    assert torch.allclose(yq, y @ q)
-    assert torch.equal(free, y > 0)
+    refs = [torch.from_numpy(nnls(j.T.numpy(), -(j.T @ lower[i]).numpy(), maxiter=10_000)[0])
+            for i in range(3)]
+    for bottom in (0.0, float(lam[0])):  # FISTA's tₖ, the strongly convex momentum
+        free, y, yq = _projected.fista(q, shift, float(lam[-1]), steps=300, bottom=bottom)
+        for i, ref_t in enumerate(refs):
+            assert torch.allclose(y[i], ref_t, atol=1e-7 * (float(ref_t.abs().max()) + 1.0))
+        assert torch.allclose(yq, y @ q)
+        assert torch.equal(free, y > 0)
 
 
 @pytest.mark.parametrize(("k", "seed", "shared", "spread"),
@@ -89,7 +90,9 @@ def test_scaled_start_is_the_problem_s_solution(k: int, seed: int, outlier: bool
         if c <= 0.0:
             v, c = None, 0.0
     top = _projected.bulk_top(scaled, v, c)
-    start = _projected.Plan(scale, top, v, c)
+    bulk = scaled if v is None else scaled - c * torch.outer(v, v)
+    bottom = float(torch.linalg.eigvalsh(bulk)[0]) if seed % 2 else 0.0  # either momentum
+    start = _projected.Plan(scale, top, v, c, bottom)
     free, y, yq = _projected.projected_start(q, lower @ q, start, steps=400)
     assert torch.equal(free, y > 0)
     for i in range(2):
@@ -97,3 +100,19 @@ def test_scaled_start_is_the_problem_s_solution(k: int, seed: int, outlier: bool
         ref_t = torch.from_numpy(ref)
         assert torch.allclose(y[i], ref_t, atol=1e-6 * (float(ref_t.abs().max()) + 1.0))
     assert torch.allclose(yq, y @ q, rtol=1e-9, atol=1e-9 * float(yq.abs().max()))
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(3, 60), st.integers(0, 2**16))
+def test_bulk_bottom_is_the_smallest_eigenvalue_from_above(k: int, seed: int) -> None:
+    """``λ_min(SBS)`` from the power steps on ``S⁻¹B⁻¹S⁻¹``: at least the eigenvalue (a
+    Rayleigh quotient of the inverse is below its top), and within 2× of it on random
+    rows' Gramians (``P = 4K``, within 4× asserted), the momentum's condition number too."""
+    gen = torch.Generator().manual_seed(seed)
+    j = torch.randn(k, 4 * k, generator=gen, dtype=F64)
+    j *= torch.logspace(-1, 1, k, dtype=F64)[torch.randperm(k, generator=gen), None]
+    b = j @ j.T
+    scale = torch.diagonal(b).rsqrt()
+    true = float(torch.linalg.eigvalsh(b * scale[:, None] * scale[None, :])[0])
+    bottom = _projected._bulk_bottom(torch.linalg.inv(b), scale.reciprocal())
+    assert true * (1 - 1e-9) <= bottom <= 4.0 * true
