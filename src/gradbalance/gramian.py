@@ -143,16 +143,16 @@ def compute_gramian(matrix: Tensor, block: int = _COLUMN_BLOCK) -> Tensor:
     for start in range(0, p, block):
         raw = matrix[:, start : start + block]
         part = raw.to(_work_dtype(raw.dtype))
+        summand = None
         if part.device.type == "cpu":  # multiply first, scale only when the diagonal says so
             product = symmetric_product(part)
             if _plain_is_exact(product, part):
-                exact = product.to(torch.float64)
-                gram = exact if gram is None else gram.add_(exact)
-                continue
-        unit, scale = _scale_rows(part, part is not raw, _max_abs(part))
-        product = symmetric_product(unit) if unit.device.type == "cpu" else unit @ unit.T
-        scaled = product.to(torch.float64).mul_(scale[:, None] * scale[None, :])
-        gram = scaled if gram is None else gram.add_(scaled)
+                summand = product.to(torch.float64)
+        if summand is None:
+            unit, scale = _scale_rows(part, part is not raw, _max_abs(part))
+            product = symmetric_product(unit) if unit.device.type == "cpu" else unit @ unit.T
+            summand = product.to(torch.float64).mul_(scale[:, None] * scale[None, :])
+        gram = summand if gram is None else gram.add_(summand)
     if gram is None:  # no columns
         return torch.zeros(k, k, dtype=torch.float64, device=matrix.device)
     return gram

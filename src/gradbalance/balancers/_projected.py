@@ -197,12 +197,8 @@ def plan(q: Tensor, pre: Preconditioner) -> Plan | None:
 
 
 def _bulk_bottom(h: Tensor, inverse_scale: Tensor) -> float:
-    """``λ_min(SBS)`` from above: ``1/λ₁(S⁻¹B⁻¹S⁻¹)`` by ``POWER_STEPS`` power steps on the
-    inverse ``h = B⁻¹`` (``inverse_scale = diag(S⁻¹)``), from the ones vector; ``O(K²)``
-    each. From above, so the momentum it sets is at most the optimal one."""
-    x = torch.ones_like(inverse_scale)
-    for _ in range(POWER_STEPS):
-        x = x / torch.linalg.vector_norm(x).clamp_min(1e-30)
-        x = inverse_scale * (h @ (inverse_scale * x))
-    top = float(torch.linalg.vector_norm(x))
+    """``λ_min(SBS)`` from above: one over :func:`bulk_top` of the inverse, ``S⁻¹B⁻¹S⁻¹`` (``h
+    = B⁻¹``, ``inverse_scale = diag(S⁻¹)``), whose power steps' Rayleigh quotient is at most
+    its ``λ₁``; so the momentum it sets is at most the optimal one."""
+    top = bulk_top(h, None, 0.0, inverse_scale)
     return 1.0 / top if top > 0.0 else 0.0
