@@ -10,7 +10,7 @@ P = 20,000: ``κ = 2.5``), FISTA (Beck & Teboulle 2009) with the strongly convex
 of the bulk's estimated condition number (Nesterov 2004) and the gradient-mapping restart
 (O'Donoghue & Candès 2015), the outlier in the prox, comes within a few indices of the
 optimal free sets in eight steps, seven products of ``[B, K] × [K, K]`` (the first step
-starts from 0; 17 indices in all on those conflicting rows), and the pivoting confirms
+starts from 0; 11 indices in all on those conflicting rows), and the pivoting confirms
 them in one solve. Only a start: the float32 and float64 pivotings decide.
 
 Example:
@@ -57,7 +57,7 @@ def fista(q: Tensor, shift: Tensor, top: float, v: Tensor | None = None, c: floa
     ``y ← prox(z − (z∇)/L)``, ``z ← y + β(y − y_prev)``: with ``bottom``, an estimate of the
     gradient part's ``λ_min`` from above, the strongly convex momentum ``β = (√κ − 1)/(√κ +
     1)``, ``κ = L/bottom`` (Nesterov 2004, §2.2; at K = 1,024 on conflicting rows the start
-    is 17 indices from the optimal free sets after eight steps, 79 with ``tₖ``), else
+    is 11 indices from the optimal free sets after eight steps, 79 with ``tₖ``), else
     ``β = (tₖ − 1)/tₖ₊₁``; a row's momentum is reset (``β = 0``, ``t = 1``) where ``(z −
     y)ᵀ(y − y_prev) > 0`` (the step went uphill); ``free =
     {y > 0}`` of the last step, returned with the point ``z`` it started from restricted
