@@ -13,6 +13,30 @@ from ._base import Balancer, Combination
 __all__ = ["ExcessMTL", "excessmtl_risks"]
 
 
+#: ``hypot(r, c)`` rounds to ``r`` once ``r ≥ 2⁴⁰ c`` (``(c/r)² ≤ 2⁻⁸⁰``, below half a float64
+#: ulp): :func:`hypot_with_constant` gives those entries ``r`` itself.
+HYPOT_LIFT = 2.0**40
+
+
+def hypot_with_constant(r: Tensor, c: float) -> Tensor:
+    """``hypot(r, c)`` for ``r ≥ 0`` ``[K, P]`` and a constant ``c ≥ 0``, bit for bit, without
+    subnormal intermediates: entries ``r ≥ 2⁴⁰ c`` take ``r`` (the correctly rounded value),
+    the others ``hypot``, whose ``(c/r)²`` then stays normal. ``torch.hypot(r, c)`` forms a
+    subnormal square where ``r/c`` exceeds about ``2⁶³`` in float32 (``r ≥ 1e15`` at the
+    default ``c = √1e-7``) and runs about 10× slower there. Three passes, one buffer, no
+    synchronisation.
+
+    Example:
+        >>> import torch
+        >>> r = torch.tensor([0.0, 3.0, 1e30])
+        >>> hypot_with_constant(r, 4.0)
+        tensor([4.0000e+00, 5.0000e+00, 1.0000e+30])
+    """
+    h = torch.clamp_max(r, c * HYPOT_LIFT)
+    torch.hypot(h, h.new_tensor(c), out=h)
+    return torch.maximum(h, r, out=h)  # hypot(r, c) ≥ r: exactly the entries above the lift
+
+
 def excessmtl_risks(matrix: Tensor, root_sq_sum: Tensor, eps: float = 1e-7) -> Tensor:
     """``Êₖ = gₖᵀ Hₖ⁻¹ gₖ`` ``[K]`` (float64), ``Hₖ = diag(√(Σ_{τ≤t} gₖ,τ² + ε))`` (AdaGrad).
 
@@ -28,7 +52,7 @@ def excessmtl_risks(matrix: Tensor, root_sq_sum: Tensor, eps: float = 1e-7) -> T
         tensor([1.0000, 2.0000], dtype=torch.float64)
     """
     unit, scale = unit_rows(matrix)  # g = diag(s) U
-    h = torch.hypot(root_sq_sum.to(unit.dtype), unit.new_tensor(eps**0.5))
+    h = hypot_with_constant(root_sq_sum.to(unit.dtype), eps**0.5)
     # gₖⱼ/Hₖⱼ ∈ [-1, 1] (H ≥ |g|) times uₖⱼ: no over/underflow
     terms = torch.div(matrix.to(unit.dtype), h, out=h)
     if eps == 0:

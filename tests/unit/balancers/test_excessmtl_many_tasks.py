@@ -119,3 +119,30 @@ def test_weights_and_update_match_the_update_rule(k: int, p: int, seed: int, low
         cos = float(got @ update) / (float(got.norm()) * norm)
         assert cos >= 0.999999
         assert abs(float(got.norm()) - norm) <= 1e-6 * norm
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 10_000), low=st.floats(-45, 30), span=st.floats(0, 40),
+       eps=st.sampled_from([0.0, 1e-7, 1.0, 1e-30]),
+       dtype=st.sampled_from([torch.float32, torch.float64]))
+def test_hypot_with_constant_is_torch_hypot_bit_for_bit(seed: int, low: float, span: float,
+                                                        eps: float, dtype: torch.dtype) -> None:
+    """Across ratios ``r/√ε`` from 0 to far past ``2⁶³`` (the subnormal squares), the lifted
+    form equals ``torch.hypot`` exactly and is within one float32 ulp of ``√(r² + ε)`` formed
+    in float64 (float64 rows: four ulps, the reference's own roundings)."""
+    from gradbalance.balancers._excessmtl import hypot_with_constant
+
+    gen = torch.Generator().manual_seed(seed)
+    exponents = low + min(span, 38.0 - low) * torch.rand(64, 50, generator=gen, dtype=F64)
+    r64 = torch.rand(64, 50, generator=gen, dtype=F64) * 10.0**exponents
+    r64[0, :5] = 0.0
+    r = r64.to(dtype)
+    c = eps**0.5
+    got = hypot_with_constant(r, c)
+    assert got.dtype == dtype and torch.equal(got, torch.hypot(r, r.new_tensor(c)))
+    rr = r.to(F64)
+    big = torch.maximum(rr, torch.full_like(rr, c))
+    exact = big * torch.sqrt(1.0 + (torch.minimum(rr, torch.full_like(rr, c)) / big) ** 2)
+    exact = torch.where(big > 0, exact, 0.0)
+    ulp = torch.finfo(dtype).eps * (1.0 if dtype == torch.float32 else 4.0)
+    assert bool(((got.to(F64) - exact).abs() <= ulp * exact).all())
