@@ -123,6 +123,32 @@ def randn_rows(k: int, p: int, seed: int) -> torch.Tensor:
     return torch.randn(k, p, generator=torch.Generator().manual_seed(seed))
 
 
+def equal_norm_rows(k: int, p: int, seed: int) -> torch.Tensor:
+    """The conflicting rows scaled to one norm (the same directions; their norms, not their
+    angles, made the conflicting rows' projections easier)."""
+    rows = conflicting_rows(k, p, seed)
+    return rows / torch.linalg.vector_norm(rows, dim=1, keepdim=True)
+
+
+def square_mixing_rows(k: int, p: int, seed: int) -> torch.Tensor:
+    """``C B / √K``: ``K`` rows mixing ``K`` Gaussian directions by a Gaussian ``[K, K]``
+    ``C`` (full rank, condition number near ``K²``: small eigenvalues throughout)."""
+    gen = torch.Generator().manual_seed(seed)
+    basis = torch.randn(k, p, generator=gen)
+    return torch.randn(k, k, generator=gen) @ basis / k**0.5
+
+
+def dependent_rows(k: int, p: int, seed: int) -> torch.Tensor:
+    """The conflicting rows with the last ``K/16`` replaced by sums of two others (tasks
+    that are combinations of others: a Gramian of rank ``15K/16``)."""
+    rows = conflicting_rows(k, p, seed)
+    extra = max(k // 16, 1)
+    gen = torch.Generator().manual_seed(seed + 5)
+    pairs = torch.randint(0, k - extra, (extra, 2), generator=gen)
+    rows[k - extra:] = rows[pairs[:, 0]] + rows[pairs[:, 1]]
+    return rows
+
+
 def float64_rows(k: int, p: int, seed: int) -> torch.Tensor:
     """The conflicting rows in float64 (the Gramian and the solvers in float64)."""
     return conflicting_rows(k, p, seed).double()
@@ -133,7 +159,8 @@ KINDS = {"conflicting": conflicting_rows, "rank8": rank_deficient_rows,
          "rank1": span_rows(1), "span8": span_rows(8), "aligned": aligned_rows,
          "half_zero": half_zero_rows, "mixed": mixed_rows, "span16": span_rows(16),
          "span32": span_rows(32), "span64": span_rows(64), "randn": randn_rows,
-         "float64": float64_rows}
+         "float64": float64_rows, "equal_norms": equal_norm_rows,
+         "square_mixing": square_mixing_rows, "dependent": dependent_rows}
 
 
 def make_balancer(name: str, k: int) -> Balancer:

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from ._active_set import SCHUR_RTOL_PER_ROW, _to_boundary
-from ._boxqp import eigen_factor
+from ._boxqp import ROUNDING_MULTIPLE, eigen_factor
 from ._zero_cone import interior_null, zero_cone_box
 
 #: Fewest tasks for which the low-rank route is tried (below, the dense solve is cheap).
@@ -69,9 +69,6 @@ REACH_MARGIN = 2
 #: Residual diagonal, relative to ``Qᵢᵢ``, below which the pivots stop and the rank is
 #: read from the eigenvalues (a low rank rounded above ``τ``).
 ROUNDED_GATE = 1e-4
-#: Eigenvalues of the cosine matrix up to this multiple of its most negative one are
-#: rounding (:func:`~._boxqp.rounding_cut`).
-ROUNDING_MULTIPLE = 2.0
 
 
 def _out_of_reach(mass: dict[int, float], r: int, max_rank: int) -> bool:

@@ -15,8 +15,13 @@ from torch import Tensor
 
 from .._checks import check_range
 from ._base import Balancer
-from ._boxqp import INTERIOR_MIN_COLUMNS, is_well_conditioned, ldp, psd_factor
-from ._low_rank import ROUNDING_MULTIPLE
+from ._boxqp import (
+    INTERIOR_MIN_COLUMNS,
+    ROUNDING_MULTIPLE,
+    is_well_conditioned,
+    ldp,
+    psd_factor,
+)
 from ._solvers import solve_box_qp
 
 __all__ = ["PCD", "pcd_weights"]

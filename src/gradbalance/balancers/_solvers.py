@@ -47,6 +47,7 @@ from ._boxqp import (
     CG_MIN_SIZE,
     CHOLESKY_MAX_COND,
     INTERIOR_MIN_COLUMNS,
+    ROUNDING_MULTIPLE,
     certified_inverse,
     eigen_factor,
     factored_box_qp,
@@ -57,7 +58,6 @@ from ._boxqp import (
     solve_box_qp_batched,
 )
 from ._cone import scaled_projection
-from ._low_rank import ROUNDING_MULTIPLE
 from ._precond import symmetrized
 
 __all__ = ["SolverError"]

@@ -92,3 +92,85 @@ def test_a_well_conditioned_gramian_keeps_its_inverse() -> None:
     assert float(lam[0]) > 10 * _precond.SHIFT_BELOW * float(lam.mean())
     h = torch.linalg.inv(gram)
     assert _precond.preconditioner_inverse(gram, h) is h
+
+
+def dependent_float32_rows(k: int, seed: int) -> Tensor:
+    """``[K, P]`` float32 conflicting rows, the last ``K/16`` the sums of two others."""
+    gen = torch.Generator().manual_seed(seed)
+    p = 4 * k
+    g = torch.randn(k, 1, generator=gen) * torch.randn(p, generator=gen)
+    g = g + 0.5 * torch.randn(k, p, generator=gen)
+    extra = k // 16
+    pairs = torch.randint(0, k - extra, (extra, 2), generator=gen)
+    g[k - extra:] = g[pairs[:, 0]] + g[pairs[:, 1]]
+    return g
+
+
+def scipy_weights(q: Tensor, lower: Tensor) -> Tensor:
+    """``argmin_{v ≥ lower} vᵀQv`` by scipy's NNLS on a factor of ``Q`` (an independent
+    solver): ``v = lower + μ``, ``min ‖Lᵀ(lower + μ)‖``, ``μ ≥ 0``."""
+    from scipy.optimize import nnls
+
+    lam, vec = torch.linalg.eigh(q)
+    factor = vec * lam.clamp_min(0.0).sqrt()
+    mu, _ = nnls(factor.T.numpy(), -(factor.T @ lower).numpy(), maxiter=10_000)
+    return lower + torch.from_numpy(mu)
+
+
+@pytest.mark.parametrize(("k", "seed"), [(64, 0), (80, 1), (96, 2), (96, 3)])
+def test_a_float32_gramian_of_dependent_rows_is_lifted_within_its_rounding(
+        k: int, seed: int) -> None:
+    """The float32 Gramian of rows with K/16 dependent ones has a negative eigenvalue: the
+    batch is solved on ``Q + 2|λ_min| I``, and the update is within the low-rank route's
+    bound of the rows' exact (float64) Gramian's: ``‖Jᵀ(v − v*)‖² ≤ 3ε(‖v‖² + ‖v*‖²)``,
+    ``ε = ‖Q − Q*‖₂`` (docs/balancers.md), ``v*`` from scipy's NNLS on the exact Gramian."""
+    g32 = dependent_float32_rows(k, seed)
+    g64 = g32.double()
+    exact = g64 @ g64.T
+    scale = float(torch.trace(exact)) / k
+    q = (g32 @ g32.T).double() / scale
+    q = (q + q.T) / 2
+    q_star = exact / scale
+    lam = torch.linalg.eigvalsh(q)
+    assert float(lam[0]) < 0.0  # the rounding shows
+    lifts: list[bool] = []
+    original = _boxqp._lifted
+
+    def spy(q_: Tensor, lift: float | None) -> Tensor | None:
+        out = original(q_, lift)
+        lifts.append(out is not None)
+        return out
+
+    lower = torch.eye(k, dtype=F64) / k
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_boxqp, "_lifted", spy)
+        v = _boxqp.solve_box_qp_batched(q, torch.zeros_like(lower), lower)
+    assert lifts[:1] == [True]
+    eps = float(torch.linalg.matrix_norm(q - q_star, ord=2))
+    for i in range(k):
+        v_star = scipy_weights(q_star, lower[i])
+        d = v[i] - v_star
+        gap = float(d @ q_star @ d)
+        assert gap <= 3 * eps * float(v[i] @ v[i] + v_star @ v_star) + 1e-12 * float(
+            v_star @ q_star @ v_star)
+        assert bool((v[i] >= lower[i] - 1e-12).all())
+
+
+def test_the_lift_is_refused_where_the_rounding_null_space_is_large() -> None:
+    """Rows in a span of rank K/2 (float32): half the eigenvalues are rounding, more than
+    ``LIFT_MAX_NULLITY``; no lift (lifted, the conjugate gradients would resolve each)."""
+    gen = torch.Generator().manual_seed(0)
+    g = torch.randn(64, 32, generator=gen) @ torch.randn(32, 256, generator=gen)
+    q = (g @ g.T).double()
+    q = (q + q.T) / 2 / float(torch.trace(q)) * 64
+    well, definite, lift = _boxqp._conditioning_ends(q)
+    lam = torch.linalg.eigvalsh(q)
+    assert float(lam[0]) < 0.0 and not well and not definite
+    assert lift is None
+    # and with a single dependent row the lift is twice the most negative eigenvalue
+    g2 = dependent_float32_rows(64, 5)
+    q2 = (g2 @ g2.T).double()
+    q2 = (q2 + q2.T) / 2 / float(torch.trace(q2)) * 64
+    low = float(torch.linalg.eigvalsh(q2)[0])
+    assert low < 0.0
+    assert _boxqp._conditioning_ends(q2)[2] == pytest.approx(2 * -low, rel=1e-12)
