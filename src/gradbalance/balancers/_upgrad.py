@@ -46,7 +46,8 @@ class UPGrad(PreferenceBalancer):
     set for all K), where TorchJD adds ``1e-4`` to the diagonal of the trace-normalised
     Gramian. Cost in K: ``O(K⁴)`` per pivoting iteration below 64 tasks (K batched
     factorisations), ``O(K³)`` per conjugate-gradient step from 64 on (two ``[K, K]``
-    products for all K projections); a Gramian of numerical rank ``r ≤ K/4`` (``≤ √(2²⁰/K)``;
+    products for all K projections; a singular or badly conditioned Gramian too, first,
+    preconditioned through ``(Q + δI)⁻¹``); a Gramian of numerical rank ``r ≤ K/4`` (``≤ √(2²⁰/K)``;
     low up to its rounding counts: float32 products) in ``r`` dimensions, ``O(rK + r²)`` per
     addition; groups of parallel rows collapsed (``O(K²)`` to find them, ``O(K³)`` to check
     the answers); the Gramian ``O(K² P)`` besides.
