@@ -52,6 +52,7 @@ from ._precond import (
     deflated,
     preconditioner_inverse,
     row_dot,
+    shifted,
     shifted_inverse,
     sparse_product,
     symmetrized,
@@ -192,9 +193,7 @@ def _lifted(q: Tensor, lift: float | None) -> Tensor | None:
     lower). Only where the rounding's null space is small (``LIFT_MAX_NULLITY``): lifted,
     each of its eigenvalues is one the conjugate gradients resolve apart (rank K/2 at
     K = 256: 8 → 94 s)."""
-    if lift is None:
-        return None
-    return q + torch.diag(q.new_full((q.shape[0],), lift))
+    return None if lift is None else shifted(q, lift)
 
 
 # -- 1. block principal pivoting (positive definite Q) -----------------------------------
@@ -282,7 +281,7 @@ def solve_lcp_pivoting(
     solve: Solve
     y0 = None
     if iterative:
-        h = inverse if inverse is not None else _inverse(q)
+        h = inverse if inverse is not None else shifted_inverse(q)
         if h is None:
             return None
         base = preconditioner_inverse(q, h)
@@ -301,12 +300,6 @@ def solve_lcp_pivoting(
     threshold = (_relative_threshold(q, lower, c, tol) if relative
                  else lambda rows, y, yq: tol)
     return _pivot_loop(q, shift, lower, simplex, free0, tol, threshold, max_iter, solve, y0)
-
-
-def _inverse(q: Tensor) -> Tensor | None:
-    """``Q⁻¹`` from a Cholesky factorisation; None if it fails."""
-    chol, info = torch.linalg.cholesky_ex(q)
-    return torch.cholesky_inverse(chol) if int(info) == 0 else None
 
 
 def tight_residuals(h: Tensor, lower: Tensor, lq: Tensor) -> Tensor:

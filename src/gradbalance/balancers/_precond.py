@@ -291,9 +291,15 @@ SHIFT_BELOW = 1e-3
 SHIFT = 0.1
 
 
-def shifted_inverse(q: Tensor, delta: float) -> Tensor | None:
-    """``(Q + δI)⁻¹`` from a Cholesky factorisation; None if it fails."""
-    chol, info = torch.linalg.cholesky_ex(q + torch.diag(q.new_full((q.shape[0],), delta)))
+def shifted(q: Tensor, delta: float) -> Tensor:
+    """``Q + δI`` (a new tensor)."""
+    return q + torch.diag(q.new_full((q.shape[0],), delta))
+
+
+def shifted_inverse(q: Tensor, delta: float = 0.0) -> Tensor | None:
+    """``(Q + δI)⁻¹`` (``Q⁻¹`` for ``δ = 0``) from a Cholesky factorisation; None if it
+    fails."""
+    chol, info = torch.linalg.cholesky_ex(shifted(q, delta) if delta else q)
     return torch.cholesky_inverse(chol) if int(info) == 0 else None
 
 
