@@ -88,6 +88,12 @@ def span_rows(rank: int) -> Callable[[int, int, int], torch.Tensor]:
     return make
 
 
+def span_fraction_rows(k: int, p: int, seed: int) -> torch.Tensor:
+    """``[K, P]`` float32 rows in a random span of rank ``3K/8`` (above the low-rank route's
+    ``K/4``; their conic hull is the span with probability near 1, Wendel 1962)."""
+    return span_rows(3 * k // 8)(k, p, seed)
+
+
 def aligned_rows(k: int, p: int, seed: int) -> torch.Tensor:
     """``[K, P]`` float32: ``aᵢ s + nᵢ/2`` with ``aᵢ = 1 + |N(0, 1)|`` (no conflict: every
     entry of the Gramian positive)."""
@@ -160,7 +166,8 @@ KINDS = {"conflicting": conflicting_rows, "rank8": rank_deficient_rows,
          "half_zero": half_zero_rows, "mixed": mixed_rows, "span16": span_rows(16),
          "span32": span_rows(32), "span64": span_rows(64), "randn": randn_rows,
          "float64": float64_rows, "equal_norms": equal_norm_rows,
-         "square_mixing": square_mixing_rows, "dependent": dependent_rows}
+         "square_mixing": square_mixing_rows, "dependent": dependent_rows,
+         "span_3k8": span_fraction_rows}
 
 
 def make_balancer(name: str, k: int) -> Balancer:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -59,6 +60,7 @@ from ._precond import (
 )
 from ._projected import plan
 from ._qr_update import ColumnQR
+from ._zero_cone import DENSE_NULL_ROUNDS, zero_cone_box
 
 #: Largest condition number of ``Q`` for which the Cholesky (pivoting) path is used.
 CHOLESKY_MAX_COND = 1e10
@@ -105,6 +107,13 @@ LIFT_MAX_NULLITY = 1 / 8
 #: 2.2 / 1.0 s by the batched active set; at rank K/2 and below it finishes few problems
 #: and the cap bounds the attempt.
 SINGULAR_MAX_PIVOTS = 8
+#: A ``Q`` that is not positive definite (or badly conditioned) with a numerical rank of at
+#: most this fraction of its size first tries the zero dual cone's certificate on its
+#: eigen-factor (:func:`_zero_cone_first`): rows drawn in a span of rank ``r`` have a conic
+#: hull equal to their span once ``K`` is well above ``2r`` (Wendel 1962), where the dense
+#: paths take seconds (UPGrad at K = 256, rank 96 / 112: 22 / 46 s by the batched active
+#: set; benchmarks/results/many_tasks_cpu.md).
+ZERO_CONE_MAX_FRACTION = 0.5
 #: A problem of a badly conditioned ``Q`` finished by the pivoting or the batched active set
 #: with a multiplier below ``−HOLD_RTOL`` times its size goes on (:func:`_multipliers_hold`).
 HOLD_RTOL = 1e-6
@@ -159,13 +168,23 @@ def _cholesky_verdict(q: Tensor) -> tuple[bool | None, Tensor | None]:
 def _conditioning(q: Tensor) -> tuple[bool, bool]:
     """``(well, definite)``: ``Q`` positive definite with condition number below ``1e10``,
     and positive definite at all (its eigenvalues, one decomposition)."""
-    return _conditioning_ends(q)[:2]
+    spectrum = _spectrum(q)
+    return spectrum.well, spectrum.definite
 
 
-def _conditioning_ends(q: Tensor) -> tuple[bool, bool, float | None]:
-    """:func:`_conditioning` and the lift of :func:`_lifted`: ``ROUNDING_MULTIPLE·|λ_min|``
-    where ``λ_min < 0`` and at most ``LIFT_MAX_NULLITY`` of the eigenvalues lie at or below it
-    (the rounding's null space), else None."""
+class _Spectrum(NamedTuple):
+    """What one eigenvalue decomposition tells the batched solve (:func:`_spectrum`)."""
+
+    well: bool  # positive definite, condition number below ``CHOLESKY_MAX_COND``
+    definite: bool  # positive definite at all
+    lift: float | None  # the lift of :func:`_lifted`, None: not lifted
+    rank: int  # eigenvalues above the rounding's cut (:func:`rounding_cut`)
+
+
+def _spectrum(q: Tensor) -> _Spectrum:
+    """:func:`_conditioning`, the lift of :func:`_lifted` (``ROUNDING_MULTIPLE·|λ_min|``
+    where ``λ_min < 0`` and at most ``LIFT_MAX_NULLITY`` of the eigenvalues lie at or below it,
+    the rounding's null space; else None) and the numerical rank (:func:`rounding_cut`)."""
     lam = torch.linalg.eigvalsh(q)
     low, high = lam[[0, -1]].tolist()  # one host sync
     definite = low > 0 and high > 0
@@ -174,11 +193,12 @@ def _conditioning_ends(q: Tensor) -> tuple[bool, bool, float | None]:
         lift = ROUNDING_MULTIPLE * -low
         if int((lam <= lift).sum()) > LIFT_MAX_NULLITY * q.shape[0]:
             lift = None
-    return definite and low > high / CHOLESKY_MAX_COND, definite, lift
+    rank = int((lam > rounding_cut(lam, q.shape[0], ROUNDING_MULTIPLE)).sum())
+    return _Spectrum(definite and low > high / CHOLESKY_MAX_COND, definite, lift, rank)
 
 
 def _lifted(q: Tensor, lift: float | None) -> Tensor | None:
-    """``Q + lift·I`` (``lift = ROUNDING_MULTIPLE·|λ_min|``, :func:`_conditioning_ends`), or
+    """``Q + lift·I`` (``lift = ROUNDING_MULTIPLE·|λ_min|``, :func:`_spectrum`), or
     None without a lift.
 
     A negative eigenvalue is rounding (a float32 Gramian of dependent rows: a task gradient
@@ -1028,10 +1048,20 @@ def solve_box_qp_batched(
     definite = False
     inverse = None
     lift = None
+    rank = q.shape[0]
     if well_conditioned is None:
         inverse = _certified_if_cg(q, c, simplex)
-        well_conditioned, definite, lift = ((True, True, None) if inverse is not None
-                                            else _conditioning_ends(q))
+        well_conditioned, definite, lift, rank = (_Spectrum(True, True, None, rank)
+                                                  if inverse is not None else _spectrum(q))
+    if not well_conditioned and rank <= ZERO_CONE_MAX_FRACTION * q.shape[0]:
+        zero = _zero_cone_first(q, c, lower, simplex, tol)
+        if zero is not None:
+            out, done = zero
+            if not bool(done.all()):
+                rest = torch.nonzero(~done).flatten()
+                out[rest] = solve_box_qp_batched(q, c[rest], lower[rest], simplex,
+                                                 None if x0 is None else x0[rest], tol, False)
+            return out
     x = _start_points(lower, simplex, x0)
     given = None if x0 is None else x
     if not well_conditioned and _conjugate_box(q, c, simplex):
@@ -1049,6 +1079,18 @@ def solve_box_qp_batched(
             return out
     return _solve_rest(q, c, lower, simplex, x, given, tol, definite, inverse,
                        well_conditioned)
+
+
+def _zero_cone_first(q: Tensor, c: Tensor, lower: Tensor, simplex: bool,
+                     tol: float) -> tuple[Tensor, Tensor] | None:
+    """``(out, done)`` of :func:`~._zero_cone.zero_cone_box` on the eigen-factor of ``Q`` cut
+    at its rounding (:func:`eigen_factor`) for box problems with ``c = 0`` from
+    ``CG_MIN_SIZE`` tasks on, where the rows' conic hull is their span (every projection
+    zero; the certificate checked per problem); None where it is not tried or finds none."""
+    if simplex or q.shape[0] < CG_MIN_SIZE or bool(c.any()):
+        return None
+    factor, _ = eigen_factor(q, ROUNDING_MULTIPLE)
+    return zero_cone_box(factor, lower, tol, DENSE_NULL_ROUNDS)
 
 
 def _conjugate_box(q: Tensor, c: Tensor, simplex: bool) -> bool:

@@ -29,6 +29,10 @@ from ._active_set import SCHUR_RTOL_PER_ROW
 
 #: Most alternating projections :func:`interior_null` makes before giving up.
 NULL_ROUNDS = 16
+#: Most rounds where a dense solve would follow instead (:mod:`._boxqp`, a rank up to
+#: ``K/2``): the intersection narrows as ``K/r`` nears 2 (at K = 256 and 1,024, rank
+#: ``0.3–0.45 K`` took 64–1,024 rounds; 1,024 rounds at K = 1,024, rank 480: 0.2 s).
+DENSE_NULL_ROUNDS = 1024
 #: Least entry, relative to the largest, of a null vector taken as positive (above the
 #: rounding of its projection).
 NULL_MARGIN = 1e-8
@@ -73,11 +77,12 @@ def interior_null(factor: Tensor, rounds: int = NULL_ROUNDS) -> Tensor | None:
     return None
 
 
-def zero_cone_box(factor: Tensor, lower: Tensor, tol: float) -> tuple[Tensor, Tensor] | None:
+def zero_cone_box(factor: Tensor, lower: Tensor, tol: float,
+                  rounds: int = NULL_ROUNDS) -> tuple[Tensor, Tensor] | None:
     """``(v, done)`` ``[B, K]``, ``[B]``: ``v = lower + δ + t c`` (module docstring) where it
     passes :func:`passes_stop`, ``lower`` elsewhere; None where :func:`interior_null` finds
-    no ``c``. ``O(BKr + Kr²)``."""
-    c = interior_null(factor)
+    no ``c`` in ``rounds``. ``O(BKr + Kr²)``, and ``O(Kr)`` per round."""
+    c = interior_null(factor, rounds)
     if c is None:
         return None
     basis, tri = torch.linalg.qr(factor)

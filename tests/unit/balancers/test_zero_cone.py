@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from gradbalance.balancers import _low_rank, _zero_cone
+from gradbalance.balancers import _boxqp, _low_rank, _zero_cone
 from gradbalance.balancers._solvers import project_dual_cone, trace_normalized
 from support.balancers import nnls_dual_cone
 from support.many_kinds import assert_same_update
@@ -234,3 +234,64 @@ def test_pivots_stop_early_only_out_of_reach() -> None:
             g[::10] *= 1e3
             found = _low_rank.low_rank_factor(g @ g.T, 64)
             assert found is not None and found[0].shape[1] == rank
+
+
+def _watched_dense(gram: Tensor, u: Tensor) -> tuple[Tensor, list[tuple[int, bool]]]:
+    """``project_dual_cone(gram, u)`` with the dense path's certificate watched: per call, the
+    factor's rank and whether it finished every problem."""
+    seen: list[tuple[int, bool]] = []
+    box = _boxqp.zero_cone_box
+
+    def spy(factor: Tensor, lower: Tensor, tol: float,
+            rounds: int) -> tuple[Tensor, Tensor] | None:
+        out = box(factor, lower, tol, rounds)
+        seen.append((factor.shape[1], out is not None and bool(out[1].all())))
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_boxqp, "zero_cone_box", spy)
+        v = project_dual_cone(gram, u)
+    return v, seen
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.integers(64, 112), st.floats(0.3, 0.42), st.integers(0, 2**16))
+def test_dense_rows_of_rank_up_to_half_are_certified(k: int, fraction: float,
+                                                     seed: int) -> None:
+    """Rows in a span of rank ``r`` between ``K/4`` and ``K/2`` whose conic hull is the span
+    (:func:`_spanning_factor` times a random basis, norms ``1e-3 … 1e3``): the low-rank
+    route declines (rank above ``K/4``), the dense path's eigen-factor has rank ``r`` and
+    its certificate finishes every problem of UPGrad and DualProj; the updates are
+    scipy's on the rows (zero) and ``v ≥ u``."""
+    r = int(fraction * k)
+    gen = torch.Generator().manual_seed(seed)
+    g = _spanning_factor(k, r, seed) @ torch.randn(r, 3 * k, generator=gen, dtype=F64)
+    u = _bounds(k, seed)
+    gram, trace = trace_normalized(g @ g.T)
+    v, seen = _watched_dense(gram, u)
+    assert seen == [(r, True)]
+    unit = g / trace.sqrt()
+    for i in range(u.shape[0]):
+        assert_same_update(v[i] @ g, nnls_dual_cone(unit, u[i]) * trace.sqrt(), g)
+        assert bool((v[i] >= u[i] * (1 - 1e-12)).all())
+
+
+@settings(max_examples=4, deadline=None)
+@given(st.integers(64, 80), st.integers(0, 2**16))
+def test_dense_rows_in_a_half_space_go_on_to_the_dense_solve(k: int, seed: int) -> None:
+    """Rows of rank ``K/3`` in an open half-space (the cone is not ``{0}``): no certificate
+    is claimed, the dense solve answers, and every update is scipy's on the rows."""
+    r = k // 3
+    gen = torch.Generator().manual_seed(seed)
+    coef = torch.randn(k, r, generator=gen, dtype=F64)
+    coef[:, 0] = coef[:, 0].abs() + 0.1
+    g = coef @ torch.randn(r, 3 * k, generator=gen, dtype=F64)
+    u = _bounds(k, seed)[-3:]
+    gram, trace = trace_normalized(g @ g.T)
+    v, seen = _watched_dense(gram, u)
+    assert [done for _, done in seen] == [False]
+    unit = g / trace.sqrt()
+    for i in range(u.shape[0]):
+        ref = nnls_dual_cone(unit, u[i]) * trace.sqrt()
+        assert float(ref.norm()) > 0.0
+        assert_same_update(v[i] @ g, ref, g)
