@@ -45,6 +45,13 @@ def _tri_solve_upper(chol: Tensor, h: Tensor) -> Tensor:
     return z[..., 0]
 
 
+def _rotate(x: Tensor, y: Tensor, cs: Tensor, sn: Tensor) -> None:
+    """``(x, y) ← (cs x + sn y, cs y − sn x)`` in place (a Givens rotation of two rows)."""
+    new = cs * x + sn * y
+    y.mul_(cs).sub_(sn * x)
+    x.copy_(new)
+
+
 class PassiveFactor:
     """The factors of ``B`` problems' passive blocks of ``q`` ``[K, K]`` with right-hand sides
     ``rhs`` ``[B, K]``: ``order`` ``[B, cap]`` (passive indices in order, ``count`` of them),
@@ -233,31 +240,27 @@ class PassiveFactor:
         n = sel.shape[0]
         ar = torch.arange(m - 1)[None, :]
         src = ar + (ar >= p[:, None]).long()  # the rows kept, in order
-        r = self.chol[slot, :m, :m].gather(1, src[..., None].expand(-1, -1, m))
-        w, h = self.w[slot, :m].clone(), self.h[sel, :m].clone()
+        rows = self.chol[slot, :m, :m].gather(1, src[..., None].expand(-1, -1, m))
+        cols = rows.transpose(1, 2).contiguous()  # cols[:, j]: column j, its rows contiguous
+        w, h = self.w[slot, :m], self.h[sel, :m]  # gathered: copies
         for j in range(int(p.min()), m - 1):
             act = (p <= j) & (j < cnt - 1)
-            a, b = r[:, j, j], r[:, j, j + 1]
+            a, b = cols[:, j, j], cols[:, j + 1, j]
             rad = torch.hypot(a, b)
             act &= rad > 0
             cs = torch.where(act, a / torch.where(act, rad, 1.0), 1.0)
             sn = torch.where(act, b / torch.where(act, rad, 1.0), 0.0)
-            rj, rk = r[:, :, j].clone(), r[:, :, j + 1]
-            r[:, :, j] = cs[:, None] * rj + sn[:, None] * rk
-            r[:, :, j + 1] = cs[:, None] * rk - sn[:, None] * rj
-            wj, wk = w[:, j].clone(), w[:, j + 1]
-            w[:, j] = cs[:, None] * wj + sn[:, None] * wk
-            w[:, j + 1] = cs[:, None] * wk - sn[:, None] * wj
-            hj, hk = h[:, j].clone(), h[:, j + 1]
-            h[:, j] = cs * hj + sn * hk
-            h[:, j + 1] = cs * hk - sn * hj
-        rows, last = torch.arange(n), cnt - 1
-        self.off[sel] += w[rows, last] ** 2
-        w[rows, last], h[rows, last] = 0.0, 0.0
-        vf = (torch.arange(m)[None, :] < last[:, None]).to(r.dtype)
-        chol = torch.nn.functional.pad(r[:, :, : m - 1], (0, 1, 0, 1))
-        mask = vf[:, :, None] * vf[:, None, :]
-        self.chol[slot, :m, :m] = chol * mask + torch.diag_embed(1.0 - vf)
+            # rows above j are zero in both columns (one row of a triangle deleted): skipped
+            _rotate(cols[:, j, j:], cols[:, j + 1, j:], cs[:, None], sn[:, None])
+            _rotate(w[:, j], w[:, j + 1], cs[:, None], sn[:, None])
+            _rotate(h[:, j], h[:, j + 1], cs, sn)
+        rows_in, last = torch.arange(n), cnt - 1
+        self.off[sel] += w[rows_in, last] ** 2
+        w[rows_in, last], h[rows_in, last] = 0.0, 0.0
+        vf = (torch.arange(m)[None, :] < last[:, None]).to(cols.dtype)
+        chol = torch.nn.functional.pad(cols.transpose(1, 2)[:, :, : m - 1], (0, 1, 0, 1))
+        chol.mul_(vf[:, :, None]).mul_(vf[:, None, :]).diagonal(dim1=1, dim2=2).add_(1.0 - vf)
+        self.chol[slot, :m, :m] = chol
         self.w[slot, :m], self.h[sel, :m] = w, h
         order = torch.nn.functional.pad(self.order[sel, :m].gather(1, src), (0, 1))
         self.order[sel, :m] = torch.where(vf > 0, order, 0)
