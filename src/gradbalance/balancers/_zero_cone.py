@@ -42,12 +42,16 @@ def passes_stop(factor: Tensor, lower: Tensor, v: Tensor, tol: float) -> Tensor:
     """``[B]``: the KKT conditions of :func:`~._low_rank.low_rank_box`'s stop at ``v``:
     ``v ≥ lower``, no multiplier ``wⱼ = −Lⱼ·x`` (``x = Lᵀv``) above ``max(tol ‖x‖, ν) ‖Lⱼ‖``
     and ``|wⱼ| ≤ ν ‖Lⱼ‖`` wherever ``vⱼ > lowerⱼ`` (complementarity to the rounding ``ν =
-    8τ(‖Lᵀlower‖ + ‖x‖)``); False where not finite."""
+    8τ(‖Lᵀlower‖ + ‖x‖ + Σ|vⱼ|‖Lⱼ‖)``: ``x`` is a sum of the terms ``vⱼLⱼ``, rounded to
+    their sizes, and the certificate's ``v = lower + δ + t c`` can be far larger than
+    ``lower`` where the rows' conic hull barely covers their span: rank ``3K/8`` at
+    K = 1,024, ``c`` up to 1.7e4, ``‖x‖`` 5e-11 of ``‖Lᵀlower‖``); False where not finite."""
     x = v @ factor
     size = x.norm(dim=1, keepdim=True)
     anorm = (lower @ factor).norm(dim=1, keepdim=True)
     norms = factor.norm(dim=1)
-    noise = 8 * SCHUR_RTOL_PER_ROW * lower.shape[1] * (anorm + size) * norms
+    terms = (v.abs() @ norms)[:, None]
+    noise = 8 * SCHUR_RTOL_PER_ROW * lower.shape[1] * (anorm + size + terms) * norms
     w = -(x @ factor.T)
     feasible = w <= torch.maximum(tol * size * norms, noise)
     complementary = (w.abs() <= noise) | (v <= lower)
