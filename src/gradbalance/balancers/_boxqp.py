@@ -1053,15 +1053,10 @@ def solve_box_qp_batched(
         inverse = _certified_if_cg(q, c, simplex)
         well_conditioned, definite, lift, rank = (_Spectrum(True, True, None, rank)
                                                   if inverse is not None else _spectrum(q))
-    if not well_conditioned and rank <= ZERO_CONE_MAX_FRACTION * q.shape[0]:
-        zero = _zero_cone_first(q, c, lower, simplex, tol)
+    if not well_conditioned:
+        zero = _zero_cone_first(q, c, lower, simplex, x0, tol, rank)
         if zero is not None:
-            out, done = zero
-            if not bool(done.all()):
-                rest = torch.nonzero(~done).flatten()
-                out[rest] = solve_box_qp_batched(q, c[rest], lower[rest], simplex,
-                                                 None if x0 is None else x0[rest], tol, False)
-            return out
+            return zero
     x = _start_points(lower, simplex, x0)
     given = None if x0 is None else x
     if not well_conditioned and _conjugate_box(q, c, simplex):
@@ -1081,16 +1076,27 @@ def solve_box_qp_batched(
                        well_conditioned)
 
 
-def _zero_cone_first(q: Tensor, c: Tensor, lower: Tensor, simplex: bool,
-                     tol: float) -> tuple[Tensor, Tensor] | None:
-    """``(out, done)`` of :func:`~._zero_cone.zero_cone_box` on the eigen-factor of ``Q`` cut
-    at its rounding (:func:`eigen_factor`) for box problems with ``c = 0`` from
-    ``CG_MIN_SIZE`` tasks on, where the rows' conic hull is their span (every projection
-    zero; the certificate checked per problem); None where it is not tried or finds none."""
-    if simplex or q.shape[0] < CG_MIN_SIZE or bool(c.any()):
+def _zero_cone_first(q: Tensor, c: Tensor, lower: Tensor, simplex: bool, x0: Tensor | None,
+                     tol: float, rank: int) -> Tensor | None:
+    """:func:`solve_box_qp_batched` by :func:`~._zero_cone.zero_cone_box` on the eigen-factor
+    of ``Q`` cut at its rounding (:func:`eigen_factor`) for box problems with ``c = 0`` from
+    ``CG_MIN_SIZE`` tasks on and a numerical ``rank`` up to ``ZERO_CONE_MAX_FRACTION`` of
+    ``K``, where the rows' conic hull is their span (every projection zero; the certificate
+    checked per problem), the problems it leaves open by the dense paths; None where it is
+    not tried or finds no certificate."""
+    k = q.shape[0]
+    if simplex or k < CG_MIN_SIZE or rank > ZERO_CONE_MAX_FRACTION * k or bool(c.any()):
         return None
     factor, _ = eigen_factor(q, ROUNDING_MULTIPLE)
-    return zero_cone_box(factor, lower, tol, DENSE_NULL_ROUNDS)
+    zero = zero_cone_box(factor, lower, tol, DENSE_NULL_ROUNDS)
+    if zero is None:
+        return None
+    out, done = zero
+    if not bool(done.all()):
+        rest = torch.nonzero(~done).flatten()
+        out[rest] = solve_box_qp_batched(q, c[rest], lower[rest], simplex,
+                                         None if x0 is None else x0[rest], tol, False)
+    return out
 
 
 def _conjugate_box(q: Tensor, c: Tensor, simplex: bool) -> bool:

@@ -49,7 +49,9 @@ class UPGrad(PreferenceBalancer):
     products for all K projections; a singular or badly conditioned Gramian too, first,
     preconditioned through ``(Q + δI)⁻¹``); a Gramian of numerical rank ``r ≤ K/4`` (``≤ √(2²⁰/K)``;
     low up to its rounding counts: float32 products) in ``r`` dimensions, ``O(rK + r²)`` per
-    addition; groups of parallel rows collapsed (``O(K²)`` to find them, ``O(K³)`` to check
+    addition; up to rank ``K/2``, rows whose conic hull is their span (every projection zero)
+    certified on the eigen-factor, ``O(K³)`` once and ``O(Kr)`` per alternating projection;
+    groups of parallel rows collapsed (``O(K²)`` to find them, ``O(K³)`` to check
     the answers); the Gramian ``O(K² P)`` besides.
 
     Args:
