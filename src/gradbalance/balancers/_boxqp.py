@@ -193,8 +193,11 @@ def _spectrum(q: Tensor) -> _Spectrum:
         lift = ROUNDING_MULTIPLE * -low
         if int((lam <= lift).sum()) > LIFT_MAX_NULLITY * q.shape[0]:
             lift = None
-    rank = int((lam > rounding_cut(lam, q.shape[0], ROUNDING_MULTIPLE)).sum())
-    return _Spectrum(definite and low > high / CHOLESKY_MAX_COND, definite, lift, rank)
+    well = definite and low > high / CHOLESKY_MAX_COND
+    rank = q.shape[0]  # well conditioned: full rank, no count (the step's small K)
+    if not well:
+        rank = int((lam > rounding_cut(lam, rank, ROUNDING_MULTIPLE)).sum())
+    return _Spectrum(well, definite, lift, rank)
 
 
 def _lifted(q: Tensor, lift: float | None) -> Tensor | None:
