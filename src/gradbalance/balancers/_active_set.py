@@ -21,6 +21,7 @@ import math
 import torch
 from torch import Tensor
 
+from ._cholesky import cholesky_ex
 from ._passive_factor import Block, PassiveFactor
 
 _EPS = torch.finfo(torch.float64).eps
@@ -84,7 +85,7 @@ def _solve_block(block: Tensor, r: Tensor, vf: Tensor,
                  total: Tensor | None) -> tuple[Tensor, Tensor]:
     """``(z, info)``: ``block z = r`` on the entries ``vf`` marks (``+ ν·vf`` and
     ``vfᵀz = total`` if given), zero elsewhere; ``info`` the factorisation's."""
-    chol, info = torch.linalg.cholesky_ex(block)
+    chol, info = cholesky_ex(block)
     if total is not None:
         sol = torch.cholesky_solve(torch.stack([r, vf], dim=-1), chol)
         nu = (total - sol[..., 0].sum(dim=1)) / sol[..., 1].sum(dim=1).clamp_min(1e-300)

@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 
 from ._active_set import box_active_set, solve_free
+from ._cholesky import cholesky_ex
 from ._interior import interior_nnls
 from ._pcg import pcg_free, rough_free_sets
 from ._precond import (
@@ -154,7 +155,7 @@ def _cholesky_verdict(q: Tensor) -> tuple[bool | None, Tensor | None]:
     conditioned, ``(False, None)`` surely not (the factorisation failed: not positive
     definite to float64's resolution, a condition number above ``1e13``; or the lower
     bound), ``(None, None)`` open (the upper bound is above the limit)."""
-    chol, info = torch.linalg.cholesky_ex(q)
+    chol, info = cholesky_ex(q)
     if int(info) != 0:
         return False, None
     pivots = torch.diagonal(chol).square()
@@ -432,7 +433,7 @@ def _solve_free_single(q: Tensor, shift: Tensor, idx: list[int], simplex: bool,
     if not idx:
         return y
     sel = torch.tensor(idx)
-    chol, info = torch.linalg.cholesky_ex(q[sel][:, sel])
+    chol, info = cholesky_ex(q[sel][:, sel])
     if int(info) != 0:
         return None
     rhs = -shift[sel]
@@ -858,7 +859,7 @@ def singular_factor(q: Tensor, rounding: float = 0.0) -> Tensor | None:
     is the path then), else None (pivoting decides, after its own eigenvalue check). One
     ``K³/3`` factorisation decides instead of the eigenvalues, so a singular ``Q`` costs one
     eigen-decomposition, not two."""
-    if int(torch.linalg.cholesky_ex(q.to(torch.float64)).info) == 0:
+    if int(cholesky_ex(q.to(torch.float64)).info) == 0:
         return None
     return psd_factor(q, rounding)
 

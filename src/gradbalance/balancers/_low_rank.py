@@ -41,6 +41,7 @@ from torch import Tensor
 
 from ._active_set import SCHUR_RTOL_PER_ROW, _to_boundary
 from ._boxqp import ROUNDING_MULTIPLE, eigen_factor
+from ._cholesky import cholesky_ex
 from ._zero_cone import interior_null, zero_cone_box
 
 #: Fewest tasks for which the low-rank route is tried (below, the dense solve is cheap).
@@ -195,7 +196,7 @@ def _factorise(factor: Tensor, a: Tensor, idx: Tensor, valid: Tensor) -> tuple[T
     gathered blocks ``L_P L_Pᵀ`` (the identity elsewhere; NaN rows where it fails)."""
     vf = valid.to(factor.dtype)
     cols = _columns(factor, idx, valid)
-    chol, info = torch.linalg.cholesky_ex(cols @ cols.mT + torch.diag_embed(1.0 - vf))
+    chol, info = cholesky_ex(cols @ cols.mT + torch.diag_embed(1.0 - vf))
     z = _solve(chol, cols, a, valid)
     return z.masked_fill_((info != 0)[:, None], math.nan), chol
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ._cholesky import cholesky_ex
 from ._precond import symmetrized
 
 #: Fewest tasks for which groups are looked for (below, the dense solve is cheap).
@@ -157,7 +158,7 @@ def _collapsed_solve(cos: Tensor, low: Tensor, groups: Groups, reduced: Solve) -
     # a kept representative's bound: its one-signed group's bounds summed (``σ = 1`` there)
     z_low = torch.zeros_like(low).index_add_(1, groups.rep[one], low[:, one])[:, keep]
     c_kf = cos[keep][:, free]
-    f_factor, info = torch.linalg.cholesky_ex(cos[free][:, free])
+    f_factor, info = cholesky_ex(cos[free][:, free])
     if int(info) != 0:
         return None
     proj = torch.cholesky_solve(c_kf.T, f_factor)  # C_TT⁻¹ C_TR  [|T|, |R|]

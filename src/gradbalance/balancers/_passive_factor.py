@@ -19,6 +19,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ._cholesky import cholesky_ex
+
 #: Up to this many passive indices a removal refactorises (``O(m²K)``, few operations);
 #: above, each leaving index is deleted by Givens rotations (``O(mK)``, ``m`` steps).
 DOWNDATE_MIN_SIZE = 24
@@ -166,7 +168,7 @@ class PassiveFactor:
         m = int(self.count[sel].max())
         slot = self.slot[sel]
         cross = self.w[slot[:, None], :m, t]  # [n, b, m]: zero past each count
-        low, info = torch.linalg.cholesky_ex(self.q[t[:, :, None], t[:, None, :]]
+        low, info = cholesky_ex(self.q[t[:, :, None], t[:, None, :]]
                                              - cross @ cross.mT)
         pivots = low.diagonal(dim1=1, dim2=2)
         ar = torch.arange(b)
@@ -279,7 +281,7 @@ class PassiveFactor:
         mask = vf[:, :, None] * vf[:, None, :]
         eye = torch.diag_embed(1.0 - vf)
         block = self.q[order].gather(2, order[:, None, :].expand(-1, m, m))
-        chol = torch.linalg.cholesky_ex(block * mask + eye)[0] * mask + eye
+        chol = cholesky_ex(block * mask + eye)[0] * mask + eye
         w = torch.linalg.solve_triangular(chol, self.q[order] * vf[:, :, None], upper=False)
         h = torch.linalg.solve_triangular(
             chol, (self.rhs[sel].gather(1, order) * vf)[..., None], upper=False)[..., 0]

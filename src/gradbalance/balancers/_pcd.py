@@ -22,6 +22,7 @@ from ._boxqp import (
     ldp,
     psd_factor,
 )
+from ._cholesky import cholesky_ex
 from ._solvers import solve_box_qp
 
 __all__ = ["PCD", "pcd_weights"]
@@ -77,7 +78,7 @@ def pcd_weights(gramian: Tensor, taus: Tensor, tol: float = 1e-9) -> Tensor:
 def _definite(q: Tensor) -> bool:
     """A Cholesky factorisation of ``Q`` succeeds: the cheap test that rules out a singular
     ``Q`` before the eigenvalues (``is_well_conditioned``) are computed."""
-    return int(torch.linalg.cholesky_ex(q.to(torch.float64)).info) == 0
+    return int(cholesky_ex(q.to(torch.float64)).info) == 0
 
 
 def _enumerate_working_sets(gramian: Tensor, q: Tensor, b: Tensor, tol: float) -> Tensor:

@@ -40,6 +40,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ._cholesky import cholesky_ex
+
 
 def row_dot(a: Tensor, b: Tensor) -> Tensor:
     """Row-wise inner products (``[B, K]`` → ``[B]``): a product and a sum, twice as fast
@@ -299,7 +301,7 @@ def shifted(q: Tensor, delta: float) -> Tensor:
 def shifted_inverse(q: Tensor, delta: float = 0.0) -> Tensor | None:
     """``(Q + δI)⁻¹`` (``Q⁻¹`` for ``δ = 0``) from a Cholesky factorisation; None if it
     fails."""
-    chol, info = torch.linalg.cholesky_ex(shifted(q, delta) if delta else q)
+    chol, info = cholesky_ex(shifted(q, delta) if delta else q)
     return torch.cholesky_inverse(chol) if int(info) == 0 else None
 
 

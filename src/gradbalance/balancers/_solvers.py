@@ -57,6 +57,7 @@ from ._boxqp import (
     singular_factor,
     solve_box_qp_batched,
 )
+from ._cholesky import cholesky_ex
 from ._cone import scaled_projection
 from ._precond import symmetrized
 
@@ -310,7 +311,7 @@ def _support_root(gram: Tensor, lin: Tensor, r: float,
     if idx.numel() == 0:
         return None
     sub = gram[idx][:, idx]
-    chol, info = torch.linalg.cholesky_ex(sub)
+    chol, info = cholesky_ex(sub)
     if int(info) != 0:
         return None
     ones = torch.ones(idx.numel(), dtype=torch.float64)
@@ -441,7 +442,7 @@ def _surely_ill(gram: Tensor) -> bool:
     decomposition): it fails (not positive definite in float64), or its pivots ``Lᵢᵢ²`` span
     more than ``10 · 1e10``; ``λ_min ≤ min Lᵢᵢ² ≤ max Lᵢᵢ² ≤ λ_max`` (each pivot is
     ``1/((G_{:i,:i})⁻¹)ᵢᵢ ≥ λ_min`` and at most ``Gᵢᵢ``), the factor 10 for rounding."""
-    chol, info = torch.linalg.cholesky_ex(gram)
+    chol, info = cholesky_ex(gram)
     if int(info) != 0:
         return True
     pivots = torch.diagonal(chol).square()
