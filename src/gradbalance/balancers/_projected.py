@@ -169,8 +169,9 @@ def plan(q: Tensor, pre: Preconditioner) -> Plan | None:
     """The projected start of the box problems on ``q`` (float64) with the preconditioner
     ``pre`` (:func:`~._precond.deflated`, ``h`` its ``B⁻¹``), or None: nothing or one
     outlier deflated (``B = Q − c vvᵀ``; ``B = Q`` for none), scaled by ``S = diag(B)^{-1/2}``,
-    and ``λ₁(SBS) ‖(SBS)⁻¹‖_∞`` at most ``PROJECTED_MAX_KAPPA`` (:func:`bulk_top`;
-    ``(SBS)⁻¹ = S⁻¹B⁻¹S⁻¹``, one pass over ``h``); more outliers: None."""
+    the outlier taken into the prox found again on ``SQS`` (:func:`_scaled_outlier`), and
+    ``λ₁(SBS) ‖(SBS)⁻¹‖_∞`` at most ``PROJECTED_MAX_KAPPA`` (:func:`bulk_top`; ``(SBS)⁻¹ =
+    S⁻¹B⁻¹S⁻¹``, one pass over ``h``); more outliers: None."""
     if pre.v is not None and pre.v.shape[1] != 1:
         return None
     if pre.v is None or pre.c is None:
@@ -184,9 +185,7 @@ def plan(q: Tensor, pre: Preconditioner) -> Plan | None:
     scale = diag.rsqrt()
     unit, weight = None, 0.0
     if v is not None:
-        sv = v * scale
-        norm = float(torch.linalg.vector_norm(sv))
-        unit, weight = sv / norm, c * norm * norm
+        unit, weight = _scaled_outlier(q, scale, v * scale, c)
     top = bulk_top(q, unit, weight, scale)
     inverse_scale = scale.reciprocal().to(pre.h.dtype)  # ‖S⁻¹B⁻¹S⁻¹‖_∞, no scaled copy
     inverse = float(((pre.h.abs() @ inverse_scale) * inverse_scale).amax())
@@ -194,6 +193,31 @@ def plan(q: Tensor, pre: Preconditioner) -> Plan | None:
         return None
     return Plan(scale, top, None if unit is None else unit.float(), weight,
                 _bulk_bottom(pre.h, inverse_scale))
+
+
+def _scaled_outlier(q: Tensor, scale: Tensor, sv: Tensor, c: float) -> tuple[Tensor, float]:
+    """``(u, c̃)``: the outlier of ``SQS`` (``S = diag(scale)``) taken into the prox,
+    ``c̃uuᵀ`` with ``u`` its top eigenvector by ``POWER_STEPS`` power steps from ``Sv``
+    (``sv``: the outlier ``c vvᵀ`` of ``Q`` scaled) and ``c̃ = λ̃ − μ̃`` (``λ̃`` their
+    Rayleigh quotient, ``μ̃`` the mean of the other eigenvalues, from the trace): ``SQS −
+    c̃uuᵀ`` keeps the eigenvalue ``μ̃`` in ``u``'s place. ``Q``'s own eigenvector scaled is
+    not ``SQS``'s where ``S`` is far from a multiple of the identity (the cosine matrix of
+    rows sharing one direction: ``S`` spans 8×, and the remainder ``S(Q − c vvᵀ)S`` kept a
+    part of the outlier, ``λ₁`` 4.4 against 1.4, at K = 1,024: 6,181 indices from the
+    optimal free sets after FISTA's eight steps, against 27 on the unscaled rows). Where the
+    power steps find no eigenvalue above the mean: ``Sv`` normalised, ``c‖Sv‖²``."""
+    k = q.shape[0]
+    norm = float(torch.linalg.vector_norm(sv))
+    fallback = (sv / norm, c * norm * norm)
+    if k < 2:
+        return fallback
+    x = fallback[0]
+    for _ in range(POWER_STEPS):
+        x = scale * (q @ (scale * x))
+        x = x / torch.linalg.vector_norm(x).clamp_min(1e-300)
+    lam = float(x @ (scale * (q @ (scale * x))))
+    mu = (float(torch.diagonal(q) @ (scale * scale)) - lam) / (k - 1)
+    return (x, lam - mu) if lam > mu > 0.0 else fallback
 
 
 def _bulk_bottom(h: Tensor, inverse_scale: Tensor) -> float:
