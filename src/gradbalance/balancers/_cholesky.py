@@ -32,6 +32,7 @@ from torch import Tensor
 BLOCKED_MIN_SIZE = 512
 #: Rows per diagonal block.
 BLOCK = 128
+_potrf = torch.linalg.cholesky_ex  # one global lookup on the small path (the step's K)
 
 
 class Factor(NamedTuple):
@@ -47,9 +48,8 @@ def cholesky_ex(a: Tensor) -> Factor:
     matrix of order ``BLOCKED_MIN_SIZE`` or more; ``torch``'s own call otherwise. ``a`` is
     read, not written; only its lower triangle is read."""
     n = a.shape[-1]
-    if a.ndim != 2 or n < BLOCKED_MIN_SIZE:
-        low, info = torch.linalg.cholesky_ex(a)
-        return Factor(low, info)
+    if n < BLOCKED_MIN_SIZE or a.ndim != 2:
+        return _potrf(a)  # type: ignore[no-any-return]  # torch's own: the same two fields
     low = a.tril()
     for start in range(0, n, BLOCK):
         end = min(start + BLOCK, n)
