@@ -79,3 +79,19 @@ def test_float32_and_small_and_batched_inputs() -> None:
     assert torch.equal(cholesky_ex(small).L, torch.linalg.cholesky_ex(small).L)
     batch = torch.stack([_spd(_cholesky.BLOCKED_MIN_SIZE, s, 10.0) for s in (5, 6)])
     assert torch.equal(cholesky_ex(batch).L, torch.linalg.cholesky_ex(batch).L)
+
+
+def test_every_solver_factorises_through_the_one_place() -> None:
+    """docs/ARCHITECTURE.md: ``_cholesky.cholesky_ex`` is the one Cholesky factorisation the
+    package calls; no other module calls ``torch``'s (``cholesky_ex`` or ``cholesky``)
+    directly, so no large order escapes the blocked path."""
+    from pathlib import Path
+
+    import gradbalance
+
+    root = Path(gradbalance.__file__).parent
+    direct = sorted(str(path.relative_to(root)) for path in root.rglob("*.py")
+                    if path.name != "_cholesky.py"
+                    and ("linalg.cholesky_ex(" in path.read_text()
+                         or "linalg.cholesky(" in path.read_text()))
+    assert direct == []
