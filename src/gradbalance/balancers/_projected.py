@@ -4,11 +4,11 @@ Not a balancer module (no ``__all__``). The float32 pivoting of :mod:`._pcg` (UP
 projections at K ≥ 64) starts from :func:`~._pcg.opposite_start`, about 50 indices per
 problem away from the optimal free set at K = 1,024, and pivots five to seven times, each
 pivot a preconditioned conjugate-gradient restart. Where ``Q`` has no outlying eigenvalue or
-one (rows sharing a direction), and its bulk, scaled to a unit diagonal, has a small
-condition number (``torch.randn`` rows and the benchmark's conflicting rows at K = 1,024,
+up to four (rows sharing one direction, or tasks in clusters sharing a few), and its bulk,
+scaled to a unit diagonal, has a small condition number (``torch.randn`` rows and the benchmark's conflicting rows at K = 1,024,
 P = 20,000: ``κ = 2.5``), FISTA (Beck & Teboulle 2009) with the strongly convex momentum
 of the bulk's estimated condition number (Nesterov 2004) and the gradient-mapping restart
-(O'Donoghue & Candès 2015), the outlier in the prox, comes within a few indices of the
+(O'Donoghue & Candès 2015), the outliers in the prox, comes within a few indices of the
 optimal free sets in eight steps, seven products of ``[B, K] × [K, K]`` (the first step
 starts from 0; 11 indices in all on those conflicting rows), and the pivoting confirms
 them in one solve. Only a start: the float32 and float64 pivotings decide.
@@ -48,7 +48,7 @@ LIPSCHITZ_MARGIN = 1.1
 POWER_STEPS = 8
 
 
-def fista(q: Tensor, shift: Tensor, top: float, v: Tensor | None = None, c: float = 0.0,
+def fista(q: Tensor, shift: Tensor, top: float, v: Tensor | None = None, c: Weight = 0.0,
           steps: int = PROJECTED_STEPS, bottom: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     """``(free, y, yQ)`` ``[B, K]``: ``steps`` FISTA steps on ``min ½ yᵀQy + shiftᵀy``,
     ``y ≥ 0`` per row, from ``y = 0``, in the dtype of ``q``; ``top``: ``λ₁`` of the part
@@ -70,11 +70,14 @@ def fista(q: Tensor, shift: Tensor, top: float, v: Tensor | None = None, c: floa
     the bulk's condition number, not ``Q``'s), and the prox the outlier too:
     ``argmin_{y ≥ 0} ‖y − a‖²/(2η) + (c/2)(vᵀy)² = max(0, a − τv)`` with ``τ`` the root of
     ``τ − ηc vᵀmax(0, a − τv)`` (increasing, slope at least 1), one Newton step per FISTA
-    step from the last one's ``τ``.
+    step from the last one's ``τ``. With several, ``Q = B + V diag(c) Vᵀ`` (``v`` ``[K, m]``
+    orthonormal, ``c`` ``[m]``), the prox is ``max(0, a − Vτ)`` with ``τ ∈ ℝᵐ`` the root of
+    ``τ − η diag(c) Vᵀmax(0, a − Vτ)``, one semismooth Newton step per FISTA step
+    (:func:`_prox_many`).
     """
     step = 1.0 / (LIPSCHITZ_MARGIN * top)
     rows = shift.shape[0]
-    tau = torch.zeros(rows, dtype=q.dtype)
+    tau = torch.zeros((rows, *(v.shape[1:] if v is not None else ())), dtype=q.dtype)
     lead = shift * -step
     y = _prox(lead.clone(), v, step * c, tau)  # the first step from z = 0: no product
     if steps < 2:
@@ -101,19 +104,30 @@ def fista(q: Tensor, shift: Tensor, top: float, v: Tensor | None = None, c: floa
     return free, z * free, zq.sub_(sparse_product(z * ~free, q))
 
 
-def _step(a: Tensor, z: Tensor, v: Tensor | None, c: float, step: float, tau: Tensor) -> Tensor:
-    """The prox of the gradient step ``a = z − η(zQ + shift)`` (:func:`_prox`), the outlier
-    ``c vvᵀ`` taken out of the gradient and into the prox."""
-    if v is not None:
-        a.addr_(z @ v, v, alpha=step * c)
+#: The outliers taken into the prox: ``c`` a number for one (``v`` ``[K]``), ``[m]`` for
+#: several (``v`` ``[K, m]``).
+Weight = float | Tensor
+
+
+def _step(a: Tensor, z: Tensor, v: Tensor | None, c: Weight, step: float,
+          tau: Tensor) -> Tensor:
+    """The prox of the gradient step ``a = z − η(zQ + shift)`` (:func:`_prox`), the outliers
+    ``V diag(c) Vᵀ`` taken out of the gradient and into the prox."""
+    if v is not None and v.dim() == 2:
+        a.addmm_((z @ v).mul_(c), v.T, alpha=step)
+    elif v is not None:
+        a.addr_(z @ v, v, alpha=step * float(c))
     return _prox(a, v, step * c, tau)
 
 
-def _prox(a: Tensor, v: Tensor | None, weight: float, tau: Tensor) -> Tensor:
+def _prox(a: Tensor, v: Tensor | None, weight: Weight, tau: Tensor) -> Tensor:
     """``max(0, a − τv)`` (``max(0, a)`` without ``v``), ``τ`` ``[B]`` moved in place by one
-    Newton step on ``τ − weight·vᵀmax(0, a − τv)`` (``weight = ηc``)."""
+    Newton step on ``τ − weight·vᵀmax(0, a − τv)`` (``weight = ηc``); several outliers:
+    :func:`_prox_many`."""
     if v is None:
         return a.clamp_min_(0.0)
+    if v.dim() == 2:
+        return _prox_many(a, v, weight, tau)
     r = torch.addr(a, tau, v, alpha=-1.0).clamp_min_(0.0)  # one pass each, and matrix-vector
     value = tau - weight * (r @ v)  # products for the sums: a third of the element-wise time
     slope = 1.0 + weight * (r.sign_() @ (v * v))  # sign: 1 where a − τv > 0, else 0
@@ -121,33 +135,53 @@ def _prox(a: Tensor, v: Tensor | None, weight: float, tau: Tensor) -> Tensor:
     return a.addr_(tau, v, alpha=-1.0).clamp_min_(0.0)
 
 
-def bulk_top(q: Tensor, v: Tensor | None, c: float, scale: Tensor | None = None) -> float:
-    """``λ₁(SQS − c vvᵀ)`` (``λ₁(SQS)`` without ``v``; ``S = diag(scale)``, the identity
-    without) by ``POWER_STEPS`` power steps (``v`` ``[K]`` unit, ``Q`` ``[K, K]``), from the
-    ones vector with ``v`` taken out; ``O(K²)`` each, ``SQS`` never formed."""
+def _prox_many(a: Tensor, v: Tensor, weight: Weight, tau: Tensor) -> Tensor:
+    """``max(0, a − τVᵀ)`` per row (``v`` ``[K, m]``, ``τ`` ``[B, m]``), ``τ`` moved in place by
+    one semismooth Newton step on ``F(τ) = τ − W Vᵀmax(0, a − Vτ)`` (``W = diag(weight)``):
+    its Jacobian ``I + W Vᵀ D V`` (``D`` the positive entries of ``a − Vτ``) is ``m × m``
+    per row, ``VᵀDV`` one product of ``D`` with the ``[K, m²]`` products of ``V``'s columns."""
+    k, m = v.shape
+    r = torch.addmm(a, tau, v.T, alpha=-1.0).clamp_min_(0.0)
+    value = tau - weight * (r @ v)
+    pairs = (v[:, :, None] * v[:, None, :]).reshape(k, m * m)
+    jac = (r.sign_() @ pairs).view(-1, m, m).mul_(torch.as_tensor(weight, dtype=a.dtype)[:, None])
+    jac.diagonal(dim1=1, dim2=2).add_(1.0)
+    tau.sub_(torch.linalg.solve(jac, value))
+    return a.addmm_(tau, v.T, alpha=-1.0).clamp_min_(0.0)
+
+
+def bulk_top(q: Tensor, v: Tensor | None, c: Weight, scale: Tensor | None = None) -> float:
+    """``λ₁(SQS − V diag(c) Vᵀ)`` (``λ₁(SQS)`` without ``v``; ``S = diag(scale)``, the
+    identity without) by ``POWER_STEPS`` power steps (``v`` ``[K]`` unit or ``[K, m]``
+    orthonormal, ``Q`` ``[K, K]``), from the ones vector with ``V`` taken out; ``O(K²)``
+    each, ``SQS`` never formed."""
     x = torch.ones(q.shape[0], dtype=q.dtype)
     s = torch.ones_like(x) if scale is None else scale.to(q.dtype)
     if v is None:
-        v, c = torch.zeros_like(x), 0.0
-    x = x - v * (v @ x)
+        vm, cm = x.new_zeros(x.shape[0], 1), x.new_zeros(1)
+    else:
+        vm = (v if v.dim() == 2 else v[:, None]).to(q.dtype)
+        cm = torch.as_tensor(c, dtype=q.dtype).reshape(-1)
+    x = x - vm @ (vm.T @ x)
     for _ in range(POWER_STEPS):
         x = x / torch.linalg.vector_norm(x).clamp_min(1e-300)
-        x = s * (q @ (s * x)) - (c * (v @ x)) * v
+        x = s * (q @ (s * x)) - vm @ (cm * (vm.T @ x))
     x = x / torch.linalg.vector_norm(x).clamp_min(1e-300)
-    return float(x @ (s * (q @ (s * x))) - c * (v @ x) ** 2)
+    return float(x @ (s * (q @ (s * x))) - cm @ (vm.T @ x) ** 2)
 
 
 @dataclass(frozen=True)
 class Plan:
     """What :func:`projected_start` takes: the diagonal scaling ``scale`` ``[K]`` (float64),
-    ``top`` (``λ₁`` of the scaled gradient part), the scaled outlier ``v`` ``[K]`` (unit,
-    float32) and ``c`` (None, 0: none), and ``bottom``, the gradient part's ``λ_min`` from
-    above (0: unknown, FISTA's ``tₖ`` momentum)."""
+    ``top`` (``λ₁`` of the scaled gradient part), the scaled outliers ``v`` (float32: ``[K]``
+    unit and ``c`` a number for one, ``[K, m]`` orthonormal and ``c`` ``[m]`` for several;
+    None, 0: none), and ``bottom``, the gradient part's ``λ_min`` from above (0: unknown,
+    FISTA's ``tₖ`` momentum)."""
 
     scale: Tensor
     top: float
     v: Tensor | None = None
-    c: float = 0.0
+    c: Weight = 0.0
     bottom: float = 0.0
 
 
@@ -167,57 +201,65 @@ def projected_start(q: Tensor, shift: Tensor, start: Plan,
 
 def plan(q: Tensor, pre: Preconditioner) -> Plan | None:
     """The projected start of the box problems on ``q`` (float64) with the preconditioner
-    ``pre`` (:func:`~._precond.deflated`, ``h`` its ``B⁻¹``), or None: nothing or one
-    outlier deflated (``B = Q − c vvᵀ``; ``B = Q`` for none), scaled by ``S = diag(B)^{-1/2}``,
-    the outlier taken into the prox found again on ``SQS`` (:func:`_scaled_outlier`), and
-    ``λ₁(SBS) ‖(SBS)⁻¹‖_∞`` at most ``PROJECTED_MAX_KAPPA`` (:func:`bulk_top`; ``(SBS)⁻¹ =
-    S⁻¹B⁻¹S⁻¹``, one pass over ``h``); more outliers: None."""
-    if pre.v is not None and pre.v.shape[1] != 1:
-        return None
-    if pre.v is None or pre.c is None:
-        v, c = None, 0.0
-        diag = torch.diagonal(q)
-    else:
-        v, c = pre.v[:, 0].to(q.dtype), float(pre.c[0])
-        diag = torch.diagonal(q) - c * v * v
+    ``pre`` (:func:`~._precond.deflated`, ``h`` its ``B⁻¹``), or None: its deflated
+    outliers, if any, taken out (``B = Q − V diag(c) Vᵀ``; ``B = Q`` for none), scaled by
+    ``S = diag(B)^{-1/2}``, the outliers taken into the prox found again on ``SQS``
+    (:func:`_scaled_outliers`), and ``λ₁(SBS) ‖(SBS)⁻¹‖_∞`` at most ``PROJECTED_MAX_KAPPA``
+    (:func:`bulk_top`; ``(SBS)⁻¹ = S⁻¹B⁻¹S⁻¹``, one pass over ``h``)."""
+    diag = torch.diagonal(q)
+    unit: Tensor | None = None
+    weight: Weight = 0.0
+    if pre.v is not None and pre.c is not None:
+        v, c = pre.v.to(q.dtype), pre.c.to(q.dtype)
+        diag = diag - (v * v) @ c
     if not bool((diag > 0.0).all()):
         return None
     scale = diag.rsqrt()
-    unit, weight = None, 0.0
-    if v is not None:
-        unit, weight = _scaled_outlier(q, scale, v * scale, c)
+    if pre.v is not None and pre.c is not None:
+        found = _scaled_outliers(q, scale, v * scale[:, None], c)
+        if found is None:
+            return None
+        unit, weight = found
     top = bulk_top(q, unit, weight, scale)
     inverse_scale = scale.reciprocal().to(pre.h.dtype)  # ‖S⁻¹B⁻¹S⁻¹‖_∞, no scaled copy
     inverse = float(((pre.h.abs() @ inverse_scale) * inverse_scale).amax())
     if not 0.0 < top * inverse <= PROJECTED_MAX_KAPPA:
         return None
-    return Plan(scale, top, None if unit is None else unit.float(), weight,
+    return Plan(scale, top, None if unit is None else unit.float(),
+                weight.float() if isinstance(weight, Tensor) else weight,
                 _bulk_bottom(pre.h, inverse_scale))
 
 
-def _scaled_outlier(q: Tensor, scale: Tensor, sv: Tensor, c: float) -> tuple[Tensor, float]:
-    """``(u, c̃)``: the outlier of ``SQS`` (``S = diag(scale)``) taken into the prox,
-    ``c̃uuᵀ`` with ``u`` its top eigenvector by ``POWER_STEPS`` power steps from ``Sv``
-    (``sv``: the outlier ``c vvᵀ`` of ``Q`` scaled) and ``c̃ = λ̃ − μ̃`` (``λ̃`` their
-    Rayleigh quotient, ``μ̃`` the mean of the other eigenvalues, from the trace): ``SQS −
-    c̃uuᵀ`` keeps the eigenvalue ``μ̃`` in ``u``'s place. ``Q``'s own eigenvector scaled is
-    not ``SQS``'s where ``S`` is far from a multiple of the identity (the cosine matrix of
-    rows sharing one direction: ``S`` spans 8×, and the remainder ``S(Q − c vvᵀ)S`` kept a
-    part of the outlier, ``λ₁`` 4.4 against 1.4, at K = 1,024: 6,181 indices from the
-    optimal free sets after FISTA's eight steps, against 27 on the unscaled rows). Where the
-    power steps find no eigenvalue above the mean: ``Sv`` normalised, ``c‖Sv‖²``."""
-    k = q.shape[0]
-    norm = float(torch.linalg.vector_norm(sv))
-    fallback = (sv / norm, c * norm * norm)
-    if k < 2:
+def _scaled_outliers(q: Tensor, scale: Tensor, sv: Tensor,
+                     c: Tensor) -> tuple[Tensor, Weight] | None:
+    """``(U, c̃)``: the ``m`` outliers of ``SQS`` (``S = diag(scale)``) taken into the prox,
+    ``U diag(c̃) Uᵀ`` with ``U`` its top eigenvectors by ``POWER_STEPS`` steps of subspace
+    iteration from ``SV`` (``sv`` ``[K, m]``: the outliers ``V diag(c) Vᵀ`` of ``Q`` scaled)
+    and a Rayleigh–Ritz rotation, and ``c̃ = λ̃ − μ̃`` (``λ̃`` their Ritz values, ``μ̃`` the
+    mean of the other eigenvalues, from the trace): ``SQS − U diag(c̃) Uᵀ`` keeps the
+    eigenvalue ``μ̃`` in their place. ``Q``'s own eigenvectors scaled are not ``SQS``'s where
+    ``S`` is far from a multiple of the identity (the cosine matrix of rows sharing one
+    direction: ``S`` spans 8×, and the remainder ``S(Q − c vvᵀ)S`` kept a part of the
+    outlier, ``λ₁`` 4.4 against 1.4, at K = 1,024: 6,181 indices from the optimal free sets
+    after FISTA's eight steps, against 27 on the unscaled rows). One outlier: ``U`` ``[K]``
+    and ``c̃`` a number, ``Sv`` normalised and ``c‖Sv‖²`` where the steps find no eigenvalue
+    above the mean; several: ``[K, m]`` and ``[m]``, None where one is not above it."""
+    k, m = sv.shape
+    norm = float(torch.linalg.vector_norm(sv[:, 0]))
+    fallback = (sv[:, 0] / norm, float(c[0]) * norm * norm) if m == 1 else None
+    if k <= m:
         return fallback
-    x = fallback[0]
+    x = torch.linalg.qr(sv).Q
     for _ in range(POWER_STEPS):
-        x = scale * (q @ (scale * x))
-        x = x / torch.linalg.vector_norm(x).clamp_min(1e-300)
-    lam = float(x @ (scale * (q @ (scale * x))))
-    mu = (float(torch.diagonal(q) @ (scale * scale)) - lam) / (k - 1)
-    return (x, lam - mu) if lam > mu > 0.0 else fallback
+        x = torch.linalg.qr(scale[:, None] * (q @ (scale[:, None] * x))).Q
+    sx = scale[:, None] * x
+    lam, rot = torch.linalg.eigh(sx.T @ (q @ sx))
+    x = x @ rot
+    mu = (float(torch.diagonal(q) @ (scale * scale)) - float(lam.sum())) / (k - m)
+    excess = lam - mu
+    if not (mu > 0.0 and bool((excess > 0.0).all())):
+        return fallback
+    return (x[:, 0], float(excess[0])) if m == 1 else (x, excess)
 
 
 def _bulk_bottom(h: Tensor, inverse_scale: Tensor) -> float:
