@@ -9,9 +9,9 @@ scaled to a unit diagonal, has a small condition number (``torch.randn`` rows an
 benchmark's conflicting rows at K = 1,024, P = 20,000: ``κ = 2.5``), FISTA (Beck & Teboulle
 2009) with the strongly convex momentum of the bulk's estimated condition number (Nesterov
 2004) and the gradient-mapping restart (O'Donoghue & Candès 2015), the outliers in the prox,
-comes within a few indices of the optimal free sets in eight steps, seven products of ``[B,
-K] × [K, K]`` (the first step starts from 0; 11 indices in all on those conflicting rows),
-and the pivoting confirms them in one solve. Only a start: the float32 and float64 pivotings
+comes within a few indices of the optimal free sets in eight steps, seven products of
+``[B, K] × [K, K]`` (the first step starts from 0; 11 indices in all on those conflicting
+rows), and the pivoting confirms them in one solve. Only a start: the float32 and float64 pivotings
 decide.
 
 Example:
