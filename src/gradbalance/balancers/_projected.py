@@ -147,7 +147,7 @@ def _prox_many(a: Tensor, v: Tensor, weight: Weight, tau: Tensor) -> Tensor:
     pairs = (v[:, :, None] * v[:, None, :]).reshape(k, m * m)
     jac = (r.sign_() @ pairs).view(-1, m, m).mul_(torch.as_tensor(weight, dtype=a.dtype)[:, None])
     jac.diagonal(dim1=1, dim2=2).add_(1.0)
-    tau.sub_(torch.linalg.solve(jac, value))
+    tau.sub_(torch.linalg.solve_ex(jac, value).result)  # no raise: a non-finite row stays so
     return a.addmm_(tau, v.T, alpha=-1.0).clamp_min_(0.0)
 
 

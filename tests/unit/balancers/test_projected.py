@@ -230,3 +230,21 @@ def test_upgrad_is_the_same_with_the_start_on_several_directions(k: int, seed: i
     eye = torch.eye(k, dtype=F64)
     reference = torch.stack([nnls_dual_cone(rows, eye[i]) for i in range(k)]).mean(dim=0)
     assert_same_update(chosen, reference, rows)
+
+
+def test_several_outliers_leave_a_non_finite_row_to_itself() -> None:
+    """A row of ``shift`` that is not finite (a float32 overflow upstream) does not stop the
+    prox's batched Newton solves (``solve_ex``: no raise) nor move the other rows."""
+    gen = torch.Generator().manual_seed(5)
+    j = torch.randn(20, 80, generator=gen, dtype=F64)
+    q = j @ j.T
+    lam, vec = torch.linalg.eigh(q)
+    v, c = vec[:, -2:], lam[-2:] - lam[:-2].mean()
+    top = _projected.bulk_top(q, v, c)
+    shift = torch.randn(4, 20, generator=gen, dtype=F64) @ q
+    clean = _projected.fista(q, shift, top, v, c, steps=30)
+    shift[0, 3] = float("nan")
+    dirty = _projected.fista(q, shift, top, v, c, steps=30)
+    for a, b in zip(clean, dirty, strict=True):
+        torch.testing.assert_close(b[1:], a[1:], rtol=1e-12, atol=1e-12)
+    assert not bool(torch.isfinite(dirty[1][0]).all())
