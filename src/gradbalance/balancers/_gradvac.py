@@ -16,7 +16,7 @@ from .._checks import check_generator
 from .._shard import Shard
 from ..gramian import compute_gramian
 from ._base import Combination
-from ._pairwise import pairwise_pass
+from ._pairwise import column_sums, pass_weights
 from ._rng import OwnedGeneratorState, private_generator
 from ._solvers import trace_normalized
 
@@ -81,13 +81,31 @@ def gradvac_coefficients(
                 [1.0000, 1.0000]], dtype=torch.float64), tensor([[ 0.0000, -0.3536],
                 [-0.3536,  0.0000]], dtype=torch.float64))
     """
+    weights, new_targets = _vaccinated(gramian, orders, targets, beta, eps, max_step)
+    k = weights.shape[1]
+    coef = torch.eye(k, dtype=weights.dtype, device=weights.device)
+    return coef.scatter_add_(1, orders.to(weights.device), weights.T), new_targets
+
+
+def _vaccinated(gramian: Tensor, orders: Tensor, targets: Tensor, beta: float, eps: float,
+                max_step: float) -> tuple[Tensor, Tensor]:
+    """``(weights, new_targets)``: the pass of :func:`gradvac_coefficients` as its visits'
+    weights ``[steps, K]`` (:func:`~._pairwise.pass_weights`; ``C`` scattered from them,
+    ``1ᵀC`` summed by :func:`~._pairwise.column_sums`) and the updated targets."""
     gram = gramian.to(torch.float64)
     orders = orders.to(gram.device)
     old = targets.to(gram.device, torch.float64)
     visits = _Vaccination(gram, orders, old, eps, max_step)
-    coef = pairwise_pass(gram, orders, visits)
+    weights = pass_weights(gram, orders, visits)
     new = torch.add((1 - beta) * visits.hat, visits.phi, alpha=beta)
-    return coef, old.scatter(1, orders, new.T)
+    return weights, old.scatter(1, orders, new.T)
+
+
+def _update_weights(gramian: Tensor, orders: Tensor, targets: Tensor, beta: float, eps: float,
+                    max_step: float) -> tuple[Tensor, Tensor]:
+    """``(1ᵀC, new_targets)`` of :func:`gradvac_coefficients` without forming ``C``."""
+    weights, new_targets = _vaccinated(gramian, orders, targets, beta, eps, max_step)
+    return column_sums(orders, weights), new_targets
 
 
 def _ratio(num: Tensor, den: Tensor) -> Tensor:
@@ -245,11 +263,11 @@ class GradVac(OwnedGeneratorState):
         k = gramian.shape[0]
         gram, _ = trace_normalized(gramian)
         targets = self._current_targets(k)
-        coef, new_targets = gradvac_coefficients(
+        weights, new_targets = _update_weights(
             gram, gradvac_orders(k, self.generator), targets, self.beta, self.eps, self.max_step
         )
         self.targets = new_targets
-        return coef.sum(dim=0).to(gramian.device)
+        return weights.to(gramian.device)
 
     def _combine_matrix(self, matrix: Tensor, losses: Tensor | None) -> Combination:
         return self._combine_groups(matrix, Shard.whole(matrix.shape[1]), local=True)
@@ -284,9 +302,9 @@ class GradVac(OwnedGeneratorState):
         new_targets = []
         for g, group in enumerate(pieces):
             gram, _ = trace_normalized(grams[g])
-            coef, new = gradvac_coefficients(gram, orders, targets[g], self.beta, self.eps,
-                                             self.max_step)
-            weights = coef.sum(dim=0).to(matrix.device, matrix.dtype)
+            sums, new = _update_weights(gram, orders, targets[g], self.beta, self.eps,
+                                        self.max_step)
+            weights = sums.to(matrix.device, matrix.dtype)
             for start, length in group:
                 out[start : start + length] = weights @ matrix[:, start : start + length]
             new_targets.append(new)

@@ -81,7 +81,8 @@ def _refresh(cg: Tensor, gram: Tensor, cols: Tensor, weights: Tensor) -> None:
 
 
 def pairwise_pass(gram: Tensor, orders: Tensor, visit: Visit, block: int | None = None) -> Tensor:
-    """``C`` ``[K, K]`` with ``g_i^PC = Σⱼ C[i, j] gⱼ`` after a pass of visits, from the Gramian.
+    """``C`` ``[K, K]`` with ``g_i^PC = Σⱼ C[i, j] gⱼ`` after a pass of visits, from the Gramian
+    (:func:`pass_weights`, scattered: ``C = I`` plus each visit's weight at its place).
 
     At step ``t`` every task ``i`` visits ``j = orders[i, t]`` and adds ``w gⱼ`` to
     ``g_i^PC = C[i] J``, with ``w = visit(t, (C G)[:, j], out)`` (``[K]``, over ``i``; each
@@ -98,6 +99,23 @@ def pairwise_pass(gram: Tensor, orders: Tensor, visit: Visit, block: int | None 
         tensor([[1.0000, 0.5000],
                 [0.5000, 1.0000]], dtype=torch.float64)
     """
+    k = orders.shape[0]
+    weights = pass_weights(gram, orders, visit, block)
+    coef = torch.eye(k, dtype=gram.dtype, device=gram.device)
+    return coef.scatter_add_(1, orders.to(gram.device), weights.T)
+
+
+def column_sums(orders: Tensor, weights: Tensor) -> Tensor:
+    """``1ᵀC`` ``[K]`` of :func:`pairwise_pass` without forming ``C`` (the update's weights,
+    ``Σᵢ g_i^PC = Σⱼ (1ᵀC)ⱼ gⱼ``): one plus every weight given to task ``j``, added by index
+    (``weights`` ``[steps, K]`` from :func:`pass_weights`, ``orders`` ``[K, steps]``)."""
+    ones = torch.ones(orders.shape[0], dtype=weights.dtype, device=weights.device)
+    return ones.index_add_(0, orders.to(weights.device).T.reshape(-1), weights.reshape(-1))
+
+
+def pass_weights(gram: Tensor, orders: Tensor, visit: Visit, block: int | None = None) -> Tensor:
+    """``[steps, K]``: the weight ``w`` each task ``i`` gives at step ``t`` to ``orders[i, t]``
+    (row ``t``), the pass of :func:`pairwise_pass`; ``O(K³)``."""
     k, steps = orders.shape
     block = pass_block(k) if block is None else block
     orders = orders.to(gram.device)
@@ -119,5 +137,4 @@ def pairwise_pass(gram: Tensor, orders: Tensor, visit: Visit, block: int | None 
         if start + n < steps:
             cg = gram.clone() if cg is gram else cg
             _refresh(cg, gram, cols.T, weights[start : start + n].T)
-    coef = torch.eye(k, dtype=gram.dtype, device=gram.device)
-    return coef.scatter_add_(1, orders, weights.T)
+    return weights

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from .._checks import check_generator
-from ._pairwise import pairwise_pass
+from ._pairwise import Visit, column_sums, pairwise_pass, pass_weights
 from ._rng import OwnedGeneratorState, private_generator
 from ._solvers import trace_normalized
 
@@ -57,6 +57,11 @@ def pcgrad_coefficients(gramian: Tensor, orders: Tensor) -> Tensor:
     """
     gram = gramian.to(torch.float64)
     orders = orders.to(gram.device)
+    return pairwise_pass(gram, orders, _projections(gram, orders))
+
+
+def _projections(gram: Tensor, orders: Tensor) -> Visit:
+    """PCGrad's visit: ``w = −min(d, 0) / G[j, j]`` (``gram`` float64)."""
     diag = torch.diagonal(gram)
     rows = torch.arange(gram.shape[0], device=gram.device)[:, None]
     # w = −d / G[j, j] where d < 0; a division by inf (j = i, or gⱼ = 0) gives w = 0.
@@ -66,7 +71,7 @@ def pcgrad_coefficients(gramian: Tensor, orders: Tensor) -> Tensor:
     def visit(t: int, dots: Tensor, out: Tensor) -> Tensor:
         return torch.clamp(dots, max=0.0, out=out).div_(den[t])
 
-    return pairwise_pass(gram, orders, visit)
+    return visit
 
 
 class PCGrad(OwnedGeneratorState):
@@ -119,8 +124,9 @@ class PCGrad(OwnedGeneratorState):
     def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         k = gramian.shape[0]
         gram, _ = trace_normalized(gramian)
-        coef = pcgrad_coefficients(gram, pcgrad_orders(k, self.generator))
-        w = coef.sum(dim=0)
+        gram = gram.to(torch.float64)
+        orders = pcgrad_orders(k, self.generator).to(gram.device)
+        w = column_sums(orders, pass_weights(gram, orders, _projections(gram, orders)))
         if self.reduction == "mean":
             w = w / k
         return w.to(gramian.device)
