@@ -16,7 +16,7 @@ from .._checks import check_generator
 from .._shard import Shard
 from ..gramian import compute_gramian
 from ._base import Combination
-from ._pairwise import column_sums, pass_weights
+from ._pairwise import coefficients, column_sums, pass_weights
 from ._rng import OwnedGeneratorState, private_generator
 from ._solvers import trace_normalized
 
@@ -82,9 +82,7 @@ def gradvac_coefficients(
                 [-0.3536,  0.0000]], dtype=torch.float64))
     """
     weights, new_targets = _vaccinated(gramian, orders, targets, beta, eps, max_step)
-    k = weights.shape[1]
-    coef = torch.eye(k, dtype=weights.dtype, device=weights.device)
-    return coef.scatter_add_(1, orders.to(weights.device), weights.T), new_targets
+    return coefficients(orders, weights), new_targets
 
 
 def _vaccinated(gramian: Tensor, orders: Tensor, targets: Tensor, beta: float, eps: float,

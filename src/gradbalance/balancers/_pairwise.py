@@ -99,10 +99,14 @@ def pairwise_pass(gram: Tensor, orders: Tensor, visit: Visit, block: int | None 
         tensor([[1.0000, 0.5000],
                 [0.5000, 1.0000]], dtype=torch.float64)
     """
-    k = orders.shape[0]
-    weights = pass_weights(gram, orders, visit, block)
-    coef = torch.eye(k, dtype=gram.dtype, device=gram.device)
-    return coef.scatter_add_(1, orders.to(gram.device), weights.T)
+    return coefficients(orders, pass_weights(gram, orders, visit, block))
+
+
+def coefficients(orders: Tensor, weights: Tensor) -> Tensor:
+    """``C`` ``[K, K]`` from a pass's ``weights`` ``[steps, K]`` (:func:`pass_weights`):
+    the identity plus each visit's weight at its place, ``C[i, orders[i, t]] += w[t, i]``."""
+    coef = torch.eye(orders.shape[0], dtype=weights.dtype, device=weights.device)
+    return coef.scatter_add_(1, orders.to(weights.device), weights.T)
 
 
 def column_sums(orders: Tensor, weights: Tensor) -> Tensor:

@@ -168,8 +168,7 @@ class PassiveFactor:
         m = int(self.count[sel].max())
         slot = self.slot[sel]
         cross = self.w[slot[:, None], :m, t]  # [n, b, m]: zero past each count
-        low, info = cholesky_ex(self.q[t[:, :, None], t[:, None, :]]
-                                             - cross @ cross.mT)
+        low, info = cholesky_ex(self.q[t[:, :, None], t[:, None, :]] - cross @ cross.mT)
         pivots = low.diagonal(dim1=1, dim2=2)
         ar = torch.arange(b)
         ok = ((pivots * pivots > min_schur) & ((info[:, None] == 0) | (ar < info[:, None] - 1)))
