@@ -96,7 +96,7 @@ def _vaccinated(gramian: Tensor, orders: Tensor, targets: Tensor, beta: float, e
     visits = _Vaccination(gram, orders, old, eps, max_step)
     weights = pass_weights(gram, orders, visits)
     new = torch.add((1 - beta) * visits.hat, visits.phi, alpha=beta)
-    return weights, old.scatter(1, orders, new.T)
+    return weights, old.scatter(1, orders, new.T.contiguous())
 
 
 def _update_weights(gramian: Tensor, orders: Tensor, targets: Tensor, beta: float, eps: float,
@@ -128,15 +128,16 @@ class _Vaccination:
         norms = diag.clamp_min(0).sqrt()
         by_step = orders.T.contiguous()  # every per-pair tensor [step, task], rows contiguous
         self.hat = targets.gather(1, orders).T.contiguous()
-        norm_j = norms[by_step]
+        norm_j, diag_j = (t.index_select(0, by_step.view(-1)).view(by_step.shape)
+                          for t in (norms, diag))
         root_hat = (1 - self.hat * self.hat).clamp_min_(0).sqrt_()
         den = torch.addcmul(torch.full_like(norm_j, eps), norm_j, root_hat)
-        self.zero_den = bool((den == 0).any())  # only with eps = 0
+        self.zero_den = not eps > 0 and bool((den == 0).any())  # eps > 0: den ≥ eps
         self.phi = torch.empty_like(self.hat)  # the cosines at the visits
+        cap = torch.div(max_step * norms, norm_j).masked_fill_(norm_j == 0, 0.0)
         # Each step's row of every per-pair tensor, as views made once (a visit reads 7).
-        self.rows = list(zip(norm_j.unbind(0), diag[by_step].unbind(0), self.hat.unbind(0),
-                             root_hat.unbind(0), den.unbind(0),
-                             _ratio(max_step * norms, norm_j).unbind(0),
+        self.rows = list(zip(norm_j.unbind(0), diag_j.unbind(0), self.hat.unbind(0),
+                             root_hat.unbind(0), den.unbind(0), cap.unbind(0),
                              self.phi.unbind(0), strict=True))
         self.sq = diag.clone()  # ‖g_i^PC‖², kept up to date visit by visit
         self.one, self.eps = torch.ones_like(diag), torch.full_like(diag, eps)

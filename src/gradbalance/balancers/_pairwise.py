@@ -52,31 +52,33 @@ def _triangle(n: int, device: torch.device) -> tuple[Tensor, Tensor]:
     return first, second
 
 
-def _block_pairs(gram: Tensor, cols: Tensor, tri: tuple[Tensor, Tensor]) -> Tensor:
-    """``G[cols[s, i], cols[s', i]]`` for ``s < s'`` (``[n(n−1)/2, K]``, the pairs row-major;
-    ``cols`` ``[n, K]``; int32 flat indices while ``K²`` fits)."""
-    k = gram.shape[0]
-    c = cols.to(torch.int32 if k * k < 2**31 else torch.int64)
-    index = (c * k).index_select(0, tri[0]).add_(c.index_select(0, tri[1]))
-    return gram.reshape(-1).index_select(0, index.view(-1)).view(-1, k)
+def _block_pairs(gram: Tensor, rows: Tensor, cols: Tensor, tri: tuple[Tensor, Tensor]) -> Tensor:
+    """``G[c[s, i], c[s', i]]`` for ``s < s'`` (``[n(n−1)/2, K]``, the pairs row-major) of the
+    block's columns ``c`` ``[n, K]``, given as ``rows = c·K`` and ``cols = c`` (int32 flat
+    indices while ``K²`` fits, made once for the pass)."""
+    index = rows.index_select(0, tri[0]).add_(cols.index_select(0, tri[1]))
+    return gram.reshape(-1).index_select(0, index.view(-1)).view(-1, gram.shape[0])
 
 
 def _refresh(cg: Tensor, gram: Tensor, cols: Tensor, weights: Tensor) -> None:
-    """``cg += Δ G`` with ``Δ[i, cols[i, s]] = weights[i, s]``: sparse (one row of ``G`` per
-    non-zero weight; ``Δ`` in CSR, its columns in visiting order) or one dense product,
-    whichever is cheaper."""
+    """``cg += Δ G`` with ``Δ[i, cols[s, i]] = weights[s, i]`` (``[n, K]`` each): sparse (one
+    row of ``G`` per non-zero weight; ``Δ`` in CSR, its columns in visiting order) or one
+    dense product, whichever is cheaper."""
     k = gram.shape[0]
-    live = weights != 0
+    by_task = weights.T.contiguous()  # CSR row i: task i's weights, in visiting order
+    live = by_task != 0
     per_row = live.sum(dim=1)
     if int(per_row.sum()) * SPARSE_COST >= k * k:
-        cg.addmm_(torch.zeros_like(cg).scatter_(1, cols, weights), gram)
+        cg.addmm_(torch.zeros_like(cg).scatter_(1, cols.T, by_task), gram)
         return
     crow = torch.zeros(k + 1, dtype=torch.int64, device=cg.device)
     torch.cumsum(per_row, 0, out=crow[1:])
+    at = torch.nonzero(live.view(-1)).view(-1)  # row-major: grouped by task
+    columns = cols.T.reshape(-1).index_select(0, at)
     with warnings.catch_warnings():  # torch calls its sparse CSR support beta
         warnings.filterwarnings("ignore", "Sparse CSR tensor support", UserWarning)
-        delta = torch.sparse_csr_tensor(crow, cols[live], weights[live], (k, k),
-                                        check_invariants=False)
+        delta = torch.sparse_csr_tensor(crow, columns, by_task.view(-1).index_select(0, at),
+                                        (k, k), check_invariants=False)
     cg.addmm_(delta, gram)
 
 
@@ -122,8 +124,12 @@ def pass_weights(gram: Tensor, orders: Tensor, visit: Visit, block: int | None =
     (row ``t``), the pass of :func:`pairwise_pass`; ``O(K³)``."""
     k, steps = orders.shape
     block = pass_block(k) if block is None else block
+    gram = gram.contiguous()  # the gathers read it flat
     orders = orders.to(gram.device)
     by_step = orders.T.contiguous()  # [steps, K]: every per-step vector contiguous
+    narrow = by_step.to(torch.int32 if k * k < 2**31 else torch.int64)
+    scaled = narrow * k  # row offsets of the pairs' flat indices
+    at_dot = by_step + k * torch.arange(k, device=gram.device)  # (i, π_i(t)), flat
     weights = torch.zeros(steps, k, dtype=gram.dtype, device=gram.device)
     weight_rows = weights.unbind(0)  # every step's view made once
     cg = gram
@@ -132,13 +138,15 @@ def pass_weights(gram: Tensor, orders: Tensor, visit: Visit, block: int | None =
         cols = by_step[start : start + block]
         n = cols.shape[0]
         tri = triangles.setdefault(n, _triangle(n, gram.device))
-        dots = cg.gather(1, cols.T).T.contiguous()
-        pairs = torch.split(_block_pairs(gram, cols, tri), list(range(n - 1, -1, -1)))
+        dots = cg.view(-1).index_select(0, at_dot[start : start + n].reshape(-1)).view(n, k)
+        pairs = torch.split(_block_pairs(gram, scaled[start : start + n],
+                                         narrow[start : start + n], tri),
+                            list(range(n - 1, -1, -1)))
         for s, dot in enumerate(dots.unbind(0)):
             w = visit(start + s, dot, weight_rows[start + s])
             if s + 1 < n:
                 dots[s + 1 :].addcmul_(w, pairs[s])
         if start + n < steps:
             cg = gram.clone() if cg is gram else cg
-            _refresh(cg, gram, cols.T, weights[start : start + n].T)
+            _refresh(cg, gram, cols, weights[start : start + n])
     return weights

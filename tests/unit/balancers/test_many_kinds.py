@@ -65,10 +65,14 @@ def test_gradvac_pass_matches_the_pair_loop_on_every_kind(case: tuple[int, str, 
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.integers(1, 48), st.integers(1, 12), st.floats(0.0, 1.0), st.integers(0, 2**16))
-def test_sparse_refresh_is_the_dense_product(k: int, n: int, live: float, seed: int) -> None:
+@given(st.integers(1, 48), st.integers(1, 12), st.floats(0.0, 1.0), st.integers(0, 2**16),
+       st.sampled_from([0, 10**9]))
+def test_sparse_refresh_is_the_dense_product(k: int, n: int, live: float, seed: int,
+                                             cost: int) -> None:
     """``cg + Δ G`` with ``Δ[i, cols[i, s]] = w[i, s]`` (distinct columns per row, a share of
-    the weights zero, whole rows zero included), CSR against the dense ``Δ`` written out."""
+    the weights zero, whole rows zero included), CSR (``SPARSE_COST`` 0) and the dense
+    product (a cost no sparse product undercuts) against the dense ``Δ`` written out; the
+    pass hands ``cols`` and ``w`` step by task, ``[n, K]``."""
     n = min(n, k)
     gen = torch.Generator().manual_seed(seed)
     gram = torch.randn(k, k, generator=gen, dtype=F64)
@@ -82,6 +86,6 @@ def test_sparse_refresh_is_the_dense_product(k: int, n: int, live: float, seed: 
     cg = torch.randn(k, k, generator=gen, dtype=F64)
     expected = cg + delta @ gram
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_pairwise, "SPARSE_COST", 0)  # always the sparse product
-        _pairwise._refresh(cg, gram, cols, w)
+        mp.setattr(_pairwise, "SPARSE_COST", cost)
+        _pairwise._refresh(cg, gram, cols.T, w.T)
     torch.testing.assert_close(cg, expected, rtol=1e-12, atol=1e-12)
