@@ -94,6 +94,13 @@ def span_fraction_rows(k: int, p: int, seed: int) -> torch.Tensor:
     return span_rows(3 * k // 8)(k, p, seed)
 
 
+def thin_cone_rows(k: int, p: int, seed: int) -> torch.Tensor:
+    """``[K, P]`` float32 rows in a random span of rank ``9K/16``, just above half: their
+    conic hull is not the span (with probability near 1 at K = 256, Wendel 1962), so the dual
+    cone is a thin one and UPGrad's projections are neither zero nor easy."""
+    return span_rows(9 * k // 16)(k, p, seed)
+
+
 def aligned_rows(k: int, p: int, seed: int) -> torch.Tensor:
     """``[K, P]`` float32: ``aᵢ s + nᵢ/2`` with ``aᵢ = 1 + |N(0, 1)|`` (no conflict: every
     entry of the Gramian positive)."""
@@ -167,7 +174,7 @@ KINDS = {"conflicting": conflicting_rows, "rank8": rank_deficient_rows,
          "span32": span_rows(32), "span64": span_rows(64), "randn": randn_rows,
          "float64": float64_rows, "equal_norms": equal_norm_rows,
          "square_mixing": square_mixing_rows, "dependent": dependent_rows,
-         "span_3k8": span_fraction_rows}
+         "span_3k8": span_fraction_rows, "span_9k16": thin_cone_rows}
 
 
 def make_balancer(name: str, k: int) -> Balancer:
