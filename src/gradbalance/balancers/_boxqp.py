@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -1204,9 +1205,9 @@ def _pivot_singular_routes(q: Tensor, lower: Tensor, x: Tensor, tol: float,
     definite: :func:`_pivot_from_fista` first where the numerical ``rank`` is at most
     ``THIN_MAX_FRACTION`` of ``K``, else :func:`_pivot_singular` first, each on the problems
     the other leaves open; None if neither applies."""
+    fista = partial(_pivot_from_fista, rank=rank)
     first_fista = rank <= THIN_MAX_FRACTION * q.shape[0]
-    routes = ((_pivot_from_fista, _pivot_singular) if first_fista
-              else (_pivot_singular, _pivot_from_fista))
+    routes = (fista, _pivot_singular) if first_fista else (_pivot_singular, fista)
     out, done = x.clone(), torch.zeros(x.shape[0], dtype=torch.bool)
     tried = False
     for route in routes:
@@ -1222,8 +1223,8 @@ def _pivot_singular_routes(q: Tensor, lower: Tensor, x: Tensor, tol: float,
     return (out, done) if tried else None
 
 
-def _pivot_from_fista(q: Tensor, lower: Tensor, x: Tensor,
-                      tol: float) -> tuple[Tensor, Tensor] | None:
+def _pivot_from_fista(q: Tensor, lower: Tensor, x: Tensor, tol: float,
+                      rank: int | None = None) -> tuple[Tensor, Tensor] | None:
     """``(out, done)`` for box problems (``c = 0``) on a singular ``Q``: the block pivoting
     with one batched factorisation of the free blocks per iteration
     (:func:`solve_lcp_pivoting`, relative multiplier test, at most ``THIN_MAX_PIVOTS``
@@ -1236,32 +1237,49 @@ def _pivot_from_fista(q: Tensor, lower: Tensor, x: Tensor,
     (rows in general position), while the pivoting from a far start passes through free
     sets of more than ``r`` indices, where it is singular. A few hundred FISTA steps end
     within a few indices of each optimal free set. A problem is finished only where the
-    pivoting's optimality test and :func:`_multipliers_hold` pass; the others stay open.
+    pivoting's optimality test and :func:`_multipliers_hold` pass; the others stay open, and
+    so do those whose FISTA free set holds more than the numerical ``rank`` (default ``K``)
+    indices (a singular free block: rank exactly ``K/2`` at K = 1,024, where the rows'
+    conic hull is about their span). A round that finishes none ends the attempt.
     ``x`` is not read (the signature of :func:`_pivot_singular`)."""
     del x
     b, k = lower.shape
+    rank = k if rank is None else rank
     diag = torch.diagonal(q)
     scale = torch.where(diag > 0, diag.clamp_min(1e-300).rsqrt(), 1.0)
     start = Plan(scale, bulk_top(q, None, 0.0, scale))
     if not start.top > 0.0:
         return None
     out, done = lower.clone(), torch.zeros(b, dtype=torch.bool)
-    chunk = max(1, THIN_MAX_ENTRIES // (k * k))
     q32 = q.float()  # the start only guesses the free sets: half the products' cost
     for steps in THIN_STEPS:
         rest = torch.nonzero(~done).flatten()
         if rest.numel() == 0:
             break
         free, _, _ = projected_start(q32, (lower[rest] @ q).float(), start, steps)
-        for part in torch.split(torch.arange(rest.numel()), chunk):
-            rows = rest[part]
-            pivot = solve_lcp_pivoting(q, torch.zeros_like(lower[rows]), lower[rows], False,
-                                       free[part], tol, THIN_MAX_PIVOTS, relative=True)
-            if pivot is None:
-                continue
-            finished = pivot[1] & _multipliers_hold(q, lower[rows], pivot[0])
-            out[rows[finished]], done[rows[finished]] = pivot[0][finished], True
+        fits = free.sum(dim=1) <= rank  # a larger free block is singular: no factorisation
+        before = int(done.sum())
+        _pivot_chunks(q, lower, rest[fits], free[fits], tol, out, done)
+        if int(done.sum()) == before:  # a round that finishes none: stop, the rest go on
+            break
     return out, done
+
+
+def _pivot_chunks(q: Tensor, lower: Tensor, rows: Tensor, free: Tensor, tol: float,
+                  out: Tensor, done: Tensor) -> None:
+    """:func:`_pivot_from_fista`'s pivoting of the problems ``rows`` from the free sets
+    ``free``, in chunks of at most ``THIN_MAX_ENTRIES`` block entries; ``out`` and ``done``
+    set in place where the pivoting's test and :func:`_multipliers_hold` pass."""
+    k = q.shape[0]
+    chunk = max(1, THIN_MAX_ENTRIES // (k * k))
+    for part in torch.split(torch.arange(rows.numel()), chunk):
+        at = rows[part]
+        pivot = solve_lcp_pivoting(q, torch.zeros_like(lower[at]), lower[at], False,
+                                   free[part], tol, THIN_MAX_PIVOTS, relative=True)
+        if pivot is None:
+            continue
+        finished = pivot[1] & _multipliers_hold(q, lower[at], pivot[0])
+        out[at[finished]], done[at[finished]] = pivot[0][finished], True
 
 
 def _finish_active_set(q: Tensor, lower: Tensor, out: Tensor, done: Tensor,
