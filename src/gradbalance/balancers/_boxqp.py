@@ -1108,7 +1108,7 @@ def _zero_cone_first(q: Tensor, c: Tensor, lower: Tensor, simplex: bool, x0: Ten
     if simplex or k < CG_MIN_SIZE or rank > ZERO_CONE_MAX_FRACTION * k or bool(c.any()):
         return None
     factor, _ = eigen_factor(q, ROUNDING_MULTIPLE)
-    zero = zero_cone_box(factor, lower, tol, DENSE_NULL_ROUNDS)
+    zero = zero_cone_box(factor, lower, tol, DENSE_NULL_ROUNDS, _nnls_point)
     if zero is None:
         return None
     out, done = zero
@@ -1117,6 +1117,12 @@ def _zero_cone_first(q: Tensor, c: Tensor, lower: Tensor, simplex: bool, x0: Ten
         out[rest] = solve_box_qp_batched(q, c[rest], lower[rest], simplex,
                                          None if x0 is None else x0[rest], tol, False)
     return out
+
+
+def _nnls_point(a: Tensor, b: Tensor) -> Tensor:
+    """``argmin_{y ≥ 0} ‖A y − b‖`` by :func:`nnls` (the zero dual cone's exact search for
+    its certificate, :func:`~._zero_cone.interior_null`)."""
+    return nnls(a, b).x
 
 
 def _conjugate_box(q: Tensor, c: Tensor, simplex: bool) -> bool:

@@ -11,8 +11,9 @@ minimiser: no direction improves every task, the update is ``0``. Rows drawn at 
 random directions in ``ℝʳ`` lie in no half-space with probability ``1 − 2^{1−K} Σ_{i<r}
 C(K−1, i)``).
 
-One problem finds ``c``: ``c = argmin ‖Lᵀc‖`` s.t. ``c ≥ 1`` (Lawson–Hanson in ``r``
-dimensions, :func:`~._low_rank.low_rank_box`). Then, for all ``B`` problems in the same
+One search finds ``c`` (:func:`interior_null`): alternating projections between ``{c ≥ 1}``
+and the null space of ``Lᵀ``, then, for the dense paths, ``c = argmin ‖Lᵀc‖`` s.t. ``c ≥ 1``
+exactly (one NNLS in ``r`` dimensions). Then, for all ``B`` problems in the same
 tensor operations, ``δ = −L(LᵀL)⁻¹a`` (``Lᵀδ = −a``, from the QR factorisation of ``L``),
 ``t = maxⱼ (−δⱼ/cⱼ)⁺`` and ``v = lower + δ + t c ≥ lower``: ``O(BKr)`` in all, against the
 ``r`` additions of a batched Lawson–Hanson. An answer is kept only where ``x = Lᵀv``
@@ -21,6 +22,8 @@ passes the stop of :func:`~._low_rank.low_rank_box` itself, complementarity incl
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -36,6 +39,10 @@ DENSE_NULL_ROUNDS = 1024
 #: Least entry, relative to the largest, of a null vector taken as positive (above the
 #: rounding of its projection).
 NULL_MARGIN = 1e-8
+
+#: ``(A, b) → y``: ``argmin_{y ≥ 0} ‖A y − b‖`` (``A`` ``[r, K]``), an exact NNLS solver
+#: (:func:`~._boxqp.nnls`).
+LeastSquares = Callable[[Tensor, Tensor], Tensor]
 
 
 def passes_stop(factor: Tensor, lower: Tensor, v: Tensor, tol: float) -> Tensor:
@@ -59,34 +66,54 @@ def passes_stop(factor: Tensor, lower: Tensor, v: Tensor, tol: float) -> Tensor:
     return stop & torch.isfinite(v).all(dim=1)
 
 
-def interior_null(factor: Tensor, rounds: int = NULL_ROUNDS) -> Tensor | None:
+def interior_null(factor: Tensor, rounds: int = NULL_ROUNDS,
+                  exact: LeastSquares | None = None) -> Tensor | None:
     """``c`` ``[K]`` with ``c ≥ 1`` and ``Lᵀc = 0`` up to rounding, or None: alternating
     projections (von Neumann 1950) between ``{c ≥ 1}`` and the null space of ``Uᵀ``
     (``U = D⁻¹L`` the unit rows, zero rows left out), from ``1``, each ``O(Kr)``, until the
     projection on the null space is positive; ``c = D⁻¹c'`` scaled to a least entry of 1.
-    A heuristic (None after ``rounds``): the certificate is what :func:`passes_stop`
-    checks."""
+    Where the intersection is thin (``K/r`` near 2) they stall: at K = 1,024, rank 512,
+    16,384 rounds found none. With ``exact``, after ``rounds``: ``c = 1 + y``, ``y`` the
+    exact ``argmin_{y ≥ 0} ‖Uᵀ(1 + y)‖`` (one NNLS of ``K`` columns in ``r`` dimensions,
+    0.3 s there), projected on the null space. A heuristic either way (None where neither
+    finds one): the certificate is what :func:`passes_stop` checks."""
     norms = factor.norm(dim=1)
     live = torch.nonzero(norms > 0.0).flatten()
-    basis = torch.linalg.qr(factor[live] / norms[live, None])[0]
+    units = factor[live] / norms[live, None]
+    basis = torch.linalg.qr(units)[0]
     y = basis.new_ones(live.numel())
     for _ in range(rounds):
         c = y - basis @ (basis.T @ y)
-        low, high = torch.stack(c.aminmax()).tolist()  # one host sync per round
-        if low > NULL_MARGIN * high:
-            out = factor.new_ones(factor.shape[0])
-            out[live] = c / norms[live]
-            return out / out.min()
+        found = _positive(c, factor, norms, live)
+        if found is not None:
+            return found
         y = c.clamp_min(1.0)
-    return None
+    if exact is None:
+        return None
+    ones = basis.new_ones(live.numel())
+    c = ones + exact(units.T.contiguous(), -(units.T @ ones))
+    return _positive(c - basis @ (basis.T @ c), factor, norms, live)
 
 
-def zero_cone_box(factor: Tensor, lower: Tensor, tol: float,
-                  rounds: int = NULL_ROUNDS) -> tuple[Tensor, Tensor] | None:
+def _positive(c: Tensor, factor: Tensor, norms: Tensor, live: Tensor) -> Tensor | None:
+    """``D⁻¹c`` on the rows ``live`` (1 on the zero rows) scaled to a least entry of 1,
+    where every entry of the null vector ``c`` is above ``NULL_MARGIN`` of the largest; else
+    None (one host sync)."""
+    low, high = torch.stack(c.aminmax()).tolist()
+    if not low > NULL_MARGIN * high:
+        return None
+    out = factor.new_ones(factor.shape[0])
+    out[live] = c / norms[live]
+    return out / out.min()
+
+
+def zero_cone_box(factor: Tensor, lower: Tensor, tol: float, rounds: int = NULL_ROUNDS,
+                  exact: LeastSquares | None = None) -> tuple[Tensor, Tensor] | None:
     """``(v, done)`` ``[B, K]``, ``[B]``: ``v = lower + δ + t c`` (module docstring) where it
     passes :func:`passes_stop`, ``lower`` elsewhere; None where :func:`interior_null` finds
-    no ``c`` in ``rounds``. ``O(BKr + Kr²)``, and ``O(Kr)`` per round."""
-    c = interior_null(factor, rounds)
+    no ``c`` in ``rounds`` (then by ``exact``, where given). ``O(BKr + Kr²)``, and ``O(Kr)``
+    per round."""
+    c = interior_null(factor, rounds, exact)
     if c is None:
         return None
     basis, tri = torch.linalg.qr(factor)

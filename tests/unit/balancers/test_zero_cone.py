@@ -242,9 +242,9 @@ def _watched_dense(gram: Tensor, u: Tensor) -> tuple[Tensor, list[tuple[int, boo
     seen: list[tuple[int, bool]] = []
     box = _boxqp.zero_cone_box
 
-    def spy(factor: Tensor, lower: Tensor, tol: float,
-            rounds: int) -> tuple[Tensor, Tensor] | None:
-        out = box(factor, lower, tol, rounds)
+    def spy(factor: Tensor, lower: Tensor, tol: float, rounds: int,
+            exact: _zero_cone.LeastSquares | None = None) -> tuple[Tensor, Tensor] | None:
+        out = box(factor, lower, tol, rounds, exact)
         seen.append((factor.shape[1], out is not None and bool(out[1].all())))
         return out
 
@@ -294,4 +294,63 @@ def test_dense_rows_in_a_half_space_go_on_to_the_dense_solve(k: int, seed: int) 
     for i in range(u.shape[0]):
         ref = nnls_dual_cone(unit, u[i]) * trace.sqrt()
         assert float(ref.norm()) > 0.0
+        assert_same_update(v[i] @ g, ref, g)
+
+
+@settings(max_examples=6, deadline=None)
+@given(st.integers(64, 96), st.integers(0, 2**16))
+def test_exact_search_alone_finds_the_certificate(k: int, seed: int) -> None:
+    """Rows whose conic hull is their span with ``K/r`` near 2 (``r = K/2 − 1``, one row
+    minus a positive combination of all the others): with no alternating projection the
+    exact search (one NNLS) still finds ``c ≥ 1`` with ``Lᵀc = 0`` to the rounding, and the
+    certificate passes the stop; with neither, none is claimed."""
+    r = k // 2 - 1
+    factor = _spanning_factor(k, r, seed)
+    lower = _bounds(k, seed)
+    assert _zero_cone.interior_null(factor, 0) is None
+    c = _zero_cone.interior_null(factor, 0, _boxqp._nnls_point)
+    assert c is not None
+    assert float(c.min()) == pytest.approx(1.0)
+    scale = float(c @ factor.norm(dim=1))
+    assert float((c @ factor).norm()) <= 1e3 * EPS * k * scale
+    zero = _zero_cone.zero_cone_box(factor, lower, 1e-12, 0, _boxqp._nnls_point)
+    assert zero is not None
+    v, done = zero
+    assert bool(done.all())
+    _assert_kkt(factor, lower, v)
+
+
+@settings(max_examples=6, deadline=None)
+@given(st.integers(2, 16), st.integers(0, 48), st.integers(0, 2**16))
+def test_exact_search_claims_nothing_in_a_half_space(r: int, extra: int, seed: int) -> None:
+    """Rows in an open half-space: the exact search's least ``‖Lᵀc‖`` over ``c ≥ 1`` is not
+    zero, its projection on the null space is not positive, and no certificate is claimed."""
+    k = min(64, 2 * r + 2 + extra)
+    gen = torch.Generator().manual_seed(seed)
+    factor = torch.randn(k, r, generator=gen, dtype=F64)
+    factor[:, 0] = factor[:, 0].abs() + 0.1
+    assert _zero_cone.interior_null(factor, 0, _boxqp._nnls_point) is None
+    assert _zero_cone.zero_cone_box(factor, _bounds(k, seed), 1e-12, 0,
+                                    _boxqp._nnls_point) is None
+
+
+@pytest.mark.parametrize("seed", [1, 5])
+def test_dense_rows_at_half_the_tasks_are_certified(seed: int) -> None:
+    """K = 128 Gaussian rows of rank 64 (``K/r = 2``: their conic hull is their span with
+    probability ½, Wendel 1962) for seeds where it is and 1,024 alternating projections find
+    no ``c``: the dense path's exact search certifies every problem of UPGrad, and each
+    update is scipy's (zero)."""
+    k, r = 128, 64
+    gen = torch.Generator().manual_seed(seed)
+    factor = torch.randn(k, r, generator=gen, dtype=F64)
+    assert _zero_cone.interior_null(factor, _zero_cone.DENSE_NULL_ROUNDS) is None
+    g = factor @ torch.randn(r, 3 * k, generator=gen, dtype=F64)
+    u = torch.eye(k, dtype=F64) / k
+    gram, trace = trace_normalized(g @ g.T)
+    v, seen = _watched_dense(gram, u)
+    assert seen == [(r, True)]
+    unit = g / trace.sqrt()
+    for i in range(0, k, 16):
+        ref = nnls_dual_cone(unit, u[i]) * trace.sqrt()
+        assert float(ref.norm()) <= 1e-9 * float(g.norm(dim=1).sum())
         assert_same_update(v[i] @ g, ref, g)
