@@ -46,6 +46,22 @@ def _bounds(k: int, seed: int) -> Tensor:
     return torch.cat([torch.diag(pref), pref[None]])
 
 
+def _assert_all_certified(factor: Tensor, lower: Tensor,
+                          found: tuple[Tensor, Tensor] | None) -> None:
+    """A certificate was found, finished every problem, and meets :func:`_assert_kkt`."""
+    assert found is not None
+    v, done = found
+    assert bool(done.all())
+    _assert_kkt(factor, lower, v)
+
+
+def _half_space_factor(k: int, r: int, seed: int) -> Tensor:
+    """``[K, r]`` Gaussian rows moved into the open half-space ``Lⱼ·e₀ > 0``."""
+    factor = torch.randn(k, r, generator=torch.Generator().manual_seed(seed), dtype=F64)
+    factor[:, 0] = factor[:, 0].abs() + 0.1
+    return factor
+
+
 def _assert_kkt(factor: Tensor, lower: Tensor, v: Tensor) -> None:
     """``v ≥ lower``, ``x = Lᵀv`` in the dual cone and complementary, each to ``64·eps·K``
     times the problem's scale ``Σ vⱼ ‖Lⱼ‖`` (the rounding of ``Lᵀv``); and scipy's NNLS
@@ -94,11 +110,7 @@ def test_random_rows_well_above_the_rank_are_certified(r: int, seed: int) -> Non
     k = 8 * r
     factor = _gaussian_factor(k, r, seed)
     lower = _bounds(k, seed)
-    found = _zero_cone.zero_cone_box(factor, lower, 1e-12)
-    assert found is not None
-    v, done = found
-    assert bool(done.all())
-    _assert_kkt(factor, lower, v)
+    _assert_all_certified(factor, lower, _zero_cone.zero_cone_box(factor, lower, 1e-12))
 
 
 @settings(max_examples=15, deadline=None)
@@ -107,9 +119,7 @@ def test_half_space_factor_has_no_certificate(r: int, extra: int, seed: int) -> 
     """Rows in an open half-space (``Lⱼ·e > 0``): no ``c > 0`` has ``Lᵀc = 0``, the cone is
     not ``{0}`` (scipy's projections are not zero), and no certificate is claimed."""
     k = min(64, 2 * r + 2 + extra)
-    gen = torch.Generator().manual_seed(seed)
-    factor = torch.randn(k, r, generator=gen, dtype=F64)
-    factor[:, 0] = factor[:, 0].abs() + 0.1
+    factor = _half_space_factor(k, r, seed)
     lower = _bounds(k, seed)
     assert _zero_cone.zero_cone_box(factor, lower, 1e-12) is None
     ref = nnls_dual_cone(factor, lower[-1])
@@ -313,11 +323,8 @@ def test_exact_search_alone_finds_the_certificate(k: int, seed: int) -> None:
     assert float(c.min()) == pytest.approx(1.0)
     scale = float(c @ factor.norm(dim=1))
     assert float((c @ factor).norm()) <= 1e3 * EPS * k * scale
-    zero = _zero_cone.zero_cone_box(factor, lower, 1e-12, 0, _boxqp._nnls_point)
-    assert zero is not None
-    v, done = zero
-    assert bool(done.all())
-    _assert_kkt(factor, lower, v)
+    _assert_all_certified(factor, lower, _zero_cone.zero_cone_box(factor, lower, 1e-12, 0,
+                                                                  _boxqp._nnls_point))
 
 
 @settings(max_examples=6, deadline=None)
@@ -326,9 +333,7 @@ def test_exact_search_claims_nothing_in_a_half_space(r: int, extra: int, seed: i
     """Rows in an open half-space: the exact search's least ``‖Lᵀc‖`` over ``c ≥ 1`` is not
     zero, its projection on the null space is not positive, and no certificate is claimed."""
     k = min(64, 2 * r + 2 + extra)
-    gen = torch.Generator().manual_seed(seed)
-    factor = torch.randn(k, r, generator=gen, dtype=F64)
-    factor[:, 0] = factor[:, 0].abs() + 0.1
+    factor = _half_space_factor(k, r, seed)
     assert _zero_cone.interior_null(factor, 0, _boxqp._nnls_point) is None
     assert _zero_cone.zero_cone_box(factor, _bounds(k, seed), 1e-12, 0,
                                     _boxqp._nnls_point) is None
