@@ -124,12 +124,12 @@ def pass_weights(gram: Tensor, orders: Tensor, visit: Visit, block: int | None =
     (row ``t``), the pass of :func:`pairwise_pass`; ``O(K³)``."""
     k, steps = orders.shape
     block = pass_block(k) if block is None else block
-    gram = gram.contiguous()  # the gathers read it flat
     orders = orders.to(gram.device)
     by_step = orders.T.contiguous()  # [steps, K]: every per-step vector contiguous
-    narrow = by_step.to(torch.int32 if k * k < 2**31 else torch.int64)
+    # int32 flat indices for the large gathers while K² fits (the step's small K: as is)
+    narrow = by_step.to(torch.int32) if k >= SPARSE_FROM and k * k < 2**31 else by_step
     scaled = narrow * k  # row offsets of the pairs' flat indices
-    at_dot = by_step + k * torch.arange(k, device=gram.device)  # (i, π_i(t)), flat
+    at_dot = by_step + torch.arange(0, k * k, k, device=gram.device)  # (i, π_i(t)), flat
     weights = torch.zeros(steps, k, dtype=gram.dtype, device=gram.device)
     weight_rows = weights.unbind(0)  # every step's view made once
     cg = gram
@@ -138,7 +138,7 @@ def pass_weights(gram: Tensor, orders: Tensor, visit: Visit, block: int | None =
         cols = by_step[start : start + block]
         n = cols.shape[0]
         tri = triangles.setdefault(n, _triangle(n, gram.device))
-        dots = cg.view(-1).index_select(0, at_dot[start : start + n].reshape(-1)).view(n, k)
+        dots = cg.reshape(-1).index_select(0, at_dot[start : start + n].view(-1)).view(n, k)
         pairs = torch.split(_block_pairs(gram, scaled[start : start + n],
                                          narrow[start : start + n], tri),
                             list(range(n - 1, -1, -1)))
