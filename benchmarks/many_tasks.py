@@ -18,8 +18,9 @@ norms spanning 1e-6 … 1e6).
     python benchmarks/many_tasks.py --kinds all --ks 256,1024 --rounds 1 --no-torchjd
 
 ``--kinds`` runs several kinds of rows (``all``: every entry of :data:`KINDS`, among them near
-duplicates, norms spanning 1e-6 … 1e6, spans of rank 1, 8, 16, 32 and 64, all aligned, half
-zero and a mix) and writes one table per K, a column per kind.
+duplicates, norms spanning 1e-6 … 1e6, spans of rank 1, 8, 16, 32 and 64, of rank ``3K/8``
+and ``9K/16`` (a thin dual cone), all aligned, half zero and a mix) and writes one table per
+K, a column per kind.
 
 Writes ``results/many_tasks_<name>.md`` and ``.json``; see ``docs/performance.md``.
 """
