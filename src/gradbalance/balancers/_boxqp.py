@@ -109,13 +109,15 @@ LIFT_MAX_NULLITY = 1 / 8
 #: 2.2 / 1.0 s by the batched active set; at rank K/2 and below it finishes few problems
 #: and the cap bounds the attempt.
 SINGULAR_MAX_PIVOTS = 8
-#: A ``Q`` that is not positive definite with a numerical rank between
-#: ``ZERO_CONE_MAX_FRACTION`` and this fraction of its size (rows in a span of rank a little
-#: above ``K/2``: a thin dual cone, Wendel 1962) is first pivoted with factorisations of the
-#: free blocks from a long FISTA start (:func:`_pivot_from_fista`), above it after the
-#: conjugate-gradient pivoting: UPGrad at K = 256, rank 144 / 160: 9.5 / 1.6 s by the
-#: conjugate-gradient pivoting (none finished) and the batched active set, rank 176 / 192
-#: 0.17 s by the conjugate-gradient pivoting alone.
+#: A ``Q`` that is not positive definite with a numerical rank of at most this fraction of
+#: its size (after the zero dual cone's certificate where it is tried; rows in a span of
+#: rank a little above ``K/2``: a thin dual cone, Wendel 1962) is first pivoted with
+#: factorisations of the free blocks from a long FISTA start (:func:`_pivot_from_fista`),
+#: above it after the conjugate-gradient pivoting: UPGrad at K = 256, rank 144 / 160:
+#: 9.5 / 1.6 s by the conjugate-gradient pivoting (none finished) and the batched active
+#: set, 0.5 / 0.3 s so; rank 176 / 192 0.17 s by the conjugate-gradient pivoting alone; at
+#: K = 1,024 the two orders cross near ``0.6K`` (rank 608: 14 against 30 s, 640: 15.8
+#: against 10.4 s).
 THIN_MAX_FRACTION = 0.65
 #: FISTA steps of :func:`_pivot_from_fista`'s rounds (each from ``y = 0`` on the problems
 #: still open), and the pivoting iterations after each.
@@ -1245,8 +1247,8 @@ def _pivot_from_fista(q: Tensor, lower: Tensor, x: Tensor, tol: float,
     within a few indices of each optimal free set. A problem is finished only where the
     pivoting's optimality test and :func:`_multipliers_hold` pass; the others stay open, and
     so do those whose FISTA free set holds more than the numerical ``rank`` (default ``K``)
-    indices (a singular free block: rank exactly ``K/2`` at K = 1,024, where the rows'
-    conic hull is about their span). A round that finishes none ends the attempt.
+    indices (a singular free block, as on some rows of rank just above ``K/2``: K = 64,
+    rank 33). A round that finishes none ends the attempt.
     ``x`` is not read (the signature of :func:`_pivot_singular`)."""
     del x
     b, k = lower.shape
