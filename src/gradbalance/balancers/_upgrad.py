@@ -50,9 +50,12 @@ class UPGrad(PreferenceBalancer):
     preconditioned through ``(Q + δI)⁻¹``); a Gramian of numerical rank ``r ≤ K/4`` (``≤ √(2²⁰/K)``;
     low up to its rounding counts: float32 products) in ``r`` dimensions, ``O(rK + r²)`` per
     addition; up to rank ``K/2``, rows whose conic hull is their span (every projection zero)
-    certified on the eigen-factor, ``O(K³)`` once and ``O(Kr)`` per alternating projection;
-    groups of parallel rows collapsed (``O(K²)`` to find them, ``O(K³)`` to check
-    the answers); the Gramian ``O(K² P)`` besides.
+    certified on the eigen-factor, ``O(K³)`` once and ``O(Kr)`` per alternating projection
+    (one NNLS in ``r`` dimensions where those stall, ``K/r`` near 2); a singular Gramian of
+    rank up to ``0.65K`` (a thin dual cone) from a float32 FISTA start, ``O(K³)`` per step
+    for all K projections (500–2,000 steps), then factorisations of the free blocks,
+    ``O(K r³)`` per pivoting iteration; groups of parallel rows collapsed (``O(K²)`` to find
+    them, ``O(K³)`` to check the answers); the Gramian ``O(K² P)`` besides.
 
     Args:
         num_tasks: K (optional).
