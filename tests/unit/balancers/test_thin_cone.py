@@ -117,3 +117,23 @@ def test_above_the_fraction_the_conjugate_gradients_go_first() -> None:
         update = upgrad_weights(rows @ rows.T) @ rows
     assert order[0] == "cg"
     assert_same_update(update, _reference(rows), rows)
+
+
+@pytest.mark.parametrize(("k", "rank", "spread", "float32", "seed"),
+                         [(80, 48, 6.0, False, 1), (128, 72, 2.0, True, 0)])
+def test_wide_norms_and_a_float32_gramian(k: int, rank: int, spread: float, float32: bool,
+                                          seed: int) -> None:
+    """Norms spread over twelve decades, or a Gramian multiplied in float32 (rounded at 1e-7
+    of its entries, its null space at that level): the route runs first, and UPGrad's update
+    is scipy's NNLS projections of the float64 rows, summed."""
+    rows = _span_rows(k, rank, seed, spread)
+    if float32:
+        rows = rows.float().double()  # the rows as float32 holds them
+        gram = (rows.float() @ rows.float().T).double()
+    else:
+        gram = rows @ rows.T
+    with pytest.MonkeyPatch.context() as mp:
+        calls = _spy(mp)
+        update = upgrad_weights(gram) @ rows
+    assert calls and calls[0][0] == k
+    assert_same_update(update, _reference(rows), rows)
