@@ -31,6 +31,7 @@ from support.balancers import nnls_dual_cone
 from support.many_kinds import KIND_NAMES, assert_same_update, kind_rows
 
 F64 = torch.float64
+EPS = torch.finfo(F64).eps
 CASES = st.tuples(st.integers(3, 40), st.sampled_from(KIND_NAMES), st.integers(0, 2**16))
 
 
@@ -219,3 +220,36 @@ def test_active_set_with_blocks_matches_scipy(k: int, kind: str, seed: int) -> N
     assert bool(done.all()) and bool((v >= u).all())
     for i in range(0, g.shape[0], 3):
         assert_same_update(v[i] @ g, nnls_dual_cone(g / trace.sqrt(), u[i]) * trace.sqrt(), g)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(17, 48), st.integers(1, 6), st.integers(0, 2**16), st.booleans())
+def test_free_blocks_are_the_principal_submatrices(k: int, b: int, seed: int,
+                                                   per_problem: bool) -> None:
+    """Each free set's block gathered either way (one flat index, or rows then columns per
+    problem) is ``A[F, F]`` indexed directly (``A`` not symmetric), the identity on the
+    padding; and
+    ``solve_free`` solves ``Q_FF y_F = rhs_F`` (residual at the rounding of ``κ(Q_FF)``)."""
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(k, k + 5, generator=gen, dtype=F64)
+    q = g @ g.T
+    free = torch.rand(b, k, generator=gen) < 0.6
+    free[:, 0] = True
+    rhs = torch.randn(b, k, generator=gen, dtype=F64)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_active_set, "PER_PROBLEM_MIN_SIZE", 1 if per_problem else 10**9)
+        idx, valid = _active_set.free_first(free)
+        blocks = _active_set.free_blocks(g[:, :k], idx, valid)  # not symmetric: order shows
+        y = _active_set.solve_free(q, rhs, free, None)
+    for i in range(b):
+        f = torch.nonzero(free[i]).flatten()
+        n = f.numel()
+        torch.testing.assert_close(blocks[i, :n, :n], g[f][:, f], rtol=0, atol=0)
+        pad = blocks[i, n:, n:]
+        torch.testing.assert_close(pad, torch.eye(pad.shape[0], dtype=F64), rtol=0, atol=0)
+        assert not bool(blocks[i, :n, n:].any())
+        sub = q[f][:, f]
+        residual = float((sub @ y[i, f] - rhs[i, f]).norm())
+        cond = float(torch.linalg.cond(sub))
+        assert residual <= 1e3 * EPS * cond * float(rhs[i, f].norm())
+        assert not bool(y[i][~free[i]].any())
