@@ -24,7 +24,9 @@ from support.many_kinds import KIND_NAMES, check_gradvac_pass, check_pcgrad_pass
 F64 = torch.float64
 #: K up to 24 (the loops are O(K⁴) in Python); ``test_many_tasks.py`` runs its kinds to 64.
 CASES = st.tuples(st.integers(2, 24), st.sampled_from(KIND_NAMES), st.integers(0, 2**16))
-PASSES = st.tuples(st.sampled_from([1, 5, 16, 32]), st.sampled_from([0, 10**9]))
+#: (steps per block, sparse cost, columns per tile of the refreshed dots: 10**6, one tile)
+PASSES = st.tuples(st.sampled_from([1, 5, 16, 32]), st.sampled_from([0, 10**9]),
+                   st.sampled_from([10**6, 1, 3, 8]))
 
 
 @pytest.fixture(autouse=True)
@@ -50,7 +52,7 @@ def test_every_balancer_is_finite_on_every_kind(kind: str) -> None:
 @settings(max_examples=15, deadline=None)
 @given(CASES, PASSES)
 def test_pcgrad_pass_matches_the_loop_on_every_kind(case: tuple[int, str, int],
-                                                    how: tuple[int, int]) -> None:
+                                                    how: tuple[int, int, int]) -> None:
     k, kind, seed = case
     check_pcgrad_pass(kind_rows(kind, k, 2 * k + 3, seed), seed, how)
 
@@ -59,20 +61,22 @@ def test_pcgrad_pass_matches_the_loop_on_every_kind(case: tuple[int, str, int],
 @given(CASES, st.floats(0.0, 1.0), PASSES)
 def test_gradvac_pass_matches_the_pair_loop_on_every_kind(case: tuple[int, str, int],
                                                           beta: float,
-                                                          how: tuple[int, int]) -> None:
+                                                          how: tuple[int, int, int]) -> None:
     k, kind, seed = case
     check_gradvac_pass(kind_rows(kind, k, 2 * k + 3, seed), seed, beta, how)
 
 
 @settings(max_examples=30, deadline=None)
 @given(st.integers(1, 48), st.integers(1, 12), st.floats(0.0, 1.0), st.integers(0, 2**16),
-       st.sampled_from([0, 10**9]))
+       st.sampled_from([0, 10**9]), st.integers(1, 60))
 def test_sparse_refresh_is_the_dense_product(k: int, n: int, live: float, seed: int,
-                                             cost: int) -> None:
+                                             cost: int, width: int) -> None:
     """``cg + Δ G`` with ``Δ[i, cols[i, s]] = w[i, s]`` (distinct columns per row, a share of
     the weights zero, whole rows zero included), CSR (``SPARSE_COST`` 0) and the dense
-    product (a cost no sparse product undercuts) against the dense ``Δ`` written out; the
-    pass hands ``cols`` and ``w`` step by task, ``[n, K]``."""
+    product (a cost no sparse product undercuts) against the dense ``Δ`` written out, on
+    column tiles of ``width`` (one tile where it is at least K) read back entry by entry
+    through :func:`~gradbalance.balancers._pairwise.tiled_index`; the pass hands ``cols``
+    and ``w`` step by task, ``[n, K]``."""
     n = min(n, k)
     gen = torch.Generator().manual_seed(seed)
     gram = torch.randn(k, k, generator=gen, dtype=F64)
@@ -85,7 +89,11 @@ def test_sparse_refresh_is_the_dense_product(k: int, n: int, live: float, seed: 
             delta[i, cols[i, s]] = w[i, s]
     cg = torch.randn(k, k, generator=gen, dtype=F64)
     expected = cg + delta @ gram
+    flat, cg_tiles = _pairwise.column_tiles(cg.clone(), width)
+    gram_tiles = _pairwise.column_tiles(gram, width)[1]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_pairwise, "SPARSE_COST", cost)
-        _pairwise._refresh(cg, gram, cols.T, w.T)
-    torch.testing.assert_close(cg, expected, rtol=1e-12, atol=1e-12)
+        _pairwise._refresh(cg_tiles, gram_tiles, cols.T, w.T)
+    base, stride = _pairwise.tiled_index(k, k, width, flat.device)
+    read = torch.stack([flat[base + i * stride] for i in range(k)])
+    torch.testing.assert_close(read, expected, rtol=1e-12, atol=1e-12)

@@ -132,13 +132,15 @@ def test_upgrad_and_dualproj_at_64_tasks_are_finite_and_conflict_free(kind: str)
 # -- PCGrad / GradVac -------------------------------------------------------------------
 #: How a pass may run: its block size, and the refresh of ``C G`` forced sparse or dense
 #: (``SPARSE_COST`` 0: every refresh sparse; huge: every refresh one dense product).
-PASSES = st.tuples(st.sampled_from([1, 3, 8, 16, 32]), st.sampled_from([0, 10**9]))
+#: (steps per block, sparse cost, columns per tile of the refreshed dots: 10**6, one tile)
+PASSES = st.tuples(st.sampled_from([1, 3, 8, 16, 32]), st.sampled_from([0, 10**9]),
+                   st.sampled_from([10**6, 1, 3, 8]))
 
 
 @settings(max_examples=40, deadline=None)
 @given(CASES, PASSES)
 def test_pcgrad_blocked_pass_matches_the_loop_over_rows(case: tuple[int, str, int],
-                                                         how: tuple[int, int]) -> None:
+                                                         how: tuple[int, int, int]) -> None:
     k, kind, seed = case
     check_pcgrad_pass(rows(kind, k, 2 * k + 3, seed), seed, how)
 
@@ -175,7 +177,7 @@ def test_pcgrad_block_size_does_not_change_the_coefficients() -> None:
 @settings(max_examples=40, deadline=None)
 @given(CASES, st.floats(0.0, 1.0), PASSES)
 def test_gradvac_blocked_pass_matches_the_pair_loop(case: tuple[int, str, int], beta: float,
-                                                    how: tuple[int, int]) -> None:
+                                                    how: tuple[int, int, int]) -> None:
     k, kind, seed = case
     check_gradvac_pass(rows(kind, k, 2 * k + 3, seed), seed, beta, how)
 
