@@ -9,6 +9,7 @@ from .._checks import check_int, check_range
 from .._shard import Shard
 from ..gramian import unit_rows
 from ._base import Balancer, Combination
+from ._row_blocks import row_blocks
 
 __all__ = ["ExcessMTL", "excessmtl_risks"]
 
@@ -75,7 +76,8 @@ class ExcessMTL(Balancer):
     * ``αₖ ← αₖ exp(η rₖ) / Σⱼ αⱼ exp(η rⱼ)`` (in log space), starting at ``1/K`` (the paper;
       the official code and LibMTL start at 1 and keep ``Σα = K``: multiply by K to match).
 
-    Cost in K: ``O(KP)``: elementwise passes over the ``[K, P]`` rows.
+    Cost in K: ``O(KP)``: elementwise passes over the ``[K, P]`` rows, block by block of
+    rows (:mod:`~._row_blocks`).
 
     Args:
         robust_step_size: ``η > 0`` (default 1.0).
@@ -125,9 +127,13 @@ class ExcessMTL(Balancer):
         """``R`` is per column; the excess risks are summed over ranks (``shard=None``: every
         column, one process)."""
         k = matrix.shape[0]
-        root = matrix.abs() if self._root_sq_sum is None else torch.hypot(
-            self._root_sq_sum.to(matrix), matrix)
-        risks = excessmtl_risks(matrix, root, self.eps)
+        past = None if self._root_sq_sum is None else self._root_sq_sum.to(matrix)
+        root = torch.empty(matrix.shape, dtype=matrix.dtype, device=matrix.device)
+        risks = torch.empty(k, dtype=torch.float64, device=matrix.device)
+        for rows in row_blocks(*matrix.shape):  # each block's passes in the cache
+            g, r = matrix[rows], root[rows]
+            torch.abs(g, out=r) if past is None else torch.hypot(past[rows], g, out=r)
+            risks[rows] = excessmtl_risks(g, r, self.eps)
         if shard is not None:
             risks = shard.sum(risks)
         weights = (torch.full((k,), 1.0 / k, dtype=torch.float64, device=matrix.device)

@@ -12,12 +12,13 @@ on float64 rows the weights within 1e-9 relative and the update ``cos ≥ 0.9999
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from gradbalance.balancers import ExcessMTL
+from gradbalance.balancers import ExcessMTL, _row_blocks
 from gradbalance.functional import excessmtl_risks
 
 F64 = torch.float64
@@ -103,13 +104,16 @@ def test_risks_hand_case() -> None:
 @settings(max_examples=15, deadline=None, derandomize=True)
 @given(k=st.integers(2, 64), p=st.integers(1, 200), seed=st.integers(0, 10_000),
        low=st.floats(-30, 15), eta=st.sampled_from([0.1, 1.0, 3.0]),
-       eps=st.sampled_from([0.0, 1e-7]))
+       eps=st.sampled_from([0.0, 1e-7]), block=st.sampled_from([2**19, 1, 150, 1000]))
 def test_weights_and_update_match_the_update_rule(k: int, p: int, seed: int, low: float,
-                                                  eta: float, eps: float) -> None:
+                                                  eta: float, eps: float, block: int) -> None:
+    """Row blocks of ``block`` entries (one row each at 1; one block at 2**19)."""
     steps = [float32_rows(k, p, seed + t, low, low + 4.0, F64) for t in range(3)]
     balancer = ExcessMTL(robust_step_size=eta, eps=eps)
-    for g in steps:
-        result = balancer.combine(g)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_row_blocks, "ROW_BLOCK_ENTRIES", block)
+        for g in steps:
+            result = balancer.combine(g)
     expected = reference_weights(steps, eta, eps)
     assert_close_relative(result.weights, expected, 1e-9)
     update = expected @ steps[-1].to(F64)
@@ -146,3 +150,17 @@ def test_hypot_with_constant_is_torch_hypot_bit_for_bit(seed: int, low: float, s
     exact = torch.where(big > 0, exact, 0.0)
     ulp = torch.finfo(dtype).eps * (1.0 if dtype == torch.float32 else 4.0)
     assert bool(((got.to(F64) - exact).abs() <= ulp * exact).all())
+
+
+@settings(max_examples=50, deadline=None, derandomize=True)
+@given(k=st.integers(1, 300), p=st.integers(0, 3000), entries=st.integers(1, 5000))
+def test_row_blocks_cover_the_rows_in_order(k: int, p: int, entries: int) -> None:
+    """Consecutive, non-empty, whole rows, each block within ``entries`` unless one row is."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_row_blocks, "ROW_BLOCK_ENTRIES", entries)
+        blocks = _row_blocks.row_blocks(k, p)
+    assert [b.start for b in blocks] == [0] + [b.stop for b in blocks[:-1]]
+    assert blocks[-1].stop == k
+    rows = [b.stop - b.start for b in blocks]
+    assert all(r >= 1 for r in rows)
+    assert all(r * p <= entries or r == 1 for r in rows)
