@@ -173,9 +173,11 @@ def pass_weights(gram: Tensor, orders: Tensor, visit: Visit, block: int | None =
     narrow = by_step.to(torch.int32) if k >= SPARSE_FROM and k * k < 2**31 else by_step
     scaled = narrow * k  # row offsets of the pairs' flat indices
     width = tile_width(k)
-    base, stride = tiled_index(k, k, width, gram.device)
-    rows = torch.arange(k, device=gram.device)
-    at_dot = base[by_step].addcmul_(stride[by_step], rows)  # (i, π_i(t)) in the tiles, flat
+    if width >= k:  # one tile, row-major: (i, π_i(t)) flat
+        at_dot = by_step + torch.arange(0, k * k, k, device=gram.device)
+    else:  # (i, π_i(t)) in the tiles, flat
+        base, stride = tiled_index(k, k, width, gram.device)
+        at_dot = base[by_step].addcmul_(stride[by_step], torch.arange(k, device=gram.device))
     weights = torch.zeros(steps, k, dtype=gram.dtype, device=gram.device)
     weight_rows = weights.unbind(0)  # every step's view made once
     gram_flat, gram_tiles = column_tiles(gram, width)
