@@ -9,6 +9,7 @@ from .._checks import check_range
 from .._shard import Shard, sharded_unit_rows
 from ..gramian import unit_rows
 from ._base import Balancer, Combination
+from ._row_blocks import row_blocks
 
 __all__ = ["DBMTL", "dbmtl_update"]
 
@@ -24,12 +25,17 @@ def dbmtl_update(ema: Tensor) -> Tensor:
         >>> dbmtl_update(torch.tensor([[1.0, 0.0], [0.0, 2.0]], dtype=torch.float64))
         tensor([2., 2.], dtype=torch.float64)
     """
-    unit, scale = unit_rows(ema)
-    unit_norms: Tensor = torch.linalg.vector_norm(unit, dim=1)
-    top = (unit_norms.to(torch.float64) * scale).max()
-    safe = torch.where(unit_norms > 0, unit_norms, torch.ones_like(unit_norms))
-    inv = torch.where(unit_norms > 0, 1.0 / safe, torch.zeros_like(unit_norms))
-    return ((inv @ unit).to(torch.float64) * top).to(ema.dtype)
+    k, p = ema.shape
+    sizes = torch.empty(k, dtype=torch.float64, device=ema.device)  # ‖ĝₖ‖
+    total = torch.zeros(p, dtype=torch.float64, device=ema.device)  # Σₖ ĝₖ / ‖ĝₖ‖
+    for rows in row_blocks(k, p):  # each block's passes in the cache
+        unit, scale = unit_rows(ema[rows])
+        unit_norms: Tensor = torch.linalg.vector_norm(unit, dim=1)
+        sizes[rows] = unit_norms.to(torch.float64) * scale
+        safe = torch.where(unit_norms > 0, unit_norms, torch.ones_like(unit_norms))
+        inv = torch.where(unit_norms > 0, 1.0 / safe, torch.zeros_like(unit_norms))
+        total += (inv @ unit).to(torch.float64)
+    return (total * sizes.max()).to(ema.dtype)
 
 
 def _dbmtl_update_sharded(ema: Tensor, shard: Shard) -> Tensor:
@@ -50,7 +56,8 @@ class DBMTL(Balancer):
     (``log Lₖ`` instead of ``Lₖ``) is ``log_losses=True`` (``∇ log Lₖ = gₖ / Lₖ``); do not
     combine it with a log-loss weighting.
 
-    Cost in K: ``O(KP)``: elementwise passes over the rows and its ``[K, P]`` averages.
+    Cost in K: ``O(KP)``: elementwise passes over the rows and its ``[K, P]`` averages,
+    block by block of rows (:mod:`~._row_blocks`).
 
     Args:
         beta: EMA factor ``β ∈ [0, 1)`` (default 0.9, LibMTL's DB-MTL setting).
@@ -102,7 +109,7 @@ class DBMTL(Balancer):
 
     def _next_ema(self, matrix: Tensor, losses: Tensor | None) -> tuple[Tensor, int]:
         """``ĝ`` after this step and the step number ``t`` (the state is not changed)."""
-        rows = matrix
+        divisors = None
         if self.log_losses:
             assert losses is not None
             if not bool((losses + self.eps > 0).all()):
@@ -110,10 +117,18 @@ class DBMTL(Balancer):
                     f"losses must be positive for log_losses=True, got {losses.tolist()}; use "
                     f"positive losses (e.g. cross-entropy, MSE) or log_losses=False"
                 )
-            rows = matrix / (losses + self.eps).to(dtype=matrix.dtype,
-                                                   device=matrix.device).unsqueeze(1)
+            divisors = (losses + self.eps).to(dtype=matrix.dtype,
+                                              device=matrix.device).unsqueeze(1)
         t = int(self._step) + 1
         beta_t = self.beta / t**self.beta_sigma
-        ema = ((1.0 - beta_t) * rows if self._ema is None
-               else rows + beta_t * (self._ema.to(rows) - rows))
+        past = None if self._ema is None else self._ema.to(matrix)
+        ema = torch.empty(matrix.shape, dtype=matrix.dtype, device=matrix.device)
+        for block in row_blocks(*matrix.shape):  # each block's passes in the cache
+            rows, out = matrix[block], ema[block]
+            if divisors is not None:
+                rows = rows / divisors[block]
+            if past is None:
+                torch.mul(rows, 1.0 - beta_t, out=out)
+            else:  # rows + β_t (ĝ − rows)
+                torch.sub(past[block], rows, out=out).mul_(beta_t).add_(rows)
         return ema, t

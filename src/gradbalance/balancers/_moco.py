@@ -13,6 +13,7 @@ from .._shard import Shard, sharded_unit_rows
 from ..gramian import compute_gramian, unit_rows
 from ._base import Balancer, Combination
 from ._modo import modo_step
+from ._row_blocks import row_blocks
 
 __all__ = ["MoCo", "moco_step"]
 
@@ -41,7 +42,12 @@ def moco_step(y: Tensor, lam: Tensor, h: Tensor, beta_t: float, gamma_t: float, 
         >>> torch.equal(y, h), lam  # Π_Δ((0.5, 0.5) − 0.5·(0.5, 2)) = Π_Δ((0.25, −0.5))
         (True, tensor([0.8750, 0.1250], dtype=torch.float64))
     """
-    y = y - beta_t * (y - h)
+    tracked = torch.empty(h.shape, dtype=y.dtype, device=y.device)
+    for rows in row_blocks(*h.shape):  # each block's passes in the cache
+        out = tracked[rows]
+        torch.sub(y[rows], h[rows], out=out).mul_(beta_t)
+        torch.sub(y[rows], out, out=out)  # y − β_t (y − h)
+    y = tracked
     gram = compute_gramian(y)
     if reduce is not None:
         gram = reduce(gram)

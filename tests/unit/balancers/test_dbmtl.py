@@ -42,3 +42,34 @@ def test_log_losses_divides_rows_by_the_losses() -> None:
 def test_invalid_beta() -> None:
     with pytest.raises(ValueError, match=r"Invalid beta: 1\.0"):
         DBMTL(beta=1.0)
+
+
+@pytest.mark.parametrize("entries", [1, 7, 64, 2**19])
+@pytest.mark.parametrize("log_losses", [False, True])
+def test_row_blocks_give_the_ema_and_update_of_the_formula(entries: int,
+                                                           log_losses: bool) -> None:
+    """Three steps with the element-wise passes in blocks of ``entries`` (one row each at 1,
+    one block at 2**19) against the EMA and the rescaling written out in float64, rows of
+    norms 1e-3 … 1e3 and a zero row."""
+    from gradbalance.balancers import _row_blocks
+
+    gen = torch.Generator().manual_seed(entries)
+    steps = [torch.randn(9, 13, generator=gen) * torch.logspace(-3, 3, 9)[:, None]
+             for _ in range(3)]
+    for g in steps:
+        g[4] = 0.0
+    losses = [torch.rand(9, generator=gen) + 0.5 for _ in steps]
+    balancer = DBMTL(beta=0.8, beta_sigma=0.5, log_losses=log_losses)
+    ema = torch.zeros(9, 13, dtype=torch.float64)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_row_blocks, "ROW_BLOCK_ENTRIES", entries)
+        for t, (g, loss) in enumerate(zip(steps, losses, strict=True), start=1):
+            out = balancer.combine(g, loss if log_losses else None).vector
+            rows = g.double() / (loss.double() + 1e-8)[:, None] if log_losses else g.double()
+            beta_t = 0.8 / t**0.5
+            ema = beta_t * ema + (1 - beta_t) * rows
+            norms = ema.norm(dim=1)
+            scale = torch.where(norms > 0, norms.max() / torch.where(norms > 0, norms, 1.0), 0.0)
+            expected = (scale[:, None] * ema).sum(dim=0)
+            torch.testing.assert_close(out.double(), expected, rtol=1e-5,
+                                       atol=1e-6 * float(expected.abs().max()))

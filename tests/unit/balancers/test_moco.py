@@ -83,3 +83,25 @@ def test_simplex_step_far_outside_projects_to_a_vertex() -> None:
     b(g)
     torch.testing.assert_close(b.state_dict()["_lambda"],
                                torch.tensor([1.0, 0.0], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("entries", [1, 5, 40, 2**19])
+def test_row_blocks_track_as_the_formula(entries: int) -> None:
+    """``y ← y − β_t (y − h)`` with the passes in blocks of ``entries`` (one row each at 1,
+    one block at 2**19): the formula's value on the whole rows, entry for entry, and
+    ``λ``'s projected step on their Gramian written out (``Π_Δ`` of a point already in the
+    simplex is itself: ``γ`` small)."""
+    from gradbalance.balancers import _row_blocks
+    from gradbalance.functional import moco_step
+
+    gen = torch.Generator().manual_seed(entries)
+    y = torch.randn(7, 11, generator=gen, dtype=torch.float64)
+    h = torch.randn(7, 11, generator=gen, dtype=torch.float64)
+    lam = torch.full((7,), 1 / 7, dtype=torch.float64)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_row_blocks, "ROW_BLOCK_ENTRIES", entries)
+        new_y, new_lam = moco_step(y, lam, h, beta_t=0.3, gamma_t=1e-4, rho=0.0)
+    expected = y - 0.3 * (y - h)
+    assert torch.equal(new_y, expected)
+    step = lam - 1e-4 * (expected @ expected.T) @ lam
+    torch.testing.assert_close(new_lam, step - (step.sum() - 1) / 7, rtol=1e-12, atol=1e-12)
