@@ -24,8 +24,9 @@ def hypot_with_constant(r: Tensor, c: float) -> Tensor:
     subnormal intermediates: entries ``r ≥ 2⁴⁰ c`` take ``r`` (the correctly rounded value),
     the others ``hypot``, whose ``(c/r)²`` then stays normal. ``torch.hypot(r, c)`` forms a
     subnormal square where ``r/c`` exceeds about ``2⁶³`` in float32 (``r ≥ 1e15`` at the
-    default ``c = √1e-7``) and runs about 10× slower there. Three passes, one buffer, no
-    synchronisation.
+    default ``c = √1e-7``) and runs about 10× slower there. One ``hypot`` pass where no
+    entry reaches the lift (read from ``max r``, one host synchronisation), else three
+    passes in one buffer.
 
     Example:
         >>> import torch
@@ -33,7 +34,10 @@ def hypot_with_constant(r: Tensor, c: float) -> Tensor:
         >>> hypot_with_constant(r, 4.0)
         tensor([4.0000e+00, 5.0000e+00, 1.0000e+30])
     """
-    h = torch.clamp_max(r, c * HYPOT_LIFT)
+    lift = c * HYPOT_LIFT
+    if r.numel() == 0 or float(r.amax()) < lift:  # no entry above the lift: one pass
+        return torch.hypot(r, r.new_tensor(c))
+    h = torch.clamp_max(r, lift)
     torch.hypot(h, h.new_tensor(c), out=h)
     return torch.maximum(h, r, out=h)  # hypot(r, c) ≥ r: exactly the entries above the lift
 
@@ -43,7 +47,10 @@ def excessmtl_risks(matrix: Tensor, root_sq_sum: Tensor, eps: float = 1e-7) -> T
 
     ``root_sq_sum`` is ``R = √(Σ_{τ≤t} g_τ²)`` ``[K, P]`` (the current step included) and
     ``H = hypot(R, √ε)``; scale-safe, ``gₖⱼ²`` never formed (docs/balancers.md, "Numerical
-    range"). ``O(K·P)``.
+    range"): each term is ``(gₖⱼ/Hₖⱼ) gₖⱼ``, at most ``|gₖⱼ|`` (``H ≥ |g|``), and a row whose
+    sum is not finite or below ``2⁴⁶ P`` times the smallest normal number (its terms below
+    the normal range could move it by more than ``2⁻⁴⁶``) is summed again on its rows scaled
+    by a power of two (:func:`~gradbalance.gramian.unit_rows`). ``O(K·P)``.
 
     Example:
         >>> import torch
@@ -52,13 +59,29 @@ def excessmtl_risks(matrix: Tensor, root_sq_sum: Tensor, eps: float = 1e-7) -> T
         >>> excessmtl_risks(g, g.abs())  # first step: R = |g|, so Êₖ ≈ ‖gₖ‖₁
         tensor([1.0000, 2.0000], dtype=torch.float64)
     """
-    unit, scale = unit_rows(matrix)  # g = diag(s) U
-    h = hypot_with_constant(root_sq_sum.to(unit.dtype), eps**0.5)
-    # gₖⱼ/Hₖⱼ ∈ [-1, 1] (H ≥ |g|) times uₖⱼ: no over/underflow
-    terms = torch.div(matrix.to(unit.dtype), h, out=h)
-    if eps == 0:
-        terms.nan_to_num_(0.0)  # 0/0 where g = 0 and H = 0
-    terms.mul_(unit)
+    rows = matrix.to(torch.float64 if matrix.dtype == torch.float64 else torch.float32)
+    terms = _ratios(rows, root_sq_sum, eps)
+    risks = terms.mul_(rows).sum(dim=1).to(torch.float64)
+    floor = torch.finfo(rows.dtype).tiny * rows.shape[1] * 2.0**46
+    again = torch.nonzero(~(risks >= floor) | ~torch.isfinite(risks)).flatten()
+    if again.numel():  # tiny or huge rows: on the scaled rows
+        risks[again] = _scaled_risks(matrix[again], root_sq_sum[again], eps)
+    return risks
+
+
+def _ratios(rows: Tensor, root_sq_sum: Tensor, eps: float) -> Tensor:
+    """``g/H`` (``[K, P]``, in ``[−1, 1]``: ``H ≥ |g|``) in the dtype of ``rows``, 0 where
+    ``g = H = 0`` (``ε = 0``)."""
+    h = hypot_with_constant(root_sq_sum.to(rows.dtype), eps**0.5)
+    terms = torch.div(rows, h, out=h)
+    return terms.nan_to_num_(0.0) if eps == 0 else terms
+
+
+def _scaled_risks(matrix: Tensor, root_sq_sum: Tensor, eps: float) -> Tensor:
+    """:func:`excessmtl_risks` of the rows ``matrix`` on their power-of-two scaled rows:
+    ``sₖ Σⱼ (gₖⱼ/Hₖⱼ) uₖⱼ``, every factor at most 1 (``g = diag(s) U``)."""
+    unit, scale = unit_rows(matrix)
+    terms = _ratios(matrix.to(unit.dtype), root_sq_sum, eps).mul_(unit)
     # nonnegative terms (no cancellation): a pairwise sum is exact to about log₂P roundings
     return terms.sum(dim=1).to(torch.float64) * scale
 
