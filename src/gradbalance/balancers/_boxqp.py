@@ -66,6 +66,10 @@ from ._zero_cone import DENSE_NULL_ROUNDS, zero_cone_box
 
 #: Largest condition number of ``Q`` for which the Cholesky (pivoting) path is used.
 CHOLESKY_MAX_COND = 1e10
+#: :func:`full_rank_inverse`: the smallest eigenvalue it certifies, relative to the mean (a
+#: float32 Gramian's rounding leaves eigenvalues about ``1e-7 √P`` of the mean and below:
+#: ``1e-4`` at ``P = 10⁶``).
+FULL_RANK_MIN_EIGEN = 1e-2
 #: Eigenvalues of the cosine matrix below ``n`` times this fraction of the largest (``n``
 #: rows: the rounding of an ``n × n`` eigen-decomposition) are dropped from ``Q``'s factor.
 RANK_RTOL_PER_ROW = 4 * torch.finfo(torch.float64).eps
@@ -166,6 +170,18 @@ def certified_inverse(q: Tensor) -> Tensor | None:
     preconditioner of :func:`solve_lcp_pivoting`.
     """
     return _cholesky_verdict(q)[1]
+
+
+def full_rank_inverse(q: Tensor) -> Tensor | None:
+    """:func:`certified_inverse` where it also proves every eigenvalue of ``Q`` at least
+    ``FULL_RANK_MIN_EIGEN`` times their mean (``λ_min ≥ 1/‖Q⁻¹‖_∞``, Gershgorin), else None:
+    such a ``Q`` has no eigenvalue at a float32 product's rounding and no two parallel rows,
+    so neither the low-rank route nor the parallel groups apply (their tests are skipped)."""
+    h = certified_inverse(q)
+    if h is None:
+        return None
+    top = float(h.abs().sum(dim=1).amax())
+    return h if top * FULL_RANK_MIN_EIGEN * float(torch.trace(q)) <= q.shape[0] else None
 
 
 def _cholesky_verdict(q: Tensor) -> tuple[bool | None, Tensor | None]:
@@ -1055,24 +1071,25 @@ def solve_box_qp_batched(
     x0: Tensor | None = None,
     tol: float = 1e-12,
     well_conditioned: bool | None = None,
+    inverse: Tensor | None = None,
 ) -> Tensor:
     """``[B, K]`` minimisers of ``½ xᵀ q x + c_bᵀx`` s.t. ``x ≥ lower_b`` (``Σ x = 1``).
 
     ``q`` ``[K, K]`` symmetric PSD (trace-normalised) with every ``c_b`` in its range; ``c``,
     ``lower`` and the optional feasible start ``x0`` are ``[B, K]``, float64 on the CPU.
     ``well_conditioned`` selects the pivoting path (computed from ``q`` when None, with
-    whether ``q`` is positive definite at all); from ``MANY_TASKS`` tasks on a positive
+    whether ``q`` is positive definite at all; ``inverse``, the caller's
+    :func:`certified_inverse` of ``q``, certifies it); from ``MANY_TASKS`` tasks on a positive
     definite ``q`` is pivoted with the relative test and open box problems go to the batched
     active set; the problems still open are solved on a factor of ``q``
     (:func:`factored_box_qp`).
     """
     q, c, lower = q.to(torch.float64), c.to(torch.float64), lower.to(torch.float64)
     definite = False
-    inverse = None
     lift = None
     rank = q.shape[0]
     if well_conditioned is None:
-        inverse = _certified_if_cg(q, c, simplex)
+        inverse = _certified_if_cg(q, c, simplex, inverse)
         well_conditioned, definite, lift, rank = (_Spectrum(True, True, None, rank)
                                                   if inverse is not None else _spectrum(q))
     if not well_conditioned:
@@ -1153,10 +1170,13 @@ def _solve_rest(q: Tensor, c: Tensor, lower: Tensor, simplex: bool, x: Tensor,
     return _solve_factored(q, c, lower, simplex, given, out, done, tol)
 
 
-def _certified_if_cg(q: Tensor, c: Tensor, simplex: bool) -> Tensor | None:
+def _certified_if_cg(q: Tensor, c: Tensor, simplex: bool,
+                     given: Tensor | None = None) -> Tensor | None:
     """:func:`certified_inverse` where the batch takes the conjugate-gradient pivoting (box
     problems, from ``CG_MIN_SIZE`` tasks on): its preconditioner, and the conditioning test
-    without the eigenvalues; None elsewhere."""
+    without the eigenvalues; None elsewhere. ``given``: the caller's certified ``Q⁻¹``."""
+    if given is not None:
+        return given
     if simplex or q.shape[0] < CG_MIN_SIZE or c.shape[0] < 2:
         return None
     return certified_inverse(q)

@@ -25,12 +25,14 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from ._boxqp import CG_MIN_SIZE, full_rank_inverse
 from ._low_rank import low_rank_projection
 from ._parallel_groups import grouped_projection
 from ._precond import sparse_product, symmetrized
 
-#: ``(Q, lower, tol) → argmin_{x ≥ lower} ½ xᵀQx`` for ``lower`` ``[B, K]``.
-BoxSolve = Callable[[Tensor, Tensor, float], Tensor]
+#: ``(Q, lower, tol, Q⁻¹ or None) → argmin_{x ≥ lower} ½ xᵀQx`` for ``lower`` ``[B, K]``
+#: (``Q⁻¹``: certified by :func:`~._boxqp.full_rank_inverse`).
+BoxSolve = Callable[[Tensor, Tensor, float, "Tensor | None"], Tensor]
 #: Largest ratio of the Gramian's diagonal entries solved as given (no zero row): below it
 #: the scaling changes the conditioning by less than this factor and costs more than it saves.
 PLAIN_MAX_RATIO = 1e3
@@ -88,14 +90,21 @@ def _routed(q: Tensor, lower: Tensor, tol: float, solve: BoxSolve, groups: bool)
     """``solve``'s answer, in the rank's dimension where ``q``'s rank is low
     (:func:`~._low_rank.low_rank_projection`), else with its groups of parallel rows
     collapsed where it has them (:func:`~._parallel_groups.grouped_projection`), the
-    problems either leaves open by ``solve``."""
+    problems either leaves open by ``solve``. Where the solve would factorise ``q`` anyway
+    (box problems on the conjugate-gradient path) and the factorisation proves it far from
+    singular (:func:`~._boxqp.full_rank_inverse`), neither route is tried and the inverse
+    goes to ``solve``."""
+    if lower.shape[0] >= 2 and q.shape[0] >= CG_MIN_SIZE:
+        inverse = full_rank_inverse(q)
+        if inverse is not None:
+            return solve(q, lower, tol, inverse)
     routed = low_rank_projection(q, lower, tol)
     if routed is None and groups:
         routed = grouped_projection(
             q, lower, lambda q2, l2: scaled_projection(q2, l2, tol, solve, False))
     if routed is None:
-        return solve(q, lower, tol)
+        return solve(q, lower, tol, None)
     v, done = routed
     if not bool(done.all()):
-        v[~done] = solve(q, lower[~done], tol)
+        v[~done] = solve(q, lower[~done], tol, None)
     return v

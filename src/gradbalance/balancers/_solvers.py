@@ -142,6 +142,7 @@ def solve_box_qp(
     x0: Tensor | None = None,
     tol: float = QP_TOL,
     well_conditioned: bool | None = None,
+    inverse: Tensor | None = None,
 ) -> Tensor:
     """Minimise ``½ xᵀ q x + cᵀx`` subject to ``x ≥ lower`` (and ``Σ x = 1`` if ``simplex``).
 
@@ -152,14 +153,15 @@ def solve_box_qp(
     :mod:`gradbalance.balancers._boxqp`): an answer for every such ``q``, at a bounded cost.
 
     ``c``, ``lower`` (and ``x0``) may be ``[K]`` or ``[B, K]``: ``B`` problems sharing ``q``
-    are solved together, returning ``[B, K]``.
+    are solved together, returning ``[B, K]``. ``inverse``: ``q⁻¹`` where the caller has
+    certified it (:func:`~._boxqp.full_rank_inverse`).
     """
     k = q.shape[0]
     single = c.dim() == 1
     c2 = c.reshape(-1, k)
     lower2 = lower.reshape(-1, k).expand_as(c2)
     start = None if x0 is None else x0.reshape(-1, k)
-    x = solve_box_qp_batched(q, c2, lower2, simplex, start, tol, well_conditioned)
+    x = solve_box_qp_batched(q, c2, lower2, simplex, start, tol, well_conditioned, inverse)
     return x[0] if single else x
 
 
@@ -266,9 +268,10 @@ def project_dual_cone(gram: Tensor, u: Tensor, tol: float = QP_TOL) -> Tensor:
     return scaled_projection(gram, u.reshape(-1, gram.shape[0]), tol, _box).reshape(u.shape)
 
 
-def _box(q: Tensor, lower: Tensor, tol: float) -> Tensor:
-    """``argmin_{x ≥ lowerᵦ} ½ xᵀQx`` for each row of ``lower`` ``[B, K]``."""
-    return solve_box_qp(q, torch.zeros_like(lower), lower, tol=tol)
+def _box(q: Tensor, lower: Tensor, tol: float, inverse: Tensor | None = None) -> Tensor:
+    """``argmin_{x ≥ lowerᵦ} ½ xᵀQx`` for each row of ``lower`` ``[B, K]`` (``inverse``:
+    ``Q⁻¹``, certified by the caller)."""
+    return solve_box_qp(q, torch.zeros_like(lower), lower, tol=tol, inverse=inverse)
 
 
 def dual_cone_two(gram: Tensor, u: Tensor) -> Tensor:
