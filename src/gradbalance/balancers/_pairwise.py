@@ -175,9 +175,14 @@ def pass_weights(gram: Tensor, orders: Tensor, visit: Visit, block: int | None =
     width = tile_width(k)
     if width >= k:  # one tile, row-major: (i, π_i(t)) flat
         at_dot = by_step + torch.arange(0, k * k, k, device=gram.device)
-    else:  # (i, π_i(t)) in the tiles, flat
-        base, stride = tiled_index(k, k, width, gram.device)
-        at_dot = base[by_step].addcmul_(stride[by_step], torch.arange(k, device=gram.device))
+    else:  # (i, π_i(t)) in the tiles, flat: base[π] + i·stride[π] (gathers, no int addcmul)
+        base, stride = (t.to(narrow.dtype) for t in tiled_index(k, k, width, gram.device))
+        rows = torch.arange(k, dtype=narrow.dtype, device=gram.device)
+        at_dot = base.index_select(0, narrow.view(-1)).view(narrow.shape)
+        if bool((stride == width).all()):  # every tile full: one stride
+            at_dot.add_(rows * width)
+        else:
+            at_dot.add_(stride.index_select(0, narrow.view(-1)).view(narrow.shape).mul_(rows))
     weights = torch.zeros(steps, k, dtype=gram.dtype, device=gram.device)
     weight_rows = weights.unbind(0)  # every step's view made once
     gram_flat, gram_tiles = column_tiles(gram, width)

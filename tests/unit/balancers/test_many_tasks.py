@@ -156,6 +156,19 @@ def test_pcgrad_sparse_and_dense_refreshes_at_200_tasks(cost: int) -> None:
     assert_same_update(fast, pcgrad_loop(g, orders), g)
 
 
+@pytest.mark.parametrize("width", [5, 8, 48])
+def test_pcgrad_and_gradvac_with_int32_indices_in_tiles(width: int) -> None:
+    """The large-K pass at K = 48 (int32 flat indices and column tiles, full and not, as
+    from ``TILE_FROM`` tasks on): PCGrad's and GradVac's passes against their loops."""
+    from support.many_kinds import check_gradvac_pass
+
+    g = rows("conflicting", 48, 120, 7)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_pairwise, "SPARSE_FROM", 8)
+        check_pcgrad_pass(g, 7, (_pairwise.SPARSE_BLOCK, 0, width))
+        check_gradvac_pass(g, 7, 0.5, (_pairwise.SPARSE_BLOCK, 0, width))
+
+
 def test_pcgrad_block_size_does_not_change_the_coefficients() -> None:
     g = rows("conflicting", 40, 90, 3)
     gram = g @ g.T
