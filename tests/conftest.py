@@ -67,6 +67,14 @@ def _isolated_torch_globals(request: pytest.FixtureRequest) -> Iterator[None]:
 
 
 @pytest.fixture()
+def one_thread() -> None:
+    """One torch thread for the test (``_isolated_torch_globals`` restores the count): the
+    solvers' tests at K ≤ 100 are faster on one, and not slowed by a busy machine. A module
+    takes it with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    torch.set_num_threads(1)
+
+
+@pytest.fixture()
 def one_process_group(tmp_path: Path) -> Iterator[None]:
     """A gloo world of this process alone (``fully_shard`` needs a process group)."""
     import torch.distributed as dist

@@ -121,7 +121,7 @@ def pass_settings(mp: pytest.MonkeyPatch, how: tuple[int, ...]) -> None:
     mp.setattr(_pairwise, "pass_block", lambda k: block)
     mp.setattr(_pairwise, "SPARSE_COST", cost)
     if len(how) > 2:
-        mp.setattr(_pairwise, "tile_width", lambda k: how[2])
+        mp.setattr(_pairwise, "tile_width", lambda k, device: how[2])
 
 
 def check_pcgrad_pass(g: Tensor, seed: int, how: tuple[int, ...]) -> None:

@@ -28,7 +28,7 @@ def dbmtl_update(ema: Tensor) -> Tensor:
     k, p = ema.shape
     sizes = torch.empty(k, dtype=torch.float64, device=ema.device)  # ‖ĝₖ‖
     total = torch.zeros(p, dtype=torch.float64, device=ema.device)  # Σₖ ĝₖ / ‖ĝₖ‖
-    for rows in row_blocks(k, p):  # each block's passes in the cache
+    for rows in row_blocks(k, p, ema.device):  # each block's passes in the cache
         unit, scale = unit_rows(ema[rows])
         unit_norms: Tensor = torch.linalg.vector_norm(unit, dim=1)
         sizes[rows] = unit_norms.to(torch.float64) * scale
@@ -123,7 +123,8 @@ class DBMTL(Balancer):
         beta_t = self.beta / t**self.beta_sigma
         past = None if self._ema is None else self._ema.to(matrix)
         ema = torch.empty(matrix.shape, dtype=matrix.dtype, device=matrix.device)
-        for block in row_blocks(*matrix.shape):  # each block's passes in the cache
+        k, p = matrix.shape
+        for block in row_blocks(k, p, matrix.device):  # each block's passes in the cache
             rows, out = matrix[block], ema[block]
             if divisors is not None:
                 rows = rows / divisors[block]

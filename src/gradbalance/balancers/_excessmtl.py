@@ -50,7 +50,8 @@ def excessmtl_risks(matrix: Tensor, root_sq_sum: Tensor, eps: float = 1e-7) -> T
     range"): each term is ``(gₖⱼ/Hₖⱼ) gₖⱼ``, at most ``|gₖⱼ|`` (``H ≥ |g|``), and a row whose
     sum is not finite or below ``2⁴⁶ P`` times the smallest normal number (its terms below
     the normal range could move it by more than ``2⁻⁴⁶``) is summed again on its rows scaled
-    by a power of two (:func:`~gradbalance.gramian.unit_rows`). ``O(K·P)``.
+    by a power of two (:func:`~gradbalance.gramian.unit_rows`; one host synchronisation to
+    find them, one more in :func:`hypot_with_constant`). ``O(K·P)``.
 
     Example:
         >>> import torch
@@ -153,7 +154,7 @@ class ExcessMTL(Balancer):
         past = None if self._root_sq_sum is None else self._root_sq_sum.to(matrix)
         root = torch.empty(matrix.shape, dtype=matrix.dtype, device=matrix.device)
         risks = torch.empty(k, dtype=torch.float64, device=matrix.device)
-        for rows in row_blocks(*matrix.shape):  # each block's passes in the cache
+        for rows in row_blocks(k, matrix.shape[1], matrix.device):  # each block in the cache
             g, r = matrix[rows], root[rows]
             torch.abs(g, out=r) if past is None else torch.hypot(past[rows], g, out=r)
             risks[rows] = excessmtl_risks(g, r, self.eps)

@@ -43,7 +43,7 @@ def moco_step(y: Tensor, lam: Tensor, h: Tensor, beta_t: float, gamma_t: float, 
         (True, tensor([0.8750, 0.1250], dtype=torch.float64))
     """
     tracked = torch.empty(h.shape, dtype=y.dtype, device=y.device)
-    for rows in row_blocks(*h.shape):  # each block's passes in the cache
+    for rows in row_blocks(h.shape[0], h.shape[1], h.device):  # each block's passes in the cache
         out = tracked[rows]
         torch.sub(y[rows], h[rows], out=out).mul_(beta_t)
         torch.sub(y[rows], out, out=out)  # y − β_t (y − h)

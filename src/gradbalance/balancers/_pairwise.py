@@ -56,9 +56,10 @@ def pass_block(k: int) -> int:
     return SPARSE_BLOCK if k >= SPARSE_FROM else DENSE_BLOCK
 
 
-def tile_width(k: int) -> int:
-    """Columns per tile of the refreshed ``C G`` of a pass over ``k`` tasks (``k``: one tile)."""
-    return TILE_COLUMNS if k >= TILE_FROM else k
+def tile_width(k: int, device: torch.device) -> int:
+    """Columns per tile of the refreshed ``C G`` of a pass over ``k`` tasks (``k``: one tile;
+    always on an accelerator, whose sparse products do not read through the CPU's cache)."""
+    return TILE_COLUMNS if k >= TILE_FROM and device.type == "cpu" else k
 
 
 def _triangle(n: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -172,7 +173,7 @@ def pass_weights(gram: Tensor, orders: Tensor, visit: Visit, block: int | None =
     # int32 flat indices for the large gathers while K² fits (the step's small K: as is)
     narrow = by_step.to(torch.int32) if k >= SPARSE_FROM and k * k < 2**31 else by_step
     scaled = narrow * k  # row offsets of the pairs' flat indices
-    width = tile_width(k)
+    width = tile_width(k, gram.device)
     if width >= k:  # one tile, row-major: (i, π_i(t)) flat
         at_dot = by_step + torch.arange(0, k * k, k, device=gram.device)
     else:  # (i, π_i(t)) in the tiles, flat: base[π] + i·stride[π] (gathers, no int addcmul)

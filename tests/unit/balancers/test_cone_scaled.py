@@ -19,10 +19,7 @@ F64 = torch.float64
 CASES = st.tuples(st.integers(3, 48), st.sampled_from(KIND_NAMES), st.integers(0, 2**16))
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> None:
-    """K ≤ 48: one thread is faster, and not slowed by a busy machine (conftest restores)."""
-    torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_thread")  # K ≤ 100: one thread is faster
 
 
 def _problems(k: int, seed: int) -> Tensor:

@@ -164,3 +164,9 @@ def test_row_blocks_cover_the_rows_in_order(k: int, p: int, entries: int) -> Non
     rows = [b.stop - b.start for b in blocks]
     assert all(r >= 1 for r in rows)
     assert all(r * p <= entries or r == 1 for r in rows)
+
+
+def test_row_blocks_are_one_block_off_the_cpu() -> None:
+    """On an accelerator (here the meta device) every row is one block: no per-block launches."""
+    assert _row_blocks.row_blocks(300, 10**5, torch.device("meta")) == [slice(0, 300)]
+    assert len(_row_blocks.row_blocks(300, 10**6, torch.device("cpu"))) == 300

@@ -25,10 +25,7 @@ from support.many_kinds import assert_same_update
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> None:
-    """K ≤ 96: one thread is faster, and not slowed by a busy machine (conftest restores)."""
-    torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_thread")  # K ≤ 100: one thread is faster
 
 
 def _spectrum_matrix(k: int, low: float, seed: int) -> Tensor:

@@ -24,10 +24,7 @@ from support.many_kinds import KIND_NAMES, assert_same_update, kind_rows
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> None:
-    """K ≤ 64: one thread is faster, and not slowed by a busy machine (conftest restores)."""
-    torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_thread")  # K ≤ 100: one thread is faster
 
 
 def _span_rows(k: int, r: int, seed: int) -> Tensor:

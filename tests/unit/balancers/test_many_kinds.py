@@ -29,10 +29,7 @@ PASSES = st.tuples(st.sampled_from([1, 5, 16, 32]), st.sampled_from([0, 10**9]),
                    st.sampled_from([10**6, 1, 3, 8]))
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> None:
-    """K ≤ 64: one thread is faster, and not slowed by a busy machine (conftest restores)."""
-    torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_thread")  # K ≤ 100: one thread is faster
 
 
 @pytest.mark.parametrize("kind", KIND_NAMES)

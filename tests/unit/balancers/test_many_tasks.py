@@ -156,6 +156,14 @@ def test_pcgrad_sparse_and_dense_refreshes_at_200_tasks(cost: int) -> None:
     assert_same_update(fast, pcgrad_loop(g, orders), g)
 
 
+def test_tiles_only_on_the_cpu() -> None:
+    """From ``TILE_FROM`` tasks the CPU pass tiles ``G``; an accelerator keeps one tile."""
+    k = _pairwise.TILE_FROM
+    assert _pairwise.tile_width(k, torch.device("cpu")) == _pairwise.TILE_COLUMNS
+    assert _pairwise.tile_width(k, torch.device("meta")) == k
+    assert _pairwise.tile_width(k - 1, torch.device("cpu")) == k - 1
+
+
 @pytest.mark.parametrize("width", [5, 8, 48])
 def test_pcgrad_and_gradvac_with_int32_indices_in_tiles(width: int) -> None:
     """The large-K pass at K = 48 (int32 flat indices and column tiles, full and not, as

@@ -23,10 +23,7 @@ CASES = st.tuples(st.integers(3, 64), st.sampled_from(KINDS), st.integers(1, 67)
                   st.integers(0, 2**16))
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> None:
-    """K ≤ 64: one thread is faster, and not slowed by a busy machine (conftest restores)."""
-    torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_thread")  # K ≤ 100: one thread is faster
 
 
 def _rows(kind: str, k: int, rank: int, seed: int) -> Tensor:

@@ -23,10 +23,7 @@ CASES = st.tuples(st.lists(GROUP, min_size=1, max_size=3), st.integers(14, 28),
                   st.integers(0, 4), st.integers(0, 2**16))
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> None:
-    """K ≤ 62: one thread is faster, and not slowed by a busy machine (conftest restores)."""
-    torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_thread")  # K ≤ 100: one thread is faster
 
 
 def _planted(case: tuple[list[tuple[int, bool, bool]], int, int, int], p: int) -> Tensor:

@@ -18,10 +18,7 @@ F64 = torch.float64
 TAU = 0.02
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> None:
-    """K ≤ 66: one thread is faster, and not slowed by a busy machine (conftest restores)."""
-    torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_thread")  # K ≤ 100: one thread is faster
 
 
 def _span(k: int, rank: int, seed: int) -> Tensor:

@@ -22,10 +22,7 @@ F64 = torch.float64
 EPS = torch.finfo(F64).eps
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> None:
-    """K ≤ 64: one thread is faster, and not slowed by a busy machine (conftest restores)."""
-    torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_thread")  # K ≤ 100: one thread is faster
 
 
 def _spanning_factor(k: int, r: int, seed: int) -> Tensor:
