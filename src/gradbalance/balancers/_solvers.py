@@ -49,16 +49,18 @@ from ._boxqp import (
     INTERIOR_MIN_COLUMNS,
     ROUNDING_MULTIPLE,
     certified_inverse,
+    cosine_spectrum,
     eigen_factor,
     factored_box_qp,
     is_well_conditioned,
     min_norm_ls,
     psd_factor,
-    singular_factor,
+    singular_spectrum,
     solve_box_qp_batched,
 )
 from ._cholesky import cholesky_ex
 from ._cone import scaled_projection
+from ._min_norm_dual import lifted_min_norm, min_norm_dual
 from ._precond import symmetrized
 
 __all__ = ["SolverError"]
@@ -173,14 +175,16 @@ def min_norm_simplex(gram: Tensor, tol: float = QP_TOL) -> Tensor:
     Koltun (2018, Alg. 1): ``w₁ = clip((G₂₂ − G₁₂) / (G₁₁ − 2G₁₂ + G₂₂), 0, 1)``. A diagonal
     spanning more than ``MIN_NORM_PLAIN_RATIO`` (no zero row) is solved on the cosine
     matrix (:func:`min_norm_cosine`). Otherwise a Gramian whose Cholesky factorisation fails
-    goes straight to least squares on its factor (:func:`~._boxqp.singular_factor`: one
-    eigen-decomposition, not the pivoting's check too). From ``INTERIOR_MIN_COLUMNS`` tasks
-    on, where that least squares goes to the interior point (whose Newton steps cost
-    ``O(K³)`` each on a factor of full rank), the factor is cut at ``ROUNDING_MULTIPLE``
-    times the most negative eigenvalue of the cosine matrix (:func:`~._boxqp.rounding_cut`:
-    the rounding a float32 Gramian carries, about ``K/2`` positive eigenvalues of it
-    dropped; the answer is that of a Gramian within ``1 + ROUNDING_MULTIPLE`` times the
-    given one's distance from the rows' exact Gramian).
+    goes straight to its cosine matrix's eigenvalues (:func:`~._boxqp.singular_spectrum`:
+    one eigen-decomposition, not the pivoting's check too). From ``INTERIOR_MIN_COLUMNS``
+    tasks on, where a float32 Gramian's rounding leaves a small null space, it is lifted
+    off it (:func:`~._min_norm_dual.lifted_min_norm`), else least squares on its factor,
+    which goes to the interior point (whose Newton steps cost ``O(K³)`` each on a factor of
+    full rank) and is cut at ``ROUNDING_MULTIPLE`` times the most negative eigenvalue of the
+    cosine matrix (:func:`~._boxqp.rounding_cut`: the rounding a float32 Gramian carries,
+    about ``K/2`` positive eigenvalues of it dropped). Either answer is that of a Gramian
+    within ``1 + ROUNDING_MULTIPLE`` times the given one's distance from the rows' exact
+    Gramian.
     """
     k = gram.shape[0]
     if k == 2:
@@ -190,9 +194,13 @@ def min_norm_simplex(gram: Tensor, tol: float = QP_TOL) -> Tensor:
     if scaled is not None:
         return scaled
     zeros = torch.zeros(k, dtype=torch.float64)
-    factor = singular_factor(gram, rounding)
-    if factor is None:
+    spectrum = singular_spectrum(gram)
+    if spectrum is None:
         return solve_box_qp(gram, zeros, zeros, simplex=True, tol=tol)
+    lifted = lifted_min_norm(spectrum, tol) if rounding else None
+    if lifted is not None:
+        return lifted
+    factor, _ = eigen_factor(gram, rounding, spectrum)
     return factored_box_qp(factor, zeros, zeros, True, None, tol)
 
 
@@ -206,11 +214,13 @@ def min_norm_cosine(gram: Tensor, tol: float = QP_TOL, rounding: float = 0.0) ->
     directions alone whatever the norms (van der Sluis 1969), where ``G``'s tolerances and
     factor would be set by its largest rows. Where ``C`` is certified positive definite
     with condition number below ``CHOLESKY_MAX_COND`` (:func:`~._boxqp.certified_inverse`)
-    its dual box QP (:func:`_min_norm_dual`), else least squares on the eigen-factor of
+    its dual box QP (:func:`~._min_norm_dual.min_norm_dual`); else, with ``rounding``, the
+    same on ``C`` lifted off its rounding where that applies
+    (:func:`~._min_norm_dual.lifted_min_norm`), or least squares on the eigen-factor of
     ``C`` (cut at ``rounding`` times its most negative eigenvalue, :func:`~._boxqp.rounding_cut`)
     by :func:`~._boxqp.min_norm_ls` with the weights ``a``; ``w = (u/d)/Σ(u/d)``.
     ``O(K³)``: one Cholesky factorisation and inverse of ``C`` and the pivoting's, or one
-    eigen-decomposition and Lawson–Hanson.
+    eigen-decomposition and the pivoting or Lawson–Hanson.
     """
     diag = torch.diagonal(gram)
     low, high = torch.stack(diag.aminmax()).tolist()  # one host sync
@@ -221,29 +231,15 @@ def min_norm_cosine(gram: Tensor, tol: float = QP_TOL, rounding: float = 0.0) ->
     cos = symmetrized(gram / torch.outer(d, d * k))  # trace 1: normalised as the solvers expect
     a = d.min() / d
     if certified_inverse(cos) is not None:
-        u = _min_norm_dual(cos, a, tol)
+        u = min_norm_dual(cos, a, tol)
     else:
-        u = min_norm_ls(eigen_factor(cos, rounding)[0].T, None, tol, a)
+        spectrum = cosine_spectrum(gram)  # C's eigenvalues, G's norms: the lift's weights
+        lifted = lifted_min_norm(spectrum, tol) if rounding else None
+        if lifted is not None:
+            return lifted
+        u = min_norm_ls(eigen_factor(cos, rounding, spectrum)[0].T, None, tol, a)
     lam = u / d
     return lam / lam.sum()
-
-
-def _min_norm_dual(cos: Tensor, a: Tensor, tol: float) -> Tensor:
-    """``argmin uᵀCu`` over ``u ≥ 0``, ``aᵀu = 1`` (up to a positive factor) for a positive
-    definite ``C`` (trace-normalised) by its dual box QP.
-
-    Independent rows leave ``0`` outside their hull, and the min-norm point is
-    ``x* = z/‖z‖²`` for the least-distance point ``z = argmin ‖z‖`` s.t. ``gᵢᵀz ≥ 1``
-    (Lawson & Hanson 1974, Ch. 23: ``g_wᵀz ≥ 1`` on the hull, so ``‖g_w‖ ≥ 1/‖z‖``). Its
-    dual is ``min_{λ ≥ 0} ½ λᵀGλ − 1ᵀλ`` with ``z = Σ λᵢgᵢ``; ``s = Dλ`` makes it the box
-    QP ``min_{s ≥ 0} ½ sᵀCs − aᵀs`` on the well-conditioned ``C``: block principal
-    pivoting (:func:`solve_box_qp`, what it leaves open by least squares on a factor of
-    ``C``). Complementarity ``λᵢ(gᵢᵀz − 1) = 0`` gives ``Σλ = ‖z‖²``, so ``λ/Σλ`` is the
-    minimiser ``w`` and ``s ∝ Dw = u``.
-    """
-    k = cos.shape[0]
-    zeros = torch.zeros(k, dtype=torch.float64)
-    return solve_box_qp(cos, -a / k, zeros, tol=tol, well_conditioned=True)
 
 
 def min_norm_two(gram: Tensor) -> Tensor:

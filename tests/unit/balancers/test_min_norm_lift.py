@@ -1,0 +1,157 @@
+"""MGDA and DualProj on singular float32 Gramians through the rounding lift, K = 64 … 96.
+
+Rows of which some tasks are sums of others (``d`` of them, the Gramian of rank ``K − d``)
+multiplied in float32 give a Gramian whose rounding leaves ``d`` eigenvalues near zero, the
+most negative one below it. MGDA's min-norm point is then solved on the lifted cosine matrix
+(:func:`~gradbalance.balancers._min_norm_dual.lifted_min_norm`) where at most
+``MIN_NORM_LIFT_MAX_NULLITY`` of its eigenvalues are rounding, and DualProj's single
+projection takes the lift (:func:`~gradbalance.balancers._boxqp._lifted`) as UPGrad's do.
+Each answer is checked against an independent solver on the float64 rows: MGDA's min-norm
+point by scipy's NNLS in Lawson & Hanson's least-distance form, DualProj's projection by
+scipy's NNLS over the unit rows (:mod:`support.cone_reference`); the same update (cosine
+≥ 0.999999, norm within 1e-6). Where the lift does not apply (a large rounding null space, a
+zero row, float64 rows whose rounding is at float64's resolution, a positive definite
+Gramian) it is refused and the least-squares route gives the answer.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor
+
+from gradbalance.balancers import _boxqp, _min_norm_dual, _solvers
+from gradbalance.balancers._boxqp import CHOLESKY_MAX_COND, cosine_spectrum
+from gradbalance.balancers._boxqp import _lifted as lifted
+from gradbalance.balancers._dualproj import dualproj_weights
+from gradbalance.balancers._solvers import min_norm_simplex, trace_normalized
+from support.cone_reference import scipy_projection
+from support.many_kinds import assert_same_update
+
+F64 = torch.float64
+
+
+def summed_rows(k: int, dependent: int, seed: int, spread: float = 0.0) -> Tensor:
+    """``[K, 4K]`` float32 conflicting rows, the last ``dependent`` the sums of two others,
+    each row scaled by one of ``logspace(−spread, spread, K)`` (shuffled) before the sums."""
+    gen = torch.Generator().manual_seed(seed)
+    p = 4 * k
+    g = torch.randn(k, 1, generator=gen) * torch.randn(p, generator=gen)
+    g = g + 0.5 * torch.randn(k, p, generator=gen)
+    scales = torch.logspace(-spread, spread, k)[torch.randperm(k, generator=gen)]
+    g = g * scales[:, None]
+    pairs = torch.randint(0, k - dependent, (dependent, 2), generator=gen)
+    g[k - dependent:] = g[pairs[:, 0]] + g[pairs[:, 1]]
+    return g
+
+
+def float32_gram(g: Tensor) -> Tensor:
+    """The trace-normalised float64 copy of the float32 product ``g gᵀ`` (its rounding)."""
+    return trace_normalized((g @ g.T).double())[0]
+
+
+def scipy_min_norm_point(g: Tensor) -> Tensor:
+    """MGDA's min-norm point ``Jᵀw`` of the rows ``g`` (float64) by scipy's NNLS:
+    ``u = argmin_{u ≥ 0} ‖[Jᵀ/s; 1ᵀ] u − e‖`` has ``w = u/Σu`` (Lawson & Hanson 1974,
+    Ch. 23; ``s`` the largest row norm)."""
+    from scipy.optimize import nnls
+
+    scale = float(g.norm(dim=1).max())
+    a = torch.cat([g.T / scale, torch.ones(1, g.shape[0], dtype=F64)])
+    b = torch.zeros(a.shape[0], dtype=F64)
+    b[-1] = 1.0
+    u, _ = nnls(a.numpy(), b.numpy(), maxiter=10_000)
+    w = torch.from_numpy(u)
+    return g.T @ (w / w.sum())
+
+
+def spy_lift(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each call of :func:`lifted_min_norm` from MGDA's solver lifted (appended)."""
+    taken: list[bool] = []
+
+    def spy(spectrum, tol):  # type: ignore[no-untyped-def]
+        out = _min_norm_dual.lifted_min_norm(spectrum, tol)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(_solvers, "lifted_min_norm", spy)
+    return taken
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(64, 96), st.sampled_from([1, 4, 16]), st.sampled_from([0.0, 2.0]),
+       st.integers(0, 2**31 - 1))
+def test_mgda_lifted_matches_the_exact_min_norm_point(k: int, dependent: int, spread: float,
+                                                      seed: int) -> None:
+    """Plain and wide-norm rows (the cosine route) with ``d ≤ K/4`` dependent tasks: the
+    lift is taken wherever the float32 rounding made the Gramian indefinite, and MGDA's
+    update is scipy's on the float64 rows."""
+    with pytest.MonkeyPatch.context() as mp:
+        taken = spy_lift(mp)
+        g = summed_rows(k, dependent, seed, spread)
+        gram = float32_gram(g)
+        w = min_norm_simplex(gram)
+    g64 = g.double()
+    assert_same_update(w @ g64, scipy_min_norm_point(g64), g64)
+    assert abs(float(w.sum()) - 1.0) <= 1e-12 and bool((w >= 0).all())
+    lam = torch.linalg.eigvalsh(cosine_spectrum(gram).cosine)
+    low, high = float(lam[0]), float(lam[-1])
+    # rounding visible (not at float64's resolution: λ_max/|λ_min| within the limit): lifted
+    assert taken == ([True] if low < 0.0 and high < CHOLESKY_MAX_COND * -low / 3 else
+                     taken[:1])
+
+
+def test_dependent_float32_rows_take_the_lift() -> None:
+    """Conflicting rows with ``K/16`` dependent tasks at K = 64, five seeds: the float32
+    rounding makes each Gramian indefinite and MGDA takes the lift every time."""
+    with pytest.MonkeyPatch.context() as mp:
+        taken = spy_lift(mp)
+        for seed in range(5):
+            min_norm_simplex(float32_gram(summed_rows(64, 4, seed)))
+    assert taken == [True] * 5
+
+
+def test_the_lift_is_refused_where_it_does_not_apply() -> None:
+    """No lift: rows in a span of rank K/2 (half the eigenvalues rounding), a zero row,
+    float64 rows exactly dependent (a lift at float64's rounding: condition number above
+    ``CHOLESKY_MAX_COND``), a positive definite Gramian. MGDA's answer is scipy's in each."""
+    gen = torch.Generator().manual_seed(3)
+    half = torch.randn(64, 32, generator=gen) @ torch.randn(32, 256, generator=gen)
+    zero = summed_rows(64, 4, 5)
+    zero[7] = 0.0
+    exact = summed_rows(64, 4, 6).double()
+    definite = torch.randn(64, 256, generator=gen)
+    for rows, gram in ((half, float32_gram(half)), (zero, float32_gram(zero)),
+                       (exact, trace_normalized(exact @ exact.T)[0]),
+                       (definite, float32_gram(definite))):
+        spectrum = cosine_spectrum(gram)
+        assert _min_norm_dual.lifted_min_norm(spectrum, 1e-12) is None
+        g64 = rows.double()
+        assert_same_update(min_norm_simplex(gram) @ g64, scipy_min_norm_point(g64), g64)
+    assert float(cosine_spectrum(float32_gram(half)).lam[0]) < 0.0  # refused by its nullity
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.integers(64, 96), st.sampled_from([4, 8]), st.integers(0, 2**31 - 1))
+def test_dualproj_single_projection_through_the_lift(k: int, dependent: int,
+                                                     seed: int) -> None:
+    """DualProj's one projection of the mean on rows with dependent tasks (float32
+    Gramian): scipy's projection of the float64 rows' mean."""
+    g = summed_rows(k, dependent, seed)
+    lifts: list[bool] = []
+
+    def spy(q: Tensor, lift: float | None) -> Tensor | None:
+        out = lifted(q, lift)
+        lifts.append(out is not None)
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_boxqp, "_lifted", spy)
+        w = dualproj_weights((g @ g.T).double())
+    assert lifts[:1] == [True] or float(torch.linalg.eigvalsh(float32_gram(g))[0]) >= 0.0
+    g64 = g.double()
+    u = torch.full((k,), 1.0 / k, dtype=F64)
+    assert_same_update(w @ g64, scipy_projection(g64, u), g64)
+    assert bool((w >= u * (1 - 1e-12)).all())
