@@ -114,3 +114,22 @@ def scipy_cagrad_value(g: Tensor, c: float) -> float:
     res = minimize(lambda x: -x[-1], x0, jac=lambda x: np.concatenate([np.zeros(len(g0)), [-1]]),
                    constraints=cons, method="SLSQP", options={"ftol": 1e-14, "maxiter": 2000})
     return -float(res.fun)
+
+
+def scipy_pcd(g: Tensor, tau: float) -> Tensor:
+    """PCD's ``d = argmin ½‖d − g₁‖²`` s.t. ``gⱼᵀd ≥ τ‖gⱼ‖²`` on the rows, by scipy's NNLS
+    of the least-distance program in ``x = d − g₁`` (Lawson & Hanson 1974, Ch. 23); ``g₁``
+    where it is infeasible (the residual vanishes, as :func:`~gradbalance.balancers._boxqp.ldp`
+    decides: below ``√eps``)."""
+    from scipy.optimize import nnls
+
+    rest = g[1:]
+    h = tau * (rest * rest).sum(dim=1) - rest @ g[0]
+    e = torch.cat([rest.T, h[None]]).numpy()
+    f = np.zeros(e.shape[0])
+    f[-1] = 1.0
+    u, _ = nnls(e, f, maxiter=100 * e.shape[1])
+    rho = e @ u - f
+    if float(np.linalg.norm(rho)) < torch.finfo(torch.float64).eps ** 0.5:
+        return g[0]
+    return g[0] + torch.from_numpy(-rho[:-1] / rho[-1])

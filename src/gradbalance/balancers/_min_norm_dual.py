@@ -21,8 +21,6 @@ point and Lawson–Hanson, ``O(K³)`` per Newton step) elsewhere. One thread, co
 with ``K/16`` of them sums of two others, the solve alone: ``K = 256`` 33 → 8 ms,
 ``K = 1,024`` 775 → 230 ms, the same update (cosine 1 − 1e-15, norms within 2e-11);
 MGDA's ``combine`` over the Gramian 3.1× → 1.7× and 5.1× → 2.6× (docs/balancers.md).
-``MIN_NORM_LIFT_MAX_NULLITY`` is ``1/4``: rows of rank ``3K/4`` lift in 10 ms at K = 256,
-rank ``5K/8`` would take 0.33 s (against 0.04 s by the least squares).
 
 Example:
     >>> import torch
@@ -40,13 +38,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._boxqp import CHOLESKY_MAX_COND, CosineSpectrum, rounding_lift, solve_box_qp_batched
+from ._boxqp import (
+    CHOLESKY_MAX_COND,
+    SINGLE_LIFT_MAX_NULLITY,
+    CosineSpectrum,
+    rounding_lift,
+    solve_box_qp_batched,
+)
 from ._precond import shifted
-
-#: Largest fraction of the cosine matrix's eigenvalues at or below the lift for which
-#: :func:`lifted_min_norm` lifts (one problem, direct factorisations: twice UPGrad's
-#: :data:`~._boxqp.LIFT_MAX_NULLITY`, whose conjugate gradients resolve each one).
-MIN_NORM_LIFT_MAX_NULLITY = 1 / 4
 
 
 def min_norm_dual(cos: Tensor, a: Tensor, tol: float) -> Tensor:
@@ -78,11 +77,23 @@ def lifted_min_norm(spectrum: CosineSpectrum, tol: float) -> Tensor | None:
     n = lam.shape[0]
     if n != norms.shape[0] or n == 0:
         return None
-    low, high = lam[[0, -1]].tolist()  # one host sync
-    lift = rounding_lift(lam, low, MIN_NORM_LIFT_MAX_NULLITY)
-    if lift is None or not high + lift < CHOLESKY_MAX_COND * (low + lift):
+    lift = single_lift(lam)
+    if lift is None:
         return None
     lifted = shifted(spectrum.cosine, lift).div_(n * (1.0 + lift))  # trace 1, as the dual's
     u = min_norm_dual(lifted, norms.min() / norms, tol)
     weights = u / norms
     return weights / weights.sum()
+
+
+def single_lift(lam: Tensor) -> float | None:
+    """The lift of a single dual QP (MGDA's, PCD's) on a cosine matrix with the ascending
+    eigenvalues ``lam``: :func:`~._boxqp.rounding_lift` up to ``SINGLE_LIFT_MAX_NULLITY``,
+    where the lifted matrix's condition number ``(λ_max + ε)/(λ_min + ε)`` is below
+    ``CHOLESKY_MAX_COND``; else None (also for float64 rows, whose rounding is at float64's
+    resolution)."""
+    low, high = lam[[0, -1]].tolist()  # one host sync
+    lift = rounding_lift(lam, low, SINGLE_LIFT_MAX_NULLITY)
+    if lift is None or not high + lift < CHOLESKY_MAX_COND * (low + lift):
+        return None
+    return lift

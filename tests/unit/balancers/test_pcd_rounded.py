@@ -4,7 +4,6 @@ program on the rows."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -13,6 +12,7 @@ from torch import Tensor
 
 from gradbalance.functional import pcd_weights
 from gradbalance.gramian import compute_gramian
+from support.balancers import scipy_pcd
 
 F64 = torch.float64
 TAU = 0.02
@@ -29,25 +29,6 @@ def _span(k: int, rank: int, seed: int) -> Tensor:
     return g / g.norm(dim=1, keepdim=True)
 
 
-def _scipy_pcd(g: Tensor) -> Tensor:
-    """``d = argmin ½‖d − g₁‖²`` s.t. ``gⱼᵀd ≥ τ‖gⱼ‖²`` on the rows, by scipy's NNLS of the
-    least-distance program in ``x = d − g₁`` (Lawson & Hanson 1974, Ch. 23); ``g₁`` where it
-    is infeasible (the residual vanishes, as :func:`~gradbalance.balancers._boxqp.ldp`
-    decides: below ``√eps``)."""
-    from scipy.optimize import nnls
-
-    rest = g[1:]
-    h = TAU * (rest * rest).sum(dim=1) - rest @ g[0]
-    e = torch.cat([rest.T, h[None]]).numpy()
-    f = np.zeros(e.shape[0])
-    f[-1] = 1.0
-    u, _ = nnls(e, f, maxiter=100 * e.shape[1])
-    rho = e @ u - f
-    if float(np.linalg.norm(rho)) < torch.finfo(F64).eps ** 0.5:
-        return g[0]
-    return g[0] + torch.from_numpy(-rho[:-1] / rho[-1])
-
-
 def _assert_same_direction(d: Tensor, ref: Tensor) -> None:
     assert float(d @ ref) / float(d.norm() * ref.norm()) >= 0.999999
     assert abs(float(d.norm() - ref.norm())) <= 1e-6 * float(ref.norm())
@@ -60,7 +41,7 @@ def test_singular_secondary_gramian_is_scipys(k: int, rank: int, seed: int) -> N
     (cosine ≥ 0.999999, norm within 1e-6), feasible or not."""
     g = _span(k, rank, seed)
     mult = pcd_weights(g @ g.T, torch.full((k - 1,), TAU, dtype=F64))
-    _assert_same_direction(mult @ g, _scipy_pcd(g))
+    _assert_same_direction(mult @ g, scipy_pcd(g, TAU))
 
 
 @settings(max_examples=20, deadline=None)
@@ -72,7 +53,7 @@ def test_rounded_gramian_of_a_low_span_keeps_the_primary(k: int, rank: int,
     constraint, so ``d = g₁``; the float32 Gramian's rounding-level eigenvalues are cut, not
     taken for directions that meet them."""
     rows = _span(k, rank, seed)
-    ref = _scipy_pcd(rows)
+    ref = scipy_pcd(rows, TAU)
     assert torch.equal(ref, rows[0])
     mult = pcd_weights(compute_gramian(rows.to(torch.float32)).to(F64),
                        torch.full((k - 1,), TAU, dtype=F64))

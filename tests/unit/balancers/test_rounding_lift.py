@@ -1,17 +1,21 @@
-"""MGDA and DualProj on singular float32 Gramians through the rounding lift, K = 64 … 96.
+"""MGDA, PCD and DualProj on singular float32 Gramians through the rounding lift, K = 64 … 96.
 
 Rows of which some tasks are sums of others (``d`` of them, the Gramian of rank ``K − d``)
 multiplied in float32 give a Gramian whose rounding leaves ``d`` eigenvalues near zero, the
 most negative one below it. MGDA's min-norm point is then solved on the lifted cosine matrix
 (:func:`~gradbalance.balancers._min_norm_dual.lifted_min_norm`) where at most
-``MIN_NORM_LIFT_MAX_NULLITY`` of its eigenvalues are rounding, and DualProj's single
+``SINGLE_LIFT_MAX_NULLITY`` of its eigenvalues are rounding, and DualProj's single
 projection takes the lift (:func:`~gradbalance.balancers._boxqp._lifted`) as UPGrad's do.
 Each answer is checked against an independent solver on the float64 rows: MGDA's min-norm
 point by scipy's NNLS in Lawson & Hanson's least-distance form, DualProj's projection by
 scipy's NNLS over the unit rows (:mod:`support.cone_reference`); the same update (cosine
-≥ 0.999999, norm within 1e-6). Where the lift does not apply (a large rounding null space, a
+≥ 0.999999, norm within 1e-6). PCD's answer moves by about 1e-5 with the float32 rounding
+itself (by either route), so its lifted answer is checked as PCD's exact answer on the
+lifted Gramian ``G' = D(C + εI)D``: scipy's least-distance program on the rows of a
+Cholesky factor of ``G'``. Where the lift does not apply (a large rounding null space, a
 zero row, float64 rows whose rounding is at float64's resolution, a positive definite
-Gramian) it is refused and the least-squares route gives the answer.
+Gramian; for PCD also constraints that ``G`` itself cannot meet) it is refused and the
+least-squares route gives the answer.
 """
 
 from __future__ import annotations
@@ -22,11 +26,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from gradbalance.balancers import _boxqp, _min_norm_dual, _solvers
+from gradbalance.balancers import _boxqp, _min_norm_dual, _pcd, _solvers
 from gradbalance.balancers._boxqp import CHOLESKY_MAX_COND, cosine_spectrum
 from gradbalance.balancers._boxqp import _lifted as lifted
 from gradbalance.balancers._dualproj import dualproj_weights
 from gradbalance.balancers._solvers import min_norm_simplex, trace_normalized
+from gradbalance.functional import pcd_weights
+from support.balancers import scipy_pcd
 from support.cone_reference import scipy_projection
 from support.many_kinds import assert_same_update
 
@@ -155,3 +161,66 @@ def test_dualproj_single_projection_through_the_lift(k: int, dependent: int,
     u = torch.full((k,), 1.0 / k, dtype=F64)
     assert_same_update(w @ g64, scipy_projection(g64, u), g64)
     assert bool((w >= u * (1 - 1e-12)).all())
+
+
+TAU = 0.02
+
+
+def lifted_rows(gram: Tensor) -> Tensor:
+    """Rows of the lifted Gramian ``G' = D(C + εI)D`` (``ε``: the single dual QPs' lift of
+    ``G``'s cosine matrix ``C``): its Cholesky factor, ``G' = LLᵀ``."""
+    spectrum = cosine_spectrum(gram)
+    lift = _min_norm_dual.single_lift(spectrum.lam)
+    assert lift is not None
+    d = spectrum.norms
+    lifted = (spectrum.cosine + lift * torch.eye(d.shape[0], dtype=F64)) * torch.outer(d, d)
+    return torch.linalg.cholesky(lifted)
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(64, 96), st.sampled_from([1, 4, 16]), st.integers(0, 2**31 - 1))
+def test_pcd_lifted_is_the_exact_answer_on_the_lifted_gramian(k: int, dependent: int,
+                                                             seed: int) -> None:
+    """PCD on the float32 Gramian of rows with ``d ≤ K/4`` dependent tasks: where the lift
+    is taken, ``d = g₁ + Σ μⱼgⱼ`` on the rows of ``G'`` is scipy's answer there, and every
+    constraint holds on ``G`` itself to ``HOLD_RTOL``; where it is not, the least-distance
+    program's answer."""
+    g = summed_rows(k, dependent, seed)
+    gram = (g @ g.T).double()
+    taken: list[bool] = []
+
+    def spy(*args):  # type: ignore[no-untyped-def]
+        out = lifted_weights(*args)
+        taken.append(out is not None)
+        return out
+
+    lifted_weights = _pcd._lifted_weights
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_pcd, "_lifted_weights", spy)
+        mult = pcd_weights(gram, torch.full((k - 1,), TAU, dtype=F64))
+    if taken == [True]:
+        rows = lifted_rows(gram)
+        assert_same_update(mult @ rows, scipy_pcd(rows, TAU), rows)
+    else:
+        torch.testing.assert_close(mult[1:], _pcd._ldp_weights(gram, torch.full(
+            (k - 1,), TAU, dtype=F64)), rtol=1e-6, atol=0.0)
+
+
+def test_pcd_takes_the_lift_and_refuses_it_where_g_cannot_meet_the_constraints() -> None:
+    """Five seeds of rows with K/16 dependent tasks at K = 64: the lift is taken. Two tasks
+    that are minus sums of two others put ``0`` in the secondary rows' conic hull (no ``d``
+    meets every constraint on ``G``): the lifted answer misses one on ``G``, is refused, and
+    the least-distance program answers."""
+    taus = torch.full((63,), TAU, dtype=F64)
+    for seed in range(5):
+        gram = (lambda g: (g @ g.T).double())(summed_rows(64, 4, seed))
+        spectrum = cosine_spectrum(gram)
+        assert _pcd._lifted_weights(gram, taus, spectrum) is not None
+    g = summed_rows(64, 0, 0)
+    g[-2:] = -(g[1:3] + g[3:5])
+    gram = (g @ g.T).double()
+    spectrum = cosine_spectrum(gram)
+    assert _min_norm_dual.single_lift(spectrum.lam) is not None  # the lift itself applies
+    assert _pcd._lifted_weights(gram, taus, spectrum) is None
+    torch.testing.assert_close(pcd_weights(gram, taus)[1:], _pcd._ldp_weights(gram, taus),
+                               rtol=1e-6, atol=0.0)  # one eigen-decomposition or its own
