@@ -18,9 +18,10 @@ norms spanning 1e-6 … 1e6).
     python benchmarks/many_tasks.py --kinds all --ks 256,1024 --rounds 1 --no-torchjd
 
 ``--kinds`` runs several kinds of rows (``all``: every entry of :data:`KINDS`, among them near
-duplicates, norms spanning 1e-6 … 1e6, spans of rank 1, 8, 16, 32 and 64, of rank ``3K/8``
-and ``9K/16`` (a thin dual cone), all aligned, half zero and a mix) and writes one table per
-K, a column per kind.
+duplicates, norms spanning 1e-6 … 1e6, spans of rank 1, 8, 16, 32 and 64, of rank ``3K/8``,
+``9K/16`` (a thin dual cone), ``3K/4`` and ``7K/8``, all aligned, half zero and a mix) and
+writes one table per K, a column per kind. ``--seed`` draws other rows (default: the seed
+is K).
 
 Writes ``results/many_tasks_<name>.md`` and ``.json``; see ``docs/performance.md``.
 """
@@ -93,6 +94,16 @@ def span_fraction_rows(k: int, p: int, seed: int) -> torch.Tensor:
     """``[K, P]`` float32 rows in a random span of rank ``3K/8`` (above the low-rank route's
     ``K/4``; their conic hull is the span with probability near 1, Wendel 1962)."""
     return span_rows(3 * k // 8)(k, p, seed)
+
+
+def span_part(numerator: int, denominator: int) -> Callable[[int, int, int], torch.Tensor]:
+    """``[K, P]`` float32 rows in a random span of rank ``numerator·K/denominator`` (a few
+    rounding-level eigenvalues of the float32 Gramian, near ``K``: the rank-deficient Gramians
+    that a lift takes)."""
+    def make(k: int, p: int, seed: int) -> torch.Tensor:
+        return span_rows(numerator * k // denominator)(k, p, seed)
+    make.__doc__ = f"Rows in a random span of rank {numerator}K/{denominator}."
+    return make
 
 
 def thin_cone_rows(k: int, p: int, seed: int) -> torch.Tensor:
@@ -175,7 +186,8 @@ KINDS = {"conflicting": conflicting_rows, "rank8": rank_deficient_rows,
          "span32": span_rows(32), "span64": span_rows(64), "randn": randn_rows,
          "float64": float64_rows, "equal_norms": equal_norm_rows,
          "square_mixing": square_mixing_rows, "dependent": dependent_rows,
-         "span_3k8": span_fraction_rows, "span_9k16": thin_cone_rows}
+         "span_3k8": span_fraction_rows, "span_9k16": thin_cone_rows,
+         "span_3k4": span_part(3, 4), "span_7k8": span_part(7, 8)}
 
 
 def make_balancer(name: str, k: int) -> Balancer:
@@ -202,10 +214,12 @@ def torchjd_calls(matrix: torch.Tensor) -> dict[str, Call]:
 
 
 def calls_at(k: int, p: int, names: list[str], torchjd: bool,
-             kind: str = "conflicting") -> dict[str, Call]:
-    """Every method to time at this K, the Gramian first."""
-    matrix = KINDS[kind](k, p, seed=k)
-    losses = torch.rand(k, generator=torch.Generator().manual_seed(k)) + 0.5
+             kind: str = "conflicting", seed: int | None = None) -> dict[str, Call]:
+    """Every method to time at this K, the Gramian first (the rows and losses drawn with
+    ``seed``, default ``K``)."""
+    seed = k if seed is None else seed
+    matrix = KINDS[kind](k, p, seed=seed)
+    losses = torch.rand(k, generator=torch.Generator().manual_seed(seed)) + 0.5
     calls: dict[str, Call] = {"gramian": lambda: compute_gramian(matrix),
                               "J Jᵀ float32": lambda: matrix @ matrix.T}
     for name in names:
@@ -307,14 +321,15 @@ def sweep(args: argparse.Namespace, ks: list[int], names: list[str], kinds: list
     text = ""
     for done, kind in enumerate(kinds):
         for k in ks:
-            calls = calls_at(k, args.p, names, not args.no_torchjd, kind)
+            calls = calls_at(k, args.p, names, not args.no_torchjd, kind, args.seed)
             res[k][kind] = time_k(calls, args.rounds, args.budget)
             print(f"{kind} K={k} done", flush=True)
         loads.append(f"{kind} {os.getloadavg()[0]:.1f}")
         ran = kinds[: done + 1]
         text = ("# Combine time by kind of rows, as a multiple of the Gramian (in brackets: of"
                 " the plain product J Jᵀ)\n") + "".join(
-            f"\n## K = {k} ({', '.join(ran)}; P = {args.p}, float32, {args.threads} "
+            f"\n## K = {k} ({', '.join(ran)}; P = {args.p}, seed "
+            f"{k if args.seed is None else args.seed}, float32, {args.threads} "
             f"thread(s), median of {args.rounds} interleaved rounds, {args.clock} clock)\n\n"
             + kinds_table(k, ran, res[k]) + "\n"
             for k in ks
@@ -336,6 +351,8 @@ def main() -> None:
                         help="rank8: rows in a rank-8 span, near duplicates, norms 1e-6 … 1e6")
     parser.add_argument("--kinds", default="",
                         help="comma-separated kinds or 'all': a table per K, a column per kind")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed of the rows and losses (default: K, one draw per K)")
     parser.add_argument("--name", default="cpu")
     parser.add_argument("--clock", choices=sorted(CLOCK), default="wall",
                         help="wall time (default) or the process's CPU time")
@@ -356,7 +373,7 @@ def main() -> None:
     cut: set[str] = set()
     for k in ks:
         calls = {n: c for n, c in calls_at(k, args.p, names, not args.no_torchjd,
-                                                   args.kind).items()
+                                                   args.kind, args.seed).items()
                  if n not in cut}
         for name, value in time_k(calls, args.rounds, args.budget).items():
             rows.setdefault(name, {})[k] = value
