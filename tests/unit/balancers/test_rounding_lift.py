@@ -1,4 +1,5 @@
-"""MGDA, PCD and DualProj on singular float32 Gramians through the rounding lift, K = 64 … 96.
+"""MGDA, PCD, CAGrad and DualProj on singular float32 Gramians through the rounding lift,
+K = 64 … 96.
 
 Rows of which some tasks are sums of others (``d`` of them, the Gramian of rank ``K − d``)
 multiplied in float32 give a Gramian whose rounding leaves ``d`` eigenvalues near zero, the
@@ -12,7 +13,9 @@ scipy's NNLS over the unit rows (:mod:`support.cone_reference`); the same update
 ≥ 0.999999, norm within 1e-6). PCD's answer moves by about 1e-5 with the float32 rounding
 itself (by either route), so its lifted answer is checked as PCD's exact answer on the
 lifted Gramian ``G' = D(C + εI)D``: scipy's least-distance program on the rows of a
-Cholesky factor of ``G'``. Where the lift does not apply (a large rounding null space, a
+Cholesky factor of ``G'``; CAGrad's dual weights likewise by the optimality conditions of
+its dual on ``G'`` and SLSQP's value of its primal on those rows. Where the lift does not
+apply (a large rounding null space, a
 zero row, float64 rows whose rounding is at float64's resolution, a positive definite
 Gramian; for PCD also constraints that ``G`` itself cannot meet) it is refused and the
 least-squares route gives the answer.
@@ -30,9 +33,9 @@ from gradbalance.balancers import _boxqp, _min_norm_dual, _pcd, _solvers
 from gradbalance.balancers._boxqp import CHOLESKY_MAX_COND, cosine_spectrum
 from gradbalance.balancers._boxqp import _lifted as lifted
 from gradbalance.balancers._dualproj import dualproj_weights
-from gradbalance.balancers._solvers import min_norm_simplex, trace_normalized
+from gradbalance.balancers._solvers import cagrad_dual, min_norm_simplex, trace_normalized
 from gradbalance.functional import pcd_weights
-from support.balancers import scipy_pcd
+from support.balancers import scipy_cagrad_value, scipy_pcd
 from support.cone_reference import scipy_projection
 from support.many_kinds import assert_same_update
 
@@ -224,3 +227,46 @@ def test_pcd_takes_the_lift_and_refuses_it_where_g_cannot_meet_the_constraints()
     assert _pcd._lifted_weights(gram, taus, spectrum) is None
     torch.testing.assert_close(pcd_weights(gram, taus)[1:], _pcd._ldp_weights(gram, taus),
                                rtol=1e-6, atol=0.0)  # one eigen-decomposition or its own
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(64, 80), st.sampled_from([4, 8, 16]), st.integers(0, 2**31 - 1))
+def test_cagrad_lifted_meets_its_dual_on_the_lifted_gramian(k: int, dependent: int,
+                                                           seed: int) -> None:
+    """CAGrad (``c = 0.4``) on the float32 Gramian of rows with dependent tasks: its root
+    search runs on ``G'`` (the lift taken), and its weights meet the optimality conditions of
+    ``min_{w∈Δ} wᵀG'1/K + r‖g_w‖`` (``∇F = G'1/K + r G'w/‖g_w‖`` equal on the support, not
+    below elsewhere, to 1e-9 of its size), with SLSQP's value of the primal on ``G'``'s rows
+    (its tolerance, 1e-5)."""
+    c = 0.4
+    g = summed_rows(k, dependent, seed)
+    gram = float32_gram(g)
+    lifted = _solvers._cagrad_lifted(cosine_spectrum(gram))
+    assert lifted is not None
+    routes: list[bool] = []
+
+    def spy(*args):  # type: ignore[no-untyped-def]
+        out = cagrad_qp(*args)
+        routes.append(out[1] is not args[0])  # the QPs on G', not on G
+        return out
+
+    cagrad_qp = _solvers._cagrad_qp
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_solvers, "_cagrad_qp", spy)
+        w = cagrad_dual(gram, c)
+    # [] : every task in the support, no QP; not lifted only where G passes as definite
+    assert routes in ([], [True]) or _boxqp.is_well_conditioned(gram)
+    mean = torch.full((k,), 1.0 / k, dtype=F64)
+    lin = lifted @ mean
+    r = c * float(mean @ lin) ** 0.5
+    norm = float(w @ lifted @ w) ** 0.5
+    grad = lin + r * (lifted @ w) / norm
+    level = float((grad * w).sum())  # the multiplier of Σw = 1
+    size = float(lin.abs().max()) + r * float(torch.diagonal(lifted).max()) ** 0.5
+    support = w > 1e-9 * float(w.max())
+    assert float((grad[support] - level).abs().max()) <= 1e-9 * size
+    assert float((grad - level).min()) >= -1e-9 * size
+    rows = torch.linalg.cholesky(lifted)  # G' = LLᵀ: its rows gₖ
+    value = float(w @ lin) + r * norm  # the dual's value, min_k gₖ·d* by duality
+    expected = scipy_cagrad_value(rows, c)
+    assert value == pytest.approx(expected, rel=1e-5, abs=1e-7)
