@@ -1131,11 +1131,7 @@ def solve_box_qp_batched(
     (:func:`factored_box_qp`).
     """
     q, c, lower = q.to(torch.float64), c.to(torch.float64), lower.to(torch.float64)
-    spectrum = _Spectrum(bool(well_conditioned), False, None, q.shape[0])
-    if well_conditioned is None:
-        inverse = _certified_if_cg(q, c, simplex, inverse)
-        spectrum = (_Spectrum(True, True, None, q.shape[0]) if inverse is not None
-                    else _spectrum(q))
+    spectrum, inverse = _classified(q, c, simplex, well_conditioned, inverse)
     well_conditioned, definite, lift, rank, lifted_well = spectrum
     if not well_conditioned:
         zero = _zero_cone_first(q, c, lower, simplex, x0, tol, rank)
@@ -1160,6 +1156,19 @@ def solve_box_qp_batched(
             return out
     return _solve_rest(q, c, lower, simplex, x, given, tol, definite, inverse,
                        well_conditioned)
+
+
+def _classified(q: Tensor, c: Tensor, simplex: bool, well_conditioned: bool | None,
+                inverse: Tensor | None) -> tuple[_Spectrum, Tensor | None]:
+    """The batch's :class:`_Spectrum` and ``Q⁻¹`` where certified: ``well_conditioned`` as
+    given, else certified by the conjugate-gradient path's inverse
+    (:func:`_certified_if_cg`), else from the eigenvalues (:func:`_spectrum`)."""
+    if well_conditioned is not None:
+        return _Spectrum(well_conditioned, False, None, q.shape[0]), inverse
+    inverse = _certified_if_cg(q, c, simplex, inverse)
+    if inverse is not None:
+        return _Spectrum(True, True, None, q.shape[0]), inverse
+    return _spectrum(q), None
 
 
 def _zero_cone_first(q: Tensor, c: Tensor, lower: Tensor, simplex: bool, x0: Tensor | None,
