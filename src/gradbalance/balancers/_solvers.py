@@ -428,27 +428,41 @@ def _cagrad_qp(gram: Tensor, lin: Tensor, r: float, tol: float) -> tuple[CagradQ
     ``INTERIOR_MIN_COLUMNS`` tasks on, lifted off its rounding where that applies
     (:func:`_cagrad_lifted`: the QPs on ``G'``, returned for the caller to take its
     ``lin`` and ``r`` from), else factored once, ``G ≈ LLᵀ``
-    (:func:`~._boxqp.psd_factor`), with ``lin = G1/K ≈ L h``, ``h = Lᵀ1/K``, and each QP
+    (:func:`~._boxqp.eigen_factor`), with ``lin = G1/K ≈ L h``, ``h = Lᵀ1/K``, and each QP
     solved on ``√(r/ρ) L`` with ``h/√(r/ρ)`` (:func:`~._boxqp.factored_box_qp`), the path
-    :func:`solve_box_qp` takes for it, without a decomposition per point."""
+    :func:`solve_box_qp` takes for it, without a decomposition per point. From
+    ``INTERIOR_MIN_COLUMNS`` tasks the factor is cut at ``ROUNDING_MULTIPLE`` times the
+    cosine matrix's most negative eigenvalue, as MGDA's (its rounding-level eigenvalues
+    would each be a dimension of the interior point's Newton steps), and ``LLᵀ`` is
+    returned: the search runs on it (within ``1 + ROUNDING_MULTIPLE`` times the given
+    Gramian's distance from the rows' exact one)."""
     zeros = torch.zeros(gram.shape[0], dtype=torch.float64)
     many = gram.shape[0] >= CG_MIN_SIZE  # there is_well_conditioned is one Cholesky itself
     if (many or not _surely_ill(gram)) and is_well_conditioned(gram):
         return _cagrad_definite(gram, r, tol), gram
     spectrum = cosine_spectrum(gram)
-    if gram.shape[0] >= INTERIOR_MIN_COLUMNS:
+    large = gram.shape[0] >= INTERIOR_MIN_COLUMNS
+    if large:
         lifted = _cagrad_lifted(spectrum)
         if lifted is not None:
-            mean = torch.full((gram.shape[0],), 1.0 / gram.shape[0], dtype=torch.float64)
-            r_lift = r * (float(mean @ lifted @ mean) / max(float(mean @ lin), 1e-300)) ** 0.5
-            return _cagrad_definite(lifted, r_lift, tol), lifted
-    factor, _ = eigen_factor(gram, 0.0, spectrum)
+            return _cagrad_definite(lifted, _r_on(lifted, r, lin), tol), lifted
+    factor, _ = eigen_factor(gram, ROUNDING_MULTIPLE if large else 0.0, spectrum)
     coords = factor.T.mean(dim=1)
+    used = factor @ factor.T if large else gram  # cut at the rounding: the search on LLᵀ
+    r_used = _r_on(used, r, lin) if large else r
 
     def solve(rho: float, x0: Tensor | None) -> Tensor:
-        root = (r / rho) ** 0.5
+        root = (r_used / rho) ** 0.5
         return factored_box_qp(factor * root, lin, zeros, True, x0, tol, coords / root)
-    return solve, gram
+    return solve, used
+
+
+def _r_on(gram: Tensor, r: float, lin: Tensor) -> float:
+    """CAGrad's ``r = c‖g₀‖`` on ``gram`` from ``r`` on the Gramian whose ``G1/K`` is
+    ``lin``."""
+    mean = torch.full((gram.shape[0],), 1.0 / gram.shape[0], dtype=torch.float64)
+    ratio = max(float(mean @ gram @ mean), 0.0) / max(float(mean @ lin), 1e-300)
+    return r * math.sqrt(ratio)
 
 
 def _cagrad_definite(gram: Tensor, r: float, tol: float) -> CagradQP:

@@ -270,3 +270,34 @@ def test_cagrad_lifted_meets_its_dual_on_the_lifted_gramian(k: int, dependent: i
     value = float(w @ lin) + r * norm  # the dual's value, min_k gₖ·d* by duality
     expected = scipy_cagrad_value(rows, c)
     assert value == pytest.approx(expected, rel=1e-5, abs=1e-7)
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.integers(64, 80), st.integers(0, 2**31 - 1))
+def test_cagrad_on_near_duplicates_cut_at_the_rounding(k: int, seed: int) -> None:
+    """CAGrad (``c = 0.4``) on the float32 Gramian of ``K/4`` near copies of each of four
+    directions (``1e-6`` relative noise, far below the float32 rounding): the factor is cut
+    at the rounding (four columns), the root search runs on ``LLᵀ``, and the dual's value on
+    the float64 rows is SLSQP's optimum of the primal there (its tolerance, 1e-5)."""
+    c = 0.4
+    gen = torch.Generator().manual_seed(seed)
+    dirs = torch.randn(4, 3 * k, generator=gen, dtype=F64)
+    rows = dirs[torch.arange(k) % 4] + 1e-6 * torch.randn(k, 3 * k, generator=gen, dtype=F64)
+    gram = trace_normalized((rows.float() @ rows.float().T).double())[0]
+    used: list[Tensor] = []
+
+    def spy(*args):  # type: ignore[no-untyped-def]
+        out = cagrad_qp(*args)
+        used.append(out[1])
+        return out
+
+    cagrad_qp = _solvers._cagrad_qp
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_solvers, "_cagrad_qp", spy)
+        w = cagrad_dual(gram, c)
+    assert len(used) == 1 and int(torch.linalg.matrix_rank(used[0])) <= 4
+    g = rows @ rows.T
+    mean = torch.full((k,), 1.0 / k, dtype=F64)
+    lin = g @ mean
+    value = float(w @ lin) + c * float(mean @ lin) ** 0.5 * float(w @ g @ w) ** 0.5
+    assert value == pytest.approx(scipy_cagrad_value(rows, c), rel=1e-5, abs=1e-7)
