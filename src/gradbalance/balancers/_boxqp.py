@@ -926,13 +926,6 @@ def rounding_cut(lam: Tensor, n: int, rounding: float) -> float:
     return max(RANK_RTOL_PER_ROW * n * high, rounding * max(-low, 0.0))
 
 
-def singular_factor(q: Tensor, rounding: float = 0.0) -> Tensor | None:
-    """:func:`psd_factor` of ``Q`` (with its ``rounding`` cut) where its Cholesky
-    factorisation fails (:func:`singular_spectrum`), else None."""
-    spectrum = singular_spectrum(q)
-    return None if spectrum is None else eigen_factor(q, rounding, spectrum)[0]
-
-
 def singular_spectrum(q: Tensor) -> CosineSpectrum | None:
     """:func:`cosine_spectrum` of ``Q`` where its Cholesky factorisation fails (``Q`` not
     positive definite to rounding: a lift or the factor's least squares is the path then),

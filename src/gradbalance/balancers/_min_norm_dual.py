@@ -14,7 +14,7 @@ solves the dual on ``C + εI`` with ``ε = ROUNDING_MULTIPLE·|λ_min(C)|`` (the
 ``C*`` among them, so ``‖C + εI − C*‖₂ ≤ (1 + ROUNDING_MULTIPLE)‖C − C*‖₂``, the bound of the
 least-squares route's eigenvalue cut (:func:`~._boxqp.rounding_cut`), and the value
 ``uᵀCu`` at the answer is within ``ε‖u‖²`` of the minimum on ``C``. It is taken only where
-the rounding's null space is small (:data:`~._boxqp.LIFT_MAX_NULLITY`) and the lifted
+the rounding's null space is small (:data:`~._boxqp.SINGLE_LIFT_MAX_NULLITY`) and the lifted
 matrix well conditioned (``(λ_max + ε)/|λ_min|`` below
 :data:`~._boxqp.CHOLESKY_MAX_COND`); the least squares on the eigen-factor (an interior
 point and Lawson–Hanson, ``O(K³)`` per Newton step) elsewhere. One thread, conflicting rows
@@ -73,17 +73,25 @@ def lifted_min_norm(spectrum: CosineSpectrum, tol: float) -> Tensor | None:
     or None where the lift does not apply: a zero row (the min-norm point is 0 there), no
     negative eigenvalue, a large rounding null space, or a lifted condition number above
     ``CHOLESKY_MAX_COND`` (float64 rows: a lift at float64's rounding)."""
-    norms, lam = spectrum.norms, spectrum.lam
-    n = lam.shape[0]
-    if n != norms.shape[0] or n == 0:
+    got = lifted_cosine(spectrum)
+    if got is None:
         return None
-    lift = single_lift(lam)
-    if lift is None:
-        return None
-    lifted = shifted(spectrum.cosine, lift).div_(n * (1.0 + lift))  # trace 1, as the dual's
+    lifted, lift = got
+    norms = spectrum.norms
+    lifted.div_(norms.shape[0] * (1.0 + lift))  # trace 1, as the dual's
     u = min_norm_dual(lifted, norms.min() / norms, tol)
     weights = u / norms
     return weights / weights.sum()
+
+
+def lifted_cosine(spectrum: CosineSpectrum) -> tuple[Tensor, float] | None:
+    """``(C + εI, ε)`` for the single dual QPs of MGDA, PCD and CAGrad (``C`` the cosine
+    matrix of ``spectrum``, ``ε`` its :func:`single_lift`), or None where the lift does not
+    apply: a zero row (left out of ``C``), or :func:`single_lift` refuses."""
+    if spectrum.lam.shape[0] != spectrum.norms.shape[0] or spectrum.lam.shape[0] == 0:
+        return None
+    lift = single_lift(spectrum.lam)
+    return None if lift is None else (shifted(spectrum.cosine, lift), lift)
 
 
 def single_lift(lam: Tensor) -> float | None:

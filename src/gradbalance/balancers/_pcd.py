@@ -26,8 +26,7 @@ from ._boxqp import (
     solve_box_qp_batched,
 )
 from ._cholesky import cholesky_ex
-from ._min_norm_dual import single_lift
-from ._precond import shifted
+from ._min_norm_dual import lifted_cosine
 from ._solvers import solve_box_qp
 
 __all__ = ["PCD", "pcd_weights"]
@@ -125,7 +124,7 @@ def _singular_weights(gramian: Tensor, taus: Tensor) -> Tensor:
 
 def _lifted_weights(gram: Tensor, taus: Tensor, spectrum: CosineSpectrum) -> Tensor | None:
     """``μ`` of PCD's dual QP on the Gramian lifted off its rounding, ``G' = D(C + εI)D``
-    (``C`` the cosine matrix, ``ε`` its :func:`~gradbalance.balancers._min_norm_dual.single_lift`:
+    (``C`` the cosine matrix, ``ε`` its :func:`~gradbalance.balancers._min_norm_dual.lifted_cosine`:
     a float32 Gramian of rows of which a few are combinations of others), or None where the
     lift does not apply or its answer does not hold on ``G``.
 
@@ -141,14 +140,12 @@ def _lifted_weights(gram: Tensor, taus: Tensor, spectrum: CosineSpectrum) -> Ten
     grows as ``1/ε`` along it, ``‖d − g₁‖`` as ``1/√ε``, and the answer misses one by
     about ``√ε`` of its scale (700–1,600ε in the same tests): above ``LIFT_HOLD·√ε`` it is
     refused and the least-distance program decides."""
-    norms = spectrum.norms
-    n = norms.shape[0]
-    if spectrum.lam.shape[0] != n:  # a zero row
+    got = lifted_cosine(spectrum)
+    if got is None:
         return None
-    lift = single_lift(spectrum.lam)
-    if lift is None:
-        return None
-    d = norms[1:]
+    lifted, lift = got
+    n = lifted.shape[0]
+    d = spectrum.norms[1:]
     b = taus * (d * d) * (1.0 + lift) - gram[1:, 0]  # G'ⱼⱼ = (1 + ε)dⱼ², G'ⱼ₁ = Gⱼ₁
     c = -b / d
     top = float(c.abs().max())
@@ -156,7 +153,7 @@ def _lifted_weights(gram: Tensor, taus: Tensor, spectrum: CosineSpectrum) -> Ten
         return torch.zeros_like(b)
     scale = top * (n - 1)  # c/scale at most 1/(n − 1), as the trace-1 matrix's entries
     trace = (n - 1) * (1.0 + lift)
-    q = shifted(spectrum.cosine[1:, 1:], lift).div_(trace)
+    q = lifted[1:, 1:].div(trace)
     zeros = torch.zeros(1, n - 1, dtype=torch.float64)
     nu = solve_box_qp_batched(q, (c / scale)[None], zeros, well_conditioned=True)[0]
     mu = nu * (scale / trace) / d

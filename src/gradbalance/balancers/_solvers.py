@@ -60,8 +60,8 @@ from ._boxqp import (
 )
 from ._cholesky import cholesky_ex
 from ._cone import scaled_projection
-from ._min_norm_dual import lifted_min_norm, min_norm_dual, single_lift
-from ._precond import shifted, symmetrized
+from ._min_norm_dual import lifted_cosine, lifted_min_norm, min_norm_dual
+from ._precond import symmetrized
 
 __all__ = ["SolverError"]
 
@@ -398,12 +398,13 @@ def cagrad_dual(gram: Tensor, c: float, tol: float = 1e-12, max_iter: int = 200)
     full = _support_root(gram, lin, r, torch.ones(k, dtype=torch.bool))
     if full is not None and _is_cagrad_kkt(gram, lin, r, full[0], full[1], tol):
         return full[1]
-    qp, lifted = _cagrad_qp(gram, lin, r, tol)
-    if lifted is not gram:  # CAGrad on the lifted Gramian throughout: one consistent problem
-        gram = lifted
+    used, factor = _cagrad_problem(gram)
+    if used is not gram:  # the search on G' or LLᵀ throughout: one consistent problem
+        gram = used
         lin = gram @ mean
         r = c * max(float(mean @ lin), 0.0) ** 0.5
         hi = float(torch.diagonal(gram).max()) ** 0.5
+    qp = _cagrad_qp(gram, factor, lin, r, tol)
     state: dict[str, Tensor | None] = {"x": None}  # the first QP starts cold
 
     zero_sq = 1e-24 * hi * hi  # ‖g_w‖² below this counts as a zero-norm combination
@@ -418,75 +419,60 @@ def cagrad_dual(gram: Tensor, c: float, tol: float = 1e-12, max_iter: int = 200)
     return _cagrad_root(gram, lin, r, hi, f, tol, max_iter)
 
 
-CagradQP = Callable[[float, "Tensor | None"], Tensor]
-
-
-def _cagrad_qp(gram: Tensor, lin: Tensor, r: float, tol: float) -> tuple[CagradQP, Tensor]:
-    """``((ρ, x0) ↦ argmin_{w∈Δ} ½ (r/ρ) wᵀGw + wᵀlin`` from ``x0`` (if any), ``G``): the QPs
-    of :func:`cagrad_dual`'s root search and the Gramian they are on. A badly conditioned
-    ``G`` (:func:`_surely_ill`, else :func:`~._boxqp.is_well_conditioned`) is, from
-    ``INTERIOR_MIN_COLUMNS`` tasks on, lifted off its rounding where that applies
-    (:func:`_cagrad_lifted`: the QPs on ``G'``, returned for the caller to take its
-    ``lin`` and ``r`` from), else factored once, ``G ≈ LLᵀ``
-    (:func:`~._boxqp.eigen_factor`), with ``lin = G1/K ≈ L h``, ``h = Lᵀ1/K``, and each QP
-    solved on ``√(r/ρ) L`` with ``h/√(r/ρ)`` (:func:`~._boxqp.factored_box_qp`), the path
-    :func:`solve_box_qp` takes for it, without a decomposition per point. From
-    ``INTERIOR_MIN_COLUMNS`` tasks the factor is cut at ``ROUNDING_MULTIPLE`` times the
-    cosine matrix's most negative eigenvalue, as MGDA's (its rounding-level eigenvalues
-    would each be a dimension of the interior point's Newton steps), and ``LLᵀ`` is
-    returned: the search runs on it (within ``1 + ROUNDING_MULTIPLE`` times the given
-    Gramian's distance from the rows' exact one)."""
-    zeros = torch.zeros(gram.shape[0], dtype=torch.float64)
+def _cagrad_problem(gram: Tensor) -> tuple[Tensor, Tensor | None]:
+    """``(G, L)``: the Gramian :func:`cagrad_dual`'s root search runs on and, where it is
+    not well conditioned, its factor (``G ≈ LLᵀ``, :func:`~._boxqp.eigen_factor`), else None.
+    A badly conditioned ``G`` (:func:`_surely_ill`, else
+    :func:`~._boxqp.is_well_conditioned`) is, from ``INTERIOR_MIN_COLUMNS`` tasks on,
+    lifted off its rounding where that applies (:func:`_cagrad_lifted`: ``(G', None)``),
+    else factored once; from ``INTERIOR_MIN_COLUMNS`` tasks the factor is cut at
+    ``ROUNDING_MULTIPLE`` times the cosine matrix's most negative eigenvalue, as MGDA's (its
+    rounding-level eigenvalues would each be a dimension of the interior point's Newton
+    steps), and the search runs on ``LLᵀ``. ``G'`` and ``LLᵀ`` are within
+    ``1 + ROUNDING_MULTIPLE`` times the given Gramian's distance from the rows' exact one."""
     many = gram.shape[0] >= CG_MIN_SIZE  # there is_well_conditioned is one Cholesky itself
     if (many or not _surely_ill(gram)) and is_well_conditioned(gram):
-        return _cagrad_definite(gram, r, tol), gram
+        return gram, None
     spectrum = cosine_spectrum(gram)
     large = gram.shape[0] >= INTERIOR_MIN_COLUMNS
-    if large:
-        lifted = _cagrad_lifted(spectrum)
-        if lifted is not None:
-            return _cagrad_definite(lifted, _r_on(lifted, r, lin), tol), lifted
+    lifted = _cagrad_lifted(spectrum) if large else None
+    if lifted is not None:
+        return lifted, None
     factor, _ = eigen_factor(gram, ROUNDING_MULTIPLE if large else 0.0, spectrum)
+    return (factor @ factor.T if large else gram), factor
+
+
+def _cagrad_qp(gram: Tensor, factor: Tensor | None, lin: Tensor, r: float,
+               tol: float) -> Callable[[float, Tensor | None], Tensor]:
+    """``(ρ, x0) ↦ argmin_{w∈Δ} ½ (r/ρ) wᵀGw + wᵀlin`` from ``x0`` (if any): the QPs of
+    :func:`cagrad_dual`'s root search on :func:`_cagrad_problem`'s ``G``: the pivoting on a
+    well-conditioned one, else on ``√(r/ρ) L`` with ``lin = G1/K ≈ L h``, ``h = Lᵀ1/K``
+    (:func:`~._boxqp.factored_box_qp`), the path :func:`solve_box_qp` takes for it, without
+    a decomposition per point."""
+    zeros = torch.zeros(gram.shape[0], dtype=torch.float64)
+    if factor is None:
+        return lambda rho, x0: solve_box_qp(gram * (r / rho), lin, zeros, simplex=True, x0=x0,
+                                            tol=tol, well_conditioned=True)
     coords = factor.T.mean(dim=1)
-    used = factor @ factor.T if large else gram  # cut at the rounding: the search on LLᵀ
-    r_used = _r_on(used, r, lin) if large else r
 
     def solve(rho: float, x0: Tensor | None) -> Tensor:
-        root = (r_used / rho) ** 0.5
+        root = (r / rho) ** 0.5
         return factored_box_qp(factor * root, lin, zeros, True, x0, tol, coords / root)
-    return solve, used
-
-
-def _r_on(gram: Tensor, r: float, lin: Tensor) -> float:
-    """CAGrad's ``r = c‖g₀‖`` on ``gram`` from ``r`` on the Gramian whose ``G1/K`` is
-    ``lin``."""
-    mean = torch.full((gram.shape[0],), 1.0 / gram.shape[0], dtype=torch.float64)
-    ratio = max(float(mean @ gram @ mean), 0.0) / max(float(mean @ lin), 1e-300)
-    return r * math.sqrt(ratio)
-
-
-def _cagrad_definite(gram: Tensor, r: float, tol: float) -> CagradQP:
-    """The QPs of :func:`_cagrad_qp` on a well-conditioned ``G`` (``lin = G1/K``)."""
-    zeros = torch.zeros(gram.shape[0], dtype=torch.float64)
-    lin = gram @ torch.full((gram.shape[0],), 1.0 / gram.shape[0], dtype=torch.float64)
-    return lambda rho, x0: solve_box_qp(gram * (r / rho), lin, zeros, simplex=True, x0=x0,
-                                        tol=tol, well_conditioned=True)
+    return solve
 
 
 def _cagrad_lifted(spectrum: CosineSpectrum) -> Tensor | None:
     """``G' = D(C + εI)D`` for CAGrad's root search (``ε``: the single dual QPs' lift of the
-    cosine matrix ``C``, :func:`~._min_norm_dual.single_lift`: a float32 Gramian of rows of
+    cosine matrix ``C``, :func:`~._min_norm_dual.lifted_cosine`: a float32 Gramian of rows of
     which a few are combinations of others; within ``1 + ROUNDING_MULTIPLE`` times the given
     Gramian's distance from the rows' exact one), where ``G'`` is also well conditioned
     (:func:`~._boxqp.is_well_conditioned`: ``D`` can spread ``C + εI``'s condition number
     by ``(max D/min D)²``); None elsewhere (a zero row, no lift)."""
     norms = spectrum.norms
-    if spectrum.lam.shape[0] != norms.shape[0]:
+    got = lifted_cosine(spectrum)
+    if got is None:
         return None
-    lift = single_lift(spectrum.lam)
-    if lift is None:
-        return None
-    lifted = shifted(spectrum.cosine, lift).mul_(torch.outer(norms, norms))
+    lifted = got[0].mul_(torch.outer(norms, norms))
     return lifted if is_well_conditioned(lifted) else None
 
 

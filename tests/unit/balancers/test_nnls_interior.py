@@ -173,13 +173,13 @@ def _min_norm_kkt(gram: Tensor, w: Tensor) -> None:
 
 @settings(max_examples=25, deadline=None)
 @given(st.integers(3, 40), st.integers(1, 6), st.integers(0, 3), st.integers(0, 2**31 - 1))
-def test_singular_factor_decides_and_min_norm_is_exact(k: int, rank: int, zero_rows: int,
+def test_singular_spectrum_decides_and_min_norm_is_exact(k: int, rank: int, zero_rows: int,
                                                        seed: int) -> None:
     # Rows of rank ≤ 6 (with exact zero rows, which no Cholesky factorisation passes) or
-    # K independent ones: ``singular_factor`` is None exactly for the definite Gramian, else
-    # psd_factor's (LLᵀ = G to rounding); MGDA's min-norm point through either path meets
-    # its KKT conditions and SLSQP's value.
-    from gradbalance.balancers._boxqp import psd_factor, singular_factor
+    # K independent ones: ``singular_spectrum`` is None exactly for the definite Gramian,
+    # else its factor is psd_factor's (LLᵀ = G to rounding); MGDA's min-norm point through
+    # either path meets its KKT conditions and SLSQP's value.
+    from gradbalance.balancers._boxqp import eigen_factor, psd_factor, singular_spectrum
     from gradbalance.balancers._solvers import min_norm_simplex
 
     gen = torch.Generator().manual_seed(seed)
@@ -187,14 +187,15 @@ def test_singular_factor_decides_and_min_norm_is_exact(k: int, rank: int, zero_r
     width = k + 3 if definite else rank
     rows = torch.randn(k, width, generator=gen, dtype=F64) @ torch.randn(
         width, 50, generator=gen, dtype=F64)
-    rows[:zero_rows] = 0.0
+    rows[:min(zero_rows, k - 1)] = 0.0  # one row left: an all-zero Gramian has no trace
     gram = rows @ rows.T
     gram = gram / gram.trace()
-    factor = singular_factor(gram)
+    spectrum = singular_spectrum(gram)
     if definite:
-        assert factor is None
+        assert spectrum is None
     if zero_rows:
-        assert factor is not None
+        assert spectrum is not None
+        factor, _ = eigen_factor(gram, 0.0, spectrum)
         assert torch.equal(factor, psd_factor(gram))
         torch.testing.assert_close(factor @ factor.T, gram, rtol=0, atol=1e-12)
     _min_norm_kkt(gram, min_norm_simplex(gram))

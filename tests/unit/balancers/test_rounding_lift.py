@@ -246,13 +246,13 @@ def test_cagrad_lifted_meets_its_dual_on_the_lifted_gramian(k: int, dependent: i
     routes: list[bool] = []
 
     def spy(*args):  # type: ignore[no-untyped-def]
-        out = cagrad_qp(*args)
-        routes.append(out[1] is not args[0])  # the QPs on G', not on G
+        out = cagrad_problem(*args)
+        routes.append(out[0] is not args[0] and out[1] is None)  # the QPs on G', not on G
         return out
 
-    cagrad_qp = _solvers._cagrad_qp
+    cagrad_problem = _solvers._cagrad_problem
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_solvers, "_cagrad_qp", spy)
+        mp.setattr(_solvers, "_cagrad_problem", spy)
         w = cagrad_dual(gram, c)
     # [] : every task in the support, no QP; not lifted only where G passes as definite
     assert routes in ([], [True]) or _boxqp.is_well_conditioned(gram)
@@ -287,13 +287,13 @@ def test_cagrad_on_near_duplicates_cut_at_the_rounding(k: int, seed: int) -> Non
     used: list[Tensor] = []
 
     def spy(*args):  # type: ignore[no-untyped-def]
-        out = cagrad_qp(*args)
-        used.append(out[1])
+        out = cagrad_problem(*args)
+        used.append(out[0])
         return out
 
-    cagrad_qp = _solvers._cagrad_qp
+    cagrad_problem = _solvers._cagrad_problem
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_solvers, "_cagrad_qp", spy)
+        mp.setattr(_solvers, "_cagrad_problem", spy)
         w = cagrad_dual(gram, c)
     assert len(used) == 1 and int(torch.linalg.matrix_rank(used[0])) <= 4
     g = rows @ rows.T
