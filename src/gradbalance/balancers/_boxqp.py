@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 from ._active_set import box_active_set, solve_free
-from ._cholesky import cholesky_ex
+from ._cholesky import Factor, cholesky_ex
 from ._interior import interior_nnls
 from ._pcg import pcg_free, rough_free_sets
 from ._precond import (
@@ -150,14 +150,14 @@ _EPS = torch.finfo(torch.float64).eps
 _norm = torch.linalg.vector_norm  # the direct kernel: Tensor.norm dispatches in Python first
 
 
-def is_well_conditioned(q: Tensor) -> bool:
+def is_well_conditioned(q: Tensor, factor: Factor | None = None) -> bool:
     """``Q`` symmetric positive definite with condition number below ``1e10`` (one host sync
     below ``CG_MIN_SIZE`` tasks: the eigenvalues). From ``CG_MIN_SIZE`` tasks on one Cholesky
     factorisation and inverse decide where their bounds do (:func:`certified_inverse`; a
     third of the eigenvalues' cost: 42 against 94 ms at ``K = 1,024``), the eigenvalues only
-    where they leave it open."""
+    where they leave it open. ``factor``: ``Q``'s Cholesky factor where the caller has it."""
     if q.shape[0] >= CG_MIN_SIZE:
-        verdict, _ = _cholesky_verdict(q)
+        verdict, _ = _cholesky_verdict(q, factor)
         if verdict is not None:
             return verdict
     return _conditioning(q)[0]
@@ -189,12 +189,14 @@ def full_rank_inverse(q: Tensor) -> Tensor | None:
     return h if top * FULL_RANK_MIN_EIGEN * float(torch.trace(q)) <= q.shape[0] else None
 
 
-def _cholesky_verdict(q: Tensor) -> tuple[bool | None, Tensor | None]:
+def _cholesky_verdict(q: Tensor,
+                      factor: Factor | None = None) -> tuple[bool | None, Tensor | None]:
     """``(verdict, Q⁻¹)`` of :func:`certified_inverse`'s bounds: ``(True, Q⁻¹)`` proven well
     conditioned, ``(False, None)`` surely not (the factorisation failed: not positive
     definite to float64's resolution, a condition number above ``1e13``; or the lower
-    bound), ``(None, None)`` open (the upper bound is above the limit)."""
-    chol, info = cholesky_ex(q)
+    bound), ``(None, None)`` open (the upper bound is above the limit). ``factor``: ``Q``'s
+    Cholesky factor, computed here when None."""
+    chol, info = cholesky_ex(q) if factor is None else factor
     if int(info) != 0:
         return False, None
     pivots = torch.diagonal(chol).square()
@@ -475,15 +477,22 @@ def _pivot_loop(q: Tensor, shift: Tensor, lower: Tensor, simplex: bool, free0: T
     return x, done
 
 
+#: ``F ↦`` the Cholesky factor of ``Q_FF`` (``F``: the increasing free indices), for
+#: :func:`pivot_single`: a caller's kept factors (:class:`~._cholesky.BlockFactors`).
+FactorOf = Callable[[list[int]], Factor]
+
+
 def _solve_free_single(q: Tensor, shift: Tensor, idx: list[int], simplex: bool,
-                       total: float) -> Tensor | None:
+                       total: float, factor_of: FactorOf | None = None) -> Tensor | None:
     """``y`` ``[K]`` with ``Q_FF y_F = −shift_F`` (``+ ν1`` and ``1ᵀy_F = total`` with the
-    simplex) on the free indices ``idx``, zero elsewhere; None if the Cholesky fails."""
+    simplex) on the free indices ``idx``, zero elsewhere (``Q_FF``'s factor from
+    ``factor_of`` where given); None if the Cholesky fails."""
     y = torch.zeros(shift.shape[0], dtype=q.dtype)
     if not idx:
         return y
     sel = torch.tensor(idx)
-    chol, info = cholesky_ex(q[sel][:, sel])
+    chol, info = (cholesky_ex(q.index_select(0, sel).index_select(1, sel))
+                  if factor_of is None else factor_of(idx))
     if int(info) != 0:
         return None
     rhs = -shift[sel]
@@ -518,15 +527,16 @@ def _exchange_single(free: list[bool], bad: list[int], block: bool, simplex: boo
         free[min(range(len(free)), key=w_l.__getitem__)] = True
 
 
-def _pivot_single(
+def pivot_single(
     q: Tensor, c: Tensor, lower: Tensor, simplex: bool, free0: list[bool], tol: float,
-    max_iter: int,
+    max_iter: int, factor_of: FactorOf | None = None,
 ) -> Tensor | None:
     """:func:`solve_lcp_pivoting` for one problem (``c``, ``lower`` ``[K]``).
 
     The same iterations, with the pivoting decisions made on Python lists (one host sync per
     iteration) and the subproblem solved on the free indices only: a few tensor operations
     per iteration instead of dozens of masked ones. None when it does not finish.
+    ``factor_of``: the factors of ``Q``'s free blocks where the caller keeps them.
     """
     k = c.shape[0]
     shift = lower @ q + c
@@ -535,7 +545,7 @@ def _pivot_single(
     best, chances = k + 1, 3
     for _ in range(max_iter):
         idx = [i for i in range(k) if free[i]]
-        y = _solve_free_single(q, shift, idx, simplex, total)
+        y = _solve_free_single(q, shift, idx, simplex, total, factor_of)
         if y is None:
             return None
         bad, w_l = _infeasible_single(q, shift, y, free, idx, simplex, tol)
@@ -1054,7 +1064,7 @@ def _pivot_all(q: Tensor, c: Tensor, lower: Tensor, simplex: bool, x: Tensor,
     b, k = c.shape
     budget = 10 + 3 * k
     if b == 1:
-        single = _pivot_single(q, c[0], lower[0], simplex, (x[0] > lower[0]).tolist(), tol,
+        single = pivot_single(q, c[0], lower[0], simplex, (x[0] > lower[0]).tolist(), tol,
                                budget)
         return None if single is None else single[None]
     pivot = None

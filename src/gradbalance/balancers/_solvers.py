@@ -55,10 +55,11 @@ from ._boxqp import (
     factored_box_qp,
     is_well_conditioned,
     min_norm_ls,
+    pivot_single,
     singular_spectrum,
     solve_box_qp_batched,
 )
-from ._cholesky import cholesky_ex
+from ._cholesky import BlockFactors, Factor
 from ._cone import scaled_projection
 from ._min_norm_dual import lifted_cosine, lifted_min_norm, min_norm_dual
 from ._precond import symmetrized
@@ -294,8 +295,8 @@ def dual_cone_two(gram: Tensor, u: Tensor) -> Tensor:
     return torch.tensor(rows, dtype=torch.float64)
 
 
-def _support_root(gram: Tensor, lin: Tensor, r: float,
-                  support: Tensor) -> tuple[float, Tensor] | None:
+def _support_root(gram: Tensor, lin: Tensor, r: float, support: Tensor,
+                  blocks: BlockFactors | None = None) -> tuple[float, Tensor] | None:
     """``(ρ*, w(ρ*))`` of CAGrad's norm equation on a fixed support, or None.
 
     On a fixed support ``F`` (``G_FF`` positive definite) the simplex QP of
@@ -305,12 +306,13 @@ def _support_root(gram: Tensor, lin: Tensor, r: float,
     ``‖g_{w(ρ)}‖² = 1/a + C ρ²`` with ``C = w₁ᵀG w₁``, and ``‖g_w‖ = ρ`` gives
     ``ρ* = (a (1 − C))^{-1/2}`` (no root on this support when ``C ≥ 1``). ``w(ρ*)`` is the
     optimum if it is feasible and no task off the support wants in (:func:`_is_cagrad_kkt`).
+    ``blocks``: the factors of ``G``'s blocks kept by the search, ``C = ‖Lᵀw₁‖²`` with
+    ``G_FF = LLᵀ``.
     """
     idx = torch.nonzero(support).flatten()
     if idx.numel() == 0:
         return None
-    sub = gram[idx][:, idx]
-    chol, info = cholesky_ex(sub)
+    chol, info = (BlockFactors(gram) if blocks is None else blocks).factor(idx.tolist())
     if int(info) != 0:
         return None
     ones = torch.ones(idx.numel(), dtype=torch.float64)
@@ -319,7 +321,7 @@ def _support_root(gram: Tensor, lin: Tensor, r: float,
     if not a > 0.0:
         return None
     w1 = (beta / a * y[:, 0] - y[:, 1]) / r
-    curv = float(w1 @ sub @ w1)
+    curv = float(torch.linalg.vector_norm(chol.mT @ w1).square())
     if not curv < 1.0:
         return None
     rho = (a * (1.0 - curv)) ** -0.5
@@ -395,16 +397,18 @@ def cagrad_dual(gram: Tensor, c: float, tol: float = 1e-12, max_iter: int = 200)
         if two is not None:
             return two
     # Every task in the support: often right, then no QP at all.
-    full = _support_root(gram, lin, r, torch.ones(k, dtype=torch.bool))
+    blocks = BlockFactors(gram)  # each support factorised once (its QP, root and next QP)
+    full = _support_root(gram, lin, r, torch.ones(k, dtype=torch.bool), blocks)
     if full is not None and _is_cagrad_kkt(gram, lin, r, full[0], full[1], tol):
         return full[1]
-    used, factor = _cagrad_problem(gram)
+    used, factor = _cagrad_problem(gram, blocks)
     if used is not gram:  # the search on G' or LLᵀ throughout: one consistent problem
         gram = used
         lin = gram @ mean
         r = c * max(float(mean @ lin), 0.0) ** 0.5
         hi = float(torch.diagonal(gram).max()) ** 0.5
-    qp = _cagrad_qp(gram, factor, lin, r, tol)
+        blocks = BlockFactors(gram)
+    qp = _cagrad_qp(gram, factor, lin, r, tol, blocks)
     state: dict[str, Tensor | None] = {"x": None}  # the first QP starts cold
 
     zero_sq = 1e-24 * hi * hi  # ‖g_w‖² below this counts as a zero-norm combination
@@ -416,10 +420,10 @@ def cagrad_dual(gram: Tensor, c: float, tol: float = 1e-12, max_iter: int = 200)
         norm_sq = float(w @ gram @ w)
         return (float("nan") if norm_sq <= zero_sq else 1.0 - norm_sq / (rho * rho)), w
 
-    return _cagrad_root(gram, lin, r, hi, f, tol, max_iter)
+    return _cagrad_root(gram, lin, r, hi, f, tol, max_iter, blocks)
 
 
-def _cagrad_problem(gram: Tensor) -> tuple[Tensor, Tensor | None]:
+def _cagrad_problem(gram: Tensor, blocks: BlockFactors) -> tuple[Tensor, Tensor | None]:
     """``(G, L)``: the Gramian :func:`cagrad_dual`'s root search runs on and, where it is
     not well conditioned, its factor (``G ≈ LLᵀ``, :func:`~._boxqp.eigen_factor`), else None.
     A badly conditioned ``G`` (:func:`_surely_ill`, else
@@ -429,9 +433,12 @@ def _cagrad_problem(gram: Tensor) -> tuple[Tensor, Tensor | None]:
     ``ROUNDING_MULTIPLE`` times the cosine matrix's most negative eigenvalue, as MGDA's (its
     rounding-level eigenvalues would each be a dimension of the interior point's Newton
     steps), and the search runs on ``LLᵀ``. ``G'`` and ``LLᵀ`` are within
-    ``1 + ROUNDING_MULTIPLE`` times the given Gramian's distance from the rows' exact one."""
-    many = gram.shape[0] >= CG_MIN_SIZE  # there is_well_conditioned is one Cholesky itself
-    if (many or not _surely_ill(gram)) and is_well_conditioned(gram):
+    ``1 + ROUNDING_MULTIPLE`` times the given Gramian's distance from the rows' exact one.
+    ``blocks``: ``G``'s kept factors (the whole one among them)."""
+    k = gram.shape[0]
+    whole = blocks.factor(list(range(k)))
+    many = k >= CG_MIN_SIZE  # there is_well_conditioned is one Cholesky itself
+    if (many or not _surely_ill(whole)) and is_well_conditioned(gram, whole):
         return gram, None
     spectrum = cosine_spectrum(gram)
     large = gram.shape[0] >= INTERIOR_MIN_COLUMNS
@@ -442,17 +449,31 @@ def _cagrad_problem(gram: Tensor) -> tuple[Tensor, Tensor | None]:
     return (factor @ factor.T if large else gram), factor
 
 
-def _cagrad_qp(gram: Tensor, factor: Tensor | None, lin: Tensor, r: float,
-               tol: float) -> Callable[[float, Tensor | None], Tensor]:
+def _cagrad_qp(gram: Tensor, factor: Tensor | None, lin: Tensor, r: float, tol: float,
+               blocks: BlockFactors) -> Callable[[float, Tensor | None], Tensor]:
     """``(ρ, x0) ↦ argmin_{w∈Δ} ½ (r/ρ) wᵀGw + wᵀlin`` from ``x0`` (if any): the QPs of
     :func:`cagrad_dual`'s root search on :func:`_cagrad_problem`'s ``G``: the pivoting on a
-    well-conditioned one, else on ``√(r/ρ) L`` with ``lin = G1/K ≈ L h``, ``h = Lᵀ1/K``
-    (:func:`~._boxqp.factored_box_qp`), the path :func:`solve_box_qp` takes for it, without
-    a decomposition per point."""
-    zeros = torch.zeros(gram.shape[0], dtype=torch.float64)
+    well-conditioned one (:func:`~._boxqp.pivot_single`, each free block's factor
+    ``√(r/ρ) L_FF`` from ``blocks``; :func:`solve_box_qp` where it does not finish), else on
+    ``√(r/ρ) L`` with ``lin = G1/K ≈ L h``, ``h = Lᵀ1/K`` (:func:`~._boxqp.factored_box_qp`),
+    the path :func:`solve_box_qp` takes for it, without a decomposition per point."""
+    k = gram.shape[0]
+    zeros = torch.zeros(k, dtype=torch.float64)
     if factor is None:
-        return lambda rho, x0: solve_box_qp(gram * (r / rho), lin, zeros, simplex=True, x0=x0,
-                                            tol=tol, well_conditioned=True)
+        def pivoted(rho: float, x0: Tensor | None) -> Tensor:
+            scale = r / rho
+            q, root = gram * scale, scale ** 0.5
+
+            def factor_of(idx: list[int]) -> Factor:
+                low, info = blocks.factor(idx)
+                return Factor(low * root, info)
+            free0 = [True] * k if x0 is None else (x0 > 0.0).tolist()
+            got = pivot_single(q, lin, zeros, True, free0, tol, 10 + 3 * k, factor_of)
+            if got is not None:
+                return got
+            return solve_box_qp(q, lin, zeros, simplex=True, x0=x0, tol=tol,
+                                well_conditioned=True)
+        return pivoted
     coords = factor.T.mean(dim=1)
 
     def solve(rho: float, x0: Tensor | None) -> Tensor:
@@ -476,13 +497,14 @@ def _cagrad_lifted(spectrum: CosineSpectrum) -> Tensor | None:
     return lifted if is_well_conditioned(lifted) else None
 
 
-def _surely_ill(gram: Tensor) -> bool:
+def _surely_ill(whole: Factor) -> bool:
     """Whether ``G`` is certainly not :func:`~._boxqp.is_well_conditioned` (condition number
     at least ``1e10``), from a Cholesky factorisation (``K³/3`` against an eigenvalue
     decomposition): it fails (not positive definite in float64), or its pivots ``Lᵢᵢ²`` span
     more than ``10 · 1e10``; ``λ_min ≤ min Lᵢᵢ² ≤ max Lᵢᵢ² ≤ λ_max`` (each pivot is
-    ``1/((G_{:i,:i})⁻¹)ᵢᵢ ≥ λ_min`` and at most ``Gᵢᵢ``), the factor 10 for rounding."""
-    chol, info = cholesky_ex(gram)
+    ``1/((G_{:i,:i})⁻¹)ᵢᵢ ≥ λ_min`` and at most ``Gᵢᵢ``), the factor 10 for rounding.
+    ``whole``: ``G``'s factor."""
+    chol, info = whole
     if int(info) != 0:
         return True
     pivots = torch.diagonal(chol).square()
@@ -581,12 +603,13 @@ class _Bracket:
 
 
 def _next_rho(gram: Tensor, lin: Tensor, r: float, bracket: _Bracket, rho: float,
-              w: Tensor, floor: float, tol: float) -> tuple[float, Tensor | None]:
+              w: Tensor, floor: float, tol: float,
+              blocks: BlockFactors | None = None) -> tuple[float, Tensor | None]:
     """The next ``ρ`` of :func:`_cagrad_root` after ``ρ`` gave ``w``: the exact root on
     ``w``'s support (:func:`_support_root`) when it lies inside the bracket, with its weights
     when they are already optimal (KKT), else the bracket's fallback step."""
     bisect = bracket.bisect_due()
-    root = None if bisect else _support_root(gram, lin, r, w > 0)
+    root = None if bisect else _support_root(gram, lin, r, w > 0, blocks)
     if root is None or not bracket.inside(root[0]) or root[0] == rho:
         return bracket.fallback(rho, floor, bisect), None
     if _is_cagrad_kkt(gram, lin, r, root[0], root[1], tol):
@@ -596,7 +619,7 @@ def _next_rho(gram: Tensor, lin: Tensor, r: float, bracket: _Bracket, rho: float
 
 def _cagrad_root(gram: Tensor, lin: Tensor, r: float, hi: float,
                  f: Callable[[float], tuple[float, Tensor]], tol: float,
-                 max_iter: int) -> Tensor:
+                 max_iter: int, blocks: BlockFactors | None = None) -> Tensor:
     """The safeguarded root search of :func:`cagrad_dual` over ``ρ ∈ (0, hi]``.
 
     A NaN from ``f`` flags ``g_{w(ρ)} = 0``: that ``w`` minimises both terms of every smaller
@@ -618,7 +641,7 @@ def _cagrad_root(gram: Tensor, lin: Tensor, r: float, hi: float,
     bracket = _Bracket(0.0, -math.inf, hi, f_hi, psi_hi=-hi * hi * f_hi)
     rho, w_mid = hi, w_hi
     for _ in range(max_iter):
-        rho, optimum = _next_rho(gram, lin, r, bracket, rho, w_mid, floor, tol)
+        rho, optimum = _next_rho(gram, lin, r, bracket, rho, w_mid, floor, tol, blocks)
         if optimum is not None:
             return optimum
         f_mid, w_mid = f(rho)

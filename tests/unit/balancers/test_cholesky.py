@@ -95,3 +95,39 @@ def test_every_solver_factorises_through_the_one_place() -> None:
                     and ("linalg.cholesky_ex(" in path.read_text()
                          or "linalg.cholesky(" in path.read_text()))
     assert direct == []
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(3, 40), seed=st.integers(0, 2**16), data=st.data())
+def test_block_factors_are_the_blocks_own_and_kept(n: int, seed: int,
+                                                   data: st.DataObject) -> None:
+    """``BlockFactors.factor(F)`` is the factor of the principal block ``A_FF`` (``torch``'s
+    ``potrf`` of the block gathered by hand: the factor with a positive diagonal is unique),
+    the same object while the block is among the ``KEPT_BLOCKS`` most recently used, and a
+    fresh factorisation (equal again) once it has been pushed out."""
+    a = _spd(n, seed, 1e4)
+    blocks = _cholesky.BlockFactors(a)
+    sets = [sorted(data.draw(st.sets(st.integers(0, n - 1), min_size=1), label=f"F{i}"))
+            for i in range(_cholesky.KEPT_BLOCKS + 1)]
+    sets = [list(s) for s in dict.fromkeys(tuple(s) for s in sets)]  # distinct sets
+    first = blocks.factor(sets[0])
+    for idx in sets:
+        got = blocks.factor(idx)
+        sel = torch.tensor(idx)
+        own = torch.linalg.cholesky(a[sel][:, sel])
+        assert int(got.info) == 0
+        assert torch.allclose(got.L, own, rtol=0.0, atol=64 * EPS * float(a.abs().max()))
+        assert blocks.factor(idx) is got  # kept: the same factor, no second factorisation
+    whole = blocks.factor(list(range(n)))
+    assert torch.allclose(whole.L @ whole.L.T, a, rtol=0.0, atol=64 * n * EPS)
+    others = {tuple(s) for s in sets[1:]} | {tuple(range(n))}  # used after sets[0]
+    pushed_out = len(others - {tuple(sets[0])}) >= _cholesky.KEPT_BLOCKS
+    assert (blocks.factor(sets[0]) is first) != pushed_out
+
+
+def test_block_factors_report_a_block_that_is_not_positive_definite() -> None:
+    """``info`` is the order of the first failing leading minor of the block, as LAPACK's."""
+    a = torch.tensor([[1.0, 2.0, 0.0], [2.0, 1.0, 0.0], [0.0, 0.0, 1.0]], dtype=F64)
+    blocks = _cholesky.BlockFactors(a)
+    assert int(blocks.factor([0, 1]).info) == 2
+    assert int(blocks.factor([0, 2]).info) == 0
