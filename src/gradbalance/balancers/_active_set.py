@@ -21,7 +21,7 @@ import math
 import torch
 from torch import Tensor
 
-from ._cholesky import cholesky_ex
+from ._cholesky import cholesky_ex, cholesky_solve
 from ._passive_factor import Block, PassiveFactor
 
 _EPS = torch.finfo(torch.float64).eps
@@ -99,10 +99,10 @@ def _solve_block(block: Tensor, r: Tensor, vf: Tensor,
     ``vfᵀz = total`` if given), zero elsewhere; ``info`` the factorisation's."""
     chol, info = cholesky_ex(block)
     if total is not None:
-        sol = torch.cholesky_solve(torch.stack([r, vf], dim=-1), chol)
+        sol = cholesky_solve(torch.stack([r, vf], dim=-1), chol)
         nu = (total - sol[..., 0].sum(dim=1)) / sol[..., 1].sum(dim=1).clamp_min(1e-300)
         return (sol[..., 0] + nu[:, None] * sol[..., 1]) * vf, info
-    return torch.cholesky_solve(r[..., None], chol)[..., 0] * vf, info
+    return cholesky_solve(r[..., None], chol)[..., 0] * vf, info
 
 
 def _product(y: Tensor, q: Tensor) -> Tensor:

@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 from ._active_set import box_active_set, solve_free
-from ._cholesky import Factor, cholesky_ex
+from ._cholesky import Factor, cholesky_ex, cholesky_solve
 from ._interior import interior_nnls
 from ._pcg import pcg_free, rough_free_sets
 from ._precond import (
@@ -497,11 +497,11 @@ def _solve_free_single(q: Tensor, shift: Tensor, idx: list[int], simplex: bool,
         return None
     rhs = -shift[sel]
     if simplex:
-        sol = torch.cholesky_solve(torch.stack([rhs, torch.ones_like(rhs)], 1), chol)
+        sol = cholesky_solve(torch.stack([rhs, torch.ones_like(rhs)], 1), chol)
         nu = (total - sol[:, 0].sum()) / sol[:, 1].sum()
         y[sel] = sol[:, 0] + nu * sol[:, 1]
     else:
-        y[sel] = torch.cholesky_solve(rhs[:, None], chol)[:, 0]
+        y[sel] = cholesky_solve(rhs[:, None], chol)[:, 0]
     return y
 
 

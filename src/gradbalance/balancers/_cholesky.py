@@ -69,6 +69,17 @@ def cholesky_ex(a: Tensor) -> Factor:
     return Factor(low.tril_(), torch.tensor(0, dtype=torch.int32))
 
 
+def cholesky_solve(rhs: Tensor, low: Tensor) -> Tensor:
+    """``A⁻¹ rhs`` from ``A``'s lower Cholesky factor ``low`` (``[..., n, n]``, ``rhs``
+    ``[..., n, k]``), as :func:`torch.cholesky_solve` (the same two triangular solves, rounding
+    of the same size), by :func:`torch.linalg.solve_triangular` twice: on one thread
+    ``torch.cholesky_solve`` took 5–10× as long (``n = 1,024``, one right-hand side: 1.7
+    against 0.3 ms; 256 problems of ``n = 128``: 17 against 2 ms)."""
+    half = torch.linalg.solve_triangular(low, rhs, upper=False)
+    out: Tensor = torch.linalg.solve_triangular(low.mT, half, upper=True)
+    return out
+
+
 class BlockFactors:
     """The Cholesky factors of the principal blocks ``Q_FF`` of one matrix ``Q``, by index set
     ``F`` (:func:`cholesky_ex`), the ``KEPT_BLOCKS`` most recently used kept.

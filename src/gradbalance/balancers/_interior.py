@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ._cholesky import cholesky_ex
+from ._cholesky import cholesky_ex, cholesky_solve
 
 #: Iterations at most.
 MAX_ITERATIONS = 60
@@ -72,7 +72,7 @@ def _newton(u: Tensor, h: Tensor | None, d: Tensor) -> Callable[[Tensor], Tensor
         chol, info = cholesky_ex(h + torch.diag(d))
         if int(info) != 0:
             return None
-        return lambda rhs: torch.cholesky_solve(rhs[:, None], chol)[:, 0]
+        return lambda rhs: cholesky_solve(rhs[:, None], chol)[:, 0]
     ud = u / d
     small = ud @ u.T
     small.diagonal().add_(1.0)
@@ -82,7 +82,7 @@ def _newton(u: Tensor, h: Tensor | None, d: Tensor) -> Callable[[Tensor], Tensor
 
     def solve(rhs: Tensor) -> Tensor:
         t = rhs / d
-        return t - torch.cholesky_solve((u @ t)[:, None], chol)[:, 0] @ ud
+        return t - cholesky_solve((u @ t)[:, None], chol)[:, 0] @ ud
     return solve
 
 

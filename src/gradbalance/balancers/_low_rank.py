@@ -41,7 +41,7 @@ from torch import Tensor
 
 from ._active_set import SCHUR_RTOL_PER_ROW, _to_boundary
 from ._boxqp import ROUNDING_MULTIPLE, eigen_factor
-from ._cholesky import cholesky_ex
+from ._cholesky import cholesky_ex, cholesky_solve
 from ._zero_cone import interior_null, zero_cone_box
 
 #: Fewest tasks for which the low-rank route is tried (below, the dense solve is cheap).
@@ -187,7 +187,7 @@ def _columns(factor: Tensor, idx: Tensor, valid: Tensor) -> Tensor:
 def _solve(chol: Tensor, cols: Tensor, a: Tensor, valid: Tensor) -> Tensor:
     """``z`` ``[B, m]`` minimising ``‖a + Σₛ zₛ colsₛ‖`` on the valid entries from the
     factor ``chol`` of ``cols colsᵀ`` (zero elsewhere; NaN rows where it is not finite)."""
-    z = torch.cholesky_solve(-(cols @ a[..., None]), chol)[..., 0] * valid.to(a.dtype)
+    z = cholesky_solve(-(cols @ a[..., None]), chol)[..., 0] * valid.to(a.dtype)
     return z.masked_fill_(~torch.isfinite(z).all(dim=1, keepdim=True), math.nan)
 
 

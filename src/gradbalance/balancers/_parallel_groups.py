@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ._cholesky import cholesky_ex
+from ._cholesky import cholesky_ex, cholesky_solve
 from ._precond import symmetrized
 
 #: Fewest tasks for which groups are looked for (below, the dense solve is cheap).
@@ -161,7 +161,7 @@ def _collapsed_solve(cos: Tensor, low: Tensor, groups: Groups, reduced: Solve) -
     f_factor, info = cholesky_ex(cos[free][:, free])
     if int(info) != 0:
         return None
-    proj = torch.cholesky_solve(c_kf.T, f_factor)  # C_TT⁻¹ C_TR  [|T|, |R|]
+    proj = cholesky_solve(c_kf.T, f_factor)  # C_TT⁻¹ C_TR  [|T|, |R|]
     schur = cos[keep][:, keep] - c_kf @ proj
     z = _reduced(symmetrized(schur), z_low, reduced)
     t = torch.zeros_like(low)

@@ -59,7 +59,7 @@ from ._boxqp import (
     singular_spectrum,
     solve_box_qp_batched,
 )
-from ._cholesky import BlockFactors, Factor
+from ._cholesky import BlockFactors, Factor, cholesky_solve
 from ._cone import scaled_projection
 from ._min_norm_dual import lifted_cosine, lifted_min_norm, min_norm_dual
 from ._precond import symmetrized
@@ -316,7 +316,7 @@ def _support_root(gram: Tensor, lin: Tensor, r: float, support: Tensor,
     if int(info) != 0:
         return None
     ones = torch.ones(idx.numel(), dtype=torch.float64)
-    y = torch.cholesky_solve(torch.stack([ones, lin[idx]], dim=1), chol)
+    y = cholesky_solve(torch.stack([ones, lin[idx]], dim=1), chol)
     a, beta = float(y[:, 0].sum()), float(y[:, 1].sum())
     if not a > 0.0:
         return None
