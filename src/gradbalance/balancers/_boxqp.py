@@ -53,6 +53,7 @@ from ._precond import (
     Preconditioner,
     SetupCache,
     deflated,
+    either,
     preconditioner_inverse,
     row_dot,
     shifted,
@@ -287,9 +288,12 @@ def _exchange(free: Tensor, bad: Tensor, block: Tensor, simplex: bool, w: Tensor
     """The next free sets: every index in ``bad`` changes side where ``block``, else only the
     largest (Murty); with the simplex an empty free set gets the index of the smallest ``w``
     (``Σy = total > 0`` needs a free index: the most attractive one)."""
-    last = bad.shape[1] - 1 - bad.flip(1).to(torch.uint8).argmax(dim=1, keepdim=True)
-    single = torch.zeros_like(bad).scatter_(1, last, True)
-    free = free ^ torch.where(block[:, None], bad, single & bad)
+    if bool(block.all()):
+        free = free ^ bad
+    else:
+        last = bad.shape[1] - 1 - bad.flip(1).to(torch.uint8).argmax(dim=1, keepdim=True)
+        single = torch.zeros_like(bad).scatter_(1, last, True)
+        free = free ^ (bad & (single | block[:, None]))
     if simplex:
         none_free = ~free.any(dim=1, keepdim=True)
         smallest = torch.zeros_like(free).scatter_(1, w.argmin(dim=1, keepdim=True), True)
@@ -449,7 +453,7 @@ def _pivot_loop(q: Tensor, shift: Tensor, lower: Tensor, simplex: bool, free0: T
             return None
         y, exact, yq = solved
         w = _multipliers(yq, shift, free, simplex)
-        bad = torch.where(free, y < -tol, w < -threshold(rows, y, yq))
+        bad = either(free, y < -tol, w < -threshold(rows, y, yq))
         count = bad.sum(dim=1)
         failed = y.sum(dim=1).isnan()  # a free block that did not factorise: left open
         finished = (count == 0) & exact & ~failed

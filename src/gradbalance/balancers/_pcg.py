@@ -19,7 +19,14 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from ._precond import Preconditioner, SetupCache, row_dot, sparse_count, sparse_product
+from ._precond import (
+    Preconditioner,
+    SetupCache,
+    either,
+    row_dot,
+    sparse_count,
+    sparse_product,
+)
 from ._projected import Plan, projected_start
 
 _norm = torch.linalg.vector_norm  # the direct kernel: Tensor.norm dispatches in Python first
@@ -264,8 +271,8 @@ def _pivot(live: _Live, due: Tensor, rhs: Tensor, out_free: Tensor,
     rows = live.rows.index_select(0, idx)
     y, f = live.y.index_select(0, idx), live.f.index_select(0, idx) > 0
     w = live.yq.index_select(0, idx).sub_(rhs.index_select(0, rows))
-    bad = torch.where(f, y < -ROUGH_MARGIN * y.abs().amax(dim=1, keepdim=True),
-                      w < -ROUGH_MARGIN * w.abs().amax(dim=1, keepdim=True))
+    bad = either(f, y < -ROUGH_MARGIN * y.abs().amax(dim=1, keepdim=True),
+                 w < -ROUGH_MARGIN * w.abs().amax(dim=1, keepdim=True))
     count = bad.sum(dim=1)
     out_free.index_copy_(0, rows, f)
     out_y.index_copy_(0, rows, y)
@@ -336,5 +343,7 @@ def rough_free_sets(q: Tensor, h: Tensor | Preconditioner, shift: Tensor,
         if live.rows.numel() == 0:
             break
     finite = torch.isfinite(out_y.sum(dim=1, keepdim=True))  # else: the given free set
-    clean = torch.where(finite, out_free & (out_y > 0.0), free0)
-    return clean, out_y.masked_fill_(~(clean & finite), 0.0).to(shift.dtype)
+    clean = either(finite, out_free & (out_y > 0.0), free0)
+    overflowed = torch.nonzero(~finite.flatten()).flatten()
+    out_y.index_fill_(0, overflowed, 0.0)  # then finite: a product by the mask is exact
+    return clean, out_y.mul_(clean).add_(0.0).to(shift.dtype)  # + 0: no −0

@@ -50,6 +50,13 @@ def row_dot(a: Tensor, b: Tensor) -> Tensor:
     return (a * b).sum(dim=-1)
 
 
+def either(mask: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """``torch.where(mask, a, b)`` for boolean ``a`` and ``b`` (broadcast), by bit operations:
+    on one thread ``torch.where`` (and ``masked_fill``) over ``[1024, 1024]`` took 5–6 ms,
+    the bit operations 0.4–0.5 ms (UPGrad's pivoting tests, every iteration)."""
+    return (mask & a) | (b & ~mask)
+
+
 def symmetrized(m: Tensor) -> Tensor:
     """``(M + Mᵀ)/2`` (``[K, K]``) through a contiguous copy of ``Mᵀ``: a blocked transpose,
     where the strided reads of ``M + M.T`` miss the cache (one thread, ``K = 1,024``, float64:
@@ -84,20 +91,21 @@ def sparse_count(a: Tensor, columns: int) -> int | None:
 def sparse_product(a: Tensor, m: Tensor, nonzeros: int | None = -1) -> Tensor:
     """``a M`` (``[B, K] × [K, N]``, strided) through the ``nonzeros`` non-zero entries of ``a``
     (``-1``: :func:`sparse_count` decides; None: one dense product): none, a zero product;
-    at most one per row, a gather of rows of ``M`` (``aᵢⱼ Mⱼ``, bit for bit the dense
-    product's for ``M`` finite: the other terms are zeros); else a sparse (COO) copy of
-    ``a``."""
+    at most one per row of ``a``, a gather of rows of ``M`` added into their rows
+    (``aᵢⱼ Mⱼ``: with one entry in a row bit for bit the dense product's for ``M`` finite, the
+    other terms are zeros; 2–4 ms against 4–9 ms by ``argmax`` or a sparse copy at ``K =
+    1,024``); else a sparse (COO) copy of ``a``."""
     if nonzeros == -1:
         nonzeros = sparse_count(a, m.shape[1])
     if nonzeros is None:
         return a @ m
     if nonzeros == 0:
         return a.new_zeros((a.shape[0], m.shape[1]))
-    if nonzeros <= a.shape[0]:
-        col = a.abs().argmax(dim=1, keepdim=True)
-        largest = a.gather(1, col)
-        if int(torch.count_nonzero(largest)) == nonzeros:  # one per non-zero row
-            return m.index_select(0, col[:, 0]).mul_(largest)
+    if nonzeros <= a.shape[0]:  # a row of M per entry, added into its row
+        at = torch.nonzero(a)
+        rows, cols = at[:, 0], at[:, 1]
+        terms = m.index_select(0, cols).mul_(a[rows, cols][:, None])
+        return a.new_zeros((a.shape[0], m.shape[1])).index_add_(0, rows, terms)
     out: Tensor = torch.sparse.mm(a.to_sparse(), m)
     return out
 
