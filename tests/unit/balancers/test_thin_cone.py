@@ -137,3 +137,28 @@ def test_wide_norms_and_a_float32_gramian(k: int, rank: int, spread: float, floa
         update = upgrad_weights(gram) @ rows
     assert calls and calls[0][0] == k
     assert_same_update(update, _reference(rows), rows)
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.sampled_from([64, 96, 128]), st.floats(0.53, 0.62), st.integers(0, 2**16),
+       st.sampled_from([0.0, 1.0]))
+def test_one_problem_takes_its_shorter_start(k: int, fraction: float, seed: int,
+                                             spread: float) -> None:
+    """DualProj's single projection on rows of rank ``0.53K … 0.62K``: the route runs first
+    with ``THIN_SINGLE_STEPS`` (one factorisation per pivoting iteration: a shorter FISTA
+    start than a batch's ``THIN_STEPS``), and the update is scipy's NNLS projection of the
+    mean (cos ≥ 0.999999, norm within 1e-6), whichever path finished it."""
+    from gradbalance.balancers._dualproj import dualproj_weights
+
+    rows = _span_rows(k, int(fraction * k), seed, spread)
+    seen: list[int] = []
+    fista = _boxqp.projected_start
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_boxqp, "projected_start",
+                   lambda q, shift, start, steps=None: seen.append(steps) or fista(
+                       q, shift, start, steps))
+        calls = _spy(mp)
+        update = dualproj_weights(rows @ rows.T) @ rows
+    assert calls and calls[0][0] == 1
+    assert seen[0] == _boxqp.THIN_SINGLE_STEPS[0] < _boxqp.THIN_STEPS[0]
+    assert_same_update(update, nnls_dual_cone(rows, torch.full((k,), 1.0 / k, dtype=F64)), rows)
