@@ -807,13 +807,28 @@ def _is_optimal(a: Tensor, b: Tensor, x: Tensor, tol: float) -> bool:
 def _corrected(a: Tensor, b: Tensor, x: Tensor) -> Tensor | None:
     """``x + A⁺(b − Ax)`` (the least-norm correction) where ``A`` has fewer rows than
     columns: the residual of an interior point whose every coordinate is positive (a solution
-    with ``Ax = b`` up to rounding, not unique) taken to rounding; None elsewhere. ``gelsy``
-    (a complete orthogonal factorisation, half the cost of ``gelsd``'s SVD): the caller
-    tests the result."""
+    with ``Ax = b`` up to rounding, not unique) taken to rounding; None elsewhere. By the
+    least-norm normal equations, ``Aᵀz`` with ``AAᵀz = r`` (one Cholesky factorisation of
+    the ``m × m`` ``AAᵀ``: ``[577, 1024]`` 16 ms against 28 ms by ``gelsy``), ``gelsd``
+    where ``AAᵀ`` does not factorise; never ``gelsy``, which reads an uninitialised pivot
+    array on the CPU (:func:`least_squares`). The caller tests the result."""
     if a.shape[0] >= a.shape[1]:
         return None
-    step: Tensor = torch.linalg.lstsq(a, (b - a @ x)[:, None], driver="gelsy").solution
-    return x + step[:, 0]
+    r = (b - a @ x)[:, None]
+    low, info = cholesky_ex(a @ a.T)
+    if int(info) == 0:
+        return x + (a.T @ cholesky_solve(r, low))[:, 0]
+    return x + least_squares(a, r)[:, 0]
+
+
+def least_squares(a: Tensor, b: Tensor) -> Tensor:
+    """The least-norm least-squares solution of ``A X = B`` (``torch.linalg.lstsq`` with the
+    SVD driver ``gelsd``, ranks cut at its default ``rcond``). Not ``gelsy``, the default on
+    the CPU: it reads its column-pivot array uninitialised, so the same input gives
+    different answers from call to call (at 1e-16 on well-conditioned problems, by 40 % on
+    PCD's ill-conditioned supports, `docs/balancers.md`)."""
+    out: Tensor = torch.linalg.lstsq(a, b, driver="gelsd").solution
+    return out
 
 
 def _accepted(a: Tensor, b: Tensor, point: Tensor, tol: float) -> Tensor | None:
@@ -997,7 +1012,7 @@ def factored_box_qp(factor: Tensor, c: Tensor, lower: Tensor, simplex: bool,
     if coords is not None:
         shift = shift + coords
     elif bool(c.any()):
-        shift = shift + torch.linalg.lstsq(factor, c[:, None], driver="gelsd").solution[:, 0]
+        shift = shift + least_squares(factor, c[:, None])[:, 0]
     guess = None if start is None else start - lower
     if not simplex:
         return lower + nnls(factor.T, -shift, None if guess is None else (guess > 0).tolist(),
@@ -1033,7 +1048,7 @@ def ldp(rows: Tensor, h: Tensor, tol: float = 1e-12) -> Tensor | None:
     ``x`` over ``7·10⁷`` times the scale of ``M`` and ``h`` meets, whose direction rounding
     decides. Dividing by ``1 − hᵀu = ‖ρ‖²`` magnifies rounding as ``‖x‖`` grows, so ``μ``
     is then re-solved on its support ``S`` (``x = M_S⁺h_S``, ``μ_S = (M_Sᵀ)⁺x``, each by
-    ``gelsy``), and the one with the smaller KKT violation (:func:`_ldp_violation`) is
+    :func:`least_squares`), and the one with the smaller KKT violation (:func:`_ldp_violation`) is
     returned.
     """
     e = torch.cat([rows.T, h[None]])
@@ -1048,9 +1063,9 @@ def ldp(rows: Tensor, h: Tensor, tol: float = 1e-12) -> Tensor | None:
     if support.numel() == 0:
         return mu
     sub = rows[support]
-    x = torch.linalg.lstsq(sub, h[support][:, None], driver="gelsy").solution
+    x = least_squares(sub, h[support][:, None])
     polished = torch.zeros_like(mu)
-    polished[support] = torch.linalg.lstsq(sub.T, x, driver="gelsy").solution[:, 0]
+    polished[support] = least_squares(sub.T, x)[:, 0]
     return min((mu, polished), key=lambda m: _ldp_violation(rows, h, m))
 
 

@@ -163,9 +163,9 @@ def test_sparse_product_is_the_product(k: int, per_row: int) -> None:
 
 @pytest.mark.parametrize("seed", range(6))
 def test_single_entry_rows_need_every_row_single(seed: int) -> None:
-    """The gather of single entries is taken only where no row holds two: rows of zero, one
-    and two entries mixed (as many entries as rows, the count alone cannot tell) give the
-    product, single-entry rows bit for bit."""
+    """At most as many entries as rows, spread over rows of zero, one and two entries: the
+    gathered rows of ``M`` added into place give the product, single-entry rows bit for
+    bit (their other terms are zeros)."""
     gen = torch.Generator().manual_seed(seed)
     k, b = 96, 40
     m = torch.randn(k, k, generator=gen, dtype=F64)
@@ -186,3 +186,17 @@ def test_single_entry_rows_need_every_row_single(seed: int) -> None:
     assert torch.equal(got_single, only_single @ m)
     zero = torch.zeros(b, k, dtype=F64)
     assert torch.equal(sparse_product(zero, m, 0), zero)
+
+
+@settings(max_examples=20, deadline=None)
+@given(rows=st.integers(1, 40), cols=st.integers(1, 40), seed=st.integers(0, 2**16),
+       broadcast=st.booleans())
+def test_either_is_where_on_boolean_masks(rows: int, cols: int, seed: int,
+                                          broadcast: bool) -> None:
+    """``either(mask, a, b)`` is ``torch.where(mask, a, b)`` on boolean tensors, with the mask
+    broadcast over a row (``[B, 1]``) or element-wise."""
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.rand(rows, 1 if broadcast else cols, generator=gen) < 0.5
+    a = torch.rand(rows, cols, generator=gen) < 0.5
+    b = torch.rand(rows, cols, generator=gen) < 0.5
+    assert torch.equal(_precond.either(mask, a, b), torch.where(mask, a, b))
