@@ -48,8 +48,11 @@ SETTLED_STEPS = 8
 STEP = 0.99
 #: Rows per column of the factor from which the Newton systems are factorised in the
 #: columns' dimension (``n³/3`` flops a step) rather than by the Woodbury identity in the
-#: rows' (``2m²n + m³/3``): the two costs meet near ``m = n/√6``.
-DIRECT_MIN_ROWS_PER_COLUMN = 0.4
+#: rows' (``2m²n + m³/3``). The flops meet near ``m = n/√6``, the times on one thread near
+#: ``0.7n`` (a Cholesky factorisation of order 256 takes as long as a product of that order;
+#: a step at ``m = 145, n = 256``: 0.33 ms by Woodbury, 0.58 ms directly; MGDA on rows of
+#: rank 9K/16 0.89× the time at K = 256, 0.94× at K = 1,024, the same answers).
+DIRECT_MIN_ROWS_PER_COLUMN = 0.65
 
 
 def _to_boundary(v: Tensor, dv: Tensor) -> float:
