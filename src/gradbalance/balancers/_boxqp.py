@@ -825,8 +825,8 @@ def least_squares(a: Tensor, b: Tensor) -> Tensor:
     """The least-norm least-squares solution of ``A X = B`` (``torch.linalg.lstsq`` with the
     SVD driver ``gelsd``, ranks cut at its default ``rcond``). Not ``gelsy``, the default on
     the CPU: it reads its column-pivot array uninitialised, so the same input gives
-    different answers from call to call (at 1e-16 on well-conditioned problems, by 40 % on
-    PCD's ill-conditioned supports, `docs/balancers.md`)."""
+    different answers from call to call (at rounding on well-conditioned problems, by up to
+    37 % in PCD's update on cancelling rows; docs/balancers.md, "Determinism")."""
     out: Tensor = torch.linalg.lstsq(a, b, driver="gelsd").solution
     return out
 
