@@ -487,7 +487,7 @@ def _pivot_loop(q: Tensor, shift: Tensor, lower: Tensor, simplex: bool, free0: T
 
 
 #: ``F ↦`` the Cholesky factor of ``Q_FF`` (``F``: the increasing free indices), for
-#: :func:`pivot_single`: a caller's kept factors (:class:`~._cholesky.BlockFactors`).
+#: :func:`_pivot_single`: a caller's kept factors (:class:`~._cholesky.BlockFactors`).
 FactorOf = Callable[[list[int]], Factor]
 
 
@@ -536,7 +536,7 @@ def _exchange_single(free: list[bool], bad: list[int], block: bool, simplex: boo
         free[min(range(len(free)), key=w_l.__getitem__)] = True
 
 
-def pivot_single(
+def _pivot_single(
     q: Tensor, c: Tensor, lower: Tensor, simplex: bool, free0: list[bool], tol: float,
     max_iter: int, factor_of: FactorOf | None = None,
 ) -> Tensor | None:
@@ -1088,7 +1088,7 @@ def _pivot_all(q: Tensor, c: Tensor, lower: Tensor, simplex: bool, x: Tensor,
     b, k = c.shape
     budget = 10 + 3 * k
     if b == 1:
-        single = pivot_single(q, c[0], lower[0], simplex, (x[0] > lower[0]).tolist(), tol,
+        single = _pivot_single(q, c[0], lower[0], simplex, (x[0] > lower[0]).tolist(), tol,
                                budget)
         return None if single is None else single[None]
     pivot = None
@@ -1134,6 +1134,22 @@ def _solve_factored(q: Tensor, c: Tensor, lower: Tensor, simplex: bool, x: Tenso
         start = _start_of(None if x is None else x[i], previous, lower[i])
         out[i] = previous = factored_box_qp(factor, c[i], lower[i], simplex, start, tol)
     return out
+
+
+def solve_single_kept(q: Tensor, c: Tensor, lower: Tensor, simplex: bool, x0: Tensor | None,
+                      tol: float, factor_of: FactorOf) -> Tensor:
+    """:func:`solve_box_qp_batched`'s path for one problem (``c``, ``lower`` ``[K]``) on a
+    well-conditioned ``q``, its free blocks' factors from ``factor_of`` (a caller's kept
+    factors, CAGrad's): :func:`_pivot_single` from ``x0``'s support (the default start
+    without), least squares on a factor of ``q`` where it does not finish."""
+    x = _start_points(lower[None], simplex, None if x0 is None else x0[None])
+    got = _pivot_single(q, c, lower, simplex, (x[0] > lower).tolist(), tol,
+                       10 + 3 * q.shape[0], factor_of)
+    if got is not None:
+        return got
+    given = None if x0 is None else x
+    return _solve_factored(q, c[None], lower[None], simplex, given, x.clone(),
+                           torch.zeros(1, dtype=torch.bool), tol)[0]
 
 
 def solve_box_qp_batched(

@@ -55,9 +55,9 @@ from ._boxqp import (
     factored_box_qp,
     is_well_conditioned,
     min_norm_ls,
-    pivot_single,
     singular_spectrum,
     solve_box_qp_batched,
+    solve_single_kept,
 )
 from ._cholesky import BlockFactors, Factor, cholesky_solve
 from ._cone import scaled_projection
@@ -453,8 +453,8 @@ def _cagrad_qp(gram: Tensor, factor: Tensor | None, lin: Tensor, r: float, tol: 
                blocks: BlockFactors) -> Callable[[float, Tensor | None], Tensor]:
     """``(ρ, x0) ↦ argmin_{w∈Δ} ½ (r/ρ) wᵀGw + wᵀlin`` from ``x0`` (if any): the QPs of
     :func:`cagrad_dual`'s root search on :func:`_cagrad_problem`'s ``G``: the pivoting on a
-    well-conditioned one (:func:`~._boxqp.pivot_single`, each free block's factor
-    ``√(r/ρ) L_FF`` from ``blocks``; :func:`solve_box_qp` where it does not finish), else on
+    well-conditioned one (:func:`~._boxqp.solve_single_kept`, each free block's factor
+    ``√(r/ρ) L_FF`` from ``blocks``), else on
     ``√(r/ρ) L`` with ``lin = G1/K ≈ L h``, ``h = Lᵀ1/K`` (:func:`~._boxqp.factored_box_qp`),
     the path :func:`solve_box_qp` takes for it, without a decomposition per point."""
     k = gram.shape[0]
@@ -467,12 +467,7 @@ def _cagrad_qp(gram: Tensor, factor: Tensor | None, lin: Tensor, r: float, tol: 
             def factor_of(idx: list[int]) -> Factor:
                 low, info = blocks.factor(idx)
                 return Factor(low * root, info)
-            free0 = [True] * k if x0 is None else (x0 > 0.0).tolist()
-            got = pivot_single(q, lin, zeros, True, free0, tol, 10 + 3 * k, factor_of)
-            if got is not None:
-                return got
-            return solve_box_qp(q, lin, zeros, simplex=True, x0=x0, tol=tol,
-                                well_conditioned=True)
+            return solve_single_kept(q, lin, zeros, True, x0, tol, factor_of)
         return pivoted
     coords = factor.T.mean(dim=1)
 

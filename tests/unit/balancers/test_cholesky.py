@@ -7,6 +7,7 @@ is not positive definite."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -151,3 +152,33 @@ def test_block_factors_report_a_block_that_is_not_positive_definite() -> None:
     blocks = _cholesky.BlockFactors(a)
     assert int(blocks.factor([0, 1]).info) == 2
     assert int(blocks.factor([0, 2]).info) == 0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_single_problem_with_kept_factors_and_its_fallback(seed: int) -> None:
+    """``_boxqp.solve_single_kept`` (CAGrad's QPs): with ``BlockFactors``' factors it is the
+    simplex QP's minimiser (KKT: ``x ≥ 0``, ``Σx = 1``, the gradient ``Qx + c`` equal on the
+    support and not smaller off it); where the kept factors report a failure, its least
+    squares on a factor of ``Q`` give the same minimiser."""
+    from gradbalance.balancers import _boxqp
+
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randn(12, 30, generator=gen, dtype=F64)
+    q = rows @ rows.T
+    c = torch.randn(12, generator=gen, dtype=F64)
+    lower = torch.zeros(12, dtype=F64)
+    blocks = _cholesky.BlockFactors(q)
+
+    def failing(idx: list[int]) -> _cholesky.Factor:
+        low, _ = blocks.factor(idx)
+        return _cholesky.Factor(low, torch.tensor(1, dtype=torch.int32))
+
+    for factor_of in (blocks.factor, failing):
+        x = _boxqp.solve_single_kept(q, c, lower, True, None, 1e-12, factor_of)
+        grad = q @ x + c
+        support = x > 1e-12
+        nu = grad[support].mean()
+        scale = float(grad.abs().max()) + 1.0
+        assert bool((x >= 0).all()) and abs(float(x.sum()) - 1.0) < 1e-12
+        assert float((grad[support] - nu).abs().max()) < 1e-9 * scale
+        assert bool((grad[~support] >= nu - 1e-9 * scale).all())
