@@ -65,6 +65,10 @@ from ._projected import Plan, bulk_top, plan, projected_start
 from ._qr_update import ColumnQR
 from ._zero_cone import DENSE_NULL_ROUNDS, zero_cone_box
 
+#: Largest ratio of ``Q``'s positive diagonal entries a box problem is solved on as given;
+#: above it, on ``D⁻¹QD⁻¹`` (:func:`_diagonal_scale`): below it the scaling changes the
+#: conditioning by less than this factor and costs more than it saves.
+DIAGONAL_MAX_RATIO = 1e3
 #: Largest condition number of ``Q`` for which the Cholesky (pivoting) path is used.
 CHOLESKY_MAX_COND = 1e10
 #: :func:`full_rank_inverse`: the smallest eigenvalue it certifies, relative to the mean (a
@@ -189,10 +193,14 @@ def full_rank_inverse(q: Tensor) -> Tensor | None:
     such a ``Q`` has no eigenvalue at a float32 product's rounding and no two parallel rows,
     so neither the low-rank route nor the parallel groups apply (their tests are skipped)."""
     h = certified_inverse(q)
-    if h is None:
-        return None
+    return h if h is not None and is_full_rank(q, h) else None
+
+
+def is_full_rank(q: Tensor, h: Tensor) -> bool:
+    """:func:`full_rank_inverse`'s test on ``h``, ``Q``'s certified inverse
+    (:func:`certified_inverse`): ``1/‖Q⁻¹‖_∞ ≥ FULL_RANK_MIN_EIGEN · tr Q / K``."""
     top = float(h.abs().sum(dim=1).amax())
-    return h if top * FULL_RANK_MIN_EIGEN * float(torch.trace(q)) <= q.shape[0] else None
+    return top * FULL_RANK_MIN_EIGEN * float(torch.trace(q)) <= q.shape[0]
 
 
 def _cholesky_verdict(q: Tensor,
@@ -1174,6 +1182,9 @@ def solve_box_qp_batched(
     (:func:`factored_box_qp`).
     """
     q, c, lower = q.to(torch.float64), c.to(torch.float64), lower.to(torch.float64)
+    scale = _diagonal_scale(q, simplex, well_conditioned, inverse)
+    if scale is not None:
+        return _scaled_box(q, c, lower, x0, tol, scale)
     spectrum, inverse = _classified(q, c, simplex, well_conditioned, inverse)
     well_conditioned, definite, lift, rank, lifted_well = spectrum
     if not well_conditioned:
@@ -1199,6 +1210,42 @@ def solve_box_qp_batched(
             return out
     return _solve_rest(q, c, lower, simplex, x, given, tol, definite, inverse,
                        well_conditioned)
+
+
+def _diagonal_scale(q: Tensor, simplex: bool = False, well_conditioned: bool | None = None,
+                    inverse: Tensor | None = None) -> Tensor | None:
+    """``D = diag(Q)^{1/2}`` (1 where ``Qᵢᵢ ≤ 0``: a zero row) where the positive diagonal
+    entries span more than ``DIAGONAL_MAX_RATIO``, else None (always for simplex problems,
+    and for a ``Q`` the caller has classified: ``well_conditioned`` or ``inverse`` given).
+    On ``D⁻¹QD⁻¹`` (a unit diagonal) the condition number is that of the rows' directions
+    alone, within a factor ``K`` of the best diagonal scaling's (van der Sluis 1969): rows
+    of norms spanning ``1e-6 … 1e6`` make ``Q``'s ``1e24``, and the pivoting's multipliers
+    would be tested against rounding of that size."""
+    diag = torch.diagonal(q)
+    positive = diag > 0.0
+    settled = simplex or well_conditioned is not None or inverse is not None
+    if settled or not bool(positive.any()):
+        return None
+    low, high = torch.stack(diag[positive].aminmax()).tolist()
+    if high <= DIAGONAL_MAX_RATIO * low:
+        return None
+    return torch.where(positive, diag.clamp_min(0.0).sqrt(), 1.0)
+
+
+def _scaled_box(q: Tensor, c: Tensor, lower: Tensor, x0: Tensor | None, tol: float,
+                scale: Tensor) -> Tensor:
+    """The box problems of :func:`solve_box_qp_batched` solved on ``D⁻¹QD⁻¹`` (``D =
+    diag(scale)``, :func:`_diagonal_scale`; ``s = Dx``, trace-normalised), each problem
+    scaled to a largest datum of 1 (``x`` is homogeneous in ``(c, lower)`` and ``tol`` is
+    absolute)."""
+    n = float(torch.diagonal(q).gt(0.0).sum())
+    unit = symmetrized(q / torch.outer(scale, scale * n))
+    cs, ls = c / (scale * n), lower * scale
+    top = torch.maximum(cs.abs().amax(dim=1), ls.abs().amax(dim=1))
+    top = torch.where(top > 0.0, top, 1.0)[:, None]
+    s = solve_box_qp_batched(unit, cs / top, ls / top, False,
+                             None if x0 is None else x0 * scale / top, tol)
+    return torch.maximum(s * top / scale, lower)  # ≥ lower exactly, whatever the rounding
 
 
 def _classified(q: Tensor, c: Tensor, simplex: bool, well_conditioned: bool | None,

@@ -9,7 +9,7 @@ alone: van der Sluis 1969, a diagonal scaling within a factor ``K`` of the best)
 solver's well-conditioned path applies. A zero row (``Gᵢᵢ = 0``) does not enter ``vᵀGv``:
 every ``vᵢ ≥ uᵢ`` is optimal and ``vᵢ = uᵢ`` is taken; it is left out of the solve. Each
 problem is scaled to a largest bound of 1 (the solution is homogeneous in ``u``). A Gramian
-with no zero row and a diagonal within ``PLAIN_MAX_RATIO`` is solved as given. A matrix of
+with no zero row and a diagonal within ``DIAGONAL_MAX_RATIO`` is solved as given. A matrix of
 numerical rank at most ``K/4`` (up to its rounding) is solved in its rank's dimension
 (:mod:`~._low_rank`); otherwise groups of rows parallel within its rounding are collapsed
 first (:mod:`~._parallel_groups`, each answer certified on the whole problem). A row of
@@ -25,17 +25,14 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ._boxqp import CG_MIN_SIZE, full_rank_inverse
+from ._boxqp import CG_MIN_SIZE, DIAGONAL_MAX_RATIO, certified_inverse, is_full_rank
 from ._low_rank import low_rank_projection
 from ._parallel_groups import grouped_projection
 from ._precond import sparse_product, symmetrized
 
 #: ``(Q, lower, tol, Q⁻¹ or None) → argmin_{x ≥ lower} ½ xᵀQx`` for ``lower`` ``[B, K]``
-#: (``Q⁻¹``: certified by :func:`~._boxqp.full_rank_inverse`).
+#: (``Q⁻¹``: certified by :func:`~._boxqp.certified_inverse`).
 BoxSolve = Callable[[Tensor, Tensor, float, "Tensor | None"], Tensor]
-#: Largest ratio of the Gramian's diagonal entries solved as given (no zero row): below it
-#: the scaling changes the conditioning by less than this factor and costs more than it saves.
-PLAIN_MAX_RATIO = 1e3
 
 
 def scaled_projection(gram: Tensor, u: Tensor, tol: float, solve: BoxSolve,
@@ -59,7 +56,7 @@ def _outside_projection(gram: Tensor, u: Tensor, tol: float, solve: BoxSolve,
     """:func:`scaled_projection` of rows ``u`` not known to be in the cone."""
     diag = torch.diagonal(gram)
     low, high = torch.stack(diag.aminmax()).tolist()  # one host sync
-    if low * PLAIN_MAX_RATIO >= high and low > 0.0:
+    if low * DIAGONAL_MAX_RATIO >= high and low > 0.0:
         return _routed(gram, u, tol, solve, groups)
     d = diag.clamp_min(0.0).sqrt()
     live = torch.nonzero(d > 0.0).flatten()
@@ -93,18 +90,22 @@ def _routed(q: Tensor, lower: Tensor, tol: float, solve: BoxSolve, groups: bool)
     problems either leaves open by ``solve``. Where the solve would factorise ``q`` anyway
     (box problems on the conjugate-gradient path) and the factorisation proves it far from
     singular (:func:`~._boxqp.full_rank_inverse`), neither route is tried and the inverse
-    goes to ``solve``."""
+    goes to ``solve``; where it is certified but not that far from singular, the routes are
+    tried and the inverse goes to ``solve`` for the problems they leave open (the solve
+    would certify the same ``Q`` again)."""
+    inverse = None
     if lower.shape[0] >= 2 and q.shape[0] >= CG_MIN_SIZE:
-        inverse = full_rank_inverse(q)
-        if inverse is not None:
+        inverse = certified_inverse(q)
+        if inverse is not None and is_full_rank(q, inverse):
             return solve(q, lower, tol, inverse)
     routed = low_rank_projection(q, lower, tol)
     if routed is None and groups:
         routed = grouped_projection(
             q, lower, lambda q2, l2: scaled_projection(q2, l2, tol, solve, False))
     if routed is None:
-        return solve(q, lower, tol, None)
+        return solve(q, lower, tol, inverse)
     v, done = routed
-    if not bool(done.all()):
-        v[~done] = solve(q, lower[~done], tol, None)
+    rest = torch.nonzero(~done).flatten()
+    if rest.numel():  # the solve certifies Q itself from two problems on: the same inverse
+        v[rest] = solve(q, lower[rest], tol, inverse if rest.numel() >= 2 else None)
     return v

@@ -25,9 +25,13 @@ MGDA's ``combine`` over the Gramian 3.1× → 1.7× and 5.1× → 2.6× (docs/ba
 Example:
     >>> import torch
     >>> from gradbalance.balancers._boxqp import cosine_spectrum
-    >>> g = torch.randn(64, 1000, generator=torch.Generator().manual_seed(0))
+    >>> f64 = torch.float64
+    >>> g = torch.randn(64, 1000, generator=torch.Generator().manual_seed(0), dtype=f64)
     >>> g[-4:] = g[:4] + g[4:8]  # four tasks that are sums of two others
-    >>> spectrum = cosine_spectrum((g @ g.T).double())  # float32 rounding: λ_min < 0
+    >>> null = torch.zeros(64, dtype=f64)
+    >>> null[[0, 4, 60]] = torch.tensor([1.0, 1.0, -1.0], dtype=f64)  # g₀ + g₄ − g₆₀ = 0
+    >>> gram = g @ g.T - 1e-4 * torch.outer(null, null)  # a float32 product's rounding
+    >>> spectrum = cosine_spectrum(gram)  # λ_min < 0 (how a float32 product rounds varies)
     >>> w = lifted_min_norm(spectrum, 1e-12)
     >>> float(spectrum.lam[0]) < 0, round(float(w.sum()), 12), bool((w >= 0).all())
     (True, 1.0, True)

@@ -157,7 +157,7 @@ def solve_box_qp(
 
     ``c``, ``lower`` (and ``x0``) may be ``[K]`` or ``[B, K]``: ``B`` problems sharing ``q``
     are solved together, returning ``[B, K]``. ``inverse``: ``q⁻¹`` where the caller has
-    certified it (:func:`~._boxqp.full_rank_inverse`).
+    certified it (:func:`~._boxqp.certified_inverse`).
     """
     k = q.shape[0]
     single = c.dim() == 1
