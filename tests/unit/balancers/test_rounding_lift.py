@@ -225,8 +225,21 @@ def test_pcd_takes_the_lift_and_refuses_it_where_g_cannot_meet_the_constraints()
     spectrum = cosine_spectrum(gram)
     assert _min_norm_dual.single_lift(spectrum.lam) is not None  # the lift itself applies
     assert _pcd._lifted_weights(gram, taus, spectrum) is None
-    torch.testing.assert_close(pcd_weights(gram, taus)[1:], _pcd._ldp_weights(gram, taus),
-                               rtol=1e-6, atol=0.0)  # one eigen-decomposition or its own
+    answers: list[Tensor] = []
+    ldp_weights = _pcd._ldp_weights
+
+    def spy(*args: object) -> Tensor:
+        answers.append(ldp_weights(*args))  # type: ignore[arg-type]
+        return answers[-1]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_pcd, "_ldp_weights", spy)
+        mult = pcd_weights(gram, taus)
+    assert len(answers) == 1 and torch.equal(mult[1:], answers[0])  # the program answers
+    # The instance is ill-posed (its answer 5e4 times ‖g₁‖, μ near 3e10): the weights from
+    # the shared eigen-decomposition and from the program's own agree to 6e-7 (torch 2.13)
+    # and 2.4e-6 (torch 2.6) on one machine, rounding amplified by the problem.
+    torch.testing.assert_close(mult[1:], ldp_weights(gram, taus), rtol=1e-4, atol=0.0)
 
 
 @settings(max_examples=10, deadline=None)
