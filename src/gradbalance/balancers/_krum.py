@@ -16,7 +16,8 @@ def krum_weights(gramian: Tensor, n_byzantine: int = 0, n_selected: int = 1) -> 
 
     Squared distances ``dᵢⱼ² = Gᵢᵢ + Gⱼⱼ − 2Gᵢⱼ``; score ``sᵢ`` = sum of the distances from
     ``gᵢ`` to its ``K − f − 2`` nearest other rows (``f = n_byzantine``). The ``m = n_selected``
-    lowest scores get weight ``1/m`` (ties: the lower index), the others 0. Needs
+    lowest scores get weight ``1/m`` (ties: the lower index; the distances symmetrised, so the
+    tie of two mutual nearest rows is exact), the others 0. Needs
     ``K ≥ f + 3`` and ``K ≥ m``.
 
     Example:
@@ -35,6 +36,9 @@ def krum_weights(gramian: Tensor, n_byzantine: int = 0, n_selected: int = 1) -> 
         )
     diag = torch.diagonal(gramian)
     dist = (diag.unsqueeze(0) + diag.unsqueeze(1) - 2 * gramian).clamp_min(0).sqrt()
+    # dᵢⱼ = dⱼᵢ exactly, whatever the product's rounding left in Gᵢⱼ − Gⱼᵢ: two rows that are
+    # each other's nearest tie exactly, and the tie goes to the lower index on every machine
+    dist = 0.5 * (dist + dist.T)
     dist = dist + torch.diag(torch.full_like(diag, float("inf")))  # exclude self
     n_closest = k - n_byzantine - 2
     nearest, _ = torch.sort(dist, dim=1)

@@ -35,3 +35,17 @@ def test_too_few_tasks() -> None:
         Krum(num_tasks=3, n_byzantine=1)
     with pytest.raises(ValueError, match="needs at least 4"):
         Krum(n_byzantine=1)(torch.randn(3, 5))
+
+
+def test_mutual_nearest_rows_tie_exactly_whatever_the_gramians_rounding() -> None:
+    """Rows 1 and 2 are each other's nearest (K = 3: one neighbour per score), so their
+    scores are both ``d₁₂``: a tie, which goes to the lower index. A Gramian whose ``G₁₂``
+    and ``G₂₁`` differ in the last bits (a product that is not symmetric bit for bit, as some
+    BLAS kernels leave it) must not decide it."""
+    g = torch.tensor([[10.0, 0.0], [1.0, 1.0], [1.5, 1.0]], dtype=torch.float64)
+    gram = g @ g.T
+    for ulps in (1, -1, 3):
+        skewed = gram.clone()
+        skewed[2, 1] = gram[2, 1] + ulps * torch.finfo(torch.float64).eps * gram[2, 1]
+        assert krum_weights(skewed).tolist() == [0.0, 1.0, 0.0]
+        assert krum_weights(skewed.T.contiguous()).tolist() == [0.0, 1.0, 0.0]

@@ -198,7 +198,8 @@ def test_nashmtl_through_apply_equals_the_active_tasks_balancer():
     got = torch.cat([p.grad.reshape(-1) for p in trunk.parameters()])  # type: ignore[union-attr]
     torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-12)
     assert balancer.alpha is not None and reference.alpha is not None
-    assert torch.equal(balancer.alpha[[0, 2]], reference.alpha)
+    # the two routes' Gramians round alike on some BLAS builds only: equal to rounding
+    torch.testing.assert_close(balancer.alpha[[0, 2]], reference.alpha, rtol=1e-9, atol=0.0)
     assert torch.equal(balancer.alpha[1], alpha_1) and int(balancer.step) == 2
 
 
