@@ -1169,6 +1169,7 @@ def solve_box_qp_batched(
     tol: float = 1e-12,
     well_conditioned: bool | None = None,
     inverse: Tensor | None = None,
+    scaled: bool = False,
 ) -> Tensor:
     """``[B, K]`` minimisers of ``½ xᵀ q x + c_bᵀx`` s.t. ``x ≥ lower_b`` (``Σ x = 1``).
 
@@ -1179,10 +1180,12 @@ def solve_box_qp_batched(
     :func:`certified_inverse` of ``q``, certifies it); from ``MANY_TASKS`` tasks on a positive
     definite ``q`` is pivoted with the relative test and open box problems go to the batched
     active set; the problems still open are solved on a factor of ``q``
-    (:func:`factored_box_qp`).
+    (:func:`factored_box_qp`). Box problems on a ``q`` whose diagonal spans more than
+    ``DIAGONAL_MAX_RATIO`` are solved on ``D⁻¹qD⁻¹`` (:func:`_scaled_box`); ``scaled``: the
+    caller's ``q`` is known not to (the dual-cone route's), and is not checked.
     """
     q, c, lower = q.to(torch.float64), c.to(torch.float64), lower.to(torch.float64)
-    scale = _diagonal_scale(q, simplex, well_conditioned, inverse)
+    scale = _diagonal_scale(q, simplex, well_conditioned, inverse, scaled)
     if scale is not None:
         return _scaled_box(q, c, lower, x0, tol, scale)
     spectrum, inverse = _classified(q, c, simplex, well_conditioned, inverse)
@@ -1212,21 +1215,26 @@ def solve_box_qp_batched(
                        well_conditioned)
 
 
-def _diagonal_scale(q: Tensor, simplex: bool = False, well_conditioned: bool | None = None,
-                    inverse: Tensor | None = None) -> Tensor | None:
+def _diagonal_scale(q: Tensor, simplex: bool, well_conditioned: bool | None,
+                    inverse: Tensor | None, scaled: bool) -> Tensor | None:
     """``D = diag(Q)^{1/2}`` (1 where ``Qᵢᵢ ≤ 0``: a zero row) where the positive diagonal
     entries span more than ``DIAGONAL_MAX_RATIO``, else None (always for simplex problems,
-    and for a ``Q`` the caller has classified: ``well_conditioned`` or ``inverse`` given).
+    for a ``Q`` the caller has classified, ``well_conditioned`` or ``inverse`` given, and
+    for one it has ``scaled``; one host sync where every diagonal entry is positive).
     On ``D⁻¹QD⁻¹`` (a unit diagonal) the condition number is that of the rows' directions
     alone, within a factor ``K`` of the best diagonal scaling's (van der Sluis 1969): rows
     of norms spanning ``1e-6 … 1e6`` make ``Q``'s ``1e24``, and the pivoting's multipliers
     would be tested against rounding of that size."""
-    diag = torch.diagonal(q)
-    positive = diag > 0.0
-    settled = simplex or well_conditioned is not None or inverse is not None
-    if settled or not bool(positive.any()):
+    if scaled or simplex or well_conditioned is not None or inverse is not None:
         return None
-    low, high = torch.stack(diag[positive].aminmax()).tolist()
+    diag = torch.diagonal(q)
+    low, high = torch.stack(diag.aminmax()).tolist()
+    if low > 0.0 and high <= DIAGONAL_MAX_RATIO * low:
+        return None
+    positive = diag > 0.0
+    if not bool(positive.any()):
+        return None
+    low = float(diag[positive].amin())
     if high <= DIAGONAL_MAX_RATIO * low:
         return None
     return torch.where(positive, diag.clamp_min(0.0).sqrt(), 1.0)
@@ -1244,7 +1252,7 @@ def _scaled_box(q: Tensor, c: Tensor, lower: Tensor, x0: Tensor | None, tol: flo
     top = torch.maximum(cs.abs().amax(dim=1), ls.abs().amax(dim=1))
     top = torch.where(top > 0.0, top, 1.0)[:, None]
     s = solve_box_qp_batched(unit, cs / top, ls / top, False,
-                             None if x0 is None else x0 * scale / top, tol)
+                             None if x0 is None else x0 * scale / top, tol, scaled=True)
     return torch.maximum(s * top / scale, lower)  # ≥ lower exactly, whatever the rounding
 
 

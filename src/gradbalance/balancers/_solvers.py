@@ -268,7 +268,8 @@ def project_dual_cone(gram: Tensor, u: Tensor, tol: float = QP_TOL) -> Tensor:
 def _box(q: Tensor, lower: Tensor, tol: float, inverse: Tensor | None = None) -> Tensor:
     """``argmin_{x ≥ lowerᵦ} ½ xᵀQx`` for each row of ``lower`` ``[B, K]`` (``inverse``:
     ``Q⁻¹``, certified by the caller)."""
-    return solve_box_qp(q, torch.zeros_like(lower), lower, tol=tol, inverse=inverse)
+    return solve_box_qp_batched(q, torch.zeros_like(lower), lower, tol=tol, inverse=inverse,
+                                scaled=True)  # the cone's Q: a diagonal within the ratio
 
 
 def dual_cone_two(gram: Tensor, u: Tensor) -> Tensor:
