@@ -191,6 +191,7 @@ def test_pcd_lifted_is_the_exact_answer_on_the_lifted_gramian(k: int, dependent:
     program's weights."""
     g = summed_rows(k, dependent, seed)
     gram = (g @ g.T).double()
+    taus = torch.full((k - 1,), TAU, dtype=F64)
     taken: list[bool] = []
 
     def spy(*args):  # type: ignore[no-untyped-def]
@@ -201,8 +202,7 @@ def test_pcd_lifted_is_the_exact_answer_on_the_lifted_gramian(k: int, dependent:
     lifted_weights = _pcd._lifted_weights
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_pcd, "_lifted_weights", spy)
-        mult = pcd_weights(gram, torch.full((k - 1,), TAU, dtype=F64))
-    taus = torch.full((k - 1,), TAU, dtype=F64)
+        mult = pcd_weights(gram, taus)
     if taken == [True]:
         rows = lifted_rows(gram)
         assert_same_update(mult @ rows, scipy_pcd(rows, TAU), rows)
