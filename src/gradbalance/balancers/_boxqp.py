@@ -86,9 +86,10 @@ FALLBACK_ITERATIONS = 1000
 #: per step for all ``K`` of UPGrad's projections) instead of ``B`` factorisations
 #: (``O(B K³)`` per pivoting iteration).
 CG_MIN_SIZE = 64
-#: Error of each projection, relative to its bound (``‖x − x*‖_Q ≤ CG_ERROR ‖lower‖_Q``,
-#: the norm of the update's part in the rows' space), to which the tight solves run; their
-#: relative residual (:func:`tight_residuals`) is kept within ``[CG_RTOL_MIN, CG_RTOL_MAX]``.
+#: Error of each projection, relative to its bound and to its own size (``‖x − x*‖_Q ≤
+#: CG_ERROR min(‖lower‖_Q, ‖x‖_Q)``, the norm of the update's part in the rows' space), to
+#: which the tight solves run; their relative residual (:func:`tight_residuals`,
+#: :func:`_cg_solve`) is kept within ``[CG_RTOL_MIN, CG_RTOL_MAX]``.
 #: ``CG_LOOSE_RTOL``: while the free set still moves. ``CG_MAX_PIVOTS``: pivoting iterations
 #: before the problems still open go to the factorisations.
 CG_ERROR = 1e-7
@@ -424,7 +425,7 @@ def solve_lcp_pivoting(
         cache = SetupCache(pre, *shift.shape)  # the setups, from float32 on
         start = plan(q, pre)
         free0, y0 = rough_free_sets(q, pre, shift, free0, whole, cache, start)
-        solve = _cg_solve(q, pre, shift, tight_residuals(h, lower, lq), cache)
+        solve = _cg_solve(q, pre, shift, tight_residuals(h, lower, lq), cache, lower, lq)
     else:
         def solve(rows: Tensor, free: Tensor, y: Tensor, yq: Tensor,
                   tight: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
@@ -452,15 +453,24 @@ def tight_residuals(h: Tensor, lower: Tensor, lq: Tensor) -> Tensor:
 
 
 def _cg_solve(q: Tensor, h: Preconditioner, shift: Tensor, tight: Tensor,
-              cache: SetupCache) -> Solve:
+              cache: SetupCache, lower: Tensor, lq: Tensor) -> Solve:
     """The free-set solves of :func:`solve_lcp_pivoting` by :func:`~._pcg.pcg_free`: to the
-    residual ``tight`` ``[B]`` (:func:`tight_residuals`) where ``tight``, within
+    residual ``tight`` ``[B]`` (:func:`tight_residuals`) where ``tight``, times the
+    projection's last size against its bound's, ``min(1, ‖v‖_Q / ‖lower‖_Q)`` (``v = lower
+    + y``, ``lq = lower·Q``: ``O(K)`` per problem from the last solve's ``yQ``), within
     ``[CG_RTOL_MIN, CG_RTOL_MAX]`` times the right-hand side ``‖shift_F‖`` (only those count
-    as exact), else ``CG_LOOSE_RTOL`` times it; the preconditioner's setups from ``cache``."""
+    as exact), else ``CG_LOOSE_RTOL`` times it; the preconditioner's setups from ``cache``.
+    The error of each projection is then ``CG_ERROR`` of its own size: where the dual cone
+    is thin, projections a thousandth of their bound (rows of rank ``K/4`` plus noise 1e-3
+    of their size) summed to an update 1e-4 off with the bound's."""
+    bound = row_dot(lower, lq).clamp_min(0.0).sqrt()
+
     def solve(rows: Tensor, free: Tensor, y: Tensor, yq: Tensor,
               exact: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
+        size = row_dot(lower[rows] + y, lq[rows] + yq).clamp_min(0.0).sqrt()
+        part = torch.where(size < bound[rows], size / bound[rows].clamp_min(1e-300), 1.0)
         rtol = torch.where(exact, CG_RTOL_MAX, CG_LOOSE_RTOL).to(q.dtype)
-        atol = torch.where(exact, tight[rows], torch.inf)  # loose: CG_LOOSE_RTOL
+        atol = torch.where(exact, tight[rows] * part, torch.inf)  # loose: CG_LOOSE_RTOL
         out, converged, outq = pcg_free(q, h, -shift[rows], free, y, yq, rtol,
                                         setup=lambda live, f: cache.setup(rows[live], f),
                                         atol=atol, rtol_min=CG_RTOL_MIN)
@@ -1172,7 +1182,7 @@ def _finish_direct(q: Tensor, c: Tensor, lower: Tensor, tol: float,
     out, done = pivot
     rest = torch.nonzero(~done).flatten()
     direct = solve_lcp_pivoting(q, c[rest], lower[rest], False, out[rest] > lower[rest], tol,
-                                10 + 3 * q.shape[0])
+                                10 + 3 * q.shape[0], relative=True)
     if direct is not None:
         out[rest] = torch.where(direct[1][:, None], direct[0], out[rest])
         done[rest] = direct[1]
