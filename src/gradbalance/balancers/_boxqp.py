@@ -318,8 +318,7 @@ def _exchange(free: Tensor, bad: Tensor, size: Tensor, murty: Tensor, simplex: b
     largest index where ``murty`` (Murty's rule); with the simplex an empty free set gets
     the index of the smallest ``w`` (``Σy = total > 0`` needs a free index: the most
     attractive one)."""
-    count = bad.sum(dim=1)
-    if bool((size >= count).all()) and not bool(murty.any()):
+    if bool(((size >= bad.sum(dim=1)) & ~murty).all()):  # one host sync
         free = free ^ bad
     else:
         top = y.abs().amax(dim=1, keepdim=True).clamp_min(1e-300)

@@ -43,8 +43,8 @@ def fairgrad_weights(gramian: Tensor, alpha: float = 1.0, max_iter: int = 100,
     if not trace > 0.0:
         return torch.zeros(k, dtype=torch.float64, device=a.device)
     unit = a / trace
-    w, residual = fair_newton(unit, 1.0 / alpha, None, tol, max_iter)
-    if not residual <= 1e-6:
+    w, residual, rounding = fair_newton(unit, 1.0 / alpha, None, tol, max_iter)
+    if not residual <= max(1e-6, rounding):
         ratio = max(cancellation(unit, w), 0.0) ** 0.5
         warnings.warn(
             f"FairGrad's solver stopped at relative residual {residual:.2e} (max_iter="

@@ -89,6 +89,7 @@ NASH_RIDGE_TOL = 1e-6
 #: (:func:`min_norm_cosine`) where that is well conditioned. The ratio bounds ``G``'s
 #: condition number from below; the cosine matrix has that of the directions alone.
 MIN_NORM_PLAIN_RATIO = 1e3
+_EPS = torch.finfo(torch.float64).eps
 
 
 class SolverError(RuntimeError):
@@ -647,15 +648,20 @@ def _cagrad_root(gram: Tensor, lin: Tensor, r: float, hi: float,
     return w_mid
 
 
-def _fair_measures(gram: Tensor, w: Tensor, p: float, norms: Tensor) -> list[float]:
-    """``[f(w), residual, max w, cancellation]`` in one host sync: the potential
-    ``½ wᵀGw − Σ φ(wᵢ)``, ``φ' = w^{-p}`` (``φ = log`` for ``p = 1``), ``max |wᵢ^p (Gw)ᵢ − 1|``
-    and :func:`cancellation` (``norms = diag(G)^{1/2}``)."""
+def _fair_measures(gram: Tensor, w: Tensor, p: float, norms: Tensor,
+                   gabs: Tensor) -> list[float]:
+    """``[f(w), residual, max w, cancellation, rounding]`` in one host sync: the potential
+    ``½ wᵀGw − Σ φ(wᵢ)``, ``φ' = w^{-p}`` (``φ = log`` for ``p = 1``), ``max |wᵢ^p (Gw)ᵢ − 1|``,
+    :func:`cancellation` (``norms = diag(G)^{1/2}``) and the residual's rounding,
+    ``√K eps max wᵢ^p (|G|w)ᵢ`` (``gabs = |G|``; float64's rounding of ``Gw``, whose terms
+    reach ``|G|w``)."""
     gw = gram @ w
     quad = w @ gw
     phi = torch.log(w).sum() if p == 1.0 else (w.pow(1.0 - p) / (1.0 - p)).sum()
-    return torch.stack([0.5 * quad - phi, (w.pow(p) * gw - 1.0).abs().max(), w.max(),
-                        quad / (w @ norms).square()]).tolist()
+    wp = w.pow(p)
+    rounding = (wp * (gabs @ w)).max() * (w.shape[0] ** 0.5 * _EPS)
+    return torch.stack([0.5 * quad - phi, (wp * gw - 1.0).abs().max(), w.max(),
+                        quad / (w @ norms).square(), rounding]).tolist()
 
 
 def cancellation(gram: Tensor, w: Tensor) -> float:
@@ -682,7 +688,7 @@ def _fair_start(gram: Tensor, p: float, w0: Tensor | None) -> Tensor:
 
 
 def _fair_step(gram: Tensor, w: Tensor, p: float, measures: list[float],
-               norms: Tensor) -> tuple[Tensor, list[float]] | None:
+               norms: Tensor, gabs: Tensor) -> tuple[Tensor, list[float]] | None:
     """One damped Newton step on ``f`` from ``w`` (gradient ``Gw − w^{-p}``, Hessian
     ``G + diag(p w^{-p-1})``), backtracking from the largest step that keeps ``w > 0`` (times
     0.99) until ``f`` decreases (Armijo) or the residual does: the new ``(w, [f, residual])``,
@@ -698,7 +704,7 @@ def _fair_step(gram: Tensor, w: Tensor, p: float, measures: list[float],
     t = min(1.0, 0.99 * ratio_v) if bad == 0 else 0.0
     while t >= 1e-12:
         cand = w + t * step
-        cand_measures = _fair_measures(gram, cand, p, norms)
+        cand_measures = _fair_measures(gram, cand, p, norms, gabs)
         # Near the optimum f changes by O(residual²), below float64 resolution of f, so
         # Armijo alone stalls there; a step that lowers the residual is accepted too.
         if cand_measures[0] <= value + 1e-4 * t * slope or cand_measures[1] < residual:
@@ -708,33 +714,36 @@ def _fair_step(gram: Tensor, w: Tensor, p: float, measures: list[float],
 
 
 def _fair_without_zero_rows(gram: Tensor, p: float, w0: Tensor | None, active: Tensor,
-                            tol: float, max_iter: int) -> tuple[Tensor, float]:
+                            tol: float, max_iter: int) -> tuple[Tensor, float, float]:
     """A zero gradient can be neither helped nor hurt: it gets weight 0 and the system is
     solved among the ``active`` others."""
     k = gram.shape[0]
     w = torch.zeros(k, dtype=gram.dtype, device=gram.device)
     if not bool(active.any()):
-        return w, 0.0
+        return w, 0.0, 0.0
     idx = torch.nonzero(active).flatten()
     sub0 = None if w0 is None or w0.numel() != k else w0.to(gram.device)[idx]
-    w[idx], residual = fair_newton(gram[idx][:, idx], p, sub0, tol, max_iter)
-    return w, residual
+    w[idx], residual, rounding = fair_newton(gram[idx][:, idx], p, sub0, tol, max_iter)
+    return w, residual, rounding
 
 
 @dataclass
 class _Stall:
-    """:func:`fair_newton`'s test for a solve going nowhere: the residual has stayed above 0.5
-    and not fallen below 0.9 of its best for ``STALL_STEPS`` steps, and over those steps ``f``
-    did not fall beyond rounding (``1e-15 (1 + |f|)``), or the iterate's rows cancel to
-    float64's resolution of the Gramian (:func:`cancellation` at most ``CANCEL_FLOOR``; it
-    reads ``≤ 0`` at float32's).
+    """:func:`fair_newton`'s test for a solve going nowhere: the residual has not fallen below
+    0.9 of its best for ``STALL_STEPS`` steps, and it is at or below its rounding (it cannot
+    fall further: the answer is as exact as float64 allows), or it stayed above 0.5 and over
+    those steps ``f`` did not fall beyond rounding (``1e-15 (1 + |f|)``) or the iterate's
+    rows cancel to float64's resolution of the Gramian (:func:`cancellation` at most
+    ``CANCEL_FLOOR``; it reads ``≤ 0`` at float32's).
 
     Where no solution exists, ``w`` grows along the vanishing combination (each damped step
     doubles that part for ``p = 1``) and its cancellation falls geometrically until it meets
     the Gramian's rounding (about ``1e-7`` for float32 rows); there Newton's steps stop
     lowering ``f`` (a step is taken when it lowers the residual instead), and with ``p > 1``
     ``f`` is bounded below and levels off. A solve that converges, even to a nearly cancelling
-    solution, lowers ``f`` on every step until the residual falls (quadratically near it)."""
+    solution, lowers ``f`` on every step until the residual falls (quadratically near it), to
+    ``tol`` or to its rounding: weights up to 1e6 on rows of rank ``K/4`` plus noise 1e-3 of
+    their size leave it near 3e-9, where 80 more steps moved nothing."""
 
     best: float
     values: list[float] = field(default_factory=list)
@@ -745,46 +754,54 @@ class _Stall:
         if measures[1] < 0.9 * self.best:
             self.best, self.values = measures[1], []
         self.values.append(value)
-        if len(self.values) <= STALL_STEPS or self.best <= 0.5:
+        if len(self.values) <= STALL_STEPS:
+            return False
+        if self.best <= measures[4]:
+            return True
+        if self.best <= 0.5:
             return False
         level = self.values[-1 - STALL_STEPS] - value <= 1e-15 * (1.0 + abs(value))
         return level or cancel <= CANCEL_FLOOR
 
 
 def fair_newton(gram: Tensor, p: float, w0: Tensor | None = None, tol: float = 1e-10,
-                max_iter: int = 100) -> tuple[Tensor, float]:
-    """``(w, residual)``: the ``w > 0`` with ``(G w)ᵢ = wᵢ^{-p}`` (Nash-MTL: ``p = 1``;
-    FairGrad: ``p = 1/α``) and ``max |wᵢ^p (Gw)ᵢ − 1|`` at the returned ``w``.
+                max_iter: int = 100) -> tuple[Tensor, float, float]:
+    """``(w, residual, rounding)``: the ``w > 0`` with ``(G w)ᵢ = wᵢ^{-p}`` (Nash-MTL: ``p =
+    1``; FairGrad: ``p = 1/α``), ``max |wᵢ^p (Gw)ᵢ − 1|`` at the returned ``w`` and that
+    residual's rounding there (:func:`_fair_measures`): a residual at most
+    ``max(tol, rounding)`` is a solution.
 
     Damped Newton on the strictly convex ``f(w) = ½ wᵀGw − Σ φ(wᵢ)``, ``φ' = w^{-p}``, from
     the start (warm, or the orthogonal-rows solution) rescaled to its best multiple,
     backtracking to stay in ``w > 0`` and to decrease ``f`` or the residual, on the Gramian's
-    device (two host syncs a step). Stops at ``residual ≤ tol``, or early when ``w`` diverges:
-    the solve fails, ``max w`` grows 1e12-fold, or the residual has stalled while ``w``'s
-    combination cancels (:class:`_Stall`). A solution exists exactly when no non-negative
-    combination of the non-zero rows vanishes (else ``f`` falls without bound along it, for
-    ``p ≤ 1``, or has no minimiser); the caller judges the residual. A row with ``Gᵢᵢ``
-    below ``1e-24 tr G`` gets ``wᵢ = 0`` and the system is solved among the others.
+    device (two host syncs a step). Stops at ``residual ≤ tol``, once the residual has not
+    fallen for a few steps at or below its rounding, or early when ``w`` diverges: the solve
+    fails, ``max w`` grows 1e12-fold, or the residual has stalled while ``w``'s combination
+    cancels (:class:`_Stall`). A solution exists exactly when no non-negative combination of
+    the non-zero rows vanishes (else ``f`` falls without bound along it, for ``p ≤ 1``, or
+    has no minimiser); the caller judges the residual. A row with ``Gᵢᵢ`` below ``1e-24 tr
+    G`` gets ``wᵢ = 0`` and the system is solved among the others.
     """
     diag = torch.diagonal(gram)
     active = diag > 1e-24 * diag.sum().clamp_min(1e-300)
     if not bool(active.all()):
         return _fair_without_zero_rows(gram, p, w0, active, tol, max_iter)
     norms = diag.clamp_min(0.0).sqrt()
+    gabs = gram.abs()
     w = _fair_start(gram, p, w0)
-    measures = _fair_measures(gram, w, p, norms)
+    measures = _fair_measures(gram, w, p, norms, gabs)
     limit = 1e12 * measures[2]
     stall = _Stall(measures[1])
     for _ in range(max_iter):
         if measures[1] <= tol:
             break
-        moved = _fair_step(gram, w, p, measures, norms)
+        moved = _fair_step(gram, w, p, measures, norms, gabs)
         if moved is None or moved[1][2] > limit:
             break
         w, measures = moved
         if stall.diverging(measures):
             break
-    return w, measures[1]
+    return w, measures[1], measures[4]
 
 
 def nash_bargaining(
@@ -803,8 +820,8 @@ def nash_bargaining(
     bargaining of the gradients each lengthened by a private coordinate ``√ε``, which always
     has a solution, with ``αᵀGα ≤ K`` (the update stays bounded) and ``gᵢ·g = 1/αᵢ − εαᵢ``.
     """
-    alpha, residual = fair_newton(gram, 1.0, alpha0, tol, max_iter)
-    if residual <= tol:
+    alpha, residual, rounding = fair_newton(gram, 1.0, alpha0, tol, max_iter)
+    if residual <= max(tol, rounding):
         return alpha
     k = gram.shape[0]
     message = (f"Nash-MTL bargaining solve did not converge (K={k}, residual {residual:.1e} "
@@ -818,8 +835,9 @@ def nash_bargaining(
     ridged = gram + torch.diag(live * (NASH_RIDGE * trace))
     # From the warm start too: a previous call's ridge solution (the balancer's state) is
     # within a step or two of this one's, where a cold start takes 9-11 at K = 1,024.
-    alpha, residual = fair_newton(ridged, 1.0, alpha0, max(tol, NASH_RIDGE_TOL), max_iter)
-    if not residual <= max(tol, NASH_RIDGE_TOL):  # G + εD is positive definite: a solution
+    alpha, residual, rounding = fair_newton(ridged, 1.0, alpha0, max(tol, NASH_RIDGE_TOL),
+                                            max_iter)
+    if not residual <= max(tol, NASH_RIDGE_TOL, rounding):  # G + εD is positive definite
         raise SolverError(message + f"; the ridge solve stopped at residual {residual:.1e}")
     # The text carries no per-call numbers: Python shows it once per place, not every step.
     warnings.warn(f"Nash-MTL's bargaining equation G α = 1/α has no solution for these {k} "
