@@ -174,6 +174,21 @@ def dependent_rows(k: int, p: int, seed: int) -> torch.Tensor:
     return rows
 
 
+def noisy_span(numerator: int, denominator: int,
+               noise: float) -> Callable[[int, int, int], torch.Tensor]:
+    """``[K, P]`` float32 rows in a random span of rank ``numerator·K/denominator`` plus
+    Gaussian noise ``noise`` times their size: full rank, the Gramian's smallest eigenvalues
+    all near ``noise²`` of its mean (a condition number near 1e5 … 1e7)."""
+    def make(k: int, p: int, seed: int) -> torch.Tensor:
+        rank = max(numerator * k // denominator, 1)
+        gen = torch.Generator().manual_seed(seed)
+        basis = torch.randn(k, rank, generator=gen) @ torch.randn(rank, p, generator=gen)
+        return (basis / rank**0.5 + noise * torch.randn(k, p, generator=gen)).contiguous()
+    make.__doc__ = (f"Rows in a random span of rank {numerator}K/{denominator} plus noise "
+                    f"{noise:g} of their size.")
+    return make
+
+
 def float64_rows(k: int, p: int, seed: int) -> torch.Tensor:
     """The conflicting rows in float64 (the Gramian and the solvers in float64)."""
     return conflicting_rows(k, p, seed).double()
@@ -187,7 +202,8 @@ KINDS = {"conflicting": conflicting_rows, "rank8": rank_deficient_rows,
          "float64": float64_rows, "equal_norms": equal_norm_rows,
          "square_mixing": square_mixing_rows, "dependent": dependent_rows,
          "span_3k8": span_fraction_rows, "span_9k16": thin_cone_rows,
-         "span_3k4": span_part(3, 4), "span_7k8": span_part(7, 8)}
+         "span_3k4": span_part(3, 4), "span_7k8": span_part(7, 8),
+         "noisy_half": noisy_span(1, 2, 1e-2), "noisy_quarter": noisy_span(1, 4, 1e-3)}
 
 
 def make_balancer(name: str, k: int) -> Balancer:

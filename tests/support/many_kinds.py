@@ -2,7 +2,8 @@
 
 The kinds follow ``benchmarks/many_tasks.py``'s (float64 here): conflicting rows, near
 duplicates of a few directions, norms spanning 1e-6 … 1e6, rank 1 and rank 8, all aligned
-(a positive Gramian), half zero, and a mix of them. The loops are the papers' algorithms one
+(a positive Gramian), half zero, a mix of them, and rows of rank ``K/2`` plus noise 1e-2 of
+their size (full rank, badly conditioned). The loops are the papers' algorithms one
 pair at a time, the slow references of PCGrad's and GradVac's blocked passes.
 """
 
@@ -18,7 +19,7 @@ from gradbalance.balancers import _pairwise
 
 F64 = torch.float64
 KIND_NAMES = ["conflicting", "near_duplicates", "wide_norms", "rank1", "rank8", "aligned",
-              "half_zero", "mixed"]
+              "half_zero", "mixed", "noisy_span"]
 
 
 def _conflicting(k: int, p: int, gen: torch.Generator) -> Tensor:
@@ -39,6 +40,11 @@ def _one_kind(kind: str, k: int, p: int, gen: torch.Generator) -> Tensor:
         r = 1 if kind == "rank1" else 8
         return (torch.randn(k, r, generator=gen, dtype=F64)
                 @ torch.randn(r, p, generator=gen, dtype=F64))
+    if kind == "noisy_span":  # rank K/2 plus noise 1e-2: full rank, condition number ~1e5
+        r = max(k // 2, 1)
+        return (torch.randn(k, r, generator=gen, dtype=F64)
+                @ torch.randn(r, p, generator=gen, dtype=F64) / r**0.5
+                + 1e-2 * torch.randn(k, p, generator=gen, dtype=F64))
     if kind == "aligned":  # aᵢ s + nᵢ/2 with aᵢ ≥ 1: no conflict
         shared = torch.randn(p, generator=gen, dtype=F64)
         scale = 1 + torch.randn(k, 1, generator=gen, dtype=F64).abs()

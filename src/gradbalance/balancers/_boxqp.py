@@ -4,11 +4,12 @@ Not a balancer module (no ``__all__``). ``min ½ xᵀQx + cᵀx`` s.t. ``x ≥ l
 ``Σ x = 1``), for ``B`` right-hand sides ``c``/``lower`` sharing ``Q`` (symmetric PSD,
 trace-normalised, ``c`` in its range). Every problem gets an answer; none raises.
 
-1. **Block principal pivoting** (Júdice & Pires 1994, with Murty's single-pivot safeguard),
-   when ``Q`` is positive definite with condition number below ``1e10`` (every principal
-   submatrix then is too): every infeasible index changes side at once, typically 2–4
-   iterations for any ``K``, one batched Cholesky factorisation each. It accepts only points
-   that satisfy every KKT condition to ``tol``.
+1. **Block principal pivoting** (Júdice & Pires 1994, with a shrinking block and Murty's
+   single-pivot safeguard), when ``Q`` is positive definite with condition number below
+   ``1e10`` (every principal submatrix then is too): every infeasible index changes side at
+   once while their number falls, typically 2–4 iterations for any ``K``, one batched
+   Cholesky factorisation each. It accepts only points that satisfy every KKT condition to
+   ``tol``.
 2. **Least squares on a factor** for a singular or badly conditioned ``Q``, and for any
    problem the pivoting leaves open: ``Q ≈ L Lᵀ`` (:func:`psd_factor`; negative and
    rounding-level eigenvalues dropped), so the QP is a non-negative least-squares problem
@@ -104,11 +105,17 @@ CG_MAX_PIVOTS = 30
 #: (loose ones leave their residual's rounding in ``y`` and ``w``, on a badly conditioned
 #: ``Q`` above the tolerances); from ``MURTY_AFTER`` such iterations on, Murty's rule (one
 #: index, the largest: finite for positive definite ``Q``). Exchanging every index each
-#: time cycles on badly conditioned Gramians (rows of rank ``K/2`` plus noise 1e-2 of their
-#: size, K = 128: 28 of 128 projections finished in 600 iterations, Murty's rule after
-#: three chances); the shrinking block finishes them all within 80 (docs/balancers.md).
+#: time cycles on badly conditioned Gramians: on rows of rank ``K/2`` plus noise 1e-2 of
+#: their size, K = 64, Murty's rule after three chances finished 40, 23, 7 and 3 of the 64
+#: projections in 200 iterations, the shrinking block 62, 64, 50 and 47 (the others leave
+#: after ``STALE_MAX`` iterations without progress; docs/balancers.md).
 HALVE_AFTER = 2
 MURTY_AFTER = 16
+#: A problem whose number of infeasible indices has not fallen for this many iterations in a
+#: row leaves the pivoting, open, at its last point: the factorised methods after it take
+#: it (DualProj on rows of rank K/2 plus noise 1e-2 at K = 256: 778 iterations of Murty's
+#: rule finished nothing, 18.9× → 9.9× the Gramian).
+STALE_MAX = 48
 #: From this many tasks on, a badly conditioned or singular ``Q`` is pivoted with the
 #: relative multiplier test, or goes to the batched active set (:mod:`._active_set`), before
 #: the per-problem least squares; below, it goes to least squares directly.
@@ -388,11 +395,12 @@ def solve_lcp_pivoting(
 
     Optimality of ``y = x − lower ≥ 0`` is the complementarity problem ``w = Qy + c' − ν1 ≥ 0``
     (``c' = Q·lower + c``; ``ν`` and ``Σy = 1 − Σ lower`` only with the simplex), ``yᵀw = 0``.
-    Given the free set ``F``, ``y_F`` solves the equalities and ``y`` is zero elsewhere; every
-    index with ``y_F < −tol`` or ``w_A < −tol`` changes side at once, falling back to
-    exchanging only the largest such index (Murty's rule, finite for positive definite ``Q``)
-    after three exchanges that do not reduce their number. Problems still open after
-    ``max_iter`` iterations are returned with ``done`` False; None if a factorisation fails.
+    Given the free set ``F``, ``y_F`` solves the equalities and ``y`` is zero elsewhere; the
+    indices with ``y_F < −tol`` or ``w_A < −tol`` change side, every one while their number
+    falls and once after, then a shrinking block of the most infeasible, then one by Murty's
+    rule (``HALVE_AFTER``, ``MURTY_AFTER``, :func:`_block`). Problems still open after
+    ``max_iter`` iterations are returned with ``done`` False and ``x`` their last point (a
+    start for the next method); None if a factorisation fails.
 
     The equalities of the open problems: one batched Cholesky factorisation of the masked
     ``Q`` each (``O(K³)`` per problem and iteration), or with ``iterative`` (box only)
@@ -527,12 +535,13 @@ def _pivot_loop(q: Tensor, shift: Tensor, lower: Tensor, simplex: bool, free0: T
             x[rows] = lower + y.clamp_min(0.0)
             done[rows] = True
             break
-        keep = ~(finished | failed)
+        stuck = (stale >= STALE_MAX) & ~finished & ~failed  # left open, at its last point
+        keep = ~(finished | failed | stuck)
         if not bool(keep.all()):
-            at = torch.nonzero(finished).flatten()  # row gathers by index, not by mask
+            at = torch.nonzero(finished | stuck).flatten()  # row gathers by index, not mask
             x.index_copy_(0, rows[at], y.index_select(0, at).clamp_min_(0.0).add_(
                 lower.index_select(0, at)))
-            done[rows[at]] = True
+            done[rows[at]] = finished[at]
             keep = torch.nonzero(keep).flatten()
             rows, y, yq, free, bad, w, count, exact, best, size, stale, shift, lower = (
                 t.index_select(0, keep) for t in (rows, y, yq, free, bad, w, count, exact,
@@ -633,6 +642,8 @@ def _pivot_single(
         if not bad:
             return lower + y.clamp_min(0.0)
         best, size, stale = _block_single(len(bad), best, size, stale)
+        if stale >= STALE_MAX:
+            return None
         _exchange_single(free, bad, size, stale >= MURTY_AFTER, simplex, y_l, w_l)
     return None
 

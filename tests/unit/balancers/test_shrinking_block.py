@@ -42,9 +42,10 @@ def _cosine_problems(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize(("rank", "noise"), [(32, 1e-2), (16, 1e-3)])
 def test_the_pivoting_finishes_badly_conditioned_projections(seed: int, rank: int,
                                                              noise: float) -> None:
-    """K = 64: the factorised pivoting finishes at least 56 of the 64 projections within 200
-    iterations (the old rule: 40, 23, 7 and 3 on rank 32), each it finishes equal to
-    scipy's projection."""
+    """K = 64: the factorised pivoting finishes at least 44 of the 64 projections within 200
+    iterations (the old rule: 40, 23, 7 and 3 on rank 32; the others leave after
+    ``STALE_MAX`` iterations without progress), each it finishes equal to scipy's
+    projection."""
     rows = _low_rank_noise(64, rank, noise, seed)
     q, lower = _cosine_problems(rows)
     assert float(torch.linalg.cond(q)) > 1e3  # badly conditioned, as the docstring says
@@ -52,7 +53,7 @@ def test_the_pivoting_finishes_badly_conditioned_projections(seed: int, rank: in
                                     torch.zeros_like(lower, dtype=torch.bool), 1e-12, 200)
     assert got is not None
     x, done = got
-    assert int(done.sum()) >= 56
+    assert int(done.sum()) >= 44
     d = torch.diagonal(rows @ rows.T).sqrt()
     eye = torch.eye(64, dtype=F64)
     for i in torch.nonzero(done).flatten().tolist():  # x in the cosine variables: v = x / d
