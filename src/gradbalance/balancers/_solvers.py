@@ -90,6 +90,10 @@ NASH_RIDGE_TOL = 1e-6
 #: condition number from below; the cosine matrix has that of the directions alone.
 MIN_NORM_PLAIN_RATIO = 1e3
 _EPS = torch.finfo(torch.float64).eps
+#: :func:`fair_newton`'s residual counts as solved at its own rounding only up to this: where
+#: no solution exists the weights diverge along the vanishing combination and the rounding
+#: grows with them (a planted vanishing combination at K = 54: rounding 400, residual 17).
+FAIR_ROUNDING_MAX = 1e-6
 
 
 class SolverError(RuntimeError):
@@ -654,12 +658,13 @@ def _fair_measures(gram: Tensor, w: Tensor, p: float, norms: Tensor,
     ``½ wᵀGw − Σ φ(wᵢ)``, ``φ' = w^{-p}`` (``φ = log`` for ``p = 1``), ``max |wᵢ^p (Gw)ᵢ − 1|``,
     :func:`cancellation` (``norms = diag(G)^{1/2}``) and the residual's rounding,
     ``√K eps max wᵢ^p (|G|w)ᵢ`` (``gabs = |G|``; float64's rounding of ``Gw``, whose terms
-    reach ``|G|w``)."""
+    reach ``|G|w``), at most ``FAIR_ROUNDING_MAX``."""
     gw = gram @ w
     quad = w @ gw
     phi = torch.log(w).sum() if p == 1.0 else (w.pow(1.0 - p) / (1.0 - p)).sum()
     wp = w.pow(p)
-    rounding = (wp * (gabs @ w)).max() * (w.shape[0] ** 0.5 * _EPS)
+    rounding = ((wp * (gabs @ w)).max() * (w.shape[0] ** 0.5 * _EPS)).clamp_max(
+        FAIR_ROUNDING_MAX)
     return torch.stack([0.5 * quad - phi, (wp * gw - 1.0).abs().max(), w.max(),
                         quad / (w @ norms).square(), rounding]).tolist()
 

@@ -55,12 +55,14 @@ def test_nash_mtl_solves_full_rank_rows_near_cancelling(k: int, rank: int, noise
 
 
 @pytest.mark.parametrize("alpha", [0.5, 2.0])
-@pytest.mark.parametrize(("k", "rank", "noise", "seed"), CASES[:3])
+@pytest.mark.parametrize(("k", "rank", "noise", "seed"),
+                         [case for case in CASES if case[2] == 1e-3])
 def test_fairgrad_solves_full_rank_rows_near_cancelling(k: int, rank: int, noise: float,
                                                         seed: int, alpha: float,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """No warning, ``wᵢ^{1/α} (Gw)ᵢ = 1`` on ``G = rows rowsᵀ`` (:func:`_allowed`), well
-    before the cap of 100 steps."""
+    before the cap of 100 steps (noise 1e-3: at 1e-4 and ``α = 1/2`` the residual's rounding
+    passes ``FAIR_ROUNDING_MAX`` and FairGrad warns, as it should)."""
     rows = _low_rank_noise(k, rank, noise, seed)
     steps = Steps(monkeypatch)
     with warnings.catch_warnings():
