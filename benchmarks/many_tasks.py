@@ -203,6 +203,7 @@ KINDS = {"conflicting": conflicting_rows, "rank8": rank_deficient_rows,
          "square_mixing": square_mixing_rows, "dependent": dependent_rows,
          "span_3k8": span_fraction_rows, "span_9k16": thin_cone_rows,
          "span_3k4": span_part(3, 4), "span_7k8": span_part(7, 8),
+         "span_1k2": span_part(1, 2), "span_5k8": span_part(5, 8),
          "noisy_half": noisy_span(1, 2, 1e-2), "noisy_quarter": noisy_span(1, 4, 1e-3)}
 
 

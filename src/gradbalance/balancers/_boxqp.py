@@ -1354,25 +1354,30 @@ def _scaled_box(q: Tensor, c: Tensor, lower: Tensor, x0: Tensor | None, tol: flo
 def _classified(q: Tensor, c: Tensor, simplex: bool, well_conditioned: bool | None,
                 inverse: Tensor | None) -> tuple[_Spectrum, Tensor | None]:
     """The batch's :class:`_Spectrum` and ``Q⁻¹`` where certified: ``well_conditioned`` as
-    given, else certified by :func:`certified_inverse` where the batch takes the
-    conjugate-gradient pivoting (:func:`_takes_cg`: its preconditioner, and the conditioning
-    test without the eigenvalues; ``inverse``: the caller's certified ``Q⁻¹``), else from
+    given, else certified by :func:`certified_inverse` where :func:`_certifies` (the
+    conjugate-gradient pivoting's preconditioner, and the conditioning test without the
+    eigenvalues; ``inverse``: the caller's certified ``Q⁻¹``), else from
     the eigenvalues (:func:`_spectrum`; with ``Q``'s eigenvectors where
     :func:`_shares_eigenvectors`, from the order at which the factorisation failed)."""
     if well_conditioned is not None:
         return _Spectrum(well_conditioned, False, None, q.shape[0]), inverse
     order = 0
-    if inverse is None and _takes_cg(q, c, simplex):
+    if inverse is None and _certifies(q, c, simplex):
         inverse, order = _cholesky_verdict(q)[1:]
     if inverse is not None:
         return _Spectrum(True, True, None, q.shape[0]), inverse
     return _spectrum(q, _shares_eigenvectors(q, c, simplex, order)), None
 
 
-def _takes_cg(q: Tensor, c: Tensor, simplex: bool) -> bool:
-    """Whether the batch takes the conjugate-gradient pivoting when ``Q`` is certified (box
-    problems, at least two, from ``CG_MIN_SIZE`` tasks on)."""
-    return not simplex and q.shape[0] >= CG_MIN_SIZE and c.shape[0] >= 2
+def _certifies(q: Tensor, c: Tensor, simplex: bool) -> bool:
+    """Whether :func:`_classified` tries :func:`certified_inverse` before the eigenvalues: box
+    problems from ``CG_MIN_SIZE`` tasks on, a batch (the conjugate-gradient pivoting takes
+    the inverse as its preconditioner) or one problem with ``c = 0`` (DualProj's: a third of
+    the eigenvalues' cost where it certifies, and where the factorisation fails early, the
+    order that lets :func:`_shares_eigenvectors` keep one decomposition for the zero cone)."""
+    if simplex or q.shape[0] < CG_MIN_SIZE:
+        return False
+    return c.shape[0] >= 2 or not bool(c.any())
 
 
 def _shares_eigenvectors(q: Tensor, c: Tensor, simplex: bool, order: int) -> bool:

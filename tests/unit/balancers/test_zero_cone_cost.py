@@ -194,3 +194,63 @@ def test_balanced_rows_in_a_half_space_go_on_from_the_shared_factor(k: int, seed
         ref = nnls_dual_cone(unit, u[i]) * trace.sqrt()
         assert float(ref.norm()) > 0.0
         assert_same_update(v[i] @ g, ref, g)
+
+
+def _spied_projection(gram: Tensor, u: Tensor) -> tuple[Tensor, list[str]]:
+    """``project_dual_cone(gram, u)`` with the eigenvalue decompositions and the shared
+    factor watched: ``"eigvalsh"``, ``"eigh"`` and ``"shared"`` in call order."""
+    seen: list[str] = []
+    spectrum, top = _boxqp._spectrum, _boxqp._top_factor
+
+    def spy_spectrum(q: Tensor, vectors: bool = False) -> _boxqp._Spectrum:
+        seen.append("eigh" if vectors else "eigvalsh")
+        return spectrum(q, vectors)
+
+    def spy_top(lam: Tensor, vec: Tensor, rank: int) -> Tensor:
+        seen.append("shared")
+        return top(lam, vec, rank)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_boxqp, "_spectrum", spy_spectrum)
+        mp.setattr(_boxqp, "_top_factor", spy_top)
+        v = project_dual_cone(gram, u)
+    return v, seen
+
+
+@settings(max_examples=6, deadline=None)
+@given(st.integers(64, 128), st.integers(0, 2**16))
+def test_one_problem_on_full_rank_rows_is_certified_without_eigenvalues(k: int,
+                                                                       seed: int) -> None:
+    """DualProj's one problem on Gaussian rows (``P = 3K``: well conditioned): the Cholesky
+    certificate classifies ``Q``, no eigenvalue decomposition runs, and the update is
+    scipy's."""
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(k, 3 * k, generator=gen, dtype=F64)
+    g[: k // 2] -= 2.0 * g[k // 2:].mean(dim=0)  # conflicting halves: the projection moves
+    u = (torch.rand(k, generator=gen, dtype=F64) + 0.5)[None]
+    gram, trace = trace_normalized(g @ g.T)
+    v, seen = _spied_projection(gram, u)
+    assert seen == []
+    unit = g / trace.sqrt()
+    ref = nnls_dual_cone(unit, u[0]) * trace.sqrt()
+    assert float((ref - u[0] @ g).norm()) > 1e-6 * float(ref.norm())  # not the bound itself
+    assert_same_update(v[0] @ g, ref, g)
+
+
+@settings(max_examples=6, deadline=None)
+@given(st.integers(64, 112), st.floats(0.3, 0.45), st.integers(0, 2**16))
+def test_one_problem_on_balanced_low_rank_rows_shares_the_decomposition(
+        k: int, fraction: float, seed: int) -> None:
+    """DualProj's one problem on balanced rows of rank ``0.3 … 0.45 K``: one decomposition
+    with vectors, the shared factor, and scipy's update (zero where certified)."""
+    r = int(fraction * k)
+    gen = torch.Generator().manual_seed(seed)
+    coef = torch.randn(k, r, generator=gen, dtype=F64)
+    coef *= (1.0 + torch.rand(k, 1, generator=gen, dtype=F64)) / coef.norm(dim=1, keepdim=True)
+    g = coef @ torch.linalg.qr(torch.randn(3 * k, r, generator=gen, dtype=F64))[0].T
+    u = (torch.rand(k, generator=gen, dtype=F64) + 0.5)[None]
+    gram, trace = trace_normalized(g @ g.T)
+    v, seen = _spied_projection(gram, u)
+    assert seen[:2] == ["eigh", "shared"]
+    unit = g / trace.sqrt()
+    assert_same_update(v[0] @ g, nnls_dual_cone(unit, u[0]) * trace.sqrt(), g)
