@@ -116,7 +116,7 @@ def _out_of_reach(least: list[float], left: int) -> bool:
     Alternating projections approach a thin intersection at a rate that keeps falling: at
     K = 1,024, rank ``K/2``, the least entry went −0.17, −0.14, −0.13, −0.12 at rounds 32 …
     128 and was −0.08 after 1,024 (none found; the exact search then took 0.26 s, the rounds
-    0.3 s before it); rank ``7K/16`` crossed at round 423 after −0.08, −0.05, −0.03 at 64,
+    0.3 s before it); rank ``7K/16`` crossed at round 423 after −0.08, −0.05, −0.02 at 64,
     128, 256."""
     if len(least) < 3:
         return False

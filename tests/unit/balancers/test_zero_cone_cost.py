@@ -133,6 +133,27 @@ def test_top_factor_hand_built() -> None:
     assert torch.allclose(factor @ factor.T, q, atol=1e-15)
 
 
+def _spied_projection(gram: Tensor, u: Tensor) -> tuple[Tensor, list[str]]:
+    """``project_dual_cone(gram, u)`` with the eigenvalue decompositions and the shared
+    factor watched: ``"eigvalsh"``, ``"eigh"`` and ``"shared r"`` (its rank) in call order."""
+    seen: list[str] = []
+    spectrum, top = _boxqp._spectrum, _boxqp._top_factor
+
+    def spy_spectrum(q: Tensor, vectors: bool = False) -> _boxqp._Spectrum:
+        seen.append("eigh" if vectors else "eigvalsh")
+        return spectrum(q, vectors)
+
+    def spy_top(lam: Tensor, vec: Tensor, rank: int) -> Tensor:
+        seen.append(f"shared {rank}")
+        return top(lam, vec, rank)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_boxqp, "_spectrum", spy_spectrum)
+        mp.setattr(_boxqp, "_top_factor", spy_top)
+        v = project_dual_cone(gram, u)
+    return v, seen
+
+
 @settings(max_examples=10, deadline=None)
 @given(st.integers(64, 112), st.floats(0.3, 0.45), st.integers(0, 2**16))
 def test_balanced_low_rank_rows_take_the_shared_factor(k: int, fraction: float,
@@ -148,17 +169,8 @@ def test_balanced_low_rank_rows_take_the_shared_factor(k: int, fraction: float,
     g = coef @ basis  # norms 1 … 2: a diagonal within 4×
     u = torch.diag(torch.rand(k, generator=gen, dtype=F64) + 0.5)
     gram, trace = trace_normalized(g @ g.T)
-    shared = []
-    top = _boxqp._top_factor
-
-    def spy(lam: Tensor, vec: Tensor, rank: int) -> Tensor:
-        shared.append(rank)
-        return top(lam, vec, rank)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_boxqp, "_top_factor", spy)
-        v = project_dual_cone(gram, u)
-    assert shared == [r]
+    v, seen = _spied_projection(gram, u)
+    assert seen == ["eigh", f"shared {r}"]
     unit = g / trace.sqrt()
     for i in range(0, k, 7):
         assert_same_update(v[i] @ g, nnls_dual_cone(unit, u[i]) * trace.sqrt(), g)
@@ -178,43 +190,13 @@ def test_balanced_rows_in_a_half_space_go_on_from_the_shared_factor(k: int, seed
     g = coef @ torch.linalg.qr(torch.randn(3 * k, r, generator=gen, dtype=F64))[0].T
     u = torch.diag(torch.rand(k, generator=gen, dtype=F64) + 0.5)[::9]
     gram, trace = trace_normalized(g @ g.T)
-    shared = []
-    top = _boxqp._top_factor
-
-    def spy(lam: Tensor, vec: Tensor, rank: int) -> Tensor:
-        shared.append(rank)
-        return top(lam, vec, rank)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_boxqp, "_top_factor", spy)
-        v = project_dual_cone(gram, u)
-    assert shared == [r]
+    v, seen = _spied_projection(gram, u)
+    assert seen == ["eigh", f"shared {r}"]
     unit = g / trace.sqrt()
     for i in range(u.shape[0]):
         ref = nnls_dual_cone(unit, u[i]) * trace.sqrt()
         assert float(ref.norm()) > 0.0
         assert_same_update(v[i] @ g, ref, g)
-
-
-def _spied_projection(gram: Tensor, u: Tensor) -> tuple[Tensor, list[str]]:
-    """``project_dual_cone(gram, u)`` with the eigenvalue decompositions and the shared
-    factor watched: ``"eigvalsh"``, ``"eigh"`` and ``"shared"`` in call order."""
-    seen: list[str] = []
-    spectrum, top = _boxqp._spectrum, _boxqp._top_factor
-
-    def spy_spectrum(q: Tensor, vectors: bool = False) -> _boxqp._Spectrum:
-        seen.append("eigh" if vectors else "eigvalsh")
-        return spectrum(q, vectors)
-
-    def spy_top(lam: Tensor, vec: Tensor, rank: int) -> Tensor:
-        seen.append("shared")
-        return top(lam, vec, rank)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_boxqp, "_spectrum", spy_spectrum)
-        mp.setattr(_boxqp, "_top_factor", spy_top)
-        v = project_dual_cone(gram, u)
-    return v, seen
 
 
 @settings(max_examples=6, deadline=None)
@@ -251,6 +233,6 @@ def test_one_problem_on_balanced_low_rank_rows_shares_the_decomposition(
     u = (torch.rand(k, generator=gen, dtype=F64) + 0.5)[None]
     gram, trace = trace_normalized(g @ g.T)
     v, seen = _spied_projection(gram, u)
-    assert seen[:2] == ["eigh", "shared"]
+    assert seen == ["eigh", f"shared {r}"]
     unit = g / trace.sqrt()
     assert_same_update(v[0] @ g, nnls_dual_cone(unit, u[0]) * trace.sqrt(), g)
