@@ -236,3 +236,41 @@ def test_one_problem_on_balanced_low_rank_rows_shares_the_decomposition(
     assert seen == ["eigh", f"shared {r}"]
     unit = g / trace.sqrt()
     assert_same_update(v[0] @ g, nnls_dual_cone(unit, u[0]) * trace.sqrt(), g)
+
+
+def _kkt_stop(factor: Tensor, lower: Tensor, v: Tensor, tol: float) -> Tensor:
+    """The stop's conditions as its docstring states them, every multiplier formed:
+    ``v ≥ lower``, ``wⱼ ≤ max(tol‖x‖, ν)‖Lⱼ‖``, ``|wⱼ| ≤ ν‖Lⱼ‖`` where ``vⱼ > lowerⱼ``, finite."""
+    k = factor.shape[0]
+    x = v @ factor
+    size = x.norm(dim=1, keepdim=True)
+    norms = factor.norm(dim=1)
+    nu = 8 * 4 * EPS * k * ((lower @ factor).norm(dim=1, keepdim=True) + size
+                            + (v.abs() @ norms)[:, None])
+    w = -(x @ factor.T)
+    ok = (w <= torch.maximum(tol * size * norms, nu * norms)).all(dim=1)
+    ok &= ((w.abs() <= nu * norms) | (v <= lower)).all(dim=1)
+    return ok & (v >= lower).all(dim=1) & torch.isfinite(v).all(dim=1)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(8, 48), st.integers(2, 6), st.integers(0, 2**16),
+       st.sampled_from([0.0, 1e-14, 1e-9, 1e-3]))
+def test_passes_stop_agrees_with_every_multiplier_formed(k: int, r: int, seed: int,
+                                                         shake: float) -> None:
+    """The stop with its Cauchy–Schwarz shortcut against the conditions with every multiplier
+    formed: certificates (Gaussian rows, ``K ≥ 4r``, shaken by ``shake`` of their size, which
+    moves ``x`` off zero) and feasible points that are not optimal (``v = lower`` and random
+    ``v ≥ lower``): the same verdict on each."""
+    gen = torch.Generator().manual_seed(seed)
+    factor = torch.randn(max(k, 4 * r), r, generator=gen, dtype=F64)
+    k = factor.shape[0]
+    lower = torch.diag(torch.rand(k, generator=gen, dtype=F64) + 0.5)
+    found = _zero_cone.zero_cone_box(factor, lower, 1e-12, 1024, _boxqp._nnls_point)
+    points = [lower, lower + torch.rand(k, k, generator=gen, dtype=F64)]
+    if found is not None:
+        v = found[0]
+        points.append(v + shake * v.abs() * torch.rand(k, k, generator=gen, dtype=F64))
+    for v in points:
+        assert torch.equal(_zero_cone.passes_stop(factor, lower, v, 1e-12),
+                           _kkt_stop(factor, lower, v, 1e-12))
