@@ -1409,13 +1409,15 @@ def _zero_cone_first(q: Tensor, c: Tensor, lower: Tensor, simplex: bool, x0: Ten
     checked per problem), the problems it leaves open by the dense paths; None where it is
     not tried or finds no certificate. ``pairs``: ``Q``'s eigen-decomposition where
     :func:`_spectrum` kept it (:func:`_shares_eigenvectors`), the factor's then: its
-    ``rank`` leading pairs, those above the same cut."""
+    ``rank`` leading pairs, those above the same cut, their vectors the certificate's
+    orthonormal basis."""
     k = q.shape[0]
     if simplex or k < CG_MIN_SIZE or rank > ZERO_CONE_MAX_FRACTION * k or bool(c.any()):
         return None
+    basis = None if pairs is None else pairs[1][:, k - rank:]
     factor = (eigen_factor(q, ROUNDING_MULTIPLE)[0] if pairs is None
               else _top_factor(*pairs, rank))
-    zero = zero_cone_box(factor, lower, tol, DENSE_NULL_ROUNDS, _nnls_point)
+    zero = zero_cone_box(factor, lower, tol, DENSE_NULL_ROUNDS, _nnls_point, basis)
     if zero is None:
         return None
     out, done = zero

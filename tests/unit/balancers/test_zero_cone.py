@@ -250,8 +250,9 @@ def _watched_dense(gram: Tensor, u: Tensor) -> tuple[Tensor, list[tuple[int, boo
     box = _boxqp.zero_cone_box
 
     def spy(factor: Tensor, lower: Tensor, tol: float, rounds: int,
-            exact: _zero_cone.LeastSquares | None = None) -> tuple[Tensor, Tensor] | None:
-        out = box(factor, lower, tol, rounds, exact)
+            exact: _zero_cone.LeastSquares | None = None,
+            basis: Tensor | None = None) -> tuple[Tensor, Tensor] | None:
+        out = box(factor, lower, tol, rounds, exact, basis)
         seen.append((factor.shape[1], out is not None and bool(out[1].all())))
         return out
 

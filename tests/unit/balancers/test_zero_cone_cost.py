@@ -274,3 +274,32 @@ def test_passes_stop_agrees_with_every_multiplier_formed(k: int, r: int, seed: i
     for v in points:
         assert torch.equal(_zero_cone.passes_stop(factor, lower, v, 1e-12),
                            _kkt_stop(factor, lower, v, 1e-12))
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(48, 128), st.floats(0.2, 0.42), st.integers(0, 2**16))
+def test_an_orthonormal_basis_gives_the_same_certificate(k: int, fraction: float,
+                                                         seed: int) -> None:
+    """Balanced Gaussian rows (norms 1 … 2) factored by their eigenpairs ``L = VΛ^{1/2}``:
+    with ``V`` as the basis (no QR) the search finds ``c ≥ 1`` with ``Lᵀc`` at the rounding
+    of ``Σ cⱼ‖Lⱼ‖`` (always for ``K/r ≥ 3.3``: Wendel 1962), and every problem it certifies
+    meets the stop's conditions with every multiplier formed (:func:`_kkt_stop`)."""
+    r = max(2, int(fraction * k))
+    gen = torch.Generator().manual_seed(seed)
+    coef = torch.randn(k, r, generator=gen, dtype=F64)
+    coef *= (1.0 + torch.rand(k, 1, generator=gen, dtype=F64)) / coef.norm(dim=1, keepdim=True)
+    lam, vec = torch.linalg.eigh(coef @ coef.T)
+    factor = _boxqp._top_factor(lam, vec, r)
+    basis = vec[:, k - r:]
+    lower = torch.diag(torch.rand(k, generator=gen, dtype=F64) + 0.5)
+    c = _zero_cone.interior_null(factor, 1024, _boxqp._nnls_point, basis)
+    if c is None:  # K/r near 2: a conic hull that may not be the span
+        assert fraction > 0.3
+        return
+    assert float(c.min()) == pytest.approx(1.0)
+    assert float((c @ factor).norm()) <= 1e3 * EPS * k * float(c @ factor.norm(dim=1))
+    found = _zero_cone.zero_cone_box(factor, lower, 1e-12, 1024, _boxqp._nnls_point, basis)
+    assert found is not None
+    v, done = found
+    assert bool(done.any())
+    assert torch.equal(done, _kkt_stop(factor, lower, v, 1e-12))
