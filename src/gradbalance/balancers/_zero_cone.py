@@ -65,7 +65,7 @@ def passes_stop(factor: Tensor, lower: Tensor, v: Tensor, tol: float,
     K = 1,024, ``c`` up to 1.7e4, ``‖x‖`` 5e-11 of ``‖Lᵀlower‖``); False where not finite.
     Where ``‖x‖ ≤ ν`` every ``|wⱼ| ≤ ‖Lⱼ‖‖x‖`` (Cauchy–Schwarz) meets both multiplier
     tests, and ``w`` is formed only for the other problems (one ``[B, r] × [r, K]`` product
-    fewer for a certificate: UPGrad at K = 1,024, rank ``K/2``, 94 → 45 ms). ``a``:
+    fewer for a certificate: UPGrad at K = 1,024, rank ``K/2``, 94 → 35 ms). ``a``:
     ``lower·L`` where the caller has it."""
     x = v @ factor
     size = x.norm(dim=1, keepdim=True)

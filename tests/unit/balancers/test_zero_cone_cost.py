@@ -133,6 +133,19 @@ def test_top_factor_hand_built() -> None:
     assert torch.allclose(factor @ factor.T, q, atol=1e-15)
 
 
+def _balanced_coefficients(k: int, r: int, gen: torch.Generator) -> Tensor:
+    """``[K, r]`` Gaussian directions with norms ``1 … 2`` (a Gramian diagonal within 4×)."""
+    coef = torch.randn(k, r, generator=gen, dtype=F64)
+    return coef * (1.0 + torch.rand(k, 1, generator=gen, dtype=F64)) / coef.norm(dim=1,
+                                                                               keepdim=True)
+
+
+def _in_span(coef: Tensor, gen: torch.Generator) -> Tensor:
+    """``coef`` times ``r`` orthonormal rows of ``3K`` entries: rows of the same norms."""
+    k, r = coef.shape
+    return coef @ torch.linalg.qr(torch.randn(3 * k, r, generator=gen, dtype=F64))[0].T
+
+
 def _spied_projection(gram: Tensor, u: Tensor) -> tuple[Tensor, list[str]]:
     """``project_dual_cone(gram, u)`` with the eigenvalue decompositions and the shared
     factor watched: ``"eigvalsh"``, ``"eigh"`` and ``"shared r"`` (its rank) in call order."""
@@ -163,10 +176,7 @@ def test_balanced_low_rank_rows_take_the_shared_factor(k: int, fraction: float,
     scipy's on the rows (zero where the certificate holds) with ``v ≥ u``."""
     r = int(fraction * k)
     gen = torch.Generator().manual_seed(seed)
-    coef = torch.randn(k, r, generator=gen, dtype=F64)
-    coef *= (1.0 + torch.rand(k, 1, generator=gen, dtype=F64)) / coef.norm(dim=1, keepdim=True)
-    basis = torch.linalg.qr(torch.randn(3 * k, r, generator=gen, dtype=F64))[0].T
-    g = coef @ basis  # norms 1 … 2: a diagonal within 4×
+    g = _in_span(_balanced_coefficients(k, r, gen), gen)
     u = torch.diag(torch.rand(k, generator=gen, dtype=F64) + 0.5)
     gram, trace = trace_normalized(g @ g.T)
     v, seen = _spied_projection(gram, u)
@@ -187,7 +197,7 @@ def test_balanced_rows_in_a_half_space_go_on_from_the_shared_factor(k: int, seed
     coef = torch.randn(k, r, generator=gen, dtype=F64)
     coef[:, 0] = coef[:, 0].abs() + 0.5
     coef /= coef.norm(dim=1, keepdim=True)
-    g = coef @ torch.linalg.qr(torch.randn(3 * k, r, generator=gen, dtype=F64))[0].T
+    g = _in_span(coef, gen)
     u = torch.diag(torch.rand(k, generator=gen, dtype=F64) + 0.5)[::9]
     gram, trace = trace_normalized(g @ g.T)
     v, seen = _spied_projection(gram, u)
@@ -227,9 +237,7 @@ def test_one_problem_on_balanced_low_rank_rows_shares_the_decomposition(
     with vectors, the shared factor, and scipy's update (zero where certified)."""
     r = int(fraction * k)
     gen = torch.Generator().manual_seed(seed)
-    coef = torch.randn(k, r, generator=gen, dtype=F64)
-    coef *= (1.0 + torch.rand(k, 1, generator=gen, dtype=F64)) / coef.norm(dim=1, keepdim=True)
-    g = coef @ torch.linalg.qr(torch.randn(3 * k, r, generator=gen, dtype=F64))[0].T
+    g = _in_span(_balanced_coefficients(k, r, gen), gen)
     u = (torch.rand(k, generator=gen, dtype=F64) + 0.5)[None]
     gram, trace = trace_normalized(g @ g.T)
     v, seen = _spied_projection(gram, u)
@@ -286,8 +294,7 @@ def test_an_orthonormal_basis_gives_the_same_certificate(k: int, fraction: float
     meets the stop's conditions with every multiplier formed (:func:`_kkt_stop`)."""
     r = max(2, int(fraction * k))
     gen = torch.Generator().manual_seed(seed)
-    coef = torch.randn(k, r, generator=gen, dtype=F64)
-    coef *= (1.0 + torch.rand(k, 1, generator=gen, dtype=F64)) / coef.norm(dim=1, keepdim=True)
+    coef = _balanced_coefficients(k, r, gen)
     lam, vec = torch.linalg.eigh(coef @ coef.T)
     factor = _boxqp._top_factor(lam, vec, r)
     basis = vec[:, k - r:]
