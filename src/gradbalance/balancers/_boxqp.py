@@ -46,6 +46,7 @@ import torch
 from torch import Tensor
 
 from ._active_set import box_active_set, solve_free
+from ._admm import admm_free_sets, cluster_floor
 from ._cholesky import Factor, cholesky_ex, cholesky_solve
 from ._interior import interior_nnls
 from ._pcg import pcg_free, rough_free_sets
@@ -269,6 +270,8 @@ class _Spectrum(NamedTuple):
     lifted_well: bool = False  # lifted, well conditioned (its classification, no new one)
     pairs: tuple[Tensor, Tensor] | None = None  # ``Q``'s eigenvalues and -vectors, where
     # asked for (:func:`_spectrum`)
+    floor: float | None = None  # ``λ_min`` of a cluster of small eigenvalues
+    # (:func:`~._admm.cluster_floor`), None: none
 
 
 def _spectrum(q: Tensor, vectors: bool = False) -> _Spectrum:
@@ -290,7 +293,8 @@ def _spectrum(q: Tensor, vectors: bool = False) -> _Spectrum:
     if not well:
         rank = int((lam > rounding_cut(lam, rank, ROUNDING_MULTIPLE)).sum())
     lifted_well = lift is not None and high + lift < CHOLESKY_MAX_COND * (low + lift)
-    return _Spectrum(well, definite, lift, rank, lifted_well, pairs)
+    floor = cluster_floor(q, eigenvalues=lam) if well else None
+    return _Spectrum(well, definite, lift, rank, lifted_well, pairs, floor)
 
 
 def rounding_lift(lam: Tensor, low: float | None = None,
@@ -1284,30 +1288,45 @@ def solve_box_qp_batched(
     if scale is not None:
         return _scaled_box(q, c, lower, x0, tol, scale)
     spectrum, inverse = _classified(q, c, simplex, well_conditioned, inverse)
-    well_conditioned, definite, lift, rank, lifted_well, _ = spectrum
+    well_conditioned, definite = spectrum[:2]
     if not well_conditioned:
-        zero = _zero_cone_first(q, c, lower, simplex, x0, tol, rank, spectrum.pairs)
+        zero = _zero_cone_first(q, c, lower, simplex, x0, tol, spectrum.rank,
+                                spectrum.pairs)
         if zero is not None:
             return zero
     x = _start_points(lower, simplex, x0)
     given = None if x0 is None else x
-    if not well_conditioned and _conjugate_box(q, c, simplex):
-        lifted = _lifted(q, lift)
-        if lifted is not None:  # positive definite, never lifted again: well conditioned by
-            # the spectrum, else classified afresh
-            return solve_box_qp_batched(lifted, c, lower, simplex, x0, tol,
-                                        True if lifted_well else None)
-        early = _pivot_singular_routes(q, lower, x, tol, rank)
-        if early is not None:
-            out, done = early
-            if not bool(done.all()):
-                rest = torch.nonzero(~done).flatten()
-                out[rest] = _solve_rest(q, c[rest], lower[rest], simplex, x[rest],
-                                        None if given is None else given[rest], tol,
-                                        definite, inverse)
-            return out
-    return _solve_rest(q, c, lower, simplex, x, given, tol, definite, inverse,
-                       well_conditioned)
+    early = (_early_routes(q, c, lower, x0, x, tol, spectrum, inverse)
+             if _conjugate_box(q, c, simplex) else None)
+    if isinstance(early, Tensor):
+        return early
+    rest = partial(_solve_rest, q, simplex=simplex, tol=tol, definite=definite,
+                   inverse=inverse, well_conditioned=well_conditioned)
+    if early is None:
+        return rest(c, lower, x=x, given=given)
+    out, done = early
+    if not bool(done.all()):
+        at = torch.nonzero(~done).flatten()
+        out[at] = rest(c[at], lower[at], x=x[at], given=None if given is None else given[at])
+    return out
+
+
+def _early_routes(q: Tensor, c: Tensor, lower: Tensor, x0: Tensor | None, x: Tensor,
+                  tol: float, spectrum: _Spectrum,
+                  inverse: Tensor | None) -> Tensor | tuple[Tensor, Tensor] | None:
+    """The routes a batch of box problems with ``c = 0`` (:func:`_conjugate_box`) takes
+    before the pivoting: the solutions on the lifted ``Q`` (:func:`_lifted`), or ``(out,
+    done)`` of the singular routes (:func:`_pivot_singular_routes`) or, on a well-conditioned
+    ``Q`` with a cluster of small eigenvalues, of ADMM's (:func:`_pivot_admm`); None where
+    none applies."""
+    if spectrum.well:
+        return _pivot_admm(q, lower, tol, spectrum.floor, inverse) if c.shape[0] >= 2 else None
+    lifted = _lifted(q, spectrum.lift)
+    if lifted is not None:  # positive definite, never lifted again: well conditioned by
+        # the spectrum, else classified afresh
+        return solve_box_qp_batched(lifted, c, lower, False, x0, tol,
+                                    True if spectrum.lifted_well else None)
+    return _pivot_singular_routes(q, lower, x, tol, spectrum.rank)
 
 
 def _diagonal_scale(q: Tensor, simplex: bool, well_conditioned: bool | None,
@@ -1577,6 +1596,25 @@ def _pivot_from_fista(q: Tensor, lower: Tensor, x: Tensor, tol: float,
         _pivot_chunks(q, lower, rest[fits], free[fits], tol, out, done)
         if int(done.sum()) == before:  # a round that finishes none: stop, the rest go on
             break
+    return out, done
+
+
+def _pivot_admm(q: Tensor, lower: Tensor, tol: float, floor: float | None,
+                inverse: Tensor | None) -> tuple[Tensor, Tensor] | None:
+    """``(out, done)`` for box problems (``c = 0``) on a positive definite ``Q`` whose small
+    eigenvalues form a cluster (``floor``: its ``λ_min`` from the eigenvalues, else found
+    from ``inverse``, :func:`~._admm.cluster_floor`; None where there is none): the
+    factorised pivoting of :func:`_pivot_chunks` from the free sets of ADMM
+    (:func:`~._admm.admm_free_sets`). UPGrad on rows of rank K/2 plus noise 1e-2 of their
+    size at K = 256: 10.5 → 0.3 s (the block pivoting cycled, the conjugate gradients found
+    no preconditioner; docs/balancers.md); the problems it leaves open go on."""
+    if floor is None:
+        floor = cluster_floor(q, inverse)
+    if floor is None:
+        return None
+    free = admm_free_sets(q, lower, floor)
+    out, done = lower.clone(), torch.zeros(lower.shape[0], dtype=torch.bool)
+    _pivot_chunks(q, lower, torch.arange(lower.shape[0]), free, tol, out, done)
     return out, done
 
 
