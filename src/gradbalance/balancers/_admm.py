@@ -14,15 +14,17 @@ ADMM (Boyd et al. 2011, §5.2; over-relaxed, ``α = 1.6``) splits ``v = z``, ``z
 
 one ``[B, K] × [K, K]`` product a step for all the problems, on one inverse shared by them;
 its conditioning is ``(λ_max + ρ)/(λ_min + ρ)``, not ``Q``'s. From ``ρ = ADMM_START·λ_min``
-(λ_min: the cluster's floor), ``ρ`` grows by ``ADMM_GROWTH`` whenever a window of
-``ADMM_WINDOW`` steps moves more than half as many indices as the one before (the best ``ρ``
-sits between 10 and 100 times the floor on the measured rows). The free sets ``{z > lower}``
+(λ_min: the cluster's floor; ``ADMM_SINGULAR_START`` times the mean eigenvalue on a
+singular ``Q``, rows in a span of rank above K/2), ``ρ`` grows by ``ADMM_GROWTH`` whenever
+a window of ``ADMM_WINDOW`` steps moves more than half as many indices as the one before
+(the best ``ρ`` sits between 10 and 100 times the floor on the measured rows). The free
+sets ``{z > lower}``
 are only a guess: the factorised pivoting decides (:func:`~._boxqp._pivot_admm`).
 
 Example:
     >>> import torch
     >>> q = torch.tensor([[2.0, -1.0], [-1.0, 2.0]], dtype=torch.float64) / 4
-    >>> admm_free_sets(q, torch.tensor([[1.0, 0.0]], dtype=torch.float64), 0.25).tolist()
+    >>> admm_free_sets(q, torch.tensor([[1.0, 0.0]], dtype=torch.float64), 2.5).tolist()
     [[False, True]]
 """
 
@@ -38,14 +40,25 @@ ADMM_RELAXATION = 1.6
 #: The first ``ρ`` in units of the cluster's floor ``λ_min``, its growth factor, and the
 #: window of steps over which the index moves are compared.
 ADMM_START = 10.0
+#: The first ``ρ`` on a singular ``Q`` (rows in a span of rank above K/2), in units of its
+#: mean eigenvalue: on Gaussian rows of rank 9K/16, 5K/8 and 3K/4 at K = 256 the steps took
+#: 0.21, 0.06 and 0.05 s from 0.1 times the mean, 0.14, 0.11 and 0.13 s from 0.03 (the
+#: smallest non-zero eigenvalue is 0.03–0.1 of the mean).
+ADMM_SINGULAR_START = 0.1
 ADMM_GROWTH = 3.0
 ADMM_WINDOW = 100
 #: Steps between two looks at the free sets, and the step cap.
 ADMM_CHECK = 25
 ADMM_MAX_STEPS = 2000
+#: The step cap on a singular ``Q``: there the steps settled within 125–500 steps on rows of
+#: rank 0.55K … 0.65K, or not at all (exact rank just above K/2, float64 rows: the optimal
+#: ``v`` is not unique, and the steps wander on its face), and FISTA's route comes next.
+ADMM_SINGULAR_MAX_STEPS = 600
 #: The steps stop once at most this fraction of the problems' free sets moved since the last
 #: look (none for fewer than ``1/ADMM_SETTLED`` problems).
 ADMM_SETTLED = 1 / 128
+#: Looks in a row without a move that end the second round on the problems left open.
+ADMM_QUIET = 8
 #: :func:`cluster_floor`: at least this fraction of the eigenvalues near the smallest
 #: (``λ_min Σ 1/λᵢ``), the smallest at most ``CLUSTER_MAX_FLOOR`` of their mean.
 CLUSTER_MIN_FRACTION = 1 / 8
@@ -98,22 +111,34 @@ def cluster_floor(q: Tensor, inverse: Tensor | None = None,
     return low
 
 
-def admm_free_sets(q: Tensor, lower: Tensor, floor: float) -> Tensor:
+def first_rho(q: Tensor, floor: float | None) -> float:
+    """ADMM's first ``ρ``: ``ADMM_START`` times the cluster's ``floor`` (:func:`cluster_floor`),
+    or for a singular ``Q`` (``floor`` None) ``ADMM_SINGULAR_START`` times its mean eigenvalue
+    ``tr Q/K``."""
+    if floor is not None:
+        return ADMM_START * floor
+    return ADMM_SINGULAR_START * float(torch.trace(q)) / q.shape[0]
+
+
+def admm_free_sets(q: Tensor, lower: Tensor, rho: float,
+                   settled_fraction: float = ADMM_SETTLED, quiet: int = 1,
+                   max_steps: int = ADMM_MAX_STEPS) -> Tensor:
     """``[B, K]`` guesses of the optimal free sets ``{v > lower}`` of ``min ½ vᵀQv``, ``v ≥
-    lower`` (``Q`` positive definite, float64; ``floor``: its ``λ_min``,
-    :func:`cluster_floor`), by the over-relaxed ADMM steps in float32 (module docstring):
-    until at most ``ADMM_SETTLED`` of the problems' free sets moved over ``ADMM_CHECK``
-    steps, at most ``ADMM_MAX_STEPS``; an all-False row where ``Q + ρI`` does not factorise."""
-    rho = ADMM_START * floor
+    lower`` (``Q`` positive semi-definite, float64; ``rho``: the first ``ρ``,
+    :func:`first_rho`), by the over-relaxed ADMM steps in float32 (module docstring):
+    until at most ``settled_fraction`` of the problems' free sets moved over ``ADMM_CHECK``
+    steps ``quiet`` times in a row, at most ``max_steps``; all False where ``Q + ρI`` does
+    not factorise."""
     inverse = _shifted_inverse(q, rho)
     if inverse is None:
         return torch.zeros_like(lower, dtype=torch.bool)
     low = lower.float()
     z, u = low.clone(), torch.zeros_like(low)
     free = z > low
-    settled = int(ADMM_SETTLED * lower.shape[0])
+    settled = int(settled_fraction * lower.shape[0])
     moves = [0, -1]  # this window's index moves, the last window's (-1: none yet)
-    for step in range(ADMM_CHECK, ADMM_MAX_STEPS + 1, ADMM_CHECK):
+    calm = 0  # looks in a row with at most ``settled`` free sets moved
+    for step in range(ADMM_CHECK, max_steps + 1, ADMM_CHECK):
         for _ in range(ADMM_CHECK):
             v = (z - u).mm(inverse).mul_(rho)
             relaxed = v.mul_(ADMM_RELAXATION).add_(z, alpha=1.0 - ADMM_RELAXATION)
@@ -122,7 +147,8 @@ def admm_free_sets(q: Tensor, lower: Tensor, floor: float) -> Tensor:
         now = z > low
         changed = now ^ free
         free = now
-        if int(changed.any(dim=1).sum()) <= settled:
+        calm = calm + 1 if int(changed.any(dim=1).sum()) <= settled else 0
+        if calm >= quiet:
             break
         moves[0] += int(changed.sum())
         if step % ADMM_WINDOW == 0:

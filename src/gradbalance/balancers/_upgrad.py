@@ -54,10 +54,11 @@ class UPGrad(PreferenceBalancer):
     (one NNLS in ``r`` dimensions where those stall, ``K/r`` near 2); a singular Gramian of
     rank up to ``0.65K`` (a thin dual cone) from a float32 FISTA start, ``O(K³)`` per step
     for all K projections (500–2,000 steps), then factorisations of the free blocks,
-    ``O(K r³)`` per pivoting iteration; a positive definite Gramian whose small eigenvalues
-    form a cluster (rows of low rank plus noise) from ADMM's free sets, ``O(K³)`` per step
-    for all K (25–2,000 steps), then the same factorisations; groups of parallel rows collapsed (``O(K²)`` to find
-    them, ``O(K³)`` to check the answers); the Gramian ``O(K² P)`` besides.
+    ``O(K r³)`` per pivoting iteration, first from ADMM's free sets (``O(K³)`` per step for
+    all K, 100–600 steps); a positive definite Gramian whose small eigenvalues form a
+    cluster (rows of low rank plus noise) from ADMM's too (up to 2,000 steps), then the
+    same factorisations; groups of parallel rows collapsed (``O(K²)`` to find them,
+    ``O(K³)`` to check the answers); the Gramian ``O(K² P)`` besides.
 
     Args:
         num_tasks: K (optional).

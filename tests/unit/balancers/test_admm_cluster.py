@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from gradbalance.balancers import UPGrad, _admm, _boxqp
+from gradbalance.balancers._upgrad import upgrad_weights
 from support.balancers import nnls_dual_cone
 from support.many_kinds import assert_same_update
 
@@ -123,7 +124,7 @@ def test_admm_free_sets_are_the_optimal_ones(seed: int) -> None:
     lower = torch.eye(64, dtype=F64) / 64
     floor = _admm.cluster_floor(q, torch.cholesky_inverse(torch.linalg.cholesky(q)))
     assert floor is not None
-    free = _admm.admm_free_sets(q, lower, floor)
+    free = _admm.admm_free_sets(q, lower, _admm.first_rho(q, floor))
     from scipy.optimize import nnls
 
     a = (rows / d[:, None]).T.numpy()
@@ -157,3 +158,105 @@ def test_common_gramians_stay_off_the_route(kind: str) -> None:
         update = UPGrad()(rows)
     assert ran[0] == 0
     assert_same_update(update, _reference(rows), rows)
+
+
+def _span_rows(k: int, rank: int, seed: int) -> Tensor:
+    """``[K, 3K]`` float64 rows in a random span of ``rank`` dimensions (a singular Gramian)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(k, rank, generator=gen, dtype=F64) @ torch.randn(
+        rank, 3 * k, generator=gen, dtype=F64)
+
+
+def _watched_singular(rows: Tensor, gram: Tensor | None = None,
+                      calls: list[tuple[int, int]] | None = None) -> Tensor:
+    """UPGrad's update of ``rows`` (from ``gram``, by default their own), ``(problems,
+    finished)`` of each ADMM route's call appended to ``calls``."""
+    calls = [] if calls is None else calls
+    route = _boxqp._pivot_from_admm
+
+    def spy(q: Tensor, lower: Tensor, x: Tensor | None, tol: float,
+            rank: int | None = None, floor: float | None = None) -> tuple[Tensor, Tensor]:
+        got = route(q, lower, x, tol, rank, floor)
+        calls.append((lower.shape[0], int(got[1].sum())))
+        return got
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_boxqp, "_pivot_from_admm", spy)
+        weights = upgrad_weights(rows @ rows.T if gram is None else gram)
+    return weights @ rows
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.sampled_from([64, 72, 96]), st.floats(0.55, 0.64), st.integers(0, 2**16))
+def test_thin_cone_rows_take_admm_first_and_match_scipy(k: int, fraction: float,
+                                                        seed: int) -> None:
+    """Rows in a span of rank ``0.55K … 0.64K`` (a singular Gramian, a thin dual cone):
+    ADMM's route runs first on all K projections, and the update is scipy's NNLS
+    projections summed, whichever route finished each."""
+    rows = _span_rows(k, int(fraction * k), seed)
+    calls: list[tuple[int, int]] = []
+    update = _watched_singular(rows, calls=calls)
+    assert calls and calls[0][0] == k
+    assert_same_update(update, _reference(rows), rows)
+
+
+@pytest.mark.parametrize(("k", "rank", "seed"), [(64, 38, 0), (96, 58, 1), (128, 81, 0)])
+def test_admm_finishes_thin_cone_projections(k: int, rank: int, seed: int) -> None:
+    """Rank 0.6K … 0.64K: ADMM's route itself finishes at least 7/8 of the projections (the
+    pivoting's test and the multipliers' on ``Q``), the update scipy's."""
+    rows = _span_rows(k, rank, seed)
+    calls: list[tuple[int, int]] = []
+    update = _watched_singular(rows, calls=calls)
+    assert calls[0][0] == k and calls[0][1] >= 7 * k // 8
+    assert_same_update(update, _reference(rows), rows)
+
+
+@pytest.mark.parametrize(("k", "rank", "seed"), [(64, 35, 0)])
+def test_steps_that_do_not_settle_leave_the_problems_to_fista(k: int, rank: int,
+                                                              seed: int) -> None:
+    """Float64 rows of rank just above K/2, their Gramian singular to 1e-17: the optimal
+    ``v`` is not unique and ADMM's steps wander on its face (free sets above the rank: no
+    factorisation), the route finishes under half the projections and stops after one
+    round, FISTA's route runs next, and the update is scipy's."""
+    rows = _span_rows(k, rank, seed)
+    order: list[str] = []
+    fista = _boxqp._pivot_from_fista
+    calls: list[tuple[int, int]] = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_boxqp, "_pivot_from_fista",
+                   lambda *a, **kw: order.append("fista") or fista(*a, **kw))
+        update = _watched_singular(rows, rows @ rows.T, calls)
+    assert calls[0][0] == k and 2 * calls[0][1] < k
+    assert order and order[0] == "fista"
+    assert_same_update(update, _reference(rows), rows)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_second_round_finishes_what_the_first_leaves(seed: int) -> None:
+    """K = 72, rank 41: with the first round stopped at its first look (25 steps, every free
+    set still moving), the second round (a third of ``ρ``, until eight looks in a row move
+    nothing) brings the route to at least 7/8 of the projections, each summed into scipy's
+    update."""
+    rows = _span_rows(72, 41, seed)
+    calls: list[tuple[int, int]] = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_boxqp, "ADMM_SETTLED", 1.0)
+        update = _watched_singular(rows, calls=calls)
+    assert calls[0][0] == 72 and calls[0][1] >= 63
+    assert_same_update(update, _reference(rows), rows)
+
+
+def test_one_problem_does_not_take_admm() -> None:
+    """DualProj's single projection on a singular Gramian: no ADMM (its steps would be
+    matrix-vector products, its inverse a factorisation of its own), the FISTA route first."""
+    from gradbalance.balancers._dualproj import dualproj_weights
+
+    rows = _span_rows(64, 37, 5)
+    update_calls: list[int] = []
+    route = _boxqp._pivot_from_admm
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_boxqp, "_pivot_from_admm",
+                   lambda *a, **kw: update_calls.append(1) or route(*a, **kw))
+        update = dualproj_weights(rows @ rows.T) @ rows
+    assert not update_calls
+    assert_same_update(update, nnls_dual_cone(rows, torch.full((64,), 1 / 64, dtype=F64)), rows)

@@ -1,6 +1,7 @@
 """UPGrad on rows in a span of rank a little above K/2 (a thin dual cone): the dense pivoting
-from a long FISTA start (``_boxqp._pivot_from_fista``) against scipy's NNLS per projection,
-what it certifies and what it leaves to the paths after it."""
+from a long FISTA start (``_boxqp._pivot_from_fista``; a batch's ADMM route before it turned
+off) against scipy's NNLS per projection, what it certifies and what it leaves to the paths
+after it."""
 
 from __future__ import annotations
 
@@ -36,7 +37,11 @@ def _reference(rows: torch.Tensor) -> torch.Tensor:
 
 
 def _spy(mp: pytest.MonkeyPatch) -> list[tuple[int, int]]:
-    """``(problems, finished)`` of every call of the route, recorded."""
+    """``(problems, finished)`` of every call of the route, recorded; ADMM's route, which a
+    batch takes before it (``tests/unit/balancers/test_admm_cluster.py``), turned off: it
+    leaves every problem open."""
+    mp.setattr(_boxqp, "_pivot_from_admm", lambda q, lower, x, tol, rank=None: (
+        lower.clone(), torch.zeros(lower.shape[0], dtype=torch.bool)))
     calls: list[tuple[int, int]] = []
     route = _boxqp._pivot_from_fista
 
