@@ -46,7 +46,7 @@ ADMM_START = 10.0
 #: smallest non-zero eigenvalue is 0.03–0.1 of the mean).
 ADMM_SINGULAR_START = 0.1
 ADMM_GROWTH = 3.0
-ADMM_WINDOW = 100
+ADMM_WINDOW = 50
 #: Steps between two looks at the free sets, and the step cap.
 ADMM_CHECK = 25
 ADMM_MAX_STEPS = 2000
