@@ -1491,7 +1491,10 @@ def _solve_rest(q: Tensor, c: Tensor, lower: Tensor, simplex: bool, x: Tensor,
         return pivot
     out, done = pivot or (x.clone(), torch.zeros(c.shape[0], dtype=torch.bool))
     if many and not simplex and not bool(c.any()) and not bool(done.all()):
-        _finish_active_set(q, lower, out, done, tol)
+        if well_conditioned:
+            _finish_single_admm(q, lower, out, done, tol, inverse)
+        if not bool(done.all()):
+            _finish_active_set(q, lower, out, done, tol)
     if bool(done.all()):
         return out
     return _solve_factored(q, c, lower, simplex, given, out, done, tol)
@@ -1641,7 +1644,7 @@ def _pivot_from_admm(q: Tensor, lower: Tensor, x: Tensor | None, tol: float,
     ``ADMM_QUIET`` looks in a row (the first stops with ``ADMM_SETTLED`` of them still
     moving: on rows of rank 9K/16 at K = 256 three problems stopped 2–4 indices from the
     optimal free sets, from which the pivoting diverged; 1,000 steps reach them), only
-    where the first finished at least half of the problems (else the steps did not settle:
+    where the first finished at least half of a batch (else the steps did not settle:
     FISTA's route next). At most ``ADMM_SINGULAR_MAX_STEPS`` steps a round on a singular
     ``Q`` (``floor`` None). On a singular ``Q`` (rows in a span of rank 5K/8)
     at K = 1,024, 3.7 s of ADMM steps against 13.7 s of FISTA's for the same free sets
@@ -1660,8 +1663,8 @@ def _pivot_from_admm(q: Tensor, lower: Tensor, x: Tensor | None, tol: float,
         fits = free.sum(dim=1) <= rank
         _pivot_chunks(q, lower, rows[fits], free[fits], tol, out, done)
         rows = torch.nonzero(~done).flatten()
-        if rows.numel() == 0 or 2 * int(done.sum()) < b:  # none left, or the steps failed
-            break
+        if rows.numel() == 0 or 2 * int(done.sum()) < b - 1:  # none left, or the steps
+            break  # failed on a batch (a single problem takes its second round)
     return out, done
 
 
@@ -1680,6 +1683,22 @@ def _pivot_chunks(q: Tensor, lower: Tensor, rows: Tensor, free: Tensor, tol: flo
             continue
         finished = pivot[1] & _multipliers_hold(q, lower[at], pivot[0])
         out[at[finished]], done[at[finished]] = pivot[0][finished], True
+
+
+def _finish_single_admm(q: Tensor, lower: Tensor, out: Tensor, done: Tensor, tol: float,
+                        inverse: Tensor | None) -> None:
+    """One box problem (``c = 0``, DualProj's) the pivoting left open on a positive definite
+    ``Q`` whose small eigenvalues form a cluster (from ``inverse``,
+    :func:`~._admm.cluster_floor`): ADMM's route (:func:`_pivot_admm`; its steps are
+    matrix-vector products), in place where it finishes it, before the active set. DualProj
+    on rows of rank K/2 plus noise 1e-2 at K = 256: the active set's 0.17 s → 0.01 s.
+    Nothing for a batch (it took the route first) or below ``CG_MIN_SIZE`` tasks."""
+    if lower.shape[0] != 1 or q.shape[0] < CG_MIN_SIZE:
+        return
+    got = _pivot_admm(q, lower, tol, None, inverse)
+    if got is not None and bool(got[1].all()):
+        out.copy_(got[0])
+        done.fill_(True)
 
 
 def _finish_active_set(q: Tensor, lower: Tensor, out: Tensor, done: Tensor,

@@ -260,3 +260,28 @@ def test_one_problem_does_not_take_admm() -> None:
         update = dualproj_weights(rows @ rows.T) @ rows
     assert not update_calls
     assert_same_update(update, nnls_dual_cone(rows, torch.full((64,), 1 / 64, dtype=F64)), rows)
+
+
+@pytest.mark.parametrize(("k", "seed"), [(64, 0), (96, 1), (128, 2)])
+def test_one_problem_left_open_takes_admm_before_the_active_set(k: int, seed: int) -> None:
+    """DualProj's single projection on rows of rank K/2 plus noise 1e-2 with its pivoting
+    made to fail: ADMM's route finishes it (the active set never runs), and the update is
+    scipy's NNLS projection of the mean."""
+    from gradbalance.balancers._dualproj import dualproj_weights
+
+    rows = _noisy_rows(k, k // 2, 1e-2, seed)
+    finished: list[bool] = []
+    route = _boxqp._finish_single_admm
+
+    def spy(q: Tensor, lower: Tensor, out: Tensor, done: Tensor, tol: float,
+            inverse: Tensor | None) -> None:
+        route(q, lower, out, done, tol, inverse)
+        finished.append(bool(done.all()))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_boxqp, "_pivot_single", lambda *a, **kw: None)
+        mp.setattr(_boxqp, "_finish_single_admm", spy)
+        mp.setattr(_boxqp, "box_active_set", lambda *a, **kw: pytest.fail("active set ran"))
+        update = dualproj_weights(rows @ rows.T) @ rows
+    assert finished == [True]
+    assert_same_update(update, nnls_dual_cone(rows, torch.full((k,), 1 / k, dtype=F64)), rows)
