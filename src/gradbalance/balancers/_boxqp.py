@@ -52,9 +52,12 @@ from ._admm import (
     ADMM_QUIET,
     ADMM_SETTLED,
     ADMM_SINGULAR_MAX_STEPS,
+    PILOT_MIN_SIZE,
+    PILOT_ROWS,
     admm_free_sets,
     cluster_floor,
     first_rho,
+    pilot_rho,
 )
 from ._cholesky import Factor, cholesky_ex, cholesky_solve
 from ._interior import interior_nnls
@@ -1654,6 +1657,8 @@ def _pivot_from_admm(q: Tensor, lower: Tensor, x: Tensor | None, tol: float,
     b, k = lower.shape
     rank = k if rank is None else rank
     rho = first_rho(q, floor)
+    if floor is not None and k >= PILOT_MIN_SIZE and b > PILOT_ROWS:
+        rho = pilot_rho(q, lower, rho)
     out, done = lower.clone(), torch.zeros(b, dtype=torch.bool)
     rows = torch.arange(b)
     steps = ADMM_MAX_STEPS if floor is not None else ADMM_SINGULAR_MAX_STEPS

@@ -285,3 +285,44 @@ def test_one_problem_left_open_takes_admm_before_the_active_set(k: int, seed: in
         update = dualproj_weights(rows @ rows.T) @ rows
     assert finished == [True]
     assert_same_update(update, nnls_dual_cone(rows, torch.full((k,), 1 / k, dtype=F64)), rows)
+
+
+def test_the_pilot_tries_three_rhos_on_sixteen_spread_problems() -> None:
+    """:func:`~._admm.pilot_rho` on 64 problems from ``ρ``: the candidates ``ρ, 3ρ, 9ρ``, each on
+    the problems 0, 4, 8, …, 63 (``linspace(0, 63, 16)`` rounded), the answer the candidate
+    whose steps settled first (the smaller on a tie)."""
+    rows = _noisy_rows(64, 32, 1e-2, 4)
+    gram = rows @ rows.T
+    d = torch.diagonal(gram).sqrt()
+    q = gram / torch.outer(d, d) / 64
+    lower = torch.eye(64, dtype=F64) / 64
+    seen: list[tuple[float, list[int], int]] = []
+    steps = _admm._admm_steps
+
+    def spy(q_: Tensor, low: Tensor, rho: float, *rest: float) -> tuple[Tensor, int]:
+        got = steps(q_, low, rho, *rest)  # type: ignore[arg-type]
+        seen.append((rho, torch.nonzero(low > 0)[:, 1].tolist(), got[1]))
+        return got
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_admm, "_admm_steps", spy)
+        chosen = _admm.pilot_rho(q, lower, 1e-6)
+    expected_rows = [round(i * 63 / 15) for i in range(16)]
+    assert [r for r, _, _ in seen] == pytest.approx([1e-6, 3e-6, 9e-6])
+    assert all(at == expected_rows for _, at, _ in seen)
+    fewest = min(n for _, _, n in seen)
+    assert chosen == next(r for r, _, n in seen if n == fewest)
+
+
+def test_the_route_with_the_pilot_matches_scipy() -> None:
+    """The pilot made to run at K = 96 (rank K/2 plus noise 1e-2): the route still finishes at
+    least 7/8 of the projections and the update is scipy's."""
+    rows = _noisy_rows(96, 48, 1e-2, 6)
+    ran: list[float] = []
+    pilot = _boxqp.pilot_rho
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_boxqp, "PILOT_MIN_SIZE", 64)
+        mp.setattr(_boxqp, "pilot_rho", lambda *a: ran.append(1.0) or pilot(*a))
+        update, calls = _watched_route(rows)
+    assert ran == [1.0] and calls[0][1] >= 84
+    assert_same_update(update, _reference(rows), rows)
