@@ -59,7 +59,7 @@ from ._boxqp import (
     solve_box_qp_batched,
     solve_single_kept,
 )
-from ._cholesky import BlockFactors, Factor, cholesky_solve
+from ._cholesky import BLOCKED_MIN_SIZE, BlockFactors, Factor, cholesky_ex, cholesky_solve
 from ._cone import scaled_projection
 from ._min_norm_dual import lifted_cosine, lifted_min_norm, min_norm_dual
 from ._precond import symmetrized
@@ -692,6 +692,26 @@ def _fair_start(gram: Tensor, p: float, w0: Tensor | None) -> Tensor:
     return w
 
 
+def _newton_solve(gram: Tensor, diagonal: Tensor, grad: Tensor) -> tuple[Tensor, Tensor]:
+    """``(H⁻¹ grad, info)`` for :func:`_fair_step`'s Hessian ``H = G + diag(diagonal)``
+    (``diagonal = p w^{-p-1} > 0``: symmetric positive definite where ``G`` is PSD): from
+    ``BLOCKED_MIN_SIZE`` tasks on, on the CPU, by the blocked Cholesky factorisation
+    (:func:`~._cholesky.cholesky_ex`; at K = 1,024 on one thread 17 ms against 32–36 ms for
+    the LU solve, about half a Newton step; ``H`` formed in place on a copy of ``G``), by
+    :func:`torch.linalg.solve_ex` where it does not factorise (a float32 Gramian's negative
+    rounding against a diagonal that small) and below that size."""
+    if gram.shape[0] >= BLOCKED_MIN_SIZE and gram.device.type == "cpu":
+        hessian = gram.clone()
+        hessian.diagonal().add_(diagonal)
+        low, info = cholesky_ex(hessian)
+        if int(info) == 0:
+            return cholesky_solve(grad[:, None], low)[:, 0], info
+        solved = torch.linalg.solve_ex(hessian, grad)
+    else:
+        solved = torch.linalg.solve_ex(gram + torch.diag(diagonal), grad)
+    return solved.result, solved.info
+
+
 def _fair_step(gram: Tensor, w: Tensor, p: float, measures: list[float],
                norms: Tensor, gabs: Tensor) -> tuple[Tensor, list[float]] | None:
     """One damped Newton step on ``f`` from ``w`` (gradient ``Gw − w^{-p}``, Hessian
@@ -701,7 +721,7 @@ def _fair_step(gram: Tensor, w: Tensor, p: float, measures: list[float],
     value, residual = measures[:2]
     wp = w.pow(-p)
     grad = gram @ w - wp
-    neg_step, info = torch.linalg.solve_ex(gram + torch.diag(p * wp / w), grad)
+    neg_step, info = _newton_solve(gram, p * wp / w, grad)
     step = -neg_step
     ratio = torch.where(step < 0, -w / step, torch.full_like(w, math.inf)).min()
     ratio_v, slope, bad = torch.stack([
