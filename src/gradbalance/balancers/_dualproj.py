@@ -40,7 +40,9 @@ class DualProj(PreferenceBalancer):
     pivoting iteration for ``|F|`` free indices, ``O(K³)`` at most (the Gramian ``O(K² P)``).
 
     Cost in K: one box QP on the Gramian, ``O(|F|³)`` per pivoting iteration for ``|F|`` free
-    indices (``O(K³)`` at most), besides the Gramian ``O(K²P)``.
+    indices (``O(K³)`` at most); where the pivoting leaves it open on a Gramian whose small
+    eigenvalues form a cluster, ADMM's free sets first (``O(K³)`` once, ``O(K²)`` per step),
+    besides the Gramian ``O(K²P)``.
 
     Args:
         num_tasks: K (optional).

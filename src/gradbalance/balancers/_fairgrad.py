@@ -61,8 +61,9 @@ def fairgrad_weights(gramian: Tensor, alpha: float = 1.0, max_iter: int = 100,
 class FairGrad(Balancer):
     """``g = Σₖ wₖ gₖ`` with ``(G Gᵀ) w = w^{-1/α}``, ``w > 0`` (α-fair update).
 
-    Cost in K: damped Newton, ``O(K³)`` per step (at most 100 steps), besides the Gramian
-    ``O(K²P)``.
+    Cost in K: damped Newton, ``O(K³)`` per step (at most 100 steps; from 512 tasks on the
+    CPU a blocked Cholesky factorisation of the Hessian, else an LU solve), besides the
+    Gramian ``O(K²P)``.
 
     Args:
         alpha: fairness ``α ≥ 0`` (default 1.0, proportional fairness; the paper sweeps
