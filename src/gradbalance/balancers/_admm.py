@@ -1,4 +1,4 @@
-"""ADMM guesses of the free sets of many box QPs on one Gramian with a cluster of small eigenvalues.
+"""ADMM guesses of the free sets of many box QPs on one badly conditioned or singular Gramian.
 
 Not a balancer module (no ``__all__``). Rows in a span of low rank plus noise (per-sample
 gradients: a few shared directions and each sample's own) give a positive definite Gramian
@@ -33,7 +33,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._cholesky import cholesky_ex
+from ._precond import shifted_inverse
+from ._projected import bulk_top
 
 #: Over-relaxation of the steps (Boyd et al. 2011, §3.4.3: 1.5–1.8).
 ADMM_RELAXATION = 1.6
@@ -70,8 +71,6 @@ PILOT_CANDIDATES = 3
 PILOT_ROWS = 16
 PILOT_MAX_STEPS = 600
 PILOT_MIN_SIZE = 512
-#: Power steps of :func:`cluster_floor` on ``Q⁻¹``.
-POWER_STEPS = 8
 
 
 def cluster_floor(q: Tensor, inverse: Tensor | None = None,
@@ -82,10 +81,10 @@ def cluster_floor(q: Tensor, inverse: Tensor | None = None,
     ``λ_min``, counted with weight ``λ_min/λᵢ``) and ``λ_min ≤ CLUSTER_MAX_FLOOR·tr Q/K``.
     From the ascending ``eigenvalues`` where known, else from ``inverse`` (``Q⁻¹``): the
     test ``tr Q⁻¹ · tr Q ≥ CLUSTER_MIN_FRACTION·K²/CLUSTER_MAX_FLOOR`` first (both
-    conditions imply it; ``O(K)``), then ``λ_min`` by ``POWER_STEPS`` power steps on
-    ``Q⁻¹`` (from above: the count is then at least the true one). A few small eigenvalues
-    (a Gaussian mixing of the rows, condition number near ``K²``) are not a cluster: the
-    conjugate-gradient pivoting solves those.
+    conditions imply it; ``O(K)``), then ``λ_min`` by power steps on ``Q⁻¹``
+    (:func:`~._projected.bulk_top`; from above: the count is then at least the true one).
+    A few small eigenvalues (a Gaussian mixing of the rows, condition number near ``K²``)
+    are not a cluster: the conjugate-gradient pivoting solves those.
 
     Example:
         >>> import torch
@@ -106,10 +105,7 @@ def cluster_floor(q: Tensor, inverse: Tensor | None = None,
     total = float(torch.trace(inverse))
     if not total * mean * k >= CLUSTER_MIN_FRACTION * k * k / CLUSTER_MAX_FLOOR:
         return None
-    x = torch.ones(k, dtype=inverse.dtype)
-    for _ in range(POWER_STEPS):
-        x = inverse @ (x / torch.linalg.vector_norm(x))
-    top = float(x @ (inverse @ x)) / float(x @ x)
+    top = bulk_top(inverse, None, 0.0)  # λ_max(Q⁻¹) from below: its power steps
     if not top > 0.0:
         return None
     low = 1.0 / top
@@ -196,10 +192,7 @@ def _admm_steps(q: Tensor, lower: Tensor, rho: float, settled_fraction: float, q
 
 
 def _shifted_inverse(q: Tensor, rho: float) -> Tensor | None:
-    """``(Q + ρI)⁻¹`` in float32 (factorised in float64), None where it does not factorise."""
-    shifted = q.clone()
-    shifted.diagonal().add_(rho)
-    chol, info = cholesky_ex(shifted)
-    if int(info) != 0:
-        return None
-    return torch.cholesky_inverse(chol).float()
+    """``(Q + ρI)⁻¹`` in float32 (factorised in float64, :func:`~._precond.shifted_inverse`),
+    None where it does not factorise."""
+    inverse = shifted_inverse(q, rho)
+    return None if inverse is None else inverse.float()
