@@ -189,6 +189,15 @@ def noisy_span(numerator: int, denominator: int,
     return make
 
 
+def duplicate_rows(k: int, p: int, seed: int) -> torch.Tensor:
+    """``K/2`` Gaussian rows each given twice, shuffled (tasks that are copies of others: a
+    Gramian of rank ``K/2`` whose copies' cosines are 1 within the rounding)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randn(k - k // 2, p, generator=gen)
+    both = torch.cat([rows, rows[: k // 2]])
+    return both[torch.randperm(k, generator=gen)].contiguous()
+
+
 def float64_rows(k: int, p: int, seed: int) -> torch.Tensor:
     """The conflicting rows in float64 (the Gramian and the solvers in float64)."""
     return conflicting_rows(k, p, seed).double()
@@ -204,7 +213,8 @@ KINDS = {"conflicting": conflicting_rows, "rank8": rank_deficient_rows,
          "span_3k8": span_fraction_rows, "span_9k16": thin_cone_rows,
          "span_3k4": span_part(3, 4), "span_7k8": span_part(7, 8),
          "span_1k2": span_part(1, 2), "span_5k8": span_part(5, 8),
-         "noisy_half": noisy_span(1, 2, 1e-2), "noisy_quarter": noisy_span(1, 4, 1e-3)}
+         "noisy_half": noisy_span(1, 2, 1e-2), "noisy_quarter": noisy_span(1, 4, 1e-3),
+         "duplicates": duplicate_rows}
 
 
 def make_balancer(name: str, k: int) -> Balancer:

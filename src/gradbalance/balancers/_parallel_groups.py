@@ -81,6 +81,8 @@ def find_groups(cos: Tensor, need_free: bool = False) -> Groups | None:
     mag.fill_diagonal_(0.0)
     rho = float(mag.max()) - 1.0
     tau = max(ROUNDING_MULTIPLE * rho, FLOOR_PER_ROW * n)
+    if rho < -tau:  # no two rows near parallel (the common case): one pass
+        return None
     near = mag >= 1.0 - tau
     counts = near.sum(dim=1)
     if int((counts > 0).sum()) < max(2, int(MIN_FRACTION * n)):

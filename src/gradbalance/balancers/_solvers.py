@@ -39,6 +39,7 @@ import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -62,6 +63,7 @@ from ._boxqp import (
 from ._cholesky import BLOCKED_MIN_SIZE, BlockFactors, Factor, cholesky_ex, cholesky_solve
 from ._cone import scaled_projection
 from ._min_norm_dual import lifted_cosine, lifted_min_norm, min_norm_dual
+from ._min_norm_groups import grouped_min_norm
 from ._precond import symmetrized
 
 __all__ = ["SolverError"]
@@ -190,9 +192,19 @@ def min_norm_simplex(gram: Tensor, tol: float = QP_TOL) -> Tensor:
     cosine matrix (:func:`~._boxqp.rounding_cut`: the rounding a float32 Gramian carries,
     about ``K/2`` positive eigenvalues of it dropped). Either answer is that of a Gramian
     within ``1 + ROUNDING_MULTIPLE`` times the given one's distance from the rows' exact
-    Gramian.
+    Gramian. Rows that are positive multiples of one another within the rounding (a task
+    given twice) are first collapsed to the shortest of each group
+    (:func:`~._min_norm_groups.grouped_min_norm`, its answer checked on the whole Gramian).
     """
+    grouped = grouped_min_norm(gram, partial(_min_norm_distinct, tol=tol))
+    return grouped if grouped is not None else _min_norm_distinct(gram, tol)
+
+
+def _min_norm_distinct(gram: Tensor, tol: float = QP_TOL) -> Tensor:
+    """:func:`min_norm_simplex` without the collapse of parallel rows (one row: weight 1)."""
     k = gram.shape[0]
+    if k == 1:
+        return torch.ones(1, dtype=torch.float64)
     if k == 2:
         return min_norm_two(gram)
     rounding = ROUNDING_MULTIPLE if k >= INTERIOR_MIN_COLUMNS else 0.0

@@ -1,0 +1,99 @@
+"""MGDA's min-norm point where the rows fall into groups of parallel rows, each group collapsed.
+
+Not a balancer module (no ``__all__``). Rows on one ray, ``u`` and ``c·u`` with ``c ≥ 1``,
+leave the min-norm point of the convex hull where it is without ``c·u``: a point ``p = s·cu +
+(1 − s)y`` of the hull (``y`` in the hull of the others) has a point at least as short on
+the segment ``[u, y]``, which separates the origin from ``[cu, y]`` in the triangle ``(0,
+cu, y)``: the ray from the origin through ``p`` crosses it at ``αp``, ``α ≤ 1``. So a group
+of rows parallel with one sign (within the Gramian's rounding,
+:func:`~._parallel_groups.find_groups`) keeps its shortest member, and the members as short
+within that rounding share its weight equally (a task given twice: the same weight each);
+the others get 0. A group with both signs has the origin in its hull (the min-norm value is
+0, the weights not unique): the exact path. Rows that are copies of others (a loss added
+twice, per-sample objectives with repeated samples) make the Gramian singular, which costs
+the exact path an eigen-decomposition, the interior point and Lawson–Hanson's one column
+at a time; collapsed, what is left is the Gramian of the distinct rows (MGDA at K = 1,024 on
+512 Gaussian rows each given twice, one thread: 6.3 → 0.4 s).
+
+The answer is kept only where it meets MGDA's KKT conditions on the whole Gramian, ``(Gw)ⱼ ≥
+wᵀGw`` with equality where ``wⱼ > 0``, to ``(δ + KKT_RTOL)(dⱼ s + s²)`` (``d = diag(G)^{1/2}``,
+``s = dᵀw``; ``δ`` the grouping's deviation of the cosines, which moves ``(Gw)ⱼ`` by at most
+``δ dⱼ s`` and ``wᵀGw`` by ``δ s²``); else None, and the caller's exact path decides.
+Cost: ``O(K²)`` to find the groups (one pass where there are none), the reduced solve, and
+``O(K²)`` for the check.
+
+Example:
+    >>> import torch
+    >>> from gradbalance.balancers._min_norm_groups import grouped_min_norm
+    >>> from gradbalance.balancers._solvers import min_norm_simplex
+    >>> rows = torch.randn(12, 40, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    >>> rows = torch.cat([rows, rows[:6]])  # six tasks given twice: 18 rows
+    >>> g = rows @ rows.T
+    >>> w = grouped_min_norm(g / g.trace(), min_norm_simplex)
+    >>> bool(torch.allclose(w[:6], w[12:], rtol=0, atol=1e-15)), round(float(w.sum()), 12)
+    (True, 1.0)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from ._parallel_groups import FLOOR_PER_ROW, GROUPS_MIN_SIZE, KKT_RTOL, Groups, find_groups
+
+#: ``G → argmin_{w ∈ Δ} wᵀGw`` (``G`` trace-normalised): the reduced problem's solver.
+MinNorm = Callable[[Tensor], Tensor]
+
+
+def grouped_min_norm(gram: Tensor, solve: MinNorm) -> Tensor | None:
+    """``argmin_{w ∈ Δ} wᵀGw`` ``[K]`` with each one-signed group of parallel rows collapsed to
+    its shortest members (:func:`find_groups` on the cosine matrix; ``gram`` trace-normalised,
+    float64), the reduced problem solved by ``solve``; None below ``GROUPS_MIN_SIZE`` tasks,
+    with a zero row, where no group removes enough rows, where a group has both signs, or
+    where the answer fails the KKT check on ``gram``."""
+    k = gram.shape[0]
+    if k < GROUPS_MIN_SIZE:
+        return None
+    d = torch.diagonal(gram).sqrt()
+    if not bool((d > 0.0).all()):
+        return None  # a zero row is its own min-norm point: the exact path
+    groups = find_groups(gram / torch.outer(d, d))
+    if groups is None or groups.free.numel() or bool(groups.two.any()):
+        return None
+    members, kept = _shortest(d, groups)
+    reduced = gram[kept][:, kept]
+    w_kept = solve(reduced / torch.trace(reduced))
+    share = torch.zeros(k, dtype=gram.dtype).index_add_(0, groups.rep, members.to(gram.dtype))
+    rep_weight = torch.zeros(k, dtype=gram.dtype).index_copy_(
+        0, groups.rep[kept], w_kept)  # each kept member's weight, at its group's representative
+    w = torch.where(members, rep_weight[groups.rep] / share[groups.rep].clamp_min(1.0), 0.0)
+    return w if _kkt_holds(gram, w, d, groups.delta + KKT_RTOL) else None
+
+
+def _shortest(d: Tensor, groups: Groups) -> tuple[Tensor, Tensor]:
+    """``(members, kept)``: the rows within ``1 + max(δ, FLOOR_PER_ROW·K)`` of their group's
+    shortest norm (a lone row is its own group; the floor: float64's rounding of the norms
+    of rows that are exact copies) and one of them per group, the first (the reduced
+    problem's rows, in increasing order)."""
+    k = d.shape[0]
+    rep = groups.rep
+    low = torch.full((k,), torch.inf, dtype=d.dtype).scatter_reduce_(0, rep, d, "amin")
+    members = d <= low[rep] * (1.0 + max(groups.delta, FLOOR_PER_ROW * k))
+    index = torch.arange(k)
+    first = torch.full((k,), k, dtype=torch.int64).scatter_reduce_(
+        0, rep, torch.where(members, index, k), "amin")
+    kept = torch.unique(first[rep])
+    return members, kept
+
+
+def _kkt_holds(gram: Tensor, w: Tensor, d: Tensor, rtol: float) -> bool:
+    """MGDA's KKT conditions on ``gram`` at ``w`` (on the simplex): ``(Gw)ⱼ − wᵀGw ≥ −bⱼ``
+    everywhere and ``≤ bⱼ`` where ``wⱼ > 0``, ``bⱼ = rtol (dⱼ s + s²)``, ``s = dᵀw``."""
+    gw = gram @ w
+    gap = gw - w @ gw
+    s = d @ w
+    bound = rtol * (d * s + s * s)
+    ok = (gap >= -bound) & ((w <= 0.0) | (gap <= bound))
+    return bool(ok.all() & torch.isfinite(w).all() & (w >= 0.0).all())

@@ -1,0 +1,173 @@
+"""MGDA's min-norm point with groups of parallel rows collapsed (``_min_norm_groups``) against
+scipy's NNLS of the least-distance program on all the rows and MGDA's KKT conditions on the
+whole Gramian: exact copies of tasks, longer positive multiples, float32 copies against the
+exact path, and the cases the collapse must leave alone (no groups, both signs, a zero row,
+a reduced answer that fails the check)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor
+
+from gradbalance.balancers import MGDA, _min_norm_groups, _solvers
+from gradbalance.balancers._min_norm_groups import grouped_min_norm
+from gradbalance.balancers._solvers import min_norm_simplex
+from gradbalance.functional import mgda_weights
+from gradbalance.gramian import compute_gramian
+
+F64 = torch.float64
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # K ≤ 96: one thread is faster
+
+
+def _reference_value(rows: Tensor) -> float:
+    """``min_{w ∈ Δ} ‖Σ wₖ gₖ‖²`` by scipy's NNLS of the least-distance program (Lawson &
+    Hanson 1974, Ch. 23: ``u = argmin_{u ≥ 0} ‖[Gᵀ; 1ᵀ]u − e‖``, ``w = u/Σu``)."""
+    from scipy.optimize import nnls
+
+    points = rows.T.numpy()
+    e = np.vstack([points, np.ones(points.shape[1])])
+    f = np.zeros(e.shape[0])
+    f[-1] = 1.0
+    u, _ = nnls(e, f, maxiter=100 * points.shape[1])
+    w = u / u.sum()
+    return float(np.sum((points @ w) ** 2))
+
+
+def _assert_kkt(gram: Tensor, w: Tensor, atol: float) -> None:
+    """MGDA's KKT conditions on ``gram``: ``w ∈ Δ``, ``(Gw)ₖ ≥ wᵀGw``, equal where ``wₖ > 0``."""
+    gw = gram @ w
+    value = float(w @ gw)
+    assert float(w.min()) >= 0.0 and float(w.sum()) == pytest.approx(1.0, abs=1e-12)
+    assert float(gw.min()) >= value - atol
+    assert float((gw - value)[w > 0].abs().max()) <= atol
+
+
+def _with_copies(distinct: int, copies: list[tuple[int, float]], seed: int, p: int = 0,
+                 conflict: bool = True) -> Tensor:
+    """``[K, P]`` float64: ``distinct`` rows sharing a direction with signs that conflict
+    (``aᵢ s + nᵢ/2``), then for each ``(i, c)`` the row ``c·gᵢ``; shuffled."""
+    gen = torch.Generator().manual_seed(seed)
+    p = p or 2 * distinct + 10
+    rows = 0.5 * torch.randn(distinct, p, generator=gen, dtype=F64)
+    if conflict:
+        rows += torch.randn(distinct, 1, generator=gen, dtype=F64) * torch.randn(
+            p, generator=gen, dtype=F64)
+    extra = torch.stack([c * rows[i] for i, c in copies]) if copies else rows[:0]
+    both = torch.cat([rows, extra])
+    return both[torch.randperm(both.shape[0], generator=gen)]
+
+
+def _unit(rows: Tensor) -> Tensor:
+    gram = rows @ rows.T
+    return gram / gram.trace()
+
+
+#: Copies: the row copied and its scale (1: an exact copy; above: a longer multiple).
+COPY = st.tuples(st.integers(0, 11), st.sampled_from((1.0, 1.0, 1.5, 4.0)))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(12, 30), st.lists(COPY, min_size=2, max_size=14), st.booleans(),
+       st.integers(0, 2**16))
+def test_copies_meet_the_references(distinct: int, copies: list[tuple[int, float]],
+                                    conflict: bool, seed: int) -> None:
+    # Tasks given again (exact copies, or multiples c ≥ 1): the collapse answers (enough rows
+    # removed), with the min-norm value of scipy's NNLS on all the rows, MGDA's KKT on the
+    # whole Gramian, equal weights for exact copies and none for a longer multiple.
+    rows = _with_copies(distinct, copies, seed, conflict=conflict)
+    k = rows.shape[0]
+    unit = _unit(rows)
+    removed = len(copies)  # each copy joins its original's group
+    w = grouped_min_norm(unit, min_norm_simplex)
+    if k < 17 or removed < max(1, k // 16):  # below the groups' size or share: not taken
+        assert w is None
+        return
+    assert w is not None
+    _assert_kkt(unit, w, 1e-12)
+    value = float(w @ unit @ w) * float((rows @ rows.T).trace())
+    scale = float((rows * rows).sum(dim=1).max())
+    assert value == pytest.approx(_reference_value(rows), abs=1e-11 * scale)
+    norms = rows.norm(dim=1)
+    cos = (rows @ rows.T) / torch.outer(norms, norms)
+    for a in range(k):
+        for b in range(k):
+            if a != b and float(cos[a, b]) > 1 - 1e-12:
+                ratio = float(norms[b] / norms[a])
+                if abs(ratio - 1.0) < 1e-12:  # exact copies: one weight
+                    assert float(w[a]) == pytest.approx(float(w[b]), abs=1e-14)
+                elif ratio > 1.0:  # the longer of two parallel rows: none
+                    assert float(w[b]) == 0.0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_mgda_on_a_task_given_twice_is_mgda_on_the_distinct_tasks(seed: int) -> None:
+    # 24 tasks, the first 12 given a second time: MGDA's update is that of the 24 distinct
+    # tasks (the copies' weights summed), each copy half of it.
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randn(24, 60, generator=gen, dtype=F64)
+    rows[:, :1] += 3.0 * torch.randn(24, 1, generator=gen, dtype=F64)
+    both = torch.cat([rows, rows[:12]])
+    w_both = mgda_weights(both @ both.T)
+    w_distinct = mgda_weights(rows @ rows.T)
+    torch.testing.assert_close(both.T @ w_both, rows.T @ w_distinct, rtol=0, atol=1e-12)
+    torch.testing.assert_close(w_both[:12], w_both[24:], rtol=0, atol=1e-15)
+    torch.testing.assert_close(MGDA()(both), rows.T @ w_distinct, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_float32_copies_match_the_exact_path(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # float32 rows, 48 distinct each given twice (their Gramian's cosines within about 1e-7 of
+    # 1): the collapsed answer's update within the rounding of the exact path's (the
+    # collapse switched off), and MGDA's KKT on the whole Gramian to the grouping's bound.
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randn(48, 400, generator=gen)
+    rows += torch.randn(48, 1, generator=gen) * torch.randn(400, generator=gen)
+    both = torch.cat([rows, rows])[torch.randperm(96, generator=gen)].contiguous()
+    gram = compute_gramian(both).to(F64)
+    calls: list[bool] = []
+    real = _solvers.grouped_min_norm
+
+    def spy(g: Tensor, solve: _min_norm_groups.MinNorm) -> Tensor | None:
+        out = real(g, solve)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(_solvers, "grouped_min_norm", spy)
+    w = mgda_weights(gram)
+    assert calls == [True]
+    monkeypatch.setattr(_solvers, "grouped_min_norm", lambda g, solve: None)
+    exact = mgda_weights(gram)
+    update, reference = both.double().T @ w, both.double().T @ exact
+    assert float((update - reference).norm()) <= 1e-6 * float(reference.norm())
+    unit = gram / gram.trace()
+    _assert_kkt(unit, w, 1e-6)
+
+
+def test_no_groups_both_signs_or_a_zero_row_leave_the_exact_path() -> None:
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randn(32, 80, generator=gen, dtype=F64)
+    assert grouped_min_norm(_unit(rows), min_norm_simplex) is None  # nothing parallel
+    opposite = torch.cat([rows, -rows[:8]])  # a group of both signs: 0 in the hull
+    assert grouped_min_norm(_unit(opposite), min_norm_simplex) is None
+    w = mgda_weights(opposite @ opposite.T)  # the exact path: the min-norm value is 0
+    assert float((opposite.T @ w).norm()) <= 1e-10 * float(opposite.norm(dim=1).max())
+    zero = torch.cat([rows, rows[:8], torch.zeros(1, 80, dtype=F64)])
+    assert grouped_min_norm(_unit(zero), min_norm_simplex) is None
+    assert grouped_min_norm(_unit(rows[:12].repeat(1, 1)), min_norm_simplex) is None  # K < 17
+
+
+def test_a_reduced_answer_that_fails_the_check_is_refused() -> None:
+    # The reduced problem "solved" by equal weights (not its min-norm point): the KKT check
+    # on the whole Gramian refuses it, and the caller's exact path answers.
+    rows = _with_copies(20, [(i, 1.0) for i in range(6)], seed=3)
+    unit = _unit(rows)
+    assert grouped_min_norm(unit, lambda g: torch.full((g.shape[0],), 1.0 / g.shape[0],
+                                                       dtype=F64)) is None
+    w = grouped_min_norm(unit, min_norm_simplex)
+    assert w is not None
+    _assert_kkt(unit, w, 1e-12)
