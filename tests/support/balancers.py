@@ -116,8 +116,9 @@ def scipy_cagrad_value(g: Tensor, c: float) -> float:
     return -float(res.fun)
 
 
-def scipy_pcd(g: Tensor, tau: float) -> Tensor:
-    """PCD's ``d = argmin ½‖d − g₁‖²`` s.t. ``gⱼᵀd ≥ τ‖gⱼ‖²`` on the rows, by scipy's NNLS
+def scipy_pcd(g: Tensor, tau: float | Tensor) -> Tensor:
+    """PCD's ``d = argmin ½‖d − g₁‖²`` s.t. ``gⱼᵀd ≥ τ‖gⱼ‖²`` on the rows (``tau`` one number
+    or one per secondary row), by scipy's NNLS
     of the least-distance program in ``x = d − g₁`` (Lawson & Hanson 1974, Ch. 23); ``g₁``
     where it is infeasible (the residual vanishes, as :func:`~gradbalance.balancers._boxqp.ldp`
     decides: below ``√eps``)."""

@@ -1,6 +1,13 @@
-"""MGDA's min-norm point where the rows fall into groups of parallel rows, each group collapsed.
+"""Simplex problems on rows that fall into groups of parallel rows, each group collapsed.
 
-Not a balancer module (no ``__all__``). Rows on one ray, ``u`` and ``c·u`` with ``c ≥ 1``,
+Not a balancer module (no ``__all__``). :func:`collapse` finds the groups for the problems
+that read the weights ``w`` only through ``g_w = Jᵀw``: MGDA's min-norm point
+(:func:`grouped_min_norm`, below), CAGrad's dual (``_solvers.cagrad_dual``: copies only,
+each group one row with its copies' share of ``g₀``) and PCD's secondary constraints
+(``_pcd._grouped_weights``: copies with the same ``τ`` are one constraint). Each caller
+checks the answer on the whole Gramian and keeps its exact path for the rest.
+
+For MGDA, rows on one ray, ``u`` and ``c·u`` with ``c ≥ 1``,
 leave the min-norm point of the convex hull where it is without ``c·u``: a point ``p = s·cu +
 (1 − s)y`` of the hull (``y`` in the hull of the others) has a point at least as short on
 the segment ``[u, y]``, which separates the origin from ``[cu, y]`` in the triangle ``(0,
@@ -37,55 +44,85 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from ._parallel_groups import FLOOR_PER_ROW, GROUPS_MIN_SIZE, KKT_RTOL, Groups, find_groups
+from ._parallel_groups import FLOOR_PER_ROW, GROUPS_MIN_SIZE, KKT_RTOL, find_groups
 
 #: ``G → argmin_{w ∈ Δ} wᵀGw`` (``G`` trace-normalised): the reduced problem's solver.
 MinNorm = Callable[[Tensor], Tensor]
 
 
-def grouped_min_norm(gram: Tensor, solve: MinNorm) -> Tensor | None:
-    """``argmin_{w ∈ Δ} wᵀGw`` ``[K]`` with each one-signed group of parallel rows collapsed to
-    its shortest members (:func:`find_groups` on the cosine matrix; ``gram`` trace-normalised,
-    float64), the reduced problem solved by ``solve``; None below ``GROUPS_MIN_SIZE`` tasks,
-    with a zero row, where no group removes enough rows, where a group has both signs, or
-    where the answer fails the KKT check on ``gram``."""
+@dataclass(frozen=True)
+class Collapse:
+    """Rows collapsed for a simplex problem that reads the weights only through ``g_w =
+    Jᵀw``: ``members`` (the rows that share their group's weight: as short as its shortest
+    within ``tol``), ``kept`` (one member per group, the first; the reduced problem's rows,
+    increasing), ``rep`` (each row's group representative), ``delta`` (the grouping's
+    deviation of the cosines) and ``d = diag(G)^{1/2}``."""
+
+    members: Tensor
+    kept: Tensor
+    rep: Tensor
+    delta: float
+    d: Tensor
+
+    def spread(self, w_kept: Tensor) -> Tensor:
+        """The weights ``[K]``: each kept row's weight split equally over its group's
+        members, none for the others."""
+        k = self.rep.shape[0]
+        dtype = w_kept.dtype
+        share = torch.zeros(k, dtype=dtype).index_add_(0, self.rep, self.members.to(dtype))
+        at_rep = torch.zeros(k, dtype=dtype).index_copy_(0, self.rep[self.kept], w_kept)
+        return torch.where(self.members, at_rep[self.rep] / share[self.rep].clamp_min(1.0), 0.0)
+
+
+def collapse(gram: Tensor, copies_only: bool = False,
+             labels: Tensor | None = None) -> Collapse | None:
+    """The groups of rows parallel with one sign within the rounding of ``gram`` (float64,
+    :func:`~._parallel_groups.find_groups` on its cosine matrix), each kept as its shortest
+    members; with ``copies_only``, only where every member of every group is as short (the
+    rows are copies of one another: no longer multiple dropped) and, with ``labels`` ``[K]``,
+    has its representative's label (PCD's ``τⱼ``: copies with different guarantees are
+    different constraints). None below ``GROUPS_MIN_SIZE`` tasks, with a zero row, where no
+    group removes enough rows, where a group has both signs, or (``copies_only``) where one
+    has a longer member or another label."""
     k = gram.shape[0]
     if k < GROUPS_MIN_SIZE:
         return None
     d = torch.diagonal(gram).sqrt()
     if not bool((d > 0.0).all()):
-        return None  # a zero row is its own min-norm point: the exact path
+        return None  # a zero row: the exact path
     groups = find_groups(gram / torch.outer(d, d))
     if groups is None or groups.free.numel() or bool(groups.two.any()):
         return None
-    members, kept = _shortest(d, groups)
-    reduced = gram[kept][:, kept]
-    w_kept = solve(reduced / torch.trace(reduced))
-    share = torch.zeros(k, dtype=gram.dtype).index_add_(0, groups.rep, members.to(gram.dtype))
-    rep_weight = torch.zeros(k, dtype=gram.dtype).index_copy_(
-        0, groups.rep[kept], w_kept)  # each kept member's weight, at its group's representative
-    w = torch.where(members, rep_weight[groups.rep] / share[groups.rep].clamp_min(1.0), 0.0)
-    return w if _kkt_holds(gram, w, d, groups.delta + KKT_RTOL) else None
-
-
-def _shortest(d: Tensor, groups: Groups) -> tuple[Tensor, Tensor]:
-    """``(members, kept)``: the rows within ``1 + max(δ, FLOOR_PER_ROW·K)`` of their group's
-    shortest norm (a lone row is its own group; the floor: float64's rounding of the norms
-    of rows that are exact copies) and one of them per group, the first (the reduced
-    problem's rows, in increasing order)."""
-    k = d.shape[0]
     rep = groups.rep
     low = torch.full((k,), torch.inf, dtype=d.dtype).scatter_reduce_(0, rep, d, "amin")
+    # the floor: float64's rounding of the norms of rows that are exact copies
     members = d <= low[rep] * (1.0 + max(groups.delta, FLOOR_PER_ROW * k))
+    if copies_only and not bool(members.all()):
+        return None
+    if labels is not None and not torch.equal(labels, labels[rep]):
+        return None
     index = torch.arange(k)
     first = torch.full((k,), k, dtype=torch.int64).scatter_reduce_(
         0, rep, torch.where(members, index, k), "amin")
-    kept = torch.unique(first[rep])
-    return members, kept
+    return Collapse(members, torch.unique(first[rep]), rep, groups.delta, d)
+
+
+def grouped_min_norm(gram: Tensor, solve: MinNorm) -> Tensor | None:
+    """``argmin_{w ∈ Δ} wᵀGw`` ``[K]`` (``gram`` trace-normalised, float64) with each
+    one-signed group of parallel rows collapsed to its shortest members (:func:`collapse`),
+    the reduced problem solved by ``solve``; None where :func:`collapse` is, or where the
+    answer fails MGDA's KKT check on ``gram``."""
+    groups = collapse(gram)
+    if groups is None:
+        return None
+    reduced = gram[groups.kept][:, groups.kept]
+    w = groups.spread(solve(reduced / torch.trace(reduced)))
+    return w if _kkt_holds(gram, w, groups.d, groups.delta + KKT_RTOL) else None
 
 
 def _kkt_holds(gram: Tensor, w: Tensor, d: Tensor, rtol: float) -> bool:

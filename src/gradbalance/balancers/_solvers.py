@@ -63,7 +63,7 @@ from ._boxqp import (
 from ._cholesky import BLOCKED_MIN_SIZE, BlockFactors, Factor, cholesky_ex, cholesky_solve
 from ._cone import scaled_projection
 from ._min_norm_dual import lifted_cosine, lifted_min_norm, min_norm_dual
-from ._min_norm_groups import grouped_min_norm
+from ._min_norm_groups import collapse, grouped_min_norm
 from ._precond import symmetrized
 
 __all__ = ["SolverError"]
@@ -400,15 +400,36 @@ def cagrad_dual(gram: Tensor, c: float, tol: float = 1e-12, max_iter: int = 200)
     typically 2–3 QPs per call), safeguarded by a bracket and Illinois regula falsi /
     bisection; ``K = 2`` has a closed form (:func:`_cagrad_two`). Requires ``0 < c < 1``.
     If ``‖g_w*‖ < 1e-12 max‖gₖ‖`` (a zero-norm combination is optimal, e.g. a zero task
-    gradient) the returned ``w`` has ``g_w ≈ 0``.
+    gradient) the returned ``w`` has ``g_w ≈ 0``. Rows that are copies of one another within
+    the rounding (:func:`~._min_norm_groups.collapse`: ``F`` reads ``w`` only through
+    ``g_w``) are solved as one row with their share of ``g₀``, the weight split equally,
+    where the answer meets the KKT conditions on the whole Gramian (:func:`_is_cagrad_kkt`,
+    to ``tol`` plus the grouping's deviation).
     """
     k = gram.shape[0]
     mean = torch.full((k,), 1.0 / k, dtype=torch.float64)
+    copies = collapse(gram, copies_only=True)
+    if copies is not None:
+        counts = torch.bincount(copies.rep, minlength=k)[copies.kept].to(torch.float64)
+        kept = gram[copies.kept][:, copies.kept]
+        w = copies.spread(_cagrad_search(kept, counts / k, c, tol, max_iter))
+        lin = gram @ mean
+        r = c * max(float(mean @ lin), 0.0) ** 0.5
+        rho = max(float(w @ gram @ w), 0.0) ** 0.5
+        if rho > 0.0 and _is_cagrad_kkt(gram, lin, r, rho, w, tol + copies.delta):
+            return w
+    return _cagrad_search(gram, mean, c, tol, max_iter)
+
+
+def _cagrad_search(gram: Tensor, mean: Tensor, c: float, tol: float, max_iter: int) -> Tensor:
+    """:func:`cagrad_dual` on ``gram`` with ``g₀ = Jᵀmean`` (``mean``: ``1/K`` each, or a
+    collapsed group's count over ``K``: its copies' share of the average)."""
+    k = gram.shape[0]
     lin = gram @ mean
     g0_sq = float(mean @ lin)
     r = c * max(g0_sq, 0.0) ** 0.5
     hi = float(torch.diagonal(gram).max()) ** 0.5
-    if hi == 0.0 or r == 0.0:
+    if hi == 0.0 or r == 0.0 or k == 1:
         return mean
     if k == 2:
         two = _cagrad_two(gram, lin, r)

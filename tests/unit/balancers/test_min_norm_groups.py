@@ -1,8 +1,11 @@
-"""MGDA's min-norm point with groups of parallel rows collapsed (``_min_norm_groups``) against
-scipy's NNLS of the least-distance program on all the rows and MGDA's KKT conditions on the
-whole Gramian: exact copies of tasks, longer positive multiples, float32 copies against the
-exact path, and the cases the collapse must leave alone (no groups, both signs, a zero row,
-a reduced answer that fails the check)."""
+"""MGDA's min-norm point and CAGrad's dual with groups of parallel rows collapsed
+(``_min_norm_groups``): MGDA against scipy's NNLS of the least-distance program on all the
+rows and its KKT conditions on the whole Gramian (exact copies of tasks, longer positive
+multiples, float32 copies against the exact path, and the cases the collapse must leave
+alone: no groups, both signs, a zero row, a reduced answer that fails the check); CAGrad on
+copies against SLSQP's primal value on all the rows; PCD on copies against scipy's NNLS of
+its least-distance program (copies with other guarantees not collapsed); float32 copies
+against each method's exact path."""
 
 from __future__ import annotations
 
@@ -13,11 +16,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from gradbalance.balancers import MGDA, _min_norm_groups, _solvers
+from gradbalance.balancers import MGDA, PCD, CAGrad, _min_norm_groups, _pcd, _solvers
 from gradbalance.balancers._min_norm_groups import grouped_min_norm
-from gradbalance.balancers._solvers import min_norm_simplex
-from gradbalance.functional import mgda_weights
+from gradbalance.balancers._solvers import cagrad_dual, min_norm_simplex
+from gradbalance.functional import mgda_weights, pcd_weights
 from gradbalance.gramian import compute_gramian
+from support.balancers import scipy_cagrad_value, scipy_pcd
+from support.many_kinds import assert_same_update
 
 F64 = torch.float64
 
@@ -171,3 +176,143 @@ def test_a_reduced_answer_that_fails_the_check_is_refused() -> None:
     w = grouped_min_norm(unit, min_norm_simplex)
     assert w is not None
     _assert_kkt(unit, w, 1e-12)
+
+
+def _spy_collapse(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Records whether each of CAGrad's collapses found groups."""
+    calls: list[bool] = []
+    real = _solvers.collapse
+
+    def spy(gram: Tensor, copies_only: bool = False) -> _min_norm_groups.Collapse | None:
+        out = real(gram, copies_only)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(_solvers, "collapse", spy)
+    return calls
+
+
+@pytest.mark.parametrize(("c", "seed"), [(0.2, 0), (0.5, 1), (0.9, 2)])
+def test_cagrad_on_copies_meets_the_primal_value(c: float, seed: int,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # 20 conflicting tasks, 8 of them given twice or three times: the collapsed dual (the
+    # copies' share of g₀ kept) gives a feasible update whose worst task improvement is
+    # SLSQP's on all 28+ rows, and the copies equal weights.
+    gen = torch.Generator().manual_seed(seed)
+    picks = torch.randint(0, 20, (8,), generator=gen).tolist()
+    rows = _with_copies(20, [(i, 1.0) for i in picks], seed, p=30)
+    calls = _spy_collapse(monkeypatch)
+    d = CAGrad(c=c)(rows)
+    assert calls == [True]
+    g0 = rows.mean(dim=0)
+    assert float((d - g0).norm()) <= c * float(g0.norm()) * (1 + 1e-9)
+    expected = scipy_cagrad_value(rows, c)
+    value = float((rows @ d).min())
+    assert value >= expected - 1e-6 * float(rows.norm() ** 2)
+    assert value == pytest.approx(expected, rel=1e-5, abs=1e-7)
+    gram = rows @ rows.T
+    w = cagrad_dual(gram / gram.trace(), c)
+    norms = rows.norm(dim=1)
+    same = (rows[:, None, :] == rows[None, :, :]).all(dim=2)
+    for a, b in torch.nonzero(same & ~torch.eye(len(rows), dtype=torch.bool)).tolist():
+        assert float(w[a]) == pytest.approx(float(w[b]), abs=1e-15)
+    assert bool((norms > 0).all())
+
+
+def test_cagrad_leaves_longer_multiples_to_the_exact_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A copy twice as long is not a copy: CAGrad's objective reads g₀·g_w, which a longer row
+    # can lower, so nothing is collapsed and the exact path answers (SLSQP's value).
+    rows = _with_copies(20, [(i, 2.0) for i in range(6)], seed=4, p=30)
+    calls = _spy_collapse(monkeypatch)
+    d = CAGrad(c=0.5)(rows)
+    assert calls == [False]
+    assert float((rows @ d).min()) == pytest.approx(scipy_cagrad_value(rows, 0.5), rel=1e-5,
+                                                    abs=1e-7)
+
+
+def test_cagrad_float32_copies_match_the_exact_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    # float32 rows, 40 tasks each given twice: the collapsed update within the rounding of the
+    # exact path's (the collapse switched off).
+    gen = torch.Generator().manual_seed(5)
+    rows = torch.randn(40, 300, generator=gen)
+    rows += torch.randn(40, 1, generator=gen) * torch.randn(300, generator=gen)
+    both = torch.cat([rows, rows])[torch.randperm(80, generator=gen)].contiguous()
+    calls = _spy_collapse(monkeypatch)
+    d = CAGrad(c=0.5)(both)
+    assert calls == [True]
+    monkeypatch.setattr(_solvers, "collapse", lambda gram, copies_only=False: None)
+    exact = CAGrad(c=0.5)(both)
+    assert float((d - exact).norm()) <= 1e-6 * float(exact.norm())
+
+
+def _spy_pcd_collapse(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Records whether each of PCD's collapses found groups."""
+    calls: list[bool] = []
+    real = _pcd.collapse
+
+    def spy(gram: Tensor, copies_only: bool = False,
+            labels: Tensor | None = None) -> _min_norm_groups.Collapse | None:
+        out = real(gram, copies_only, labels)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(_pcd, "collapse", spy)
+    return calls
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.integers(18, 30), st.integers(2, 10), st.sampled_from((0.02, 0.3)),
+       st.integers(0, 2**16))
+def test_pcd_on_copies_is_scipys(distinct: int, copies: int, tau: float, seed: int) -> None:
+    # Secondary tasks given again (the same row, the same τ: one constraint): PCD's update
+    # d = g₁ + Σ μⱼgⱼ is scipy's NNLS of the least-distance program on all the rows, and the
+    # copies' multipliers are equal.
+    gen = torch.Generator().manual_seed(seed)
+    picks = torch.randint(1, distinct, (copies,), generator=gen).tolist()
+    rows = _with_copies(distinct, [(i, 1.0) for i in picks], seed, p=3 * distinct)
+    rows = rows / rows.norm(dim=1, keepdim=True)  # PCD's normalised rows
+    k = rows.shape[0]
+    taus = torch.full((k - 1,), tau, dtype=F64)
+    with pytest.MonkeyPatch.context() as mp:
+        calls = _spy_pcd_collapse(mp)
+        mult = pcd_weights(rows @ rows.T, taus)
+    assert calls[0] == (copies >= max(1, (k - 1) // 16))
+    assert_same_update(mult @ rows, scipy_pcd(rows, tau), rows)
+    same = (rows[1:, None, :] == rows[None, 1:, :]).all(dim=2)
+    for a, b in torch.nonzero(same).tolist():
+        assert float(mult[1 + a]) == pytest.approx(float(mult[1 + b]), abs=1e-14)
+
+
+def test_pcd_copies_with_other_guarantees_are_not_collapsed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The same row asked for two different shares τ is two constraints (the larger binds):
+    # no collapse, and the exact path is scipy's.
+    rows = _with_copies(24, [(i, 1.0) for i in range(1, 9)], seed=6, p=60)
+    rows = rows / rows.norm(dim=1, keepdim=True)
+    k = rows.shape[0]
+    taus = torch.full((k - 1,), 0.05, dtype=F64)
+    same = (rows[1:, None, :] == rows[None, 1:, :]).all(dim=2) & ~torch.eye(k - 1, dtype=torch.bool)
+    a, _ = torch.nonzero(same)[0].tolist()
+    taus[a] = 0.2
+    calls = _spy_pcd_collapse(monkeypatch)
+    mult = pcd_weights(rows @ rows.T, taus)
+    assert calls == [False]
+    reference = scipy_pcd(rows, taus)
+    assert_same_update(mult @ rows, reference, rows)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_pcd_float32_copies_match_the_exact_path(seed: int,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # PCD on float32 rows with every secondary task given twice: the update within the
+    # rounding of the exact path's (the collapse switched off).
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randn(40, 300, generator=gen)
+    rows += torch.randn(40, 1, generator=gen) * torch.randn(300, generator=gen)
+    both = torch.cat([rows, rows[1:]]).contiguous()
+    calls = _spy_pcd_collapse(monkeypatch)
+    d = PCD(tau=0.1)(both)
+    assert calls[0]
+    monkeypatch.setattr(_pcd, "collapse", lambda gram, copies_only=False, labels=None: None)
+    exact = PCD(tau=0.1)(both)
+    assert float((d - exact).norm()) <= 1e-6 * float(exact.norm())
