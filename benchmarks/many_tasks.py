@@ -189,6 +189,12 @@ def noisy_span(numerator: int, denominator: int,
     return make
 
 
+def all_but_one_rows(k: int, p: int, seed: int) -> torch.Tensor:
+    """``[K, P]`` float32 rows in a random span of rank ``K − 1`` (one task a combination of
+    the others; the Gramian's small eigenvalues spread down to its rounding)."""
+    return span_rows(k - 1)(k, p, seed)
+
+
 def duplicate_rows(k: int, p: int, seed: int) -> torch.Tensor:
     """``K/2`` Gaussian rows each given twice, shuffled (tasks that are copies of others: a
     Gramian of rank ``K/2`` whose copies' cosines are 1 within the rounding)."""
@@ -196,6 +202,28 @@ def duplicate_rows(k: int, p: int, seed: int) -> torch.Tensor:
     rows = torch.randn(k - k // 2, p, generator=gen)
     both = torch.cat([rows, rows[: k // 2]])
     return both[torch.randperm(k, generator=gen)].contiguous()
+
+
+def longer_copy_rows(k: int, p: int, seed: int) -> torch.Tensor:
+    """``K/2`` Gaussian rows and each one doubled in length (parallel pairs of unequal norm)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randn(k - k // 2, p, generator=gen)
+    return torch.cat([rows, 2.0 * rows[: k // 2]]).contiguous()
+
+
+def few_copy_rows(k: int, p: int, seed: int) -> torch.Tensor:
+    """``K`` Gaussian rows, the first ``K/16`` replaced by copies of the next ``K/16``."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randn(k, p, generator=gen)
+    extra = max(k // 16, 1)
+    rows[:extra] = rows[extra : 2 * extra]
+    return rows
+
+
+def conflicting_copy_rows(k: int, p: int, seed: int) -> torch.Tensor:
+    """The conflicting rows of ``K/2`` tasks, each given twice."""
+    rows = conflicting_rows(k - k // 2, p, seed)
+    return torch.cat([rows, rows[: k // 2]]).contiguous()
 
 
 def float64_rows(k: int, p: int, seed: int) -> torch.Tensor:
@@ -214,7 +242,10 @@ KINDS = {"conflicting": conflicting_rows, "rank8": rank_deficient_rows,
          "span_3k4": span_part(3, 4), "span_7k8": span_part(7, 8),
          "span_1k2": span_part(1, 2), "span_5k8": span_part(5, 8),
          "noisy_half": noisy_span(1, 2, 1e-2), "noisy_quarter": noisy_span(1, 4, 1e-3),
-         "duplicates": duplicate_rows}
+         "span_k1": all_but_one_rows, "span_9k10": span_part(9, 10),
+         "span_3k5": span_part(3, 5), "duplicates": duplicate_rows,
+         "longer_copies": longer_copy_rows, "few_copies": few_copy_rows,
+         "conflicting_copies": conflicting_copy_rows}
 
 
 def make_balancer(name: str, k: int) -> Balancer:

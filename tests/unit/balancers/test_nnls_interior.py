@@ -231,3 +231,61 @@ def test_ldp_meets_its_kkt_conditions_and_slsqp(n: int, r: int, duplicates: bool
                    constraints=[{"type": "ineq", "fun": lambda v: m_np @ v - h_np,
                                  "jac": lambda v: m_np}], options={"ftol": 1e-14})
     assert 0.5 * float(x @ x) <= float(ref.fun) * (1 + 1e-7) + 1e-12
+
+
+@pytest.fixture
+def low_precision(interior: None, monkeypatch: pytest.MonkeyPatch) -> list[torch.dtype]:
+    """The interior point forced as above, its early Newton systems in float32 from four
+    columns on; the dtypes its factorisations ran in, recorded."""
+    from gradbalance.balancers import _interior
+
+    monkeypatch.setattr(_interior, "LOW_PRECISION_MIN_COLUMNS", 4)
+    seen: list[torch.dtype] = []
+    real = _interior._newton
+
+    def spy(u: Tensor, h: Tensor | None, d: Tensor):  # type: ignore[no-untyped-def]
+        seen.append(u.dtype)
+        return real(u, h, d)
+
+    monkeypatch.setattr(_interior, "_newton", spy)
+    return seen
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=FIXTURE)
+@given(st.sampled_from(KINDS), st.integers(1, 40), st.integers(4, 64), st.integers(0, 2**31 - 1))
+def test_nnls_from_a_float32_start_is_optimal(low_precision: list[torch.dtype], kind: str,
+                                              m: int, n: int, seed: int) -> None:
+    # The interior point's early steps on float32 Newton systems: Lawson–Hanson from its
+    # support still ends optimal (KKT, and scipy's residual), without the fallback.
+    a, b = matrix(kind, m, n, seed)
+    result = nnls(a, b)
+    _assert_nnls_optimal(a, b, result.x)
+    assert result.fallback_steps == 0
+
+
+@pytest.mark.parametrize("rank", [1, 8])
+def test_mgda_from_float32_steps_meets_its_kkt(low_precision: list[torch.dtype],
+                                               rank: int) -> None:
+    # MGDA on the rounded Gramian of low-rank float32 rows through the interior point with
+    # float32 early steps: the KKT conditions and scipy's min-norm value, as in float64; the
+    # first steps ran in float32 and the last in float64.
+    test_mgda_on_rounded_low_rank_rows.hypothesis.inner_test(None, rank, 3)  # type: ignore[attr-defined]
+    assert torch.float32 in low_precision and low_precision[-1] == torch.float64
+
+
+def test_a_failed_float32_factorisation_is_redone_in_float64(
+        interior: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every float32 factorisation fails: each step is redone in float64 and the answer is
+    # still optimal.
+    from gradbalance.balancers import _interior
+
+    monkeypatch.setattr(_interior, "LOW_PRECISION_MIN_COLUMNS", 4)
+    real = _interior._newton
+
+    def failing(u: Tensor, h: Tensor | None, d: Tensor):  # type: ignore[no-untyped-def]
+        return None if u.dtype == torch.float32 else real(u, h, d)
+
+    monkeypatch.setattr(_interior, "_newton", failing)
+    a, b = matrix("random", 30, 40, 11)
+    result = nnls(a, b)
+    _assert_nnls_optimal(a, b, result.x)
