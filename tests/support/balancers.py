@@ -96,6 +96,20 @@ def scipy_min_norm(g: Tensor) -> float:
     return float(res.fun)
 
 
+def scipy_min_norm_value(points: np.ndarray) -> float:
+    """``min_{w ∈ Δ} ‖Pw‖²`` (the columns of ``P`` the points) by scipy's NNLS of the
+    least-distance program (Lawson & Hanson 1974, Ch. 23: ``u = argmin_{u ≥ 0} ‖[P; 1ᵀ]u −
+    e‖``, ``w = u/Σu``)."""
+    from scipy.optimize import nnls
+
+    e = np.vstack([points, np.ones(points.shape[1])])
+    f = np.zeros(e.shape[0])
+    f[-1] = 1.0
+    u, _ = nnls(e, f, maxiter=100 * points.shape[1])
+    w = u / u.sum()
+    return float(np.sum((points @ w) ** 2))
+
+
 def scipy_cagrad_value(g: Tensor, c: float) -> float:
     """``max_d min_k gₖ·d`` s.t. ``‖d − g₀‖ ≤ c‖g₀‖`` (CAGrad's primal) by SLSQP."""
     from scipy.optimize import minimize

@@ -9,7 +9,6 @@ against each method's exact path."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -21,26 +20,12 @@ from gradbalance.balancers._min_norm_groups import grouped_min_norm
 from gradbalance.balancers._solvers import cagrad_dual, min_norm_simplex
 from gradbalance.functional import mgda_weights, pcd_weights
 from gradbalance.gramian import compute_gramian
-from support.balancers import scipy_cagrad_value, scipy_pcd
+from support.balancers import scipy_cagrad_value, scipy_min_norm_value, scipy_pcd
 from support.many_kinds import assert_same_update
 
 F64 = torch.float64
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # K ≤ 96: one thread is faster
-
-
-def _reference_value(rows: Tensor) -> float:
-    """``min_{w ∈ Δ} ‖Σ wₖ gₖ‖²`` by scipy's NNLS of the least-distance program (Lawson &
-    Hanson 1974, Ch. 23: ``u = argmin_{u ≥ 0} ‖[Gᵀ; 1ᵀ]u − e‖``, ``w = u/Σu``)."""
-    from scipy.optimize import nnls
-
-    points = rows.T.numpy()
-    e = np.vstack([points, np.ones(points.shape[1])])
-    f = np.zeros(e.shape[0])
-    f[-1] = 1.0
-    u, _ = nnls(e, f, maxiter=100 * points.shape[1])
-    w = u / u.sum()
-    return float(np.sum((points @ w) ** 2))
 
 
 def _assert_kkt(gram: Tensor, w: Tensor, atol: float) -> None:
@@ -96,7 +81,7 @@ def test_copies_meet_the_references(distinct: int, copies: list[tuple[int, float
     _assert_kkt(unit, w, 1e-12)
     value = float(w @ unit @ w) * float((rows @ rows.T).trace())
     scale = float((rows * rows).sum(dim=1).max())
-    assert value == pytest.approx(_reference_value(rows), abs=1e-11 * scale)
+    assert value == pytest.approx(scipy_min_norm_value(rows.T.numpy()), abs=1e-11 * scale)
     norms = rows.norm(dim=1)
     cos = (rows @ rows.T) / torch.outer(norms, norms)
     for a in range(k):

@@ -25,6 +25,7 @@ from gradbalance.balancers._boxqp import nnls
 from gradbalance.balancers._qr_update import ColumnQR
 from gradbalance.functional import mgda_weights
 from gradbalance.gramian import compute_gramian
+from support.balancers import scipy_min_norm_value
 from unit.balancers import test_nnls_updated_qr as lh
 from unit.balancers.test_nnls_updated_qr import KINDS, _assert_nnls_optimal, _from_scratch, matrix
 
@@ -94,18 +95,6 @@ def _psd_part(gram: Tensor) -> tuple[Tensor, np.ndarray]:
     return torch.from_numpy(points.T @ points), points
 
 
-def _reference_min_norm(points: np.ndarray) -> float:
-    """``min_{w ∈ Δ} ‖Pw‖²`` by scipy's NNLS of the least-distance program."""
-    from scipy.optimize import nnls as scipy_nnls
-
-    e = np.vstack([points, np.ones(points.shape[1])])
-    f = np.zeros(e.shape[0])
-    f[-1] = 1.0
-    u, _ = scipy_nnls(e, f, maxiter=100 * points.shape[1])
-    w = u / u.sum()
-    return float(np.sum((points @ w) ** 2))
-
-
 @settings(max_examples=6, deadline=None, suppress_health_check=FIXTURE)
 @given(st.sampled_from((1, 8)), st.integers(0, 2**31 - 1))
 def test_mgda_on_rounded_low_rank_rows(interior: None, rank: int, seed: int) -> None:
@@ -124,7 +113,7 @@ def test_mgda_on_rounded_low_rank_rows(interior: None, rank: int, seed: int) -> 
     assert float(w.min()) >= 0.0 and float(w.sum()) == pytest.approx(1.0, abs=1e-12)
     assert float(gw.min()) >= value - 1e-12
     assert float((gw - value)[w > 0].abs().max()) <= 1e-12
-    assert value == pytest.approx(_reference_min_norm(points), abs=1e-12)
+    assert value == pytest.approx(scipy_min_norm_value(points), abs=1e-12)
 
 
 @pytest.mark.parametrize("seed", range(2))
