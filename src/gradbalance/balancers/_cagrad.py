@@ -53,7 +53,8 @@ class CAGrad(Balancer):
     the smallest task improvement ``min_k gₖ·d`` (:func:`cagrad_weights`); ``c = 0`` is the
     mean. The dual is solved exactly on the trace-normalised Gramian.
 
-    Cost in K: 0–3 simplex QPs typically, ``O(K³)`` each, besides the Gramian ``O(K²P)``.
+    Cost in K: 0–3 simplex QPs typically, ``O(K³)`` each, besides the Gramian ``O(K²P)``;
+    from 17 tasks copies of a task are solved as one row, ``O(K²)`` to find them.
 
     Args:
         c: ball radius factor, ``0 <= c < 1`` (default 0.4, the paper's NYU-v2 setting).

@@ -73,7 +73,8 @@ class MGDA(Balancer):
       (the normalisations of Sener et al.'s code; the loss ones read the losses).
 
     Cost in K: one simplex QP on the Gramian, ``O(|F|³)`` per pivoting iteration for ``|F|``
-    free indices (``O(K³)`` at most), besides the Gramian ``O(K²P)``.
+    free indices (``O(K³)`` at most), besides the Gramian ``O(K²P)``; from 17 tasks copies of
+    a task (rows parallel within the rounding) are collapsed first, ``O(K²)``.
 
     Args:
         normalization: see above.

@@ -20,7 +20,7 @@ the others get 0. A group with both signs has the origin in its hull (the min-no
 twice, per-sample objectives with repeated samples) make the Gramian singular, which costs
 the exact path an eigen-decomposition, the interior point and Lawson–Hanson's one column
 at a time; collapsed, what is left is the Gramian of the distinct rows (MGDA at K = 1,024 on
-512 Gaussian rows each given twice, one thread: 6.3 → 0.4 s).
+512 Gaussian rows each given twice, one thread: 6.3 → 0.3 s).
 
 The answer is kept only where it meets MGDA's KKT conditions on the whole Gramian, ``(Gw)ⱼ ≥
 wᵀGw`` with equality where ``wⱼ > 0``, to ``(δ + KKT_RTOL)(dⱼ s + s²)`` (``d = diag(G)^{1/2}``,
