@@ -38,15 +38,19 @@ def _assert_kkt(gram: Tensor, w: Tensor, atol: float) -> None:
 
 
 def _with_copies(distinct: int, copies: list[tuple[int, float]], seed: int, p: int = 0,
-                 conflict: bool = True) -> Tensor:
+                 conflict: bool = True, spread: float = 0.0) -> Tensor:
     """``[K, P]`` float64: ``distinct`` rows sharing a direction with signs that conflict
-    (``aᵢ s + nᵢ/2``), then for each ``(i, c)`` the row ``c·gᵢ``; shuffled."""
+    (``aᵢ s + nᵢ/2``), their norms spread over ``10^±spread``, then for each ``(i, c)`` the
+    row ``c·gᵢ``; shuffled."""
     gen = torch.Generator().manual_seed(seed)
     p = p or 2 * distinct + 10
     rows = 0.5 * torch.randn(distinct, p, generator=gen, dtype=F64)
     if conflict:
         rows += torch.randn(distinct, 1, generator=gen, dtype=F64) * torch.randn(
             p, generator=gen, dtype=F64)
+    if spread:
+        rows *= torch.logspace(-spread, spread, distinct, dtype=F64)[
+            torch.randperm(distinct, generator=gen)][:, None]
     extra = torch.stack([c * rows[i] for i, c in copies]) if copies else rows[:0]
     both = torch.cat([rows, extra])
     return both[torch.randperm(both.shape[0], generator=gen)]
@@ -61,15 +65,16 @@ def _unit(rows: Tensor) -> Tensor:
 COPY = st.tuples(st.integers(0, 11), st.sampled_from((1.0, 1.0, 1.5, 4.0)))
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(st.integers(12, 30), st.lists(COPY, min_size=2, max_size=14), st.booleans(),
-       st.integers(0, 2**16))
+       st.sampled_from((0.0, 0.0, 3.0)), st.integers(0, 2**16))
 def test_copies_meet_the_references(distinct: int, copies: list[tuple[int, float]],
-                                    conflict: bool, seed: int) -> None:
-    # Tasks given again (exact copies, or multiples c ≥ 1): the collapse answers (enough rows
-    # removed), with the min-norm value of scipy's NNLS on all the rows, MGDA's KKT on the
-    # whole Gramian, equal weights for exact copies and none for a longer multiple.
-    rows = _with_copies(distinct, copies, seed, conflict=conflict)
+                                    conflict: bool, spread: float, seed: int) -> None:
+    # Tasks given again (exact copies, or multiples c ≥ 1), norms equal-ish or spread over
+    # six decades: the collapse answers (enough rows removed), with the min-norm value of
+    # scipy's NNLS on all the rows, MGDA's KKT on the whole Gramian, equal weights for exact
+    # copies and none for a longer multiple.
+    rows = _with_copies(distinct, copies, seed, conflict=conflict, spread=spread)
     k = rows.shape[0]
     unit = _unit(rows)
     removed = len(copies)  # each copy joins its original's group
