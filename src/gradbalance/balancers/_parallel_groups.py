@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ._boxqp import CG_ERROR
 from ._cholesky import cholesky_ex, cholesky_solve
 from ._precond import symmetrized
 
@@ -44,9 +45,22 @@ ROUNDING_MULTIPLE = 4.0
 FLOOR_PER_ROW = 16 * torch.finfo(torch.float64).eps
 #: Fewest rows, as a fraction of ``n``, that grouping must remove to be used.
 MIN_FRACTION = 1.0 / 16.0
+#: One problem whose groups all have one sign is collapsed only where the rows left are
+#: independent: every Cholesky pivot of their cosine block at least this. Else the reduced
+#: problem is as singular as the whole and the collapse only adds its cost (DualProj on
+#: rank-8 rows with near copies at K = 64: 1.6 → 6.9× the Gramian), where copies of
+#: independent rows leave a positive definite one (conflicting rows each given twice: 7.1 →
+#: 1.8× at K = 64, 3.1 → 1.35× at K = 1,024; before, one problem needed a group of both
+#: signs).
+SINGLE_MIN_PIVOT = 1e-3
 #: Relative KKT tolerance of the full problem, besides the grouping's ``δ``: above the
-#: reduced solve's own ``1e-12`` acceptance and the ``n·eps`` rounding of the check's product.
-KKT_RTOL = 1e-9
+#: reduced solve's own accuracy and the ``n·eps`` rounding of the check's product. From
+#: ``CG_MIN_SIZE`` rows the reduced batch is solved by the conjugate-gradient pivoting, each
+#: projection ``x = Jᵀv`` to ``CG_ERROR ‖x‖`` (:func:`~._boxqp.tight_residuals`), which moves
+#: ``wⱼ = gⱼᵀx`` by at most ``CG_ERROR dⱼ ‖x‖ ≤ CG_ERROR dⱼ Σ dₖ|vₖ|``: twice that. (At
+#: ``1e-9``, 18 of UPGrad's 256 projections of conflicting rows each given twice failed the
+#: check by 1.1–1.35× and went to the singular routes: 5.7× the Gramian instead of 1.9×.)
+KKT_RTOL = 2 * CG_ERROR
 
 #: An excess ``t − Σ σⱼ lowerⱼ`` up to this times ``|t| + Σ |lowerⱼ|`` is the rounding of
 #: the reduced solve's scaling: no member takes it (and a row that close to its bound is
@@ -72,10 +86,9 @@ class Groups:
     delta: float
 
 
-def find_groups(cos: Tensor, need_free: bool = False) -> Groups | None:
+def find_groups(cos: Tensor) -> Groups | None:
     """The groups of rows of the cosine matrix ``cos`` that are parallel within its rounding,
-    or None where they remove fewer than ``MIN_FRACTION`` of the rows (or, ``need_free``,
-    where no group has both signs)."""
+    or None where they remove fewer than ``MIN_FRACTION`` of the rows."""
     n = cos.shape[0]
     mag = cos.abs()
     mag.fill_diagonal_(0.0)
@@ -90,8 +103,8 @@ def find_groups(cos: Tensor, need_free: bool = False) -> Groups | None:
     rep = _representatives(near)
     if n - int(torch.unique(rep).numel()) < max(1, int(MIN_FRACTION * n)):
         return None
-    groups = _groups(cos, rep, need_free)
-    if groups is None or groups.delta > 2.0 * tau:  # a row off its group: not rounding
+    groups = _groups(cos, rep)
+    if groups.delta > 2.0 * tau:  # a row off its group: not rounding
         return None
     return groups
 
@@ -108,14 +121,11 @@ def _representatives(near: Tensor) -> Tensor:
         rep = nxt
 
 
-def _groups(cos: Tensor, rep: Tensor, need_free: bool) -> Groups | None:
-    """The groups of ``rep``: signs, which have both, and ``δ`` from the rows' deviation
-    (None where ``need_free`` and no group has both signs)."""
+def _groups(cos: Tensor, rep: Tensor) -> Groups:
+    """The groups of ``rep``: signs, which have both, and ``δ`` from the rows' deviation."""
     n = cos.shape[0]
     idx = torch.arange(n)
     sign = torch.where(cos[idx, rep] < 0.0, -1.0, 1.0).to(cos.dtype)
-    if need_free and not bool((sign < 0.0).any()):
-        return None
     deviation = float((cos - sign[:, None] * cos[rep]).abs().amax())
     head = rep == idx
     negatives = torch.zeros(n, dtype=cos.dtype).index_add_(0, rep, (sign < 0.0).to(cos.dtype))
@@ -131,16 +141,17 @@ def grouped_projection(q: Tensor, lower: Tensor, reduced: Solve) -> tuple[Tensor
     """``(v, done)``: ``v = argmin_{v ≥ lowerᵦ} ½ vᵀQv`` ``[B, n]`` for the problems ``done``
     certifies (``Q`` with a positive diagonal), the reduced problem solved by ``reduced``;
     None where ``Q`` has no groups worth collapsing (:func:`find_groups`), and for one
-    problem where no group has both signs (every row of such a group is active in the
-    exact solve; one-signed groups alone, the reduced single problem was measured up to 2×
-    slower than the dense solve: rank-8 rows at K = 64)."""
+    problem whose groups all have one sign where the rows left are not independent
+    (:func:`_independent`: the reduced problem would be as singular as the whole)."""
     n = q.shape[0]
     if n < GROUPS_MIN_SIZE or lower.shape[0] == 0:
         return None
     d = torch.diagonal(q).sqrt()
     cos = q / torch.outer(d, d)
-    groups = find_groups(cos, need_free=lower.shape[0] == 1)  # one problem: see above
+    groups = find_groups(cos)
     if groups is None:
+        return None
+    if lower.shape[0] == 1 and groups.free.numel() == 0 and not _independent(cos, groups.keep):
         return None
     s_low = lower * d
     s = _collapsed_solve(cos, s_low, groups, reduced)
@@ -149,6 +160,14 @@ def grouped_projection(q: Tensor, lower: Tensor, reduced: Solve) -> tuple[Tensor
     above = s - s_low > EXCESS_ROUNDING * (s.abs() + s_low.abs())  # else at the bound
     v = torch.where(above, s / d, lower)
     return v, _certified(q, lower, v, d, groups.delta + KKT_RTOL)
+
+
+def _independent(cos: Tensor, keep: Tensor) -> bool:
+    """Whether the rows ``keep`` of the cosine matrix are independent: every pivot of the
+    Cholesky factorisation of their block (the squared sine of a row's angle to the span of
+    those before it) at least ``SINGLE_MIN_PIVOT``."""
+    chol, info = cholesky_ex(cos[keep][:, keep])
+    return int(info) == 0 and float(torch.diagonal(chol).square().amin()) >= SINGLE_MIN_PIVOT
 
 
 def _collapsed_solve(cos: Tensor, low: Tensor, groups: Groups, reduced: Solve) -> Tensor | None:

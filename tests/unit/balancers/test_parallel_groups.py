@@ -163,3 +163,31 @@ def test_rows_apart_beyond_the_rounding_are_not_grouped() -> None:
     cos[0, 1] = cos[1, 0] = 1.0 + 1e-6
     assert 1.0 - float(cos[2, 3]) <= _parallel_groups.ROUNDING_MULTIPLE * 1e-6
     assert _parallel_groups.find_groups(cos) is None
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_one_problem_on_copies_of_independent_rows_is_collapsed(seed: int) -> None:
+    """DualProj's one problem on 20 conflicting rows each given twice (one-signed groups whose
+    representatives are independent): collapsed, certified, scipy's projection; on rows of
+    a rank-6 span each given twice (representatives dependent) it is not collapsed and the
+    exact path answers, scipy's projection too."""
+    gen = torch.Generator().manual_seed(seed)
+    for rank in (None, 6):
+        if rank is None:
+            base = torch.randn(20, 60, generator=gen, dtype=F64)
+            base += torch.randn(20, 1, generator=gen, dtype=F64) * torch.randn(
+                60, generator=gen, dtype=F64)
+        else:
+            base = torch.randn(20, rank, generator=gen, dtype=F64) @ torch.randn(
+                rank, 60, generator=gen, dtype=F64)
+        g = torch.cat([base, base])[torch.randperm(40, generator=gen)]
+        u = _problems(40, seed)[-1:]
+        spy = _Spy()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(_cone, "grouped_projection", spy)
+            one = project_dual_cone(trace_normalized(g @ g.T)[0], u[0])
+        assert_projections(g, u, one[None])
+        if rank is None:
+            assert spy.calls and spy.calls[0] is not None and bool(spy.calls[0][1].all())
+        else:
+            assert spy.calls == [None]
