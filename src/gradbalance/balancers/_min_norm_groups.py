@@ -49,11 +49,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ._parallel_groups import FLOOR_PER_ROW, GROUPS_MIN_SIZE, KKT_RTOL, find_groups
+from ._parallel_groups import FLOOR_PER_ROW, GROUPS_MIN_SIZE, KKT_RTOL, row_groups
 
-#: Rows whose float32 cosine is below ``1 − SCREEN`` are not near parallel (float32's
-#: rounding of a cosine is about 1e-7).
-SCREEN = 1e-2
 #: ``G → argmin_{w ∈ Δ} wᵀGw`` (``G`` trace-normalised): the reduced problem's solver.
 MinNorm = Callable[[Tensor], Tensor]
 
@@ -85,7 +82,7 @@ class Collapse:
 def collapse(gram: Tensor, copies_only: bool = False,
              labels: Tensor | None = None) -> Collapse | None:
     """The groups of rows parallel with one sign within the rounding of ``gram`` (float64,
-    :func:`~._parallel_groups.find_groups` on its cosine matrix), each kept as its shortest
+    :func:`~._parallel_groups.row_groups`), each kept as its shortest
     members; with ``copies_only``, only where every member of every group is as short (the
     rows are copies of one another: no longer multiple dropped) and, with ``labels`` ``[K]``,
     has its representative's label (PCD's ``τⱼ``: copies with different guarantees are
@@ -95,11 +92,11 @@ def collapse(gram: Tensor, copies_only: bool = False,
     k = gram.shape[0]
     if k < GROUPS_MIN_SIZE:
         return None
-    d = torch.diagonal(gram).sqrt()
-    if not bool((d > 0.0).all()) or not _may_be_parallel(gram, d):
-        return None  # a zero row, or no two rows near parallel: the exact path
-    groups = find_groups(gram / torch.outer(d, d))
-    if groups is None or groups.free.numel() or bool(groups.two.any()):
+    found = row_groups(gram)  # None: a zero row, or no groups (the exact path)
+    if found is None:
+        return None
+    d, _, groups = found
+    if groups.free.numel() or bool(groups.two.any()):
         return None
     rep = groups.rep
     low = torch.full((k,), torch.inf, dtype=d.dtype).scatter_reduce_(0, rep, d, "amin")
@@ -113,20 +110,6 @@ def collapse(gram: Tensor, copies_only: bool = False,
     first = torch.full((k,), k, dtype=torch.int64).scatter_reduce_(
         0, rep, torch.where(members, index, k), "amin")
     return Collapse(members, torch.unique(first[rep]), rep, groups.delta, d)
-
-
-def _may_be_parallel(gram: Tensor, d: Tensor) -> bool:
-    """Whether the largest ``|Gⱼₖ|/(dⱼdₖ)`` off the diagonal, in float32, is at least ``1 −
-    SCREEN``: else no two rows are within any rounding of parallel and
-    :func:`~._parallel_groups.find_groups` would find nothing (its tolerance is the
-    rounding the matrix shows, ``max |Cⱼₖ| − 1``, or float64's). Three passes over a float32
-    copy instead of five over the float64 cosine matrix (K = 1,024, one thread: 4 against
-    12 ms). A product that overflows or underflows float32 answers True or False: False
-    only loses the collapse (the exact path answers)."""
-    scale = d.reciprocal().float()
-    cos = gram.float().abs_().mul_(scale[None, :])
-    cos.fill_diagonal_(0.0)
-    return bool((cos.amax(dim=1) * scale).amax() >= 1.0 - SCREEN)
 
 
 def grouped_min_norm(gram: Tensor, solve: MinNorm) -> Tensor | None:
