@@ -2,8 +2,9 @@
 
 Not a balancer module (no ``__all__``). :func:`collapse` finds the groups for the problems
 that read the weights ``w`` only through ``g_w = Jᵀw``: MGDA's min-norm point
-(:func:`grouped_min_norm`, below), CAGrad's dual (``_solvers.cagrad_dual``: copies only,
-each group one row with its copies' share of ``g₀``) and PCD's secondary constraints
+(:func:`grouped_min_norm`, below), CAGrad's dual (``_solvers._grouped_cagrad``: each group
+one row, its shortest or its longest members by the sign of the optimal value, with the
+group's share of ``g₀``, :meth:`Collapse.lengths`) and PCD's secondary constraints
 (``_pcd._grouped_weights``: copies with the same ``τ`` are one constraint). Each caller
 checks the answer on the whole Gramian and keeps its exact path for the rest.
 
@@ -59,15 +60,17 @@ MinNorm = Callable[[Tensor], Tensor]
 class Collapse:
     """Rows collapsed for a simplex problem that reads the weights only through ``g_w =
     Jᵀw``: ``members`` (the rows that share their group's weight: as short as its shortest
-    within ``tol``), ``kept`` (one member per group, the first; the reduced problem's rows,
-    increasing), ``rep`` (each row's group representative), ``delta`` (the grouping's
-    deviation of the cosines) and ``d = diag(G)^{1/2}``."""
+    within the rounding, or with ``longest`` as long as its longest), ``kept`` (one member
+    per group, the first; the reduced problem's rows, increasing), ``rep`` (each row's group
+    representative), ``delta`` (the grouping's deviation of the cosines) and ``d =
+    diag(G)^{1/2}``."""
 
     members: Tensor
     kept: Tensor
     rep: Tensor
     delta: float
     d: Tensor
+    longest: bool = False
 
     def spread(self, w_kept: Tensor) -> Tensor:
         """The weights ``[K]``: each kept row's weight split equally over its group's
@@ -78,17 +81,32 @@ class Collapse:
         at_rep = torch.zeros(k, dtype=dtype).index_copy_(0, self.rep[self.kept], w_kept)
         return torch.where(self.members, at_rep[self.rep] / share[self.rep].clamp_min(1.0), 0.0)
 
+    def lengths(self) -> Tensor:
+        """``[len(kept)]``: each group's summed norm over its kept row's, ``Σⱼ dⱼ/d_kept``
+        (the rows of a one-signed group are positive multiples of one another: ``Jᵀm`` for
+        weights ``m`` on the whole group is this times ``Σm`` on the kept row)."""
+        total = torch.zeros(self.rep.shape[0], dtype=self.d.dtype).index_add_(
+            0, self.rep, self.d)
+        return total[self.rep[self.kept]] / self.d[self.kept]
+
+    def other_side(self) -> Collapse | None:
+        """The same groups kept as their longest members instead of their shortest (or the
+        reverse); None where every group's members are equally long (the same collapse)."""
+        if bool(self.members.all()):
+            return None
+        return _side(self.rep, self.d, self.delta, not self.longest)
+
 
 def collapse(gram: Tensor, copies_only: bool = False,
-             labels: Tensor | None = None) -> Collapse | None:
+             labels: Tensor | None = None, longest: bool = False) -> Collapse | None:
     """The groups of rows parallel with one sign within the rounding of ``gram`` (float64,
-    :func:`~._parallel_groups.row_groups`), each kept as its shortest
-    members; with ``copies_only``, only where every member of every group is as short (the
-    rows are copies of one another: no longer multiple dropped) and, with ``labels`` ``[K]``,
-    has its representative's label (PCD's ``τⱼ``: copies with different guarantees are
-    different constraints). None below ``GROUPS_MIN_SIZE`` tasks, with a zero row, where no
-    group removes enough rows, where a group has both signs, or (``copies_only``) where one
-    has a longer member or another label."""
+    :func:`~._parallel_groups.row_groups`), each kept as its shortest members (with
+    ``longest``, its longest); with ``copies_only``, only where every member of every group
+    is as short (the rows are copies of one another: no longer multiple dropped) and, with
+    ``labels`` ``[K]``, has its representative's label (PCD's ``τⱼ``: copies with different
+    guarantees are different constraints). None below ``GROUPS_MIN_SIZE`` tasks, with a zero
+    row, where no group removes enough rows, where a group has both signs, or
+    (``copies_only``) where one has a longer member or another label."""
     k = gram.shape[0]
     if k < GROUPS_MIN_SIZE:
         return None
@@ -98,18 +116,29 @@ def collapse(gram: Tensor, copies_only: bool = False,
     d, _, groups = found
     if groups.free.numel() or bool(groups.two.any()):
         return None
-    rep = groups.rep
-    low = torch.full((k,), torch.inf, dtype=d.dtype).scatter_reduce_(0, rep, d, "amin")
-    # the floor: float64's rounding of the norms of rows that are exact copies
-    members = d <= low[rep] * (1.0 + max(groups.delta, FLOOR_PER_ROW * k))
-    if copies_only and not bool(members.all()):
+    out = _side(groups.rep, d, groups.delta, longest)
+    if copies_only and not bool(out.members.all()):
         return None
-    if labels is not None and not torch.equal(labels, labels[rep]):
+    if labels is not None and not torch.equal(labels, labels[groups.rep]):
         return None
+    return out
+
+
+def _side(rep: Tensor, d: Tensor, delta: float, longest: bool) -> Collapse:
+    """Each group's shortest members (``longest``: its longest), within ``delta`` or
+    float64's rounding of the norms of rows that are exact copies, whichever is larger."""
+    k = rep.shape[0]
+    margin = 1.0 + max(delta, FLOOR_PER_ROW * k)
+    if longest:
+        high = torch.zeros(k, dtype=d.dtype).scatter_reduce_(0, rep, d, "amax")
+        members = d * margin >= high[rep]
+    else:
+        low = torch.full((k,), torch.inf, dtype=d.dtype).scatter_reduce_(0, rep, d, "amin")
+        members = d <= low[rep] * margin
     index = torch.arange(k)
     first = torch.full((k,), k, dtype=torch.int64).scatter_reduce_(
         0, rep, torch.where(members, index, k), "amin")
-    return Collapse(members, torch.unique(first[rep]), rep, groups.delta, d)
+    return Collapse(members, torch.unique(first[rep]), rep, delta, d, longest)
 
 
 def grouped_min_norm(gram: Tensor, solve: MinNorm) -> Tensor | None:

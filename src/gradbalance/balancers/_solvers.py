@@ -402,23 +402,49 @@ def cagrad_dual(gram: Tensor, c: float, tol: float = 1e-12, max_iter: int = 200)
     If ``‖g_w*‖ < 1e-12 max‖gₖ‖`` (a zero-norm combination is optimal, e.g. a zero task
     gradient) the returned ``w`` has ``g_w ≈ 0``. Rows that are copies of one another within
     the rounding (:func:`~._min_norm_groups.collapse`: ``F`` reads ``w`` only through
-    ``g_w``) are solved as one row with their share of ``g₀``, the weight split equally,
-    where the answer meets the KKT conditions on the whole Gramian (:func:`_is_cagrad_kkt`,
-    to ``tol`` plus the grouping's deviation).
+    ``g_w``) are solved as one row with their share of ``g₀``, the weight split equally;
+    so are longer multiples (:func:`_grouped_cagrad`), where the answer meets the KKT
+    conditions on the whole Gramian (:func:`_is_cagrad_kkt`, to ``tol`` plus the grouping's
+    deviation).
     """
     k = gram.shape[0]
     mean = torch.full((k,), 1.0 / k, dtype=torch.float64)
-    copies = collapse(gram, copies_only=True)
-    if copies is not None:
-        counts = torch.bincount(copies.rep, minlength=k)[copies.kept].to(torch.float64)
-        kept = gram[copies.kept][:, copies.kept]
-        w = copies.spread(_cagrad_search(kept, counts / k, c, tol, max_iter))
-        lin = gram @ mean
-        r = c * max(float(mean @ lin), 0.0) ** 0.5
+    grouped = _grouped_cagrad(gram, mean, c, tol, max_iter)
+    return grouped if grouped is not None else _cagrad_search(gram, mean, c, tol, max_iter)
+
+
+def _grouped_cagrad(gram: Tensor, mean: Tensor, c: float, tol: float,
+                    max_iter: int) -> Tensor | None:
+    """:func:`cagrad_dual` with each one-signed group of parallel rows kept as one side of
+    it, its shortest members or its longest (:func:`~._min_norm_groups.collapse`); None
+    where there are no groups or neither side's answer meets the KKT conditions on ``gram``.
+
+    ``F`` reads ``w`` through ``g_w`` only, and at the optimum the gradient ``d = g₀ + r
+    ĝ_w`` gives every row ``gⱼᵀd ≥ m = F(w*)``, with equality on the support. A group's rows
+    are ``sⱼu`` (``sⱼ > 0``): where ``m > 0`` a row in the support has ``uᵀd > 0``, so its
+    shortest members are the ones at ``m`` and the longer ones above it; where ``m < 0`` the
+    longest. So one side answers for every group: tried first the longest where some task
+    alone has ``F(eⱼ) = linⱼ + r‖gⱼ‖ < 0`` (then ``m < 0``), else the shortest, then the
+    other. The reduced problem keeps ``g₀``: each kept row's share of the mean is its group's
+    summed length over its own (:meth:`~._min_norm_groups.Collapse.lengths`)."""
+    groups = collapse(gram)
+    if groups is None:
+        return None
+    k = gram.shape[0]
+    lin = gram @ mean
+    r = c * max(float(mean @ lin), 0.0) ** 0.5
+    if bool((lin + r * groups.d).min() < 0.0):
+        groups = groups.other_side() or groups
+    sides = [groups, groups.other_side()]
+    for side in sides:
+        if side is None:
+            break
+        kept = gram[side.kept][:, side.kept]
+        w = side.spread(_cagrad_search(kept, side.lengths() / k, c, tol, max_iter))
         rho = max(float(w @ gram @ w), 0.0) ** 0.5
-        if rho > 0.0 and _is_cagrad_kkt(gram, lin, r, rho, w, tol + copies.delta):
+        if rho > 0.0 and _is_cagrad_kkt(gram, lin, r, rho, w, tol + side.delta):
             return w
-    return _cagrad_search(gram, mean, c, tol, max_iter)
+    return None
 
 
 def _cagrad_search(gram: Tensor, mean: Tensor, c: float, tol: float, max_iter: int) -> Tensor:

@@ -3,9 +3,10 @@
 rows and its KKT conditions on the whole Gramian (exact copies of tasks, longer positive
 multiples, float32 copies against the exact path, and the cases the collapse must leave
 alone: no groups, both signs, a zero row, a reduced answer that fails the check); CAGrad on
-copies against SLSQP's primal value on all the rows; PCD on copies against scipy's NNLS of
-its least-distance program (copies with other guarantees not collapsed); float32 copies
-against each method's exact path."""
+copies and on shorter and longer multiples against SLSQP's primal value on all the rows (the
+weighted side of each group the one the optimal value's sign decides); PCD on copies
+against scipy's NNLS of its least-distance program (copies with other guarantees not
+collapsed); float32 copies against each method's exact path."""
 
 from __future__ import annotations
 
@@ -209,15 +210,64 @@ def test_cagrad_on_copies_meets_the_primal_value(c: float, seed: int,
     assert bool((norms > 0).all())
 
 
-def test_cagrad_leaves_longer_multiples_to_the_exact_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    # A copy twice as long is not a copy: CAGrad's objective reads g₀·g_w, which a longer row
-    # can lower, so nothing is collapsed and the exact path answers (SLSQP's value).
-    rows = _with_copies(20, [(i, 2.0) for i in range(6)], seed=4, p=30)
+def _assert_cagrad_side(rows: Tensor, c: float, expected: float) -> None:
+    """Of each pair of parallel rows of unequal length, only the side the optimal value's sign
+    picks carries weight: the shorter where it is positive, the longer where negative (at the
+    optimum ``gⱼ·d ≥ value`` with equality on the support, and ``gⱼ·d`` scales with the row)."""
+    gram = rows @ rows.T
+    w = cagrad_dual(gram / gram.trace(), c)
+    unit = rows / rows.norm(dim=1, keepdim=True)
+    norms = rows.norm(dim=1)
+    same = (unit @ unit.T) > 1.0 - 1e-12
+    pairs = torch.nonzero(torch.triu(same, diagonal=1)).tolist()
+    assert pairs
+    for a, b in pairs:
+        if abs(float(norms[a] - norms[b])) <= 1e-9 * float(norms[a]):
+            continue
+        short, long = (a, b) if norms[a] < norms[b] else (b, a)
+        assert float(w[long if expected > 0 else short]) == 0.0
+
+
+@pytest.mark.parametrize(("c", "seed", "scale", "conflict"),
+                         [(0.2, 0, 2.0, True), (0.5, 1, 0.5, True), (0.9, 2, 3.0, True),
+                          (0.5, 4, 2.0, False), (0.8, 5, 0.25, False)])
+def test_cagrad_on_longer_multiples_meets_the_primal_value(
+        c: float, seed: int, scale: float, conflict: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # 20 tasks, 6 of them also given `scale` times as long: the dual collapsed to one side of
+    # each pair (the optimal value's sign decides which), the update SLSQP's worst-task value
+    # on all 26 rows, inside CAGrad's ball, and only the decided side weighted.
+    rows = _with_copies(20, [(i, scale) for i in range(6)], seed, p=30, conflict=conflict)
     calls = _spy_collapse(monkeypatch)
-    d = CAGrad(c=0.5)(rows)
-    assert calls == [False]
-    assert float((rows @ d).min()) == pytest.approx(scipy_cagrad_value(rows, 0.5), rel=1e-5,
-                                                    abs=1e-7)
+    d = CAGrad(c=c)(rows)
+    assert calls == [True]
+    g0 = rows.mean(dim=0)
+    assert float((d - g0).norm()) <= c * float(g0.norm()) * (1 + 1e-9)
+    expected = scipy_cagrad_value(rows, c)
+    value = float((rows @ d).min())
+    assert value >= expected - 1e-6 * float(rows.norm() ** 2)
+    assert value == pytest.approx(expected, rel=1e-5, abs=1e-7)
+    assert abs(expected) > 1e-3 * float(rows.norm(dim=1).max() * g0.norm())  # a clear sign
+    _assert_cagrad_side(rows, c, expected)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(17, 26), st.lists(st.tuples(st.integers(0, 16), st.sampled_from(
+    (0.1, 0.5, 2.0, 10.0))), min_size=2, max_size=8), st.sampled_from((0.3, 0.6, 0.9)),
+    st.booleans(), st.integers(0, 2**16))
+def test_cagrad_on_longer_multiples_property(distinct: int, copies: list[tuple[int, float]],
+                                             c: float, conflict: bool, seed: int) -> None:
+    # Random multiples (shorter and longer, a decade either way) of random tasks: the
+    # worst-task value of SLSQP on all the rows, whichever path answers.
+    rows = _with_copies(distinct, copies, seed, p=40, conflict=conflict)
+    d = CAGrad(c=c)(rows)
+    g0 = rows.mean(dim=0)
+    assert float((d - g0).norm()) <= c * float(g0.norm()) * (1 + 1e-9)
+    expected = scipy_cagrad_value(rows, c)
+    value = float((rows @ d).min())
+    scale = float(rows.norm(dim=1).max() * g0.norm())
+    assert value >= expected - 1e-6 * scale
+    assert value == pytest.approx(expected, rel=1e-5, abs=1e-7 * scale)
 
 
 def test_cagrad_float32_copies_match_the_exact_path(monkeypatch: pytest.MonkeyPatch) -> None:
