@@ -222,6 +222,43 @@ def test_ldp_meets_its_kkt_conditions_and_slsqp(n: int, r: int, duplicates: bool
     assert 0.5 * float(x @ x) <= float(ref.fun) * (1 + 1e-7) + 1e-12
 
 
+@pytest.mark.parametrize(("delta", "polished"), [(1e-2, False), (1e-5, True), (1e-6, True)])
+def test_ldp_polishes_only_a_multiplier_off_its_kkt_conditions(
+        delta: float, polished: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Six random constraints and one nearly opposite the first with h = (1, 0, …, 0): met
+    # only by ‖x‖ ≈ 1/δ, where dividing by ‖ρ‖² magnifies the rounding of μ. The support's
+    # least squares run only where μ's KKT violation is above tol (δ = 1e-5, 1e-6: about
+    # 3e-11 and 3e-10), never at δ = 1e-2 (about 2e-14); the answer meets its KKT conditions
+    # to the scale either way, no worse than the unpolished μ.
+    from gradbalance.balancers import _boxqp
+
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(6, 8, generator=gen, dtype=F64)
+    rows = torch.cat([base, -base[:1] - delta * torch.randn(1, 8, generator=gen, dtype=F64)])
+    h = torch.zeros(7, dtype=F64)
+    h[0] = 1.0
+    solves: list[int] = []
+    violations: list[float] = []
+    real_ls, real_violation = _boxqp.least_squares, _boxqp._ldp_violation
+    monkeypatch.setattr(_boxqp, "least_squares",
+                        lambda a, b: (solves.append(1), real_ls(a, b))[1])
+    monkeypatch.setattr(_boxqp, "_ldp_violation",
+                        lambda r, hh, m: (violations.append(real_violation(r, hh, m)),
+                                          violations[-1])[1])
+    mu = _boxqp.ldp(rows, h)
+    assert mu is not None
+    assert bool(solves) is polished
+    assert (violations[0] > 1e-12) is polished
+    x = rows.T @ mu
+    assert float(x.norm()) == pytest.approx(1.0 / delta, rel=0.9)
+    scale = float(rows.norm(dim=1).max()) * (float(x.norm()) + 1.0) + 1.0
+    slack = rows @ x - h
+    assert float(mu.min()) >= 0.0
+    assert float(slack.min()) >= -1e-9 * scale
+    assert float((mu * slack).abs().max()) <= 1e-9 * scale * max(1.0, float(mu.max()))
+    assert real_violation(rows, h, mu) <= violations[0]
+
+
 @pytest.fixture
 def low_precision(interior: None, monkeypatch: pytest.MonkeyPatch) -> list[torch.dtype]:
     """The interior point forced as above, its early Newton systems in float32 from four
