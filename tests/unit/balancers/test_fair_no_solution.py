@@ -8,7 +8,9 @@ certificate), then are rounded to float32 as a model's gradients are. Nash-MTL m
 solve the ridge's equation ``((G + εI) α)ᵢ = 1/αᵢ``; FairGrad must warn with finite weights;
 both stop within a few Newton steps of the iterate stalling rather than run all
 ``max_iter``. With the planted combination lifted off zero (``+ ε`` noise, a solution
-exists) the defining equation holds.
+exists) the defining equation holds. Each test runs twice: as given, and with the early
+Newton steps in float32 from two tasks on (``FAIR_LOW_PRECISION_MIN_SIZE``, 256 by default),
+where a float32 factorisation is then seen.
 """
 
 from __future__ import annotations
@@ -54,6 +56,29 @@ def same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
+class Precision:
+    """The float32 Newton steps forced from two tasks on (``low``), and the dtypes of the
+    Cholesky factorisations :mod:`~gradbalance.balancers._solvers` ran (below 512 tasks only
+    the float32 steps factorise: the float64 ones take the LU solve)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, low: bool) -> None:
+        self.low = low
+        self.dtypes: list[torch.dtype] = []
+        if low:
+            monkeypatch.setattr(_solvers, "FAIR_LOW_PRECISION_MIN_SIZE", 2)
+        real = _solvers.cholesky_ex
+
+        def spy(a: Tensor) -> Any:
+            self.dtypes.append(a.dtype)
+            return real(a)
+
+        monkeypatch.setattr(_solvers, "cholesky_ex", spy)
+
+    def check(self) -> None:
+        """Float32 factorisations ran exactly where forced."""
+        assert (torch.float32 in self.dtypes) is self.low
+
+
 class Steps:
     """Counts :func:`~gradbalance.balancers._solvers._fair_step` calls."""
 
@@ -68,13 +93,15 @@ class Steps:
         monkeypatch.setattr(_solvers, "_fair_step", counted)
 
 
+@pytest.mark.parametrize("low", [False, True])
 @settings(max_examples=25, deadline=None)
 @given(st.integers(3, 64), st.integers(1, 8), st.integers(0, 3), st.integers(0, 2**16))
-def test_no_solution_stops_early_raises_and_moves_nothing(k: int, rank: int, zeros: int,
-                                                          seed: int) -> None:
+def test_no_solution_stops_early_raises_and_moves_nothing(low: bool, k: int, rank: int,
+                                                          zeros: int, seed: int) -> None:
     zeros = min(zeros, k - 3)
     g = planted_rows(k, min(rank, k - 2 - zeros), 0.0, zeros, seed)
     with pytest.MonkeyPatch.context() as mp:
+        precision = Precision(mp, low)
         steps = Steps(mp)
         nash = NashMTL(no_solution="raise")
         before = copy.deepcopy(nash.state_dict())
@@ -84,6 +111,7 @@ def test_no_solution_stops_early_raises_and_moves_nothing(k: int, rank: int, zer
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", RuntimeWarning)
             w = FairGrad().combine(g).weights
+    precision.check()
     assert nash.num_tasks is None and nash.alpha is None and int(nash.step) == 0
     assert same(before, nash.state_dict())
     assert any("no exact solution exists" in str(c.message) for c in caught)
@@ -93,17 +121,21 @@ def test_no_solution_stops_early_raises_and_moves_nothing(k: int, rank: int, zer
     assert nash_steps <= 40 and steps.count <= 40, (nash_steps, steps.count)
 
 
+@pytest.mark.parametrize("low", [False, True])
 @settings(max_examples=25, deadline=None)
 @given(st.integers(3, 32), st.integers(0, 2), st.sampled_from([1e-1, 1e-2]),
        st.integers(0, 2**16))
-def test_near_cancelling_rows_with_a_solution_are_solved(k: int, zeros: int, eps: float,
-                                                         seed: int) -> None:
+def test_near_cancelling_rows_with_a_solution_are_solved(low: bool, k: int, zeros: int,
+                                                         eps: float, seed: int) -> None:
     """The planted combination lifted to ``ε`` of the rows' scale (``K − 1 − zeros ≤ 64``
     rows in general position: a solution exists): ``αᵢ (G α)ᵢ = 1`` on the non-zero rows,
     ``αᵢ = 0`` on the zero ones, although the combination nearly cancels."""
     zeros = min(zeros, k - 3)
     g = planted_rows(k, k - 1 - zeros, eps, zeros, seed)
-    alpha = NashMTL().combine(g).weights
+    with pytest.MonkeyPatch.context() as mp:
+        precision = Precision(mp, low)
+        alpha = NashMTL().combine(g).weights
+    precision.check()
     gram = g @ g.T
     live = torch.diagonal(gram) > 0
     torch.testing.assert_close((alpha * (gram @ alpha))[live],
@@ -111,9 +143,10 @@ def test_near_cancelling_rows_with_a_solution_are_solved(k: int, zeros: int, eps
     assert bool((alpha[~live] == 0).all())
 
 
+@pytest.mark.parametrize("low", [False, True])
 @settings(max_examples=25, deadline=None)
 @given(st.integers(3, 64), st.integers(1, 8), st.integers(0, 3), st.integers(0, 2**16))
-def test_no_solution_by_default_solves_the_ridge(k: int, rank: int, zeros: int,
+def test_no_solution_by_default_solves_the_ridge(low: bool, k: int, rank: int, zeros: int,
                                                  seed: int) -> None:
     """By default Nash-MTL warns and returns the solution of the ridge's equation
     ``αᵢ ((G + εD) α)ᵢ = 1`` on the non-zero rows (``ε = 1e-6 tr G``, ``D`` their indicator),
@@ -122,9 +155,11 @@ def test_no_solution_by_default_solves_the_ridge(k: int, rank: int, zeros: int,
     zeros = min(zeros, k - 3)
     g = planted_rows(k, min(rank, k - 2 - zeros), 0.0, zeros, seed)
     with pytest.MonkeyPatch.context() as mp:
+        precision = Precision(mp, low)
         steps = Steps(mp)
         with pytest.warns(RuntimeWarning, match="has no solution"):
             result = NashMTL().combine(g)
+    precision.check()
     alpha = result.weights
     assert alpha is not None and bool(torch.isfinite(result.vector).all())
     gram = g @ g.T
