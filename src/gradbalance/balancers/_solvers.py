@@ -758,24 +758,36 @@ def _fair_start(gram: Tensor, p: float, w0: Tensor | None) -> Tensor:
     return w
 
 
+@dataclass
+class _Float32Gram:
+    """:func:`fair_newton`'s Gramian in float32 for its early steps (``gram``), dropped at the
+    first float32 factorisation that fails: the iterate's ``p w^{-p-1}`` has fallen below
+    float32's resolution of ``G`` (weights growing along a vanishing combination), and the
+    later steps' would fail too (rank K/2 at K = 1,024: 7 of the last 9)."""
+
+    gram: Tensor | None
+
+
 def _newton_solve(gram: Tensor, diagonal: Tensor, grad: Tensor,
-                  low: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                  low: _Float32Gram | None = None) -> tuple[Tensor, Tensor]:
     """``(H⁻¹ grad, info)`` for :func:`_fair_step`'s Hessian ``H = G + diag(diagonal)``
     (``diagonal = p w^{-p-1} > 0``: symmetric positive definite where ``G`` is PSD): with
-    ``low`` (``G`` in float32), by its Cholesky factorisation in float32 where that succeeds
-    with a finite answer; else from ``BLOCKED_MIN_SIZE`` tasks on, on the CPU, by the blocked
-    Cholesky factorisation (:func:`~._cholesky.cholesky_ex`; at K = 1,024 on one thread
-    17 ms against 32–36 ms for the LU solve, about half a Newton step; ``H`` formed in place
-    on a copy of ``G``), by :func:`torch.linalg.solve_ex` where it does not factorise (a
-    float32 Gramian's negative rounding against a diagonal that small) and below that size."""
-    if low is not None:
-        hessian = low.clone()
-        hessian.diagonal().add_(diagonal.to(low.dtype))
+    ``low`` holding ``G`` in float32, by its Cholesky factorisation in float32 where that
+    succeeds with a finite answer (else ``low`` drops it); else from ``BLOCKED_MIN_SIZE``
+    tasks on, on the CPU, by the blocked Cholesky factorisation
+    (:func:`~._cholesky.cholesky_ex`; at K = 1,024 on one thread 17 ms against 32–36 ms for
+    the LU solve, about half a Newton step; ``H`` formed in place on a copy of ``G``), by
+    :func:`torch.linalg.solve_ex` where it does not factorise (a float32 Gramian's negative
+    rounding against a diagonal that small) and below that size."""
+    if low is not None and low.gram is not None:
+        hessian = low.gram.clone()
+        hessian.diagonal().add_(diagonal.to(hessian.dtype))
         factor, info = cholesky_ex(hessian)
         if int(info) == 0:
-            step = cholesky_solve(grad.to(low.dtype)[:, None], factor)[:, 0].to(gram.dtype)
+            step = cholesky_solve(grad.to(hessian.dtype)[:, None], factor)[:, 0].to(gram.dtype)
             if bool(torch.isfinite(step).all()):
                 return step, info
+        low.gram = None
     if gram.shape[0] >= BLOCKED_MIN_SIZE and gram.device.type == "cpu":
         hessian = gram.clone()
         hessian.diagonal().add_(diagonal)
@@ -790,10 +802,10 @@ def _newton_solve(gram: Tensor, diagonal: Tensor, grad: Tensor,
 
 def _fair_step(gram: Tensor, w: Tensor, p: float, measures: list[float],
                norms: Tensor, gabs: Tensor,
-               low: Tensor | None = None) -> tuple[Tensor, list[float]] | None:
+               low: _Float32Gram | None = None) -> tuple[Tensor, list[float]] | None:
     """One damped Newton step on ``f`` from ``w`` (gradient ``Gw − w^{-p}``, Hessian
-    ``G + diag(p w^{-p-1})``, in float32 with ``low``, ``G`` in float32, while the residual
-    is above ``FAIR_LOW_PRECISION_ABOVE``), backtracking from the largest step that keeps
+    ``G + diag(p w^{-p-1})``, in float32 with ``low`` while the residual is above
+    ``FAIR_LOW_PRECISION_ABOVE``), backtracking from the largest step that keeps
     ``w > 0`` (times 0.99) until ``f`` decreases (Armijo) or the residual does: the new
     ``(w, [f, residual])``, or None when the solve fails or the step falls below ``1e-12``."""
     value, residual = measures[:2]
@@ -892,7 +904,7 @@ def fair_newton(gram: Tensor, p: float, w0: Tensor | None = None, tol: float = 1
         return _fair_without_zero_rows(gram, p, w0, active, tol, max_iter)
     norms = diag.clamp_min(0.0).sqrt()
     gabs = gram.abs()
-    low = (gram.to(torch.float32) if gram.shape[0] >= FAIR_LOW_PRECISION_MIN_SIZE
+    low = (_Float32Gram(gram.to(torch.float32)) if gram.shape[0] >= FAIR_LOW_PRECISION_MIN_SIZE
            and gram.device.type == "cpu" else None)
     w = _fair_start(gram, p, w0)
     measures = _fair_measures(gram, w, p, norms, gabs)

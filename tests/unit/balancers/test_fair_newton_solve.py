@@ -109,7 +109,7 @@ def test_a_float32_step_that_fails_is_redone_in_float64() -> None:
     h = _spd(300, 4)
     grad = torch.randn(300, generator=torch.Generator().manual_seed(3), dtype=F64)
     huge = torch.full((300,), 1e300, dtype=F64)
-    step, _ = _solvers._newton_solve(h, huge, grad, h.float())
+    step, _ = _solvers._newton_solve(h, huge, grad, _solvers._Float32Gram(h.float()))
     expected = torch.linalg.solve(h + torch.diag(huge), grad)
     assert bool(torch.isfinite(step).all())
     assert float((step - expected).norm()) <= 1e-10 * float(expected.norm())
@@ -117,7 +117,9 @@ def test_a_float32_step_that_fails_is_redone_in_float64() -> None:
     indefinite = h - (float(v @ h @ v) + 1.0) * torch.outer(v, v)
     assert int(torch.linalg.cholesky_ex(indefinite.float()).info) != 0
     zeros = torch.zeros(300, dtype=F64)
-    step, info = _solvers._newton_solve(indefinite, zeros, grad, indefinite.float())
+    low = _solvers._Float32Gram(indefinite.float())
+    step, info = _solvers._newton_solve(indefinite, zeros, grad, low)
+    assert low.gram is None  # dropped: the later steps go to float64 at once
     expected = torch.linalg.solve(indefinite, grad)
     assert int(info) == 0
     assert float((step - expected).norm()) <= 1e-9 * float(expected.norm())
