@@ -63,7 +63,7 @@ from ._boxqp import (
 from ._cholesky import BLOCKED_MIN_SIZE, BlockFactors, Factor, cholesky_ex, cholesky_solve
 from ._cone import scaled_projection
 from ._min_norm_dual import lifted_cosine, lifted_min_norm, min_norm_dual
-from ._min_norm_groups import collapse, grouped_min_norm
+from ._min_norm_groups import Collapse, collapse, grouped_min_norm
 from ._precond import symmetrized
 
 __all__ = ["SolverError"]
@@ -449,9 +449,31 @@ def _grouped_cagrad(gram: Tensor, mean: Tensor, c: float, tol: float,
         kept = gram[side.kept][:, side.kept]
         w = side.spread(_cagrad_search(kept, side.lengths() / k, c, tol, max_iter))
         rho = max(float(w @ gram @ w), 0.0) ** 0.5
-        if rho > 0.0 and _is_cagrad_kkt(gram, lin, r, rho, w, tol + side.delta):
+        if rho > 0.0 and _grouped_kkt_holds(gram, lin, r, rho, w, tol, side):
             return w
     return None
+
+
+def _grouped_kkt_holds(gram: Tensor, lin: Tensor, r: float, rho: float, w: Tensor,
+                       tol: float, side: Collapse) -> bool:
+    """:func:`_is_cagrad_kkt` for a collapsed answer, each row's gradient ``linⱼ + (r/ρ)
+    (Gw)ⱼ`` allowed its own share of the grouping: the reduced problem is exact on a Gramian
+    within ``δ dⱼdₖ`` of ``G`` (``δ`` the cosines' deviation), which moves ``linⱼ`` by at most
+    ``δ dⱼ d̄`` (``d̄`` the mean norm) and ``(Gw)ⱼ`` by ``δ dⱼ s`` (``s = dᵀw``); so ``bⱼ = 2δ
+    dⱼ (d̄ + (r/ρ) s)`` plus ``tol (1 + max |grad|)``, and the optimality conditions hold
+    where some level ``ν`` has ``|gradⱼ − ν| ≤ bⱼ`` on the support and ``gradⱼ ≥ ν − bⱼ``
+    off it. A uniform ``δ`` would let the gradients of rows a billionth the longest's (a
+    float32 Gramian, ``δ ≈ 1e-6``) miss by a thousand times their size."""
+    grad = lin + (r / rho) * (gram @ w)
+    d = side.d
+    b = (2.0 * side.delta) * d * (d.mean() + (r / rho) * (d @ w)) + tol * (
+        1.0 + grad.abs().max())
+    support = w > 0
+    if not bool(support.any()) or not bool((w >= 0).all()):
+        return False
+    level = (grad - b)[support].max()
+    ok = (level <= (grad + b)[support].min()) & ((grad + b)[~support] >= level).all()
+    return bool(ok)
 
 
 def _cagrad_search(gram: Tensor, mean: Tensor, c: float, tol: float, max_iter: int) -> Tensor:
