@@ -813,9 +813,9 @@ def _newton_solve(gram: Tensor, diagonal: Tensor, grad: Tensor,
     if gram.shape[0] >= BLOCKED_MIN_SIZE and gram.device.type == "cpu":
         hessian = gram.clone()
         hessian.diagonal().add_(diagonal)
-        low, info = cholesky_ex(hessian)
+        lower, info = cholesky_ex(hessian)
         if int(info) == 0:
-            return cholesky_solve(grad[:, None], low)[:, 0], info
+            return cholesky_solve(grad[:, None], lower)[:, 0], info
         solved = torch.linalg.solve_ex(hessian, grad)
     else:
         solved = torch.linalg.solve_ex(gram + torch.diag(diagonal), grad)
