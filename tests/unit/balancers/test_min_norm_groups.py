@@ -10,6 +10,8 @@ collapsed); float32 copies against each method's exact path."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -252,6 +254,29 @@ def test_cagrad_on_longer_multiples_meets_the_primal_value(
     # the value's sign is clear of the rounding
     assert abs(expected) > 1e-3 * float(rows.norm(dim=1).max() * rows.mean(dim=0).norm())
     _assert_cagrad_side(rows, c, expected)
+
+
+@pytest.mark.parametrize(("seed", "scale"), [(2, 2.0), (5, 2.0), (28, 10.0)])
+def test_cagrad_tries_the_other_side_where_the_first_fails(
+        seed: int, scale: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    # No task alone has F(eⱼ) < 0, so the shortest members are tried first; the optimal value
+    # is negative (SLSQP's), their answer fails the check and the longest members' answers:
+    # SLSQP's worst-task value, only the longer of each pair weighted.
+    rows = _with_copies(20, [(i, scale) for i in range(6)], seed, p=40)
+    tried: list[tuple[bool, bool]] = []
+    real = _solvers._grouped_kkt_holds
+
+    def spy(*args: Any) -> bool:
+        ok = real(*args)
+        tried.append((args[-1].longest, ok))
+        return ok
+
+    monkeypatch.setattr(_solvers, "_grouped_kkt_holds", spy)
+    d = CAGrad(c=0.9)(rows)
+    assert tried == [(False, False), (True, True)]
+    expected = _assert_slsqp_value(rows, 0.9, d)
+    assert expected < 0.0
+    _assert_cagrad_side(rows, 0.9, expected)
 
 
 @settings(max_examples=20, deadline=None)
