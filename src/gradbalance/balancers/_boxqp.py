@@ -60,6 +60,7 @@ from ._admm import (
     pilot_rho,
 )
 from ._cholesky import Factor, cholesky_ex, cholesky_solve
+from ._combinations import without_combinations
 from ._interior import interior_nnls
 from ._pcg import pcg_free, rough_free_sets
 from ._precond import (
@@ -1331,6 +1332,12 @@ def solve_box_qp_batched(
     return out
 
 
+#: The rounding of a singular ``Q`` without a lift (no negative eigenvalue, or a large null
+#: space), relative to its mean diagonal: float32's, for :func:`without_combinations`'s null
+#: space (its shift) and its dependencies' residuals.
+NULL_ROUNDING = 1e-7
+
+
 def _early_routes(q: Tensor, c: Tensor, lower: Tensor, x0: Tensor | None, x: Tensor,
                   tol: float, spectrum: _Spectrum,
                   inverse: Tensor | None) -> Tensor | tuple[Tensor, Tensor] | None:
@@ -1342,11 +1349,38 @@ def _early_routes(q: Tensor, c: Tensor, lower: Tensor, x0: Tensor | None, x: Ten
     if spectrum.well:
         return _pivot_admm(q, lower, tol, spectrum.floor, inverse) if c.shape[0] >= 2 else None
     lifted = _lifted(q, spectrum.lift)
-    if lifted is not None:  # positive definite, never lifted again: well conditioned by
-        # the spectrum, else classified afresh
-        return solve_box_qp_batched(lifted, c, lower, False, x0, tol,
+
+    def otherwise(at: Tensor) -> Tensor | tuple[Tensor, Tensor] | None:
+        if lifted is None:
+            return _pivot_singular_routes(q, lower[at], x[at], tol, spectrum.rank)
+        # positive definite, never lifted again: well conditioned by the spectrum, else
+        # classified afresh
+        return solve_box_qp_batched(lifted, c[at], lower[at], False,
+                                    None if x0 is None else x0[at], tol,
                                     True if spectrum.lifted_well else None)
-    return _pivot_singular_routes(q, lower, x, tol, spectrum.rank)
+
+    if c.shape[0] < 2:  # one problem (DualProj's): the lift or the routes are as fast
+        return otherwise(torch.arange(1))
+    rounding = (spectrum.lift if spectrum.lift is not None
+                else NULL_ROUNDING * float(torch.trace(q)) / q.shape[0])
+    dropped = without_combinations(
+        q, lower, rounding, q.shape[0] - spectrum.rank,
+        lambda reduced, low: solve_box_qp_batched(reduced, torch.zeros_like(low), low,
+                                                  tol=tol, scaled=True))
+    if dropped is None:
+        return otherwise(torch.arange(c.shape[0]))
+    out, done = dropped
+    if bool(done.all()):
+        return out
+    rest = torch.nonzero(~done).flatten()
+    got = otherwise(rest)
+    if got is None:
+        return out, done
+    if isinstance(got, Tensor):
+        out[rest] = got
+        return out
+    out[rest], done[rest] = got
+    return out, done
 
 
 def _diagonal_scale(q: Tensor, simplex: bool, well_conditioned: bool | None,
