@@ -5,7 +5,7 @@ against scipy's NNLS on the float64 rows (:mod:`support.cone_reference`: the sam
 cosine ≥ 0.999999 and norm within 1e-6), with the reduction taken (from 64 tasks, where the
 dual cone's batches reach it); a signed combination (no row a non-negative combination of
 the others) left to the other routes; a wrong reduced answer refused by the whole problem's
-KKT test."""
+KKT test; random combinations, signed or not (hypothesis, 12 examples), against scipy."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import Tensor
 
 from gradbalance.balancers import _boxqp, _combinations
@@ -163,3 +165,29 @@ def test_one_problem_is_left_to_the_lift(monkeypatch: pytest.MonkeyPatch) -> Non
     calls = _spy(monkeypatch)
     _assert_projections(rows, torch.full((1, k), 1.0 / k, dtype=F64))
     assert calls == []
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.integers(64, 96), st.lists(st.tuples(st.lists(st.integers(0, 40), min_size=2,
+                                                        max_size=3, unique=True),
+                                               st.sampled_from((0.5, 1.0, 2.0))),
+                                     min_size=1, max_size=6),
+       st.booleans(), st.integers(0, 2**16))
+def test_random_combinations_property(k: int, combos: list[tuple[list[int], float]],
+                                      signed: bool, seed: int) -> None:
+    # Random rows that are combinations of 2–3 others (one coefficient scaled), one of them
+    # signed where drawn (then nothing may be dropped): whichever route answers, v ≥ u and
+    # the projections of four problems (the last row's among them) scipy's on the float64 rows.
+    given_rows = [(k - 1 - t, [(i, c if n == 0 else 1.0) for n, i in enumerate(terms)])
+                  for t, (terms, c) in enumerate(combos)]
+    if signed:
+        j, terms = given_rows[0]
+        given_rows[0] = (j, [(terms[0][0], -terms[0][1]), *terms[1:]])
+    rows = _rows(k, given_rows, seed)
+    gram, _ = trace_normalized((rows @ rows.T).double())
+    u = torch.eye(k, dtype=F64)
+    v = project_dual_cone(gram, u)
+    assert bool((v >= u).all()) and bool(torch.isfinite(v).all())
+    g = rows.double()
+    for i in (0, k // 3, 2 * k // 3, k - 1):
+        assert_same_update(v[i] @ g, scipy_projection(g, u[i]), g)
