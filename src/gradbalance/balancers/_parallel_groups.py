@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ._box_kkt import box_kkt_holds
 from ._boxqp import CG_ERROR
 from ._cholesky import cholesky_ex, cholesky_solve
 from ._precond import symmetrized
@@ -188,7 +189,7 @@ def grouped_projection(q: Tensor, lower: Tensor, reduced: Solve) -> tuple[Tensor
         return None
     above = s - s_low > EXCESS_ROUNDING * (s.abs() + s_low.abs())  # else at the bound
     v = torch.where(above, s / d, lower)
-    return v, _certified(q, lower, v, d, groups.delta + KKT_RTOL)
+    return v, box_kkt_holds(q, lower, v, groups.delta + KKT_RTOL)
 
 
 def _independent(cos: Tensor, keep: Tensor) -> bool:
@@ -252,13 +253,3 @@ def _spread(low: Tensor, t: Tensor, groups: Groups) -> Tensor:
     lone = torch.bincount(rep, minlength=n)[rep] == 1
     s[:, lone] = t[:, lone]
     return s
-
-
-def _certified(q: Tensor, lower: Tensor, v: Tensor, d: Tensor, rtol: float) -> Tensor:
-    """Problems whose ``v`` meets the KKT conditions of ``min ½ vᵀQv`` s.t. ``v ≥ lower``
-    to ``rtol dⱼ Σₖ dₖ|vₖ|`` (on the cosine variables ``s = Dv``: ``rtol ‖s‖₁``)."""
-    w = v @ q
-    bound = rtol * d[None, :] * (v.abs() @ d)[:, None]
-    above = v > lower
-    ok = (w >= -bound) & (~above | (w <= bound)) & (v >= lower)
-    return ok.all(dim=1) & torch.isfinite(v).all(dim=1)

@@ -411,8 +411,8 @@ def cagrad_dual(gram: Tensor, c: float, tol: float = 1e-12, max_iter: int = 200)
     the rounding (:func:`~._min_norm_groups.collapse`: ``F`` reads ``w`` only through
     ``g_w``) are solved as one row with their share of ``g₀``, the weight split equally;
     so are longer multiples (:func:`_grouped_cagrad`), where the answer meets the KKT
-    conditions on the whole Gramian (:func:`_is_cagrad_kkt`, to ``tol`` plus the grouping's
-    deviation).
+    conditions on the whole Gramian (:func:`_grouped_kkt_holds`: each row to ``tol`` plus
+    its share of the grouping's deviation).
     """
     k = gram.shape[0]
     mean = torch.full((k,), 1.0 / k, dtype=torch.float64)
@@ -440,12 +440,11 @@ def _grouped_cagrad(gram: Tensor, mean: Tensor, c: float, tol: float,
     k = gram.shape[0]
     lin = gram @ mean
     r = c * max(float(mean @ lin), 0.0) ** 0.5
-    if bool((lin + r * groups.d).min() < 0.0):
-        groups = groups.other_side() or groups
-    sides = [groups, groups.other_side()]
-    for side in sides:
+    other = groups.other_side()  # None: every group's members equally long (copies)
+    negative = bool((lin + r * groups.d).min() < 0.0)  # then the longest first
+    for side in (other, groups) if negative else (groups, other):
         if side is None:
-            break
+            continue
         kept = gram[side.kept][:, side.kept]
         w = side.spread(_cagrad_search(kept, side.lengths() / k, c, tol, max_iter))
         rho = max(float(w @ gram @ w), 0.0) ** 0.5

@@ -191,3 +191,20 @@ def test_random_combinations_property(k: int, combos: list[tuple[list[int], floa
     g = rows.double()
     for i in (0, k // 3, 2 * k // 3, k - 1):
         assert_same_update(v[i] @ g, scipy_projection(g, u[i]), g)
+
+
+def test_the_whole_problems_kkt_test_hand_derived() -> None:
+    # min ½vᵀQv, Q = [[2, −1], [−1, 2]], v ≥ (1, 0): v = (1, ½) (w₂ = −1 + 2v₂ = 0) holds;
+    # v₂ = 0.6 (w₂ = 0.2, above the bound) fails unless a slack of 0.25 is given; v = (1, 0)
+    # (at the bound with w₂ = −1) and v₂ = −0.1 (below its bound) fail; v ≥ (1, 1) at
+    # (1, 1) holds (w = (1, 1) ≥ 0).
+    from gradbalance.balancers._box_kkt import box_kkt_holds
+
+    q = torch.tensor([[2.0, -1.0], [-1.0, 2.0]], dtype=F64)
+    lower = torch.tensor([[1.0, 0.0]] * 4, dtype=F64)
+    v = torch.tensor([[1.0, 0.5], [1.0, 0.6], [1.0, 0.0], [1.0, -0.1]], dtype=F64)
+    assert box_kkt_holds(q, lower, v, 1e-12).tolist() == [True, False, False, False]
+    slack = torch.full((4, 2), 0.25, dtype=F64)
+    assert box_kkt_holds(q, lower, v, 1e-12, slack).tolist() == [True, True, False, False]
+    ones = torch.ones(1, 2, dtype=F64)
+    assert box_kkt_holds(q, ones, ones, 1e-12).tolist() == [True]
