@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from .._graph import reaches, record_calls, tensor_hooked
 from .._sinks import PassSink, RowsSink, StackSink
+from ..balancers._base import combine_rows
 from ..distributed import all_gather_columns, all_ranks_true, all_reduce_mean_
 from ..gramian import compute_gramian, linear_gramian
 from ..taskgrads import Concrete, Passes, TaskRoots, run_passes
@@ -389,7 +390,7 @@ def _activations_update(block: Block, weights: Tensor) -> list[tuple[Tensor, Ten
 def _rows_update(block: Block, weights: Tensor) -> list[tuple[Tensor, Tensor | None]]:
     """``wᵀ G_b`` cut per parameter (None where no task of the step reached it)."""
     assert block.rows is not None
-    combined = weights.to(block.rows.dtype) @ block.rows
+    combined = combine_rows(weights, block.rows)
     return [(p, combined[start:stop] if hit else None)
             for hit, (p, start, stop) in zip(block.reached, block.layout.slices())]
 
