@@ -148,6 +148,15 @@ def randn_rows(k: int, p: int, seed: int) -> torch.Tensor:
     return torch.randn(k, p, generator=torch.Generator().manual_seed(seed))
 
 
+def wide_randn_rows(k: int, p: int, seed: int) -> torch.Tensor:
+    """The ``torch.randn`` rows, each scaled by one of ``logspace(-6, 6, K)`` (shuffled): norms
+    spanning 1e-6 … 1e6 without a shared direction (the cosine matrix well conditioned, the
+    Gramian's condition number about 1e24)."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    scales = torch.logspace(-6, 6, k)[torch.randperm(k, generator=gen)]
+    return (randn_rows(k, p, seed) * scales[:, None]).contiguous()
+
+
 def equal_norm_rows(k: int, p: int, seed: int) -> torch.Tensor:
     """The conflicting rows scaled to one norm (the same directions; their norms, not their
     angles, made the conflicting rows' projections easier)."""
@@ -236,7 +245,7 @@ KINDS = {"conflicting": conflicting_rows, "rank8": rank_deficient_rows,
          "rank1": span_rows(1), "span8": span_rows(8), "aligned": aligned_rows,
          "half_zero": half_zero_rows, "mixed": mixed_rows, "span16": span_rows(16),
          "span32": span_rows(32), "span64": span_rows(64), "randn": randn_rows,
-         "float64": float64_rows, "equal_norms": equal_norm_rows,
+         "float64": float64_rows, "wide_randn": wide_randn_rows, "equal_norms": equal_norm_rows,
          "square_mixing": square_mixing_rows, "dependent": dependent_rows,
          "span_3k8": span_fraction_rows, "span_9k16": thin_cone_rows,
          "span_3k4": span_part(3, 4), "span_7k8": span_part(7, 8),

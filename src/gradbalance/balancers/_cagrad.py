@@ -41,9 +41,25 @@ def cagrad_weights(gramian: Tensor, c: float = 0.4, rescale: Rescale = "none") -
     else:
         w = cagrad_dual(gram, c)
         gw_sq = float(w @ gram @ w)
-        # Degenerate dual (g_w* = 0, e.g. a zero task gradient): d = g₀, as the authors' code.
-        weights = mean if gw_sq <= 1e-24 else mean + (c * g0_norm / gw_sq**0.5) * w
+        weights = mean if _vanishes(gram, w, gw_sq) else mean + (c * g0_norm / gw_sq**0.5) * w
     return weights / {"none": 1.0, "c2": 1 + c * c, "c": 1 + c}[rescale]
+
+
+def _vanishes(gram: Tensor, w: Tensor, gw_sq: float) -> bool:
+    """Whether the dual's ``g_w`` is zero (a zero task gradient, or rows that cancel): then
+    ``d = g₀``, as the authors' code. Below ``1e-12`` of the longest row, and below ``1e-12``
+    of ``Σ wₖ‖gₖ‖`` over the weights that matter (at least ``1e-9`` of the largest; weights
+    a solver leaves at rounding level on other rows do not count): a combination of rows a
+    millionth the longest's (norms 1e-6 … 1e6: ``‖g_w‖² ≈ 1e-24`` of the trace-normalised
+    Gramian) is not zero."""
+    if gw_sq > 1e-24:  # the trace-normalised Gramian: its longest row at most 1
+        return False
+    norms = torch.diagonal(gram).clamp_min(0.0).sqrt()
+    if gw_sq > 1e-24 * float(norms.max()) ** 2:
+        return False
+    significant = w >= 1e-9 * float(w.max())
+    span = float(w[significant] @ norms[significant])
+    return span == 0.0 or gw_sq <= 1e-24 * span * span
 
 
 class CAGrad(Balancer):

@@ -321,7 +321,8 @@ def dual_cone_two(gram: Tensor, u: Tensor) -> Tensor:
 
 
 def _support_root(gram: Tensor, lin: Tensor, r: float, support: Tensor,
-                  blocks: BlockFactors | None = None) -> tuple[float, Tensor] | None:
+                  blocks: BlockFactors | None = None,
+                  a: Tensor | None = None) -> tuple[float, Tensor] | None:
     """``(ρ*, w(ρ*))`` of CAGrad's norm equation on a fixed support, or None.
 
     On a fixed support ``F`` (``G_FF`` positive definite) the simplex QP of
@@ -332,7 +333,8 @@ def _support_root(gram: Tensor, lin: Tensor, r: float, support: Tensor,
     ``ρ* = (a (1 − C))^{-1/2}`` (no root on this support when ``C ≥ 1``). ``w(ρ*)`` is the
     optimum if it is feasible and no task off the support wants in (:func:`_is_cagrad_kkt`).
     ``blocks``: the factors of ``G``'s blocks kept by the search, ``C = ‖Lᵀw₁‖²`` with
-    ``G_FF = LLᵀ``.
+    ``G_FF = LLᵀ``. ``a``: the weighted simplex ``aᵀw = 1`` instead (``a`` for ``1`` in
+    ``y_a = G_FF⁻¹a``, ``a = aᵀy_a``, ``β = aᵀy_b``; the same formulas follow).
     """
     idx = torch.nonzero(support).flatten()
     if idx.numel() == 0:
@@ -340,29 +342,39 @@ def _support_root(gram: Tensor, lin: Tensor, r: float, support: Tensor,
     chol, info = (BlockFactors(gram) if blocks is None else blocks).factor(idx.tolist())
     if int(info) != 0:
         return None
-    ones = torch.ones(idx.numel(), dtype=torch.float64)
+    ones = torch.ones(idx.numel(), dtype=torch.float64) if a is None else a[idx]
     y = cholesky_solve(torch.stack([ones, lin[idx]], dim=1), chol)
-    a, beta = float(y[:, 0].sum()), float(y[:, 1].sum())
-    if not a > 0.0:
+    if a is None:
+        alpha, beta = float(y[:, 0].sum()), float(y[:, 1].sum())
+    else:
+        alpha, beta = (float(v) for v in (ones @ y).tolist())
+    if not alpha > 0.0:
         return None
-    w1 = (beta / a * y[:, 0] - y[:, 1]) / r
+    w1 = (beta / alpha * y[:, 0] - y[:, 1]) / r
     curv = float(torch.linalg.vector_norm(chol.mT @ w1).square())
     if not curv < 1.0:
         return None
-    rho = (a * (1.0 - curv)) ** -0.5
+    rho = (alpha * (1.0 - curv)) ** -0.5
     w = torch.zeros(gram.shape[0], dtype=torch.float64)
-    w[idx] = y[:, 0] / a + rho * w1
+    w[idx] = y[:, 0] / alpha + rho * w1
     return rho, w
 
 
 def _is_cagrad_kkt(gram: Tensor, lin: Tensor, r: float, rho: float, w: Tensor,
-                   tol: float) -> bool:
+                   tol: float, a: Tensor | None = None) -> bool:
     """KKT of ``min_{w∈Δ} wᵀlin + (r/2ρ) wᵀGw`` at ``w``: ``w ≥ 0`` and the gradient
-    ``lin + (r/ρ) G w`` equal on the support and not smaller off it (to ``tol``, relative)."""
+    ``lin + (r/ρ) G w`` equal on the support and not smaller off it (to ``tol``, relative).
+    ``a``: on the weighted simplex ``aᵀw = 1``, the gradient is ``ν a`` on the support and
+    at least that off it (``ν`` fitted on the support by least squares)."""
     grad = lin + (r / rho) * (gram @ w)
     support = w > 0
-    nu = grad[support].mean()
-    dev = torch.where(support, (grad - nu).abs(), (nu - grad).clamp_min(0)).max()
+    if a is None:
+        nu = grad[support].mean()
+        dev = torch.where(support, (grad - nu).abs(), (nu - grad).clamp_min(0)).max()
+    else:
+        on = a[support]
+        level = a * ((on @ grad[support]) / (on @ on))
+        dev = torch.where(support, (grad - level).abs(), (level - grad).clamp_min(0)).max()
     bound = tol * (1.0 + grad.abs().max())
     return bool((w >= 0).all()) and bool(dev <= bound)
 
@@ -414,10 +426,15 @@ def cagrad_dual(gram: Tensor, c: float, tol: float = 1e-12, max_iter: int = 200)
     conditions on the whole Gramian (:func:`_grouped_kkt_holds`: each row to ``tol`` plus
     its share of the grouping's deviation).
     """
+    from ._cagrad_scaled import scaled_cagrad  # it builds on this module's root search
+
     k = gram.shape[0]
     mean = torch.full((k,), 1.0 / k, dtype=torch.float64)
     grouped = _grouped_cagrad(gram, mean, c, tol, max_iter)
-    return grouped if grouped is not None else _cagrad_search(gram, mean, c, tol, max_iter)
+    if grouped is not None:
+        return grouped
+    scaled = scaled_cagrad(gram, mean, c, tol, max_iter)
+    return scaled if scaled is not None else _cagrad_search(gram, mean, c, tol, max_iter)
 
 
 def _grouped_cagrad(gram: Tensor, mean: Tensor, c: float, tol: float,
@@ -691,24 +708,26 @@ class _Bracket:
 
 
 def _next_rho(gram: Tensor, lin: Tensor, r: float, bracket: _Bracket, rho: float,
-              w: Tensor, floor: float, tol: float,
-              blocks: BlockFactors | None = None) -> tuple[float, Tensor | None]:
+              w: Tensor, floor: float, tol: float, blocks: BlockFactors | None = None,
+              a: Tensor | None = None) -> tuple[float, Tensor | None]:
     """The next ``ρ`` of :func:`_cagrad_root` after ``ρ`` gave ``w``: the exact root on
     ``w``'s support (:func:`_support_root`) when it lies inside the bracket, with its weights
     when they are already optimal (KKT), else the bracket's fallback step."""
     bisect = bracket.bisect_due()
-    root = None if bisect else _support_root(gram, lin, r, w > 0, blocks)
+    root = None if bisect else _support_root(gram, lin, r, w > 0, blocks, a)
     if root is None or not bracket.inside(root[0]) or root[0] == rho:
         return bracket.fallback(rho, floor, bisect), None
-    if _is_cagrad_kkt(gram, lin, r, root[0], root[1], tol):
+    if _is_cagrad_kkt(gram, lin, r, root[0], root[1], tol, a):
         return root[0], root[1]  # the support is right: w(ρ*) is the optimum
     return root[0], None
 
 
 def _cagrad_root(gram: Tensor, lin: Tensor, r: float, hi: float,
                  f: Callable[[float], tuple[float, Tensor]], tol: float,
-                 max_iter: int, blocks: BlockFactors | None = None) -> Tensor:
-    """The safeguarded root search of :func:`cagrad_dual` over ``ρ ∈ (0, hi]``.
+                 max_iter: int, blocks: BlockFactors | None = None,
+                 a: Tensor | None = None, floor: float | None = None) -> Tensor:
+    """The safeguarded root search of :func:`cagrad_dual` over ``ρ ∈ (0, hi]`` (``a``: on the
+    weighted simplex ``aᵀw = 1``; ``floor``: the smallest ``ρ``, ``1e-12 hi`` by default).
 
     A NaN from ``f`` flags ``g_{w(ρ)} = 0``: that ``w`` minimises both terms of every smaller
     ``ρ``'s objective too, so it stays optimal as ``ρ → 0``, where the root then lies (e.g. a
@@ -721,7 +740,7 @@ def _cagrad_root(gram: Tensor, lin: Tensor, r: float, hi: float,
     ``ln 10¹²`` to ``tol`` within ``3 log₂(27.6/tol) ≤ 135`` steps for ``tol = 1e-12``. The
     default ``max_iter = 200`` is not reached; with a smaller one the last point is returned.
     """
-    floor = 1e-12 * hi  # a root below: ‖g_w*‖ < 1e-12 ‖g‖_max, a zero-norm optimum
+    floor = 1e-12 * hi if floor is None else floor  # a root below: a zero-norm optimum
     f_hi, w_hi = f(hi)
     if f_hi != f_hi or f_hi <= 0.0:
         return w_hi
@@ -729,7 +748,7 @@ def _cagrad_root(gram: Tensor, lin: Tensor, r: float, hi: float,
     bracket = _Bracket(0.0, -math.inf, hi, f_hi, psi_hi=-hi * hi * f_hi)
     rho, w_mid = hi, w_hi
     for _ in range(max_iter):
-        rho, optimum = _next_rho(gram, lin, r, bracket, rho, w_mid, floor, tol, blocks)
+        rho, optimum = _next_rho(gram, lin, r, bracket, rho, w_mid, floor, tol, blocks, a)
         if optimum is not None:
             return optimum
         f_mid, w_mid = f(rho)

@@ -1,0 +1,119 @@
+"""CAGrad's dual on the cosine matrix, for task gradients whose norms lie decades apart.
+
+Not a balancer module (no ``__all__``). CAGrad's dual ``min_{w∈Δ} F(w) = wᵀlin + r‖g_w‖``
+(``lin = G1/K``, ``r = c‖g₀‖``; :func:`~._solvers.cagrad_dual`) has the gradient
+``linⱼ + r (Gw)ⱼ/‖g_w‖ = dⱼ ĝⱼ·(g₀ + r ĝ_w)`` (``dⱼ = ‖gⱼ‖``): each task's term is its own
+norm times a cosine. Where the norms span many decades the optimum can lie among the
+shortest rows, whose terms are ``dⱼ/max d`` of the longest's: on ``torch.randn`` rows of
+norms ``1e-6 … 1e6`` the search on ``G`` stopped at the floor ``‖g_w‖ < 1e-12 max dⱼ``
+(a "zero-norm" answer, ``d = g₀``) or at a support whose KKT test, to ``1e-12`` of the
+longest row's terms, cannot see terms of ``1e-16``: updates at cosine 0.81–0.90 from the
+primal's optimum (``max_d min_k gₖ·d`` s.t. ``‖d − g₀‖ ≤ r``, an SOCP), with a task's
+``gₖ·d`` at ``−1e4`` where the optimum gives every task a positive one.
+
+With ``w = a ∘ u`` (``aⱼ = min d/dⱼ``), ``F(w) = min d · F̃(u)``, ``F̃(u) = uᵀl̃ + r‖Ĵᵀu‖``
+over ``u ≥ 0``, ``aᵀu = 1``: ``Ĵ`` the unit rows (Gram matrix the cosine matrix ``C``),
+``l̃ⱼ = linⱼ/dⱼ``. Every term is of the order of the shortest row's, ``C`` is as well
+conditioned as the directions, and the same root search over ``ρ = ‖Ĵᵀu‖`` runs on it
+(:func:`~._solvers._cagrad_root` with the weights ``a``; each ``ρ``'s QP a least-distance
+problem on the Cholesky factor of ``C`` with the weights, :func:`~._boxqp.min_norm_ls`).
+Taken where the diagonal spans more than ``SCALED_MIN_RATIO`` and ``C`` is positive definite
+with condition number below ``1e10`` (:func:`~._boxqp.is_well_conditioned`).
+
+Example:
+    >>> import torch
+    >>> gen = torch.Generator().manual_seed(0)
+    >>> rows = torch.randn(6, 50, generator=gen, dtype=torch.float64)
+    >>> rows = rows * torch.logspace(-6, 6, 6, dtype=torch.float64)[:, None]
+    >>> gram = rows @ rows.T
+    >>> mean = torch.full((6,), 1 / 6.0, dtype=torch.float64)
+    >>> w = scaled_cagrad(gram / torch.trace(gram), mean, 0.5, 1e-12, 200)
+    >>> bool((w >= 0).all()), round(float(w.sum()), 12)
+    (True, 1.0)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._boxqp import is_well_conditioned, min_norm_ls
+from ._cholesky import BlockFactors, cholesky_ex
+from ._precond import symmetrized
+from ._solvers import _cagrad_root, _is_cagrad_kkt, _support_root
+
+#: The scaled search runs where the largest diagonal entry of ``G`` is more than this times
+#: the smallest (norms more than about 30× apart), as MGDA's cosine route.
+SCALED_MIN_RATIO = 1e3
+#: ``‖Ĵᵀu‖`` below this (rows of unit norm) counts as a zero-norm combination.
+ZERO_NORM = 1e-12
+#: The root search over ``ρ = ‖Ĵᵀu‖`` starts here where ``f(ρ) > 0`` (the root is below): on
+#: ``torch.randn`` rows of norms ``1e-6 … 1e6`` (K = 1,024) the root is 0.24, and a start
+#: at ``max 1/aⱼ = 1e12`` took nine QPs of its eleven to come down.
+START = 1.0
+
+
+def scaled_cagrad(gram: Tensor, mean: Tensor, c: float, tol: float,
+                  max_iter: int) -> Tensor | None:
+    """CAGrad's dual weights ``w ∈ Δ`` from the cosine matrix (:mod:`~._cagrad_scaled`), or
+    None where the route does not apply: fewer than three tasks, a zero row, a diagonal
+    within ``SCALED_MIN_RATIO``, a cosine matrix that is not well conditioned, or ``g₀ = 0``.
+    ``mean``: ``g₀``'s weights (``1/K``)."""
+    k = gram.shape[0]
+    if k < 3:
+        return None
+    diag = torch.diagonal(gram)
+    values = diag.tolist()  # one host sync; K floats: cheaper than two reductions below 64
+    low, high = min(values), max(values)
+    if not (low > 0.0 and high > SCALED_MIN_RATIO * low):
+        return None
+    lin = gram @ mean
+    r = c * max(float(mean @ lin), 0.0) ** 0.5
+    if r == 0.0:
+        return None
+    d = diag.sqrt()
+    cos = symmetrized(gram / torch.outer(d, d))
+    whole = cholesky_ex(cos)
+    if int(whole.info) != 0 or not is_well_conditioned(cos, whole):
+        return None
+    a = d.min() / d
+    lt = lin / d
+    blocks = BlockFactors(cos)
+    full = _support_root(cos, lt, r, torch.ones(k, dtype=torch.bool), blocks, a)
+    if full is not None and _is_cagrad_kkt(cos, lt, r, full[0], full[1], tol, a):
+        return _weights(full[1], a)
+    low_factor = whole.L
+    h = torch.linalg.solve_triangular(low_factor, lt[:, None], upper=False)[:, 0]  # L h = l̃
+    state: dict[str, Tensor | None] = {"u": None}
+    last: dict[float, tuple[float, Tensor]] = {}  # every point: at most the search's steps
+
+    def f(rho: float) -> tuple[float, Tensor]:
+        """``(1 − ‖Ĵᵀu‖²/ρ², u(ρ))``; NaN when ``Ĵᵀu = 0``. The QP ``min ½(r/ρ)uᵀCu + uᵀl̃``
+        over ``u ≥ 0``, ``aᵀu = 1`` is ``min ‖Σ uⱼ pⱼ‖`` with ``pⱼ = √(r/ρ) ℓⱼ + aⱼ √(ρ/r) h``
+        (``C = LLᵀ``, ``l̃ = Lh``; ``h = h·aᵀu``). Each point is kept (the search's first
+        call repeats one of the start's)."""
+        if rho in last:
+            return last[rho]
+        root = (r / rho) ** 0.5
+        points = low_factor.T * root + (h / root)[:, None] * a[None, :]
+        u = min_norm_ls(points, state["u"], tol, a)
+        state["u"] = u
+        norm_sq = float(u @ cos @ u)
+        value = float("nan") if norm_sq <= ZERO_NORM ** 2 else 1.0 - norm_sq / (rho * rho)
+        last[rho] = value, u
+        return value, u
+
+    # The search's upper end: ‖Ĵᵀu‖ ≤ max 1/aⱼ on the weighted simplex (where f ≤ 0 the
+    # answer), or the scale of one unit row where f is positive there too (φ is convex, so
+    # its root is below).
+    hi = float((1.0 / a).max())
+    if f(hi)[0] > 0.0 and hi > START and f(START)[0] > 0.0:
+        hi = START
+    u = _cagrad_root(cos, lt, r, hi, f, tol, max_iter, blocks, a, floor=ZERO_NORM)
+    return _weights(u, a)
+
+
+def _weights(u: Tensor, a: Tensor) -> Tensor:
+    """``w = a ∘ u`` on the simplex (``aᵀu = 1`` up to rounding; negative rounding cut)."""
+    w = (a * u).clamp_min(0.0)
+    return w / w.sum()
