@@ -15,7 +15,7 @@ With ``w = a ∘ u`` (``aⱼ = min d/dⱼ``), ``F(w) = min d · F̃(u)``, ``F̃(
 over ``u ≥ 0``, ``aᵀu = 1``: ``Ĵ`` the unit rows (Gram matrix the cosine matrix ``C``),
 ``l̃ⱼ = linⱼ/dⱼ``. Every term is of the order of the shortest row's, ``C`` is as well
 conditioned as the directions, and the same root search over ``ρ = ‖Ĵᵀu‖`` runs on it
-(:func:`~._solvers._cagrad_root` with the weights ``a``; each ``ρ``'s QP a least-distance
+(:func:`~._cagrad_root.cagrad_root` with the weights ``a``; each ``ρ``'s QP a least-distance
 problem on the Cholesky factor of ``C`` with the weights, :func:`~._boxqp.min_norm_ls`).
 Taken where the diagonal spans more than ``SCALED_MIN_RATIO`` and ``C`` is positive definite
 with condition number below ``1e10`` (:func:`~._boxqp.is_well_conditioned`).
@@ -38,9 +38,9 @@ import torch
 from torch import Tensor
 
 from ._boxqp import is_well_conditioned, min_norm_ls
+from ._cagrad_root import cagrad_root, is_cagrad_kkt, support_root
 from ._cholesky import BlockFactors, cholesky_ex
 from ._precond import symmetrized
-from ._solvers import _cagrad_root, _is_cagrad_kkt, _support_root
 
 #: The scaled search runs where the largest diagonal entry of ``G`` is more than this times
 #: the smallest (norms more than about 30× apart), as MGDA's cosine route.
@@ -79,8 +79,8 @@ def scaled_cagrad(gram: Tensor, mean: Tensor, c: float, tol: float,
     a = d.min() / d
     lt = lin / d
     blocks = BlockFactors(cos)
-    full = _support_root(cos, lt, r, torch.ones(k, dtype=torch.bool), blocks, a)
-    if full is not None and _is_cagrad_kkt(cos, lt, r, full[0], full[1], tol, a):
+    full = support_root(cos, lt, r, torch.ones(k, dtype=torch.bool), blocks, a)
+    if full is not None and is_cagrad_kkt(cos, lt, r, full[0], full[1], tol, a):
         return _weights(full[1], a)
     low_factor = whole.L
     h = torch.linalg.solve_triangular(low_factor, lt[:, None], upper=False)[:, 0]  # L h = l̃
@@ -109,7 +109,7 @@ def scaled_cagrad(gram: Tensor, mean: Tensor, c: float, tol: float,
     hi = float((1.0 / a).max())
     if f(hi)[0] > 0.0 and hi > START and f(START)[0] > 0.0:
         hi = START
-    u = _cagrad_root(cos, lt, r, hi, f, tol, max_iter, blocks, a, floor=ZERO_NORM)
+    u = cagrad_root(cos, lt, r, hi, f, tol, max_iter, blocks, a, floor=ZERO_NORM)
     return _weights(u, a)
 
 

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from gradbalance.balancers import CAGrad
 from gradbalance.balancers import _cagrad_scaled as scaled
+from gradbalance.balancers import _solvers as solvers
 
 cp = pytest.importorskip("cvxpy")
 
@@ -112,7 +113,7 @@ def test_the_route_is_taken_where_the_diagonal_spans_decades(
         out = route(*args, **kwargs)  # type: ignore[arg-type]
         calls.append(out is not None)
         return out
-    monkeypatch.setattr(scaled, "scaled_cagrad", spy)
+    monkeypatch.setattr(solvers, "scaled_cagrad", spy)
     wide = _rows(6, 40, 8.0, "plain", 0)
     CAGrad(c=0.4)(wide)
     CAGrad(c=0.4)(wide / wide.norm(dim=1, keepdim=True))  # equal norms: not taken

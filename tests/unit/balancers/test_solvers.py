@@ -14,8 +14,8 @@ from torch import Tensor
 
 import gradbalance as gb
 from gradbalance.balancers._boxqp import factored_box_qp, psd_factor
+from gradbalance.balancers._cagrad_root import support_root
 from gradbalance.balancers._solvers import (
-    _support_root,
     cagrad_dual,
     min_norm_simplex,
     project_dual_cone,
@@ -187,7 +187,7 @@ def test_support_root_hand_derived() -> None:
     gram = torch.eye(k, dtype=F64) / k
     w = torch.full((k,), 1.0 / k, dtype=F64)
     r = 0.4 * float(w @ gram @ w) ** 0.5
-    root = _support_root(gram, gram @ w, r, w > 0)
+    root = support_root(gram, gram @ w, r, w > 0)
     assert root is not None
     assert root[0] == pytest.approx(1.0 / k, rel=1e-12)
     torch.testing.assert_close(root[1], w, rtol=0, atol=1e-15)
