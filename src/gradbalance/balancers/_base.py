@@ -74,7 +74,9 @@ def combine_rows(weights: Tensor, matrix: Tensor) -> Tensor:
 def _outside_range(weights: Tensor, dtype: torch.dtype) -> bool:
     """Whether a non-zero weight cast to ``dtype`` (floating, narrower than the weights') would
     leave its normal range: overflow, or underflow below its smallest normal value."""
-    if not dtype.is_floating_point or torch.finfo(dtype).bits >= torch.finfo(weights.dtype).bits:
+    if not (dtype.is_floating_point and weights.dtype.is_floating_point):
+        return False  # integer weights (the functional API) or rows: the plain product
+    if torch.finfo(dtype).bits >= torch.finfo(weights.dtype).bits:
         return False
     info = torch.finfo(dtype)
     if weights.device.type == "cpu" and weights.numel() <= SMALL_WEIGHTS:

@@ -49,6 +49,11 @@ def test_ordinary_weights_keep_the_plain_product_bit_for_bit() -> None:
     assert torch.equal(combine_rows(w, rows), w.float() @ rows)
 
 
+def test_integer_weights_keep_the_plain_product() -> None:
+    rows = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    assert torch.equal(combine_rows(torch.tensor([1, 3]), rows), torch.tensor([10.0, 14.0]))
+
+
 @pytest.mark.parametrize("small", [64, 0])  # the range read in Python, or by tensor reductions
 def test_the_wide_path_in_blocks_of_columns(monkeypatch: pytest.MonkeyPatch, small: int) -> None:
     monkeypatch.setattr(_base, "WIDE_BLOCK_ENTRIES", 8)  # 2 columns per block of 3 rows
