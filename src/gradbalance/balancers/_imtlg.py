@@ -6,6 +6,9 @@ import torch
 from torch import Tensor
 
 from ._base import Balancer
+from ._boxqp import is_well_conditioned
+from ._cholesky import cholesky_ex
+from ._precond import symmetrized
 from ._solvers import trace_normalized
 
 __all__ = ["IMTLG", "imtlg_weights"]
@@ -16,8 +19,10 @@ def imtlg_weights(gramian: Tensor, rtol: float = 1e-12) -> Tensor:
 
     Update rule: ``v = G⁺ d`` with ``dₖ = ‖gₖ‖``, ``w = v / Σv``. Then ``(G w)ₖ = dₖ / Σv``,
     i.e. ``g·(gₖ/‖gₖ‖) = 1/Σv`` for every task ``k`` (Liu et al.'s closed form
-    ``α₂:K = g₁Uᵀ(DUᵀ)⁻¹`` when the gradients are independent). When ``Σv`` vanishes
-    (``|Σv| ≤ rtol·‖v‖₁``) no such direction exists and the weights are zero.
+    ``α₂:K = g₁Uᵀ(DUᵀ)⁻¹`` when the gradients are independent). Norms decades apart on
+    independent directions: ``v = D⁻¹C⁻¹1`` on the cosine matrix (:func:`_scaled`). When
+    ``Σv`` vanishes (``|Σv| ≤ rtol·‖v‖₁``) no such direction exists and the weights are
+    zero.
 
     Example:
         >>> import torch
@@ -27,10 +32,36 @@ def imtlg_weights(gramian: Tensor, rtol: float = 1e-12) -> Tensor:
     """
     gram, _ = trace_normalized(gramian)
     d = torch.diagonal(gram).clamp_min(0).sqrt()
-    v = torch.linalg.pinv(gram, hermitian=True, rtol=rtol) @ d
+    v = _scaled(gram, d)
+    if v is None:
+        v = torch.linalg.pinv(gram, hermitian=True, rtol=rtol) @ d
     total = v.sum()
     degenerate = total.abs() <= rtol * v.abs().sum()
     return torch.where(degenerate, torch.zeros_like(v), v / torch.where(degenerate, 1.0, total))
+
+
+#: The cosine-matrix solve of :func:`imtlg_weights` runs where the largest diagonal entry of
+#: the Gramian is more than this times the smallest (norms more than about 30× apart).
+SCALED_MIN_RATIO = 1e3
+
+
+def _scaled(gram: Tensor, d: Tensor) -> Tensor | None:
+    """``v = G⁻¹d = D⁻¹C⁻¹1`` (``G = DCD``, ``D = diag(d)``, ``C`` the cosine matrix) where the
+    norms lie decades apart, no row is zero and ``C`` is well conditioned (then ``G`` is
+    invertible and this is ``G⁺d``), else None. ``G``'s eigenvalues spread as the squared
+    norms: rows of norms ``1e-6 … 1e6`` give ``1e24``, and the pseudo-inverse at ``rtol``
+    dropped the short rows' directions (projections on the unit task gradients 8 and 67
+    where they should be equal); ``C`` keeps only the directions' conditioning."""
+    values = torch.diagonal(gram).tolist()  # one host sync
+    low, high = min(values), max(values)
+    if not (low > 0.0 and high > SCALED_MIN_RATIO * low):
+        return None
+    cos = symmetrized(gram / torch.outer(d, d))
+    factor = cholesky_ex(cos)
+    if int(factor.info) != 0 or not is_well_conditioned(cos, factor):
+        return None
+    ones = torch.ones(d.shape[0], 1, dtype=gram.dtype)
+    return torch.cholesky_solve(ones, factor.L)[:, 0] / d
 
 
 class IMTLG(Balancer):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torchjd.aggregation as tjd
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gradbalance.balancers import IMTLG, AlignedMTL, ConFIG
 from support.balancers import random_matrix
@@ -58,3 +60,23 @@ def test_invalid_arguments() -> None:
         AlignedMTL(scale_mode="max")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="pref"):
         ConFIG(pref=[float("nan"), 1.0])
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(2, 24), st.integers(4, 13), st.integers(0, 2**16))
+def test_equal_projections_with_norms_decades_apart(k: int, decades: int, seed: int) -> None:
+    # IMTL-G's defining property on independent rows: g·uₖ the same for every unit task
+    # gradient uₖ, g = Σ wₖgₖ with Σ wₖ = 1 (one solution). Norms spread over up to 13
+    # decades make the Gramian's eigenvalues span 1e26; its pseudo-inverse at rtol 1e-12
+    # dropped the short rows' directions (projections 8 against 67 at 12 decades).
+    gen = torch.Generator().manual_seed(seed)
+    scales = torch.logspace(-decades / 2, decades / 2, k, dtype=torch.float64)
+    rows = torch.randn(k, 3 * k + 5, generator=gen, dtype=torch.float64)
+    rows = rows * scales[torch.randperm(k, generator=gen)][:, None]
+    out = IMTLG().combine(rows)
+    assert out.weights is not None
+    assert float(out.weights.sum()) == pytest.approx(1.0, abs=1e-12)
+    torch.testing.assert_close(out.vector, out.weights @ rows, rtol=1e-12, atol=0.0)
+    projections = (rows / rows.norm(dim=1, keepdim=True)) @ out.vector
+    spread = float((projections - projections.mean()).abs().max() / projections.abs().max())
+    assert spread <= 1e-9
