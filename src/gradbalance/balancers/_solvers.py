@@ -78,6 +78,11 @@ QP_TOL = 1e-12
 #: leave about ``1e-7``).
 STALL_STEPS = 3
 CANCEL_FLOOR = 1e-12
+#: A row of :func:`fair_newton`'s Gramian with ``Gᵢᵢ`` below this times the trace is a zero
+#: row (weight 0): a norm below 1e-20 of the rows' scale. At ``1e-24`` rows of norms
+#: ``1e-6 … 1e6`` lost their shortest one (weight 0, its equation ``wᵢ(Gw)ᵢ = 1`` off by 1,
+#: no warning); the Newton steps solve such rows to 5e-11 up to 18 decades apart.
+ZERO_ROW = 1e-40
 #: Nash-MTL's ridge, relative to the Gramian's trace, where its bargaining equation has no
 #: solution (:func:`nash_bargaining`): above the rounding of a Gramian of float32 rows (its
 #: eigenvalues carry about ``1e-7 tr G``), so ``G + εI`` is positive definite.
@@ -733,11 +738,11 @@ def fair_newton(gram: Tensor, p: float, w0: Tensor | None = None, tol: float = 1
     fails, ``max w`` grows 1e12-fold, or the residual has stalled while ``w``'s combination
     cancels (:class:`_Stall`). A solution exists exactly when no non-negative combination of
     the non-zero rows vanishes (else ``f`` falls without bound along it, for ``p ≤ 1``, or
-    has no minimiser); the caller judges the residual. A row with ``Gᵢᵢ`` below ``1e-24 tr
-    G`` gets ``wᵢ = 0`` and the system is solved among the others.
+    has no minimiser); the caller judges the residual. A row with ``Gᵢᵢ`` below
+    ``ZERO_ROW · tr G`` gets ``wᵢ = 0`` and the system is solved among the others.
     """
     diag = torch.diagonal(gram)
-    active = diag > 1e-24 * diag.sum().clamp_min(1e-300)
+    active = diag > ZERO_ROW * diag.sum().clamp_min(1e-300)
     if not bool(active.all()):
         return _fair_without_zero_rows(gram, p, w0, active, tol, max_iter)
     norms = diag.clamp_min(0.0).sqrt()
@@ -787,7 +792,7 @@ def nash_bargaining(
         raise SolverError(message)
     diag = torch.diagonal(gram)
     trace = diag.sum()
-    live = (diag > 1e-24 * trace.clamp_min(1e-300)).to(gram.dtype)
+    live = (diag > ZERO_ROW * trace.clamp_min(1e-300)).to(gram.dtype)
     ridged = gram + torch.diag(live * (NASH_RIDGE * trace))
     # From the warm start too: a previous call's ridge solution (the balancer's state) is
     # within a step or two of this one's, where a cold start takes 9-11 at K = 1,024.
