@@ -7,7 +7,7 @@ from torch import Tensor
 
 from ._base import Balancer
 from ._boxqp import is_well_conditioned
-from ._cholesky import cholesky_ex
+from ._cholesky import cholesky_ex, cholesky_solve
 from ._precond import symmetrized
 from ._solvers import trace_normalized
 
@@ -61,7 +61,7 @@ def _scaled(gram: Tensor, d: Tensor) -> Tensor | None:
     if int(factor.info) != 0 or not is_well_conditioned(cos, factor):
         return None
     ones = torch.ones(d.shape[0], 1, dtype=gram.dtype)
-    return torch.cholesky_solve(ones, factor.L)[:, 0] / d
+    return cholesky_solve(ones, factor.L)[:, 0] / d
 
 
 class IMTLG(Balancer):
