@@ -35,8 +35,8 @@ DESCENT_MODEL_STEPS = 4
 
 
 def support_root(gram: Tensor, lin: Tensor, r: float, support: Tensor,
-                  blocks: BlockFactors | None = None,
-                  a: Tensor | None = None) -> tuple[float, Tensor] | None:
+                 blocks: BlockFactors | None = None,
+                 a: Tensor | None = None) -> tuple[float, Tensor] | None:
     """``(ρ*, w(ρ*))`` of CAGrad's norm equation on a fixed support, or None.
 
     On a fixed support ``F`` (``G_FF`` positive definite) the simplex QP of
@@ -73,8 +73,9 @@ def support_root(gram: Tensor, lin: Tensor, r: float, support: Tensor,
     w[idx] = y[:, 0] / alpha + rho * w1
     return rho, w
 
+
 def is_cagrad_kkt(gram: Tensor, lin: Tensor, r: float, rho: float, w: Tensor,
-                   tol: float, a: Tensor | None = None) -> bool:
+                  tol: float, a: Tensor | None = None) -> bool:
     """KKT of ``min_{w∈Δ} wᵀlin + (r/2ρ) wᵀGw`` at ``w``: ``w ≥ 0`` and the gradient
     ``lin + (r/ρ) G w`` equal on the support and not smaller off it (to ``tol``, relative).
     ``a``: on the weighted simplex ``aᵀw = 1``, the gradient is ``ν a`` on the support and
@@ -90,6 +91,7 @@ def is_cagrad_kkt(gram: Tensor, lin: Tensor, r: float, rho: float, w: Tensor,
         dev = torch.where(support, (grad - level).abs(), (level - grad).clamp_min(0)).max()
     bound = tol * (1.0 + grad.abs().max())
     return bool((w >= 0).all()) and bool(dev <= bound)
+
 
 @dataclass
 class Bracket:
@@ -183,8 +185,8 @@ class Bracket:
 
 
 def next_rho(gram: Tensor, lin: Tensor, r: float, bracket: Bracket, rho: float,
-              w: Tensor, floor: float, tol: float, blocks: BlockFactors | None = None,
-              a: Tensor | None = None) -> tuple[float, Tensor | None]:
+             w: Tensor, floor: float, tol: float, blocks: BlockFactors | None = None,
+             a: Tensor | None = None) -> tuple[float, Tensor | None]:
     """The next ``ρ`` of :func:`cagrad_root` after ``ρ`` gave ``w``: the exact root on
     ``w``'s support (:func:`support_root`) when it lies inside the bracket, with its weights
     when they are already optimal (KKT), else the bracket's fallback step."""
@@ -198,9 +200,9 @@ def next_rho(gram: Tensor, lin: Tensor, r: float, bracket: Bracket, rho: float,
 
 
 def cagrad_root(gram: Tensor, lin: Tensor, r: float, hi: float,
-                 f: Callable[[float], tuple[float, Tensor]], tol: float,
-                 max_iter: int, blocks: BlockFactors | None = None,
-                 a: Tensor | None = None, floor: float | None = None) -> Tensor:
+                f: Callable[[float], tuple[float, Tensor]], tol: float,
+                max_iter: int, blocks: BlockFactors | None = None,
+                a: Tensor | None = None, floor: float | None = None) -> Tensor:
     """The safeguarded root search of :func:`~._solvers.cagrad_dual` over ``ρ ∈ (0, hi]``
     (``a``: on the weighted simplex ``aᵀw = 1``; ``floor``: the smallest ``ρ``, ``1e-12 hi``
     by default).

@@ -17,8 +17,8 @@ over ``u ≥ 0``, ``aᵀu = 1``: ``Ĵ`` the unit rows (Gram matrix the cosine ma
 conditioned as the directions, and the same root search over ``ρ = ‖Ĵᵀu‖`` runs on it
 (:func:`~._cagrad_root.cagrad_root` with the weights ``a``; each ``ρ``'s QP a least-distance
 problem on the Cholesky factor of ``C`` with the weights, :func:`~._boxqp.min_norm_ls`).
-Taken where the diagonal spans more than ``SCALED_MIN_RATIO`` and ``C`` is positive definite
-with condition number below ``1e10`` (:func:`~._boxqp.is_well_conditioned`).
+Taken where :func:`~._scaled_cosine.scaled_cosine` gives ``C`` (norms decades apart, ``C``
+well conditioned).
 
 Example:
     >>> import torch
@@ -37,14 +37,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._boxqp import is_well_conditioned, min_norm_ls
+from ._boxqp import min_norm_ls
 from ._cagrad_root import cagrad_root, is_cagrad_kkt, support_root
-from ._cholesky import BlockFactors, cholesky_ex
-from ._precond import symmetrized
+from ._cholesky import BlockFactors
+from ._scaled_cosine import scaled_cosine
 
-#: The scaled search runs where the largest diagonal entry of ``G`` is more than this times
-#: the smallest (norms more than about 30× apart), as MGDA's cosine route.
-SCALED_MIN_RATIO = 1e3
 #: ``‖Ĵᵀu‖`` below this (rows of unit norm) counts as a zero-norm combination.
 ZERO_NORM = 1e-12
 #: The root search over ``ρ = ‖Ĵᵀu‖`` starts here where ``f(ρ) > 0`` (the root is below): on
@@ -56,26 +53,19 @@ START = 1.0
 def scaled_cagrad(gram: Tensor, mean: Tensor, c: float, tol: float,
                   max_iter: int) -> Tensor | None:
     """CAGrad's dual weights ``w ∈ Δ`` from the cosine matrix (:mod:`~._cagrad_scaled`), or
-    None where the route does not apply: fewer than three tasks, a zero row, a diagonal
-    within ``SCALED_MIN_RATIO``, a cosine matrix that is not well conditioned, or ``g₀ = 0``.
+    None where the route does not apply: fewer than three tasks, no
+    :func:`~._scaled_cosine.scaled_cosine` (a zero row, norms within 30× or so, a cosine
+    matrix that is not well conditioned), or ``g₀ = 0``.
     ``mean``: ``g₀``'s weights (``1/K``)."""
     k = gram.shape[0]
-    if k < 3:
-        return None
-    diag = torch.diagonal(gram)
-    values = diag.tolist()  # one host sync; K floats: cheaper than two reductions below 64
-    low, high = min(values), max(values)
-    if not (low > 0.0 and high > SCALED_MIN_RATIO * low):
+    scaled = scaled_cosine(gram) if k >= 3 else None
+    if scaled is None:
         return None
     lin = gram @ mean
     r = c * max(float(mean @ lin), 0.0) ** 0.5
     if r == 0.0:
         return None
-    d = diag.sqrt()
-    cos = symmetrized(gram / torch.outer(d, d))
-    whole = cholesky_ex(cos)
-    if int(whole.info) != 0 or not is_well_conditioned(cos, whole):
-        return None
+    d, cos, whole = scaled
     a = d.min() / d
     lt = lin / d
     blocks = BlockFactors(cos)

@@ -6,9 +6,8 @@ import torch
 from torch import Tensor
 
 from ._base import Balancer
-from ._boxqp import is_well_conditioned
-from ._cholesky import cholesky_ex, cholesky_solve
-from ._precond import symmetrized
+from ._cholesky import cholesky_solve
+from ._scaled_cosine import scaled_cosine
 from ._solvers import trace_normalized
 
 __all__ = ["IMTLG", "imtlg_weights"]
@@ -32,7 +31,7 @@ def imtlg_weights(gramian: Tensor, rtol: float = 1e-12) -> Tensor:
     """
     gram, _ = trace_normalized(gramian)
     d = torch.diagonal(gram).clamp_min(0).sqrt()
-    v = _scaled(gram, d)
+    v = _scaled(gram)
     if v is None:
         v = torch.linalg.pinv(gram, hermitian=True, rtol=rtol) @ d
     total = v.sum()
@@ -40,28 +39,17 @@ def imtlg_weights(gramian: Tensor, rtol: float = 1e-12) -> Tensor:
     return torch.where(degenerate, torch.zeros_like(v), v / torch.where(degenerate, 1.0, total))
 
 
-#: The cosine-matrix solve of :func:`imtlg_weights` runs where the largest diagonal entry of
-#: the Gramian is more than this times the smallest (norms more than about 30× apart).
-SCALED_MIN_RATIO = 1e3
-
-
-def _scaled(gram: Tensor, d: Tensor) -> Tensor | None:
-    """``v = G⁻¹d = D⁻¹C⁻¹1`` (``G = DCD``, ``D = diag(d)``, ``C`` the cosine matrix) where the
-    norms lie decades apart, no row is zero and ``C`` is well conditioned (then ``G`` is
-    invertible and this is ``G⁺d``), else None. ``G``'s eigenvalues spread as the squared
-    norms: rows of norms ``1e-6 … 1e6`` give ``1e24``, and the pseudo-inverse at ``rtol``
-    dropped the short rows' directions (projections on the unit task gradients 8 and 67
-    where they should be equal); ``C`` keeps only the directions' conditioning."""
-    values = torch.diagonal(gram).tolist()  # one host sync
-    low, high = min(values), max(values)
-    if not (low > 0.0 and high > SCALED_MIN_RATIO * low):
+def _scaled(gram: Tensor) -> Tensor | None:
+    """``v = G⁻¹d = D⁻¹C⁻¹1`` (``G = DCD``, ``D = diag(d)``, ``C`` the cosine matrix) where
+    :func:`~._scaled_cosine.scaled_cosine` gives ``C`` (then ``G`` is invertible and this is
+    ``G⁺d``), else None. The pseudo-inverse of ``G`` at ``rtol`` dropped the short rows'
+    directions there (projections on the unit task gradients 8 and 67 at 12 decades, where
+    they should be equal)."""
+    scaled = scaled_cosine(gram)
+    if scaled is None:
         return None
-    cos = symmetrized(gram / torch.outer(d, d))
-    factor = cholesky_ex(cos)
-    if int(factor.info) != 0 or not is_well_conditioned(cos, factor):
-        return None
-    ones = torch.ones(d.shape[0], 1, dtype=gram.dtype)
-    return cholesky_solve(ones, factor.L)[:, 0] / d
+    ones = torch.ones(scaled.norms.shape[0], 1, dtype=gram.dtype)
+    return cholesky_solve(ones, scaled.factor.L)[:, 0] / scaled.norms
 
 
 class IMTLG(Balancer):
