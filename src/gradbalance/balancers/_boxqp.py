@@ -599,10 +599,12 @@ FactorOf = Callable[[list[int]], Factor]
 
 
 def _solve_free_single(q: Tensor, shift: Tensor, idx: list[int], simplex: bool,
-                       total: float, factor_of: FactorOf | None = None) -> Tensor | None:
+                       total: float, factor_of: FactorOf | None = None,
+                       weights: Tensor | None = None) -> Tensor | None:
     """``y`` ``[K]`` with ``Q_FF y_F = −shift_F`` (``+ ν1`` and ``1ᵀy_F = total`` with the
-    simplex) on the free indices ``idx``, zero elsewhere (``Q_FF``'s factor from
-    ``factor_of`` where given); None if the Cholesky fails."""
+    simplex; ``+ νa`` and ``aᵀy_F = total`` with its ``weights`` ``a``) on the free indices
+    ``idx``, zero elsewhere (``Q_FF``'s factor from ``factor_of`` where given); None if the
+    Cholesky fails."""
     y = torch.zeros(shift.shape[0], dtype=q.dtype)
     if not idx:
         return y
@@ -612,7 +614,11 @@ def _solve_free_single(q: Tensor, shift: Tensor, idx: list[int], simplex: bool,
     if int(info) != 0:
         return None
     rhs = -shift[sel]
-    if simplex:
+    if simplex and weights is not None:
+        on = weights[sel]
+        sol = cholesky_solve(torch.stack([rhs, on], 1), chol)
+        y[sel] = sol[:, 0] + (total - on @ sol[:, 0]) / (on @ sol[:, 1]) * sol[:, 1]
+    elif simplex:
         sol = cholesky_solve(torch.stack([rhs, torch.ones_like(rhs)], 1), chol)
         nu = (total - sol[:, 0].sum()) / sol[:, 1].sum()
         y[sel] = sol[:, 0] + nu * sol[:, 1]
@@ -622,10 +628,19 @@ def _solve_free_single(q: Tensor, shift: Tensor, idx: list[int], simplex: bool,
 
 
 def _infeasible_single(q: Tensor, shift: Tensor, y: Tensor, free: list[bool], idx: list[int],
-                       simplex: bool, tol: float) -> tuple[list[int], list[float], list[float]]:
+                       simplex: bool, tol: float, weights: Tensor | None = None,
+                       ) -> tuple[list[int], list[float], list[float]]:
     """The indices with ``y_F < −tol`` or ``w_A < −tol`` (``w = Qy + shift − ν1``), ``y``
-    and ``w``."""
+    and ``w``; with the simplex's ``weights`` ``a``, ``w = Qy + shift − νa`` (``ν`` fitted
+    on ``F`` by least squares) and both tests relative: ``y_F < −tol max|y|``, ``w_A <
+    −tol (1 + max|Qy + shift|)`` (:func:`~._cagrad_root.is_cagrad_kkt`'s bound), ``y``'s
+    entries far apart in size where ``a``'s are."""
     w = q @ y + shift
+    if simplex and weights is not None:
+        on = weights[idx]
+        scale = 1.0 + float(w.abs().max())
+        w = w - (on @ w[idx]) / (on @ on) * weights
+        return _infeasible_lists(y, w, free, tol * float(y.abs().max()), tol * scale)
     y_l, w_l = torch.stack([y, w]).tolist()
     if simplex:
         nu_v = sum(w_l[i] for i in idx) / len(idx)
@@ -634,11 +649,21 @@ def _infeasible_single(q: Tensor, shift: Tensor, y: Tensor, free: list[bool], id
     return bad, y_l, w_l
 
 
+def _infeasible_lists(y: Tensor, w: Tensor, free: list[bool], y_tol: float,
+                      w_tol: float) -> tuple[list[int], list[float], list[float]]:
+    """:func:`_infeasible_single`'s indices with ``y_F < −y_tol`` or ``w_A < −w_tol``."""
+    y_l, w_l = torch.stack([y, w]).tolist()
+    bad = [i for i, f in enumerate(free) if (y_l[i] < -y_tol if f else w_l[i] < -w_tol)]
+    return bad, y_l, w_l
+
+
 def _exchange_single(free: list[bool], bad: list[int], size: int, murty: bool,
-                     simplex: bool, y_l: list[float], w_l: list[float]) -> None:
+                     simplex: bool, y_l: list[float], w_l: list[float],
+                     weights: list[float] | None = None) -> None:
     """:func:`_exchange` for one problem, on lists: the ``size`` most infeasible indices of
     ``bad`` change side, only the largest where ``murty``; with the simplex an empty free
-    set gets the index of the smallest ``w`` (``Σy = total > 0``)."""
+    set gets the index of the smallest ``w`` (``Σy = total > 0``; of the smallest ``wⱼ/aⱼ``
+    with its ``weights`` ``a``: the cheapest step along ``aᵀy``)."""
     if murty:
         chosen = bad[-1:]
     elif size >= len(bad):
@@ -650,12 +675,13 @@ def _exchange_single(free: list[bool], bad: list[int], size: int, murty: bool,
     for i in chosen:
         free[i] = not free[i]
     if simplex and not any(free):
-        free[min(range(len(free)), key=w_l.__getitem__)] = True
+        rate = w_l if weights is None else [v / a for v, a in zip(w_l, weights, strict=True)]
+        free[min(range(len(free)), key=rate.__getitem__)] = True
 
 
 def _pivot_single(
     q: Tensor, c: Tensor, lower: Tensor, simplex: bool, free0: list[bool], tol: float,
-    max_iter: int, factor_of: FactorOf | None = None,
+    max_iter: int, factor_of: FactorOf | None = None, weights: Tensor | None = None,
 ) -> Tensor | None:
     """:func:`solve_lcp_pivoting` for one problem (``c``, ``lower`` ``[K]``).
 
@@ -663,25 +689,47 @@ def _pivot_single(
     iteration) and the subproblem solved on the free indices only: a few tensor operations
     per iteration instead of dozens of masked ones. None when it does not finish.
     ``factor_of``: the factors of ``Q``'s free blocks where the caller keeps them.
+    ``weights``: the simplex ``aᵀx = 1`` (``a > 0``) instead of ``1ᵀx = 1``.
     """
     k = c.shape[0]
     shift = lower @ q + c
-    total = 1.0 - float(lower.sum()) if simplex else 0.0
+    bound = float(lower.sum()) if weights is None else float(weights @ lower)
+    total = 1.0 - bound if simplex else 0.0
+    rates = None if weights is None else weights.tolist()
     free = list(free0)
     best, size, stale = k + 1, k, 0
     for _ in range(max_iter):
         idx = [i for i in range(k) if free[i]]
-        y = _solve_free_single(q, shift, idx, simplex, total, factor_of)
+        y = _solve_free_single(q, shift, idx, simplex, total, factor_of, weights)
         if y is None:
             return None
-        bad, y_l, w_l = _infeasible_single(q, shift, y, free, idx, simplex, tol)
+        bad, y_l, w_l = _infeasible_single(q, shift, y, free, idx, simplex, tol, weights)
         if not bad:
             return lower + y.clamp_min(0.0)
         best, size, stale = _block_single(len(bad), best, size, stale)
         if stale >= STALE_MAX:
             return None
-        _exchange_single(free, bad, size, stale >= MURTY_AFTER, simplex, y_l, w_l)
+        _exchange_single(free, bad, size, stale >= MURTY_AFTER, simplex, y_l, w_l, rates)
     return None
+
+
+def pivot_weighted_simplex(q: Tensor, c: Tensor, weights: Tensor, x0: Tensor | None,
+                           tol: float, factor_of: FactorOf) -> Tensor | None:
+    """``argmin ½ xᵀQx + cᵀx`` s.t. ``x ≥ 0``, ``aᵀx = 1`` (``a = weights > 0``) on a
+    well-conditioned ``Q``, or None where the pivoting does not finish.
+
+    :func:`_pivot_single` with the weighted simplex (each free block's factor from
+    ``factor_of``, a caller's kept factors), from ``x0``'s support, else from the vertex
+    ``eⱼ/aⱼ`` of the smallest ``cⱼ/aⱼ`` (the optimum of the linear part). ``O(|F|³/3)`` per
+    iteration for a new free set ``F``, ``O(K|F|)`` for its multipliers."""
+    k = c.shape[0]
+    if x0 is not None and bool((x0 > 0.0).any()):
+        free0 = (x0 > 0.0).tolist()
+    else:
+        free0 = [False] * k
+        free0[int(torch.argmin(c / weights))] = True
+    return _pivot_single(q, c, torch.zeros_like(c), True, free0, tol, 10 + 3 * k, factor_of,
+                         weights)
 
 
 # -- 2. non-negative least squares (Lawson & Hanson) ---------------------------------------

@@ -37,9 +37,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._boxqp import min_norm_ls
+from ._boxqp import min_norm_ls, pivot_weighted_simplex
 from ._cagrad_root import cagrad_root, is_cagrad_kkt, support_root
-from ._cholesky import BlockFactors
+from ._cholesky import BlockFactors, Factor
 from ._scaled_cosine import scaled_cosine
 
 #: ``‖Ĵᵀu‖`` below this (rows of unit norm) counts as a zero-norm combination.
@@ -79,14 +79,22 @@ def scaled_cagrad(gram: Tensor, mean: Tensor, c: float, tol: float,
 
     def f(rho: float) -> tuple[float, Tensor]:
         """``(1 − ‖Ĵᵀu‖²/ρ², u(ρ))``; NaN when ``Ĵᵀu = 0``. The QP ``min ½(r/ρ)uᵀCu + uᵀl̃``
-        over ``u ≥ 0``, ``aᵀu = 1`` is ``min ‖Σ uⱼ pⱼ‖`` with ``pⱼ = √(r/ρ) ℓⱼ + aⱼ √(ρ/r) h``
-        (``C = LLᵀ``, ``l̃ = Lh``; ``h = h·aᵀu``). Each point is kept (the search's first
-        call repeats one of the start's)."""
+        over ``u ≥ 0``, ``aᵀu = 1``: block pivoting on the factors of ``C``'s free blocks
+        (:func:`~._boxqp.pivot_weighted_simplex`, from the last point's support), else
+        ``min ‖Σ uⱼ pⱼ‖`` with ``pⱼ = √(r/ρ) ℓⱼ + aⱼ √(ρ/r) h`` (``C = LLᵀ``, ``l̃ = Lh``;
+        ``h = h·aᵀu``; Lawson–Hanson, one index at a time). Each point is kept (the
+        search's first call repeats one of the start's)."""
         if rho in last:
             return last[rho]
         root = (r / rho) ** 0.5
-        points = low_factor.T * root + (h / root)[:, None] * a[None, :]
-        u = min_norm_ls(points, state["u"], tol, a)
+
+        def factor_of(idx: list[int]) -> Factor:
+            low, info = blocks.factor(idx)
+            return Factor(low * root, info)
+        u = pivot_weighted_simplex(cos * (r / rho), lt, a, state["u"], tol, factor_of)
+        if u is None:
+            points = low_factor.T * root + (h / root)[:, None] * a[None, :]
+            u = min_norm_ls(points, state["u"], tol, a)
         state["u"] = u
         norm_sq = float(u @ cos @ u)
         value = float("nan") if norm_sq <= ZERO_NORM ** 2 else 1.0 - norm_sq / (rho * rho)
