@@ -75,14 +75,18 @@ def scaled_cagrad(gram: Tensor, mean: Tensor, c: float, tol: float,
     low_factor = whole.L
     h = torch.linalg.solve_triangular(low_factor, lt[:, None], upper=False)[:, 0]  # L h = l̃
     state: dict[str, Tensor | None] = {"u": None}
+    pivoting = [True]  # emptied once a pivoting has not finished: Lawson–Hanson from then on
     last: dict[float, tuple[float, Tensor]] = {}  # every point: at most the search's steps
 
     def f(rho: float) -> tuple[float, Tensor]:
         """``(1 − ‖Ĵᵀu‖²/ρ², u(ρ))``; NaN when ``Ĵᵀu = 0``. The QP ``min ½(r/ρ)uᵀCu + uᵀl̃``
         over ``u ≥ 0``, ``aᵀu = 1``: block pivoting on the factors of ``C``'s free blocks
-        (:func:`~._boxqp.pivot_weighted_simplex`, from the last point's support), else
-        ``min ‖Σ uⱼ pⱼ‖`` with ``pⱼ = √(r/ρ) ℓⱼ + aⱼ √(ρ/r) h`` (``C = LLᵀ``, ``l̃ = Lh``;
-        ``h = h·aᵀu``; Lawson–Hanson, one index at a time). Each point is kept (the
+        from the last point's support (:func:`~._boxqp.pivot_weighted_simplex`), else (the
+        first point, or once a pivoting has not finished) ``min ‖Σ uⱼ pⱼ‖`` with ``pⱼ =
+        √(r/ρ) ℓⱼ + aⱼ √(ρ/r) h`` (``C = LLᵀ``, ``l̃ = Lh``; ``h = h·aᵀu``; Lawson–Hanson,
+        one index at a time from the last support: few from an empty one at the search's
+        upper end, and few where consecutive supports differ by few, as on the descent of
+        rows sharing a direction, where the pivoting cycles). Each point is kept (the
         search's first call repeats one of the start's)."""
         if rho in last:
             return last[rho]
@@ -91,8 +95,12 @@ def scaled_cagrad(gram: Tensor, mean: Tensor, c: float, tol: float,
         def factor_of(idx: list[int]) -> Factor:
             low, info = blocks.factor(idx)
             return Factor(low * root, info)
-        u = pivot_weighted_simplex(cos * (r / rho), lt, a, state["u"], tol, factor_of)
+        start = state["u"]
+        u = (None if start is None or not pivoting else
+             pivot_weighted_simplex(cos * (r / rho), lt, a, start, tol, factor_of))
         if u is None:
+            if start is not None:  # a pivoting that did not finish: not tried again
+                pivoting.clear()
             points = low_factor.T * root + (h / root)[:, None] * a[None, :]
             u = min_norm_ls(points, state["u"], tol, a)
         state["u"] = u

@@ -64,8 +64,9 @@ def _reference_value(q: torch.Tensor, c: torch.Tensor, a: torch.Tensor) -> float
 
 def _solve(q: torch.Tensor, c: torch.Tensor, a: torch.Tensor,
            x0: torch.Tensor | None = None) -> torch.Tensor | None:
-    blocks = BlockFactors(q)
-    return pivot_weighted_simplex(q, c, a, x0, TOL, blocks.factor)
+    blocks = BlockFactors(q)  # x0 = 0: from the vertex the linear part prefers
+    start = torch.zeros_like(c) if x0 is None else x0
+    return pivot_weighted_simplex(q, c, a, start, TOL, blocks.factor)
 
 
 @settings(max_examples=20, deadline=None)
