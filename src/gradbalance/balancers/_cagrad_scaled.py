@@ -75,7 +75,7 @@ def scaled_cagrad(gram: Tensor, mean: Tensor, c: float, tol: float,
     low_factor = whole.L
     h = torch.linalg.solve_triangular(low_factor, lt[:, None], upper=False)[:, 0]  # L h = l̃
     state: dict[str, Tensor | None] = {"u": None}
-    pivoting = [True]  # emptied once a pivoting has not finished: Lawson–Hanson from then on
+    pivoting = True  # False once a pivoting has not finished: Lawson–Hanson from then on
     last: dict[float, tuple[float, Tensor]] = {}  # every point: at most the search's steps
 
     def f(rho: float) -> tuple[float, Tensor]:
@@ -88,6 +88,7 @@ def scaled_cagrad(gram: Tensor, mean: Tensor, c: float, tol: float,
         upper end, and few where consecutive supports differ by few, as on the descent of
         rows sharing a direction, where the pivoting cycles). Each point is kept (the
         search's first call repeats one of the start's)."""
+        nonlocal pivoting
         if rho in last:
             return last[rho]
         root = (r / rho) ** 0.5
@@ -100,7 +101,7 @@ def scaled_cagrad(gram: Tensor, mean: Tensor, c: float, tol: float,
              pivot_weighted_simplex(cos * (r / rho), lt, a, start, tol, factor_of))
         if u is None:
             if start is not None:  # a pivoting that did not finish: not tried again
-                pivoting.clear()
+                pivoting = False
             points = low_factor.T * root + (h / root)[:, None] * a[None, :]
             u = min_norm_ls(points, state["u"], tol, a)
         state["u"] = u
