@@ -70,7 +70,10 @@ class CAGrad(Balancer):
     mean. The dual is solved exactly on the trace-normalised Gramian.
 
     Cost in K: 0–3 simplex QPs typically, ``O(K³)`` each, besides the Gramian ``O(K²P)``;
-    from 17 tasks copies of a task are solved as one row, ``O(K²)`` to find them.
+    from 17 tasks copies of a task are solved as one row, ``O(K²)`` to find them; norms
+    decades apart: one Cholesky factorisation of the cosine matrix (``O(K³/3)``), then 3–5
+    QPs on the weighted simplex, each a few block-pivoting iterations of ``O(|F|³/3)``
+    (``F`` the free set).
 
     Args:
         c: ball radius factor, ``0 <= c < 1`` (default 0.4, the paper's NYU-v2 setting).
