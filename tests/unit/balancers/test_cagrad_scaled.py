@@ -121,3 +121,23 @@ def test_the_route_is_taken_where_the_diagonal_spans_decades(
     zero[2] = 0.0
     CAGrad(c=0.4)(zero)  # a zero row: not taken (the update is g₀ there)
     assert calls == [True, False, False]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_many_tasks_pivoted_give_the_primals_update(seed: int,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # 96 Gaussian rows of norms 1e-6 … 1e6: the search's QPs after the first go through the
+    # block pivoting on the weighted simplex (hundreds of Lawson–Hanson additions before);
+    # the update is still the primal's
+    finished: list[bool] = []
+    pivot = scaled.pivot_weighted_simplex
+
+    def spy(*args: object) -> torch.Tensor | None:
+        out = pivot(*args)  # type: ignore[arg-type]
+        finished.append(out is not None)
+        return out
+    monkeypatch.setattr(scaled, "pivot_weighted_simplex", spy)
+    rows = _rows(96, 300, 12.0, "plain", seed)
+    d = CAGrad(c=0.5)(rows)
+    assert any(finished)
+    assert _assert_primal(d, _primal(rows, 0.5), rows, 0.5)
