@@ -21,7 +21,7 @@ import math
 import torch
 from torch import Tensor
 
-from ._cholesky import cholesky_ex, cholesky_solve
+from ._cholesky import cholesky_ex, cholesky_solve, principal_block
 from ._passive_factor import Block, PassiveFactor
 
 _EPS = torch.finfo(torch.float64).eps
@@ -32,9 +32,10 @@ SCHUR_RTOL_PER_ROW = 4 * _EPS
 #: on the fixed indices: the same factor, in fewer operations than gathering the blocks).
 MASKED_MAX_SIZE = 16
 #: From this many free indices on, :func:`free_blocks` gathers each problem's block by its
-#: rows, then their columns (contiguous copies) instead of one ``[B, m, m]`` index: one
-#: thread, 1.5–2.1× faster at ``m = 140 … 560`` (K = 256 … 1,024), slower below about 100.
-PER_PROBLEM_MIN_SIZE = 128
+#: rows, then their columns (:func:`~._cholesky.principal_block`) instead of one ``[B, m,
+#: m]`` index: one thread, 1.7× faster for 256 blocks of 64 of 256, 1.3× for 1,024 of 64 of
+#: 1,024, 8× at 600 of 1,024; slower for 32 (18 against 6 ms for 1,024 blocks).
+PER_PROBLEM_MIN_SIZE = 64
 #: Indices entering together per iteration where each problem's best ``BLOCK_SIZE``
 #: candidates give a positive solve (from ``BLOCK_MIN_SIZE`` tasks, two problems or more:
 #: DualProj's one problem gains nothing): the passive factors are read once per block, not
@@ -62,7 +63,7 @@ def free_blocks(q: Tensor, idx: Tensor, valid: Tensor) -> Tensor:
     if m >= PER_PROBLEM_MIN_SIZE:
         block = q.new_empty(b, m, m)
         for out, at in zip(block.unbind(0), idx.unbind(0), strict=True):
-            torch.index_select(q.index_select(0, at), 1, at, out=out)
+            principal_block(q, at, out)
     else:
         block = q.reshape(-1)[(idx * q.shape[0])[:, :, None] + idx[:, None, :]]
     block.masked_fill_(~(valid[:, :, None] & valid[:, None, :]), 0.0)

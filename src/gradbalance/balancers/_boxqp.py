@@ -59,7 +59,7 @@ from ._admm import (
     first_rho,
     pilot_rho,
 )
-from ._cholesky import Factor, cholesky_ex, cholesky_solve
+from ._cholesky import Factor, cholesky_ex, cholesky_solve, principal_block
 from ._combinations import without_combinations
 from ._interior import interior_nnls
 from ._pcg import pcg_free, rough_free_sets
@@ -609,7 +609,7 @@ def _solve_free_single(q: Tensor, shift: Tensor, idx: list[int], simplex: bool,
     if not idx:
         return y
     sel = torch.tensor(idx)
-    chol, info = (cholesky_ex(q.index_select(0, sel).index_select(1, sel))
+    chol, info = (cholesky_ex(principal_block(q, sel))
                   if factor_of is None else factor_of(idx))
     if int(info) != 0:
         return None

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from gradbalance.balancers import _cholesky
-from gradbalance.balancers._cholesky import cholesky_ex
+from gradbalance.balancers._cholesky import cholesky_ex, principal_block
 
 F64 = torch.float64
 EPS = torch.finfo(F64).eps
@@ -182,3 +182,18 @@ def test_single_problem_with_kept_factors_and_its_fallback(seed: int) -> None:
         assert bool((x >= 0).all()) and abs(float(x.sum()) - 1.0) < 1e-12
         assert float((grad[support] - nu).abs().max()) < 1e-9 * scale
         assert bool((grad[~support] >= nu - 1e-9 * scale).all())
+
+
+@pytest.mark.parametrize(("k", "m"), [(5, 3), (100, 63), (100, 64), (300, 200)])
+def test_principal_block_is_the_rows_and_columns_of_its_indices(k: int, m: int) -> None:
+    # both sides of GATHER_MIN_SIZE (index_select below, torch.gather from it), into a new
+    # tensor and into a view of a batch, as free_blocks writes them
+    gen = torch.Generator().manual_seed(k + m)
+    q = torch.randn(k, k, generator=gen, dtype=torch.float64)
+    at = torch.sort(torch.randperm(k, generator=gen)[:m]).values
+    expected = torch.stack([q[i, at] for i in at.tolist()])
+    assert torch.equal(principal_block(q, at), expected)
+    batch = q.new_zeros(2, m, m)
+    principal_block(q, at, batch[1])
+    assert torch.equal(batch[1], expected)
+    assert not bool(batch[0].any())
