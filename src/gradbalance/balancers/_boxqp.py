@@ -636,23 +636,16 @@ def _infeasible_single(q: Tensor, shift: Tensor, y: Tensor, free: list[bool], id
     −tol (1 + max|Qy + shift|)`` (:func:`~._cagrad_root.is_cagrad_kkt`'s bound), ``y``'s
     entries far apart in size where ``a``'s are."""
     w = q @ y + shift
+    y_tol = w_tol = tol
     if simplex and weights is not None:
         on = weights[idx]
-        scale = 1.0 + float(w.abs().max())
+        w_tol = tol * (1.0 + float(w.abs().max()))
+        y_tol = tol * float(y.abs().max())
         w = w - (on @ w[idx]) / (on @ on) * weights
-        return _infeasible_lists(y, w, free, tol * float(y.abs().max()), tol * scale)
     y_l, w_l = torch.stack([y, w]).tolist()
-    if simplex:
+    if simplex and weights is None:
         nu_v = sum(w_l[i] for i in idx) / len(idx)
         w_l = [v - nu_v for v in w_l]
-    bad = [i for i, f in enumerate(free) if (y_l[i] < -tol if f else w_l[i] < -tol)]
-    return bad, y_l, w_l
-
-
-def _infeasible_lists(y: Tensor, w: Tensor, free: list[bool], y_tol: float,
-                      w_tol: float) -> tuple[list[int], list[float], list[float]]:
-    """:func:`_infeasible_single`'s indices with ``y_F < −y_tol`` or ``w_A < −w_tol``."""
-    y_l, w_l = torch.stack([y, w]).tolist()
     bad = [i for i, f in enumerate(free) if (y_l[i] < -y_tol if f else w_l[i] < -w_tol)]
     return bad, y_l, w_l
 
