@@ -191,32 +191,34 @@ def _inner(st: _Problems, sel: Tensor, z: Tensor) -> None:
     st.yq[sel] = _product(y, st.factor.q)
 
 
-def box_active_set(q: Tensor, lower: Tensor, tol: float,
-                   max_additions: int) -> tuple[Tensor, Tensor]:
+def box_active_set(q: Tensor, lower: Tensor, tol: float, max_additions: int,
+                   dependent: float = 0.0) -> tuple[Tensor, Tensor]:
     """``(v, done)`` ``[B, K]``, ``[B]``: :func:`_box_active_set` on chunks of at most
     ``FACTOR_MAX_ENTRIES / K²`` problems (their factors hold up to ``K²`` numbers each)."""
     b, k = lower.shape
     step = max(1, FACTOR_MAX_ENTRIES // (k * k))
     if b <= step:
-        return _box_active_set(q, lower, tol, max_additions)
-    parts = [_box_active_set(q, lower[i: i + step], tol, max_additions)
+        return _box_active_set(q, lower, tol, max_additions, dependent)
+    parts = [_box_active_set(q, lower[i: i + step], tol, max_additions, dependent)
              for i in range(0, b, step)]
     return torch.cat([v for v, _ in parts]), torch.cat([d for _, d in parts])
 
 
-def _box_active_set(q: Tensor, lower: Tensor, tol: float,
-                    max_additions: int) -> tuple[Tensor, Tensor]:
+def _box_active_set(q: Tensor, lower: Tensor, tol: float, max_additions: int,
+                    dependent: float = 0.0) -> tuple[Tensor, Tensor]:
     """``(v, done)`` ``[B, K]``, ``[B]``: ``argmin ½ vᵀQv`` s.t. ``v ≥ lowerᵦ`` where done.
 
     Lawson–Hanson from ``v = lower``: each iteration the index of the largest scaled
     multiplier enters each open problem (:func:`_entering`), the passive system is solved,
     and ``y`` moves towards it (:func:`_inner`). A problem is done when no multiplier
     exceeds ``tol ‖x‖ √Qⱼⱼ`` (Lawson–Hanson's test on the factor, ``‖x‖ = ‖Lᵀv‖``), and left
-    open after ``max_additions`` additions.
+    open after ``max_additions`` additions. An entering column whose Schur complement is at
+    most ``max(SCHUR_RTOL_PER_ROW·K, dependent)`` times its diagonal entry stays out
+    (``dependent``: a rounding ``Q`` carries beyond float64's, :func:`~._boxqp.resolved_box`).
     """
     b, k = lower.shape
     diag = torch.diagonal(q).clamp_min(0.0)
-    d, indep_min = diag.sqrt(), SCHUR_RTOL_PER_ROW * k * diag
+    d, indep_min = diag.sqrt(), max(SCHUR_RTOL_PER_ROW * k, dependent) * diag
     dmax = float(d.max())
     width = min(BLOCK_SIZE, k) if k >= BLOCK_MIN_SIZE and b > 1 else 1
     out, done = lower.clone(), torch.zeros(b, dtype=torch.bool)
