@@ -1201,9 +1201,10 @@ def factored_box_qp(factor: Tensor, c: Tensor, lower: Tensor, simplex: bool,
 #: leans on a direction ``Q``'s rounding decides (:func:`resolved_box`), and from which its
 #: problems are then solved again. Measured, UPGrad and DualProj: at most 4.2e4 on every
 #: benchmark kind of rows at K = 12, 64 and 256 (float32 and float64; rows in a span of rank
-#: 3K/8 at K = 64 the largest), 9.3e5 … 3e9 where two tasks are opposite within the
-#: rounding, whose other problems carry the error from 1e3 on (K = 40: 2.4e-4 of the update
-#: with only those above 1e5 solved again).
+#: 3K/8 at K = 64 the largest) and 2.1e4 on the singular kinds at K = 1,024 (the ratios
+#: 6–9 ms there), 9.3e5 … 3e9 where two tasks are opposite within the rounding, whose other
+#: problems carry the error from 1e3 on (K = 40: 2.4e-4 of the update with only those above
+#: 1e5 solved again).
 UNRESOLVED_RATIO = 1e5
 SUSPECT_RATIO = 1e3
 
