@@ -15,6 +15,13 @@ __all__ = ["CAGrad", "cagrad_weights"]
 
 Rescale = Literal["none", "c2", "c"]
 
+#: :func:`_vanishes`: ``‖g_w‖²`` relative to ``(Σ wₖ‖gₖ‖)²`` at and below which ``g_w`` is
+#: zero: the float64 Gramian's own rounding of ``wᵀGw`` (``16 eps``); its direction is then
+#: the rounding's. A task and its reversal in float32 (``g`` and ``−2g`` among conflicting
+#: rows, K = 4) left ``1.0e-24`` of it, above the ``1e-24`` this was: weights of ``3.5e10``
+#: on the pair and a float32 update of 0 where the mean is the answer.
+VANISH_RTOL = 16 * torch.finfo(torch.float64).eps
+
 
 def cagrad_weights(gramian: Tensor, c: float = 0.4, rescale: Rescale = "none") -> Tensor:
     """Weights ``[K]`` (float64, CPU) of CAGrad's update ``d = g₀ + (√φ/‖g_w‖) g_w``.
@@ -47,19 +54,17 @@ def cagrad_weights(gramian: Tensor, c: float = 0.4, rescale: Rescale = "none") -
 
 def _vanishes(gram: Tensor, w: Tensor, gw_sq: float) -> bool:
     """Whether the dual's ``g_w`` is zero (a zero task gradient, or rows that cancel): then
-    ``d = g₀``, as the authors' code. Below ``1e-12`` of the longest row, and below ``1e-12``
-    of ``Σ wₖ‖gₖ‖`` over the weights that matter (at least ``1e-9`` of the largest; weights
-    a solver leaves at rounding level on other rows do not count): a combination of rows a
-    millionth the longest's (norms 1e-6 … 1e6: ``‖g_w‖² ≈ 1e-24`` of the trace-normalised
-    Gramian) is not zero."""
-    if gw_sq > 1e-24:  # the trace-normalised Gramian: its longest row at most 1
+    ``d = g₀``, as the authors' code. ``‖g_w‖²`` at most ``VANISH_RTOL`` times ``(Σ
+    wₖ‖gₖ‖)²`` over the weights that matter (at least ``1e-9`` of the largest; weights a
+    solver leaves at rounding level on other rows do not count), relative: a combination of
+    rows a millionth the longest's (norms 1e-6 … 1e6: ``‖g_w‖² ≈ 1e-24`` of the
+    trace-normalised Gramian) is not zero."""
+    if gw_sq > VANISH_RTOL:  # the trace-normalised Gramian: Σ wₖ‖gₖ‖ ≤ 1 on the simplex
         return False
     norms = torch.diagonal(gram).clamp_min(0.0).sqrt()
-    if gw_sq > 1e-24 * float(norms.max()) ** 2:
-        return False
     significant = w >= 1e-9 * float(w.max())
     span = float(w[significant] @ norms[significant])
-    return span == 0.0 or gw_sq <= 1e-24 * span * span
+    return span == 0.0 or gw_sq <= VANISH_RTOL * span * span
 
 
 class CAGrad(Balancer):

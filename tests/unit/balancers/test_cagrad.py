@@ -1,4 +1,5 @@
-"""CAGrad: scipy's primal value, c = 0, rescale options, degenerate inputs."""
+"""CAGrad: scipy's primal value, c = 0, rescale options, degenerate inputs (a zero row, a
+task and its reversal)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,27 @@ def test_zero_row_gives_the_mean_gradient() -> None:
     g = random_matrix(2, 3, 5)
     g[1] = 0
     torch.testing.assert_close(CAGrad()(g), g.mean(dim=0), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize(("k", "seed"), [(4, 0), (8, 3)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_task_and_its_reversal_give_the_mean_gradient(k: int, seed: int,
+                                                        dtype: torch.dtype) -> None:
+    # g and −2g (exact in float32) among rows conflicting along g: min(g·d, −2g·d) ≤ 0 for
+    # every d, and SLSQP on the primal finds the value 0, so the dual optimum has g_w = 0 and
+    # the update is g₀. The float32 Gramian left ‖g_w‖² at 1e-24 of (Σ wₖ‖gₖ‖)² (K = 4),
+    # above the float64-only cut it had: weights of 3.5e10 on the pair and an update of 0.
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(500, generator=gen)
+    scale = torch.randn(k - 2, 1, generator=gen)
+    others = scale * g + 0.5 * torch.randn(k - 2, 500, generator=gen)
+    rows = torch.cat([others, g[None], -2 * g[None]]).to(dtype)
+    exact = rows.double()
+    assert scipy_cagrad_value(exact, 0.4) >= -1e-9 * float(exact.norm() ** 2)
+    out = CAGrad(c=0.4).combine(rows)
+    rtol = 1e-12 if dtype == torch.float64 else 1e-6
+    torch.testing.assert_close(out.vector.double(), exact.mean(dim=0), rtol=rtol, atol=rtol)
+    assert float(out.weights.abs().max()) <= 1.0
 
 
 def test_extreme_scale_is_not_uniform() -> None:
