@@ -1225,11 +1225,11 @@ def resolved_box(q: Tensor, lower: Tensor, x: Tensor, tol: float) -> Tensor:
     """``x`` (box answers, ``c = 0``, on a ``Q`` not certified well conditioned), where one
     problem's weights lean on a direction ``Q`` does not resolve (:func:`weight_ratios` above
     ``UNRESOLVED_RATIO``), each problem's above ``SUSPECT_RATIO`` replaced by the batched
-    active set's answer with every entering column whose Schur
-    complement is within ``Q``'s rounding dependent (:func:`~._active_set.box_active_set`,
-    ``dependent``: the eigenvalue cut :func:`rounding_cut` with ``ROUNDING_MULTIPLE``), kept
-    where ``Q`` ranks it no worse than the first answer plus what the cut leaves unresolved
-    of it (``cut·‖D y‖²``, ``D = diag(Q)^{1/2}``).
+    active set's answer with every entering column whose Schur complement is within ``Q``'s
+    rounding dependent (:func:`~._active_set.box_active_set`, ``dependent``: the eigenvalue
+    cut :func:`rounding_cut` with ``ROUNDING_MULTIPLE``), kept where ``Q`` ranks it no worse
+    than the first answer plus what the cut leaves unresolved of it (``cut·‖D y‖²``, ``D =
+    diag(Q)^{1/2}``).
 
     Two tasks opposite within float64's rounding (``g`` and ``−2.5g`` plus ``1e-8`` of its
     size in noise: ``1 − |cos| ≈ 1e-17``) have free blocks, and factor columns, that hold
