@@ -23,6 +23,7 @@ from .balancers._base import Balancer
 from .clip._checks import check_row_clipper
 from .clip._protocol import scales_whole_rows
 from .distributed import all_reduce_mean_
+from .gramian import products_rounding
 from .modes._amortize import WeightCache
 from .stats import StepStats, build_stats, summed_tasks
 
@@ -101,7 +102,7 @@ def refreshed_update(step: PerSampleStep, scaled_gram: Tensor, balancer: Balance
         gram = gram * coef[:, None] * coef[None, :]
     trunk: list[Tensor | None]
     if finite:
-        weights = balancer.compute_weights(gram, flat)
+        weights = balancer.compute_weights(gram, flat, rounding=products_rounding(step.shared))
         applied = weights if coef is None else weights * coef
         trunk = weighted_grads(step, applied)
     else:  # a skipped step (found_inf): zeros

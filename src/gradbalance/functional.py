@@ -44,7 +44,13 @@ from .clip._agc import adaptive_clip_grad_, unitwise_norm
 from .clip._per_sample_func import per_sample_grad_norms_of_model
 from .clip._per_sample_graph import per_sample_grad_norms
 from .clip._task import clip_task_norms_, clip_task_values_, row_norms
-from .gramian import compute_gramian, cosine_matrix, is_finite_gramian, linear_gramian
+from .gramian import (
+    compute_gramian,
+    cosine_matrix,
+    is_finite_gramian,
+    linear_gramian,
+    products_rounding,
+)
 from .taskgrads import task_gradients
 from .weighting._dwa import dwa_weights
 from .weighting._famo import famo_weights
@@ -54,14 +60,49 @@ from .weighting._scale_invariant import scale_invariant_weights
 from .weighting._stch import stch_weights
 
 __all__ = [
-    "adaptive_clip_grad_", "alignedmtl_weights", "cagrad_weights", "clip_task_norms_",
-    "clip_task_values_", "combine_rows", "compute_gramian", "config_weights", "cosine_matrix",
-    "dbmtl_update", "dualproj_weights", "dwa_weights", "excessmtl_risks", "fairgrad_weights",
-    "famo_weights", "gls_weights", "graddrop_update", "gradnorm_targets", "gradvac_coefficients",
-    "gradvac_orders", "imtlg_weights", "is_finite_gramian", "krum_weights", "linear_gramian",
-    "mean_weights", "mgda_weights", "moco_step", "modo_step", "nashmtl_weights", "pcd_weights",
-    "pcgrad_coefficients", "pcgrad_orders", "per_sample_grad_norms",
-    "per_sample_grad_norms_of_model", "random_weights", "row_norms", "scale_invariant_weights",
-    "sdmgrad_weights", "stch_weights", "sum_weights", "task_gradients", "trimmed_mean_update",
-    "unitwise_norm", "upgrad_weights",
+    "adaptive_clip_grad_",
+    "alignedmtl_weights",
+    "cagrad_weights",
+    "clip_task_norms_",
+    "clip_task_values_",
+    "combine_rows",
+    "compute_gramian",
+    "config_weights",
+    "cosine_matrix",
+    "dbmtl_update",
+    "dualproj_weights",
+    "dwa_weights",
+    "excessmtl_risks",
+    "fairgrad_weights",
+    "famo_weights",
+    "gls_weights",
+    "graddrop_update",
+    "gradnorm_targets",
+    "gradvac_coefficients",
+    "gradvac_orders",
+    "imtlg_weights",
+    "is_finite_gramian",
+    "krum_weights",
+    "linear_gramian",
+    "mean_weights",
+    "mgda_weights",
+    "moco_step",
+    "modo_step",
+    "nashmtl_weights",
+    "pcd_weights",
+    "pcgrad_coefficients",
+    "pcgrad_orders",
+    "per_sample_grad_norms",
+    "per_sample_grad_norms_of_model",
+    "products_rounding",
+    "random_weights",
+    "row_norms",
+    "scale_invariant_weights",
+    "sdmgrad_weights",
+    "stch_weights",
+    "sum_weights",
+    "task_gradients",
+    "trimmed_mean_update",
+    "unitwise_norm",
+    "upgrad_weights",
 ]

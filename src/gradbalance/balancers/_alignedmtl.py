@@ -70,6 +70,7 @@ class AlignedMTL(Balancer):
     """
 
     name = "alignedmtl"
+    inverts_gramian = True
     _repr_args = ("num_tasks", "pref", "scale_mode")
     from_gramian = True
     homogeneous = True

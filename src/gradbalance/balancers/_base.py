@@ -15,7 +15,8 @@ from .._checks import check_matrix, check_num_tasks
 from .._module import StateModule
 from .._shard import Shard, full_gramian
 from .._types import NonFiniteGradientError
-from ..gramian import is_finite_gramian
+from ..gramian import is_finite_gramian, products_rounding
+from ._denoise import without_rounding
 
 __all__ = ["Balancer", "Combination", "combine_rows"]
 
@@ -132,6 +133,7 @@ class Balancer(StateModule):
     min_tasks: int = 1
     per_task_settings: tuple[str, ...] = ()
     weight_degree: float | None = None
+    inverts_gramian: bool = False
     _kind = "balancer"
     _repr_args: ClassVar[tuple[str, ...]] = ("num_tasks",)
 
@@ -143,6 +145,13 @@ class Balancer(StateModule):
     def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         """Weights ``[K]`` (float64) from the Gramian ``[K, K]``; weighted balancers only."""
         raise NotImplementedError(f"{type(self).__name__} is not a weighted balancer")
+
+    def _rounded_weights(self, gramian: Tensor, losses: Tensor | None,
+                         rounding: float) -> Tensor:
+        """:meth:`_compute_weights` of a Gramian that carries ``rounding`` (relative to
+        ``‖gᵢ‖‖gⱼ‖``; 0: exact to float64); a balancer whose own tolerances must exceed it
+        overrides this (PCD's feasibility)."""
+        return self._compute_weights(gramian, losses)
 
     def _combine_matrix(self, matrix: Tensor, losses: Tensor | None) -> Combination:
         """Combined gradient from the full matrix; matrix balancers only."""
@@ -179,7 +188,7 @@ class Balancer(StateModule):
         gram = self._checked_gramian(matrix, gramian, shard)
         if self.from_gramian:
             assert gram is not None
-            w = self._scaled_weights(gram, losses)
+            w = self._scaled_weights(gram, losses, products_rounding(matrix))
             return Combination(combine_rows(w, matrix), w)
         if shard is None:
             return self._combine_matrix(matrix, losses)
@@ -224,11 +233,17 @@ class Balancer(StateModule):
         """:meth:`combine` of this rank's columns under a sharded trunk (``shard=shard``)."""
         return self.combine(matrix, losses, gramian, shard=shard)
 
-    def compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
+    def compute_weights(self, gramian: Tensor, losses: Tensor | None = None, *,
+                        rounding: float = 0.0) -> Tensor:
         """The task weights ``w`` ``[K]`` (float64) of ``g = wᵀ G``, from the Gramian alone.
 
         Weighted balancers only (``from_gramian``); the same input checks as :meth:`combine`.
         Stateful balancers advance their state, as one :meth:`combine` would.
+        ``rounding``: the Gramian's rounding relative to ``‖gᵢ‖‖gⱼ‖``, which the rules that
+        invert it (:attr:`inverts_gramian`) remove first;
+        :func:`~gradbalance.gramian.products_rounding` of the rows for
+        :func:`~gradbalance.gramian.compute_gramian`'s; default 0, the Gramian taken as exact
+        (:meth:`combine` takes the rows' own).
         """
         if not self.from_gramian:
             raise TypeError(
@@ -241,7 +256,7 @@ class Balancer(StateModule):
         losses = self._check_losses(losses, gramian.shape[0])
         self.check_tracked_tasks(gramian.shape[0])
         self._check_finite_gramian(gramian)
-        return self._scaled_weights(gramian, losses)
+        return self._scaled_weights(gramian, losses, rounding)
 
     # -- helpers ------------------------------------------------------------------------
     def _degree(self) -> float | None:
@@ -250,16 +265,21 @@ class Balancer(StateModule):
             return float(self.weight_degree)
         return 0.0 if self.homogeneous and _declares_homogeneous(self) else None
 
-    def _scaled_weights(self, gramian: Tensor, losses: Tensor | None) -> Tensor:
+    def _scaled_weights(self, gramian: Tensor, losses: Tensor | None,
+                        rounding: float = 0.0) -> Tensor:
         """:meth:`_compute_weights` on ``G/t`` (``t`` the largest diagonal entry, 1 for a zero
-        Gramian) times ``t^δ``; without a degree, on the raw Gramian. No host sync."""
+        Gramian) times ``t^δ``; without a degree, on the raw Gramian. A balancer that
+        :attr:`inverts_gramian` reads it without the products' ``rounding``
+        (:func:`~._denoise.without_rounding`). No host sync but that one's."""
+        if self.inverts_gramian:
+            gramian = without_rounding(gramian, rounding)
         degree = self._degree()
         if degree is None:
-            return self._compute_weights(gramian, losses)
+            return self._rounded_weights(gramian, losses, rounding)
         gram = gramian.to(torch.float64)
         top = torch.diagonal(gram).max()
         t = torch.where(top > 0, top, torch.ones_like(top))
-        w = self._compute_weights(gram / t, losses)
+        w = self._rounded_weights(gram / t, losses, rounding)
         return w if degree == 0.0 else w * t.to(w.device).pow(degree).to(w.dtype)
 
     def _check_losses(self, losses: Tensor | None, k: int) -> Tensor | None:

@@ -1266,31 +1266,43 @@ def _ldp_violation(rows: Tensor, h: Tensor, mu: Tensor) -> float:
                float((mu * slack).abs().max()) / max(1.0, float(mu.abs().max())))
 
 
-def ldp(rows: Tensor, h: Tensor, tol: float = 1e-12) -> Tensor | None:
+def ldp(rows: Tensor, h: Tensor, tol: float = 1e-12, resolution: float = _EPS) -> Tensor | None:
     """``μ ≥ 0`` with ``x = Mᵀμ = argmin ½‖x‖²`` s.t. ``M x ≥ h`` (``M`` ``[n, r]``); None
     when no ``x`` satisfies the constraints.
 
     Lawson & Hanson (1974, Ch. 23, least-distance programming): ``u = argmin_{u ≥ 0}
-    ‖E u − e_{r+1}‖`` with ``E = [Mᵀ; hᵀ]`` and residual ``ρ = Eu − e_{r+1}``; ``ρ = 0`` is a
-    Farkas certificate of infeasibility (``Mᵀu = 0``, ``hᵀu = 1``), otherwise
-    ``x = −ρ_{1:r}/ρ_{r+1}``, i.e. ``μ = u/(1 − hᵀu)``, and ``‖x‖² = 1/‖ρ‖² − 1``.
-    Infeasible is decided at ``‖x‖ > 1/√eps`` (``‖ρ‖ < √eps``): constraints that only an
-    ``x`` over ``7·10⁷`` times the scale of ``M`` and ``h`` meets, whose direction rounding
-    decides. Dividing by ``1 − hᵀu = ‖ρ‖²`` magnifies rounding as ``‖x‖`` grows, so where
-    ``μ``'s KKT violation (:func:`_ldp_violation`) is above ``tol`` it is re-solved on its
-    support ``S`` (``x = M_S⁺h_S``, ``μ_S = (M_Sᵀ)⁺x``, each by :func:`least_squares`), and
-    the one with the smaller violation is returned; where it is within ``tol`` it is the
-    answer (the two SVDs, 94 ms of PCD's 0.95 s on rows of rank 0.6K at K = 1,024, bought a
-    violation of 3.5e-15 for 1.5e-15).
+    ‖E u − e_{r+1}‖`` with ``E = [M̂ᵀ; ĥᵀ]`` (each constraint over its row's norm, ``ĥ`` over
+    its largest entry) and residual ``ρ = Eu − e_{r+1}``; ``ρ = 0`` is a Farkas certificate
+    of infeasibility (``M̂ᵀu = 0``, ``ĥᵀu = 1``), otherwise ``x = −ρ_{1:r}/ρ_{r+1}``, i.e.
+    ``μ̂ = u/(1 − ĥᵀu)``, and ``‖x‖² = 1/‖ρ‖² − 1``. Infeasible is decided at
+    ``‖ρ‖ < √resolution``: constraints that only an ``x`` over ``1/√resolution`` times
+    ``max |hⱼ|/‖Mⱼ‖`` meets, whose direction rounding decides. ``resolution``: the rounding
+    of the rows' Gramian, relative (``eps`` by default; a factor cut at ``c`` on the cosine
+    matrix's eigenvalues, at least ``c``; a float32 Gramian's,
+    :func:`~gradbalance.gramian.products_rounding`): rows opposite within it are met
+    together by an ``x`` of ``|h|/√resolution`` along the rounding (PCD with ``τ = 0.02`` met
+    a float32 task and its reversal at ``‖x‖ ≈ 5·10⁶``, within the bound ``1/√eps`` this
+    was, and its update was 0 where no direction serves both). Dividing by ``1 − ĥᵀu = ‖ρ‖²`` magnifies
+    rounding as ``‖x‖`` grows, so where ``μ``'s KKT violation (:func:`_ldp_violation`) is
+    above ``tol`` it is re-solved on its support ``S`` (``x = M_S⁺h_S``, ``μ_S =
+    (M_Sᵀ)⁺x``, each by :func:`least_squares`), and the one with the smaller violation is
+    returned; where it is within ``tol`` it is the answer (the two SVDs, 94 ms of PCD's
+    0.95 s on rows of rank 0.6K at K = 1,024, bought a violation of 3.5e-15 for 1.5e-15).
     """
-    e = torch.cat([rows.T, h[None]])
+    norms = rows.norm(dim=1)
+    safe = torch.where(norms > 0.0, norms, torch.ones_like(norms))
+    scaled = h / safe
+    size = float(scaled.abs().max()) if h.numel() else 0.0
+    if size == 0.0:
+        return torch.zeros_like(h)  # x = 0 meets Mx ≥ 0
+    e = torch.cat([(rows / safe[:, None]).T, scaled[None] / size])
     f = torch.zeros(e.shape[0], dtype=e.dtype)
     f[-1] = 1.0
     u = nnls(e, f, None, tol).x
     res = e @ u - f
-    if float(res.norm()) < _EPS**0.5:
+    if float(res.norm()) < max(resolution, _EPS) ** 0.5:
         return None
-    mu = u / float(-res[-1])
+    mu = u * (size / float(-res[-1])) / safe
     support = torch.nonzero(u > 0).flatten()
     violation = _ldp_violation(rows, h, mu)
     if support.numel() == 0 or violation <= tol:

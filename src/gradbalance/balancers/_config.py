@@ -65,4 +65,5 @@ class ConFIG(PreferenceBalancer):
     """
 
     name = "config"
+    inverts_gramian = True
     rule = staticmethod(config_weights)

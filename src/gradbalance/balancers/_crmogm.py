@@ -77,6 +77,7 @@ class CRMOGM(Balancer):
         # Instance values of the class flags: they are the inner balancer's.
         self.homogeneous = inner.homogeneous
         self.needs_losses = inner.needs_losses
+        self.inverts_gramian = inner.inverts_gramian
         self.register_state("_lambda", None, optional=True, per_task=True)
 
     @property
@@ -89,12 +90,16 @@ class CRMOGM(Balancer):
         self._beta = check_range("beta", value, 0.0, 1.0)
 
     def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
+        return self._rounded_weights(gramian, losses, 0.0)
+
+    def _rounded_weights(self, gramian: Tensor, losses: Tensor | None,
+                         rounding: float) -> Tensor:
         k = gramian.shape[0]
         if self._lambda is None and self.initial_weights is not None \
                 and self.initial_weights.numel() != k:
             raise ValueError(f"got {k} tasks but {type(self).__name__} has initial_weights for "
                              f"{self.initial_weights.numel()} tasks; pass one weight per task")
-        hat = self.inner._compute_weights(gramian, losses).to(torch.float64)
+        hat = self.inner._rounded_weights(gramian, losses, rounding).to(torch.float64)
         if self._lambda is not None:
             prev = self._lambda.to(hat.device)
         elif self.initial_weights is not None:

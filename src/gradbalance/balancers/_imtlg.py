@@ -69,6 +69,7 @@ class IMTLG(Balancer):
     """
 
     name = "imtlg"
+    inverts_gramian = True
     from_gramian = True
     homogeneous = True
     weight_degree = 0.0  # v = G⁺d scales as c^{-1/2}, and so does Σv

@@ -89,6 +89,7 @@ class NashMTL(Balancer):
     step: Tensor
 
     name = "nashmtl"
+    inverts_gramian = True
     _repr_args = ("num_tasks", "normalization", "update_weights_every", "no_solution")
     from_gramian = True
     homogeneous = False

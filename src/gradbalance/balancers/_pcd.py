@@ -39,7 +39,8 @@ _ENUMERATE_UP_TO = 4  # below this K, the few working sets are cheaper than the 
 LIFT_HOLD = 1 / 8
 
 
-def pcd_weights(gramian: Tensor, taus: Tensor, tol: float = 1e-9) -> Tensor:
+def pcd_weights(gramian: Tensor, taus: Tensor, tol: float = 1e-9,
+                rounding: float = 0.0) -> Tensor:
     """Weights ``[1, μ₂, …, μ_K]`` of ``d = g₁ + Σⱼ μⱼ gⱼ`` solving PCD's quadratic program.
 
     ``min_d ½‖d − g₁‖²`` s.t. ``gⱼᵀd ≥ τⱼ‖gⱼ‖²`` (j ≥ 2). Its dual is the non-negative QP
@@ -58,8 +59,10 @@ def pcd_weights(gramian: Tensor, taus: Tensor, tol: float = 1e-9) -> Tensor:
       same ``τ``) are one constraint (:func:`_grouped_weights`), checked on the whole ``Q``.
 
     No KKT point (the constraints are infeasible, or, for a singular ``Q``, met only by a
-    ``d − g₁`` over ``1/√eps ≈ 7·10⁷`` times the gradients' length, whose direction rounding
-    would decide): ``g₁`` is returned (``[1, 0, …, 0]``).
+    ``d − g₁`` over ``1/√r`` times the constraints' size, ``r`` the larger of ``rounding`` —
+    the Gramian's, relative to ``‖gᵢ‖‖gⱼ‖``, :func:`~gradbalance.gramian.products_rounding`
+    — and the factor's cut, whose direction rounding would decide): ``g₁`` is returned
+    (``[1, 0, …, 0]``).
 
     Example:
         >>> import torch
@@ -80,7 +83,7 @@ def pcd_weights(gramian: Tensor, taus: Tensor, tol: float = 1e-9) -> Tensor:
     b = taus * torch.diagonal(q) - gramian[1:, 0]
     trace = float(torch.diagonal(q).sum())
     if not (trace > 0.0 and _definite(q.cpu() / trace) and is_well_conditioned(q.cpu() / trace)):
-        out[1:] = _singular_weights(gramian.cpu(), taus.cpu()).to(out.device)
+        out[1:] = _singular_weights(gramian.cpu(), taus.cpu(), rounding).to(out.device)
     elif m <= _ENUMERATE_UP_TO:
         out[1:] = _enumerate_working_sets(gramian, q, b, tol)
     else:
@@ -147,17 +150,17 @@ def _enumerate_working_sets(gramian: Tensor, q: Tensor, b: Tensor, tol: float) -
     return zero
 
 
-def _singular_weights(gramian: Tensor, taus: Tensor) -> Tensor:
+def _singular_weights(gramian: Tensor, taus: Tensor, rounding: float) -> Tensor:
     """``μ`` ``[K − 1]`` where the secondary Gramian is not well conditioned: from
     ``INTERIOR_MIN_COLUMNS`` tasks on, on the Gramian lifted off its rounding where that
     applies (:func:`_lifted_weights`), else by the least-distance program
     (:func:`_ldp_weights`), one eigen-decomposition of the cosine matrix for both."""
     gram = gramian.to(torch.float64)
     if gram.shape[0] < INTERIOR_MIN_COLUMNS:
-        return _ldp_weights(gram, taus)
+        return _ldp_weights(gram, taus, rounding=rounding)
     spectrum = cosine_spectrum(gram)
     mu = _lifted_weights(gram, taus.to(torch.float64), spectrum)
-    return _ldp_weights(gram, taus, spectrum) if mu is None else mu
+    return _ldp_weights(gram, taus, spectrum, rounding) if mu is None else mu
 
 
 def _lifted_weights(gram: Tensor, taus: Tensor, spectrum: CosineSpectrum) -> Tensor | None:
@@ -201,8 +204,8 @@ def _lifted_weights(gram: Tensor, taus: Tensor, spectrum: CosineSpectrum) -> Ten
     return mu if bool((slack >= -LIFT_HOLD * lift**0.5 * size).all()) else None
 
 
-def _ldp_weights(gramian: Tensor, taus: Tensor,
-                 spectrum: CosineSpectrum | None = None) -> Tensor:
+def _ldp_weights(gramian: Tensor, taus: Tensor, spectrum: CosineSpectrum | None = None,
+                 rounding: float = 0.0) -> Tensor:
     """``μ`` ``[K − 1]`` of PCD's primal as a least-distance program (zero if infeasible).
 
     With the Gramian ``≈ F Fᵀ`` (rows ``fᵢ``, :func:`~gradbalance.balancers._boxqp.psd_factor`
@@ -216,7 +219,10 @@ def _ldp_weights(gramian: Tensor, taus: Tensor,
     for the least-distance program's interior point (``O(K³)`` per Newton step on a factor of
     full rank); the answer is that of a Gramian within ``1 + ROUNDING_MULTIPLE`` times the
     given one's distance from the rows' exact Gramian. ``spectrum``: the cosine matrix's
-    :func:`~gradbalance.balancers._boxqp.cosine_spectrum` where the caller has it.
+    :func:`~gradbalance.balancers._boxqp.cosine_spectrum` where the caller has it. The
+    program is infeasible where only an ``x`` of ``1/√r`` times its constraints' size meets
+    it (:func:`~gradbalance.balancers._boxqp.ldp`'s ``resolution``), ``r`` the larger of the
+    factor's cut and the Gramian's ``rounding``.
     """
     gram = gramian.to(torch.float64)
     top = float(torch.diagonal(gram).max())
@@ -224,8 +230,9 @@ def _ldp_weights(gramian: Tensor, taus: Tensor,
         return torch.zeros(gram.shape[0] - 1, dtype=torch.float64)
     gram = gram / top
     b = taus.to(torch.float64) * torch.diagonal(gram)[1:] - gram[1:, 0]
-    rounding = ROUNDING_MULTIPLE if gram.shape[0] >= INTERIOR_MIN_COLUMNS else 0.0
-    mu = ldp(eigen_factor(gram, rounding, spectrum)[0][1:], b)
+    multiple = ROUNDING_MULTIPLE if gram.shape[0] >= INTERIOR_MIN_COLUMNS else 0.0
+    factor, cut = eigen_factor(gram, multiple, spectrum)
+    mu = ldp(factor[1:], b, resolution=max(cut, rounding))
     return torch.zeros_like(b) if mu is None else mu
 
 
@@ -261,6 +268,7 @@ class PCD(Balancer):
     _step: Tensor
 
     name = "pcd"
+    inverts_gramian = True
     from_gramian = True
     homogeneous = False  # ε makes the normalisation scale-dependent
 
@@ -294,6 +302,10 @@ class PCD(Balancer):
         return torch.full((m - 1,), self.tau, dtype=torch.float64, device=device)
 
     def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
+        return self._rounded_weights(gramian, losses, 0.0)
+
+    def _rounded_weights(self, gramian: Tensor, losses: Tensor | None,
+                         rounding: float) -> Tensor:
         m = gramian.shape[0]
         gram = gramian.to(torch.float64)
         taus = self._taus(m, gram.device)
@@ -309,7 +321,7 @@ class PCD(Balancer):
         if not bool(sq[0] > 0):
             return w
         normed = gram * torch.outer(scales, scales)
-        mult = pcd_weights(normed, taus)
+        mult = pcd_weights(normed, taus, rounding=rounding)
         d_sq = mult @ normed @ mult
         magnitude = (mult.abs() @ torch.diagonal(normed).clamp_min(0).sqrt()) ** 2
         if bool(d_sq > 10 * torch.finfo(torch.float64).eps * magnitude):

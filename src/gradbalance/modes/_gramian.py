@@ -16,6 +16,7 @@ from .._checks import check_int
 from ..balancers._base import Balancer
 from ..clip._protocol import RowClipper, scales_whole_rows
 from ..distributed import all_reduce_grads_and_losses_
+from ..gramian import products_rounding
 from ..stats import StepStats, build_stats
 from ..taskgrads import Concrete, ParamLayout, Passes, TaskRoots, kept_passes
 from ._engine import StepInput, commit, heads_backward_, reject_features, settle
@@ -95,7 +96,8 @@ class GramianMode:
                     pre_clip).to(torch.float64)
                 gram = gram * coef[:, None] * coef[None, :]
             if finite:
-                weights = balancer.compute_weights(gram, losses)
+                weights = balancer.compute_weights(
+                    gram, losses, rounding=products_rounding(self.recorder.params))
             elif scale is not None:  # the plain sum, non-finite: the scaler skips the step
                 weights = torch.ones_like(losses, dtype=torch.float64)
             else:

@@ -93,10 +93,11 @@ class MaskedBalancer(Balancer):
             out = self.inner.combine(matrix[idx], _rows(losses, self.index), sub_gram, shard)
         return Combination(out.vector, self._scatter(out.weights))
 
-    def compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
+    def compute_weights(self, gramian: Tensor, losses: Tensor | None = None, *,
+                        rounding: float = 0.0) -> Tensor:
         with _OnActive(self.inner, self.index, self.k):
             w = self.inner.compute_weights(_block(gramian, self.index),
-                                           _rows(losses, self.index))
+                                           _rows(losses, self.index), rounding=rounding)
         out = self._scatter(w)
         assert out is not None
         return out

@@ -1,0 +1,61 @@
+"""A Gramian without its products' rounding, for the rules that invert it on its range.
+
+Not a balancer module (no ``__all__``). A Gramian multiplied in float32 carries rounding of
+about ``1e-7 … 1e-5`` of ``‖gᵢ‖‖gⱼ‖`` in each entry
+(:func:`~gradbalance.gramian.products_rounding`; docs/balancers.md, "Numerical range"):
+on its cosine matrix ``C = D⁻¹GD⁻¹`` (``D = diag(‖gₖ‖)``) every direction the rows do not
+span (tasks that are combinations of others, a task and its reversal ``g``, ``−λg``) shows
+an eigenvalue of that size instead of zero. Rules that invert the Gramian on its range
+(ConFIG, IMTL-G, Aligned-MTL, …) keep such an eigenvalue at their float64 tolerances and
+invert the noise: an update as far from the exact one as the update itself. They read
+:func:`without_rounding`'s Gramian instead: the cosine matrix's eigenvalues within the
+rounding set to zero, ``G' = D C' D``; rows multiplied in float64 pass unchanged.
+
+Example:
+    >>> import torch
+    >>> g = torch.tensor([[1.0, 0.0], [-0.5, 3e-4]], dtype=torch.float64)  # 1 - |cos| ≈ 4e-8
+    >>> cleaned = without_rounding(g @ g.T, 1e-6)
+    >>> round(float(torch.linalg.eigvalsh(cleaned)[0]), 12)
+    0.0
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._boxqp import ROUNDING_MULTIPLE
+from ._cholesky import cholesky_ex
+
+def without_rounding(gram: Tensor, rounding: float) -> Tensor:
+    """``G`` with the eigenvalues of its cosine matrix at or below the cut set to zero:
+    ``G' = G − D V_c Λ_c V_cᵀ D`` (``C = VΛVᵀ``, ``c`` the eigenvalues at or below ``cut``:
+    subtracted, not rebuilt, so the rest of ``G`` keeps its own rounding),
+    ``cut = max(rounding, ROUNDING_MULTIPLE·|λ_min|)``
+    (a negative ``λ_min`` bounds the rounding: ``‖C − C_exact‖₂ ≥ |λ_min|``, Weyl). ``G`` itself
+    (no copy) where ``rounding`` is 0 or ``C − rounding·I`` is positive definite (one
+    ``K³/3`` Cholesky factorisation decides: an eigen-decomposition only where a direction is
+    cut). Zero rows stay zero.
+
+    Cost: ``O(K³)``; ``G'`` differs from ``G`` by at most the cut times ``‖gᵢ‖‖gⱼ‖``.
+    """
+    if rounding <= 0.0 or gram.shape[0] == 0:
+        return gram
+    gram64 = gram.to(torch.float64)
+    norms = torch.diagonal(gram64).clamp_min(0.0).sqrt()
+    inverse = torch.where(norms > 0.0, norms, torch.inf).reciprocal()  # zero rows: 0
+    shifted = gram64 * inverse[:, None] * inverse[None, :]
+    shifted.diagonal().sub_(rounding)  # a zero row's diagonal: −rounding, not definite
+    if int(cholesky_ex(shifted).info) == 0:
+        return gram
+    live = norms > 0.0
+    d = norms[live]
+    cosine = gram64[live][:, live] / torch.outer(d, d)
+    lam, vec = torch.linalg.eigh(0.5 * (cosine + cosine.T))
+    cut = max(rounding, ROUNDING_MULTIPLE * max(-float(lam[0]), 0.0))
+    dropped = lam <= cut
+    v = vec[:, dropped] * d[:, None]
+    out = gram64.clone()
+    index = torch.nonzero(live).flatten()
+    out[index[:, None], index[None, :]] -= (v * lam[dropped]) @ v.T
+    return out.to(gram.dtype)
