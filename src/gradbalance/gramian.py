@@ -187,8 +187,9 @@ def products_rounding(rows: Tensor | Sequence[Tensor]) -> float:
     (their dtypes and total size: float32 products unless every one is float64). Measured
     (one pair of rows, ``1 + cos`` of ``g`` and ``−λg``, 18 draws each): at most
     ``2.0e-7, 1.7e-7, 6.1e-7, 1.9e-6, 5.3e-6`` at ``P = 10², 10³, 10⁴, 10⁵, 10⁶``, 1.8 to 2.8
-    times below this bound (about 5 times the median). The weights that invert the Gramian on its range take the
-    cosine matrix's eigenvalues below it as zero (docs/balancers.md, "Numerical range").
+    times below this bound (about 5 times the median). The weights that invert the Gramian
+    on its range take the cosine matrix's eigenvalues below it as zero (docs/balancers.md,
+    "Numerical range").
 
     Example:
         >>> import torch

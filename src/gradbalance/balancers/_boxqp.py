@@ -1282,12 +1282,13 @@ def ldp(rows: Tensor, h: Tensor, tol: float = 1e-12, resolution: float = _EPS) -
     :func:`~gradbalance.gramian.products_rounding`): rows opposite within it are met
     together by an ``x`` of ``|h|/√resolution`` along the rounding (PCD with ``τ = 0.02`` met
     a float32 task and its reversal at ``‖x‖ ≈ 5·10⁶``, within the bound ``1/√eps`` this
-    was, and its update was 0 where no direction serves both). Dividing by ``1 − ĥᵀu = ‖ρ‖²`` magnifies
-    rounding as ``‖x‖`` grows, so where ``μ``'s KKT violation (:func:`_ldp_violation`) is
-    above ``tol`` it is re-solved on its support ``S`` (``x = M_S⁺h_S``, ``μ_S =
-    (M_Sᵀ)⁺x``, each by :func:`least_squares`), and the one with the smaller violation is
-    returned; where it is within ``tol`` it is the answer (the two SVDs, 94 ms of PCD's
-    0.95 s on rows of rank 0.6K at K = 1,024, bought a violation of 3.5e-15 for 1.5e-15).
+    was, and its update was 0 where no direction serves both). Dividing by
+    ``1 − ĥᵀu = ‖ρ‖²`` magnifies rounding as ``‖x‖`` grows, so where ``μ``'s KKT violation
+    (:func:`_ldp_violation`) is above ``tol`` it is re-solved on its support ``S``
+    (``x = M_S⁺h_S``, ``μ_S = (M_Sᵀ)⁺x``, each by :func:`least_squares`), and the one with
+    the smaller violation is returned; where it is within ``tol`` it is the answer (the two
+    SVDs, 94 ms of PCD's 0.95 s on rows of rank 0.6K at K = 1,024, bought a violation of
+    3.5e-15 for 1.5e-15).
     """
     norms = rows.norm(dim=1)
     safe = torch.where(norms > 0.0, norms, torch.ones_like(norms))

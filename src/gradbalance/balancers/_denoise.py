@@ -27,6 +27,7 @@ from torch import Tensor
 from ._boxqp import ROUNDING_MULTIPLE
 from ._cholesky import cholesky_ex
 
+
 def without_rounding(gram: Tensor, rounding: float) -> Tensor:
     """``G`` with the eigenvalues of its cosine matrix at or below the cut set to zero:
     ``G' = G − D V_c Λ_c V_cᵀ D`` (``C = VΛVᵀ``, ``c`` the eigenvalues at or below ``cut``:
