@@ -6,20 +6,27 @@ import torch
 from torch import Tensor
 
 from .._checks import check_pref
+from ._boxqp import ROUNDING_MULTIPLE
 from ._pref import PreferenceBalancer
 from ._solvers import trace_normalized
 
 __all__ = ["ConFIG", "config_weights"]
 
 
-def config_weights(gramian: Tensor, pref: Tensor | None = None, rtol: float = 1e-12) -> Tensor:
+def config_weights(gramian: Tensor, pref: Tensor | None = None, rtol: float = 1e-12,
+                   rounding: float = 0.0) -> Tensor:
     """Weights ``[K]`` (float64, CPU) of ConFIG's update, from the Gramian only.
 
     Update rule: ``g_u = U⁺ p`` with ``U`` the unit task gradients (rows ``uₖ = gₖ/‖gₖ‖``,
     zero for a zero gradient), ``ĝ = g_u/‖g_u‖``, ``g = (Σₖ gₖ·ĝ) ĝ``. Since
     ``U⁺ = Uᵀ(UUᵀ)⁺`` and ``UUᵀ = C`` (the cosine matrix), ``g_u = Σₖ (C⁺p)ₖ uₖ``,
     ``‖g_u‖² = pᵀC⁺p``: the weights on the raw rows are ``vₖ = (C⁺p)ₖ/‖gₖ‖`` times
-    ``1ᵀGv / pᵀC⁺p``. ``p`` defaults to ones (the paper).
+    ``1ᵀGv / pᵀC⁺p``. ``p`` defaults to ones (the paper). ``C⁺`` drops the eigenvalues of
+    ``C`` at or below ``rtol`` times the largest, and where the Gramian carries ``rounding``
+    (relative to ``‖gᵢ‖‖gⱼ‖``, :func:`~gradbalance.gramian.products_rounding`) those at or
+    below ``max(rounding, 2|λ_min|)``: directions the rounding cannot tell from zero (the
+    cut :class:`~gradbalance.balancers.Balancer` makes for the rules that invert the
+    Gramian, here on the one eigen-decomposition ``C⁺`` needs).
 
     Example:
         >>> import torch
@@ -33,7 +40,14 @@ def config_weights(gramian: Tensor, pref: Tensor | None = None, rtol: float = 1e
     norms = torch.diagonal(gram).clamp_min(0).sqrt()
     inv = torch.where(norms > 0, 1.0 / torch.where(norms > 0, norms, 1.0), 0.0)
     cos = gram * torch.outer(inv, inv)
-    a: Tensor = torch.linalg.pinv(cos, hermitian=True, rtol=rtol) @ p
+    lam, vec = torch.linalg.eigh(cos)
+    cut = rtol * float(lam.abs().max()) if lam.numel() else 0.0
+    if rounding > 0.0:
+        cut = max(cut, rounding, ROUNDING_MULTIPLE * max(-float(lam[0]), 0.0))
+        kept = lam > cut
+    else:
+        kept = lam.abs() > cut  # torch.linalg.pinv's rule
+    a: Tensor = (vec[:, kept] / lam[kept]) @ (vec[:, kept].T @ p)
     v = a * inv
     norm_sq = a @ cos @ a
     length = (gram @ v).sum()
@@ -65,5 +79,8 @@ class ConFIG(PreferenceBalancer):
     """
 
     name = "config"
-    inverts_gramian = True
     rule = staticmethod(config_weights)
+
+    def _rounded_weights(self, gramian: Tensor, losses: Tensor | None,
+                         rounding: float) -> Tensor:
+        return config_weights(gramian, self.pref, rounding=rounding).to(gramian.device)
