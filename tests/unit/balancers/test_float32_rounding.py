@@ -258,3 +258,38 @@ def test_every_route_removes_the_rounding_of_a_float32_model(mode: str, seed: in
         updates[dtype] = torch.cat([p.grad.flatten().double() for p in model.shared_parameters()])
     expected = updates[F64]
     assert float((updates[torch.float32] - expected).norm()) <= 1e-4 * float(expected.norm())
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_per_sample_step_removes_the_rounding_of_a_float32_model(seed: int) -> None:
+    # Per-sample objectives (batch_dim=0) of a float32 MLP, the last sample a copy of the
+    # first with its loss times −0.1: ConFIG's update within float32's rounding of the
+    # float64 model's, the same objectives passed as tasks of the matrix route.
+    from gradbalance import TaskGradBuffer
+
+    updates = {}
+    for dtype in (torch.float32, F64):
+        torch.manual_seed(seed)
+        trunk = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(),
+                                    torch.nn.Linear(16, 8)).to(dtype)
+        heads = torch.nn.Linear(8, 1).to(dtype)
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randn(6, 6, generator=gen).to(dtype)
+        x = torch.cat([x, x[:1]])
+        y = torch.randn(7, generator=gen).to(dtype)
+        y[-1] = y[0]  # the copy's gradient: −0.1 times the first sample's
+        per_sample = dtype == torch.float32
+        kwargs = {"modules": trunk, "batch_dim": 0} if per_sample else {}
+        buf = TaskGradBuffer(list(trunk.parameters()), list(heads.parameters()), **kwargs)
+        losses = (heads(trunk(x))[:, 0] - y) ** 2
+        losses = losses * torch.tensor([1.0] * 6 + [-0.1], dtype=dtype)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            buf.backward(losses)
+        buf.apply_(ConFIG())
+        if per_sample:
+            assert buf._per_sample is not None
+            buf._per_sample.gramian.remove()
+        updates[dtype] = torch.cat([p.grad.flatten().double() for p in trunk.parameters()])
+    expected = updates[F64]
+    assert float((updates[torch.float32] - expected).norm()) <= 1e-4 * float(expected.norm())
