@@ -112,7 +112,9 @@ class Balancer(StateModule):
     ``needs_losses``, ``min_tasks``, ``per_task_settings`` (the attributes holding one
     entry per task) and, weighted, ``weight_degree``
     (``δ`` with ``w(c·G Gᵀ) = c^δ w(G Gᵀ)``: the weights then see the Gramian over its
-    largest diagonal ``t`` and are multiplied by ``t^δ``), and its state with
+    largest diagonal ``t`` and are multiplied by ``t^δ``) and ``inverts_gramian`` (the rule
+    inverts the Gramian on its range: it then sees it without a float32 product's rounding,
+    :func:`~gradbalance.gramian.products_rounding`), and its state with
     :meth:`register_state`: the rules of docs/ARCHITECTURE.md, "Extension contract".
 
     Example:
@@ -171,7 +173,10 @@ class Balancer(StateModule):
     ) -> Combination:
         """Combine the task gradients ``matrix`` ``[K, P]`` into one update.
 
-        ``gramian`` may be passed when already computed (``matrix @ matrix.T`` in float64).
+        ``gramian`` may be passed when already computed (``matrix @ matrix.T`` in float64);
+        either way it is taken to carry the rounding of ``matrix``'s dtype
+        (:func:`~gradbalance.gramian.products_rounding`: float32 products unless the rows
+        are float64).
         Raises :class:`NonFiniteGradientError` on inf/NaN input, before any state change.
 
         ``shard`` (a trunk sharded over ranks): ``matrix`` ``[K, P_local]`` holds this rank's
