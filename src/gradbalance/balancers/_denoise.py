@@ -6,10 +6,12 @@ about ``1e-7 … 1e-5`` of ``‖gᵢ‖‖gⱼ‖`` in each entry
 on its cosine matrix ``C = D⁻¹GD⁻¹`` (``D = diag(‖gₖ‖)``) every direction the rows do not
 span (tasks that are combinations of others, a task and its reversal ``g``, ``−λg``) shows
 an eigenvalue of that size instead of zero. Rules that invert the Gramian on its range
-(ConFIG, IMTL-G, Aligned-MTL, …) keep such an eigenvalue at their float64 tolerances and
-invert the noise: an update as far from the exact one as the update itself. They read
-:func:`without_rounding`'s Gramian instead: the cosine matrix's eigenvalues within the
-rounding set to zero, ``G' = D C' D``; rows multiplied in float64 pass unchanged.
+(IMTL-G, Aligned-MTL, Nash-MTL, CAGrad, PCD: ``Balancer.inverts_gramian``) keep such an
+eigenvalue at their float64 tolerances and invert the noise: an update as far from the
+exact one as the update itself. They read :func:`without_rounding`'s Gramian instead: the
+cosine matrix's eigenvalues within the rounding removed; rows multiplied in float64 pass
+unchanged. (ConFIG, the cosine matrix's pseudo-inverse, cuts at the same place on its own
+eigen-decomposition.)
 
 Example:
     >>> import torch
