@@ -40,14 +40,16 @@ def config_weights(gramian: Tensor, pref: Tensor | None = None, rtol: float = 1e
     norms = torch.diagonal(gram).clamp_min(0).sqrt()
     inv = torch.where(norms > 0, 1.0 / torch.where(norms > 0, norms, 1.0), 0.0)
     cos = gram * torch.outer(inv, inv)
+    if k == 0:
+        return torch.zeros(0, dtype=torch.float64)
     lam, vec = torch.linalg.eigh(cos)
-    cut = rtol * float(lam.abs().max()) if lam.numel() else 0.0
+    cut = rtol * lam.abs().max()
     if rounding > 0.0:
-        cut = max(cut, rounding, ROUNDING_MULTIPLE * max(-float(lam[0]), 0.0))
-        kept = lam > cut
+        kept = lam > torch.maximum(cut, (-ROUNDING_MULTIPLE * lam[0]).clamp_min(rounding))
     else:
         kept = lam.abs() > cut  # torch.linalg.pinv's rule
-    a: Tensor = (vec[:, kept] / lam[kept]) @ (vec[:, kept].T @ p)
+    inverse = torch.where(kept, lam.reciprocal(), torch.zeros_like(lam))
+    a: Tensor = vec @ (inverse * (vec.T @ p))
     v = a * inv
     norm_sq = a @ cos @ a
     length = (gram @ v).sum()

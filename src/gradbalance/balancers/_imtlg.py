@@ -32,10 +32,8 @@ def imtlg_weights(gramian: Tensor, rtol: float = 1e-12) -> Tensor:
     gram, _ = trace_normalized(gramian)
     d = torch.diagonal(gram).clamp_min(0).sqrt()
     v = _scaled(gram)
-    if v is None:  # G⁺d with torch.linalg.pinv's cut, without forming G⁺
-        lam, vec = torch.linalg.eigh(gram)
-        kept = lam.abs() > rtol * float(lam.abs().max()) if lam.numel() else lam > 0
-        v = vec[:, kept] @ ((vec[:, kept].T @ d) / lam[kept])
+    if v is None:
+        v = torch.linalg.pinv(gram, hermitian=True, rtol=rtol) @ d
     total = v.sum()
     degenerate = total.abs() <= rtol * v.abs().sum()
     return torch.where(degenerate, torch.zeros_like(v), v / torch.where(degenerate, 1.0, total))
