@@ -48,10 +48,10 @@ def without_rounding(gram: Tensor, rounding: float) -> Tensor:
     norms = torch.diagonal(gram64).clamp_min(0.0).sqrt()
     inverse = torch.where(norms > 0.0, norms, torch.inf).reciprocal()  # zero rows: 0
     shifted = gram64 * inverse[:, None] * inverse[None, :]
-    shifted.diagonal().sub_(rounding)  # a zero row's diagonal: −rounding, not definite
+    live = norms > 0.0
+    shifted.diagonal().add_(torch.where(live, -rounding, 1.0))  # a zero row: an identity row
     if int(cholesky_ex(shifted).info) == 0:
         return gram
-    live = norms > 0.0
     d = norms[live]
     cosine = gram64[live][:, live] / torch.outer(d, d)
     lam, vec = torch.linalg.eigh(0.5 * (cosine + cosine.T))

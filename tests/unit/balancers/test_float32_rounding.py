@@ -293,3 +293,61 @@ def test_the_per_sample_step_removes_the_rounding_of_a_float32_model(seed: int) 
         updates[dtype] = torch.cat([p.grad.flatten().double() for p in trunk.parameters()])
     expected = updates[F64]
     assert float((updates[torch.float32] - expected).norm()) <= 1e-4 * float(expected.norm())
+
+
+@pytest.mark.parametrize("k", [1, 2, 5])
+@pytest.mark.parametrize("balancer", [IMTLG, PCD, AlignedMTL, CAGrad, ConFIG, NashMTL])
+def test_all_zero_float32_rows_give_zero(balancer: type, k: int) -> None:
+    # Every row zero: the cut has no cosine matrix to read (an IndexError before this test).
+    rows = torch.zeros(k, 7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        update = balancer()(rows)
+    assert bool((update == 0).all())
+
+
+def test_a_zero_row_keeps_the_cut_on_its_cheap_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Zero rows are identity rows of the definiteness check: a positive definite cosine
+    # matrix among them is not decomposed (tasks without a gradient are common).
+    calls = []
+    eigh = torch.linalg.eigh
+    monkeypatch.setattr(torch.linalg, "eigh", lambda a: calls.append(a.shape) or eigh(a))
+    gram = torch.eye(4, dtype=F64) + 0.2
+    gram[1] = 0.0
+    gram[:, 1] = 0.0
+    assert without_rounding(gram, 1e-6) is gram
+    assert without_rounding(torch.zeros(3, 3, dtype=F64), 1e-6).abs().max() == 0
+    assert calls == []
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_mixed_structures_stay_finite(seed: int) -> None:
+    # Random K ≤ 20 rows with reversals (−0.1, −1, −2.5 times an earlier row), copies, zero
+    # rows and norms e^{±5}, float32 and float64: every rule that inverts the Gramian returns
+    # a finite update (a documented SolverError aside).
+    import random
+
+    from gradbalance.balancers import CRMOGM, SolverError
+
+    rnd = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    k, p = rnd.randint(1, 20), rnd.choice([3, 10, 50, 300])
+    m = torch.randn(k, p, generator=gen, dtype=F64)
+    for i in range(1, k):
+        r = rnd.random()
+        if r < 0.15:
+            m[i] = -rnd.choice([0.1, 2.5, 1.0]) * m[rnd.randrange(i)]
+        elif r < 0.25:
+            m[i] = rnd.choice([1.0, 3.0]) * m[rnd.randrange(i)]
+        elif r < 0.3:
+            m[i] = 0.0
+    m = m * torch.exp(5 * torch.randn(k, 1, generator=gen, dtype=F64))
+    for rows in (m.float(), m):
+        for make in (IMTLG, PCD, AlignedMTL, CAGrad, ConFIG, NashMTL, lambda: CRMOGM(ConFIG())):
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    update = make()(rows)
+            except SolverError:
+                continue
+            assert bool(torch.isfinite(update).all())
