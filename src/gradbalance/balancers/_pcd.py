@@ -76,7 +76,7 @@ def pcd_weights(gramian: Tensor, taus: Tensor, tol: float = 1e-9,
     out[0] = 1.0
     if m == 1:
         return out
-    grouped = _grouped_weights(gramian, taus, tol)
+    grouped = _grouped_weights(gramian, taus, tol, rounding)
     if grouped is not None:
         return grouped.to(device=out.device, dtype=out.dtype)
     q = gramian[1:, 1:]
@@ -93,7 +93,8 @@ def pcd_weights(gramian: Tensor, taus: Tensor, tol: float = 1e-9,
     return out
 
 
-def _grouped_weights(gramian: Tensor, taus: Tensor, tol: float) -> Tensor | None:
+def _grouped_weights(gramian: Tensor, taus: Tensor, tol: float,
+                     rounding: float = 0.0) -> Tensor | None:
     """:func:`pcd_weights` with secondary tasks that are copies of one another (the same row
     within the rounding and the same ``τ``: one constraint) solved as one, its ``μ`` split
     equally (:func:`~._min_norm_groups.collapse`); None where nothing collapses or where the
@@ -109,7 +110,7 @@ def _grouped_weights(gramian: Tensor, taus: Tensor, tol: float) -> Tensor | None
     if groups is None:
         return None
     rows = torch.cat([torch.zeros(1, dtype=torch.int64), groups.kept + 1])
-    reduced = pcd_weights(gram[rows][:, rows], taus.cpu()[groups.kept], tol)
+    reduced = pcd_weights(gram[rows][:, rows], taus.cpu()[groups.kept], tol, rounding)
     mu = groups.spread(reduced[1:])
     q = gram[1:, 1:]
     b = taus.to("cpu", torch.float64) * torch.diagonal(q) - gram[1:, 0]
