@@ -10,6 +10,8 @@ from torch import Tensor
 
 from .._checks import as_pref, check_choice, check_pref
 from ._base import Balancer
+from ._denoise import KeptSpectrum
+from ._imtlg import SPECTRUM_MAX_RATIO
 from ._solvers import trace_normalized
 
 __all__ = ["AlignedMTL", "alignedmtl_weights"]
@@ -18,7 +20,8 @@ ScaleMode = Literal["min", "median", "rmse"]
 
 
 def alignedmtl_weights(
-    gramian: Tensor, pref: Tensor | None = None, scale_mode: ScaleMode = "min"
+    gramian: Tensor, pref: Tensor | None = None, scale_mode: ScaleMode = "min",
+    spectrum: KeptSpectrum | None = None,
 ) -> Tensor:
     """Weights ``[K]`` (float64, CPU): ``w = B p`` with the balance matrix ``B``.
 
@@ -26,7 +29,10 @@ def alignedmtl_weights(
     ``B = √σ · V Λ^{-1/2} Vᵀ`` with ``σ = λ_min`` (``"min"``, the paper), the median or the
     mean (``"rmse"``) of the kept eigenvalues. The aligned gradients ``ĝ = Bᵀ J`` are
     orthogonal with equal norms ``√σ`` (on the span of the gradients); the update is
-    ``Σₖ pₖ ĝₖ``, default ``pₖ = 1`` (the authors' code sums them).
+    ``Σₖ pₖ ĝₖ``, default ``pₖ = 1`` (the authors' code sums them). A Gramian given with its
+    kept spectrum (``G = FFᵀ``, ``F = DVΛ^{1/2}`` ``[K, r]``, :func:`~._denoise.cleaned`)
+    and norms within ``SPECTRUM_MAX_RATIO``: ``G``'s non-zero eigenpairs from ``FᵀF``
+    (``r × r``; ``U = FWΣ⁻¹``) instead of a second ``K × K`` eigen-decomposition.
 
     Example:
         >>> import torch
@@ -35,17 +41,36 @@ def alignedmtl_weights(
         tensor([1.0000, 0.5000], dtype=torch.float64)
     """
     k = gramian.shape[0]
-    gram, _ = trace_normalized(gramian)
+    gram, trace = trace_normalized(gramian)
     p = check_pref("pref", pref, k, 1.0)
-    lam, vec = torch.linalg.eigh(gram)
+    kept = None if spectrum is None or not float(trace) > 0.0 else spectrum.scaled(1.0 / trace)
+    lam, vec = _eigenpairs(gram, kept)
     tol = lam.max() * k * torch.finfo(torch.float64).eps
     keep = lam > tol
     if not bool(keep.any()):
         return torch.zeros(k, dtype=torch.float64)
     lam, vec = lam[keep], vec[:, keep]
-    sigma = {"min": lam.min, "median": lam.median, "rmse": lam.mean}[scale_mode]()
+    sigma = lam.min() if scale_mode == "min" else (
+        lam.median() if scale_mode == "median" else lam.mean())
     balance: Tensor = sigma.sqrt() * (vec * lam.rsqrt()) @ vec.T
     return balance @ p
+
+
+def _eigenpairs(gram: Tensor, spectrum: KeptSpectrum | None) -> tuple[Tensor, Tensor]:
+    """``gram``'s eigenpairs: from ``spectrum`` (``gram = FFᵀ``: its non-zero ones from
+    ``FᵀF = WΣ²Wᵀ``, ``U = FWΣ⁻¹``) where the rows' norms lie within ``SPECTRUM_MAX_RATIO``
+    (``FᵀF`` as well conditioned as ``gram``'s non-zero part), else one ``eigh``."""
+    if spectrum is not None:
+        norms = spectrum.norms
+        live = norms[norms > 0.0]
+        if live.numel() and float(live.max()) <= SPECTRUM_MAX_RATIO * float(live.min()):
+            factor = spectrum.vectors * norms[:, None] * spectrum.values.sqrt()
+            lam, w = torch.linalg.eigh(factor.T @ factor)
+            positive = lam > 0.0
+            lam, w = lam[positive], w[:, positive]
+            return lam, (factor @ w) / lam.sqrt()
+    lam, vec = torch.linalg.eigh(gram)
+    return lam, vec
 
 
 class AlignedMTL(Balancer):
@@ -86,3 +111,8 @@ class AlignedMTL(Balancer):
 
     def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         return alignedmtl_weights(gramian, self.pref, self.scale_mode).to(gramian.device)
+
+    def _rounded_weights(self, gramian: Tensor, losses: Tensor | None, rounding: float,
+                         spectrum: KeptSpectrum | None = None) -> Tensor:
+        return alignedmtl_weights(gramian, self.pref, self.scale_mode,
+                                  spectrum).to(gramian.device)

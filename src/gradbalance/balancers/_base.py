@@ -16,7 +16,7 @@ from .._module import StateModule
 from .._shard import Shard, full_gramian
 from .._types import NonFiniteGradientError
 from ..gramian import is_finite_gramian, products_rounding
-from ._denoise import without_rounding
+from ._denoise import KeptSpectrum, cleaned
 
 __all__ = ["Balancer", "Combination", "combine_rows"]
 
@@ -148,11 +148,13 @@ class Balancer(StateModule):
         """Weights ``[K]`` (float64) from the Gramian ``[K, K]``; weighted balancers only."""
         raise NotImplementedError(f"{type(self).__name__} is not a weighted balancer")
 
-    def _rounded_weights(self, gramian: Tensor, losses: Tensor | None,
-                         rounding: float) -> Tensor:
+    def _rounded_weights(self, gramian: Tensor, losses: Tensor | None, rounding: float,
+                         spectrum: KeptSpectrum | None = None) -> Tensor:
         """:meth:`_compute_weights` of a Gramian that carries ``rounding`` (relative to
         ``‖gᵢ‖‖gⱼ‖``; 0: exact to float64); a balancer whose own tolerances must exceed it
-        overrides this (PCD's feasibility)."""
+        overrides this (PCD's feasibility). ``spectrum``: where :attr:`inverts_gramian`
+        cut directions, ``gramian`` as ``D V Λ Vᵀ D`` (a rule that decomposes it may start
+        there: IMTL-G, Aligned-MTL)."""
         return self._compute_weights(gramian, losses)
 
     def _combine_matrix(self, matrix: Tensor, losses: Tensor | None) -> Combination:
@@ -275,16 +277,18 @@ class Balancer(StateModule):
         """:meth:`_compute_weights` on ``G/t`` (``t`` the largest diagonal entry, 1 for a zero
         Gramian) times ``t^δ``; without a degree, on the raw Gramian. A balancer that
         :attr:`inverts_gramian` reads it without the products' ``rounding``
-        (:func:`~._denoise.without_rounding`). No host sync but that one's."""
+        (:func:`~._denoise.cleaned`). No host sync but that one's."""
+        spectrum = None
         if self.inverts_gramian:
-            gramian = without_rounding(gramian, rounding)
+            gramian, spectrum = cleaned(gramian, rounding)
         degree = self._degree()
         if degree is None:
-            return self._rounded_weights(gramian, losses, rounding)
+            return self._rounded_weights(gramian, losses, rounding, spectrum)
         gram = gramian.to(torch.float64)
         top = torch.diagonal(gram).max()
         t = torch.where(top > 0, top, torch.ones_like(top))
-        w = self._rounded_weights(gram / t, losses, rounding)
+        w = self._rounded_weights(gram / t, losses, rounding,
+                                  None if spectrum is None else spectrum.scaled(1.0 / t))
         return w if degree == 0.0 else w * t.to(w.device).pow(degree).to(w.dtype)
 
     def _check_losses(self, losses: Tensor | None, k: int) -> Tensor | None:

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from .._checks import check_choice
 from ._base import Balancer
+from ._denoise import KeptSpectrum
 from ._solvers import cagrad_dual, trace_normalized
 
 __all__ = ["CAGrad", "cagrad_weights"]
@@ -28,7 +29,8 @@ Rescale = Literal["none", "c2", "c"]
 VANISH_RTOL = 1e-10
 
 
-def cagrad_weights(gramian: Tensor, c: float = 0.4, rescale: Rescale = "none") -> Tensor:
+def cagrad_weights(gramian: Tensor, c: float = 0.4, rescale: Rescale = "none",
+                   spectrum: KeptSpectrum | None = None) -> Tensor:
     """Weights ``[K]`` (float64, CPU) of CAGrad's update ``d = g₀ + (√φ/‖g_w‖) g_w``.
 
     Primal (eq. 3): ``max_d min_k gₖ·d`` s.t. ``‖d − g₀‖ ≤ c‖g₀‖``, ``g₀ = Σgₖ/K``. Dual
@@ -37,6 +39,8 @@ def cagrad_weights(gramian: Tensor, c: float = 0.4, rescale: Rescale = "none") -
     weights ``1/K + c‖g₀‖ wₖ/‖g_w‖``. ``rescale``: ``"none"`` (the paper), ``"c2"`` divides
     by ``1 + c²`` (the authors' code and LibMTL, ``rescale=1``), ``"c"`` by ``1 + c``.
     When the dual optimum has ``g_w = 0`` (e.g. a zero task gradient) the update is ``g₀``.
+    ``spectrum``: the Gramian as ``DVΛVᵀD`` (:func:`~._denoise.cleaned`), whose factor
+    ``DVΛ^{1/2}`` the dual's singular path then uses instead of decomposing it again.
 
     Example:
         >>> import torch
@@ -45,13 +49,17 @@ def cagrad_weights(gramian: Tensor, c: float = 0.4, rescale: Rescale = "none") -
         tensor([0.4667, 0.4667, 0.4667], dtype=torch.float64)
     """
     k = gramian.shape[0]
-    gram, _ = trace_normalized(gramian)
+    gram, trace = trace_normalized(gramian)
+    given = None
+    if spectrum is not None and float(trace) > 0.0:
+        kept = spectrum.scaled(1.0 / trace)
+        given = kept.vectors * kept.norms[:, None] * kept.values.sqrt()
     mean = torch.full((k,), 1.0 / k, dtype=torch.float64)
     g0_norm = float(mean @ gram @ mean) ** 0.5 if float(mean @ gram @ mean) > 0 else 0.0
     if c == 0.0 or g0_norm == 0.0:
         weights = mean
     else:
-        w = cagrad_dual(gram, c)
+        w = cagrad_dual(gram, c, factor=given)
         gw_sq = float(w @ gram @ w)
         weights = mean if _vanishes(gram, w, gw_sq) else mean + (c * g0_norm / gw_sq**0.5) * w
     return weights / {"none": 1.0, "c2": 1 + c * c, "c": 1 + c}[rescale]
@@ -118,3 +126,7 @@ class CAGrad(Balancer):
 
     def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         return cagrad_weights(gramian, self.c, self.rescale).to(gramian.device)
+
+    def _rounded_weights(self, gramian: Tensor, losses: Tensor | None, rounding: float,
+                         spectrum: KeptSpectrum | None = None) -> Tensor:
+        return cagrad_weights(gramian, self.c, self.rescale, spectrum).to(gramian.device)

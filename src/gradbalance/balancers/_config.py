@@ -7,6 +7,7 @@ from torch import Tensor
 
 from .._checks import check_pref
 from ._boxqp import ROUNDING_MULTIPLE
+from ._denoise import KeptSpectrum
 from ._pref import PreferenceBalancer
 from ._solvers import trace_normalized
 
@@ -83,6 +84,6 @@ class ConFIG(PreferenceBalancer):
     name = "config"
     rule = staticmethod(config_weights)
 
-    def _rounded_weights(self, gramian: Tensor, losses: Tensor | None,
-                         rounding: float) -> Tensor:
+    def _rounded_weights(self, gramian: Tensor, losses: Tensor | None, rounding: float,
+                         spectrum: KeptSpectrum | None = None) -> Tensor:
         return config_weights(gramian, self.pref, rounding=rounding).to(gramian.device)

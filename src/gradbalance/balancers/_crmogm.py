@@ -9,6 +9,7 @@ from torch import Tensor
 
 from .._checks import as_task_vector, check_range
 from ._base import Balancer
+from ._denoise import KeptSpectrum
 from ._mgda import MGDA
 
 __all__ = ["CRMOGM"]
@@ -92,14 +93,15 @@ class CRMOGM(Balancer):
     def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         return self._rounded_weights(gramian, losses, 0.0)
 
-    def _rounded_weights(self, gramian: Tensor, losses: Tensor | None,
-                         rounding: float) -> Tensor:
+    def _rounded_weights(self, gramian: Tensor, losses: Tensor | None, rounding: float,
+                         spectrum: KeptSpectrum | None = None) -> Tensor:
         k = gramian.shape[0]
         if self._lambda is None and self.initial_weights is not None \
                 and self.initial_weights.numel() != k:
             raise ValueError(f"got {k} tasks but {type(self).__name__} has initial_weights for "
                              f"{self.initial_weights.numel()} tasks; pass one weight per task")
-        hat = self.inner._rounded_weights(gramian, losses, rounding).to(torch.float64)
+        hat = self.inner._rounded_weights(gramian, losses, rounding, spectrum)
+        hat = hat.to(torch.float64)
         if self._lambda is not None:
             prev = self._lambda.to(hat.device)
         elif self.initial_weights is not None:

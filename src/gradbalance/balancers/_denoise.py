@@ -23,6 +23,8 @@ Example:
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -30,20 +32,48 @@ from ._boxqp import ROUNDING_MULTIPLE
 from ._cholesky import cholesky_ex
 
 
+class KeptSpectrum(NamedTuple):
+    """The cleaned Gramian as ``G' = D V Λ Vᵀ D`` (to rounding): the rows' norms ``D``
+    ``[K]`` (0 for a zero row), the cosine matrix's kept eigenvectors ``V`` ``[K, r]`` (zero
+    on zero rows) and eigenvalues ``Λ`` ``[r]``, all above the cut. ``scaled(s)`` is the
+    same for ``s·G'`` (the cosine matrix does not change)."""
+
+    norms: Tensor
+    vectors: Tensor
+    values: Tensor
+
+    def scaled(self, s: Tensor | float) -> KeptSpectrum:
+        return KeptSpectrum(self.norms * s**0.5, self.vectors, self.values)
+
+
+class Cleaned(NamedTuple):
+    """:func:`cleaned`'s answer: the Gramian without the rounding and, where directions
+    were cut, the spectrum that gives it (else None)."""
+
+    gram: Tensor
+    spectrum: KeptSpectrum | None
+
+
 def without_rounding(gram: Tensor, rounding: float) -> Tensor:
+    """:func:`cleaned`'s Gramian."""
+    return cleaned(gram, rounding).gram
+
+
+def cleaned(gram: Tensor, rounding: float) -> Cleaned:
     """``G`` with the eigenvalues of its cosine matrix at or below the cut set to zero:
     ``G' = G − D V_c Λ_c V_cᵀ D`` (``C = VΛVᵀ``, ``c`` the eigenvalues at or below ``cut``:
     subtracted, not rebuilt, so the rest of ``G`` keeps its own rounding),
     ``cut = max(rounding, ROUNDING_MULTIPLE·|λ_min|)``
-    (a negative ``λ_min`` bounds the rounding: ``‖C − C_exact‖₂ ≥ |λ_min|``, Weyl). ``G`` itself
-    (no copy) where ``rounding`` is 0 or ``C − rounding·I`` is positive definite (one
-    ``K³/3`` Cholesky factorisation decides: an eigen-decomposition only where a direction is
-    cut). Zero rows stay zero.
+    (a negative ``λ_min`` bounds the rounding: ``‖C − C_exact‖₂ ≥ |λ_min|``, Weyl), and the
+    kept part of the spectrum (:class:`KeptSpectrum`: a rule that decomposes ``G'`` again
+    can start from it). ``G`` itself (no copy, no spectrum) where ``rounding`` is 0 or
+    ``C − rounding·I`` is positive definite (one ``K³/3`` Cholesky factorisation decides: an
+    eigen-decomposition only where a direction is cut). Zero rows stay zero.
 
     Cost: ``O(K³)``; ``G'`` differs from ``G`` by at most the cut times ``‖gᵢ‖‖gⱼ‖``.
     """
     if rounding <= 0.0 or gram.shape[0] == 0:
-        return gram
+        return Cleaned(gram, None)
     gram64 = gram.to(torch.float64)
     norms = torch.diagonal(gram64).clamp_min(0.0).sqrt()
     inverse = torch.where(norms > 0.0, norms, torch.inf).reciprocal()  # zero rows: 0
@@ -51,7 +81,7 @@ def without_rounding(gram: Tensor, rounding: float) -> Tensor:
     live = norms > 0.0
     shifted.diagonal().add_(torch.where(live, -rounding, 1.0))  # a zero row: an identity row
     if int(cholesky_ex(shifted).info) == 0:
-        return gram
+        return Cleaned(gram, None)
     d = norms[live]
     cosine = gram64[live][:, live] / torch.outer(d, d)
     lam, vec = torch.linalg.eigh(0.5 * (cosine + cosine.T))
@@ -61,4 +91,7 @@ def without_rounding(gram: Tensor, rounding: float) -> Tensor:
     out = gram64.clone()
     index = torch.nonzero(live).flatten()
     out[index[:, None], index[None, :]] -= (v * lam[dropped]) @ v.T
-    return out.to(gram.dtype)
+    kept = torch.zeros(norms.shape[0], int((~dropped).sum()), dtype=torch.float64,
+                       device=gram.device)
+    kept[index] = vec[:, ~dropped]
+    return Cleaned(out.to(gram.dtype), KeptSpectrum(norms, kept, lam[~dropped]))

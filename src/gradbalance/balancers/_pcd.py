@@ -26,6 +26,7 @@ from ._boxqp import (
     solve_box_qp_batched,
 )
 from ._cholesky import cholesky_ex
+from ._denoise import KeptSpectrum
 from ._min_norm_dual import lifted_cosine
 from ._min_norm_groups import collapse
 from ._parallel_groups import GROUPS_MIN_SIZE
@@ -40,7 +41,7 @@ LIFT_HOLD = 1 / 8
 
 
 def pcd_weights(gramian: Tensor, taus: Tensor, tol: float = 1e-9,
-                rounding: float = 0.0) -> Tensor:
+                rounding: float = 0.0, factor: Tensor | None = None) -> Tensor:
     """Weights ``[1, μ₂, …, μ_K]`` of ``d = g₁ + Σⱼ μⱼ gⱼ`` solving PCD's quadratic program.
 
     ``min_d ½‖d − g₁‖²`` s.t. ``gⱼᵀd ≥ τⱼ‖gⱼ‖²`` (j ≥ 2). Its dual is the non-negative QP
@@ -62,7 +63,8 @@ def pcd_weights(gramian: Tensor, taus: Tensor, tol: float = 1e-9,
     ``d − g₁`` over ``1/√r`` times the constraints' size, ``r`` the larger of ``rounding`` —
     the Gramian's, relative to ``‖gᵢ‖‖gⱼ‖``, :func:`~gradbalance.gramian.products_rounding`
     — and the factor's cut, whose direction rounding would decide): ``g₁`` is returned
-    (``[1, 0, …, 0]``).
+    (``[1, 0, …, 0]``). ``factor``: ``F`` with ``G = FFᵀ`` exactly (the cleaned Gramian's,
+    :func:`~._denoise.cleaned`), which the singular path then uses as its factor.
 
     Example:
         >>> import torch
@@ -83,7 +85,8 @@ def pcd_weights(gramian: Tensor, taus: Tensor, tol: float = 1e-9,
     b = taus * torch.diagonal(q) - gramian[1:, 0]
     trace = float(torch.diagonal(q).sum())
     if not (trace > 0.0 and _definite(q.cpu() / trace) and is_well_conditioned(q.cpu() / trace)):
-        out[1:] = _singular_weights(gramian.cpu(), taus.cpu(), rounding).to(out.device)
+        given = None if factor is None else factor.cpu()
+        out[1:] = _singular_weights(gramian.cpu(), taus.cpu(), rounding, given).to(out.device)
     elif m <= _ENUMERATE_UP_TO:
         out[1:] = _enumerate_working_sets(gramian, q, b, tol)
     else:
@@ -151,12 +154,16 @@ def _enumerate_working_sets(gramian: Tensor, q: Tensor, b: Tensor, tol: float) -
     return zero
 
 
-def _singular_weights(gramian: Tensor, taus: Tensor, rounding: float) -> Tensor:
+def _singular_weights(gramian: Tensor, taus: Tensor, rounding: float,
+                      factor: Tensor | None = None) -> Tensor:
     """``μ`` ``[K − 1]`` where the secondary Gramian is not well conditioned: from
     ``INTERIOR_MIN_COLUMNS`` tasks on, on the Gramian lifted off its rounding where that
     applies (:func:`_lifted_weights`), else by the least-distance program
-    (:func:`_ldp_weights`), one eigen-decomposition of the cosine matrix for both."""
+    (:func:`_ldp_weights`), one eigen-decomposition of the cosine matrix for both; with an
+    exact ``factor`` (a cleaned Gramian: nothing to lift), the least-distance program on it."""
     gram = gramian.to(torch.float64)
+    if factor is not None:
+        return _ldp_weights(gram, taus, rounding=rounding, factor=factor)
     if gram.shape[0] < INTERIOR_MIN_COLUMNS:
         return _ldp_weights(gram, taus, rounding=rounding)
     spectrum = cosine_spectrum(gram)
@@ -206,7 +213,7 @@ def _lifted_weights(gram: Tensor, taus: Tensor, spectrum: CosineSpectrum) -> Ten
 
 
 def _ldp_weights(gramian: Tensor, taus: Tensor, spectrum: CosineSpectrum | None = None,
-                 rounding: float = 0.0) -> Tensor:
+                 rounding: float = 0.0, factor: Tensor | None = None) -> Tensor:
     """``μ`` ``[K − 1]`` of PCD's primal as a least-distance program (zero if infeasible).
 
     With the Gramian ``≈ F Fᵀ`` (rows ``fᵢ``, :func:`~gradbalance.balancers._boxqp.psd_factor`
@@ -231,9 +238,12 @@ def _ldp_weights(gramian: Tensor, taus: Tensor, spectrum: CosineSpectrum | None 
         return torch.zeros(gram.shape[0] - 1, dtype=torch.float64)
     gram = gram / top
     b = taus.to(torch.float64) * torch.diagonal(gram)[1:] - gram[1:, 0]
-    multiple = ROUNDING_MULTIPLE if gram.shape[0] >= INTERIOR_MIN_COLUMNS else 0.0
-    factor, cut = eigen_factor(gram, multiple, spectrum)
-    mu = ldp(factor[1:], b, resolution=max(cut, rounding))
+    if factor is not None:  # G = FFᵀ exactly: over the same largest diagonal
+        rows, cut = factor / top**0.5, 0.0
+    else:
+        multiple = ROUNDING_MULTIPLE if gram.shape[0] >= INTERIOR_MIN_COLUMNS else 0.0
+        rows, cut = eigen_factor(gram, multiple, spectrum)
+    mu = ldp(rows[1:], b, resolution=max(cut, rounding))
     return torch.zeros_like(b) if mu is None else mu
 
 
@@ -305,9 +315,11 @@ class PCD(Balancer):
     def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:
         return self._rounded_weights(gramian, losses, 0.0)
 
-    def _rounded_weights(self, gramian: Tensor, losses: Tensor | None,
-                         rounding: float) -> Tensor:
+    def _rounded_weights(self, gramian: Tensor, losses: Tensor | None, rounding: float,
+                         spectrum: KeptSpectrum | None = None) -> Tensor:
         m = gramian.shape[0]
+        factor = None if spectrum is None else (
+            spectrum.vectors * spectrum.norms[:, None] * spectrum.values.sqrt())
         gram = gramian.to(torch.float64)
         taus = self._taus(m, gram.device)
         sq = torch.diagonal(gram).clamp_min(0)
@@ -322,7 +334,8 @@ class PCD(Balancer):
         if not bool(sq[0] > 0):
             return w
         normed = gram * torch.outer(scales, scales)
-        mult = pcd_weights(normed, taus, rounding=rounding)
+        mult = pcd_weights(normed, taus, rounding=rounding,
+                           factor=None if factor is None else factor * scales[:, None])
         d_sq = mult @ normed @ mult
         magnitude = (mult.abs() @ torch.diagonal(normed).clamp_min(0).sqrt()) ** 2
         if bool(d_sq > 10 * torch.finfo(torch.float64).eps * magnitude):

@@ -352,7 +352,8 @@ def _cagrad_two(gram: Tensor, lin: Tensor, r: float) -> Tensor | None:
     return torch.tensor([1.0, 0.0] if first else [0.0, 1.0], dtype=torch.float64)
 
 
-def cagrad_dual(gram: Tensor, c: float, tol: float = 1e-12, max_iter: int = 200) -> Tensor:
+def cagrad_dual(gram: Tensor, c: float, tol: float = 1e-12, max_iter: int = 200,
+                factor: Tensor | None = None) -> Tensor:
     """CAGrad's dual weights ``w ∈ Δ`` (Liu et al. 2021, eq. 4).
 
     ``min_{w∈Δ} F(w) = g_wᵀ g₀ + r ‖g_w‖`` with ``g₀ = Jᵀ1/K``, ``g_w = Jᵀw``,
@@ -378,7 +379,8 @@ def cagrad_dual(gram: Tensor, c: float, tol: float = 1e-12, max_iter: int = 200)
     if grouped is not None:
         return grouped
     scaled = scaled_cagrad(gram, mean, c, tol, max_iter)
-    return scaled if scaled is not None else _cagrad_search(gram, mean, c, tol, max_iter)
+    return scaled if scaled is not None else _cagrad_search(gram, mean, c, tol, max_iter,
+                                                            factor)
 
 
 def _grouped_cagrad(gram: Tensor, mean: Tensor, c: float, tol: float,
@@ -437,7 +439,8 @@ def _grouped_kkt_holds(gram: Tensor, lin: Tensor, r: float, rho: float, w: Tenso
     return bool(ok)
 
 
-def _cagrad_search(gram: Tensor, mean: Tensor, c: float, tol: float, max_iter: int) -> Tensor:
+def _cagrad_search(gram: Tensor, mean: Tensor, c: float, tol: float, max_iter: int,
+                   factor: Tensor | None = None) -> Tensor:
     """:func:`cagrad_dual` on ``gram`` with ``g₀ = Jᵀmean`` (``mean``: ``1/K`` each, or a
     collapsed group's count over ``K``: its copies' share of the average)."""
     k = gram.shape[0]
@@ -456,7 +459,7 @@ def _cagrad_search(gram: Tensor, mean: Tensor, c: float, tol: float, max_iter: i
     full = support_root(gram, lin, r, torch.ones(k, dtype=torch.bool), blocks)
     if full is not None and is_cagrad_kkt(gram, lin, r, full[0], full[1], tol):
         return full[1]
-    used, factor = _cagrad_problem(gram, blocks)
+    used, factor = _cagrad_problem(gram, blocks, factor)
     if used is not gram:  # the search on G' or LLᵀ throughout: one consistent problem
         gram = used
         lin = gram @ mean
@@ -478,7 +481,8 @@ def _cagrad_search(gram: Tensor, mean: Tensor, c: float, tol: float, max_iter: i
     return cagrad_root(gram, lin, r, hi, f, tol, max_iter, blocks)
 
 
-def _cagrad_problem(gram: Tensor, blocks: BlockFactors) -> tuple[Tensor, Tensor | None]:
+def _cagrad_problem(gram: Tensor, blocks: BlockFactors,
+                    given: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """``(G, L)``: the Gramian :func:`cagrad_dual`'s root search runs on and, where it is
     not well conditioned, its factor (``G ≈ LLᵀ``, :func:`~._boxqp.eigen_factor`), else None.
     A badly conditioned ``G`` (:func:`_surely_ill`, else
@@ -489,7 +493,11 @@ def _cagrad_problem(gram: Tensor, blocks: BlockFactors) -> tuple[Tensor, Tensor 
     rounding-level eigenvalues would each be a dimension of the interior point's Newton
     steps), and the search runs on ``LLᵀ``. ``G'`` and ``LLᵀ`` are within
     ``1 + ROUNDING_MULTIPLE`` times the given Gramian's distance from the rows' exact one.
-    ``blocks``: ``G``'s kept factors (the whole one among them)."""
+    ``blocks``: ``G``'s kept factors (the whole one among them).
+    ``given``: ``G``'s exact factor (the cleaned Gramian's, :func:`~._denoise.cleaned`),
+    used as found on the singular path without another eigen-decomposition."""
+    if given is not None:
+        return (given @ given.T if gram.shape[0] >= INTERIOR_MIN_COLUMNS else gram), given
     k = gram.shape[0]
     whole = blocks.factor(list(range(k)))
     many = k >= CG_MIN_SIZE  # there is_well_conditioned is one Cholesky itself

@@ -351,3 +351,31 @@ def test_mixed_structures_stay_finite(seed: int) -> None:
             except SolverError:
                 continue
             assert bool(torch.isfinite(update).all())
+
+
+@pytest.mark.parametrize("k", [16, 70])
+@pytest.mark.parametrize("shape", ["half", "eighth", "copies"])
+@pytest.mark.parametrize("balancer", [IMTLG, AlignedMTL, CAGrad, PCD])
+def test_the_cut_spectrum_gives_the_rules_their_own_decomposition(balancer: type, k: int,
+                                                                  shape: str) -> None:
+    # Where the cut removes directions, IMTL-G, Aligned-MTL, CAGrad and PCD start from its
+    # spectrum (G' = DVΛVᵀD) instead of decomposing G' again: the same weights as their own
+    # decomposition of G' (a second route), to its rounding. K = 70 takes CAGrad's and PCD's
+    # many-task paths.
+    from gradbalance.balancers._denoise import cleaned
+
+    gen = torch.Generator().manual_seed(k)
+    if shape == "copies":
+        half = torch.randn(k // 2, 400, generator=gen, dtype=F64)
+        rows = torch.cat([half, 2.0 * half]).float()
+    else:
+        r = k // 2 if shape == "half" else k // 8
+        rows = (torch.randn(k, r, generator=gen, dtype=F64)
+                @ torch.randn(r, 400, generator=gen, dtype=F64)).float()
+    rounding = products_rounding(rows)
+    gram, spectrum = cleaned(compute_gramian(rows), rounding)
+    assert spectrum is not None  # the premise: directions were cut
+    fast = balancer()._rounded_weights(gram, None, rounding, spectrum)
+    slow = balancer()._rounded_weights(gram, None, rounding, None)
+    a, b = fast @ rows.double(), slow @ rows.double()
+    assert float((a - b).norm()) <= 1e-8 * float(b.norm())
