@@ -10,8 +10,7 @@ from torch import Tensor
 
 from .._checks import as_pref, check_choice, check_pref
 from ._base import Balancer
-from ._denoise import KeptSpectrum
-from ._imtlg import SPECTRUM_MAX_RATIO
+from ._denoise import SPECTRUM_MAX_RATIO, KeptSpectrum
 from ._solvers import trace_normalized
 
 __all__ = ["AlignedMTL", "alignedmtl_weights"]
@@ -60,15 +59,12 @@ def _eigenpairs(gram: Tensor, spectrum: KeptSpectrum | None) -> tuple[Tensor, Te
     """``gram``'s eigenpairs: from ``spectrum`` (``gram = FFᵀ``: its non-zero ones from
     ``FᵀF = WΣ²Wᵀ``, ``U = FWΣ⁻¹``) where the rows' norms lie within ``SPECTRUM_MAX_RATIO``
     (``FᵀF`` as well conditioned as ``gram``'s non-zero part), else one ``eigh``."""
-    if spectrum is not None:
-        norms = spectrum.norms
-        live = norms[norms > 0.0]
-        if live.numel() and float(live.max()) <= SPECTRUM_MAX_RATIO * float(live.min()):
-            factor = spectrum.vectors * norms[:, None] * spectrum.values.sqrt()
-            lam, w = torch.linalg.eigh(factor.T @ factor)
-            positive = lam > 0.0
-            lam, w = lam[positive], w[:, positive]
-            return lam, (factor @ w) / lam.sqrt()
+    if spectrum is not None and spectrum.norms_within(SPECTRUM_MAX_RATIO):
+        factor = spectrum.factor()
+        lam, w = torch.linalg.eigh(factor.T @ factor)
+        positive = lam > 0.0
+        lam, w = lam[positive], w[:, positive]
+        return lam, (factor @ w) / lam.sqrt()
     lam, vec = torch.linalg.eigh(gram)
     return lam, vec
 

@@ -52,8 +52,7 @@ def cagrad_weights(gramian: Tensor, c: float = 0.4, rescale: Rescale = "none",
     gram, trace = trace_normalized(gramian)
     given = None
     if spectrum is not None and float(trace) > 0.0:
-        kept = spectrum.scaled(1.0 / trace)
-        given = kept.vectors * kept.norms[:, None] * kept.values.sqrt()
+        given = spectrum.scaled(1.0 / trace).factor()
     mean = torch.full((k,), 1.0 / k, dtype=torch.float64)
     g0_norm = float(mean @ gram @ mean) ** 0.5 if float(mean @ gram @ mean) > 0 else 0.0
     if c == 0.0 or g0_norm == 0.0:

@@ -31,6 +31,12 @@ from torch import Tensor
 from ._boxqp import ROUNDING_MULTIPLE
 from ._cholesky import cholesky_ex
 
+#: The rules that start from a :class:`KeptSpectrum` through ``M = VᵀD²V`` (IMTL-G's
+#: ``G'⁺d``, Aligned-MTL's ``FᵀF``) do so where the rows' non-zero norms lie within this
+#: ratio (``M``'s condition number at most its square, ``1e6``); else their own
+#: decomposition.
+SPECTRUM_MAX_RATIO = 1e3
+
 
 class KeptSpectrum(NamedTuple):
     """The cleaned Gramian as ``G' = D V Λ Vᵀ D`` (to rounding): the rows' norms ``D``
@@ -44,6 +50,16 @@ class KeptSpectrum(NamedTuple):
 
     def scaled(self, s: Tensor | float) -> KeptSpectrum:
         return KeptSpectrum(self.norms * s**0.5, self.vectors, self.values)
+
+    def factor(self) -> Tensor:
+        """``F = DVΛ^{1/2}`` ``[K, r]``: ``G' = FFᵀ``."""
+        return self.vectors * self.norms[:, None] * self.values.sqrt()
+
+    def norms_within(self, ratio: float) -> bool:
+        """Whether the non-zero norms lie within ``ratio`` of one another (then ``VᵀD²V`` has
+        condition number at most ``ratio²``; at least one non-zero row)."""
+        live = self.norms[self.norms > 0.0]
+        return bool(live.numel()) and float(live.max()) <= ratio * float(live.min())
 
 
 class Cleaned(NamedTuple):

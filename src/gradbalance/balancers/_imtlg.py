@@ -7,15 +7,11 @@ from torch import Tensor
 
 from ._base import Balancer
 from ._cholesky import cholesky_ex, cholesky_solve
-from ._denoise import KeptSpectrum
+from ._denoise import SPECTRUM_MAX_RATIO, KeptSpectrum
 from ._scaled_cosine import scaled_cosine
 from ._solvers import trace_normalized
 
 __all__ = ["IMTLG", "imtlg_weights"]
-
-#: :func:`_from_spectrum` is used where the largest non-zero row norm is at most this times the
-#: smallest (``M = VᵀD²V`` then has condition number at most its square, ``1e6``).
-SPECTRUM_MAX_RATIO = 1e3
 
 
 def imtlg_weights(gramian: Tensor, rtol: float = 1e-12,
@@ -68,11 +64,9 @@ def _from_spectrum(spectrum: KeptSpectrum, d: Tensor) -> Tensor | None:
     ``Gx = P_G d``). ``O(Kr²)`` instead of a second ``O(K³)`` eigen-decomposition (0.25 s at
     K = 1,024); None where the rows' norms spread over more than ``SPECTRUM_MAX_RATIO`` (``M``
     then as ill-conditioned as its square) or ``M``'s factorisation fails."""
-    norms = spectrum.norms
-    live = norms[norms > 0.0]
-    if live.numel() == 0 or float(live.max()) > SPECTRUM_MAX_RATIO * float(live.min()):
+    if not spectrum.norms_within(SPECTRUM_MAX_RATIO):
         return None
-    rows = spectrum.vectors * norms[:, None]  # DV
+    rows = spectrum.vectors * spectrum.norms[:, None]  # DV
     factor = cholesky_ex(rows.T @ rows)
     if int(factor.info) != 0:
         return None

@@ -318,8 +318,7 @@ class PCD(Balancer):
     def _rounded_weights(self, gramian: Tensor, losses: Tensor | None, rounding: float,
                          spectrum: KeptSpectrum | None = None) -> Tensor:
         m = gramian.shape[0]
-        factor = None if spectrum is None else (
-            spectrum.vectors * spectrum.norms[:, None] * spectrum.values.sqrt())
+        factor = None if spectrum is None else spectrum.factor()
         gram = gramian.to(torch.float64)
         taus = self._taus(m, gram.device)
         sq = torch.diagonal(gram).clamp_min(0)
