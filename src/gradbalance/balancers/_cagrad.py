@@ -9,6 +9,8 @@ from torch import Tensor
 
 from .._checks import check_choice
 from ._base import Balancer
+from ._boxqp import CHOLESKY_MAX_COND, INTERIOR_MIN_COLUMNS
+from ._cagrad_root import is_cagrad_kkt, support_root
 from ._denoise import KeptSpectrum
 from ._solvers import cagrad_dual, trace_normalized
 
@@ -50,18 +52,46 @@ def cagrad_weights(gramian: Tensor, c: float = 0.4, rescale: Rescale = "none",
     """
     k = gramian.shape[0]
     gram, trace = trace_normalized(gramian)
-    given = None
+    kept = None
     if spectrum is not None and float(trace) > 0.0:
-        given = spectrum.scaled(1.0 / trace).factor()
+        kept = spectrum.scaled(1.0 / trace)
     mean = torch.full((k,), 1.0 / k, dtype=torch.float64)
     g0_norm = float(mean @ gram @ mean) ** 0.5 if float(mean @ gram @ mean) > 0 else 0.0
     if c == 0.0 or g0_norm == 0.0:
         weights = mean
     else:
-        w = cagrad_dual(gram, c, factor=given)
+        w = None if kept is None else _lifted_dual(gram, c, kept)
+        if w is None:
+            w = cagrad_dual(gram, c, factor=None if kept is None else kept.factor())
         gw_sq = float(w @ gram @ w)
         weights = mean if _vanishes(gram, w, gw_sq) else mean + (c * g0_norm / gw_sq**0.5) * w
     return weights / {"none": 1.0, "c2": 1 + c * c, "c": 1 + c}[rescale]
+
+
+def _lifted_dual(gram: Tensor, c: float, spectrum: KeptSpectrum) -> Tensor | None:
+    """The dual weights on the cleaned Gramian ``G'`` (singular: :func:`~._denoise.cleaned`
+    cut a few directions) from its lift ``G' + εD²`` (:meth:`~._denoise.KeptSpectrum.lift`,
+    positive definite: the root search's QPs on direct factorisations): the lifted
+    answer's support, solved on ``G'`` itself (:func:`~._cagrad_root.support_root`, one
+    Cholesky factorisation of ``G'_SS``) and kept where it meets the KKT conditions on ``G'``
+    (:func:`~._cagrad_root.is_cagrad_kkt`, to ``1e-12``): the exact answer. None where there
+    is no lift or the support fails (an optimum with ``g_w = 0``, whose support holds a null
+    direction of ``G'``): then the least squares on the factor of ``G'``. From
+    ``INTERIOR_MIN_COLUMNS`` tasks, where the factor's interior point costs ``O(K³)`` a
+    Newton step (K = 1,024, rows of rank ``K − 1``: CAGrad 5.8× → 2.3× the Gramian)."""
+    lift = spectrum.lift()
+    if lift is None or gram.shape[0] < INTERIOR_MIN_COLUMNS:
+        return None
+    norms = spectrum.norms
+    spread = float(norms.max() / norms.min()) ** 2  # D's share of G' + εD²'s conditioning
+    well = (float(spectrum.values.max()) + lift) * spread < CHOLESKY_MAX_COND * lift
+    w = cagrad_dual(gram + torch.diag(lift * norms * norms), c, well_conditioned=well)
+    lin = gram @ torch.full_like(w, 1.0 / w.shape[0])
+    r = c * max(float(lin.mean()), 0.0) ** 0.5
+    polished = support_root(gram, lin, r, w > 0.0)
+    if polished is not None and is_cagrad_kkt(gram, lin, r, polished[0], polished[1], 1e-12):
+        return polished[1]
+    return None
 
 
 def _vanishes(gram: Tensor, w: Tensor, gw_sq: float) -> bool:

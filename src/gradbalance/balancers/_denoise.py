@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ._boxqp import ROUNDING_MULTIPLE
+from ._boxqp import CHOLESKY_MAX_COND, ROUNDING_MULTIPLE, SINGLE_LIFT_MAX_NULLITY
 from ._cholesky import cholesky_ex
 
 #: The rules that start from a :class:`KeptSpectrum` through ``M = VᵀD²V`` (IMTL-G's
@@ -36,20 +36,26 @@ from ._cholesky import cholesky_ex
 #: ratio (``M``'s condition number at most its square, ``1e6``); else their own
 #: decomposition.
 SPECTRUM_MAX_RATIO = 1e3
+#: :meth:`KeptSpectrum.lift`: the lifted cosine matrix's condition number where the cut
+#: allows (a lift below the cut moves the answer less; ``C'``'s null directions are zero to
+#: the eigen-decomposition's rounding, about ``K·eps`` of ``λ_max``).
+LIFT_COND = 1e8
 
 
 class KeptSpectrum(NamedTuple):
     """The cleaned Gramian as ``G' = D V Λ Vᵀ D`` (to rounding): the rows' norms ``D``
     ``[K]`` (0 for a zero row), the cosine matrix's kept eigenvectors ``V`` ``[K, r]`` (zero
-    on zero rows) and eigenvalues ``Λ`` ``[r]``, all above the cut. ``scaled(s)`` is the
-    same for ``s·G'`` (the cosine matrix does not change)."""
+    on zero rows) and eigenvalues ``Λ`` ``[r]``, all above the ``cut`` (:func:`cleaned`'s, on
+    the cosine scale). ``scaled(s)`` is the same for ``s·G'`` (the cosine matrix does not
+    change)."""
 
     norms: Tensor
     vectors: Tensor
     values: Tensor
+    cut: float = 0.0
 
     def scaled(self, s: Tensor | float) -> KeptSpectrum:
-        return KeptSpectrum(self.norms * s**0.5, self.vectors, self.values)
+        return KeptSpectrum(self.norms * s**0.5, self.vectors, self.values, self.cut)
 
     def factor(self) -> Tensor:
         """``F = DVΛ^{1/2}`` ``[K, r]``: ``G' = FFᵀ``."""
@@ -60,6 +66,25 @@ class KeptSpectrum(NamedTuple):
         condition number at most ``ratio²``; at least one non-zero row)."""
         live = self.norms[self.norms > 0.0]
         return bool(live.numel()) and float(live.max()) <= ratio * float(live.min())
+
+    def lift(self) -> float | None:
+        """``ε = ROUNDING_MULTIPLE·cut`` for a single dual QP on ``G' + εD²`` (the cosine
+        matrix ``C' + εI``: positive definite, within ``1 + ROUNDING_MULTIPLE`` times the cut
+        of the rows' exact one), where few directions were cut (at most
+        ``SINGLE_LIFT_MAX_NULLITY`` of the rows: factorisations of ``K − 1`` of ``K``
+        dimensions cost less than least squares on the factor), no row is zero and ``C' + εI``
+        has condition number below ``CHOLESKY_MAX_COND``; else None. A rule taking it checks
+        its answer on ``G'`` itself: the lift moves an optimum where ``G'`` has a vanishing
+        combination (CAGrad's ``g_w = 0``, PCD's infeasible constraints)."""
+        k = self.norms.shape[0]
+        nullity = k - self.values.shape[0]
+        if not self.cut > 0.0 or nullity > SINGLE_LIFT_MAX_NULLITY * k or k == nullity:
+            return None
+        if bool((self.norms == 0.0).any()):
+            return None
+        top = float(self.values.max())
+        lift = min(ROUNDING_MULTIPLE * self.cut, top / LIFT_COND)
+        return lift if top + lift < CHOLESKY_MAX_COND * lift else None
 
 
 class Cleaned(NamedTuple):
@@ -110,4 +135,4 @@ def cleaned(gram: Tensor, rounding: float) -> Cleaned:
     kept = torch.zeros(norms.shape[0], int((~dropped).sum()), dtype=torch.float64,
                        device=gram.device)
     kept[index] = vec[:, ~dropped]
-    return Cleaned(out.to(gram.dtype), KeptSpectrum(norms, kept, lam[~dropped]))
+    return Cleaned(out.to(gram.dtype), KeptSpectrum(norms, kept, lam[~dropped], cut))

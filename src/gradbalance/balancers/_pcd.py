@@ -25,7 +25,7 @@ from ._boxqp import (
     ldp,
     solve_box_qp_batched,
 )
-from ._cholesky import cholesky_ex
+from ._cholesky import cholesky_ex, cholesky_solve
 from ._denoise import KeptSpectrum
 from ._min_norm_dual import lifted_cosine
 from ._min_norm_groups import collapse
@@ -41,7 +41,8 @@ LIFT_HOLD = 1 / 8
 
 
 def pcd_weights(gramian: Tensor, taus: Tensor, tol: float = 1e-9,
-                rounding: float = 0.0, factor: Tensor | None = None) -> Tensor:
+                rounding: float = 0.0, factor: Tensor | None = None,
+                lift: float | None = None) -> Tensor:
     """Weights ``[1, μ₂, …, μ_K]`` of ``d = g₁ + Σⱼ μⱼ gⱼ`` solving PCD's quadratic program.
 
     ``min_d ½‖d − g₁‖²`` s.t. ``gⱼᵀd ≥ τⱼ‖gⱼ‖²`` (j ≥ 2). Its dual is the non-negative QP
@@ -64,7 +65,9 @@ def pcd_weights(gramian: Tensor, taus: Tensor, tol: float = 1e-9,
     the Gramian's, relative to ``‖gᵢ‖‖gⱼ‖``, :func:`~gradbalance.gramian.products_rounding`
     — and the factor's cut, whose direction rounding would decide): ``g₁`` is returned
     (``[1, 0, …, 0]``). ``factor``: ``F`` with ``G = FFᵀ`` exactly (the cleaned Gramian's,
-    :func:`~._denoise.cleaned`), which the singular path then uses as its factor.
+    :func:`~._denoise.cleaned`), which the singular path then uses as its factor; ``lift``:
+    its :meth:`~._denoise.KeptSpectrum.lift`, where the dual QP on ``G + εD²`` is tried first
+    (:func:`_lifted_exact`).
 
     Example:
         >>> import torch
@@ -86,7 +89,8 @@ def pcd_weights(gramian: Tensor, taus: Tensor, tol: float = 1e-9,
     trace = float(torch.diagonal(q).sum())
     if not (trace > 0.0 and _definite(q.cpu() / trace) and is_well_conditioned(q.cpu() / trace)):
         given = None if factor is None else factor.cpu()
-        out[1:] = _singular_weights(gramian.cpu(), taus.cpu(), rounding, given).to(out.device)
+        out[1:] = _singular_weights(gramian.cpu(), taus.cpu(), rounding, given,
+                                    lift).to(out.device)
     elif m <= _ENUMERATE_UP_TO:
         out[1:] = _enumerate_working_sets(gramian, q, b, tol)
     else:
@@ -155,20 +159,54 @@ def _enumerate_working_sets(gramian: Tensor, q: Tensor, b: Tensor, tol: float) -
 
 
 def _singular_weights(gramian: Tensor, taus: Tensor, rounding: float,
-                      factor: Tensor | None = None) -> Tensor:
+                      factor: Tensor | None = None, lift: float | None = None) -> Tensor:
     """``μ`` ``[K − 1]`` where the secondary Gramian is not well conditioned: from
     ``INTERIOR_MIN_COLUMNS`` tasks on, on the Gramian lifted off its rounding where that
     applies (:func:`_lifted_weights`), else by the least-distance program
     (:func:`_ldp_weights`), one eigen-decomposition of the cosine matrix for both; with an
-    exact ``factor`` (a cleaned Gramian: nothing to lift), the least-distance program on it."""
+    exact ``factor`` (a cleaned Gramian), the exact answer from its ``lift`` where that
+    applies (:func:`_lifted_exact`), else the least-distance program on the factor."""
     gram = gramian.to(torch.float64)
+    large = gram.shape[0] >= INTERIOR_MIN_COLUMNS
     if factor is not None:
-        return _ldp_weights(gram, taus, rounding=rounding, factor=factor)
-    if gram.shape[0] < INTERIOR_MIN_COLUMNS:
+        mu = _lifted_exact(gram, taus.to(torch.float64), lift) if large and lift else None
+        return _ldp_weights(gram, taus, rounding=rounding, factor=factor) if mu is None else mu
+    if not large:
         return _ldp_weights(gram, taus, rounding=rounding)
     spectrum = cosine_spectrum(gram)
     mu = _lifted_weights(gram, taus.to(torch.float64), spectrum)
     return _ldp_weights(gram, taus, spectrum, rounding) if mu is None else mu
+
+
+def _lifted_exact(gram: Tensor, taus: Tensor, lift: float) -> Tensor | None:
+    """``μ`` of PCD's dual QP on an exactly singular (cleaned) Gramian ``G``: solved on
+    ``G + εD²`` (:func:`_lifted_dual`), then on ``G`` itself over the lifted answer's
+    support (one Cholesky factorisation of ``Q_SS``), kept where it meets the KKT conditions
+    on ``G`` (``μ_S > 0``, ``(Qμ − b)_S = 0`` and ``(Qμ − b)ⱼ ≥ 0`` off ``S``, to ``1e-9`` of
+    each constraint's size ``‖gⱼ‖‖d − g₁‖ + |bⱼ|``); else None."""
+    norms = torch.diagonal(gram).clamp_min(0.0).sqrt()
+    if not bool((norms > 0.0).all()):
+        return None
+    lifted = (gram / torch.outer(norms, norms)).diagonal_scatter(
+        torch.full_like(norms, 1.0 + lift))
+    mu = _lifted_dual(gram, taus, lifted, lift, norms)
+    if mu is None:
+        return None
+    q = gram[1:, 1:]
+    b = taus * torch.diagonal(q) - gram[1:, 0]
+    idx = torch.nonzero(mu > 0.0).flatten()
+    exact = torch.zeros_like(mu)
+    if idx.numel():
+        low, info = cholesky_ex(q[idx][:, idx])
+        if int(info) != 0:
+            return None
+        exact[idx] = cholesky_solve(b[idx, None], low)[:, 0]
+    residual = q @ exact - b
+    size = norms[1:] * abs(float(exact @ q @ exact)) ** 0.5 + b.abs()
+    on = torch.zeros_like(mu, dtype=torch.bool)
+    on[idx] = True
+    held = torch.where(on, residual.abs(), (-residual).clamp_min(0.0)) <= 1e-9 * size
+    return exact if bool(held.all()) and bool((exact[idx] > 0.0).all()) else None
 
 
 def _lifted_weights(gram: Tensor, taus: Tensor, spectrum: CosineSpectrum) -> Tensor | None:
@@ -190,11 +228,15 @@ def _lifted_weights(gram: Tensor, taus: Tensor, spectrum: CosineSpectrum) -> Ten
     about ``√ε`` of its scale (700–1,600ε in the same tests): above ``LIFT_HOLD·√ε`` it is
     refused and the least-distance program decides."""
     got = lifted_cosine(spectrum)
-    if got is None:
-        return None
-    lifted, lift = got
+    return None if got is None else _lifted_dual(gram, taus, *got, spectrum.norms)
+
+
+def _lifted_dual(gram: Tensor, taus: Tensor, lifted: Tensor, lift: float,
+                 norms: Tensor) -> Tensor | None:
+    """:func:`_lifted_weights` on the lifted cosine matrix ``C + εI`` (``lifted``,
+    ``lift``: ``ε``) of ``gram`` with the rows' ``norms``."""
     n = lifted.shape[0]
-    d = spectrum.norms[1:]
+    d = norms[1:]
     b = taus * (d * d) * (1.0 + lift) - gram[1:, 0]  # G'ⱼⱼ = (1 + ε)dⱼ², G'ⱼ₁ = Gⱼ₁
     c = -b / d
     top = float(c.abs().max())
@@ -319,6 +361,7 @@ class PCD(Balancer):
                          spectrum: KeptSpectrum | None = None) -> Tensor:
         m = gramian.shape[0]
         factor = None if spectrum is None else spectrum.factor()
+        lift = None if spectrum is None else spectrum.lift()
         gram = gramian.to(torch.float64)
         taus = self._taus(m, gram.device)
         sq = torch.diagonal(gram).clamp_min(0)
@@ -334,7 +377,8 @@ class PCD(Balancer):
             return w
         normed = gram * torch.outer(scales, scales)
         mult = pcd_weights(normed, taus, rounding=rounding,
-                           factor=None if factor is None else factor * scales[:, None])
+                           factor=None if factor is None else factor * scales[:, None],
+                           lift=lift)
         d_sq = mult @ normed @ mult
         magnitude = (mult.abs() @ torch.diagonal(normed).clamp_min(0).sqrt()) ** 2
         if bool(d_sq > 10 * torch.finfo(torch.float64).eps * magnitude):

@@ -353,7 +353,7 @@ def _cagrad_two(gram: Tensor, lin: Tensor, r: float) -> Tensor | None:
 
 
 def cagrad_dual(gram: Tensor, c: float, tol: float = 1e-12, max_iter: int = 200,
-                factor: Tensor | None = None) -> Tensor:
+                factor: Tensor | None = None, well_conditioned: bool = False) -> Tensor:
     """CAGrad's dual weights ``w ∈ Δ`` (Liu et al. 2021, eq. 4).
 
     ``min_{w∈Δ} F(w) = g_wᵀ g₀ + r ‖g_w‖`` with ``g₀ = Jᵀ1/K``, ``g_w = Jᵀw``,
@@ -371,7 +371,8 @@ def cagrad_dual(gram: Tensor, c: float, tol: float = 1e-12, max_iter: int = 200,
     ``g_w``) are solved as one row with their share of ``g₀``, the weight split equally;
     so are longer multiples (:func:`_grouped_cagrad`), where the answer meets the KKT
     conditions on the whole Gramian (:func:`_grouped_kkt_holds`: each row to ``tol`` plus
-    its share of the grouping's deviation).
+    its share of the grouping's deviation). ``well_conditioned``: the caller knows ``G``
+    positive definite with condition number below ``CHOLESKY_MAX_COND`` (not checked again).
     """
     k = gram.shape[0]
     mean = torch.full((k,), 1.0 / k, dtype=torch.float64)
@@ -380,7 +381,7 @@ def cagrad_dual(gram: Tensor, c: float, tol: float = 1e-12, max_iter: int = 200,
         return grouped
     scaled = scaled_cagrad(gram, mean, c, tol, max_iter)
     return scaled if scaled is not None else _cagrad_search(gram, mean, c, tol, max_iter,
-                                                            factor)
+                                                            factor, well_conditioned)
 
 
 def _grouped_cagrad(gram: Tensor, mean: Tensor, c: float, tol: float,
@@ -440,7 +441,7 @@ def _grouped_kkt_holds(gram: Tensor, lin: Tensor, r: float, rho: float, w: Tenso
 
 
 def _cagrad_search(gram: Tensor, mean: Tensor, c: float, tol: float, max_iter: int,
-                   factor: Tensor | None = None) -> Tensor:
+                   factor: Tensor | None = None, well_conditioned: bool = False) -> Tensor:
     """:func:`cagrad_dual` on ``gram`` with ``g₀ = Jᵀmean`` (``mean``: ``1/K`` each, or a
     collapsed group's count over ``K``: its copies' share of the average)."""
     k = gram.shape[0]
@@ -459,7 +460,7 @@ def _cagrad_search(gram: Tensor, mean: Tensor, c: float, tol: float, max_iter: i
     full = support_root(gram, lin, r, torch.ones(k, dtype=torch.bool), blocks)
     if full is not None and is_cagrad_kkt(gram, lin, r, full[0], full[1], tol):
         return full[1]
-    used, factor = _cagrad_problem(gram, blocks, factor)
+    used, factor = (gram, None) if well_conditioned else _cagrad_problem(gram, blocks, factor)
     if used is not gram:  # the search on G' or LLᵀ throughout: one consistent problem
         gram = used
         lin = gram @ mean

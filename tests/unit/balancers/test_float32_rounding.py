@@ -379,3 +379,93 @@ def test_the_cut_spectrum_gives_the_rules_their_own_decomposition(balancer: type
     slow = balancer()._rounded_weights(gram, None, rounding, None)
     a, b = fast @ rows.double(), slow @ rows.double()
     assert float((a - b).norm()) <= 1e-8 * float(b.norm())
+
+
+# -- the lift of a cleaned Gramian (CAGrad's and PCD's few-cut path) -----------------------
+#: Rows in a span of rank ``K − q`` (``q`` cut directions, at most a quarter of the rows:
+#: :meth:`~gradbalance.balancers._denoise.KeptSpectrum.lift`) from 64 tasks on.
+LIFT_CASES = [(k, q, seed) for k in (64, 96) for q in (1, 3, 12) for seed in range(2)]
+
+
+def span_model(k: int, nullity: int, seed: int, p: int = 300) -> tuple[Tensor, Tensor]:
+    """``(rows, model)``: float32 rows in a random span of rank ``K − nullity`` and the
+    float64 model they round (the span exact)."""
+    gen = torch.Generator().manual_seed(seed)
+    r = k - nullity
+    model = torch.randn(k, r, generator=gen, dtype=F64) @ torch.randn(r, p, generator=gen,
+                                                                      dtype=F64)
+    return model.float(), model
+
+
+def _lift_route(monkeypatch: pytest.MonkeyPatch, module: object, name: str,
+                call: object) -> tuple[Tensor, Tensor, list[bool]]:
+    """``call()`` with ``module.name`` spied (whether it answered) and again with it
+    refusing (the least squares on the factor of the cleaned Gramian: a second route)."""
+    original = getattr(module, name)
+    taken: list[bool] = []
+
+    def spy(*args: object) -> object:
+        out = original(*args)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(module, name, spy)
+    lifted = call()  # type: ignore[operator]
+    monkeypatch.setattr(module, name, lambda *args: None)
+    factored = call()  # type: ignore[operator]
+    return lifted, factored, taken
+
+
+@pytest.mark.parametrize(("k", "nullity", "seed"), LIFT_CASES)
+def test_cagrad_lift_of_a_cleaned_gramian_is_exact(monkeypatch: pytest.MonkeyPatch, k: int,
+                                                   nullity: int, seed: int) -> None:
+    # The dual on G' + εD², its support solved on G' itself: the factor's answer (1e-10)
+    # and SLSQP's on the float64 span.
+    from gradbalance.balancers import _cagrad
+
+    rows, model = span_model(k, nullity, seed)
+    lifted, factored, taken = _lift_route(
+        monkeypatch, _cagrad, "_lifted_dual", lambda: CAGrad(c=0.4)(rows).double())
+    assert taken == [True]
+    assert float((lifted - factored).norm()) <= 1e-10 * float(factored.norm())
+    assert not check_cagrad(model, lifted, TOL)
+
+
+@pytest.mark.parametrize(("k", "nullity", "seed"), [c for c in LIFT_CASES if c[1] > 1])
+def test_pcd_lift_of_a_cleaned_gramian_is_exact(monkeypatch: pytest.MonkeyPatch, k: int,
+                                                nullity: int, seed: int) -> None:
+    # PCD's dual QP on G' + εD², then on G' over its support: the factor's least-distance
+    # answer (1e-10) and scipy's NNLS of the program on the float64 span. (One cut direction
+    # leaves the secondary Gramian of K − 1 rows positive definite: no singular path.)
+    from gradbalance.balancers import _pcd
+    from gradbalance.balancers._denoise import cleaned
+    from gradbalance.functional import pcd_weights
+    from support.balancers import scipy_pcd
+
+    rows, model = span_model(k, nullity, seed)
+    rounding = products_rounding(rows)
+    gram, spectrum = cleaned(compute_gramian(rows).double(), rounding)
+    assert spectrum is not None and spectrum.lift() is not None
+    taus = torch.full((k - 1,), 0.02, dtype=F64)
+    lifted, factored, taken = _lift_route(
+        monkeypatch, _pcd, "_lifted_exact",
+        lambda: pcd_weights(gram, taus, rounding=rounding, factor=spectrum.factor(),
+                            lift=spectrum.lift()) @ model)
+    assert taken == [True]
+    assert float((lifted - factored).norm()) <= 1e-10 * float(factored.norm())
+    reference = scipy_pcd(model, 0.02)
+    assert float((lifted - reference).norm()) <= TOL * float(reference.norm())
+
+
+@pytest.mark.parametrize("k", [64, 96])
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("lam", [0.1, 2.5])
+def test_the_lift_leaves_a_reversal_to_the_factor(monkeypatch: pytest.MonkeyPatch, k: int,
+                                                  seed: int, lam: float) -> None:
+    # A reversal among K ≥ 64 rows: one cut direction, so the lift applies, but the
+    # vanishing combination (g, −λg) is where it would move the answer. CAGrad meets its
+    # primal (g₀ where the optimum is 0) and PCD keeps g₁, as below 64 tasks.
+    rows, model = reversal_rows(k, seed, lam)
+    check_cagrad(model, CAGrad(c=0.4)(rows).double(), TOL)
+    update = PCD()(rows).double()
+    assert float((update - model[0]).norm()) <= TOL * float(model[0].norm())
