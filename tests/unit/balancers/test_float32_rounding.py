@@ -385,6 +385,9 @@ def test_the_cut_spectrum_gives_the_rules_their_own_decomposition(balancer: type
 #: Rows in a span of rank ``K − q`` (``q`` cut directions, at most a quarter of the rows:
 #: :meth:`~gradbalance.balancers._denoise.KeptSpectrum.lift`) from 64 tasks on.
 LIFT_CASES = [(k, q, seed) for k in (64, 96) for q in (1, 3, 12) for seed in range(2)]
+#: CAGrad lifts up to half the directions cut (``_cagrad.LIFT_MAX_NULLITY``).
+CAGRAD_LIFT_CASES = LIFT_CASES + [(k, q, seed) for k in (64, 96) for q in (3 * k // 8, k // 2)
+                                  for seed in range(2)]
 
 
 def span_model(k: int, nullity: int, seed: int, p: int = 300) -> tuple[Tensor, Tensor]:
@@ -416,7 +419,7 @@ def _lift_route(monkeypatch: pytest.MonkeyPatch, module: object, name: str,
     return lifted, factored, taken
 
 
-@pytest.mark.parametrize(("k", "nullity", "seed"), LIFT_CASES)
+@pytest.mark.parametrize(("k", "nullity", "seed"), CAGRAD_LIFT_CASES)
 def test_cagrad_lift_of_a_cleaned_gramian_is_exact(monkeypatch: pytest.MonkeyPatch, k: int,
                                                    nullity: int, seed: int) -> None:
     # The dual on G' + εD², its support solved on G' itself: the factor's answer (1e-10)
