@@ -10,7 +10,6 @@ from torch import Tensor
 from .._checks import check_choice
 from ._base import Balancer
 from ._boxqp import CHOLESKY_MAX_COND, INTERIOR_MIN_COLUMNS
-from ._cagrad_root import is_cagrad_kkt, support_root
 from ._denoise import KeptSpectrum
 from ._solvers import cagrad_dual, trace_normalized
 
@@ -29,7 +28,7 @@ Rescale = Literal["none", "c2", "c"]
 #: them took that direction, weights ``1e4 … 3e6`` on the pair), the smallest non-zero
 #: optimum ``0.44``.
 VANISH_RTOL = 1e-10
-#: :func:`_lifted_dual` from at most this fraction of cut directions (PCD's and MGDA's
+#: :func:`_lifted` from at most this fraction of cut directions (PCD's and MGDA's
 #: single lifts stop at a quarter: their QPs on a lift of more fail and pay twice). K = 1,024,
 #: rows of rank 5K/8 and K/2: 3.8× and 3.4× the Gramian by the factor, 2.6× and 2.4× lifted;
 #: below rank K/2 the dual cone is thin and ``g_w = 0`` frequent (the lift's support fails).
@@ -65,38 +64,25 @@ def cagrad_weights(gramian: Tensor, c: float = 0.4, rescale: Rescale = "none",
     if c == 0.0 or g0_norm == 0.0:
         weights = mean
     else:
-        w = None if kept is None else _lifted_dual(gram, c, kept)
-        if w is None:
-            w = cagrad_dual(gram, c, factor=None if kept is None else kept.factor())
+        w = cagrad_dual(gram, c, factor=None if kept is None else kept.factor(),
+                        lifted=None if kept is None else _lifted(gram, kept))
         gw_sq = float(w @ gram @ w)
         weights = mean if _vanishes(gram, w, gw_sq) else mean + (c * g0_norm / gw_sq**0.5) * w
     return weights / {"none": 1.0, "c2": 1 + c * c, "c": 1 + c}[rescale]
 
 
-def _lifted_dual(gram: Tensor, c: float, spectrum: KeptSpectrum) -> Tensor | None:
-    """The dual weights on the cleaned Gramian ``G'`` (singular: :func:`~._denoise.cleaned`
-    cut a few directions) from its lift ``G' + εD²`` (:meth:`~._denoise.KeptSpectrum.lift`,
-    positive definite: the root search's QPs on direct factorisations): the lifted
-    answer's support, solved on ``G'`` itself (:func:`~._cagrad_root.support_root`, one
-    Cholesky factorisation of ``G'_SS``) and kept where it meets the KKT conditions on ``G'``
-    (:func:`~._cagrad_root.is_cagrad_kkt`, to ``1e-12``): the exact answer. None where there
-    is no lift or the support fails (an optimum with ``g_w = 0``, whose support holds a null
-    direction of ``G'``): then the least squares on the factor of ``G'``. From
-    ``INTERIOR_MIN_COLUMNS`` tasks, where the factor's interior point costs ``O(K³)`` a
-    Newton step (K = 1,024, rows of rank ``K − 1``: CAGrad 5.8× → 2.3× the Gramian)."""
+def _lifted(gram: Tensor, spectrum: KeptSpectrum) -> tuple[Tensor, bool] | None:
+    """``(G' + εD², well)`` for :func:`~._solvers.cagrad_dual`'s lifted start on the cleaned
+    Gramian (:meth:`~._denoise.KeptSpectrum.lift` with up to ``LIFT_MAX_NULLITY`` cut;
+    ``well``: its condition number below ``CHOLESKY_MAX_COND`` by ``C' + εI``'s and the
+    norms' spread), from ``INTERIOR_MIN_COLUMNS`` tasks; else None."""
     lift = spectrum.lift(LIFT_MAX_NULLITY)
     if lift is None or gram.shape[0] < INTERIOR_MIN_COLUMNS:
         return None
     norms = spectrum.norms
     spread = float(norms.max() / norms.min()) ** 2  # D's share of G' + εD²'s conditioning
     well = (float(spectrum.values.max()) + lift) * spread < CHOLESKY_MAX_COND * lift
-    w = cagrad_dual(gram + torch.diag(lift * norms * norms), c, well_conditioned=well)
-    lin = gram @ torch.full_like(w, 1.0 / w.shape[0])
-    r = c * max(float(lin.mean()), 0.0) ** 0.5
-    polished = support_root(gram, lin, r, w > 0.0)
-    if polished is not None and is_cagrad_kkt(gram, lin, r, polished[0], polished[1], 1e-12):
-        return polished[1]
-    return None
+    return gram + torch.diag(lift * norms * norms), well
 
 
 def _vanishes(gram: Tensor, w: Tensor, gw_sq: float) -> bool:

@@ -424,11 +424,11 @@ def test_cagrad_lift_of_a_cleaned_gramian_is_exact(monkeypatch: pytest.MonkeyPat
                                                    nullity: int, seed: int) -> None:
     # The dual on G' + εD², its support solved on G' itself: the factor's answer (1e-10)
     # and SLSQP's on the float64 span.
-    from gradbalance.balancers import _cagrad
+    from gradbalance.balancers import _solvers
 
     rows, model = span_model(k, nullity, seed)
     lifted, factored, taken = _lift_route(
-        monkeypatch, _cagrad, "_lifted_dual", lambda: CAGrad(c=0.4)(rows).double())
+        monkeypatch, _solvers, "_lifted_cagrad", lambda: CAGrad(c=0.4)(rows).double())
     assert taken == [True]
     assert float((lifted - factored).norm()) <= 1e-10 * float(factored.norm())
     assert not check_cagrad(model, lifted, TOL)
