@@ -71,18 +71,20 @@ def cagrad_weights(gramian: Tensor, c: float = 0.4, rescale: Rescale = "none",
     return weights / {"none": 1.0, "c2": 1 + c * c, "c": 1 + c}[rescale]
 
 
-def _lifted(gram: Tensor, spectrum: KeptSpectrum) -> tuple[Tensor, bool] | None:
-    """``(G' + εD², well)`` for :func:`~._solvers.cagrad_dual`'s lifted start on the cleaned
-    Gramian (:meth:`~._denoise.KeptSpectrum.lift` with up to ``LIFT_MAX_NULLITY`` cut;
-    ``well``: its condition number below ``CHOLESKY_MAX_COND`` by ``C' + εI``'s and the
-    norms' spread), from ``INTERIOR_MIN_COLUMNS`` tasks; else None."""
+def _lifted(gram: Tensor, spectrum: KeptSpectrum) -> Tensor | None:
+    """``G' + εD²`` for :func:`~._solvers.cagrad_dual`'s lifted start on the cleaned Gramian
+    (:meth:`~._denoise.KeptSpectrum.lift` with up to ``LIFT_MAX_NULLITY`` cut), from
+    ``INTERIOR_MIN_COLUMNS`` tasks, where its condition number is below
+    ``CHOLESKY_MAX_COND`` by ``C' + εI``'s and the norms' spread (wider norms: the search
+    would decompose the lift again; the factor's least squares is as fast); else None."""
     lift = spectrum.lift(LIFT_MAX_NULLITY)
     if lift is None or gram.shape[0] < INTERIOR_MIN_COLUMNS:
         return None
     norms = spectrum.norms
     spread = float(norms.max() / norms.min()) ** 2  # D's share of G' + εD²'s conditioning
-    well = (float(spectrum.values.max()) + lift) * spread < CHOLESKY_MAX_COND * lift
-    return gram + torch.diag(lift * norms * norms), well
+    if not (float(spectrum.values.max()) + lift) * spread < CHOLESKY_MAX_COND * lift:
+        return None
+    return gram + torch.diag(lift * norms * norms)
 
 
 def _vanishes(gram: Tensor, w: Tensor, gw_sq: float) -> bool:

@@ -353,8 +353,7 @@ def _cagrad_two(gram: Tensor, lin: Tensor, r: float) -> Tensor | None:
 
 
 def cagrad_dual(gram: Tensor, c: float, tol: float = 1e-12, max_iter: int = 200,
-                factor: Tensor | None = None,
-                lifted: tuple[Tensor, bool] | None = None) -> Tensor:
+                factor: Tensor | None = None, lifted: Tensor | None = None) -> Tensor:
     """CAGrad's dual weights ``w ∈ Δ`` (Liu et al. 2021, eq. 4).
 
     ``min_{w∈Δ} F(w) = g_wᵀ g₀ + r ‖g_w‖`` with ``g₀ = Jᵀ1/K``, ``g_w = Jᵀw``,
@@ -373,7 +372,7 @@ def cagrad_dual(gram: Tensor, c: float, tol: float = 1e-12, max_iter: int = 200,
     so are longer multiples (:func:`_grouped_cagrad`), where the answer meets the KKT
     conditions on the whole Gramian (:func:`_grouped_kkt_holds`: each row to ``tol`` plus
     its share of the grouping's deviation). ``lifted``: for a singular ``G`` given with its
-    exact ``factor``, ``(G + εD², well)`` (``well``: known to have condition number below
+    exact ``factor``, ``G + εD²`` (known to have condition number below
     ``CHOLESKY_MAX_COND``), tried first on the search's singular path
     (:func:`_lifted_cagrad`).
     """
@@ -444,7 +443,7 @@ def _grouped_kkt_holds(gram: Tensor, lin: Tensor, r: float, rho: float, w: Tenso
 
 
 def _cagrad_search(gram: Tensor, mean: Tensor, c: float, tol: float, max_iter: int,
-                   factor: Tensor | None = None, lifted: tuple[Tensor, bool] | None = None,
+                   factor: Tensor | None = None, lifted: Tensor | None = None,
                    well_conditioned: bool = False) -> Tensor:
     """:func:`cagrad_dual` on ``gram`` with ``g₀ = Jᵀmean`` (``mean``: ``1/K`` each, or a
     collapsed group's count over ``K``: its copies' share of the average).
@@ -493,7 +492,7 @@ def _cagrad_search(gram: Tensor, mean: Tensor, c: float, tol: float, max_iter: i
 
 
 def _lifted_cagrad(gram: Tensor, mean: Tensor, c: float, tol: float, max_iter: int,
-                   lifted: tuple[Tensor, bool], blocks: BlockFactors) -> Tensor | None:
+                   lifted: Tensor, blocks: BlockFactors) -> Tensor | None:
     """The dual weights on a singular ``G`` (a cleaned Gramian, :func:`~._denoise.cleaned`)
     from its lift ``G + εD²`` (:meth:`~._denoise.KeptSpectrum.lift`, positive definite: the
     root search's QPs on direct factorisations): the lifted answer's support solved on ``G``
@@ -503,7 +502,7 @@ def _lifted_cagrad(gram: Tensor, mean: Tensor, c: float, tol: float, max_iter: i
     ``g_w = 0``, whose support holds a null direction of ``G``): then the least squares on
     ``G``'s factor, whose interior point costs ``O(K³)`` a Newton step (K = 1,024, rows of
     rank ``K − 1``: CAGrad 5.8× → 2.3× the Gramian)."""
-    w = _cagrad_search(lifted[0], mean, c, tol, max_iter, well_conditioned=lifted[1])
+    w = _cagrad_search(lifted, mean, c, tol, max_iter, well_conditioned=True)
     lin = gram @ mean
     r = c * max(float(mean @ lin), 0.0) ** 0.5
     polished = support_root(gram, lin, r, w > 0.0, blocks)
