@@ -31,7 +31,7 @@ def alignedmtl_weights(
     ``Σₖ pₖ ĝₖ``, default ``pₖ = 1`` (the authors' code sums them). A Gramian given with its
     kept spectrum (``G = FFᵀ``, ``F = DVΛ^{1/2}`` ``[K, r]``, :func:`~._denoise.cleaned`)
     and norms within ``SPECTRUM_MAX_RATIO``: ``G``'s non-zero eigenpairs from ``FᵀF``
-    (``r × r``; ``U = FWΣ⁻¹``) instead of a second ``K × K`` eigen-decomposition.
+    (``r × r``; ``U = FWΛ^{-1/2}``) instead of a second ``K × K`` eigen-decomposition.
 
     Example:
         >>> import torch
@@ -43,7 +43,14 @@ def alignedmtl_weights(
     gram, trace = trace_normalized(gramian)
     p = check_pref("pref", pref, k, 1.0)
     kept = None if spectrum is None or not float(trace) > 0.0 else spectrum.scaled(1.0 / trace)
-    lam, vec = _eigenpairs(gram, kept)
+    # B p = √σ U Λ^{-1/2} Uᵀp: two products with U, never the [K, K] matrix B. From a kept
+    # spectrum (G = FFᵀ) U = FWΛ^{-1/2} with FᵀF = WΛWᵀ, so B p = √σ F W Λ^{-3/2} Wᵀ Fᵀ p.
+    factor = None
+    if kept is not None and kept.norms_within(SPECTRUM_MAX_RATIO):
+        factor = kept.factor()
+        lam, vec = torch.linalg.eigh(factor.T @ factor)  # r × r: FᵀF = WΛWᵀ
+    else:
+        lam, vec = torch.linalg.eigh(gram)
     tol = lam.max() * k * torch.finfo(torch.float64).eps
     keep = lam > tol
     if not bool(keep.any()):
@@ -51,22 +58,9 @@ def alignedmtl_weights(
     lam, vec = lam[keep], vec[:, keep]
     sigma = lam.min() if scale_mode == "min" else (
         lam.median() if scale_mode == "median" else lam.mean())
-    balance: Tensor = sigma.sqrt() * (vec * lam.rsqrt()) @ vec.T
-    return balance @ p
-
-
-def _eigenpairs(gram: Tensor, spectrum: KeptSpectrum | None) -> tuple[Tensor, Tensor]:
-    """``gram``'s eigenpairs: from ``spectrum`` (``gram = FFᵀ``: its non-zero ones from
-    ``FᵀF = WΣ²Wᵀ``, ``U = FWΣ⁻¹``) where the rows' norms lie within ``SPECTRUM_MAX_RATIO``
-    (``FᵀF`` as well conditioned as ``gram``'s non-zero part), else one ``eigh``."""
-    if spectrum is not None and spectrum.norms_within(SPECTRUM_MAX_RATIO):
-        factor = spectrum.factor()
-        lam, w = torch.linalg.eigh(factor.T @ factor)
-        positive = lam > 0.0
-        lam, w = lam[positive], w[:, positive]
-        return lam, (factor @ w) / lam.sqrt()
-    lam, vec = torch.linalg.eigh(gram)
-    return lam, vec
+    if factor is None:
+        return sigma.sqrt() * (vec @ (lam.rsqrt() * (vec.T @ p)))
+    return sigma.sqrt() * (factor @ (vec @ (lam.pow(-1.5) * (vec.T @ (factor.T @ p)))))
 
 
 class AlignedMTL(Balancer):
