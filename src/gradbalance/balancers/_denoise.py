@@ -109,7 +109,9 @@ def cleaned(gram: Tensor, rounding: float) -> Cleaned:
     kept part of the spectrum (:class:`KeptSpectrum`: a rule that decomposes ``G'`` again
     can start from it). ``G`` itself (no copy, no spectrum) where ``rounding`` is 0 or
     ``C − rounding·I`` is positive definite (one ``K³/3`` Cholesky factorisation decides: an
-    eigen-decomposition only where a direction is cut). Zero rows stay zero.
+    eigen-decomposition only where a direction is cut). Zero rows stay zero. ``G'`` is
+    float64 whatever ``G``'s dtype: rounded back to float32 the cut directions would carry
+    float32's rounding again (a float32 Gramian through ``compute_weights``).
 
     Cost: ``O(K³)``; ``G'`` differs from ``G`` by at most the cut times ``‖gᵢ‖‖gⱼ‖``.
     """
@@ -123,16 +125,21 @@ def cleaned(gram: Tensor, rounding: float) -> Cleaned:
     shifted.diagonal().add_(torch.where(live, -rounding, 1.0))  # a zero row: an identity row
     if int(cholesky_ex(shifted).info) == 0:
         return Cleaned(gram, None)
+    every = bool(live.all())  # no zero row: no gathers
     d = norms[live]
-    cosine = gram64[live][:, live] / torch.outer(d, d)
+    cosine = (gram64 if every else gram64[live][:, live]) / torch.outer(d, d)
     lam, vec = torch.linalg.eigh(0.5 * (cosine + cosine.T))
     cut = max(rounding, ROUNDING_MULTIPLE * max(-float(lam[0]), 0.0))
     dropped = lam <= cut
     v = vec[:, dropped] * d[:, None]
     out = gram64.clone()
-    index = torch.nonzero(live).flatten()
-    out[index[:, None], index[None, :]] -= (v * lam[dropped]) @ v.T
-    kept = torch.zeros(norms.shape[0], int((~dropped).sum()), dtype=torch.float64,
-                       device=gram.device)
-    kept[index] = vec[:, ~dropped]
-    return Cleaned(out.to(gram.dtype), KeptSpectrum(norms, kept, lam[~dropped], cut))
+    if every:
+        out.addmm_(v * lam[dropped], v.T, alpha=-1.0)
+        kept = vec[:, ~dropped]
+    else:
+        index = torch.nonzero(live).flatten()
+        out[index[:, None], index[None, :]] -= (v * lam[dropped]) @ v.T
+        kept = torch.zeros(norms.shape[0], int((~dropped).sum()), dtype=torch.float64,
+                           device=gram.device)
+        kept[index] = vec[:, ~dropped]
+    return Cleaned(out, KeptSpectrum(norms, kept, lam[~dropped], cut))

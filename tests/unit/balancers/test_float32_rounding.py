@@ -472,3 +472,18 @@ def test_the_lift_leaves_a_reversal_to_the_factor(monkeypatch: pytest.MonkeyPatc
     check_cagrad(model, CAGrad(c=0.4)(rows).double(), TOL)
     update = PCD()(rows).double()
     assert float((update - model[0]).norm()) <= TOL * float(model[0].norm())
+
+
+@pytest.mark.parametrize("k", [16, 64, 96])
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("lam", [0.1, 2.5])
+def test_a_float32_gramian_keeps_its_cut_directions_null(k: int, seed: int, lam: float) -> None:
+    # A Gramian handed to compute_weights in float32 with its products' rounding: the cleaned
+    # Gramian stays float64 (rounded back to float32, the reversal's cut direction carried
+    # float32's rounding again, and CAGrad and PCD inverted it: 11 of these 48 cases off).
+    rows, model = reversal_rows(k, seed, lam)
+    gram = compute_gramian(rows).float()
+    rounding = products_rounding(rows)
+    check_cagrad(model, CAGrad(c=0.4).compute_weights(gram, rounding=rounding) @ model, TOL)
+    update = PCD().compute_weights(gram, rounding=rounding) @ model
+    assert float((update - model[0]).norm()) <= TOL * float(model[0].norm())
