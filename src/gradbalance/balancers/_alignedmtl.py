@@ -59,8 +59,10 @@ def alignedmtl_weights(
     sigma = lam.min() if scale_mode == "min" else (
         lam.median() if scale_mode == "median" else lam.mean())
     if factor is None:
-        return sigma.sqrt() * (vec @ (lam.rsqrt() * (vec.T @ p)))
-    return sigma.sqrt() * (factor @ (vec @ (lam.pow(-1.5) * (vec.T @ (factor.T @ p)))))
+        weights: Tensor = sigma.sqrt() * (vec @ (lam.rsqrt() * (vec.T @ p)))
+    else:
+        weights = sigma.sqrt() * (factor @ (vec @ (lam.pow(-1.5) * (vec.T @ (factor.T @ p)))))
+    return weights
 
 
 class AlignedMTL(Balancer):
