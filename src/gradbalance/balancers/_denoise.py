@@ -68,14 +68,15 @@ class KeptSpectrum(NamedTuple):
         return bool(live.numel()) and float(live.max()) <= ratio * float(live.min())
 
     def lift(self, max_nullity: float = SINGLE_LIFT_MAX_NULLITY) -> float | None:
-        """``ε = ROUNDING_MULTIPLE·cut`` for a single dual QP on ``G' + εD²`` (the cosine
-        matrix ``C' + εI``: positive definite, within ``1 + ROUNDING_MULTIPLE`` times the cut
-        of the rows' exact one), where few directions were cut (at most ``max_nullity`` of
-        the rows: there factorisations of most of the ``K`` dimensions cost less than least
-        squares on the factor), no row is zero and ``C' + εI``
-        has condition number below ``CHOLESKY_MAX_COND``; else None. A rule taking it checks
-        its answer on ``G'`` itself: the lift moves an optimum where ``G'`` has a vanishing
-        combination (CAGrad's ``g_w = 0``, PCD's infeasible constraints)."""
+        """``ε = min(ROUNDING_MULTIPLE·cut, λ_max/LIFT_COND)`` for a single dual QP on
+        ``G' + εD²`` (the cosine matrix ``C' + εI``: positive definite, within
+        ``1 + ROUNDING_MULTIPLE`` times the cut of the rows' exact one), where few directions
+        were cut (at most ``max_nullity`` of the rows: there factorisations of most of the
+        ``K`` dimensions cost less than least squares on the factor), no row is zero and
+        ``C' + εI`` has condition number below ``CHOLESKY_MAX_COND``; else None. A rule
+        taking it solves ``G'`` itself on the lifted answer's support: the lift moves an
+        optimum, most where ``G'`` has a vanishing combination (CAGrad's ``g_w = 0``, PCD's
+        infeasible constraints)."""
         k = self.norms.shape[0]
         nullity = k - self.values.shape[0]
         if not self.cut > 0.0 or nullity > max_nullity * k or k == nullity:
