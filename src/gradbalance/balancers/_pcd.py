@@ -298,7 +298,11 @@ class PCD(Balancer):
 
     Not symmetric: row 0 (the first loss) is the primary task. Cost in K: one box QP on the
     ``K − 1`` secondary tasks, ``O(|F|³)`` per pivoting iteration (``O(K³)`` at most); from 17
-    secondary tasks, copies with the same ``τ`` are one constraint, ``O(K²)`` to find them.
+    secondary tasks, copies with the same ``τ`` are one constraint, ``O(K²)`` to find them;
+    a singular secondary Gramian (float32 rows: one ``O(K³)`` eigen-decomposition to remove
+    the rounding first) from 64 tasks on its lift where few directions were cut, then one
+    ``O(|S|³)`` factorisation on the support, else the least-distance program on its factor
+    (``O(K³)`` per interior-point step).
 
     Args:
         num_tasks: K (optional).
