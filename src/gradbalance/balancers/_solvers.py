@@ -466,7 +466,7 @@ def _cagrad_search(gram: Tensor, mean: Tensor, c: float, tol: float, max_iter: i
     if full is not None and is_cagrad_kkt(gram, lin, r, full[0], full[1], tol):
         return full[1]
     if lifted is not None:
-        exact = _lifted_cagrad(gram, mean, c, tol, max_iter, lifted, blocks)
+        exact = _lifted_cagrad(gram, mean, c, tol, max_iter, lifted, blocks, lin, r)
         if exact is not None:
             return exact
     used, factor = (gram, None) if well_conditioned else _cagrad_problem(gram, blocks, factor)
@@ -492,7 +492,8 @@ def _cagrad_search(gram: Tensor, mean: Tensor, c: float, tol: float, max_iter: i
 
 
 def _lifted_cagrad(gram: Tensor, mean: Tensor, c: float, tol: float, max_iter: int,
-                   lifted: Tensor, blocks: BlockFactors) -> Tensor | None:
+                   lifted: Tensor, blocks: BlockFactors, lin: Tensor,
+                   r: float) -> Tensor | None:
     """The dual weights on a singular ``G`` (a cleaned Gramian, :func:`~._denoise.cleaned`)
     from its lift ``G + εD²`` (:meth:`~._denoise.KeptSpectrum.lift`, positive definite: the
     root search's QPs on direct factorisations): the lifted answer's support solved on ``G``
@@ -501,10 +502,9 @@ def _lifted_cagrad(gram: Tensor, mean: Tensor, c: float, tol: float, max_iter: i
     to ``tol``): ``G``'s exact answer. None where the support fails (an optimum with
     ``g_w = 0``, whose support holds a null direction of ``G``): then the least squares on
     ``G``'s factor, whose interior point costs ``O(K³)`` a Newton step (K = 1,024, rows of
-    rank ``K − 1``: CAGrad 5.8× → 2.3× the Gramian)."""
+    rank ``K − 1``: CAGrad 5.8× → 2.3× the Gramian). ``blocks``, ``lin = G·mean``, ``r``:
+    the search's on ``G``."""
     w = _cagrad_search(lifted, mean, c, tol, max_iter, well_conditioned=True)
-    lin = gram @ mean
-    r = c * max(float(mean @ lin), 0.0) ** 0.5
     polished = support_root(gram, lin, r, w > 0.0, blocks)
     if polished is not None and is_cagrad_kkt(gram, lin, r, polished[0], polished[1], tol):
         return polished[1]
