@@ -113,8 +113,10 @@ class CAGrad(Balancer):
     from 17 tasks copies of a task are solved as one row, ``O(K²)`` to find them; norms
     decades apart: one Cholesky factorisation of the cosine matrix (``O(K³/3)``), then 3–5
     QPs on the weighted simplex, each a few block-pivoting iterations of ``O(|F|³/3)``
-    (``F`` the free set); a singular Gramian (float32 rows: one ``O(K³)`` eigen-decomposition
-    to remove the rounding first) from 64 tasks the same QPs on its lift where at most half
+    (``F`` the free set), or where the cosine matrix is singular one ``O(K³)``
+    eigen-decomposition and Lawson–Hanson on its factor; a singular Gramian (float32 rows:
+    one ``O(K³)`` eigen-decomposition to remove the rounding first) from 64 tasks the same
+    QPs on its lift where at most half
     the directions were cut, then one ``O(|S|³)`` factorisation on the support, else least
     squares on its factor (``O(K³)`` per interior-point step).
 

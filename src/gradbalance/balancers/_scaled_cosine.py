@@ -39,19 +39,34 @@ class ScaledCosine(NamedTuple):
     factor: Factor
 
 
-def scaled_cosine(gram: Tensor) -> ScaledCosine | None:
-    """:class:`ScaledCosine` of ``gram`` where its diagonal spans more than
-    ``SCALED_MIN_RATIO``, no row is zero and ``C`` is positive definite with condition number
-    below ``1e10`` (:func:`~._boxqp.is_well_conditioned`, from the factor), else None. One
-    host sync for the diagonal (``K`` floats: cheaper than two reductions below 64 tasks)."""
+def spread_cosine(gram: Tensor) -> tuple[Tensor, Tensor] | None:
+    """``(d, C)``: the rows' norms and the cosine matrix (symmetrised) where ``gram``'s
+    diagonal spans more than ``SCALED_MIN_RATIO`` and no row is zero, else None. One host
+    sync for the diagonal (``K`` floats: cheaper than two reductions below 64 tasks)."""
     diag = torch.diagonal(gram)
     values = diag.tolist()
     low, high = min(values, default=0.0), max(values, default=0.0)
     if not (low > 0.0 and high > SCALED_MIN_RATIO * low):
         return None
     d = diag.sqrt()
-    cos = symmetrized(gram / torch.outer(d, d))
+    return d, symmetrized(gram / torch.outer(d, d))
+
+
+def well_conditioned_factor(cos: Tensor) -> Factor | None:
+    """``C``'s Cholesky factor where ``C`` is positive definite with condition number below
+    ``1e10`` (:func:`~._boxqp.is_well_conditioned`, from the factor), else None."""
     factor = cholesky_ex(cos)
     if int(factor.info) != 0 or not is_well_conditioned(cos, factor):
         return None
-    return ScaledCosine(d, cos, factor)
+    return factor
+
+
+def scaled_cosine(gram: Tensor) -> ScaledCosine | None:
+    """:class:`ScaledCosine` of ``gram`` where :func:`spread_cosine` gives ``C`` and
+    :func:`well_conditioned_factor` its factor, else None."""
+    spread = spread_cosine(gram)
+    if spread is None:
+        return None
+    d, cos = spread
+    factor = well_conditioned_factor(cos)
+    return None if factor is None else ScaledCosine(d, cos, factor)

@@ -381,7 +381,7 @@ def cagrad_dual(gram: Tensor, c: float, tol: float = 1e-12, max_iter: int = 200,
     grouped = _grouped_cagrad(gram, mean, c, tol, max_iter)
     if grouped is not None:
         return grouped
-    scaled = scaled_cagrad(gram, mean, c, tol, max_iter)
+    scaled = scaled_cagrad(gram, mean, c, tol, max_iter, factor)
     return scaled if scaled is not None else _cagrad_search(gram, mean, c, tol, max_iter,
                                                             factor, lifted)
 
@@ -412,7 +412,10 @@ def _grouped_cagrad(gram: Tensor, mean: Tensor, c: float, tol: float,
         if side is None:
             continue
         kept = gram[side.kept][:, side.kept]
-        w = side.spread(_cagrad_search(kept, side.lengths() / k, c, tol, max_iter))
+        share = side.lengths() / k
+        reduced = scaled_cagrad(kept, share, c, tol, max_iter)  # norms decades apart
+        w = side.spread(_cagrad_search(kept, share, c, tol, max_iter)
+                        if reduced is None else reduced)
         rho = max(float(w @ gram @ w), 0.0) ** 0.5
         if rho > 0.0 and _grouped_kkt_holds(gram, lin, r, rho, w, tol, side):
             return w

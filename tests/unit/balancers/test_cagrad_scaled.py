@@ -119,8 +119,9 @@ def test_the_route_is_taken_where_the_diagonal_spans_decades(
     CAGrad(c=0.4)(wide / wide.norm(dim=1, keepdim=True))  # equal norms: not taken
     zero = wide.clone()
     zero[2] = 0.0
-    CAGrad(c=0.4)(zero)  # a zero row: not taken (the update is g₀ there)
-    assert calls == [True, False, False]
+    d = CAGrad(c=0.4)(zero)  # a zero row: taken on the others, F(w*) ≥ 0 there: g_w = 0
+    assert calls == [True, False, True]
+    torch.testing.assert_close(d, zero.mean(dim=0), rtol=1e-12, atol=0.0)  # the update g₀
 
 
 @pytest.mark.parametrize("seed", [0, 1])
