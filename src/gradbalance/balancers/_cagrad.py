@@ -116,9 +116,9 @@ class CAGrad(Balancer):
     (``F`` the free set), or where the cosine matrix is singular one ``O(K³)``
     eigen-decomposition and Lawson–Hanson on its factor; a singular Gramian (float32 rows:
     one ``O(K³)`` eigen-decomposition to remove the rounding first) from 64 tasks the same
-    QPs on its lift where at most half
-    the directions were cut, then one ``O(|S|³)`` factorisation on the support, else least
-    squares on its factor (``O(K³)`` per interior-point step).
+    QPs on its lift where at most half the directions were cut, then one ``O(|S|³)``
+    factorisation on the support, else least squares on its factor (``O(K³)`` per
+    interior-point step).
 
     Args:
         c: ball radius factor, ``0 <= c < 1`` (default 0.4, the paper's NYU-v2 setting).
