@@ -144,6 +144,9 @@ ILL_MAX_PIVOTS = 50
 ROUNDING_MULTIPLE = 2.0
 #: Largest fraction of the eigenvalues at or below the lift for which :func:`_lifted` lifts.
 LIFT_MAX_NULLITY = 1 / 8
+#: The rounding of a symmetric eigen-decomposition per dimension, relative to ``λ_max``
+#: (float64's unit roundoff): :func:`rounding_lift` lifts by no less than its multiple.
+EIGEN_ROUNDING = float(torch.finfo(torch.float64).eps)
 #: The same for the single dual QPs of MGDA and PCD on a lifted cosine matrix
 #: (:mod:`~._min_norm_dual`, :mod:`~._pcd`): one problem on direct factorisations, where
 #: UPGrad's conjugate gradients resolve each rounding eigenvalue. Rows of rank ``3K/4`` lift in
@@ -300,7 +303,7 @@ def _spectrum(q: Tensor, vectors: bool = False) -> _Spectrum:
         lam, pairs = torch.linalg.eigvalsh(q), None
     low, high = lam[[0, -1]].tolist()  # one host sync
     definite = low > 0 and high > 0
-    lift = rounding_lift(lam, low)
+    lift = rounding_lift(lam, low, high=high)
     well = definite and low > high / CHOLESKY_MAX_COND
     rank = q.shape[0]  # well conditioned: full rank, no count (the step's small K)
     if not well:
@@ -311,15 +314,24 @@ def _spectrum(q: Tensor, vectors: bool = False) -> _Spectrum:
 
 
 def rounding_lift(lam: Tensor, low: float | None = None,
-                  max_nullity: float = LIFT_MAX_NULLITY) -> float | None:
-    """The lift of :func:`_lifted` for the ascending eigenvalues ``lam`` (``low``: ``lam[0]``
-    where read already): ``ROUNDING_MULTIPLE·|λ_min|`` where ``λ_min < 0`` and at most
-    ``max_nullity`` of the eigenvalues lie at or below it (the rounding's null space is
-    small), else None."""
+                  max_nullity: float = LIFT_MAX_NULLITY,
+                  high: float | None = None) -> float | None:
+    """The lift of :func:`_lifted` for the ascending eigenvalues ``lam`` (``low``, ``high``:
+    ``lam[0]``, ``lam[-1]`` where read already): ``ROUNDING_MULTIPLE·|λ_min|``, at least
+    ``ROUNDING_MULTIPLE`` times the eigen-decomposition's own rounding ``K·eps·λ_max``
+    (:data:`EIGEN_ROUNDING`), where ``λ_min < 0`` and at most ``max_nullity`` of the
+    eigenvalues lie at or below it (the rounding's null space is small), else None.
+
+    A ``λ_min`` within the decomposition's rounding (a float64 Gramian of parallel rows) is
+    no measure of the matrix's: lifted by twice it, ``Q`` read a negative eigenvalue again
+    and was lifted again, without end (UPGrad at K = 127 on float64 copies: a
+    ``RecursionError``)."""
     low = float(lam[0]) if low is None else low
     if not low < 0.0:
         return None
-    lift = ROUNDING_MULTIPLE * -low
+    high = float(lam[-1]) if high is None else high
+    floor = EIGEN_ROUNDING * lam.shape[0] * max(high, 0.0)
+    lift = ROUNDING_MULTIPLE * max(-low, floor)
     return None if int((lam <= lift).sum()) > max_nullity * lam.shape[0] else lift
 
 

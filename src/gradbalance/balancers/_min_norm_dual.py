@@ -105,7 +105,7 @@ def single_lift(lam: Tensor) -> float | None:
     ``CHOLESKY_MAX_COND``; else None (also for float64 rows, whose rounding is at float64's
     resolution)."""
     low, high = lam[[0, -1]].tolist()  # one host sync
-    lift = rounding_lift(lam, low, SINGLE_LIFT_MAX_NULLITY)
+    lift = rounding_lift(lam, low, SINGLE_LIFT_MAX_NULLITY, high)
     if lift is None or not high + lift < CHOLESKY_MAX_COND * (low + lift):
         return None
     return lift

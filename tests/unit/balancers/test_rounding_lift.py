@@ -29,7 +29,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from gradbalance.balancers import _boxqp, _min_norm_dual, _pcd, _solvers
+from gradbalance.balancers import UPGrad, _boxqp, _min_norm_dual, _pcd, _solvers
 from gradbalance.balancers._boxqp import CHOLESKY_MAX_COND, cosine_spectrum
 from gradbalance.balancers._boxqp import _lifted as lifted
 from gradbalance.balancers._dualproj import dualproj_weights
@@ -334,3 +334,26 @@ def test_cagrad_on_near_duplicates_cut_at_the_rounding(k: int, seed: int) -> Non
         value = float(weights @ lin) + c * float(mean @ lin) ** 0.5 * float(
             weights @ g @ weights) ** 0.5
         assert value == pytest.approx(expected, rel=1e-5, abs=1e-7)
+
+
+def test_a_lift_within_the_decompositions_rounding_is_raised_to_it() -> None:
+    # λ_min = −1e-17 on λ_max = 1 (K = 100): within float64 eigh's rounding, ~K·eps; twice it
+    # would leave the lifted matrix reading a negative eigenvalue again
+    lam = torch.cat([torch.tensor([-1e-17], dtype=F64), torch.linspace(0.1, 1.0, 99, dtype=F64)])
+    floor = 100 * torch.finfo(F64).eps
+    assert _boxqp.rounding_lift(lam) == pytest.approx(2.0 * floor, rel=1e-12, abs=0.0)
+    lam[0] = -1e-9  # a rounding above the floor: its own multiple
+    assert _boxqp.rounding_lift(lam) == pytest.approx(2e-9, rel=1e-12, abs=0.0)
+
+
+@pytest.mark.parametrize(("k", "p", "seed"), [(127, 63, 0), (65, 32, 1), (100, 200, 2)])
+def test_upgrad_on_float64_copies_returns_each_projection(k: int, p: int, seed: int) -> None:
+    # K/2 float32 Gaussian directions each given twice, multiplied in float64 (K = 127,
+    # P = 63, seed 0: the lift of a rounding-level λ_min read a negative eigenvalue again,
+    # recursing without end)
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randn(k - k // 2, p, generator=gen)
+    g = torch.cat([rows, rows[: k // 2]])[torch.randperm(k, generator=gen)].double()
+    u = torch.eye(k, dtype=F64) / k
+    expected = torch.stack([scipy_projection(g, u[i]) for i in range(k)]).sum(dim=0)
+    assert_same_update(UPGrad()(g), expected, g)
