@@ -56,8 +56,10 @@ class NashMTL(Balancer):
     Every task gets ``gₖ·g = 1/αₖ``: the bargaining solution maximises ``Σ log(gₖ·d)`` over
     the ball ``‖d‖ ≤ 1`` (up to scale). Solved by damped Newton with a warm start from the
     previous step. No solution exists when a non-negative combination of the non-zero
-    gradients vanishes (two exactly opposite gradients; any K rows in fewer than K − 1
-    dimensions, as at large K): then it warns (``RuntimeWarning``) and solves
+    gradients vanishes (two exactly opposite gradients; K rows in random directions of an
+    ``r``-dimensional span with probability ``1 − 2^{1−K} Σ_{i<r} C(K−1, i)``, Wendel 1962:
+    near 1 once K is well above ``2r``, as at large K; rows sharing a direction can keep a
+    solution in fewer dimensions): then it warns (``RuntimeWarning``) and solves
     ``(G + εI) α = 1/α``, ``ε = 1e-6 tr G``, as if every gradient had a private
     coordinate ``√ε`` (the update stays bounded: ``αᵀGα ≤ K``), or raises ``SolverError``
     with ``no_solution="raise"``. A zero gradient gets weight 0.
