@@ -78,6 +78,20 @@ class FeaturesMode(RowsEngine):
 
     def backward(self, roots: TaskRoots, first: bool, features: Tensor | None) -> None:
         assert features is not None  # check_backward ran
+        met, bypass = _bypass(roots.scaled, features, self.layout.params)
+        if not met:
+            raise _unread(features)
+        if bypass is not None:
+            index, param = bypass
+            raise ValueError(
+                f"mode='features' backpropagates the losses into the trunk through features= "
+                f"only, but the losses reach shared parameter {index} (shape "
+                f"{tuple(param.shape)}) on a path that does not pass through it (a skip "
+                f"connection around features, a trunk weight tied to or read by a head, a "
+                f"penalty on a trunk weight in a loss, or features= taken before the trunk's "
+                f"last layers): its gradient would be lost; pass the trunk's last output as "
+                f"features=, or use mode='matrix' or 'gramian'"
+            )
         layout = ParamLayout([features])
         dtype = torch.promote_types(layout.dtype, torch.float32)  # autocast: fp16 features
         k = roots.num_tasks
@@ -90,11 +104,7 @@ class FeaturesMode(RowsEngine):
         self.compute(roots, layout, self.matrix, accumulate=False, retain_graph=True,
                      reached=reached)
         if not reached[0]:
-            raise ValueError(
-                f"no task loss depends on features (shape {tuple(features.shape)}), so the "
-                f"trunk would get no gradient; pass the tensor the heads read, from the same "
-                f"forward as the losses"
-            )
+            raise _unread(features)
         self.features = features
 
     def apply(self, balancer: Balancer, step: StepInput) -> StepStats:
@@ -122,3 +132,39 @@ class FeaturesMode(RowsEngine):
 
     def clear(self) -> None:
         self.features = None
+
+
+def _unread(features: Tensor) -> ValueError:
+    return ValueError(
+        f"no task loss depends on features (shape {tuple(features.shape)}), so the trunk "
+        f"would get no gradient; pass the tensor the heads read, from the same forward as "
+        f"the losses"
+    )
+
+
+def _bypass(losses: Tensor, features: Tensor,
+            shared: list[Tensor]) -> tuple[bool, tuple[int, Tensor] | None]:
+    """``(met, found)``: whether the losses' graph reaches ``features``'s node, and ``(i, p)``,
+    the first shared parameter it reaches without passing through that node (its
+    ``AccumulateGrad`` met on a walk from the losses that stops at ``features.grad_fn``),
+    else None. Where every path into the trunk passes through ``features`` the walk reads
+    the heads' part of the graph only (``O(nodes)`` in Python: the heads' layers and the
+    losses); a path around it is walked to its end (the step then refuses)."""
+    wanted = {id(p): i for i, p in enumerate(shared)}
+    stop = features.grad_fn
+    seen: set[Any] = set()
+    stack = [losses.grad_fn]
+    met, found = False, None
+    while stack:
+        node = stack.pop()
+        if node is stop:
+            met = True
+            continue
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if found is None and variable is not None and id(variable) in wanted:
+            found = wanted[id(variable)], variable
+        stack.extend(fn for fn, _ in node.next_functions)
+    return met, found
