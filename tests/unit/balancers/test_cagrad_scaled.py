@@ -35,10 +35,12 @@ def _primal(rows: torch.Tensor, c: float) -> np.ndarray | None:
     caller judges the answers by the primal's constraints and value."""
     g = rows.double().numpy()
     norms = np.linalg.norm(g, axis=1)
+    live = norms > 0.0  # a zero row's gₖ·d is 0: the optimum is at most 0 (t ≤ 0)
     g0 = g.mean(axis=0)
     d, t = cp.Variable(g.shape[1]), cp.Variable()
-    problem = cp.Problem(cp.Maximize(t), [(g / norms[:, None]) @ d >= t * (norms.min() / norms),
-                                          cp.norm(d - g0) <= c * np.linalg.norm(g0)])
+    unit, low = g[live] / norms[live, None], norms[live].min()
+    constraints = [unit @ d >= t * (low / norms[live]), cp.norm(d - g0) <= c * np.linalg.norm(g0)]
+    problem = cp.Problem(cp.Maximize(t), constraints + ([] if live.all() else [t <= 0.0]))
     try:
         problem.solve(solver=cp.CLARABEL)
     except cp.error.SolverError:
