@@ -11,8 +11,8 @@ from torch import Tensor, nn
 from torch.autograd.graph import Node
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["edges", "leaf_uses", "own_output", "reaches", "record_calls", "tensor_hooked",
-           "uses_and_nodes", "uses_below"]
+__all__ = ["edges", "leaf_uses", "own_output", "reached_around", "reaches", "record_calls",
+           "tensor_hooked", "uses_and_nodes", "uses_below"]
 
 
 def edges(*starts: Node | None, stops: Collection[Node] = ()) -> Iterator[tuple[Node, Node]]:
@@ -42,6 +42,21 @@ def reaches(tensor: Tensor, params: Sequence[Tensor]) -> bool:
     """Whether one of ``params`` lies on ``tensor``'s graph (stops at the first found)."""
     ids = {id(p) for p in params}
     return any(_leaf_id(child) in ids for _, child in edges(tensor.grad_fn))
+
+
+def reached_around(tensor: Tensor, stop: Node | None,
+                   params: Sequence[Tensor]) -> tuple[bool, int | None]:
+    """``(met, i)``: whether ``tensor``'s graph reaches ``stop``, and the index in ``params``
+    of the first one it reaches on a path that does not pass through ``stop`` (None: none).
+    The walk does not go below ``stop``."""
+    ids = {id(p): i for i, p in enumerate(params)}
+    met, found = False, None
+    for _, child in edges(tensor.grad_fn, stops=() if stop is None else (stop,)):
+        met = met or child is stop
+        leaf = _leaf_id(child)
+        if found is None and leaf in ids:
+            found = ids[leaf]
+    return met, found
 
 
 def leaf_uses(tensor: Tensor, leaves: Sequence[Tensor],

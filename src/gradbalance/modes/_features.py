@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .._amp import finite_step, unscaled_gramian
+from .._graph import reached_around
 from ..balancers._base import Balancer
 from ..clip._protocol import RowClipper
 from ..distributed import all_gather_columns, all_reduce_grads_and_losses_
@@ -78,16 +79,17 @@ class FeaturesMode(RowsEngine):
 
     def backward(self, roots: TaskRoots, first: bool, features: Tensor | None) -> None:
         assert features is not None  # check_backward ran
-        met, bypass = _bypass(roots.scaled, features, self.layout.params)
+        # a walk of the heads' graph, stopping at features: a path around it is refused
+        met, index = reached_around(roots.scaled, features.grad_fn, self.layout.params)
         if not met:
             raise _unread(features)
-        if bypass is not None:
-            index, param = bypass
+        if index is not None:
             raise ValueError(
                 f"mode='features' backpropagates the losses into the trunk through features= "
                 f"only, but the losses reach shared parameter {index} (shape "
-                f"{tuple(param.shape)}) on a path that does not pass through it (a skip "
-                f"connection around features, a trunk weight tied to or read by a head, a "
+                f"{tuple(self.layout.params[index].shape)}) on a path that does not pass "
+                f"through it (a skip connection around features, a trunk weight tied to or "
+                f"read by a head, a "
                 f"penalty on a trunk weight in a loss, or features= taken before the trunk's "
                 f"last layers): its gradient would be lost; pass the trunk's last output as "
                 f"features=, or use mode='matrix' or 'gramian'"
@@ -140,31 +142,3 @@ def _unread(features: Tensor) -> ValueError:
         f"would get no gradient; pass the tensor the heads read, from the same forward as "
         f"the losses"
     )
-
-
-def _bypass(losses: Tensor, features: Tensor,
-            shared: list[Tensor]) -> tuple[bool, tuple[int, Tensor] | None]:
-    """``(met, found)``: whether the losses' graph reaches ``features``'s node, and ``(i, p)``,
-    the first shared parameter it reaches without passing through that node (its
-    ``AccumulateGrad`` met on a walk from the losses that stops at ``features.grad_fn``),
-    else None. Where every path into the trunk passes through ``features`` the walk reads
-    the heads' part of the graph only (``O(nodes)`` in Python: the heads' layers and the
-    losses); a path around it is walked to its end (the step then refuses)."""
-    wanted = {id(p): i for i, p in enumerate(shared)}
-    stop = features.grad_fn
-    seen: set[Any] = set()
-    stack = [losses.grad_fn]
-    met, found = False, None
-    while stack:
-        node = stack.pop()
-        if node is stop:
-            met = True
-            continue
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)
-        if found is None and variable is not None and id(variable) in wanted:
-            found = wanted[id(variable)], variable
-        stack.extend(fn for fn, _ in node.next_functions)
-    return met, found
