@@ -95,6 +95,17 @@ def _loop(roots: TaskRoots, inputs: list[Tensor], sinks: Sequence[PassSink],
         previous = grads  # noqa: F841  # freed after the next pass allocates: no page faults
 
 
+#: The most of a torch error a message of the step quotes (a dispatcher error lists every
+#: backend, about 60 lines: :func:`first_line`).
+QUOTED_CHARS = 160
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of ``error``'s message, at most ``QUOTED_CHARS`` characters."""
+    line = str(error).strip().split("\n", 1)[0]
+    return line if len(line) <= QUOTED_CHARS else line[: QUOTED_CHARS - 3] + "..."
+
+
 def batched_grads(roots: TaskRoots, inputs: Sequence[Tensor], passes: Passes,
                   retain_graph: bool, start: tuple[Sequence[Tensor], Sequence[Tensor]] | None
                   = None) -> tuple[Tensor | None, ...] | None:
@@ -114,11 +125,12 @@ def batched_grads(roots: TaskRoots, inputs: Sequence[Tensor], passes: Passes,
     except RuntimeError as error:
         if passes == "batched":
             raise RuntimeError(
-                f"passes='batched' failed ({error}); some op in the model has no "
-                f"batching rule: use passes='loop' or 'auto'"
+                f"passes='batched' failed: some op in the model has no batching rule "
+                f"(torch: {first_line(error)}); use passes='loop' or 'auto' (the full "
+                f"error is chained above)"
             ) from error
         warnings.warn(
-            f"batched task gradients unsupported by this model ({str(error)[:120]}); "
+            f"batched task gradients unsupported by this model ({first_line(error)}); "
             f"falling back to the loop of K autograd.grad calls",
             RuntimeWarning,
             stacklevel=5,

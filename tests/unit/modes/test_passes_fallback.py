@@ -84,3 +84,38 @@ def test_forced_batched_raises_in_every_mode(mode: str) -> None:
     with pytest.raises(RuntimeError, match="passes='batched' failed"):
         buf.backward(regression_losses(model(x), y))
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("mode", ["matrix", "gramian"])
+def test_forced_batched_on_a_sparse_embedding_says_the_fix_in_one_line(mode: str) -> None:
+    """``nn.Embedding(sparse=True)`` has no batched backward: the error is one line that names
+    the fix, torch's whole dispatcher message (about 60 lines) chained, nothing moved; the
+    loop (``passes="auto"``) gives ``sum(losses).backward()``'s gradient for Sum."""
+    torch.manual_seed(0)
+    emb, lin = nn.Embedding(10, 4, sparse=True).double(), nn.Linear(4, 4).double()
+    heads = nn.ModuleList([nn.Linear(4, 1) for _ in range(K)]).double()
+    trunk = [*emb.parameters(), *lin.parameters()]
+    x = torch.tensor([1, 3, 3, 7, 0, 9])
+
+    def losses() -> Tensor:
+        f = lin(emb(x))
+        return torch.stack([(h(f) - i).pow(2).mean() for i, h in enumerate(heads)])
+
+    buf = TaskGradBuffer(trunk, list(heads.parameters()), mode=mode, passes="batched",
+                         **({"modules": [emb, lin]} if mode == "gramian" else {}))
+    with pytest.raises(RuntimeError, match="passes='batched' failed") as caught:
+        buf.backward(losses())
+    assert len(str(caught.value).splitlines()) == 1
+    assert "passes='loop' or 'auto'" in str(caught.value)
+    assert "SparseCPU" in str(caught.value.__cause__)
+    assert all(p.grad is None for p in [*trunk, *heads.parameters()])
+
+    buf = TaskGradBuffer(trunk, list(heads.parameters()), mode=mode, passes="auto",
+                         **({"modules": [emb, lin]} if mode == "gramian" else {}))
+    buf.backward(losses())
+    buf.apply_(make_balancer("sum"))
+    got = [p.grad.to_dense() for p in trunk]
+    for p in [*trunk, *heads.parameters()]:
+        p.grad = None
+    losses().sum().backward()
+    _close(got, [p.grad.to_dense() for p in trunk])
