@@ -22,12 +22,13 @@ from torch import Tensor
 
 
 def box_kkt_holds(q: Tensor, lower: Tensor, v: Tensor, rtol: float,
-                  slack: Tensor | None = None) -> Tensor:
+                  slack: Tensor | None = None, vq: Tensor | None = None) -> Tensor:
     """``[B]``: the problems whose ``v`` ``[B, n]`` meets the KKT conditions of ``min ½
     vᵀQv`` s.t. ``v ≥ lower`` to ``rtol dⱼ Σₖ dₖ|vₖ|`` plus ``slack`` (``[B, n]``, where
-    given) on each multiplier (module docstring)."""
+    given) on each multiplier (module docstring); ``vq``: the product ``vQ`` where the caller
+    has it."""
     d = torch.diagonal(q).clamp_min(0.0).sqrt()
-    w = v @ q
+    w = v @ q if vq is None else vq
     bound = rtol * d[None, :] * (v.abs() @ d)[:, None]
     if slack is not None:
         bound = bound + slack

@@ -46,6 +46,7 @@ from torch import Tensor
 
 from ._box_kkt import box_kkt_holds
 from ._cholesky import cholesky_ex, cholesky_solve
+from ._precond import sparse_product
 
 #: ``(Q', lower') → x'``: the reduced box problems' solver (``c = 0``).
 Solve = Callable[[Tensor, Tensor], Tensor]
@@ -88,7 +89,7 @@ def without_combinations(q: Tensor, lower: Tensor, rounding: float, nullity: int
     if residual is None:
         return None
     reduced = q[keep][:, keep]
-    low = lower @ t
+    low = sparse_product(lower, t)  # UPGrad's bounds: one entry per row, a gather
     x = solve(reduced, low)
     out = lower.clone()
     out[:, keep] += (x - low).clamp_min(0.0)
@@ -142,10 +143,14 @@ def _dependencies(null: Tensor) -> tuple[Tensor, Tensor] | None:
     final: dict[int, Tensor] = {}
     for j, coef in reversed(dropped):
         coef = coef.clone()
-        for later, expanded in final.items():
-            if coef[later] != 0:
-                coef = coef + coef[later] * expanded
-                coef[later] = 0.0
+        later = list(final)
+        for _ in range(len(later)):  # one host read per round, not one per row
+            used = [i for i, c in zip(later, coef[later].tolist()) if c != 0]
+            if not used:
+                break
+            for i in used:
+                coef = coef + coef[i] * final[i]
+                coef[i] = 0.0
         final[j] = coef
     keep = torch.nonzero(~gone).flatten()
     t = torch.zeros(k, keep.numel(), dtype=null.dtype)
@@ -215,7 +220,8 @@ def _kkt_holds(q: Tensor, lower: Tensor, x: Tensor, residual: Tensor) -> Tensor:
     lowerⱼ rⱼ`` (at most ``dᵢ Σⱼ |lowerⱼ| ‖rⱼ‖`` on ``wᵢ``, ``dᵢ = ‖ĝᵢ‖``), and a dropped
     row's ``wⱼ = Σ cᵢwᵢ − rⱼᵀz`` (``‖rⱼ‖ ‖z‖`` more), twice that."""
     d = torch.diagonal(q).clamp_min(0.0).sqrt()
-    z = ((x @ q) * x).sum(dim=1).clamp_min(0.0).sqrt()
+    xq = x @ q  # once: the size of z and the multipliers
+    z = (xq * x).sum(dim=1).clamp_min(0.0).sqrt()
     moved = lower.abs() @ residual
     slack = 2.0 * (moved[:, None] * d[None, :] + z[:, None] * residual[None, :])
-    return box_kkt_holds(q, lower, x, KKT_RTOL, slack)
+    return box_kkt_holds(q, lower, x, KKT_RTOL, slack, xq)
