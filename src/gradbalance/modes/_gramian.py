@@ -58,6 +58,8 @@ class GramianMode:
 
     def check_backward(self, features: Tensor | None, count: int, reused: bool) -> None:
         reject_features(self.mode, features)
+        if count > 0 and not reused:  # the routes are the step's first micro-batch's
+            self.recorder.check_later_micro_batch()
 
     def backward(self, roots: TaskRoots, first: bool, features: Tensor | None = None) -> None:
         heads_backward_(roots, self.head_params)

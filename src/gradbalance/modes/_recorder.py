@@ -86,18 +86,21 @@ def _check_called(block: Block, roots: TaskRoots) -> bool:
 
 def _kept_outputs(block: Block) -> list[Tensor]:
     """The outputs ``block``'s calls kept, checked for in-place edits since their forward."""
-    outputs = []
+    check_unedited(block)
+    return [call.output for call in block.calls
+            if call.input is not None and call.output is not None]
+
+
+def check_unedited(block: Block) -> None:
+    """Raises where an input or output ``block``'s calls kept was modified in place after
+    its forward (the activations route would read it)."""
     for call in block.calls:
-        if call.input is None or call.output is None:
-            continue
-        if not _unchanged(call):
+        if call.input is not None and call.output is not None and not _unchanged(call):
             raise RuntimeError(
                 f"mode='gramian': the output or input of module {block.name} was "
                 f"modified in place after its forward (e.g. nn.ReLU(inplace=True)); "
                 f"use out-of-place ops in the trunk or mode='matrix'"
             )
-        outputs.append(call.output)
-    return outputs
 
 
 def _unchanged(call: Call) -> bool:
@@ -169,6 +172,23 @@ class GramianRecorder:
         self.tops.clear()
         for block in self.blocks:
             block.forget()
+
+    def check_later_micro_batch(self) -> None:
+        """Raises before a later micro-batch's passes where the activations route would read
+        an output modified in place (:func:`check_unedited`): refused as a check, the step's
+        earlier micro-batches kept, not dropped by a failure inside the passes. The refused
+        forward's calls are forgotten (its outputs stay edited): the micro-batch's forward runs
+        again."""
+        try:
+            for block in self.linear:
+                if block.route == "activations":
+                    check_unedited(block)
+        except RuntimeError as error:
+            for block in self.linear:
+                block.calls.clear()
+            raise RuntimeError(
+                f"{error}; the step's earlier micro-batches are kept and this one's forward "
+                f"is forgotten: run it again") from None
 
     def _check_recorded(self, roots: TaskRoots, every: bool = False) -> list[Tensor]:
         """The recorded outputs of the activations-route (``every``: all linear) layers."""

@@ -198,3 +198,39 @@ def test_forwards_without_backward_pile_up_with_a_warning() -> None:
     assert all(len(block.calls) == 64 for block in recorder.linear)
     buf.reset()
     assert all(not block.calls for block in recorder.linear)
+
+
+@pytest.mark.parametrize("force", ["activations", None])
+def test_an_in_place_edit_on_a_later_micro_batch_is_refused_before_anything_moves(
+        force: str | None) -> None:
+    """An output the activations route reads, edited in place in micro-batch 2's forward:
+    ``backward`` refuses before anything moves (a check, not a failure that drops the step),
+    so micro-batch 1 stays and a redone micro-batch 2 gives the full batch's update, as
+    ``sum(losses).backward()`` keeps micro-batch 1's gradient when micro-batch 2's raises."""
+    torch.manual_seed(0)
+    trunk = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh()).double()
+    model = MultiTaskModel(trunk, make_heads(6, 3)).double()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 4, generator=gen, dtype=torch.float64)
+    y = torch.randn(8, 3, generator=gen, dtype=torch.float64)
+    trunk_ref, heads_ref, _ = _step(model, x, y, "upgrad", "matrix", (3, 5))
+
+    buf = TaskGradBuffer(model.shared_parameters(), model.head_parameters(), mode="gramian",
+                         passes="loop", modules=model.trunk)
+    buf._engine.recorder.force = force  # type: ignore[attr-defined]
+    buf.backward(regression_losses(model(x[:3]), y[:3]) * (3 / 8))
+    assert buf.layer_routes["2"] == "activations"  # the last layer: by auto's rule too
+    before = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    edited = trunk[:3](x[3:])
+    edited.mul_(1.0)  # the last linear layer's output, kept for the activations route
+    with pytest.raises(RuntimeError, match=r"modified in place.*run it again"):
+        buf.backward(regression_losses([h(trunk[3](edited)) for h in model.heads], y[3:])
+                     * (5 / 8))
+    for p, b in zip(model.parameters(), before):
+        assert (p.grad is None) == (b is None)
+        if b is not None:
+            assert torch.equal(p.grad, b)
+    buf.backward(regression_losses(model(x[3:]), y[3:]) * (5 / 8))  # micro-batch 2, redone
+    buf.apply_(make_balancer("upgrad"))
+    _close(grads_of(model.shared_parameters()), trunk_ref, 1e-9)
+    _close(grads_of(model.head_parameters()), heads_ref, 1e-9)
