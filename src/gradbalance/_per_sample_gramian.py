@@ -365,7 +365,9 @@ def _pair_block(left: Parts, right: Parts) -> Tensor:
     assert left.forms is not None and right.forms is not None
     total = torch.zeros(left.n, right.n, dtype=torch.float64)
     for key, forms in left.forms.items():
-        total = total + summed_blocks(forms, right.forms.get(key, [])).to(total.device)
+        other = right.forms.get(key)
+        if forms and other:  # a parameter one of them does not reach: a zero block
+            total = total + summed_blocks(forms, other).to(total.device)
     return total
 
 
