@@ -202,11 +202,13 @@ class GhostNorms:
         roots = [columns.sum(dim=1)] if not self.per_task else list(columns.unbind(1))
         outputs = [y for layer in layers for y in layer.outputs]
         result = torch.zeros(batch, len(roots), dtype=torch.float64, device=losses.device)
-        for k, root in enumerate(roots):
-            grads = torch.autograd.grad(root.sum() * scale, outputs, retain_graph=True,
-                                        allow_unused=True)
-            self._add_powers(result[:, k], layers, inputs, grams, grads, batch)
-        self.clear()
+        try:
+            for k, root in enumerate(roots):
+                grads = torch.autograd.grad(root.sum() * scale, outputs, retain_graph=True,
+                                            allow_unused=True)
+                self._add_powers(result[:, k], layers, inputs, grams, grads, batch)
+        finally:  # the records are this forward's, used or failed
+            self.clear()
         divisor = scale.detach().double() if isinstance(scale, Tensor) else float(scale)
         norms = result ** (1.0 / self.norm_type) / divisor
         norms = norms.to(torch.promote_types(losses.dtype, torch.float32))
@@ -247,7 +249,9 @@ class GhostNorms:
             at += len(layer.outputs)
             rows[id(layer)] = x, torch.cat([layer.output_rows(t, batch) for t in ds], 1)
         for p in self._bounded:  # every site's gradient summed before the norm
-            column += _powers(self._record.sites[id(p)], rows, grams, self.norm_type)
+            sites = [(layer, w) for layer, w in self._record.sites[id(p)] if id(layer) in rows]
+            if sites:  # else every site is off the losses' graph: 0
+                column += _powers(sites, rows, grams, self.norm_type)
 
     def clear(self) -> None:
         """Drop the recorded inputs and outputs (e.g. after an evaluation under grad)."""
