@@ -84,7 +84,13 @@ def batched_rank(module: nn.Module) -> int:
 
 
 def refusal(module: nn.Module) -> str | None:
-    """Why ``module``'s per-sample gradient has no ghost form here (None: it has one)."""
+    """Why ``module``'s per-sample gradient has no ghost form here (None: it has one). A
+    subclass of a covered layer that overrides ``forward`` (a readout scaling its input, a
+    weight-standardised convolution) has none: the form is the plain layer's, and the hooks
+    see only its input and output."""
+    own = _own_forward(module)
+    if own is not None:
+        return own
     if isinstance(module, (nn.Linear, nn.LayerNorm)):
         return None
     if isinstance(module, nn.Embedding):
@@ -92,6 +98,15 @@ def refusal(module: nn.Module) -> str | None:
     if isinstance(module, (nn.Conv1d, nn.Conv2d)):
         return _conv_refusal(module)
     return type(module).__name__
+
+
+def _own_forward(module: nn.Module) -> str | None:
+    """``"X overrides nn.Y.forward"`` where ``module`` is a covered layer ``nn.Y`` whose class
+    overrides its ``forward``, else None."""
+    for base in COVERED:
+        if isinstance(module, base) and type(module).forward is not base.forward:
+            return f"{type(module).__name__} overrides nn.{base.__name__}.forward"
+    return None
 
 
 def _conv_refusal(module: nn.Conv1d | nn.Conv2d) -> str | None:
