@@ -67,8 +67,10 @@ def per_sample_grad_norms_of_model(
     trained = _trainable(module, params)
     if not trained:
         raise ValueError("module has no trainable parameters to bound")
+    _refuse_training_batch_norm(module)
     fixed = {name: p.detach() for name, p in module.named_parameters() if name not in trained}
-    fixed.update(dict(module.named_buffers()))
+    # copies: a forward that writes a buffer (a running count) writes none of the module's
+    fixed.update({name: b.clone() for name, b in module.named_buffers()})
     detached = {name: p.detach() for name, p in trained.items()}
 
     def sample_losses(theta: dict[str, Tensor], x: Tensor, y: Tensor) -> Tensor:
@@ -84,6 +86,19 @@ def per_sample_grad_norms_of_model(
              for start in range(0, inputs.shape[0], chunk_size)]
     norms = torch.cat(parts) / scale  # [B, K], or [B, 1] for one task / per_task=False
     return norms[:, 0] if norms.shape[1] == 1 else norms
+
+
+def _refuse_training_batch_norm(module: nn.Module) -> None:
+    """Raise ``ValueError`` naming a BatchNorm (or SyncBatchNorm) of ``module`` in training
+    mode: it mixes the samples (per-sample gradients are not defined), and each lane's
+    forward would update its running statistics."""
+    for name, sub in module.named_modules():
+        if isinstance(sub, nn.modules.batchnorm._BatchNorm) and sub.training:
+            raise ValueError(
+                f"module layer {name!r} ({type(sub).__name__} in training mode) mixes the "
+                f"samples of the batch, so per-sample gradients are not defined: put it in "
+                f"eval mode (module.eval()) or use nn.GroupNorm / nn.LayerNorm"
+            )
 
 
 def _check_batch_pair(inputs: object, targets: object) -> None:
@@ -102,7 +117,8 @@ def _default_chunk(sample_losses: Callable[[dict[str, Tensor], Tensor, Tensor], 
                    theta: dict[str, Tensor], inputs: Tensor, targets: Tensor) -> int:
     """Samples per vmap call: as many as fit ``_CHUNK_ELEMENTS`` gradient entries (K from
     one probe sample)."""
-    with torch.no_grad():
+    devices = [inputs.device] if inputs.device.type != "cpu" else []
+    with torch.no_grad(), torch.random.fork_rng(devices):  # the generators as they were
         probe_k = sample_losses(theta, inputs[0], targets[0]).numel()
     numel = sum(p.numel() for p in theta.values())
     return max(1, min(inputs.shape[0], _CHUNK_ELEMENTS // max(numel * probe_k, 1)))
