@@ -88,7 +88,9 @@ class _AutoBase:
             if self._ring is not None and self._count > 0:
                 raise ValueError(
                     f"got {values.numel()} norms but the history holds "
-                    f"{self._ring.shape[1]} per step; use one clipper per set of tasks"
+                    f"{self._ring.shape[1]} per step, one per row (with batch_dim=0 each of "
+                    f"the B·K per-sample objectives: a smaller last batch has fewer); use one "
+                    f"clipper per set of rows, DataLoader(drop_last=True), or TaskClip"
                 )
             self._ring = torch.zeros(self.history_size, values.numel(), dtype=torch.float64,
                                      device=values.device)

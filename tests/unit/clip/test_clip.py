@@ -281,6 +281,23 @@ def test_task_autoclip_per_task_histories_numpy() -> None:
         assert bool(((G * original).sum(1) > 0).all())
 
 
+def test_task_autoclip_refuses_another_row_count_naming_the_fixes() -> None:
+    """One history per row: another number of rows (a smaller last batch under
+    ``batch_dim=0``) is refused with the fixes, the history and the rows untouched."""
+    clipper = TaskAutoClip(history_size=4)
+    clipper(torch.randn(3, 5, dtype=torch.float64))
+    before = clipper.state_dict()
+    rows = torch.randn(2, 5, dtype=torch.float64)
+    original = rows.clone()
+    with pytest.raises(ValueError, match=r"got 2 norms but the history holds 3 .*"
+                                         r"drop_last=True.*TaskClip"):
+        clipper(rows)
+    assert torch.equal(rows, original)
+    after = clipper.state_dict()
+    assert torch.equal(after["history"], before["history"])
+    assert after["count"] == before["count"] and after["position"] == before["position"]
+
+
 def test_task_autoclip_in_step() -> None:
     w = torch.zeros(2, requires_grad=True)
     buf = TaskGradBuffer([w])
