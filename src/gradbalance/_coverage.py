@@ -195,6 +195,11 @@ class Coverage:
         self.shared_reached = set()
 
 
+def hooked_after_accumulation(params: Iterable[Tensor]) -> list[Tensor]:
+    """The parameters of ``params`` with post-accumulate-grad hooks."""
+    return [p for p in params if getattr(p, "_post_accumulate_grad_hooks", None)]
+
+
 def fire_post_accumulate_hooks(params: Iterable[Tensor], reached: set[int]) -> None:
     """Run the post-accumulate-grad hooks of the ``reached`` parameters the step wrote."""
     for p in params:

@@ -152,15 +152,7 @@ class PerSampleBuffer:
         first = not self._losses
         reused = self._cache.reuse_now() if first else self._reused
         scale = scale_of(scaler, vector.device)
-        if not reused:
-            self._check_unmixed(vector, scale)
-        try:
-            part, heads = self._passes(columns, scale, reused, keep=not first)
-            records = self.gramian.snapshot() if first and part is not None else None
-        finally:
-            self.gramian.clear()
-        if part is not None and len(self._parts) == 1 and self._parts[0].forms is None:
-            self._parts[0], self._first = self._first_forms(), []
+        part, heads, records = self._micro_batch(vector, columns, scale, reused, first)
         if records is not None:
             self._first = records
         if part is not None:
@@ -169,6 +161,33 @@ class PerSampleBuffer:
         self._heads = [_add(h, g) for h, g in zip(self._heads, heads)]
         self._scaler, self._scale = scaler, scale
         self._tasks, self._reused = columns.shape[1], reused
+
+    def _micro_batch(self, vector: Tensor, columns: Tensor, scale: Tensor | None,
+                     reused: bool, first: bool
+                     ) -> tuple[Parts | None, list[Tensor | None], Snapshot | None]:
+        """The passes of :meth:`backward` past its checks: ``(part, heads, records)``. The
+        mixing test refuses as a check (the forward's records dropped, the step kept); any
+        failure after it drops the step, torch's generator as the call found it (a hook may
+        have drawn)."""
+        generator = torch.default_generator.get_state()
+        try:
+            refused = None if reused else self._mixing(vector, scale)
+            if refused is None:
+                try:
+                    part, heads = self._passes(columns, scale, reused, keep=not first)
+                    records = self.gramian.snapshot() if first and part is not None else None
+                finally:
+                    self.gramian.clear()
+                if part is not None and len(self._parts) == 1 and self._parts[0].forms is None:
+                    self._parts[0], self._first = self._first_forms(), []
+        except BaseException:  # past the checks: the step dropped (docs/loop.md)
+            torch.default_generator.set_state(generator)
+            self._end_step()
+            raise
+        if refused is not None:
+            self.gramian.clear()
+            raise refused
+        return part, heads, records
 
     def _checked(self, losses: Any, scaler: Any, features: Tensor | None) -> Tensor:
         """Every check of :meth:`backward`: the arguments (fix the call and repeat it with
@@ -196,24 +215,20 @@ class PerSampleBuffer:
         self.gramian.check(vector)
         return vector
 
-    def _check_unmixed(self, vector: Tensor, scale: Tensor | None) -> None:
-        """Refuse (``ValueError``, records dropped) a trunk that mixes the samples after a
-        recorded layer (:mod:`gradbalance._per_sample_mixing`): checked once per structure
-        of recorded calls, number of task columns and batch size, ``1 + ⌈log₂ B⌉`` extra
-        gradient passes then."""
+    def _mixing(self, vector: Tensor, scale: Tensor | None) -> ValueError | None:
+        """The refusal (``ValueError``) of a trunk that mixes the samples after a recorded
+        layer (:mod:`gradbalance._per_sample_mixing`), None where it does not: checked once
+        per structure of recorded calls, number of task columns and batch size, ``1 +
+        ⌈log₂ B⌉`` extra gradient passes then (a failure inside them raises)."""
         structure = (self.gramian.calls(), *vector.reshape(vector.shape[0], -1).shape)
         if structure in self._unmixed:
-            return
-        try:
-            mixing = mixed_outputs(vector, scale, self.gramian.named_outputs())
-        except BaseException:
-            self.gramian.clear()
-            raise
+            return None
+        mixing = mixed_outputs(vector, scale, self.gramian.named_outputs())
         if mixing:
-            self.gramian.clear()
-            raise mixing_error(mixing, "use batch_dim=None")
+            return mixing_error(mixing, "use batch_dim=None")
         if mixing is not None and len(self._unmixed) < MAX_STRUCTURES:
             self._unmixed.add(structure)
+        return None
 
     def _first_forms(self) -> Parts:
         """The first micro-batch's layer forms, which a second micro-batch's cross terms

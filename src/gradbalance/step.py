@@ -44,6 +44,7 @@ from ._coverage import (
     _module_names,
     check_other_params,
     fire_post_accumulate_hooks,
+    hooked_after_accumulation,
     sum_backward_,
 )
 from ._per_sample_buffer import PerSampleBuffer, check_per_sample_losses
@@ -272,6 +273,7 @@ class TaskGradBuffer:
             roots = TaskRoots(losses, vector, scale, past_the_stack=not self.sharded)
         if first:
             self._heads_before = GradSnapshot([*self.head_params, *others])
+        generator = torch.default_generator.get_state()  # a hook may draw: put back on failure
         try:
             with no_autocast(self.layout.device):
                 sum_backward_(roots.scaled.sum(), others)
@@ -283,6 +285,7 @@ class TaskGradBuffer:
                 else:
                     self._engine.backward(roots, first, features)
         except BaseException:
+            torch.default_generator.set_state(generator)
             self._abort()
             raise
         if self.num_tasks is None:
@@ -347,6 +350,11 @@ class TaskGradBuffer:
                              f"weights across steps (applied in backward); pass active=None "
                              f"or use update_every=1")
         masked = mask_balancer(balancer, index, step.losses.shape[0])
+        # a hook that raises drops the step too: the trunk's .grad put back (no copy while
+        # None, as for optimizer-in-backward hooks), only where a hook is there to run
+        fired = not self.sharded and bool(hooked_after_accumulation(self.layout.params))
+        trunk_before = GradSnapshot(self.layout.params) if fired else None
+        cache_before = self._cache.mark()
         try:
             with no_autocast(self.layout.device):
                 if self._reused:
@@ -359,10 +367,15 @@ class TaskGradBuffer:
         except BaseException:
             self._abort()
             raise
-        reached = self._coverage.shared_reached
+        if trunk_before is not None:  # FSDP2's passes accumulate .grad, running them itself
+            try:
+                fire_post_accumulate_hooks(self.layout.params, self._coverage.shared_reached)
+            except BaseException:
+                trunk_before.restore()
+                self._cache.rewind(cache_before)
+                self._abort()
+                raise
         self._end_step()
-        if not self.sharded:  # FSDP2's passes accumulate .grad, running the hooks themselves
-            fire_post_accumulate_hooks(self.layout.params, reached)
         return stats
 
     def _checked_step(self, balancer: Balancer, scaler: Any,

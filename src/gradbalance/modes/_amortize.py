@@ -64,6 +64,14 @@ class WeightCache:
         self._owner = weakref.ref(balancer)
         self.step += 1
 
+    def mark(self) -> tuple[int, Tensor | None, weakref.ref[Balancer] | None]:
+        """The counter, the weights and their balancer as they are (:meth:`rewind`)."""
+        return self.step, self.weights, self._owner
+
+    def rewind(self, mark: tuple[int, Tensor | None, weakref.ref[Balancer] | None]) -> None:
+        """Back to :meth:`mark`'s state (a step dropped after it counted)."""
+        self.step, self.weights, self._owner = mark
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "update_every": self.update_every,
