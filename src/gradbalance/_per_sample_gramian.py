@@ -32,7 +32,7 @@ from ._per_sample_eager import Recorded, Slots, Snapshot, edge_of, lowest
 from ._per_sample_fallback import per_sample_grads
 from ._per_sample_forms import Form, block, layer_form, summed_blocks
 from ._per_sample_update import CONVOLUTIONS, LayerOperands, combined_grads, conv_sum, site_sum
-from .clip._per_sample_layers import HookedLayer, refusal
+from .clip._per_sample_layers import HookedLayer, refusal, refuse_training_batch_norm
 from .clip._per_sample_record import Fallback, LayerRecorder
 
 __all__ = ["Parts", "PerSampleGramian", "Snapshot", "as_modules", "refuse_mixing"]
@@ -68,15 +68,7 @@ def as_modules(modules: Any) -> list[tuple[str, nn.Module]]:
 def refuse_mixing(roots: list[tuple[str, nn.Module]]) -> None:
     """Raise ``ValueError`` naming the first layer of the trunk (:func:`as_modules`) that
     mixes the samples: BatchNorm or SyncBatchNorm in training mode."""
-    for prefix, root in roots:
-        for name, sub in root.named_modules():
-            if isinstance(sub, nn.modules.batchnorm._BatchNorm) and sub.training:
-                raise ValueError(
-                    f"layer {_joined(prefix, name)!r} ({type(sub).__name__} in training "
-                    f"mode) mixes the samples of the batch, so per-sample gradients are "
-                    f"not defined: use nn.GroupNorm or nn.LayerNorm, or put it in eval "
-                    f"mode (module.eval()), or use batch_dim=None"
-                )
+    refuse_training_batch_norm(roots, ", or use batch_dim=None")
 
 
 #: Modules whose forward reads the parameters of their submodules itself rather than calling

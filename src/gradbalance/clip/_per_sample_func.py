@@ -14,6 +14,7 @@ from torch.func import functional_call, jacrev, vmap
 
 from .._checks import check_bool, check_norm_type, check_optional_int
 from ._per_sample_graph import _CHUNK_ELEMENTS, batched_norms
+from ._per_sample_layers import refuse_training_batch_norm
 
 __all__ = ["per_sample_grad_norms_of_model"]
 
@@ -67,7 +68,7 @@ def per_sample_grad_norms_of_model(
     trained = _trainable(module, params)
     if not trained:
         raise ValueError("module has no trainable parameters to bound")
-    _refuse_training_batch_norm(module)
+    refuse_training_batch_norm([("", module)], "")  # before any forward
     fixed = {name: p.detach() for name, p in module.named_parameters() if name not in trained}
     # copies: a forward that writes a buffer (a running count) writes none of the module's
     fixed.update({name: b.clone() for name, b in module.named_buffers()})
@@ -86,19 +87,6 @@ def per_sample_grad_norms_of_model(
              for start in range(0, inputs.shape[0], chunk_size)]
     norms = torch.cat(parts) / scale  # [B, K], or [B, 1] for one task / per_task=False
     return norms[:, 0] if norms.shape[1] == 1 else norms
-
-
-def _refuse_training_batch_norm(module: nn.Module) -> None:
-    """Raise ``ValueError`` naming a BatchNorm (or SyncBatchNorm) of ``module`` in training
-    mode: it mixes the samples (per-sample gradients are not defined), and each lane's
-    forward would update its running statistics."""
-    for name, sub in module.named_modules():
-        if isinstance(sub, nn.modules.batchnorm._BatchNorm) and sub.training:
-            raise ValueError(
-                f"module layer {name!r} ({type(sub).__name__} in training mode) mixes the "
-                f"samples of the batch, so per-sample gradients are not defined: put it in "
-                f"eval mode (module.eval()) or use nn.GroupNorm / nn.LayerNorm"
-            )
 
 
 def _check_batch_pair(inputs: object, targets: object) -> None:

@@ -7,9 +7,11 @@ diagonal of the per-sample Gramian) and the per-sample Gramian of ``batch_dim=0`
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from torch import Tensor, nn
 
-__all__ = ["COVERED", "HookedLayer", "batched_rank", "refusal"]
+__all__ = ["COVERED", "HookedLayer", "batched_rank", "refusal", "refuse_training_batch_norm"]
 
 #: The layers with a ghost form.
 COVERED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.LayerNorm, nn.Embedding)
@@ -98,6 +100,22 @@ def refusal(module: nn.Module) -> str | None:
     if isinstance(module, (nn.Conv1d, nn.Conv2d)):
         return _conv_refusal(module)
     return type(module).__name__
+
+
+def refuse_training_batch_norm(roots: Iterable[tuple[str, nn.Module]], instead: str) -> None:
+    """Raise ``ValueError`` naming the first BatchNorm (or SyncBatchNorm) in training mode
+    under the ``(prefix, module)`` pairs ``roots``: it mixes the samples (per-sample
+    gradients are not defined); ``instead``: the caller's last fix (``", or ..."``)."""
+    for prefix, root in roots:
+        for name, sub in root.named_modules():
+            if isinstance(sub, nn.modules.batchnorm._BatchNorm) and sub.training:
+                where = f"{prefix}.{name}" if prefix and name else prefix or name
+                raise ValueError(
+                    f"layer {where!r} ({type(sub).__name__} in training mode) mixes the "
+                    f"samples of the batch, so per-sample gradients are not defined: use "
+                    f"nn.GroupNorm or nn.LayerNorm, or put it in eval mode "
+                    f"(module.eval()){instead}"
+                )
 
 
 def _own_forward(module: nn.Module) -> str | None:
