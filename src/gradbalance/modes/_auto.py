@@ -151,6 +151,8 @@ class AutoMode:
 
     def check_backward(self, features: Tensor | None, count: int, reused: bool) -> None:
         reject_features(self.mode, features)
+        if self.route == "gramian" and self._gramian is not None:  # a later micro-batch's
+            self._gramian.check_backward(features, count, reused)  # check as gramian's
 
     def backward(self, roots: TaskRoots, first: bool, features: Tensor | None = None) -> None:
         if first:

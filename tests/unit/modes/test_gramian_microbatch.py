@@ -200,9 +200,10 @@ def test_forwards_without_backward_pile_up_with_a_warning() -> None:
     assert all(not block.calls for block in recorder.linear)
 
 
+@pytest.mark.parametrize("mode", ["gramian", "auto"])
 @pytest.mark.parametrize("force", ["activations", None])
 def test_an_in_place_edit_on_a_later_micro_batch_is_refused_before_anything_moves(
-        force: str | None) -> None:
+        force: str | None, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """An output the activations route reads, edited in place in micro-batch 2's forward:
     ``backward`` refuses before anything moves (a check, not a failure that drops the step),
     so micro-batch 1 stays and a redone micro-batch 2 gives the full batch's update, as
@@ -215,9 +216,13 @@ def test_an_in_place_edit_on_a_later_micro_batch_is_refused_before_anything_move
     y = torch.randn(8, 3, generator=gen, dtype=torch.float64)
     trunk_ref, heads_ref, _ = _step(model, x, y, "upgrad", "matrix", (3, 5))
 
-    buf = TaskGradBuffer(model.shared_parameters(), model.head_parameters(), mode="gramian",
+    buf = TaskGradBuffer(model.shared_parameters(), model.head_parameters(), mode=mode,
                          passes="loop", modules=model.trunk)
-    buf._engine.recorder.force = force  # type: ignore[attr-defined]
+    engine = buf._engine
+    if mode == "auto":  # its gramian route, whatever its rule picks for this model
+        monkeypatch.setattr(engine, "_decide", lambda roots: "gramian")
+        engine = engine._gramian  # type: ignore[attr-defined]
+    engine.recorder.force = force  # type: ignore[attr-defined]
     buf.backward(regression_losses(model(x[:3]), y[:3]) * (3 / 8))
     assert buf.layer_routes["2"] == "activations"  # the last layer: by auto's rule too
     before = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
