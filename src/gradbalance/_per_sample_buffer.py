@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from ._amp import poison_, scale_of
-from ._checks import as_parameter_list, check_batch_dim
+from ._checks import as_parameter_list, check_batch_dim, check_int
 from ._coverage import Coverage, _module_names
 from ._per_sample_gramian import Parts, PerSampleGramian, Snapshot
 from ._per_sample_mixing import mixed_outputs, mixing_error
@@ -41,6 +41,7 @@ from ._per_sample_step import (
     reused_update,
 )
 from ._step_inputs import refuse_complex
+from .balancers import balancer_names
 from .balancers._base import Balancer
 from .balancers._checks import check_balancer
 from .distributed import check_step_agreement, resolve_process_group
@@ -138,6 +139,7 @@ class PerSampleBuffer:
         self._tasks = 0  # the step's K (task columns of every micro-batch)
         self._reused = False  # the step reuses update_every's cached weights
         self._unmixed: set[tuple[tuple[int, ...], int]] = set()  # structures checked unmixed
+        self._steps = 0  # steps begun; apply_ compares it across the ranks
 
     def backward(self, losses: Tensor | Sequence[Tensor], scaler: Any = None,
                  features: Tensor | None = None) -> None:
@@ -150,6 +152,7 @@ class PerSampleBuffer:
         vector = self._checked(losses, scaler, features)
         columns = vector.reshape(vector.shape[0], -1)
         first = not self._losses
+        self._steps += int(first)  # a step begun counts, dropped or finished (as for tasks)
         reused = self._cache.reuse_now() if first else self._reused
         scale = scale_of(scaler, vector.device)
         part, heads, records = self._micro_batch(vector, columns, scale, reused, first)
@@ -337,9 +340,10 @@ class PerSampleBuffer:
         if group is not None:  # every rank runs the same kind of step: checked first
             check_step_agreement(group, num_tasks=self._tasks, shared=self.shared,
                                  heads=self.head_params, mode="per_sample",
-                                 update_every=self._cache.update_every, step=self._cache.step,
+                                 update_every=self._cache.update_every, step=self._steps,
                                  count=len(self._losses), reused=self._reused,
-                                 modes=("per_sample",))
+                                 modes=("per_sample", *balancer_names()),
+                                 balancer=type(balancer).__name__)
         return group
 
     def _write(self, trunk: Sequence[Tensor | None], heads: list[Tensor | None],
@@ -367,22 +371,27 @@ class PerSampleBuffer:
         return bool(self._losses)
 
     def state_dict(self) -> dict[str, Any]:
-        """``update_every``'s counter and cached weights (``{}`` with ``update_every=1``:
-        the route keeps no other state across steps)."""
-        return self._cache.state_dict() if self._cache.active else {}
+        """``update_every``'s counter and cached weights (with ``update_every > 1``) and
+        ``steps_begun`` (the data-parallel ranks compare it in ``apply_``; a step in progress
+        is not counted: a run resumed from it repeats that step whole)."""
+        steps = {"steps_begun": self._steps - int(bool(self._losses))}
+        return {**self._cache.state_dict(), **steps} if self._cache.active else steps
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output (checked whole before anything changes)."""
+        """Restore :meth:`state_dict` output (checked whole before anything changes; a state
+        saved without ``steps_begun`` resumes it at 0)."""
         state = dict(state_dict)
-        unknown = sorted(set(state) - {"update_every", "step", "weights"})
+        unknown = sorted(set(state) - {"update_every", "step", "weights", "steps_begun"})
         if unknown:
             raise ValueError(
                 f"state_dict has keys {unknown}, but a batch_dim=0 buffer keeps no state "
-                f"but update_every's ('update_every', 'step', 'weights'): pass the "
-                f"state_dict() of a batch_dim=0 buffer"
+                f"but update_every's ('update_every', 'step', 'weights') and 'steps_begun': "
+                f"pass the state_dict() of a batch_dim=0 buffer"
             )
+        steps = check_int("state_dict['steps_begun']", state.pop("steps_begun", 0), 0)
         if state:
             self._cache.load_state_dict(state, None)
+        self._steps = steps
 
     def reset(self, keep_weights: bool = False) -> None:
         """Drop the step (the records and the pending Gramian); then ``update_every``'s

@@ -120,7 +120,7 @@ def _who(ranks: list[int]) -> str:
 
 
 _PLURAL = {"has": "have", "is": "are", "reuses": "reuse", "recomputes": "recompute",
-           "passes": "pass"}
+           "passes": "pass", "applies": "apply"}
 
 
 def _disagreement(phrases: list[str]) -> str:
@@ -170,6 +170,9 @@ _STEP_FIELDS: dict[str, tuple[str, str]] = {
              "a rank skipped apply_() (it began a step with backward() and dropped it, or "
              "called reset()) or resumed from another checkpoint; every rank must run every "
              "step"),
+    "balancer": ("applies {}", "pass the same balancer class to apply_() on every rank"),
+    "masked": ("passes active={}", "pass active= on every rank or on none (the masks are "
+               "combined: a task active on any rank is active)"),
     "count": ("has {} backward() call(s) in this step",
               "a rank skipped apply_() (its backward() calls then add up into the next step) "
               "or runs another number of micro-batches; every rank must call backward() as "
@@ -183,8 +186,18 @@ def _reads(key: str, value: int, names: dict[str, str], modes: Sequence[str]) ->
     """How ``value`` of field ``key`` reads (``names``: this rank's mode and dtype)."""
     if key == "reused":
         return "reuses cached weights (update_every)" if value else "recomputes the weights"
+    if key == "masked":
+        return _STEP_FIELDS[key][0].format("<a mask>" if value else "None")
     shown: object = _name_of(value, names[key], modes) if key in names else value
     return _STEP_FIELDS[key][0].format(shown)
+
+
+def combined_mask(active: Tensor, group: Any) -> Tensor:
+    """``active`` (a bool ``[K]`` mask) OR-ed over the ranks of ``group``: a task labelled on
+    any rank's shard is active in the global batch (one all-reduce of ``K`` bytes)."""
+    mask = active.to(torch.uint8)
+    dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=group)
+    return mask.bool()
 
 
 def check_step_agreement(
@@ -199,9 +212,14 @@ def check_step_agreement(
     count: int,
     reused: bool,
     modes: Sequence[str] = (),
+    balancer: str = "",
+    masked: bool = False,
 ) -> None:
     """Raise :class:`RankAgreementError` on every rank unless all run the same step (one
-    all-gather of nine int64s); ``modes`` names another rank's mode in the error."""
+    all-gather of eleven int64s); ``modes`` names another rank's mode in the error,
+    ``balancer`` is the balancer's class name (another rank's named where it is one of
+    ``modes``: the caller passes the registered classes' names), ``masked`` whether
+    ``active=`` was given."""
     dtype = str(shared[0].dtype) if shared else ""
     local = {
         "num_tasks": num_tasks,
@@ -211,10 +229,12 @@ def check_step_agreement(
         "mode": _code(mode),
         "update_every": update_every,
         "step": step,
+        "balancer": _code(balancer),
+        "masked": int(masked),
         "count": count,
         "reused": int(reused),
     }
-    names = {"dtype": dtype, "mode": mode}
+    names = {"dtype": dtype, "mode": mode, "balancer": balancer}
     rows = _gather_ints(list(local.values()), group, "TaskGradBuffer.apply_()")
     problems = []
     for i, key in enumerate(local):

@@ -53,16 +53,22 @@ from ._sharding import is_sharded
 from ._step_inputs import refuse_complex
 from ._step_state import GradWatch
 from ._threads import StepOwner
+from .balancers import balancer_names
 from .balancers._base import Balancer
 from .balancers._checks import check_balancer
 from .clip._checks import check_row_clipper
 from .clip._protocol import RowClipper
-from .distributed import check_mesh_group, check_step_agreement, resolve_process_group
+from .distributed import (
+    check_mesh_group,
+    check_step_agreement,
+    combined_mask,
+    resolve_process_group,
+)
 from .modes import ENGINES, Engine, Mode, StepInput, make_engine
 from .modes._amortize import ReusedStep, WeightCache
 from .modes._engine import check_saved_passes
 from .modes._layout import columns_of
-from .modes._masked import check_active, mask_balancer
+from .modes._masked import check_active, check_active_mask, mask_balancer
 from .modes._rollback import GradSnapshot, StateSnapshot
 from .stats import StepStats, summed_tasks
 from .taskgrads import ParamLayout, Passes, TaskRoots, resolve_passes
@@ -343,13 +349,11 @@ class TaskGradBuffer:
 
     def _apply(self, balancer: Balancer, scaler: Any, clip: RowClipper | None,
                active: Tensor | None) -> StepStats:
-        step = self._checked_step(balancer, scaler, clip)
-        index = check_active(active, step.losses.shape[0])
-        if index is not None and self._cache.active:
-            raise ValueError(f"active drops tasks, but update_every={self.update_every} reuses "
-                             f"weights across steps (applied in backward); pass active=None "
-                             f"or use update_every=1")
-        masked = mask_balancer(balancer, index, step.losses.shape[0])
+        if active is not None and self._losses is not None:  # before the ranks' collectives
+            active = check_active_mask(active, self._losses.shape[0])
+        step = self._checked_step(balancer, scaler, clip, active is not None)
+        masked = mask_balancer(balancer, self._active_index(active, step),
+                               step.losses.shape[0])
         # a hook that raises drops the step too: the trunk's .grad put back (no copy while
         # None, as for optimizer-in-backward hooks), only where a hook is there to run
         fired = not self.sharded and bool(hooked_after_accumulation(self.layout.params))
@@ -378,8 +382,20 @@ class TaskGradBuffer:
         self._end_step()
         return stats
 
+    def _active_index(self, active: Tensor | None, step: StepInput) -> Tensor | None:
+        """The active tasks' indices (None: all), the ranks' masks OR-ed first (a task with
+        labels on any rank's shard is active in the global batch)."""
+        if active is not None and step.group is not None:
+            active = combined_mask(active, step.group)
+        index = check_active(active, step.losses.shape[0])
+        if index is not None and self._cache.active:
+            raise ValueError(f"active drops tasks, but update_every={self.update_every} reuses "
+                             f"weights across steps (applied in backward); pass active=None "
+                             f"or use update_every=1")
+        return index
+
     def _checked_step(self, balancer: Balancer, scaler: Any,
-                      clip: RowClipper | None) -> StepInput:
+                      clip: RowClipper | None, masked: bool = False) -> StepInput:
         """Every check of ``apply_`` (nothing moves if one raises); the engine's input."""
         if self._count == 0 or self._losses is None:
             raise RuntimeError(
@@ -410,7 +426,9 @@ class TaskGradBuffer:
                                  shared=self.layout.params, heads=self.head_params,
                                  mode=self.mode, update_every=self.update_every,
                                  step=self._steps, count=self._count, reused=self._reused,
-                                 modes=tuple(ENGINES))
+                                 modes=(*ENGINES, *balancer_names()),
+                                 balancer=type(balancer).__name__,
+                                 masked=masked)
         self._states_before = StateSnapshot(balancer, clip)
         return StepInput(self._losses, self._scale, self._count, clip, group,
                          self._states_before)
@@ -507,14 +525,19 @@ class TaskGradBuffer:
         """``mode="gramian"`` (and ``"auto"`` on a ``gramian`` step): the route each trunk
         ``nn.Linear`` or convolution took in the current or last step, by module name,
         ``"activations"`` or ``"rows"`` (docs/performance.md, "gramian"); None in the other
-        modes."""
+        modes and with ``batch_dim=0``."""
+        if self._per_sample is not None:
+            return None
         routes: dict[str, str] | None = getattr(self._engine, "layer_routes", None)
         return None if routes is None else dict(routes)
 
     @property
     def matrix(self) -> Tensor | None:
         """The accumulated ``[K, P]`` task gradients (scaled, if a scaler was given), or None;
-        on a sharded trunk this rank's columns ``[K, P_local]``."""
+        on a sharded trunk this rank's columns ``[K, P_local]``; None with ``batch_dim=0``
+        (the step keeps the Gramian of the objectives, never their rows)."""
+        if self._per_sample is not None:
+            return None
         return self._engine.matrix if self._count > 0 else None
 
     def reset(self, *, keep_weights: bool = False) -> None:

@@ -51,6 +51,29 @@ def test_skipped_apply_raises_instead_of_pairing_with_the_next_step(
                        "rank 1 recomputes the weights, rank 0 reuses cached weights")
 
 
+def test_other_balancers_or_a_mask_on_one_rank_raise(ranks: list[dict[str, Any]]) -> None:
+    _raised_everywhere(ranks, "balancer", "rank 1 applies Sum, rank 0 applies Mean",
+                       "the same balancer class")
+    _raised_everywhere(ranks, "one_mask", "rank 1 passes active=<a mask>, rank 0 passes "
+                       "active=None")
+
+
+def test_each_ranks_mask_is_combined_into_the_global_batchs(
+        ranks: list[dict[str, Any]]) -> None:
+    # task 1 has labels on rank 0's shard only: active for the global batch, on every rank
+    for rank in ranks:
+        for own, combined in zip(rank["masks"]["own"], rank["masks"]["combined"]):
+            assert torch.equal(own, combined)
+    for p, q in zip(ranks[0]["masks"]["own"], ranks[1]["masks"]["own"]):
+        assert torch.equal(p, q)
+    assert [float(rank["masks"]["weights"][2]) for rank in ranks] == [0.0, 0.0]
+
+
+def test_a_per_sample_step_dropped_on_one_rank_raises(ranks: list[dict[str, Any]]) -> None:
+    _raised_everywhere(ranks, "per_sample_reset", "rank 1 is at step 3, rank 0 is at step 2")
+    assert [rank["per_sample_reset"]["step"] for rank in ranks] == [1, 2]
+
+
 def test_resume_keeps_agreement(ranks: list[dict[str, Any]]) -> None:
     for rank in ranks:
         resume = rank["resume"]

@@ -410,6 +410,58 @@ def _case_resume(rank: int) -> dict[str, Any]:
     return out
 
 
+def _case_balancer(rank: int) -> dict[str, Any]:
+    """One step where the ranks apply different balancer classes."""
+    model = _failure_model()
+    buf = TaskGradBuffer(model.shared_parameters(), model.head_parameters())
+    _backward(model, buf, 0)
+    return _raises(lambda: buf.apply_(Mean() if rank == 0 else Sum()), model, buf)
+
+
+def _case_one_mask(rank: int) -> dict[str, Any]:
+    """One step where rank 1 alone passes ``active=``."""
+    model = _failure_model()
+    buf = TaskGradBuffer(model.shared_parameters(), model.head_parameters())
+    _backward(model, buf, 0)
+    mask = torch.tensor([True, False, True]) if rank == 1 else None
+    return _raises(lambda: buf.apply_(Sum(), active=mask), model, buf)
+
+
+def _case_masks(rank: int) -> dict[str, Any]:
+    """Each rank's own mask (task 1 labelled on rank 0's shard only, task 2 on none): the
+    step is the one of the combined mask on every rank."""
+    from gradbalance.balancers import MGDA
+
+    grads = []
+    for active in (torch.tensor([True, rank == 0, False]), torch.tensor([True, True, False])):
+        model = _failure_model()
+        buf = TaskGradBuffer(model.shared_parameters(), model.head_parameters())
+        _backward(model, buf, 0)
+        stats = buf.apply_(MGDA(), active=active)
+        grads.append([p.grad.clone() for p in model.shared_parameters()])
+    return {"own": grads[0], "combined": grads[1], "weights": stats.weights}
+
+
+def _case_per_sample_reset(rank: int) -> dict[str, Any]:
+    """``batch_dim=0`` steps; rank 1 drops step 1 by ``reset()`` (the out-of-memory recovery
+    of docs/loop.md) while rank 0 runs it: the next ``apply_`` raises on both ranks."""
+    model = _failure_model()
+    buf = TaskGradBuffer(model.shared_parameters(), model.head_parameters(),
+                         modules=model.trunk, batch_dim=0)
+    for step in range(3):
+        x, y = data(step + 1)
+        losses = (torch.cat(model(x[step, :4]), dim=1) - y[step, :4, :K]) ** 2
+        buf.backward(losses)
+        if step == 1 and rank == 1:
+            buf.reset(keep_weights=True)
+            continue
+        result = _raises(lambda: buf.apply_(Sum()), model, buf)
+        if result["type"] is not None:
+            return {**result, "step": step}
+        model.zero_grad(set_to_none=True)
+    return {"type": None, "text": "", "moved": False, "step": 3}
+
+
 def _error_of(call: Any, watched: list[Tensor]) -> dict[str, Any]:
     """``call``'s error (type, text) and whether ``watched`` changed meanwhile."""
     before = [t.clone() for t in watched]
@@ -464,6 +516,10 @@ def failure_cases(rank: int, world: int, out_dir: str) -> dict[str, Any]:
         "reused": _case_skip(rank, "reset", update_every=2),
         "resume": _case_resume(rank),
         "layout": _case_layout(rank),
+        "balancer": _case_balancer(rank),
+        "one_mask": _case_one_mask(rank),
+        "masks": _case_masks(rank),
+        "per_sample_reset": _case_per_sample_reset(rank),
     }
     results["stall"] = _case_stall(rank, os.path.join(out_dir, "rank0-gave-up"))
     return results

@@ -52,6 +52,11 @@ register(BALANCERS, [
 ], "balancer")
 
 
+def balancer_names() -> tuple[str, ...]:
+    """The class names of the registered balancers (yours too, once registered)."""
+    return tuple(cls.__name__ for cls in BALANCERS.values())
+
+
 def get_balancer(name: str, **kwargs: Any) -> Balancer:
     """Build a balancer by registry name (case, - and _ ignored), e.g. ``"pcgrad"``.
 

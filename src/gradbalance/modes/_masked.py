@@ -35,6 +35,18 @@ def check_active(active: Any, k: int) -> Tensor | None:
     """
     if active is None:
         return None
+    mask = check_active_mask(active, k)
+    if not bool(mask.any()):
+        raise ValueError(f"active is all False ({mask.tolist()}): no task has labels in this "
+                         f"batch, so there is nothing to balance; skip the step (do not call "
+                         f"backward/apply_ for it)")
+    return None if bool(mask.all()) else mask.nonzero().reshape(-1)
+
+
+def check_active_mask(active: Any, k: int) -> Tensor:
+    """``active`` as a bool ``[K]`` CPU tensor; raises ``ValueError``/``TypeError`` naming
+    ``active`` for anything else (an all-False mask passes: data-parallel ranks combine
+    theirs first)."""
     if not isinstance(active, Tensor) or active.dtype != torch.bool:
         found = active.dtype if isinstance(active, Tensor) else type(active).__name__
         raise TypeError(f"active must be a bool tensor [K] (True: the task has labels in this "
@@ -42,12 +54,7 @@ def check_active(active: Any, k: int) -> Tensor | None:
     if active.dim() != 1 or active.numel() != k:
         raise ValueError(f"active must have shape [K] = [{k}] (one entry per task), got "
                          f"shape {tuple(active.shape)}")
-    mask = active.detach().cpu()
-    if not bool(mask.any()):
-        raise ValueError(f"active is all False ({mask.tolist()}): no task has labels in this "
-                         f"batch, so there is nothing to balance; skip the step (do not call "
-                         f"backward/apply_ for it)")
-    return None if bool(mask.all()) else mask.nonzero().reshape(-1)
+    return active.detach().cpu()
 
 
 def check_maskable(balancer: Balancer) -> None:

@@ -197,10 +197,13 @@ def test_options_of_the_task_route_are_refused() -> None:
     buf = _setup(model)
     with pytest.raises(ValueError, match="features= is for mode='features'"):
         buf.backward(model(torch.randn(4, 3))[:, 0], features=torch.ones(4, 3))
-    assert buf.mode == "per_sample" and buf.state_dict() == {}
+    assert buf.mode == "per_sample" and buf.state_dict() == {"steps_begun": 0}
     buf.load_state_dict({})
-    with pytest.raises(ValueError, match=r"keys \['steps_begun'\].*keeps no state"):
-        buf.load_state_dict({"steps_begun": 3})
+    with pytest.raises(ValueError, match=r"keys \['count'\].*keeps no state"):
+        buf.load_state_dict({"count": 3})
+    buf.load_state_dict({"steps_begun": 3})
+    assert buf.state_dict() == {"steps_begun": 3}
+    buf.load_state_dict({"steps_begun": 0})
     buf.backward(model(torch.randn(4, 3))[:, 0])
     with pytest.raises(ValueError, match=r"clip=.*not available with batch_dim=0"):
         buf.apply_(UPGrad(), clip=object())  # type: ignore[arg-type]
@@ -213,3 +216,13 @@ def test_a_parameter_in_neither_list_is_refused() -> None:
     with pytest.raises(ValueError, match="neither"):
         buf.backward(model(torch.randn(4, 3))[:, 0] * extra)
     assert _unchanged(model) and extra.grad is None
+
+
+def test_the_buffers_properties_read_with_batch_dim() -> None:
+    """``matrix`` and ``layer_routes`` read None with ``batch_dim=0`` (no ``[K, P]`` rows, no
+    gramian-mode routes), before and during a step, instead of an ``AttributeError``."""
+    model = nn.Linear(3, 1)
+    buf = TaskGradBuffer(model.parameters(), modules=model, batch_dim=0)
+    assert buf.matrix is None and buf.layer_routes is None and buf.mode == "per_sample"
+    buf.backward(model(torch.randn(4, 3))[:, 0] ** 2)
+    assert buf.matrix is None and buf.layer_routes is None

@@ -140,18 +140,20 @@ def test_a_resumed_run_equals_the_uninterrupted_one_bit_for_bit(split: int) -> N
 def test_state_dict_holds_the_counter_and_the_weights() -> None:
     model = nn.Linear(3, 1)
     buf = TaskGradBuffer(model.parameters(), modules=model, batch_dim=0, update_every=2)
-    assert buf.state_dict() == {"update_every": 2, "step": 0, "weights": None}
+    assert buf.state_dict() == {"update_every": 2, "step": 0, "weights": None,
+                                "steps_begun": 0}
     buf.backward(model(torch.randn(4, 3))[:, 0] ** 2)
+    assert buf.state_dict()["steps_begun"] == 0  # a step in progress is not counted
     stats = buf.apply_(UPGrad())
     state = buf.state_dict()
-    assert state["step"] == 1 and stats.weights is not None
+    assert state["step"] == 1 and state["steps_begun"] == 1 and stats.weights is not None
     assert torch.equal(state["weights"], stats.weights)
     with pytest.raises(ValueError, match="update_every=2 but this buffer has update_every=3"):
         TaskGradBuffer(model.parameters(), modules=model, batch_dim=0,
                        update_every=3).load_state_dict(state)
-    with pytest.raises(ValueError, match=r"keys \['steps_begun'\].*keeps no state but "
+    with pytest.raises(ValueError, match=r"keys \['mode'\].*keeps no state but "
                                          r"update_every's"):
-        buf.load_state_dict({**state, "steps_begun": 1})
+        buf.load_state_dict({**state, "mode": "matrix"})
     with pytest.raises(ValueError, match=r"state_dict\['weights'\].*inf/NaN"):
         buf.load_state_dict({**state, "weights": torch.tensor([1.0, float("nan")])})
     assert buf.state_dict()["step"] == 1  # the refused loads changed nothing
