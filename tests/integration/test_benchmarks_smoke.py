@@ -44,3 +44,13 @@ def test_gramian_crossover_quick_writes_its_table(tmp_path: Path) -> None:
              .splitlines() if re.match(r"\| \d", line)]
     assert [line.split("|")[1].strip() for line in lines] == ["2", "8"]
     assert all(len(_ratios(line)) == 8 for line in lines)  # LB … gramian/matrix, auto, auto/best
+
+
+def test_clip_cost_quick_prints_its_table() -> None:
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "clip_cost.py"), "--quick"],
+                          check=True, capture_output=True, text=True, timeout=600)
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| mlp-")]
+    assert len(rows) == 2
+    for row in rows:
+        values = _ratios(row)
+        assert values and all(math.isfinite(v) and v > 0 for v in values), row

@@ -26,10 +26,10 @@ import transformers
 from transformers import PretrainedConfig, PreTrainedModel, TrainingArguments
 
 from gradbalance import TaskAutoClip, TaskGradBuffer
-from gradbalance.balancers import DBMTL, GradVac, PCGrad
+from gradbalance.balancers import DBMTL, MGDA, GradVac, PCGrad
 from gradbalance.checkpoint import CheckpointError
 from gradbalance.integrations.transformers import STATE_FILE, BalancedTrainer
-from gradbalance.weighting import GradNorm
+from gradbalance.weighting import GradNorm, UncertaintyWeighting
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 transformers.logging.set_verbosity_error()
@@ -211,6 +211,97 @@ def test_two_micro_batches_equal_one_batch_of_both(tmp_path: Path) -> None:
         assert torch.equal(x, torch.cat([seen_two[2 * i][0], seen_two[2 * i + 1][0]]))
     for name, p in _params(two.model).items():
         torch.testing.assert_close(p, _params(one.model)[name], rtol=1e-5, atol=1e-6)
+
+
+class _Steps(transformers.TrainerCallback):
+    """Each optimizer step's statistics (``trainer.last_stats``)."""
+
+    def __init__(self, trainer: BalancedTrainer) -> None:
+        self.trainer = trainer
+        self.stats: list[Any] = []
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.stats.append(self.trainer.last_stats)
+
+
+def test_logged_means_count_only_the_steps_that_computed_them(tmp_path: Path) -> None:
+    """With ``update_every=2`` every other step reuses the weights and computes no norms: a
+    log over two steps holds the one computed value, not half of it."""
+    model = _model()
+    trainer = BalancedTrainer(
+        model=model, args=TrainingArguments(str(tmp_path), per_device_train_batch_size=BATCH,
+                                            num_train_epochs=1, use_cpu=True, report_to=[],
+                                            disable_tqdm=True, save_strategy="no",
+                                            logging_steps=2),
+        train_dataset=Data(), optimizers=_optimizers(model), balancer=MGDA(K),
+        shared_params=lambda m: m.trunk.parameters(),
+        head_params=lambda m: m.heads.parameters(), buffer_options={"update_every": 2})
+    steps = _Steps(trainer)
+    trainer.add_callback(steps)
+    trainer.train()
+    logged = [log for log in trainer.state.log_history if "loss" in log]
+    assert len(logged) == len(steps.stats) // 2
+    for i, log in enumerate(logged):
+        pair = steps.stats[2 * i: 2 * i + 2]
+        assert [s.weights_reused for s in pair] == [False, True]
+        assert log["balance/update_norm"] == pytest.approx(float(pair[0].update_norm), rel=1e-9)
+        assert log["balance/size/task1"] == pytest.approx(float(pair[0].task_norms[1]),
+                                                          rel=1e-9)
+
+
+def test_a_learnable_weighting_is_cleared_between_steps(tmp_path: Path) -> None:
+    """Uncertainty weighting's log-variances in the optimizer, as the docstring says: the
+    Trainer zeroes only the model's gradients, the balanced step the weighting's; the run
+    equals the plain loop's (there the optimizer's ``zero_grad`` clears both)."""
+    runs = []
+    for trainer_run in (True, False):
+        model = _model()
+        weighting = UncertaintyWeighting(K)
+        params = [*model.parameters(), *weighting.parameters()]
+        opt = torch.optim.SGD(params, lr=0.05)
+        heads = lambda m, w=weighting: [*m.heads.parameters(), *w.parameters()]  # noqa: E731
+        if trainer_run:
+            trainer = BalancedTrainer(
+                model=model, args=TrainingArguments(
+                    str(tmp_path), per_device_train_batch_size=BATCH, num_train_epochs=1,
+                    use_cpu=True, report_to=[], disable_tqdm=True, save_strategy="no",
+                    max_grad_norm=0.0),
+                train_dataset=Data(), optimizers=(opt, torch.optim.lr_scheduler.LambdaLR(
+                    opt, lambda step: 1.0)), balancer=MGDA(K), weighting=weighting,
+                shared_params=lambda m: m.trunk.parameters(), head_params=heads)
+            trainer.train()
+            batches = trainer.model.seen
+        else:
+            buf = TaskGradBuffer(list(model.trunk.parameters()), heads(model))
+            for x, y in batches:
+                buf.backward(weighting(model(x, y)["losses"]))
+                stats = buf.apply_(MGDA(K))
+                weighting.update(found_inf=stats.found_inf)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        runs.append([p.detach().clone() for p in params])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_model_init_restarts_the_balanced_parts(tmp_path: Path) -> None:
+    """Each ``train()`` with ``model_init`` (a hyperparameter-search trial) builds the buffer
+    on the new model and restarts the balancer and the clipper from their given state: the
+    second run equals the first, bit for bit."""
+    gen = torch.Generator().manual_seed(0)
+    trainer = BalancedTrainer(
+        model_init=lambda: _model(), args=TrainingArguments(
+            str(tmp_path), per_device_train_batch_size=BATCH, num_train_epochs=1, use_cpu=True,
+            report_to=[], disable_tqdm=True, save_strategy="no", seed=42),
+        train_dataset=Data(), balancer=GradVac(K, beta=0.5, generator=gen),
+        clip=TaskAutoClip(percentile=50, history_size=4),
+        shared_params=lambda m: m.trunk.parameters(),
+        head_params=lambda m: m.heads.parameters())
+    trainer.train()
+    first, model = _params(trainer.model), trainer.model
+    trainer.train()
+    assert trainer.model is not model
+    _assert_equal(_params(trainer.model), first)
 
 
 def _state(trainer: BalancedTrainer) -> dict[str, Any]:

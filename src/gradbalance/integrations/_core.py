@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .._amp import no_autocast
 from .._checks import check_int
@@ -118,6 +118,33 @@ class BalancedParts:
         self.clip = clip
         self._buffer = buffer if isinstance(buffer, TaskGradBuffer) else None
         self._make_buffer = None if isinstance(buffer, TaskGradBuffer) else buffer
+        self._initial = capture_state(rng=False, **self._parts())  # restart()'s
+
+    def _parts(self) -> dict[str, Any]:
+        """The stateful parts but the buffer, by name."""
+        parts: dict[str, Any] = {"balancer": self.balancer}
+        if self.weighting is not None:
+            parts["weighting"] = self.weighting
+        if self.clip is not None and callable(getattr(self.clip, "state_dict", None)):
+            parts["clip"] = self.clip
+        return parts
+
+    def restart(self) -> None:
+        """A new model (a framework's ``model_init``): the buffer is built again on it at its
+        first use, and the balancer, the weighting and the clipper start from the state they
+        were given in."""
+        if self._make_buffer is None:
+            raise RuntimeError("this BalancedParts holds a buffer built on one model; pass a "
+                               "callable that builds it to restart on a new model")
+        self._buffer = None
+        restore_state(self._initial, **self._parts())
+
+    def clear_weighting_grads(self) -> None:
+        """``.grad = None`` on the weighting's parameters (a framework that zeroes only the
+        model's gradients between steps would add them up across steps)."""
+        if isinstance(self.weighting, nn.Module):
+            for p in self.weighting.parameters():
+                p.grad = None
 
     @property
     def buffer(self) -> TaskGradBuffer:
@@ -175,12 +202,7 @@ class BalancedParts:
 
     def objects(self) -> dict[str, Any]:
         """The stateful parts by name (a clipper without ``state_dict`` is left out)."""
-        objects: dict[str, Any] = {"buffer": self.buffer, "balancer": self.balancer}
-        if self.weighting is not None:
-            objects["weighting"] = self.weighting
-        if self.clip is not None and callable(getattr(self.clip, "state_dict", None)):
-            objects["clip"] = self.clip
-        return objects
+        return {"buffer": self.buffer, **self._parts()}
 
     def state_dict(self) -> dict[str, Any]:
         """Every part's ``state_dict`` (the buffer, the balancer, the weighting, the clipper).

@@ -184,8 +184,20 @@ class BalancedTrainer(Trainer):
         self.log_prefix = log_prefix
         self.last_stats: StepStats | None = None
         self._sums: dict[str, Tensor | float] = {}
-        self._steps_logged = 0
+        self._counts: dict[str, int] = {}  # steps that computed each scalar since the last log
+        self._begins_step = True  # the next micro-batch is a step's first
         self._eval_sums: Tensor | None = None
+
+    def call_model_init(self, trial: Any = None) -> nn.Module:
+        """The Trainer's ``model_init`` (each ``train()``, each hyperparameter-search trial):
+        the balanced parts restart on the new model, the balancer, the weighting and the
+        clipper from the state they were given in."""
+        model = super().call_model_init(trial)
+        balanced = getattr(self, "balanced", None)  # None: the Trainer's own __init__
+        if balanced is not None:
+            balanced.restart()
+            self._sums, self._counts, self._begins_step = {}, {}, True
+        return model
 
     def _check_sharding(self) -> bool:
         """Raise under DeepSpeed or FSDP1, with the reason; whether the Trainer runs FSDP2."""
@@ -280,6 +292,9 @@ class BalancedTrainer(Trainer):
         if callable(train):  # schedule-free optimizers
             train()
         inputs = self._prepare_inputs(inputs)
+        if self._begins_step:  # the Trainer zeroes the model's gradients, not a weighting's
+            parts.clear_weighting_grads()
+            self._begins_step = False
         scaler = getattr(self.accelerator, "scaler", None)
         n = int(getattr(self, "current_gradient_accumulation_steps",
                         self.args.gradient_accumulation_steps))
@@ -288,6 +303,7 @@ class BalancedTrainer(Trainer):
                 losses = self.compute_task_losses(model, inputs)
             total = parts.backward(losses, n, scaler)
         if self.accelerator.sync_gradients:
+            self._begins_step = True
             stats = parts.step(scaler)
             self.last_stats = stats
             self._record(stats)
@@ -298,15 +314,16 @@ class BalancedTrainer(Trainer):
         for name, value in self.balanced.scalars(stats).items():
             value = value.detach().double() if isinstance(value, Tensor) else value
             self._sums[name] = self._sums[name] + value if name in self._sums else value
-        self._steps_logged += 1
+            self._counts[name] = self._counts.get(name, 0) + 1
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
-        """The Trainer's ``log``; a training log also gets the mean balanced scalars since
-        the last one."""
-        if "loss" in logs and self._steps_logged > 0:
+        """The Trainer's ``log``; a training log also gets each balanced scalar's mean over
+        the steps since the last one that computed it (a step reusing ``update_every``'s
+        weights computes no norms or cosines)."""
+        if "loss" in logs and self._counts:
             for name, total in self._sums.items():
-                logs[self.log_prefix + name] = float(total) / self._steps_logged
-            self._sums, self._steps_logged = {}, 0
+                logs[self.log_prefix + name] = float(total) / self._counts[name]
+            self._sums, self._counts = {}, {}
         super().log(logs, *args, **kwargs)
 
     # -- checkpoints ---------------------------------------------------------------------
