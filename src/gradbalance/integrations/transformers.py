@@ -131,7 +131,9 @@ class BalancedTrainer(Trainer):
             neither list is refused (docs/loop.md, "Parameter coverage").
         weighting: optional :class:`~gradbalance.LossWeighting` applied to every micro-batch's
             losses. A learnable one needs its parameters in the optimizer
-            (``optimizers=(...)``).
+            (``optimizers=(...)``) and in ``head_params`` (the losses reach them); their
+            ``.grad`` is cleared at each step's first micro-batch (the Trainer zeroes only
+            the model's).
         clip: optional row clipper (e.g. :class:`~gradbalance.TaskClip`).
         buffer_options: more arguments of :class:`~gradbalance.TaskGradBuffer` (``mode``,
             ``passes``, ``update_every``, ``modules``, ``process_group``, ``other_params``).
