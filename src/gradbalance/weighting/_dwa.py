@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._checks import check_optional_int, check_positive
+from .._checks import check_nonnegative_losses, check_optional_int, check_positive
 from ._base import LossWeighting
 
 __all__ = ["DWA", "dwa_weights"]
@@ -21,7 +21,9 @@ def dwa_weights(previous: Tensor, before_previous: Tensor, temperature: float = 
         tensor([0.8756, 1.1244], dtype=torch.float64)
     """
     k = previous.shape[0]
-    rate = previous.double() / before_previous.double().clamp_min(1e-300)
+    # a loss that fell to 0 and rose again: a rate past float64, kept finite (its task then
+    # takes the weight), not an inf whose softmax is NaN
+    rate = (previous.double() / before_previous.double().clamp_min(1e-300)).clamp(max=1e300)
     return k * torch.softmax(rate / temperature, dim=0)
 
 
@@ -75,6 +77,7 @@ class DWA(LossWeighting):
             self.register_state(name, torch.zeros((), dtype=torch.int64, device=dev))
 
     def _weighted(self, losses: Tensor) -> Tensor:
+        check_nonnegative_losses("losses", losses, type(self).__name__)  # rates of falling
         return self._weights.to(dtype=losses.dtype, device=losses.device) * losses
 
     def _apply_update(self, losses: Tensor, losses_after: Tensor | None) -> None:

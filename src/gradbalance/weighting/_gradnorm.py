@@ -164,6 +164,10 @@ class GradNorm(OwnOptimizerWeighting):
         if not bool((initial > 0).all()):
             raise ValueError(f"Invalid losses: initial losses {initial.tolist()} (GradNorm "
                              f"divides by Lₖ(0): every task loss must be > 0 at the start)")
+        if not bool((losses >= 0).all()) or not float(losses.sum()) > 0.0:
+            raise ValueError(f"Invalid losses: {losses.tolist()} (GradNorm's training rates "
+                             f"Lₖ(t)/Lₖ(0) raised to alpha need losses >= 0, not all zero); "
+                             f"state unchanged")
         w = self.task_weights
         weighted_norms = w.detach() * norms
         target = gradnorm_targets(weighted_norms, losses, initial, self.alpha)
