@@ -116,8 +116,15 @@ class LossWeighting(StateModule):
         inf/NaN losses of a step not skipped.
         """
         pending = self._pending
+        skipped = _as_flag(found_inf)
+        after = None
+        if not skipped and pending is not None:  # a refused argument keeps the observation:
+            if losses_after is not None:        # the call can be repeated
+                after = as_loss_vector("losses_after", losses_after, self.num_tasks)
+                after = after.detach().to(device=self.device, dtype=torch.float64)
+            self._check_update(after)
         try:
-            if _as_flag(found_inf):
+            if skipped:
                 return False
             if pending is None:
                 raise RuntimeError(
@@ -125,10 +132,6 @@ class LossWeighting(StateModule):
                     f"the last update; call weighting(losses) every step before the optimizer "
                     f"step"
                 )
-            after = None
-            if losses_after is not None:
-                after = as_loss_vector("losses_after", losses_after, self.num_tasks)
-                after = after.detach().to(device=self.device, dtype=torch.float64)
             if not all(bool(torch.isfinite(t).all()) for t in (pending, after) if t is not None):
                 raise NonFiniteGradientError(
                     f"the losses of this step hold inf or NaN ({pending.tolist()}); "
@@ -141,6 +144,10 @@ class LossWeighting(StateModule):
             return True
         finally:
             self._discard_pending()
+
+    def _check_update(self, losses_after: Tensor | None) -> None:
+        """Raise for arguments of :meth:`update` this method refuses, before anything moves
+        (the pending observation kept); FAMO's ``losses_after``."""
 
     def pending_tensors(self) -> list[Tensor]:
         """The pending observation of this step: what :meth:`update` will learn from.

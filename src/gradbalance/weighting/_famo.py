@@ -94,13 +94,16 @@ class FAMO(OwnOptimizerWeighting):
         self._last = w
         return w.to(dtype=losses.dtype, device=losses.device) * losses
 
-    def _apply_update(self, losses: Tensor, losses_after: Tensor | None) -> None:
+    def _check_update(self, losses_after: Tensor | None) -> None:
         if losses_after is None:
             raise ValueError(
                 "FAMO.update() needs losses_after: the same batch's task losses after the "
                 "optimizer step, e.g. with torch.no_grad(): famo.update(task_losses(batch))"
             )
         self._check_above_min(losses_after, "losses_after")
+
+    def _apply_update(self, losses: Tensor, losses_after: Tensor | None) -> None:
+        assert losses_after is not None  # _check_update
         delta = torch.log(losses - self.min_losses + self.eps) - torch.log(
             losses_after - self.min_losses + self.eps)
         z = torch.softmax(self.logits.detach(), dim=0)
