@@ -46,9 +46,12 @@ def alignedmtl_weights(
     # B p = √σ U Λ^{-1/2} Uᵀp: two products with U, never the [K, K] matrix B. From a kept
     # spectrum (G = FFᵀ) U = FWΛ^{-1/2} with FᵀF = WΛWᵀ, so B p = √σ F W Λ^{-3/2} Wᵀ Fᵀ p.
     factor = None
+    thin = None if kept is None or kept.norms_within(SPECTRUM_MAX_RATIO) else kept.thin_eigen()
     if kept is not None and kept.norms_within(SPECTRUM_MAX_RATIO):
         factor = kept.factor()
         lam, vec = torch.linalg.eigh(factor.T @ factor)  # r × r: FᵀF = WΛWᵀ
+    elif thin is not None:  # norms spread, rank small: G's eigenpairs from F's thin SVD
+        lam, vec = thin
     else:
         lam, vec = torch.linalg.eigh(gram)
     tol = lam.max() * k * torch.finfo(torch.float64).eps

@@ -36,6 +36,10 @@ from ._cholesky import cholesky_ex
 #: ratio (``M``'s condition number at most its square, ``1e6``); else their own
 #: decomposition.
 SPECTRUM_MAX_RATIO = 1e3
+#: :meth:`KeptSpectrum.thin_eigen`: the largest kept rank, as a fraction of the rows, whose
+#: thin SVD of the factor costs less than a second ``K × K`` eigen-decomposition of ``G``
+#: (rank 8 at K = 1,024: 1 ms against 0.2–0.24 s).
+THIN_MAX_FRACTION = 1 / 4
 #: :meth:`KeptSpectrum.lift`: the lifted cosine matrix's condition number where the cut
 #: allows (a lift below the cut moves the answer less; ``C'``'s null directions are zero to
 #: the eigen-decomposition's rounding, about ``K·eps`` of ``λ_max``).
@@ -60,6 +64,17 @@ class KeptSpectrum(NamedTuple):
     def factor(self) -> Tensor:
         """``F = DVΛ^{1/2}`` ``[K, r]``: ``G' = FFᵀ``."""
         return self.vectors * self.norms[:, None] * self.values.sqrt()
+
+    def thin_eigen(self, max_fraction: float = THIN_MAX_FRACTION) -> tuple[Tensor, Tensor] | None:
+        """``(λ, U)`` with ``G' = U diag(λ) Uᵀ`` (``U`` ``[K, r]`` orthonormal, ``λ``
+        descending) from the thin SVD of the factor ``F = DVΛ^{1/2}`` (``F = U S Wᵀ``,
+        ``λ = S²``): ``O(Kr²)``, with no squared condition number (``M = VᵀD²V`` squares the
+        norms' spread), where ``r`` is at most ``max_fraction`` of the rows; else None."""
+        k, r = self.vectors.shape
+        if r == 0 or r > max_fraction * k:
+            return None
+        u, s, _ = torch.linalg.svd(self.factor(), full_matrices=False)
+        return s * s, u
 
     def norms_within(self, ratio: float) -> bool:
         """Whether the non-zero norms lie within ``ratio`` of one another (then ``VᵀD²V`` has

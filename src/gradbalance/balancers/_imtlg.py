@@ -37,7 +37,7 @@ def imtlg_weights(gramian: Tensor, rtol: float = 1e-12,
     d = torch.diagonal(gram).clamp_min(0).sqrt()
     v = _scaled(gram)
     if v is None and spectrum is not None and float(trace) > 0.0:
-        v = _from_spectrum(spectrum.scaled(1.0 / trace), d)
+        v = _from_spectrum(spectrum.scaled(1.0 / trace), d, rtol)
     if v is None:
         v = torch.linalg.pinv(gram, hermitian=True, rtol=rtol) @ d
     total = v.sum()
@@ -58,14 +58,22 @@ def _scaled(gram: Tensor) -> Tensor | None:
     return cholesky_solve(ones, scaled.factor.L)[:, 0] / scaled.norms
 
 
-def _from_spectrum(spectrum: KeptSpectrum, d: Tensor) -> Tensor | None:
+def _from_spectrum(spectrum: KeptSpectrum, d: Tensor, rtol: float) -> Tensor | None:
     """``G⁺d`` for ``G = DVΛVᵀD`` (``V`` ``[K, r]`` orthonormal, ``Λ`` positive): with
     ``M = VᵀD²V``, ``G⁺d = DVM⁻¹Λ⁻¹M⁻¹VᵀDd`` (``x = DVy`` in ``G``'s range meets
     ``Gx = P_G d``). ``O(Kr²)`` instead of a second ``O(K³)`` eigen-decomposition (0.25 s at
-    K = 1,024); None where the rows' norms spread over more than ``SPECTRUM_MAX_RATIO`` (``M``
-    then as ill-conditioned as its square) or ``M``'s factorisation fails."""
+    K = 1,024). Where the rows' norms spread over more than ``SPECTRUM_MAX_RATIO`` (``M``
+    then as ill-conditioned as its square) and the rank is small: ``U diag(λ⁺) Uᵀd`` from the
+    thin SVD of the factor (:meth:`~._denoise.KeptSpectrum.thin_eigen`; ``λ`` below ``rtol``
+    times the largest dropped, as ``pinv``'s cut); else, or where ``M``'s factorisation
+    fails, None."""
     if not spectrum.norms_within(SPECTRUM_MAX_RATIO):
-        return None
+        thin = spectrum.thin_eigen()
+        if thin is None:
+            return None
+        lam, u = thin
+        inverse = torch.where(lam > rtol * lam.max(), 1.0 / lam, 0.0)
+        return u @ (inverse * (u.T @ d))
     rows = spectrum.vectors * spectrum.norms[:, None]  # DV
     factor = cholesky_ex(rows.T @ rows)
     if int(factor.info) != 0:
