@@ -152,10 +152,10 @@ class PerSampleBuffer:
         vector = self._checked(losses, scaler, features)
         columns = vector.reshape(vector.shape[0], -1)
         first = not self._losses
-        self._steps += int(first)  # a step begun counts, dropped or finished (as for tasks)
         reused = self._cache.reuse_now() if first else self._reused
         scale = scale_of(scaler, vector.device)
         part, heads, records = self._micro_batch(vector, columns, scale, reused, first)
+        self._steps += int(first)  # begun by a backward that ran, as for tasks
         if records is not None:
             self._first = records
         if part is not None:

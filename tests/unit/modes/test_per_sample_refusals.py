@@ -226,3 +226,27 @@ def test_the_buffers_properties_read_with_batch_dim() -> None:
     assert buf.matrix is None and buf.layer_routes is None and buf.mode == "per_sample"
     buf.backward(model(torch.randn(4, 3))[:, 0] ** 2)
     assert buf.matrix is None and buf.layer_routes is None
+
+
+def test_a_refused_or_failed_first_backward_begins_no_step() -> None:
+    """``steps_begun`` (compared across data-parallel ranks) counts a step from its first
+    ``backward`` that ran, as the task buffer does: a first micro-batch refused by the mixing
+    check, or failed in its passes, begins none."""
+    model = nn.Linear(3, 1)
+    buf = TaskGradBuffer(model.parameters(), modules=model, batch_dim=0)
+    x = torch.randn(4, 3)
+    with pytest.raises(ValueError, match="mix"):
+        out = model(x)
+        buf.backward((out - out.mean(0))[:, 0] ** 2)
+    out = model(x)
+
+    def fail(grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("hook failed")
+
+    out.register_hook(fail)
+    with pytest.raises(RuntimeError, match="hook failed"):
+        buf.backward(out[:, 0] ** 2)
+    assert buf.state_dict() == {"steps_begun": 0}
+    buf.backward(model(x)[:, 0] ** 2)
+    buf.apply_(UPGrad())
+    assert buf.state_dict() == {"steps_begun": 1}
