@@ -209,6 +209,12 @@ def _stacked_losses(name: str, value: Sequence[Tensor]) -> Tensor:
     return torch.stack([loss.reshape(()) for loss in value])
 
 
+#: The attribute :func:`~gradbalance.distributed.global_losses` sets on the tensor it
+#: returns; the loss weightings that read the losses' values
+#: (:attr:`~gradbalance.LossWeighting.reads_losses`) look for it under a process group.
+GLOBAL_LOSSES_TAG = "_gradbalance_global_losses"
+
+
 def as_loss_vector(name: str, value: Tensor | Sequence[Tensor],
                    num_tasks: int | None = None) -> Tensor:
     """The task losses (a 1-D tensor or a list of scalar tensors) as a 1-D tensor ``[K]`` that

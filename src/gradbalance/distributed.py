@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ._checks import GLOBAL_LOSSES_TAG, as_loss_vector
 from ._sharding import is_dtensor
 
 if TYPE_CHECKING:
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 __all__ = [
     "LOCAL", "RankAgreementError", "all_reduce_grads_", "all_reduce_mean_",
     "assert_same_across_ranks", "broadcast_generator_", "broadcast_parameters_", "ddp_no_sync",
-    "gathered_parameters", "sync_weighting_",
+    "gathered_parameters", "global_losses", "sync_weighting_",
 ]
 
 #: Pass ``process_group=LOCAL`` to a :class:`TaskGradBuffer` to turn the reduction off.
@@ -399,6 +400,48 @@ def sync_weighting_(weighting: LossWeighting, group: Any = None) -> None:
     pending = weighting.pending_tensors()
     check_same_layout(pending, group, f"sync_weighting_({type(weighting).__name__})")
     all_reduce_mean_(pending, group)
+
+
+class _GlobalValues(torch.autograd.Function):
+    """The values of ``mean`` with the gradient of ``local`` (the identity to it)."""
+
+    @staticmethod
+    def forward(ctx: Any, local: Tensor, mean: Tensor) -> Tensor:
+        return mean.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
+
+
+def global_losses(losses: Tensor | Sequence[Tensor], group: Any = None) -> Tensor:
+    """The K task losses ``[K]`` with the values of the global batch's (their mean over the
+    ranks, averaged in float64) and the gradient of this rank's: ``∂/∂θ f(global_losses(L))
+    = Σₖ ∂f/∂Lₖ(L̄) ∇Lₖ``, which the data-parallel average of the ranks' gradients makes the
+    single-process gradient on the global batch ``Σₖ ∂f/∂Lₖ(L̄) ∇L̄ₖ`` for any weighting
+    ``f``. GLS, ScaleInvariant, STCH and FAMO weight the losses by their values in the call:
+    pass them these (the integrations do; docs/distributed.md). Without a process group (or
+    with one rank) the losses as one vector; raises :class:`RankAgreementError` on every
+    rank when the ranks pass different numbers of losses.
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.distributed import global_losses
+        >>> from gradbalance.weighting import GLS
+        >>> losses = torch.tensor([1.0, 4.0], requires_grad=True)
+        >>> GLS(2)(global_losses(losses))  # one process: the losses as they are
+        tensor([1., 1.], grad_fn=<MulBackward0>)
+    """
+    vector = as_loss_vector("losses", losses)
+    group = resolve_process_group(group)
+    if group is None:
+        return vector
+    check_same_layout([vector], group, "global_losses")
+    mean = vector.detach().to(torch.float64).clone()
+    all_reduce_mean_([mean], group)
+    out: Tensor = _GlobalValues.apply(vector, mean.to(vector.dtype))  # type: ignore[no-untyped-call]
+    setattr(out, GLOBAL_LOSSES_TAG, True)
+    return out
 
 
 def all_ranks_true(flag: Tensor, group: Any) -> Tensor:

@@ -23,7 +23,7 @@ from ..balancers._checks import check_balancer
 from ..checkpoint import capture_state, restore_state
 from ..clip._checks import check_row_clipper
 from ..clip._protocol import RowClipper
-from ..distributed import resolve_process_group, sync_weighting_
+from ..distributed import global_losses, resolve_process_group, sync_weighting_
 from ..monitor import task_labels
 from ..stats import StepStats
 from ..step import TaskGradBuffer
@@ -113,6 +113,13 @@ class BalancedParts:
                 f"Invalid weighting: a {type(weighting).__name__} (expected a LossWeighting "
                 f"object, e.g. gradbalance.get_weighting('dwa', num_tasks=K), or None)"
             )
+        if weighting is not None and weighting.needs_losses_after:
+            raise ValueError(
+                f"Invalid weighting: {type(weighting).__name__} learns from the same batch's "
+                f"losses after the optimizer step (update(losses_after)), which the framework's "
+                f"step does not compute; use it in a hand-written loop (docs/weighting.md) or "
+                f"choose another weighting"
+            )
         self.balancer = balancer
         self.weighting = weighting
         self.clip = clip
@@ -165,6 +172,8 @@ class BalancedParts:
         check_int("divisor", divisor, 1, ", the number of micro-batches of the step")
         buffer = self.buffer
         if self.weighting is not None:
+            if self.weighting.reads_losses:  # weights of the global batch's values
+                losses = global_losses(losses, buffer.process_group)
             losses = self.weighting(losses, scaler=scaler)
         losses = divide_losses(losses, divisor)
         if buffer.sharded and isinstance(losses, Tensor):

@@ -8,9 +8,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from .._checks import as_loss_vector, check_num_tasks
+from .._checks import GLOBAL_LOSSES_TAG, as_loss_vector, check_num_tasks
 from .._module import StateModule
 from .._types import NonFiniteGradientError
 
@@ -21,6 +22,30 @@ def _as_flag(found_inf: bool | Tensor) -> bool:
     if isinstance(found_inf, Tensor):
         return bool(found_inf.detach().ne(0).any())
     return bool(found_inf)
+
+
+#: The classes :func:`_warn_if_rank_losses` has warned about in this process.
+_WARNED: set[str] = set()
+
+
+def _warn_if_rank_losses(weighting: LossWeighting, losses: object) -> None:
+    """Warn once per class where a weighting that reads the losses' values is called, under
+    a process group of several ranks, with losses not from
+    :func:`~gradbalance.distributed.global_losses` (each rank would weight its shard by its
+    own losses: not the single-process step)."""
+    name = type(weighting).__name__
+    if name in _WARNED or getattr(losses, GLOBAL_LOSSES_TAG, False):
+        return
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    _WARNED.add(name)
+    warnings.warn(
+        f"{name} weights the losses by their values in the call, and this rank's losses "
+        f"are its own shard's: the ranks' averaged step is not the single-process step on "
+        f"the global batch. Pass gradbalance.distributed.global_losses(losses) (the global "
+        f"batch's values, this rank's gradients; the integrations do this themselves)",
+        stacklevel=3,
+    )
 
 
 class LossWeighting(StateModule):
@@ -56,6 +81,13 @@ class LossWeighting(StateModule):
     #: Attributes holding what a step gathers besides the losses for :meth:`update` (None
     #: between steps): :meth:`pending_tensors` returns them, a skipped step drops them.
     _pending_state: ClassVar[tuple[str, ...]] = ()
+    #: Whether the weights (or the objective) depend on the values of the losses of the call,
+    #: not only on state: data-parallel ranks must pass the global batch's values
+    #: (:func:`~gradbalance.distributed.global_losses`) for the single-process step.
+    reads_losses: ClassVar[bool] = False
+    #: Whether :meth:`update` needs ``losses_after``, the same batch's losses after the
+    #: optimizer step (FAMO), which a loop must compute itself.
+    needs_losses_after: ClassVar[bool] = False
 
     def __init__(self, num_tasks: int, *, device: torch.device | str | None = None) -> None:
         super().__init__()
@@ -94,6 +126,8 @@ class LossWeighting(StateModule):
         losses join the pending observation of :meth:`update`; inf/NaN losses do not raise
         here (the scaler skips the step).
         """
+        if self.reads_losses:
+            _warn_if_rank_losses(self, losses)
         vector = as_loss_vector("losses", losses, self.num_tasks)
         if not vector.is_floating_point():
             raise ValueError(f"losses must be floating point, got dtype {vector.dtype}")

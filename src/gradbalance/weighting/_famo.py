@@ -59,6 +59,8 @@ class FAMO(OwnOptimizerWeighting):
     """
 
     name = "famo"
+    reads_losses = True
+    needs_losses_after = True
     _weights_state = "_last"
     logits: Tensor
     min_losses: Tensor

@@ -45,6 +45,7 @@ class GLS(LossWeighting):
     """
 
     name = "gls"
+    reads_losses = True
     _weights_state = "_last"
     _last: Tensor
 

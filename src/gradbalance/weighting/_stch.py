@@ -62,6 +62,7 @@ class STCH(LossWeighting):
     """
 
     name = "stch"
+    reads_losses = True
     _weights_state = "_last"
     preference: Tensor
     _nadir: Tensor | None
