@@ -498,8 +498,7 @@ class TaskGradBuffer:
         from them when not known yet); a refused state raises ``ValueError`` before anything
         changes. Refused during a step (``RuntimeError``): its micro-batches so far ran with
         the current weights and counter."""
-        _refuse_load_mid_step(self._count > 0 if self._per_sample is None
-                                  else self._per_sample.in_step)
+        _refuse_load_mid_step(self.in_step)
         if self._per_sample is not None:
             return self._per_sample.load_state_dict(state_dict)
         state = dict(state_dict)
@@ -530,6 +529,12 @@ class TaskGradBuffer:
             return None
         routes: dict[str, str] | None = getattr(self._engine, "layer_routes", None)
         return None if routes is None else dict(routes)
+
+    @property
+    def in_step(self) -> bool:
+        """Whether a step has begun: a ``backward`` ran (or began) since the last ``apply_``
+        or :meth:`reset`."""
+        return self._count > 0 if self._per_sample is None else self._per_sample.in_step
 
     @property
     def matrix(self) -> Tensor | None:

@@ -304,6 +304,31 @@ def test_model_init_restarts_the_balanced_parts(tmp_path: Path) -> None:
     _assert_equal(_params(trainer.model), first)
 
 
+def test_a_step_a_raise_left_unfinished_is_dropped_by_the_next_train(tmp_path: Path) -> None:
+    """A micro-batch that raises mid-step ends ``train()``; the Trainer zeroes the model's
+    gradients when ``train()`` starts again, so the balanced step drops the unfinished step's
+    task gradients and the weighting's observation: the run equals one that never failed."""
+    reference = _trainer(tmp_path / "ref", "gradnorm", epochs=1)
+    reference.train()
+    trainer = _trainer(tmp_path / "failed", "gradnorm", epochs=1)
+    own = trainer.compute_task_losses
+    calls = []
+
+    def second_raises(model: nn.Module, inputs: dict[str, Any]) -> Any:
+        calls.append(1)
+        if len(calls) == 2:  # the second micro-batch of the first step
+            raise RuntimeError("out of memory (injected)")
+        return own(model, inputs)
+
+    trainer.compute_task_losses = second_raises  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="injected"):
+        trainer.train()
+    assert trainer.balanced.buffer.in_step  # the first micro-batch's gradients are held
+    trainer.compute_task_losses = own  # type: ignore[method-assign]
+    trainer.train()
+    _assert_equal(_params(trainer.model), _params(reference.model))
+
+
 def _state(trainer: BalancedTrainer) -> dict[str, Any]:
     return {"params": _params(trainer.model), "balanced": trainer.balanced.state_dict()}
 

@@ -146,6 +146,18 @@ class BalancedParts:
         self._buffer = None
         restore_state(self._initial, **self._parts())
 
+    def drop_step(self) -> None:
+        """Drop a step left unfinished (a micro-batch raised, and the framework starts
+        training again, zeroing the model's gradients): the buffer's step (its
+        ``update_every`` weights kept), the weighting's pending observation and its
+        ``.grad``."""
+        if self.built and self.buffer.in_step:
+            self.buffer.reset(keep_weights=True)
+        if self.weighting is not None:
+            if self.weighting.pending_tensors():
+                self.weighting.update(found_inf=True)  # drops the observation, state kept
+            self.clear_weighting_grads()
+
     def clear_weighting_grads(self) -> None:
         """``.grad = None`` on the weighting's parameters (a framework that zeroes only the
         model's gradients between steps would add them up across steps)."""

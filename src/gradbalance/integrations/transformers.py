@@ -190,6 +190,13 @@ class BalancedTrainer(Trainer):
         self._begins_step = True  # the next micro-batch is a step's first
         self._eval_sums: Tensor | None = None
 
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's ``train``; a step that a raise left unfinished in an earlier call is
+        dropped first, as the Trainer zeroes the model's gradients when it starts."""
+        self.balanced.drop_step()
+        self._sums, self._counts, self._begins_step = {}, {}, True
+        return super().train(*args, **kwargs)
+
     def call_model_init(self, trial: Any = None) -> nn.Module:
         """The Trainer's ``model_init`` (each ``train()``, each hyperparameter-search trial):
         the balanced parts restart on the new model, the balancer, the weighting and the
