@@ -9,7 +9,7 @@ shipped, each layer on the route its per-layer cost model picks). The floor LB(K
 is measured in the same run: F = forward alone, B = plain step − F (one backward + the
 optimizer step).
 
-Peak memory: each variant runs in a fresh subprocess (``--memory``); on CPU the figure is the
+Peak memory: each variant runs in a fresh subprocess (``--memory-ks``); on CPU the figure is the
 rise of the peak resident set size (``VmHWM``; ``ru_maxrss`` where /proc is missing) over two
 steps, from just after the model and the batch are built (so it counts activations,
 gradients, buffers and optimizer state, not the Python/torch baseline); on CUDA it is

@@ -172,7 +172,8 @@ def log_stats(
     task_names: Sequence[str] | None = None,
 ) -> dict[str, float]:
     """Write :func:`stats_to_dict` (and ``running``'s ``std/<tag>``) with
-    ``writer.add_scalar(tag, value, step)``; returns what was written.
+    ``writer.add_scalar(tag, value, step)``, or as one row of a :class:`CSVLogger` (its
+    ``task_names`` unless given); returns what was written.
 
     Example:
         >>> import torch
@@ -183,15 +184,22 @@ def log_stats(
         7 loss/task0 0.5
         7 amp_skipped 0.0
     """
-    if not hasattr(writer, "add_scalar"):
+    csv = isinstance(writer, CSVLogger)
+    if not (csv or hasattr(writer, "add_scalar")):
         raise ValueError(
             f"writer is a {type(writer).__name__} without add_scalar; pass a "
-            f"torch.utils.tensorboard.SummaryWriter (gradbalance.summary_writer(log_dir))"
+            f"torch.utils.tensorboard.SummaryWriter (gradbalance.summary_writer(log_dir)) or "
+            f"a gradbalance.CSVLogger"
         )
+    if csv and task_names is None:
+        task_names = writer.task_names
     scalars = stats_to_dict(stats, pre_clip=pre_clip, amp_skipped=amp_skipped, weights=weights,
                             task_names=task_names)
     if running is not None:
         scalars.update(running.update(scalars))
+    if csv:
+        writer.log(scalars, step)
+        return scalars
     for tag, value in scalars.items():
         writer.add_scalar(tag, value, step)
     return scalars

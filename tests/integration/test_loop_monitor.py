@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import math
 import statistics
+from pathlib import Path
 
 import pytest
 import torch
@@ -158,6 +159,23 @@ def test_weights_override_and_errors() -> None:
         log_stats(object(), stats, 0)
     with pytest.raises(ValueError, match=r"Invalid window: 1"):
         RunningStats(window=1)
+
+
+def test_log_stats_writes_a_row_of_a_csv_logger(tmp_path: Path) -> None:
+    """``log_stats(CSVLogger(...), ...)`` (the README's loop) writes one row per step, the
+    logger's task names in the tags; read back with the csv module."""
+    w = torch.ones(2, requires_grad=True)
+    buf = TaskGradBuffer([w])
+    path = tmp_path / "run.csv"
+    with CSVLogger(path, task_names=["depth", "seg"]) as log:
+        for step in range(2):
+            buf.backward([w.sum(), 2 * w.sum()])  # losses 2 and 4, gradients (1, 1), (2, 2)
+            written = log_stats(log, buf.apply_(Sum()), step, pre_clip=3.0)
+    rows = list(csv.DictReader(path.open()))
+    assert [row["step"] for row in rows] == ["0", "1"]
+    assert (float(rows[1]["loss/depth"]), float(rows[1]["loss/seg"])) == (2.0, 4.0)
+    assert float(rows[1]["pre_clip"]) == 3.0
+    assert set(rows[1]) == {"step", *written}
 
 
 def test_a_step_reusing_weights_logs_losses_and_weights_only() -> None:
