@@ -45,6 +45,7 @@ from .balancers import balancer_names
 from .balancers._base import Balancer
 from .balancers._checks import check_balancer
 from .distributed import check_step_agreement, resolve_process_group
+from .modes import ENGINES
 from .modes._amortize import WeightCache
 from .modes._rollback import StateSnapshot
 from .stats import StepStats
@@ -342,7 +343,7 @@ class PerSampleBuffer:
                                  heads=self.head_params, mode="per_sample",
                                  update_every=self._cache.update_every, step=self._steps,
                                  count=len(self._losses), reused=self._reused,
-                                 modes=("per_sample", *balancer_names()),
+                                 modes=("per_sample", *ENGINES, *balancer_names()),
                                  balancer=type(balancer).__name__)
         return group
 

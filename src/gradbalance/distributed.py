@@ -183,6 +183,11 @@ _STEP_FIELDS: dict[str, tuple[str, str]] = {
 }
 
 
+#: The fields a mode counts in its own way (the per-sample step's micro-batches and steps):
+#: not named where the ranks' modes differ.
+_COUNTERS = ("step", "count", "reused")
+
+
 def _reads(key: str, value: int, names: dict[str, str], modes: Sequence[str]) -> str:
     """How ``value`` of field ``key`` reads (``names``: this rank's mode and dtype)."""
     if key == "reused":
@@ -238,9 +243,11 @@ def check_step_agreement(
     names = {"dtype": dtype, "mode": mode, "balancer": balancer}
     rows = _gather_ints(list(local.values()), group, "TaskGradBuffer.apply_()")
     problems = []
+    at = list(local).index("mode")
+    modes_differ = len({row[at] for row in rows}) > 1  # then the counters count other things
     for i, key in enumerate(local):
         column = [row[i] for row in rows]
-        if len(set(column)) > 1:
+        if len(set(column)) > 1 and not (modes_differ and key in _COUNTERS):
             text = _disagreement([_reads(key, value, names, modes) for value in column])
             problems.append(f"{text}: {_STEP_FIELDS[key][1]}")
     if problems:

@@ -426,7 +426,7 @@ class TaskGradBuffer:
                                  shared=self.layout.params, heads=self.head_params,
                                  mode=self.mode, update_every=self.update_every,
                                  step=self._steps, count=self._count, reused=self._reused,
-                                 modes=(*ENGINES, *balancer_names()),
+                                 modes=(*ENGINES, "per_sample", *balancer_names()),
                                  balancer=type(balancer).__name__,
                                  masked=masked)
         self._states_before = StateSnapshot(balancer, clip)

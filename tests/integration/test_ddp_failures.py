@@ -74,6 +74,16 @@ def test_a_per_sample_step_dropped_on_one_rank_raises(ranks: list[dict[str, Any]
     assert [rank["per_sample_reset"]["step"] for rank in ranks] == [1, 2]
 
 
+def test_a_per_sample_rank_against_a_task_rank_names_both_modes(
+        ranks: list[dict[str, Any]]) -> None:
+    _raised_everywhere(ranks, "per_sample_mode",
+                       "rank 1 has mode='per_sample', rank 0 has mode='matrix'")
+    for rank in ranks:  # the steps' counters differ with the mode: not named as a cause
+        assert "<unknown" not in rank["per_sample_mode"]["text"]
+        assert "is at step" not in rank["per_sample_mode"]["text"]
+        assert "backward() call(s)" not in rank["per_sample_mode"]["text"]
+
+
 def test_resume_keeps_agreement(ranks: list[dict[str, Any]]) -> None:
     for rank in ranks:
         resume = rank["resume"]

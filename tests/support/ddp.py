@@ -462,6 +462,20 @@ def _case_per_sample_reset(rank: int) -> dict[str, Any]:
     return {"type": None, "text": "", "moved": False, "step": 3}
 
 
+def _case_per_sample_mode(rank: int) -> dict[str, Any]:
+    """Rank 1 builds its buffer with ``batch_dim=0``, rank 0 without: one step each."""
+    model = _failure_model()
+    if rank == 0:
+        buf = TaskGradBuffer(model.shared_parameters(), model.head_parameters())
+        _backward(model, buf, 0)
+    else:
+        buf = TaskGradBuffer(model.shared_parameters(), model.head_parameters(),
+                             modules=model.trunk, batch_dim=0)
+        x, y = data(1)
+        buf.backward((torch.cat(model(x[0, :4]), dim=1) - y[0, :4, :K]) ** 2)
+    return _raises(lambda: buf.apply_(Sum()), model, buf)
+
+
 def _error_of(call: Any, watched: list[Tensor]) -> dict[str, Any]:
     """``call``'s error (type, text) and whether ``watched`` changed meanwhile."""
     before = [t.clone() for t in watched]
@@ -520,6 +534,7 @@ def failure_cases(rank: int, world: int, out_dir: str) -> dict[str, Any]:
         "one_mask": _case_one_mask(rank),
         "masks": _case_masks(rank),
         "per_sample_reset": _case_per_sample_reset(rank),
+        "per_sample_mode": _case_per_sample_mode(rank),
     }
     results["stall"] = _case_stall(rank, os.path.join(out_dir, "rank0-gave-up"))
     return results
