@@ -105,9 +105,10 @@ def _plain(o: dict[str, Any], batches: list[Any]) -> None:
     for start in range(0, len(batches), ACCUMULATE):
         for x, y in batches[start:start + ACCUMULATE]:
             losses = regression_losses(model(x), y)
-            if weighting is not None:
-                losses = weighting(losses)
-            buf.backward(losses / ACCUMULATE)
+            if weighting is not None:  # one of the step's micro-batches: its share
+                buf.backward(weighting(losses, micro_batches=ACCUMULATE))
+            else:
+                buf.backward(losses / ACCUMULATE)
         stats = buf.apply_(o["balancer"], clip=o.get("clip"))
         if weighting is not None:
             weighting.update(found_inf=stats.found_inf)

@@ -144,9 +144,10 @@ def _plain(method: str, batches: list[tuple[torch.Tensor, torch.Tensor]], accumu
     for start in range(0, len(batches), accumulate):
         for x, y in batches[start:start + accumulate]:
             losses = model(x, y)["losses"]
-            if weighting is not None:
-                losses = weighting(losses)
-            buf.backward(losses / accumulate)
+            if weighting is not None:  # one of the step's micro-batches: its share
+                buf.backward(weighting(losses, micro_batches=accumulate))
+            else:
+                buf.backward(losses / accumulate)
         stats = buf.apply_(parts["balancer"], clip=parts.get("clip"))
         if weighting is not None:
             weighting.update(found_inf=stats.found_inf)

@@ -179,15 +179,17 @@ class BalancedParts:
         return self._buffer is not None
 
     def backward(self, losses: Tensor | Sequence[Tensor], divisor: int, scaler: Any) -> Tensor:
-        """Weight the K losses (if a weighting is set), divide by ``divisor`` (the micro-batches
-        of the step) and add their task gradients; returns their detached sum."""
+        """Weight the K losses as one of ``divisor`` micro-batches (``micro_batches=``: the
+        weighting's share of the step's objective), else divide them by ``divisor``, and add
+        their task gradients; returns their detached sum."""
         check_int("divisor", divisor, 1, ", the number of micro-batches of the step")
         buffer = self.buffer
         if self.weighting is not None:
             if self.weighting.reads_losses:  # weights of the global batch's values
                 losses = global_losses(losses, buffer.process_group)
-            losses = self.weighting(losses, scaler=scaler)
-        losses = divide_losses(losses, divisor)
+            losses = self.weighting(losses, scaler=scaler, micro_batches=divisor)
+        else:
+            losses = divide_losses(losses, divisor)
         if buffer.sharded and isinstance(losses, Tensor):
             # FSDP2 gathers the parameters for the backward in a hook on the model's outputs;
             # each task's pass must run through them (the k-th scalar of the vector), not

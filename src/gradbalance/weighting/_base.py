@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .._checks import GLOBAL_LOSSES_TAG, as_loss_vector, check_num_tasks
+from .._checks import GLOBAL_LOSSES_TAG, as_loss_vector, check_int, check_num_tasks
 from .._module import StateModule
 from .._types import NonFiniteGradientError
 
@@ -118,22 +118,40 @@ class LossWeighting(StateModule):
         return state.detach().clone()
 
     # -- public -------------------------------------------------------------------------
-    def forward(self, losses: Tensor | Sequence[Tensor], *, scaler: Any = None) -> Tensor:
+    def forward(self, losses: Tensor | Sequence[Tensor], *, scaler: Any = None,
+                micro_batches: int = 1) -> Tensor:
         """Weighted task losses ``[K]`` (same dtype as ``losses``, graph kept).
 
         Called as ``weighting(losses)``, ``losses`` the K task losses (a 1-D tensor or a list
         of scalars); ``scaler``: the loop's ``GradScaler`` (read by GradNorm only). The detached
         losses join the pending observation of :meth:`update`; inf/NaN losses do not raise
-        here (the scaler skips the step).
+        here (the scaler skips the step). ``micro_batches=M``: ``losses`` are one of the
+        step's M micro-batches' (each its mean, undivided); the call returns its share of the
+        step's objective, ``f(L)/M``, and observes ``L/M`` (GradNorm: its layer gradients
+        ``/M``), so the M calls give the full batch's gradient and state for every method
+        whose weights do not read the call's losses (docs/weighting.md, "Micro-batches").
+
+        Example:
+            >>> import torch
+            >>> from gradbalance.weighting import UncertaintyWeighting
+            >>> u = UncertaintyWeighting(2)
+            >>> halves = [u(torch.tensor([2.0, 4.0]), micro_batches=2),
+            ...           u(torch.tensor([4.0, 8.0]), micro_batches=2)]
+            >>> sum(halves).detach(), u(torch.tensor([3.0, 6.0])).detach()  # the full batch
+            (tensor([1.5000, 3.0000]), tensor([1.5000, 3.0000]))
         """
+        share = 1.0 / check_int("micro_batches", micro_batches, 1,
+                                ", the number of micro-batches of the step")
         if self.reads_losses:
             _warn_if_rank_losses(self, losses)
         vector = as_loss_vector("losses", losses, self.num_tasks)
         if not vector.is_floating_point():
             raise ValueError(f"losses must be floating point, got dtype {vector.dtype}")
-        out = self._weighted(vector, scaler) if self.needs_task_gradients else \
+        out = self._weighted(vector, scaler, share) if self.needs_task_gradients else \
             self._weighted(vector)
         detached = vector.detach().to(device=self.device, dtype=torch.float64)
+        if micro_batches > 1:
+            out, detached = out * share, detached * share
         self._pending = detached if self._pending is None else self._pending + detached
         return out
 

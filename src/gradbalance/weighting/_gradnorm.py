@@ -143,11 +143,13 @@ class GradNorm(OwnOptimizerWeighting):
             matrix = matrix / scale.to(device=matrix.device, dtype=matrix.dtype)
         return matrix
 
-    def _weighted(self, losses: Tensor, scaler: Any = None) -> Tensor:
+    def _weighted(self, losses: Tensor, scaler: Any = None, share: float = 1.0) -> Tensor:
         if not losses.requires_grad:
             raise ValueError("losses do not require grad; GradNorm needs the graph to the "
                              "shared layer: call it before backward(), on the model's losses")
         matrix = self._layer_gradients(losses, scaler)
+        if share != 1.0:  # one of the step's micro-batches: its share of the mean gradient
+            matrix = matrix * share
         self._grads = matrix if self._grads is None else self._grads + matrix
         w = self.task_weights.detach().to(dtype=losses.dtype, device=losses.device)
         return w * losses
