@@ -128,6 +128,9 @@ class GhostNorms:
 
     def __init__(self, module: nn.Module, params: Iterable[Tensor] | None = None, *,
                  norm_type: float = 2.0, per_task: bool = True) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"Invalid module: a {type(module).__name__} (expected the nn.Module "
+                            f"whose layers are bounded, e.g. GhostNorms(model))")
         self.norm_type = _finite_norm_type(norm_type)
         self.per_task = check_bool("per_task", per_task)
         named = {name: p for name, p in module.named_parameters() if p.requires_grad}

@@ -23,6 +23,7 @@ from ._engine import reject_features
 from ._gramian import GramianMode, load_tasks
 from ._matrix import MatrixMode
 from ._measure import _synchronize
+from ._recorder import module_list
 from ._routes import inexact, layer_shapes
 
 __all__ = ["DECISIVE", "FLOPS_PER_BYTE", "TRIALS", "AutoMode", "LinearShape", "RouteCosts",
@@ -73,6 +74,7 @@ class AutoMode:
         self._matrix = MatrixMode(layout, head_params, passes)
         self._gramian: GramianMode | None = None
         if modules is not None:
+            module_list(modules)  # a wrong kind of argument is refused, not taken as "matrix"
             try:
                 self._gramian = GramianMode(layout, head_params, passes, modules)
             except (ValueError, RuntimeError):  # modules miss a shared parameter, or are

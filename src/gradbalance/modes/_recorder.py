@@ -46,13 +46,23 @@ _COMPILED = (
 )
 
 
-def _roots_of(modules: nn.Module | Iterable[nn.Module]) -> list[nn.Module]:
-    roots = [modules] if isinstance(modules, nn.Module) else list(modules)
+def module_list(modules: Any) -> list[nn.Module]:
+    """``modules`` (an ``nn.Module`` or an iterable of them, not a mapping or a string) as a
+    list; ``ValueError`` naming the argument for anything else (every mode that takes it)."""
+    if isinstance(modules, nn.Module):
+        return [modules]
+    listed = isinstance(modules, Iterable) and not isinstance(modules, (str, bytes, dict))
+    roots = list(modules) if listed else []
     if not roots or not all(isinstance(m, nn.Module) for m in roots):
         raise ValueError(
             f"Invalid modules: {modules!r} (expected an nn.Module or a list of them, "
             f"the trunk owning shared_params)"
         )
+    return roots
+
+
+def _roots_of(modules: nn.Module | Iterable[nn.Module]) -> list[nn.Module]:
+    roots = module_list(modules)
     if any(hasattr(m, "_orig_mod") for m in roots):  # torch.compile's OptimizedModule
         raise RuntimeError(_COMPILED)
     return roots

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from gradbalance import TaskGradBuffer, balanced_backward
 from gradbalance.balancers import MGDA, PCGrad, UPGrad
+from gradbalance.clip import GhostNorms
 from support.step_net import StepNet
 
 
@@ -220,3 +221,21 @@ def test_losses_built_under_no_grad_are_refused_before_anything_moves(mode: str)
     buf.backward(losses)
     buf.apply_(UPGrad())
     assert all(p.grad is not None for p in net.parameters())
+
+
+@pytest.mark.parametrize("modules", [{"trunk": None}, "trunk", 5, [], [5]],
+                         ids=["dict", "str", "int", "empty", "list-of-int"])
+@pytest.mark.parametrize("mode", ["gramian", "auto"])
+def test_modules_of_the_wrong_kind_are_refused_in_every_mode(modules: Any, mode: str) -> None:
+    """``mode="auto"`` took a dict or a string as "no gramian route" and ran on the rows
+    silently; an int raised torch's ``'int' object is not iterable``."""
+    trunk = nn.Sequential(nn.Linear(3, 4), nn.Tanh())
+    if isinstance(modules, dict):
+        modules = {"trunk": trunk}
+    with pytest.raises(ValueError, match=r"(?s)Invalid modules: .*expected an nn.Module or a list"):
+        TaskGradBuffer(list(trunk.parameters()), mode=mode, modules=modules)  # type: ignore[arg-type]
+
+
+def test_ghost_norms_refuses_a_module_of_the_wrong_kind() -> None:
+    with pytest.raises(TypeError, match=r"Invalid module: a list \(expected the nn.Module"):
+        GhostNorms([nn.Linear(2, 2)])  # type: ignore[arg-type]
