@@ -27,7 +27,9 @@ def config_weights(gramian: Tensor, pref: Tensor | None = None, rtol: float = 1e
     (relative to ``‖gᵢ‖‖gⱼ‖``, :func:`~gradbalance.gramian.products_rounding`) those at or
     below ``max(rounding, 2|λ_min|)``: directions the rounding cannot tell from zero (the
     cut :class:`~gradbalance.balancers.Balancer` makes for the rules that invert the
-    Gramian, here on the one eigen-decomposition ``C⁺`` needs).
+    Gramian, here on the one eigen-decomposition ``C⁺`` needs). Where ``p``'s part in
+    ``C``'s kept range is at most ``max(rtol, rounding)·‖p‖`` (``Uᵀp = 0``: every task with
+    a negative of it) ``g_u`` is zero and so are the weights.
 
     Example:
         >>> import torch
@@ -50,11 +52,15 @@ def config_weights(gramian: Tensor, pref: Tensor | None = None, rtol: float = 1e
     else:
         kept = lam.abs() > cut  # torch.linalg.pinv's rule
     inverse = torch.where(kept, lam.reciprocal(), torch.zeros_like(lam))
-    a: Tensor = vec @ (inverse * (vec.T @ p))
+    coef = vec.T @ p
+    a: Tensor = vec @ (inverse * coef)
     v = a * inv
     norm_sq = a @ cos @ a
     length = (gram @ v).sum()
-    if float(norm_sq) <= 0.0:
+    # p in C's null space up to the rounding (every task with its negative: Uᵀp = 0): no
+    # direction, not one the rounding draws (its length then set by 1/‖g_u‖²)
+    within = torch.linalg.vector_norm(coef[kept]) <= max(rtol, rounding) * torch.linalg.vector_norm(p)
+    if float(norm_sq) <= 0.0 or bool(within):
         return torch.zeros(k, dtype=torch.float64)
     return v * (length / norm_sq)
 
