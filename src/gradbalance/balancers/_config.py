@@ -59,7 +59,8 @@ def config_weights(gramian: Tensor, pref: Tensor | None = None, rtol: float = 1e
     length = (gram @ v).sum()
     # p in C's null space up to the rounding (every task with its negative: Uᵀp = 0): no
     # direction, not one the rounding draws (its length then set by 1/‖g_u‖²)
-    within = torch.linalg.vector_norm(coef[kept]) <= max(rtol, rounding) * torch.linalg.vector_norm(p)
+    size = torch.linalg.vector_norm(p)
+    within = torch.linalg.vector_norm(coef[kept]) <= max(rtol, rounding) * size
     if float(norm_sq) <= 0.0 or bool(within):
         return torch.zeros(k, dtype=torch.float64)
     return v * (length / norm_sq)
