@@ -30,8 +30,15 @@ def no_autocast(device: torch.device) -> contextlib.AbstractContextManager[Any]:
 
 
 def scale_of(scaler: Any, device: torch.device) -> Tensor | None:
-    """The scaler's current scale as a 0-d tensor (no host sync), or None when disabled."""
-    if scaler is None or not scaler.is_enabled():
+    """The scaler's current scale as a 0-d tensor (no host sync), or None when disabled;
+    ``TypeError`` naming ``scaler`` for an object that is not a ``GradScaler``."""
+    if scaler is None:
+        return None
+    if not (callable(getattr(scaler, "is_enabled", None))
+            and callable(getattr(scaler, "scale", None))):
+        raise TypeError(f"Invalid scaler: a {type(scaler).__name__} (expected None or a "
+                        f"torch.amp.GradScaler, e.g. torch.amp.GradScaler('cuda'))")
+    if not scaler.is_enabled():
         return None
     scale: Tensor = scaler.scale(torch.ones((), dtype=torch.float32, device=device))
     return scale

@@ -30,11 +30,15 @@ def _range_text(name: str, low: float | None, high: float | None, low_open: bool
 
 def check_range(name: str, value: float, low: float | None, high: float | None,
                 low_open: bool = False, high_open: bool = False) -> float:
-    """A float in ``[low, high]`` (open ends on request; None: unbounded)."""
+    """A finite float in ``[low, high]`` (open ends on request; None: unbounded above or
+    below, by any finite number: an infinite hyperparameter gave NaN updates)."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     ok = ok and value == value  # not NaN
     if not (ok and _in_range(value, low, high, low_open, high_open)):
         raise ValueError(f"Invalid {name}: {value!r} (expected "
+                         f"{_range_text(name, low, high, low_open, high_open)})")
+    if not math.isfinite(value):
+        raise ValueError(f"Invalid {name}: {value!r} (expected a finite number, "
                          f"{_range_text(name, low, high, low_open, high_open)})")
     return float(value)
 
@@ -329,6 +333,33 @@ def check_matrix(name: str, value: Tensor, num_tasks: int | None = None) -> Tens
         )
     if not value.is_floating_point():
         raise ValueError(f"{name} must be floating point, got dtype {value.dtype}")
+    return value
+
+
+def check_loss_scale(name: str, value: object) -> float | Tensor:
+    """A loss scale: a finite number ``> 0``, or a one-element real floating tensor (a
+    ``GradScaler``'s scale, read without a host sync); ``ValueError`` otherwise."""
+    if isinstance(value, Tensor):
+        if value.numel() != 1 or not value.is_floating_point():
+            raise ValueError(f"Invalid {name}: a tensor of shape {tuple(value.shape)} and dtype "
+                             f"{value.dtype} (expected one real number > 0, e.g. "
+                             f"scaler.get_scale())")
+        return value
+    return check_positive(name, value, hint=", the factor the losses were multiplied by")  # type: ignore[arg-type]
+
+
+def check_writable_rows(name: str, value: Tensor) -> Tensor:
+    """A ``[K, P]`` matrix a row clipper scales in place (:func:`check_matrix`, then
+    writable): not a tensor that requires grad, not an expanded view whose rows share memory
+    (``ValueError``, before the clipper reads it)."""
+    check_matrix(name, value)
+    if value.requires_grad:
+        raise ValueError(f"{name} requires grad, so it cannot be clipped in place; pass the "
+                         f"task gradients detached (matrix.detach().clone())")
+    if any(stride == 0 and size > 1 for stride, size in zip(value.stride(), value.shape)):
+        raise ValueError(f"{name} is an expanded view (strides {tuple(value.stride())}), whose "
+                         f"rows share memory, so it cannot be clipped row by row in place; "
+                         f"pass matrix.contiguous()")
     return value
 
 

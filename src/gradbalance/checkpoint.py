@@ -38,6 +38,7 @@ from typing import IO, Any
 
 import torch
 
+from ._checks import check_bool, check_int
 from ._statedict import as_lists, as_tuples
 
 __all__ = [
@@ -248,6 +249,7 @@ def capture_state(*, rng: bool = True, **objects: Any) -> dict[str, Any]:
         >>> sorted(snapshot["objects"]["model"]), "rng" in snapshot
         (['bias', 'weight'], True)
     """
+    check_bool("rng", rng)
     checkpoint = _capture(rng, objects)
     checkpoint["objects"] = copy.deepcopy(checkpoint["objects"])
     return checkpoint
@@ -274,6 +276,7 @@ def restore_state(checkpoint: dict[str, Any], *, strict: bool = True, **objects:
         >>> torch.equal(fresh.weight, trained.weight)
         True
     """
+    check_bool("strict", strict)
     _restore(checkpoint, "checkpoint", strict, objects)
 
 
@@ -392,9 +395,16 @@ def save_checkpoint(
         ...     print(os.listdir(folder))  # written atomically: no temporary file left
         ['run.pt']
     """
+    _check_path_or_file(f)
+    if extra is not None and not isinstance(extra, dict):
+        raise ValueError(f"Invalid extra: a {type(extra).__name__} (expected None or a dict of "
+                         f"values to save with the checkpoint)")
+    check_bool("rng", rng)
     extra = {} if extra is None else extra
     _check_loadable(extra, "extra")
     _check_loadable(step, "step")
+    if step is not None:
+        check_int("step", step, 0, ", the training step, or None")
     checkpoint = _capture(rng, objects)  # written at once: no copy needed
     for name, state in checkpoint["objects"].items():
         _check_loadable(state, f"{name}.state_dict()")
@@ -404,6 +414,14 @@ def save_checkpoint(
         _write_atomic(os.fspath(f), checkpoint)
     else:
         torch.save(checkpoint, f)
+
+
+def _check_path_or_file(f: object) -> None:
+    """A path or an open binary file (``TypeError`` naming ``f`` otherwise)."""
+    if not (isinstance(f, (str, os.PathLike)) or callable(getattr(f, "write", None))
+            or callable(getattr(f, "read", None))):
+        raise TypeError(f"Invalid f: a {type(f).__name__} (expected a path or an open binary "
+                        f"file, e.g. 'runs/last.pt')")
 
 
 def _write_atomic(path: str, checkpoint: dict[str, Any]) -> None:
@@ -480,6 +498,8 @@ def load_checkpoint(
         >>> meta, torch.equal(fresh.weight, model.weight)
         ({'step': 10, 'extra': {}}, True)
     """
+    check_bool("strict", strict)
+    _check_path_or_file(f)
     where = _describe(f)
     checkpoint = _read(f, where, map_location)
     _restore(checkpoint, where, strict, objects)

@@ -205,6 +205,22 @@ def log_stats(
     return scalars
 
 
+def _numbers(name: str, scalars: object) -> dict[str, float]:
+    """``scalars`` (a mapping of tags to numbers or 0-d tensors) as floats, all converted
+    first; ``ValueError`` naming the tag otherwise."""
+    if not isinstance(scalars, Mapping):
+        raise ValueError(f"Invalid {name}: a {type(scalars).__name__} (expected a mapping of "
+                         f"tags to numbers, e.g. gradbalance.stats_to_dict(stats))")
+    out: dict[str, float] = {}
+    for tag, value in scalars.items():
+        try:
+            out[str(tag)] = float(value)
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(f"Invalid {name}[{tag!r}]: {value!r} (expected a number); nothing "
+                             f"was recorded") from None
+    return out
+
+
 def _population_std(values: list[float]) -> float:
     """The population standard deviation of ``values`` (exactly rounded sums)."""
     mean = math.fsum(values) / len(values)
@@ -230,9 +246,12 @@ class RunningStats:
         self._values: dict[str, list[float]] = {}
 
     def update(self, scalars: Mapping[str, float]) -> dict[str, float]:
-        for tag, value in scalars.items():
+        """Add one step's scalars (every value converted before any is added: a value that
+        is not a number raises ``ValueError`` and nothing moves); their ``std/<tag>``."""
+        values = _numbers("scalars", scalars)
+        for tag, value in values.items():
             if tag != "amp_skipped" and not tag.startswith("std/"):
-                self._append(tag, float(value))
+                self._append(tag, value)
         return {f"std/{tag}": _population_std(values) for tag, values in self._values.items()
                 if values and tag in scalars}
 
@@ -254,7 +273,15 @@ class RunningStats:
                 f"state_dict was saved with window={state_dict['window']} but this RunningStats "
                 f"has window={self.window}; build it with the saved window"
             )
-        self._values = {k: [float(x) for x in v] for k, v in state_dict["values"].items()}
+        saved = state_dict["values"]
+        if not isinstance(saved, Mapping):
+            raise ValueError(f"state_dict['values'] must map tags to lists of numbers, got "
+                             f"{type(saved).__name__}; pass RunningStats.state_dict() output")
+        try:
+            self._values = {str(k): [float(x) for x in v] for k, v in saved.items()}
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"state_dict['values'] holds a value that is not a list of "
+                             f"numbers ({error}); pass RunningStats.state_dict() output") from None
 
 
 class CSVLogger:

@@ -630,7 +630,19 @@ def balanced_backward(
                          num_tasks=balancer.num_tasks, process_group=process_group, mode=mode,
                          other_params=other_params)
     buf.backward(losses, scaler=scaler, features=features)
-    return buf.apply_(balancer, scaler=scaler, clip=clip, active=active)
+    return _applied_or_reset(buf, balancer, scaler, clip, active)
+
+
+def _applied_or_reset(buf: TaskGradBuffer, balancer: Balancer, scaler: Any,
+                      clip: RowClipper | None, active: Tensor | None = None) -> StepStats:
+    """``buf.apply_(...)``; where it raises (a refused ``clip`` or ``active``, a solver
+    error), the step is dropped first: the heads' ``.grad`` the backward wrote go back as
+    the call found them, so a one-call step that raises has moved nothing."""
+    try:
+        return buf.apply_(balancer, scaler=scaler, clip=clip, active=active)
+    except BaseException:
+        buf.reset()
+        raise
 
 
 def _per_sample_backward(losses: Any, balancer: Balancer, shared_params: Iterable[Tensor],
@@ -656,7 +668,7 @@ def _per_sample_backward(losses: Any, balancer: Balancer, shared_params: Iterabl
     buf = TaskGradBuffer(shared_params, head_params, passes=passes, process_group="local",
                          modules=modules, other_params=other_params)
     buf.backward(vector.reshape(-1), scaler=scaler)
-    stats = buf.apply_(balancer, scaler=scaler, clip=clip)
+    stats = _applied_or_reset(buf, balancer, scaler, clip)
     stats.mode = "per_sample"
     gram = None
     if not stats.found_inf and stats.task_norms is not None and stats.cosine is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._checks import check_range
+from .._checks import check_bool, check_range
 from .._shard import Shard, sharded_unit_rows
 from ..gramian import unit_rows
 from ._base import Balancer, Combination
@@ -90,7 +90,7 @@ class DBMTL(Balancer):
         self.beta = check_range("beta", beta, 0.0, 1.0, high_open=True)
         self.beta_sigma = check_range("beta_sigma", beta_sigma, 0.0, None)
         self.eps = check_range("eps", eps, 0.0, None)
-        self.log_losses = bool(log_losses)
+        self.log_losses = check_bool("log_losses", log_losses)
         self.needs_losses = self.log_losses
         self.register_state("_ema", None, optional=True, like_rows=True)
         self.register_state("_step", torch.zeros((), dtype=torch.int64))

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._checks import check_generator
+from .._checks import check_generator, check_range
 from .._shard import Shard
 from ..gramian import compute_gramian
 from ._base import Combination
@@ -220,12 +220,9 @@ class GradVac(OwnedGeneratorState):
         generator: torch.Generator | None = None,
     ) -> None:
         super().__init__(num_tasks)
-        if not 0.0 <= beta <= 1.0:
-            raise ValueError(f"Invalid beta: {beta} (expected 0 <= beta <= 1)")
-        if not eps >= 0.0:
-            raise ValueError(f"Invalid eps: {eps} (expected eps >= 0)")
-        if not 0.0 < max_step < float("inf"):
-            raise ValueError(f"Invalid max_step: {max_step} (expected 0 < max_step < inf)")
+        beta = check_range("beta", beta, 0.0, 1.0)
+        eps = check_range("eps", eps, 0.0, None)
+        max_step = check_range("max_step", max_step, 0.0, None, low_open=True)
         if groups is not None:
             groups = [int(n) for n in groups]
             if not groups or any(n <= 0 for n in groups):

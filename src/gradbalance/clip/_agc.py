@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-from .._checks import check_positive
+from .._checks import check_bool, check_positive
 from .._types import NonFiniteGradientError
 from ._params import check_leaves, params_with_grads, total_grad_norm
 from ._task import _Stateless
@@ -112,7 +112,7 @@ class AGC(_Stateless):
         self.eps = check_positive("eps", eps, allow_zero=True, hint=", e.g. 1e-3")
         self.exclude = list(exclude)
         check_leaves("exclude", self.exclude)
-        self.error_if_nonfinite = error_if_nonfinite
+        self.error_if_nonfinite = check_bool("error_if_nonfinite", error_if_nonfinite)
 
     def __call__(self, parameters: Iterable[Tensor] | Tensor) -> Tensor:
         return adaptive_clip_grad_(parameters, self.clip_factor, self.eps, self.exclude,

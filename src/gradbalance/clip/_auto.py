@@ -9,7 +9,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._checks import check_int, check_matrix, check_norm_type, check_positive_int, check_range
+from .._checks import (
+    check_bool,
+    check_int,
+    check_norm_type,
+    check_positive_int,
+    check_range,
+    check_writable_rows,
+)
 from .._statedict import check_keys, tag_state, untag_state
 from .._types import NonFiniteGradientError
 from ._params import params_with_grads, total_grad_norm
@@ -53,7 +60,7 @@ class _AutoBase:
         self.history_size = check_positive_int("history_size", history_size, ", e.g. 1000")
         self.percentile = check_range("percentile", percentile, 0, 100)
         self.norm_type = check_norm_type("norm_type", norm_type)
-        self.error_if_nonfinite = error_if_nonfinite
+        self.error_if_nonfinite = check_bool("error_if_nonfinite", error_if_nonfinite)
         self.reset()
 
     def reset(self) -> None:
@@ -84,6 +91,9 @@ class _AutoBase:
                 )
             return None
         values = norms.detach().to(torch.float64)
+        if values.dim() != 1 or values.numel() == 0:
+            raise ValueError(f"norms must be a non-empty 1-D tensor, one per row, got shape "
+                             f"{tuple(values.shape)}; nothing was recorded")
         if self._ring is None or self._ring.shape[1] != values.numel():
             if self._ring is not None and self._count > 0:
                 raise ValueError(
@@ -238,7 +248,7 @@ class TaskAutoClip(_AutoBase):
     """
 
     def __call__(self, matrix: Tensor) -> Tensor:
-        check_matrix("matrix", matrix)
+        check_writable_rows("matrix", matrix)
         norms = row_norms(matrix, self.norm_type)
         matrix.mul_(self.coefficients(norms).to(matrix.dtype).unsqueeze(1))
         return norms

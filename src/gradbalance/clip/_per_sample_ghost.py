@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from .._amp import no_autocast
-from .._checks import check_bool, check_norm_type
+from .._checks import check_bool, check_loss_scale, check_norm_type
 from .._per_sample_mixing import mixed_outputs, mixing_error
 from ._per_sample_graph import _check_losses
 from ._per_sample_layers import COVERED as _COVERED
@@ -174,6 +174,7 @@ class GhostNorms:
         differentiate ``scale·ℓ`` and divide the norms by it (fp16 autocast).
         """
         losses = _check_losses(per_sample_losses)
+        scale = check_loss_scale("scale", scale)
         layers = [layer for layer in self._layers if layer.outputs]
         if len(layers) != len(self._layers):
             idle = [layer.name for layer in self._layers if not layer.outputs]

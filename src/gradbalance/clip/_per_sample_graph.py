@@ -11,7 +11,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._checks import as_parameter_list, check_bool, check_norm_type, check_optional_int
+from .._checks import (
+    as_parameter_list,
+    check_bool,
+    check_loss_scale,
+    check_norm_type,
+    check_optional_int,
+)
 
 __all__ = ["batched_norms", "per_sample_grad_norms"]
 
@@ -117,6 +123,7 @@ def per_sample_grad_norms(
     """
     losses = _check_losses(per_sample_losses)
     plist = as_parameter_list("params", params)
+    scale = check_loss_scale("scale", scale)
     norm_type = check_norm_type("norm_type", norm_type)
     chunk_size = check_optional_int("chunk_size", chunk_size, 1)
     joint = not check_bool("per_task", per_task) and losses.dim() == 2

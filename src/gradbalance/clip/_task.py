@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._checks import check_matrix, check_norm_type, check_positive
+from .._checks import check_bool, check_norm_type, check_positive, check_writable_rows
 from .._statedict import check_dict, reject_state
 from .._types import NonFiniteGradientError
 
@@ -50,7 +50,7 @@ def clip_task_norms_(matrix: Tensor, max_norm: float | Tensor, norm_type: float 
         tensor([[0.6000, 0.8000],
                 [0.3000, 0.4000]])
     """
-    check_matrix("matrix", matrix)
+    check_writable_rows("matrix", matrix)
     if not isinstance(max_norm, Tensor):
         check_positive("max_norm", max_norm)
     norm_type = check_norm_type("norm_type", norm_type)
@@ -87,7 +87,7 @@ def clip_task_values_(matrix: Tensor, clip_value: float) -> Tensor:
         (tensor([50.0000,  0.5000]), tensor([[ 5.0000,  5.0000],
                 [ 0.3000, -0.4000]]))
     """
-    check_matrix("matrix", matrix)
+    check_writable_rows("matrix", matrix)
     check_positive("clip_value", clip_value)
     norms = row_norms(matrix)
     matrix.clamp_(-clip_value, clip_value)
@@ -133,7 +133,7 @@ class TaskClip(_Stateless):
                  error_if_nonfinite: bool = False) -> None:
         self.max_norm = check_positive("max_norm", max_norm)
         self.norm_type = check_norm_type("norm_type", norm_type)
-        self.error_if_nonfinite = error_if_nonfinite
+        self.error_if_nonfinite = check_bool("error_if_nonfinite", error_if_nonfinite)
 
     def __call__(self, matrix: Tensor) -> Tensor:
         return clip_task_norms_(matrix, self.max_norm, self.norm_type, self.error_if_nonfinite)

@@ -21,6 +21,10 @@ __all__ = ["LossWeighting"]
 def _as_flag(found_inf: bool | Tensor) -> bool:
     if isinstance(found_inf, Tensor):
         return bool(found_inf.detach().ne(0).any())
+    # numpy's bool_ is not an int
+    if not isinstance(found_inf, (bool, int)) and type(found_inf).__name__ != "bool_":
+        raise ValueError(f"Invalid found_inf: {found_inf!r} (expected a bool or a tensor: "
+                         f"True when the optimizer step was skipped, e.g. stats.found_inf)")
     return bool(found_inf)
 
 

@@ -1,0 +1,185 @@
+"""Arguments of the wrong kind or out of range: a ``ValueError``/``TypeError`` naming the
+argument, raised before anything the user owns moved (``.grad``, a clipper's history, a
+logger's window), never a NaN update or an error from deep inside torch."""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from gradbalance import (
+    RunningStats,
+    balanced_backward,
+    capture_state,
+    load_checkpoint,
+    restore_state,
+    save_checkpoint,
+)
+from gradbalance.balancers import (
+    DBMTL,
+    PCD,
+    ExcessMTL,
+    FairGrad,
+    GradVac,
+    MoCo,
+    MoDo,
+    PCGrad,
+    SDMGrad,
+)
+from gradbalance.clip import (
+    AGC,
+    AutoClip,
+    GhostNorms,
+    TaskAutoClip,
+    TaskClip,
+    TaskValueClip,
+    per_sample_grad_norms,
+)
+from gradbalance.weighting import DWA
+
+
+def _grads(*modules: nn.Module) -> list[Any]:
+    return [None if p.grad is None else p.grad.clone() for m in modules for p in m.parameters()]
+
+
+@pytest.mark.parametrize(("given", "error", "text"), [
+    ({"clip": "f"}, TypeError, "Invalid clip"),
+    ({"clip": 3}, TypeError, "Invalid clip"),
+    ({"active": "x"}, TypeError, "active must be a bool tensor"),
+    ({"active": torch.tensor([False, False])}, ValueError, "active is all False"),
+    ({"scaler": "s"}, TypeError, "Invalid scaler"),
+    ({"clip": lambda g: (_ for _ in ()).throw(RuntimeError("the clipper failed"))},
+     RuntimeError, "the clipper failed"),
+])
+def test_balanced_backward_that_raises_moves_no_grad(given: dict[str, Any], error: type,
+                                                     text: str) -> None:
+    """The heads' ``.grad`` were written by the backward before ``apply_`` checked ``clip``
+    and ``active``; the step is now dropped first."""
+    torch.manual_seed(0)
+    trunk = nn.Linear(4, 3)
+    heads = nn.ModuleList([nn.Linear(3, 1) for _ in range(2)])
+    heads[0].weight.grad = torch.ones_like(heads[0].weight)  # a gradient already there
+    before = _grads(trunk, heads)
+    feats = trunk(torch.randn(8, 4))
+    losses = torch.stack([h(feats).pow(2).mean() for h in heads])
+    with pytest.raises(error, match=text):
+        balanced_backward(losses, PCGrad(), shared_params=trunk.parameters(),
+                          head_params=heads.parameters(), **given)
+    after = _grads(trunk, heads)
+    assert all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+               for a, b in zip(before, after))
+
+
+@pytest.mark.parametrize("clipper", [TaskClip(1.0), TaskValueClip(0.5), TaskAutoClip()],
+                         ids=["TaskClip", "TaskValueClip", "TaskAutoClip"])
+@pytest.mark.parametrize("kind", ["expanded", "requires_grad"])
+def test_row_clippers_refuse_a_matrix_they_cannot_scale_in_place(clipper: Any,
+                                                                 kind: str) -> None:
+    clipper = copy.deepcopy(clipper)
+    clipper(torch.randn(2, 5))
+    state = copy.deepcopy(clipper.state_dict()) if hasattr(clipper, "state_dict") else None
+    bad = (torch.randn(2, 1).expand(2, 5) if kind == "expanded"
+           else torch.randn(2, 5, requires_grad=True))
+    with pytest.raises(ValueError, match=r"matrix (is an expanded view|requires grad)"):
+        clipper(bad)
+    if state is not None:
+        assert repr(clipper.state_dict()) == repr(state)
+
+
+@pytest.mark.parametrize("norms", [torch.empty(0), torch.tensor([[1.0, 3.0]])],
+                         ids=["empty", "2-D"])
+def test_task_auto_clip_refuses_norms_of_the_wrong_shape_before_recording(
+        norms: torch.Tensor) -> None:
+    clip = TaskAutoClip()
+    with pytest.raises(ValueError, match="norms must be a non-empty 1-D tensor"):
+        clip.coefficients(norms)
+    assert clip.state_dict()["history"] is None and clip.state_dict()["count"] == 0
+
+
+def test_running_stats_converts_every_value_before_adding_any() -> None:
+    running = RunningStats(window=10)
+    running.update({"a": 1.0})
+    before = copy.deepcopy(running.state_dict())
+    with pytest.raises(ValueError, match=r"Invalid scalars\['b'\]: 'garbage'"):
+        running.update({"a": 2.0, "b": "garbage"})
+    with pytest.raises(ValueError, match="Invalid scalars: a NoneType"):
+        running.update(None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"state_dict\['values'\] must map tags"):
+        running.load_state_dict({"values": "x", "window": 10})
+    with pytest.raises(ValueError, match=r"state_dict\['values'\] holds a value"):
+        running.load_state_dict({"values": {"a": ["x"]}, "window": 10})
+    assert running.state_dict() == before
+
+
+@pytest.mark.parametrize(("build", "name"), [
+    (lambda v: FairGrad(alpha=v), "alpha"), (lambda v: ExcessMTL(robust_step_size=v),
+                                             "robust_step_size"),
+    (lambda v: SDMGrad(lr=v), "lr"), (lambda v: SDMGrad(lambda_=v), "lambda_"),
+    (lambda v: MoCo(gamma=v), "gamma"), (lambda v: MoCo(rho=v), "rho"),
+    (lambda v: MoDo(gamma=v), "gamma"), (lambda v: PCD(eps=v), "eps"),
+    (lambda v: DBMTL(beta_sigma=v), "beta_sigma"), (lambda v: GradVac(max_step=v), "max_step"),
+])
+def test_an_infinite_hyperparameter_is_refused(build: Any, name: str) -> None:
+    """``FairGrad(alpha=inf)`` gave NaN updates, ``SDMGrad(lr=inf)`` an index error."""
+    with pytest.raises(ValueError, match=rf"Invalid {name}: inf \(expected a finite number"):
+        build(math.inf)
+
+
+@pytest.mark.parametrize(("call", "text"), [
+    (lambda: DBMTL(log_losses="no"), "Invalid log_losses: 'no'"),  # type: ignore[arg-type]
+    (lambda: GradVac(beta=True), "Invalid beta: True"),
+    (lambda: TaskClip(1.0, error_if_nonfinite="no"), "Invalid error_if_nonfinite"),
+    (lambda: AutoClip(error_if_nonfinite="no"), "Invalid error_if_nonfinite"),
+    (lambda: AGC(error_if_nonfinite="no"), "Invalid error_if_nonfinite"),
+    (lambda: capture_state(rng="no"), "Invalid rng: 'no'"),
+    (lambda: restore_state(capture_state(), strict="no"), "Invalid strict: 'no'"),
+])
+def test_a_flag_or_number_of_the_wrong_type_is_refused(call: Any, text: str) -> None:
+    with pytest.raises(ValueError, match=text):
+        call()
+
+
+def test_a_weighting_refuses_a_found_inf_that_is_not_a_flag() -> None:
+    """``found_inf="no"`` was taken as true: the step skipped."""
+    dwa = DWA(2)
+    dwa(torch.tensor([1.0, 2.0]))
+    with pytest.raises(ValueError, match="Invalid found_inf: 'no'"):
+        dwa.update(found_inf="no")  # type: ignore[arg-type]
+    assert dwa.pending_tensors()  # the observation is kept: the call can be repeated
+    assert dwa.update(found_inf=False)
+
+
+@pytest.mark.parametrize(("given", "text"), [
+    ({"step": "abc"}, "Invalid step: 'abc'"), ({"step": math.nan}, "Invalid step: nan"),
+    ({"extra": [1]}, "Invalid extra: a list"), ({"rng": "no"}, "Invalid rng"),
+])
+def test_save_checkpoint_refuses_bad_metadata_and_writes_nothing(
+        tmp_path: Path, given: dict[str, Any], text: str) -> None:
+    with pytest.raises(ValueError, match=text):
+        save_checkpoint(tmp_path / "c.pt", model=nn.Linear(2, 1), **given)
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(TypeError, match="Invalid f: a NoneType"):
+        save_checkpoint(None, model=nn.Linear(2, 1))  # type: ignore[arg-type]
+    save_checkpoint(tmp_path / "c.pt", model=nn.Linear(2, 1))
+    with pytest.raises(ValueError, match="Invalid strict: 'no'"):
+        load_checkpoint(tmp_path / "c.pt", strict="no", model=nn.Linear(2, 1))
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, math.inf, torch.ones(2)])
+def test_a_loss_scale_that_is_not_one_positive_number_is_refused(scale: Any) -> None:
+    """``scale=0`` gave NaN norms."""
+    w = nn.Parameter(torch.ones(2))
+    x = torch.tensor([[3.0, 4.0], [0.0, 2.0]])
+    with pytest.raises(ValueError, match="Invalid scale"):
+        per_sample_grad_norms(x @ w, [w], scale=scale)
+    layer = nn.Linear(2, 1)
+    ghost = GhostNorms(layer)
+    out = layer(x)[:, 0]
+    with pytest.raises(ValueError, match="Invalid scale"):
+        ghost.norms(out, scale=scale)
