@@ -252,6 +252,27 @@ def check_nonnegative_losses(name: str, value: Tensor, method: str) -> Tensor:
     return value
 
 
+def tensor_list(name: str, value: object) -> list[Tensor]:
+    """``value`` (a tensor or an iterable of tensors, not a string or a mapping) as a list;
+    ``ValueError`` naming ``name`` otherwise."""
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, (str, bytes, dict)) or not isinstance(value, Iterable):
+        raise ValueError(f"Invalid {name}: a {type(value).__name__} (expected a tensor or an "
+                         f"iterable of them, e.g. model.parameters())")
+    out = list(value)
+    for i, item in enumerate(out):
+        if not isinstance(item, Tensor):
+            raise ValueError(f"{name}[{i}] is a {type(item).__name__}, expected a torch.Tensor")
+    return out
+
+
+def check_module(name: str, value: object) -> None:
+    """An ``nn.Module`` (``TypeError`` naming ``name`` otherwise)."""
+    if not isinstance(value, torch.nn.Module):
+        raise TypeError(f"Invalid {name}: a {type(value).__name__} (expected an nn.Module)")
+
+
 def as_parameter_list(name: str, value: Iterable[Tensor] | Tensor | None,
                       allow_empty: bool = False, leaf: bool = True) -> list[Tensor]:
     """Materialise a parameter iterable, rejecting tensors that require no grad and, with
@@ -331,6 +352,21 @@ def check_matrix(name: str, value: Tensor, num_tasks: int | None = None) -> Tens
             f"{name} has {value.shape[0]} task rows but the balancer was built with "
             f"num_tasks={num_tasks}; build it with the model's number of tasks"
         )
+    if not value.is_floating_point():
+        raise ValueError(f"{name} must be floating point, got dtype {value.dtype}")
+    if value.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device (shapes only, no values); pass the "
+                         f"task gradients themselves")
+    return value
+
+
+def check_square(name: str, value: object) -> Tensor:
+    """A real floating ``[K, K]`` tensor (a Gramian); ``ValueError`` naming ``name``."""
+    if not isinstance(value, Tensor):
+        raise ValueError(f"Invalid {name}: a {type(value).__name__} (expected a [K, K] tensor, "
+                         f"e.g. gradbalance.functional.compute_gramian(matrix))")
+    if value.dim() != 2 or value.shape[0] != value.shape[1]:
+        raise ValueError(f"{name} must be [K, K], got shape {tuple(value.shape)}")
     if not value.is_floating_point():
         raise ValueError(f"{name} must be floating point, got dtype {value.dtype}")
     return value

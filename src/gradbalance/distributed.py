@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ._checks import GLOBAL_LOSSES_TAG, as_loss_vector
+from ._checks import GLOBAL_LOSSES_TAG, as_loss_vector, tensor_list
 from ._sharding import is_dtensor
 
 if TYPE_CHECKING:
@@ -326,7 +326,7 @@ def all_reduce_mean_(tensors: Sequence[Tensor], group: Any = None) -> None:
 
 def _grads_of(params: Iterable[Tensor]) -> list[Tensor]:
     grads = []
-    for p in params:
+    for p in tensor_list("params", params):
         if p.grad is None:  # same layout on every rank: a missing gradient counts as zeros
             p.grad = torch.zeros_like(p)
         grads.append(p.grad)

@@ -11,7 +11,7 @@ from typing import ClassVar, NoReturn
 import torch
 from torch import Tensor
 
-from .._checks import check_matrix, check_num_tasks
+from .._checks import check_matrix, check_num_tasks, check_range, check_square
 from .._module import StateModule
 from .._shard import Shard, full_gramian
 from .._types import NonFiniteGradientError
@@ -44,6 +44,10 @@ SMALL_WEIGHTS = 64
 #: Columns of ``G`` per float64 block of :func:`combine_rows`'s wide path: at most this many
 #: entries of ``G`` in float64 at a time (64 MB).
 WIDE_BLOCK_ENTRIES = 2**23
+
+
+#: The integer dtypes ``losses`` may hold (converted as numbers).
+_INTEGER_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
 def combine_rows(weights: Tensor, matrix: Tensor) -> Tensor:
@@ -257,9 +261,9 @@ class Balancer(StateModule):
                 f"{type(self).__name__} needs the task-gradient rows, not only the Gramian; "
                 f"use mode='matrix'"
             )
-        if gramian.dim() != 2 or gramian.shape[0] != gramian.shape[1]:
-            raise ValueError(f"gramian must be [K, K], got shape {tuple(gramian.shape)}")
+        check_square("gramian", gramian)
         check_matrix("gramian", gramian, self.num_tasks)
+        check_range("rounding", rounding, 0.0, 1.0, high_open=True)
         losses = self._check_losses(losses, gramian.shape[0])
         self.check_tracked_tasks(gramian.shape[0])
         self._check_finite_gramian(gramian)
@@ -298,7 +302,16 @@ class Balancer(StateModule):
                     f"{type(self).__name__} reads the task losses: pass losses=[K] to combine()"
                 )
             return None
-        losses = torch.as_tensor(losses).detach().reshape(-1)
+        if not isinstance(losses, (Tensor, list, tuple)):
+            raise ValueError(f"Invalid losses: a {type(losses).__name__} (expected None or the "
+                             f"K task losses, a [K] tensor or a list of numbers)")
+        try:
+            losses = torch.as_tensor(losses).detach().reshape(-1)
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise ValueError(f"Invalid losses: {error} (expected the K task losses, a [K] "
+                             f"tensor or a list of numbers)") from None
+        if not (losses.is_floating_point() or losses.dtype in _INTEGER_DTYPES):
+            raise ValueError(f"Invalid losses: dtype {losses.dtype} (expected real numbers)")
         if losses.numel() != k:
             raise ValueError(
                 f"losses has {losses.numel()} entries but the matrix has {k} task rows; "

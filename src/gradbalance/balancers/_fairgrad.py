@@ -7,7 +7,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from .._checks import check_int, check_range
+from .._checks import check_int, check_range, check_square
 from ._base import Balancer
 from ._solvers import cancellation, fair_newton
 
@@ -35,7 +35,7 @@ def fairgrad_weights(gramian: Tensor, alpha: float = 1.0, max_iter: int = 100,
         >>> fairgrad_weights(torch.diag(torch.tensor([1.0, 4.0], dtype=torch.float64)))
         tensor([1.0000, 0.5000], dtype=torch.float64)
     """
-    k = gramian.shape[0]
+    k = check_square("gramian", gramian).shape[0]
     a = gramian.to(torch.float64)
     if alpha == 0.0:
         return torch.full((k,), 1.0 / k, dtype=torch.float64, device=a.device)

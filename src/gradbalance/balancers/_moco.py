@@ -51,9 +51,11 @@ def moco_step(y: Tensor, lam: Tensor, h: Tensor, beta_t: float, gamma_t: float, 
     gram = compute_gramian(y)
     if reduce is not None:
         gram = reduce(gram)
+    weights = lam.to(gram.dtype)  # the Gramian is float64 whatever the rows' dtype
     if lambda_update == "projection":
-        return y, modo_step(lam, gram, gamma_t, rho)
-    return y, torch.softmax(lam - gamma_t * (gram @ lam + rho * lam), dim=0)
+        return y, modo_step(weights, gram, gamma_t, rho).to(lam.dtype)
+    return y, torch.softmax(weights - gamma_t * (gram @ weights + rho * weights),
+                            dim=0).to(lam.dtype)
 
 
 def _loss_scaled_directions(matrix: Tensor, losses: Tensor, shard: Shard | None = None

@@ -7,6 +7,8 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
+from .._checks import tensor_list
+
 __all__ = ["check_leaves", "params_with_grads", "total_grad_norm"]
 
 
@@ -25,9 +27,7 @@ def params_with_grads(parameters: Iterable[Tensor] | Tensor) -> list[Tensor]:
     """The parameters whose ``.grad`` is set, in order; ``ValueError`` for a non-leaf tensor
     or one with neither ``.grad`` nor ``requires_grad`` (typically the gradients themselves),
     which clipping would silently skip."""
-    if isinstance(parameters, Tensor):
-        parameters = [parameters]
-    params = list(parameters)
+    params = tensor_list("parameters", parameters)
     check_leaves("parameters", params)
     for i, p in enumerate(params):
         if p.grad is None and not p.requires_grad:

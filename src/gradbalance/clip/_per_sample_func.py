@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev, vmap
 
-from .._checks import check_bool, check_norm_type, check_optional_int
+from .._checks import check_bool, check_module, check_norm_type, check_optional_int
 from ._per_sample_graph import _CHUNK_ELEMENTS, batched_norms
 from ._per_sample_layers import refuse_training_batch_norm
 
@@ -22,6 +22,7 @@ LossFn = Callable[[Any, Tensor], Tensor]
 
 
 def _trainable(module: nn.Module, params: Iterable[Tensor] | None) -> dict[str, Tensor]:
+    check_module("model", module)
     named: dict[str, Tensor] = {
         name: p for name, p in module.named_parameters() if p.requires_grad
     }

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .._checks import as_parameter_list, check_positive
+from .._checks import as_parameter_list, check_module, check_positive
 from .._types import NonFiniteGradientError
 from ..taskgrads import task_gradients
 from ._own_optimizer import OptimizerFactory, OwnOptimizerWeighting
@@ -26,6 +26,7 @@ def last_layer_parameters(module: nn.Module) -> list[Tensor]:
         >>> [tuple(p.shape) for p in last_layer_parameters(net)]
         [(1, 3), (1,)]
     """
+    check_module("module", module)
     owners = [m for m in module.modules()
               if any(p.requires_grad for p in m.parameters(recurse=False))]
     if not owners:

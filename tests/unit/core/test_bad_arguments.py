@@ -23,6 +23,7 @@ from gradbalance import (
 )
 from gradbalance.balancers import (
     DBMTL,
+    MGDA,
     PCD,
     ExcessMTL,
     FairGrad,
@@ -31,6 +32,7 @@ from gradbalance.balancers import (
     MoDo,
     PCGrad,
     SDMGrad,
+    UPGrad,
 )
 from gradbalance.clip import (
     AGC,
@@ -40,8 +42,10 @@ from gradbalance.clip import (
     TaskClip,
     TaskValueClip,
     per_sample_grad_norms,
+    per_sample_grad_norms_of_model,
 )
-from gradbalance.weighting import DWA
+from gradbalance.functional import fairgrad_weights, moco_step
+from gradbalance.weighting import DWA, last_layer_parameters
 
 
 def _grads(*modules: nn.Module) -> list[Any]:
@@ -183,3 +187,37 @@ def test_a_loss_scale_that_is_not_one_positive_number_is_refused(scale: Any) -> 
     out = layer(x)[:, 0]
     with pytest.raises(ValueError, match="Invalid scale"):
         ghost.norms(out, scale=scale)
+
+
+@pytest.mark.parametrize(("call", "error", "text"), [
+    (lambda: UPGrad().compute_weights(None), ValueError, "Invalid gramian: a NoneType"),
+    (lambda: UPGrad().compute_weights(torch.eye(2), rounding="abc"), ValueError,
+     "Invalid rounding: 'abc'"),
+    (lambda: UPGrad().compute_weights(torch.eye(2), rounding=1e308), ValueError,
+     "Invalid rounding"),
+    (lambda: MGDA().combine(torch.randn(2, 3), losses={"a": 1}), ValueError,
+     "Invalid losses: a dict"),
+    (lambda: MGDA().combine(torch.randn(2, 3, device="meta")), ValueError, "meta device"),
+    (lambda: AutoClip()("weights"), ValueError, "Invalid parameters: a str"),
+    (lambda: AGC()([1, 2]), ValueError, r"parameters\[0\] is a int"),
+    (lambda: last_layer_parameters(None), TypeError, "Invalid module: a NoneType"),
+    (lambda: per_sample_grad_norms_of_model(None, lambda out, y: out, torch.ones(2, 2),
+                                            torch.ones(2)),
+     TypeError, "Invalid model: a NoneType"),
+    (lambda: fairgrad_weights(torch.eye(2)[None]), ValueError, r"gramian must be \[K, K\]"),
+])
+def test_public_entry_points_name_the_bad_argument(call: Any, error: type, text: str) -> None:
+    """Each raised ``AttributeError``, ``IndexError`` or a torch error from inside, or hung
+    (``fairgrad_weights`` on a 3-D Gramian)."""
+    with pytest.raises(error, match=text):
+        call()
+
+
+def test_moco_step_takes_float32_weights() -> None:
+    """The Gramian is float64 whatever the rows' dtype: float32 weights raised a dtype
+    mismatch. The step is ``Π_Δ(λ − γ(YYᵀ + ρI)λ)`` on the tracked rows ``Y = h``."""
+    h = torch.tensor([[1.0, 0.0], [0.0, 2.0]])
+    _, lam = moco_step(torch.zeros(2, 2), torch.tensor([0.5, 0.5]), h, beta_t=1.0,
+                       gamma_t=0.5, rho=0.0)
+    assert lam.dtype == torch.float32
+    assert torch.allclose(lam, torch.tensor([0.875, 0.125]))  # Π_Δ((0.25, −0.5)), by hand
