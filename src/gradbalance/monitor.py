@@ -50,7 +50,13 @@ def _weights_of(stats: StepStats, weights: Tensor | None) -> Tensor | None:
     w = stats.weights if weights is None else weights
     if w is None:
         return None
+    if not isinstance(w, (Tensor, list, tuple)):
+        raise ValueError(f"Invalid weights: a {type(w).__name__} (expected None or [K] task "
+                         f"weights, e.g. a loss weighting's .weights)")
     w = torch.as_tensor(w).detach().reshape(-1)
+    if w.device.type == "meta" or w.is_complex():
+        raise ValueError(f"Invalid weights: a {w.device.type} tensor of dtype {w.dtype} "
+                         f"(expected real numbers with values)")
     if w.numel() != stats.num_tasks:
         raise ValueError(
             f"weights has {w.numel()} entries but the step has {stats.num_tasks} tasks; pass "
@@ -130,6 +136,10 @@ def stats_to_dict(
     """
     stats = stats if stats.per_task is None else stats.per_task
     names = task_labels(task_names, stats.num_tasks)
+    if not (pre_clip is None or isinstance(pre_clip, Tensor)
+            or (isinstance(pre_clip, (int, float)) and not isinstance(pre_clip, bool))):
+        raise ValueError(f"Invalid pre_clip: {pre_clip!r} (expected None or the global norm "
+                         f"clip_grad_norm_ returned)")
     values = _host_lists(_tensors_to_log(stats, pre_clip, _weights_of(stats, weights)))
     out = _per_task_tags(values, names)
     if pre_clip is not None:
@@ -184,6 +194,7 @@ def log_stats(
         7 loss/task0 0.5
         7 amp_skipped 0.0
     """
+    check_int("step", step, 0, ", the training step")
     csv = isinstance(writer, CSVLogger)
     if not (csv or hasattr(writer, "add_scalar")):
         raise ValueError(

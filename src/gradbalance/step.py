@@ -198,6 +198,8 @@ class TaskGradBuffer:
         self.num_tasks = check_optional_num_tasks("num_tasks", num_tasks)
         self._signatures = param_signatures(shared), param_signatures(heads)
         self.passes: Passes = passes
+        if isinstance(process_group, str):
+            resolve_process_group(process_group)  # a string other than "local" is refused
         self.process_group = process_group
         self.update_every = update_every
         self._cache = WeightCache(update_every)

@@ -11,7 +11,7 @@ from typing import Literal, get_args
 import torch
 from torch import Tensor
 
-from ._checks import as_loss_vector, as_parameter_list, check_choice
+from ._checks import as_loss_vector, as_parameter_list, check_bool, check_choice
 from ._roots import TaskRoots
 from ._sinks import PassSink, RowsSink
 
@@ -203,6 +203,7 @@ def task_gradients(
                 [2., 4.]])
     """
     vector = as_loss_vector("losses", losses)
+    check_bool("retain_graph", retain_graph)
     layout = ParamLayout(as_parameter_list("params", params, leaf=False))
     out = torch.empty(vector.shape[0], layout.numel, dtype=layout.dtype, device=layout.device)
     compute_into(TaskRoots(losses, vector, None), layout, out, passes=passes,

@@ -15,11 +15,15 @@ from torch import nn
 
 from gradbalance import (
     RunningStats,
+    TaskGradBuffer,
     balanced_backward,
     capture_state,
     load_checkpoint,
+    log_stats,
     restore_state,
     save_checkpoint,
+    stats_to_dict,
+    task_gradients,
 )
 from gradbalance.balancers import (
     DBMTL,
@@ -32,6 +36,7 @@ from gradbalance.balancers import (
     MoDo,
     PCGrad,
     SDMGrad,
+    Sum,
     UPGrad,
 )
 from gradbalance.clip import (
@@ -221,3 +226,20 @@ def test_moco_step_takes_float32_weights() -> None:
                        gamma_t=0.5, rho=0.0)
     assert lam.dtype == torch.float32
     assert torch.allclose(lam, torch.tensor([0.875, 0.125]))  # Π_Δ((0.25, −0.5)), by hand
+
+
+def test_logging_and_gradients_name_the_bad_argument() -> None:
+    w = torch.ones(2, requires_grad=True)
+    buf = TaskGradBuffer([w])
+    buf.backward([w.sum(), 2 * w.sum()])
+    stats = buf.apply_(Sum())
+    with pytest.raises(ValueError, match="Invalid weights: a dict"):
+        stats_to_dict(stats, weights={"a": 1})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="Invalid pre_clip: 'abc'"):
+        stats_to_dict(stats, pre_clip="abc")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="Invalid step: 'x'"):
+        log_stats(RunningStats(), stats, "x")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="Invalid retain_graph: 'yes'"):
+        task_gradients([w.sum()], [w], retain_graph="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="Invalid process_group: 'LOCAL'"):
+        TaskGradBuffer([w], process_group="LOCAL")
