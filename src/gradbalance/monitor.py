@@ -45,6 +45,14 @@ def task_labels(task_names: Sequence[str] | None, num_tasks: int) -> list[str]:
     return names
 
 
+def _check_pre_clip(pre_clip: object) -> None:
+    """None, a number or a tensor (``ValueError`` naming ``pre_clip`` otherwise)."""
+    if not (pre_clip is None or isinstance(pre_clip, Tensor)
+            or (isinstance(pre_clip, (int, float)) and not isinstance(pre_clip, bool))):
+        raise ValueError(f"Invalid pre_clip: {pre_clip!r} (expected None or the global norm "
+                         f"clip_grad_norm_ returned)")
+
+
 def _weights_of(stats: StepStats, weights: Tensor | None) -> Tensor | None:
     """The weights to log ``[K]`` (``weights``, else ``stats.weights``), still on their device."""
     w = stats.weights if weights is None else weights
@@ -136,10 +144,7 @@ def stats_to_dict(
     """
     stats = stats if stats.per_task is None else stats.per_task
     names = task_labels(task_names, stats.num_tasks)
-    if not (pre_clip is None or isinstance(pre_clip, Tensor)
-            or (isinstance(pre_clip, (int, float)) and not isinstance(pre_clip, bool))):
-        raise ValueError(f"Invalid pre_clip: {pre_clip!r} (expected None or the global norm "
-                         f"clip_grad_norm_ returned)")
+    _check_pre_clip(pre_clip)
     values = _host_lists(_tensors_to_log(stats, pre_clip, _weights_of(stats, weights)))
     out = _per_task_tags(values, names)
     if pre_clip is not None:
