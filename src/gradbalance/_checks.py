@@ -367,6 +367,8 @@ def check_square(name: str, value: object) -> Tensor:
                          f"e.g. gradbalance.functional.compute_gramian(matrix))")
     if value.dim() != 2 or value.shape[0] != value.shape[1]:
         raise ValueError(f"{name} must be [K, K], got shape {tuple(value.shape)}")
+    if value.shape[0] == 0:
+        raise ValueError(f"{name} has no tasks; pass the Gramian of at least one task gradient")
     if not value.is_floating_point():
         raise ValueError(f"{name} must be floating point, got dtype {value.dtype}")
     return value

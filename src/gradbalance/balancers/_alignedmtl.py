@@ -8,7 +8,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from .._checks import as_pref, check_choice, check_pref
+from .._checks import as_pref, check_choice, check_pref, check_square
 from ._base import Balancer
 from ._denoise import SPECTRUM_MAX_RATIO, KeptSpectrum
 from ._solvers import trace_normalized
@@ -39,6 +39,7 @@ def alignedmtl_weights(
         >>> alignedmtl_weights(torch.diag(torch.tensor([1.0, 4.0], dtype=torch.float64)))
         tensor([1.0000, 0.5000], dtype=torch.float64)
     """
+    check_square("gramian", gramian)
     k = gramian.shape[0]
     gram, trace = trace_normalized(gramian)
     p = check_pref("pref", pref, k, 1.0)

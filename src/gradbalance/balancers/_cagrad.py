@@ -7,7 +7,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from .._checks import check_choice
+from .._checks import check_choice, check_square
 from ._base import Balancer
 from ._boxqp import CHOLESKY_MAX_COND, INTERIOR_MIN_COLUMNS
 from ._denoise import KeptSpectrum
@@ -54,6 +54,8 @@ def cagrad_weights(gramian: Tensor, c: float = 0.4, rescale: Rescale = "none",
         >>> cagrad_weights(torch.eye(3, dtype=torch.float64), c=0.4)  # (1 + c) / 3
         tensor([0.4667, 0.4667, 0.4667], dtype=torch.float64)
     """
+    check_square("gramian", gramian)
+    check_choice("rescale", rescale, ("none", "c2", "c"))
     k = gramian.shape[0]
     gram, trace = trace_normalized(gramian)
     kept = None

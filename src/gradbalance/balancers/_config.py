@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._checks import check_pref
+from .._checks import check_pref, check_square
 from ._boxqp import ROUNDING_MULTIPLE
 from ._denoise import KeptSpectrum
 from ._pref import PreferenceBalancer
@@ -37,6 +37,7 @@ def config_weights(gramian: Tensor, pref: Tensor | None = None, rtol: float = 1e
         >>> config_weights(torch.diag(torch.tensor([1.0, 4.0], dtype=torch.float64)))
         tensor([1.5000, 0.7500], dtype=torch.float64)
     """
+    check_square("gramian", gramian)
     k = gramian.shape[0]
     gram, _ = trace_normalized(gramian)
     p = check_pref("pref", pref, k, 1.0)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .._checks import check_pref
+from .._checks import check_pref, check_square
 from ._pref import PreferenceBalancer
 from ._solvers import project_dual_cone, trace_normalized
 
@@ -28,6 +28,7 @@ def dualproj_weights(gramian: Tensor, pref: Tensor | None = None) -> Tensor:
         >>> dualproj_weights(g @ g.T)  # 1·g₁ + ½·g₂ = (0, ½), as in DualProj's example
         tensor([1.0000, 0.5000], dtype=torch.float64)
     """
+    check_square("gramian", gramian)
     k = gramian.shape[0]
     gram, _ = trace_normalized(gramian)
     return project_dual_cone(gram, check_pref("pref", pref, k, 1.0 / k))

@@ -36,6 +36,7 @@ def fairgrad_weights(gramian: Tensor, alpha: float = 1.0, max_iter: int = 100,
         tensor([1.0000, 0.5000], dtype=torch.float64)
     """
     k = check_square("gramian", gramian).shape[0]
+    alpha = check_range("alpha", alpha, 0.0, None)
     a = gramian.to(torch.float64)
     if alpha == 0.0:
         return torch.full((k,), 1.0 / k, dtype=torch.float64, device=a.device)

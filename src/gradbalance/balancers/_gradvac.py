@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._checks import check_generator, check_range
+from .._checks import check_generator, check_range, check_square
 from .._shard import Shard
 from ..gramian import compute_gramian
 from ._base import Combination
@@ -81,6 +81,7 @@ def gradvac_coefficients(
                 [1.0000, 1.0000]], dtype=torch.float64), tensor([[ 0.0000, -0.3536],
                 [-0.3536,  0.0000]], dtype=torch.float64))
     """
+    check_square("gramian", gramian)
     weights, new_targets = _vaccinated(gramian, orders, targets, beta, eps, max_step)
     return coefficients(orders, weights), new_targets
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._checks import check_square
 from ._base import Balancer
 from ._boxqp import least_squares
 from ._cholesky import cholesky_ex, cholesky_solve
@@ -36,6 +37,7 @@ def imtlg_weights(gramian: Tensor, rtol: float = 1e-12,
         >>> imtlg_weights(torch.diag(torch.tensor([1.0, 4.0], dtype=torch.float64)))
         tensor([0.6667, 0.3333], dtype=torch.float64)
     """
+    check_square("gramian", gramian)
     gram, trace = trace_normalized(gramian)
     d = torch.diagonal(gram).clamp_min(0).sqrt()
     v = _scaled(gram)

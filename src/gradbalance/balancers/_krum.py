@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._checks import check_int
+from .._checks import check_int, check_square
 from ._base import Balancer
 
 __all__ = ["Krum", "krum_weights"]
@@ -27,6 +27,9 @@ def krum_weights(gramian: Tensor, n_byzantine: int = 0, n_selected: int = 1) -> 
         >>> krum_weights(g @ g.T, n_selected=2)
         tensor([0.5000, 0.5000, 0.0000], dtype=torch.float64)
     """
+    check_square("gramian", gramian)
+    check_int("n_byzantine", n_byzantine, 0)
+    check_int("n_selected", n_selected, 1)
     k = gramian.shape[0]
     if k < n_byzantine + 3 or k < n_selected:
         raise ValueError(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._checks import check_square
 from ._base import Balancer
 
 __all__ = ["Mean", "mean_weights"]
@@ -19,6 +20,7 @@ def mean_weights(gramian: Tensor) -> Tensor:
         >>> mean_weights(torch.eye(4, dtype=torch.float64))
         tensor([0.2500, 0.2500, 0.2500, 0.2500], dtype=torch.float64)
     """
+    check_square("gramian", gramian)
     k = gramian.shape[0]
     return torch.full((k,), 1.0 / k, dtype=gramian.dtype, device=gramian.device)
 

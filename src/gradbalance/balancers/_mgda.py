@@ -7,7 +7,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from .._checks import check_choice
+from .._checks import check_choice, check_square
 from ._base import Balancer
 from ._solvers import min_norm_simplex, trace_normalized
 
@@ -55,6 +55,7 @@ def mgda_weights(gramian: Tensor, losses: Tensor | None = None,
         >>> mgda_weights(torch.diag(torch.tensor([1.0, 4.0], dtype=torch.float64)))
         tensor([0.8000, 0.2000], dtype=torch.float64)
     """
+    check_square("gramian", gramian)
     gram = gramian.detach().to(device="cpu", dtype=torch.float64)
     scale = _scales(gram, losses, normalization)
     normalized = gram / torch.outer(scale, scale)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._checks import check_range
+from .._checks import check_range, check_square
 from ._base import Balancer
 from ._mean import mean_weights
 from ._solvers import project_simplex
@@ -27,6 +27,7 @@ def modo_step(lam: Tensor, gramian: Tensor, gamma: float, rho: float) -> Tensor:
         >>> modo_step(lam, a, gamma=0.1, rho=0.0)  # Π_Δ((0.45, 0.30))
         tensor([0.5750, 0.4250], dtype=torch.float64)
     """
+    check_square("gramian", gramian)
     step = lam - gamma * (gramian @ lam + rho * lam)
     return project_simplex(step - step.max())
 

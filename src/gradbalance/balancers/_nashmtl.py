@@ -7,7 +7,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from .._checks import check_choice, check_int
+from .._checks import check_choice, check_int, check_square
 from ._base import Balancer
 from ._solvers import nash_bargaining, trace_normalized
 
@@ -35,6 +35,7 @@ def nashmtl_weights(gramian: Tensor, normalization: Normalization = "none",
         >>> weights
         tensor([1.0000, 0.5000], dtype=torch.float64)
     """
+    check_square("gramian", gramian)
     unit, trace = trace_normalized(gramian)
     alpha = nash_bargaining(unit, alpha0, no_solution=no_solution)
     return alpha * _factor(unit, trace, normalization), alpha

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .._checks import check_range
+from .._checks import check_range, check_square
 from ._base import Balancer
 from ._boxqp import (
     INTERIOR_MIN_COLUMNS,
@@ -76,6 +76,7 @@ def pcd_weights(gramian: Tensor, taus: Tensor, tol: float = 1e-9,
         >>> pcd_weights(g @ g.T, torch.tensor([0.5]))  # g₂·(g₁ + g₂) = ½‖g₂‖²
         tensor([1., 1.], dtype=torch.float64)
     """
+    check_square("gramian", gramian)
     m = gramian.shape[0]
     out = torch.zeros(m, dtype=gramian.dtype, device=gramian.device)
     out[0] = 1.0

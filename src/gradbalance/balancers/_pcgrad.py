@@ -11,7 +11,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from .._checks import check_generator
+from .._checks import check_generator, check_square
 from ._pairwise import Visit, column_sums, pairwise_pass, pass_weights
 from ._rng import OwnedGeneratorState, private_generator
 from ._solvers import trace_normalized
@@ -55,6 +55,7 @@ def pcgrad_coefficients(gramian: Tensor, orders: Tensor) -> Tensor:
         tensor([[1.0000, 0.5000],
                 [1.0000, 1.0000]], dtype=torch.float64)
     """
+    check_square("gramian", gramian)
     gram = gramian.to(torch.float64)
     orders = orders.to(gram.device)
     return pairwise_pass(gram, orders, _projections(gram, orders))

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .._checks import as_task_vector, check_int, check_range
+from .._checks import as_task_vector, check_int, check_range, check_square
 from ._base import Balancer
 from ._mean import mean_weights
 from ._solvers import project_simplex
@@ -33,6 +33,7 @@ def sdmgrad_weights(gramian: Tensor, w: Tensor, pref: Tensor, lambda_: float = 0
         >>> weights  # uniform by symmetry
         tensor([0.3333, 0.3333, 0.3333], dtype=torch.float64)
     """
+    check_square("gramian", gramian)
     diag = torch.diagonal(gramian).clamp_min(0)
     scale = diag.sqrt().mean() ** 2
     a = gramian / scale if bool(scale > 0) else gramian

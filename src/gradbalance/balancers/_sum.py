@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._checks import check_square
 from ._base import Balancer
 
 __all__ = ["Sum", "sum_weights"]
@@ -19,6 +20,7 @@ def sum_weights(gramian: Tensor) -> Tensor:
         >>> sum_weights(torch.eye(3, dtype=torch.float64))
         tensor([1., 1., 1.], dtype=torch.float64)
     """
+    check_square("gramian", gramian)
     return torch.ones(gramian.shape[0], dtype=gramian.dtype, device=gramian.device)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._checks import check_pref
+from .._checks import check_pref, check_square
 from ._pref import PreferenceBalancer
 from ._solvers import project_dual_cone, trace_normalized
 
@@ -31,6 +31,7 @@ def upgrad_weights(gramian: Tensor, pref: Tensor | None = None) -> Tensor:
         >>> upgrad_weights(g @ g.T)  # 1·g₁ + ¾·g₂ = (¼, ¾), as in UPGrad's example
         tensor([1.0000, 0.7500], dtype=torch.float64)
     """
+    check_square("gramian", gramian)
     k = gramian.shape[0]
     gram, _ = trace_normalized(gramian)
     p = check_pref("pref", pref, k, 1.0 / k)

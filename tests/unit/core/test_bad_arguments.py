@@ -18,6 +18,7 @@ from gradbalance import (
     TaskGradBuffer,
     balanced_backward,
     capture_state,
+    functional,
     load_checkpoint,
     log_stats,
     restore_state,
@@ -243,3 +244,32 @@ def test_logging_and_gradients_name_the_bad_argument() -> None:
         task_gradients([w.sum()], [w], retain_graph="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="Invalid process_group: 'LOCAL'"):
         TaskGradBuffer([w], process_group="LOCAL")
+
+
+_KERNELS = ["alignedmtl_weights", "cagrad_weights", "config_weights", "dualproj_weights",
+            "fairgrad_weights", "imtlg_weights", "krum_weights", "mean_weights",
+            "mgda_weights", "nashmtl_weights", "sum_weights", "upgrad_weights"]
+
+
+@pytest.mark.parametrize("name", _KERNELS)
+@pytest.mark.parametrize(("gramian", "text"), [
+    (torch.tensor(1.0), r"gramian must be \[K, K\], got shape \(\)"),
+    (torch.eye(2)[None], r"gramian must be \[K, K\], got shape \(1, 2, 2\)"),
+    (torch.empty(0, 0), "gramian has no tasks"),
+    ("G", "Invalid gramian: a str"),
+], ids=["0-d", "3-D", "empty", "str"])
+def test_the_functional_kernels_check_their_gramian(name: str, gramian: Any,
+                                                    text: str) -> None:
+    """They raised IndexError or ZeroDivisionError, or hung (FairGrad on a 3-D Gramian)."""
+    with pytest.raises(ValueError, match=text):
+        getattr(functional, name)(gramian)
+
+
+@pytest.mark.parametrize(("call", "text"), [
+    (lambda: functional.krum_weights(torch.eye(4), n_selected=0), "Invalid n_selected: 0"),
+    (lambda: functional.fairgrad_weights(torch.eye(2), alpha=-1.0), "Invalid alpha: -1.0"),
+    (lambda: functional.cagrad_weights(torch.eye(2), rescale=None), "Invalid rescale: None"),
+])
+def test_the_functional_kernels_check_their_numbers(call: Any, text: str) -> None:
+    with pytest.raises(ValueError, match=text):
+        call()
