@@ -267,6 +267,21 @@ def tensor_list(name: str, value: object) -> list[Tensor]:
     return out
 
 
+def module_list(modules: object) -> list[torch.nn.Module]:
+    """``modules`` (an ``nn.Module`` or an iterable of them, not a mapping or a string) as a
+    list; ``ValueError`` naming the argument for anything else (every mode that takes it)."""
+    if isinstance(modules, torch.nn.Module):
+        return [modules]
+    listed = isinstance(modules, Iterable) and not isinstance(modules, (str, bytes, dict))
+    roots = list(modules) if listed else []  # type: ignore[call-overload]
+    if not roots or not all(isinstance(m, torch.nn.Module) for m in roots):
+        raise ValueError(
+            f"Invalid modules: {modules!r} (expected an nn.Module or a list of them, "
+            f"the trunk owning shared_params)"
+        )
+    return roots
+
+
 def check_module(name: str, value: object) -> None:
     """An ``nn.Module`` (``TypeError`` naming ``name`` otherwise)."""
     if not isinstance(value, torch.nn.Module):
@@ -277,11 +292,7 @@ def as_parameter_list(name: str, value: Iterable[Tensor] | Tensor | None,
                       allow_empty: bool = False, leaf: bool = True) -> list[Tensor]:
     """Materialise a parameter iterable, rejecting tensors that require no grad and, with
     ``leaf``, tensors computed from others (their ``.grad`` is never filled)."""
-    if value is None:
-        value = []
-    if isinstance(value, Tensor):
-        value = [value]
-    result = list(value)
+    result = [] if value is None else tensor_list(name, value)
     if not result and not allow_empty:
         raise ValueError(
             f"{name} is empty; pass the parameters, e.g. {name}=model.trunk.parameters() "
@@ -289,8 +300,6 @@ def as_parameter_list(name: str, value: Iterable[Tensor] | Tensor | None,
         )
     seen: set[int] = set()
     for i, p in enumerate(result):
-        if not isinstance(p, Tensor):
-            raise ValueError(f"{name}[{i}] is a {type(p).__name__}, expected a torch.Tensor")
         if not p.requires_grad:
             raise ValueError(
                 f"{name}[{i}] (shape {tuple(p.shape)}) does not require grad; leave frozen "

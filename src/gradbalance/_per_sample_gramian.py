@@ -18,7 +18,7 @@ gradients through ``torch.func`` (:mod:`._per_sample_fallback`). Layers that mix
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.parametrize import is_parametrized
 
+from ._checks import module_list
 from ._per_sample_eager import Recorded, Slots, Snapshot, edge_of, lowest
 from ._per_sample_fallback import per_sample_grads
 from ._per_sample_forms import Form, block, layer_form, summed_blocks
@@ -56,12 +57,7 @@ def as_modules(modules: Any) -> list[tuple[str, nn.Module]]:
     """``modules`` (one module or an iterable of them) as ``(prefix, module)`` pairs."""
     if isinstance(modules, nn.Module):
         return [("", modules)]
-    found = list(modules) if isinstance(modules, Iterable) else [modules]
-    if not found or not all(isinstance(m, nn.Module) for m in found):
-        raise TypeError(
-            f"modules must be the trunk: an nn.Module or a list of them, got "
-            f"{type(modules).__name__}; pass modules=model.trunk"
-        )
+    found = module_list(modules)
     return [(f"{i}", m) for i, m in enumerate(found)] if len(found) > 1 else [("", found[0])]
 
 

@@ -11,7 +11,7 @@ from typing import Any, ClassVar, Literal, cast, get_args
 import torch.distributed as dist
 from torch import Tensor
 
-from .._checks import check_choice
+from .._checks import check_choice, module_list
 from .._statedict import as_lists, as_tuples
 from ..balancers._base import Balancer
 from ..clip._protocol import RowClipper
@@ -23,7 +23,6 @@ from ._engine import reject_features
 from ._gramian import GramianMode, load_tasks
 from ._matrix import MatrixMode
 from ._measure import _synchronize
-from ._recorder import module_list
 from ._routes import inexact, layer_shapes
 
 __all__ = ["DECISIVE", "FLOPS_PER_BYTE", "TRIALS", "AutoMode", "LinearShape", "RouteCosts",

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from .._checks import module_list
 from .._graph import reaches, record_calls, tensor_hooked
 from .._sinks import PassSink, RowsSink, StackSink
 from ..balancers._base import combine_rows
@@ -44,21 +45,6 @@ _COMPILED = (
     "layer inputs and output gradients its Gramian is built from. Use mode='matrix' with a "
     "compiled trunk, or leave the trunk uncompiled (docs/integrations.md, torch.compile)"
 )
-
-
-def module_list(modules: Any) -> list[nn.Module]:
-    """``modules`` (an ``nn.Module`` or an iterable of them, not a mapping or a string) as a
-    list; ``ValueError`` naming the argument for anything else (every mode that takes it)."""
-    if isinstance(modules, nn.Module):
-        return [modules]
-    listed = isinstance(modules, Iterable) and not isinstance(modules, (str, bytes, dict))
-    roots = list(modules) if listed else []
-    if not roots or not all(isinstance(m, nn.Module) for m in roots):
-        raise ValueError(
-            f"Invalid modules: {modules!r} (expected an nn.Module or a list of them, "
-            f"the trunk owning shared_params)"
-        )
-    return roots
 
 
 def _roots_of(modules: nn.Module | Iterable[nn.Module]) -> list[nn.Module]:

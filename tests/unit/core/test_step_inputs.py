@@ -225,15 +225,16 @@ def test_losses_built_under_no_grad_are_refused_before_anything_moves(mode: str)
 
 @pytest.mark.parametrize("modules", [{"trunk": None}, "trunk", 5, [], [5]],
                          ids=["dict", "str", "int", "empty", "list-of-int"])
-@pytest.mark.parametrize("mode", ["gramian", "auto"])
+@pytest.mark.parametrize("mode", ["gramian", "auto", "per_sample"])
 def test_modules_of_the_wrong_kind_are_refused_in_every_mode(modules: Any, mode: str) -> None:
     """``mode="auto"`` took a dict or a string as "no gramian route" and ran on the rows
     silently; an int raised torch's ``'int' object is not iterable``."""
     trunk = nn.Sequential(nn.Linear(3, 4), nn.Tanh())
     if isinstance(modules, dict):
         modules = {"trunk": trunk}
+    given: dict[str, Any] = {"batch_dim": 0} if mode == "per_sample" else {"mode": mode}
     with pytest.raises(ValueError, match=r"(?s)Invalid modules: .*expected an nn.Module or a list"):
-        TaskGradBuffer(list(trunk.parameters()), mode=mode, modules=modules)  # type: ignore[arg-type]
+        TaskGradBuffer(list(trunk.parameters()), modules=modules, **given)
 
 
 def test_ghost_norms_refuses_a_module_of_the_wrong_kind() -> None:
