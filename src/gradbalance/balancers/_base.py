@@ -189,10 +189,17 @@ class Balancer(StateModule):
         columns of ``G``, ``gramian`` (if given) the full Gramian, and the vector returned is
         this rank's columns of the single-process update (docs/balancers.md, "Sharded
         trunks"). ``TypeError`` for a balancer that cannot run sharded (:attr:`shardable`).
+
+        A ``matrix`` (or ``gramian``) that requires grad is read as its values, as the
+        step's buffers are: the update, the weights and the balancer's state never carry
+        an autograd graph (one kept in an EMA would grow across steps).
         """
         if shard is not None:
             self.check_shardable()
         check_matrix("matrix", matrix, self.num_tasks)
+        matrix = matrix.detach()
+        if isinstance(gramian, Tensor):
+            gramian = gramian.detach()
         _check_shard(shard, matrix)
         losses = self._check_losses(losses, matrix.shape[0])
         self.check_tracked_tasks(matrix.shape[0], matrix)
@@ -263,6 +270,7 @@ class Balancer(StateModule):
             )
         check_square("gramian", gramian)
         check_matrix("gramian", gramian, self.num_tasks)
+        gramian = gramian.detach()  # its values, as combine() reads them
         check_range("rounding", rounding, 0.0, 1.0, high_open=True)
         losses = self._check_losses(losses, gramian.shape[0])
         self.check_tracked_tasks(gramian.shape[0])
