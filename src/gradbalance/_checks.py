@@ -240,6 +240,27 @@ def as_loss_vector(name: str, value: Tensor | Sequence[Tensor],
     return vector
 
 
+def task_value_vectors(*named: tuple[str, object]) -> list[Tensor]:
+    """The per-task vectors of a functional weighting kernel, as float64 values (detached):
+    each a 1-D real tensor (or list of numbers) of ``K ≥ 1`` entries, the same ``K`` (the
+    first's) for all; the error names the argument, what it holds and the fix."""
+    out: list[Tensor] = []
+    for name, value in named:
+        try:
+            vec = torch.as_tensor(value).detach()
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(f"Invalid {name}: a {type(value).__name__} (expected a 1-D tensor "
+                             f"of K numbers, one per task)") from None
+        if vec.dim() != 1 or vec.numel() == 0 or vec.is_complex() or vec.dtype == torch.bool:
+            raise ValueError(f"Invalid {name}: shape {tuple(vec.shape)}, dtype {vec.dtype} "
+                             f"(expected a 1-D real tensor of K numbers, one per task)")
+        if out and vec.numel() != out[0].numel():
+            raise ValueError(f"{name} has {vec.numel()} entries but {named[0][0]} has "
+                             f"{out[0].numel()}: pass one value per task to each")
+        out.append(vec.to(torch.float64))
+    return out
+
+
 def check_nonnegative_losses(name: str, value: Tensor, method: str) -> Tensor:
     """Finite losses must be ``>= 0`` for ``method`` (inf/NaN pass: the step is skipped);
     one host sync."""

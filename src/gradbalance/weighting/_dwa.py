@@ -5,7 +5,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._checks import check_nonnegative_losses, check_optional_int, check_positive
+from .._checks import (
+    check_nonnegative_losses,
+    check_optional_int,
+    check_positive,
+    task_value_vectors,
+)
 from ._base import LossWeighting
 
 __all__ = ["DWA", "dwa_weights"]
@@ -20,6 +25,9 @@ def dwa_weights(previous: Tensor, before_previous: Tensor, temperature: float = 
         >>> dwa_weights(torch.tensor([0.5, 1.0]), torch.tensor([1.0, 1.0]))  # 2·softmax(r/2)
         tensor([0.8756, 1.1244], dtype=torch.float64)
     """
+    previous, before_previous = task_value_vectors(("previous", previous),
+                                                   ("before_previous", before_previous))
+    check_positive("temperature", temperature)
     k = previous.shape[0]
     # a loss that fell to 0 and rose again: a rate past float64, kept finite (its task then
     # takes the weight), not an inf whose softmax is NaN

@@ -5,7 +5,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._checks import as_task_vector, check_nonnegative_losses, check_positive
+from .._checks import (
+    as_task_vector,
+    check_nonnegative_losses,
+    check_positive,
+    task_value_vectors,
+)
 from ._own_optimizer import OptimizerFactory, OwnOptimizerWeighting
 
 __all__ = ["FAMO", "famo_weights"]
@@ -23,8 +28,11 @@ def famo_weights(losses: Tensor, logits: Tensor, min_losses: Tensor, eps: float 
         >>> famo_weights(torch.tensor([1.0, 3.0]), torch.zeros(2), torch.zeros(2))  # ∝ (1, 1/3)
         tensor([0.7500, 0.2500], dtype=torch.float64)
     """
-    z = torch.softmax(logits.detach().double(), dim=0)
-    d = losses.detach().double() - min_losses.double() + eps
+    losses, logits, min_losses = task_value_vectors(
+        ("losses", losses), ("logits", logits), ("min_losses", min_losses))
+    check_positive("eps", eps, allow_zero=True)
+    z = torch.softmax(logits, dim=0)
+    d = losses - min_losses + eps
     ratio = z / d
     return ratio / ratio.sum()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._checks import check_nonnegative_losses, check_positive
+from .._checks import check_nonnegative_losses, check_positive, task_value_vectors
 from ._base import LossWeighting
 
 __all__ = ["GLS", "gls_weights"]
@@ -23,7 +23,9 @@ def gls_weights(losses: Tensor, eps: float = 1e-12) -> Tensor:
         >>> gls_weights(torch.tensor([1.0, 4.0]))  # √(1·4) / (2·Lₖ)
         tensor([1.0000, 0.2500], dtype=torch.float64)
     """
-    logs = losses.detach().double().clamp_min(eps).log()
+    (losses,) = task_value_vectors(("losses", losses))
+    check_positive("eps", eps, allow_zero=True)
+    logs = losses.clamp_min(eps).log()
     k = losses.shape[0]
     return torch.exp(logs.mean() - logs) / k
 

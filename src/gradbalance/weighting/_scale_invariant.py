@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from .._checks import check_positive, task_value_vectors
 from ._gls import GLS
 
 __all__ = ["ScaleInvariant", "scale_invariant_weights"]
@@ -18,7 +19,9 @@ def scale_invariant_weights(losses: Tensor, eps: float = 1e-12) -> Tensor:
         >>> scale_invariant_weights(torch.tensor([2.0, 4.0]))
         tensor([0.5000, 0.2500], dtype=torch.float64)
     """
-    return 1.0 / losses.detach().double().clamp_min(eps)
+    (losses,) = task_value_vectors(("losses", losses))
+    check_positive("eps", eps, allow_zero=True)
+    return 1.0 / losses.clamp_min(eps)
 
 
 class ScaleInvariant(GLS):

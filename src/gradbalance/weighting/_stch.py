@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .._checks import check_int, check_nonnegative_losses, check_positive
+from .._checks import check_int, check_nonnegative_losses, check_positive, task_value_vectors
 from ._base import LossWeighting
 
 __all__ = ["STCH", "stch_weights"]
@@ -28,9 +28,10 @@ def stch_weights(losses: Tensor, nadir: Tensor, mu: float, preference: Tensor,
         >>> stch_weights(losses, losses, mu=1.0, preference=torch.ones(2))  # at the nadir: 1/Lₖ
         tensor([1.0000, 0.5000], dtype=torch.float64)
     """
-    x = losses.detach().double()
-    n = nadir.double()
-    lam = preference.double()
+    x, n, lam = task_value_vectors(("losses", losses), ("nadir", nadir),
+                                   ("preference", preference))
+    check_positive("mu", mu)
+    check_positive("eps", eps, allow_zero=True)
     f = torch.log(x / n + eps)
     soft = torch.softmax(lam * f / mu, dim=0)
     return x.shape[0] * soft * lam / (x + eps * n)

@@ -273,3 +273,46 @@ def test_the_functional_kernels_check_their_gramian(name: str, gramian: Any,
 def test_the_functional_kernels_check_their_numbers(call: Any, text: str) -> None:
     with pytest.raises(ValueError, match=text):
         call()
+
+
+_ONE = torch.ones(3)
+_WEIGHTING_KERNELS: list[tuple[Any, str]] = [
+    (lambda v: functional.dwa_weights(v, _ONE), "previous"),
+    (lambda v: functional.dwa_weights(_ONE, v), "before_previous"),
+    (lambda v: functional.gls_weights(v), "losses"),
+    (lambda v: functional.scale_invariant_weights(v), "losses"),
+    (lambda v: functional.famo_weights(_ONE, v, _ONE), "logits"),
+    (lambda v: functional.famo_weights(_ONE, _ONE, v), "min_losses"),
+    (lambda v: functional.stch_weights(_ONE, v, 1.0, _ONE), "nadir"),
+    (lambda v: functional.stch_weights(_ONE, _ONE, 1.0, v), "preference"),
+]
+
+
+@pytest.mark.parametrize(("call", "name"), _WEIGHTING_KERNELS,
+                         ids=[f"{i}-{n}" for i, (_, n) in enumerate(_WEIGHTING_KERNELS)])
+@pytest.mark.parametrize(("value", "text"), [
+    (torch.tensor(1.0), r"Invalid {}: shape \(\)"),
+    (torch.ones(2, 3), r"Invalid {}: shape \(2, 3\)"),
+    ("L", "Invalid {}: a str"),
+    (torch.ones(2), "{} has 2 entries but .* has 3|.* has 3 entries but {} has 2"),
+], ids=["0-d", "2-D", "str", "length"])
+def test_the_weighting_kernels_check_their_vectors(call: Any, name: str, value: Any,
+                                                   text: str) -> None:
+    """``dwa_weights`` and ``gls_weights`` on a 0-d tensor raised IndexError, the others
+    broadcast a 0-d tensor or failed inside torch on vectors of different lengths."""
+    if name == "losses" and text.startswith("{} has"):
+        value = torch.ones(0)  # a first vector sets K: an empty one instead
+        text = r"Invalid {}: shape \(0,\)"
+    with pytest.raises(ValueError, match=text.format(name, name)):
+        call(value)
+
+
+@pytest.mark.parametrize(("call", "text"), [
+    (lambda: functional.dwa_weights(_ONE, _ONE, temperature=0.0), "Invalid temperature: 0.0"),
+    (lambda: functional.stch_weights(_ONE, _ONE, -1.0, _ONE), "Invalid mu: -1.0"),
+    (lambda: functional.gls_weights(_ONE, eps=math.nan), "Invalid eps: nan"),
+])
+def test_the_weighting_kernels_check_their_numbers(call: Any, text: str) -> None:
+    """A zero temperature gave NaN weights."""
+    with pytest.raises(ValueError, match=text):
+        call()
