@@ -29,7 +29,6 @@ import copy
 import io
 import os
 import pickle
-import random
 import re
 import secrets
 import stat
@@ -39,7 +38,7 @@ from typing import IO, Any
 import torch
 
 from ._checks import check_bool, check_int
-from ._statedict import as_lists, as_tuples
+from ._rng_state import get_rng_state, set_rng_state
 
 __all__ = [
     "CheckpointError", "CheckpointNotFoundError", "capture_state", "get_rng_state",
@@ -83,67 +82,6 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
         ...         print(type(error).__name__)
         CheckpointNotFoundError
     """
-
-
-def get_rng_state() -> dict[str, Any]:
-    """The global random states: torch CPU, every CUDA device (if initialised), Python, NumPy.
-
-    Example:
-        >>> from gradbalance.checkpoint import get_rng_state
-        >>> state = get_rng_state()
-        >>> state["torch"].dtype, "python" in state  # torch's CPU generator, Python's random
-        (torch.uint8, True)
-    """
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "python": as_lists(random.getstate()),
-    }
-    if (torch.cuda.is_available()
-            and torch.cuda.is_initialized()):  # type: ignore[no-untyped-call]  # untyped in torch
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover - numpy is optional
-        return state
-    legacy = np.random.get_state(legacy=True)
-    assert isinstance(legacy, tuple)  # the global RandomState is an MT19937: a 5-tuple
-    kind, keys, pos, has_gauss, cached = legacy
-    state["numpy"] = {"kind": str(kind), "keys": torch.from_numpy(keys.astype("int64")),
-                      "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)}
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore :func:`get_rng_state` output.
-
-    Example:
-        >>> import torch
-        >>> from gradbalance.checkpoint import get_rng_state, set_rng_state
-        >>> state = get_rng_state()
-        >>> first = torch.rand(3)
-        >>> set_rng_state(state)
-        >>> torch.equal(torch.rand(3), first)  # the same draws again
-        True
-    """
-    if "torch" not in state or "python" not in state:
-        raise ValueError(
-            f"rng state has keys {sorted(state)}; pass the output of get_rng_state()"
-        )
-    torch.set_rng_state(state["torch"])
-    random.setstate(as_tuples(state["python"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if "numpy" in state:
-        try:
-            import numpy as np
-        except ImportError as error:  # pragma: no cover - numpy is optional
-            raise ImportError(
-                "the checkpoint holds NumPy's random state but NumPy is not installed: "
-                "pip install numpy"
-            ) from error
-        n = state["numpy"]
-        np.random.set_state((n["kind"], n["keys"].numpy().astype("uint32"), n["pos"],
-                             n["has_gauss"], n["cached"]))
 
 
 def _state_of(name: str, obj: Any) -> Any:
