@@ -217,6 +217,11 @@ def _stacked_losses(name: str, value: Sequence[Tensor]) -> Tensor:
 #: returns; the loss weightings that read the losses' values
 #: (:attr:`~gradbalance.LossWeighting.reads_losses`) look for it under a process group.
 GLOBAL_LOSSES_TAG = "_gradbalance_global_losses"
+#: The attribute a loss weighting's call sets on the weighted losses it returns: a callable
+#: that takes the call's losses back out of the weighting's pending observation. A buffer
+#: that drops a step calls it for every micro-batch of the step (docs/loop.md, "When a step
+#: fails"), so a retried step observes its losses once.
+UNDO_OBSERVATION_TAG = "_gradbalance_undo_observation"
 
 
 def as_loss_vector(name: str, value: Tensor | Sequence[Tensor],

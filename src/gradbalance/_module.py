@@ -65,10 +65,11 @@ class StateModule(PicklableGenerators, nn.Module):
             self.register_parameter(name, default)
         else:
             self.register_buffer(name, default, persistent=persistent)
+        dtype = default.dtype if default is not None else None if like_rows else torch.float64
         self._state_specs[name] = StateSpec(
             None if default is None else default.detach().clone(), optional, shape,
             -1 if pairwise else task_dim if per_task or like_rows else None, like_rows,
-            persistent, finite, pairwise)
+            persistent, finite, pairwise, dtype)
 
     @property
     def state_specs(self) -> Mapping[str, StateSpec]:
@@ -282,7 +283,8 @@ class StateModule(PicklableGenerators, nn.Module):
                                                            dtype=current.dtype, copy=True)
                 else:
                     where = current.device if current is not None else home or value.device
-                    self._buffers[key] = value.detach().to(device=where, copy=True)
+                    self._buffers[key] = value.detach().to(device=where,
+                                                           dtype=self._spec(key).dtype, copy=True)
         self._load_extra(extra)
 
 

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+_COMPLEX = (torch.complex32, torch.complex64, torch.complex128)
+
 
 @dataclass(frozen=True)
 class StateSpec:
@@ -21,7 +23,9 @@ class StateSpec:
     ``[K, P]`` (a rank's ``[K, P_local]`` columns on a sharded trunk); ``persistent``: saved in
     ``state_dict`` (a non-persistent one is only reset); ``finite``: a loaded floating value
     must hold no inf/NaN; ``pairwise``: one entry per task pair ``[..., K, K]`` (the last two
-    dimensions, ``task_dim`` -1). A partial-labels mask slices every per-task dimension
+    dimensions, ``task_dim`` -1); ``dtype``: the dtype a loaded value takes (None: its own, a
+    floating one: the rows' for ``like_rows``), an integer one's values at least 0 where the
+    state is one number (a counter). A partial-labels mask slices every per-task dimension
     (:meth:`on_tasks`) and writes the step's result back into the active tasks' entries
     (:meth:`into_tasks`; docs/loop.md, "Partial labels").
     """
@@ -34,6 +38,7 @@ class StateSpec:
     persistent: bool = True
     finite: bool = True
     pairwise: bool = False
+    dtype: torch.dtype | None = None
 
     def task_dims(self, value: Tensor) -> tuple[int, ...]:
         """The dimensions of ``value`` with one entry per task (non-negative; none: not per
@@ -96,9 +101,43 @@ class StateSpec:
         """Why a loaded ``value`` cannot replace ``current``, or None (``num_tasks``, ``rows``:
         the K and ``[K, P]`` shape the load keeps, ``StateModule._tracked_shapes``)."""
         where = f"{owner} state_dict[{key!r}]"
-        return (self._tasks_error(where, owner, value, num_tasks)
+        return (self._dtype_error(where, value)
+                or self._tasks_error(where, owner, value, num_tasks)
+                or self._dims_error(where, value)
                 or self._shape_error(where, owner, value, current, rows)
                 or self._finite_error(where, value))
+
+    def _dtype_error(self, where: str, value: Tensor) -> str | None:
+        """A floating state loads a floating value, an integer one an integer value (not a
+        bool), a counter (one integer) a value at least 0."""
+        if self.dtype is None and not self.like_rows:
+            return None  # not declared
+        integer = self.dtype is not None and not self.dtype.is_floating_point
+        ok = (value.dtype not in (torch.bool, *_COMPLEX)
+              and value.is_floating_point() != integer)
+        if not ok:
+            expected = "an integer tensor" if integer else "a floating tensor"
+            return (f"{where} has dtype {value.dtype} (expected {expected}); load the "
+                    f"state_dict() the object saved")
+        if integer and value.dim() == 0 and int(value) < 0:
+            return (f"{where} is {int(value)}, a step counter below 0; load the state_dict() "
+                    f"the object saved")
+        return None
+
+    def _dims_error(self, where: str, value: Tensor) -> str | None:
+        """An optional state without a declared shape: ``[K, P]`` like the rows, ``[..., K,
+        K]`` per task pair, ``[K]`` per task."""
+        if not self.optional or self.shape is not None or self.task_dim is None:
+            return None
+        if self.like_rows:
+            dims, text = value.dim() == 2, "[K, P], like the task-gradient rows"
+        elif self.pairwise:
+            dims, text = value.dim() >= 2, "[..., K, K], one entry per task pair"
+        else:
+            dims, text = value.dim() == 1, "[K], one entry per task"
+        if dims:
+            return None
+        return f"{where} has shape {tuple(value.shape)} (expected {text})"
 
     def _tasks_error(self, where: str, owner: str, value: Tensor,
                      num_tasks: int | None) -> str | None:

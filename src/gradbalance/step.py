@@ -21,7 +21,7 @@ mode does stages 1 and 2 lives in :mod:`gradbalance.modes`. The optimizer step,
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ from torch import Tensor
 
 from ._amp import no_autocast, scale_of
 from ._checks import (
+    UNDO_OBSERVATION_TAG,
     as_loss_vector,
     as_parameter_list,
     check_batch_dim,
@@ -50,6 +51,7 @@ from ._coverage import (
 from ._per_sample_buffer import PerSampleBuffer, check_per_sample_losses
 from ._per_sample_gramian import as_modules, refuse_mixing
 from ._sharding import is_sharded
+from ._statedict import check_dict
 from ._step_inputs import refuse_complex
 from ._step_state import GradWatch
 from ._threads import StepOwner
@@ -196,6 +198,7 @@ class TaskGradBuffer:
         resolve_passes(passes, self.layout.device)  # an invalid value raises here, not later
         self.head_params = heads
         self.num_tasks = check_optional_num_tasks("num_tasks", num_tasks)
+        self._built_num_tasks = self.num_tasks  # a K learned from the losses is state
         self._signatures = param_signatures(shared), param_signatures(heads)
         self.passes: Passes = passes
         if isinstance(process_group, str):
@@ -209,6 +212,7 @@ class TaskGradBuffer:
         self._coverage = Coverage(shared, heads, check_other_params(other_params), modules)
         self._losses: Tensor | None = None
         self._count = 0
+        self._undos: list[Callable[[], None]] = []  # the step's weighting calls' undos
         self._scaler: Any = None
         self._scale: Tensor | None = None
         self._reused = False
@@ -294,8 +298,10 @@ class TaskGradBuffer:
                     self._engine.backward(roots, first, features)
         except BaseException:
             torch.default_generator.set_state(generator)
+            self._observed(losses)  # the step is dropped with this micro-batch's call too
             self._abort()
             raise
+        self._observed(losses)
         if self.num_tasks is None:
             self.num_tasks = vector.shape[0]
         detached = vector.detach()
@@ -469,12 +475,29 @@ class TaskGradBuffer:
             self._states_before.restore()
         if self._heads_before is not None:
             self._heads_before.restore()
+        self._drop_observations()
         self._end_step()
+
+    def _observed(self, losses: object) -> None:
+        """Keep the undo of the loss weighting call that made ``losses``, if one did
+        (``UNDO_OBSERVATION_TAG``): a dropped step takes its observations back."""
+        undo = getattr(losses, UNDO_OBSERVATION_TAG, None)
+        if undo is not None:
+            self._undos.append(undo)
+
+    def _drop_observations(self) -> None:
+        """The loss weightings' observations of the dropped step's micro-batches taken back,
+        the last first (the weightings' pending state as before the step): a retried step
+        observes its losses once."""
+        undos, self._undos = self._undos, []
+        for undo in reversed(undos):
+            undo()
 
     def _end_step(self) -> None:
         """The buffer is free for the next step (the losses of this one are dropped)."""
         self._count = 0
         self._losses = None
+        self._undos = []
         self._reused = False
         self._heads_before = None
         self._states_before = None
@@ -503,6 +526,12 @@ class TaskGradBuffer:
         _refuse_load_mid_step(self.in_step)
         if self._per_sample is not None:
             return self._per_sample.load_state_dict(state_dict)
+        check_dict("TaskGradBuffer", state_dict)
+        unknown = sorted(set(map(str, state_dict)) - _BUFFER_KEYS)
+        if unknown:
+            raise ValueError(f"TaskGradBuffer state_dict has unknown keys {unknown} (expected "
+                             f"{sorted(_BUFFER_KEYS)}); pass the output of "
+                             f"TaskGradBuffer.state_dict()")
         state = dict(state_dict)
         passes = check_saved_passes(state.pop("passes", None))
         route = state.pop("auto_route", None)  # mode="auto"'s decisions
@@ -510,15 +539,16 @@ class TaskGradBuffer:
         if tasks is not None:
             check_int("state_dict['gramian_tasks']", tasks, 1)
         steps = check_int("state_dict['steps_begun']", state.pop("steps_begun", 0), 0)
-        self._cache.load_state_dict(state, self.num_tasks)  # checks all, then changes
+        cached = self._cache.checked(state, self.num_tasks)
         engine_state: dict[str, Any] = {} if passes is None else {"passes": passes}
         if route is not None:
             engine_state["auto_route"] = route
         if tasks is not None:
             engine_state["gramian_tasks"] = tasks
-        self._engine.load_state_dict(engine_state)
-        if self.num_tasks is None and self._cache.weights is not None:
-            self.num_tasks = self._cache.weights.shape[0]  # backward checks the losses' K
+        self._engine.load_state_dict(engine_state)  # checked whole before it changes anything
+        self._cache.put(*cached)
+        weights = self._cache.weights  # K as built, else the saved weights' (a load is a reset
+        self.num_tasks = self._built_num_tasks if weights is None else weights.shape[0]  # to it)
         self._steps = steps  # a state saved before the counter existed resumes at 0
 
     @property
@@ -559,9 +589,15 @@ class TaskGradBuffer:
         self._owner.drop("reset")
         if self._heads_before is not None:
             self._heads_before.restore()
+        self._drop_observations()
         self._end_step()
         if not keep_weights:
             self._cache.reset()
+
+
+#: The keys of :meth:`TaskGradBuffer.state_dict` (its modes' together).
+_BUFFER_KEYS = frozenset({"update_every", "step", "weights", "passes", "auto_route",
+                          "gramian_tasks", "steps_begun"})
 
 
 def _refuse_load_mid_step(in_step: bool) -> None:

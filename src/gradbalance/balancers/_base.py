@@ -146,6 +146,19 @@ class Balancer(StateModule):
     def __init__(self, num_tasks: int | None = None) -> None:
         super().__init__()
         self.num_tasks = None if num_tasks is None else check_num_tasks("num_tasks", num_tasks)
+        self._built_num_tasks = self.num_tasks  # K as built: a K learned from calls is state
+
+    def reset(self) -> None:
+        """Forget all state (as freshly built), a K learned from earlier calls too."""
+        self.num_tasks = self._built_num_tasks
+        super().reset()
+
+    def learned_num_tasks(self, state: Tensor | None, dim: int = 0) -> None:
+        """``num_tasks`` after a load (:meth:`_load_extra`) for a balancer that fixes K at
+        its first call: ``state``'s K along ``dim``, or the K it was built with where the
+        loaded state is unset (a load is a reset to the saved state, a rolled-back
+        checkpoint's too)."""
+        self.num_tasks = self._built_num_tasks if state is None else state.shape[dim]
 
     # -- to implement -------------------------------------------------------------------
     def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:

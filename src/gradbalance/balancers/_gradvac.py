@@ -314,8 +314,7 @@ class GradVac(OwnedGeneratorState):
 
     def _load_extra(self, extra: dict[str, Any]) -> None:
         super()._load_extra(extra)
-        if self.targets is not None:
-            self.num_tasks = self.targets.shape[-1]
+        self.learned_num_tasks(self.targets, -1)
 
     def _check_targets(self, targets: Tensor | None) -> None:
         """Saved targets checked against ``groups`` (their tasks: the declaration)."""

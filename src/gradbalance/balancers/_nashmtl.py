@@ -129,5 +129,4 @@ class NashMTL(Balancer):
         return w.to(gramian.device)
 
     def _load_extra(self, extra: dict[str, Any]) -> None:
-        if self.alpha is not None:
-            self.num_tasks = self.alpha.numel()
+        self.learned_num_tasks(self.alpha)

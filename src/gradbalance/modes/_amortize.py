@@ -81,6 +81,12 @@ class WeightCache:
 
     def load_state_dict(self, state_dict: dict[str, Any], num_tasks: int | None) -> None:
         """Restore :meth:`state_dict`, checked first (``num_tasks``: K, or None if unknown)."""
+        self.put(*self.checked(state_dict, num_tasks))
+
+    def checked(self, state_dict: dict[str, Any],
+                num_tasks: int | None) -> tuple[int, Tensor | None]:
+        """The counter and weights :meth:`load_state_dict` would restore (float64), checked;
+        nothing changes."""
         missing = {"update_every", "step", "weights"} - set(state_dict)
         if missing:
             raise ValueError(
@@ -96,9 +102,12 @@ class WeightCache:
         weights = state_dict["weights"]
         if weights is not None:
             check_cached_weights(weights, num_tasks)
-        self.step = step
-        self.weights = None if weights is None else weights.detach().clone()
-        self._owner = None
+            weights = weights.detach().to(torch.float64, copy=True)  # as a balancer gives them
+        return step, weights
+
+    def put(self, step: int, weights: Tensor | None) -> None:
+        """Restore :meth:`checked`'s counter and weights."""
+        self.step, self.weights, self._owner = step, weights, None
 
     def reset(self) -> None:
         self.step = 0

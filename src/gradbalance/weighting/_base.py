@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
@@ -11,7 +12,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .._checks import GLOBAL_LOSSES_TAG, as_loss_vector, check_int, check_num_tasks
+from .._checks import (
+    GLOBAL_LOSSES_TAG,
+    UNDO_OBSERVATION_TAG,
+    as_loss_vector,
+    check_int,
+    check_num_tasks,
+)
 from .._module import StateModule
 from .._types import NonFiniteGradientError
 
@@ -98,6 +105,7 @@ class LossWeighting(StateModule):
         self.num_tasks: int = check_num_tasks("num_tasks", num_tasks)
         self.device = torch.device("cpu") if device is None else torch.device(device)
         self._pending: Tensor | None = None
+        self._observation = 0  # counts the pending observations dropped or learned from
 
     # -- to implement -------------------------------------------------------------------
     def _weighted(self, losses: Tensor, *args: Any) -> Tensor:
@@ -112,6 +120,7 @@ class LossWeighting(StateModule):
         self._pending = None
         for name in self._pending_state:
             setattr(self, name, None)
+        self._observation += 1  # an earlier call's undo no longer applies
 
     @property
     def weights(self) -> Tensor:
@@ -151,13 +160,32 @@ class LossWeighting(StateModule):
         vector = as_loss_vector("losses", losses, self.num_tasks)
         if not vector.is_floating_point():
             raise ValueError(f"losses must be floating point, got dtype {vector.dtype}")
+        mark = self._pending_mark()  # before the call gathers anything (GradNorm's layer)
         out = self._weighted(vector, scaler, share) if self.needs_task_gradients else \
             self._weighted(vector)
         detached = vector.detach().to(device=self.device, dtype=torch.float64)
         if micro_batches > 1:
             out, detached = out * share, detached * share
+        setattr(out, UNDO_OBSERVATION_TAG, _Undo(self, mark))
         self._pending = detached if self._pending is None else self._pending + detached
         return out
+
+    def _pending_mark(self) -> tuple[int, Tensor | None, tuple[Tensor | None, ...]]:
+        """The pending observation as it is (its tensors are replaced, never changed in
+        place, by later calls)."""
+        return (self._observation, self._pending,
+                tuple(getattr(self, name) for name in self._pending_state))
+
+    def _undo_observation(self, mark: tuple[int, Tensor | None,
+                                            tuple[Tensor | None, ...]]) -> None:
+        """Back to :meth:`_pending_mark`'s observation, unless it was dropped or learned
+        from since (:meth:`update`, :meth:`reset`, a load)."""
+        observation, pending, gathered = mark
+        if observation != self._observation:
+            return
+        self._pending = pending
+        for name, value in zip(self._pending_state, gathered, strict=True):
+            setattr(self, name, value)
 
     def update(
         self, losses_after: Tensor | Sequence[Tensor] | None = None, *,
@@ -262,3 +290,18 @@ class LossWeighting(StateModule):
                 RuntimeWarning, stacklevel=3,
             )
 
+
+
+class _Undo:
+    """The undo a weighting call tags its output with (``UNDO_OBSERVATION_TAG``): the
+    weighting (weakly: a tag must not keep it alive) and its observation before the call."""
+
+    def __init__(self, weighting: LossWeighting,
+                 mark: tuple[int, Tensor | None, tuple[Tensor | None, ...]]) -> None:
+        self._weighting = weakref.ref(weighting)
+        self._mark = mark
+
+    def __call__(self) -> None:
+        weighting = self._weighting()
+        if weighting is not None:
+            weighting._undo_observation(self._mark)
