@@ -91,5 +91,5 @@ def test_an_update_between_keeps_the_learned_observation() -> None:
     out = wt(torch.tensor([1.0, 2.0]))
     wt.update()
     before = wt.state_dict()
-    getattr(out, "_gradbalance_undo_observation")()
+    out._gradbalance_undo_observation()
     assert wt.pending_tensors() == [] and _same(wt.state_dict(), before)
