@@ -17,6 +17,7 @@ from torch import Tensor
 
 from ._checks import check_int
 from ._optional import require
+from ._statedict import check_dict
 from .stats import StepStats
 
 __all__ = ["CSVLogger", "RunningStats", "log_stats", "stats_to_dict", "summary_writer",
@@ -282,6 +283,9 @@ class RunningStats:
         return {"window": self.window, "values": {k: list(v) for k, v in self._values.items()}}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output; ``ValueError``, nothing changed, for a window of
+        another size or values that are not finite numbers, at most ``window`` per tag."""
+        check_dict("RunningStats", state_dict)
         if "values" not in state_dict:
             raise ValueError("state_dict lacks 'values'; pass RunningStats.state_dict() output")
         if state_dict.get("window", self.window) != self.window:
@@ -294,10 +298,23 @@ class RunningStats:
             raise ValueError(f"state_dict['values'] must map tags to lists of numbers, got "
                              f"{type(saved).__name__}; pass RunningStats.state_dict() output")
         try:
-            self._values = {str(k): [float(x) for x in v] for k, v in saved.items()}
+            values = {str(k): [float(x) for x in _number_list(v)] for k, v in saved.items()}
         except (TypeError, ValueError) as error:
             raise ValueError(f"state_dict['values'] holds a value that is not a list of "
                              f"numbers ({error}); pass RunningStats.state_dict() output") from None
+        for tag, kept in values.items():
+            if len(kept) > self.window or not all(math.isfinite(x) for x in kept):
+                raise ValueError(f"state_dict['values'][{tag!r}] holds {len(kept)} values "
+                                 f"(expected at most window={self.window} finite numbers, as "
+                                 f"update() keeps them); pass RunningStats.state_dict() output")
+        self._values = values
+
+
+def _number_list(value: Any) -> Sequence[Any]:
+    """A saved window: a list or tuple (a string is not a list of numbers)."""
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"a {type(value).__name__}, not a list")
+    return value
 
 
 class CSVLogger:

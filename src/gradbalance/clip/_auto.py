@@ -139,9 +139,9 @@ class _AutoBase:
                 f"state_dict position={position} does not follow count={count} with "
                 f"history_size={self.history_size}; pass the output of {name}.state_dict()"
             )
-        self._ring = None if ring is None else ring.clone()
+        self._ring = None if ring is None else ring.to(torch.float64, copy=True)  # as recorded
         self._count, self._position = count, position
-        self.threshold = None if threshold is None else threshold.clone()
+        self.threshold = None if threshold is None else threshold.to(torch.float64, copy=True)
 
     def _check_history(self, ring: Any, threshold: Any, count: int) -> None:
         """``ValueError`` unless history and threshold are both unset (count 0, before any norm)
@@ -176,6 +176,9 @@ class _AutoBase:
         if not bool(torch.isfinite(value).all()):
             raise ValueError(f"state_dict[{key!r}] holds inf/NaN; load an earlier checkpoint, "
                              f"or call reset() instead")
+        if bool((value < 0).any()):
+            raise ValueError(f"state_dict[{key!r}] holds negative norms "
+                             f"({float(value.min())}); pass the output of {name}.state_dict()")
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(percentile={self.percentile}, "

@@ -29,19 +29,44 @@ def check_optimizer_state(make: Callable[[Tensor], torch.optim.Optimizer], param
     scratch = make(param.detach().clone().requires_grad_(True))
     try:
         scratch.load_state_dict(copy.deepcopy(state))
-    except (ValueError, KeyError, TypeError, RuntimeError) as error:
+    except (ValueError, KeyError, TypeError, RuntimeError, AttributeError) as error:
         raise ValueError(f"state_dict['optimizer'] does not load into {owner}'s optimizer "
                          f"({error}); was it saved with another optimizer?") from error
+    expected = _stepped_keys(make, param)
     for entries in scratch.state.values():
+        if set(entries) != expected:
+            raise ValueError(f"state_dict['optimizer'] holds a parameter state with keys "
+                             f"{sorted(entries)} but {owner}'s optimizer keeps {sorted(expected)} "
+                             f"after a step; pass the output of {owner}.state_dict()")
         for key, value in entries.items():
             _check_moment(owner, key, value, param)
+
+
+def _stepped_keys(make: Callable[[Tensor], torch.optim.Optimizer], param: Tensor) -> set[str]:
+    """The keys of a parameter's state in an optimizer like ``make``'s after one step (on a
+    scratch copy of ``param``, a zero gradient)."""
+    copy_ = param.detach().clone().requires_grad_(True)
+    scratch = make(copy_)
+    copy_.grad = torch.zeros_like(copy_)
+    scratch.step()
+    return {str(key) for entries in scratch.state.values() for key in entries}
 
 
 def _check_moment(owner: str, key: str, value: Any, param: Tensor) -> None:
     """Raise ``ValueError`` for an optimizer state entry of another shape than ``param``'s
     (another number of tasks) or holding inf/NaN."""
     if not isinstance(value, Tensor):
+        if isinstance(value, bool) or (isinstance(value, (int, float)) and not value >= 0):
+            raise ValueError(f"state_dict['optimizer'] holds {key!r} = {value!r} (expected a "
+                             f"number >= 0); pass the output of {owner}.state_dict()")
         return
+    if value.dtype == torch.bool or value.is_complex() or (
+            value.dim() == 0 and bool((value < 0).any())) or (
+            key.endswith("_sq") and bool((value < 0).any())):
+        raise ValueError(f"state_dict['optimizer'] holds {key!r} of dtype {value.dtype} with "
+                         f"values down to {float(value.real.min())} (expected real numbers, a "
+                         f"step count and second moments >= 0); pass the output of "
+                         f"{owner}.state_dict()")
     if value.dim() > 0 and value.shape != param.shape:
         raise ValueError(f"state_dict['optimizer'] holds {key!r} of shape {tuple(value.shape)} "
                          f"but {owner} trains {tuple(param.shape)} (one entry per task); load "

@@ -151,3 +151,78 @@ def test_a_counter_below_zero_is_refused_by_a_weighting() -> None:
     state[key] = torch.tensor(-2)
     with pytest.raises(ValueError, match="a step counter below 0"):
         dwa.load_state_dict(state)
+
+
+def _famo_state() -> dict[str, Any]:
+    from gradbalance.weighting import FAMO
+
+    famo = FAMO(3)
+    for s in range(3):
+        losses = torch.rand(3, generator=torch.Generator().manual_seed(s)) + 0.5
+        famo(losses)
+        famo.update(losses * 0.9)
+    return famo.state_dict()
+
+
+def _optimizer_entry(state: dict[str, Any]) -> dict[str, Any]:
+    entry: dict[str, Any] = state["_extra_state"]["optimizer"]["state"][0]
+    return entry
+
+
+@pytest.mark.parametrize(("damage", "text"), [
+    (lambda s: _optimizer_entry(s).pop("exp_avg"), "keys \\['exp_avg_sq', 'step'\\]"),
+    (lambda s: s["_extra_state"]["optimizer"].__setitem__("state", None), "does not load"),
+    (lambda s: _optimizer_entry(s).__setitem__("step", torch.tensor(-1.0)), "'step' of dtype"),
+    (lambda s: _optimizer_entry(s).__setitem__("step", torch.tensor(True)), "torch.bool"),
+    (lambda s: _optimizer_entry(s).__setitem__("exp_avg_sq", -torch.ones(3, dtype=torch.float64)),
+     "'exp_avg_sq' of dtype"),
+], ids=["no-moment", "state-none", "negative-step", "bool-step", "negative-second-moment"])
+def test_a_damaged_own_optimizer_state_is_refused(damage: Any, text: str) -> None:
+    """FAMO's Adam state: accepted, then a KeyError, a ZeroDivisionError or NaN weights at
+    the next ``update()`` (an AttributeError at load for ``state=None``)."""
+    from gradbalance.weighting import FAMO
+
+    state = _famo_state()
+    damage(state)
+    famo = FAMO(3)
+    before = famo.state_dict()
+    with pytest.raises(ValueError, match=text):
+        famo.load_state_dict(state)
+    assert _same(famo.state_dict(), before)
+
+
+def test_auto_clip_history_loads_in_float64_and_refuses_negative_norms() -> None:
+    """A float16 history raised inside ``torch.quantile`` at the next call; negative norms
+    were kept."""
+    weight = nn.Parameter(torch.ones(4))
+    clip = AutoClip(history_size=4)
+    for s in range(3):
+        weight.grad = torch.randn(4, generator=torch.Generator().manual_seed(s))
+        clip([weight])
+    state = clip.state_dict()
+    half = {**state, "history": state["history"].half(), "threshold": state["threshold"].half()}
+    other = AutoClip(history_size=4)
+    other.load_state_dict(half)
+    assert other.state_dict()["history"].dtype == torch.float64
+    weight.grad = torch.ones(4)
+    other([weight])  # no error from the quantile
+    negative = {**state, "history": -state["history"]}
+    with pytest.raises(ValueError, match="negative norms"):
+        AutoClip(history_size=4).load_state_dict(negative)
+
+
+@pytest.mark.parametrize(("state", "text"), [
+    (None, "expects the dict returned by state_dict"),
+    ({"values": {"loss": [float("nan"), 1.0]}}, "finite numbers"),
+    ({"values": {"loss": "123"}}, "not a list of numbers"),
+    ({"values": {"loss": [1.0, 2.0, 3.0, 4.0]}}, "holds 4 values"),
+], ids=["none", "nan", "string", "longer-than-window"])
+def test_running_stats_refuses_what_update_never_keeps(state: Any, text: str) -> None:
+    from gradbalance import RunningStats
+
+    stats = RunningStats(window=3)
+    stats.update({"loss": 2.0})
+    before = stats.state_dict()
+    with pytest.raises(ValueError, match=text):
+        stats.load_state_dict(state)
+    assert stats.state_dict() == before
