@@ -30,7 +30,12 @@ from torch import Tensor
 
 from ._amp import poison_, scale_of
 from ._checks import as_parameter_list, check_batch_dim, check_int
-from ._coverage import Coverage, _module_names
+from ._coverage import (
+    Coverage,
+    _module_names,
+    fire_post_accumulate_hooks,
+    hooked_after_accumulation,
+)
 from ._per_sample_gramian import Parts, PerSampleGramian, Snapshot
 from ._per_sample_mixing import mixed_outputs, mixing_error
 from ._per_sample_step import (
@@ -47,7 +52,7 @@ from .balancers._checks import check_balancer
 from .distributed import check_step_agreement, resolve_process_group
 from .modes import ENGINES
 from .modes._amortize import WeightCache
-from .modes._rollback import StateSnapshot
+from .modes._rollback import GradSnapshot, StateSnapshot
 from .stats import StepStats
 
 __all__ = ["PerSampleBuffer"]
@@ -296,11 +301,23 @@ class PerSampleBuffer:
             self._end_step()
             raise
         if update.finite:
+            written = [p for p, g in [*zip(self.shared, update.trunk),
+                                      *zip(self.head_params, update.heads)] if g is not None]
+            hooked = bool(hooked_after_accumulation(written))
+            before, mark = (GradSnapshot(written) if hooked else None), self._cache.mark()
             self._write(update.trunk, update.heads, update.owned)
             if self._reused:
                 self._cache.reused(balancer)
             else:
                 self._cache.refreshed(update.stats.weights, balancer)
+            if before is not None:  # the step wrote .grad itself: its hooks run here
+                try:
+                    fire_post_accumulate_hooks(written, {id(p) for p in written})
+                except BaseException:  # the step dropped, as on the task route
+                    before.restore()
+                    self._cache.rewind(mark)
+                    saved.restore()
+                    raise
         else:
             saved.restore()
             self._skip(update.heads)
@@ -390,7 +407,7 @@ class PerSampleBuffer:
                 f"pass the state_dict() of a batch_dim=0 buffer"
             )
         steps = check_int("state_dict['steps_begun']", state.pop("steps_begun", 0), 0)
-        if state:
+        if state or self._cache.active:  # update_every's state: all three keys, or refused
             self._cache.load_state_dict(state, None)
         self._steps = steps
 

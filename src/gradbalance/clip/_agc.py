@@ -9,7 +9,7 @@ from torch import Tensor
 
 from .._checks import check_bool, check_positive
 from .._types import NonFiniteGradientError
-from ._params import check_leaves, params_with_grads, total_grad_norm
+from ._params import check_leaves, overflow_safe_norm, params_with_grads, total_grad_norm
 from ._task import _Stateless
 
 __all__ = ["AGC", "adaptive_clip_grad_", "unitwise_norm"]
@@ -27,12 +27,9 @@ def unitwise_norm(x: Tensor) -> Tensor:
         tensor([[5.],
                 [2.]])
     """
-    norm: Tensor
     if x.dim() <= 1:
-        norm = torch.linalg.vector_norm(x)
-    else:
-        norm = torch.linalg.vector_norm(x, dim=tuple(range(1, x.dim())), keepdim=True)
-    return norm
+        return overflow_safe_norm(x)
+    return overflow_safe_norm(x, dim=tuple(range(1, x.dim())), keepdim=True)
 
 
 def adaptive_clip_grad_(parameters: Iterable[Tensor] | Tensor, clip_factor: float = 0.01,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
@@ -9,7 +10,7 @@ from torch import Tensor
 
 from .._checks import tensor_list
 
-__all__ = ["check_leaves", "params_with_grads", "total_grad_norm"]
+__all__ = ["check_leaves", "overflow_safe_norm", "params_with_grads", "total_grad_norm"]
 
 
 def check_leaves(name: str, params: list[Tensor]) -> None:
@@ -41,8 +42,29 @@ def params_with_grads(parameters: Iterable[Tensor] | Tensor) -> list[Tensor]:
 
 def total_grad_norm(grads: list[Tensor], norm_type: float = 2.0) -> Tensor:
     """The ``norm_type``-norm of all ``grads`` together (``clip_grad_norm_``'s total norm), on
-    the first gradient's device."""
+    the first gradient's device (:func:`overflow_safe_norm`)."""
     device = grads[0].device
-    norms = [torch.linalg.vector_norm(g.detach(), norm_type).to(device) for g in grads]
-    total: Tensor = torch.linalg.vector_norm(torch.stack(norms), norm_type)
-    return total
+    norms = [overflow_safe_norm(g.detach(), norm_type).to(device) for g in grads]
+    return overflow_safe_norm(torch.stack(norms), norm_type)
+
+
+def overflow_safe_norm(x: Tensor, ord: float = 2.0, dim: int | tuple[int, ...] | None = None,
+                       keepdim: bool = False) -> Tensor:
+    """:func:`torch.linalg.vector_norm` in ``x``'s dtype, taken again in float64 where a norm
+    of a float32, float16 or bfloat16 ``x`` came out infinite (its powers overflow from
+    entries of about ``1.8e19`` in float32, the norm itself does not): a finite gradient is
+    clipped whatever its size (one host sync then).
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.clip._params import overflow_safe_norm
+        >>> overflow_safe_norm(torch.tensor([3e20, 4e20]))  # float32's own: inf
+        tensor(5.0000e+20)
+    """
+    norm = torch.linalg.vector_norm(x, ord, dim=dim, keepdim=keepdim)
+    if x.dtype == torch.float64 or not x.is_floating_point() or ord in (math.inf, -math.inf, 0):
+        return norm
+    if not bool(torch.isinf(norm).any()):
+        return norm
+    wide = torch.linalg.vector_norm(x, ord, dim=dim, keepdim=keepdim, dtype=torch.float64)
+    return wide.to(norm.dtype)

@@ -12,6 +12,7 @@ from torch import Tensor
 from .._checks import check_bool, check_norm_type, check_positive, check_writable_rows
 from .._statedict import check_dict, reject_state
 from .._types import NonFiniteGradientError
+from ._params import overflow_safe_norm
 
 __all__ = ["TaskClip", "TaskValueClip", "clip_task_norms_", "clip_task_values_", "row_norms"]
 
@@ -19,7 +20,9 @@ _EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s guard
 
 
 def row_norms(matrix: Tensor, norm_type: float = 2.0) -> Tensor:
-    """Norm of every row of ``matrix`` ``[K, P]`` -> ``[K]`` (in the matrix's dtype).
+    """Norm of every row of ``matrix`` ``[K, P]`` -> ``[K]`` (in the matrix's dtype; a finite
+    row's norm is finite up to the dtype's largest number, float64 taken where float32's
+    powers overflow).
 
     Example:
         >>> import torch
@@ -28,8 +31,7 @@ def row_norms(matrix: Tensor, norm_type: float = 2.0) -> Tensor:
         >>> row_norms(G), row_norms(G, norm_type=float("inf"))
         (tensor([5., 2.]), tensor([4., 2.]))
     """
-    norms: Tensor = torch.linalg.vector_norm(matrix, ord=norm_type, dim=1)
-    return norms
+    return overflow_safe_norm(matrix, norm_type, dim=1)
 
 
 def clip_task_norms_(matrix: Tensor, max_norm: float | Tensor, norm_type: float = 2.0,
@@ -51,13 +53,24 @@ def clip_task_norms_(matrix: Tensor, max_norm: float | Tensor, norm_type: float 
                 [0.3000, 0.4000]])
     """
     check_writable_rows("matrix", matrix)
-    if not isinstance(max_norm, Tensor):
+    if isinstance(max_norm, Tensor):
+        _check_limits(max_norm, matrix.shape[0])
+    else:
         check_positive("max_norm", max_norm)
     norm_type = check_norm_type("norm_type", norm_type)
     norms = row_norms(matrix, norm_type)
     coef = norm_clip_coefficients(norms, max_norm, error_if_nonfinite)
     matrix.mul_(coef.unsqueeze(1).to(matrix.dtype))
     return norms
+
+
+def _check_limits(max_norm: Tensor, k: int) -> None:
+    """A tensor ``max_norm``: one finite limit ``> 0``, or one per row (``[K]``)."""
+    if max_norm.dim() > 1 or (max_norm.dim() == 1 and max_norm.numel() != k):
+        raise ValueError(f"Invalid max_norm: shape {tuple(max_norm.shape)} (expected a number "
+                         f"or one limit per task row, [K] = [{k}])")
+    if max_norm.is_complex() or not bool((torch.isfinite(max_norm) & (max_norm > 0)).all()):
+        raise ValueError(f"Invalid max_norm: {max_norm.tolist()} (expected finite limits > 0)")
 
 
 def norm_clip_coefficients(norms: Tensor, max_norm: float | Tensor,

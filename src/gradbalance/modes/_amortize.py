@@ -93,6 +93,7 @@ class WeightCache:
                 f"state_dict misses {sorted(missing)}; pass the output of "
                 f"TaskGradBuffer.state_dict()"
             )
+        check_int("state_dict['update_every']", state_dict["update_every"], 1)
         if state_dict["update_every"] != self.update_every:
             raise ValueError(
                 f"Invalid state_dict: update_every={state_dict['update_every']} but this buffer "

@@ -292,6 +292,24 @@ class LossWeighting(StateModule):
 
 
 
+def times_weights(weights: Tensor, losses: Tensor) -> Tensor:
+    """``wₖ Lₖ`` in the dtype and on the device of ``losses``, the graph kept; the product
+    of float16 or bfloat16 losses taken in float32 (a weight past float16's range, ``1/Lₖ``
+    of a loss near 0, cast first, gave ``inf · 0 = NaN``).
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.weighting._base import times_weights
+        >>> times_weights(torch.tensor([1e12, 1.0], dtype=torch.float64),
+        ...               torch.tensor([0.0, 2.0], dtype=torch.float16))
+        tensor([0., 2.], dtype=torch.float16)
+    """
+    if losses.dtype in (torch.float16, torch.bfloat16):
+        wide = weights.to(dtype=torch.float32, device=losses.device) * losses.float()
+        return wide.to(losses.dtype)
+    return weights.to(dtype=losses.dtype, device=losses.device) * losses
+
+
 class _Undo:
     """The undo a weighting call tags its output with (``UNDO_OBSERVATION_TAG``): the
     weighting (weakly: a tag must not keep it alive) and its observation before the call."""

@@ -11,7 +11,7 @@ from .._checks import (
     check_positive,
     task_value_vectors,
 )
-from ._base import LossWeighting
+from ._base import LossWeighting, times_weights
 
 __all__ = ["DWA", "dwa_weights"]
 
@@ -27,12 +27,16 @@ def dwa_weights(previous: Tensor, before_previous: Tensor, temperature: float = 
     """
     previous, before_previous = task_value_vectors(("previous", previous),
                                                    ("before_previous", before_previous))
+    check_nonnegative_losses("previous", previous, "dwa_weights")
+    check_nonnegative_losses("before_previous", before_previous, "dwa_weights")
     check_positive("temperature", temperature)
     k = previous.shape[0]
     # a loss that fell to 0 and rose again: a rate past float64, kept finite (its task then
     # takes the weight), not an inf whose softmax is NaN
     rate = (previous.double() / before_previous.double().clamp_min(1e-300)).clamp(max=1e300)
-    return k * torch.softmax(rate / temperature, dim=0)
+    # clamped again after the temperature: rate/T past float64 (T below about 1e-8) made the
+    # softmax inf − inf = NaN
+    return k * torch.softmax((rate / temperature).clamp(max=1e300), dim=0)
 
 
 class DWA(LossWeighting):
@@ -86,7 +90,7 @@ class DWA(LossWeighting):
 
     def _weighted(self, losses: Tensor) -> Tensor:
         check_nonnegative_losses("losses", losses, type(self).__name__)  # rates of falling
-        return self._weights.to(dtype=losses.dtype, device=losses.device) * losses
+        return times_weights(self._weights, losses)
 
     def _apply_update(self, losses: Tensor, losses_after: Tensor | None) -> None:
         self._window = self._window + losses

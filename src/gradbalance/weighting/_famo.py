@@ -11,6 +11,7 @@ from .._checks import (
     check_positive,
     task_value_vectors,
 )
+from ._base import times_weights
 from ._own_optimizer import OptimizerFactory, OwnOptimizerWeighting
 
 __all__ = ["FAMO", "famo_weights"]
@@ -30,7 +31,8 @@ def famo_weights(losses: Tensor, logits: Tensor, min_losses: Tensor, eps: float 
     """
     losses, logits, min_losses = task_value_vectors(
         ("losses", losses), ("logits", logits), ("min_losses", min_losses))
-    check_positive("eps", eps, allow_zero=True)
+    check_positive("eps", eps)
+    check_nonnegative_losses("losses - min_losses", losses - min_losses, "famo_weights")
     z = torch.softmax(logits, dim=0)
     d = losses - min_losses + eps
     ratio = z / d
@@ -102,7 +104,7 @@ class FAMO(OwnOptimizerWeighting):
         self._check_above_min(losses, "losses")
         w = famo_weights(losses.to(self.device), self.logits, self.min_losses, self.eps)
         self._last = w
-        return w.to(dtype=losses.dtype, device=losses.device) * losses
+        return times_weights(w, losses)
 
     def _check_update(self, losses_after: Tensor | None) -> None:
         if losses_after is None:

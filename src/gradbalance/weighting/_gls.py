@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from .._checks import check_nonnegative_losses, check_positive, task_value_vectors
-from ._base import LossWeighting
+from ._base import LossWeighting, times_weights
 
 __all__ = ["GLS", "gls_weights"]
 
@@ -24,7 +24,8 @@ def gls_weights(losses: Tensor, eps: float = 1e-12) -> Tensor:
         tensor([1.0000, 0.2500], dtype=torch.float64)
     """
     (losses,) = task_value_vectors(("losses", losses))
-    check_positive("eps", eps, allow_zero=True)
+    check_nonnegative_losses("losses", losses, "gls_weights")
+    check_positive("eps", eps)
     logs = losses.clamp_min(eps).log()
     k = losses.shape[0]
     return torch.exp(logs.mean() - logs) / k
@@ -34,7 +35,8 @@ class GLS(LossWeighting):
     """Geometric loss strategy: minimise ``(Πₖ Lₖ)^{1/K}``.
 
     Returns ``wₖ Lₖ`` with the detached weights of :func:`gls_weights` (their sum is the
-    geometric mean in value and gradient); stateless, the losses must be >= 0.
+    geometric mean in value and gradient, for losses at least ``eps``, 1e-12 by default: a loss
+    below it is taken as ``eps``); stateless, the losses must be >= 0.
 
     Reference: Chennupati et al., "MultiNet++: Multi-Stream Feature Aggregation and Geometric
     Loss Strategy for Multi-Task Learning", CVPR Workshops 2019.
@@ -67,4 +69,4 @@ class GLS(LossWeighting):
         check_nonnegative_losses("losses", losses, type(self).__name__)
         w = self.weights_of(losses)
         self._last = w
-        return w.to(dtype=losses.dtype) * losses
+        return times_weights(w, losses)

@@ -10,7 +10,7 @@ from torch import Tensor
 from .._checks import check_choice, check_generator
 from ..balancers._random import random_weights
 from ..balancers._rng import private_generator
-from ._base import LossWeighting
+from ._base import LossWeighting, times_weights
 
 __all__ = ["RLW"]
 
@@ -73,7 +73,7 @@ class RLW(LossWeighting):
         return self.generator.set_state(self._initial_rng)
 
     def _weighted(self, losses: Tensor) -> Tensor:
-        return self._weights.to(dtype=losses.dtype, device=losses.device) * losses
+        return times_weights(self._weights, losses)
 
     def _apply_update(self, losses: Tensor, losses_after: Tensor | None) -> None:
         self._weights = random_weights(self.num_tasks, self.distribution,

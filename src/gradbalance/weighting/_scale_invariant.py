@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .._checks import check_positive, task_value_vectors
+from .._checks import check_nonnegative_losses, check_positive, task_value_vectors
 from ._gls import GLS
 
 __all__ = ["ScaleInvariant", "scale_invariant_weights"]
@@ -20,7 +20,8 @@ def scale_invariant_weights(losses: Tensor, eps: float = 1e-12) -> Tensor:
         tensor([0.5000, 0.2500], dtype=torch.float64)
     """
     (losses,) = task_value_vectors(("losses", losses))
-    check_positive("eps", eps, allow_zero=True)
+    check_nonnegative_losses("losses", losses, "scale_invariant_weights")
+    check_positive("eps", eps)
     return 1.0 / losses.clamp_min(eps)
 
 
@@ -28,7 +29,8 @@ class ScaleInvariant(GLS):
     """Minimise ``Σₖ log Lₖ``: every task's gradient divided by its loss.
 
     A constant factor on a task's loss leaves the update unchanged. The returned weighted
-    losses are ``wₖ Lₖ`` with the detached ``wₖ = 1/Lₖ`` (each equals 1 in value). Losses
+    losses are ``wₖ Lₖ`` with the detached ``wₖ = 1/max(Lₖ, eps)`` (each equals 1 in value for
+    a loss of at least ``eps``, 1e-12 by default). Losses
     must be >= 0.
 
     Reference: Navon et al., "Multi-Task Learning as a Bargaining Game", ICML 2022 (the SI

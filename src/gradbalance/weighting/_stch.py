@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from .._checks import check_int, check_nonnegative_losses, check_positive, task_value_vectors
-from ._base import LossWeighting
+from ._base import LossWeighting, times_weights
 
 __all__ = ["STCH", "stch_weights"]
 
@@ -30,8 +30,9 @@ def stch_weights(losses: Tensor, nadir: Tensor, mu: float, preference: Tensor,
     """
     x, n, lam = task_value_vectors(("losses", losses), ("nadir", nadir),
                                    ("preference", preference))
+    check_nonnegative_losses("losses", x, "stch_weights")
     check_positive("mu", mu)
-    check_positive("eps", eps, allow_zero=True)
+    check_positive("eps", eps)
     f = torch.log(x / n + eps)
     soft = torch.softmax(lam * f / mu, dim=0)
     return x.shape[0] * soft * lam / (x + eps * n)
@@ -43,7 +44,7 @@ class STCH(LossWeighting):
     ``g(L) = K·μ·log Σₖ exp(λₖ·log(Lₖ/nₖ)/μ)``, ``n`` the nadir (reference) losses. During
     the first ``warmup_steps`` optimizer steps the objective is ``Σₖ log Lₖ`` and the mean of
     those steps' losses becomes the nadir; with ``warmup_steps=0`` and no nadir, ``n = 1``.
-    Returns ``wₖ Lₖ`` with detached weights (:func:`stch_weights`). Losses must be > 0.
+    Returns ``wₖ Lₖ`` with detached weights (:func:`stch_weights`). Losses must be >= 0.
 
     Args:
         mu: smoothing ``μ > 0``.
@@ -119,7 +120,7 @@ class STCH(LossWeighting):
             w = stch_weights(losses.to(self.device), self._nadir, self.mu, self.preference,
                              self.eps)
         self._last = w
-        return w.to(dtype=losses.dtype, device=losses.device) * losses
+        return times_weights(w, losses)
 
     def _apply_update(self, losses: Tensor, losses_after: Tensor | None) -> None:
         self._steps = self._steps + 1
