@@ -159,15 +159,10 @@ def _iterate(u: Tensor, b: Tensor, accept: Callable[[Tensor], bool]) -> tuple[Te
     last, stalls, stable, guess = 1.0, 0, 0, _guess(x, s)
     settled_steps = 0
     for _ in range(MAX_ITERATIONS):
-        step = _step(u, h, b, x, s, last, low)
-        if step is None and low is not None:  # a float32 step that is not finite: float64
-            low = None
-            step = _step(u, h, b, x, s, last)
+        step, low = _adaptive_step(u, h, b, x, s, last, low)
         if step is None:
             break
         x, s, now = step
-        if now > 0.5 * last:  # float32 directions no longer halve it: float64 from here
-            low = None
         stalls = stalls + 1 if now > 0.5 * last else 0
         nxt = _guess(x, s)
         settled = now < SETTLED
@@ -177,6 +172,21 @@ def _iterate(u: Tensor, b: Tensor, accept: Callable[[Tensor], bool]) -> tuple[Te
             break
         last, guess = now, nxt
     return x, s
+
+
+def _adaptive_step(u: Tensor, h: Tensor | None, b: Tensor, x: Tensor, s: Tensor, mu: float,
+                   low: tuple[Tensor, Tensor | None] | None
+                   ) -> tuple[tuple[Tensor, Tensor, float] | None,
+                              tuple[Tensor, Tensor | None] | None]:
+    """:func:`_step` on the float32 systems ``low`` while they serve, and the ``low`` of the
+    next step: None (float64 from here) after a float32 step that is not finite (redone in
+    float64) or does not halve ``xᵀs/n``."""
+    step = _step(u, h, b, x, s, mu, low)
+    if step is None and low is not None:
+        return _step(u, h, b, x, s, mu), None
+    if step is not None and step[2] > 0.5 * mu:
+        return step, None
+    return step, low
 
 
 def _done(stalls: int, stable: int, settled_steps: int, now: float) -> bool:

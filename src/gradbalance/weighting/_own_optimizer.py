@@ -52,6 +52,15 @@ def _stepped_keys(make: Callable[[Tensor], torch.optim.Optimizer], param: Tensor
     return {str(key) for entries in scratch.state.values() for key in entries}
 
 
+def _real_and_signed(key: str, value: Tensor) -> bool:
+    """Real numbers, not flags; a step count (one number) and second moments (``*_sq``)
+    ``>= 0``."""
+    if value.dtype == torch.bool or value.is_complex():
+        return False
+    signed = value.dim() == 0 or key.endswith("_sq")
+    return not (signed and bool((value < 0).any()))
+
+
 def _check_moment(owner: str, key: str, value: Any, param: Tensor) -> None:
     """Raise ``ValueError`` for an optimizer state entry of another shape than ``param``'s
     (another number of tasks) or holding inf/NaN."""
@@ -60,9 +69,7 @@ def _check_moment(owner: str, key: str, value: Any, param: Tensor) -> None:
             raise ValueError(f"state_dict['optimizer'] holds {key!r} = {value!r} (expected a "
                              f"number >= 0); pass the output of {owner}.state_dict()")
         return
-    if value.dtype == torch.bool or value.is_complex() or (
-            value.dim() == 0 and bool((value < 0).any())) or (
-            key.endswith("_sq") and bool((value < 0).any())):
+    if not _real_and_signed(key, value):
         raise ValueError(f"state_dict['optimizer'] holds {key!r} of dtype {value.dtype} with "
                          f"values down to {float(value.real.min())} (expected real numbers, a "
                          f"step count and second moments >= 0); pass the output of "
