@@ -323,9 +323,12 @@ class GradVac(OwnedGeneratorState):
             if targets.dim() != expected or (
                 self.groups is not None and targets.shape[0] != len(self.groups)
             ):
+                want = "[K, K]" if self.groups is None else f"[{len(self.groups)}, K, K]"
                 raise ValueError(
-                    f"GradVac targets have shape {tuple(targets.shape)}, which does not match "
-                    f"groups={self.groups}; build the balancer with the same groups"
+                    f"GradVac state_dict['targets'] has shape {tuple(targets.shape)}, expected "
+                    f"{want} (one target per task pair{'' if self.groups is None else ' and group'}"
+                    f" with groups={self.groups}); load a state saved by a GradVac with the "
+                    f"same groups"
                 )
 
     def __repr__(self) -> str:

@@ -226,3 +226,14 @@ def test_running_stats_refuses_what_update_never_keeps(state: Any, text: str) ->
     with pytest.raises(ValueError, match=text):
         stats.load_state_dict(state)
     assert stats.state_dict() == before
+
+
+def test_gradvac_names_its_targets_and_their_shape() -> None:
+    """The refusal blamed ``groups`` for targets of the wrong rank."""
+    source = GradVac()
+    source(_rows(0))
+    state = source.state_dict()
+    state["targets"] = state["targets"][None]
+    with pytest.raises(ValueError, match=r"state_dict\['targets'\] has shape \(1, 3, 3\), "
+                                         r"expected \[K, K\]"):
+        GradVac().load_state_dict(state)
