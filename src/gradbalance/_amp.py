@@ -93,23 +93,36 @@ def _agreed(flag: Tensor, group: Any) -> bool:
 
 
 def finite_step(gramian: Tensor, scale: Tensor | None, head_params: Sequence[Tensor],
-                group: Any) -> bool:
-    """Whether the balancer may run: the Gramian's diagonal and, under a scaler, the heads'
-    ``.grad`` (one host sync, agreed over the ranks)."""
+                group: Any, losses: Tensor | None = None) -> bool:
+    """Whether the balancer may run: the Gramian's diagonal, the step's ``losses`` (a loss
+    that is inf or NaN makes the step non-finite even where no gradient shows it: a head's
+    ``0 · inf``) and, under a scaler, the heads' ``.grad`` (one host sync, agreed over the
+    ranks)."""
     flag = is_finite_gramian(gramian)
+    if losses is not None:
+        flag = flag & torch.isfinite(losses).all().to(flag.device)
     if scale is not None and head_params:
         flag = flag & grads_finite(head_params)
     return _agreed(flag, group)
 
 
+def losses_finite(losses: Tensor, group: Any) -> bool:
+    """Whether every loss of the step is finite, on every rank of ``group`` (one host
+    sync)."""
+    return _agreed(torch.isfinite(losses).all(), group)
+
+
 def finite_update(bound: Tensor, factor: Tensor | None, dtype: torch.dtype, group: Any,
-                  heads: Sequence[Tensor] = ()) -> bool:
+                  heads: Sequence[Tensor] = (), losses: Tensor | None = None) -> bool:
     """Whether an update of largest magnitude ``bound`` (before ``s``; NaN is not) fits
-    ``dtype`` and the ``heads``' ``.grad`` are finite (one host sync, agreed over the ranks)."""
+    ``dtype``, the step's ``losses`` and the ``heads``' ``.grad`` are finite (one host sync,
+    agreed over the ranks)."""
     top = bound.to(torch.float64)
     if factor is not None:
         top = top * factor.to(device=top.device, dtype=torch.float64)
     flag = top <= torch.finfo(dtype).max  # False for inf and NaN
+    if losses is not None:
+        flag = flag & torch.isfinite(losses).all().to(flag.device)
     if heads:
         flag = flag & grads_finite(heads).to(flag.device)
     return _agreed(flag, group)
@@ -125,7 +138,7 @@ def poison_(grads: Sequence[Tensor | None]) -> None:
 
 def nonfinite_error() -> NonFiniteGradientError:
     return NonFiniteGradientError(
-        "task gradients hold inf or NaN (no GradScaler given); every .grad, the balancer's "
-        "and the clipper's state are as before the step. Skip this optimizer step "
+        "task gradients or losses hold inf or NaN (no GradScaler given); every .grad, the "
+        "balancer's and the clipper's state are as before the step. Skip this optimizer step "
         "(optimizer.zero_grad()) or find the source of the overflow"
     )

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._amp import all_finite, finite_step, nonfinite_error, unscaled_gramian
+from ._amp import all_finite, finite_step, losses_finite, nonfinite_error, unscaled_gramian
 from .balancers._base import Balancer
 from .clip._checks import check_row_clipper
 from .clip._protocol import scales_whole_rows
@@ -94,7 +94,7 @@ def refreshed_update(step: PerSampleStep, scaled_gram: Tensor, balancer: Balance
     """A refresh step: the Gramian (unscaled, clipped), the weights, the update."""
     gram = unscaled_gramian(step.scale, gramian=scaled_gram)
     flat = step.flat
-    finite = finite_step(gram, step.scale, [], group)
+    finite = finite_step(gram, step.scale, [], group, step.flat)
     pre_clip = coef = weights = None
     if finite and clip is not None:  # row i scaled by dᵢ: G by dᵢ dⱼ
         pre_clip = torch.diagonal(gram).clamp_min(0).sqrt()
@@ -122,7 +122,7 @@ def reused_update(step: PerSampleStep, cache: WeightCache, balancer: Balancer,
     """A step between refreshes: the cached weights, one weighted backward, no Gramian."""
     assert cache.weights is not None
     trunk = weighted_grads(step, cache.weights)
-    trunk, heads, finite = _mean_over_ranks(step, trunk, True, group)
+    trunk, heads, finite = _mean_over_ranks(step, trunk, losses_finite(step.flat, group), group)
     if not finite and step.scale is None:
         raise nonfinite_error()
     stats = StepStats(losses=step.flat, task_norms=None, cosine=None, cosine_to_update=None,

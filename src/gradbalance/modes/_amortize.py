@@ -165,7 +165,7 @@ def commit_reused(update: WriteBack, cache: WeightCache, step: StepInput, losses
                   head_params: Sequence[Tensor], mode: str, balancer: Balancer) -> StepStats:
     """A reuse step's end: check the update (one host sync), write it, count it if finite."""
     heads = head_params if step.scale is not None else ()
-    finite = finite_update(update.bound(), None, update.dtype, step.group, heads)
+    finite = finite_update(update.bound(), None, update.dtype, step.group, heads, losses)
     if not finite and step.scale is None:
         raise nonfinite_error()
     stats = StepStats(losses=losses, task_norms=None, cosine=None, cosine_to_update=None,

@@ -120,7 +120,7 @@ class FeaturesMode(RowsEngine):
             matrix = all_gather_columns(matrix, step.group).div_(dist.get_world_size(step.group))
             local = slice(rank * features.numel(), (rank + 1) * features.numel())
         gram = unscaled_gramian(scale, matrix=matrix)
-        finite = finite_step(gram, scale, self.head_params, step.group)
+        finite = finite_step(gram, scale, self.head_params, step.group, losses)
         result = combine_or_skip(balancer, matrix, losses, gram, finite, scale)
         vector, weights = result.vector, result.weights
         grad = vector[local] if scale is None else vector[local] * scale.to(vector.dtype)

@@ -89,7 +89,7 @@ class GramianMode:
                 self.recorder.reduce_over_ranks(losses.shape[0], step.group)
             gram = unscaled_gramian(scale, gramian=self.recorder.gramian(losses.shape[0],
                                                                          losses.device))
-            finite = finite_step(gram, scale, self.head_params, step.group)
+            finite = finite_step(gram, scale, self.head_params, step.group, losses)
             pre_clip = coef = None
             if finite and step.clip is not None:  # row k scaled by cₖ: G Gᵀ by cᵢ cⱼ
                 pre_clip = torch.diagonal(gram).clamp_min(0).sqrt()

@@ -50,7 +50,7 @@ class MatrixMode(RowsEngine):
         if step.group is not None:  # mean over the ranks, before unscaling and balancing
             losses = columns.reduce_(matrix, losses, self.head_params, step.group)
         gram = unscaled_gramian(scale, matrix=matrix, shard=columns.shard)
-        finite = finite_step(gram, scale, self.head_params, step.group)
+        finite = finite_step(gram, scale, self.head_params, step.group, losses)
         pre_clip = None
         if finite and step.clip is not None:
             pre_clip = columns.clip_(step.clip, matrix, gram)
