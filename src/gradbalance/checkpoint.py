@@ -98,8 +98,15 @@ def _state_of(name: str, obj: Any) -> Any:
 def _load_into(name: str, obj: Any, state: Any) -> None:
     if isinstance(obj, torch.Generator):
         obj.set_state(state["generator_state"])
-    else:
-        obj.load_state_dict(state)
+        return
+    obj.load_state_dict(state)
+
+
+def _disabled_scaler(obj: Any) -> bool:
+    """Whether ``obj`` is a GradScaler that is disabled (its ``load_state_dict`` then
+    returns without loading anything)."""
+    enabled = getattr(obj, "is_enabled", None)
+    return isinstance(obj, torch.amp.GradScaler) and callable(enabled) and not enabled()
 
 
 def _check_target(name: str, obj: Any, state: Any, where: str) -> None:
@@ -110,6 +117,11 @@ def _check_target(name: str, obj: Any, state: Any, where: str) -> None:
             raise CheckpointError(f"{where}: entry {name!r} is not a generator state")
     elif not callable(getattr(obj, "load_state_dict", None)):
         raise CheckpointError(f"{name} is a {type(obj).__name__} without load_state_dict()")
+    elif _disabled_scaler(obj) and state:
+        raise CheckpointError(
+            f"{where}: entry {name!r} holds a GradScaler's state but the GradScaler given is "
+            f"disabled (torch.amp.GradScaler() is CUDA's, disabled on a machine without CUDA) "
+            f"and would drop it; build it as saved, e.g. torch.amp.GradScaler('cpu')")
 
 
 def _round_trip_error(value: Any) -> str | None:
@@ -215,7 +227,7 @@ def restore_state(checkpoint: dict[str, Any], *, strict: bool = True, **objects:
         True
     """
     check_bool("strict", strict)
-    _restore(checkpoint, "checkpoint", strict, objects)
+    _restore(checkpoint, "checkpoint", strict, objects, snapshot=True)
 
 
 def _saved_objects(checkpoint: Any, where: str) -> dict[str, Any]:
@@ -228,7 +240,7 @@ def _saved_objects(checkpoint: Any, where: str) -> dict[str, Any]:
             f"save_checkpoint()/capture_state() (with 'format' and 'objects')"
         )
     version = checkpoint.get("format", _FORMAT)
-    if not isinstance(version, int) or version > _FORMAT:
+    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= _FORMAT:
         raise CheckpointError(
             f"{where} has format {version!r}, which this gradbalance does not read (it reads "
             f"format {_FORMAT}); load it with the gradbalance version that wrote it, or newer"
@@ -237,7 +249,12 @@ def _saved_objects(checkpoint: Any, where: str) -> dict[str, Any]:
     return objects
 
 
-def _restore(checkpoint: Any, where: str, strict: bool, objects: dict[str, Any]) -> None:
+def _restore(checkpoint: Any, where: str, strict: bool, objects: dict[str, Any],
+             snapshot: bool = False) -> None:
+    """Load ``checkpoint`` into ``objects``; ``snapshot``: an in-memory checkpoint the caller
+    keeps (:func:`capture_state`'s), which each object loads a copy of: an optimizer keeps the
+    tensors it is given, so training on would change the snapshot (a second restore of it
+    loaded the later moments)."""
     saved = _saved_objects(checkpoint, where)
     given = {name: obj for name, obj in objects.items() if obj is not None}
     if strict:
@@ -249,7 +266,8 @@ def _restore(checkpoint: Any, where: str, strict: bool, objects: dict[str, Any])
                 f"{sorted(given)} (missing from the checkpoint: {missing}; saved but not "
                 f"given: {unused}); pass the same names as when saving, or strict=False"
             )
-    pairs = [(name, obj, saved[name]) for name, obj in given.items() if name in saved]
+    pairs = [(name, obj, _copy_state(saved[name], None) if snapshot and not isinstance(
+        obj, torch.nn.Module) else saved[name]) for name, obj in given.items() if name in saved]
     for name, obj, state in pairs:
         _check_target(name, obj, state, where)
     _load_all(pairs, checkpoint.get("rng"), where)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._checks import check_int
+from ._checks import check_bool, check_int
 from ._optional import require
 from ._statedict import check_dict
 from .stats import StepStats
@@ -212,13 +212,19 @@ def log_stats(
         task_names = writer.task_names
     scalars = stats_to_dict(stats, pre_clip=pre_clip, amp_skipped=amp_skipped, weights=weights,
                             task_names=task_names)
-    if running is not None:
-        scalars.update(running.update(scalars))
-    if csv:
-        writer.log(scalars, step)
-        return scalars
-    for tag, value in scalars.items():
-        writer.add_scalar(tag, value, step)
+    before = None if running is None else running.state_dict()
+    try:  # a writer that refuses the row leaves the window as it was
+        if running is not None:
+            scalars.update(running.update(scalars))
+        if csv:
+            writer.log(scalars, step)
+            return scalars
+        for tag, value in scalars.items():
+            writer.add_scalar(tag, value, step)
+    except BaseException:
+        if running is not None and before is not None:
+            running.load_state_dict(before)
+        raise
     return scalars
 
 
@@ -246,7 +252,8 @@ def _population_std(values: list[float]) -> float:
 
 class RunningStats:
     """Sliding-window population standard deviation of every logged scalar: ``std/<tag>``
-    (finite values only; 0 after one value, so CSV columns are stable from the first step).
+    (finite values only; 0 after one value, NaN before any, so CSV columns are stable from the
+    first step).
 
     Example:
         >>> from gradbalance import RunningStats
@@ -269,8 +276,9 @@ class RunningStats:
         for tag, value in values.items():
             if tag != "amp_skipped" and not tag.startswith("std/"):
                 self._append(tag, value)
-        return {f"std/{tag}": _population_std(values) for tag, values in self._values.items()
-                if values and tag in scalars}
+        tracked = [tag for tag in values if tag != "amp_skipped" and not tag.startswith("std/")]
+        return {f"std/{tag}": _population_std(self._values[tag]) if self._values.get(tag)
+                else math.nan for tag in tracked}
 
     def _append(self, tag: str, value: float) -> None:
         if not math.isfinite(value):
@@ -317,9 +325,26 @@ def _number_list(value: Any) -> Sequence[Any]:
     return value
 
 
+def _header_of(path: str) -> list[str] | None:
+    """The tags of an existing CSV log at ``path`` (its header after ``step``), None for no
+    file or an empty one."""
+    if not os.path.exists(path) or os.path.getsize(path) == 0:
+        return None
+    with open(path, newline="") as file:
+        header = next(csv.reader(file), [])
+    if not header or header[0] != "step":
+        raise ValueError(f"Invalid path: {path!r} is not a CSVLogger log (its first column is "
+                         f"{header[:1]}, not 'step'); append to a log CSVLogger wrote, or pass "
+                         f"append=False to replace it")
+    return header[1:]
+
+
 class CSVLogger:
     """Appends one row per step to a CSV file: ``step`` then every tag, in first-seen order;
-    the first row fixes the columns (a new tag later raises, a missing one is empty).
+    the first row fixes the columns (a new tag later raises, a missing one is empty). A new
+    logger replaces a file at ``path``; ``append=True`` continues it (a resumed run: its
+    header fixes the columns). Values are numbers (0-d tensors converted), checked before
+    anything is written.
 
     Example:
         >>> import pathlib, tempfile
@@ -334,25 +359,37 @@ class CSVLogger:
     """
 
     def __init__(self, path: str | os.PathLike[str],
-                 task_names: Sequence[str] | None = None) -> None:
+                 task_names: Sequence[str] | None = None, *, append: bool = False) -> None:
         self.task_names = None if task_names is None else task_labels(
             task_names, len(task_names) if not isinstance(task_names, str) else 0)
         self.path = os.fspath(path)
-        self._file = open(self.path, "w", newline="")  # noqa: SIM115 - closed in close()
-        self._writer = csv.writer(self._file)
-        self._columns: list[str] | None = None
+        self._columns: list[str] | None = (_header_of(self.path)
+                                           if check_bool("append", append) else None)
+        self._file = open(self.path, "a" if append else "w", newline="")  # noqa: SIM115
+        self._writer = csv.writer(self._file)  # the file: closed in close()
 
     def log(self, scalars: Mapping[str, float], step: int) -> None:
-        if self._columns is None:
-            self._columns = list(scalars)
-            self._writer.writerow(["step", *self._columns])
-        extra = [tag for tag in scalars if tag not in self._columns]
+        """One row: ``step`` (an int >= 0) and the numbers of ``scalars``."""
+        if self._file.closed:
+            raise ValueError(f"CSVLogger({self.path!r}) is closed; open a new one "
+                             f"(append=True continues the file)")
+        values = _numbers("scalars", scalars)
+        check_int("step", step, 0)
+        if "step" in values:
+            raise ValueError("Invalid scalars: the tag 'step' is the first column's; rename it")
+        if self._columns is None and not values:
+            raise ValueError("Invalid scalars: the first row is empty, and it fixes the "
+                             "columns; log at least one tag")
+        extra = [tag for tag in values if self._columns is not None and tag not in self._columns]
         if extra:
             raise ValueError(
                 f"tags {extra} were not in the first row; log the same tags every step (the "
                 f"CSV columns are fixed by the first row)"
             )
-        self._writer.writerow([step, *(scalars.get(c, "") for c in self._columns)])
+        if self._columns is None:
+            self._columns = list(values)
+            self._writer.writerow(["step", *self._columns])
+        self._writer.writerow([step, *(values.get(c, "") for c in self._columns)])
         self._file.flush()
 
     def log_stats(self, stats: StepStats, step: int, **kwargs: Any) -> dict[str, float]:

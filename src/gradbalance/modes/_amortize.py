@@ -34,6 +34,18 @@ class WeightCache:
         self.weights: Tensor | None = None
         self._owner: weakref.ref[Balancer] | None = None
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> WeightCache:
+        """A copy whose weights belong to the copy of their balancer where that is copied in
+        the same ``deepcopy`` call (a copied buffer then takes the copied balancer), else to
+        no balancer yet: the weak reference to the original is not carried over."""
+        out = WeightCache(self.update_every)
+        out.step = self.step
+        out.weights = None if self.weights is None else self.weights.clone()
+        owner = None if self._owner is None else self._owner()
+        copied = None if owner is None else memo.get(id(owner))
+        out._owner = None if copied is None else weakref.ref(copied)
+        return out
+
     @property
     def active(self) -> bool:
         return self.update_every > 1

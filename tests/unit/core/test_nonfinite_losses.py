@@ -44,7 +44,7 @@ def _setup(kind: str, update_every: int) -> tuple[TaskGradBuffer, Any]:
 @pytest.mark.parametrize("update_every", [1, 2])
 def test_a_nan_loss_raises_without_a_scaler_and_moves_nothing(kind: str,
                                                               update_every: int) -> None:
-    buf, (losses, gain, params) = _setup(kind, update_every)
+    buf, (losses, _gain, params) = _setup(kind, update_every)
     buf.backward(losses(False))
     buf.apply_(UPGrad())  # a first finite step: a reused step follows with update_every=2
     before = [None if p.grad is None else p.grad.clone() for p in params]
@@ -58,7 +58,7 @@ def test_a_nan_loss_raises_without_a_scaler_and_moves_nothing(kind: str,
 
 @pytest.mark.parametrize("kind", ["matrix", "gramian", "per_sample"])
 def test_a_nan_loss_is_a_skipped_step_with_a_scaler(kind: str) -> None:
-    buf, (losses, gain, params) = _setup(kind, 1)
+    buf, (losses, _gain, _params) = _setup(kind, 1)
     scaler = torch.amp.GradScaler("cpu")
     assert scaler.is_enabled()
     buf.backward(losses(True), scaler=scaler)
