@@ -369,7 +369,23 @@ def save_checkpoint(
     if isinstance(f, (str, os.PathLike)):
         _write_atomic(os.fspath(f), checkpoint)
     else:
-        torch.save(checkpoint, f)
+        _write_file(f, checkpoint)
+
+
+def _write_file(f: IO[bytes], checkpoint: dict[str, Any]) -> None:
+    """Serialise in memory, then one ``write`` into the caller's open file: a failure while
+    serialising leaves it untouched, and a failed write (a full disk) raises
+    :class:`CheckpointError` with the cause."""
+    if getattr(f, "closed", False):
+        raise ValueError("Invalid f: the file is closed; pass an open binary file or a path")
+    buffer = io.BytesIO()
+    torch.save(checkpoint, buffer)
+    try:
+        f.write(buffer.getbuffer())
+    except (OSError, io.UnsupportedOperation) as error:
+        raise CheckpointError(f"cannot save checkpoint into {f!r}: {error}; pass a file open "
+                              f"for binary writing with room for "
+                              f"{buffer.getbuffer().nbytes} bytes") from error
 
 
 def _check_path_or_file(f: object) -> None:

@@ -135,3 +135,25 @@ def test_a_copied_buffer_takes_its_copied_balancer() -> None:
     buf2.backward(torch.stack([h(features2).pow(2).mean() for h in heads2]))
     stats = buf2.apply_(bal2)  # a step that reuses the copied weights
     assert stats.weights is not None and torch.equal(stats.weights, buf.state_dict()["weights"])
+
+
+class _Full(io.BytesIO):
+    """A file with room for 300 bytes: a longer write raises ENOSPC."""
+
+    def write(self, data: Any) -> int:
+        if self.tell() + len(data) > 300:
+            raise OSError(28, "No space left on device")
+        return super().write(data)
+
+
+def test_a_full_file_object_is_left_untouched_and_the_cause_named() -> None:
+    """torch.save wrote 64 bytes into the caller's file, then raised "unexpected pos 64 vs 0"
+    without the cause."""
+    target = _Full()
+    with pytest.raises(CheckpointError, match="No space left on device"):
+        gb.save_checkpoint(target, model=nn.Linear(50, 50))
+    assert target.getvalue() == b""
+    closed = io.BytesIO()
+    closed.close()
+    with pytest.raises(ValueError, match="Invalid f: the file is closed"):
+        gb.save_checkpoint(closed, model=nn.Linear(2, 2))
