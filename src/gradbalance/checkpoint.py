@@ -472,6 +472,7 @@ def load_checkpoint(
     """
     check_bool("strict", strict)
     _check_path_or_file(f)
+    _check_map_location(map_location)
     where = _describe(f)
     checkpoint = _read(f, where, map_location)
     _restore(checkpoint, where, strict, objects)
@@ -483,6 +484,18 @@ def _describe(f: str | os.PathLike[str] | IO[bytes]) -> str:
         return f"checkpoint {os.fspath(f)}"
     name = getattr(f, "name", None)
     return f"checkpoint {name}" if isinstance(name, str) else f"checkpoint in {type(f).__name__}"
+
+
+def _check_map_location(value: Any) -> None:
+    """A device name or ``torch.device`` must name a device (the mappings and callables
+    ``torch.load`` takes are passed on as they are)."""
+    if isinstance(value, str):
+        try:
+            torch.device(value)
+        except RuntimeError:
+            raise ValueError(f"Invalid map_location: {value!r} (expected a device such as "
+                             f"'cpu' or 'cuda:0', a torch.device, a dict or a callable, as "
+                             f"torch.load takes)") from None
 
 
 def _read(f: str | os.PathLike[str] | IO[bytes], where: str, map_location: Any) -> Any:

@@ -157,3 +157,12 @@ def test_a_full_file_object_is_left_untouched_and_the_cause_named() -> None:
     closed.close()
     with pytest.raises(ValueError, match="Invalid f: the file is closed"):
         gb.save_checkpoint(closed, model=nn.Linear(2, 2))
+
+
+def test_a_map_location_that_names_no_device_is_named() -> None:
+    """It was reported as a file that is not a checkpoint."""
+    buffer = io.BytesIO()
+    gb.save_checkpoint(buffer, model=nn.Linear(2, 2))
+    buffer.seek(0)
+    with pytest.raises(ValueError, match="Invalid map_location: 'bogus'"):
+        gb.load_checkpoint(buffer, map_location="bogus", model=nn.Linear(2, 2))
