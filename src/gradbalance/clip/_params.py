@@ -61,10 +61,11 @@ def overflow_safe_norm(x: Tensor, ord: float = 2.0, dim: int | tuple[int, ...] |
         >>> overflow_safe_norm(torch.tensor([3e20, 4e20]))  # float32's own: inf
         tensor(5.0000e+20)
     """
-    norm = torch.linalg.vector_norm(x, ord, dim=dim, keepdim=keepdim)
+    norm: Tensor = torch.linalg.vector_norm(x, ord, dim=dim, keepdim=keepdim)
     if x.dtype == torch.float64 or not x.is_floating_point() or ord in (math.inf, -math.inf, 0):
         return norm
     if not bool(torch.isinf(norm).any()):
         return norm
-    wide = torch.linalg.vector_norm(x, ord, dim=dim, keepdim=keepdim, dtype=torch.float64)
+    wide: Tensor = torch.linalg.vector_norm(x, ord, dim=dim, keepdim=keepdim,
+                                            dtype=torch.float64)
     return wide.to(norm.dtype)
