@@ -50,13 +50,13 @@ class StateModule(PicklableGenerators, nn.Module):
                        shape: tuple[int, ...] | None = None, per_task: bool = False,
                        task_dim: int = 0, like_rows: bool = False,
                        persistent: bool = True, finite: bool = True,
-                       pairwise: bool = False, first_call: bool = False) -> None:
+                       pairwise: bool = False) -> None:
         """Declare a state tensor (a buffer; an ``nn.Parameter`` is registered as one).
 
         ``default``: its value now and after :meth:`reset` (None needs ``optional``); the
         other arguments are :class:`~gradbalance._state_spec.StateSpec`'s (``per_task``: one
         entry per task along ``task_dim``; ``pairwise``: one per task pair, the last two
-        dimensions; ``first_call``: set by every call, which advances the counters).
+        dimensions).
         """
         if default is None and not optional:
             raise ValueError(f"Invalid default for state {name!r}: None (expected a tensor, "
@@ -69,7 +69,7 @@ class StateModule(PicklableGenerators, nn.Module):
         self._state_specs[name] = StateSpec(
             None if default is None else default.detach().clone(), optional, shape,
             -1 if pairwise else task_dim if per_task or like_rows else None, like_rows,
-            persistent, finite, pairwise, dtype, first_call)
+            persistent, finite, pairwise, dtype)
 
     @property
     def state_specs(self) -> Mapping[str, StateSpec]:
@@ -233,7 +233,6 @@ class StateModule(PicklableGenerators, nn.Module):
         tensors = {key: self._loaded_tensor(key, own) for key in slots}
         rest = {key: value for key, value in extra.items() if key != TYPE_KEY}
         self._check_state(tensors, rest)  # the class's own checks name the setting first
-        self._check_first_call(tensors)
         k, rows = self._tracked_shapes(tensors)
         for key, value in tensors.items():
             error = None if value is None else self._spec(key).load_error(
@@ -241,19 +240,6 @@ class StateModule(PicklableGenerators, nn.Module):
             if error is not None:
                 raise ValueError(error)
         return tensors, rest
-
-    def _check_first_call(self, tensors: Mapping[str, Tensor | None]) -> None:
-        """A state whose counters are above 0 holds every ``first_call`` state (a call sets
-        them all): a missing one would restart the method's memory after the load."""
-        missing = [key for key, value in tensors.items()
-                   if value is None and self._spec(key).first_call]
-        calls = [int(value) for key, value in tensors.items() if value is not None
-                 and value.dim() == 0 and self._spec(key).dtype == torch.int64]
-        if missing and any(c > 0 for c in calls):
-            raise ValueError(
-                f"{type(self).__name__} state_dict lacks {missing}, which every call sets, but "
-                f"its counter says {max(calls)} calls; pass the whole output of "
-                f"{type(self).__name__}.state_dict()")
 
     def _tracked_shapes(self, loaded: Mapping[str, Tensor | None]
                         ) -> tuple[int | None, tuple[int, ...] | None]:

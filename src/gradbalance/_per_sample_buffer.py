@@ -26,6 +26,7 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from ._amp import poison_, scale_of
@@ -46,6 +47,7 @@ from ._per_sample_step import (
     reused_update,
 )
 from ._step_inputs import refuse_complex
+from ._step_state import StepCounter
 from .balancers import balancer_names
 from .balancers._base import Balancer
 from .balancers._checks import check_balancer
@@ -145,7 +147,7 @@ class PerSampleBuffer:
         self._tasks = 0  # the step's K (task columns of every micro-batch)
         self._reused = False  # the step reuses update_every's cached weights
         self._unmixed: set[tuple[tuple[int, ...], int]] = set()  # structures checked unmixed
-        self._steps = 0  # steps begun; apply_ compares it across the ranks
+        self._steps = StepCounter()  # steps begun; apply_ compares it across the ranks
 
     def backward(self, losses: Tensor | Sequence[Tensor], scaler: Any = None,
                  features: Tensor | None = None) -> None:
@@ -161,7 +163,6 @@ class PerSampleBuffer:
         reused = self._cache.reuse_now() if first else self._reused
         scale = scale_of(scaler, vector.device)
         part, heads, records = self._micro_batch(vector, columns, scale, reused, first)
-        self._steps += int(first)  # begun by a backward that ran, as for tasks
         if records is not None:
             self._first = records
         if part is not None:
@@ -179,9 +180,11 @@ class PerSampleBuffer:
         failure after it drops the step, torch's generator as the call found it (a hook may
         have drawn)."""
         generator = torch.default_generator.get_state()
+        begun = [False]  # a first micro-batch past the checks begins the step (StepCounter)
         try:
             refused = None if reused else self._mixing(vector, scale)
             if refused is None:
+                self._begin(first, begun)
                 try:
                     part, heads = self._passes(columns, scale, reused, keep=not first)
                     records = self.gramian.snapshot() if first and part is not None else None
@@ -191,12 +194,20 @@ class PerSampleBuffer:
                     self._parts[0], self._first = self._first_forms(), []
         except BaseException:  # past the checks: the step dropped (docs/loop.md)
             torch.default_generator.set_state(generator)
+            self._begin(first, begun)  # failed inside the mixing test: begun all the same
             self._end_step()
             raise
         if refused is not None:
             self.gramian.clear()
             raise refused
         return part, heads, records
+
+    def _begin(self, first: bool, begun: list[bool]) -> None:
+        """Count the step as begun (:class:`~._step_state.StepCounter`) at a first
+        micro-batch, once."""
+        if first and not begun[0]:
+            self._steps.begin()
+            begun[0] = True
 
     def _checked(self, losses: Any, scaler: Any, features: Tensor | None) -> Tensor:
         """Every check of :meth:`backward`: the arguments (fix the call and repeat it with
@@ -321,6 +332,7 @@ class PerSampleBuffer:
         else:
             saved.restore()
             self._skip(update.heads)
+        self._steps.finished()
         return update.stats
 
     def _step(self) -> PerSampleStep:
@@ -358,7 +370,7 @@ class PerSampleBuffer:
         if group is not None:  # every rank runs the same kind of step: checked first
             check_step_agreement(group, num_tasks=self._tasks, shared=self.shared,
                                  heads=self.head_params, mode="per_sample",
-                                 update_every=self._cache.update_every, step=self._steps,
+                                 update_every=self._cache.update_every, step=self._steps.count,
                                  count=len(self._losses), reused=self._reused,
                                  modes=("per_sample", *ENGINES, *balancer_names()),
                                  balancer=type(balancer).__name__)
@@ -392,14 +404,26 @@ class PerSampleBuffer:
         """``update_every``'s counter and cached weights (with ``update_every > 1``) and
         ``steps_begun`` (the data-parallel ranks compare it in ``apply_``; a step in progress
         is not counted: a run resumed from it repeats that step whole)."""
-        steps = {"steps_begun": self._steps - int(bool(self._losses))}
-        return {**self._cache.state_dict(), **steps} if self._cache.active else steps
+        steps = {"steps_begun": self._steps.count - int(bool(self._losses))}
+        if not self._cache.active:
+            return steps
+        rank = self._rank()  # the cached weights are this rank's objectives'
+        ranks = {} if rank is None else {"rank": rank[0], "world_size": rank[1]}
+        return {**self._cache.state_dict(), **steps, **ranks}
+
+    def _rank(self) -> tuple[int, int] | None:
+        """``(rank, world size)`` under a process group of several ranks, else None."""
+        group = resolve_process_group(self.process_group)
+        if group is None or dist.get_world_size(group) < 2:
+            return None
+        return dist.get_rank(group), dist.get_world_size(group)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output (checked whole before anything changes; a state
         saved without ``steps_begun`` resumes it at 0)."""
         state = dict(state_dict)
-        unknown = sorted(set(state) - {"update_every", "step", "weights", "steps_begun"})
+        unknown = sorted(set(state) - {"update_every", "step", "weights", "steps_begun", "rank",
+                                       "world_size"})
         if unknown:
             raise ValueError(
                 f"state_dict has keys {unknown}, but a batch_dim=0 buffer keeps no state "
@@ -407,14 +431,23 @@ class PerSampleBuffer:
                 f"pass the state_dict() of a batch_dim=0 buffer"
             )
         steps = check_int("state_dict['steps_begun']", state.pop("steps_begun", 0), 0)
+        saved = (state.pop("rank", None), state.pop("world_size", None))
+        here = self._rank() or (None, None)
+        if self._cache.active and saved != here:
+            raise ValueError(
+                f"state_dict holds update_every's cached weights of rank {saved[0]} of "
+                f"{saved[1]} (None: one process), but this buffer is rank {here[0]} of "
+                f"{here[1]}: each rank caches the weights of its own samples, so save and load "
+                f"each rank's own buffer state (a checkpoint file per rank)")
         if state or self._cache.active:  # update_every's state: all three keys, or refused
             self._cache.load_state_dict(state, None)
-        self._steps = steps
+        self._steps.load(steps)
 
     def reset(self, keep_weights: bool = False) -> None:
         """Drop the step (the records and the pending Gramian); then ``update_every``'s
         cached weights too, unless ``keep_weights``."""
         self._end_step()
+        self._steps.reset()
         if not keep_weights:
             self._cache.reset()
 

@@ -22,7 +22,7 @@ from ._amp import all_finite, finite_step, losses_finite, nonfinite_error, unsca
 from .balancers._base import Balancer
 from .clip._checks import check_row_clipper
 from .clip._protocol import scales_whole_rows
-from .distributed import all_reduce_mean_
+from .distributed import RankAgreementError, all_ranks_true, all_reduce_mean_
 from .gramian import products_rounding
 from .modes._amortize import WeightCache
 from .stats import StepStats, build_stats, summed_tasks
@@ -102,7 +102,8 @@ def refreshed_update(step: PerSampleStep, scaled_gram: Tensor, balancer: Balance
         gram = gram * coef[:, None] * coef[None, :]
     trunk: list[Tensor | None]
     if finite:
-        weights = balancer.compute_weights(gram, flat, rounding=products_rounding(step.shared))
+        weights = _agreed_weights(lambda: balancer.compute_weights(
+            gram, flat, rounding=products_rounding(step.shared)), group)
         applied = weights if coef is None else weights * coef
         trunk = weighted_grads(step, applied)
     else:  # a skipped step (found_inf): zeros
@@ -115,6 +116,26 @@ def refreshed_update(step: PerSampleStep, scaled_gram: Tensor, balancer: Balance
                         num_backward=len(step.losses))
     stats.per_task = summed_tasks(stats, gram, step.tasks)
     return Update(trunk, heads, finite, stats, owned=step.direct is not None)
+
+
+def _agreed_weights(compute: Callable[[], Tensor], group: Any) -> Tensor:
+    """``compute()``'s weights, its success agreed over ``group`` first (one all-reduce): each
+    rank balances its own samples, so a solver may fail on one rank only; the others then
+    raise :class:`~gradbalance.distributed.RankAgreementError` at once instead of waiting for
+    its update in the reduction until the group's timeout."""
+    if group is None:
+        return compute()
+    try:
+        weights = compute()
+    except BaseException:
+        all_ranks_true(torch.zeros((), dtype=torch.bool), group)  # tell the others, then raise
+        raise
+    if not bool(all_ranks_true(torch.ones((), dtype=torch.bool), group)):
+        raise RankAgreementError(
+            "TaskGradBuffer.apply_(): the balancer raised on another rank (each rank balances "
+            "its own samples with batch_dim=0); the step was dropped on every rank, nothing "
+            "was reduced or written: drop the batch on every rank, as that rank does")
+    return weights
 
 
 def reused_update(step: PerSampleStep, cache: WeightCache, balancer: Balancer,

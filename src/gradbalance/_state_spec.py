@@ -25,8 +25,7 @@ class StateSpec:
     must hold no inf/NaN; ``pairwise``: one entry per task pair ``[..., K, K]`` (the last two
     dimensions, ``task_dim`` -1); ``dtype``: the dtype a loaded value takes (None: its own, a
     floating one: the rows' for ``like_rows``), an integer one's values at least 0 where the
-    state is one number (a counter); ``first_call``: an optional state every call sets, so a
-    load whose counters are above 0 must hold it. A partial-labels mask slices every per-task
+    state is one number (a counter). A partial-labels mask slices every per-task
     dimension (:meth:`on_tasks`) and writes the step's result back into the active tasks' entries
     (:meth:`into_tasks`; docs/loop.md, "Partial labels").
     """
@@ -40,7 +39,6 @@ class StateSpec:
     finite: bool = True
     pairwise: bool = False
     dtype: torch.dtype | None = None
-    first_call: bool = False
 
     def task_dims(self, value: Tensor) -> tuple[int, ...]:
         """The dimensions of ``value`` with one entry per task (non-negative; none: not per

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 
 from torch import Tensor
 
-__all__ = ["GradWatch"]
+__all__ = ["GradWatch", "StepCounter"]
 
 
 def _how(before: Tensor | None, now: Tensor | None) -> str:
@@ -50,3 +50,45 @@ class GradWatch:
                 f"update_every's weights), then run the step's forwards again "
                 f"(docs/loop.md, 'When a step fails')"
             )
+
+
+class StepCounter:
+    """The steps a buffer has begun, which ``apply_`` compares across the data-parallel ranks
+    (docs/distributed.md): a step counts when its first ``backward`` begins, past the call's
+    checks, whether it then finishes or is dropped, and a ``reset()`` with no step begun since
+    the last finished one counts the batch it abandons (a forward that raised before any
+    ``backward``). So ranks that drop the same batch, each wherever it failed, stay equal,
+    and a rank that skipped a batch the others took is one ahead at their next ``apply_``.
+
+    Example:
+        >>> from gradbalance._step_state import StepCounter
+        >>> steps = StepCounter()
+        >>> steps.begin(); steps.finished()  # a step
+        >>> steps.begin(); steps.reset()      # one dropped after its first backward
+        >>> steps.reset()                     # one abandoned before any backward
+        >>> steps.count
+        3
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._open = False  # a step began since the last finished one or reset
+
+    def begin(self) -> None:
+        """A step's first ``backward`` is past its checks."""
+        self.count += 1
+        self._open = True
+
+    def finished(self) -> None:
+        """``apply_`` wrote the step."""
+        self._open = False
+
+    def reset(self) -> None:
+        """The buffer's ``reset()``: the batch is dropped; counted here if no step began."""
+        if not self._open:
+            self.count += 1
+        self._open = False
+
+    def load(self, count: int) -> None:
+        """A loaded ``steps_begun``."""
+        self.count, self._open = count, False

@@ -53,7 +53,7 @@ from ._per_sample_gramian import as_modules, refuse_mixing
 from ._sharding import is_sharded
 from ._statedict import check_dict
 from ._step_inputs import refuse_complex
-from ._step_state import GradWatch
+from ._step_state import GradWatch, StepCounter
 from ._threads import StepOwner
 from .balancers import balancer_names
 from .balancers._base import Balancer
@@ -219,7 +219,7 @@ class TaskGradBuffer:
         self._reused_step = ReusedStep(columns_of(self.layout, heads, passes))
         self._heads_before: GradSnapshot | None = None  # the heads' .grad before the step
         self._states_before: StateSnapshot | None = None  # balancer, clipper, during apply_
-        self._steps = 0  # steps begun; apply_ compares it across the ranks
+        self._steps = StepCounter()  # steps begun; apply_ compares it across the ranks
         self._owner = StepOwner()  # one thread per step, no concurrent calls
         self._watch = GradWatch()  # the heads' .grad as the step's last call left them
 
@@ -285,6 +285,7 @@ class TaskGradBuffer:
             roots = TaskRoots(losses, vector, scale, past_the_stack=not self.sharded)
         if first:
             self._heads_before = GradSnapshot([*self.head_params, *others])
+            self._steps.begin()
         generator = torch.default_generator.get_state()  # a hook may draw: put back on failure
         try:
             with no_autocast(self.layout.device):
@@ -310,7 +311,6 @@ class TaskGradBuffer:
         )
         self._reused = reused
         self._count += 1
-        self._steps += int(first)
         self._scaler = scaler
         self._scale = scale
         # the .grad holding part of the step until apply_ (the trunk's part is in the buffer)
@@ -387,6 +387,7 @@ class TaskGradBuffer:
                 self._cache.rewind(cache_before)
                 self._abort()
                 raise
+        self._steps.finished()
         self._end_step()
         return stats
 
@@ -433,7 +434,7 @@ class TaskGradBuffer:
             check_step_agreement(group, num_tasks=self._losses.shape[0],
                                  shared=self.layout.params, heads=self.head_params,
                                  mode=self.mode, update_every=self.update_every,
-                                 step=self._steps, count=self._count, reused=self._reused,
+                                 step=self._steps.count, count=self._count, reused=self._reused,
                                  modes=(*ENGINES, "per_sample", *balancer_names()),
                                  balancer=type(balancer).__name__,
                                  masked=masked)
@@ -514,7 +515,7 @@ class TaskGradBuffer:
         if self._per_sample is not None:  # update_every's counter and weights only
             return self._per_sample.state_dict()
         return {**self._cache.state_dict(), **self._engine.state_dict(),
-                "steps_begun": self._steps - int(self._count > 0)}
+                "steps_begun": self._steps.count - int(self._count > 0)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output; works on a freshly built buffer.
@@ -549,7 +550,7 @@ class TaskGradBuffer:
         self._cache.put(*cached)
         weights = self._cache.weights  # K as built, else the saved weights' (a load is a reset
         self.num_tasks = self._built_num_tasks if weights is None else weights.shape[0]  # to it)
-        self._steps = steps  # a state saved before the counter existed resumes at 0
+        self._steps.load(steps)  # a state saved before the counter existed resumes at 0
 
     @property
     def layer_routes(self) -> dict[str, str] | None:
@@ -591,6 +592,7 @@ class TaskGradBuffer:
             self._heads_before.restore()
         self._drop_observations()
         self._end_step()
+        self._steps.reset()
         if not keep_weights:
             self._cache.reset()
 

@@ -92,7 +92,7 @@ class DBMTL(Balancer):
         self.eps = check_range("eps", eps, 0.0, None)
         self.log_losses = check_bool("log_losses", log_losses)
         self.needs_losses = self.log_losses
-        self.register_state("_ema", None, optional=True, like_rows=True, first_call=True)
+        self.register_state("_ema", None, optional=True, like_rows=True)
         self.register_state("_step", torch.zeros((), dtype=torch.int64))
 
     def _combine_matrix(self, matrix: Tensor, losses: Tensor | None) -> Combination:

@@ -138,10 +138,9 @@ class ExcessMTL(Balancer):
                                             low_open=True)
         self.n_warmup_steps = check_int("n_warmup_steps", n_warmup_steps, 0)
         self.eps = check_range("eps", eps, 0.0, None)
-        self.register_state("_root_sq_sum", None, optional=True, like_rows=True, first_call=True)
-        for name in ("_weights", "_warmup_sum"):
-            self.register_state(name, None, optional=True, per_task=True, first_call=True)
-        self.register_state("_baseline", None, optional=True, per_task=True)  # after warm-up
+        self.register_state("_root_sq_sum", None, optional=True, like_rows=True)
+        for name in ("_weights", "_baseline", "_warmup_sum"):
+            self.register_state(name, None, optional=True, per_task=True)
         self.register_state("_step", torch.zeros((), dtype=torch.int64))
 
     def _combine_matrix(self, matrix: Tensor, losses: Tensor | None) -> Combination:

@@ -127,8 +127,8 @@ class MoCo(Balancer):
         self.lambda_update: LambdaUpdate = lambda_update
         self.normalize_grads = bool(normalize_grads)
         self.needs_losses = self.normalize_grads
-        self.register_state("_y", None, optional=True, like_rows=True, first_call=True)
-        self.register_state("_lambda", None, optional=True, per_task=True, first_call=True)
+        self.register_state("_y", None, optional=True, like_rows=True)
+        self.register_state("_lambda", None, optional=True, per_task=True)
         self.register_state("_step", torch.zeros((), dtype=torch.int64))
 
     def _combine_matrix(self, matrix: Tensor, losses: Tensor | None) -> Combination:

@@ -109,7 +109,7 @@ class NashMTL(Balancer):
         self.homogeneous = normalization == "frobenius"
         # w(cG) = w(G)/√c (paper) or w(G) ("frobenius"): the solve sees G / maxₖ Gₖₖ.
         self.weight_degree = 0.0 if normalization == "frobenius" else -0.5
-        self.register_state("alpha", None, optional=True, per_task=True, first_call=True)
+        self.register_state("alpha", None, optional=True, per_task=True)
         self.register_state("step", torch.zeros((), dtype=torch.int64))
 
     def _compute_weights(self, gramian: Tensor, losses: Tensor | None = None) -> Tensor:

@@ -346,7 +346,7 @@ class PCD(Balancer):
             self.tau = t
         self.beta = check_range("beta", beta, 0.0, 1.0, high_open=True)
         self.eps = check_range("eps", eps, 0.0, None)
-        self.register_state("_ema", None, optional=True, per_task=True, first_call=True)
+        self.register_state("_ema", None, optional=True, per_task=True)
         self.register_state("_step", torch.zeros((), dtype=torch.int64))
 
     def _taus(self, m: int, device: torch.device) -> Tensor:

@@ -228,10 +228,11 @@ def test_the_buffers_properties_read_with_batch_dim() -> None:
     assert buf.matrix is None and buf.layer_routes is None
 
 
-def test_a_refused_or_failed_first_backward_begins_no_step() -> None:
+def test_a_refused_first_backward_begins_no_step_and_a_failed_one_counts() -> None:
     """``steps_begun`` (compared across data-parallel ranks) counts a step from its first
-    ``backward`` that ran, as the task buffer does: a first micro-batch refused by the mixing
-    check, or failed in its passes, begins none."""
+    ``backward`` past the checks, as the task buffer does: a first micro-batch refused by the
+    mixing check begins none (the call is repeated, fixed), one that failed in its passes
+    counts, dropped (the batch is gone, as on a rank where it failed elsewhere)."""
     model = nn.Linear(3, 1)
     buf = TaskGradBuffer(model.parameters(), modules=model, batch_dim=0)
     x = torch.randn(4, 3)
@@ -244,9 +245,10 @@ def test_a_refused_or_failed_first_backward_begins_no_step() -> None:
         raise RuntimeError("hook failed")
 
     out.register_hook(fail)
+    assert buf.state_dict() == {"steps_begun": 0}
     with pytest.raises(RuntimeError, match="hook failed"):
         buf.backward(out[:, 0] ** 2)
-    assert buf.state_dict() == {"steps_begun": 0}
+    assert buf.state_dict() == {"steps_begun": 1}
     buf.backward(model(x)[:, 0] ** 2)
     buf.apply_(UPGrad())
-    assert buf.state_dict() == {"steps_begun": 1}
+    assert buf.state_dict() == {"steps_begun": 2}

@@ -104,8 +104,9 @@ def test_reset_forgets_cached_weights() -> None:
     buf.apply_(Mean())
     assert buf.state_dict()["weights"] is not None
     buf.reset()
-    # reset() keeps the count of steps begun: ranks compare it (docs/distributed.md)
-    assert buf.state_dict() == {"update_every": 4, "step": 0, "weights": None, "steps_begun": 1}
+    # reset() with no step begun counts the batch it abandons: ranks compare the count, and
+    # every rank drops the batch together (docs/distributed.md)
+    assert buf.state_dict() == {"update_every": 4, "step": 0, "weights": None, "steps_begun": 2}
 
 
 @pytest.mark.parametrize("mode", ["matrix", "features"])
