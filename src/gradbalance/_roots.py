@@ -45,7 +45,11 @@ def _stack_edges(node: Node | None, k: int) -> list[GradientEdge] | None:
 def _stack_inputs(vector: Tensor) -> tuple[list[GradientEdge], Tensor] | None:
     """The input edges of the ``torch.stack`` ``vector`` is made from and ``∂vₖ/∂cₖ``, or None;
     the factor is one backward to the stack's output, so hooks on the way run once and act on
-    it, as in ``vector.sum().backward()``."""
+    it, as in ``vector.sum().backward()``. Only for a loss vector ``[K]``: per-sample losses
+    ``[B, K]`` stacked along the tasks have ``K`` stack inputs too, and with ``B = K`` they
+    were taken for tasks."""
+    if vector.dim() != 1:
+        return None
     k = vector.shape[0]
     stack = _chain_end(vector)
     edges = _stack_edges(stack, k)
