@@ -177,3 +177,48 @@ def test_two_processes_match_one_on_the_global_batch(tmp_path: Path) -> None:
 
 if __name__ == "__main__":
     _worker(sys.argv[1])
+
+
+def test_drop_step_after_a_failed_micro_batch_lets_the_run_go_on(tmp_path: Path) -> None:
+    """A micro-batch that failed (an out-of-memory forward) left the buffer in its step, and
+    ``accelerator.load_state`` then raised: ``drop_step()`` drops it, the checkpoint loads,
+    and the retried run equals one that never failed."""
+    from gradbalance.weighting import DWA
+
+    def run(fail: bool) -> dict[str, torch.Tensor]:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        torch.manual_seed(0)
+        model = MultiTaskModel(mlp_trunk(8, 16, 2), make_heads(16, K))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        accelerator = Accelerator(gradient_accumulation_steps=ACCUMULATE, cpu=True)
+        net, opt, loader = accelerator.prepare(
+            model, opt, DataLoader(_data(), batch_size=BATCH, shuffle=False))
+        step = BalancedAcceleratorStep(accelerator, PCGrad(K, generator=torch.Generator()
+                                                           .manual_seed(0)),
+                                       model.shared_parameters(), model.head_parameters(),
+                                       weighting=DWA(K))
+        accelerator.register_for_checkpointing(step)
+        accelerator.save_state(str(tmp_path / ("fail" if fail else "clean")))
+        if fail:
+            try:
+                for b, (x, y) in enumerate(loader):
+                    with step.accumulate(net):
+                        if b == 3:
+                            raise RuntimeError("injected")
+                        step.backward(regression_losses(net(x), y))
+                        opt.step()
+                        opt.zero_grad()
+            except RuntimeError:
+                step.drop_step()
+            accelerator.load_state(str(tmp_path / "fail"))
+        for x, y in loader:
+            with step.accumulate(net):
+                step.backward(regression_losses(net(x), y))
+                opt.step()
+                opt.zero_grad()
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    clean, retried = run(False), run(True)
+    for name, p in clean.items():
+        assert torch.equal(retried[name], p), name

@@ -167,3 +167,53 @@ def test_configured_schedulers_are_stepped(interval: str | None, step_schedulers
 def test_a_plateau_scheduler_is_refused_with_the_fix() -> None:
     with pytest.raises(ValueError, match=r"ReduceLROnPlateau.*step_schedulers=False"):
         _fit_scheduled(Scheduled("epoch", plateau=True), epochs=1, batches=1)
+
+
+class _Unsized:
+    """The first ``batches`` batches of ``_data()`` from a loader without a length."""
+
+    def __init__(self, batches: int) -> None:
+        self.batches = batches
+
+    def __iter__(self) -> Any:
+        data = _data()
+        for i in range(self.batches):
+            yield data[BATCH * i:BATCH * (i + 1)]
+
+
+def _fit_epochs(loader: Any, epochs: int) -> tuple[Module, Any]:
+    module = Module(2)
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=epochs, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    trainer.fit(module, loader)
+    return module, trainer
+
+
+def test_a_loader_without_a_length_takes_the_end_of_epoch_step() -> None:
+    """``num_training_batches`` is infinite there, so the last-batch test never held: the
+    fifth batch's gradients went into the next epoch's first step and the last stayed in the
+    buffer. The reference is the same batches from a sized loader."""
+    unsized, unsized_trainer = _fit_epochs(_Unsized(5), 2)
+    sized, sized_trainer = _fit_epochs(
+        DataLoader(TensorDataset(*_data()[:5 * BATCH]), batch_size=BATCH, shuffle=False), 2)
+    assert unsized_trainer.global_step == sized_trainer.global_step == 6  # 3 per epoch
+    assert not unsized.balanced.buffer.in_step
+    for a, b in zip(unsized.parameters(), sized.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(("kwargs", "text"), [
+    ({"balancer": "upgrad"}, "Invalid balancer"),
+    ({"prefix": 3}, "Invalid prefix: 3"),
+    ({"log": "no"}, "Invalid log: 'no'"),
+    ({"step_schedulers": "no"}, "Invalid step_schedulers: 'no'"),
+])
+def test_bad_settings_are_named_at_construction(kwargs: dict[str, Any], text: str) -> None:
+    """``"upgrad"`` raised an AttributeError; a prefix of 3 raised inside ``fit`` after the
+    optimizer had stepped; ``"no"`` was read as true."""
+    net = _model()
+    args: dict[str, Any] = {"balancer": _balancer(), **kwargs}
+    with pytest.raises((ValueError, TypeError), match=text):
+        BalancedManualStep(args.pop("balancer"), net.shared_parameters(),
+                           net.head_parameters(), **args)

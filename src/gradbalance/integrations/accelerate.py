@@ -138,6 +138,13 @@ class BalancedAcceleratorStep:
         self.last_stats = self.parts.step(scaler)
         return self.last_stats
 
+    def drop_step(self) -> None:
+        """Drop a step a failed micro-batch left unfinished (an out-of-memory forward): the
+        buffer's step (its ``update_every`` weights kept), the weighting's observation and
+        the ``.grad`` the step wrote; call it before retrying or before
+        ``accelerator.load_state`` (which refuses a buffer in the middle of a step)."""
+        self.parts.drop_step()
+
     def state_dict(self) -> dict[str, Any]:
         """The buffer's, balancer's, weighting's and clipper's states (under FSDP2 every
         rank's: a collective)."""

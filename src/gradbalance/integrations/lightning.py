@@ -30,9 +30,10 @@ from typing import Any
 from torch import Tensor, nn
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
-from .._checks import check_int
+from .._checks import check_bool, check_int
 from .._optional import require
 from ..balancers._base import Balancer
+from ..balancers._checks import check_balancer
 from ..clip._protocol import RowClipper
 from ..stats import StepStats
 from ..step import TaskGradBuffer
@@ -42,6 +43,18 @@ from ._core import BalancedParts, stats_scalars, unshare_tensors
 
 __all__ = ["BalancedManualStep", "require_lightning", "stats_scalars"]
 
+
+def _last_batch(trainer: Any, batch_idx: int) -> bool:
+    """Whether ``batch_idx`` is the epoch's last batch: by the number of batches, or, for a
+    loader without a length (``num_training_batches`` infinite, where that test never held
+    and the end-of-epoch step was never taken), by the fit loop's own flag, which its
+    prefetching data fetcher sets."""
+    total = trainer.num_training_batches
+    if total != float("inf"):
+        return bool(batch_idx + 1 == total)
+    progress = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None),
+                       "batch_progress", None)
+    return bool(getattr(progress, "is_last_batch", False))
 
 def _step(configs: list[Any], trainer: Any, last_of_epoch: bool) -> None:
     """Step the schedulers due after an optimizer step, as Lightning's automatic loop does:
@@ -127,6 +140,10 @@ class BalancedManualStep(nn.Module):
         super().__init__()
         check_int("accumulate_grad_batches", accumulate_grad_batches, 1,
                   ", the number of batches per optimizer step")
+        check_balancer("balancer", balancer)  # before balancer.num_tasks is read
+        self.log = check_bool("log", log)
+        if not isinstance(prefix, str):
+            raise ValueError(f"Invalid prefix: {prefix!r} (expected a string, e.g. 'train/')")
         buffer = TaskGradBuffer(
             shared_params, head_params, num_tasks=balancer.num_tasks, passes=passes,
             process_group=process_group, **buffer_kwargs,
@@ -134,9 +151,8 @@ class BalancedManualStep(nn.Module):
         self.parts = BalancedParts(balancer, buffer, weighting=weighting, clip=clip,
                                    task_names=task_names)
         self.accumulate_grad_batches = accumulate_grad_batches
-        self.log = log
         self.prefix = prefix
-        self.step_schedulers = step_schedulers
+        self.step_schedulers = check_bool("step_schedulers", step_schedulers)
         self.last_stats: StepStats | None = None
 
     @property
@@ -188,7 +204,7 @@ class BalancedManualStep(nn.Module):
         scaler = getattr(module.trainer.precision_plugin, "scaler", None)
         n = self.accumulate_grad_batches
         self.parts.backward(losses, n, scaler)
-        last = batch_idx + 1 == module.trainer.num_training_batches
+        last = _last_batch(module.trainer, batch_idx)
         if (batch_idx + 1) % n != 0 and not last:
             return None
         stats = self.parts.step(scaler)  # autocast off: balanced in the gradients' dtype
