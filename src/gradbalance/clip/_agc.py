@@ -9,7 +9,7 @@ from torch import Tensor
 
 from .._checks import check_bool, check_positive
 from .._types import NonFiniteGradientError
-from ._params import check_leaves, overflow_safe_norm, params_with_grads, total_grad_norm
+from ._params import check_leaves, overflow_safe_norm, params_with_grads, total_and_overflow
 from ._task import _Stateless
 
 __all__ = ["AGC", "adaptive_clip_grad_", "unitwise_norm"]
@@ -17,8 +17,10 @@ __all__ = ["AGC", "adaptive_clip_grad_", "unitwise_norm"]
 _DIV_GUARD = 1e-6
 
 
-def unitwise_norm(x: Tensor) -> Tensor:
-    """Per-unit 2-norm: over all dims but 0 (keepdim) for ``ndim >= 2``, whole tensor otherwise.
+def unitwise_norm(x: Tensor, wide: bool = False) -> Tensor:
+    """Per-unit 2-norm: over all dims but 0 (keepdim) for ``ndim >= 2``, whole tensor otherwise
+    (``wide``: taken again in float64 where float32's powers overflow,
+    :func:`~._params.overflow_safe_norm`; the caller knows from the total norm).
 
     Example:
         >>> import torch
@@ -27,9 +29,15 @@ def unitwise_norm(x: Tensor) -> Tensor:
         tensor([[5.],
                 [2.]])
     """
+    norm = overflow_safe_norm if wide else _plain_norm
     if x.dim() <= 1:
-        return overflow_safe_norm(x)
-    return overflow_safe_norm(x, dim=tuple(range(1, x.dim())), keepdim=True)
+        return norm(x)
+    return norm(x, dim=tuple(range(1, x.dim())), keepdim=True)
+
+
+def _plain_norm(x: Tensor, dim: tuple[int, ...] | None = None, keepdim: bool = False) -> Tensor:
+    out: Tensor = torch.linalg.vector_norm(x, dim=dim, keepdim=keepdim)
+    return out
 
 
 def adaptive_clip_grad_(parameters: Iterable[Tensor] | Tensor, clip_factor: float = 0.01,
@@ -64,7 +72,7 @@ def adaptive_clip_grad_(parameters: Iterable[Tensor] | Tensor, clip_factor: floa
     grads = [p.grad for p in params if p.grad is not None]  # all of them: params_with_grads
     if not grads:
         return torch.zeros(())
-    total = total_grad_norm(grads)
+    total, wide = total_and_overflow(grads)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise NonFiniteGradientError(
             f"pre-clip gradient norm is {total.item()}; nothing was clipped. Skip this step, or "
@@ -77,7 +85,7 @@ def adaptive_clip_grad_(parameters: Iterable[Tensor] | Tensor, clip_factor: floa
             g = p.grad
             assert g is not None
             max_norm = unitwise_norm(p.detach()).clamp(min=eps).mul(clip_factor)
-            grad_norm = unitwise_norm(g)
+            grad_norm = unitwise_norm(g, wide)
             coef = max_norm / grad_norm.clamp(min=_DIV_GUARD)
             g.copy_(torch.where(grad_norm > max_norm, g * coef, g))
     return total

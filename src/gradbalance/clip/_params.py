@@ -42,10 +42,23 @@ def params_with_grads(parameters: Iterable[Tensor] | Tensor) -> list[Tensor]:
 
 def total_grad_norm(grads: list[Tensor], norm_type: float = 2.0) -> Tensor:
     """The ``norm_type``-norm of all ``grads`` together (``clip_grad_norm_``'s total norm), on
-    the first gradient's device (:func:`overflow_safe_norm`)."""
+    the first gradient's device (:func:`total_and_overflow`)."""
+    return total_and_overflow(grads, norm_type)[0]
+
+
+def total_and_overflow(grads: list[Tensor], norm_type: float = 2.0) -> tuple[Tensor, bool]:
+    """:func:`total_grad_norm` and whether its powers overflowed the gradients' dtype: the
+    norms in the gradients' dtype, taken again in float64 only where the total came out
+    infinite (one host sync, for float32, float16 or bfloat16 gradients), not one check per
+    gradient."""
     device = grads[0].device
+    norms = [torch.linalg.vector_norm(g.detach(), norm_type).to(device) for g in grads]
+    total: Tensor = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    low = any(g.is_floating_point() and g.dtype != torch.float64 for g in grads)
+    if not low or norm_type in (math.inf, -math.inf, 0) or not bool(torch.isinf(total)):
+        return total, False
     norms = [overflow_safe_norm(g.detach(), norm_type).to(device) for g in grads]
-    return overflow_safe_norm(torch.stack(norms), norm_type)
+    return overflow_safe_norm(torch.stack(norms), norm_type), True
 
 
 def overflow_safe_norm(x: Tensor, ord: float = 2.0, dim: int | tuple[int, ...] | None = None,
