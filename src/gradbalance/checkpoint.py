@@ -33,6 +33,7 @@ import re
 import secrets
 import stat
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import IO, Any
 
 import torch
@@ -293,6 +294,37 @@ def _snapshot(name: str, obj: Any) -> Any:
     return _copy_state(_state_of(name, obj), "cpu" if large else None)
 
 
+def _unchanged(name: str, obj: Any, snapshot: Any) -> bool:
+    """Whether ``obj``'s state still equals ``snapshot`` (:func:`_snapshot`'s): a load that
+    refused before changing anything needs no putting back."""
+    try:
+        return _same_state(_state_of(name, obj), snapshot)
+    except Exception:
+        return False
+
+
+def _same_state(a: Any, b: Any) -> bool:
+    """Equal states: the same structure, tensors of one dtype and shape with equal entries
+    (NaN equal to NaN, compared on ``b``'s device), other values by ``==``."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return False
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return False
+        moved = a.to(b.device)
+        if moved.is_floating_point() or moved.is_complex():
+            return bool(((moved == b) | (moved.isnan() & b.isnan())).all())
+        return torch.equal(moved, b)
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b, strict=True))
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
 def _load_all(pairs: list[tuple[str, Any, Any]], rng: Any, where: str) -> None:
     """Load every object, then the RNGs; on any failure put back what was loaded."""
     done: list[tuple[str, Any, Any]] = []
@@ -322,8 +354,9 @@ def _roll_back(done: list[tuple[str, Any, Any]], rng_before: Any) -> list[str]:
     for name, obj, snapshot in reversed(done):
         try:
             _load_into(name, obj, snapshot)
-        except Exception:
-            failed.append(name)
+        except Exception:  # one that refused to load at all (a buffer mid-step) is unchanged
+            if not _unchanged(name, obj, snapshot):
+                failed.append(name)
     if rng_before is not None:
         try:
             set_rng_state(rng_before)

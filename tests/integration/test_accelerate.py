@@ -222,3 +222,21 @@ def test_drop_step_after_a_failed_micro_batch_lets_the_run_go_on(tmp_path: Path)
     clean, retried = run(False), run(True)
     for name, p in clean.items():
         assert torch.equal(retried[name], p), name
+
+
+def test_buffer_kwargs_are_checked_when_the_step_is_built() -> None:
+    # the buffer is built at the first backward: a wrong keyword named now, not mid-training
+    model = MultiTaskModel(mlp_trunk(8, 16, 2), make_heads(16, K))
+    accelerator = Accelerator(cpu=True)
+    for kwargs, error, match in (
+            ({"task_names": ["a", "b"]}, TypeError, r"Invalid buffer_kwargs: 'task_names'"),
+            ({"num_tasks": K}, TypeError, r"'num_tasks'.*the balancer's"),
+            ({"mode": "gramain"}, ValueError, r"mode='gramain'"),
+            ({"mode": "gramian"}, ValueError, r"mode='gramian' needs modules")):
+        with pytest.raises(error, match=match):
+            BalancedAcceleratorStep(accelerator, PCGrad(), model.shared_parameters(),
+                                    model.head_parameters(), **kwargs)
+    built = BalancedAcceleratorStep(accelerator, PCGrad(), model.shared_parameters(),
+                                    model.head_parameters(), mode="gramian",
+                                    modules=model.trunk)
+    assert built.buffer.mode == "gramian"

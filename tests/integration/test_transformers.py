@@ -439,6 +439,36 @@ def test_clear_errors(tmp_path: Path) -> None:
         trainer.train()
 
 
+@pytest.mark.parametrize(("options", "error", "match"), [
+    ({"task_names": ["a", "b"]}, TypeError, r"Invalid buffer_options: 'task_names'"),
+    ({"num_tasks": K}, TypeError, r"'num_tasks'.*the balancer's"),
+    ({"mode": "gramain"}, ValueError, r"Invalid buffer_options: mode='gramain'"),
+    ({"other_params": "drop"}, ValueError, r"other_params must be"),
+    (["mode"], TypeError, r"Invalid buffer_options: a list"),
+])
+def test_buffer_options_are_checked_when_the_trainer_is_built(
+        tmp_path: Path, options: Any, error: type[Exception], match: str) -> None:
+    # the buffer is built at the first step: a wrong option named now, not mid-training
+    model = _model()
+    args = TrainingArguments(str(tmp_path), use_cpu=True, report_to=[], max_steps=1,
+                             per_device_train_batch_size=BATCH)
+    with pytest.raises(error, match=match):
+        BalancedTrainer(model=model, args=args, train_dataset=Data(), balancer=PCGrad(),
+                        shared_params=model.trunk.parameters(), buffer_options=options)
+
+
+def test_task_names_are_checked_when_the_trainer_is_built(tmp_path: Path) -> None:
+    # K unknown (PCGrad()): the names' form is checked now, their count at the first step
+    model = _model()
+    args = TrainingArguments(str(tmp_path), use_cpu=True, report_to=[], max_steps=1,
+                             per_device_train_batch_size=BATCH)
+    for names, match in ((["depth", "depth"], "distinct"), (["a/b", "c"], "without '/'"),
+                         ("depth", "the string")):
+        with pytest.raises((TypeError, ValueError), match=rf"Invalid task_names.*{match}"):
+            BalancedTrainer(model=model, args=args, train_dataset=Data(), balancer=PCGrad(),
+                            shared_params=model.trunk.parameters(), task_names=names)
+
+
 def test_import_without_transformers_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "transformers", None)
     monkeypatch.delitem(sys.modules, "gradbalance.integrations.transformers")

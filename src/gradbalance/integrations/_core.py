@@ -9,7 +9,8 @@ frameworks save themselves).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import inspect
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ from torch import Tensor, nn
 
 from .._amp import no_autocast
 from .._checks import check_int
+from .._coverage import check_other_params
 from .._pickling import unshare_tensors
 from ..balancers._base import Balancer
 from ..balancers._checks import check_balancer
@@ -24,13 +26,53 @@ from ..checkpoint import capture_state, restore_state
 from ..clip._checks import check_row_clipper
 from ..clip._protocol import RowClipper
 from ..distributed import global_losses, resolve_process_group, sync_weighting_
+from ..modes import ENGINES
 from ..monitor import task_labels
 from ..stats import StepStats
 from ..step import TaskGradBuffer
 from ..weighting._base import LossWeighting
 from ._sharded import gather_rank_states, own_rank_state
 
-__all__ = ["BalancedParts", "divide_losses", "stats_scalars", "unshare_tensors"]
+__all__ = ["BalancedParts", "check_buffer_options", "divide_losses", "stats_scalars",
+           "unshare_tensors"]
+
+
+def check_buffer_options(name: str, options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A copy of ``options``, the keyword arguments an integration passes to the
+    :class:`~gradbalance.TaskGradBuffer` it builds at the first step, checked when the
+    integration is built: a mapping whose keys are the buffer's keyword arguments but
+    ``num_tasks`` (the balancer's), ``mode`` one of the modes (``gramian`` with its
+    ``modules``) and ``other_params`` one of its values (the buffer checks the others when it
+    is built).
+
+    >>> check_buffer_options("buffer_options", {"mode": "gramian"})
+    {'mode': 'gramian'}
+    """
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        raise TypeError(f"Invalid {name}: a {type(options).__name__} (expected a mapping of "
+                        f"TaskGradBuffer's keyword arguments, e.g. {{'mode': 'gramian'}})")
+    accepted = [p.name for p in inspect.signature(TaskGradBuffer).parameters.values()
+                if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name != "num_tasks"]
+    unknown = [key for key in options if key not in accepted]
+    if unknown:
+        extra = ("; num_tasks is the balancer's (pass num_tasks= to the balancer)"
+                 if "num_tasks" in unknown else "")
+        raise TypeError(f"Invalid {name}: {', '.join(map(repr, unknown))} (expected "
+                        f"TaskGradBuffer's keyword arguments: {', '.join(accepted)}){extra}")
+    found = dict(options)
+    mode = found.get("mode", "matrix")
+    if not isinstance(mode, str) or mode not in ENGINES:
+        raise ValueError(f"Invalid {name}: mode={mode!r} (expected one of "
+                         f"{', '.join(ENGINES)})")
+    if mode == "gramian" and found.get("modules") is None:
+        raise ValueError(f"Invalid {name}: mode='gramian' needs modules=...: the module(s) "
+                         f"owning the shared parameters, e.g. {{'mode': 'gramian', "
+                         f"'modules': model.trunk}}")
+    if "other_params" in found:
+        check_other_params(found["other_params"])
+    return found
 
 
 def stats_scalars(stats: StepStats, task_names: Sequence[str] | None = None
@@ -104,9 +146,11 @@ class BalancedParts:
         task_names: Sequence[str] | None = None,
     ) -> None:
         check_balancer("balancer", balancer)
-        if task_names is not None and balancer.num_tasks is not None:
-            task_labels(task_names, balancer.num_tasks)  # a wrong count fails here
-        self.task_names = None if task_names is None else list(task_names)
+        names = None if task_names is None or isinstance(task_names, str) else list(task_names)
+        if task_names is not None:  # checked now; their count too where K is known
+            task_labels(task_names if names is None else names,
+                        len(names or ()) if balancer.num_tasks is None else balancer.num_tasks)
+        self.task_names = names
         check_row_clipper("clip", clip)
         if weighting is not None and not isinstance(weighting, LossWeighting):
             raise TypeError(

@@ -36,7 +36,7 @@ from ..distributed import ddp_no_sync
 from ..stats import StepStats
 from ..step import TaskGradBuffer
 from ..weighting._base import LossWeighting
-from ._core import BalancedParts
+from ._core import BalancedParts, check_buffer_options
 from ._sharded import ALTERNATIVE, fsdp2_sync_on, require_sharded, sharding_refusal
 
 __all__ = ["BalancedAcceleratorStep"]
@@ -109,8 +109,10 @@ class BalancedAcceleratorStep:
             require_sharded("shared_params", shared, fix)
             require_sharded("head_params", heads, fix)
 
+        options = check_buffer_options("buffer_kwargs", buffer_kwargs)
+
         def build() -> TaskGradBuffer:
-            return TaskGradBuffer(shared, heads, num_tasks=balancer.num_tasks, **buffer_kwargs)
+            return TaskGradBuffer(shared, heads, num_tasks=balancer.num_tasks, **options)
 
         self.accelerator = accelerator
         self.parts = BalancedParts(balancer, build, weighting=weighting, clip=clip)

@@ -38,7 +38,7 @@ from ..monitor import task_labels
 from ..stats import StepStats
 from ..step import TaskGradBuffer
 from ..weighting._base import LossWeighting
-from ._core import BalancedParts
+from ._core import BalancedParts, check_buffer_options
 from ._sharded import ALTERNATIVE, fsdp2_sync_on, require_sharded, sharding_refusal
 
 require("transformers", "transformers", "gradbalance.integrations.transformers")
@@ -171,6 +171,7 @@ class BalancedTrainer(Trainer):
         task_names: Sequence[str] | None = None,
         **kwargs: Any,
     ) -> None:
+        options = check_buffer_options("buffer_options", buffer_options)  # before the model
         super().__init__(*args, **kwargs)
         self._fsdp2 = self._check_sharding()
         if self.args.n_gpu > 1:
@@ -180,7 +181,7 @@ class BalancedTrainer(Trainer):
             )
         self._shared_source = _materialize("shared_params", shared_params)
         self._head_source = _materialize("head_params", head_params)
-        self._buffer_options = dict(buffer_options or {})
+        self._buffer_options = options
         self.balanced = BalancedParts(balancer, self._build_buffer, weighting=weighting,
                                       clip=clip, task_names=task_names)
         self.log_prefix = log_prefix

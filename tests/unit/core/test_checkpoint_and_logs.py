@@ -166,3 +166,58 @@ def test_a_map_location_that_names_no_device_is_named() -> None:
     buffer.seek(0)
     with pytest.raises(ValueError, match="Invalid map_location: 'bogus'"):
         gb.load_checkpoint(buffer, map_location="bogus", model=nn.Linear(2, 2))
+
+
+def _mid_step() -> tuple[nn.Module, nn.ModuleList, gb.TaskGradBuffer, torch.Tensor]:
+    torch.manual_seed(0)
+    trunk, heads = nn.Linear(3, 4), nn.ModuleList([nn.Linear(4, 1) for _ in range(2)])
+    buf = gb.TaskGradBuffer(trunk.parameters(), heads.parameters())
+    return trunk, heads, buf, torch.randn(5, 3)
+
+
+def test_a_buffer_that_refuses_a_load_mid_step_is_reported_unchanged() -> None:
+    """A buffer mid-step refuses both the checkpoint and its own snapshot: it never changed,
+    so the error said "left part-loaded" where nothing was; the model loaded before it is
+    put back, and the step then finishes as if no load had been tried."""
+    def run(try_load: bool) -> torch.Tensor:
+        trunk, heads, buf, x = _mid_step()
+        f = io.BytesIO()
+        gb.save_checkpoint(f, trunk=trunk, buffer=buf, rng=False)
+        with torch.no_grad():
+            trunk.weight.add_(1.0)  # the checkpoint holds the weights before this
+        h = trunk(x)
+        buf.backward([head(h).pow(2).mean() for head in heads])
+        if try_load:
+            f.seek(0)
+            before = trunk.weight.detach().clone()
+            with pytest.raises(CheckpointError, match=r"during a step.*; nothing was changed$"):
+                gb.load_checkpoint(f, trunk=trunk, buffer=buf)
+            assert torch.equal(trunk.weight, before)  # loaded, then put back
+        buf.apply_(UPGrad())
+        return torch.cat([p.grad.flatten() for p in trunk.parameters()])
+
+    assert torch.equal(run(True), run(False))
+
+
+class _Appending:
+    """A state whose failed load leaves it changed, and whose putting back fails too."""
+
+    def __init__(self) -> None:
+        self.items: list[int] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"items": list(self.items)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.items.append(len(state["items"]))
+        raise RuntimeError("half-way")
+
+
+def test_an_object_changed_by_a_failed_load_is_reported_part_loaded() -> None:
+    obj = _Appending()
+    f = io.BytesIO()
+    gb.save_checkpoint(f, obj=obj, rng=False)
+    f.seek(0)
+    with pytest.raises(CheckpointError, match=r"putting back \['obj'\] failed as well"):
+        gb.load_checkpoint(f, obj=obj)
+    assert obj.items == [0, 0]  # the load's change and the roll-back's: both reported
