@@ -3,6 +3,7 @@ input edge (docs/performance.md, "The task passes start at each task's own loss"
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -63,6 +64,10 @@ def _stack_inputs(vector: Tensor) -> tuple[list[GradientEdge], Tensor] | None:
     return None if factor.shape != ones.shape else (edges, factor.detach())
 
 
+#: Numbers for :attr:`TaskRoots.graph` (the recomputation guard's key, ``_recompute.py``).
+_GRAPHS = itertools.count()
+
+
 class TaskRoots:
     """Where each task's backward pass starts, and the output gradient it starts with.
 
@@ -75,7 +80,7 @@ class TaskRoots:
             every pass, to gather the parameters.
 
     ``scaled`` is ``s·vector``; ``outputs[k]`` reaches task k's graph only (None: ``scaled[k]``
-    is backpropagated).
+    is backpropagated); ``graph`` a number unique to these roots (their micro-batch's graph).
     """
 
     def __init__(self, given: Tensor | Sequence[Tensor], vector: Tensor,
@@ -87,6 +92,7 @@ class TaskRoots:
             )
         self.scaled = vector if scale is None else vector * scale.to(vector.dtype)
         self.num_tasks = vector.shape[0]
+        self.graph = next(_GRAPHS)  # this micro-batch's graph, by number
         self.outputs: list[Tensor | GradientEdge | None] | None = None
         factor: Tensor | None = None
         if isinstance(given, (list, tuple)):

@@ -307,14 +307,7 @@ def _same_state(a: Any, b: Any) -> bool:
     """Equal states: the same structure, tensors of one dtype and shape with equal entries
     (NaN equal to NaN, compared on ``b``'s device), other values by ``==``."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
-            return False
-        if a.dtype != b.dtype or a.shape != b.shape:
-            return False
-        moved = a.to(b.device)
-        if moved.is_floating_point() or moved.is_complex():
-            return bool(((moved == b) | (moved.isnan() & b.isnan())).all())
-        return torch.equal(moved, b)
+        return _same_tensor(a, b)
     if isinstance(a, Mapping) and isinstance(b, Mapping):
         return a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
@@ -323,6 +316,18 @@ def _same_state(a: Any, b: Any) -> bool:
         return bool(a == b)
     except Exception:
         return False
+
+
+def _same_tensor(a: Any, b: Any) -> bool:
+    """Both tensors, of one dtype and shape, with equal entries (NaN equal to NaN)."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return False
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    moved = a.to(b.device)
+    if moved.is_floating_point() or moved.is_complex():
+        return bool(((moved == b) | (moved.isnan() & b.isnan())).all())
+    return torch.equal(moved, b)
 
 
 def _load_all(pairs: list[tuple[str, Any, Any]], rng: Any, where: str) -> None:

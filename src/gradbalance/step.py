@@ -50,6 +50,7 @@ from ._coverage import (
 )
 from ._per_sample_buffer import PerSampleBuffer, check_per_sample_losses
 from ._per_sample_gramian import as_modules, refuse_mixing
+from ._recompute import RecomputeGuard
 from ._sharding import is_sharded
 from ._statedict import check_dict
 from ._step_inputs import refuse_complex
@@ -222,6 +223,7 @@ class TaskGradBuffer:
         self._steps = StepCounter()  # steps begun; apply_ compares it across the ranks
         self._owner = StepOwner()  # one thread per step, no concurrent calls
         self._watch = GradWatch()  # the heads' .grad as the step's last call left them
+        self._recompute = RecomputeGuard()  # a checkpoint's recomputation counted once
 
     @property
     def mode(self) -> str:
@@ -288,7 +290,7 @@ class TaskGradBuffer:
             self._steps.begin()
         generator = torch.default_generator.get_state()  # a hook may draw: put back on failure
         try:
-            with no_autocast(self.layout.device):
+            with no_autocast(self.layout.device), self._recompute.call(roots.graph, first):
                 sum_backward_(roots.scaled.sum(), others)
                 if reused:
                     assert self._cache.weights is not None
@@ -368,7 +370,7 @@ class TaskGradBuffer:
         trunk_before = GradSnapshot(self.layout.params) if fired else None
         cache_before = self._cache.mark()
         try:
-            with no_autocast(self.layout.device):
+            with no_autocast(self.layout.device), self._recompute.later():
                 if self._reused:
                     stats = self._reused_step.finish(self._cache, step, self.layout.params,
                                                      self.head_params, self.mode, balancer)

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from ._checks import as_loss_vector, as_parameter_list, check_bool, check_choice
+from ._recompute import passes_on
 from ._roots import TaskRoots
 from ._sinks import PassSink, RowsSink
 
@@ -154,13 +155,14 @@ def run_passes(
     if by_backward and not all(sink.by_backward for sink in sinks):
         raise ValueError("run_passes: sinks mix by_backward and autograd.grad inputs")
     inputs = [x for sink in sinks for x in sink.inputs]
-    if not by_backward and resolve_passes(passes, device, preferred) == "batched":
-        grads = batched_grads(roots, inputs, passes, retain_graph)
-        if grads is not None:
-            for sink, part in _split(sinks, grads):
-                sink.write_batched(part)
-            return "batched"
-    _loop(roots, inputs, sinks, retain_graph, by_backward)
+    with passes_on(roots.graph):  # a checkpoint's recomputation counted once per graph
+        if not by_backward and resolve_passes(passes, device, preferred) == "batched":
+            grads = batched_grads(roots, inputs, passes, retain_graph)
+            if grads is not None:
+                for sink, part in _split(sinks, grads):
+                    sink.write_batched(part)
+                return "batched"
+        _loop(roots, inputs, sinks, retain_graph, by_backward)
     return "loop"
 
 

@@ -53,14 +53,7 @@ def check_buffer_options(name: str, options: Mapping[str, Any] | None) -> dict[s
     if not isinstance(options, Mapping):
         raise TypeError(f"Invalid {name}: a {type(options).__name__} (expected a mapping of "
                         f"TaskGradBuffer's keyword arguments, e.g. {{'mode': 'gramian'}})")
-    accepted = [p.name for p in inspect.signature(TaskGradBuffer).parameters.values()
-                if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name != "num_tasks"]
-    unknown = [key for key in options if key not in accepted]
-    if unknown:
-        extra = ("; num_tasks is the balancer's (pass num_tasks= to the balancer)"
-                 if "num_tasks" in unknown else "")
-        raise TypeError(f"Invalid {name}: {', '.join(map(repr, unknown))} (expected "
-                        f"TaskGradBuffer's keyword arguments: {', '.join(accepted)}){extra}")
+    _refuse_unknown(name, options)
     found = dict(options)
     mode = found.get("mode", "matrix")
     if not isinstance(mode, str) or mode not in ENGINES:
@@ -123,6 +116,32 @@ def _total(losses: Tensor | Sequence[Tensor]) -> Tensor:
     return vector.detach().sum()
 
 
+def _refuse_unknown(name: str, options: Mapping[str, Any]) -> None:
+    """Raise where a key of ``options`` is not a keyword argument of the buffer's the
+    integration leaves to the caller."""
+    accepted = [p.name for p in inspect.signature(TaskGradBuffer).parameters.values()
+                if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name != "num_tasks"]
+    unknown = [key for key in options if key not in accepted]
+    if unknown:
+        extra = ("; num_tasks is the balancer's (pass num_tasks= to the balancer)"
+                 if "num_tasks" in unknown else "")
+        raise TypeError(f"Invalid {name}: {', '.join(map(repr, unknown))} (expected "
+                        f"TaskGradBuffer's keyword arguments: {', '.join(accepted)}){extra}")
+
+
+def _checked_names(task_names: Sequence[str] | None, num_tasks: int | None
+                   ) -> list[str] | None:
+    """``task_names`` as a list, checked now (:func:`~gradbalance.monitor.task_labels`): their
+    count too where K is known, else their form (the count at the first step)."""
+    if task_names is None:
+        return None
+    if isinstance(task_names, str):
+        task_labels(task_names, 0)  # raises, naming the string
+    names = list(task_names)
+    task_labels(names, len(names) if num_tasks is None else num_tasks)
+    return names
+
+
 class BalancedParts:
     """The stateful parts of a balanced step and the two calls that use them.
 
@@ -146,11 +165,7 @@ class BalancedParts:
         task_names: Sequence[str] | None = None,
     ) -> None:
         check_balancer("balancer", balancer)
-        names = None if task_names is None or isinstance(task_names, str) else list(task_names)
-        if task_names is not None:  # checked now; their count too where K is known
-            task_labels(task_names if names is None else names,
-                        len(names or ()) if balancer.num_tasks is None else balancer.num_tasks)
-        self.task_names = names
+        self.task_names = _checked_names(task_names, balancer.num_tasks)
         check_row_clipper("clip", clip)
         if weighting is not None and not isinstance(weighting, LossWeighting):
             raise TypeError(

@@ -190,6 +190,16 @@ def owned_grads(grads: Sequence[Tensor | None]) -> list[bool]:
     return owned
 
 
+def in_param_layout(param: Tensor, grad: Tensor) -> Tensor:
+    """``grad`` (``param``'s shape) with the strides autograd gives a new ``.grad``: the
+    parameter's where it is dense and non-overlapping (a channels-last or transposed weight,
+    ``torch.empty_like``'s rule), else contiguous; a copy only where they differ."""
+    if (param.is_contiguous() and grad.is_contiguous()) or param.stride() == grad.stride():
+        return grad  # the usual case: no allocation
+    like = torch.empty_like(param, dtype=grad.dtype, device=grad.device)
+    return grad if like.stride() == grad.stride() else like.copy_(grad)
+
+
 class WriteBack:
     """A step's update ``s·parts[i]`` (None: ``.grad`` left as is), allocated in full here so
     that :meth:`commit_` only assigns and adds: it cannot fail half-way."""
@@ -216,7 +226,7 @@ class WriteBack:
                     new = part
                 else:
                     new = part.clone()
-                self.assign.append((p, new.to(p.dtype)))
+                self.assign.append((p, in_param_layout(p, new.to(p.dtype))))
             elif p.grad.layout != torch.strided:  # a sparse .grad left by a plain backward
                 scaled = part if scale is None else part * scale.to(part.dtype)
                 self.assign.append((p, dense(p.grad) + scaled.to(p.dtype)))
