@@ -143,14 +143,16 @@ def project_simplex(v: Tensor) -> Tensor:
     """Euclidean projection of ``v`` ``[K]`` onto the probability simplex (sort-based, exact).
 
     ``argmin_{w ≥ 0, Σw = 1} ‖w − v‖``: ``w = max(v − θ, 0)`` with ``θ`` from the sorted
-    cumulative sums (Held, Wolfe & Crowder 1974; Duchi et al. 2008).
+    cumulative sums (Held, Wolfe & Crowder 1974; Duchi et al. 2008), on ``v − max v`` (the
+    same projection; at ``v ≈ 1e300`` the largest entry less 1 rounded to itself).
     """
     k = v.shape[0]
     u, _ = torch.sort(v, descending=True)
+    v, u = v - u[0], u - u[0]  # the same projection (Σw = 1 fixes the shift); u₀ − 1 < u₀
     css = torch.cumsum(u, dim=0) - 1.0
     idx = torch.arange(1, k + 1, dtype=v.dtype, device=v.device)
     # u_j > css_j / j holds exactly on a prefix j ≤ ρ (cond[0] always): count it, no host sync.
-    rho = (u * idx > css).sum(dim=0, keepdim=True)
+    rho = (u * idx > css).sum(dim=0, keepdim=True).clamp_min(1)  # 0 only for NaN: NaN out
     theta = css.gather(0, rho - 1) / rho.to(v.dtype)
     return (v - theta).clamp_min(0)
 

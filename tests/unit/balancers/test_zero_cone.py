@@ -384,3 +384,21 @@ def test_a_certificate_moved_inward_keeps_the_update_near_zero(
     bound = 1e-4 if dtype == torch.float32 else 1e-5
     assert float(UPGrad()(rows).double().norm()) <= bound * mean_norm
     assert float(DualProj()(rows).double().norm()) <= bound * mean_norm
+
+
+def test_a_null_vector_positive_by_a_hair_is_no_certificate() -> None:
+    # 512 sparse float32 rows (2 % of 200 coordinates, rank 200, eigenvalues well apart from
+    # zero): the exact search found a null vector whose least entry was 1e-8 of its largest
+    # in the float32 Gramian's rounding. Certified, DualProj's weights reached 1e5 and its
+    # update 1.3e4 times the mean's size, where the exact projection (scipy's NNLS on the
+    # rows in float64) is 0.14 of it; the certificate needs CERTIFICATE_MIN_RATIO now.
+    from gradbalance.balancers import DualProj
+
+    k, p = 512, 200
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randn(k, p, generator=gen) * (torch.rand(k, p, generator=gen) < 0.02)
+    g = rows.double()
+    ref = nnls_dual_cone(g, torch.full((k,), 1.0 / k, dtype=F64))
+    got = DualProj()(rows).double()
+    assert float(ref.norm()) > 0.1 * float(g.mean(dim=0).norm())  # a non-zero projection
+    assert_same_update(got, ref, g)

@@ -107,3 +107,31 @@ def test_dwa_at_a_tiny_temperature_gives_the_task_with_the_largest_rate_every_we
 def test_what_gave_nan_or_a_torch_error_is_refused_by_name(call: Any, text: str) -> None:
     with pytest.raises(ValueError, match=text):
         call()
+
+
+@pytest.mark.parametrize("shift", [0.0, 1e16, 1e300, -1e300])
+def test_the_simplex_projection_of_huge_entries_is_that_of_the_shifted_vector(
+        shift: float) -> None:
+    # Σw = 1 makes the projection shift-invariant: (0.9, 0.3, −2) + s projects to
+    # (0.8, 0.2, 0) for every s (hand-derived: θ = 0.1 + s); at s = 1e300 the largest
+    # entry less 1 rounded to itself and the count of the active prefix was 0 (index −1)
+    from gradbalance.balancers._solvers import project_simplex
+    v = torch.tensor([0.9, 0.3, -2.0], dtype=torch.float64) + shift
+    got = project_simplex(v)
+    if abs(shift) < 1e15:
+        torch.testing.assert_close(got, torch.tensor([0.8, 0.2, 0.0], dtype=torch.float64))
+    else:  # the differences themselves round away: the largest entry takes it all
+        assert float(got.sum()) == pytest.approx(1.0) and bool((got >= 0).all())
+    assert bool(torch.isnan(project_simplex(torch.tensor([float("nan"), 1.0]))).all())
+
+
+def test_moco_names_losses_whose_scaled_units_overflow_the_rows_dtype() -> None:
+    from gradbalance.balancers import MoCo
+    g = torch.randn(3, 20, generator=torch.Generator().manual_seed(0))
+    moco = MoCo(normalize_grads=True)
+    for big in (1e39, 1e300):
+        with pytest.raises(ValueError, match=r"Invalid losses.*overflows torch\.float32"):
+            moco.combine(g, torch.full((3,), big, dtype=torch.float64))
+    assert int(moco.state_dict()["_step"]) == 0  # refused before anything moved
+    out = moco.combine(g, torch.full((3,), 1e30, dtype=torch.float64))
+    assert bool(torch.isfinite(out.vector).all())
