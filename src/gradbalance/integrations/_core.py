@@ -45,14 +45,14 @@ def check_buffer_options(name: str, options: Mapping[str, Any] | None) -> dict[s
     ``modules``) and ``other_params`` one of its values (the buffer checks the others when it
     is built).
 
-    >>> check_buffer_options("buffer_options", {"mode": "gramian"})
-    {'mode': 'gramian'}
+    >>> check_buffer_options("buffer_options", {"mode": "auto", "update_every": 2})
+    {'mode': 'auto', 'update_every': 2}
     """
     if options is None:
         return {}
     if not isinstance(options, Mapping):
         raise TypeError(f"Invalid {name}: a {type(options).__name__} (expected a mapping of "
-                        f"TaskGradBuffer's keyword arguments, e.g. {{'mode': 'gramian'}})")
+                        f"TaskGradBuffer's keyword arguments, e.g. {{'mode': 'auto'}})")
     _refuse_unknown(name, options)
     found = dict(options)
     mode = found.get("mode", "matrix")
