@@ -34,6 +34,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import weakref
 from collections.abc import Iterator
@@ -42,23 +43,58 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["RecomputeGuard", "passes_on"]
+__all__ = ["LARGEST_COPIED", "RecomputeGuard", "new_graph", "passes_on"]
 
-#: ``(buffer, its value)`` pairs of one module, by buffer name.
-Buffers = dict[str, tuple[Tensor, Tensor]]
+#: Buffers larger than this (elements), and those that cannot be written in place (an
+#: expanded or inference tensor), are not copied: their version counter is kept instead and
+#: a recomputation that changes one raises (a 64 MB constant buffer took 1.6 → 74 ms per
+#: ``backward`` when copied every pass).
+LARGEST_COPIED = 1 << 16
+#: A buffer as it was: the tensor, a copy of its value (None where not copied), its version.
+Saved = tuple[Tensor, "Tensor | None", int]
+#: One module's buffers as they were, by name.
+Buffers = dict[str, Saved]
+
+_GRAPHS = itertools.count()
+
+
+def new_graph() -> int:
+    """A number for a new micro-batch graph (``TaskRoots.graph``, the per-sample route's)."""
+    return next(_GRAPHS)
+
+
+def _copied(buffer: Tensor) -> bool:
+    """Whether :func:`_saved` copies ``buffer`` (small, written in place)."""
+    return (buffer.numel() <= LARGEST_COPIED and not buffer.is_inference()
+            and not (buffer.numel() > 1 and 0 in buffer.stride()))
 
 
 def _saved(module: nn.Module) -> Buffers:
-    """The module's own buffers and a copy of each value."""
-    return {name: (b, b.detach().clone()) for name, b in module._buffers.items()
-            if b is not None}
+    """The module's own buffers as they are now."""
+    return {name: (b, b.detach().clone() if _copied(b) else None, _version(b))
+            for name, b in module._buffers.items() if b is not None}
+
+
+def _version(buffer: Tensor) -> int:
+    """Its version counter; -1 for an inference tensor (none, and never written here)."""
+    return -1 if buffer.is_inference() else buffer._version
 
 
 def _put_back(module: nn.Module, saved: Buffers) -> None:
-    """Each buffer the same tensor as before, with its value then."""
+    """Each buffer the same tensor as in ``saved``, with its value then."""
     with torch.no_grad():
-        for name, (buffer, value) in saved.items():
-            buffer.copy_(value)
+        for name, (buffer, value, version) in saved.items():
+            if value is not None:
+                buffer.copy_(value)
+            elif _version(buffer) != version:
+                raise RuntimeError(
+                    f"a module under torch.utils.checkpoint ({type(module).__name__}) changed "
+                    f"its buffer {name!r} ({buffer.numel()} elements) when recomputed: the "
+                    f"balanced step, which reruns the segment once per task, keeps plain "
+                    f"PyTorch's one recomputation per micro-batch by putting buffers back, "
+                    f"and copies those of at most {LARGEST_COPIED} elements only; keep such "
+                    f"a buffer outside the checkpointed segment (docs/loop.md, \"Inputs "
+                    f"plain PyTorch takes\")")
             if module._buffers.get(name) is not buffer:
                 module._buffers[name] = buffer
 
@@ -102,23 +138,28 @@ class RecomputeGuard:
 
     :meth:`call` guards one call of the step (a micro-batch's ``backward``, ``graph`` its
     roots' number; ``first`` at a step's first call, which forgets the last step's graphs):
-    the first graph task that recomputes a module for a graph keeps its changes.
-    :meth:`later` guards a later backward through the last call's graph (``apply_``'s
-    write-back). :func:`passes_on` names another graph for the passes inside it.
+    the first graph task that recomputes a module for a graph keeps its changes; a later one
+    starts each of the module's calls from the state the counted one started from (the same
+    output where the forward reads its buffers: a spectral norm's power iteration) and puts
+    the buffers back once it has ended. :meth:`later` guards a later backward through the
+    last call's graph (``apply_``'s write-back). :func:`passes_on` names another graph for
+    the passes inside it.
     """
 
     def __init__(self) -> None:
         self.graph = -1  # the graph the passes now run through
-        self._first: dict[tuple[int, int], int] = {}  # (module, graph) → the counted task
-        self._before: dict[int, tuple[weakref.ref[nn.Module], Buffers]] = {}
-        # modules inside an uncounted recomputation's forward, to put back after it
-        self._pending: dict[int, tuple[weakref.ref[nn.Module], Buffers]] = {}
+        self._counted: dict[tuple[int, int], int] = {}  # (module, graph) → its counted task
+        self._starts: dict[tuple[int, int], list[Buffers]] = {}  # each counted call's start
+        self._before: dict[int, tuple[weakref.ref[nn.Module], Buffers]] = {}  # for a raise
+        # the modules an uncounted task recomputes: their buffers before it, and its number
+        self._pending: dict[int, tuple[weakref.ref[nn.Module], Buffers, int]] = {}
+        self._calls: dict[tuple[int, int], int] = {}  # (module, task) → its calls so far
 
     @contextlib.contextmanager
     def call(self, graph: int, first: bool) -> Iterator[None]:
         """One call of the step through the micro-batch graph ``graph``."""
         if first:
-            self._first = {}
+            self._counted, self._starts = {}, {}
         self.graph = graph
         with self.later():
             yield
@@ -126,51 +167,55 @@ class RecomputeGuard:
     @contextlib.contextmanager
     def later(self) -> Iterator[None]:
         """A backward through the graph of the last :meth:`call`."""
-        self._before, self._pending = {}, {}
+        self._before, self._pending, self._calls = {}, {}, {}
         stack = _active()
         stack.append(self)
-        pre = nn.modules.module.register_module_forward_pre_hook(self._pre)
-        post = nn.modules.module.register_module_forward_hook(self._post)
+        hook = nn.modules.module.register_module_forward_pre_hook(self._pre)
         try:
             yield
-            self._put_back_pending()
+            self._flush(None)
         except BaseException:
             self._restore_all()
             raise
         finally:
-            pre.remove()
-            post.remove()
+            hook.remove()
             stack.pop()
-            self._before, self._pending = {}, {}
+            self._before, self._pending, self._calls = {}, {}, {}
 
     def _pre(self, module: nn.Module, args: Any) -> None:
         task = _graph_task()
         if task < 0 or not module._buffers:
             return
-        key = id(module)
-        if key not in self._before:
-            self._before[key] = (weakref.ref(module), _saved(module))
-        if self._first.setdefault((key, self.graph), task) != task and key not in self._pending:
-            self._pending[key] = (weakref.ref(module), _saved(module))
+        self._flush(task)  # a new graph task: the ones before it have ended
+        mid = id(module)
+        key = (mid, self.graph)
+        if mid not in self._before:
+            self._before[mid] = (weakref.ref(module), _saved(module))
+        if self._counted.setdefault(key, task) == task:
+            self._starts.setdefault(key, []).append(_saved(module))
+            return
+        if mid not in self._pending:
+            self._pending[mid] = (weakref.ref(module), _saved(module), task)
+        n = self._calls.get((mid, task), 0)
+        self._calls[(mid, task)] = n + 1
+        starts = self._starts.get(key, [])
+        if n < len(starts):
+            _put_back(module, starts[n])
 
-    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
-        pending = self._pending.pop(id(module), None)
-        if pending is not None:
-            _put_back(module, pending[1])
-
-    def _put_back_pending(self) -> None:
-        """The modules whose forward a recomputation left without its forward hook: torch
-        stops a recomputation inside the op that saves its last needed tensor (early stop),
-        after a ``BatchNorm`` there updated its statistics."""
-        for ref, saved in self._pending.values():
-            module = ref()
-            if module is not None:
-                _put_back(module, saved)
-        self._pending = {}
+    def _flush(self, task: int | None) -> None:
+        """The modules recomputed by graph tasks other than ``task`` (all: None) put back."""
+        for mid, (ref, saved, owner) in list(self._pending.items()):
+            if owner != task:
+                del self._pending[mid]
+                module = ref()
+                if module is not None:
+                    _put_back(module, saved)
 
     def _restore_all(self) -> None:
         """Every module recomputed during the guarded call as it was before the call."""
+        self._pending = {}
         for ref, saved in self._before.values():
             module = ref()
             if module is not None:
-                _put_back(module, saved)
+                with contextlib.suppress(RuntimeError):  # an uncopied buffer: left as is
+                    _put_back(module, saved)

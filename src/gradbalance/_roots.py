@@ -3,12 +3,13 @@ input edge (docs/performance.md, "The task passes start at each task's own loss"
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node
+
+from ._recompute import new_graph
 
 __all__ = ["TaskRoots"]
 
@@ -64,10 +65,6 @@ def _stack_inputs(vector: Tensor) -> tuple[list[GradientEdge], Tensor] | None:
     return None if factor.shape != ones.shape else (edges, factor.detach())
 
 
-#: Numbers for :attr:`TaskRoots.graph` (the recomputation guard's key, ``_recompute.py``).
-_GRAPHS = itertools.count()
-
-
 class TaskRoots:
     """Where each task's backward pass starts, and the output gradient it starts with.
 
@@ -92,7 +89,7 @@ class TaskRoots:
             )
         self.scaled = vector if scale is None else vector * scale.to(vector.dtype)
         self.num_tasks = vector.shape[0]
-        self.graph = next(_GRAPHS)  # this micro-batch's graph, by number
+        self.graph = new_graph()  # this micro-batch's graph, the recomputation guard's key
         self.outputs: list[Tensor | GradientEdge | None] | None = None
         factor: Tensor | None = None
         if isinstance(given, (list, tuple)):

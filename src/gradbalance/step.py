@@ -50,7 +50,7 @@ from ._coverage import (
 )
 from ._per_sample_buffer import PerSampleBuffer, check_per_sample_losses
 from ._per_sample_gramian import as_modules, refuse_mixing
-from ._recompute import RecomputeGuard
+from ._recompute import RecomputeGuard, new_graph
 from ._sharding import is_sharded
 from ._statedict import check_dict
 from ._step_inputs import refuse_complex
@@ -182,6 +182,7 @@ class TaskGradBuffer:
         other_params: OtherParams = "raise",
         batch_dim: int | None = None,
     ) -> None:
+        self._recompute = RecomputeGuard()  # a checkpoint's recomputation counted once
         self._per_sample = None if batch_dim is None else PerSampleBuffer(
             shared_params, head_params, modules=modules, batch_dim=batch_dim,
             update_every=update_every, process_group=process_group, unsupported={
@@ -223,7 +224,6 @@ class TaskGradBuffer:
         self._steps = StepCounter()  # steps begun; apply_ compares it across the ranks
         self._owner = StepOwner()  # one thread per step, no concurrent calls
         self._watch = GradWatch()  # the heads' .grad as the step's last call left them
-        self._recompute = RecomputeGuard()  # a checkpoint's recomputation counted once
 
     @property
     def mode(self) -> str:
@@ -255,7 +255,8 @@ class TaskGradBuffer:
         run with grad enabled. Failures: docs/loop.md, "When a step fails".
         """
         if self._per_sample is not None:  # under torch.no_grad() too, as below
-            with torch.enable_grad():
+            first = not self._per_sample.in_step
+            with torch.enable_grad(), self._recompute.call(new_graph(), first):
                 return self._per_sample.backward(losses, scaler, features)
         self._owner.enter("backward")
         try:
@@ -349,7 +350,7 @@ class TaskGradBuffer:
                 raise ValueError("active= masks tasks, but with batch_dim=0 every sample is an "
                                  "objective: drop the unlabelled samples' losses instead, and "
                                  "pass active=None")
-            with torch.enable_grad():  # its weighted backward, under torch.no_grad() too
+            with torch.enable_grad(), self._recompute.later():  # its weighted backward
                 return self._per_sample.apply_(balancer, scaler, clip)
         self._owner.enter("apply_")
         try:

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from gradbalance import TaskGradBuffer, balanced_backward
+from gradbalance._recompute import LARGEST_COPIED
 from gradbalance.balancers import Sum, UPGrad
 
 K = 3
@@ -30,11 +31,13 @@ class Net(nn.Module):
     """A trunk whose first block, a linear layer, a BatchNorm and ``extra``, runs under a
     non-reentrant checkpoint; K linear heads; float64."""
 
-    def __init__(self, extra: nn.Module | None = None, twice: bool = False) -> None:
+    def __init__(self, extra: nn.Module | None = None, twice: bool = False,
+                 bn_last: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.block = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8),
-                                   extra or nn.Identity(), nn.Tanh())
+        tail = [] if bn_last else [extra or nn.Identity(), nn.Tanh()]
+        # bn_last: torch's early stop ends each recomputation inside the BatchNorm's call
+        self.block = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), *tail)
         self.out = nn.Linear(8, 5)
         self.heads = nn.ModuleList(nn.Linear(5, 1) for _ in range(K))
         self.twice = twice  # the block run twice inside the segment
@@ -74,12 +77,14 @@ def _plain(steps: int, micro: int, **net: object) -> tuple[dict[str, Tensor], li
 
 
 @pytest.mark.parametrize(("mode", "passes"), ROUTES)
-@pytest.mark.parametrize(("steps", "micro", "every"), [(1, 1, 1), (1, 2, 1), (3, 1, 2)])
+@pytest.mark.parametrize(("steps", "micro", "every"), [(1, 1, 1), (1, 2, 1), (3, 1, 2),
+                                                       (2, 3, 2)])
+@pytest.mark.parametrize("bn_last", [False, True])
 def test_a_checkpointed_batchnorm_counts_one_recomputation(mode: str, passes: str,
                                                            steps: int, micro: int,
-                                                           every: int) -> None:
-    expected, grads = _plain(steps, micro)
-    model = Net()
+                                                           every: int, bn_last: bool) -> None:
+    expected, grads = _plain(steps, micro, bn_last=bn_last)
+    model = Net(bn_last=bn_last)
     buf = TaskGradBuffer(model.trunk(), model.heads.parameters(), mode=mode, passes=passes,
                          modules=model, update_every=every)
     for step in range(steps):
@@ -131,6 +136,135 @@ def test_a_failed_step_puts_the_recomputed_state_back() -> None:
         buf.backward(losses)
     handle.remove()
     _assert_same(_buffers(model), before)
+
+
+class Counter(nn.Module):
+    """Counts its calls in a buffer (in place, or by replacing it: ``replace``)."""
+
+    def __init__(self, replace: bool = False) -> None:
+        super().__init__()
+        self.replace = replace
+        self.register_buffer("n", torch.zeros((), dtype=torch.float64))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.replace:
+            self.n = self.n + 1
+        else:
+            self.n.add_(1)
+        return x
+
+
+@pytest.mark.parametrize("replace", [False, True])
+@pytest.mark.parametrize("micro", [1, 2])
+def test_the_per_sample_route_counts_one_recomputation(replace: bool, micro: int) -> None:
+    def make() -> tuple[nn.Module, Counter]:
+        torch.manual_seed(0)
+        counter = Counter(replace)
+        return nn.ModuleDict({"l1": nn.Linear(6, 8), "c": counter,
+                              "l2": nn.Linear(8, 1)}).double(), counter
+
+    def losses(net: nn.Module, seed: int) -> Tensor:
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(6, 6, generator=g, dtype=torch.float64)
+        f = checkpoint(lambda z: torch.tanh(net["c"](net["l1"](z))), x, use_reentrant=False)
+        return net["l2"](f)[:, 0] ** 2
+
+    plain, plain_counter = make()
+    for m in range(micro):
+        losses(plain, m).sum().backward()
+    net, counter = make()
+    buf = TaskGradBuffer(net.parameters(), modules=net, batch_dim=0)
+    for m in range(micro):
+        buf.backward(losses(net, m))
+    buf.apply_(Sum())
+    assert float(counter.n) == float(plain_counter.n) == 2 * micro
+    for got, want in zip(net.parameters(), plain.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["spectral", "old_spectral", "hooked"])
+@pytest.mark.parametrize("passes", ["loop", "batched"])
+def test_a_forward_that_reads_its_buffers_recomputes_as_plain(kind: str, passes: str) -> None:
+    # spectral norm's power iteration reads and moves u: each task's recomputation starts
+    # from the state plain PyTorch's one recomputation started from (the later passes
+    # started from the first pass's state: .grad 5e-3 off); a module's own forward hook
+    # that moves a buffer is put back too
+    from torch.nn.utils import parametrizations, spectral_norm
+
+    def make() -> nn.ModuleDict:
+        torch.manual_seed(0)
+        mid = nn.Linear(8, 8)
+        if kind == "spectral":
+            mid = parametrizations.spectral_norm(mid)
+        elif kind == "old_spectral":
+            mid = spectral_norm(mid)
+        else:
+            mid.register_buffer("n", torch.zeros(()))
+            mid.register_forward_hook(lambda m, a, o: m.n.add_(1) and None)
+        return nn.ModuleDict({"mid": mid,
+                              "heads": nn.ModuleList(nn.Linear(8, 1) for _ in range(K))}).double()
+
+    def losses(m: nn.ModuleDict) -> list[Tensor]:
+        x = torch.randn(6, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        f = checkpoint(lambda z: torch.tanh(m["mid"](z)), x, use_reentrant=False)
+        return [h(f).pow(2).mean() for h in m["heads"]]
+
+    plain = make()
+    sum(losses(plain)).backward()
+    model = make()
+    if passes == "batched" and kind == "old_spectral":
+        pytest.skip("vmap has no rule for the old spectral norm's in-place power iteration")
+    buf = TaskGradBuffer(model["mid"].parameters(), model["heads"].parameters(), passes=passes)
+    buf.backward(losses(model))
+    buf.apply_(Sum())
+    for a, b in zip(model.buffers(), plain.buffers()):
+        assert torch.equal(a, b)
+    for a, b in zip(model["mid"].parameters(), plain["mid"].parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-14)
+
+
+class Fixed(nn.Module):
+    """Adds a buffer that cannot be written in place (expanded, or an inference tensor), or
+    a large one it changes (``grow``)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        if kind == "expanded":
+            self.register_buffer("b", torch.ones(1, dtype=torch.float64).expand(8))
+        elif kind == "inference":
+            with torch.inference_mode():
+                self.register_buffer("b", torch.ones(8, dtype=torch.float64))
+        else:
+            self.register_buffer("b", torch.zeros(LARGEST_COPIED + 1, dtype=torch.float64))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.kind == "grow":
+            self.b.add_(1.0)
+            return x
+        return x + self.b[:8]
+
+
+@pytest.mark.parametrize("kind", ["expanded", "inference"])
+def test_buffers_that_cannot_be_written_are_left_alone(kind: str) -> None:
+    expected, _ = _plain(1, 1, extra=Fixed(kind))
+    model = Net(extra=Fixed(kind))
+    buf = TaskGradBuffer(model.trunk(), model.heads.parameters(), passes="loop")
+    buf.backward(model.losses(0))  # a raw torch error before: the copy into them
+    buf.apply_(Sum())
+    _assert_same(_buffers(model), expected)
+
+
+def test_a_large_buffer_a_recomputation_changes_is_named() -> None:
+    model = Net(extra=Fixed("grow"))
+    losses = model.losses(0)
+    before = _buffers(model)
+    buf = TaskGradBuffer(model.trunk(), model.heads.parameters(), passes="loop")
+    with pytest.raises(RuntimeError, match=r"changed its buffer 'b' \(65537 elements\)"):
+        buf.backward(losses)
+    after = _buffers(model)
+    assert torch.equal(after["block.1.running_mean"], before["block.1.running_mean"])
+    assert all(p.grad is None for p in model.parameters())
 
 
 LayoutCase = Callable[[], tuple[nn.Module, list[nn.Parameter], Callable[[], list[Tensor]]]]
