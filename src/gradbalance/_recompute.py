@@ -189,13 +189,15 @@ class RecomputeGuard:
         self._flush(task)  # a new graph task: the ones before it have ended
         mid = id(module)
         key = (mid, self.graph)
+        now: Buffers | None = None  # the buffers before this forward, copied once
         if mid not in self._before:
-            self._before[mid] = (weakref.ref(module), _saved(module))
+            now = _saved(module)
+            self._before[mid] = (weakref.ref(module), now)
         if self._counted.setdefault(key, task) == task:
-            self._starts.setdefault(key, []).append(_saved(module))
+            self._starts.setdefault(key, []).append(now or _saved(module))
             return
         if mid not in self._pending:
-            self._pending[mid] = (weakref.ref(module), _saved(module), task)
+            self._pending[mid] = (weakref.ref(module), now or _saved(module), task)
         n = self._calls.get((mid, task), 0)
         self._calls[(mid, task)] = n + 1
         starts = self._starts.get(key, [])

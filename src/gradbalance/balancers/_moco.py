@@ -70,8 +70,12 @@ def _loss_scaled_directions(matrix: Tensor, losses: Tensor, shard: Shard | None 
         norms = (full / scale).to(unit.dtype).unsqueeze(1)
     safe = torch.where(norms > 0, norms, torch.ones_like(norms))
     scale = losses.to(dtype=unit.dtype, device=unit.device).unsqueeze(1)
-    if not bool(torch.isfinite(scale.to(matrix.dtype)).all()):  # finite losses (checked)
-        raise ValueError(  # unit entries are at most 1: only a loss past the dtype overflows
+    # unit entries are at most 1: only a (finite, checked) loss past the rows' dtype
+    # overflows, possible only where the losses' dtype is wider (one host sync, there only)
+    narrower = (losses.is_floating_point()
+                and torch.finfo(matrix.dtype).max < torch.finfo(losses.dtype).max)
+    if narrower and not bool(torch.isfinite(scale.to(matrix.dtype)).all()):
+        raise ValueError(
             f"Invalid losses: MoCo(normalize_grads=True) scales each unit gradient by its "
             f"loss, and a loss of {float(losses.abs().max()):.3g} overflows "
             f"{matrix.dtype}; scale the losses down or use normalize_grads=False")
