@@ -50,17 +50,21 @@ WIDE_BLOCK_ENTRIES = 2**23
 _INTEGER_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
-def combine_rows(weights: Tensor, matrix: Tensor) -> Tensor:
+def combine_rows(weights: Tensor, matrix: Tensor, norms: Tensor | None = None) -> Tensor:
     """``wᵀ G``: the one place a weighted balancer touches the ``[K, P]`` matrix.
 
     The product runs in the matrix's dtype, unless a non-zero weight lies outside its normal
-    range (above its largest finite value, or below its smallest normal one): then in
-    float64, a block of columns at a time (:data:`WIDE_BLOCK_ENTRIES`), rounded once to the
-    matrix's dtype. Rows whose norms span ``1e-30 … 1e19`` need such weights: UPGrad keeps
-    a tiny row ``gⱼ`` that conflicts with a long one by adding ``(gⱼ·g)/‖gⱼ‖²`` times it, a
-    weight of ``1e45`` (beyond float32's ``3.4e38``) whose term ``wⱼgⱼ`` is ordinary; cast to
-    float32 it was ``inf``, and ``inf · 0`` made the update NaN. One host sync (the weights'
-    range) where the weights are wider than the matrix.
+    range (above its largest finite value, or below its smallest normal one), or, with the
+    rows' norms ``norms`` ``[K]`` (``√diag(G Gᵀ)``), ``Σₖ |wₖ| ‖gₖ‖`` (a bound on every
+    partial sum of every entry) is above the largest finite value: then in float64, a block
+    of columns at a time (:data:`WIDE_BLOCK_ENTRIES`), rounded once to the matrix's dtype
+    (an entry past its range is ``±inf``, never NaN). Rows whose norms span ``1e-30 … 1e19``
+    need such weights: UPGrad keeps a tiny row ``gⱼ`` that conflicts with a long one by
+    adding ``(gⱼ·g)/‖gⱼ‖²`` times it, a weight of ``1e45`` (beyond float32's ``3.4e38``)
+    whose term ``wⱼgⱼ`` is ordinary; cast to float32 it was ``inf``, and ``inf · 0`` made the
+    update NaN. Terms ``wₖgₖ`` past the range that cancel (MGDA's ``"loss"`` normalisation of
+    rows ``1e30`` by losses ``1e-30``: weights ``1e29``) made ``inf − inf`` in float32. One
+    host sync (the weights' range) where the weights are wider than the matrix.
 
     Example:
         >>> import torch
@@ -71,14 +75,16 @@ def combine_rows(weights: Tensor, matrix: Tensor) -> Tensor:
         >>> combine_rows(torch.tensor([1e45, 2.0], dtype=torch.float64), g)  # 1e45 · 1e-30
         tensor([1.0000e+15, 2.0000e+00])
     """
-    if _outside_range(weights, matrix.dtype):
+    if _outside_range(weights, matrix.dtype, norms):
         return _wide_product(weights, matrix)
     return weights.to(dtype=matrix.dtype, device=matrix.device) @ matrix
 
 
-def _outside_range(weights: Tensor, dtype: torch.dtype) -> bool:
+def _outside_range(weights: Tensor, dtype: torch.dtype, norms: Tensor | None = None) -> bool:
     """Whether a non-zero weight cast to ``dtype`` (floating, narrower than the weights') would
-    leave its normal range: overflow, or underflow below its smallest normal value."""
+    leave its normal range (overflow, or underflow below its smallest normal value), or, with
+    the rows' ``norms``, ``Σₖ |wₖ| ‖gₖ‖`` is above its largest value (a term or a partial sum
+    of ``wᵀG`` may overflow)."""
     if not (dtype.is_floating_point and weights.dtype.is_floating_point):
         return False  # integer weights (the functional API) or rows: the plain product
     if torch.finfo(dtype).bits >= torch.finfo(weights.dtype).bits:
@@ -88,11 +94,15 @@ def _outside_range(weights: Tensor, dtype: torch.dtype) -> bool:
         sizes = [abs(value) for value in weights.flatten().tolist()]
         top = max(sizes, default=0.0)
         bottom = min((size for size in sizes if size > 0.0), default=math.inf)
+        bound = (0.0 if norms is None else
+                 math.fsum(s * n for s, n in zip(sizes, norms.flatten().tolist(), strict=True)))
     else:
         size = weights.abs()
         low = torch.where(size > 0.0, size, torch.inf).amin()
-        top, bottom = torch.stack([size.amax(), low]).tolist()  # one host sync
-    return bool(top > info.max or bottom < info.tiny)
+        bound_t = (size.new_zeros(()) if norms is None
+                   else size @ norms.to(dtype=size.dtype, device=size.device))
+        top, bottom, bound = torch.stack([size.amax(), low, bound_t]).tolist()  # one host sync
+    return bool(top > info.max or bottom < info.tiny or bound > info.max)
 
 
 def _wide_product(weights: Tensor, matrix: Tensor) -> Tensor:
@@ -105,6 +115,12 @@ def _wide_product(weights: Tensor, matrix: Tensor) -> Tensor:
         block = matrix[:, start:start + step].to(torch.float64)
         out[start:start + step] = (w @ block).to(matrix.dtype)
     return out
+
+
+def _row_norms(gram: Tensor) -> Tensor:
+    """``‖gₖ‖`` ``[K]`` from the Gramian's diagonal (the full one under a shard: at least the
+    local columns' norms, so :func:`combine_rows`'s bound holds)."""
+    return torch.diagonal(gram).clamp_min(0.0).sqrt()
 
 
 class Balancer(StateModule):
@@ -220,7 +236,7 @@ class Balancer(StateModule):
         if self.from_gramian:
             assert gram is not None
             w = self._scaled_weights(gram, losses, products_rounding(matrix))
-            return Combination(combine_rows(w, matrix), w)
+            return Combination(combine_rows(w, matrix, _row_norms(gram)), w)
         if shard is None:
             return self._combine_matrix(matrix, losses)
         assert gram is not None

@@ -104,3 +104,37 @@ def test_dual_cone_updates_on_norms_spanning_1e_minus_30_to_1e19(name: str, k: i
     dots = rows.double() @ out  # the dual cone: no task's gradient is opposed
     norms = rows.double().norm(dim=1)
     assert bool((dots >= -1e-5 * norms * out.norm()).all())
+
+
+@pytest.mark.parametrize("small", [64, 0])  # the bound read in Python, or by tensor reductions
+def test_terms_past_the_range_that_cancel_take_the_float64_product(
+        monkeypatch: pytest.MonkeyPatch, small: int) -> None:
+    # w = (1e10, −1e10) on rows (1e30, 1) and (1e30, 0): each term's first entry is 1e40
+    # (past float32's 3.4e38) and they cancel exactly: w·G = (0, 1e10), a closed form.
+    monkeypatch.setattr(_base, "SMALL_WEIGHTS", small)
+    rows = torch.tensor([[1e30, 1.0], [1e30, 0.0]])
+    w = torch.tensor([1e10, -1e10], dtype=F64)
+    norms = rows.double().norm(dim=1)
+    out = combine_rows(w, rows, norms)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, torch.tensor([0.0, 1e10]))
+
+
+def test_an_update_past_the_range_is_inf_not_nan() -> None:
+    # MGDA's "loss" normalisation divides rows of norm ~1e30 by losses 1e-30: weights ~1e29,
+    # an update ~1e59 per entry, past float32. Each entry must be the float64 product rounded
+    # to float32 (±inf where past the range), not inf − inf.
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.randn(3, 10, generator=gen) * 1e30
+    out = BALANCERS["mgda"](normalization="loss").combine(rows, torch.full((3,), 1e-30))
+    assert out.weights is not None
+    expected = (out.weights @ rows.double()).float()  # float64 product of the same weights
+    assert not bool(out.vector.isnan().any())
+    assert torch.equal(out.vector, expected)
+
+
+def test_norms_within_the_range_keep_the_plain_product_bit_for_bit() -> None:
+    gen = torch.Generator().manual_seed(4)
+    rows = torch.randn(6, 40, generator=gen)
+    w = torch.rand(6, generator=gen, dtype=F64)
+    assert torch.equal(combine_rows(w, rows, rows.double().norm(dim=1)), w.float() @ rows)
