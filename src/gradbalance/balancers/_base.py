@@ -90,19 +90,25 @@ def _outside_range(weights: Tensor, dtype: torch.dtype, norms: Tensor | None = N
     if torch.finfo(dtype).bits >= torch.finfo(weights.dtype).bits:
         return False
     info = torch.finfo(dtype)
+    top, bottom, bound = _weight_range(weights, norms)
+    return bool(top > info.max or bottom < info.tiny or bound > info.max)
+
+
+def _weight_range(weights: Tensor, norms: Tensor | None) -> tuple[float, float, float]:
+    """``(max |wₖ|, min non-zero |wₖ|, Σₖ |wₖ| ‖gₖ‖)`` (the last 0 without ``norms``): read in
+    Python up to :data:`SMALL_WEIGHTS` weights on the CPU, else one host sync."""
     if weights.device.type == "cpu" and weights.numel() <= SMALL_WEIGHTS:
         sizes = [abs(value) for value in weights.flatten().tolist()]
-        top = max(sizes, default=0.0)
-        bottom = min((size for size in sizes if size > 0.0), default=math.inf)
         bound = (0.0 if norms is None else
                  math.fsum(s * n for s, n in zip(sizes, norms.flatten().tolist(), strict=True)))
-    else:
-        size = weights.abs()
-        low = torch.where(size > 0.0, size, torch.inf).amin()
-        bound_t = (size.new_zeros(()) if norms is None
-                   else size @ norms.to(dtype=size.dtype, device=size.device))
-        top, bottom, bound = torch.stack([size.amax(), low, bound_t]).tolist()  # one host sync
-    return bool(top > info.max or bottom < info.tiny or bound > info.max)
+        return (max(sizes, default=0.0),
+                min((size for size in sizes if size > 0.0), default=math.inf), bound)
+    size = weights.abs()
+    low = torch.where(size > 0.0, size, torch.inf).amin()
+    total = (size.new_zeros(()) if norms is None
+             else size @ norms.to(dtype=size.dtype, device=size.device))
+    top, bottom, bound = torch.stack([size.amax(), low, total]).tolist()  # one host sync
+    return top, bottom, bound
 
 
 def _wide_product(weights: Tensor, matrix: Tensor) -> Tensor:
