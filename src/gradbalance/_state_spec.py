@@ -131,8 +131,9 @@ class StateSpec:
             return None
         if self.like_rows:
             dims, text = value.dim() == 2, "[K, P], like the task-gradient rows"
-        elif self.pairwise:
-            dims, text = value.dim() >= 2, "[..., K, K], one entry per task pair"
+        elif self.pairwise:  # square in its last two: the task count is read along dim -1
+            dims = value.dim() >= 2 and value.shape[-2] == value.shape[-1]
+            text = "[..., K, K], one entry per task pair"
         else:
             dims, text = value.dim() == 1, "[K], one entry per task"
         if dims:

@@ -72,6 +72,27 @@ def test_resume_is_bit_identical_and_nonfinite_keeps_state() -> None:
     assert torch.equal(a.targets, torch.zeros(3, 3, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("num_tasks", [3, None])
+@pytest.mark.parametrize("rows", [2, 4])
+def test_targets_not_square_are_refused_at_load(num_tasks: int | None, rows: int) -> None:
+    # [rows, 3] targets: one entry per task along dim -1 only; the step needs [K, K].
+    source = GradVac(num_tasks=3, generator=torch.Generator().manual_seed(0))
+    for i in range(2):
+        source(random_matrix(i, 3, 7))
+    state = source.state_dict()
+    targets = state["targets"]
+    state["targets"] = targets[:rows] if rows < 3 else torch.cat([targets, targets[:1]])
+    fresh = GradVac(num_tasks=num_tasks)
+    before = fresh.state_dict()
+    with pytest.raises(ValueError, match=r"targets.*\[\.\.\., K, K\]"):
+        fresh.load_state_dict(state)
+    after = fresh.state_dict()
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[key], value) for key, value in before.items()
+               if isinstance(value, torch.Tensor))
+    assert fresh.num_tasks == num_tasks
+
+
 def test_groups() -> None:
     g = random_matrix(3, 3, 10)
     whole = GradVac(beta=0.5, generator=torch.Generator().manual_seed(0))
