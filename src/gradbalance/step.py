@@ -512,13 +512,15 @@ class TaskGradBuffer:
 
     def state_dict(self) -> dict[str, Any]:
         """The ``update_every`` counter, the cached weights, the passes measured or fallen
-        back to, and ``steps_begun`` (the data-parallel ranks compare it in ``apply_``). A step
+        back to, ``steps_begun`` (the data-parallel ranks compare it in ``apply_``) and
+        ``num_tasks`` (as built, or learned from the first losses). A step
         in progress is transient: its task gradients and its count are not saved, so a run
         resumed from a state saved mid-step repeats that step whole, as one never saved."""
         if self._per_sample is not None:  # update_every's counter and weights only
             return self._per_sample.state_dict()
         return {**self._cache.state_dict(), **self._engine.state_dict(),
-                "steps_begun": self._steps.count - int(self._count > 0)}
+                "steps_begun": self._steps.count - int(self._count > 0),
+                "num_tasks": self.num_tasks}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output; works on a freshly built buffer.
@@ -543,7 +545,9 @@ class TaskGradBuffer:
         if tasks is not None:
             check_int("state_dict['gramian_tasks']", tasks, 1)
         steps = check_int("state_dict['steps_begun']", state.pop("steps_begun", 0), 0)
+        saved_k = state.pop("num_tasks", None)
         cached = self._cache.checked(state, self.num_tasks)
+        k = self._loaded_num_tasks(saved_k, cached[1])
         engine_state: dict[str, Any] = {} if passes is None else {"passes": passes}
         if route is not None:
             engine_state["auto_route"] = route
@@ -551,9 +555,24 @@ class TaskGradBuffer:
             engine_state["gramian_tasks"] = tasks
         self._engine.load_state_dict(engine_state)  # checked whole before it changes anything
         self._cache.put(*cached)
-        weights = self._cache.weights  # K as built, else the saved weights' (a load is a reset
-        self.num_tasks = self._built_num_tasks if weights is None else weights.shape[0]  # to it)
+        self.num_tasks = k
         self._steps.load(steps)  # a state saved before the counter existed resumes at 0
+
+    def _loaded_num_tasks(self, saved: Any, weights: Tensor | None) -> int | None:
+        """The K a load leaves (a load is a reset to the state): the saved weights', else the
+        saved ``num_tasks`` (a K learned from the losses), else the one built with;
+        ``ValueError`` where they disagree with each other or with the built one."""
+        if saved is None:
+            return self._built_num_tasks if weights is None else weights.shape[0]
+        check_int("state_dict['num_tasks']", saved, 1)
+        if self._built_num_tasks not in (None, saved) or (
+                weights is not None and weights.shape[0] != saved):
+            raise ValueError(
+                f"state_dict['num_tasks'] = {saved} but this buffer was built with num_tasks="
+                f"{self._built_num_tasks} (cached weights: "
+                f"{None if weights is None else weights.shape[0]} tasks); load a state saved "
+                f"by a buffer of the same tasks")
+        return int(saved)
 
     @property
     def layer_routes(self) -> dict[str, str] | None:
@@ -602,7 +621,7 @@ class TaskGradBuffer:
 
 #: The keys of :meth:`TaskGradBuffer.state_dict` (its modes' together).
 _BUFFER_KEYS = frozenset({"update_every", "step", "weights", "passes", "auto_route",
-                          "gramian_tasks", "steps_begun"})
+                          "gramian_tasks", "steps_begun", "num_tasks"})
 
 
 def _refuse_load_mid_step(in_step: bool) -> None:

@@ -119,8 +119,16 @@ class WeightCache:
         return step, weights
 
     def put(self, step: int, weights: Tensor | None) -> None:
-        """Restore :meth:`checked`'s counter and weights."""
-        self.step, self.weights, self._owner = step, weights, None
+        """Restore :meth:`checked`'s counter and weights; the balancer they came from is
+        forgotten unless they are the cached weights themselves (a load of this cache's own
+        state, a checkpoint's roll-back, changes nothing)."""
+        same = (weights is None and self.weights is None) or (
+            weights is not None and self.weights is not None
+            and weights.shape == self.weights.shape and bool(torch.equal(
+                weights, self.weights.to(device=weights.device, dtype=weights.dtype))))
+        self.step, self.weights = step, weights
+        if not same:
+            self._owner = None
 
     def reset(self) -> None:
         self.step = 0

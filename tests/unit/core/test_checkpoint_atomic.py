@@ -501,3 +501,59 @@ def test_a_write_protected_checkpoint_is_refused_and_kept(tmp_path: Path, monkey
     target.chmod(0o600)
     _assert_whole(target, 1)
     _only(tmp_path, "run.pt")
+
+
+def _three_task_losses(trunk: torch.nn.Module, heads: torch.nn.ModuleList, k: int = 3,
+                       seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    features = trunk(torch.randn(5, 4, generator=gen))
+    return torch.stack([heads[i](features).pow(2).mean() for i in range(k)])
+
+
+def test_a_failed_load_leaves_a_buffers_learned_tasks_and_weights_owner() -> None:
+    # The buffer loads first and is put back when a later entry refuses: the number of
+    # tasks it learned from its losses and the balancer its cached weights belong to are
+    # what they were, so it refuses what it refused before the failed load.
+    from gradbalance import TaskGradBuffer
+    from gradbalance.balancers import MGDA
+    torch.manual_seed(0)
+    trunk = torch.nn.Linear(4, 8)
+    heads = torch.nn.ModuleList(torch.nn.Linear(8, 1) for _ in range(3))
+    buf = TaskGradBuffer(list(trunk.parameters()), list(heads.parameters()), update_every=2)
+    balancer = MGDA()
+    buf.backward(_three_task_losses(trunk, heads))
+    buf.apply_(balancer)  # learns K = 3, caches MGDA's weights
+    saved = io.BytesIO()
+    save_checkpoint(saved, buffer=buf, other=GradVac(num_tasks=3))
+    saved.seek(0)
+    before = buf.state_dict()
+    with pytest.raises(CheckpointError, match="nothing was changed"):
+        load_checkpoint(saved, buffer=buf, other=GradVac(num_tasks=2))
+    assert_same_state(buf.state_dict(), before)
+    assert buf.num_tasks == 3
+    with pytest.raises(ValueError, match="losses has 2 tasks but 3 were expected"):
+        buf.backward(_three_task_losses(trunk, heads, k=2))
+    buf.backward(_three_task_losses(trunk, heads, seed=1))
+    with pytest.raises(ValueError, match="another object than the MGDA"):
+        buf.apply_(MGDA())
+    buf.apply_(balancer)
+
+
+def test_a_buffer_state_keeps_the_tasks_learned_and_refuses_another_count() -> None:
+    from gradbalance import TaskGradBuffer
+    torch.manual_seed(0)
+    trunk = torch.nn.Linear(4, 8)
+    heads = torch.nn.ModuleList(torch.nn.Linear(8, 1) for _ in range(3))
+    buf = TaskGradBuffer(list(trunk.parameters()), list(heads.parameters()))
+    buf.backward(_three_task_losses(trunk, heads))
+    buf.apply_(PCGrad())
+    fresh = TaskGradBuffer(list(trunk.parameters()), list(heads.parameters()))
+    fresh.load_state_dict(buf.state_dict())
+    assert fresh.num_tasks == 3  # as the saved buffer, learned from its losses
+    with pytest.raises(ValueError, match="losses has 2 tasks but 3 were expected"):
+        fresh.backward(_three_task_losses(trunk, heads, k=2))
+    fixed = TaskGradBuffer(list(trunk.parameters()), list(heads.parameters()), num_tasks=2)
+    with pytest.raises(ValueError, match=r"state_dict\['num_tasks'\] = 3 but this buffer was "
+                                         r"built with num_tasks=2"):
+        fixed.load_state_dict(buf.state_dict())
+    assert fixed.num_tasks == 2

@@ -100,13 +100,15 @@ def test_update_every_errors() -> None:
 def test_reset_forgets_cached_weights() -> None:
     model, x, y = build("mlp")
     buf = TaskGradBuffer(model.shared_parameters(), model.head_parameters(), update_every=4)
-    buf.backward(losses_of(model, x, y))
+    losses = losses_of(model, x, y)
+    buf.backward(losses)
     buf.apply_(Mean())
     assert buf.state_dict()["weights"] is not None
     buf.reset()
     # reset() with no step begun counts the batch it abandons: ranks compare the count, and
-    # every rank drops the batch together (docs/distributed.md)
-    assert buf.state_dict() == {"update_every": 4, "step": 0, "weights": None, "steps_begun": 2}
+    # every rank drops the batch together (docs/distributed.md); the K learned stays
+    assert buf.state_dict() == {"update_every": 4, "step": 0, "weights": None, "steps_begun": 2,
+                                "num_tasks": losses.shape[0]}
 
 
 @pytest.mark.parametrize("mode", ["matrix", "features"])
