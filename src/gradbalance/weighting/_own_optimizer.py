@@ -32,24 +32,38 @@ def check_optimizer_state(make: Callable[[Tensor], torch.optim.Optimizer], param
     except (ValueError, KeyError, TypeError, RuntimeError, AttributeError) as error:
         raise ValueError(f"state_dict['optimizer'] does not load into {owner}'s optimizer "
                          f"({error}); was it saved with another optimizer?") from error
-    expected = _stepped_keys(make, param)
+    expected = _stepped_state(make, param)
     for entries in scratch.state.values():
-        if set(entries) != expected:
+        if set(entries) != set(expected):
             raise ValueError(f"state_dict['optimizer'] holds a parameter state with keys "
                              f"{sorted(entries)} but {owner}'s optimizer keeps {sorted(expected)} "
                              f"after a step; pass the output of {owner}.state_dict()")
         for key, value in entries.items():
+            _check_kind(owner, key, value, expected[key])
             _check_moment(owner, key, value, param)
 
 
-def _stepped_keys(make: Callable[[Tensor], torch.optim.Optimizer], param: Tensor) -> set[str]:
-    """The keys of a parameter's state in an optimizer like ``make``'s after one step (on a
-    scratch copy of ``param``, a zero gradient)."""
+def _stepped_state(make: Callable[[Tensor], torch.optim.Optimizer],
+                   param: Tensor) -> dict[str, Any]:
+    """A parameter's state in an optimizer like ``make``'s after one step (on a scratch copy
+    of ``param``, a zero gradient), by key."""
     copy_ = param.detach().clone().requires_grad_(True)
     scratch = make(copy_)
     copy_.grad = torch.zeros_like(copy_)
     scratch.step()
-    return {str(key) for entries in scratch.state.values() for key in entries}
+    return {str(key): value for entries in scratch.state.values()
+            for key, value in entries.items()}
+
+
+def _check_kind(owner: str, key: str, value: Any, reference: Any) -> None:
+    """Raise ``ValueError`` where the optimizer keeps a tensor of one entry per task
+    (``reference``: its own after a step) and the state holds anything else (a list from a
+    state that went through JSON: the next step raised half-way, its count moved)."""
+    if isinstance(reference, Tensor) and reference.dim() > 0 and not isinstance(value, Tensor):
+        raise ValueError(f"state_dict['optimizer'] holds {key!r} as a {type(value).__name__} "
+                         f"(expected a tensor of shape {tuple(reference.shape)}, one entry per "
+                         f"task); pass the output of {owner}.state_dict(), saved with "
+                         f"torch.save or save_checkpoint")
 
 
 def _real_and_signed(key: str, value: Tensor) -> bool:

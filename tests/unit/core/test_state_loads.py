@@ -176,7 +176,11 @@ def _optimizer_entry(state: dict[str, Any]) -> dict[str, Any]:
     (lambda s: _optimizer_entry(s).__setitem__("step", torch.tensor(True)), "torch.bool"),
     (lambda s: _optimizer_entry(s).__setitem__("exp_avg_sq", -torch.ones(3, dtype=torch.float64)),
      "'exp_avg_sq' of dtype"),
-], ids=["no-moment", "state-none", "negative-step", "bool-step", "negative-second-moment"])
+    (lambda s: _optimizer_entry(s).__setitem__("exp_avg", _optimizer_entry(s)["exp_avg"]
+                                               .tolist()), "'exp_avg' as a list"),
+    (lambda s: _optimizer_entry(s).__setitem__("exp_avg_sq", 0.5), "'exp_avg_sq' as a float"),
+], ids=["no-moment", "state-none", "negative-step", "bool-step", "negative-second-moment",
+        "list-moment", "number-moment"])
 def test_a_damaged_own_optimizer_state_is_refused(damage: Any, text: str) -> None:
     """FAMO's Adam state: accepted, then a KeyError, a ZeroDivisionError or NaN weights at
     the next ``update()`` (an AttributeError at load for ``state=None``)."""
