@@ -101,12 +101,13 @@ class FeaturesMode(RowsEngine):
             self.matrix.dtype != dtype
         ):
             self.matrix = torch.empty(k, layout.numel, dtype=dtype, device=layout.device)
-        heads_backward_(roots, self.head_params)
+        heads = heads_backward_(roots, self.head_params)
         reached = [False]
         self.compute(roots, layout, self.matrix, accumulate=False, retain_graph=True,
                      reached=reached)
         if not reached[0]:
             raise _unread(features)
+        heads.accumulate_()
         self.features = features
 
     def apply(self, balancer: Balancer, step: StepInput) -> StepStats:

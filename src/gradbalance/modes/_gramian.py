@@ -62,9 +62,10 @@ class GramianMode:
             self.recorder.check_later_micro_batch()
 
     def backward(self, roots: TaskRoots, first: bool, features: Tensor | None = None) -> None:
-        heads_backward_(roots, self.head_params)
+        heads = heads_backward_(roots, self.head_params)
         self._micro = 1 if first else self._micro + 1
         used = self.recorder.task_passes(roots, self.passes, first, self._micro, self.chosen)
+        heads.accumulate_()
         if self.recorder.contracted is None:  # a contracted step leaves the choice as it was
             self.chosen = kept_passes(self.passes, self.recorder.device, self.chosen, used)
 

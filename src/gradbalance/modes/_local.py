@@ -38,8 +38,9 @@ class LocalColumns:
                     first: bool) -> None:
         if first:
             engine.reached = [False] * len(self.layout.params)
-        heads_backward_(roots, engine.head_params)
+        heads = heads_backward_(roots, engine.head_params)
         engine.compute(roots, self.layout, out, accumulate=not first, reached=engine.reached)
+        heads.accumulate_()
 
     def reduce_(self, matrix: Tensor, losses: Tensor, heads: Sequence[Tensor],
                 group: Any) -> Tensor:
@@ -80,10 +81,11 @@ class LocalColumns:
 
     def reused_backward(self, weights: Tensor, roots: TaskRoots, heads: Sequence[Tensor],
                         held: list[Tensor | None] | None) -> list[Tensor | None]:
-        heads_backward_(roots, heads)
+        head_grads = heads_backward_(roots, heads)
         scaled = roots.scaled
         total = (weights.to(dtype=scaled.dtype, device=scaled.device) * scaled).sum()
         grads = dense_all(torch.autograd.grad(total, self.layout.params, allow_unused=True))
+        head_grads.accumulate_()
         if held is None:
             owned = owned_grads(grads)
             return [g if g is None or ok else g.clone() for g, ok in zip(grads, owned)]
