@@ -30,7 +30,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ._amp import poison_, scale_of
-from ._checks import as_parameter_list, check_batch_dim, check_int
+from ._checks import (
+    as_parameter_list,
+    check_batch_dim,
+    check_int,
+)
 from ._coverage import (
     Coverage,
     _module_names,
@@ -41,13 +45,14 @@ from ._per_sample_gramian import Parts, PerSampleGramian, Snapshot
 from ._per_sample_mixing import mixed_outputs, mixing_error
 from ._per_sample_step import (
     PerSampleStep,
+    Update,
     check_gramian_clip,
     check_reused_count,
     refreshed_update,
     reused_update,
 )
 from ._step_inputs import refuse_complex
-from ._step_state import StepCounter
+from ._step_state import GradWatch, StepCounter
 from .balancers import balancer_names
 from .balancers._base import Balancer
 from .balancers._checks import check_balancer
@@ -148,6 +153,10 @@ class PerSampleBuffer:
         self._reused = False  # the step reuses update_every's cached weights
         self._unmixed: set[tuple[tuple[int, ...], int]] = set()  # structures checked unmixed
         self._steps = StepCounter()  # steps begun; apply_ compares it across the ranks
+        self._heads_before: GradSnapshot | None = None  # the heads' .grad before the step
+        self._heads_written = False  # the step's head gradients are in .grad (one process)
+        self._watch = GradWatch()  # the heads' .grad as the step's last call left them
+        self._trainable: tuple[bool, ...] = ()  # the trunk's requires_grad at the step's start
 
     def backward(self, losses: Tensor | Sequence[Tensor], scaler: Any = None,
                  features: Tensor | None = None) -> None:
@@ -171,6 +180,29 @@ class PerSampleBuffer:
         self._heads = [_add(h, g) for h, g in zip(self._heads, heads)]
         self._scaler, self._scale = scaler, scale
         self._tasks, self._reused = columns.shape[1], reused
+        if first:
+            self._trainable = tuple(p.requires_grad for p in self.shared)
+        self._write_heads(heads, first)
+
+    def _write_heads(self, heads: list[Tensor | None], first: bool) -> None:
+        """This micro-batch's head gradients into ``.grad`` as a plain backward adds them (one
+        process; under a process group :meth:`apply_` writes the ranks' mean); the heads'
+        ``.grad`` watched until the step's next call (a ``zero_grad()`` between them is
+        refused, as on the task route). Their post-accumulate-grad hooks run in
+        :meth:`apply_`, once per step, as the trunk's: its weighted backward reads the
+        heads' weights again, which a hook stepping them in place would have changed."""
+        if resolve_process_group(self.process_group) is None:
+            if first:
+                self._heads_before = GradSnapshot(self.head_params)
+            for p, g in zip(self.head_params, heads):
+                if g is not None:
+                    _accumulate(p, g)  # a copy: the step's sum keeps its own
+            self._heads_written = True
+        self._watch.record(self.head_params)
+
+    def _name_of(self, param: Tensor) -> str:
+        """A watched head's name in an error."""
+        return next(f"head_params[{i}]" for i, p in enumerate(self.head_params) if p is param)
 
     def _micro_batch(self, vector: Tensor, columns: Tensor, scale: Tensor | None,
                      reused: bool, first: bool
@@ -195,7 +227,7 @@ class PerSampleBuffer:
         except BaseException:  # past the checks: the step dropped (docs/loop.md)
             torch.default_generator.set_state(generator)
             self._begin(first, begun)  # failed inside the mixing test: begun all the same
-            self._end_step()
+            self._drop_step()
             raise
         if refused is not None:
             self.gramian.clear()
@@ -227,6 +259,9 @@ class PerSampleBuffer:
                 f"losses has {tasks} task column(s) but the earlier backward() of this step "
                 f"had {self._tasks}; every micro-batch of a step has the same K"
             )
+        if self._losses:
+            self._watch.check("backward", len(self._losses), self._name_of)
+        self._check_trainable()
         try:
             self._coverage.check(vector)
         except ValueError:
@@ -234,6 +269,34 @@ class PerSampleBuffer:
             raise
         self.gramian.check(vector)
         return vector
+
+    def _check_trainable(self) -> None:
+        """Raise before anything moves where a head was frozen since the buffer was built, or
+        a trunk parameter frozen or unfrozen since the step's first ``backward``
+        (between steps it may: the step's Gramian is of one set of parameters); the
+        forward's records dropped."""
+        try:
+            frozen = [i for i, p in enumerate(self.head_params) if not p.requires_grad]
+            if frozen:
+                raise ValueError(
+                    f"head_params[{frozen[0]}] (shape {tuple(self.head_params[frozen[0]].shape)}) "
+                    f"no longer requires grad (frozen after the TaskGradBuffer was built); "
+                    f"build a new buffer over the trainable parameters, e.g. [p for p in "
+                    f"params if p.requires_grad]"
+                )
+            now = tuple(p.requires_grad for p in self.shared)
+            if self._losses and now != self._trainable:
+                i = next(i for i, (a, b) in enumerate(zip(now, self._trainable)) if a != b)
+                raise ValueError(
+                    f"shared_params[{i}] (shape {tuple(self.shared[i].shape)}) "
+                    f"{'began' if now[i] else 'stopped'} requiring grad since the first "
+                    f"backward() of this step: the step's per-sample Gramian is of one set of "
+                    f"parameters; freeze or unfreeze between steps (after apply_), or call "
+                    f"buf.reset() to drop the step, then run this forward again"
+                )
+        except ValueError:
+            self.gramian.clear()
+            raise
 
     def _mixing(self, vector: Tensor, scale: Tensor | None) -> ValueError | None:
         """The refusal (``ValueError``) of a trunk that mixes the samples after a recorded
@@ -309,31 +372,45 @@ class PerSampleBuffer:
                                           balancer, clip, group)
         except BaseException:
             saved.restore()
-            self._end_step()
+            self._drop_step()
             raise
         if update.finite:
-            written = [p for p, g in [*zip(self.shared, update.trunk),
-                                      *zip(self.head_params, update.heads)] if g is not None]
-            hooked = bool(hooked_after_accumulation(written))
-            before, mark = (GradSnapshot(written) if hooked else None), self._cache.mark()
-            self._write(update.trunk, update.heads, update.owned)
-            if self._reused:
-                self._cache.reused(balancer)
-            else:
-                self._cache.refreshed(update.stats.weights, balancer)
-            if before is not None:  # the step wrote .grad itself: its hooks run here
-                try:
-                    fire_post_accumulate_hooks(written, {id(p) for p in written})
-                except BaseException:  # the step dropped, as on the task route
-                    before.restore()
-                    self._cache.rewind(mark)
-                    saved.restore()
-                    raise
+            self._commit(update, balancer, saved)
         else:
             saved.restore()
             self._skip(update.heads)
         self._steps.finished()
         return update.stats
+
+    def _unwritten(self, heads: list[Tensor | None]) -> list[Tensor | None]:
+        """The head gradients :meth:`apply_` still writes: none where each ``backward`` wrote
+        them (one process)."""
+        return [None] * len(heads) if self._heads_written else heads
+
+    def _commit(self, update: Update, balancer: Balancer, saved: StateSnapshot) -> None:
+        """A finite step's ``.grad`` written and its post-accumulate-grad hooks run (the
+        heads' too, where ``backward`` wrote their ``.grad``); a hook that raises drops the
+        step, every ``.grad`` and state back as before it."""
+        written = [p for p, g in [*zip(self.shared, update.trunk),
+                                  *zip(self.head_params, update.heads)] if g is not None]
+        hooked = bool(hooked_after_accumulation(written))
+        before, mark = (GradSnapshot(written) if hooked else None), self._cache.mark()
+        heads_before = self._heads_before
+        self._write(update.trunk, self._unwritten(update.heads), update.owned)
+        if self._reused:
+            self._cache.reused(balancer)
+        else:
+            self._cache.refreshed(update.stats.weights, balancer)
+        if before is not None:  # the step wrote .grad itself: its hooks run here
+            try:
+                fire_post_accumulate_hooks(written, {id(p) for p in written})
+            except BaseException:  # the step dropped, as on the task route
+                before.restore()
+                if heads_before is not None:
+                    heads_before.restore()
+                self._cache.rewind(mark)
+                saved.restore()
+                raise
 
     def _step(self) -> PerSampleStep:
         """The step; with one micro-batch whose layers' operands were kept, its update
@@ -349,6 +426,7 @@ class PerSampleBuffer:
         (resolved), whose ranks agree on the step."""
         if not self._losses:
             raise RuntimeError("apply_() called before backward(); call buf.backward(losses)")
+        self._watch.check("apply_", len(self._losses), self._name_of)
         check_balancer("balancer", balancer)
         if not balancer.from_gramian:
             raise TypeError(
@@ -390,10 +468,12 @@ class PerSampleBuffer:
         self._end_step()
 
     def _skip(self, heads: list[Tensor | None]) -> None:
-        """A skipped step under a scaler: every ``.grad`` it would write made non-finite."""
+        """A skipped step under a scaler: every ``.grad`` it wrote or would write made
+        non-finite."""
         written = [p for p, h in zip(self.head_params, heads) if h is not None]
-        self._write([torch.zeros_like(p) for p in self.shared], heads, owned=True)
-        poison_([p.grad for p in [*self.shared, *written]])
+        self._write([torch.zeros_like(p) for p in self.shared], self._unwritten(heads),
+                    owned=True)
+        poison_([p.grad for p in [*self.shared, *written] if p.grad is not None])
 
     @property
     def in_step(self) -> bool:
@@ -444,14 +524,23 @@ class PerSampleBuffer:
         self._steps.load(steps)
 
     def reset(self, keep_weights: bool = False) -> None:
-        """Drop the step (the records and the pending Gramian); then ``update_every``'s
-        cached weights too, unless ``keep_weights``."""
-        self._end_step()
+        """Drop the step (the records and the pending Gramian; the heads' ``.grad`` back as
+        before its first ``backward``); then ``update_every``'s cached weights too, unless
+        ``keep_weights``."""
+        self._drop_step()
         self._steps.reset()
         if not keep_weights:
             self._cache.reset()
 
+    def _drop_step(self) -> None:
+        """A dropped step: the heads' ``.grad`` back as before its first ``backward``."""
+        if self._heads_before is not None:
+            self._heads_before.restore()
+        self._end_step()
+
     def _end_step(self) -> None:
+        self._heads_before, self._heads_written, self._trainable = None, False, ()
+        self._watch.clear()
         self._losses = []
         self._parts = []
         self._first = []

@@ -62,8 +62,12 @@ def test_another_number_of_objectives_is_refused_on_a_reused_step() -> None:
     buf.backward(losses_of(trunk, heads, inputs(4), torch.randn(4, 1)))
     with pytest.raises(ValueError, match=r"reuses the 6 weights.*has 4 objectives.*reset\(\)"):
         buf.apply_(balancer)
-    assert all(bool((p.grad == 0.5).all()) for p in params if p.grad is not None)
+    # refused before anything moves: the trunk's .grad as before, the heads' as the step's
+    # backward left them (as a plain backward does); reset() puts the heads' back
+    assert all(bool((p.grad == 0.5).all()) for p in trunk.parameters())
+    assert all(not bool((p.grad == 0.5).all()) for p in heads.parameters())
     buf.reset()  # drops the cached weights too: the next step recomputes them
+    assert all(bool((p.grad == 0.5).all()) for p in params)
     buf.backward(losses_of(trunk, heads, inputs(4), torch.randn(4, 1)))
     stats = buf.apply_(balancer)
     assert not stats.weights_reused and stats.weights is not None
