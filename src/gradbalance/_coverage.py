@@ -14,8 +14,16 @@ from torch import Tensor, nn
 from ._graph import edges
 from ._roots import _stack_inputs
 
-__all__ = ["Coverage", "OtherParams", "check_other_params", "fire_post_accumulate_hooks",
-           "sum_backward_", "swap_warning", "walk_leaves"]
+__all__ = [
+    "Coverage",
+    "OtherParams",
+    "PlainGrads",
+    "check_other_params",
+    "fire_post_accumulate_hooks",
+    "in_param_layout",
+    "swap_warning",
+    "walk_leaves",
+]
 
 OtherParams = Literal["raise", "sum", "ignore"]
 
@@ -209,7 +217,42 @@ def fire_post_accumulate_hooks(params: Iterable[Tensor], reached: set[int]) -> N
                 hook(p)
 
 
-def sum_backward_(scaled_total: Tensor, others: Sequence[Tensor]) -> None:
-    """``.grad += ∂(Σₖ s·Lₖ)/∂p`` for ``others``, the graph kept for the step's passes."""
-    if others:
-        torch.autograd.backward(scaled_total, inputs=list(others), retain_graph=True)
+def in_param_layout(param: Tensor, grad: Tensor) -> Tensor:
+    """``grad`` (``param``'s shape) with the strides autograd gives a new ``.grad``: the
+    parameter's where it is dense and non-overlapping (a channels-last or transposed weight,
+    ``torch.empty_like``'s rule), else contiguous; a copy only where they differ."""
+    if (param.is_contiguous() and grad.is_contiguous()) or param.stride() == grad.stride():
+        return grad  # the usual case: no allocation
+    like = torch.empty_like(param, dtype=grad.dtype, device=grad.device)
+    return grad if like.stride() == grad.stride() else like.copy_(grad)
+
+
+class PlainGrads:
+    """The plain gradients ``∂total/∂p`` of some leaves (the heads; the leaves
+    ``other_params="sum"`` takes), computed before the step's task passes (the graph kept; a
+    leaf's ``register_hook`` hooks run here, once, as in a plain backward) and accumulated
+    into their ``.grad`` after them (:meth:`accumulate_`), where their
+    ``register_post_accumulate_grad_hook`` hooks then run: a hook that steps its leaf in place
+    (optimizer-in-backward) would otherwise change a weight the task passes still read
+    (torch's in-place error, after the leaves had moved)."""
+
+    def __init__(self, total: Tensor, params: Sequence[Tensor]) -> None:
+        leaves = list(params)
+        grads = (torch.autograd.grad(total, leaves, retain_graph=True, allow_unused=True)
+                 if leaves else ())
+        self.pairs = [(p, g) for p, g in zip(leaves, grads, strict=True) if g is not None]
+
+    def accumulate_(self) -> None:
+        """``.grad += g`` for every leaf reached, as autograd accumulates (a new ``.grad`` in
+        the parameter's layout, a sparse one summed out of place), then the leaves'
+        post-accumulate-grad hooks."""
+        pairs, self.pairs = self.pairs, []
+        with torch.no_grad():
+            for p, g in pairs:
+                if p.grad is None:
+                    p.grad = g if g.layout != torch.strided else in_param_layout(p, g)
+                elif p.grad.layout != torch.strided:  # sparse: summed out of place
+                    p.grad = p.grad + g
+                else:
+                    p.grad.add_(g)
+        fire_post_accumulate_hooks([p for p, _ in pairs], {id(p) for p, _ in pairs})

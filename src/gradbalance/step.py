@@ -42,11 +42,11 @@ from ._checks import (
 from ._coverage import (
     Coverage,
     OtherParams,
+    PlainGrads,
     _module_names,
     check_other_params,
     fire_post_accumulate_hooks,
     hooked_after_accumulation,
-    sum_backward_,
 )
 from ._per_sample_buffer import PerSampleBuffer, check_per_sample_losses
 from ._per_sample_gramian import as_modules, refuse_mixing
@@ -292,7 +292,7 @@ class TaskGradBuffer:
         generator = torch.default_generator.get_state()  # a hook may draw: put back on failure
         try:
             with no_autocast(self.layout.device), self._recompute.call(roots.graph, first):
-                sum_backward_(roots.scaled.sum(), others)
+                plain = PlainGrads(roots.scaled.sum(), others)
                 if reused:
                     assert self._cache.weights is not None
                     self._reused_step.backward(self._cache.weights, roots, self.layout.params,
@@ -300,6 +300,7 @@ class TaskGradBuffer:
                     self._engine.clear()  # this forward's records are not needed
                 else:
                     self._engine.backward(roots, first, features)
+                plain.accumulate_()  # after the passes, which still read these leaves
         except BaseException:
             torch.default_generator.set_state(generator)
             self._observed(losses)  # the step is dropped with this micro-batch's call too

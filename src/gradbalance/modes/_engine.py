@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from .._amp import finite_update, nonfinite_error, poison_
-from .._coverage import fire_post_accumulate_hooks
+from .._coverage import PlainGrads, in_param_layout
 from .._shard import Shard
 from .._sparse import dense
 from ..balancers._base import Balancer, Combination
@@ -173,41 +173,10 @@ def combine_or_skip(balancer: Balancer, matrix: Tensor, losses: Tensor, gram: Te
     raise nonfinite_error()
 
 
-class HeadGrads:
-    """The heads' ``∂(Σₖ s·Lₖ)/∂h``, computed before the task passes (the graph kept; a
-    head's ``register_hook`` hooks run here, once, as in a plain backward) and accumulated
-    into their ``.grad`` after them (:meth:`accumulate_`), where their
-    ``register_post_accumulate_grad_hook`` hooks then run: a hook that steps its head in place
-    (optimizer-in-backward) would otherwise change a weight the task passes still read
-    (torch's in-place error, after the heads had moved).
-    """
-
-    def __init__(self, roots: TaskRoots, head_params: Sequence[Tensor]) -> None:
-        heads = list(head_params)
-        grads = (torch.autograd.grad(roots.scaled.sum(), heads, retain_graph=True,
-                                     allow_unused=True) if heads else ())
-        self.pairs = [(h, g) for h, g in zip(heads, grads, strict=True) if g is not None]
-
-    def accumulate_(self) -> None:
-        """``.grad += g`` for every head reached, as autograd accumulates (a new ``.grad`` in
-        the parameter's layout, a sparse one summed out of place), then the heads'
-        post-accumulate-grad hooks."""
-        pairs, self.pairs = self.pairs, []
-        with torch.no_grad():
-            for h, g in pairs:
-                if h.grad is None:
-                    h.grad = g if g.layout != torch.strided else in_param_layout(h, g)
-                elif h.grad.layout != torch.strided:  # sparse: summed out of place
-                    h.grad = h.grad + g
-                else:
-                    h.grad.add_(g)
-        fire_post_accumulate_hooks([h for h, _ in pairs], {id(h) for h, _ in pairs})
-
-
-def heads_backward_(roots: TaskRoots, head_params: Sequence[Tensor]) -> HeadGrads:
-    """The heads' gradients of the step's losses (:class:`HeadGrads`): ``accumulate_()`` them
-    once the task passes are done."""
-    return HeadGrads(roots, head_params)
+def heads_backward_(roots: TaskRoots, head_params: Sequence[Tensor]) -> PlainGrads:
+    """The heads' gradients of the step's losses (:class:`~.._coverage.PlainGrads`):
+    ``accumulate_()`` them once the task passes are done."""
+    return PlainGrads(roots.scaled.sum(), head_params)
 
 
 def owned_grads(grads: Sequence[Tensor | None]) -> list[bool]:
@@ -220,16 +189,6 @@ def owned_grads(grads: Sequence[Tensor | None]) -> list[bool]:
             seen.add(id(g))
         owned.append(ok)
     return owned
-
-
-def in_param_layout(param: Tensor, grad: Tensor) -> Tensor:
-    """``grad`` (``param``'s shape) with the strides autograd gives a new ``.grad``: the
-    parameter's where it is dense and non-overlapping (a channels-last or transposed weight,
-    ``torch.empty_like``'s rule), else contiguous; a copy only where they differ."""
-    if (param.is_contiguous() and grad.is_contiguous()) or param.stride() == grad.stride():
-        return grad  # the usual case: no allocation
-    like = torch.empty_like(param, dtype=grad.dtype, device=grad.device)
-    return grad if like.stride() == grad.stride() else like.copy_(grad)
 
 
 class WriteBack:

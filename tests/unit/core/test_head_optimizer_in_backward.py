@@ -122,3 +122,35 @@ def test_head_hooks_and_sparse_head_grads_accumulate_as_plain_pytorch(mode: str)
         assert a.grad is not None and b.grad is not None
         assert a.grad.layout == b.grad.layout
         torch.testing.assert_close(a.grad.to_dense(), b.grad.to_dense(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_leaf_given_its_plain_gradient_may_step_in_its_hook() -> None:
+    # other_params="sum": a learnable scale outside both lists, read by every task, stepped
+    # by its own post-accumulate hook, as the heads above.
+    torch.manual_seed(0)
+    plain = _Model()
+    balanced = copy.deepcopy(plain)
+    scales = [nn.Parameter(torch.tensor(1.5)) for _ in range(2)]
+    for scale in scales:
+        opt = torch.optim.SGD([scale], lr=0.05)
+
+        def hook(param: torch.Tensor, opt: torch.optim.Optimizer = opt) -> None:
+            opt.step()
+            opt.zero_grad()
+        scale.register_post_accumulate_grad_hook(hook)
+    trunk_opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (plain, balanced)]
+    buf = TaskGradBuffer(list(balanced.trunk.parameters()), list(balanced.heads.parameters()),
+                         other_params="sum")
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)
+        (_losses(plain, x, y)[1] * scales[0]).sum().backward()
+        trunk_opts[0].step()
+        trunk_opts[0].zero_grad()
+        buf.backward(_losses(balanced, x, y)[1] * scales[1])
+        buf.apply_(Sum())
+        trunk_opts[1].step()
+        trunk_opts[1].zero_grad()
+    torch.testing.assert_close(scales[1], scales[0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(balanced.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
