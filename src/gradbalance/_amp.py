@@ -60,6 +60,7 @@ def all_finite(tensors: Sequence[Tensor]) -> bool:
         False
     """
     local = [local_of(t) for t in tensors]
+    local = [t._values() if t.layout == torch.sparse_coo else t for t in local]  # stored ones
     if not local:
         return True
     sums = torch.stack([t.sum().to(device=local[0].device) for t in local])
@@ -129,10 +130,13 @@ def finite_update(bound: Tensor, factor: Tensor | None, dtype: torch.dtype, grou
 
 
 def poison_(grads: Sequence[Tensor | None]) -> None:
-    """Make every gradient of a skipped step non-finite, so that ``scaler.step`` skips it."""
+    """Make every gradient of a skipped step non-finite, so that ``scaler.step`` skips it (a
+    sparse one through its stored values)."""
     for g in grads:
         if g is not None:
             g = local_of(g)
+            if g.layout == torch.sparse_coo:  # its stored values (the scaler reads those)
+                g = g._values()
             g.add_(torch.where(torch.isfinite(g).all(), float("nan"), 0.0).to(g.dtype))
 
 

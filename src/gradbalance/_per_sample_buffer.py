@@ -469,11 +469,22 @@ class PerSampleBuffer:
 
     def _skip(self, heads: list[Tensor | None]) -> None:
         """A skipped step under a scaler: every ``.grad`` it wrote or would write made
-        non-finite."""
-        written = [p for p, h in zip(self.head_params, heads) if h is not None]
+        non-finite, then their post-accumulate-grad hooks (as a plain backward runs them,
+        overflow or not); a hook that raises drops the step, every ``.grad`` back."""
+        written = [*self.shared, *(p for p, h in zip(self.head_params, heads) if h is not None)]
+        hooked = bool(hooked_after_accumulation(written))
+        before, heads_before = (GradSnapshot(written) if hooked else None), self._heads_before
         self._write([torch.zeros_like(p) for p in self.shared], self._unwritten(heads),
                     owned=True)
-        poison_([p.grad for p in [*self.shared, *written] if p.grad is not None])
+        poison_([p.grad for p in written if p.grad is not None])
+        if before is not None:
+            try:
+                fire_post_accumulate_hooks(written, {id(p) for p in written})
+            except BaseException:
+                before.restore()
+                if heads_before is not None:
+                    heads_before.restore()
+                raise
 
     @property
     def in_step(self) -> bool:

@@ -176,15 +176,16 @@ def _mean_over_ranks(step: PerSampleStep, trunk: list[Tensor | None], finite: bo
                      group: Any) -> tuple[list[Tensor | None], list[Tensor | None], bool]:
     """The trunk's update and the heads' gradients averaged over ``group``'s ranks (every
     trunk parameter and head written, zeros where this rank's losses did not reach it), and
-    whether the step is finite: on every rank alike, since the mean of a non-finite entry is
-    not finite. A step all ranks skip (``finite`` False, agreed) is not reduced."""
+    whether the step is finite (the trunk's update and the heads' gradients): on every rank
+    alike, since the mean of a non-finite entry is not finite. A step all ranks skip
+    (``finite`` False, agreed) is not reduced."""
     heads = list(step.heads)
     if group is not None and finite:
         trunk, heads = _zeros_for_none(step.shared, trunk), _zeros_for_none(step.head_params,
                                                                              heads)
         all_reduce_mean_([g for g in [*trunk, *heads] if g is not None], group)
-    if finite:
-        finite = all_finite([g for g in trunk if g is not None])
+    if finite:  # the heads' too: an overflow in a head alone is a skipped step
+        finite = all_finite([g for g in [*trunk, *heads] if g is not None])
     return trunk, heads, finite
 
 
