@@ -9,7 +9,13 @@ from torch import Tensor
 
 from .._checks import check_bool, check_positive
 from .._types import NonFiniteGradientError
-from ._params import check_leaves, overflow_safe_norm, params_with_grads, total_and_overflow
+from ._params import (
+    check_leaves,
+    factor_for,
+    overflow_safe_norm,
+    params_with_grads,
+    total_and_overflow,
+)
 from ._task import _Stateless
 
 __all__ = ["AGC", "adaptive_clip_grad_", "unitwise_norm"]
@@ -78,17 +84,45 @@ def adaptive_clip_grad_(parameters: Iterable[Tensor] | Tensor, clip_factor: floa
             f"pre-clip gradient norm is {total.item()}; nothing was clipped. Skip this step, or "
             f"pass error_if_nonfinite=False"
         )
+    clipped = [p for p in params if id(p) not in skip]
+    _refuse_sparse(params, clipped)
     with torch.no_grad():
-        for p in params:
-            if id(p) in skip:
-                continue
+        for p, weight_norm in zip(clipped, _weight_norms(clipped), strict=True):
             g = p.grad
             assert g is not None
-            max_norm = unitwise_norm(p.detach()).clamp(min=eps).mul(clip_factor)
-            grad_norm = unitwise_norm(g, wide)
-            coef = max_norm / grad_norm.clamp(min=_DIV_GUARD)
+            max_norm = factor_for(weight_norm, g).clamp(min=eps).mul(clip_factor)
+            grad_norm = factor_for(unitwise_norm(g, wide), g)
+            coef = max_norm / grad_norm.clamp(min=_DIV_GUARD)  # float32 up: no 16-bit underflow
             g.copy_(torch.where(grad_norm > max_norm, g * coef, g))
     return total
+
+
+def _refuse_sparse(params: list[Tensor], clipped: list[Tensor]) -> None:
+    """``ValueError`` before anything moves for a sparse ``.grad`` AGC would clip: its unit
+    norms need the rows it does not store."""
+    for i, p in enumerate(params):
+        if p.grad is not None and p.grad.layout != torch.strided and any(
+                p is c for c in clipped):
+            raise ValueError(
+                f"parameters[{i}] (shape {tuple(p.shape)}) has a sparse .grad "
+                f"({p.grad.layout}, e.g. nn.Embedding(sparse=True)); AGC clips unit-wise "
+                f"against the weight's rows: pass it in exclude=, or build the embedding "
+                f"with sparse=False")
+
+
+def _weight_norms(params: list[Tensor]) -> list[Tensor]:
+    """Each parameter's unit norms (:func:`unitwise_norm`), taken again in float64 where a
+    low-precision weight's came out infinite (its powers overflow from entries of about
+    ``1.8e19`` in float32: the limit was inf and the unit never clipped); one host sync."""
+    norms = [unitwise_norm(p.detach()) for p in params]
+    low = [i for i, p in enumerate(params) if p.is_floating_point() and p.dtype != torch.float64]
+    if not low:
+        return norms
+    flags = torch.stack([torch.isinf(norms[i]).any().to(norms[low[0]].device) for i in low])
+    for i, overflowed in zip(low, flags.tolist(), strict=True):
+        if overflowed:
+            norms[i] = unitwise_norm(params[i].detach(), wide=True)
+    return norms
 
 
 class AGC(_Stateless):

@@ -19,7 +19,7 @@ from .._checks import (
 )
 from .._statedict import check_keys, tag_state, untag_state
 from .._types import NonFiniteGradientError
-from ._params import params_with_grads, total_grad_norm
+from ._params import factor_for, params_with_grads, total_grad_norm
 from ._task import norm_clip_coefficients, row_norms
 
 __all__ = ["AutoClip", "TaskAutoClip", "suggest_max_norm"]
@@ -162,8 +162,10 @@ class _AutoBase:
         size)."""
         name = type(self).__name__
         if not isinstance(value, Tensor) or not value.is_floating_point():
+            found = (f"a tensor of dtype {value.dtype}" if isinstance(value, Tensor)
+                     else f"a {type(value).__name__}")
             raise ValueError(f"state_dict[{key!r}] must be a floating tensor of norms, got "
-                             f"{type(value).__name__}; pass the output of {name}.state_dict()")
+                             f"{found}; pass the output of {name}.state_dict()")
         if value.dim() != len(shape) or any(
                 n is not None and n != m for n, m in zip(shape, value.shape)):
             expected = tuple("C" if n is None else n for n in shape)
@@ -226,8 +228,9 @@ class AutoClip(_AutoBase):
         total = total_grad_norm(grads, self.norm_type)
         coef = self._factors(total.reshape(1))
         if coef is not None:
-            for g in grads:
-                g.detach().mul_(coef[0].to(device=g.device, dtype=g.dtype))
+            with torch.no_grad():  # a sparse .grad itself: its detached copy holds its own values
+                for g in grads:
+                    (g if g.layout == torch.sparse_coo else g.detach()).mul_(factor_for(coef[0], g))
         return total
 
 
@@ -253,7 +256,7 @@ class TaskAutoClip(_AutoBase):
     def __call__(self, matrix: Tensor) -> Tensor:
         check_writable_rows("matrix", matrix)
         norms = row_norms(matrix, self.norm_type)
-        matrix.mul_(self.coefficients(norms).to(matrix.dtype).unsqueeze(1))
+        matrix.mul_(factor_for(self.coefficients(norms).unsqueeze(1), matrix))
         return norms
 
     def coefficients(self, norms: Tensor) -> Tensor:

@@ -10,7 +10,8 @@ from torch import Tensor
 
 from .._checks import tensor_list
 
-__all__ = ["check_leaves", "overflow_safe_norm", "params_with_grads", "total_grad_norm"]
+__all__ = ["check_leaves", "factor_for", "overflow_safe_norm", "params_with_grads", "stored",
+           "total_grad_norm"]
 
 
 def check_leaves(name: str, params: list[Tensor]) -> None:
@@ -52,6 +53,7 @@ def total_and_overflow(grads: list[Tensor], norm_type: float = 2.0) -> tuple[Ten
     infinite (one host sync, for float32, float16 or bfloat16 gradients), not one check per
     gradient."""
     device = grads[0].device
+    grads = [stored(g) for g in grads]
     norms = [torch.linalg.vector_norm(g.detach(), norm_type).to(device) for g in grads]
     total: Tensor = torch.linalg.vector_norm(torch.stack(norms), norm_type)
     low = any(g.is_floating_point() and g.dtype != torch.float64 for g in grads)
@@ -82,3 +84,26 @@ def overflow_safe_norm(x: Tensor, ord: float = 2.0, dim: int | tuple[int, ...] |
     wide: Tensor = torch.linalg.vector_norm(x, ord, dim=dim, keepdim=keepdim,
                                             dtype=torch.float64)
     return wide.to(norm.dtype)
+
+
+def factor_for(coef: Tensor, like: Tensor) -> Tensor:
+    """A clipping factor to multiply ``like`` by: on its device, in its dtype from float32 up,
+    in float32 for a 16-bit ``like`` (the product rounded once to 16 bits: a factor of
+    ``2e-8`` cast to float16 first was 0, and a row of norm 5e4 clipped to ``1e-3`` became
+    zero).
+
+    Example:
+        >>> import torch
+        >>> from gradbalance.clip._params import factor_for
+        >>> g = torch.tensor([3e4, 4e4], dtype=torch.float16)
+        >>> g.mul_(factor_for(torch.tensor(2e-8, dtype=torch.float64), g))
+        tensor([0.0006, 0.0008], dtype=torch.float16)
+    """
+    dtype = like.dtype if torch.finfo(like.dtype).bits >= 32 else torch.float32
+    return coef.to(device=like.device, dtype=dtype)
+
+
+def stored(g: Tensor) -> Tensor:
+    """``g``'s entries for a norm: a sparse gradient's coalesced values (the entries a dense
+    copy would hold, each index once; ``nn.Embedding(sparse=True)``), a dense one itself."""
+    return g.detach().coalesce().values() if g.layout == torch.sparse_coo else g

@@ -12,7 +12,7 @@ from torch import Tensor
 from .._checks import check_bool, check_norm_type, check_positive, check_writable_rows
 from .._statedict import check_dict, reject_state
 from .._types import NonFiniteGradientError
-from ._params import overflow_safe_norm
+from ._params import factor_for, overflow_safe_norm
 
 __all__ = ["TaskClip", "TaskValueClip", "clip_task_norms_", "clip_task_values_", "row_norms"]
 
@@ -60,7 +60,7 @@ def clip_task_norms_(matrix: Tensor, max_norm: float | Tensor, norm_type: float 
     norm_type = check_norm_type("norm_type", norm_type)
     norms = row_norms(matrix, norm_type)
     coef = norm_clip_coefficients(norms, max_norm, error_if_nonfinite)
-    matrix.mul_(coef.unsqueeze(1).to(matrix.dtype))
+    matrix.mul_(factor_for(coef.unsqueeze(1), matrix))
     return norms
 
 
@@ -75,13 +75,15 @@ def _check_limits(max_norm: Tensor, k: int) -> None:
 
 def norm_clip_coefficients(norms: Tensor, max_norm: float | Tensor,
                            error_if_nonfinite: bool = False) -> Tensor:
-    """``min(1, max_norm / (‖gₖ‖ + 1e-6))`` per row ``[K]``; 1 where a norm is not finite."""
+    """``min(1, max_norm / (‖gₖ‖ + 1e-6))`` per row ``[K]`` (float32 at least); 1 where a norm
+    is not finite."""
     finite = torch.isfinite(norms)
     if error_if_nonfinite and not bool(finite.all()):
         raise NonFiniteGradientError(
             f"matrix holds inf or NaN (pre-clip norms {norms.tolist()}); nothing was clipped. "
             f"Skip this step, or pass error_if_nonfinite=False to return the norms instead"
         )
+    norms = norms.to(torch.promote_types(norms.dtype, torch.float32))  # 16-bit: no underflow
     limit = max_norm.to(norms) if isinstance(max_norm, Tensor) else max_norm
     coef = (limit / (norms + _EPS)).clamp(max=1.0)
     return torch.where(finite, coef, torch.ones_like(coef))
