@@ -101,3 +101,17 @@ def test_a_reference_to_no_row_names_it(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(register, "REGISTER", (*REGISTER, stale))
     with pytest.raises(ValueError, match="no such key"):
         register.resolve(_entries(True))
+
+
+def test_only_rows_not_known_unmet_fail_the_run() -> None:
+    # every measured row not met: those the register marks `unmet` (the text's number known
+    # not to be reproduced, documented) are apart; any other one fails the run
+    entries = _entries(False)
+    unexpected, known = register.unexpected_unmet(entries)
+    marked = [row for row in REGISTER if row.unmet]
+    assert len(marked) == len(known) == 2
+    assert all(label.startswith(f"{row.figure}: ") and row.key in label
+               for row, label in zip(marked, known, strict=True))
+    assert len(unexpected) + len(known) == sum(len(e["claims"]) for e in entries)
+    unexpected, known = register.unexpected_unmet(_entries(True))
+    assert unexpected == [] and known == []

@@ -10,7 +10,7 @@ and ``v``, so its normalised step is about ``lr`` whatever ``wd``. The ``.grad``
 writes is compared across ``wd``: decay happens inside ``opt.step()``, after it.
 
 The text's "a larger wd shrinks them faster" is measured for Adam on weights that do get a
-task gradient: 64 weights start at 1, each with a task gradient that is pure batch noise
+task gradient: 256 weights start at 1, each with a task gradient that is pure batch noise
 (``ξ·w``, ξ standard Gaussian, drawn fresh every step from a seeded generator, the same
 draws at every ``wd``), less the same run at ``wd = 0`` (the control: it removes the
 noise's own random walk). There Adam's ``v`` is set by the noise, so the decay's ``wd·w`` in
