@@ -142,11 +142,32 @@ def _all_within(vec: Tensor, low: float | None, high: float | None) -> bool:
     return ok
 
 
+def real_values(name: str, value: object) -> Tensor:
+    """``value`` (numbers, a list of them or a real tensor) as a float64 CPU copy;
+    ``ValueError`` naming ``name`` for anything else: a string, a complex tensor (its
+    imaginary part was dropped), a bool one (read as 0/1), a tensor without data (``meta``)."""
+    if isinstance(value, Tensor) and (value.is_complex() or value.dtype == torch.bool
+                                      or value.device.type == "meta"):
+        raise ValueError(f"Invalid {name}: a {value.dtype} tensor on {value.device} (expected "
+                         f"real numbers)")
+    try:
+        probe = torch.as_tensor(value)  # its own dtype: complex or bool refused below
+        out = (value.detach() if isinstance(value, Tensor)  # numbers straight to float64
+               else torch.as_tensor(value, dtype=torch.float64))
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        raise ValueError(f"Invalid {name}: {short_repr(value)} (expected real numbers, e.g. a "
+                         f"list of floats)") from None
+    if probe.is_complex() or probe.dtype == torch.bool:
+        raise ValueError(f"Invalid {name}: {short_repr(value)} (expected real numbers, not "
+                         f"{probe.dtype})")
+    return out.to(device="cpu", dtype=torch.float64, copy=True)
+
+
 def as_task_vector(name: str, value: Sequence[float] | Tensor, num_tasks: int | None = None,
                    low: float | None = None, high: float | None = None) -> Tensor:
     """A per-task setting: one finite number per task ``[K]`` (float64 copy), optionally
     within ``[low, high]``; with ``num_tasks`` the length must be ``K``."""
-    vec = torch.as_tensor(value, dtype=torch.float64).detach().clone()
+    vec = real_values(name, value)
     if vec.dim() != 1 or vec.numel() == 0:
         raise ValueError(
             f"Invalid {name}: shape {tuple(vec.shape)} (expected a 1-D list of K numbers)"
@@ -167,7 +188,7 @@ def as_pref(name: str, value: object) -> Tensor | None:
     """A preference vector given at construction (shape only; its length is checked per call)."""
     if value is None:
         return None
-    vec = torch.as_tensor(value, dtype=torch.float64).detach().clone().reshape(-1)
+    vec = real_values(name, value).reshape(-1)
     if vec.numel() == 0 or not bool(torch.isfinite(vec).all()) or bool((vec < 0).any()):
         raise ValueError(f"Invalid {name}: {vec.tolist()} (expected K finite numbers >= 0)")
     return vec
@@ -182,7 +203,7 @@ def check_pref(name: str, value: Tensor | None, num_tasks: int, default: float) 
             f"Invalid {name}: {value.numel()} entries for {num_tasks} tasks (expected one entry "
             f"per task)"
         )
-    vec = value.detach().to(device="cpu", dtype=torch.float64).reshape(-1)
+    vec = real_values(name, value).reshape(-1)
     if not bool(torch.isfinite(vec).all()) or bool((vec < 0).any()):
         raise ValueError(f"Invalid {name}: {vec.tolist()} (expected finite numbers >= 0)")
     return vec
@@ -236,6 +257,11 @@ def as_loss_vector(name: str, value: Tensor | Sequence[Tensor],
         raise ValueError(
             f"{name} must be a 1-D tensor or a list of scalar tensors, got "
             f"{type(value).__name__}"
+        )
+    if vector.is_complex() or vector.dtype == torch.bool:  # autograd's error came mid-step
+        raise ValueError(
+            f"{name} has dtype {vector.dtype}; task losses are real numbers (a complex loss: "
+            f"take its real part or its abs())"
         )
     if num_tasks is not None and vector.numel() != num_tasks:
         raise ValueError(

@@ -37,6 +37,7 @@ from ._checks import (
     check_int,
     check_optional_num_tasks,
     check_parameters_unchanged,
+    module_list,
     param_signatures,
 )
 from ._coverage import (
@@ -58,7 +59,7 @@ from ._step_state import GradWatch, StepCounter
 from ._threads import StepOwner
 from .balancers import balancer_names
 from .balancers._base import Balancer
-from .balancers._checks import check_balancer
+from .balancers._checks import check_balancer, check_balancer_tasks
 from .clip._checks import check_row_clipper
 from .clip._protocol import RowClipper
 from .distributed import (
@@ -192,6 +193,8 @@ class TaskGradBuffer:
             return
         shared = as_parameter_list("shared_params", shared_params)
         heads = as_parameter_list("head_params", head_params, allow_empty=True)
+        if modules is not None:  # every mode names parameters from them: a wrong type is
+            module_list(modules)  # refused here, not silently ignored
         names = _module_names(modules)
         refuse_complex("shared_params", shared, names)
         refuse_complex("head_params", heads, names)
@@ -416,6 +419,8 @@ class TaskGradBuffer:
                 "micro-batch first"
             )
         check_balancer("balancer", balancer)
+        if not masked:  # a mask's sub-problem is checked by the masked balancer
+            check_balancer_tasks(balancer, self._losses.shape[0])
         check_row_clipper("clip", clip)
         if scaler is not self._scaler:
             raise ValueError(

@@ -6,7 +6,7 @@ from __future__ import annotations
 from .._checks import short_repr
 from ._base import Balancer
 
-__all__ = ["check_balancer"]
+__all__ = ["check_balancer", "check_balancer_tasks"]
 
 
 def check_balancer(name: str, value: object) -> None:
@@ -30,3 +30,16 @@ def check_balancer(name: str, value: object) -> None:
         f"object, e.g. {name} = gradbalance.get_balancer('mgda', num_tasks=K), or an "
         f"instance of a Balancer subclass)"
     )
+
+
+def check_balancer_tasks(balancer: Balancer, k: int) -> None:
+    """``ValueError`` before anything moves when ``balancer`` is built for, or tracks in its
+    state, another number of tasks than the step's ``k`` (the step is kept: pass the right
+    balancer and call again)."""
+    if balancer.num_tasks is not None and balancer.num_tasks != k:
+        raise ValueError(
+            f"balancer {type(balancer).__name__} was built with num_tasks="
+            f"{balancer.num_tasks} but the step has {k} task losses; pass a balancer built "
+            f"for {k} tasks (the step is kept: call apply_ again)"
+        )
+    balancer.check_tracked_tasks(k)

@@ -165,6 +165,24 @@ class _Vaccination:
         return w
 
 
+def _checked_groups(groups: object) -> list[int]:
+    """``groups``: a non-empty sequence of positive ints (parameter counts); ``ValueError``
+    naming it otherwise (a float or a bool was truncated to an int, a number or a string gave
+    Python's error)."""
+    sizes: list[object] = []
+    if isinstance(groups, Tensor) and groups.dim() == 1 and not groups.is_floating_point():
+        sizes = list(groups.tolist())
+    elif isinstance(groups, (list, tuple)):
+        sizes = list(groups)
+    if not sizes or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0
+                            for n in sizes):
+        raise ValueError(
+            f"Invalid groups: {groups!r} (expected positive parameter counts, integers, e.g. "
+            f"[p.numel() for p in trunk.parameters()])"
+        )
+    return [int(n) for n in sizes]  # type: ignore[call-overload]
+
+
 class GradVac(OwnedGeneratorState):
     """GradVac (Wang et al. 2021): ``g = Σᵢ g_i^PC``, cosines lifted to EMA targets.
 
@@ -225,12 +243,7 @@ class GradVac(OwnedGeneratorState):
         eps = check_range("eps", eps, 0.0, None)
         max_step = check_range("max_step", max_step, 0.0, None, low_open=True)
         if groups is not None:
-            groups = [int(n) for n in groups]
-            if not groups or any(n <= 0 for n in groups):
-                raise ValueError(
-                    f"Invalid groups: {groups} (expected positive parameter counts, e.g. "
-                    f"[p.numel() for p in trunk.parameters()])"
-                )
+            groups = _checked_groups(groups)
         self.beta = float(beta)
         self.eps = float(eps)
         self.max_step = float(max_step)

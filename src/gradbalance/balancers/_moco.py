@@ -8,7 +8,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from .._checks import check_choice, check_range
+from .._checks import check_bool, check_choice, check_range
 from .._shard import Shard, sharded_unit_rows
 from ..gramian import compute_gramian, unit_rows
 from ._base import Balancer, Combination
@@ -134,7 +134,7 @@ class MoCo(Balancer):
         self.rho = check_range("rho", rho, 0.0, None)
         check_choice("lambda_update", lambda_update, ("projection", "softmax"))
         self.lambda_update: LambdaUpdate = lambda_update
-        self.normalize_grads = bool(normalize_grads)
+        self.normalize_grads = check_bool("normalize_grads", normalize_grads)
         self.needs_losses = self.normalize_grads
         self.register_state("_y", None, optional=True, like_rows=True)
         self.register_state("_lambda", None, optional=True, per_task=True)

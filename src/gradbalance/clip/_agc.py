@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-from .._checks import check_bool, check_positive
+from .._checks import check_bool, check_positive, tensor_list
 from .._types import NonFiniteGradientError
 from ._params import (
     check_leaves,
@@ -71,7 +71,7 @@ def adaptive_clip_grad_(parameters: Iterable[Tensor] | Tensor, clip_factor: floa
     """
     check_positive("clip_factor", clip_factor)
     eps = check_positive("eps", eps, allow_zero=True, hint=", e.g. 1e-3")
-    excluded = list(exclude)
+    excluded = tensor_list("exclude", exclude)
     check_leaves("exclude", excluded)
     skip = {id(p) for p in excluded}
     params = params_with_grads(parameters)
@@ -149,7 +149,7 @@ class AGC(_Stateless):
                  exclude: Iterable[Tensor] = (), error_if_nonfinite: bool = False) -> None:
         self.clip_factor = check_positive("clip_factor", clip_factor)
         self.eps = check_positive("eps", eps, allow_zero=True, hint=", e.g. 1e-3")
-        self.exclude = list(exclude)
+        self.exclude = tensor_list("exclude", exclude)
         check_leaves("exclude", self.exclude)
         self.error_if_nonfinite = check_bool("error_if_nonfinite", error_if_nonfinite)
 

@@ -31,6 +31,13 @@ def params_with_grads(parameters: Iterable[Tensor] | Tensor) -> list[Tensor]:
     which clipping would silently skip."""
     params = tensor_list("parameters", parameters)
     check_leaves("parameters", params)
+    seen: dict[int, int] = {}
+    for i, p in enumerate(params):
+        if id(p) in seen:  # its norm counted twice and the factor applied twice
+            raise ValueError(
+                f"parameters[{i}] (shape {tuple(p.shape)}) is parameters[{seen[id(p)]}] again; "
+                f"pass each parameter once (e.g. list(dict.fromkeys(params)))")
+        seen[id(p)] = i
     for i, p in enumerate(params):
         if p.grad is None and not p.requires_grad:
             raise ValueError(

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .._checks import as_parameter_list, check_module, check_positive
+from .._checks import as_parameter_list, check_bool, check_module, check_positive
 from .._types import NonFiniteGradientError
 from ..taskgrads import task_gradients
 from ._own_optimizer import OptimizerFactory, OwnOptimizerWeighting
@@ -115,7 +115,7 @@ class GradNorm(OwnOptimizerWeighting):
         if self.min_weight >= 1.0:
             raise ValueError(f"Invalid min_weight: {min_weight!r} (expected < 1, the mean "
                              f"weight)")
-        self.renormalize = bool(renormalize)
+        self.renormalize = check_bool("renormalize", renormalize)
         if isinstance(layer, nn.Module):
             self.layer_params = last_layer_parameters(layer)
         else:

@@ -7,7 +7,13 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .._checks import check_int, check_nonnegative_losses, check_positive, task_value_vectors
+from .._checks import (
+    check_int,
+    check_nonnegative_losses,
+    check_positive,
+    real_values,
+    task_value_vectors,
+)
 from ._base import LossWeighting, times_weights
 
 __all__ = ["STCH", "stch_weights"]
@@ -97,7 +103,7 @@ class STCH(LossWeighting):
         k = self.num_tasks
         if value is None:
             return torch.ones(k, dtype=torch.float64, device=self.device)
-        v = torch.as_tensor(value, dtype=torch.float64).detach().clone().to(self.device)
+        v = real_values(argname, value).to(self.device)
         if v.shape != (k,) or not bool(torch.isfinite(v).all()) or not bool((v > 0).all()):
             raise ValueError(f"Invalid {argname}: {v.tolist()} (expected {k} finite numbers "
                              f"> 0, one per task)")

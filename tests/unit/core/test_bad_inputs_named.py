@@ -1,0 +1,116 @@
+"""Bad inputs refused by name before anything moves: a complex loss, a balancer built for
+another K at ``apply_``, a parameter given twice to a clipper, truthy stand-ins for flags,
+complex or bool per-task vectors, non-integer GradVac groups, a ``modules`` that is not a
+module. Each was accepted (silently misread) or failed after the step had moved."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gradbalance as gb
+from gradbalance import balancers as B
+from gradbalance import weighting as W
+from gradbalance.clip import AGC, AutoClip
+
+
+def _model() -> tuple[torch.nn.Module, torch.nn.ModuleList]:
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 3), torch.nn.ModuleList(torch.nn.Linear(3, 1) for _ in range(2))
+
+
+def _losses(trunk: torch.nn.Module, heads: torch.nn.ModuleList) -> torch.Tensor:
+    f = trunk(torch.randn(8, 4, generator=torch.Generator().manual_seed(1)))
+    return torch.stack([h(f).pow(2).mean() for h in heads])
+
+
+def _grads(params: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    return [None if p.grad is None else p.grad.clone() for p in params]
+
+
+def _same(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> bool:
+    return all((x is None and y is None) or (x is not None and y is not None
+                                             and torch.equal(x, y)) for x, y in zip(a, b))
+
+
+def test_a_complex_loss_is_refused_and_the_step_kept() -> None:
+    trunk, heads = _model()
+    params = [*trunk.parameters(), *heads.parameters()]
+    buf = gb.TaskGradBuffer(list(trunk.parameters()), list(heads.parameters()))
+    buf.backward(_losses(trunk, heads) / 2)
+    before, state = _grads(params), buf.state_dict()
+    with pytest.raises(ValueError, match=r"losses has dtype torch\.complex64"):
+        buf.backward(_losses(trunk, heads).to(torch.complex64) / 2)
+    assert _same(before, _grads(params)) and buf.state_dict() == state and buf.in_step
+    buf.backward(_losses(trunk, heads) / 2)  # the retry goes on with micro-batch 1 kept
+    assert buf.apply_(B.Sum()).num_backward == 2
+
+
+def test_a_balancer_for_another_k_is_refused_at_apply_and_the_step_kept() -> None:
+    trunk, heads = _model()
+    params = [*trunk.parameters(), *heads.parameters()]
+    buf = gb.TaskGradBuffer(list(trunk.parameters()), list(heads.parameters()))
+    buf.backward(_losses(trunk, heads))
+    before, state = _grads(params), buf.state_dict()
+    with pytest.raises(ValueError, match=r"built with num_tasks=3 but the step has 2 task "):
+        buf.apply_(B.UPGrad(num_tasks=3))
+    assert _same(before, _grads(params)) and buf.state_dict() == state and buf.in_step
+    buf.apply_(B.UPGrad())  # "fix the call and repeat it"
+    assert all(p.grad is not None for p in trunk.parameters())
+
+
+@pytest.mark.parametrize("make", [lambda: AutoClip(percentile=50), lambda: AGC()],
+                         ids=["autoclip", "agc"])
+def test_a_parameter_given_twice_to_a_clipper_is_refused(make) -> None:
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.full((3,), 2.0)
+    clip = make()
+    with pytest.raises(ValueError, match=r"parameters\[1\] \(shape \(3,\)\) is parameters\[0\]"):
+        clip([p, p])
+    assert torch.equal(p.grad, torch.full((3,), 2.0))
+
+
+@pytest.mark.parametrize("flag", ["False", float("nan"), [1.0], 1])
+def test_flags_take_only_true_or_false(flag: object) -> None:
+    with pytest.raises(ValueError, match=r"Invalid normalize_grads.*expected True or False"):
+        B.MoCo(normalize_grads=flag)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"Invalid renormalize.*expected True or False"):
+        W.GradNorm(2, torch.nn.Linear(2, 2), renormalize=flag)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", [torch.tensor([1 + 5j, 1 + 0j]), torch.tensor([True, False]),
+                                   "ab"], ids=["complex", "bool", "str"])
+@pytest.mark.parametrize("make", [
+    lambda v: B.Constant(v), lambda v: B.UPGrad(pref=v), lambda v: B.DualProj(pref=v),
+    lambda v: B.SDMGrad(pref_vector=v), lambda v: B.CRMOGM(initial_weights=v),
+    lambda v: B.GradDrop(leak=v), lambda v: W.FAMO(2, min_losses=v),
+    lambda v: W.STCH(2, nadir=v), lambda v: W.STCH(2, preference=v),
+], ids=["constant", "upgrad", "dualproj", "sdmgrad", "crmogm", "graddrop", "famo",
+        "stch-nadir", "stch-pref"])
+def test_per_task_vectors_take_only_real_numbers(make, value: object) -> None:
+    with pytest.raises(ValueError, match=r"Invalid \w+: .*expected"):
+        make(value)
+
+
+def test_a_list_of_floats_is_read_in_float64() -> None:
+    # numbers go straight to float64 (not through float32): 0.1 stays 0.1
+    assert float(B.Constant([0.1, 0.2])._weights[0]) == 0.1
+
+
+@pytest.mark.parametrize("groups", [[1.9, 2.9], [True, True], 3, "abc", torch.tensor(4),
+                                    torch.tensor([1.5, 2.0]), []])
+def test_gradvac_groups_must_be_positive_integers(groups: object) -> None:
+    with pytest.raises(ValueError, match=r"Invalid groups: .*integers"):
+        B.GradVac(num_tasks=2, groups=groups)  # type: ignore[arg-type]
+
+
+def test_gradvac_groups_as_an_integer_tensor() -> None:
+    assert B.GradVac(num_tasks=2, groups=torch.tensor([2, 3])).groups == [2, 3]
+
+
+@pytest.mark.parametrize("modules", ["trunk", 3, [1, 2], {"a": torch.nn.Linear(2, 2)}])
+def test_modules_of_another_type_are_refused_in_every_mode(modules: object) -> None:
+    trunk, heads = _model()
+    with pytest.raises(ValueError, match=r"Invalid modules: .*expected an nn\.Module"):
+        gb.TaskGradBuffer(list(trunk.parameters()), list(heads.parameters()),
+                          modules=modules)  # type: ignore[arg-type]
