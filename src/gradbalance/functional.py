@@ -16,6 +16,14 @@ Example:
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from ._checks import check_square
 from .balancers._alignedmtl import alignedmtl_weights
 from .balancers._base import combine_rows
 from .balancers._cagrad import cagrad_weights
@@ -58,6 +66,54 @@ from .weighting._gls import gls_weights
 from .weighting._gradnorm import gradnorm_targets
 from .weighting._scale_invariant import scale_invariant_weights
 from .weighting._stch import stch_weights
+
+_Kernel = TypeVar("_Kernel", bound=Callable[..., Any])
+
+
+def _on_checked_gramian(kernel: _Kernel) -> _Kernel:
+    """``kernel`` with its ``gramian`` argument checked first: a tensor, square, finite, a
+    non-negative diagonal (one host sync) and read as its values (detached): a NaN on the
+    diagonal gave near-uniform weights, ``−G`` uniform or zero ones, a Gramian that required
+    grad weights carrying a graph or torch's error."""
+    where = list(inspect.signature(kernel).parameters).index("gramian")
+
+    @functools.wraps(kernel)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        args_list = list(args)
+        given = args_list[where] if len(args_list) > where else kwargs.get("gramian")
+        gramian = check_square("gramian", given).detach()
+        finite, signed = torch.stack([torch.isfinite(gramian).all(),
+                                      (torch.diagonal(gramian) >= 0).all()]).tolist()
+        if not finite:
+            raise ValueError("gramian holds inf or NaN; compute it from finite task gradients "
+                             "(gradbalance.functional.is_finite_gramian tells)")
+        if not signed:
+            raise ValueError(f"gramian has negative diagonal entries "
+                             f"({torch.diagonal(gramian).min().item():.3g}), which are squared "
+                             f"norms: pass G Gᵀ (compute_gramian of the task gradients)")
+        if len(args_list) > where:
+            args_list[where] = gramian
+        else:
+            kwargs["gramian"] = gramian
+        return kernel(*args_list, **kwargs)
+    return checked  # type: ignore[return-value]
+
+
+alignedmtl_weights = _on_checked_gramian(alignedmtl_weights)
+cagrad_weights = _on_checked_gramian(cagrad_weights)
+config_weights = _on_checked_gramian(config_weights)
+dualproj_weights = _on_checked_gramian(dualproj_weights)
+fairgrad_weights = _on_checked_gramian(fairgrad_weights)
+gradvac_coefficients = _on_checked_gramian(gradvac_coefficients)
+imtlg_weights = _on_checked_gramian(imtlg_weights)
+krum_weights = _on_checked_gramian(krum_weights)
+mgda_weights = _on_checked_gramian(mgda_weights)
+modo_step = _on_checked_gramian(modo_step)
+nashmtl_weights = _on_checked_gramian(nashmtl_weights)
+pcd_weights = _on_checked_gramian(pcd_weights)
+pcgrad_coefficients = _on_checked_gramian(pcgrad_coefficients)
+sdmgrad_weights = _on_checked_gramian(sdmgrad_weights)
+upgrad_weights = _on_checked_gramian(upgrad_weights)
 
 __all__ = [
     "adaptive_clip_grad_", "alignedmtl_weights", "cagrad_weights", "clip_task_norms_",

@@ -220,6 +220,10 @@ def cosine_matrix(gram: Tensor, eps: float = 0.0) -> Tensor:
         >>> cosine_matrix(gram)[0, 1]  # 8 / (5 * 2)
         tensor(0.8000)
     """
+    if not isinstance(gram, Tensor) or gram.dim() != 2 or gram.shape[0] != gram.shape[1]:
+        found = tuple(gram.shape) if isinstance(gram, Tensor) else type(gram).__name__
+        raise ValueError(f"gram must be a [K, K] Gramian, got {found}; pass "
+                         f"compute_gramian(matrix)")
     norms = torch.diagonal(gram).clamp_min(0).sqrt()
     zero = norms <= eps * norms.max() if norms.numel() else norms > 0
     safe = torch.where(zero, torch.ones_like(norms), norms)

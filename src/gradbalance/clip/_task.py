@@ -31,6 +31,9 @@ def row_norms(matrix: Tensor, norm_type: float = 2.0) -> Tensor:
         >>> row_norms(G), row_norms(G, norm_type=float("inf"))
         (tensor([5., 2.]), tensor([4., 2.]))
     """
+    if not isinstance(matrix, Tensor) or matrix.dim() != 2:
+        found = tuple(matrix.shape) if isinstance(matrix, Tensor) else type(matrix).__name__
+        raise ValueError(f"matrix must be [K, P] (one task gradient per row), got {found}")
     return overflow_safe_norm(matrix, norm_type, dim=1)
 
 

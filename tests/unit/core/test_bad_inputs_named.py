@@ -114,3 +114,46 @@ def test_modules_of_another_type_are_refused_in_every_mode(modules: object) -> N
     with pytest.raises(ValueError, match=r"Invalid modules: .*expected an nn\.Module"):
         gb.TaskGradBuffer(list(trunk.parameters()), list(heads.parameters()),
                           modules=modules)  # type: ignore[arg-type]
+
+
+KERNELS = ["alignedmtl_weights", "cagrad_weights", "config_weights", "dualproj_weights",
+           "fairgrad_weights", "imtlg_weights", "mgda_weights", "nashmtl_weights",
+           "pcd_weights", "sdmgrad_weights", "upgrad_weights"]
+
+
+def _gram() -> torch.Tensor:
+    rows = torch.randn(3, 5, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    return rows @ rows.T
+
+
+EXTRA = {"pcd_weights": lambda: (torch.full((2,), 0.1, dtype=torch.float64),),
+         "sdmgrad_weights": lambda: (torch.full((3,), 1 / 3, dtype=torch.float64),
+                                     torch.full((3,), 1 / 3, dtype=torch.float64))}
+
+
+@pytest.mark.parametrize("name", KERNELS)
+def test_functional_kernels_refuse_a_gramian_that_is_not_one(name: str) -> None:
+    from gradbalance import functional
+    base = getattr(functional, name)
+    extra = EXTRA.get(name, lambda: ())()
+
+    def kernel(gram: torch.Tensor) -> object:
+        return base(gram, *extra)
+    nan = _gram()
+    nan[1, 1] = float("nan")
+    with pytest.raises(ValueError, match="gramian holds inf or NaN"):
+        kernel(nan)
+    with pytest.raises(ValueError, match="gramian has negative diagonal entries"):
+        kernel(-_gram())
+    held = _gram().requires_grad_(True)  # read as its values: no graph in the answer
+    out = kernel(held)
+    first = out[0] if isinstance(out, tuple) else out
+    assert not first.requires_grad
+
+
+def test_row_norms_and_cosine_matrix_name_a_wrong_shape() -> None:
+    from gradbalance.functional import cosine_matrix, row_norms
+    with pytest.raises(ValueError, match=r"matrix must be \[K, P\]"):
+        row_norms(torch.ones(3))
+    with pytest.raises(ValueError, match=r"gram must be a \[K, K\] Gramian"):
+        cosine_matrix(torch.ones(3))
