@@ -47,11 +47,26 @@ def task_labels(task_names: Sequence[str] | None, num_tasks: int) -> list[str]:
 
 
 def _check_pre_clip(pre_clip: object) -> None:
-    """None, a number or a tensor (``ValueError`` naming ``pre_clip`` otherwise)."""
-    if not (pre_clip is None or isinstance(pre_clip, Tensor)
+    """None, a number or a one-number tensor (``ValueError`` naming ``pre_clip`` otherwise)."""
+    if not (pre_clip is None or (isinstance(pre_clip, Tensor) and pre_clip.numel() == 1)
             or (isinstance(pre_clip, (int, float)) and not isinstance(pre_clip, bool))):
-        raise ValueError(f"Invalid pre_clip: {pre_clip!r} (expected None or the global norm "
-                         f"clip_grad_norm_ returned)")
+        shown = (f"a tensor of shape {tuple(pre_clip.shape)}" if isinstance(pre_clip, Tensor)
+                 else repr(pre_clip))
+        raise ValueError(f"Invalid pre_clip: {shown} (expected None or the global norm "
+                         f"clip_grad_norm_ returned, one number)")
+
+
+def _check_logged_step(stats: object, amp_skipped: object) -> None:
+    """``stats`` a :class:`StepStats`, ``amp_skipped`` None, True or False (or a one-element
+    tensor; a string was logged as a skipped step)."""
+    if not isinstance(stats, StepStats):
+        raise ValueError(f"Invalid stats: a {type(stats).__name__} (expected the StepStats "
+                         f"that apply_ or balanced_backward returned)")
+    if amp_skipped is not None and not isinstance(amp_skipped, bool) and not (
+            isinstance(amp_skipped, Tensor) and amp_skipped.numel() == 1
+            and not amp_skipped.is_complex()):
+        raise ValueError(f"Invalid amp_skipped: {amp_skipped!r} (expected None, True or "
+                         f"False)")
 
 
 def _weights_of(stats: StepStats, weights: Tensor | None) -> Tensor | None:
@@ -143,6 +158,7 @@ def stats_to_dict(
         {'loss/depth': 0.5, 'size/depth': 3.0, 'loss/seg': 2.0, 'size/seg': 4.0,
          'amp_skipped': 0.0}
     """
+    _check_logged_step(stats, amp_skipped)
     stats = stats if stats.per_task is None else stats.per_task
     names = task_labels(task_names, stats.num_tasks)
     _check_pre_clip(pre_clip)
@@ -363,6 +379,9 @@ class CSVLogger:
         self.task_names = None if task_names is None else task_labels(
             task_names, len(task_names) if not isinstance(task_names, str) else 0)
         self.path = os.fspath(path)
+        if os.path.isdir(self.path):
+            raise ValueError(f"CSVLogger: {self.path!r} is a directory; pass a file path in it, "
+                             f"e.g. CSVLogger(os.path.join({self.path!r}, 'run.csv'))")
         self._columns: list[str] | None = (_header_of(self.path)
                                            if check_bool("append", append) else None)
         self._file = open(self.path, "a" if append else "w", newline="")  # noqa: SIM115

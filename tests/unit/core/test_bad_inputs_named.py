@@ -157,3 +157,19 @@ def test_row_norms_and_cosine_matrix_name_a_wrong_shape() -> None:
         row_norms(torch.ones(3))
     with pytest.raises(ValueError, match=r"gram must be a \[K, K\] Gramian"):
         cosine_matrix(torch.ones(3))
+
+
+def test_logging_helpers_name_their_bad_arguments(tmp_path) -> None:
+    trunk, heads = _model()
+    stats = gb.balanced_backward(_losses(trunk, heads), B.UPGrad(),
+                                 shared_params=trunk.parameters(),
+                                 head_params=heads.parameters())
+    with pytest.raises(ValueError, match="Invalid amp_skipped: 'no'"):
+        gb.stats_to_dict(stats, amp_skipped="no")  # type: ignore[arg-type]
+    assert gb.stats_to_dict(stats, amp_skipped=torch.tensor(True))["amp_skipped"] == 1.0
+    with pytest.raises(ValueError, match=r"Invalid pre_clip: a tensor of shape \(2,\)"):
+        gb.stats_to_dict(stats, pre_clip=torch.ones(2))
+    with pytest.raises(ValueError, match="Invalid stats: a dict"):
+        gb.stats_to_dict({"losses": torch.ones(2)})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="is a directory"):
+        gb.CSVLogger(tmp_path)
