@@ -67,22 +67,29 @@ def check_optional_int(name: str, value: int | None, low: int,
     return None if value is None else check_int(name, value, low, hint)
 
 
-def check_positive_int(name: str, value: int, hint: str = "") -> int:
-    """A positive int (not a bool); ``hint`` ends the message."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"Invalid {name}: {value!r} (expected a positive int{hint})")
+def check_positive_int(name: str, value: int, hint: str = "", high: int | None = None) -> int:
+    """A positive int (not a bool), at most ``high`` where given; ``hint`` ends the
+    message."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (
+            high is not None and value > high):
+        most = "" if high is None else f" <= {high}"
+        raise ValueError(f"Invalid {name}: {value!r} (expected a positive int{most}{hint})")
     return value
+
+
+#: The most tasks a setting takes (a tensor dimension: ``K`` past it overflowed in torch).
+MAX_TASKS = 2**31 - 1
 
 
 def check_num_tasks(name: str, value: int) -> int:
     """The number of tasks ``K`` given at construction."""
-    return check_positive_int(name, value, ", the number of tasks K")
+    return check_positive_int(name, value, ", the number of tasks K", MAX_TASKS)
 
 
 def check_optional_num_tasks(name: str, value: int | None) -> int | None:
     """None (inferred later) or the number of tasks ``K`` (:func:`check_num_tasks`)."""
     return None if value is None else check_positive_int(
-        name, value, ", the number of tasks K, or None to infer it")
+        name, value, ", the number of tasks K, or None to infer it", MAX_TASKS)
 
 
 def check_norm_type(name: str, value: float) -> float:
@@ -109,8 +116,8 @@ def check_batch_dim(value: object, or_none: bool = False) -> int:
 
 
 def check_choice(name: str, value: str, options: Sequence[str]) -> str:
-    """One of ``options``."""
-    if value not in options:
+    """One of ``options`` (a string: an array's ``in`` raised NumPy's ambiguity error)."""
+    if not isinstance(value, str) or value not in options:
         raise ValueError(f"Invalid {name}: {value!r} (expected one of {', '.join(options)})")
     return value
 

@@ -7,7 +7,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from .._checks import check_choice, check_square
+from .._checks import check_choice, check_range, check_square
 from ._base import Balancer
 from ._boxqp import CHOLESKY_MAX_COND, INTERIOR_MIN_COLUMNS
 from ._denoise import KeptSpectrum
@@ -147,8 +147,7 @@ class CAGrad(Balancer):
         self, num_tasks: int | None = None, *, c: float = 0.4, rescale: Rescale = "none"
     ) -> None:
         super().__init__(num_tasks)
-        if not 0.0 <= c < 1.0:
-            raise ValueError(f"Invalid c: {c} (expected 0 <= c < 1)")
+        c = check_range("c", c, 0.0, 1.0, high_open=True)
         check_choice("rescale", rescale, ("none", "c2", "c"))
         self.c = float(c)
         self.rescale: Rescale = rescale

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .._checks import check_range, check_square
+from .._checks import check_range, check_square, real_values
 from ._base import Balancer
 from ._boxqp import (
     INTERIOR_MIN_COLUMNS,
@@ -337,7 +337,7 @@ class PCD(Balancer):
             check_range("tau", tau, 0.0, 1.0)
             self.tau: float | Tensor = float(tau)
         else:
-            t = torch.as_tensor(tau, dtype=torch.float64).detach().clone()
+            t = real_values("tau", tau)
             if t.dim() != 1 or not bool(((t >= 0) & (t <= 1)).all()):
                 raise ValueError(
                     f"Invalid tau: {t.tolist()} (expected 0 <= tau <= 1, one number or one per "

@@ -173,3 +173,15 @@ def test_logging_helpers_name_their_bad_arguments(tmp_path) -> None:
         gb.stats_to_dict({"losses": torch.ones(2)})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="is a directory"):
         gb.CSVLogger(tmp_path)
+
+
+@pytest.mark.parametrize("build", [
+    lambda: B.PCD(tau=None), lambda: B.CAGrad(c=torch.tensor([0.1, 0.2])),
+    lambda: B.MGDA(normalization=__import__("numpy").array(["l2", "l2"])),
+    lambda: W.UncertaintyWeighting(10**30), lambda: W.DWA(10**30),
+    lambda: B.UPGrad(num_tasks=10**30),
+], ids=["pcd-tau-none", "cagrad-c-tensor", "mgda-numpy-choice", "uncertainty-huge-k",
+        "dwa-huge-k", "upgrad-huge-k"])
+def test_constructor_arguments_of_the_wrong_kind_are_named(build) -> None:
+    with pytest.raises(ValueError, match=r"Invalid (tau|c|normalization|num_tasks): "):
+        build()
