@@ -30,11 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ._amp import poison_, scale_of
-from ._checks import (
-    as_parameter_list,
-    check_batch_dim,
-    check_int,
-)
+from ._checks import as_parameter_list, check_batch_dim, check_int
 from ._coverage import (
     Coverage,
     _module_names,
@@ -393,24 +389,18 @@ class PerSampleBuffer:
         step, every ``.grad`` and state back as before it."""
         written = [p for p, g in [*zip(self.shared, update.trunk),
                                   *zip(self.head_params, update.heads)] if g is not None]
-        hooked = bool(hooked_after_accumulation(written))
-        before, mark = (GradSnapshot(written) if hooked else None), self._cache.mark()
-        heads_before = self._heads_before
+        hooks, mark = _Hooks(written, self._heads_before), self._cache.mark()
         self._write(update.trunk, self._unwritten(update.heads), update.owned)
         if self._reused:
             self._cache.reused(balancer)
         else:
             self._cache.refreshed(update.stats.weights, balancer)
-        if before is not None:  # the step wrote .grad itself: its hooks run here
-            try:
-                fire_post_accumulate_hooks(written, {id(p) for p in written})
-            except BaseException:  # the step dropped, as on the task route
-                before.restore()
-                if heads_before is not None:
-                    heads_before.restore()
-                self._cache.rewind(mark)
-                saved.restore()
-                raise
+        try:
+            hooks.run()
+        except BaseException:  # the step dropped, as on the task route
+            self._cache.rewind(mark)
+            saved.restore()
+            raise
 
     def _step(self) -> PerSampleStep:
         """The step; with one micro-batch whose layers' operands were kept, its update
@@ -472,19 +462,11 @@ class PerSampleBuffer:
         non-finite, then their post-accumulate-grad hooks (as a plain backward runs them,
         overflow or not); a hook that raises drops the step, every ``.grad`` back."""
         written = [*self.shared, *(p for p, h in zip(self.head_params, heads) if h is not None)]
-        hooked = bool(hooked_after_accumulation(written))
-        before, heads_before = (GradSnapshot(written) if hooked else None), self._heads_before
+        hooks = _Hooks(written, self._heads_before)
         self._write([torch.zeros_like(p) for p in self.shared], self._unwritten(heads),
                     owned=True)
         poison_([p.grad for p in written if p.grad is not None])
-        if before is not None:
-            try:
-                fire_post_accumulate_hooks(written, {id(p) for p in written})
-            except BaseException:
-                before.restore()
-                if heads_before is not None:
-                    heads_before.restore()
-                raise
+        hooks.run()
 
     @property
     def in_step(self) -> bool:
@@ -559,6 +541,27 @@ class PerSampleBuffer:
         self._scaler, self._scale = None, None
         self._tasks, self._reused = 0, False
         self.gramian.clear()
+
+
+class _Hooks:
+    """The post-accumulate-grad hooks of the parameters ``apply_`` writes, run after the
+    write (:meth:`run`); where one raises, every ``.grad`` goes back as before the write and
+    the heads' as before the step (``heads_before``), then the error is raised."""
+
+    def __init__(self, written: list[Tensor], heads_before: GradSnapshot | None) -> None:
+        self.written, self.heads_before = written, heads_before
+        self.before = GradSnapshot(written) if hooked_after_accumulation(written) else None
+
+    def run(self) -> None:
+        if self.before is None:  # no hook: nothing to run or put back
+            return
+        try:
+            fire_post_accumulate_hooks(self.written, {id(p) for p in self.written})
+        except BaseException:
+            self.before.restore()
+            if self.heads_before is not None:
+                self.heads_before.restore()
+            raise
 
 
 def _add(total: Tensor | None, part: Tensor | None) -> Tensor | None:
