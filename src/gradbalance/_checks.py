@@ -167,7 +167,35 @@ def real_values(name: str, value: object) -> Tensor:
     if probe.is_complex() or probe.dtype == torch.bool:
         raise ValueError(f"Invalid {name}: {short_repr(value)} (expected real numbers, not "
                          f"{probe.dtype})")
+    if _holds_flag(value):  # ``[True, 2.0]``: torch reads the flag as 1.0
+        raise ValueError(f"Invalid {name}: {short_repr(value)} (expected real numbers, not "
+                         f"True/False among them)")
     return out.to(device="cpu", dtype=torch.float64, copy=True)
+
+
+def check_device(name: str, value: object) -> torch.device:
+    """``value`` (a ``torch.device``, a name such as ``"cpu"`` or ``"cuda:0"``, or a
+    non-negative index) as a ``torch.device`` this process can allocate on; ``ValueError``
+    naming ``name`` otherwise (a negative index, an unknown name, CUDA without a GPU)."""
+    try:
+        if isinstance(value, bool) or not isinstance(value, (torch.device, str, int)):
+            raise TypeError
+        device = torch.device(value)
+        if device.type == "meta":
+            raise RuntimeError("a meta device holds no data")
+        torch.empty(0, device=device)  # the device exists here
+    except (TypeError, RuntimeError, AssertionError, ValueError) as error:
+        why = "" if isinstance(error, TypeError) else f": {error}"
+        raise ValueError(f"Invalid {name}: {short_repr(value)}{why} (expected a device this "
+                         f"process can use, such as 'cpu', 'cuda:0' or a torch.device)") from None
+    return device
+
+
+def _holds_flag(value: object) -> bool:
+    """Whether a (nested) list or tuple holds a bool (Python's or NumPy's)."""
+    if isinstance(value, (list, tuple)):
+        return any(_holds_flag(item) for item in value)
+    return type(value).__name__ in ("bool", "bool_")
 
 
 def as_task_vector(name: str, value: Sequence[float] | Tensor, num_tasks: int | None = None,

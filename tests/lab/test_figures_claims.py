@@ -165,6 +165,9 @@ def test_logging_tags_and_skip_flag() -> None:
         assert len(scalars[tag]) == r["steps"], tag
     assert [s for s, v in scalars["amp_skipped"] if v == 1.0] == [r["bad_step"]]
     assert scalars["cos/task0_task1"][-1][1] == pytest.approx(r["check"]["cos"], abs=1e-5)
+    # agree, right angle, opposed: the cosines of (1, 0) with (2, 0), (0, 3), (−1, ½) by hand
+    logged = [got for _, got in r["signs"]]
+    assert logged == pytest.approx([1.0, 0.0, -2.0 / 5.0 ** 0.5], abs=1e-12)
 
 
 #: claims of the texts the measurement does not reproduce (figure -> words of the claim).

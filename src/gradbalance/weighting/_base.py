@@ -16,6 +16,7 @@ from .._checks import (
     GLOBAL_LOSSES_TAG,
     UNDO_OBSERVATION_TAG,
     as_loss_vector,
+    check_device,
     check_int,
     check_num_tasks,
 )
@@ -103,7 +104,7 @@ class LossWeighting(StateModule):
     def __init__(self, num_tasks: int, *, device: torch.device | str | None = None) -> None:
         super().__init__()
         self.num_tasks: int = check_num_tasks("num_tasks", num_tasks)
-        self.device = torch.device("cpu") if device is None else torch.device(device)
+        self.device = torch.device("cpu") if device is None else check_device("device", device)
         self._pending: Tensor | None = None
         self._observation = 0  # counts the pending observations dropped or learned from
 

@@ -16,7 +16,9 @@ overflow, so the scaler skips that step. Every step,
 Checked: every tag of the text is logged every step (``loss/``, ``size/``, ``w/`` per task,
 ``cos/task0_task1``, ``pre_clip``, ``amp_skipped``); ``amp_skipped`` is 1 exactly at the
 overflow step; the logged ``cos/task0_task1`` and ``size/task0`` at the last step equal the
-text's formula on ``G / s`` recomputed independently with :func:`torch.autograd.grad`.
+text's formula on ``G / s`` recomputed independently with :func:`torch.autograd.grad`; and
+``cos/task0_task1`` logged for two task gradients that agree, meet at a right angle and
+oppose each other is 1, 0 and −1/√1.25, their cosines by hand.
 """
 
 from __future__ import annotations
@@ -87,7 +89,28 @@ def compute(quick: bool = False) -> dict[str, Any]:
         skipped = scaler.get_scale() < s
         log_stats(writer, stats, step, pre_clip=pre_clip, amp_skipped=skipped)
     return {"steps": steps, "bad_step": bad_step, "scalars": dict(writer.scalars),
-            "check": check}
+            "check": check, "signs": _sign_cases(log_stats)}
+
+
+#: Two task gradients that agree, meet at a right angle and oppose each other, with their
+#: cosines by hand: 1, 0 and −1/√1.25.
+SIGN_CASES = (((1.0, 0.0), (2.0, 0.0), 1.0), ((1.0, 0.0), (0.0, 3.0), 0.0),
+              ((1.0, 0.0), (-1.0, 0.5), -1.0 / math.sqrt(1.25)))
+
+
+def _sign_cases(log_stats: Any) -> list[tuple[float, float]]:
+    """``(by hand, logged)`` ``cos/task0_task1`` of one balanced step of the losses ``aₖ·θ``
+    (task gradients exactly ``aₖ``) for each of :data:`SIGN_CASES`."""
+    out = []
+    for first, second, expected in SIGN_CASES:
+        theta = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
+        rows = torch.tensor([first, second], dtype=torch.float64)
+        buf = TaskGradBuffer([theta])
+        buf.backward(rows @ theta)
+        writer = RecordingWriter()
+        log_stats(writer, buf.apply_(get_balancer("mean")), 0)
+        out.append((expected, writer.scalars["cos/task0_task1"][0][1]))
+    return out
 
 
 EXPECTED_TAGS = ([f"loss/task{k}" for k in range(K)] + [f"size/task{k}" for k in range(K)]
@@ -114,11 +137,16 @@ def claims(result: dict[str, Any]) -> list[Claim]:
         Claim("§13 amp_skipped marks the step the scaler dropped",
               f"skipped at {skipped_at} (overflow injected at {result['bad_step']})",
               skipped_at == [result["bad_step"]]),
-        Claim("§13 the logged cosine and size are the text's formula on G / s",
+        Claim("§13 the logged cosine and size are the text's formula on G / s (check)",
               f"cos {last_cos:.6f} vs {check['cos']:.6f}; size {last_size:.6f} vs "
               f"{check['size0']:.6f}",
               abs(last_cos - check["cos"]) < 1e-5
               and abs(last_size / check["size0"] - 1) < 1e-5),
+        Claim("§13 cosine similarity is 1 when they agree, 0 at a right angle, negative when "
+              "opposed",
+              "logged vs by hand: " + ", ".join(f"{got:.6f} vs {want:.6f}"
+                                                 for want, got in result["signs"]),
+              all(abs(got - want) < 1e-12 for want, got in result["signs"])),
         Claim("§13 compare each raw loss with that task trained alone, and log how much each "
               "number varies, not only its average", "advice; not run here",
               reason="a recommendation for the reader's own runs, with no outcome the text "

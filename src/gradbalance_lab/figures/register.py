@@ -274,8 +274,8 @@ REGISTER: tuple[Row, ...] = (
     _b("§13", "whether the step was skipped", "amp_skipped at the injected overflow",
        "overflow injected", "logging", "amp_skipped marks"),
     _b("§13", "cosine similarity ... 1 when they agree, 0 at a right angle, negative when "
-       "opposed", "logged value vs the formula on G / s", "as above", "logging",
-       "the logged cosine and size"),
+       "opposed", "logged value vs the value by hand", "two task gradients that agree, "
+       "meet at a right angle, oppose", "logging", "1 when they agree"),
     _b("§13", "The weighted total loss hides all of this", "—", "—",
        measurable=False, reason="a motivation, no outcome stated"),
     _b("§13", "Compare each raw loss with that task trained alone, and log how much each "

@@ -79,7 +79,8 @@ def test_flags_take_only_true_or_false(flag: object) -> None:
 
 
 @pytest.mark.parametrize("value", [torch.tensor([1 + 5j, 1 + 0j]), torch.tensor([True, False]),
-                                   "ab"], ids=["complex", "bool", "str"])
+                                   "ab", [True, 2.0], [0.5, False]],
+                         ids=["complex", "bool", "str", "list-true", "list-false"])
 @pytest.mark.parametrize("make", [
     lambda v: B.Constant(v), lambda v: B.UPGrad(pref=v), lambda v: B.DualProj(pref=v),
     lambda v: B.SDMGrad(pref_vector=v), lambda v: B.CRMOGM(initial_weights=v),
@@ -90,6 +91,19 @@ def test_flags_take_only_true_or_false(flag: object) -> None:
 def test_per_task_vectors_take_only_real_numbers(make, value: object) -> None:
     with pytest.raises(ValueError, match=r"Invalid \w+: .*expected"):
         make(value)
+
+
+@pytest.mark.parametrize("device", [-1, "gpu", True, 2.0, "meta", [0]])
+@pytest.mark.parametrize("make", [W.DWA, W.FAMO, W.UncertaintyWeighting, W.RLW, W.GLS])
+def test_a_weighting_names_a_device_it_cannot_use(make, device: object) -> None:
+    # a negative index or an unknown name gave torch's own message, without the argument
+    with pytest.raises(ValueError, match=r"Invalid device: .*expected a device"):
+        make(2, device=device)
+
+
+def test_a_weighting_takes_the_cpu_by_name_index_free_device_and_default() -> None:
+    for device in ("cpu", torch.device("cpu"), None):
+        assert W.DWA(2, device=device).device == torch.device("cpu")
 
 
 def test_a_list_of_floats_is_read_in_float64() -> None:
