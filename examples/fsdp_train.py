@@ -58,13 +58,22 @@ def state_of(model: nn.Module, opt: torch.optim.Optimizer, balancer: gradbalance
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optim_state = get_state_dict(model, opt)
-    # Each rank's balancer state under its own key, as bytes: a matrix balancer's [K, P]
-    # state holds the rank's columns (docs/distributed.md, "Sharded trunks (FSDP2)").
-    blob = io.BytesIO()
-    torch.save(balancer.state_dict(), blob)
+    # Each rank's balancer and buffer states under its own key, as bytes: a matrix balancer's
+    # [K, P] state holds the rank's columns, and a fresh balancer or buffer has no state
+    # tensors to be the load's template (docs/distributed.md, "Sharded trunks (FSDP2)").
     rank = dist.get_rank() if dist.is_initialized() else 0
-    return {"model": model_state, "optim": optim_state, "buffer": buf.state_dict(),
-            "scaler": scaler.state_dict(), "balancer": {f"rank{rank}": blob.getvalue()}}
+    return {"model": model_state, "optim": optim_state, "scaler": scaler.state_dict(),
+            "local": {f"rank{rank}": {"balancer": blob(balancer), "buffer": blob(buf)}}}
+
+
+def blob(obj: gradbalance.Balancer | gradbalance.TaskGradBuffer) -> bytes:
+    out = io.BytesIO()
+    torch.save(obj.state_dict(), out)
+    return out.getvalue()
+
+
+def unblob(data: bytes) -> dict:
+    return torch.load(io.BytesIO(data), weights_only=True)
 
 
 def main() -> None:
@@ -113,10 +122,9 @@ def main() -> None:
         dcp.load(state, checkpoint_id=args.checkpoint)
         set_state_dict(model, opt, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
-        rank_key = f"rank{dist.get_rank() if sharded else 0}"
-        balancer.load_state_dict(torch.load(io.BytesIO(state["balancer"][rank_key]),
-                                            weights_only=True))
-        buf.load_state_dict(state["buffer"])
+        local = state["local"][f"rank{dist.get_rank() if sharded else 0}"]
+        balancer.load_state_dict(unblob(local["balancer"]))
+        buf.load_state_dict(unblob(local["buffer"]))
         scaler.load_state_dict(state["scaler"])
         start = args.steps // 2
 

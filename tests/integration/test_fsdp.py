@@ -54,7 +54,9 @@ CASES = [
     Case("dbmtl_rank_local_state", dbmtl, local_state=True),
 ]
 RESUME = [Case("gradvac_amp", functools.partial(GradVac, 3), steps=4, amp=True),
-          Case("dbmtl", dbmtl, steps=4, local_state=True)]
+          Case("dbmtl", dbmtl, steps=4, local_state=True),
+          # the buffer's cached weights: a tensor in the checkpoint, none in a fresh buffer
+          Case("update_every_amp", UPGrad, update_every=3, steps=5, amp=True)]
 NAIVE = Case("naive", UPGrad)
 FOUR = [Case("upgrad", UPGrad), Case("pcgrad_sharded_heads", PCGrad, heads_sharded=True)]
 

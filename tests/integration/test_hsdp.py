@@ -42,7 +42,7 @@ CASES = [
          micro=2, mesh=MESH),
     Case("gathered_once_per_step", UPGrad, keep="backward", micro=2, mesh=MESH),
 ]
-RESUME = [Case("upgrad_amp", UPGrad, steps=4, amp=True, mesh=MESH)]
+RESUME = [Case("upgrad_amp", UPGrad, steps=4, amp=True, mesh=MESH, update_every=2)]
 # Each replica's 1-D "shard" submesh as an independent 2-rank job, the buffer on its group
 SUBMESH = [Case("submesh_upgrad", UPGrad, mesh=MESH, submesh=True),
            Case("submesh_pcgrad_amp_overflow", PCGrad, amp=True, overflow=(1, 1), mesh=MESH,

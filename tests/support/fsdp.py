@@ -132,19 +132,28 @@ def _full(t: Tensor) -> Tensor:
 
 def _checkpoint_state(model: nn.Module, opts: list[torch.optim.Optimizer], balancer: Balancer,
                       buf: TaskGradBuffer, scaler: Any) -> dict[str, Any]:
-    """What a resume needs, as torch.distributed.checkpoint takes it (sharded tensors)."""
+    """What a resume needs, as torch.distributed.checkpoint takes it (sharded tensors), as
+    docs/distributed.md ("Checkpoints") writes it."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optim_state = get_state_dict(model, opts)
-    # Keyed by rank: a matrix balancer's [K, P] state holds this rank's columns only; saved
-    # as bytes, so the freshly built balancer (no state yet) can be the template of the load.
+    # Keyed by rank and saved as bytes: a matrix balancer's [K, P] state holds this rank's
+    # columns only, and a freshly built balancer or buffer (no state tensors yet: the buffer's
+    # cached update_every weights) can then be the template of the load.
     rank = dist.get_rank() if dist.is_initialized() else 0
-    blob = io.BytesIO()
-    torch.save(balancer.state_dict(), blob)
     return {"model": model_state, "optim": optim_state,
-            "balancer": {f"rank{rank}": blob.getvalue()},
-            "buffer": buf.state_dict(),
+            "local": {f"rank{rank}": {"balancer": _blob(balancer), "buffer": _blob(buf)}},
             "scaler": {} if scaler is None else scaler.state_dict()}
+
+
+def _blob(obj: Any) -> bytes:
+    out = io.BytesIO()
+    torch.save(obj.state_dict(), out)
+    return out.getvalue()
+
+
+def _unblob(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=True)
 
 
 def _save(path: str, model: nn.Module, opts: list[torch.optim.Optimizer], balancer: Balancer,
@@ -163,9 +172,9 @@ def _load(path: str, model: nn.Module, opts: list[torch.optim.Optimizer], balanc
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, opts, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
-    blob = io.BytesIO(state["balancer"][f"rank{dist.get_rank()}"])
-    balancer.load_state_dict(torch.load(blob, weights_only=True))
-    buf.load_state_dict(state["buffer"])
+    local = state["local"][f"rank{dist.get_rank()}"]
+    balancer.load_state_dict(_unblob(local["balancer"]))
+    buf.load_state_dict(_unblob(local["buffer"]))
     if scaler is not None:
         scaler.load_state_dict(state["scaler"])
 
