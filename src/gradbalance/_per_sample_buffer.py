@@ -52,7 +52,8 @@ from ._step_state import GradWatch, StepCounter
 from .balancers import balancer_names
 from .balancers._base import Balancer
 from .balancers._checks import check_balancer
-from .distributed import check_step_agreement, resolve_process_group
+from .clip import __all__ as _clip_names
+from .distributed import check_step_agreement, class_name, resolve_process_group
 from .modes import ENGINES
 from .modes._amortize import WeightCache
 from .modes._rollback import GradSnapshot, StateSnapshot
@@ -440,8 +441,11 @@ class PerSampleBuffer:
                                  heads=self.head_params, mode="per_sample",
                                  update_every=self._cache.update_every, step=self._steps.count,
                                  count=len(self._losses), reused=self._reused,
-                                 modes=("per_sample", *ENGINES, *balancer_names()),
-                                 balancer=type(balancer).__name__)
+                                 modes=("per_sample", *ENGINES, *balancer_names(),
+                                        *_clip_names),
+                                 balancer=type(balancer).__name__,
+                                 clip=class_name(clip),
+                                 scaled=self._scale is not None)
         return group
 
     def _write(self, trunk: Sequence[Tensor | None], heads: list[Tensor | None],

@@ -100,6 +100,12 @@ class RankAgreementError(RuntimeError):
     """
 
 
+def class_name(obj: object) -> str:
+    """``obj``'s class name as :func:`check_step_agreement` compares it (``"None"`` for
+    None)."""
+    return "None" if obj is None else type(obj).__name__
+
+
 def _code(name: str) -> int:
     """A number every rank computes alike for ``name`` (a mode, a dtype)."""
     return zlib.crc32(name.encode())
@@ -110,7 +116,7 @@ _DTYPE_NAMES = ("torch.float16", "torch.bfloat16", "torch.float32", "torch.float
 
 def _name_of(code: int, local: str, known: Sequence[str]) -> str:
     """The name (this rank's, one of ``known``, a dtype) whose code is ``code``."""
-    for name in (local, *known, *_DTYPE_NAMES):
+    for name in (local, *known, "None", *_DTYPE_NAMES):
         if _code(name) == code:
             return name
     return f"<unknown, code {code}>"
@@ -172,6 +178,9 @@ _STEP_FIELDS: dict[str, tuple[str, str]] = {
              "called reset()) or resumed from another checkpoint; every rank must run every "
              "step"),
     "balancer": ("applies {}", "pass the same balancer class to apply_() on every rank"),
+    "clip": ("clips with {}", "pass the same clip= (or none) to apply_() on every rank"),
+    "scaled": ("{}", "pass an enabled GradScaler to backward() and apply_() on every rank or "
+               "on none (an unscaled rank's gradients would be averaged with scaled ones)"),
     "masked": ("passes active={}", "pass active= on every rank or on none (the masks are "
                "combined: a task active on any rank is active)"),
     "count": ("has {} backward() call(s) in this step",
@@ -194,6 +203,8 @@ def _reads(key: str, value: int, names: dict[str, str], modes: Sequence[str]) ->
         return "reuses cached weights (update_every)" if value else "recomputes the weights"
     if key == "masked":
         return _STEP_FIELDS[key][0].format("<a mask>" if value else "None")
+    if key == "scaled":
+        return "scales its losses with a GradScaler" if value else "has no GradScaler"
     shown: object = _name_of(value, names[key], modes) if key in names else value
     return _STEP_FIELDS[key][0].format(shown)
 
@@ -220,12 +231,15 @@ def check_step_agreement(
     modes: Sequence[str] = (),
     balancer: str = "",
     masked: bool = False,
+    clip: str = "None",
+    scaled: bool = False,
 ) -> None:
     """Raise :class:`RankAgreementError` on every rank unless all run the same step (one
-    all-gather of eleven int64s); ``modes`` names another rank's mode in the error,
-    ``balancer`` is the balancer's class name (another rank's named where it is one of
-    ``modes``: the caller passes the registered classes' names), ``masked`` whether
-    ``active=`` was given."""
+    all-gather of thirteen int64s); ``modes`` names another rank's mode in the error,
+    ``balancer`` is the balancer's class name and ``clip`` the clipper's (``"None"``
+    without; another rank's named where it is one of ``modes``: the caller passes the
+    registered classes' names), ``masked`` whether ``active=`` was given, ``scaled`` whether
+    the step's losses were scaled by an enabled ``GradScaler``."""
     dtype = str(shared[0].dtype) if shared else ""
     local = {
         "num_tasks": num_tasks,
@@ -236,11 +250,13 @@ def check_step_agreement(
         "update_every": update_every,
         "step": step,
         "balancer": _code(balancer),
+        "clip": _code(clip),
+        "scaled": int(scaled),
         "masked": int(masked),
         "count": count,
         "reused": int(reused),
     }
-    names = {"dtype": dtype, "mode": mode, "balancer": balancer}
+    names = {"dtype": dtype, "mode": mode, "balancer": balancer, "clip": clip}
     rows = _gather_ints(list(local.values()), group, "TaskGradBuffer.apply_()")
     problems = []
     at = list(local).index("mode")

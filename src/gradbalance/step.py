@@ -60,11 +60,13 @@ from ._threads import StepOwner
 from .balancers import balancer_names
 from .balancers._base import Balancer
 from .balancers._checks import check_balancer, check_balancer_tasks
+from .clip import __all__ as _clip_names
 from .clip._checks import check_row_clipper
 from .clip._protocol import RowClipper
 from .distributed import (
     check_mesh_group,
     check_step_agreement,
+    class_name,
     combined_mask,
     resolve_process_group,
 )
@@ -444,9 +446,11 @@ class TaskGradBuffer:
                                  shared=self.layout.params, heads=self.head_params,
                                  mode=self.mode, update_every=self.update_every,
                                  step=self._steps.count, count=self._count, reused=self._reused,
-                                 modes=(*ENGINES, "per_sample", *balancer_names()),
+                                 modes=(*ENGINES, "per_sample", *balancer_names(),
+                                        *_clip_names),
                                  balancer=type(balancer).__name__,
-                                 masked=masked)
+                                 masked=masked, clip=class_name(clip),
+                                 scaled=self._scale is not None)
         self._states_before = StateSnapshot(balancer, clip)
         return StepInput(self._losses, self._scale, self._count, clip, group,
                          self._states_before)

@@ -58,6 +58,17 @@ def test_other_balancers_or_a_mask_on_one_rank_raise(ranks: list[dict[str, Any]]
                        "active=None")
 
 
+def test_a_clipper_or_a_scaler_on_one_rank_raises(ranks: list[dict[str, Any]]) -> None:
+    # the ranks' updates drifted apart (rank 0's 0.03 against rank 1's 0.9; a 16x-scaled
+    # mean where rank 0 alone scaled): now refused before anything moves, on every rank
+    _raised_everywhere(ranks, "clip", "rank 1 clips with None, rank 0 clips with TaskClip",
+                       "the same clip=")
+    _raised_everywhere(ranks, "per_sample_clip", "rank 1 clips with None, rank 0 clips with "
+                       "TaskClip")
+    _raised_everywhere(ranks, "scaler", "rank 1 has no GradScaler, rank 0 scales its losses "
+                       "with a GradScaler", "an enabled GradScaler")
+
+
 def test_each_ranks_mask_is_combined_into_the_global_batchs(
         ranks: list[dict[str, Any]]) -> None:
     # task 1 has labels on rank 0's shard only: active for the global batch, on every rank

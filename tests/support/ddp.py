@@ -26,7 +26,7 @@ from torch import Tensor
 
 from gradbalance import Balancer, TaskGradBuffer
 from gradbalance.balancers import Constant, Mean, Sum
-from gradbalance.clip import GhostNorms, PerSampleClip
+from gradbalance.clip import GhostNorms, PerSampleClip, TaskClip
 from gradbalance.distributed import (
     assert_same_across_ranks,
     broadcast_generator_,
@@ -425,6 +425,32 @@ def _case_balancer(rank: int) -> dict[str, Any]:
     return _raises(lambda: buf.apply_(Mean() if rank == 0 else Sum()), model, buf)
 
 
+def _case_clip(rank: int, per_sample: bool = False) -> dict[str, Any]:
+    """One step where rank 0 alone clips the task rows (``TaskClip``)."""
+    model = _failure_model()
+    if per_sample:
+        buf = TaskGradBuffer(model.shared_parameters(), model.head_parameters(),
+                             modules=model.trunk, batch_dim=0)
+        x, y = data(1)
+        buf.backward((torch.cat(model(x[0, :4]), dim=1) - y[0, :4, :K]) ** 2)
+    else:
+        buf = TaskGradBuffer(model.shared_parameters(), model.head_parameters())
+        _backward(model, buf, 0)
+    clip = TaskClip(0.05) if rank == 0 else None
+    return _raises(lambda: buf.apply_(Sum(), clip=clip), model, buf)
+
+
+def _case_scaler(rank: int) -> dict[str, Any]:
+    """One step where rank 0 alone scales its losses with an enabled ``GradScaler``."""
+    model = _failure_model().float()
+    buf = TaskGradBuffer(model.shared_parameters(), model.head_parameters())
+    scaler = torch.amp.GradScaler("cpu") if rank == 0 else None
+    assert scaler is None or scaler.is_enabled()
+    x, y = data(1)
+    buf.backward(regression_losses(model(x[0, :4].float()), y[0, :4, :K].float()), scaler=scaler)
+    return _raises(lambda: buf.apply_(Sum(), scaler=scaler), model, buf)
+
+
 def _case_one_mask(rank: int) -> dict[str, Any]:
     """One step where rank 1 alone passes ``active=``."""
     model = _failure_model()
@@ -539,6 +565,9 @@ def failure_cases(rank: int, world: int, out_dir: str) -> dict[str, Any]:
         "layout": _case_layout(rank),
         "balancer": _case_balancer(rank),
         "one_mask": _case_one_mask(rank),
+        "clip": _case_clip(rank),
+        "per_sample_clip": _case_clip(rank, per_sample=True),
+        "scaler": _case_scaler(rank),
         "masks": _case_masks(rank),
         "per_sample_reset": _case_per_sample_reset(rank),
         "per_sample_mode": _case_per_sample_mode(rank),
