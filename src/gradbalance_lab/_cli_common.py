@@ -13,7 +13,9 @@ smaller bound is given): a value outside it is argparse's one-line error, exit c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -30,6 +32,7 @@ __all__ = [
     "commit_out",
     "int_at_least",
     "prepare_out",
+    "remove_run_logs",
 ]
 
 #: The largest value torch's integer arguments (sizes, seeds) take.
@@ -159,3 +162,11 @@ def check_file(path: Path, option: str) -> None:
         raise OutputError(f"{option} {path}: the file is not writable")
     if not path.exists() and not _writable(parent):
         raise OutputError(f"{option} {path}: its folder {parent} is not writable")
+
+
+def remove_run_logs(folder: Path) -> None:
+    """Delete the TensorBoard folder of a run Ctrl-C cut short (``tb/<method>/seed<N>``),
+    and its method's folder when that is left empty."""
+    shutil.rmtree(folder, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        folder.parent.rmdir()  # only when empty

@@ -54,7 +54,11 @@ def load_factory(spec: str) -> dict[str, Any]:
     if not callable(target):
         raise ValueError(f"--model {spec}: {name} is a {type(target).__name__}, not a "
                          f"callable; {_FIX}")
-    made = target()
+    try:
+        made = target()
+    except Exception as error:  # the user's code: one line naming --model, not a traceback
+        raise ValueError(f"--model {spec}: {name}() raised {type(error).__name__}: {error}"
+                         ) from None
     if not isinstance(made, Mapping):
         raise ValueError(f"--model {spec}: {name}() returned a {type(made).__name__}; {_FIX}")
     unknown = sorted(set(made) - set(FACTORY_KEYS))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import shutil
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -21,6 +20,7 @@ from gradbalance_lab._cli_common import (
     commit_out,
     int_at_least,
     prepare_out,
+    remove_run_logs,
 )
 from gradbalance_lab._extras import Extra, missing_extras, missing_message
 from gradbalance_lab._mtl_methods import PLAIN, Method
@@ -307,13 +307,19 @@ def _train_and_write(args: argparse.Namespace, data: MultiDigits,
         if not interrupted:
             commit_out(folder)
             return 0
-    if folder.staged:
+    print_interrupted(title, done, out, folder.work)
+    return 130
+
+
+def print_interrupted(title: str, done: str, out: Path, work: Path) -> None:
+    """stderr's line after Ctrl-C: ``done`` (``k of N runs finished``) and where the finished
+    runs' outputs are (``work``: ``out`` itself, or an ``--overwrite`` run's own folder)."""
+    if work != out:
         print(f"{title}: interrupted: {done}; the earlier outputs in {out}/ are kept; the "
-              f"summary and CSVs of those runs are in {folder.work}/", file=sys.stderr)
+              f"summary and CSVs of those runs are in {work}/", file=sys.stderr)
     else:
         print(f"{title}: interrupted: {done}; the summary and CSVs in {out}/ hold those runs "
               "only", file=sys.stderr)
-    return 130
 
 
 def _timings(args: argparse.Namespace, data: MultiDigits, plan: list[tuple[int, Method]],
@@ -353,7 +359,7 @@ def _train_all(args: argparse.Namespace, data: MultiDigits, plan: list[tuple[int
             progress.finished_run(_brief(results[-1], data.metric_names))
     except KeyboardInterrupt:
         if running is not None:
-            shutil.rmtree(running, ignore_errors=True)
+            remove_run_logs(running)
         return results, True
     finally:
         progress.close()
@@ -381,12 +387,16 @@ def _write_outputs(args: argparse.Namespace, data: MultiDigits, results: list[Ru
     written = write_report(out, results, timings, tasks, vars(args), title=title,
                            plot=None if args.no_plot else plot_name,
                            tensorboard=not args.no_tensorboard)
-    print_outputs(written, shown, tensorboard=not args.no_tensorboard)
+    print_outputs(written, shown, tensorboard=not args.no_tensorboard, quiet=args.quiet)
 
 
-def print_outputs(written: Written, shown: Path, *, tensorboard: bool) -> None:
-    """The table, then where the outputs are (``shown``: where they end up)."""
+def print_outputs(written: Written, shown: Path, *, tensorboard: bool,
+                  quiet: bool = False) -> None:
+    """The table, then (unless ``quiet``: the table only) where the outputs are (``shown``:
+    where they end up)."""
     print(written.table)
+    if quiet:
+        return
     print(f"outputs in {shown}/: " + ", ".join(p.name + ("/" if p.is_dir() else "")
                                                for p in written.paths))
     if tensorboard:

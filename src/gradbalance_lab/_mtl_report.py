@@ -87,7 +87,9 @@ def baseline_metrics(results: Sequence[RunResult], num_tasks: int) -> list[float
 
 def run_delta(result: RunResult, baseline: list[float] | None,
               higher_is_better: Sequence[bool]) -> float:
-    if baseline is None or result.method.kind == "single":
+    """One run's Δm; NaN (shown blank) without baselines, for a baseline itself, and where a
+    baseline metric is 0 (Δm divides by it: a short run's 0 % accuracy)."""
+    if baseline is None or result.method.kind == "single" or 0.0 in baseline:
         return math.nan
     return delta_m(result.metrics, baseline, higher_is_better)
 
@@ -122,7 +124,7 @@ def summarize(results: Sequence[RunResult], higher_is_better: Sequence[bool],
         stats = [_mean_std([r.metrics[t] for r in group]) for t in range(k)]
         deltas = [run_delta(r, baseline, higher_is_better) for r in group]
         d_mean, d_std = _mean_std(deltas)
-        if group[0].method.kind == "single" and baseline is not None:
+        if group[0].method.kind == "single" and baseline is not None and 0.0 not in baseline:
             d_mean, d_std = 0.0, math.nan
         step_ms, _ = _mean_std([r.step_ms for r in group])
         kind = group[0].method.kind

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import numbers
 import sys
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gradbalance_lab._cli_common import commit_out, prepare_out
+from gradbalance_lab._cli_common import commit_out, prepare_out, remove_run_logs
 from gradbalance_lab._extras import Extra, missing_extras, missing_message
 from gradbalance_lab._mtl_methods import (
     DEFAULT_BALANCERS,
@@ -30,6 +31,7 @@ from gradbalance_lab._mtl_report import Summary, format_markdown, summarize
 from gradbalance_lab._mtl_runner import RunResult
 from gradbalance_lab._mtl_step import MethodStep
 from gradbalance_lab._mtl_timing import STEP_ERRORS, StepTime, time_interleaved
+from gradbalance_lab._out_folder import OutFolder
 from gradbalance_lab._own_model import (
     OwnProblem,
     make_weighting,
@@ -38,8 +40,10 @@ from gradbalance_lab._own_model import (
     own_step_timer,
     task_losses,
 )
+from gradbalance_lab._signals import shielded
 
-__all__ = ["Comparison", "compare", "default_methods"]
+__all__ = ["Comparison", "ComparisonInterrupted", "compare", "compare_methods",
+           "default_methods"]
 
 #: What ``compare`` writes into ``out`` (the outputs of ``gradbalance compare``).
 OUTPUTS = ("summary.md", "summary.csv", "runs.csv", "history.csv", "config.json",
@@ -71,6 +75,17 @@ class Comparison:
             if row.label == label:
                 return row
         raise KeyError(f"no row {label!r}; the rows: {[r.label for r in self.rows]}")
+
+
+class ComparisonInterrupted(KeyboardInterrupt):
+    """Ctrl-C (or SIGTERM) stopped :func:`compare`: ``comparison`` holds the runs that
+    finished and ``comparison.out`` the folder their outputs were written to (with ``out``:
+    ``out`` itself, or where an ``overwrite`` run wrote aside, the earlier outputs kept in
+    ``final``); ``done`` says ``k of N runs finished``."""
+
+    def __init__(self, comparison: Comparison, done: str, final: Path | None) -> None:
+        super().__init__(f"interrupted: {done}")
+        self.comparison, self.done, self.final = comparison, done, final
 
 
 def _count(name: str, value: Any, low: int) -> int:
@@ -110,32 +125,51 @@ def _tasks(num_tasks: int, task_names: Sequence[str] | None, evaluate: Any,
     return Tasks(names, names, hib)
 
 
-def _check_methods(problem: OwnProblem, methods: list[Method]) -> None:
-    """Build every method once on the seed-0 model: a method that cannot run raises here."""
+def _check_methods(problem: OwnProblem, methods: list[Method]) -> list[Method]:
+    """Build every method once on the seed-0 model: the ones that can run. A method that
+    cannot raises here, or, chosen by default or by ``all`` (``optional``), is skipped with a
+    warning (a balancer for at least 3 tasks on a 2-task model)."""
     model, shared, heads = problem.model(0)
+    usable = []
     for method in methods:
         try:
             MethodStep(method, shared, heads, problem.num_tasks, 0,
                        lambda key: make_weighting(problem, model, key, 0))
         except (ValueError, TypeError) as error:
-            raise ValueError(f"Invalid methods: {method.key!r} cannot run on this model: "
-                             f"{error}") from None
+            if not method.optional:
+                raise ValueError(f"Invalid methods: {method.key!r} cannot run on this model: "
+                                 f"{error}") from None
+            warnings.warn(f"skipped {method.kind} {method.key!r}: {error}", RuntimeWarning,
+                          stacklevel=4)
+            continue
+        usable.append(method)
+    return usable
 
 
 def _run_all(problem: OwnProblem, methods: list[Method], seeds: list[int],
-             tb: Path | None, verbose: bool) -> list[RunResult]:
+             tb: Path | None, verbose: bool) -> tuple[list[RunResult], bool]:
+    """The runs in order; the finished ones and whether Ctrl-C stopped the loop (the
+    TensorBoard folder of the run it cut short is removed)."""
     results = []
-    for seed in seeds:
-        for method in methods:
-            folder = None if tb is None else tb / method.label / f"seed{seed}"
-            try:
-                results.append(own_run(problem, method, seed, folder))
-            except STEP_ERRORS as error:  # a solver failing fails this run only
-                results.append(RunResult(method, seed, [math.nan] * problem.num_tasks,
-                                         error=f"{type(error).__name__}: {error}"))
-            if verbose:
-                print(f"compare: {method.label} seed {seed} done", file=sys.stderr, flush=True)
-    return results
+    running: Path | None = None
+    try:
+        for seed in seeds:
+            for method in methods:
+                running = None if tb is None else tb / method.label / f"seed{seed}"
+                try:
+                    results.append(own_run(problem, method, seed, running))
+                except STEP_ERRORS as error:  # a solver failing fails this run only
+                    results.append(RunResult(method, seed, [math.nan] * problem.num_tasks,
+                                             error=f"{type(error).__name__}: {error}"))
+                running = None
+                if verbose:
+                    print(f"compare: {method.label} seed {seed} done", file=sys.stderr,
+                          flush=True)
+    except KeyboardInterrupt:
+        if running is not None:
+            remove_run_logs(running)
+        return results, True
+    return results, False
 
 
 def compare(
@@ -202,74 +236,109 @@ def compare(
         >>> result.row("plain").time_ratio
         1.0
     """
+    chosen = resolve_names(default_methods() if methods is None else methods)
+    return compare_methods(build_model, make_batches, chosen, steps=steps, seeds=seeds,
+                           shared=shared, evaluate=evaluate, higher_is_better=higher_is_better,
+                           task_names=task_names, optimizer=optimizer,
+                           timing_rounds=timing_rounds, out=out, overwrite=overwrite,
+                           plot=plot, tensorboard=tensorboard, verbose=verbose)
+
+
+def compare_methods(build_model: Callable[[], nn.Module],
+                    make_batches: Callable[[int], Iterable[Any]], chosen: list[Method],
+                    **options: Any) -> Comparison:
+    """:func:`compare` of the resolved ``chosen`` methods (``gradbalance compare --model``:
+    the ``optional`` ones, from the defaults or ``all``, skipped with a warning where they
+    cannot run); ``options``: :func:`compare`'s other keyword arguments."""
     _callable("build_model", build_model, "a callable returning the model")
     _callable("make_batches", make_batches, "a callable seed -> iterable of batches")
+    chosen = [PLAIN, *(method for method in chosen if method != PLAIN)]  # the plain step first
     with torch.random.fork_rng(devices=[]):  # every run seeds torch: the caller's RNG is kept
-        return _compare(build_model, make_batches, methods=methods, steps=steps, seeds=seeds,
-                        shared=shared, evaluate=evaluate, higher_is_better=higher_is_better,
-                        task_names=task_names, optimizer=optimizer,
-                        timing_rounds=timing_rounds, out=out, overwrite=overwrite, plot=plot,
-                        tensorboard=tensorboard, verbose=verbose)
+        return _compare(build_model, make_batches, chosen, **options)
 
 
 def _compare(build_model: Callable[[], nn.Module], make_batches: Callable[[int], Iterable[Any]],
-             *, methods: Sequence[str] | None, steps: int, seeds: int | Sequence[int],
-             shared: str | Callable[[nn.Module], Iterable[Tensor]],
-             evaluate: Callable[[nn.Module], Sequence[float]] | None,
-             higher_is_better: bool | Sequence[bool], task_names: Sequence[str] | None,
-             optimizer: Callable[[list[Tensor]], torch.optim.Optimizer] | None,
-             timing_rounds: int, out: str | Path | None, overwrite: bool, plot: bool,
-             tensorboard: bool, verbose: bool) -> Comparison:
-    """:func:`compare` once its callables are checked, inside a forked torch RNG."""
+             chosen: list[Method], *, steps: int = 200, seeds: int | Sequence[int] = 3,
+             shared: str | Callable[[nn.Module], Iterable[Tensor]] = "trunk",
+             evaluate: Callable[[nn.Module], Sequence[float]] | None = None,
+             higher_is_better: bool | Sequence[bool] = True,
+             task_names: Sequence[str] | None = None,
+             optimizer: Callable[[list[Tensor]], torch.optim.Optimizer] | None = None,
+             timing_rounds: int = 20, out: str | Path | None = None, overwrite: bool = False,
+             plot: bool = True, tensorboard: bool = False, verbose: bool = False,
+             log_every: int = 10) -> Comparison:
+    """:func:`compare` once its callables are checked, inside a forked torch RNG (the
+    defaults: :func:`compare`'s)."""
     problem = OwnProblem(build_model, make_batches, shared, _count("steps", steps, 1),
                          optimizer or (lambda params: torch.optim.Adam(params, lr=1e-3)),
-                         evaluate, 0)
+                         evaluate, 0, _count("log_every", log_every, 1))
     seed_list = _seeds(seeds)
     rounds = _count("timing_rounds", timing_rounds, 0)
     model, _, _ = problem.model(seed_list[0])
     num_tasks = task_losses(model, next(problem.batches(seed_list[0]))).numel()
     problem = OwnProblem(build_model, make_batches, shared, problem.steps, problem.optimizer,
-                         evaluate, num_tasks)
+                         evaluate, num_tasks, problem.log_every)
     tasks = _tasks(num_tasks, task_names, evaluate, higher_is_better)
     if evaluate is not None:
         _callable("evaluate", evaluate, "a callable model -> one metric per task")
         metrics(problem, model, [])  # a wrong count fails here, before any training
-    chosen = resolve_names(default_methods() if methods is None else methods)
-    _check_methods(problem, chosen)
+    chosen = _check_methods(problem, chosen)
     if out is not None:
         _check_extras(plot, tensorboard)
     folder = None if out is None else prepare_out(Path(out), overwrite=overwrite,
                                                   outputs=OUTPUTS, option="out")
     try:
         timings = _timings(problem, chosen, seed_list, rounds)
-        results = _run_all(problem, chosen, seed_list,
-                           None if folder is None or not tensorboard else folder.work / "tb",
-                           verbose)
-        if folder is None:
-            rows = summarize(results, tasks.higher_is_better, timings)
-            table = format_markdown(rows, tasks.metric_names, tasks.higher_is_better)
-            return Comparison(rows, table, results, None)
-        config = {"methods": [m.label for m in chosen], "steps": steps, "seeds": seed_list,
-                  "task_names": list(tasks.task_names), "timing_rounds": rounds,
-                  "model": getattr(build_model, "__qualname__", repr(build_model))}
-        written = write_report(folder.work, results, timings, tasks, config,
-                               title="gradbalance_lab.compare",
-                               plot="compare.png" if plot else None, tensorboard=tensorboard)
+        results, interrupted = ([], True) if timings is None else _run_all(
+            problem, chosen, seed_list,
+            None if folder is None or not tensorboard else folder.work / "tb", verbose)
+        done = f"{len(results)} of {len(chosen) * len(seed_list)} runs finished"
+        title = "gradbalance_lab.compare" + (f" (interrupted: {done})" if interrupted else "")
+        with shielded():
+            config = {"methods": [m.label for m in chosen], "steps": steps,
+                      "seeds": seed_list, "task_names": list(tasks.task_names),
+                      "timing_rounds": rounds,
+                      "model": getattr(build_model, "__qualname__", repr(build_model))}
+            comparison = _outputs(folder, results, timings or {}, tasks, title, config,
+                                  plot=plot, tensorboard=tensorboard)
+            if folder is not None and not interrupted:
+                commit_out(folder, option="out")
+                return Comparison(comparison.rows, comparison.table, results, folder.final)
     except BaseException:
         if folder is not None:
             folder.discard()  # the out folder as it was
         raise
-    commit_out(folder, option="out")
-    return Comparison(written.summaries, written.table, results, folder.final)
+    if not interrupted:
+        return comparison
+    raise ComparisonInterrupted(comparison, done, None if folder is None else folder.final)
+
+
+def _outputs(folder: OutFolder | None, results: list[RunResult],
+             timings: dict[str, StepTime], tasks: Tasks, title: str, config: dict[str, Any],
+             plot: bool, tensorboard: bool) -> Comparison:
+    """The table of ``results``, and with ``folder`` the outputs written into its work
+    folder."""
+    if folder is None:
+        rows = summarize(results, tasks.higher_is_better, timings)
+        table = format_markdown(rows, tasks.metric_names, tasks.higher_is_better)
+        return Comparison(rows, table, results, None)
+    written = write_report(folder.work, results, timings, tasks, config, title=title,
+                           plot="compare.png" if plot else None, tensorboard=tensorboard)
+    return Comparison(written.summaries, written.table, results, folder.work)
 
 
 def _timings(problem: OwnProblem, methods: list[Method], seeds: list[int],
-             rounds: int) -> dict[str, StepTime]:
+             rounds: int) -> dict[str, StepTime] | None:
+    """The interleaved step times (``{}`` for no rounds); None when Ctrl-C stopped them."""
     if rounds == 0:
         return {}
     by_label = {m.label: m for m in methods}
-    return time_interleaved(lambda label, seed: own_step_timer(problem, by_label[label], seed),
-                            list(by_label), seeds, reference=PLAIN.label, rounds=rounds)
+    try:
+        return time_interleaved(
+            lambda label, seed: own_step_timer(problem, by_label[label], seed),
+            list(by_label), seeds, reference=PLAIN.label, rounds=rounds)
+    except KeyboardInterrupt:
+        return None
 
 
 def _check_extras(plot: bool, tensorboard: bool) -> None:

@@ -11,7 +11,7 @@ the last tenth of the steps.
 
 from __future__ import annotations
 
-import math
+import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -138,7 +138,9 @@ def metrics(problem: OwnProblem, model: nn.Module, recent: list[Tensor]) -> list
 
 def own_run(problem: OwnProblem, method: Method, seed: int,
             tb_dir: Path | None = None) -> RunResult:
-    """Train ``method`` for ``problem.steps`` steps; metrics, a history of ten evaluations."""
+    """Train ``method`` for ``problem.steps`` steps; metrics, a history of ten evaluations
+    and the median wall time of a step (the forward and the method's step, as timed by
+    ``--timing-rounds``' rounds)."""
     start = time.perf_counter()
     run = _Run(problem, method, seed)
     batches = problem.batches(seed)
@@ -146,9 +148,13 @@ def own_run(problem: OwnProblem, method: Method, seed: int,
     writer = open_writer(tb_dir) if tb_dir is not None else None
     recent: list[Tensor] = []
     history: list[list[float]] = []
+    times = []
     try:
         for step in range(problem.steps):
-            losses = run.step(next(batches))
+            batch = next(batches)
+            begun = time.perf_counter()
+            losses = run.step(batch)
+            times.append(time.perf_counter() - begun)
             recent = [*recent[-(every - 1):], losses] if every > 1 else [losses]
             if writer is not None and step % problem.log_every == 0:
                 for k, value in enumerate(losses.tolist()):
@@ -159,8 +165,8 @@ def own_run(problem: OwnProblem, method: Method, seed: int,
         if writer is not None:
             writer.close()
     train = torch.stack(recent).double().mean(0).tolist()
-    return RunResult(method, seed, history[-1], history, math.nan, problem.steps, train,
-                     time.perf_counter() - start)
+    return RunResult(method, seed, history[-1], history, 1e3 * statistics.median(times),
+                     problem.steps, train, time.perf_counter() - start)
 
 
 def own_step_timer(problem: OwnProblem, method: Method, seed: int) -> Callable[[], None]:

@@ -15,6 +15,8 @@ import sys
 import types
 from typing import Any
 
+import torch
+
 from gradbalance.balancers import BALANCERS
 from gradbalance_lab._cli_common import check_out, int_at_least
 from gradbalance_lab._factory import load_factory
@@ -23,6 +25,7 @@ from gradbalance_lab._mtl_cli import (
     check_extras,
     execute,
     needed_extras,
+    print_interrupted,
     print_outputs,
 )
 from gradbalance_lab._mtl_methods import (
@@ -34,7 +37,13 @@ from gradbalance_lab._mtl_methods import (
     runnable,
 )
 from gradbalance_lab._mtl_outputs import Written
-from gradbalance_lab._own_compare import Comparison, compare, default_methods
+from gradbalance_lab._own_compare import (
+    Comparison,
+    ComparisonInterrupted,
+    compare,
+    compare_methods,
+    default_methods,
+)
 from gradbalance_lab._per_sample_methods import DEFAULT_PER_SAMPLE, resolve_per_sample
 
 __all__ = ["HELP", "Comparison", "compare", "configure", "default_methods", "run"]
@@ -70,8 +79,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
              f"mean; default balancers {','.join(DEFAULT_PER_SAMPLE)}, no loss weightings "
              "(docs/compare.md, 'Per-sample objectives')")
     own = parser.add_argument_group(
-        "your own model (instead of MultiDigits; the data, trunk and epoch options are then "
-        "not used)")
+        "your own model (instead of MultiDigits; the data, trunk and training options are then "
+        "refused)")
     own.add_argument("--model", default=None, metavar="PKG.MODULE:FACTORY",
                      help="compare on your model and data: FACTORY() returns "
                           "dict(build_model=..., make_batches=..., [shared, evaluate, "
@@ -92,27 +101,66 @@ def _choice(text: str | None, registry: dict[str, Any]) -> list[str] | None:
     return _names(text)
 
 
+#: The options of the MultiDigits comparison that ``--model`` does not use: given with it,
+#: they are refused by name (the factory sets the user's model, data and optimizer).
+_MULTIDIGITS_ONLY = ("variant", "right_scale", "regression", "n_train", "n_test", "data_seed",
+                     "epochs", "batch_size", "optimizer", "lr", "weight_decay", "trunk",
+                     "hidden", "depth", "max_norm", "per_sample_clip", "noise")
+
+
+def _unused_options(args: argparse.Namespace) -> list[str]:
+    """The MultiDigits-only options given a value other than their default."""
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    defaults = vars(parser.parse_args([]))
+    return ["--" + name.replace("_", "-") for name in _MULTIDIGITS_ONLY
+            if getattr(args, name) != defaults[name]]
+
+
 def _run_own(args: argparse.Namespace) -> int:
     """``--model``: :func:`compare` on the user's factory, with the command's options."""
     check_out(args.out, overwrite=args.overwrite)  # the command's message, before any work
+    title = "gradbalance compare"
     try:
+        unused = _unused_options(args)
+        if unused:
+            raise ValueError(f"--model does not take {', '.join(unused)}: they set up "
+                             "MultiDigits' data, trunk and training (clipping and DP-SGD "
+                             "included); give your model's settings in the factory's dict "
+                             "(build_model, make_batches, optimizer)")
         spec = load_factory(args.model)
-        methods = [m.label for m in resolve_methods(
+        everything = "all" in (str(args.balancers).lower(), str(args.weightings).lower())
+        methods = [m for m in resolve_methods(
             _choice(args.balancers, BALANCERS), _choice(args.weightings, available_weightings()),
-            optional=True) if m.label != "sum" or args.balancers is None
+            optional=everything) if m.label != "sum" or args.balancers is None
             or "sum" in args.balancers.lower()]
         check_extras(needed_extras(args, data=False))
-        result = compare(**spec, methods=methods, steps=args.steps, seeds=args.seeds,
-                         timing_rounds=args.timing_rounds, out=args.out,
-                         overwrite=args.overwrite, plot=not args.no_plot,
-                         tensorboard=not args.no_tensorboard, verbose=not args.quiet)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(args.threads)
+        try:
+            result = compare_methods(
+                **spec, chosen=methods, steps=args.steps, seeds=args.seeds,
+                timing_rounds=args.timing_rounds, out=args.out, overwrite=args.overwrite,
+                plot=not args.no_plot, tensorboard=not args.no_tensorboard,
+                verbose=not args.quiet, log_every=args.log_every)
+        finally:
+            torch.set_num_threads(threads)
     except (ValueError, TypeError, ImportError) as error:
-        print(f"gradbalance compare: error: {error}", file=sys.stderr)
+        print(f"{title}: error: {error}", file=sys.stderr)
         return 2
+    except ComparisonInterrupted as stop:
+        _print_result(stop.comparison, args)
+        assert stop.final is not None and stop.comparison.out is not None
+        print_interrupted(title, stop.done, stop.final, stop.comparison.out)
+        return 130
+    _print_result(result, args)
+    return 0
+
+
+def _print_result(result: Comparison, args: argparse.Namespace) -> None:
     assert result.out is not None
     print_outputs(Written(result.rows, result.table, sorted(result.out.iterdir())), result.out,
-                  tensorboard=not args.no_tensorboard)
-    return 0
+                  tensorboard=not args.no_tensorboard, quiet=args.quiet)
 
 
 def _per_sample_methods(args: argparse.Namespace) -> list[Method]:

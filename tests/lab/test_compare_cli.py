@@ -33,6 +33,23 @@ def test_delta_m_hand_values() -> None:
         delta_m([1.0], [1.0, 2.0], [True, True])
 
 
+def test_a_baseline_metric_of_zero_leaves_delta_m_blank() -> None:
+    # a short run's 0 % accuracy: Δm divides by it; the report raised after every run
+    from gradbalance_lab._mtl_methods import Method
+    from gradbalance_lab._mtl_report import summarize
+    from gradbalance_lab._mtl_runner import RunResult
+
+    results = [RunResult(Method("single", "left", task=0), 0, [0.0, math.nan]),
+               RunResult(Method("single", "right", task=1), 0, [math.nan, 25.0]),
+               RunResult(Method("balancer", "sum"), 0, [10.0, 30.0])]
+    rows = summarize(results, [True, True])
+    assert [row.label for row in rows][-1] == "sum"
+    assert all(math.isnan(row.delta_mean) for row in rows)
+    # a non-zero baseline keeps Δm: (10 − 5)/5 and (30 − 25)/25 → 60 %
+    results[0].metrics[0] = 5.0
+    assert summarize(results, [True, True])[-1].delta_mean == pytest.approx(60.0)
+
+
 @pytest.fixture(scope="module")
 def compare_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
     out = tmp_path_factory.mktemp("compare")

@@ -188,6 +188,12 @@ PROBLEM = """
 
     def not_a_dict():
         return Conv
+
+    def raising():
+        raise RuntimeError("no data here")
+
+    def mistyped():
+        return dict(build_model=Conv, make_batches=batches, nope=1).items()[0]
 """
 
 
@@ -219,6 +225,8 @@ def test_cli_model_factory(user_folder: str, tmp_path: Path,
     ("gb_no_such_module_here:problem", "cannot import 'gb_no_such_module_here'"),
     ("{m}:not_a_dict", "not_a_dict() returned a type"),
     ("{m}:Conv", "Conv() returned a Conv"),
+    ("{m}:raising", "raising() raised RuntimeError: no data here"),
+    ("{m}:mistyped", "mistyped() raised TypeError"),
 ])
 def test_cli_bad_model_spec_is_one_line(user_folder: str, spec: str, text: str,
                                         capsys: pytest.CaptureFixture[str]) -> None:
@@ -247,3 +255,115 @@ def test_the_docstring_example_runs() -> None:
 
     outcome = doctest.testmod(_own_compare, optionflags=doctest.ELLIPSIS)
     assert outcome.attempted >= 6 and outcome.failed == 0
+
+
+def _own(user_folder: str, *options: str) -> list[str]:
+    return ["compare", "--model", f"{user_folder}:problem", "--steps", "2", "--seeds", "1",
+            "--no-plot", "--no-tensorboard", "--out", "out", *options]
+
+
+@pytest.mark.parametrize("options", [["--lr", "0.1"], ["--noise", "5"], ["--max-norm", "1"],
+                                     ["--per-sample-clip", "1", "--epochs", "3"]])
+def test_cli_model_refuses_the_multidigits_options_by_name(
+        user_folder: str, tmp_path: Path, options: list[str],
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # they were dropped silently: a DP-SGD noise or clip that never ran
+    assert main(_own(user_folder, *options)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gradbalance compare: error: --model does not take ")
+    assert all(o in err for o in options if o.startswith("--")) and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_model_all_skips_the_balancers_the_model_cannot_take(
+        user_folder: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # 'all' on two tasks: krum and trimmedmean need more; they stopped the comparison
+    with pytest.warns(RuntimeWarning) as record:
+        code = main(_own(user_folder, "--balancers", "all", "--weightings", "none",
+                         "--timing-rounds", "0", "--quiet"))
+    assert code == 0, capsys.readouterr().err
+    skipped = sorted(str(w.message).split("'")[1] for w in record)
+    assert skipped == ["krum", "trimmedmean"]
+    methods = [r["method"] for r in _read(tmp_path / "out" / "summary.csv")]
+    assert methods[0] == "plain" and "upgrad" in methods and "krum" not in methods
+    # named alone, it is an error
+    assert main(_own(user_folder, "--balancers", "krum", "--out", "other")) == 2
+
+
+def test_cli_model_takes_threads_timing_zero_and_quiet(
+        user_folder: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from gradbalance_lab import _own_compare
+
+    seen: list[int] = []
+    run = _own_compare.own_run
+
+    def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(torch.get_num_threads())
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(_own_compare, "own_run", recording)
+    threads = torch.get_num_threads()
+    assert main(_own(user_folder, "--balancers", "mgda", "--weightings", "none",
+                     "--threads", "2", "--timing-rounds", "0", "--quiet")) == 0
+    assert seen == [2, 2] and torch.get_num_threads() == threads
+    runs = _read(tmp_path / "out" / "runs.csv")
+    assert all(float(r["step_ms"]) > 0 for r in runs)  # each run's own median step time
+    out = capsys.readouterr().out
+    assert "| mgda |" in out and "outputs in" not in out and "tensorboard" not in out
+
+
+def _stopping(at: int):  # type: ignore[no-untyped-def]
+    """An ``own_run`` that sends SIGTERM to this process on its call number ``at``."""
+    import os
+    import signal
+
+    from gradbalance_lab import _own_compare
+
+    calls: list[int] = []
+    run = _own_compare.own_run
+
+    def stopping(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) == at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return run(*args, **kwargs)
+    return stopping
+
+
+def test_cli_model_stopped_writes_the_finished_runs(
+        user_folder: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # it exited with "interrupted" alone, the finished runs unwritten and the cut-short run's
+    # TensorBoard folder left behind
+    monkeypatch.setattr("gradbalance_lab._own_compare.own_run", _stopping(3))
+    argv = ["compare", "--model", f"{user_folder}:problem", "--steps", "2", "--seeds", "2",
+            "--balancers", "mgda", "--weightings", "none", "--timing-rounds", "0",
+            "--no-plot", "--out", "out"]
+    assert main(argv) == 143
+    err = capsys.readouterr().err
+    assert err.endswith("gradbalance compare: interrupted: 2 of 4 runs finished; the summary "
+                        "and CSVs in out/ hold those runs only\n"), err
+    out = tmp_path / "out"
+    assert [(r["method"], r["seed"]) for r in _read(out / "runs.csv")] == [("plain", "0"),
+                                                                          ("mgda", "0")]
+    assert "(interrupted: 2 of 4 runs finished)" in (out / "summary.md").read_text()
+    assert sorted(p.name for p in (out / "tb").iterdir()) == ["mgda", "plain", "summary"]
+    assert [p.name for p in (out / "tb" / "plain").iterdir()] == ["seed0"]  # seed 1 removed
+
+
+def test_cli_model_stopped_overwrite_keeps_the_earlier_outputs(
+        user_folder: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["compare", "--model", f"{user_folder}:problem", "--steps", "2", "--seeds", "2",
+            "--balancers", "mgda", "--weightings", "none", "--timing-rounds", "0",
+            "--no-plot", "--no-tensorboard", "--out", "out", "--overwrite"]
+    assert main(argv) == 0
+    out = tmp_path / "out"
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    monkeypatch.setattr("gradbalance_lab._own_compare.own_run", _stopping(2))
+    assert main(argv) == 143
+    assert "the earlier outputs in out/ are kept" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    [staged] = sorted(tmp_path.glob("out.incomplete-*"))
+    assert [r["method"] for r in _read(staged / "runs.csv")] == ["plain"]
