@@ -51,8 +51,12 @@ __all__ = ["HELP", "Comparison", "compare", "configure", "default_methods", "run
 HELP = "compare balancers and loss weightings on the bundled MultiDigits benchmark"
 
 
-def _names(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",") if part.strip()]
+def _names(text: str, option: str) -> list[str]:
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    if not names:  # "" or ",,": silently read as 'none' before
+        raise ValueError(f"Invalid {option}: {text!r} (expected comma-separated names, 'all' "
+                         "or 'none')")
+    return names
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -91,14 +95,24 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_common_options(parser, seeds=3, out="runs/compare")
 
 
-def _choice(text: str | None, registry: dict[str, Any]) -> list[str] | None:
+def _chosen(args: argparse.Namespace) -> list[Method]:
+    """``--balancers`` and ``--weightings`` as methods (with ``all``, those that cannot run
+    are skipped with a warning)."""
+    everything = "all" in (str(args.balancers).strip().lower(),
+                           str(args.weightings).strip().lower())
+    return resolve_methods(_choice(args.balancers, BALANCERS, "--balancers"),
+                           _choice(args.weightings, available_weightings(), "--weightings"),
+                           optional=everything)
+
+
+def _choice(text: str | None, registry: dict[str, Any], option: str) -> list[str] | None:
     if text is None:
         return None
     if text.strip().lower() == "all":
         return runnable(registry)
     if text.strip().lower() == "none":
         return []
-    return _names(text)
+    return _names(text, option)
 
 
 #: The options of the MultiDigits comparison that ``--model`` does not use: given with it,
@@ -129,11 +143,8 @@ def _run_own(args: argparse.Namespace) -> int:
                              "included); give your model's settings in the factory's dict "
                              "(build_model, make_batches, optimizer)")
         spec = load_factory(args.model)
-        everything = "all" in (str(args.balancers).lower(), str(args.weightings).lower())
-        methods = [m for m in resolve_methods(
-            _choice(args.balancers, BALANCERS), _choice(args.weightings, available_weightings()),
-            optional=everything) if m.label != "sum" or args.balancers is None
-            or "sum" in args.balancers.lower()]
+        methods = [m for m in _chosen(args) if m.label != "sum" or args.balancers is None
+                   or "sum" in args.balancers.lower()]
         check_extras(needed_extras(args, data=False))
         threads = torch.get_num_threads()
         torch.set_num_threads(args.threads)
@@ -173,7 +184,7 @@ def _per_sample_methods(args: argparse.Namespace) -> list[Method]:
              "per-sample clipping and per-sample objectives are two routes; drop one")):
         if given:
             raise ValueError(f"--per-sample does not take {option}: {why}")
-    return resolve_per_sample(_choice(args.balancers, BALANCERS),
+    return resolve_per_sample(_choice(args.balancers, BALANCERS, "--balancers"),
                               optional=str(args.balancers).strip().lower() == "all")
 
 
@@ -189,10 +200,7 @@ def run(args: argparse.Namespace) -> int:
     if args.model is not None:
         return _run_own(args)
     try:
-        everything = "all" in (str(args.balancers).lower(), str(args.weightings).lower())
-        methods = resolve_methods(_choice(args.balancers, BALANCERS),
-                                  _choice(args.weightings, available_weightings()),
-                                  optional=everything)
+        methods = _chosen(args)
     except ValueError as error:
         print(f"gradbalance compare: error: {error}", file=sys.stderr)
         return 2

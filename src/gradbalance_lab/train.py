@@ -14,14 +14,21 @@ HELP = "train one balancer (or loss weighting) on MultiDigits and log it"
 
 def configure(parser: argparse.ArgumentParser) -> None:
     method = parser.add_argument_group("method (give one)")
-    method.add_argument("--balancer", default=None,
+    method.add_argument("--balancer", default=None, type=_name,
                         help=f"balancer name; installed: {', '.join(sorted(BALANCERS))}")
-    method.add_argument("--weighting", default=None,
+    method.add_argument("--weighting", default=None, type=_name,
                         help="loss-weighting name (run with the plain sum); installed: "
                              f"{', '.join(sorted(available_weightings())) or 'none'}")
     method.add_argument("--baselines", action="store_true",
                         help="also train single-task models, for the Δm column")
     add_common_options(parser, seeds=1, out="runs/train")
+
+
+def _name(text: str) -> str:
+    """A method's name: not empty (``--balancer ""`` trained nothing and exited 0)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"invalid name: {text!r} (expected a method's name)")
+    return text.strip()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -30,8 +37,8 @@ def run(args: argparse.Namespace) -> int:
               "--weighting NAME", file=sys.stderr)
         return 2
     try:
-        methods = resolve_methods([args.balancer] if args.balancer else [],
-                                  [args.weighting] if args.weighting else [],
+        methods = resolve_methods([] if args.balancer is None else [args.balancer],
+                                  [] if args.weighting is None else [args.weighting],
                                   options=("--balancer", "--weighting"), with_sum=False)
     except ValueError as error:
         print(f"gradbalance train: error: {error}", file=sys.stderr)

@@ -75,3 +75,24 @@ def test_the_largest_seed_trains(tmp_path: Path) -> None:
     argv = [*COMMANDS["train"], "--data-seed", str(2**64 - 1), "--out", str(tmp_path)]
     assert main(argv) == 0
     assert (tmp_path / "runs.csv").exists()
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["train", "--balancer", ""], "argument --balancer: invalid name: ''"),
+    (["train", "--weighting", "  "], "argument --weighting: invalid name: '  '"),
+    (["compare", "--balancers", ""], "Invalid --balancers: ''"),
+    (["compare", "--balancers", ",,,"], "Invalid --balancers: ',,,'"),
+    (["compare", "--weightings", " "], "Invalid --weightings: ' '"),
+    (["compare", "--per-sample", "--balancers", ""], "Invalid --balancers: ''"),
+])
+def test_an_empty_method_name_is_one_line(argv: list[str], words: str, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    # `train --balancer ""` trained nothing and exited 0; `compare --balancers ""` ran none
+    out = tmp_path / "out"
+    try:
+        code = main([*argv, "--out", str(out)])
+    except SystemExit as stop:  # argparse's refusal
+        code = stop.code
+    assert code == 2
+    assert words in _one_error_line(capsys.readouterr().err, argv[0])
+    assert not out.exists()
