@@ -33,6 +33,7 @@ __all__ = [
     "int_at_least",
     "prepare_out",
     "remove_run_logs",
+    "write_atomic",
 ]
 
 #: The largest value torch's integer arguments (sizes, seeds) take.
@@ -149,9 +150,14 @@ def commit_out(folder: OutFolder, option: str = "--out") -> None:
                           f"{folder.work}") from None
 
 
-def check_file(path: Path, option: str) -> None:
+def check_file(path: Path, option: str, *, not_in: Path | None = None) -> None:
     """Raise :class:`OutputError` unless ``path`` can be written as a file (its folder
-    exists); an existing file there is replaced."""
+    exists); an existing file there is replaced. ``not_in``: the command's output folder,
+    which ``path`` must not be (it becomes a folder). The folder is probed by creating and
+    removing a file in it: permission bits do not say what a read-only file system or
+    ``/sys`` refuses."""
+    if not_in is not None and path.absolute() == not_in.absolute():
+        raise OutputError(f"{option} {path}: is the output folder; give a file name")
     if path.is_dir():
         raise OutputError(f"{option} {path}: is a folder; give a file name")
     parent = path.absolute().parent
@@ -160,8 +166,25 @@ def check_file(path: Path, option: str) -> None:
         raise OutputError(f"{option} {path}: its folder {parent} {what}")
     if path.exists() and not os.access(path, os.W_OK):
         raise OutputError(f"{option} {path}: the file is not writable")
-    if not path.exists() and not _writable(parent):
-        raise OutputError(f"{option} {path}: its folder {parent} is not writable")
+    try:
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=f".{path.name}."):
+            pass
+    except OSError as error:
+        raise OutputError(f"{option} {path}: its folder {parent} cannot be written "
+                          f"({error.strerror or error})") from None
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """``path`` holds ``text`` (UTF-8), or, if writing fails, what it held before: the text
+    goes to a new file in its folder, renamed over it."""
+    fd, temp = tempfile.mkstemp(dir=path.absolute().parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.replace(temp, path)
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise
 
 
 def remove_run_logs(folder: Path) -> None:

@@ -142,12 +142,16 @@ def test_figures_refuses_then_overwrites_only_its_outputs(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "report.md").write_text("old report")
     (tmp_path / "momentum.png").write_bytes(b"old figure")
+    (tmp_path / "clipping.png").write_bytes(b"old figure")
     (tmp_path / "notes.txt").write_text("mine")
     assert main([*COMMANDS["figures"], "--out", str(tmp_path)]) == 2
     assert "not empty" in _one_error_line(capsys.readouterr().err, "figures")
     assert main([*COMMANDS["figures"], "--out", str(tmp_path), "--overwrite"]) == 0
     assert "returns 50" in (tmp_path / "report.md").read_text(encoding="utf-8")
-    assert not (tmp_path / "momentum.png").exists()
+    # --only clipping --no-plot: clipping's old PNG goes (the new report has none); another
+    # figure's PNG, not run here, stays (it was deleted)
+    assert not (tmp_path / "clipping.png").exists()
+    assert (tmp_path / "momentum.png").read_bytes() == b"old figure"
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
@@ -158,7 +162,30 @@ def test_figures_checks_doc_up_front(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "--doc" in _one_error_line(capsys.readouterr().err, "figures")
     assert main([*argv, str(tmp_path / "missing" / "figures.md")]) == 2
     assert "does not exist" in _one_error_line(capsys.readouterr().err, "figures")
+    # the output folder itself, not there yet: it failed after the run, with a traceback
+    assert main([*argv, str(out)]) == 2
+    assert "is the output folder" in _one_error_line(capsys.readouterr().err, "figures")
+    if Path("/proc/self").is_dir():  # a folder no one can write, root included
+        assert main([*argv, "/proc/gradbalance-figures.md"]) == 2
+        assert "cannot be written" in _one_error_line(capsys.readouterr().err, "figures")
     assert not out.exists()  # refused before the output folder was made
+
+
+def test_the_doc_is_written_whole_or_not_at_all(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from gradbalance_lab._cli_common import write_atomic
+
+    doc = tmp_path / "figures.md"
+    doc.write_text("the earlier page")
+
+    def failing(*args: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("gradbalance_lab._cli_common.os.replace", failing)
+    with pytest.raises(OSError, match="No space"):
+        write_atomic(doc, "the new page")
+    assert doc.read_text() == "the earlier page"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["figures.md"]  # no temporary left
 
 
 @pytest.mark.parametrize(("argv", "text"), [

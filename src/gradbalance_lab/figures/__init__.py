@@ -29,6 +29,7 @@ from gradbalance_lab._cli_common import (
     commit_out,
     int_at_least,
     prepare_out,
+    write_atomic,
 )
 from gradbalance_lab._out_folder import OutFolder
 from gradbalance_lab._signals import shielded
@@ -83,9 +84,15 @@ def load(name: str) -> ModuleType:
     return importlib.import_module(f"{__name__}.{FIGURES[name]}")
 
 
-def outputs() -> list[str]:
-    """What the command writes into ``--out`` (``--overwrite`` replaces these)."""
-    return ["report.md", *(f"{name}.png" for name in FIGURES)]
+def outputs(names: list[str] | None = None) -> list[str]:
+    """What a run of the figures ``names`` (default: all) writes into ``--out``:
+    ``--overwrite`` replaces these, and leaves the other figures' PNGs there alone."""
+    return ["report.md", *(f"{name}.png" for name in (FIGURES if names is None else names))]
+
+
+def _names(args: argparse.Namespace) -> list[str]:
+    """The figures to run, in the order ``--only`` gives them (default: all)."""
+    return list(dict.fromkeys(args.only)) if args.only else list(FIGURES)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -102,7 +109,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="output folder for the PNGs and report.md; a folder that already "
                              "holds files is refused unless --overwrite (default: %(default)s)")
     parser.add_argument("--overwrite", action="store_true",
-                        help=OVERWRITE_HELP.format(names="report.md, <figure>.png"))
+                        help=OVERWRITE_HELP.format(
+                            names="report.md and the PNGs of the figures run"))
     parser.add_argument("--no-plot", action="store_true", help="numbers and report only")
     parser.add_argument("--doc", type=Path, default=None, metavar="PATH",
                         help="also write the report there, without image links "
@@ -160,8 +168,9 @@ and the PNGs with `gradbalance figures --out runs/figures --overwrite --doc docs
 (about a minute of CPU on one thread; each figure's time is in its heading; the PNGs land in
 the output folder) or add `--quick` for a smoke run. An `--out` folder that already holds
 files is refused
-without `--overwrite`, which replaces only the earlier `report.md` and `<figure>.png` there,
-once the new ones are complete; on Ctrl-C (or SIGTERM) the figures that finished are reported,
+without `--overwrite`, which replaces only the earlier `report.md` and the PNGs of the figures
+it runs (`--only` leaves the others' PNGs there), once the new ones are complete; an unusable
+`--doc` is refused before any work, and the page is replaced whole; on Ctrl-C (or SIGTERM) the figures that finished are reported,
 `--doc` is left as it was, and the exit code is 130 (143). The exit code is 1 where a measured
 row is not met (other than the two below known not to reproduce the text's number, *not
 met* in the tables) or a figure did not run, else 0."""
@@ -194,7 +203,7 @@ def write_report(entries: list[dict[str, Any]], path: Path, quick: bool,
         if images and e["png"] is not None:
             lines += [f"![{e['name']}]({e['png'].name})", ""]
         lines += ["<details><summary>Settings</summary>", "", e["settings"], "", "</details>", ""]
-    path.write_text("\n".join(lines), encoding="utf-8")
+    write_atomic(path, "\n".join(lines))
 
 
 def _check_paths(args: argparse.Namespace) -> OutFolder:
@@ -202,12 +211,12 @@ def _check_paths(args: argparse.Namespace) -> OutFolder:
     returns where the figures are written."""
     check_out(args.out, overwrite=args.overwrite)
     if args.doc is not None:
-        check_file(args.doc, "--doc")
+        check_file(args.doc, "--doc", not_in=args.out)
     if not args.no_plot:
         from gradbalance_lab.figures._common import pyplot
 
         pyplot()  # fail before any work when matplotlib is missing
-    return prepare_out(args.out, overwrite=args.overwrite, outputs=outputs())
+    return prepare_out(args.out, overwrite=args.overwrite, outputs=outputs(_names(args)))
 
 
 def _print_entry(entry: dict[str, Any]) -> None:
@@ -268,7 +277,7 @@ def _publish(entries: list[dict[str, Any]], planned: int, args: argparse.Namespa
 
 
 def _run(args: argparse.Namespace, folder: OutFolder) -> int:
-    names = list(dict.fromkeys(args.only)) if args.only else list(FIGURES)
+    names = _names(args)
     entries, interrupted = _run_all(names, args, folder.work)
     with shielded():
         _publish(entries, len(names), args, folder, interrupted)
