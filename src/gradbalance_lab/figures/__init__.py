@@ -167,13 +167,13 @@ chosen where the text leaves them open are under *Settings*. Regenerate this pag
 and the PNGs with `gradbalance figures --out runs/figures --overwrite --doc docs/figures.md`
 (about a minute of CPU on one thread; each figure's time is in its heading; the PNGs land in
 the output folder) or add `--quick` for a smoke run. An `--out` folder that already holds
-files is refused
-without `--overwrite`, which replaces only the earlier `report.md` and the PNGs of the figures
-it runs (`--only` leaves the others' PNGs there), once the new ones are complete; an unusable
-`--doc` is refused before any work, and the page is replaced whole; on Ctrl-C (or SIGTERM) the figures that finished are reported,
-`--doc` is left as it was, and the exit code is 130 (143). The exit code is 1 where a measured
-row is not met (other than the two below known not to reproduce the text's number, *not
-met* in the tables) or a figure did not run, else 0."""
+files is refused without `--overwrite`, which replaces only the earlier `report.md` and the
+PNGs of the figures it runs (`--only` leaves the others' PNGs there), once the new ones are
+complete; an unusable `--doc` is refused before any work, and the page is replaced whole; on
+Ctrl-C (or SIGTERM) the figures that finished are reported, `--doc` is left as it was, and
+the exit code is 130 (143). The exit code is 1 where a measured row is not met (other than
+the two below known not to reproduce the text's number, *not met* in the tables) or a figure
+did not run, else 0."""
 
 
 def write_report(entries: list[dict[str, Any]], path: Path, quick: bool,
