@@ -205,6 +205,11 @@ class BalancedParts:
         self._buffer = None
         restore_state(self._initial, **self._parts())
 
+    def replace_buffer(self, buffer: TaskGradBuffer) -> None:
+        """Use ``buffer`` from now on (built over the same parameters after they moved to
+        another dtype or device, the last one's state loaded)."""
+        self._buffer = buffer
+
     def drop_step(self) -> None:
         """Drop a step left unfinished (a micro-batch raised, and the framework starts
         training again, zeroing the model's gradients): the buffer's step (its

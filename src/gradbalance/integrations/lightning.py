@@ -144,16 +144,18 @@ class BalancedManualStep(nn.Module):
         self.log = check_bool("log", log)
         if not isinstance(prefix, str):
             raise ValueError(f"Invalid prefix: {prefix!r} (expected a string, e.g. 'train/')")
-        buffer = TaskGradBuffer(
-            shared_params, head_params, num_tasks=balancer.num_tasks, passes=passes,
-            process_group=process_group, **buffer_kwargs,
-        )
-        self.parts = BalancedParts(balancer, buffer, weighting=weighting, clip=clip,
+        self._params = (list(shared_params), None if head_params is None else list(head_params))
+        self._buffer_kwargs = {"num_tasks": balancer.num_tasks, "passes": passes,
+                               "process_group": process_group, **buffer_kwargs}
+        self.parts = BalancedParts(balancer, self._new_buffer(), weighting=weighting, clip=clip,
                                    task_names=task_names)
+        self._placed = self._placement()
         self.accumulate_grad_batches = accumulate_grad_batches
         self.prefix = prefix
         self.step_schedulers = check_bool("step_schedulers", step_schedulers)
         self.last_stats: StepStats | None = None
+        #: The ``.grad`` each parameter held after an accumulating batch (the window's).
+        self._held: list[tuple[Tensor, Tensor]] = []
 
     @property
     def balancer(self) -> Balancer:
@@ -203,10 +205,14 @@ class BalancedManualStep(nn.Module):
         schedulers = self._schedulers(module, optimizer)
         scaler = getattr(module.trainer.precision_plugin, "scaler", None)
         n = self.accumulate_grad_batches
+        self._follow_placement()
+        self._resume_window(module, batch_idx)
         self.parts.backward(losses, n, scaler)
         last = _last_batch(module.trainer, batch_idx)
         if (batch_idx + 1) % n != 0 and not last:
+            self._held = [(p, p.grad) for p in module.parameters() if p.grad is not None]
             return None
+        self._held = []
         stats = self.parts.step(scaler)  # autocast off: balanced in the gradients' dtype
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -216,6 +222,45 @@ class BalancedManualStep(nn.Module):
             for name, value in self.parts.scalars(stats).items():
                 module.log(self.prefix + name, value, on_step=True, on_epoch=False)
         return stats
+
+    def _new_buffer(self) -> TaskGradBuffer:
+        shared, heads = self._params
+        return TaskGradBuffer(shared, heads, **self._buffer_kwargs)
+
+    def _placement(self) -> list[tuple[Any, Any]]:
+        """Each parameter's dtype and device."""
+        shared, heads = self._params
+        return [(p.dtype, p.device) for p in [*shared, *(heads or [])]]
+
+    def _follow_placement(self) -> None:
+        """Lightning converts the module after its ``__init__`` built this step (``precision=
+        "bf16-true"``/``"64-true"``, the move to the GPU): between steps, the buffer is built
+        again over the same parameters, its state carried over (update_every's weights, the
+        steps begun). Within a step, the buffer's own error names the change."""
+        placed = self._placement()
+        if placed == self._placed or self.buffer.in_step:
+            return
+        buffer = self._new_buffer()
+        buffer.load_state_dict(self.buffer.state_dict())
+        self.parts.replace_buffer(buffer)
+        self._placed = placed
+
+    def _resume_window(self, module: Any, batch_idx: int) -> None:
+        """Lightning's own ``zero_grad`` inside an accumulation window, where automatic
+        optimisation (``accumulate_grad_batches``) would not have called it: manual
+        optimisation runs ``on_validation_model_zero_grad`` before a validation run (a
+        ``val_check_interval`` that ends inside a window) and every ``fit`` begins with one
+        (after a run stopped inside a window). Mid-window, the gradients set to None are put
+        back (the same tensors: automatic optimisation goes on accumulating across the
+        validation); at a window's first batch, the unfinished step is dropped (the new
+        ``fit`` starts clean, as automatic optimisation's does)."""
+        if not self.buffer.in_step:
+            return
+        if batch_idx % self.accumulate_grad_batches == 0:
+            self.parts.drop_step()
+        elif self._held and all(p.grad is None for p, _ in self._held):
+            for p, grad in self._held:
+                p.grad = grad
 
     def _schedulers(self, module: Any, optimizer: Any) -> list[Any]:
         """The scheduler configurations of ``optimizer`` to step (none when switched off);
