@@ -204,10 +204,23 @@ def task_gradients(
         tensor([[1., 1.],
                 [2., 4.]])
     """
+    return task_gradients_reached(losses, params, passes=passes, retain_graph=retain_graph)[0]
+
+
+def task_gradients_reached(
+    losses: Tensor | Sequence[Tensor],
+    params: Iterable[Tensor],
+    *,
+    passes: Passes = "auto",
+    retain_graph: bool = False,
+) -> tuple[Tensor, list[bool]]:
+    """:func:`task_gradients` and, per parameter, whether some task's graph reaches it (a
+    parameter no task reaches gets zeros there: its rows say nothing about it)."""
     vector = as_loss_vector("losses", losses)
     check_bool("retain_graph", retain_graph)
     layout = ParamLayout(as_parameter_list("params", params, leaf=False))
     out = torch.empty(vector.shape[0], layout.numel, dtype=layout.dtype, device=layout.device)
+    reached = [False] * len(layout.params)
     compute_into(TaskRoots(losses, vector, None), layout, out, passes=passes,
-                 retain_graph=retain_graph)
-    return out
+                 retain_graph=retain_graph, reached=reached)
+    return out, reached

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from .._checks import as_parameter_list, check_bool, check_module, check_positive
 from .._types import NonFiniteGradientError
-from ..taskgrads import task_gradients
+from ..taskgrads import task_gradients_reached
 from ._own_optimizer import OptimizerFactory, OwnOptimizerWeighting
 
 __all__ = ["GradNorm", "gradnorm_targets", "last_layer_parameters"]
@@ -138,8 +138,17 @@ class GradNorm(OwnOptimizerWeighting):
         if scaler is not None and scaler.is_enabled():
             scale = scaler.scale(torch.ones((), dtype=torch.float32, device=losses.device))
         scaled = losses if scale is None else losses * scale.to(losses.dtype)
-        matrix = task_gradients(scaled, self.layer_params, passes="loop",
-                                retain_graph=True).double()
+        matrix, reached = task_gradients_reached(scaled, self.layer_params, passes="loop",
+                                                 retain_graph=True)
+        if not any(reached):  # zero norms: the weights would never move, silently
+            raise ValueError(
+                "GradNorm: no task loss reaches its layer's parameters (not on the losses' "
+                "graph: another model's layer, or parameters a wrapper replaced, such as "
+                "FSDP2's sharded ones); give GradNorm a shared layer the forward uses, under "
+                "FSDP2 its gathered copies: GradNorm(K, gathered_parameters(layer)) "
+                "(docs/distributed.md)"
+            )
+        matrix = matrix.double()
         if scale is not None:
             matrix = matrix / scale.to(device=matrix.device, dtype=matrix.dtype)
         return matrix

@@ -183,3 +183,21 @@ def test_micro_batches_give_the_full_batch_update() -> None:
         gn_micro.update()
         torch.testing.assert_close(gn_micro.last_norms, gn_full.last_norms)
         torch.testing.assert_close(gn_micro.weights, gn_full.weights)
+
+
+def test_a_layer_no_loss_reaches_is_refused_and_nothing_moves() -> None:
+    # another model's layer (or FSDP2's sharded parameters under a framework): every norm was
+    # 0 and the weights never moved, without a word
+    trunk, heads, x, y = _problem()
+    other, _, _, _ = _problem()
+    gn = GradNorm(K, other)
+    weights = gn.weights.clone()
+    with pytest.raises(ValueError, match="no task loss reaches its layer's parameters"):
+        gn(_losses(trunk, heads, x, y))
+    assert gn.pending_tensors() == [] and torch.equal(gn.weights, weights)
+    # a layer reached by one task only still counts: the others' rows are zero there
+    gn = GradNorm(K, heads[0])
+    gn(_losses(trunk, heads, x, y))
+    gn.update()
+    assert gn.last_norms is not None and float(gn.last_norms[0]) > 0.0
+    assert gn.last_norms[1:].tolist() == [0.0, 0.0]

@@ -37,7 +37,8 @@ def test_the_flag_marks_the_weightings_whose_coefficients_move_with_the_losses(
     if name in ("imtl_l", "uncertainty"):
         kwargs["dtype"] = torch.float64
     weighting = get_weighting(name, num_tasks=K, **kwargs)
-    other = copy.deepcopy(weighting)  # the same state (and random stream) for the second call
+    # the same state (and random stream) for the second call, GradNorm's layer shared
+    other = copy.deepcopy(weighting, memo={id(p): p for p in layer.parameters()})
     first = _coefficients(weighting, torch.tensor([0.5, 2.0, 7.0], dtype=torch.float64), layer)
     second = _coefficients(other, torch.tensor([3.0, 0.25, 1.0], dtype=torch.float64), layer)
     moved = not torch.allclose(first, second, rtol=1e-12, atol=0.0)
