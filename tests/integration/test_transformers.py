@@ -391,6 +391,26 @@ def test_per_task_evaluation_losses_and_named_tags(tmp_path: Path) -> None:
     assert predicted.predictions is None or np.size(predicted.predictions) != K * (N // 8)
 
 
+def test_samples_repeated_by_the_loader_are_named(tmp_path: Path,
+                                                  recwarn: pytest.WarningsRecorder) -> None:
+    # under data parallelism accelerate repeats the first samples to even out the processes'
+    # last batches: the per-task means counted them silently; one process, a loader that
+    # repeats two samples, stands for it
+    trainer = _trainer(tmp_path, epochs=1, label_names=["y"], per_device_eval_batch_size=8)
+    data = Data()
+    order = [*range(len(data)), 0, 1]
+    loader = torch.utils.data.DataLoader(data, batch_size=8, sampler=order,
+                                         collate_fn=trainer.data_collator)
+    trainer.get_eval_dataloader = lambda *args, **kwargs: loader  # type: ignore[method-assign]
+    with pytest.warns(RuntimeWarning, match="count 2 samples twice"):
+        trainer.evaluate(data)
+    recwarn.clear()
+    trainer.get_eval_dataloader = lambda *args, **kwargs: torch.utils.data.DataLoader(  # type: ignore[method-assign]
+        data, batch_size=8, collate_fn=trainer.data_collator)
+    trainer.evaluate(data)
+    assert not [w for w in recwarn if "samples twice" in str(w.message)]
+
+
 def test_fp16_on_cpu_is_turned_off_by_accelerate(tmp_path: Path) -> None:
     trainer = _trainer(tmp_path, epochs=1, fp16=True)
     assert trainer.accelerator.scaler is None  # accelerate: no float16 autocast on CPU

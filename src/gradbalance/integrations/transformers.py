@@ -22,6 +22,7 @@ FSDP2, and why DeepSpeed, FSDP1 and ``DataParallel`` are refused: docs/integrati
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -113,6 +114,19 @@ def _buffer_options(options: Mapping[str, Any], model: nn.Module) -> dict[str, A
     if "modules" not in found and engine is not None and not engine.hooks_forward:
         found["modules"] = model
     return found
+
+
+def _warn_repeated(counted: int, samples: Any, processes: int, batch: int) -> None:
+    """Warn where the processes evaluated more samples than the set holds: accelerate's
+    loader repeats the first samples to even out the processes' last batches, and the
+    model's batch-mean losses cannot leave them out."""
+    if isinstance(samples, int) and 0 < samples < counted:
+        warnings.warn(
+            f"the per-task evaluation losses count {counted - samples} samples twice: the "
+            f"data loader repeated them to even out the last batches of {processes} processes "
+            f"(the Trainer's eval_loss counts them too); an evaluation set of a multiple of "
+            f"{processes} processes x per_device_eval_batch_size={batch} samples gives the "
+            f"exact means", RuntimeWarning, stacklevel=3)
 
 
 class BalancedTrainer(Trainer):
@@ -289,6 +303,8 @@ class BalancedTrainer(Trainer):
             means = (sums[:-1] / sums[-1]).tolist()
             for name, value in zip(task_labels(self.balanced.task_names, len(means)), means):
                 output.metrics[f"{prefix}_loss_{name}"] = value
+            _warn_repeated(int(sums[-1]), output.num_samples, self.args.world_size,
+                           self.args.per_device_eval_batch_size)
         self._eval_sums = None
         return output
 
