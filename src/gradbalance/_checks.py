@@ -190,9 +190,11 @@ def check_device(name: str, value: object) -> torch.device:
 
 
 def _holds_flag(value: object) -> bool:
-    """Whether a (nested) list or tuple holds a bool (Python's or NumPy's)."""
+    """Whether a (nested) list or tuple holds a bool (Python's, NumPy's or a bool tensor)."""
     if isinstance(value, (list, tuple)):
         return any(_holds_flag(item) for item in value)
+    if isinstance(value, Tensor):
+        return value.dtype == torch.bool
     return type(value).__name__ in ("bool", "bool_")
 
 

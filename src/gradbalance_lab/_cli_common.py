@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -176,15 +177,26 @@ def check_file(path: Path, option: str, *, not_in: Path | None = None) -> None:
 
 def write_atomic(path: Path, text: str) -> None:
     """``path`` holds ``text`` (UTF-8), or, if writing fails, what it held before: the text
-    goes to a new file in its folder, renamed over it."""
-    fd, temp = tempfile.mkstemp(dir=path.absolute().parent, prefix=f".{path.name}.")
+    goes to a new file in the folder of the file ``path`` names (through a symbolic link),
+    renamed over it, with its permissions (a new file: those the umask gives)."""
+    target = Path(os.path.realpath(path))
+    fd, temp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
-        os.replace(temp, path)
+        os.chmod(temp, stat.S_IMODE(os.stat(target).st_mode) if target.exists()
+                 else 0o666 & ~_umask())
+        os.replace(temp, target)
     except BaseException:
         Path(temp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    """The process's umask (read by setting it and back)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def remove_run_logs(folder: Path) -> None:

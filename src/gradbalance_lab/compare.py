@@ -143,8 +143,9 @@ def _run_own(args: argparse.Namespace) -> int:
                              "included); give your model's settings in the factory's dict "
                              "(build_model, make_batches, optimizer)")
         spec = load_factory(args.model)
+        wanted = str(args.balancers).lower()  # 'sum' equals the plain row: only when asked
         methods = [m for m in _chosen(args) if m.label != "sum" or args.balancers is None
-                   or "sum" in args.balancers.lower()]
+                   or "sum" in wanted or wanted.strip() == "all"]
         check_extras(needed_extras(args, data=False))
         threads = torch.get_num_threads()
         torch.set_num_threads(args.threads)

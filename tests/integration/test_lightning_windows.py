@@ -136,3 +136,30 @@ def test_a_module_converted_after_init_trains(precision: str) -> None:
     tol = 1e-10 if precision == "64-true" else 2 * 2.0**-9
     assert runs[True][0].abs().max() < 0.5
     torch.testing.assert_close(runs[False][0], runs[True][0], rtol=0.0, atol=tol)
+
+
+def test_a_checkpoint_loads_into_a_module_stopped_inside_a_window() -> None:
+    # the buffer held the unfinished step and refused the load (validate/test with ckpt_path,
+    # a new fit from a checkpoint); plain Lightning loads it
+    module = _Balanced()
+    saved = {k: v.clone() if isinstance(v, torch.Tensor) else v
+             for k, v in module.state_dict().items()}
+    _trainer(False, max_epochs=1, callbacks=[_StopAt(2)]).fit(module, _loader())
+    assert module.balanced.buffer.in_step
+    module.load_state_dict(saved)
+    assert not module.balanced.buffer.in_step
+    torch.testing.assert_close(_flat(module), _flat(_Balanced()), rtol=0.0, atol=0.0)
+
+
+def test_a_fit_stopped_inside_a_window_then_converted() -> None:
+    # the buffer, still in the unfinished step, was not rebuilt for the new dtype and raised
+    runs = {}
+    for plain, cls in ((True, _Plain), (False, _Balanced)):
+        module = cls()
+        _trainer(plain, max_epochs=1, callbacks=[_StopAt(2)]).fit(module, _loader())
+        second = _trainer(plain, max_epochs=1, precision="64-true")
+        second.fit(module, _loader())
+        runs[plain] = (_flat(module), second.global_step)
+    assert runs[True][1] == runs[False][1] == 4
+    # the first fit in float32: its rounding (K passes against one) stays, ~1e-8
+    torch.testing.assert_close(runs[False][0], runs[True][0], rtol=1e-6, atol=1e-6)

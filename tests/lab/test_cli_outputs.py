@@ -188,6 +188,28 @@ def test_the_doc_is_written_whole_or_not_at_all(tmp_path: Path,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["figures.md"]  # no temporary left
 
 
+def test_the_doc_keeps_its_permissions_and_its_link(tmp_path: Path) -> None:
+    import os
+    import stat
+
+    from gradbalance_lab._cli_common import write_atomic
+
+    page = tmp_path / "page.md"
+    page.write_text("old")
+    os.chmod(page, 0o644)
+    link = tmp_path / "link.md"
+    link.symlink_to(page)
+    write_atomic(link, "new")  # the temporary file's 0600 and a replaced link before
+    assert link.is_symlink() and page.read_text() == "new"
+    assert stat.S_IMODE(page.stat().st_mode) == 0o644
+    mask = os.umask(0o022)
+    try:
+        write_atomic(tmp_path / "fresh.md", "x")
+    finally:
+        os.umask(mask)
+    assert stat.S_IMODE((tmp_path / "fresh.md").stat().st_mode) == 0o644
+
+
 @pytest.mark.parametrize(("argv", "text"), [
     (["compare", "--seeds", "0"], "argument --seeds: invalid value: 0"),
     (["compare", "--epochs", "-2"], "argument --epochs: invalid value: -2"),

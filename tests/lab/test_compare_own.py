@@ -286,6 +286,7 @@ def test_cli_model_all_skips_the_balancers_the_model_cannot_take(
     assert skipped == ["krum", "trimmedmean"]
     methods = [r["method"] for r in _read(tmp_path / "out" / "summary.csv")]
     assert methods[0] == "plain" and "upgrad" in methods and "krum" not in methods
+    assert "sum" in methods  # 'all' is every balancer, sum too
     # named alone, it is an error
     assert main(_own(user_folder, "--balancers", "krum", "--out", "other")) == 2
 

@@ -205,8 +205,8 @@ class BalancedManualStep(nn.Module):
         schedulers = self._schedulers(module, optimizer)
         scaler = getattr(module.trainer.precision_plugin, "scaler", None)
         n = self.accumulate_grad_batches
+        self._resume_window(module, batch_idx)  # first: a dropped step lets the buffer follow
         self._follow_placement()
-        self._resume_window(module, batch_idx)
         self.parts.backward(losses, n, scaler)
         last = _last_batch(module.trainer, batch_idx)
         if (batch_idx + 1) % n != 0 and not last:
@@ -289,5 +289,8 @@ class BalancedManualStep(nn.Module):
         return self.parts.state_dict()
 
     def set_extra_state(self, state: Any) -> None:
-        """Restore :meth:`get_extra_state` output (all parts or none)."""
+        """Restore :meth:`get_extra_state` output (all parts or none). A step an earlier
+        ``fit`` left unfinished (stopped inside an accumulation window) is dropped first, as
+        the next ``fit`` would: a checkpoint's state replaces it."""
+        self.parts.drop_step()
         self.parts.load_state_dict(state)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -140,14 +141,14 @@ class GradNorm(OwnOptimizerWeighting):
         scaled = losses if scale is None else losses * scale.to(losses.dtype)
         matrix, reached = task_gradients_reached(scaled, self.layer_params, passes="loop",
                                                  retain_graph=True)
-        if not any(reached):  # zero norms: the weights would never move, silently
-            raise ValueError(
-                "GradNorm: no task loss reaches its layer's parameters (not on the losses' "
-                "graph: another model's layer, or parameters a wrapper replaced, such as "
-                "FSDP2's sharded ones); give GradNorm a shared layer the forward uses, under "
-                "FSDP2 its gathered copies: GradNorm(K, gathered_parameters(layer)) "
-                "(docs/distributed.md)"
-            )
+        if not any(reached):  # zero norms from this batch: said, not silent
+            warnings.warn(
+                "GradNorm: no task loss of this batch reaches its layer's parameters, so their "
+                "gradient norms count 0 for it: a layer the batch skipped, or one not on the "
+                "losses' graph at all (another model's layer, or parameters a wrapper replaced, "
+                "such as FSDP2's sharded ones: give GradNorm their gathered copies, "
+                "GradNorm(K, gathered_parameters(layer)), docs/distributed.md)",
+                RuntimeWarning, stacklevel=4)
         matrix = matrix.double()
         if scale is not None:
             matrix = matrix / scale.to(device=matrix.device, dtype=matrix.dtype)

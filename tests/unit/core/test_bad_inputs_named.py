@@ -79,8 +79,9 @@ def test_flags_take_only_true_or_false(flag: object) -> None:
 
 
 @pytest.mark.parametrize("value", [torch.tensor([1 + 5j, 1 + 0j]), torch.tensor([True, False]),
-                                   "ab", [True, 2.0], [0.5, False]],
-                         ids=["complex", "bool", "str", "list-true", "list-false"])
+                                   "ab", [True, 2.0], [0.5, False], [torch.tensor(True), 2.0]],
+                         ids=["complex", "bool", "str", "list-true", "list-false",
+                              "list-bool-tensor"])
 @pytest.mark.parametrize("make", [
     lambda v: B.Constant(v), lambda v: B.UPGrad(pref=v), lambda v: B.DualProj(pref=v),
     lambda v: B.SDMGrad(pref_vector=v), lambda v: B.CRMOGM(initial_weights=v),
