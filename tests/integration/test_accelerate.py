@@ -232,7 +232,9 @@ def test_buffer_kwargs_are_checked_when_the_step_is_built() -> None:
             ({"task_names": ["a", "b"]}, TypeError, r"Invalid buffer_kwargs: 'task_names'"),
             ({"num_tasks": K}, TypeError, r"'num_tasks'.*the balancer's"),
             ({"mode": "gramain"}, ValueError, r"mode='gramain'"),
-            ({"mode": "gramian"}, ValueError, r"mode='gramian' needs modules")):
+            ({"mode": "gramian"}, ValueError, r"mode='gramian' needs modules"),
+            ({"batch_dim": 0, "modules": model.trunk}, ValueError,
+             r"batch_dim=0: the per-sample route")):
         with pytest.raises(error, match=match):
             BalancedAcceleratorStep(accelerator, PCGrad(), model.shared_parameters(),
                                     model.head_parameters(), **kwargs)

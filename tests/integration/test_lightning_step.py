@@ -208,6 +208,7 @@ def test_a_loader_without_a_length_takes_the_end_of_epoch_step() -> None:
     ({"prefix": 3}, "Invalid prefix: 3"),
     ({"log": "no"}, "Invalid log: 'no'"),
     ({"step_schedulers": "no"}, "Invalid step_schedulers: 'no'"),
+    ({"batch_dim": 0}, "Invalid buffer_kwargs: batch_dim=0: the per-sample route"),
 ])
 def test_bad_settings_are_named_at_construction(kwargs: dict[str, Any], text: str) -> None:
     """``"upgrad"`` raised an AttributeError; a prefix of 3 raised inside ``fit`` after the

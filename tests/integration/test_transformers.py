@@ -465,6 +465,8 @@ def test_clear_errors(tmp_path: Path) -> None:
     ({"mode": "gramain"}, ValueError, r"Invalid buffer_options: mode='gramain'"),
     ({"other_params": "drop"}, ValueError, r"other_params must be"),
     (["mode"], TypeError, r"Invalid buffer_options: a list"),
+    # the per-sample route crashed at the first batch (an AttributeError inside the helper)
+    ({"batch_dim": 0}, ValueError, r"Invalid buffer_options: batch_dim=0: the per-sample"),
 ])
 def test_buffer_options_are_checked_when_the_trainer_is_built(
         tmp_path: Path, options: Any, error: type[Exception], match: str) -> None:

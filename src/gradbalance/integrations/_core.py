@@ -41,7 +41,8 @@ def check_buffer_options(name: str, options: Mapping[str, Any] | None) -> dict[s
     """A copy of ``options``, the keyword arguments an integration passes to the
     :class:`~gradbalance.TaskGradBuffer` it builds at the first step, checked when the
     integration is built: a mapping whose keys are the buffer's keyword arguments but
-    ``num_tasks`` (the balancer's), ``mode`` one of the modes (``gramian`` with its
+    ``num_tasks`` (the balancer's) and ``batch_dim`` (the per-sample route: refused), ``mode``
+    one of the modes (``gramian`` with its
     ``modules``) and ``other_params`` one of its values (the buffer checks the others when it
     is built).
 
@@ -55,6 +56,13 @@ def check_buffer_options(name: str, options: Mapping[str, Any] | None) -> dict[s
                         f"TaskGradBuffer's keyword arguments, e.g. {{'mode': 'auto'}})")
     _refuse_unknown(name, options)
     found = dict(options)
+    if found.get("batch_dim") is not None:
+        raise ValueError(
+            f"Invalid {name}: batch_dim={found['batch_dim']!r}: the per-sample route (B x K "
+            f"objectives) is not available through the framework helpers (its buffer must be "
+            f"built before each forward it records, and its statistics are per objective); "
+            f"write the loop with TaskGradBuffer(..., modules=trunk, batch_dim=0) "
+            f"(docs/per_sample.md), or leave batch_dim out for the K task losses")
     mode = found.get("mode", "matrix")
     if not isinstance(mode, str) or mode not in ENGINES:
         raise ValueError(f"Invalid {name}: mode={mode!r} (expected one of "

@@ -39,7 +39,7 @@ from ..stats import StepStats
 from ..step import TaskGradBuffer
 from ..taskgrads import Passes
 from ..weighting._base import LossWeighting
-from ._core import BalancedParts, stats_scalars, unshare_tensors
+from ._core import BalancedParts, check_buffer_options, stats_scalars, unshare_tensors
 
 __all__ = ["BalancedManualStep", "require_lightning", "stats_scalars"]
 
@@ -146,7 +146,8 @@ class BalancedManualStep(nn.Module):
             raise ValueError(f"Invalid prefix: {prefix!r} (expected a string, e.g. 'train/')")
         self._params = (list(shared_params), None if head_params is None else list(head_params))
         self._buffer_kwargs = {"num_tasks": balancer.num_tasks, "passes": passes,
-                               "process_group": process_group, **buffer_kwargs}
+                               "process_group": process_group,
+                               **check_buffer_options("buffer_kwargs", buffer_kwargs)}
         self.parts = BalancedParts(balancer, self._new_buffer(), weighting=weighting, clip=clip,
                                    task_names=task_names)
         self._placed = self._placement()
