@@ -292,6 +292,8 @@ class BalancedManualStep(nn.Module):
     def set_extra_state(self, state: Any) -> None:
         """Restore :meth:`get_extra_state` output (all parts or none). A step an earlier
         ``fit`` left unfinished (stopped inside an accumulation window) is dropped first, as
-        the next ``fit`` would: a checkpoint's state replaces it."""
-        self.parts.drop_step()
+        the next ``fit`` would: a checkpoint's state replaces it. Between steps nothing else
+        is touched."""
+        if self.buffer.in_step:
+            self.parts.drop_step()
         self.parts.load_state_dict(state)
