@@ -62,6 +62,7 @@ from ._admm import (
 from ._cholesky import Factor, cholesky_ex, cholesky_solve, principal_block
 from ._combinations import without_combinations
 from ._interior import interior_nnls
+from ._mixed import ScaledPreconditioner, mixed_free_solve
 from ._pcg import pcg_free, rough_free_sets
 from ._precond import (
     SHIFT,
@@ -76,7 +77,7 @@ from ._precond import (
     sparse_product,
     symmetrized,
 )
-from ._projected import Plan, bulk_top, plan, projected_start
+from ._projected import Plan, bulk_top, plan, projected_free_sets, projected_start
 from ._qr_update import ColumnQR
 from ._zero_cone import DENSE_NULL_ROUNDS, zero_cone_box
 
@@ -468,7 +469,7 @@ def solve_lcp_pivoting(
     shift = lq + c
     total = 1.0 - lower.sum(dim=1) if simplex else None
     solve: Solve
-    y0 = None
+    y0 = y0q = None
     if iterative:
         h = inverse if inverse is not None else shifted_inverse(q)
         if h is None:
@@ -479,8 +480,13 @@ def solve_lcp_pivoting(
         whole = None if bool(c.any()) else -lower  # Q(−lower) + shift = 0: no product
         cache = SetupCache(pre, *shift.shape)  # the setups, from float32 on
         start = plan(q, pre)
-        free0, y0 = rough_free_sets(q, pre, shift, free0, whole, cache, start)
-        solve = _cg_solve(q, pre, shift, tight_residuals(h, lower, lq), cache, lower, lq)
+        tight = tight_residuals(h, lower, lq)
+        solve = _cg_solve(q, pre, shift, tight, cache, lower, lq)
+        if start is not None and not bool(free0.any()):  # FISTA's free sets, solved at once
+            free0, y0, y0q = projected_free_sets(q, shift, start)
+            solve = _mixed_solve(q, start, shift, tight, lower, lq, solve)
+        else:
+            free0, y0 = rough_free_sets(q, pre, shift, free0, whole, cache, start)
     else:
         def solve(rows: Tensor, free: Tensor, y: Tensor, yq: Tensor,
                   tight: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
@@ -488,7 +494,8 @@ def solve_lcp_pivoting(
             return out, torch.ones(len(rows), dtype=torch.bool), out.nan_to_num() @ q
     threshold = (_relative_threshold(q, lower, c, tol) if relative
                  else lambda rows, y, yq: tol)
-    return _pivot_loop(q, shift, lower, simplex, free0, tol, threshold, max_iter, solve, y0)
+    return _pivot_loop(q, shift, lower, simplex, free0, tol, threshold, max_iter, solve, y0,
+                       y0q)
 
 
 def tight_residuals(h: Tensor, lower: Tensor, lq: Tensor) -> Tensor:
@@ -507,25 +514,41 @@ def tight_residuals(h: Tensor, lower: Tensor, lq: Tensor) -> Tensor:
     return size * (CG_ERROR / inverse_top ** 0.5) if inverse_top > 0.0 else torch.zeros_like(size)
 
 
+def _targets(shift: Tensor, tight: Tensor, lower: Tensor, lq: Tensor
+             ) -> Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]:
+    """``(rows, y, yq, exact) → (rtol, atol)`` of the free-set solves of
+    :func:`solve_lcp_pivoting`: to the residual ``tight`` ``[B]`` (:func:`tight_residuals`)
+    where ``exact``, times the projection's last size against its bound's, ``min(1, ‖v‖_Q /
+    ‖lower‖_Q)`` (``v = lower + y``, ``lq = lower·Q``: ``O(K)`` per problem from the last
+    solve's ``yQ``), within ``[CG_RTOL_MIN, CG_RTOL_MAX]`` times the right-hand side
+    ``‖shift_F‖`` (only those count as exact), else ``CG_LOOSE_RTOL`` times it. The error of
+    each projection is then ``CG_ERROR`` of its own size: where the dual cone is thin,
+    projections a thousandth of their bound (rows of rank ``K/4`` plus noise 1e-3 of their
+    size) summed to an update 1e-4 off with the bound's."""
+    bound = row_dot(lower, lq).clamp_min(0.0).sqrt()
+    dtype = shift.dtype
+
+    def targets(rows: Tensor, y: Tensor, yq: Tensor, exact: Tensor) -> tuple[Tensor, Tensor]:
+        every = rows.numel() == lower.shape[0]  # the rows in order (the pivoting's): no gather
+        low, low_q = (lower, lq) if every else (lower[rows], lq[rows])
+        dot = torch.linalg.vecdot  # (low + y)·(low_q + yq) term by term: no [B, K] temporaries
+        square = dot(low, low_q) + dot(low, yq) + dot(y, low_q) + dot(y, yq)
+        size = square.clamp_min(0.0).sqrt()
+        part = torch.where(size < bound[rows], size / bound[rows].clamp_min(1e-300), 1.0)
+        rtol = torch.where(exact, CG_RTOL_MAX, CG_LOOSE_RTOL).to(dtype)
+        return rtol, torch.where(exact, tight[rows] * part, torch.inf)
+    return targets
+
+
 def _cg_solve(q: Tensor, h: Preconditioner, shift: Tensor, tight: Tensor,
               cache: SetupCache, lower: Tensor, lq: Tensor) -> Solve:
-    """The free-set solves of :func:`solve_lcp_pivoting` by :func:`~._pcg.pcg_free`: to the
-    residual ``tight`` ``[B]`` (:func:`tight_residuals`) where ``tight``, times the
-    projection's last size against its bound's, ``min(1, ‖v‖_Q / ‖lower‖_Q)`` (``v = lower
-    + y``, ``lq = lower·Q``: ``O(K)`` per problem from the last solve's ``yQ``), within
-    ``[CG_RTOL_MIN, CG_RTOL_MAX]`` times the right-hand side ``‖shift_F‖`` (only those count
-    as exact), else ``CG_LOOSE_RTOL`` times it; the preconditioner's setups from ``cache``.
-    The error of each projection is then ``CG_ERROR`` of its own size: where the dual cone
-    is thin, projections a thousandth of their bound (rows of rank ``K/4`` plus noise 1e-3
-    of their size) summed to an update 1e-4 off with the bound's."""
-    bound = row_dot(lower, lq).clamp_min(0.0).sqrt()
+    """The free-set solves of :func:`solve_lcp_pivoting` by :func:`~._pcg.pcg_free`, to the
+    residuals of :func:`_targets`; the preconditioner's setups from ``cache``."""
+    targets = _targets(shift, tight, lower, lq)
 
     def solve(rows: Tensor, free: Tensor, y: Tensor, yq: Tensor,
               exact: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
-        size = row_dot(lower[rows] + y, lq[rows] + yq).clamp_min(0.0).sqrt()
-        part = torch.where(size < bound[rows], size / bound[rows].clamp_min(1e-300), 1.0)
-        rtol = torch.where(exact, CG_RTOL_MAX, CG_LOOSE_RTOL).to(q.dtype)
-        atol = torch.where(exact, tight[rows] * part, torch.inf)  # loose: CG_LOOSE_RTOL
+        rtol, atol = targets(rows, y, yq, exact)
         out, converged, outq = pcg_free(q, h, -shift[rows], free, y, yq, rtol,
                                         setup=lambda live, f: cache.setup(rows[live], f),
                                         atol=atol, rtol_min=CG_RTOL_MIN)
@@ -536,14 +559,48 @@ def _cg_solve(q: Tensor, h: Preconditioner, shift: Tensor, tight: Tensor,
     return solve
 
 
+def _mixed_solve(q: Tensor, start: Plan, shift: Tensor, tight: Tensor, lower: Tensor,
+                 lq: Tensor, exact_solve: Solve) -> Solve:
+    """The free-set solves of :func:`solve_lcp_pivoting` from the projected start ``start``
+    in mixed precision (:func:`~._mixed.mixed_free_solve`: float32 steps on a float64
+    residual, the new point's residual exact), to the residuals of :func:`_targets`; a tight
+    solve whose round stalled goes on in float64 (``exact_solve``, :func:`_cg_solve`)."""
+    targets = _targets(shift, tight, lower, lq)
+    q32 = q.float()
+    pre = ScaledPreconditioner.of(start)
+
+    def solve(rows: Tensor, free: Tensor, y: Tensor, yq: Tensor,
+              exact: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
+        rtol, atol = targets(rows, y, yq, exact)
+        part = shift if rows.numel() == shift.shape[0] else shift[rows]
+        size = _norm(part * free, dim=1)
+        target = torch.minimum(torch.maximum(atol, CG_RTOL_MIN * size), rtol * size)
+        out = mixed_free_solve(q, q32, pre, part, free, y, yq, target)
+        redo = torch.nonzero(exact & out.stalled).flatten()
+        converged = out.converged & exact
+        if redo.numel():
+            got = exact_solve(rows[redo], free[redo], out.y[redo], out.yq[redo],
+                              exact[redo])
+            if got is None:
+                return None
+            out.y[redo], converged[redo], out.yq[redo] = got
+        return out.y, converged, out.yq
+    return solve
+
+
 def _first_solve(q: Tensor, free: Tensor, simplex: bool, solve: Solve,
-                 y0: Tensor | None) -> tuple[Tensor, Tensor, Tensor] | None:
+                 y0: Tensor | None, y0q: Tensor | None = None
+                 ) -> tuple[Tensor, Tensor, Tensor] | None:
     """The pivoting's first point: a guessed solution ``y0`` (zero off ``free``) as it is (the
     float32 pivoting's, already solved to about 1e-6 on its free set: its multipliers are
-    tested first, and only a tight solve can finish it), else a loose solve from ``y = 0``;
-    none from an empty free set and no guess (the default start of a box QP: ``y = 0``)."""
+    tested first, and only a tight solve can finish it), or where its product ``y0q = y0 Q``
+    is given a tight solve on ``free`` from it (the projected start's: near the optimal free
+    sets, not solved on them), else a loose solve from ``y = 0``; none from an empty free
+    set and no guess (the default start of a box QP: ``y = 0``)."""
     b = free.shape[0]
     rows = torch.arange(b)
+    if y0 is not None and y0q is not None:
+        return solve(rows, free, y0, y0q, torch.ones(b, dtype=torch.bool))
     if y0 is not None:  # zero off ``free`` (:func:`~._pcg.rough_free_sets`)
         return y0, torch.zeros(b, dtype=torch.bool), y0 @ q
     y = torch.zeros(free.shape, dtype=q.dtype)
@@ -554,12 +611,14 @@ def _first_solve(q: Tensor, free: Tensor, simplex: bool, solve: Solve,
 
 def _pivot_loop(q: Tensor, shift: Tensor, lower: Tensor, simplex: bool, free0: Tensor,
                 tol: float, threshold: Threshold, max_iter: int,
-                solve: Solve, y0: Tensor | None = None) -> tuple[Tensor, Tensor] | None:
+                solve: Solve, y0: Tensor | None = None,
+                y0q: Tensor | None = None) -> tuple[Tensor, Tensor] | None:
     """The iterations of :func:`solve_lcp_pivoting`; ``solve(rows, free, y_last, y_last Q,
     tight)`` gives the free-set solutions of the open problems ``rows``, which are exact
     (``tight``: the free set had no infeasible index, or the last solve was exact) and their
     products ``yQ``; a free ``y`` below ``−tol`` or a multiplier below
-    ``−threshold(rows, y, yQ)`` is infeasible. ``y0``: a guessed first solution."""
+    ``−threshold(rows, y, yQ)`` is infeasible. ``y0``: a guessed first solution (with its
+    product ``y0q``, solved on ``free0`` first: :func:`_first_solve`)."""
     b, k = shift.shape
     free = free0.clone()
     # the open problems' state, compacted together: no per-iteration gathers by ``rows``
@@ -567,7 +626,7 @@ def _pivot_loop(q: Tensor, shift: Tensor, lower: Tensor, simplex: bool, free0: T
     size = torch.full((b,), k, dtype=torch.int64)
     stale = torch.zeros(b, dtype=torch.int64)
     rows = torch.arange(b)
-    solved = _first_solve(q, free, simplex, solve, y0)
+    solved = _first_solve(q, free, simplex, solve, y0, y0q)
     x = lower.clone()
     done = torch.zeros(b, dtype=torch.bool)
     for _ in range(max_iter):

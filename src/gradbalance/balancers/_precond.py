@@ -105,6 +105,8 @@ def sparse_product(a: Tensor, m: Tensor, nonzeros: int | None = -1) -> Tensor:
         at = torch.nonzero(a)
         rows, cols = at[:, 0], at[:, 1]
         terms = m.index_select(0, cols).mul_(a[rows, cols][:, None])
+        if rows.numel() == a.shape[0] and bool((rows == torch.arange(a.shape[0])).all()):
+            return terms  # one entry in every row (a scaled permutation): the terms in order
         return a.new_zeros((a.shape[0], m.shape[1])).index_add_(0, rows, terms)
     out: Tensor = torch.sparse.mm(a.to_sparse(), m)
     return out

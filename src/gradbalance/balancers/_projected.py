@@ -24,12 +24,13 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from ._precond import Preconditioner, row_dot, sparse_product
+from ._precond import Preconditioner, sparse_product
 
 #: Steps of :func:`projected_start` (on ``torch.randn`` rows at K = 1,024: 94 indices in all
 #: from the optimal free sets after six, none after ten; seven to nine steps took the same
@@ -50,7 +51,8 @@ POWER_STEPS = 8
 
 
 def fista(q: Tensor, shift: Tensor, top: float, v: Tensor | None = None, c: Weight = 0.0,
-          steps: int = PROJECTED_STEPS, bottom: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+          steps: int = PROJECTED_STEPS, bottom: float = 0.0,
+          last: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """``(free, y, yQ)`` ``[B, K]``: ``steps`` FISTA steps on ``min ½ yᵀQy + shiftᵀy``,
     ``y ≥ 0`` per row, from ``y = 0``, in the dtype of ``q``; ``top``: ``λ₁`` of the part
     of ``Q`` taken by gradient steps (estimated).
@@ -74,7 +76,9 @@ def fista(q: Tensor, shift: Tensor, top: float, v: Tensor | None = None, c: Weig
     step from the last one's ``τ``. With several, ``Q = B + V diag(c) Vᵀ`` (``v`` ``[K, m]``
     orthonormal, ``c`` ``[m]``), the prox is ``max(0, a − Vτ)`` with ``τ ∈ ℝᵐ`` the root of
     ``τ − η diag(c) Vᵀmax(0, a − Vτ)``, one semismooth Newton step per FISTA step
-    (:func:`_prox_many`).
+    (:func:`_prox_many`). ``last``: the last step's product ``z ↦ zQ`` where the caller
+    takes it (in float64: :func:`projected_start`'s exact start); then ``(free, z, zQ)``
+    are returned unrestricted.
     """
     step = 1.0 / (LIPSCHITZ_MARGIN * top)
     rows = shift.shape[0]
@@ -83,25 +87,31 @@ def fista(q: Tensor, shift: Tensor, top: float, v: Tensor | None = None, c: Weig
     y = _prox(lead.clone(), v, step * c, tau)  # the first step from z = 0: no product
     if steps < 2:
         return y > 0.0, y, y @ q
-    z = y
+    z = y.clone()
     t = torch.ones(rows, dtype=q.dtype)
     root = max(1.0, LIPSCHITZ_MARGIN * top / bottom) ** 0.5 if bottom > 0.0 else None  # √κ
     constant = None if root is None else (root - 1.0) / (root + 1.0)
+    # three [B, K] buffers turn over (y, z and the next step's), and one scratch for the
+    # prox: a fresh tensor per operation costs its pages' first touch, about as much as the
+    # operation (one thread, K = 1,024)
+    spare, scratch = torch.empty_like(y), torch.empty_like(y)
     for _ in range(steps - 2):
-        a = torch.addmm(z + lead, z, q, alpha=-step)  # z − η(zQ + shift): the sum in the product
-        new = _step(a, z, v, c, step, tau)
-        moved = new - y
-        uphill = row_dot(z.sub_(new), moved) > 0.0  # z is not read again: in place
+        a = torch.add(z, lead, out=spare).addmm_(z, q, alpha=-step)  # z − η(zQ + shift)
+        new = _step(a, z, v, c, step, tau, scratch)  # in a
+        moved = torch.sub(new, y, out=y)  # y is not read again
+        uphill = torch.linalg.vecdot(z.sub_(new), moved) > 0.0  # nor is z
         if constant is not None:
             momentum = torch.where(uphill, 0.0, constant)
         else:
             t_next = (1.0 + (1.0 + 4.0 * t * t).sqrt()) / 2.0
             momentum = torch.where(uphill, 0.0, (t - 1.0) / t_next)
             t = torch.where(uphill, 1.0, t_next)
-        z = moved.mul_(momentum[:, None]).add_(new)
+        spare, z = z, moved.mul_(momentum[:, None]).add_(new)
         y = new
-    zq = z @ q  # the last step's product, kept: the start is z on the last step's free set
+    zq = z @ q if last is None else last(z)  # kept: the start is z on the last free set
     free = _step(torch.add(z + lead, zq, alpha=-step), z, v, c, step, tau) > 0.0
+    if last is not None:
+        return free, z, zq
     return free, z * free, zq.sub_(sparse_product(z * ~free, q))
 
 
@@ -111,38 +121,42 @@ Weight = float | Tensor
 
 
 def _step(a: Tensor, z: Tensor, v: Tensor | None, c: Weight, step: float,
-          tau: Tensor) -> Tensor:
-    """The prox of the gradient step ``a = z − η(zQ + shift)`` (:func:`_prox`), the outliers
-    ``V diag(c) Vᵀ`` taken out of the gradient and into the prox."""
+          tau: Tensor, scratch: Tensor | None = None) -> Tensor:
+    """The prox of the gradient step ``a = z − η(zQ + shift)`` (:func:`_prox`, in ``a``), the
+    outliers ``V diag(c) Vᵀ`` taken out of the gradient and into the prox."""
     if v is not None and v.dim() == 2:
         a.addmm_((z @ v).mul_(c), v.T, alpha=step)
     elif v is not None:
         a.addr_(z @ v, v, alpha=step * float(c))
-    return _prox(a, v, step * c, tau)
+    return _prox(a, v, step * c, tau, scratch)
 
 
-def _prox(a: Tensor, v: Tensor | None, weight: Weight, tau: Tensor) -> Tensor:
-    """``max(0, a − τv)`` (``max(0, a)`` without ``v``), ``τ`` ``[B]`` moved in place by one
-    Newton step on ``τ − weight·vᵀmax(0, a − τv)`` (``weight = ηc``); several outliers:
-    :func:`_prox_many`."""
+def _prox(a: Tensor, v: Tensor | None, weight: Weight, tau: Tensor,
+          scratch: Tensor | None = None) -> Tensor:
+    """``max(0, a − τv)`` (``max(0, a)`` without ``v``) in ``a``, ``τ`` ``[B]`` moved in place
+    by one Newton step on ``τ − weight·vᵀmax(0, a − τv)`` (``weight = ηc``); several
+    outliers: :func:`_prox_many`; ``scratch``: a tensor like ``a`` to work in."""
     if v is None:
         return a.clamp_min_(0.0)
     if v.dim() == 2:
-        return _prox_many(a, v, weight, tau)
-    r = torch.addr(a, tau, v, alpha=-1.0).clamp_min_(0.0)  # one pass each, and matrix-vector
+        return _prox_many(a, v, weight, tau, scratch)
+    r = torch.addr(a, tau, v, alpha=-1.0, out=torch.empty_like(a) if scratch is None
+                   else scratch).clamp_min_(0.0)  # one pass each, and matrix-vector
     value = tau - weight * (r @ v)  # products for the sums: a third of the element-wise time
     slope = 1.0 + weight * (r.sign_() @ (v * v))  # sign: 1 where a − τv > 0, else 0
     tau.sub_(value / slope)
     return a.addr_(tau, v, alpha=-1.0).clamp_min_(0.0)
 
 
-def _prox_many(a: Tensor, v: Tensor, weight: Weight, tau: Tensor) -> Tensor:
+def _prox_many(a: Tensor, v: Tensor, weight: Weight, tau: Tensor,
+               scratch: Tensor | None = None) -> Tensor:
     """``max(0, a − τVᵀ)`` per row (``v`` ``[K, m]``, ``τ`` ``[B, m]``), ``τ`` moved in place by
     one semismooth Newton step on ``F(τ) = τ − W Vᵀmax(0, a − Vτ)`` (``W = diag(weight)``):
     its Jacobian ``I + W Vᵀ D V`` (``D`` the positive entries of ``a − Vτ``) is ``m × m``
     per row, ``VᵀDV`` one product of ``D`` with the ``[K, m²]`` products of ``V``'s columns."""
     k, m = v.shape
-    r = torch.addmm(a, tau, v.T, alpha=-1.0).clamp_min_(0.0)
+    r = torch.addmm(a, tau, v.T, alpha=-1.0, out=torch.empty_like(a) if scratch is None
+                    else scratch).clamp_min_(0.0)
     value = tau - weight * (r @ v)
     pairs = (v[:, :, None] * v[:, None, :]).reshape(k, m * m)
     jac = (r.sign_() @ pairs).view(-1, m, m).mul_(torch.as_tensor(weight, dtype=a.dtype)[:, None])
@@ -193,11 +207,44 @@ def projected_start(q: Tensor, shift: Tensor, start: Plan,
     diagonal made 1: rows of norms far apart, such as the cosine matrix of rows that share
     one direction to different degrees, leave the bulk's condition number at 7 instead of
     50), ``yQ = (ỹQ̃)S⁻¹``; in the dtype of ``q``."""
+    steps = PROJECTED_STEPS if steps is None else steps  # read at the call: tests set it
+    free, y, yq = _scaled_fista(q, shift, start, steps)
+    scale = start.scale.to(q.dtype)
+    return free, y.mul_(scale), yq.div_(scale)
+
+
+def _scaled_fista(q: Tensor, shift: Tensor, start: Plan, steps: int,
+                  last: Callable[[Tensor], Tensor] | None = None
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`fista` on ``SQS`` and ``S·shift`` (``S = diag(start.scale)``, the dtype of
+    ``q``), its answer in the scaled variables."""
     scale = start.scale.to(q.dtype)
     scaled = q * scale[:, None] * scale[None, :]
-    steps = PROJECTED_STEPS if steps is None else steps  # read at the call: tests set it
-    free, y, yq = fista(scaled, shift * scale, start.top, start.v, start.c, steps, start.bottom)
-    return free, y.mul_(scale), yq.div_(scale)
+    return fista(scaled, shift * scale, start.top, start.v, start.c, steps, start.bottom, last)
+
+
+def projected_free_sets(q: Tensor, shift: Tensor,
+                        start: Plan) -> tuple[Tensor, Tensor, Tensor]:
+    """``(free, y, yQ)`` ``[B, K]`` in the dtype of ``q`` (float64; ``y`` zero off ``free``):
+    :func:`projected_start`'s steps in float32 on ``Q`` and ``shift``, its last product in
+    the dtype of ``q`` (the start's product exact: the mixed-precision solves of
+    :mod:`._mixed` need no product of their own to begin); a row that overflowed in
+    float32 has no free index and ``y = 0`` (a cold start)."""
+    scale = start.scale.to(q.dtype)
+    exact: dict[str, Tensor] = {}
+
+    def last(z: Tensor) -> Tensor:  # z on the scaled problem: y = Sz, zQ̃ = (yQ)S
+        exact["y"] = y = z.to(q.dtype).mul_(scale)
+        exact["yq"] = yq = y @ q
+        return (yq * scale).to(z.dtype)
+
+    free, _, _ = _scaled_fista(q.float(), shift.float(), start, PROJECTED_STEPS, last)
+    y, yq = exact["y"], exact["yq"]
+    free &= torch.isfinite(yq).all(dim=1, keepdim=True)
+    kept = y * free
+    dropped = y.sub_(kept).nan_to_num_(0.0, 0.0, 0.0)
+    return free, kept.nan_to_num_(0.0, 0.0, 0.0), yq.sub_(sparse_product(dropped, q)).mul_(
+        free.any(dim=1, keepdim=True)).nan_to_num_(0.0, 0.0, 0.0)
 
 
 def plan(q: Tensor, pre: Preconditioner) -> Plan | None:
