@@ -240,8 +240,12 @@ def full_rank_inverse(q: Tensor) -> Tensor | None:
 def is_full_rank(q: Tensor, h: Tensor) -> bool:
     """:func:`full_rank_inverse`'s test on ``h``, ``Q``'s certified inverse
     (:func:`certified_inverse`): ``1/‖Q⁻¹‖_∞ ≥ FULL_RANK_MIN_EIGEN · tr Q / K``."""
-    top = float(h.abs().sum(dim=1).amax())
-    return top * FULL_RANK_MIN_EIGEN * float(torch.trace(q)) <= q.shape[0]
+    return _inf_norm(h) * FULL_RANK_MIN_EIGEN * float(torch.trace(q)) <= q.shape[0]
+
+
+def _inf_norm(h: Tensor) -> float:
+    """``‖H‖_∞``, the largest row sum of ``|H|`` (one reduction: no ``|H|`` in memory)."""
+    return float(torch.linalg.vector_norm(h, ord=1, dim=1).amax())
 
 
 class _Verdict(NamedTuple):
@@ -466,7 +470,7 @@ def solve_lcp_pivoting(
     ``iterative``.
     """
     lq = sparse_product(lower, q) if iterative else lower @ q
-    shift = lq + c
+    shift = lq + c if bool(c.any()) else lq  # not written to
     total = 1.0 - lower.sum(dim=1) if simplex else None
     solve: Solve
     y0 = y0q = None
@@ -477,15 +481,16 @@ def solve_lcp_pivoting(
         base = preconditioner_inverse(q, h)
         relative = relative or base is not h  # small eigenvalues: the relative test
         pre = deflated(q, base)  # both phases', in float32
-        whole = None if bool(c.any()) else -lower  # Q(−lower) + shift = 0: no product
         cache = SetupCache(pre, *shift.shape)  # the setups, from float32 on
         start = plan(q, pre)
         tight = tight_residuals(h, lower, lq)
         solve = _cg_solve(q, pre, shift, tight, cache, lower, lq)
         if start is not None and not bool(free0.any()):  # FISTA's free sets, solved at once
-            free0, y0, y0q = projected_free_sets(q, shift, start)
-            solve = _mixed_solve(q, start, shift, tight, lower, lq, solve)
+            q32 = q.float()
+            free0, y0, y0q = projected_free_sets(q, shift, start, q32)
+            solve = _mixed_solve(q, q32, start, shift, tight, lower, lq, solve)
         else:
+            whole = None if bool(c.any()) else -lower  # Q(−lower) + shift = 0: no product
             free0, y0 = rough_free_sets(q, pre, shift, free0, whole, cache, start)
     else:
         def solve(rows: Tensor, free: Tensor, y: Tensor, yq: Tensor,
@@ -509,8 +514,8 @@ def tight_residuals(h: Tensor, lower: Tensor, lq: Tensor) -> Tensor:
     ``‖e‖_Q ≤ CG_ERROR ‖lower‖_Q``, ``O(K²)``. Measured against the problem's own bound,
     not ``λ_max``'s estimate ``‖(lower Q)_F‖ ≤ √λ_max ‖lower‖_Q``: 2× looser on UPGrad's
     conflicting rows at ``K = 1,024``, one conjugate-gradient step fewer for most rows."""
-    inverse_top = min(float(h.abs().sum(dim=1).amax()), float(torch.trace(h)))
-    size = row_dot(lower, lq).clamp_min(0.0).sqrt()
+    inverse_top = min(_inf_norm(h), float(torch.trace(h)))
+    size = torch.linalg.vecdot(lower, lq).clamp_min(0.0).sqrt()
     return size * (CG_ERROR / inverse_top ** 0.5) if inverse_top > 0.0 else torch.zeros_like(size)
 
 
@@ -525,7 +530,7 @@ def _targets(shift: Tensor, tight: Tensor, lower: Tensor, lq: Tensor
     each projection is then ``CG_ERROR`` of its own size: where the dual cone is thin,
     projections a thousandth of their bound (rows of rank ``K/4`` plus noise 1e-3 of their
     size) summed to an update 1e-4 off with the bound's."""
-    bound = row_dot(lower, lq).clamp_min(0.0).sqrt()
+    bound = torch.linalg.vecdot(lower, lq).clamp_min(0.0).sqrt()
     dtype = shift.dtype
 
     def targets(rows: Tensor, y: Tensor, yq: Tensor, exact: Tensor) -> tuple[Tensor, Tensor]:
@@ -559,14 +564,14 @@ def _cg_solve(q: Tensor, h: Preconditioner, shift: Tensor, tight: Tensor,
     return solve
 
 
-def _mixed_solve(q: Tensor, start: Plan, shift: Tensor, tight: Tensor, lower: Tensor,
-                 lq: Tensor, exact_solve: Solve) -> Solve:
+def _mixed_solve(q: Tensor, q32: Tensor, start: Plan, shift: Tensor, tight: Tensor,
+                 lower: Tensor, lq: Tensor, exact_solve: Solve) -> Solve:
     """The free-set solves of :func:`solve_lcp_pivoting` from the projected start ``start``
     in mixed precision (:func:`~._mixed.mixed_free_solve`: float32 steps on a float64
     residual, the new point's residual exact), to the residuals of :func:`_targets`; a tight
-    solve whose round stalled goes on in float64 (``exact_solve``, :func:`_cg_solve`)."""
+    solve whose round stalled goes on in float64 (``exact_solve``, :func:`_cg_solve`);
+    ``q32``: ``Q`` in float32."""
     targets = _targets(shift, tight, lower, lq)
-    q32 = q.float()
     pre = ScaledPreconditioner.of(start)
 
     def solve(rows: Tensor, free: Tensor, y: Tensor, yq: Tensor,

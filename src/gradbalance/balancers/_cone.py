@@ -66,9 +66,11 @@ def _outside_projection(gram: Tensor, u: Tensor, tol: float, solve: BoxSolve,
     every = n == d.numel()  # no zero row: no gathers or scatters of the [K, K] matrices
     dl = d if every else d[live]
     part = gram if every else gram[live][:, live]
-    cos = symmetrized(part / torch.outer(dl, dl * n))  # trace n: as the solver expects
+    inverse = dl.reciprocal()
+    cos = torch.mul(part, inverse[:, None]).mul_(inverse[None, :] / n)  # trace n: the solver's
+    cos = symmetrized(cos, in_place=True)
     lower = (u if every else u[:, live]) * dl
-    top = lower.abs().amax(dim=1)
+    top = torch.linalg.vector_norm(lower, ord=torch.inf, dim=1)
     rows = torch.nonzero(top > 0.0).flatten()  # a zero bound: v = 0 there is optimal
     s = None
     if rows.numel():

@@ -118,14 +118,15 @@ def mixed_free_solve(q: Tensor, q32: Tensor, pre: ScaledPreconditioner, shift: T
                      free: Tensor, y0: Tensor, y0q: Tensor, target: Tensor,
                      max_steps: int = MIXED_MAX_STEPS) -> MixedSolve:
     """One round of refinement on the free sets: ``Q_FF y_F = −shift_F`` per row (``[B, K]``,
-    ``y`` zero off ``F``) from ``y0`` (``y0q = y0 Q``, exact), to the residual ``target``
+    ``y`` zero off ``F``) from ``y0`` (``y0q = y0 Q``, exact; ``y0`` is updated in place where
+    it is zero off ``F``), to the residual ``target``
     ``[B]`` where one round reaches it; ``q32``: ``Q`` in float32. Two float64 products at
     most (the start restricted to ``F`` where it is not already, and the new point) and
     float32 steps in between (:func:`~._pcg.restricted_product`: the entries the free set
     drops are subtracted, a sparse product where they are few)."""
     f = free.to(q.dtype)
-    y = y0 * f
     moved = bool((y0.ne(0.0) & ~free).any())  # entries the free set drops: their product off
+    y = y0 * f if moved else y0  # y0 is written to where it is zero off F already
     yq = restricted_product(q, y0, y0q, f, y) if moved else y0q  # y0q is not written to
     res = torch.add(shift, yq).mul_(f)  # minus the residual: yQ + shift on F
     before = _norm(res, dim=1)

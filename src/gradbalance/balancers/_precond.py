@@ -57,11 +57,13 @@ def either(mask: Tensor, a: Tensor, b: Tensor) -> Tensor:
     return (mask & a) | (b & ~mask)
 
 
-def symmetrized(m: Tensor) -> Tensor:
+def symmetrized(m: Tensor, in_place: bool = False) -> Tensor:
     """``(M + Mᵀ)/2`` (``[K, K]``) through a contiguous copy of ``Mᵀ``: a blocked transpose,
     where the strided reads of ``M + M.T`` miss the cache (one thread, ``K = 1,024``, float64:
-    3 against 9 ms)."""
-    return torch.add(m, m.T.contiguous()).mul_(0.5)
+    3 against 9 ms); ``in_place``: written into ``M`` (the caller's own), one temporary
+    fewer."""
+    transposed = m.T.contiguous()
+    return m.add_(transposed).mul_(0.5) if in_place else torch.add(m, transposed).mul_(0.5)
 
 
 #: :func:`sparse_product` multiplies a sparse copy while the non-zero entries are fewer than

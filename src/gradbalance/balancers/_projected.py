@@ -43,6 +43,11 @@ PROJECTED_STEPS = 8
 #: (conflicting rows at K = 1,024: 11 against 2.5); the wide-norm rows' cosine matrix at
 #: K = 1,024, 36, solves in 0.96× the time with the start as without.
 PROJECTED_MAX_KAPPA = 64.0
+#: :func:`projected_free_sets`: FISTA's first steps with their product in bfloat16
+#: (:func:`bfloat16_products`) from this many tasks on (one thread, K = 1,024, the benchmark's
+#: conflicting rows: UPGrad's solve 575 → 503 ms with four of the six, 525 with six).
+ROUGH_STEPS = 4
+ROUGH_MIN_SIZE = 512
 #: The step is ``1/(LIPSCHITZ_MARGIN λ₁)``: ``λ₁`` from a few power steps is below the
 #: largest eigenvalue.
 LIPSCHITZ_MARGIN = 1.1
@@ -52,7 +57,8 @@ POWER_STEPS = 8
 
 def fista(q: Tensor, shift: Tensor, top: float, v: Tensor | None = None, c: Weight = 0.0,
           steps: int = PROJECTED_STEPS, bottom: float = 0.0,
-          last: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+          last: Callable[[Tensor], Tensor] | None = None,
+          rough: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """``(free, y, yQ)`` ``[B, K]``: ``steps`` FISTA steps on ``min ½ yᵀQy + shiftᵀy``,
     ``y ≥ 0`` per row, from ``y = 0``, in the dtype of ``q``; ``top``: ``λ₁`` of the part
     of ``Q`` taken by gradient steps (estimated).
@@ -78,13 +84,18 @@ def fista(q: Tensor, shift: Tensor, top: float, v: Tensor | None = None, c: Weig
     ``τ − η diag(c) Vᵀmax(0, a − Vτ)``, one semismooth Newton step per FISTA step
     (:func:`_prox_many`). ``last``: the last step's product ``z ↦ zQ`` where the caller
     takes it (in float64: :func:`projected_start`'s exact start); then ``(free, z, zQ)``
-    are returned unrestricted.
+    are returned unrestricted. ``rough``: the first steps whose product is taken in
+    bfloat16, on the bulk ``B`` alone (the outliers' large part would cancel its rounding
+    away): far from the optimum a product to ``3e-3`` moves the point as well, at less than
+    half the cost of a float32 one where the processor multiplies bfloat16 natively
+    (:func:`bfloat16_products`).
     """
     step = 1.0 / (LIPSCHITZ_MARGIN * top)
     rows = shift.shape[0]
     tau = torch.zeros((rows, *(v.shape[1:] if v is not None else ())), dtype=q.dtype)
     lead = shift * -step
-    y = _prox(lead.clone(), v, step * c, tau)  # the first step from z = 0: no product
+    scratch = torch.empty_like(lead)
+    y = _prox(lead.clone(), v, step * c, tau, scratch)  # the first step from z = 0: no product
     if steps < 2:
         return y > 0.0, y, y @ q
     z = y.clone()
@@ -94,10 +105,19 @@ def fista(q: Tensor, shift: Tensor, top: float, v: Tensor | None = None, c: Weig
     # three [B, K] buffers turn over (y, z and the next step's), and one scratch for the
     # prox: a fresh tensor per operation costs its pages' first touch, about as much as the
     # operation (one thread, K = 1,024)
-    spare, scratch = torch.empty_like(y), torch.empty_like(y)
-    for _ in range(steps - 2):
-        a = torch.add(z, lead, out=spare).addmm_(z, q, alpha=-step)  # z − η(zQ + shift)
-        new = _step(a, z, v, c, step, tau, scratch)  # in a
+    spare = torch.empty_like(y)
+    bulk = _bfloat16_bulk(q, v, c) if rough > 0 else None
+    rounded = product = None
+    if bulk is not None:
+        rounded, product = torch.empty_like(bulk), torch.empty_like(bulk)
+    for i in range(steps - 2):
+        if bulk is not None and i < rough:  # z − η(zB + shift), B the bulk, in bfloat16
+            torch.matmul(rounded.copy_(z), bulk, out=product)  # type: ignore[union-attr]
+            a = torch.add(z, lead, out=spare).sub_(product, alpha=step)
+            new = _prox(a, v, step * c, tau, scratch)
+        else:
+            a = torch.add(z, lead, out=spare).addmm_(z, q, alpha=-step)  # z − η(zQ + shift)
+            new = _step(a, z, v, c, step, tau, scratch)  # in a
         moved = torch.sub(new, y, out=y)  # y is not read again
         uphill = torch.linalg.vecdot(z.sub_(new), moved) > 0.0  # nor is z
         if constant is not None:
@@ -109,7 +129,8 @@ def fista(q: Tensor, shift: Tensor, top: float, v: Tensor | None = None, c: Weig
         spare, z = z, moved.mul_(momentum[:, None]).add_(new)
         y = new
     zq = z @ q if last is None else last(z)  # kept: the start is z on the last free set
-    free = _step(torch.add(z + lead, zq, alpha=-step), z, v, c, step, tau) > 0.0
+    free = _step(torch.add(z, lead, out=spare).add_(zq, alpha=-step), z, v, c, step, tau,
+                 scratch) > 0.0
     if last is not None:
         return free, z, zq
     return free, z * free, zq.sub_(sparse_product(z * ~free, q))
@@ -118,6 +139,29 @@ def fista(q: Tensor, shift: Tensor, top: float, v: Tensor | None = None, c: Weig
 #: The outliers taken into the prox: ``c`` a number for one (``v`` ``[K]``), ``[m]`` for
 #: several (``v`` ``[K, m]``).
 Weight = float | Tensor
+
+
+def _bfloat16_bulk(q: Tensor, v: Tensor | None, c: Weight) -> Tensor:
+    """``B = Q − V diag(c) Vᵀ`` (``Q`` itself without outliers) in bfloat16."""
+    if v is None:
+        return q.bfloat16()
+    bulk = q.clone()
+    if v.dim() == 2:
+        bulk.addmm_(v * c, v.T, alpha=-1.0)
+    else:
+        bulk.addr_(v, v, alpha=-float(c))
+    return bulk.bfloat16()
+
+
+def bfloat16_products() -> bool:
+    """Whether :func:`projected_free_sets` takes FISTA's first ``ROUGH_STEPS`` products in
+    bfloat16: where the processor multiplies it natively (AVX-512 BF16 or AMX: one thread,
+    ``[1024, 1024]²``, 10 against 25 ms in float32); elsewhere torch's bfloat16 product
+    may be far slower than float32's."""
+    cpu = torch.cpu
+    native = [getattr(cpu, name, None) for name in ("_is_avx512_bf16_supported",
+                                                   "_is_amx_tile_supported")]
+    return torch.backends.mkldnn.is_available() and any(f is not None and f() for f in native)
 
 
 def _step(a: Tensor, z: Tensor, v: Tensor | None, c: Weight, step: float,
@@ -214,36 +258,41 @@ def projected_start(q: Tensor, shift: Tensor, start: Plan,
 
 
 def _scaled_fista(q: Tensor, shift: Tensor, start: Plan, steps: int,
-                  last: Callable[[Tensor], Tensor] | None = None
-                  ) -> tuple[Tensor, Tensor, Tensor]:
+                  last: Callable[[Tensor], Tensor] | None = None,
+                  rough: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`fista` on ``SQS`` and ``S·shift`` (``S = diag(start.scale)``, the dtype of
     ``q``), its answer in the scaled variables."""
     scale = start.scale.to(q.dtype)
-    scaled = q * scale[:, None] * scale[None, :]
-    return fista(scaled, shift * scale, start.top, start.v, start.c, steps, start.bottom, last)
+    scaled = torch.mul(q, scale[:, None]).mul_(scale[None, :])
+    return fista(scaled, shift * scale, start.top, start.v, start.c, steps, start.bottom, last,
+                 rough)
 
 
-def projected_free_sets(q: Tensor, shift: Tensor,
-                        start: Plan) -> tuple[Tensor, Tensor, Tensor]:
+def projected_free_sets(q: Tensor, shift: Tensor, start: Plan,
+                        q32: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """``(free, y, yQ)`` ``[B, K]`` in the dtype of ``q`` (float64; ``y`` zero off ``free``):
     :func:`projected_start`'s steps in float32 on ``Q`` and ``shift``, its last product in
     the dtype of ``q`` (the start's product exact: the mixed-precision solves of
     :mod:`._mixed` need no product of their own to begin); a row that overflowed in
-    float32 has no free index and ``y = 0`` (a cold start)."""
+    float32 has no free index and ``y = 0`` (a cold start). ``q32``: ``Q`` in float32 where
+    the caller has it."""
     scale = start.scale.to(q.dtype)
+    scale32 = scale.float()
     exact: dict[str, Tensor] = {}
 
     def last(z: Tensor) -> Tensor:  # z on the scaled problem: y = Sz, zQ̃ = (yQ)S
         exact["y"] = y = z.to(q.dtype).mul_(scale)
         exact["yq"] = yq = y @ q
-        return (yq * scale).to(z.dtype)
+        return yq.float().mul_(scale32)
 
-    free, _, _ = _scaled_fista(q.float(), shift.float(), start, PROJECTED_STEPS, last)
+    q32 = q.float() if q32 is None else q32
+    rough = ROUGH_STEPS if q.shape[0] >= ROUGH_MIN_SIZE and bfloat16_products() else 0
+    free, _, _ = _scaled_fista(q32, shift.float(), start, PROJECTED_STEPS, last, rough)
     y, yq = exact["y"], exact["yq"]
     free &= torch.isfinite(yq).all(dim=1, keepdim=True)
-    kept = y * free
-    dropped = y.sub_(kept).nan_to_num_(0.0, 0.0, 0.0)
-    return free, kept.nan_to_num_(0.0, 0.0, 0.0), yq.sub_(sparse_product(dropped, q)).mul_(
+    dropped = y * ~free
+    kept = y.sub_(dropped).nan_to_num_(0.0, 0.0, 0.0)
+    return free, kept, yq.sub_(sparse_product(dropped.nan_to_num_(0.0, 0.0, 0.0), q)).mul_(
         free.any(dim=1, keepdim=True)).nan_to_num_(0.0, 0.0, 0.0)
 
 

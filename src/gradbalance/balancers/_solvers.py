@@ -132,10 +132,11 @@ def trace_normalized(gramian: Tensor) -> tuple[Tensor, Tensor]:
     same weights for ``G`` and ``s·G`` up to rounding (1e-8 … 1e8 scales included).
     """
     gram = gramian.detach().to(device="cpu", dtype=torch.float64)
-    gram = symmetrized(gram)
+    own = gram.data_ptr() != gramian.data_ptr()  # a copy already: worked on in place
+    gram = symmetrized(gram, in_place=own)
     trace = torch.diagonal(gram).sum()
     if float(trace) > 0.0:
-        return gram / trace, trace
+        return gram.div_(trace), trace
     return gram, trace
 
 
