@@ -71,13 +71,20 @@ from ._precond import (
     deflated,
     either,
     preconditioner_inverse,
-    row_dot,
     shifted,
     shifted_inverse,
     sparse_product,
     symmetrized,
 )
-from ._projected import Plan, bulk_top, plan, projected_free_sets, projected_start
+from ._projected import (
+    ROUGH_MIN_SIZE,
+    Plan,
+    bfloat16_products,
+    bulk_top,
+    plan,
+    projected_free_sets,
+    projected_start,
+)
 from ._qr_update import ColumnQR
 from ._zero_cone import DENSE_NULL_ROUNDS, zero_cone_box
 
@@ -573,6 +580,7 @@ def _mixed_solve(q: Tensor, q32: Tensor, start: Plan, shift: Tensor, tight: Tens
     ``q32``: ``Q`` in float32."""
     targets = _targets(shift, tight, lower, lq)
     pre = ScaledPreconditioner.of(start)
+    rough = pre.bulk(q32) if q.shape[0] >= ROUGH_MIN_SIZE and bfloat16_products() else None
 
     def solve(rows: Tensor, free: Tensor, y: Tensor, yq: Tensor,
               exact: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
@@ -580,7 +588,7 @@ def _mixed_solve(q: Tensor, q32: Tensor, start: Plan, shift: Tensor, tight: Tens
         part = shift if rows.numel() == shift.shape[0] else shift[rows]
         size = _norm(part * free, dim=1)
         target = torch.minimum(torch.maximum(atol, CG_RTOL_MIN * size), rtol * size)
-        out = mixed_free_solve(q, q32, pre, part, free, y, yq, target)
+        out = mixed_free_solve(q, q32, pre, part, free, y, yq, target, rough=rough)
         redo = torch.nonzero(exact & out.stalled).flatten()
         converged = out.converged & exact
         if redo.numel():

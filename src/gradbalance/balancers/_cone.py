@@ -41,7 +41,7 @@ def scaled_projection(gram: Tensor, u: Tensor, tol: float, solve: BoxSolve,
     (float64): ``u``'s own rows where ``uG ≥ 0`` (already in the cone), else ``solve`` run
     on the trace-normalised cosine matrix of the non-zero rows; ``groups``: parallel rows
     collapsed first (:mod:`~._parallel_groups`)."""
-    inside = (sparse_product(u, gram.to(u.dtype)) >= 0.0).all(dim=1)
+    inside = _inside(gram, u)
     if bool(inside.all()):
         return u.clone()
     if bool(inside.any()):
@@ -49,6 +49,18 @@ def scaled_projection(gram: Tensor, u: Tensor, tol: float, solve: BoxSolve,
         v[~inside] = _outside_projection(gram, u[~inside], tol, solve, groups)
         return v
     return _outside_projection(gram, u, tol, solve, groups)
+
+
+def _inside(gram: Tensor, u: Tensor) -> Tensor:
+    """``[B]``: whether ``uᵦG ≥ 0`` (``Jᵀuᵦ`` in the dual cone); for a diagonal ``u`` (UPGrad's)
+    the sign of each row of ``G`` times ``uᵦᵦ``, no product."""
+    b, k = u.shape
+    if b == k and k >= 2:
+        diagonal = torch.diagonal(u)
+        if int(torch.count_nonzero(u)) == int(torch.count_nonzero(diagonal)):
+            signed = torch.where(diagonal[:, None] > 0.0, gram >= 0.0, gram <= 0.0)
+            return signed.all(dim=1) | (diagonal == 0.0)
+    return (sparse_product(u, gram.to(u.dtype)) >= 0.0).all(dim=1)
 
 
 def _outside_projection(gram: Tensor, u: Tensor, tol: float, solve: BoxSolve,
@@ -66,16 +78,16 @@ def _outside_projection(gram: Tensor, u: Tensor, tol: float, solve: BoxSolve,
     every = n == d.numel()  # no zero row: no gathers or scatters of the [K, K] matrices
     dl = d if every else d[live]
     part = gram if every else gram[live][:, live]
-    inverse = dl.reciprocal()
-    cos = torch.mul(part, inverse[:, None]).mul_(inverse[None, :] / n)  # trace n: the solver's
-    cos = symmetrized(cos, in_place=True)
+    cos = symmetrized(part / torch.outer(dl, dl * n), in_place=True)  # trace n: the solver's
     lower = (u if every else u[:, live]) * dl
     top = torch.linalg.vector_norm(lower, ord=torch.inf, dim=1)
     rows = torch.nonzero(top > 0.0).flatten()  # a zero bound: v = 0 there is optimal
     s = None
     if rows.numel():
         scale = top[rows, None]
-        s = _routed(cos, lower[rows] / scale, tol, solve, groups) * scale / dl
+        bounds = lower.div_(top.clamp_min(1e-300)[:, None]) if rows.numel() == top.numel() \
+            else lower[rows] / scale  # lower is ours: divided in place where every row counts
+        s = _routed(cos, bounds, tol, solve, groups).mul_(scale).div_(dl)
         if every and rows.numel() == u.shape[0]:
             return s
     v = u.clone()

@@ -56,9 +56,24 @@ MIXED_MARGIN = 0.5
 #: A tight round whose float64 residual did not fall below this fraction of the last one
 #: stalled (float32 cannot resolve the correction: ``κ·eps₃₂`` near 1).
 STALL_RATIO = 0.1
+#: The float32 steps take their product in bfloat16 (on the bulk, the outliers' part apart)
+#: once every row's residual is within this factor of its target: an inexact product of
+#: relative error ``η`` keeps conjugate gradients' attainable accuracy while ``η ‖r‖``
+#: stays below the target (Simoncini & Szyld 2003, van den Eshof & Sleijpen 2004), and
+#: bfloat16's ``η`` is about ``2⁻⁸``; half of that for a margin.
+RELAXED_WITHIN = 128.0
 #: Finished rows are dropped from the float32 steps once they are this fraction of them
 #: (until then parked: a gather of every tensor costs more than their products).
 DROP_FRACTION = 1 / 2
+
+
+class Rough(NamedTuple):
+    """``Q = bulk + left·right`` (``bulk`` in bfloat16; ``left`` ``[K, m]``, ``right``
+    ``[m, K]`` in float32, None without outliers): :func:`_product`'s operands."""
+
+    bulk: Tensor
+    left: Tensor | None = None
+    right: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -93,6 +108,17 @@ class ScaledPreconditioner:
         inverse: Tensor = torch.linalg.inv_ex(small).inverse
         return inverse
 
+    def bulk(self, q32: Tensor) -> Rough:
+        """``Q = B + W diag(c) Wᵀ`` with ``B`` in bfloat16 and ``W = S⁻¹U`` the outliers in
+        ``Q``'s own coordinates (``SQS ≈ I + U diag(c) Uᵀ``; none: ``B = Q``), for products
+        whose rounding is relative to the bulk (the outliers' part is taken in float32)."""
+        if self.v is None or self.c is None:
+            return Rough(q32.bfloat16())
+        w = self.v / self.scale[:, None]
+        left = w * self.c
+        return Rough(torch.addmm(q32, left, w.T, alpha=-1.0).bfloat16(), left, w.T.contiguous())
+
+
     def apply(self, r: Tensor, f: Tensor, small: Tensor | None,
               out: Tensor | None = None) -> Tensor:
         """``M⁻¹ r`` per row (``r`` zero off ``F``; ``small`` from :meth:`setup`), in ``out``
@@ -116,14 +142,17 @@ class MixedSolve(NamedTuple):
 
 def mixed_free_solve(q: Tensor, q32: Tensor, pre: ScaledPreconditioner, shift: Tensor,
                      free: Tensor, y0: Tensor, y0q: Tensor, target: Tensor,
-                     max_steps: int = MIXED_MAX_STEPS) -> MixedSolve:
+                     max_steps: int = MIXED_MAX_STEPS,
+                     rough: Rough | None = None) -> MixedSolve:
     """One round of refinement on the free sets: ``Q_FF y_F = −shift_F`` per row (``[B, K]``,
     ``y`` zero off ``F``) from ``y0`` (``y0q = y0 Q``, exact; ``y0`` is updated in place where
     it is zero off ``F``), to the residual ``target``
     ``[B]`` where one round reaches it; ``q32``: ``Q`` in float32. Two float64 products at
     most (the start restricted to ``F`` where it is not already, and the new point) and
     float32 steps in between (:func:`~._pcg.restricted_product`: the entries the free set
-    drops are subtracted, a sparse product where they are few)."""
+    drops are subtracted, a sparse product where they are few). ``rough``: the bulk in
+    bfloat16 and the outliers (:meth:`ScaledPreconditioner.bulk`) for the last float32
+    steps (``RELAXED_WITHIN``)."""
     f = free.to(q.dtype)
     moved = bool((y0.ne(0.0) & ~free).any())  # entries the free set drops: their product off
     y = y0 * f if moved else y0  # y0 is written to where it is zero off F already
@@ -136,13 +165,13 @@ def mixed_free_solve(q: Tensor, q32: Tensor, pre: ScaledPreconditioner, shift: T
         return MixedSolve(y, torch.ones_like(todo), yq, todo)
     if count == todo.numel():  # every row: no gathers
         y += _float32_solve(q32, pre, res.float().neg_(), free.float(), MIXED_MARGIN * target,
-                            max_steps)
+                            max_steps, rough)
         yq = y @ q
     else:
         rows = torch.nonzero(todo).flatten()
         d = _float32_solve(q32, pre, res.index_select(0, rows).float().neg_(),
                            free.index_select(0, rows).float(), MIXED_MARGIN * target[rows],
-                           max_steps)
+                           max_steps, rough)
         y.index_add_(0, rows, d.to(q.dtype))
         yq = yq.index_copy(0, rows, y.index_select(0, rows) @ q)
     after = _norm(torch.add(shift, yq, out=res).mul_(f), dim=1)
@@ -151,11 +180,14 @@ def mixed_free_solve(q: Tensor, q32: Tensor, pre: ScaledPreconditioner, shift: T
 
 
 def _float32_solve(q32: Tensor, pre: ScaledPreconditioner, r: Tensor, f: Tensor,
-                   target: Tensor, max_steps: int) -> Tensor:
+                   target: Tensor, max_steps: int,
+                   rough: Rough | None = None) -> Tensor:
     """``d`` ``[B, K]`` with ``Q_FF d_F ≈ r_F`` per row (float32 conjugate gradients,
     preconditioned by ``pre``, from 0), each row until its recurrence residual is at most
     ``target`` or ``max_steps`` steps; finished rows are dropped once they are
-    ``DROP_FRACTION`` of those left."""
+    ``DROP_FRACTION`` of those left; with ``rough`` (:meth:`ScaledPreconditioner.bulk`),
+    the products in bfloat16 once every residual is within ``RELAXED_WITHIN`` of its
+    target (:func:`_product`)."""
     d = torch.zeros_like(r)
     live = torch.arange(r.shape[0])
     small = pre.setup(f)
@@ -166,13 +198,17 @@ def _float32_solve(q32: Tensor, pre: ScaledPreconditioner, r: Tensor, f: Tensor,
     # the product and the next direction in two buffers that turn over: a fresh tensor per
     # step costs its pages' first touch (:func:`~._projected.fista`)
     pq, z = torch.empty_like(r), torch.empty_like(r)
+    relaxed = None  # the bulk's product, once relaxed
     for _ in range(max_steps):
-        torch.matmul(p, q32, out=pq)
+        _product(p, q32, relaxed, pq)
         pap = torch.linalg.vecdot(p, pq)
         alpha = torch.where(pap > 0, rz / torch.where(pap > 0, pap, 1.0), 0.0)[:, None]
         x.addcmul_(alpha, p)
         r.addcmul_(pq.mul_(f), alpha, value=-1.0)
-        stop = (_norm(r, dim=1) <= goal) | (pap <= 0)
+        size = _norm(r, dim=1)
+        stop = (size <= goal) | (pap <= 0)
+        if rough is not None and relaxed is None and bool((size <= RELAXED_WITHIN * goal).all()):
+            relaxed = rough
         if bool(stop.all()):
             break
         if bool(stop.any()) and float(stop.sum()) >= DROP_FRACTION * live.numel():
@@ -194,3 +230,14 @@ def _float32_solve(q32: Tensor, pre: ScaledPreconditioner, r: Tensor, f: Tensor,
     if x is not d:
         d.index_copy_(0, live, x)
     return d
+
+
+def _product(p: Tensor, q32: Tensor, rough: Rough | None, out: Tensor) -> None:
+    """``pQ`` into ``out``: in float32, or with ``rough`` as ``p·bulk`` in bfloat16 plus the
+    outliers' ``(p·left)·right`` in float32."""
+    if rough is None:
+        torch.matmul(p, q32, out=out)
+        return
+    out.copy_(p.bfloat16() @ rough.bulk)
+    if rough.left is not None and rough.right is not None:
+        out.addmm_(p @ rough.left, rough.right)

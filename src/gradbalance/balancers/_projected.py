@@ -107,12 +107,11 @@ def fista(q: Tensor, shift: Tensor, top: float, v: Tensor | None = None, c: Weig
     # operation (one thread, K = 1,024)
     spare = torch.empty_like(y)
     bulk = _bfloat16_bulk(q, v, c) if rough > 0 else None
-    rounded = product = None
-    if bulk is not None:
-        rounded, product = torch.empty_like(bulk), torch.empty_like(bulk)
+    rounded = torch.empty_like(z, dtype=torch.bfloat16) if bulk is not None else z
+    product = torch.empty_like(rounded) if bulk is not None else z
     for i in range(steps - 2):
         if bulk is not None and i < rough:  # z − η(zB + shift), B the bulk, in bfloat16
-            torch.matmul(rounded.copy_(z), bulk, out=product)  # type: ignore[union-attr]
+            torch.matmul(rounded.copy_(z), bulk, out=product)
             a = torch.add(z, lead, out=spare).sub_(product, alpha=step)
             new = _prox(a, v, step * c, tau, scratch)
         else:
@@ -161,7 +160,8 @@ def bfloat16_products() -> bool:
     cpu = torch.cpu
     native = [getattr(cpu, name, None) for name in ("_is_avx512_bf16_supported",
                                                    "_is_amx_tile_supported")]
-    return torch.backends.mkldnn.is_available() and any(f is not None and f() for f in native)
+    onednn = bool(torch.backends.mkldnn.is_available())  # type: ignore[no-untyped-call]
+    return onednn and any(f is not None and bool(f()) for f in native)
 
 
 def _step(a: Tensor, z: Tensor, v: Tensor | None, c: Weight, step: float,

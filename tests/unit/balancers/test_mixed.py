@@ -149,3 +149,41 @@ def test_upgrad_through_the_mixed_solves_is_scipy_s(k: int, seed: int, shared: f
     assert_kkt(gram, u, v)
     for i in range(0, k, k // 8):
         assert_same_update(v[i] @ g, scipy_projection(g, u[i]), g)
+
+
+@pytest.mark.parametrize("rough", [False, True])
+@pytest.mark.parametrize(("k", "seed", "shared"), [(96, 3, 1.5), (128, 4, 0.0)])
+def test_bfloat16_products_leave_the_projections_exact(k: int, seed: int, shared: float,
+                                                       rough: bool,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """FISTA's first steps and the last float32 steps with their products in bfloat16 (forced
+    from 64 tasks, whatever the processor) or none: every projection meets its KKT
+    conditions to the tight solves' residual and is scipy's NNLS's; the bfloat16 products
+    were taken (counted) exactly where asked."""
+    from gradbalance.balancers import _projected
+
+    monkeypatch.setattr(_projected, "ROUGH_MIN_SIZE", 64)
+    monkeypatch.setattr(_boxqp, "ROUGH_MIN_SIZE", 64)
+    monkeypatch.setattr(_projected, "bfloat16_products", lambda: rough)
+    monkeypatch.setattr(_boxqp, "bfloat16_products", lambda: rough)
+    taken = []
+    real = _mixed.ScaledPreconditioner.bulk
+
+    def counted(self: _mixed.ScaledPreconditioner, q32: torch.Tensor) -> _mixed.Rough:
+        taken.append(1)
+        return real(self, q32)
+
+    monkeypatch.setattr(_mixed.ScaledPreconditioner, "bulk", counted)
+    gen = torch.Generator().manual_seed(seed)
+    p = 4 * k
+    g = (shared * torch.randn(k, 1, generator=gen, dtype=torch.float64)
+         * torch.randn(p, generator=gen, dtype=torch.float64)
+         + torch.randn(k, p, generator=gen, dtype=torch.float64))
+    gram = g @ g.T
+    u = torch.eye(k, dtype=torch.float64) / k
+    from gradbalance.balancers._solvers import project_dual_cone
+    v = project_dual_cone(gram, u)
+    assert bool(taken) == rough
+    assert_kkt(gram, u, v)
+    for i in range(0, k, k // 8):
+        assert_same_update(v[i] @ g, scipy_projection(g, u[i]), g)
