@@ -207,8 +207,7 @@ def _float32_solve(q32: Tensor, pre: ScaledPreconditioner, r: Tensor, f: Tensor,
         r.addcmul_(pq.mul_(f), alpha, value=-1.0)
         size = _norm(r, dim=1)
         stop = (size <= goal) | (pap <= 0)
-        if rough is not None and relaxed is None and bool((size <= RELAXED_WITHIN * goal).all()):
-            relaxed = rough
+        relaxed = relaxed or _relaxed(rough, size, goal)
         if bool(stop.all()):
             break
         if bool(stop.any()) and float(stop.sum()) >= DROP_FRACTION * live.numel():
@@ -218,10 +217,8 @@ def _float32_solve(q32: Tensor, pre: ScaledPreconditioner, r: Tensor, f: Tensor,
             live, x, r, f, p, rz, goal, pq, z = (
                 t.index_select(0, keep) for t in (live, x, r, f, p, rz, goal, pq, z))
             small = None if small is None else small.index_select(0, keep)
-        elif bool(stop.any()):  # parked: a zero residual and direction leave x as it is
-            idx = torch.nonzero(stop).flatten()
-            r.index_fill_(0, idx, 0.0)
-            p.index_fill_(0, idx, 0.0)
+        elif bool(stop.any()):
+            _park(stop, r, p)
         z = pre.apply(r, f, small, out=z)
         rz_new = torch.linalg.vecdot(r, z)
         beta = torch.where(rz > 0, rz_new / torch.where(rz > 0, rz, 1.0), 0.0)[:, None]
@@ -230,6 +227,22 @@ def _float32_solve(q32: Tensor, pre: ScaledPreconditioner, r: Tensor, f: Tensor,
     if x is not d:
         d.index_copy_(0, live, x)
     return d
+
+
+def _relaxed(rough: Rough | None, size: Tensor, goal: Tensor) -> Rough | None:
+    """``rough`` where every residual ``size`` is within ``RELAXED_WITHIN`` of its target,
+    else None."""
+    if rough is None or not bool((size <= RELAXED_WITHIN * goal).all()):
+        return None
+    return rough
+
+
+def _park(stop: Tensor, r: Tensor, p: Tensor) -> None:
+    """The rows ``stop`` parked in place: a zero residual and direction leave their point
+    where it is (a gather of every tensor costs more than their products)."""
+    idx = torch.nonzero(stop).flatten()
+    r.index_fill_(0, idx, 0.0)
+    p.index_fill_(0, idx, 0.0)
 
 
 def _product(p: Tensor, q32: Tensor, rough: Rough | None, out: Tensor) -> None:

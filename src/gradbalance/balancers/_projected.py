@@ -106,13 +106,10 @@ def fista(q: Tensor, shift: Tensor, top: float, v: Tensor | None = None, c: Weig
     # prox: a fresh tensor per operation costs its pages' first touch, about as much as the
     # operation (one thread, K = 1,024)
     spare = torch.empty_like(y)
-    bulk = _bfloat16_bulk(q, v, c) if rough > 0 else None
-    rounded = torch.empty_like(z, dtype=torch.bfloat16) if bulk is not None else z
-    product = torch.empty_like(rounded) if bulk is not None else z
+    bulk = _RoughBulk(q, v, c, z) if rough > 0 else None
     for i in range(steps - 2):
         if bulk is not None and i < rough:  # z − η(zB + shift), B the bulk, in bfloat16
-            torch.matmul(rounded.copy_(z), bulk, out=product)
-            a = torch.add(z, lead, out=spare).sub_(product, alpha=step)
+            a = torch.add(z, lead, out=spare).sub_(bulk.times(z), alpha=step)
             new = _prox(a, v, step * c, tau, scratch)
         else:
             a = torch.add(z, lead, out=spare).addmm_(z, q, alpha=-step)  # z − η(zQ + shift)
@@ -140,16 +137,25 @@ def fista(q: Tensor, shift: Tensor, top: float, v: Tensor | None = None, c: Weig
 Weight = float | Tensor
 
 
-def _bfloat16_bulk(q: Tensor, v: Tensor | None, c: Weight) -> Tensor:
-    """``B = Q − V diag(c) Vᵀ`` (``Q`` itself without outliers) in bfloat16."""
-    if v is None:
-        return q.bfloat16()
-    bulk = q.clone()
-    if v.dim() == 2:
-        bulk.addmm_(v * c, v.T, alpha=-1.0)
-    else:
-        bulk.addr_(v, v, alpha=-float(c))
-    return bulk.bfloat16()
+class _RoughBulk:
+    """``B = Q − V diag(c) Vᵀ`` (``Q`` itself without outliers) in bfloat16, and
+    :meth:`times`, ``zB`` for points like ``like`` through two bfloat16 buffers."""
+
+    def __init__(self, q: Tensor, v: Tensor | None, c: Weight, like: Tensor) -> None:
+        bulk = q
+        if v is not None:
+            bulk = q.clone()
+            if v.dim() == 2:
+                bulk.addmm_(v * c, v.T, alpha=-1.0)
+            else:
+                bulk.addr_(v, v, alpha=-float(c))
+        self.bulk = bulk.bfloat16()
+        self.rounded = torch.empty_like(like, dtype=torch.bfloat16)
+        self.product = torch.empty_like(self.rounded)
+
+    def times(self, z: Tensor) -> Tensor:
+        """``zB`` in bfloat16 (a buffer, overwritten by the next call)."""
+        return torch.matmul(self.rounded.copy_(z), self.bulk, out=self.product)
 
 
 def bfloat16_products() -> bool:
