@@ -187,3 +187,33 @@ def test_bfloat16_products_leave_the_projections_exact(k: int, seed: int, shared
     assert_kkt(gram, u, v)
     for i in range(0, k, k // 8):
         assert_same_update(v[i] @ g, scipy_projection(g, u[i]), g)
+
+
+@pytest.mark.parametrize("k", [3, 64, 256])
+def test_a_transposed_gramian_gives_the_same_weights(k: int) -> None:
+    """A column-major Gramian (``G.T`` of a float32 product, converted to float64 with its
+    strides) and a column-major float64 one with norms far apart (the cosine scaling's
+    route): the contiguous Gramian's weights and projections, nothing raised, the input
+    untouched (the in-place symmetrisation took a view of the matrix for its transpose)."""
+    from gradbalance.balancers._precond import symmetrized
+    from gradbalance.balancers._solvers import project_dual_cone
+    from gradbalance.functional import upgrad_weights
+
+    gen = torch.Generator().manual_seed(k)
+    g = torch.randn(k, 3 * k + 10, generator=gen, dtype=torch.float64)
+    gram32 = (g @ g.T).float()
+    before = gram32.clone()
+    assert torch.allclose(upgrad_weights(gram32.T), upgrad_weights(gram32.contiguous()),
+                          rtol=1e-9, atol=0)
+    assert torch.equal(gram32, before)
+    wide = g * torch.logspace(-3, 3, k, dtype=torch.float64)[:, None]
+    gram = wide @ wide.T
+    column_major = gram.T.contiguous().T
+    u = torch.eye(k, dtype=torch.float64) / k
+    got, want = project_dual_cone(column_major, u), project_dual_cone(gram, u)
+    for i in range(0, k, max(1, k // 8)):  # the same projections, to the solves' accuracy
+        assert_same_update(got[i] @ wide, want[i] @ wide, wide)
+    m = torch.randn(5, 5, generator=gen, dtype=torch.float64).T.contiguous().T
+    expected = (m + m.T) / 2
+    assert torch.equal(symmetrized(m.clone(memory_format=torch.preserve_format), True),
+                       expected)
