@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from ._pcg import restricted_product
-from ._projected import Plan
+from ._projected import Plan, bfloat16_bulk
 
 _norm = torch.linalg.vector_norm
 
@@ -113,10 +113,9 @@ class ScaledPreconditioner:
         ``Q``'s own coordinates (``SQS ≈ I + U diag(c) Uᵀ``; none: ``B = Q``), for products
         whose rounding is relative to the bulk (the outliers' part is taken in float32)."""
         if self.v is None or self.c is None:
-            return Rough(q32.bfloat16())
+            return Rough(bfloat16_bulk(q32, None, 0.0))
         w = self.v / self.scale[:, None]
-        left = w * self.c
-        return Rough(torch.addmm(q32, left, w.T, alpha=-1.0).bfloat16(), left, w.T.contiguous())
+        return Rough(bfloat16_bulk(q32, w, self.c), w * self.c, w.T.contiguous())
 
 
     def apply(self, r: Tensor, f: Tensor, small: Tensor | None,

@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -137,19 +138,24 @@ def fista(q: Tensor, shift: Tensor, top: float, v: Tensor | None = None, c: Weig
 Weight = float | Tensor
 
 
+def bfloat16_bulk(q: Tensor, v: Tensor | None, c: Weight) -> Tensor:
+    """``B = Q − V diag(c) Vᵀ`` in bfloat16 (``v`` ``[K]`` with ``c`` a number, or ``[K, m]``
+    with ``c`` ``[m]``; ``Q`` itself without outliers): the part of ``Q`` whose products may
+    be rounded to bfloat16, the outliers' large part taken apart (it would cancel the
+    rounding away)."""
+    if v is None:
+        return q.bfloat16()
+    if v.dim() == 2:
+        return torch.addmm(q, v * c, v.T, alpha=-1.0).bfloat16()
+    return torch.addr(q, v, v, alpha=-float(c)).bfloat16()
+
+
 class _RoughBulk:
-    """``B = Q − V diag(c) Vᵀ`` (``Q`` itself without outliers) in bfloat16, and
-    :meth:`times`, ``zB`` for points like ``like`` through two bfloat16 buffers."""
+    """``B`` of :func:`bfloat16_bulk`, and :meth:`times`, ``zB`` for points like ``like``
+    through two bfloat16 buffers."""
 
     def __init__(self, q: Tensor, v: Tensor | None, c: Weight, like: Tensor) -> None:
-        bulk = q
-        if v is not None:
-            bulk = q.clone()
-            if v.dim() == 2:
-                bulk.addmm_(v * c, v.T, alpha=-1.0)
-            else:
-                bulk.addr_(v, v, alpha=-float(c))
-        self.bulk = bulk.bfloat16()
+        self.bulk = bfloat16_bulk(q, v, c)
         self.rounded = torch.empty_like(like, dtype=torch.bfloat16)
         self.product = torch.empty_like(self.rounded)
 
@@ -158,11 +164,13 @@ class _RoughBulk:
         return torch.matmul(self.rounded.copy_(z), self.bulk, out=self.product)
 
 
+@functools.cache
 def bfloat16_products() -> bool:
     """Whether :func:`projected_free_sets` takes FISTA's first ``ROUGH_STEPS`` products in
     bfloat16: where the processor multiplies it natively (AVX-512 BF16 or AMX: one thread,
     ``[1024, 1024]²``, 10 against 25 ms in float32); elsewhere torch's bfloat16 product
-    may be far slower than float32's."""
+    may be far slower than float32's. Asked once per process (the processor does not
+    change)."""
     cpu = torch.cpu
     native = [getattr(cpu, name, None) for name in ("_is_avx512_bf16_supported",
                                                    "_is_amx_tile_supported")]
