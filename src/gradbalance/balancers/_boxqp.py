@@ -490,12 +490,13 @@ def solve_lcp_pivoting(
         pre = deflated(q, base)  # both phases', in float32
         cache = SetupCache(pre, *shift.shape)  # the setups, from float32 on
         start = plan(q, pre)
-        tight = tight_residuals(h, lower, lq)
-        solve = _cg_solve(q, pre, shift, tight, cache, lower, lq)
+        square = torch.linalg.vecdot(lower, lq)  # ‖lower‖²_Q per problem, read thrice
+        targets = _targets(shift, tight_residuals(h, lower, lq, square), lower, square)
+        solve = _cg_solve(q, pre, shift, targets, cache)
         if start is not None and not bool(free0.any()):  # FISTA's free sets, solved at once
             q32 = q.float()
             free0, y0, y0q = projected_free_sets(q, shift, start, q32)
-            solve = _mixed_solve(q, q32, start, shift, tight, lower, lq, solve)
+            solve = _mixed_solve(q, q32, start, shift, targets, solve)
         else:
             whole = None if bool(c.any()) else -lower  # Q(−lower) + shift = 0: no product
             free0, y0 = rough_free_sets(q, pre, shift, free0, whole, cache, start)
@@ -510,9 +511,11 @@ def solve_lcp_pivoting(
                        y0q)
 
 
-def tight_residuals(h: Tensor, lower: Tensor, lq: Tensor) -> Tensor:
+def tight_residuals(h: Tensor, lower: Tensor, lq: Tensor,
+                    square: Tensor | None = None) -> Tensor:
     """``[B]``: the residual at which a tight free-set solve of each problem stops (``h =
-    Q⁻¹``, ``lq = lower·Q``), ``CG_ERROR ‖lower‖_Q / √min(‖Q⁻¹‖_∞, tr Q⁻¹)``; the solve
+    Q⁻¹``, ``lq = lower·Q``; ``square``: ``‖lower‖²_Q`` per problem where the caller has
+    it), ``CG_ERROR ‖lower‖_Q / √min(‖Q⁻¹‖_∞, tr Q⁻¹)``; the solve
     keeps it within ``[CG_RTOL_MIN, CG_RTOL_MAX]`` times its right-hand side (:func:`_cg_solve`).
 
     On a free set ``F`` the error ``e`` of ``y`` has ``Q_FF e_F = r_F``, so ``‖e‖_Q ≤
@@ -522,41 +525,45 @@ def tight_residuals(h: Tensor, lower: Tensor, lq: Tensor) -> Tensor:
     not ``λ_max``'s estimate ``‖(lower Q)_F‖ ≤ √λ_max ‖lower‖_Q``: 2× looser on UPGrad's
     conflicting rows at ``K = 1,024``, one conjugate-gradient step fewer for most rows."""
     inverse_top = min(_inf_norm(h), float(torch.trace(h)))
-    size = torch.linalg.vecdot(lower, lq).clamp_min(0.0).sqrt()
+    square = torch.linalg.vecdot(lower, lq) if square is None else square
+    size = square.clamp_min(0.0).sqrt()
     return size * (CG_ERROR / inverse_top ** 0.5) if inverse_top > 0.0 else torch.zeros_like(size)
 
 
-def _targets(shift: Tensor, tight: Tensor, lower: Tensor, lq: Tensor
-             ) -> Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]:
+#: ``(rows, y, yQ, exact) → (rtol, atol)``: the targets of the free-set solves of the open
+#: problems ``rows`` (:func:`_targets`).
+Targets = Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
+
+
+def _targets(shift: Tensor, tight: Tensor, lower: Tensor, square: Tensor) -> Targets:
     """``(rows, y, yq, exact) → (rtol, atol)`` of the free-set solves of
     :func:`solve_lcp_pivoting`: to the residual ``tight`` ``[B]`` (:func:`tight_residuals`)
     where ``exact``, times the projection's last size against its bound's, ``min(1, ‖v‖_Q /
-    ‖lower‖_Q)`` (``v = lower + y``, ``lq = lower·Q``: ``O(K)`` per problem from the last
-    solve's ``yQ``), within ``[CG_RTOL_MIN, CG_RTOL_MAX]`` times the right-hand side
-    ``‖shift_F‖`` (only those count as exact), else ``CG_LOOSE_RTOL`` times it. The error of
-    each projection is then ``CG_ERROR`` of its own size: where the dual cone is thin,
-    projections a thousandth of their bound (rows of rank ``K/4`` plus noise 1e-3 of their
-    size) summed to an update 1e-4 off with the bound's."""
-    bound = torch.linalg.vecdot(lower, lq).clamp_min(0.0).sqrt()
+    ‖lower‖_Q)`` (``v = lower + y``; ``square = ‖lower‖²_Q``; ``‖v‖²_Q = square + 2
+    lower·yQ + y·yQ``, ``Q`` symmetric: ``O(K)`` per problem from the last solve's ``yQ``),
+    within ``[CG_RTOL_MIN, CG_RTOL_MAX]`` times the right-hand side ``‖shift_F‖`` (only
+    those count as exact), else ``CG_LOOSE_RTOL`` times it. The error of each projection is
+    then ``CG_ERROR`` of its own size: where the dual cone is thin, projections a thousandth
+    of their bound (rows of rank ``K/4`` plus noise 1e-3 of their size) summed to an update
+    1e-4 off with the bound's."""
+    bound = square.clamp_min(0.0).sqrt()
     dtype = shift.dtype
 
     def targets(rows: Tensor, y: Tensor, yq: Tensor, exact: Tensor) -> tuple[Tensor, Tensor]:
         every = rows.numel() == lower.shape[0]  # the rows in order (the pivoting's): no gather
-        low, low_q = (lower, lq) if every else (lower[rows], lq[rows])
-        dot = torch.linalg.vecdot  # (low + y)·(low_q + yq) term by term: no [B, K] temporaries
-        square = dot(low, low_q) + dot(low, yq) + dot(y, low_q) + dot(y, yq)
-        size = square.clamp_min(0.0).sqrt()
+        low = lower if every else lower[rows]
+        dot = torch.linalg.vecdot  # term by term: no [B, K] temporaries
+        size = (square[rows] + 2.0 * dot(low, yq) + dot(y, yq)).clamp_min_(0.0).sqrt_()
         part = torch.where(size < bound[rows], size / bound[rows].clamp_min(1e-300), 1.0)
         rtol = torch.where(exact, CG_RTOL_MAX, CG_LOOSE_RTOL).to(dtype)
         return rtol, torch.where(exact, tight[rows] * part, torch.inf)
     return targets
 
 
-def _cg_solve(q: Tensor, h: Preconditioner, shift: Tensor, tight: Tensor,
-              cache: SetupCache, lower: Tensor, lq: Tensor) -> Solve:
+def _cg_solve(q: Tensor, h: Preconditioner, shift: Tensor, targets: Targets,
+              cache: SetupCache) -> Solve:
     """The free-set solves of :func:`solve_lcp_pivoting` by :func:`~._pcg.pcg_free`, to the
-    residuals of :func:`_targets`; the preconditioner's setups from ``cache``."""
-    targets = _targets(shift, tight, lower, lq)
+    residuals of ``targets`` (:func:`_targets`); the preconditioner's setups from ``cache``."""
 
     def solve(rows: Tensor, free: Tensor, y: Tensor, yq: Tensor,
               exact: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
@@ -571,14 +578,13 @@ def _cg_solve(q: Tensor, h: Preconditioner, shift: Tensor, tight: Tensor,
     return solve
 
 
-def _mixed_solve(q: Tensor, q32: Tensor, start: Plan, shift: Tensor, tight: Tensor,
-                 lower: Tensor, lq: Tensor, exact_solve: Solve) -> Solve:
+def _mixed_solve(q: Tensor, q32: Tensor, start: Plan, shift: Tensor, targets: Targets,
+                 exact_solve: Solve) -> Solve:
     """The free-set solves of :func:`solve_lcp_pivoting` from the projected start ``start``
     in mixed precision (:func:`~._mixed.mixed_free_solve`: float32 steps on a float64
-    residual, the new point's residual exact), to the residuals of :func:`_targets`; a tight
-    solve whose round stalled goes on in float64 (``exact_solve``, :func:`_cg_solve`);
-    ``q32``: ``Q`` in float32."""
-    targets = _targets(shift, tight, lower, lq)
+    residual, the new point's residual exact), to the residuals of ``targets``
+    (:func:`_targets`); a tight solve whose round stalled goes on in float64
+    (``exact_solve``, :func:`_cg_solve`); ``q32``: ``Q`` in float32."""
     pre = ScaledPreconditioner.of(start)
     rough = pre.bulk(q32) if q.shape[0] >= ROUGH_MIN_SIZE and bfloat16_products() else None
 
