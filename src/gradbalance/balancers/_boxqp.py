@@ -719,16 +719,17 @@ def _solve_free_single(q: Tensor, shift: Tensor, idx: list[int], simplex: bool,
 
 def _infeasible_single(q: Tensor, shift: Tensor, y: Tensor, free: list[bool], idx: list[int],
                        simplex: bool, tol: float, weights: Tensor | None = None,
-                       w_tol: Tensor | None = None) -> tuple[list[int], list[float], list[float]]:
+                       relative: _SingleThreshold | None = None,
+                       ) -> tuple[list[int], list[float], list[float]]:
     """The indices with ``y_F < −tol`` or ``w_A < −tol`` (``w = Qy + shift − ν1``; ``w_A <
-    −w_tol`` where given, ``[K]``: :class:`_SingleThreshold`), ``y`` and ``w``; with the
+    −relative(y, w)`` where given, :class:`_SingleThreshold`), ``y`` and ``w``; with the
     simplex's ``weights`` ``a``, ``w = Qy + shift − νa`` (``ν`` fitted on ``F`` by least
     squares) and both tests relative: ``y_F < −tol max|y|``, ``w_A < −tol (1 +
     max|Qy + shift|)`` (:func:`~._cagrad_root.is_cagrad_kkt`'s bound), ``y``'s entries far
     apart in size where ``a``'s are."""
     w = q @ y + shift
-    if w_tol is not None:  # the box's multipliers against the point's size
-        bad_w = (w < -w_tol).tolist()
+    if relative is not None:  # the box's multipliers against the point's size
+        bad_w = (w < -relative(y, w)).tolist()
         y_l, w_l = torch.stack([y, w]).tolist()
         bad = [i for i, f in enumerate(free) if (y_l[i] < -tol if f else bad_w[i])]
         return bad, y_l, w_l
@@ -770,21 +771,22 @@ def _exchange_single(free: list[bool], bad: list[int], size: int, murty: bool,
 
 class _SingleThreshold:
     """The box's multiplier test of :func:`_pivot_single`: ``w_j < −tol (‖x‖ √Q_jj + |c_j|)
-    − 8 eps (|Q||v|)_j`` is infeasible (``v = lower + y``, ``‖x‖² = vᵀQv``), as
-    :func:`_relative_threshold`'s. Against an absolute ``tol`` a projection far smaller
-    than its bound (rows of low rank plus noise 1e-4, ``Q``'s condition number 2e9: ``‖x‖``
-    7e-7 of the bound's) was finished with multipliers ``−6.5e-13``, a conflict of
-    ``−1.1e-5`` of the update's size with one task."""
+    − 8 eps ‖v‖_∞ Σᵢ|Q_ij|`` is infeasible (``v = lower + y``, ``w = Qv + c``, ``‖x‖² =
+    vᵀQv = vᵀ(w − c)``: no product of its own), as :func:`_relative_threshold`'s with its
+    rounding bound taken by rows. Against an absolute ``tol`` a projection far smaller than
+    its bound (rows of low rank plus noise 1e-4, ``Q``'s condition number 2e9: ``‖x‖`` 7e-7
+    of the bound's) was finished with multipliers ``−6.5e-13``, a conflict of ``−1.1e-5``
+    of the update's size with one task."""
 
     def __init__(self, q: Tensor, lower: Tensor, c: Tensor, tol: float) -> None:
-        self.q, self.lower, self.c, self.tol = q, lower, c, tol
+        self.lower, self.c, self.tol = lower, c, tol
         self.d = torch.diagonal(q).clamp_min(0.0).sqrt()
-        self.qabs = q.abs()
+        self.rows = torch.linalg.vector_norm(q, ord=1, dim=1)  # Σᵢ|Q_ij|, no |Q| in memory
 
-    def __call__(self, y: Tensor) -> Tensor:
+    def __call__(self, y: Tensor, w: Tensor) -> Tensor:
         v = self.lower + y
-        size = float((v @ self.q @ v).clamp_min(0.0).sqrt())
-        noise = (8 * _EPS) * (v.abs() @ self.qabs)
+        size = float(torch.dot(v, w - self.c).clamp_min(0.0).sqrt())
+        noise = (8 * _EPS * float(v.abs().max())) * self.rows
         return self.tol * (size * self.d + self.c.abs()) + noise
 
 
@@ -814,7 +816,7 @@ def _pivot_single(
         if y is None:
             return None
         bad, y_l, w_l = _infeasible_single(q, shift, y, free, idx, simplex, tol, weights,
-                                           None if relative is None else relative(y))
+                                           relative)
         if not bad:
             return lower + y.clamp_min(0.0)
         best, size, stale = _block_single(len(bad), best, size, stale)
