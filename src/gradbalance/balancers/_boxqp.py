@@ -786,8 +786,8 @@ class _SingleThreshold:
     def __call__(self, y: Tensor, w: Tensor) -> Tensor:
         v = self.lower + y
         size = float(torch.dot(v, w - self.c).clamp_min(0.0).sqrt())
-        noise = (8 * _EPS * float(v.abs().max())) * self.rows
-        return self.tol * (size * self.d + self.c.abs()) + noise
+        noise: Tensor = (8 * _EPS * float(v.abs().max())) * self.rows
+        return noise.add_(self.d * size + self.c.abs(), alpha=self.tol)
 
 
 def _pivot_single(
