@@ -729,10 +729,7 @@ def _infeasible_single(q: Tensor, shift: Tensor, y: Tensor, free: list[bool], id
     apart in size where ``a``'s are."""
     w = q @ y + shift
     if relative is not None:  # the box's multipliers against the point's size
-        bad_w = (w < -relative(y, w)).tolist()
-        y_l, w_l = torch.stack([y, w]).tolist()
-        bad = [i for i, f in enumerate(free) if (y_l[i] < -tol if f else bad_w[i])]
-        return bad, y_l, w_l
+        return _infeasible_by_size(y, w, free, tol, relative)
     y_tol = w_tol = tol
     if simplex and weights is not None:
         on = weights[idx]
@@ -744,6 +741,16 @@ def _infeasible_single(q: Tensor, shift: Tensor, y: Tensor, free: list[bool], id
         nu_v = sum(w_l[i] for i in idx) / len(idx)
         w_l = [v - nu_v for v in w_l]
     bad = [i for i, f in enumerate(free) if (y_l[i] < -y_tol if f else w_l[i] < -w_tol)]
+    return bad, y_l, w_l
+
+
+def _infeasible_by_size(y: Tensor, w: Tensor, free: list[bool], tol: float,
+                        relative: _SingleThreshold) -> tuple[list[int], list[float], list[float]]:
+    """:func:`_infeasible_single` for a box problem: ``y_F < −tol`` or ``w_A < −relative(y,
+    w)`` (:class:`_SingleThreshold`), ``y`` and ``w`` (``w = Qv + c``)."""
+    bad_w = (w < -relative(y, w)).tolist()
+    y_l, w_l = torch.stack([y, w]).tolist()
+    bad = [i for i, f in enumerate(free) if (y_l[i] < -tol if f else bad_w[i])]
     return bad, y_l, w_l
 
 
