@@ -240,6 +240,35 @@ def float64_rows(k: int, p: int, seed: int) -> torch.Tensor:
     return conflicting_rows(k, p, seed).double()
 
 
+def per_sample_rows(k: int, p: int, seed: int) -> torch.Tensor:
+    """The per-sample gradients of ``K`` samples (Gaussian inputs, random labels among 10
+    classes) of an MLP classifier ``32 → h → h → 10`` at its initialisation, ``h`` the
+    largest width with at most ``P`` parameters, zero columns up to ``P`` (the rows of
+    per-sample objectives, docs/per_sample.md: the classes' nine directions stand out of a
+    spectrum that falls gradually, the cosine matrix's condition number in the hundreds)."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(int(((44.0**2 + 4.0 * max(p - 10, 0)) ** 0.5 - 44.0) / 2.0), 1)
+    sizes = [(32, width), (width, width), (width, 10)]
+    layers = [(torch.randn(o, i, generator=gen) / i**0.5, torch.randn(o, generator=gen) * 0.1)
+              for i, o in sizes]
+    x = torch.randn(k, 32, generator=gen)
+    labels = torch.randint(0, 10, (k,), generator=gen)
+    inputs, pre = [x], []
+    for j, (w, b) in enumerate(layers):  # the forward, by hand: each sample's gradient below
+        pre.append(inputs[-1] @ w.T + b)
+        if j < len(layers) - 1:
+            inputs.append(torch.relu(pre[-1]))
+    back = torch.softmax(pre[-1], dim=1) - torch.nn.functional.one_hot(labels, 10).float()
+    parts = []
+    for j in reversed(range(len(layers))):  # per sample: d loss / d W = back ⊗ input
+        parts.append(torch.cat([(back[:, :, None] * inputs[j][:, None, :]).reshape(k, -1),
+                                back], dim=1))
+        if j > 0:
+            back = (back @ layers[j][0]) * (pre[j - 1] > 0)
+    rows = torch.cat(parts[::-1], dim=1)[:, :p]
+    return torch.nn.functional.pad(rows, (0, p - rows.shape[1])).contiguous()
+
+
 KINDS = {"conflicting": conflicting_rows, "rank8": rank_deficient_rows,
          "near_duplicates": near_duplicate_rows, "wide_norms": wide_norm_rows,
          "rank1": span_rows(1), "span8": span_rows(8), "aligned": aligned_rows,
@@ -254,7 +283,8 @@ KINDS = {"conflicting": conflicting_rows, "rank8": rank_deficient_rows,
          "span_k1": all_but_one_rows, "span_9k10": span_part(9, 10),
          "span_3k5": span_part(3, 5), "duplicates": duplicate_rows,
          "longer_copies": longer_copy_rows, "few_copies": few_copy_rows,
-         "conflicting_copies": conflicting_copy_rows}
+         "conflicting_copies": conflicting_copy_rows,
+         "per_sample": per_sample_rows}
 
 
 def make_balancer(name: str, k: int) -> Balancer:

@@ -148,3 +148,18 @@ def scipy_pcd(g: Tensor, tau: float | Tensor) -> Tensor:
     if float(np.linalg.norm(rho)) < torch.finfo(torch.float64).eps ** 0.5:
         return g[0]
     return g[0] + torch.from_numpy(-rho[:-1] / rho[-1])
+
+
+def outlying(q: Tensor) -> int:
+    """How many leading eigenvalues of ``q`` (``torch.linalg.eigvalsh``) are the
+    preconditioner's outliers: the largest ``m`` whose ``m``-th is ``OUTLIER_RATIO`` times the
+    mean of those below it (the definition :func:`~._precond.deflated` estimates), at most
+    ``MAX_DEFLATED``."""
+    from gradbalance.balancers import _precond
+
+    lam = torch.linalg.eigvalsh(q).flip(0)
+    count = 0
+    for j in range(min(q.shape[0] - 1, _precond.MAX_DEFLATED)):
+        if float(lam[j]) >= _precond.OUTLIER_RATIO * float(lam[j + 1:].mean()):
+            count = j + 1
+    return count

@@ -15,7 +15,7 @@ tests read as they read a float64 solve's. The float32 solve reaches about ``κ�
 then solves in float64).
 
 The steps are preconditioned by the projected start's scaling (:class:`~._projected.Plan`):
-``SQS ≈ I + U diag(c) Uᵀ`` (``S`` the bulk's diagonal scaling, ``U`` its ``m ≤ 4`` outlying
+``SQS ≈ I + U diag(c) Uᵀ`` (``S`` the bulk's diagonal scaling, ``U`` its ``m ≤ 16`` outlying
 eigen-directions), so ``M⁻¹r = S (I + U_F diag(c) U_Fᵀ)⁻¹ S r`` on each free set ``F`` by
 the Woodbury identity, ``O(K m)`` per problem and step: where the scaled bulk is well
 conditioned (the plan's test), as fast per step as ``(Q⁻¹)_FF`` is and a product cheaper.

@@ -4,15 +4,16 @@ Not a balancer module (no ``__all__``). The float32 pivoting of :mod:`._pcg` (UP
 projections at K ≥ 64) starts from :func:`~._pcg.opposite_start`, about 50 indices per
 problem away from the optimal free set at K = 1,024, and pivots five to seven times, each
 pivot a preconditioned conjugate-gradient restart. Where ``Q`` has no outlying eigenvalue or
-up to four (rows sharing one direction, or tasks in clusters sharing a few), and its bulk,
-scaled to a unit diagonal, has a small condition number (``torch.randn`` rows and the
-benchmark's conflicting rows at K = 1,024, P = 20,000: ``κ = 2.5``), FISTA (Beck & Teboulle
-2009) with the strongly convex momentum of the bulk's estimated condition number (Nesterov
-2004) and the gradient-mapping restart (O'Donoghue & Candès 2015), the outliers in the prox,
-comes within a few indices of the optimal free sets in eight steps, seven products of
-``[B, K] × [K, K]`` (the first step starts from 0; 11 indices in all on those conflicting
-rows), and the pivoting confirms them in one solve. Only a start: the float32 and float64 pivotings
-decide.
+up to sixteen (rows sharing one direction, tasks in clusters sharing a few, a classifier's
+per-sample rows), and its bulk, scaled to a unit diagonal, has a moderate condition number
+(``torch.randn`` rows and the benchmark's conflicting rows at K = 1,024, P = 20,000: ``κ =
+2.5``), FISTA (Beck & Teboulle 2009) with the strongly convex momentum of the bulk's
+estimated condition number (Nesterov 2004) and the gradient-mapping restart (O'Donoghue &
+Candès 2015), the outliers in the prox, comes within a few indices of the optimal free sets
+in eight steps (up to 32 where the bulk's condition number is larger: :func:`start_steps`),
+seven products of ``[B, K] × [K, K]`` (the first step starts from 0; 11
+indices in all on those conflicting rows), and the pivoting confirms them in one solve. Only
+a start: the float32 and float64 pivotings decide.
 
 Example:
     >>> import torch
@@ -25,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,13 +39,26 @@ from ._precond import Preconditioner, sparse_product
 #: from the optimal free sets after six, none after ten; seven to nine steps took the same
 #: time per call within the noise).
 PROJECTED_STEPS = 8
+#: Where the bulk's estimated condition number ``κ`` (the plan's ``top/bottom``) is above
+#: ``STEPS_KAPPA``, the steps grow as ``√κ`` (FISTA's rate), up to ``PROJECTED_MAX_STEPS``:
+#: per-sample rows of a classifier at K = 1,024 (``κ`` ≈ 34, 29 steps) were 2,600 indices from
+#: the optimal free sets after 24 steps, 30 after 48, and UPGrad took 3.4 s with 8 steps
+#: against 2.6–2.7 s with 24–32 (the pivoting's float32 solves there need ``√κ`` steps
+#: per decade too).
+STEPS_KAPPA = 2.5
+PROJECTED_MAX_STEPS = 32
 #: The start is taken where ``λ₁ ‖Q⁻¹‖_∞`` (an upper estimate of the condition number: the
 #: power steps' ``λ₁`` and Gershgorin's bound on ``1/λ_min``; of the bulk ``B`` where one
 #: outlier is deflated) is at most this: FISTA's error falls by about ``1 − 1/√κ`` per
 #: step, the pivoting's does not depend on ``κ``. The estimate is 3–5× the condition number
 #: (conflicting rows at K = 1,024: 11 against 2.5); the wide-norm rows' cosine matrix at
-#: K = 1,024, 36, solves in 0.96× the time with the start as without.
-PROJECTED_MAX_KAPPA = 64.0
+#: K = 1,024, 36, solves in 0.96× the time with the start as without. Per-sample rows of a
+#: classifier (``many_tasks.py --kinds per_sample``, K = 1,024, the classes' nine
+#: directions deflated) estimate 200 for a bulk of condition number near 40: the start
+#: there took UPGrad 23× → 11× the Gramian (the float32 pivoting from the opposite start
+#: restarts its conjugate gradients on every pivot); no kind of the benchmark at K = 256
+#: or 1,024 is slower with the start up to this estimate.
+PROJECTED_MAX_KAPPA = 1000.0
 #: :func:`projected_free_sets`: FISTA's first steps with their product in bfloat16
 #: (:func:`bfloat16_products`) from this many tasks on (one thread, K = 1,024, the benchmark's
 #: conflicting rows: UPGrad's solve 575 → 503 ms with four of the six, 525 with six).
@@ -258,6 +273,17 @@ class Plan:
     bottom: float = 0.0
 
 
+def start_steps(start: Plan) -> int:
+    """FISTA's steps for the plan ``start``: ``PROJECTED_STEPS`` times ``√(κ/STEPS_KAPPA)``
+    where the bulk's ``κ = top/bottom`` is above ``STEPS_KAPPA``, at most
+    ``PROJECTED_MAX_STEPS`` (``PROJECTED_STEPS`` where ``bottom`` is unknown); read at the
+    call (tests set the constants)."""
+    if start.bottom <= 0.0 or start.top <= STEPS_KAPPA * start.bottom:
+        return PROJECTED_STEPS
+    grown = math.ceil(PROJECTED_STEPS * math.sqrt(start.top / (STEPS_KAPPA * start.bottom)))
+    return max(PROJECTED_STEPS, min(PROJECTED_MAX_STEPS, grown))
+
+
 def projected_start(q: Tensor, shift: Tensor, start: Plan,
                     steps: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """``(free, y, yQ)`` ``[B, K]`` of :func:`fista` on the problem scaled by ``S =
@@ -265,7 +291,7 @@ def projected_start(q: Tensor, shift: Tensor, start: Plan,
     diagonal made 1: rows of norms far apart, such as the cosine matrix of rows that share
     one direction to different degrees, leave the bulk's condition number at 7 instead of
     50), ``yQ = (ỹQ̃)S⁻¹``; in the dtype of ``q``."""
-    steps = PROJECTED_STEPS if steps is None else steps  # read at the call: tests set it
+    steps = start_steps(start) if steps is None else steps
     free, y, yq = _scaled_fista(q, shift, start, steps)
     scale = start.scale.to(q.dtype)
     return free, y.mul_(scale), yq.div_(scale)
@@ -301,7 +327,7 @@ def projected_free_sets(q: Tensor, shift: Tensor, start: Plan,
 
     q32 = q.float() if q32 is None else q32
     rough = ROUGH_STEPS if q.shape[0] >= ROUGH_MIN_SIZE and bfloat16_products() else 0
-    free, _, _ = _scaled_fista(q32, shift.float(), start, PROJECTED_STEPS, last, rough)
+    free, _, _ = _scaled_fista(q32, shift.float(), start, start_steps(start), last, rough)
     y, yq = exact["y"], exact["yq"]
     free &= torch.isfinite(yq).all(dim=1, keepdim=True)
     dropped = y * ~free

@@ -71,13 +71,13 @@ def test_apply_is_the_inverse_of_the_deflated_matrix(k: int, directions: int,
 @settings(max_examples=12, deadline=None)
 @given(st.integers(1, MAX_DEFLATED), st.integers(0, 36), st.integers(0, 2**16))
 def test_exact_on_a_bulk_of_one_eigenvalue(m: int, extra: int, seed: int) -> None:
-    """``Q = I + Σⱼ cⱼvⱼvⱼᵀ`` (``cⱼ = 50, 40, …``, ``v`` orthonormal): all ``m`` outliers are
+    """``Q = I + Σⱼ cⱼvⱼvⱼᵀ`` (``cⱼ = 60, 57, …``, ``v`` orthonormal): all ``m`` outliers are
     deflated and the preconditioner is ``Q_FF⁻¹`` exactly (up to its float32 products),
     whatever the free set."""
     k = m + 3 + extra
     gen = torch.Generator().manual_seed(seed)
     v = torch.linalg.qr(torch.randn(k, m, generator=gen, dtype=F64)).Q
-    c = 50.0 - 10.0 * torch.arange(m, dtype=F64)
+    c = 60.0 - 3.0 * torch.arange(m, dtype=F64)
     q = torch.eye(k, dtype=F64) + (v * c) @ v.T
     pre = deflated(q, torch.linalg.inv(q))
     assert pre.v is not None and pre.v.shape == (k, m)
