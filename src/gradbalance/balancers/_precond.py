@@ -127,6 +127,13 @@ OUTLIER_RATIO = 5.0
 #: classes of a classifier up to 17 (``O(K m)`` per problem and step, ``m`` products per
 #: free set's setup).
 MAX_DEFLATED = 16
+#: From ``NARROW_FROM`` tasks on the subspace iteration's first width is ``FIRST_WIDTH``,
+#: widened to ``MAX_DEFLATED`` only where every one of those is an outlier (one or a few
+#: shared directions pay for four, not sixteen: about 20 ms at K = 1,024); below it the mean
+#: of the eigenvalues past four may be an outlier's, not the bulk's, and the iteration is
+#: cheap: ``MAX_DEFLATED`` at once.
+FIRST_WIDTH = 4
+NARROW_FROM = 128
 #: Subspace-iteration steps for ``V`` (the error of ``vⱼ`` shrinks by ``λ_{m+1}/λⱼ`` each:
 #: below ``1/OUTLIER_RATIO`` for a deflated one).
 POWER_STEPS = 6
@@ -347,7 +354,9 @@ def deflated(q: Tensor, h: Tensor) -> Preconditioner:
     :func:`preconditioner_inverse`), in float32: the leading ``m ≤
     MAX_DEFLATED`` eigenvalues deflated, each at least ``OUTLIER_RATIO`` times the mean ``μ``
     of the ``K − m`` others (:func:`_outliers`); the top one by power steps, the others by
-    subspace iteration where there is room for them (:func:`_room_for_more`)."""
+    subspace iteration where there is room for them (:func:`_room_for_more`), of width
+    ``FIRST_WIDTH`` and again of width ``MAX_DEFLATED`` where all of those are outliers
+    (``MAX_DEFLATED`` at once below ``NARROW_FROM`` tasks)."""
     k = q.shape[0]
     h32 = h.float().contiguous()  # row-major: the sparse products read its rows
     if k < 2:
@@ -355,7 +364,11 @@ def deflated(q: Tensor, h: Tensor) -> Preconditioner:
     trace = float(torch.trace(q))
     lam, v = _top_one(q)
     if _room_for_more(q, float(lam[0]), trace, k):
-        lam, v = _top_eigen(q, min(MAX_DEFLATED, k - 1))
+        width = min(MAX_DEFLATED, k - 1)
+        first = width if k < NARROW_FROM else min(FIRST_WIDTH, width)
+        lam, v = _top_eigen(q, first)
+        if first < width and _outliers(lam.tolist(), trace, k)[0] == first:
+            lam, v = _top_eigen(q, width)  # every one an outlier: there may be more
     m, mu = _outliers(lam.tolist(), trace, k)
     top = float(lam[0])
     if m == 0:
