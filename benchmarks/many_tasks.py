@@ -19,7 +19,8 @@ norms spanning 1e-6 … 1e6).
 
 ``--kinds`` runs several kinds of rows (``all``: every entry of :data:`KINDS`, among them near
 duplicates, norms spanning 1e-6 … 1e6, spans of rank 1, 8, 16, 32 and 64, of rank ``3K/8``,
-``9K/16`` (a thin dual cone), ``3K/4`` and ``7K/8``, all aligned, half zero and a mix) and
+``9K/16`` (a thin dual cone), ``3K/4`` and ``7K/8``, all aligned, half zero, a mix, and the
+per-sample gradients of an MLP classifier) and
 writes one table per K, a column per kind. ``--seed`` draws other rows (default: the seed
 is K).
 
