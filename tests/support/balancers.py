@@ -151,15 +151,20 @@ def scipy_pcd(g: Tensor, tau: float | Tensor) -> Tensor:
 
 
 def outlying(q: Tensor) -> int:
-    """How many leading eigenvalues of ``q`` (``torch.linalg.eigvalsh``) are the
-    preconditioner's outliers: the largest ``m`` whose ``m``-th is ``OUTLIER_RATIO`` times the
-    mean of those below it (the definition :func:`~._precond.deflated` estimates), at most
-    ``MAX_DEFLATED``."""
-    from gradbalance.balancers import _precond
+    """How many leading eigenvalues of ``q`` (``torch.linalg.eigvalsh``) the preconditioner
+    deflates by its definition (:func:`~._precond.deflated` estimates them by subspace
+    iteration): the ``m ≤ MAX_DEFLATED`` before the largest gap ``λ_m ≥ GAP_RATIO λ_{m+1}``
+    with ``λ_m ≥ LOOSE_RATIO`` times the mean of those below it, else the largest ``m ≤
+    FIRST_WIDTH`` with ``λ_m ≥ OUTLIER_RATIO`` times that mean."""
+    from gradbalance.balancers import _precond as pc
 
-    lam = torch.linalg.eigvalsh(q).flip(0)
-    count = 0
-    for j in range(min(q.shape[0] - 1, _precond.MAX_DEFLATED)):
-        if float(lam[j]) >= _precond.OUTLIER_RATIO * float(lam[j + 1:].mean()):
-            count = j + 1
-    return count
+    lam = torch.linalg.eigvalsh(q).flip(0).tolist()
+    k = len(lam)
+    mean = [sum(lam[j + 1:]) / (k - j - 1) for j in range(min(k - 1, pc.MAX_DEFLATED))]
+    gaps = [(lam[j] / lam[j + 1], j + 1) for j in range(len(mean))
+            if lam[j + 1] > 0 and lam[j] >= pc.LOOSE_RATIO * mean[j]
+            and lam[j] >= pc.GAP_RATIO * lam[j + 1]]
+    if gaps:
+        return max(gaps)[1]
+    return max((j + 1 for j in range(min(len(mean), pc.FIRST_WIDTH))
+                if lam[j] >= pc.OUTLIER_RATIO * mean[j]), default=0)

@@ -116,26 +116,33 @@ def sparse_product(a: Tensor, m: Tensor, nonzeros: int | None = -1) -> Tensor:
     return out
 
 
-#: An eigenvalue ``λ`` is deflated only where it is at least this many times ``μ`` (else
-#: the bulk is one). Per-sample gradients of a classifier of ``C`` classes have ``C − 1``
-#: outlying directions whose eigenvalues fall gradually to the bulk (``many_tasks.py
-#: --kinds per_sample``, 10 classes at K = 256: the ninth 10.06 times the mean below it):
-#: at 10 one of them stayed in the bulk, whose condition number then kept the projected
-#: start out (:func:`~._projected.plan`); UPGrad there 7.1× → 3.9× the Gramian at 5.
-OUTLIER_RATIO = 5.0
+#: Which leading eigenvalues are deflated (:func:`_outliers`): the ``m`` before the largest
+#: gap ``λ_m ≥ GAP_RATIO · λ_{m+1}`` among those at least ``LOOSE_RATIO`` times the mean
+#: ``μ`` of the eigenvalues below them, up to ``MAX_DEFLATED`` (per-sample gradients of a
+#: classifier of ``C`` classes: its ``C − 1`` directions, ``many_tasks.py --kinds
+#: per_sample``: nine, the ninth 9.6 times the mean below it at K = 256 and 3.2 times the
+#: next); where no gap is that large, up to ``FIRST_WIDTH`` of those at least
+#: ``OUTLIER_RATIO`` times their ``μ``. A spectrum that falls without a gap (the top of a
+#: heavy-tailed bulk: a transformer's per-sample cosine matrix has 18 eigenvalues 10–13
+#: times the mean below them, each within 1.1 of the next) is not deflated further: each
+#: one costs the free sets' setups a product and a Cholesky row, and deflating sixteen of
+#: them took UPGrad there 0.31 → 0.64 s.
+OUTLIER_RATIO = 10.0
+LOOSE_RATIO = 5.0
+GAP_RATIO = 2.0
 #: At most this many eigenvalues are deflated (the width of the subspace iteration): the
 #: classes of a classifier up to 17 (``O(K m)`` per problem and step, ``m`` products per
 #: free set's setup).
 MAX_DEFLATED = 16
-#: From ``NARROW_FROM`` tasks on the subspace iteration's first width is ``FIRST_WIDTH``,
-#: widened to ``MAX_DEFLATED`` only where every one of those is an outlier (one or a few
-#: shared directions pay for four, not sixteen: about 20 ms at K = 1,024); below it the mean
-#: of the eigenvalues past four may be an outlier's, not the bulk's, and the iteration is
-#: cheap: ``MAX_DEFLATED`` at once.
+#: From ``NARROW_FROM`` tasks on the subspace iteration's first width is ``FIRST_WIDTH`` (and
+#: one), widened to ``MAX_DEFLATED`` (and one) only where all of those are outliers (one or a
+#: few shared directions pay for four, not sixteen: about 20 ms at K = 1,024); below it the mean
+#: of the eigenvalues past four may be an outlier's, not the bulk's, and the iteration is cheap:
+#: ``MAX_DEFLATED`` at once.
 FIRST_WIDTH = 4
 NARROW_FROM = 128
-#: Subspace-iteration steps for ``V`` (the error of ``vⱼ`` shrinks by ``λ_{m+1}/λⱼ`` each:
-#: below ``1/OUTLIER_RATIO`` for a deflated one).
+#: Subspace-iteration steps for ``V`` (the error of ``vⱼ`` shrinks by ``λ_{w+1}/λⱼ`` each, ``w``
+#: the width: below ``1/GAP_RATIO`` for a deflated one, far below for most).
 POWER_STEPS = 6
 
 
@@ -273,14 +280,14 @@ def _top_one(q: Tensor) -> tuple[Tensor, Tensor]:
 
 def _room_for_more(q: Tensor, lam: float, trace: float, k: int) -> bool:
     """Whether a second eigenvalue may be an outlier: ``s = (‖Q‖²_F − λ₁²)^{1/2}`` bounds
-    ``λ₂`` (``λ₁`` from below: its Rayleigh quotient), and ``λ₂ ≥ OUTLIER_RATIO · μ₂`` needs
-    ``s ≥ OUTLIER_RATIO (tr Q − λ₁ − s)/(K − 2)``. A bulk of ``K − 1`` eigenvalues near their
+    ``λ₂`` (``λ₁`` from below: its Rayleigh quotient), and ``λ₂ ≥ LOOSE_RATIO · μ₂`` needs
+    ``s ≥ LOOSE_RATIO (tr Q − λ₁ − s)/(K − 2)``. A bulk of ``K − 1`` eigenvalues near their
     mean ``μ`` has ``s ≈ μ√(K − 1)``: no room below about 100 tasks, so the subspace
     iteration (:func:`_top_eigen`) runs only where it may find more."""
     if k < 3:
         return False
     s: float = max(float(torch.linalg.vector_norm(q)) ** 2 - lam * lam, 0.0) ** 0.5
-    return s >= OUTLIER_RATIO * (trace - lam - s) / (k - 2)
+    return s >= LOOSE_RATIO * (trace - lam - s) / (k - 2)
 
 
 def _top_eigen(q: Tensor, width: int) -> tuple[Tensor, Tensor]:
@@ -295,15 +302,25 @@ def _top_eigen(q: Tensor, width: int) -> tuple[Tensor, Tensor]:
 
 
 def _outliers(lam: list[float], trace: float, k: int) -> tuple[int, float]:
-    """``(m, μ)``: the largest ``m`` whose ``m``-th leading eigenvalue (``lam`` decreasing)
-    is at least ``OUTLIER_RATIO`` times ``μ``, the mean of the ``K − m`` others (``0``: none)."""
-    best, mu, head = 0, 0.0, 0.0
-    for j, value in enumerate(lam):
+    """``(m, μ)``: how many of the leading eigenvalues ``lam`` (decreasing; one more than may
+    be deflated, so that the last one's gap is known) are deflated, and ``μ``, the mean of
+    the ``K − m`` others (``0``: none): the ``m ≤ MAX_DEFLATED`` before the largest gap
+    ``λ_m ≥ GAP_RATIO · λ_{m+1}`` with ``λ_m ≥ LOOSE_RATIO · μ_m``, else the largest ``m ≤
+    FIRST_WIDTH`` with ``λ_m ≥ OUTLIER_RATIO · μ_m``."""
+    mus, head = [], 0.0
+    for j, value in enumerate(lam[: k - 1]):
         head += value
-        rest = (trace - head) / (k - j - 1)
-        if rest > 0.0 and value >= OUTLIER_RATIO * rest:
-            best, mu = j + 1, rest
-    return best, mu
+        mus.append((trace - head) / (k - j - 1))
+    usable = min(len(mus), MAX_DEFLATED)
+    gaps = [(lam[j] / lam[j + 1], j + 1) for j in range(min(usable, len(lam) - 1))
+            if lam[j + 1] > 0.0 and mus[j] > 0.0 and lam[j] >= LOOSE_RATIO * mus[j]
+            and lam[j] >= GAP_RATIO * lam[j + 1]]
+    if gaps:
+        m = max(gaps)[1]
+    else:
+        m = max((j + 1 for j in range(min(usable, FIRST_WIDTH))
+                 if mus[j] > 0.0 and lam[j] >= OUTLIER_RATIO * mus[j]), default=0)
+    return m, (mus[m - 1] if m else 0.0)
 
 
 #: A ``Q`` whose smallest eigenvalue is below ``SHIFT_BELOW`` times its mean eigenvalue
@@ -352,8 +369,8 @@ def preconditioner_inverse(q: Tensor, h: Tensor) -> Tensor:
 def deflated(q: Tensor, h: Tensor) -> Preconditioner:
     """The preconditioner of ``q`` (float64, ``h = Q⁻¹`` or ``(Q + δI)⁻¹``:
     :func:`preconditioner_inverse`), in float32: the leading ``m ≤
-    MAX_DEFLATED`` eigenvalues deflated, each at least ``OUTLIER_RATIO`` times the mean ``μ``
-    of the ``K − m`` others (:func:`_outliers`); the top one by power steps, the others by
+    MAX_DEFLATED`` eigenvalues deflated, those before the largest gap of the spectrum's top
+    (:func:`_outliers`); the top one by power steps, the others by
     subspace iteration where there is room for them (:func:`_room_for_more`), of width
     ``FIRST_WIDTH`` and again of width ``MAX_DEFLATED`` where all of those are outliers
     (``MAX_DEFLATED`` at once below ``NARROW_FROM`` tasks)."""
@@ -364,10 +381,10 @@ def deflated(q: Tensor, h: Tensor) -> Preconditioner:
     trace = float(torch.trace(q))
     lam, v = _top_one(q)
     if _room_for_more(q, float(lam[0]), trace, k):
-        width = min(MAX_DEFLATED, k - 1)
-        first = width if k < NARROW_FROM else min(FIRST_WIDTH, width)
+        width = min(MAX_DEFLATED + 1, k - 1)  # one more: the last one's gap
+        first = width if k < NARROW_FROM else min(FIRST_WIDTH + 1, width)
         lam, v = _top_eigen(q, first)
-        if first < width and _outliers(lam.tolist(), trace, k)[0] == first:
+        if first < width and _outliers(lam.tolist(), trace, k)[0] >= FIRST_WIDTH:
             lam, v = _top_eigen(q, width)  # every one an outlier: there may be more
     m, mu = _outliers(lam.tolist(), trace, k)
     top = float(lam[0])
