@@ -47,9 +47,9 @@ def classifier_rows(k: int, classes: int, width: int, seed: int) -> Tensor:
 def test_every_class_direction_is_deflated_and_taken_into_the_start(
         k: int, classes: int, width: int, seed: int) -> None:
     """The classes' ``C − 1`` outlying directions (five to nine here: more than the four the
-    preconditioner deflated before; the spectrum's gap after them 3.1–4.2) are each deflated, and the projected start is
-    planned on the rest: the bulk's estimated condition number within
-    ``PROJECTED_MAX_KAPPA``."""
+    preconditioner deflated before; the spectrum's gap after them 3.1–4.2) are each
+    deflated, and the projected start is planned on the rest: the bulk's estimated
+    condition number within ``PROJECTED_MAX_KAPPA``."""
     q, _ = trace_normalized((g := classifier_rows(k, classes, width, seed)) @ g.T)
     expected = outlying(q)
     assert expected == classes - 1 > 4  # the classes' directions: more than four
