@@ -20,7 +20,7 @@ norms spanning 1e-6 … 1e6).
 ``--kinds`` runs several kinds of rows (``all``: every entry of :data:`KINDS`, among them near
 duplicates, norms spanning 1e-6 … 1e6, spans of rank 1, 8, 16, 32 and 64, of rank ``3K/8``,
 ``9K/16`` (a thin dual cone), ``3K/4`` and ``7K/8``, all aligned, half zero, a mix, and the
-per-sample gradients of an MLP classifier) and
+per-sample gradients of an MLP classifier, at its initialisation and trained) and
 writes one table per K, a column per kind. ``--seed`` draws other rows (default: the seed
 is K).
 
@@ -241,33 +241,72 @@ def float64_rows(k: int, p: int, seed: int) -> torch.Tensor:
     return conflicting_rows(k, p, seed).double()
 
 
-def per_sample_rows(k: int, p: int, seed: int) -> torch.Tensor:
-    """The per-sample gradients of ``K`` samples (Gaussian inputs, random labels among 10
-    classes) of an MLP classifier ``32 → h → h → 10`` at its initialisation, ``h`` the
-    largest width with at most ``P`` parameters, zero columns up to ``P`` (the rows of
-    per-sample objectives, docs/per_sample.md: the classes' nine directions stand out of a
-    spectrum that falls gradually, the cosine matrix's condition number in the hundreds)."""
-    gen = torch.Generator().manual_seed(seed)
+Layers = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _classifier(p: int, gen: torch.Generator) -> Layers:
+    """An MLP classifier ``32 → h → h → 10`` (``h`` the largest width with at most ``P``
+    parameters) at its initialisation, as ``(weight, bias)`` pairs."""
     width = max(int(((44.0**2 + 4.0 * max(p - 10, 0)) ** 0.5 - 44.0) / 2.0), 1)
     sizes = [(32, width), (width, width), (width, 10)]
-    layers = [(torch.randn(o, i, generator=gen) / i**0.5, torch.randn(o, generator=gen) * 0.1)
-              for i, o in sizes]
-    x = torch.randn(k, 32, generator=gen)
-    labels = torch.randint(0, 10, (k,), generator=gen)
+    return [(torch.randn(o, i, generator=gen) / i**0.5, torch.randn(o, generator=gen) * 0.1)
+            for i, o in sizes]
+
+
+def _per_sample_gradients(layers: Layers, x: torch.Tensor, labels: torch.Tensor,
+                          p: int) -> torch.Tensor:
+    """``[K, P]``: each sample's gradient of the cross-entropy, by hand (``d loss / d W =
+    back ⊗ input`` per layer), zero columns up to ``P``."""
+    k = x.shape[0]
     inputs, pre = [x], []
-    for j, (w, b) in enumerate(layers):  # the forward, by hand: each sample's gradient below
+    for j, (w, b) in enumerate(layers):
         pre.append(inputs[-1] @ w.T + b)
         if j < len(layers) - 1:
             inputs.append(torch.relu(pre[-1]))
     back = torch.softmax(pre[-1], dim=1) - torch.nn.functional.one_hot(labels, 10).float()
     parts = []
-    for j in reversed(range(len(layers))):  # per sample: d loss / d W = back ⊗ input
+    for j in reversed(range(len(layers))):
         parts.append(torch.cat([(back[:, :, None] * inputs[j][:, None, :]).reshape(k, -1),
                                 back], dim=1))
         if j > 0:
             back = (back @ layers[j][0]) * (pre[j - 1] > 0)
     rows = torch.cat(parts[::-1], dim=1)[:, :p]
     return torch.nn.functional.pad(rows, (0, p - rows.shape[1])).contiguous()
+
+
+def per_sample_rows(k: int, p: int, seed: int) -> torch.Tensor:
+    """The per-sample gradients of ``K`` samples (Gaussian inputs, random labels among 10
+    classes) of an MLP classifier ``32 → h → h → 10`` at its initialisation (the rows of
+    per-sample objectives, docs/per_sample.md: the classes' nine directions stand out of a
+    spectrum that falls gradually, the cosine matrix's condition number in the hundreds)."""
+    gen = torch.Generator().manual_seed(seed)
+    layers = _classifier(p, gen)
+    x = torch.randn(k, 32, generator=gen)
+    return _per_sample_gradients(layers, x, torch.randint(0, 10, (k,), generator=gen), p)
+
+
+def trained_per_sample_rows(k: int, p: int, seed: int) -> torch.Tensor:
+    """As :func:`per_sample_rows` after 300 Adam steps (batches of 128, learning rate 1e-3) on
+    labels a random linear teacher gives: samples the network fits have small gradients
+    (norms spanning 1e6 and more), the bulk's condition number in the thousands."""
+    gen = torch.Generator().manual_seed(seed)
+    layers = [(w.requires_grad_(), b.requires_grad_()) for w, b in _classifier(p, gen)]
+    teacher = torch.randn(10, 32, generator=gen)
+    data = torch.randn(4096, 32, generator=gen)
+    labels = (data @ teacher.T).argmax(dim=1)
+    opt = torch.optim.Adam([t for layer in layers for t in layer], lr=1e-3)
+    for _ in range(300):
+        batch = torch.randint(0, 4096, (128,), generator=gen)
+        h = data[batch]
+        for j, (w, b) in enumerate(layers):
+            h = h @ w.T + b
+            h = torch.relu(h) if j < len(layers) - 1 else h
+        loss = torch.nn.functional.cross_entropy(h, labels[batch])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    fixed = [(w.detach(), b.detach()) for w, b in layers]
+    return _per_sample_gradients(fixed, data[:k], labels[:k], p)
 
 
 KINDS = {"conflicting": conflicting_rows, "rank8": rank_deficient_rows,
@@ -285,7 +324,7 @@ KINDS = {"conflicting": conflicting_rows, "rank8": rank_deficient_rows,
          "span_3k5": span_part(3, 5), "duplicates": duplicate_rows,
          "longer_copies": longer_copy_rows, "few_copies": few_copy_rows,
          "conflicting_copies": conflicting_copy_rows,
-         "per_sample": per_sample_rows}
+         "per_sample": per_sample_rows, "per_sample_trained": trained_per_sample_rows}
 
 
 def make_balancer(name: str, k: int) -> Balancer:

@@ -54,11 +54,13 @@ PROJECTED_MAX_STEPS = 32
 #: (conflicting rows at K = 1,024: 11 against 2.5); the wide-norm rows' cosine matrix at
 #: K = 1,024, 36, solves in 0.96× the time with the start as without. Per-sample rows of a
 #: classifier (``many_tasks.py --kinds per_sample``, K = 1,024, the classes' nine
-#: directions deflated) estimate 200 for a bulk of condition number near 40: the start
-#: there took UPGrad 23× → 11× the Gramian (the float32 pivoting from the opposite start
-#: restarts its conjugate gradients on every pivot); no kind of the benchmark at K = 256
-#: or 1,024 is slower with the start up to this estimate.
-PROJECTED_MAX_KAPPA = 1000.0
+#: directions deflated) estimate 280 for a bulk of condition number near 40: the start
+#: there took UPGrad 23× → 9–10× the Gramian (the float32 pivoting from the opposite start
+#: restarts its conjugate gradients on every pivot); those of trained classifiers (K = 512
+#: and 1,024, five runs) estimate 1,400–2,900, and took 16–56× → 9–15× with the start. A
+#: transformer's per-sample Gramian at K = 256 (estimate 3,800) took 0.21 → 0.28 s with it
+#: (0.31 s before either change); no kind of the benchmark estimates between 1,000 and this.
+PROJECTED_MAX_KAPPA = 1e4
 #: :func:`projected_free_sets`: FISTA's first steps with their product in bfloat16
 #: (:func:`bfloat16_products`) from this many tasks on (one thread, K = 1,024, the benchmark's
 #: conflicting rows: UPGrad's solve 575 → 503 ms with four of the six, 525 with six).
