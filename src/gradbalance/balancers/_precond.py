@@ -282,7 +282,7 @@ def _room_for_more(q: Tensor, lam: float, trace: float, k: int) -> bool:
     """Whether a second eigenvalue may be an outlier: ``s = (‖Q‖²_F − λ₁²)^{1/2}`` bounds
     ``λ₂`` (``λ₁`` from below: its Rayleigh quotient), and ``λ₂ ≥ LOOSE_RATIO · μ₂`` needs
     ``s ≥ LOOSE_RATIO (tr Q − λ₁ − s)/(K − 2)``. A bulk of ``K − 1`` eigenvalues near their
-    mean ``μ`` has ``s ≈ μ√(K − 1)``: no room below about 100 tasks, so the subspace
+    mean ``μ`` has ``s ≈ μ√(K − 1)``: no room below about 25 tasks, so the subspace
     iteration (:func:`_top_eigen`) runs only where it may find more."""
     if k < 3:
         return False
@@ -379,14 +379,14 @@ def deflated(q: Tensor, h: Tensor) -> Preconditioner:
     if k < 2:
         return Preconditioner.plain(h32)
     trace = float(torch.trace(q))
+    width = min(MAX_DEFLATED + 1, k - 1)  # one more than deflated: the last one's gap
     lam, v = _top_one(q)
     if _room_for_more(q, float(lam[0]), trace, k):
-        width = min(MAX_DEFLATED + 1, k - 1)  # one more: the last one's gap
-        first = width if k < NARROW_FROM else min(FIRST_WIDTH + 1, width)
-        lam, v = _top_eigen(q, first)
-        if first < width and _outliers(lam.tolist(), trace, k)[0] >= FIRST_WIDTH:
-            lam, v = _top_eigen(q, width)  # every one an outlier: there may be more
+        lam, v = _top_eigen(q, width if k < NARROW_FROM else min(FIRST_WIDTH + 1, width))
     m, mu = _outliers(lam.tolist(), trace, k)
+    if m >= FIRST_WIDTH and lam.shape[0] < width:  # all four: there may be more
+        lam, v = _top_eigen(q, width)
+        m, mu = _outliers(lam.tolist(), trace, k)
     top = float(lam[0])
     if m == 0:
         return Preconditioner.plain(h32, top)

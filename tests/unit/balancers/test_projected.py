@@ -250,3 +250,15 @@ def test_several_outliers_leave_a_non_finite_row_to_itself() -> None:
     for a, b in zip(clean, dirty, strict=True):
         torch.testing.assert_close(b[1:], a[1:], rtol=1e-12, atol=1e-12)
     assert not bool(torch.isfinite(dirty[1][0]).all())
+
+
+@pytest.mark.parametrize(("top", "bottom", "steps"),
+                         [(1.4, 0.66, 8), (2.5, 1.0, 8), (10.0, 1.0, 16), (34.0, 1.0, 30),
+                          (1000.0, 1.0, 32), (5.0, 0.0, 8)])
+def test_start_steps_grow_as_the_root_of_the_condition_number(top: float, bottom: float,
+                                                               steps: int) -> None:
+    """FISTA's steps: eight up to ``κ = top/bottom = 2.5`` (or ``bottom`` unknown), then
+    ``⌈8 √(κ/2.5)⌉`` (``κ = 10``: 16; ``κ = 34``: ``⌈29.5⌉``), at most 32 — by hand from
+    the rule, FISTA's ``√κ`` rate."""
+    plan = _projected.Plan(torch.ones(3, dtype=F64), top, bottom=bottom)
+    assert _projected.start_steps(plan) == steps
