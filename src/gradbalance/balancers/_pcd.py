@@ -95,8 +95,9 @@ def pcd_weights(gramian: Tensor, taus: Tensor, tol: float = 1e-9,
     elif m <= _ENUMERATE_UP_TO:
         out[1:] = _enumerate_working_sets(gramian, q, b, tol)
     else:
-        zeros = torch.zeros(1, m - 1, dtype=torch.float64)
-        mu = solve_box_qp(q.cpu() / trace, -b.cpu()[None] / trace, zeros)[0]
+        zeros = torch.zeros(1, m - 1, dtype=torch.float64)  # classified above: no second
+        mu = solve_box_qp(q.cpu() / trace, -b.cpu()[None] / trace, zeros,  # decomposition
+                          well_conditioned=True)[0]
         out[1:] = mu.to(out.device)
     return out
 

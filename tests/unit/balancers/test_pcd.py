@@ -74,3 +74,23 @@ def test_singular_gramian_with_active_constraints_hand_derived() -> None:
     rows = torch.tensor([[1.0, 0.0], [-1.0, 1.0], [-1.0, 1.0]], dtype=torch.float64)
     torch.testing.assert_close(w @ rows, torch.tensor([0.5, 0.5], dtype=torch.float64))
     assert float(w[1:].min()) >= 0.0
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_certified_gramian_is_not_decomposed_again(seed: int,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many well-conditioned secondary tasks (from 64 on the Cholesky certificate classifies
+    ``Q``): the box QP takes it as classified, with no eigenvalues of its own, and the
+    answer is TorchJD's."""
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(80, 200, generator=gen, dtype=torch.float64)
+    g[0] *= 3
+    gram = g @ g.T
+    calls = []
+    eigvalsh = torch.linalg.eigvalsh
+    monkeypatch.setattr(torch.linalg, "eigvalsh",
+                        lambda *a, **kw: calls.append(1) or eigvalsh(*a, **kw))
+    ours = PCD(tau=0.3, beta=0.9).compute_weights(gram)
+    assert not calls
+    ref = PCDWeighting(tau=0.3, beta=0.9)(gram)
+    torch.testing.assert_close(ours, ref, rtol=1e-7, atol=1e-10)

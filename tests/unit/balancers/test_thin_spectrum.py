@@ -49,3 +49,23 @@ def test_thin_route_matches_numpy_on_the_cleaned_gramian(k: int, rank: int, seed
     lam, vec = lam[keep], vec[:, keep]
     reference = np.sqrt(lam.min()) * (vec @ ((vec.T @ np.ones(k)) / np.sqrt(lam)))
     _update_close(alignedmtl_weights(gram, spectrum=spectrum), reference, dense)
+
+
+@pytest.mark.parametrize("k,rank", [(40, 3), (96, 8)])
+def test_imtlg_takes_no_decomposition_of_its_own_where_one_is_off_the_range(
+        k: int, rank: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``1`` is far outside the cosine matrix's range (rank ``r`` < K): ``Gv = d`` has no
+    solution, so IMTL-G's shortest-solution route has nothing to find and the update comes
+    from the kept spectrum alone, with no ``K × K`` eigen-decomposition of its own."""
+    rows = _rows(k, rank, 2)
+    gram, spectrum = cleaned(compute_gramian(rows).double(), products_rounding(rows))
+    assert spectrum is not None
+    calls = []
+    eigh = torch.linalg.eigh
+    monkeypatch.setattr(torch.linalg, "eigh", lambda *a, **kw: calls.append(1) or eigh(*a, **kw))
+    w = imtlg_weights(gram, spectrum=spectrum)
+    assert not calls
+    g = gram.numpy()
+    d = np.sqrt(np.clip(np.diag(g), 0, None))
+    v = np.linalg.pinv(g / np.trace(g), hermitian=True, rcond=1e-12) @ d / np.sqrt(np.trace(g))
+    _update_close(w, v / v.sum(), rows.double().numpy())
