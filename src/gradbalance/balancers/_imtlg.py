@@ -84,7 +84,8 @@ def _outside_range(spectrum: KeptSpectrum) -> bool:
     vectors = spectrum.vectors
     ones = torch.ones(vectors.shape[0], dtype=vectors.dtype)
     off = ones - vectors @ (vectors.T @ ones)
-    return float(torch.linalg.vector_norm(off)) > OUTSIDE_RANGE_RTOL * vectors.shape[0] ** 0.5
+    size = float(torch.linalg.vector_norm(off))
+    return size > OUTSIDE_RANGE_RTOL * float(vectors.shape[0]) ** 0.5
 
 
 def _spread_singular(gram: Tensor, d: Tensor, rtol: float) -> Tensor | None:
