@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -85,7 +87,7 @@ def _outside_range(spectrum: KeptSpectrum) -> bool:
     ones = torch.ones(vectors.shape[0], dtype=vectors.dtype)
     off = ones - vectors @ (vectors.T @ ones)
     size = float(torch.linalg.vector_norm(off))
-    return size > OUTSIDE_RANGE_RTOL * float(vectors.shape[0]) ** 0.5
+    return size > OUTSIDE_RANGE_RTOL * math.sqrt(vectors.shape[0])
 
 
 def _spread_singular(gram: Tensor, d: Tensor, rtol: float) -> Tensor | None:
