@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
 from .._checks import check_square
 from ._base import Balancer
 from ._boxqp import least_squares
-from ._cholesky import cholesky_ex, cholesky_solve
+from ._cholesky import cholesky_solve
 from ._denoise import SPECTRUM_MAX_RATIO, KeptSpectrum
+from ._imtlg_spectrum import (
+    ones_in_range,
+    pseudo_inverse_from_spectrum,
+    shortest_from_spectrum,
+)
 from ._scaled_cosine import scaled_cosine
 from ._solvers import trace_normalized
 
@@ -25,11 +28,13 @@ def imtlg_weights(gramian: Tensor, rtol: float = 1e-12,
     Update rule: ``v = G⁺ d`` with ``dₖ = ‖gₖ‖``, ``w = v / Σv``. Then ``(G w)ₖ = dₖ / Σv``,
     i.e. ``g·(gₖ/‖gₖ‖) = 1/Σv`` for every task ``k`` (Liu et al.'s closed form
     ``α₂:K = g₁Uᵀ(DUᵀ)⁻¹`` when the gradients are independent). Norms decades apart on
-    independent directions: ``v = D⁻¹C⁻¹1`` on the cosine matrix (:func:`_scaled`); a
-    Gramian given with its kept spectrum (``G = DVΛVᵀD``, :func:`~._denoise.cleaned`) and
-    norms within ``SPECTRUM_MAX_RATIO``: ``G⁺d`` from it (:func:`_from_spectrum`); norms
-    spread beyond it on a singular cosine matrix whose range holds ``1``: the shortest
-    solution of ``Gv = d`` from ``C``'s null space (:func:`_spread_singular`). When
+    independent directions: ``v = D⁻¹C⁻¹1`` on the cosine matrix (:func:`_scaled`); else
+    :func:`_singular`: norms spread beyond ``SPECTRUM_MAX_RATIO`` on a singular cosine
+    matrix whose range holds ``1`` (tasks given twice at other norms), the shortest
+    solution of ``Gv = d``, from the kept spectrum where the Gramian comes with one
+    (``G = DVΛVᵀD``, :func:`~._denoise.cleaned`; :mod:`~._imtlg_spectrum`), else from
+    ``C``'s null space (:func:`_spread_singular`); otherwise ``G⁺d`` from the spectrum or
+    ``pinv``. When
     ``Σv`` vanishes (``|Σv| ≤ rtol·‖v‖₁``) no such direction exists and the weights are
     zero.
 
@@ -40,15 +45,13 @@ def imtlg_weights(gramian: Tensor, rtol: float = 1e-12,
         tensor([0.6667, 0.3333], dtype=torch.float64)
     """
     check_square("gramian", gramian)
-    gram, trace = trace_normalized(gramian)
+    gram, scale = trace_normalized(gramian)
+    trace = float(scale)
     d = torch.diagonal(gram).clamp_min(0).sqrt()
     v = _scaled(gram)
-    if v is None and not (spectrum is not None and _outside_range(spectrum)):
-        v = _spread_singular(gram, d, rtol)
-    if v is None and spectrum is not None and float(trace) > 0.0:
-        v = _from_spectrum(spectrum.scaled(1.0 / trace), d, rtol)
     if v is None:
-        v = torch.linalg.pinv(gram, hermitian=True, rtol=rtol) @ d
+        kept = spectrum.scaled(1.0 / trace) if spectrum is not None and trace > 0.0 else None
+        v = _singular(gram, d, rtol, kept)
     total = v.sum()
     degenerate = total.abs() <= rtol * v.abs().sum()
     return torch.where(degenerate, torch.zeros_like(v), v / torch.where(degenerate, 1.0, total))
@@ -70,24 +73,30 @@ def _scaled(gram: Tensor) -> Tensor | None:
 #: ``1`` lies in the cosine matrix's range where its part in the cut null space is at most
 #: this times ``‖1‖`` (:func:`_spread_singular`).
 RANGE_RTOL = 1e-10
-#: ``1`` lies outside the range of a kept spectrum's cosine matrix, whatever its rounding,
-#: where its part off the kept eigenvectors is above this times ``‖1‖`` (:func:`_outside_range`:
-#: the kept eigenvectors of the Gramian and of its cleaned copy differ by the rounding over
-#: the spectrum's gap, far below it).
-OUTSIDE_RANGE_RTOL = 1e-4
+def _singular(gram: Tensor, d: Tensor, rtol: float, spectrum: KeptSpectrum | None) -> Tensor:
+    """``G⁺d`` on a cosine matrix :func:`_scaled` does not invert. With the kept spectrum
+    (scaled to ``gram``): norms spread beyond ``SPECTRUM_MAX_RATIO`` with ``1`` in its range,
+    the shortest solution from it (:func:`~._imtlg_spectrum.shortest_from_spectrum`, tasks
+    given twice at norms decades apart); else, unless ``1`` is far outside the range, the
+    shortest solution from the cosine matrix's own decomposition (:func:`_spread_singular`);
+    then the spectrum's pseudo-inverse (:func:`~._imtlg_spectrum.pseudo_inverse_from_spectrum`),
+    then ``pinv``."""
+    spread = _spread(d)
+    place = None if spectrum is None else ones_in_range(spectrum)
+    if spectrum is not None and spread and place:
+        return shortest_from_spectrum(spectrum)
+    v = _spread_singular(gram, d, rtol) if spread and place is not False else None
+    if v is None and spectrum is not None:
+        v = pseudo_inverse_from_spectrum(spectrum, d, rtol)
+    if v is None:
+        v = torch.linalg.pinv(gram, hermitian=True, rtol=rtol) @ d
+    return v
 
 
-def _outside_range(spectrum: KeptSpectrum) -> bool:
-    """Whether ``1`` lies far outside the range of the kept spectrum's cosine matrix
-    (``‖(I − VVᵀ)1‖ > OUTSIDE_RANGE_RTOL ‖1‖``, ``O(Kr)``): then :func:`_spread_singular`
-    has no solution to find, and its ``K × K`` eigen-decomposition is skipped (rows of rank
-    8 at K = 1,024, norms over 12 decades: 0.2 s of IMTL-G's 0.55 s; the update comes from
-    the spectrum, :func:`_from_spectrum`)."""
-    vectors = spectrum.vectors
-    ones = torch.ones(vectors.shape[0], dtype=vectors.dtype)
-    off = ones - vectors @ (vectors.T @ ones)
-    size = float(torch.linalg.vector_norm(off))
-    return size > OUTSIDE_RANGE_RTOL * math.sqrt(vectors.shape[0])
+def _spread(d: Tensor) -> bool:
+    """Whether the norms ``d`` are all positive and spread beyond ``SPECTRUM_MAX_RATIO``."""
+    low, high = (float(x) for x in torch.stack(d.aminmax()).tolist())
+    return low > 0.0 and high > SPECTRUM_MAX_RATIO * low
 
 
 def _spread_singular(gram: Tensor, d: Tensor, rtol: float) -> Tensor | None:
@@ -98,10 +107,7 @@ def _spread_singular(gram: Tensor, d: Tensor, rtol: float) -> Tensor | None:
     ``D⁻¹Nt = −D⁻¹s₀`` (condition number the norms' spread, not its square as ``G``'s or
     ``VᵀD²V``'s). The pseudo-inverse of ``G`` itself cut the short rows' directions
     (projections 1.13 apart, relative, where they are equal, at K = 64 over 12 decades).
-    ``O(K³)``: one eigen-decomposition of ``C``."""
-    low, high = (float(x) for x in torch.stack(d.aminmax()).tolist())
-    if not low > 0.0 or high <= SPECTRUM_MAX_RATIO * low:
-        return None
+    ``O(K³)``: one eigen-decomposition of ``C``; the caller checks the spread."""
     cos = gram / torch.outer(d, d)
     lam, vec = torch.linalg.eigh((cos + cos.T) / 2)
     kept = lam > rtol * lam[-1]
@@ -113,30 +119,6 @@ def _spread_singular(gram: Tensor, d: Tensor, rtol: float) -> Tensor | None:
     t = least_squares(null / d[:, None], -(s0 / d)[:, None])
     out: Tensor = (s0 + null @ t[:, 0]) / d
     return out
-
-
-def _from_spectrum(spectrum: KeptSpectrum, d: Tensor, rtol: float) -> Tensor | None:
-    """``G⁺d`` for ``G = DVΛVᵀD`` (``V`` ``[K, r]`` orthonormal, ``Λ`` positive): with
-    ``M = VᵀD²V``, ``G⁺d = DVM⁻¹Λ⁻¹M⁻¹VᵀDd`` (``x = DVy`` in ``G``'s range meets
-    ``Gx = P_G d``). ``O(Kr²)`` instead of a second ``O(K³)`` eigen-decomposition (0.25 s at
-    K = 1,024). Where the rows' norms spread over more than ``SPECTRUM_MAX_RATIO`` (``M``
-    then as ill-conditioned as its square) and the rank is small: ``U diag(λ⁺) Uᵀd`` from the
-    thin SVD of the factor (:meth:`~._denoise.KeptSpectrum.thin_eigen`; ``λ`` below ``rtol``
-    times the largest dropped, as ``pinv``'s cut); else, or where ``M``'s factorisation
-    fails, None."""
-    if not spectrum.norms_within(SPECTRUM_MAX_RATIO):
-        thin = spectrum.thin_eigen()
-        if thin is None:
-            return None
-        lam, u = thin
-        inverse = torch.where(lam > rtol * lam.max(), 1.0 / lam, 0.0)
-        return u @ (inverse * (u.T @ d))
-    rows = spectrum.vectors * spectrum.norms[:, None]  # DV
-    factor = cholesky_ex(rows.T @ rows)
-    if int(factor.info) != 0:
-        return None
-    y = cholesky_solve((rows.T @ d)[:, None], factor.L) / spectrum.values[:, None]
-    return rows @ cholesky_solve(y, factor.L)[:, 0]
 
 
 class IMTLG(Balancer):

@@ -106,7 +106,11 @@ def _grouped_weights(gramian: Tensor, taus: Tensor, tol: float,
                      rounding: float = 0.0) -> Tensor | None:
     """:func:`pcd_weights` with secondary tasks that are copies of one another (the same row
     within the rounding and the same ``τ``: one constraint) solved as one, its ``μ`` split
-    equally (:func:`~._min_norm_groups.collapse`); None where nothing collapses or where the
+    equally (:func:`~._min_norm_groups.collapse`); else, every ``τ ≥ 0``, with parallel
+    rows of one sign and one ``τ`` kept as their longest members (``gⱼ = cu``: ``cuᵀd ≥
+    τc²`` is ``uᵀd ≥ τc``, which the longest ``c`` implies; the shorter ones' ``μ`` is 0:
+    PCD at K = 1,024 on 512 rows each given twice at norms over 12 decades, 3.5× → 2.3×
+    ``compute_gramian``); None where nothing collapses or where the
     answer fails the dual's KKT conditions on the whole Gramian, ``s = Qμ − b ≥ −ηₛ`` and
     ``sⱼ ≤ ηₛ`` where ``μⱼ > 0``, ``ηₛ = (tol + δ)(‖gⱼ‖‖d − g₁‖ + |bⱼ|)`` (``δ`` the
     grouping's deviation). Copies make ``Q`` singular: the least-distance program's
@@ -115,7 +119,10 @@ def _grouped_weights(gramian: Tensor, taus: Tensor, tol: float,
     if gramian.shape[0] - 1 < GROUPS_MIN_SIZE:
         return None  # no copy of the Gramian at the step's K
     gram = gramian.to(device="cpu", dtype=torch.float64)
-    groups = collapse(gram[1:, 1:], copies_only=True, labels=taus.to("cpu", torch.float64))
+    labels = taus.to("cpu", torch.float64)
+    groups = collapse(gram[1:, 1:], copies_only=True, labels=labels)
+    if groups is None and bool((labels >= 0.0).all()):
+        groups = collapse(gram[1:, 1:], labels=labels, longest=True)
     if groups is None:
         return None
     rows = torch.cat([torch.zeros(1, dtype=torch.int64), groups.kept + 1])
