@@ -236,6 +236,18 @@ def conflicting_copy_rows(k: int, p: int, seed: int) -> torch.Tensor:
     return torch.cat([rows, rows[: k // 2]]).contiguous()
 
 
+def wide_copy_rows(k: int, p: int, seed: int) -> torch.Tensor:
+    """``K/2`` Gaussian rows each given twice, every row scaled by ``c·2^e`` (``c`` uniform
+    in ``[1, 2)``, ``e`` from −20 to 20; shuffled): copies at norms 12 decades apart, whose
+    cosines are 1 only to the float32 product's rounding."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randn(k - k // 2, p, generator=gen)
+    scales = (1.0 + torch.rand(k, generator=gen)) * torch.pow(
+        2.0, torch.randint(-20, 21, (k,), generator=gen).float())
+    both = torch.cat([rows, rows[: k // 2]]) * scales[:, None]
+    return both[torch.randperm(k, generator=gen)].contiguous()
+
+
 def float64_rows(k: int, p: int, seed: int) -> torch.Tensor:
     """The conflicting rows in float64 (the Gramian and the solvers in float64)."""
     return conflicting_rows(k, p, seed).double()
@@ -323,7 +335,7 @@ KINDS = {"conflicting": conflicting_rows, "rank8": rank_deficient_rows,
          "span_k1": all_but_one_rows, "span_9k10": span_part(9, 10),
          "span_3k5": span_part(3, 5), "duplicates": duplicate_rows,
          "longer_copies": longer_copy_rows, "few_copies": few_copy_rows,
-         "conflicting_copies": conflicting_copy_rows,
+         "conflicting_copies": conflicting_copy_rows, "wide_copies": wide_copy_rows,
          "per_sample": per_sample_rows, "per_sample_trained": trained_per_sample_rows}
 
 
