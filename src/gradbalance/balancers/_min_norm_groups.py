@@ -97,8 +97,8 @@ class Collapse:
         return _side(self.rep, self.d, self.delta, not self.longest)
 
 
-def collapse(gram: Tensor, copies_only: bool = False,
-             labels: Tensor | None = None, longest: bool = False) -> Collapse | None:
+def collapse(gram: Tensor, copies_only: bool = False, labels: Tensor | None = None,
+             longest: bool = False, rounding: float = 0.0) -> Collapse | None:
     """The groups of rows parallel with one sign within the rounding of ``gram`` (float64,
     :func:`~._parallel_groups.row_groups`), each kept as its shortest members (with
     ``longest``, its longest); with ``copies_only``, only where every member of every group
@@ -106,11 +106,12 @@ def collapse(gram: Tensor, copies_only: bool = False,
     ``labels`` ``[K]``, has its representative's label (PCD's ``τⱼ``: copies with different
     guarantees are different constraints). None below ``GROUPS_MIN_SIZE`` tasks, with a zero
     row, where no group removes enough rows, where a group has both signs, or
-    (``copies_only``) where one has a longer member or another label."""
+    (``copies_only``) where one has a longer member or another label. ``rounding``: the
+    products' rounding where the caller knows it (:func:`~._parallel_groups.find_groups`)."""
     k = gram.shape[0]
     if k < GROUPS_MIN_SIZE:
         return None
-    found = row_groups(gram)  # None: a zero row, or no groups (the exact path)
+    found = row_groups(gram, rounding)  # None: a zero row, or no groups (the exact path)
     if found is None:
         return None
     d, _, groups = found

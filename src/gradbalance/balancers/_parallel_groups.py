@@ -17,7 +17,9 @@ each member keeps its bound and the excess ``t − Σ σⱼ lowerⱼ`` is split 
 members of its sign (one-signed: over all members). Rows are grouped where ``|Cⱼₖ| ≥ 1 − τ``
 with ``τ = ROUNDING_MULTIPLE ρ`` and ``ρ = maxⱼ≠ₖ |Cⱼₖ| − 1`` the rounding the matrix shows
 (no exact cosine matrix has ``|Cⱼₖ| > 1``: a Gramian multiplied in float32 shows about
-``10⁻⁶``), at least ``FLOOR_PER_ROW · n``; ``C`` is then replaced by ``C̃``, its group rows
+``10⁻⁶``), at least ``FLOOR_PER_ROW · n``, and with ``ρ`` at least the products' rounding
+where the caller knows it (PCD's, on a Gramian whose rounding was removed and shows none:
+:func:`find_groups`); ``C`` is then replaced by ``C̃``, its group rows
 exact multiples of their representative's, ``δ = maxⱼₖ |Cⱼₖ − C̃ⱼₖ|`` measured. The answer is
 kept only where it meets the KKT conditions of the full problem on ``Q`` to ``(η + δ) ‖s‖₁``
 (``η = KKT_RTOL``; ``δ ‖s‖₁`` bounds ``|((C − C̃)s)ⱼ|``); the other problems, and every
@@ -90,14 +92,20 @@ class Groups:
     delta: float
 
 
-def find_groups(cos: Tensor) -> Groups | None:
+def find_groups(cos: Tensor, rounding: float = 0.0) -> Groups | None:
     """The groups of rows of the cosine matrix ``cos`` that are parallel within its rounding,
-    or None where they remove fewer than ``MIN_FRACTION`` of the rows."""
+    or None where they remove fewer than ``MIN_FRACTION`` of the rows. ``rounding``: the
+    rounding the products left in ``cos`` where the caller knows it
+    (:func:`~gradbalance.gramian.products_rounding`), taken as the rounding shown: a Gramian
+    whose rounding was removed (:func:`~._denoise.cleaned`) shows none, ``max |Cⱼₖ| ≤ 1``,
+    while its rows' cosines with the others still differ by it and by the removal's (copies
+    at norms decades apart: by ``3e-8`` at P = 20,000, ``9e-7`` at P = 300, the products'
+    rounding ``3.6e-7`` there)."""
     n = cos.shape[0]
     mag = cos.abs()
     mag.fill_diagonal_(0.0)
     rho = float(mag.max()) - 1.0
-    tau = max(ROUNDING_MULTIPLE * rho, FLOOR_PER_ROW * n)
+    tau = ROUNDING_MULTIPLE * max(rho, rounding, FLOOR_PER_ROW * n / ROUNDING_MULTIPLE)
     if rho < -tau:  # no two rows near parallel (the common case): one pass
         return None
     near = mag >= 1.0 - tau
@@ -113,16 +121,16 @@ def find_groups(cos: Tensor) -> Groups | None:
     return groups
 
 
-def row_groups(q: Tensor) -> tuple[Tensor, Tensor, Groups] | None:
+def row_groups(q: Tensor, rounding: float = 0.0) -> tuple[Tensor, Tensor, Groups] | None:
     """``(d, C, groups)`` for ``Q`` (float64): ``d = diag(Q)^{1/2}``, the cosine matrix
-    ``C = D⁻¹QD⁻¹`` and its :func:`find_groups`; None with a zero row, where no two rows are
-    near parallel (:func:`_may_be_parallel`: ``C`` is then never formed), or where
-    :func:`find_groups` finds none."""
+    ``C = D⁻¹QD⁻¹`` and its :func:`find_groups` (``rounding``: the products', where known);
+    None with a zero row, where no two rows are near parallel (:func:`_may_be_parallel`:
+    ``C`` is then never formed), or where :func:`find_groups` finds none."""
     d = torch.diagonal(q).sqrt()
     if not bool((d > 0.0).all()) or not _may_be_parallel(q, d):
         return None
     cos = q / torch.outer(d, d)
-    groups = find_groups(cos)
+    groups = find_groups(cos, rounding)
     return None if groups is None else (d, cos, groups)
 
 

@@ -120,9 +120,10 @@ def _grouped_weights(gramian: Tensor, taus: Tensor, tol: float,
         return None  # no copy of the Gramian at the step's K
     gram = gramian.to(device="cpu", dtype=torch.float64)
     labels = taus.to("cpu", torch.float64)
-    groups = collapse(gram[1:, 1:], copies_only=True, labels=labels)
+    secondary = gram[1:, 1:]
+    groups = collapse(secondary, copies_only=True, labels=labels, rounding=rounding)
     if groups is None and bool((labels >= 0.0).all()):
-        groups = collapse(gram[1:, 1:], labels=labels, longest=True)
+        groups = collapse(secondary, labels=labels, longest=True, rounding=rounding)
     if groups is None:
         return None
     rows = torch.cat([torch.zeros(1, dtype=torch.int64), groups.kept + 1])
