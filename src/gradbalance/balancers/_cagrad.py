@@ -67,7 +67,8 @@ def cagrad_weights(gramian: Tensor, c: float = 0.4, rescale: Rescale = "none",
         weights = mean
     else:
         w = cagrad_dual(gram, c, factor=None if kept is None else kept.factor(),
-                        lifted=None if kept is None else _lifted(gram, kept))
+                        lifted=None if kept is None else _lifted(gram, kept),
+                        rounding=0.0 if kept is None else kept.cut)
         gw_sq = float(w @ gram @ w)
         weights = mean if _vanishes(gram, w, gw_sq) else mean + (c * g0_norm / gw_sq**0.5) * w
     return weights / {"none": 1.0, "c2": 1 + c * c, "c": 1 + c}[rescale]

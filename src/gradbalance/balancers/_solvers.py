@@ -356,7 +356,8 @@ def _cagrad_two(gram: Tensor, lin: Tensor, r: float) -> Tensor | None:
 
 
 def cagrad_dual(gram: Tensor, c: float, tol: float = 1e-12, max_iter: int = 200,
-                factor: Tensor | None = None, lifted: Tensor | None = None) -> Tensor:
+                factor: Tensor | None = None, lifted: Tensor | None = None,
+                rounding: float = 0.0) -> Tensor:
     """CAGrad's dual weights ``w ∈ Δ`` (Liu et al. 2021, eq. 4).
 
     ``min_{w∈Δ} F(w) = g_wᵀ g₀ + r ‖g_w‖`` with ``g₀ = Jᵀ1/K``, ``g_w = Jᵀw``,
@@ -381,7 +382,7 @@ def cagrad_dual(gram: Tensor, c: float, tol: float = 1e-12, max_iter: int = 200,
     """
     k = gram.shape[0]
     mean = torch.full((k,), 1.0 / k, dtype=torch.float64)
-    grouped = _grouped_cagrad(gram, mean, c, tol, max_iter)
+    grouped = _grouped_cagrad(gram, mean, c, tol, max_iter, rounding)
     if grouped is not None:
         return grouped
     scaled = scaled_cagrad(gram, mean, c, tol, max_iter, factor)
@@ -390,7 +391,7 @@ def cagrad_dual(gram: Tensor, c: float, tol: float = 1e-12, max_iter: int = 200,
 
 
 def _grouped_cagrad(gram: Tensor, mean: Tensor, c: float, tol: float,
-                    max_iter: int) -> Tensor | None:
+                    max_iter: int, rounding: float = 0.0) -> Tensor | None:
     """:func:`cagrad_dual` with each one-signed group of parallel rows kept as one side of
     it, its shortest members or its longest (:func:`~._min_norm_groups.collapse`); None
     where there are no groups or neither side's answer meets the KKT conditions on ``gram``.
@@ -402,8 +403,10 @@ def _grouped_cagrad(gram: Tensor, mean: Tensor, c: float, tol: float,
     longest. So one side answers for every group: tried first the longest where some task
     alone has ``F(eⱼ) = linⱼ + r‖gⱼ‖ < 0`` (then ``m < 0``), else the shortest, then the
     other. The reduced problem keeps ``g₀``: each kept row's share of the mean is its group's
-    summed length over its own (:meth:`~._min_norm_groups.Collapse.lengths`)."""
-    groups = collapse(gram)
+    summed length over its own (:meth:`~._min_norm_groups.Collapse.lengths`). ``rounding``:
+    the rounding removed from ``gram`` (its kept spectrum's cut), within which its rows are
+    still parallel (:func:`~._parallel_groups.find_groups`)."""
+    groups = collapse(gram, rounding=rounding)
     if groups is None:
         return None
     k = gram.shape[0]

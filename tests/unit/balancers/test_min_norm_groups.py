@@ -188,8 +188,9 @@ def _spy_collapse(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     calls: list[bool] = []
     real = _solvers.collapse
 
-    def spy(gram: Tensor, copies_only: bool = False) -> _min_norm_groups.Collapse | None:
-        out = real(gram, copies_only)
+    def spy(gram: Tensor, copies_only: bool = False,
+            rounding: float = 0.0) -> _min_norm_groups.Collapse | None:
+        out = real(gram, copies_only, rounding=rounding)
         calls.append(out is not None)
         return out
 
@@ -339,9 +340,35 @@ def test_cagrad_float32_copies_match_the_exact_path(monkeypatch: pytest.MonkeyPa
     calls = _spy_collapse(monkeypatch)
     d = CAGrad(c=0.5)(both)
     assert calls == [True]
-    monkeypatch.setattr(_solvers, "collapse", lambda gram, copies_only=False: None)
+    monkeypatch.setattr(_solvers, "collapse", lambda *args, **kwargs: None)
     exact = CAGrad(c=0.5)(both)
     assert float((d - exact).norm()) <= 1e-6 * float(exact.norm())
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_cagrad_float32_copies_at_any_norms_match_the_float64_rows(
+        seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 40 tasks each given twice at norms 12 decades apart, not power-of-two multiples, in
+    # float32: the Gramian CAGrad reads has its rounding removed and shows none, its copies'
+    # cosines with the others apart by up to the removed rounding (the kept spectrum's cut),
+    # within which the grouping now finds them. Reference: the same rows in float64; the
+    # grouped update no further from it than the ungrouped path's on the float32 rows.
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randn(40, 300, generator=gen)
+    rows += torch.randn(40, 1, generator=gen) * torch.randn(300, generator=gen)
+    both = torch.cat([rows, rows])
+    scales = (1.0 + torch.rand(80, generator=gen)) * torch.pow(
+        2.0, torch.randint(-20, 21, (80,), generator=gen).float())
+    both = (both * scales[:, None])[torch.randperm(80, generator=gen)].contiguous()
+    calls = _spy_collapse(monkeypatch)
+    d = CAGrad(c=0.5)(both)
+    assert calls == [True]
+    monkeypatch.setattr(_solvers, "collapse", lambda *args, **kwargs: None)
+    exact = CAGrad(c=0.5)(both)
+    truth = CAGrad(c=0.5)(both.double())
+    ungrouped = float((exact.double() - truth).norm())
+    assert float((d.double() - truth).norm()) <= 1.5 * ungrouped + 1e-7 * float(truth.norm())
+    assert ungrouped <= 1e-5 * float(truth.norm())
 
 
 def _spy_pcd_collapse(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
