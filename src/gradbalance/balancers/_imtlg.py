@@ -81,7 +81,7 @@ def _singular(gram: Tensor, d: Tensor, rtol: float, spectrum: KeptSpectrum | Non
     shortest solution from the cosine matrix's own decomposition (:func:`_spread_singular`);
     then the spectrum's pseudo-inverse (:func:`~._imtlg_spectrum.pseudo_inverse_from_spectrum`),
     then ``pinv``."""
-    spread = _spread(d)
+    spread = _norms_spread(d)
     place = None if spectrum is None else ones_in_range(spectrum)
     if spectrum is not None and spread and place:
         return shortest_from_spectrum(spectrum)
@@ -93,7 +93,7 @@ def _singular(gram: Tensor, d: Tensor, rtol: float, spectrum: KeptSpectrum | Non
     return v
 
 
-def _spread(d: Tensor) -> bool:
+def _norms_spread(d: Tensor) -> bool:
     """Whether the norms ``d`` are all positive and spread beyond ``SPECTRUM_MAX_RATIO``."""
     low, high = (float(x) for x in torch.stack(d.aminmax()).tolist())
     return low > 0.0 and high > SPECTRUM_MAX_RATIO * low

@@ -191,3 +191,42 @@ def test_one_problem_on_copies_of_independent_rows_is_collapsed(seed: int) -> No
             assert spy.calls and spy.calls[0] is not None and bool(spy.calls[0][1].all())
         else:
             assert spy.calls == [None]
+
+
+def _spread_by_hand(low: Tensor, t: Tensor, rep: Tensor, sign: Tensor) -> Tensor:
+    """The members' values one group at a time: a lone row its ``t``; a group's members their
+    bound plus the excess ``σⱼ(t_rep − Σ σᵢ lowᵢ)`` split equally over those whose excess is
+    above the rounding, the others at their bound."""
+    s = t.clone()
+    for r in rep.unique().tolist():
+        members = torch.nonzero(rep == r).flatten().tolist()
+        if len(members) == 1:
+            continue
+        for b in range(low.shape[0]):
+            at_low = sum(float(low[b, j] * sign[j]) for j in members)
+            size = sum(abs(float(low[b, j])) for j in members) + abs(float(t[b, r]))
+            excess = {j: float(sign[j]) * (float(t[b, r]) - at_low) for j in members}
+            takers = [j for j in members
+                      if excess[j] > _parallel_groups.EXCESS_ROUNDING * size]
+            for j in members:
+                s[b, j] = low[b, j] + (excess[j] / len(takers) if j in takers else 0.0)
+    return s
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(2, 24), st.integers(1, 6), st.integers(0, 2**16))
+def test_spread_splits_each_groups_excess_over_its_members(n: int, b: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    rep = torch.arange(n)
+    for j in range(1, n):  # each row joins an earlier one's group with probability 0.4
+        if float(torch.rand(1, generator=gen)) < 0.4:
+            rep[j] = rep[int(torch.randint(0, j, (1,), generator=gen))]
+    sign = torch.where(torch.rand(n, generator=gen) < 0.3, -1.0, 1.0).to(F64)
+    sign[rep == torch.arange(n)] = 1.0  # a representative has its own sign
+    low = torch.randn(b, n, generator=gen, dtype=F64) * (torch.rand(b, n, generator=gen) < 0.5)
+    t = torch.randn(b, n, generator=gen, dtype=F64)
+    groups = _parallel_groups.Groups(rep, sign, torch.zeros(n, dtype=torch.bool),
+                                     torch.arange(n), torch.zeros(0, dtype=torch.int64), 0.0)
+    expected = _spread_by_hand(low, t, rep, sign)
+    got = _parallel_groups._spread(low, t.clone(), groups)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
