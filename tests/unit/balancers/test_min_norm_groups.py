@@ -353,22 +353,33 @@ def test_cagrad_float32_copies_at_any_norms_match_the_float64_rows(
     # cosines with the others apart by up to the removed rounding (the kept spectrum's cut),
     # within which the grouping now finds them. Reference: the same rows in float64; the
     # grouped update no further from it than the ungrouped path's on the float32 rows.
-    gen = torch.Generator().manual_seed(seed)
-    rows = torch.randn(40, 300, generator=gen)
-    rows += torch.randn(40, 1, generator=gen) * torch.randn(300, generator=gen)
-    both = torch.cat([rows, rows])
-    scales = (1.0 + torch.rand(80, generator=gen)) * torch.pow(
-        2.0, torch.randint(-20, 21, (80,), generator=gen).float())
-    both = (both * scales[:, None])[torch.randperm(80, generator=gen)].contiguous()
+    both = _copies_at_any_norms(seed, 0)
+    both = both[torch.randperm(80, generator=torch.Generator().manual_seed(seed))].contiguous()
     calls = _spy_collapse(monkeypatch)
     d = CAGrad(c=0.5)(both)
     assert calls == [True]
     monkeypatch.setattr(_solvers, "collapse", lambda *args, **kwargs: None)
-    exact = CAGrad(c=0.5)(both)
-    truth = CAGrad(c=0.5)(both.double())
-    ungrouped = float((exact.double() - truth).norm())
-    assert float((d.double() - truth).norm()) <= 1.5 * ungrouped + 1e-7 * float(truth.norm())
-    assert ungrouped <= 1e-5 * float(truth.norm())
+    _no_further_than_ungrouped(d, CAGrad(c=0.5)(both), CAGrad(c=0.5)(both.double()))
+
+
+def _copies_at_any_norms(seed: int, first: int) -> Tensor:
+    """``[80 − first, 300]`` float32: 40 conflicting rows, those from ``first`` on given again,
+    every row scaled by ``c·2^e`` (``c`` uniform in ``[1, 2)``, ``e`` from −20 to 20)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randn(40, 300, generator=gen)
+    rows += torch.randn(40, 1, generator=gen) * torch.randn(300, generator=gen)
+    both = torch.cat([rows, rows[first:]])
+    scales = (1.0 + torch.rand(both.shape[0], generator=gen)) * torch.pow(
+        2.0, torch.randint(-20, 21, (both.shape[0],), generator=gen).float())
+    return (both * scales[:, None]).contiguous()
+
+
+def _no_further_than_ungrouped(grouped: Tensor, ungrouped: Tensor, truth: Tensor) -> None:
+    """The grouped update no further from the float64 rows' than the ungrouped path's (both
+    within the products' rounding of it)."""
+    off = float((ungrouped.double() - truth).norm())
+    assert float((grouped.double() - truth).norm()) <= 1.5 * off + 1e-7 * float(truth.norm())
+    assert off <= 1e-5 * float(truth.norm())
 
 
 def _spy_pcd_collapse(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
@@ -478,19 +489,9 @@ def test_pcd_float32_copies_at_any_norms_match_the_exact_path(
     # rounding, which the grouping now reads. Reference: the same rows in float64 (exact
     # products); the grouped update is no further from it than the exact path's on the
     # float32 rows (both about 1e-6: the rounding of the products decides that much).
-    gen = torch.Generator().manual_seed(seed)
-    rows = torch.randn(40, 300, generator=gen)
-    rows += torch.randn(40, 1, generator=gen) * torch.randn(300, generator=gen)
-    both = torch.cat([rows, rows[1:]])
-    scales = (1.0 + torch.rand(79, generator=gen)) * torch.pow(
-        2.0, torch.randint(-20, 21, (79,), generator=gen).float())
-    both = (both * scales[:, None]).contiguous()
+    both = _copies_at_any_norms(seed, 1)
     calls = _spy_pcd_collapse(monkeypatch)
     d = PCD(tau=0.1)(both)
     assert any(calls)
     monkeypatch.setattr(_pcd, "collapse", lambda *args, **kwargs: None)
-    exact = PCD(tau=0.1)(both)
-    truth = PCD(tau=0.1)(both.double())
-    ungrouped = float((exact.double() - truth).norm())
-    assert float((d.double() - truth).norm()) <= 1.5 * ungrouped + 1e-7 * float(truth.norm())
-    assert ungrouped <= 1e-5 * float(truth.norm())
+    _no_further_than_ungrouped(d, PCD(tau=0.1)(both), PCD(tau=0.1)(both.double()))
