@@ -70,9 +70,6 @@ def _scaled(gram: Tensor) -> Tensor | None:
     return cholesky_solve(ones, scaled.factor.L)[:, 0] / scaled.norms
 
 
-#: ``1`` lies in the cosine matrix's range where its part in the cut null space is at most
-#: this times ``‖1‖`` (:func:`_spread_singular`).
-RANGE_RTOL = 1e-10
 def _singular(gram: Tensor, d: Tensor, rtol: float, spectrum: KeptSpectrum | None) -> Tensor:
     """``G⁺d`` on a cosine matrix :func:`_scaled` does not invert. With the kept spectrum
     (scaled to ``gram``): norms spread beyond ``SPECTRUM_MAX_RATIO`` with ``1`` in its range,
@@ -97,6 +94,11 @@ def _norms_spread(d: Tensor) -> bool:
     """Whether the norms ``d`` are all positive and spread beyond ``SPECTRUM_MAX_RATIO``."""
     low, high = (float(x) for x in torch.stack(d.aminmax()).tolist())
     return low > 0.0 and high > SPECTRUM_MAX_RATIO * low
+
+
+#: ``1`` lies in the cosine matrix's range where its part in the cut null space is at most
+#: this times ``‖1‖`` (:func:`_spread_singular`).
+RANGE_RTOL = 1e-10
 
 
 def _spread_singular(gram: Tensor, d: Tensor, rtol: float) -> Tensor | None:

@@ -105,7 +105,7 @@ def find_groups(cos: Tensor, rounding: float = 0.0) -> Groups | None:
     mag = cos.abs()
     mag.fill_diagonal_(0.0)
     rho = float(mag.max()) - 1.0
-    tau = ROUNDING_MULTIPLE * max(rho, rounding, FLOOR_PER_ROW * n / ROUNDING_MULTIPLE)
+    tau = max(ROUNDING_MULTIPLE * max(rho, rounding), FLOOR_PER_ROW * n)
     if rho < -tau:  # no two rows near parallel (the common case): one pass
         return None
     near = mag >= 1.0 - tau
