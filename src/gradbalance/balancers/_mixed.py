@@ -45,6 +45,7 @@ from torch import Tensor
 
 from ._pcg import restricted_product
 from ._projected import Plan, bfloat16_bulk
+from ._thin_product import thin_product
 
 _norm = torch.linalg.vector_norm
 
@@ -124,7 +125,7 @@ class ScaledPreconditioner:
         where given."""
         rt = torch.mul(r, self.scale, out=torch.empty_like(r) if out is None else out)
         if self.v is not None and small is not None:
-            coef = torch.bmm(small, (rt @ self.v)[:, :, None])[:, :, 0]
+            coef = torch.bmm(small, thin_product(rt, self.v)[:, :, None])[:, :, 0]
             rt.addmm_(coef, self.v.T, alpha=-1.0).mul_(f)  # zero off F again
         return rt.mul_(self.scale)
 
@@ -252,4 +253,4 @@ def _product(p: Tensor, q32: Tensor, rough: Rough | None, out: Tensor) -> None:
         return
     out.copy_(p.bfloat16() @ rough.bulk)
     if rough.left is not None and rough.right is not None:
-        out.addmm_(p @ rough.left, rough.right)
+        out.addmm_(thin_product(p, rough.left), rough.right)

@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from ._cholesky import cholesky_ex
+from ._thin_product import thin_product
 
 
 def row_dot(a: Tensor, b: Tensor) -> Tensor:
@@ -296,8 +297,8 @@ def _top_eigen(q: Tensor, width: int) -> tuple[Tensor, Tensor]:
     cols = torch.linalg.vecdot(q, q, dim=0).topk(width).indices
     v = torch.linalg.qr(q[:, cols]).Q
     for _ in range(POWER_STEPS):
-        v = torch.linalg.qr(q @ v).Q
-    lam, rot = torch.linalg.eigh(v.T @ q @ v)
+        v = torch.linalg.qr(thin_product(q, v)).Q
+    lam, rot = torch.linalg.eigh(v.T @ thin_product(q, v))
     return lam.flip(0), (v @ rot).flip(1)
 
 

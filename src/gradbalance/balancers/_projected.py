@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from ._precond import Preconditioner, sparse_product
+from ._thin_product import thin_product
 
 #: Steps of :func:`projected_start` (on ``torch.randn`` rows at K = 1,024: 94 indices in all
 #: from the optimal free sets after six, none after ten; seven to nine steps took the same
@@ -200,7 +201,7 @@ def _step(a: Tensor, z: Tensor, v: Tensor | None, c: Weight, step: float,
     """The prox of the gradient step ``a = z − η(zQ + shift)`` (:func:`_prox`, in ``a``), the
     outliers ``V diag(c) Vᵀ`` taken out of the gradient and into the prox."""
     if v is not None and v.dim() == 2:
-        a.addmm_((z @ v).mul_(c), v.T, alpha=step)
+        a.addmm_(thin_product(z, v).mul_(c), v.T, alpha=step)
     elif v is not None:
         a.addr_(z @ v, v, alpha=step * float(c))
     return _prox(a, v, step * c, tau, scratch)
@@ -232,7 +233,7 @@ def _prox_many(a: Tensor, v: Tensor, weight: Weight, tau: Tensor,
     k, m = v.shape
     r = torch.addmm(a, tau, v.T, alpha=-1.0, out=torch.empty_like(a) if scratch is None
                     else scratch).clamp_min_(0.0)
-    value = tau - weight * (r @ v)
+    value = tau - weight * thin_product(r, v)
     pairs = (v[:, :, None] * v[:, None, :]).reshape(k, m * m)
     jac = (r.sign_() @ pairs).view(-1, m, m).mul_(torch.as_tensor(weight, dtype=a.dtype)[:, None])
     jac.diagonal(dim1=1, dim2=2).add_(1.0)
@@ -390,9 +391,9 @@ def _scaled_outliers(q: Tensor, scale: Tensor, sv: Tensor,
         return fallback
     x = torch.linalg.qr(sv).Q
     for _ in range(POWER_STEPS):
-        x = torch.linalg.qr(scale[:, None] * (q @ (scale[:, None] * x))).Q
+        x = torch.linalg.qr(scale[:, None] * thin_product(q, scale[:, None] * x)).Q
     sx = scale[:, None] * x
-    lam, rot = torch.linalg.eigh(sx.T @ (q @ sx))
+    lam, rot = torch.linalg.eigh(sx.T @ thin_product(q, sx))
     x = x @ rot
     mu = (float(torch.diagonal(q) @ (scale * scale)) - float(lam.sum())) / (k - m)
     excess = lam - mu
