@@ -62,10 +62,16 @@ PROJECTED_MAX_STEPS = 32
 #: transformer's per-sample Gramian at K = 256 (estimate 3,800) took 0.21 → 0.28 s with it
 #: (0.31 s before either change); no kind of the benchmark estimates between 1,000 and this.
 PROJECTED_MAX_KAPPA = 1e4
-#: :func:`projected_free_sets`: FISTA's first steps with their product in bfloat16
-#: (:func:`bfloat16_products`) from this many tasks on (one thread, K = 1,024, the benchmark's
-#: conflicting rows: UPGrad's solve 575 → 503 ms with four of the six, 525 with six).
+#: :func:`projected_free_sets`: FISTA's steps with their product in bfloat16
+#: (:func:`bfloat16_products`) from ``ROUGH_MIN_SIZE`` tasks on: all but the last
+#: ``FINE_STEPS`` (:func:`rough_steps`), and at least ``ROUGH_STEPS``. One thread, K = 1,024:
+#: the benchmark's conflicting rows (eight steps), UPGrad's solve 575 → 503 ms with four of
+#: the six, 525 with six; a classifier's per-sample rows (32 steps, a bulk of condition
+#: number near 40, whose error FISTA shrinks by about ``1 − 1/√κ`` a step: above
+#: bfloat16's rounding ``2⁻⁸`` until the last few), ``combine`` 9.5 → 8.4× the Gramian with
+#: 28 of them in bfloat16, 8.4–8.6× with 24–26 (trained: 10.6 → 9.3–9.6×), the same updates.
 ROUGH_STEPS = 4
+FINE_STEPS = 4
 ROUGH_MIN_SIZE = 512
 #: The step is ``1/(LIPSCHITZ_MARGIN λ₁)``: ``λ₁`` from a few power steps is below the
 #: largest eigenvalue.
@@ -184,8 +190,8 @@ class _RoughBulk:
 
 @functools.cache
 def bfloat16_products() -> bool:
-    """Whether :func:`projected_free_sets` takes FISTA's first ``ROUGH_STEPS`` products in
-    bfloat16: where the processor multiplies it natively (AVX-512 BF16 or AMX: one thread,
+    """Whether :func:`projected_free_sets` takes FISTA's first products in bfloat16
+    (:func:`rough_steps`): where the processor multiplies it natively (AVX-512 BF16 or AMX: one thread,
     ``[1024, 1024]²``, 10 against 25 ms in float32); elsewhere torch's bfloat16 product
     may be far slower than float32's. Asked once per process (the processor does not
     change)."""
@@ -287,6 +293,13 @@ def start_steps(start: Plan) -> int:
     return max(PROJECTED_STEPS, min(PROJECTED_MAX_STEPS, grown))
 
 
+def rough_steps(steps: int) -> int:
+    """How many of FISTA's ``steps`` take their product in bfloat16 where it is native:
+    ``steps − FINE_STEPS``, at least ``ROUGH_STEPS`` (the first step has no product and the
+    last a float64 one: two float32 steps before it; read at the call)."""
+    return max(ROUGH_STEPS, steps - FINE_STEPS)
+
+
 def projected_start(q: Tensor, shift: Tensor, start: Plan,
                     steps: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """``(free, y, yQ)`` ``[B, K]`` of :func:`fista` on the problem scaled by ``S =
@@ -329,8 +342,9 @@ def projected_free_sets(q: Tensor, shift: Tensor, start: Plan,
         return yq.float().mul_(scale32)
 
     q32 = q.float() if q32 is None else q32
-    rough = ROUGH_STEPS if q.shape[0] >= ROUGH_MIN_SIZE and bfloat16_products() else 0
-    free, _, _ = _scaled_fista(q32, shift.float(), start, start_steps(start), last, rough)
+    steps = start_steps(start)
+    rough = rough_steps(steps) if q.shape[0] >= ROUGH_MIN_SIZE and bfloat16_products() else 0
+    free, _, _ = _scaled_fista(q32, shift.float(), start, steps, last, rough)
     y, yq = exact["y"], exact["yq"]
     free &= torch.isfinite(yq).all(dim=1, keepdim=True)
     dropped = y * ~free

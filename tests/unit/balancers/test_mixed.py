@@ -189,6 +189,51 @@ def test_bfloat16_products_leave_the_projections_exact(k: int, seed: int, shared
         assert_same_update(v[i] @ g, scipy_projection(g, u[i]), g)
 
 
+@pytest.mark.parametrize(("k", "classes", "width", "seed"), [(112, 6, 80, 3), (128, 10, 40, 1)])
+def test_bfloat16_steps_grow_with_fista_s_steps(k: int, classes: int, width: int, seed: int,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per-sample rows of a linear head (FISTA's steps 16 and 32: a bulk of condition number
+    near 10 and 40), bfloat16 forced from 64 tasks: every one of FISTA's products but the
+    last ``FINE_STEPS`` (counted: the first step has none, the last is float64, two in
+    float32) is taken in bfloat16, more than ``ROUGH_STEPS``; every projection meets its
+    KKT conditions and is scipy's NNLS's."""
+    from gradbalance.balancers import _projected
+
+    monkeypatch.setattr(_projected, "ROUGH_MIN_SIZE", 64)
+    monkeypatch.setattr(_boxqp, "ROUGH_MIN_SIZE", 64)
+    monkeypatch.setattr(_projected, "bfloat16_products", lambda: True)
+    monkeypatch.setattr(_boxqp, "bfloat16_products", lambda: True)
+    steps: list[int] = []
+    rough: list[int] = []
+    real_steps, real_times = _projected.start_steps, _projected._RoughBulk.times
+
+    def counted_steps(start: Plan) -> int:
+        steps.append(real_steps(start))
+        return steps[-1]
+
+    def counted_times(self: _projected._RoughBulk, z: torch.Tensor) -> torch.Tensor:
+        rough.append(1)
+        return real_times(self, z)
+
+    monkeypatch.setattr(_projected, "start_steps", counted_steps)
+    monkeypatch.setattr(_projected._RoughBulk, "times", counted_times)
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.relu(torch.randn(k, width, generator=gen, dtype=torch.float64))
+    w = 0.1 * torch.randn(classes, width, generator=gen, dtype=torch.float64)
+    labels = torch.randint(0, classes, (k,), generator=gen)
+    back = torch.softmax(h @ w.T, dim=1) - torch.nn.functional.one_hot(labels, classes)
+    g = torch.cat([(back[:, :, None] * h[:, None, :]).reshape(k, -1), back], dim=1)
+    gram = g @ g.T
+    u = torch.eye(k, dtype=torch.float64) / k
+    from gradbalance.balancers._solvers import project_dual_cone
+    v = project_dual_cone(gram, u)
+    assert len(steps) == 1 and steps[0] > 2 * _projected.ROUGH_STEPS
+    assert len(rough) == steps[0] - _projected.FINE_STEPS > _projected.ROUGH_STEPS
+    assert_kkt(gram, u, v)
+    for i in range(0, k, k // 8):
+        assert_same_update(v[i] @ g, scipy_projection(g, u[i]), g)
+
+
 @pytest.mark.parametrize("k", [3, 64, 256])
 def test_a_transposed_gramian_gives_the_same_weights(k: int) -> None:
     """A column-major Gramian (``G.T`` of a float32 product, converted to float64 with its
