@@ -193,9 +193,8 @@ def bfloat16_products() -> bool:
     """Whether :func:`projected_free_sets` takes FISTA's first products in bfloat16
     (:func:`rough_steps`): where the processor multiplies it natively (AVX-512 BF16 or
     AMX: one thread, ``[1024, 1024]²``, 10 against 25 ms in float32); elsewhere torch's
-    bfloat16 product
-    may be far slower than float32's. Asked once per process (the processor does not
-    change)."""
+    bfloat16 product may be far slower than float32's. Asked once per process (the
+    processor does not change)."""
     cpu = torch.cpu
     native = [getattr(cpu, name, None) for name in ("_is_avx512_bf16_supported",
                                                    "_is_amx_tile_supported")]
