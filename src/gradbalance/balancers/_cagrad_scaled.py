@@ -45,7 +45,7 @@ from ._boxqp import (
     min_norm_ls,
     pivot_weighted_simplex,
 )
-from ._cagrad_root import cagrad_root, is_cagrad_kkt, support_root
+from ._cagrad_root import InconsistentRoot, cagrad_root, is_cagrad_kkt, support_root
 from ._cholesky import BlockFactors, Factor
 from ._precond import symmetrized
 from ._scaled_cosine import spread_cosine, well_conditioned_factor
@@ -141,7 +141,11 @@ def _singular(cos: Tensor, m: Tensor, c: float, a: Tensor, tol: float, max_iter:
     r = c * float(torch.linalg.vector_norm(h))
     if r == 0.0:
         return None
-    u = _search(cut, low, h, lt, r, a, tol, max_iter, BlockFactors(cut), pivoting=False)
+    try:
+        u = _search(cut, low, h, lt, r, a, tol, max_iter, BlockFactors(cut), pivoting=False,
+                    strict=True)
+    except InconsistentRoot:  # its QPs decided by rounding: the caller's search on G
+        return None
     rho = max(float(u @ cut @ u), 0.0) ** 0.5
     if not rho > ZERO_NORM or not is_cagrad_kkt(cut, lt, r, rho, u, KKT_RTOL, a):
         return None
@@ -149,10 +153,12 @@ def _singular(cos: Tensor, m: Tensor, c: float, a: Tensor, tol: float, max_iter:
 
 
 def _search(cos: Tensor, low: Tensor, h: Tensor, lt: Tensor, r: float, a: Tensor,
-            tol: float, max_iter: int, blocks: BlockFactors, pivoting: bool) -> Tensor:
+            tol: float, max_iter: int, blocks: BlockFactors, pivoting: bool,
+            strict: bool = False) -> Tensor:
     """``u`` of the root search over ``ρ = ‖Ĵᵀu‖`` on ``C = LLᵀ`` (``low``: ``L`` ``[K, m]``,
     ``l̃ = Lh``), the weighted simplex ``aᵀu = 1``; ``pivoting``: the QPs by block pivoting
-    on the factors of ``C``'s free blocks where it finishes."""
+    on the factors of ``C``'s free blocks where it finishes; ``strict``: raises
+    :class:`~._cagrad_root.InconsistentRoot` where the QPs' values contradict the bracket."""
     state: dict[str, Tensor | None] = {"u": None}
     last: dict[float, tuple[float, Tensor]] = {}  # every point: at most the search's steps
 
@@ -194,7 +200,8 @@ def _search(cos: Tensor, low: Tensor, h: Tensor, lt: Tensor, r: float, a: Tensor
     hi = float((1.0 / a).max())
     if f(hi)[0] > 0.0 and hi > START and f(START)[0] > 0.0:
         hi = START
-    return cagrad_root(cos, lt, r, hi, f, tol, max_iter, blocks, a, floor=ZERO_NORM)
+    return cagrad_root(cos, lt, r, hi, f, tol, max_iter, blocks, a, floor=ZERO_NORM,
+                       strict=strict)
 
 
 def _weights(u: Tensor, a: Tensor) -> Tensor:
