@@ -168,3 +168,15 @@ def outlying(q: Tensor) -> int:
         return max(gaps)[1]
     return max((j + 1 for j in range(min(len(mean), pc.FIRST_WIDTH))
                 if lam[j] >= pc.OUTLIER_RATIO * mean[j]), default=0)
+
+
+def classifier_rows(k: int, classes: int, width: int, seed: int) -> Tensor:
+    """``[K, C (width + 1)]`` float64: each sample's gradient of the cross-entropy at a
+    linear head ``W h + b`` on ReLU features ``h`` (Gaussian inputs, random labels, ``W``
+    small): ``[vec(b ⊗ h), b]`` with ``b = softmax(Wh) − e_y``."""
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.relu(torch.randn(k, width, generator=gen, dtype=torch.float64))
+    w = 0.1 * torch.randn(classes, width, generator=gen, dtype=torch.float64)
+    labels = torch.randint(0, classes, (k,), generator=gen)
+    back = torch.softmax(h @ w.T, dim=1) - torch.nn.functional.one_hot(labels, classes)
+    return torch.cat([(back[:, :, None] * h[:, None, :]).reshape(k, -1), back], dim=1)

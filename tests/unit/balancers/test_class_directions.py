@@ -16,30 +16,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import Tensor
 
 from gradbalance.balancers import _precond, _projected
 from gradbalance.balancers._boxqp import certified_inverse
 from gradbalance.balancers._solvers import project_dual_cone, trace_normalized
-from support.balancers import outlying
+from support.balancers import classifier_rows, outlying
 from support.cone_reference import assert_kkt, scipy_projection
 from support.many_kinds import assert_same_update
 
 F64 = torch.float64
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def classifier_rows(k: int, classes: int, width: int, seed: int) -> Tensor:
-    """``[K, C (width + 1)]`` float64: each sample's gradient of the cross-entropy at a
-    linear head ``W h + b`` on ReLU features ``h`` (Gaussian inputs, random labels, ``W``
-    small): ``[vec(b ⊗ h), b]`` with ``b = softmax(Wh) − e_y``."""
-    gen = torch.Generator().manual_seed(seed)
-    h = torch.relu(torch.randn(k, width, generator=gen, dtype=F64))
-    w = 0.1 * torch.randn(classes, width, generator=gen, dtype=F64)
-    labels = torch.randint(0, classes, (k,), generator=gen)
-    back = torch.softmax(h @ w.T, dim=1) - torch.nn.functional.one_hot(labels, classes)
-    return torch.cat([(back[:, :, None] * h[:, None, :]).reshape(k, -1), back], dim=1)
 
 
 @pytest.mark.parametrize(("k", "classes", "width", "seed"),

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from gradbalance.balancers import _boxqp, _mixed
 from gradbalance.balancers._projected import Plan
+from support.balancers import classifier_rows
 from support.cone_reference import assert_kkt, scipy_projection
 from support.many_kinds import assert_same_update
 
@@ -217,12 +218,7 @@ def test_bfloat16_steps_grow_with_fista_s_steps(k: int, classes: int, width: int
 
     monkeypatch.setattr(_projected, "start_steps", counted_steps)
     monkeypatch.setattr(_projected._RoughBulk, "times", counted_times)
-    gen = torch.Generator().manual_seed(seed)
-    h = torch.relu(torch.randn(k, width, generator=gen, dtype=torch.float64))
-    w = 0.1 * torch.randn(classes, width, generator=gen, dtype=torch.float64)
-    labels = torch.randint(0, classes, (k,), generator=gen)
-    back = torch.softmax(h @ w.T, dim=1) - torch.nn.functional.one_hot(labels, classes)
-    g = torch.cat([(back[:, :, None] * h[:, None, :]).reshape(k, -1), back], dim=1)
+    g = classifier_rows(k, classes, width, seed)
     gram = g @ g.T
     u = torch.eye(k, dtype=torch.float64) / k
     from gradbalance.balancers._solvers import project_dual_cone

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from gradbalance.balancers import _mixed, _projected
 from gradbalance.balancers._solvers import project_dual_cone, trace_normalized
 from gradbalance.balancers._thin_product import THIN_COLUMNS, thin_product
+from support.balancers import classifier_rows
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -63,13 +64,8 @@ def test_per_sample_projections_optimal(monkeypatch: pytest.MonkeyPatch) -> None
 
     for module in (_projected, _mixed):
         monkeypatch.setattr(module, "thin_product", spy)
-    gen = torch.Generator().manual_seed(3)
-    k, classes, width = 112, 6, 80
-    h = torch.relu(torch.randn(k, width, generator=gen, dtype=torch.float64))
-    w = 0.1 * torch.randn(classes, width, generator=gen, dtype=torch.float64)
-    labels = torch.randint(0, classes, (k,), generator=gen)
-    back = torch.softmax(h @ w.T, dim=1) - torch.nn.functional.one_hot(labels, classes)
-    rows = torch.cat([(back[:, :, None] * h[:, None, :]).reshape(k, -1), back], dim=1)
+    k = 112
+    rows = classifier_rows(k, 6, 80, 3)
     gram, _ = trace_normalized(rows @ rows.T)
     u = torch.eye(k, dtype=torch.float64)
     v = project_dual_cone(gram, u)
