@@ -93,8 +93,12 @@ check-install: $(STAMP)
 # The declared torch floor, proven: a venv with $(TORCH_FLOOR), `pip install .` (a
 # non-editable copy of this tree) and the pinned test tools runs the core unit tests. The venv
 # (build/floor-venv) is reused while the floor, the pins and pyproject.toml are unchanged.
+# On x86_64 Linux PyPI serves torch 2.6.0 as a CUDA build: about 6.5 GB installed and 3.5 GB
+# downloaded, so a new venv first checks FLOOR_FREE_GB of free disk where it goes and where pip
+# unpacks (TMPDIR), installs without pip's cache, and removes itself when its install fails.
 FLOOR_VERSION = $(patsubst torch==%,%,$(TORCH_FLOOR))
 FLOOR_EXTRAS = all,test
+FLOOR_FREE_GB ?= 11
 check-floor: $(STAMP)
 	@set -e; start=$$(date +%s); venv="$(CURDIR)/build/floor-venv"; \
 	grep -q '"torch>=$(FLOOR_VERSION)"' pyproject.toml || \
@@ -102,9 +106,18 @@ check-floor: $(STAMP)
 	want="$(TORCH_FLOOR) [$(FLOOR_EXTRAS)] $$(cat $(CONSTRAINTS) pyproject.toml | md5sum)"; \
 	if [ "$$(cat "$$venv/.spec" 2>/dev/null)" != "$$want" ]; then \
 	  echo "check-floor: new venv $$venv with $(TORCH_FLOOR)"; \
-	  rm -rf "$$venv"; $(PYTHON) -m venv "$$venv"; \
-	  "$$venv/bin/python" $(PIP) --upgrade pip; \
-	  "$$venv/bin/python" $(PIP) "$(TORCH_FLOOR)" ".[$(FLOOR_EXTRAS)]"; \
+	  rm -rf "$$venv"; mkdir -p "$(CURDIR)/build"; \
+	  for dir in "$(CURDIR)/build" "$${TMPDIR:-/tmp}"; do \
+	    free=$$(df -Pk "$$dir" | awk 'NR == 2 {print int($$4 / 1048576)}'); \
+	    [ "$$free" -ge $(FLOOR_FREE_GB) ] || { echo "check-floor: $$dir has $$free GB free;" \
+	      "a new venv with $(TORCH_FLOOR) needs about $(FLOOR_FREE_GB) GB there. Free disk" \
+	      "space (or lower FLOOR_FREE_GB where the wheel is smaller) and run it again."; exit 1; }; \
+	  done; \
+	  $(PYTHON) -m venv "$$venv"; \
+	  { "$$venv/bin/python" $(PIP) --no-cache-dir --upgrade pip && \
+	    "$$venv/bin/python" $(PIP) --no-cache-dir "$(TORCH_FLOOR)" ".[$(FLOOR_EXTRAS)]"; } || \
+	    { rm -rf "$$venv"; echo "check-floor: installing $(TORCH_FLOOR) failed;" \
+	      "$$venv removed"; exit 1; }; \
 	  echo "$$want" > "$$venv/.spec"; \
 	fi; \
 	rm -rf build/lib build/bdist.*; \
