@@ -130,6 +130,46 @@ def scipy_cagrad_value(g: Tensor, c: float) -> float:
     return -float(res.fun)
 
 
+def unit_dual_cone_projection(g: Tensor, point: Tensor) -> Tensor:
+    """Projection of ``point`` ``[P]`` onto ``{d : gₖ·d ≥ 0}`` (float64) by scipy's NNLS on
+    the unit rows (the same cone at any norms; a zero row constrains nothing):
+    ``d = point + Uᵀμ``, ``μ = argmin_{μ ≥ 0} ‖point + Uᵀμ‖``."""
+    from scipy.optimize import nnls
+
+    rows = g.double()
+    norms = rows.norm(dim=1)
+    unit = rows[norms > 0] / norms[norms > 0, None]
+    if unit.shape[0] == 0:
+        return point.double().clone()
+    mu, _ = nnls(unit.T.numpy(), -point.double().numpy(), maxiter=100 * unit.shape[0] + 100)
+    return point.double() + unit.T @ torch.from_numpy(mu)
+
+
+def check_cagrad_zero_optimum(g: Tensor, update: Tensor, tol: float, c: float = 0.4) -> bool:
+    """Whether CAGrad's optimum on the float64 rows ``g`` is 0 (``0`` in their convex hull and
+    ``g₀``'s projection onto ``{d : gₖ·d ≥ 0}`` within ``c‖g₀‖``: every conflict-free update
+    of the ball is optimal, none better); if so, asserts that ``update`` is the one closest
+    to ``g₀`` (:func:`unit_dual_cone_projection`): within ``tol·‖g₀‖`` of it, no task's
+    cosine with it below ``−tol``, inside the ball."""
+    rows = g.double()
+    g0 = rows.mean(dim=0)
+    radius = c * float(g0.norm())
+    expected = unit_dual_cone_projection(rows, g0)
+    if float((expected - g0).norm()) > radius * (1 - 1e-9):
+        return False  # the ball does not reach a conflict-free update inside it
+    scale = float(rows.norm(dim=1).max() * g0.norm())
+    if abs(scipy_cagrad_value(rows, c)) > 1e-9 * scale:
+        return False  # 0 is not in the convex hull: a positive optimum
+    d = update.double()
+    assert float((d - expected).norm()) <= tol * float(g0.norm())
+    norms = rows.norm(dim=1)
+    live = norms > 0
+    cosines = (rows[live] @ d) / (norms[live] * d.norm()).clamp_min(1e-300)
+    assert float(cosines.min()) >= -tol
+    assert float((d - g0).norm()) <= radius * (1 + tol)
+    return True
+
+
 def scipy_pcd(g: Tensor, tau: float | Tensor) -> Tensor:
     """PCD's ``d = argmin ½‖d − g₁‖²`` s.t. ``gⱼᵀd ≥ τ‖gⱼ‖²`` on the rows (``tau`` one number
     or one per secondary row), by scipy's NNLS

@@ -8,10 +8,11 @@ import torch
 from torch import Tensor
 
 from .._checks import check_choice, check_range, check_square
+from ._active_set import box_active_set
 from ._base import Balancer
-from ._boxqp import CHOLESKY_MAX_COND, INTERIOR_MIN_COLUMNS
+from ._boxqp import CHOLESKY_MAX_COND, INTERIOR_MIN_COLUMNS, factored_box_qp, psd_factor
 from ._denoise import KeptSpectrum
-from ._solvers import cagrad_dual, trace_normalized
+from ._solvers import QP_TOL, cagrad_dual, trace_normalized
 
 __all__ = ["CAGrad", "cagrad_weights"]
 
@@ -44,7 +45,10 @@ def cagrad_weights(gramian: Tensor, c: float = 0.4, rescale: Rescale = "none",
     :func:`~gradbalance.balancers._solvers.cagrad_dual`), then ``d = g₀ + √φ g_w/‖g_w‖``:
     weights ``1/K + c‖g₀‖ wₖ/‖g_w‖``. ``rescale``: ``"none"`` (the paper), ``"c2"`` divides
     by ``1 + c²`` (the authors' code and LibMTL, ``rescale=1``), ``"c"`` by ``1 + c``.
-    When the dual optimum has ``g_w = 0`` (e.g. a zero task gradient) the update is ``g₀``.
+    When the dual optimum has ``g_w = 0`` (a zero task gradient, tasks that cancel) the
+    optimum is 0 and every update of the ball that conflicts with no task attains it: the
+    update is the one closest to ``g₀``, ``g₀`` projected onto the dual cone ``{d : gₖ·d ≥
+    0}`` (DualProj's; ``g₀`` itself where it conflicts with no task).
     ``spectrum``: the Gramian as ``DVΛVᵀD`` (:func:`~._denoise.cleaned`), whose factor
     ``DVΛ^{1/2}`` the dual's singular path then uses instead of decomposing it again.
 
@@ -70,7 +74,10 @@ def cagrad_weights(gramian: Tensor, c: float = 0.4, rescale: Rescale = "none",
                         lifted=None if kept is None else _lifted(gram, kept),
                         rounding=0.0 if kept is None else kept.cut)
         gw_sq = float(w @ gram @ w)
-        weights = mean if _vanishes(gram, w, gw_sq) else mean + (c * g0_norm / gw_sq**0.5) * w
+        if _vanishes(gram, w, gw_sq):
+            weights = _closest_conflict_free(gram, mean, c * g0_norm, kept)
+        else:
+            weights = mean + (c * g0_norm / gw_sq**0.5) * w
     return weights / {"none": 1.0, "c2": 1 + c * c, "c": 1 + c}[rescale]
 
 
@@ -90,10 +97,31 @@ def _lifted(gram: Tensor, spectrum: KeptSpectrum) -> Tensor | None:
     return gram + torch.diag(lift * norms * norms)
 
 
+def _closest_conflict_free(gram: Tensor, mean: Tensor, radius: float,
+                           spectrum: KeptSpectrum | None) -> Tensor:
+    """Weights of ``g₀`` projected onto the dual cone ``{d : gₖ·d ≥ 0}``: ``v = argmin_{v ≥
+    1/K} vᵀGv`` (DualProj's problem), where the optimum is 0 the update of the ball closest
+    to ``g₀``. The batched active set (:func:`~._active_set.box_active_set`) keeps out an
+    entering column dependent within the cleaned spectrum's cut (weights a float32
+    reversal's rounding would decide otherwise); where it does not finish, Lawson–Hanson on
+    the factor (:func:`~._boxqp.factored_box_qp`). A step beyond ``radius`` (``g_w`` taken
+    for zero at the rounding's edge) is shortened to it."""
+    k = mean.shape[0]
+    cut = 0.0 if spectrum is None else spectrum.cut
+    found, done = box_active_set(gram, mean[None], QP_TOL, 10 + 3 * k, cut)
+    if bool(done[0]):
+        v = found[0]
+    else:
+        factor = psd_factor(gram) if spectrum is None else spectrum.factor()
+        v = factored_box_qp(factor, torch.zeros_like(mean), mean, False, None, QP_TOL)
+    step = max(float((v - mean) @ gram @ (v - mean)), 0.0) ** 0.5
+    return v if step <= radius else mean + (radius / step) * (v - mean)
+
+
 def _vanishes(gram: Tensor, w: Tensor, gw_sq: float) -> bool:
     """Whether the dual's ``g_w`` is zero (a zero task gradient, or rows that cancel): then
-    ``d = g₀``, as the authors' code. ``‖g_w‖²`` at most ``VANISH_RTOL`` times ``(Σ
-    wₖ‖gₖ‖)²`` over the weights that matter (at least ``1e-9`` of the largest; weights a
+    the optimum is 0 (:func:`_closest_conflict_free`). ``‖g_w‖²`` at most ``VANISH_RTOL``
+    times ``(Σ wₖ‖gₖ‖)²`` over the weights that matter (at least ``1e-9`` of the largest; weights a
     solver leaves at rounding level on other rows do not count), relative: a combination of
     rows a millionth the longest's (norms 1e-6 … 1e6: ``‖g_w‖² ≈ 1e-24`` of the
     trace-normalised Gramian) is not zero."""

@@ -1,5 +1,5 @@
 """CAGrad: scipy's primal value, c = 0, rescale options, degenerate inputs (a zero row, a
-task and its reversal)."""
+task and its reversal: the conflict-free update closest to the mean)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gradbalance.balancers import CAGrad
-from support.balancers import random_matrix, scipy_cagrad_value
+from support.balancers import check_cagrad_zero_optimum, random_matrix, scipy_cagrad_value
 
 
 @pytest.mark.parametrize("c", [0.1, 0.4, 0.9])
@@ -33,32 +33,45 @@ def test_c_zero_is_mean_and_rescale() -> None:
     torch.testing.assert_close(CAGrad(c=0.5, rescale="c")(g), base / 1.5)
 
 
-def test_zero_row_gives_the_mean_gradient() -> None:
-    # min_k gₖ·d = 0 for every d (a task with zero gradient): the dual optimum has g_w = 0 and
-    # the update is g₀, as in the authors' code.
-    g = random_matrix(2, 3, 5)
-    g[1] = 0
+@pytest.mark.parametrize(("k", "seed"), [(3, 4), (5, 1), (8, 2), (24, 5), (40, 3)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_zero_row_gives_the_closest_conflict_free_update(k: int, seed: int,
+                                                         dtype: torch.dtype) -> None:
+    # min_k gₖ·d ≤ 0 for every d (a task with zero gradient): the dual optimum has g_w = 0.
+    # Before, the update was g₀ (the authors' code), which conflicts with tasks here. The
+    # cases: seeds whose optimum is 0 with g₀ conflicting (most are; the others' ball does
+    # not reach a conflict-free update).
+    g = random_matrix(seed, k, 60).to(dtype)
+    g[seed % k] = 0
+    exact = g.double()
+    assert float((exact @ exact.mean(dim=0)).min()) < 0  # g₀ itself is not optimal
+    update = CAGrad(c=0.4)(g).double()
+    assert check_cagrad_zero_optimum(exact, update, 1e-10 if dtype == torch.float64 else 1e-5)
+
+
+def test_zero_row_with_a_conflict_free_mean_gives_the_mean() -> None:
+    # g₀ conflicts with no task: it is its own projection, the update.
+    g = torch.tensor([[1.0, 0.0, 0.0], [0.5, 1.0, 0.0], [0.0, 0.0, 0.0]], dtype=torch.float64)
     torch.testing.assert_close(CAGrad()(g), g.mean(dim=0), rtol=1e-12, atol=1e-14)
 
 
-@pytest.mark.parametrize(("k", "seed"), [(4, 0), (8, 3)])
+@pytest.mark.parametrize(("k", "seed"), [(4, 0), (6, 10), (8, 3), (16, 5), (24, 7)])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_a_task_and_its_reversal_give_the_mean_gradient(k: int, seed: int,
-                                                        dtype: torch.dtype) -> None:
+def test_a_task_and_its_reversal_give_the_closest_conflict_free_update(
+        k: int, seed: int, dtype: torch.dtype) -> None:
     # g and −2g (exact in float32) among rows conflicting along g: min(g·d, −2g·d) ≤ 0 for
-    # every d, and SLSQP on the primal finds the value 0, so the dual optimum has g_w = 0 and
-    # the update is g₀. The float32 Gramian left ‖g_w‖² at 1e-24 of (Σ wₖ‖gₖ‖)² (K = 4),
-    # above the float64-only cut it had: weights of 3.5e10 on the pair and an update of 0.
+    # every d, and SLSQP on the primal finds the value 0, so the dual optimum has g_w = 0.
+    # The float32 Gramian left ‖g_w‖² at 1e-24 of (Σ wₖ‖gₖ‖)² (K = 4), above the
+    # float64-only cut it had: weights of 3.5e10 on the pair and an update of 0; the
+    # projection's own weights on the pair must not lean on the rounding either.
     gen = torch.Generator().manual_seed(seed)
     g = torch.randn(500, generator=gen)
     scale = torch.randn(k - 2, 1, generator=gen)
     others = scale * g + 0.5 * torch.randn(k - 2, 500, generator=gen)
     rows = torch.cat([others, g[None], -2 * g[None]]).to(dtype)
-    exact = rows.double()
-    assert scipy_cagrad_value(exact, 0.4) >= -1e-9 * float(exact.norm() ** 2)
     out = CAGrad(c=0.4).combine(rows)
-    rtol = 1e-12 if dtype == torch.float64 else 1e-6
-    torch.testing.assert_close(out.vector.double(), exact.mean(dim=0), rtol=rtol, atol=rtol)
+    assert check_cagrad_zero_optimum(rows.double(), out.vector,
+                                     1e-10 if dtype == torch.float64 else 1e-5)
     assert float(out.weights.abs().max()) <= 1.0
 
 
@@ -86,3 +99,37 @@ def test_agrees_with_torchjd_when_cvxpy_is_installed() -> None:
     g = random_matrix(4, 3, 8)
     # TorchJD normalises the Gramian by its trace and uses CLARABEL; tolerance 1e-5.
     torch.testing.assert_close(CAGrad(c=0.4)(g), tjd.CAGrad(c=0.4)(g), rtol=1e-5, atol=1e-6)
+
+
+def test_the_projection_falls_back_to_the_factor(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The active set left open: Lawson–Hanson on the Gramian's factor gives the same
+    # projection (scipy's NNLS on the unit rows).
+    from gradbalance.balancers import _cagrad
+
+    def never_done(q: torch.Tensor, lower: torch.Tensor, *args: object) -> tuple[
+            torch.Tensor, torch.Tensor]:
+        return lower.clone(), torch.zeros(lower.shape[0], dtype=torch.bool)
+
+    monkeypatch.setattr(_cagrad, "box_active_set", never_done)
+    g = random_matrix(2, 8, 60)
+    g[2] = 0
+    assert check_cagrad_zero_optimum(g, CAGrad(c=0.4)(g), 1e-10)
+
+
+def test_a_projection_beyond_the_ball_is_shortened_to_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    # g_w taken for zero where the optimum is negative (forced here): the conflict-free point
+    # lies beyond the ball, and the update stops on its surface on the way there.
+    from gradbalance.balancers import _cagrad
+    from support.balancers import unit_dual_cone_projection
+
+    g = random_matrix(3, 3, 40)
+    g0 = g.mean(dim=0)
+    target = unit_dual_cone_projection(g, g0)
+    radius = 0.4 * float(g0.norm())
+    assert float((target - g0).norm()) > 1.2 * radius  # the premise: beyond the ball
+    monkeypatch.setattr(_cagrad, "_vanishes", lambda *args: True)
+    d = CAGrad(c=0.4)(g)
+    step = d - g0
+    assert float(step.norm()) == pytest.approx(radius, rel=1e-9)
+    cos = float(step @ (target - g0) / (step.norm() * (target - g0).norm()))
+    assert cos >= 1 - 1e-9
