@@ -157,13 +157,13 @@ def check_cagrad_zero_optimum(g: Tensor, update: Tensor, tol: float, c: float = 
     expected = unit_dual_cone_projection(rows, g0)
     if float((expected - g0).norm()) > radius * (1 - 1e-9):
         return False  # the ball does not reach a conflict-free update inside it
-    scale = float(rows.norm(dim=1).max() * g0.norm())
-    if abs(scipy_cagrad_value(rows, c)) > 1e-9 * scale:
-        return False  # 0 is not in the convex hull: a positive optimum
-    d = update.double()
-    assert float((d - expected).norm()) <= tol * float(g0.norm())
     norms = rows.norm(dim=1)
     live = norms > 0
+    scale = float(norms.max() * g0.norm())
+    if bool(live.all()) and abs(scipy_cagrad_value(rows, c)) > 1e-9 * scale:
+        return False  # 0 is not in the convex hull (no zero row; SLSQP): a positive optimum
+    d = update.double()
+    assert float((d - expected).norm()) <= tol * float(g0.norm())
     cosines = (rows[live] @ d) / (norms[live] * d.norm()).clamp_min(1e-300)
     assert float(cosines.min()) >= -tol
     assert float((d - g0).norm()) <= radius * (1 + tol)

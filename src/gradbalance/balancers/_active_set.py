@@ -137,17 +137,19 @@ class _Problems:
         self.factor.keep(mask)
 
 
-def _entering(st: _Problems, d: Tensor, dmax: float, indep_min: Tensor, tol: float,
+def _entering(st: _Problems, d: Tensor, indep_min: Tensor, tol: float,
               width: int = 1) -> tuple[Tensor, Tensor]:
     """``(t, valid)`` ``[B, width]``: the indices that may enter each open problem's passive
     set, best first, ``valid`` where one does: the largest ``gⱼ = −wⱼ/√sⱼ`` (``w = Qv``,
     ``sⱼ`` the column's squared distance from the passive span, kept by the factors) among
-    the independent columns whose ``−wⱼ`` exceeds ``tol ‖x‖ √sⱼ`` (``‖x‖² = vᵀQv``) and
-    rounding (``indep_min``: ``4·eps·K·Qⱼⱼ``)."""
+    the independent columns (``sⱼ`` above ``indep_min``: ``4·eps·K·Qⱼⱼ``) whose ``−wⱼ``
+    exceeds ``tol ‖x‖ √sⱼ`` (``‖x‖² = vᵀQv``) and its own rounding, ``8 eps √Qⱼⱼ Σᵢ √Qᵢᵢ
+    |vᵢ|`` (was ``8 eps √Qⱼⱼ maxᵢ √Qᵢᵢ Σᵢ |vᵢ|``: with norms 1e-6 … 1e6 and large weights on
+    the shortest rows, above violations of cosine 1e-4 that the projections then kept)."""
     neg_w = -(st.yq + st.shift)
     v = st.lower + st.y
     size = (v * neg_w).sum(dim=1).neg_().clamp_min_(0.0).sqrt_()
-    noise = (8 * _EPS * dmax) * v.abs().sum(dim=1)
+    noise = (8 * _EPS) * (v.abs() @ d)  # |(Qv)ⱼ|'s rounding ≤ eps √Qⱼⱼ Σᵢ √Qᵢᵢ |vᵢ|
     off = st.factor.off
     indep = off > indep_min
     root = torch.where(indep, off, 1.0).sqrt_()
@@ -219,12 +221,11 @@ def _box_active_set(q: Tensor, lower: Tensor, tol: float, max_additions: int,
     b, k = lower.shape
     diag = torch.diagonal(q).clamp_min(0.0)
     d, indep_min = diag.sqrt(), max(SCHUR_RTOL_PER_ROW * k, dependent) * diag
-    dmax = float(d.max())
     width = min(BLOCK_SIZE, k) if k >= BLOCK_MIN_SIZE and b > 1 else 1
     out, done = lower.clone(), torch.zeros(b, dtype=torch.bool)
     st = _Problems(q, lower)
     while st.rows.numel():
-        cand, valid = _entering(st, d, dmax, indep_min, tol, width)
+        cand, valid = _entering(st, d, indep_min, tol, width)
         finished = ~valid[:, 0]
         if bool(finished.any()):
             out[st.rows[finished]] = st.lower[finished] + st.y[finished]

@@ -49,6 +49,20 @@ def test_zero_row_gives_the_closest_conflict_free_update(k: int, seed: int,
     assert check_cagrad_zero_optimum(exact, update, 1e-10 if dtype == torch.float64 else 1e-5)
 
 
+@pytest.mark.parametrize(("k", "seed"), [(48, 4), (64, 24)])
+def test_zero_row_among_norms_twelve_decades_apart(k: int, seed: int) -> None:
+    # Norms 1e-6 … 1e6: the active set's rounding bound (the largest norm times the weights'
+    # sum, which the shortest rows' large weights inflate) had hidden violations (K = 64:
+    # the projection stopped 5e-4 of ‖g₀‖ short of the cone).
+    gen = torch.Generator().manual_seed(seed)
+    shared = torch.randn(4 * k, generator=gen, dtype=torch.float64)
+    g = torch.randn(k, 1, generator=gen, dtype=torch.float64) * shared + 0.5 * torch.randn(
+        k, 4 * k, generator=gen, dtype=torch.float64)
+    g = g * torch.logspace(-6, 6, k, dtype=torch.float64)[torch.randperm(k, generator=gen), None]
+    g[seed % k] = 0
+    assert check_cagrad_zero_optimum(g, CAGrad(c=0.4)(g), 1e-9)
+
+
 def test_zero_row_with_a_conflict_free_mean_gives_the_mean() -> None:
     # g₀ conflicts with no task: it is its own projection, the update.
     g = torch.tensor([[1.0, 0.0, 0.0], [0.5, 1.0, 0.0], [0.0, 0.0, 0.0]], dtype=torch.float64)

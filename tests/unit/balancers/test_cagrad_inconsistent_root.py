@@ -13,8 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradbalance.balancers import _cagrad_root
+from gradbalance.balancers import CAGrad, _cagrad_root
 from gradbalance.balancers._cagrad_root import InconsistentRoot, cagrad_root
+from support.balancers import check_cagrad_zero_optimum
 
 from .test_cagrad_singular_scaled import _check
 
@@ -62,6 +63,17 @@ def test_rows_of_every_kind_give_the_primals_update(k: int, seed: int,
     rows = _every_kind(k, 4 * k, seed)
     assert _check(rows, 0.4)
     assert any(seen)
+
+
+@pytest.mark.parametrize(("k", "seed"), [(24, 2), (48, 3), (48, 6), (64, 0), (64, 13)])
+def test_weights_left_beside_zero_rows_are_the_zero_optimum(k: int, seed: int) -> None:
+    """Cases whose optimum is 0 (the ball reaches an update that conflicts with no task):
+    the dual's weights sit on the zero rows but for ``1e-8 … 3e-7`` on the shortest rows,
+    whose combination was taken for ``g_w`` (an update on the ball's surface with a task at
+    cosine down to −0.047); the update is the conflict-free one closest to ``g₀``
+    (scipy's NNLS projection)."""
+    rows = _every_kind(k, 4 * k, seed)
+    assert check_cagrad_zero_optimum(rows, CAGrad(c=0.4)(rows), 1e-7)
 
 
 def _problem() -> tuple[torch.Tensor, torch.Tensor, float]:
