@@ -55,7 +55,8 @@ def cagrad_weights(gramian: Tensor, c: float = 0.4, rescale: Rescale = "none",
     When the dual optimum has ``g_w = 0`` (a zero task gradient, tasks that cancel) the
     optimum is 0 and every update of the ball that conflicts with no task attains it: the
     update is the one closest to ``g₀``, ``g₀`` projected onto the dual cone ``{d : gₖ·d ≥
-    0}`` (DualProj's; ``g₀`` itself where it conflicts with no task).
+    0}`` (DualProj's; ``g₀`` itself where it conflicts with no task). With a zero row that
+    projection is tried before the dual: inside the ball, it is the answer.
     ``spectrum``: the Gramian as ``DVΛVᵀD`` (:func:`~._denoise.cleaned`), whose factor
     ``DVΛ^{1/2}`` the dual's singular path then uses instead of decomposing it again.
 
@@ -74,18 +75,45 @@ def cagrad_weights(gramian: Tensor, c: float = 0.4, rescale: Rescale = "none",
         kept = spectrum.scaled(1.0 / trace)
     mean = torch.full((k,), 1.0 / k, dtype=torch.float64)
     g0_norm = float(mean @ gram @ mean) ** 0.5 if float(mean @ gram @ mean) > 0 else 0.0
-    if c == 0.0 or g0_norm == 0.0:
-        weights = mean
-    else:
-        w = cagrad_dual(gram, c, factor=None if kept is None else kept.factor(),
-                        lifted=None if kept is None else _lifted(gram, kept),
-                        rounding=0.0 if kept is None else kept.cut)
-        gw_sq = float(w @ gram @ w)
-        if _vanishes(gram, w, gw_sq):
-            weights = _closest_conflict_free(gram, mean, c * g0_norm, kept)
-        else:
-            weights = mean + (c * g0_norm / gw_sq**0.5) * w
+    weights = mean
+    if c != 0.0 and g0_norm != 0.0:
+        found = _zero_row_optimum(gram, mean, c * g0_norm, kept)
+        weights = _dual_weights(gram, c, mean, c * g0_norm, kept) if found is None else found
     return weights / {"none": 1.0, "c2": 1 + c * c, "c": 1 + c}[rescale]
+
+
+def _dual_weights(gram: Tensor, c: float, mean: Tensor, radius: float,
+                  kept: KeptSpectrum | None) -> Tensor:
+    """``1/K + radius·w/‖g_w‖`` from the dual's ``w``; where ``g_w = 0``
+    (:func:`_vanishes`) the conflict-free update closest to ``g₀``."""
+    w = cagrad_dual(gram, c, factor=None if kept is None else kept.factor(),
+                    lifted=None if kept is None else _lifted(gram, kept),
+                    rounding=0.0 if kept is None else kept.cut)
+    gw_sq = float(w @ gram @ w)
+    if not _vanishes(gram, w, gw_sq):
+        out: Tensor = mean + (radius / gw_sq**0.5) * w
+        return out
+    v, step = _projection(gram, mean, kept)
+    return v if step <= radius else mean + (radius / step) * (v - mean)
+
+
+def _zero_row_optimum(gram: Tensor, mean: Tensor, radius: float,
+                      kept: KeptSpectrum | None) -> Tensor | None:
+    """With a zero row ``0`` lies in the rows' convex hull and the optimum is at most 0; it
+    is 0 exactly where ``g₀``'s projection onto the dual cone lies in the ball, and then
+    that projection is the update (:func:`_projection`), without the dual. None without a
+    zero row, where the projection lies outside the ball, or where one task's half-space
+    ``{d : gₖ·d ≥ 0}`` alone lies farther from ``g₀`` than ``radius`` (``−gₖ·g₀/‖gₖ‖``,
+    ``O(K²)``: conflicting rows skip the projection)."""
+    norms = torch.diagonal(gram).clamp_min(0.0).sqrt()
+    live = norms > 0.0
+    if bool(live.all()):
+        return None
+    reach = -(gram[live] @ mean) / norms[live]
+    if float(reach.max()) > radius:
+        return None
+    v, step = _projection(gram, mean, kept)
+    return v if step <= radius else None
 
 
 def _lifted(gram: Tensor, spectrum: KeptSpectrum) -> Tensor | None:
@@ -104,15 +132,14 @@ def _lifted(gram: Tensor, spectrum: KeptSpectrum) -> Tensor | None:
     return gram + torch.diag(lift * norms * norms)
 
 
-def _closest_conflict_free(gram: Tensor, mean: Tensor, radius: float,
-                           spectrum: KeptSpectrum | None) -> Tensor:
-    """Weights of ``g₀`` projected onto the dual cone ``{d : gₖ·d ≥ 0}``: ``v = argmin_{v ≥
-    1/K} vᵀGv`` (DualProj's problem), where the optimum is 0 the update of the ball closest
-    to ``g₀``. The batched active set (:func:`~._active_set.box_active_set`) keeps out an
-    entering column dependent within the cleaned spectrum's cut (weights a float32
-    reversal's rounding would decide otherwise); where it does not finish, Lawson–Hanson on
-    the factor (:func:`~._boxqp.factored_box_qp`). A step beyond ``radius`` (``g_w`` taken
-    for zero at the rounding's edge) is shortened to it."""
+def _projection(gram: Tensor, mean: Tensor, spectrum: KeptSpectrum | None) -> tuple[Tensor, float]:
+    """``(v, ‖g_v − g₀‖)``: the weights of ``g₀`` projected onto the dual cone ``{d : gₖ·d ≥
+    0}``, ``v = argmin_{v ≥ 1/K} vᵀGv`` (DualProj's problem), where the optimum is 0 the
+    update of the ball closest to ``g₀``, and the step's length. The batched active set
+    (:func:`~._active_set.box_active_set`) keeps out an entering column dependent within
+    the cleaned spectrum's cut (weights a float32 reversal's rounding would decide
+    otherwise); where it does not finish, Lawson–Hanson on the factor
+    (:func:`~._boxqp.factored_box_qp`)."""
     k = mean.shape[0]
     cut = 0.0 if spectrum is None else spectrum.cut
     found, done = box_active_set(gram, mean[None], QP_TOL, 10 + 3 * k, cut)
@@ -121,13 +148,12 @@ def _closest_conflict_free(gram: Tensor, mean: Tensor, radius: float,
     else:
         factor = psd_factor(gram) if spectrum is None else spectrum.factor()
         v = factored_box_qp(factor, torch.zeros_like(mean), mean, False, None, QP_TOL)
-    step = max(float((v - mean) @ gram @ (v - mean)), 0.0) ** 0.5
-    return v if step <= radius else mean + (radius / step) * (v - mean)
+    return v, max(float((v - mean) @ gram @ (v - mean)), 0.0) ** 0.5
 
 
 def _vanishes(gram: Tensor, w: Tensor, gw_sq: float) -> bool:
     """Whether the dual's ``g_w`` is zero (a zero task gradient, or rows that cancel): then
-    the optimum is 0 (:func:`_closest_conflict_free`). Either the zero rows hold all but
+    the optimum is 0 (:func:`_projection`). Either the zero rows hold all but
     ``ZERO_ROWS_REST`` of the weights, or ``‖g_w‖²`` is at most ``VANISH_RTOL`` times
     ``(Σ wₖ‖gₖ‖)²`` over the weights that matter (at least ``1e-9`` of the largest; weights
     a solver leaves at rounding level on other rows do not count), relative: a combination
@@ -159,7 +185,9 @@ class CAGrad(Balancer):
     one ``O(K³)`` eigen-decomposition to remove the rounding first) from 64 tasks the same
     QPs on its lift where at most half the directions were cut, then one ``O(|S|³)``
     factorisation on the support, else least squares on its factor (``O(K³)`` per
-    interior-point step).
+    interior-point step); with a zero task gradient, where no task's half-space lies beyond
+    the ball (``O(K²)``), first ``g₀``'s projection onto the dual cone (an active set of
+    ``O(K²)`` per addition), the update where it lies in the ball.
 
     Args:
         c: ball radius factor, ``0 <= c < 1`` (default 0.4, the paper's NYU-v2 setting).
