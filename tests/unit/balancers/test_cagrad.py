@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gradbalance.balancers import CAGrad
 from support.balancers import check_cagrad_zero_optimum, random_matrix, scipy_cagrad_value
@@ -147,3 +149,28 @@ def test_a_projection_beyond_the_ball_is_shortened_to_it(monkeypatch: pytest.Mon
     assert float(step.norm()) == pytest.approx(radius, rel=1e-9)
     cos = float(step @ (target - g0) / (step.norm() * (target - g0).norm()))
     assert cos >= 1 - 1e-9
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(3, 24), st.integers(0, 2**16), st.floats(0.05, 1.0), st.floats(0.0, 0.6),
+       st.sampled_from([torch.float64, torch.float32]))
+def test_a_zero_row_gives_the_primals_optimum(k: int, seed: int, noise: float,
+                                              opposed: float, dtype: torch.dtype) -> None:
+    # A zero row among rows sharing a direction, a share of them opposed: where g₀'s
+    # projection lies in the ball (the optimum 0) it is the update, else the dual's answer
+    # meets SLSQP's value on the primal, inside the ball. Both occur among these draws.
+    gen = torch.Generator().manual_seed(seed)
+    shared = torch.randn(3 * k, generator=gen, dtype=torch.float64)
+    signs = torch.where(torch.rand(k, 1, generator=gen, dtype=torch.float64) < opposed, -0.2, 1.0)
+    g = signs * shared + noise * torch.randn(k, 3 * k, generator=gen, dtype=torch.float64)
+    g[seed % k] = 0
+    rows = g.to(dtype)
+    exact = rows.double()
+    tol = 1e-9 if dtype == torch.float64 else 2e-5
+    d = CAGrad(c=0.4)(rows).double()
+    if check_cagrad_zero_optimum(exact, d, tol):
+        return
+    g0 = exact.mean(dim=0)
+    assert float((d - g0).norm()) <= 0.4 * float(g0.norm()) * (1 + tol)
+    scale = float(exact.norm(dim=1).max() * g0.norm())
+    assert float((exact @ d).min()) >= scipy_cagrad_value(exact, 0.4) - 10 * tol * scale
