@@ -222,6 +222,36 @@ def test_active_set_with_blocks_matches_scipy(k: int, kind: str, seed: int) -> N
         assert_same_update(v[i] @ g, nnls_dual_cone(g / trace.sqrt(), u[i]) * trace.sqrt(), g)
 
 
+@settings(max_examples=10, deadline=None)
+@given(st.integers(12, 40), st.sampled_from(KIND_NAMES), st.integers(0, 2**16))
+def test_one_problem_with_blocks_matches_scipy(k: int, kind: str, seed: int) -> None:
+    """One problem (DualProj's, CAGrad's projection) also takes blocks of candidates (3 here,
+    from any size): the projection of the mean is scipy NNLS's (cosine ≥ 0.999999, norm
+    within 1e-6 relative), blocks counted where more than one index entered at once."""
+    g = kind_rows(kind, k, 2 * k + 3, seed)
+    g = g[g.norm(dim=1) > 0]
+    if g.shape[0] < 4:
+        return
+    gram, trace = trace_normalized(g @ g.T)
+    mean = torch.full((1, g.shape[0]), 1.0 / g.shape[0], dtype=F64)
+    taken: list[int] = []
+    real = _active_set._add_block
+
+    def counted(st_: object, cand: Tensor, valid: Tensor, indep_min: Tensor) -> Tensor:
+        rest = real(st_, cand, valid, indep_min)  # type: ignore[arg-type]
+        taken.append(int((~rest).sum()))
+        return rest
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_active_set, "BLOCK_MIN_SIZE", 0)
+        mp.setattr(_active_set, "BLOCK_SIZE", 3)
+        mp.setattr(_active_set, "_add_block", counted)
+        v, done = _active_set.box_active_set(gram, mean, 1e-12, 3 * g.shape[0] + 10)
+    assert bool(done.all()) and bool((v >= mean).all())
+    assert taken or torch.equal(v, mean)  # the block path ran wherever an index entered
+    assert_same_update(v[0] @ g, nnls_dual_cone(g / trace.sqrt(), mean[0]) * trace.sqrt(), g)
+
+
 @settings(max_examples=20, deadline=None)
 @given(st.integers(17, 48), st.integers(1, 6), st.integers(0, 2**16), st.booleans())
 def test_free_blocks_are_the_principal_submatrices(k: int, b: int, seed: int,
@@ -253,3 +283,33 @@ def test_free_blocks_are_the_principal_submatrices(k: int, b: int, seed: int,
         cond = float(torch.linalg.cond(sub))
         assert residual <= 1e3 * EPS * cond * float(rhs[i, f].norm())
         assert not bool(y[i][~free[i]].any())
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_cagrads_projection_takes_blocks_at_many_tasks(seed: int) -> None:
+    """CAGrad's one projection (a zero row, a third of the tasks mildly opposed, K = 96, the
+    library's own block sizes): blocks of indices enter, and the update is the conflict-free
+    one closest to ``g₀`` (scipy's NNLS projection)."""
+    from gradbalance.balancers import CAGrad
+    from support.balancers import check_cagrad_zero_optimum
+
+    k, p = 96, 400
+    gen = torch.Generator().manual_seed(seed)
+    shared = torch.randn(p, generator=gen, dtype=F64)
+    g = (1 + 0.3 * torch.randn(k, 1, generator=gen, dtype=F64)) * shared + 0.2 * torch.randn(
+        k, p, generator=gen, dtype=F64)
+    g[::3] = -0.01 * shared + torch.randn(len(g[::3]), p, generator=gen, dtype=F64)
+    g[1] = 0
+    taken: list[int] = []
+    real = _active_set._add_block
+
+    def counted(st_: object, cand: Tensor, valid: Tensor, indep_min: Tensor) -> Tensor:
+        rest = real(st_, cand, valid, indep_min)  # type: ignore[arg-type]
+        taken.append(int((~rest).sum()))
+        return rest
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_active_set, "_add_block", counted)
+        d = CAGrad(c=0.4)(g)
+    assert sum(taken) > 0
+    assert check_cagrad_zero_optimum(g, d, 1e-9)
