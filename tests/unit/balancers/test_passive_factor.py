@@ -15,7 +15,7 @@ The batched active set run in chunks (as at K = 1,024) against scipy's NNLS on t
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -222,6 +222,17 @@ def test_active_set_with_blocks_matches_scipy(k: int, kind: str, seed: int) -> N
         assert_same_update(v[i] @ g, nnls_dual_cone(g / trace.sqrt(), u[i]) * trace.sqrt(), g)
 
 
+def _counted_blocks(taken: list[int]) -> Callable[..., Tensor]:
+    """``_active_set._add_block``, appending to ``taken`` how many problems took a block."""
+    real = _active_set._add_block
+
+    def counted(st_: object, cand: Tensor, valid: Tensor, indep_min: Tensor) -> Tensor:
+        rest = real(st_, cand, valid, indep_min)  # type: ignore[arg-type]
+        taken.append(int((~rest).sum()))
+        return rest
+    return counted
+
+
 @settings(max_examples=10, deadline=None)
 @given(st.integers(12, 40), st.sampled_from(KIND_NAMES), st.integers(0, 2**16))
 def test_one_problem_with_blocks_matches_scipy(k: int, kind: str, seed: int) -> None:
@@ -235,17 +246,10 @@ def test_one_problem_with_blocks_matches_scipy(k: int, kind: str, seed: int) -> 
     gram, trace = trace_normalized(g @ g.T)
     mean = torch.full((1, g.shape[0]), 1.0 / g.shape[0], dtype=F64)
     taken: list[int] = []
-    real = _active_set._add_block
-
-    def counted(st_: object, cand: Tensor, valid: Tensor, indep_min: Tensor) -> Tensor:
-        rest = real(st_, cand, valid, indep_min)  # type: ignore[arg-type]
-        taken.append(int((~rest).sum()))
-        return rest
-
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_active_set, "BLOCK_MIN_SIZE", 0)
         mp.setattr(_active_set, "BLOCK_SIZE", 3)
-        mp.setattr(_active_set, "_add_block", counted)
+        mp.setattr(_active_set, "_add_block", _counted_blocks(taken))
         v, done = _active_set.box_active_set(gram, mean, 1e-12, 3 * g.shape[0] + 10)
     assert bool(done.all()) and bool((v >= mean).all())
     assert taken or torch.equal(v, mean)  # the block path ran wherever an index entered
@@ -301,15 +305,8 @@ def test_cagrads_projection_takes_blocks_at_many_tasks(seed: int) -> None:
     g[::3] = -0.01 * shared + torch.randn(len(g[::3]), p, generator=gen, dtype=F64)
     g[1] = 0
     taken: list[int] = []
-    real = _active_set._add_block
-
-    def counted(st_: object, cand: Tensor, valid: Tensor, indep_min: Tensor) -> Tensor:
-        rest = real(st_, cand, valid, indep_min)  # type: ignore[arg-type]
-        taken.append(int((~rest).sum()))
-        return rest
-
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_active_set, "_add_block", counted)
+        mp.setattr(_active_set, "_add_block", _counted_blocks(taken))
         d = CAGrad(c=0.4)(g)
     assert sum(taken) > 0
     assert check_cagrad_zero_optimum(g, d, 1e-9)
