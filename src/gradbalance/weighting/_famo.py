@@ -93,6 +93,8 @@ class FAMO(OwnOptimizerWeighting):
                                                 device=self.device), per_task=True,
                             persistent=False)
 
+    _group_attributes = (("lr", "lr"), ("gamma", "weight_decay"))
+
     def _default_optimizer(self, params: list[Tensor]) -> torch.optim.Optimizer:
         return torch.optim.Adam(params, lr=self.lr, weight_decay=self.gamma)
 

@@ -130,6 +130,8 @@ class GradNorm(OwnOptimizerWeighting):
         self.register_state("last_loss_grad", None, optional=True, persistent=False)
         self.register_state("last_norms", None, optional=True, per_task=True, persistent=False)
 
+    _group_attributes = (("lr", "lr"),)
+
     def _default_optimizer(self, params: list[Tensor]) -> torch.optim.Optimizer:
         return torch.optim.Adam(params, lr=self.lr)
 

@@ -5,12 +5,14 @@ state as extra state, checked on a scratch optimizer before a load (docs/weighti
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
+from .._caller import user_stacklevel
 from ._base import LossWeighting
 
 OptimizerFactory = Callable[[list[Tensor]], torch.optim.Optimizer]
@@ -107,6 +109,10 @@ class OwnOptimizerWeighting(LossWeighting):
 
     _extra_keys: ClassVar[tuple[str, ...]] = ("num_tasks", "optimizer")
     _rebuilt = (("optimizer", "_make_optimizer"),)
+    #: ``(attribute, param-group key)``: the constructor's arguments the default optimizer
+    #: takes (FAMO's ``lr``, ``gamma`` as ``weight_decay``), which a load sets from the
+    #: saved group (:meth:`_follow_loaded_group`).
+    _group_attributes: ClassVar[tuple[tuple[str, str], ...]] = ()
     optimizer: torch.optim.Optimizer
 
     def _register_trained(self, name: str, initial: Tensor,
@@ -145,6 +151,28 @@ class OwnOptimizerWeighting(LossWeighting):
     def _load_extra(self, extra: dict[str, Any]) -> None:
         super()._load_extra(extra)
         self.optimizer.load_state_dict(copy.deepcopy(extra["optimizer"]))
+        self._follow_loaded_group()
+
+    def _follow_loaded_group(self) -> None:
+        """The default optimizer steps with the saved hyperparameters (PyTorch's
+        ``Optimizer.load_state_dict`` restores its param groups, so a resumed run is the
+        saved one's): the attributes they came from follow them (the repr and a later
+        :meth:`reset` agree with the steps), with a warning naming each that changed."""
+        if self._factory is not None:
+            return
+        group = self.optimizer.param_groups[0]
+        changed = []
+        for attr, key in self._group_attributes:
+            value = group[key]
+            if getattr(self, attr) != value:
+                changed.append(f"{attr}={getattr(self, attr)!r} -> {value!r}")
+                setattr(self, attr, value)
+        if changed:
+            warnings.warn(f"{type(self).__name__}.load_state_dict: the saved optimizer's "
+                          f"hyperparameters replace the constructor's ({', '.join(changed)}), "
+                          f"as torch.optim restores them; to step with others, set "
+                          f"{type(self).__name__}.optimizer.param_groups[0] after loading",
+                          stacklevel=user_stacklevel())
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Any:
         """``.to()``, ``.double()``...: the trained buffer stays a leaf and the optimizer
