@@ -147,32 +147,40 @@ class OwnOptimizerWeighting(LossWeighting):
         super()._check_state(tensors, extra)
         check_optimizer_state(self._make_optimizer, self._trained(), extra.get("optimizer"),
                               type(self).__name__)
+        self._warn_group_changes(extra["optimizer"]["param_groups"][0])
 
     def _load_extra(self, extra: dict[str, Any]) -> None:
         super()._load_extra(extra)
         self.optimizer.load_state_dict(copy.deepcopy(extra["optimizer"]))
         self._follow_loaded_group()
 
-    def _follow_loaded_group(self) -> None:
-        """The default optimizer steps with the saved hyperparameters (PyTorch's
-        ``Optimizer.load_state_dict`` restores its param groups, so a resumed run is the
-        saved one's): the attributes they came from follow them (the repr and a later
-        :meth:`reset` agree with the steps), with a warning naming each that changed."""
+    def _changed_attributes(self, group: dict[str, Any]) -> list[tuple[str, Any]]:
+        """``(attribute, value)`` of the default optimizer's saved ``group`` that differ
+        from the attributes (none with a user's optimizer factory)."""
         if self._factory is not None:
-            return
-        group = self.optimizer.param_groups[0]
-        changed = []
-        for attr, key in self._group_attributes:
-            value = group[key]
-            if getattr(self, attr) != value:
-                changed.append(f"{attr}={getattr(self, attr)!r} -> {value!r}")
-                setattr(self, attr, value)
+            return []
+        return [(attr, group[key]) for attr, key in self._group_attributes
+                if getattr(self, attr) != group[key]]
+
+    def _warn_group_changes(self, group: dict[str, Any]) -> None:
+        """Before a load moves anything: a warning naming each hyperparameter the saved
+        group replaces (an error filter raises here, with nothing loaded)."""
+        changed = [f"{attr}={getattr(self, attr)!r} -> {value!r}"
+                   for attr, value in self._changed_attributes(group)]
         if changed:
             warnings.warn(f"{type(self).__name__}.load_state_dict: the saved optimizer's "
                           f"hyperparameters replace the constructor's ({', '.join(changed)}), "
                           f"as torch.optim restores them; to step with others, set "
                           f"{type(self).__name__}.optimizer.param_groups[0] after loading",
                           stacklevel=user_stacklevel())
+
+    def _follow_loaded_group(self) -> None:
+        """The default optimizer steps with the saved hyperparameters (PyTorch's
+        ``Optimizer.load_state_dict`` restores its param groups, so a resumed run is the
+        saved one's): the attributes they came from follow them, so the repr and a later
+        :meth:`reset` agree with the steps (:meth:`_warn_group_changes` said so)."""
+        for attr, value in self._changed_attributes(self.optimizer.param_groups[0]):
+            setattr(self, attr, value)
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Any:
         """``.to()``, ``.double()``...: the trained buffer stays a leaf and the optimizer

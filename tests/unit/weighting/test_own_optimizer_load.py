@@ -75,3 +75,20 @@ def test_gradnorm_takes_the_saved_lr() -> None:
     with pytest.warns(UserWarning, match=r"lr=0.1 -> 0.01"):
         resumed.load_state_dict(saved.state_dict())
     assert resumed.lr == 0.01 and resumed.optimizer.param_groups[0]["lr"] == 0.01
+
+
+def test_a_warning_made_an_error_loads_nothing() -> None:
+    # The warning comes from the checks, before the load moves anything.
+    saved = FAMO(3, lr=0.025)
+    _famo_steps(saved, 2, 0)
+    resumed = FAMO(3, lr=0.05)
+    before = {key: value.clone() for key, value in resumed.state_dict().items()
+              if isinstance(value, Tensor)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UserWarning, match=r"lr=0\.05 -> 0\.025"):
+            resumed.load_state_dict(saved.state_dict())
+    assert resumed.lr == 0.05 and resumed.optimizer.param_groups[0]["lr"] == 0.05
+    assert not resumed.optimizer.state
+    after = resumed.state_dict()
+    assert all(torch.equal(after[key], value) for key, value in before.items())
