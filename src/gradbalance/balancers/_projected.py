@@ -120,7 +120,8 @@ def fista(q: Tensor, shift: Tensor, top: float, v: Tensor | None = None, c: Weig
     tau = torch.zeros((rows, *(v.shape[1:] if v is not None else ())), dtype=q.dtype)
     lead = shift * -step
     scratch = torch.empty_like(lead)
-    y = _prox(lead.clone(), v, step * c, tau, scratch)  # the first step from z = 0: no product
+    pairs = outer_pairs(v) if v is not None and v.dim() == 2 else None
+    y = _prox(lead.clone(), v, step * c, tau, scratch, pairs)  # the first step from z = 0
     if steps < 2:
         return y > 0.0, y, y @ q
     z = y.clone()
@@ -132,13 +133,15 @@ def fista(q: Tensor, shift: Tensor, top: float, v: Tensor | None = None, c: Weig
     # operation (one thread, K = 1,024)
     spare = torch.empty_like(y)
     bulk = _RoughBulk(q, v, c, z) if rough > 0 else None
+    # the other steps' product on the bulk B too, formed once (in q's dtype): the outliers'
+    # part then needs no product of its own per step
+    fine = bulk_of(q, v, c) if v is not None and steps - 2 > rough else q
     for i in range(steps - 2):
         if bulk is not None and i < rough:  # z − η(zB + shift), B the bulk, in bfloat16
             a = torch.add(z, lead, out=spare).sub_(bulk.times(z), alpha=step)
-            new = _prox(a, v, step * c, tau, scratch)
-        else:
-            a = torch.add(z, lead, out=spare).addmm_(z, q, alpha=-step)  # z − η(zQ + shift)
-            new = _step(a, z, v, c, step, tau, scratch)  # in a
+        else:  # z − η(zB + shift) (B = Q without outliers)
+            a = torch.add(z, lead, out=spare).addmm_(z, fine, alpha=-step)
+        new = _prox(a, v, step * c, tau, scratch, pairs)
         moved = torch.sub(new, y, out=y)  # y is not read again
         uphill = torch.linalg.vecdot(z.sub_(new), moved) > 0.0  # nor is z
         if constant is not None:
@@ -151,7 +154,7 @@ def fista(q: Tensor, shift: Tensor, top: float, v: Tensor | None = None, c: Weig
         y = new
     zq = z @ q if last is None else last(z)  # kept: the start is z on the last free set
     free = _step(torch.add(z, lead, out=spare).add_(zq, alpha=-step), z, v, c, step, tau,
-                 scratch) > 0.0
+                 scratch, pairs) > 0.0
     if last is not None:
         return free, z, zq
     return free, z * free, zq.sub_(sparse_product(z * ~free, q))
@@ -162,16 +165,21 @@ def fista(q: Tensor, shift: Tensor, top: float, v: Tensor | None = None, c: Weig
 Weight = float | Tensor
 
 
-def bfloat16_bulk(q: Tensor, v: Tensor | None, c: Weight) -> Tensor:
-    """``B = Q − V diag(c) Vᵀ`` in bfloat16 (``v`` ``[K]`` with ``c`` a number, or ``[K, m]``
-    with ``c`` ``[m]``; ``Q`` itself without outliers): the part of ``Q`` whose products may
-    be rounded to bfloat16, the outliers' large part taken apart (it would cancel the
-    rounding away)."""
+def bulk_of(q: Tensor, v: Tensor | None, c: Weight) -> Tensor:
+    """``B = Q − V diag(c) Vᵀ`` in the dtype of ``q`` (``v`` ``[K]`` with ``c`` a number, or
+    ``[K, m]`` with ``c`` ``[m]``; ``Q`` itself without outliers): the part of ``Q`` that
+    :func:`fista`'s gradient steps take (the outliers go into the prox)."""
     if v is None:
-        return q.bfloat16()
+        return q
     if v.dim() == 2:
-        return torch.addmm(q, v * c, v.T, alpha=-1.0).bfloat16()
-    return torch.addr(q, v, v, alpha=-float(c)).bfloat16()
+        return torch.addmm(q, v * c, v.T, alpha=-1.0)
+    return torch.addr(q, v, v, alpha=-float(c))
+
+
+def bfloat16_bulk(q: Tensor, v: Tensor | None, c: Weight) -> Tensor:
+    """:func:`bulk_of` in bfloat16: the part of ``Q`` whose products may be rounded to
+    bfloat16, the outliers' large part taken apart (it would cancel the rounding away)."""
+    return bulk_of(q, v, c).bfloat16()
 
 
 class _RoughBulk:
@@ -203,25 +211,26 @@ def bfloat16_products() -> bool:
 
 
 def _step(a: Tensor, z: Tensor, v: Tensor | None, c: Weight, step: float,
-          tau: Tensor, scratch: Tensor | None = None) -> Tensor:
+          tau: Tensor, scratch: Tensor | None = None, pairs: Tensor | None = None) -> Tensor:
     """The prox of the gradient step ``a = z − η(zQ + shift)`` (:func:`_prox`, in ``a``), the
     outliers ``V diag(c) Vᵀ`` taken out of the gradient and into the prox."""
     if v is not None and v.dim() == 2:
         a.addmm_(thin_product(z, v).mul_(c), v.T, alpha=step)
     elif v is not None:
         a.addr_(z @ v, v, alpha=step * float(c))
-    return _prox(a, v, step * c, tau, scratch)
+    return _prox(a, v, step * c, tau, scratch, pairs)
 
 
 def _prox(a: Tensor, v: Tensor | None, weight: Weight, tau: Tensor,
-          scratch: Tensor | None = None) -> Tensor:
+          scratch: Tensor | None = None, pairs: Tensor | None = None) -> Tensor:
     """``max(0, a − τv)`` (``max(0, a)`` without ``v``) in ``a``, ``τ`` ``[B]`` moved in place
     by one Newton step on ``τ − weight·vᵀmax(0, a − τv)`` (``weight = ηc``); several
-    outliers: :func:`_prox_many`; ``scratch``: a tensor like ``a`` to work in."""
+    outliers: :func:`_prox_many` (``pairs``: :func:`outer_pairs` of ``v``, computed there
+    where None); ``scratch``: a tensor like ``a`` to work in."""
     if v is None:
         return a.clamp_min_(0.0)
     if v.dim() == 2:
-        return _prox_many(a, v, weight, tau, scratch)
+        return _prox_many(a, v, weight, tau, scratch, pairs)
     r = torch.addr(a, tau, v, alpha=-1.0, out=torch.empty_like(a) if scratch is None
                    else scratch).clamp_min_(0.0)  # one pass each, and matrix-vector
     value = tau - weight * (r @ v)  # products for the sums: a third of the element-wise time
@@ -230,17 +239,25 @@ def _prox(a: Tensor, v: Tensor | None, weight: Weight, tau: Tensor,
     return a.addr_(tau, v, alpha=-1.0).clamp_min_(0.0)
 
 
+def outer_pairs(v: Tensor) -> Tensor:
+    """``[K, m²]``: the products ``vᵢⱼ vᵢₗ`` of ``V``'s columns row by row (``v`` ``[K, m]``),
+    for :func:`_prox_many`'s ``VᵀDV``."""
+    k, m = v.shape
+    return (v[:, :, None] * v[:, None, :]).reshape(k, m * m)
+
+
 def _prox_many(a: Tensor, v: Tensor, weight: Weight, tau: Tensor,
-               scratch: Tensor | None = None) -> Tensor:
+               scratch: Tensor | None = None, pairs: Tensor | None = None) -> Tensor:
     """``max(0, a − τVᵀ)`` per row (``v`` ``[K, m]``, ``τ`` ``[B, m]``), ``τ`` moved in place by
     one semismooth Newton step on ``F(τ) = τ − W Vᵀmax(0, a − Vτ)`` (``W = diag(weight)``):
     its Jacobian ``I + W Vᵀ D V`` (``D`` the positive entries of ``a − Vτ``) is ``m × m``
-    per row, ``VᵀDV`` one product of ``D`` with the ``[K, m²]`` products of ``V``'s columns."""
-    k, m = v.shape
+    per row, ``VᵀDV`` one product of ``D`` with ``pairs``, the ``[K, m²]`` products of
+    ``V``'s columns (:func:`outer_pairs`, computed here where None)."""
+    m = v.shape[1]
     r = torch.addmm(a, tau, v.T, alpha=-1.0, out=torch.empty_like(a) if scratch is None
                     else scratch).clamp_min_(0.0)
     value = tau - weight * thin_product(r, v)
-    pairs = (v[:, :, None] * v[:, None, :]).reshape(k, m * m)
+    pairs = outer_pairs(v) if pairs is None else pairs
     jac = (r.sign_() @ pairs).view(-1, m, m).mul_(torch.as_tensor(weight, dtype=a.dtype)[:, None])
     jac.diagonal(dim1=1, dim2=2).add_(1.0)
     tau.sub_(torch.linalg.solve_ex(jac, value).result)  # no raise: a non-finite row stays so
