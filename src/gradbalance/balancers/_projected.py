@@ -120,14 +120,12 @@ def fista(q: Tensor, shift: Tensor, top: float, v: Tensor | None = None, c: Weig
     tau = torch.zeros((rows, *(v.shape[1:] if v is not None else ())), dtype=q.dtype)
     lead = shift * -step
     scratch = torch.empty_like(lead)
-    pairs = outer_pairs(v) if v is not None and v.dim() == 2 else None
+    pairs = _pairs_of(v)
     y = _prox(lead.clone(), v, step * c, tau, scratch, pairs)  # the first step from z = 0
     if steps < 2:
         return y > 0.0, y, y @ q
     z = y.clone()
-    t = torch.ones(rows, dtype=q.dtype)
-    root = max(1.0, LIPSCHITZ_MARGIN * top / bottom) ** 0.5 if bottom > 0.0 else None  # √κ
-    constant = None if root is None else (root - 1.0) / (root + 1.0)
+    momentum = _Momentum(rows, q.dtype, top, bottom)
     # three [B, K] buffers turn over (y, z and the next step's), and one scratch for the
     # prox: a fresh tensor per operation costs its pages' first touch, about as much as the
     # operation (one thread, K = 1,024)
@@ -135,22 +133,17 @@ def fista(q: Tensor, shift: Tensor, top: float, v: Tensor | None = None, c: Weig
     bulk = _RoughBulk(q, v, c, z) if rough > 0 else None
     # the other steps' product on the bulk B too, formed once (in q's dtype): the outliers'
     # part then needs no product of its own per step
-    fine = bulk_of(q, v, c) if v is not None and steps - 2 > rough else q
+    fine = bulk_of(q, v, c) if steps - 2 > rough else q
     for i in range(steps - 2):
-        if bulk is not None and i < rough:  # z − η(zB + shift), B the bulk, in bfloat16
-            a = torch.add(z, lead, out=spare).sub_(bulk.times(z), alpha=step)
-        else:  # z − η(zB + shift) (B = Q without outliers)
-            a = torch.add(z, lead, out=spare).addmm_(z, fine, alpha=-step)
+        a = torch.add(z, lead, out=spare)  # z − η(zB + shift), B = Q without the outliers
+        if bulk is not None and i < rough:  # in bfloat16
+            a.sub_(bulk.times(z), alpha=step)
+        else:
+            a.addmm_(z, fine, alpha=-step)
         new = _prox(a, v, step * c, tau, scratch, pairs)
         moved = torch.sub(new, y, out=y)  # y is not read again
         uphill = torch.linalg.vecdot(z.sub_(new), moved) > 0.0  # nor is z
-        if constant is not None:
-            momentum = torch.where(uphill, 0.0, constant)
-        else:
-            t_next = (1.0 + (1.0 + 4.0 * t * t).sqrt()) / 2.0
-            momentum = torch.where(uphill, 0.0, (t - 1.0) / t_next)
-            t = torch.where(uphill, 1.0, t_next)
-        spare, z = z, moved.mul_(momentum[:, None]).add_(new)
+        spare, z = z, moved.mul_(momentum.next(uphill)[:, None]).add_(new)
         y = new
     zq = z @ q if last is None else last(z)  # kept: the start is z on the last free set
     free = _step(torch.add(z, lead, out=spare).add_(zq, alpha=-step), z, v, c, step, tau,
@@ -163,6 +156,26 @@ def fista(q: Tensor, shift: Tensor, top: float, v: Tensor | None = None, c: Weig
 #: The outliers taken into the prox: ``c`` a number for one (``v`` ``[K]``), ``[m]`` for
 #: several (``v`` ``[K, m]``).
 Weight = float | Tensor
+
+
+class _Momentum:
+    """:func:`fista`'s momentum per row: ``β = (√κ − 1)/(√κ + 1)`` with ``κ = L/bottom`` where
+    ``bottom`` (the bulk's ``λ_min`` from above) is known, else ``β = (tₖ − 1)/tₖ₊₁``; reset
+    (``β = 0``, ``t = 1``) where the step went uphill."""
+
+    def __init__(self, rows: int, dtype: torch.dtype, top: float, bottom: float) -> None:
+        root = max(1.0, LIPSCHITZ_MARGIN * top / bottom) ** 0.5 if bottom > 0.0 else None
+        self.constant = None if root is None else (root - 1.0) / (root + 1.0)
+        self.t = torch.ones(rows, dtype=dtype)
+
+    def next(self, uphill: Tensor) -> Tensor:
+        """``β`` ``[B]`` of this step, ``uphill`` ``[B]`` the rows whose step went uphill."""
+        if self.constant is not None:
+            return torch.where(uphill, 0.0, self.constant)
+        t_next = (1.0 + (1.0 + 4.0 * self.t * self.t).sqrt()) / 2.0
+        beta = torch.where(uphill, 0.0, (self.t - 1.0) / t_next)
+        self.t = torch.where(uphill, 1.0, t_next)
+        return beta
 
 
 def bulk_of(q: Tensor, v: Tensor | None, c: Weight) -> Tensor:
@@ -237,6 +250,11 @@ def _prox(a: Tensor, v: Tensor | None, weight: Weight, tau: Tensor,
     slope = 1.0 + weight * (r.sign_() @ (v * v))  # sign: 1 where a − τv > 0, else 0
     tau.sub_(value / slope)
     return a.addr_(tau, v, alpha=-1.0).clamp_min_(0.0)
+
+
+def _pairs_of(v: Tensor | None) -> Tensor | None:
+    """:func:`outer_pairs` of several outliers ``v`` ``[K, m]``, else None."""
+    return outer_pairs(v) if v is not None and v.dim() == 2 else None
 
 
 def outer_pairs(v: Tensor) -> Tensor:

@@ -47,12 +47,18 @@ def _per_sample_rows(b: int, t: int, seed: int) -> Tensor:
 
 def _check_against_scipy(g: Tensor, seed: int) -> None:
     """UPGrad's K bounds ``pᵢeᵢ`` and DualProj's ``p`` (random positive ``p``): the update
-    ``Jᵀv`` scipy's (cosine ≥ 0.999999, norm within 1e-6), ``v ≥ u``, in the dual cone."""
+    ``Jᵀv`` scipy's (cosine ≥ 0.999999, norm within 1e-6), ``v ≥ u``, in the dual cone: to
+    ``1e-9`` of ``‖gₖ‖ Σ uᵢ‖gᵢ‖`` on the dense route, to the ``√(4·eps·K)`` by which the
+    low-rank route's factor moves a row where it ran (docs/balancers.md, "Solvers": copies
+    closer than that are one direction to it; K = 52, copies 2e-8 apart: −2.5e-9)."""
     k = g.shape[0]
     pref = torch.rand(k, generator=torch.Generator().manual_seed(seed), dtype=F64) + 0.1
     u = torch.cat([torch.diag(pref), pref[None]])
     gram, trace = trace_normalized(g @ g.T)
-    v = project_dual_cone(gram, u)
+    with pytest.MonkeyPatch.context() as mp:
+        routed = _routed_ranks(mp)
+        v = project_dual_cone(gram, u)
+    floor = (4 * torch.finfo(F64).eps * k) ** 0.5 if routed else 1e-9
     unit = g / trace.sqrt()
     norms = g.norm(dim=1)
     for i in range(u.shape[0]):
@@ -60,7 +66,7 @@ def _check_against_scipy(g: Tensor, seed: int) -> None:
         assert_same_update(x, nnls_dual_cone(unit, u[i]) * trace.sqrt(), g)
         assert bool((v[i] >= u[i] * (1 - 1e-12)).all())
         size = float((u[i] * norms).sum())
-        assert float((g @ x / (norms * size).clamp_min(1e-300)).min()) >= -1e-9
+        assert float((g @ x / (norms * size).clamp_min(1e-300)).min()) >= -floor
 
 
 def _routed_ranks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -241,16 +247,27 @@ def test_rounded_low_rank_takes_its_rank_and_matches_scipy(k: int, r: int, seed:
     """Rank ``r`` rows with near duplicates, norms ``1e-6 … 1e6`` and zero rows, their
     Gramian multiplied in float32: the pivots stop at the gate, the eigen-factor cut at the
     rounding has rank ``r`` (the copies ``1e-6`` apart are below the rounding), and the
-    updates are scipy's on the rounded rows."""
-    r = min(r, k // 8)
+    updates are scipy's on the rounded rows to the rounding's bound (the rank within an
+    eighth of the non-zero rows, whose cosine matrix the route reads: K = 24 has 21). Not the
+    same update to 1e-6: pairs 1e-6 apart are one direction to the float32 Gramian, whose
+    split between them the bound, ``√ε``, leaves open (K = 46, seed 1: 4.5e-4 of the update
+    off scipy's, a tenth of the bound)."""
+    r = min(r, (k - k // 8) // 8)
     g = _half_space_rows(k, r, seed)
-    assert _check_rounded(g, seed, strict=True) == _expected_route(g, r)
+    assert _check_rounded(g, seed, strict=False) == _expected_route(g, r, seed)
 
 
-def _expected_route(g: Tensor, r: int) -> list[int]:
-    """``[r]``, or no route where every projection is its own row (a Gramian without a
-    negative entry: every ``uG ≥ 0`` for ``u ≥ 0``, the KKT point ``v = u``)."""
-    return [] if bool((_rounded(g)[1] >= 0).all()) else [r]
+def _expected_route(g: Tensor, r: int, seed: int) -> list[int]:
+    """``[r]``, or no route where fewer than two of :func:`_check_rounded`'s problems lie
+    outside the dual cone: a problem ``u`` whose ``uG ≥ 0`` is its own projection (the KKT
+    point ``v = u``), and one problem alone takes the dense solve below
+    ``ONE_PROBLEM_MIN_SIZE`` tasks (a Gramian without a negative entry has none outside)."""
+    gram = _rounded(g)[1]
+    k = gram.shape[0]
+    pref = torch.rand(k, generator=torch.Generator().manual_seed(seed), dtype=F64) + 0.1
+    u = torch.cat([torch.diag(pref), pref[None]])
+    outside = int(((u @ gram) < 0).any(dim=1).sum())
+    return [r] if outside >= 2 else []
 
 
 @settings(max_examples=8, deadline=None)
@@ -289,4 +306,4 @@ def test_rank_above_an_eighth_from_128_tasks_takes_its_rank() -> None:
     """K = 160 (140 non-zero rows), rank 24 (above ``K/8``, within ``K/4``) rounded to float32:
     routed at its rank from ``LOW_RANK_WIDE_SIZE`` tasks on, with scipy's updates."""
     g = _half_space_rows(160, 24, 3)
-    assert _check_rounded(g, 3, strict=True) == _expected_route(g, 24) == [24]
+    assert _check_rounded(g, 3, strict=True) == _expected_route(g, 24, 3) == [24]
