@@ -268,8 +268,13 @@ def test_cagrad_lifted_meets_its_dual_on_the_lifted_gramian(k: int, dependent: i
     c = 0.4
     g = summed_rows(k, dependent, seed)
     gram = float32_gram(g)
-    lifted = _solvers._cagrad_lifted(cosine_spectrum(gram))
-    assert lifted is not None
+    spectrum = cosine_spectrum(gram)
+    lifted = _solvers._cagrad_lifted(spectrum)
+    if lifted is None:  # no lift without a negative eigenvalue beyond the decomposition's
+        # own rounding: the float32 rounding of the few null ones can leave them positive (K =
+        # 76, four dependent tasks, seed 0: −2.5e-16, then 5.6e-8 … 2.7e-7)
+        assert float(spectrum.lam[0]) > -1e-12 * float(spectrum.lam[-1])
+        return
     routes: list[bool] = []
 
     def spy(*args):  # type: ignore[no-untyped-def]
