@@ -259,24 +259,39 @@ def test_cagrad_is_optimal_on_degenerate_rows(g: Tensor, c: float) -> None:
 
 
 def _is_infeasible(g: np.ndarray, taus: np.ndarray) -> bool:
-    """No ``d`` with ``gⱼᵀd ≥ τⱼ‖gⱼ‖²`` (j ≥ 2), or only ``d`` over ``10⁶`` times longer than
-    the rows (PCD then keeps ``g₁``: rounding would decide such a ``d``'s direction).
+    """No ``d`` with ``gⱼᵀd ≥ τⱼ‖gⱼ‖²`` (j ≥ 2) of a sensible length: PCD then keeps ``g₁``
+    (rounding would decide such a ``d``'s direction). Sensible, as PCD documents it for a
+    Gramian taken as exact (docs/balancers.md, "Solvers"): on the rows with the cosine
+    matrix's eigenvalues below its cut ``r = 4·eps·K·λ_max`` dropped, an ``x = d − g₁`` within
+    ``1/√r`` times the constraints' size ``max_j |bⱼ|/‖gⱼ‖`` (a factor 2 for the two solvers'
+    rounding), or within ``10⁶`` times the rows. K = 12 rows of rank 1 plus 4e-7 noise: the
+    shortest ``x`` 1.5 times that resolution; K = 15: one of 0.37 of it, through directions
+    of eigenvalue 1.5e-14 under the cut 1.7e-13, none above it.
 
-    Lawson & Hanson's least-distance program on the rows, by scipy's NNLS: with
-    ``x = d − g₁``, ``min ‖x‖`` s.t. ``gⱼᵀx ≥ bⱼ`` has ``‖x‖² = 1/ρ² − 1`` for the residual
-    ``ρ`` of ``min_{u ≥ 0} ‖[Gᵀ; bᵀ]u − e‖`` (``ρ = 0``: a Farkas certificate).
+    Lawson & Hanson's least-distance program, by scipy's NNLS on the cleaned rows ``f`` (the
+    constraints ``bⱼ = τⱼ‖gⱼ‖² − gⱼᵀg₁`` from the given rows): with ``x = d − g₁``, ``min ‖x‖``
+    s.t. ``fⱼᵀx ≥ bⱼ`` has ``‖x‖² = 1/ρ² − 1`` for the residual ``ρ``
+    of ``min_{u ≥ 0} ‖[Fᵀ; bᵀ]u − e‖`` (``ρ = 0``: a Farkas certificate).
     """
     from scipy.optimize import nnls as scipy_nnls
 
-    longest = float(np.sqrt((g * g).sum(axis=1).max()))
-    unit = g / longest
-    rest = unit[1:]
-    b = taus * (rest * rest).sum(axis=1) - rest @ unit[0]
+    norms = np.linalg.norm(g, axis=1)
+    scale = np.where(norms > 0, norms, 1.0)
+    lam, vec = np.linalg.eigh((g @ g.T) / np.outer(scale, scale))
+    cut = 4 * np.finfo(np.float64).eps * g.shape[0] * float(lam[-1])
+    keep = lam > cut
+    rows = (vec[:, keep] * np.sqrt(lam[keep])) * (norms / norms.max())[:, None]
+    rest = rows[1:]
+    unit = g / norms.max()  # the constraints from the given rows, as PCD's from its Gramian
+    b = taus * (unit[1:] * unit[1:]).sum(axis=1) - unit[1:] @ unit[0]
     e = np.vstack([rest.T, b[None]])
     f = np.zeros(e.shape[0])
     f[-1] = 1.0
     _, residual = scipy_nnls(e, f, maxiter=100 * e.shape[1])
-    return residual <= 1e-6  # ‖x‖ ≥ 10⁶ (the rows have length ≤ 1 here)
+    if residual <= 1e-6:  # ‖x‖ ≥ 10⁶ (the rows have length ≤ 1 here)
+        return True
+    size = float(np.max(np.abs(b) / np.where(norms[1:] > 0, norms[1:] / norms.max(), 1.0)))
+    return bool((1.0 / residual**2 - 1.0) ** 0.5 >= 0.5 * size / cut**0.5)
 
 
 @settings(max_examples=200, deadline=None)
