@@ -61,14 +61,16 @@ def _spy(mp: pytest.MonkeyPatch) -> list[tuple[int, int]]:
 def test_thin_cone_projections_are_scipy_s(k: int, fraction: float, seed: int,
                                            spread: float) -> None:
     """Rows of rank ``0.55K … 0.64K`` (norms equal or spread over two decades): the route
-    runs first and finishes problems, and UPGrad's update is scipy's NNLS projections summed
-    (cos ≥ 0.999999, norm within 1e-6)."""
+    runs first, on every problem, and UPGrad's update is scipy's NNLS projections summed
+    (cos ≥ 0.999999, norm within 1e-6). The route finishes most problems on most draws, not
+    on all (K = 64, rank 36, seed 287: none, the later solvers all; the fixed cases below
+    check that it finishes them)."""
     rank = int(fraction * k)
     rows = _span_rows(k, rank, seed, spread)
     with pytest.MonkeyPatch.context() as mp:
         calls = _spy(mp)
         update = upgrad_weights(rows @ rows.T) @ rows
-    assert calls and calls[0][0] == k and calls[0][1] > 0
+    assert calls and calls[0][0] == k and calls[0][1] >= 0
     assert_same_update(update, _reference(rows), rows)
 
 
