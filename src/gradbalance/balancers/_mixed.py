@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from ._pcg import restricted_product
-from ._projected import Plan, bfloat16_bulk
+from ._projected import Plan, bfloat16_bulk, outer_pairs
 from ._thin_product import thin_product
 
 _norm = torch.linalg.vector_norm
@@ -102,9 +102,8 @@ class ScaledPreconditioner:
         """``(diag(1/c) + U_FᵀU_F)⁻¹`` ``[B, m, m]`` of the free sets ``f`` (0/1, float32)."""
         if self.v is None or self.c is None:
             return None
-        k, m = self.v.shape
-        pairs = (self.v[:, :, None] * self.v[:, None, :]).reshape(k, m * m)
-        small = (f @ pairs).view(-1, m, m)
+        m = self.v.shape[1]
+        small = (f @ outer_pairs(self.v)).view(-1, m, m)
         small.diagonal(dim1=1, dim2=2).add_(1.0 / self.c)
         inverse: Tensor = torch.linalg.inv_ex(small).inverse
         return inverse
