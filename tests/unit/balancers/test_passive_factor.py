@@ -44,10 +44,27 @@ def _removals_by_size() -> Iterator[None]:
         yield
 
 
+class _Seen:
+    """The largest entries each problem's ``W`` (per column) and ``h`` held so far: a Givens
+    rotation mixes two rows of them, so its rounding is ``eps`` of those rows' sizes, which
+    before a deletion may be far above what is left after it (norms 1e-6 … 1e6)."""
+
+    def __init__(self, f: PassiveFactor) -> None:
+        self.w = torch.zeros(f.off.shape, dtype=F64)
+        self.h = torch.zeros(f.off.shape[0], dtype=F64)
+        self.record(f)
+
+    def record(self, f: PassiveFactor) -> None:
+        if f.w.shape[1]:
+            self.w = torch.maximum(self.w, f.w[f.slot].abs().amax(dim=1))
+            self.h = torch.maximum(self.h, f.h.abs().amax(dim=1))
+
+
 def _run(q: Tensor, rhs: Tensor, gen: torch.Generator, steps: int,
-         factor: Tensor) -> PassiveFactor:
+         factor: Tensor) -> tuple[PassiveFactor, _Seen]:
     """Random additions of independent indices, and every third step a random removal."""
     f = PassiveFactor(q, rhs)
+    seen = _Seen(f)
     b, k = rhs.shape
     passive = torch.zeros(b, k, dtype=torch.bool)
     rows = torch.arange(b)
@@ -67,34 +84,44 @@ def _run(q: Tensor, rhs: Tensor, gen: torch.Generator, steps: int,
         assert bool(torch.isfinite(z).all())
         full = passive.clone()
         full[rows, t] = True
-        _assert_solves(q, rhs, full, z)
+        _assert_solves(q, rhs, full, z, seen.h)
         f.add(rows, t, root, h_t)
+        seen.record(f)
         passive = full
-    _assert_solves(q, rhs, passive, f.solve(rows))
-    _assert_factors(q, rhs, f, passive, factor)
-    return f
+    _assert_solves(q, rhs, passive, f.solve(rows), seen.h)
+    _assert_factors(q, rhs, f, passive, factor, seen)
+    return f, seen
 
 
-def _assert_solves(q: Tensor, rhs: Tensor, passive: Tensor, z: Tensor) -> None:
-    """``z`` zero off ``P`` and ``Q_PP z_P = rhs_P`` relative to ``|Q_PP||z_P| + |rhs_P|``."""
+def _assert_solves(q: Tensor, rhs: Tensor, passive: Tensor, z: Tensor,
+                   seen_h: Tensor | None = None) -> None:
+    """``z`` zero off ``P`` and ``Q_PP z_P = rhs_P`` relative to ``|Q_PP||z_P| + |rhs_P|``
+    plus, after rotations, what an error of ``eps`` of the largest ``h`` seen (``seen_h``)
+    makes of the residual: ``C δh``, at most ``(|C| 1)ᵢ`` = ``√(m Qᵢᵢ)`` times it."""
     assert bool((z[~passive] == 0).all())
     for i in range(rhs.shape[0]):
         p = torch.nonzero(passive[i]).flatten()
         res = q[p][:, p] @ z[i, p] - rhs[i, p]
         scale = q[p][:, p].abs() @ z[i, p].abs() + rhs[i, p].abs() + 1e-300
+        if seen_h is not None:
+            scale = scale + (p.numel() * q.diagonal()[p]).sqrt() * seen_h[i]
         assert float((res.abs() / scale).max()) <= 1e-7
 
 
-def _assert_product(a: Tensor, b: Tensor, target: Tensor) -> None:
-    """``A B = target`` relative to ``‖Aᵢ‖₁ max|B_:ⱼ|`` (normwise, to 1e-9: the rotations mix
-    the rows of ``B``, which before a deletion may be ``1e4`` times larger)."""
-    scale = a.abs().sum(dim=1, keepdim=True) * b.abs().amax(dim=0, keepdim=True) + 1e-300
+def _assert_product(a: Tensor, b: Tensor, target: Tensor, seen: Tensor | None = None) -> None:
+    """``A B = target`` relative to ``‖Aᵢ‖₁ max|B_:ⱼ|`` (normwise, to 1e-9), ``max|B_:ⱼ|``
+    the largest entries of that column seen (``seen``: the rotations mix the rows of ``B``)."""
+    big = b.abs().amax(dim=0, keepdim=True)
+    if seen is not None:
+        big = torch.maximum(big, seen[None])
+    scale = a.abs().sum(dim=1, keepdim=True) * big + 1e-300
     assert float(((a @ b - target).abs() / scale).max()) <= 1e-9
 
 
 def _assert_factors(q: Tensor, rhs: Tensor, f: PassiveFactor, passive: Tensor,
-                    factor: Tensor) -> None:
-    """The definitions on each passive set; ``factor`` ``[K, P]`` the rows, ``Q = FFᵀ``."""
+                    factor: Tensor, seen: _Seen) -> None:
+    """The definitions on each passive set; ``factor`` ``[K, P]`` the rows, ``Q = FFᵀ``;
+    ``seen`` the largest entries of ``W`` and ``h`` so far."""
     import numpy as np
 
     rows_np = factor.numpy()
@@ -104,8 +131,8 @@ def _assert_factors(q: Tensor, rhs: Tensor, f: PassiveFactor, passive: Tensor,
         assert sorted(order.tolist()) == torch.nonzero(passive[i]).flatten().tolist()
         c, w, h = f.chol[i, :m, :m], f.w[i, :m], f.h[i, :m]
         _assert_product(c, c.T, q[order][:, order])
-        _assert_product(c, w, q[order])
-        _assert_product(c, h[:, None], rhs[i, order][:, None])
+        _assert_product(c, w, q[order], seen.w[i])
+        _assert_product(c, h[:, None], rhs[i, order][:, None], seen.h[i, None])
         assert bool((f.w[i, m:] == 0).all()) and bool((f.h[i, m:] == 0).all())
         basis = rows_np[order.numpy()].T  # [P, m]: the passive rows
         coef = np.linalg.lstsq(basis, rows_np.T, rcond=None)[0]
@@ -165,7 +192,7 @@ def test_block_additions_match_their_definitions(case: tuple[int, str, int], wid
     q, trace = trace_normalized(g @ g.T)
     gen = torch.Generator().manual_seed(seed)
     rhs = torch.randn(4, g.shape[0], generator=gen, dtype=F64)
-    f = _run(q, rhs, gen, min(4, g.shape[0] - width), g / trace.sqrt())
+    f, seen = _run(q, rhs, gen, min(4, g.shape[0] - width), g / trace.sqrt())
     rows = torch.arange(4)
     passive = torch.zeros(4, g.shape[0], dtype=torch.bool)
     for i in range(4):
@@ -174,8 +201,9 @@ def test_block_additions_match_their_definitions(case: tuple[int, str, int], wid
         if int((~passive).sum(dim=1).min()) < width:
             break
         passive = _add_blocks(q, rhs, f, passive, gen, width)
-    _assert_solves(q, rhs, passive, f.solve(rows))
-    _assert_factors(q, rhs, f, passive, g / trace.sqrt())
+        seen.record(f)
+    _assert_solves(q, rhs, passive, f.solve(rows), seen.h)
+    _assert_factors(q, rhs, f, passive, g / trace.sqrt(), seen)
 
 
 def _add_blocks(q: Tensor, rhs: Tensor, f: PassiveFactor, passive: Tensor,
