@@ -185,7 +185,10 @@ class LayerRecorder:
                     f"shared_params"
                 )
         starts = [losses.grad_fn] if losses.grad_fn is not None else []
-        ends = {y.grad_fn for layer in self.layers for y in layer.outputs
+        # every recorded output is one use of what it reads: a fallback module whose output
+        # is an op of its parameters alone (an nn.EmbeddingBag's lookup) is one call however
+        # many nodes read that output
+        ends = {y.grad_fn for record in self.records() for y in record.outputs
                 if y.grad_fn is not None}
         uses, nodes = uses_and_nodes(starts, (), params, ends)
         self._drop_unreached(nodes)

@@ -307,6 +307,41 @@ class _Padded(nn.Module):
         return self.out(torch.tanh(self.embed(ids)).mean(1))
 
 
+class _Bagged(nn.Module):
+    """An ``nn.EmbeddingBag`` (a fallback module whose output is an op of its table alone)
+    read by two layers: one call, however many nodes read its output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(7, 6, mode="sum")
+        self.a, self.b = nn.Linear(6, 8), nn.Linear(6, 8)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        h = torch.tanh(self.bag(ids))
+        return self.a(h) + torch.tanh(self.b(h))
+
+
+class _Lookup(nn.Module):
+    """A table indexed by token ids, summed per sample (no layer of the table above)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(7, 6))
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.table[ids].sum(1)
+
+
+class _LookupReadTwice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lookup, self.out = _Lookup(), nn.Linear(6, 8)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        h = self.lookup(ids)
+        return self.out(torch.tanh(h)) * torch.sigmoid(h.sum(1, keepdim=True))
+
+
 def _frozen_middle() -> nn.Module:
     trunk = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
     trunk[2].requires_grad_(False)
@@ -335,6 +370,9 @@ KINDS: dict[str, tuple[Callable[[], nn.Module], Callable[[], nn.Module],
     "decoder_masks": (_Decoder, lambda: nn.Linear(8, 3), _vectors(5, 3)),
     "attention": (_Attention, lambda: nn.Linear(8, 3), _vectors(4, 3)),
     "padding_idx": (_Padded, lambda: nn.Linear(8, 3), lambda b: torch.randint(0, 7, (b, 4))),
+    "embedding_bag": (_Bagged, lambda: nn.Linear(8, 3), lambda b: torch.randint(0, 7, (b, 4))),
+    "lookup_read_twice": (_LookupReadTwice, lambda: nn.Linear(8, 3),
+                          lambda b: torch.randint(0, 7, (b, 4))),
     "prelu": (lambda: nn.Sequential(nn.Linear(5, 8), nn.PReLU(), nn.Linear(8, 8), nn.PReLU(8)),
               lambda: nn.Linear(8, 3), _vectors(5)),
     "frozen_middle": (_frozen_middle, lambda: nn.Linear(8, 3), _vectors(5)),
@@ -368,7 +406,8 @@ def _per_sample_sum(trunk: nn.Module, heads: nn.Module, x: Tensor, y: Tensor) ->
 
 @pytest.mark.parametrize(("kind", "losses"), [
     *((kind, "BK") for kind in sorted(KINDS)),
-    *((kind, "B") for kind in ["multi_exit", "siamese", "functional", "padding_idx"])])
+    *((kind, "B") for kind in ["multi_exit", "siamese", "functional", "padding_idx",
+                               "embedding_bag", "lookup_read_twice"])])
 def test_kind_matches_matrix_route(float64: None, kind: str, losses: str) -> None:
     """Two steps: micro-batches of 3 and 2 samples, then one of a single sample; ``[B, K]``
     losses (each sample × task an objective), and ``[B]`` (each sample's summed tasks)."""
