@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from gradbalance import TaskGradBuffer
@@ -162,6 +163,75 @@ def test_configured_schedulers_are_stepped(interval: str | None, step_schedulers
                                            halvings: int) -> None:
     lr = _fit_scheduled(Scheduled(interval, step_schedulers), epochs=2, batches=3)
     assert lr == pytest.approx(0.1 * 0.5**halvings, rel=1e-12)
+
+
+class _Frequency(Module):
+    """The helper's module, accumulating ``accumulate`` batches, with a StepLR (halving)
+    stepped on ``"step"`` every ``frequency``."""
+
+    def __init__(self, accumulate: int, frequency: int) -> None:
+        super().__init__(accumulate)
+        self.frequency = frequency
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step",
+                                                   "frequency": self.frequency}}
+
+
+class _AutomaticFrequency(pl.LightningModule):
+    """The same optimizer and scheduler under Lightning's automatic optimisation."""
+
+    def __init__(self, frequency: int) -> None:
+        super().__init__()
+        self.net = _model()
+        self.frequency = frequency
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        return regression_losses(self.net(x), y).sum()
+
+    configure_optimizers = _Frequency.configure_optimizers
+
+
+class _LearningRates(pl.Callback):
+    """The learning rate after every training batch."""
+
+    def __init__(self) -> None:
+        self.seen: list[float] = []
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        self.seen.append(float(trainer.optimizers[0].param_groups[0]["lr"]))
+
+
+def _rates(module: pl.LightningModule, accumulate: int, epochs: int, batches: int
+           ) -> list[float]:
+    rates = _LearningRates()
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=epochs, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_train_batches=batches,
+                         accumulate_grad_batches=accumulate, callbacks=[rates])
+    trainer.fit(module, DataLoader(_data(), batch_size=BATCH, shuffle=False))
+    return rates.seen
+
+
+@pytest.mark.parametrize(("accumulate", "frequency", "batches"), [
+    (1, 2, 3),  # an epoch of 3 batches: the count starts again each epoch
+    (2, 2, 5),  # a last window of one batch
+    (2, 3, 7),
+    (3, 2, 8),
+])
+def test_step_schedulers_follow_automatic_optimisation(accumulate: int, frequency: int,
+                                                       batches: int) -> None:
+    """``"interval": "step"`` with ``frequency`` > 1, with and without accumulation: the
+    learning rate after every batch is automatic optimisation's (Lightning's own schedule,
+    ``accumulate_grad_batches`` on the Trainer there)."""
+    helper = _rates(_Frequency(accumulate, frequency), 1, epochs=2, batches=batches)
+    automatic = _rates(_AutomaticFrequency(frequency), accumulate, epochs=2, batches=batches)
+    assert len(helper) == 2 * batches
+    assert helper == automatic
+    assert min(helper) < 0.1  # some step was taken
 
 
 def test_a_plateau_scheduler_is_refused_with_the_fix() -> None:

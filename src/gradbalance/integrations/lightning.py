@@ -56,13 +56,15 @@ def _last_batch(trainer: Any, batch_idx: int) -> bool:
                        "batch_progress", None)
     return bool(getattr(progress, "is_last_batch", False))
 
-def _step(configs: list[Any], trainer: Any, last_of_epoch: bool) -> None:
-    """Step the schedulers due after an optimizer step, as Lightning's automatic loop does:
-    ``"step"`` ones every ``frequency`` optimizer steps, ``"epoch"`` ones on the epoch's last
-    batch every ``frequency`` epochs."""
+def _step(configs: list[Any], trainer: Any, batch_idx: int, last_of_epoch: bool) -> None:
+    """Step the schedulers due after the optimizer step of batch ``batch_idx``, as
+    Lightning's automatic loop does (``TrainingEpochLoop._update_learning_rates``):
+    ``"step"`` ones where the batch's index in its epoch plus one is a multiple of
+    ``frequency`` (with accumulation, on the batches that step the optimizer only),
+    ``"epoch"`` ones on the epoch's last batch every ``frequency`` epochs."""
     for config in configs:
         if config.interval == "step":
-            due = trainer.global_step % config.frequency == 0
+            due = (batch_idx + 1) % config.frequency == 0
         else:
             due = last_of_epoch and (trainer.current_epoch + 1) % config.frequency == 0
         if due:
@@ -217,7 +219,7 @@ class BalancedManualStep(nn.Module):
         stats = self.parts.step(scaler)  # autocast off: balanced in the gradients' dtype
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        _step(schedulers, module.trainer, last)
+        _step(schedulers, module.trainer, batch_idx, last)
         self.last_stats = stats
         if self.log:
             for name, value in self.parts.scalars(stats).items():
