@@ -12,7 +12,10 @@ see every module run inside a backward (``torch._C._current_graph_task_id() ≥ 
 recomputation; no module runs there without one, so a step without checkpoints pays nothing
 but two hook registrations). A module's buffers change in the first graph task that
 recomputes it for a micro-batch's graph (the graph named by its ``TaskRoots.graph``); in every
-later one they are put back after its forward. When the guarded call
+later one they are put back after its forward. A module shared by two segments that
+different tasks reach, whose recomputation in a segment the counting task did not recompute
+changes its buffers, is refused (plain PyTorch recomputes each segment once, in its own
+order; the segment is the checkpoint frame found up the stack). When the guarded call
 raises, every recomputed module's buffers are put back to what they were before the call
 (a refused ``passes="batched"`` try, which recomputed a segment before vmap refused its
 dropout, no longer moves the running statistics). State outside buffers (attributes a
@@ -35,9 +38,11 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import sys
 import threading
 import weakref
 from collections.abc import Iterator
+from types import FrameType
 from typing import Any
 
 import torch
@@ -104,6 +109,23 @@ def _graph_task() -> int:
     return int(torch._C._current_graph_task_id())
 
 
+def _segment() -> int | None:
+    """The checkpointed segment being recomputed: the identity of the innermost
+    ``torch.utils.checkpoint`` frame whose unpack hook runs the recomputation (the ``frame``
+    its hook reads), found up the Python stack; None where there is none to be found."""
+    kind = getattr(torch.utils.checkpoint, "_CheckpointFrame", None)
+    if kind is None:
+        return None
+    at: FrameType | None = sys._getframe(1)
+    while at is not None:
+        if at.f_code.co_name == "unpack_hook":
+            frame = at.f_locals.get("frame")
+            if isinstance(frame, kind):
+                return id(frame)
+        at = at.f_back
+    return None
+
+
 #: The guards active in this thread, innermost last (:func:`passes_on` finds its own there).
 _ACTIVE = threading.local()
 
@@ -154,12 +176,16 @@ class RecomputeGuard:
         # the modules an uncounted task recomputes: their buffers before it, and its number
         self._pending: dict[int, tuple[weakref.ref[nn.Module], Buffers, int]] = {}
         self._calls: dict[tuple[int, int], int] = {}  # (module, task) → its calls so far
+        # module → the checkpointed segments its counted tasks recomputed it in (a segment
+        # is one forward's: a later graph's passes may run through an earlier one's)
+        self._segments: dict[int, set[int]] = {}
+        self._probes: dict[int, Buffers] = {}  # module → its buffers before a probed call
 
     @contextlib.contextmanager
     def call(self, graph: int, first: bool) -> Iterator[None]:
         """One call of the step through the micro-batch graph ``graph``."""
         if first:
-            self._counted, self._starts = {}, {}
+            self._counted, self._starts, self._segments = {}, {}, {}
         self.graph = graph
         with self.later():
             yield
@@ -167,10 +193,11 @@ class RecomputeGuard:
     @contextlib.contextmanager
     def later(self) -> Iterator[None]:
         """A backward through the graph of the last :meth:`call`."""
-        self._before, self._pending, self._calls = {}, {}, {}
+        self._before, self._pending, self._calls, self._probes = {}, {}, {}, {}
         stack = _active()
         stack.append(self)
-        hook = nn.modules.module.register_module_forward_pre_hook(self._pre)
+        hooks = (nn.modules.module.register_module_forward_pre_hook(self._pre),
+                 nn.modules.module.register_module_forward_hook(self._post))
         try:
             yield
             self._flush(None)
@@ -178,9 +205,10 @@ class RecomputeGuard:
             self._restore_all()
             raise
         finally:
-            hook.remove()
+            for hook in hooks:
+                hook.remove()
             stack.pop()
-            self._before, self._pending, self._calls = {}, {}, {}
+            self._before, self._pending, self._calls, self._probes = {}, {}, {}, {}
 
     def _pre(self, module: nn.Module, args: Any) -> None:
         task = _graph_task()
@@ -193,8 +221,11 @@ class RecomputeGuard:
         if mid not in self._before:
             now = _saved(module)
             self._before[mid] = (weakref.ref(module), now)
+        segment = _segment()
         if self._counted.setdefault(key, task) == task:
             self._starts.setdefault(key, []).append(now or _saved(module))
+            if segment is not None:
+                self._segments.setdefault(mid, set()).add(segment)
             return
         if mid not in self._pending:
             self._pending[mid] = (weakref.ref(module), now or _saved(module), task)
@@ -203,6 +234,25 @@ class RecomputeGuard:
         starts = self._starts.get(key, [])
         if n < len(starts):
             _put_back(module, starts[n])
+        if segment is not None and segment not in self._segments.get(mid, {segment}):
+            self._probes[mid] = _saved(module)  # a segment plain backward also recomputes
+
+    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        """Refuse a recomputation in a segment the counted task did not recompute the module
+        in (:meth:`_pre`'s probe) that changed its buffers: plain ``backward`` recomputes
+        every segment once, each changing them, in its own order, which the passes (one per
+        task) cannot keep. Buffers it leaves as they were (a constant table) pass."""
+        saved = self._probes.pop(id(module), None)
+        if saved is None or not _changed(saved):
+            return
+        raise RuntimeError(
+            f"a module with buffers ({type(module).__name__}) changes them when recomputed in "
+            f"two torch.utils.checkpoint segments that different tasks reach: plain backward "
+            f"recomputes each segment once, each changing the buffers, and the balanced "
+            f"step's passes (one per task) cannot keep that count and order. Call the module "
+            f"in one checkpointed segment or outside them, give each segment its own module, "
+            f"or use passes='batched' (one pass for every task; docs/loop.md, \"Inputs plain "
+            f"PyTorch takes\")")
 
     def _flush(self, task: int | None) -> None:
         """The modules recomputed by graph tasks other than ``task`` (all: None) put back."""
@@ -221,3 +271,14 @@ class RecomputeGuard:
             if module is not None:
                 with contextlib.suppress(RuntimeError):  # an uncopied buffer: left as is
                     _put_back(module, saved)
+
+
+
+def _changed(saved: Buffers) -> bool:
+    """Whether some buffer of ``saved`` now differs from its saved value (its version
+    counter, where it was not copied)."""
+    for buffer, value, version in saved.values():
+        if (value is not None and not torch.equal(buffer, value)) or (
+                value is None and _version(buffer) != version):
+            return True
+    return False

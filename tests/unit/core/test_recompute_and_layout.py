@@ -314,3 +314,93 @@ def test_a_new_grad_takes_the_parameters_strides(case: LayoutCase, mode: str,
     for p, want in zip(trunk, plain):
         assert p.grad.stride() == want.stride() == p.stride()
         torch.testing.assert_close(p.grad, want)
+
+
+class SharedAcrossSegments(nn.Module):
+    """One module with buffers called in two checkpointed segments; task 0 reads the first
+    segment's output, task 1 the second's (``both``: every task reads both)."""
+
+    def __init__(self, shared: nn.Module, both: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.shared = nn.Linear(4, 6), shared
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+        self.heads = nn.ModuleList(nn.Linear(6, 1) for _ in range(2))
+        self.both = both
+        self.double()
+
+    def losses(self) -> list[Tensor]:
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        h = torch.tanh(self.inp(x))
+        ya = checkpoint(lambda t: torch.tanh(self.a(self.shared(t))), h, use_reentrant=False)
+        yb = checkpoint(lambda t: torch.tanh(self.b(self.shared(2 * t))), h,
+                        use_reentrant=False)
+        if self.both:
+            ya, yb = ya + yb, ya - yb
+        return [self.heads[0](ya).pow(2).mean(), self.heads[1](yb).pow(2).mean()]
+
+    def trunk(self) -> list[Tensor]:
+        return [p for name, p in self.named_parameters() if not name.startswith("heads")]
+
+
+class Constant(nn.Module):
+    """A buffer its forward only reads (a table, a mask)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 6))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.scale
+
+
+def _plain_shared(make: Callable[[], SharedAcrossSegments]
+                  ) -> tuple[dict[str, Tensor], list[Tensor]]:
+    model = make()
+    sum(model.losses()).backward()
+    return _buffers(model), [p.grad.clone() for p in model.trunk()]
+
+
+@pytest.mark.parametrize("mode", ["matrix", "gramian"])
+def test_a_module_shared_by_segments_tasks_reach_apart_is_refused(mode: str) -> None:
+    """Plain backward recomputes both segments, each moving the running statistics; the
+    loop's passes would count the second task's segment out. Refused by name, the
+    statistics and every ``.grad`` as the forward left them; ``passes="batched"`` (one pass)
+    gives plain PyTorch's statistics and update."""
+    model = SharedAcrossSegments(nn.BatchNorm1d(6))
+    buf = TaskGradBuffer(model.trunk(), model.heads.parameters(), mode=mode, passes="loop",
+                         modules=None if mode == "matrix" else model)
+    losses = model.losses()
+    before = _buffers(model)
+    with pytest.raises(RuntimeError, match=r"BatchNorm1d.*two torch\.utils\.checkpoint "
+                                           r"segments.*passes='batched'"):
+        buf.backward(losses)
+    _assert_same(_buffers(model), before)
+    assert all(p.grad is None for p in model.parameters())
+
+    expected, grads = _plain_shared(lambda: SharedAcrossSegments(nn.BatchNorm1d(6)))
+    model = SharedAcrossSegments(nn.BatchNorm1d(6))
+    buf = TaskGradBuffer(model.trunk(), model.heads.parameters(), passes="batched")
+    buf.backward(model.losses())
+    buf.apply_(Sum())
+    _assert_same(_buffers(model), expected)
+    for got, want in zip([p.grad for p in model.trunk()], grads):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(("shared", "both"), [("constant", False), ("batchnorm", True)])
+def test_a_module_shared_by_segments_counts_as_plain(shared: str, both: bool) -> None:
+    """A shared module whose buffers its recomputation leaves alone, and a BatchNorm in two
+    segments every task reaches: the loop's passes give plain PyTorch's buffers and update."""
+    def make() -> SharedAcrossSegments:
+        return SharedAcrossSegments(Constant() if shared == "constant" else nn.BatchNorm1d(6),
+                                    both)
+
+    expected, grads = _plain_shared(make)
+    model = make()
+    buf = TaskGradBuffer(model.trunk(), model.heads.parameters(), passes="loop")
+    buf.backward(model.losses())
+    buf.apply_(Sum())
+    _assert_same(_buffers(model), expected)
+    for got, want in zip([p.grad for p in model.trunk()], grads):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
