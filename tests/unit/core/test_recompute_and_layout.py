@@ -404,3 +404,44 @@ def test_a_module_shared_by_segments_counts_as_plain(shared: str, both: bool) ->
     _assert_same(_buffers(model), expected)
     for got, want in zip([p.grad for p in model.trunk()], grads):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+class Nested(nn.Module):
+    """A BatchNorm in a checkpointed segment inside another, every task reading the outer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.bn = nn.Linear(4, 6), nn.BatchNorm1d(6)
+        self.a, self.c = nn.Linear(6, 6), nn.Linear(6, 6)
+        self.heads = nn.ModuleList(nn.Linear(6, 1) for _ in range(K))
+        self.double()
+
+    def inner(self, t: Tensor) -> Tensor:
+        return torch.tanh(self.a(self.bn(t)))
+
+    def outer(self, t: Tensor) -> Tensor:
+        return torch.tanh(self.c(checkpoint(self.inner, t, use_reentrant=False)))
+
+    def losses(self) -> list[Tensor]:
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        y = checkpoint(self.outer, torch.tanh(self.inp(x)), use_reentrant=False)
+        return [h(y).pow(2).mean() * (k + 1) for k, h in enumerate(self.heads)]
+
+    def trunk(self) -> list[Tensor]:
+        return [p for name, p in self.named_parameters() if not name.startswith("heads")]
+
+
+@pytest.mark.parametrize("passes", ["loop", "batched"])
+def test_nested_checkpoints_count_as_plain(passes: str) -> None:
+    """Every task reaches both segments (the inner one recomputed inside the outer's
+    recomputation): nothing refused, the buffers and the update plain PyTorch's."""
+    plain = Nested()
+    sum(plain.losses()).backward()
+    model = Nested()
+    buf = TaskGradBuffer(model.trunk(), model.heads.parameters(), passes=passes)
+    buf.backward(model.losses())
+    buf.apply_(Sum())
+    _assert_same(_buffers(model), _buffers(plain))
+    for got, want in zip([p.grad for p in model.trunk()], [p.grad for p in plain.trunk()]):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
