@@ -354,11 +354,18 @@ class Constant(nn.Module):
         return x * self.scale
 
 
-def _plain_shared(make: Callable[[], SharedAcrossSegments]
-                  ) -> tuple[dict[str, Tensor], list[Tensor]]:
+def _assert_plain_step(make: Callable[[], SharedAcrossSegments | Nested], passes: str) -> None:
+    """One step with ``passes`` (``Sum``) leaves the buffers and ``.grad`` of plain
+    ``sum(losses).backward()`` on an identical model."""
+    plain = make()
+    sum(plain.losses()).backward()
     model = make()
-    sum(model.losses()).backward()
-    return _buffers(model), [p.grad.clone() for p in model.trunk()]
+    buf = TaskGradBuffer(model.trunk(), model.heads.parameters(), passes=passes)
+    buf.backward(model.losses())
+    buf.apply_(Sum())
+    _assert_same(_buffers(model), _buffers(plain))
+    for got, want in zip([p.grad for p in model.trunk()], [p.grad for p in plain.trunk()]):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("mode", ["matrix", "gramian"])
@@ -378,14 +385,7 @@ def test_a_module_shared_by_segments_tasks_reach_apart_is_refused(mode: str) -> 
     _assert_same(_buffers(model), before)
     assert all(p.grad is None for p in model.parameters())
 
-    expected, grads = _plain_shared(lambda: SharedAcrossSegments(nn.BatchNorm1d(6)))
-    model = SharedAcrossSegments(nn.BatchNorm1d(6))
-    buf = TaskGradBuffer(model.trunk(), model.heads.parameters(), passes="batched")
-    buf.backward(model.losses())
-    buf.apply_(Sum())
-    _assert_same(_buffers(model), expected)
-    for got, want in zip([p.grad for p in model.trunk()], grads):
-        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    _assert_plain_step(lambda: SharedAcrossSegments(nn.BatchNorm1d(6)), "batched")
 
 
 @pytest.mark.parametrize(("shared", "both"), [("constant", False), ("batchnorm", True)])
@@ -396,14 +396,7 @@ def test_a_module_shared_by_segments_counts_as_plain(shared: str, both: bool) ->
         return SharedAcrossSegments(Constant() if shared == "constant" else nn.BatchNorm1d(6),
                                     both)
 
-    expected, grads = _plain_shared(make)
-    model = make()
-    buf = TaskGradBuffer(model.trunk(), model.heads.parameters(), passes="loop")
-    buf.backward(model.losses())
-    buf.apply_(Sum())
-    _assert_same(_buffers(model), expected)
-    for got, want in zip([p.grad for p in model.trunk()], grads):
-        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    _assert_plain_step(make, "loop")
 
 
 class Nested(nn.Module):
@@ -436,12 +429,4 @@ class Nested(nn.Module):
 def test_nested_checkpoints_count_as_plain(passes: str) -> None:
     """Every task reaches both segments (the inner one recomputed inside the outer's
     recomputation): nothing refused, the buffers and the update plain PyTorch's."""
-    plain = Nested()
-    sum(plain.losses()).backward()
-    model = Nested()
-    buf = TaskGradBuffer(model.trunk(), model.heads.parameters(), passes=passes)
-    buf.backward(model.losses())
-    buf.apply_(Sum())
-    _assert_same(_buffers(model), _buffers(plain))
-    for got, want in zip([p.grad for p in model.trunk()], [p.grad for p in plain.trunk()]):
-        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    _assert_plain_step(Nested, passes)
