@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from gradbalance import TaskGradBuffer
+from gradbalance.balancers import Sum
 from gradbalance.integrations.lightning import BalancedManualStep
 from gradbalance_lab.models import MultiTaskModel, regression_losses
 
@@ -232,6 +234,59 @@ def test_step_schedulers_follow_automatic_optimisation(accumulate: int, frequenc
     assert len(helper) == 2 * batches
     assert helper == automatic
     assert min(helper) < 0.1  # some step was taken
+
+
+class _SumHelper(pl.LightningModule):
+    """The helper with ``Sum`` (the plain update), plain SGD and a step-interval StepLR."""
+
+    def __init__(self, accumulate: int) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.net = _model()
+        self.balanced = BalancedManualStep(Sum(), self.net.shared_parameters(),
+                                           self.net.head_parameters(),
+                                           accumulate_grad_batches=accumulate)
+        self.frequency = 1
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.balanced(self, regression_losses(self.net(x), y), batch_idx)
+
+    configure_optimizers = _Frequency.configure_optimizers
+
+
+def _fit_resumable(module: pl.LightningModule, accumulate: int, out: Path,
+                   ckpt: Path | None = None) -> tuple[Tensor, float]:
+    """Two epochs of 5 batches, a checkpoint every 2 optimizer steps (``out``), resumed from
+    ``ckpt`` where given: the final parameters and learning rate."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    saving = ModelCheckpoint(dirpath=out, every_n_train_steps=2, save_top_k=-1,
+                             filename="{step}")
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=2, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         limit_train_batches=5, accumulate_grad_batches=accumulate,
+                         callbacks=[saving])
+    trainer.fit(module, DataLoader(_data(), batch_size=BATCH, shuffle=False),
+                ckpt_path=None if ckpt is None else str(ckpt))
+    params = torch.cat([p.detach().flatten() for p in module.net.parameters()])
+    return params, float(trainer.optimizers[0].param_groups[0]["lr"])
+
+
+def test_mid_epoch_resume_follows_automatic_optimisation(tmp_path: Path) -> None:
+    """Accumulating 2 batches of epochs of 5: the helper with ``Sum`` ends where automatic
+    optimisation ends, run straight and resumed from the checkpoint after the second
+    optimizer step (inside the first epoch: Lightning's own mid-epoch resume)."""
+    runs = {}
+    for name, make, accumulate in (("helper", lambda: _SumHelper(2), 1),
+                                   ("automatic", lambda: _AutomaticFrequency(1), 2)):
+        straight = _fit_resumable(make(), accumulate, tmp_path / name)
+        resumed = _fit_resumable(make(), accumulate, tmp_path / f"{name}_resumed",
+                                 ckpt=tmp_path / name / "step=2.ckpt")
+        runs[name] = (straight, resumed)
+    for got, want in zip(runs["helper"], runs["automatic"]):
+        torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-6)
+        assert got[1] == pytest.approx(want[1], rel=1e-12)
 
 
 def test_a_plateau_scheduler_is_refused_with_the_fix() -> None:
