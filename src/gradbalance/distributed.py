@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import warnings
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -590,8 +591,25 @@ def ddp_no_sync(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
     from torch.nn.parallel import DistributedDataParallel
 
     if isinstance(model, DistributedDataParallel):
+        _warn_comm_hooks(model)
         return model.no_sync()
     return contextlib.nullcontext()
+
+
+def _warn_comm_hooks(model: nn.Module) -> None:
+    """Warn, once per model, where DDP has a communication hook: the buffer averages the
+    gradients with its own all-reduce, which the hook (compression, PowerSGD) does not see."""
+    hooks = getattr(model, "_comm_hooks", None)
+    if not hooks or getattr(model, "_gradbalance_warned_comm_hook", False):
+        return
+    model._gradbalance_warned_comm_hook = True  # type: ignore[assignment]
+    names = [getattr(hook, "__name__", type(hook).__name__) for hook, _ in hooks]
+    warnings.warn(
+        f"the DistributedDataParallel model has a communication hook ({', '.join(names)}): "
+        f"under ddp_no_sync the buffer averages the task gradients with its own all-reduce "
+        f"in their dtype, so the hook does not run on the balanced step "
+        f"(docs/distributed.md, \"What TaskGradBuffer does\")",
+        UserWarning, stacklevel=3)
 
 
 def gathered_parameters(module: nn.Module) -> list[Tensor]:
