@@ -273,7 +273,6 @@ class RecomputeGuard:
                     _put_back(module, saved)
 
 
-
 def _changed(saved: Buffers) -> bool:
     """Whether some buffer of ``saved`` now differs from its saved value (its version
     counter, where it was not copied)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import warnings
+import weakref
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -596,13 +597,18 @@ def ddp_no_sync(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
     return contextlib.nullcontext()
 
 
+#: The DDP models whose communication hook :func:`ddp_no_sync` has named (the user's model
+#: itself is not written to).
+_WARNED_COMM_HOOKS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
 def _warn_comm_hooks(model: nn.Module) -> None:
     """Warn, once per model, where DDP has a communication hook: the buffer averages the
     gradients with its own all-reduce, which the hook (compression, PowerSGD) does not see."""
     hooks = getattr(model, "_comm_hooks", None)
-    if not hooks or getattr(model, "_gradbalance_warned_comm_hook", False):
+    if not hooks or model in _WARNED_COMM_HOOKS:
         return
-    model._gradbalance_warned_comm_hook = True  # type: ignore[assignment]
+    _WARNED_COMM_HOOKS.add(model)
     names = [getattr(hook, "__name__", type(hook).__name__) for hook, _ in hooks]
     warnings.warn(
         f"the DistributedDataParallel model has a communication hook ({', '.join(names)}): "

@@ -236,21 +236,12 @@ def test_step_schedulers_follow_automatic_optimisation(accumulate: int, frequenc
     assert min(helper) < 0.1  # some step was taken
 
 
-class _SumHelper(pl.LightningModule):
+class _SumHelper(Module):
     """The helper with ``Sum`` (the plain update), plain SGD and a step-interval StepLR."""
 
     def __init__(self, accumulate: int) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-        self.net = _model()
-        self.balanced = BalancedManualStep(Sum(), self.net.shared_parameters(),
-                                           self.net.head_parameters(),
-                                           accumulate_grad_batches=accumulate)
+        super().__init__(accumulate, balancer=Sum())
         self.frequency = 1
-
-    def training_step(self, batch: Any, batch_idx: int) -> None:
-        x, y = batch
-        self.balanced(self, regression_losses(self.net(x), y), batch_idx)
 
     configure_optimizers = _Frequency.configure_optimizers
 

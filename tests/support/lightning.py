@@ -26,14 +26,16 @@ def make_balancer() -> Any:  # PCGrad: its random task order must agree on every
 
 
 class BalancedModule(pl.LightningModule):
-    """Trains ``make_model()`` with ``BalancedManualStep`` (PCGrad) and SGD with momentum."""
+    """Trains ``make_model()`` with ``BalancedManualStep`` (PCGrad, or ``balancer``) and SGD
+    with momentum."""
 
-    def __init__(self, accumulate: int, mode: str = "matrix") -> None:
+    def __init__(self, accumulate: int, mode: str = "matrix", balancer: Any = None) -> None:
         super().__init__()
         self.automatic_optimization = False
         self.net = make_model()
         extra = {"modules": self.net.trunk} if mode == "gramian" else {}
-        self.balanced = BalancedManualStep(make_balancer(), self.net.shared_parameters(),
+        balancer = make_balancer() if balancer is None else balancer
+        self.balanced = BalancedManualStep(balancer, self.net.shared_parameters(),
                                            self.net.head_parameters(),
                                            accumulate_grad_batches=accumulate, mode=mode,
                                            **extra)
