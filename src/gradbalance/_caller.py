@@ -13,6 +13,11 @@ _INTERNAL = tuple(os.path.dirname(os.path.abspath(m.__file__ or "")) + os.sep
                   for m in (sys.modules[__package__ or "gradbalance"], torch))
 
 
+def is_internal(path: str) -> bool:
+    """Whether the source file ``path`` lies inside this package or torch."""
+    return os.path.abspath(path).startswith(_INTERNAL)
+
+
 def user_stacklevel() -> int:
     """``warnings.warn``'s ``stacklevel``, called from the function that warns, that names
     the first frame whose file lies outside this package and torch.
@@ -25,7 +30,6 @@ def user_stacklevel() -> int:
     """
     frame = sys._getframe(1)
     level = 1
-    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(
-            _INTERNAL):
+    while frame.f_back is not None and is_internal(frame.f_code.co_filename):
         frame, level = frame.f_back, level + 1
     return level

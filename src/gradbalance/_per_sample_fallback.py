@@ -30,6 +30,7 @@ from torch.autograd.graph import Node
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_leaves, tree_unflatten
 
+from ._batching import raised_by_model
 from ._per_sample_eager import Recorded, edge_of
 from .clip._per_sample_record import FallbackCall
 
@@ -55,7 +56,11 @@ def per_sample_grads(module: nn.Module, names: list[str], call: FallbackCall,
     if not any(_half(p) for p in params):  # else the check below cannot tell a wrong split
         try:
             rows = _vectorised(module, names, params, call, ds, len(tasks))
-        except RuntimeError:  # a random op, or an op vmap cannot batch
+        except Exception as error:  # a random op, an op vmap cannot batch, a forward that
+            # refuses one sample at a time: the masked route (a hook's own error raises, as
+            # under plain backward)
+            if raised_by_model(error):
+                raise
             rows = None
     with cut_at(call.stops):  # the module's own uses of its parameters in this call
         if rows is None or not _adds_up(rows, params, outputs, ds, len(tasks)):
@@ -200,7 +205,9 @@ def _batched_vjp(edges: list[Any], params: list[Tensor], masked: list[Tensor]) -
                                       allow_unused=True, is_grads_batched=True)
         return [torch.zeros(masked[0].shape[0], *p.shape, dtype=p.dtype, device=p.device)
                 if g is None else g for g, p in zip(got, params)]
-    except RuntimeError:
+    except RuntimeError as error:
+        if raised_by_model(error):  # a hook's own error: plain backward raises it too
+            raise
         lanes = [torch.autograd.grad(edges, params, [m[lane] for m in masked],
                                      retain_graph=True, allow_unused=True)
                  for lane in range(masked[0].shape[0])]

@@ -11,6 +11,7 @@ from typing import Literal, get_args
 import torch
 from torch import Tensor
 
+from ._batching import raised_by_model
 from ._checks import as_loss_vector, as_parameter_list, check_bool, check_choice
 from ._recompute import passes_on
 from ._roots import TaskRoots
@@ -124,6 +125,8 @@ def batched_grads(roots: TaskRoots, inputs: Sequence[Tensor], passes: Passes,
                 retain_graph=True if passes != "batched" else retain_graph, allow_unused=True,
             )
     except RuntimeError as error:
+        if raised_by_model(error):  # a hook's own error: plain backward raises it too
+            raise
         if passes == "batched":
             raise RuntimeError(
                 f"passes='batched' failed: some op in the model has no batching rule "

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._batching import raised_by_model
 from .._checks import (
     as_parameter_list,
     check_bool,
@@ -82,7 +83,9 @@ def _norms_of_rows(losses: Tensor, params: list[Tensor], rows: range, joint: boo
             grads = torch.autograd.grad(losses, params, cot, retain_graph=True,
                                         is_grads_batched=True, allow_unused=True)
         return batched_norms(grads, len(rows), norm_type, losses)
-    except RuntimeError as error:  # no batching rule: a real error re-raises in the loop
+    except RuntimeError as error:  # no batching rule: the loop; a hook's own error raises
+        if raised_by_model(error):
+            raise
         warnings.warn(
             f"batched per-sample gradients unsupported by this model ({str(error)[:120]}); "
             f"falling back to one autograd.grad per sample",

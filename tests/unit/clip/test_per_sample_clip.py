@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -453,6 +454,37 @@ def test_model_without_batching_rule_falls_back_to_a_loop() -> None:
     dots = x @ w.detach()
     torch.testing.assert_close(norms, 8 * dots.abs() * x.norm(dim=1))
 
+
+
+def test_a_hooks_own_error_raises_not_the_loop() -> None:
+    """A hook of the model that raises once raises under plain backward; the batched
+    per-sample backward raises it too (no fallback warning), not the loop in its place, where
+    it would not raise again; called again, the norms are the closed form's."""
+    w = torch.tensor([1.0, -2.0], requires_grad=True)
+    x = torch.tensor([[1.0, 0.0], [0.0, 3.0], [2.0, 2.0]])
+    calls = []
+
+    def check(grad: torch.Tensor) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected: the model's own check failed")
+
+    def losses() -> torch.Tensor:
+        v = w * 1.0
+        v.register_hook(check)
+        return (x @ v) ** 2  # ℓᵢ = (xᵢ·w)², ∇ = 2 (xᵢ·w) xᵢ
+
+    with pytest.raises(RuntimeError, match="injected"):
+        losses().sum().backward()
+    calls.clear()
+    w.grad = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        with pytest.raises(RuntimeError, match=r"^injected: the model's own check failed$"):
+            per_sample_grad_norms(losses(), [w])
+        norms = per_sample_grad_norms(losses(), [w])
+    assert w.grad is None
+    torch.testing.assert_close(norms, 2 * (x @ w.detach()).abs() * x.norm(dim=1))
 
 # -- mixed precision and non-finite gradients -------------------------------------------
 

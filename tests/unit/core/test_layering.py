@@ -38,7 +38,7 @@ GRAPH = import_graph(SOURCES)
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("_types.py", "_version.py", "_optional.py", "_pickling.py", "_registry.py",
      "_statedict.py", "_checks.py", "_state_spec.py", "_module.py", "_threads.py",
-     "_sparse.py", "_rng_state.py", "_recompute.py", "_caller.py"),
+     "_sparse.py", "_rng_state.py", "_recompute.py", "_caller.py", "_batching.py"),
     ("gramian.py", "_shard.py", "stats.py", "_roots.py", "_graph.py", "_coverage.py",
      "_sinks.py", "taskgrads.py", "_per_sample_eager.py", "_per_sample_mixing.py",
      "_step_state.py", "_step_inputs.py"),

@@ -119,3 +119,83 @@ def test_forced_batched_on_a_sparse_embedding_says_the_fix_in_one_line(mode: str
         p.grad = None
     losses().sum().backward()
     _close(got, [p.grad.to_dense() for p in trunk])
+
+
+class _RaisesOnce(nn.Module):
+    """The identity, with a hook on its output that raises on its first call only (a check
+    of the user's, an injected failure): ``tensor`` a tensor hook, ``module`` a full backward
+    hook, ``function`` a custom Function's backward."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind, self.calls = kind, 0
+        if kind == "module":
+            self.register_full_backward_hook(lambda *_: self._check())
+
+    def _check(self) -> None:
+        self.calls += 1
+        if self.calls == 1:
+            raise RuntimeError("injected: the model's own check failed")
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.kind == "function":
+            return _CheckedIdentity.apply(x, self)  # type: ignore[no-any-return]
+        out = x * 1.0
+        if self.kind == "tensor":
+            out.register_hook(lambda g: self._check())
+        return out
+
+
+class _CheckedIdentity(torch.autograd.Function):
+    """The identity whose backward runs the module's check first."""
+
+    @staticmethod
+    def forward(ctx, x, owner):  # type: ignore[no-untyped-def]
+        ctx.owner = owner
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        ctx.owner._check()
+        return grad, None
+
+
+def _hooked_model(kind: str) -> tuple[MultiTaskModel, Tensor, Tensor]:
+    torch.manual_seed(0)
+    trunk = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), _RaisesOnce(kind), nn.Linear(8, 8),
+                          nn.Tanh())
+    model = MultiTaskModel(trunk, make_heads(8, K)).double()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 6, generator=gen, dtype=torch.float64)
+    return model, x, torch.randn(5, K, generator=gen, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("kind", ["tensor", "module", "function"])
+@pytest.mark.parametrize(("mode", "passes", "force"), [
+    ("matrix", "auto", None), ("matrix", "measure", None), ("matrix", "batched", None),
+    ("gramian", "auto", "rows"), ("gramian", "measure", None), ("gramian", "batched", "rows"),
+])
+def test_a_hooks_own_error_raises_as_under_plain_backward(
+        monkeypatch: pytest.MonkeyPatch, kind: str, mode: str, passes: str,
+        force: str | None) -> None:
+    """A hook of the model that raises once raises under ``sum(losses).backward()``; the
+    batched passes raise it too (the same error, no fallback warning, no ``.grad``), not the
+    loop in its place, where it would not raise again and the step would pass as if nothing
+    had happened. The next step, the hook quiet, is the loop's update."""
+    model, x, y = _hooked_model(kind)
+    with pytest.raises(RuntimeError, match="injected"):
+        regression_losses(model(x), y).sum().backward()
+    model, x, y = _hooked_model(kind)
+    model.trunk[2].calls = 1  # quiet: the reference
+    reference = _step(forced_buffer(model, "matrix", "loop", None), model, x, y)
+    model.trunk[2].calls = 0
+    monkeypatch.setitem(taskgrads.AUTO_PREFERENCE, "cpu", "batched")
+    buf = forced_buffer(model, mode, passes, force)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no "falling back to the loop"
+        with pytest.raises(RuntimeError, match=r"^injected: the model's own check failed$"):
+            buf.backward(regression_losses(model(x), y))
+    assert all(p.grad is None for p in model.parameters())
+    got = _step(buf, model, x, y)
+    _close(got[0], reference[0])
+    _close(got[1], reference[1])

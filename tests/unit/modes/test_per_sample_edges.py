@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 from gradbalance import TaskGradBuffer
-from gradbalance.balancers import MGDA, Balancer, UPGrad
+from gradbalance.balancers import MGDA, Balancer, Sum, UPGrad
 
 LossFn = Callable[[nn.Module, nn.Module, Tensor, Tensor], Tensor]
 Batch = tuple[Tensor, Tensor]
@@ -342,6 +342,22 @@ class _LookupReadTwice(nn.Module):
         return self.out(torch.tanh(h)) * torch.sigmoid(h.sum(1, keepdim=True))
 
 
+
+class _NeedsTwo(nn.Module):
+    """A table lookup whose forward refuses fewer than two samples (a user's shape check,
+    raising ``error``): plain backward never sees it; the per-sample route's vectorised rows
+    run the forward one sample at a time, so this module's rows come from the masked route."""
+
+    def __init__(self, error: type[Exception]) -> None:
+        super().__init__()
+        self.error = error
+        self.table, self.out = nn.Parameter(torch.randn(7, 6)), nn.Linear(6, 8)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        if ids.shape[0] < 2:
+            raise self.error(f"expected a batch of at least two samples, got {ids.shape[0]}")
+        return self.out(torch.tanh(self.table[ids].sum(1)))
+
 def _frozen_middle() -> nn.Module:
     trunk = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
     trunk[2].requires_grad_(False)
@@ -373,6 +389,10 @@ KINDS: dict[str, tuple[Callable[[], nn.Module], Callable[[], nn.Module],
     "embedding_bag": (_Bagged, lambda: nn.Linear(8, 3), lambda b: torch.randint(0, 7, (b, 4))),
     "lookup_read_twice": (_LookupReadTwice, lambda: nn.Linear(8, 3),
                           lambda b: torch.randint(0, 7, (b, 4))),
+    **{f"needs_two_{error.__name__}": (lambda error=error: _NeedsTwo(error),
+                                       lambda: nn.Linear(8, 3),
+                                       lambda b: torch.randint(0, 7, (b, 4)))
+       for error in (AssertionError, ValueError, RuntimeError)},
     "prelu": (lambda: nn.Sequential(nn.Linear(5, 8), nn.PReLU(), nn.Linear(8, 8), nn.PReLU(8)),
               lambda: nn.Linear(8, 3), _vectors(5)),
     "frozen_middle": (_frozen_middle, lambda: nn.Linear(8, 3), _vectors(5)),
@@ -407,11 +427,13 @@ def _per_sample_sum(trunk: nn.Module, heads: nn.Module, x: Tensor, y: Tensor) ->
 @pytest.mark.parametrize(("kind", "losses"), [
     *((kind, "BK") for kind in sorted(KINDS)),
     *((kind, "B") for kind in ["multi_exit", "siamese", "functional", "padding_idx",
-                               "embedding_bag", "lookup_read_twice"])])
+                               "embedding_bag", "lookup_read_twice",
+                               "needs_two_AssertionError"])])
 def test_kind_matches_matrix_route(float64: None, kind: str, losses: str) -> None:
-    """Two steps: micro-batches of 3 and 2 samples, then one of a single sample; ``[B, K]``
-    losses (each sample × task an objective), and ``[B]`` (each sample's summed tasks)."""
-    steps = _kind_steps(kind, [[3, 2], [1]])
+    """Two steps: micro-batches of 3 and 2 samples, then one of a single sample (two of 2
+    where the trunk refuses one); ``[B, K]`` losses (each sample × task an objective), and
+    ``[B]`` (each sample's summed tasks)."""
+    steps = _kind_steps(kind, [[3, 2], [2, 2] if kind.startswith("needs_two") else [1]])
     _assert_parity(_kind(kind), steps, loss_fn=_per_sample_sum if losses == "B" else _squared)
 
 
@@ -525,6 +547,66 @@ def test_a_non_finite_sample_moves_nothing() -> None:
     assert not stats.weights_reused
     assert all(bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None)
 
+
+
+class _CheckedLookup(_Lookup):
+    """:class:`_Lookup` with a hook on the table's use that raises on its first call only
+    (a user's check, an injected failure)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def _check(self, grad: Tensor) -> None:
+        self.calls += 1
+        if self.calls == 1:
+            raise RuntimeError("injected: the model's own check failed")
+
+    def forward(self, ids: Tensor) -> Tensor:
+        table = self.table * 1.0
+        table.register_hook(self._check)
+        return table[ids].sum(1)
+
+
+def test_a_hooks_own_error_raises_as_under_plain_backward(float64: None) -> None:
+    """A hook inside a fallback module that raises once: plain backward raises it, and so does
+    the per-sample route (not swallowed by its vectorised rows, whose masked route would call
+    the hook again), every ``.grad`` as it was; the next step, the hook quiet, is the
+    matrix route's."""
+    def build() -> tuple[nn.Module, nn.Module]:
+        return nn.Sequential(_CheckedLookup(), nn.Tanh(), nn.Linear(6, 8)), nn.Linear(8, 3)
+
+    steps = [[(torch.randint(0, 7, (4, 4)), torch.randn(4, 3))]]
+    torch.manual_seed(0)
+    trunk, heads = build()
+    (x, y), = steps[0]
+    with pytest.raises(RuntimeError, match="injected"):
+        _squared(trunk, heads, x, y).sum().backward()
+    trunk.zero_grad(set_to_none=True)
+    heads.zero_grad(set_to_none=True)
+    trunk[0].calls = 0
+    params = [*trunk.parameters(), *heads.parameters()]
+    buf = TaskGradBuffer(trunk.parameters(), heads.parameters(), modules=trunk, batch_dim=0)
+    try:
+        with pytest.raises(RuntimeError, match=r"^injected: the model's own check failed$"):
+            buf.backward(_squared(trunk, heads, x, y))
+        assert all(p.grad is None for p in params)
+        buf.backward(_squared(trunk, heads, x, y))  # the step dropped: this one starts anew
+        buf.apply_(Sum())
+        got = _grads(params)
+    finally:
+        buf._per_sample.gramian.remove()
+    for p in params:
+        p.grad = None
+    _squared(trunk, heads, x, y).sum().backward()
+    torch.testing.assert_close(got, _grads(params), rtol=1e-10, atol=1e-12)
+
+    def quiet() -> tuple[nn.Module, nn.Module]:
+        trunk, heads = build()
+        trunk[0].calls = 1
+        return trunk, heads
+
+    _assert_parity(quiet, steps)
 
 class _SeqFirstAttention(nn.Module):
     def __init__(self) -> None:
