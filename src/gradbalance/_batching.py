@@ -36,9 +36,11 @@ import torch
 from ._caller import is_internal
 
 #: Words of torch's messages where an op has no batching rule (``Batching rule not
-#: implemented``, ``LegacyBatchedFallback``, ``BatchedTensorImpl``, ``vmap: …``) or code
-#: reads a batched tensor's data (``… doesn't have storage``), lower case.
-BATCHING_WORDS = ("batch", "vmap", "storage")
+#: implemented``, ``LegacyBatchedFallback``, ``BatchedTensorImpl``, ``vmap: …``), code
+#: reads a batched tensor's data (``… doesn't have storage``), or memory ran out (``can't
+#: allocate memory``, ``Tried to allocate``, ``out of memory``: a hook's copy of K lanes;
+#: the fallback needs one lane's), lower case.
+BATCHING_WORDS = ("batch", "vmap", "storage", "allocate", "out of memory")
 
 _AUTOGRAD = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "autograd") + os.sep
 

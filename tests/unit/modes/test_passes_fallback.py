@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from gradbalance import TaskGradBuffer, taskgrads
+from gradbalance._batching import raised_by_model
 from gradbalance_lab.models import MultiTaskModel, make_heads, regression_losses
 from support.helpers import ItemInBackward, forced_buffer, grads_of
 from support.perf import make_balancer
@@ -199,3 +200,30 @@ def test_a_hooks_own_error_raises_as_under_plain_backward(
     got = _step(buf, model, x, y)
     _close(got[0], reference[0])
     _close(got[1], reference[1])
+
+
+@pytest.mark.parametrize(("message", "model_s"), [
+    ("injected: the model's own check failed", True),
+    ("Batching rule not implemented for aten::item. We could not generate a fallback.", False),
+    ("vmap: aten::add_(self, *extra_args) is not possible", False),
+    ("Cannot access data pointer of Tensor that doesn't have storage", False),
+    ("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes", False),
+    ("CUDA out of memory. Tried to allocate 2.00 GiB", False),
+])
+def test_which_errors_are_the_models_own(message: str, model_s: bool) -> None:
+    """A hook's error is the model's own unless its message names a batching limit or memory
+    (the loop then needs one lane's); raised inside torch (no hook), never."""
+    x = torch.ones(2, requires_grad=True)
+
+    def hook(grad: Tensor) -> None:
+        raise RuntimeError(message)
+
+    y = x * 2
+    y.register_hook(hook)
+    with pytest.raises(RuntimeError) as caught:
+        torch.autograd.grad(torch.stack([y.sum(), y.prod()]), x, torch.eye(2),
+                            is_grads_batched=True)
+    assert raised_by_model(caught.value) is model_s
+    with pytest.raises(RuntimeError) as inside:  # torch's own: a shape it refuses
+        torch.autograd.grad((x * 2).sum(), x, torch.ones(3))
+    assert not raised_by_model(inside.value)
