@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from gradbalance.balancers import UPGrad, _admm, _boxqp
+from gradbalance.balancers import DualProj, UPGrad, _admm, _boxqp
 from gradbalance.balancers._upgrad import upgrad_weights
 from support.balancers import nnls_dual_cone
 from support.many_kinds import assert_same_update
@@ -328,3 +328,50 @@ def test_the_route_with_the_pilot_matches_scipy() -> None:
         update, calls = _watched_route(rows)
     assert ran == [1.0] and calls[0][1] >= 84
     assert_same_update(update, _reference(rows), rows)
+
+
+def _dualproj_watched(rows: Tensor) -> tuple[Tensor, int]:
+    """DualProj's update of ``rows`` and how often the single pivoting stalled and went to
+    Lawson–Hanson on the Cholesky factor (``_boxqp._factored_from``'s ``on_stall``)."""
+    stalls = []
+    made = _boxqp._factored_from
+
+    def spy(*args: object) -> object:
+        finish = made(*args)  # type: ignore[arg-type]
+
+        def counted(free: list[bool]) -> Tensor | None:
+            stalls.append(1)
+            return finish(free)
+        return counted
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_boxqp, "_factored_from", spy)
+        update = DualProj()(rows)
+    return update, len(stalls)
+
+
+@pytest.mark.parametrize(("k", "noise", "seed"), [(64, 1e-2, 2), (64, 1e-3, 5), (96, 1e-2, 0)])
+def test_dualproj_stalled_pivoting_finishes_on_the_factor(k: int, noise: float,
+                                                          seed: int) -> None:
+    """Rows of rank K/2 plus noise, where DualProj's single pivoting cycles (the count of
+    infeasible indices stale for ``MURTY_AFTER`` iterations; about a third of the seeds at
+    K = 64 … 128): Lawson–Hanson on the Cholesky factor finishes the projection, equal to
+    scipy's NNLS projection of the mean gradient."""
+    rows = _noisy_rows(k, k // 2, noise, seed)
+    update, stalls = _dualproj_watched(rows)
+    assert stalls == 1
+    mean = torch.full((k,), 1.0 / k, dtype=F64)
+    assert_same_update(update, nnls_dual_cone(rows, mean), rows)
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.integers(64, 112), st.sampled_from([(1, 2, 1e-2), (1, 2, 1e-3), (3, 8, 1e-2)]),
+       st.integers(0, 2**16))
+def test_dualproj_on_noisy_low_rank_rows_matches_scipy(k: int, shape: tuple[int, int, float],
+                                                       seed: int) -> None:
+    """DualProj on rows of rank K/2 or 3K/8 plus noise, stalled or not: scipy's projection."""
+    numerator, denominator, noise = shape
+    rows = _noisy_rows(k, max(2, numerator * k // denominator), noise, seed)
+    update, _ = _dualproj_watched(rows)
+    mean = torch.full((k,), 1.0 / k, dtype=F64)
+    assert_same_update(update, nnls_dual_cone(rows, mean), rows)
