@@ -800,7 +800,8 @@ class _SingleThreshold:
 def _pivot_single(
     q: Tensor, c: Tensor, lower: Tensor, simplex: bool, free0: list[bool], tol: float,
     max_iter: int, factor_of: FactorOf | None = None, weights: Tensor | None = None,
-    on_stall: Callable[[list[bool]], Tensor | None] | None = None,
+    on_stall: Callable[[list[bool]], Tensor | None] = lambda free: None,
+    stall_after: int = STALE_MAX,
 ) -> Tensor | None:
     """:func:`solve_lcp_pivoting` for one problem (``c``, ``lower`` ``[K]``).
 
@@ -809,9 +810,10 @@ def _pivot_single(
     per iteration instead of dozens of masked ones. None when it does not finish.
     ``factor_of``: the factors of ``Q``'s free blocks where the caller keeps them.
     ``weights``: the simplex ``aᵀx = 1`` (``a > 0``) instead of ``1ᵀx = 1``.
-    ``on_stall``: where the count of infeasible indices has not fallen for ``MURTY_AFTER``
-    iterations (the block exchanges cycle), its answer from the last free set, in place of
-    Murty's one exchange per iteration (each a factorisation of the free block).
+    ``on_stall``: the answer from the last free set where the count of infeasible indices
+    has not fallen for ``stall_after`` iterations (default: None, open, after
+    ``STALE_MAX``; with ``MURTY_AFTER`` the block exchanges cycled, and ``on_stall``
+    answers in place of Murty's one exchange per iteration, each a factorisation).
     """
     k = c.shape[0]
     shift = lower @ q + c
@@ -831,9 +833,7 @@ def _pivot_single(
         if not bad:
             return lower + y.clamp_min(0.0)
         best, size, stale = _block_single(len(bad), best, size, stale)
-        if stale >= STALE_MAX:
-            return None
-        if stale >= MURTY_AFTER and on_stall is not None:
+        if stale >= stall_after:
             return on_stall(free)
         _exchange_single(free, bad, size, stale >= MURTY_AFTER, simplex, y_l, w_l, rates)
     return None
@@ -1485,7 +1485,8 @@ def _pivot_all(q: Tensor, c: Tensor, lower: Tensor, simplex: bool, x: Tensor,
     budget = 10 + 3 * k
     if b == 1:
         single = _pivot_single(q, c[0], lower[0], simplex, (x[0] > lower[0]).tolist(), tol,
-                               budget, on_stall=_factored_from(q, c[0], lower[0], simplex, tol))
+                               budget, on_stall=_factored_from(q, c[0], lower[0], simplex, tol),
+                               stall_after=MURTY_AFTER)
         return None if single is None else single[None]
     pivot = None
     if not simplex and k >= CG_MIN_SIZE:
