@@ -11,6 +11,12 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 
+#: The one refusal of losses with no graph (the task route's and the per-sample route's).
+LOSSES_WITHOUT_GRAD = (
+    "losses do not require grad; compute them from the model's outputs with grad enabled "
+    "(not under torch.no_grad() or from detached tensors)"
+)
+
 
 def _in_range(value: float, low: float | None, high: float | None, low_open: bool,
               high_open: bool) -> bool:

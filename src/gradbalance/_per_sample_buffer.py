@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ._amp import poison_, scale_of
-from ._checks import as_parameter_list, check_batch_dim, check_int
+from ._checks import LOSSES_WITHOUT_GRAD, as_parameter_list, check_batch_dim, check_int
 from ._coverage import (
     Coverage,
     _module_names,
@@ -72,7 +72,7 @@ def check_per_sample_losses(losses: object) -> Tensor:
             f"Compute them with reduction='none' (torch.stack K task columns along dim 1)"
         )
     if not losses.requires_grad:
-        raise ValueError("losses does not require grad; compute them from this step's forward")
+        raise ValueError(LOSSES_WITHOUT_GRAD)
     return losses
 
 

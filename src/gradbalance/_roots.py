@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node
 
+from ._checks import LOSSES_WITHOUT_GRAD
 from ._recompute import new_graph
 
 __all__ = ["TaskRoots"]
@@ -83,10 +84,7 @@ class TaskRoots:
     def __init__(self, given: Tensor | Sequence[Tensor], vector: Tensor,
                  scale: Tensor | None, past_the_stack: bool = True) -> None:
         if not vector.requires_grad:
-            raise ValueError(
-                "losses do not require grad; compute them from the model's outputs with grad "
-                "enabled (not under torch.no_grad() or from detached tensors)"
-            )
+            raise ValueError(LOSSES_WITHOUT_GRAD)
         self.scaled = vector if scale is None else vector * scale.to(vector.dtype)
         self.num_tasks = vector.shape[0]
         self.graph = new_graph()  # this micro-batch's graph, the recomputation guard's key

@@ -883,3 +883,26 @@ def test_a_new_batch_size_is_checked_again(float64: None, ghost: bool) -> None:
     with pytest.raises(ValueError, match="mixes the samples of the batch"):
         buf.backward((heads(trunk(x)) - y).square())
     assert all(torch.equal(p.grad, b) for p, b in zip(trunk.parameters(), before))
+
+
+@pytest.mark.parametrize("per_sample", [False, True])
+def test_losses_without_grad_are_refused_alike(per_sample: bool) -> None:
+    """Losses computed under ``torch.no_grad()``: both routes refuse them by the same message,
+    which names the cause, every ``.grad`` as it was."""
+    torch.manual_seed(0)
+    trunk, heads = _mlp()
+    params = [*trunk.parameters(), *heads.parameters()]
+    for p in params:
+        p.grad = torch.full_like(p, 0.25)
+    kwargs: dict[str, Any] = {"modules": trunk, "batch_dim": 0} if per_sample else {}
+    buf = TaskGradBuffer(trunk.parameters(), heads.parameters(), **kwargs)
+    x, y = _batch(4)
+    with torch.no_grad():
+        losses = (heads(trunk(x)) - y).square()
+    try:
+        with pytest.raises(ValueError, match=r"^losses do not require grad; .*torch\.no_grad"):
+            buf.backward(losses if per_sample else losses.mean(0))
+    finally:
+        if buf._per_sample is not None:
+            buf._per_sample.gramian.remove()
+    assert all(torch.equal(p.grad, torch.full_like(p, 0.25)) for p in params)
