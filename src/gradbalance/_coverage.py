@@ -128,10 +128,12 @@ class Coverage:
     """The coverage check of one buffer; it decides again when the leaves reached change."""
 
     def __init__(self, shared: Sequence[Tensor], heads: Sequence[Tensor],
-                 other_params: OtherParams, modules: Any = None) -> None:
+                 other_params: OtherParams, modules: Any = None,
+                 sum_offered: bool = True) -> None:
         self.shared, self.heads = list(shared), list(heads)
         self.other_params = other_params
         self.modules = modules
+        self.sum_offered = sum_offered  # other_params='sum' exists on this route (not batch_dim)
         self._index()
 
     def _index(self) -> None:
@@ -146,10 +148,10 @@ class Coverage:
 
     def __getstate__(self) -> dict[str, Any]:
         return {"shared": self.shared, "heads": self.heads, "other_params": self.other_params,
-                "modules": self.modules}
+                "modules": self.modules, "sum_offered": self.sum_offered}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
+        self.__dict__.update({"sum_offered": True, **state})  # a pickle from before the flag
         self._index()
 
     def check(self, vector: Tensor) -> list[Tensor]:
@@ -189,13 +191,15 @@ class Coverage:
             where = f"'{name}'" if name is not None else "a tensor"
             shown.append(f"{where} (shape {tuple(p.shape)}, read by {node.name()})")
         more = f" and {len(others) - 5} more" if len(others) > 5 else ""
+        plain = ("other_params='sum' gives such parameters their plain gradient of sum(losses)"
+                 if self.sum_offered else "with batch_dim=0 head_params is the way to their "
+                 "plain gradient of sum(losses) (an input that requires grad too)")
         return (
             f"{len(others)} trainable parameter(s) reached by the losses are in neither "
             f"shared_params nor head_params: {', '.join(shown)}{more}; they would get no "
             f"gradient. Add each to shared_params (balanced) or head_params (plain gradient), "
             f"or set requires_grad=False; a parameter unfrozen after the TaskGradBuffer was "
-            f"built needs a new buffer that lists it; other_params='sum' gives such parameters "
-            f"their plain gradient of sum(losses)"
+            f"built needs a new buffer that lists it; {plain}"
         )
 
     def end_step(self) -> None:

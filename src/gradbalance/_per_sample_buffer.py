@@ -138,7 +138,8 @@ class PerSampleBuffer:
         names = _module_names(modules)
         refuse_complex("shared_params", self.shared, names)
         refuse_complex("head_params", self.head_params, names)
-        self._coverage = Coverage(self.shared, self.head_params, "raise", modules)
+        self._coverage = Coverage(self.shared, self.head_params, "raise", modules,
+                                  sum_offered=False)
         self.gramian = PerSampleGramian(modules, self.shared)
         self._losses: list[Tensor] = []  # the step's micro-batches, graphs kept
         self._parts: list[Parts] = []

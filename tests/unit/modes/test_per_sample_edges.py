@@ -906,3 +906,36 @@ def test_losses_without_grad_are_refused_alike(per_sample: bool) -> None:
         if buf._per_sample is not None:
             buf._per_sample.gramian.remove()
     assert all(torch.equal(p.grad, torch.full_like(p, 0.25)) for p in params)
+
+
+@pytest.mark.parametrize("balancer", [Sum, UPGrad])
+def test_an_input_that_requires_grad_is_refused_then_a_head(float64: None,
+                                                          balancer: Callable[[], Balancer]
+                                                          ) -> None:
+    """An input with ``requires_grad`` (input gradients, adversarial examples): plain
+    backward gives it the gradient of ``Σ losses``. The per-sample route refuses it before
+    anything moves, naming the way that exists there (``head_params``; ``other_params`` is
+    the task route's); listed in ``head_params`` it gets plain backward's gradient."""
+    torch.manual_seed(0)
+    trunk, heads = _mlp()
+    x, y = _batch(5)
+    x.requires_grad_()
+    buf = TaskGradBuffer(trunk.parameters(), heads.parameters(), modules=trunk, batch_dim=0)
+    try:
+        with pytest.raises(ValueError, match="with batch_dim=0 head_params is the way") as caught:
+            buf.backward(_squared(trunk, heads, x, y))
+        assert "other_params" not in str(caught.value)
+        assert x.grad is None and all(p.grad is None for p in trunk.parameters())
+    finally:
+        buf._per_sample.gramian.remove()
+    buf = TaskGradBuffer(trunk.parameters(), [*heads.parameters(), x], modules=trunk,
+                         batch_dim=0)
+    try:
+        buf.backward(_squared(trunk, heads, x, y))
+        buf.apply_(balancer())
+    finally:
+        buf._per_sample.gramian.remove()
+    got = x.grad.clone()
+    x.grad = None
+    _squared(trunk, heads, x, y).sum().backward()
+    torch.testing.assert_close(got, x.grad, rtol=1e-12, atol=1e-14)
