@@ -350,6 +350,9 @@ def tensor_list(name: str, value: object) -> list[Tensor]:
     ``ValueError`` naming ``name`` otherwise."""
     if isinstance(value, Tensor):
         return [value]
+    if isinstance(value, torch.nn.Module):  # a Sequential / ModuleList iterates its modules
+        raise ValueError(f"Invalid {name}: a {type(value).__name__} module (expected its "
+                         f"parameters: {name}=module.parameters())")
     if isinstance(value, (str, bytes, dict)) or not isinstance(value, Iterable):
         raise ValueError(f"Invalid {name}: a {type(value).__name__} (expected a tensor or an "
                          f"iterable of them, e.g. model.parameters())")

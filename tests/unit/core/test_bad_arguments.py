@@ -206,6 +206,14 @@ def test_a_loss_scale_that_is_not_one_positive_number_is_refused(scale: Any) -> 
     (lambda: MGDA().combine(torch.randn(2, 3, device="meta")), ValueError, "meta device"),
     (lambda: AutoClip()("weights"), ValueError, "Invalid parameters: a str"),
     (lambda: AGC()([1, 2]), ValueError, r"parameters\[0\] is a int"),
+    # a module where its parameters belong (a Sequential iterates its layers, not tensors)
+    (lambda: TaskGradBuffer(torch.nn.Sequential(torch.nn.Linear(2, 2)),
+                            torch.nn.Linear(2, 1).parameters()), ValueError,
+     r"Invalid shared_params: a Sequential module \(expected its parameters: "
+     r"shared_params=module.parameters\(\)\)"),
+    (lambda: TaskGradBuffer(torch.nn.Linear(2, 2).parameters(), torch.nn.Linear(2, 1)),
+     ValueError, r"Invalid head_params: a Linear module"),
+    (lambda: AutoClip()(torch.nn.Linear(2, 2)), ValueError, "Invalid parameters: a Linear module"),
     (lambda: last_layer_parameters(None), TypeError, "Invalid module: a NoneType"),
     (lambda: per_sample_grad_norms_of_model(None, lambda out, y: out, torch.ones(2, 2),
                                             torch.ones(2)),
