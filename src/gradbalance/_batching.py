@@ -11,8 +11,6 @@ Not part of the public API.
 
 Example:
     >>> import torch
-
-from ._caller import is_internal
     >>> def hook(grad):
     ...     raise RuntimeError("the model's own check failed")
     >>> x = torch.ones(2, requires_grad=True)
