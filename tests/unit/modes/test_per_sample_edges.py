@@ -576,8 +576,8 @@ def test_a_hooks_own_error_raises_as_under_plain_backward(float64: None) -> None
     def build() -> tuple[nn.Module, nn.Module]:
         return nn.Sequential(_CheckedLookup(), nn.Tanh(), nn.Linear(6, 8)), nn.Linear(8, 3)
 
-    steps = [[(torch.randint(0, 7, (4, 4)), torch.randn(4, 3))]]
     torch.manual_seed(0)
+    steps = [[(torch.randint(0, 7, (4, 4)), torch.randn(4, 3))]]
     trunk, heads = build()
     (x, y), = steps[0]
     with pytest.raises(RuntimeError, match="injected"):
