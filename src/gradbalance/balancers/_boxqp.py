@@ -845,7 +845,7 @@ def _factored_from(q: Tensor, c: Tensor, lower: Tensor, simplex: bool,
     Cholesky factor (:func:`factored_box_qp`, a cold start: from the stalled free set it
     took 1.2–2.3× as long, its drops one rotation each); None where ``Q`` does not
     factorise. DualProj on rows of rank K/2 plus noise 1e-3 (K = 256, seed 7): the
-    pivoting's 184 iterations and ADMM's route, 95 ms, against 27 ms (docs/balancers.md)."""
+    pivoting's 184 iterations and ADMM's route, 107 ms, against 33 ms (docs/balancers.md)."""
 
     def finish(free: list[bool]) -> Tensor | None:
         del free  # the stalled set: a slower start than none
