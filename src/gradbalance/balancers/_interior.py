@@ -96,16 +96,15 @@ def _newton(u: Tensor, h: Tensor | None, d: Tensor) -> Callable[[Tensor], Tensor
         if int(info) != 0:
             return None
         return lambda rhs: cholesky_solve(rhs[:, None], chol)[:, 0]
-    ud = u / d
     small = _gram(u * d.rsqrt())  # UD⁻¹Uᵀ
     small.diagonal().add_(1.0)
     chol, info = cholesky_ex(small)
     if int(info) != 0:
         return None
 
-    def solve(rhs: Tensor) -> Tensor:
+    def solve(rhs: Tensor) -> Tensor:  # D⁻¹(rhs − Uᵀ(I + UD⁻¹Uᵀ)⁻¹UD⁻¹rhs): no [m, n] D⁻¹U
         t = rhs / d
-        return t - cholesky_solve((u @ t)[:, None], chol)[:, 0] @ ud
+        return t.sub_((cholesky_solve((u @ t)[:, None], chol)[:, 0] @ u).div_(d))
     return solve
 
 
@@ -122,12 +121,10 @@ def _step(u: Tensor, h: Tensor | None, b: Tensor, x: Tensor, s: Tensor, mu: floa
           low: tuple[Tensor, Tensor | None] | None = None) -> tuple[Tensor, Tensor, float] | None:
     """One predictor–corrector step from ``(x, s)`` (``mu = xᵀs/n``): the next point and its
     ``xᵀs/n``; None where the factorisation fails or the step is not finite (rounding).
-    ``low``: float32 copies of ``(U, h)``, whose Newton systems are taken instead (float64's
-    where their factorisation fails)."""
+    ``low``: float32 copies of ``(U, h)``, whose Newton systems are taken instead; None
+    where their factorisation fails (:func:`_adaptive_step` goes on in float64)."""
     n = x.shape[0]
-    solve = _low_newton(low, s / x) if low is not None else None
-    if solve is None:
-        solve = _newton(u, h, s / x)
+    solve = _newton(u, h, s / x) if low is None else _low_newton(low, s / x)
     if solve is None:
         return None
     r = u.T @ (u @ x - b) - s  # from the columns: UᵀU's rounding left out
@@ -179,8 +176,9 @@ def _adaptive_step(u: Tensor, h: Tensor | None, b: Tensor, x: Tensor, s: Tensor,
                    ) -> tuple[tuple[Tensor, Tensor, float] | None,
                               tuple[Tensor, Tensor | None] | None]:
     """:func:`_step` on the float32 systems ``low`` while they serve, and the ``low`` of the
-    next step: None (float64 from here) after a float32 step that is not finite (redone in
-    float64) or does not halve ``xᵀs/n``."""
+    next step: None (float64 from here) after a float32 step whose factorisation fails or
+    that is not finite (either redone in float64: the iterates near the boundary make the
+    next systems no better conditioned), or that does not halve ``xᵀs/n``."""
     step = _step(u, h, b, x, s, mu, low)
     if step is None and low is not None:
         return _step(u, h, b, x, s, mu), None

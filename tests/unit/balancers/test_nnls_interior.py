@@ -317,3 +317,22 @@ def test_a_failed_float32_factorisation_is_redone_in_float64(
     a, b = matrix("random", 30, 40, 11)
     result = nnls(a, b)
     _assert_nnls_optimal(a, b, result.x)
+
+
+def test_a_float32_factorisation_that_fails_goes_on_in_float64() -> None:
+    """A Newton system ``I + UD⁻¹Uᵀ`` with ``U`` of rank 1 and ``D = 1e-10``: in float32 the
+    identity is lost against ``2e10`` and the factorisation fails, in float64 it holds. The
+    step is the float64 one, bit for bit, and the iterations go on in float64 (no float32
+    attempt per later step: the iterates near the boundary make no later system better)."""
+    from gradbalance.balancers import _interior
+
+    u = torch.ones(2, 2, dtype=F64)
+    b = torch.tensor([1.0, 1.0], dtype=F64)
+    x = torch.tensor([1.0, 1.0], dtype=F64)
+    s = torch.full((2,), 1e-10, dtype=F64)  # D = s/x
+    low = (u.float(), None)
+    assert _interior._low_newton(low, s / x) is None  # float32 cannot factorise it
+    step, after = _interior._adaptive_step(u, None, b, x, s, float(x @ s) / 2, low)
+    expected = _interior._step(u, None, b, x, s, float(x @ s) / 2)
+    assert after is None and step is not None and expected is not None
+    assert all(torch.equal(a, e) for a, e in zip(step[:2], expected[:2], strict=True))
