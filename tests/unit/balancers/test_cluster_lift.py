@@ -46,18 +46,21 @@ def _lift(lam: list[float]) -> float | None:
 
 
 def test_cluster_lift_against_hand_spectra() -> None:
-    """K = 64, 16 eigenvalues at 1/16 (the signal): with 8 rounding eigenvalues in ``±1e-9``
-    and 40 noise eigenvalues at ``5e-9`` the lift is ``2·|λ_min| = 2e-9`` (40 above it and
-    below ``1e-3`` of the mean, 8 at or below: the lifted 48 a cluster); with the 48 all in
-    ``±1e-9`` (rows in an exact span: the rounding's own null space) or only 8 of them
-    real, none."""
-    signal = [1 / 16] * 16
+    """K = 64, eigenvalues of a signal at ``1/n`` each, rounding in ``±1e-9`` and noise at
+    ``5e-9``: the lift is ``2·|λ_min| = 2e-9`` where the noise above it outnumbers the
+    eigenvalues at or below it (16 signal, 8 rounding, 40 noise), or where the signal is at
+    most ``K/4`` (8 signal, 40 rounding, 16 noise: low rank plus noise at the rounding); none
+    for a signal above ``K/4`` over a null space that is mostly the rounding's (24 signal and
+    40 rounding: rows in an exact span; 24 signal, 32 rounding, 8 noise)."""
     rounding = [-1e-9, -5e-10, 0.0, 1e-10, 2e-10, 5e-10, 8e-10, 1e-9]
-    lift = _lift(signal + rounding + [5e-9] * 40)
-    assert lift is not None and abs(lift - 2e-9) <= 1e-15
-    exact_span = [-1e-9 + 2e-9 * i / 47 for i in range(48)]
-    assert _lift(signal + exact_span) is None
-    assert _lift(signal + rounding * 5 + [5e-9] * 8) is None  # 40 rounding, 8 real
+
+    def spectrum(signal: int, rounds: int, noise: int) -> list[float]:
+        return [1 / signal] * signal + rounding * rounds + [5e-9] * noise
+
+    for lifted in (_lift(spectrum(16, 1, 40)), _lift(spectrum(8, 5, 16))):
+        assert lifted is not None and abs(lifted - 2e-9) <= 1e-15
+    assert _lift(spectrum(24, 5, 0)) is None
+    assert _lift(spectrum(24, 4, 8)) is None
 
 
 def _rows(k: int, p: int, rank: int, noise: float, seed: int) -> Tensor:
