@@ -308,7 +308,8 @@ class _Spectrum(NamedTuple):
 
 
 def _spectrum(q: Tensor, vectors: bool = False) -> _Spectrum:
-    """:func:`_conditioning`, the lift of :func:`_lifted` (:func:`rounding_lift`) with whether
+    """:func:`_conditioning`, the lift of :func:`_lifted` (:func:`rounding_lift`, or from
+    ``CG_MIN_SIZE`` tasks on :func:`cluster_lift`) with whether
     the lifted ``Q`` is well conditioned (``λ_max + lift`` below ``CHOLESKY_MAX_COND`` times
     ``λ_min + lift = |λ_min|``), and the numerical rank (:func:`rounding_cut`); with
     ``vectors``, ``Q``'s eigenvectors too (one decomposition with them: twice the time of
@@ -399,7 +400,8 @@ def _lifted(q: Tensor, lift: float | None) -> Tensor | None:
     0.92 → 0.23 s (the update within 3e-6 of the unlifted solve's, the objective on ``Q``
     lower). Only where the rounding's null space is small (``LIFT_MAX_NULLITY``): lifted,
     each of its eigenvalues is one the conjugate gradients resolve apart (rank K/2 at
-    K = 256: 8 → 94 s)."""
+    K = 256: 8 → 94 s); or, from ``CG_MIN_SIZE`` tasks on, where the lifted eigenvalues
+    form a cluster, which ADMM's route takes (:func:`cluster_lift`)."""
     return None if lift is None else shifted(q, lift)
 
 
